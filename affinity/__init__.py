@@ -1,0 +1,44 @@
+"""affinity: episode-sticky GPU placement backed by Redis.
+
+``Claims`` decides where an episode lives (one atomic Lua round trip); ``Registry``
+keeps nodes, devices and their states; ``Keys`` names every Redis key.
+"""
+
+from affinity.claims import Assignment, Claims, EpisodeInfo, check_episode
+from affinity.config import Settings
+from affinity.connection import connect, embedded_store
+from affinity.errors import (
+    AffinityError,
+    BackendUnavailable,
+    InvalidArgument,
+    NoCapacity,
+    StaleToken,
+    UnknownDevice,
+    UnknownEpisode,
+)
+from affinity.keys import Keys
+from affinity.registry import DeviceRegistration, DeviceStatus, NodeStatus, Registry
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AffinityError",
+    "Assignment",
+    "BackendUnavailable",
+    "Claims",
+    "DeviceRegistration",
+    "DeviceStatus",
+    "EpisodeInfo",
+    "InvalidArgument",
+    "Keys",
+    "NoCapacity",
+    "NodeStatus",
+    "Registry",
+    "Settings",
+    "StaleToken",
+    "UnknownDevice",
+    "UnknownEpisode",
+    "check_episode",
+    "connect",
+    "embedded_store",
+]

@@ -1,0 +1,103 @@
+"""Settings: one frozen object, read once at start-up, passed down explicitly."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from affinity.errors import InvalidArgument
+from affinity.keys import Keys
+
+__all__ = ["Settings"]
+
+_ENV = {
+    "redis_url": "AFFINITY_REDIS_URL",
+    "namespace": "AFFINITY_NAMESPACE",
+    "episode_ttl_s": "AFFINITY_EPISODE_TTL",
+    "lease_ttl_s": "AFFINITY_LEASE_TTL",
+    "events_maxlen": "AFFINITY_EVENTS_MAXLEN",
+    "redis_timeout_s": "AFFINITY_REDIS_TIMEOUT",
+    "redis_retries": "AFFINITY_REDIS_RETRIES",
+    "redis_deadline_s": "AFFINITY_REDIS_DEADLINE",
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the library needs to reach Redis and apply the claim protocol.
+
+    ``redis_url`` accepts ``redis://``, ``rediss://`` (TLS; ``ssl_*`` query parameters
+    pass through to redis-py), ``unix://``, ``redis+sentinel://h1:p1,h2:p2/<master>`` and
+    ``redis+cluster://host:port``. ``None`` means the embedded single-host store.
+
+    Times are seconds (floats allowed; Redis gets milliseconds). ``redis_timeout_s`` bounds
+    one socket operation, ``redis_retries`` is the whole retry budget of one command
+    (connection-level only; nothing nests), and ``redis_deadline_s`` bounds one library
+    call end to end, whatever the network does.
+    """
+
+    redis_url: str | None = None
+    namespace: str = "affinity"
+    episode_ttl_s: float = 300.0
+    lease_ttl_s: float = 10.0
+    events_maxlen: int = 10_000
+    redis_timeout_s: float = 0.5
+    redis_retries: int = 2
+    redis_deadline_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        Keys(self.namespace)  # validates the namespace
+        for name in ("episode_ttl_s", "lease_ttl_s", "redis_timeout_s", "redis_deadline_s"):
+            value = getattr(self, name)
+            if not value > 0.001:
+                raise InvalidArgument(name, value, "must be more than 0.001 seconds")
+        if self.events_maxlen < 1:
+            raise InvalidArgument("events_maxlen", self.events_maxlen, "must be >= 1")
+        if self.redis_retries < 0:
+            raise InvalidArgument("redis_retries", self.redis_retries, "must be >= 0")
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.namespace)
+
+    @property
+    def episode_ttl_ms(self) -> int:
+        return max(1, round(self.episode_ttl_s * 1000))
+
+    @property
+    def lease_ttl_ms(self) -> int:
+        return max(1, round(self.lease_ttl_s * 1000))
+
+    @classmethod
+    def from_url(cls, url: str | None, **overrides: Any) -> Settings:
+        """Settings for ``url`` with the given fields overridden."""
+        return cls(redis_url=url or None, **overrides)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Settings from ``AFFINITY_*`` variables; ``overrides`` win over the environment."""
+        env = os.environ if env is None else env
+        kwargs: dict[str, Any] = {}
+        types = {f.name: f.type for f in fields(cls)}
+        for name, var in _ENV.items():
+            raw = env.get(var)
+            if raw is None or raw == "":
+                continue
+            kind = types[name]
+            try:
+                if kind == "float":
+                    kwargs[name] = float(raw)
+                elif kind == "int":
+                    kwargs[name] = int(raw)
+                else:
+                    kwargs[name] = raw
+            except ValueError:
+                raise InvalidArgument(var, raw, f"must be a number ({kind})") from None
+        kwargs.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kwargs)
+
+    def with_(self, **changes: Any) -> Settings:
+        """A copy with some fields changed."""
+        return replace(self, **changes)

@@ -1,0 +1,113 @@
+"""Build the async Redis client from :class:`Settings`, with explicit timeouts and retries.
+
+redis-py 8's defaults retry at two levels that nest; under a silent partition (packets
+dropped, no reset) one command can then hang for about 100 seconds. Here a command gets
+``redis_timeout_s`` per socket operation and ``redis_retries`` connection-level retries
+with a short capped backoff, and every library call is further bounded by
+``redis_deadline_s`` (see :func:`affinity.claims.bounded`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+from redis.asyncio import Redis, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from affinity.config import Settings
+from affinity.errors import InvalidArgument
+
+__all__ = ["AnyRedis", "connect", "embedded_store"]
+
+log = logging.getLogger("affinity")
+
+AnyRedis = Redis | RedisCluster
+
+
+def _client_kwargs(settings: Settings) -> dict[str, Any]:
+    return {
+        "socket_timeout": settings.redis_timeout_s,
+        "socket_connect_timeout": settings.redis_timeout_s,
+        "retry": Retry(
+            ExponentialWithJitterBackoff(base=0.02, cap=0.2),
+            settings.redis_retries,
+            (RedisConnectionError, RedisTimeoutError),
+        ),
+        "health_check_interval": 5,
+        "decode_responses": True,
+    }
+
+
+def connect(settings: Settings) -> AnyRedis:
+    """An async client for ``settings.redis_url`` (which must not be ``None``)."""
+    url = settings.redis_url
+    if not url:
+        raise InvalidArgument("redis_url", url, "a URL is required here; use embedded_store()")
+    kwargs = _client_kwargs(settings)
+    scheme = urlsplit(url).scheme
+    if scheme == "redis+sentinel":
+        return _sentinel(url, kwargs)
+    if scheme == "redis+cluster":
+        kwargs.pop("health_check_interval")
+        return RedisCluster.from_url("redis://" + url.split("://", 1)[1], **kwargs)
+    if scheme in ("redis+cluster+tls", "rediss+cluster"):
+        kwargs.pop("health_check_interval")
+        return RedisCluster.from_url("rediss://" + url.split("://", 1)[1], **kwargs)
+    if scheme not in ("redis", "rediss", "unix"):
+        raise InvalidArgument(
+            "redis_url",
+            url,
+            "scheme must be redis, rediss, unix, redis+sentinel or redis+cluster",
+        )
+    return Redis.from_url(url, **kwargs)
+
+
+def _sentinel(url: str, kwargs: dict[str, Any]) -> Redis:
+    # redis+sentinel://[:password@]host1:port1,host2:port2/<master>[?db=N]
+    parts = urlsplit(url)
+    netloc = parts.netloc.rsplit("@", 1)
+    hosts = netloc[-1]
+    password = None
+    if len(netloc) == 2:
+        password = netloc[0].split(":", 1)[-1] or None
+    master = parts.path.strip("/")
+    if not master:
+        raise InvalidArgument("redis_url", url, "sentinel URLs need /<master-name>")
+    addresses = []
+    for item in hosts.split(","):
+        host, _, port = item.rpartition(":")
+        addresses.append((host or item, int(port) if host else 26379))
+    query = dict(parse_qsl(parts.query))
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        addresses, sentinel_kwargs={"socket_timeout": kwargs["socket_timeout"]}
+    )
+    client: Redis = sentinel.master_for(
+        master, password=password, db=int(query.get("db", 0)), **kwargs
+    )
+    return client
+
+
+def embedded_store(serve_port: int | None = None, host: str = "127.0.0.1") -> Redis:
+    """An in-process store (fakeredis with Lua) for a single host without Redis.
+
+    With ``serve_port`` the same store also answers the Redis protocol on
+    ``host:serve_port`` so that ``redis-cli -p <port>`` can inspect it.
+    """
+    import threading
+
+    import fakeredis
+
+    server = fakeredis.FakeServer()
+    if serve_port is not None:
+        tcp = fakeredis.TcpFakeServer((host, serve_port))
+        tcp.fake_server = server
+        threading.Thread(target=tcp.serve_forever, name="affinity-embedded", daemon=True).start()
+        log.info("embedded store answers the Redis protocol on %s:%d", host, serve_port)
+    client: Redis = fakeredis.aioredis.FakeRedis(server=server, decode_responses=True)
+    return client

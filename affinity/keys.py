@@ -1,0 +1,78 @@
+"""Every Redis key affinity uses, built from pure functions of (namespace, ids).
+
+No other module writes a key literal. Every key starts with the hash tag
+``{<namespace>}`` so that one Lua script may touch any of them on Redis Cluster too:
+they all hash to the same slot. Lua scripts that must derive a key from stored data
+(the device named in an assignment) get :attr:`Keys.prefix` through ``ARGV`` and append
+the same suffixes as the methods below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Keys"]
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key builder for one namespace (default ``affinity``)."""
+
+    namespace: str = "affinity"
+
+    def __post_init__(self) -> None:
+        ns = self.namespace
+        if not ns or any(c in ns for c in "{}: \t\r\n") or len(ns) > 64:
+            raise ValueError(
+                f"namespace {ns!r} must be 1-64 characters without braces, colons or whitespace"
+            )
+
+    @property
+    def prefix(self) -> str:
+        """``{<namespace>}:``, the start of every key."""
+        return "{" + self.namespace + "}:"
+
+    @property
+    def rr(self) -> str:
+        """String counter, ``INCR``ed once per new claim; drives the round-robin."""
+        return self.prefix + "rr"
+
+    @property
+    def token(self) -> str:
+        """String: the last fencing token handed out."""
+        return self.prefix + "token"
+
+    @property
+    def nodes(self) -> str:
+        """Sorted set: node id -> lease deadline (Redis server time, ms)."""
+        return self.prefix + "nodes"
+
+    @property
+    def devices(self) -> str:
+        """Set: every device id ever registered (index for listing; see README)."""
+        return self.prefix + "devices"
+
+    @property
+    def events(self) -> str:
+        """Stream, capped: claim, reassign, release, expire, drain, ... events."""
+        return self.prefix + "events"
+
+    def episode(self, episode: str) -> str:
+        """String ``"<device> <token>"`` with the episode idle TTL."""
+        return self.prefix + "episode:" + episode
+
+    def node(self, node: str) -> str:
+        """Hash with the node's url, devices, started_at, version; TTL = lease TTL."""
+        return self.prefix + "node:" + node
+
+    def device(self, device: str) -> str:
+        """Hash: node, index, kind, name, uuid, arch, memory, capacity, weight, state, reason."""
+        return self.prefix + "device:" + device
+
+    def load(self, device: str) -> str:
+        """Sorted set: episode -> idle deadline (ms); live load = members not yet past it."""
+        return self.prefix + "load:" + device
+
+    def episode_pattern(self) -> str:
+        """``SCAN MATCH`` pattern of all assignments (for operators, never inside Lua)."""
+        return self.prefix + "episode:*"

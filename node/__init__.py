@@ -1,0 +1,1 @@
+"""The affinity serving node."""

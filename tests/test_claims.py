@@ -1,0 +1,335 @@
+"""The claim protocol, every outcome, on fakeredis and a real Redis (same bodies)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from affinity import InvalidArgument, NoCapacity, StaleToken, UnknownDevice, UnknownEpisode
+from tests.conftest import Env
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_claim_then_hit_is_sticky(env: Env) -> None:
+    await env.node("a", 2)
+    first = await env.claims.resolve("ep-1")
+    assert first.status == "claimed"
+    assert first.device in ("a/0", "a/1") and first.node == "a"
+    assert first.url == "http://a.test:8000" and first.previous is None
+    for _ in range(5):
+        again = await env.claims.resolve("ep-1")
+        assert (again.status, again.device, again.token) == ("hit", first.device, first.token)
+    assert await env.redis.get(env.keys.episode("ep-1")) == f"{first.device} {first.token}"
+
+
+async def test_round_robin_over_new_episodes(env: Env) -> None:
+    await env.node("a", 2)
+    await env.node("b", 2)
+    devices = [(await env.claims.resolve(f"ep-{i}")).device for i in range(8)]
+    assert devices == ["a/0", "a/1", "b/0", "b/1"] * 2
+
+
+async def test_sliding_ttl(env: Env) -> None:
+    await env.node("a", 1)
+    await env.claims.resolve("ep")
+    key = env.keys.episode("ep")
+    await env.redis.pexpire(key, 500)  # as if the episode had been idle a while
+    assert await env.redis.pttl(key) <= 500
+    await env.claims.resolve("ep")
+    assert await env.redis.pttl(key) > 59_000
+    ((_, deadline),) = await env.redis.zrange(env.keys.load("a/0"), 0, -1, withscores=True)
+    now = await env.redis.time()
+    assert deadline > now[0] * 1000 + 59_000
+
+
+async def test_real_ttl_expiry_frees_capacity(env: Env) -> None:
+    short = env.settings.with_(episode_ttl_s=0.15)
+    from affinity import Claims
+
+    claims = Claims(env.redis, short)
+    await env.node("a", 1, capacity=1)
+    await claims.resolve("ep-1")
+    with pytest.raises(NoCapacity):
+        await claims.resolve("ep-2")
+    await asyncio.sleep(0.3)
+    assert await env.redis.get(env.keys.episode("ep-1")) is None
+    assert (await claims.resolve("ep-2")).status == "claimed"
+    assert await env.redis.zrange(env.keys.load("a/0"), 0, -1) == ["ep-2"]
+
+
+async def test_expiry_frees_capacity(env: Env) -> None:
+    await env.node("a", 1, capacity=1)
+    await env.claims.resolve("ep-1")
+    with pytest.raises(NoCapacity):
+        await env.claims.resolve("ep-2")
+    await env.expire("ep-1")
+    assert (await env.claims.resolve("ep-2")).device == "a/0"
+    events = [f for _, f in await env.registry.events()]
+    assert {"type": "expire", "device": "a/0", "count": "1"} in events
+
+
+async def test_reassigned_when_lease_lapses(env: Env) -> None:
+    await env.node("a", 1)
+    await env.node("b", 1)
+    first = await env.claims.resolve("ep")
+    assert first.device == "a/0"
+    await env.lapse("a")
+    moved = await env.claims.resolve("ep")
+    assert (moved.status, moved.device, moved.previous) == ("reassigned", "b/0", "a/0")
+    assert moved.token > first.token
+    assert await env.redis.zrange(env.keys.load("a/0"), 0, -1) == []
+    assert await env.redis.zrange(env.keys.load("b/0"), 0, -1) == ["ep"]
+    assert (await env.claims.resolve("ep")).status == "hit"
+
+
+async def test_reassigned_when_device_down(env: Env) -> None:
+    await env.node("a", 2)
+    first = await env.claims.resolve("ep")
+    await env.registry.set_state(first.device, "down", "3 model failures")
+    moved = await env.claims.resolve("ep")
+    assert moved.status == "reassigned" and moved.device != first.device
+    assert moved.token > first.token
+
+
+async def test_reassigned_when_node_drops_device(env: Env) -> None:
+    await env.node("a", 2)
+    await env.claims.resolve("ep-0")
+    on_a1 = await env.claims.resolve("ep-1")
+    assert on_a1.device == "a/1"
+    await env.node("a", 1)  # restarted with one GPU fewer
+    moved = await env.claims.resolve("ep-1")
+    assert (moved.status, moved.device) == ("reassigned", "a/0")
+    assert "a/1" not in [d.device for d in await env.registry.devices()]
+
+
+async def test_drain_keeps_episodes_takes_no_new(env: Env) -> None:
+    await env.node("a", 2)
+    kept = await env.claims.resolve("ep-0")
+    assert kept.device == "a/0"
+    assert await env.registry.drain("a/0", "maintenance") == "active"
+    assert (await env.claims.resolve("ep-0")).status == "hit"
+    news = {(await env.claims.resolve(f"new-{i}")).device for i in range(5)}
+    assert news == {"a/1"}
+    await env.registry.undrain("a/0")
+    assert "a/0" in {(await env.claims.resolve(f"later-{i}")).device for i in range(4)}
+
+
+async def test_full_writes_nothing(env: Env) -> None:
+    await env.node("a", 1, capacity=1)
+    await env.claims.resolve("ep-1")
+    before = await env.snapshot()
+    with pytest.raises(NoCapacity, match="ep-2"):
+        await env.claims.resolve("ep-2")
+    assert await env.snapshot() == before
+
+
+async def test_full_when_no_node(env: Env) -> None:
+    with pytest.raises(NoCapacity):
+        await env.claims.resolve("ep")
+    assert await env.snapshot() == {}
+
+
+async def test_reassign_with_nowhere_to_go_writes_nothing(env: Env) -> None:
+    await env.node("a", 1)
+    await env.claims.resolve("ep")
+    await env.lapse("a")
+    before = await env.snapshot()
+    with pytest.raises(NoCapacity):
+        await env.claims.resolve("ep")
+    assert await env.snapshot() == before
+
+
+async def test_release_right_and_stale_token(env: Env) -> None:
+    await env.node("a", 1, capacity=1)
+    a = await env.claims.resolve("ep")
+    before = await env.snapshot()
+    with pytest.raises(StaleToken) as err:
+        await env.claims.release("ep", a.token - 1)
+    assert err.value.current == a.token and err.value.device == "a/0"
+    assert await env.snapshot() == before
+    assert await env.claims.release("ep", a.token) == "a/0"
+    assert await env.redis.get(env.keys.episode("ep")) is None
+    assert await env.redis.zcard(env.keys.load("a/0")) == 0
+    with pytest.raises(UnknownEpisode):
+        await env.claims.release("ep", a.token)
+    # the slot is free again
+    assert (await env.claims.resolve("ep-2")).status == "claimed"
+
+
+async def test_lookup_is_read_only(env: Env) -> None:
+    await env.node("a", 1)
+    assert await env.claims.lookup("ep") is None
+    a = await env.claims.resolve("ep")
+    await env.redis.pexpire(env.keys.episode("ep"), 5000)
+    before = await env.snapshot()
+    info = await env.claims.lookup("ep")
+    assert info is not None
+    assert (info.device, info.token, info.node, info.alive, info.state) == (
+        "a/0",
+        a.token,
+        "a",
+        True,
+        "active",
+    )
+    assert 0 < info.ttl_ms <= 5000
+    assert await env.snapshot() == before
+    await env.lapse("a")
+    info = await env.claims.lookup("ep")
+    assert info is not None and not info.alive
+
+
+async def test_tokens_strictly_increase(env: Env) -> None:
+    await env.node("a", 2)
+    tokens = [(await env.claims.resolve(f"ep-{i}")).token for i in range(20)]
+    assert tokens == sorted(tokens) and len(set(tokens)) == 20
+    # max(last + 1, TIME in us): even a token far in the future is never undercut
+    await env.redis.set(env.keys.token, str(tokens[-1] + 10**12))
+    nxt = (await env.claims.resolve("ep-x")).token
+    assert nxt == tokens[-1] + 10**12 + 1
+
+
+async def test_events_are_appended(env: Env) -> None:
+    await env.node("a", 1)
+    a = await env.claims.resolve("ep")
+    await env.registry.drain("a/0", "why")
+    await env.claims.release("ep", a.token)
+    types = [f["type"] for _, f in await env.registry.events()]
+    assert types == ["node-up", "claim", "drain", "release"]
+
+
+async def test_script_cache_flushed_between_calls(env: Env) -> None:
+    await env.node("a", 1)
+    await env.claims.resolve("ep")
+    await env.redis.script_flush()
+    assert (await env.claims.resolve("ep")).status == "hit"
+    await env.redis.script_flush()
+    assert await env.claims.lookup("ep") is not None
+    await env.redis.script_flush()
+    await env.registry.drain("a/0")
+
+
+BAD_EPISODES = ["", "x" * 513, "é" * 257, b"\xff\xfe", "\ud800", 42, None]
+
+
+@pytest.mark.parametrize("bad", BAD_EPISODES)
+async def test_bad_episode_ids_write_nothing(env: Env, bad: object) -> None:
+    await env.node("a", 1)
+    before = await env.snapshot()
+    with pytest.raises(InvalidArgument) as err:
+        await env.claims.resolve(bad)  # type: ignore[arg-type]
+    assert "episode id" in str(err.value)
+    with pytest.raises(InvalidArgument):
+        await env.claims.release(bad, 1)  # type: ignore[arg-type]
+    assert await env.snapshot() == before
+
+
+async def test_episode_id_limit_is_inclusive(env: Env) -> None:
+    await env.node("a", 1)
+    assert (await env.claims.resolve("x" * 512)).status == "claimed"
+    assert (await env.claims.resolve("é" * 256)).status == "claimed"
+
+
+async def test_bad_registry_input_writes_nothing(env: Env) -> None:
+    from affinity import DeviceRegistration
+
+    await env.node("a", 1)
+    before = await env.snapshot()
+    for kwargs, field in [
+        ({"capacity": 0}, "capacity"),
+        ({"weight": 0}, "weight"),
+        ({"weight": -2}, "weight"),
+        ({"capacity": 1.5}, "capacity"),
+    ]:
+        with pytest.raises(InvalidArgument, match=field):
+            DeviceRegistration(
+                index=0, kind="cpu", name="c", uuid="u", arch="cpu", memory_mb=0, **kwargs
+            )  # type: ignore[arg-type]
+    with pytest.raises(UnknownDevice, match="nope/0"):
+        await env.registry.drain("nope/0")
+    with pytest.raises(InvalidArgument, match="state"):
+        await env.registry.set_state("a/0", "sleeping")
+    with pytest.raises(InvalidArgument, match="node id"):
+        await env.registry.register("bad node", "http://x", [])
+    assert await env.snapshot() == before
+
+
+async def test_weighted_round_robin_window(env: Env) -> None:
+    from affinity import DeviceRegistration
+
+    devices = [
+        DeviceRegistration(
+            index=i,
+            kind="cpu",
+            name="c",
+            uuid=f"u{i}",
+            arch="cpu",
+            memory_mb=0,
+            capacity=1000,
+            weight=w,
+        )
+        for i, w in enumerate([3, 1, 2])
+    ]
+    await env.registry.register("w", "http://w", devices)
+    await env.claims.resolve("warm-up")  # the window may start anywhere
+    picks = [(await env.claims.resolve(f"ep-{i}")).device for i in range(12)]
+    for start in range(0, 7):
+        assert Counter(picks[start : start + 6]) == {"w/0": 3, "w/1": 1, "w/2": 2}
+
+
+async def test_reregister_keeps_drain_not_down(env: Env) -> None:
+    await env.node("a", 2)
+    await env.registry.drain("a/0", "bad fan")
+    await env.registry.set_state("a/1", "down", "crashes")
+    await env.registry.deregister("a")
+    await env.node("a", 2)
+    states = {d.device: (d.state, d.reason) for d in await env.registry.devices()}
+    assert states == {"a/0": ("draining", "bad fan"), "a/1": ("active", "")}
+
+
+async def test_deregister_releases_episodes(env: Env) -> None:
+    await env.node("a", 1)
+    await env.node("b", 1)
+    on_a = [e for e in [await env.claims.resolve(f"ep-{i}") for i in range(4)] if e.node == "a"]
+    assert await env.registry.deregister("a") == len(on_a) == 2
+    for e in on_a:
+        assert await env.redis.get(env.keys.episode(e.episode)) is None
+        moved = await env.claims.resolve(e.episode)
+        assert (moved.status, moved.device) == ("claimed", "b/0")
+    nodes = {n.node: n.alive for n in await env.registry.nodes()}
+    assert nodes == {"b": True}
+
+
+async def test_renew_after_loss_asks_to_register(env: Env) -> None:
+    await env.node("a", 1)
+    assert await env.registry.renew("a") is True
+    await env.redis.flushdb()
+    assert await env.registry.renew("a") is False
+
+
+async def test_only_if_guard(env: Env) -> None:
+    await env.node("a", 1)
+    await env.registry.drain("a/0")
+    assert await env.registry.set_state("a/0", "active", only_if="down") == ("draining", False)
+    assert (await env.registry.devices())[0].state == "draining"
+
+
+async def test_listing(env: Env) -> None:
+    await env.node("a", 2, capacity=3)
+    await env.node("b", 1)
+    for i in range(3):
+        await env.claims.resolve(f"ep-{i}")
+    devs = {d.device: d for d in await env.registry.devices()}
+    assert {k: (v.load, v.capacity, v.alive) for k, v in devs.items()} == {
+        "a/0": (1, 3, True),
+        "a/1": (1, 3, True),
+        "b/0": (1, 100, True),
+    }
+    await env.lapse("b")
+    assert not {d.device: d for d in await env.registry.devices()}["b/0"].alive
+    rows = await env.registry.episodes(node="a")
+    assert sorted((r.episode, r.device) for r in rows) == [("ep-0", "a/0"), ("ep-1", "a/1")]
+    with pytest.raises(UnknownDevice):
+        await env.registry.episodes(device="zz/9")
