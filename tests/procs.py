@@ -1,0 +1,199 @@
+"""Real processes for integration tests: redis-server and affinity-node on loopback.
+
+Every process is started in its own session and killed (with its group) at teardown,
+even when the test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(check, timeout: float, what: str, interval: float = 0.05):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except Exception as exc:
+            last = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last})")
+
+
+class Proc:
+    def __init__(self, argv: list[str], env: dict[str, str] | None, log: Path) -> None:
+        self.argv = argv
+        self.env = env
+        self.log_path = log
+        self.popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        out = open(self.log_path, "ab")
+        self.popen = subprocess.Popen(
+            self.argv,
+            env=self.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=ROOT,
+        )
+        out.close()
+
+    def send(self, sig: int) -> None:
+        assert self.popen is not None
+        os.killpg(self.popen.pid, sig)
+
+    def stop(self, sig: int = signal.SIGKILL, timeout: float = 10) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        try:
+            os.killpg(self.popen.pid, sig)
+            if sig == signal.SIGSTOP:
+                return
+            os.killpg(self.popen.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            return
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(5)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+
+class RedisServer:
+    """A throwaway redis-server without persistence on a free loopback port."""
+
+    def __init__(self, tmp: Path, host: str = "127.0.0.1", extra: list[str] | None = None):
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not installed (bash .ci/run installs it)", pytrace=False)
+        self.host = host
+        self.port = free_port(host)
+        self.url = f"redis://{host}:{self.port}/0"
+        self.proc = Proc(
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                host,
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(tmp),
+                "--protected-mode",
+                "no",
+                *(extra or []),
+            ],
+            None,
+            tmp / f"redis-{self.port}.log",
+        )
+
+    def start(self) -> RedisServer:
+        self.proc.start()
+        client = redis.Redis(host=self.host, port=self.port, socket_timeout=1)
+        wait_until(client.ping, 10, f"redis-server on {self.port}")
+        client.close()
+        return self
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host=self.host, port=self.port, decode_responses=True, socket_timeout=2)
+
+    def restart(self) -> None:
+        self.proc.stop(signal.SIGKILL)
+        self.start()
+
+    def stop(self) -> None:
+        self.proc.stop(signal.SIGKILL)
+
+
+class Node:
+    """One ``affinity-node`` process."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        node_id: str,
+        redis_url: str,
+        *,
+        devices: str = "cpu:2",
+        host: str = "127.0.0.1",
+        extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.host = host
+        self.port = free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = Proc(
+            [
+                sys.executable,
+                "-m",
+                "node.main",
+                "--redis",
+                redis_url,
+                "--node-id",
+                node_id,
+                "--host",
+                host,
+                "--port",
+                str(self.port),
+                "--advertise-url",
+                self.url,
+                "--devices",
+                devices,
+                *(extra or []),
+            ],
+            full_env,
+            tmp / f"node-{node_id}.log",
+        )
+
+    def start(self, timeout: float = 30) -> Node:
+        self.proc.start()
+        try:
+            wait_until(self.ready, timeout, f"node {self.node_id} ready")
+        except AssertionError:
+            raise AssertionError(f"node {self.node_id} did not start:\n{self.proc.log()}") from None
+        return self
+
+    def ready(self) -> bool:
+        assert self.proc.popen is not None
+        if self.proc.popen.poll() is not None:
+            raise AssertionError(f"node {self.node_id} exited:\n{self.proc.log()}")
+        return httpx.get(self.url + "/readyz", timeout=1).status_code == 200
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        self.proc.stop(sig)
+
+
+def tmpdir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="affinity-test-"))

@@ -1,0 +1,87 @@
+"""Many processes resolve the same fresh episodes at the same moment (real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+import redis.asyncio
+
+from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
+
+pytestmark = pytest.mark.integration
+
+PROCESSES = 8
+EPISODES = 2000
+
+
+def worker(url: str, seed: int, barrier: Any, out: Any) -> None:
+    async def main() -> dict[str, tuple[str, int, str]]:
+        client = redis.asyncio.Redis.from_url(url, decode_responses=True)
+        claims = Claims(client, Settings(redis_url=url))
+        ids = [f"ep-{i}" for i in range(EPISODES)]
+        random.Random(seed).shuffle(ids)
+        await client.ping()
+        barrier.wait(timeout=60)
+        seen = {}
+        for ep in ids:
+            a = await claims.resolve(ep)
+            seen[ep] = (a.device, a.token, a.status)
+        await client.aclose()
+        return seen
+
+    out.put(asyncio.run(main()))
+
+
+def test_concurrent_resolves_agree(real_redis_url: str) -> None:
+    async def setup() -> None:
+        client = redis.asyncio.Redis.from_url(real_redis_url, decode_responses=True)
+        registry = Registry(client, Settings(redis_url=real_redis_url))
+        for node in ("a", "b"):
+            devs = [
+                DeviceRegistration(
+                    index=i,
+                    kind="cpu",
+                    name="c",
+                    uuid=f"{node}{i}",
+                    arch="cpu",
+                    memory_mb=0,
+                    capacity=600,
+                )
+                for i in range(2)
+            ]
+            await registry.register(node, f"http://{node}", devs)
+        await client.aclose()
+
+    asyncio.run(setup())
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(PROCESSES)
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=worker, args=(real_redis_url, s, barrier, out)) for s in range(PROCESSES)
+    ]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+
+    import redis as sync_redis
+
+    r = sync_redis.Redis.from_url(real_redis_url, decode_responses=True)
+    claimed = Counter()
+    for ep in (f"ep-{i}" for i in range(EPISODES)):
+        views = {(res[ep][0], res[ep][1]) for res in results}
+        assert len(views) == 1, f"{ep} seen as {views}"
+        device, token = views.pop()
+        assert r.get(Keys().episode(ep)) == f"{device} {token}"
+        claimed[ep] = sum(res[ep][2] == "claimed" for res in results)
+    assert set(claimed.values()) == {1}, "each episode claimed exactly once"
+    loads = {d: r.zcard(Keys().load(d)) for d in ("a/0", "a/1", "b/0", "b/1")}
+    assert sum(loads.values()) == EPISODES and max(loads.values()) <= 600
+    assert int(r.get(Keys().rr)) == EPISODES

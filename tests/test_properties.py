@@ -1,0 +1,122 @@
+"""Property tests (hypothesis) of the claim script, on fakeredis and a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from affinity import Claims, DeviceRegistration, NoCapacity, Registry, Settings, StaleToken
+from tests.conftest import BACKENDS, Env, make_client
+
+SETTINGS = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+def run(backend: str, body: Callable[[Env], Awaitable[None]]) -> None:
+    async def main() -> None:
+        client = await make_client(backend)
+        s = Settings(episode_ttl_s=60)
+        try:
+            await body(Env(client, s, Claims(client, s), Registry(client, s)))
+        finally:
+            if backend == "real":
+                await client.flushdb()
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def devices(weights: list[int], capacity: int) -> list[DeviceRegistration]:
+    return [
+        DeviceRegistration(
+            index=i,
+            kind="cpu",
+            name="c",
+            uuid=f"u{i}",
+            arch="cpu",
+            memory_mb=0,
+            capacity=capacity,
+            weight=w,
+        )
+        for i, w in enumerate(weights)
+    ]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@SETTINGS
+@given(weights=st.lists(st.integers(1, 5), min_size=1, max_size=5), warm=st.integers(0, 7))
+def test_weighted_round_robin_is_exact(backend: str, weights: list[int], warm: int) -> None:
+    async def body(env: Env) -> None:
+        await env.registry.register("n", "http://n", devices(weights, 10_000))
+        for i in range(warm):
+            await env.claims.resolve(f"warm-{i}")
+        window = [(await env.claims.resolve(f"ep-{i}")).device for i in range(sum(weights))]
+        assert Counter(window) == {f"n/{i}": w for i, w in enumerate(weights)}
+
+    run(backend, body)
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("resolve"), st.integers(0, 9)),
+        st.tuples(st.just("release"), st.integers(0, 9)),
+        st.tuples(st.just("stale_release"), st.integers(0, 9)),
+        st.tuples(st.just("expire"), st.integers(0, 9)),
+    ),
+    max_size=40,
+)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@SETTINGS
+@given(capacities=st.lists(st.integers(1, 3), min_size=1, max_size=3), steps=ops)
+def test_live_load_never_exceeds_capacity(
+    backend: str, capacities: list[int], steps: list[tuple[str, int]]
+) -> None:
+    async def body(env: Env) -> None:
+        for i, cap in enumerate(capacities):
+            await env.registry.register(f"n{i}", f"http://n{i}", devices([1], cap))
+        tokens: dict[str, int] = {}
+        for op, i in steps:
+            ep = f"ep-{i}"
+            if op == "resolve":
+                try:
+                    tokens[ep] = (await env.claims.resolve(ep)).token
+                except NoCapacity:
+                    pass
+            elif op in ("release", "stale_release") and ep in tokens:
+                if await env.redis.get(env.keys.episode(ep)) is None:
+                    continue
+                if op == "stale_release":
+                    before = await env.snapshot()
+                    with pytest.raises(StaleToken):
+                        await env.claims.release(ep, tokens[ep] - 1)
+                    assert await env.snapshot() == before
+                else:
+                    await env.claims.release(ep, tokens.pop(ep))
+            elif op == "expire" and await env.redis.get(env.keys.episode(ep)):
+                await env.expire(ep)
+            await check_invariants(env, capacities)
+
+    run(backend, body)
+
+
+async def check_invariants(env: Env, capacities: list[int]) -> None:
+    status = {d.device: d for d in await env.registry.devices()}
+    owners: dict[str, Any] = {}
+    for i, cap in enumerate(capacities):
+        d = status[f"n{i}/0"]
+        assert d.load <= cap
+        for row in await env.registry.episodes(device=d.device):
+            assert row.episode not in owners, "an episode in two load sets"
+            owners[row.episode] = row.device
+    for key in await env.redis.keys(env.keys.episode("*")):
+        device = (await env.redis.get(key)).rsplit(" ", 1)[0]
+        assert owners[key.split(":", 2)[2]] == device
