@@ -1,0 +1,114 @@
+"""Prometheus metrics of one node, with bounded and documented label values.
+
+``LABELS`` is the contract: every label value a series may carry. ``device`` values are
+this node's device ids (bounded by its GPUs). No episode id is ever a label.
+The README's metrics table lists the same names and values; a test checks both ways.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["LABELS", "Metrics"]
+
+ROUTING = ("hit", "claimed", "reassigned", "stateless", "full", "unavailable")
+PATHS = ("local", "forwarded")
+STATES = ("active", "draining", "down")
+TRANSITIONS = ("down", "up")
+FORWARD = ("ok", "refused", "unreachable")
+REJECTED = ("bad_input", "too_large", "malformed", "unauthorized", "forbidden")
+
+# metric name -> {label: allowed values}; "device" means this node's device ids.
+LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
+    "affinity_routing_total": {"result": ROUTING},
+    "affinity_act_seconds": {"path": PATHS},
+    "affinity_live_episodes": {"device": "device"},
+    "affinity_device_state": {"device": "device", "state": STATES},
+    "affinity_crash_transitions_total": {"device": "device", "to": TRANSITIONS},
+    "affinity_degraded_requests_total": {},
+    "affinity_model_failures_total": {"device": "device"},
+    "affinity_forwarded_total": {"result": FORWARD},
+    "affinity_rejected_requests_total": {"reason": REJECTED},
+    "affinity_fenced": {},
+    "affinity_lease_renewals_total": {"result": ("ok", "reregistered", "failed")},
+}
+
+
+class Metrics:
+    """The node's series, on a registry of its own (several apps may share a process)."""
+
+    def __init__(self, devices: list[str]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.routing = Counter(
+            "affinity_routing_total",
+            "Routing decisions of /act, by result.",
+            ["result"],
+            registry=r,
+        )
+        self.act_seconds = Histogram(
+            "affinity_act_seconds",
+            "Latency of served /act requests (seconds), by path.",
+            ["path"],
+            registry=r,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+        )
+        self.live = Gauge(
+            "affinity_live_episodes",
+            "Episodes with state on this device.",
+            ["device"],
+            registry=r,
+        )
+        self.device_state = Gauge(
+            "affinity_device_state",
+            "1 for the device's current state, else 0.",
+            ["device", "state"],
+            registry=r,
+        )
+        self.transitions = Counter(
+            "affinity_crash_transitions_total",
+            "Crash-tracker transitions, by target state.",
+            ["device", "to"],
+            registry=r,
+        )
+        self.degraded = Counter(
+            "affinity_degraded_requests_total",
+            "Requests routed by session_id because episode_id was missing.",
+            registry=r,
+        )
+        self.model_failures = Counter(
+            "affinity_model_failures_total",
+            "Model runs that raised, by device.",
+            ["device"],
+            registry=r,
+        )
+        self.forwarded = Counter(
+            "affinity_forwarded_total",
+            "/act requests forwarded to the owning node, by result.",
+            ["result"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "affinity_rejected_requests_total",
+            "Requests refused with a 4xx, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.fenced = Gauge(
+            "affinity_fenced",
+            "1 while this node has fenced itself (lease not renewed).",
+            registry=r,
+        )
+        self.renewals = Counter(
+            "affinity_lease_renewals_total",
+            "Lease renewal attempts, by result.",
+            ["result"],
+            registry=r,
+        )
+        for device in devices:
+            self.live.labels(device).set(0)
+            self.set_state(device, "active")
+
+    def set_state(self, device: str, state: str) -> None:
+        for s in STATES:
+            self.device_state.labels(device, s).set(1 if s == state else 0)
