@@ -99,13 +99,11 @@ def create_app(
     service_factory: Callable[[], Awaitable[NodeService]],
 ) -> FastAPI:
     """The app; ``service_factory`` builds the node (devices, sessions, Redis) at start-up."""
-    holder: dict[str, NodeService] = {}
-
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service = await service_factory()
         await service.start()
-        holder["s"] = service
+        app.state.service = service
         try:
             yield
         finally:
@@ -114,7 +112,8 @@ def create_app(
     app = FastAPI(title="affinity node", version="0.1.0", lifespan=lifespan)
 
     def svc() -> NodeService:
-        return holder["s"]
+        service: NodeService = app.state.service
+        return service
 
     async def guarded(
         request: Request, run: Callable[[dict[str, Any]], Awaitable[ActReply]]

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import uvicorn
 
 from affinity import Settings, connect, embedded_store
@@ -147,12 +148,14 @@ def build_service(
     redis: Any | None = None,
     specs: list[DeviceSpec] | None = None,
     session_factory: Callable[[DeviceSpec], tuple[Session, str]] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
 ) -> Callable[[], Awaitable[NodeService]]:
     """The start-up of a node, as a factory for :func:`node.app.create_app`.
 
     ``redis`` defaults to a client for ``config.settings`` (or the embedded store);
     ``session_factory(spec)`` returns (session, provider really used) and defaults to
-    ONNX Runtime with the device's provider plan.
+    ONNX Runtime with the device's provider plan; ``transport`` carries forwarded
+    requests (tests route them in-process).
     """
 
     async def factory() -> NodeService:
@@ -197,7 +200,9 @@ def build_service(
                 on_transition=on_transition,
             )
 
-        return NodeService(config, client, devices, providers, dispatcher, contract)
+        return NodeService(
+            config, client, devices, providers, dispatcher, contract, transport=transport
+        )
 
     return factory
 

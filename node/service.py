@@ -118,6 +118,7 @@ class NodeService:
         ],
         contract: PolicyContract,
         clock: Callable[[], float] = time.monotonic,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.config = config
         self.node_id = config.node_id
@@ -140,6 +141,7 @@ class NodeService:
         self._http = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
             timeout=httpx.Timeout(config.act_deadline_s),
+            transport=transport,
         )
         self._degraded_warned = False
 

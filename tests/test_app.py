@@ -1,0 +1,284 @@
+"""The node's HTTP API in process: real ONNX Runtime on the CPU with the demo policy,
+fakeredis and a real Redis (same bodies)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from affinity import Keys
+from node.policy import DEMO_MODEL, reference_rollout
+from tests.conftest import BACKENDS, make_client
+from tests.inproc import InProcNode, Router, cluster, config
+
+pytestmark = pytest.mark.anyio
+KEYS = Keys()
+
+
+def observations(seed: int, n: int = 20) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((1, 8)).astype(np.float32) for _ in range(n)]
+
+
+@pytest.fixture(params=BACKENDS)
+async def redis(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    client = await make_client(request.param)
+    yield client
+    if request.param == "real":
+        await client.flushdb()
+    await client.aclose()
+
+
+@pytest.fixture
+async def node(redis: Any) -> AsyncIterator[InProcNode]:
+    async with cluster(redis, [config("a", admin_token="s3cret")]) as (nodes, _):
+        yield nodes[0]
+
+
+@pytest.fixture
+async def two(redis: Any) -> AsyncIterator[tuple[list[InProcNode], Router]]:
+    cfgs = [config("a", cluster_secret="k"), config("b", cluster_secret="k")]
+    async with cluster(redis, cfgs) as pair:
+        yield pair
+
+
+async def snapshot(redis: Any) -> dict[str, Any]:
+    from tests.conftest import Env
+
+    return await Env(redis, None, None, None).snapshot()  # type: ignore[arg-type]
+
+
+async def test_episode_matches_reference(node: InProcNode) -> None:
+    obs = observations(1)
+    ref = reference_rollout(DEMO_MODEL, obs)
+    devices = set()
+    for i, o in enumerate(obs):
+        r = await node.act(episode_id="ep-1", inputs={"obs": o.tolist()})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["routing"] == ("claimed" if i == 0 else "hit")
+        assert body["state_reset"] is False
+        np.testing.assert_allclose(body["outputs"]["actions"], ref[i]["actions"], rtol=1e-5)
+        devices.add(body["device"])
+        assert r.headers["x-affinity-device"] == body["device"]
+        assert r.headers["x-affinity-token"] == str(body["token"])
+    assert len(devices) == 1
+
+
+async def test_interleaved_episodes_on_one_device(redis: Any) -> None:
+    async with cluster(redis, [config("a", devices="cpu:1")]) as (nodes, _):
+        n = nodes[0]
+        oa, ob = observations(2), observations(3)
+        ra, rb = reference_rollout(DEMO_MODEL, oa), reference_rollout(DEMO_MODEL, ob)
+        for i in range(20):
+            a = (await n.act(episode_id="a", inputs={"obs": oa[i].tolist()})).json()
+            b = (await n.act(episode_id="b", inputs={"obs": ob[i].tolist()})).json()
+            assert a["device"] == b["device"] == "a/0"
+            np.testing.assert_allclose(a["outputs"]["actions"], ra[i]["actions"], rtol=1e-5)
+            np.testing.assert_allclose(b["outputs"]["actions"], rb[i]["actions"], rtol=1e-5)
+
+
+async def test_token_change_resets_state(node: InProcNode, redis: Any) -> None:
+    obs = observations(4)
+    ref = reference_rollout(DEMO_MODEL, obs)
+    first = (await node.act(episode_id="ep", inputs={"obs": obs[0].tolist()})).json()
+    await node.act(episode_id="ep", inputs={"obs": obs[1].tolist()})
+    # as if the episode had been claimed anew elsewhere and back: same device, new token
+    await redis.set(KEYS.episode("ep"), f"{first['device']} {first['token'] + 5}", px=60_000)
+    r = (await node.act(episode_id="ep", inputs={"obs": obs[0].tolist()})).json()
+    assert r["state_reset"] is True and r["token"] == first["token"] + 5
+    np.testing.assert_allclose(r["outputs"]["actions"], ref[0]["actions"], rtol=1e-5)
+
+
+BAD = [
+    ({"episode_id": "e", "inputs": {}}, 422, "inputs.obs"),
+    ({"episode_id": "e", "inputs": {"obs": [[1] * 8], "zzz": [1]}}, 422, "inputs.zzz"),
+    ({"episode_id": "e", "inputs": {"obs": [[1] * 7]}}, 422, "inputs.obs"),
+    ({"episode_id": "e", "inputs": {"obs": [["a"] * 8]}}, 422, "inputs.obs"),
+    ({"episode_id": "e", "inputs": {"obs": [[10**400] * 8]}}, 422, "inputs.obs"),
+    (
+        {"episode_id": "e", "inputs": {"obs": [[1] * 8], "state_in.hidden": [[0] * 16]}},
+        422,
+        "inputs.state_in.hidden",
+    ),
+    ({"episode_id": "x" * 513, "inputs": {"obs": [[1] * 8]}}, 422, "episode_id"),
+    ({"episode_id": "", "inputs": {"obs": [[1] * 8]}}, 422, "episode_id"),
+    ({"episode_id": 5, "inputs": {"obs": [[1] * 8]}}, 422, "episode_id"),
+    ({"episode_id": "e"}, 422, "inputs"),
+]
+
+
+async def test_bad_input_changes_nothing(node: InProcNode, redis: Any) -> None:
+    ok = await node.act(episode_id="kept", inputs={"obs": [[0.5] * 8]})
+    before = await snapshot(redis)
+    for body, status, field in BAD:
+        r = await node.act(**body)
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert err["field"].startswith(field), (body, err)
+    for raw in [
+        b"{not json",
+        b"[1,2]",
+        b"[" * 100_000 + b"]" * 100_000,
+        b"\xff\xfe",
+        b'{"inputs": {"obs": [[NaN, 1, 1, 1, 1, 1, 1, 1]]}, "episode_id": "e"}',
+        b'{"inputs": {"obs": [[1e400, 1, 1, 1, 1, 1, 1, 1]]}, "episode_id": "e"}',
+        rb'{"episode_id": "\u0000\ud800", "inputs": {"obs": [[1,1,1,1,1,1,1,1]]}}',
+    ]:
+        r = await node.client.post("/act", content=raw)
+        assert r.status_code in (400, 422), (raw[:20], r.text)
+    big = b'{"inputs": {"obs": [' + b"1," * 600_000 + b"1]}}"
+    r = await node.client.post("/act", content=big)
+    assert r.status_code == 413
+    assert await snapshot(redis) == before
+    s = node.service
+    assert all(s.dispatcher.tracker(d).failures == 0 for d in s.device_ids)
+    again = await node.act(episode_id="kept", inputs={"obs": [[0.5] * 8]})
+    assert again.json()["token"] == ok.json()["token"] and again.json()["routing"] == "hit"
+    assert (await node.client.get("/healthz")).status_code == 200
+
+
+async def test_full_is_503_with_retry_after(redis: Any) -> None:
+    async with cluster(redis, [config("a", devices="cpu:1", capacity=1)]) as (nodes, _):
+        n = nodes[0]
+        assert (await n.act(episode_id="one", inputs={"obs": [[0] * 8]})).status_code == 200
+        r = await n.act(episode_id="two", inputs={"obs": [[0] * 8]})
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["code"] == "full"
+
+
+async def test_degraded_and_stateless(node: InProcNode, redis: Any) -> None:
+    r = (await node.act(session_id="s-1", inputs={"obs": [[0.1] * 8]})).json()
+    assert r["degraded"] is True and r["routing"] == "claimed" and r["episode_id"] == "s-1"
+    assert await redis.get(KEYS.episode("s-1")) is not None
+    before = await snapshot(redis)
+    r = await node.act(inputs={"obs": [[0.1] * 8]})
+    assert r.status_code == 200 and r.json()["routing"] == "stateless"
+    assert r.json()["episode_id"] is None
+    assert await snapshot(redis) == before
+
+
+async def test_end_releases(node: InProcNode, redis: Any) -> None:
+    r = (await node.act(episode_id="e1", inputs={"obs": [[0] * 8]}, end=True)).json()
+    assert await redis.get(KEYS.episode("e1")) is None
+    assert not node.service.dispatcher.has_state("e1")
+    await node.act(episode_id="e2", inputs={"obs": [[0] * 8]})
+    got = await node.client.get("/episodes/e2")
+    assert got.status_code == 200 and got.json()["node"] == "a"
+    assert (await node.client.post("/episodes/e2/end")).json()["released"] is True
+    assert (await node.client.get("/episodes/e2")).status_code == 404
+    assert (await node.client.post("/episodes/e2/end")).status_code == 404
+    assert r["routing"] == "claimed"
+
+
+async def test_admin_endpoints(node: InProcNode, redis: Any) -> None:
+    url = "/devices/a/0/drain"
+    assert (await node.client.post(url)).status_code == 401
+    r = await node.client.post(url, headers={"Authorization": "Bearer nope"})
+    assert r.status_code == 403
+    r = await node.client.post(
+        url, params={"reason": "fan"}, headers={"Authorization": "Bearer s3cret"}
+    )
+    assert r.status_code == 200 and r.json() == {
+        "device": "a/0",
+        "state": "draining",
+        "previous": "active",
+    }
+    devices = {d["device"]: d for d in (await node.client.get("/devices")).json()["devices"]}
+    assert devices["a/0"]["state"] == "draining" and devices["a/0"]["reason"] == "fan"
+    assert devices["a/0"]["provider"] == "CPUExecutionProvider"
+    r = await node.client.post("/devices/zz/9/drain", headers={"Authorization": "Bearer s3cret"})
+    assert r.status_code == 404
+    r = await node.client.post("/devices/a/0/undrain", headers={"Authorization": "Bearer s3cret"})
+    assert r.json()["state"] == "active"
+
+
+async def test_admin_refused_without_configured_token(redis: Any) -> None:
+    async with cluster(redis, [config("a")]) as (nodes, _):
+        r = await nodes[0].client.post(
+            "/devices/a/0/drain", headers={"Authorization": "Bearer anything"}
+        )
+        assert r.status_code == 403 and "AFFINITY_ADMIN_TOKEN" in r.text
+
+
+async def test_any_node_serves_any_episode(two: tuple[list[InProcNode], Router]) -> None:
+    (a, b), _ = two
+    obs = observations(5, 10)
+    ref = reference_rollout(DEMO_MODEL, obs)
+    owners = set()
+    for i, o in enumerate(obs):
+        via = (a, b)[i % 2]
+        r = await via.act(episode_id="ep", inputs={"obs": o.tolist()})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        owners.add(body["device"])
+        np.testing.assert_allclose(body["outputs"]["actions"], ref[i]["actions"], rtol=1e-5)
+        assert body["state_reset"] is False
+    assert len(owners) == 1
+
+
+async def test_forward_needs_the_secret(two: tuple[list[InProcNode], Router]) -> None:
+    (a, _), _ = two
+    r = await a.client.post(
+        "/internal/act",
+        json={
+            "episode_id": "e",
+            "token": 1,
+            "device": "a/0",
+            "routing": "claimed",
+            "inputs": {"obs": [[0] * 8]},
+        },
+        headers={"X-Affinity-Secret": "wrong"},
+    )
+    assert r.status_code == 403
+
+
+async def test_unreachable_owner_gets_503_never_a_second_owner(
+    two: tuple[list[InProcNode], Router], redis: Any
+) -> None:
+    (a, b), router = two
+    first = None
+    for i in range(4):  # find an episode owned by b
+        r = (await a.act(episode_id=f"ep{i}", inputs={"obs": [[0] * 8]})).json()
+        if r["node"] == "b":
+            first = r
+            break
+    assert first is not None
+    router.down.add("b.test")
+    r = await a.act(episode_id=first["episode_id"], inputs={"obs": [[0] * 8]})
+    assert r.status_code == 503 and r.headers["retry-after"]
+    assert r.json()["error"]["code"] == "owner_unreachable"
+    value = await redis.get(KEYS.episode(first["episode_id"]))
+    assert value == f"{first['device']} {first['token']}"
+
+
+async def test_fenced_node_refuses_then_reregisters(node: InProcNode, redis: Any) -> None:
+    await node.act(episode_id="ep", inputs={"obs": [[0] * 8]})
+    s = node.service
+    s.lease_deadline = s.clock() - 0.01  # as if renewals had failed for a whole lease
+    r = await node.act(episode_id="ep", inputs={"obs": [[0] * 8]})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "fenced"
+    assert not s.dispatcher.has_state("ep")
+    assert (await node.client.get("/readyz")).status_code == 503
+    await redis.delete(KEYS.node("a"))  # the lease lapsed in Redis too
+    await s.renew_once()
+    r = await node.act(episode_id="ep", inputs={"obs": [[0] * 8]})
+    assert r.status_code == 200 and r.json()["state_reset"] is True
+
+
+async def test_model_endpoint(node: InProcNode) -> None:
+    body = (await node.client.get("/model")).json()
+    assert body["inputs"] == [{"name": "obs", "shape": [1, 8], "dtype": "float32"}]
+    assert body["state"] == {"state_in.hidden": "state_out.hidden"}
+
+
+async def test_concurrent_requests_one_episode_stay_consistent(node: InProcNode) -> None:
+    rs = await asyncio.gather(
+        *(node.act(episode_id="same", inputs={"obs": [[0.1] * 8]}) for _ in range(10))
+    )
+    assert {r.json()["device"] for r in rs} == {rs[0].json()["device"]}
+    assert sorted(r.json()["routing"] for r in rs).count("claimed") == 1
