@@ -230,6 +230,16 @@ class Registry:
         """Let ``device`` take new episodes again. Returns the previous state."""
         return (await self.set_state(device, "active", ""))[0]
 
+    async def states(self, devices: Sequence[str]) -> dict[str, str]:
+        """The current state of each of ``devices`` (``removed`` when its hash is gone)."""
+        k = self.keys
+        async with bounded(self.settings):
+            pipe = self.redis.pipeline(transaction=False)
+            for device in devices:
+                pipe.hget(k.device(device), "state")
+            replies = await pipe.execute()
+        return {d: s or "removed" for d, s in zip(devices, replies, strict=True)}
+
     async def nodes(self) -> list[NodeStatus]:
         """Every node in the nodes index, alive or lapsed (lapsed ones until reaped)."""
         k = self.keys

@@ -43,6 +43,7 @@ ACT_BODY_SCHEMA: dict[str, Any] = {
         "session_id": {"type": "string", "maxLength": 512},
         "inputs": {"type": "object", "additionalProperties": {"type": "array"}},
         "end": {"type": "boolean"},
+        "token": {"type": "integer", "minimum": 0},
     },
     "required": ["inputs"],
 }
@@ -99,6 +100,7 @@ def create_app(
     service_factory: Callable[[], Awaitable[NodeService]],
 ) -> FastAPI:
     """The app; ``service_factory`` builds the node (devices, sessions, Redis) at start-up."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         service = await service_factory()

@@ -24,10 +24,12 @@ from affinity import (
     BackendUnavailable,
     Claims,
     DeviceRegistration,
+    InvalidArgument,
     NoCapacity,
     Registry,
     StaleToken,
     UnknownEpisode,
+    check_episode,
 )
 from node.config import NodeConfig
 from node.devices import DeviceSpec
@@ -223,6 +225,10 @@ class NodeService:
         if ok:
             self.metrics.renewals.labels("ok").inc()
             self.lease_deadline = sent + self.config.settings.lease_ttl_s
+            with contextlib.suppress(AffinityError):
+                for device, state in (await self.registry.states(self.device_ids)).items():
+                    if state in ("active", "draining", "down"):
+                        self.metrics.set_state(device, state)
             if self._fenced_logged:
                 log.info("node %s lease renewed; serving again", self.node_id)
                 self._fenced_logged = False
@@ -303,21 +309,41 @@ class NodeService:
 
     # ---- /act ------------------------------------------------------------------------
 
-    async def act(self, body: Mapping[str, Any]) -> ActReply:
-        """Route and serve one validated ``/act`` body (see ``node/app.py``)."""
+    def _parse(self, body: Mapping[str, Any]) -> _Step:
         inputs = parse_inputs(self.contract, body.get("inputs"))
+        end, token = body.get("end", False), body.get("token")
+        if not isinstance(end, bool):
+            raise InvalidArgument("end", end, "must be true or false")
+        if token is not None and (
+            isinstance(token, bool) or not isinstance(token, int) or token < 0
+        ):
+            raise InvalidArgument("token", token, "must be the token of an earlier reply")
+        return _Step(inputs, body.get("inputs"), end, token)
+
+    async def act(self, body: Mapping[str, Any]) -> ActReply:
+        """Route and serve one ``/act`` body (see ``node/app.py``).
+
+        Raises InvalidInput/InvalidArgument (4xx, nothing changed), Unavailable (503)."""
+        step = self._parse(body)
         self._check_lease()
-        key, degraded = body.get("episode_id"), False
+        key = body.get("episode_id")
         if key is None and body.get("session_id") is not None:
-            key, degraded = body["session_id"], True
+            key, step.degraded = body["session_id"], True
+            check_episode(key)
             self.metrics.degraded.inc()
             if not self._degraded_warned:
                 self._degraded_warned = True
                 log.warning("requests without episode_id are routed by session_id (degraded)")
         if key is None:
-            return await self._stateless(inputs)
+            return await self._stateless(step.inputs)
+        a = await self._resolve(key)
+        if a.node == self.node_id:
+            return await self._serve_local(a, step)
+        return await self._forward(a, step, retry=True)
+
+    async def _resolve(self, episode: str) -> Assignment:
         try:
-            a = await self.claims.resolve(key)
+            a = await self.claims.resolve(episode)
         except BackendUnavailable as exc:
             self.metrics.routing.labels("unavailable").inc()
             raise Unavailable("redis", str(exc), 1.0) from exc
@@ -325,10 +351,7 @@ class NodeService:
             self.metrics.routing.labels("full").inc()
             raise Unavailable("full", str(exc), 2.0) from exc
         self.metrics.routing.labels(a.status).inc()
-        end = bool(body.get("end", False))
-        if a.node == self.node_id:
-            return await self._serve_local(a, inputs, end, degraded)
-        return await self._forward(a, body, end, degraded, retry=True)
+        return a
 
     async def _stateless(self, inputs: Mapping[str, Array]) -> ActReply:
         up = [d for d in self.device_ids if not self.dispatcher.tracker(d).down]
@@ -343,17 +366,18 @@ class NodeService:
         self.metrics.act_seconds.labels("local").observe(time.perf_counter() - started)
         return ActReply(_lists(outputs), None, device, self.node_id, 0, "stateless", False, False)
 
-    async def _serve_local(
-        self, a: Assignment, inputs: Mapping[str, Array], end: bool, degraded: bool
-    ) -> ActReply:
+    async def _serve_local(self, a: Assignment, step: _Step) -> ActReply:
         started = time.perf_counter()
         self._check_lease()  # the resolve may have taken a while: check again
         result = await self.dispatcher.step(
-            a.device, a.episode, a.token, a.status == "claimed", inputs
+            a.device, a.episode, a.token, a.status == "claimed", step.inputs
         )
-        if end:
+        if step.end:
             await self.end_episode(a.episode, a.token)
         self.metrics.act_seconds.labels("local").observe(time.perf_counter() - started)
+        # The client's echo of its last token tells a lost assignment (Redis restarted
+        # empty, a failover dropped the last writes) from a new episode.
+        reset = result.state_reset or (step.client_token not in (None, a.token))
         return ActReply(
             _lists(result.outputs),
             a.episode,
@@ -361,8 +385,8 @@ class NodeService:
             self.node_id,
             a.token,
             a.status,
-            result.state_reset,
-            degraded,
+            reset,
+            step.degraded,
         )
 
     async def end_episode(self, episode: str, token: int) -> None:
@@ -372,18 +396,17 @@ class NodeService:
 
     # ---- forwarding ------------------------------------------------------------------
 
-    async def _forward(
-        self, a: Assignment, body: Mapping[str, Any], end: bool, degraded: bool, retry: bool
-    ) -> ActReply:
+    async def _forward(self, a: Assignment, step: _Step, retry: bool) -> ActReply:
         started = time.perf_counter()
         payload = {
             "episode_id": a.episode,
             "token": a.token,
             "device": a.device,
             "routing": a.status,
-            "inputs": body.get("inputs"),
-            "end": end,
-            "degraded": degraded,
+            "inputs": step.raw_inputs,
+            "end": step.end,
+            "degraded": step.degraded,
+            "client_token": step.client_token,
         }
         headers = {SECRET_HEADER: self.config.cluster_secret or ""}
         try:
@@ -396,52 +419,66 @@ class NodeService:
                 f"which did not answer: {type(exc).__name__}",
                 1.0,
             ) from exc
-        if resp.status_code in (409, 421) and retry:
-            self.metrics.forwarded.labels("refused").inc()
-            again = await self.claims.resolve(a.episode)
-            self.metrics.routing.labels(again.status).inc()
-            if again.node == self.node_id:
-                inputs = parse_inputs(self.contract, body.get("inputs"))
-                return await self._serve_local(again, inputs, end, degraded)
-            return await self._forward(again, body, end, degraded, retry=False)
         if resp.status_code != 200:
             self.metrics.forwarded.labels("refused").inc()
-            detail = _error_text(resp)
-            raise Unavailable(
-                "owner_refused", f"owner {a.node} answered {resp.status_code}: {detail}", 1.0
-            )
+            code, message = _error_of(resp)
+            text = f"owner {a.node} answered {resp.status_code}: {message}"
+            if resp.status_code in (409, 421):
+                if retry:  # our view was stale: resolve once more
+                    again = await self._resolve(a.episode)
+                    if again.node == self.node_id:
+                        return await self._serve_local(again, step)
+                    return await self._forward(again, step, retry=False)
+                raise Unavailable("owner_refused", text, 1.0)
+            # the owner's own answer (model failure, fenced, ...) passes through
+            if resp.status_code == 503:
+                raise Unavailable(code, text, float(resp.headers.get("retry-after", "1")))
+            raise Refused(resp.status_code, code, text)
         self.metrics.forwarded.labels("ok").inc()
         self.metrics.act_seconds.labels("forwarded").observe(time.perf_counter() - started)
         return ActReply.from_json(resp.json())
 
     async def act_forwarded(self, body: Mapping[str, Any], secret: str | None) -> ActReply:
-        """Serve a request another node forwarded here after resolving it."""
+        """Serve a request another node forwarded here after resolving it.
+
+        Refuses (403) a wrong cluster secret, (421) a device not on this node, (409) a
+        token older than the one this node holds for the episode."""
         expected = self.config.cluster_secret or ""
         if expected and not hmac.compare_digest((secret or "").encode(), expected.encode()):
             raise Refused(403, "bad_secret", "missing or wrong cluster secret")
         self._check_lease()
-        inputs = parse_inputs(self.contract, body.get("inputs"))
+        step = self._parse({**body, "token": body.get("client_token")})
+        step.degraded = bool(body.get("degraded", False))
         device, episode = body.get("device"), body.get("episode_id")
         token, routing = body.get("token"), body.get("routing")
         if not isinstance(device, str) or device not in self.device_ids:
             raise Refused(421, "not_owner", f"device {device!r} is not on node {self.node_id}")
         if not isinstance(episode, str) or not isinstance(token, int) or isinstance(token, bool):
             raise Refused(400, "bad_forward", "episode_id and token are required")
+        if routing not in ("hit", "claimed", "reassigned"):
+            raise Refused(400, "bad_forward", f"routing {routing!r}")
         local = self.dispatcher.token_of(episode)
         if local is not None and local > token:
             raise Refused(
                 409, "stale_token", f"episode {episode!r}: token {token} is older than {local}"
             )
-        if routing not in ("hit", "claimed", "reassigned"):
-            raise Refused(400, "bad_forward", f"routing {routing!r}")
-        a = Assignment(episode, routing, device, token, self.node_id, "", None)
         return await self._serve_local(
-            a, inputs, bool(body.get("end", False)), bool(body.get("degraded", False))
+            Assignment(episode, routing, device, token, self.node_id, "", None), step
         )
 
 
-def _error_text(resp: httpx.Response) -> str:
+@dataclass
+class _Step:
+    inputs: dict[str, Array]
+    raw_inputs: Any
+    end: bool
+    client_token: int | None
+    degraded: bool = False
+
+
+def _error_of(resp: httpx.Response) -> tuple[str, str]:
     try:
-        return str(resp.json().get("error", {}).get("message", resp.text[:200]))
-    except ValueError:
-        return resp.text[:200]
+        err = resp.json()["error"]
+        return str(err["code"]), str(err["message"])
+    except (ValueError, KeyError, TypeError):
+        return "owner_error", resp.text[:200]

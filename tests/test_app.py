@@ -282,3 +282,19 @@ async def test_concurrent_requests_one_episode_stay_consistent(node: InProcNode)
     )
     assert {r.json()["device"] for r in rs} == {rs[0].json()["device"]}
     assert sorted(r.json()["routing"] for r in rs).count("claimed") == 1
+
+
+async def test_lost_assignment_is_a_reset_when_the_client_echoes_its_token(
+    node: InProcNode, redis: Any
+) -> None:
+    first = (await node.act(episode_id="ep", inputs={"obs": [[0.3] * 8]})).json()
+    await redis.delete(KEYS.episode("ep"))  # as after Redis restarted empty
+    r = (await node.act(episode_id="ep", inputs={"obs": [[0.3] * 8]},
+                        token=first["token"])).json()
+    assert r["routing"] == "claimed" and r["token"] > first["token"]
+    assert r["state_reset"] is True
+    again = (await node.act(episode_id="ep", inputs={"obs": [[0.3] * 8]},
+                            token=r["token"])).json()
+    assert again["state_reset"] is False
+    bad = await node.act(episode_id="ep", inputs={"obs": [[0.3] * 8]}, token="x")
+    assert bad.status_code == 422 and bad.json()["error"]["field"] == "token"

@@ -1,0 +1,187 @@
+"""Every documented series is driven by some path, and every emitted label value is
+documented (node/metrics.py LABELS and the README's metrics table)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import fakeredis
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from affinity import Keys
+from node.metrics import LABELS
+from node.policy import DEMO_MODEL
+from node.providers import ProviderSettings, build_session
+from tests.inproc import InProcNode, cluster, config
+
+pytestmark = pytest.mark.anyio
+KEYS = Keys()
+OBS = {"obs": [[0.2] * 8]}
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+class Flaky:
+    """A real ORT session that can be told to fail."""
+
+    fail = False
+
+    def __init__(self, spec: Any) -> None:
+        self.inner = build_session(DEMO_MODEL, spec, ProviderSettings()).session
+
+    def run(self, names: Sequence[str] | None, feed: Mapping[str, Any]) -> list[Any]:
+        if Flaky.fail:
+            raise RuntimeError("injected model failure")
+        return list(self.inner.run(names, dict(feed)))
+
+
+def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    out = []
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.append((s.name, dict(s.labels), s.value))
+    return out
+
+
+def family_of(sample_name: str) -> str:
+    """The documented metric a sample belongs to (``_total``, ``_bucket``, ``_count``,
+    ``_sum`` and prometheus-client's ``_created`` are suffixes of one family)."""
+    base = sample_name.removesuffix("_created")
+    for name in LABELS:
+        stem = name.removesuffix("_total")
+        if base in (name, stem) or base in (f"{stem}_bucket", f"{stem}_count", f"{stem}_sum"):
+            return name
+    raise AssertionError(f"undocumented series {sample_name}")
+
+
+async def scrape(node: InProcNode) -> list[tuple[str, dict[str, str], float]]:
+    r = await node.client.get("/metrics")
+    assert r.status_code == 200
+    return samples(r.text)
+
+
+async def episode_on(node: InProcNode, via: InProcNode, prefix: str) -> dict[str, Any]:
+    for i in range(8):
+        body = (await via.act(episode_id=f"{prefix}{i}", inputs=OBS)).json()
+        if body["node"] == node.service.node_id:
+            return body
+    raise AssertionError("round-robin never reached the node")
+
+
+async def test_every_series_is_driven_and_labels_are_documented() -> None:
+    server = fakeredis.FakeServer()
+    redis = fakeredis.aioredis.FakeRedis(server=server, decode_responses=True)
+    cfgs = [
+        config("a", cluster_secret="k", admin_token="t", failure_threshold=1, cooldown_s=0,
+               capacity=3, max_body_bytes=2000),
+        config("b", cluster_secret="k", capacity=3),
+    ]
+    seen: list[tuple[str, dict[str, str], float]] = []
+    Flaky.fail = False
+    async with cluster(redis, cfgs, session_factory=lambda s: (Flaky(s), "CPU")) as (nodes, router):
+        a, b = nodes
+        sa = a.service
+        # routing: claimed, hit, stateless, degraded; forwarded ok
+        on_b = await episode_on(b, a, "fwd")
+        assert (await a.act(episode_id=on_b["episode_id"], inputs=OBS)).status_code == 200
+        await a.act(inputs=OBS)
+        await a.act(session_id="sess", inputs=OBS)
+        # forwarded refused: the owner holds a newer token than the router's view
+        await redis.set(KEYS.episode(on_b["episode_id"]),
+                        f"{on_b['device']} {on_b['token'] - 1}", px=60_000)
+        r = await a.act(episode_id=on_b["episode_id"], inputs=OBS)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "owner_refused"
+        # forwarded unreachable
+        router.down.add("b.test")
+        other = await episode_on(b, b, "unreach")
+        assert (await a.act(episode_id=other["episode_id"], inputs=OBS)).status_code == 503
+        router.down.clear()
+        # reassigned: b's lease lapses, a takes b's episodes
+        await redis.zadd(KEYS.nodes, {"b": 1})
+        await redis.delete(KEYS.node("b"))
+        r = (await a.act(episode_id=other["episode_id"], inputs=OBS)).json()
+        assert r["routing"] == "reassigned" and r["state_reset"] is True
+        await b.service.renew_once()  # b: not registered any more -> re-registers
+        # crash tracker: a model failure takes the device down, the probe brings it up
+        mine = await episode_on(a, a, "mine")
+        Flaky.fail = True
+        r = await a.act(episode_id=mine["episode_id"], inputs=OBS)
+        assert r.status_code == 500 and mine["node"] == "a"
+        await asyncio.sleep(0.05)
+        assert (await redis.hget(KEYS.device(mine["device"]), "state")) == "down"
+        seen += await scrape(a)
+        Flaky.fail = False
+        assert await sa.dispatcher.probe() == [mine["device"]]
+        await asyncio.sleep(0.05)
+        assert (await redis.hget(KEYS.device(mine["device"]), "state")) == "active"
+        seen += await scrape(a)
+        # full
+        for i in range(12):
+            await a.act(episode_id=f"fill{i}", inputs=OBS)
+        # rejected: bad_input, too_large, malformed, unauthorized, forbidden
+        await a.act(episode_id="x", inputs={"obs": [[1]]})
+        await a.client.post("/act", content=b"x" * 3000)
+        await a.client.post("/act", content=b"{")
+        await a.client.post("/devices/a/0/drain")
+        await a.client.post("/devices/a/0/drain", headers={"Authorization": "Bearer no"})
+        await a.client.post("/devices/a/0/drain", headers={"Authorization": "Bearer t"})
+        await redis.hset(KEYS.device("b/1"), "state", "draining")  # drained by an operator
+        await b.service.renew_once()  # the renewal picks the state up
+        seen += await scrape(a)
+        seen += await scrape(b)
+        await a.client.post("/devices/a/0/undrain", headers={"Authorization": "Bearer t"})
+        # lease renewals: ok, then failed while Redis is unreachable (also: routing unavailable)
+        await sa.renew_once()
+        server.connected = False
+        await sa.renew_once()
+        r = await a.act(episode_id="while-down", inputs=OBS)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "redis"
+        server.connected = True
+        # fenced
+        sa.lease_deadline = sa.clock() - 1
+        assert (await a.act(episode_id="fenced", inputs=OBS)).status_code == 503
+        seen += await scrape(a)
+        seen += await scrape(b)
+
+    devices = {f"{n}/{i}" for n in "ab" for i in range(2)}
+    driven: dict[str, bool] = dict.fromkeys(LABELS, False)
+    for name, labels, value in seen:
+        family = family_of(name)
+        documented = LABELS[family]
+        assert set(labels) - {"le"} == set(documented), (name, labels)
+        for label, value_label in labels.items():
+            if label == "le":
+                continue
+            allowed = devices if documented[label] == "device" else documented[label]
+            assert value_label in allowed, (name, label, value_label)
+        if value > 0 and not name.endswith("_created"):
+            driven[family] = True
+    for family, values in LABELS.items():
+        for label, allowed in values.items():
+            if allowed == "device":
+                continue
+            for v in allowed:
+                hit = any(
+                    family_of(n) == family and lab.get(label) == v and val > 0
+                    and not n.endswith("_created") and not n.endswith("_bucket")
+                    for n, lab, val in seen
+                )
+                assert hit, f"{family}{{{label}={v!r}}} was never driven"
+    assert all(driven.values()), [f for f, d in driven.items() if not d]
+
+
+def test_readme_documents_every_metric_and_value() -> None:
+    text = README.read_text()
+    table = text.split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    for family, labels in LABELS.items():
+        assert f"`{family}`" in table, family
+        for label, values in labels.items():
+            row = next(line for line in table.splitlines() if f"`{family}`" in line)
+            assert f"`{label}`" in row, (family, label)
+            if values != "device":
+                for v in values:
+                    assert re.search(rf"`{re.escape(v)}`", row), (family, v)
