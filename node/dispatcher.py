@@ -274,12 +274,7 @@ class MultiGpuDispatcher:
         for dev in self._devices.values():
             if not dev.tracker.probe_due():
                 continue
-            feed = {
-                spec.name: np.zeros(
-                    tuple(d if isinstance(d, int) else 1 for d in spec.shape), spec.dtype
-                )
-                for spec in self.contract.observation_inputs
-            }
+            feed = {spec.name: spec.zeros() for spec in self.contract.observation_inputs}
             feed.update(self.contract.initial_state())
             loop = asyncio.get_running_loop()
             try:

@@ -22,6 +22,7 @@ import uvicorn
 
 from affinity import Settings, connect, embedded_store
 from node.app import create_app
+from node.binding import BoundSession
 from node.config import NodeConfig
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import MultiGpuDispatcher, Session
@@ -32,6 +33,7 @@ from node.service import NodeService
 __all__ = ["build_service", "main", "parse_args"]
 
 log = logging.getLogger("affinity.node")
+CUDA_GRAPH_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 
 
 def _env_default(env: Mapping[str, str], name: str, default: Any = None) -> Any:
@@ -177,7 +179,13 @@ def build_service(
             built = build_session(
                 config.model, spec, config.providers, intra_op_threads=config.intra_op_threads
             )
-            return built.session, built.active
+            if not (config.providers.cuda_graph and built.active in CUDA_GRAPH_PROVIDERS):
+                return built.session, built.active
+            bound = BoundSession(built.session, contract, "cuda", spec.ordinal or 0)
+            # the first run captures the graph on this device, before any episode arrives
+            bound.run(None, {s.name: s.zeros() for s in contract.inputs})
+            log.info("device %s: CUDA graph captured", spec.index)
+            return bound, built.active
 
         make = session_factory or ort_session
         sessions: dict[str, Session] = {}
