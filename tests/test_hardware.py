@@ -76,3 +76,24 @@ def test_tensorrt_fills_one_cache_per_architecture(gpus: list[DeviceSpec], tmp_p
         cache = trt_cache_dir(next(d for d in gpus if d.arch == arch), settings)
         assert any(cache.iterdir()), f"TensorRT left no cache files in {cache}"
     assert {p.name for p in tmp_path.iterdir()} == {d.arch for d in gpus}
+
+
+def test_cuda_graph_per_device_matches_reference(gpus: list[DeviceSpec], tmp_path: Path) -> None:
+    from node.binding import BoundSession
+
+    contract = load_contract(DEMO_MODEL)
+    names = [o.name for o in contract.outputs]
+    for device in gpus:
+        built = build_session(
+            DEMO_MODEL, device, ProviderSettings(cuda_graph=True, trt_cache_root=tmp_path)
+        )
+        options = built.provider_options["CUDAExecutionProvider"]
+        assert options["enable_cuda_graph"] == "1" and options["device_id"] == str(device.ordinal)
+        bound = BoundSession(built.session, contract, "cuda", device.ordinal or 0)
+        rng = np.random.default_rng(5)
+        obs = [rng.uniform(-1, 1, (1, 8)).astype(np.float32) for _ in range(10)]
+        state = contract.initial_state()
+        for o, want in zip(obs, reference_rollout(DEMO_MODEL, obs), strict=True):
+            out = dict(zip(names, bound.run(names, {"obs": o, **state}), strict=True))
+            np.testing.assert_allclose(out["actions"], want["actions"], atol=1e-4)
+            state = {"state_in.hidden": out["state_out.hidden"]}
