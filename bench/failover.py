@@ -62,7 +62,7 @@ def main() -> None:
         "failover",
         [
             {
-                "figure": "SIGKILL of an owner -> first served reassigned /act, / (lease + renewal)",
+                "figure": "SIGKILL of owner -> first reassigned /act, / (lease + renewal)",
                 "value": ratio,
                 "result": f"{ratio:.2f}x ({median(times):.2f} s; lease {a.lease:g} s, "
                 f"renewal {a.lease / 3:.2f} s)",

@@ -51,7 +51,7 @@ class Proc:
         self.popen: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        out = open(self.log_path, "ab")
+        out = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
         self.popen = subprocess.Popen(
             self.argv,
             env=self.env,

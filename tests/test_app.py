@@ -240,7 +240,7 @@ async def test_forward_needs_the_secret(two: tuple[list[InProcNode], Router]) ->
 async def test_unreachable_owner_gets_503_never_a_second_owner(
     two: tuple[list[InProcNode], Router], redis: Any
 ) -> None:
-    (a, b), router = two
+    (a, _), router = two
     first = None
     for i in range(4):  # find an episode owned by b
         r = (await a.act(episode_id=f"ep{i}", inputs={"obs": [[0] * 8]})).json()
@@ -289,12 +289,10 @@ async def test_lost_assignment_is_a_reset_when_the_client_echoes_its_token(
 ) -> None:
     first = (await node.act(episode_id="ep", inputs={"obs": [[0.3] * 8]})).json()
     await redis.delete(KEYS.episode("ep"))  # as after Redis restarted empty
-    r = (await node.act(episode_id="ep", inputs={"obs": [[0.3] * 8]},
-                        token=first["token"])).json()
+    r = (await node.act(episode_id="ep", inputs={"obs": [[0.3] * 8]}, token=first["token"])).json()
     assert r["routing"] == "claimed" and r["token"] > first["token"]
     assert r["state_reset"] is True
-    again = (await node.act(episode_id="ep", inputs={"obs": [[0.3] * 8]},
-                            token=r["token"])).json()
+    again = (await node.act(episode_id="ep", inputs={"obs": [[0.3] * 8]}, token=r["token"])).json()
     assert again["state_reset"] is False
     bad = await node.act(episode_id="ep", inputs={"obs": [[0.3] * 8]}, token="x")
     assert bad.status_code == 422 and bad.json()["error"]["field"] == "token"

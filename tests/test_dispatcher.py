@@ -75,7 +75,7 @@ def make(n: int = 2, **kw: Any) -> tuple[MultiGpuDispatcher, dict[str, FakeSessi
 
 
 async def test_state_follows_episode_and_token() -> None:
-    d, sessions, _ = make()
+    d, _, _ = make()
     r1 = await d.step("n/0", "ep", 7, True, obs(1))
     r2 = await d.step("n/0", "ep", 7, False, obs(2))
     assert (r1.outputs["act"].item(), r2.outputs["act"].item()) == (1.0, 3.0)
