@@ -355,10 +355,25 @@ class Registry:
             reply = await self.redis.xrange(k.events, start, "+", count=count)
         return [(str(i), dict(f)) for i, f in reply]
 
+    async def latest_events(self, count: int) -> tuple[list[tuple[str, dict[str, str]]], str]:
+        """The last ``count`` events (oldest first), and the id to follow on from with
+        :meth:`wait_events` (``0-0`` for an empty stream; never ``$``, which would miss
+        what arrives between two waits)."""
+        async with bounded(self.settings):
+            reply = await self.redis.xrevrange(self.keys.events, count=max(count, 1))
+        newest_first = [(str(i), dict(f)) for i, f in reply]
+        cursor = newest_first[0][0] if newest_first else "0-0"
+        return newest_first[:count][::-1], cursor
+
     async def wait_events(self, since: str, block_ms: int) -> list[tuple[str, dict[str, str]]]:
-        """Events after ``since`` (``$`` = from now), waiting up to ``block_ms``."""
+        """Events after the id ``since``, waiting up to ``block_ms`` for the first one.
+
+        The wait is capped below the socket timeout (``redis_timeout_s``), so a quiet
+        stream returns ``[]`` instead of timing out; callers loop."""
         k = self.keys
-        reply = await self.redis.xread({k.events: since}, block=block_ms, count=100)
+        block = max(1, min(block_ms, round(self.settings.redis_timeout_s * 1000) - 100))
+        async with bounded(self.settings):
+            reply = await self.redis.xread({k.events: since}, block=block, count=100)
         if not reply:
             return []
         entries = reply[k.events][0] if isinstance(reply, dict) else reply[0][1]

@@ -76,8 +76,15 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
     server = fakeredis.FakeServer()
     redis = fakeredis.aioredis.FakeRedis(server=server, decode_responses=True)
     cfgs = [
-        config("a", cluster_secret="k", admin_token="t", failure_threshold=1, cooldown_s=0,
-               capacity=3, max_body_bytes=2000),
+        config(
+            "a",
+            cluster_secret="k",
+            admin_token="t",
+            failure_threshold=1,
+            cooldown_s=0,
+            capacity=3,
+            max_body_bytes=2000,
+        ),
         config("b", cluster_secret="k", capacity=3),
     ]
     seen: list[tuple[str, dict[str, str], float]] = []
@@ -91,8 +98,9 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         await a.act(inputs=OBS)
         await a.act(session_id="sess", inputs=OBS)
         # forwarded refused: the owner holds a newer token than the router's view
-        await redis.set(KEYS.episode(on_b["episode_id"]),
-                        f"{on_b['device']} {on_b['token'] - 1}", px=60_000)
+        await redis.set(
+            KEYS.episode(on_b["episode_id"]), f"{on_b['device']} {on_b['token'] - 1}", px=60_000
+        )
         r = await a.act(episode_id=on_b["episode_id"], inputs=OBS)
         assert r.status_code == 503 and r.json()["error"]["code"] == "owner_refused"
         # forwarded unreachable
@@ -166,8 +174,11 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
                 continue
             for v in allowed:
                 hit = any(
-                    family_of(n) == family and lab.get(label) == v and val > 0
-                    and not n.endswith("_created") and not n.endswith("_bucket")
+                    family_of(n) == family
+                    and lab.get(label) == v
+                    and val > 0
+                    and not n.endswith("_created")
+                    and not n.endswith("_bucket")
                     for n, lab, val in seen
                 )
                 assert hit, f"{family}{{{label}={v!r}}} was never driven"

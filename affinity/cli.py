@@ -1,0 +1,359 @@
+"""``affinity``: the operator's command line, a thin shell over :class:`Registry` and
+:class:`Claims`.
+
+Exit codes: 0 ok, 1 not found (episode, device), 2 usage, 3 Redis unreachable or failing.
+``--json`` (before or after the subcommand) prints machine-readable output instead of
+tables; ``events --json`` prints one JSON object per line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shlex
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+from urllib.parse import urlsplit, urlunsplit
+
+from redis.exceptions import RedisError
+
+from affinity.claims import Claims
+from affinity.config import Settings
+from affinity.connection import connect
+from affinity.errors import (
+    BackendUnavailable,
+    InvalidArgument,
+    StaleToken,
+    UnknownDevice,
+    UnknownEpisode,
+)
+from affinity.registry import Registry
+
+__all__ = ["main"]
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+FOLLOW_BLOCK_MS = 1000
+EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_REDIS = 0, 1, 2, 3
+_STREAM_ID = re.compile(r"^(-|\d+(-\d+)?)$")
+
+Event = tuple[str, dict[str, str]]
+
+
+@dataclass
+class Context:
+    registry: Registry
+    claims: Claims
+    json: bool
+    out: TextIO
+
+
+Command = Callable[[argparse.Namespace, Context], Awaitable[int]]
+
+
+# -- output ---------------------------------------------------------------------------------
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """Left-aligned columns separated by two spaces; the header row first."""
+    cells = [list(headers), *([str(c) for c in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
+    )
+
+
+def yes_no(value: bool) -> str:
+    return "yes" if value else "no"
+
+
+def seconds(ms: int) -> str:
+    return f"{ms / 1000:.1f}s"
+
+
+def event_line(event: Event) -> str:
+    """``<id> <type> key=value ...``; values with spaces or quotes are shell-quoted."""
+    event_id, fields = event
+    parts = [event_id, fields.get("type", "?")]
+    parts += [f"{k}={shlex.quote(v) if v else ''}" for k, v in fields.items() if k != "type"]
+    return " ".join(parts)
+
+
+def emit(ctx: Context, text: str) -> None:
+    print(text, file=ctx.out, flush=True)
+
+
+def emit_json(ctx: Context, value: Any) -> None:
+    emit(ctx, json.dumps(value, indent=2))
+
+
+# -- commands -------------------------------------------------------------------------------
+
+
+async def cmd_devices(args: argparse.Namespace, ctx: Context) -> int:
+    devices = await ctx.registry.devices()
+    if ctx.json:
+        emit_json(ctx, [d.to_json() for d in devices])
+        return EXIT_OK
+    rows = [
+        (
+            d.device,
+            d.node,
+            d.kind,
+            d.name,
+            d.state,
+            yes_no(d.alive),
+            f"{d.load}/{d.capacity}",
+            d.weight,
+            d.provider,
+            d.reason,
+        )
+        for d in devices
+    ]
+    headers = ("DEVICE", "NODE", "KIND", "NAME", "STATE", "ALIVE", "LIVE/CAP", "WEIGHT")
+    emit(ctx, table((*headers, "PROVIDER", "REASON"), rows))
+    return EXIT_OK
+
+
+async def cmd_nodes(args: argparse.Namespace, ctx: Context) -> int:
+    nodes = await ctx.registry.nodes()
+    if ctx.json:
+        emit_json(ctx, [n.to_json() for n in nodes])
+        return EXIT_OK
+    rows = [
+        (n.node, n.url, yes_no(n.alive), seconds(n.lease_ms), ",".join(n.devices)) for n in nodes
+    ]
+    emit(ctx, table(("NODE", "URL", "ALIVE", "LEASE LEFT", "DEVICES"), rows))
+    return EXIT_OK
+
+
+async def cmd_episodes(args: argparse.Namespace, ctx: Context) -> int:
+    rows = await ctx.registry.episodes(device=args.device, node=args.node)
+    if ctx.json:
+        emit_json(ctx, [r.to_json() for r in rows])
+        return EXIT_OK
+    emit(
+        ctx,
+        table(
+            ("EPISODE", "DEVICE", "TOKEN", "TTL LEFT"),
+            [(r.episode, r.device, r.token, seconds(r.ttl_ms)) for r in rows],
+        ),
+    )
+    return EXIT_OK
+
+
+async def cmd_show(args: argparse.Namespace, ctx: Context) -> int:
+    info = await ctx.claims.lookup(args.episode)
+    if info is None:
+        raise UnknownEpisode(args.episode)
+    if ctx.json:
+        emit_json(ctx, info.to_json())
+        return EXIT_OK
+    rows = [
+        ("episode", info.episode),
+        ("device", info.device),
+        ("node", info.node),
+        ("url", info.url),
+        ("token", info.token),
+        ("ttl left", seconds(info.ttl_ms)),
+        ("state", info.state),
+        ("alive", yes_no(info.alive)),
+    ]
+    emit(ctx, "\n".join(f"{k + ':':<10}{v}" for k, v in rows))
+    return EXIT_OK
+
+
+async def cmd_drain(args: argparse.Namespace, ctx: Context) -> int:
+    previous = await ctx.registry.drain(args.device, args.reason)
+    return report_state(ctx, args.device, "draining", previous)
+
+
+async def cmd_undrain(args: argparse.Namespace, ctx: Context) -> int:
+    previous = await ctx.registry.undrain(args.device)
+    return report_state(ctx, args.device, "active", previous)
+
+
+def report_state(ctx: Context, device: str, state: str, previous: str) -> int:
+    if ctx.json:
+        emit_json(ctx, {"device": device, "state": state, "previous": previous})
+    else:
+        emit(ctx, f"{device}: {previous} -> {state}")
+    return EXIT_OK
+
+
+async def cmd_release(args: argparse.Namespace, ctx: Context) -> int:
+    info = await ctx.claims.lookup(args.episode)
+    if info is None:
+        raise UnknownEpisode(args.episode)
+    device = await ctx.claims.release(args.episode, info.token, reason="operator")
+    if ctx.json:
+        emit_json(
+            ctx,
+            {"episode_id": args.episode, "device": device, "token": info.token, "released": True},
+        )
+    else:
+        emit(ctx, f"released {args.episode} from {device} (token {info.token})")
+    return EXIT_OK
+
+
+async def cmd_events(args: argparse.Namespace, ctx: Context) -> int:
+    if args.since is None:
+        batch, cursor = await ctx.registry.latest_events(args.count)
+    else:
+        batch = await ctx.registry.events(args.since, args.count)
+        cursor = "0-0" if args.since == "-" else args.since
+    limit: int | None = args.max_events
+    printed = 0
+    while True:
+        for event in batch:
+            if limit is not None and printed >= limit:
+                return EXIT_OK
+            emit(ctx, json.dumps({"id": event[0], **event[1]}) if ctx.json else event_line(event))
+            printed += 1
+            cursor = event[0]
+        if not args.follow or (limit is not None and printed >= limit):
+            return EXIT_OK
+        batch = await ctx.registry.wait_events(cursor, FOLLOW_BLOCK_MS)
+
+
+# -- parsing --------------------------------------------------------------------------------
+
+
+def non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def stream_id(text: str) -> str:
+    if not _STREAM_ID.match(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a stream id (such as 1718000000000-0, or - for the oldest)"
+        )
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # The global options are accepted before and after the subcommand; SUPPRESS keeps a
+    # subcommand's parser from overwriting a value given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--redis",
+        default=argparse.SUPPRESS,
+        metavar="URL",
+        help=f"Redis URL (default: $AFFINITY_REDIS_URL, else {DEFAULT_REDIS_URL})",
+    )
+    common.add_argument(
+        "--namespace",
+        default=argparse.SUPPRESS,
+        help="key namespace (default: $AFFINITY_NAMESPACE, else affinity)",
+    )
+    common.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
+    )
+
+    parser = argparse.ArgumentParser(
+        prog="affinity",
+        description="Inspect and operate an affinity deployment through its Redis.",
+        epilog="exit codes: 0 ok, 1 not found, 2 usage, 3 Redis unreachable or failing",
+        parents=[common],
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, run: Command, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help, description=help)
+        p.set_defaults(run=run)
+        return p
+
+    command("devices", cmd_devices, "every registered device: state, liveness, live load")
+    command("nodes", cmd_nodes, "every node with its lease")
+    p = command("episodes", cmd_episodes, "live assignments")
+    p.add_argument("--device", help="only this device")
+    p.add_argument("--node", help="only this node's devices")
+    p = command("show", cmd_show, "one episode's assignment (exit 1 when it has none)")
+    p.add_argument("episode")
+    p = command("drain", cmd_drain, "stop new episodes on a device; its episodes stay")
+    p.add_argument("device")
+    p.add_argument("--reason", default="", help="recorded on the device and in the event")
+    p = command("undrain", cmd_undrain, "let a device take new episodes again")
+    p.add_argument("device")
+    p = command("release", cmd_release, "end an episode's assignment (its next step claims anew)")
+    p.add_argument("episode")
+    p = command("events", cmd_events, "the event stream: claim, release, drain, node-up, ...")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
+    p.add_argument(
+        "--since",
+        type=stream_id,
+        help="events after this stream id (- for the oldest kept); default: the latest --count",
+    )
+    p.add_argument("--count", type=non_negative, default=20, help="how many (default: 20)")
+    p.add_argument("--max-events", type=non_negative, help=argparse.SUPPRESS)
+    return parser
+
+
+# -- entry point ----------------------------------------------------------------------------
+
+
+def shown_url(url: str) -> str:
+    """``url`` without its password."""
+    parts = urlsplit(url)
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{hostport}"))
+
+
+async def run(args: argparse.Namespace, settings: Settings, out: TextIO) -> int:
+    client = connect(settings)
+    try:
+        ctx = Context(Registry(client, settings), Claims(client, settings), args.json, out)
+        command: Command = args.run
+        return await command(args, ctx)
+    finally:
+        await client.aclose()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``affinity`` command line; returns the exit code (``sys.exit(main())``)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error (argparse exits 2)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    args.json = getattr(args, "json", False)
+    url = getattr(args, "redis", None) or os.environ.get("AFFINITY_REDIS_URL") or DEFAULT_REDIS_URL
+    namespace = getattr(args, "namespace", None)
+
+    def fail(code: int, message: str) -> int:
+        print(f"affinity: {message}", file=sys.stderr)
+        return code
+
+    try:
+        settings = Settings.from_env(redis_url=url, namespace=namespace)
+        return asyncio.run(run(args, settings, sys.stdout))
+    except KeyboardInterrupt:
+        return EXIT_OK if args.command == "events" else 130
+    except (UnknownEpisode, UnknownDevice, StaleToken) as exc:
+        return fail(EXIT_NOT_FOUND, str(exc))
+    except (InvalidArgument, ValueError) as exc:
+        return fail(EXIT_USAGE, str(exc))
+    except BrokenPipeError:
+        # The reader went away (``affinity events -f | head``): stop quietly.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except (BackendUnavailable, RedisError, OSError, TimeoutError) as exc:
+        reason = str(exc) or type(exc).__name__
+        return fail(EXIT_REDIS, f"cannot reach Redis at {shown_url(url)}: {reason}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,518 @@
+"""The ``affinity`` command line against a throwaway redis-server holding known nodes,
+devices and assignments (in process with capsys, and as real subprocesses)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis.asyncio
+
+from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
+from affinity.cli import main
+from tests.procs import ROOT, RedisServer, free_port, wait_until
+
+pytestmark = pytest.mark.integration
+
+KEYS = Keys()
+SETTINGS = Settings(episode_ttl_s=300, lease_ttl_s=60)
+EPISODES = [f"ep-{i}" for i in range(1, 7)]
+DEVICE_HEADERS = [
+    "DEVICE",
+    "NODE",
+    "KIND",
+    "NAME",
+    "STATE",
+    "ALIVE",
+    "LIVE/CAP",
+    "WEIGHT",
+    "PROVIDER",
+    "REASON",
+]
+
+
+@dataclass
+class Deployment:
+    server: RedisServer
+    url: str
+    placed: dict[str, tuple[str, int]]  # episode -> (device, token)
+
+
+def devices(node: str, kind: str, n: int, capacity: int) -> list[DeviceRegistration]:
+    gpu = kind == "cuda"
+    return [
+        DeviceRegistration(
+            index=i,
+            kind=kind,
+            name="NVIDIA H200" if gpu else "cpu",
+            uuid=f"{node}-{i}",
+            arch="sm_90" if gpu else "cpu",
+            memory_mb=143_771 if gpu else 0,
+            capacity=capacity,
+            provider="CUDAExecutionProvider" if gpu else "CPUExecutionProvider",
+        )
+        for i in range(n)
+    ]
+
+
+async def populate(url: str, namespace: str = "affinity") -> dict[str, tuple[str, int]]:
+    """Nodes gpu-a (2 cuda devices) and cpu-b (2 cpu devices) alive, gone-c lapsed;
+    six episodes claimed round-robin over the four live devices."""
+    client = redis.asyncio.Redis.from_url(url, decode_responses=True)
+    settings = SETTINGS.with_(redis_url=url, namespace=namespace)
+    registry, claims = Registry(client, settings), Claims(client, settings)
+    try:
+        await registry.register("gone-c", "http://gone-c:8000", devices("gone-c", "cpu", 1, 4))
+        await client.zadd(settings.keys.nodes, {"gone-c": 1})
+        await client.delete(settings.keys.node("gone-c"))
+        await registry.register("gpu-a", "http://gpu-a:8000", devices("gpu-a", "cuda", 2, 4))
+        await registry.register("cpu-b", "http://cpu-b:8000", devices("cpu-b", "cpu", 2, 8))
+        placed = {}
+        for ep in EPISODES:
+            a = await claims.resolve(ep)
+            placed[ep] = (a.device, a.token)
+        return placed
+    finally:
+        await client.aclose()
+
+
+async def claim(url: str, *episodes: str) -> None:
+    client = redis.asyncio.Redis.from_url(url, decode_responses=True)
+    claims = Claims(client, SETTINGS.with_(redis_url=url))
+    try:
+        for ep in episodes:
+            await claims.resolve(ep)
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    s = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture
+def dep(server: RedisServer) -> Deployment:
+    server.client().flushall()
+    return Deployment(server, server.url, asyncio.run(populate(server.url)))
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def cli(dep: Deployment, capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    return run_cli(capsys, "--redis", dep.url, *argv)
+
+
+def parse_table(text: str, headers: list[str]) -> list[dict[str, str]]:
+    lines = text.rstrip("\n").split("\n")
+    head = lines[0]
+    starts = [head.index(h) for h in headers]
+    assert starts == sorted(starts), head
+    bounds = [*starts[1:], None]
+    return [
+        {h: line[a:b].strip() for h, a, b in zip(headers, starts, bounds, strict=True)}
+        for line in lines[1:]
+    ]
+
+
+def subprocess_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
+
+
+# -- devices, nodes -------------------------------------------------------------------------
+
+
+def test_devices_table(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = cli(dep, capsys, "devices")
+    assert (code, err) == (0, "")
+    rows = {r["DEVICE"]: r for r in parse_table(out, DEVICE_HEADERS)}
+    assert sorted(rows) == ["cpu-b/0", "cpu-b/1", "gone-c/0", "gpu-a/0", "gpu-a/1"]
+    load = Counter(device for device, _ in dep.placed.values())
+    for device, row in rows.items():
+        cap = "8" if device.startswith("cpu-b") else "4"
+        assert row["LIVE/CAP"] == f"{load[device]}/{cap}"
+        assert row["STATE"] == "active"
+        assert row["WEIGHT"] == "1"
+        assert row["ALIVE"] == ("no" if device == "gone-c/0" else "yes")
+    assert rows["gpu-a/1"]["NAME"] == "NVIDIA H200"
+    assert rows["gpu-a/1"]["KIND"] == "cuda"
+    assert rows["gpu-a/1"]["PROVIDER"] == "CUDAExecutionProvider"
+    assert rows["cpu-b/0"]["NODE"] == "cpu-b"
+    assert sum(load[d] for d in rows) == len(EPISODES)
+
+
+def test_json_before_and_after_the_subcommand(
+    dep: Deployment, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, after, _ = cli(dep, capsys, "devices", "--json")
+    assert code == 0
+    code, before, _ = run_cli(capsys, "--json", "--redis", dep.url, "devices")
+    assert code == 0
+    listed = json.loads(after)
+    assert json.loads(before) == listed
+    assert [d["device"] for d in listed] == ["cpu-b/0", "cpu-b/1", "gone-c/0", "gpu-a/0", "gpu-a/1"]
+    first = listed[0]
+    assert set(first) >= {"device", "node", "kind", "name", "state", "alive", "load", "capacity"}
+    assert first["alive"] is True and first["capacity"] == 8
+    # a global option after the subcommand, too
+    code, again, _ = run_cli(capsys, "devices", "--redis", dep.url, "--json")
+    assert code == 0 and json.loads(again) == listed
+
+
+def test_nodes(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = cli(dep, capsys, "nodes")
+    assert (code, err) == (0, "")
+    headers = ["NODE", "URL", "ALIVE", "LEASE LEFT", "DEVICES"]
+    rows = {r["NODE"]: r for r in parse_table(out, headers)}
+    assert sorted(rows) == ["cpu-b", "gone-c", "gpu-a"]
+    assert rows["gpu-a"]["URL"] == "http://gpu-a:8000"
+    assert rows["gpu-a"]["DEVICES"] == "gpu-a/0,gpu-a/1"
+    assert rows["gpu-a"]["ALIVE"] == "yes" and rows["gone-c"]["ALIVE"] == "no"
+    assert 0 < float(rows["gpu-a"]["LEASE LEFT"].rstrip("s")) <= 60
+    assert float(rows["gone-c"]["LEASE LEFT"].rstrip("s")) < 0
+
+    code, out, _ = cli(dep, capsys, "nodes", "--json")
+    assert code == 0
+    nodes = {n["node"]: n for n in json.loads(out)}
+    assert nodes["cpu-b"]["devices"] == ["cpu-b/0", "cpu-b/1"]
+    assert nodes["cpu-b"]["alive"] is True and nodes["gone-c"]["alive"] is False
+    assert 0 < nodes["cpu-b"]["lease_ms"] <= 60_000
+
+
+def test_namespace_and_env_defaults(
+    dep: Deployment, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    asyncio.run(populate(dep.url, namespace="other"))
+    dep.server.client().delete(Keys("other").device("cpu-b/1"))
+    code, out, _ = cli(dep, capsys, "--namespace", "other", "devices", "--json")
+    assert code == 0
+    assert len(json.loads(out)) == 4  # its own keys only: cpu-b/1 removed there, not here
+    monkeypatch.setenv("AFFINITY_REDIS_URL", dep.url)
+    monkeypatch.setenv("AFFINITY_NAMESPACE", "other")
+    code, out, _ = run_cli(capsys, "devices", "--json")
+    assert code == 0 and len(json.loads(out)) == 4
+    code, out, _ = run_cli(capsys, "devices", "--json", "--namespace", "affinity")
+    assert code == 0 and len(json.loads(out)) == 5
+
+
+# -- episodes, show, release ----------------------------------------------------------------
+
+
+def test_episodes(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = cli(dep, capsys, "episodes")
+    assert (code, err) == (0, "")
+    rows = parse_table(out, ["EPISODE", "DEVICE", "TOKEN", "TTL LEFT"])
+    assert {r["EPISODE"]: (r["DEVICE"], int(r["TOKEN"])) for r in rows} == dep.placed
+    assert all(0 < float(r["TTL LEFT"].rstrip("s")) <= 300 for r in rows)
+
+    code, out, _ = cli(dep, capsys, "episodes", "--device", "gpu-a/0", "--json")
+    assert code == 0
+    on_a0 = {ep for ep, (d, _) in dep.placed.items() if d == "gpu-a/0"}
+    listed = json.loads(out)
+    assert on_a0 and {r["episode"] for r in listed} == on_a0
+    assert all(r["device"] == "gpu-a/0" and 0 < r["ttl_ms"] <= 300_000 for r in listed)
+
+    code, out, _ = cli(dep, capsys, "--json", "episodes", "--node", "cpu-b")
+    assert code == 0
+    on_b = {ep for ep, (d, _) in dep.placed.items() if d.startswith("cpu-b/")}
+    assert {r["episode"] for r in json.loads(out)} == on_b
+
+    code, out, err = cli(dep, capsys, "episodes", "--device", "nope/9")
+    assert code == 1 and out == ""
+    assert err == "affinity: device 'nope/9' is not registered\n"
+
+
+def test_show(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    device, token = dep.placed["ep-1"]
+    code, out, err = cli(dep, capsys, "show", "ep-1")
+    assert (code, err) == (0, "")
+    fields = dict(line.split(":", 1) for line in out.splitlines())
+    fields = {k: v.strip() for k, v in fields.items()}
+    assert fields["device"] == device
+    assert fields["node"] == device.split("/")[0]
+    assert fields["token"] == str(token)
+    assert fields["alive"] == "yes"
+    assert fields["state"] == "active"
+    assert 0 < float(fields["ttl left"].rstrip("s")) <= 300
+
+    code, out, _ = cli(dep, capsys, "show", "ep-1", "--json")
+    assert code == 0
+    shown = json.loads(out)
+    assert (shown["episode_id"], shown["device"], shown["token"]) == ("ep-1", device, token)
+    assert shown["alive"] is True and 0 < shown["ttl_ms"] <= 300_000
+
+    code, out, err = cli(dep, capsys, "show", "ep-missing")
+    assert (code, out) == (1, "")
+    assert err == "affinity: episode 'ep-missing' has no live assignment\n"
+
+
+def test_release(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    device, token = dep.placed["ep-2"]
+    code, out, err = cli(dep, capsys, "release", "ep-2")
+    assert (code, err) == (0, "")
+    assert out == f"released ep-2 from {device} (token {token})\n"
+    assert dep.server.client().get(KEYS.episode("ep-2")) is None
+    assert cli(dep, capsys, "show", "ep-2")[0] == 1
+
+    code, out, _ = cli(dep, capsys, "events", "--count", "1", "--json")
+    event = json.loads(out)
+    assert event["type"] == "release" and event["episode"] == "ep-2"
+    assert (event["device"], event["token"], event["reason"]) == (device, str(token), "operator")
+
+    code, out, err = cli(dep, capsys, "release", "ep-2", "--json")
+    assert (code, out) == (1, "")
+    assert "ep-2" in err and err.count("\n") == 1
+
+    device3, token3 = dep.placed["ep-3"]
+    code, out, _ = cli(dep, capsys, "--json", "release", "ep-3")
+    assert code == 0
+    assert json.loads(out) == {
+        "episode_id": "ep-3",
+        "device": device3,
+        "token": token3,
+        "released": True,
+    }
+
+
+# -- drain, undrain -------------------------------------------------------------------------
+
+
+def test_drain_then_devices_shows_draining(
+    dep: Deployment, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = cli(dep, capsys, "drain", "gpu-a/1", "--reason", "fan failure")
+    assert (code, out, err) == (0, "gpu-a/1: active -> draining\n", "")
+    code, out, _ = cli(dep, capsys, "devices")
+    rows = {r["DEVICE"]: r for r in parse_table(out, DEVICE_HEADERS)}
+    assert rows["gpu-a/1"]["STATE"] == "draining"
+    assert rows["gpu-a/1"]["REASON"] == "fan failure"
+    assert rows["gpu-a/0"]["STATE"] == "active"
+    # its episodes stay where they are
+    kept = {ep for ep, (d, _) in dep.placed.items() if d == "gpu-a/1"}
+    code, out, _ = cli(dep, capsys, "episodes", "--device", "gpu-a/1", "--json")
+    assert {r["episode"] for r in json.loads(out)} == kept
+
+    code, out, _ = cli(dep, capsys, "events", "--count", "1")
+    assert out.split(" ")[1] == "drain"
+    assert "device=gpu-a/1" in out and "reason='fan failure'" in out
+
+    code, out, _ = cli(dep, capsys, "undrain", "gpu-a/1", "--json")
+    assert code == 0
+    assert json.loads(out) == {"device": "gpu-a/1", "state": "active", "previous": "draining"}
+    code, out, _ = cli(dep, capsys, "devices", "--json")
+    assert {d["device"]: d["state"] for d in json.loads(out)}["gpu-a/1"] == "active"
+
+
+def test_drain_unknown_device(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("drain", "undrain"):
+        code, out, err = cli(dep, capsys, command, "gpu-z/0")
+        assert (code, out) == (1, "")
+        assert err == "affinity: device 'gpu-z/0' is not registered\n"
+    assert dep.server.client().exists(KEYS.device("gpu-z/0")) == 0
+
+
+# -- events ---------------------------------------------------------------------------------
+
+
+def test_events(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = cli(dep, capsys, "events", "--since", "-", "--count", "100")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    # 3 node-up, then one claim per episode
+    assert [line.split(" ")[1] for line in lines] == ["node-up"] * 3 + ["claim"] * len(EPISODES)
+    ids = [line.split(" ")[0] for line in lines]
+    assert ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))
+    device, token = dep.placed["ep-1"]
+    first_claim = lines[3].split(" ")
+    assert "episode=ep-1" in first_claim and f"device={device}" in first_claim
+    assert f"token={token}" in first_claim and "from=" in first_claim
+
+    code, out, _ = cli(dep, capsys, "events", "--json")  # the latest 20: all 9 here
+    events = [json.loads(line) for line in out.splitlines()]
+    assert [e["id"] for e in events] == ids
+    assert [e["episode"] for e in events[3:]] == EPISODES
+
+    code, out, _ = cli(dep, capsys, "events", "--count", "2", "--json")
+    assert [json.loads(line)["episode"] for line in out.splitlines()] == EPISODES[-2:]
+
+    code, out, _ = cli(dep, capsys, "events", "--since", ids[4], "--count", "2")
+    assert [line.split(" ")[0] for line in out.splitlines()] == ids[5:7]
+
+
+def test_events_follow_backlog_bounded(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(dep, capsys, "events", "--since", "-", "--json")
+    ids = [json.loads(line)["id"] for line in out.splitlines()]
+    code, out, _ = cli(
+        dep, capsys, "events", "--follow", "--since", ids[2], "--count", "1", "--max-events", "3"
+    )
+    assert code == 0
+    assert [line.split(" ")[0] for line in out.splitlines()] == ids[3:6]
+
+
+def blocked_in_xread(server: RedisServer) -> bool:
+    return any(c.get("cmd") == "xread" for c in server.client().client_list())
+
+
+def start_follower(dep: Deployment, *argv: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "affinity.cli", "--redis", dep.url, "events", "--follow", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+        cwd=ROOT,
+        start_new_session=True,
+    )
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+def test_events_follow_sees_a_concurrent_claim(dep: Deployment) -> None:
+    proc = start_follower(dep, "--count", "0", "--max-events", "2", "--json")
+    try:
+        # The follower is waiting in XREAD from the stream's current end...
+        wait_until(lambda: blocked_in_xread(dep.server), 15, "the follower to block in XREAD")
+        asyncio.run(claim(dep.url, "ep-new-1", "ep-new-2"))
+        out, err = proc.communicate(timeout=15)
+    finally:
+        stop(proc)
+    assert (proc.returncode, err) == (0, "")
+    events = [json.loads(line) for line in out.splitlines()]
+    # ...so it prints exactly the two new claims, none of the history.
+    assert [(e["type"], e["episode"]) for e in events] == [
+        ("claim", "ep-new-1"),
+        ("claim", "ep-new-2"),
+    ]
+
+
+def test_events_follow_stops_on_ctrl_c(dep: Deployment) -> None:
+    proc = start_follower(dep, "--count", "2")
+    try:
+        wait_until(lambda: blocked_in_xread(dep.server), 15, "the follower to block in XREAD")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=15)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0
+    assert err == ""
+    assert [line.split(" ")[1] for line in out.splitlines()] == ["claim", "claim"]
+
+
+def test_events_follow_exits_3_when_redis_goes_away(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path).start()
+    dep = Deployment(server, server.url, {})
+    proc = start_follower(dep)
+    try:
+        wait_until(lambda: blocked_in_xread(server), 15, "the follower to block in XREAD")
+        server.stop()
+        out, err = proc.communicate(timeout=15)
+    finally:
+        stop(proc)
+        server.stop()
+    assert (proc.returncode, out) == (3, "")
+    assert err.startswith(f"affinity: cannot reach Redis at {server.url}: ")
+    assert err.count("\n") == 1
+
+
+# -- exit codes and the installed script ----------------------------------------------------
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (
+        [],
+        ["bogus"],
+        ["show"],
+        ["events", "--count", "-1"],
+        ["events", "--since", "yesterday"],
+        ["drain"],
+    ):
+        code, out, err = run_cli(capsys, *argv)
+        assert code == 2, argv
+        assert "usage: affinity" in err and out == ""
+    # values the library refuses are usage errors too, with one line
+    code, _, err = run_cli(capsys, "--namespace", "a:b", "devices")
+    assert code == 2 and err.startswith("affinity: namespace") and err.count("\n") == 1
+    code, _, err = run_cli(capsys, "--redis", "http://127.0.0.1:1", "devices")
+    assert code == 2 and "scheme must be" in err and err.count("\n") == 1
+    code, out, _ = run_cli(capsys, "--help")
+    assert code == 0 and "exit codes" in out
+
+
+def test_unreachable_redis_exits_3_fast(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    for argv in (["devices"], ["show", "ep-1"], ["events", "--follow"], ["drain", "x/0"]):
+        started = time.monotonic()
+        code, out, err = run_cli(capsys, "--redis", url, *argv)
+        assert time.monotonic() - started < 5
+        assert (code, out) == (3, ""), argv
+        assert err.startswith(f"affinity: cannot reach Redis at {url}: ")
+        assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_password_is_not_shown(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"redis://ops:hunter2@127.0.0.1:{free_port()}/0"
+    code, _, err = run_cli(capsys, "--redis", url, "nodes")
+    assert code == 3
+    assert "hunter2" not in err and "ops:***@127.0.0.1" in err
+
+
+def test_installed_script(dep: Deployment, tmp_path: Path) -> None:
+    script = Path(sys.executable).parent / "affinity"
+    assert script.exists(), f"{script} missing: pip install -e . installs the console script"
+    done = subprocess.run(
+        [str(script), "--redis", dep.url, "devices", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=subprocess_env(),
+    )
+    assert (done.returncode, done.stderr) == (0, "")
+    assert len(json.loads(done.stdout)) == 5
+
+    missing = subprocess.run(
+        [str(script), "--redis", dep.url, "show", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=subprocess_env(),
+    )
+    assert (missing.returncode, missing.stdout) == (1, "")
+
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    down = subprocess.run(
+        [str(script), "--redis", dead, "nodes"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=subprocess_env(),
+    )
+    assert down.returncode == 3
+    assert down.stderr.startswith(f"affinity: cannot reach Redis at {dead}: ")
+    assert down.stderr.count("\n") == 1 and "Traceback" not in down.stderr
+
+    usage = subprocess.run(
+        [str(script), "nodes", "--bogus"], capture_output=True, text=True, timeout=30
+    )
+    assert usage.returncode == 2 and "usage:" in usage.stderr

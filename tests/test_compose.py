@@ -1,0 +1,200 @@
+"""docker/compose.yaml and docker/Dockerfile: the stack they describe is the one the
+stack test expects, and every setting they pass is one the node reads."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from tests.procs import ROOT, RedisServer, free_port
+
+COMPOSE = ROOT / "docker" / "compose.yaml"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+DOCKERIGNORE = ROOT / "docker" / "Dockerfile.dockerignore"
+NODES = ("node-a", "node-b")
+
+
+def load() -> dict[str, Any]:
+    doc = yaml.safe_load(COMPOSE.read_text(encoding="utf-8"))
+    assert isinstance(doc, dict) and isinstance(doc.get("services"), dict)
+    return doc
+
+
+def services() -> dict[str, Any]:
+    return dict(load()["services"])
+
+
+def environment(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment", {})
+    if isinstance(env, list):  # the KEY=VALUE list form
+        env = dict(item.split("=", 1) for item in env)
+    return {str(k): str(v) for k, v in env.items()}
+
+
+def healthcheck_command(service: dict[str, Any]) -> list[str]:
+    test = service["healthcheck"]["test"]
+    if isinstance(test, str):
+        return ["CMD-SHELL", test]
+    assert test[0] in ("CMD", "CMD-SHELL"), test
+    return [str(t) for t in test]
+
+
+def compose_cli() -> list[str] | None:
+    for argv in (["docker", "compose"], ["docker-compose"]):
+        if shutil.which(argv[0]) is None:
+            continue
+        try:
+            done = subprocess.run([*argv, "version"], capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if done.returncode == 0:
+            return argv
+    return None
+
+
+def test_docker_compose_accepts_the_file() -> None:
+    argv = compose_cli()
+    if argv is None:
+        pytest.skip("neither `docker compose` nor `docker-compose` works here; YAML checked below")
+    done = subprocess.run(
+        [*argv, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_services() -> None:
+    assert {"redis", *NODES, "stack-test"} <= set(services())
+
+
+def test_redis_service() -> None:
+    redis = services()["redis"]
+    assert str(redis["image"]).startswith("redis:7")
+    command = redis["command"]
+    command = command if isinstance(command, list) else command.split()
+    assert command[0] == "redis-server"
+    assert command[command.index("--save") + 1] in ("", '""')
+    assert command[command.index("--appendonly") + 1] == "no"
+    kind, *rest = healthcheck_command(redis)
+    assert kind == "CMD-SHELL" and "PONG" in rest[0] and "redis-cli ping" in rest[0]
+
+
+@pytest.mark.integration
+def test_redis_healthcheck_really_tests_pong(tmp_path: Path) -> None:
+    """The healthcheck's shell line, pointed at a live and at a dead port."""
+    if shutil.which("redis-cli") is None:
+        pytest.fail("redis-cli is not installed (bash .ci/run installs it)", pytrace=False)
+    _, line = healthcheck_command(services()["redis"])
+
+    def run(port: int) -> int:
+        shell = line.replace("redis-cli", f"redis-cli -p {port}")
+        return subprocess.run(["sh", "-c", shell], capture_output=True, timeout=30).returncode
+
+    server = RedisServer(tmp_path).start()
+    try:
+        assert run(server.port) == 0
+    finally:
+        server.stop()
+    assert run(free_port()) != 0
+
+
+def test_nodes() -> None:
+    all_services = services()
+    ids, urls = set(), set()
+    for name in NODES:
+        node = all_services[name]
+        env = environment(node)
+        port = int(env.get("AFFINITY_PORT", "8000"))
+
+        assert env["AFFINITY_DEVICES"] == "cpu:2"
+        assert env["AFFINITY_HOST"] == "0.0.0.0"
+        redis_url = urlsplit(env["AFFINITY_REDIS_URL"])
+        assert (redis_url.scheme, redis_url.hostname, redis_url.port or 6379) == (
+            "redis",
+            "redis",
+            6379,
+        )
+        advertise = urlsplit(env["AFFINITY_ADVERTISE_URL"])
+        assert (advertise.hostname, advertise.port) == (name, port), "its own service name"
+        ids.add(env["AFFINITY_NODE_ID"])
+        urls.add(env["AFFINITY_ADVERTISE_URL"])
+        assert env.get("AFFINITY_CLUSTER_SECRET"), "forwarding between nodes needs the secret"
+        assert env.get("AFFINITY_ADMIN_TOKEN")
+
+        assert node["depends_on"]["redis"]["condition"] == "service_healthy"
+        probe = " ".join(healthcheck_command(node)[1:])
+        assert re.search(rf"127\.0\.0\.1:{port}/(readyz|healthz)", probe), probe
+
+        build = node["build"]
+        assert (COMPOSE.parent / build["context"]).resolve() == ROOT
+        assert (ROOT / build["dockerfile"]).resolve() == DOCKERFILE
+        assert f":{port}" in " ".join(str(p) for p in node["ports"])
+    assert len(ids) == len(NODES), f"node ids must differ: {ids}"
+    assert len(urls) == len(NODES)
+    secrets = {environment(all_services[n])["AFFINITY_CLUSTER_SECRET"] for n in NODES}
+    assert len(secrets) == 1, "the nodes must share one cluster secret"
+
+
+def test_published_ports_are_distinct() -> None:
+    published = []
+    for service in services().values():
+        for port in service.get("ports", []):
+            parts = str(port).split(":")
+            assert len(parts) >= 2, f"publish {port} on a fixed host port"
+            published.append(parts[-2])
+    assert published and len(published) == len(set(published)), published
+
+
+def test_stack_test_service() -> None:
+    all_services = services()
+    test = all_services["stack-test"]
+    for name in NODES:
+        assert test["depends_on"][name]["condition"] == "service_healthy"
+    urls = environment(test)["AFFINITY_STACK_URLS"].split(",")
+    node_urls = {environment(all_services[n])["AFFINITY_ADVERTISE_URL"] for n in NODES}
+    assert {urlsplit(u).hostname for u in urls} == set(NODES)
+    assert set(urls) == node_urls
+    entrypoint = " ".join(test["entrypoint"])
+    assert "pytest" in entrypoint and "tests/stack" in entrypoint
+    target = test["build"]["target"]
+    assert re.search(rf"^FROM \S+ AS {re.escape(target)}$", DOCKERFILE.read_text(), re.M)
+    assert (ROOT / "tests" / "stack" / "test_stack.py").exists()
+
+
+def test_dockerfile() -> None:
+    text = DOCKERFILE.read_text(encoding="utf-8")
+    assert re.search(r"^ARG BASE_IMAGE\b", text, re.M)
+    assert re.search(r"^ARG GPU=0$", text, re.M)
+    assert "python:3.11-slim" in text and "nvidia/cuda:" in text
+    assert re.search(r'^ENTRYPOINT \["affinity-node"\]$', text, re.M)
+    assert re.search(r"^EXPOSE 8000$", text, re.M)
+    assert re.search(r"^HEALTHCHECK .*\\\n.*python.*/healthz", text, re.M)
+    stages = {
+        m[1]: m[2]
+        for m in re.finditer(r"^FROM \S+ AS (\S+)\n(.*?)(?=^FROM |\Z)", text, re.M | re.S)
+    }
+    for stage in ("runtime", "test"):
+        users = re.findall(r"^USER (\S+)$", stages[stage], re.M)
+        assert users and users[-1] not in ("root", "0"), f"stage {stage} must run as non-root"
+    assert "pip install /tmp/src" in text
+    ignore = DOCKERIGNORE.read_text(encoding="utf-8").split()
+    for needed in ("pyproject.toml", "README.md", "affinity", "node", "tests"):
+        assert f"!{needed}" in ignore, f"{needed} must reach the build context"
+
+
+def test_node_reads_every_variable_compose_passes() -> None:
+    sources = "".join(
+        (ROOT / path).read_text(encoding="utf-8") for path in ("node/main.py", "affinity/config.py")
+    )
+    all_services = services()
+    for name in NODES:
+        for var in environment(all_services[name]):
+            assert f'"{var}"' in sources, (
+                f"{name}: {var} is read by neither node/main.py nor config"
+            )
