@@ -81,8 +81,8 @@ class EpisodeInfo:
 def check_episode(episode: object) -> str:
     """Return ``episode`` as text, or raise :class:`InvalidArgument`.
 
-    An episode id is a non-empty string of valid UTF-8 of at most 512 bytes
-    (``bytes`` are accepted when they decode strictly).
+    An episode id is a non-empty string of valid UTF-8 of at most 512 bytes without
+    control characters (``bytes`` are accepted when they decode strictly).
     """
     if isinstance(episode, bytes):
         try:
@@ -97,6 +97,9 @@ def check_episode(episode: object) -> str:
         size = len(episode.encode("utf-8"))
     except UnicodeEncodeError:
         raise InvalidArgument("episode id", episode, "must be valid UTF-8") from None
+    if any(c < " " or c == "\x7f" for c in episode):
+        # they would reach operators' terminals through redis-cli and the CLI
+        raise InvalidArgument("episode id", episode, "must not contain control characters")
     if size > MAX_EPISODE_BYTES:
         raise InvalidArgument(
             "episode id", episode, f"is {size} bytes; the limit is {MAX_EPISODE_BYTES} bytes"

@@ -315,7 +315,7 @@ class NodeService:
         if not isinstance(end, bool):
             raise InvalidArgument("end", end, "must be true or false")
         if token is not None and (
-            isinstance(token, bool) or not isinstance(token, int) or token < 0
+            isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < 2**63
         ):
             raise InvalidArgument("token", token, "must be the token of an earlier reply")
         return _Step(inputs, body.get("inputs"), end, token)

@@ -211,7 +211,18 @@ async def test_script_cache_flushed_between_calls(env: Env) -> None:
     await env.registry.drain("a/0")
 
 
-BAD_EPISODES = ["", "x" * 513, "é" * 257, b"\xff\xfe", "\ud800", 42, None]
+BAD_EPISODES = [
+    "",
+    "x" * 513,
+    "é" * 257,
+    b"\xff\xfe",
+    "\ud800",
+    42,
+    None,
+    "a\x1bb",
+    "\x00",
+    "z\x7f",
+]
 
 
 @pytest.mark.parametrize("bad", BAD_EPISODES)
