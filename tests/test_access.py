@@ -176,3 +176,8 @@ def test_node_and_cli_over_tls(tmp_path: Path) -> None:
     finally:
         node.stop()
         proc.stop()
+
+
+def test_readme_documents_the_tested_acl_line() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert ACL_LINE in readme
