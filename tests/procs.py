@@ -89,15 +89,22 @@ class Proc:
 class RedisServer:
     """A throwaway redis-server without persistence on a free loopback port."""
 
-    def __init__(self, tmp: Path, host: str = "127.0.0.1", extra: list[str] | None = None):
+    def __init__(
+        self,
+        tmp: Path,
+        host: str = "127.0.0.1",
+        extra: list[str] | None = None,
+        netns: str | None = None,
+    ):
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail("redis-server is not installed (bash .ci/run installs it)", pytrace=False)
         self.host = host
-        self.port = free_port(host)
+        self.port = 6379 if netns else free_port(host)
         self.url = f"redis://{host}:{self.port}/0"
         self.proc = Proc(
             [
+                *(["ip", "netns", "exec", netns] if netns else []),
                 binary,
                 "--port",
                 str(self.port),
@@ -148,14 +155,16 @@ class Node:
         host: str = "127.0.0.1",
         extra: list[str] | None = None,
         env: dict[str, str] | None = None,
+        netns: str | None = None,
     ) -> None:
         self.node_id = node_id
         self.host = host
-        self.port = free_port(host)
+        self.port = 8000 if netns else free_port(host)
         self.url = f"http://{host}:{self.port}"
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = Proc(
             [
+                *(["ip", "netns", "exec", netns] if netns else []),
                 sys.executable,
                 "-m",
                 "node.main",
