@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from affinity import Keys
 from tests.procs import Node, RedisServer, wait_until
 from tests.test_cluster import Episode, assert_matches, drive, episodes
 
@@ -29,6 +30,7 @@ pytestmark = [
 ]
 
 LEASE = 2.0
+KEYS = Keys()
 SUBNET = "10.213.{tag}"
 
 
@@ -182,6 +184,7 @@ def test_link_down_and_redis_unreachable_answers_within_deadline(cluster: NsClus
     asyncio.run(drive(eps, range(4), cluster.urls()))
     cut = "n0"
     moved = {ep.id for ep in eps if ep.replies[-1]["node"] == cut}
+    redis = cluster.redis.client()
     cluster.net.exec("redis", "iptables", "-A", "INPUT", "-s", cluster.net.ip(2), "-j", "DROP")
     try:
         # n0 still answers its clients, but cannot reach Redis: 503 with Retry-After
@@ -192,6 +195,8 @@ def test_link_down_and_redis_unreachable_answers_within_deadline(cluster: NsClus
                 json={"episode_id": "new-one", "inputs": {"obs": [[0] * 8]}},
             )
         assert r.status_code == 503 and r.headers.get("retry-after"), r.text
+        # keep it cut off until Redis has seen its lease lapse
+        wait_until(lambda: not redis.exists(KEYS.node(cut)), LEASE * 5, f"{cut} lease lapsed")
         asyncio.run(drive(eps, range(4, 6), cluster.urls(without=(cut,))))
     finally:
         cluster.net.exec("redis", "iptables", "-F")
