@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -120,11 +120,60 @@ class CrashTracker:
         return self.down_since is not None and self.clock() - self.down_since >= self.cooldown_s
 
 
+T = TypeVar("T")
+
+
+class _Worker:
+    """One thread that runs one device's work items in order.
+
+    Lighter than a one-thread ``ThreadPoolExecutor`` behind ``run_in_executor`` (no
+    concurrent future chained to an asyncio one): a work item is queued with the asyncio
+    future it completes, and the thread completes it with ``call_soon_threadsafe``.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._queue.put((loop, future, fn, args))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            loop, future, fn, args = item
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # handed to the awaiting task, not swallowed
+                loop.call_soon_threadsafe(_settle, future, None, exc)
+            else:
+                loop.call_soon_threadsafe(_settle, future, result, None)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if future.cancelled():
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
 @dataclass
 class _Device:
     id: str
     session: Session
-    executor: ThreadPoolExecutor
+    worker: _Worker
     tracker: CrashTracker
     live: set[str] = field(default_factory=set)
 
@@ -169,7 +218,7 @@ class MultiGpuDispatcher:
             self._devices[device] = _Device(
                 id=device,
                 session=session_factory(device),
-                executor=ThreadPoolExecutor(1, thread_name_prefix=f"affinity-{device}"),
+                worker=_Worker(f"affinity-{device}"),
                 tracker=CrashTracker(failure_threshold, cooldown_s, clock),
             )
 
@@ -212,10 +261,7 @@ class MultiGpuDispatcher:
         dev = self._device(device)
         if dev.tracker.down:
             raise DeviceDown(device)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            dev.executor, self._step, dev, episode, token, fresh, dict(inputs)
-        )
+        return await dev.worker.run(self._step, dev, episode, token, fresh, dict(inputs))
 
     def _step(
         self, dev: _Device, episode: str, token: int, fresh: bool, inputs: dict[str, Array]
@@ -262,8 +308,7 @@ class MultiGpuDispatcher:
         if dev.tracker.down:
             raise DeviceDown(device)
         feed = {**inputs, **self.contract.initial_state()}
-        loop = asyncio.get_running_loop()
-        outputs = await loop.run_in_executor(dev.executor, self._run, dev, feed)
+        outputs = await dev.worker.run(self._run, dev, feed)
         return {k: v for k, v in outputs.items() if k not in self._fed_back}
 
     async def probe(self) -> list[str]:
@@ -276,9 +321,8 @@ class MultiGpuDispatcher:
                 continue
             feed = {spec.name: spec.zeros() for spec in self.contract.observation_inputs}
             feed.update(self.contract.initial_state())
-            loop = asyncio.get_running_loop()
             try:
-                await loop.run_in_executor(dev.executor, self._run, dev, feed)
+                await dev.worker.run(self._run, dev, feed)
             except ModelFailure:
                 continue
             back.append(dev.id)
@@ -313,4 +357,4 @@ class MultiGpuDispatcher:
 
     def close(self) -> None:
         for dev in self._devices.values():
-            dev.executor.shutdown(wait=True, cancel_futures=True)
+            dev.worker.close()
