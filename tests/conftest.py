@@ -8,7 +8,7 @@ FAIL with a message: they never skip silently.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +50,31 @@ def real_redis_url() -> Iterator[str]:
     r.close()
 
 
+def cpu_devices(
+    count: int = 2,
+    *,
+    capacity: int = 100,
+    weights: Sequence[int] | None = None,
+    uuid_prefix: str = "u",
+) -> list[DeviceRegistration]:
+    """CPU stand-in devices 0..count-1 (``weights`` sets count when given)."""
+    weights = list(weights) if weights is not None else [1] * count
+    return [
+        DeviceRegistration(
+            index=i,
+            kind="cpu",
+            name="cpu",
+            uuid=f"{uuid_prefix}-cpu-{i}",
+            arch="cpu",
+            memory_mb=0,
+            capacity=capacity,
+            weight=w,
+            provider="CPUExecutionProvider",
+        )
+        for i, w in enumerate(weights)
+    ]
+
+
 @dataclass
 class Env:
     redis: Any
@@ -62,20 +87,7 @@ class Env:
         return self.settings.keys
 
     async def node(self, node: str, n: int = 2, capacity: int = 100, weight: int = 1) -> list[str]:
-        devices = [
-            DeviceRegistration(
-                index=i,
-                kind="cpu",
-                name="cpu",
-                uuid=f"{node}-cpu-{i}",
-                arch="cpu",
-                memory_mb=0,
-                capacity=capacity,
-                weight=weight,
-                provider="CPUExecutionProvider",
-            )
-            for i in range(n)
-        ]
+        devices = cpu_devices(n, capacity=capacity, weights=[weight] * n, uuid_prefix=node)
         await self.registry.register(node, f"http://{node}.test:8000", devices, version="t")
         return [f"{node}/{i}" for i in range(n)]
 

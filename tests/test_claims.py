@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from affinity import InvalidArgument, NoCapacity, StaleToken, UnknownDevice, UnknownEpisode
-from tests.conftest import Env
+from tests.conftest import Env, cpu_devices
 
 pytestmark = pytest.mark.anyio
 
@@ -268,21 +268,7 @@ async def test_bad_registry_input_writes_nothing(env: Env) -> None:
 
 
 async def test_weighted_round_robin_window(env: Env) -> None:
-    from affinity import DeviceRegistration
-
-    devices = [
-        DeviceRegistration(
-            index=i,
-            kind="cpu",
-            name="c",
-            uuid=f"u{i}",
-            arch="cpu",
-            memory_mb=0,
-            capacity=1000,
-            weight=w,
-        )
-        for i, w in enumerate([3, 1, 2])
-    ]
+    devices = cpu_devices(weights=[3, 1, 2], capacity=1000)
     await env.registry.register("w", "http://w", devices)
     await env.claims.resolve("warm-up")  # the window may start anywhere
     picks = [(await env.claims.resolve(f"ep-{i}")).device for i in range(12)]

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import redis.asyncio
 
-from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
+from affinity import Claims, Keys, Registry, Settings
+from tests.conftest import cpu_devices
 
 pytestmark = pytest.mark.integration
 
@@ -42,18 +43,7 @@ def test_concurrent_resolves_agree(real_redis_url: str) -> None:
         client = redis.asyncio.Redis.from_url(real_redis_url, decode_responses=True)
         registry = Registry(client, Settings(redis_url=real_redis_url))
         for node in ("a", "b"):
-            devs = [
-                DeviceRegistration(
-                    index=i,
-                    kind="cpu",
-                    name="c",
-                    uuid=f"{node}{i}",
-                    arch="cpu",
-                    memory_mb=0,
-                    capacity=600,
-                )
-                for i in range(2)
-            ]
+            devs = cpu_devices(2, capacity=600, uuid_prefix=node)
             await registry.register(node, f"http://{node}", devs)
         await client.aclose()
 

@@ -21,7 +21,7 @@ import pytest
 
 from affinity import Keys
 from tests.procs import Node, RedisServer, wait_until
-from tests.test_cluster import Episode, assert_matches, drive, episodes
+from tests.test_cluster import Cluster, Episode, assert_matches, drive, episodes
 
 pytestmark = [
     pytest.mark.netns,
@@ -98,18 +98,8 @@ def net() -> Iterator[Net]:
             sh("ip", "netns", "del", n.ns(name), check=False)
 
 
-@dataclass
-class NsCluster:
-    net: Net
-    redis: RedisServer
-    nodes: list[Node]
-
-    def urls(self, *, without: tuple[str, ...] = ()) -> list[str]:
-        return [n.url for n in self.nodes if n.node_id not in without]
-
-
 @pytest.fixture
-def cluster(net: Net, tmp_path: Path) -> Iterator[NsCluster]:
+def cluster(net: Net, tmp_path: Path) -> Iterator[Cluster]:
     redis = RedisServer(tmp_path, host=net.ip(1), netns=net.ns("redis"))
     nodes = [
         Node(
@@ -130,7 +120,7 @@ def cluster(net: Net, tmp_path: Path) -> Iterator[NsCluster]:
             n.proc.start()
         for n in nodes:
             wait_until(n.ready, 60, f"{n.node_id} ready")
-        yield NsCluster(net, redis, nodes)
+        yield Cluster(redis, nodes)
     finally:
         for n in nodes:
             n.stop(signal.SIGKILL)
@@ -159,19 +149,19 @@ def check_moved(eps: list[Episode], moved: set[str], cut_devices: set[str]) -> N
             assert_matches(ep, 0, ep.replies)
 
 
-def test_silent_partition_of_a_node(cluster: NsCluster) -> None:
+def test_silent_partition_of_a_node(cluster: Cluster, net: Net) -> None:
     eps = episodes(30, 12, seed=5)
     asyncio.run(drive(eps, range(6), cluster.urls()))
     cut = "n2"
     moved = {ep.id for ep in eps if ep.replies[-1]["node"] == cut}
     assert moved
     # packets dropped, no reset: the node's Redis calls and its peers' forwards just stall
-    cluster.net.exec(cut, "iptables", "-A", "INPUT", "-i", "eth0", "-j", "DROP")
-    cluster.net.exec(cut, "iptables", "-A", "OUTPUT", "-o", "eth0", "-j", "DROP")
+    net.exec(cut, "iptables", "-A", "INPUT", "-i", "eth0", "-j", "DROP")
+    net.exec(cut, "iptables", "-A", "OUTPUT", "-o", "eth0", "-j", "DROP")
     try:
         asyncio.run(drive(eps, range(6, 9), cluster.urls(without=(cut,))))
     finally:
-        cluster.net.exec(cut, "iptables", "-F")
+        net.exec(cut, "iptables", "-F")
     # healed: the cut node re-registers and serves none of the moved episodes
     node = next(n for n in cluster.nodes if n.node_id == cut)
     wait_until(node.ready, LEASE * 10, f"{cut} ready again")
@@ -179,13 +169,15 @@ def test_silent_partition_of_a_node(cluster: NsCluster) -> None:
     check_moved(eps, moved, {f"{cut}/0", f"{cut}/1"})
 
 
-def test_link_down_and_redis_unreachable_answers_within_deadline(cluster: NsCluster) -> None:
+def test_link_down_and_redis_unreachable_answers_within_deadline(
+    cluster: Cluster, net: Net
+) -> None:
     eps = episodes(20, 8, seed=6)
     asyncio.run(drive(eps, range(4), cluster.urls()))
     cut = "n0"
     moved = {ep.id for ep in eps if ep.replies[-1]["node"] == cut}
     redis = cluster.redis.client()
-    cluster.net.exec("redis", "iptables", "-A", "INPUT", "-s", cluster.net.ip(2), "-j", "DROP")
+    net.exec("redis", "iptables", "-A", "INPUT", "-s", net.ip(2), "-j", "DROP")
     try:
         # n0 still answers its clients, but cannot reach Redis: 503 with Retry-After
         # within its deadline (the client timeout here is far above --act-deadline 3 s)
@@ -199,10 +191,10 @@ def test_link_down_and_redis_unreachable_answers_within_deadline(cluster: NsClus
         wait_until(lambda: not redis.exists(KEYS.node(cut)), LEASE * 5, f"{cut} lease lapsed")
         asyncio.run(drive(eps, range(4, 6), cluster.urls(without=(cut,))))
     finally:
-        cluster.net.exec("redis", "iptables", "-F")
-    cluster.net.exec(cut, "ip", "link", "set", "eth0", "down")
+        net.exec("redis", "iptables", "-F")
+    net.exec(cut, "ip", "link", "set", "eth0", "down")
     time.sleep(0.2)
-    cluster.net.exec(cut, "ip", "link", "set", "eth0", "up")
+    net.exec(cut, "ip", "link", "set", "eth0", "up")
     wait_until(cluster.nodes[0].ready, LEASE * 10, f"{cut} ready again")
     asyncio.run(drive(eps, range(6, 8), cluster.urls()))
     assert moved

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from affinity import Claims, DeviceRegistration, NoCapacity, Registry, Settings, StaleToken
-from tests.conftest import BACKENDS, Env, make_client
+from affinity import Claims, NoCapacity, Registry, Settings, StaleToken
+from tests.conftest import BACKENDS, Env, cpu_devices, make_client
 
 SETTINGS = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -34,28 +34,12 @@ def run(backend: str, body: Callable[[Env], Awaitable[None]]) -> None:
     asyncio.run(main())
 
 
-def devices(weights: list[int], capacity: int) -> list[DeviceRegistration]:
-    return [
-        DeviceRegistration(
-            index=i,
-            kind="cpu",
-            name="c",
-            uuid=f"u{i}",
-            arch="cpu",
-            memory_mb=0,
-            capacity=capacity,
-            weight=w,
-        )
-        for i, w in enumerate(weights)
-    ]
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @SETTINGS
 @given(weights=st.lists(st.integers(1, 5), min_size=1, max_size=5), warm=st.integers(0, 7))
 def test_weighted_round_robin_is_exact(backend: str, weights: list[int], warm: int) -> None:
     async def body(env: Env) -> None:
-        await env.registry.register("n", "http://n", devices(weights, 10_000))
+        await env.registry.register("n", "http://n", cpu_devices(weights=weights, capacity=10_000))
         for i in range(warm):
             await env.claims.resolve(f"warm-{i}")
         window = [(await env.claims.resolve(f"ep-{i}")).device for i in range(sum(weights))]
@@ -83,7 +67,7 @@ def test_live_load_never_exceeds_capacity(
 ) -> None:
     async def body(env: Env) -> None:
         for i, cap in enumerate(capacities):
-            await env.registry.register(f"n{i}", f"http://n{i}", devices([1], cap))
+            await env.registry.register(f"n{i}", f"http://n{i}", cpu_devices(1, capacity=cap))
         tokens: dict[str, int] = {}
         for op, i in steps:
             ep = f"ep-{i}"
