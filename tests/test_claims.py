@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -284,6 +285,20 @@ async def test_reregister_keeps_drain_not_down(env: Env) -> None:
     await env.node("a", 2)
     states = {d.device: (d.state, d.reason) for d in await env.registry.devices()}
     assert states == {"a/0": ("draining", "bad fan"), "a/1": ("active", "")}
+
+
+async def test_drain_follows_the_gpu_uuid_not_the_index(env: Env) -> None:
+    await env.node("a", 2)
+    await env.registry.drain("a/1", "bad fan")
+    # after a reboot the GPUs at indexes 0 and 1 swapped places
+    swapped = cpu_devices(2, uuid_prefix="a")
+    swapped = [replace(swapped[0], uuid=swapped[1].uuid), replace(swapped[1], uuid=swapped[0].uuid)]
+    await env.registry.register("a", "http://a.test:8000", swapped)
+    states = {d.device: (d.state, d.uuid) for d in await env.registry.devices()}
+    assert states["a/1"] == ("active", "a-cpu-0")
+    await env.registry.drain("a/0", "bad fan")  # the operator follows the GPU
+    await env.registry.register("a", "http://a.test:8000", swapped)
+    assert {d.device: d.state for d in await env.registry.devices()}["a/0"] == "draining"
 
 
 async def test_deregister_releases_episodes(env: Env) -> None:

@@ -13,8 +13,9 @@
 -- ARGV[6]  software version
 -- ARGV[7..] 9 fields per device: index, kind, name, uuid, arch, memory, capacity, weight, provider
 --
--- An operator's drain (state "draining" and its reason) survives re-registration; a
--- crash-tracker "down" does not (a new process starts healthy). Devices the node listed
+-- An operator's drain (state "draining" and its reason) survives re-registration while
+-- the same GPU UUID sits at that index; a crash-tracker "down" does not (a new process
+-- starts healthy). Devices the node listed
 -- before but not now are removed, so their episodes move on their next request.
 -- Returns the lease deadline (ms, server time).
 
@@ -29,9 +30,11 @@ local ids = {}
 for i = 7, #ARGV, 9 do
     local id = node .. '/' .. ARGV[i]
     local key = prefix .. 'device:' .. id
-    local old = redis.call('HMGET', key, 'state', 'reason')
+    local old = redis.call('HMGET', key, 'state', 'reason', 'uuid')
     local state, reason = 'active', ''
-    if old[1] == 'draining' then
+    -- the drain belongs to the physical GPU: it carries over only while the same UUID
+    -- sits at this index (GPU order can change across reboots)
+    if old[1] == 'draining' and (old[3] == ARGV[i + 3] or not old[3]) then
         state, reason = 'draining', old[2] or ''
     end
     redis.call('HSET', key,
