@@ -6,7 +6,7 @@ keeps nodes, devices and their states; ``Keys`` names every Redis key.
 
 from affinity.claims import Assignment, Claims, EpisodeInfo, check_episode
 from affinity.config import Settings
-from affinity.connection import connect, embedded_store
+from affinity.connection import close, connect, embedded_store
 from affinity.errors import (
     AffinityError,
     BackendUnavailable,
@@ -39,6 +39,7 @@ __all__ = [
     "UnknownDevice",
     "UnknownEpisode",
     "check_episode",
+    "close",
     "connect",
     "embedded_store",
 ]

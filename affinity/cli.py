@@ -24,7 +24,7 @@ from redis.exceptions import RedisError
 
 from affinity.claims import Claims
 from affinity.config import Settings
-from affinity.connection import connect
+from affinity.connection import close, connect
 from affinity.errors import (
     BackendUnavailable,
     InvalidArgument,
@@ -319,7 +319,7 @@ async def run(args: argparse.Namespace, settings: Settings, out: TextIO) -> int:
         command: Command = args.run
         return await command(args, ctx)
     finally:
-        await client.aclose()
+        await close(client)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -23,7 +23,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from affinity.config import Settings
 from affinity.errors import InvalidArgument
 
-__all__ = ["AnyRedis", "connect", "embedded_store"]
+__all__ = ["AnyRedis", "close", "connect", "embedded_store"]
 
 log = logging.getLogger("affinity")
 
@@ -91,6 +91,15 @@ def _sentinel(url: str, kwargs: dict[str, Any]) -> Redis:
         master, password=password, db=int(query.get("db", 0)), **kwargs
     )
     return client
+
+
+async def close(client: AnyRedis) -> None:
+    """Close ``client`` and, behind Sentinel, the connections to the sentinels too."""
+    manager = getattr(getattr(client, "connection_pool", None), "sentinel_manager", None)
+    await client.aclose()
+    if manager is not None:
+        for sentinel in manager.sentinels:
+            await sentinel.aclose()
 
 
 def embedded_store(serve_port: int | None = None, host: str = "127.0.0.1") -> Redis:

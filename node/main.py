@@ -209,7 +209,14 @@ def build_service(
             )
 
         return NodeService(
-            config, client, devices, providers, dispatcher, contract, transport=transport
+            config,
+            client,
+            devices,
+            providers,
+            dispatcher,
+            contract,
+            transport=transport,
+            owns_redis=redis is None,
         )
 
     return factory

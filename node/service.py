@@ -30,6 +30,7 @@ from affinity import (
     StaleToken,
     UnknownEpisode,
     check_episode,
+    close,
 )
 from node.config import NodeConfig
 from node.devices import DeviceSpec
@@ -121,10 +122,12 @@ class NodeService:
         contract: PolicyContract,
         clock: Callable[[], float] = time.monotonic,
         transport: httpx.AsyncBaseTransport | None = None,
+        owns_redis: bool = False,
     ) -> None:
         self.config = config
         self.node_id = config.node_id
         self.redis = redis
+        self.owns_redis = owns_redis  # close it at stop (it was made for this node)
         self.claims = Claims(redis, config.settings)
         self.registry = Registry(redis, config.settings)
         self.contract = contract
@@ -213,6 +216,8 @@ class NodeService:
                 log.error("could not deregister node %s: %s", self.node_id, exc)
         self.dispatcher.close()
         await self._http.aclose()
+        if self.owns_redis:
+            await close(self.redis)
 
     async def renew_once(self) -> None:
         sent = self.clock()
