@@ -12,8 +12,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 
 from affinity.config import Settings
 from affinity.errors import (
@@ -109,12 +108,14 @@ def check_episode(episode: object) -> str:
 
 @asynccontextmanager
 async def bounded(settings: Settings) -> AsyncIterator[None]:
-    """Bound one library call by ``redis_deadline_s``; map transport errors to
-    :class:`BackendUnavailable`."""
+    """Bound one library call by ``redis_deadline_s``; map transport errors and Redis
+    error replies to :class:`BackendUnavailable`."""
     try:
         async with asyncio.timeout(settings.redis_deadline_s):
             yield
-    except (TimeoutError, RedisTimeoutError, RedisConnectionError, OSError) as exc:
+    except (TimeoutError, RedisError, OSError) as exc:
+        # RedisError covers error replies too (OOM, READONLY after a failover, BUSY,
+        # CLUSTERDOWN): for the caller the store cannot decide now
         raise BackendUnavailable(
             f"Redis did not answer within {settings.redis_deadline_s}s: {exc or type(exc).__name__}"
         ) from exc

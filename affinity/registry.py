@@ -227,8 +227,11 @@ class Registry:
         return (await self.set_state(device, "draining", reason))[0]
 
     async def undrain(self, device: str) -> str:
-        """Let ``device`` take new episodes again. Returns the previous state."""
-        return (await self.set_state(device, "active", ""))[0]
+        """Let a draining ``device`` take new episodes again; returns the previous state.
+
+        A device that is not draining is left alone (a ``down`` device comes back through
+        its node's probe, not through an operator's undrain)."""
+        return (await self.set_state(device, "active", "", only_if="draining"))[0]
 
     async def states(self, devices: Sequence[str]) -> dict[str, str]:
         """The current state of each of ``devices`` (``removed`` when its hash is gone)."""

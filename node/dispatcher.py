@@ -123,6 +123,19 @@ class CrashTracker:
 T = TypeVar("T")
 
 
+class _Abandoned(Exception):
+    """A queued step whose caller gave up before it started: it is not run."""
+
+
+@dataclass
+class _Job:
+    """What a step and its caller share to agree on whether its state is kept."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    abandoned: bool = False
+    committed: bool = False
+
+
 class _Worker:
     """One thread that runs one device's work items in order.
 
@@ -148,6 +161,8 @@ class _Worker:
             if item is None:
                 return
             loop, future, fn, args = item
+            if future.cancelled():  # racy read, only to skip work early; _Job decides
+                continue
             try:
                 result = fn(*args)
             except BaseException as exc:  # handed to the awaiting task, not swallowed
@@ -211,6 +226,7 @@ class MultiGpuDispatcher:
         self.on_transition = on_transition
         self._lock = threading.Lock()
         self._states: dict[str, _EpisodeState] = {}
+        self._generation = 0  # bumped by drop_all(): steps running across it keep nothing
         self._outputs = [o.name for o in contract.outputs]
         self._fed_back = set(contract.state.values())
         self._devices: dict[str, _Device] = {}
@@ -256,18 +272,40 @@ class MultiGpuDispatcher:
 
         ``fresh`` says the episode was just claimed, so no state is expected anywhere.
         Raises :class:`ModelFailure` (the session raised; counted) and
-        :class:`DeviceDown`. The state is only advanced when the run succeeds.
+        :class:`DeviceDown`. The state is only advanced when the run succeeds and its
+        caller is still waiting: a step whose request was cancelled (its deadline passed)
+        is skipped if it has not started, and keeps nothing if it has. In the instant where
+        the state was kept but the caller is cancelled anyway, the state is dropped, so the
+        episode's next step starts clean and says ``state_reset``.
         """
         dev = self._device(device)
         if dev.tracker.down:
             raise DeviceDown(device)
-        return await dev.worker.run(self._step, dev, episode, token, fresh, dict(inputs))
+        job = _Job()
+        try:
+            return await dev.worker.run(self._step, dev, episode, token, fresh, dict(inputs), job)
+        except asyncio.CancelledError:
+            with job.lock:
+                job.abandoned = True
+                committed = job.committed
+            if committed:
+                self.release(episode)
+            raise
 
     def _step(
-        self, dev: _Device, episode: str, token: int, fresh: bool, inputs: dict[str, Array]
+        self,
+        dev: _Device,
+        episode: str,
+        token: int,
+        fresh: bool,
+        inputs: dict[str, Array],
+        job: _Job,
     ) -> StepResult:
+        if job.abandoned:
+            raise _Abandoned
         with self._lock:
             st = self._states.get(episode)
+            generation = self._generation
         if st is not None and st.token == token and st.device == dev.id:
             state, reset, steps = st.state, False, st.steps
         else:
@@ -275,12 +313,15 @@ class MultiGpuDispatcher:
         outputs = self._run(dev, {**inputs, **state})
         new_state = {name: outputs[out] for name, out in self.contract.state.items()}
         now = self.clock()
-        with self._lock:
-            old = self._states.get(episode)
-            if old is not None and old.device != dev.id:
-                self._devices[old.device].live.discard(episode)
-            self._states[episode] = _EpisodeState(dev.id, token, new_state, now, steps + 1)
-            dev.live.add(episode)
+        with job.lock, self._lock:
+            # keep nothing for a caller that gave up, or after drop_all() ran meanwhile
+            if not job.abandoned and generation == self._generation:
+                old = self._states.get(episode)
+                if old is not None and old.device != dev.id:
+                    self._devices[old.device].live.discard(episode)
+                self._states[episode] = _EpisodeState(dev.id, token, new_state, now, steps + 1)
+                dev.live.add(episode)
+                job.committed = True
         visible = {k: v for k, v in outputs.items() if k not in self._fed_back}
         return StepResult(visible, reset, steps + 1)
 
@@ -351,6 +392,7 @@ class MultiGpuDispatcher:
         with self._lock:
             n = len(self._states)
             self._states.clear()
+            self._generation += 1
             for dev in self._devices.values():
                 dev.live.clear()
         return n

@@ -152,6 +152,13 @@ class NodeService:
 
     # ---- lifecycle -------------------------------------------------------------------
 
+    @property
+    def lease_s(self) -> float:
+        """How long after sending a renewal this node may serve: the lease TTL less a small
+        margin, since Redis floors its clock to milliseconds and clock rates differ."""
+        ttl = self.config.settings.lease_ttl_s
+        return ttl - max(0.01, 0.02 * ttl)
+
     def registrations(self) -> list[DeviceRegistration]:
         return [
             DeviceRegistration(
@@ -176,7 +183,7 @@ class NodeService:
         await self.registry.register(
             self.node_id, self.config.advertise_url, self.registrations(), VERSION
         )
-        self.lease_deadline = sent + self.config.settings.lease_ttl_s
+        self.lease_deadline = sent + self.lease_s
         self.registered = True
         self._fenced_logged = False
         self.metrics.fenced.set(0)
@@ -208,6 +215,8 @@ class NodeService:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self.lease_deadline = float("-inf")  # serve nothing more, whatever is still queued
+        self.dispatcher.drop_all()
         if self.registered:
             try:
                 released = await self.registry.deregister(self.node_id)
@@ -229,7 +238,7 @@ class NodeService:
             return
         if ok:
             self.metrics.renewals.labels("ok").inc()
-            self.lease_deadline = sent + self.config.settings.lease_ttl_s
+            self.lease_deadline = sent + self.lease_s
             with contextlib.suppress(AffinityError):
                 for device, state in (await self.registry.states(self.device_ids)).items():
                     if state in ("active", "draining", "down"):
@@ -253,16 +262,24 @@ class NodeService:
             if self.fenced():
                 interval = min(interval, 0.5)  # come back quickly once Redis answers
             await asyncio.sleep(interval)
-            await self.renew_once()
+            try:
+                await self.renew_once()
+            except Exception:  # a renewal loop that dies would fence the node for good
+                self.metrics.renewals.labels("failed").inc()
+                log.exception("lease renewal of %s failed", self.node_id)
 
     async def _maintenance_loop(self) -> None:
         while True:
             await asyncio.sleep(min(1.0, self.config.renew_every_s))
-            self.fenced()
-            self.dispatcher.expire_idle()
-            for device in await self.dispatcher.probe():
-                log.info("device %s passed its probe", device)
-            self.refresh_gauges()
+            try:
+                self.fenced()
+                self.dispatcher.expire_idle()
+                async with asyncio.timeout(self.config.act_deadline_s):
+                    for device in await self.dispatcher.probe():
+                        log.info("device %s passed its probe", device)
+                self.refresh_gauges()
+            except Exception:  # includes a probe that hangs past the deadline
+                log.exception("maintenance of node %s failed", self.node_id)
 
     def refresh_gauges(self) -> None:
         for device in self.device_ids:
@@ -307,7 +324,7 @@ class NodeService:
         try:
             if to == "down":
                 await self.registry.set_state(device, "down", reason[:256])
-            else:
+            else:  # back to what it was before (an operator's drain stays a drain)
                 await self.registry.set_state(device, "active", "", only_if="down")
         except AffinityError as exc:
             log.error("could not record %s as %s: %s", device, to, exc)
@@ -377,6 +394,9 @@ class NodeService:
         result = await self.dispatcher.step(
             a.device, a.episode, a.token, a.status == "claimed", step.inputs
         )
+        if self.fenced():  # the lease ran out while the model ran: this reply may be stale
+            self.dispatcher.release(a.episode)
+            raise Unavailable("fenced", f"node {self.node_id} lease ran out during the step", 1.0)
         if step.end:
             await self.end_episode(a.episode, a.token)
         self.metrics.act_seconds.labels("local").observe(time.perf_counter() - started)
@@ -467,6 +487,20 @@ class NodeService:
             raise Refused(
                 409, "stale_token", f"episode {episode!r}: token {token} is older than {local}"
             )
+        if local != token:
+            # about to start state for a token this node does not hold: make sure Redis
+            # still gives (device, token) to this episode, so a forward that was in flight
+            # while the episode ended and moved never starts a second owner
+            try:
+                info = await self.claims.lookup(episode)
+            except BackendUnavailable as exc:
+                raise Unavailable("redis", str(exc), 1.0) from exc
+            if info is None or (info.device, info.token) != (device, token):
+                raise Refused(
+                    409,
+                    "stale_token",
+                    f"episode {episode!r} is no longer {device} with token {token}",
+                )
         return await self._serve_local(
             Assignment(episode, routing, device, token, self.node_id, "", None), step
         )

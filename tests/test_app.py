@@ -296,3 +296,46 @@ async def test_lost_assignment_is_a_reset_when_the_client_echoes_its_token(
     assert again["state_reset"] is False
     bad = await node.act(episode_id="ep", inputs={"obs": [[0.3] * 8]}, token="x")
     assert bad.status_code == 422 and bad.json()["error"]["field"] == "token"
+
+
+async def test_owner_refuses_a_forward_for_an_assignment_redis_no_longer_has(
+    two: tuple[list[InProcNode], Router], redis: Any
+) -> None:
+    (_, b), _ = two
+    body = {
+        "episode_id": "gone",
+        "token": 12345,
+        "device": "b/0",
+        "routing": "hit",
+        "inputs": {"obs": [[0] * 8]},
+    }
+    r = await b.client.post("/internal/act", json=body, headers={"X-Affinity-Secret": "k"})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "stale_token"
+    assert not b.service.dispatcher.has_state("gone")
+
+
+async def test_lease_running_out_during_the_step_is_a_503(redis: Any) -> None:
+    from node.devices import DeviceSpec
+    from node.policy import DEMO_MODEL
+    from node.providers import ProviderSettings, build_session
+
+    services: list[Any] = []
+
+    class Slow:
+        def __init__(self, spec: DeviceSpec) -> None:
+            self.inner = build_session(DEMO_MODEL, spec, ProviderSettings()).session
+
+        def run(self, names: Any, feed: Any) -> Any:
+            if services and services[0].lease_deadline > 0 and feed["obs"][0][0] == 9:
+                services[0].lease_deadline = services[0].clock() - 1  # time passes
+            return self.inner.run(names, dict(feed))
+
+    async with cluster(
+        redis, [config("a", devices="cpu:1")], session_factory=lambda spec: (Slow(spec), "CPU")
+    ) as (nodes, _):
+        n = nodes[0]
+        services.append(n.service)
+        assert (await n.act(episode_id="ep", inputs={"obs": [[0] * 8]})).status_code == 200
+        r = await n.act(episode_id="ep", inputs={"obs": [[9] * 8]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "fenced"
+        assert not n.service.dispatcher.has_state("ep")

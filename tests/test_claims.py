@@ -345,3 +345,19 @@ async def test_listing(env: Env) -> None:
     assert sorted((r.episode, r.device) for r in rows) == [("ep-0", "a/0"), ("ep-1", "a/1")]
     with pytest.raises(UnknownDevice):
         await env.registry.episodes(device="zz/9")
+
+
+async def test_crash_down_and_up_keeps_an_operators_drain(env: Env) -> None:
+    await env.node("a", 2)
+    await env.registry.drain("a/0", "flaky fan")
+    await env.registry.set_state("a/0", "down", "3 model failures")  # crash tracker
+    assert await env.registry.set_state("a/0", "active", only_if="down") == ("down", True)
+    d = {x.device: x for x in await env.registry.devices()}["a/0"]
+    assert (d.state, d.reason) == ("draining", "flaky fan")
+    assert {(await env.claims.resolve(f"e{i}")).device for i in range(3)} == {"a/1"}
+    # undrain does not revive a crashed device; re-registering restores the drain
+    await env.registry.set_state("a/0", "down", "again")
+    assert await env.registry.undrain("a/0") == "down"
+    await env.node("a", 2)
+    d = {x.device: x for x in await env.registry.devices()}["a/0"]
+    assert (d.state, d.reason) == ("draining", "flaky fan")

@@ -186,3 +186,35 @@ async def test_stateless_run_keeps_nothing() -> None:
     d, _, _ = make(1)
     out = await d.run_stateless("n/0", obs(4))
     assert out["act"].item() == 4.0 and not d.has_state("") and d.live_episodes("n/0") == 0
+
+
+async def test_a_step_whose_caller_gave_up_keeps_nothing() -> None:
+    d, sessions, _ = make(1)
+    await d.step("n/0", "ep", 1, True, obs(1))  # h = 1
+    s = sessions["n/0"]
+    gate = threading.Event()
+    s.gate = gate
+    running = asyncio.ensure_future(d.step("n/0", "ep", 1, False, obs(2)))
+    queued = asyncio.ensure_future(d.step("n/0", "other", 2, True, obs(5)))
+    await asyncio.sleep(0.05)
+    calls = s.calls
+    running.cancel()  # the request's deadline passed while the model ran
+    queued.cancel()  # ... and while this one still waited in the device's queue
+    gate.set()
+    s.gate = None
+    r = await d.step("n/0", "ep", 1, False, obs(2))
+    assert r.outputs["act"].item() == 3.0 and not r.state_reset  # h = 1 + 2, not 1 + 2 + 2
+    assert s.calls == calls + 1, "the queued step of a cancelled request never ran"
+    assert not d.has_state("other")
+
+
+async def test_drop_all_during_a_run_keeps_nothing() -> None:
+    d, sessions, _ = make(1)
+    gate = threading.Event()
+    sessions["n/0"].gate = gate
+    step = asyncio.ensure_future(d.step("n/0", "ep", 1, True, obs(1)))
+    await asyncio.sleep(0.05)
+    d.drop_all()  # the node fenced itself while the model ran
+    gate.set()
+    await step
+    assert not d.has_state("ep")

@@ -30,13 +30,19 @@ local ids = {}
 for i = 7, #ARGV, 9 do
     local id = node .. '/' .. ARGV[i]
     local key = prefix .. 'device:' .. id
-    local old = redis.call('HMGET', key, 'state', 'reason', 'uuid')
+    local old = redis.call('HMGET', key, 'state', 'reason', 'uuid', 'prev_state', 'prev_reason')
     local state, reason = 'active', ''
     -- the drain belongs to the physical GPU: it carries over only while the same UUID
-    -- sits at this index (GPU order can change across reboots)
-    if old[1] == 'draining' and (old[3] == ARGV[i + 3] or not old[3]) then
-        state, reason = 'draining', old[2] or ''
+    -- sits at this index (GPU order can change across reboots); a device that was down
+    -- goes back to the drain it had before going down
+    if old[3] == ARGV[i + 3] or not old[3] then
+        if old[1] == 'draining' then
+            state, reason = 'draining', old[2] or ''
+        elseif old[1] == 'down' and old[4] == 'draining' then
+            state, reason = 'draining', old[5] or ''
+        end
     end
+    redis.call('HDEL', key, 'prev_state', 'prev_reason')
     redis.call('HSET', key,
         'node', node, 'index', ARGV[i], 'kind', ARGV[i + 1], 'name', ARGV[i + 2],
         'uuid', ARGV[i + 3], 'arch', ARGV[i + 4], 'memory', ARGV[i + 5],
