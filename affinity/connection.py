@@ -16,7 +16,7 @@ from urllib.parse import parse_qsl, urlsplit
 from redis.asyncio import Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -84,8 +84,17 @@ def _sentinel(url: str, kwargs: dict[str, Any]) -> Redis:
         host, _, port = item.rpartition(":")
         addresses.append((host or item, int(port) if host else 26379))
     query = dict(parse_qsl(parts.query))
+    # The sentinels get the same short timeouts and no retries of their own: redis-py's
+    # default policy would spend about a minute on one silently dead sentinel before
+    # trying the next.
+    sentinel_kwargs = {
+        "socket_timeout": kwargs["socket_timeout"],
+        "socket_connect_timeout": kwargs["socket_connect_timeout"],
+        "retry": Retry(NoBackoff(), 0),
+        "password": password,
+    }
     sentinel = Sentinel(  # type: ignore[no-untyped-call]
-        addresses, sentinel_kwargs={"socket_timeout": kwargs["socket_timeout"]}
+        addresses, sentinel_kwargs=sentinel_kwargs
     )
     client: Redis = sentinel.master_for(
         master, password=password, db=int(query.get("db", 0)), **kwargs

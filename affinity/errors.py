@@ -11,6 +11,7 @@ __all__ = [
     "BackendUnavailable",
     "InvalidArgument",
     "NoCapacity",
+    "NodeConflict",
     "StaleToken",
     "UnknownDevice",
     "UnknownEpisode",
@@ -73,3 +74,14 @@ class UnknownDevice(AffinityError, LookupError):
 
 class BackendUnavailable(AffinityError):
     """Redis did not answer within the configured timeout and retry budget."""
+
+
+class NodeConflict(AffinityError):
+    """Another live process holds this node id (its lease is current); nothing written."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        super().__init__(
+            f"node id {node!r} is held by another running process with a current lease; "
+            "give each process its own --node-id (or wait for the old lease to lapse)"
+        )

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from affinity.claims import bounded
 from affinity.config import Settings
-from affinity.errors import InvalidArgument, UnknownDevice
+from affinity.errors import InvalidArgument, NodeConflict, UnknownDevice
 from affinity.scripts import Scripts
 
 __all__ = [
@@ -144,10 +144,18 @@ class Registry:
         self.scripts = Scripts.bind(redis)
 
     async def register(
-        self, node: str, url: str, devices: Sequence[DeviceRegistration], version: str = ""
+        self,
+        node: str,
+        url: str,
+        devices: Sequence[DeviceRegistration],
+        version: str = "",
+        instance: str = "",
     ) -> int:
         """(Re)register ``node`` and its devices; start its lease. Returns the lease
-        deadline (ms, Redis server time). Idempotent."""
+        deadline (ms, Redis server time). Idempotent.
+
+        ``instance`` identifies the process: while another instance holds a current lease
+        on the same node id, nothing is written and :class:`NodeConflict` is raised."""
         check_node_id(node)
         if not devices:
             raise InvalidArgument("devices", [], "a node registers at least one device")
@@ -165,34 +173,40 @@ class Registry:
             self.settings.events_maxlen,
             version,
         ]
+        args.append(instance)
         for d in devices:
             args.extend(d.fields())
         async with bounded(self.settings):
-            return int(
+            deadline = int(
                 await self.scripts.register(
                     keys=[k.node(node), k.nodes, k.devices, k.events], args=args
                 )
             )
+        if deadline < 0:
+            raise NodeConflict(node)
+        return deadline
 
-    async def renew(self, node: str) -> bool:
+    async def renew(self, node: str, instance: str = "") -> bool:
         """Extend the lease. ``False`` means the node is no longer registered (its lease
-        lapsed, or Redis lost its data): it must :meth:`register` again."""
+        lapsed, Redis lost its data, or another instance took the id over): it must
+        :meth:`register` again."""
         k = self.keys
         async with bounded(self.settings):
             deadline = await self.scripts.renew(
-                keys=[k.node(node), k.nodes], args=[node, self.settings.lease_ttl_ms]
+                keys=[k.node(node), k.nodes], args=[node, self.settings.lease_ttl_ms, instance]
             )
         return int(deadline) >= 0
 
-    async def deregister(self, node: str) -> int:
+    async def deregister(self, node: str, instance: str = "") -> int:
         """End the lease and release every episode on the node's devices (they move at
-        once). Returns how many were released."""
+        once). Returns how many were released; -1 when another instance holds the node
+        id (nothing is touched)."""
         k = self.keys
         async with bounded(self.settings):
             return int(
                 await self.scripts.deregister(
                     keys=[k.node(node), k.nodes, k.events],
-                    args=[node, k.prefix, self.settings.events_maxlen],
+                    args=[node, k.prefix, self.settings.events_maxlen, instance],
                 )
             )
 
@@ -277,7 +291,7 @@ class Registry:
             pipe = self.redis.pipeline(transaction=False)
             for device in ids:
                 pipe.hgetall(k.device(device))
-                pipe.zcount(k.load(device), f"({now}", "+inf")
+                pipe.zcount(k.load(device), now, "+inf")
             replies = await pipe.execute()
             hashes = replies[0::2]
             node_ids = sorted({h.get("node", "") for h in hashes if h})
@@ -333,7 +347,7 @@ class Registry:
             now = _now_ms(await self.redis.time())
             pipe = self.redis.pipeline(transaction=False)
             for d in chosen:
-                pipe.zrangebyscore(k.load(d), f"({now}", "+inf")
+                pipe.zrangebyscore(k.load(d), now, "+inf")
             members = await pipe.execute()
             pairs = [(d, ep) for d, eps in zip(chosen, members, strict=True) for ep in eps]
             pipe = self.redis.pipeline(transaction=False)

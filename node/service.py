@@ -11,6 +11,7 @@ import contextlib
 import hmac
 import logging
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from affinity import (
     DeviceRegistration,
     InvalidArgument,
     NoCapacity,
+    NodeConflict,
     Registry,
     StaleToken,
     UnknownEpisode,
@@ -138,6 +140,7 @@ class NodeService:
         self.metrics = Metrics(self.device_ids)
         self.dispatcher = dispatcher_factory(self.device_ids, self._on_transition_threadsafe)
         self.lease_deadline = float("-inf")  # monotonic; nothing is served before register
+        self.instance = uuid.uuid4().hex  # tells this process from another with the same id
         self.registered = False
         self._fenced_logged = False
         self._rr = 0
@@ -181,7 +184,11 @@ class NodeService:
         sent = self.clock()
         self.dispatcher.drop_all()
         await self.registry.register(
-            self.node_id, self.config.advertise_url, self.registrations(), VERSION
+            self.node_id,
+            self.config.advertise_url,
+            self.registrations(),
+            VERSION,
+            instance=self.instance,
         )
         self.lease_deadline = sent + self.lease_s
         self.registered = True
@@ -201,7 +208,18 @@ class NodeService:
                 "AFFINITY_CLUSTER_SECRET is unset: forwarded requests between nodes are "
                 "not authenticated"
             )
-        await self.register()
+        # A previous process with this id (killed, restarted at once) may still hold a
+        # current lease: wait for it to lapse rather than serve its devices beside it.
+        deadline = self.clock() + 2 * self.config.settings.lease_ttl_s + 1
+        while True:
+            try:
+                await self.register()
+                break
+            except NodeConflict:
+                if self.clock() > deadline:
+                    raise
+                log.warning("node id %s is still leased by another process; waiting", self.node_id)
+                await asyncio.sleep(min(1.0, self.config.renew_every_s))
         self._tasks = [
             asyncio.create_task(self._renew_loop(), name="affinity-renew"),
             asyncio.create_task(self._maintenance_loop(), name="affinity-maintenance"),
@@ -219,7 +237,7 @@ class NodeService:
         self.dispatcher.drop_all()
         if self.registered:
             try:
-                released = await self.registry.deregister(self.node_id)
+                released = await self.registry.deregister(self.node_id, self.instance)
                 log.info("node %s deregistered; released %d episode(s)", self.node_id, released)
             except AffinityError as exc:
                 log.error("could not deregister node %s: %s", self.node_id, exc)
@@ -231,7 +249,7 @@ class NodeService:
     async def renew_once(self) -> None:
         sent = self.clock()
         try:
-            ok = await self.registry.renew(self.node_id)
+            ok = await self.registry.renew(self.node_id, self.instance)
         except AffinityError as exc:
             self.metrics.renewals.labels("failed").inc()
             log.warning("lease renewal of %s failed: %s", self.node_id, exc)

@@ -361,3 +361,20 @@ async def test_crash_down_and_up_keeps_an_operators_drain(env: Env) -> None:
     await env.node("a", 2)
     d = {x.device: x for x in await env.registry.devices()}["a/0"]
     assert (d.state, d.reason) == ("draining", "flaky fan")
+
+
+async def test_one_node_id_one_live_process(env: Env) -> None:
+    from affinity import NodeConflict
+
+    devices = cpu_devices(1)
+    await env.registry.register("a", "http://a-first", devices, instance="first")
+    before = await env.snapshot()
+    with pytest.raises(NodeConflict, match="'a'"):
+        await env.registry.register("a", "http://a-second", devices, instance="second")
+    assert await env.registry.renew("a", "second") is False
+    assert await env.registry.deregister("a", "second") == -1
+    assert await env.snapshot() == before
+    assert await env.registry.renew("a", "first") is True
+    await env.lapse("a")  # once the first one's lease lapsed, the id is free
+    await env.registry.register("a", "http://a-second", devices, instance="second")
+    assert await env.registry.renew("a", "first") is False

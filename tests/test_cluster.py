@@ -213,3 +213,23 @@ def test_redis_restart_reregisters_and_resumes(cluster: Cluster) -> None:
         assert not any(x["state_reset"] for x in after[1:])
         assert len({x["device"] for x in after}) == 1
         assert_matches(ep, 6, after)
+
+
+def test_a_second_process_with_the_same_node_id_is_refused(tmp_path: Path) -> None:
+    redis = RedisServer(tmp_path).start()
+    first = Node(tmp_path, "dup", redis.url, devices="cpu:1", extra=["--lease-ttl", "1"])
+    second = Node(tmp_path, "dup", redis.url, devices="cpu:1", extra=["--lease-ttl", "1"])
+    try:
+        first.start()
+        second.proc.start()
+        assert second.proc.popen is not None
+        second.proc.popen.wait(timeout=30)  # gives up after twice the lease, and says why
+        assert second.proc.popen.returncode != 0
+        assert "held by another running process" in second.proc.log()
+        assert first.ready()
+        node = redis.client().hgetall(KEYS.node("dup"))
+        assert node["url"] == first.url
+    finally:
+        first.stop()
+        second.stop()
+        redis.stop()

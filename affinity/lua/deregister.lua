@@ -7,11 +7,17 @@
 -- ARGV[2]  key prefix "{ns}:"; load sets and episode keys are derived from the node's
 --          device list and the load sets' members (same hash tag, same slot).
 -- ARGV[3]  approximate MAXLEN of the events stream
+-- ARGV[4]  instance id of the process ("" = not checked); another instance's
+--          registration is left alone (returns -1)
 --
 -- Device hashes stay, so an operator's drain survives a restart.
 -- Returns the number of episodes released.
 
 local prefix = ARGV[2]
+local holder = redis.call('HGET', KEYS[1], 'instance')
+if holder and holder ~= '' and ARGV[4] ~= '' and holder ~= ARGV[4] then
+    return -1
+end
 local released = 0
 local devices = redis.call('HGET', KEYS[1], 'devices') or ''
 for device in string.gmatch(devices, '[^,]+') do

@@ -11,13 +11,16 @@
 --          (same hash tag, same slot).
 -- ARGV[5]  approximate MAXLEN of the events stream
 -- ARGV[6]  software version
--- ARGV[7..] 9 fields per device: index, kind, name, uuid, arch, memory, capacity, weight, provider
+-- ARGV[7]  instance id of the registering process ("" = not checked)
+-- ARGV[8..] 9 fields per device: index, kind, name, uuid, arch, memory, capacity, weight, provider
 --
 -- An operator's drain (state "draining" and its reason) survives re-registration while
 -- the same GPU UUID sits at that index; a crash-tracker "down" does not (a new process
 -- starts healthy). Devices the node listed
 -- before but not now are removed, so their episodes move on their next request.
--- Returns the lease deadline (ms, server time).
+-- Two processes must never hold one node id (they would serve the same devices): while
+-- the lease of another instance is current, nothing is written and -1 is returned.
+-- Returns the lease deadline (ms, server time), or -1.
 
 local prefix = ARGV[4]
 local node = ARGV[1]
@@ -25,9 +28,17 @@ local lease = tonumber(ARGV[3])
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
+local holder = redis.call('HGET', KEYS[1], 'instance')
+if holder and holder ~= '' and ARGV[7] ~= '' and holder ~= ARGV[7] then
+    local deadline = redis.call('ZSCORE', KEYS[2], node)
+    if deadline and tonumber(deadline) > now_ms then
+        return -1
+    end
+end
+
 local listed = {}
 local ids = {}
-for i = 7, #ARGV, 9 do
+for i = 8, #ARGV, 9 do
     local id = node .. '/' .. ARGV[i]
     local key = prefix .. 'device:' .. id
     local old = redis.call('HMGET', key, 'state', 'reason', 'uuid', 'prev_state', 'prev_reason')
@@ -65,7 +76,7 @@ end
 
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'url', ARGV[2], 'devices', table.concat(ids, ','),
-    'started_at', now_ms, 'version', ARGV[6])
+    'started_at', now_ms, 'version', ARGV[6], 'instance', ARGV[7])
 redis.call('PEXPIRE', KEYS[1], lease)
 redis.call('ZADD', KEYS[2], now_ms + lease, node)
 redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[5], '*',

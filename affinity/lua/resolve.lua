@@ -60,7 +60,8 @@ for _, node in ipairs(alive) do
         for device in string.gmatch(n[1], '[^,]+') do
             local d = redis.call('HMGET', prefix .. 'device:' .. device, 'node', 'state', 'capacity', 'weight')
             if d[1] == node and d[2] == 'active' then
-                local load = redis.call('ZCOUNT', prefix .. 'load:' .. device, '(' .. now_ms, '+inf')
+                -- live while deadline >= now: Redis keeps a key until now > its expiry
+                local load = redis.call('ZCOUNT', prefix .. 'load:' .. device, now_ms, '+inf')
                 if load < tonumber(d[3]) then
                     local weight = tonumber(d[4])
                     total = total + weight
@@ -102,7 +103,7 @@ else
 end
 
 local load_key = prefix .. 'load:' .. device
-local expired = redis.call('ZREMRANGEBYSCORE', load_key, '-inf', now_ms)
+local expired = redis.call('ZREMRANGEBYSCORE', load_key, '-inf', '(' .. now_ms)
 redis.call('ZADD', load_key, now_ms + ttl, ARGV[1])
 if expired > 0 then
     redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[4], '*',
