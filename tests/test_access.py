@@ -24,7 +24,7 @@ ACL_COMMANDS = (
     "+ping +hello +auth +time +info|memory "
     "+evalsha +eval +script|load "
     "+get +set +incr +del +exists +pexpire +pttl +type "
-    "+hget +hmget +hset +hgetall "
+    "+hget +hmget +hset +hdel +hgetall "
     "+sadd +srem +smembers "
     "+zadd +zrem +zscore +zcount +zrange +zrangebyscore +zremrangebyscore +zcard "
     "+xadd +xrange +xrevrange +xread"
