@@ -18,6 +18,7 @@ routing and state logic is tested with fakes and no GPU.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -93,6 +94,8 @@ class CrashTracker:
     failures: int = 0
     down_since: float | None = None
     last_error: str = ""
+    # the device's worker and the event loop (deadline hits) both record outcomes
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def down(self) -> bool:
@@ -100,21 +103,23 @@ class CrashTracker:
 
     def success(self) -> bool:
         """Record a good run; True when this brings the device back up."""
-        was_down = self.down
-        self.failures = 0
-        self.down_since = None
-        return was_down
+        with self.lock:
+            was_down = self.down
+            self.failures = 0
+            self.down_since = None
+            return was_down
 
     def failure(self, error: str) -> bool:
         """Record a failed run; True when this takes the device down."""
-        self.failures += 1
-        self.last_error = error
-        if not self.down and self.failures >= self.threshold:
-            self.down_since = self.clock()
-            return True
-        if self.down:
-            self.down_since = self.clock()  # a failed probe restarts the cool-down
-        return False
+        with self.lock:
+            self.failures += 1
+            self.last_error = error
+            if not self.down and self.failures >= self.threshold:
+                self.down_since = self.clock()
+                return True
+            if self.down:
+                self.down_since = self.clock()  # a failed probe restarts the cool-down
+            return False
 
     def probe_due(self) -> bool:
         return self.down_since is not None and self.clock() - self.down_since >= self.cooldown_s
@@ -134,6 +139,7 @@ class _Job:
     lock: threading.Lock = field(default_factory=threading.Lock)
     abandoned: bool = False
     committed: bool = False
+    running: bool = False  # the model run has started and not returned
 
 
 class _Worker:
@@ -164,11 +170,12 @@ class _Worker:
             if future.cancelled():  # racy read, only to skip work early; _Job decides
                 continue
             try:
-                result = fn(*args)
-            except BaseException as exc:  # handed to the awaiting task, not swallowed
-                loop.call_soon_threadsafe(_settle, future, None, exc)
-            else:
-                loop.call_soon_threadsafe(_settle, future, result, None)
+                result, exc = fn(*args), None
+            except BaseException as error:  # handed to the awaiting task, not swallowed
+                result, exc = None, error
+            # a loop that closed meanwhile has nobody left waiting
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, future, result, exc)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -290,6 +297,10 @@ class MultiGpuDispatcher:
                 committed = job.committed
             if committed:
                 self.release(episode)
+            if job.running:
+                # the model was still running at the request's deadline: a device that
+                # hangs must go down like one that raises, or its episodes never move
+                self._failed(dev, "a model run outlived its request's deadline")
             raise
 
     def _step(
@@ -310,7 +321,11 @@ class MultiGpuDispatcher:
             state, reset, steps = st.state, False, st.steps
         else:
             state, reset, steps = self.contract.initial_state(), st is not None or not fresh, 0
-        outputs = self._run(dev, {**inputs, **state})
+        job.running = True
+        try:
+            outputs = self._run(dev, {**inputs, **state})
+        finally:
+            job.running = False
         new_state = {name: outputs[out] for name, out in self.contract.state.items()}
         now = self.clock()
         with job.lock, self._lock:
@@ -329,14 +344,17 @@ class MultiGpuDispatcher:
         try:
             values = dev.session.run(self._outputs, feed)
         except Exception as exc:
-            went_down = dev.tracker.failure(f"{type(exc).__name__}: {exc}")
-            log.error("model failure on %s (%d in a row): %s", dev.id, dev.tracker.failures, exc)
-            if went_down:
-                self._transition(dev.id, "down", dev.tracker.last_error)
+            self._failed(dev, f"{type(exc).__name__}: {exc}")
             raise ModelFailure(dev.id, exc) from exc
         if dev.tracker.success():
             self._transition(dev.id, "up", "")
         return dict(zip(self._outputs, values, strict=True))
+
+    def _failed(self, dev: _Device, error: str) -> None:
+        went_down = dev.tracker.failure(error)
+        log.error("model failure on %s (%d in a row): %s", dev.id, dev.tracker.failures, error)
+        if went_down:
+            self._transition(dev.id, "down", dev.tracker.last_error)
 
     def _transition(self, device: str, to: str, reason: str) -> None:
         log.warning("device %s is %s%s", device, to, f": {reason}" if reason else "")

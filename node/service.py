@@ -258,9 +258,7 @@ class NodeService:
             self.metrics.renewals.labels("ok").inc()
             self.lease_deadline = sent + self.lease_s
             with contextlib.suppress(AffinityError):
-                for device, state in (await self.registry.states(self.device_ids)).items():
-                    if state in ("active", "draining", "down"):
-                        self.metrics.set_state(device, state)
+                await self._reconcile()
             if self._fenced_logged:
                 log.info("node %s lease renewed; serving again", self.node_id)
                 self._fenced_logged = False
@@ -302,6 +300,22 @@ class NodeService:
     def refresh_gauges(self) -> None:
         for device in self.device_ids:
             self.metrics.live.labels(device).set(self.dispatcher.live_episodes(device))
+
+    async def _reconcile(self) -> None:
+        """Make Redis agree with the local crash trackers (a lost or reordered down/up
+        write must not leave a crashed device taking claims, or a healthy one down), and
+        the state gauges with Redis (an operator's drain). ``down`` belongs to the node."""
+        states = await self.registry.states(self.device_ids)
+        for device, state in states.items():
+            tracker = self.dispatcher.tracker(device)
+            if tracker.down and state in ("active", "draining"):
+                state = "down"
+                await self.registry.set_state(device, "down", tracker.last_error[:256])
+            elif not tracker.down and state == "down":
+                await self.registry.set_state(device, "active", "", only_if="down")
+                state = (await self.registry.states([device]))[device]  # a drain comes back
+            if state in ("active", "draining", "down"):
+                self.metrics.set_state(device, state)
 
     def fenced(self) -> bool:
         """True (and local state dropped) when the lease deadline has passed locally."""

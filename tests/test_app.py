@@ -339,3 +339,18 @@ async def test_lease_running_out_during_the_step_is_a_503(redis: Any) -> None:
         r = await n.act(episode_id="ep", inputs={"obs": [[9] * 8]})
         assert r.status_code == 503 and r.json()["error"]["code"] == "fenced"
         assert not n.service.dispatcher.has_state("ep")
+
+
+async def test_renewal_reconciles_down_with_the_crash_tracker(node: InProcNode, redis: Any) -> None:
+    s = node.service
+    # a 'down' that the tracker does not hold (its 'up' write was lost): restored
+    await redis.hset(KEYS.device("a/0"), mapping={"state": "down", "prev_state": "active"})
+    await s.renew_once()
+    assert await redis.hget(KEYS.device("a/0"), "state") == "active"
+    # a crash the registry never heard of: written again
+    tracker = s.dispatcher.tracker("a/1")
+    tracker.failure("boom")
+    tracker.failure("boom")
+    tracker.failure("boom")
+    await s.renew_once()
+    assert await redis.hget(KEYS.device("a/1"), "state") == "down"

@@ -218,3 +218,18 @@ async def test_drop_all_during_a_run_keeps_nothing() -> None:
     gate.set()
     await step
     assert not d.has_state("ep")
+
+
+async def test_a_run_that_outlives_its_deadline_counts_as_a_failure() -> None:
+    d, sessions, transitions = make(1, failure_threshold=1)
+    gate = threading.Event()
+    sessions["n/0"].gate = gate  # the GPU hangs
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.05):
+            await d.step("n/0", "ep", 1, True, obs(1))
+    assert transitions and transitions[0][:2] == ("n/0", "down")
+    assert "deadline" in transitions[0][2]
+    with pytest.raises(DeviceDown):
+        await d.step("n/0", "ep", 1, True, obs(1))
+    gate.set()
+    d.close()  # the hung run returns; its worker ends
