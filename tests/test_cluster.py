@@ -9,6 +9,7 @@ import random
 import signal
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,9 +41,25 @@ class Cluster:
         return next(n for n in self.nodes if n.node_id == node_id)
 
 
+@contextmanager
+def running(redis: RedisServer, nodes: list[Node]) -> Iterator[Cluster]:
+    """Start Redis and the nodes, wait until every node is ready; kill all at the end."""
+    try:
+        redis.start()
+        for n in nodes:
+            n.proc.start()
+        for n in nodes:
+            wait_until(n.ready, 60, f"{n.node_id} ready")
+        yield Cluster(redis, nodes)
+    finally:
+        for n in nodes:
+            n.stop(signal.SIGKILL)
+        redis.stop()
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    redis = RedisServer(tmp_path).start()
+    redis = RedisServer(tmp_path)
     nodes = [
         Node(
             tmp_path,
@@ -54,16 +71,8 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         )
         for i in range(3)
     ]
-    try:
-        for n in nodes:
-            n.proc.start()
-        for n in nodes:
-            wait_until(n.ready, 60, f"{n.node_id} ready")
-        yield Cluster(redis, nodes)
-    finally:
-        for n in nodes:
-            n.stop(signal.SIGKILL)
-        redis.stop()
+    with running(redis, nodes) as c:
+        yield c
 
 
 @dataclass

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ import pytest
 
 from affinity import Keys
 from tests.procs import Node, RedisServer, wait_until
-from tests.test_cluster import Cluster, Episode, assert_matches, drive, episodes
+from tests.test_cluster import Cluster, Episode, assert_matches, drive, episodes, running
 
 pytestmark = [
     pytest.mark.netns,
@@ -114,17 +113,8 @@ def cluster(net: Net, tmp_path: Path) -> Iterator[Cluster]:
         )
         for i in range(3)
     ]
-    try:
-        redis.start()
-        for n in nodes:
-            n.proc.start()
-        for n in nodes:
-            wait_until(n.ready, 60, f"{n.node_id} ready")
-        yield Cluster(redis, nodes)
-    finally:
-        for n in nodes:
-            n.stop(signal.SIGKILL)
-        redis.stop()
+    with running(redis, nodes) as c:
+        yield c
 
 
 def check_moved(eps: list[Episode], moved: set[str], cut_devices: set[str]) -> None:
