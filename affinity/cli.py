@@ -168,20 +168,26 @@ async def cmd_show(args: argparse.Namespace, ctx: Context) -> int:
 
 
 async def cmd_drain(args: argparse.Namespace, ctx: Context) -> int:
-    previous = await ctx.registry.drain(args.device, args.reason)
-    return report_state(ctx, args.device, "draining", previous)
+    change = await ctx.registry.drain(args.device, args.reason)
+    return report_state(ctx, args.device, change.state, change.previous)
 
 
 async def cmd_undrain(args: argparse.Namespace, ctx: Context) -> int:
-    previous = await ctx.registry.undrain(args.device)
-    return report_state(ctx, args.device, "active", previous)
+    # only a draining device is undrained; a down one comes back through its node's probe
+    change = await ctx.registry.undrain(args.device)
+    return report_state(ctx, args.device, change.state, change.previous)
 
 
 def report_state(ctx: Context, device: str, state: str, previous: str) -> int:
     if ctx.json:
         emit_json(ctx, {"device": device, "state": state, "previous": previous})
     else:
-        emit(ctx, f"{device}: {previous} -> {state}")
+        emit(
+            ctx,
+            f"{device}: {previous} -> {state}"
+            if state != previous
+            else f"{device}: {state} (unchanged)",
+        )
     return EXIT_OK
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from affinity.claims import bounded
 from affinity.config import Settings
@@ -25,6 +25,7 @@ __all__ = [
     "EpisodeRow",
     "NodeStatus",
     "Registry",
+    "StateChange",
     "check_node_id",
 ]
 
@@ -79,6 +80,12 @@ class DeviceRegistration:
             self.weight,
             self.provider,
         ]
+
+
+class StateChange(NamedTuple):
+    previous: str
+    changed: bool
+    state: str  # the state now
 
 
 @dataclass(frozen=True)
@@ -212,10 +219,12 @@ class Registry:
 
     async def set_state(
         self, device: str, state: str, reason: str = "", only_if: str | None = None
-    ) -> tuple[str, bool]:
-        """Set a device's state; return (previous state, whether it changed).
+    ) -> StateChange:
+        """Ask for a device state; return what it was, whether it changed, what it is now.
 
-        ``only_if`` makes it conditional on the current state. Raises
+        ``only_if`` makes it conditional on the current state. A ``down`` device asked to
+        drain stays down and drains when it comes back up; a ``down`` device asked to be
+        ``active`` (its probe passed) returns to a drain it had before. Raises
         :class:`UnknownDevice` (nothing written) and :class:`InvalidArgument`.
         """
         if state not in STATES:
@@ -234,18 +243,18 @@ class Registry:
             )
         if not reply:
             raise UnknownDevice(device)
-        return str(reply[0]), reply[1] == "1"
+        return StateChange(str(reply[0]), reply[1] == "1", str(reply[2]))
 
-    async def drain(self, device: str, reason: str = "") -> str:
-        """Stop new episodes on ``device``; its episodes stay. Returns the previous state."""
-        return (await self.set_state(device, "draining", reason))[0]
+    async def drain(self, device: str, reason: str = "") -> StateChange:
+        """Stop new episodes on ``device``; its episodes stay."""
+        return await self.set_state(device, "draining", reason)
 
-    async def undrain(self, device: str) -> str:
-        """Let a draining ``device`` take new episodes again; returns the previous state.
+    async def undrain(self, device: str) -> StateChange:
+        """Let a draining ``device`` take new episodes again.
 
         A device that is not draining is left alone (a ``down`` device comes back through
         its node's probe, not through an operator's undrain)."""
-        return (await self.set_state(device, "active", "", only_if="draining"))[0]
+        return await self.set_state(device, "active", "", only_if="draining")
 
     async def states(self, devices: Sequence[str]) -> dict[str, str]:
         """The current state of each of ``devices`` (``removed`` when its hash is gone)."""

@@ -246,7 +246,10 @@ def create_app(
         reason = request.query_params.get("reason", "")
         s = svc()
         try:
-            previous, _ = await s.registry.set_state(device, state, reason)
+            if state == "draining":
+                change = await s.registry.drain(device, reason)
+            else:  # undrain acts on a draining device only; a down one comes back by probe
+                change = await s.registry.undrain(device)
         except UnknownDevice as exc:
             return error(404, "not_found", str(exc))
         except InvalidArgument as exc:
@@ -254,8 +257,8 @@ def create_app(
         except BackendUnavailable as exc:
             return error(503, "redis", str(exc), retry_after=1)
         if device in s.device_ids:
-            s.metrics.set_state(device, state)
-        return JSONResponse({"device": device, "state": state, "previous": previous})
+            s.metrics.set_state(device, change.state)
+        return JSONResponse({"device": device, "state": change.state, "previous": change.previous})
 
     @app.post("/devices/{device:path}/drain")
     async def drain(request: Request, device: str) -> Response:

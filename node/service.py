@@ -312,8 +312,8 @@ class NodeService:
                 state = "down"
                 await self.registry.set_state(device, "down", tracker.last_error[:256])
             elif not tracker.down and state == "down":
-                await self.registry.set_state(device, "active", "", only_if="down")
-                state = (await self.registry.states([device]))[device]  # a drain comes back
+                change = await self.registry.set_state(device, "active", "", only_if="down")
+                state = change.state  # a drain from before comes back
             if state in ("active", "draining", "down"):
                 self.metrics.set_state(device, state)
 

@@ -110,7 +110,7 @@ async def test_drain_keeps_episodes_takes_no_new(env: Env) -> None:
     await env.node("a", 2)
     kept = await env.claims.resolve("ep-0")
     assert kept.device == "a/0"
-    assert await env.registry.drain("a/0", "maintenance") == "active"
+    assert await env.registry.drain("a/0", "maintenance") == ("active", True, "draining")
     assert (await env.claims.resolve("ep-0")).status == "hit"
     news = {(await env.claims.resolve(f"new-{i}")).device for i in range(5)}
     assert news == {"a/1"}
@@ -324,7 +324,11 @@ async def test_renew_after_loss_asks_to_register(env: Env) -> None:
 async def test_only_if_guard(env: Env) -> None:
     await env.node("a", 1)
     await env.registry.drain("a/0")
-    assert await env.registry.set_state("a/0", "active", only_if="down") == ("draining", False)
+    assert await env.registry.set_state("a/0", "active", only_if="down") == (
+        "draining",
+        False,
+        "draining",
+    )
     assert (await env.registry.devices())[0].state == "draining"
 
 
@@ -351,16 +355,22 @@ async def test_crash_down_and_up_keeps_an_operators_drain(env: Env) -> None:
     await env.node("a", 2)
     await env.registry.drain("a/0", "flaky fan")
     await env.registry.set_state("a/0", "down", "3 model failures")  # crash tracker
-    assert await env.registry.set_state("a/0", "active", only_if="down") == ("down", True)
+    assert await env.registry.set_state("a/0", "active", only_if="down") == (
+        "down",
+        True,
+        "draining",
+    )
     d = {x.device: x for x in await env.registry.devices()}["a/0"]
     assert (d.state, d.reason) == ("draining", "flaky fan")
     assert {(await env.claims.resolve(f"e{i}")).device for i in range(3)} == {"a/1"}
     # undrain does not revive a crashed device; re-registering restores the drain
     await env.registry.set_state("a/0", "down", "again")
-    assert await env.registry.undrain("a/0") == "down"
+    assert await env.registry.undrain("a/0") == ("down", False, "down")
+    # a drain asked while down keeps it down, and waits for it to come back
+    assert await env.registry.drain("a/0", "swap it") == ("down", True, "down")
     await env.node("a", 2)
     d = {x.device: x for x in await env.registry.devices()}["a/0"]
-    assert (d.state, d.reason) == ("draining", "flaky fan")
+    assert (d.state, d.reason) == ("draining", "swap it")
 
 
 async def test_one_node_id_one_live_process(env: Env) -> None:

@@ -108,8 +108,14 @@ class ClaimProtocol(RuleBasedStateMachine):
         state=st.sampled_from(["active", "draining", "down"]),
     )
     def set_state(self, node: str, i: int, state: str) -> None:
-        self.run(self.env.registry.set_state(f"{node}/{i}", state))
-        self.states[f"{node}/{i}"] = state
+        device = f"{node}/{i}"
+        change = self.run(self.env.registry.set_state(device, state))
+        # the model of the transitions: a down device asked to drain stays down
+        if self.states[device] == "down" and state == "draining":
+            assert change.state == "down"
+        elif self.states[device] != "down" or state != "active":
+            assert change.state == state
+        self.states[device] = change.state
 
     @rule(ep=st.sampled_from(EPISODES))
     def expire(self, ep: str) -> None:

@@ -10,9 +10,11 @@
 --          (the crash tracker brings back only a device it marked down itself)
 --
 -- Going down remembers the state before (prev_state, prev_reason); leaving down for
--- "active" restores a remembered operator's drain instead.
--- Returns {previous_state, "1"} when written, {current_state, "0"} when ARGV[5] did not
--- match (nothing written), and {} when the device is unknown (nothing written).
+-- "active" restores a remembered operator's drain instead. Draining a device that is down
+-- keeps it down (its episodes must still move) and remembers the drain for when it is up.
+-- Returns {previous_state, "1", state_now} when written, {current_state, "0",
+-- current_state} when ARGV[5] did not match (nothing written), and {} when the device is
+-- unknown (nothing written).
 
 local cur = redis.call('HMGET', KEYS[1], 'state', 'reason', 'prev_state', 'prev_reason')
 local old = cur[1]
@@ -20,23 +22,23 @@ if not old then
     return {}
 end
 if ARGV[5] ~= '' and old ~= ARGV[5] then
-    return {old, '0'}
+    return {old, '0', old}
 end
-local state, reason = ARGV[2], ARGV[3]
-if state == 'down' and old ~= 'down' then
-    -- remember what the device was, so that coming back up restores an operator's drain
+local want, state, reason = ARGV[2], ARGV[2], ARGV[3]
+local kind = ({active = 'undrain', draining = 'drain', down = 'down'})[want]
+if want == 'down' and old ~= 'down' then
     redis.call('HSET', KEYS[1], 'prev_state', old, 'prev_reason', cur[2] or '')
-elseif old == 'down' and state ~= 'down' then
-    if state == 'active' and cur[3] == 'draining' then
+elseif old == 'down' and want == 'draining' then
+    redis.call('HSET', KEYS[1], 'prev_state', 'draining', 'prev_reason', reason)
+    state, reason = 'down', cur[2] or ''
+elseif old == 'down' and want == 'active' then
+    kind = 'up'
+    if cur[3] == 'draining' then
         state, reason = 'draining', cur[4] or ''
     end
     redis.call('HDEL', KEYS[1], 'prev_state', 'prev_reason')
 end
 redis.call('HSET', KEYS[1], 'state', state, 'reason', reason)
-local kind = ({active = 'undrain', draining = 'drain', down = 'down'})[state]
-if old == 'down' and state ~= 'down' then
-    kind = 'up'
-end
 redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*',
     'type', kind, 'device', ARGV[1], 'state', state, 'from', old, 'reason', reason)
-return {old, '1'}
+return {old, '1', state}
