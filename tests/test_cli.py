@@ -481,38 +481,28 @@ def test_password_is_not_shown(capsys: pytest.CaptureFixture[str]) -> None:
 def test_installed_script(dep: Deployment, tmp_path: Path) -> None:
     script = Path(sys.executable).parent / "affinity"
     assert script.exists(), f"{script} missing: pip install -e . installs the console script"
-    done = subprocess.run(
-        [str(script), "--redis", dep.url, "devices", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=subprocess_env(),
-    )
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(script), *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=subprocess_env(),
+        )
+
+    done = run("--redis", dep.url, "devices", "--json")
     assert (done.returncode, done.stderr) == (0, "")
     assert len(json.loads(done.stdout)) == 5
 
-    missing = subprocess.run(
-        [str(script), "--redis", dep.url, "show", "nope"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=subprocess_env(),
-    )
+    missing = run("--redis", dep.url, "show", "nope")
     assert (missing.returncode, missing.stdout) == (1, "")
 
     dead = f"redis://127.0.0.1:{free_port()}/0"
-    down = subprocess.run(
-        [str(script), "--redis", dead, "nodes"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=subprocess_env(),
-    )
+    down = run("--redis", dead, "nodes")
     assert down.returncode == 3
     assert down.stderr.startswith(f"affinity: cannot reach Redis at {dead}: ")
     assert down.stderr.count("\n") == 1 and "Traceback" not in down.stderr
 
-    usage = subprocess.run(
-        [str(script), "nodes", "--bogus"], capture_output=True, text=True, timeout=30
-    )
+    usage = run("nodes", "--bogus")
     assert usage.returncode == 2 and "usage:" in usage.stderr
