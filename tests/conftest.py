@@ -1,12 +1,16 @@
 """Shared fixtures: one test body, two backends (fakeredis and a real redis-server).
 
-The real server comes from ``AFFINITY_TEST_REDIS_URL`` (``.ci/run`` exports it) and
-defaults to ``redis://127.0.0.1:6379/15``. When it does not answer, tests that need it
-FAIL with a message: they never skip silently.
+The real server is this test session's own: a throwaway ``redis-server`` on a free
+loopback port, started on first use and killed when the session ends, so two test runs
+on one machine never share (or flush) each other's data, and nothing touches 6379.
+``AFFINITY_TEST_REDIS_URL`` points the tests at another server instead (its database is
+flushed). When no ``redis-server`` can be started, tests that need it FAIL with a
+message: they never skip silently.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
@@ -19,8 +23,8 @@ import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Registry, Settings
 
-REAL_URL = os.environ.get("AFFINITY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 BACKENDS = ["fake", "real"]
+_session_redis: list[Any] = []  # this session's RedisServer, started on first use
 
 
 @pytest.fixture
@@ -29,15 +33,28 @@ def anyio_backend() -> str:
 
 
 def require_real_redis() -> str:
+    """The URL of this session's real Redis (started here on first use)."""
+    url = os.environ.get("AFFINITY_TEST_REDIS_URL")
+    if not url:
+        if not _session_redis:
+            from tests.procs import RedisServer, tmpdir
+
+            server = RedisServer(tmpdir()).start()
+            _session_redis.append(server)
+            atexit.register(server.stop)
+        url = _session_redis[0].url
     try:
-        redis.Redis.from_url(REAL_URL, socket_connect_timeout=2, socket_timeout=2).ping()
+        redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2).ping()
     except redis.RedisError as exc:
-        pytest.fail(
-            f"real Redis at {REAL_URL} does not answer ({exc}); start one "
-            "(bash .ci/run does) or set AFFINITY_TEST_REDIS_URL",
-            pytrace=False,
-        )
-    return REAL_URL
+        pytest.fail(f"real Redis at {url} does not answer ({exc})", pytrace=False)
+    return str(url)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_session_redis() -> Iterator[None]:
+    yield
+    while _session_redis:
+        _session_redis.pop().stop()
 
 
 @pytest.fixture

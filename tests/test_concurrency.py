@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import queue
 import random
 from collections import Counter
 from typing import Any
@@ -21,6 +22,8 @@ EPISODES = 2000
 
 
 def worker(url: str, seed: int, barrier: Any, out: Any) -> None:
+    """Put ``(seed, views)`` on ``out``, or ``(seed, error)`` when anything fails."""
+
     async def main() -> dict[str, tuple[str, int, str]]:
         client = redis.asyncio.Redis.from_url(url, decode_responses=True)
         claims = Claims(client, Settings(redis_url=url))
@@ -35,13 +38,19 @@ def worker(url: str, seed: int, barrier: Any, out: Any) -> None:
         await client.aclose()
         return seen
 
-    out.put(asyncio.run(main()))
+    try:
+        out.put((seed, asyncio.run(main())))
+    except BaseException as exc:
+        out.put((seed, f"{type(exc).__name__}: {exc}"))
+        raise
 
 
 def test_concurrent_resolves_agree(real_redis_url: str) -> None:
     async def setup() -> None:
         client = redis.asyncio.Redis.from_url(real_redis_url, decode_responses=True)
-        registry = Registry(client, Settings(redis_url=real_redis_url))
+        # a lease that outlives the test however slow the machine is: nobody renews it here
+        settings = Settings(redis_url=real_redis_url, lease_ttl_s=3600)
+        registry = Registry(client, settings)
         for node in ("a", "b"):
             devs = cpu_devices(2, capacity=600, uuid_prefix=node)
             await registry.register(node, f"http://{node}", devs)
@@ -56,7 +65,16 @@ def test_concurrent_resolves_agree(real_redis_url: str) -> None:
     ]
     for p in procs:
         p.start()
-    results = [out.get(timeout=120) for _ in procs]
+    results = []
+    while len(results) < PROCESSES:
+        try:
+            seed, got = out.get(timeout=1)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not dead, f"a worker died without reporting (exit codes {dead})"
+            continue
+        assert not isinstance(got, str), f"worker {seed} failed: {got}"
+        results.append(got)
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
