@@ -20,7 +20,8 @@ from node.policy import PolicyContract, TensorSpec
 __all__ = ["BoundSession"]
 
 
-def _fixed(spec: TensorSpec) -> tuple[int, ...]:
+def _fixed(contract: PolicyContract, spec: TensorSpec) -> tuple[int, ...]:
+    spec = contract.step_spec(spec)  # the batch axis is 1: one episode's step per run
     if not all(isinstance(d, int) for d in spec.shape):
         raise ValueError(
             f"CUDA graphs need fixed shapes; {spec.name} is {spec.describe()} "
@@ -45,13 +46,13 @@ class BoundSession:
         self.outputs: dict[str, Any] = {}
         for spec in contract.inputs:
             value = onnxruntime.OrtValue.ortvalue_from_shape_and_type(
-                _fixed(spec), np.dtype(spec.dtype), device_type, device_id
+                _fixed(contract, spec), np.dtype(spec.dtype), device_type, device_id
             )
             self.binding.bind_ortvalue_input(spec.name, value)
             self.inputs[spec.name] = (value, np.dtype(spec.dtype))
         for spec in contract.outputs:
             value = onnxruntime.OrtValue.ortvalue_from_shape_and_type(
-                _fixed(spec), np.dtype(spec.dtype), device_type, device_id
+                _fixed(contract, spec), np.dtype(spec.dtype), device_type, device_id
             )
             self.binding.bind_ortvalue_output(spec.name, value)
             self.outputs[spec.name] = value

@@ -2,22 +2,50 @@
 
 A policy is an ONNX model. Its inputs are of two kinds:
 
-* observation inputs, which the client sends with every ``/act`` call;
+* observation inputs, which the client sends with every step;
 * state inputs, which the server keeps per episode: each is fed, on the next step, from one
   output of the previous step, and starts as zeros.
 
-Which input is state, and which output feeds it, comes from a sidecar file next to the model,
-named ``<model stem>.affinity.json`` (``demo_policy.onnx`` -> ``demo_policy.affinity.json``)::
+**The sidecar.** A JSON object next to the model, named ``<model stem>.affinity.json``
+(``demo_policy.onnx`` -> ``demo_policy.affinity.json``); every key is optional, no other key
+is allowed, and a model without a sidecar gets every default::
 
-    {"state": {"state_in.hidden": "state_out.hidden"}}
+    {
+      "state": {"state_in.hidden": "state_out.hidden"},
+      "chunk": "actions",
+      "batch": true,
+      "observations": {"observation/image": "image"},
+      "metadata": {"reset_pose": [0, 0, 0]}
+    }
 
-mapping each state input to the output fed back into it (``{"state": {}}`` declares a
-stateless model). Without a sidecar a naming convention applies: every input named
-``state_in.X`` is state, fed from the output ``state_out.X``. Either way each state input and
-its output must exist with the same dtype and compatible shapes, or loading fails.
+* ``state``: each state input -> the output fed back into it (``{}`` declares a stateless
+  model). Default, the naming convention: every input named ``state_in.X`` is state, fed from
+  the output ``state_out.X``. Either way each state input and its output must exist with the
+  same dtype and compatible shapes.
+* ``chunk``: the output that is an action chunk (``[batch, H, D]``, or ``[H, D]`` without a
+  batch axis; fixed ``H`` and ``D``, a float dtype), or ``null`` for none. Default: the one
+  returned output of that shape, if exactly one has it.
+* ``batch``: whether the first dimension of every input and output is the batch axis. It must
+  then be symbolic, unknown or 1 on every tensor. Default: true exactly when that holds. A
+  client always sends one sample per step, so the batch axis takes size 1 from clients (a
+  client sending 3 samples gets :class:`InvalidInput`); the server stacks the steps of several
+  episodes along it when every first dimension is dynamic (:attr:`PolicyContract.batchable`).
+* ``observations``: openpi observation key -> observation input, for clients that send
+  observations under their own names (``"observation/image"``); an input no key maps to is
+  looked up under its own name.
+* ``metadata``: any JSON object, handed to openpi clients when they connect.
 
-Shapes are ONNX Runtime's: a dimension is an ``int``, a symbolic name (``str``) or ``None``
-(unknown); the last two accept any size >= 1 from a client and are 1 in initial state.
+**Shapes** are ONNX Runtime's: a dimension is an ``int``, a symbolic name (``str``) or
+``None`` (unknown). A symbolic or unknown dimension other than the batch axis accepts any size
+>= 1 from a client; every one is 1 in the initial state.
+
+**Dtypes.** Binary arrays (msgpack ``/act``, openpi, KServe) are converted to the model's
+dtype by one rule (:func:`inputs_from_arrays`, :func:`inputs_from_observation`): the same
+dtype passes as is; a float input takes floats and integers (``float64`` state -> ``float32``),
+finite and within the input's range; an integer input takes integers within its range (a
+``uint8`` image stays ``uint8``; ``int64`` values 0-255 become ``uint8``) and never floats,
+since a float image's scale (0-1 or 0-255) is not known; a bool input takes bools only, and
+bools are not numbers. Anything else is :class:`InvalidInput`.
 """
 
 from __future__ import annotations
@@ -25,10 +53,10 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -37,11 +65,22 @@ import onnxruntime
 Array = npt.NDArray[Any]
 Dim = int | str | None
 
-DEMO_MODEL: Path = Path(__file__).parent / "models" / "demo_policy.onnx"
+MODELS_DIR = Path(__file__).parent / "models"
+DEMO_MODEL: Path = MODELS_DIR / "demo_policy.onnx"
 """The packaged demo policy (see ``node/models/build_demo.py``)."""
+VLA_DEMO_MODEL: Path = MODELS_DIR / "vla_demo.onnx"
+"""The packaged camera-sized demo policy (see ``node/models/build_vla.py``)."""
+PACKAGED_MODELS: Mapping[str, Path] = MappingProxyType(
+    {"demo": DEMO_MODEL, "vla-demo": VLA_DEMO_MODEL}
+)
+"""The names :func:`resolve_model` accepts besides a path."""
 
 STATE_IN_PREFIX = "state_in."
 STATE_OUT_PREFIX = "state_out."
+SIDECAR_KEYS = ("state", "chunk", "batch", "observations", "metadata")
+MAX_OBSERVATION_DEPTH = 8
+"""How deeply an openpi observation's maps may nest."""
+_OBS = "observation"  # the root of openpi observations in InvalidInput messages
 
 # ONNX Runtime's type names of the tensors a policy may take or return, as numpy dtype names.
 _DTYPES = {
@@ -84,12 +123,22 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class PolicyContract:
-    """What a policy takes and returns, and which outputs feed which inputs back."""
+    """What a policy takes and returns, which outputs feed which inputs back, and the
+    sidecar's other declarations (see the module doc)."""
 
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     state: Mapping[str, str]
     """State input name -> name of the output fed back into it on the next step."""
+    chunk: str | None = None
+    """The returned output that is an action chunk, ``[batch, H, D]`` (``[H, D]`` without a
+    batch axis), or None."""
+    batch_axis: bool = False
+    """Dimension 0 of every input and output is the batch axis (size 1 per client step)."""
+    observations: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    """The sidecar's observation key -> input entries (see :attr:`observation_map`)."""
+    metadata: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """The sidecar's free JSON map for openpi clients (read only)."""
 
     @property
     def observation_inputs(self) -> tuple[TensorSpec, ...]:
@@ -102,17 +151,67 @@ class PolicyContract:
         fed_back = set(self.state.values())
         return tuple(spec for spec in self.outputs if spec.name not in fed_back)
 
+    @property
+    def observation_map(self) -> dict[str, str]:
+        """Every openpi observation key -> the observation input it feeds: the sidecar's
+        entries, then each input no entry maps to under its own name."""
+        mapped = dict(self.observations)
+        targets = set(mapped.values())
+        mapped.update({s.name: s.name for s in self.observation_inputs if s.name not in targets})
+        return mapped
+
+    @property
+    def chunk_shape(self) -> tuple[int, int] | None:
+        """``(H, D)`` of the action chunk (horizon, action size), or None without one."""
+        if self.chunk is None:
+            return None
+        *_, horizon, size = next(s for s in self.outputs if s.name == self.chunk).shape
+        assert isinstance(horizon, int) and isinstance(size, int)  # checked at load
+        return horizon, size
+
+    @property
+    def batch_blocker(self) -> str | None:
+        """Why the server cannot stack several episodes' steps in one run, or None if it can.
+
+        It can when there is a batch axis and it is dynamic (symbolic or unknown) on every
+        input and output.
+        """
+        if not self.batch_axis:
+            return 'the model has no batch axis (see the sidecar\'s "batch")'
+        for spec in (*self.inputs, *self.outputs):
+            if isinstance(spec.shape[0], int):
+                return f"{spec.name} is {spec.describe()}: its batch axis is fixed"
+        return None
+
+    @property
+    def batchable(self) -> bool:
+        """Several episodes' steps can run as one batch (:attr:`batch_blocker` is None)."""
+        return self.batch_blocker is None
+
+    def step_spec(self, spec: TensorSpec) -> TensorSpec:
+        """``spec`` as one client step holds it: the batch axis (if any) of size 1."""
+        if not self.batch_axis:
+            return spec
+        return replace(spec, shape=(1, *spec.shape[1:]))
+
     def to_json(self) -> dict[str, Any]:
         """The contract as served by ``GET /model``.
 
-        ``inputs``: the observation inputs a client sends in ``/act``; ``outputs``: the
-        outputs it gets back; ``state``: state input -> output fed back into it (kept by the
-        server, never sent nor returned).
+        ``inputs``: the observation inputs a client sends in ``/act``, ``outputs``: the
+        outputs it gets back, both in the shape of one step (the batch axis as 1);
+        ``state``: state input -> output fed back into it (kept by the server, never sent nor
+        returned); ``batch_axis``: dimension 0 is the batch axis (openpi observations leave
+        it out); ``chunk``: the action-chunk output or null; ``observations``: openpi
+        observation key -> input; ``metadata``: the sidecar's map for openpi clients.
         """
         return {
-            "inputs": [spec.to_json() for spec in self.observation_inputs],
-            "outputs": [spec.to_json() for spec in self.returned_outputs],
+            "inputs": [self.step_spec(spec).to_json() for spec in self.observation_inputs],
+            "outputs": [self.step_spec(spec).to_json() for spec in self.returned_outputs],
             "state": dict(self.state),
+            "batch_axis": self.batch_axis,
+            "chunk": self.chunk,
+            "observations": self.observation_map,
+            "metadata": dict(self.metadata),
         }
 
     def initial_state(self) -> dict[str, Array]:
@@ -121,13 +220,40 @@ class PolicyContract:
 
 
 class InvalidInput(ValueError):
-    """A client's ``inputs`` are unusable; ``field`` names the input ("" for the whole object)."""
+    """A client's inputs are unusable; ``field`` names the input or observation key ("" for
+    the whole object), ``problem`` says what is wrong; ``str()`` is ``<root>.<field>:
+    <problem>``, ``root`` being ``inputs`` (``/act``, KServe) or ``observation`` (openpi)."""
 
-    def __init__(self, field: str, problem: str) -> None:
+    def __init__(self, field: str, problem: str, *, root: str = "inputs") -> None:
         self.field = field
         self.problem = problem
         shown = field if len(field) <= 64 else field[:64] + "..."
-        super().__init__(f"inputs.{shown}: {problem}" if field else f"inputs: {problem}")
+        super().__init__(f"{root}.{shown}: {problem}" if field else f"{root}: {problem}")
+
+
+class ObservationInputs(NamedTuple):
+    """What :func:`inputs_from_observation` made of one openpi observation."""
+
+    inputs: dict[str, Array]
+    """One array per observation input, in the model's shape (batch axis of size 1)."""
+    ignored: tuple[str, ...]
+    """The flattened observation keys the model does not take, sorted (e.g. ``prompt``)."""
+
+
+def resolve_model(name_or_path: str | Path) -> Path:
+    """The model file that ``--model`` names: a packaged name (``demo``, ``vla-demo``; see
+    :data:`PACKAGED_MODELS`) or a path to an existing file (``./demo`` for a file of that
+    name). Raises ``ValueError`` naming both choices when it is neither."""
+    packaged = PACKAGED_MODELS.get(str(name_or_path))
+    if packaged is not None:
+        return packaged
+    path = Path(name_or_path).expanduser()
+    if not path.is_file():
+        raise ValueError(
+            f"model {str(name_or_path)!r}: not a packaged model "
+            f"({', '.join(PACKAGED_MODELS)}) nor an existing file"
+        )
+    return path
 
 
 def sidecar_path(model_path: Path) -> Path:
@@ -136,69 +262,144 @@ def sidecar_path(model_path: Path) -> Path:
 
 
 def load_contract(model_path: Path) -> PolicyContract:
-    """Read the tensor contract of the model at ``model_path``, with its state mapping.
+    """Read the tensor contract of the model at ``model_path`` with its sidecar's declarations.
 
-    Names, shapes and dtypes come from ONNX Runtime (CPU provider); the state mapping from the
-    sidecar or, without one, the naming convention (see module doc). Raises ``ValueError``
-    naming the problem when the sidecar is malformed, a tensor has a type a policy cannot use,
-    or a state input or its output is missing or does not match in dtype or shape.
+    Names, shapes and dtypes come from ONNX Runtime (CPU provider); the rest from the sidecar,
+    or defaults (see module doc). Raises ``ValueError`` naming the file, the sidecar key and
+    the problem when the sidecar is malformed or contradicts the model, or a tensor has a type
+    a policy cannot use.
     """
     session = _cpu_session(model_path)
     inputs = tuple(_spec(arg) for arg in session.get_inputs())
     outputs = tuple(_spec(arg) for arg in session.get_outputs())
-    sidecar = sidecar_path(model_path)
-    if sidecar.exists():
-        state, where = _read_sidecar(sidecar), str(sidecar)
+    path = sidecar_path(model_path)
+    doc = _read_sidecar(path) if path.exists() else {}
+    where = str(path) if path.exists() else str(model_path)
+    if "state" in doc:
+        state = _string_map(doc["state"], where, "state", "each state input name to an output")
+        _check_state(state, inputs, outputs, where)
     else:
-        state, where = _by_convention(inputs), f"{model_path} (naming convention)"
-    _check_state(state, inputs, outputs, where)
-    return PolicyContract(inputs=inputs, outputs=outputs, state=MappingProxyType(state))
+        state = _by_convention(inputs)
+        _check_state(state, inputs, outputs, f"{where} (naming convention)")
+    contract = PolicyContract(inputs=inputs, outputs=outputs, state=MappingProxyType(state))
+
+    batch_axis = _batch_axis(doc.get("batch"), contract, where)
+    contract = replace(contract, batch_axis=batch_axis)
+    chunk = _chunk(doc["chunk"], contract, where) if "chunk" in doc else _find_chunk(contract)
+    observations = _observations(doc.get("observations", {}), contract, where)
+    metadata = doc.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise ValueError(f'{where}: "metadata" must be a JSON object, got {_kind(metadata)}')
+    return replace(
+        contract,
+        chunk=chunk,
+        observations=MappingProxyType(observations),
+        metadata=MappingProxyType(metadata),
+    )
 
 
 def parse_inputs(contract: PolicyContract, raw: object) -> dict[str, Array]:
     """Validate a client's decoded ``inputs`` JSON and return one array per observation input.
 
     ``raw`` must be an object holding every observation input and nothing else (no unknown
-    names, no state inputs); each value a nested list of exactly the declared shape (symbolic
-    dimensions: any size >= 1, the same for every sibling), of numbers castable to the declared
-    dtype: finite and in range for floats, integral and in range for ints, ``true``/``false``
-    for bool (booleans are not numbers). Raises :class:`InvalidInput`, and nothing else, for any
-    JSON value.
+    names, no state inputs); each value a nested list of exactly the declared shape (the batch
+    axis: exactly 1; other symbolic dimensions: any size >= 1, the same for every sibling), of
+    numbers castable to the declared dtype: finite and in range for floats, integral and in
+    range for ints, ``true``/``false`` for bool (booleans are not numbers). Raises
+    :class:`InvalidInput`, and nothing else, for any JSON value.
     """
-    if not isinstance(raw, dict):
-        raise InvalidInput("", f"must be an object of input name -> array, got {_kind(raw)}")
-    expected = {spec.name: spec for spec in contract.observation_inputs}
-    for key in raw:
-        name = str(key)
-        if name in contract.state:
-            raise InvalidInput(name, "is recurrent state kept by the server; do not send it")
-        if not isinstance(key, str) or key not in expected:
-            raise InvalidInput(name, f"unknown input; expected: {', '.join(expected) or 'none'}")
-    for spec in expected.values():
-        if spec.name not in raw:
-            raise InvalidInput(spec.name, f"missing; expected {spec.describe()}")
-    return {spec.name: _parse_array(spec, raw[spec.name]) for spec in expected.values()}
+    return {
+        spec.name: _parse_array(contract.step_spec(spec), value, contract.batch_axis)
+        for spec, value in _named_inputs(contract, raw)
+    }
 
 
-def reference_rollout(model_path: Path, observations: Sequence[Array]) -> list[dict[str, Array]]:
+def inputs_from_arrays(contract: PolicyContract, arrays: object) -> dict[str, Array]:
+    """Validate decoded binary inputs (msgpack ``/act``, KServe) named by model input.
+
+    ``arrays`` must be a map holding every observation input and nothing else (as
+    :func:`parse_inputs`), each value a numpy array (or numpy scalar) of exactly the model's
+    shape for one step (batch axis of size 1, other symbolic dimensions any size >= 1), of a
+    dtype the module doc's rule converts to the model's; a nested list of numbers is parsed
+    as in :func:`parse_inputs`. Returns C-contiguous arrays of the model's dtypes (the given
+    array itself when nothing needed converting). Raises :class:`InvalidInput`, and nothing
+    else, for any value; allocates nothing beyond the arrays' own sizes.
+    """
+    return {
+        spec.name: _to_input(contract.step_spec(spec), value, contract.batch_axis)
+        for spec, value in _named_inputs(contract, arrays)
+    }
+
+
+def inputs_from_observation(contract: PolicyContract, observation: object) -> ObservationInputs:
+    """Turn one openpi observation into the model's inputs, as openpi clients send it.
+
+    ``observation`` is a map, possibly nested (``{"state": .., "images": {"cam_high": ..},
+    "prompt": ".."}``); nested keys flatten with ``/`` (``images/cam_high``), up to
+    :data:`MAX_OBSERVATION_DEPTH` levels. Each key of :attr:`PolicyContract.observation_map`
+    must be present, holding the input's value *unbatched*: the model's shape without the
+    batch axis (``float64[8]`` for a ``float32 [batch, 8]`` input), converted by the module
+    doc's dtype rule; the batch axis (size 1) is added here. Without a batch axis the value
+    has the model's whole shape. Keys the model does not take are returned in ``ignored``,
+    never touched. Raises :class:`InvalidInput` (root ``observation``, ``field`` the
+    observation key), and nothing else, for a missing key, a wrong shape or dtype, a key
+    given twice (nested and flat), or a non-map observation.
+    """
+    flat = _flatten(observation)
+    by_name = {spec.name: spec for spec in contract.observation_inputs}
+    inputs: dict[str, Array] = {}
+    for key, name in contract.observation_map.items():
+        spec = by_name[name]
+        if key not in flat:
+            unbatched = _unbatched(contract, spec)
+            raise InvalidInput(key, f"missing; expected {unbatched.describe()}", root=_OBS)
+        value = _to_input(_unbatched(contract, spec), flat[key], False, key=key, root=_OBS)
+        inputs[name] = value[np.newaxis] if contract.batch_axis else value
+    ignored = tuple(sorted(key for key in flat if key not in contract.observation_map))
+    return ObservationInputs(inputs, ignored)
+
+
+def outputs_unbatched(contract: PolicyContract, outputs: Mapping[str, Array]) -> dict[str, Array]:
+    """``outputs`` of one step with the batch axis removed (``actions`` ``[1, H, D]`` ->
+    ``[H, D]``), as openpi clients expect them; unchanged without a batch axis. Raises
+    ``ValueError`` when an array's first dimension is not 1 (a server bug, not a client's)."""
+    if not contract.batch_axis:
+        return dict(outputs)
+    unbatched: dict[str, Array] = {}
+    for name, array in outputs.items():
+        if array.ndim == 0 or array.shape[0] != 1:
+            raise ValueError(f"output {name!r} has shape {list(array.shape)}; expected [1, ...]")
+        unbatched[name] = array[0]
+    return unbatched
+
+
+def reference_rollout(
+    model_path: Path, observations: Sequence[Array | Mapping[str, Array]]
+) -> list[dict[str, Array]]:
     """Run the model on the CPU over ``observations``, feeding state back; one dict per step.
 
-    The model must have exactly one observation input; ``observations[t]`` is its value at step
-    ``t`` (cast to its dtype). State starts from :meth:`PolicyContract.initial_state`. Each
-    dict maps every output name to its array. This is what a served episode must reproduce.
+    ``observations[t]`` holds the observation inputs at step ``t`` by name, in the model's
+    shape (cast to its dtypes), or is the value of the only observation input of a model that
+    has one. State starts from :meth:`PolicyContract.initial_state`. Each dict maps every
+    output name to its array. This is what a served episode must reproduce.
     """
     contract = load_contract(model_path)
-    if len(contract.observation_inputs) != 1:
-        names = [spec.name for spec in contract.observation_inputs]
-        raise ValueError(f"{model_path}: needs exactly one observation input, has {names}")
-    observed = contract.observation_inputs[0]
+    observed = {spec.name: spec.dtype for spec in contract.observation_inputs}
     session = _cpu_session(model_path)
     names = [spec.name for spec in contract.outputs]
     state = contract.initial_state()
     steps: list[dict[str, Array]] = []
     for observation in observations:
-        feeds = {observed.name: np.asarray(observation, dtype=observed.dtype), **state}
-        outputs = dict(zip(names, session.run(names, feeds), strict=True))
+        if not isinstance(observation, Mapping):
+            if len(observed) != 1:
+                raise ValueError(
+                    f"{model_path}: takes {list(observed)}; give each step as a map of them"
+                )
+            observation = {next(iter(observed)): observation}
+        if set(observation) != set(observed):
+            raise ValueError(f"{model_path}: takes {list(observed)}, got {list(observation)}")
+        feeds = {name: np.asarray(observation[name], dtype=dt) for name, dt in observed.items()}
+        outputs = dict(zip(names, session.run(names, {**feeds, **state}), strict=True))
         steps.append(outputs)
         state = {name: outputs[output] for name, output in contract.state.items()}
     return steps
@@ -220,17 +421,30 @@ def _spec(arg: Any) -> TensorSpec:
     return TensorSpec(name=arg.name, shape=tuple(arg.shape), dtype=dtype)
 
 
-def _read_sidecar(path: Path) -> dict[str, str]:
+# --- the sidecar ---------------------------------------------------------------------------
+
+
+def _read_sidecar(path: Path) -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not valid JSON: {exc}") from exc
-    if not isinstance(doc, dict) or set(doc) != {"state"}:
-        raise ValueError(f'{path}: must be an object with exactly one key, "state"')
-    state = doc["state"]
-    if not isinstance(state, dict) or not all(isinstance(v, str) for v in state.values()):
-        raise ValueError(f'{path}: "state" must map each state input name to an output name')
-    return dict(state)
+    known = ", ".join(SIDECAR_KEYS)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: must be a JSON object with keys among {known}")
+    for key in doc:
+        if key not in SIDECAR_KEYS:
+            raise ValueError(f"{path}: unknown key {key!r}; known keys: {known}")
+    return doc
+
+
+def _string_map(value: object, where: str, key: str, what: str) -> dict[str, str]:
+    if not (
+        isinstance(value, dict)
+        and all(isinstance(k, str) and k and isinstance(v, str) for k, v in value.items())
+    ):
+        raise ValueError(f'{where}: "{key}" must map {what} name')
+    return dict(value)
 
 
 def _by_convention(inputs: Sequence[TensorSpec]) -> dict[str, str]:
@@ -270,10 +484,201 @@ def _check_state(
             )
 
 
-def _parse_array(spec: TensorSpec, value: object) -> Array:
+def _batch_axis(declared: object, contract: PolicyContract, where: str) -> bool:
+    """The sidecar's ``batch`` checked against the model, or the default when None."""
+    if declared is not None and not isinstance(declared, bool):
+        raise ValueError(f'{where}: "batch" must be true or false, got {_kind(declared)}')
+    if declared is False:
+        return False
+    for spec in (*contract.inputs, *contract.outputs):
+        first = spec.shape[0] if spec.shape else 0
+        if isinstance(first, int) and first != 1:
+            if declared is None:
+                return False
+            raise ValueError(
+                f'{where}: "batch" is true but {spec.name} is {spec.describe()}; '
+                "a batch axis is dimension 0 of every input and output, symbolic or 1"
+            )
+    return True
+
+
+def _is_chunk(contract: PolicyContract, spec: TensorSpec) -> bool:
+    rank = 3 if contract.batch_axis else 2
+    return (
+        len(spec.shape) == rank
+        and all(isinstance(d, int) and d >= 1 for d in spec.shape[-2:])
+        and np.dtype(spec.dtype).kind == "f"
+    )
+
+
+def _find_chunk(contract: PolicyContract) -> str | None:
+    found = [s.name for s in contract.returned_outputs if _is_chunk(contract, s)]
+    return found[0] if len(found) == 1 else None
+
+
+def _chunk(declared: object, contract: PolicyContract, where: str) -> str | None:
+    if declared is None:
+        return None
+    returned = {spec.name: spec for spec in contract.returned_outputs}
+    if not isinstance(declared, str) or declared not in returned:
+        shown = repr(declared) if isinstance(declared, str) else _kind(declared)
+        raise ValueError(
+            f'{where}: "chunk" is {shown}, not an output returned to clients '
+            f"({', '.join(returned) or 'none'})"
+        )
+    spec = returned[declared]
+    if not _is_chunk(contract, spec):
+        shape = "[batch, H, D]" if contract.batch_axis else "[H, D]"
+        raise ValueError(
+            f'{where}: "chunk" {declared!r} is {spec.describe()}; an action chunk is a float '
+            f"{shape} with fixed H and D"
+        )
+    return declared
+
+
+def _observations(value: object, contract: PolicyContract, where: str) -> dict[str, str]:
+    entries = _string_map(value, where, "observations", "each observation key to an input")
+    inputs = {spec.name for spec in contract.observation_inputs}
+    seen: dict[str, str] = {}
+    for key, name in entries.items():
+        if name not in inputs:
+            raise ValueError(
+                f'{where}: "observations" maps {key!r} to {name!r}, which is not an '
+                f"observation input ({', '.join(sorted(inputs)) or 'none'})"
+            )
+        if name in seen:
+            raise ValueError(
+                f'{where}: "observations" maps both {seen[name]!r} and {key!r} to {name!r}'
+            )
+        seen[name] = key
+    for key, name in entries.items():
+        if key in inputs and key not in seen:
+            raise ValueError(
+                f'{where}: "observations" maps {key!r} to {name!r}, but {key!r} is also the '
+                f"name of input {key!r}, which no key maps to; map it explicitly"
+            )
+    return entries
+
+
+# --- client values -------------------------------------------------------------------------
+
+
+def _named_inputs(contract: PolicyContract, raw: object) -> list[tuple[TensorSpec, object]]:
+    """Each observation input with its value in ``raw``, once ``raw`` names exactly them."""
+    if not isinstance(raw, dict):
+        raise InvalidInput("", f"must be an object of input name -> array, got {_kind(raw)}")
+    expected = {spec.name: spec for spec in contract.observation_inputs}
+    for key in raw:
+        name = str(key)
+        if name in contract.state:
+            raise InvalidInput(name, "is recurrent state kept by the server; do not send it")
+        if not isinstance(key, str) or key not in expected:
+            raise InvalidInput(name, f"unknown input; expected: {', '.join(expected) or 'none'}")
+    for spec in expected.values():
+        if spec.name not in raw:
+            raise InvalidInput(
+                spec.name, f"missing; expected {contract.step_spec(spec).describe()}"
+            )
+    return [(spec, raw[spec.name]) for spec in expected.values()]
+
+
+def _unbatched(contract: PolicyContract, spec: TensorSpec) -> TensorSpec:
+    return replace(spec, shape=spec.shape[1:]) if contract.batch_axis else spec
+
+
+def _flatten(observation: object) -> dict[str, object]:
+    if not isinstance(observation, dict):
+        raise InvalidInput(
+            "", f"must be a map of key -> value, got {_kind(observation)}", root=_OBS
+        )
+    flat: dict[str, object] = {}
+
+    def walk(node: dict[Any, Any], prefix: str, depth: int) -> None:
+        for key, value in node.items():
+            if not isinstance(key, str):
+                raise InvalidInput(prefix + repr(key)[:64], "keys must be strings", root=_OBS)
+            name = prefix + key
+            if isinstance(value, dict):
+                if depth == MAX_OBSERVATION_DEPTH:
+                    raise InvalidInput(
+                        name, f"nested deeper than {MAX_OBSERVATION_DEPTH} maps", root=_OBS
+                    )
+                walk(value, name + "/", depth + 1)
+            elif name in flat:
+                raise InvalidInput(name, "given twice (nested and flat)", root=_OBS)
+            else:
+                flat[name] = value
+
+    walk(observation, "", 1)
+    return flat
+
+
+def _to_input(
+    spec: TensorSpec, value: object, batch: bool, *, key: str | None = None, root: str = "inputs"
+) -> Array:
+    """``value`` (numpy array or scalar, or nested lists) as an array of ``spec``.
+
+    ``spec`` has the shape the value must have (batch axis already 1 when ``batch``);
+    ``key`` names the value in messages (default the spec's name).
+    """
+    field_name = spec.name if key is None else key
+    if not isinstance(value, np.ndarray | np.generic):
+        try:
+            return _parse_array(spec, value, batch)
+        except InvalidInput as exc:
+            raise InvalidInput(field_name, exc.problem, root=root) from None
+    array = np.asarray(value)
+    problem = _shape_problem(spec, array.shape, batch) or _dtype_problem(spec, array)
+    if problem:
+        raise InvalidInput(field_name, problem, root=root)
+    return np.ascontiguousarray(array, dtype=spec.dtype)
+
+
+def _shape_problem(spec: TensorSpec, shape: tuple[int, ...], batch: bool) -> str | None:
+    got = f"has shape {list(shape)}; expected {spec.describe()}"
+    if len(shape) != len(spec.shape):
+        return got
+    for axis, (size, declared) in enumerate(zip(shape, spec.shape, strict=True)):
+        if axis == 0 and batch and size != 1:
+            return f"{got}: dimension 0 is the batch axis, send exactly one sample per step"
+        if isinstance(declared, int) and size != declared:
+            return got
+        if not isinstance(declared, int) and size < 1:
+            return f"{got}: dimension {axis} needs at least 1"
+    return None
+
+
+def _dtype_problem(spec: TensorSpec, array: Array) -> str | None:
+    source, target = array.dtype, np.dtype(spec.dtype)
+    given = f"is {source}"
+    if target.kind == "b":
+        return None if source.kind == "b" else f"{given}; {spec.name} takes bool only"
+    if source.kind not in ("iu" if target.kind in "iu" else "iuf"):
+        why = " (send 0-255 integers, not floats)" if source.kind == "f" else ""
+        return f"{given}; {spec.name} takes {target.name}{why}"
+    if source.kind == "f":
+        finite = np.isfinite(array).reshape(-1)
+        if not finite.all():
+            at = int(np.argmin(finite))
+            return f"{_where(array.shape, at)} is {array.reshape(-1)[at]}; must be finite"
+    if array.size == 0 or source == target:
+        return None
+    low, high = array.min(), array.max()
+    if target.kind == "f":
+        limit = float(np.finfo(target).max)
+        if float(low) < -limit or float(high) > limit:
+            return f"{given} with values beyond the range of {target.name}"
+    else:
+        info = np.iinfo(target)
+        if int(low) < info.min or int(high) > info.max:
+            return f"{given} with values outside {info.min}..{info.max} ({target.name})"
+    return None
+
+
+def _parse_array(spec: TensorSpec, value: object, batch: bool) -> Array:
     sizes: list[int | None] = [None] * len(spec.shape)
     leaves: list[object] = []
-    _collect(spec, value, (), sizes, leaves)
+    _collect(spec, value, (), sizes, leaves, batch)
     # A dimension left unseen lies below a declared 0: the array is empty whatever its size.
     shape = tuple(0 if size is None else size for size in sizes)
     dtype = np.dtype(spec.dtype)
@@ -312,6 +717,7 @@ def _collect(
     path: tuple[int, ...],
     sizes: list[int | None],
     leaves: list[object],
+    batch: bool,
 ) -> None:
     """Append the leaves of ``value`` to ``leaves``, checking it has ``spec``'s shape.
 
@@ -328,6 +734,12 @@ def _collect(
             f"{where} must be a list (expected {spec.describe()}), got {_kind(value)}",
         )
     declared = spec.shape[depth]
+    if depth == 0 and batch and len(value) != 1:
+        raise InvalidInput(
+            spec.name,
+            f"{where} has {len(value)} elements; dimension 0 of {spec.describe()} is the "
+            "batch axis, send exactly one sample per step",
+        )
     if isinstance(declared, int) and len(value) != declared:
         raise InvalidInput(
             spec.name,
@@ -343,7 +755,7 @@ def _collect(
         )
     sizes[depth] = len(value)
     for index, item in enumerate(value):
-        _collect(spec, item, (*path, index), sizes, leaves)
+        _collect(spec, item, (*path, index), sizes, leaves, batch)
 
 
 def _where(shape: tuple[int, ...], flat_index: int) -> str:
