@@ -16,8 +16,9 @@ __all__ = ["NodeConfig"]
 class NodeConfig:
     """Everything one ``affinity-node`` process needs.
 
-    Times are seconds. ``act_deadline_s`` bounds every ``/act`` end to end (Redis, the
-    model and any forward); ``max_body_bytes`` bounds a request body. ``admin_token``
+    Times are seconds. ``act_deadline_s`` bounds every step end to end (Redis, the
+    model and any forward); ``max_body_bytes`` bounds a request body or websocket message;
+    ``keep_alive_s`` is how long an idle client connection stays open. ``admin_token``
     enables the admin endpoints (they are refused while it is unset); ``cluster_secret``
     authenticates forwarded requests between nodes.
     """
@@ -32,7 +33,8 @@ class NodeConfig:
     capacity: int = 64
     weight: int = 1
     act_deadline_s: float = 5.0
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int = 1 << 24
+    keep_alive_s: float = 5.0
     admin_token: str | None = None
     cluster_secret: str | None = None
     providers: ProviderSettings = field(default_factory=ProviderSettings)
@@ -40,6 +42,9 @@ class NodeConfig:
     cooldown_s: float = 30.0
     intra_op_threads: int = 1
     embedded_port: int | None = None
+    log_level: str = "info"
+    log_format: str = "plain"
+    access_log: bool = True
 
     @property
     def renew_every_s(self) -> float:
