@@ -33,7 +33,7 @@ from affinity import (
 )
 from node.accesslog import AccessLog
 from node.asgi import Receive, Scope, Send, error_body, respond
-from node.protocols import act, internal
+from node.protocols import act, internal, openpi
 from node.service import NodeService
 
 __all__ = ["NodeApp", "create_app"]
@@ -42,7 +42,8 @@ Handler = Callable[[NodeService, Scope, Receive, Send], Awaitable[None]]
 
 
 class NodeApp:
-    """The ASGI callable uvicorn runs: hot routes first, then the FastAPI app."""
+    """The ASGI callable uvicorn runs: hot routes first, websockets to the openpi protocol
+    (any path), then the FastAPI app."""
 
     def __init__(
         self, api: FastAPI, hot: dict[tuple[str, str], Handler], access: AccessLog
@@ -64,6 +65,8 @@ class NodeApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             await self.access(self._http, scope, receive, send)
+        elif scope["type"] == "websocket":
+            await openpi.handle(self.service, scope, receive, send)
         else:
             await self.api(scope, receive, send)
 

@@ -20,7 +20,8 @@ class NodeConfig:
     model and any forward); ``max_body_bytes`` bounds a request body or websocket message;
     ``keep_alive_s`` is how long an idle client connection stays open. ``admin_token``
     enables the admin endpoints (they are refused while it is unset); ``cluster_secret``
-    authenticates forwarded requests between nodes.
+    authenticates forwarded requests between nodes; ``api_key``, when set, is required
+    from clients (``Authorization: Api-Key <key>``, as ``openpi-client`` sends it).
     """
 
     node_id: str
@@ -36,6 +37,7 @@ class NodeConfig:
     max_body_bytes: int = 1 << 24
     keep_alive_s: float = 5.0
     admin_token: str | None = None
+    api_key: str | None = None
     cluster_secret: str | None = None
     providers: ProviderSettings = field(default_factory=ProviderSettings)
     failure_threshold: int = 3

@@ -130,7 +130,9 @@ class Forward:
 
 
 def encode_reply(reply: Reply) -> bytes:
-    return wire.encode({"outputs": reply.outputs, **reply.facts(), "url": reply.url})
+    return wire.encode(
+        {"outputs": reply.outputs, **reply.facts(), "url": reply.url, "timing": reply.timing}
+    )
 
 
 def decode_reply(body: bytes) -> Reply:
@@ -148,8 +150,9 @@ def decode_reply(body: bytes) -> Reply:
             degraded=bool(doc["degraded"]),
             url=str(doc.get("url", "")),
             source=str(doc.get("source", "model")),
+            timing={str(k): float(v) for k, v in dict(doc.get("timing", {})).items()},
         )
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not an owner's reply: {exc}") from None
 
 

@@ -95,6 +95,8 @@ _FLAGS = (
           "seconds a down device waits before its probe", float),
     _Flag("--embedded-port", "AFFINITY_EMBEDDED_PORT", None,
           "with the embedded store: also answer the Redis protocol on this port", int),
+    _Flag("--api-key", "AFFINITY_API_KEY", None,
+          "when set, clients must send Authorization: Api-Key <key> (openpi-client's api_key)"),
     _Flag("--log-level", "AFFINITY_LOG_LEVEL", "info", "debug | info | warning | error"),
     _Flag("--log-format", "AFFINITY_LOG_FORMAT", "plain", "plain | json (every log line)"),
     _Flag("--access-log", "AFFINITY_ACCESS_LOG", "on", "on | off: one line per request"),
@@ -178,6 +180,7 @@ def parse_args(
             max_body_bytes=values["max_body_bytes"],
             keep_alive_s=values["keep_alive"],
             admin_token=env.get("AFFINITY_ADMIN_TOKEN") or None,
+            api_key=values["api_key"] or None,
             cluster_secret=env.get("AFFINITY_CLUSTER_SECRET") or None,
             providers=ProviderSettings(
                 tensorrt=a.tensorrt, trt_cache_root=values["trt_cache"], cuda_graph=a.cuda_graph
@@ -354,7 +357,8 @@ async def _serve(config: NodeConfig) -> int:
             host=config.host,
             port=config.port,
             http=_KeepAliveProtocol,
-            ws="auto",
+            ws="websockets",
+            ws_max_size=config.max_body_bytes,
             log_level="warning",
             access_log=False,
             timeout_keep_alive=max(1, round(config.keep_alive_s)),

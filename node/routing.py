@@ -74,14 +74,6 @@ class Routing:
         self.clock = clock
         self.local_devices = frozenset(dispatcher.devices)
         self._rr = 0
-        self._degraded_warned = False
-
-    def note_degraded(self) -> None:
-        """Count a step routed by ``session_id`` for lack of an episode id (warned once)."""
-        self.metrics.degraded.inc()
-        if not self._degraded_warned:
-            self._degraded_warned = True
-            log.warning("requests without episode_id are routed by session_id (degraded)")
 
     # ---- the router ------------------------------------------------------------------
 
@@ -180,6 +172,7 @@ class Routing:
         extra: dict[str, Any] = {}
         if step.execute_steps is not None:
             extra["execute_steps"] = step.execute_steps
+        started = time.perf_counter()
         try:
             result = await self.dispatcher.step(
                 a.device, a.episode, a.token, a.status == "claimed", step.inputs, **extra
@@ -208,6 +201,7 @@ class Routing:
             step.degraded,
             url=self.config.advertise_url,
             source=getattr(result, "source", "model"),
+            timing={"device_ms": (time.perf_counter() - started) * 1000},
         )
 
     async def end_episode(self, episode: str, token: int) -> None:

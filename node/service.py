@@ -8,6 +8,7 @@ configuration and starts and stops them in order.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -65,6 +66,7 @@ class NodeService:
         )
         self.pool: Poster = pool or ForwardPool(config.cluster_secret)
         self.started = False
+        self._warned: set[str] = set()
         self.routing = Routing(
             config,
             self.claims,
@@ -125,3 +127,20 @@ class NodeService:
 
     def fenced(self) -> bool:
         return self.membership.fenced()
+
+    def client_allowed(self, authorization: str | None) -> bool:
+        """Whether a client may use the node: always without ``--api-key``, else only with
+        ``Authorization: Api-Key <key>`` (compared in constant time)."""
+        expected = self.config.api_key
+        if not expected:
+            return True
+        scheme, _, key = (authorization or "").partition(" ")
+        return scheme.lower() == "api-key" and hmac.compare_digest(
+            key.strip().encode(), expected.encode()
+        )
+
+    def warn_once(self, key: str, message: str, *args: object) -> None:
+        """Log a warning the first time ``key`` is seen in this process."""
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)

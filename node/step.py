@@ -46,7 +46,8 @@ class Reply:
 
     ``url`` is the owner's advertise URL: a client may send the episode's next steps there
     directly. ``source`` is ``model`` when the policy ran, ``buffer`` when the action came
-    from the episode's action-chunk buffer.
+    from the episode's action-chunk buffer. ``timing`` holds ``device_ms``, the time the
+    step spent on its device (queue and run), measured by the owner.
     """
 
     outputs: dict[str, Array]

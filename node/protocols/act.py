@@ -73,9 +73,7 @@ def decode(service: NodeService, body: bytes, binary: bool, deadline: float) -> 
             )
     raw = doc.get("inputs")
     if binary:
-        if not isinstance(raw, dict) or not all(isinstance(v, np.ndarray) for v in raw.values()):
-            raise InvalidInput("", "must be a map of input name -> msgpack array (openpi encoding)")
-        inputs = inputs_from_arrays(service.contract, raw, batched=True)
+        inputs = inputs_from_arrays(service.contract, raw)
     else:
         inputs = parse_inputs(service.contract, raw)
     end, token, steps = doc.get("end", False), doc.get("token"), doc.get("execute_steps")
@@ -88,7 +86,10 @@ def decode(service: NodeService, body: bytes, binary: bool, deadline: float) -> 
     episode, degraded = doc.get("episode_id"), False
     if episode is None and doc.get("session_id") is not None:
         episode, degraded = doc["session_id"], True
-        service.routing.note_degraded()
+        service.metrics.degraded.inc()
+        service.warn_once(
+            "degraded", "steps without episode_id are routed by session_id (degraded)"
+        )
     return Step(
         episode=None if episode is None else check_episode(episode),
         inputs=inputs,
@@ -134,6 +135,11 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
     metrics = service.metrics
     binary_in = _is_msgpack(header(scope, b"content-type"))
     binary_out = MSGPACK in (header(scope, b"accept") or "")
+    if not service.client_allowed(header(scope, b"authorization")):
+        metrics.rejected.labels("unauthorized").inc()
+        body = error_body("unauthorized", "this node wants Authorization: Api-Key <key>")
+        await respond(send, 401, body, headers=[(b"www-authenticate", b"Api-Key")])
+        return
     try:
         body = await read_body(scope, receive, service.config.max_body_bytes)
         step = decode(service, body, binary_in, deadline)
