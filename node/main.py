@@ -37,7 +37,7 @@ from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import MultiGpuDispatcher, Session
 from node.forward import Poster
 from node.membership import EXIT_CONFLICT, VERSION
-from node.policy import DEMO_MODEL, load_contract
+from node.policy import load_contract, resolve_model
 from node.providers import ProviderSettings, build_session
 from node.service import NodeService
 
@@ -74,7 +74,8 @@ _FLAGS = (
           "URL other nodes forward to (none: http://<host>:<port>)"),
     _Flag("--devices", "AFFINITY_DEVICES", "auto",
           "auto | cpu:N | GPU indices or UUIDs such as 0,2"),
-    _Flag("--model", "AFFINITY_MODEL", DEMO_MODEL, "ONNX policy file", Path),
+    _Flag("--model", "AFFINITY_MODEL", "demo",
+          "ONNX policy: a packaged name (demo, vla-demo) or a file"),
     _Flag("--capacity", "AFFINITY_CAPACITY", 64, "live episodes per device", int),
     _Flag("--weight", "AFFINITY_WEIGHT", 1, "share of new episodes per device", int),
     _Flag("--episode-ttl", "AFFINITY_EPISODE_TTL", 300.0,
@@ -156,8 +157,10 @@ def parse_args(
     advertise = values["advertise_url"] or (
         f"http://{host if host != '0.0.0.0' else socket.gethostname()}:{values['port']}"
     )
-    if not values["model"].is_file():
-        p.error(f"--model {values['model']}: no such file (env AFFINITY_MODEL)")
+    try:
+        model = resolve_model(values["model"])
+    except ValueError as exc:
+        p.error(f"--model: {exc} (env AFFINITY_MODEL)")
     try:
         settings = Settings.from_env(
             env,
@@ -173,7 +176,7 @@ def parse_args(
             host=host,
             port=values["port"],
             devices=values["devices"],
-            model=values["model"],
+            model=model,
             capacity=values["capacity"],
             weight=values["weight"],
             act_deadline_s=values["act_deadline"],

@@ -5,8 +5,8 @@ On every path of the node's port (``ws://node:8000``, ``ws://node:8000/?episode_
 1. The client connects (``Authorization: Api-Key <key>`` when the node has ``--api-key``;
    without the right key the handshake is refused with HTTP 403).
 2. The node sends one binary msgpack map, the metadata: the model sidecar's ``metadata``
-   (e.g. ``reset_pose``) plus ``policy`` (the contract of ``GET /model``), ``node`` and
-   ``episode_id`` (when the connection names one).
+   (e.g. ``reset_pose``) plus ``affinity``: ``policy`` (the contract of ``GET /model``),
+   ``node`` and ``episode_id`` (when the connection names one).
 3. Lockstep: the client sends an observation (msgpack map, nested or flat keys, numpy
    arrays in openpi's encoding, unbatched); the node answers a msgpack map holding every
    model output without its batch axis (``actions`` ``[H, D]``), the step's facts as
@@ -52,11 +52,15 @@ CONTROL_KEYS = ("episode_id", "execute_steps")
 
 
 def metadata(service: NodeService, episode: str | None) -> dict[str, Any]:
+    """The sidecar's metadata (what openpi clients read, e.g. ``reset_pose``) with the
+    node's own facts under ``affinity``: the policy contract, the node, the episode."""
     return {
-        **service.contract.metadata,
-        "policy": service.contract.to_json(),
-        "node": service.node_id,
-        "episode_id": episode,
+        **dict(service.contract.metadata),
+        "affinity": {
+            "policy": service.contract.to_json(),
+            "node": service.node_id,
+            "episode_id": episode,
+        },
     }
 
 
