@@ -118,7 +118,7 @@ def wrk(
     try:
         before = sum(cpu_seconds(p) for p in server_pids)
         out = subprocess.run(
-            ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{duration_s}s",
+            ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{max(1, round(duration_s))}s",
              "--timeout", "10s", "-s", script, url],
             capture_output=True, text=True, check=True, timeout=duration_s + 60,
         ).stdout  # fmt: skip

@@ -178,8 +178,7 @@ class _Connection(asyncio.Protocol):
         self._head: tuple[int, dict[str, str], int] | None = None  # status, headers, body at
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -329,11 +328,12 @@ class ForwardPool:
         if origin.tls:
             context = self._ssl or ssl.create_default_context()
         try:
-            _, conn = await loop.create_connection(
+            transport, conn = await loop.create_connection(
                 _Connection, origin.host, origin.port, ssl=context
             )
         except OSError as exc:
             raise ForwardError(f"cannot connect to {origin.host}:{origin.port}: {exc}") from exc
+        conn.transport = transport  # uvloop may call connection_made only later
         return conn
 
     def _release(self, origin: _Origin, conn: _Connection) -> None:

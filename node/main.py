@@ -363,7 +363,9 @@ async def _serve(config: NodeConfig) -> int:
             ws="websockets",
             ws_max_size=config.max_body_bytes,
             log_level="warning",
-            access_log=False,
+            access_log=False,  # node/accesslog.py writes the node's own, with the step's facts
+            proxy_headers=False,
+            server_header=False,
             timeout_keep_alive=max(1, round(config.keep_alive_s)),
             timeout_graceful_shutdown=int(config.act_deadline_s) + 5,
             lifespan="on",

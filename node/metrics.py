@@ -11,7 +11,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = ["LABELS", "Metrics"]
 
-ROUTING = ("hit", "claimed", "reassigned", "stateless", "full", "unavailable")
+ROUTING = (
+    "hit",
+    "claimed",
+    "reassigned",
+    "stateless",
+    "full",
+    "no_nodes",
+    "unavailable",
+    "failed",
+)
 PATHS = ("local", "forwarded")
 STATES = ("active", "draining", "down")
 TRANSITIONS = ("down", "up")
@@ -42,7 +51,8 @@ class Metrics:
         r = self.registry
         self.routing = Counter(
             "affinity_routing_total",
-            "Routing decisions of /act, by result.",
+            "Steps by outcome: served (hit, claimed, reassigned, stateless), refused for "
+            "capacity (full, no_nodes), any other 503 (unavailable), or a model failure.",
             ["result"],
             registry=r,
         )

@@ -25,7 +25,9 @@ from node.policy import (
 )
 
 
-def random_feed(contract: PolicyContract, batch: int, seed: int = 0) -> dict[str, np.ndarray[Any, Any]]:
+def random_feed(
+    contract: PolicyContract, batch: int, seed: int = 0
+) -> dict[str, np.ndarray[Any, Any]]:
     """Random inputs for every input of ``contract``, ``batch`` samples along the batch axis
     (other symbolic dimensions 1): integers over their full range, floats standard normal."""
     rng = np.random.default_rng(seed)
