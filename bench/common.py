@@ -117,11 +117,15 @@ def wrk(
         script = f.name
     try:
         before = sum(cpu_seconds(p) for p in server_pids)
+        seconds = f"{max(1, round(duration_s))}s"  # wrk takes whole seconds
+        argv = ["wrk", "-t", str(threads), "-c", str(connections), "-d", seconds]
         out = subprocess.run(
-            ["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{max(1, round(duration_s))}s",
-             "--timeout", "10s", "-s", script, url],
-            capture_output=True, text=True, check=True, timeout=duration_s + 60,
-        ).stdout  # fmt: skip
+            [*argv, "--timeout", "10s", "-s", script, url],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=duration_s + 60,
+        ).stdout
         cpu = sum(cpu_seconds(p) for p in server_pids) - before
     finally:
         os.unlink(script)
