@@ -19,7 +19,12 @@ from node.policy import inputs_from_observation, load_contract, reference_rollou
 from tests.procs import Node, RedisServer, wait_until
 from tests.test_cluster import Cluster, running
 
-pytestmark = pytest.mark.integration
+pytestmark = [
+    pytest.mark.integration,
+    # openpi-client 0.1.2 calls websockets' connect() the pre-17.1 way; its warning is the
+    # client's, not ours
+    pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager"),
+]
 
 VLA = resolve_model("vla-demo")
 LEASE = 2.0
