@@ -4,6 +4,7 @@ fakeredis and a real Redis (same bodies)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -347,3 +348,127 @@ async def test_renewal_reconciles_down_with_the_crash_tracker(node: InProcNode, 
     tracker.failure("boom")
     await s.membership.renew_once()
     assert await redis.hget(KEYS.device("a/1"), "state") == "down"
+
+
+async def test_episode_ids_with_slashes_and_errors_in_the_projects_shape(node: InProcNode) -> None:
+    r = await node.act(episode_id="robot/7/ep 1", inputs={"obs": [[0.1] * 8]})
+    assert r.status_code == 200
+    got = await node.client.get("/episodes/robot/7/ep%201")
+    assert got.status_code == 200 and got.json()["episode_id"] == "robot/7/ep 1"
+    assert got.json()["device"] == r.json()["device"]
+    ended = await node.client.post("/episodes/robot/7/ep%201/end")
+    assert ended.status_code == 200 and ended.json()["released"] is True
+    assert (await node.client.get("/episodes/robot/7/ep%201")).status_code == 404
+    for method, path, status in [
+        ("GET", "/no/such/path", 404),
+        ("GET", "/act", 405),
+        ("DELETE", "/healthz", 405),
+        ("GET", "/internal/act", 405),
+    ]:
+        r = await node.client.request(method, path)
+        assert r.status_code == status, (method, path, r.text)
+        assert set(r.json()["error"]) >= {"code", "message"}, r.text
+
+
+async def test_an_unknown_top_level_field_is_refused_by_name(node: InProcNode, redis: Any) -> None:
+    before = await snapshot(redis)
+    r = await node.act(episodeId="typo", inputs={"obs": [[0.1] * 8]})
+    assert r.status_code == 422
+    assert r.json()["error"]["field"] == "episodeId" and "unknown field" in r.text
+    assert await snapshot(redis) == before
+
+
+class Gate:
+    """A real ORT session whose runs wait for ``go`` when the input's first value is 9."""
+
+    go = threading.Event()
+    entered = threading.Event()
+
+    def __init__(self, spec: Any) -> None:
+        from node.providers import ProviderSettings, build_session
+
+        self.inner = build_session(DEMO_MODEL, spec, ProviderSettings()).session
+
+    def run(self, names: Any, feed: Any) -> Any:
+        if feed["obs"][0][0] == 9:
+            Gate.entered.set()
+            assert Gate.go.wait(30)
+        return self.inner.run(names, dict(feed))
+
+
+async def test_a_forwarded_step_past_the_routers_budget_keeps_no_state(redis: Any) -> None:
+    cfgs = [config("a", cluster_secret="k"), config("b", cluster_secret="k")]
+    Gate.go.clear()
+    Gate.entered.clear()
+    async with cluster(redis, cfgs, session_factory=lambda s: (Gate(s), "CPU")) as (nodes, _):
+        a, b = nodes
+        first = None
+        for i in range(8):
+            first = (await a.act(episode_id=f"bud{i}", inputs={"obs": [[0.5] * 8]})).json()
+            if first["node"] == "b":
+                break
+        assert first is not None and first["node"] == "b"
+        ep, obs = first["episode_id"], observations(9)
+        # the owner gets what is left of the router's deadline: here, 0.3 s
+        body = Forward(ep, first["token"], first["device"], "hit",
+                       {"obs": np.full((1, 8), 9, np.float32)}, budget_s=0.3).encode()  # fmt: skip
+        r = await b.client.post("/internal/act", content=body, headers={SECRET: "k"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "deadline"
+        assert Gate.entered.is_set()
+        Gate.go.set()  # the run ends after its budget: its state must not be kept
+        # the next step queues behind the late run on the same device and must see the
+        # state of the first step, not of the step the router was told failed
+        again = await a.act(episode_id=ep, inputs={"obs": obs[0].tolist()}, token=first["token"])
+        assert again.status_code == 200 and again.json()["state_reset"] is False
+        ref = reference_rollout(DEMO_MODEL, [np.full((1, 8), 0.5, np.float32), obs[0]])
+        np.testing.assert_allclose(again.json()["outputs"]["actions"], ref[1]["actions"], rtol=1e-5)
+
+
+async def test_the_router_forwards_only_what_is_left_of_its_deadline(redis: Any) -> None:
+    cfgs = [config("a", cluster_secret="k", act_deadline_s=2.0), config("b", cluster_secret="k")]
+    async with cluster(redis, cfgs) as (nodes, router):
+        a, _ = nodes
+        sent: list[Forward] = []
+        post = router.post
+
+        async def spy(url: str, body: bytes) -> Any:
+            sent.append(Forward.decode(body))
+            return await post(url, body)
+
+        router.post = spy  # type: ignore[method-assign]
+        resolve = a.service.claims.resolve
+
+        async def stalled(episode: str, **kw: Any) -> Any:
+            await asyncio.sleep(0.6)  # Redis stalls during the router's resolve
+            return await resolve(episode, **kw)
+
+        for i in range(8):
+            r = (await a.act(episode_id=f"st{i}", inputs={"obs": [[0.5] * 8]})).json()
+            if r["node"] == "b":
+                break
+        a.service.claims.resolve = stalled  # type: ignore[method-assign]
+        sent.clear()
+        assert (
+            await a.act(episode_id=r["episode_id"], inputs={"obs": [[0.5] * 8]})
+        ).status_code == 200
+        assert len(sent) == 1 and sent[0].budget_s <= 2.0 - 0.6
+
+
+async def test_an_owner_obeys_redis_when_tokens_differ(
+    two: tuple[list[InProcNode], Router], redis: Any
+) -> None:
+    (a, _), _ = two
+    obs = observations(11)
+    for i in range(8):
+        first = (await a.act(episode_id=f"fo{i}", inputs={"obs": obs[0].tolist()})).json()
+        if first["node"] == "b":
+            break
+    ep = first["episode_id"]
+    await a.act(episode_id=ep, inputs={"obs": obs[1].tolist()})
+    # a failover lost the last claim: Redis now holds an older token than the owner's state
+    await redis.set(KEYS.episode(ep), f"{first['device']} {first['token'] - 1}", px=60_000)
+    r = await a.act(episode_id=ep, inputs={"obs": obs[0].tolist()})
+    assert r.status_code == 200, r.text  # served at once, not refused until the state idles out
+    assert r.json()["state_reset"] is True and r.json()["token"] == first["token"] - 1
+    want = reference_rollout(DEMO_MODEL, obs[:1])[0]["actions"]
+    np.testing.assert_allclose(r.json()["outputs"]["actions"], want, rtol=1e-5)
