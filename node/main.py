@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -47,6 +47,23 @@ log = logging.getLogger("affinity.node")
 CUDA_GRAPH_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 EXIT_USAGE = 2
 EXIT_REDIS = 3
+
+
+HELP = """\
+Serve a policy on this host's devices as one node of an affinity fleet: episodes stick to
+one device across hosts, with Redis as the source of truth. Every flag also reads the
+environment variable named in its help (the flag wins). Without --redis the node runs on an
+embedded single-host store.
+
+Exit codes: 0 after a graceful stop (SIGTERM: episodes handed over, deregistered), 2 for a
+usage or configuration error (one line naming the flag), 3 when Redis cannot be reached at
+start-up, 4 when another running process holds this node id."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line naming the flag (no usage dump), exit code 2."""
+        self.exit(EXIT_USAGE, f"affinity-node: {message} (see affinity-node --help)\n")
 
 
 class StartupError(Exception):
@@ -119,9 +136,9 @@ def parse_args(
 
     Exits with code 2 and one line naming the flag on a bad value."""
     env = os.environ if env is None else env
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="affinity-node",
-        description=__doc__,
+        description=HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"affinity-node {VERSION}")
@@ -221,9 +238,7 @@ def build_service(
         try:
             devices = specs if specs is not None else discover(config.devices)
         except ValueError as exc:
-            raise StartupError(
-                f"--devices: {exc} (auto, cpu:N, or GPU indices/UUIDs such as 0,2)"
-            ) from None
+            raise StartupError(f"--devices: {exc}") from None
         try:
             contract = load_contract(config.model)
         except (ValueError, OSError) as exc:
