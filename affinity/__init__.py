@@ -5,6 +5,14 @@ keeps nodes, devices and their states; ``Keys`` names every Redis key.
 """
 
 from affinity.claims import Assignment, Claims, EpisodeInfo, check_episode
+from affinity.client import (
+    AsyncClient,
+    Client,
+    ClientError,
+    RequestRefused,
+    ServiceUnavailable,
+    StateReset,
+)
 from affinity.config import Settings
 from affinity.connection import close, connect, embedded_store
 from affinity.errors import (
@@ -25,8 +33,11 @@ __version__ = "0.1.0"
 __all__ = [
     "AffinityError",
     "Assignment",
+    "AsyncClient",
     "BackendUnavailable",
     "Claims",
+    "Client",
+    "ClientError",
     "DeviceRegistration",
     "DeviceStatus",
     "EpisodeInfo",
@@ -36,8 +47,11 @@ __all__ = [
     "NodeConflict",
     "NodeStatus",
     "Registry",
+    "RequestRefused",
+    "ServiceUnavailable",
     "Settings",
     "StaleToken",
+    "StateReset",
     "UnknownDevice",
     "UnknownEpisode",
     "check_episode",
