@@ -27,7 +27,7 @@ from node.config import NodeConfig
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import MultiGpuDispatcher, Session
 from node.policy import DEMO_MODEL, load_contract
-from node.providers import ProviderSettings, build_session
+from node.providers import GpuUnavailable, ProviderSettings, build_session, require_cuda
 from node.service import NodeService
 
 __all__ = ["build_service", "main", "parse_args"]
@@ -222,6 +222,10 @@ def build_service(
     return factory
 
 
+EXIT_NO_GPU = 4
+"""Exit status when --devices names GPUs (or auto finds some) that CUDA cannot run."""
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     config = parse_args(argv)
     logging.basicConfig(
@@ -229,7 +233,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    app = create_app(build_service(config))
+    pin_pci_bus_order(os.environ)
+    try:
+        specs = discover(config.devices)
+        require_cuda(specs)
+    except (ValueError, GpuUnavailable) as exc:
+        print(f"affinity-node: {exc}", file=sys.stderr)
+        sys.exit(EXIT_NO_GPU if isinstance(exc, GpuUnavailable) else 2)
+    app = create_app(build_service(config, specs=specs))
     uvicorn.run(
         app,
         host=config.host,
