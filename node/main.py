@@ -181,11 +181,8 @@ def build_service(
             )
             if not (config.providers.cuda_graph and built.active in CUDA_GRAPH_PROVIDERS):
                 return built.session, built.active
-            bound = BoundSession(built.session, contract, "cuda", spec.ordinal or 0)
-            # the first run captures the graph on this device, before any episode arrives
-            bound.run(None, {s.name: s.zeros() for s in contract.inputs})
-            log.info("device %s: CUDA graph captured", spec.index)
-            return bound, built.active
+            # captured by dispatcher.warm_up(), on the device's worker thread
+            return BoundSession(built.session, contract, "cuda", spec.ordinal or 0), built.active
 
         make = session_factory or ort_session
         sessions: dict[str, Session] = {}
@@ -208,7 +205,7 @@ def build_service(
                 on_transition=on_transition,
             )
 
-        return NodeService(
+        service = NodeService(
             config,
             client,
             devices,
@@ -218,6 +215,10 @@ def build_service(
             transport=transport,
             owns_redis=redis is None,
         )
+        await service.dispatcher.warm_up()
+        graphs = sum(isinstance(s, BoundSession) for s in sessions.values())
+        log.info("%d device(s) warmed up on their workers, %d CUDA graph(s)", len(sessions), graphs)
+        return service
 
     return factory
 
