@@ -286,7 +286,8 @@ def require_cuda(
     driver, needed = cudart.driver_version(), cudart.runtime_version()
     if driver == 0:
         raise CudaUnavailable("cannot use GPUs: no NVIDIA driver is loaded (libcuda found none)")
-    if driver < needed:
+    # CUDA's minor version compatibility: a 13.x runtime runs on any driver for CUDA 13.0+
+    if driver // 1000 < needed // 1000:
         raise CudaUnavailable(
             f"cannot use GPUs: the NVIDIA driver supports CUDA {_cuda_version(driver)}, "
             f"{wanted} (CUDA {_cuda_version(needed)} runtime): upgrade the driver (r580+ for "

@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import numpy as np
 import onnxruntime
 import pytest
 from onnxruntime.capi.onnxruntime_pybind11_state import EPFail, Fail, NoSuchFile
+from packaging.version import Version
 
 import node.providers as providers
 from node.devices import DeviceSpec
@@ -442,6 +444,8 @@ def test_no_gpu_needs_no_cuda() -> None:
 
 def test_cuda_that_runs() -> None:
     require_cuda(GPUS, provider_library=loads(), runtime=FakeCudart)
+    # minor version compatibility: pip's CUDA 13.5 runtime on a driver for CUDA 13.0
+    require_cuda(GPUS, provider_library=loads(), runtime=lambda: FakeCudart(13000, 13050))
 
 
 def test_missing_cuda_library_is_named_in_one_line() -> None:
@@ -536,3 +540,22 @@ def test_node_naming_a_gpu_it_cannot_list_exits_with_one_line(tmp_path: Path) ->
     assert done.returncode == 2, done.stderr
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("affinity-node: devices '0': cannot list GPUs:")
+
+
+def test_the_onnxruntime_floor_has_what_the_node_relies_on() -> None:
+    """pyproject's floor: 1.26 has OrtValue.update_inplace(OrtValue) (1.25.0 does not), and it
+    is past 1.22, the first release with ORT PR #24010 (TensorRT on device_id > 0 from another
+    thread)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    [floor] = [
+        Version(dep.split(">=", 1)[1])
+        for dep in project["dependencies"]
+        if dep.startswith("onnxruntime-gpu>=")
+    ]
+    assert floor >= Version("1.26") and Version(onnxruntime.__version__) >= floor
+    gpu_extra = project["optional-dependencies"]["gpu"]
+    assert any(g.startswith("onnxruntime-gpu[cuda,cudnn]>=") for g in gpu_extra)
+    source = onnxruntime.OrtValue.ortvalue_from_numpy(np.arange(4, dtype=np.float32))
+    target = onnxruntime.OrtValue.ortvalue_from_shape_and_type([4], np.float32, "cpu", 0)
+    target.update_inplace(source)  # the device-to-device copy, here host to host
+    np.testing.assert_array_equal(target.numpy(), np.arange(4, dtype=np.float32))
