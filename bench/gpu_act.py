@@ -8,7 +8,7 @@ contract (``GET /model``), msgpack when the node takes it, else JSON. Ratios are
 CPU configuration of the same policy, measured in the same run. ``--dry-run`` (a CPU-only host)
 measures the CPU configurations only and the state figure on the CPU.
 
-Usage: python -m bench.gpu_act [--models a.onnx,b.onnx] [--requests 300] [--budget 45]
+Usage: python -m bench.gpu_act [--models a.onnx,b.onnx] [--requests 300] [--budget 20]
                                [--dry-run]
 """
 
@@ -81,6 +81,8 @@ class NodeProcess:
             str(model),
             "--capacity",
             "16",
+            "--max-body-bytes",
+            str(64 << 20),  # a camera-sized observation as JSON is a few MiB
             *args,
         ]
         with self.log.open("w") as out:
@@ -116,7 +118,7 @@ async def measure(url: str, requests: int, budget_s: float) -> tuple[list[float]
             if probe.status_code == 200:
                 wire, body = "msgpack", packed
                 headers = {"content-type": "application/msgpack", "accept": "application/json"}
-        for _ in range(10):  # warm: claim, first runs
+        for _ in range(3):  # warm: claim, first runs
             reply = await client.post("/act", content=body, headers=headers)
             reply.raise_for_status()
         listed = (await client.get("/devices")).json().get("devices", [])
@@ -215,7 +217,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", default="", help="comma-separated .onnx paths")
     p.add_argument("--requests", type=int, default=300, help="per configuration")
-    p.add_argument("--budget", type=float, default=45, help="seconds per configuration, at most")
+    p.add_argument("--budget", type=float, default=20, help="seconds per configuration, at most")
     p.add_argument("--dry-run", action="store_true", help="CPU configurations only")
     a = p.parse_args()
     if a.models:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The prepared GPU check: on a GPU host without network, install from wheels brought along, run
 # the hardware tests, and print /act p50/p99 on CPU, CUDA and CUDA graph for each policy.
-# Made to finish within 10 minutes on one GPU.
+# Made to finish within 10 minutes on one GPU: the install from local wheels (about a minute),
+# the hardware tests (capped at 3 minutes) and the figures (20 s per configuration, capped at
+# 5 minutes for 2 policies x 3 configurations).
 #
 #   bench/gpu_check.sh --bundle [DIR]   on a machine WITH network (Linux x86_64, Python 3.11,
 #                                       like the GPU host): download every wheel into DIR
@@ -85,16 +87,16 @@ status=0
 say "hardware tests"
 if [ "$DRY" = 1 ]; then
     # collected and skipped without RUN_HARDWARE_TESTS: proves they import and parametrize
-    timeout 200 "$PYTHON" -m pytest -q -rs -m hardware tests/test_hardware.py || status=1
+    timeout 180 "$PYTHON" -m pytest -q -rs -m hardware tests/test_hardware.py || status=1
 else
-    RUN_HARDWARE_TESTS=1 timeout 200 "$PYTHON" -m pytest -q -rs -m hardware tests/test_hardware.py || status=1
+    RUN_HARDWARE_TESTS=1 timeout 180 "$PYTHON" -m pytest -q -rs -m hardware tests/test_hardware.py || status=1
 fi
 
 say "/act p50/p99: CPU, CUDA, CUDA graph"
-args=(--requests "$REQUESTS" --budget 25)
+args=(--requests "$REQUESTS" --budget 20)
 [ -n "$MODELS" ] && args+=(--models "$MODELS")
 [ "$DRY" = 1 ] && args+=(--dry-run)
-timeout 270 "$PYTHON" -m bench.gpu_act "${args[@]}" || status=1
+timeout 300 "$PYTHON" -m bench.gpu_act "${args[@]}" || status=1
 
 say "done in $(( $(date +%s) - START )) s, status $status (log: build/gpu-check.log)"
 exit "$status"
