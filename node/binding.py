@@ -123,7 +123,9 @@ class BoundSession:
         self.binding = session.io_binding()
         self.inputs: dict[str, tuple[Any, np.dtype[Any], tuple[int, ...]]] = {}
         self.outputs: dict[str, tuple[Any, np.dtype[Any], tuple[int, ...]]] = {}
-        self.runs = 0
+        self._sync = onnxruntime.OrtValue.ortvalue_from_shape_and_type(
+            [1], np.uint8, device_type, device_id
+        )
         for spec in contract.inputs:
             shape, dtype = _fixed(contract, spec, batch), np.dtype(spec.dtype)
             value = onnxruntime.OrtValue.ortvalue_from_shape_and_type(
@@ -148,14 +150,19 @@ class BoundSession:
 
         Inputs may be host arrays or :class:`DeviceTensor` handles (copied device to device).
         """
-        for name, given in input_feed.items():
+        # Device copies first, host copies last: ORT copies device to device asynchronously on
+        # CUDA's default stream, and host to device synchronously on it, which also waits for
+        # the copies queued before; the run (on ORT's own stream) must see them finished.
+        device = [(n, v) for n, v in input_feed.items() if isinstance(v, DeviceTensor)]
+        host = [(n, v) for n, v in input_feed.items() if not isinstance(v, DeviceTensor)]
+        for name, given in device:
+            self.inputs[name][0].update_inplace(given.value)
+        for name, given in host:
             slot, dtype, _ = self.inputs[name]
-            if isinstance(given, DeviceTensor):
-                slot.update_inplace(given.value)
-            else:
-                slot.update_inplace(np.ascontiguousarray(given, dtype=dtype))
+            slot.update_inplace(np.ascontiguousarray(given, dtype=dtype))
+        if device and not host:
+            self._sync.update_inplace(np.zeros(1, np.uint8))
         self.session.run_with_iobinding(self.binding)
-        self.runs += 1
         names = list(self.outputs) if output_names is None else output_names
         return [self._result(name, input_feed) for name in names]
 
