@@ -206,7 +206,7 @@ def preload_gpu_libraries(tensorrt: bool = False) -> None:
         spec = importlib.util.find_spec("tensorrt_libs")
         if spec is not None and spec.submodule_search_locations:
             where = Path(next(iter(spec.submodule_search_locations)))
-            for name in ("libnvinfer.so.10", "libnvonnxparser.so.10"):
+            for name in ("libnvinfer.so.10", "libnvinfer_plugin.so.10", "libnvonnxparser.so.10"):
                 with contextlib.suppress(OSError):
                     ctypes.CDLL(str(where / name), mode=ctypes.RTLD_GLOBAL)
 
