@@ -370,6 +370,27 @@ class MultiGpuDispatcher:
         outputs = await dev.worker.run(self._run, dev, feed)
         return {k: v for k, v in outputs.items() if k not in self._fed_back}
 
+    async def warm_up(self) -> None:
+        """Warm every device up on its own worker thread, one device after another.
+
+        A session with a ``warm_up()`` method (``node.binding.BoundSession``, which captures
+        its CUDA graph there) is asked to; any other gets one run from zeros. ONNX Runtime
+        keeps a captured CUDA graph per thread, so the capture must happen on the thread that
+        runs the device's steps; CUDA's capture mode is process-wide, so devices go one at a
+        time. Call once, before serving; what a session raises propagates.
+        """
+        for dev in self._devices.values():
+            await dev.worker.run(self._warm, dev)
+
+    def _warm(self, dev: _Device) -> None:
+        warm = getattr(dev.session, "warm_up", None)
+        if warm is not None:
+            warm()
+            return
+        feed = {spec.name: spec.zeros() for spec in self.contract.observation_inputs}
+        feed.update(self.contract.initial_state())
+        dev.session.run(self._outputs, feed)
+
     async def probe(self) -> list[str]:
         """Probe every down device whose cool-down has passed, with a run of zeros.
 

@@ -27,7 +27,7 @@ from node.config import NodeConfig
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import MultiGpuDispatcher, Session
 from node.policy import DEMO_MODEL, load_contract
-from node.providers import ProviderSettings, build_session
+from node.providers import GpuUnavailable, ProviderSettings, build_session, require_cuda
 from node.service import NodeService
 
 __all__ = ["build_service", "main", "parse_args"]
@@ -181,11 +181,8 @@ def build_service(
             )
             if not (config.providers.cuda_graph and built.active in CUDA_GRAPH_PROVIDERS):
                 return built.session, built.active
-            bound = BoundSession(built.session, contract, "cuda", spec.ordinal or 0)
-            # the first run captures the graph on this device, before any episode arrives
-            bound.run(None, {s.name: s.zeros() for s in contract.inputs})
-            log.info("device %s: CUDA graph captured", spec.index)
-            return bound, built.active
+            # captured by dispatcher.warm_up(), on the device's worker thread
+            return BoundSession(built.session, contract, "cuda", spec.ordinal or 0), built.active
 
         make = session_factory or ort_session
         sessions: dict[str, Session] = {}
@@ -208,7 +205,7 @@ def build_service(
                 on_transition=on_transition,
             )
 
-        return NodeService(
+        service = NodeService(
             config,
             client,
             devices,
@@ -218,8 +215,16 @@ def build_service(
             transport=transport,
             owns_redis=redis is None,
         )
+        await service.dispatcher.warm_up()
+        graphs = sum(isinstance(s, BoundSession) for s in sessions.values())
+        log.info("%d device(s) warmed up on their workers, %d CUDA graph(s)", len(sessions), graphs)
+        return service
 
     return factory
+
+
+EXIT_NO_GPU = 4
+"""Exit status when --devices names GPUs (or auto finds some) that CUDA cannot run."""
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -229,7 +234,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    app = create_app(build_service(config))
+    pin_pci_bus_order(os.environ)
+    try:
+        specs = discover(config.devices)
+        require_cuda(specs)
+    except (ValueError, GpuUnavailable) as exc:
+        print(f"affinity-node: {exc}", file=sys.stderr)
+        sys.exit(EXIT_NO_GPU if isinstance(exc, GpuUnavailable) else 2)
+    app = create_app(build_service(config, specs=specs))
     uvicorn.run(
         app,
         host=config.host,

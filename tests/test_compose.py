@@ -171,7 +171,8 @@ def test_dockerfile() -> None:
     text = DOCKERFILE.read_text(encoding="utf-8")
     assert re.search(r"^ARG BASE_IMAGE\b", text, re.M)
     assert re.search(r"^ARG GPU=0$", text, re.M)
-    assert "python:3.11-slim" in text and "nvidia/cuda:" in text
+    assert "python:3.11-slim" in text and re.search(r"^ARG ORT_VERSION=\d+\.\d+\.\d+$", text, re.M)
+    assert "onnxruntime-gpu[cuda,cudnn]==${ORT_VERSION}" in text  # CUDA matching the ORT build
     assert re.search(r'^ENTRYPOINT \["affinity-node"\]$', text, re.M)
     assert re.search(r"^EXPOSE 8000$", text, re.M)
     assert re.search(r"^HEALTHCHECK .*\\\n.*python.*/healthz", text, re.M)
@@ -182,7 +183,7 @@ def test_dockerfile() -> None:
     for stage in ("runtime", "test"):
         users = re.findall(r"^USER (\S+)$", stages[stage], re.M)
         assert users and users[-1] not in ("root", "0"), f"stage {stage} must run as non-root"
-    assert "pip install /tmp/src" in text
+    assert 'pip install "/tmp/src' in text
     ignore = DOCKERIGNORE.read_text(encoding="utf-8").split()
     for needed in ("pyproject.toml", "README.md", "affinity", "node", "tests"):
         assert f"!{needed}" in ignore, f"{needed} must reach the build context"
