@@ -619,3 +619,22 @@ def test_sigterm_ends_open_streams_and_the_node_stops_gracefully(
         assert "graceful shutdown exceeded" not in log, log
     finally:
         node.stop()
+
+
+@pytest.mark.anyio
+async def test_stream_refused_when_too_many_are_open_or_the_node_stops() -> None:
+    from tests.inproc import cluster, config
+
+    client = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    async with cluster(client, [config("a")]) as (nodes, _):
+        fleet: Fleet = nodes[0].app.state.fleet
+        fleet.open = fleet.max_streams  # as if that many browsers were connected
+        r = await nodes[0].client.get("/events/stream")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "too_many_streams"
+        fleet.open = 0
+        fleet.close()
+        r = await nodes[0].client.get("/events/stream")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "stopping"
+        assert r.headers["retry-after"] == "1"
+        r = await nodes[0].client.get("/nodes")
+        assert r.status_code == 200 and [n["node"] for n in r.json()["nodes"]] == ["a"]
