@@ -217,10 +217,10 @@ STREAM_DOC = """The deployment's events (`claim`, `reassign`, `release`, `expire
 
 Each event is `id: <Redis stream id>` and one `data:` line of JSON holding the id and the
 event's fields. A new connection starts with the latest `backlog` events; one that sends
-`Last-Event-ID` (browsers' `EventSource` does on reconnect) gets every event after that
-id instead, so nothing is missed while the capped stream still holds it (an event
-named `gap` says when it may not). Comment lines (`: keep-alive`) are sent every
-15 s of quiet. At most 32 streams are open per node (503 beyond)."""
+`Last-Event-ID` (browsers' `EventSource` does on reconnect; or `?last_event_id=`) gets
+every event after that id instead, so nothing is missed while the capped stream still
+holds it (an event named `gap` says when it may not). Comment lines (`: keep-alive`) are
+sent every 15 s of quiet. At most 32 streams are open per node (503 beyond)."""
 
 SSE_EXAMPLE = (
     "retry: 2000\n\n"
@@ -300,6 +300,9 @@ def add_fleet_routes(app: FastAPI, service: Callable[[], FleetSource]) -> Fleet:
         last_event_id: str | None = Header(
             None, alias="Last-Event-ID", description="resume after this stream id"
         ),
+        last_event_id_query: str | None = Query(
+            None, alias="last_event_id", description="the same, for clients that cannot set it"
+        ),
     ) -> Response:
         s = service()
         if fleet.closed:
@@ -308,7 +311,7 @@ def add_fleet_routes(app: FastAPI, service: Callable[[], FleetSource]) -> Fleet:
             return _error(
                 503, "too_many_streams", f"{fleet.max_streams} event streams are open here"
             )
-        last_id = (last_event_id or "").strip()
+        last_id = (last_event_id or last_event_id_query or "").strip()
         if last_id and not STREAM_ID.match(last_id):
             return _error(400, "bad_input", "Last-Event-ID must be a stream id such as 17-0")
         try:

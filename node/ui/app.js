@@ -12,6 +12,7 @@
   const EVENT_REFRESH_GAP_MS = 500; // an event refreshes the grid at most this often
   const MAX_EVENTS = 300;
   const BACKLOG = 100;
+  const RECONNECT_MS = 5000;
 
   const $ = (id) => document.getElementById(id);
   let adminToken = null;
@@ -299,8 +300,9 @@
     if (!adminToken || !device) return;
     let res;
     try {
+      const reason = $("drain-reason").value.trim() || "drained from /ui";
       const url = "devices/" + devicePath(device) + "/" + action +
-        (action === "drain" ? "?reason=" + encodeURIComponent("drained from /ui") : "");
+        (action === "drain" ? "?reason=" + encodeURIComponent(reason) : "");
       const r = await fetch(url, { method: "POST",
                                    headers: { Authorization: "Bearer " + adminToken } });
       let body = null;
@@ -400,13 +402,18 @@
     f.append(...parts);
   }
 
+  // The browser reconnects by itself after a dropped connection, sending Last-Event-ID.
+  // A refused one (503: Redis unreachable, node stopping, too many streams) closes the
+  // EventSource for good: open a new one that resumes after the newest event shown.
   function connect() {
     const live = $("live");
-    const source = new EventSource("events/stream?backlog=" + BACKLOG);
+    const from = newest === "0-0" ? "backlog=" + BACKLOG : "last_event_id=" + newest;
+    const source = new EventSource("events/stream?" + from);
     source.onopen = () => { live.dataset.live = "live"; live.textContent = "live"; };
     source.onerror = () => {
       live.dataset.live = "reconnecting";
-      live.textContent = source.readyState === EventSource.CLOSED ? "stopped" : "reconnecting";
+      live.textContent = "reconnecting";
+      if (source.readyState === EventSource.CLOSED) setTimeout(connect, RECONNECT_MS);
     };
     source.onmessage = (m) => {
       let ev;
@@ -470,13 +477,15 @@
   // ---- start --------------------------------------------------------------------------
 
   document.addEventListener("DOMContentLoaded", () => {
-    $("admin-form").addEventListener("submit", (e) => {
-      e.preventDefault();
+    // No <form>: a submitted password form invites the browser to save the token.
+    const unlock = () => {
       const value = $("admin-token").value.trim();
       $("admin-token").value = "";
       banner("admin", null);
       setAdmin(value || null);
-    });
+    };
+    $("admin-unlock").addEventListener("click", unlock);
+    $("admin-token").addEventListener("keydown", (e) => { if (e.key === "Enter") unlock(); });
     $("admin-lock").addEventListener("click", () => setAdmin(null));
     $("lookup-form").addEventListener("submit", (e) => {
       e.preventDefault();
