@@ -71,12 +71,12 @@ class NodeOut(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     node: str
-    url: str = Field(description="advertise URL; kept for a node whose lease lapsed")
-    devices: list[str]
-    alive: bool = Field(description="lease current (Redis server clock)")
-    lease_ms: int = Field(description="ms left on the lease; negative: lapsed that long ago")
-    started_at_ms: int = Field(description="registration time, ms since the epoch (Redis)")
-    version: str
+    url: str = Field("", description="advertise URL")
+    devices: list[str] = []
+    alive: bool = Field(False, description="lease current (Redis server clock)")
+    lease_ms: int = Field(0, description="ms left on the lease; negative: lapsed that long ago")
+    started_at_ms: int = Field(0, description="registration time, ms since the epoch (Redis)")
+    version: str = ""
 
 
 class NodesOut(BaseModel):
