@@ -29,6 +29,7 @@ from affinity import (
     UnknownEpisode,
 )
 from node.dispatcher import DeviceDown, ModelFailure
+from node.fleet import add_fleet_routes
 from node.policy import InvalidInput
 from node.service import SECRET_HEADER, ActReply, NodeService, Refused, Unavailable
 
@@ -288,6 +289,8 @@ def create_app(
         s = svc()
         s.refresh_gauges()
         return Response(generate_latest(s.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    add_fleet_routes(app, svc)  # /ui, /nodes, /events/stream
 
     @app.exception_handler(AffinityError)
     async def affinity_error(request: Request, exc: AffinityError) -> Response:

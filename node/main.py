@@ -15,6 +15,7 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import httpx
@@ -242,14 +243,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"affinity-node: {exc}", file=sys.stderr)
         sys.exit(EXIT_NO_GPU if isinstance(exc, GpuUnavailable) else 2)
     app = create_app(build_service(config, specs=specs))
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level="warning",
-        timeout_graceful_shutdown=int(config.act_deadline_s) + 5,
-        access_log=False,
-    )
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # a graceful stop waits for open responses; an event stream never ends
+            app.state.fleet.close()
+            super().handle_exit(sig, frame)
+
+    Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level="warning",
+            timeout_graceful_shutdown=int(config.act_deadline_s) + 5,
+            access_log=False,
+        )
+    ).run()
 
 
 def config_level() -> int:
