@@ -136,6 +136,7 @@ class _Abandoned(Exception):
 class _Job:
     """What a step and its caller share to agree on whether its state is kept."""
 
+    future: asyncio.Future[StepResult]
     lock: threading.Lock = field(default_factory=threading.Lock)
     abandoned: bool = False
     committed: bool = False
@@ -156,10 +157,13 @@ class _Worker:
         self._thread.start()
 
     def run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-        self._queue.put((loop, future, fn, args))
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self.submit(future, fn, *args)
         return future
+
+    def submit(self, future: asyncio.Future[T], fn: Callable[..., T], *args: Any) -> None:
+        """Run ``fn(*args)`` on the thread and complete ``future`` (of the running loop)."""
+        self._queue.put((future.get_loop(), future, fn, args))
 
     def _loop(self) -> None:
         while True:
@@ -233,6 +237,9 @@ class MultiGpuDispatcher:
         self.on_transition = on_transition
         self._lock = threading.Lock()
         self._states: dict[str, _EpisodeState] = {}
+        # steps whose caller still waits, per episode; touched only on the event loop
+        self._in_flight: dict[str, int] = {}
+        self._idle: dict[str, asyncio.Event] = {}
         self._generation = 0  # bumped by drop_all(): steps running across it keep nothing
         self._outputs = [o.name for o in contract.outputs]
         self._fed_back = set(contract.state.values())
@@ -266,6 +273,46 @@ class MultiGpuDispatcher:
             st = self._states.get(episode)
             return None if st is None else st.token
 
+    def episodes(self) -> list[tuple[str, int, str]]:
+        """(episode, token, device) of every episode with state held here."""
+        with self._lock:
+            return [(ep, st.token, st.device) for ep, st in self._states.items()]
+
+    def in_flight(self, episode: str) -> bool:
+        """True while a step of ``episode`` is queued or running and its caller still waits.
+
+        A step whose caller gave up (deadline, cancellation) no longer counts: it keeps no
+        state, so it cannot change the episode any more (see :meth:`step`).
+        """
+        return episode in self._in_flight
+
+    async def wait_idle(self, episode: str) -> None:
+        """Return once no step of ``episode`` is in flight (see :meth:`in_flight`).
+
+        After it returns, the episode's state here changes only through a new step: a
+        graceful hand-over waits for this before giving the episode away. It waits as long
+        as the model runs; bound it with a timeout (a hung device's steps end at their
+        deadlines).
+        """
+        while episode in self._in_flight:
+            idle = self._idle.get(episode)
+            if idle is None:
+                idle = self._idle[episode] = asyncio.Event()
+            await idle.wait()
+
+    def _started(self, episode: str) -> None:
+        self._in_flight[episode] = self._in_flight.get(episode, 0) + 1
+
+    def _ended(self, episode: str) -> None:
+        left = self._in_flight[episode] - 1
+        if left:
+            self._in_flight[episode] = left
+            return
+        del self._in_flight[episode]
+        idle = self._idle.pop(episode, None)
+        if idle is not None:
+            idle.set()
+
     def _device(self, device: str) -> _Device:
         try:
             return self._devices[device]
@@ -288,9 +335,11 @@ class MultiGpuDispatcher:
         dev = self._device(device)
         if dev.tracker.down:
             raise DeviceDown(device)
-        job = _Job()
+        job = _Job(asyncio.get_running_loop().create_future())
+        dev.worker.submit(job.future, self._step, dev, episode, token, fresh, dict(inputs), job)
+        self._started(episode)
         try:
-            return await dev.worker.run(self._step, dev, episode, token, fresh, dict(inputs), job)
+            return await job.future
         except asyncio.CancelledError:
             with job.lock:
                 job.abandoned = True
@@ -302,6 +351,8 @@ class MultiGpuDispatcher:
                 # hangs must go down like one that raises, or its episodes never move
                 self._failed(dev, "a model run outlived its request's deadline")
             raise
+        finally:
+            self._ended(episode)
 
     def _step(
         self,
@@ -329,8 +380,13 @@ class MultiGpuDispatcher:
         new_state = {name: outputs[out] for name, out in self.contract.state.items()}
         now = self.clock()
         with job.lock, self._lock:
-            # keep nothing for a caller that gave up, or after drop_all() ran meanwhile
-            if not job.abandoned and generation == self._generation:
+            # Keep nothing for a caller that gave up, or after drop_all() ran meanwhile.
+            # Task.cancel() cancels the awaited future at once, before the task runs its
+            # handler (which sets `abandoned`): a plain read of it (atomic under the GIL)
+            # keeps a step cancelled while it ran from committing and being read by the
+            # episode's next queued step before the handler can drop it.
+            cancelled = job.abandoned or job.future.cancelled()
+            if not cancelled and generation == self._generation:
                 old = self._states.get(episode)
                 if old is not None and old.device != dev.id:
                     self._devices[old.device].live.discard(episode)

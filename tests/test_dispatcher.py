@@ -31,10 +31,12 @@ class FakeSession:
         self.fail = 0  # fail the next N runs
         self.calls = 0
         self.gate: threading.Event | None = None
+        self.entered = threading.Event()  # set when a run starts
 
     def run(self, names: Sequence[str] | None, feed: Mapping[str, Any]) -> list[Any]:
         self.calls += 1
         self.threads.add(threading.get_ident())
+        self.entered.set()
         if self.gate is not None:
             self.gate.wait(5)
         if self.fail:
@@ -50,6 +52,11 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
+
+
+async def started(session: FakeSession) -> None:
+    """Wait (bounded) until a run has entered ``session``."""
+    assert await asyncio.to_thread(session.entered.wait, 10), "the run never started"
 
 
 def obs(x: float) -> dict[str, np.ndarray]:
@@ -194,9 +201,10 @@ async def test_a_step_whose_caller_gave_up_keeps_nothing() -> None:
     s = sessions["n/0"]
     gate = threading.Event()
     s.gate = gate
+    s.entered.clear()
     running = asyncio.ensure_future(d.step("n/0", "ep", 1, False, obs(2)))
     queued = asyncio.ensure_future(d.step("n/0", "other", 2, True, obs(5)))
-    await asyncio.sleep(0.05)
+    await started(s)
     calls = s.calls
     running.cancel()  # the request's deadline passed while the model ran
     queued.cancel()  # ... and while this one still waited in the device's queue
@@ -213,7 +221,7 @@ async def test_drop_all_during_a_run_keeps_nothing() -> None:
     gate = threading.Event()
     sessions["n/0"].gate = gate
     step = asyncio.ensure_future(d.step("n/0", "ep", 1, True, obs(1)))
-    await asyncio.sleep(0.05)
+    await started(sessions["n/0"])
     d.drop_all()  # the node fenced itself while the model ran
     gate.set()
     await step
@@ -233,3 +241,51 @@ async def test_a_run_that_outlives_its_deadline_counts_as_a_failure() -> None:
         await d.step("n/0", "ep", 1, True, obs(1))
     gate.set()
     d.close()  # the hung run returns; its worker ends
+
+
+async def test_in_flight_and_wait_idle_follow_the_episodes_steps() -> None:
+    d, sessions, _ = make(1)
+    s = sessions["n/0"]
+    assert not d.in_flight("ep")
+    await asyncio.wait_for(d.wait_idle("ep"), 5)  # nothing in flight: returns at once
+    gate = threading.Event()
+    s.gate = gate
+    step = asyncio.ensure_future(d.step("n/0", "ep", 1, True, obs(1)))
+    await started(s)
+    assert d.in_flight("ep") and not d.in_flight("other")
+    idle = asyncio.ensure_future(d.wait_idle("ep"))
+    await asyncio.sleep(0)
+    assert not idle.done(), "wait_idle returned while the step was running"
+    gate.set()
+    await asyncio.wait_for(idle, 5)
+    assert step.done() and step.result().step == 1, "idle before the step's reply"
+    assert not d.in_flight("ep")
+    assert d.episodes() == [("ep", 1, "n/0")]
+
+
+async def test_a_cancelled_step_is_not_in_flight() -> None:
+    d, sessions, _ = make(1)
+    s = sessions["n/0"]
+    gate = threading.Event()
+    s.gate = gate
+    blocker = asyncio.ensure_future(d.step("n/0", "a", 1, True, obs(1)))
+    await started(s)
+    queued = asyncio.ensure_future(d.step("n/0", "b", 2, True, obs(1)))
+    await asyncio.sleep(0)
+    assert d.in_flight("b")
+    queued.cancel()
+    await asyncio.wait_for(d.wait_idle("b"), 5)  # the blocked run does not hold it
+    assert not d.in_flight("b") and d.in_flight("a")
+    gate.set()
+    await blocker
+    assert sorted(d.episodes()) == [("a", 1, "n/0")]
+
+
+async def test_episodes_lists_state_held_here() -> None:
+    d, _, _ = make(2)
+    await d.step("n/0", "a", 5, True, obs(1))
+    await d.step("n/1", "b", 6, True, obs(1))
+    await d.step("n/1", "a", 7, False, obs(1))  # a moved with a new token
+    assert sorted(d.episodes()) == [("a", 7, "n/1"), ("b", 6, "n/1")]
+    d.release("a")
+    assert d.episodes() == [("b", 6, "n/1")]
