@@ -243,6 +243,8 @@ class _Device:
         self.cond = threading.Condition()
         self.pending: deque[_Job | _Call | None] = deque()  # None: stop
         self.recent: dict[str, float] = {}  # episode -> when its last step was queued
+        # answers made by the worker, handed to their loops together (one wake-up per loop)
+        self.outbox: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
         self.thread: threading.Thread | None = None
 
     def bucket(self, n: int) -> int:
@@ -250,6 +252,23 @@ class _Device:
         if self.sizes is None:
             return n
         return next((s for s in self.sizes if s >= n), n)
+
+    def answer(self, future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+        """Complete ``future`` with the next :meth:`flush` (worker thread only)."""
+        self.outbox.append((future, result, exc))
+
+    def flush(self) -> None:
+        """Hand every answer made since the last flush to its loop."""
+        if not self.outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
+        for item in self.outbox:
+            by_loop.setdefault(item[0].get_loop(), []).append(item)
+        self.outbox = []
+        for loop, items in by_loop.items():
+            # a loop that closed meanwhile has nobody left waiting
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, items)
 
     def put(self, item: _Job | _Call | None) -> None:
         with self.cond:
@@ -549,14 +568,16 @@ class MultiGpuDispatcher:
                     result, error = item.fn(), None
                 except BaseException as exc:  # handed to the awaiting task
                     result, error = None, exc
-                _post(item.future, result, error)
+                dev.answer(item.future, result, error)
+                dev.flush()
                 continue
             try:
                 self._round(dev, item)
             except Exception as exc:  # a bug here must not leave callers waiting forever
                 log.exception("device %s: a run of %d steps broke", dev.id, len(item))
                 for job in item:
-                    _post(job.future, None, exc)
+                    dev.answer(job.future, None, exc)
+            dev.flush()
 
     def _next(self, dev: _Device) -> _Call | list[_Job] | None:
         """The next work of ``dev``: a call, or the steps of one run (distinct episodes)."""
@@ -623,6 +644,7 @@ class MultiGpuDispatcher:
             if self.on_queue_wait is not None:
                 _observe(self.on_queue_wait, dev.id, now - job.enqueued)
             members.append(member)
+        dev.flush()  # steps answered from a buffer do not wait for the model run
         groups: dict[tuple[tuple[str, tuple[int, ...], str], ...], list[_Member]] = {}
         for m in members:  # steps whose tensors differ beyond the first axis run apart
             key = tuple(sorted((k, v.shape[1:], v.dtype.str) for k, v in m.feed.items()))
@@ -660,7 +682,7 @@ class MultiGpuDispatcher:
                     )
                 feed = {**job.inputs, **state}
                 return _Member(job, feed, st, self._generation, reset, steps, buffer)
-        _post(job.future, result, None)
+        dev.answer(job.future, result, None)
         return None
 
     def _run_batch(self, dev: _Device, group: list[_Member]) -> None:
@@ -687,6 +709,7 @@ class MultiGpuDispatcher:
             )
             for m in group:
                 self._run_alone(dev, m)
+                dev.flush()  # each as soon as it is known
             return
         if dev.tracker.success():
             self._transition(dev.id, "up", "")
@@ -698,7 +721,7 @@ class MultiGpuDispatcher:
             if m.job.gave_up():
                 return
         if dev.tracker.down:  # an earlier step of its failed batch took the device down
-            _post(m.job.future, None, DeviceDown(dev.id))
+            dev.answer(m.job.future, None, DeviceDown(dev.id))
             return
         size = dev.bucket(1) if m.job.one_row else 1
         feed = m.feed
@@ -708,7 +731,7 @@ class MultiGpuDispatcher:
             values = self._session_run(dev, feed, [m])
         except Exception as exc:
             self._failed(dev, f"{type(exc).__name__}: {exc}")
-            _post(m.job.future, None, ModelFailure(dev.id, exc))
+            dev.answer(m.job.future, None, ModelFailure(dev.id, exc))
             return
         if dev.tracker.success():
             self._transition(dev.id, "up", "")
@@ -766,7 +789,7 @@ class MultiGpuDispatcher:
                     )
                     dev.live.add(episode)
                     job.committed = True
-        _post(job.future, result, None)
+        dev.answer(job.future, result, None)
 
     def _failed(self, dev: _Device, error: str) -> None:
         went_down = dev.tracker.failure(error)
@@ -882,17 +905,11 @@ def _observe(hook: Callable[[str, Any], None], device: str, value: Any) -> None:
         log.exception("device %s: a dispatcher hook raised", device)
 
 
-def _post(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
-    """Complete ``future`` from a worker thread, on its loop."""
-    # a loop that closed meanwhile has nobody left waiting
-    with contextlib.suppress(RuntimeError):
-        future.get_loop().call_soon_threadsafe(_settle, future, result, exc)
-
-
-def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
-    if future.done():  # cancelled, or already failed by a broken round
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
+def _settle(items: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    for future, result, exc in items:
+        if future.done():  # cancelled, or already failed by a broken round
+            continue
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
