@@ -9,9 +9,9 @@ figure is a median over ``--runs`` rounds that alternate on and off.
    any batch size up to 8, as a GPU does at small batches: steps/s with 32 concurrent
    episodes, on / off (goal >= 6x); p99 step latency of a lone episode, on / off (goal
    <= 1.2x: the batch delay must not cost a lone robot anything).
-2. cpu: each packaged ONNX policy (``node/models/*.onnx``; one without a batch axis gets
-   one here, see ``tests/policies.py``) on one CPU device (ONNX Runtime, one intra-op
-   thread as a node runs it): steps/s and p50 at 1, 8 and 32 concurrent episodes, on / off.
+2. cpu: each packaged ONNX policy (``node/models/*.onnx``: ``demo_policy``, ``vla_demo``)
+   on one CPU device (ONNX Runtime, one intra-op thread as a node runs it): steps/s and
+   p50 at 1, 8 and 32 concurrent episodes, on / off.
 3. gpu (only with ``RUN_HARDWARE_TESTS=1``): the same on the first GPU (CUDA EP).
 
 Usage: python -m bench.batching [--seconds 1.5] [--runs 3] [--cost-ms 2]
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,12 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import ROOT, median, pct, report
+from bench.common import median, pct, report
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
-from node.dispatcher import MultiGpuDispatcher, Session, batching_problem
-from node.policy import PolicyContract, TensorSpec, load_contract
+from node.dispatcher import MultiGpuDispatcher, Session
+from node.policy import MODELS_DIR, PolicyContract, TensorSpec, load_contract
 from node.providers import ProviderSettings, build_session
-from tests.policies import with_batch_axis
 
 MODES = {"on": None, "off": 1}  # max_batch
 
@@ -50,6 +48,7 @@ SCHEDULER = PolicyContract(
         TensorSpec("state_out.h", ("batch", 16), "float32"),
     ),
     state={"state_in.h": "state_out.h"},
+    batch_axis=True,
 )
 
 
@@ -136,26 +135,20 @@ def measure(
     }
 
 
-def policies(tmp: Path) -> list[tuple[str, Path]]:
-    """The packaged policies, each with a batch axis (added here when it has none)."""
-    out = []
-    for path in sorted((ROOT / "node" / "models").glob("*.onnx")):
-        problem = batching_problem(load_contract(path))
-        if problem is None:
-            out.append((path.stem, path))
-        else:
-            batched = with_batch_axis(path, tmp, path.stem)
-            out.append((f"{path.stem} (batch axis added by the bench)", batched))
-    return out
+def policies() -> list[tuple[str, Path]]:
+    """The packaged policies (``node/models/*.onnx``)."""
+    return [(path.stem, path) for path in sorted(MODELS_DIR.glob("*.onnx"))]
 
 
 def real_figures(
-    kind: str, device: DeviceSpec, args: argparse.Namespace, tmp: Path
+    kind: str, device: DeviceSpec, args: argparse.Namespace
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     figures: list[dict[str, Any]] = []
     raw: dict[str, Any] = {}
-    for name, path in policies(tmp):
+    for name, path in policies():
         contract = load_contract(path)
+        if not contract.batchable:
+            raise SystemExit(f"{path.name} cannot batch: {contract.batch_blocker}")
 
         def make_session(path: Path = path) -> Session:
             built = build_session(path, device, ProviderSettings())
@@ -212,18 +205,17 @@ def main() -> None:
         },
     ]
     raw: dict[str, Any] = {"scheduler 32": many, "scheduler 1": lone}
-    with tempfile.TemporaryDirectory(prefix="affinity-bench-") as tmp:
-        cpu, cpu_raw = real_figures("cpu", discover("cpu:1")[0], args, Path(tmp))
-        figures += cpu
-        raw.update(cpu_raw)
-        if os.environ.get("RUN_HARDWARE_TESTS") == "1":
-            pin_pci_bus_order(os.environ)
-            gpus = [d for d in discover("auto") if d.kind == "cuda"]
-            if not gpus:
-                raise SystemExit("RUN_HARDWARE_TESTS=1 but no GPU was discovered")
-            gpu, gpu_raw = real_figures("gpu", gpus[0], args, Path(tmp))
-            figures += gpu
-            raw.update(gpu_raw)
+    cpu, cpu_raw = real_figures("cpu", discover("cpu:1")[0], args)
+    figures += cpu
+    raw.update(cpu_raw)
+    if os.environ.get("RUN_HARDWARE_TESTS") == "1":
+        pin_pci_bus_order(os.environ)
+        gpus = [d for d in discover("auto") if d.kind == "cuda"]
+        if not gpus:
+            raise SystemExit("RUN_HARDWARE_TESTS=1 but no GPU was discovered")
+        gpu, gpu_raw = real_figures("gpu", gpus[0], args)
+        figures += gpu
+        raw.update(gpu_raw)
     report("batching", figures, {"args": vars(args), "measured": raw})
 
 

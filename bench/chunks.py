@@ -2,7 +2,7 @@
 
 The dispatcher alone on one CPU device (ONNX Runtime, one intra-op thread), episodes as
 asyncio tasks calling ``MultiGpuDispatcher.step`` in a closed loop; no HTTP, no Redis.
-The policy is the packaged camera-sized ``vla_demo`` when present, else the demo policy.
+The policy is the packaged camera-sized ``vla_demo`` (two 224x224 cameras, H = 10).
 "every step" runs the model at each step (chunk execution off, today's behaviour);
 "execute H" runs it once per chunk and answers the H-1 steps between from the buffer.
 Medians over ``--runs`` rounds that alternate the two, at 1 and at 8 concurrent episodes;
@@ -16,20 +16,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from pathlib import Path
 from typing import Any
 
 from bench.batching import observation
-from bench.common import ROOT, median, pct, report
+from bench.common import median, pct, report
 from node.devices import discover
 from node.dispatcher import MultiGpuDispatcher
-from node.policy import DEMO_MODEL, load_contract
+from node.policy import VLA_DEMO_MODEL, load_contract
 from node.providers import ProviderSettings, build_session
-
-
-def policy() -> Path:
-    vla = ROOT / "node" / "models" / "vla_demo.onnx"
-    return vla if vla.exists() else DEMO_MODEL
 
 
 async def drive(
@@ -61,7 +55,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=1.5, help="per measurement")
     p.add_argument("--runs", type=int, default=3, help="rounds, each mode once")
     args = p.parse_args()
-    path = policy()
+    path = VLA_DEMO_MODEL
     contract = load_contract(path)
     session = build_session(path, discover("cpu:1")[0], ProviderSettings()).session
     inputs = observation(contract, 0)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from affinity.errors import InvalidArgument
-from node.policy import PolicyContract, TensorSpec
+from node.policy import PolicyContract
 
 __all__ = ["ENSEMBLES", "ActionBuffer", "ChunkMode", "ChunkSpec", "find_chunk"]
 
@@ -48,7 +48,7 @@ class ChunkSpec:
 
     output: str
     horizon: int
-    batch_axis: bool  # [B, H, D] (the action keeps a leading axis of 1) or [H, D]
+    batch_axis: bool  # [batch, H, D] (the action keeps the batch axis, of 1) or [H, D]
 
     def action(self, row: Array) -> Array:
         """The reply array for one action ``row`` (``[D]``): ``[1, D]`` or ``[D]``."""
@@ -60,47 +60,15 @@ class ChunkSpec:
 
 
 def find_chunk(contract: PolicyContract) -> tuple[ChunkSpec | None, str]:
-    """The chunk output of ``contract``, or None and a sentence saying why there is none.
-
-    The contract's ``chunk`` (the sidecar's ``"chunk": "<output>"``) names it; without one,
-    the single returned output shaped ``[1 or batch, H, D]`` (H and D fixed) is it. Raises
-    ``ValueError`` when the named output is missing or not shaped like a chunk.
-    """
-    returned = {spec.name: spec for spec in contract.returned_outputs}
-    named = getattr(contract, "chunk", None)
-    if named is not None:
-        spec = returned.get(named)
-        if spec is None:
-            raise ValueError(f"the chunk output {named!r} is not an output returned to clients")
-        found = _as_chunk(spec, allow_rank2=True)
-        if found is None:
-            raise ValueError(
-                f"the chunk output {named!r} is {spec.describe()}; a chunk is [B, H, D] or "
-                "[H, D] with H and D fixed"
-            )
-        return found, ""
-    candidates = [c for c in map(_as_chunk, returned.values()) if c is not None]
-    if len(candidates) == 1:
-        return candidates[0], ""
-    if not candidates:
-        return None, "no output is shaped like an action chunk [1, H, D]"
-    names = ", ".join(c.output for c in candidates)
-    return None, f"several outputs look like action chunks ({names}); name one in the sidecar"
-
-
-def _as_chunk(spec: TensorSpec, allow_rank2: bool = False) -> ChunkSpec | None:
-    shape = spec.shape
-    if len(shape) == 3 and (shape[0] == 1 or not isinstance(shape[0], int)):
-        horizon, width = shape[1], shape[2]
-        batch_axis = True
-    elif allow_rank2 and len(shape) == 2:
-        horizon, width = shape
-        batch_axis = False
-    else:
-        return None
-    if not (isinstance(horizon, int) and isinstance(width, int) and horizon >= 1):
-        return None
-    return ChunkSpec(spec.name, horizon, batch_axis)
+    """The action-chunk output of ``contract`` (its ``chunk``: the sidecar's, or the one
+    returned output shaped like a chunk), or None and a sentence saying why there is none."""
+    if contract.chunk is None or contract.chunk_shape is None:
+        return None, (
+            'the model has no action-chunk output (name it in the sidecar\'s "chunk"; '
+            "by default it is the one returned output shaped [batch, H, D])"
+        )
+    horizon, _ = contract.chunk_shape
+    return ChunkSpec(contract.chunk, horizon, contract.batch_axis), ""
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ routing, batching and state logic is tested with fakes and no GPU.
   (:mod:`node.chunks`). A step whose token differs from the stored one starts from the
   initial state and says ``state_reset=True``; so does a step of an episode that was not
   freshly claimed but has no state here (a restarted node).
-- **Batching.** When the model allows it (every input and output has a dynamic first
-  dimension; checked at start-up, else batching is off with one log line saying why), the
+- **Batching.** When the model allows it (a batch axis, dynamic on every input and output:
+  ``PolicyContract.batch_blocker``; else batching is off with one log line saying why), the
   worker takes up to ``max_batch`` waiting steps of different episodes, stacks their inputs
   and states along the first axis, runs the model once and splits the outputs and new
   states back. An episode has at most one step in a run and its steps run in arrival
@@ -60,7 +60,6 @@ __all__ = [
     "MultiGpuDispatcher",
     "Session",
     "StepResult",
-    "batching_problem",
 ]
 
 log = logging.getLogger("affinity.node")
@@ -162,18 +161,6 @@ class CrashTracker:
 
     def probe_due(self) -> bool:
         return self.down_since is not None and self.clock() - self.down_since >= self.cooldown_s
-
-
-def batching_problem(contract: PolicyContract) -> str | None:
-    """Why ``contract``'s model cannot run several steps at once, or None when it can.
-
-    Every input (state included) and every output needs a dynamic first dimension.
-    """
-    for kind, specs in (("input", contract.inputs), ("output", contract.outputs)):
-        for spec in specs:
-            if not spec.shape or isinstance(spec.shape[0], int):
-                return f"{kind} {spec.name!r} has no dynamic first dimension ({spec.describe()})"
-    return None
 
 
 @dataclass
@@ -361,7 +348,7 @@ class MultiGpuDispatcher:
 
     @staticmethod
     def _batching(contract: PolicyContract, max_batch: int | None) -> tuple[int, str]:
-        problem = batching_problem(contract)
+        problem = contract.batch_blocker
         if max_batch == 1:
             log.info("batching is off (max batch 1)")
             return 1, "max batch 1"

@@ -7,7 +7,7 @@ import asyncio
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,6 @@ from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import DeviceDown, ModelFailure, MultiGpuDispatcher
 from node.policy import DEMO_MODEL, PolicyContract, TensorSpec, load_contract, reference_rollout
 from node.providers import ProviderSettings, build_session
-from tests.policies import with_batch_axis
 
 pytestmark = pytest.mark.anyio
 
@@ -43,6 +42,7 @@ BATCHED = PolicyContract(
         TensorSpec("state_out.h", ("batch", 1), "float32"),
     ),
     state={"state_in.h": "state_out.h"},
+    batch_axis=True,
 )
 POISON = 13.0  # an observation the fake model fails on
 
@@ -368,11 +368,13 @@ async def test_a_model_without_a_batch_axis_runs_unbatched_and_says_so(
 ) -> None:
     with caplog.at_level("INFO", "affinity.node"):
         d, sessions, _ = make(1, max_batch=8)
-    assert d.max_batch == 1 and "'obs'" in d.batching_off
+        fixed, _, _ = make(1, replace(CONTRACT, batch_axis=True))
+    assert d.max_batch == 1 and fixed.max_batch == 1
     said = [r.getMessage() for r in caplog.records if "batching" in r.getMessage()]
     assert said == [
-        "batching is off: input 'obs' has no dynamic first dimension "
-        "(float32 [1, 2]); every step runs alone"
+        'batching is off: the model has no batch axis (see the sidecar\'s "batch"); '
+        "every step runs alone",
+        "batching is off: obs is float32 [1, 2]: its batch axis is fixed; every step runs alone",
     ]
     s = sessions["n/0"]
     blocker, gate = await blocked(d, s)
@@ -617,11 +619,12 @@ class Gated:
 
 
 @pytest.fixture(scope="module")
-def batched_demo(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The demo policy with a batch axis, its contract, and each episode's observations
+def batched_demo() -> Any:
+    """The demo policy (it has a batch axis), its contract, and each episode's observations
     with the reference outputs of running them one at a time from the initial state."""
-    path = with_batch_axis(DEMO_MODEL, tmp_path_factory.mktemp("batched"))
+    path = DEMO_MODEL
     contract = load_contract(path)
+    assert contract.batchable
     rng = np.random.default_rng(14)
     observations = rng.uniform(-1, 1, (EPISODES, STEPS, 1, 8)).astype(np.float32)
     reference = [reference_rollout(path, list(observations[e])) for e in range(EPISODES)]
@@ -752,6 +755,8 @@ CHUNKED = PolicyContract(
         TensorSpec("state_out.h", ("batch", 1), "float32"),
     ),
     state={"state_in.h": "state_out.h"},
+    chunk="actions",
+    batch_axis=True,
 )
 
 
@@ -884,10 +889,10 @@ async def test_a_bad_override_is_refused_and_changes_nothing(
 async def test_chunk_execution_needs_a_chunk_output() -> None:
     d, _, _ = make(1, BATCHED)  # its only output is [batch, 1]
     assert d.chunk is None
-    with pytest.raises(InvalidArgument, match="no action chunk"):
+    with pytest.raises(InvalidArgument, match="no action-chunk output"):
         await d.step("n/0", "e", 1, True, obs(0), execute_steps=1)
     assert not d.has_state("e")
-    with pytest.raises(ValueError, match="no action chunk"):
+    with pytest.raises(ValueError, match="no action-chunk output"):
         make(1, BATCHED, execute_steps=2)
     with pytest.raises(ValueError, match="execute_steps"):
         make(1, CHUNKED, session=ChunkSession, execute_steps=H + 1)
@@ -897,33 +902,20 @@ async def test_chunk_execution_needs_a_chunk_output() -> None:
         make(1, CHUNKED, session=ChunkSession, ensemble="exp", ensemble_decay=-1)
 
 
-@dataclass(frozen=True)
-class NamedChunk(PolicyContract):
-    chunk: str | None = None  # the sidecar's "chunk" (the MODELS helper adds it)
-
-
-def test_the_chunk_output_is_found_by_name_or_by_shape() -> None:
+def test_the_chunk_spec_follows_the_contract() -> None:
     spec, _ = find_chunk(CHUNKED)
     assert spec == ChunkSpec("actions", H, True)
-    flat = NamedChunk(
-        inputs=CHUNKED.inputs,
-        outputs=(TensorSpec("plan", (H, D), "float32"), *CHUNKED.outputs),
-        state=CHUNKED.state,
+    assert spec.action(np.zeros(D)).shape == (1, D)  # a batch axis: the action is [1, D]
+    flat = PolicyContract(
+        inputs=(TensorSpec("obs", (1, 2), "float32"),),
+        outputs=(TensorSpec("plan", (H, D), "float32"),),
+        state={},
         chunk="plan",
     )
     spec, _ = find_chunk(flat)
     assert spec == ChunkSpec("plan", H, False)
     assert spec.action(np.zeros(D)).shape == (D,)  # no batch axis: the action is [D]
-    two = replace(flat, outputs=(TensorSpec("b", (1, 5, 2), "float32"), *CHUNKED.outputs))
-    assert find_chunk(replace(two, chunk=None)) == (
-        None,
-        "several outputs look like action chunks (b, actions); name one in the sidecar",
-    )
-    assert find_chunk(replace(two, chunk="b"))[0] == ChunkSpec("b", 5, True)
-    with pytest.raises(ValueError, match="not an output"):
-        find_chunk(replace(flat, chunk="state_out.h"))
-    with pytest.raises(ValueError, match=r"'extra' is float32 \[batch, 1\]"):
-        find_chunk(replace(flat, chunk="extra"))
+    assert find_chunk(replace(flat, chunk=None))[0] is None
 
 
 async def test_the_buffer_is_dropped_with_the_episodes_state() -> None:
