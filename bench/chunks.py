@@ -103,7 +103,7 @@ def main() -> None:
                 "figure": f"{path.stem}, {episodes} episode(s): p50, execute {horizon} / every "
                 "step",
                 "value": p_chunked / p_every,
-                "result": f"{p_chunked / p_every:.2f}x ({p_chunked:.3f} vs {p_every:.3f} ms; "
+                "result": f"{p_chunked / p_every:.4f}x ({p_chunked:.3f} vs {p_every:.3f} ms; "
                 f"buffered steps {buffered:.3f} ms, model steps {model:.3f} ms)",
                 "goal": "reported",
                 "ok": True,

@@ -595,21 +595,20 @@ class MultiGpuDispatcher:
     @staticmethod
     def _take(dev: _Device, taken: list[_Job]) -> None:
         """Move waiting steps that may join ``taken`` from ``dev.pending`` into it."""
-        episodes = {j.episode for j in taken}
-        blocked: set[str | None] = set()  # episodes with an earlier step left waiting
+        # episodes with a step taken or left waiting: their later steps wait (stateless
+        # runs, episode None, are all distinct)
+        busy = {j.episode for j in taken if j.episode is not None}
         left: deque[_Job | _Call | None] = deque()
         for item in dev.pending:
             if isinstance(item, _Job):
                 if item.gave_up():
                     continue
-                fits = len(taken) < dev.max_batch and item.one_row
-                if fits and item.episode not in episodes and item.episode not in blocked:
-                    taken.append(item)
-                    if item.episode is not None:
-                        episodes.add(item.episode)
-                    continue
+                joins = len(taken) < dev.max_batch and item.one_row and item.episode not in busy
                 if item.episode is not None:
-                    blocked.add(item.episode)
+                    busy.add(item.episode)
+                if joins:
+                    taken.append(item)
+                    continue
             left.append(item)
         dev.pending = left
 

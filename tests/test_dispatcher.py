@@ -1011,3 +1011,18 @@ def test_an_ensembling_buffer_holds_at_most_h_chunks() -> None:
         assert len(buffer.chunks) == min(t + 1, H)
     buffer, _ = buffer.after_run(recorded_chunk(0, 99), ChunkMode(H, "none"))
     assert len(buffer.chunks) == 1  # execute-k keeps the newest chunk only
+
+
+async def test_stateless_runs_batch_with_each_other_and_with_steps() -> None:
+    d, sessions, _ = make(1, BATCHED)
+    s = sessions["n/0"]
+    blocker, gate = await blocked(d, s)
+    tasks = [asyncio.ensure_future(d.run_stateless("n/0", obs(x))) for x in (1, 2)]
+    tasks += queue(d, ("a", 3))
+    tasks.append(asyncio.ensure_future(d.run_stateless("n/0", obs(4))))
+    await asyncio.sleep(0)
+    gate.set()
+    results = await settled([blocker, *tasks])
+    assert s.runs[1:] == [[1.0, 2.0, 3.0, 4.0]]
+    assert [r["act"].item() for r in (results[1], results[2], results[4])] == [1.0, 2.0, 4.0]
+    assert d.episodes() == [("blocker", 99, "n/0"), ("a", 1, "n/0")]
