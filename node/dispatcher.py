@@ -839,8 +839,8 @@ class MultiGpuDispatcher:
         concurrently. Raises :class:`ModelFailure` (counted) when a run fails."""
 
         async def one(dev: _Device) -> None:
-            sizes = [s for s in dev.sizes or (1,) if s <= max(dev.max_batch, 1)]
-            for size in sizes or [1]:
+            sizes = [s for s in dev.sizes or () if s <= dev.max_batch] or [dev.bucket(1)]
+            for size in sizes:
                 feed = self._zeros(size)
                 await self._call(dev, functools.partial(self._run_counted, dev, feed))
 
@@ -854,6 +854,10 @@ class MultiGpuDispatcher:
             st = self._states.pop(episode, None)
             if st is not None:
                 self._devices[st.device].live.discard(episode)
+        if st is not None:
+            dev = self._devices[st.device]
+            with dev.cond:  # an ended episode sends no more steps: do not wait for it
+                dev.recent.pop(episode, None)
         return st is not None
 
     def expire_idle(self) -> int:
