@@ -62,11 +62,19 @@ class DeviceTensor:
     step of an episode runs at a time — which the dispatcher guarantees.
     """
 
-    __slots__ = ("_buffers", "_current")
+    __slots__ = ("_buffers", "_current", "dtype", "shape")
 
-    def __init__(self, buffers: tuple[Any, Any], current: int = 0) -> None:
+    def __init__(
+        self,
+        buffers: tuple[Any, Any],
+        shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+        current: int = 0,
+    ) -> None:
         self._buffers = buffers
         self._current = current
+        self.shape = shape  # as an array's: the dispatcher groups steps by shape and dtype
+        self.dtype = dtype
 
     @classmethod
     def allocate(
@@ -77,7 +85,7 @@ class DeviceTensor:
                 list(shape), dtype, device_type, device_id
             )
 
-        return cls((one(), one()))
+        return cls((one(), one()), tuple(shape), np.dtype(dtype))
 
     @property
     def value(self) -> Any:
@@ -86,7 +94,7 @@ class DeviceTensor:
 
     def successor(self) -> DeviceTensor:
         """A handle on the other buffer (the one the next state is written into)."""
-        return DeviceTensor(self._buffers, 1 - self._current)
+        return DeviceTensor(self._buffers, self.shape, self.dtype, 1 - self._current)
 
     @property
     def device(self) -> str:
@@ -120,6 +128,8 @@ class BoundSession:
         self.session = session
         self.device_type = device_type
         self.device_id = device_id
+        # the dispatcher pads batched runs to these sizes: this binding holds one
+        self.batch_sizes = (batch,)
         self.binding = session.io_binding()
         self.inputs: dict[str, tuple[Any, np.dtype[Any], tuple[int, ...]]] = {}
         self.outputs: dict[str, tuple[Any, np.dtype[Any], tuple[int, ...]]] = {}

@@ -699,8 +699,10 @@ class MultiGpuDispatcher:
             return
         if dev.tracker.success():
             self._transition(dev.id, "up", "")
+        # state kept on the device (node.binding.DeviceTensor) is scattered through the host
+        host = {name: np.asarray(v) for name, v in values.items()}
         for i, m in enumerate(group):
-            self._commit(dev, m, {name: v[i : i + 1].copy() for name, v in values.items()})
+            self._commit(dev, m, {name: v[i : i + 1].copy() for name, v in host.items()})
 
     def _run_alone(self, dev: _Device, m: _Member) -> None:
         with m.job.lock:
@@ -722,7 +724,7 @@ class MultiGpuDispatcher:
         if dev.tracker.success():
             self._transition(dev.id, "up", "")
         if size > 1:
-            values = {name: v[:1].copy() for name, v in values.items()}
+            values = {name: np.asarray(v)[:1].copy() for name, v in values.items()}
         self._commit(dev, m, values)
 
     def _session_run(
@@ -817,27 +819,6 @@ class MultiGpuDispatcher:
         if dev.tracker.success():
             self._transition(dev.id, "up", "")
 
-    async def warm_up(self) -> None:
-        """Warm every device up on its own worker thread, one device after another.
-
-        A session with a ``warm_up()`` method (``node.binding.BoundSession``, which captures
-        its CUDA graph there) is asked to; any other gets one run from zeros. ONNX Runtime
-        keeps a captured CUDA graph per thread, so the capture must happen on the thread that
-        runs the device's steps; CUDA's capture mode is process-wide, so devices go one at a
-        time. Call once, before serving; what a session raises propagates.
-        """
-        for dev in self._devices.values():
-            await dev.worker.run(self._warm, dev)
-
-    def _warm(self, dev: _Device) -> None:
-        warm = getattr(dev.session, "warm_up", None)
-        if warm is not None:
-            warm()
-            return
-        feed = {spec.name: spec.zeros() for spec in self.contract.observation_inputs}
-        feed.update(self.contract.initial_state())
-        dev.session.run(self._outputs, feed)
-
     async def probe(self) -> list[str]:
         """Probe every down device whose cool-down has passed, with a run of zeros.
 
@@ -855,17 +836,20 @@ class MultiGpuDispatcher:
         return back
 
     async def warm_up(self) -> None:
-        """Run zeros once at every batch size each device will use, on its own worker
-        (a session with ``batch_sizes`` captures its CUDA graphs there). Devices warm up
-        concurrently. Raises :class:`ModelFailure` (counted) when a run fails."""
-
-        async def one(dev: _Device) -> None:
-            sizes = [s for s in dev.sizes or () if s <= dev.max_batch] or [dev.bucket(1)]
-            for size in sizes:
-                feed = self._zeros(size)
-                await self._call(dev, functools.partial(self._run_counted, dev, feed))
-
-        await asyncio.gather(*(one(dev) for dev in self._devices.values()))
+        """Warm every device up on its own worker thread, one device after another, before
+        serving. A session with a ``warm_up()`` method (``node.binding.BoundSession``, which
+        captures its CUDA graph there) is asked to; any other runs zeros once at every batch
+        size it will use (a session with ``batch_sizes`` captures one graph per size there).
+        ONNX Runtime keeps a captured CUDA graph per thread, so the capture must happen on the
+        thread that runs the device's steps; CUDA's capture mode is process-wide, so devices
+        go one at a time. Raises :class:`ModelFailure` (counted) when a run fails."""
+        for dev in self._devices.values():
+            warm = getattr(dev.session, "warm_up", None)
+            if warm is not None:
+                await self._call(dev, warm)
+                continue
+            for size in [s for s in dev.sizes or () if s <= dev.max_batch] or [dev.bucket(1)]:
+                await self._call(dev, functools.partial(self._run_counted, dev, self._zeros(size)))
 
     # ---- dropping state --------------------------------------------------------------
 

@@ -700,7 +700,7 @@ class BoundBuckets:
         self.rows: list[int] = []
 
     def run(self, names: Sequence[str] | None, feed: Mapping[str, Any]) -> list[Any]:
-        rows = len(next(iter(feed.values())))
+        rows = next(iter(feed.values())).shape[0]  # arrays and DeviceTensor handles
         self.rows.append(rows)
         return self.by_size[rows].run(names, feed)
 
