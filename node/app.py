@@ -33,6 +33,7 @@ from affinity import (
 )
 from node.accesslog import AccessLog
 from node.asgi import Receive, Scope, Send, error_body, respond
+from node.fleet import add_fleet_routes
 from node.protocols import act, internal, openpi
 from node.service import NodeService
 
@@ -345,6 +346,8 @@ def create_app(
         s = svc()
         s.membership.refresh_gauges()
         return Response(generate_latest(s.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    add_fleet_routes(api, svc)  # /ui, /nodes, /events/stream
 
     @api.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:

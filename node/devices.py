@@ -12,6 +12,16 @@ A node serves on a list of :class:`DeviceSpec`, one per device, chosen by a spec
     Exactly these GPUs, by their ``nvidia-smi`` index (PCI bus order), in the order given.
     Strict: a GPU that is missing or hidden by ``CUDA_VISIBLE_DEVICES`` raises ``ValueError``.
 
+MIG. A GPU in MIG mode is never served whole (CUDA would run on one of its instances, not on
+the GPU ``nvidia-smi --query-gpu`` describes): naming it, or ``auto`` finding it, raises
+``ValueError`` saying so. A MIG instance is served when ``CUDA_VISIBLE_DEVICES`` names it
+(``MIG-<uuid>``, a unique prefix of it, or the older ``MIG-GPU-<uuid>/<gi>/<ci>``) with
+``auto``: one cuda device, CUDA ordinal 0, its ``MIG-`` UUID, the parent GPU's name with the
+instance's profile (``NVIDIA A100-SXM4-80GB MIG 3g.40gb``), the parent's architecture, and the
+memory of its profile. ``nvidia-smi -L`` lists the instances. One MIG instance per node
+process: the NVIDIA MIG user guide documents that a CUDA process enumerates a single MIG
+instance, so naming several raises ``ValueError`` (run one ``affinity-node`` per instance).
+
 Ordinals. CUDA (and so ONNX Runtime's ``device_id``) numbers only the GPUs that
 ``CUDA_VISIBLE_DEVICES`` lets through, in the order that variable lists them, while
 ``nvidia-smi`` lists every GPU regardless. :attr:`DeviceSpec.ordinal` is the CUDA number.
@@ -25,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
@@ -34,10 +45,13 @@ logger = logging.getLogger(__name__)
 
 NVIDIA_SMI_QUERY: tuple[str, ...] = (
     "nvidia-smi",
-    "--query-gpu=index,uuid,name,memory.total,compute_cap",
+    "--query-gpu=index,uuid,name,memory.total,compute_cap,mig.mode.current",
     "--format=csv,noheader,nounits",
 )
 """The command :func:`discover` runs; its output has one CSV line per GPU."""
+
+NVIDIA_SMI_LIST: tuple[str, ...] = ("nvidia-smi", "-L")
+"""Lists GPUs and their MIG instances; run only when ``CUDA_VISIBLE_DEVICES`` names one."""
 
 _ACCEPTED = "'auto', 'cpu:N' (N >= 1), or GPU indices like '0,2' or 'cuda:0,2'"
 
@@ -64,13 +78,14 @@ class DeviceSpec:
 
 @dataclass(frozen=True)
 class _Gpu:
-    """One line of ``nvidia-smi`` output."""
+    """One line of ``nvidia-smi`` output (or one MIG instance of one of its GPUs)."""
 
     physical: int
     uuid: str
     name: str
     memory_mb: int
     arch: str
+    mig: bool = False  # the GPU is in MIG mode: only its instances can be served
 
 
 def pin_pci_bus_order(env: MutableMapping[str, str]) -> None:
@@ -87,26 +102,31 @@ def discover(
     *,
     env: Mapping[str, str] | None = None,
     run_nvidia_smi: Callable[[], str] | None = None,
+    list_nvidia_smi: Callable[[], str] | None = None,
 ) -> list[DeviceSpec]:
     """Return the devices that ``spec`` selects, local indices ``0..n-1`` (see module doc).
 
     ``env`` defaults to ``os.environ`` and is read for ``CUDA_VISIBLE_DEVICES`` (indices, or
     GPU UUIDs and UUID prefixes; ``""`` or ``-1`` hide every GPU; as in CUDA, an entry that
-    matches no single GPU hides itself and every entry after it) and ``CUDA_DEVICE_ORDER``.
-    ``run_nvidia_smi`` returns the output of :data:`NVIDIA_SMI_QUERY`, or raises ``OSError``
-    saying why it could not; it defaults to running the real command with a timeout.
+    matches no single GPU hides itself and every entry after it; or one MIG instance) and
+    ``CUDA_DEVICE_ORDER``. ``run_nvidia_smi`` returns the output of :data:`NVIDIA_SMI_QUERY`
+    and ``list_nvidia_smi`` that of :data:`NVIDIA_SMI_LIST`, or raise ``OSError`` saying why
+    they could not; they default to running the real commands with a timeout.
 
-    Raises ``ValueError`` when ``spec`` is malformed, or names a GPU that is absent or not
-    visible; ``RuntimeError`` when ``nvidia-smi`` prints a line this cannot parse.
+    Raises ``ValueError`` when ``spec`` is malformed, or names a GPU that is absent, not
+    visible or in MIG mode, or when ``CUDA_VISIBLE_DEVICES`` names MIG instances that cannot be
+    served (see module doc); ``RuntimeError`` when ``nvidia-smi`` prints a line this cannot
+    parse.
     """
     env = os.environ if env is None else env
     run = _run_nvidia_smi if run_nvidia_smi is None else run_nvidia_smi
+    listing = _run_nvidia_smi_list if list_nvidia_smi is None else list_nvidia_smi
     spec = spec.strip()
     if spec == "auto":
-        return _auto(env, run)
+        return _auto(env, run, listing)
     if spec.startswith("cpu:"):
         return _cpus(spec)
-    return _explicit(spec, env, run)
+    return _explicit(spec, env, run, listing)
 
 
 def _cpus(spec: str) -> list[DeviceSpec]:
@@ -128,13 +148,20 @@ def _cpu(index: int) -> DeviceSpec:
     )
 
 
-def _auto(env: Mapping[str, str], run: Callable[[], str]) -> list[DeviceSpec]:
+def _auto(
+    env: Mapping[str, str], run: Callable[[], str], listing: Callable[[], str]
+) -> list[DeviceSpec]:
     try:
         gpus = _parse(run())
     except OSError as exc:
+        if _names_mig(env):
+            raise ValueError(
+                f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r} names a MIG instance "
+                f"but GPUs cannot be listed: {exc}"
+            ) from exc
         logger.warning("no GPU used: nvidia-smi unavailable (%s); serving on one CPU device", exc)
         return [_cpu(0)]
-    visible = _visible(gpus, env)
+    visible = _visible(gpus, env, listing)
     if not visible:
         why = (
             "nvidia-smi lists no GPU"
@@ -143,18 +170,21 @@ def _auto(env: Mapping[str, str], run: Callable[[], str]) -> list[DeviceSpec]:
         )
         logger.warning("no GPU used: %s; serving on one CPU device", why)
         return [_cpu(0)]
+    _refuse_mig_mode(visible, "auto")
     _check_order(visible, env)
     return [_cuda(i, gpu, visible) for i, gpu in enumerate(visible)]
 
 
-def _explicit(spec: str, env: Mapping[str, str], run: Callable[[], str]) -> list[DeviceSpec]:
+def _explicit(
+    spec: str, env: Mapping[str, str], run: Callable[[], str], listing: Callable[[], str]
+) -> list[DeviceSpec]:
     wanted = _parse_indices(spec)
     try:
         gpus = _parse(run())
     except OSError as exc:
         raise ValueError(f"devices {spec!r}: cannot list GPUs: {exc}") from exc
     present = {gpu.physical: gpu for gpu in gpus}
-    visible = _visible(gpus, env)
+    visible = _visible(gpus, env, listing)
     chosen: list[_Gpu] = []
     for physical in wanted:
         if physical not in present:
@@ -163,11 +193,13 @@ def _explicit(spec: str, env: Mapping[str, str], run: Callable[[], str]) -> list
                 f"devices {spec!r}: GPU {physical} does not exist (nvidia-smi lists: {listed})"
             )
         if present[physical] not in visible:
+            hint = " (a MIG instance is served with --devices auto)" if _names_mig(env) else ""
             raise ValueError(
                 f"devices {spec!r}: GPU {physical} is hidden by "
-                f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r}"
+                f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r}{hint}"
             )
         chosen.append(present[physical])
+    _refuse_mig_mode(chosen, f"devices {spec!r}")
     _check_order(visible, env)
     return [_cuda(i, gpu, visible) for i, gpu in enumerate(chosen)]
 
@@ -206,17 +238,37 @@ def _check_order(visible: Sequence[_Gpu], env: Mapping[str, str]) -> None:
         )
 
 
-def _visible(gpus: Sequence[_Gpu], env: Mapping[str, str]) -> list[_Gpu]:
+def _refuse_mig_mode(gpus: Sequence[_Gpu], what: str) -> None:
+    for gpu in gpus:
+        if gpu.mig:
+            raise ValueError(
+                f"{what}: GPU {gpu.physical} ({gpu.name}, {gpu.uuid}) is in MIG mode; CUDA "
+                "would run on one of its MIG instances, not on the whole GPU. Serve an instance: "
+                "CUDA_VISIBLE_DEVICES=MIG-<uuid> (nvidia-smi -L lists them) with --devices auto, "
+                "one affinity-node per instance"
+            )
+
+
+def _names_mig(env: Mapping[str, str]) -> bool:
+    return env.get("CUDA_VISIBLE_DEVICES", "").strip().startswith("MIG-")
+
+
+def _visible(
+    gpus: Sequence[_Gpu], env: Mapping[str, str], listing: Callable[[], str]
+) -> list[_Gpu]:
     """The GPUs CUDA can see, in CUDA's order, as ``CUDA_VISIBLE_DEVICES`` selects them.
 
-    Mirrors CUDA's parsing (as PyTorch models it): the first entry decides between indices and
-    ``GPU-`` UUID prefixes; the first entry that is invalid, absent or an ambiguous prefix ends
-    the list; a GPU named twice makes the whole list empty.
+    Mirrors CUDA's parsing (as PyTorch models it): the first entry decides between indices,
+    ``GPU-`` UUID prefixes and a ``MIG-`` instance (see :func:`_mig_visible`); the first entry
+    that is invalid, absent or an ambiguous prefix ends the list; a GPU named twice makes the
+    whole list empty.
     """
     raw = env.get("CUDA_VISIBLE_DEVICES")
     if raw is None:
         return list(gpus)
     entries = [part.strip() for part in raw.split(",")]
+    if entries[0].startswith("MIG-"):
+        return _mig_visible(raw, entries, gpus, listing)
     by_uuid = entries[0].startswith("GPU-")
     visible: list[_Gpu] = []
     for entry in entries:
@@ -251,17 +303,63 @@ def _by_uuid_prefix(entry: str, gpus: Sequence[_Gpu]) -> _Gpu | None:
     return found[0] if len(found) == 1 else None
 
 
+_LIST_GPU = re.compile(r"^GPU (\d+): .* \(UUID: (GPU-[^)\s]+)\)\s*$")
+_LIST_MIG = re.compile(r"^\s+MIG (\S+)\s+Device\s+\d+: \(UUID: (MIG-[^)\s]+)\)\s*$")
+_PROFILE_GB = re.compile(r"\.(\d+)gb$")
+
+
+def _mig_visible(
+    raw: str, entries: Sequence[str], gpus: Sequence[_Gpu], listing: Callable[[], str]
+) -> list[_Gpu]:
+    """The one MIG instance ``CUDA_VISIBLE_DEVICES`` names, as a GPU of its own."""
+    if len(entries) > 1:
+        raise ValueError(
+            f"CUDA_VISIBLE_DEVICES={raw!r} names {len(entries)} devices starting with a MIG "
+            "instance; a CUDA process uses one MIG instance, so run one affinity-node per "
+            "instance, each with CUDA_VISIBLE_DEVICES=MIG-<uuid>"
+        )
+    try:
+        text = listing()
+    except OSError as exc:
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={raw!r}: cannot list MIG instances: {exc}") from exc
+    by_uuid = {gpu.uuid: gpu for gpu in gpus}
+    parent: _Gpu | None = None
+    found: list[_Gpu] = []
+    for line in text.splitlines():
+        if match := _LIST_GPU.match(line):
+            parent = by_uuid.get(match.group(2))
+        elif (match := _LIST_MIG.match(line)) and parent is not None:
+            profile, uuid = match.groups()
+            if uuid.startswith(entries[0]):
+                size = _PROFILE_GB.search(profile)
+                found.append(
+                    _Gpu(
+                        physical=parent.physical,
+                        uuid=uuid,
+                        name=f"{parent.name} MIG {profile}",
+                        memory_mb=int(size.group(1)) * 1024 if size else 0,
+                        arch=parent.arch,
+                    )
+                )
+    if len(found) != 1:
+        listed = "no MIG instance matches it" if not found else "it matches several"
+        raise ValueError(
+            f"CUDA_VISIBLE_DEVICES={raw!r}: {listed} (nvidia-smi -L lists the instances)"
+        )
+    return found
+
+
 def _parse(output: str) -> list[_Gpu]:
-    """Parse ``nvidia-smi`` CSV (``index, uuid, name, memory MiB, compute capability``)."""
+    """Parse ``nvidia-smi`` CSV (index, uuid, name, memory MiB, compute capability, MIG mode)."""
     gpus = []
     for line in output.splitlines():
         if not line.strip():
             continue
         fields = [field.strip() for field in line.split(",")]
         try:
-            if len(fields) < 5:
-                raise ValueError("expected 5 fields")
-            index, uuid, *name, memory, capability = fields
+            if len(fields) < 6:
+                raise ValueError("expected 6 fields")
+            index, uuid, *name, memory, capability, mig = fields
             major, minor = capability.split(".")
             gpus.append(
                 _Gpu(
@@ -270,6 +368,7 @@ def _parse(output: str) -> list[_Gpu]:
                     name=", ".join(name),
                     memory_mb=int(memory) if memory.isascii() and memory.isdigit() else 0,
                     arch=f"sm_{int(major)}{int(minor)}",
+                    mig=mig == "Enabled",
                 )
             )
         except ValueError as exc:
@@ -279,10 +378,17 @@ def _parse(output: str) -> list[_Gpu]:
 
 def _run_nvidia_smi() -> str:
     """Run :data:`NVIDIA_SMI_QUERY`; raise ``OSError`` saying why when it cannot."""
+    return _run(NVIDIA_SMI_QUERY)
+
+
+def _run_nvidia_smi_list() -> str:
+    """Run :data:`NVIDIA_SMI_LIST`; raise ``OSError`` saying why when it cannot."""
+    return _run(NVIDIA_SMI_LIST)
+
+
+def _run(command: Sequence[str]) -> str:
     try:
-        done = subprocess.run(
-            NVIDIA_SMI_QUERY, capture_output=True, text=True, check=True, timeout=30
-        )
+        done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=30)
     except subprocess.CalledProcessError as exc:
         detail = (exc.stderr or exc.stdout or "").strip().splitlines()
         why = detail[0] if detail else "no output"

@@ -1,14 +1,31 @@
-"""``MultiGpuDispatcher``: one session and one worker thread per device, per-episode state.
+"""``MultiGpuDispatcher``: one worker thread per device, batched runs, per-episode state.
 
 Pure composition: no HTTP, no Redis. Sessions come from an injectable factory, so the
-routing and state logic is tested with fakes and no GPU.
+routing, batching and state logic is tested with fakes and no GPU.
 
-- Each device runs its model on its own single worker thread. ONNX Runtime releases the
-  GIL while it runs, so runs on different GPUs overlap; runs on one device are serialized,
-  which also serializes the read-modify-write of an episode's state.
-- Per-episode state is keyed by (episode, token). A step whose token differs from the
-  stored one starts from the initial state and says ``state_reset=True``; so does a step
-  of an episode that was not freshly claimed but has no state here (a restarted node).
+- Each device runs its model on its own worker thread. ONNX Runtime releases the GIL while
+  it runs, so runs on different GPUs overlap; runs on one device are serialized.
+- Per-episode state is keyed by (episode, token): the recurrent state and the action buffer
+  (:mod:`node.chunks`). A step whose token differs from the stored one starts from the
+  initial state and says ``state_reset=True``; so does a step of an episode that was not
+  freshly claimed but has no state here (a restarted node).
+- **Batching.** When the model allows it (a batch axis, dynamic on every input and output:
+  ``PolicyContract.batch_blocker``; else batching is off with one log line saying why), the
+  worker takes up to ``max_batch`` waiting steps of different episodes, stacks their inputs
+  and states along the first axis, runs the model once and splits the outputs and new
+  states back. An episode has at most one step in a run and its steps run in arrival
+  order. Once a step is waiting, the worker waits up to ``batch_delay_us`` (counted from
+  that step's arrival) for more, but only while another episode that sent a step on this
+  device in the last second has none waiting: a lone robot never waits. A session with a
+  ``batch_sizes`` attribute (CUDA graphs captured per batch size) gets every run padded
+  to the smallest of those sizes that fits (the padding rows repeat the first step's and
+  are dropped). When a batched run fails, its steps are run again one by one, so one bad
+  episode cannot fail the others; only the single runs count as failures.
+- **Chunk execution** (:mod:`node.chunks`): a step answered from the episode's action
+  buffer needs no model. When no other step of the episode is queued or running it is
+  answered at once on the event loop, never behind model runs; else it waits its turn
+  on the worker (its episode's earlier steps come first) and is answered there, outside
+  any batch.
 - A crash tracker per device counts consecutive model failures; at the threshold it calls
   ``on_transition(device, "down", reason)``; after the cool-down a probe run on the
   device's worker decides whether it comes back (``on_transition(device, "up", "")``).
@@ -19,19 +36,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-import queue
+import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from node.chunks import ActionBuffer, ChunkMode, find_chunk
 from node.policy import PolicyContract
 
 __all__ = [
+    "DEFAULT_BATCH_DELAY_US",
+    "MAX_DEFAULT_BATCH",
     "CrashTracker",
     "DeviceDown",
     "ModelFailure",
@@ -44,9 +66,21 @@ log = logging.getLogger("affinity.node")
 
 Array = np.ndarray[Any, Any]
 
+MAX_DEFAULT_BATCH = 8
+"""``max_batch`` when not given and the model allows batching."""
+DEFAULT_BATCH_DELAY_US = 500.0
+"""How long a waiting step may wait for others to join its run (microseconds)."""
+_RECENT_S = 1.0  # an episode that sent a step this recently is expected to send another
+
 
 class Session(Protocol):
-    """What the dispatcher needs of a model session (``onnxruntime.InferenceSession``)."""
+    """What the dispatcher needs of a model session (``onnxruntime.InferenceSession``).
+
+    A session may also have ``batch_sizes``, a tuple of the batch sizes it runs best (e.g.
+    one captured CUDA graph each): batched runs are then padded to the smallest of them
+    that fits, and no run is larger than the largest. A step whose client sent several
+    rows runs alone, unpadded.
+    """
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> list[Any]:
         """Run the model; return the outputs in ``output_names`` order."""
@@ -70,18 +104,22 @@ class DeviceDown(Exception):
 
 @dataclass(frozen=True)
 class StepResult:
-    outputs: dict[str, Array]  # every model output that is not fed back as state
+    outputs: dict[str, Array]
+    """Every model output not fed back as state; with chunk execution, only the chunk
+    output, holding this step's one action (see :mod:`node.chunks`)."""
     state_reset: bool
     step: int  # 1-based step count of this (episode, token) on this device
+    source: Literal["model", "buffer"] = "model"  # "buffer": answered without a model run
 
 
-@dataclass
+@dataclass(frozen=True)
 class _EpisodeState:
     device: str
     token: int
     state: dict[str, Array]
     last_used: float
-    steps: int = 0
+    steps: int
+    buffer: ActionBuffer | None  # None: chunk execution off
 
 
 @dataclass
@@ -125,83 +163,106 @@ class CrashTracker:
         return self.down_since is not None and self.clock() - self.down_since >= self.cooldown_s
 
 
-T = TypeVar("T")
-
-
-class _Abandoned(Exception):
-    """A queued step whose caller gave up before it started: it is not run."""
-
-
 @dataclass
-class _Job:
-    """What a step and its caller share to agree on whether its state is kept."""
+class _Run:
+    """One model run in progress; a run that outlives its steps' deadlines counts once."""
 
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    active: bool = True
+    hang_counted: bool = False
+
+
+@dataclass(eq=False)
+class _Job:
+    """A step (or a stateless run, ``episode`` None) and what it shares with its caller
+    to agree on whether its state is kept."""
+
+    episode: str | None
+    token: int
+    fresh: bool
+    inputs: dict[str, Array]
+    mode: ChunkMode | None
     future: asyncio.Future[StepResult]
+    one_row: bool  # every input has a first dimension of 1: it may join a batch
+    enqueued: float = field(default_factory=time.perf_counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
     abandoned: bool = False
     committed: bool = False
-    running: bool = False  # the model run has started and not returned
+    run: _Run | None = None  # the model run it is part of, while that runs
+
+    def gave_up(self) -> bool:
+        # Task.cancel() cancels the awaited future at once but runs the caller's handler
+        # (which sets `abandoned`) later; a plain read of the future's state (atomic under
+        # the GIL) closes that gap for the worker.
+        return self.abandoned or self.future.cancelled()
 
 
-class _Worker:
-    """One thread that runs one device's work items in order.
+@dataclass(eq=False)
+class _Call:
+    """Other work on a device's thread (a probe, the warm-up): runs alone, in order."""
 
-    Lighter than a one-thread ``ThreadPoolExecutor`` behind ``run_in_executor`` (no
-    concurrent future chained to an asyncio one): a work item is queued with the asyncio
-    future it completes, and the thread completes it with ``call_soon_threadsafe``.
-    """
+    fn: Callable[[], Any]
+    future: asyncio.Future[Any]
 
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
 
-    def run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self.submit(future, fn, *args)
-        return future
+@dataclass(eq=False)
+class _Member:
+    """A job taken into a model run, with what it read of its episode's state."""
 
-    def submit(self, future: asyncio.Future[T], fn: Callable[..., T], *args: Any) -> None:
-        """Run ``fn(*args)`` on the thread and complete ``future`` (of the running loop)."""
-        self._queue.put((future.get_loop(), future, fn, args))
+    job: _Job
+    feed: dict[str, Array]
+    read: _EpisodeState | None  # the state object it read (committed only if still current)
+    generation: int
+    reset: bool
+    steps: int
+    buffer: ActionBuffer | None
 
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            loop, future, fn, args = item
-            if future.cancelled():  # racy read, only to skip work early; _Job decides
-                continue
-            try:
-                result, exc = fn(*args), None
-            except BaseException as error:  # handed to the awaiting task, not swallowed
-                result, exc = None, error
+
+class _Device:
+    def __init__(self, id: str, session: Session, tracker: CrashTracker, max_batch: int) -> None:
+        self.id = id
+        self.session = session
+        self.tracker = tracker
+        sizes = getattr(session, "batch_sizes", None)
+        self.sizes: tuple[int, ...] | None = tuple(sorted(sizes)) if sizes else None
+        self.max_batch = min(max_batch, self.sizes[-1]) if self.sizes else max_batch
+        self.live: set[str] = set()
+        self.cond = threading.Condition()
+        self.pending: deque[_Job | _Call | None] = deque()  # None: stop
+        self.recent: dict[str, float] = {}  # episode -> when its last step was queued
+        # answers made by the worker, handed to their loops together (one wake-up per loop)
+        self.outbox: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        self.thread: threading.Thread | None = None
+
+    def bucket(self, n: int) -> int:
+        """The batch size to run ``n`` steps at: padded up to a session's size, if any."""
+        if self.sizes is None:
+            return n
+        return next((s for s in self.sizes if s >= n), n)
+
+    def answer(self, future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+        """Complete ``future`` with the next :meth:`flush` (worker thread only)."""
+        self.outbox.append((future, result, exc))
+
+    def flush(self) -> None:
+        """Hand every answer made since the last flush to its loop."""
+        if not self.outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
+        for item in self.outbox:
+            by_loop.setdefault(item[0].get_loop(), []).append(item)
+        self.outbox = []
+        for loop, items in by_loop.items():
             # a loop that closed meanwhile has nobody left waiting
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_settle, future, result, exc)
+                loop.call_soon_threadsafe(_settle, items)
 
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=30)
-
-
-def _settle(future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
-    if future.cancelled():
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
-
-
-@dataclass
-class _Device:
-    id: str
-    session: Session
-    worker: _Worker
-    tracker: CrashTracker
-    live: set[str] = field(default_factory=set)
+    def put(self, item: _Job | _Call | None) -> None:
+        with self.cond:
+            self.pending.append(item)
+            if isinstance(item, _Job) and item.episode is not None and self.max_batch > 1:
+                self.recent[item.episode] = item.enqueued
+            self.cond.notify()
 
 
 Transition = Callable[[str, str, str], None]
@@ -212,7 +273,16 @@ class MultiGpuDispatcher:
 
     ``devices`` are device ids (``<node>/<index>``); ``session_factory(device_id)`` builds
     the device's session (called once per device, in the constructor). ``clock`` is a
-    monotonic clock in seconds. Thread-safe for use from one asyncio loop.
+    monotonic clock in seconds. Use from one asyncio event loop.
+
+    ``max_batch``: most steps per model run (None: ``MAX_DEFAULT_BATCH`` when the model
+    allows batching, else 1; 1 turns batching off). ``batch_delay_us``: how long a waiting
+    step may wait for others (see the module doc). ``execute_steps``, ``ensemble`` and
+    ``ensemble_decay``: the node's chunk-execution mode (see :mod:`node.chunks`; both None
+    or ``"none"``: off). ``on_batch(device, size)`` is called for each model run of steps,
+    ``on_queue_wait(device, seconds)`` for each step that reaches the model (time from
+    being queued to its run); both on the device's worker thread, so they must be quick and
+    thread-safe (Prometheus metrics are). Raises ``ValueError`` for a bad setting.
     """
 
     def __init__(
@@ -226,31 +296,74 @@ class MultiGpuDispatcher:
         cooldown_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         on_transition: Transition | None = None,
+        max_batch: int | None = None,
+        batch_delay_us: float = DEFAULT_BATCH_DELAY_US,
+        execute_steps: int | None = None,
+        ensemble: str | None = None,
+        ensemble_decay: float = 0.01,
+        on_batch: Callable[[str, int], None] | None = None,
+        on_queue_wait: Callable[[str, float], None] | None = None,
     ) -> None:
         if not devices:
             raise ValueError("a dispatcher needs at least one device")
         if failure_threshold < 1:
             raise ValueError(f"failure_threshold={failure_threshold}: must be >= 1")
+        if max_batch is not None and max_batch < 1:
+            raise ValueError(f"max_batch={max_batch}: must be >= 1")
+        if not (math.isfinite(batch_delay_us) and batch_delay_us >= 0):
+            raise ValueError(f"batch_delay_us={batch_delay_us}: must be a finite number >= 0")
         self.contract = contract
         self.idle_ttl_s = idle_ttl_s
         self.clock = clock
         self.on_transition = on_transition
+        self.on_batch = on_batch
+        self.on_queue_wait = on_queue_wait
+        self.batch_delay_s = batch_delay_us / 1e6
+        self.chunk, self._no_chunk = find_chunk(contract)
+        self.ensemble_decay = ensemble_decay
+        self.chunk_mode: ChunkMode | None = None
+        """The node's chunk-execution mode (None: off)."""
+        if execute_steps is not None or ensemble not in (None, "none"):
+            self.chunk_mode = self.mode_for(execute_steps, ensemble)
+        self.max_batch, self.batching_off = self._batching(contract, max_batch)
         self._lock = threading.Lock()
         self._states: dict[str, _EpisodeState] = {}
+        self._generation = 0  # bumped by drop_all(): steps running across it keep nothing
         # steps whose caller still waits, per episode; touched only on the event loop
         self._in_flight: dict[str, int] = {}
         self._idle: dict[str, asyncio.Event] = {}
-        self._generation = 0  # bumped by drop_all(): steps running across it keep nothing
         self._outputs = [o.name for o in contract.outputs]
         self._fed_back = set(contract.state.values())
         self._devices: dict[str, _Device] = {}
         for device in devices:
+            tracker = CrashTracker(failure_threshold, cooldown_s, clock)
             self._devices[device] = _Device(
-                id=device,
-                session=session_factory(device),
-                worker=_Worker(f"affinity-{device}"),
-                tracker=CrashTracker(failure_threshold, cooldown_s, clock),
+                device, session_factory(device), tracker, self.max_batch
             )
+        for dev in self._devices.values():
+            dev.thread = threading.Thread(
+                target=self._work, args=(dev,), name=f"affinity-{dev.id}", daemon=True
+            )
+            dev.thread.start()
+
+    @staticmethod
+    def _batching(contract: PolicyContract, max_batch: int | None) -> tuple[int, str]:
+        problem = contract.batch_blocker
+        if max_batch == 1:
+            log.info("batching is off (max batch 1)")
+            return 1, "max batch 1"
+        if problem is not None:
+            log.log(
+                logging.INFO if max_batch is None else logging.WARNING,
+                "batching is off: %s; every step runs alone",
+                problem,
+            )
+            return 1, problem
+        size = MAX_DEFAULT_BATCH if max_batch is None else max_batch
+        log.info("batching is on: up to %d steps per model run", size)
+        return size, ""
+
+    # ---- inspection ------------------------------------------------------------------
 
     @property
     def devices(self) -> list[str]:
@@ -272,6 +385,12 @@ class MultiGpuDispatcher:
         with self._lock:
             st = self._states.get(episode)
             return None if st is None else st.token
+
+    def state_of(self, episode: str) -> dict[str, Array] | None:
+        """A copy of the recurrent state held here for ``episode``, if any."""
+        with self._lock:
+            st = self._states.get(episode)
+            return None if st is None else {k: v.copy() for k, v in st.state.items()}
 
     def episodes(self) -> list[tuple[str, int, str]]:
         """(episode, token, device) of every episode with state held here."""
@@ -300,8 +419,78 @@ class MultiGpuDispatcher:
                 idle = self._idle[episode] = asyncio.Event()
             await idle.wait()
 
-    def _started(self, episode: str) -> None:
+    def _device(self, device: str) -> _Device:
+        try:
+            return self._devices[device]
+        except KeyError:
+            raise KeyError(f"device {device!r} is not served by this dispatcher") from None
+
+    # ---- steps -----------------------------------------------------------------------
+
+    def mode_for(self, execute_steps: object = None, ensemble: object = None) -> ChunkMode | None:
+        """The chunk mode of a step with these overrides (None: off).
+
+        With neither override, the node's mode. An override replaces the node's mode for
+        the step: ``execute_steps=k`` alone is execute-k without ensembling,
+        ``ensemble="exp"`` alone ensembles (the model runs every step), ``"none"`` alone is
+        execute-1. Raises :class:`affinity.InvalidArgument` for k outside 1..H, a
+        non-integer k, an unknown ensemble mode, ensembling with k > 1, or any override
+        when the model has no action chunk.
+        """
+        if execute_steps is None and ensemble is None:
+            return self.chunk_mode
+        return ChunkMode.checked(
+            self.chunk, self._no_chunk, execute_steps, ensemble, self.ensemble_decay
+        )
+
+    async def step(
+        self,
+        device: str,
+        episode: str,
+        token: int,
+        fresh: bool,
+        inputs: Mapping[str, Array],
+        *,
+        execute_steps: int | None = None,
+        ensemble: str | None = None,
+    ) -> StepResult:
+        """Run one step of ``episode`` on ``device`` with the state of (episode, token).
+
+        ``fresh`` says the episode was just claimed, so no state is expected anywhere.
+        ``execute_steps`` and ``ensemble`` override the node's chunk mode for this step
+        (see :meth:`mode_for`; a bad one raises :class:`affinity.InvalidArgument` before
+        anything changes). Raises :class:`ModelFailure` (the session raised; counted) and
+        :class:`DeviceDown`. The state is only advanced when the step succeeds and its
+        caller is still waiting: a step whose request was cancelled (its deadline passed)
+        is skipped if it has not started, and keeps nothing if it has. In the instant where
+        the state was kept but the caller is cancelled anyway, the state is dropped, so the
+        episode's next step starts clean and says ``state_reset``.
+        """
+        dev = self._device(device)
+        mode = self.mode_for(execute_steps, ensemble)
+        if dev.tracker.down:
+            raise DeviceDown(device)
+        if mode is not None and episode not in self._in_flight:
+            # nothing of this episode is on the worker: its state cannot change under us
+            with self._lock:
+                served = self._from_buffer(dev, episode, token, mode)
+            if served is not None:
+                return served
+        job = self._submit(dev, episode, token, fresh, inputs, mode)
         self._in_flight[episode] = self._in_flight.get(episode, 0) + 1
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            with job.lock:
+                job.abandoned = True
+                committed, run = job.committed, job.run
+            if committed:
+                self.release(episode)
+            if run is not None:
+                self._hung(dev, run)
+            raise
+        finally:
+            self._ended(episode)
 
     def _ended(self, episode: str) -> None:
         left = self._in_flight[episode] - 1
@@ -313,98 +502,282 @@ class MultiGpuDispatcher:
         if idle is not None:
             idle.set()
 
-    def _device(self, device: str) -> _Device:
-        try:
-            return self._devices[device]
-        except KeyError:
-            raise KeyError(f"device {device!r} is not served by this dispatcher") from None
+    def _submit(
+        self,
+        dev: _Device,
+        episode: str | None,
+        token: int,
+        fresh: bool,
+        inputs: Mapping[str, Array],
+        mode: ChunkMode | None,
+    ) -> _Job:
+        feed = dict(inputs)
+        one_row = all(a.ndim >= 1 and a.shape[0] == 1 for a in feed.values())
+        loop = asyncio.get_running_loop()
+        job = _Job(episode, token, fresh, feed, mode, loop.create_future(), one_row)
+        dev.put(job)
+        return job
 
-    async def step(
-        self, device: str, episode: str, token: int, fresh: bool, inputs: Mapping[str, Array]
-    ) -> StepResult:
-        """Run one step of ``episode`` on ``device`` with the state of (episode, token).
+    def _from_buffer(
+        self, dev: _Device, episode: str, token: int, mode: ChunkMode
+    ) -> StepResult | None:
+        """Answer the step from the episode's buffer (holding ``self._lock``), or None."""
+        st = self._states.get(episode)
+        if st is None or st.token != token or st.device != dev.id or st.buffer is None:
+            return None
+        action = st.buffer.buffered(mode)
+        if action is None:
+            return None
+        assert self.chunk is not None  # a buffer exists only for a model with a chunk
+        self._states[episode] = replace(
+            st, buffer=st.buffer.served(), steps=st.steps + 1, last_used=self.clock()
+        )
+        outputs = {self.chunk.output: self.chunk.action(action.copy())}
+        return StepResult(outputs, False, st.steps + 1, "buffer")
 
-        ``fresh`` says the episode was just claimed, so no state is expected anywhere.
-        Raises :class:`ModelFailure` (the session raised; counted) and
-        :class:`DeviceDown`. The state is only advanced when the run succeeds and its
-        caller is still waiting: a step whose request was cancelled (its deadline passed)
-        is skipped if it has not started, and keeps nothing if it has. In the instant where
-        the state was kept but the caller is cancelled anyway, the state is dropped, so the
-        episode's next step starts clean and says ``state_reset``.
-        """
+    async def run_stateless(self, device: str, inputs: Mapping[str, Array]) -> dict[str, Array]:
+        """One run from the initial state, keeping nothing (requests without any id)."""
         dev = self._device(device)
         if dev.tracker.down:
             raise DeviceDown(device)
-        job = _Job(asyncio.get_running_loop().create_future())
-        dev.worker.submit(job.future, self._step, dev, episode, token, fresh, dict(inputs), job)
-        self._started(episode)
-        try:
-            return await job.future
-        except asyncio.CancelledError:
-            with job.lock:
-                job.abandoned = True
-                committed = job.committed
-            if committed:
-                self.release(episode)
-            if job.running:
-                # the model was still running at the request's deadline: a device that
-                # hangs must go down like one that raises, or its episodes never move
-                self._failed(dev, "a model run outlived its request's deadline")
-            raise
-        finally:
-            self._ended(episode)
+        job = self._submit(dev, None, 0, True, inputs, None)
+        return (await job.future).outputs
 
-    def _step(
-        self,
-        dev: _Device,
-        episode: str,
-        token: int,
-        fresh: bool,
-        inputs: dict[str, Array],
-        job: _Job,
-    ) -> StepResult:
-        if job.abandoned:
-            raise _Abandoned
-        with self._lock:
-            st = self._states.get(episode)
-            generation = self._generation
-        if st is not None and st.token == token and st.device == dev.id:
-            state, reset, steps = st.state, False, st.steps
-        else:
-            state, reset, steps = self.contract.initial_state(), st is not None or not fresh, 0
-        job.running = True
-        try:
-            outputs = self._run(dev, {**inputs, **state})
-        finally:
-            job.running = False
-        new_state = {name: outputs[out] for name, out in self.contract.state.items()}
-        now = self.clock()
+    # ---- the device's worker ---------------------------------------------------------
+
+    def _work(self, dev: _Device) -> None:
+        while True:
+            item = self._next(dev)
+            if item is None:
+                return
+            if isinstance(item, _Call):
+                try:
+                    result, error = item.fn(), None
+                except BaseException as exc:  # handed to the awaiting task
+                    result, error = None, exc
+                dev.answer(item.future, result, error)
+                dev.flush()
+                continue
+            try:
+                self._round(dev, item)
+            except Exception as exc:  # a bug here must not leave callers waiting forever
+                log.exception("device %s: a run of %d steps broke", dev.id, len(item))
+                for job in item:
+                    dev.answer(job.future, None, exc)
+            dev.flush()
+
+    def _next(self, dev: _Device) -> _Call | list[_Job] | None:
+        """The next work of ``dev``: a call, or the steps of one run (distinct episodes)."""
+        with dev.cond:
+            while True:
+                while not dev.pending:
+                    dev.cond.wait()
+                head = dev.pending.popleft()
+                if not isinstance(head, _Job):
+                    return head
+                if not head.gave_up():
+                    break
+            taken = [head]
+            if dev.max_batch == 1 or not head.one_row:
+                return taken
+            cutoff = time.perf_counter() - _RECENT_S
+            for episode, at in list(dev.recent.items()):
+                if at < cutoff:
+                    del dev.recent[episode]
+            until = head.enqueued + self.batch_delay_s
+            while True:
+                self._take(dev, taken)
+                now = time.perf_counter()
+                if len(taken) >= dev.max_batch or now >= until or not self._expect(dev, taken):
+                    return taken
+                dev.cond.wait(until - now)
+
+    @staticmethod
+    def _take(dev: _Device, taken: list[_Job]) -> None:
+        """Move waiting steps that may join ``taken`` from ``dev.pending`` into it."""
+        # episodes with a step taken or left waiting: their later steps wait (stateless
+        # runs, episode None, are all distinct)
+        busy = {j.episode for j in taken if j.episode is not None}
+        left: deque[_Job | _Call | None] = deque()
+        for item in dev.pending:
+            if isinstance(item, _Job):
+                if item.gave_up():
+                    continue
+                joins = len(taken) < dev.max_batch and item.one_row and item.episode not in busy
+                if item.episode is not None:
+                    busy.add(item.episode)
+                if joins:
+                    taken.append(item)
+                    continue
+            left.append(item)
+        dev.pending = left
+
+    @staticmethod
+    def _expect(dev: _Device, taken: list[_Job]) -> bool:
+        """Whether another episode is likely to send a step soon: one that sent a step to
+        this device within the last second and has none in ``taken`` or waiting."""
+        waiting = {j.episode for j in taken}
+        waiting.update(j.episode for j in dev.pending if isinstance(j, _Job))
+        return any(episode not in waiting for episode in dev.recent)
+
+    def _round(self, dev: _Device, jobs: list[_Job]) -> None:
+        members: list[_Member] = []
+        now = time.perf_counter()
+        for job in jobs:
+            member = self._prepare(dev, job)
+            if member is None:
+                continue
+            if self.on_queue_wait is not None:
+                _observe(self.on_queue_wait, dev.id, now - job.enqueued)
+            members.append(member)
+        dev.flush()  # steps answered from a buffer do not wait for the model run
+        groups: dict[tuple[tuple[str, tuple[int, ...], str], ...], list[_Member]] = {}
+        for m in members:  # steps whose tensors differ beyond the first axis run apart
+            key = tuple(sorted((k, v.shape[1:], v.dtype.str) for k, v in m.feed.items()))
+            groups.setdefault(key, []).append(m)
+        for group in groups.values():
+            if len(group) == 1:
+                self._run_alone(dev, group[0])
+            else:
+                self._run_batch(dev, group)
+
+    def _prepare(self, dev: _Device, job: _Job) -> _Member | None:
+        """Read the job's episode state; answer a buffered step at once. None: no run."""
+        result: StepResult | None = None
         with job.lock, self._lock:
-            # Keep nothing for a caller that gave up, or after drop_all() ran meanwhile.
-            # Task.cancel() cancels the awaited future at once, before the task runs its
-            # handler (which sets `abandoned`): a plain read of it (atomic under the GIL)
-            # keeps a step cancelled while it ran from committing and being read by the
-            # episode's next queued step before the handler can drop it.
-            cancelled = job.abandoned or job.future.cancelled()
-            if not cancelled and generation == self._generation:
-                old = self._states.get(episode)
-                if old is not None and old.device != dev.id:
-                    self._devices[old.device].live.discard(episode)
-                self._states[episode] = _EpisodeState(dev.id, token, new_state, now, steps + 1)
-                dev.live.add(episode)
-                job.committed = True
-        visible = {k: v for k, v in outputs.items() if k not in self._fed_back}
-        return StepResult(visible, reset, steps + 1)
+            if job.gave_up():
+                return None
+            if job.episode is None:
+                feed = {**job.inputs, **self.contract.initial_state()}
+                return _Member(job, feed, None, self._generation, False, 0, None)
+            st = self._states.get(job.episode)
+            ok = st is not None and st.token == job.token and st.device == dev.id
+            if ok and job.mode is not None:
+                result = self._from_buffer(dev, job.episode, job.token, job.mode)
+                job.committed = result is not None
+            if result is None:
+                if ok:
+                    assert st is not None
+                    state, reset, steps, buffer = st.state, False, st.steps, st.buffer
+                else:
+                    state, reset, steps, buffer = (
+                        self.contract.initial_state(),
+                        st is not None or not job.fresh,
+                        0,
+                        None,
+                    )
+                feed = {**job.inputs, **state}
+                return _Member(job, feed, st, self._generation, reset, steps, buffer)
+        dev.answer(job.future, result, None)
+        return None
 
-    def _run(self, dev: _Device, feed: dict[str, Array]) -> dict[str, Array]:
+    def _run_batch(self, dev: _Device, group: list[_Member]) -> None:
+        n = len(group)
+        size = dev.bucket(n)
+        feed = {
+            name: np.concatenate([m.feed[name] for m in group] + [group[0].feed[name]] * (size - n))
+            for name in group[0].feed
+        }
         try:
-            values = dev.session.run(self._outputs, feed)
+            values = self._session_run(dev, feed, group)
+            for name, value in values.items():
+                if value.shape[:1] != (size,):
+                    raise ValueError(
+                        f"output {name!r} has shape {value.shape} for a batch of {size}"
+                    )
         except Exception as exc:
-            self._failed(dev, f"{type(exc).__name__}: {exc}")
-            raise ModelFailure(dev.id, exc) from exc
+            log.warning(
+                "device %s: a batched run of %d steps failed (%s: %s); running them one by one",
+                dev.id,
+                n,
+                type(exc).__name__,
+                exc,
+            )
+            for m in group:
+                self._run_alone(dev, m)
+                dev.flush()  # each as soon as it is known
+            return
         if dev.tracker.success():
             self._transition(dev.id, "up", "")
+        # state kept on the device (node.binding.DeviceTensor) is scattered through the host
+        host = {name: np.asarray(v) for name, v in values.items()}
+        for i, m in enumerate(group):
+            self._commit(dev, m, {name: v[i : i + 1].copy() for name, v in host.items()})
+
+    def _run_alone(self, dev: _Device, m: _Member) -> None:
+        with m.job.lock:
+            if m.job.gave_up():
+                return
+        if dev.tracker.down:  # an earlier step of its failed batch took the device down
+            dev.answer(m.job.future, None, DeviceDown(dev.id))
+            return
+        size = dev.bucket(1) if m.job.one_row else 1
+        feed = m.feed
+        if size > 1:
+            feed = {name: np.concatenate([v] * size) for name, v in feed.items()}
+        try:
+            values = self._session_run(dev, feed, [m])
+        except Exception as exc:
+            self._failed(dev, f"{type(exc).__name__}: {exc}")
+            dev.answer(m.job.future, None, ModelFailure(dev.id, exc))
+            return
+        if dev.tracker.success():
+            self._transition(dev.id, "up", "")
+        if size > 1:
+            values = {name: np.asarray(v)[:1].copy() for name, v in values.items()}
+        self._commit(dev, m, values)
+
+    def _session_run(
+        self, dev: _Device, feed: dict[str, Array], members: list[_Member]
+    ) -> dict[str, Array]:
+        run = _Run()
+        for m in members:
+            with m.job.lock:
+                m.job.run = run
+        try:
+            values = dev.session.run(self._outputs, feed)
+        finally:
+            with run.lock:
+                run.active = False
+            for m in members:
+                with m.job.lock:
+                    m.job.run = None
+            if self.on_batch is not None:
+                _observe(self.on_batch, dev.id, len(members))
         return dict(zip(self._outputs, values, strict=True))
+
+    def _commit(self, dev: _Device, m: _Member, outputs: dict[str, Array]) -> None:
+        """Keep the member's new state (if its caller still waits) and answer it."""
+        job = m.job
+        buffer: ActionBuffer | None = None
+        if job.mode is None:
+            visible = {k: v for k, v in outputs.items() if k not in self._fed_back}
+        else:
+            assert self.chunk is not None  # a mode exists only for a model with a chunk
+            chunk = self.chunk.chunk_of(outputs[self.chunk.output])
+            buffer, action = (m.buffer or ActionBuffer()).after_run(chunk, job.mode)
+            visible = {self.chunk.output: self.chunk.action(action)}
+        result = StepResult(visible, m.reset, m.steps + 1, "model")
+        episode = job.episode
+        if episode is not None:
+            new_state = {name: outputs[out] for name, out in self.contract.state.items()}
+            now = self.clock()
+            with job.lock, self._lock:
+                # keep nothing for a caller that gave up, after drop_all() ran meanwhile, or
+                # when the state it read was released or replaced meanwhile
+                if (
+                    not job.gave_up()
+                    and m.generation == self._generation
+                    and self._states.get(episode) is m.read
+                ):
+                    if m.read is not None and m.read.device != dev.id:
+                        self._devices[m.read.device].live.discard(episode)
+                    self._states[episode] = _EpisodeState(
+                        dev.id, job.token, new_state, now, m.steps + 1, buffer
+                    )
+                    dev.live.add(episode)
+                    job.committed = True
+        dev.answer(job.future, result, None)
 
     def _failed(self, dev: _Device, error: str) -> None:
         went_down = dev.tracker.failure(error)
@@ -412,19 +785,39 @@ class MultiGpuDispatcher:
         if went_down:
             self._transition(dev.id, "down", dev.tracker.last_error)
 
+    def _hung(self, dev: _Device, run: _Run) -> None:
+        # The model was still running at a request's deadline: a device that hangs must go
+        # down like one that raises, or its episodes never move. One count per run, however
+        # many of its steps gave up.
+        with run.lock:
+            if not run.active or run.hang_counted:
+                return
+            run.hang_counted = True
+        self._failed(dev, "a model run outlived its request's deadline")
+
     def _transition(self, device: str, to: str, reason: str) -> None:
         log.warning("device %s is %s%s", device, to, f": {reason}" if reason else "")
         if self.on_transition is not None:
             self.on_transition(device, to, reason)
 
-    async def run_stateless(self, device: str, inputs: Mapping[str, Array]) -> dict[str, Array]:
-        """One run from the initial state, keeping nothing (requests without any id)."""
-        dev = self._device(device)
-        if dev.tracker.down:
-            raise DeviceDown(device)
-        feed = {**inputs, **self.contract.initial_state()}
-        outputs = await dev.worker.run(self._run, dev, feed)
-        return {k: v for k, v in outputs.items() if k not in self._fed_back}
+    async def _call(self, dev: _Device, fn: Callable[[], Any]) -> Any:
+        call = _Call(fn, asyncio.get_running_loop().create_future())
+        dev.put(call)
+        return await call.future
+
+    def _zeros(self, rows: int) -> dict[str, Array]:
+        one = {spec.name: spec.zeros() for spec in self.contract.observation_inputs}
+        one.update(self.contract.initial_state())
+        return {name: np.concatenate([v] * rows) for name, v in one.items()}
+
+    def _run_counted(self, dev: _Device, feed: dict[str, Array]) -> None:
+        try:
+            dev.session.run(self._outputs, feed)
+        except Exception as exc:
+            self._failed(dev, f"{type(exc).__name__}: {exc}")
+            raise ModelFailure(dev.id, exc) from exc
+        if dev.tracker.success():
+            self._transition(dev.id, "up", "")
 
     async def probe(self) -> list[str]:
         """Probe every down device whose cool-down has passed, with a run of zeros.
@@ -434,14 +827,31 @@ class MultiGpuDispatcher:
         for dev in self._devices.values():
             if not dev.tracker.probe_due():
                 continue
-            feed = {spec.name: spec.zeros() for spec in self.contract.observation_inputs}
-            feed.update(self.contract.initial_state())
+            feed = self._zeros(1)
             try:
-                await dev.worker.run(self._run, dev, feed)
+                await self._call(dev, functools.partial(self._run_counted, dev, feed))
             except ModelFailure:
                 continue
             back.append(dev.id)
         return back
+
+    async def warm_up(self) -> None:
+        """Warm every device up on its own worker thread, one device after another, before
+        serving. A session with a ``warm_up()`` method (``node.binding.BoundSession``, which
+        captures its CUDA graph there) is asked to; any other runs zeros once at every batch
+        size it will use (a session with ``batch_sizes`` captures one graph per size there).
+        ONNX Runtime keeps a captured CUDA graph per thread, so the capture must happen on the
+        thread that runs the device's steps; CUDA's capture mode is process-wide, so devices
+        go one at a time. Raises :class:`ModelFailure` (counted) when a run fails."""
+        for dev in self._devices.values():
+            warm = getattr(dev.session, "warm_up", None)
+            if warm is not None:
+                await self._call(dev, warm)
+                continue
+            for size in [s for s in dev.sizes or () if s <= dev.max_batch] or [dev.bucket(1)]:
+                await self._call(dev, functools.partial(self._run_counted, dev, self._zeros(size)))
+
+    # ---- dropping state --------------------------------------------------------------
 
     def release(self, episode: str) -> bool:
         """Drop the state of ``episode``; True when there was some."""
@@ -449,6 +859,10 @@ class MultiGpuDispatcher:
             st = self._states.pop(episode, None)
             if st is not None:
                 self._devices[st.device].live.discard(episode)
+        if st is not None:
+            dev = self._devices[st.device]
+            with dev.cond:  # an ended episode sends no more steps: do not wait for it
+                dev.recent.pop(episode, None)
         return st is not None
 
     def expire_idle(self) -> int:
@@ -473,4 +887,24 @@ class MultiGpuDispatcher:
 
     def close(self) -> None:
         for dev in self._devices.values():
-            dev.worker.close()
+            dev.put(None)
+        for dev in self._devices.values():
+            if dev.thread is not None:
+                dev.thread.join(timeout=30)
+
+
+def _observe(hook: Callable[[str, Any], None], device: str, value: Any) -> None:
+    try:
+        hook(device, value)
+    except Exception:  # a metrics hook must never fail a model run
+        log.exception("device %s: a dispatcher hook raised", device)
+
+
+def _settle(items: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    for future, result, exc in items:
+        if future.done():  # cancelled, or already failed by a broken round
+            continue
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)

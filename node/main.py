@@ -35,10 +35,11 @@ from node.binding import BoundSession
 from node.config import NodeConfig
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import MultiGpuDispatcher, Session
+from node.fleet import Fleet
 from node.forward import Poster
 from node.membership import EXIT_CONFLICT, VERSION
 from node.policy import load_contract, resolve_model
-from node.providers import ProviderSettings, build_session
+from node.providers import GpuUnavailable, ProviderSettings, build_session, require_cuda
 from node.service import NodeService
 
 __all__ = ["build_service", "main", "parse_args"]
@@ -47,6 +48,8 @@ log = logging.getLogger("affinity.node")
 CUDA_GRAPH_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 EXIT_USAGE = 2
 EXIT_REDIS = 3
+EXIT_NO_GPU = 5
+"""Exit status when --devices names GPUs (or auto finds some) that CUDA cannot run."""
 
 
 HELP = """\
@@ -57,7 +60,8 @@ embedded single-host store.
 
 Exit codes: 0 after a graceful stop (SIGTERM: episodes handed over, deregistered), 2 for a
 usage or configuration error (one line naming the flag), 3 when Redis cannot be reached at
-start-up, 4 when another running process holds this node id."""
+start-up, 4 when another running process holds this node id, 5 when GPUs are named (or
+found) that CUDA cannot run (one line naming the missing library)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -239,6 +243,7 @@ def build_service(
             devices = specs if specs is not None else discover(config.devices)
         except ValueError as exc:
             raise StartupError(f"--devices: {exc}") from None
+        require_cuda(devices)  # GpuUnavailable: GPUs named, or found, that CUDA cannot run
         try:
             contract = load_contract(config.model)
         except (ValueError, OSError) as exc:
@@ -250,11 +255,8 @@ def build_service(
             )
             if not (config.providers.cuda_graph and built.active in CUDA_GRAPH_PROVIDERS):
                 return built.session, built.active
-            bound = BoundSession(built.session, contract, "cuda", spec.ordinal or 0)
-            # the first run captures the graph on this device, before any episode arrives
-            bound.run(None, {s.name: s.zeros() for s in contract.inputs})
-            log.info("device %s: CUDA graph captured", spec.index)
-            return bound, built.active
+            # captured by dispatcher.warm_up(), on the device's worker thread
+            return BoundSession(built.session, contract, "cuda", spec.ordinal or 0), built.active
 
         make = session_factory or ort_session
         sessions: dict[str, Session] = {}
@@ -286,7 +288,7 @@ def build_service(
                     "no Redis URL given: using the embedded in-process store (single host only)"
                 )
                 client = embedded_store(config.embedded_port)
-        return NodeService(
+        service = NodeService(
             config,
             client,
             devices,
@@ -296,6 +298,10 @@ def build_service(
             owns_redis=redis is None,
             pool=pool,
         )
+        await service.dispatcher.warm_up()
+        graphs = sum(isinstance(s, BoundSession) for s in sessions.values())
+        log.info("%d device(s) warmed up on their workers, %d CUDA graph(s)", len(sessions), graphs)
+        return service
 
     return factory
 
@@ -323,14 +329,16 @@ class _Server(uvicorn.Server):
     node leave the fleet while it still listens (episodes handed over, deregistered, no
     more renewals), then uvicorn closes the listener and drains; a second one forces."""
 
-    def __init__(self, config: uvicorn.Config, service: NodeService) -> None:
+    def __init__(self, config: uvicorn.Config, service: NodeService, fleet: Fleet) -> None:
         super().__init__(config)
         self.service = service
+        self.fleet = fleet
         self.leave_requested = False
         self.leaving: asyncio.Task[None] | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.leave_requested or self.should_exit:
+            self.fleet.close()  # a graceful stop waits for open responses: streams never end
             super().handle_exit(sig, frame)
         else:
             self.leave_requested = True  # picked up by on_tick, on the event loop
@@ -343,6 +351,8 @@ class _Server(uvicorn.Server):
             self.should_exit = True
         if self.service.membership.conflict is not None:
             self.should_exit = True
+        if self.should_exit:
+            self.fleet.close()  # a graceful stop waits for open responses: streams never end
         return await super().on_tick(counter)
 
 
@@ -352,6 +362,9 @@ async def _serve(config: NodeConfig) -> int:
     except StartupError as exc:
         print(f"affinity-node: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except GpuUnavailable as exc:
+        print(f"affinity-node: {exc}", file=sys.stderr)
+        return EXIT_NO_GPU
     try:
         await service.start()
     except BackendUnavailable as exc:
@@ -369,9 +382,10 @@ async def _serve(config: NodeConfig) -> int:
     async def started() -> NodeService:
         return service
 
+    app = create_app(started, access_log=config.access_log)
     server = _Server(
         uvicorn.Config(
-            create_app(started, access_log=config.access_log),
+            app,
             host=config.host,
             port=config.port,
             http=_KeepAliveProtocol,
@@ -386,6 +400,7 @@ async def _serve(config: NodeConfig) -> int:
             lifespan="on",
         ),
         service,
+        app.state.fleet,
     )
     await server.serve()
     return EXIT_CONFLICT if service.membership.conflict is not None else 0

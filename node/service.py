@@ -78,6 +78,11 @@ class NodeService:
             clock,
         )
 
+    @property
+    def instance(self) -> str:
+        """This process's instance id (tells it from another with the same node id)."""
+        return self.membership.instance
+
     def _on_transition(self, device: str, to: str, reason: str) -> None:
         self.membership.on_transition_threadsafe(device, to, reason)
 

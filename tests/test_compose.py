@@ -1,5 +1,6 @@
 """docker/compose.yaml and docker/Dockerfile: the stack they describe is the one the
-stack test expects, and every setting they pass is one the node reads."""
+stack test expects, every setting they pass is one the node reads, and its Prometheus
+and Grafana see both nodes and the files in docker/prometheus and docker/grafana."""
 
 from __future__ import annotations
 
@@ -70,7 +71,7 @@ def test_docker_compose_accepts_the_file() -> None:
 
 
 def test_services() -> None:
-    assert {"redis", *NODES, "stack-test"} <= set(services())
+    assert {"redis", *NODES, "prometheus", "grafana", "stack-test"} <= set(services())
 
 
 def test_redis_service() -> None:
@@ -160,6 +161,12 @@ def test_stack_test_service() -> None:
     node_urls = {environment(all_services[n])["AFFINITY_ADVERTISE_URL"] for n in NODES}
     assert {urlsplit(u).hostname for u in urls} == set(NODES)
     assert set(urls) == node_urls
+    prometheus = urlsplit(environment(test)["AFFINITY_STACK_PROMETHEUS"])
+    assert (prometheus.hostname, prometheus.port) == ("prometheus", 9090)
+    grafana = urlsplit(environment(test)["AFFINITY_STACK_GRAFANA"])
+    assert (grafana.hostname, grafana.port) == ("grafana", 3000)
+    for name in ("prometheus", "grafana"):
+        assert test["depends_on"][name]["condition"] == "service_healthy"
     entrypoint = " ".join(test["entrypoint"])
     assert "pytest" in entrypoint and "tests/stack" in entrypoint
     target = test["build"]["target"]
@@ -171,7 +178,8 @@ def test_dockerfile() -> None:
     text = DOCKERFILE.read_text(encoding="utf-8")
     assert re.search(r"^ARG BASE_IMAGE\b", text, re.M)
     assert re.search(r"^ARG GPU=0$", text, re.M)
-    assert "python:3.11-slim" in text and "nvidia/cuda:" in text
+    assert "python:3.11-slim" in text and re.search(r"^ARG ORT_VERSION=\d+\.\d+\.\d+$", text, re.M)
+    assert "onnxruntime-gpu[cuda,cudnn]==${ORT_VERSION}" in text  # CUDA matching the ORT build
     assert re.search(r'^ENTRYPOINT \["affinity-node"\]$', text, re.M)
     assert re.search(r"^EXPOSE 8000$", text, re.M)
     assert re.search(r"^HEALTHCHECK .*\\\n.*python.*/healthz", text, re.M)
@@ -182,7 +190,7 @@ def test_dockerfile() -> None:
     for stage in ("runtime", "test"):
         users = re.findall(r"^USER (\S+)$", stages[stage], re.M)
         assert users and users[-1] not in ("root", "0"), f"stage {stage} must run as non-root"
-    assert "pip install /tmp/src" in text
+    assert 'pip install "/tmp/src' in text
     ignore = DOCKERIGNORE.read_text(encoding="utf-8").split()
     for needed in ("pyproject.toml", "README.md", "affinity", "node", "tests"):
         assert f"!{needed}" in ignore, f"{needed} must reach the build context"
@@ -198,3 +206,66 @@ def test_node_reads_every_variable_compose_passes() -> None:
             assert f'"{var}"' in sources, (
                 f"{name}: {var} is read by neither node/main.py nor config"
             )
+
+
+def mounts(service: dict[str, Any]) -> dict[str, Path]:
+    """Container path -> the host path it mounts (short volume syntax, relative to the
+    compose file)."""
+    out = {}
+    for volume in service.get("volumes", []):
+        host, container, *_ = str(volume).split(":")
+        assert host.startswith("."), f"{volume}: mount files of the repository"
+        out[container] = (COMPOSE.parent / host).resolve()
+    return out
+
+
+def pinned(image: str) -> bool:
+    return ":" in image and not image.endswith(":latest")
+
+
+def test_prometheus_scrapes_both_nodes_with_the_alert_rules() -> None:
+    all_services = services()
+    prom = all_services["prometheus"]
+    assert str(prom["image"]).startswith("prom/prometheus:") and pinned(prom["image"])
+    config_dir = mounts(prom)["/etc/prometheus"]
+    assert config_dir == ROOT / "docker" / "prometheus"
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
+    config = yaml.safe_load((config_dir / "prometheus.yml").read_text(encoding="utf-8"))
+    for rules in config["rule_files"]:
+        assert (config_dir / rules).is_file(), rules  # relative to the config, as mounted
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "affinity"]
+    scraped = {s["labels"]["node"]: s["targets"] for s in job["static_configs"]}
+    expected = {}
+    for name in NODES:
+        env = environment(all_services[name])
+        advertise = urlsplit(env["AFFINITY_ADVERTISE_URL"])
+        expected[env["AFFINITY_NODE_ID"]] = [f"{advertise.hostname}:{advertise.port}"]
+    assert scraped == expected, "each node by its service name, labelled with its node id"
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+    assert "9090:9090" in [str(p) for p in prom["ports"]]
+    assert "/-/ready" in " ".join(healthcheck_command(prom))
+
+
+def test_grafana_is_provisioned_with_the_dashboard_and_that_prometheus() -> None:
+    grafana = services()["grafana"]
+    assert str(grafana["image"]).startswith("grafana/grafana:") and pinned(grafana["image"])
+    mounted = mounts(grafana)
+    provisioning = mounted["/etc/grafana/provisioning"]
+    assert provisioning == ROOT / "docker" / "grafana" / "provisioning"
+    (source,) = yaml.safe_load(
+        (provisioning / "datasources" / "prometheus.yaml").read_text(encoding="utf-8")
+    )["datasources"]
+    url = urlsplit(source["url"])
+    assert (source["type"], url.hostname, url.port) == ("prometheus", "prometheus", 9090)
+    (provider,) = yaml.safe_load(
+        (provisioning / "dashboards" / "affinity.yaml").read_text(encoding="utf-8")
+    )["providers"]
+    folder = provider["options"]["path"].rstrip("/")
+    dashboards = {c: h for c, h in mounted.items() if c.startswith(folder + "/")}
+    assert dashboards == {f"{folder}/affinity.json": ROOT / "docker" / "grafana" / "affinity.json"}
+    env = environment(grafana)
+    assert env["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] in dashboards
+    assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer", "anonymous users only look"
+    assert env["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD")
+    assert grafana["depends_on"]["prometheus"]["condition"] == "service_healthy"
+    assert "3000:3000" in [str(p) for p in grafana["ports"]]

@@ -18,10 +18,10 @@ H100_1 = "GPU-d4d4d4d4-0000-4000-8000-000000000003"
 
 # Four GPUs, two architectures, listed out of order (the parser sorts by index).
 SMI_4 = f"""\
-2, {H100_0}, NVIDIA H100 80GB HBM3, 81559, 9.0
-0, {A100_0}, NVIDIA A100-SXM4-80GB, 81920, 8.0
-1, {A100_1}, NVIDIA A100-SXM4-80GB, 81920, 8.0
-3, {H100_1}, NVIDIA H100 80GB HBM3, 81559, 9.0
+2, {H100_0}, NVIDIA H100 80GB HBM3, 81559, 9.0, Disabled
+0, {A100_0}, NVIDIA A100-SXM4-80GB, 81920, 8.0, Disabled
+1, {A100_1}, NVIDIA A100-SXM4-80GB, 81920, 8.0, Disabled
+3, {H100_1}, NVIDIA H100 80GB HBM3, 81559, 9.0, Disabled
 """
 PINNED = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
@@ -62,18 +62,25 @@ def test_auto_lists_every_gpu_in_pci_order(caplog: pytest.LogCaptureFixture) -> 
 
 
 def test_arch_and_unavailable_memory() -> None:
-    out = "0, GPU-x, NVIDIA GeForce RTX 5090, [N/A], 12.0\n"
+    out = "0, GPU-x, NVIDIA GeForce RTX 5090, [N/A], 12.0, [N/A]\n"
     [device] = discover("auto", env=PINNED, run_nvidia_smi=smi(out))
     assert (device.arch, device.memory_mb) == ("sm_120", 0)
 
 
 def test_name_with_comma_is_kept() -> None:
-    [device] = discover("auto", env=PINNED, run_nvidia_smi=smi("0, GPU-x, Odd, Name, 1024, 8.6"))
+    [device] = discover(
+        "auto", env=PINNED, run_nvidia_smi=smi("0, GPU-x, Odd, Name, 1024, 8.6, Disabled")
+    )
     assert (device.name, device.arch, device.memory_mb) == ("Odd, Name", "sm_86", 1024)
 
 
 @pytest.mark.parametrize(
-    "line", ["0, GPU-x, NVIDIA A100, 81920", "zero, GPU-x, A100, 1, 8.0", "0, GPU-x, A100, 1, 8"]
+    "line",
+    [
+        "0, GPU-x, NVIDIA A100, 81920, 8.0",
+        "zero, GPU-x, A100, 1, 8.0, Disabled",
+        "0, GPU-x, A100, 1, 8, Disabled",
+    ],
 )
 def test_unparseable_nvidia_smi_line_raises(line: str) -> None:
     with pytest.raises(RuntimeError, match="cannot parse nvidia-smi line"):
@@ -121,7 +128,7 @@ def test_cuda_visible_devices_stops_at_first_invalid_entry(
     assert "every entry after it" in warning
 
 
-@pytest.mark.parametrize("visible", ["", "-1", "0,0", "GPU-a1a1", "MIG-1234", "7"])
+@pytest.mark.parametrize("visible", ["", "-1", "0,0", "GPU-a1a1", "7"])
 def test_no_visible_gpu_serves_on_one_cpu_with_one_warning(
     visible: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -256,3 +263,122 @@ def test_bad_spec(spec: str, why: str) -> None:
         discover(spec, env=PINNED, run_nvidia_smi=smi())
     assert repr(spec.strip()) in str(raised.value)
     assert why in str(raised.value)
+
+
+# -- MIG ----------------------------------------------------------------------------------------
+
+MIG_A = "MIG-c7384736-a75d-5afc-978f-d2f1294409fd"
+MIG_B = "MIG-a28ad590-3fda-56dd-84fc-0a0b96edc58d"
+MIG_H = "MIG-0f9e8d7c-0000-4000-8000-0000000000aa"
+# GPU 0 (an A100) is in MIG mode with two 3g.40gb instances; GPU 2 (an H100) with one 1g.10gb.
+SMI_MIG = SMI_4.replace(
+    f"{A100_0}, NVIDIA A100-SXM4-80GB, 81920, 8.0, Disabled",
+    (f"{A100_0}, NVIDIA A100-SXM4-80GB, 81920, 8.0, Enabled"),
+).replace(
+    f"{H100_0}, NVIDIA H100 80GB HBM3, 81559, 9.0, Disabled",
+    (f"{H100_0}, NVIDIA H100 80GB HBM3, 81559, 9.0, Enabled"),
+)
+SMI_L = f"""\
+GPU 0: NVIDIA A100-SXM4-80GB (UUID: {A100_0})
+  MIG 3g.40gb     Device  0: (UUID: {MIG_A})
+  MIG 3g.40gb     Device  1: (UUID: {MIG_B})
+GPU 1: NVIDIA A100-SXM4-80GB (UUID: {A100_1})
+GPU 2: NVIDIA H100 80GB HBM3 (UUID: {H100_0})
+  MIG 1g.10gb     Device  0: (UUID: {MIG_H})
+GPU 3: NVIDIA H100 80GB HBM3 (UUID: {H100_1})
+"""
+
+
+def mig_env(visible: str) -> dict[str, str]:
+    return {**PINNED, "CUDA_VISIBLE_DEVICES": visible}
+
+
+@pytest.mark.parametrize("visible", [MIG_B, MIG_B[:12]], ids=["uuid", "prefix"])
+def test_a_mig_instance_is_one_device_at_ordinal_0(visible: str) -> None:
+    [device] = discover(
+        "auto", env=mig_env(visible), run_nvidia_smi=smi(SMI_MIG), list_nvidia_smi=smi(SMI_L)
+    )
+    assert device == DeviceSpec(
+        0, "cuda", 0, "NVIDIA A100-SXM4-80GB MIG 3g.40gb", MIG_B, "sm_80", 40 * 1024
+    )
+
+
+def test_mig_instance_of_another_gpu_takes_its_architecture() -> None:
+    [device] = discover(
+        "auto", env=mig_env(MIG_H), run_nvidia_smi=smi(SMI_MIG), list_nvidia_smi=smi(SMI_L)
+    )
+    assert (device.name, device.arch, device.memory_mb, device.ordinal) == (
+        "NVIDIA H100 80GB HBM3 MIG 1g.10gb",
+        "sm_90",
+        10 * 1024,
+        0,
+    )
+
+
+def test_older_drivers_mig_names() -> None:
+    old = f"MIG-GPU-{A100_0.removeprefix('GPU-')}/1/0"
+    listing = (
+        f"GPU 0: NVIDIA A100-SXM4-80GB (UUID: {A100_0})\n  MIG 3g.40gb Device 0: (UUID: {old})\n"
+    )
+    [device] = discover(
+        "auto", env=mig_env(old), run_nvidia_smi=smi(SMI_MIG), list_nvidia_smi=smi(listing)
+    )
+    assert (device.uuid, device.ordinal) == (old, 0)
+
+
+@pytest.mark.parametrize(
+    ("visible", "why"),
+    [
+        (f"{MIG_A},{MIG_B}", "names 2 devices starting with a MIG instance"),
+        (f"{MIG_A},1", "names 2 devices starting with a MIG instance"),
+        ("MIG-ffff", "no MIG instance matches it"),
+        ("MIG-", "it matches several"),
+    ],
+)
+def test_mig_instances_that_cannot_be_served_are_refused(visible: str, why: str) -> None:
+    with pytest.raises(ValueError, match=f"CUDA_VISIBLE_DEVICES={visible!r}") as raised:
+        discover(
+            "auto", env=mig_env(visible), run_nvidia_smi=smi(SMI_MIG), list_nvidia_smi=smi(SMI_L)
+        )
+    assert why in str(raised.value)
+
+
+def test_mig_listing_failure_is_not_a_cpu_fallback() -> None:
+    with pytest.raises(ValueError, match="cannot list MIG instances"):
+        discover(
+            "auto", env=mig_env(MIG_A), run_nvidia_smi=smi(SMI_MIG), list_nvidia_smi=missing_smi
+        )
+    with pytest.raises(ValueError, match="names a MIG instance but GPUs cannot be listed"):
+        discover("auto", env=mig_env(MIG_A), run_nvidia_smi=missing_smi)
+
+
+@pytest.mark.parametrize(("spec", "visible"), [("auto", None), ("0,1", None), ("auto", "0,1")])
+def test_a_gpu_in_mig_mode_is_never_served_whole(spec: str, visible: str | None) -> None:
+    env = PINNED if visible is None else mig_env(visible)
+    with pytest.raises(ValueError) as raised:
+        discover(spec, env=env, run_nvidia_smi=smi(SMI_MIG), list_nvidia_smi=never_called)
+    message = str(raised.value)
+    assert f"GPU 0 (NVIDIA A100-SXM4-80GB, {A100_0}) is in MIG mode" in message
+    assert "CUDA_VISIBLE_DEVICES=MIG-<uuid>" in message and "nvidia-smi -L" in message
+
+
+def test_gpus_not_in_mig_mode_beside_mig_ones_are_served() -> None:
+    devices = discover("1,3", env=PINNED, run_nvidia_smi=smi(SMI_MIG), list_nvidia_smi=never_called)
+    assert physical(devices) == [A100_1, H100_1]
+
+
+def test_explicit_index_with_a_mig_instance_visible_says_use_auto() -> None:
+    with pytest.raises(ValueError, match=r"GPU 0 is hidden by .*served with --devices auto"):
+        discover("0", env=mig_env(MIG_A), run_nvidia_smi=smi(SMI_MIG), list_nvidia_smi=smi(SMI_L))
+
+
+def test_real_runner_lists_mig_instances(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f"if [ \"$1\" = -L ]; then printf '%s' '{SMI_L}'; else printf '%s' '{SMI_MIG}'; fi\n"
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    [device] = discover("auto", env=mig_env(MIG_A))
+    assert (device.uuid, device.ordinal, device.arch) == (MIG_A, 0, "sm_80")

@@ -1,17 +1,28 @@
-"""MultiGpuDispatcher with fake sessions: routing, state, tokens, crash tracking (no ORT)."""
+"""MultiGpuDispatcher: routing, state, tokens, crash tracking, batching and action-chunk
+execution, with fake sessions, and with real ONNX Runtime sessions of small test models."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from affinity.errors import InvalidArgument
+from node.binding import BoundSession
+from node.chunks import ActionBuffer, ChunkMode, ChunkSpec, find_chunk
+from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import DeviceDown, ModelFailure, MultiGpuDispatcher
-from node.policy import PolicyContract, TensorSpec
+from node.policy import DEMO_MODEL, PolicyContract, TensorSpec, load_contract, reference_rollout
+from node.providers import ProviderSettings, build_session
 
 pytestmark = pytest.mark.anyio
 
@@ -20,10 +31,34 @@ CONTRACT = PolicyContract(
     outputs=(TensorSpec("act", (1, 1), "float32"), TensorSpec("state_out.h", (1, 1), "float32")),
     state={"state_in.h": "state_out.h"},
 )
+# the same model with a batch axis
+BATCHED = PolicyContract(
+    inputs=(
+        TensorSpec("obs", ("batch", 2), "float32"),
+        TensorSpec("state_in.h", ("batch", 1), "float32"),
+    ),
+    outputs=(
+        TensorSpec("act", ("batch", 1), "float32"),
+        TensorSpec("state_out.h", ("batch", 1), "float32"),
+    ),
+    state={"state_in.h": "state_out.h"},
+    batch_axis=True,
+)
+POISON = 13.0  # an observation the fake model fails on
+
+_open: list[MultiGpuDispatcher] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_dispatchers() -> Any:
+    yield
+    while _open:
+        _open.pop().close()
 
 
 class FakeSession:
-    """h' = h + sum(obs); act = h'. Records the thread and device of every run."""
+    """Per row: h' = h + sum(obs); act = h'. Records the thread of every run and the rows
+    (first observation value of each) it ran; fails a run holding the POISON value."""
 
     def __init__(self, device: str) -> None:
         self.device = device
@@ -32,6 +67,10 @@ class FakeSession:
         self.calls = 0
         self.gate: threading.Event | None = None
         self.entered = threading.Event()  # set when a run starts
+        self.runs: list[list[float]] = []
+        # a run holding one of these observations waits for its event; `held` says one does
+        self.hold: dict[float, threading.Event] = {}
+        self.held = threading.Event()
 
     def run(self, names: Sequence[str] | None, feed: Mapping[str, Any]) -> list[Any]:
         self.calls += 1
@@ -39,10 +78,17 @@ class FakeSession:
         self.entered.set()
         if self.gate is not None:
             self.gate.wait(5)
+        self.runs.append([float(x) for x in feed["obs"][:, 0]])
+        for x in self.runs[-1]:
+            if x in self.hold:
+                self.held.set()
+                self.hold[x].wait(5)
         if self.fail:
             self.fail -= 1
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        h = feed["state_in.h"] + feed["obs"].sum()
+        if (feed["obs"] == POISON).any():
+            raise ValueError("the model cannot take this observation")
+        h = feed["state_in.h"] + feed["obs"].sum(axis=1, keepdims=True)
         return [h.copy(), h]
 
 
@@ -63,21 +109,24 @@ def obs(x: float) -> dict[str, np.ndarray]:
     return {"obs": np.array([[x, 0]], np.float32)}
 
 
-def make(n: int = 2, **kw: Any) -> tuple[MultiGpuDispatcher, dict[str, FakeSession], list[Any]]:
-    sessions: dict[str, FakeSession] = {}
+def make(
+    n: int = 2, contract: PolicyContract = CONTRACT, session: Any = FakeSession, **kw: Any
+) -> tuple[MultiGpuDispatcher, dict[str, Any], list[Any]]:
+    sessions: dict[str, Any] = {}
     transitions: list[Any] = []
 
-    def factory(device: str) -> FakeSession:
-        sessions[device] = FakeSession(device)
+    def factory(device: str) -> Any:
+        sessions[device] = session(device)
         return sessions[device]
 
     d = MultiGpuDispatcher(
         [f"n/{i}" for i in range(n)],
         factory,
-        CONTRACT,
+        contract,
         on_transition=lambda *a: transitions.append(a),
         **kw,
     )
+    _open.append(d)
     return d, sessions, transitions
 
 
@@ -289,3 +338,691 @@ async def test_episodes_lists_state_held_here() -> None:
     assert sorted(d.episodes()) == [("a", 7, "n/1"), ("b", 6, "n/1")]
     d.release("a")
     assert d.episodes() == [("b", 6, "n/1")]
+
+
+# ---- batching ---------------------------------------------------------------------------
+
+
+async def blocked(d: MultiGpuDispatcher, session: FakeSession) -> tuple[Any, threading.Event]:
+    """Hold ``session``'s worker inside a run of episode "blocker" (obs 100) until the
+    returned gate is set, so the steps queued meanwhile are there when it looks next."""
+    gate = threading.Event()
+    session.gate = gate
+    session.entered.clear()
+    task = asyncio.ensure_future(d.step("n/0", "blocker", 99, True, obs(100)))
+    await started(session)
+    return task, gate
+
+
+def queue(d: MultiGpuDispatcher, *steps: tuple[str, float]) -> list[asyncio.Future[Any]]:
+    """Queue one step per (episode, observation), in this order (token 1, claimed fresh)."""
+    return [asyncio.ensure_future(d.step("n/0", ep, 1, True, obs(x))) for ep, x in steps]
+
+
+async def settled(tasks: list[asyncio.Future[Any]]) -> list[Any]:
+    return await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+
+
+async def test_a_model_without_a_batch_axis_runs_unbatched_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("INFO", "affinity.node"):
+        d, sessions, _ = make(1, max_batch=8)
+        fixed, _, _ = make(1, replace(CONTRACT, batch_axis=True))
+    assert d.max_batch == 1 and fixed.max_batch == 1
+    said = [r.getMessage() for r in caplog.records if "batching" in r.getMessage()]
+    assert said == [
+        'batching is off: the model has no batch axis (see the sidecar\'s "batch"); '
+        "every step runs alone",
+        "batching is off: obs is float32 [1, 2]: its batch axis is fixed; every step runs alone",
+    ]
+    s = sessions["n/0"]
+    blocker, gate = await blocked(d, s)
+    tasks = queue(d, ("a", 1), ("b", 2), ("c", 3))
+    await asyncio.sleep(0)
+    gate.set()
+    await settled([blocker, *tasks])
+    assert s.runs == [[100.0], [1.0], [2.0], [3.0]]
+
+
+async def test_batching_defaults_to_eight_for_a_model_with_a_batch_axis(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("INFO", "affinity.node"):
+        d, _, _ = make(1, BATCHED)
+    assert d.max_batch == 8 and d.batching_off == ""
+    assert any("batching is on: up to 8" in r.getMessage() for r in caplog.records)
+    off, _, _ = make(1, BATCHED, max_batch=1)
+    assert off.max_batch == 1
+    with pytest.raises(ValueError, match="max_batch"):
+        make(1, BATCHED, max_batch=0)
+    with pytest.raises(ValueError, match="batch_delay_us"):
+        make(1, BATCHED, batch_delay_us=-1)
+
+
+async def test_waiting_steps_of_different_episodes_run_as_one_batch() -> None:
+    d, sessions, _ = make(1, BATCHED)
+    s = sessions["n/0"]
+    blocker, gate = await blocked(d, s)
+    tasks = queue(d, *((f"e{i}", float(i)) for i in range(1, 6)))
+    await asyncio.sleep(0)
+    gate.set()
+    results = await settled([blocker, *tasks])
+    assert s.runs == [[100.0], [1.0, 2.0, 3.0, 4.0, 5.0]]
+    assert [r.outputs["act"].item() for r in results[1:]] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert all(r.outputs["act"].shape == (1, 1) and r.step == 1 for r in results[1:])
+    assert [d.state_of(f"e{i}")["state_in.h"].item() for i in range(1, 6)] == [1, 2, 3, 4, 5]
+
+
+async def test_an_episode_has_one_step_per_run_and_its_steps_keep_their_order() -> None:
+    d, sessions, _ = make(1, BATCHED)
+    s = sessions["n/0"]
+    blocker, gate = await blocked(d, s)
+    tasks = queue(d, ("a", 1), ("a", 2), ("b", 10), ("a", 3), ("c", 20))
+    await asyncio.sleep(0)
+    gate.set()
+    a1, a2, b, a3, c = (await settled([blocker, *tasks]))[1:]
+    assert s.runs == [[100.0], [1.0, 10.0, 20.0], [2.0], [3.0]]
+    assert [r.outputs["act"].item() for r in (a1, a2, a3)] == [1.0, 3.0, 6.0]
+    assert [r.step for r in (a1, a2, a3)] == [1, 2, 3]
+    assert (b.outputs["act"].item(), c.outputs["act"].item()) == (10.0, 20.0)
+
+
+async def test_max_batch_caps_a_run() -> None:
+    d, sessions, _ = make(1, BATCHED, max_batch=4)
+    s = sessions["n/0"]
+    blocker, gate = await blocked(d, s)
+    tasks = queue(d, *((f"e{i}", float(i)) for i in range(1, 11)))
+    await asyncio.sleep(0)
+    gate.set()
+    await settled([blocker, *tasks])
+    assert [len(r) for r in s.runs] == [1, 4, 4, 2]
+
+
+async def test_a_failed_batch_is_rerun_one_by_one_and_only_the_bad_step_fails() -> None:
+    d, sessions, transitions = make(1, BATCHED, failure_threshold=2)
+    s = sessions["n/0"]
+    blocker, gate = await blocked(d, s)
+    tasks = queue(d, ("a", 1), ("bad", POISON), ("b", 2), ("c", 3))
+    await asyncio.sleep(0)
+    gate.set()
+    a, bad, b, c = (await settled([blocker, *tasks]))[1:]
+    assert s.runs[1] == [1.0, POISON, 2.0, 3.0]  # the batch, then each step alone
+    assert s.runs[2:] == [[1.0], [POISON], [2.0], [3.0]]
+    assert isinstance(bad, ModelFailure)
+    assert [r.outputs["act"].item() for r in (a, b, c)] == [1.0, 2.0, 3.0]
+    assert d.tracker("n/0").failures == 0, "the good steps after the bad one reset the count"
+    assert transitions == [] and not d.has_state("bad")
+    # the failed batch did not count: one bad step alone counts once
+    s.gate = None
+    with pytest.raises(ModelFailure):
+        await d.step("n/0", "bad", 1, True, obs(POISON))
+    assert d.tracker("n/0").failures == 1 and transitions == []
+
+
+async def test_a_broken_device_goes_down_from_the_single_reruns() -> None:
+    d, sessions, transitions = make(1, BATCHED, failure_threshold=3)
+    s = sessions["n/0"]
+    blocker, gate = await blocked(d, s)
+    tasks = queue(d, ("a", 1), ("b", 2), ("c", 3))
+    await asyncio.sleep(0)
+    s.fail = 100  # the GPU breaks during the blocker's run
+    gate.set()
+    results = await settled([blocker, *tasks])
+    # blocker 1, (the batch does not count), a 2, b 3: down; c is not run any more
+    assert [type(r) for r in results] == [ModelFailure] * 3 + [DeviceDown]
+    assert [t[1] for t in transitions] == ["down"]
+    assert s.runs[1:] == [[1.0, 2.0, 3.0], [1.0], [2.0]]
+
+
+async def test_a_step_whose_caller_gave_up_is_left_out_of_the_batch() -> None:
+    d, sessions, _ = make(1, BATCHED)
+    s = sessions["n/0"]
+    blocker, gate = await blocked(d, s)
+    tasks = queue(d, ("a", 1), ("gone", 2), ("b", 3))
+    await asyncio.sleep(0)
+    tasks[1].cancel()
+    gate.set()
+    await settled([blocker, *tasks])
+    assert s.runs[1] == [1.0, 3.0]
+    assert not d.has_state("gone") and not d.in_flight("gone")
+
+
+async def test_a_step_cancelled_during_a_batched_run_keeps_nothing_and_counts_once() -> None:
+    d, sessions, transitions = make(1, BATCHED, failure_threshold=2)
+    s = sessions["n/0"]
+    _, gate = await blocked(d, s)
+    tasks = queue(d, ("a", 1), ("b", 2), ("c", 3))
+    await asyncio.sleep(0)
+    hang = s.hold[1.0] = threading.Event()  # the batched run hangs ...
+    gate.set()
+    assert await asyncio.to_thread(s.held.wait, 10)
+    tasks[0].cancel()  # ... past the deadlines of two of its steps
+    tasks[1].cancel()
+    await asyncio.sleep(0)
+    hang.set()
+    results = await settled(tasks)
+    assert isinstance(results[0], asyncio.CancelledError) and results[2].step == 1
+    assert s.runs[-1] == [1.0, 2.0, 3.0]
+    assert not d.has_state("a") and not d.has_state("b") and d.has_state("c")
+    assert transitions == [], "one hung run counts one failure, not one per step"
+    assert d.tracker("n/0").failures == 0  # ... and the run's success reset it
+
+
+class Bucketed(FakeSession):
+    """A session that runs only at some batch sizes (one captured CUDA graph each)."""
+
+    batch_sizes = (1, 2, 4)
+
+    def run(self, names: Sequence[str] | None, feed: Mapping[str, Any]) -> list[Any]:
+        assert all(len(v) in self.batch_sizes for v in feed.values()), "not padded"
+        return super().run(names, feed)
+
+
+async def test_runs_are_padded_to_the_sessions_batch_sizes() -> None:
+    d, sessions, _ = make(1, BATCHED, session=Bucketed)
+    s = sessions["n/0"]
+    assert d._devices["n/0"].max_batch == 4  # never larger than the largest size
+    blocker, gate = await blocked(d, s)
+    tasks = queue(d, *((f"e{i}", float(i)) for i in range(1, 8)))
+    await asyncio.sleep(0)
+    gate.set()
+    results = await settled([blocker, *tasks])
+    # 7 steps: a run of 4, then 3 padded to 4 with copies of the first step's row
+    assert s.runs[1:] == [[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 5.0]]
+    assert [r.outputs["act"].item() for r in results[1:]] == [1, 2, 3, 4, 5, 6, 7]
+    assert all(r.outputs["act"].shape == (1, 1) for r in results[1:])
+    assert d.state_of("e5")["state_in.h"].shape == (1, 1)
+
+
+async def test_warm_up_runs_every_batch_size_on_each_devices_worker() -> None:
+    d, sessions, _ = make(2, BATCHED, session=Bucketed)
+    await d.warm_up()
+    for s in sessions.values():
+        assert [len(r) for r in s.runs] == [1, 2, 4] and len(s.threads) == 1
+    plain, fakes, _ = make(1, BATCHED)
+    await plain.warm_up()
+    assert [len(r) for r in fakes["n/0"].runs] == [1]
+
+
+async def test_hooks_see_every_run_and_every_queue_wait() -> None:
+    batches: list[tuple[str, int]] = []
+    waits: list[tuple[str, float]] = []
+    d, sessions, _ = make(
+        1,
+        BATCHED,
+        on_batch=lambda dev, n: batches.append((dev, n)),
+        on_queue_wait=lambda dev, s: waits.append((dev, s)),
+    )
+    blocker, gate = await blocked(d, sessions["n/0"])
+    tasks = queue(d, ("a", 1), ("b", 2), ("c", 3))
+    await asyncio.sleep(0)
+    gate.set()
+    await settled([blocker, *tasks])
+    assert batches == [("n/0", 1), ("n/0", 3)]
+    assert len(waits) == 4 and all(dev == "n/0" and s >= 0 for dev, s in waits)
+
+
+async def test_a_failing_hook_fails_no_step() -> None:
+    def boom(device: str, value: Any) -> None:
+        raise RuntimeError("metrics broke")
+
+    d, _, _ = make(1, BATCHED, on_batch=boom, on_queue_wait=boom)
+    r = await d.step("n/0", "a", 1, True, obs(2))
+    assert r.outputs["act"].item() == 2.0 and d.tracker("n/0").failures == 0
+
+
+async def test_a_lone_episode_never_waits_for_a_batch() -> None:
+    d, _, _ = make(1, BATCHED, batch_delay_us=120e6)  # a 2-minute delay, never paid
+    for i in range(5):
+        r = await asyncio.wait_for(d.step("n/0", "solo", 1, i == 0, obs(1)), 60)
+        assert r.step == i + 1
+
+
+async def test_a_step_waits_for_an_episode_that_is_likely_to_send_one() -> None:
+    d, sessions, _ = make(1, BATCHED, batch_delay_us=120e6)
+    s = sessions["n/0"]
+    await settled(queue(d, ("a", 1), ("b", 1)))  # both episodes are active here
+    first = asyncio.ensure_future(d.step("n/0", "a", 1, False, obs(2)))
+    dev = d._devices["n/0"]
+    for _ in range(10_000):  # until the worker holds it, waiting for b (bounded)
+        await asyncio.sleep(0.001)
+        with dev.cond:
+            if not dev.pending:
+                break
+    assert not first.done()
+    second = asyncio.ensure_future(d.step("n/0", "b", 1, False, obs(3)))
+    await settled([first, second])
+    assert s.runs[-1] == [2.0, 3.0], "the waiting step did not wait for b"
+
+
+# ---- batching with a real model: the same steps, batched or one at a time ---------------
+
+EPISODES, STEPS = 32, 3
+
+
+class Gated:
+    """A real ONNX Runtime session whose runs wait while ``gate`` is clear."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+        self.rows: list[int] = []
+
+    def run(self, names: Sequence[str] | None, feed: Mapping[str, Any]) -> list[Any]:
+        self.entered.set()
+        self.gate.wait(10)
+        self.rows.append(len(next(iter(feed.values()))))
+        return list(self.inner.run(names, dict(feed)))
+
+
+@pytest.fixture(scope="module")
+def batched_demo() -> Any:
+    """The demo policy (it has a batch axis), its contract, and each episode's observations
+    with the reference outputs of running them one at a time from the initial state."""
+    path = DEMO_MODEL
+    contract = load_contract(path)
+    assert contract.batchable
+    rng = np.random.default_rng(14)
+    observations = rng.uniform(-1, 1, (EPISODES, STEPS, 1, 8)).astype(np.float32)
+    reference = [reference_rollout(path, list(observations[e])) for e in range(EPISODES)]
+    return path, contract, observations, reference
+
+
+def cpu_session(path: Path) -> Any:
+    return build_session(path, discover("cpu:1")[0], ProviderSettings()).session
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(order=st.permutations([e for e in range(EPISODES) for _ in range(STEPS)]))
+def test_batched_steps_equal_one_at_a_time(batched_demo: Any, order: list[int]) -> None:
+    """32 concurrent episodes, their steps arriving in a random order, give step for step
+    the outputs and states of each episode run alone."""
+    path, contract, observations, reference = batched_demo
+    session = Gated(cpu_session(path))
+
+    async def scenario() -> None:
+        d = MultiGpuDispatcher(["n/0"], lambda _: session, contract)
+        _open.append(d)
+        assert d.max_batch == 8
+        session.gate.clear()  # hold the worker so that the steps queue up behind it
+        first = asyncio.ensure_future(d.step("n/0", "warm", 1, True, {"obs": observations[0, 0]}))
+        assert await asyncio.to_thread(session.entered.wait, 10)
+        sent = [0] * EPISODES
+        tasks = []
+        for e in order:  # each episode's k-th arrival carries its k-th observation
+            inputs = {"obs": observations[e, sent[e]]}
+            tasks.append((e, sent[e], d.step("n/0", f"ep{e}", 1, sent[e] == 0, inputs)))
+            sent[e] += 1
+        futures = [asyncio.ensure_future(t) for _, _, t in tasks]
+        await asyncio.sleep(0)
+        session.gate.set()
+        results = await asyncio.wait_for(asyncio.gather(first, *futures), 60)
+        for (e, k, _), r in zip(tasks, results[1:], strict=True):
+            np.testing.assert_allclose(
+                r.outputs["actions"], reference[e][k]["actions"], rtol=1e-5, atol=1e-6
+            )
+            assert r.step == k + 1 and not r.state_reset
+        for e in range(EPISODES):
+            np.testing.assert_allclose(
+                d.state_of(f"ep{e}")["state_in.hidden"],
+                reference[e][-1]["state_out.hidden"],
+                rtol=1e-5,
+                atol=1e-6,
+            )
+        assert max(session.rows) == 8, "the steps never ran batched"
+
+    asyncio.run(scenario())
+
+
+class BoundBuckets:
+    """One I/O-bound session per batch size, chosen by the rows of each feed: the shape of
+    a session with one CUDA graph captured per batch size (``cuda_graph`` on a GPU)."""
+
+    def __init__(
+        self, path: Path, device: DeviceSpec, sizes: tuple[int, ...], cuda_graph: bool
+    ) -> None:
+        self.batch_sizes = sizes
+        contract = load_contract(path)
+        kind = "cuda" if device.kind == "cuda" else "cpu"
+        self.by_size = {}
+        for size in sizes:
+            fixed = PolicyContract(
+                inputs=tuple(replace(s, shape=(size, *s.shape[1:])) for s in contract.inputs),
+                outputs=tuple(replace(s, shape=(size, *s.shape[1:])) for s in contract.outputs),
+                state=contract.state,
+            )
+            built = build_session(path, device, ProviderSettings(cuda_graph=cuda_graph))
+            bound = BoundSession(built.session, fixed, kind, device.ordinal or 0)
+            self.by_size[size] = bound
+        self.rows: list[int] = []
+
+    def run(self, names: Sequence[str] | None, feed: Mapping[str, Any]) -> list[Any]:
+        rows = next(iter(feed.values())).shape[0]  # arrays and DeviceTensor handles
+        self.rows.append(rows)
+        return self.by_size[rows].run(names, feed)
+
+
+async def bucketed_steps_equal_reference(session: BoundBuckets, batched_demo: Any) -> None:
+    _, contract, observations, reference = batched_demo
+    d = MultiGpuDispatcher(["n/0"], lambda _: session, contract)
+    _open.append(d)
+    await d.warm_up()  # each size runs once (captures its graph) on the device's worker
+    assert sorted(session.rows) == sorted(session.batch_sizes)
+    for k in range(STEPS):  # 7 episodes at once: each run padded to the next size up
+        results = await asyncio.gather(
+            *(d.step("n/0", f"ep{e}", 1, k == 0, {"obs": observations[e, k]}) for e in range(7))
+        )
+        for e, r in enumerate(results):
+            np.testing.assert_allclose(
+                r.outputs["actions"], reference[e][k]["actions"], rtol=1e-4, atol=1e-5
+            )
+    assert set(session.rows) <= set(session.batch_sizes)
+
+
+async def test_bucketed_io_bound_sessions_give_the_reference_outputs(batched_demo: Any) -> None:
+    session = BoundBuckets(batched_demo[0], discover("cpu:1")[0], (1, 2, 4, 8), False)
+    await bucketed_steps_equal_reference(session, batched_demo)
+
+
+@pytest.mark.hardware
+@pytest.mark.skipif(
+    os.environ.get("RUN_HARDWARE_TESTS") != "1", reason="needs a GPU; set RUN_HARDWARE_TESTS=1"
+)
+async def test_cuda_graph_per_batch_size_gives_the_reference_outputs(batched_demo: Any) -> None:
+    pin_pci_bus_order(os.environ)
+    gpu = discover("auto")[0]
+    assert gpu.kind == "cuda", f"no GPU discovered: {gpu}"
+    session = BoundBuckets(batched_demo[0], gpu, (1, 2, 4, 8), True)
+    for bound in session.by_size.values():
+        assert bound.session.get_providers()[0] == "CUDAExecutionProvider"
+    await bucketed_steps_equal_reference(session, batched_demo)
+
+
+# ---- action-chunk execution -------------------------------------------------------------
+
+H, D = 4, 3
+CHUNKED = PolicyContract(
+    inputs=(
+        TensorSpec("obs", ("batch", 2), "float32"),
+        TensorSpec("state_in.h", ("batch", 1), "float32"),
+    ),
+    outputs=(
+        TensorSpec("actions", ("batch", H, D), "float32"),
+        TensorSpec("extra", ("batch", 1), "float32"),
+        TensorSpec("state_out.h", ("batch", 1), "float32"),
+    ),
+    state={"state_in.h": "state_out.h"},
+    chunk="actions",
+    batch_axis=True,
+)
+
+
+def recorded_chunk(episode: int, run: int) -> np.ndarray:
+    """The chunk the model predicts at its ``run``-th run for episode number ``episode``."""
+    rng = np.random.default_rng([episode, run])
+    return rng.uniform(-1, 1, (H, D)).astype(np.float32)
+
+
+class ChunkSession(FakeSession):
+    """Per row: the state counts the model's runs for that episode (obs[0] is its number);
+    the chunk is ``recorded_chunk(episode, runs so far)``."""
+
+    def run(self, names: Sequence[str] | None, feed: Mapping[str, Any]) -> list[Any]:
+        self.calls += 1
+        self.runs.append([float(x) for x in feed["obs"][:, 0]])
+        for x in self.runs[-1]:
+            if x in self.hold:
+                self.held.set()
+                self.hold[x].wait(5)
+        h = feed["state_in.h"]
+        rows = zip(feed["obs"][:, 0], h[:, 0], strict=True)
+        chunks = np.stack([recorded_chunk(int(e), int(r)) for e, r in rows])
+        return [chunks, h * 10, h + 1]
+
+
+def reference_execute(chunks: list[np.ndarray], k: int, steps: int) -> list[tuple[Any, str]]:
+    """Execute-k in plain numpy: run at steps 0, k, 2k, ..., serve the chunk in between."""
+    out: list[tuple[Any, str]] = []
+    for t in range(steps):
+        chunk = chunks[t // k]
+        out.append((chunk[t % k], "model" if t % k == 0 else "buffer"))
+    return out
+
+
+def reference_ensemble(chunks: list[np.ndarray], m: float, steps: int) -> list[tuple[Any, str]]:
+    """ACT's temporal ensembling in plain numpy: a table of every chunk's predictions by the
+    time step they are for; the reply at t weighs the column t oldest-first, w_i = exp(-m i)."""
+    table = np.zeros((steps, steps + H, D))
+    filled = np.zeros((steps, steps + H), bool)
+    out: list[tuple[Any, str]] = []
+    for t in range(steps):
+        table[t, t : t + H] = chunks[t]
+        filled[t, t : t + H] = True
+        column = table[filled[:, t], t]
+        weights = np.exp(-m * np.arange(len(column)))
+        weights /= weights.sum()
+        out.append(((column * weights[:, None]).sum(axis=0), "model"))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("k", "ensemble"), [(1, None), (2, None), (3, None), (H, None), (None, "exp")]
+)
+async def test_chunk_execution_equals_the_numpy_reference(
+    k: int | None, ensemble: str | None
+) -> None:
+    decay = 0.3
+    d, sessions, _ = make(1, CHUNKED, session=ChunkSession, ensemble_decay=decay)
+    steps, episodes = 3 * H + 1, 5
+
+    async def episode(e: int) -> list[Any]:
+        replies = []
+        for t in range(steps):
+            inputs = {"obs": np.array([[e, t]], np.float32)}
+            replies.append(
+                await d.step("n/0", f"ep{e}", 1, t == 0, inputs, execute_steps=k, ensemble=ensemble)
+            )
+        return replies
+
+    # the episodes run concurrently: model steps batch together, buffered ones do not
+    for e, replies in enumerate(await asyncio.gather(*(episode(e) for e in range(episodes)))):
+        runs = steps if ensemble else -(-steps // (k or 1))
+        chunks = [recorded_chunk(e, r) for r in range(runs)]
+        want = (
+            reference_ensemble(chunks, decay, steps)
+            if ensemble
+            else reference_execute(chunks, k or 1, steps)
+        )
+        for t, (reply, (action, source)) in enumerate(zip(replies, want, strict=True)):
+            assert set(reply.outputs) == {"actions"}
+            assert reply.outputs["actions"].shape == (1, D)
+            np.testing.assert_allclose(reply.outputs["actions"][0], action, rtol=1e-6, atol=1e-7)
+            assert (reply.source, reply.step, reply.state_reset) == (source, t + 1, False)
+        # the recurrent state advanced once per model run, never for a buffered step
+        assert d.state_of(f"ep{e}")["state_in.h"].item() == runs
+    assert sum(map(len, sessions["n/0"].runs)) == episodes * runs, "a buffered step ran"
+
+
+async def test_the_node_mode_applies_when_a_step_has_no_override() -> None:
+    d, sessions, _ = make(1, CHUNKED, session=ChunkSession, execute_steps=2)
+    assert d.chunk_mode is not None and d.chunk_mode.execute_steps == 2
+    sources = [(await d.step("n/0", "e", 1, t == 0, obs(0))).source for t in range(4)]
+    assert sources == ["model", "buffer", "model", "buffer"]
+    # an override changes k for this step: the chunk of the last run is served further
+    r = await d.step("n/0", "e", 1, False, obs(0), execute_steps=H)
+    assert (r.source, r.step) == ("buffer", 5)
+    np.testing.assert_array_equal(r.outputs["actions"][0], recorded_chunk(0, 1)[2])
+    assert sessions["n/0"].calls == 2
+    off, _, _ = make(1, CHUNKED, session=ChunkSession)
+    full = await off.step("n/0", "e", 1, True, obs(0))
+    assert full.outputs["actions"].shape == (1, H, D) and "extra" in full.outputs
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"execute_steps": 0}, "execute_steps"),
+        ({"execute_steps": H + 1}, "execute_steps"),
+        ({"execute_steps": True}, "execute_steps"),
+        ({"execute_steps": "2"}, "execute_steps"),
+        ({"execute_steps": 2.0}, "execute_steps"),
+        ({"ensemble": "mean"}, "ensemble"),
+        ({"ensemble": "exp", "execute_steps": 2}, "execute_steps"),
+    ],
+)
+async def test_a_bad_override_is_refused_and_changes_nothing(
+    overrides: dict[str, Any], field: str
+) -> None:
+    d, sessions, _ = make(1, CHUNKED, session=ChunkSession, execute_steps=H)
+    await d.step("n/0", "e", 1, True, obs(0))
+    with pytest.raises(InvalidArgument) as raised:
+        await d.step("n/0", "e", 1, False, obs(0), **overrides)
+    assert raised.value.field == field
+    assert sessions["n/0"].calls == 1 and not d.in_flight("e")
+    r = await d.step("n/0", "e", 1, False, obs(0))
+    assert (r.source, r.step) == ("buffer", 2), "the refused step changed the buffer"
+
+
+async def test_chunk_execution_needs_a_chunk_output() -> None:
+    d, _, _ = make(1, BATCHED)  # its only output is [batch, 1]
+    assert d.chunk is None
+    with pytest.raises(InvalidArgument, match="no action-chunk output"):
+        await d.step("n/0", "e", 1, True, obs(0), execute_steps=1)
+    assert not d.has_state("e")
+    with pytest.raises(ValueError, match="no action-chunk output"):
+        make(1, BATCHED, execute_steps=2)
+    with pytest.raises(ValueError, match="execute_steps"):
+        make(1, CHUNKED, session=ChunkSession, execute_steps=H + 1)
+    with pytest.raises(ValueError, match="ensemble"):
+        make(1, CHUNKED, session=ChunkSession, ensemble="avg")
+    with pytest.raises(ValueError, match="ensemble_decay"):
+        make(1, CHUNKED, session=ChunkSession, ensemble="exp", ensemble_decay=-1)
+
+
+def test_the_chunk_spec_follows_the_contract() -> None:
+    spec, _ = find_chunk(CHUNKED)
+    assert spec == ChunkSpec("actions", H, True)
+    assert spec.action(np.zeros(D)).shape == (1, D)  # a batch axis: the action is [1, D]
+    flat = PolicyContract(
+        inputs=(TensorSpec("obs", (1, 2), "float32"),),
+        outputs=(TensorSpec("plan", (H, D), "float32"),),
+        state={},
+        chunk="plan",
+    )
+    spec, _ = find_chunk(flat)
+    assert spec == ChunkSpec("plan", H, False)
+    assert spec.action(np.zeros(D)).shape == (D,)  # no batch axis: the action is [D]
+    assert find_chunk(replace(flat, chunk=None))[0] is None
+
+
+async def test_the_buffer_is_dropped_with_the_episodes_state() -> None:
+    clock = Clock()
+    d, sessions, _ = make(
+        1, CHUNKED, session=ChunkSession, execute_steps=H, clock=clock, idle_ttl_s=10
+    )
+
+    def expire() -> None:
+        clock.t += 11
+        assert d.expire_idle() == 1
+
+    await d.step("n/0", "e", 1, True, obs(0))
+    # a new token (reassigned): fresh state and buffer, reported
+    r = await d.step("n/0", "e", 2, False, obs(0))
+    assert (r.source, r.state_reset, r.step) == ("model", True, 1)
+    np.testing.assert_array_equal(r.outputs["actions"][0], recorded_chunk(0, 0)[0])
+    for drop in (lambda: d.release("e"), d.drop_all, expire):
+        drop()
+        r = await d.step("n/0", "e", 2, False, obs(0))
+        assert (r.source, r.state_reset, r.step) == ("model", True, 1)
+    assert sessions["n/0"].calls == 5
+
+
+async def test_a_step_with_chunk_execution_off_drops_the_buffer() -> None:
+    d, _, _ = make(1, CHUNKED, session=ChunkSession)
+    await d.step("n/0", "e", 1, True, obs(0), execute_steps=H)
+    full = await d.step("n/0", "e", 1, False, obs(0))
+    assert full.outputs["actions"].shape == (1, H, D) and full.source == "model"
+    r = await d.step("n/0", "e", 1, False, obs(0), execute_steps=H)
+    assert r.source == "model", "a chunk older than the last model run was served"
+    np.testing.assert_array_equal(r.outputs["actions"][0], recorded_chunk(0, 2)[0])
+
+
+async def test_a_buffered_step_does_not_wait_behind_model_runs() -> None:
+    d, sessions, _ = make(1, CHUNKED, session=ChunkSession, execute_steps=H)
+    s = sessions["n/0"]
+    await d.step("n/0", "e", 1, True, obs(0))
+    hang = s.hold[7.0] = threading.Event()
+    busy = asyncio.ensure_future(d.step("n/0", "other", 1, True, obs(7)))
+    assert await asyncio.to_thread(s.held.wait, 10)  # the device is busy with "other"
+    r = await asyncio.wait_for(d.step("n/0", "e", 1, False, obs(0)), 10)
+    assert (r.source, r.step) == ("buffer", 2) and not busy.done()
+    hang.set()
+    await busy
+
+
+async def test_a_buffered_step_waits_for_its_episodes_step_in_flight() -> None:
+    d, sessions, _ = make(1, CHUNKED, session=ChunkSession, execute_steps=H)
+    s = sessions["n/0"]
+    await d.step("n/0", "e", 1, True, obs(0))
+    hang = s.hold[0.0] = threading.Event()
+    model = asyncio.ensure_future(d.step("n/0", "e", 1, False, obs(0), execute_steps=1))
+    assert await asyncio.to_thread(s.held.wait, 10)
+    after = asyncio.ensure_future(d.step("n/0", "e", 1, False, obs(0)))
+    await asyncio.sleep(0)
+    assert not after.done(), "served from the old chunk before the model step finished"
+    hang.set()
+    m, a = await settled([model, after])
+    assert (m.source, m.step, a.source, a.step) == ("model", 2, "buffer", 3)
+    np.testing.assert_array_equal(a.outputs["actions"][0], recorded_chunk(0, 1)[1])
+
+
+async def test_a_batch_mixes_episodes_with_and_without_chunk_execution() -> None:
+    d, sessions, _ = make(1, CHUNKED, session=ChunkSession)
+    s = sessions["n/0"]
+    await d.step("n/0", "buffered", 1, True, obs(3), execute_steps=H)
+    hang = s.hold[9.0] = threading.Event()
+    blocker = asyncio.ensure_future(d.step("n/0", "blocker", 1, True, obs(9)))
+    assert await asyncio.to_thread(s.held.wait, 10)
+    tasks = [
+        asyncio.ensure_future(d.step("n/0", "plain", 1, True, obs(1))),
+        asyncio.ensure_future(d.step("n/0", "k2", 1, True, obs(2), execute_steps=2)),
+        asyncio.ensure_future(d.step("n/0", "ens", 1, True, obs(4), ensemble="exp")),
+        asyncio.ensure_future(d.step("n/0", "buffered", 1, False, obs(3), execute_steps=H)),
+    ]
+    await asyncio.sleep(0)
+    hang.set()
+    _, plain, k2, ens, buffered = await settled([blocker, *tasks])
+    assert s.runs[-1] == [1.0, 2.0, 4.0], "one run for the three model steps"
+    assert plain.outputs["actions"].shape == (1, H, D) and "extra" in plain.outputs
+    np.testing.assert_array_equal(k2.outputs["actions"][0], recorded_chunk(2, 0)[0])
+    np.testing.assert_allclose(ens.outputs["actions"][0], recorded_chunk(4, 0)[0], rtol=1e-6)
+    assert (buffered.source, buffered.step) == ("buffer", 2)
+    np.testing.assert_array_equal(buffered.outputs["actions"][0], recorded_chunk(3, 0)[1])
+
+
+def test_an_ensembling_buffer_holds_at_most_h_chunks() -> None:
+    mode = ChunkMode(1, "exp", 0.01)
+    buffer = ActionBuffer()
+    for t in range(5 * H):
+        buffer, _ = buffer.after_run(recorded_chunk(0, t), mode)
+        assert len(buffer.chunks) == min(t + 1, H)
+    buffer, _ = buffer.after_run(recorded_chunk(0, 99), ChunkMode(H, "none"))
+    assert len(buffer.chunks) == 1  # execute-k keeps the newest chunk only
+
+
+async def test_stateless_runs_batch_with_each_other_and_with_steps() -> None:
+    d, sessions, _ = make(1, BATCHED)
+    s = sessions["n/0"]
+    blocker, gate = await blocked(d, s)
+    tasks = [asyncio.ensure_future(d.run_stateless("n/0", obs(x))) for x in (1, 2)]
+    tasks += queue(d, ("a", 3))
+    tasks.append(asyncio.ensure_future(d.run_stateless("n/0", obs(4))))
+    await asyncio.sleep(0)
+    gate.set()
+    results = await settled([blocker, *tasks])
+    assert s.runs[1:] == [[1.0, 2.0, 3.0, 4.0]]
+    assert [r["act"].item() for r in (results[1], results[2], results[4])] == [1.0, 2.0, 4.0]
+    assert d.episodes() == [("blocker", 99, "n/0"), ("a", 1, "n/0")]

@@ -3,8 +3,9 @@
 ``docker/compose.yaml`` runs it in its ``stack-test`` service with ``AFFINITY_STACK_URLS``
 naming the nodes. Without that variable the module starts the same topology itself on
 loopback (a throwaway redis-server and two ``affinity-node`` processes with two ``cpu``
-devices each and a cluster secret), so CI runs exactly these bodies. Every loop is bounded
-in count and time.
+devices each and a cluster secret), so CI runs exactly these bodies. Prometheus likewise:
+``AFFINITY_STACK_PROMETHEUS`` names the compose service, else Debian's ``prometheus`` runs
+here with the stack's own configuration. Every loop is bounded in count and time.
 """
 
 from __future__ import annotations
@@ -68,6 +69,30 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
         for n in nodes:
             n.stop()
         redis.stop()
+
+
+@pytest.fixture(scope="module")
+def prometheus(stack: list[str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Prometheus' base URL: ``AFFINITY_STACK_PROMETHEUS`` (the compose service), else
+    Debian's prometheus binary started here with the compose stack's configuration."""
+    given = os.environ.get("AFFINITY_STACK_PROMETHEUS", "").strip()
+    if given:
+        yield given.rstrip("/")
+        return
+
+    from urllib.parse import urlsplit
+
+    from tests.stack.prometheus import Prometheus
+
+    targets = {}
+    for url in stack:
+        node = httpx.get(f"{url}/healthz", timeout=TIMEOUT).json()["node"]
+        targets[node] = urlsplit(url).netloc
+    server = Prometheus(tmp_path_factory.mktemp("prometheus"), targets).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
 
 
 async def get_json(client: httpx.AsyncClient, url: str, status: int = 200) -> Any:
@@ -177,3 +202,51 @@ async def test_episodes_stick_to_one_device_from_any_node(stack: list[str]) -> N
         for ep in episodes[10:]:
             info = await get_json(client, f"{stack[-1]}/episodes/{ep}")
             assert info["device"] == replies[ep][0]["device"]
+
+
+def test_prometheus_scrapes_every_node_and_loads_the_alert_rules(
+    stack: list[str], prometheus: str
+) -> None:
+    from tests.procs import wait_until
+    from tests.stack.prometheus import query, scraped_nodes
+
+    nodes = {httpx.get(f"{url}/healthz", timeout=TIMEOUT).json()["node"] for url in stack}
+    wait_until(
+        lambda: scraped_nodes(prometheus) == dict.fromkeys(nodes, 1.0),
+        60,
+        f"Prometheus scraping {sorted(nodes)}",
+        interval=0.5,
+    )
+    fenced = {s["metric"]["node"]: s["value"][1] for s in query(prometheus, "affinity_fenced")}
+    assert fenced == dict.fromkeys(nodes, "0")
+
+    def evaluated() -> list[dict[str, Any]]:
+        """The rules, once each has been evaluated (health is "unknown" until then)."""
+        groups = httpx.get(f"{prometheus}/api/v1/rules", timeout=TIMEOUT).json()["data"]["groups"]
+        rules = [r for g in groups for r in g["rules"]]
+        return rules if rules and all(r["health"] != "unknown" for r in rules) else []
+
+    rules = wait_until(evaluated, 60, "the alert rules evaluated", interval=0.5)
+    assert {"AffinityNodeFenced", "AffinityDeviceDown"} <= {r["name"] for r in rules}
+    assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+    firing = [r["name"] for r in rules if r["state"] != "inactive"]
+    assert firing == [], f"a healthy stack raises no alert: {firing}"
+
+
+def test_grafana_serves_the_provisioned_dashboard(stack: list[str]) -> None:
+    from tests.procs import wait_until
+
+    grafana = os.environ.get("AFFINITY_STACK_GRAFANA", "").strip().rstrip("/")
+    if not grafana:
+        pytest.skip("Grafana runs in the compose stack only (docker/compose.yaml)")
+    url = f"{grafana}/api/dashboards/uid/affinity"
+    r = wait_until(
+        lambda: (r := httpx.get(url, timeout=TIMEOUT)).status_code == 200 and r,
+        60,
+        "Grafana serving the dashboard",
+        interval=1,
+    )
+    dashboard = r.json()["dashboard"]
+    assert dashboard["title"] == "affinity" and dashboard["panels"]
+    sources = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p.get("targets", [])}
+    assert sources == {"affinity-prometheus"}

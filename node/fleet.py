@@ -1,0 +1,334 @@
+"""Operator endpoints: the fleet page, the node list and the live event stream.
+
+``add_fleet_routes(app, service)`` mounts, on every node:
+
+- ``GET /ui`` — one page (HTML, CSS and plain JavaScript from ``node/ui/``, nothing loaded
+  from anywhere else; a Content-Security-Policy says so to the browser) that shows the
+  whole fleet as Redis sees it: nodes, devices, the event stream, an episode lookup and,
+  once an admin token is typed in, drain/undrain buttons. It reads ``GET /nodes``,
+  ``GET /devices``, ``GET /episodes/{id}`` and ``GET /events/stream``.
+- ``GET /nodes`` — every registered node with its lease.
+- ``GET /events/stream`` — the deployment's event stream as server-sent events. Each
+  event's ``id:`` is its Redis stream id, so a client that reconnects with
+  ``Last-Event-ID`` (browsers do it by themselves) gets every event after the last one
+  it saw, as long as the capped stream still holds it. Quiet streams send a comment line
+  every ``heartbeat_s``; each wait on Redis is bounded by the Redis deadline.
+
+Everything here is read-only, like the other GET endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from importlib import resources
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Header, Query
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from affinity import BackendUnavailable, Registry
+
+__all__ = ["Fleet", "FleetSource", "add_fleet_routes"]
+
+log = logging.getLogger("affinity.node")
+
+Event = tuple[str, dict[str, str]]
+
+UI_DIR = resources.files("node") / "ui"
+ASSETS = {  # file in node/ui -> media type
+    "app.js": "text/javascript; charset=utf-8",
+    "style.css": "text/css; charset=utf-8",
+    "favicon.svg": "image/svg+xml",
+}
+# The page may load and call only this node: no inline script or style, no other origin.
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
+MAX_BACKLOG = 1000
+RETRY_MS = 2000  # how soon a browser reconnects after the stream ends
+
+
+class FleetSource(Protocol):
+    """What the fleet endpoints need of the node (``node.service.NodeService`` has it)."""
+
+    node_id: str
+    registry: Registry
+
+    @property
+    def instance(self) -> str: ...
+
+
+class NodeOut(BaseModel):
+    """One node as Redis holds it (more fields may be added)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    node: str
+    url: str = Field("", description="advertise URL")
+    devices: list[str] = []
+    alive: bool = Field(False, description="lease current (Redis server clock)")
+    lease_ms: int = Field(0, description="ms left on the lease; negative: lapsed that long ago")
+    started_at_ms: int = Field(0, description="registration time, ms since the epoch (Redis)")
+    version: str = ""
+
+
+class NodesOut(BaseModel):
+    node: str = Field(description="the node that answered")
+    instance: str = Field(description="the answering process's instance id")
+    nodes: list[NodeOut]
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "node": "gpu-a",
+                    "instance": "5f0c2a7e9b1d4c3a8e6f00112233aabb",
+                    "nodes": [
+                        {
+                            "node": "gpu-a",
+                            "url": "http://gpu-a:8000",
+                            "devices": ["gpu-a/0", "gpu-a/1"],
+                            "alive": True,
+                            "lease_ms": 8734,
+                            "started_at_ms": 1795983840000,
+                            "version": "0.1.0",
+                        }
+                    ],
+                }
+            ]
+        }
+    )
+
+
+def _error(status: int, code: str, message: str, retry_after: int | None = None) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after)} if retry_after else None
+    return JSONResponse(
+        {"error": {"code": code, "message": message}}, status_code=status, headers=headers
+    )
+
+
+def _id_key(stream_id: str) -> tuple[int, int]:
+    ms, _, seq = stream_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def sse_event(stream_id: str, fields: dict[str, str]) -> str:
+    """One event in SSE framing: ``id:`` = the stream id, ``data:`` = one JSON line with
+    the id and every field of the event (``type`` among them)."""
+    data = json.dumps({"id": stream_id, **fields}, separators=(",", ":"))
+    return f"id: {stream_id}\ndata: {data}\n\n"
+
+
+def sse_comment(text: str) -> str:
+    return ": " + " ".join(text.split()) + "\n\n"  # one line, whatever the text held
+
+
+class Fleet:
+    """The open event streams of one app.
+
+    ``close()`` ends every stream (each sends nothing more and returns), so a graceful
+    shutdown does not wait for browsers to hang up; it is safe to call from a signal
+    handler. At most ``max_streams`` streams are open at once (each holds a Redis
+    connection in a blocking read); more are answered 503.
+    """
+
+    def __init__(self, heartbeat_s: float = 15.0, max_streams: int = 32) -> None:
+        self.heartbeat_s = heartbeat_s
+        self.max_streams = max_streams
+        self.open = 0
+        self.closed = False
+        self._closing = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def close(self) -> None:
+        self.closed = True
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._closing.set)
+        else:
+            self._closing.set()
+
+    async def stream(
+        self,
+        registry: Registry,
+        cursor: str,
+        first: Sequence[Event] = (),
+        gap: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> AsyncIterator[str]:
+        """SSE text: ``first``, then every event after ``cursor`` as it arrives.
+
+        ``gap`` (an SSE ``gap`` event) is sent first when given. A Redis error is reported
+        as a comment and the same cursor is read again after a second, so nothing is
+        skipped."""
+        self._loop = asyncio.get_running_loop()
+        self.open += 1
+        try:
+            yield f"retry: {RETRY_MS}\n\n"
+            if gap:
+                yield gap
+            for stream_id, fields in first:
+                yield sse_event(stream_id, fields)
+            quiet_since = clock()
+            block_ms = max(1, round(self.heartbeat_s * 1000))
+            while not self._closing.is_set():
+                try:
+                    batch = await registry.wait_events(cursor, block_ms)
+                except BackendUnavailable as exc:
+                    yield sse_comment(f"redis unavailable, retrying: {exc}")
+                    quiet_since = clock()
+                    await self._pause(1.0)
+                    continue
+                for stream_id, fields in batch:
+                    yield sse_event(stream_id, fields)
+                    cursor = stream_id
+                if batch:
+                    quiet_since = clock()
+                elif clock() - quiet_since >= self.heartbeat_s:
+                    yield ": keep-alive\n\n"
+                    quiet_since = clock()
+        finally:
+            self.open -= 1
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._closing.wait(), seconds)
+
+
+async def resume_gap(registry: Registry, last_id: str) -> str | None:
+    """An SSE ``gap`` event when events after ``last_id`` may have been trimmed from the
+    capped stream (it no longer reaches back to ``last_id``), else ``None``."""
+    oldest = await registry.events("-", count=1)
+    if oldest and _id_key(oldest[0][0]) > _id_key(last_id):
+        data = json.dumps({"after": last_id, "oldest": oldest[0][0]})
+        return f"event: gap\ndata: {data}\n\n"
+    return None
+
+
+STREAM_DOC = """The deployment's events (`claim`, `reassign`, `release`, `expire`, `drain`,
+`undrain`, `down`, `up`, `node-up`, `node-down`, ...) as server-sent events.
+
+Each event is `id: <Redis stream id>` and one `data:` line of JSON holding the id and the
+event's fields. A new connection starts with the latest `backlog` events; one that sends
+`Last-Event-ID` (browsers' `EventSource` does on reconnect; or `?last_event_id=`) gets
+every event after that id instead, so nothing is missed while the capped stream still
+holds it (an event named `gap` says when it may not). Comment lines (`: keep-alive`) are
+sent every 15 s of quiet. At most 32 streams are open per node (503 beyond)."""
+
+SSE_EXAMPLE = (
+    "retry: 2000\n\n"
+    "id: 1795983846527-0\n"
+    'data: {"id":"1795983846527-0","type":"claim","episode":"ep-7","device":"gpu-a/1",'
+    '"token":"1795983846526991","node":"gpu-a","from":""}\n\n'
+    ": keep-alive\n\n"
+)
+
+
+def add_fleet_routes(app: FastAPI, service: Callable[[], FleetSource]) -> Fleet:
+    """Mount ``/ui`` (and its assets), ``/nodes`` and ``/events/stream`` on ``app``;
+    ``service`` returns the running node. The returned :class:`Fleet` (also
+    ``app.state.fleet``) ends the open event streams on ``close()``."""
+    fleet = Fleet()
+    app.state.fleet = fleet
+    page = (UI_DIR / "index.html").read_bytes()
+    assets = {name: (UI_DIR / name).read_bytes() for name in ASSETS}
+    no_cache = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
+
+    @app.get(
+        "/ui",
+        response_class=Response,
+        responses={200: {"content": {"text/html": {}}, "description": "the fleet page"}},
+        tags=["operators"],
+    )
+    async def ui() -> Response:
+        """The fleet page: nodes, devices, live events, episode lookup (see README)."""
+        headers = {**no_cache, "Content-Security-Policy": CSP}
+        return Response(page, media_type="text/html; charset=utf-8", headers=headers)
+
+    def asset_route(name: str) -> None:
+        async def asset() -> Response:
+            return Response(assets[name], media_type=ASSETS[name], headers=no_cache)
+
+        app.add_api_route(f"/ui/{name}", asset, methods=["GET"], include_in_schema=False)
+
+    for name in ASSETS:
+        asset_route(name)
+
+    @app.get(
+        "/nodes",
+        response_model=NodesOut,
+        responses={503: {"description": "Redis unreachable"}},
+        tags=["operators"],
+    )
+    async def nodes() -> Any:
+        """Every node in the registry, alive or lapsed, with its lease time left."""
+        s = service()
+        try:
+            listed = await s.registry.nodes()
+        except BackendUnavailable as exc:
+            return _error(503, "redis", str(exc), retry_after=1)
+        return {
+            "node": s.node_id,
+            "instance": s.instance,
+            "nodes": [n.to_json() for n in listed],
+        }
+
+    @app.get(
+        "/events/stream",
+        response_class=StreamingResponse,
+        description=STREAM_DOC,
+        responses={
+            200: {
+                "description": "an endless text/event-stream",
+                "content": {"text/event-stream": {"example": SSE_EXAMPLE}},
+            },
+            400: {"description": "Last-Event-ID is not a stream id"},
+            422: {"description": "backlog out of range"},
+            503: {"description": "Redis unreachable, node shutting down, or too many streams"},
+        },
+        tags=["operators"],
+    )
+    async def events_stream(
+        backlog: int = Query(50, ge=0, le=MAX_BACKLOG, description="events sent first"),
+        last_event_id: str | None = Header(
+            None, alias="Last-Event-ID", description="resume after this stream id"
+        ),
+        last_event_id_query: str | None = Query(
+            None, alias="last_event_id", description="the same, for clients that cannot set it"
+        ),
+    ) -> Response:
+        s = service()
+        if fleet.closed:
+            return _error(503, "stopping", "node is shutting down", retry_after=1)
+        if fleet.open >= fleet.max_streams:
+            return _error(
+                503, "too_many_streams", f"{fleet.max_streams} event streams are open here"
+            )
+        last_id = (last_event_id or last_event_id_query or "").strip()
+        if last_id and not STREAM_ID.match(last_id):
+            return _error(400, "bad_input", "Last-Event-ID must be a stream id such as 17-0")
+        try:
+            if last_id:
+                first: list[Event] = []
+                cursor, gap = last_id, await resume_gap(s.registry, last_id)
+            else:
+                first, cursor = await s.registry.latest_events(backlog)
+                gap = None
+        except BackendUnavailable as exc:
+            return _error(503, "redis", str(exc), retry_after=1)
+        return StreamingResponse(
+            fleet.stream(s.registry, cursor, first, gap),
+            media_type="text/event-stream",
+            headers={**no_cache, "X-Accel-Buffering": "no"},
+        )
+
+    return fleet

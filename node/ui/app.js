@@ -1,0 +1,504 @@
+// affinity fleet page: plain JavaScript, no build step, talks only to the node serving it.
+//
+// Reads GET nodes + devices every POLL_MS (and soon after each event), follows
+// GET events/stream (server-sent events; the browser resumes with Last-Event-ID by
+// itself), looks episodes up with GET episodes/{id}. With an admin token typed in (kept
+// in this page's memory only, never stored) it shows drain/undrain buttons that call
+// POST devices/{id}/drain|undrain with "Authorization: Bearer <token>".
+(() => {
+  "use strict";
+
+  const POLL_MS = 2000;
+  const EVENT_REFRESH_GAP_MS = 500; // an event refreshes the grid at most this often
+  const MAX_EVENTS = 300;
+  const BACKLOG = 100;
+  const RECONNECT_MS = 5000;
+
+  const $ = (id) => document.getElementById(id);
+  let adminToken = null;
+  let state = { self: "", nodes: [], devices: [], at: 0 };
+  const rows = new Map(); // node id -> {row, card, devices}
+  const cells = new Map(); // device id -> cell parts
+
+  // ---- small helpers ------------------------------------------------------------------
+
+  function el(tag, cls, text) {
+    const e = document.createElement(tag);
+    if (cls) e.className = cls;
+    if (text !== undefined && text !== null) e.textContent = String(text);
+    return e;
+  }
+
+  function seconds(ms) {
+    const s = Math.abs(ms) / 1000;
+    if (s < 60) return s.toFixed(1) + "s";
+    if (s < 3600) return Math.floor(s / 60) + "m" + String(Math.floor(s % 60)).padStart(2, "0") + "s";
+    return Math.floor(s / 3600) + "h" + String(Math.floor((s % 3600) / 60)).padStart(2, "0") + "m";
+  }
+
+  function brief(v) { // a long list (a node's devices) as its first item and a count
+    const items = v.split(",");
+    if (v.length > 40 && items.length > 2) return items[0] + ",… (" + items.length + ")";
+    return v.length > 120 ? v.slice(0, 119) + "…" : v;
+  }
+
+  function devicePath(id) {
+    return String(id).split("/").map(encodeURIComponent).join("/");
+  }
+
+  function streamKey(id) {
+    const [ms, seq] = String(id).split("-");
+    return [Number(ms) || 0, Number(seq) || 0];
+  }
+
+  function newer(a, b) { // stream id a after b
+    const x = streamKey(a), y = streamKey(b);
+    return x[0] > y[0] || (x[0] === y[0] && x[1] > y[1]);
+  }
+
+  function shortProvider(p) {
+    if (!p) return "—";
+    return String(p).replace("ExecutionProvider", "").replace("Tensorrt", "TensorRT");
+  }
+
+  function hardware(d) {
+    const name = String(d.name || "").replace(/^NVIDIA\s+/, "");
+    const parts = [name || d.kind || "?"];
+    if (d.arch && d.arch !== parts[0]) parts.push(d.arch);
+    return parts.join(" · ");
+  }
+
+  async function getJSON(path) {
+    const r = await fetch(path, { cache: "no-store", headers: { Accept: "application/json" } });
+    let body = null;
+    try { body = await r.json(); } catch (e) { body = null; }
+    return { status: r.status, body };
+  }
+
+  function message(res) {
+    const err = res.body && res.body.error;
+    return err ? err.message || err.code : "HTTP " + res.status;
+  }
+
+  const banners = new Map(); // source -> text
+  function banner(source, text) {
+    if (text) banners.set(source, text); else banners.delete(source);
+    const b = $("banner");
+    b.textContent = Array.from(banners.values()).join(" · ");
+    b.hidden = banners.size === 0;
+  }
+
+  // ---- the grid -----------------------------------------------------------------------
+
+  let timer = null, due = 0, inflight = false, again = false, lastStart = 0;
+
+  function schedule(ms) {
+    const at = Date.now() + ms;
+    if (timer !== null && due <= at) return;
+    clearTimeout(timer);
+    due = at;
+    timer = setTimeout(() => { timer = null; refresh(); }, ms);
+  }
+
+  async function refresh() {
+    if (inflight) { again = true; return; }
+    inflight = true;
+    lastStart = Date.now();
+    try {
+      const [n, d] = await Promise.all([getJSON("nodes"), getJSON("devices")]);
+      if (n.status !== 200 || d.status !== 200) {
+        banner("fetch", "fleet not readable: " + message(n.status !== 200 ? n : d));
+      } else {
+        banner("fetch", null);
+        state = { self: n.body.node, instance: n.body.instance, nodes: n.body.nodes || [],
+                  devices: d.body.devices || [], at: Date.now() };
+        render();
+      }
+    } catch (e) {
+      banner("fetch", "cannot reach this node (" + e.message + ")");
+    } finally {
+      inflight = false;
+      if (again) { again = false; schedule(0); } else { schedule(POLL_MS); }
+    }
+  }
+
+  function byNode() {
+    const groups = new Map();
+    for (const n of state.nodes) groups.set(n.node, { node: n, devices: [] });
+    for (const d of state.devices) {
+      if (!groups.has(d.node)) groups.set(d.node, { node: { node: d.node, missing: true }, devices: [] });
+      groups.get(d.node).devices.push(d);
+    }
+    for (const g of groups.values()) g.devices.sort((a, b) => (a.index || 0) - (b.index || 0));
+    return Array.from(groups.keys()).sort().map((k) => groups.get(k));
+  }
+
+  function render() {
+    const grid = $("grid");
+    const groups = byNode();
+    const seenNodes = new Set(), seenDevices = new Set();
+    let before = null;
+    for (let i = groups.length - 1; i >= 0; i--) {
+      const g = groups[i];
+      seenNodes.add(g.node.node);
+      let r = rows.get(g.node.node);
+      if (!r) {
+        r = makeRow(g.node.node);
+        rows.set(g.node.node, r);
+      }
+      if (r.row.nextSibling !== before || r.row.parentNode !== grid) grid.insertBefore(r.row, before);
+      before = r.row;
+      updateCard(r, g);
+      let cellBefore = null;
+      for (let j = g.devices.length - 1; j >= 0; j--) {
+        const d = g.devices[j];
+        seenDevices.add(d.device);
+        let c = cells.get(d.device);
+        if (!c) { c = makeCell(d.device); cells.set(d.device, c); }
+        if (c.cell.parentNode !== r.devices || c.cell.nextSibling !== cellBefore) {
+          r.devices.insertBefore(c.cell, cellBefore);
+        }
+        cellBefore = c.cell;
+        updateCell(c, d, g.node);
+      }
+    }
+    for (const [id, r] of rows) if (!seenNodes.has(id)) { r.row.remove(); rows.delete(id); }
+    for (const [id, c] of cells) if (!seenDevices.has(id)) { c.cell.remove(); cells.delete(id); }
+    summarize(groups);
+  }
+
+  function makeRow(id) {
+    const row = el("div", "node-row");
+    row.dataset.node = id;
+    const card = el("div", "node-card");
+    const devices = el("div", "devices");
+    row.append(card, devices);
+    const parts = { name: el("span", "name"), self: el("span", "tag", "this node"),
+                    lease: el("div"), url: el("div", "muted"), meta: el("div", "muted") };
+    const first = el("div");
+    first.append(parts.name, parts.self);
+    card.append(first, parts.lease, parts.url, parts.meta);
+    return { row, card, devices, parts };
+  }
+
+  function updateCard(r, g) {
+    const n = g.node, p = r.parts;
+    const alive = !!n.alive && !n.missing;
+    r.card.classList.toggle("dead", !alive);
+    r.row.dataset.alive = alive ? "yes" : "no";
+    p.name.textContent = n.node;
+    p.self.hidden = n.node !== state.self;
+    if (n.missing) p.lease.textContent = "not registered";
+    else if (alive) p.lease.textContent = "alive · lease " + seconds(n.lease_ms);
+    else p.lease.textContent = "lease lapsed " + seconds(n.lease_ms) + " ago";
+    p.url.textContent = n.url || "";
+    p.url.title = n.url || "";
+    const load = g.devices.reduce((s, d) => s + (d.load || 0), 0);
+    const cap = g.devices.reduce((s, d) => s + (d.capacity || 0), 0);
+    const instance = n.instance || (n.node === state.self ? state.instance : "");
+    const meta = [];
+    if (n.version) meta.push("v" + n.version);
+    if (instance) meta.push("inst " + String(instance).slice(0, 6));
+    meta.push(load + "/" + cap);
+    p.meta.textContent = meta.join(" · ");
+    r.card.title = [
+      "live episodes / capacity: " + load + "/" + cap,
+      "node: " + n.node, "url: " + (n.url || "?"), "version: " + (n.version || "?"),
+      "instance: " + (instance || "?"),
+      "started: " + (n.started_at_ms ? new Date(n.started_at_ms).toISOString() : "?"),
+      "devices: " + g.devices.length,
+    ].join("\n");
+  }
+
+  function makeCell(id) {
+    const cell = el("div", "device");
+    cell.dataset.device = id;
+    const top = el("div", "top"), idx = el("span", "idx"), st = el("span", "st");
+    top.append(idx, st);
+    const hw = el("div", "hw");
+    const bar = el("div", "bar"), track = el("span", "track"), fill = el("span", "fill");
+    const num = el("span", "num");
+    track.append(fill);
+    bar.append(track, num);
+    const foot = el("div", "foot"), prov = el("span", "prov"), crash = el("span", "crash");
+    const button = el("button", "admin-only");
+    button.type = "button";
+    button.addEventListener("click", () => act(cell.dataset.device, button.dataset.action));
+    foot.append(prov, crash, button);
+    cell.append(top, hw, bar, foot);
+    return { cell, idx, st, hw, fill, num, prov, crash, button };
+  }
+
+  function updateCell(c, d, node) {
+    const alive = !!d.alive;
+    const st = String(d.state || "unknown");
+    c.cell.className = "device state-" + st + (alive ? "" : " dead");
+    c.cell.dataset.state = st;
+    c.cell.dataset.alive = alive ? "yes" : "no";
+    c.idx.textContent = "#" + d.index;
+    c.st.textContent = alive ? st : "node dead";
+    c.hw.textContent = hardware(d);
+    const load = Number(d.load) || 0, cap = Number(d.capacity) || 0;
+    c.fill.style.width = (cap > 0 ? Math.min(100, (100 * load) / cap) : 0) + "%";
+    c.fill.classList.toggle("full", cap > 0 && load >= cap);
+    c.num.textContent = load + "/" + cap;
+    c.prov.textContent = shortProvider(d.provider);
+    const local = d.local;
+    if (local) {
+      const fails = Number(local.consecutive_failures) || 0;
+      c.crash.textContent = "⚑" + fails + (local.crash_down ? " down" : "");
+      c.crash.title = "crash tracker on this node: " + fails + " consecutive failure(s)" +
+        (local.crash_down ? ", marked down" : "") + "; " + (local.live_episodes || 0) +
+        " episode state(s) held here";
+    } else {
+      c.crash.textContent = "";
+      c.crash.title = "";
+    }
+    const action = st === "draining" ? "undrain" : "drain";
+    c.button.dataset.action = action;
+    c.button.textContent = action;
+    const lines = [
+      d.device + " on " + d.node + (alive ? "" : " (node lease lapsed)"),
+      "state: " + st + (d.reason ? " — " + d.reason : ""),
+      "live episodes: " + load + " / capacity " + cap + ", weight " + (d.weight ?? "?"),
+      "kind: " + (d.kind || "?") + ", " + (d.name || "?") + (d.arch ? ", " + d.arch : "") +
+        (d.memory_mb ? ", " + d.memory_mb + " MiB" : ""),
+      "uuid: " + (d.uuid || "?"),
+      "provider: " + (d.provider || "?"),
+    ];
+    if (local) lines.push(c.crash.title);
+    c.cell.title = lines.join("\n");
+    if (node.missing) c.cell.dataset.alive = "no";
+  }
+
+  function summarize(groups) {
+    const alive = groups.filter((g) => g.node.alive && !g.node.missing).length;
+    const counts = { active: 0, draining: 0, down: 0 };
+    let load = 0, cap = 0;
+    for (const d of state.devices) {
+      counts[d.state] = (counts[d.state] || 0) + 1;
+      if (d.alive) { load += d.load || 0; cap += d.capacity || 0; }
+    }
+    $("summary").textContent =
+      alive + "/" + groups.length + " nodes alive · " + state.devices.length + " devices: " +
+      counts.active + " active, " + counts.draining + " draining, " + counts.down + " down · " +
+      load + "/" + cap + " live episodes";
+    $("served-by").textContent = state.self ? "served by " + state.self : "";
+  }
+
+  // ---- admin --------------------------------------------------------------------------
+
+  function setAdmin(token) {
+    adminToken = token || null;
+    document.body.classList.toggle("is-admin", adminToken !== null);
+    $("admin-token").hidden = adminToken !== null;
+    $("admin-unlock").hidden = adminToken !== null;
+    $("admin-lock").hidden = adminToken === null;
+  }
+
+  async function act(device, action) {
+    if (!adminToken || !device) return;
+    let res;
+    try {
+      const reason = $("drain-reason").value.trim() || "drained from /ui";
+      const url = "devices/" + devicePath(device) + "/" + action +
+        (action === "drain" ? "?reason=" + encodeURIComponent(reason) : "");
+      const r = await fetch(url, { method: "POST",
+                                   headers: { Authorization: "Bearer " + adminToken } });
+      let body = null;
+      try { body = await r.json(); } catch (e) { body = null; }
+      res = { status: r.status, body };
+    } catch (e) {
+      banner("admin", action + " " + device + " failed: " + e.message);
+      return;
+    }
+    if (res.status === 401 || res.status === 403) {
+      setAdmin(null);
+      banner("admin", "admin token refused (" + message(res) + "); buttons hidden");
+    } else if (res.status !== 200) {
+      banner("admin", action + " " + device + ": " + message(res));
+    } else {
+      banner("admin", null);
+    }
+    schedule(0);
+  }
+
+  // ---- events -------------------------------------------------------------------------
+
+  let newest = "0-0", shown = 0;
+
+  function addEventRow(ev) {
+    const list = $("event-list");
+    const li = el("li");
+    li.dataset.id = ev.id;
+    li.dataset.type = ev.type || "";
+    const ms = streamKey(ev.id)[0];
+    const t = new Date(ms);
+    const time = el("span", "t", t.toLocaleTimeString([], { hour12: false }) + "." +
+      String(t.getMilliseconds()).padStart(3, "0"));
+    time.title = t.toISOString() + " (" + ev.id + ")";
+    const ty = el("span", "ty ty-" + (ev.type || "other"), ev.type || "?");
+    const f = el("span", "f");
+    describe(ev, f);
+    f.title = Object.entries(ev).filter(([k]) => k !== "id").map(([k, v]) => k + "=" + v).join("\n");
+    li.append(time, ty, f);
+    list.prepend(li);
+    while (list.childElementCount > MAX_EVENTS) list.lastElementChild.remove();
+    shown += 1;
+    $("event-count").textContent = "(" + shown + " seen)";
+  }
+
+  function episodeLink(v) {
+    const ep = el("span", "ep", v);
+    ep.dataset.episode = v;
+    ep.title = "look up " + v;
+    return ep;
+  }
+
+  // One short line per event; the full fields are in the row's tooltip. Unknown types
+  // and fields show as key=value, so a field the library adds is never hidden.
+  function describe(ev, f) {
+    const shown = new Set(["id", "type"]);
+    const take = (k) => { shown.add(k); return ev[k] === undefined ? "" : String(ev[k]); };
+    const parts = [];
+    switch (ev.type) {
+      case "claim":
+      case "reassign":
+        if (ev.episode !== undefined) parts.push(episodeLink(take("episode")));
+        parts.push(" → " + take("device"));
+        if (ev.from) parts.push(" from " + take("from"));
+        take("token"); take("node"); take("from");
+        break;
+      case "release":
+        if (ev.episode !== undefined) parts.push(episodeLink(take("episode")));
+        parts.push(" ✕ " + take("device"));
+        if (ev.reason) parts.push(" (" + take("reason") + ")");
+        take("token"); take("reason");
+        break;
+      case "expire":
+        parts.push(take("device") + ": " + take("count") + " idle episode(s) expired");
+        break;
+      case "drain":
+      case "undrain":
+      case "down":
+      case "up":
+        parts.push(take("device") + ": " + (ev.from ? take("from") + " → " : "") + take("state"));
+        if (ev.reason) parts.push(" (" + take("reason") + ")");
+        take("from"); take("reason");
+        break;
+      case "node-up":
+        parts.push(take("node") + " " + (ev.devices ? take("devices").split(",").length + " device(s) " : "") + take("url"));
+        break;
+      case "node-down":
+        parts.push(take("node") + (ev.released !== undefined ? ", released " + take("released") : ""));
+        break;
+      default:
+        break;
+    }
+    for (const [k, v] of Object.entries(ev)) {
+      if (shown.has(k) || v === "" || v === null || v === undefined) continue;
+      parts.push(" " + k + "=" + brief(String(v)));
+    }
+    f.append(...parts);
+  }
+
+  // The browser reconnects by itself after a dropped connection, sending Last-Event-ID.
+  // A refused one (503: Redis unreachable, node stopping, too many streams) closes the
+  // EventSource for good: open a new one that resumes after the newest event shown.
+  function connect() {
+    const live = $("live");
+    const from = newest === "0-0" ? "backlog=" + BACKLOG : "last_event_id=" + newest;
+    const source = new EventSource("events/stream?" + from);
+    source.onopen = () => { live.dataset.live = "live"; live.textContent = "live"; };
+    source.onerror = () => {
+      live.dataset.live = "reconnecting";
+      live.textContent = "reconnecting";
+      if (source.readyState === EventSource.CLOSED) setTimeout(connect, RECONNECT_MS);
+    };
+    source.onmessage = (m) => {
+      let ev;
+      try { ev = JSON.parse(m.data); } catch (e) { return; }
+      if (!ev || !ev.id || !newer(ev.id, newest)) return; // never show one twice
+      newest = ev.id;
+      addEventRow(ev);
+      schedule(Math.max(0, lastStart + EVENT_REFRESH_GAP_MS - Date.now()));
+    };
+    source.addEventListener("gap", (m) => {
+      let g = {};
+      try { g = JSON.parse(m.data); } catch (e) { g = {}; }
+      const li = el("li", "gap", "events after " + (g.after || "?") + " up to " +
+        (g.oldest || "?") + " may have been trimmed from the stream");
+      $("event-list").prepend(li);
+    });
+  }
+
+  // ---- episode lookup -----------------------------------------------------------------
+
+  async function lookup(episode) {
+    const out = $("lookup-result");
+    out.replaceChildren();
+    out.dataset.episode = episode;
+    if (!episode) return;
+    let res;
+    try {
+      res = await getJSON("episodes/" + encodeURIComponent(episode));
+    } catch (e) {
+      out.append(el("dd", "missing", "cannot reach this node: " + e.message));
+      return;
+    }
+    if (res.status === 404) {
+      out.dataset.found = "no";
+      out.append(el("dd", "missing", "no live assignment for " + episode));
+      return;
+    }
+    if (res.status !== 200 || !res.body) {
+      out.dataset.found = "no";
+      out.append(el("dd", "missing", message(res)));
+      return;
+    }
+    out.dataset.found = "yes";
+    const b = res.body;
+    const fields = [
+      ["episode", b.episode_id], ["device", b.device], ["node", b.node], ["token", b.token],
+      ["TTL left", b.ttl_ms !== undefined ? seconds(b.ttl_ms) : undefined],
+      ["state", b.state], ["owner", b.alive === undefined ? undefined : (b.alive ? "alive" : "lease lapsed")],
+      ["url", b.url],
+    ];
+    const known = new Set(["episode_id", "device", "node", "token", "ttl_ms", "state", "alive", "url"]);
+    for (const [k, v] of Object.entries(b)) if (!known.has(k)) fields.push([k, typeof v === "object" ? JSON.stringify(v) : v]);
+    for (const [k, v] of fields) {
+      if (v === undefined || v === null || v === "") continue;
+      const dd = el("dd", null, v);
+      dd.dataset.field = k === "TTL left" ? "ttl" : k;
+      out.append(el("dt", null, k), dd);
+    }
+  }
+
+  // ---- start --------------------------------------------------------------------------
+
+  document.addEventListener("DOMContentLoaded", () => {
+    // No <form>: a submitted password form invites the browser to save the token.
+    const unlock = () => {
+      const value = $("admin-token").value.trim();
+      $("admin-token").value = "";
+      banner("admin", null);
+      setAdmin(value || null);
+    };
+    $("admin-unlock").addEventListener("click", unlock);
+    $("admin-token").addEventListener("keydown", (e) => { if (e.key === "Enter") unlock(); });
+    $("admin-lock").addEventListener("click", () => setAdmin(null));
+    $("lookup-form").addEventListener("submit", (e) => {
+      e.preventDefault();
+      lookup($("lookup-input").value.trim());
+    });
+    $("event-list").addEventListener("click", (e) => {
+      const ep = e.target.closest && e.target.closest(".ep");
+      if (!ep) return;
+      $("lookup-input").value = ep.dataset.episode;
+      lookup(ep.dataset.episode);
+    });
+    setAdmin(null);
+    refresh();
+    connect();
+  });
+})();
