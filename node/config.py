@@ -41,6 +41,11 @@ class NodeConfig:
     cluster_secret: str | None = None
     providers: ProviderSettings = field(default_factory=ProviderSettings)
     failure_threshold: int = 3
+    max_batch: int | None = None
+    batch_delay_us: float = 500.0
+    execute_steps: int | None = None
+    ensemble: str | None = None
+    ensemble_decay: float = 0.01
     cooldown_s: float = 30.0
     intra_op_threads: int = 1
     embedded_port: int | None = None

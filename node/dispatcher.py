@@ -470,7 +470,7 @@ class MultiGpuDispatcher:
         mode = self.mode_for(execute_steps, ensemble)
         if dev.tracker.down:
             raise DeviceDown(device)
-        if mode is not None and episode not in self._in_flight:
+        if mode is not None and not fresh and episode not in self._in_flight:
             # nothing of this episode is on the worker: its state cannot change under us
             with self._lock:
                 served = self._from_buffer(dev, episode, token, mode)
@@ -651,7 +651,9 @@ class MultiGpuDispatcher:
                 feed = {**job.inputs, **self.contract.initial_state()}
                 return _Member(job, feed, None, self._generation, False, 0, None)
             st = self._states.get(job.episode)
-            ok = st is not None and st.token == job.token and st.device == dev.id
+            # a fresh claim starts clean even over state held under the same token: a token
+            # re-issued after a lossy failover names a new claim, not the old state
+            ok = st is not None and st.token == job.token and st.device == dev.id and not job.fresh
             if ok and job.mode is not None:
                 result = self._from_buffer(dev, job.episode, job.token, job.mode)
                 job.committed = result is not None

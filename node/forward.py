@@ -63,6 +63,7 @@ class Forward:
     degraded: bool = False
     client_token: int | None = None
     execute_steps: int | None = None
+    ensemble: str | None = None
 
     def encode(self) -> bytes:
         return wire.encode(
@@ -77,6 +78,7 @@ class Forward:
                 "degraded": self.degraded,
                 "client_token": self.client_token,
                 "execute_steps": self.execute_steps,
+                "ensemble": self.ensemble,
             }
         )
 
@@ -102,8 +104,11 @@ class Forward:
             and isinstance(budget, int | float)
         )
         client_token, execute_steps = doc.get("client_token"), doc.get("execute_steps")
+        ensemble = doc.get("ensemble")
         if not ok or not all(v is None or type(v) is int for v in (client_token, execute_steps)):
             raise ValueError("a forward's fields have the wrong types")
+        if ensemble is not None and not isinstance(ensemble, str):
+            raise ValueError("a forward's ensemble must be a string")
         return cls(
             episode=episode,
             token=token,
@@ -115,6 +120,7 @@ class Forward:
             degraded=doc.get("degraded") is True,
             client_token=client_token,
             execute_steps=execute_steps,
+            ensemble=ensemble,
         )
 
     def step(self, deadline: float) -> Step:
@@ -126,6 +132,7 @@ class Forward:
             client_token=self.client_token,
             degraded=self.degraded,
             execute_steps=self.execute_steps,
+            ensemble=self.ensemble,
         )
 
 

@@ -38,6 +38,7 @@ from node.dispatcher import MultiGpuDispatcher, Session
 from node.fleet import Fleet
 from node.forward import Poster
 from node.membership import EXIT_CONFLICT, VERSION
+from node.metrics import Metrics
 from node.policy import load_contract, resolve_model
 from node.providers import GpuUnavailable, ProviderSettings, build_session, require_cuda
 from node.service import NodeService
@@ -111,6 +112,19 @@ _FLAGS = (
           "seconds an idle client connection is kept open", float),
     _Flag("--trt-cache", "AFFINITY_TRT_CACHE", "~/.cache/affinity/trt",
           "TensorRT engine cache root", Path),
+    _Flag("--max-batch", "AFFINITY_MAX_BATCH", None,
+          "steps of different episodes per model run (none: 8 when the model's batch axis "
+          "is dynamic, else 1; 1 turns batching off)", int),
+    _Flag("--batch-delay", "AFFINITY_BATCH_DELAY", 500.0,
+          "microseconds a device waits for more steps once one waits (only while another "
+          "recently active episode may send one)", float),
+    _Flag("--execute-steps", "AFFINITY_EXECUTE_STEPS", None,
+          "action-chunk execution: run the policy every k steps, serve the buffer between "
+          "(none: every step runs the model)", int),
+    _Flag("--ensemble", "AFFINITY_ENSEMBLE", "none",
+          "none | exp: temporal ensembling of overlapping chunks (ACT)"),
+    _Flag("--ensemble-decay", "AFFINITY_ENSEMBLE_DECAY", 0.01,
+          "m in ACT's weights w_i = exp(-m*i), oldest prediction first", float),
     _Flag("--failure-threshold", "AFFINITY_FAILURE_THRESHOLD", 3,
           "consecutive model failures before a device goes down", int),
     _Flag("--cooldown", "AFFINITY_COOLDOWN", 30.0,
@@ -210,6 +224,11 @@ def parse_args(
                 tensorrt=a.tensorrt, trt_cache_root=values["trt_cache"], cuda_graph=a.cuda_graph
             ),
             failure_threshold=values["failure_threshold"],
+            max_batch=values["max_batch"],
+            batch_delay_us=values["batch_delay"],
+            execute_steps=values["execute_steps"],
+            ensemble=None if values["ensemble"] == "none" else values["ensemble"],
+            ensemble_decay=values["ensemble_decay"],
             cooldown_s=values["cooldown"],
             embedded_port=values["embedded_port"],
             log_level=values["log_level"],
@@ -267,7 +286,7 @@ def build_service(
             providers[spec.index] = provider
 
         def dispatcher(
-            ids: list[str], on_transition: Callable[[str, str, str], None]
+            ids: list[str], on_transition: Callable[[str, str, str], None], metrics: Metrics
         ) -> MultiGpuDispatcher:
             return MultiGpuDispatcher(
                 ids,
@@ -277,6 +296,13 @@ def build_service(
                 failure_threshold=config.failure_threshold,
                 cooldown_s=config.cooldown_s,
                 on_transition=on_transition,
+                max_batch=config.max_batch,
+                batch_delay_us=config.batch_delay_us,
+                execute_steps=config.execute_steps,
+                ensemble=config.ensemble,
+                ensemble_decay=config.ensemble_decay,
+                on_batch=lambda d, n: metrics.batch_size.labels(d).observe(n),
+                on_queue_wait=lambda d, s: metrics.queue_wait.labels(d).observe(s),
             )
 
         client = redis
@@ -288,16 +314,19 @@ def build_service(
                     "no Redis URL given: using the embedded in-process store (single host only)"
                 )
                 client = embedded_store(config.embedded_port)
-        service = NodeService(
-            config,
-            client,
-            devices,
-            providers,
-            dispatcher,
-            contract,
-            owns_redis=redis is None,
-            pool=pool,
-        )
+        try:
+            service = NodeService(
+                config,
+                client,
+                devices,
+                providers,
+                dispatcher,
+                contract,
+                owns_redis=redis is None,
+                pool=pool,
+            )
+        except ValueError as exc:  # batching or chunk settings this model cannot take
+            raise StartupError(str(exc)) from None
         await service.dispatcher.warm_up()
         graphs = sum(isinstance(s, BoundSession) for s in sessions.values())
         log.info("%d device(s) warmed up on their workers, %d CUDA graph(s)", len(sessions), graphs)

@@ -25,7 +25,6 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from affinity import Assignment, BackendUnavailable, Claims, NoCapacity, StaleToken, UnknownEpisode
 from node.config import NodeConfig
@@ -169,13 +168,16 @@ class Routing:
                 1.0,
             )
         self.membership.check_lease()  # the resolve may have taken a while: check again
-        extra: dict[str, Any] = {}
-        if step.execute_steps is not None:
-            extra["execute_steps"] = step.execute_steps
         started = time.perf_counter()
         try:
             result = await self.dispatcher.step(
-                a.device, a.episode, a.token, a.status == "claimed", step.inputs, **extra
+                a.device,
+                a.episode,
+                a.token,
+                a.status == "claimed",
+                step.inputs,
+                execute_steps=step.execute_steps,
+                ensemble=step.ensemble,
             )
         except DeviceDown as exc:
             raise Unavailable("device_down", str(exc), 5.0) from exc
@@ -200,7 +202,7 @@ class Routing:
             reset,
             step.degraded,
             url=self.config.advertise_url,
-            source=getattr(result, "source", "model"),
+            source=result.source,
             timing={"device_ms": (time.perf_counter() - started) * 1000},
         )
 
@@ -230,6 +232,7 @@ class Routing:
             degraded=step.degraded,
             client_token=step.client_token,
             execute_steps=step.execute_steps,
+            ensemble=step.ensemble,
         ).encode()
         try:
             resp = await self.pool.post(a.url, body)

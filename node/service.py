@@ -28,7 +28,10 @@ __all__ = ["NodeService"]
 
 log = logging.getLogger("affinity.node")
 
-DispatcherFactory = Callable[[list[str], Callable[[str, str, str], None]], MultiGpuDispatcher]
+DispatcherFactory = Callable[
+    [list[str], Callable[[str, str, str], None], Metrics], MultiGpuDispatcher
+]
+"""(device ids, crash-transition callback, metrics for the batching hooks) -> dispatcher."""
 
 
 class NodeService:
@@ -58,9 +61,11 @@ class NodeService:
         self.specs = specs
         self.providers = dict(providers)
         self.device_ids = [f"{config.node_id}/{s.index}" for s in specs]
-        self.metrics = Metrics(self.device_ids)
+        self.metrics = Metrics(self.device_ids, config.capacity)
         # the dispatcher reports crash transitions (from its workers) to the membership
-        self.dispatcher = dispatcher = dispatcher_factory(self.device_ids, self._on_transition)
+        self.dispatcher = dispatcher = dispatcher_factory(
+            self.device_ids, self._on_transition, self.metrics
+        )
         self.membership = Membership(
             config, self.registry, self.claims, dispatcher, self.metrics, self.registrations, clock
         )

@@ -28,6 +28,8 @@ class Step:
     ``deadline`` is an absolute ``time.monotonic()`` by which the reply must be sent.
     ``client_token`` is the token of the client's previous reply, if it echoes one.
     ``restart`` starts the episode over (a fresh token, clean state) before serving.
+    ``execute_steps`` and ``ensemble`` override the node's action-chunk mode for this step
+    (validated by the adapter with ``dispatcher.mode_for`` before anything is claimed).
     """
 
     episode: str | None
@@ -38,6 +40,7 @@ class Step:
     degraded: bool = False
     restart: bool = False
     execute_steps: int | None = None
+    ensemble: str | None = None
 
 
 @dataclass(slots=True)

@@ -152,6 +152,15 @@ async def test_interleaved_episodes_do_not_disturb_each_other() -> None:
     assert d.live_episodes("n/0") == 2
 
 
+async def test_a_fresh_claim_starts_clean_over_state_with_the_same_token() -> None:
+    # after a lossy failover Redis may hand out a token number again, for a new claim
+    d, _, _ = make()
+    await d.step("n/0", "ep", 7, True, obs(1))
+    await d.step("n/0", "ep", 7, False, obs(2))
+    again = await d.step("n/0", "ep", 7, True, obs(4))
+    assert (again.outputs["act"].item(), again.state_reset, again.step) == (4.0, True, 1)
+
+
 async def test_unknown_state_of_a_hit_is_a_reset() -> None:
     d, _, _ = make()
     r = await d.step("n/1", "ep", 3, False, obs(1))
@@ -355,8 +364,14 @@ async def blocked(d: MultiGpuDispatcher, session: FakeSession) -> tuple[Any, thr
 
 
 def queue(d: MultiGpuDispatcher, *steps: tuple[str, float]) -> list[asyncio.Future[Any]]:
-    """Queue one step per (episode, observation), in this order (token 1, claimed fresh)."""
-    return [asyncio.ensure_future(d.step("n/0", ep, 1, True, obs(x))) for ep, x in steps]
+    """Queue one step per (episode, observation), in this order (token 1; an episode's
+    first step is its fresh claim)."""
+    seen: set[str] = set()
+    tasks = []
+    for ep, x in steps:
+        tasks.append(asyncio.ensure_future(d.step("n/0", ep, 1, ep not in seen, obs(x))))
+        seen.add(ep)
+    return tasks
 
 
 async def settled(tasks: list[asyncio.Future[Any]]) -> list[Any]:

@@ -2,8 +2,8 @@
 binary tensors.
 
 Request body (a map): ``episode_id``?, ``session_id``?, ``inputs`` (input name → array),
-``end``?, ``token``? (the token of the client's previous reply), ``execute_steps``?
-(action-chunk execution override). JSON arrays are nested lists; with
+``end``?, ``token``? (the token of the client's previous reply), ``execute_steps``? and
+``ensemble``? (action-chunk execution overrides). JSON arrays are nested lists; with
 ``Content-Type: application/msgpack`` every input is an array in openpi's msgpack
 encoding (``node/wire.py``). Any other top-level field is refused with 422 naming it (a
 typo such as ``episodeId`` must not silently make every step stateless).
@@ -46,7 +46,7 @@ __all__ = ["MSGPACK", "decode", "encode", "handle"]
 log = logging.getLogger("affinity.node")
 
 MSGPACK = "application/msgpack"
-FIELDS = ("episode_id", "session_id", "inputs", "end", "token", "execute_steps")
+FIELDS = ("episode_id", "session_id", "inputs", "end", "token", "execute_steps", "ensemble")
 
 
 def _is_msgpack(content_type: str | None) -> bool:
@@ -76,13 +76,13 @@ def decode(service: NodeService, body: bytes, binary: bool, deadline: float) -> 
         inputs = inputs_from_arrays(service.contract, raw)
     else:
         inputs = parse_inputs(service.contract, raw)
-    end, token, steps = doc.get("end", False), doc.get("token"), doc.get("execute_steps")
+    end, token = doc.get("end", False), doc.get("token")
+    steps, ensemble = doc.get("execute_steps"), doc.get("ensemble")
     if not isinstance(end, bool):
         raise InvalidArgument("end", end, "must be true or false")
     if token is not None and (type(token) is not int or not 0 <= token < 2**63):
         raise InvalidArgument("token", token, "must be the token of an earlier reply")
-    if steps is not None and (type(steps) is not int or steps < 1):
-        raise InvalidArgument("execute_steps", steps, "must be an integer >= 1")
+    service.dispatcher.mode_for(steps, ensemble)  # InvalidArgument names the field
     episode, degraded = doc.get("episode_id"), False
     if episode is None and doc.get("session_id") is not None:
         episode, degraded = doc["session_id"], True
@@ -98,6 +98,7 @@ def decode(service: NodeService, body: bytes, binary: bool, deadline: float) -> 
         client_token=token,
         degraded=degraded,
         execute_steps=steps,
+        ensemble=ensemble,
     )
 
 

@@ -18,7 +18,8 @@ The episode of a step is ``?episode_id=`` of the connection; else an ``episode_i
 the observation (a robot reusing one connection across episodes switches with it); else
 one fresh id per connection, released when the connection closes. The connection
 remembers each episode's last token and echoes it, so a lost assignment is reported as
-``state_reset: true``. An ``execute_steps`` key overrides action-chunk execution.
+``state_reset: true``. ``execute_steps`` and ``ensemble`` keys override action-chunk
+execution (openpi clients usually keep their own ``ActionChunkBroker`` and leave it off).
 
 The client cannot retry: transient conditions (owner unreachable, a Redis blip, ``full``)
 are retried inside the node until ``--act-deadline``. Anything that still fails, and any
@@ -48,7 +49,6 @@ __all__ = ["handle"]
 log = logging.getLogger("affinity.node")
 
 CLOSE_ERROR = 1011
-CONTROL_KEYS = ("episode_id", "execute_steps")
 
 
 def metadata(service: NodeService, episode: str | None) -> dict[str, Any]:
@@ -143,9 +143,9 @@ def decode(
     if not isinstance(observation, dict):
         raise InvalidInput("", "must be a msgpack map", root="observation")
     named, steps = observation.pop("episode_id", None), observation.pop("execute_steps", None)
+    ensemble = observation.pop("ensemble", None)
     episode = fixed or (own if named is None else check_episode(named))
-    if steps is not None and (type(steps) is not int or steps < 1):
-        raise InvalidArgument("execute_steps", steps, "must be an integer >= 1")
+    service.dispatcher.mode_for(steps, ensemble)  # InvalidArgument names the field
     converted = inputs_from_observation(service.contract, observation)
     if converted.ignored:
         service.warn_once(
@@ -159,6 +159,7 @@ def decode(
         deadline=now + service.config.act_deadline_s,
         client_token=tokens.get(episode),
         execute_steps=steps,
+        ensemble=ensemble,
     )
 
 
