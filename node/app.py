@@ -1,10 +1,12 @@
 """The node's ASGI application: the hot endpoints as plain handlers, FastAPI for the rest.
 
-``POST /act`` (JSON or msgpack) and ``POST /internal/act`` (forwards between nodes) are
-dispatched straight to their protocol modules in ``node/protocols/``, without a
+``POST /act`` (JSON or msgpack), ``POST /internal/act`` (forwards between nodes) and every
+path under ``/v2`` (KServe v2, ``node/protocols/kserve.py``) are dispatched straight to
+their protocol modules in ``node/protocols/``, without a
 framework's routing, validation or response classes on the request path. Everything else —
 inspection, administration, ``/metrics``, ``/docs`` — is a FastAPI app. Every error is
-JSON ``{"error": {"code", "message", "field"?}}`` (404 and 405 included); 4xx for the
+JSON ``{"error": {"code", "message", "field"?}}`` (404 and 405 included; under ``/v2``
+KServe's own ``{"error": "<message>"}``); 4xx for the
 client's mistakes (nothing changes), 503 with ``Retry-After`` for what cannot be decided
 or served now.
 """
@@ -34,7 +36,7 @@ from affinity import (
 from node.accesslog import AccessLog
 from node.asgi import Receive, Scope, Send, error_body, respond
 from node.fleet import add_fleet_routes
-from node.protocols import act, internal, openpi
+from node.protocols import act, internal, kserve, openpi
 from node.service import NodeService
 
 __all__ = ["NodeApp", "create_app"]
@@ -78,6 +80,8 @@ class NodeApp:
         elif scope["path"] in self.paths:
             body = error_body("method_not_allowed", f"use POST {scope['path']}")
             await respond(send, 405, body, headers=[(b"allow", b"POST")])
+        elif scope["path"] == "/v2" or scope["path"].startswith("/v2/"):
+            await kserve.handle(self.service, scope, receive, send)  # KServe v2, its own errors
         else:
             await self.api(scope, receive, send)
 

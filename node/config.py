@@ -22,6 +22,9 @@ class NodeConfig:
     enables the admin endpoints (they are refused while it is unset); ``cluster_secret``
     authenticates forwarded requests between nodes; ``api_key``, when set, is required
     from clients (``Authorization: Api-Key <key>``, as ``openpi-client`` sends it).
+    ``model_name`` is the name KServe v2 clients use (empty: the model file's stem);
+    ``kserve_claim_unknown`` starts an unknown KServe sequence on any request instead of
+    refusing one without ``sequence_start`` (Triton's rule).
     """
 
     node_id: str
@@ -52,6 +55,8 @@ class NodeConfig:
     log_level: str = "info"
     log_format: str = "plain"
     access_log: bool = True
+    model_name: str = ""
+    kserve_claim_unknown: bool = False
 
     @property
     def renew_every_s(self) -> float:

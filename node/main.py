@@ -98,6 +98,8 @@ _FLAGS = (
           "auto | cpu:N | GPU indices or UUIDs such as 0,2"),
     _Flag("--model", "AFFINITY_MODEL", "demo",
           "ONNX policy: a packaged name (demo, vla-demo) or a file"),
+    _Flag("--model-name", "AFFINITY_MODEL_NAME", None,
+          "the model's name for KServe v2 clients (none: the model file's stem)"),
     _Flag("--capacity", "AFFINITY_CAPACITY", 64, "live episodes per device", int),
     _Flag("--weight", "AFFINITY_WEIGHT", 1, "share of new episodes per device", int),
     _Flag("--episode-ttl", "AFFINITY_EPISODE_TTL", 300.0,
@@ -140,6 +142,11 @@ _FLAGS = (
 _SWITCHES = (
     ("--tensorrt", "AFFINITY_TENSORRT", "put TensorRT first on GPUs"),
     ("--cuda-graph", "AFFINITY_CUDA_GRAPH", "capture one CUDA graph per device"),
+    (
+        "--kserve-claim-unknown",
+        "AFFINITY_KSERVE_CLAIM_UNKNOWN",
+        "KServe: a request for an unknown sequence starts it (Triton refuses it)",
+    ),
 )
 
 
@@ -196,6 +203,11 @@ def parse_args(
         model = resolve_model(values["model"])
     except ValueError as exc:
         p.error(f"--model: {exc} (env AFFINITY_MODEL)")
+    model_name = values["model_name"] or model.stem
+    if "/" in model_name or not model_name.isprintable():
+        p.error(
+            f"--model-name {model_name!r}: no '/' nor control characters (env AFFINITY_MODEL_NAME)"
+        )
     try:
         settings = Settings.from_env(
             env,
@@ -234,6 +246,8 @@ def parse_args(
             log_level=values["log_level"],
             log_format=values["log_format"],
             access_log=values["access_log"] == "on",
+            model_name=model_name,
+            kserve_claim_unknown=a.kserve_claim_unknown,
         )
     except ValueError as exc:  # InvalidArgument included: it names the setting
         p.error(str(exc))
