@@ -199,9 +199,7 @@ def decode_infer(
     try:
         doc = orjson.loads(memoryview(body)[:json_end])
     except orjson.JSONDecodeError as exc:
-        raise BadRequest(
-            f"the request JSON is not valid: {exc}"[:300], "malformed"
-        ) from None
+        raise BadRequest(f"the request JSON is not valid: {exc}"[:300], "malformed") from None
     if not isinstance(doc, dict):
         raise BadRequest("the request must be a JSON object", "malformed")
     request_id = doc.get("id")
@@ -320,8 +318,6 @@ def _from_binary(name: str, body: bytes, at: int, dtype: np.dtype[Any], shape: l
     array = np.frombuffer(body, dtype=dtype, count=math.prod(shape), offset=at).reshape(shape)
     if dtype.kind == "b" and array.size and array.view(np.uint8).max() > 1:
         raise BadRequest(f"input {name[:64]!r}: BOOL bytes must be 0 or 1")
-    if not array.flags.aligned:  # a view at an odd offset of the body
-        array = array.copy()
     return array
 
 
