@@ -379,6 +379,19 @@ async def test_bad_requests_are_400_and_counted(node: InProcNode, redis: Any) ->
 
 
 @pytest.mark.anyio
+async def test_a_sequence_released_behind_the_owners_back_is_not_silently_restarted(
+    node: InProcNode,
+) -> None:
+    obs = observations(10, 2)
+    r = await infer(node, obs[0], sequence_id=77, sequence_start=True)
+    facts = result_of(r).get_response()["parameters"]
+    await node.service.claims.release("kserve:i:77", facts["token"], reason="operator")
+    assert node.service.dispatcher.has_state("kserve:i:77")  # the owner still holds state
+    r = await infer(node, obs[1], sequence_id=77)
+    assert r.status_code == 400 and "START flag" in r.json()["error"]
+
+
+@pytest.mark.anyio
 async def test_claim_on_first_sight_when_configured(redis: Any) -> None:
     async with cluster(redis, [config("a", kserve_claim_unknown=True)]) as (nodes, _):
         r = await infer(nodes[0], observations(6, 1)[0], sequence_id="first-sight")

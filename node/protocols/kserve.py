@@ -40,9 +40,8 @@ the step. A request without ``sequence_start`` for a sequence that is not live (
 started, ended, idle past ``--episode-ttl``) is refused as Triton refuses it (400, Triton's
 message), so a client that lost its sequence learns it instead of silently continuing from
 clean state; ``--kserve-claim-unknown`` makes such a request start the sequence instead.
-The check costs a Redis lookup only when this node holds no state for the sequence (a
-node that holds it is its owner, and the resolve that follows confirms it). ``timeout``
-(µs) shortens ``--act-deadline`` for the request.
+The check is one Redis lookup before the step's resolve (``bench/protocols.py`` measures
+it). ``timeout`` (µs) shortens ``--act-deadline`` for the request.
 
 **Errors** are KServe's: a non-200 status with ``{"error": "<message>"}`` — 400 for a
 malformed body or a bad tensor, parameter or sequence, 401 without the API key (when the
@@ -646,15 +645,12 @@ async def _infer(
 async def _check_live(service: NodeService, request: InferRequest, model_name: str) -> None:
     """Triton's rule: a request without ``sequence_start`` must belong to a live sequence.
 
-    A node that holds state for the sequence is its owner (the resolve that follows
-    confirms it with Redis); any other node asks Redis once."""
+    Redis is asked every time (one lookup round trip): state this node may still hold says
+    nothing about whether Redis still has the sequence (an operator's release, an idle
+    expiry a moment ago, a Redis that restarted empty), and serving such a request would
+    silently start the sequence over from clean state."""
     episode = request.episode
-    if (
-        episode is None
-        or request.start
-        or service.config.kserve_claim_unknown
-        or service.dispatcher.token_of(episode) is not None
-    ):
+    if episode is None or request.start or service.config.kserve_claim_unknown:
         return
     try:
         info = await service.claims.lookup(episode)
