@@ -392,6 +392,23 @@ async def test_a_sequence_released_behind_the_owners_back_is_not_silently_restar
 
 
 @pytest.mark.anyio
+async def test_redis_unreachable_for_the_liveness_lookup_is_a_503(
+    node: InProcNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from affinity import BackendUnavailable
+
+    async def down(episode: str) -> None:
+        raise BackendUnavailable("redis://test", "connection refused")
+
+    monkeypatch.setattr(node.service.claims, "lookup", down)
+    unavailable = node.service.metrics.routing.labels("unavailable")._value.get()
+    r = await infer(node, observations(11, 1)[0], sequence_id="blip")
+    assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"].startswith("redis: ")
+    assert node.service.metrics.routing.labels("unavailable")._value.get() == unavailable + 1
+
+
+@pytest.mark.anyio
 async def test_claim_on_first_sight_when_configured(redis: Any) -> None:
     async with cluster(redis, [config("a", kserve_claim_unknown=True)]) as (nodes, _):
         r = await infer(nodes[0], observations(6, 1)[0], sequence_id="first-sight")

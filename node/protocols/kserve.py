@@ -396,7 +396,7 @@ def _shape(value: object, name: str) -> list[int]:
 
 
 def _requested(raw: object, binary_output: bool) -> dict[str, bool] | None:
-    if raw is None:
+    if raw is None or raw == []:  # none named: every output
         return None
     if not isinstance(raw, list) or len(raw) > MAX_TENSORS:
         raise BadRequest(f"outputs must be a list of at most {MAX_TENSORS} objects")
@@ -655,6 +655,7 @@ async def _check_live(service: NodeService, request: InferRequest, model_name: s
     try:
         info = await service.claims.lookup(episode)
     except BackendUnavailable as exc:
+        service.metrics.routing.labels("unavailable").inc()  # a step refused with 503
         raise Unavailable("redis", str(exc), 1.0) from exc
     if info is None:
         raise BadRequest(
