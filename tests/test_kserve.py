@@ -409,6 +409,33 @@ async def test_redis_unreachable_for_the_liveness_lookup_is_a_503(
 
 
 @pytest.mark.anyio
+async def test_action_chunk_execution(redis: Any) -> None:
+    obs = observations(12, 5)
+    chunks = [step["actions"][0] for step in reference_rollout(DEMO_MODEL, obs)]  # [4, 2]
+    async with cluster(redis, [config("a", execute_steps=4)]) as (nodes, _):
+        node = nodes[0]
+        meta = (await node.client.get(f"/v2/models/{MODEL}")).json()
+        assert meta["outputs"] == [{"name": "actions", "datatype": "FP32", "shape": [-1, 2]}]
+        sources = []
+        for i in range(5):  # the model runs at steps 0 and 4, on obs[0] and obs[1]
+            r = await infer(node, obs[i // 4], sequence_id="chunked", sequence_start=i == 0)
+            result = result_of(r)
+            np.testing.assert_allclose(
+                result.as_numpy("actions"), chunks[i // 4][i % 4 : i % 4 + 1], rtol=1e-5
+            )
+            sources.append(result.get_response()["parameters"]["source"])
+        assert sources == ["model", "buffer", "buffer", "buffer", "model"]
+        r = await infer(node, obs[0], sequence_id="chunked", parameters={"execute_steps": 9})
+        assert r.status_code == 400 and "execute_steps" in r.json()["error"]
+        r = await infer(node, obs[0], sequence_id="chunked", parameters={"execute_steps": "2"})
+        assert r.status_code == 400 and "execute_steps must be an integer" in r.json()["error"]
+    async with cluster(redis, [config("b")]) as (nodes, _):  # per-request override
+        r = await infer(nodes[0], obs[0], sequence_id="once", sequence_start=True,
+                        parameters={"execute_steps": 2})  # fmt: skip
+        assert result_of(r).as_numpy("actions").shape == (1, 2)
+
+
+@pytest.mark.anyio
 async def test_claim_on_first_sight_when_configured(redis: Any) -> None:
     async with cluster(redis, [config("a", kserve_claim_unknown=True)]) as (nodes, _):
         r = await infer(nodes[0], observations(6, 1)[0], sequence_id="first-sight")

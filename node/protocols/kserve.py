@@ -41,7 +41,10 @@ started, ended, idle past ``--episode-ttl``) is refused as Triton refuses it (40
 message), so a client that lost its sequence learns it instead of silently continuing from
 clean state; ``--kserve-claim-unknown`` makes such a request start the sequence instead.
 The check is one Redis lookup before the step's resolve (``bench/protocols.py`` measures
-it). ``timeout`` (µs) shortens ``--act-deadline`` for the request.
+it). ``timeout`` (µs) shortens ``--act-deadline`` for the request; ``execute_steps`` and
+``ensemble`` override the node's action-chunk mode for the step, as in ``/act`` (a step
+then returns the chunk output alone, one action: ``[1, D]``; the model metadata shows the
+node's own mode).
 
 **Errors** are KServe's: a non-200 status with ``{"error": "<message>"}`` — 400 for a
 malformed body or a bad tensor, parameter or sequence, 401 without the API key (when the
@@ -55,7 +58,8 @@ from __future__ import annotations
 import math
 import time
 import zlib
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -131,7 +135,8 @@ class InferRequest:
     its affinity episode id; ``arrays`` holds each input as declared (its datatype and
     shape); ``outputs`` maps each requested output to whether it goes back binary (None:
     every output, binary when ``binary_output``); ``timeout_s`` is the client's
-    ``timeout``, if any."""
+    ``timeout``, if any; ``execute_steps`` and ``ensemble`` are the client's action-chunk
+    overrides (their ranges are the dispatcher's ``mode_for``'s to check)."""
 
     id: str | None
     sequence: int | str | None
@@ -142,6 +147,8 @@ class InferRequest:
     outputs: dict[str, bool] | None
     binary_output: bool
     timeout_s: float | None
+    execute_steps: int | None = None
+    ensemble: str | None = None
 
 
 # ---- decoding ----------------------------------------------------------------------------
@@ -214,6 +221,11 @@ def decode_infer(
     timeout = params.get("timeout")
     if timeout is not None and (type(timeout) is not int or timeout < 0):
         raise BadRequest(f"timeout {timeout!r:.40} must be a whole number of microseconds")
+    steps, ensemble = params.get("execute_steps"), params.get("ensemble")
+    if steps is not None and type(steps) is not int:
+        raise BadRequest(f"execute_steps must be an integer, not {_kind(steps)}")
+    if ensemble is not None and not isinstance(ensemble, str):
+        raise BadRequest(f"ensemble must be a string, not {_kind(ensemble)}")
     arrays = _inputs(doc.get("inputs"), body, json_end, max_elements)
     binary_output = _flag(params, "binary_data_output")
     return InferRequest(
@@ -226,6 +238,8 @@ def decode_infer(
         outputs=_requested(doc.get("outputs"), binary_output),
         binary_output=binary_output,
         timeout_s=timeout / 1e6 if timeout else None,
+        execute_steps=steps,
+        ensemble=ensemble,
     )
 
 
@@ -442,12 +456,19 @@ def _kind(value: object) -> str:
     return next((name for t, name in kinds if isinstance(value, t)), type(value).__name__)
 
 
-def to_step(contract: PolicyContract, request: InferRequest, deadline: float) -> Step:
+def to_step(
+    contract: PolicyContract,
+    request: InferRequest,
+    deadline: float,
+    returned: Sequence[str] | None = None,
+) -> Step:
     """The internal step of a decoded request: its inputs through the policy's rule
-    (``InvalidInput`` when they do not fit the model) and its outputs checked against the
-    model's (:class:`BadRequest`)."""
-    if request.outputs is not None:
+    (``InvalidInput`` when they do not fit the model) and its requested outputs checked
+    against ``returned``, the outputs the step will have (:class:`BadRequest`); by default
+    every output the model returns (with action-chunk execution: the chunk output only)."""
+    if returned is None:
         returned = [spec.name for spec in contract.returned_outputs]
+    if request.outputs is not None:
         for name in request.outputs:
             if name not in returned:
                 raise BadRequest(f"unknown output {name[:64]!r}; the model returns: "
@@ -458,6 +479,8 @@ def to_step(contract: PolicyContract, request: InferRequest, deadline: float) ->
         deadline=deadline,
         end=request.end,
         restart=request.start,
+        execute_steps=request.execute_steps,
+        ensemble=request.ensemble,
     )
 
 
@@ -506,9 +529,11 @@ def encode_infer(
     ]
 
 
-def model_metadata(contract: PolicyContract, name: str) -> dict[str, Any]:
+def model_metadata(contract: PolicyContract, name: str, chunk: str | None = None) -> dict[str, Any]:
     """The model metadata of KServe v2: the inputs a client sends and the outputs it gets
-    (recurrent state hidden: the node feeds it back), ``-1`` for a variable dimension."""
+    (recurrent state hidden: the node feeds it back), ``-1`` for a variable dimension.
+    ``chunk`` names the action-chunk output when the node executes chunks: a step then
+    returns that output alone, one action (its time axis dropped)."""
 
     def tensor(spec: TensorSpec) -> dict[str, Any]:
         return {
@@ -517,12 +542,17 @@ def model_metadata(contract: PolicyContract, name: str) -> dict[str, Any]:
             "shape": [d if isinstance(d, int) else -1 for d in spec.shape],
         }
 
+    outputs = [tensor(spec) for spec in contract.returned_outputs]
+    if chunk is not None:
+        (spec,) = (s for s in contract.returned_outputs if s.name == chunk)
+        outputs = [tensor(replace(spec, shape=spec.shape[:-2] + spec.shape[-1:]))]
+
     return {
         "name": name,
         "versions": [MODEL_VERSION],
         "platform": PLATFORM,
         "inputs": [tensor(spec) for spec in contract.observation_inputs],
-        "outputs": [tensor(spec) for spec in contract.returned_outputs],
+        "outputs": outputs,
     }
 
 
@@ -587,7 +617,9 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
     elif rest == ["infer"]:
         await _infer(service, served, scope, receive, send)
     elif not rest:
-        await _json(send, 200, model_metadata(service.contract, served))
+        dispatcher = service.dispatcher
+        chunk = dispatcher.chunk.output if dispatcher.chunk and dispatcher.chunk_mode else None
+        await _json(send, 200, model_metadata(service.contract, served, chunk))
     elif (why := _not_ready(service)) is not None:
         await _json(send, 400, {"name": served, "ready": False, "error": why})
     else:
@@ -615,7 +647,10 @@ async def _infer(
         budget = service.config.act_deadline_s
         if request.timeout_s is not None:
             budget = min(budget, request.timeout_s)
-        step = to_step(service.contract, request, started + budget)
+        dispatcher = service.dispatcher
+        mode = dispatcher.mode_for(request.execute_steps, request.ensemble)  # InvalidArgument
+        returned = [dispatcher.chunk.output] if mode and dispatcher.chunk else None
+        step = to_step(service.contract, request, started + budget, returned)
         scope[STEP_KEY] = (step.episode or "-", "-", "-")
         await _check_live(service, request, model_name)
         reply = await service.routing.act(step)
