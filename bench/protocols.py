@@ -231,9 +231,12 @@ def main() -> None:
     a = p.parse_args()
     tmp = tmpdir()
     redis = RedisServer(tmp).start()
-    # --keep-alive: each connection idles while the other protocols run
+    # --keep-alive: each connection idles while the other protocols run; --max-batch 1: the
+    # protocols take turns on one device, and a batching wait for the other (lockstep)
+    # episodes would add the same delay to each and hide what the protocols cost
     extra = ["--model", "vla-demo", "--capacity", "1000", "--lease-ttl", "30",
-             "--act-deadline", "30", "--access-log", "off", "--keep-alive", "600"]  # fmt: skip
+             "--act-deadline", "30", "--access-log", "off", "--keep-alive", "600",
+             "--max-batch", "1"]  # fmt: skip
     node_a = Node(tmp, "pa", redis.url, devices="cpu:1", extra=extra)
     node_b = Node(tmp, "pb", redis.url, devices="cpu:1", extra=extra)
     node_c = Node(tmp, "pc", redis.url, devices="cpu:1", extra=[*extra, "--kserve-claim-unknown"])
