@@ -84,6 +84,7 @@ __all__ = [
     "episode_of",
     "handle",
     "model_metadata",
+    "to_step",
 ]
 
 MODEL_VERSION = "1"
