@@ -472,3 +472,59 @@ async def test_an_owner_obeys_redis_when_tokens_differ(
     assert r.json()["state_reset"] is True and r.json()["token"] == first["token"] - 1
     want = reference_rollout(DEMO_MODEL, obs[:1])[0]["actions"]
     np.testing.assert_allclose(r.json()["outputs"]["actions"], want, rtol=1e-5)
+
+
+def mp(body: dict[str, Any]) -> bytes:
+    from node import wire
+
+    return wire.encode(body)
+
+
+MSGPACK = {"content-type": "application/msgpack", "accept": "application/msgpack"}
+
+
+async def test_msgpack_and_json_give_the_same_steps_direct_and_forwarded(
+    two: tuple[list[InProcNode], Router],
+) -> None:
+    from node import wire
+
+    (a, b), _ = two
+    obs = observations(21)
+    ref = reference_rollout(DEMO_MODEL, obs)
+    for encoding in ("json", "msgpack"):
+        for i, o in enumerate(obs):
+            entry = (a, b)[i % 2]  # every other step forwarded
+            body = {"episode_id": f"enc-{encoding}", "inputs": {"obs": o}}
+            if encoding == "json":
+                r = await entry.client.post("/act", json={**body, "inputs": {"obs": o.tolist()}})
+                got = r.json()
+            else:
+                r = await entry.client.post("/act", content=mp(body), headers=MSGPACK)
+                assert r.headers["content-type"] == "application/msgpack"
+                got = wire.decode(r.content)
+                assert isinstance(got["outputs"]["actions"], np.ndarray)
+            assert r.status_code == 200, r.text
+            np.testing.assert_allclose(got["outputs"]["actions"], ref[i]["actions"], rtol=1e-5)
+            assert got["routing"] == ("claimed" if i == 0 else "hit")
+
+
+async def test_bad_msgpack_bodies_are_4xx_and_change_nothing(node: InProcNode, redis: Any) -> None:
+    before = await snapshot(redis)
+    good = np.zeros((1, 8), np.float32)
+    for body, status, field in [
+        ({"episode_id": "m", "inputs": {"obs": good.astype(np.float64)[:, :7]}}, 422, "inputs.obs"),
+        ({"episode_id": "m", "inputs": {"obs": np.zeros((3, 8), np.float32)}}, 422, "inputs.obs"),
+        ({"episode_id": "m", "inputs": {"obs": good.astype(np.float64) + 1e39}}, 422, "inputs.obs"),
+        ({"episode_id": "m", "inputs": {"obs": good, "x": good}}, 422, "inputs.x"),
+        ({"episode_id": "m", "inputs": good}, 422, "inputs"),
+        ({"episode_id": b"\xff", "inputs": {"obs": good}}, 422, "episode_id"),
+        ({"episode_id": "m", "inputs": {"obs": good}, "execute_steps": 0}, 422, "execute_steps"),
+    ]:
+        r = await node.client.post("/act", content=mp(body), headers=MSGPACK)
+        assert r.status_code == status, (body, r.text)
+        assert r.json()["error"]["field"].startswith(field), r.text
+    for raw in [b"\x81", b"\xc1", b"\x91" * 5000, mp({"inputs": 1})[:-1], b"[1]"]:
+        r = await node.client.post("/act", content=raw, headers=MSGPACK)
+        assert r.status_code in (400, 422), (raw[:10], r.text)
+    assert await snapshot(redis) == before
+    assert all(node.service.dispatcher.tracker(d).failures == 0 for d in node.service.device_ids)
