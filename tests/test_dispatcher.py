@@ -810,12 +810,13 @@ def reference_execute(chunks: list[np.ndarray], k: int, steps: int) -> list[tupl
 def reference_ensemble(chunks: list[np.ndarray], m: float, steps: int) -> list[tuple[Any, str]]:
     """ACT's temporal ensembling in plain numpy: a table of every chunk's predictions by the
     time step they are for; the reply at t weighs the column t oldest-first, w_i = exp(-m i)."""
-    table = np.zeros((steps, steps + H, D))
-    filled = np.zeros((steps, steps + H), bool)
+    h, d = chunks[0].shape
+    table = np.zeros((steps, steps + h, d))
+    filled = np.zeros((steps, steps + h), bool)
     out: list[tuple[Any, str]] = []
     for t in range(steps):
-        table[t, t : t + H] = chunks[t]
-        filled[t, t : t + H] = True
+        table[t, t : t + h] = chunks[t]
+        filled[t, t : t + h] = True
         column = table[filled[:, t], t]
         weights = np.exp(-m * np.arange(len(column)))
         weights /= weights.sum()
