@@ -17,6 +17,7 @@ Usage: python -m bench.act [--runs 5] [--seconds 4] [--connections 16]
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import httpx
 
 from bench.common import ROOT, Node, RedisServer, free_port, median, report, tmpdir, wait_until, wrk
 
+EXTRA = os.environ.get("BENCH_NODE_ARGS", "").split()
 OBS = "[[0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8]]"
 
 
@@ -60,7 +62,7 @@ def main() -> None:
     port = free_port()
     base = subprocess.Popen([sys.executable, "-m", "bench.baseline_app", str(port)], cwd=ROOT)
     base_url = f"http://127.0.0.1:{port}"
-    extra = ["--capacity", "1000", "--lease-ttl", "30"]
+    extra = ["--capacity", "1000", "--lease-ttl", "30", *EXTRA]
     one = Node(tmp, "one", redis.url, devices="cpu:1", extra=extra)
     owner = Node(tmp, "fa", redis.url, devices="cpu:1", extra=extra)
     router = Node(tmp, "fb", redis.url, devices="cpu:1", extra=extra)

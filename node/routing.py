@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from affinity import Assignment, BackendUnavailable, Claims, NoCapacity, StaleToken, UnknownEpisode
 from node.config import NodeConfig
-from node.dispatcher import DeviceDown, ModelFailure, MultiGpuDispatcher
+from node.dispatcher import Arrival, DeviceDown, ModelFailure, MultiGpuDispatcher
 from node.forward import Forward, ForwardError, Poster, Response, decode_reply
 from node.membership import Membership
 from node.metrics import Metrics
@@ -84,8 +84,9 @@ class Routing:
         Raises :class:`Unavailable` (503), :class:`Refused` (its status), and
         ``InvalidArgument`` for a bad id."""
         started = time.perf_counter()
+        arrival = self.dispatcher.arrival()  # lets a device with a waiting step wait for it
         try:
-            reply = await self._within_deadline(step, patient)
+            reply = await self._within_deadline(step, patient, arrival)
         except Unavailable as exc:
             self.metrics.routing.labels(
                 exc.reason if exc.reason in ("full", "no_nodes") else "unavailable"
@@ -94,19 +95,21 @@ class Routing:
         except Refused:
             self.metrics.routing.labels("failed").inc()
             raise
+        finally:
+            arrival.done()
         self.metrics.routing.labels(reply.routing).inc()
         path = "local" if reply.node == self.node_id else "forwarded"
         self.metrics.act_seconds.labels(path).observe(time.perf_counter() - started)
         return reply
 
-    async def _within_deadline(self, step: Step, patient: bool) -> Reply:
+    async def _within_deadline(self, step: Step, patient: bool, arrival: Arrival) -> Reply:
         last: Unavailable | None = None
         backoff = 0.025
         try:
             async with asyncio.timeout(step.deadline - self.clock()):
                 while True:
                     try:
-                        return await self._route(step)
+                        return await self._route(step, arrival)
                     except Unavailable as exc:
                         if not patient or exc.reason not in TRANSIENT:
                             raise
@@ -120,21 +123,21 @@ class Routing:
                 "deadline", f"no answer within {self.config.act_deadline_s}s", 1.0
             ) from None
 
-    async def _route(self, step: Step) -> Reply:
+    async def _route(self, step: Step, arrival: Arrival) -> Reply:
         self.membership.check_lease()
         if step.episode is None:
-            return await self._stateless(step)
+            return await self._stateless(step, arrival)
         a = await self._resolve(step.episode, restart=step.restart)
         if a.node != self.node_id:
-            return await self._forward(a, step, retry=True)
+            return await self._forward(a, step, arrival, retry=True)
         if self.membership.leaving:
             # this node is handing its episodes over: this one goes now, then to its new owner
             await self.membership.hand_over(a.episode)
             a = await self._resolve(a.episode)
             if a.node == self.node_id:
                 raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)
-            return await self._forward(a, step, retry=False)
-        return await self._serve(a, step)
+            return await self._forward(a, step, arrival, retry=False)
+        return await self._serve(a, step, arrival)
 
     async def _resolve(self, episode: str, *, restart: bool = False) -> Assignment:
         try:
@@ -146,19 +149,20 @@ class Routing:
                 raise Unavailable("no_nodes", str(exc), 1.0) from exc
             raise Unavailable("full", str(exc), 2.0) from exc
 
-    async def _stateless(self, step: Step) -> Reply:
+    async def _stateless(self, step: Step, arrival: Arrival) -> Reply:
         up = [d for d in self.dispatcher.devices if not self.dispatcher.tracker(d).down]
         if not up:
             raise Unavailable("device_down", "every device of this node is down", 5.0)
         device = up[self._rr % len(up)]
         self._rr += 1
+        arrival.done()
         outputs = await self.dispatcher.run_stateless(device, step.inputs)
         return Reply(
             outputs, None, device, self.node_id, 0, "stateless", False, False,
             url=self.config.advertise_url,
         )  # fmt: skip
 
-    async def _serve(self, a: Assignment, step: Step) -> Reply:
+    async def _serve(self, a: Assignment, step: Step, arrival: Arrival) -> Reply:
         """Run the step here, on the device and with the token Redis confirmed."""
         if a.device not in self.local_devices:
             raise Unavailable(
@@ -168,6 +172,7 @@ class Routing:
                 1.0,
             )
         self.membership.check_lease()  # the resolve may have taken a while: check again
+        arrival.done()  # handed to its device now
         started = time.perf_counter()
         try:
             result = await self.dispatcher.step(
@@ -217,7 +222,7 @@ class Routing:
 
     # ---- forwarding --------------------------------------------------------------------
 
-    async def _forward(self, a: Assignment, step: Step, *, retry: bool) -> Reply:
+    async def _forward(self, a: Assignment, step: Step, arrival: Arrival, *, retry: bool) -> Reply:
         budget = step.deadline - self.clock() - FORWARD_MARGIN_S
         if budget <= 0:
             raise Unavailable("deadline", f"no time left to forward to {a.node}", 1.0)
@@ -234,6 +239,7 @@ class Routing:
             execute_steps=step.execute_steps,
             ensemble=step.ensemble,
         ).encode()
+        arrival.done()  # it leaves this node
         try:
             resp = await self.pool.post(a.url, body)
         except ForwardError as exc:
@@ -260,8 +266,8 @@ class Routing:
                 raise Unavailable("owner_refused", text, 1.0)
             again = await self._resolve(a.episode)  # our view was stale: resolve once more
             if again.node == self.node_id:
-                return await self._serve(again, step)
-            return await self._forward(again, step, retry=False)
+                return await self._serve(again, step, arrival)
+            return await self._forward(again, step, arrival, retry=False)
         if resp.status == 503:
             raise Unavailable(code, text, float(resp.headers.get("retry-after", "1")))
         raise Refused(resp.status, code, text)
@@ -283,15 +289,18 @@ class Routing:
             raise Refused(400, "bad_forward", str(exc)) from None
         if fwd.device not in self.local_devices:
             raise Refused(421, "not_owner", f"device {fwd.device!r} is not on node {self.node_id}")
+        arrival = self.dispatcher.arrival()
         try:
             async with asyncio.timeout(fwd.budget_s):
-                return await self._serve_forwarded(fwd)
+                return await self._serve_forwarded(fwd, arrival)
         except TimeoutError:
             raise Unavailable(
                 "deadline", f"the router's budget of {fwd.budget_s:.3f}s ran out", 1.0
             ) from None
+        finally:
+            arrival.done()
 
-    async def _serve_forwarded(self, fwd: Forward) -> Reply:
+    async def _serve_forwarded(self, fwd: Forward, arrival: Arrival) -> Reply:
         self.membership.check_lease()
         if self.dispatcher.token_of(fwd.episode) != fwd.token:
             # a token this node does not hold: obey Redis, which has the last word (a
@@ -311,7 +320,7 @@ class Routing:
             await self.membership.hand_over(fwd.episode)
             raise Refused(409, "moved", f"node {self.node_id} handed {fwd.episode!r} over")
         a = Assignment(fwd.episode, fwd.routing, fwd.device, fwd.token, self.node_id, "", None)  # type: ignore[arg-type]
-        return await self._serve(a, fwd.step(self.clock() + fwd.budget_s))
+        return await self._serve(a, fwd.step(self.clock() + fwd.budget_s), arrival)
 
 
 def _error_of(resp: Response) -> tuple[str, str]:

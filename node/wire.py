@@ -46,7 +46,7 @@ def _pack_default(obj: Any) -> Any:
             b"__ndarray__": True,
             # a view is packed straight from the array's memory: no intermediate bytes
             # object (about 10x cheaper for a camera image than tobytes())
-            b"data": memoryview(data).cast("B") if data.size else b"",
+            b"data": data.data.cast("B") if data.size else b"",
             b"dtype": obj.dtype.str,
             b"shape": list(obj.shape),
         }

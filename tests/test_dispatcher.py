@@ -587,6 +587,16 @@ async def test_a_failing_hook_fails_no_step() -> None:
     assert r.outputs["act"].item() == 2.0 and d.tracker("n/0").failures == 0
 
 
+async def test_steps_that_are_not_on_their_way_are_not_waited_for() -> None:
+    # one client stepping many episodes in turn: each was active a moment ago, but nothing
+    # is being routed while a step waits, so no step waits for another
+    d, _, _ = make(1, BATCHED, batch_delay_us=120e6)
+    await settled(queue(d, ("a", 1), ("b", 1), ("c", 1)))
+    for i in range(6):
+        r = await asyncio.wait_for(d.step("n/0", "abc"[i % 3], 1, False, obs(1)), 60)
+        assert r.outputs["act"].shape == (1, 1)
+
+
 async def test_a_lone_episode_never_waits_for_a_batch() -> None:
     d, _, _ = make(1, BATCHED, batch_delay_us=120e6)  # a 2-minute delay, never paid
     for i in range(5):
@@ -598,6 +608,7 @@ async def test_a_step_waits_for_an_episode_that_is_likely_to_send_one() -> None:
     d, sessions, _ = make(1, BATCHED, batch_delay_us=120e6)
     s = sessions["n/0"]
     await settled(queue(d, ("a", 1), ("b", 1)))  # both episodes are active here
+    on_its_way = d.arrival()  # b's next step is being routed through the node
     first = asyncio.ensure_future(d.step("n/0", "a", 1, False, obs(2)))
     dev = d._devices["n/0"]
     for _ in range(10_000):  # until the worker holds it, waiting for b (bounded)
@@ -606,6 +617,7 @@ async def test_a_step_waits_for_an_episode_that_is_likely_to_send_one() -> None:
             if not dev.pending:
                 break
     assert not first.done()
+    on_its_way.done()
     second = asyncio.ensure_future(d.step("n/0", "b", 1, False, obs(3)))
     await settled([first, second])
     assert s.runs[-1] == [2.0, 3.0], "the waiting step did not wait for b"
