@@ -25,19 +25,7 @@ import numpy as np
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from bench.common import ROOT, Node, RedisServer, free_port, median, pct, report, tmpdir, wait_until
-
-
-def libero(n: int, seed: int = 0) -> list[dict[str, Any]]:
-    rng = np.random.default_rng(seed)
-    return [
-        {
-            "observation/image": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8),
-            "observation/wrist_image": rng.integers(0, 256, (224, 224, 3), dtype=np.uint8),
-            "observation/state": rng.standard_normal(8),
-            "prompt": "put the bowl on the plate",
-        }
-        for _ in range(n)
-    ]
+from tests.test_openpi import libero
 
 
 def main() -> None:
@@ -76,7 +64,7 @@ def main() -> None:
                 f"ws://{router.host}:{router.port}/?episode_id={episode}"
             ),
         }
-        obs = libero(a.steps)
+        obs = libero(0, a.steps)
         for c in clients.values():  # warm: sessions, connections, the forward pool
             for o in obs[:10]:
                 c.infer(o)

@@ -15,7 +15,6 @@ from affinity import Keys
 from node.forward import SECRET_HEADER as SECRET
 from node.forward import Forward
 from node.policy import DEMO_MODEL, reference_rollout
-from tests.conftest import BACKENDS, make_client
 from tests.inproc import InProcNode, Router, cluster, config
 
 pytestmark = pytest.mark.anyio
@@ -30,15 +29,6 @@ def forward(episode: str, token: int, device: str, routing: str) -> bytes:
 def observations(seed: int, n: int = 20) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.standard_normal((1, 8)).astype(np.float32) for _ in range(n)]
-
-
-@pytest.fixture(params=BACKENDS)
-async def redis(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
-    client = await make_client(request.param)
-    yield client
-    if request.param == "real":
-        await client.flushdb()
-    await client.aclose()
 
 
 @pytest.fixture

@@ -23,7 +23,6 @@ from tritonclient.utils import InferenceServerException
 from affinity import Keys
 from node.policy import DEMO_MODEL, load_contract, reference_rollout
 from node.protocols.kserve import BadRequest, decode_infer, episode_of, model_metadata, to_step
-from tests.conftest import BACKENDS, make_client
 from tests.inproc import InProcNode, cluster, config
 from tests.procs import Node, RedisServer
 from tests.test_cluster import Cluster, running
@@ -241,15 +240,6 @@ def test_metadata_hides_the_state_and_marks_variable_dimensions() -> None:
 
 
 # ---- the front door in process -----------------------------------------------------------
-
-
-@pytest.fixture(params=BACKENDS)
-async def redis(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
-    client = await make_client(request.param)
-    yield client
-    if request.param == "real":
-        await client.flushdb()
-    await client.aclose()
 
 
 @pytest.fixture
