@@ -6,7 +6,8 @@
 -- (LOAD_KEY .. device) safely on Redis Cluster too. The ring and full upkeep is in
 -- fleet.lua (`--@fleet`), kept apart so that the common claim does not pay for making it.
 
--- integers as commands want them (a Lua number may print as 1.7e+12)
+-- integers as commands want them: a Lua number reaches Redis as %.17g (7.0) or as its
+-- shortest form (7.2 and later), which is 1.796e+12 for a time that ends in zeros
 local function int(x)
     return string.format('%.0f', x)
 end

@@ -70,7 +70,7 @@ end
 
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'url', url, 'devices', table.concat(ids, ','),
-    'started_at', now_ms, 'version', ARGV[2], 'instance', ARGV[3], 'state', 'up')
+    'started_at', int(now_ms), 'version', ARGV[2], 'instance', ARGV[3], 'state', 'up')
 redis.call('ZADD', NODES, int(now_ms + LEASE), node)
 for _, id in ipairs(ids) do
     unenroll(id) -- re-enter at the current virtual time, with the weight registered now

@@ -20,7 +20,9 @@ local episode = string.sub(key, #EPISODE_KEY + 1)
 local restart = ARGV[1] == '1'
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local deadline = now_ms + TTL -- the key and its load-set member expire at the same instant
+-- the key and its load-set member expire at the same instant; integers go to commands as
+-- decimal strings (a Lua number reaches Redis >= 7.2 as 1.796e+12 when it ends in zeros)
+local deadline = string.format('%.0f', now_ms + TTL)
 
 local current = redis.call('GET', key)
 local device, token, flag
