@@ -423,3 +423,40 @@ async def test_a_namespace_with_quotes_and_backslashes(env: Env) -> None:
     assert (await claims.resolve("ep")).status == "hit"
     assert await claims.release("ep", a.token) == "a/0"
     assert await env.redis.keys("{affinity}:*") == []
+
+
+async def test_a_silent_redis_is_bounded_by_the_deadline() -> None:
+    """A Redis that accepts the connection and never answers: every call ends with
+    BackendUnavailable at its deadline (the client here has no socket timeout of its own);
+    the caller's task is left usable, and a cancellation from outside stays a
+    cancellation."""
+    import redis.asyncio
+
+    from affinity import BackendUnavailable, Claims, Registry, Settings
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(-1)
+        writer.close()
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = redis.asyncio.Redis(port=port, decode_responses=True)
+    settings = Settings(redis_deadline_s=0.2)
+    try:
+        async with asyncio.timeout(60):  # a hang fails the test instead of blocking CI
+            with pytest.raises(BackendUnavailable, match="did not answer within 0.2s"):
+                await Claims(client, settings).resolve("ep")
+            with pytest.raises(BackendUnavailable):
+                await Registry(client, settings).devices()
+            await asyncio.sleep(0)  # the task carries no pending cancellation
+            task = asyncio.create_task(
+                Claims(client, settings.with_(redis_deadline_s=30)).resolve("ep")
+            )
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
