@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from affinity.config import Settings
 from affinity.errors import InvalidArgument, NoCapacity, StaleToken, UnknownEpisode
@@ -30,9 +30,9 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 Status = Literal["hit", "claimed", "reassigned"]
 
 
-@dataclass(frozen=True)
-class Assignment:
-    """Where an episode lives now, as decided by one ``resolve``."""
+class Assignment(NamedTuple):
+    """Where an episode lives now, as decided by one ``resolve`` (a named tuple: made on
+    every request, it is the cheapest immutable record)."""
 
     episode: str
     status: Status

@@ -14,15 +14,17 @@ than a tenth of a claim's round trip on loopback. The header's values are valida
 
 :func:`evalsha` calls ``EVALSHA`` directly and, on ``NOSCRIPT`` (after a Redis restart or
 ``SCRIPT FLUSH``), loads the script and calls again. :func:`bounded` awaits one library
-call under ``redis_deadline_s`` with a single timer handle (cheaper than an
-``asyncio.timeout`` context per call) and maps transport errors and Redis error replies to
-:class:`BackendUnavailable`.
+call under ``redis_deadline_s`` (one timer per event loop watches every call in flight,
+instead of an ``asyncio.timeout`` per call) and maps transport errors and Redis error
+replies to :class:`BackendUnavailable`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
+import weakref
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -155,18 +157,56 @@ async def evalsha(redis: Any, script: Script, key: str, args: Sequence[Any] = ()
         return await redis.execute_command("EVALSHA", script.sha, 1, key, *args)
 
 
-class _Expiry:
-    """Timer callback: cancel the calling task, and remember that it was the deadline."""
+class _Watchdog:
+    """Cancels the library calls of one event loop that pass their deadline, with one timer
+    for all of them (a timer per call cost about 3 µs, a few per cent of a claim)."""
 
-    __slots__ = ("fired", "task")
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.calls: dict[int, tuple[float, asyncio.Task[Any]]] = {}
+        self.expired: set[int] = set()
+        self.next = 0
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at = math.inf
 
-    def __init__(self, task: asyncio.Task[Any]) -> None:
-        self.task = task
-        self.fired = False
+    def start(self, task: asyncio.Task[Any], deadline: float) -> int:
+        self.next += 1
+        self.calls[self.next] = (deadline, task)
+        if deadline < self.timer_at:
+            self._schedule(deadline)
+        return self.next
 
-    def __call__(self) -> None:
-        self.fired = True
-        self.task.cancel()
+    def stop(self, call: int) -> bool:
+        """Forget the call; ``True`` when it was cancelled for passing its deadline."""
+        self.calls.pop(call, None)
+        if call in self.expired:
+            self.expired.discard(call)
+            return True
+        return False
+
+    def _schedule(self, at: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer, self.timer_at = self.loop.call_at(at, self._check), at
+
+    def _check(self) -> None:
+        self.timer, self.timer_at = None, math.inf
+        now = self.loop.time()
+        later = math.inf
+        for call, (deadline, task) in list(self.calls.items()):
+            if deadline <= now:
+                del self.calls[call]
+                self.expired.add(call)
+                task.cancel()
+            else:
+                later = min(later, deadline)
+        if later < math.inf:
+            self._schedule(later)
+
+
+_watchdogs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Watchdog] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 async def bounded(settings: Settings, call: Awaitable[T]) -> T:
@@ -176,14 +216,18 @@ async def bounded(settings: Settings, call: Awaitable[T]) -> T:
     Redis answers with an error (OOM, READONLY after a failover, BUSY, CLUSTERDOWN: for
     the caller the store cannot decide now)."""
     loop = asyncio.get_running_loop()
+    watchdog = _watchdogs.get(loop)
+    if watchdog is None:
+        watchdog = _watchdogs[loop] = _Watchdog(loop)
     task = asyncio.current_task()
     assert task is not None
-    expiry = _Expiry(task)
-    handle = loop.call_at(loop.time() + settings.redis_deadline_s, expiry)
+    ticket = watchdog.start(task, loop.time() + settings.redis_deadline_s)
+    expired = False
     try:
         return await call
     except asyncio.CancelledError:
-        if not expiry.fired:
+        expired = watchdog.stop(ticket)
+        if not expired:
             raise
         task.uncancel()
         raise BackendUnavailable(
@@ -194,4 +238,5 @@ async def bounded(settings: Settings, call: Awaitable[T]) -> T:
             f"Redis failed or did not answer: {exc or type(exc).__name__}"
         ) from exc
     finally:
-        handle.cancel()
+        if not expired:
+            watchdog.stop(ticket)

@@ -444,7 +444,7 @@ async def test_a_silent_redis_is_bounded_by_the_deadline() -> None:
     settings = Settings(redis_deadline_s=0.2)
     try:
         async with asyncio.timeout(60):  # a hang fails the test instead of blocking CI
-            with pytest.raises(BackendUnavailable, match="did not answer within 0.2s"):
+            with pytest.raises(BackendUnavailable, match=r"did not answer within 0\.2s"):
                 await Claims(client, settings).resolve("ep")
             with pytest.raises(BackendUnavailable):
                 await Registry(client, settings).devices()
@@ -458,5 +458,39 @@ async def test_a_silent_redis_is_bounded_by_the_deadline() -> None:
                 await task
     finally:
         await client.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_each_call_ends_at_its_own_deadline() -> None:
+    """Calls in flight together on one event loop, each with its own deadline: the one
+    with the earlier deadline ends first, a quick call in between is not disturbed."""
+    import fakeredis
+    import redis.asyncio
+
+    from affinity import BackendUnavailable, Claims, Registry, Settings
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(-1)
+        writer.close()
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    silent = redis.asyncio.Redis(port=server.sockets[0].getsockname()[1])
+    quick = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    short, long = Settings(redis_deadline_s=0.1), Settings(redis_deadline_s=0.5)
+    try:
+        async with asyncio.timeout(60):
+            slow = asyncio.create_task(Claims(silent, long).resolve("a"))
+            fast = asyncio.create_task(Claims(silent, short).resolve("b"))
+            await Registry(quick, short).register("n", "http://n", cpu_devices(1))
+            assert (await Claims(quick, short).resolve("c")).status == "claimed"
+            done, _ = await asyncio.wait({slow, fast}, return_when=asyncio.FIRST_COMPLETED)
+            assert fast in done
+            for task in (fast, slow):
+                with pytest.raises(BackendUnavailable):
+                    await task
+    finally:
+        await silent.aclose()
+        await quick.aclose()
         server.close()
         await server.wait_closed()

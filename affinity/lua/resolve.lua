@@ -58,8 +58,20 @@ end
 
 --@lib
 
--- the ring's lowest member with its route and, when it is listed and active, its live
--- load; nil when the ring is empty
+-- The members of a device's load set: its live episodes, and idle ones past their deadline
+-- until a sweep. Counting members is enough while they are fewer than the capacity; only
+-- a set that reaches it is swept (and counted again), so it never holds more.
+local function members(device, cap)
+    local n = redis.call('ZCARD', LOAD_KEY .. device)
+    if n >= cap then
+        sweep(device, now_ms)
+        n = redis.call('ZCARD', LOAD_KEY .. device)
+    end
+    return n
+end
+
+-- the ring's lowest member with its route and, when it is listed and active, the members
+-- of its load set; nil when the ring is empty
 local function lowest()
     local m = redis.call('ZRANGE', RING, 0, 0, 'WITHSCORES')
     if #m == 0 then
@@ -68,14 +80,13 @@ local function lowest()
     local node, state, cap, weight, url = route(m[1])
     local live
     if node and state == 'active' then
-        sweep(m[1], now_ms)
-        live = redis.call('ZCARD', LOAD_KEY .. m[1])
+        live = members(m[1], cap)
     end
     return m[1], tonumber(m[2]), node, cap, weight, url, live
 end
 
--- write the new assignment on the chosen device (it had `live` episodes, fewer than `cap`,
--- and was scored k/weight in the ring) and answer
+-- write the new assignment on the chosen device (its load set had `live` members, fewer
+-- than `cap`, and it was scored k/weight in the ring) and answer
 local function assign(chosen, score, node, cap, weight, url, live, previous)
     local last = tonumber(redis.call('GET', TOKEN) or '0')
     token = int(math.max(last + 1, tonumber(t[1]) * 1000000 + tonumber(t[2])))
@@ -84,6 +95,9 @@ local function assign(chosen, score, node, cap, weight, url, live, previous)
     redis.call('SET', key, chosen .. ' ' .. token, 'PXAT', deadline)
     local load = LOAD_KEY .. chosen
     live = live + redis.call('ZADD', load, deadline, episode)
+    if live >= cap then
+        live = members(chosen, cap) -- swept: the idle ones may leave room
+    end
     if live < cap then
         redis.call('ZADD', RING, (math.floor(score * weight + 0.5) + 1) / weight, chosen)
     else
