@@ -88,9 +88,15 @@ end
 -- write the new assignment on the chosen device (its load set had `live` members, fewer
 -- than `cap`, and it was scored k/weight in the ring) and answer
 local function assign(chosen, score, node, cap, weight, url, live, previous)
-    local last = tonumber(redis.call('GET', TOKEN) or '0')
-    token = int(math.max(last + 1, tonumber(t[1]) * 1000000 + tonumber(t[2])))
-    redis.call('SET', TOKEN, token)
+    -- the token is max(last + 1, TIME in microseconds): one command unless the clock is
+    -- not ahead of the last token (several claims in one microsecond, or a clock behind)
+    local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    token = int(now_us)
+    local last = tonumber(redis.call('SET', TOKEN, token, 'GET') or '0')
+    if last >= now_us then
+        token = int(last + 1)
+        redis.call('SET', TOKEN, token)
+    end
     redis.call('INCR', RR)
     redis.call('SET', key, chosen .. ' ' .. token, 'PXAT', deadline)
     local load = LOAD_KEY .. chosen
