@@ -16,6 +16,7 @@ from affinity.errors import (
     StaleToken,
     UnknownDevice,
     UnknownEpisode,
+    UnknownNode,
 )
 from affinity.keys import Keys
 from affinity.registry import DeviceRegistration, DeviceStatus, NodeStatus, Registry
@@ -40,6 +41,7 @@ __all__ = [
     "StaleToken",
     "UnknownDevice",
     "UnknownEpisode",
+    "UnknownNode",
     "check_episode",
     "close",
     "connect",
