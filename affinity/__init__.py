@@ -24,6 +24,7 @@ from affinity.errors import (
     StaleToken,
     UnknownDevice,
     UnknownEpisode,
+    UnknownNode,
 )
 from affinity.keys import Keys
 from affinity.registry import DeviceRegistration, DeviceStatus, NodeStatus, Registry
@@ -54,6 +55,7 @@ __all__ = [
     "StateReset",
     "UnknownDevice",
     "UnknownEpisode",
+    "UnknownNode",
     "check_episode",
     "close",
     "connect",

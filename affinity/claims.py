@@ -1,4 +1,4 @@
-"""Episode claims: resolve (hit / claim / reassign), lookup, release.
+"""Episode claims: resolve (hit / claim / reassign), lookup, release, handoff.
 
 Argument building and reply parsing are plain functions; :class:`Claims` is the thin
 async shell the node and the CLI share.
@@ -6,41 +6,33 @@ async shell the node and the CLI share.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
-
-from redis.exceptions import RedisError
+from typing import Any, Literal, NamedTuple
 
 from affinity.config import Settings
-from affinity.errors import (
-    BackendUnavailable,
-    InvalidArgument,
-    NoCapacity,
-    StaleToken,
-    UnknownEpisode,
-)
-from affinity.scripts import Scripts
+from affinity.errors import InvalidArgument, NoCapacity, StaleToken, UnknownEpisode
+from affinity.scripts import Script, bounded, evalsha, scripts_for
 
 __all__ = [
     "MAX_EPISODE_BYTES",
     "Assignment",
     "Claims",
     "EpisodeInfo",
-    "bounded",
     "check_episode",
+    "check_token",
 ]
 
 MAX_EPISODE_BYTES = 512
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 Status = Literal["hit", "claimed", "reassigned"]
 
 
-@dataclass(frozen=True)
-class Assignment:
-    """Where an episode lives now, as decided by one ``resolve``."""
+class Assignment(NamedTuple):
+    """Where an episode lives now, as decided by one ``resolve`` (a named tuple: made on
+    every request, it is the cheapest immutable record)."""
 
     episode: str
     status: Status
@@ -62,11 +54,12 @@ class EpisodeInfo:
     node: str
     url: str
     state: str  # the device's state, or "removed" when its hash is gone
-    alive: bool  # the owner's lease is current
+    alive: bool  # the device is listed by its node and that node's lease is current
+    moved: bool = False  # handed over: the next resolve is "reassigned"
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "episode_id": self.episode,
+            "episode": self.episode,
             "device": self.device,
             "token": self.token,
             "ttl_ms": self.ttl_ms,
@@ -74,6 +67,7 @@ class EpisodeInfo:
             "url": self.url,
             "state": self.state,
             "alive": self.alive,
+            "moved": self.moved,
         }
 
 
@@ -96,7 +90,7 @@ def check_episode(episode: object) -> str:
         size = len(episode.encode("utf-8"))
     except UnicodeEncodeError:
         raise InvalidArgument("episode id", episode, "must be valid UTF-8") from None
-    if any(c < " " or c == "\x7f" for c in episode):
+    if _CONTROL.search(episode):
         # they would reach operators' terminals through redis-cli and the CLI
         raise InvalidArgument("episode id", episode, "must not contain control characters")
     if size > MAX_EPISODE_BYTES:
@@ -106,42 +100,27 @@ def check_episode(episode: object) -> str:
     return episode
 
 
-@asynccontextmanager
-async def bounded(settings: Settings) -> AsyncIterator[None]:
-    """Bound one library call by ``redis_deadline_s``; map transport errors and Redis
-    error replies to :class:`BackendUnavailable`."""
-    try:
-        async with asyncio.timeout(settings.redis_deadline_s):
-            yield
-    except (TimeoutError, RedisError, OSError) as exc:
-        # RedisError covers error replies too (OOM, READONLY after a failover, BUSY,
-        # CLUSTERDOWN): for the caller the store cannot decide now
-        raise BackendUnavailable(
-            f"Redis did not answer within {settings.redis_deadline_s}s: {exc or type(exc).__name__}"
-        ) from exc
+def check_token(token: object) -> int:
+    if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+        raise InvalidArgument("token", token, "must be a non-negative integer")
+    return token
 
 
-def parse_resolution(episode: str, reply: Sequence[Any]) -> Assignment:
-    status, device, token, node, url, previous = (str(x) for x in reply)
-    if status == "full":
-        raise NoCapacity(episode)
+def parse_resolution(episode: str, reply: str) -> Assignment:
+    """``"<status> <device> <token> <node> <url> <previous>"`` or ``"full <reason>"``."""
+    fields = reply.split(" ")
+    if fields[0] == "full":
+        raise NoCapacity(episode, fields[1])
+    status, device, token, node, url, previous = fields
     if status not in ("hit", "claimed", "reassigned"):
         raise ValueError(f"unexpected resolve reply {reply!r}")
-    return Assignment(
-        episode=episode,
-        status=status,  # type: ignore[arg-type]
-        device=device,
-        token=int(token),
-        node=node,
-        url=url,
-        previous=previous or None,
-    )
+    return Assignment(episode, status, device, int(token), node, url, previous or None)  # type: ignore[arg-type]
 
 
 def parse_lookup(episode: str, reply: Sequence[Any]) -> EpisodeInfo | None:
     if not reply:
         return None
-    device, token, ttl, node, url, state, alive = reply
+    device, token, ttl, node, url, state, alive, moved = reply
     return EpisodeInfo(
         episode=episode,
         device=str(device),
@@ -151,41 +130,46 @@ def parse_lookup(episode: str, reply: Sequence[Any]) -> EpisodeInfo | None:
         url=str(url),
         state=str(state),
         alive=str(alive) == "1",
+        moved=str(moved) == "1",
     )
 
 
 class Claims:
-    """Async claim API over one Redis client. Safe to share between tasks."""
+    """Async claim API over one Redis client. Safe to share between tasks.
+
+    Every call is one ``EVALSHA`` bounded by ``settings.redis_deadline_s``; it raises
+    :class:`BackendUnavailable` when Redis cannot decide in time.
+    """
 
     def __init__(self, redis: Any, settings: Settings) -> None:
         self.redis = redis
         self.settings = settings
         self.keys = settings.keys
-        self.scripts = Scripts.bind(redis)
+        self.scripts = scripts_for(settings)
+        self._episode_key = self.keys.episode("")
 
-    async def resolve(self, episode: str) -> Assignment:
+    async def _call(self, script: Script, episode: str, args: Sequence[Any] = ()) -> Any:
+        return await bounded(
+            self.settings, evalsha(self.redis, script, self._episode_key + episode, args)
+        )
+
+    async def resolve(self, episode: str, *, restart: bool = False) -> Assignment:
         """Find or make the episode's assignment in one atomic round trip.
 
-        ``hit`` slides the idle TTL; ``claimed``/``reassigned`` write a new assignment
-        with a new fencing token. Raises :class:`NoCapacity` (nothing written),
+        ``hit`` slides the idle deadline; ``claimed``/``reassigned`` write a new assignment
+        with a new fencing token. ``restart=True`` (a new sequence under the same id)
+        always writes a fresh assignment (``claimed``) and frees the old slot. Raises
+        :class:`NoCapacity` (nothing written for the episode; ``reason`` says why),
         :class:`InvalidArgument`, :class:`BackendUnavailable`.
         """
         episode = check_episode(episode)
-        k = self.keys
-        async with bounded(self.settings):
-            reply = await self.scripts.resolve(
-                keys=[k.episode(episode), k.rr, k.token, k.nodes, k.events],
-                args=[episode, self.settings.episode_ttl_ms, k.prefix, self.settings.events_maxlen],
-            )
+        reply = await self._call(self.scripts.resolve, episode, ("1",) if restart else ())
         return parse_resolution(episode, reply)
 
     async def lookup(self, episode: str) -> EpisodeInfo | None:
         """The episode's assignment without touching it, or ``None``."""
         episode = check_episode(episode)
-        k = self.keys
-        async with bounded(self.settings):
-            reply = await self.scripts.lookup(keys=[k.episode(episode), k.nodes], args=[k.prefix])
-        return parse_lookup(episode, reply)
+        return parse_lookup(episode, await self._call(self.scripts.lookup, episode))
 
     async def release(self, episode: str, token: int, reason: str = "end") -> str:
         """Delete the assignment if ``token`` still holds it; return the device it was on.
@@ -194,16 +178,19 @@ class Claims:
         token holds the episode, :class:`UnknownEpisode` when nothing does.
         """
         episode = check_episode(episode)
-        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-            raise InvalidArgument("token", token, "must be a non-negative integer")
-        k = self.keys
-        async with bounded(self.settings):
-            reply = await self.scripts.release(
-                keys=[k.episode(episode), k.events],
-                args=[episode, str(token), k.prefix, self.settings.events_maxlen, reason],
-            )
+        check_token(token)
+        reply = await self._call(self.scripts.release, episode, (str(token), reason))
         if reply[0] == "missing":
             raise UnknownEpisode(episode)
         if reply[0] == "stale":
             raise StaleToken(episode, token, int(reply[2]), str(reply[1]))
         return str(reply[1])
+
+    async def handoff(self, episode: str, token: int) -> bool:
+        """Hand the episode over (graceful stop): its next :meth:`resolve` says
+        ``reassigned`` with ``previous`` = its device, even though nothing failed, and its
+        load slot is free now. ``False`` (nothing written) when ``token`` no longer holds
+        the episode or it was handed over already."""
+        episode = check_episode(episode)
+        check_token(token)
+        return int(await self._call(self.scripts.handoff, episode, (str(token),))) == 1

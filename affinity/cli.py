@@ -1,9 +1,11 @@
 """``affinity``: the operator's command line, a thin shell over :class:`Registry` and
 :class:`Claims`.
 
-Exit codes: 0 ok, 1 not found (episode, device), 2 usage, 3 Redis unreachable or failing.
-``--json`` (before or after the subcommand) prints machine-readable output instead of
-tables; ``events --json`` prints one JSON object per line.
+Exit codes: 0 ok, 1 not found (episode, device, node, or no node registered at all in the
+namespace), 2 usage, 3 Redis unreachable or failing. ``--json`` (before or after the
+subcommand) prints machine-readable output instead of tables; ``events --json`` prints one
+JSON object per line. JSON says ``episode`` for an episode id everywhere, and tokens and
+counts are numbers.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ from affinity.claims import Claims
 from affinity.config import Settings
 from affinity.connection import close, connect
 from affinity.errors import (
+    AffinityError,
     BackendUnavailable,
     InvalidArgument,
     StaleToken,
     UnknownDevice,
     UnknownEpisode,
+    UnknownNode,
 )
 from affinity.registry import Registry
 
@@ -40,8 +44,20 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 FOLLOW_BLOCK_MS = 1000
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_REDIS = 0, 1, 2, 3
 _STREAM_ID = re.compile(r"^(-|\d+(-\d+)?)$")
+INTEGER_FIELDS = ("token", "count", "handed_over", "lease")  # of events, as JSON numbers
 
 Event = tuple[str, dict[str, str]]
+
+
+class NothingRegistered(AffinityError):
+    """The namespace holds no node and no device: probably the wrong Redis."""
+
+    def __init__(self, url: str, namespace: str) -> None:
+        super().__init__(
+            f"no node is registered in namespace {namespace!r} at {url}. A node started "
+            "without --redis keeps its own embedded store: start it with --embedded-port "
+            "PORT and point this command at it with --redis redis://127.0.0.1:PORT/0"
+        )
 
 
 @dataclass
@@ -50,6 +66,12 @@ class Context:
     claims: Claims
     json: bool
     out: TextIO
+    url: str  # as shown (no password)
+
+    async def require_deployment(self) -> None:
+        """Raise :class:`NothingRegistered` when the namespace is empty."""
+        if await self.registry.empty():
+            raise NothingRegistered(self.url, self.registry.keys.namespace)
 
 
 Command = Callable[[argparse.Namespace, Context], Awaitable[int]]
@@ -83,6 +105,17 @@ def event_line(event: Event) -> str:
     return " ".join(parts)
 
 
+def event_json(event: Event) -> dict[str, object]:
+    """An event as JSON: its id, its fields, tokens and counts as numbers."""
+    event_id, fields = event
+    out: dict[str, object] = {"id": event_id, **fields}
+    for name in INTEGER_FIELDS:
+        value = fields.get(name)
+        if value is not None and value.isdigit():
+            out[name] = int(value)
+    return out
+
+
 def emit(ctx: Context, text: str) -> None:
     print(text, file=ctx.out, flush=True)
 
@@ -95,6 +128,7 @@ def emit_json(ctx: Context, value: Any) -> None:
 
 
 async def cmd_devices(args: argparse.Namespace, ctx: Context) -> int:
+    await ctx.require_deployment()
     devices = await ctx.registry.devices()
     if ctx.json:
         emit_json(ctx, [d.to_json() for d in devices])
@@ -120,18 +154,31 @@ async def cmd_devices(args: argparse.Namespace, ctx: Context) -> int:
 
 
 async def cmd_nodes(args: argparse.Namespace, ctx: Context) -> int:
+    await ctx.require_deployment()
     nodes = await ctx.registry.nodes()
     if ctx.json:
         emit_json(ctx, [n.to_json() for n in nodes])
         return EXIT_OK
     rows = [
-        (n.node, n.url, yes_no(n.alive), seconds(n.lease_ms), ",".join(n.devices)) for n in nodes
+        (n.node, n.url, n.state, yes_no(n.alive), seconds(n.lease_ms), ",".join(n.devices))
+        for n in nodes
     ]
-    emit(ctx, table(("NODE", "URL", "ALIVE", "LEASE LEFT", "DEVICES"), rows))
+    emit(ctx, table(("NODE", "URL", "STATE", "ALIVE", "LEASE LEFT", "DEVICES"), rows))
+    return EXIT_OK
+
+
+async def cmd_forget(args: argparse.Namespace, ctx: Context) -> int:
+    await ctx.registry.forget(args.node)
+    if ctx.json:
+        emit_json(ctx, {"node": args.node, "forgotten": True})
+    else:
+        emit(ctx, f"forgot node {args.node} and its devices")
     return EXIT_OK
 
 
 async def cmd_episodes(args: argparse.Namespace, ctx: Context) -> int:
+    if args.device is None:
+        await ctx.require_deployment()
     rows = await ctx.registry.episodes(device=args.device, node=args.node)
     if ctx.json:
         emit_json(ctx, [r.to_json() for r in rows])
@@ -162,6 +209,7 @@ async def cmd_show(args: argparse.Namespace, ctx: Context) -> int:
         ("ttl left", seconds(info.ttl_ms)),
         ("state", info.state),
         ("alive", yes_no(info.alive)),
+        ("moved", "yes (handed over: its next step is reassigned)" if info.moved else "no"),
     ]
     emit(ctx, "\n".join(f"{k + ':':<10}{v}" for k, v in rows))
     return EXIT_OK
@@ -199,7 +247,7 @@ async def cmd_release(args: argparse.Namespace, ctx: Context) -> int:
     if ctx.json:
         emit_json(
             ctx,
-            {"episode_id": args.episode, "device": device, "token": info.token, "released": True},
+            {"episode": args.episode, "device": device, "token": info.token, "released": True},
         )
     else:
         emit(ctx, f"released {args.episode} from {device} (token {info.token})")
@@ -218,7 +266,7 @@ async def cmd_events(args: argparse.Namespace, ctx: Context) -> int:
         for event in batch:
             if limit is not None and printed >= limit:
                 return EXIT_OK
-            emit(ctx, json.dumps({"id": event[0], **event[1]}) if ctx.json else event_line(event))
+            emit(ctx, json.dumps(event_json(event)) if ctx.json else event_line(event))
             printed += 1
             cursor = event[0]
         if not args.follow or (limit is not None and printed >= limit):
@@ -280,7 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     command("devices", cmd_devices, "every registered device: state, liveness, live load")
-    command("nodes", cmd_nodes, "every node with its lease")
+    command("nodes", cmd_nodes, "every node with its lease; dead ones until forgotten")
+    p = command("forget", cmd_forget, "remove a dead node's record and its devices")
+    p.add_argument("node")
     p = command("episodes", cmd_episodes, "live assignments")
     p.add_argument("--device", help="only this device")
     p.add_argument("--node", help="only this node's devices")
@@ -319,11 +369,19 @@ def shown_url(url: str) -> str:
 
 
 async def run(args: argparse.Namespace, settings: Settings, out: TextIO) -> int:
+    assert settings.redis_url is not None
     client = connect(settings)
     try:
-        ctx = Context(Registry(client, settings), Claims(client, settings), args.json, out)
+        registry = Registry(client, settings)
+        ctx = Context(
+            registry, Claims(client, settings), args.json, out, shown_url(settings.redis_url)
+        )
         command: Command = args.run
-        return await command(args, ctx)
+        try:
+            return await command(args, ctx)
+        except (UnknownEpisode, UnknownDevice, UnknownNode):
+            await ctx.require_deployment()  # say so when nothing is registered at all
+            raise
     finally:
         await close(client)
 
@@ -348,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(run(args, settings, sys.stdout))
     except KeyboardInterrupt:
         return EXIT_OK if args.command == "events" else 130
-    except (UnknownEpisode, UnknownDevice, StaleToken) as exc:
+    except (UnknownEpisode, UnknownDevice, UnknownNode, StaleToken, NothingRegistered) as exc:
         return fail(EXIT_NOT_FOUND, str(exc))
     except (InvalidArgument, ValueError) as exc:
         return fail(EXIT_USAGE, str(exc))

@@ -15,6 +15,7 @@ __all__ = [
     "StaleToken",
     "UnknownDevice",
     "UnknownEpisode",
+    "UnknownNode",
 ]
 
 
@@ -36,11 +37,32 @@ class InvalidArgument(AffinityError, ValueError):
 
 
 class NoCapacity(AffinityError):
-    """No device is eligible for a new episode (all full, draining, down or dead)."""
+    """No device may take a new episode; nothing was written for it.
 
-    def __init__(self, episode: str) -> None:
+    ``reason`` is ``"no_nodes"`` (no node holds a lease: none registered yet, e.g. right
+    after Redis restarted empty, or every lease lapsed) or ``"at_capacity"`` (nodes are
+    alive, but every device is at capacity, draining, down or leaving).
+    """
+
+    REASONS = ("no_nodes", "at_capacity")
+
+    def __init__(self, episode: str, reason: str = "at_capacity") -> None:
+        if reason not in self.REASONS:
+            raise ValueError(f"unknown NoCapacity reason {reason!r}")
         self.episode = episode
-        super().__init__(f"no device has free capacity for episode {episode!r}")
+        self.reason = reason
+        if reason == "no_nodes":
+            message = (
+                f"no node is registered and alive, so episode {episode!r} cannot be placed "
+                "(nodes register at start-up, and again within one renewal period after "
+                "Redis lost its data)"
+            )
+        else:
+            message = (
+                f"every device of the live nodes is at capacity, draining, down or leaving: "
+                f"no device for episode {episode!r}"
+            )
+        super().__init__(message)
 
 
 class StaleToken(AffinityError):
@@ -72,12 +94,23 @@ class UnknownDevice(AffinityError, LookupError):
         super().__init__(f"device {device!r} is not registered")
 
 
+class UnknownNode(AffinityError, LookupError):
+    """Nothing is known about the node id (no record, no device)."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        super().__init__(f"node {node!r} is not registered")
+
+
 class BackendUnavailable(AffinityError):
     """Redis did not answer within the configured timeout and retry budget."""
 
 
 class NodeConflict(AffinityError):
-    """Another live process holds this node id (its lease is current); nothing written."""
+    """Another live process holds this node id (its lease is current); nothing written.
+
+    A node that gets it from a renewal has lost its registration to that process: it must
+    stop serving at once and exit."""
 
     def __init__(self, node: str) -> None:
         self.node = node

@@ -4,7 +4,7 @@ No other module writes a key literal. Every key starts with the hash tag
 ``{<namespace>}`` so that one Lua script may touch any of them on Redis Cluster too:
 they all hash to the same slot. Lua scripts that must derive a key from stored data
 (the device named in an assignment) get :attr:`Keys.prefix` through ``ARGV`` and append
-the same suffixes as the methods below.
+the same suffixes as the methods below (``affinity/lua/lib.lua``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ class Keys:
 
     @property
     def rr(self) -> str:
-        """String counter, ``INCR``ed once per new claim; drives the round-robin."""
+        """String counter: assignments made (claims and reassignments), ``INCR``ed by each.
+        It does not choose the device (the ring does)."""
         return self.prefix + "rr"
 
     @property
@@ -44,8 +45,25 @@ class Keys:
 
     @property
     def nodes(self) -> str:
-        """Sorted set: node id -> lease deadline (Redis server time, ms)."""
+        """Sorted set: node id -> lease deadline (Redis server time, ms), for the nodes that
+        hold a lease; a lapsed one stays until a claim or a renewal notices it."""
         return self.prefix + "nodes"
+
+    @property
+    def ring(self) -> str:
+        """Sorted set: device -> picks/weight, the devices that take new episodes now."""
+        return self.prefix + "ring"
+
+    @property
+    def full(self) -> str:
+        """Sorted set: device -> earliest idle deadline (ms) of an enrolled device at capacity."""
+        return self.prefix + "full"
+
+    @property
+    def route(self) -> str:
+        """Hash: device -> ``"node state capacity weight url"`` for devices listed by a
+        node that holds a lease (what the claim and the hit read)."""
+        return self.prefix + "route"
 
     @property
     def devices(self) -> str:
@@ -62,7 +80,9 @@ class Keys:
         return self.prefix + "episode:" + episode
 
     def node(self, node: str) -> str:
-        """Hash with the node's url, devices, started_at, version; TTL = lease TTL."""
+        """Hash: url, devices, started_at, version, instance, state (up, leaving, down), and
+        lease (its deadline, once it lapsed). Kept after a crash until the node registers
+        again or an operator forgets it."""
         return self.prefix + "node:" + node
 
     def device(self, device: str) -> str:

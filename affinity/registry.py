@@ -1,9 +1,11 @@
-"""Nodes, devices and their states: register, renew, deregister, drain, list.
+"""Nodes, devices and their states: register, renew, leave, deregister, forget, drain,
+list.
 
 A node registers its devices (ids ``<node>/<index>``) and holds a lease it renews every
 ``lease_ttl/3``; a node whose lease lapsed is dead for the claim script, which moves its
-episodes on their next request. Device hashes outlive nodes so that an operator's drain
-survives a restart.
+episodes on their next request, and the first claim or renewal that sees the lapse writes
+its ``node-down`` event. Device hashes outlive nodes so that an operator's drain survives
+a restart; a dead node's record stays until it registers again or is forgotten.
 """
 
 from __future__ import annotations
@@ -13,10 +15,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, NamedTuple
 
-from affinity.claims import bounded
 from affinity.config import Settings
-from affinity.errors import InvalidArgument, NodeConflict, UnknownDevice
-from affinity.scripts import Scripts
+from affinity.errors import InvalidArgument, NodeConflict, UnknownDevice, UnknownNode
+from affinity.scripts import Script, bounded, evalsha, scripts_for
 
 __all__ = [
     "STATES",
@@ -33,6 +34,7 @@ State = Literal["active", "draining", "down"]
 STATES: tuple[State, ...] = ("active", "draining", "down")
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_REASON = 256
+MAX_WEIGHT = 1000  # keeps the ring's picks/weight scores exact in a double (see lib.lua)
 
 
 def check_node_id(node: object) -> str:
@@ -57,16 +59,24 @@ class DeviceRegistration:
     capacity: int = 1
     weight: int = 1
     provider: str = ""  # the ONNX Runtime provider the device's session really uses
+    state: str = "active"  # "down" when the node's crash tracker has it down
+    reason: str = ""  # why it is down
 
     def __post_init__(self) -> None:
         for name in ("capacity", "weight"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"device {name}", value, "must be an integer >= 1")
+        if self.weight > MAX_WEIGHT:
+            raise InvalidArgument("device weight", self.weight, f"must be <= {MAX_WEIGHT}")
         if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
             raise InvalidArgument("device index", self.index, "must be an integer >= 0")
         if self.kind not in ("cuda", "cpu"):
             raise InvalidArgument("device kind", self.kind, "must be 'cuda' or 'cpu'")
+        if self.state not in ("active", "down"):
+            raise InvalidArgument("device state", self.state, "must be 'active' or 'down'")
+        if len(self.reason) > MAX_REASON:
+            raise InvalidArgument("reason", self.reason, f"must be at most {MAX_REASON} characters")
 
     def fields(self) -> list[str | int]:
         return [
@@ -79,6 +89,8 @@ class DeviceRegistration:
             self.capacity,
             self.weight,
             self.provider,
+            self.state,
+            self.reason,
         ]
 
 
@@ -116,6 +128,7 @@ class NodeStatus:
     url: str
     devices: tuple[str, ...]
     alive: bool
+    state: str  # up | leaving | down (its lease lapsed)
     lease_ms: int  # ms left on the lease (negative: lapsed that long ago)
     started_at_ms: int
     version: str
@@ -142,13 +155,18 @@ def _now_ms(reply: Sequence[int]) -> int:
 
 
 class Registry:
-    """Async registry API over one Redis client."""
+    """Async registry API over one Redis client. Every call is bounded by
+    ``settings.redis_deadline_s`` and raises :class:`BackendUnavailable` when Redis cannot
+    answer in time."""
 
     def __init__(self, redis: Any, settings: Settings) -> None:
         self.redis = redis
         self.settings = settings
         self.keys = settings.keys
-        self.scripts = Scripts.bind(redis)
+        self.scripts = scripts_for(settings)
+
+    async def _call(self, script: Script, key: str, args: Sequence[Any]) -> Any:
+        return await bounded(self.settings, evalsha(self.redis, script, key, args))
 
     async def register(
         self,
@@ -161,60 +179,68 @@ class Registry:
         """(Re)register ``node`` and its devices; start its lease. Returns the lease
         deadline (ms, Redis server time). Idempotent.
 
-        ``instance`` identifies the process: while another instance holds a current lease
-        on the same node id, nothing is written and :class:`NodeConflict` is raised."""
+        Each device's ``state`` (``down`` when the node's crash tracker has it down) is
+        registered as given; an operator's drain survives. Devices of this node id that
+        are not in ``devices`` are removed. ``instance`` identifies the process: while
+        another instance holds a current lease on the same node id, nothing is written and
+        :class:`NodeConflict` is raised."""
         check_node_id(node)
         if not devices:
             raise InvalidArgument("devices", [], "a node registers at least one device")
         indexes = [d.index for d in devices]
         if len(set(indexes)) != len(indexes):
             raise InvalidArgument("device indexes", indexes, "must be unique")
-        if not url:
-            raise InvalidArgument("url", url, "a node needs an advertise URL")
-        k = self.keys
-        args: list[str | int] = [
-            node,
-            url,
-            self.settings.lease_ttl_ms,
-            k.prefix,
-            self.settings.events_maxlen,
-            version,
-        ]
-        args.append(instance)
+        if not url or any(c.isspace() for c in url):
+            raise InvalidArgument("url", url, "a node needs an advertise URL without spaces")
+        args: list[str | int] = [url, version, instance]
         for d in devices:
             args.extend(d.fields())
-        async with bounded(self.settings):
-            deadline = int(
-                await self.scripts.register(
-                    keys=[k.node(node), k.nodes, k.devices, k.events], args=args
-                )
-            )
+        deadline = int(await self._call(self.scripts.register, self.keys.node(node), args))
         if deadline < 0:
             raise NodeConflict(node)
         return deadline
 
     async def renew(self, node: str, instance: str = "") -> bool:
-        """Extend the lease. ``False`` means the node is no longer registered (its lease
-        lapsed, Redis lost its data, or another instance took the id over): it must
-        :meth:`register` again."""
-        k = self.keys
-        async with bounded(self.settings):
-            deadline = await self.scripts.renew(
-                keys=[k.node(node), k.nodes], args=[node, self.settings.lease_ttl_ms, instance]
-            )
-        return int(deadline) >= 0
+        """Extend the lease. ``False`` means the node holds no lease any more (it lapsed,
+        it deregistered, or Redis lost its data): it must :meth:`register` again. Raises
+        :class:`NodeConflict` when another instance holds the node id with a current lease:
+        this process has lost its registration and must stop serving and exit."""
+        reply = int(await self._call(self.scripts.renew, self.keys.node(node), (instance,)))
+        if reply == -2:
+            raise NodeConflict(node)
+        return reply >= 0
+
+    async def leave(self, node: str, instance: str = "") -> int:
+        """Begin a graceful stop: the node's devices take no new episodes; the episodes
+        they hold stay until handed over (:meth:`Claims.handoff`) or :meth:`deregister`.
+        Keep renewing the lease meanwhile. Returns how many devices stopped taking
+        episodes (0 when the node is not registered). Raises :class:`NodeConflict`."""
+        reply = int(await self._call(self.scripts.leave, self.keys.node(node), (instance,)))
+        if reply < 0:
+            raise NodeConflict(node)
+        return reply
 
     async def deregister(self, node: str, instance: str = "") -> int:
-        """End the lease and release every episode on the node's devices (they move at
-        once). Returns how many were released; -1 when another instance holds the node
-        id (nothing is touched)."""
-        k = self.keys
-        async with bounded(self.settings):
-            return int(
-                await self.scripts.deregister(
-                    keys=[k.node(node), k.nodes, k.events],
-                    args=[node, k.prefix, self.settings.events_maxlen, instance],
-                )
+        """End the lease. Every episode still on the node's devices is handed over: its next
+        resolve says ``reassigned`` (so its client is told its state was reset). Returns
+        how many were handed over. Raises :class:`NodeConflict` (nothing touched) when
+        another instance holds the node id."""
+        reply = int(await self._call(self.scripts.deregister, self.keys.node(node), (instance,)))
+        if reply < 0:
+            raise NodeConflict(node)
+        return reply
+
+    async def forget(self, node: str) -> None:
+        """Remove what is known about a dead node: its record and its devices (their
+        drains too). Raises :class:`UnknownNode` when nothing is known, and
+        :class:`InvalidArgument` (nothing written) while the node holds a current lease."""
+        check_node_id(node)
+        reply = int(await self._call(self.scripts.forget, self.keys.node(node), ()))
+        if reply == 0:
+            raise UnknownNode(node)
+        if reply < 0:
+            raise InvalidArgument(
+                "node", node, "holds a current lease; stop it first (forget is for dead nodes)"
             )
 
     async def set_state(
@@ -224,8 +250,9 @@ class Registry:
 
         ``only_if`` makes it conditional on the current state. A ``down`` device asked to
         drain stays down and drains when it comes back up; a ``down`` device asked to be
-        ``active`` (its probe passed) returns to a drain it had before. Raises
-        :class:`UnknownDevice` (nothing written) and :class:`InvalidArgument`.
+        ``active`` (its probe passed) returns to a drain it had before. The device stops
+        or starts taking new episodes at once. Raises :class:`UnknownDevice` (nothing
+        written) and :class:`InvalidArgument`.
         """
         if state not in STATES:
             raise InvalidArgument("state", state, f"must be one of {', '.join(STATES)}")
@@ -235,12 +262,9 @@ class Registry:
             raise InvalidArgument("device", device, "must be a non-empty device id")
         if len(reason) > MAX_REASON:
             raise InvalidArgument("reason", reason, f"must be at most {MAX_REASON} characters")
-        k = self.keys
-        async with bounded(self.settings):
-            reply = await self.scripts.set_state(
-                keys=[k.device(device), k.events],
-                args=[device, state, reason, self.settings.events_maxlen, only_if or ""],
-            )
+        reply = await self._call(
+            self.scripts.set_state, self.keys.device(device), (state, reason, only_if or "")
+        )
         if not reply:
             raise UnknownDevice(device)
         return StateChange(str(reply[0]), reply[1] == "1", str(reply[2]))
@@ -259,31 +283,51 @@ class Registry:
     async def states(self, devices: Sequence[str]) -> dict[str, str]:
         """The current state of each of ``devices`` (``removed`` when its hash is gone)."""
         k = self.keys
-        async with bounded(self.settings):
-            pipe = self.redis.pipeline(transaction=False)
-            for device in devices:
-                pipe.hget(k.device(device), "state")
-            replies = await pipe.execute()
+        pipe = self.redis.pipeline(transaction=False)
+        for device in devices:
+            pipe.hget(k.device(device), "state")
+        replies = await bounded(self.settings, pipe.execute())
         return {d: s or "removed" for d, s in zip(devices, replies, strict=True)}
 
-    async def nodes(self) -> list[NodeStatus]:
-        """Every node in the nodes index, alive or lapsed (lapsed ones until reaped)."""
+    async def empty(self) -> bool:
+        """True when no node and no device was ever registered in this namespace (or
+        Redis lost them)."""
         k = self.keys
-        async with bounded(self.settings):
-            now = _now_ms(await self.redis.time())
-            entries = await self.redis.zrange(k.nodes, 0, -1, withscores=True)
-            pipe = self.redis.pipeline(transaction=False)
-            for node, _ in entries:
-                pipe.hgetall(k.node(node))
-            hashes = await pipe.execute()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.exists(k.devices, k.nodes)
+        (count,) = await bounded(self.settings, pipe.execute())
+        return int(count) == 0
+
+    async def nodes(self) -> list[NodeStatus]:
+        """Every node known: those holding a lease, and dead ones (their record stays
+        until they register again or are forgotten), sorted by id."""
+        return await bounded(self.settings, self._nodes())
+
+    async def _nodes(self) -> list[NodeStatus]:
+        k = self.keys
+        now = _now_ms(await self.redis.time())
+        leases = dict(await self.redis.zrange(k.nodes, 0, -1, withscores=True))
+        ids = sorted(
+            set(leases) | {d.split("/", 1)[0] for d in await self.redis.smembers(k.devices)}
+        )
+        pipe = self.redis.pipeline(transaction=False)
+        for node in ids:
+            pipe.hgetall(k.node(node))
+        hashes = await pipe.execute()
         out = []
-        for (node, deadline), h in zip(entries, hashes, strict=True):
+        for node, h in zip(ids, hashes, strict=True):
+            if not h:
+                continue
+            deadline = leases.get(node)
+            if deadline is None:
+                deadline = float(h.get("lease") or 0)
             out.append(
                 NodeStatus(
                     node=node,
                     url=h.get("url", ""),
                     devices=tuple(filter(None, h.get("devices", "").split(","))),
-                    alive=bool(h) and deadline > now,
+                    alive=node in leases and deadline > now,
+                    state="down" if deadline <= now else h.get("state", "up"),
                     lease_ms=int(deadline) - now,
                     started_at_ms=int(h.get("started_at", 0)),
                     version=h.get("version", ""),
@@ -293,29 +337,26 @@ class Registry:
 
     async def devices(self) -> list[DeviceStatus]:
         """Every registered device with its liveness and live load, sorted by id."""
+        return await bounded(self.settings, self._devices())
+
+    async def _devices(self) -> list[DeviceStatus]:
         k = self.keys
-        async with bounded(self.settings):
-            now = _now_ms(await self.redis.time())
-            ids = sorted(await self.redis.smembers(k.devices))
-            pipe = self.redis.pipeline(transaction=False)
-            for device in ids:
-                pipe.hgetall(k.device(device))
-                pipe.zcount(k.load(device), now, "+inf")
-            replies = await pipe.execute()
-            hashes = replies[0::2]
-            node_ids = sorted({h.get("node", "") for h in hashes if h})
-            pipe = self.redis.pipeline(transaction=False)
-            for node in node_ids:
-                pipe.zscore(k.nodes, node)
-                pipe.exists(k.node(node))
-            lease = await pipe.execute()
+        now = _now_ms(await self.redis.time())
+        ids = sorted(await self.redis.smembers(k.devices))
+        pipe = self.redis.pipeline(transaction=False)
+        for device in ids:
+            pipe.hgetall(k.device(device))
+            pipe.zcount(k.load(device), now, "+inf")
+            pipe.hexists(k.route, device)
+        replies = await pipe.execute()
+        hashes = replies[0::3]
         alive_nodes = {
             node
-            for node, deadline, exists in zip(node_ids, lease[0::2], lease[1::2], strict=True)
-            if deadline is not None and deadline > now and exists
+            for node, deadline in await self.redis.zrange(k.nodes, 0, -1, withscores=True)
+            if deadline > now
         }
         out = []
-        for device, h, load in zip(ids, hashes, replies[1::2], strict=True):
+        for device, h, load, listed in zip(ids, hashes, replies[1::3], replies[2::3], strict=True):
             if not h:
                 continue
             out.append(
@@ -333,7 +374,7 @@ class Registry:
                     provider=h.get("provider", ""),
                     state=h["state"],
                     reason=h.get("reason", ""),
-                    alive=h["node"] in alive_nodes,
+                    alive=bool(listed) and h["node"] in alive_nodes,
                     load=int(load),
                 )
             )
@@ -342,51 +383,56 @@ class Registry:
     async def episodes(
         self, device: str | None = None, node: str | None = None
     ) -> list[EpisodeRow]:
-        """Live assignments, from the devices' load sets, optionally filtered."""
+        """Live assignments, from the devices' load sets, optionally filtered. With
+        ``device`` it reads that device's load set only (at most its capacity of members).
+        Raises :class:`UnknownDevice` for a device that is not registered."""
+        return await bounded(self.settings, self._episodes(device, node))
+
+    async def _episodes(self, device: str | None, node: str | None) -> list[EpisodeRow]:
         k = self.keys
-        all_devices = await self.devices()
-        chosen = [
-            d.device
-            for d in all_devices
-            if (device is None or d.device == device) and (node is None or d.node == node)
-        ]
-        if device is not None and not any(d.device == device for d in all_devices):
-            raise UnknownDevice(device)
-        async with bounded(self.settings):
-            now = _now_ms(await self.redis.time())
-            pipe = self.redis.pipeline(transaction=False)
-            for d in chosen:
-                pipe.zrangebyscore(k.load(d), now, "+inf")
-            members = await pipe.execute()
-            pairs = [(d, ep) for d, eps in zip(chosen, members, strict=True) for ep in eps]
-            pipe = self.redis.pipeline(transaction=False)
-            for _, ep in pairs:
-                pipe.get(k.episode(ep))
-                pipe.pttl(k.episode(ep))
-            values = await pipe.execute()
+        if device is not None:
+            if not await self.redis.exists(k.device(device)):
+                raise UnknownDevice(device)
+            chosen = [device]
+        else:
+            chosen = sorted(await self.redis.smembers(k.devices))
+        if node is not None:
+            chosen = [d for d in chosen if d.split("/", 1)[0] == node]
+        now = _now_ms(await self.redis.time())
+        pipe = self.redis.pipeline(transaction=False)
+        for d in chosen:
+            pipe.zrangebyscore(k.load(d), now, "+inf")
+        members = await pipe.execute()
+        pairs = [(d, ep) for d, eps in zip(chosen, members, strict=True) for ep in eps]
+        pipe = self.redis.pipeline(transaction=False)
+        for _, ep in pairs:
+            pipe.get(k.episode(ep))
+            pipe.pttl(k.episode(ep))
+        values = await pipe.execute()
         rows = []
         for (d, ep), value, ttl in zip(pairs, values[0::2], values[1::2], strict=True):
             if not value:
                 continue
-            owner, _, token = value.rpartition(" ")
-            if owner == d:
+            owner, token, *flag = value.split(" ")
+            if owner == d and not flag:
                 rows.append(EpisodeRow(episode=ep, device=d, token=int(token), ttl_ms=int(ttl)))
         return rows
 
     async def events(self, since: str = "-", count: int = 100) -> list[tuple[str, dict[str, str]]]:
         """Up to ``count`` events after ``since`` (a stream id; ``-`` is the start)."""
-        k = self.keys
         start = since if since == "-" else f"({since}"
-        async with bounded(self.settings):
-            reply = await self.redis.xrange(k.events, start, "+", count=count)
+        reply = await bounded(
+            self.settings, self.redis.xrange(self.keys.events, start, "+", count=count)
+        )
         return [(str(i), dict(f)) for i, f in reply]
 
     async def latest_events(self, count: int) -> tuple[list[tuple[str, dict[str, str]]], str]:
         """The last ``count`` events (oldest first), and the id to follow on from with
         :meth:`wait_events` (``0-0`` for an empty stream; never ``$``, which would miss
         what arrives between two waits)."""
-        async with bounded(self.settings):
-            reply = await self.redis.xrevrange(self.keys.events, count=max(count, 1))
+        reply = await bounded(
+            self.settings, self.redis.xrevrange(self.keys.events, count=max(count, 1))
+        )
         newest_first = [(str(i), dict(f)) for i, f in reply]
         cursor = newest_first[0][0] if newest_first else "0-0"
         return newest_first[:count][::-1], cursor
@@ -398,8 +444,9 @@ class Registry:
         stream returns ``[]`` instead of timing out; callers loop."""
         k = self.keys
         block = max(1, min(block_ms, round(self.settings.redis_timeout_s * 1000) - 100))
-        async with bounded(self.settings):
-            reply = await self.redis.xread({k.events: since}, block=block, count=100)
+        reply = await bounded(
+            self.settings, self.redis.xread({k.events: since}, block=block, count=100)
+        )
         if not reply:
             return []
         entries = reply[k.events][0] if isinstance(reply, dict) else reply[0][1]

@@ -109,16 +109,17 @@ class Env:
         return [f"{node}/{i}" for i in range(n)]
 
     async def lapse(self, node: str) -> None:
-        """What a lapsed lease looks like: the deadline in the past, the hash expired."""
+        """What a lapsed lease looks like: the deadline in the past (nobody noticed yet)."""
         await self.redis.zadd(self.keys.nodes, {node: 1})
-        await self.redis.delete(self.keys.node(node))
 
     async def expire(self, episode: str) -> None:
-        """What an idle TTL running out looks like for one episode."""
+        """What an idle TTL running out looks like for one episode: the key gone, its
+        load-set deadline (and a full device's earliest deadline) in the past."""
         value = await self.redis.get(self.keys.episode(episode))
-        device = value.rsplit(" ", 1)[0]
+        device = value.split(" ")[0]
         await self.redis.delete(self.keys.episode(episode))
         await self.redis.zadd(self.keys.load(device), {episode: 1})
+        await self.redis.zadd(self.keys.full, {device: 1}, xx=True)
 
     async def snapshot(self) -> dict[str, Any]:
         """The whole keyspace, for 'nothing was written' assertions (stream ids included)."""

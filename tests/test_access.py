@@ -21,10 +21,10 @@ pytestmark = pytest.mark.integration
 
 # Every command affinity sends, directly or from its Lua scripts (ACL applies to both).
 ACL_COMMANDS = (
-    "+ping +hello +auth +time +info|memory "
-    "+evalsha +eval +script|load "
-    "+get +set +incr +del +exists +pexpire +pttl +type "
-    "+hget +hmget +hset +hdel +hgetall "
+    "+ping +hello +auth +time "
+    "+evalsha +script|load "
+    "+get +set +incr +del +exists +pexpireat +pttl "
+    "+hget +hmget +hset +hdel +hgetall +hexists "
     "+sadd +srem +smembers "
     "+zadd +zrem +zscore +zcount +zrange +zrangebyscore +zremrangebyscore +zcard "
     "+xadd +xrange +xrevrange +xread"

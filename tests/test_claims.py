@@ -135,8 +135,13 @@ async def test_full_when_no_node(env: Env) -> None:
 
 async def test_reassign_with_nowhere_to_go_writes_nothing(env: Env) -> None:
     await env.node("a", 1)
-    await env.claims.resolve("ep")
+    a = await env.claims.resolve("ep")
     await env.lapse("a")
+    with pytest.raises(NoCapacity) as err:
+        await env.claims.resolve("ep")  # notices the lapse: node-down, nothing else
+    assert err.value.reason == "no_nodes"
+    assert await env.redis.get(env.keys.episode("ep")) == f"a/0 {a.token}"
+    assert [f["type"] for _, f in await env.registry.events()][-1] == "node-down"
     before = await env.snapshot()
     with pytest.raises(NoCapacity):
         await env.claims.resolve("ep")
@@ -301,17 +306,28 @@ async def test_drain_follows_the_gpu_uuid_not_the_index(env: Env) -> None:
     assert {d.device: d.state for d in await env.registry.devices()}["a/0"] == "draining"
 
 
-async def test_deregister_releases_episodes(env: Env) -> None:
+async def test_deregister_hands_episodes_over(env: Env) -> None:
     await env.node("a", 1)
     await env.node("b", 1)
     on_a = [e for e in [await env.claims.resolve(f"ep-{i}") for i in range(4)] if e.node == "a"]
     assert await env.registry.deregister("a") == len(on_a) == 2
     for e in on_a:
-        assert await env.redis.get(env.keys.episode(e.episode)) is None
+        key = env.keys.episode(e.episode)
+        assert await env.redis.get(key) == f"a/0 {e.token} moved"
+        assert 0 < await env.redis.pttl(key) <= 60_000  # the same expiry as before
         moved = await env.claims.resolve(e.episode)
-        assert (moved.status, moved.device) == ("claimed", "b/0")
+        assert (moved.status, moved.device, moved.previous) == ("reassigned", "b/0", "a/0")
+        assert moved.token > e.token
     nodes = {n.node: n.alive for n in await env.registry.nodes()}
     assert nodes == {"b": True}
+    events = [f for _, f in await env.registry.events()]
+    assert {
+        "type": "node-down",
+        "node": "a",
+        "reason": "deregistered",
+        "handed_over": "2",
+    } in events
+    assert [f["from"] for f in events if f["type"] == "reassign"] == ["a/0", "a/0"]
 
 
 async def test_renew_after_loss_asks_to_register(env: Env) -> None:
@@ -381,10 +397,100 @@ async def test_one_node_id_one_live_process(env: Env) -> None:
     before = await env.snapshot()
     with pytest.raises(NodeConflict, match="'a'"):
         await env.registry.register("a", "http://a-second", devices, instance="second")
-    assert await env.registry.renew("a", "second") is False
-    assert await env.registry.deregister("a", "second") == -1
+    # the process that lost the node id learns it at its next renewal, and must exit
+    for call in (env.registry.renew, env.registry.deregister, env.registry.leave):
+        with pytest.raises(NodeConflict):
+            await call("a", "second")
     assert await env.snapshot() == before
     assert await env.registry.renew("a", "first") is True
     await env.lapse("a")  # once the first one's lease lapsed, the id is free
     await env.registry.register("a", "http://a-second", devices, instance="second")
-    assert await env.registry.renew("a", "first") is False
+    with pytest.raises(NodeConflict):  # the first one must stop serving and exit
+        await env.registry.renew("a", "first")
+    assert await env.registry.renew("a", "second") is True
+
+
+async def test_a_namespace_with_quotes_and_backslashes(env: Env) -> None:
+    """The scripts carry the namespace's key names as Lua literals: any namespace works."""
+    from affinity import Claims, Registry
+
+    odd = env.settings.with_(namespace="o'k\\x]]--")
+    registry, claims = Registry(env.redis, odd), Claims(env.redis, odd)
+    await registry.register("a", "http://a", cpu_devices(1))
+    a = await claims.resolve("ep")
+    assert (a.status, a.device) == ("claimed", "a/0")
+    assert await env.redis.get(odd.keys.episode("ep")) == f"a/0 {a.token}"
+    assert (await claims.resolve("ep")).status == "hit"
+    assert await claims.release("ep", a.token) == "a/0"
+    assert await env.redis.keys("{affinity}:*") == []
+
+
+async def test_a_silent_redis_is_bounded_by_the_deadline() -> None:
+    """A Redis that accepts the connection and never answers: every call ends with
+    BackendUnavailable at its deadline (the client here has no socket timeout of its own);
+    the caller's task is left usable, and a cancellation from outside stays a
+    cancellation."""
+    import redis.asyncio
+
+    from affinity import BackendUnavailable, Claims, Registry, Settings
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(-1)
+        writer.close()
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = redis.asyncio.Redis(port=port, decode_responses=True)
+    settings = Settings(redis_deadline_s=0.2)
+    try:
+        async with asyncio.timeout(60):  # a hang fails the test instead of blocking CI
+            with pytest.raises(BackendUnavailable, match=r"did not answer within 0\.2s"):
+                await Claims(client, settings).resolve("ep")
+            with pytest.raises(BackendUnavailable):
+                await Registry(client, settings).devices()
+            await asyncio.sleep(0)  # the task carries no pending cancellation
+            task = asyncio.create_task(
+                Claims(client, settings.with_(redis_deadline_s=30)).resolve("ep")
+            )
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    finally:
+        await client.aclose()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_each_call_ends_at_its_own_deadline() -> None:
+    """Calls in flight together on one event loop, each with its own deadline: the one
+    with the earlier deadline ends first, a quick call in between is not disturbed."""
+    import fakeredis
+    import redis.asyncio
+
+    from affinity import BackendUnavailable, Claims, Registry, Settings
+
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(-1)
+        writer.close()
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    silent = redis.asyncio.Redis(port=server.sockets[0].getsockname()[1])
+    quick = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    short, long = Settings(redis_deadline_s=0.1), Settings(redis_deadline_s=0.5)
+    try:
+        async with asyncio.timeout(60):
+            slow = asyncio.create_task(Claims(silent, long).resolve("a"))
+            fast = asyncio.create_task(Claims(silent, short).resolve("b"))
+            await Registry(quick, short).register("n", "http://n", cpu_devices(1))
+            assert (await Claims(quick, short).resolve("c")).status == "claimed"
+            done, _ = await asyncio.wait({slow, fast}, return_when=asyncio.FIRST_COMPLETED)
+            assert fast in done
+            for task in (fast, slow):
+                with pytest.raises(BackendUnavailable):
+                    await task
+    finally:
+        await silent.aclose()
+        await quick.aclose()
+        server.close()
+        await server.wait_closed()

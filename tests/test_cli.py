@@ -73,8 +73,7 @@ async def populate(url: str, namespace: str = "affinity") -> dict[str, tuple[str
     registry, claims = Registry(client, settings), Claims(client, settings)
     try:
         await registry.register("gone-c", "http://gone-c:8000", devices("gone-c", "cpu", 1, 4))
-        await client.zadd(settings.keys.nodes, {"gone-c": 1})
-        await client.delete(settings.keys.node("gone-c"))
+        await client.zadd(settings.keys.nodes, {"gone-c": 1})  # its lease lapsed
         await registry.register("gpu-a", "http://gpu-a:8000", devices("gpu-a", "cuda", 2, 4))
         await registry.register("cpu-b", "http://cpu-b:8000", devices("cpu-b", "cpu", 2, 8))
         placed = {}
@@ -180,14 +179,18 @@ def test_json_before_and_after_the_subcommand(
 def test_nodes(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli(dep, capsys, "nodes")
     assert (code, err) == (0, "")
-    headers = ["NODE", "URL", "ALIVE", "LEASE LEFT", "DEVICES"]
+    headers = ["NODE", "URL", "STATE", "ALIVE", "LEASE LEFT", "DEVICES"]
     rows = {r["NODE"]: r for r in parse_table(out, headers)}
     assert sorted(rows) == ["cpu-b", "gone-c", "gpu-a"]
     assert rows["gpu-a"]["URL"] == "http://gpu-a:8000"
     assert rows["gpu-a"]["DEVICES"] == "gpu-a/0,gpu-a/1"
     assert rows["gpu-a"]["ALIVE"] == "yes" and rows["gone-c"]["ALIVE"] == "no"
+    assert (rows["gpu-a"]["STATE"], rows["gone-c"]["STATE"]) == ("up", "down")
     assert 0 < float(rows["gpu-a"]["LEASE LEFT"].rstrip("s")) <= 60
     assert float(rows["gone-c"]["LEASE LEFT"].rstrip("s")) < 0
+    # what is known about the dead node stays visible
+    assert rows["gone-c"]["URL"] == "http://gone-c:8000"
+    assert rows["gone-c"]["DEVICES"] == "gone-c/0"
 
     code, out, _ = cli(dep, capsys, "nodes", "--json")
     assert code == 0
@@ -256,7 +259,8 @@ def test_show(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(dep, capsys, "show", "ep-1", "--json")
     assert code == 0
     shown = json.loads(out)
-    assert (shown["episode_id"], shown["device"], shown["token"]) == ("ep-1", device, token)
+    assert (shown["episode"], shown["device"], shown["token"]) == ("ep-1", device, token)
+    assert shown["moved"] is False and fields["moved"] == "no"
     assert shown["alive"] is True and 0 < shown["ttl_ms"] <= 300_000
 
     code, out, err = cli(dep, capsys, "show", "ep-missing")
@@ -275,7 +279,7 @@ def test_release(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(dep, capsys, "events", "--count", "1", "--json")
     event = json.loads(out)
     assert event["type"] == "release" and event["episode"] == "ep-2"
-    assert (event["device"], event["token"], event["reason"]) == (device, str(token), "operator")
+    assert (event["device"], event["token"], event["reason"]) == (device, token, "operator")
 
     code, out, err = cli(dep, capsys, "release", "ep-2", "--json")
     assert (code, out) == (1, "")
@@ -285,7 +289,7 @@ def test_release(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(dep, capsys, "--json", "release", "ep-3")
     assert code == 0
     assert json.loads(out) == {
-        "episode_id": "ep-3",
+        "episode": "ep-3",
         "device": device3,
         "token": token3,
         "released": True,
@@ -336,25 +340,82 @@ def test_events(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli(dep, capsys, "events", "--since", "-", "--count", "100")
     assert (code, err) == (0, "")
     lines = out.splitlines()
-    # 3 node-up, then one claim per episode
-    assert [line.split(" ")[1] for line in lines] == ["node-up"] * 3 + ["claim"] * len(EPISODES)
+    # gone-c up, its lapse noticed by the next registration, 2 node-up, one claim each
+    assert [line.split(" ")[1] for line in lines] == [
+        "node-up",
+        "node-down",
+        "node-up",
+        "node-up",
+    ] + ["claim"] * len(EPISODES)
+    assert "node=gone-c" in lines[1] and "reason='lease lapsed'" in lines[1]
     ids = [line.split(" ")[0] for line in lines]
     assert ids == sorted(ids, key=lambda i: tuple(map(int, i.split("-"))))
     device, token = dep.placed["ep-1"]
-    first_claim = lines[3].split(" ")
+    first_claim = lines[4].split(" ")
     assert "episode=ep-1" in first_claim and f"device={device}" in first_claim
     assert f"token={token}" in first_claim and "from=" in first_claim
 
-    code, out, _ = cli(dep, capsys, "events", "--json")  # the latest 20: all 9 here
+    code, out, _ = cli(dep, capsys, "events", "--json")  # the latest 20: all 10 here
     events = [json.loads(line) for line in out.splitlines()]
     assert [e["id"] for e in events] == ids
-    assert [e["episode"] for e in events[3:]] == EPISODES
+    assert [e["episode"] for e in events[4:]] == EPISODES
+    assert [e["token"] for e in events[4:]] == [dep.placed[ep][1] for ep in EPISODES]
+    assert events[1]["lease"] == 1  # numbers in JSON, like the tokens
 
     code, out, _ = cli(dep, capsys, "events", "--count", "2", "--json")
     assert [json.loads(line)["episode"] for line in out.splitlines()] == EPISODES[-2:]
 
     code, out, _ = cli(dep, capsys, "events", "--since", ids[4], "--count", "2")
     assert [line.split(" ")[0] for line in out.splitlines()] == ids[5:7]
+
+
+def test_one_json_vocabulary(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """An episode id is ``episode`` in every JSON the CLI prints; tokens are numbers."""
+    rows = json.loads(cli(dep, capsys, "episodes", "--json")[1])
+    shown = json.loads(cli(dep, capsys, "show", "ep-4", "--json")[1])
+    released = json.loads(cli(dep, capsys, "release", "ep-4", "--json")[1])
+    _, out, _ = cli(dep, capsys, "events", "--count", "3", "--json")
+    events = [json.loads(line) for line in out.splitlines()]
+    for obj in [*rows, shown, released, *events]:
+        assert "episode_id" not in obj
+        if "episode" in obj:
+            assert isinstance(obj["token"], int), obj
+
+
+# -- dead nodes, forget, an empty Redis ------------------------------------------------------
+
+
+def test_forget(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = cli(dep, capsys, "forget", "gone-c")
+    assert (code, out, err) == (0, "forgot node gone-c and its devices\n", "")
+    code, out, _ = cli(dep, capsys, "nodes", "--json")
+    assert [n["node"] for n in json.loads(out)] == ["cpu-b", "gpu-a"]
+    code, out, _ = cli(dep, capsys, "devices", "--json")
+    assert "gone-c/0" not in [d["device"] for d in json.loads(out)]
+    code, out, err = cli(dep, capsys, "forget", "gone-c")
+    assert (code, out, err) == (1, "", "affinity: node 'gone-c' is not registered\n")
+    code, out, err = cli(dep, capsys, "forget", "gpu-a")
+    assert (code, out) == (2, "") and "current lease" in err and err.count("\n") == 1
+
+
+def test_an_empty_redis_says_no_node_is_registered(
+    dep: Deployment, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dep.server.client().flushall()
+    for argv in (
+        ["devices"],
+        ["nodes", "--json"],
+        ["episodes"],
+        ["show", "ep-1"],
+        ["drain", "gpu-a/0"],
+        ["episodes", "--device", "gpu-a/0"],
+    ):
+        code, out, err = cli(dep, capsys, *argv)
+        assert (code, out) == (1, ""), argv
+        assert err.startswith(
+            f"affinity: no node is registered in namespace 'affinity' at {dep.url}."
+        ), err
+        assert "--embedded-port" in err and err.count("\n") == 1
 
 
 def test_events_follow_backlog_bounded(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,7 +7,7 @@ import pytest
 from redis.crc import key_slot
 
 from affinity import Keys
-from affinity.scripts import NAMES, source
+from affinity.scripts import NAMES, lua_string, source
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,6 +19,9 @@ def test_every_key_shares_one_slot(namespace: str) -> None:
         k.rr,
         k.token,
         k.nodes,
+        k.ring,
+        k.full,
+        k.route,
         k.devices,
         k.events,
         k.episode("ep-42"),
@@ -47,7 +50,9 @@ def test_bad_namespace(bad: str) -> None:
 
 
 def test_no_key_literals_outside_keys_module() -> None:
-    pattern = re.compile(r"""["'][^"']*\}:(episode|node|device|load|rr|token|nodes|events)""")
+    pattern = re.compile(
+        r"""["'][^"']*\}:(episode|node|device|load|rr|token|nodes|events|ring|full|route)"""
+    )
     offenders = [
         str(p.relative_to(ROOT))
         for folder in ("affinity", "node")
@@ -61,5 +66,24 @@ def test_no_key_literals_outside_keys_module() -> None:
 def test_scripts_have_headers_and_use_no_scan(name: str) -> None:
     text = source(name)
     assert text.startswith("-- " + name + ":")
-    assert "KEYS[1]" in text.split("\n\n")[1] or "KEYS[1]" in text[:600]
+    assert "KEYS[1]" in text[:600]
+    assert "\n--@lib\n" in text
     assert "'KEYS'" not in text and "'SCAN'" not in text
+
+
+def test_lib_depends_on_no_call_arguments() -> None:
+    text = source("lib")
+    assert text.startswith("-- lib:")
+    assert "KEYS[" not in text and "ARGV[" not in text
+    assert "'KEYS'" not in text and "'SCAN'" not in text
+
+
+@pytest.mark.parametrize("value", ["{affinity}:", "o'k\\x]]", "é\n\0", "%d(.*)$"])
+def test_header_strings_are_escaped_lua_literals(value: str) -> None:
+    literal = lua_string(value)
+    assert literal.startswith("'") and literal.endswith("'")
+    body = literal[1:-1]
+    assert "'" not in body.replace("\\039", "") and "\n" not in body
+    # decoding the \ddd escapes gives the bytes back
+    decoded = re.sub(rb"\\(\d{3})", lambda m: bytes([int(m.group(1))]), body.encode())
+    assert decoded == value.encode()

@@ -1,4 +1,7 @@
-"""Property tests (hypothesis) of the claim script, on fakeredis and a real Redis."""
+"""Property tests (hypothesis) of the claim script, on fakeredis and a real Redis.
+
+Leases and idle TTLs are ten days: nothing lapses or expires by the clock during an
+example however slow the machine is (expiry is made explicitly with ``Env.expire``)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from hypothesis import strategies as st
 from affinity import Claims, NoCapacity, Registry, Settings, StaleToken
 from tests.conftest import BACKENDS, Env, cpu_devices, make_client
 
+TEN_DAYS = 10 * 24 * 3600.0
 SETTINGS = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -23,7 +27,7 @@ SETTINGS = settings(
 def run(backend: str, body: Callable[[Env], Awaitable[None]]) -> None:
     async def main() -> None:
         client = await make_client(backend)
-        s = Settings(episode_ttl_s=60)
+        s = Settings(episode_ttl_s=TEN_DAYS, lease_ttl_s=TEN_DAYS)
         try:
             await body(Env(client, s, Claims(client, s), Registry(client, s)))
         finally:
@@ -44,6 +48,61 @@ def test_weighted_round_robin_is_exact(backend: str, weights: list[int], warm: i
             await env.claims.resolve(f"warm-{i}")
         window = [(await env.claims.resolve(f"ep-{i}")).device for i in range(sum(weights))]
         assert Counter(window) == {f"n/{i}": w for i, w in enumerate(weights)}
+
+    run(backend, body)
+
+
+changes = st.lists(
+    st.one_of(
+        st.tuples(st.just("claim"), st.integers(1, 3)),
+        st.tuples(st.just("drain"), st.integers(0, 7)),
+        st.tuples(st.just("undrain"), st.integers(0, 7)),
+        st.tuples(st.just("join"), st.integers(1, 5)),
+    ),
+    max_size=12,
+)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@SETTINGS
+@given(weights=st.lists(st.integers(1, 5), min_size=1, max_size=4), steps=changes)
+def test_round_robin_stays_exact_as_devices_come_and_go(
+    backend: str, weights: list[int], steps: list[tuple[str, int]]
+) -> None:
+    """Whatever joined, left or came back before (draining, undraining, a node
+    registering), the next sum-of-weights claims give each device exactly its weight."""
+
+    async def body(env: Env) -> None:
+        await env.registry.register("n", "http://n", cpu_devices(weights=weights, capacity=10_000))
+        weight = {f"n/{i}": w for i, w in enumerate(weights)}
+        claimed = 0
+
+        async def claim(n: int) -> list[str]:
+            nonlocal claimed
+            picks = [(await env.claims.resolve(f"ep-{claimed + i}")).device for i in range(n)]
+            claimed += n
+            return picks
+
+        for op, x in steps:
+            devices = sorted(weight)
+            if op == "claim" and any(d.state == "active" for d in await env.registry.devices()):
+                await claim(x)
+            elif op == "drain":
+                await env.registry.drain(devices[x % len(devices)])
+            elif op == "undrain":
+                await env.registry.undrain(devices[x % len(devices)])
+            elif op == "join":
+                node = f"m{len(weight)}"
+                await env.registry.register(
+                    node, f"http://{node}", cpu_devices(weights=[x], capacity=10_000)
+                )
+                weight[f"{node}/0"] = x
+        active = {d.device for d in await env.registry.devices() if d.state == "active"}
+        if not active:
+            await env.registry.undrain("n/0")
+            active = {"n/0"}
+        window = sum(weight[d] for d in active)
+        assert Counter(await claim(window)) == {d: weight[d] for d in active}
 
     run(backend, body)
 

@@ -79,6 +79,28 @@ def check_nodes(out: str, f: Fleet) -> None:
     assert all(float(score) > f.now_ms for score in lines[1::2])
 
 
+def check_node_hash(out: str, f: Fleet) -> None:
+    lines = out.splitlines()
+    fields = dict(zip(lines[0::2], lines[1::2], strict=True))
+    assert (fields["url"], fields["state"]) == ("http://gpu-a:8000", "up")
+    assert fields["devices"] == "gpu-a/0,gpu-a/1"
+
+
+def check_route(out: str, f: Fleet) -> None:
+    assert out == "gpu-a active 4 1 http://gpu-a:8000\n"
+
+
+def check_ring(out: str, f: Fleet) -> None:
+    lines = out.splitlines()
+    # gpu-b/0 is full (capacity 2); the two others were picked 3 times each
+    assert lines == ["gpu-a/0", "3", "gpu-a/1", "3"]
+
+
+def check_full(out: str, f: Fleet) -> None:
+    device, deadline = out.splitlines()
+    assert device == "gpu-b/0" and float(deadline) > f.now_ms
+
+
 def check_devices(out: str, f: Fleet) -> None:
     assert sorted(out.split()) == ["gpu-a/0", "gpu-a/1", "gpu-b/0"]
 
@@ -106,12 +128,18 @@ DOCUMENTED: list[tuple[str, Check]] = [
     ),
     ("redis-cli XREVRANGE '{affinity}:events' + - COUNT 10", check_events),
     ("redis-cli ZRANGE '{affinity}:nodes' 0 -1 WITHSCORES", check_nodes),
+    ("redis-cli HGETALL '{affinity}:node:gpu-a'", check_node_hash),
+    ("redis-cli HGET '{affinity}:route' gpu-a/0", check_route),
+    ("redis-cli ZRANGE '{affinity}:ring' 0 -1 WITHSCORES", check_ring),
+    ("redis-cli ZRANGE '{affinity}:full' 0 -1 WITHSCORES", check_full),
 ]
 
 
-def cuda(node: str, n: int) -> list[DeviceRegistration]:
+def cuda(node: str, n: int, capacity: int = 4) -> list[DeviceRegistration]:
     return [
-        DeviceRegistration(i, "cuda", "NVIDIA H200", f"{node}-{i}", "sm_90", 143_771, capacity=4)
+        DeviceRegistration(
+            i, "cuda", "NVIDIA H200", f"{node}-{i}", "sm_90", 143_771, capacity=capacity
+        )
         for i in range(n)
     ]
 
@@ -122,7 +150,7 @@ async def populate(url: str) -> dict[str, tuple[str, int]]:
     try:
         registry, claims = Registry(client, settings), Claims(client, settings)
         await registry.register("gpu-a", "http://gpu-a:8000", cuda("gpu-a", 2))
-        await registry.register("gpu-b", "http://gpu-b:8000", cuda("gpu-b", 1))
+        await registry.register("gpu-b", "http://gpu-b:8000", cuda("gpu-b", 1, capacity=2))
         placed = {}
         for ep in EPISODES:
             a = await claims.resolve(ep)

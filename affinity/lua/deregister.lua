@@ -1,39 +1,45 @@
--- deregister: end a node's lease and release every episode its devices hold.
+-- deregister: end a node's lease; every episode it still holds is handed over.
 --
--- KEYS[1]  {ns}:node:<node>
--- KEYS[2]  {ns}:nodes
--- KEYS[3]  {ns}:events
--- ARGV[1]  node id
--- ARGV[2]  key prefix "{ns}:"; load sets and episode keys are derived from the node's
---          device list and the load sets' members (same hash tag, same slot).
--- ARGV[3]  approximate MAXLEN of the events stream
--- ARGV[4]  instance id of the process ("" = not checked); another instance's
---          registration is left alone (returns -1)
+-- KEYS[1]  {ns}:node:<node> (the node id is KEYS[1] less NODE_KEY)
+-- ARGV[1]  instance id of the process ("" = not checked)
 --
--- Device hashes stay, so an operator's drain survives a restart.
--- Returns the number of episodes released.
+-- Each live episode of the node's devices (found through their load sets) is left as
+-- "<device> <token> moved" (same expiry): its next resolve says "reassigned", previous =
+-- that device, so its client is told its state was reset whether or not it echoes
+-- tokens. Device hashes stay, so an operator's drain survives a restart; the node hash
+-- goes (the node said goodbye).
+-- Returns the number of episodes handed over; -1 when another instance holds the node id
+-- (nothing written).
 
-local prefix = ARGV[2]
-local holder = redis.call('HGET', KEYS[1], 'instance')
-if holder and holder ~= '' and ARGV[4] ~= '' and holder ~= ARGV[4] then
+--@lib
+--@fleet
+
+local node = string.sub(KEYS[1], #NODE_KEY + 1)
+local now_ms = clock()
+if held_by_other(node, ARGV[1], now_ms) then
     return -1
 end
-local released = 0
-local devices = redis.call('HGET', KEYS[1], 'devices') or ''
-for device in string.gmatch(devices, '[^,]+') do
-    local load_key = prefix .. 'load:' .. device
-    for _, episode in ipairs(redis.call('ZRANGE', load_key, 0, -1)) do
-        local key = prefix .. 'episode:' .. episode
+local handed = 0
+for _, device in ipairs(node_devices(node)) do
+    unenroll(device)
+    redis.call('HDEL', ROUTE, device)
+    local load = LOAD_KEY .. device
+    for _, episode in ipairs(redis.call('ZRANGEBYSCORE', load, int(now_ms), '+inf')) do
+        local key = EPISODE_KEY .. episode
         local current = redis.call('GET', key)
-        if current and string.sub(current, 1, #device + 1) == device .. ' ' then
-            redis.call('DEL', key)
-            released = released + 1
+        if current then
+            local holder, _, moved = parse(current)
+            if holder == device and not moved then
+                redis.call('SET', key, current .. ' moved', 'KEEPTTL')
+                handed = handed + 1
+            end
         end
     end
-    redis.call('DEL', load_key)
+    redis.call('DEL', load)
 end
+local was_leased = redis.call('ZREM', NODES, node) == 1
 redis.call('DEL', KEYS[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[3], '*',
-    'type', 'node-down', 'node', ARGV[1], 'released', released)
-return released
+if was_leased then
+    event('type', 'node-down', 'node', node, 'reason', 'deregistered', 'handed_over', handed)
+end
+return handed

@@ -1,84 +1,80 @@
 -- register: (re)register a node and its devices and start its lease.
 --
--- KEYS[1]  {ns}:node:<node>   hash url, devices, started_at, version; PX = lease TTL
--- KEYS[2]  {ns}:nodes         zset node -> lease deadline (ms, server time)
--- KEYS[3]  {ns}:devices       set of every registered device id
--- KEYS[4]  {ns}:events
--- ARGV[1]  node id
--- ARGV[2]  advertise URL
--- ARGV[3]  lease TTL in milliseconds
--- ARGV[4]  key prefix "{ns}:"; device hashes {ns}:device:<node>/<index> are derived
---          (same hash tag, same slot).
--- ARGV[5]  approximate MAXLEN of the events stream
--- ARGV[6]  software version
--- ARGV[7]  instance id of the registering process ("" = not checked)
--- ARGV[8..] 9 fields per device: index, kind, name, uuid, arch, memory, capacity, weight, provider
+-- KEYS[1]  {ns}:node:<node>  hash url, devices, started_at, version, instance, state, lease
+--          (the node id is KEYS[1] less NODE_KEY)
+-- ARGV[1]  advertise URL
+-- ARGV[2]  software version
+-- ARGV[3]  instance id of the registering process ("" = not checked)
+-- ARGV[4..] 11 fields per device: index, kind, name, uuid, arch, memory, capacity, weight,
+--          provider, state ("active" or "down", from the node's crash tracker), reason
 --
 -- An operator's drain (state "draining" and its reason) survives re-registration while
--- the same GPU UUID sits at that index; a crash-tracker "down" does not (a new process
--- starts healthy). Devices the node listed
--- before but not now are removed, so their episodes move on their next request.
--- Two processes must never hold one node id (they would serve the same devices): while
--- the lease of another instance is current, nothing is written and -1 is returned.
+-- the same GPU UUID sits at that index; a device the node registers "down" stays down
+-- and returns to that drain when it comes back up. Every device of this node id that the
+-- devices index holds and the node no longer registers is removed (its episodes are
+-- reassigned on their next request). Two processes must never hold one node id: while
+-- another instance's lease is current, nothing is written and -1 is returned.
 -- Returns the lease deadline (ms, server time), or -1.
 
-local prefix = ARGV[4]
-local node = ARGV[1]
-local lease = tonumber(ARGV[3])
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+--@lib
+--@fleet
 
-local holder = redis.call('HGET', KEYS[1], 'instance')
-if holder and holder ~= '' and ARGV[7] ~= '' and holder ~= ARGV[7] then
-    local deadline = redis.call('ZSCORE', KEYS[2], node)
-    if deadline and tonumber(deadline) > now_ms then
-        return -1
-    end
+local node, url = string.sub(KEYS[1], #NODE_KEY + 1), ARGV[1]
+local now_ms = clock()
+notice_lapses(now_ms)
+if held_by_other(node, ARGV[3], now_ms) then
+    return -1
 end
 
-local listed = {}
-local ids = {}
-for i = 8, #ARGV, 9 do
+local listed, ids = {}, {}
+for i = 4, #ARGV, 11 do
     local id = node .. '/' .. ARGV[i]
-    local key = prefix .. 'device:' .. id
+    local key = DEVICE_KEY .. id
     local old = redis.call('HMGET', key, 'state', 'reason', 'uuid', 'prev_state', 'prev_reason')
-    local state, reason = 'active', ''
-    -- the drain belongs to the physical GPU: it carries over only while the same UUID
-    -- sits at this index (GPU order can change across reboots); a device that was down
-    -- goes back to the drain it had before going down
+    -- the drain belongs to the physical GPU: it carries over only while the same UUID sits
+    -- at this index (GPU order can change across reboots)
+    local drain = nil
     if old[3] == ARGV[i + 3] or not old[3] then
         if old[1] == 'draining' then
-            state, reason = 'draining', old[2] or ''
+            drain = old[2] or ''
         elseif old[1] == 'down' and old[4] == 'draining' then
-            state, reason = 'draining', old[5] or ''
+            drain = old[5] or ''
         end
     end
+    local state, reason = 'active', ''
     redis.call('HDEL', key, 'prev_state', 'prev_reason')
+    if ARGV[i + 9] == 'down' then
+        state, reason = 'down', ARGV[i + 10]
+        redis.call('HSET', key, 'prev_state', drain and 'draining' or 'active', 'prev_reason', drain or '')
+    elseif drain then
+        state, reason = 'draining', drain
+    end
     redis.call('HSET', key,
         'node', node, 'index', ARGV[i], 'kind', ARGV[i + 1], 'name', ARGV[i + 2],
         'uuid', ARGV[i + 3], 'arch', ARGV[i + 4], 'memory', ARGV[i + 5],
         'capacity', ARGV[i + 6], 'weight', ARGV[i + 7], 'provider', ARGV[i + 8],
         'state', state, 'reason', reason)
-    redis.call('SADD', KEYS[3], id)
+    redis.call('SADD', DEVICES, id)
+    set_route(id, node, state, ARGV[i + 6], ARGV[i + 7], url)
     listed[id] = true
     ids[#ids + 1] = id
 end
 
-local before = redis.call('HGET', KEYS[1], 'devices')
-if before then
-    for id in string.gmatch(before, '[^,]+') do
-        if not listed[id] then
-            redis.call('DEL', prefix .. 'device:' .. id)
-            redis.call('SREM', KEYS[3], id)
-        end
+-- devices of this node id it no longer has, found through the index (not the old hash,
+-- which a deregistration deleted)
+for _, id in ipairs(indexed_devices(node)) do
+    if not listed[id] then
+        remove_device(id)
     end
 end
 
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'url', ARGV[2], 'devices', table.concat(ids, ','),
-    'started_at', now_ms, 'version', ARGV[6], 'instance', ARGV[7])
-redis.call('PEXPIRE', KEYS[1], lease)
-redis.call('ZADD', KEYS[2], now_ms + lease, node)
-redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[5], '*',
-    'type', 'node-up', 'node', node, 'url', ARGV[2], 'devices', table.concat(ids, ','))
-return now_ms + lease
+redis.call('HSET', KEYS[1], 'url', url, 'devices', table.concat(ids, ','),
+    'started_at', int(now_ms), 'version', ARGV[2], 'instance', ARGV[3], 'state', 'up')
+redis.call('ZADD', NODES, int(now_ms + LEASE), node)
+for _, id in ipairs(ids) do
+    unenroll(id) -- re-enter at the current virtual time, with the weight registered now
+    enroll(id, now_ms)
+end
+event('type', 'node-up', 'node', node, 'url', url, 'devices', table.concat(ids, ','))
+return now_ms + LEASE

@@ -1,22 +1,26 @@
--- renew: extend a node's lease, only while it is still registered.
+-- renew: extend a node's lease, only while it is still registered by this process.
 --
--- KEYS[1]  {ns}:node:<node>
--- KEYS[2]  {ns}:nodes
--- ARGV[1]  node id
--- ARGV[2]  lease TTL in milliseconds
--- ARGV[3]  instance id of the renewing process ("" = not checked)
+-- KEYS[1]  {ns}:node:<node> (the node id is KEYS[1] less NODE_KEY)
+-- ARGV[1]  instance id of the renewing process ("" = not checked)
 --
--- Returns the new lease deadline (ms, server time), or -1 when the node hash is gone
--- (the lease lapsed, or Redis restarted empty) or belongs to another instance: the node
--- must register again.
+-- Every renewal notices the leases (its own or any other node's) that ran out (once, see
+-- lib.lua) and keeps the ring's scores small.
+-- Returns the new lease deadline (ms, server time); -1 when the node holds no lease (it
+-- lapsed, the node deregistered, or Redis lost its data): register again; -2 when another
+-- instance holds the node id with a current lease (nothing written).
 
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local holder = redis.call('HGET', KEYS[1], 'instance')
-if not holder or (ARGV[3] ~= '' and holder ~= '' and holder ~= ARGV[3]) then
+--@lib
+--@fleet
+
+local node = string.sub(KEYS[1], #NODE_KEY + 1)
+local now_ms = clock()
+notice_lapses(now_ms)
+rebase()
+if held_by_other(node, ARGV[1], now_ms) then
+    return -2
+end
+if not alive(node, now_ms) or redis.call('EXISTS', KEYS[1]) == 0 then
     return -1
 end
-local lease = tonumber(ARGV[2])
-redis.call('PEXPIRE', KEYS[1], lease)
-redis.call('ZADD', KEYS[2], now_ms + lease, ARGV[1])
-return now_ms + lease
+redis.call('ZADD', NODES, int(now_ms + LEASE), node)
+return now_ms + LEASE

@@ -1,115 +1,174 @@
 -- resolve: hit, claim or reassign the device of one episode, in one atomic step.
 --
--- KEYS[1]  {ns}:episode:<episode>   string "<device> <token>", PX = idle TTL
--- KEYS[2]  {ns}:rr                  round-robin counter, INCRed once per new claim
--- KEYS[3]  {ns}:token               last fencing token handed out
--- KEYS[4]  {ns}:nodes               zset node -> lease deadline (ms, server time)
--- KEYS[5]  {ns}:events              capped stream
--- ARGV[1]  episode id
--- ARGV[2]  idle TTL in milliseconds
--- ARGV[3]  key prefix "{ns}:". Device, node and load keys are derived from stored data
---          (the device named in an assignment, the devices a node lists): they share the
---          namespace hash tag, hence the slot of KEYS[*], so this is safe on Redis Cluster.
--- ARGV[4]  approximate MAXLEN of the events stream
+-- KEYS[1]  {ns}:episode:<episode>  "<device> <token>" (or "... moved"), PXAT idle deadline;
+--          the episode id is KEYS[1] less EPISODE_KEY
+-- ARGV[1]  "1": restart (always a fresh assignment, status "claimed"); absent otherwise
+-- Constants (TTL, the fleet's keys) come from the header (affinity/scripts.py, lib.lua).
 --
--- Returns {status, device, token, node, url, previous_device}; status is one of
---   "hit"        the stored device is alive and not down: TTL and load deadline slid
---   "claimed"    no assignment existed: a new one was written
---   "reassigned" the stored device's node lease is gone or the device is down/removed:
---                a new assignment with a fresh token was written
---   "full"       no device is eligible: nothing at all was written
--- Tokens are strings of decimal digits: max(last + 1, server TIME in microseconds).
+-- Returns one string, "<status> <device> <token> <node> <url> <previous device>":
+--   hit         the device is listed by its live node and not down: deadline slid
+--   claimed     no assignment existed (or a restart): a new one was written
+--   reassigned  the device's node is dead, the device down or no longer listed, or the
+--               episode was handed over: a new assignment with a fresh token
+-- or "full <reason>", reason "no_nodes" (no node holds a lease) or "at_capacity": no
+-- assignment was written (lapsed leases noticed, full devices re-checked may be).
+-- Neither the hit nor the claim reads more than one device: the cost does not grow with
+-- the fleet. Tokens are decimal: max(last + 1, server TIME in microseconds).
 
-local prefix = ARGV[3]
-local ttl = tonumber(ARGV[2])
+local key = KEYS[1]
+local episode = string.sub(key, #EPISODE_KEY + 1)
+local restart = ARGV[1] == '1'
 local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+-- the key and its load-set member expire at the same instant; integers go to commands as
+-- decimal strings (a Lua number reaches Redis >= 7.2 as 1.796e+12 when it ends in zeros)
+local deadline = string.format('%.0f', now_ms + TTL)
 
-local function live_node_url(node)
-    local deadline = redis.call('ZSCORE', KEYS[4], node)
-    if not deadline or tonumber(deadline) <= now_ms then
-        return false
-    end
-    return redis.call('HGET', prefix .. 'node:' .. node, 'url')
-end
-
-local previous = ''
-local current = redis.call('GET', KEYS[1])
+local current = redis.call('GET', key)
+local device, token, flag
 if current then
-    local device, token = string.match(current, '^(.+) (%d+)$')
-    local d = redis.call('HMGET', prefix .. 'device:' .. device, 'node', 'state')
-    if d[1] and d[2] ~= 'down' then
-        local url = live_node_url(d[1])
-        if url then
-            redis.call('PEXPIRE', KEYS[1], ttl)
-            redis.call('ZADD', prefix .. 'load:' .. device, now_ms + ttl, ARGV[1])
-            return {'hit', device, token, d[1], url, ''}
-        end
-    end
-    previous = device
+    device, token, flag = string.match(current, VALUE)
 end
 
--- Eligible devices: node alive, device listed by that node, state active, live load < capacity.
-local candidates = {}
-local total = 0
-local alive = redis.call('ZRANGEBYSCORE', KEYS[4], '(' .. now_ms, '+inf')
-for _, node in ipairs(alive) do
-    local n = redis.call('HMGET', prefix .. 'node:' .. node, 'devices', 'url')
-    if n[1] then
-        for device in string.gmatch(n[1], '[^,]+') do
-            local d = redis.call('HMGET', prefix .. 'device:' .. device, 'node', 'state', 'capacity', 'weight')
-            if d[1] == node and d[2] == 'active' then
-                -- live while deadline >= now: Redis keeps a key until now > its expiry
-                local load = redis.call('ZCOUNT', prefix .. 'load:' .. device, now_ms, '+inf')
-                if load < tonumber(d[3]) then
-                    local weight = tonumber(d[4])
-                    total = total + weight
-                    candidates[#candidates + 1] = {device, weight, node, n[2]}
-                end
+-- A hit: the device is in ROUTE (listed by a node whose lease nobody has seen lapse) and
+-- not down. Returns nil when it is not a hit.
+local function hit()
+    local r = flag == '' and redis.call('HGET', ROUTE, device)
+    if not r then
+        return nil
+    end
+    local node, state, _, _, url = string.match(r, ROUTED)
+    if state == 'down' then
+        return nil
+    end
+    redis.call('PEXPIREAT', key, deadline)
+    redis.call('ZADD', LOAD_KEY .. device, deadline, episode)
+    return 'hit ' .. device .. ' ' .. token .. ' ' .. node .. ' ' .. url .. ' '
+end
+
+-- first without the shared functions (making them costs more than a hit); only when a
+-- lease has run out unseen does the hit wait until that is noticed (below)
+local unseen = redis.call('ZCOUNT', NODES, '-inf', now_ms) > 0
+if current and not restart and not unseen then
+    local reply = hit()
+    if reply then
+        return reply
+    end
+end
+
+--@lib
+
+-- The members of a device's load set: its live episodes, and idle ones past their deadline
+-- until a sweep. Counting members is enough while they are fewer than the capacity; only
+-- a set that reaches it is swept (and counted again), so it never holds more.
+local function members(device, cap)
+    local n = redis.call('ZCARD', LOAD_KEY .. device)
+    if n >= cap then
+        sweep(device, now_ms)
+        n = redis.call('ZCARD', LOAD_KEY .. device)
+    end
+    return n
+end
+
+-- the ring's lowest member with its route and, when it is listed and active, the members
+-- of its load set; nil when the ring is empty
+local function lowest()
+    local m = redis.call('ZRANGE', RING, 0, 0, 'WITHSCORES')
+    if #m == 0 then
+        return nil
+    end
+    local node, state, cap, weight, url = route(m[1])
+    local live
+    if node and state == 'active' then
+        live = members(m[1], cap)
+    end
+    return m[1], tonumber(m[2]), node, cap, weight, url, live
+end
+
+-- write the new assignment on the chosen device (its load set had `live` members, fewer
+-- than `cap`, and it was scored k/weight in the ring) and answer
+local function assign(chosen, score, node, cap, weight, url, live, previous)
+    -- the token is max(last + 1, TIME in microseconds): one command unless the clock is
+    -- not ahead of the last token (several claims in one microsecond, or a clock behind)
+    local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
+    token = int(now_us)
+    local last = tonumber(redis.call('SET', TOKEN, token, 'GET') or '0')
+    if last >= now_us then
+        token = int(last + 1)
+        redis.call('SET', TOKEN, token)
+    end
+    redis.call('INCR', RR)
+    redis.call('SET', key, chosen .. ' ' .. token, 'PXAT', deadline)
+    local load = LOAD_KEY .. chosen
+    live = live + redis.call('ZADD', load, deadline, episode)
+    if live >= cap then
+        live = members(chosen, cap) -- swept: the idle ones may leave room
+    end
+    if live < cap then
+        redis.call('ZADD', RING, (math.floor(score * weight + 0.5) + 1) / weight, chosen)
+    else
+        redis.call('ZREM', RING, chosen)
+        redis.call('ZADD', FULL, redis.call('ZRANGE', load, 0, 0, 'WITHSCORES')[2], chosen)
+    end
+    local status = 'claimed'
+    if previous ~= '' and not restart then
+        status = 'reassigned'
+    end
+    event('type', status == 'claimed' and 'claim' or 'reassign',
+        'episode', episode, 'device', chosen, 'token', token, 'node', node, 'from', previous)
+    return status .. ' ' .. chosen .. ' ' .. token .. ' ' .. node .. ' ' .. url .. ' '
+        .. (status == 'reassigned' and previous or '')
+end
+
+-- The common claim, a new episode with nothing to tidy up first (no lease seen to lapse,
+-- no full device due for a re-check), takes the ring's lowest member when it has room.
+if not current and not unseen and redis.call('ZCOUNT', FULL, '-inf', '(' .. int(now_ms)) == 0 then
+    local chosen, score, node, cap, weight, url, live = lowest()
+    if live and live < cap then
+        return assign(chosen, score, node, cap, weight, url, live, '')
+    end
+end
+
+--@fleet
+
+if unseen then
+    notice_lapses(now_ms)
+    if current and not restart then
+        local reply = hit()
+        if reply then
+            return reply
+        end
+    end
+end
+
+local previous = device or ''
+local slot_freed = flag ~= nil and flag ~= '' -- handed over: its slot is free already
+if restart and current and not slot_freed and redis.call('ZSCORE', FULL, previous) then
+    -- a restart on a full device frees its slot first: it may take the same device
+    redis.call('ZREM', LOAD_KEY .. previous, episode)
+    freed(previous, now_ms)
+    slot_freed = true
+end
+
+refill(now_ms)
+
+while true do
+    local chosen, score, node, cap, weight, url, live = lowest()
+    if not chosen then
+        return 'full ' .. (redis.call('ZCARD', NODES) == 0 and 'no_nodes' or 'at_capacity')
+    end
+    if live and live < cap then
+        if previous ~= '' and not slot_freed then
+            if redis.call('ZREM', LOAD_KEY .. previous, episode) == 1 and previous == chosen then
+                live = live - 1
             end
+            freed(previous, now_ms)
         end
+        return assign(chosen, score, node, cap, weight, url, live, previous)
+    end
+    if live then
+        place(chosen, cap, weight, now_ms) -- at capacity after all: to full
+    else
+        unenroll(chosen) -- not listed, or not active: never a candidate
     end
 end
-if #candidates == 0 then
-    return {'full', previous, '', '', '', previous}
-end
-table.sort(candidates, function(a, b) return a[1] < b[1] end)
-
--- Weighted round-robin: slot (n - 1) mod total walks the cumulative weights, so over any
--- window of `total` consecutive claims each device gets exactly its weight.
-local slot = (redis.call('INCR', KEYS[2]) - 1) % total
-local pick = candidates[#candidates]
-for _, c in ipairs(candidates) do
-    if slot < c[2] then
-        pick = c
-        break
-    end
-    slot = slot - c[2]
-end
-local device, node, url = pick[1], pick[3], pick[4]
-
-local last = tonumber(redis.call('GET', KEYS[3]) or '0')
-local token = string.format('%.0f', math.max(last + 1, now_us))
-redis.call('SET', KEYS[3], token)
-
-local status = 'claimed'
-if previous ~= '' then
-    status = 'reassigned'
-    redis.call('ZREM', prefix .. 'load:' .. previous, ARGV[1])
-    redis.call('SET', KEYS[1], device .. ' ' .. token, 'PX', ttl)
-else
-    redis.call('SET', KEYS[1], device .. ' ' .. token, 'PX', ttl, 'NX')
-end
-
-local load_key = prefix .. 'load:' .. device
-local expired = redis.call('ZREMRANGEBYSCORE', load_key, '-inf', '(' .. now_ms)
-redis.call('ZADD', load_key, now_ms + ttl, ARGV[1])
-if expired > 0 then
-    redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[4], '*',
-        'type', 'expire', 'device', device, 'count', expired)
-end
-redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[4], '*',
-    'type', status == 'claimed' and 'claim' or 'reassign',
-    'episode', ARGV[1], 'device', device, 'token', token, 'node', node, 'from', previous)
-return {status, device, token, node, url, previous}

@@ -1,30 +1,32 @@
 -- set_state: change a device's state (active, draining, down) with a reason.
 --
--- KEYS[1]  {ns}:device:<device>
--- KEYS[2]  {ns}:events
--- ARGV[1]  device id
--- ARGV[2]  new state: active | draining | down
--- ARGV[3]  reason (free text, may be empty)
--- ARGV[4]  approximate MAXLEN of the events stream
--- ARGV[5]  only-if state: when not empty, change only if the current state equals it
+-- KEYS[1]  {ns}:device:<device> (the device id is KEYS[1] less DEVICE_KEY)
+-- ARGV[1]  new state: active | draining | down
+-- ARGV[2]  reason (free text, may be empty)
+-- ARGV[3]  only-if state: when not empty, change only if the current state equals it
 --          (the crash tracker brings back only a device it marked down itself)
 --
 -- Going down remembers the state before (prev_state, prev_reason); leaving down for
 -- "active" restores a remembered operator's drain instead. Draining a device that is down
 -- keeps it down (its episodes must still move) and remembers the drain for when it is up.
+-- The route follows the state, and the device enters or leaves the ring at once.
 -- Returns {previous_state, "1", state_now} when written, {current_state, "0",
--- current_state} when ARGV[5] did not match (nothing written), and {} when the device is
+-- current_state} when ARGV[3] did not match (nothing written), and {} when the device is
 -- unknown (nothing written).
 
+--@lib
+--@fleet
+
+local device = string.sub(KEYS[1], #DEVICE_KEY + 1)
 local cur = redis.call('HMGET', KEYS[1], 'state', 'reason', 'prev_state', 'prev_reason')
 local old = cur[1]
 if not old then
     return {}
 end
-if ARGV[5] ~= '' and old ~= ARGV[5] then
+if ARGV[3] ~= '' and old ~= ARGV[3] then
     return {old, '0', old}
 end
-local want, state, reason = ARGV[2], ARGV[2], ARGV[3]
+local want, state, reason = ARGV[1], ARGV[1], ARGV[2]
 local kind = ({active = 'undrain', draining = 'drain', down = 'down'})[want]
 if want == 'down' and old ~= 'down' then
     redis.call('HSET', KEYS[1], 'prev_state', old, 'prev_reason', cur[2] or '')
@@ -39,6 +41,10 @@ elseif old == 'down' and want == 'active' then
     redis.call('HDEL', KEYS[1], 'prev_state', 'prev_reason')
 end
 redis.call('HSET', KEYS[1], 'state', state, 'reason', reason)
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*',
-    'type', kind, 'device', ARGV[1], 'state', state, 'from', old, 'reason', reason)
+local node, _, cap, weight, url = route(device)
+if node then
+    set_route(device, node, state, cap, weight, url)
+end
+enroll(device, clock())
+event('type', kind, 'device', device, 'state', state, 'from', old, 'reason', reason)
 return {old, '1', state}

@@ -1,0 +1,199 @@
+-- fleet: the upkeep of the ring and full (after lib.lua, where a script says `--@fleet`).
+--
+-- The structures:
+--   NODES  zset node -> lease deadline (ms, server time): nodes holding a lease
+--   RING   zset device -> picks / weight: the devices that take new episodes
+--   FULL   zset device -> earliest idle deadline in its load set (ms)
+--   ROUTE  hash device -> "node state capacity weight url", devices listed by a leased node
+--
+-- A device is enrolled (in the ring or in full, never both) while its node holds a lease,
+-- is up (not leaving), lists it, and the device is active. Enrolled with live load below
+-- capacity: ring; at capacity: full. Draining, down and leaving devices, and the devices
+-- of a dead node, are in neither.
+--
+-- The ring is stride scheduling: a device of weight w picked k times is scored k/w; a claim
+-- takes the lowest score (equal scores: the lower member in byte order, which is how Redis
+-- orders them) and re-scores it (k+1)/w, computed afresh from integers, so equal rationals
+-- tie exactly. Over any W = sum-of-weights consecutive claims with an unchanged ring, each
+-- device is picked exactly w times (see README, "The claim").
+
+local function set_route(device, node, state, cap, weight, url)
+    redis.call('HSET', ROUTE, device, node .. ' ' .. state .. ' ' .. cap .. ' ' .. weight .. ' ' .. url)
+end
+
+local function alive(node, now_ms)
+    local deadline = redis.call('ZSCORE', NODES, node)
+    return deadline and tonumber(deadline) > now_ms
+end
+
+-- may this listed device take new episodes (capacity aside)? Listed means its node holds
+-- a lease (a lapse is taken out of ROUTE when it is noticed); up means not leaving.
+local function usable(node, state)
+    return state == 'active' and redis.call('HGET', NODE_KEY .. node, 'state') == 'up'
+end
+
+-- a < b in byte order (Lua's < follows the server's locale; Redis sorts members bytewise)
+local function before(a, b)
+    for i = 1, math.min(#a, #b) do
+        local x, y = string.byte(a, i), string.byte(b, i)
+        if x ~= y then
+            return x < y
+        end
+    end
+    return #a < #b
+end
+
+-- The score that makes a device joining the ring take its turns from now on: k = how many
+-- of its turns (j/w for j = 0, 1, ...) come before the next turn to be taken (the ring's
+-- lowest member), as if it had always been there. The others' turns are unchanged, so the
+-- sequence of picks stays the merge of every member's turns.
+local function join_score(device, weight)
+    while true do
+        local m = redis.call('ZRANGE', RING, 0, 0, 'WITHSCORES')
+        if #m == 0 then
+            return 0
+        end
+        local _, _, _, mw = route(m[1])
+        if mw then
+            local mk = math.floor(tonumber(m[2]) * mw + 0.5)
+            local x = mk * weight -- j/weight < mk/mw  <=>  j * mw < x
+            local q = math.floor(x / mw)
+            if q * mw > x then
+                q = q - 1
+            end
+            local k = q + 1
+            if q * mw == x and not before(device, m[1]) then
+                k = q -- its turn q ties with the next one, and comes after it
+            end
+            return k / weight
+        end
+        redis.call('ZREM', RING, m[1]) -- no longer listed: never a candidate
+    end
+end
+
+-- put a usable device where its live load says: the ring (keeping its place when it is
+-- already there) or full (scored by its earliest idle deadline)
+local function place(device, cap, weight, now_ms)
+    sweep(device, now_ms)
+    local load = LOAD_KEY .. device
+    if redis.call('ZCARD', load) < cap then
+        redis.call('ZREM', FULL, device)
+        if not redis.call('ZSCORE', RING, device) then
+            redis.call('ZADD', RING, join_score(device, weight), device)
+        end
+    else
+        redis.call('ZREM', RING, device)
+        redis.call('ZADD', FULL, redis.call('ZRANGE', load, 0, 0, 'WITHSCORES')[2], device)
+    end
+end
+
+local function unenroll(device)
+    redis.call('ZREM', RING, device)
+    redis.call('ZREM', FULL, device)
+end
+
+-- enroll the device if it may take episodes, else take it out of ring and full
+local function enroll(device, now_ms)
+    local node, state, cap, weight = route(device)
+    if node and usable(node, state) then
+        place(device, cap, weight, now_ms)
+    else
+        unenroll(device)
+    end
+end
+
+-- an episode left the device's load set: a full device may take new ones again
+local function freed(device, now_ms)
+    if redis.call('ZSCORE', FULL, device) then
+        enroll(device, now_ms)
+    end
+end
+
+-- full devices whose earliest idle deadline has passed may have room again
+local function refill(now_ms)
+    for _, device in ipairs(redis.call('ZRANGEBYSCORE', FULL, '-inf', '(' .. int(now_ms))) do
+        enroll(device, now_ms)
+    end
+end
+
+
+-- the device ids of a node id in the devices index (every one, whatever its hash says)
+local function indexed_devices(node)
+    local out = {}
+    local start = node .. '/'
+    for _, id in ipairs(redis.call('SMEMBERS', DEVICES)) do
+        if string.sub(id, 1, #start) == start then
+            out[#out + 1] = id
+        end
+    end
+    table.sort(out, before)
+    return out
+end
+
+-- the devices a node registered (from its record; from the index if the record is gone)
+local function node_devices(node)
+    local listed = redis.call('HGET', NODE_KEY .. node, 'devices')
+    if not listed then
+        return indexed_devices(node)
+    end
+    local out = {}
+    for device in string.gmatch(listed, '[^,]+') do
+        out[#out + 1] = device
+    end
+    return out
+end
+
+-- Leases that ran out are noticed here, once: the node's devices leave ring, full and
+-- route, its record stays (state down) for `affinity nodes`, one node-down event is written.
+local function notice_lapses(now_ms)
+    for _, node in ipairs(redis.call('ZRANGEBYSCORE', NODES, '-inf', int(now_ms))) do
+        local deadline = redis.call('ZSCORE', NODES, node)
+        for _, device in ipairs(node_devices(node)) do
+            unenroll(device)
+            redis.call('HDEL', ROUTE, device)
+        end
+        local key = NODE_KEY .. node
+        if redis.call('EXISTS', key) == 1 then
+            redis.call('HSET', key, 'state', 'down', 'lease', deadline)
+        end
+        redis.call('ZREM', NODES, node)
+        event('type', 'node-down', 'node', node, 'reason', 'lease lapsed', 'lease', deadline)
+    end
+end
+
+-- Keep the ring's scores small so that k/w stays exact in a double: once the lowest passes
+-- 2^20, every member moves back by the same whole number of turns (a shift of all scores
+-- by an integer n moves each device back n*w picks; the order of turns is unchanged).
+local function rebase()
+    local m = redis.call('ZRANGE', RING, 0, 0, 'WITHSCORES')
+    if #m == 0 or tonumber(m[2]) < 1048576 then
+        return
+    end
+    local shift = math.floor(tonumber(m[2]))
+    local all = redis.call('ZRANGE', RING, 0, -1, 'WITHSCORES')
+    for i = 1, #all, 2 do
+        local _, _, _, w = route(all[i])
+        if w then
+            local k = math.floor(tonumber(all[i + 1]) * w + 0.5) - shift * w
+            redis.call('ZADD', RING, k / w, all[i])
+        else
+            redis.call('ZREM', RING, all[i])
+        end
+    end
+end
+
+-- the holder check shared by the node scripts: does another process hold this node id?
+local function held_by_other(node, instance, now_ms)
+    local holder = redis.call('HGET', NODE_KEY .. node, 'instance')
+    return holder and holder ~= '' and instance ~= '' and holder ~= instance
+        and alive(node, now_ms)
+end
+
+
+-- forget a device: record, index entry, route, ring/full, load set
+local function remove_device(device)
+    unenroll(device)
+    redis.call('HDEL', ROUTE, device)
+    redis.call('DEL', DEVICE_KEY .. device, LOAD_KEY .. device)
+    redis.call('SREM', DEVICES, device)
+end

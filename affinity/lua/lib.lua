@@ -1,0 +1,47 @@
+-- lib: what every script uses. affinity/scripts.py puts it where a script says `--@lib`,
+-- after the header of constants it generates for the deployment: PREFIX, the fixed keys
+-- NODES RING FULL ROUTE EVENTS DEVICES TOKEN RR, the key prefixes EPISODE_KEY NODE_KEY
+-- DEVICE_KEY LOAD_KEY, TTL, LEASE, MAXLEN, and the value formats VALUE and ROUTED. Every
+-- key shares the namespace hash tag, hence one slot: scripts derive keys from ids
+-- (LOAD_KEY .. device) safely on Redis Cluster too. The ring and full upkeep is in
+-- fleet.lua (`--@fleet`), kept apart so that the common claim does not pay for making it.
+
+-- integers as commands want them: a Lua number reaches Redis as %.17g (7.0) or as its
+-- shortest form (7.2 and later), which is 1.796e+12 for a time that ends in zeros
+local function int(x)
+    return string.format('%.0f', x)
+end
+
+-- Redis server time in milliseconds
+local function clock()
+    local t = redis.call('TIME')
+    return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function event(...)
+    redis.call('XADD', EVENTS, 'MAXLEN', '~', MAXLEN, '*', ...)
+end
+
+-- an episode value: "<device> <token>", or "<device> <token> moved" once handed over
+local function parse(value)
+    local device, token, rest = string.match(value, VALUE)
+    return device, token, rest == ' moved'
+end
+
+-- node, state, capacity, weight, url of a device listed by its node; nil when not listed
+local function route(device)
+    local r = redis.call('HGET', ROUTE, device)
+    if not r then
+        return nil
+    end
+    local node, state, cap, weight, url = string.match(r, ROUTED)
+    return node, state, tonumber(cap), tonumber(weight), url
+end
+
+-- drop idle-expired members of a device's load set (live = deadline >= now)
+local function sweep(device, now_ms)
+    local n = redis.call('ZREMRANGEBYSCORE', LOAD_KEY .. device, '-inf', '(' .. int(now_ms))
+    if n > 0 then
+        event('type', 'expire', 'device', device, 'count', n)
+    end
+end

@@ -1,0 +1,313 @@
+"""Node lifecycle on fakeredis and a real Redis (same bodies): devices a node no longer has,
+leases that lapse (noticed once), dead nodes kept visible, states carried by registration,
+graceful leave and hand-over, restarts of an episode, absolute expiries, and why a claim
+found no capacity."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from affinity import (
+    Claims,
+    InvalidArgument,
+    NoCapacity,
+    NodeConflict,
+    Registry,
+    UnknownNode,
+)
+from tests.conftest import Env, cpu_devices
+
+pytestmark = pytest.mark.anyio
+
+
+async def events(env: Env, kind: str) -> list[dict[str, str]]:
+    return [f for _, f in await env.registry.events() if f["type"] == kind]
+
+
+# -- devices a node no longer has (issue 10 #1) ---------------------------------------------
+
+
+async def test_a_crashed_node_back_with_fewer_devices_loses_the_others(env: Env) -> None:
+    await env.node("a", 2)
+    await env.claims.resolve("ep-0")
+    on_a1 = await env.claims.resolve("ep-1")
+    assert on_a1.device == "a/1"
+    # a crash: the lease lapses, and its record may be gone too (a lease TTL on the node
+    # hash used to take it along)
+    await env.lapse("a")
+    await env.redis.delete(env.keys.node("a"))
+    await env.node("a", 1)
+    moved = await env.claims.resolve("ep-1")
+    assert (moved.status, moved.device, moved.previous) == ("reassigned", "a/0", "a/1")
+    assert [d.device for d in await env.registry.devices()] == ["a/0"]
+    assert await env.redis.exists(env.keys.device("a/1"), env.keys.load("a/1")) == 0
+    assert (await env.claims.resolve("ep-1")).status == "hit"
+
+
+async def test_a_stopped_node_back_with_fewer_devices_loses_the_others(env: Env) -> None:
+    await env.node("a", 2)
+    await env.claims.resolve("ep-0")
+    assert (await env.claims.resolve("ep-1")).device == "a/1"
+    await env.registry.deregister("a")  # SIGTERM: the node hash is deleted
+    await env.node("a", 1)
+    moved = await env.claims.resolve("ep-1")
+    assert (moved.status, moved.device, moved.previous) == ("reassigned", "a/0", "a/1")
+    assert [d.device for d in await env.registry.devices()] == ["a/0"]
+
+
+# -- one process per node id (issue 10 #3) --------------------------------------------------
+
+
+async def test_renewal_after_an_empty_restart_tells_the_loser_to_exit(env: Env) -> None:
+    devices = cpu_devices(1)
+    await env.registry.register("a", "http://a", devices, instance="first")
+    await env.redis.flushdb()  # Redis restarts empty...
+    await env.registry.register("a", "http://a", devices, instance="second")  # ...a duplicate
+    with pytest.raises(NodeConflict, match="'a'"):
+        await env.registry.renew("a", "first")
+    assert await env.registry.renew("a", "second") is True
+
+
+# -- absolute expiries (issue 10 #5) --------------------------------------------------------
+
+
+async def test_expiries_are_the_load_deadlines_exactly(env: Env) -> None:
+    await env.node("a", 2, capacity=1000)
+    episodes = [f"ep-{i}" for i in range(60)]
+    for _ in range(2):  # claims, then hits
+        for ep in episodes:
+            await env.claims.resolve(ep)
+    for ep in episodes:
+        device = (await env.redis.get(env.keys.episode(ep))).split(" ")[0]
+        expiry = await env.redis.pexpiretime(env.keys.episode(ep))
+        assert expiry == await env.redis.zscore(env.keys.load(device), ep), ep
+    # a node's record has no TTL of its own: its lease is the deadline in {ns}:nodes
+    assert await env.redis.pttl(env.keys.node("a")) == -1
+
+
+# -- registration carries the crash trackers' states (issue 10 #7) --------------------------
+
+
+async def test_registration_carries_down_states_and_keeps_drains(env: Env) -> None:
+    await env.node("a", 3)
+    await env.registry.drain("a/2", "bad fan")
+    devices = cpu_devices(3, uuid_prefix="a")
+    devices[1] = replace(devices[1], state="down", reason="3 model failures")
+    devices[2] = replace(devices[2], state="down", reason="hung")
+    await env.registry.register("a", "http://a.test:8000", devices)
+    states = {d.device: (d.state, d.reason) for d in await env.registry.devices()}
+    assert states == {
+        "a/0": ("active", ""),
+        "a/1": ("down", "3 model failures"),
+        "a/2": ("down", "hung"),
+    }
+    assert {(await env.claims.resolve(f"ep-{i}")).device for i in range(4)} == {"a/0"}
+    # back up: a/1 takes episodes again, a/2 returns to the operator's drain
+    assert (await env.registry.set_state("a/1", "active", only_if="down")).state == "active"
+    assert await env.registry.set_state("a/2", "active", only_if="down") == (
+        "down",
+        True,
+        "draining",
+    )
+    assert {(await env.claims.resolve(f"ep-{i}")).device for i in range(4, 8)} == {"a/0", "a/1"}
+    with pytest.raises(InvalidArgument, match="state"):
+        replace(devices[0], state="draining")
+
+
+# -- a lapse is noticed once; dead nodes stay visible (issue 10 #11, #12) -------------------
+
+
+async def test_a_lapse_writes_one_node_down_by_whoever_notices_first(env: Env) -> None:
+    await env.node("a", 1)
+    await env.node("b", 1)
+    await env.lapse("a")
+    assert await events(env, "node-down") == []
+    assert await env.registry.renew("b") is True  # b's renewal notices a's lapse
+    (down,) = await events(env, "node-down")
+    assert (down["node"], down["reason"], down["lease"]) == ("a", "lease lapsed", "1")
+    for i in range(4):  # later claims do not write it again, nor place anything on a
+        assert (await env.claims.resolve(f"ep-{i}")).device == "b/0"
+    assert await env.registry.renew("a") is False  # a must register again
+    assert len(await events(env, "node-down")) == 1
+    nodes = {n.node: n for n in await env.registry.nodes()}
+    a = nodes["a"]
+    assert (a.url, a.devices, a.alive, a.state, a.version) == (
+        "http://a.test:8000",
+        ("a/0",),
+        False,
+        "down",
+        "t",
+    )
+    assert a.lease_ms < 0 and nodes["b"].alive and nodes["b"].state == "up"
+
+
+async def test_a_claim_notices_a_lapse_too(env: Env) -> None:
+    await env.node("a", 1)
+    await env.node("b", 1)
+    first = await env.claims.resolve("ep")
+    assert first.device == "a/0"
+    await env.lapse("a")
+    moved = await env.claims.resolve("ep")
+    assert (moved.status, moved.device, moved.previous) == ("reassigned", "b/0", "a/0")
+    assert [e["node"] for e in await events(env, "node-down")] == ["a"]
+    await env.node("a", 1)  # back: one node-up, and no second node-down
+    assert [e["node"] for e in await events(env, "node-down")] == ["a"]
+
+
+async def test_forget_a_dead_node(env: Env) -> None:
+    await env.node("a", 2)
+    await env.node("b", 1)
+    await env.registry.drain("a/1", "bad fan")
+    await env.claims.resolve("ep")
+    await env.lapse("a")
+    with pytest.raises(InvalidArgument, match="current lease"):
+        await env.registry.forget("b")
+    with pytest.raises(UnknownNode, match="'zz'"):
+        await env.registry.forget("zz")
+    await env.registry.forget("a")
+    assert [n.node for n in await env.registry.nodes()] == ["b"]
+    assert [d.device for d in await env.registry.devices()] == ["b/0"]
+    assert (await env.claims.resolve("ep")).previous == "a/0"
+    with pytest.raises(UnknownNode):
+        await env.registry.forget("a")
+    assert [e["devices"] for e in await events(env, "node-forget")] == ["a/0,a/1"]
+
+
+# -- why a claim found no device (issue 18 #3) ----------------------------------------------
+
+
+async def test_no_capacity_says_whether_any_node_is_alive(env: Env) -> None:
+    with pytest.raises(NoCapacity, match="no node is registered") as err:
+        await env.claims.resolve("ep-0")
+    assert err.value.reason == "no_nodes"
+    await env.node("a", 1, capacity=1)
+    await env.claims.resolve("ep-0")
+    with pytest.raises(NoCapacity, match="at capacity") as err:
+        await env.claims.resolve("ep-1")
+    assert err.value.reason == "at_capacity"
+    await env.claims.release("ep-0", (await env.claims.resolve("ep-0")).token)
+    await env.registry.drain("a/0")
+    with pytest.raises(NoCapacity) as err:
+        await env.claims.resolve("ep-1")
+    assert err.value.reason == "at_capacity"
+    await env.lapse("a")
+    with pytest.raises(NoCapacity) as err:
+        await env.claims.resolve("ep-1")
+    assert err.value.reason == "no_nodes"
+
+
+# -- graceful stop: leave, hand over, deregister (issues 10 #4, 18 #1) ----------------------
+
+
+async def test_leave_takes_no_new_episodes_and_handoff_moves_each(env: Env) -> None:
+    await env.node("a", 1)
+    await env.node("b", 1)
+    on_a = await env.claims.resolve("ep-a")
+    assert on_a.device == "a/0"
+    assert await env.registry.leave("a") == 1
+    assert {(await env.claims.resolve(f"new-{i}")).device for i in range(3)} == {"b/0"}
+    assert (await env.claims.resolve("ep-a")).status == "hit"  # its episodes stay
+    assert await env.registry.renew("a") is True  # the lease goes on while it hands over
+
+    before = await env.snapshot()
+    assert await env.claims.handoff("ep-a", on_a.token - 1) is False
+    assert await env.snapshot() == before
+    assert await env.claims.handoff("ep-a", on_a.token) is True
+    assert await env.redis.get(env.keys.episode("ep-a")) == f"a/0 {on_a.token} moved"
+    info = await env.claims.lookup("ep-a")
+    assert info is not None and info.moved and info.device == "a/0"
+    assert await env.claims.handoff("ep-a", on_a.token) is False  # once
+    assert await env.redis.zrange(env.keys.load("a/0"), 0, -1) == []
+
+    moved = await env.claims.resolve("ep-a")
+    assert (moved.status, moved.device, moved.previous) == ("reassigned", "b/0", "a/0")
+    assert moved.token > on_a.token
+    (handoff,) = await events(env, "handoff")
+    assert (handoff["episode"], handoff["device"]) == ("ep-a", "a/0")
+    assert (await events(env, "reassign"))[-1]["from"] == "a/0"
+    await env.node("a", 1)  # registering again undoes the leave
+    assert "a/0" in {(await env.claims.resolve(f"later-{i}")).device for i in range(2)}
+
+
+async def test_a_handed_over_slot_is_free_at_once(env: Env) -> None:
+    await env.node("a", 1, capacity=1)
+    first = await env.claims.resolve("ep-0")
+    with pytest.raises(NoCapacity):
+        await env.claims.resolve("ep-1")
+    assert await env.claims.handoff("ep-0", first.token)
+    assert (await env.claims.resolve("ep-1")).device == "a/0"
+
+
+async def test_a_handed_over_episode_can_still_be_released(env: Env) -> None:
+    await env.node("a", 1)
+    a = await env.claims.resolve("ep")
+    await env.claims.handoff("ep", a.token)
+    assert await env.claims.release("ep", a.token) == "a/0"
+    assert (await env.claims.resolve("ep")).status == "claimed"
+
+
+# -- restart of an episode (KServe sequence_start) ------------------------------------------
+
+
+async def test_restart_writes_a_fresh_assignment(env: Env) -> None:
+    await env.node("a", 1, capacity=1)
+    first = await env.claims.resolve("ep")
+    again = await env.claims.resolve("ep", restart=True)  # the full device takes it again
+    assert (again.status, again.device, again.previous) == ("claimed", "a/0", None)
+    assert again.token > first.token
+    assert await env.redis.zrange(env.keys.load("a/0"), 0, -1) == ["ep"]
+    assert (await env.claims.resolve("ep")).token == again.token
+    assert [e["from"] for e in await events(env, "claim")] == ["", "a/0"]
+
+
+# -- the ring ---------------------------------------------------------------------------------
+
+
+async def test_a_device_joining_takes_its_turns_from_now_on(env: Env) -> None:
+    await env.node("a", 1)
+    for i in range(30):
+        await env.claims.resolve(f"warm-{i}")
+    await env.node("b", 1)  # it does not get the next 30 claims to catch up
+    picks = [(await env.claims.resolve(f"ep-{i}")).device for i in range(6)]
+    assert sorted(picks) == ["a/0"] * 3 + ["b/0"] * 3
+    assert picks[0::2] == [picks[0]] * 3
+
+
+async def test_a_full_device_leaves_the_ring_and_comes_back_when_freed(env: Env) -> None:
+    await env.node("a", 2, capacity=1)
+    a0 = await env.claims.resolve("ep-0")
+    assert await env.redis.zrange(env.keys.ring, 0, -1) == ["a/1"]
+    assert await env.redis.zscore(env.keys.full, "a/0") == await env.redis.zscore(
+        env.keys.load("a/0"), "ep-0"
+    )
+    await env.claims.release("ep-0", a0.token)
+    assert sorted(await env.redis.zrange(env.keys.ring, 0, -1)) == ["a/0", "a/1"]
+    assert await env.redis.zcard(env.keys.full) == 0
+    await env.claims.resolve("ep-1")
+    await env.claims.resolve("ep-2")
+    await env.expire("ep-1")  # expires passively: the next claim finds the room
+    assert (await env.claims.resolve("ep-3")).status == "claimed"
+
+
+async def test_rebase_keeps_the_order_of_turns(env: Env) -> None:
+    """Once the virtual time is large, a renewal shifts every score back by a whole number
+    of turns; the picks that follow are the same as without the shift."""
+    shifted = env.settings.with_(namespace="shifted")
+    other = (Claims(env.redis, shifted), Registry(env.redis, shifted))
+    runs = []
+    for claims, registry in ((env.claims, env.registry), other):
+        await registry.register("w", "http://w", cpu_devices(weights=[3, 1, 2], capacity=1000))
+        for i in range(7):
+            await claims.resolve(f"warm-{i}")
+        runs.append((claims, registry))
+    k = shifted.keys
+    big = 2**21
+    for device, score in await env.redis.zrange(k.ring, 0, -1, withscores=True):
+        w = {"w/0": 3, "w/1": 1, "w/2": 2}[device]
+        await env.redis.zadd(k.ring, {device: (round(score * w) + big * w) / w})
+    assert await other[1].renew("w") is True
+    assert all(s < 100 for _, s in await env.redis.zrange(k.ring, 0, -1, withscores=True))
+    picks = [[(await c.resolve(f"ep-{i}")).device for i in range(12)] for c, _ in runs]
+    assert picks[0] == picks[1]
