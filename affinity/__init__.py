@@ -29,7 +29,7 @@ from affinity.errors import (
 from affinity.keys import Keys
 from affinity.registry import DeviceRegistration, DeviceStatus, NodeStatus, Registry
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AffinityError",

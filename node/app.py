@@ -36,6 +36,7 @@ from affinity import (
 from node.accesslog import AccessLog
 from node.asgi import Receive, Scope, Send, error_body, respond
 from node.fleet import add_fleet_routes
+from node.membership import VERSION
 from node.protocols import act, internal, kserve, openpi
 from node.service import NodeService
 
@@ -216,7 +217,7 @@ def create_app(
         finally:
             await service.stop()
 
-    api = FastAPI(title="affinity node", version="0.2.0", lifespan=lifespan)
+    api = FastAPI(title="affinity node", version=VERSION, lifespan=lifespan)
 
     def svc() -> NodeService:
         service: NodeService = api.state.service
@@ -251,7 +252,9 @@ def create_app(
             return error(503, "redis", str(exc), retry_after=1)
         if info is None:
             return error(404, "not_found", f"episode {episode_id!r} has no live assignment")
-        return JSONResponse(info.to_json())
+        body = info.to_json()
+        body["episode_id"] = body.pop("episode")  # the HTTP API's name, as in /act replies
+        return JSONResponse(body)
 
     @api.get("/devices")
     async def devices() -> Response:

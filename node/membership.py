@@ -32,6 +32,7 @@ from affinity import (
     DeviceRegistration,
     NodeConflict,
     Registry,
+    __version__,
 )
 from node.config import NodeConfig
 from node.dispatcher import MultiGpuDispatcher
@@ -41,7 +42,7 @@ from node.step import Unavailable
 __all__ = ["EXIT_CONFLICT", "VERSION", "Membership"]
 
 log = logging.getLogger("affinity.node")
-VERSION = "0.2.0"
+VERSION = __version__
 EXIT_CONFLICT = 4
 """Exit code of a node that found its id held by another running process."""
 

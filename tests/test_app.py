@@ -548,3 +548,24 @@ async def test_the_access_log_has_one_line_per_request_with_the_steps_facts(
         "logged",
     )
     assert doc["routing"] == "claimed" and doc["ms"] > 0 and doc["logger"] == "affinity.access"
+
+
+async def test_a_re_registration_carries_the_crash_trackers_down_states(redis: Any) -> None:
+    class Broken(Gate):
+        def run(self, names: Any, feed: Any) -> Any:
+            if feed["obs"][0][0] == 7:
+                raise RuntimeError("injected model failure")
+            return super().run(names, feed)
+
+    cfg = config("a", devices="cpu:1", failure_threshold=1, cooldown_s=3600)
+    async with cluster(redis, [cfg], session_factory=lambda s: (Broken(s), "CPU")) as (nodes, _):
+        n = nodes[0]
+        r = await n.act(episode_id="crash", inputs={"obs": [[7] * 8]})
+        assert r.status_code == 500
+        assert n.service.dispatcher.tracker("a/0").down
+        # Redis lost the node (restarted empty, or its lease lapsed): it registers again
+        await redis.flushdb()
+        await n.service.membership.renew_once()
+        assert await redis.hget(KEYS.device("a/0"), "state") == "down"
+        r = await n.act(episode_id="after", inputs={"obs": [[0] * 8]})
+        assert r.status_code == 503 and r.json()["error"]["code"] in ("full", "no_nodes")

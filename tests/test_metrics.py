@@ -148,6 +148,12 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         r = await a.act(episode_id="while-down", inputs=OBS)
         assert r.status_code == 503 and r.json()["error"]["code"] == "redis"
         server.connected = True
+        # no_nodes: every lease lapsed in Redis (as after it restarted empty)
+        await redis.zadd(KEYS.nodes, {"a": 1, "b": 1})
+        r = await a.act(episode_id="nobody", inputs=OBS)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_nodes", r.text
+        await sa.membership.renew_once()
+        await b.service.membership.renew_once()
         # fenced
         sa.membership.lease_deadline = sa.clock() - 1
         assert (await a.act(episode_id="fenced", inputs=OBS)).status_code == 503
