@@ -5,6 +5,14 @@ keeps nodes, devices and their states; ``Keys`` names every Redis key.
 """
 
 from affinity.claims import Assignment, Claims, EpisodeInfo, check_episode
+from affinity.client import (
+    AsyncClient,
+    Client,
+    ClientError,
+    RequestRefused,
+    ServiceUnavailable,
+    StateReset,
+)
 from affinity.config import Settings
 from affinity.connection import close, connect, embedded_store
 from affinity.errors import (
@@ -21,13 +29,16 @@ from affinity.errors import (
 from affinity.keys import Keys
 from affinity.registry import DeviceRegistration, DeviceStatus, NodeStatus, Registry
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AffinityError",
     "Assignment",
+    "AsyncClient",
     "BackendUnavailable",
     "Claims",
+    "Client",
+    "ClientError",
     "DeviceRegistration",
     "DeviceStatus",
     "EpisodeInfo",
@@ -37,8 +48,11 @@ __all__ = [
     "NodeConflict",
     "NodeStatus",
     "Registry",
+    "RequestRefused",
+    "ServiceUnavailable",
     "Settings",
     "StaleToken",
+    "StateReset",
     "UnknownDevice",
     "UnknownEpisode",
     "UnknownNode",

@@ -1,5 +1,6 @@
 """The baseline of the /act throughput figure: a minimal FastAPI app that runs the same
-ONNX session on the same device with no affinity logic (no Redis, no routing, no state).
+ONNX session on the same device with no affinity logic (no Redis, no routing, no state),
+on the node's server stack (uvicorn with uvloop and httptools).
 
 Run: python -m bench.baseline_app PORT
 """
@@ -38,4 +39,12 @@ async def readyz() -> JSONResponse:
 
 
 if __name__ == "__main__":
-    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning", access_log=False)
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=int(sys.argv[1]),
+        loop="uvloop",
+        http="httptools",
+        log_level="warning",
+        access_log=False,
+    )

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +23,15 @@ from tests.procs import Node, RedisServer, free_port, tmpdir, wait_until  # noqa
 __all__ = [
     "Node",
     "RedisServer",
+    "Wrk",
+    "cpu_seconds",
     "free_port",
     "median",
     "pct",
     "report",
     "tmpdir",
     "wait_until",
+    "wrk",
 ]
 
 RESULTS = ROOT / "bench" / "results"
@@ -57,3 +65,74 @@ def report(name: str, figures: list[dict[str, Any]], extra: dict[str, Any] | Non
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     print(f"wrote {path.relative_to(ROOT)}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` and its threads so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+_WRK_DONE = """
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("RESULT %d %d %d %d %d %d\\n", summary.requests, summary.duration,
+    e.status, e.connect + e.read + e.write + e.timeout,
+    latency:percentile(50), latency:percentile(99)))
+end
+"""
+
+
+@dataclass(frozen=True)
+class Wrk:
+    """What one wrk run measured; latencies in seconds, cpu_per_request in seconds."""
+
+    requests: int
+    seconds: float
+    rps: float
+    p50: float
+    p99: float
+    errors: int
+    cpu_per_request: float
+
+
+def wrk(
+    url: str,
+    request_lua: str,
+    *,
+    duration_s: float,
+    connections: int,
+    threads: int = 1,
+    server_pids: Sequence[int] = (),
+) -> Wrk:
+    """Drive ``url`` with wrk (C, not the bottleneck) for ``duration_s``; ``request_lua``
+    defines wrk's ``request`` function. Server CPU per request is the CPU the processes
+    ``server_pids`` used during the run divided by the requests served. Fails on any
+    non-2xx answer or socket error."""
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk is missing: apt-get install wrk (bash .ci/run installs it)")
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write(request_lua + _WRK_DONE)
+        script = f.name
+    try:
+        before = sum(cpu_seconds(p) for p in server_pids)
+        seconds = f"{max(1, round(duration_s))}s"  # wrk takes whole seconds
+        argv = ["wrk", "-t", str(threads), "-c", str(connections), "-d", seconds]
+        out = subprocess.run(
+            [*argv, "--timeout", "10s", "-s", script, url],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=duration_s + 60,
+        ).stdout
+        cpu = sum(cpu_seconds(p) for p in server_pids) - before
+    finally:
+        os.unlink(script)
+    line = next(ln for ln in out.splitlines() if ln.startswith("RESULT"))
+    n, us, status_errors, socket_errors, p50_us, p99_us = (int(x) for x in line.split()[1:])
+    if status_errors or socket_errors:
+        raise RuntimeError(
+            f"wrk against {url}: {status_errors} non-2xx, {socket_errors} socket errors"
+        )
+    return Wrk(n, us / 1e6, n / (us / 1e6), p50_us / 1e6, p99_us / 1e6, 0, cpu / max(n, 1))

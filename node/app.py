@@ -1,24 +1,29 @@
-"""The node's HTTP API (FastAPI on uvicorn).
+"""The node's ASGI application: the hot endpoints as plain handlers, FastAPI for the rest.
 
-``POST /act`` routes one step of an episode to its device (serving it here or forwarding
-it once to the owner); the rest is inspection and administration. Every error is JSON:
-``{"error": {"code", "message", "field"?}}``; 4xx for the client's mistakes (nothing
-changes), 503 with ``Retry-After`` for what cannot be decided or served now.
+``POST /act`` (JSON or msgpack), ``POST /internal/act`` (forwards between nodes) and every
+path under ``/v2`` (KServe v2, ``node/protocols/kserve.py``) are dispatched straight to
+their protocol modules in ``node/protocols/``, without a
+framework's routing, validation or response classes on the request path. Everything else —
+inspection, administration, ``/metrics``, ``/docs`` — is a FastAPI app. Every error is
+JSON ``{"error": {"code", "message", "field"?}}`` (404 and 405 included; under ``/v2``
+KServe's own ``{"error": "<message>"}``); 4xx for the
+client's mistakes (nothing changes), 503 with ``Retry-After`` for what cannot be decided
+or served now.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import json
-import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException
 
 from affinity import (
     AffinityError,
@@ -28,26 +33,58 @@ from affinity import (
     UnknownDevice,
     UnknownEpisode,
 )
-from node.dispatcher import DeviceDown, ModelFailure
+from node.accesslog import AccessLog
+from node.asgi import Receive, Scope, Send, error_body, respond
 from node.fleet import add_fleet_routes
-from node.policy import InvalidInput
-from node.service import SECRET_HEADER, ActReply, NodeService, Refused, Unavailable
+from node.membership import VERSION
+from node.protocols import act, internal, kserve, openpi
+from node.service import NodeService
 
-__all__ = ["create_app"]
+__all__ = ["NodeApp", "create_app"]
 
-log = logging.getLogger("affinity.node")
+Handler = Callable[[NodeService, Scope, Receive, Send], Awaitable[None]]
 
-ACT_BODY_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "episode_id": {"type": "string", "maxLength": 512},
-        "session_id": {"type": "string", "maxLength": 512},
-        "inputs": {"type": "object", "additionalProperties": {"type": "array"}},
-        "end": {"type": "boolean"},
-        "token": {"type": "integer", "minimum": 0},
-    },
-    "required": ["inputs"],
-}
+
+class NodeApp:
+    """The ASGI callable uvicorn runs: hot routes first, websockets to the openpi protocol
+    (any path), then the FastAPI app."""
+
+    def __init__(
+        self, api: FastAPI, hot: dict[tuple[str, str], Handler], access: AccessLog
+    ) -> None:
+        self.api = api
+        self.hot = hot
+        self.paths = {path for _, path in hot}
+        self.access = access
+
+    @property
+    def state(self) -> Any:
+        return self.api.state
+
+    @property
+    def service(self) -> NodeService:
+        service: NodeService = self.api.state.service
+        return service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self.access(self._http, scope, receive, send)
+        elif scope["type"] == "websocket":
+            await openpi.handle(self.service, scope, receive, send)
+        else:
+            await self.api(scope, receive, send)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = self.hot.get((scope["method"], scope["path"]))
+        if handler is not None:
+            await handler(self.service, scope, receive, send)
+        elif scope["path"] in self.paths:
+            body = error_body("method_not_allowed", f"use POST {scope['path']}")
+            await respond(send, 405, body, headers=[(b"allow", b"POST")])
+        elif scope["path"] == "/v2" or scope["path"].startswith("/v2/"):
+            await kserve.handle(self.service, scope, receive, send)  # KServe v2, its own errors
+        else:
+            await self.api(scope, receive, send)
 
 
 def error(
@@ -60,132 +97,135 @@ def error(
     return JSONResponse({"error": body}, status_code=status, headers=headers)
 
 
-class BodyError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        self.status, self.code = status, code
-        super().__init__(message)
+# ---- OpenAPI documentation of the hot endpoint (served by node/protocols/act.py) --------
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyError(413, "too_large", f"body is {declared} bytes; the limit is {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyError(413, "too_large", f"body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    try:
-        body = json.loads(b"".join(chunks))
-    except (ValueError, RecursionError) as exc:
-        raise BodyError(400, "malformed", f"body is not valid JSON: {exc}"[:300]) from None
-    if not isinstance(body, dict):
-        raise BodyError(400, "malformed", "body must be a JSON object")
-    return body
+class ActRequest(BaseModel):
+    """One step of an episode."""
 
+    episode_id: str | None = Field(
+        None, max_length=512, description="Sticky key of the episode (UTF-8, no control chars)."
+    )
+    session_id: str | None = Field(
+        None, max_length=512, description="Used when episode_id is missing (degraded routing)."
+    )
+    inputs: dict[str, Any] = Field(
+        description="Observation input name -> nested list of the model's shape "
+        "(GET /model); with Content-Type application/msgpack, arrays in openpi's encoding."
+    )
+    end: bool = Field(False, description="Release the episode after serving this step.")
+    token: int | None = Field(
+        None, ge=0, description="The token of the previous reply; a lost assignment is then "
+        "reported as state_reset.",
+    )  # fmt: skip
+    execute_steps: int | None = Field(
+        None, ge=1, description="Action-chunk execution: run the policy every k steps."
+    )
 
-def act_response(reply: ActReply) -> JSONResponse:
-    headers = {
-        "X-Affinity-Device": reply.device,
-        "X-Affinity-Node": reply.node,
-        "X-Affinity-Token": str(reply.token),
-        "X-Affinity-Routing": reply.routing,
-        "X-Affinity-State-Reset": "true" if reply.state_reset else "false",
-        "X-Affinity-Degraded": "true" if reply.degraded else "false",
+    model_config = {
+        "extra": "forbid",
+        "json_schema_extra": {
+            "examples": [{"episode_id": "ep-42", "inputs": {"obs": [[0.1] * 8]}, "token": 17}]
+        },
     }
-    return JSONResponse(reply.to_json(), headers=headers)
+
+
+class ActReply(BaseModel):
+    """What a step returns; X-Affinity-* headers repeat the facts."""
+
+    outputs: dict[str, Any] = Field(description="Output name -> nested list (or msgpack array).")
+    episode_id: str | None
+    device: str = Field(description="The device that served the step, e.g. gpu-a/1.")
+    node: str
+    token: int = Field(description="Fencing token of the assignment; echo it in the next step.")
+    routing: str = Field(description="hit | claimed | reassigned | stateless")
+    state_reset: bool = Field(description="The episode's state started over with this step.")
+    degraded: bool = Field(description="Routed by session_id for lack of an episode_id.")
+    source: str = Field(description="model, or buffer for an action from the chunk buffer.")
+
+    model_config = {
+        "json_schema_extra": {
+            "examples": [
+                {
+                    "outputs": {"actions": [[[0.06, -0.22], [0.1, 0.3], [0.0, 0.1], [0.2, 0.2]]]},
+                    "episode_id": "ep-42",
+                    "device": "gpu-a/0",
+                    "node": "gpu-a",
+                    "token": 1796000000000123,
+                    "routing": "hit",
+                    "state_reset": False,
+                    "degraded": False,
+                    "source": "model",
+                }
+            ]
+        }
+    }
+
+
+def _act_openapi(api: FastAPI) -> dict[str, Any]:
+    schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for model in (ActRequest, ActReply):
+        components[model.__name__] = model.model_json_schema(
+            ref_template="#/components/schemas/{model}"
+        )
+    error_ref = {"description": "Error", "content": {"application/json": {}}}
+    schema["paths"]["/act"] = {
+        "post": {
+            "summary": "One step of an episode",
+            "description": act.__doc__,
+            "operationId": "act",
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/ActRequest"}},
+                    "application/msgpack": {"schema": {"type": "string", "format": "binary"}},
+                },
+            },
+            "responses": {
+                "200": {
+                    "description": "The step's outputs and where it ran",
+                    "content": {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/ActReply"}},
+                        "application/msgpack": {"schema": {"type": "string", "format": "binary"}},
+                    },
+                },
+                "400": error_ref,
+                "413": error_ref,
+                "422": error_ref,
+                "500": error_ref,
+                "503": error_ref,
+            },
+        }
+    }
+    return schema
 
 
 def create_app(
-    service_factory: Callable[[], Awaitable[NodeService]],
-) -> FastAPI:
-    """The app; ``service_factory`` builds the node (devices, sessions, Redis) at start-up."""
+    service_factory: Callable[[], Awaitable[NodeService]], *, access_log: bool = True
+) -> NodeApp:
+    """The app; ``service_factory`` builds the node (devices, sessions, Redis) at start-up.
+    ``access_log`` writes one line per request (``node/accesslog.py``)."""
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(api: FastAPI) -> AsyncIterator[None]:
         service = await service_factory()
         await service.start()
-        app.state.service = service
+        api.state.service = service
         try:
             yield
         finally:
             await service.stop()
 
-    app = FastAPI(title="affinity node", version="0.1.0", lifespan=lifespan)
+    api = FastAPI(title="affinity node", version=VERSION, lifespan=lifespan)
 
     def svc() -> NodeService:
-        service: NodeService = app.state.service
+        service: NodeService = api.state.service
         return service
 
-    async def guarded(
-        request: Request, run: Callable[[dict[str, Any]], Awaitable[ActReply]]
-    ) -> Response:
-        s = svc()
-        try:
-            body = await read_json(request, s.config.max_body_bytes)
-        except BodyError as exc:
-            s.metrics.rejected.labels(exc.code).inc()
-            return error(exc.status, exc.code, str(exc))
-        try:
-            async with asyncio.timeout(s.config.act_deadline_s):
-                return act_response(await run(body))
-        except InvalidInput as exc:
-            s.metrics.rejected.labels("bad_input").inc()
-            return error(422, "bad_input", str(exc), field=f"inputs.{exc.field}".rstrip("."))
-        except InvalidArgument as exc:
-            s.metrics.rejected.labels("bad_input").inc()
-            return error(422, "bad_input", str(exc), field=exc.field.replace(" ", "_"))
-        except Unavailable as exc:
-            return error(503, exc.reason, str(exc), retry_after=exc.retry_after)
-        except Refused as exc:
-            if exc.status == 403:
-                s.metrics.rejected.labels("forbidden").inc()
-            return error(exc.status, exc.reason, str(exc))
-        except DeviceDown as exc:
-            return error(503, "device_down", str(exc), retry_after=5)
-        except ModelFailure as exc:
-            s.metrics.model_failures.labels(exc.device).inc()
-            return error(500, "model_failure", str(exc))
-        except TimeoutError:
-            return error(
-                503, "deadline", f"no answer within {s.config.act_deadline_s}s", retry_after=1
-            )
-        except BackendUnavailable as exc:
-            return error(503, "redis", str(exc), retry_after=1)
-
-    @app.post(
-        "/act",
-        openapi_extra={
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": ACT_BODY_SCHEMA}},
-            }
-        },
-    )
-    async def act(request: Request) -> Response:
-        """One step of an episode; see the README for the body and the reply."""
-        return await guarded(request, svc().act)
-
-    @app.post("/internal/act", include_in_schema=False)
-    async def internal_act(request: Request) -> Response:
-        secret = request.headers.get(SECRET_HEADER)
-        return await guarded(request, lambda body: svc().act_forwarded(body, secret))
-
-    @app.get("/episodes/{episode_id}")
-    async def get_episode(episode_id: str) -> Response:
-        try:
-            info = await svc().claims.lookup(episode_id)
-        except InvalidArgument as exc:
-            return error(422, "bad_input", str(exc), field="episode_id")
-        except BackendUnavailable as exc:
-            return error(503, "redis", str(exc), retry_after=1)
-        if info is None:
-            return error(404, "not_found", f"episode {episode_id!r} has no live assignment")
-        return JSONResponse(info.to_json())
-
-    @app.post("/episodes/{episode_id}/end")
+    @api.post("/episodes/{episode_id:path}/end")
     async def end_episode(episode_id: str) -> Response:
+        """Release the episode (its next step claims anew); 404 when it has no assignment."""
         s = svc()
         try:
             info = await s.claims.lookup(episode_id)
@@ -201,8 +241,24 @@ def create_app(
         s.dispatcher.release(episode_id)
         return JSONResponse({"episode_id": episode_id, "released": True, "device": info.device})
 
-    @app.get("/devices")
+    @api.get("/episodes/{episode_id:path}")
+    async def get_episode(episode_id: str) -> Response:
+        """Device, node, token, ttl_ms, device state and whether the owner is alive."""
+        try:
+            info = await svc().claims.lookup(episode_id)
+        except InvalidArgument as exc:
+            return error(422, "bad_input", str(exc), field="episode_id")
+        except BackendUnavailable as exc:
+            return error(503, "redis", str(exc), retry_after=1)
+        if info is None:
+            return error(404, "not_found", f"episode {episode_id!r} has no live assignment")
+        body = info.to_json()
+        body["episode_id"] = body.pop("episode")  # the HTTP API's name, as in /act replies
+        return JSONResponse(body)
+
+    @api.get("/devices")
     async def devices() -> Response:
+        """Every device of the fleet; this node's own add crash-tracker facts."""
         s = svc()
         try:
             listed = await s.registry.devices()
@@ -261,39 +317,64 @@ def create_app(
             s.metrics.set_state(device, change.state)
         return JSONResponse({"device": device, "state": change.state, "previous": change.previous})
 
-    @app.post("/devices/{device:path}/drain")
+    @api.post("/devices/{device:path}/drain")
     async def drain(request: Request, device: str) -> Response:
+        """Admin: the device keeps its episodes and takes no new ones."""
         return await set_state(request, device, "draining")
 
-    @app.post("/devices/{device:path}/undrain")
+    @api.post("/devices/{device:path}/undrain")
     async def undrain(request: Request, device: str) -> Response:
+        """Admin: a draining device takes new episodes again."""
         return await set_state(request, device, "active")
 
-    @app.get("/healthz")
+    @api.get("/healthz")
     async def healthz() -> Response:
+        """The process is alive."""
         return JSONResponse({"ok": True, "node": svc().node_id})
 
-    @app.get("/readyz")
+    @api.get("/readyz")
     async def readyz() -> Response:
+        """Registered, lease current, not leaving."""
         s = svc()
         if s.fenced():
             return error(503, "fenced", "lease not current", retry_after=1)
+        if s.membership.leaving:
+            return error(503, "leaving", "the node is shutting down", retry_after=1)
         return JSONResponse({"ready": True, "node": s.node_id, "devices": s.device_ids})
 
-    @app.get("/model")
+    @api.get("/model")
     async def model() -> Response:
+        """The policy contract: inputs a client sends, outputs, fed-back state."""
         return JSONResponse(svc().contract.to_json())
 
-    @app.get("/metrics")
+    @api.get("/metrics")
     async def metrics() -> Response:
+        """Prometheus text format."""
         s = svc()
-        s.refresh_gauges()
+        s.membership.refresh_gauges()
         return Response(generate_latest(s.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    add_fleet_routes(app, svc)  # /ui, /nodes, /events/stream
+    add_fleet_routes(api, svc)  # /ui, /nodes, /events/stream
 
-    @app.exception_handler(AffinityError)
+    @api.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error(exc.status_code, code, message)
+
+    @api.exception_handler(AffinityError)
     async def affinity_error(request: Request, exc: AffinityError) -> Response:
         return error(503, "affinity", str(exc), retry_after=1)
 
-    return app
+    api.openapi = lambda: api.openapi_schema or _cache(api, _act_openapi(api))  # type: ignore[method-assign]
+
+    hot: dict[tuple[str, str], Handler] = {
+        ("POST", "/act"): act.handle,
+        ("POST", "/internal/act"): internal.handle,
+    }
+    return NodeApp(api, hot, AccessLog(access_log))
+
+
+def _cache(api: FastAPI, schema: dict[str, Any]) -> dict[str, Any]:
+    api.openapi_schema = schema
+    return schema

@@ -16,10 +16,15 @@ __all__ = ["NodeConfig"]
 class NodeConfig:
     """Everything one ``affinity-node`` process needs.
 
-    Times are seconds. ``act_deadline_s`` bounds every ``/act`` end to end (Redis, the
-    model and any forward); ``max_body_bytes`` bounds a request body. ``admin_token``
+    Times are seconds. ``act_deadline_s`` bounds every step end to end (Redis, the
+    model and any forward); ``max_body_bytes`` bounds a request body or websocket message;
+    ``keep_alive_s`` is how long an idle client connection stays open. ``admin_token``
     enables the admin endpoints (they are refused while it is unset); ``cluster_secret``
-    authenticates forwarded requests between nodes.
+    authenticates forwarded requests between nodes; ``api_key``, when set, is required
+    from clients (``Authorization: Api-Key <key>``, as ``openpi-client`` sends it).
+    ``model_name`` is the name KServe v2 clients use (empty: the model file's stem);
+    ``kserve_claim_unknown`` starts an unknown KServe sequence on any request instead of
+    refusing one without ``sequence_start`` (Triton's rule).
     """
 
     node_id: str
@@ -32,14 +37,26 @@ class NodeConfig:
     capacity: int = 64
     weight: int = 1
     act_deadline_s: float = 5.0
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int = 1 << 24
+    keep_alive_s: float = 5.0
     admin_token: str | None = None
+    api_key: str | None = None
     cluster_secret: str | None = None
     providers: ProviderSettings = field(default_factory=ProviderSettings)
     failure_threshold: int = 3
+    max_batch: int | None = None
+    batch_delay_us: float = 500.0
+    execute_steps: int | None = None
+    ensemble: str | None = None
+    ensemble_decay: float = 0.01
     cooldown_s: float = 30.0
     intra_op_threads: int = 1
     embedded_port: int | None = None
+    log_level: str = "info"
+    log_format: str = "plain"
+    access_log: bool = True
+    model_name: str = ""
+    kserve_claim_unknown: bool = False
 
     @property
     def renew_every_s(self) -> float:

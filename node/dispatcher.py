@@ -54,6 +54,7 @@ from node.policy import PolicyContract
 __all__ = [
     "DEFAULT_BATCH_DELAY_US",
     "MAX_DEFAULT_BATCH",
+    "Arrival",
     "CrashTracker",
     "DeviceDown",
     "ModelFailure",
@@ -218,6 +219,23 @@ class _Member:
     buffer: ActionBuffer | None
 
 
+class Arrival:
+    """One step on its way through the node (:meth:`MultiGpuDispatcher.arrival`)."""
+
+    __slots__ = ("_dispatcher", "_open")
+
+    def __init__(self, dispatcher: MultiGpuDispatcher) -> None:
+        self._dispatcher = dispatcher
+        self._open = True
+        dispatcher._arriving += 1
+
+    def done(self) -> None:
+        """The step reached a device, left the node or failed; idempotent."""
+        if self._open:
+            self._open = False
+            self._dispatcher._arriving -= 1
+
+
 class _Device:
     def __init__(self, id: str, session: Session, tracker: CrashTracker, max_batch: int) -> None:
         self.id = id
@@ -332,6 +350,7 @@ class MultiGpuDispatcher:
         # steps whose caller still waits, per episode; touched only on the event loop
         self._in_flight: dict[str, int] = {}
         self._idle: dict[str, asyncio.Event] = {}
+        self._arriving = 0  # steps on their way through the node (see arrival()): loop only
         self._outputs = [o.name for o in contract.outputs]
         self._fed_back = set(contract.state.values())
         self._devices: dict[str, _Device] = {}
@@ -396,6 +415,14 @@ class MultiGpuDispatcher:
         """(episode, token, device) of every episode with state held here."""
         with self._lock:
             return [(ep, st.token, st.device) for ep, st in self._states.items()]
+
+    def arrival(self) -> Arrival:
+        """Mark one step as on its way to some device of this node (being resolved or
+        checked), until ``done()``: while any step is, a device holding a waiting step may
+        wait up to ``batch_delay`` for others to join its run. The node opens one when a
+        request arrives and closes it as the step is handed to a device (or leaves the
+        node). Event loop only."""
+        return Arrival(self)
 
     def in_flight(self, episode: str) -> bool:
         """True while a step of ``episode`` is queued or running and its caller still waits.
@@ -470,7 +497,7 @@ class MultiGpuDispatcher:
         mode = self.mode_for(execute_steps, ensemble)
         if dev.tracker.down:
             raise DeviceDown(device)
-        if mode is not None and episode not in self._in_flight:
+        if mode is not None and not fresh and episode not in self._in_flight:
             # nothing of this episode is on the worker: its state cannot change under us
             with self._lock:
                 served = self._from_buffer(dev, episode, token, mode)
@@ -612,10 +639,13 @@ class MultiGpuDispatcher:
             left.append(item)
         dev.pending = left
 
-    @staticmethod
-    def _expect(dev: _Device, taken: list[_Job]) -> bool:
-        """Whether another episode is likely to send a step soon: one that sent a step to
-        this device within the last second and has none in ``taken`` or waiting."""
+    def _expect(self, dev: _Device, taken: list[_Job]) -> bool:
+        """Whether another episode is likely to send a step soon: some step is on its way
+        through the node (see :meth:`arrival`) and an episode that sent a step to this
+        device within the last second has none in ``taken`` or waiting. A robot stepping
+        alone, or one client stepping many episodes in turn, never waits."""
+        if self._arriving <= 0:  # an int read from the worker: atomic under the GIL
+            return False
         waiting = {j.episode for j in taken}
         waiting.update(j.episode for j in dev.pending if isinstance(j, _Job))
         return any(episode not in waiting for episode in dev.recent)
@@ -651,7 +681,9 @@ class MultiGpuDispatcher:
                 feed = {**job.inputs, **self.contract.initial_state()}
                 return _Member(job, feed, None, self._generation, False, 0, None)
             st = self._states.get(job.episode)
-            ok = st is not None and st.token == job.token and st.device == dev.id
+            # a fresh claim starts clean even over state held under the same token: a token
+            # re-issued after a lossy failover names a new claim, not the old state
+            ok = st is not None and st.token == job.token and st.device == dev.id and not job.fresh
             if ok and job.mode is not None:
                 result = self._from_buffer(dev, job.episode, job.token, job.mode)
                 job.committed = result is not None

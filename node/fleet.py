@@ -61,8 +61,10 @@ class FleetSource(Protocol):
     """What the fleet endpoints need of the node (``node.service.NodeService`` has it)."""
 
     node_id: str
-    instance: str
     registry: Registry
+
+    @property
+    def instance(self) -> str: ...
 
 
 class NodeOut(BaseModel):

@@ -3,31 +3,43 @@
 Every flag also reads an ``AFFINITY_*`` environment variable (the flag wins). Without
 ``--redis`` / ``AFFINITY_REDIS_URL`` the node runs on an embedded in-process store
 (single host only), optionally answering the Redis protocol on ``--embedded-port``.
+
+Exit codes: 0 after a graceful stop (SIGTERM: episodes handed over, deregistered), 2 for a
+usage or configuration error (one line naming the flag), 3 when Redis cannot be reached
+at start-up, 4 when another running process holds this node id.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import re
+import select
 import socket
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
-import httpx
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from affinity import Settings, connect, embedded_store
+from affinity import BackendUnavailable, NodeConflict, Settings, connect, embedded_store
+from node.accesslog import JsonFormatter
 from node.app import create_app
 from node.binding import BoundSession
 from node.config import NodeConfig
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import MultiGpuDispatcher, Session
-from node.policy import DEMO_MODEL, load_contract
+from node.fleet import Fleet
+from node.forward import Poster
+from node.membership import EXIT_CONFLICT, VERSION
+from node.metrics import Metrics
+from node.policy import load_contract, resolve_model
 from node.providers import GpuUnavailable, ProviderSettings, build_session, require_cuda
 from node.service import NodeService
 
@@ -35,113 +47,209 @@ __all__ = ["build_service", "main", "parse_args"]
 
 log = logging.getLogger("affinity.node")
 CUDA_GRAPH_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+EXIT_USAGE = 2
+EXIT_REDIS = 3
+EXIT_NO_GPU = 5
+"""Exit status when --devices names GPUs (or auto finds some) that CUDA cannot run."""
 
 
-def _env_default(env: Mapping[str, str], name: str, default: Any = None) -> Any:
-    value = env.get(name)
-    return default if value is None or value == "" else value
+HELP = """\
+Serve a policy on this host's devices as one node of an affinity fleet: episodes stick to
+one device across hosts, with Redis as the source of truth. Every flag also reads the
+environment variable named in its help (the flag wins). Without --redis the node runs on an
+embedded single-host store.
+
+Exit codes: 0 after a graceful stop (SIGTERM: episodes handed over, deregistered), 2 for a
+usage or configuration error (one line naming the flag), 3 when Redis cannot be reached at
+start-up, 4 when another running process holds this node id, 5 when GPUs are named (or
+found) that CUDA cannot run (one line naming the missing library)."""
 
 
-def _flag(env: Mapping[str, str], name: str) -> bool:
-    return env.get(name, "").lower() in ("1", "true", "yes", "on")
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line naming the flag (no usage dump), exit code 2."""
+        self.exit(EXIT_USAGE, f"affinity-node: {message} (see affinity-node --help)\n")
+
+
+class StartupError(Exception):
+    """A configuration the node cannot start with; the message names the flag and the fix."""
+
+
+@dataclass(frozen=True)
+class _Flag:
+    name: str
+    env: str
+    default: Any
+    help: str
+    kind: Callable[[str], Any] = str
+
+
+_FLAGS = (
+    _Flag("--redis", "AFFINITY_REDIS_URL", None,
+          "Redis URL: redis://, rediss://, unix://, redis+sentinel://, redis+cluster:// "
+          "(none: the embedded single-host store)"),
+    _Flag("--namespace", "AFFINITY_NAMESPACE", "affinity", "prefix of every Redis key"),
+    _Flag("--node-id", "AFFINITY_NODE_ID", None, "this node's id (none: the host name)"),
+    _Flag("--host", "AFFINITY_HOST", "127.0.0.1", "address to listen on"),
+    _Flag("--port", "AFFINITY_PORT", 8000, "port to listen on", int),
+    _Flag("--advertise-url", "AFFINITY_ADVERTISE_URL", None,
+          "URL other nodes forward to (none: http://<host>:<port>)"),
+    _Flag("--devices", "AFFINITY_DEVICES", "auto",
+          "auto | cpu:N | GPU indices or UUIDs such as 0,2"),
+    _Flag("--model", "AFFINITY_MODEL", "demo",
+          "ONNX policy: a packaged name (demo, vla-demo) or a file"),
+    _Flag("--model-name", "AFFINITY_MODEL_NAME", None,
+          "the model's name for KServe v2 clients (none: the model file's stem)"),
+    _Flag("--capacity", "AFFINITY_CAPACITY", 64, "live episodes per device", int),
+    _Flag("--weight", "AFFINITY_WEIGHT", 1, "share of new episodes per device", int),
+    _Flag("--episode-ttl", "AFFINITY_EPISODE_TTL", 300.0,
+          "seconds idle before an episode's assignment expires", float),
+    _Flag("--lease-ttl", "AFFINITY_LEASE_TTL", 10.0,
+          "seconds of the node's lease (renewed every third)", float),
+    _Flag("--act-deadline", "AFFINITY_ACT_DEADLINE", 5.0,
+          "seconds within which every step answers", float),
+    _Flag("--max-body-bytes", "AFFINITY_MAX_BODY_BYTES", 1 << 24,
+          "bytes of one request body or websocket message", int),
+    _Flag("--keep-alive", "AFFINITY_KEEP_ALIVE", 5.0,
+          "seconds an idle client connection is kept open", float),
+    _Flag("--trt-cache", "AFFINITY_TRT_CACHE", "~/.cache/affinity/trt",
+          "TensorRT engine cache root", Path),
+    _Flag("--max-batch", "AFFINITY_MAX_BATCH", None,
+          "steps of different episodes per model run (none: 8 when the model's batch axis "
+          "is dynamic, else 1; 1 turns batching off)", int),
+    _Flag("--batch-delay", "AFFINITY_BATCH_DELAY", 500.0,
+          "microseconds a device waits for more steps once one waits (only while another "
+          "recently active episode may send one)", float),
+    _Flag("--execute-steps", "AFFINITY_EXECUTE_STEPS", None,
+          "action-chunk execution: run the policy every k steps, serve the buffer between "
+          "(none: every step runs the model)", int),
+    _Flag("--ensemble", "AFFINITY_ENSEMBLE", "none",
+          "none | exp: temporal ensembling of overlapping chunks (ACT)"),
+    _Flag("--ensemble-decay", "AFFINITY_ENSEMBLE_DECAY", 0.01,
+          "m in ACT's weights w_i = exp(-m*i), oldest prediction first", float),
+    _Flag("--failure-threshold", "AFFINITY_FAILURE_THRESHOLD", 3,
+          "consecutive model failures before a device goes down", int),
+    _Flag("--cooldown", "AFFINITY_COOLDOWN", 30.0,
+          "seconds a down device waits before its probe", float),
+    _Flag("--embedded-port", "AFFINITY_EMBEDDED_PORT", None,
+          "with the embedded store: also answer the Redis protocol on this port", int),
+    _Flag("--api-key", "AFFINITY_API_KEY", None,
+          "when set, clients must send Authorization: Api-Key <key> (openpi-client's api_key)"),
+    _Flag("--log-level", "AFFINITY_LOG_LEVEL", "info", "debug | info | warning | error"),
+    _Flag("--log-format", "AFFINITY_LOG_FORMAT", "plain", "plain | json (every log line)"),
+    _Flag("--access-log", "AFFINITY_ACCESS_LOG", "on", "on | off: one line per request"),
+)  # fmt: skip
+_SWITCHES = (
+    ("--tensorrt", "AFFINITY_TENSORRT", "put TensorRT first on GPUs"),
+    ("--cuda-graph", "AFFINITY_CUDA_GRAPH", "capture one CUDA graph per device"),
+    (
+        "--kserve-claim-unknown",
+        "AFFINITY_KSERVE_CLAIM_UNKNOWN",
+        "KServe: a request for an unknown sequence starts it (Triton refuses it)",
+    ),
+)
+
+
+def _is_on(value: str | None) -> bool:
+    return (value or "").lower() in ("1", "true", "yes", "on")
 
 
 def parse_args(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> NodeConfig:
+    """The node's configuration from flags and ``AFFINITY_*`` variables (flags win).
+
+    Exits with code 2 and one line naming the flag on a bad value."""
     env = os.environ if env is None else env
-
-    def e(name: str, default: Any = None) -> Any:
-        return _env_default(env, name, default)
-
-    p = argparse.ArgumentParser(prog="affinity-node", description=__doc__)
-    p.add_argument(
-        "--redis",
-        default=e("AFFINITY_REDIS_URL"),
-        help="Redis URL (redis://, rediss://, unix://, redis+sentinel://, "
-        "redis+cluster://); none: the embedded single-host store",
+    p = _Parser(
+        prog="affinity-node",
+        description=HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--namespace", default=e("AFFINITY_NAMESPACE", "affinity"))
-    p.add_argument("--node-id", default=e("AFFINITY_NODE_ID"), help="default: the host name")
-    p.add_argument("--host", default=e("AFFINITY_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(e("AFFINITY_PORT", 8000)))
-    p.add_argument(
-        "--advertise-url",
-        default=e("AFFINITY_ADVERTISE_URL"),
-        help="URL other nodes forward to (default: http://<host>:<port>)",
-    )
-    p.add_argument(
-        "--devices",
-        default=e("AFFINITY_DEVICES", "auto"),
-        help="auto | cpu:N | GPU indices such as 0,2",
-    )
-    p.add_argument("--model", type=Path, default=Path(e("AFFINITY_MODEL", str(DEMO_MODEL))))
-    p.add_argument(
-        "--capacity",
-        type=int,
-        default=int(e("AFFINITY_CAPACITY", 64)),
-        help="live episodes per device",
-    )
-    p.add_argument("--weight", type=int, default=int(e("AFFINITY_WEIGHT", 1)))
-    p.add_argument(
-        "--episode-ttl",
-        type=float,
-        default=float(e("AFFINITY_EPISODE_TTL", 300)),
-        help="idle seconds before an episode's assignment expires",
-    )
-    p.add_argument("--lease-ttl", type=float, default=float(e("AFFINITY_LEASE_TTL", 10)))
-    p.add_argument("--act-deadline", type=float, default=float(e("AFFINITY_ACT_DEADLINE", 5)))
-    p.add_argument("--max-body-bytes", type=int, default=int(e("AFFINITY_MAX_BODY_BYTES", 1 << 20)))
-    p.add_argument("--tensorrt", action="store_true", default=_flag(env, "AFFINITY_TENSORRT"))
-    p.add_argument(
-        "--trt-cache", type=Path, default=Path(e("AFFINITY_TRT_CACHE", "~/.cache/affinity/trt"))
-    )
-    p.add_argument("--cuda-graph", action="store_true", default=_flag(env, "AFFINITY_CUDA_GRAPH"))
-    p.add_argument("--failure-threshold", type=int, default=int(e("AFFINITY_FAILURE_THRESHOLD", 3)))
-    p.add_argument("--cooldown", type=float, default=float(e("AFFINITY_COOLDOWN", 30)))
-    p.add_argument(
-        "--embedded-port",
-        type=int,
-        default=int(e("AFFINITY_EMBEDDED_PORT")) if e("AFFINITY_EMBEDDED_PORT") else None,
-        help="with the embedded store: also answer the Redis protocol on this port",
-    )
-    p.add_argument("--log-level", default=e("AFFINITY_LOG_LEVEL", "info"))
+    p.add_argument("--version", action="version", version=f"affinity-node {VERSION}")
+    for f in _FLAGS:
+        raw = env.get(f.env)
+        default = f.default if raw is None or raw == "" else raw
+        p.add_argument(
+            f.name,
+            default=default,
+            help=f"{f.help} (default: {f.default if f.default is not None else 'none'}; "
+            f"env {f.env})",
+        )
+    for name, var, text in _SWITCHES:
+        p.add_argument(name, action="store_true", default=_is_on(env.get(var)),
+                       help=f"{text} (default: off; env {var}=1)")  # fmt: skip
     a = p.parse_args(argv)
-    node_id = a.node_id or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:128]
-    advertise = (
-        a.advertise_url
-        or f"http://{a.host if a.host != '0.0.0.0' else socket.gethostname()}:{a.port}"
+    values: dict[str, Any] = {}
+    for f in _FLAGS:
+        key = f.name[2:].replace("-", "_")
+        value = getattr(a, key)
+        if isinstance(value, str) and f.kind is not str:
+            try:
+                value = f.kind(value)
+            except ValueError:
+                p.error(f"{f.name} {value!r}: must be {f.kind.__name__} (env {f.env})")
+        values[key] = value
+    for name, allowed in (("log_format", ("plain", "json")), ("access_log", ("on", "off"))):
+        if values[name] not in allowed:
+            flag = "--" + name.replace("_", "-")
+            p.error(f"{flag} {values[name]!r}: must be one of {', '.join(allowed)}")
+    node_id = values["node_id"] or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:128]
+    host = values["host"]
+    advertise = values["advertise_url"] or (
+        f"http://{host if host != '0.0.0.0' else socket.gethostname()}:{values['port']}"
     )
+    try:
+        model = resolve_model(values["model"])
+    except ValueError as exc:
+        p.error(f"--model: {exc} (env AFFINITY_MODEL)")
+    model_name = values["model_name"] or model.stem
+    if "/" in model_name or not model_name.isprintable():
+        p.error(
+            f"--model-name {model_name!r}: no '/' nor control characters (env AFFINITY_MODEL_NAME)"
+        )
     try:
         settings = Settings.from_env(
             env,
-            redis_url=a.redis,
-            namespace=a.namespace,
-            episode_ttl_s=a.episode_ttl,
-            lease_ttl_s=a.lease_ttl,
+            redis_url=values["redis"],
+            namespace=values["namespace"],
+            episode_ttl_s=values["episode_ttl"],
+            lease_ttl_s=values["lease_ttl"],
         )
         return NodeConfig(
             node_id=node_id,
             advertise_url=advertise.rstrip("/"),
             settings=settings,
-            host=a.host,
-            port=a.port,
-            devices=a.devices,
-            model=a.model,
-            capacity=a.capacity,
-            weight=a.weight,
-            act_deadline_s=a.act_deadline,
-            max_body_bytes=a.max_body_bytes,
-            admin_token=e("AFFINITY_ADMIN_TOKEN"),
-            cluster_secret=e("AFFINITY_CLUSTER_SECRET"),
+            host=host,
+            port=values["port"],
+            devices=values["devices"],
+            model=model,
+            capacity=values["capacity"],
+            weight=values["weight"],
+            act_deadline_s=values["act_deadline"],
+            max_body_bytes=values["max_body_bytes"],
+            keep_alive_s=values["keep_alive"],
+            admin_token=env.get("AFFINITY_ADMIN_TOKEN") or None,
+            api_key=values["api_key"] or None,
+            cluster_secret=env.get("AFFINITY_CLUSTER_SECRET") or None,
             providers=ProviderSettings(
-                tensorrt=a.tensorrt, trt_cache_root=a.trt_cache, cuda_graph=a.cuda_graph
+                tensorrt=a.tensorrt, trt_cache_root=values["trt_cache"], cuda_graph=a.cuda_graph
             ),
-            failure_threshold=a.failure_threshold,
-            cooldown_s=a.cooldown,
-            embedded_port=a.embedded_port,
+            failure_threshold=values["failure_threshold"],
+            max_batch=values["max_batch"],
+            batch_delay_us=values["batch_delay"],
+            execute_steps=values["execute_steps"],
+            ensemble=None if values["ensemble"] == "none" else values["ensemble"],
+            ensemble_decay=values["ensemble_decay"],
+            cooldown_s=values["cooldown"],
+            embedded_port=values["embedded_port"],
+            log_level=values["log_level"],
+            log_format=values["log_format"],
+            access_log=values["access_log"] == "on",
+            model_name=model_name,
+            kserve_claim_unknown=a.kserve_claim_unknown,
         )
-    except ValueError as exc:
+    except ValueError as exc:  # InvalidArgument included: it names the setting
         p.error(str(exc))
         raise  # unreachable: p.error exits
 
@@ -151,30 +259,28 @@ def build_service(
     redis: Any | None = None,
     specs: list[DeviceSpec] | None = None,
     session_factory: Callable[[DeviceSpec], tuple[Session, str]] | None = None,
-    transport: httpx.AsyncBaseTransport | None = None,
+    pool: Poster | None = None,
 ) -> Callable[[], Awaitable[NodeService]]:
     """The start-up of a node, as a factory for :func:`node.app.create_app`.
 
     ``redis`` defaults to a client for ``config.settings`` (or the embedded store);
     ``session_factory(spec)`` returns (session, provider really used) and defaults to
-    ONNX Runtime with the device's provider plan; ``transport`` carries forwarded
-    requests (tests route them in-process).
+    ONNX Runtime with the device's provider plan; ``pool`` carries forwards to owners
+    (tests route them in-process). Raises :class:`StartupError` for a
+    device list or model the node cannot use.
     """
 
     async def factory() -> NodeService:
-        client = redis
-        if client is None:
-            if config.settings.redis_url:
-                client = connect(config.settings)
-            else:
-                log.warning(
-                    "no Redis URL given: using the embedded in-process store (single host only)"
-                )
-                client = embedded_store(config.embedded_port)
-        env = os.environ
-        pin_pci_bus_order(env)
-        devices = specs if specs is not None else discover(config.devices)
-        contract = load_contract(config.model)
+        pin_pci_bus_order(os.environ)
+        try:
+            devices = specs if specs is not None else discover(config.devices)
+        except ValueError as exc:
+            raise StartupError(f"--devices: {exc}") from None
+        require_cuda(devices)  # GpuUnavailable: GPUs named, or found, that CUDA cannot run
+        try:
+            contract = load_contract(config.model)
+        except (ValueError, OSError) as exc:
+            raise StartupError(f"--model {config.model}: {exc}") from None
 
         def ort_session(spec: DeviceSpec) -> tuple[Session, str]:
             built = build_session(
@@ -194,7 +300,7 @@ def build_service(
             providers[spec.index] = provider
 
         def dispatcher(
-            ids: list[str], on_transition: Callable[[str, str, str], None]
+            ids: list[str], on_transition: Callable[[str, str, str], None], metrics: Metrics
         ) -> MultiGpuDispatcher:
             return MultiGpuDispatcher(
                 ids,
@@ -204,18 +310,37 @@ def build_service(
                 failure_threshold=config.failure_threshold,
                 cooldown_s=config.cooldown_s,
                 on_transition=on_transition,
+                max_batch=config.max_batch,
+                batch_delay_us=config.batch_delay_us,
+                execute_steps=config.execute_steps,
+                ensemble=config.ensemble,
+                ensemble_decay=config.ensemble_decay,
+                on_batch=lambda d, n: metrics.batch_size.labels(d).observe(n),
+                on_queue_wait=lambda d, s: metrics.queue_wait.labels(d).observe(s),
             )
 
-        service = NodeService(
-            config,
-            client,
-            devices,
-            providers,
-            dispatcher,
-            contract,
-            transport=transport,
-            owns_redis=redis is None,
-        )
+        client = redis
+        if client is None:
+            if config.settings.redis_url:
+                client = connect(config.settings)
+            else:
+                log.warning(
+                    "no Redis URL given: using the embedded in-process store (single host only)"
+                )
+                client = embedded_store(config.embedded_port)
+        try:
+            service = NodeService(
+                config,
+                client,
+                devices,
+                providers,
+                dispatcher,
+                contract,
+                owns_redis=redis is None,
+                pool=pool,
+            )
+        except ValueError as exc:  # batching or chunk settings this model cannot take
+            raise StartupError(str(exc)) from None
         await service.dispatcher.warm_up()
         graphs = sum(isinstance(s, BoundSession) for s in sessions.values())
         log.info("%d device(s) warmed up on their workers, %d CUDA graph(s)", len(sessions), graphs)
@@ -224,46 +349,126 @@ def build_service(
     return factory
 
 
-EXIT_NO_GPU = 4
-"""Exit status when --devices names GPUs (or auto finds some) that CUDA cannot run."""
+class _KeepAliveProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP protocol, except that an idle keep-alive connection whose client
+    has already sent its next request is not closed: after the process was paused (or
+    the loop was busy) past the keep-alive timeout, the timer fires before the queued
+    request is read, and closing would drop a request the client cannot know the fate
+    of. Such a request is read and answered instead (503 ``fenced`` if the lease lapsed)."""
+
+    def timeout_keep_alive_handler(self) -> None:
+        sock = self.transport.get_extra_info("socket")
+        fd = sock.fileno() if sock is not None else -1
+        if fd >= 0 and select.select([fd], [], [], 0)[0]:
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+            return
+        super().timeout_keep_alive_handler()
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    config = parse_args(argv)
-    logging.basicConfig(
-        level=config_level(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    pin_pci_bus_order(os.environ)
-    try:
-        specs = discover(config.devices)
-        require_cuda(specs)
-    except (ValueError, GpuUnavailable) as exc:
-        print(f"affinity-node: {exc}", file=sys.stderr)
-        sys.exit(EXIT_NO_GPU if isinstance(exc, GpuUnavailable) else 2)
-    app = create_app(build_service(config, specs=specs))
+class _Server(uvicorn.Server):
+    """uvicorn's server with the node's graceful stop: the first SIGTERM/SIGINT makes the
+    node leave the fleet while it still listens (episodes handed over, deregistered, no
+    more renewals), then uvicorn closes the listener and drains; a second one forces."""
 
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            # a graceful stop waits for open responses; an event stream never ends
-            app.state.fleet.close()
+    def __init__(self, config: uvicorn.Config, service: NodeService, fleet: Fleet) -> None:
+        super().__init__(config)
+        self.service = service
+        self.fleet = fleet
+        self.leave_requested = False
+        self.leaving: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.leave_requested or self.should_exit:
+            self.fleet.close()  # a graceful stop waits for open responses: streams never end
             super().handle_exit(sig, frame)
+        else:
+            self.leave_requested = True  # picked up by on_tick, on the event loop
 
-    Server(
+    async def on_tick(self, counter: int) -> bool:
+        if self.leave_requested and self.leaving is None:
+            log.info("node %s leaving the fleet (signal)", self.service.node_id)
+            self.leaving = asyncio.create_task(self.service.membership.leave())
+        if self.leaving is not None and self.leaving.done():
+            self.should_exit = True
+        if self.service.membership.conflict is not None:
+            self.should_exit = True
+        if self.should_exit:
+            self.fleet.close()  # a graceful stop waits for open responses: streams never end
+        return await super().on_tick(counter)
+
+
+async def _serve(config: NodeConfig) -> int:
+    try:
+        service = await build_service(config)()
+    except StartupError as exc:
+        print(f"affinity-node: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except GpuUnavailable as exc:
+        print(f"affinity-node: {exc}", file=sys.stderr)
+        return EXIT_NO_GPU
+    try:
+        await service.start()
+    except BackendUnavailable as exc:
+        print(
+            f"affinity-node: cannot reach Redis at {_safe_url(config)} (--redis): {exc}",
+            file=sys.stderr,
+        )
+        await service.stop()
+        return EXIT_REDIS
+    except NodeConflict as exc:
+        print(f"affinity-node: {exc}", file=sys.stderr)
+        await service.stop()
+        return EXIT_CONFLICT
+
+    async def started() -> NodeService:
+        return service
+
+    app = create_app(started, access_log=config.access_log)
+    server = _Server(
         uvicorn.Config(
             app,
             host=config.host,
             port=config.port,
+            http=_KeepAliveProtocol,
+            ws="websockets",
+            ws_max_size=config.max_body_bytes,
             log_level="warning",
+            access_log=False,  # node/accesslog.py writes the node's own, with the step's facts
+            proxy_headers=False,
+            server_header=False,
+            timeout_keep_alive=max(1, round(config.keep_alive_s)),
             timeout_graceful_shutdown=int(config.act_deadline_s) + 5,
-            access_log=False,
-        )
-    ).run()
+            lifespan="on",
+        ),
+        service,
+        app.state.fleet,
+    )
+    await server.serve()
+    return EXIT_CONFLICT if service.membership.conflict is not None else 0
 
 
-def config_level() -> int:
-    return getattr(logging, os.environ.get("AFFINITY_LOG_LEVEL", "info").upper(), logging.INFO)
+def _safe_url(config: NodeConfig) -> str:
+    url = config.settings.redis_url or "the embedded store"
+    return re.sub(r"//[^@/]*@", "//***@", url)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        JsonFormatter()
+        if config.log_format == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    logging.basicConfig(level=getattr(logging, config.log_level.upper(), logging.INFO),
+                        handlers=[handler])  # fmt: skip
+    import uvloop
+
+    code = uvloop.run(_serve(config))
+    # a graceful stop on a signal ends the way the signal would (uvicorn re-raises it)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = ["LABELS", "Metrics"]
 
-ROUTING = ("hit", "claimed", "reassigned", "stateless", "full", "unavailable")
+ROUTING = (
+    "hit",
+    "claimed",
+    "reassigned",
+    "stateless",
+    "full",
+    "no_nodes",
+    "unavailable",
+    "failed",
+)
 PATHS = ("local", "forwarded")
 STATES = ("active", "draining", "down")
 TRANSITIONS = ("down", "up")
@@ -31,18 +40,22 @@ LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
     "affinity_rejected_requests_total": {"reason": REJECTED},
     "affinity_fenced": {},
     "affinity_lease_renewals_total": {"result": ("ok", "reregistered", "failed")},
+    "affinity_batch_size": {"device": "device"},
+    "affinity_queue_wait_seconds": {"device": "device"},
+    "affinity_device_capacity": {"device": "device"},
 }
 
 
 class Metrics:
     """The node's series, on a registry of its own (several apps may share a process)."""
 
-    def __init__(self, devices: list[str]) -> None:
+    def __init__(self, devices: list[str], capacity: int) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.routing = Counter(
             "affinity_routing_total",
-            "Routing decisions of /act, by result.",
+            "Steps by outcome: served (hit, claimed, reassigned, stateless), refused for "
+            "capacity (full, no_nodes), any other 503 (unavailable), or a model failure.",
             ["result"],
             registry=r,
         )
@@ -105,8 +118,29 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.batch_size = Histogram(
+            "affinity_batch_size",
+            "Steps per model run (1: unbatched), by device.",
+            ["device"],
+            registry=r,
+            buckets=(1, 2, 3, 4, 5, 6, 7, 8),
+        )
+        self.queue_wait = Histogram(
+            "affinity_queue_wait_seconds",
+            "Time a step waited on its device before its model run began (seconds).",
+            ["device"],
+            registry=r,
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+        )
+        self.capacity = Gauge(
+            "affinity_device_capacity",
+            "Live episodes the device may hold (--capacity), as registered.",
+            ["device"],
+            registry=r,
+        )
         for device in devices:
             self.live.labels(device).set(0)
+            self.capacity.labels(device).set(capacity)
             self.set_state(device, "active")
 
     def set_state(self, device: str, state: str) -> None:

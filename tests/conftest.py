@@ -157,3 +157,13 @@ async def env(request: pytest.FixtureRequest) -> AsyncIterator[Env]:
     if request.param == "real":
         await client.flushdb()
     await client.aclose()
+
+
+@pytest.fixture(name="redis", params=BACKENDS)
+async def redis_client(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    """An async client on fakeredis, then on this session's real Redis (flushed after)."""
+    client = await make_client(request.param)
+    yield client
+    if request.param == "real":
+        await client.flushdb()
+    await client.aclose()

@@ -10,39 +10,49 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-from fastapi import FastAPI
 
 from affinity import Settings
-from node.app import create_app
+from node.app import NodeApp, create_app
 from node.config import NodeConfig
 from node.devices import discover
 from node.dispatcher import Session
+from node.forward import INTERNAL_PATH, SECRET_HEADER, ForwardError, Response
 from node.main import build_service
 from node.service import NodeService
 
 
-class Router(httpx.AsyncBaseTransport):
-    """Sends each request to the in-process app whose advertise host it names."""
+class Router:
+    """The forward pool of in-process nodes: sends each forward to the app whose
+    advertise host it names (``down`` hosts are unreachable)."""
 
     def __init__(self) -> None:
-        self.apps: dict[str, httpx.ASGITransport] = {}
+        self.apps: dict[str, httpx.AsyncClient] = {}
         self.down: set[str] = set()
+        self.secret = ""
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        host = request.url.host
+    async def post(self, url: str, body: bytes) -> Response:
+        host = urlsplit(url).hostname or ""
         if host in self.down or host not in self.apps:
-            raise httpx.ConnectError(f"{host} unreachable", request=request)
-        return await self.apps[host].handle_async_request(request)
+            raise ForwardError(f"cannot connect to {host}")
+        resp = await self.apps[host].post(
+            INTERNAL_PATH,
+            content=body,
+            headers={SECRET_HEADER: self.secret, "content-type": "application/msgpack"},
+        )
+        return Response(resp.status_code, dict(resp.headers), resp.content)
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass
 class InProcNode:
-    app: FastAPI
+    app: NodeApp
     client: httpx.AsyncClient
 
     @property
     def service(self) -> NodeService:
-        return self.app.state.service  # type: ignore[no-any-return]
+        return self.app.service
 
     async def act(self, **body: Any) -> httpx.Response:
         return await self.client.post("/act", json=body)
@@ -69,6 +79,7 @@ async def cluster(
     session_factory: Callable[[Any], tuple[Session, str]] | None = None,
 ) -> AsyncIterator[tuple[list[InProcNode], Router]]:
     router = Router()
+    router.secret = configs[0].cluster_secret or "" if configs else ""
     nodes = []
     async with AsyncExitStack() as stack:
         for cfg in configs:
@@ -78,14 +89,15 @@ async def cluster(
                     redis=redis,
                     specs=discover(cfg.devices),
                     session_factory=session_factory,
-                    transport=router,
+                    pool=router,
                 )
             )
-            await stack.enter_async_context(app.router.lifespan_context(app))
-            transport = httpx.ASGITransport(app=app)
-            router.apps[urlsplit(cfg.advertise_url).hostname or ""] = transport
+            await stack.enter_async_context(app.api.router.lifespan_context(app.api))
             client = await stack.enter_async_context(
-                httpx.AsyncClient(transport=transport, base_url=cfg.advertise_url)
+                httpx.AsyncClient(
+                    transport=httpx.ASGITransport(app=app), base_url=cfg.advertise_url
+                )
             )
+            router.apps[urlsplit(cfg.advertise_url).hostname or ""] = client
             nodes.append(InProcNode(app, client))
         yield nodes, router

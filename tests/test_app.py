@@ -4,6 +4,7 @@ fakeredis and a real Redis (same bodies)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,26 +12,23 @@ import numpy as np
 import pytest
 
 from affinity import Keys
+from node.forward import SECRET_HEADER as SECRET
+from node.forward import Forward
 from node.policy import DEMO_MODEL, reference_rollout
-from tests.conftest import BACKENDS, make_client
 from tests.inproc import InProcNode, Router, cluster, config
 
 pytestmark = pytest.mark.anyio
 KEYS = Keys()
 
 
+def forward(episode: str, token: int, device: str, routing: str) -> bytes:
+    obs = np.zeros((1, 8), np.float32)
+    return Forward(episode, token, device, routing, {"obs": obs}, budget_s=2.0).encode()
+
+
 def observations(seed: int, n: int = 20) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.standard_normal((1, 8)).astype(np.float32) for _ in range(n)]
-
-
-@pytest.fixture(params=BACKENDS)
-async def redis(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
-    client = await make_client(request.param)
-    yield client
-    if request.param == "real":
-        await client.flushdb()
-    await client.aclose()
 
 
 @pytest.fixture
@@ -99,7 +97,7 @@ BAD = [
     ({"episode_id": "e", "inputs": {"obs": [[1] * 8], "zzz": [1]}}, 422, "inputs.zzz"),
     ({"episode_id": "e", "inputs": {"obs": [[1] * 7]}}, 422, "inputs.obs"),
     ({"episode_id": "e", "inputs": {"obs": [["a"] * 8]}}, 422, "inputs.obs"),
-    ({"episode_id": "e", "inputs": {"obs": [[10**400] * 8]}}, 422, "inputs.obs"),
+    ({"episode_id": "e", "inputs": {"obs": [[1e39] * 8]}}, 422, "inputs.obs"),
     (
         {"episode_id": "e", "inputs": {"obs": [[1] * 8], "state_in.hidden": [[0] * 16]}},
         422,
@@ -131,7 +129,7 @@ async def test_bad_input_changes_nothing(node: InProcNode, redis: Any) -> None:
     ]:
         r = await node.client.post("/act", content=raw)
         assert r.status_code in (400, 422), (raw[:20], r.text)
-    big = b'{"inputs": {"obs": [' + b"1," * 600_000 + b"1]}}"
+    big = b'{"inputs": {"obs": [' + b"1," * 9_000_000 + b"1]}}"
     r = await node.client.post("/act", content=big)
     assert r.status_code == 413
     assert await snapshot(redis) == before
@@ -223,18 +221,10 @@ async def test_any_node_serves_any_episode(two: tuple[list[InProcNode], Router])
 
 async def test_forward_needs_the_secret(two: tuple[list[InProcNode], Router]) -> None:
     (a, _), _ = two
-    r = await a.client.post(
-        "/internal/act",
-        json={
-            "episode_id": "e",
-            "token": 1,
-            "device": "a/0",
-            "routing": "claimed",
-            "inputs": {"obs": [[0] * 8]},
-        },
-        headers={"X-Affinity-Secret": "wrong"},
-    )
-    assert r.status_code == 403
+    body = forward("e", 1, "a/0", "claimed")
+    for secret in ("wrong", ""):
+        r = await a.client.post("/internal/act", content=body, headers={SECRET: secret})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "bad_secret"
 
 
 async def test_unreachable_owner_gets_503_never_a_second_owner(
@@ -259,13 +249,13 @@ async def test_unreachable_owner_gets_503_never_a_second_owner(
 async def test_fenced_node_refuses_then_reregisters(node: InProcNode, redis: Any) -> None:
     await node.act(episode_id="ep", inputs={"obs": [[0] * 8]})
     s = node.service
-    s.lease_deadline = s.clock() - 0.01  # as if renewals had failed for a whole lease
+    s.membership.lease_deadline = s.clock() - 0.01  # as if renewals had failed for a whole lease
     r = await node.act(episode_id="ep", inputs={"obs": [[0] * 8]})
     assert r.status_code == 503 and r.json()["error"]["code"] == "fenced"
     assert not s.dispatcher.has_state("ep")
     assert (await node.client.get("/readyz")).status_code == 503
     await redis.delete(KEYS.node("a"))  # the lease lapsed in Redis too
-    await s.renew_once()
+    await s.membership.renew_once()
     r = await node.act(episode_id="ep", inputs={"obs": [[0] * 8]})
     assert r.status_code == 200 and r.json()["state_reset"] is True
 
@@ -302,14 +292,8 @@ async def test_owner_refuses_a_forward_for_an_assignment_redis_no_longer_has(
     two: tuple[list[InProcNode], Router], redis: Any
 ) -> None:
     (_, b), _ = two
-    body = {
-        "episode_id": "gone",
-        "token": 12345,
-        "device": "b/0",
-        "routing": "hit",
-        "inputs": {"obs": [[0] * 8]},
-    }
-    r = await b.client.post("/internal/act", json=body, headers={"X-Affinity-Secret": "k"})
+    body = forward("gone", 12345, "b/0", "hit")
+    r = await b.client.post("/internal/act", content=body, headers={SECRET: "k"})
     assert r.status_code == 409 and r.json()["error"]["code"] == "stale_token"
     assert not b.service.dispatcher.has_state("gone")
 
@@ -326,8 +310,8 @@ async def test_lease_running_out_during_the_step_is_a_503(redis: Any) -> None:
             self.inner = build_session(DEMO_MODEL, spec, ProviderSettings()).session
 
         def run(self, names: Any, feed: Any) -> Any:
-            if services and services[0].lease_deadline > 0 and feed["obs"][0][0] == 9:
-                services[0].lease_deadline = services[0].clock() - 1  # time passes
+            if services and services[0].membership.lease_deadline > 0 and feed["obs"][0][0] == 9:
+                services[0].membership.lease_deadline = services[0].clock() - 1  # time passes
             return self.inner.run(names, dict(feed))
 
     async with cluster(
@@ -345,12 +329,243 @@ async def test_renewal_reconciles_down_with_the_crash_tracker(node: InProcNode, 
     s = node.service
     # a 'down' that the tracker does not hold (its 'up' write was lost): restored
     await redis.hset(KEYS.device("a/0"), mapping={"state": "down", "prev_state": "active"})
-    await s.renew_once()
+    await s.membership.renew_once()
     assert await redis.hget(KEYS.device("a/0"), "state") == "active"
     # a crash the registry never heard of: written again
     tracker = s.dispatcher.tracker("a/1")
     tracker.failure("boom")
     tracker.failure("boom")
     tracker.failure("boom")
-    await s.renew_once()
+    await s.membership.renew_once()
     assert await redis.hget(KEYS.device("a/1"), "state") == "down"
+
+
+async def test_episode_ids_with_slashes_and_errors_in_the_projects_shape(node: InProcNode) -> None:
+    r = await node.act(episode_id="robot/7/ep 1", inputs={"obs": [[0.1] * 8]})
+    assert r.status_code == 200
+    got = await node.client.get("/episodes/robot/7/ep%201")
+    assert got.status_code == 200 and got.json()["episode_id"] == "robot/7/ep 1"
+    assert got.json()["device"] == r.json()["device"]
+    ended = await node.client.post("/episodes/robot/7/ep%201/end")
+    assert ended.status_code == 200 and ended.json()["released"] is True
+    assert (await node.client.get("/episodes/robot/7/ep%201")).status_code == 404
+    for method, path, status in [
+        ("GET", "/no/such/path", 404),
+        ("GET", "/act", 405),
+        ("DELETE", "/healthz", 405),
+        ("GET", "/internal/act", 405),
+    ]:
+        r = await node.client.request(method, path)
+        assert r.status_code == status, (method, path, r.text)
+        assert set(r.json()["error"]) >= {"code", "message"}, r.text
+
+
+async def test_an_unknown_top_level_field_is_refused_by_name(node: InProcNode, redis: Any) -> None:
+    before = await snapshot(redis)
+    r = await node.act(episodeId="typo", inputs={"obs": [[0.1] * 8]})
+    assert r.status_code == 422
+    assert r.json()["error"]["field"] == "episodeId" and "unknown field" in r.text
+    assert await snapshot(redis) == before
+
+
+class Gate:
+    """A real ORT session whose runs wait for ``go`` when the input's first value is 9."""
+
+    go = threading.Event()
+    entered = threading.Event()
+
+    def __init__(self, spec: Any) -> None:
+        from node.providers import ProviderSettings, build_session
+
+        self.inner = build_session(DEMO_MODEL, spec, ProviderSettings()).session
+
+    def run(self, names: Any, feed: Any) -> Any:
+        if feed["obs"][0][0] == 9:
+            Gate.entered.set()
+            assert Gate.go.wait(30)
+        return self.inner.run(names, dict(feed))
+
+
+async def test_a_forwarded_step_past_the_routers_budget_keeps_no_state(redis: Any) -> None:
+    cfgs = [config("a", cluster_secret="k"), config("b", cluster_secret="k")]
+    Gate.go.clear()
+    Gate.entered.clear()
+    async with cluster(redis, cfgs, session_factory=lambda s: (Gate(s), "CPU")) as (nodes, _):
+        a, b = nodes
+        first = None
+        for i in range(8):
+            first = (await a.act(episode_id=f"bud{i}", inputs={"obs": [[0.5] * 8]})).json()
+            if first["node"] == "b":
+                break
+        assert first is not None and first["node"] == "b"
+        ep, obs = first["episode_id"], observations(9)
+        # the owner gets what is left of the router's deadline: here, 0.3 s
+        body = Forward(ep, first["token"], first["device"], "hit",
+                       {"obs": np.full((1, 8), 9, np.float32)}, budget_s=0.3).encode()  # fmt: skip
+        r = await b.client.post("/internal/act", content=body, headers={SECRET: "k"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "deadline"
+        assert Gate.entered.is_set()
+        Gate.go.set()  # the run ends after its budget: its state must not be kept
+        # the next step queues behind the late run on the same device and must see the
+        # state of the first step, not of the step the router was told failed
+        again = await a.act(episode_id=ep, inputs={"obs": obs[0].tolist()}, token=first["token"])
+        assert again.status_code == 200 and again.json()["state_reset"] is False
+        ref = reference_rollout(DEMO_MODEL, [np.full((1, 8), 0.5, np.float32), obs[0]])
+        np.testing.assert_allclose(again.json()["outputs"]["actions"], ref[1]["actions"], rtol=1e-5)
+
+
+async def test_the_router_forwards_only_what_is_left_of_its_deadline(redis: Any) -> None:
+    cfgs = [config("a", cluster_secret="k", act_deadline_s=2.0), config("b", cluster_secret="k")]
+    async with cluster(redis, cfgs) as (nodes, router):
+        a, _ = nodes
+        sent: list[Forward] = []
+        post = router.post
+
+        async def spy(url: str, body: bytes) -> Any:
+            sent.append(Forward.decode(body))
+            return await post(url, body)
+
+        router.post = spy  # type: ignore[method-assign]
+        resolve = a.service.claims.resolve
+
+        async def stalled(episode: str, **kw: Any) -> Any:
+            await asyncio.sleep(0.6)  # Redis stalls during the router's resolve
+            return await resolve(episode, **kw)
+
+        for i in range(8):
+            r = (await a.act(episode_id=f"st{i}", inputs={"obs": [[0.5] * 8]})).json()
+            if r["node"] == "b":
+                break
+        a.service.claims.resolve = stalled  # type: ignore[method-assign]
+        sent.clear()
+        assert (
+            await a.act(episode_id=r["episode_id"], inputs={"obs": [[0.5] * 8]})
+        ).status_code == 200
+        assert len(sent) == 1 and sent[0].budget_s <= 2.0 - 0.6
+
+
+async def test_an_owner_obeys_redis_when_tokens_differ(
+    two: tuple[list[InProcNode], Router], redis: Any
+) -> None:
+    (a, _), _ = two
+    obs = observations(11)
+    for i in range(8):
+        first = (await a.act(episode_id=f"fo{i}", inputs={"obs": obs[0].tolist()})).json()
+        if first["node"] == "b":
+            break
+    ep = first["episode_id"]
+    await a.act(episode_id=ep, inputs={"obs": obs[1].tolist()})
+    # a failover lost the last claim: Redis now holds an older token than the owner's state
+    await redis.set(KEYS.episode(ep), f"{first['device']} {first['token'] - 1}", px=60_000)
+    r = await a.act(episode_id=ep, inputs={"obs": obs[0].tolist()})
+    assert r.status_code == 200, r.text  # served at once, not refused until the state idles out
+    assert r.json()["state_reset"] is True and r.json()["token"] == first["token"] - 1
+    want = reference_rollout(DEMO_MODEL, obs[:1])[0]["actions"]
+    np.testing.assert_allclose(r.json()["outputs"]["actions"], want, rtol=1e-5)
+
+
+def mp(body: dict[str, Any]) -> bytes:
+    from node import wire
+
+    return wire.encode(body)
+
+
+MSGPACK = {"content-type": "application/msgpack", "accept": "application/msgpack"}
+
+
+async def test_msgpack_and_json_give_the_same_steps_direct_and_forwarded(
+    two: tuple[list[InProcNode], Router],
+) -> None:
+    from node import wire
+
+    (a, b), _ = two
+    obs = observations(21)
+    ref = reference_rollout(DEMO_MODEL, obs)
+    for encoding in ("json", "msgpack"):
+        for i, o in enumerate(obs):
+            entry = (a, b)[i % 2]  # every other step forwarded
+            body = {"episode_id": f"enc-{encoding}", "inputs": {"obs": o}}
+            if encoding == "json":
+                r = await entry.client.post("/act", json={**body, "inputs": {"obs": o.tolist()}})
+                got = r.json()
+            else:
+                r = await entry.client.post("/act", content=mp(body), headers=MSGPACK)
+                assert r.headers["content-type"] == "application/msgpack"
+                got = wire.decode(r.content)
+                assert isinstance(got["outputs"]["actions"], np.ndarray)
+            assert r.status_code == 200, r.text
+            np.testing.assert_allclose(got["outputs"]["actions"], ref[i]["actions"], rtol=1e-5)
+            assert got["routing"] == ("claimed" if i == 0 else "hit")
+
+
+async def test_bad_msgpack_bodies_are_4xx_and_change_nothing(node: InProcNode, redis: Any) -> None:
+    before = await snapshot(redis)
+    good = np.zeros((1, 8), np.float32)
+    for body, status, field in [
+        ({"episode_id": "m", "inputs": {"obs": good.astype(np.float64)[:, :7]}}, 422, "inputs.obs"),
+        ({"episode_id": "m", "inputs": {"obs": np.zeros((3, 8), np.float32)}}, 422, "inputs.obs"),
+        ({"episode_id": "m", "inputs": {"obs": good.astype(np.float64) + 1e39}}, 422, "inputs.obs"),
+        ({"episode_id": "m", "inputs": {"obs": good, "x": good}}, 422, "inputs.x"),
+        ({"episode_id": "m", "inputs": good}, 422, "inputs"),
+        ({"episode_id": b"\xff", "inputs": {"obs": good}}, 422, "episode_id"),
+        ({"episode_id": "m", "inputs": {"obs": good}, "execute_steps": 0}, 422, "execute_steps"),
+    ]:
+        r = await node.client.post("/act", content=mp(body), headers=MSGPACK)
+        assert r.status_code == status, (body, r.text)
+        assert r.json()["error"]["field"].startswith(field), r.text
+    for raw in [b"\x81", b"\xc1", b"\x91" * 5000, mp({"inputs": 1})[:-1], b"[1]"]:
+        r = await node.client.post("/act", content=raw, headers=MSGPACK)
+        assert r.status_code in (400, 422), (raw[:10], r.text)
+    assert await snapshot(redis) == before
+    assert all(node.service.dispatcher.tracker(d).failures == 0 for d in node.service.device_ids)
+
+
+async def test_the_access_log_has_one_line_per_request_with_the_steps_facts(
+    node: InProcNode, caplog: pytest.LogCaptureFixture
+) -> None:
+    import json
+    import logging
+
+    from node.accesslog import JsonFormatter
+
+    with caplog.at_level(logging.INFO, logger="affinity.access"):
+        r = await node.act(episode_id="logged", inputs={"obs": [[0.1] * 8]})
+        await node.client.get("/healthz")
+        await node.act(episode_id="logged", inputs={"obs": [[1]]})
+    lines = [rec for rec in caplog.records if rec.name == "affinity.access"]
+    assert len(lines) == 3
+    step, health, bad = lines
+    text = step.getMessage()
+    assert '"POST /act" 200' in text and "episode=logged" in text
+    assert f"device={r.json()['device']}" in text and "routing=claimed" in text
+    assert '"GET /healthz" 200' in health.getMessage() and "episode=" not in health.getMessage()
+    assert '"POST /act" 422' in bad.getMessage()
+    doc = json.loads(JsonFormatter().format(step))
+    assert (doc["method"], doc["path"], doc["status"], doc["episode"]) == (
+        "POST",
+        "/act",
+        200,
+        "logged",
+    )
+    assert doc["routing"] == "claimed" and doc["ms"] > 0 and doc["logger"] == "affinity.access"
+
+
+async def test_a_re_registration_carries_the_crash_trackers_down_states(redis: Any) -> None:
+    class Broken(Gate):
+        def run(self, names: Any, feed: Any) -> Any:
+            if feed["obs"][0][0] == 7:
+                raise RuntimeError("injected model failure")
+            return super().run(names, feed)
+
+    cfg = config("a", devices="cpu:1", failure_threshold=1, cooldown_s=3600)
+    async with cluster(redis, [cfg], session_factory=lambda s: (Broken(s), "CPU")) as (nodes, _):
+        n = nodes[0]
+        r = await n.act(episode_id="crash", inputs={"obs": [[7] * 8]})
+        assert r.status_code == 500
+        assert n.service.dispatcher.tracker("a/0").down
+        # Redis lost the node (restarted empty, or its lease lapsed): it registers again
+        await redis.flushdb()
+        await n.service.membership.renew_once()
+        assert await redis.hget(KEYS.device("a/0"), "state") == "down"
+        r = await n.act(episode_id="after", inputs={"obs": [[0] * 8]})
+        assert r.status_code == 503 and r.json()["error"]["code"] in ("full", "no_nodes")

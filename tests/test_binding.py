@@ -113,8 +113,8 @@ async def test_dispatcher_keeps_state_on_the_device_and_matches_reference() -> N
     d = MultiGpuDispatcher(["n/0"], lambda _: Spy(session, CONTRACT, "cpu", 0), CONTRACT)
     try:
         obs = observations(6)
-        for o, want in zip(obs, reference_rollout(DEMO_MODEL, obs), strict=True):
-            result = await d.step("n/0", "ep", 1, True, {"obs": o})
+        for i, (o, want) in enumerate(zip(obs, reference_rollout(DEMO_MODEL, obs), strict=True)):
+            result = await d.step("n/0", "ep", 1, i == 0, {"obs": o})
             np.testing.assert_allclose(result.outputs["actions"], want["actions"], rtol=1e-6)
             assert set(result.outputs) == {"actions"}
         # the first step starts from host zeros; every later one is fed the device handle

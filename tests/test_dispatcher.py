@@ -152,6 +152,15 @@ async def test_interleaved_episodes_do_not_disturb_each_other() -> None:
     assert d.live_episodes("n/0") == 2
 
 
+async def test_a_fresh_claim_starts_clean_over_state_with_the_same_token() -> None:
+    # after a lossy failover Redis may hand out a token number again, for a new claim
+    d, _, _ = make()
+    await d.step("n/0", "ep", 7, True, obs(1))
+    await d.step("n/0", "ep", 7, False, obs(2))
+    again = await d.step("n/0", "ep", 7, True, obs(4))
+    assert (again.outputs["act"].item(), again.state_reset, again.step) == (4.0, True, 1)
+
+
 async def test_unknown_state_of_a_hit_is_a_reset() -> None:
     d, _, _ = make()
     r = await d.step("n/1", "ep", 3, False, obs(1))
@@ -355,8 +364,14 @@ async def blocked(d: MultiGpuDispatcher, session: FakeSession) -> tuple[Any, thr
 
 
 def queue(d: MultiGpuDispatcher, *steps: tuple[str, float]) -> list[asyncio.Future[Any]]:
-    """Queue one step per (episode, observation), in this order (token 1, claimed fresh)."""
-    return [asyncio.ensure_future(d.step("n/0", ep, 1, True, obs(x))) for ep, x in steps]
+    """Queue one step per (episode, observation), in this order (token 1; an episode's
+    first step is its fresh claim)."""
+    seen: set[str] = set()
+    tasks = []
+    for ep, x in steps:
+        tasks.append(asyncio.ensure_future(d.step("n/0", ep, 1, ep not in seen, obs(x))))
+        seen.add(ep)
+    return tasks
 
 
 async def settled(tasks: list[asyncio.Future[Any]]) -> list[Any]:
@@ -572,6 +587,16 @@ async def test_a_failing_hook_fails_no_step() -> None:
     assert r.outputs["act"].item() == 2.0 and d.tracker("n/0").failures == 0
 
 
+async def test_steps_that_are_not_on_their_way_are_not_waited_for() -> None:
+    # one client stepping many episodes in turn: each was active a moment ago, but nothing
+    # is being routed while a step waits, so no step waits for another
+    d, _, _ = make(1, BATCHED, batch_delay_us=120e6)
+    await settled(queue(d, ("a", 1), ("b", 1), ("c", 1)))
+    for i in range(6):
+        r = await asyncio.wait_for(d.step("n/0", "abc"[i % 3], 1, False, obs(1)), 60)
+        assert r.outputs["act"].shape == (1, 1)
+
+
 async def test_a_lone_episode_never_waits_for_a_batch() -> None:
     d, _, _ = make(1, BATCHED, batch_delay_us=120e6)  # a 2-minute delay, never paid
     for i in range(5):
@@ -583,6 +608,7 @@ async def test_a_step_waits_for_an_episode_that_is_likely_to_send_one() -> None:
     d, sessions, _ = make(1, BATCHED, batch_delay_us=120e6)
     s = sessions["n/0"]
     await settled(queue(d, ("a", 1), ("b", 1)))  # both episodes are active here
+    on_its_way = d.arrival()  # b's next step is being routed through the node
     first = asyncio.ensure_future(d.step("n/0", "a", 1, False, obs(2)))
     dev = d._devices["n/0"]
     for _ in range(10_000):  # until the worker holds it, waiting for b (bounded)
@@ -591,6 +617,7 @@ async def test_a_step_waits_for_an_episode_that_is_likely_to_send_one() -> None:
             if not dev.pending:
                 break
     assert not first.done()
+    on_its_way.done()
     second = asyncio.ensure_future(d.step("n/0", "b", 1, False, obs(3)))
     await settled([first, second])
     assert s.runs[-1] == [2.0, 3.0], "the waiting step did not wait for b"
@@ -795,12 +822,13 @@ def reference_execute(chunks: list[np.ndarray], k: int, steps: int) -> list[tupl
 def reference_ensemble(chunks: list[np.ndarray], m: float, steps: int) -> list[tuple[Any, str]]:
     """ACT's temporal ensembling in plain numpy: a table of every chunk's predictions by the
     time step they are for; the reply at t weighs the column t oldest-first, w_i = exp(-m i)."""
-    table = np.zeros((steps, steps + H, D))
-    filled = np.zeros((steps, steps + H), bool)
+    h, d = chunks[0].shape
+    table = np.zeros((steps, steps + h, d))
+    filled = np.zeros((steps, steps + h), bool)
     out: list[tuple[Any, str]] = []
     for t in range(steps):
-        table[t, t : t + H] = chunks[t]
-        filled[t, t : t + H] = True
+        table[t, t : t + h] = chunks[t]
+        filled[t, t : t + h] = True
         column = table[filled[:, t], t]
         weights = np.exp(-m * np.arange(len(column)))
         weights /= weights.sum()

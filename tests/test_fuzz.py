@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgpack
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -99,12 +100,42 @@ HOSTILE: list[bytes] = [
 ]
 
 
+def _array(dtype: object, shape: object, data: object) -> dict[bytes, object]:
+    return {b"__ndarray__": True, b"dtype": dtype, b"shape": shape, b"data": data}
+
+
+HOSTILE_MSGPACK = [
+    b"",
+    b"\xc1",
+    b"\x91" * 100_000,  # nesting past msgpack's stack
+    b"\xdd\xff\xff\xff\xff",  # an array declared past the body
+    b"\xc6\x7f\xff\xff\xff" + b"x" * 10,  # a bin declared past the body
+    msgpack.packb({"episode_id": "e", "inputs": {"obs": _array("<f4", [1, 8], b"\0" * 31)}}),
+    msgpack.packb({"episode_id": "e", "inputs": {"obs": _array("<f4", [2**40, 2**40], b"\0")}}),
+    msgpack.packb({"episode_id": "e", "inputs": {"obs": _array("<f4", [1, -8], b"\0" * 32)}}),
+    msgpack.packb({"episode_id": "e", "inputs": {"obs": _array("|O", [1, 8], b"\0" * 64)}}),
+    msgpack.packb({"episode_id": "e", "inputs": {"obs": _array("<c8", [1, 8], b"\0" * 64)}}),
+    msgpack.packb({"episode_id": "e", "inputs": {"obs": _array("<f8", [1, 8], b"\0" * 64)}})[:-5],
+    msgpack.packb({"episode_id": "e", "inputs": {"obs": _array("<f4", [1, 7], b"\0" * 28)}}),
+    msgpack.packb({"episode_id": "e", "inputs": {"obs": "x"}}),
+    msgpack.packb([1, 2, 3]),
+    msgpack.packb({"episode_id": 5, "inputs": {}}),
+]
+
+
 def test_hostile_bodies_then_still_serving(fuzz_node: Node) -> None:
     url = fuzz_node.url
     with httpx.Client(timeout=10) as c:
         for body in HOSTILE:
             for path in ("/act", "/internal/act"):
                 r = c.post(url + path, content=body, headers={"content-type": "application/json"})
+                assert 400 <= r.status_code < 500, (path, body[:60], r.status_code, r.text)
+                assert "error" in r.json()
+        for body in HOSTILE_MSGPACK:
+            for path in ("/act", "/internal/act"):
+                r = c.post(
+                    url + path, content=body, headers={"content-type": "application/msgpack"}
+                )
                 assert 400 <= r.status_code < 500, (path, body[:60], r.status_code, r.text)
                 assert "error" in r.json()
         for weird in ("%00", "a%2Fb", "%F0%9F%A4%96" * 100, "x" * 600):

@@ -97,12 +97,11 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         assert (await a.act(episode_id=on_b["episode_id"], inputs=OBS)).status_code == 200
         await a.act(inputs=OBS)
         await a.act(session_id="sess", inputs=OBS)
-        # forwarded refused: the owner holds a newer token than the router's view
-        await redis.set(
-            KEYS.episode(on_b["episode_id"]), f"{on_b['device']} {on_b['token'] - 1}", px=60_000
-        )
+        # forwarded refused: the owner answers 503 (its lease is not current), passed on
+        b.service.membership.lease_deadline = b.service.clock() - 1
         r = await a.act(episode_id=on_b["episode_id"], inputs=OBS)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "owner_refused"
+        assert r.status_code == 503 and r.json()["error"]["code"] == "fenced"
+        await b.service.membership.renew_once()
         # forwarded unreachable
         router.down.add("b.test")
         other = await episode_on(b, b, "unreach")
@@ -113,7 +112,7 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         await redis.delete(KEYS.node("b"))
         r = (await a.act(episode_id=other["episode_id"], inputs=OBS)).json()
         assert r["routing"] == "reassigned" and r["state_reset"] is True
-        await b.service.renew_once()  # b: not registered any more -> re-registers
+        await b.service.membership.renew_once()  # b: not registered any more -> re-registers
         # crash tracker: a model failure takes the device down, the probe brings it up
         mine = await episode_on(a, a, "mine")
         Flaky.fail = True
@@ -138,19 +137,25 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         await a.client.post("/devices/a/0/drain", headers={"Authorization": "Bearer no"})
         await a.client.post("/devices/a/0/drain", headers={"Authorization": "Bearer t"})
         await redis.hset(KEYS.device("b/1"), "state", "draining")  # drained by an operator
-        await b.service.renew_once()  # the renewal picks the state up
+        await b.service.membership.renew_once()  # the renewal picks the state up
         seen += await scrape(a)
         seen += await scrape(b)
         await a.client.post("/devices/a/0/undrain", headers={"Authorization": "Bearer t"})
         # lease renewals: ok, then failed while Redis is unreachable (also: routing unavailable)
-        await sa.renew_once()
+        await sa.membership.renew_once()
         server.connected = False
-        await sa.renew_once()
+        await sa.membership.renew_once()
         r = await a.act(episode_id="while-down", inputs=OBS)
         assert r.status_code == 503 and r.json()["error"]["code"] == "redis"
         server.connected = True
+        # no_nodes: every lease lapsed in Redis (as after it restarted empty)
+        await redis.zadd(KEYS.nodes, {"a": 1, "b": 1})
+        r = await a.act(episode_id="nobody", inputs=OBS)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_nodes", r.text
+        await sa.membership.renew_once()
+        await b.service.membership.renew_once()
         # fenced
-        sa.lease_deadline = sa.clock() - 1
+        sa.membership.lease_deadline = sa.clock() - 1
         assert (await a.act(episode_id="fenced", inputs=OBS)).status_code == 503
         seen += await scrape(a)
         seen += await scrape(b)

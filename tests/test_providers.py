@@ -528,7 +528,7 @@ def test_node_with_gpus_but_no_cuda_exits_with_one_line(tmp_path: Path, devices:
     if library_load_error(CUDA_PROVIDER) is None:
         pytest.skip("CUDA's libraries load on this host")
     done = node(fake_nvidia_smi(tmp_path), "--devices", devices)
-    assert done.returncode == 4, done.stderr
+    assert done.returncode == 5, done.stderr
     [line] = done.stderr.strip().splitlines()
     assert line.startswith("affinity-node: cannot use GPUs: lib") and "is missing" in line
     assert done.stdout == ""  # onnxruntime.preload_dlls()'s complaints are not printed
@@ -539,7 +539,7 @@ def test_node_naming_a_gpu_it_cannot_list_exits_with_one_line(tmp_path: Path) ->
     done = node(env, "--devices", "0")
     assert done.returncode == 2, done.stderr
     [line] = done.stderr.strip().splitlines()
-    assert line.startswith("affinity-node: devices '0': cannot list GPUs:")
+    assert line.startswith("affinity-node: --devices: devices '0': cannot list GPUs:")
 
 
 def test_the_onnxruntime_floor_has_what_the_node_relies_on() -> None:

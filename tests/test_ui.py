@@ -37,6 +37,7 @@ import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
 from node.fleet import RETRY_MS, Fleet
+from node.membership import VERSION
 from tests.procs import ROOT, Node, RedisServer, wait_until
 
 pytestmark = pytest.mark.integration
@@ -230,7 +231,7 @@ def test_page_lists_both_nodes_and_every_device(page: Page, stack: Stack) -> Non
     for node in stack.nodes:
         row = f".node-row[data-node='{node.node_id}']"
         card = page.find(f"{row} .node-card").text
-        assert node.node_id in card and node.url in card and "v0.1.0" in card, card
+        assert node.node_id in card and node.url in card and f"v{VERSION}" in card, card
         assert "alive · lease" in card
         assert page.find(row).get_attribute("data-alive") == "yes"
         cells = page.cells(row)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 import numpy as np
 import onnxruntime
@@ -24,11 +25,13 @@ from node.policy import (
 )
 
 
-def random_feed(contract: PolicyContract, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+def random_feed(
+    contract: PolicyContract, batch: int, seed: int = 0
+) -> dict[str, np.ndarray[Any, Any]]:
     """Random inputs for every input of ``contract``, ``batch`` samples along the batch axis
     (other symbolic dimensions 1): integers over their full range, floats standard normal."""
     rng = np.random.default_rng(seed)
-    feed: dict[str, np.ndarray] = {}
+    feed: dict[str, np.ndarray[Any, Any]] = {}
     for spec in contract.inputs:
         shape = [d if isinstance(d, int) else 1 for d in spec.shape]
         if contract.batch_axis:

@@ -1,0 +1,342 @@
+"""Python clients of the node's HTTP API: :class:`Client` (sync) and :class:`AsyncClient`.
+
+What they do for a caller that steps episodes through ``POST /act``:
+
+- keep each episode's last token and echo it, so a lost assignment is reported as
+  ``state_reset`` (and, with ``raise_on_reset=True``, raised as :class:`StateReset`);
+- send an episode's steps straight to its owner (the ``X-Affinity-URL`` of the last reply):
+  no second hop through another node; when the owner cannot be reached or refuses, fall
+  back to the configured nodes, which route the step to wherever the episode lives now;
+- honour ``Retry-After`` on 503 within a bounded budget (``retries`` attempts and
+  ``retry_budget_s`` seconds per step), then raise :class:`ServiceUnavailable`;
+- raise :class:`RequestRefused` for a 4xx (the node's error code, message and field).
+
+The decisions live in plain functions of :class:`_Episodes`; the two classes only do I/O.
+Steps of one episode must be sequential (a robot's loop is); different episodes may run
+concurrently on one :class:`AsyncClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from affinity.errors import AffinityError
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "ClientError",
+    "RequestRefused",
+    "ServiceUnavailable",
+    "StateReset",
+    "Step",
+]
+
+
+class ClientError(AffinityError):
+    """What the clients raise; ``code`` is the node's error code (or a client's own)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        super().__init__(message)
+
+
+class RequestRefused(ClientError):
+    """The node refused the request itself (4xx): retrying the same request won't help."""
+
+    def __init__(self, status: int, code: str, message: str, field: str | None) -> None:
+        self.status = status
+        self.field = field
+        super().__init__(code, f"{status} {code}: {message}")
+
+
+class ServiceUnavailable(ClientError):
+    """No node could serve the step within the retry budget (the last 503's reason)."""
+
+
+class StateReset(ClientError):
+    """The episode's state started over with this step (raised only with
+    ``raise_on_reset=True``); ``step`` holds the reply, which was served."""
+
+    def __init__(self, step: Step) -> None:
+        self.step = step
+        super().__init__(
+            "state_reset",
+            f"episode {step.episode_id!r}: state started over on {step.device} ({step.routing})",
+        )
+
+
+@dataclass(frozen=True)
+class Step:
+    """One served step: the outputs (nested lists) and where and how it ran."""
+
+    outputs: dict[str, Any]
+    episode_id: str | None
+    device: str
+    node: str
+    token: int
+    routing: str
+    state_reset: bool
+    degraded: bool
+    source: str
+    url: str  # the owner's address: where this episode's next step goes
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any], url: str) -> Step:
+        return cls(
+            outputs=dict(body["outputs"]),
+            episode_id=body.get("episode_id"),
+            device=str(body["device"]),
+            node=str(body["node"]),
+            token=int(body["token"]),
+            routing=str(body["routing"]),
+            state_reset=bool(body["state_reset"]),
+            degraded=bool(body.get("degraded", False)),
+            source=str(body.get("source", "model")),
+            url=url,
+        )
+
+
+@dataclass
+class _Episodes:
+    """The clients' shared logic: where each episode goes, what to send, what to do with
+    an answer. No I/O."""
+
+    nodes: tuple[str, ...]
+    retries: int
+    retry_budget_s: float
+    raise_on_reset: bool
+    tokens: dict[str, int] = field(default_factory=dict)
+    owners: dict[str, str] = field(default_factory=dict)
+    _next: Iterator[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise ValueError("a client needs at least one node URL")
+        self._next = itertools.cycle(self.nodes)
+
+    def body(self, episode: str | None, inputs: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
+        body: dict[str, Any] = {"inputs": _lists(inputs), **{k: v for k, v in extra.items() if v}}
+        if episode is not None:
+            body["episode_id"] = episode
+            if episode in self.tokens:
+                body["token"] = self.tokens[episode]
+        return body
+
+    def attempts(
+        self,
+        episode: str | None,
+        inputs: Mapping[str, Any],
+        *,
+        end: bool,
+        execute_steps: int | None,
+    ) -> Generator[tuple[str, dict[str, Any]] | float, httpx.Response | Exception | None, Step]:
+        """The attempts of one step, without I/O: yields (URL, body) to POST to ``URL/act``
+        (and is sent the response, or the transport error), or seconds to sleep (and is
+        sent ``None``); returns the served :class:`Step` or raises a :class:`ClientError`."""
+        body = self.body(episode, inputs, end=end, execute_steps=execute_steps)
+        deadline = time.monotonic() + self.retry_budget_s
+        tried_owner = False
+        last: ClientError = ServiceUnavailable("unreachable", "no node answered")
+        for _ in range(self.retries + 1):
+            url, owner = self.target(episode, tried_owner)
+            tried_owner = tried_owner or owner
+            result = yield url, body
+            if isinstance(result, Exception):
+                # the owner (or this node) is gone: try the fleet
+                last = ServiceUnavailable(
+                    "unreachable", f"{url}: {type(result).__name__}: {result}"
+                )
+                continue
+            assert isinstance(result, httpx.Response)
+            if result.status_code == 200:
+                step = self.served(episode, result)
+                if end and episode is not None:
+                    self.forget(episode)
+                return step
+            last = self.failed(result)
+            if result.status_code != 503:
+                if owner:
+                    continue  # the owner refused (e.g. the episode moved): ask the fleet
+                raise last
+            wait = self.retry_after(result)
+            if time.monotonic() + wait > deadline:
+                break
+            if not owner:
+                yield wait
+        raise last
+
+    def target(self, episode: str | None, tried_owner: bool) -> tuple[str, bool]:
+        """(URL for this attempt, whether it is the episode's owner)."""
+        owner = self.owners.get(episode) if episode is not None else None
+        if owner is not None and not tried_owner:
+            return owner, True
+        return next(self._next), False
+
+    def served(self, episode: str | None, response: httpx.Response) -> Step:
+        url = response.headers.get("x-affinity-url", "")
+        step = Step.of(response.json(), url)
+        if episode is not None:
+            self.tokens[episode] = step.token
+            if url:
+                self.owners[episode] = url
+            if step.routing == "stateless":
+                self.owners.pop(episode, None)
+        if step.state_reset and self.raise_on_reset:
+            raise StateReset(step)
+        return step
+
+    def forget(self, episode: str) -> None:
+        self.tokens.pop(episode, None)
+        self.owners.pop(episode, None)
+
+    def failed(self, response: httpx.Response) -> ClientError:
+        try:
+            err = response.json()["error"]
+            code, message, where = str(err["code"]), str(err["message"]), err.get("field")
+        except (ValueError, KeyError, TypeError):
+            code, message, where = "http_error", response.text[:200], None
+        if response.status_code == 503:
+            return ServiceUnavailable(code, message)
+        return RequestRefused(response.status_code, code, message, where)
+
+    @staticmethod
+    def retry_after(response: httpx.Response) -> float:
+        raw = response.headers.get("retry-after", "1")
+        try:
+            return min(max(float(raw), 0.0), 30.0)
+        except ValueError:
+            return 1.0
+
+
+def _lists(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v.tolist() if hasattr(v, "tolist") else v for k, v in inputs.items()}
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Api-Key {api_key}"} if api_key else {}
+
+
+class AsyncClient:
+    """The async client (see the module doc). ``nodes`` are node base URLs (any of them
+    accepts any episode); ``timeout`` bounds one HTTP attempt in seconds."""
+
+    def __init__(
+        self,
+        nodes: Sequence[str] | str,
+        *,
+        timeout: float = 10.0,
+        retries: int = 5,
+        retry_budget_s: float = 30.0,
+        raise_on_reset: bool = False,
+        api_key: str | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        urls = (nodes,) if isinstance(nodes, str) else tuple(nodes)
+        self._logic = _Episodes(tuple(u.rstrip("/") for u in urls), retries, retry_budget_s,
+                                raise_on_reset)  # fmt: skip
+        self._http = httpx.AsyncClient(
+            timeout=timeout, headers=_headers(api_key), transport=transport
+        )
+
+    async def act(
+        self,
+        episode_id: str | None,
+        inputs: Mapping[str, Any],
+        *,
+        end: bool = False,
+        execute_steps: int | None = None,
+    ) -> Step:
+        """One step of ``episode_id`` (``None``: stateless). Raises :class:`StateReset`
+        (if asked), :class:`RequestRefused`, :class:`ServiceUnavailable`."""
+        plan = self._logic.attempts(episode_id, inputs, end=end, execute_steps=execute_steps)
+        action = next(plan)
+        while True:
+            try:
+                if isinstance(action, float):
+                    await asyncio.sleep(action)
+                    action = plan.send(None)
+                    continue
+                try:
+                    url, body = action
+                    result: httpx.Response | Exception = await self._http.post(
+                        url + "/act", json=body
+                    )
+                except httpx.TransportError as exc:
+                    result = exc
+                action = plan.send(result)
+            except StopIteration as done:
+                step: Step = done.value
+                return step
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class Client:
+    """The sync client: the same behaviour as :class:`AsyncClient`, on ``httpx.Client``."""
+
+    def __init__(
+        self,
+        nodes: Sequence[str] | str,
+        *,
+        timeout: float = 10.0,
+        retries: int = 5,
+        retry_budget_s: float = 30.0,
+        raise_on_reset: bool = False,
+        api_key: str | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        urls = (nodes,) if isinstance(nodes, str) else tuple(nodes)
+        self._logic = _Episodes(tuple(u.rstrip("/") for u in urls), retries, retry_budget_s,
+                                raise_on_reset)  # fmt: skip
+        self._http = httpx.Client(timeout=timeout, headers=_headers(api_key), transport=transport)
+
+    def act(
+        self,
+        episode_id: str | None,
+        inputs: Mapping[str, Any],
+        *,
+        end: bool = False,
+        execute_steps: int | None = None,
+    ) -> Step:
+        """One step of ``episode_id``; see :meth:`AsyncClient.act`."""
+        plan = self._logic.attempts(episode_id, inputs, end=end, execute_steps=execute_steps)
+        action = next(plan)
+        while True:
+            try:
+                if isinstance(action, float):
+                    time.sleep(action)
+                    action = plan.send(None)
+                    continue
+                try:
+                    url, body = action
+                    result: httpx.Response | Exception = self._http.post(url + "/act", json=body)
+                except httpx.TransportError as exc:
+                    result = exc
+                action = plan.send(result)
+            except StopIteration as done:
+                step: Step = done.value
+                return step
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

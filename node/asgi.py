@@ -1,0 +1,107 @@
+"""Plain ASGI helpers for the node's hot endpoints (no framework on the request path)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from typing import Any
+
+import orjson
+
+from node.step import Refused, Unavailable
+
+__all__ = [
+    "BodyError",
+    "Receive",
+    "Scope",
+    "Send",
+    "error_body",
+    "header",
+    "read_body",
+    "respond",
+    "respond_error",
+]
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+class BodyError(Exception):
+    """A request body refused before it was decoded (413 too large, 400 malformed)."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        self.status = status
+        self.reason = reason
+        super().__init__(message)
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    """The first value of header ``name`` (lower-case bytes), decoded as latin-1."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole request body; raises :class:`BodyError` (413) past ``limit`` bytes,
+    checked against ``Content-Length`` before reading and against what arrives."""
+    declared = header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyError(413, "too_large", f"body is {declared} bytes; the limit is {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise BodyError(400, "malformed", "the client went away before sending its body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyError(413, "too_large", f"body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def respond(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes = b"application/json",
+    headers: Iterable[tuple[bytes, bytes]] = (),
+) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", content_type),
+                (b"content-length", str(len(body)).encode()),
+                *headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def error_body(code: str, message: str, field: str | None = None) -> bytes:
+    """The project's error shape: ``{"error": {"code", "message", "field"?}}``."""
+    err: dict[str, str] = {"code": code, "message": message}
+    if field is not None:
+        err["field"] = field
+    return orjson.dumps({"error": err})
+
+
+async def respond_error(
+    send: Send, exc: BodyError | Unavailable | Refused, field: str | None = None
+) -> None:
+    """Answer a refused body, a 503 (with ``Retry-After``) or a refusal, in the project's
+    error shape."""
+    if isinstance(exc, Unavailable):
+        retry = str(max(1, round(exc.retry_after))).encode()
+        body = error_body(exc.reason, str(exc))
+        await respond(send, 503, body, headers=[(b"retry-after", retry)])
+    else:
+        await respond(send, exc.status, error_body(exc.reason, str(exc), field))

@@ -1,0 +1,358 @@
+"""Node-to-node forwarding: one persistent HTTP/1.1 connection pool on asyncio, msgpack bodies.
+
+A router that resolved an episode to another node sends the decided assignment, the
+already-validated input arrays (binary, never JSON lists) and what is left of the
+client's deadline to the owner's ``POST /internal/act``. The owner checks the cluster
+secret, the device and the token, and does not redo what the router decided (no
+re-validation of the inputs, no second resolve unless the tokens disagree).
+
+The client is deliberately small: requests with a ``Content-Length`` body, responses with
+a ``Content-Length`` body (what affinity nodes send), keep-alive, one request at a time
+per connection. A connection idle for longer than ``keepalive_s`` is not reused (the
+server may be closing it), and a reused connection that fails before a single byte of
+the response arrived is retried once on a fresh one: the server closed it without reading
+the request, so the step did not run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from node import wire
+from node.step import Array, Reply, Step
+
+__all__ = ["Forward", "ForwardError", "ForwardPool", "Poster", "Response"]
+
+INTERNAL_PATH = "/internal/act"
+SECRET_HEADER = "X-Affinity-Secret"
+CONTENT_TYPE = "application/msgpack"
+_MAX_HEADER = 64 * 1024
+
+
+class ForwardError(Exception):
+    """The owner could not be reached, or answered something that is not HTTP."""
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    status: int
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+
+
+@dataclass(slots=True)
+class Forward:
+    """What travels from the router to the owner: the assignment the router obtained from
+    Redis and the step, with the time left of the client's deadline."""
+
+    episode: str
+    token: int
+    device: str
+    routing: str
+    inputs: dict[str, Array]
+    budget_s: float
+    end: bool = False
+    degraded: bool = False
+    client_token: int | None = None
+    execute_steps: int | None = None
+    ensemble: str | None = None
+
+    def encode(self) -> bytes:
+        return wire.encode(
+            {
+                "episode_id": self.episode,
+                "token": self.token,
+                "device": self.device,
+                "routing": self.routing,
+                "inputs": self.inputs,
+                "budget_ms": round(self.budget_s * 1000, 3),
+                "end": self.end,
+                "degraded": self.degraded,
+                "client_token": self.client_token,
+                "execute_steps": self.execute_steps,
+                "ensemble": self.ensemble,
+            }
+        )
+
+    @classmethod
+    def decode(cls, body: bytes) -> Forward:
+        """Raises ``ValueError`` (``wire.WireError`` included) on a malformed forward."""
+        doc = wire.decode(body)
+        if not isinstance(doc, dict):
+            raise ValueError("a forward is a map")
+        try:
+            episode, token, device = doc["episode_id"], doc["token"], doc["device"]
+            routing, inputs, budget = doc["routing"], doc["inputs"], doc["budget_ms"]
+        except KeyError as exc:
+            raise ValueError(f"a forward needs {exc.args[0]}") from None
+        ok = (
+            isinstance(episode, str)
+            and isinstance(device, str)
+            and isinstance(token, int)
+            and not isinstance(token, bool)
+            and routing in ("hit", "claimed", "reassigned")
+            and isinstance(inputs, dict)
+            and all(isinstance(v, np.ndarray) for v in inputs.values())
+            and isinstance(budget, int | float)
+        )
+        client_token, execute_steps = doc.get("client_token"), doc.get("execute_steps")
+        ensemble = doc.get("ensemble")
+        if not ok or not all(v is None or type(v) is int for v in (client_token, execute_steps)):
+            raise ValueError("a forward's fields have the wrong types")
+        if ensemble is not None and not isinstance(ensemble, str):
+            raise ValueError("a forward's ensemble must be a string")
+        return cls(
+            episode=episode,
+            token=token,
+            device=device,
+            routing=routing,
+            inputs=inputs,
+            budget_s=float(budget) / 1000,
+            end=doc.get("end") is True,
+            degraded=doc.get("degraded") is True,
+            client_token=client_token,
+            execute_steps=execute_steps,
+            ensemble=ensemble,
+        )
+
+    def step(self, deadline: float) -> Step:
+        return Step(
+            episode=self.episode,
+            inputs=self.inputs,
+            deadline=deadline,
+            end=self.end,
+            client_token=self.client_token,
+            degraded=self.degraded,
+            execute_steps=self.execute_steps,
+            ensemble=self.ensemble,
+        )
+
+
+def encode_reply(reply: Reply) -> bytes:
+    return wire.encode(
+        {"outputs": reply.outputs, **reply.facts(), "url": reply.url, "timing": reply.timing}
+    )
+
+
+def decode_reply(body: bytes) -> Reply:
+    """The owner's reply; raises ``ValueError`` when it is not one."""
+    doc = wire.decode(body)
+    try:
+        return Reply(
+            outputs=dict(doc["outputs"]),
+            episode=doc["episode_id"],
+            device=str(doc["device"]),
+            node=str(doc["node"]),
+            token=int(doc["token"]),
+            routing=str(doc["routing"]),
+            state_reset=bool(doc["state_reset"]),
+            degraded=bool(doc["degraded"]),
+            url=str(doc.get("url", "")),
+            source=str(doc.get("source", "model")),
+            timing={str(k): float(v) for k, v in dict(doc.get("timing", {})).items()},
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"not an owner's reply: {exc}") from None
+
+
+class Poster(Protocol):
+    """What routing needs of a pool: POST a forward body to an owner (tests route it
+    in-process)."""
+
+    async def post(self, url: str, body: bytes) -> Response: ...
+
+    def close(self) -> None: ...
+
+
+class _Connection(asyncio.Protocol):
+    """One HTTP/1.1 client connection: one request at a time."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.waiter: asyncio.Future[Response] | None = None
+        self.closed = False
+        self.idle_since = time.monotonic()
+        self.reused = False
+        self._head: tuple[int, dict[str, str], int] | None = None  # status, headers, body at
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.waiter is not None and not self.waiter.done():
+            got = len(self.buffer)
+            self.waiter.set_exception(
+                ForwardError(f"connection closed after {got} bytes of the response")
+            )
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if self.waiter is None or self.waiter.done():
+            return
+        try:
+            response = self._parse()
+        except ForwardError as exc:
+            self.waiter.set_exception(exc)
+            self.close()
+            return
+        if response is not None:
+            self.waiter.set_result(response)
+
+    def _parse(self) -> Response | None:
+        if self._head is None:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self.buffer) > _MAX_HEADER:
+                    raise ForwardError("response headers too long")
+                return None
+            lines = bytes(self.buffer[:end]).decode("latin-1").split("\r\n")
+            parts = lines[0].split(" ", 2)
+            if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+                raise ForwardError(f"not an HTTP response: {lines[0][:80]!r}")
+            headers = {}
+            for line in lines[1:]:
+                name, _, value = line.partition(":")
+                headers[name.strip().lower()] = value.strip()
+            length = headers.get("content-length", "")
+            if not length.isdigit():
+                raise ForwardError("the owner's response has no Content-Length")
+            self._head = (int(parts[1]), headers, end + 4)
+        status, headers, start = self._head
+        stop = start + int(headers["content-length"])
+        if len(self.buffer) < stop:
+            return None
+        body = bytes(self.buffer[start:stop])
+        del self.buffer[:stop]
+        self._head = None
+        return Response(status, headers, body)
+
+    async def request(self, head: bytes, body: bytes) -> Response:
+        assert self.transport is not None
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(head + body if len(body) < 16384 else head)
+        if len(body) >= 16384:
+            self.transport.write(body)
+        try:
+            return await self.waiter
+        finally:
+            self.waiter = None
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+@dataclass(frozen=True)
+class _Origin:
+    host: str
+    port: int
+    tls: bool
+
+    @classmethod
+    def of(cls, url: str) -> _Origin:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ForwardError(f"owner URL {url!r} is not http(s)://host[:port]")
+        tls = parts.scheme == "https"
+        return cls(parts.hostname, parts.port or (443 if tls else 80), tls)
+
+
+class ForwardPool:
+    """Keep-alive connections to owners, by origin. Use from one event loop."""
+
+    def __init__(
+        self,
+        secret: str | None,
+        *,
+        keepalive_s: float = 4.0,
+        max_idle_per_origin: int = 64,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        self.secret = secret or ""
+        self.keepalive_s = keepalive_s
+        self.max_idle = max_idle_per_origin
+        self._ssl = ssl_context
+        self._idle: dict[_Origin, collections.deque[_Connection]] = {}
+
+    async def post(self, url: str, body: bytes) -> Response:
+        """POST ``body`` (msgpack) to the owner at ``url`` + ``/internal/act``.
+
+        Raises :class:`ForwardError` when the owner cannot be reached or the connection
+        breaks. Cancellation (the caller's deadline) closes the connection."""
+        origin = _Origin.of(url)
+        head = (
+            f"POST {INTERNAL_PATH} HTTP/1.1\r\nHost: {origin.host}:{origin.port}\r\n"
+            f"Content-Type: {CONTENT_TYPE}\r\nContent-Length: {len(body)}\r\n"
+            f"{SECRET_HEADER}: {self.secret}\r\n\r\n"
+        ).encode("latin-1")
+        conn = await self._acquire(origin)
+        try:
+            response = await conn.request(head, body)
+        except ForwardError:
+            conn.close()
+            if not (conn.reused and not conn.buffer):
+                raise
+            conn = await self._connect(origin)  # the server closed it unread: retry once
+            try:
+                response = await conn.request(head, body)
+            except BaseException:
+                conn.close()
+                raise
+        except BaseException:
+            conn.close()
+            raise
+        if response.headers.get("connection", "").lower() == "close":
+            conn.close()
+        else:
+            self._release(origin, conn)
+        return response
+
+    async def _acquire(self, origin: _Origin) -> _Connection:
+        idle = self._idle.get(origin)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since < self.keepalive_s:
+                conn.reused = True
+                return conn
+            conn.close()
+        return await self._connect(origin)
+
+    async def _connect(self, origin: _Origin) -> _Connection:
+        loop = asyncio.get_running_loop()
+        context: Any = None
+        if origin.tls:
+            context = self._ssl or ssl.create_default_context()
+        try:
+            transport, conn = await loop.create_connection(
+                _Connection, origin.host, origin.port, ssl=context
+            )
+        except OSError as exc:
+            raise ForwardError(f"cannot connect to {origin.host}:{origin.port}: {exc}") from exc
+        conn.transport = transport  # uvloop may call connection_made only later
+        return conn
+
+    def _release(self, origin: _Origin, conn: _Connection) -> None:
+        idle = self._idle.setdefault(origin, collections.deque())
+        if len(idle) >= self.max_idle or conn.closed:
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            while idle:
+                idle.pop().close()
+        self._idle.clear()

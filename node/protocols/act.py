@@ -1,0 +1,166 @@
+"""``POST /act``: the project's own front door, JSON for humans and ``curl``, msgpack for
+binary tensors.
+
+Request body (a map): ``episode_id``?, ``session_id``?, ``inputs`` (input name → array),
+``end``?, ``token``? (the token of the client's previous reply), ``execute_steps``? and
+``ensemble``? (action-chunk execution overrides). JSON arrays are nested lists; with
+``Content-Type: application/msgpack`` every input is an array in openpi's msgpack
+encoding (``node/wire.py``). Any other top-level field is refused with 422 naming it (a
+typo such as ``episodeId`` must not silently make every step stateless).
+
+Reply: ``{"outputs": {name: array}, "episode_id", "device", "node", "token", "routing",
+"state_reset", "degraded", "source"}`` as JSON, or msgpack when ``Accept`` asks for
+``application/msgpack``; the same facts in ``X-Affinity-*`` headers, and
+``X-Affinity-URL``, the owner's address, where the episode's next steps can go directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import orjson
+
+from affinity import InvalidArgument, check_episode
+from node import wire
+from node.accesslog import STEP_KEY
+from node.asgi import (
+    BodyError,
+    Receive,
+    Scope,
+    Send,
+    error_body,
+    header,
+    read_body,
+    respond,
+    respond_error,
+)
+from node.policy import InvalidInput, inputs_from_arrays, parse_inputs
+from node.service import NodeService
+from node.step import Refused, Reply, Step, Unavailable
+
+__all__ = ["MSGPACK", "decode", "encode", "handle"]
+
+log = logging.getLogger("affinity.node")
+
+MSGPACK = "application/msgpack"
+FIELDS = ("episode_id", "session_id", "inputs", "end", "token", "execute_steps", "ensemble")
+
+
+def _is_msgpack(content_type: str | None) -> bool:
+    return content_type is not None and content_type.split(";")[0].strip() in (
+        MSGPACK,
+        "application/x-msgpack",
+    )
+
+
+def decode(service: NodeService, body: bytes, binary: bool, deadline: float) -> Step:
+    """The step in one ``/act`` body. Raises :class:`BodyError` (400, not a map),
+    :class:`InvalidInput` / ``InvalidArgument`` (422); nothing has changed anywhere."""
+    try:
+        doc = wire.decode(body) if binary else orjson.loads(body)
+    except (ValueError, RecursionError) as exc:  # wire.WireError and orjson's errors
+        kind = "msgpack" if binary else "JSON"
+        raise BodyError(400, "malformed", f"body is not valid {kind}: {exc}"[:300]) from None
+    if not isinstance(doc, dict):
+        raise BodyError(400, "malformed", "body must be a map (a JSON object)")
+    for key in doc:
+        if key not in FIELDS:
+            raise InvalidArgument(
+                str(key)[:64], doc[key], f"unknown field; expected: {', '.join(FIELDS)}"
+            )
+    raw = doc.get("inputs")
+    if binary:
+        inputs = inputs_from_arrays(service.contract, raw)
+    else:
+        inputs = parse_inputs(service.contract, raw)
+    end, token = doc.get("end", False), doc.get("token")
+    steps, ensemble = doc.get("execute_steps"), doc.get("ensemble")
+    if not isinstance(end, bool):
+        raise InvalidArgument("end", end, "must be true or false")
+    if token is not None and (type(token) is not int or not 0 <= token < 2**63):
+        raise InvalidArgument("token", token, "must be the token of an earlier reply")
+    service.dispatcher.mode_for(steps, ensemble)  # InvalidArgument names the field
+    episode, degraded = doc.get("episode_id"), False
+    if episode is None and doc.get("session_id") is not None:
+        episode, degraded = doc["session_id"], True
+        service.metrics.degraded.inc()
+        service.warn_once(
+            "degraded", "steps without episode_id are routed by session_id (degraded)"
+        )
+    return Step(
+        episode=None if episode is None else check_episode(episode),
+        inputs=inputs,
+        deadline=deadline,
+        end=end,
+        client_token=token,
+        degraded=degraded,
+        execute_steps=steps,
+        ensemble=ensemble,
+    )
+
+
+def _numpy(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray | np.generic):
+        return obj.tolist()
+    raise TypeError(type(obj).__name__)
+
+
+def encode(reply: Reply, binary: bool) -> tuple[bytes, bytes, list[tuple[bytes, bytes]]]:
+    """(body, content type, headers) of a reply."""
+    doc = {"outputs": reply.outputs, **reply.facts()}
+    if binary:
+        body, kind = wire.encode(doc), MSGPACK.encode()
+    else:
+        body = orjson.dumps(doc, default=_numpy, option=orjson.OPT_SERIALIZE_NUMPY)
+        kind = b"application/json"
+    headers = [
+        (b"x-affinity-device", reply.device.encode()),
+        (b"x-affinity-node", reply.node.encode()),
+        (b"x-affinity-token", str(reply.token).encode()),
+        (b"x-affinity-routing", reply.routing.encode()),
+        (b"x-affinity-state-reset", b"true" if reply.state_reset else b"false"),
+        (b"x-affinity-degraded", b"true" if reply.degraded else b"false"),
+        (b"x-affinity-source", reply.source.encode()),
+    ]
+    if reply.url:
+        headers.append((b"x-affinity-url", reply.url.encode()))
+    return body, kind, headers
+
+
+async def handle(service: NodeService, scope: Scope, receive: Receive, send: Send) -> None:
+    """The ASGI handler of ``POST /act``."""
+    deadline = time.monotonic() + service.config.act_deadline_s
+    metrics = service.metrics
+    binary_in = _is_msgpack(header(scope, b"content-type"))
+    binary_out = MSGPACK in (header(scope, b"accept") or "")
+    if not service.client_allowed(header(scope, b"authorization")):
+        metrics.rejected.labels("unauthorized").inc()
+        body = error_body("unauthorized", "this node wants Authorization: Api-Key <key>")
+        await respond(send, 401, body, headers=[(b"www-authenticate", b"Api-Key")])
+        return
+    try:
+        body = await read_body(scope, receive, service.config.max_body_bytes)
+        step = decode(service, body, binary_in, deadline)
+        scope[STEP_KEY] = (step.episode or "-", "-", "-")
+        reply = await service.routing.act(step)
+        scope[STEP_KEY] = (step.episode or "-", reply.device, reply.routing)
+    except BodyError as exc:
+        metrics.rejected.labels(exc.reason).inc()
+        await respond_error(send, exc)
+    except InvalidInput as exc:
+        metrics.rejected.labels("bad_input").inc()
+        field = f"inputs.{exc.field}".rstrip(".")
+        await respond(send, 422, error_body("bad_input", str(exc), field))
+    except InvalidArgument as exc:
+        metrics.rejected.labels("bad_input").inc()
+        await respond(send, 422, error_body("bad_input", str(exc), exc.field.replace(" ", "_")))
+    except (Unavailable, Refused) as exc:
+        if isinstance(exc, Refused) and exc.status == 403:
+            metrics.rejected.labels("forbidden").inc()
+        await respond_error(send, exc)
+    else:
+        body, kind, headers = encode(reply, binary_out)
+        await respond(send, 200, body, kind, headers)

@@ -1,0 +1,169 @@
+"""openpi's websocket policy protocol, as the unmodified ``openpi-client`` speaks it.
+
+On every path of the node's port (``ws://node:8000``, ``ws://node:8000/?episode_id=ep-42``):
+
+1. The client connects (``Authorization: Api-Key <key>`` when the node has ``--api-key``;
+   without the right key the handshake is refused with HTTP 403).
+2. The node sends one binary msgpack map, the metadata: the model sidecar's ``metadata``
+   (e.g. ``reset_pose``) plus ``affinity``: ``policy`` (the contract of ``GET /model``),
+   ``node`` and ``episode_id`` (when the connection names one).
+3. Lockstep: the client sends an observation (msgpack map, nested or flat keys, numpy
+   arrays in openpi's encoding, unbatched); the node answers a msgpack map holding every
+   model output without its batch axis (``actions`` ``[H, D]``), the step's facts as
+   scalars (``episode_id``, ``device``, ``node``, ``token``, ``routing``, ``state_reset``,
+   ``source``) and ``policy_timing``/``server_timing`` maps — so openpi's
+   ``ActionChunkBroker``, which slices every array along its first axis, works unchanged.
+
+The episode of a step is ``?episode_id=`` of the connection; else an ``episode_id`` key in
+the observation (a robot reusing one connection across episodes switches with it); else
+one fresh id per connection, released when the connection closes. The connection
+remembers each episode's last token and echoes it, so a lost assignment is reported as
+``state_reset: true``. ``execute_steps`` and ``ensemble`` keys override action-chunk
+execution (openpi clients usually keep their own ``ActionChunkBroker`` and leave it off).
+
+The client cannot retry: transient conditions (owner unreachable, a Redis blip, ``full``)
+are retried inside the node until ``--act-deadline``. Anything that still fails, and any
+bad observation, gets openpi's error: a text frame with the message, then close code
+1011 (the client raises ``RuntimeError`` with the text). Nothing changes for a bad
+observation.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import parse_qs
+
+from affinity import InvalidArgument, check_episode
+from node import wire
+from node.asgi import Receive, Scope, Send, header
+from node.policy import InvalidInput, inputs_from_observation, outputs_unbatched
+from node.service import NodeService
+from node.step import Refused, Step, Unavailable
+
+__all__ = ["handle"]
+
+log = logging.getLogger("affinity.node")
+
+CLOSE_ERROR = 1011
+
+
+def metadata(service: NodeService, episode: str | None) -> dict[str, Any]:
+    """The sidecar's metadata (what openpi clients read, e.g. ``reset_pose``) with the
+    node's own facts under ``affinity``: the policy contract, the node, the episode."""
+    return {
+        **dict(service.contract.metadata),
+        "affinity": {
+            "policy": service.contract.to_json(),
+            "node": service.node_id,
+            "episode_id": episode,
+        },
+    }
+
+
+async def handle(service: NodeService, scope: Scope, receive: Receive, send: Send) -> None:
+    """The ASGI handler of a websocket connection."""
+    if (await receive())["type"] != "websocket.connect":
+        return
+    if not service.client_allowed(header(scope, b"authorization")):
+        service.metrics.rejected.labels("unauthorized").inc()
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    try:
+        fixed = check_episode(query["episode_id"][0]) if "episode_id" in query else None
+    except InvalidArgument:
+        service.metrics.rejected.labels("bad_input").inc()
+        await send({"type": "websocket.close", "code": 1008})
+        return
+    await send({"type": "websocket.accept"})
+    await send({"type": "websocket.send", "bytes": wire.encode(metadata(service, fixed))})
+    own = f"ws-{uuid.uuid4().hex}"  # this connection's episode, when nothing names one
+    tokens: dict[str, int] = {}  # last token per episode, echoed as the client's
+    prev_total_ms: float | None = None
+    try:
+        while True:
+            message = await receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            started = time.monotonic()
+            try:
+                step = decode(service, message, fixed, own, tokens, started)
+                reply = await service.routing.act(step, patient=True)
+            except (InvalidInput, InvalidArgument) as exc:
+                service.metrics.rejected.labels("bad_input").inc()
+                await fail(send, f"bad observation: {exc}")
+                return
+            except wire.WireError as exc:
+                service.metrics.rejected.labels("malformed").inc()
+                await fail(send, f"bad observation: {exc}")
+                return
+            except (Unavailable, Refused) as exc:
+                await fail(send, f"{exc.reason}: {exc}")
+                return
+            assert step.episode is not None
+            tokens[step.episode] = reply.token
+            total_ms = (time.monotonic() - started) * 1000
+            doc: dict[str, Any] = {
+                **outputs_unbatched(service.contract, reply.outputs),
+                **reply.facts(),
+                "policy_timing": {"infer_ms": reply.timing.get("device_ms", total_ms)},
+                "server_timing": {"infer_ms": total_ms},
+            }
+            if prev_total_ms is not None:
+                doc["server_timing"]["prev_total_ms"] = prev_total_ms
+            await send({"type": "websocket.send", "bytes": wire.encode(doc)})
+            prev_total_ms = (time.monotonic() - started) * 1000
+    finally:
+        if own in tokens:  # the connection's own episode ends with it
+            await service.routing.end_episode(own, tokens[own])
+
+
+def decode(
+    service: NodeService,
+    message: Mapping[str, Any],
+    fixed: str | None,
+    own: str,
+    tokens: dict[str, int],
+    now: float,
+) -> Step:
+    """One observation frame as a step: the episode is ``fixed`` (the connection's
+    ``?episode_id=``), else the observation's ``episode_id``, else ``own``. Raises
+    ``wire.WireError``, :class:`InvalidInput` and ``InvalidArgument``; nothing has changed
+    anywhere."""
+    data = message.get("bytes")
+    if data is None:
+        raise InvalidInput(
+            "", "observations are binary msgpack frames, got text", root="observation"
+        )
+    observation = wire.decode(data)
+    if not isinstance(observation, dict):
+        raise InvalidInput("", "must be a msgpack map", root="observation")
+    named, steps = observation.pop("episode_id", None), observation.pop("execute_steps", None)
+    ensemble = observation.pop("ensemble", None)
+    episode = fixed or (own if named is None else check_episode(named))
+    service.dispatcher.mode_for(steps, ensemble)  # InvalidArgument names the field
+    converted = inputs_from_observation(service.contract, observation)
+    if converted.ignored:
+        service.warn_once(
+            f"openpi-ignored:{converted.ignored}",
+            "openpi observations carry keys the model does not take (ignored): %s",
+            ", ".join(converted.ignored),
+        )
+    return Step(
+        episode=episode,
+        inputs=converted.inputs,
+        deadline=now + service.config.act_deadline_s,
+        client_token=tokens.get(episode),
+        execute_steps=steps,
+        ensemble=ensemble,
+    )
+
+
+async def fail(send: Send, text: str) -> None:
+    """openpi's error: the message as a text frame, then close 1011."""
+    await send({"type": "websocket.send", "text": text})
+    await send({"type": "websocket.close", "code": CLOSE_ERROR, "reason": "policy error"})

@@ -1,0 +1,331 @@
+"""Routing of one step: resolve the episode in Redis, then serve it here or forward it once.
+
+Every front door calls :meth:`Routing.act` with a decoded :class:`~node.step.Step`; the
+owner side of a forward is :meth:`Routing.serve_forwarded`. Nothing here knows a wire
+format except the forward's own msgpack body (``node/forward.py``).
+
+- The lease is checked before anything else and again after the model ran.
+- A node serves an episode only with the (device, token) Redis has just confirmed for
+  this request: the router's resolve, or — for a forward whose token differs from the one
+  held here — a lookup by the owner, which then obeys what Redis says (a token it has
+  never seen starts clean state; a token Redis no longer holds is refused with 409 and the
+  router resolves again once).
+- The client's deadline bounds the whole step; a forward carries what is left of it, less
+  a margin for the way back, and the owner keeps the step's state only within that budget,
+  so a step the client was told failed never advanced the episode.
+- While the node is leaving (graceful stop), an episode held here is handed over after its
+  in-flight step and the request is routed again, to the episode's new owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import Callable
+
+from affinity import Assignment, BackendUnavailable, Claims, NoCapacity, StaleToken, UnknownEpisode
+from node.config import NodeConfig
+from node.dispatcher import Arrival, DeviceDown, ModelFailure, MultiGpuDispatcher
+from node.forward import Forward, ForwardError, Poster, Response, decode_reply
+from node.membership import Membership
+from node.metrics import Metrics
+from node.policy import PolicyContract
+from node.step import Refused, Reply, Step, Unavailable
+
+__all__ = ["FORWARD_MARGIN_S", "TRANSIENT", "Routing"]
+
+log = logging.getLogger("affinity.node")
+
+FORWARD_MARGIN_S = 0.05
+"""Kept back from a forwarded step's budget for the owner's reply to reach the router."""
+
+TRANSIENT = frozenset(
+    {"owner_unreachable", "owner_refused", "redis", "full", "no_nodes", "fenced", "device_down"}
+)
+"""503 reasons worth retrying inside the node for clients that cannot retry themselves."""
+
+
+class Routing:
+    """Resolve, serve or forward (see the module doc)."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        claims: Claims,
+        dispatcher: MultiGpuDispatcher,
+        membership: Membership,
+        metrics: Metrics,
+        contract: PolicyContract,
+        pool: Poster,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.node_id = config.node_id
+        self.claims = claims
+        self.dispatcher = dispatcher
+        self.membership = membership
+        self.metrics = metrics
+        self.contract = contract
+        self.pool = pool
+        self.clock = clock
+        self.local_devices = frozenset(dispatcher.devices)
+        self._rr = 0
+
+    # ---- the router ------------------------------------------------------------------
+
+    async def act(self, step: Step, *, patient: bool = False) -> Reply:
+        """Route and serve one step within ``step.deadline``.
+
+        ``patient`` retries transient conditions (owner unreachable, a Redis blip, ``full``)
+        inside the node until the deadline, for clients that cannot retry (openpi's).
+        Raises :class:`Unavailable` (503), :class:`Refused` (its status), and
+        ``InvalidArgument`` for a bad id."""
+        started = time.perf_counter()
+        arrival = self.dispatcher.arrival()  # lets a device with a waiting step wait for it
+        try:
+            reply = await self._within_deadline(step, patient, arrival)
+        except Unavailable as exc:
+            self.metrics.routing.labels(
+                exc.reason if exc.reason in ("full", "no_nodes") else "unavailable"
+            ).inc()
+            raise
+        except Refused:
+            self.metrics.routing.labels("failed").inc()
+            raise
+        finally:
+            arrival.done()
+        self.metrics.routing.labels(reply.routing).inc()
+        path = "local" if reply.node == self.node_id else "forwarded"
+        self.metrics.act_seconds.labels(path).observe(time.perf_counter() - started)
+        return reply
+
+    async def _within_deadline(self, step: Step, patient: bool, arrival: Arrival) -> Reply:
+        last: Unavailable | None = None
+        backoff = 0.025
+        try:
+            async with asyncio.timeout(step.deadline - self.clock()):
+                while True:
+                    try:
+                        return await self._route(step, arrival)
+                    except Unavailable as exc:
+                        if not patient or exc.reason not in TRANSIENT:
+                            raise
+                        last = exc
+                    await asyncio.sleep(min(backoff, last.retry_after))
+                    backoff = min(backoff * 2, 0.5)
+        except TimeoutError:
+            if last is not None:
+                raise last from None
+            raise Unavailable(
+                "deadline", f"no answer within {self.config.act_deadline_s}s", 1.0
+            ) from None
+
+    async def _route(self, step: Step, arrival: Arrival) -> Reply:
+        self.membership.check_lease()
+        if step.episode is None:
+            return await self._stateless(step, arrival)
+        a = await self._resolve(step.episode, restart=step.restart)
+        if a.node != self.node_id:
+            return await self._forward(a, step, arrival, retry=True)
+        if self.membership.leaving:
+            # this node is handing its episodes over: this one goes now, then to its new owner
+            await self.membership.hand_over(a.episode)
+            a = await self._resolve(a.episode)
+            if a.node == self.node_id:
+                raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)
+            return await self._forward(a, step, arrival, retry=False)
+        return await self._serve(a, step, arrival)
+
+    async def _resolve(self, episode: str, *, restart: bool = False) -> Assignment:
+        try:
+            return await self.claims.resolve(episode, restart=restart)
+        except BackendUnavailable as exc:
+            raise Unavailable("redis", str(exc), 1.0) from exc
+        except NoCapacity as exc:
+            if exc.reason == "no_nodes":
+                raise Unavailable("no_nodes", str(exc), 1.0) from exc
+            raise Unavailable("full", str(exc), 2.0) from exc
+
+    async def _stateless(self, step: Step, arrival: Arrival) -> Reply:
+        up = [d for d in self.dispatcher.devices if not self.dispatcher.tracker(d).down]
+        if not up:
+            raise Unavailable("device_down", "every device of this node is down", 5.0)
+        device = up[self._rr % len(up)]
+        self._rr += 1
+        arrival.done()
+        outputs = await self.dispatcher.run_stateless(device, step.inputs)
+        return Reply(
+            outputs, None, device, self.node_id, 0, "stateless", False, False,
+            url=self.config.advertise_url,
+        )  # fmt: skip
+
+    async def _serve(self, a: Assignment, step: Step, arrival: Arrival) -> Reply:
+        """Run the step here, on the device and with the token Redis confirmed."""
+        if a.device not in self.local_devices:
+            raise Unavailable(
+                "unknown_device",
+                f"Redis assigns episode {a.episode!r} to {a.device}, which node "
+                f"{self.node_id} does not serve; its registration is being renewed",
+                1.0,
+            )
+        self.membership.check_lease()  # the resolve may have taken a while: check again
+        arrival.done()  # handed to its device now
+        started = time.perf_counter()
+        try:
+            result = await self.dispatcher.step(
+                a.device,
+                a.episode,
+                a.token,
+                a.status == "claimed",
+                step.inputs,
+                execute_steps=step.execute_steps,
+                ensemble=step.ensemble,
+            )
+        except DeviceDown as exc:
+            raise Unavailable("device_down", str(exc), 5.0) from exc
+        except ModelFailure as exc:
+            self.metrics.model_failures.labels(exc.device).inc()
+            raise Refused(500, "model_failure", str(exc)) from exc
+        if self.membership.fenced():  # the lease ran out while the model ran
+            self.dispatcher.release(a.episode)
+            raise Unavailable("fenced", f"node {self.node_id} lease ran out during the step", 1.0)
+        if step.end:
+            await self.end_episode(a.episode, a.token)
+        # The client's echo of its last token tells a lost assignment (Redis restarted
+        # empty, a failover dropped the last writes) from a new episode.
+        reset = result.state_reset or (step.client_token not in (None, a.token))
+        return Reply(
+            result.outputs,
+            a.episode,
+            a.device,
+            self.node_id,
+            a.token,
+            a.status,
+            reset,
+            step.degraded,
+            url=self.config.advertise_url,
+            source=result.source,
+            timing={"device_ms": (time.perf_counter() - started) * 1000},
+        )
+
+    async def end_episode(self, episode: str, token: int) -> None:
+        self.dispatcher.release(episode)
+        try:
+            await self.claims.release(episode, token)
+        except (StaleToken, UnknownEpisode):
+            pass
+        except BackendUnavailable as exc:  # the assignment idles out instead
+            log.warning("could not release %s: %s", episode, exc)
+
+    # ---- forwarding --------------------------------------------------------------------
+
+    async def _forward(self, a: Assignment, step: Step, arrival: Arrival, *, retry: bool) -> Reply:
+        budget = step.deadline - self.clock() - FORWARD_MARGIN_S
+        if budget <= 0:
+            raise Unavailable("deadline", f"no time left to forward to {a.node}", 1.0)
+        body = Forward(
+            episode=a.episode,
+            token=a.token,
+            device=a.device,
+            routing=a.status,
+            inputs=step.inputs,
+            budget_s=budget,
+            end=step.end,
+            degraded=step.degraded,
+            client_token=step.client_token,
+            execute_steps=step.execute_steps,
+            ensemble=step.ensemble,
+        ).encode()
+        arrival.done()  # it leaves this node
+        try:
+            resp = await self.pool.post(a.url, body)
+        except ForwardError as exc:
+            self.metrics.forwarded.labels("unreachable").inc()
+            raise Unavailable(
+                "owner_unreachable",
+                f"episode {a.episode!r} is owned by {a.device} on {a.node} ({a.url}), "
+                f"which did not answer: {exc}",
+                1.0,
+            ) from exc
+        if resp.status == 200:
+            try:
+                reply = decode_reply(resp.body)
+            except ValueError as exc:
+                self.metrics.forwarded.labels("unreachable").inc()
+                raise Unavailable("owner_unreachable", f"owner {a.node}: {exc}", 1.0) from exc
+            self.metrics.forwarded.labels("ok").inc()
+            return reply
+        self.metrics.forwarded.labels("refused").inc()
+        code, message = _error_of(resp)
+        text = f"owner {a.node} answered {resp.status}: {message}"
+        if resp.status in (409, 421):
+            if not retry:
+                raise Unavailable("owner_refused", text, 1.0)
+            again = await self._resolve(a.episode)  # our view was stale: resolve once more
+            if again.node == self.node_id:
+                return await self._serve(again, step, arrival)
+            return await self._forward(again, step, arrival, retry=False)
+        if resp.status == 503:
+            raise Unavailable(code, text, float(resp.headers.get("retry-after", "1")))
+        raise Refused(resp.status, code, text)
+
+    # ---- the owner ---------------------------------------------------------------------
+
+    async def serve_forwarded(self, body: bytes, secret: str | None) -> Reply:
+        """Serve a step another node resolved and forwarded here.
+
+        Refuses (403) a wrong cluster secret, (400) a malformed forward, (421) a device not
+        on this node, (409) a (device, token) Redis no longer holds for the episode or an
+        episode this leaving node just handed over; 503 when out of budget or fenced."""
+        expected = self.config.cluster_secret or ""
+        if expected and not hmac.compare_digest((secret or "").encode(), expected.encode()):
+            raise Refused(403, "bad_secret", "missing or wrong cluster secret")
+        try:
+            fwd = Forward.decode(body)
+        except ValueError as exc:
+            raise Refused(400, "bad_forward", str(exc)) from None
+        if fwd.device not in self.local_devices:
+            raise Refused(421, "not_owner", f"device {fwd.device!r} is not on node {self.node_id}")
+        arrival = self.dispatcher.arrival()
+        try:
+            async with asyncio.timeout(fwd.budget_s):
+                return await self._serve_forwarded(fwd, arrival)
+        except TimeoutError:
+            raise Unavailable(
+                "deadline", f"the router's budget of {fwd.budget_s:.3f}s ran out", 1.0
+            ) from None
+        finally:
+            arrival.done()
+
+    async def _serve_forwarded(self, fwd: Forward, arrival: Arrival) -> Reply:
+        self.membership.check_lease()
+        if self.dispatcher.token_of(fwd.episode) != fwd.token:
+            # a token this node does not hold: obey Redis, which has the last word (a
+            # forward that was in flight while the episode moved must never start a second
+            # owner; a token re-issued after a lossy failover starts clean state)
+            try:
+                info = await self.claims.lookup(fwd.episode)
+            except BackendUnavailable as exc:
+                raise Unavailable("redis", str(exc), 1.0) from exc
+            if info is None or (info.device, info.token) != (fwd.device, fwd.token):
+                raise Refused(
+                    409,
+                    "stale_token",
+                    f"episode {fwd.episode!r} is no longer {fwd.device} with token {fwd.token}",
+                )
+        if self.membership.leaving:
+            await self.membership.hand_over(fwd.episode)
+            raise Refused(409, "moved", f"node {self.node_id} handed {fwd.episode!r} over")
+        a = Assignment(fwd.episode, fwd.routing, fwd.device, fwd.token, self.node_id, "", None)  # type: ignore[arg-type]
+        return await self._serve(a, fwd.step(self.clock() + fwd.budget_s), arrival)
+
+
+def _error_of(resp: Response) -> tuple[str, str]:
+    try:
+        err = json.loads(resp.body)["error"]
+        return str(err["code"]), str(err["message"])
+    except (ValueError, KeyError, TypeError):
+        return "owner_error", resp.body[:200].decode("utf-8", "replace")

@@ -1,0 +1,103 @@
+"""The one internal step and reply every wire protocol decodes into and encodes from.
+
+An adapter (``node/protocols/*``) turns its wire format into a :class:`Step` (inputs
+already validated against the policy contract, as numpy arrays) and a :class:`Reply` back
+into its wire format; routing, leases, forwarding, state and metrics live once behind
+them (``node/routing.py``). The errors here are what routing raises besides the input
+errors (``node.policy.InvalidInput``, ``affinity.InvalidArgument``); each adapter maps
+them to its protocol's error shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Array", "Refused", "Reply", "Step", "Unavailable"]
+
+Array = np.ndarray[Any, Any]
+
+
+@dataclass(slots=True)
+class Step:
+    """One step of an episode, as any front door received it.
+
+    ``episode`` is None for a stateless request (no episode id, no session id).
+    ``deadline`` is an absolute ``time.monotonic()`` by which the reply must be sent.
+    ``client_token`` is the token of the client's previous reply, if it echoes one.
+    ``restart`` starts the episode over (a fresh token, clean state) before serving.
+    ``execute_steps`` and ``ensemble`` override the node's action-chunk mode for this step
+    (validated by the adapter with ``dispatcher.mode_for`` before anything is claimed).
+    """
+
+    episode: str | None
+    inputs: dict[str, Array]
+    deadline: float
+    end: bool = False
+    client_token: int | None = None
+    degraded: bool = False
+    restart: bool = False
+    execute_steps: int | None = None
+    ensemble: str | None = None
+
+
+@dataclass(slots=True)
+class Reply:
+    """What the node answers for one step; ``outputs`` are the model outputs a client sees.
+
+    ``url`` is the owner's advertise URL: a client may send the episode's next steps there
+    directly. ``source`` is ``model`` when the policy ran, ``buffer`` when the action came
+    from the episode's action-chunk buffer. ``timing`` holds ``device_ms``, the time the
+    step spent on its device (queue and run), measured by the owner.
+    """
+
+    outputs: dict[str, Array]
+    episode: str | None
+    device: str
+    node: str
+    token: int
+    routing: str
+    state_reset: bool
+    degraded: bool
+    url: str = ""
+    source: str = "model"
+    timing: dict[str, float] = field(default_factory=dict)
+
+    def facts(self) -> dict[str, Any]:
+        """Everything but the outputs, with the wire names every protocol uses."""
+        return {
+            "episode_id": self.episode,
+            "device": self.device,
+            "node": self.node,
+            "token": self.token,
+            "routing": self.routing,
+            "state_reset": self.state_reset,
+            "degraded": self.degraded,
+            "source": self.source,
+        }
+
+
+class Unavailable(Exception):
+    """The step cannot be decided or served now; answer 503 with ``Retry-After``.
+
+    ``reason`` is a short code from a fixed set (documented in the README): ``fenced``,
+    ``leaving``, ``redis``, ``full``, ``no_nodes``, ``owner_unreachable``,
+    ``owner_refused``, ``deadline``, ``device_down``.
+    """
+
+    def __init__(self, reason: str, message: str, retry_after: float = 1.0) -> None:
+        self.reason = reason
+        self.retry_after = retry_after
+        super().__init__(message)
+
+
+class Refused(Exception):
+    """A request refused for what it is: a forward the owner will not serve (403 bad
+    secret, 409 stale token or moved, 421 not the owner) or a model failure (500)."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        self.status = status
+        self.reason = reason
+        super().__init__(message)

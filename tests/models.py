@@ -1,0 +1,56 @@
+"""Test-only ONNX policies, built with the same helpers as the packaged demos."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from node.models._build import Weights, model, tensor, write
+
+
+def slow_policy(out_dir: Path, repeats: int = 72, width: int = 256) -> Path:
+    """A recurrent policy shaped like the demo (``obs [batch,8]`` -> ``actions [batch,4,2]``,
+    a 16-wide hidden state fed back) that spends ``repeats`` ``width``x``width`` matrix
+    products per run: tens of milliseconds on one CPU core, so steps are in flight when a
+    test needs them to be."""
+    w = Weights(seed=7)
+    nodes = [
+        helper.make_node("MatMul", ["obs", w.normal("up", (8, width * width), 0.3)], ["flat"]),
+        helper.make_node(
+            "Reshape", ["flat", w.constant("square", np.array([-1, width, width]))], ["x0"]
+        ),
+        helper.make_node("Concat", ["obs", "state_in.hidden"], ["oh"], axis=1),
+        helper.make_node("MatMul", ["oh", w.normal("wh", (24, 16), 0.3)], ["h_pre"]),
+    ]
+    square = w.normal("sq", (width, width), 1.0 / width**0.5)
+    for i in range(repeats):
+        nodes.append(helper.make_node("MatMul", [f"x{i}", square], [f"m{i}"]))
+        nodes.append(helper.make_node("Tanh", [f"m{i}"], [f"x{i + 1}"]))
+    nodes += [
+        helper.make_node("ReduceMean", [f"x{repeats}"], ["r"], axes=[1], keepdims=0),
+        helper.make_node("MatMul", ["r", w.normal("down", (width, 16), 0.01)], ["d"]),
+        helper.make_node("Add", ["h_pre", "d"], ["h_sum"]),
+        helper.make_node("Tanh", ["h_sum"], ["state_out.hidden"]),
+        helper.make_node("MatMul", ["state_out.hidden", w.normal("act", (16, 8), 0.3)], ["a"]),
+        helper.make_node(
+            "Reshape", ["a", w.constant("shape", np.array([-1, 4, 2]))],
+            ["actions"],
+        ),
+    ]  # fmt: skip
+    built = model(
+        "slow_policy",
+        nodes,
+        [tensor("obs", TensorProto.FLOAT, 8), tensor("state_in.hidden", TensorProto.FLOAT, 16)],
+        [
+            tensor("actions", TensorProto.FLOAT, 4, 2),
+            tensor("state_out.hidden", TensorProto.FLOAT, 16),
+        ],
+        w,
+        "affinity-tests",
+    )
+    path, _ = write(
+        out_dir, "slow_policy.onnx", built, {"state": {"state_in.hidden": "state_out.hidden"}}
+    )
+    return path

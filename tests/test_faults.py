@@ -1,0 +1,152 @@
+"""Availability under faults with real processes on loopback: a graceful stop hands its
+episodes over at once while steps are in flight; a paused node answers the requests it
+received instead of dropping them; two processes never keep one node id."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from affinity import Keys
+from node.policy import reference_rollout
+from tests.models import slow_policy
+from tests.procs import Node, RedisServer, wait_until
+from tests.test_cluster import running
+
+pytestmark = pytest.mark.integration
+
+KEYS = Keys()
+SECRET = {"AFFINITY_CLUSTER_SECRET": "s"}
+
+
+def test_sigterm_hands_every_episode_over_while_steps_are_in_flight(tmp_path: Path) -> None:
+    model = slow_policy(tmp_path / "model")  # tens of ms per run: steps are in flight
+    redis = RedisServer(tmp_path)
+    extra = ["--model", str(model), "--lease-ttl", "2", "--act-deadline", "20"]
+    a = Node(tmp_path, "a", redis.url, devices="cpu:2", env=SECRET, extra=extra)
+    b = Node(tmp_path, "b", redis.url, devices="cpu:2", env=SECRET, extra=extra)
+    rng = np.random.default_rng(5)
+    episodes = {f"g{i}": [rng.standard_normal((1, 8)).astype(np.float32) for _ in range(12)]
+                for i in range(16)}  # fmt: skip
+    replies: dict[str, list[dict[str, Any]]] = {ep: [] for ep in episodes}
+    failures: list[str] = []
+    stop_sent = threading.Event()
+
+    async def drive(ep: str, steps: range, url: str) -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            for i in steps:
+                body: dict[str, Any] = {
+                    "episode_id": ep,
+                    "inputs": {"obs": episodes[ep][i].tolist()},
+                }
+                if replies[ep]:
+                    body["token"] = replies[ep][-1]["token"]
+                r = await client.post(url + "/act", json=body)
+                if r.status_code != 200:
+                    failures.append(f"{ep} step {i}: {r.status_code} {r.text}")
+                    return
+                replies[ep].append(r.json())
+                if i == 6 and not stop_sent.is_set():
+                    stop_sent.set()
+                    a.proc.send(signal.SIGTERM)  # while the other episodes' steps run
+
+    with running(redis, [a, b]):
+        # every step enters at b: it forwards to a, and must keep getting answers while a leaves
+        async def all_of_them() -> None:
+            await asyncio.gather(*(drive(ep, range(12), b.url) for ep in episodes))
+
+        asyncio.run(all_of_them())
+        assert a.proc.popen is not None
+        assert a.proc.popen.wait(timeout=30) == 0  # a graceful stop exits 0
+        assert not failures, failures
+        r = redis.client()
+        assert r.zscore(KEYS.nodes, "a") is None
+        for key in r.scan_iter(KEYS.episode("*")):
+            assert not r.get(key).startswith("a/"), key
+    moved = 0
+    for ep, got in replies.items():
+        devices = [x["device"] for x in got]
+        if not devices[0].startswith("a/"):
+            assert len(set(devices)) == 1 and not any(x["state_reset"] for x in got), ep
+            continue
+        moved += 1
+        switch = next(i for i, d in enumerate(devices) if not d.startswith("a/"))
+        after = got[switch:]
+        # told at once, and never silently: reassigned with a reset, then sticky on b
+        assert after[0]["routing"] == "reassigned" and after[0]["state_reset"] is True, after[0]
+        assert len(set(devices[switch:])) == 1 and not any(x["state_reset"] for x in after[1:])
+        ref = reference_rollout(Path(tmp_path / "model" / "slow_policy.onnx"),
+                                episodes[ep][switch:])  # fmt: skip
+        for x, want in zip(after, ref, strict=True):
+            np.testing.assert_allclose(
+                x["outputs"]["actions"], want["actions"], rtol=1e-4, atol=1e-6
+            )
+    assert moved > 0
+    log = a.proc.log()
+    assert "left" in log and "handed over" in log
+
+
+def test_a_paused_node_answers_what_it_received_instead_of_dropping_it(tmp_path: Path) -> None:
+    redis = RedisServer(tmp_path)
+    node = Node(tmp_path, "z", redis.url, devices="cpu:1",
+                extra=["--lease-ttl", "1", "--keep-alive", "1"])  # fmt: skip
+    with running(redis, [node]):
+        # one keep-alive connection, used once, then idle while the node is paused past
+        # both its keep-alive timeout and its lease
+        with socket.create_connection((node.host, node.port), timeout=30) as sock:
+            request = (
+                b"POST /act HTTP/1.1\r\nHost: z\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s"
+            )
+            body = b'{"episode_id": "p", "inputs": {"obs": [[0,0,0,0,0,0,0,0]]}}'
+            sock.sendall(request % (len(body), body))
+            assert b" 200 " in sock.recv(65536).split(b"\r\n", 1)[0]
+            node.proc.send(signal.SIGSTOP)
+            try:
+                sock.sendall(request % (len(body), body))  # queued while paused
+                time.sleep(2.5)  # the fault itself: longer than keep-alive and lease
+            finally:
+                node.proc.send(signal.SIGCONT)
+            answer = sock.recv(65536)
+        status = answer.split(b"\r\n", 1)[0]
+        assert answer, "the queued request was dropped (connection closed without an answer)"
+        assert b" 503 " in status or b" 200 " in status, answer[:200]
+        if b" 503 " in status:
+            assert b"retry-after" in answer.lower() and b"fenced" in answer
+
+
+def test_two_processes_never_keep_one_node_id_after_redis_restarts_empty(tmp_path: Path) -> None:
+    redis = RedisServer(tmp_path).start()
+    extra = ["--lease-ttl", "2"]
+    first = Node(tmp_path, "twin", redis.url, devices="cpu:1", extra=extra)
+    second = Node(tmp_path, "twin", redis.url, devices="cpu:1", extra=extra)
+    try:
+        first.start()
+        second.proc.start()  # waits: the id is leased by the first
+        wait_until(lambda: "held by another process" in second.proc.log(), 30, "second waits")
+        redis.restart()  # empty: whichever registers first holds the id from now on
+        procs = [first.proc.popen, second.proc.popen]
+        assert all(p is not None for p in procs)
+        wait_until(lambda: any(p.poll() is not None for p in procs), 60, "one of them exits")
+        gone = next(n for n, p in zip((first, second), procs, strict=True) if p.poll() is not None)
+        kept = second if gone is first else first
+        assert gone.proc.popen is not None and gone.proc.popen.returncode == 4
+        assert "held by another" in gone.proc.log()
+        # the one that stayed holds the registration, and serves
+        wait_until(kept.ready, 30, "the other serves")
+        assert redis.client().hget(KEYS.node("twin"), "url") == kept.url
+        r = httpx.post(kept.url + "/act", json={"episode_id": "t", "inputs": {"obs": [[0] * 8]}})
+        assert r.status_code == 200
+    finally:
+        first.stop()
+        second.stop()
+        redis.stop()

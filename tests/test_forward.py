@@ -1,0 +1,188 @@
+"""node/forward.py: the keep-alive pool against real sockets on loopback, and the forward's
+msgpack body."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import numpy as np
+import pytest
+
+from node.forward import Forward, ForwardError, ForwardPool, decode_reply, encode_reply
+from node.step import Reply
+from tests.procs import free_port
+
+pytestmark = pytest.mark.anyio
+
+Handler = Callable[[bytes, asyncio.StreamWriter], Awaitable[bool]]
+
+
+@asynccontextmanager
+async def server(respond: Handler) -> AsyncIterator[dict[str, int]]:
+    """A raw HTTP/1.1 server on loopback; ``respond(body, writer)`` answers one request
+    and says whether to keep the connection open. Yields counters."""
+    seen = {"connections": 0, "requests": 0}
+
+    async def on_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen["connections"] += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                body = await reader.readexactly(length)
+                seen["requests"] += 1
+                if not await respond(body, writer):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    port = free_port()
+    srv = await asyncio.start_server(on_connection, "127.0.0.1", port)
+    seen["port"] = port
+    try:
+        yield seen
+    finally:
+        srv.close()
+        await srv.wait_closed()
+
+
+def answer(writer: asyncio.StreamWriter, body: bytes, extra: str = "") -> None:
+    writer.write(f"HTTP/1.1 200 OK\r\ncontent-length: {len(body)}\r\n{extra}\r\n".encode() + body)
+
+
+async def echo(body: bytes, writer: asyncio.StreamWriter) -> bool:
+    answer(writer, body)
+    return True
+
+
+async def test_connections_are_reused_and_bodies_arrive_whole() -> None:
+    async with server(echo) as seen:
+        pool = ForwardPool("k")
+        url = f"http://127.0.0.1:{seen['port']}"
+        for i in range(20):
+            body = bytes([i]) * (i * 5000)  # up to ~95 kB, over several TCP segments
+            r = await pool.post(url, body)
+            assert (r.status, r.body) == (200, body)
+        assert seen["connections"] == 1
+        got = await asyncio.gather(*(pool.post(url, b"x%d" % i) for i in range(10)))
+        assert [r.body for r in got] == [b"x%d" % i for i in range(10)]
+        assert seen["connections"] <= 10
+        pool.close()
+
+
+async def test_a_reused_connection_closed_before_any_answer_is_retried_once() -> None:
+    per_connection: dict[int, int] = {}
+
+    async def drop_second(body: bytes, writer: asyncio.StreamWriter) -> bool:
+        n = per_connection[id(writer)] = per_connection.get(id(writer), 0) + 1
+        if n == 2:
+            return False  # closed without a byte of answer, as a keep-alive timeout does
+        answer(writer, body)
+        return True
+
+    async with server(drop_second) as seen:
+        pool = ForwardPool("k")
+        url = f"http://127.0.0.1:{seen['port']}"
+        assert (await pool.post(url, b"a")).body == b"a"
+        assert (await pool.post(url, b"b")).body == b"b"  # dropped once, retried on a new one
+        assert seen["requests"] == 3 and seen["connections"] == 2
+        pool.close()
+
+
+async def test_connection_close_is_honoured() -> None:
+    async def closing(body: bytes, writer: asyncio.StreamWriter) -> bool:
+        answer(writer, body, "connection: close\r\n")
+        return False
+
+    async with server(closing) as seen:
+        pool = ForwardPool("k")
+        url = f"http://127.0.0.1:{seen['port']}"
+        for i in range(3):
+            assert (await pool.post(url, b"%d" % i)).body == b"%d" % i
+        assert seen["connections"] == 3
+        pool.close()
+
+
+async def test_a_broken_answer_is_not_retried() -> None:
+    async def half(body: bytes, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc")
+        return False
+
+    async with server(half) as seen:
+        pool = ForwardPool("k")
+        with pytest.raises(ForwardError, match="after"):
+            await pool.post(f"http://127.0.0.1:{seen['port']}", b"x")
+        assert seen["requests"] == 1  # the step may have run: never sent twice
+        pool.close()
+
+
+async def test_unreachable_owner_and_cancellation() -> None:
+    pool = ForwardPool("k")
+    with pytest.raises(ForwardError, match="cannot connect"):
+        await pool.post(f"http://127.0.0.1:{free_port()}", b"x")
+    with pytest.raises(ForwardError, match="http"):
+        await pool.post("ftp://somewhere", b"x")
+
+    release = asyncio.Event()
+
+    async def slow(body: bytes, writer: asyncio.StreamWriter) -> bool:
+        await release.wait()
+        answer(writer, body)
+        return True
+
+    async with server(slow) as seen:
+        url = f"http://127.0.0.1:{seen['port']}"
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await pool.post(url, b"late")
+        release.set()
+        # the cancelled request's connection is not reused for the next one
+        assert (await pool.post(url, b"next")).body == b"next"
+        assert seen["connections"] == 2
+    pool.close()
+
+
+def test_forward_and_reply_bodies_round_trip() -> None:
+    fwd = Forward(
+        episode="ep/1",
+        token=2**62,
+        device="a/0",
+        routing="hit",
+        inputs={"obs": np.arange(8, dtype=np.float32).reshape(1, 8)},
+        budget_s=1.25,
+        end=True,
+        degraded=True,
+        client_token=7,
+        execute_steps=3,
+    )
+    back = Forward.decode(fwd.encode())
+    np.testing.assert_array_equal(back.inputs["obs"], fwd.inputs["obs"])
+    assert (back.episode, back.token, back.device, back.routing, back.end) == (
+        "ep/1",
+        2**62,
+        "a/0",
+        "hit",
+        True,
+    )
+    assert (back.budget_s, back.degraded, back.client_token, back.execute_steps) == (
+        1.25,
+        True,
+        7,
+        3,
+    )
+    for broken in [b"\x90", Forward.encode(fwd)[:-3], b"\x81\xa1x\x01"]:
+        with pytest.raises(ValueError):
+            Forward.decode(broken)
+
+    reply = Reply({"a": np.ones((1, 4, 2), np.float32)}, "e", "a/0", "a", 5, "hit", True, False)
+    got = decode_reply(encode_reply(reply))
+    np.testing.assert_array_equal(got.outputs["a"], reply.outputs["a"])
+    assert got.facts() == reply.facts()
