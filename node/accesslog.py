@@ -1,16 +1,24 @@
 """One log line per request: method, path, status, latency, and for steps the episode,
 device and routing. Plain text by default; ``--log-format json`` makes every log line of
-the node (this one included) a JSON object.
+the node (this one included) a JSON object; ``--access-log off`` silences it.
 
-Lines go to the ``affinity.access`` logger at INFO; ``--access-log off`` silences it.
+The lines are written straight to the log stream (stderr) in batches — every 0.25 s, or
+sooner once 256 are waiting — rather than through the ``logging`` module: a ``LogRecord``,
+its formatting and a write per request cost about a sixth of the node's throughput on a
+CPU model. They look exactly like the node's other log lines (same timestamp, level and
+logger name ``affinity.access``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import sys
 import time
-from typing import Any
+from typing import Any, TextIO
+
+import orjson
 
 from node.asgi import Receive, Scope, Send
 
@@ -19,7 +27,8 @@ __all__ = ["STEP_KEY", "AccessLog", "JsonFormatter"]
 STEP_KEY = "affinity.step"
 """Scope key under which a step handler leaves ``(episode, device, routing)``."""
 
-_log = logging.getLogger("affinity.access")
+FLUSH_S = 0.25
+MAX_WAITING = 256
 
 
 class JsonFormatter(logging.Formatter):
@@ -41,13 +50,20 @@ class JsonFormatter(logging.Formatter):
 
 
 class AccessLog:
-    """Wraps an ASGI app's ``send`` to see the status, and logs when the response ends."""
+    """Wraps an ASGI app's ``send`` to see the status, and writes one line when the
+    response ends (see the module doc). ``stream`` defaults to stderr."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, *, json: bool = False, stream: TextIO | None = None):
         self.enabled = enabled
+        self.json = json
+        self.stream = stream
+        self._waiting: list[str] = []
+        self._flush: asyncio.TimerHandle | None = None
+        self._second = -1
+        self._stamp = ""
 
     async def __call__(self, app: Any, scope: Scope, receive: Receive, send: Send) -> None:
-        if not self.enabled or scope["type"] != "http" or not _log.isEnabledFor(logging.INFO):
+        if not self.enabled or scope["type"] != "http":
             await app(scope, receive, send)
             return
         started = time.perf_counter()
@@ -64,24 +80,57 @@ class AccessLog:
         finally:
             self.write(scope, status or 500, time.perf_counter() - started)
 
-    @staticmethod
-    def write(scope: Scope, status: int, seconds: float) -> None:
+    def write(self, scope: Scope, status: int, seconds: float) -> None:
+        """Queue the line of one request (flushed within ``FLUSH_S``)."""
+        now = time.time()
         client = scope.get("client")
-        fields: dict[str, Any] = {
-            "client": f"{client[0]}:{client[1]}" if client else "-",
-            "method": scope["method"],
-            "path": scope["path"],
-            "status": status,
-            "ms": round(seconds * 1000, 3),
-        }
+        peer = f"{client[0]}:{client[1]}" if client else "-"
+        ms = round(seconds * 1000, 3)
         step = scope.get(STEP_KEY)
-        if step is not None:
-            fields["episode"], fields["device"], fields["routing"] = step
-        text = " ".join(
-            [
-                f'{fields["client"]} "{fields["method"]} {fields["path"]}" {status}',
-                f"{fields['ms']}ms",
-            ]
-            + [f"{k}={fields[k]}" for k in ("episode", "device", "routing") if k in fields]
-        )
-        _log.info("%s", text, extra={"fields": fields})
+        if self.json:
+            doc: dict[str, Any] = {
+                "ts": round(now, 6),
+                "level": "info",
+                "logger": "affinity.access",
+                "client": peer,
+                "method": scope["method"],
+                "path": scope["path"],
+                "status": status,
+                "ms": ms,
+            }
+            if step is not None:
+                doc["episode"], doc["device"], doc["routing"] = step
+            line = orjson.dumps(doc).decode()
+        else:
+            line = f'{self._time(now)} INFO affinity.access: {peer} "{scope["method"]} ' \
+                f'{scope["path"]}" {status} {ms}ms'  # fmt: skip
+            if step is not None:
+                line += f" episode={step[0]} device={step[1]} routing={step[2]}"
+        self._waiting.append(line)
+        if len(self._waiting) >= MAX_WAITING:
+            self.flush()
+        elif self._flush is None:
+            try:
+                self._flush = asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
+            except RuntimeError:  # no loop (a direct call): write now
+                self.flush()
+
+    def flush(self) -> None:
+        """Write every waiting line now."""
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        if not self._waiting:
+            return
+        stream = self.stream or sys.stderr
+        stream.write("\n".join(self._waiting) + "\n")
+        stream.flush()
+        self._waiting.clear()
+
+    def _time(self, now: float) -> str:
+        """``2026-11-30 16:40:02,113``, as the logging module writes it."""
+        second = int(now)
+        if second != self._second:
+            self._second = second
+            self._stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(second))
+        return f"{self._stamp},{int((now - second) * 1000):03d}"

@@ -202,10 +202,15 @@ def _act_openapi(api: FastAPI) -> dict[str, Any]:
 
 
 def create_app(
-    service_factory: Callable[[], Awaitable[NodeService]], *, access_log: bool = True
+    service_factory: Callable[[], Awaitable[NodeService]],
+    *,
+    access_log: bool = True,
+    log_json: bool = False,
 ) -> NodeApp:
     """The app; ``service_factory`` builds the node (devices, sessions, Redis) at start-up.
-    ``access_log`` writes one line per request (``node/accesslog.py``)."""
+    ``access_log`` writes one line per request (``node/accesslog.py``), as JSON with
+    ``log_json``."""
+    access = AccessLog(access_log, json=log_json)
 
     @asynccontextmanager
     async def lifespan(api: FastAPI) -> AsyncIterator[None]:
@@ -216,6 +221,7 @@ def create_app(
             yield
         finally:
             await service.stop()
+            access.flush()
 
     api = FastAPI(title="affinity node", version=VERSION, lifespan=lifespan)
 
@@ -372,7 +378,7 @@ def create_app(
         ("POST", "/act"): act.handle,
         ("POST", "/internal/act"): internal.handle,
     }
-    return NodeApp(api, hot, AccessLog(access_log))
+    return NodeApp(api, hot, access)
 
 
 def _cache(api: FastAPI, schema: dict[str, Any]) -> dict[str, Any]:

@@ -425,14 +425,14 @@ async def _serve(config: NodeConfig) -> int:
     async def started() -> NodeService:
         return service
 
-    app = create_app(started, access_log=config.access_log)
+    app = create_app(started, access_log=config.access_log, log_json=config.log_format == "json")
     server = _Server(
         uvicorn.Config(
             app,
             host=config.host,
             port=config.port,
             http=_KeepAliveProtocol,
-            ws="websockets",
+            ws="websockets-sansio",
             ws_max_size=config.max_body_bytes,
             log_level="warning",
             access_log=False,  # node/accesslog.py writes the node's own, with the step's facts

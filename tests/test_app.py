@@ -521,33 +521,34 @@ async def test_bad_msgpack_bodies_are_4xx_and_change_nothing(node: InProcNode, r
 
 
 async def test_the_access_log_has_one_line_per_request_with_the_steps_facts(
-    node: InProcNode, caplog: pytest.LogCaptureFixture
+    node: InProcNode,
 ) -> None:
+    import io
     import json
-    import logging
 
-    from node.accesslog import JsonFormatter
-
-    with caplog.at_level(logging.INFO, logger="affinity.access"):
-        r = await node.act(episode_id="logged", inputs={"obs": [[0.1] * 8]})
-        await node.client.get("/healthz")
-        await node.act(episode_id="logged", inputs={"obs": [[1]]})
-    lines = [rec for rec in caplog.records if rec.name == "affinity.access"]
-    assert len(lines) == 3
-    step, health, bad = lines
-    text = step.getMessage()
-    assert '"POST /act" 200' in text and "episode=logged" in text
-    assert f"device={r.json()['device']}" in text and "routing=claimed" in text
-    assert '"GET /healthz" 200' in health.getMessage() and "episode=" not in health.getMessage()
-    assert '"POST /act" 422' in bad.getMessage()
-    doc = json.loads(JsonFormatter().format(step))
+    log = node.app.access
+    log.stream = io.StringIO()
+    r = await node.act(episode_id="logged", inputs={"obs": [[0.1] * 8]})
+    await node.client.get("/healthz")
+    await node.act(episode_id="logged", inputs={"obs": [[1]]})
+    log.flush()
+    step, health, bad = log.stream.getvalue().splitlines()
+    assert " INFO affinity.access: " in step
+    assert '"POST /act" 200' in step and "episode=logged" in step
+    assert f"device={r.json()['device']}" in step and "routing=claimed" in step
+    assert '"GET /healthz" 200' in health and "episode=" not in health
+    assert '"POST /act" 422' in bad
+    log.json, log.stream = True, io.StringIO()
+    await node.act(episode_id="logged", inputs={"obs": [[0.1] * 8]})
+    log.flush()
+    doc = json.loads(log.stream.getvalue())
     assert (doc["method"], doc["path"], doc["status"], doc["episode"]) == (
         "POST",
         "/act",
         200,
         "logged",
     )
-    assert doc["routing"] == "claimed" and doc["ms"] > 0 and doc["logger"] == "affinity.access"
+    assert doc["routing"] == "hit" and doc["ms"] > 0 and doc["logger"] == "affinity.access"
 
 
 async def test_a_re_registration_carries_the_crash_trackers_down_states(redis: Any) -> None:
