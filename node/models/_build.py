@@ -6,7 +6,8 @@ Needs the ``onnx`` package (a dev dependency); the server does not import this.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,3 +74,11 @@ def write(
     sidecar_path = model_path.with_name(f"{model_path.stem}.affinity.json")
     sidecar_path.write_text(json.dumps(sidecar, indent=2) + "\n", encoding="utf-8")
     return model_path, sidecar_path
+
+
+def run(build: Callable[[Path], tuple[Path, Path]]) -> None:
+    """A build script's command line: ``build`` into the directory given (default: the
+    package's ``node/models``), saying what was written."""
+    out_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
+    for path in build(out_dir):
+        print(f"wrote {path} ({path.stat().st_size} bytes)")

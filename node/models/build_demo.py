@@ -17,14 +17,13 @@ the ``onnx`` package (a dev dependency); the server does not. Run once after cha
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from node.models._build import Weights, model, tensor, write
+from node.models._build import Weights, model, run, tensor, write
 
 MODEL_NAME = "demo_policy.onnx"
 SEED = 20240611
@@ -80,11 +79,5 @@ def build(out_dir: Path) -> tuple[Path, Path]:
     return write(out_dir, MODEL_NAME, make_model(), SIDECAR)
 
 
-def main() -> None:
-    out_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
-    for path in build(out_dir):
-        print(f"wrote {path} ({path.stat().st_size} bytes)")
-
-
 if __name__ == "__main__":
-    main()
+    run(build)
