@@ -95,6 +95,29 @@ def test_sigterm_hands_every_episode_over_while_steps_are_in_flight(tmp_path: Pa
     assert "left" in log and "handed over" in log
 
 
+def read_response(sock: socket.socket) -> bytes:
+    """One whole HTTP/1.1 response (head and Content-Length body) from ``sock``; what came
+    before the connection closed if it closed first."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
 def test_a_paused_node_answers_what_it_received_instead_of_dropping_it(tmp_path: Path) -> None:
     redis = RedisServer(tmp_path)
     node = Node(tmp_path, "z", redis.url, devices="cpu:1",
@@ -109,14 +132,14 @@ def test_a_paused_node_answers_what_it_received_instead_of_dropping_it(tmp_path:
             )
             body = b'{"episode_id": "p", "inputs": {"obs": [[0,0,0,0,0,0,0,0]]}}'
             sock.sendall(request % (len(body), body))
-            assert b" 200 " in sock.recv(65536).split(b"\r\n", 1)[0]
+            assert b" 200 " in read_response(sock).split(b"\r\n", 1)[0]
             node.proc.send(signal.SIGSTOP)
             try:
                 sock.sendall(request % (len(body), body))  # queued while paused
                 time.sleep(2.5)  # the fault itself: longer than keep-alive and lease
             finally:
                 node.proc.send(signal.SIGCONT)
-            answer = sock.recv(65536)
+            answer = read_response(sock)
         status = answer.split(b"\r\n", 1)[0]
         assert answer, "the queued request was dropped (connection closed without an answer)"
         assert b" 503 " in status or b" 200 " in status, answer[:200]
