@@ -12,6 +12,7 @@ Rounds alternate node and baseline; each figure is the median over ``--runs`` ro
 ratio measured in the same run. Server CPU per request is read from /proc.
 
 Usage: python -m bench.act [--runs 5] [--seconds 4] [--connections 16]
+(``BENCH_NODE_ARGS="--access-log off"`` passes extra flags to the measured nodes)
 """
 
 from __future__ import annotations
