@@ -117,6 +117,13 @@ class _Episodes:
     owners: dict[str, str] = field(default_factory=dict)
     _next: Iterator[str] = field(init=False)
 
+    @classmethod
+    def of(
+        cls, nodes: Sequence[str] | str, retries: int, retry_budget_s: float, raise_on_reset: bool
+    ) -> _Episodes:
+        urls = (nodes,) if isinstance(nodes, str) else tuple(nodes)
+        return cls(tuple(u.rstrip("/") for u in urls), retries, retry_budget_s, raise_on_reset)
+
     def __post_init__(self) -> None:
         if not self.nodes:
             raise ValueError("a client needs at least one node URL")
@@ -239,9 +246,7 @@ class AsyncClient:
         api_key: str | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        urls = (nodes,) if isinstance(nodes, str) else tuple(nodes)
-        self._logic = _Episodes(tuple(u.rstrip("/") for u in urls), retries, retry_budget_s,
-                                raise_on_reset)  # fmt: skip
+        self._logic = _Episodes.of(nodes, retries, retry_budget_s, raise_on_reset)
         self._http = httpx.AsyncClient(
             timeout=timeout, headers=_headers(api_key), transport=transport
         )
@@ -300,9 +305,7 @@ class Client:
         api_key: str | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        urls = (nodes,) if isinstance(nodes, str) else tuple(nodes)
-        self._logic = _Episodes(tuple(u.rstrip("/") for u in urls), retries, retry_budget_s,
-                                raise_on_reset)  # fmt: skip
+        self._logic = _Episodes.of(nodes, retries, retry_budget_s, raise_on_reset)
         self._http = httpx.Client(timeout=timeout, headers=_headers(api_key), transport=transport)
 
     def act(
