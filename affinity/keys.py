@@ -67,7 +67,7 @@ class Keys:
 
     @property
     def devices(self) -> str:
-        """Set: every device id ever registered (index for listing; see README)."""
+        """Set: every device id ever registered (index for listing; see docs/redis.md)."""
         return self.prefix + "devices"
 
     @property

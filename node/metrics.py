@@ -2,7 +2,7 @@
 
 ``LABELS`` is the contract: every label value a series may carry. ``device`` values are
 this node's device ids (bounded by its GPUs). No episode id is ever a label.
-The README's metrics table lists the same names and values; a test checks both ways.
+docs/metrics.md lists the same names and values; a test checks both ways.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ class Reply:
 class Unavailable(Exception):
     """The step cannot be decided or served now; answer 503 with ``Retry-After``.
 
-    ``reason`` is a short code from a fixed set (documented in the README): ``fenced``,
+    ``reason`` is a short code from a fixed set (documented in docs/protocols.md): ``fenced``,
     ``leaving``, ``redis``, ``full``, ``no_nodes``, ``owner_unreachable``,
     ``owner_refused``, ``deadline``, ``device_down``.
     """

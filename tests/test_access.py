@@ -178,6 +178,6 @@ def test_node_and_cli_over_tls(tmp_path: Path) -> None:
         proc.stop()
 
 
-def test_readme_documents_the_tested_acl_line() -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    assert ACL_LINE in readme
+def test_docs_document_the_tested_acl_line() -> None:
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "security.md").read_text()
+    assert ACL_LINE in doc

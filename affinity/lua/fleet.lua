@@ -15,7 +15,7 @@
 -- takes the lowest score (equal scores: the lower member in byte order, which is how Redis
 -- orders them) and re-scores it (k+1)/w, computed afresh from integers, so equal rationals
 -- tie exactly. Over any W = sum-of-weights consecutive claims with an unchanged ring, each
--- device is picked exactly w times (see README, "The claim").
+-- device is picked exactly w times (see docs/internals.md, "The claim").
 
 local function set_route(device, node, state, cap, weight, url)
     redis.call('HSET', ROUTE, device, node .. ' ' .. state .. ' ' .. cap .. ' ' .. weight .. ' ' .. url)
