@@ -24,7 +24,8 @@ class NodeConfig:
     from clients (``Authorization: Api-Key <key>``, as ``openpi-client`` sends it).
     ``model_name`` is the name KServe v2 clients use (empty: the model file's stem);
     ``kserve_claim_unknown`` starts an unknown KServe sequence on any request instead of
-    refusing one without ``sequence_start`` (Triton's rule).
+    refusing one without ``sequence_start`` (Triton's rule). ``grpc_port`` serves KServe
+    v2 over gRPC on ``host`` (None: off).
     """
 
     node_id: str
@@ -57,6 +58,7 @@ class NodeConfig:
     access_log: bool = True
     model_name: str = ""
     kserve_claim_unknown: bool = False
+    grpc_port: int | None = None
 
     @property
     def renew_every_s(self) -> float:

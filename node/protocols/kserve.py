@@ -9,6 +9,8 @@ is ``1``; ``/versions/1`` may be given or left out)::
     GET  /v2/health/ready                     200 registered, lease current, not leaving; else 400
     GET  /v2/models/{m}[/versions/1]          model metadata (state tensors hidden)
     GET  /v2/models/{m}[/versions/1]/ready    as /v2/health/ready
+    GET  /v2/models/{m}[/versions/1]/stats    Triton's model statistics (``node/stats.py``)
+    GET  /v2/models/stats                     the same, for every model (the one served)
     POST /v2/models/{m}[/versions/1]/infer    one step
 
 **Infer.** The body is the JSON request, or — the binary tensor extension, what
@@ -71,6 +73,7 @@ from node.asgi import BodyError, Receive, Scope, Send, header, read_body, respon
 from node.membership import VERSION
 from node.policy import InvalidInput, PolicyContract, TensorSpec, inputs_from_arrays
 from node.service import NodeService
+from node.stats import model_statistics
 from node.step import Array, Refused, Reply, Step, Unavailable
 from node.wire import MAX_ELEMENTS
 
@@ -88,7 +91,7 @@ __all__ = [
 ]
 
 MODEL_VERSION = "1"
-EXTENSIONS = ("binary_tensor_data", "sequence", "sequence(string_id)")
+EXTENSIONS = ("binary_tensor_data", "sequence", "sequence(string_id)", "statistics")
 PLATFORM = "onnxruntime_onnx"
 MAX_RANK = 32
 MAX_TENSORS = 256
@@ -570,6 +573,10 @@ async def _json(send: Send, status: int, doc: dict[str, Any]) -> None:
     await respond(send, status, orjson.dumps(doc), _JSON)
 
 
+def _statistics(service: NodeService, served: str) -> dict[str, Any]:
+    return model_statistics(service.metrics, service.device_ids, served, MODEL_VERSION)
+
+
 def _not_ready(service: NodeService) -> str | None:
     if service.fenced():
         return f"node {service.node_id} is not registered with a current lease"
@@ -599,12 +606,18 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
     if len(parts) < 2 or parts[0] != "models":
         await _error(send, 404, f"{method} {scope['path'][:200]}: not a KServe v2 endpoint")
         return
+    served = service.config.model_name or service.config.model.stem
+    if parts == ["models", "stats"]:  # every model's statistics: this node serves one
+        if method != "GET":
+            await _error(send, 405, f"use GET {scope['path']}", [(b"allow", b"GET")])
+        else:
+            await _json(send, 200, {"model_stats": [_statistics(service, served)]})
+        return
     name, rest = parts[1], parts[2:]
     version = None
     if rest[:1] == ["versions"] and len(rest) >= 2:
         version, rest = rest[1], rest[2:]
-    served = service.config.model_name or service.config.model.stem
-    if rest not in ([], ["ready"], ["infer"]):
+    if rest not in ([], ["ready"], ["infer"], ["stats"]):
         await _error(send, 404, f"{method} {scope['path'][:200]}: not a KServe v2 endpoint")
         return
     if name != served or version not in (None, MODEL_VERSION):
@@ -617,6 +630,8 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
         await _error(send, 405, f"use {want} {scope['path'][:200]}", [(b"allow", want.encode())])
     elif rest == ["infer"]:
         await _infer(service, served, scope, receive, send)
+    elif rest == ["stats"]:
+        await _json(send, 200, {"model_stats": [_statistics(service, served)]})
     elif not rest:
         dispatcher = service.dispatcher
         chunk = dispatcher.chunk.output if dispatcher.chunk and dispatcher.chunk_mode else None
