@@ -25,7 +25,9 @@ class NodeConfig:
     ``model_name`` is the name KServe v2 clients use (empty: the model file's stem);
     ``kserve_claim_unknown`` starts an unknown KServe sequence on any request instead of
     refusing one without ``sequence_start`` (Triton's rule). ``grpc_port`` serves KServe
-    v2 over gRPC on ``host`` (None: off).
+    v2 over gRPC on ``host`` (None: off). ``admission_wait_s`` > 0 holds a new episode that
+    finds every device full in a backlog that long at most (``node/admission.py``; 0: 503 at
+    once).
     """
 
     node_id: str
@@ -59,6 +61,7 @@ class NodeConfig:
     model_name: str = ""
     kserve_claim_unknown: bool = False
     grpc_port: int | None = None
+    admission_wait_s: float = 0.0
 
     @property
     def renew_every_s(self) -> float:

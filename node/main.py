@@ -133,6 +133,9 @@ _FLAGS = (
           "seconds a down device waits before its probe", float),
     _Flag("--embedded-port", "AFFINITY_EMBEDDED_PORT", None,
           "with the embedded store: also answer the Redis protocol on this port", int),
+    _Flag("--admission-wait", "AFFINITY_ADMISSION_WAIT", 0.0,
+          "seconds a new episode that finds every device full waits in a first-come backlog "
+          "for a slot (within --act-deadline; 0: 503 at once)", float),
     _Flag("--grpc-port", "AFFINITY_GRPC_PORT", None,
           "also serve KServe v2 over gRPC (Triton's GRPCInferenceService) on this port "
           "(none: off)", int),
@@ -197,6 +200,13 @@ def parse_args(
         if values[name] not in allowed:
             flag = "--" + name.replace("_", "-")
             p.error(f"{flag} {values[name]!r}: must be one of {', '.join(allowed)}")
+    wait = values["admission_wait"]
+    if not 0 <= wait < values["act_deadline"]:
+        p.error(f"--admission-wait {wait}: must be >= 0 and less than --act-deadline "
+                "(env AFFINITY_ADMISSION_WAIT)")  # fmt: skip
+    grpc_port = values["grpc_port"]
+    if grpc_port is not None and not 0 < grpc_port < 65536:
+        p.error(f"--grpc-port {grpc_port}: must be a TCP port (env AFFINITY_GRPC_PORT)")
     node_id = values["node_id"] or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:128]
     host = values["host"]
     advertise = values["advertise_url"] or (
@@ -252,6 +262,7 @@ def parse_args(
             model_name=model_name,
             kserve_claim_unknown=a.kserve_claim_unknown,
             grpc_port=values["grpc_port"],
+            admission_wait_s=values["admission_wait"],
         )
     except ValueError as exc:  # InvalidArgument included: it names the setting
         p.error(str(exc))

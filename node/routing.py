@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 from affinity import Assignment, BackendUnavailable, Claims, NoCapacity, StaleToken, UnknownEpisode
+from node.admission import Admission
 from node.config import NodeConfig
 from node.dispatcher import Arrival, DeviceDown, ModelFailure, MultiGpuDispatcher
 from node.forward import Forward, ForwardError, Poster, Response, decode_reply
@@ -72,6 +73,9 @@ class Routing:
         self.pool = pool
         self.clock = clock
         self.local_devices = frozenset(dispatcher.devices)
+        self.admission = (
+            Admission(config.admission_wait_s, clock=clock) if config.admission_wait_s else None
+        )
         self._rr = 0
 
     # ---- the router ------------------------------------------------------------------
@@ -127,7 +131,7 @@ class Routing:
         self.membership.check_lease()
         if step.episode is None:
             return await self._stateless(step, arrival)
-        a = await self._resolve(step.episode, restart=step.restart)
+        a = await self._resolve(step.episode, restart=step.restart, deadline=step.deadline)
         if a.node != self.node_id:
             return await self._forward(a, step, arrival, retry=True)
         if self.membership.leaving:
@@ -139,9 +143,20 @@ class Routing:
             return await self._forward(a, step, arrival, retry=False)
         return await self._serve(a, step, arrival)
 
-    async def _resolve(self, episode: str, *, restart: bool = False) -> Assignment:
+    async def _resolve(
+        self, episode: str, *, restart: bool = False, deadline: float | None = None
+    ) -> Assignment:
+        """``deadline``: a new step's; with ``--admission-wait`` a claim that finds every
+        device full waits in the backlog until then at most (``node/admission.py``)."""
         try:
-            return await self.claims.resolve(episode, restart=restart)
+            try:
+                return await self.claims.resolve(episode, restart=restart)
+            except NoCapacity as exc:
+                if self.admission is None or deadline is None or exc.reason != "at_capacity":
+                    raise
+                return await self.admission.wait(
+                    episode, lambda: self.claims.resolve(episode, restart=restart), deadline
+                )
         except BackendUnavailable as exc:
             raise Unavailable("redis", str(exc), 1.0) from exc
         except NoCapacity as exc:
