@@ -4,7 +4,11 @@ A policy is an ONNX model. Its inputs are of two kinds:
 
 * observation inputs, which the client sends with every step;
 * state inputs, which the server keeps per episode: each is fed, on the next step, from one
-  output of the previous step, and starts as zeros.
+  output of the previous step, and starts as zeros;
+* control inputs, Triton's sequence-batcher controls, named ``control.start``,
+  ``control.end``, ``control.ready`` and ``control.corrid``: filled by the node on every
+  step (``node/control.py``), hidden from clients like state. Any other ``control.*`` name
+  is refused at load.
 
 **The sidecar.** A JSON object next to the model, named ``<model stem>.affinity.json``
 (``demo_policy.onnx`` -> ``demo_policy.affinity.json``); every key is optional, no other key
@@ -76,6 +80,8 @@ PACKAGED_MODELS: Mapping[str, Path] = MappingProxyType(
 """The names :func:`resolve_model` accepts besides a path."""
 
 STATE_IN_PREFIX = "state_in."
+CONTROL_PREFIX = "control."
+CONTROL_INPUTS = ("control.start", "control.end", "control.ready", "control.corrid")
 STATE_OUT_PREFIX = "state_out."
 SIDECAR_KEYS = ("state", "chunk", "batch", "observations", "metadata")
 MAX_OBSERVATION_DEPTH = 8
@@ -142,8 +148,17 @@ class PolicyContract:
 
     @property
     def observation_inputs(self) -> tuple[TensorSpec, ...]:
-        """The inputs the client sends: every input that is not state."""
-        return tuple(spec for spec in self.inputs if spec.name not in self.state)
+        """The inputs the client sends: every input that is not state nor control."""
+        return tuple(
+            spec
+            for spec in self.inputs
+            if spec.name not in self.state and not spec.name.startswith(CONTROL_PREFIX)
+        )
+
+    @property
+    def control_inputs(self) -> tuple[TensorSpec, ...]:
+        """The control inputs the node fills (see ``node/control.py``)."""
+        return tuple(spec for spec in self.inputs if spec.name.startswith(CONTROL_PREFIX))
 
     @property
     def returned_outputs(self) -> tuple[TensorSpec, ...]:
@@ -281,6 +296,7 @@ def load_contract(model_path: Path) -> PolicyContract:
     else:
         state = _by_convention(inputs)
         _check_state(state, inputs, outputs, f"{where} (naming convention)")
+    _check_control(inputs, where)
     contract = PolicyContract(inputs=inputs, outputs=outputs, state=MappingProxyType(state))
 
     batch_axis = _batch_axis(doc.get("batch"), contract, where)
@@ -445,6 +461,22 @@ def _string_map(value: object, where: str, key: str, what: str) -> dict[str, str
     ):
         raise ValueError(f'{where}: "{key}" must map {what} name')
     return dict(value)
+
+
+def _check_control(inputs: Sequence[TensorSpec], where: str) -> None:
+    for spec in inputs:
+        if not spec.name.startswith(CONTROL_PREFIX):
+            continue
+        if spec.name not in CONTROL_INPUTS:
+            raise ValueError(
+                f"{where}: input {spec.name!r}: the control inputs the node fills are "
+                f"{', '.join(CONTROL_INPUTS)}"
+            )
+        if spec.name == "control.corrid" and spec.dtype not in ("uint64", "int64"):
+            raise ValueError(f"{where}: control.corrid is {spec.dtype}; it must be uint64 or int64")
+        sizes = [d for d in spec.shape[1:] if isinstance(d, int)]
+        if any(d != 1 for d in sizes):
+            raise ValueError(f"{where}: {spec.name} is {spec.describe()}: one value per row")
 
 
 def _by_convention(inputs: Sequence[TensorSpec]) -> dict[str, str]:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from affinity import Assignment, BackendUnavailable, Claims, NoCapacity, StaleToken, UnknownEpisode
 from node.admission import Admission
 from node.config import NodeConfig
+from node.control import control_feed
 from node.dispatcher import Arrival, DeviceDown, ModelFailure, MultiGpuDispatcher
 from node.forward import Forward, ForwardError, Poster, Response, decode_reply
 from node.membership import Membership
@@ -171,7 +172,8 @@ class Routing:
         device = up[self._rr % len(up)]
         self._rr += 1
         arrival.done()
-        outputs = await self.dispatcher.run_stateless(device, step.inputs)
+        inputs = {**step.inputs, **control_feed(self.contract, None, start=True, end=True)}
+        outputs = await self.dispatcher.run_stateless(device, inputs)
         return Reply(
             outputs, None, device, self.node_id, 0, "stateless", False, False,
             url=self.config.advertise_url,
@@ -195,7 +197,10 @@ class Routing:
                 a.episode,
                 a.token,
                 a.status == "claimed",
-                step.inputs,
+                {
+                    **step.inputs,
+                    **control_feed(self.contract, a.episode, start=False, end=step.end),
+                },
                 execute_steps=step.execute_steps,
                 ensemble=step.ensemble,
             )
