@@ -102,6 +102,9 @@ _DTYPES = {
     "tensor(uint32)": "uint32",
     "tensor(uint64)": "uint64",
     "tensor(bool)": "bool",
+    # string tensors (KServe's BYTES) are numpy object arrays of str, as ONNX Runtime takes
+    # and returns them; their values must be UTF-8 text
+    "tensor(string)": "object",
 }
 
 
@@ -119,7 +122,10 @@ class TensorSpec:
 
     def zeros(self) -> Array:
         """A fresh array of zeros of this spec, symbolic and unknown dimensions taken as 1."""
-        return np.zeros(tuple(d if isinstance(d, int) else 1 for d in self.shape), self.dtype)
+        shape = tuple(d if isinstance(d, int) else 1 for d in self.shape)
+        if self.dtype == "object":  # a string tensor: empty strings
+            return np.full(shape, "", dtype=object)
+        return np.zeros(shape, self.dtype)
 
     def describe(self) -> str:
         """E.g. ``float32 [1, 8]``, for error messages."""
@@ -472,6 +478,8 @@ def _check_control(inputs: Sequence[TensorSpec], where: str) -> None:
                 f"{where}: input {spec.name!r}: the control inputs the node fills are "
                 f"{', '.join(CONTROL_INPUTS)}"
             )
+        if spec.dtype == "object":
+            raise ValueError(f"{where}: {spec.name} is a string tensor; it must be numeric")
         if spec.name == "control.corrid" and spec.dtype not in ("uint64", "int64"):
             raise ValueError(f"{where}: control.corrid is {spec.dtype}; it must be uint64 or int64")
         sizes = [d for d in spec.shape[1:] if isinstance(d, int)]
@@ -683,6 +691,12 @@ def _shape_problem(spec: TensorSpec, shape: tuple[int, ...], batch: bool) -> str
 def _dtype_problem(spec: TensorSpec, array: Array) -> str | None:
     source, target = array.dtype, np.dtype(spec.dtype)
     given = f"is {source}"
+    if target.kind == "O":  # a string input: str values (numpy str or object arrays of str)
+        if source.kind == "U" or (
+            source.kind == "O" and all(isinstance(v, str) for v in array.reshape(-1))
+        ):
+            return None
+        return f"{given}; {spec.name} takes strings only"
     if target.kind == "b":
         return None if source.kind == "b" else f"{given}; {spec.name} takes bool only"
     if source.kind not in ("iu" if target.kind in "iu" else "iuf"):
@@ -714,6 +728,13 @@ def _parse_array(spec: TensorSpec, value: object, batch: bool) -> Array:
     # A dimension left unseen lies below a declared 0: the array is empty whatever its size.
     shape = tuple(0 if size is None else size for size in sizes)
     dtype = np.dtype(spec.dtype)
+    if dtype.kind == "O":  # a string input
+        for at, leaf in enumerate(leaves):
+            if not isinstance(leaf, str):
+                raise InvalidInput(spec.name, f"{_where(shape, at)} must be a string")
+        strings = np.empty(len(leaves), dtype=object)
+        strings[:] = leaves
+        return strings.reshape(shape)
     fast = _vectorised(leaves, dtype, shape)
     if fast is not None:
         return fast

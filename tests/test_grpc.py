@@ -85,7 +85,9 @@ def test_hostile_messages_are_refused_before_anything_is_allocated() -> None:
         message([1, 8], [bytes(32), bytes(32)]),  # more raw contents than inputs
         message([-1, 8], [bytes(32)]),  # a negative dimension
         message([1] * 40, [bytes(4)]),  # past the rank limit
-        message([1, 8], [bytes(32)], "BYTES"),
+        message([2], [b"\x01\x00\x00\x00a\xff\xff\xff\x7fbcd"], "BYTES"),  # a lying length
+        message([1 << 20], [bytes(8)], "BYTES"),  # a million elements in 8 bytes
+        message([1, 8], [bytes(32)], "BF16"),
     ]
     tracemalloc.start()
     try:

@@ -55,8 +55,10 @@ from node.protocols.kserve import (
     BadRequest,
     InferRequest,
     _check_live,
+    bytes_elements,
     episode_of,
     model_metadata,
+    serialize_bytes,
     to_step,
 )
 from node.protocols.kserve_grpc import kserve_pb2 as pb
@@ -68,7 +70,7 @@ from node.wire import MAX_ELEMENTS
 __all__ = ["SERVICE", "GrpcFrontDoor", "decode_request", "encode_reply", "start"]
 
 SERVICE = "inference.GRPCInferenceService"
-_NAMES = {dtype.name: name for name, dtype in DATATYPES.items()}
+_NAMES = {dtype.name: name for name, dtype in DATATYPES.items()} | {"object": "BYTES"}
 _CONTENTS = {
     "BOOL": "bool_contents",
     "INT8": "int_contents",
@@ -81,6 +83,7 @@ _CONTENTS = {
     "UINT64": "uint64_contents",
     "FP32": "fp32_contents",
     "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
 }
 """KServe datatype -> the typed ``contents`` field that carries it (FP16: raw only)."""
 _REFUSED = {403: grpc.StatusCode.PERMISSION_DENIED, 500: grpc.StatusCode.INTERNAL}
@@ -174,12 +177,13 @@ def _inputs(msg: pb.ModelInferRequest, max_elements: int) -> dict[str, Array]:
         shown = f"input {name[:64]!r}"
         if name in arrays:
             raise BadRequest(f"{shown} is given twice")
-        if tensor.datatype not in DATATYPES:
+        strings = tensor.datatype == "BYTES"
+        if tensor.datatype not in DATATYPES and not strings:
             raise BadRequest(
                 f"{shown}: datatype {tensor.datatype[:24]!r} is not supported; expected one of "
-                f"{', '.join(DATATYPES)}"
+                f"{', '.join(DATATYPES)}, BYTES"
             )
-        dtype = DATATYPES[tensor.datatype]
+        dtype: np.dtype[Any] = np.dtype(object) if strings else DATATYPES[tensor.datatype]
         shape = list(tensor.shape)
         if len(shape) > MAX_RANK or any(d < 0 for d in shape):
             raise BadRequest(
@@ -196,6 +200,9 @@ def _inputs(msg: pb.ModelInferRequest, max_elements: int) -> dict[str, Array]:
         if raw:
             if tensor.HasField("contents"):
                 raise BadRequest(f"{shown} has both contents and raw_input_contents")
+            if strings:
+                arrays[name] = bytes_elements(name, raw[i], shape)
+                continue
             need = count * dtype.itemsize
             if len(raw[i]) != need:
                 raise BadRequest(
@@ -213,6 +220,15 @@ def _inputs(msg: pb.ModelInferRequest, max_elements: int) -> dict[str, Array]:
         values = getattr(tensor.contents, field)
         if len(values) != count:
             raise BadRequest(f"{shown}: {len(values)} values for shape {shape} ({count} values)")
+        if strings:
+            try:
+                text = [bytes(v).decode() for v in values]
+            except UnicodeDecodeError:
+                raise BadRequest(f"{shown}: a BYTES element is not UTF-8") from None
+            array = np.empty(count, dtype=object)
+            array[:] = text
+            arrays[name] = array.reshape(shape)
+            continue
         if dtype.kind in "iu":
             info = np.iinfo(dtype)
             if values and (min(values) < info.min or max(values) > info.max):
@@ -245,9 +261,12 @@ def encode_reply(reply: Reply, request: InferRequest, model_name: str) -> pb.Mod
     for name in names:
         array = reply.outputs[name]
         response.outputs.add(name=name, datatype=_NAMES[array.dtype.name], shape=array.shape)
-        response.raw_output_contents.append(
-            np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
-        )
+        if array.dtype.kind == "O":
+            response.raw_output_contents.append(serialize_bytes(array))
+        else:
+            response.raw_output_contents.append(
+                np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+            )
     return response
 
 
