@@ -39,7 +39,8 @@ T = TypeVar("T")
 
 class Admission:
     """The backlog of one node. ``wait_s`` > 0 is how long a new episode may wait;
-    ``clock`` is monotonic seconds (the deadline it is compared with uses the same)."""
+    ``clock`` is monotonic seconds (the deadline it is compared with uses the same).
+    ``affinity_admission_waiting`` shows the line's length (``on_waiting``)."""
 
     def __init__(
         self,
@@ -48,6 +49,7 @@ class Admission:
         limit: int = LIMIT,
         clock: Callable[[], float] = time.monotonic,
         poll_s: float = POLL_S,
+        on_waiting: Callable[[int], None] | None = None,
     ) -> None:
         if not wait_s > 0:
             raise ValueError(f"admission wait {wait_s}: must be > 0 seconds")
@@ -55,6 +57,8 @@ class Admission:
         self.limit = limit
         self.clock = clock
         self.poll_s = poll_s
+        self.on_waiting = on_waiting
+        """Called with the line's length whenever it changes (a gauge's ``set``)."""
         self._line: deque[asyncio.Future[None]] = deque()
 
     @property
@@ -71,24 +75,35 @@ class Admission:
             raise NoCapacity(episode)
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._line.append(turn)
+        self._changed()
         if self._line[0] is turn:
             turn.set_result(None)
-        budget = min(self.wait_s, deadline - self.clock())
+        # Time is checked, not enforced by cancelling: a claim must never be interrupted
+        # half-way (a cancellation inside the Redis client may be absorbed by its retries).
+        end = min(self.clock() + self.wait_s, deadline)
         try:
-            async with asyncio.timeout(max(0.0, budget)):
-                await turn
-                poll = self.poll_s
-                while True:
-                    try:
-                        return await claim()
-                    except NoCapacity as exc:
-                        if exc.reason != "at_capacity":
-                            raise
-                    await asyncio.sleep(poll)
-                    poll = min(poll * 2, MAX_POLL_S)
-        except TimeoutError:
-            raise NoCapacity(episode) from None
+            if not turn.done():
+                await asyncio.wait({turn}, timeout=max(0.0, end - self.clock()))
+            if not turn.done():
+                raise NoCapacity(episode)
+            poll = self.poll_s
+            while True:
+                try:
+                    return await claim()
+                except NoCapacity as exc:
+                    if exc.reason != "at_capacity":
+                        raise
+                left = end - self.clock()
+                if left <= 0:
+                    raise NoCapacity(episode)
+                await asyncio.sleep(min(poll, left))
+                poll = min(poll * 2, MAX_POLL_S)
         finally:
             self._line.remove(turn)
+            self._changed()
             if self._line and not self._line[0].done():
                 self._line[0].set_result(None)
+
+    def _changed(self) -> None:
+        if self.on_waiting is not None:
+            self.on_waiting(len(self._line))

@@ -75,7 +75,11 @@ class Routing:
         self.clock = clock
         self.local_devices = frozenset(dispatcher.devices)
         self.admission = (
-            Admission(config.admission_wait_s, clock=clock) if config.admission_wait_s else None
+            Admission(
+                config.admission_wait_s, clock=clock, on_waiting=metrics.admission_waiting.set
+            )
+            if config.admission_wait_s
+            else None
         )
         self._rr = 0
 

@@ -4,18 +4,27 @@ in-process nodes (real ONNX Runtime, fakeredis and a real Redis) whose devices a
 from __future__ import annotations
 
 import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
+import tritonclient.http as th
+from tritonclient.utils import InferenceServerException
 
 from affinity import BackendUnavailable, NoCapacity
 from node.admission import Admission
 from node.main import parse_args
 from tests.inproc import InProcNode, cluster, config
+from tests.procs import Node, RedisServer
+from tests.test_cluster import running
 from tests.test_kserve import observations
 
 pytestmark = pytest.mark.anyio
+MODEL = "demo_policy"
 
 FAR = 1e12  # a deadline that never comes
 
@@ -148,3 +157,78 @@ async def test_full_nodes_hold_new_episodes_in_order_and_never_delay_running_one
         line.wait_s = 0.05  # full again: a new episode waits its time, then 503
         r = await act(entry, "new-4")
         assert r.status_code == 503 and r.json()["error"]["code"] == "full" and line.waiting == 0
+
+
+# ---- three real nodes, tritonclient ------------------------------------------------------
+
+
+def waiting_on(node: Node) -> float:
+    text = httpx.get(f"{node.url}/metrics", timeout=5).text
+    line = next(x for x in text.splitlines() if x.startswith("affinity_admission_waiting "))
+    return float(line.split()[1])
+
+
+def eventually(check: Any, what: str) -> None:
+    for _ in range(600):  # bounded: 600 turns of ~20 ms at most
+        if check():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"never: {what}")
+
+
+@pytest.mark.integration
+def test_three_real_nodes_admit_new_sequences_in_order(tmp_path: Path) -> None:
+    """Three nodes of one device of capacity 1: three running sequences fill the fleet; two
+    new ones wait in order at one entry node while the running ones step, each admitted as
+    one ends; then a new one that finds no slot within the wait gets 503."""
+    redis = RedisServer(tmp_path)
+    nodes = [
+        Node(
+            tmp_path,
+            f"q{i}",
+            redis.url,
+            devices="cpu:1",
+            env={"AFFINITY_CLUSTER_SECRET": "s"},
+            extra=[
+                "--capacity",
+                "1",
+                "--admission-wait",
+                "4",
+                "--act-deadline",
+                "8",
+                "--lease-ttl",
+                "5",
+            ],
+        )
+        for i in range(3)
+    ]
+    obs = th.InferInput("obs", [1, 8], "FP32").set_data_from_numpy(np.zeros((1, 8), np.float32))
+    with running(redis, nodes) as c, ThreadPoolExecutor(2) as pool:
+        clients = [th.InferenceServerClient(f"{n.host}:{n.port}", network_timeout=30)
+                   for n in c.nodes]  # fmt: skip
+        entry = c.nodes[0]
+        try:
+            for k in range(3):
+                clients[k].infer(MODEL, [obs], sequence_id=f"run-{k}", sequence_start=True)
+            waiting = []
+            for n, sequence in enumerate(("new-1", "new-2"), 1):
+                client = th.InferenceServerClient(f"{entry.host}:{entry.port}", network_timeout=30)
+                waiting.append(pool.submit(client.infer, MODEL, [obs], sequence_id=sequence,
+                                           sequence_start=True))  # fmt: skip
+                eventually(lambda n=n: waiting_on(entry) == n, f"{sequence} waits")
+            for k in range(3):  # running sequences are not delayed by the backlog
+                result = clients[(k + 1) % 3].infer(MODEL, [obs], sequence_id=f"run-{k}")
+                assert result.get_response()["parameters"]["routing"] == "hit"
+            clients[1].infer(MODEL, [obs], sequence_id="run-0", sequence_end=True)
+            first = waiting[0].result(timeout=30).get_response()["parameters"]
+            assert first["routing"] == "claimed"
+            assert not waiting[1].done() and waiting_on(entry) == 1
+            clients[2].infer(MODEL, [obs], sequence_id="run-1", sequence_end=True)
+            second = waiting[1].result(timeout=30).get_response()["parameters"]
+            assert second["routing"] == "claimed" and waiting_on(entry) == 0
+            with pytest.raises(InferenceServerException, match="full") as err:
+                clients[0].infer(MODEL, [obs], sequence_id="new-3", sequence_start=True)
+            assert err.value.status() == "503"
+        finally:
+            for client in clients:
+                client.close()
