@@ -21,9 +21,10 @@ Tensors come as ``raw_input_contents`` (one entry per input, in order: the raw
 little-endian row-major bytes) or as typed ``contents``. Every declared size (element
 counts against ``MAX_ELEMENTS``, raw sizes against shape and datatype) is checked before an
 array exists; raw inputs are read-only views of the received bytes. A message is bounded by
-``--max-body-bytes`` (gRPC's receive limit). Outputs go back as ``raw_output_contents``,
-with affinity's facts (``episode_id``, ``device``, ``node``, ``token``, ``routing``,
-``state_reset``, ``degraded``, ``source``) as response parameters.
+``--max-body-bytes`` (gRPC's receive limit). A client's gRPC deadline (``client_timeout``)
+shortens ``--act-deadline`` for the request, like ``timeout``. Outputs go back as
+``raw_output_contents``, with affinity's facts (``episode_id``, ``device``, ``node``,
+``token``, ``routing``, ``state_reset``, ``degraded``, ``source``) as response parameters.
 
 **Errors** are gRPC status codes with the node's message: ``INVALID_ARGUMENT`` (what HTTP
 answers with 400), ``UNAUTHENTICATED`` (no ``authorization: Api-Key <key>`` metadata when
@@ -323,6 +324,9 @@ class GrpcFrontDoor:
             budget = service.config.act_deadline_s
             if request.timeout_s is not None:
                 budget = min(budget, request.timeout_s)
+            remaining = context.time_remaining()  # the client's gRPC deadline, if it set one
+            if remaining is not None:
+                budget = min(budget, remaining)
             dispatcher = service.dispatcher
             mode = dispatcher.mode_for(request.execute_steps, request.ensemble)
             returned = [dispatcher.chunk.output] if mode and dispatcher.chunk else None
