@@ -5,6 +5,7 @@ HTTP and gRPC, ``/act`` and openpi's websocket, each equal to a replay."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +19,10 @@ import tritonclient.http as th
 from onnx import TensorProto, helper
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
-from node.control import corrid_of
+from node.control import control_feed, corrid_of
+from node.dispatcher import MultiGpuDispatcher
 from node.models._build import Weights, model, tensor, write
-from node.policy import load_contract
+from node.policy import PolicyContract, TensorSpec, load_contract
 from node.protocols.kserve import model_metadata
 from tests.procs import Node, RedisServer, free_port
 from tests.test_cluster import Cluster, running
@@ -211,3 +213,59 @@ def test_act_and_openpi_episodes_equal_a_replay(three: tuple[Cluster, list[str]]
     for step in want:  # an openpi connection does not end the episode on a step
         step["seen"][0, 1] = 0
     check(got, want)
+
+
+# ---- the dispatcher: start after a reset, ready 0 on padding rows ------------------------
+
+
+class Recording:
+    """A session that runs only at batch size 4 (padded runs), records each run's control
+    inputs and returns ``h' = h + obs``."""
+
+    batch_sizes = (4,)
+
+    def __init__(self, device: str) -> None:
+        self.runs: list[dict[str, list[int]]] = []
+
+    def run(self, names: Any, feed: Any) -> list[Any]:
+        self.runs.append({k: feed[k][:, 0].tolist() for k in ("control.start", "control.ready")})
+        h = feed["state_in.h"] + feed["obs"]
+        return [h.copy(), h]
+
+
+async def _steps() -> list[dict[str, list[int]]]:
+    specs = [TensorSpec(n, ("b", 1), "float32") for n in ("obs", "state_in.h")]
+    controls = [TensorSpec(n, ("b", 1), "int32") for n in ("control.start", "control.ready")]
+    contract = PolicyContract(
+        inputs=(*specs, *controls),
+        outputs=(TensorSpec("act", ("b", 1), "float32"), TensorSpec("state_out.h", ("b", 1),
+                                                                    "float32")),
+        state={"state_in.h": "state_out.h"},
+        batch_axis=True,
+    )  # fmt: skip
+    sessions: dict[str, Recording] = {}
+
+    def factory(device: str) -> Recording:
+        sessions[device] = Recording(device)
+        return sessions[device]
+
+    d = MultiGpuDispatcher(["n/0"], factory, contract)
+    try:
+        one = {"obs": np.ones((1, 1), np.float32)}
+
+        def feed(episode: str) -> dict[str, Any]:
+            return {**one, **control_feed(contract, episode, start=False, end=False)}
+
+        await d.step("n/0", "e", 1, True, feed("e"))  # a fresh claim: start
+        await d.step("n/0", "e", 1, False, feed("e"))  # its next step
+        d.release("e")  # the state is gone: the next step is a reset
+        await d.step("n/0", "e", 1, False, feed("e"))
+        return sessions["n/0"].runs
+    finally:
+        d.close()
+
+
+def test_start_follows_resets_and_padding_rows_are_not_ready() -> None:
+    runs = asyncio.run(_steps())
+    assert [r["control.start"][0] for r in runs] == [1, 0, 1]
+    assert all(r["control.ready"] == [1, 0, 0, 0] for r in runs)
