@@ -173,6 +173,16 @@ def test_health_metadata_and_errors(three: tuple[Cluster, list[str]]) -> None:
         assert err.value.status() == str(grpc.StatusCode.UNIMPLEMENTED)
     finally:
         client.close()
+    answers: queue.Queue[Any] = queue.Queue()
+    client = tg.InferenceServerClient(addresses[0])
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))  # no key
+    try:
+        client.async_stream_infer(MODEL, [grpc_input(obs)])
+        result, error = answers.get(timeout=30)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert result is None and "Api-Key" in str(error)
 
 
 @pytest.mark.integration
