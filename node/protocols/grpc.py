@@ -131,8 +131,8 @@ def decode_request(msg: pb.ModelInferRequest, *, max_elements: int = MAX_ELEMENT
         raise BadRequest("execute_steps must be an int64_param")
     if ensemble is not None and not isinstance(ensemble, str):
         raise BadRequest("ensemble must be a string_param")
-    for key, value in params.items():
-        if key.startswith("shared_memory") or (key == "binary_data_output" and value):
+    for key in params:
+        if key.startswith("shared_memory"):
             raise BadRequest(f"parameter {key[:64]!r} is not supported")
     outputs: dict[str, bool] | None = None
     if msg.outputs:
