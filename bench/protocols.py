@@ -13,7 +13,11 @@ loopback, one client in lockstep (the latency a robot sees), the same observatio
    step puts on the wire.
 2. The same step through the unmodified clients (``tritonclient.http``, openpi's
    ``WebsocketClientPolicy``), their own encoding and decoding included.
-3. The cost of Triton's unknown-sequence rule: a sequence owned by node A, stepped through
+3. KServe v2 over gRPC (``--grpc-port``): ``ModelInfer`` (unary) and ``ModelStreamInfer``
+   (one request, then its answer, on one long stream), each message serialized once before
+   the clock starts (grpcio's own channel, no ``tritonclient``). Ratios: gRPC unary /
+   msgpack ``/act``, streaming / unary.
+4. The cost of Triton's unknown-sequence rule: a sequence owned by node A, stepped through
    node B (refuses unknown sequences: B holds no state for it, so it asks Redis once per
    step) and through node C (``--kserve-claim-unknown``: no lookup); both forward to A.
 
@@ -28,10 +32,12 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import queue
 import time
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 import numpy as np
 import orjson
 import tritonclient.http as th
@@ -39,12 +45,13 @@ import websockets.sync.client
 from openpi_client import msgpack_numpy
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
-from bench.common import Node, RedisServer, median, pct, report, tmpdir
+from bench.common import Node, RedisServer, free_port, median, pct, report, tmpdir
 from node import wire
+from node.protocols.kserve_grpc import kserve_pb2 as pb
 
 MODEL = "vla_demo"
 INFER = f"/v2/models/{MODEL}/infer"
-KINDS = ("v2", "ws", "msgpack", "json", "v2_json")
+KINDS = ("v2", "ws", "msgpack", "json", "v2_json", "grpc", "grpc_stream")
 SPARSE = {"json": 10, "v2_json": 10}
 """JSON bodies of camera observations take ~10-100x longer: they run every 10th cycle."""
 
@@ -186,6 +193,72 @@ def ws_step(node: Node, obs: list[dict[str, np.ndarray]], episode: str) -> tuple
     return step, ws
 
 
+def grpc_messages(
+    obs: list[dict[str, np.ndarray]], sequence: str, start: bool = False
+) -> list[bytes]:
+    """One serialized ``ModelInferRequest`` per observation (raw contents)."""
+    out = []
+    for o in obs:
+        msg = pb.ModelInferRequest(model_name=MODEL)
+        msg.parameters["sequence_id"].string_param = sequence
+        if start:
+            msg.parameters["sequence_start"].bool_param = True
+        for name, array in o.items():
+            datatype = "UINT8" if array.dtype == np.uint8 else "FP32"
+            msg.inputs.add(name=name, datatype=datatype, shape=array.shape)
+            msg.raw_input_contents.append(array.tobytes())
+        out.append(msg.SerializeToString())
+    return out
+
+
+class Grpc:
+    """One channel; ``unary`` sends one serialized request, ``stream`` one request on the
+    long-lived stream and waits for its answer."""
+
+    def __init__(self, address: str) -> None:
+        limit = 1 << 26
+        self.channel = grpc.insecure_channel(
+            address, options=[("grpc.max_receive_message_length", limit),
+                              ("grpc.max_send_message_length", limit)]
+        )  # fmt: skip
+        same: Callable[[bytes], bytes] = lambda b: b  # noqa: E731
+        method = "/inference.GRPCInferenceService/"
+        self.unary = self.channel.unary_unary(
+            method + "ModelInfer", request_serializer=same, response_deserializer=same
+        )
+        self._sent: queue.Queue[bytes | None] = queue.Queue()
+        stream = self.channel.stream_stream(
+            method + "ModelStreamInfer", request_serializer=same, response_deserializer=same
+        )
+        self._answers = stream(iter(self._sent.get, None))
+
+    def stream(self, body: bytes) -> bytes:
+        self._sent.put(body)
+        answer: bytes = next(self._answers)
+        if pb.ModelStreamInferResponse.FromString(answer).error_message:
+            raise RuntimeError(pb.ModelStreamInferResponse.FromString(answer).error_message)
+        return answer
+
+    def close(self) -> None:
+        self._sent.put(None)
+        self.channel.close()
+
+
+def grpc_step(
+    address: str, obs: list[dict[str, np.ndarray]], sequence: str, *, streaming: bool
+) -> tuple[Step, Grpc]:
+    conn = Grpc(address)
+    send = conn.stream if streaming else conn.unary
+    send(grpc_messages(obs[:1], sequence, start=True)[0])
+    bodies = grpc_messages(obs, sequence)
+
+    def step(i: int) -> tuple[int, int]:
+        body = bodies[i % len(bodies)]
+        return len(body), len(send(body))
+
+    return step, conn
+
+
 def interleaved(
     calls: dict[str, Step], cycles: int, sparse: dict[str, int] | None = None, warm: int = 3
 ) -> tuple[dict[str, float], dict[str, tuple[int, int]]]:
@@ -237,7 +310,9 @@ def main() -> None:
     extra = ["--model", "vla-demo", "--capacity", "1000", "--lease-ttl", "30",
              "--act-deadline", "30", "--access-log", "off", "--keep-alive", "600",
              "--max-batch", "1"]  # fmt: skip
-    node_a = Node(tmp, "pa", redis.url, devices="cpu:1", extra=extra)
+    grpc_port = free_port()
+    node_a = Node(tmp, "pa", redis.url, devices="cpu:1",
+                  extra=[*extra, "--grpc-port", str(grpc_port)])  # fmt: skip
     node_b = Node(tmp, "pb", redis.url, devices="cpu:1", extra=extra)
     node_c = Node(tmp, "pc", redis.url, devices="cpu:1", extra=[*extra, "--kserve-claim-unknown"])
     obs = camera_steps(8)
@@ -252,6 +327,10 @@ def main() -> None:
             "msgpack": act_step(node_a, obs, "bench-msgpack", binary=True),
             "json": act_step(node_a, obs, "bench-json", binary=False),
             "v2_json": v2_step(node_a, obs, "bench-v2-json", binary=False),
+            "grpc": grpc_step(f"{node_a.host}:{grpc_port}", obs, "bench-grpc", streaming=False),
+            "grpc_stream": grpc_step(
+                f"{node_a.host}:{grpc_port}", obs, "bench-grpc-stream", streaming=True
+            ),
         }
         triton = th.InferenceServerClient(f"{node_a.host}:{node_a.port}")
         triton_obs = [triton_inputs(o) for o in obs]
@@ -309,6 +388,7 @@ def main() -> None:
     v2_act, v2_ws, json_act = ratio("v2", "msgpack"), ratio("v2", "ws"), ratio("json", "msgpack")
     v2_json = ratio("v2_json", "json")
     tc_pi = ratio("tritonclient", "openpi_client")
+    grpc_act, stream_unary = ratio("grpc", "msgpack"), ratio("grpc_stream", "grpc")
     lookup = median([(r["forwarded_strict"] - r["forwarded_claim"]) * 1e3 for r in rounds])
     figures = [
         {
@@ -322,6 +402,20 @@ def main() -> None:
             "figure": "KServe v2 infer p50 / openpi websocket p50, vla-demo",
             "value": v2_ws,
             "result": f"{v2_ws:.2f}x ({ms('v2')} vs {ms('ws')})",
+            "goal": "reported",
+            "ok": True,
+        },
+        {
+            "figure": "KServe v2 gRPC ModelInfer p50 (raw contents) / msgpack /act p50, vla-demo",
+            "value": grpc_act,
+            "result": f"{grpc_act:.2f}x ({ms('grpc')} vs {ms('msgpack')})",
+            "goal": "reported",
+            "ok": True,
+        },
+        {
+            "figure": "KServe v2 gRPC ModelStreamInfer p50 / ModelInfer p50, vla-demo",
+            "value": stream_unary,
+            "result": f"{stream_unary:.2f}x ({ms('grpc_stream')} vs {ms('grpc')})",
             "goal": "reported",
             "ok": True,
         },

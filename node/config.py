@@ -24,7 +24,10 @@ class NodeConfig:
     from clients (``Authorization: Api-Key <key>``, as ``openpi-client`` sends it).
     ``model_name`` is the name KServe v2 clients use (empty: the model file's stem);
     ``kserve_claim_unknown`` starts an unknown KServe sequence on any request instead of
-    refusing one without ``sequence_start`` (Triton's rule).
+    refusing one without ``sequence_start`` (Triton's rule). ``grpc_port`` serves KServe
+    v2 over gRPC on ``host`` (None: off). ``admission_wait_s`` > 0 holds a new episode that
+    finds every device full in a backlog that long at most (``node/admission.py``; 0: 503 at
+    once).
     """
 
     node_id: str
@@ -57,6 +60,8 @@ class NodeConfig:
     access_log: bool = True
     model_name: str = ""
     kserve_claim_unknown: bool = False
+    grpc_port: int | None = None
+    admission_wait_s: float = 0.0
 
     @property
     def renew_every_s(self) -> float:

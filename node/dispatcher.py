@@ -48,6 +48,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from node import control
 from node.chunks import ActionBuffer, ChunkMode, find_chunk
 from node.policy import PolicyContract
 
@@ -699,6 +700,8 @@ class MultiGpuDispatcher:
                         None,
                     )
                 feed = {**job.inputs, **state}
+                if steps == 0:
+                    control.started(feed)
                 return _Member(job, feed, st, self._generation, reset, steps, buffer)
         dev.answer(job.future, result, None)
         return None
@@ -707,7 +710,10 @@ class MultiGpuDispatcher:
         n = len(group)
         size = dev.bucket(n)
         feed = {
-            name: np.concatenate([m.feed[name] for m in group] + [group[0].feed[name]] * (size - n))
+            name: np.concatenate(
+                [m.feed[name] for m in group]
+                + [control.padding(name, group[0].feed[name])] * (size - n)
+            )
             for name in group[0].feed
         }
         try:
@@ -746,7 +752,10 @@ class MultiGpuDispatcher:
         size = dev.bucket(1) if m.job.one_row else 1
         feed = m.feed
         if size > 1:
-            feed = {name: np.concatenate([v] * size) for name, v in feed.items()}
+            feed = {
+                name: np.concatenate([v] + [control.padding(name, v)] * (size - 1))
+                for name, v in feed.items()
+            }
         try:
             values = self._session_run(dev, feed, [m])
         except Exception as exc:
@@ -840,6 +849,7 @@ class MultiGpuDispatcher:
     def _zeros(self, rows: int) -> dict[str, Array]:
         one = {spec.name: spec.zeros() for spec in self.contract.observation_inputs}
         one.update(self.contract.initial_state())
+        one.update({spec.name: spec.zeros() for spec in self.contract.control_inputs})
         return {name: np.concatenate([v] * rows) for name, v in one.items()}
 
     def _run_counted(self, dev: _Device, feed: dict[str, Array]) -> None:

@@ -133,6 +133,12 @@ _FLAGS = (
           "seconds a down device waits before its probe", float),
     _Flag("--embedded-port", "AFFINITY_EMBEDDED_PORT", None,
           "with the embedded store: also answer the Redis protocol on this port", int),
+    _Flag("--admission-wait", "AFFINITY_ADMISSION_WAIT", 0.0,
+          "seconds a new episode that finds every device full waits in a first-come backlog "
+          "for a slot (within --act-deadline; 0: 503 at once)", float),
+    _Flag("--grpc-port", "AFFINITY_GRPC_PORT", None,
+          "also serve KServe v2 over gRPC (Triton's GRPCInferenceService) on this port "
+          "(none: off)", int),
     _Flag("--api-key", "AFFINITY_API_KEY", None,
           "when set, clients must send Authorization: Api-Key <key> (openpi-client's api_key)"),
     _Flag("--log-level", "AFFINITY_LOG_LEVEL", "info", "debug | info | warning | error"),
@@ -194,6 +200,13 @@ def parse_args(
         if values[name] not in allowed:
             flag = "--" + name.replace("_", "-")
             p.error(f"{flag} {values[name]!r}: must be one of {', '.join(allowed)}")
+    wait = values["admission_wait"]
+    if not 0 <= wait < values["act_deadline"]:
+        p.error(f"--admission-wait {wait}: must be >= 0 and less than --act-deadline "
+                "(env AFFINITY_ADMISSION_WAIT)")  # fmt: skip
+    grpc_port = values["grpc_port"]
+    if grpc_port is not None and not 0 < grpc_port < 65536:
+        p.error(f"--grpc-port {grpc_port}: must be a TCP port (env AFFINITY_GRPC_PORT)")
     node_id = values["node_id"] or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:128]
     host = values["host"]
     advertise = values["advertise_url"] or (
@@ -248,6 +261,8 @@ def parse_args(
             access_log=values["access_log"] == "on",
             model_name=model_name,
             kserve_claim_unknown=a.kserve_claim_unknown,
+            grpc_port=values["grpc_port"],
+            admission_wait_s=values["admission_wait"],
         )
     except ValueError as exc:  # InvalidArgument included: it names the setting
         p.error(str(exc))
@@ -445,7 +460,22 @@ async def _serve(config: NodeConfig) -> int:
         service,
         app.state.fleet,
     )
-    await server.serve()
+    grpc_server = None
+    if config.grpc_port is not None:
+        from node.protocols import grpc  # grpcio loads only where gRPC is served
+
+        try:
+            grpc_server = await grpc.start(service, config.host, config.grpc_port)
+        except RuntimeError as exc:
+            print(f"affinity-node: cannot serve gRPC on port {config.grpc_port}: {exc}",
+                  file=sys.stderr)  # fmt: skip
+            await service.stop()
+            return EXIT_USAGE
+    try:
+        await server.serve()
+    finally:
+        if grpc_server is not None:
+            await grpc_server.stop(1.0)
     return EXIT_CONFLICT if service.membership.conflict is not None else 0
 
 

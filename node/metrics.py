@@ -43,6 +43,7 @@ LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
     "affinity_batch_size": {"device": "device"},
     "affinity_queue_wait_seconds": {"device": "device"},
     "affinity_device_capacity": {"device": "device"},
+    "affinity_admission_waiting": {},
 }
 
 
@@ -136,6 +137,11 @@ class Metrics:
             "affinity_device_capacity",
             "Live episodes the device may hold (--capacity), as registered.",
             ["device"],
+            registry=r,
+        )
+        self.admission_waiting = Gauge(
+            "affinity_admission_waiting",
+            "New episodes waiting in this node's admission backlog (--admission-wait).",
             registry=r,
         )
         for device in devices:

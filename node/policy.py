@@ -4,7 +4,11 @@ A policy is an ONNX model. Its inputs are of two kinds:
 
 * observation inputs, which the client sends with every step;
 * state inputs, which the server keeps per episode: each is fed, on the next step, from one
-  output of the previous step, and starts as zeros.
+  output of the previous step, and starts as zeros;
+* control inputs, Triton's sequence-batcher controls, named ``control.start``,
+  ``control.end``, ``control.ready`` and ``control.corrid``: filled by the node on every
+  step (``node/control.py``), hidden from clients like state. Any other ``control.*`` name
+  is refused at load.
 
 **The sidecar.** A JSON object next to the model, named ``<model stem>.affinity.json``
 (``demo_policy.onnx`` -> ``demo_policy.affinity.json``); every key is optional, no other key
@@ -76,6 +80,8 @@ PACKAGED_MODELS: Mapping[str, Path] = MappingProxyType(
 """The names :func:`resolve_model` accepts besides a path."""
 
 STATE_IN_PREFIX = "state_in."
+CONTROL_PREFIX = "control."
+CONTROL_INPUTS = ("control.start", "control.end", "control.ready", "control.corrid")
 STATE_OUT_PREFIX = "state_out."
 SIDECAR_KEYS = ("state", "chunk", "batch", "observations", "metadata")
 MAX_OBSERVATION_DEPTH = 8
@@ -96,6 +102,9 @@ _DTYPES = {
     "tensor(uint32)": "uint32",
     "tensor(uint64)": "uint64",
     "tensor(bool)": "bool",
+    # string tensors (KServe's BYTES) are numpy object arrays of str, as ONNX Runtime takes
+    # and returns them; their values must be UTF-8 text
+    "tensor(string)": "object",
 }
 
 
@@ -113,7 +122,10 @@ class TensorSpec:
 
     def zeros(self) -> Array:
         """A fresh array of zeros of this spec, symbolic and unknown dimensions taken as 1."""
-        return np.zeros(tuple(d if isinstance(d, int) else 1 for d in self.shape), self.dtype)
+        shape = tuple(d if isinstance(d, int) else 1 for d in self.shape)
+        if self.dtype == "object":  # a string tensor: empty strings
+            return np.full(shape, "", dtype=object)
+        return np.zeros(shape, self.dtype)
 
     def describe(self) -> str:
         """E.g. ``float32 [1, 8]``, for error messages."""
@@ -142,8 +154,17 @@ class PolicyContract:
 
     @property
     def observation_inputs(self) -> tuple[TensorSpec, ...]:
-        """The inputs the client sends: every input that is not state."""
-        return tuple(spec for spec in self.inputs if spec.name not in self.state)
+        """The inputs the client sends: every input that is not state nor control."""
+        return tuple(
+            spec
+            for spec in self.inputs
+            if spec.name not in self.state and not spec.name.startswith(CONTROL_PREFIX)
+        )
+
+    @property
+    def control_inputs(self) -> tuple[TensorSpec, ...]:
+        """The control inputs the node fills (see ``node/control.py``)."""
+        return tuple(spec for spec in self.inputs if spec.name.startswith(CONTROL_PREFIX))
 
     @property
     def returned_outputs(self) -> tuple[TensorSpec, ...]:
@@ -281,6 +302,7 @@ def load_contract(model_path: Path) -> PolicyContract:
     else:
         state = _by_convention(inputs)
         _check_state(state, inputs, outputs, f"{where} (naming convention)")
+    _check_control(inputs, where)
     contract = PolicyContract(inputs=inputs, outputs=outputs, state=MappingProxyType(state))
 
     batch_axis = _batch_axis(doc.get("batch"), contract, where)
@@ -445,6 +467,24 @@ def _string_map(value: object, where: str, key: str, what: str) -> dict[str, str
     ):
         raise ValueError(f'{where}: "{key}" must map {what} name')
     return dict(value)
+
+
+def _check_control(inputs: Sequence[TensorSpec], where: str) -> None:
+    for spec in inputs:
+        if not spec.name.startswith(CONTROL_PREFIX):
+            continue
+        if spec.name not in CONTROL_INPUTS:
+            raise ValueError(
+                f"{where}: input {spec.name!r}: the control inputs the node fills are "
+                f"{', '.join(CONTROL_INPUTS)}"
+            )
+        if spec.dtype == "object":
+            raise ValueError(f"{where}: {spec.name} is a string tensor; it must be numeric")
+        if spec.name == "control.corrid" and spec.dtype not in ("uint64", "int64"):
+            raise ValueError(f"{where}: control.corrid is {spec.dtype}; it must be uint64 or int64")
+        sizes = [d for d in spec.shape[1:] if isinstance(d, int)]
+        if any(d != 1 for d in sizes):
+            raise ValueError(f"{where}: {spec.name} is {spec.describe()}: one value per row")
 
 
 def _by_convention(inputs: Sequence[TensorSpec]) -> dict[str, str]:
@@ -651,6 +691,12 @@ def _shape_problem(spec: TensorSpec, shape: tuple[int, ...], batch: bool) -> str
 def _dtype_problem(spec: TensorSpec, array: Array) -> str | None:
     source, target = array.dtype, np.dtype(spec.dtype)
     given = f"is {source}"
+    if target.kind == "O":  # a string input: str values (numpy str or object arrays of str)
+        if source.kind == "U" or (
+            source.kind == "O" and all(isinstance(v, str) for v in array.reshape(-1))
+        ):
+            return None
+        return f"{given}; {spec.name} takes strings only"
     if target.kind == "b":
         return None if source.kind == "b" else f"{given}; {spec.name} takes bool only"
     if source.kind not in ("iu" if target.kind in "iu" else "iuf"):
@@ -682,6 +728,13 @@ def _parse_array(spec: TensorSpec, value: object, batch: bool) -> Array:
     # A dimension left unseen lies below a declared 0: the array is empty whatever its size.
     shape = tuple(0 if size is None else size for size in sizes)
     dtype = np.dtype(spec.dtype)
+    if dtype.kind == "O":  # a string input
+        for at, leaf in enumerate(leaves):
+            if not isinstance(leaf, str):
+                raise InvalidInput(spec.name, f"{_where(shape, at)} must be a string")
+        strings = np.empty(len(leaves), dtype=object)
+        strings[:] = leaves
+        return strings.reshape(shape)
     fast = _vectorised(leaves, dtype, shape)
     if fast is not None:
         return fast

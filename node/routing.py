@@ -27,7 +27,9 @@ import time
 from collections.abc import Callable
 
 from affinity import Assignment, BackendUnavailable, Claims, NoCapacity, StaleToken, UnknownEpisode
+from node.admission import Admission
 from node.config import NodeConfig
+from node.control import control_feed
 from node.dispatcher import Arrival, DeviceDown, ModelFailure, MultiGpuDispatcher
 from node.forward import Forward, ForwardError, Poster, Response, decode_reply
 from node.membership import Membership
@@ -72,6 +74,13 @@ class Routing:
         self.pool = pool
         self.clock = clock
         self.local_devices = frozenset(dispatcher.devices)
+        self.admission = (
+            Admission(
+                config.admission_wait_s, clock=clock, on_waiting=metrics.admission_waiting.set
+            )
+            if config.admission_wait_s
+            else None
+        )
         self._rr = 0
 
     # ---- the router ------------------------------------------------------------------
@@ -127,7 +136,7 @@ class Routing:
         self.membership.check_lease()
         if step.episode is None:
             return await self._stateless(step, arrival)
-        a = await self._resolve(step.episode, restart=step.restart)
+        a = await self._resolve(step.episode, restart=step.restart, deadline=step.deadline)
         if a.node != self.node_id:
             return await self._forward(a, step, arrival, retry=True)
         if self.membership.leaving:
@@ -139,9 +148,20 @@ class Routing:
             return await self._forward(a, step, arrival, retry=False)
         return await self._serve(a, step, arrival)
 
-    async def _resolve(self, episode: str, *, restart: bool = False) -> Assignment:
+    async def _resolve(
+        self, episode: str, *, restart: bool = False, deadline: float | None = None
+    ) -> Assignment:
+        """``deadline``: a new step's; with ``--admission-wait`` a claim that finds every
+        device full waits in the backlog until then at most (``node/admission.py``)."""
         try:
-            return await self.claims.resolve(episode, restart=restart)
+            try:
+                return await self.claims.resolve(episode, restart=restart)
+            except NoCapacity as exc:
+                if self.admission is None or deadline is None or exc.reason != "at_capacity":
+                    raise
+                return await self.admission.wait(
+                    episode, lambda: self.claims.resolve(episode, restart=restart), deadline
+                )
         except BackendUnavailable as exc:
             raise Unavailable("redis", str(exc), 1.0) from exc
         except NoCapacity as exc:
@@ -156,7 +176,8 @@ class Routing:
         device = up[self._rr % len(up)]
         self._rr += 1
         arrival.done()
-        outputs = await self.dispatcher.run_stateless(device, step.inputs)
+        inputs = {**step.inputs, **control_feed(self.contract, None, start=True, end=True)}
+        outputs = await self.dispatcher.run_stateless(device, inputs)
         return Reply(
             outputs, None, device, self.node_id, 0, "stateless", False, False,
             url=self.config.advertise_url,
@@ -180,7 +201,10 @@ class Routing:
                 a.episode,
                 a.token,
                 a.status == "claimed",
-                step.inputs,
+                {
+                    **step.inputs,
+                    **control_feed(self.contract, a.episode, start=False, end=step.end),
+                },
                 execute_steps=step.execute_steps,
                 ensemble=step.ensemble,
             )

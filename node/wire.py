@@ -5,7 +5,10 @@ An array travels as a map with **bytes** keys, the way ``openpi-client``'s
 
     {b"__ndarray__": True, b"data": <C-order bytes>, b"dtype": "<f4", b"shape": [1, 8]}
 
-and a numpy scalar as ``{b"__npgeneric__": True, b"data": 1.5, b"dtype": "<f8"}``. The
+and a numpy scalar as ``{b"__npgeneric__": True, b"data": 1.5, b"dtype": "<f8"}``. A
+string tensor (a model's ``tensor(string)``, KServe's BYTES: an object array of ``str``)
+travels the same way with ``b"dtype": "|O"`` and ``b"data"`` a list of its strings in C
+order (an affinity extension: openpi's ``msgpack_numpy`` has no string arrays). The
 same encoding carries msgpack ``POST /act``, the openpi websocket and node-to-node
 forwarding, so an image is never turned into a JSON list between hosts.
 
@@ -39,6 +42,12 @@ class WireError(ValueError):
 
 def _pack_default(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
+        if obj.dtype.kind == "O":
+            strings = obj.reshape(-1).tolist()
+            if not all(isinstance(v, str) for v in strings):
+                raise TypeError("cannot encode an object array that does not hold only str")
+            return {b"__ndarray__": True, b"data": strings, b"dtype": "|O",
+                    b"shape": list(obj.shape)}  # fmt: skip
         if obj.dtype.kind not in _KINDS:
             raise TypeError(f"cannot encode a {obj.dtype} array")
         data = np.ascontiguousarray(obj)
@@ -80,20 +89,29 @@ def _dtype(value: object) -> np.dtype[Any]:
 
 def _hook(obj: dict[Any, Any], max_elements: int) -> Any:
     if b"__ndarray__" in obj:
-        dtype = _dtype(obj.get(b"dtype"))
+        strings = obj.get(b"dtype") in ("|O", b"|O")
+        dtype = np.dtype(object) if strings else _dtype(obj.get(b"dtype"))
         shape = obj.get(b"shape")
         data = obj.get(b"data")
         if not isinstance(shape, list) or len(shape) > 32:
             raise WireError("array shape must be a list of at most 32 dimensions")
         if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise WireError(f"array shape {shape!r:.80} must hold non-negative integers")
-        if not isinstance(data, bytes):
-            raise WireError("array data must be bytes")
         count = math.prod(shape)  # Python ints: no overflow, whatever was declared
         if count > max_elements:
             raise WireError(
                 f"array of shape {shape} has {count} elements; the limit is {max_elements}"
             )
+        if strings:  # the list exists already: msgpack bounded it by the message
+            if not isinstance(data, list) or len(data) != count:
+                raise WireError(f"string array of shape {shape} needs a list of {count} strings")
+            if not all(isinstance(v, str) for v in data):
+                raise WireError("string array data must hold only strings")
+            array = np.empty(count, dtype=object)
+            array[:] = data
+            return array.reshape(shape)
+        if not isinstance(data, bytes):
+            raise WireError("array data must be bytes")
         if count * dtype.itemsize != len(data):
             raise WireError(
                 f"array of shape {shape} and dtype {dtype} needs {count * dtype.itemsize} "

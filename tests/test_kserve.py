@@ -150,7 +150,19 @@ HOSTILE = {
     "float shape": (*raw_body(binary_header([1.0, 8], 32), F32), "non-negative integers"),
     "size not a number": (*raw_body(binary_header([1, 8], "32"), F32), "disagrees"),
     "unknown datatype": (*raw_body(binary_header([1, 8], 32, "FLOAT32")), "unknown datatype"),
-    "BYTES": (*raw_body(binary_header([1, 8], 32, "BYTES"), F32), "not supported"),
+    "BYTES length past the data": (
+        *raw_body(binary_header([2], 12, "BYTES"), b"\x01\x00\x00\x00a\xff\xff\xff\x7fbcd"),
+        "declares 2147483647 bytes",
+    ),
+    "BYTES fewer bytes than lengths": (
+        *raw_body(binary_header([1 << 20], 8, "BYTES"), bytes(8)), "disagrees"
+    ),
+    "BYTES trailing bytes": (
+        *raw_body(binary_header([1], 6, "BYTES"), b"\x01\x00\x00\x00ab"), "after the BYTES"
+    ),
+    "BYTES not UTF-8": (
+        *raw_body(binary_header([1], 5, "BYTES"), b"\x01\x00\x00\x00\xff"), "not UTF-8"
+    ),
     "BF16": (*raw_body(binary_header([1, 8], 16, "BF16"), F32[:16]), "not supported"),
     "BOOL bytes not 0 or 1": (*raw_body(binary_header([2], 2, "BOOL"), b"\x01\x07"), "0 or 1"),
     "no data": (b'{"inputs": [{"name": "o", "shape": [1], "datatype": "FP32"}]}', None, "neither"),

@@ -14,6 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from affinity import Keys
+from node.admission import Admission
 from node.metrics import LABELS
 from node.policy import DEMO_MODEL
 from node.providers import ProviderSettings, build_session
@@ -129,6 +130,19 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         # full
         for i in range(12):
             await a.act(episode_id=f"fill{i}", inputs=OBS)
+        # admission backlog: a new episode waits while every device is full, until one ends
+        sa.routing.admission = Admission(
+            30.0, poll_s=0.001, on_waiting=sa.metrics.admission_waiting.set
+        )
+        waiting = asyncio.create_task(a.act(episode_id="backlog", inputs=OBS))
+        for _ in range(2000):
+            if sa.routing.admission.waiting:
+                break
+            await asyncio.sleep(0.005)
+        seen += await scrape(a)
+        assert (await a.act(episode_id="fill0", inputs=OBS, end=True)).status_code == 200
+        assert (await waiting).status_code == 200
+        sa.routing.admission = None
         # rejected: bad_input, too_large, malformed, unauthorized, forbidden
         await a.act(episode_id="x", inputs={"obs": [[1]]})
         await a.client.post("/act", content=b"x" * 3000)

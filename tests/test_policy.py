@@ -253,13 +253,36 @@ def test_state_dtype_mismatch(tmp_path: Path) -> None:
 
 def test_unusable_tensor_type(tmp_path: Path) -> None:
     path = save_model(
+        tmp_path / "half.onnx",
+        [("words", TensorProto.BFLOAT16, [1])],
+        [("same", TensorProto.BFLOAT16, [1])],
+        [identity("words", "same")],
+    )
+    with pytest.raises(ValueError, match=r"'words' has type tensor\(bfloat16\)"):
+        load_contract(path)
+
+
+def test_string_tensors_are_object_arrays_of_str(tmp_path: Path) -> None:
+    """A model with string inputs and outputs loads (KServe's BYTES); strings pass the input
+    rule as str, never numbers, and numbers never as strings."""
+    path = save_model(
         tmp_path / "text.onnx",
         [("words", TensorProto.STRING, [1])],
         [("same", TensorProto.STRING, [1])],
         [identity("words", "same")],
     )
-    with pytest.raises(ValueError, match=r"'words' has type tensor\(string\)"):
-        load_contract(path)
+    contract = load_contract(path)
+    (spec,) = contract.observation_inputs
+    assert spec.dtype == "object" and spec.zeros().tolist() == [""]
+    words = np.array(["pick"], dtype=object)
+    assert inputs_from_arrays(contract, {"words": words})["words"].tolist() == ["pick"]
+    assert inputs_from_arrays(contract, {"words": np.array(["pick"])})["words"].dtype == object
+    assert parse_inputs(contract, {"words": ["pick"]})["words"].tolist() == ["pick"]
+    for bad in (np.array([1.0]), np.array([b"x"], dtype=object)):
+        with pytest.raises(InvalidInput, match="strings only"):
+            inputs_from_arrays(contract, {"words": bad})
+    with pytest.raises(InvalidInput, match="must be a string"):
+        parse_inputs(contract, {"words": [3]})
 
 
 def test_sidecar_with_state_only_still_loads(tmp_path: Path) -> None:

@@ -63,7 +63,10 @@ def _array(dtype: object, shape: object, data: object) -> bytes:
         (_array("<f4", [2, -2], b"\0" * 16), "non-negative"),
         (_array("<f4", "2x2", b"\0" * 16), "list"),
         (_array("<f4", [2.0, 2], b"\0" * 16), "non-negative integers"),
-        (_array("|O", [1], b"\0" * 8), "not numeric"),
+        (_array("|O", [1], b"\0" * 8), "list of 1 strings"),  # string arrays carry str only
+        (_array("|O", [2], ["a"]), "list of 2 strings"),
+        (_array("|O", [1], [b"a"]), "only strings"),
+        (_array("|O", [2**40, 2**40], ["a"]), "the limit"),
         (_array("<c8", [1], b"\0" * 8), "not numeric"),
         (_array("|V4", [1], b"\0" * 4), "not numeric"),
         (_array("S3", [1], b"abc"), "not numeric"),
@@ -163,3 +166,12 @@ def test_what_is_encoded_decodes_to_the_same(value: object) -> None:
             assert a == b
 
     same(value, wire.decode(wire.encode(value)))
+
+
+def test_string_arrays_round_trip() -> None:
+    strings = np.empty((2, 1), dtype=object)
+    strings[:] = [["pick up the cube"], ["é"]]
+    back = wire.decode(wire.encode({"prompt": strings}))["prompt"]
+    assert back.dtype == object and back.shape == (2, 1) and back.tolist() == strings.tolist()
+    with pytest.raises(TypeError):
+        wire.encode(np.array([1, "a"], dtype=object))  # only str travels as a string array

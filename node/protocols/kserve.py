@@ -9,6 +9,8 @@ is ``1``; ``/versions/1`` may be given or left out)::
     GET  /v2/health/ready                     200 registered, lease current, not leaving; else 400
     GET  /v2/models/{m}[/versions/1]          model metadata (state tensors hidden)
     GET  /v2/models/{m}[/versions/1]/ready    as /v2/health/ready
+    GET  /v2/models/{m}[/versions/1]/stats    Triton's model statistics (``node/stats.py``)
+    GET  /v2/models/stats                     the same, for every model (the one served)
     POST /v2/models/{m}[/versions/1]/infer    one step
 
 **Infer.** The body is the JSON request, or — the binary tensor extension, what
@@ -21,8 +23,12 @@ length against the body, ``binary_data_size`` against the shape and datatype and
 bytes that follow, element counts) is checked before anything is allocated; binary inputs
 are read-only views of the body. The arrays then pass the policy's one input rule
 (``node.policy.inputs_from_arrays``): the model's shape for one step (batch axis 1), its
-dtype or one the rule converts. ``BYTES`` and ``BF16`` inputs are refused (a policy takes
-numeric and bool tensors), as are shared-memory parameters.
+dtype or one the rule converts. ``BYTES`` tensors (a model's string inputs and outputs)
+travel as JSON strings or, binary, as Triton's elements of a 4-byte little-endian length
+and that many bytes (``bytes_elements``: a declared length that runs past the data is
+refused before the next element is read, and the element count is bounded by the bytes);
+their text must be UTF-8, as ONNX Runtime takes strings. ``BF16`` inputs are refused, as
+are shared-memory parameters.
 
 The reply holds every returned output (or those ``outputs`` names), as JSON ``data`` or —
 with ``parameters.binary_data_output`` or an output's ``binary_data`` (``tritonclient``
@@ -71,6 +77,7 @@ from node.asgi import BodyError, Receive, Scope, Send, header, read_body, respon
 from node.membership import VERSION
 from node.policy import InvalidInput, PolicyContract, TensorSpec, inputs_from_arrays
 from node.service import NodeService
+from node.stats import model_statistics
 from node.step import Array, Refused, Reply, Step, Unavailable
 from node.wire import MAX_ELEMENTS
 
@@ -88,7 +95,7 @@ __all__ = [
 ]
 
 MODEL_VERSION = "1"
-EXTENSIONS = ("binary_tensor_data", "sequence", "sequence(string_id)")
+EXTENSIONS = ("binary_tensor_data", "sequence", "sequence(string_id)", "statistics")
 PLATFORM = "onnxruntime_onnx"
 MAX_RANK = 32
 MAX_TENSORS = 256
@@ -112,9 +119,11 @@ DATATYPES: dict[str, np.dtype[Any]] = {
     )
 }
 """KServe datatype -> the little-endian numpy dtype of its binary form."""
-_NAMES = {dtype.name: name for name, dtype in DATATYPES.items()}
-"""numpy dtype name (``float32``) -> KServe datatype."""
-_REFUSED_TYPES = ("BYTES", "BF16")
+_NAMES = {dtype.name: name for name, dtype in DATATYPES.items()} | {"object": "BYTES"}
+"""numpy dtype name (``float32``) -> KServe datatype (a string tensor, ``object``: BYTES)."""
+_STRINGS = np.dtype(object)
+"""BYTES: an object array of str (a model's string tensor; values must be UTF-8)."""
+_REFUSED_TYPES = ("BF16",)
 _JSON = b"application/json"
 _HEADER_LENGTH = b"inference-header-content-length"
 
@@ -268,7 +277,7 @@ def _inputs(raw: object, body: bytes, json_end: int, max_elements: int) -> dict[
     if len(raw) > MAX_TENSORS:
         raise BadRequest(f"{len(raw)} inputs; the limit is {MAX_TENSORS}")
     binary = len(body) - json_end
-    planned: list[tuple[str, np.dtype[Any], list[int], int | None, object]] = []
+    planned: list[tuple[str, np.dtype[Any], list[int], tuple[int, int] | None, object]] = []
     names: set[str] = set()
     offset = 0
     # every size is checked against the body before any array exists
@@ -302,6 +311,8 @@ def _inputs(raw: object, body: bytes, json_end: int, max_elements: int) -> dict[
         if has_data:
             raise BadRequest(f"input {name[:64]!r} has both data and binary_data_size")
         need = count * dtype.itemsize
+        if dtype == _STRINGS:  # each element: a 4-byte length, then that many bytes
+            need = max(4 * count, size) if type(size) is int else 4 * count
         if type(size) is not int or size != need:
             raise BadRequest(
                 f"input {name[:64]!r}: binary_data_size {size!r:.24} disagrees with shape "
@@ -313,7 +324,7 @@ def _inputs(raw: object, body: bytes, json_end: int, max_elements: int) -> dict[
                 f"but only {binary} bytes follow the JSON header",
                 "malformed",
             )
-        planned.append((name, dtype, shape, json_end + offset, None))
+        planned.append((name, dtype, shape, (json_end + offset, json_end + offset + size), None))
         offset += size
     if offset != binary:
         raise BadRequest(
@@ -323,9 +334,52 @@ def _inputs(raw: object, body: bytes, json_end: int, max_elements: int) -> dict[
     for name, dtype, shape, at, data in planned:
         if at is None:
             arrays[name] = _from_json(name, data, dtype, shape)
+        elif dtype == _STRINGS:
+            arrays[name] = bytes_elements(name, memoryview(body)[at[0] : at[1]], shape)
         else:
-            arrays[name] = _from_binary(name, body, at, dtype, shape)
+            arrays[name] = _from_binary(name, body, at[0], dtype, shape)
     return arrays
+
+
+def bytes_elements(name: str, data: bytes | memoryview, shape: list[int]) -> Array:
+    """The BYTES tensor of ``shape`` in ``data``: each element a 4-byte little-endian length
+    and that many bytes of UTF-8, filling ``data`` exactly. Raises :class:`BadRequest` for a
+    length that runs past the data, trailing bytes or text that is not UTF-8; the object
+    array it allocates has at most ``len(data) / 4`` elements (checked first)."""
+    view = memoryview(data)
+    count = math.prod(shape)
+    if 4 * count > len(view):
+        raise BadRequest(f"input {name[:64]!r}: {len(view)} bytes cannot hold {count} BYTES "
+                         "elements (4-byte lengths)")  # fmt: skip
+    out = np.empty(count, dtype=object)
+    at = 0
+    for i in range(count):
+        if at + 4 > len(view):
+            raise BadRequest(f"input {name[:64]!r}: BYTES element {i} has no length")
+        size = int.from_bytes(view[at : at + 4], "little")
+        at += 4
+        if at + size > len(view):
+            raise BadRequest(
+                f"input {name[:64]!r}: BYTES element {i} declares {size} bytes, but "
+                f"{len(view) - at} follow"
+            )
+        try:
+            out[i] = str(view[at : at + size], "utf-8")
+        except UnicodeDecodeError:
+            raise BadRequest(f"input {name[:64]!r}: BYTES element {i} is not UTF-8") from None
+        at += size
+    if at != len(view):
+        raise BadRequest(f"input {name[:64]!r}: {len(view) - at} bytes after the BYTES elements")
+    return out.reshape(shape)
+
+
+def serialize_bytes(array: Array) -> bytes:
+    """A string tensor in BYTES' binary form (a 4-byte little-endian length per element)."""
+    parts = []
+    for value in np.asarray(array).reshape(-1).tolist():
+        raw = value if isinstance(value, bytes) else str(value).encode()
+        parts += [len(raw).to_bytes(4, "little"), raw]
+    return b"".join(parts)
 
 
 def _from_binary(name: str, body: bytes, at: int, dtype: np.dtype[Any], shape: list[int]) -> Array:
@@ -339,6 +393,12 @@ def _from_json(name: str, data: object, dtype: np.dtype[Any], shape: list[int]) 
     flat = _flatten(name, data, shape)
     kinds = set(map(type, flat))
     shown = f"input {name[:64]!r}"
+    if dtype == _STRINGS:
+        if kinds - {str}:
+            raise BadRequest(f"{shown}: BYTES data must be strings")
+        strings = np.empty(len(flat), dtype=object)
+        strings[:] = flat
+        return strings.reshape(shape)
     if dtype.kind == "b":
         if kinds - {bool}:
             raise BadRequest(f"{shown}: BOOL data must be true or false")
@@ -388,12 +448,13 @@ def _flatten(name: str, data: object, shape: list[int]) -> list[Any]:
 def _datatype(value: object, name: str) -> np.dtype[Any]:
     if isinstance(value, str) and value in DATATYPES:
         return DATATYPES[value]
+    if value == "BYTES":
+        return _STRINGS
     if value in _REFUSED_TYPES:
-        raise BadRequest(f"input {name[:64]!r}: datatype {value} is not supported (the policy "
-                         "takes numeric and bool tensors)")  # fmt: skip
+        raise BadRequest(f"input {name[:64]!r}: datatype {value} is not supported")
     raise BadRequest(
         f"input {name[:64]!r}: unknown datatype {value!r:.24}; expected one of "
-        f"{', '.join(DATATYPES)}"
+        f"{', '.join(DATATYPES)}, BYTES"
     )
 
 
@@ -506,9 +567,14 @@ def encode_infer(
             "shape": list(array.shape),
         }
         if binary:
-            blob = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+            if array.dtype == _STRINGS:
+                blob = serialize_bytes(array)
+            else:
+                blob = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
+        elif array.dtype == _STRINGS:
+            entry["data"] = [str(v) for v in array.reshape(-1).tolist()]
         else:
             entry["data"] = np.ascontiguousarray(array).reshape(-1)
         outputs.append(entry)
@@ -570,6 +636,10 @@ async def _json(send: Send, status: int, doc: dict[str, Any]) -> None:
     await respond(send, status, orjson.dumps(doc), _JSON)
 
 
+def _statistics(service: NodeService, served: str) -> dict[str, Any]:
+    return model_statistics(service.metrics, service.device_ids, served, MODEL_VERSION)
+
+
 def _not_ready(service: NodeService) -> str | None:
     if service.fenced():
         return f"node {service.node_id} is not registered with a current lease"
@@ -599,12 +669,18 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
     if len(parts) < 2 or parts[0] != "models":
         await _error(send, 404, f"{method} {scope['path'][:200]}: not a KServe v2 endpoint")
         return
+    served = service.config.model_name or service.config.model.stem
+    if parts == ["models", "stats"]:  # every model's statistics: this node serves one
+        if method != "GET":
+            await _error(send, 405, f"use GET {scope['path']}", [(b"allow", b"GET")])
+        else:
+            await _json(send, 200, {"model_stats": [_statistics(service, served)]})
+        return
     name, rest = parts[1], parts[2:]
     version = None
     if rest[:1] == ["versions"] and len(rest) >= 2:
         version, rest = rest[1], rest[2:]
-    served = service.config.model_name or service.config.model.stem
-    if rest not in ([], ["ready"], ["infer"]):
+    if rest not in ([], ["ready"], ["infer"], ["stats"]):
         await _error(send, 404, f"{method} {scope['path'][:200]}: not a KServe v2 endpoint")
         return
     if name != served or version not in (None, MODEL_VERSION):
@@ -617,6 +693,8 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
         await _error(send, 405, f"use {want} {scope['path'][:200]}", [(b"allow", want.encode())])
     elif rest == ["infer"]:
         await _infer(service, served, scope, receive, send)
+    elif rest == ["stats"]:
+        await _json(send, 200, {"model_stats": [_statistics(service, served)]})
     elif not rest:
         dispatcher = service.dispatcher
         chunk = dispatcher.chunk.output if dispatcher.chunk and dispatcher.chunk_mode else None

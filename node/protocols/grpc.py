@@ -1,0 +1,478 @@
+"""KServe v2 over gRPC (``inference.GRPCInferenceService``), as the unmodified
+``tritonclient.grpc`` (sync, ``aio`` and ``start_stream``) speaks it, on ``--grpc-port``.
+
+The same protocol as ``node/protocols/kserve.py`` over another transport: a request is
+decoded into that module's :class:`~node.protocols.kserve.InferRequest`, then follows the
+same path (``to_step``, Triton's live-sequence rule, ``service.routing.act``: resolve,
+serve or forward to the owner over the node's internal HTTP), so a sequence is sticky across
+nodes whichever front door each of its steps used.
+
+Served RPCs: ``ServerLive``, ``ServerReady``, ``ModelReady``, ``ServerMetadata``,
+``ModelMetadata``, ``ModelStatistics`` (``node/stats.py``), ``ModelInfer`` and
+``ModelStreamInfer`` (one stream's requests are answered one at a time, in order: the way a
+Triton client keeps a sequence's steps in order). Every other RPC of the service
+(model configuration, repository and model control, shared memory, trace, logging) answers
+``UNIMPLEMENTED``: see the README's KServe section.
+
+**Requests.** Request parameters carry Triton's sequence fields: ``sequence_id`` (an
+``int64_param``/``uint64_param`` or a ``string_param``), ``sequence_start``,
+``sequence_end`` (``bool_param``), ``timeout`` (µs), ``execute_steps`` and ``ensemble``.
+Tensors come as ``raw_input_contents`` (one entry per input, in order: the raw
+little-endian row-major bytes) or as typed ``contents``. Every declared size (element
+counts against ``MAX_ELEMENTS``, raw sizes against shape and datatype) is checked before an
+array exists; raw inputs are read-only views of the received bytes. A message is bounded by
+``--max-body-bytes`` (gRPC's receive limit). A client's gRPC deadline (``client_timeout``)
+shortens ``--act-deadline`` for the request, like ``timeout``. Outputs go back as
+``raw_output_contents``, with affinity's facts (``episode_id``, ``device``, ``node``,
+``token``, ``routing``, ``state_reset``, ``degraded``, ``source``) as response parameters.
+
+**Errors** are gRPC status codes with the node's message: ``INVALID_ARGUMENT`` (what HTTP
+answers with 400), ``UNAUTHENTICATED`` (no ``authorization: Api-Key <key>`` metadata when
+the node has ``--api-key``), ``NOT_FOUND`` (another model or version), ``UNAVAILABLE``
+(503; the ``retry-after`` trailing metadata says when), ``PERMISSION_DENIED``, ``ABORTED``
+and ``INTERNAL`` (a model failure). In a stream an error answers that request with
+``error_message`` and the stream goes on, as Triton's does.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import numpy as np
+
+from affinity import InvalidArgument
+from node.membership import VERSION
+from node.policy import InvalidInput
+from node.protocols.kserve import (
+    DATATYPES,
+    EXTENSIONS,
+    MAX_RANK,
+    MAX_TENSORS,
+    MODEL_VERSION,
+    BadRequest,
+    InferRequest,
+    _check_live,
+    bytes_elements,
+    episode_of,
+    model_metadata,
+    serialize_bytes,
+    to_step,
+)
+from node.protocols.kserve_grpc import kserve_pb2 as pb
+from node.service import NodeService
+from node.stats import model_statistics
+from node.step import Array, Refused, Reply, Unavailable
+from node.wire import MAX_ELEMENTS
+
+__all__ = ["SERVICE", "GrpcFrontDoor", "decode_request", "encode_reply", "start"]
+
+SERVICE = "inference.GRPCInferenceService"
+_NAMES = {dtype.name: name for name, dtype in DATATYPES.items()} | {"object": "BYTES"}
+_CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+"""KServe datatype -> the typed ``contents`` field that carries it (FP16: raw only)."""
+_REFUSED = {403: grpc.StatusCode.PERMISSION_DENIED, 500: grpc.StatusCode.INTERNAL}
+
+
+class _Abort(Exception):
+    """A request answered with a gRPC status (``code``) and the node's message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after: float | None = None):
+        self.code = code
+        self.retry_after = retry_after
+        super().__init__(message)
+
+
+# ---- decoding ----------------------------------------------------------------------------
+
+
+def _value(param: pb.InferParameter) -> Any:
+    which = param.WhichOneof("parameter_choice")
+    return None if which is None else getattr(param, which)
+
+
+def _flag(params: dict[str, Any], key: str) -> bool:
+    value = params.get(key, False)
+    if not isinstance(value, bool):
+        raise BadRequest(f"{key} must be a bool_param")
+    return value
+
+
+def decode_request(msg: pb.ModelInferRequest, *, max_elements: int = MAX_ELEMENTS) -> InferRequest:
+    """The :class:`InferRequest` of one ``ModelInferRequest``. Raises :class:`BadRequest`
+    (``INVALID_ARGUMENT``); allocates nothing from a declared size before checking it."""
+    params = {key: _value(p) for key, p in msg.parameters.items()}
+    sequence = params.get("sequence_id")
+    episode = episode_of(sequence)
+    start, end = _flag(params, "sequence_start"), _flag(params, "sequence_end")
+    if episode is None and (start or end):
+        raise BadRequest("sequence_start and sequence_end need a non-zero sequence_id")
+    timeout = params.get("timeout")
+    if timeout is not None and (type(timeout) is not int or timeout < 0):
+        raise BadRequest("timeout must be a whole number of microseconds")
+    steps, ensemble = params.get("execute_steps"), params.get("ensemble")
+    if steps is not None and type(steps) is not int:
+        raise BadRequest("execute_steps must be an int64_param")
+    if ensemble is not None and not isinstance(ensemble, str):
+        raise BadRequest("ensemble must be a string_param")
+    for key in params:
+        if key.startswith("shared_memory"):
+            raise BadRequest(f"parameter {key[:64]!r} is not supported")
+    outputs: dict[str, bool] | None = None
+    if msg.outputs:
+        if len(msg.outputs) > MAX_TENSORS:
+            raise BadRequest(f"{len(msg.outputs)} outputs; the limit is {MAX_TENSORS}")
+        outputs = {}
+        for out in msg.outputs:
+            if out.name in outputs:
+                raise BadRequest(f"output {out.name[:64]!r} is requested twice")
+            for key in out.parameters:
+                if key == "classification" or key.startswith("shared_memory"):
+                    raise BadRequest(f"output {out.name[:64]!r}: {key} is not supported")
+            outputs[out.name] = True
+    return InferRequest(
+        id=msg.id or None,
+        sequence=None if episode is None else sequence,
+        episode=episode,
+        start=start,
+        end=end,
+        arrays=_inputs(msg, max_elements),
+        outputs=outputs,
+        binary_output=True,
+        timeout_s=timeout / 1e6 if timeout else None,
+        execute_steps=steps,
+        ensemble=ensemble,
+    )
+
+
+def _inputs(msg: pb.ModelInferRequest, max_elements: int) -> dict[str, Array]:
+    if not msg.inputs:
+        raise BadRequest("inputs must be a non-empty list of tensors")
+    if len(msg.inputs) > MAX_TENSORS:
+        raise BadRequest(f"{len(msg.inputs)} inputs; the limit is {MAX_TENSORS}")
+    raw = msg.raw_input_contents
+    if raw and len(raw) != len(msg.inputs):
+        raise BadRequest(
+            f"{len(raw)} raw_input_contents for {len(msg.inputs)} inputs: give one per input, "
+            "in order, or none"
+        )
+    arrays: dict[str, Array] = {}
+    for i, tensor in enumerate(msg.inputs):
+        name = tensor.name
+        shown = f"input {name[:64]!r}"
+        if name in arrays:
+            raise BadRequest(f"{shown} is given twice")
+        strings = tensor.datatype == "BYTES"
+        if tensor.datatype not in DATATYPES and not strings:
+            raise BadRequest(
+                f"{shown}: datatype {tensor.datatype[:24]!r} is not supported; expected one of "
+                f"{', '.join(DATATYPES)}, BYTES"
+            )
+        dtype: np.dtype[Any] = np.dtype(object) if strings else DATATYPES[tensor.datatype]
+        shape = list(tensor.shape)
+        if len(shape) > MAX_RANK or any(d < 0 for d in shape):
+            raise BadRequest(
+                f"{shown}: shape {shape[: MAX_RANK + 1]} must be at most {MAX_RANK} "
+                "non-negative dimensions"
+            )
+        count = math.prod(shape)  # Python ints: no overflow, whatever was declared
+        if count > max_elements:
+            raise BadRequest(
+                f"{shown} of shape {shape} has {count} elements; the limit is {max_elements}"
+            )
+        if any(key.startswith("shared_memory") for key in tensor.parameters):
+            raise BadRequest(f"{shown}: shared memory is not supported")
+        if raw:
+            if tensor.HasField("contents"):
+                raise BadRequest(f"{shown} has both contents and raw_input_contents")
+            if strings:
+                arrays[name] = bytes_elements(name, raw[i], shape)
+                continue
+            need = count * dtype.itemsize
+            if len(raw[i]) != need:
+                raise BadRequest(
+                    f"{shown}: {len(raw[i])} raw bytes, but shape {shape} of "
+                    f"{tensor.datatype} is {need} bytes"
+                )
+            array = np.frombuffer(raw[i], dtype=dtype, count=count).reshape(shape)
+            if dtype.kind == "b" and array.size and array.view(np.uint8).max() > 1:
+                raise BadRequest(f"{shown}: BOOL bytes must be 0 or 1")
+            arrays[name] = array
+            continue
+        field = _CONTENTS.get(tensor.datatype)
+        if field is None:
+            raise BadRequest(f"{shown}: {tensor.datatype} travels as raw_input_contents only")
+        values = getattr(tensor.contents, field)
+        if len(values) != count:
+            raise BadRequest(f"{shown}: {len(values)} values for shape {shape} ({count} values)")
+        if strings:
+            try:
+                text = [bytes(v).decode() for v in values]
+            except UnicodeDecodeError:
+                raise BadRequest(f"{shown}: a BYTES element is not UTF-8") from None
+            array = np.empty(count, dtype=object)
+            array[:] = text
+            arrays[name] = array.reshape(shape)
+            continue
+        if dtype.kind in "iu":
+            info = np.iinfo(dtype)
+            if values and (min(values) < info.min or max(values) > info.max):
+                raise BadRequest(f"{shown}: data outside {info.min}..{info.max}")
+        arrays[name] = np.array(values, dtype=dtype).reshape(shape)
+    return arrays
+
+
+# ---- encoding ----------------------------------------------------------------------------
+
+
+def _parameter(value: object) -> pb.InferParameter:
+    if isinstance(value, bool):
+        return pb.InferParameter(bool_param=value)
+    if isinstance(value, int):
+        return pb.InferParameter(int64_param=value)
+    return pb.InferParameter(string_param=str(value))
+
+
+def encode_reply(reply: Reply, request: InferRequest, model_name: str) -> pb.ModelInferResponse:
+    """The ``ModelInferResponse`` of a step: the requested outputs (all by default) as
+    ``raw_output_contents``, affinity's facts as parameters."""
+    names = list(reply.outputs) if request.outputs is None else list(request.outputs)
+    response = pb.ModelInferResponse(
+        model_name=model_name, model_version=MODEL_VERSION, id=request.id or ""
+    )
+    for key, value in reply.facts().items():
+        if value is not None:
+            response.parameters[key].CopyFrom(_parameter(value))
+    for name in names:
+        array = reply.outputs[name]
+        response.outputs.add(name=name, datatype=_NAMES[array.dtype.name], shape=array.shape)
+        if array.dtype.kind == "O":
+            response.raw_output_contents.append(serialize_bytes(array))
+        else:
+            response.raw_output_contents.append(
+                np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+            )
+    return response
+
+
+# ---- the service -------------------------------------------------------------------------
+
+
+class GrpcFrontDoor:
+    """The RPC handlers of one node (``grpc.aio``), each a thin shell over the shared
+    KServe logic and ``service.routing``."""
+
+    def __init__(self, service: NodeService) -> None:
+        self.service = service
+        self.model_name = service.config.model_name or service.config.model.stem
+
+    # -- helpers
+
+    def _check_model(self, name: str, version: str) -> None:
+        if name != self.model_name or version not in ("", MODEL_VERSION):
+            which = f"'{name[:128]}'" + (f" version {version[:32]}" if version else "")
+            raise _Abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"Request for unknown model: {which} is not found (this node serves "
+                f"'{self.model_name}' version {MODEL_VERSION})",
+            )
+
+    def _ready(self) -> bool:
+        return not (self.service.fenced() or self.service.membership.leaving)
+
+    def _check_key(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        metadata = dict(context.invocation_metadata() or ())
+        authorization = metadata.get("authorization")
+        if not self.service.client_allowed(
+            authorization if isinstance(authorization, str) else None
+        ):
+            self.service.metrics.rejected.labels("unauthorized").inc()
+            raise _Abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "this node wants the metadata authorization: Api-Key <key>",
+            )
+
+    async def _abort(self, context: grpc.aio.ServicerContext[Any, Any], exc: _Abort) -> None:
+        if exc.retry_after is not None:
+            context.set_trailing_metadata((("retry-after", str(max(1, round(exc.retry_after)))),))
+        await context.abort(exc.code, str(exc))
+
+    async def infer(self, msg: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        """One step: decoded, routed and encoded; raises :class:`_Abort`."""
+        service = self.service
+        started = time.monotonic()
+        rejected = service.metrics.rejected
+        self._check_model(msg.model_name, msg.model_version)
+        try:
+            request = decode_request(msg)
+            budget = service.config.act_deadline_s
+            if request.timeout_s is not None:
+                budget = min(budget, request.timeout_s)
+            remaining = context.time_remaining()  # the client's gRPC deadline, if it set one
+            if remaining is not None:
+                budget = min(budget, remaining)
+            dispatcher = service.dispatcher
+            mode = dispatcher.mode_for(request.execute_steps, request.ensemble)
+            returned = [dispatcher.chunk.output] if mode and dispatcher.chunk else None
+            step = to_step(service.contract, request, started + budget, returned)
+            await _check_live(service, request, self.model_name)
+            reply = await service.routing.act(step)
+        except BadRequest as exc:
+            rejected.labels(exc.reason).inc()
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except (InvalidInput, InvalidArgument) as exc:
+            rejected.labels("bad_input").inc()
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        except Unavailable as exc:
+            raise _Abort(
+                grpc.StatusCode.UNAVAILABLE, f"{exc.reason}: {exc}", exc.retry_after
+            ) from None
+        except Refused as exc:
+            if exc.status == 403:
+                rejected.labels("forbidden").inc()
+            code = _REFUSED.get(exc.status, grpc.StatusCode.ABORTED)
+            raise _Abort(code, f"{exc.reason}: {exc}") from None
+        return encode_reply(reply, request, self.model_name)
+
+    # -- the RPCs
+
+    async def ServerLive(self, msg: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, msg: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self._ready())
+
+    async def ModelReady(self, msg: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
+        known = msg.name == self.model_name and msg.version in ("", MODEL_VERSION)
+        return pb.ModelReadyResponse(ready=known and self._ready())
+
+    async def ServerMetadata(
+        self, msg: pb.ServerMetadataRequest, context: Any
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="affinity", version=VERSION, extensions=EXTENSIONS)
+
+    async def ModelMetadata(
+        self, msg: pb.ModelMetadataRequest, context: Any
+    ) -> pb.ModelMetadataResponse:
+        try:
+            self._check_model(msg.name, msg.version)
+        except _Abort as exc:
+            await self._abort(context, exc)
+        dispatcher = self.service.dispatcher
+        chunk = dispatcher.chunk.output if dispatcher.chunk and dispatcher.chunk_mode else None
+        doc = model_metadata(self.service.contract, self.model_name, chunk)
+        response = pb.ModelMetadataResponse(
+            name=doc["name"], versions=doc["versions"], platform=doc["platform"]
+        )
+        for key in ("inputs", "outputs"):
+            for t in doc[key]:
+                getattr(response, key).add(name=t["name"], datatype=t["datatype"], shape=t["shape"])
+        return response
+
+    async def ModelStatistics(
+        self, msg: pb.ModelStatisticsRequest, context: Any
+    ) -> pb.ModelStatisticsResponse:
+        if msg.name:
+            try:
+                self._check_model(msg.name, msg.version)
+            except _Abort as exc:
+                await self._abort(context, exc)
+        doc = model_statistics(
+            self.service.metrics, self.service.device_ids, self.model_name, MODEL_VERSION
+        )
+        response = pb.ModelStatisticsResponse()
+        entry = response.model_stats.add(
+            name=doc["name"],
+            version=doc["version"],
+            last_inference=doc["last_inference"],
+            inference_count=doc["inference_count"],
+            execution_count=doc["execution_count"],
+        )
+        for key, value in doc["inference_stats"].items():
+            getattr(entry.inference_stats, key).CopyFrom(pb.StatisticDuration(**value))
+        return response
+
+    async def ModelInfer(self, msg: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        try:
+            self._check_key(context)
+            return await self.infer(msg, context)
+        except _Abort as exc:
+            await self._abort(context, exc)
+            raise AssertionError("abort returns only by raising") from None
+
+    async def ModelStreamInfer(
+        self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        try:
+            self._check_key(context)
+        except _Abort as exc:
+            await self._abort(context, exc)
+        async for msg in requests:
+            try:
+                reply = await self.infer(msg, context)
+            except _Abort as exc:
+                yield pb.ModelStreamInferResponse(
+                    error_message=str(exc),
+                    infer_response=pb.ModelInferResponse(id=msg.id),
+                )
+            else:
+                yield pb.ModelStreamInferResponse(infer_response=reply)
+
+
+def _handlers(door: GrpcFrontDoor) -> grpc.GenericRpcHandler:
+    unary = grpc.unary_unary_rpc_method_handler
+    methods: dict[str, grpc.RpcMethodHandler] = {
+        name: unary(
+            getattr(door, name),
+            request_deserializer=getattr(pb, f"{request}Request").FromString,
+            response_serializer=getattr(pb, f"{response}Response").SerializeToString,
+        )
+        for name, request, response in (
+            ("ServerLive", "ServerLive", "ServerLive"),
+            ("ServerReady", "ServerReady", "ServerReady"),
+            ("ModelReady", "ModelReady", "ModelReady"),
+            ("ServerMetadata", "ServerMetadata", "ServerMetadata"),
+            ("ModelMetadata", "ModelMetadata", "ModelMetadata"),
+            ("ModelStatistics", "ModelStatistics", "ModelStatistics"),
+            ("ModelInfer", "ModelInfer", "ModelInfer"),
+        )
+    }
+    methods["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+        door.ModelStreamInfer,
+        request_deserializer=pb.ModelInferRequest.FromString,
+        response_serializer=pb.ModelStreamInferResponse.SerializeToString,
+    )
+    return grpc.method_handlers_generic_handler(SERVICE, methods)
+
+
+async def start(service: NodeService, host: str, port: int) -> grpc.aio.Server:
+    """Start the gRPC front door on ``host:port`` (in the running event loop); the caller
+    stops it (``await server.stop(grace)``). Raises ``RuntimeError`` if the port cannot be
+    bound."""
+    limit = service.config.max_body_bytes
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ]
+    )
+    server.add_generic_rpc_handlers((_handlers(GrpcFrontDoor(service)),))
+    server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    return server

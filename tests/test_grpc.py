@@ -1,0 +1,362 @@
+"""KServe v2 over gRPC: the decoder in process (hostile messages refused before anything is
+allocated), and the unmodified ``tritonclient.grpc`` (sync, aio and streaming) and
+``tritonclient.http`` (statistics) against three real ``affinity-node`` processes."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import random
+import tracemalloc
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+import tritonclient.grpc as tg
+import tritonclient.grpc.aio as tg_aio
+import tritonclient.http as th
+from tritonclient.utils import InferenceServerException
+
+from node.policy import DEMO_MODEL, reference_rollout
+from node.protocols.grpc import decode_request
+from node.protocols.kserve import BadRequest
+from node.protocols.kserve_grpc import kserve_pb2 as pb
+from tests.procs import Node, RedisServer, free_port
+from tests.test_cluster import Cluster, running
+from tests.test_kserve import observations
+
+MODEL = "demo_policy"
+KEY = "k-grpc"
+HEADERS = {"authorization": f"Api-Key {KEY}"}
+
+
+def close(want: np.ndarray, got: np.ndarray) -> None:
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def message(shape: list[int], raw: list[bytes] | None, datatype: str = "FP32") -> Any:
+    msg = pb.ModelInferRequest(model_name=MODEL)
+    msg.inputs.add(name="obs", datatype=datatype, shape=shape)
+    if raw is not None:
+        msg.raw_input_contents.extend(raw)
+    return msg
+
+
+# ---- the decoder in process --------------------------------------------------------------
+
+
+def test_raw_and_typed_contents_decode_to_the_same_array() -> None:
+    obs = observations(1, 1)[0]
+    raw = decode_request(message([1, 8], [obs.tobytes()]))
+    typed_msg = message([1, 8], None)
+    typed_msg.inputs[0].contents.fp32_contents.extend(obs.reshape(-1).tolist())
+    typed = decode_request(typed_msg)
+    np.testing.assert_array_equal(raw.arrays["obs"], obs)
+    np.testing.assert_array_equal(typed.arrays["obs"], obs)
+    assert not raw.arrays["obs"].flags.writeable  # a view of the received bytes
+
+
+def test_sequence_parameters() -> None:
+    msg = message([1, 8], [bytes(32)])
+    msg.parameters["sequence_id"].int64_param = 7
+    msg.parameters["sequence_start"].bool_param = True
+    msg.parameters["timeout"].int64_param = 250_000
+    req = decode_request(msg)
+    assert (req.episode, req.start, req.end, req.timeout_s) == ("kserve:i:7", True, False, 0.25)
+    msg.parameters["sequence_id"].string_param = "7"
+    assert decode_request(msg).episode == "kserve:s:7"
+    msg.parameters["sequence_id"].int64_param = -1
+    with pytest.raises(BadRequest, match="not a uint64"):
+        decode_request(msg)
+    msg.parameters["sequence_id"].int64_param = 0
+    with pytest.raises(BadRequest, match="need a non-zero sequence_id"):
+        decode_request(msg)
+
+
+def test_hostile_messages_are_refused_before_anything_is_allocated() -> None:
+    hostile = [
+        message([1 << 40, 1 << 20], [bytes(32)]),  # a huge declared shape, small raw bytes
+        message([1 << 40, 1 << 20], None),  # huge shape, typed contents (none given)
+        message([1, 1 << 22], [bytes(32)]),  # under the element limit: the raw size lies
+        message([1, 8], [bytes(31)]),  # one byte short
+        message([1, 8], [bytes(32), bytes(32)]),  # more raw contents than inputs
+        message([-1, 8], [bytes(32)]),  # a negative dimension
+        message([1] * 40, [bytes(4)]),  # past the rank limit
+        message([2], [b"\x01\x00\x00\x00a\xff\xff\xff\x7fbcd"], "BYTES"),  # a lying length
+        message([1 << 20], [bytes(8)], "BYTES"),  # a million elements in 8 bytes
+        message([1, 8], [bytes(32)], "BF16"),
+    ]
+    tracemalloc.start()
+    try:
+        for msg in hostile:
+            with pytest.raises(BadRequest):
+                decode_request(msg)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+# ---- tritonclient against three real nodes -----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, list[str]]]:
+    tmp = tmp_path_factory.mktemp("grpc")
+    redis = RedisServer(tmp)
+    ports = [free_port() for _ in range(3)]
+    nodes = [
+        Node(
+            tmp,
+            f"g{i}",
+            redis.url,
+            devices="cpu:2",
+            env={"AFFINITY_CLUSTER_SECRET": "s"},
+            extra=[
+                "--lease-ttl",
+                "5",
+                "--act-deadline",
+                "8",
+                "--grpc-port",
+                str(ports[i]),
+                "--api-key",
+                KEY,
+            ],
+        )
+        for i in range(3)
+    ]
+    with running(redis, nodes) as c:
+        yield c, [f"127.0.0.1:{p}" for p in ports]
+
+
+def grpc_input(obs: np.ndarray) -> tg.InferInput:
+    tensor = tg.InferInput("obs", list(obs.shape), "FP32")
+    tensor.set_data_from_numpy(obs)
+    return tensor
+
+
+def facts(result: tg.InferResult) -> dict[str, Any]:
+    params = result.get_response().parameters
+    return {key: getattr(p, p.WhichOneof("parameter_choice")) for key, p in params.items()}
+
+
+@pytest.mark.integration
+def test_health_metadata_and_errors(three: tuple[Cluster, list[str]]) -> None:
+    _, addresses = three
+    client = tg.InferenceServerClient(addresses[0])
+    try:
+        assert client.is_server_live(headers=HEADERS) and client.is_server_ready(headers=HEADERS)
+        assert client.is_model_ready(MODEL, headers=HEADERS)
+        assert not client.is_model_ready("other", headers=HEADERS)
+        meta = client.get_model_metadata(MODEL, headers=HEADERS, as_json=True)
+        assert [t["name"] for t in meta["inputs"]] == ["obs"]
+        assert "sequence(string_id)" in client.get_server_metadata(as_json=True)["extensions"]
+        obs = observations(2, 1)[0]
+        with pytest.raises(InferenceServerException) as err:
+            client.infer(MODEL, [grpc_input(obs)], sequence_id=1, sequence_start=True)
+        assert err.value.status() == str(grpc.StatusCode.UNAUTHENTICATED)
+        with pytest.raises(InferenceServerException) as err:
+            client.infer("other", [grpc_input(obs)], headers=HEADERS)
+        assert err.value.status() == str(grpc.StatusCode.NOT_FOUND)
+        with pytest.raises(InferenceServerException, match="START flag") as err:
+            client.infer(MODEL, [grpc_input(obs)], sequence_id=123456, headers=HEADERS)
+        assert err.value.status() == str(grpc.StatusCode.INVALID_ARGUMENT)
+        wrong = tg.InferInput("obs", [1, 5], "FP32").set_data_from_numpy(np.zeros((1, 5), "f4"))
+        with pytest.raises(InferenceServerException) as err:
+            client.infer(MODEL, [wrong], headers=HEADERS)
+        assert err.value.status() == str(grpc.StatusCode.INVALID_ARGUMENT)
+        with pytest.raises(InferenceServerException) as err:
+            client.get_model_config(MODEL, headers=HEADERS)
+        assert err.value.status() == str(grpc.StatusCode.UNIMPLEMENTED)
+    finally:
+        client.close()
+    answers: queue.Queue[Any] = queue.Queue()
+    client = tg.InferenceServerClient(addresses[0])
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))  # no key
+    try:
+        client.async_stream_infer(MODEL, [grpc_input(obs)])
+        result, error = answers.get(timeout=30)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert result is None and "Api-Key" in str(error)
+
+
+@pytest.mark.integration
+def test_hostile_raw_sizes_over_the_wire(three: tuple[Cluster, list[str]]) -> None:
+    """A message whose raw bytes disagree with its shape, sent as bytes by grpcio itself."""
+    _, addresses = three
+    with grpc.insecure_channel(addresses[1]) as channel:
+        infer = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=pb.ModelInferRequest.SerializeToString,
+            response_deserializer=pb.ModelInferResponse.FromString,
+        )
+        metadata = tuple(HEADERS.items())
+        for msg in (message([1 << 40, 1 << 30], [bytes(32)]), message([1, 8], [bytes(33)])):
+            with pytest.raises(grpc.RpcError) as err:
+                infer(msg, metadata=metadata, timeout=20)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        ok = infer(message([1, 8], [bytes(32)]), metadata=metadata, timeout=20)
+        assert ok.outputs[0].name == "actions"  # the node is healthy
+
+
+@pytest.mark.integration
+def test_unary_sequences_stick_across_random_entry_nodes(three: tuple[Cluster, list[str]]) -> None:
+    cluster, addresses = three
+    clients = [tg.InferenceServerClient(a) for a in addresses]
+    rng = random.Random(1)
+    try:
+        for n, sequence in enumerate((17, "17")):
+            obs = observations(70 + n, 12)
+            results = [
+                rng.choice(clients).infer(
+                    MODEL, [grpc_input(o)], sequence_id=sequence, sequence_start=i == 0,
+                    sequence_end=i == len(obs) - 1, headers=HEADERS,
+                )
+                for i, o in enumerate(obs)
+            ]  # fmt: skip
+            got = [facts(r) for r in results]
+            assert len({f["device"] for f in got}) == 1
+            assert [f["routing"] for f in got] == ["claimed"] + ["hit"] * 11
+            assert not any(f["state_reset"] for f in got)
+            for res, want in zip(results, reference_rollout(DEMO_MODEL, obs), strict=True):
+                close(want["actions"], res.as_numpy("actions"))
+        assert cluster.redis.client().get("{affinity}:episode:kserve:i:17") is None  # ended
+    finally:
+        for c in clients:
+            c.close()
+
+
+@pytest.mark.integration
+def test_streams_through_different_entry_nodes_equal_a_replay(
+    three: tuple[Cluster, list[str]],
+) -> None:
+    """One sequence, its steps sent in turn over streams opened on each of the three nodes
+    (a stream keeps its requests in order); a second sequence interleaved on the same
+    streams. Both equal the replay."""
+    _, addresses = three
+    sequences = {"s-a": observations(80, 9), "s-b": observations(81, 9)}
+    answers: queue.Queue[Any] = queue.Queue()
+    clients = [tg.InferenceServerClient(a) for a in addresses]
+    for c in clients:
+        c.start_stream(callback=lambda result, error: answers.put((result, error)),
+                       headers=HEADERS)  # fmt: skip
+    results: dict[str, list[Any]] = {name: [] for name in sequences}
+    try:
+        for i in range(9):
+            client = clients[i % 3]
+            for name, obs in sequences.items():
+                client.async_stream_infer(
+                    MODEL, [grpc_input(obs[i])], request_id=f"{name}/{i}", sequence_id=name,
+                    sequence_start=i == 0,
+                )  # fmt: skip
+            for _ in sequences:  # both answered before the next node takes the next steps
+                result, error = answers.get(timeout=30)
+                assert error is None, error
+                name, step = result.get_response().id.split("/")
+                assert int(step) == i
+                results[name].append(result)
+    finally:
+        for c in clients:
+            c.stop_stream()
+            c.close()
+    for name, obs in sequences.items():
+        got = [facts(r) for r in results[name]]
+        assert len({f["device"] for f in got}) == 1 and not any(f["state_reset"] for f in got)
+        for res, want in zip(results[name], reference_rollout(DEMO_MODEL, obs), strict=True):
+            close(want["actions"], res.as_numpy("actions"))
+
+
+@pytest.mark.integration
+def test_stream_errors_answer_that_request_and_the_stream_goes_on(
+    three: tuple[Cluster, list[str]],
+) -> None:
+    _, addresses = three
+    answers: queue.Queue[Any] = queue.Queue()
+    client = tg.InferenceServerClient(addresses[2])
+    client.start_stream(
+        callback=lambda result, error: answers.put((result, error)), headers=HEADERS
+    )
+    obs = observations(90, 1)[0]
+    try:
+        client.async_stream_infer(MODEL, [grpc_input(obs)], sequence_id="never-started")
+        client.async_stream_infer(MODEL, [grpc_input(obs)], sequence_id="st", sequence_start=True)
+        first, second = answers.get(timeout=30), answers.get(timeout=30)
+    finally:
+        client.stop_stream()
+        client.close()
+    assert first[0] is None and "START flag" in str(first[1])
+    assert second[1] is None
+    close(reference_rollout(DEMO_MODEL, [obs])[0]["actions"], second[0].as_numpy("actions"))
+
+
+@pytest.mark.integration
+def test_aio_client_with_concurrent_sequences(three: tuple[Cluster, list[str]]) -> None:
+    _, addresses = three
+    sequences = {2000 + k: observations(100 + k, 8) for k in range(6)}
+
+    async def main() -> dict[int, list[Any]]:
+        clients = [tg_aio.InferenceServerClient(a) for a in addresses]
+        rng = random.Random(2)
+        try:
+
+            async def one(sequence: int, obs: list[np.ndarray]) -> list[Any]:
+                return [
+                    await rng.choice(clients).infer(
+                        MODEL, [grpc_input(o)], sequence_id=sequence, sequence_start=i == 0,
+                        headers=HEADERS,
+                    )
+                    for i, o in enumerate(obs)
+                ]  # fmt: skip
+
+            done = await asyncio.gather(*(one(s, o) for s, o in sequences.items()))
+            return dict(zip(sequences, done, strict=True))
+        finally:
+            for c in clients:
+                await c.close()
+
+    results = asyncio.run(main())
+    for sequence, obs in sequences.items():
+        assert len({facts(r)["device"] for r in results[sequence]}) == 1
+        for res, want in zip(results[sequence], reference_rollout(DEMO_MODEL, obs), strict=True):
+            close(want["actions"], res.as_numpy("actions"))
+
+
+@pytest.mark.integration
+def test_statistics_count_a_known_number_of_requests(three: tuple[Cluster, list[str]]) -> None:
+    """Stateless steps run on the node that received them: its statistics grow by exactly
+    that many inferences, over gRPC and over HTTP alike."""
+    cluster, addresses = three
+    node = cluster.nodes[1]
+    grpc_client = tg.InferenceServerClient(addresses[1])
+    http_client = th.InferenceServerClient(f"{node.host}:{node.port}")
+
+    def counts() -> tuple[int, int, int, int]:
+        stats = grpc_client.get_inference_statistics(MODEL, headers=HEADERS, as_json=True)
+        (entry,) = stats["model_stats"]
+        success = entry["inference_stats"]["success"]
+        return (int(entry.get("inference_count", 0)), int(entry.get("execution_count", 0)),
+                int(success.get("count", 0)), int(entry["inference_stats"]["queue"]
+                                                  .get("count", 0)))  # fmt: skip
+
+    try:
+        before = counts()
+        http_before = http_client.get_inference_statistics(MODEL)["model_stats"][0]
+        assert http_before["inference_count"] == before[0]
+        for o in observations(110, 5):
+            grpc_client.infer(MODEL, [grpc_input(o)], headers=HEADERS)  # no sequence
+        after = counts()
+        assert [a - b for a, b in zip(after, before, strict=True)] == [5, 5, 5, 5]
+        every = httpx.get(f"{node.url}/v2/models/stats").json()["model_stats"]
+        assert [(e["name"], e["inference_count"]) for e in every] == [(MODEL, after[0])]
+        one = http_client.get_inference_statistics(MODEL, "1")["model_stats"][0]
+        assert one["inference_count"] == after[0] and one["execution_count"] == after[1]
+        with pytest.raises(InferenceServerException):
+            http_client.get_inference_statistics("other")
+    finally:
+        grpc_client.close()
+        http_client.close()
