@@ -19,6 +19,7 @@ import shlex
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, TextIO
 from urllib.parse import urlsplit, urlunsplit
 
@@ -97,11 +98,19 @@ def seconds(ms: int) -> str:
     return f"{ms / 1000:.1f}s"
 
 
+def event_time(event_id: str) -> str:
+    """When the event was written, from its stream id (Redis time in ms), in UTC to the ms:
+    ``2026-12-01T16:07:58.123Z``."""
+    at = datetime.fromtimestamp(int(event_id.split("-", 1)[0]) / 1000, UTC)
+    return at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}Z"
+
+
 def event_line(event: Event) -> str:
-    """``<id> <type> key=value ...``; values with spaces or quotes are shell-quoted."""
+    """``<id> <UTC time> <type> key=value ...``; values with spaces or quotes are
+    shell-quoted, empty fields (a first claim's ``from``) are left out."""
     event_id, fields = event
-    parts = [event_id, fields.get("type", "?")]
-    parts += [f"{k}={shlex.quote(v) if v else ''}" for k, v in fields.items() if k != "type"]
+    parts = [event_id, event_time(event_id), fields.get("type", "?")]
+    parts += [f"{k}={shlex.quote(v)}" for k, v in fields.items() if k != "type" and v]
     return " ".join(parts)
 
 

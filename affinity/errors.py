@@ -6,6 +6,8 @@ which limit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
     "AffinityError",
     "BackendUnavailable",
@@ -15,6 +17,7 @@ __all__ = [
     "StaleToken",
     "UnknownDevice",
     "UnknownEpisode",
+    "UnknownField",
     "UnknownNode",
 ]
 
@@ -34,6 +37,16 @@ class InvalidArgument(AffinityError, ValueError):
         if len(shown) > 80:
             shown = shown[:77] + "..."
         super().__init__(f"invalid {field} {shown}: {limit}")
+
+
+class UnknownField(InvalidArgument):
+    """A request named a field the receiver does not take (a typo would otherwise be
+    silently ignored); ``field`` is the name given, ``expected`` the names it takes."""
+
+    def __init__(self, field: str, expected: Sequence[str]) -> None:
+        super().__init__(field, None, f"unknown field; expected: {', '.join(expected)}")
+        self.expected = tuple(expected)
+        self.args = (f"unknown field {field!r}; expected: {', '.join(expected)}",)
 
 
 class NoCapacity(AffinityError):

@@ -385,7 +385,8 @@ class Registry:
     ) -> list[EpisodeRow]:
         """Live assignments, from the devices' load sets, optionally filtered. With
         ``device`` it reads that device's load set only (at most its capacity of members).
-        Raises :class:`UnknownDevice` for a device that is not registered."""
+        Raises :class:`UnknownDevice` for a device that is not registered and
+        :class:`UnknownNode` for a ``node`` with no record and no device."""
         return await bounded(self.settings, self._episodes(device, node))
 
     async def _episodes(self, device: str | None, node: str | None) -> list[EpisodeRow]:
@@ -398,6 +399,8 @@ class Registry:
             chosen = sorted(await self.redis.smembers(k.devices))
         if node is not None:
             chosen = [d for d in chosen if d.split("/", 1)[0] == node]
+            if not chosen and not await self.redis.exists(k.node(node)):
+                raise UnknownNode(node)
         now = _now_ms(await self.redis.time())
         pipe = self.redis.pipeline(transaction=False)
         for d in chosen:

@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -367,6 +368,14 @@ def create_app(
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return error(exc.status_code, code, message)
+
+    @api.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
+        """FastAPI's own validation (query and path parameters), in the project's shape."""
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"][1:]) or str(first["loc"][0])
+        message = f"{field} {first.get('input')!r:.80}: {first['msg']}"
+        return error(422, "bad_input", message, field=field)
 
     @api.exception_handler(AffinityError)
     async def affinity_error(request: Request, exc: AffinityError) -> Response:

@@ -121,10 +121,20 @@ def _id_key(stream_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
+INTEGER_FIELDS = frozenset({"token", "count"})
+"""Event fields sent as JSON numbers (the stream holds every field as a string), as the
+CLI prints them and ``/act`` replies carry them."""
+
+
 def sse_event(stream_id: str, fields: dict[str, str]) -> str:
     """One event in SSE framing: ``id:`` = the stream id, ``data:`` = one JSON line with
-    the id and every field of the event (``type`` among them)."""
-    data = json.dumps({"id": stream_id, **fields}, separators=(",", ":"))
+    the id and every field of the event (``type`` among them; :data:`INTEGER_FIELDS` as
+    numbers)."""
+    typed: dict[str, str | int] = {
+        key: int(value) if key in INTEGER_FIELDS and value.isdigit() else value
+        for key, value in fields.items()
+    }
+    data = json.dumps({"id": stream_id, **typed}, separators=(",", ":"))
     return f"id: {stream_id}\ndata: {data}\n\n"
 
 
@@ -228,7 +238,7 @@ SSE_EXAMPLE = (
     "retry: 2000\n\n"
     "id: 1795983846527-0\n"
     'data: {"id":"1795983846527-0","type":"claim","episode":"ep-7","device":"gpu-a/1",'
-    '"token":"1795983846526991","node":"gpu-a","from":""}\n\n'
+    '"token":1795983846526991,"node":"gpu-a","from":""}\n\n'
     ": keep-alive\n\n"
 )
 

@@ -364,7 +364,8 @@ async def test_an_unknown_top_level_field_is_refused_by_name(node: InProcNode, r
     before = await snapshot(redis)
     r = await node.act(episodeId="typo", inputs={"obs": [[0.1] * 8]})
     assert r.status_code == 422
-    assert r.json()["error"]["field"] == "episodeId" and "unknown field" in r.text
+    assert r.json()["error"]["field"] == "episodeId"
+    assert r.json()["error"]["message"].startswith("unknown field 'episodeId'; expected: ")
     assert await snapshot(redis) == before
 
 
@@ -516,6 +517,9 @@ async def test_bad_msgpack_bodies_are_4xx_and_change_nothing(node: InProcNode, r
     for raw in [b"\x81", b"\xc1", b"\x91" * 5000, mp({"inputs": 1})[:-1], b"[1]"]:
         r = await node.client.post("/act", content=raw, headers=MSGPACK)
         assert r.status_code in (400, 422), (raw[:10], r.text)
+        assert r.text.count("not valid msgpack") <= 1, r.text  # said once, not twice
+    garbage = await node.client.post("/act", content=b"\xc1", headers=MSGPACK)
+    assert garbage.json()["error"]["message"].startswith("body is not valid msgpack: ")
     assert await snapshot(redis) == before
     assert all(node.service.dispatcher.tracker(d).failures == 0 for d in node.service.device_ids)
 

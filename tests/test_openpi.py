@@ -132,6 +132,15 @@ def test_a_bad_observation_is_the_clients_runtime_error(cluster: Cluster) -> Non
     assert r.get(KEYS.episode("pi-bad")) is None  # nothing was claimed
 
 
+def test_an_unknown_query_key_is_the_clients_runtime_error(cluster: Cluster) -> None:
+    node = cluster.nodes[0]
+    policy = WebsocketClientPolicy(f"ws://{node.host}:{node.port}/?episode=typo-key")
+    with pytest.raises(RuntimeError, match="bad query: unknown key 'episode'"):
+        policy.infer(libero(5, 1)[0])
+    r = cluster.redis.client()
+    assert r.get(KEYS.episode("typo-key")) is None
+
+
 def test_sigkill_of_the_owner_mid_episode(cluster: Cluster, tmp_path: Path) -> None:
     # an episode owned by a node other than the one the robot is connected to
     entry = cluster.nodes[0]

@@ -856,6 +856,12 @@ def without(observation: dict[str, Any], key: str) -> dict[str, Any]:
             "observation/state",
             "given twice (nested and flat)",
         ),
+        (
+            lambda o: {"prompt": o["prompt"]},
+            "",
+            "missing 3 keys: observation/image (uint8 [224, 224, 3]), observation/wrist_image "
+            "(uint8 [224, 224, 3]), observation/state (float32 [8])",
+        ),
         (lambda o: {**o, 3: 1}, "3", "keys must be strings"),
         (lambda o: {**o, "x": {b"k": 1}}, "x/b'k'", "keys must be strings"),
         (lambda o: [o], "", "must be a map of key -> value, got a list"),

@@ -17,6 +17,7 @@ from affinity import (
     Registry,
     UnknownNode,
 )
+from affinity.registry import StateChange
 from tests.conftest import Env, cpu_devices
 
 pytestmark = pytest.mark.anyio
@@ -154,6 +155,19 @@ async def test_a_claim_notices_a_lapse_too(env: Env) -> None:
     assert [e["node"] for e in await events(env, "node-down")] == ["a"]
     await env.node("a", 1)  # back: one node-up, and no second node-down
     assert [e["node"] for e in await events(env, "node-down")] == ["a"]
+
+
+async def test_a_repeated_drain_writes_no_event(env: Env) -> None:
+    await env.node("a", 1)
+    first = await env.registry.drain("a/0", "bad fan")
+    again = await env.registry.drain("a/0", "bad fan")
+    assert (first.changed, again) == (True, StateChange("draining", False, "draining"))
+    assert len(await events(env, "drain")) == 1
+    other = await env.registry.drain("a/0", "worse fan")  # a new reason is recorded
+    assert other.changed and len(await events(env, "drain")) == 2
+    assert (await env.registry.undrain("a/0")).changed
+    assert not (await env.registry.undrain("a/0")).changed  # not draining: left alone
+    assert len(await events(env, "undrain")) == 1
 
 
 async def test_forget_a_dead_node(env: Env) -> None:

@@ -36,7 +36,7 @@ import redis
 import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
-from node.fleet import RETRY_MS, Fleet
+from node.fleet import INTEGER_FIELDS, RETRY_MS, Fleet
 from node.membership import VERSION
 from tests.procs import ROOT, Node, RedisServer, wait_until
 
@@ -375,6 +375,74 @@ def png_size(path: Path) -> tuple[int, int]:
     return width, height
 
 
+async def register_dying_node(url: str, node: str) -> None:
+    """A node of two GPUs holding live episodes whose lease lapses within a second (it
+    never renews, as a killed node would not)."""
+    client = redis.asyncio.Redis.from_url(url, decode_responses=True)
+    try:
+        settings = Settings(lease_ttl_s=1.0)
+        gpus = [
+            DeviceRegistration(
+                index=i,
+                kind="cuda",
+                name="NVIDIA H200",
+                uuid=f"GPU-{node}-{i}",
+                arch="sm_90",
+                memory_mb=143_771,
+                capacity=4,
+            )
+            for i in range(2)
+        ]
+        registry = Registry(client, settings)
+        await registry.register(node, f"http://{node}:8000", gpus, "0.1.0", instance=node)
+        claims = Claims(client, settings)
+        for i in range(12):  # stride scheduling spreads these over every active device
+            await claims.resolve(f"{node}-load-{i}")
+    finally:
+        await client.aclose()
+
+
+def test_a_dead_node_shows_no_load_and_counts_not_active(page: Page, stack: Stack) -> None:
+    node = f"gpu-dying-{uuid.uuid4().hex[:6]}"
+    asyncio.run(register_dying_node(stack.redis.url, node))
+    try:
+        loads = {d["device"]: d["load"] for d in cli_devices(stack) if d["node"] == node}
+        assert sum(loads.values()) > 0, loads  # the load sets still hold its episodes
+        row = f".node-row[data-node='{node}']"
+        page.wait(
+            lambda d: (
+                page.js("return document.querySelector(arguments[0])", row) is not None
+                and page.find(row).get_attribute("data-alive") == "no"
+            ),
+            "the node dead",
+        )
+        for c in page.cells(row):
+            assert "node dead" in c["text"] and re.search("\u2013/4\\b", c["text"]), c
+            assert not re.search(r"\b[1-4]/4\b", c["text"]), c  # no stale load
+        summary = page.find("#summary").text
+        assert ", 2 on dead nodes · " in summary, summary
+        active = int(re.search(r"devices: (\d+) active", summary).group(1))  # type: ignore[union-attr]
+        assert active == 2 * DEVICES_PER_NODE, summary
+        # a healthy device's zero failure count is not drawn in the failure colour
+        colours = page.js(
+            "return [...document.querySelectorAll('.device .crash')]"
+            ".filter(e => e.textContent === '⚑0')"
+            ".map(e => [e.className, getComputedStyle(e).color])"
+        )
+        muted = page.js(
+            "const probe = document.createElement('span'); probe.style.color = 'var(--muted)';"
+            "document.body.append(probe); const colour = getComputedStyle(probe).color;"
+            "probe.remove(); return colour;"
+        )
+        assert colours and all(colour == muted for _, colour in colours), (muted, colours)
+    finally:
+        cli(stack, "forget", node)
+
+
+def cli_devices(stack: Stack) -> list[dict[str, Any]]:
+    return json.loads(cli(stack, "devices", "--json"))  # type: ignore[no-any-return]
+
+
 def test_eight_nodes_of_eight_gpus_fit_one_laptop_screen(page: Page, stack: Stack) -> None:
     asyncio.run(register_gpu_nodes(stack.redis.url))
     try:
@@ -541,7 +609,8 @@ def test_event_stream_reconnect_with_last_event_id_misses_nothing(stack: Stack) 
     assert [ep for ep in episodes if ep and ep.startswith(f"sse-{run}")] == before[2:] + during
     for event, (_, fields) in zip(resumed, expected, strict=True):
         data = json.loads(event["data"])
-        assert data.pop("id") == event["id"] and data == fields
+        assert data.pop("id") == event["id"] and isinstance(data.get("token", 0), int)
+        assert data == {k: int(v) if k in INTEGER_FIELDS else v for k, v in fields.items()}
 
 
 def test_event_stream_backlog_and_bad_requests(stack: Stack) -> None:
@@ -560,8 +629,12 @@ def test_event_stream_backlog_and_bad_requests(stack: Stack) -> None:
             client.get(url, params={"last_event_id": "1"}),
         ):
             assert r.status_code == 400 and r.json()["error"]["code"] == "bad_input"
-        assert client.get(url, params={"backlog": 5000}).status_code == 422
-        assert client.get(url, params={"backlog": -1}).status_code == 422
+        for backlog in (5000, -1, "many"):
+            r = client.get(url, params={"backlog": backlog})
+            assert r.status_code == 422, r.text
+            error = r.json()["error"]  # the project's shape, not FastAPI's {"detail": ...}
+            assert (error["code"], error["field"]) == ("bad_input", "backlog")
+            assert error["message"].startswith(f"backlog '{backlog}': ")
 
 
 def test_event_stream_says_when_the_capped_stream_lost_events(stack: Stack) -> None:

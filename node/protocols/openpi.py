@@ -25,7 +25,8 @@ The client cannot retry: transient conditions (owner unreachable, a Redis blip, 
 are retried inside the node until ``--act-deadline``. Anything that still fails, and any
 bad observation, gets openpi's error: a text frame with the message, then close code
 1011 (the client raises ``RuntimeError`` with the text). Nothing changes for a bad
-observation.
+observation. A connection whose query has a key other than ``episode_id`` gets that error
+in reply to its first observation.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ __all__ = ["handle"]
 log = logging.getLogger("affinity.node")
 
 CLOSE_ERROR = 1011
+QUERY_KEYS = frozenset({"episode_id"})
+"""The query keys a connection may carry; any other is refused (a typo must not silently
+make the connection's episode anonymous)."""
 
 
 def metadata(service: NodeService, episode: str | None) -> dict[str, Any]:
@@ -72,7 +76,8 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
         service.metrics.rejected.labels("unauthorized").inc()
         await send({"type": "websocket.close", "code": 1008})
         return
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+    unknown = sorted(set(query) - QUERY_KEYS)
     try:
         fixed = check_episode(query["episode_id"][0]) if "episode_id" in query else None
     except InvalidArgument:
@@ -81,6 +86,13 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
         return
     await send({"type": "websocket.accept"})
     await send({"type": "websocket.send", "bytes": wire.encode(metadata(service, fixed))})
+    if unknown:
+        # openpi's client reads the metadata on connect and an error only as a step's reply
+        if (await receive())["type"] == "websocket.receive":
+            service.metrics.rejected.labels("bad_input").inc()
+            names = ", ".join(repr(key) for key in unknown)
+            await fail(send, f"bad query: unknown key {names}; the only key is episode_id")
+        return
     own = f"ws-{uuid.uuid4().hex}"  # this connection's episode, when nothing names one
     tokens: dict[str, int] = {}  # last token per episode, echoed as the client's
     prev_total_ms: float | None = None
