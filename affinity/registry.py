@@ -128,7 +128,7 @@ class NodeStatus:
     url: str
     devices: tuple[str, ...]
     alive: bool
-    state: str  # up | leaving | down (its lease lapsed)
+    state: str  # up | leaving | down (its lease lapsed) | left (it deregistered)
     lease_ms: int  # ms left on the lease (negative: lapsed that long ago)
     started_at_ms: int
     version: str
@@ -148,6 +148,15 @@ class EpisodeRow:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _node_state(recorded: str, leased: bool) -> str:
+    """``left`` for a node that deregistered (its record kept until it registers again or
+    is forgotten), ``down`` for one whose lease lapsed, else what it recorded (``up``,
+    ``leaving``)."""
+    if recorded == "left":
+        return "left"
+    return recorded if leased else "down"
 
 
 def _now_ms(reply: Sequence[int]) -> int:
@@ -327,7 +336,7 @@ class Registry:
                     url=h.get("url", ""),
                     devices=tuple(filter(None, h.get("devices", "").split(","))),
                     alive=node in leases and deadline > now,
-                    state="down" if deadline <= now else h.get("state", "up"),
+                    state=_node_state(h.get("state", "up"), deadline > now),
                     lease_ms=int(deadline) - now,
                     started_at_ms=int(h.get("started_at", 0)),
                     version=h.get("version", ""),

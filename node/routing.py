@@ -32,6 +32,7 @@ from node.dispatcher import Arrival, DeviceDown, ModelFailure, MultiGpuDispatche
 from node.forward import Forward, ForwardError, Poster, Response, decode_reply
 from node.membership import Membership
 from node.metrics import Metrics
+from node.peers import PeerHealth
 from node.policy import PolicyContract
 from node.step import Refused, Reply, Step, Unavailable
 
@@ -73,6 +74,7 @@ class Routing:
         self.clock = clock
         self.local_devices = frozenset(dispatcher.devices)
         self._rr = 0
+        self.peers = PeerHealth()
 
     # ---- the router ------------------------------------------------------------------
 
@@ -141,7 +143,9 @@ class Routing:
 
     async def _resolve(self, episode: str, *, restart: bool = False) -> Assignment:
         try:
-            return await self.claims.resolve(episode, restart=restart)
+            assignment = await self.claims.resolve(episode, restart=restart)
+            self.peers.resolved(assignment)
+            return assignment
         except BackendUnavailable as exc:
             raise Unavailable("redis", str(exc), 1.0) from exc
         except NoCapacity as exc:
@@ -244,12 +248,14 @@ class Routing:
             resp = await self.pool.post(a.url, body)
         except ForwardError as exc:
             self.metrics.forwarded.labels("unreachable").inc()
+            self.peers.failed(a.node, a.url, exc)
             raise Unavailable(
                 "owner_unreachable",
                 f"episode {a.episode!r} is owned by {a.device} on {a.node} ({a.url}), "
                 f"which did not answer: {exc}",
                 1.0,
             ) from exc
+        self.peers.answered(a.node)
         if resp.status == 200:
             try:
                 reply = decode_reply(resp.body)

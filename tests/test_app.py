@@ -4,6 +4,7 @@ fakeredis and a real Redis (same bodies)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -228,8 +229,9 @@ async def test_forward_needs_the_secret(two: tuple[list[InProcNode], Router]) ->
 
 
 async def test_unreachable_owner_gets_503_never_a_second_owner(
-    two: tuple[list[InProcNode], Router], redis: Any
+    two: tuple[list[InProcNode], Router], redis: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, "affinity.node")
     (a, _), router = two
     first = None
     for i in range(4):  # find an episode owned by b
@@ -244,6 +246,18 @@ async def test_unreachable_owner_gets_503_never_a_second_owner(
     assert r.json()["error"]["code"] == "owner_unreachable"
     value = await redis.get(KEYS.episode(first["episode_id"]))
     assert value == f"{first['device']} {first['token']}"
+    again = await a.act(episode_id=first["episode_id"], inputs={"obs": [[0] * 8]})
+    assert again.status_code == 503
+    warnings = [r.getMessage() for r in caplog.records if r.name == "affinity.node"]
+    assert len([w for w in warnings if "owner b (http://b.test" in w]) == 1, warnings  # once
+    assert (
+        "is unreachable" in warnings[-1] and "until it answers or its lease lapses" in warnings[-1]
+    )
+    router.down.discard("b.test")
+    back = await a.act(episode_id=first["episode_id"], inputs={"obs": [[0] * 8]})
+    assert back.status_code == 200 and back.json()["node"] == "b"
+    recovered = [r.getMessage() for r in caplog.records if "answers again" in r.getMessage()]
+    assert recovered == ["owner b answers again (2 forward(s) failed meanwhile)"]
 
 
 async def test_fenced_node_refuses_then_reregisters(node: InProcNode, redis: Any) -> None:

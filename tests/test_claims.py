@@ -318,8 +318,8 @@ async def test_deregister_hands_episodes_over(env: Env) -> None:
         moved = await env.claims.resolve(e.episode)
         assert (moved.status, moved.device, moved.previous) == ("reassigned", "b/0", "a/0")
         assert moved.token > e.token
-    nodes = {n.node: n.alive for n in await env.registry.nodes()}
-    assert nodes == {"b": True}
+    nodes = {n.node: (n.state, n.alive) for n in await env.registry.nodes()}
+    assert nodes == {"a": ("left", False), "b": ("up", True)}
     events = [f for _, f in await env.registry.events()]
     assert {
         "type": "node-down",

@@ -51,7 +51,7 @@ async def test_a_stopped_node_back_with_fewer_devices_loses_the_others(env: Env)
     await env.node("a", 2)
     await env.claims.resolve("ep-0")
     assert (await env.claims.resolve("ep-1")).device == "a/1"
-    await env.registry.deregister("a")  # SIGTERM: the node hash is deleted
+    await env.registry.deregister("a")  # SIGTERM: the node hash says "left"
     await env.node("a", 1)
     moved = await env.claims.resolve("ep-1")
     assert (moved.status, moved.device, moved.previous) == ("reassigned", "a/0", "a/1")
@@ -243,6 +243,30 @@ async def test_leave_takes_no_new_episodes_and_handoff_moves_each(env: Env) -> N
     assert (await events(env, "reassign"))[-1]["from"] == "a/0"
     await env.node("a", 1)  # registering again undoes the leave
     assert "a/0" in {(await env.claims.resolve(f"later-{i}")).device for i in range(2)}
+
+
+async def test_a_stopped_node_is_listed_as_left_with_its_devices(env: Env) -> None:
+    await env.node("a", 2)
+    await env.node("b", 1)
+    await env.claims.resolve("ep")
+    await env.registry.deregister("a")
+    nodes = {n.node: n for n in await env.registry.nodes()}
+    assert (nodes["a"].state, nodes["a"].alive, nodes["a"].devices) == (
+        "left",
+        False,
+        ("a/0", "a/1"),
+    )
+    assert nodes["b"].state == "up"
+    devices = {d.device: d for d in await env.registry.devices()}
+    assert {d for d, s in devices.items() if s.node == "a"} == set(nodes["a"].devices)
+    assert not any(devices[d].alive for d in nodes["a"].devices)
+    await env.lapse("b")  # a lapse noticed later does not turn "left" into "down"
+    assert {n.node: n.state for n in await env.registry.nodes()} == {"a": "left", "b": "down"}
+    await env.registry.forget("a")
+    assert [n.node for n in await env.registry.nodes()] == ["b"]
+    assert not any(d.node == "a" for d in await env.registry.devices())
+    await env.node("a", 1)  # or it comes back up
+    assert {n.node: n.state for n in await env.registry.nodes()}["a"] == "up"
 
 
 async def test_a_handed_over_slot_is_free_at_once(env: Env) -> None:

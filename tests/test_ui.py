@@ -396,8 +396,10 @@ async def register_dying_node(url: str, node: str) -> None:
         registry = Registry(client, settings)
         await registry.register(node, f"http://{node}:8000", gpus, "0.1.0", instance=node)
         claims = Claims(client, settings)
-        for i in range(12):  # stride scheduling spreads these over every active device
-            await claims.resolve(f"{node}-load-{i}")
+        for i in range(60):  # stride scheduling spreads these over every active device
+            claim = await claims.resolve(f"{node}-load-{i}")
+            if claim.node != node:  # keep only the dying node's
+                await claims.release(claim.episode, claim.token)
     finally:
         await client.aclose()
 

@@ -7,7 +7,9 @@
 -- "<device> <token> moved" (same expiry): its next resolve says "reassigned", previous =
 -- that device, so its client is told its state was reset whether or not it echoes
 -- tokens. Device hashes stay, so an operator's drain survives a restart; the node hash
--- goes (the node said goodbye).
+-- stays with state "left" (so `affinity nodes` and `affinity devices` agree: the devices
+-- are listed, not alive, under a node that left) until the node registers again or an
+-- operator forgets it.
 -- Returns the number of episodes handed over; -1 when another instance holds the node id
 -- (nothing written).
 
@@ -38,7 +40,9 @@ for _, device in ipairs(node_devices(node)) do
     redis.call('DEL', load)
 end
 local was_leased = redis.call('ZREM', NODES, node) == 1
-redis.call('DEL', KEYS[1])
+if redis.call('EXISTS', KEYS[1]) == 1 then
+    redis.call('HSET', KEYS[1], 'state', 'left', 'lease', int(now_ms))
+end
 if was_leased then
     event('type', 'node-down', 'node', node, 'reason', 'deregistered', 'handed_over', handed)
 end

@@ -190,6 +190,7 @@
     p.self.hidden = n.node !== state.self;
     if (n.missing) p.lease.textContent = "not registered";
     else if (alive) p.lease.textContent = "alive · lease " + seconds(n.lease_ms);
+    else if (n.state === "left") p.lease.textContent = "left (stopped) " + seconds(n.lease_ms) + " ago";
     else p.lease.textContent = "lease lapsed " + seconds(n.lease_ms) + " ago";
     p.url.textContent = n.url || "";
     p.url.title = n.url || "";
