@@ -71,7 +71,7 @@ class NodeApp:
         if scope["type"] == "http":
             await self.access(self._http, scope, receive, send)
         elif scope["type"] == "websocket":
-            await openpi.handle(self.service, scope, receive, send)
+            await openpi.handle(self.service, scope, receive, send, self.access)
         else:
             await self.api(scope, receive, send)
 

@@ -538,6 +538,42 @@ async def test_bad_msgpack_bodies_are_4xx_and_change_nothing(node: InProcNode, r
     assert all(node.service.dispatcher.tracker(d).failures == 0 for d in node.service.device_ids)
 
 
+async def test_a_websocket_step_writes_one_access_line_in_both_formats() -> None:
+    import io
+    import json
+    import time
+
+    from node.accesslog import AccessLog
+    from node.protocols.openpi import log_step
+    from node.step import Step
+
+    scope = {"type": "websocket", "path": "/", "client": ("10.0.0.7", 5123)}
+    step = Step(episode="ep-ws", inputs={}, deadline=0.0)
+    plain, as_json = AccessLog(stream=io.StringIO()), AccessLog(json=True, stream=io.StringIO())
+    for log in (plain, as_json):
+        log_step(log, scope, time.monotonic(), 200, step, ("gpu-a/1", "hit"))
+        log_step(log, scope, time.monotonic(), 422, None)
+        log.flush()
+    served, refused = plain.stream.getvalue().splitlines()  # type: ignore[union-attr]
+    assert ' INFO affinity.access: 10.0.0.7:5123 "WS /" 200 ' in served
+    assert served.endswith("ms episode=ep-ws device=gpu-a/1 routing=hit")
+    assert '"WS /" 422 ' in refused and refused.endswith("episode=- device=- routing=-")
+    docs = [json.loads(line) for line in as_json.stream.getvalue().splitlines()]  # type: ignore[union-attr]
+    assert [(d["method"], d["path"], d["status"]) for d in docs] == [
+        ("WS", "/", 200),
+        ("WS", "/", 422),
+    ]
+    assert (docs[0]["episode"], docs[0]["device"], docs[0]["routing"]) == (
+        "ep-ws",
+        "gpu-a/1",
+        "hit",
+    )
+    off = AccessLog(False, stream=io.StringIO())
+    log_step(off, scope, time.monotonic(), 200, step, ("gpu-a/1", "hit"))
+    off.flush()
+    assert off.stream.getvalue() == ""  # type: ignore[union-attr]
+
+
 async def test_the_access_log_has_one_line_per_request_with_the_steps_facts(
     node: InProcNode,
 ) -> None:

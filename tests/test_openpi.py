@@ -132,6 +132,23 @@ def test_a_bad_observation_is_the_clients_runtime_error(cluster: Cluster) -> Non
     assert r.get(KEYS.episode("pi-bad")) is None  # nothing was claimed
 
 
+def test_each_step_writes_one_access_line(cluster: Cluster) -> None:
+    node = cluster.nodes[1]
+    policy = client(node, "pi-logged")
+    replies = [policy.infer(o) for o in libero(6, 3)]
+    policy._ws.close()
+    device = replies[0]["device"]
+
+    def lines() -> list[str]:
+        text = node.proc.log_path.read_text(errors="replace")
+        return [line for line in text.splitlines() if "episode=pi-logged" in line]
+
+    wait_until(lambda: len(lines()) == 3, 10, "three access lines")
+    for line, routing in zip(lines(), ["claimed", "hit", "hit"], strict=True):
+        assert " INFO affinity.access: 127.0.0.1:" in line and '"WS /" 200 ' in line, line
+        assert line.endswith(f"ms episode=pi-logged device={device} routing={routing}"), line
+
+
 def test_an_unknown_query_key_is_the_clients_runtime_error(cluster: Cluster) -> None:
     node = cluster.nodes[0]
     policy = WebsocketClientPolicy(f"ws://{node.host}:{node.port}/?episode=typo-key")
