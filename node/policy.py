@@ -70,8 +70,17 @@ DEMO_MODEL: Path = MODELS_DIR / "demo_policy.onnx"
 """The packaged demo policy (see ``node/models/build_demo.py``)."""
 VLA_DEMO_MODEL: Path = MODELS_DIR / "vla_demo.onnx"
 """The packaged camera-sized demo policy (see ``node/models/build_vla.py``)."""
+DROID_DEMO_MODEL: Path = MODELS_DIR / "droid_demo.onnx"
+"""The camera-sized demo policy for openpi's DROID observations (``build_vla.py``)."""
+ALOHA_DEMO_MODEL: Path = MODELS_DIR / "aloha_demo.onnx"
+"""The camera-sized demo policy for openpi's ALOHA observations (``build_vla.py``)."""
 PACKAGED_MODELS: Mapping[str, Path] = MappingProxyType(
-    {"demo": DEMO_MODEL, "vla-demo": VLA_DEMO_MODEL}
+    {
+        "demo": DEMO_MODEL,
+        "vla-demo": VLA_DEMO_MODEL,
+        "droid-demo": DROID_DEMO_MODEL,
+        "aloha-demo": ALOHA_DEMO_MODEL,
+    }
 )
 """The names :func:`resolve_model` accepts besides a path."""
 

@@ -76,7 +76,7 @@ def write(
     return model_path, sidecar_path
 
 
-def run(build: Callable[[Path], tuple[Path, Path]]) -> None:
+def run(build: Callable[[Path], tuple[Path, ...]]) -> None:
     """A build script's command line: ``build`` into the directory given (default: the
     package's ``node/models``), saying what was written."""
     out_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
