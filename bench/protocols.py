@@ -39,8 +39,8 @@ import websockets.sync.client
 from openpi_client import msgpack_numpy
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
+from affinity import wire
 from bench.common import Node, RedisServer, median, pct, report, tmpdir
-from node import wire
 
 MODEL = "vla_demo"
 INFER = f"/v2/models/{MODEL}/infer"

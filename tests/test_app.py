@@ -480,7 +480,7 @@ async def test_an_owner_obeys_redis_when_tokens_differ(
 
 
 def mp(body: dict[str, Any]) -> bytes:
-    from node import wire
+    from affinity import wire
 
     return wire.encode(body)
 
@@ -491,7 +491,7 @@ MSGPACK = {"content-type": "application/msgpack", "accept": "application/msgpack
 async def test_msgpack_and_json_give_the_same_steps_direct_and_forwarded(
     two: tuple[list[InProcNode], Router],
 ) -> None:
-    from node import wire
+    from affinity import wire
 
     (a, b), _ = two
     obs = observations(21)

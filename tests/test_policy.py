@@ -598,7 +598,7 @@ def test_arrays_in_the_model_shape() -> None:
 
 
 def test_read_only_buffers_run_through_the_model() -> None:
-    """What ``node/wire.py`` hands over: arrays over the received bytes (read only)."""
+    """What ``affinity/wire.py`` hands over: arrays over the received bytes (read only)."""
     obs = np.linspace(-1, 1, 8, dtype=np.float32).reshape(1, 8)
     received = np.frombuffer(obs.tobytes(), dtype="<f4").reshape(1, 8)
     assert not received.flags.writeable

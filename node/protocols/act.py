@@ -5,7 +5,7 @@ Request body (a map): ``episode_id``?, ``session_id``?, ``inputs`` (input name â
 ``end``?, ``token``? (the token of the client's previous reply), ``execute_steps``? and
 ``ensemble``? (action-chunk execution overrides). JSON arrays are nested lists; with
 ``Content-Type: application/msgpack`` every input is an array in openpi's msgpack
-encoding (``node/wire.py``). Any other top-level field is refused with 422 naming it (a
+encoding (``affinity/wire.py``). Any other top-level field is refused with 422 naming it (a
 typo such as ``episodeId`` must not silently make every step stateless).
 
 Reply: ``{"outputs": {name: array}, "episode_id", "device", "node", "token", "routing",
@@ -23,8 +23,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from affinity import InvalidArgument, UnknownField, check_episode
-from node import wire
+from affinity import InvalidArgument, UnknownField, check_episode, wire
 from node.accesslog import STEP_KEY
 from node.asgi import (
     BodyError,

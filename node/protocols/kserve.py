@@ -66,13 +66,13 @@ import numpy as np
 import orjson
 
 from affinity import BackendUnavailable, InvalidArgument, check_episode
+from affinity.wire import MAX_ELEMENTS
 from node.accesslog import STEP_KEY
 from node.asgi import BodyError, Receive, Scope, Send, header, read_body, respond
 from node.membership import VERSION
 from node.policy import InvalidInput, PolicyContract, TensorSpec, inputs_from_arrays
 from node.service import NodeService
 from node.step import Array, Refused, Reply, Step, Unavailable
-from node.wire import MAX_ELEMENTS
 
 __all__ = [
     "EXTENSIONS",

@@ -42,8 +42,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qs
 
-from affinity import InvalidArgument, check_episode
-from node import wire
+from affinity import InvalidArgument, check_episode, wire
 from node.accesslog import STEP_KEY, AccessLog
 from node.asgi import Receive, Scope, Send, header
 from node.policy import InvalidInput, inputs_from_observation, outputs_unbatched

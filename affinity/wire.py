@@ -6,8 +6,9 @@ An array travels as a map with **bytes** keys, the way ``openpi-client``'s
     {b"__ndarray__": True, b"data": <C-order bytes>, b"dtype": "<f4", b"shape": [1, 8]}
 
 and a numpy scalar as ``{b"__npgeneric__": True, b"data": 1.5, b"dtype": "<f8"}``. The
-same encoding carries msgpack ``POST /act``, the openpi websocket and node-to-node
-forwarding, so an image is never turned into a JSON list between hosts.
+same encoding carries msgpack ``POST /act`` (both ways: :class:`affinity.Client` speaks it
+by default), the openpi websocket and node-to-node forwarding, so an image is never turned
+into a JSON list between hosts.
 
 Decoding untrusted input: msgpack itself refuses lengths longer than the message and
 nesting deeper than its stack; here an array's declared shape is checked against its
