@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
@@ -224,7 +225,9 @@ def create_app(
             await service.stop()
             access.flush()
 
-    api = FastAPI(title="affinity node", version=VERSION, lifespan=lifespan)
+    # /docs and /redoc with Swagger UI's and ReDoc's files served by the node itself (from
+    # fastapi-offline's package), not from a CDN: GPU clusters are often air-gapped
+    api = FastAPIOffline(title="affinity node", version=VERSION, lifespan=lifespan)
 
     def svc() -> NodeService:
         service: NodeService = api.state.service

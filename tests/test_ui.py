@@ -121,6 +121,8 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         "--disable-component-update",
         "--disable-sync",
         "--disable-dev-shm-usage",
+        # offline, as on an air-gapped cluster: every host but loopback fails to resolve
+        "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
         f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}",
         f"--window-size={LAPTOP[0]},{LAPTOP[1]}",
     ):
@@ -443,6 +445,39 @@ def test_a_dead_node_shows_no_load_and_counts_not_active(page: Page, stack: Stac
 
 def cli_devices(stack: Stack) -> list[dict[str, Any]]:
     return json.loads(cli(stack, "devices", "--json"))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("path", "rendered"),
+    [
+        # Swagger UI drew an operation block per endpoint, /act among them
+        ("/docs", "return [...document.querySelectorAll('.opblock-summary-path')]"
+                  ".some(e => e.textContent.trim() === '/act')"),
+        # ReDoc drew its menu with the operator endpoints and the operation of /act
+        ("/redoc", "return document.querySelector('.menu-content') !== null && "
+                   "document.body.innerText.includes('/events/stream')"),
+    ],
+)  # fmt: skip
+def test_api_docs_render_offline_from_the_nodes_own_files(
+    browser: Any, stack: Stack, path: str, rendered: str
+) -> None:
+    browser.get_log("browser")
+    p = Page(browser, stack.nodes[0].url + path)
+    browser.get(p.url)
+    p.wait(lambda d: p.js(rendered), f"{path} rendered")
+    scripts = p.js(
+        "return [...document.querySelectorAll('script[src], link[href]')].map(e => e.src || e.href)"
+    )
+    assert scripts and all(s.startswith(stack.nodes[0].url + "/") for s in scripts), scripts
+    # the one request elsewhere: ReDoc's decorative logo beside "API docs by Redocly", which
+    # hides itself when it cannot load (as here, offline); nothing the page needs
+    logo = "https://cdn.redoc.ly/redoc/logo-mini.svg"
+    loaded = p.js("return performance.getEntriesByType('resource').map(e => e.name)")
+    outside = [u for u in loaded if not u.startswith(stack.nodes[0].url + "/")]
+    assert outside in ([], [logo]), loaded
+    assert f"{stack.nodes[0].url}/openapi.json" in loaded
+    errors = console_errors(browser, [re.escape(logo)])
+    assert errors == [], errors
 
 
 def test_eight_nodes_of_eight_gpus_fit_one_laptop_screen(page: Page, stack: Stack) -> None:
