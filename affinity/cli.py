@@ -195,8 +195,8 @@ async def cmd_episodes(args: argparse.Namespace, ctx: Context) -> int:
     emit(
         ctx,
         table(
-            ("EPISODE", "DEVICE", "TOKEN", "TTL LEFT"),
-            [(r.episode, r.device, r.token, seconds(r.ttl_ms)) for r in rows],
+            ("EPISODE", "DEVICE", "TOKEN", "TTL LEFT", "MOVED"),
+            [(r.episode, r.device, r.token, seconds(r.ttl_ms), yes_no(r.moved)) for r in rows],
         ),
     )
     return EXIT_OK

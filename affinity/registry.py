@@ -145,6 +145,7 @@ class EpisodeRow:
     device: str
     token: int
     ttl_ms: int
+    moved: bool = False  # handed over by a graceful stop: its next step is reassigned
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -392,7 +393,8 @@ class Registry:
     async def episodes(
         self, device: str | None = None, node: str | None = None
     ) -> list[EpisodeRow]:
-        """Live assignments, from the devices' load sets, optionally filtered. With
+        """Live assignments, from the devices' load sets, and those handed over by a graceful
+        stop and not yet claimed anew (``moved``), optionally filtered. With
         ``device`` it reads that device's load set only (at most its capacity of members).
         Raises :class:`UnknownDevice` for a device that is not registered and
         :class:`UnknownNode` for a ``node`` with no record and no device."""
@@ -414,20 +416,28 @@ class Registry:
         pipe = self.redis.pipeline(transaction=False)
         for d in chosen:
             pipe.zrangebyscore(k.load(d), now, "+inf")
+            pipe.zrangebyscore(k.moved(d), now, "+inf")
         members = await pipe.execute()
-        pairs = [(d, ep) for d, eps in zip(chosen, members, strict=True) for ep in eps]
+        # (device, episode, listed as handed over): a handed-over entry counts only while
+        # the value still says so (not once the episode was claimed anew, even on d)
+        pairs = [
+            (d, ep, was_moved)
+            for d, live, moved in zip(chosen, members[0::2], members[1::2], strict=True)
+            for eps, was_moved in ((live, False), (moved, True))
+            for ep in eps
+        ]
         pipe = self.redis.pipeline(transaction=False)
-        for _, ep in pairs:
+        for _, ep, _ in pairs:
             pipe.get(k.episode(ep))
             pipe.pttl(k.episode(ep))
         values = await pipe.execute()
         rows = []
-        for (d, ep), value, ttl in zip(pairs, values[0::2], values[1::2], strict=True):
+        for (d, ep, was_moved), value, ttl in zip(pairs, values[0::2], values[1::2], strict=True):
             if not value:
                 continue
             owner, token, *flag = value.split(" ")
-            if owner == d and not flag:
-                rows.append(EpisodeRow(episode=ep, device=d, token=int(token), ttl_ms=int(ttl)))
+            if owner == d and flag == (["moved"] if was_moved else []):
+                rows.append(EpisodeRow(ep, d, int(token), int(ttl), moved=was_moved))
         return rows
 
     async def events(self, since: str = "-", count: int = 100) -> list[tuple[str, dict[str, str]]]:

@@ -269,6 +269,28 @@ async def test_a_stopped_node_is_listed_as_left_with_its_devices(env: Env) -> No
     assert {n.node: n.state for n in await env.registry.nodes()}["a"] == "up"
 
 
+async def test_episodes_lists_handed_over_episodes_as_show_does(env: Env) -> None:
+    await env.node("a", 1)
+    await env.node("b", 1)
+    claimed = [await env.claims.resolve(f"ep-{i}") for i in range(4)]
+    on_a = sorted(c.episode for c in claimed if c.node == "a")
+    token = {c.episode: c.token for c in claimed}
+    await env.claims.handoff(on_a[0], token[on_a[0]])  # one by hand, the rest by the stop
+    await env.registry.deregister("a")
+    rows = {r.episode: r for r in await env.registry.episodes(node="a")}
+    assert sorted(rows) == on_a and all(r.moved and r.device == "a/0" for r in rows.values())
+    for ep in on_a:
+        info = await env.claims.lookup(ep)
+        assert info is not None and info.moved and rows[ep].token == info.token
+    assert all(not r.moved for r in await env.registry.episodes(node="b"))
+    moved = await env.claims.resolve(on_a[0])  # claimed anew: listed where it is now
+    assert moved.status == "reassigned" and moved.device == "b/0"
+    assert on_a[0] not in {r.episode for r in await env.registry.episodes(node="a")}
+    assert on_a[0] in {r.episode for r in await env.registry.episodes(device="b/0") if not r.moved}
+    await env.registry.forget("a")
+    assert await env.redis.exists(env.keys.moved("a/0")) == 0
+
+
 async def test_a_handed_over_slot_is_free_at_once(env: Env) -> None:
     await env.node("a", 1, capacity=1)
     first = await env.claims.resolve("ep-0")
