@@ -22,7 +22,9 @@ bytes that follow, element counts) is checked before anything is allocated; bina
 are read-only views of the body. The arrays then pass the policy's one input rule
 (``node.policy.inputs_from_arrays``): the model's shape for one step (batch axis 1), its
 dtype or one the rule converts. ``BYTES`` and ``BF16`` inputs are refused (a policy takes
-numeric and bool tensors), as are shared-memory parameters.
+numeric and bool tensors), as are shared-memory parameters. Request parameters the node
+does not read are Triton's custom parameters: taken (and unused) when a boolean, a number
+or a string, refused otherwise, as Triton refuses them; ``priority`` must be a uint64.
 
 The reply holds every returned output (or those ``outputs`` names), as JSON ``data`` or —
 with ``parameters.binary_data_output`` or an output's ``binary_data`` (``tritonclient``
@@ -213,6 +215,7 @@ def decode_infer(
     if request_id is not None and not isinstance(request_id, str):
         raise BadRequest(f"id must be a string, not {_kind(request_id)}")
     params = _object(doc.get("parameters"), "parameters")
+    _check_custom(params)
     sequence = params.get("sequence_id")
     episode = episode_of(sequence)
     start = _flag(params, "sequence_start")
@@ -446,6 +449,29 @@ def _flag(params: dict[str, Any], key: str) -> bool:
     if not isinstance(value, bool):
         raise BadRequest(f"{key} must be true or false, not {_kind(value)}")
     return value
+
+
+REQUEST_PARAMETERS = frozenset(
+    {"sequence_id", "sequence_start", "sequence_end", "timeout", "priority",
+     "binary_data_output", "execute_steps", "ensemble"}
+)  # fmt: skip
+"""The request parameters the node reads (``priority`` only checked, as Triton does)."""
+
+
+def _check_custom(params: dict[str, Any]) -> None:
+    """Refuse what Triton refuses among the parameters: a ``priority`` that is not a
+    uint64, and a custom parameter (any other) whose value is not a boolean, a number or a
+    string. Other custom parameters are accepted and unused, as a Triton backend that does
+    not read them leaves them."""
+    priority = params.get("priority")
+    if priority is not None and (type(priority) is not int or not 0 <= priority < 2**64):
+        raise BadRequest(f"priority {priority!r:.40} must be an unsigned integer")
+    for key, value in params.items():
+        if key not in REQUEST_PARAMETERS and (value is None or isinstance(value, list | dict)):
+            raise BadRequest(
+                f"parameter {key[:64]!r} must be a boolean, a number or a string, "
+                f"not {_kind(value)}"
+            )
 
 
 def _kind(value: object) -> str:
