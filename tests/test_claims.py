@@ -84,6 +84,11 @@ async def test_reassigned_when_lease_lapses(env: Env) -> None:
     assert await env.redis.zrange(env.keys.load("a/0"), 0, -1) == []
     assert await env.redis.zrange(env.keys.load("b/0"), 0, -1) == ["ep"]
     assert (await env.claims.resolve("ep")).status == "hit"
+    # the claim noticed the lapse: one node-down, and none more when the node is back
+    for _ in range(2):
+        downs = [f["node"] for _, f in await env.registry.events() if f["type"] == "node-down"]
+        assert downs == ["a"]
+        await env.node("a", 1)
 
 
 async def test_reassigned_when_device_down(env: Env) -> None:

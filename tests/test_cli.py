@@ -20,6 +20,7 @@ import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
 from affinity.cli import main
+from tests.conftest import place
 from tests.procs import ROOT, RedisServer, free_port, wait_until
 
 pytestmark = pytest.mark.integration
@@ -76,11 +77,7 @@ async def populate(url: str, namespace: str = "affinity") -> dict[str, tuple[str
         await client.zadd(settings.keys.nodes, {"gone-c": 1})  # its lease lapsed
         await registry.register("gpu-a", "http://gpu-a:8000", devices("gpu-a", "cuda", 2, 4))
         await registry.register("cpu-b", "http://cpu-b:8000", devices("cpu-b", "cpu", 2, 8))
-        placed = {}
-        for ep in EPISODES:
-            a = await claims.resolve(ep)
-            placed[ep] = (a.device, a.token)
-        return placed
+        return await place(claims, EPISODES)
     finally:
         await client.aclose()
 

@@ -38,7 +38,8 @@ import redis.asyncio
 from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
 from node.fleet import INTEGER_FIELDS, RETRY_MS, Fleet
 from node.membership import VERSION
-from tests.procs import ROOT, Node, RedisServer, wait_until
+from tests.procs import ROOT, Node, RedisServer
+from tests.test_cluster import running
 
 pytestmark = pytest.mark.integration
 
@@ -85,17 +86,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         )
         for node_id in ("node-a", "node-b")
     ]
-    try:
-        server.start()
-        for n in nodes:
-            n.proc.start()
-        for n in nodes:
-            wait_until(n.ready, 90, f"node {n.node_id} ready")
-        yield Stack(server, nodes)
-    finally:
-        for n in nodes:
-            n.stop()
-        server.stop()
+    with running(server, nodes) as cluster:
+        yield Stack(cluster.redis, cluster.nodes)
 
 
 # -- the browser ------------------------------------------------------------------------
@@ -330,6 +322,23 @@ FAKE_NODES = [f"gpu-{c}" for c in "cdefgh"]
 FAKE_SETTINGS = Settings(lease_ttl_s=600)
 
 
+def h200s(node: str, count: int) -> list[DeviceRegistration]:
+    """``count`` H200s of ``node``, four episodes each."""
+    return [
+        DeviceRegistration(
+            index=i,
+            kind="cuda",
+            name="NVIDIA H200",
+            uuid=f"GPU-{node}-{i}",
+            arch="sm_90",
+            memory_mb=143_771,
+            capacity=4,
+            provider="CUDAExecutionProvider",
+        )
+        for i in range(count)
+    ]
+
+
 async def register_gpu_nodes(url: str) -> None:
     """Six more nodes of eight H200s each (leases long enough for the test), some load,
     one GPU down and one draining."""
@@ -337,19 +346,7 @@ async def register_gpu_nodes(url: str) -> None:
     try:
         registry = Registry(client, FAKE_SETTINGS)
         for node in FAKE_NODES:
-            gpus = [
-                DeviceRegistration(
-                    index=i,
-                    kind="cuda",
-                    name="NVIDIA H200",
-                    uuid=f"GPU-{node}-{i}",
-                    arch="sm_90",
-                    memory_mb=143_771,
-                    capacity=4,
-                    provider="CUDAExecutionProvider",
-                )
-                for i in range(8)
-            ]
+            gpus = h200s(node, 8)
             await registry.register(node, f"http://{node}:8000", gpus, "0.1.0", instance=node)
         await registry.set_state("gpu-d/3", "down", "3 consecutive model failures")
         await registry.drain("gpu-e/5", "fan failure")
@@ -366,6 +363,7 @@ async def deregister_gpu_nodes(url: str) -> None:
         registry = Registry(client, FAKE_SETTINGS)
         for node in FAKE_NODES:
             await registry.deregister(node, node)
+            await registry.forget(node)  # a departed node stays listed ("left") until then
     finally:
         await client.aclose()
 
@@ -383,18 +381,7 @@ async def register_dying_node(url: str, node: str) -> None:
     client = redis.asyncio.Redis.from_url(url, decode_responses=True)
     try:
         settings = Settings(lease_ttl_s=1.0)
-        gpus = [
-            DeviceRegistration(
-                index=i,
-                kind="cuda",
-                name="NVIDIA H200",
-                uuid=f"GPU-{node}-{i}",
-                arch="sm_90",
-                memory_mb=143_771,
-                capacity=4,
-            )
-            for i in range(2)
-        ]
+        gpus = h200s(node, 2)
         registry = Registry(client, settings)
         await registry.register(node, f"http://{node}:8000", gpus, "0.1.0", instance=node)
         claims = Claims(client, settings)

@@ -63,6 +63,31 @@ def model(
     return built
 
 
+def recurrent_model(
+    name: str,
+    nodes: Sequence[onnx.NodeProto],
+    observations: Sequence[onnx.ValueInfoProto],
+    hidden: int,
+    actions: Sequence[int],
+    weights: Weights,
+    producer: str,
+) -> onnx.ModelProto:
+    """:func:`model` of a recurrent policy: ``observations``, then ``state_in.hidden``
+    float32 [batch, hidden] in; ``actions`` float32 [batch, *actions] and
+    ``state_out.hidden`` out."""
+    return model(
+        name,
+        nodes,
+        inputs=[*observations, tensor("state_in.hidden", TensorProto.FLOAT, hidden)],
+        outputs=[
+            tensor("actions", TensorProto.FLOAT, *actions),
+            tensor("state_out.hidden", TensorProto.FLOAT, hidden),
+        ],
+        weights=weights,
+        producer=producer,
+    )
+
+
 def write(
     out_dir: Path, model_name: str, built: onnx.ModelProto, sidecar: dict[str, Any]
 ) -> tuple[Path, Path]:

@@ -50,7 +50,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from node.models._build import Weights, model, run, tensor, write
+from node.models._build import Weights, recurrent_model, run, tensor, write
 
 IMAGE, HIDDEN = 224, 128
 # (name, in channels, out channels, kernel, stride, pad) of the camera encoder's layers
@@ -215,21 +215,14 @@ def make_model(robot: Robot = LIBERO) -> onnx.ModelProto:
         node("Reshape", ["a_flat", "actions_shape"], ["actions"]),
     ]
     image = (3, IMAGE, IMAGE) if robot.channels_first else (IMAGE, IMAGE, 3)
-    return model(
-        robot.stem,
-        nodes,
-        inputs=[
-            *(tensor(c, TensorProto.UINT8, *image) for c in cameras),
-            *(tensor(name, TensorProto.FLOAT, size) for name, _, size in robot.states),
-            tensor("state_in.hidden", TensorProto.FLOAT, HIDDEN),
-        ],
-        outputs=[
-            tensor("actions", TensorProto.FLOAT, horizon, action),
-            tensor("state_out.hidden", TensorProto.FLOAT, HIDDEN),
-        ],
-        weights=w,
-        producer="affinity node/models/build_vla.py",
-    )
+    observations = [
+        *(tensor(c, TensorProto.UINT8, *image) for c in cameras),
+        *(tensor(name, TensorProto.FLOAT, size) for name, _, size in robot.states),
+    ]
+    return recurrent_model(
+        robot.stem, nodes, observations, HIDDEN, (horizon, action), w,
+        "affinity node/models/build_vla.py",
+    )  # fmt: skip
 
 
 def build(out_dir: Path, robot: Robot = LIBERO) -> tuple[Path, Path]:
