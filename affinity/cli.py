@@ -37,7 +37,7 @@ from affinity.errors import (
     UnknownEpisode,
     UnknownNode,
 )
-from affinity.registry import Registry
+from affinity.registry import Registry, event_json
 
 __all__ = ["main"]
 
@@ -45,7 +45,6 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 FOLLOW_BLOCK_MS = 1000
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_REDIS = 0, 1, 2, 3
 _STREAM_ID = re.compile(r"^(-|\d+(-\d+)?)$")
-INTEGER_FIELDS = ("token", "count", "handed_over", "lease")  # of events, as JSON numbers
 
 Event = tuple[str, dict[str, str]]
 
@@ -112,17 +111,6 @@ def event_line(event: Event) -> str:
     parts = [event_id, event_time(event_id), fields.get("type", "?")]
     parts += [f"{k}={shlex.quote(v)}" for k, v in fields.items() if k != "type" and v]
     return " ".join(parts)
-
-
-def event_json(event: Event) -> dict[str, object]:
-    """An event as JSON: its id, its fields, tokens and counts as numbers."""
-    event_id, fields = event
-    out: dict[str, object] = {"id": event_id, **fields}
-    for name in INTEGER_FIELDS:
-        value = fields.get(name)
-        if value is not None and value.isdigit():
-            out[name] = int(value)
-    return out
 
 
 def emit(ctx: Context, text: str) -> None:
@@ -275,7 +263,7 @@ async def cmd_events(args: argparse.Namespace, ctx: Context) -> int:
         for event in batch:
             if limit is not None and printed >= limit:
                 return EXIT_OK
-            emit(ctx, json.dumps(event_json(event)) if ctx.json else event_line(event))
+            emit(ctx, json.dumps(event_json(*event)) if ctx.json else event_line(event))
             printed += 1
             cursor = event[0]
         if not args.follow or (limit is not None and printed >= limit):

@@ -11,7 +11,7 @@ a restart; a dead node's record stays until it registers again or is forgotten.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -28,6 +28,7 @@ __all__ = [
     "Registry",
     "StateChange",
     "check_node_id",
+    "event_json",
 ]
 
 State = Literal["active", "draining", "down"]
@@ -158,6 +159,21 @@ def _node_state(recorded: str, leased: bool) -> str:
     if recorded == "left":
         return "left"
     return recorded if leased else "down"
+
+
+EVENT_NUMBERS = ("token", "count", "handed_over", "lease")
+"""Event fields that hold numbers (the stream holds every field as a string)."""
+
+
+def event_json(event_id: str, fields: Mapping[str, str]) -> dict[str, object]:
+    """An event as JSON, as the CLI prints it and ``/events/stream`` sends it: its id, its
+    fields, :data:`EVENT_NUMBERS` as numbers."""
+    out: dict[str, object] = {"id": event_id, **fields}
+    for name in EVENT_NUMBERS:
+        value = fields.get(name)
+        if value is not None and value.isdigit():
+            out[name] = int(value)
+    return out
 
 
 def _now_ms(reply: Sequence[int]) -> int:

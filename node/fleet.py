@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from affinity import BackendUnavailable, Registry
+from affinity.registry import event_json
 
 __all__ = ["Fleet", "FleetSource", "add_fleet_routes"]
 
@@ -121,20 +122,11 @@ def _id_key(stream_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-INTEGER_FIELDS = frozenset({"token", "count"})
-"""Event fields sent as JSON numbers (the stream holds every field as a string), as the
-CLI prints them and ``/act`` replies carry them."""
-
-
 def sse_event(stream_id: str, fields: dict[str, str]) -> str:
     """One event in SSE framing: ``id:`` = the stream id, ``data:`` = one JSON line with
-    the id and every field of the event (``type`` among them; :data:`INTEGER_FIELDS` as
-    numbers)."""
-    typed: dict[str, str | int] = {
-        key: int(value) if key in INTEGER_FIELDS and value.isdigit() else value
-        for key, value in fields.items()
-    }
-    data = json.dumps({"id": stream_id, **typed}, separators=(",", ":"))
+    the id and every field of the event (``type`` among them), numbers as numbers, as
+    ``affinity events --json`` prints it (``affinity.registry.event_json``)."""
+    data = json.dumps(event_json(stream_id, fields), separators=(",", ":"))
     return f"id: {stream_id}\ndata: {data}\n\n"
 
 

@@ -36,7 +36,8 @@ import redis
 import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
-from node.fleet import INTEGER_FIELDS, RETRY_MS, Fleet
+from affinity.registry import EVENT_NUMBERS
+from node.fleet import RETRY_MS, Fleet
 from node.membership import VERSION
 from tests.procs import ROOT, Node, RedisServer
 from tests.test_cluster import running
@@ -634,7 +635,7 @@ def test_event_stream_reconnect_with_last_event_id_misses_nothing(stack: Stack) 
     for event, (_, fields) in zip(resumed, expected, strict=True):
         data = json.loads(event["data"])
         assert data.pop("id") == event["id"] and isinstance(data.get("token", 0), int)
-        assert data == {k: int(v) if k in INTEGER_FIELDS else v for k, v in fields.items()}
+        assert data == {k: int(v) if k in EVENT_NUMBERS else v for k, v in fields.items()}
 
 
 def test_event_stream_backlog_and_bad_requests(stack: Stack) -> None:
