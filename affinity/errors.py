@@ -27,16 +27,19 @@ class AffinityError(Exception):
 
 
 class InvalidArgument(AffinityError, ValueError):
-    """A caller-supplied value is out of its allowed range; nothing was written."""
+    """A caller-supplied value is out of its allowed range; nothing was written.
 
-    def __init__(self, field: str, value: object, limit: str) -> None:
+    ``field`` names it for programs; the message names ``label`` instead when given (what
+    a person set: "lease TTL", not the settings field ``lease_ttl_s``)."""
+
+    def __init__(self, field: str, value: object, limit: str, *, label: str = "") -> None:
         self.field = field
         self.value = value
         self.limit = limit
         shown = repr(value)
         if len(shown) > 80:
             shown = shown[:77] + "..."
-        super().__init__(f"invalid {field} {shown}: {limit}")
+        super().__init__(f"invalid {label or field} {shown}: {limit}")
 
 
 class UnknownField(InvalidArgument):

@@ -137,7 +137,7 @@ class ProviderSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "trt_cache_root", Path(self.trt_cache_root).expanduser())
         if self.cuda_mem_limit_mb is not None and self.cuda_mem_limit_mb < 1:
-            raise ValueError(f"cuda_mem_limit_mb={self.cuda_mem_limit_mb}: must be >= 1 MiB")
+            raise ValueError(f"CUDA memory limit {self.cuda_mem_limit_mb} MiB: must be >= 1 MiB")
 
 
 @dataclass(frozen=True)

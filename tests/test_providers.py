@@ -170,7 +170,7 @@ def test_cache_root_is_expanded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
 
 
 def test_memory_limit_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="cuda_mem_limit_mb=0"):
+    with pytest.raises(ValueError, match="CUDA memory limit 0 MiB: must be >= 1 MiB"):
         ProviderSettings(cuda_mem_limit_mb=0)
 
 
