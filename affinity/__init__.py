@@ -24,6 +24,7 @@ from affinity.errors import (
     StaleToken,
     UnknownDevice,
     UnknownEpisode,
+    UnknownField,
     UnknownNode,
 )
 from affinity.keys import Keys
@@ -55,6 +56,7 @@ __all__ = [
     "StateReset",
     "UnknownDevice",
     "UnknownEpisode",
+    "UnknownField",
     "UnknownNode",
     "check_episode",
     "close",

@@ -19,6 +19,7 @@ import shlex
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, TextIO
 from urllib.parse import urlsplit, urlunsplit
 
@@ -36,7 +37,7 @@ from affinity.errors import (
     UnknownEpisode,
     UnknownNode,
 )
-from affinity.registry import Registry
+from affinity.registry import Registry, event_json
 
 __all__ = ["main"]
 
@@ -44,7 +45,6 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 FOLLOW_BLOCK_MS = 1000
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_REDIS = 0, 1, 2, 3
 _STREAM_ID = re.compile(r"^(-|\d+(-\d+)?)$")
-INTEGER_FIELDS = ("token", "count", "handed_over", "lease")  # of events, as JSON numbers
 
 Event = tuple[str, dict[str, str]]
 
@@ -97,23 +97,20 @@ def seconds(ms: int) -> str:
     return f"{ms / 1000:.1f}s"
 
 
+def event_time(event_id: str) -> str:
+    """When the event was written, from its stream id (Redis time in ms), in UTC to the ms:
+    ``2026-12-01T16:07:58.123Z``."""
+    at = datetime.fromtimestamp(int(event_id.split("-", 1)[0]) / 1000, UTC)
+    return at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}Z"
+
+
 def event_line(event: Event) -> str:
-    """``<id> <type> key=value ...``; values with spaces or quotes are shell-quoted."""
+    """``<id> <UTC time> <type> key=value ...``; values with spaces or quotes are
+    shell-quoted, empty fields (a first claim's ``from``) are left out."""
     event_id, fields = event
-    parts = [event_id, fields.get("type", "?")]
-    parts += [f"{k}={shlex.quote(v) if v else ''}" for k, v in fields.items() if k != "type"]
+    parts = [event_id, event_time(event_id), fields.get("type", "?")]
+    parts += [f"{k}={shlex.quote(v)}" for k, v in fields.items() if k != "type" and v]
     return " ".join(parts)
-
-
-def event_json(event: Event) -> dict[str, object]:
-    """An event as JSON: its id, its fields, tokens and counts as numbers."""
-    event_id, fields = event
-    out: dict[str, object] = {"id": event_id, **fields}
-    for name in INTEGER_FIELDS:
-        value = fields.get(name)
-        if value is not None and value.isdigit():
-            out[name] = int(value)
-    return out
 
 
 def emit(ctx: Context, text: str) -> None:
@@ -186,8 +183,8 @@ async def cmd_episodes(args: argparse.Namespace, ctx: Context) -> int:
     emit(
         ctx,
         table(
-            ("EPISODE", "DEVICE", "TOKEN", "TTL LEFT"),
-            [(r.episode, r.device, r.token, seconds(r.ttl_ms)) for r in rows],
+            ("EPISODE", "DEVICE", "TOKEN", "TTL LEFT", "MOVED"),
+            [(r.episode, r.device, r.token, seconds(r.ttl_ms), yes_no(r.moved)) for r in rows],
         ),
     )
     return EXIT_OK
@@ -266,7 +263,7 @@ async def cmd_events(args: argparse.Namespace, ctx: Context) -> int:
         for event in batch:
             if limit is not None and printed >= limit:
                 return EXIT_OK
-            emit(ctx, json.dumps(event_json(event)) if ctx.json else event_line(event))
+            emit(ctx, json.dumps(event_json(*event)) if ctx.json else event_line(event))
             printed += 1
             cursor = event[0]
         if not args.follow or (limit is not None and printed >= limit):

@@ -9,7 +9,10 @@ What they do for a caller that steps episodes through ``POST /act``:
   back to the configured nodes, which route the step to wherever the episode lives now;
 - honour ``Retry-After`` on 503 within a bounded budget (``retries`` attempts and
   ``retry_budget_s`` seconds per step), then raise :class:`ServiceUnavailable`;
-- raise :class:`RequestRefused` for a 4xx (the node's error code, message and field).
+- raise :class:`RequestRefused` for a 4xx (the node's error code, message and field);
+- speak msgpack with numpy arrays both ways (``encoding="msgpack"``, the default: a camera
+  image travels as its bytes) or JSON (``encoding="json"``: nested lists); outputs are
+  numpy arrays either way.
 
 The decisions live in plain functions of :class:`_Episodes`; the two classes only do I/O.
 Steps of one episode must be sequential (a robot's loop is); different episodes may run
@@ -23,16 +26,20 @@ import itertools
 import time
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import httpx
+import numpy as np
+import orjson
 
+from affinity import wire
 from affinity.errors import AffinityError
 
 __all__ = [
     "AsyncClient",
     "Client",
     "ClientError",
+    "Encoding",
     "RequestRefused",
     "ServiceUnavailable",
     "StateReset",
@@ -75,7 +82,8 @@ class StateReset(ClientError):
 
 @dataclass(frozen=True)
 class Step:
-    """One served step: the outputs (nested lists) and where and how it ran."""
+    """One served step: the outputs (numpy arrays, by output name) and where and how it
+    ran."""
 
     outputs: dict[str, Any]
     episode_id: str | None
@@ -91,7 +99,7 @@ class Step:
     @classmethod
     def of(cls, body: Mapping[str, Any], url: str) -> Step:
         return cls(
-            outputs=dict(body["outputs"]),
+            outputs={name: np.array(value) for name, value in body["outputs"].items()},
             episode_id=body.get("episode_id"),
             device=str(body["device"]),
             node=str(body["node"]),
@@ -130,7 +138,7 @@ class _Episodes:
         self._next = itertools.cycle(self.nodes)
 
     def body(self, episode: str | None, inputs: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
-        body: dict[str, Any] = {"inputs": _lists(inputs), **{k: v for k, v in extra.items() if v}}
+        body: dict[str, Any] = {"inputs": dict(inputs), **{k: v for k, v in extra.items() if v}}
         if episode is not None:
             body["episode_id"] = episode
             if episode in self.tokens:
@@ -189,7 +197,7 @@ class _Episodes:
 
     def served(self, episode: str | None, response: httpx.Response) -> Step:
         url = response.headers.get("x-affinity-url", "")
-        step = Step.of(response.json(), url)
+        step = Step.of(_decode(response), url)
         if episode is not None:
             self.tokens[episode] = step.token
             if url:
@@ -223,8 +231,36 @@ class _Episodes:
             return 1.0
 
 
-def _lists(inputs: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: v.tolist() if hasattr(v, "tolist") else v for k, v in inputs.items()}
+Encoding = Literal["msgpack", "json"]
+"""How the clients send ``/act`` bodies and ask for replies."""
+
+_MSGPACK = "application/msgpack"
+_CONTENT = {
+    "msgpack": {"Content-Type": _MSGPACK, "Accept": _MSGPACK},
+    "json": {"Content-Type": "application/json", "Accept": "application/json"},
+}
+
+
+def _encoding(encoding: str) -> Encoding:
+    if encoding not in _CONTENT:
+        raise ValueError(f"encoding {encoding!r}: must be one of {', '.join(_CONTENT)}")
+    return "msgpack" if encoding == "msgpack" else "json"
+
+
+def _encode(body: Mapping[str, Any], encoding: Encoding) -> tuple[bytes, dict[str, str]]:
+    """A step's body and its headers: numpy arrays as they are in msgpack (openpi's array
+    encoding, :mod:`affinity.wire`), as nested lists in JSON."""
+    if encoding == "msgpack":
+        return wire.encode(body), _CONTENT["msgpack"]
+    inputs = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in body["inputs"].items()}
+    return orjson.dumps({**body, "inputs": inputs}), _CONTENT["json"]
+
+
+def _decode(response: httpx.Response) -> Any:
+    """A 200 reply's body, by its ``Content-Type``."""
+    if response.headers.get("content-type", "").split(";")[0].strip() == _MSGPACK:
+        return wire.decode(response.content)
+    return response.json()
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -233,7 +269,9 @@ def _headers(api_key: str | None) -> dict[str, str]:
 
 class AsyncClient:
     """The async client (see the module doc). ``nodes`` are node base URLs (any of them
-    accepts any episode); ``timeout`` bounds one HTTP attempt in seconds."""
+    accepts any episode); ``timeout`` bounds one HTTP attempt in seconds; ``encoding`` is
+    ``"msgpack"`` (numpy arrays as bytes) or ``"json"``. Raises ``ValueError`` for another
+    encoding."""
 
     def __init__(
         self,
@@ -244,9 +282,11 @@ class AsyncClient:
         retry_budget_s: float = 30.0,
         raise_on_reset: bool = False,
         api_key: str | None = None,
+        encoding: Encoding = "msgpack",
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._logic = _Episodes.of(nodes, retries, retry_budget_s, raise_on_reset)
+        self._encoding = _encoding(encoding)
         self._http = httpx.AsyncClient(
             timeout=timeout, headers=_headers(api_key), transport=transport
         )
@@ -271,8 +311,9 @@ class AsyncClient:
                     continue
                 try:
                     url, body = action
+                    data, headers = _encode(body, self._encoding)
                     result: httpx.Response | Exception = await self._http.post(
-                        url + "/act", json=body
+                        url + "/act", content=data, headers=headers
                     )
                 except httpx.TransportError as exc:
                     result = exc
@@ -303,9 +344,11 @@ class Client:
         retry_budget_s: float = 30.0,
         raise_on_reset: bool = False,
         api_key: str | None = None,
+        encoding: Encoding = "msgpack",
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self._logic = _Episodes.of(nodes, retries, retry_budget_s, raise_on_reset)
+        self._encoding = _encoding(encoding)
         self._http = httpx.Client(timeout=timeout, headers=_headers(api_key), transport=transport)
 
     def act(
@@ -327,7 +370,10 @@ class Client:
                     continue
                 try:
                     url, body = action
-                    result: httpx.Response | Exception = self._http.post(url + "/act", json=body)
+                    data, headers = _encode(body, self._encoding)
+                    result: httpx.Response | Exception = self._http.post(
+                        url + "/act", content=data, headers=headers
+                    )
                 except httpx.TransportError as exc:
                     result = exc
                 action = plan.send(result)

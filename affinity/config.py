@@ -23,6 +23,16 @@ _ENV = {
     "redis_deadline_s": "AFFINITY_REDIS_DEADLINE",
 }
 
+_LABELS = {
+    "episode_ttl_s": "episode TTL",
+    "lease_ttl_s": "lease TTL",
+    "events_maxlen": "event stream length",
+    "redis_timeout_s": "Redis timeout",
+    "redis_retries": "Redis retries",
+    "redis_deadline_s": "Redis deadline",
+}
+"""What the messages call each setting (a person sets a flag or a variable, not a field)."""
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -52,11 +62,17 @@ class Settings:
         for name in ("episode_ttl_s", "lease_ttl_s", "redis_timeout_s", "redis_deadline_s"):
             value = getattr(self, name)
             if not value > 0.001:
-                raise InvalidArgument(name, value, "must be more than 0.001 seconds")
+                raise InvalidArgument(
+                    name, value, "must be more than 0.001 seconds", label=_LABELS[name]
+                )
         if self.events_maxlen < 1:
-            raise InvalidArgument("events_maxlen", self.events_maxlen, "must be >= 1")
+            raise InvalidArgument(
+                "events_maxlen", self.events_maxlen, "must be >= 1", label=_LABELS["events_maxlen"]
+            )
         if self.redis_retries < 0:
-            raise InvalidArgument("redis_retries", self.redis_retries, "must be >= 0")
+            raise InvalidArgument(
+                "redis_retries", self.redis_retries, "must be >= 0", label=_LABELS["redis_retries"]
+            )
 
     @property
     def keys(self) -> Keys:

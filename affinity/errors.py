@@ -6,6 +6,8 @@ which limit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
     "AffinityError",
     "BackendUnavailable",
@@ -15,6 +17,7 @@ __all__ = [
     "StaleToken",
     "UnknownDevice",
     "UnknownEpisode",
+    "UnknownField",
     "UnknownNode",
 ]
 
@@ -24,16 +27,29 @@ class AffinityError(Exception):
 
 
 class InvalidArgument(AffinityError, ValueError):
-    """A caller-supplied value is out of its allowed range; nothing was written."""
+    """A caller-supplied value is out of its allowed range; nothing was written.
 
-    def __init__(self, field: str, value: object, limit: str) -> None:
+    ``field`` names it for programs; the message names ``label`` instead when given (what
+    a person set: "lease TTL", not the settings field ``lease_ttl_s``)."""
+
+    def __init__(self, field: str, value: object, limit: str, *, label: str = "") -> None:
         self.field = field
         self.value = value
         self.limit = limit
         shown = repr(value)
         if len(shown) > 80:
             shown = shown[:77] + "..."
-        super().__init__(f"invalid {field} {shown}: {limit}")
+        super().__init__(f"invalid {label or field} {shown}: {limit}")
+
+
+class UnknownField(InvalidArgument):
+    """A request named a field the receiver does not take (a typo would otherwise be
+    silently ignored); ``field`` is the name given, ``expected`` the names it takes."""
+
+    def __init__(self, field: str, expected: Sequence[str]) -> None:
+        super().__init__(field, None, f"unknown field; expected: {', '.join(expected)}")
+        self.expected = tuple(expected)
+        self.args = (f"unknown field {field!r}; expected: {', '.join(expected)}",)
 
 
 class NoCapacity(AffinityError):

@@ -93,6 +93,11 @@ class Keys:
         """Sorted set: episode -> idle deadline (ms); live load = members not yet past it."""
         return self.prefix + "load:" + device
 
+    def moved(self, device: str) -> str:
+        """Sorted set: episode -> idle deadline (ms) of the episodes handed over from the
+        device by a graceful stop, until claimed anew or idle (for listing only)."""
+        return self.prefix + "moved:" + device
+
     def episode_pattern(self) -> str:
         """``SCAN MATCH`` pattern of all assignments (for operators, never inside Lua)."""
         return self.prefix + "episode:*"

@@ -11,7 +11,7 @@ a restart; a dead node's record stays until it registers again or is forgotten.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -28,6 +28,7 @@ __all__ = [
     "Registry",
     "StateChange",
     "check_node_id",
+    "event_json",
 ]
 
 State = Literal["active", "draining", "down"]
@@ -128,7 +129,7 @@ class NodeStatus:
     url: str
     devices: tuple[str, ...]
     alive: bool
-    state: str  # up | leaving | down (its lease lapsed)
+    state: str  # up | leaving | down (its lease lapsed) | left (it deregistered)
     lease_ms: int  # ms left on the lease (negative: lapsed that long ago)
     started_at_ms: int
     version: str
@@ -145,9 +146,34 @@ class EpisodeRow:
     device: str
     token: int
     ttl_ms: int
+    moved: bool = False  # handed over by a graceful stop: its next step is reassigned
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _node_state(recorded: str, leased: bool) -> str:
+    """``left`` for a node that deregistered (its record kept until it registers again or
+    is forgotten), ``down`` for one whose lease lapsed, else what it recorded (``up``,
+    ``leaving``)."""
+    if recorded == "left":
+        return "left"
+    return recorded if leased else "down"
+
+
+EVENT_NUMBERS = ("token", "count", "handed_over", "lease")
+"""Event fields that hold numbers (the stream holds every field as a string)."""
+
+
+def event_json(event_id: str, fields: Mapping[str, str]) -> dict[str, object]:
+    """An event as JSON, as the CLI prints it and ``/events/stream`` sends it: its id, its
+    fields, :data:`EVENT_NUMBERS` as numbers."""
+    out: dict[str, object] = {"id": event_id, **fields}
+    for name in EVENT_NUMBERS:
+        value = fields.get(name)
+        if value is not None and value.isdigit():
+            out[name] = int(value)
+    return out
 
 
 def _now_ms(reply: Sequence[int]) -> int:
@@ -327,7 +353,7 @@ class Registry:
                     url=h.get("url", ""),
                     devices=tuple(filter(None, h.get("devices", "").split(","))),
                     alive=node in leases and deadline > now,
-                    state="down" if deadline <= now else h.get("state", "up"),
+                    state=_node_state(h.get("state", "up"), deadline > now),
                     lease_ms=int(deadline) - now,
                     started_at_ms=int(h.get("started_at", 0)),
                     version=h.get("version", ""),
@@ -383,9 +409,11 @@ class Registry:
     async def episodes(
         self, device: str | None = None, node: str | None = None
     ) -> list[EpisodeRow]:
-        """Live assignments, from the devices' load sets, optionally filtered. With
+        """Live assignments, from the devices' load sets, and those handed over by a graceful
+        stop and not yet claimed anew (``moved``), optionally filtered. With
         ``device`` it reads that device's load set only (at most its capacity of members).
-        Raises :class:`UnknownDevice` for a device that is not registered."""
+        Raises :class:`UnknownDevice` for a device that is not registered and
+        :class:`UnknownNode` for a ``node`` with no record and no device."""
         return await bounded(self.settings, self._episodes(device, node))
 
     async def _episodes(self, device: str | None, node: str | None) -> list[EpisodeRow]:
@@ -398,24 +426,34 @@ class Registry:
             chosen = sorted(await self.redis.smembers(k.devices))
         if node is not None:
             chosen = [d for d in chosen if d.split("/", 1)[0] == node]
+            if not chosen and not await self.redis.exists(k.node(node)):
+                raise UnknownNode(node)
         now = _now_ms(await self.redis.time())
         pipe = self.redis.pipeline(transaction=False)
         for d in chosen:
             pipe.zrangebyscore(k.load(d), now, "+inf")
+            pipe.zrangebyscore(k.moved(d), now, "+inf")
         members = await pipe.execute()
-        pairs = [(d, ep) for d, eps in zip(chosen, members, strict=True) for ep in eps]
+        # (device, episode, listed as handed over): a handed-over entry counts only while
+        # the value still says so (not once the episode was claimed anew, even on d)
+        pairs = [
+            (d, ep, was_moved)
+            for d, live, moved in zip(chosen, members[0::2], members[1::2], strict=True)
+            for eps, was_moved in ((live, False), (moved, True))
+            for ep in eps
+        ]
         pipe = self.redis.pipeline(transaction=False)
-        for _, ep in pairs:
+        for _, ep, _ in pairs:
             pipe.get(k.episode(ep))
             pipe.pttl(k.episode(ep))
         values = await pipe.execute()
         rows = []
-        for (d, ep), value, ttl in zip(pairs, values[0::2], values[1::2], strict=True):
+        for (d, ep, was_moved), value, ttl in zip(pairs, values[0::2], values[1::2], strict=True):
             if not value:
                 continue
             owner, token, *flag = value.split(" ")
-            if owner == d and not flag:
-                rows.append(EpisodeRow(episode=ep, device=d, token=int(token), ttl_ms=int(ttl)))
+            if owner == d and flag == (["moved"] if was_moved else []):
+                rows.append(EpisodeRow(ep, d, int(token), int(ttl), moved=was_moved))
         return rows
 
     async def events(self, since: str = "-", count: int = 100) -> list[tuple[str, dict[str, str]]]:

@@ -93,6 +93,7 @@ def header(keys: Keys, episode_ttl_ms: int, lease_ttl_ms: int, events_maxlen: in
         "NODE_KEY": keys.node(""),
         "DEVICE_KEY": keys.device(""),
         "LOAD_KEY": keys.load(""),
+        "MOVED_KEY": keys.moved(""),
         "VALUE": VALUE,
         "ROUTED": ROUTED,
     }

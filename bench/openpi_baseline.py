@@ -16,7 +16,7 @@ from typing import Any
 
 import websockets.asyncio.server
 
-from node import wire
+from affinity import wire
 from node.devices import discover
 from node.policy import inputs_from_observation, load_contract, outputs_unbatched, resolve_model
 from node.providers import ProviderSettings, build_session

@@ -45,8 +45,8 @@ import websockets.sync.client
 from openpi_client import msgpack_numpy
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
+from affinity import wire
 from bench.common import Node, RedisServer, free_port, median, pct, report, tmpdir
-from node import wire
 from node.protocols.kserve_grpc import kserve_pb2 as pb
 
 MODEL = "vla_demo"

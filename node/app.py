@@ -19,8 +19,10 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
@@ -70,7 +72,7 @@ class NodeApp:
         if scope["type"] == "http":
             await self.access(self._http, scope, receive, send)
         elif scope["type"] == "websocket":
-            await openpi.handle(self.service, scope, receive, send)
+            await openpi.handle(self.service, scope, receive, send, self.access)
         else:
             await self.api(scope, receive, send)
 
@@ -223,7 +225,9 @@ def create_app(
             await service.stop()
             access.flush()
 
-    api = FastAPI(title="affinity node", version=VERSION, lifespan=lifespan)
+    # /docs and /redoc with Swagger UI's and ReDoc's files served by the node itself (from
+    # fastapi-offline's package), not from a CDN: GPU clusters are often air-gapped
+    api = FastAPIOffline(title="affinity node", version=VERSION, lifespan=lifespan)
 
     def svc() -> NodeService:
         service: NodeService = api.state.service
@@ -367,6 +371,14 @@ def create_app(
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return error(exc.status_code, code, message)
+
+    @api.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
+        """FastAPI's own validation (query and path parameters), in the project's shape."""
+        first = exc.errors()[0]
+        field = ".".join(str(part) for part in first["loc"][1:]) or str(first["loc"][0])
+        message = f"{field} {first.get('input')!r:.80}: {first['msg']}"
+        return error(422, "bad_input", message, field=field)
 
     @api.exception_handler(AffinityError)
     async def affinity_error(request: Request, exc: AffinityError) -> Response:

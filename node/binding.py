@@ -136,20 +136,17 @@ class BoundSession:
         self._sync = onnxruntime.OrtValue.ortvalue_from_shape_and_type(
             [1], np.uint8, device_type, device_id
         )
-        for spec in contract.inputs:
-            shape, dtype = _fixed(contract, spec, batch), np.dtype(spec.dtype)
-            value = onnxruntime.OrtValue.ortvalue_from_shape_and_type(
-                shape, dtype, device_type, device_id
-            )
-            self.binding.bind_ortvalue_input(spec.name, value)
-            self.inputs[spec.name] = (value, dtype, shape)
-        for spec in contract.outputs:
-            shape, dtype = _fixed(contract, spec, batch), np.dtype(spec.dtype)
-            value = onnxruntime.OrtValue.ortvalue_from_shape_and_type(
-                shape, dtype, device_type, device_id
-            )
-            self.binding.bind_ortvalue_output(spec.name, value)
-            self.outputs[spec.name] = (value, dtype, shape)
+        for specs, bind, bound in (
+            (contract.inputs, self.binding.bind_ortvalue_input, self.inputs),
+            (contract.outputs, self.binding.bind_ortvalue_output, self.outputs),
+        ):
+            for spec in specs:
+                shape, dtype = _fixed(contract, spec, batch), np.dtype(spec.dtype)
+                value = onnxruntime.OrtValue.ortvalue_from_shape_and_type(
+                    shape, dtype, device_type, device_id
+                )
+                bind(spec.name, value)
+                bound[spec.name] = (value, dtype, shape)
         # state output -> the state input it feeds
         self.fed_back = (
             {out: name for name, out in contract.state.items()} if state_on_device else {}

@@ -328,7 +328,7 @@ class MultiGpuDispatcher:
         if failure_threshold < 1:
             raise ValueError(f"failure_threshold={failure_threshold}: must be >= 1")
         if max_batch is not None and max_batch < 1:
-            raise ValueError(f"max_batch={max_batch}: must be >= 1")
+            raise ValueError(f"batch size limit {max_batch}: must be >= 1 (steps per model run)")
         if not (math.isfinite(batch_delay_us) and batch_delay_us >= 0):
             raise ValueError(f"batch_delay_us={batch_delay_us}: must be a finite number >= 0")
         self.contract = contract

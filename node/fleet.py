@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from affinity import BackendUnavailable, Registry
+from affinity.registry import event_json
 
 __all__ = ["Fleet", "FleetSource", "add_fleet_routes"]
 
@@ -123,8 +124,9 @@ def _id_key(stream_id: str) -> tuple[int, int]:
 
 def sse_event(stream_id: str, fields: dict[str, str]) -> str:
     """One event in SSE framing: ``id:`` = the stream id, ``data:`` = one JSON line with
-    the id and every field of the event (``type`` among them)."""
-    data = json.dumps({"id": stream_id, **fields}, separators=(",", ":"))
+    the id and every field of the event (``type`` among them), numbers as numbers, as
+    ``affinity events --json`` prints it (``affinity.registry.event_json``)."""
+    data = json.dumps(event_json(stream_id, fields), separators=(",", ":"))
     return f"id: {stream_id}\ndata: {data}\n\n"
 
 
@@ -228,7 +230,7 @@ SSE_EXAMPLE = (
     "retry: 2000\n\n"
     "id: 1795983846527-0\n"
     'data: {"id":"1795983846527-0","type":"claim","episode":"ep-7","device":"gpu-a/1",'
-    '"token":"1795983846526991","node":"gpu-a","from":""}\n\n'
+    '"token":1795983846526991,"node":"gpu-a","from":""}\n\n'
     ": keep-alive\n\n"
 )
 

@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from node import wire
+from affinity import wire
 from node.step import Array, Reply, Step
 
 __all__ = ["Forward", "ForwardError", "ForwardPool", "Poster", "Response"]

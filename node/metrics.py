@@ -1,15 +1,24 @@
 """Prometheus metrics of one node, with bounded and documented label values.
 
 ``LABELS`` is the contract: every label value a series may carry. ``device`` values are
-this node's device ids (bounded by its GPUs). No episode id is ever a label.
+this node's device ids (bounded by its GPUs); ``build`` values are this process's own
+(:data:`BUILD`: one value each). No episode id is ever a label. The registry also carries
+prometheus-client's ``process_*`` series (CPU seconds, resident memory, open file
+descriptors, start time; on Linux).
 docs/metrics.md lists the same names and values; a test checks both ways.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import onnxruntime
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
-__all__ = ["LABELS", "Metrics"]
+from affinity import __version__
+
+__all__ = ["BUILD", "LABELS", "Metrics"]
+
+BUILD = {"version": __version__, "onnxruntime": onnxruntime.__version__}
+"""The ``affinity_build_info`` labels: this package's version and ONNX Runtime's."""
 
 ROUTING = (
     "hit",
@@ -44,6 +53,7 @@ LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
     "affinity_queue_wait_seconds": {"device": "device"},
     "affinity_device_capacity": {"device": "device"},
     "affinity_admission_waiting": {},
+    "affinity_build_info": {"version": "build", "onnxruntime": "build"},
 }
 
 
@@ -144,6 +154,14 @@ class Metrics:
             "New episodes waiting in this node's admission backlog (--admission-wait).",
             registry=r,
         )
+        self.build_info = Gauge(
+            "affinity_build_info",
+            "1, labelled with this node's version and ONNX Runtime's.",
+            list(BUILD),
+            registry=r,
+        )
+        self.build_info.labels(**BUILD).set(1)
+        ProcessCollector(registry=r)
         for device in devices:
             self.live.labels(device).set(0)
             self.capacity.labels(device).set(capacity)

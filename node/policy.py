@@ -74,8 +74,17 @@ DEMO_MODEL: Path = MODELS_DIR / "demo_policy.onnx"
 """The packaged demo policy (see ``node/models/build_demo.py``)."""
 VLA_DEMO_MODEL: Path = MODELS_DIR / "vla_demo.onnx"
 """The packaged camera-sized demo policy (see ``node/models/build_vla.py``)."""
+DROID_DEMO_MODEL: Path = MODELS_DIR / "droid_demo.onnx"
+"""The camera-sized demo policy for openpi's DROID observations (``build_vla.py``)."""
+ALOHA_DEMO_MODEL: Path = MODELS_DIR / "aloha_demo.onnx"
+"""The camera-sized demo policy for openpi's ALOHA observations (``build_vla.py``)."""
 PACKAGED_MODELS: Mapping[str, Path] = MappingProxyType(
-    {"demo": DEMO_MODEL, "vla-demo": VLA_DEMO_MODEL}
+    {
+        "demo": DEMO_MODEL,
+        "vla-demo": VLA_DEMO_MODEL,
+        "droid-demo": DROID_DEMO_MODEL,
+        "aloha-demo": ALOHA_DEMO_MODEL,
+    }
 )
 """The names :func:`resolve_model` accepts besides a path."""
 
@@ -364,17 +373,26 @@ def inputs_from_observation(contract: PolicyContract, observation: object) -> Ob
     doc's dtype rule; the batch axis (size 1) is added here. Without a batch axis the value
     has the model's whole shape. Keys the model does not take are returned in ``ignored``,
     never touched. Raises :class:`InvalidInput` (root ``observation``, ``field`` the
-    observation key), and nothing else, for a missing key, a wrong shape or dtype, a key
+    observation key; ``""`` when several are missing, every one named), and nothing else,
+    for a missing key, a wrong shape or dtype, a key
     given twice (nested and flat), or a non-map observation.
     """
     flat = _flatten(observation)
     by_name = {spec.name: spec for spec in contract.observation_inputs}
+    missing = {
+        key: _unbatched(contract, by_name[name]).describe()
+        for key, name in contract.observation_map.items()
+        if key not in flat
+    }
+    if len(missing) == 1:
+        [(key, expected)] = missing.items()
+        raise InvalidInput(key, f"missing; expected {expected}", root=_OBS)
+    if missing:
+        listed = ", ".join(f"{key} ({expected})" for key, expected in missing.items())
+        raise InvalidInput("", f"missing {len(missing)} keys: {listed}", root=_OBS)
     inputs: dict[str, Array] = {}
     for key, name in contract.observation_map.items():
         spec = by_name[name]
-        if key not in flat:
-            unbatched = _unbatched(contract, spec)
-            raise InvalidInput(key, f"missing; expected {unbatched.describe()}", root=_OBS)
         value = _to_input(_unbatched(contract, spec), flat[key], False, key=key, root=_OBS)
         inputs[name] = value[np.newaxis] if contract.batch_axis else value
     ignored = tuple(sorted(key for key in flat if key not in contract.observation_map))

@@ -137,7 +137,7 @@ class ProviderSettings:
     def __post_init__(self) -> None:
         object.__setattr__(self, "trt_cache_root", Path(self.trt_cache_root).expanduser())
         if self.cuda_mem_limit_mb is not None and self.cuda_mem_limit_mb < 1:
-            raise ValueError(f"cuda_mem_limit_mb={self.cuda_mem_limit_mb}: must be >= 1 MiB")
+            raise ValueError(f"CUDA memory limit {self.cuda_mem_limit_mb} MiB: must be >= 1 MiB")
 
 
 @dataclass(frozen=True)
@@ -265,12 +265,19 @@ def require_cuda(
     the CUDA runtime for the driver's version and the device count (``runtime``, default
     ``libcudart`` through ctypes). Call it after ``CUDA_DEVICE_ORDER`` is pinned.
 
-    Raises :class:`CudaUnavailable` with one line: the missing library, a driver older than
-    the CUDA this onnxruntime-gpu needs, or fewer devices than the ordinals asked for.
+    Raises :class:`CudaUnavailable` with one line: a CPU-only onnxruntime, the missing library,
+    a driver older than the CUDA this onnxruntime-gpu needs, or fewer devices than the
+    ordinals asked for.
     """
     gpus = [d for d in devices if d.kind == "cuda"]
     if not gpus:
         return
+    if CUDA not in onnxruntime.get_available_providers():
+        raise CudaUnavailable(
+            f"cannot use GPUs: onnxruntime {onnxruntime.__version__} is the CPU-only build "
+            "(no CUDA provider): install onnxruntime-gpu (Linux x86_64, Windows amd64) in its "
+            "place, or run with --devices cpu"
+        )
     preload_gpu_libraries()
     wanted = f"onnxruntime-gpu {onnxruntime.__version__} needs CUDA {ORT_CUDA_VERSION or '?'}"
     reason = library_load_error(provider_library or _CAPI / "libonnxruntime_providers_cuda.so")

@@ -34,6 +34,7 @@ from node.dispatcher import Arrival, DeviceDown, ModelFailure, MultiGpuDispatche
 from node.forward import Forward, ForwardError, Poster, Response, decode_reply
 from node.membership import Membership
 from node.metrics import Metrics
+from node.peers import PeerHealth
 from node.policy import PolicyContract
 from node.step import Refused, Reply, Step, Unavailable
 
@@ -82,6 +83,7 @@ class Routing:
             else None
         )
         self._rr = 0
+        self.peers = PeerHealth()
 
     # ---- the router ------------------------------------------------------------------
 
@@ -155,13 +157,15 @@ class Routing:
         device full waits in the backlog until then at most (``node/admission.py``)."""
         try:
             try:
-                return await self.claims.resolve(episode, restart=restart)
+                assignment = await self.claims.resolve(episode, restart=restart)
             except NoCapacity as exc:
                 if self.admission is None or deadline is None or exc.reason != "at_capacity":
                     raise
-                return await self.admission.wait(
+                assignment = await self.admission.wait(
                     episode, lambda: self.claims.resolve(episode, restart=restart), deadline
                 )
+            self.peers.resolved(assignment)
+            return assignment
         except BackendUnavailable as exc:
             raise Unavailable("redis", str(exc), 1.0) from exc
         except NoCapacity as exc:
@@ -268,12 +272,14 @@ class Routing:
             resp = await self.pool.post(a.url, body)
         except ForwardError as exc:
             self.metrics.forwarded.labels("unreachable").inc()
+            self.peers.failed(a.node, a.url, exc)
             raise Unavailable(
                 "owner_unreachable",
                 f"episode {a.episode!r} is owned by {a.device} on {a.node} ({a.url}), "
                 f"which did not answer: {exc}",
                 1.0,
             ) from exc
+        self.peers.answered(a.node)
         if resp.status == 200:
             try:
                 reply = decode_reply(resp.body)

@@ -67,6 +67,15 @@ def real_redis_url() -> Iterator[str]:
     r.close()
 
 
+async def place(claims: Claims, episodes: Sequence[str]) -> dict[str, tuple[str, int]]:
+    """Claim each of ``episodes``; episode -> (device, token)."""
+    placed = {}
+    for episode in episodes:
+        a = await claims.resolve(episode)
+        placed[episode] = (a.device, a.token)
+    return placed
+
+
 def cpu_devices(
     count: int = 2,
     *,

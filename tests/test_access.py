@@ -15,7 +15,7 @@ import httpx
 import pytest
 import redis
 
-from tests.procs import Node, Proc, free_port, wait_until
+from tests.procs import Node, RedisServer, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -30,25 +30,6 @@ ACL_COMMANDS = (
     "+xadd +xrange +xrevrange +xread"
 )
 ACL_LINE = f"ACL SETUSER affinity on >node-pw resetkeys ~{{affinity}}:* -@all {ACL_COMMANDS}"
-
-
-def start_redis(tmp: Path, *args: str) -> Proc:
-    proc = Proc(
-        [
-            shutil.which("redis-server") or "redis-server",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(tmp),
-            *args,
-        ],
-        None,
-        tmp / "redis.log",
-    )
-    proc.start()
-    return proc
 
 
 def cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -81,17 +62,15 @@ def exercise(node: Node, url: str) -> None:
 
 @pytest.fixture
 def acl_redis(tmp_path: Path) -> Iterator[int]:
-    port = free_port()
-    proc = start_redis(
-        tmp_path, "--port", str(port), "--bind", "127.0.0.1", "--requirepass", "admin-pw"
-    )
-    admin = redis.Redis(port=port, password="admin-pw", decode_responses=True)
+    server = RedisServer(tmp_path, extra=["--requirepass", "admin-pw"])
+    server.proc.start()  # RedisServer.start() would ping without the password
+    admin = redis.Redis(port=server.port, password="admin-pw", decode_responses=True)
     try:
         wait_until(admin.ping, 10, "redis with a password")
         admin.execute_command(*ACL_LINE.split())
-        yield port
+        yield server.port
     finally:
-        proc.stop()
+        server.stop()
 
 
 def test_node_and_cli_with_a_namespace_restricted_acl_user(acl_redis: int, tmp_path: Path) -> None:
@@ -148,23 +127,24 @@ def test_node_and_cli_over_tls(tmp_path: Path) -> None:
         capture_output=True,
     )
     port = free_port()
-    proc = start_redis(
+    server = RedisServer(
         tmp_path,
-        "--port",
-        "0",
-        "--tls-port",
-        str(port),
-        "--bind",
-        "127.0.0.1",
-        "--tls-cert-file",
-        str(cert),
-        "--tls-key-file",
-        str(key),
-        "--tls-ca-cert-file",
-        str(cert),
-        "--tls-auth-clients",
-        "no",
+        extra=[
+            "--port",
+            "0",  # TLS only: the plain-text port RedisServer chose is turned off
+            "--tls-port",
+            str(port),
+            "--tls-cert-file",
+            str(cert),
+            "--tls-key-file",
+            str(key),
+            "--tls-ca-cert-file",
+            str(cert),
+            "--tls-auth-clients",
+            "no",
+        ],
     )
+    server.proc.start()
     url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}&ssl_cert_reqs=required"
     node = Node(tmp_path, "tls", url, devices="cpu:1")
     try:
@@ -175,7 +155,7 @@ def test_node_and_cli_over_tls(tmp_path: Path) -> None:
         exercise(node, url)
     finally:
         node.stop()
-        proc.stop()
+        server.stop()
 
 
 def test_docs_document_the_tested_acl_line() -> None:

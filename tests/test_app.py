@@ -4,6 +4,7 @@ fakeredis and a real Redis (same bodies)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -228,8 +229,9 @@ async def test_forward_needs_the_secret(two: tuple[list[InProcNode], Router]) ->
 
 
 async def test_unreachable_owner_gets_503_never_a_second_owner(
-    two: tuple[list[InProcNode], Router], redis: Any
+    two: tuple[list[InProcNode], Router], redis: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, "affinity.node")
     (a, _), router = two
     first = None
     for i in range(4):  # find an episode owned by b
@@ -244,6 +246,18 @@ async def test_unreachable_owner_gets_503_never_a_second_owner(
     assert r.json()["error"]["code"] == "owner_unreachable"
     value = await redis.get(KEYS.episode(first["episode_id"]))
     assert value == f"{first['device']} {first['token']}"
+    again = await a.act(episode_id=first["episode_id"], inputs={"obs": [[0] * 8]})
+    assert again.status_code == 503
+    warnings = [r.getMessage() for r in caplog.records if r.name == "affinity.node"]
+    assert len([w for w in warnings if "owner b (http://b.test" in w]) == 1, warnings  # once
+    assert (
+        "is unreachable" in warnings[-1] and "until it answers or its lease lapses" in warnings[-1]
+    )
+    router.down.discard("b.test")
+    back = await a.act(episode_id=first["episode_id"], inputs={"obs": [[0] * 8]})
+    assert back.status_code == 200 and back.json()["node"] == "b"
+    recovered = [r.getMessage() for r in caplog.records if "answers again" in r.getMessage()]
+    assert recovered == ["owner b answers again (2 forward(s) failed meanwhile)"]
 
 
 async def test_fenced_node_refuses_then_reregisters(node: InProcNode, redis: Any) -> None:
@@ -364,7 +378,8 @@ async def test_an_unknown_top_level_field_is_refused_by_name(node: InProcNode, r
     before = await snapshot(redis)
     r = await node.act(episodeId="typo", inputs={"obs": [[0.1] * 8]})
     assert r.status_code == 422
-    assert r.json()["error"]["field"] == "episodeId" and "unknown field" in r.text
+    assert r.json()["error"]["field"] == "episodeId"
+    assert r.json()["error"]["message"].startswith("unknown field 'episodeId'; expected: ")
     assert await snapshot(redis) == before
 
 
@@ -465,7 +480,7 @@ async def test_an_owner_obeys_redis_when_tokens_differ(
 
 
 def mp(body: dict[str, Any]) -> bytes:
-    from node import wire
+    from affinity import wire
 
     return wire.encode(body)
 
@@ -476,7 +491,7 @@ MSGPACK = {"content-type": "application/msgpack", "accept": "application/msgpack
 async def test_msgpack_and_json_give_the_same_steps_direct_and_forwarded(
     two: tuple[list[InProcNode], Router],
 ) -> None:
-    from node import wire
+    from affinity import wire
 
     (a, b), _ = two
     obs = observations(21)
@@ -516,8 +531,47 @@ async def test_bad_msgpack_bodies_are_4xx_and_change_nothing(node: InProcNode, r
     for raw in [b"\x81", b"\xc1", b"\x91" * 5000, mp({"inputs": 1})[:-1], b"[1]"]:
         r = await node.client.post("/act", content=raw, headers=MSGPACK)
         assert r.status_code in (400, 422), (raw[:10], r.text)
+        assert r.text.count("not valid msgpack") <= 1, r.text  # said once, not twice
+    garbage = await node.client.post("/act", content=b"\xc1", headers=MSGPACK)
+    assert garbage.json()["error"]["message"].startswith("body is not valid msgpack: ")
     assert await snapshot(redis) == before
     assert all(node.service.dispatcher.tracker(d).failures == 0 for d in node.service.device_ids)
+
+
+async def test_a_websocket_step_writes_one_access_line_in_both_formats() -> None:
+    import io
+    import json
+    import time
+
+    from node.accesslog import AccessLog
+    from node.protocols.openpi import log_step
+    from node.step import Step
+
+    scope = {"type": "websocket", "path": "/", "client": ("10.0.0.7", 5123)}
+    step = Step(episode="ep-ws", inputs={}, deadline=0.0)
+    plain, as_json = AccessLog(stream=io.StringIO()), AccessLog(json=True, stream=io.StringIO())
+    for log in (plain, as_json):
+        log_step(log, scope, time.monotonic(), 200, step, ("gpu-a/1", "hit"))
+        log_step(log, scope, time.monotonic(), 422, None)
+        log.flush()
+    served, refused = plain.stream.getvalue().splitlines()  # type: ignore[union-attr]
+    assert ' INFO affinity.access: 10.0.0.7:5123 "WS /" 200 ' in served
+    assert served.endswith("ms episode=ep-ws device=gpu-a/1 routing=hit")
+    assert '"WS /" 422 ' in refused and refused.endswith("episode=- device=- routing=-")
+    docs = [json.loads(line) for line in as_json.stream.getvalue().splitlines()]  # type: ignore[union-attr]
+    assert [(d["method"], d["path"], d["status"]) for d in docs] == [
+        ("WS", "/", 200),
+        ("WS", "/", 422),
+    ]
+    assert (docs[0]["episode"], docs[0]["device"], docs[0]["routing"]) == (
+        "ep-ws",
+        "gpu-a/1",
+        "hit",
+    )
+    off = AccessLog(False, stream=io.StringIO())
+    log_step(off, scope, time.monotonic(), 200, step, ("gpu-a/1", "hit"))
+    off.flush()
+    assert off.stream.getvalue() == ""  # type: ignore[union-attr]
 
 
 async def test_the_access_log_has_one_line_per_request_with_the_steps_facts(

@@ -8,7 +8,14 @@ from dataclasses import replace
 
 import pytest
 
-from affinity import InvalidArgument, NoCapacity, StaleToken, UnknownDevice, UnknownEpisode
+from affinity import (
+    InvalidArgument,
+    NoCapacity,
+    Settings,
+    StaleToken,
+    UnknownDevice,
+    UnknownEpisode,
+)
 from tests.conftest import Env, cpu_devices
 
 pytestmark = pytest.mark.anyio
@@ -84,6 +91,11 @@ async def test_reassigned_when_lease_lapses(env: Env) -> None:
     assert await env.redis.zrange(env.keys.load("a/0"), 0, -1) == []
     assert await env.redis.zrange(env.keys.load("b/0"), 0, -1) == ["ep"]
     assert (await env.claims.resolve("ep")).status == "hit"
+    # the claim noticed the lapse: one node-down, and none more when the node is back
+    for _ in range(2):
+        downs = [f["node"] for _, f in await env.registry.events() if f["type"] == "node-down"]
+        assert downs == ["a"]
+        await env.node("a", 1)
 
 
 async def test_reassigned_when_device_down(env: Env) -> None:
@@ -318,8 +330,8 @@ async def test_deregister_hands_episodes_over(env: Env) -> None:
         moved = await env.claims.resolve(e.episode)
         assert (moved.status, moved.device, moved.previous) == ("reassigned", "b/0", "a/0")
         assert moved.token > e.token
-    nodes = {n.node: n.alive for n in await env.registry.nodes()}
-    assert nodes == {"b": True}
+    nodes = {n.node: (n.state, n.alive) for n in await env.registry.nodes()}
+    assert nodes == {"a": ("left", False), "b": ("up", True)}
     events = [f for _, f in await env.registry.events()]
     assert {
         "type": "node-down",
@@ -494,3 +506,21 @@ async def test_each_call_ends_at_its_own_deadline() -> None:
         await quick.aclose()
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "message"),
+    [
+        ({"lease_ttl_s": 0.0}, "lease_ttl_s", "invalid lease TTL 0.0: must be more than 0.001"),
+        ({"episode_ttl_s": -1}, "episode_ttl_s", "invalid episode TTL -1: must be more than"),
+        ({"events_maxlen": 0}, "events_maxlen", "invalid event stream length 0: must be >= 1"),
+        ({"redis_retries": -1}, "redis_retries", "invalid Redis retries -1: must be >= 0"),
+    ],
+)
+def test_settings_errors_name_what_a_person_sets(
+    changes: dict[str, float], field: str, message: str
+) -> None:
+    with pytest.raises(InvalidArgument) as raised:
+        Settings(**changes)
+    assert raised.value.field == field and str(raised.value).startswith(message)
+    assert field not in str(raised.value)  # the settings field is for programs

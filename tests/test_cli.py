@@ -20,6 +20,7 @@ import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
 from affinity.cli import main
+from tests.conftest import place
 from tests.procs import ROOT, RedisServer, free_port, wait_until
 
 pytestmark = pytest.mark.integration
@@ -76,11 +77,7 @@ async def populate(url: str, namespace: str = "affinity") -> dict[str, tuple[str
         await client.zadd(settings.keys.nodes, {"gone-c": 1})  # its lease lapsed
         await registry.register("gpu-a", "http://gpu-a:8000", devices("gpu-a", "cuda", 2, 4))
         await registry.register("cpu-b", "http://cpu-b:8000", devices("cpu-b", "cpu", 2, 8))
-        placed = {}
-        for ep in EPISODES:
-            a = await claims.resolve(ep)
-            placed[ep] = (a.device, a.token)
-        return placed
+        return await place(claims, EPISODES)
     finally:
         await client.aclose()
 
@@ -222,7 +219,8 @@ def test_namespace_and_env_defaults(
 def test_episodes(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli(dep, capsys, "episodes")
     assert (code, err) == (0, "")
-    rows = parse_table(out, ["EPISODE", "DEVICE", "TOKEN", "TTL LEFT"])
+    rows = parse_table(out, ["EPISODE", "DEVICE", "TOKEN", "TTL LEFT", "MOVED"])
+    assert {r["MOVED"] for r in rows} == {"no"}
     assert {r["EPISODE"]: (r["DEVICE"], int(r["TOKEN"])) for r in rows} == dep.placed
     assert all(0 < float(r["TTL LEFT"].rstrip("s")) <= 300 for r in rows)
 
@@ -241,6 +239,8 @@ def test_episodes(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli(dep, capsys, "episodes", "--device", "nope/9")
     assert code == 1 and out == ""
     assert err == "affinity: device 'nope/9' is not registered\n"
+    code, out, err = cli(dep, capsys, "episodes", "--node", "nope")
+    assert (code, out, err) == (1, "", "affinity: node 'nope' is not registered\n")
 
 
 def test_show(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
@@ -315,7 +315,7 @@ def test_drain_then_devices_shows_draining(
     assert {r["episode"] for r in json.loads(out)} == kept
 
     code, out, _ = cli(dep, capsys, "events", "--count", "1")
-    assert out.split(" ")[1] == "drain"
+    assert out.split(" ")[2] == "drain"
     assert "device=gpu-a/1" in out and "reason='fan failure'" in out
 
     code, out, _ = cli(dep, capsys, "undrain", "gpu-a/1", "--json")
@@ -341,7 +341,7 @@ def test_events(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     assert (code, err) == (0, "")
     lines = out.splitlines()
     # gone-c up, its lapse noticed by the next registration, 2 node-up, one claim each
-    assert [line.split(" ")[1] for line in lines] == [
+    assert [line.split(" ")[2] for line in lines] == [
         "node-up",
         "node-down",
         "node-up",
@@ -353,7 +353,12 @@ def test_events(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     device, token = dep.placed["ep-1"]
     first_claim = lines[4].split(" ")
     assert "episode=ep-1" in first_claim and f"device={device}" in first_claim
-    assert f"token={token}" in first_claim and "from=" in first_claim
+    assert f"token={token}" in first_claim and not any(p.endswith("=") for p in first_claim)
+    assert not any(p.startswith("from=") for p in first_claim)  # a first claim: none before
+    written = int(ids[4].split("-")[0]) / 1000
+    assert first_claim[1] == time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(written)) + (
+        f".{int(ids[4].split('-')[0]) % 1000:03d}Z"
+    )
 
     code, out, _ = cli(dep, capsys, "events", "--json")  # the latest 20: all 10 here
     events = [json.loads(line) for line in out.splitlines()]
@@ -478,7 +483,7 @@ def test_events_follow_stops_on_ctrl_c(dep: Deployment) -> None:
         stop(proc)
     assert proc.returncode == 0
     assert err == ""
-    assert [line.split(" ")[1] for line in out.splitlines()] == ["claim", "claim"]
+    assert [line.split(" ")[2] for line in out.splitlines()] == ["claim", "claim"]
 
 
 def test_events_follow_exits_3_when_redis_goes_away(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from affinity import AsyncClient, Client, RequestRefused, ServiceUnavailable, StateReset
+from affinity import AsyncClient, Client, RequestRefused, ServiceUnavailable, StateReset, wire
 from node.policy import DEMO_MODEL, reference_rollout
 from tests.procs import Node, RedisServer, wait_until
 from tests.test_cluster import Cluster, running
@@ -49,14 +50,18 @@ def obs(seed: int, n: int) -> list[np.ndarray]:
 def test_steps_go_straight_to_the_owner_and_match_the_reference(cluster: Cluster) -> None:
     entry = cluster.nodes[0]
     seen: dict[str, str] = {}
-    with Client(entry.url) as client:
+    with Client(entry.url) as binary, Client(entry.url, encoding="json") as as_json:
         for e in range(6):
+            client = binary if e % 2 else as_json  # msgpack by default, JSON when asked
             xs = obs(e, 8)
             steps = [client.act(f"cl-{e}", {"obs": x}) for x in xs]
             assert len({s.device for s in steps}) == 1 and steps[0].routing == "claimed"
             assert not any(s.state_reset for s in steps)
             for s, want in zip(steps, reference_rollout(DEMO_MODEL, xs), strict=True):
-                np.testing.assert_allclose(s.outputs["actions"], want["actions"], rtol=1e-5)
+                actions = s.outputs["actions"]
+                assert isinstance(actions, np.ndarray) and actions.shape == (1, 4, 2)
+                assert actions.dtype == (np.float32 if client is binary else np.float64)
+                np.testing.assert_allclose(actions, want["actions"], rtol=1e-5)
             seen[f"cl-{e}"] = steps[0].node
     # only each episode's first step went through the entry node and was forwarded
     not_entry = sum(node != entry.node_id for node in seen.values())
@@ -110,3 +115,39 @@ def test_the_async_client_steps_episodes_concurrently(cluster: Cluster) -> None:
     asyncio.run(run())
     r = cluster.redis.client()
     wait_until(lambda: not list(r.scan_iter("{affinity}:episode:ac-*")), 5, "ended episodes gone")
+
+
+def test_the_body_is_msgpack_with_arrays_by_default_and_json_when_asked() -> None:
+    sent: list[httpx.Request] = []
+    reply = {
+        "outputs": {"actions": np.arange(8, dtype=np.float32).reshape(1, 4, 2)},
+        "episode_id": "ep", "device": "a/0", "node": "a", "token": 7, "routing": "claimed",
+        "state_reset": False, "degraded": False, "source": "model",
+    }  # fmt: skip
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        if request.headers["accept"] == "application/msgpack":
+            return httpx.Response(
+                200, content=wire.encode(reply), headers={"content-type": "application/msgpack"}
+            )
+        as_lists = {**reply, "outputs": {"actions": reply["outputs"]["actions"].tolist()}}
+        return httpx.Response(200, json=as_lists)
+
+    x = np.full((1, 8), 0.5, np.float32)
+    for encoding in ("msgpack", "json"):
+        transport = httpx.MockTransport(answer)
+        with Client("http://a.test", encoding=encoding, transport=transport) as client:  # type: ignore[arg-type]
+            step = client.act("ep", {"obs": x})
+        np.testing.assert_array_equal(step.outputs["actions"], reply["outputs"]["actions"])
+    binary, text = sent
+    assert binary.headers["content-type"] == "application/msgpack"
+    body = wire.decode(binary.content)
+    assert (
+        isinstance(body["inputs"]["obs"], np.ndarray) and body["inputs"]["obs"].dtype == np.float32
+    )
+    assert body["episode_id"] == "ep"
+    assert text.headers["content-type"] == "application/json"
+    assert json.loads(text.content)["inputs"] == {"obs": [[0.5] * 8]}
+    with pytest.raises(ValueError, match="encoding 'xml': must be one of msgpack, json"):
+        Client("http://a.test", encoding="xml")  # type: ignore[arg-type]

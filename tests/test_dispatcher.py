@@ -409,7 +409,7 @@ async def test_batching_defaults_to_eight_for_a_model_with_a_batch_axis(
     assert any("batching is on: up to 8" in r.getMessage() for r in caplog.records)
     off, _, _ = make(1, BATCHED, max_batch=1)
     assert off.max_batch == 1
-    with pytest.raises(ValueError, match="max_batch"):
+    with pytest.raises(ValueError, match=r"^batch size limit 0: must be >= 1"):
         make(1, BATCHED, max_batch=0)
     with pytest.raises(ValueError, match="batch_delay_us"):
         make(1, BATCHED, batch_delay_us=-1)

@@ -192,7 +192,22 @@ HOSTILE = {
         *raw_body({**GOOD, "outputs": [{"name": "a", "parameters": {"classification": 2}}]}, F32),
         "classification is not supported",
     ),
+    "a custom parameter Triton refuses": (
+        *raw_body({**GOOD, "parameters": {"my_param": {"nested": 1}}}, F32),
+        "parameter 'my_param' must be a boolean, a number or a string, not an object",
+    ),
+    "priority not a uint64": (
+        *raw_body({**GOOD, "parameters": {"priority": -1}}, F32),
+        "priority -1 must be an unsigned integer",
+    ),
 }  # fmt: skip
+
+
+def test_custom_parameters_triton_takes_are_taken() -> None:
+    body, length = raw_body(
+        {**GOOD, "parameters": {"my_param": 42, "note": "x", "flag": True, "priority": 3}}, F32
+    )
+    assert decode_infer(body, length).arrays
 
 
 @pytest.mark.parametrize("case", HOSTILE)

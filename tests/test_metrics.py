@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from affinity import Keys
 from node.admission import Admission
-from node.metrics import LABELS
+from node.metrics import BUILD, LABELS
 from node.policy import DEMO_MODEL
 from node.providers import ProviderSettings, build_session
 from tests.inproc import InProcNode, cluster, config
@@ -176,6 +176,10 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
 
     devices = {f"{n}/{i}" for n in "ab" for i in range(2)}
     driven: dict[str, bool] = dict.fromkeys(LABELS, False)
+    process = {name for name, _, value in seen if name.startswith("process_") and value > 0}
+    assert {"process_cpu_seconds_total", "process_resident_memory_bytes"} <= process, process
+    assert {"process_start_time_seconds", "process_open_fds"} <= process, process
+    seen = [x for x in seen if not x[0].startswith("process_")]  # prometheus-client's own
     for name, labels, value in seen:
         family = family_of(name)
         documented = LABELS[family]
@@ -183,13 +187,16 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         for label, value_label in labels.items():
             if label == "le":
                 continue
-            allowed = devices if documented[label] == "device" else documented[label]
+            allowed = {
+                "device": devices,
+                "build": {BUILD.get(label, "")},
+            }.get(str(documented[label]), documented[label])
             assert value_label in allowed, (name, label, value_label)
         if value > 0 and not name.endswith("_created"):
             driven[family] = True
     for family, values in LABELS.items():
         for label, allowed in values.items():
-            if allowed == "device":
+            if allowed in ("device", "build"):
                 continue
             for v in allowed:
                 hit = any(
@@ -211,6 +218,6 @@ def test_docs_document_every_metric_and_value() -> None:
         for label, values in labels.items():
             row = next(line for line in table.splitlines() if f"`{family}`" in line)
             assert f"`{label}`" in row, (family, label)
-            if values != "device":
+            if values not in ("device", "build"):
                 for v in values:
                     assert re.search(rf"`{re.escape(v)}`", row), (family, v)

@@ -50,6 +50,93 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield c
 
 
+@pytest.fixture(scope="module")
+def robots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Node]]:
+    """One node per other robot's demo policy (each in its own namespace)."""
+    tmp = tmp_path_factory.mktemp("openpi-robots")
+    redis = RedisServer(tmp)
+    nodes = {
+        model: Node(
+            tmp,
+            model,
+            redis.url,
+            devices="cpu:1",
+            extra=["--model", model, "--namespace", model, "--act-deadline", "8"],
+        )
+        for model in ("droid-demo", "aloha-demo")
+    }
+    with running(redis, list(nodes.values())):
+        yield nodes
+
+
+# openpi's examples/simple_client/main.py, as it builds each environment's observation
+def _random_observation_aloha() -> dict[str, Any]:
+    return {
+        "state": np.ones((14,)),
+        "images": {
+            "cam_high": np.random.randint(256, size=(3, 224, 224), dtype=np.uint8),
+            "cam_low": np.random.randint(256, size=(3, 224, 224), dtype=np.uint8),
+            "cam_left_wrist": np.random.randint(256, size=(3, 224, 224), dtype=np.uint8),
+            "cam_right_wrist": np.random.randint(256, size=(3, 224, 224), dtype=np.uint8),
+        },
+        "prompt": "do something",
+    }
+
+
+def _random_observation_droid() -> dict[str, Any]:
+    return {
+        "observation/exterior_image_1_left": np.random.randint(
+            256, size=(224, 224, 3), dtype=np.uint8
+        ),
+        "observation/wrist_image_left": np.random.randint(256, size=(224, 224, 3), dtype=np.uint8),
+        "observation/joint_position": np.random.rand(7),
+        "observation/gripper_position": np.random.rand(1),
+        "prompt": "do something",
+    }
+
+
+def _random_observation_libero() -> dict[str, Any]:
+    return {
+        "observation/state": np.random.rand(8),
+        "observation/image": np.random.randint(256, size=(224, 224, 3), dtype=np.uint8),
+        "observation/wrist_image": np.random.randint(256, size=(224, 224, 3), dtype=np.uint8),
+        "prompt": "do something",
+    }
+
+
+ENVIRONMENTS = {  # openpi's EnvMode -> (observations, the model, its action chunk)
+    "ALOHA": (_random_observation_aloha, "aloha-demo", (50, 14)),
+    "ALOHA_SIM": (_random_observation_aloha, "aloha-demo", (50, 14)),
+    "DROID": (_random_observation_droid, "droid-demo", (10, 8)),
+    "LIBERO": (_random_observation_libero, "vla-demo", (10, 7)),
+}
+
+
+@pytest.mark.parametrize("env", list(ENVIRONMENTS))
+def test_openpis_example_client_runs_every_environment(
+    env: str, cluster: Cluster, robots: dict[str, Node]
+) -> None:
+    """What ``examples/simple_client/main.py --env <env>`` does: connect by host and port,
+    read the metadata, two warm-up steps, then steps; here checked against the model."""
+    obs_fn, model, chunk = ENVIRONMENTS[env]
+    node = cluster.nodes[0] if model == "vla-demo" else robots[model]
+    np.random.seed(sum(map(ord, env)))
+    policy = WebsocketClientPolicy(host=node.host, port=node.port)
+    assert policy.get_server_metadata()["affinity"]["policy"]["inputs"]
+    sent = [obs_fn() for _ in range(5)]
+    replies = [policy.infer(obs) for obs in sent]
+    policy._ws.close()
+    path = resolve_model(model)
+    contract = load_contract(path)
+    feeds = [inputs_from_observation(contract, obs).inputs for obs in sent]
+    want = [step["actions"][0] for step in reference_rollout(path, feeds)]
+    assert [r["routing"] for r in replies] == ["claimed"] + ["hit"] * 4
+    for got, expected in zip(replies, want, strict=True):
+        assert got["actions"].shape == chunk and got["actions"].dtype == np.float32
+        np.testing.assert_allclose(got["actions"], expected, rtol=1e-4, atol=1e-5)
+        assert got["server_timing"]["infer_ms"] > 0
+
+
 def libero(seed: int, steps: int) -> list[dict[str, Any]]:
     rng = np.random.default_rng(seed)
     return [
@@ -130,6 +217,32 @@ def test_a_bad_observation_is_the_clients_runtime_error(cluster: Cluster) -> Non
         policy.infer(bad)
     r = cluster.redis.client()
     assert r.get(KEYS.episode("pi-bad")) is None  # nothing was claimed
+
+
+def test_each_step_writes_one_access_line(cluster: Cluster) -> None:
+    node = cluster.nodes[1]
+    policy = client(node, "pi-logged")
+    replies = [policy.infer(o) for o in libero(6, 3)]
+    policy._ws.close()
+    device = replies[0]["device"]
+
+    def lines() -> list[str]:
+        text = node.proc.log_path.read_text(errors="replace")
+        return [line for line in text.splitlines() if "episode=pi-logged" in line]
+
+    wait_until(lambda: len(lines()) == 3, 10, "three access lines")
+    for line, routing in zip(lines(), ["claimed", "hit", "hit"], strict=True):
+        assert " INFO affinity.access: 127.0.0.1:" in line and '"WS /" 200 ' in line, line
+        assert line.endswith(f"ms episode=pi-logged device={device} routing={routing}"), line
+
+
+def test_an_unknown_query_key_is_the_clients_runtime_error(cluster: Cluster) -> None:
+    node = cluster.nodes[0]
+    policy = WebsocketClientPolicy(f"ws://{node.host}:{node.port}/?episode=typo-key")
+    with pytest.raises(RuntimeError, match="bad query: unknown key 'episode'"):
+        policy.infer(libero(5, 1)[0])
+    r = cluster.redis.client()
+    assert r.get(KEYS.episode("typo-key")) is None
 
 
 def test_sigkill_of_the_owner_mid_episode(cluster: Cluster, tmp_path: Path) -> None:

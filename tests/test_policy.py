@@ -4,6 +4,7 @@ observations), the two demo models and the reference rollout."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import re
@@ -21,7 +22,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from node.models import build_demo, build_vla
 from node.policy import (
+    ALOHA_DEMO_MODEL,
     DEMO_MODEL,
+    DROID_DEMO_MODEL,
     PACKAGED_MODELS,
     VLA_DEMO_MODEL,
     InvalidInput,
@@ -421,12 +424,17 @@ def test_observation_map(tmp_path: Path) -> None:
 def test_resolve_model(tmp_path: Path) -> None:
     assert resolve_model("demo") == DEMO_MODEL
     assert resolve_model("vla-demo") == VLA_DEMO_MODEL
-    assert set(PACKAGED_MODELS) == {"demo", "vla-demo"}
+    assert resolve_model("droid-demo") == DROID_DEMO_MODEL
+    assert resolve_model("aloha-demo") == ALOHA_DEMO_MODEL
+    assert set(PACKAGED_MODELS) == {"demo", "vla-demo", "droid-demo", "aloha-demo"}
     assert all(path.is_file() for path in PACKAGED_MODELS.values())
     mine = recurrent_model(tmp_path / "mine.onnx")
     assert resolve_model(str(mine)) == mine
     assert resolve_model(mine) == mine
-    with pytest.raises(ValueError, match=r"'nope\.onnx': not a packaged model \(demo, vla-demo\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'nope\.onnx': not a packaged model \(demo, vla-demo, droid-demo, aloha-demo\)",
+    ):
         resolve_model("nope.onnx")
     with pytest.raises(ValueError, match="nor an existing file"):
         resolve_model(tmp_path)  # a directory
@@ -613,7 +621,7 @@ def test_arrays_in_the_model_shape() -> None:
 
 
 def test_read_only_buffers_run_through_the_model() -> None:
-    """What ``node/wire.py`` hands over: arrays over the received bytes (read only)."""
+    """What ``affinity/wire.py`` hands over: arrays over the received bytes (read only)."""
     obs = np.linspace(-1, 1, 8, dtype=np.float32).reshape(1, 8)
     received = np.frombuffer(obs.tobytes(), dtype="<f4").reshape(1, 8)
     assert not received.flags.writeable
@@ -879,6 +887,12 @@ def without(observation: dict[str, Any], key: str) -> dict[str, Any]:
             "observation/state",
             "given twice (nested and flat)",
         ),
+        (
+            lambda o: {"prompt": o["prompt"]},
+            "",
+            "missing 3 keys: observation/image (uint8 [224, 224, 3]), observation/wrist_image "
+            "(uint8 [224, 224, 3]), observation/state (float32 [8])",
+        ),
         (lambda o: {**o, 3: 1}, "3", "keys must be strings"),
         (lambda o: {**o, "x": {b"k": 1}}, "x/b'k'", "keys must be strings"),
         (lambda o: [o], "", "must be a map of key -> value, got a list"),
@@ -970,13 +984,18 @@ def test_outputs_unbatched() -> None:
 
 
 @pytest.mark.parametrize(
-    ("builder", "packaged", "limit"),
-    [(build_demo, DEMO_MODEL, 8192), (build_vla, VLA_DEMO_MODEL, 2_000_000)],
+    ("build", "packaged", "limit"),
+    [
+        (build_demo.build, DEMO_MODEL, 8192),
+        (build_vla.build, VLA_DEMO_MODEL, 2_000_000),
+        (functools.partial(build_vla.build, robot=build_vla.DROID), DROID_DEMO_MODEL, 2_000_000),
+        (functools.partial(build_vla.build, robot=build_vla.ALOHA), ALOHA_DEMO_MODEL, 2_000_000),
+    ],
 )
 def test_packaged_models_are_reproducible(
-    tmp_path: Path, builder: Any, packaged: Path, limit: int
+    tmp_path: Path, build: Any, packaged: Path, limit: int
 ) -> None:
-    model, sidecar = builder.build(tmp_path)
+    model, sidecar = build(tmp_path)
     assert model.read_bytes() == packaged.read_bytes()
     assert sidecar.read_bytes() == sidecar_path(packaged).read_bytes()
     assert model.stat().st_size < limit
@@ -1137,7 +1156,7 @@ def test_vla_batch_of_episodes_equals_each_run_alone() -> None:
         np.testing.assert_allclose(new_hidden[i : i + 1], alone_hidden, atol=1e-5)
 
 
-def test_cost_measures_both_models(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cost_measures_every_packaged_model(capsys: pytest.CaptureFixture[str]) -> None:
     from node.models import cost
 
     cost.main(["--runs", "2"])
@@ -1147,5 +1166,9 @@ def test_cost_measures_both_models(capsys: pytest.CaptureFixture[str]) -> None:
         ("demo", "8"),
         ("vla-demo", "1"),
         ("vla-demo", "8"),
+        ("droid-demo", "1"),
+        ("droid-demo", "8"),
+        ("aloha-demo", "1"),
+        ("aloha-demo", "8"),
     ]
     assert all(float(row[2]) > 0 for row in rows)

@@ -18,6 +18,7 @@ import numpy as np
 import onnxruntime
 import pytest
 from onnxruntime.capi.onnxruntime_pybind11_state import EPFail, Fail, NoSuchFile
+from packaging.requirements import Requirement
 from packaging.version import Version
 
 import node.providers as providers
@@ -169,7 +170,7 @@ def test_cache_root_is_expanded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
 
 
 def test_memory_limit_must_be_positive() -> None:
-    with pytest.raises(ValueError, match="cuda_mem_limit_mb=0"):
+    with pytest.raises(ValueError, match="CUDA memory limit 0 MiB: must be >= 1 MiB"):
         ProviderSettings(cuda_mem_limit_mb=0)
 
 
@@ -547,14 +548,55 @@ def test_the_onnxruntime_floor_has_what_the_node_relies_on() -> None:
     is past 1.22, the first release with ORT PR #24010 (TensorRT on device_id > 0 from another
     thread)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    [floor] = [
-        Version(dep.split(">=", 1)[1])
-        for dep in project["dependencies"]
-        if dep.startswith("onnxruntime-gpu>=")
-    ]
+    builds = {
+        req.name: req
+        for req in map(Requirement, project["dependencies"])
+        if req.name in ("onnxruntime", "onnxruntime-gpu")
+    }
+    floors = {Version(spec.version) for req in builds.values() for spec in req.specifier}
+    [floor] = floors
     assert floor >= Version("1.26") and Version(onnxruntime.__version__) >= floor
-    gpu_extra = project["optional-dependencies"]["gpu"]
-    assert any(g.startswith("onnxruntime-gpu[cuda,cudnn]>=") for g in gpu_extra)
+    gpu_extra = [Requirement(g) for g in project["optional-dependencies"]["gpu"]]
+    assert any(g.name == "onnxruntime-gpu" and g.extras == {"cuda", "cudnn"} for g in gpu_extra)
+
+
+@pytest.mark.parametrize(
+    ("platform", "machine", "build"),
+    [
+        ("linux", "x86_64", "onnxruntime-gpu"),
+        ("win32", "AMD64", "onnxruntime-gpu"),
+        ("linux", "aarch64", "onnxruntime"),
+        ("darwin", "arm64", "onnxruntime"),
+        ("darwin", "x86_64", "onnxruntime"),
+    ],
+)
+def test_exactly_one_onnxruntime_build_installs_on_each_platform(
+    platform: str, machine: str, build: str
+) -> None:
+    """onnxruntime-gpu where PyPI has its wheels, the CPU build elsewhere; never both (they
+    install the same module)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    env = {"sys_platform": platform, "platform_machine": machine}
+    chosen = [
+        req.name
+        for req in map(Requirement, project["dependencies"])
+        if req.name.startswith("onnxruntime") and (req.marker is None or req.marker.evaluate(env))
+    ]
+    assert chosen == [build]
+
+
+def test_a_cpu_only_onnxruntime_is_named_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu_build = ["AzureExecutionProvider", "CPUExecutionProvider"]
+    monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: cpu_build)
+
+    def never() -> Any:
+        raise AssertionError("a CPU-only build has no CUDA to ask")
+
+    with pytest.raises(CudaUnavailable) as raised:
+        require_cuda(GPUS[:1], provider_library=Path("/nonexistent.so"), runtime=never)
+    message = str(raised.value)
+    assert message.startswith(f"cannot use GPUs: onnxruntime {onnxruntime.__version__} is ")
+    assert "CPU-only" in message and "onnxruntime-gpu" in message and "\n" not in message
     source = onnxruntime.OrtValue.ortvalue_from_numpy(np.arange(4, dtype=np.float32))
     target = onnxruntime.OrtValue.ortvalue_from_shape_and_type([4], np.float32, "cpu", 0)
     target.update_inplace(source)  # the device-to-device copy, here host to host

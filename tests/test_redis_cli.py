@@ -14,6 +14,7 @@ import pytest
 import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
+from tests.conftest import place
 from tests.procs import ROOT, RedisServer
 
 pytestmark = pytest.mark.integration
@@ -151,11 +152,7 @@ async def populate(url: str) -> dict[str, tuple[str, int]]:
         registry, claims = Registry(client, settings), Claims(client, settings)
         await registry.register("gpu-a", "http://gpu-a:8000", cuda("gpu-a", 2))
         await registry.register("gpu-b", "http://gpu-b:8000", cuda("gpu-b", 1, capacity=2))
-        placed = {}
-        for ep in EPISODES:
-            a = await claims.resolve(ep)
-            placed[ep] = (a.device, a.token)
-        return placed
+        return await place(claims, EPISODES)
     finally:
         await client.aclose()
 

@@ -17,6 +17,7 @@ from affinity import (
     Registry,
     UnknownNode,
 )
+from affinity.registry import StateChange
 from tests.conftest import Env, cpu_devices
 
 pytestmark = pytest.mark.anyio
@@ -50,7 +51,7 @@ async def test_a_stopped_node_back_with_fewer_devices_loses_the_others(env: Env)
     await env.node("a", 2)
     await env.claims.resolve("ep-0")
     assert (await env.claims.resolve("ep-1")).device == "a/1"
-    await env.registry.deregister("a")  # SIGTERM: the node hash is deleted
+    await env.registry.deregister("a")  # SIGTERM: the node hash says "left"
     await env.node("a", 1)
     moved = await env.claims.resolve("ep-1")
     assert (moved.status, moved.device, moved.previous) == ("reassigned", "a/0", "a/1")
@@ -143,17 +144,17 @@ async def test_a_lapse_writes_one_node_down_by_whoever_notices_first(env: Env) -
     assert a.lease_ms < 0 and nodes["b"].alive and nodes["b"].state == "up"
 
 
-async def test_a_claim_notices_a_lapse_too(env: Env) -> None:
+async def test_a_repeated_drain_writes_no_event(env: Env) -> None:
     await env.node("a", 1)
-    await env.node("b", 1)
-    first = await env.claims.resolve("ep")
-    assert first.device == "a/0"
-    await env.lapse("a")
-    moved = await env.claims.resolve("ep")
-    assert (moved.status, moved.device, moved.previous) == ("reassigned", "b/0", "a/0")
-    assert [e["node"] for e in await events(env, "node-down")] == ["a"]
-    await env.node("a", 1)  # back: one node-up, and no second node-down
-    assert [e["node"] for e in await events(env, "node-down")] == ["a"]
+    first = await env.registry.drain("a/0", "bad fan")
+    again = await env.registry.drain("a/0", "bad fan")
+    assert (first.changed, again) == (True, StateChange("draining", False, "draining"))
+    assert len(await events(env, "drain")) == 1
+    other = await env.registry.drain("a/0", "worse fan")  # a new reason is recorded
+    assert other.changed and len(await events(env, "drain")) == 2
+    assert (await env.registry.undrain("a/0")).changed
+    assert not (await env.registry.undrain("a/0")).changed  # not draining: left alone
+    assert len(await events(env, "undrain")) == 1
 
 
 async def test_forget_a_dead_node(env: Env) -> None:
@@ -229,6 +230,52 @@ async def test_leave_takes_no_new_episodes_and_handoff_moves_each(env: Env) -> N
     assert (await events(env, "reassign"))[-1]["from"] == "a/0"
     await env.node("a", 1)  # registering again undoes the leave
     assert "a/0" in {(await env.claims.resolve(f"later-{i}")).device for i in range(2)}
+
+
+async def test_a_stopped_node_is_listed_as_left_with_its_devices(env: Env) -> None:
+    await env.node("a", 2)
+    await env.node("b", 1)
+    await env.claims.resolve("ep")
+    await env.registry.deregister("a")
+    nodes = {n.node: n for n in await env.registry.nodes()}
+    assert (nodes["a"].state, nodes["a"].alive, nodes["a"].devices) == (
+        "left",
+        False,
+        ("a/0", "a/1"),
+    )
+    assert nodes["b"].state == "up"
+    devices = {d.device: d for d in await env.registry.devices()}
+    assert {d for d, s in devices.items() if s.node == "a"} == set(nodes["a"].devices)
+    assert not any(devices[d].alive for d in nodes["a"].devices)
+    await env.lapse("b")  # a lapse noticed later does not turn "left" into "down"
+    assert {n.node: n.state for n in await env.registry.nodes()} == {"a": "left", "b": "down"}
+    await env.registry.forget("a")
+    assert [n.node for n in await env.registry.nodes()] == ["b"]
+    assert not any(d.node == "a" for d in await env.registry.devices())
+    await env.node("a", 1)  # or it comes back up
+    assert {n.node: n.state for n in await env.registry.nodes()}["a"] == "up"
+
+
+async def test_episodes_lists_handed_over_episodes_as_show_does(env: Env) -> None:
+    await env.node("a", 1)
+    await env.node("b", 1)
+    claimed = [await env.claims.resolve(f"ep-{i}") for i in range(4)]
+    on_a = sorted(c.episode for c in claimed if c.node == "a")
+    token = {c.episode: c.token for c in claimed}
+    await env.claims.handoff(on_a[0], token[on_a[0]])  # one by hand, the rest by the stop
+    await env.registry.deregister("a")
+    rows = {r.episode: r for r in await env.registry.episodes(node="a")}
+    assert sorted(rows) == on_a and all(r.moved and r.device == "a/0" for r in rows.values())
+    for ep in on_a:
+        info = await env.claims.lookup(ep)
+        assert info is not None and info.moved and rows[ep].token == info.token
+    assert all(not r.moved for r in await env.registry.episodes(node="b"))
+    moved = await env.claims.resolve(on_a[0])  # claimed anew: listed where it is now
+    assert moved.status == "reassigned" and moved.device == "b/0"
+    assert on_a[0] not in {r.episode for r in await env.registry.episodes(node="a")}
+    assert on_a[0] in {r.episode for r in await env.registry.episodes(device="b/0") if not r.moved}
+    await env.registry.forget("a")
+    assert await env.redis.exists(env.keys.moved("a/0")) == 0
 
 
 async def test_a_handed_over_slot_is_free_at_once(env: Env) -> None:

@@ -36,9 +36,11 @@ import redis
 import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
+from affinity.registry import EVENT_NUMBERS
 from node.fleet import RETRY_MS, Fleet
 from node.membership import VERSION
-from tests.procs import ROOT, Node, RedisServer, wait_until
+from tests.procs import ROOT, Node, RedisServer
+from tests.test_cluster import running
 
 pytestmark = pytest.mark.integration
 
@@ -85,17 +87,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         )
         for node_id in ("node-a", "node-b")
     ]
-    try:
-        server.start()
-        for n in nodes:
-            n.proc.start()
-        for n in nodes:
-            wait_until(n.ready, 90, f"node {n.node_id} ready")
-        yield Stack(server, nodes)
-    finally:
-        for n in nodes:
-            n.stop()
-        server.stop()
+    with running(server, nodes) as cluster:
+        yield Stack(cluster.redis, cluster.nodes)
 
 
 # -- the browser ------------------------------------------------------------------------
@@ -121,6 +114,8 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         "--disable-component-update",
         "--disable-sync",
         "--disable-dev-shm-usage",
+        # offline, as on an air-gapped cluster: every host but loopback fails to resolve
+        "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1",
         f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}",
         f"--window-size={LAPTOP[0]},{LAPTOP[1]}",
     ):
@@ -328,6 +323,23 @@ FAKE_NODES = [f"gpu-{c}" for c in "cdefgh"]
 FAKE_SETTINGS = Settings(lease_ttl_s=600)
 
 
+def h200s(node: str, count: int) -> list[DeviceRegistration]:
+    """``count`` H200s of ``node``, four episodes each."""
+    return [
+        DeviceRegistration(
+            index=i,
+            kind="cuda",
+            name="NVIDIA H200",
+            uuid=f"GPU-{node}-{i}",
+            arch="sm_90",
+            memory_mb=143_771,
+            capacity=4,
+            provider="CUDAExecutionProvider",
+        )
+        for i in range(count)
+    ]
+
+
 async def register_gpu_nodes(url: str) -> None:
     """Six more nodes of eight H200s each (leases long enough for the test), some load,
     one GPU down and one draining."""
@@ -335,19 +347,7 @@ async def register_gpu_nodes(url: str) -> None:
     try:
         registry = Registry(client, FAKE_SETTINGS)
         for node in FAKE_NODES:
-            gpus = [
-                DeviceRegistration(
-                    index=i,
-                    kind="cuda",
-                    name="NVIDIA H200",
-                    uuid=f"GPU-{node}-{i}",
-                    arch="sm_90",
-                    memory_mb=143_771,
-                    capacity=4,
-                    provider="CUDAExecutionProvider",
-                )
-                for i in range(8)
-            ]
+            gpus = h200s(node, 8)
             await registry.register(node, f"http://{node}:8000", gpus, "0.1.0", instance=node)
         await registry.set_state("gpu-d/3", "down", "3 consecutive model failures")
         await registry.drain("gpu-e/5", "fan failure")
@@ -364,6 +364,7 @@ async def deregister_gpu_nodes(url: str) -> None:
         registry = Registry(client, FAKE_SETTINGS)
         for node in FAKE_NODES:
             await registry.deregister(node, node)
+            await registry.forget(node)  # a departed node stays listed ("left") until then
     finally:
         await client.aclose()
 
@@ -373,6 +374,98 @@ def png_size(path: Path) -> tuple[int, int]:
     assert head[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
     width, height = struct.unpack(">II", head[16:24])
     return width, height
+
+
+async def register_dying_node(url: str, node: str) -> None:
+    """A node of two GPUs holding live episodes whose lease lapses within a second (it
+    never renews, as a killed node would not)."""
+    client = redis.asyncio.Redis.from_url(url, decode_responses=True)
+    try:
+        settings = Settings(lease_ttl_s=1.0)
+        gpus = h200s(node, 2)
+        registry = Registry(client, settings)
+        await registry.register(node, f"http://{node}:8000", gpus, "0.1.0", instance=node)
+        claims = Claims(client, settings)
+        for i in range(60):  # stride scheduling spreads these over every active device
+            claim = await claims.resolve(f"{node}-load-{i}")
+            if claim.node != node:  # keep only the dying node's
+                await claims.release(claim.episode, claim.token)
+    finally:
+        await client.aclose()
+
+
+def test_a_dead_node_shows_no_load_and_counts_not_active(page: Page, stack: Stack) -> None:
+    node = f"gpu-dying-{uuid.uuid4().hex[:6]}"
+    asyncio.run(register_dying_node(stack.redis.url, node))
+    try:
+        loads = {d["device"]: d["load"] for d in cli_devices(stack) if d["node"] == node}
+        assert sum(loads.values()) > 0, loads  # the load sets still hold its episodes
+        row = f".node-row[data-node='{node}']"
+        page.wait(
+            lambda d: (
+                page.js("return document.querySelector(arguments[0])", row) is not None
+                and page.find(row).get_attribute("data-alive") == "no"
+            ),
+            "the node dead",
+        )
+        for c in page.cells(row):
+            assert "node dead" in c["text"] and re.search("\u2013/4\\b", c["text"]), c
+            assert not re.search(r"\b[1-4]/4\b", c["text"]), c  # no stale load
+        summary = page.find("#summary").text
+        assert ", 2 on dead nodes · " in summary, summary
+        active = int(re.search(r"devices: (\d+) active", summary).group(1))  # type: ignore[union-attr]
+        assert active == 2 * DEVICES_PER_NODE, summary
+        # a healthy device's zero failure count is not drawn in the failure colour
+        colours = page.js(
+            "return [...document.querySelectorAll('.device .crash')]"
+            ".filter(e => e.textContent === '⚑0')"
+            ".map(e => [e.className, getComputedStyle(e).color])"
+        )
+        muted = page.js(
+            "const probe = document.createElement('span'); probe.style.color = 'var(--muted)';"
+            "document.body.append(probe); const colour = getComputedStyle(probe).color;"
+            "probe.remove(); return colour;"
+        )
+        assert colours and all(colour == muted for _, colour in colours), (muted, colours)
+    finally:
+        cli(stack, "forget", node)
+
+
+def cli_devices(stack: Stack) -> list[dict[str, Any]]:
+    return json.loads(cli(stack, "devices", "--json"))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("path", "rendered"),
+    [
+        # Swagger UI drew an operation block per endpoint, /act among them
+        ("/docs", "return [...document.querySelectorAll('.opblock-summary-path')]"
+                  ".some(e => e.textContent.trim() === '/act')"),
+        # ReDoc drew its menu with the operator endpoints and the operation of /act
+        ("/redoc", "return document.querySelector('.menu-content') !== null && "
+                   "document.body.innerText.includes('/events/stream')"),
+    ],
+)  # fmt: skip
+def test_api_docs_render_offline_from_the_nodes_own_files(
+    browser: Any, stack: Stack, path: str, rendered: str
+) -> None:
+    browser.get_log("browser")
+    p = Page(browser, stack.nodes[0].url + path)
+    browser.get(p.url)
+    p.wait(lambda d: p.js(rendered), f"{path} rendered")
+    scripts = p.js(
+        "return [...document.querySelectorAll('script[src], link[href]')].map(e => e.src || e.href)"
+    )
+    assert scripts and all(s.startswith(stack.nodes[0].url + "/") for s in scripts), scripts
+    # the one request elsewhere: ReDoc's decorative logo beside "API docs by Redocly", which
+    # hides itself when it cannot load (as here, offline); nothing the page needs
+    logo = "https://cdn.redoc.ly/redoc/logo-mini.svg"
+    loaded = p.js("return performance.getEntriesByType('resource').map(e => e.name)")
+    outside = [u for u in loaded if not u.startswith(stack.nodes[0].url + "/")]
+    assert outside in ([], [logo]), loaded
+    assert f"{stack.nodes[0].url}/openapi.json" in loaded
+    errors = console_errors(browser, [re.escape(logo)])
+    assert errors == [], errors
 
 
 def test_eight_nodes_of_eight_gpus_fit_one_laptop_screen(page: Page, stack: Stack) -> None:
@@ -541,7 +634,8 @@ def test_event_stream_reconnect_with_last_event_id_misses_nothing(stack: Stack) 
     assert [ep for ep in episodes if ep and ep.startswith(f"sse-{run}")] == before[2:] + during
     for event, (_, fields) in zip(resumed, expected, strict=True):
         data = json.loads(event["data"])
-        assert data.pop("id") == event["id"] and data == fields
+        assert data.pop("id") == event["id"] and isinstance(data.get("token", 0), int)
+        assert data == {k: int(v) if k in EVENT_NUMBERS else v for k, v in fields.items()}
 
 
 def test_event_stream_backlog_and_bad_requests(stack: Stack) -> None:
@@ -560,8 +654,12 @@ def test_event_stream_backlog_and_bad_requests(stack: Stack) -> None:
             client.get(url, params={"last_event_id": "1"}),
         ):
             assert r.status_code == 400 and r.json()["error"]["code"] == "bad_input"
-        assert client.get(url, params={"backlog": 5000}).status_code == 422
-        assert client.get(url, params={"backlog": -1}).status_code == 422
+        for backlog in (5000, -1, "many"):
+            r = client.get(url, params={"backlog": backlog})
+            assert r.status_code == 422, r.text
+            error = r.json()["error"]  # the project's shape, not FastAPI's {"detail": ...}
+            assert (error["code"], error["field"]) == ("bad_input", "backlog")
+            assert error["message"].startswith(f"backlog '{backlog}': ")
 
 
 def test_event_stream_says_when_the_capped_stream_lost_events(stack: Stack) -> None:

@@ -1,4 +1,4 @@
-"""node/wire.py: openpi's msgpack array encoding, both ways, and hostile input."""
+"""affinity/wire.py: openpi's msgpack array encoding, both ways, and hostile input."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from openpi_client import msgpack_numpy
 
-from node import wire
-from node.wire import WireError
+from affinity import wire
+from affinity.wire import WireError
 
 
 def test_round_trip_with_openpi_client() -> None:

@@ -190,10 +190,19 @@ local function held_by_other(node, instance, now_ms)
 end
 
 
--- forget a device: record, index entry, route, ring/full, load set
+-- an episode handed over from a device (its value now ends in " moved"): listed in the
+-- device's moved set until its idle deadline, so `affinity episodes` shows it as `show`
+-- does; entries past their deadline are reaped here, a reassigned one is filtered on read
+local function moved_from(device, episode, deadline, now_ms)
+    local moved = MOVED_KEY .. device
+    redis.call('ZREMRANGEBYSCORE', moved, '-inf', '(' .. int(now_ms))
+    redis.call('ZADD', moved, deadline, episode)
+end
+
+-- forget a device: record, index entry, route, ring/full, load and moved sets
 local function remove_device(device)
     unenroll(device)
     redis.call('HDEL', ROUTE, device)
-    redis.call('DEL', DEVICE_KEY .. device, LOAD_KEY .. device)
+    redis.call('DEL', DEVICE_KEY .. device, LOAD_KEY .. device, MOVED_KEY .. device)
     redis.call('SREM', DEVICES, device)
 end

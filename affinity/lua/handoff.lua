@@ -4,8 +4,8 @@
 -- ARGV[1]  fencing token the caller holds (decimal string)
 --
 -- While the token still holds the episode, its value becomes "<device> <token> moved"
--- (same expiry; redis-cli GET still shows where it was), its load slot is freed, and a
--- handoff event is written. Returns 1, or 0 (nothing written) when another token holds
+-- (same expiry; redis-cli GET still shows where it was), its load slot is freed (the
+-- episode moves to the device's moved set, for listing), and a handoff event is written. Returns 1, or 0 (nothing written) when another token holds
 -- the episode, it was already handed over, or it has no assignment.
 
 --@lib
@@ -21,7 +21,12 @@ if moved or token ~= ARGV[1] then
     return 0
 end
 redis.call('SET', KEYS[1], current .. ' moved', 'KEEPTTL')
+local now_ms = clock()
+local deadline = redis.call('ZSCORE', LOAD_KEY .. device, episode)
 redis.call('ZREM', LOAD_KEY .. device, episode)
-freed(device, clock())
+if deadline then
+    moved_from(device, episode, deadline, now_ms)
+end
+freed(device, now_ms)
 event('type', 'handoff', 'episode', episode, 'device', device, 'token', token)
 return 1

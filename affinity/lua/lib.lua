@@ -1,7 +1,7 @@
 -- lib: what every script uses. affinity/scripts.py puts it where a script says `--@lib`,
 -- after the header of constants it generates for the deployment: PREFIX, the fixed keys
 -- NODES RING FULL ROUTE EVENTS DEVICES TOKEN RR, the key prefixes EPISODE_KEY NODE_KEY
--- DEVICE_KEY LOAD_KEY, TTL, LEASE, MAXLEN, and the value formats VALUE and ROUTED. Every
+-- DEVICE_KEY LOAD_KEY MOVED_KEY, TTL, LEASE, MAXLEN, and the value formats VALUE and ROUTED. Every
 -- key shares the namespace hash tag, hence one slot: scripts derive keys from ids
 -- (LOAD_KEY .. device) safely on Redis Cluster too. The ring and full upkeep is in
 -- fleet.lua (`--@fleet`), kept apart so that the common claim does not pay for making it.

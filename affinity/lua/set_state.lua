@@ -11,8 +11,9 @@
 -- keeps it down (its episodes must still move) and remembers the drain for when it is up.
 -- The route follows the state, and the device enters or leaves the ring at once.
 -- Returns {previous_state, "1", state_now} when written, {current_state, "0",
--- current_state} when ARGV[3] did not match (nothing written), and {} when the device is
--- unknown (nothing written).
+-- current_state} when ARGV[3] did not match or the device already has that state and
+-- reason (nothing written, no event: a repeated drain is a no-op), and {} when the device
+-- is unknown (nothing written).
 
 --@lib
 --@fleet
@@ -24,6 +25,9 @@ if not old then
     return {}
 end
 if ARGV[3] ~= '' and old ~= ARGV[3] then
+    return {old, '0', old}
+end
+if ARGV[1] == old and ARGV[2] == (cur[2] or '') then
     return {old, '0', old}
 end
 local want, state, reason = ARGV[1], ARGV[1], ARGV[2]

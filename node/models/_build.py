@@ -63,6 +63,31 @@ def model(
     return built
 
 
+def recurrent_model(
+    name: str,
+    nodes: Sequence[onnx.NodeProto],
+    observations: Sequence[onnx.ValueInfoProto],
+    hidden: int,
+    actions: Sequence[int],
+    weights: Weights,
+    producer: str,
+) -> onnx.ModelProto:
+    """:func:`model` of a recurrent policy: ``observations``, then ``state_in.hidden``
+    float32 [batch, hidden] in; ``actions`` float32 [batch, *actions] and
+    ``state_out.hidden`` out."""
+    return model(
+        name,
+        nodes,
+        inputs=[*observations, tensor("state_in.hidden", TensorProto.FLOAT, hidden)],
+        outputs=[
+            tensor("actions", TensorProto.FLOAT, *actions),
+            tensor("state_out.hidden", TensorProto.FLOAT, hidden),
+        ],
+        weights=weights,
+        producer=producer,
+    )
+
+
 def write(
     out_dir: Path, model_name: str, built: onnx.ModelProto, sidecar: dict[str, Any]
 ) -> tuple[Path, Path]:
@@ -76,7 +101,7 @@ def write(
     return model_path, sidecar_path
 
 
-def run(build: Callable[[Path], tuple[Path, Path]]) -> None:
+def run(build: Callable[[Path], tuple[Path, ...]]) -> None:
     """A build script's command line: ``build`` into the directory given (default: the
     package's ``node/models``), saying what was written."""
     out_dir = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent

@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from node.models._build import Weights, model, run, tensor, write
+from node.models._build import Weights, recurrent_model, run, tensor, write
 
 MODEL_NAME = "demo_policy.onnx"
 SEED = 20240611
@@ -58,20 +58,11 @@ def make_model() -> onnx.ModelProto:
         node("Tanh", ["a_pre"], ["a_flat"], name="action_squash"),
         node("Reshape", ["a_flat", "actions_shape"], ["actions"], name="action_chunk"),
     ]
-    return model(
-        "demo_policy",
-        nodes,
-        inputs=[
-            tensor("obs", TensorProto.FLOAT, OBS),
-            tensor("state_in.hidden", TensorProto.FLOAT, HIDDEN),
-        ],
-        outputs=[
-            tensor("actions", TensorProto.FLOAT, STEPS, ACTION),
-            tensor("state_out.hidden", TensorProto.FLOAT, HIDDEN),
-        ],
-        weights=w,
-        producer="affinity node/models/build_demo.py",
-    )
+    observations = [tensor("obs", TensorProto.FLOAT, OBS)]
+    return recurrent_model(
+        "demo_policy", nodes, observations, HIDDEN, (STEPS, ACTION), w,
+        "affinity node/models/build_demo.py",
+    )  # fmt: skip
 
 
 def build(out_dir: Path) -> tuple[Path, Path]:

@@ -1,4 +1,5 @@
-"""Build the camera-sized demo policy: ``vla_demo.onnx`` and ``vla_demo.affinity.json``.
+"""Build the camera-sized demo policies: ``vla_demo``, ``droid_demo`` and ``aloha_demo``
+(``.onnx`` and ``.affinity.json`` each), one per robot of openpi's example client.
 
 Shaped like a small vision-language-action policy as LIBERO clients of openpi feed it: two
 RGB cameras and the robot's 8-dim state in, a chunk of 10 future 7-dim actions out, with a
@@ -22,6 +23,17 @@ openpi clients send them), ``state`` float32 [batch, 8], ``state_in.hidden`` flo
 sidecar maps LIBERO's observation keys (``observation/image``, ``observation/wrist_image``,
 ``observation/state``) to the inputs. Weights come from a fixed seed and the files are written
 deterministically, so a rebuild gives the same bytes (a test checks the committed files).
+
+The same network, with openpi's observations of two more robots (:class:`Robot`):
+
+- ``droid-demo``: ``observation/exterior_image_1_left`` and ``observation/wrist_image_left``
+  uint8 [224, 224, 3], ``observation/joint_position`` [7] and
+  ``observation/gripper_position`` [1] (concatenated into the 8-dim state); ``actions``
+  [batch, 10, 8] (7 joint velocities and the gripper, as ``DroidOutputs`` returns).
+- ``aloha-demo``: four channel-first cameras ``images/cam_high``, ``images/cam_low``,
+  ``images/cam_left_wrist``, ``images/cam_right_wrist`` uint8 [3, 224, 224] (no transpose)
+  and ``state`` [14]; ``actions`` [batch, 50, 14] (both arms, as ``AlohaOutputs`` returns).
+  openpi's ``--env ALOHA`` and ``--env ALOHA_SIM`` send these same observations.
 Needs the ``onnx`` package (a dev dependency); the server does not. Run once after changing
 it::
 
@@ -30,18 +42,17 @@ it::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from node.models._build import Weights, model, run, tensor, write
+from node.models._build import Weights, recurrent_model, run, tensor, write
 
-MODEL_NAME = "vla_demo.onnx"
-SEED = 20250311
-IMAGE, STATE, HIDDEN, HORIZON, ACTION = 224, 8, 128, 10, 7
-CAMERAS = ("image", "wrist_image")
+IMAGE, HIDDEN = 224, 128
 # (name, in channels, out channels, kernel, stride, pad) of the camera encoder's layers
 CONVS = (
     ("C1", 3, 32, 8, 4, 2),
@@ -51,22 +62,91 @@ CONVS = (
 )
 GRID = 7  # the last feature map is GRID x GRID
 FEATURES, STATE_FEATURES = 64, 32
-SIDECAR = {
-    "state": {"state_in.hidden": "state_out.hidden"},
-    "chunk": "actions",
-    "batch": True,
-    "observations": {
-        "observation/image": "image",
-        "observation/wrist_image": "wrist_image",
-        "observation/state": "state",
-    },
-    "metadata": {"policy": "vla-demo", "action_horizon": HORIZON, "action_dim": ACTION},
-}
 
 
-def make_model() -> onnx.ModelProto:
-    """Return the camera-sized demo policy graph with its seeded weights."""
-    w = Weights(SEED)
+@dataclass(frozen=True)
+class Robot:
+    """One demo policy: the robot's cameras and state as openpi's example client sends
+    them (``examples/simple_client/main.py``), and the action chunk its openpi policy
+    returns (``droid_policy.py``: ``[:, :8]``; ``aloha_policy.py``: ``[:, :14]``)."""
+
+    policy: str  # the packaged name (``--model``) and the sidecar's metadata.policy
+    stem: str  # the files' name: <stem>.onnx, <stem>.affinity.json
+    seed: int
+    cameras: tuple[tuple[str, str], ...]  # (input, observation key), uint8 images
+    channels_first: bool  # [3, 224, 224] (ALOHA) rather than [224, 224, 3]
+    states: tuple[tuple[str, str, int], ...]  # (input, observation key, size), float32
+    horizon: int
+    action: int
+
+    @property
+    def state_size(self) -> int:
+        return sum(size for _, _, size in self.states)
+
+    def sidecar(self) -> dict[str, Any]:
+        keys = [*self.cameras, *((name, key) for name, key, _ in self.states)]
+        return {
+            "state": {"state_in.hidden": "state_out.hidden"},
+            "chunk": "actions",
+            "batch": True,
+            "observations": {key: name for name, key in keys},
+            "metadata": {
+                "policy": self.policy,
+                "action_horizon": self.horizon,
+                "action_dim": self.action,
+            },
+        }
+
+
+LIBERO = Robot(
+    "vla-demo",
+    "vla_demo",
+    20250311,
+    (("image", "observation/image"), ("wrist_image", "observation/wrist_image")),
+    False,
+    (("state", "observation/state", 8),),
+    10,
+    7,
+)
+DROID = Robot(
+    "droid-demo",
+    "droid_demo",
+    20251201,
+    (
+        ("exterior_image_1_left", "observation/exterior_image_1_left"),
+        ("wrist_image_left", "observation/wrist_image_left"),
+    ),
+    False,
+    (
+        ("joint_position", "observation/joint_position", 7),
+        ("gripper_position", "observation/gripper_position", 1),
+    ),
+    10,
+    8,
+)
+ALOHA = Robot(
+    "aloha-demo",
+    "aloha_demo",
+    20251202,
+    tuple(
+        (camera, f"images/{camera}")
+        for camera in ("cam_high", "cam_low", "cam_left_wrist", "cam_right_wrist")
+    ),
+    True,
+    (("state", "state", 14),),
+    50,
+    14,
+)
+ROBOTS = (LIBERO, DROID, ALOHA)
+CAMERAS = tuple(name for name, _ in LIBERO.cameras)
+"""vla-demo's camera inputs."""
+
+
+def make_model(robot: Robot = LIBERO) -> onnx.ModelProto:
+    """Return ``robot``'s camera-sized demo policy graph with its seeded weights."""
+    cameras = [name for name, _ in robot.cameras]
+    state, horizon, action = robot.state_size, robot.horizon, robot.action
+    w = Weights(robot.seed)
     for name, cin, cout, kernel, _, _ in CONVS:
         # He initialisation keeps activations of the ReLU stack near unit scale.
         w.normal(name, (cout, cin, kernel, kernel), np.sqrt(2.0 / (cin * kernel * kernel)))
@@ -74,28 +154,30 @@ def make_model() -> onnx.ModelProto:
     flat = CONVS[-1][2] * GRID * GRID
     w.normal("Wf", (flat, FEATURES), np.sqrt(2.0 / flat))
     w.normal("bf", (FEATURES,), 0.05)
-    w.normal("Ws", (STATE, STATE_FEATURES), np.sqrt(2.0 / STATE))
+    w.normal("Ws", (state, STATE_FEATURES), np.sqrt(2.0 / state))
     w.normal("bs", (STATE_FEATURES,), 0.05)
-    mixed = len(CAMERAS) * FEATURES + STATE_FEATURES
+    mixed = len(cameras) * FEATURES + STATE_FEATURES
     w.normal("Wx", (mixed, HIDDEN), 1.0 / np.sqrt(mixed))
     # Spectral radius near 0.9: the state remembers many steps without blowing up.
     w.normal("Wh", (HIDDEN, HIDDEN), 0.9 / np.sqrt(HIDDEN))
     w.normal("b", (HIDDEN,), 0.1)
-    w.normal("Wa", (HIDDEN, HORIZON * ACTION), 1.0 / np.sqrt(HIDDEN))
-    w.normal("ba", (HORIZON * ACTION,), 0.1)
+    w.normal("Wa", (HIDDEN, horizon * action), 1.0 / np.sqrt(HIDDEN))
+    w.normal("ba", (horizon * action,), 0.1)
     w.constant("pixel_scale", np.array(2.0 / 255.0, dtype=np.float32))
     w.constant("pixel_offset", np.array(-1.0, dtype=np.float32))
-    w.constant("actions_shape", np.array([-1, HORIZON, ACTION], dtype=np.int64))
+    w.constant("actions_shape", np.array([-1, horizon, action], dtype=np.int64))
 
     node = helper.make_node
     nodes: list[onnx.NodeProto] = []
-    for camera in CAMERAS:
+    for camera in cameras:
+        pixels = f"{camera}/x0" if robot.channels_first else f"{camera}/pixels"
         nodes += [
             node("Cast", [camera], [f"{camera}/float"], to=TensorProto.FLOAT),
             node("Mul", [f"{camera}/float", "pixel_scale"], [f"{camera}/scaled"]),
-            node("Add", [f"{camera}/scaled", "pixel_offset"], [f"{camera}/pixels"]),
-            node("Transpose", [f"{camera}/pixels"], [f"{camera}/x0"], perm=[0, 3, 1, 2]),
+            node("Add", [f"{camera}/scaled", "pixel_offset"], [pixels]),
         ]
+        if not robot.channels_first:
+            nodes.append(node("Transpose", [pixels], [f"{camera}/x0"], perm=[0, 3, 1, 2]))
         for layer, (name, _, _, kernel, stride, pad) in enumerate(CONVS, start=1):
             nodes += [
                 node(
@@ -114,11 +196,14 @@ def make_model() -> onnx.ModelProto:
             node("Add", [f"{camera}/proj", "bf"], [f"{camera}/pre"]),
             node("Relu", [f"{camera}/pre"], [f"{camera}/features"]),
         ]
+    if [name for name, _, _ in robot.states] != ["state"]:  # one state vector from several
+        parts = [name for name, _, _ in robot.states]
+        nodes.append(node("Concat", parts, ["state"], axis=1))
     nodes += [
         node("MatMul", ["state", "Ws"], ["state/proj"]),
         node("Add", ["state/proj", "bs"], ["state/pre"]),
         node("Relu", ["state/pre"], ["state/features"]),
-        node("Concat", [*(f"{c}/features" for c in CAMERAS), "state/features"], ["z"], axis=1),
+        node("Concat", [*(f"{c}/features" for c in cameras), "state/features"], ["z"], axis=1),
         node("MatMul", ["z", "Wx"], ["x_in"]),
         node("MatMul", ["state_in.hidden", "Wh"], ["h_in"]),
         node("Add", ["x_in", "h_in"], ["pre_sum"]),
@@ -129,27 +214,26 @@ def make_model() -> onnx.ModelProto:
         node("Tanh", ["a_pre"], ["a_flat"]),
         node("Reshape", ["a_flat", "actions_shape"], ["actions"]),
     ]
-    return model(
-        "vla_demo",
-        nodes,
-        inputs=[
-            *(tensor(c, TensorProto.UINT8, IMAGE, IMAGE, 3) for c in CAMERAS),
-            tensor("state", TensorProto.FLOAT, STATE),
-            tensor("state_in.hidden", TensorProto.FLOAT, HIDDEN),
-        ],
-        outputs=[
-            tensor("actions", TensorProto.FLOAT, HORIZON, ACTION),
-            tensor("state_out.hidden", TensorProto.FLOAT, HIDDEN),
-        ],
-        weights=w,
-        producer="affinity node/models/build_vla.py",
-    )
+    image = (3, IMAGE, IMAGE) if robot.channels_first else (IMAGE, IMAGE, 3)
+    observations = [
+        *(tensor(c, TensorProto.UINT8, *image) for c in cameras),
+        *(tensor(name, TensorProto.FLOAT, size) for name, _, size in robot.states),
+    ]
+    return recurrent_model(
+        robot.stem, nodes, observations, HIDDEN, (horizon, action), w,
+        "affinity node/models/build_vla.py",
+    )  # fmt: skip
 
 
-def build(out_dir: Path) -> tuple[Path, Path]:
-    """Write the model and its sidecar into ``out_dir``; return their paths."""
-    return write(out_dir, MODEL_NAME, make_model(), SIDECAR)
+def build(out_dir: Path, robot: Robot = LIBERO) -> tuple[Path, Path]:
+    """Write ``robot``'s model and its sidecar into ``out_dir``; return their paths."""
+    return write(out_dir, f"{robot.stem}.onnx", make_model(robot), robot.sidecar())
+
+
+def build_all(out_dir: Path) -> tuple[Path, ...]:
+    """Write every demo policy of :data:`ROBOTS` into ``out_dir``; return the paths."""
+    return tuple(path for robot in ROBOTS for path in build(out_dir, robot))
 
 
 if __name__ == "__main__":
-    run(build)
+    run(build_all)

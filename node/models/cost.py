@@ -1,6 +1,6 @@
 """Measure what one run of each packaged policy costs on this machine's CPU.
 
-    python -m node.models.cost [--runs N] [--threads T] [MODEL ...]   # default: demo vla-demo
+    python -m node.models.cost [--runs N] [--threads T] [MODEL ...]  # default: all packaged
 
 For each model (a packaged name or a path) and batch size (1, and 8 where the batch axis is
 dynamic), runs the model ``--runs`` times (default 200, after 10 warm-up runs) on ONNX

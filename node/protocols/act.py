@@ -5,7 +5,7 @@ Request body (a map): ``episode_id``?, ``session_id``?, ``inputs`` (input name â
 ``end``?, ``token``? (the token of the client's previous reply), ``execute_steps``? and
 ``ensemble``? (action-chunk execution overrides). JSON arrays are nested lists; with
 ``Content-Type: application/msgpack`` every input is an array in openpi's msgpack
-encoding (``node/wire.py``). Any other top-level field is refused with 422 naming it (a
+encoding (``affinity/wire.py``). Any other top-level field is refused with 422 naming it (a
 typo such as ``episodeId`` must not silently make every step stateless).
 
 Reply: ``{"outputs": {name: array}, "episode_id", "device", "node", "token", "routing",
@@ -23,8 +23,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from affinity import InvalidArgument, check_episode
-from node import wire
+from affinity import InvalidArgument, UnknownField, check_episode, wire
 from node.accesslog import STEP_KEY
 from node.asgi import (
     BodyError,
@@ -61,16 +60,15 @@ def decode(service: NodeService, body: bytes, binary: bool, deadline: float) -> 
     :class:`InvalidInput` / ``InvalidArgument`` (422); nothing has changed anywhere."""
     try:
         doc = wire.decode(body) if binary else orjson.loads(body)
-    except (ValueError, RecursionError) as exc:  # wire.WireError and orjson's errors
-        kind = "msgpack" if binary else "JSON"
-        raise BodyError(400, "malformed", f"body is not valid {kind}: {exc}"[:300]) from None
+    except wire.WireError as exc:  # it says "body is not valid msgpack: ..." itself
+        raise BodyError(400, "malformed", str(exc)) from None
+    except (ValueError, RecursionError) as exc:  # orjson's errors
+        raise BodyError(400, "malformed", f"body is not valid JSON: {exc}"[:300]) from None
     if not isinstance(doc, dict):
         raise BodyError(400, "malformed", "body must be a map (a JSON object)")
     for key in doc:
         if key not in FIELDS:
-            raise InvalidArgument(
-                str(key)[:64], doc[key], f"unknown field; expected: {', '.join(FIELDS)}"
-            )
+            raise UnknownField(str(key)[:64], FIELDS)
     raw = doc.get("inputs")
     if binary:
         inputs = inputs_from_arrays(service.contract, raw)

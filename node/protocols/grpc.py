@@ -66,7 +66,7 @@ from node.protocols.kserve_grpc import kserve_pb2 as pb
 from node.service import NodeService
 from node.stats import model_statistics
 from node.step import Array, Refused, Reply, Unavailable
-from node.wire import MAX_ELEMENTS
+from affinity.wire import MAX_ELEMENTS
 
 __all__ = ["SERVICE", "GrpcFrontDoor", "decode_request", "encode_reply", "start"]
 

@@ -28,7 +28,9 @@ travel as JSON strings or, binary, as Triton's elements of a 4-byte little-endia
 and that many bytes (``bytes_elements``: a declared length that runs past the data is
 refused before the next element is read, and the element count is bounded by the bytes);
 their text must be UTF-8, as ONNX Runtime takes strings. ``BF16`` inputs are refused, as
-are shared-memory parameters.
+are shared-memory parameters. Request parameters the node does not read are Triton's custom
+parameters: taken (and unused) when a boolean, a number or a string, refused otherwise, as
+Triton refuses them; ``priority`` must be a uint64.
 
 The reply holds every returned output (or those ``outputs`` names), as JSON ``data`` or —
 with ``parameters.binary_data_output`` or an output's ``binary_data`` (``tritonclient``
@@ -72,6 +74,7 @@ import numpy as np
 import orjson
 
 from affinity import BackendUnavailable, InvalidArgument, check_episode
+from affinity.wire import MAX_ELEMENTS
 from node.accesslog import STEP_KEY
 from node.asgi import BodyError, Receive, Scope, Send, header, read_body, respond
 from node.membership import VERSION
@@ -79,7 +82,6 @@ from node.policy import InvalidInput, PolicyContract, TensorSpec, inputs_from_ar
 from node.service import NodeService
 from node.stats import model_statistics
 from node.step import Array, Refused, Reply, Step, Unavailable
-from node.wire import MAX_ELEMENTS
 
 __all__ = [
     "EXTENSIONS",
@@ -222,6 +224,7 @@ def decode_infer(
     if request_id is not None and not isinstance(request_id, str):
         raise BadRequest(f"id must be a string, not {_kind(request_id)}")
     params = _object(doc.get("parameters"), "parameters")
+    _check_custom(params)
     sequence = params.get("sequence_id")
     episode = episode_of(sequence)
     start = _flag(params, "sequence_start")
@@ -507,6 +510,29 @@ def _flag(params: dict[str, Any], key: str) -> bool:
     if not isinstance(value, bool):
         raise BadRequest(f"{key} must be true or false, not {_kind(value)}")
     return value
+
+
+REQUEST_PARAMETERS = frozenset(
+    {"sequence_id", "sequence_start", "sequence_end", "timeout", "priority",
+     "binary_data_output", "execute_steps", "ensemble"}
+)  # fmt: skip
+"""The request parameters the node reads (``priority`` only checked, as Triton does)."""
+
+
+def _check_custom(params: dict[str, Any]) -> None:
+    """Refuse what Triton refuses among the parameters: a ``priority`` that is not a
+    uint64, and a custom parameter (any other) whose value is not a boolean, a number or a
+    string. Other custom parameters are accepted and unused, as a Triton backend that does
+    not read them leaves them."""
+    priority = params.get("priority")
+    if priority is not None and (type(priority) is not int or not 0 <= priority < 2**64):
+        raise BadRequest(f"priority {priority!r:.40} must be an unsigned integer")
+    for key, value in params.items():
+        if key not in REQUEST_PARAMETERS and (value is None or isinstance(value, list | dict)):
+            raise BadRequest(
+                f"parameter {key[:64]!r} must be a boolean, a number or a string, "
+                f"not {_kind(value)}"
+            )
 
 
 def _kind(value: object) -> str:

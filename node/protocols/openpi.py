@@ -25,7 +25,12 @@ The client cannot retry: transient conditions (owner unreachable, a Redis blip, 
 are retried inside the node until ``--act-deadline``. Anything that still fails, and any
 bad observation, gets openpi's error: a text frame with the message, then close code
 1011 (the client raises ``RuntimeError`` with the text). Nothing changes for a bad
-observation.
+observation. A connection whose query has a key other than ``episode_id`` gets that error
+in reply to its first observation.
+
+Every step writes one access-log line, in either log format, like a request's: ``"WS /"``,
+the HTTP status the same outcome gets on ``/act`` (200, 400, 422, 503...), the latency, and
+the step's episode, device and routing.
 """
 
 from __future__ import annotations
@@ -37,8 +42,8 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qs
 
-from affinity import InvalidArgument, check_episode
-from node import wire
+from affinity import InvalidArgument, check_episode, wire
+from node.accesslog import STEP_KEY, AccessLog
 from node.asgi import Receive, Scope, Send, header
 from node.policy import InvalidInput, inputs_from_observation, outputs_unbatched
 from node.service import NodeService
@@ -49,6 +54,9 @@ __all__ = ["handle"]
 log = logging.getLogger("affinity.node")
 
 CLOSE_ERROR = 1011
+QUERY_KEYS = frozenset({"episode_id"})
+"""The query keys a connection may carry; any other is refused (a typo must not silently
+make the connection's episode anonymous)."""
 
 
 def metadata(service: NodeService, episode: str | None) -> dict[str, Any]:
@@ -64,15 +72,18 @@ def metadata(service: NodeService, episode: str | None) -> dict[str, Any]:
     }
 
 
-async def handle(service: NodeService, scope: Scope, receive: Receive, send: Send) -> None:
-    """The ASGI handler of a websocket connection."""
+async def handle(
+    service: NodeService, scope: Scope, receive: Receive, send: Send, access: AccessLog
+) -> None:
+    """The ASGI handler of a websocket connection; ``access`` gets one line per step."""
     if (await receive())["type"] != "websocket.connect":
         return
     if not service.client_allowed(header(scope, b"authorization")):
         service.metrics.rejected.labels("unauthorized").inc()
         await send({"type": "websocket.close", "code": 1008})
         return
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+    unknown = sorted(set(query) - QUERY_KEYS)
     try:
         fixed = check_episode(query["episode_id"][0]) if "episode_id" in query else None
     except InvalidArgument:
@@ -81,6 +92,13 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
         return
     await send({"type": "websocket.accept"})
     await send({"type": "websocket.send", "bytes": wire.encode(metadata(service, fixed))})
+    if unknown:
+        # openpi's client reads the metadata on connect and an error only as a step's reply
+        if (await receive())["type"] == "websocket.receive":
+            service.metrics.rejected.labels("bad_input").inc()
+            names = ", ".join(repr(key) for key in unknown)
+            await fail(send, f"bad query: unknown key {names}; the only key is episode_id")
+        return
     own = f"ws-{uuid.uuid4().hex}"  # this connection's episode, when nothing names one
     tokens: dict[str, int] = {}  # last token per episode, echoed as the client's
     prev_total_ms: float | None = None
@@ -90,22 +108,28 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
             if message["type"] == "websocket.disconnect":
                 return
             started = time.monotonic()
+            step: Step | None = None
             try:
                 step = decode(service, message, fixed, own, tokens, started)
                 reply = await service.routing.act(step, patient=True)
             except (InvalidInput, InvalidArgument) as exc:
                 service.metrics.rejected.labels("bad_input").inc()
+                log_step(access, scope, started, 422, step)
                 await fail(send, f"bad observation: {exc}")
                 return
             except wire.WireError as exc:
                 service.metrics.rejected.labels("malformed").inc()
+                log_step(access, scope, started, 400, step)
                 await fail(send, f"bad observation: {exc}")
                 return
             except (Unavailable, Refused) as exc:
+                status = 503 if isinstance(exc, Unavailable) else exc.status
+                log_step(access, scope, started, status, step)
                 await fail(send, f"{exc.reason}: {exc}")
                 return
             assert step.episode is not None
             tokens[step.episode] = reply.token
+            log_step(access, scope, started, 200, step, (reply.device, reply.routing))
             total_ms = (time.monotonic() - started) * 1000
             doc: dict[str, Any] = {
                 **outputs_unbatched(service.contract, reply.outputs),
@@ -161,6 +185,25 @@ def decode(
         execute_steps=steps,
         ensemble=ensemble,
     )
+
+
+def log_step(
+    access: AccessLog,
+    scope: Scope,
+    started: float,
+    status: int,
+    step: Step | None,
+    served: tuple[str, str] | None = None,
+) -> None:
+    """The access line of one websocket step, as ``WS <path>`` with the HTTP status the
+    same failure gets on ``/act`` (200, 400, 422, 503...), and the episode, device and
+    routing of a served step (the episode alone of a refused one)."""
+    if not access.enabled:
+        return
+    episode = "-" if step is None or step.episode is None else step.episode
+    device, routing = served or ("-", "-")
+    line = {**scope, "method": "WS", STEP_KEY: (episode, device, routing)}
+    access.write(line, status, time.monotonic() - started)
 
 
 async def fail(send: Send, text: str) -> None:

@@ -190,10 +190,12 @@
     p.self.hidden = n.node !== state.self;
     if (n.missing) p.lease.textContent = "not registered";
     else if (alive) p.lease.textContent = "alive · lease " + seconds(n.lease_ms);
+    else if (n.state === "left") p.lease.textContent = "left (stopped) " + seconds(n.lease_ms) + " ago";
     else p.lease.textContent = "lease lapsed " + seconds(n.lease_ms) + " ago";
     p.url.textContent = n.url || "";
     p.url.title = n.url || "";
-    const load = g.devices.reduce((s, d) => s + (d.load || 0), 0);
+    // a dead node's load sets are what it last held, not what it serves: not shown
+    const load = alive ? g.devices.reduce((s, d) => s + (d.load || 0), 0) : "–";
     const cap = g.devices.reduce((s, d) => s + (d.capacity || 0), 0);
     const instance = n.instance || (n.node === state.self ? state.instance : "");
     const meta = [];
@@ -230,7 +232,7 @@
   }
 
   function updateCell(c, d, node) {
-    const alive = !!d.alive;
+    const alive = !!d.alive && !node.missing;
     const st = String(d.state || "unknown");
     c.cell.className = "device state-" + st + (alive ? "" : " dead");
     c.cell.dataset.state = st;
@@ -238,21 +240,23 @@
     c.idx.textContent = "#" + d.index;
     c.st.textContent = alive ? st : "node dead";
     c.hw.textContent = hardware(d);
-    const load = Number(d.load) || 0, cap = Number(d.capacity) || 0;
+    const load = alive ? Number(d.load) || 0 : 0, cap = Number(d.capacity) || 0;
     c.fill.style.width = (cap > 0 ? Math.min(100, (100 * load) / cap) : 0) + "%";
-    c.fill.classList.toggle("full", cap > 0 && load >= cap);
-    c.num.textContent = load + "/" + cap;
+    c.fill.classList.toggle("full", alive && cap > 0 && load >= cap);
+    c.num.textContent = (alive ? load : "–") + "/" + cap;
     c.prov.textContent = shortProvider(d.provider);
     const local = d.local;
     if (local) {
       const fails = Number(local.consecutive_failures) || 0;
       c.crash.textContent = "⚑" + fails + (local.crash_down ? " down" : "");
+      c.crash.classList.toggle("failing", fails > 0 || !!local.crash_down);
       c.crash.title = "crash tracker on this node: " + fails + " consecutive failure(s)" +
         (local.crash_down ? ", marked down" : "") + "; " + (local.live_episodes || 0) +
         " episode state(s) held here";
     } else {
       c.crash.textContent = "";
       c.crash.title = "";
+      c.crash.classList.remove("failing");
     }
     const action = st === "draining" ? "undrain" : "drain";
     c.button.dataset.action = action;
@@ -260,7 +264,8 @@
     const lines = [
       d.device + " on " + d.node + (alive ? "" : " (node lease lapsed)"),
       "state: " + st + (d.reason ? " — " + d.reason : ""),
-      "live episodes: " + load + " / capacity " + cap + ", weight " + (d.weight ?? "?"),
+      (alive ? "live episodes: " + load : "live episodes: unknown (node dead)") +
+        " / capacity " + cap + ", weight " + (d.weight ?? "?"),
       "kind: " + (d.kind || "?") + ", " + (d.name || "?") + (d.arch ? ", " + d.arch : "") +
         (d.memory_mb ? ", " + d.memory_mb + " MiB" : ""),
       "uuid: " + (d.uuid || "?"),
@@ -268,20 +273,22 @@
     ];
     if (local) lines.push(c.crash.title);
     c.cell.title = lines.join("\n");
-    if (node.missing) c.cell.dataset.alive = "no";
   }
 
   function summarize(groups) {
     const alive = groups.filter((g) => g.node.alive && !g.node.missing).length;
-    const counts = { active: 0, draining: 0, down: 0 };
+    // a dead node's devices count as on a dead node, whatever state they were left in
+    const counts = { active: 0, draining: 0, down: 0, dead: 0 };
     let load = 0, cap = 0;
     for (const d of state.devices) {
-      counts[d.state] = (counts[d.state] || 0) + 1;
+      const st = d.alive ? d.state : "dead";
+      counts[st] = (counts[st] || 0) + 1;
       if (d.alive) { load += d.load || 0; cap += d.capacity || 0; }
     }
     $("summary").textContent =
       alive + "/" + groups.length + " nodes alive · " + state.devices.length + " devices: " +
-      counts.active + " active, " + counts.draining + " draining, " + counts.down + " down · " +
+      counts.active + " active, " + counts.draining + " draining, " + counts.down + " down" +
+      (counts.dead ? ", " + counts.dead + " on dead nodes" : "") + " · " +
       load + "/" + cap + " live episodes";
     $("served-by").textContent = state.self ? "served by " + state.self : "";
   }

@@ -9,8 +9,9 @@ and a numpy scalar as ``{b"__npgeneric__": True, b"data": 1.5, b"dtype": "<f8"}`
 string tensor (a model's ``tensor(string)``, KServe's BYTES: an object array of ``str``)
 travels the same way with ``b"dtype": "|O"`` and ``b"data"`` a list of its strings in C
 order (an affinity extension: openpi's ``msgpack_numpy`` has no string arrays). The
-same encoding carries msgpack ``POST /act``, the openpi websocket and node-to-node
-forwarding, so an image is never turned into a JSON list between hosts.
+same encoding carries msgpack ``POST /act`` (both ways: :class:`affinity.Client` speaks it
+by default), the openpi websocket and node-to-node forwarding, so an image is never turned
+into a JSON list between hosts.
 
 Decoding untrusted input: msgpack itself refuses lengths longer than the message and
 nesting deeper than its stack; here an array's declared shape is checked against its
