@@ -45,6 +45,7 @@ import grpc
 import numpy as np
 
 from affinity import InvalidArgument
+from affinity.wire import MAX_ELEMENTS
 from node.membership import VERSION
 from node.policy import InvalidInput
 from node.protocols.kserve import (
@@ -66,7 +67,6 @@ from node.protocols.kserve_grpc import kserve_pb2 as pb
 from node.service import NodeService
 from node.stats import model_statistics
 from node.step import Array, Refused, Reply, Unavailable
-from affinity.wire import MAX_ELEMENTS
 
 __all__ = ["SERVICE", "GrpcFrontDoor", "decode_request", "encode_reply", "start"]
 
