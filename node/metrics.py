@@ -43,6 +43,7 @@ LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
     "affinity_batch_size": {"device": "device"},
     "affinity_queue_wait_seconds": {"device": "device"},
     "affinity_device_capacity": {"device": "device"},
+    "affinity_log_lines_dropped_total": {},
 }
 
 
@@ -136,6 +137,12 @@ class Metrics:
             "affinity_device_capacity",
             "Live episodes the device may hold (--capacity), as registered.",
             ["device"],
+            registry=r,
+        )
+        self.log_dropped = Counter(
+            "affinity_log_lines_dropped_total",
+            "Access-log lines dropped because the log stream could not take them "
+            "(e.g. a broken pipe to a log shipper that died).",
             registry=r,
         )
         for device in devices:

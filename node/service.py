@@ -149,6 +149,19 @@ class NodeService:
             key.strip().encode(), expected.encode()
         )
 
+    def reader_allowed(self, authorization: str | None) -> bool:
+        """Whether a request may read or change episodes: a client
+        (:meth:`client_allowed`) or the admin (``Authorization: Bearer <admin token>``)."""
+        if self.client_allowed(authorization):
+            return True
+        expected = self.config.admin_token
+        scheme, _, token = (authorization or "").partition(" ")
+        return (
+            bool(expected)
+            and scheme.lower() == "bearer"
+            and hmac.compare_digest(token.strip().encode(), (expected or "").encode())
+        )
+
     def warn_once(self, key: str, message: str, *args: object) -> None:
         """Log a warning the first time ``key`` is seen in this process."""
         if key not in self._warned:

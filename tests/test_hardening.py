@@ -1,0 +1,192 @@
+"""Hardening round 3 (issue 23): access control on everything that reads or changes
+episodes, cross-site refusal, log lines a client cannot forge, and a log stream that
+breaks without taking the node with it. Real ``affinity-node`` processes where a
+client meets the behaviour over the wire."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from typing import Any
+
+import fakeredis
+import httpx
+import pytest
+
+from node.accesslog import AccessLog, escape
+from tests.inproc import cluster, config
+from tests.procs import ROOT, Node, RedisServer, free_port, tmpdir, wait_until
+
+OBS = {"obs": [[0.1] * 8]}
+
+
+def metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+# ---- item 2: log injection ---------------------------------------------------------------
+
+
+def test_escape_leaves_plain_text_and_escapes_what_could_forge_a_line() -> None:
+    assert escape("/episodes/ep-42") == "/episodes/ep-42"
+    assert escape("a\nb\rc\x00d\x1b[31m") == "a\\x0ab\\x0dc\\x00d\\x1b[31m"
+    assert escape('say "hi" \\ now') == 'say \\"hi\\" \\\\ now'
+    assert escape("x\u2028y\x85z") == "x\\u2028y\\x85z"
+    assert escape("ünïcode") == "ünïcode"
+
+
+@pytest.mark.anyio
+async def test_a_request_cannot_write_a_line_or_a_nul_into_the_plain_access_log() -> None:
+    redis = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    async with cluster(redis, [config("a")]) as (nodes, _):
+        node = nodes[0]
+        log = node.app.access
+        log.stream = io.StringIO()
+        forged = "x%0A2026-12-01%2000:00:00,000%20INFO%20affinity.node:%20FORGED%00%22"
+        await node.client.get("/episodes/" + forged)
+        await node.act(episode_id="ep\u2028two", inputs=OBS)
+        log.flush()
+        text = log.stream.getvalue()
+        lines = text.splitlines()
+        assert len(lines) == 2, text
+        assert "\x00" not in text and "\u2028" not in text
+        assert (
+            lines[0].count('"') - lines[0].count('\\"') == 2
+            and "\\x0a2026-12-01" in lines[0]
+            and "\\x00" in lines[0]
+        )
+        assert "episode=ep\\u2028two" in lines[1]
+
+
+# ---- item 6: a broken log stream -----------------------------------------------------------
+
+
+class BrokenPipe(io.StringIO):
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_lines_that_cannot_be_written_are_dropped_and_counted_not_kept() -> None:
+    dropped: list[int] = []
+    log = AccessLog(stream=BrokenPipe(), on_drop=dropped.append)
+    scope = {"method": "GET", "path": "/healthz", "client": ("127.0.0.1", 1)}
+    for _ in range(600):
+        log.write(scope, 200, 0.001)  # no loop: every line is flushed (and fails) at once
+    assert sum(dropped) == 600 and log._waiting == []
+    log.stream = io.StringIO()
+    log.write(scope, 200, 0.001)
+    assert log.stream.getvalue().count("\n") == 1  # nothing old comes back
+
+
+@pytest.mark.integration
+def test_a_node_whose_stderr_reader_died_keeps_serving_and_counts_the_dropped_lines() -> None:
+    tmp = tmpdir()
+    server = RedisServer(tmp).start()
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "node.main", "--redis", server.url, "--node-id", "pipe",
+         "--port", str(port), "--devices", "cpu:1"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: httpx.get(url + "/readyz", timeout=1).status_code == 200, 60, "ready")
+        assert proc.stderr is not None
+        proc.stderr.close()  # the log shipper died: every write now fails with EPIPE
+        with httpx.Client(timeout=10) as c:
+            for _ in range(700):  # past MAX_WAITING twice over
+                assert c.get(url + "/healthz").status_code == 200
+            wait_until(
+                lambda: (
+                    metric(c.get(url + "/metrics").text, "affinity_log_lines_dropped_total") >= 700
+                ),
+                10,
+                "the dropped lines counted",
+            )
+            assert c.get(url + "/healthz").status_code == 200
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait(10)
+        server.stop()
+
+
+# ---- item 1: access control and cross-site refusal ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def keyed() -> Any:
+    tmp = tmpdir()
+    server = RedisServer(tmp).start()
+    node = Node(
+        tmp, "keyed", server.url, devices="cpu:1", extra=["--api-key", "k3y"],
+        env={"AFFINITY_ADMIN_TOKEN": "adm1n"},
+    ).start()  # fmt: skip
+    yield node
+    node.stop()
+    server.stop()
+
+
+KEY = {"Authorization": "Api-Key k3y"}
+ADMIN = {"Authorization": "Bearer adm1n"}
+
+
+@pytest.mark.integration
+def test_with_an_api_key_nothing_reads_or_changes_episodes_without_it(keyed: Node) -> None:
+    with httpx.Client(base_url=keyed.url, timeout=10) as c:
+        r = c.post("/act", json={"episode_id": "robot-1", "inputs": OBS}, headers=KEY)
+        assert r.status_code == 200, r.text
+        token = r.json()["token"]
+        for method, path in [
+            ("POST", "/episodes/robot-1/end"),
+            ("GET", "/episodes/robot-1"),
+            ("GET", "/devices"),
+            ("GET", "/nodes"),
+            ("GET", "/events/stream"),
+        ]:
+            for headers in ({}, {"Authorization": "Api-Key wrong"}, {"Authorization": "Bearer x"}):
+                r = c.request(method, path, headers=headers)
+                assert r.status_code == 401, (method, path, headers, r.text)
+                assert r.json()["error"]["code"] == "unauthorized"
+        # nothing changed: the robot's next step is still a hit on its state
+        r = c.post(
+            "/act", json={"episode_id": "robot-1", "inputs": OBS, "token": token}, headers=KEY
+        )
+        assert r.json()["routing"] == "hit", r.text
+        # the client and the admin may read and end
+        assert c.get("/episodes/robot-1", headers=KEY).json()["device"] == "keyed/0"
+        assert c.get("/devices", headers=ADMIN).status_code == 200
+        assert c.get("/nodes", headers=KEY).status_code == 200
+        with c.stream("GET", "/events/stream?backlog=1", headers=KEY) as s:
+            assert s.status_code == 200
+        assert c.post("/episodes/robot-1/end", headers=ADMIN).json()["released"] is True
+        # health, readiness and metrics stay open (no episode in them, nothing changes)
+        for path in ("/healthz", "/readyz", "/metrics", "/model"):
+            assert c.get(path).status_code == 200, path
+
+
+@pytest.mark.integration
+def test_state_changing_requests_from_another_site_are_refused(keyed: Node) -> None:
+    with httpx.Client(base_url=keyed.url, timeout=10) as c:
+        r = c.post("/act", json={"episode_id": "robot-2", "inputs": OBS}, headers=KEY)
+        assert r.status_code == 200
+        host = keyed.url.split("://", 1)[1]
+        for headers in (
+            {"Origin": "https://evil.example"},
+            {"Origin": "null"},
+            {"Sec-Fetch-Site": "cross-site", "Origin": f"http://{host}"},
+            {"Sec-Fetch-Site": "same-site"},
+        ):
+            for path in ("/episodes/robot-2/end", "/devices/keyed/0/drain", "/act"):
+                auth = ADMIN if "drain" in path else KEY
+                body = {"episode_id": "robot-2", "inputs": OBS}
+                r = c.post(path, headers={**auth, **headers}, json=body)
+                assert r.status_code == 403, (path, headers, r.text)
+                assert r.json()["error"]["code"] == "cross_site"
+        assert c.get("/episodes/robot-2", headers=KEY).status_code == 200  # still assigned
+        same = {"Origin": f"http://{host}", "Sec-Fetch-Site": "same-origin"}
+        assert c.post("/episodes/robot-2/end", headers={**KEY, **same}).status_code == 200
