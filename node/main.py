@@ -5,8 +5,10 @@ Every flag also reads an ``AFFINITY_*`` environment variable (the flag wins). Wi
 (single host only), optionally answering the Redis protocol on ``--embedded-port``.
 
 Exit codes: 0 after a graceful stop (SIGTERM: episodes handed over, deregistered), 2 for a
-usage or configuration error (one line naming the flag), 3 when Redis cannot be reached
-at start-up, 4 when another running process holds this node id.
+usage or configuration error (one line naming the flag; every flag is checked before
+anything starts), 3 when Redis cannot be reached at start-up, 4 when another running
+process holds this node id, 5 when GPUs are found that CUDA cannot run, 6 when the node
+cannot listen on --host/--port (checked before it registers).
 """
 
 from __future__ import annotations
@@ -28,7 +30,16 @@ from typing import Any, NoReturn
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from affinity import BackendUnavailable, NodeConflict, Settings, connect, embedded_store
+from affinity import (
+    BackendUnavailable,
+    InvalidArgument,
+    NodeConflict,
+    Settings,
+    connect,
+    embedded_store,
+)
+from affinity.connection import url_problem
+from affinity.registry import MAX_WEIGHT, check_node_id
 from node.accesslog import JsonFormatter
 from node.app import create_app
 from node.binding import BoundSession
@@ -51,6 +62,21 @@ EXIT_USAGE = 2
 EXIT_REDIS = 3
 EXIT_NO_GPU = 5
 """Exit status when --devices names GPUs (or auto finds some) that CUDA cannot run."""
+EXIT_LISTEN = 6
+"""Exit status when the node cannot listen on --host/--port (it has not registered)."""
+LOG_LEVELS = ("debug", "info", "warning", "error")
+RANGES: dict[str, tuple[int, int]] = {  # integer flags: lowest and highest value allowed
+    "--port": (1, 65535),
+    "--embedded-port": (1, 65535),
+    "--capacity": (1, 1_000_000),
+    "--weight": (1, MAX_WEIGHT),
+    "--max-body-bytes": (1, 1 << 31),
+    "--max-batch": (1, 4096),
+    "--execute-steps": (1, 4096),
+    "--failure-threshold": (1, 1_000_000),
+}
+POSITIVE = ("--act-deadline", "--keep-alive", "--episode-ttl", "--lease-ttl")
+"""Flags of seconds that must be more than 0."""
 
 
 HELP = """\
@@ -61,8 +87,9 @@ embedded single-host store.
 
 Exit codes: 0 after a graceful stop (SIGTERM: episodes handed over, deregistered), 2 for a
 usage or configuration error (one line naming the flag), 3 when Redis cannot be reached at
-start-up, 4 when another running process holds this node id, 5 when GPUs are named (or
-found) that CUDA cannot run (one line naming the missing library)."""
+start-up, 4 when another running process holds this node id, 5 when GPUs are found that
+CUDA cannot run (one line naming the missing library), 6 when the node cannot listen on
+--host/--port (checked before it registers)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -190,11 +217,31 @@ def parse_args(
             except ValueError:
                 p.error(f"{f.name} {value!r}: must be {f.kind.__name__} (env {f.env})")
         values[key] = value
-    for name, allowed in (("log_format", ("plain", "json")), ("access_log", ("on", "off"))):
+        if value is None:
+            continue
+        low, high = RANGES.get(f.name, (None, None))
+        if low is not None and high is not None and not low <= value <= high:
+            p.error(f"{f.name} {value}: must be {low}-{high} (env {f.env})")
+        if f.name in POSITIVE and not value > 0:
+            p.error(f"{f.name} {value}: must be more than 0 seconds (env {f.env})")
+    for name, allowed in (
+        ("log_format", ("plain", "json")),
+        ("access_log", ("on", "off")),
+        ("log_level", LOG_LEVELS),
+    ):
+        values[name] = values[name].lower()
         if values[name] not in allowed:
             flag = "--" + name.replace("_", "-")
             p.error(f"{flag} {values[name]!r}: must be one of {', '.join(allowed)}")
+    if values["redis"]:
+        problem = url_problem(values["redis"])
+        if problem is not None:
+            p.error(f"--redis {values['redis']!r}: {problem} (env AFFINITY_REDIS_URL)")
     node_id = values["node_id"] or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:128]
+    try:
+        check_node_id(node_id)
+    except InvalidArgument as exc:
+        p.error(f"--node-id {node_id!r}: {exc.limit} (env AFFINITY_NODE_ID)")
     host = values["host"]
     advertise = values["advertise_url"] or (
         f"http://{host if host != '0.0.0.0' else socket.gethostname()}:{values['port']}"
@@ -399,7 +446,37 @@ class _Server(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The node's listening socket, bound (not yet listening) before anything registers:
+    a node that could not serve must never advertise itself. Raises ``OSError``."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 async def _serve(config: NodeConfig) -> int:
+    try:
+        sock = bind(config.host, config.port)
+    except OSError as exc:
+        print(
+            f"affinity-node: cannot listen on {config.host}:{config.port} (--host/--port): "
+            f"{exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return EXIT_LISTEN
+    with sock:
+        return await _serve_on(config, sock)
+
+
+async def _serve_on(config: NodeConfig, sock: socket.socket) -> int:
     try:
         service = await build_service(config)()
     except StartupError as exc:
@@ -445,7 +522,7 @@ async def _serve(config: NodeConfig) -> int:
         service,
         app.state.fleet,
     )
-    await server.serve()
+    await server.serve(sockets=[sock])
     return EXIT_CONFLICT if service.membership.conflict is not None else 0
 
 
