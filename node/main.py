@@ -39,6 +39,7 @@ from affinity import (
     embedded_store,
 )
 from affinity.connection import url_problem
+from affinity.errors import SecretMismatch
 from affinity.registry import MAX_WEIGHT, check_node_id
 from node.accesslog import JsonFormatter
 from node.app import create_app
@@ -498,6 +499,10 @@ async def _serve_on(config: NodeConfig, sock: socket.socket) -> int:
         print(f"affinity-node: {exc}", file=sys.stderr)
         await service.stop()
         return EXIT_CONFLICT
+    except SecretMismatch as exc:
+        print(f"affinity-node: {exc}", file=sys.stderr)
+        await service.stop()
+        return EXIT_USAGE
 
     async def started() -> NodeService:
         return service

@@ -115,6 +115,7 @@ class Membership:
     async def register(self) -> None:
         """Register (again); only then does this node serve. Drops any local state: a node
         that lost its registration may have lost its episodes to other devices."""
+        await self.registry.check_secret(self.config.cluster_secret)  # SecretMismatch
         sent = self.clock()
         self.dispatcher.drop_all()
         await self.registry.register(

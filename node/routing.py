@@ -268,8 +268,8 @@ class Routing:
             if again.node == self.node_id:
                 return await self._serve(again, step, arrival)
             return await self._forward(again, step, arrival, retry=False)
-        if resp.status == 503:
-            raise Unavailable(code, text, float(resp.headers.get("retry-after", "1")))
+        if resp.status == 503 or code == "bad_secret":  # the nodes' secrets differ: not the
+            raise Unavailable(code, text, float(resp.headers.get("retry-after", "1")))  # client's
         raise Refused(resp.status, code, text)
 
     # ---- the owner ---------------------------------------------------------------------

@@ -190,3 +190,46 @@ def test_state_changing_requests_from_another_site_are_refused(keyed: Node) -> N
         assert c.get("/episodes/robot-2", headers=KEY).status_code == 200  # still assigned
         same = {"Origin": f"http://{host}", "Sec-Fetch-Site": "same-origin"}
         assert c.post("/episodes/robot-2/end", headers={**KEY, **same}).status_code == 200
+
+
+# ---- item 3: the cluster secret -------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_a_node_with_another_cluster_secret_cannot_join_and_a_router_answers_503() -> None:
+    tmp = tmpdir()
+    server = RedisServer(tmp).start()
+    a = Node(tmp, "sa", server.url, devices="cpu:1", env={"AFFINITY_CLUSTER_SECRET": "one"})
+    a.start()
+    try:
+        assert server.client().get("{affinity}:secret") not in (None, "one", b"one")
+        wrong = subprocess.run(
+            [sys.executable, "-m", "node.main", "--redis", server.url, "--node-id", "sb",
+             "--port", str(free_port()), "--devices", "cpu:1"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+            env={"PATH": "/usr/bin:/bin", "HOME": "/tmp", "AFFINITY_CLUSTER_SECRET": "two"},
+        )  # fmt: skip
+        assert wrong.returncode == 2, wrong.stderr
+        lines = [line for line in wrong.stderr.splitlines() if line.startswith("affinity-node")]
+        assert len(lines) == 1 and "AFFINITY_CLUSTER_SECRET" in lines[0], wrong.stderr
+        assert not server.client().exists("{affinity}:node:sb")  # it never registered
+        # Had it joined anyway (the digest deleted by hand), a step it forwards is the
+        # fleet's fault, not the client's: 503, not 403
+        server.client().delete("{affinity}:secret")
+        b = Node(tmp, "sb", server.url, devices="cpu:1", env={"AFFINITY_CLUSTER_SECRET": "two"})
+        b.start()
+        try:
+            with httpx.Client(timeout=10) as c:
+                for i in range(20):
+                    r = c.post(a.url + "/act", json={"episode_id": f"e{i}", "inputs": OBS})
+                    assert r.status_code == 200, r.text
+                    if r.json()["node"] == "sa":
+                        break
+                r = c.post(b.url + "/act", json={"episode_id": f"e{i}", "inputs": OBS})
+                assert r.status_code == 503, r.text
+                assert r.json()["error"]["code"] == "bad_secret" and "Retry-After" in r.headers
+        finally:
+            b.stop()
+    finally:
+        a.stop()
+        server.stop()
