@@ -109,13 +109,17 @@ class Routing:
             async with asyncio.timeout(step.deadline - self.clock()):
                 while True:
                     try:
-                        return await self._route(step, arrival)
+                        reply = await self._route(step, arrival)
+                        break
                     except Unavailable as exc:
                         if not patient or exc.reason not in TRANSIENT:
                             raise
                         last = exc
                     await asyncio.sleep(min(backoff, last.retry_after))
                     backoff = min(backoff * 2, 0.5)
+            if self.clock() >= step.deadline:  # the timeout's cancellation was swallowed
+                raise TimeoutError  # (gh-86296, Python 3.11): the answer is late all the same
+            return reply
         except TimeoutError:
             if last is not None:
                 raise last from None

@@ -5,6 +5,8 @@ client meets the behaviour over the wire."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import subprocess
 import sys
@@ -12,6 +14,7 @@ from typing import Any
 
 import fakeredis
 import httpx
+import numpy as np
 import pytest
 
 from node.accesslog import AccessLog, escape
@@ -233,3 +236,39 @@ def test_a_node_with_another_cluster_secret_cannot_join_and_a_router_answers_503
     finally:
         a.stop()
         server.stop()
+
+
+# ---- item 7: deadlines that hold on Python 3.11 -------------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("timeout_us", [1, 100])
+async def test_a_kserve_timeout_of_microseconds_is_never_served_late(
+    redis: Any, timeout_us: int
+) -> None:
+    from tests.test_kserve import INFER, request_body
+
+    obs = np.zeros((1, 8), np.float32)
+    async with cluster(redis, [config("a", devices="cpu:1")]) as (nodes, _):
+        for i in range(5):
+            body, headers = request_body(
+                obs, sequence_id=f"t{i}", sequence_start=True, timeout=timeout_us
+            )
+            r = await nodes[0].client.post(INFER, content=body, headers=headers)
+            assert r.status_code == 503, r.text
+            assert f"the request's timeout of {timeout_us} µs" in r.json()["error"], r.text
+
+
+@pytest.mark.anyio
+async def test_a_redis_call_whose_cancellation_was_swallowed_still_fails_its_deadline() -> None:
+    from affinity import BackendUnavailable, Settings
+    from affinity.scripts import bounded
+
+    async def swallows() -> str:  # what asyncio.wait_for does on 3.11 (gh-86296)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(1)
+        return "late"
+
+    with pytest.raises(BackendUnavailable, match=r"did not answer within 0\.01s"):
+        await bounded(Settings(redis_deadline_s=0.01), swallows())
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
