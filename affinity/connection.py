@@ -5,6 +5,10 @@ dropped, no reset) one command can then hang for about 100 seconds. Here a comma
 ``redis_timeout_s`` per socket operation and ``redis_retries`` connection-level retries
 with a short capped backoff, and every library call is further bounded by
 ``redis_deadline_s`` (see :func:`affinity.claims.bounded`).
+
+The pool is bounded (``redis_max_connections``) and blocking: a burst of calls larger
+than the pool waits for connections, within the deadline, where redis-py's default pool
+fails at once with "Too many connections".
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import logging
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from redis.asyncio import Redis, RedisCluster
+from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
@@ -86,7 +90,13 @@ def connect(settings: Settings) -> AnyRedis:
     problem = url_problem(url)
     if problem is not None:
         raise InvalidArgument("redis_url", url, problem)
-    return Redis.from_url(url, **kwargs)
+    pool = BlockingConnectionPool.from_url(
+        url,
+        max_connections=settings.redis_max_connections,
+        timeout=settings.redis_deadline_s,
+        **kwargs,
+    )
+    return Redis.from_pool(pool)  # the client owns it: aclose() closes it
 
 
 def _sentinel(url: str, kwargs: dict[str, Any]) -> Redis:

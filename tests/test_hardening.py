@@ -15,6 +15,7 @@ from typing import Any
 import fakeredis
 import httpx
 import numpy as np
+import orjson
 import pytest
 
 from node.accesslog import AccessLog, escape
@@ -272,3 +273,115 @@ async def test_a_redis_call_whose_cancellation_was_swallowed_still_fails_its_dea
     with pytest.raises(BackendUnavailable, match=r"did not answer within 0\.01s"):
         await bounded(Settings(redis_deadline_s=0.01), swallows())
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
+# ---- items 4 and 5: Redis connections under a burst ------------------------------------------
+
+
+async def burst(
+    url: str, requests: list[bytes]
+) -> tuple[list[tuple[int, bytes]], list[asyncio.StreamWriter]]:
+    """Send every request on a connection of its own, all at once: (status, head) of
+    each reply, and the connections (still open: close them)."""
+    host, port = url.removeprefix("http://").split(":")
+
+    async def one(raw: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(raw)
+        await writer.drain()
+        return reader, writer
+
+    conns = await asyncio.gather(*(one(raw) for raw in requests))
+    out = []
+    for reader, _ in conns:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 120)
+        out.append((int(head.split(b" ", 2)[1]), head))
+    return out, [writer for _, writer in conns]
+
+
+async def statuses_of(url: str, requests: list[bytes]) -> list[int]:
+    replies, writers = await burst(url, requests)
+    for writer in writers:
+        writer.close()
+    return [status for status, _ in replies]
+
+
+def get(path: str, headers: str = "") -> bytes:
+    return f"GET {path} HTTP/1.1\r\nHost: t\r\n{headers}\r\n".encode()
+
+
+def post_act(episode: str) -> bytes:
+    body = orjson.dumps({"episode_id": episode, "inputs": OBS})
+    return (
+        f"POST /act HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+
+
+@pytest.mark.integration
+def test_concurrent_event_streams_stop_at_the_limit_and_never_starve_the_lease() -> None:
+    tmp = tmpdir()
+    server = RedisServer(tmp).start()
+    node = Node(tmp, "sse", server.url, devices="cpu:1", extra=["--lease-ttl", "3"]).start()
+    try:
+
+        async def scenario() -> None:
+            replies, streams = await burst(node.url, [get("/events/stream?backlog=0")] * 60)
+            statuses = [status for status, _ in replies]
+            assert statuses.count(200) == 32 and statuses.count(503) == 28, statuses
+            assert all(b"retry-after: 2" in head.lower() for s, head in replies if s == 503)
+            # while the 32 streams hold their connections, steps and renewals go on
+            with httpx.Client(timeout=10) as c:
+                for i in range(10):
+                    r = c.post(node.url + "/act", json={"episode_id": f"s{i}", "inputs": OBS})
+                    assert r.status_code == 200, r.text
+                renewed = metric_with(c.get(node.url + "/metrics").text, 'result="ok"')
+                wait_until(
+                    lambda: (
+                        metric_with(c.get(node.url + "/metrics").text, 'result="ok"') > renewed + 1
+                    ),
+                    10,
+                    "two more lease renewals",
+                )
+                text = c.get(node.url + "/metrics").text
+                assert metric_with(text, 'result="failed"') == 0
+                assert metric(text, "affinity_fenced") == 0
+            assert await statuses_of(node.url, [get("/events/stream")]) == [503]  # still full
+            for writer in streams:
+                writer.close()
+
+        asyncio.run(scenario())
+        # once the streams are gone their slots are free again
+        wait_until(
+            lambda: asyncio.run(statuses_of(node.url, [get("/events/stream")])) == [200],
+            10,
+            "a free stream slot",
+        )
+    finally:
+        node.stop()
+        server.stop()
+
+
+def metric_with(text: str, label: str) -> float:
+    name = "affinity_lease_renewals_total"
+    for line in text.splitlines():
+        if line.startswith(name + "{") and label in line:
+            return float(line.split()[-1])
+    return 0.0
+
+
+@pytest.mark.integration
+def test_a_burst_of_400_new_episodes_gets_no_spurious_503() -> None:
+    tmp = tmpdir()
+    server = RedisServer(tmp).start()
+    node = Node(
+        tmp, "burst", server.url, devices="cpu:2",
+        extra=["--capacity", "1000", "--act-deadline", "120"],
+    ).start()  # fmt: skip
+    try:
+        statuses = asyncio.run(statuses_of(node.url, [post_act(f"b{i}") for i in range(400)]))
+        assert statuses == [200] * 400, {s: statuses.count(s) for s in set(statuses)}
+        assert server.client().dbsize() >= 400  # every episode claimed
+    finally:
+        node.stop()
+        server.stop()
