@@ -32,7 +32,7 @@ from node.dispatcher import Arrival, DeviceDown, ModelFailure, MultiGpuDispatche
 from node.forward import Forward, ForwardError, Poster, Response, decode_reply
 from node.membership import Membership
 from node.metrics import Metrics
-from node.policy import PolicyContract
+from node.policy import InvalidInput, PolicyContract, inputs_from_arrays
 from node.step import Refused, Reply, Step, Unavailable
 
 __all__ = ["FORWARD_MARGIN_S", "TRANSIENT", "Routing"]
@@ -293,6 +293,12 @@ class Routing:
             raise Refused(400, "bad_forward", str(exc)) from None
         if fwd.device not in self.local_devices:
             raise Refused(421, "not_owner", f"device {fwd.device!r} is not on node {self.node_id}")
+        try:  # the router checked them against its model; a node serving another one refuses
+            inputs_from_arrays(self.contract, fwd.inputs)  # them as the client's (never a crash)
+        except InvalidInput as exc:
+            raise Refused(
+                422, "bad_input", f"not an input of node {self.node_id}'s model: {exc}"
+            ) from None
         arrival = self.dispatcher.arrival()
         try:
             async with asyncio.timeout(fwd.budget_s):

@@ -385,3 +385,36 @@ def test_a_burst_of_400_new_episodes_gets_no_spurious_503() -> None:
     finally:
         node.stop()
         server.stop()
+
+
+# ---- item 9: inputs for another model are the client's, not a crash ----------------------------
+
+
+@pytest.mark.integration
+def test_inputs_that_do_not_fit_the_owners_model_are_4xx_and_never_take_its_device_down() -> None:
+    tmp = tmpdir()
+    server = RedisServer(tmp).start()
+    demo = Node(tmp, "demo", server.url, devices="cpu:1").start()
+    other = Node(tmp, "vla", server.url, devices="cpu:1", extra=["--model", "vla-demo"]).start()
+    try:
+        refused = 0
+        with httpx.Client(timeout=30) as c:
+            for i in range(40):  # round-robin: about half land on the other model's device
+                r = c.post(demo.url + "/act", json={"episode_id": f"m{i}", "inputs": OBS})
+                if r.status_code == 200:
+                    assert r.json()["node"] == "demo"
+                    continue
+                assert r.status_code == 422, r.text
+                assert r.json()["error"]["code"] == "bad_input" and "vla" in r.text
+                refused += 1
+            assert refused >= 4, refused  # more than --failure-threshold (3)
+            devices = {
+                d["device"]: d["state"] for d in c.get(demo.url + "/devices").json()["devices"]
+            }
+            assert devices == {"demo/0": "active", "vla/0": "active"}, devices
+            local = c.get(other.url + "/devices").json()["devices"]
+            assert [d["local"]["consecutive_failures"] for d in local if "local" in d] == [0]
+    finally:
+        other.stop()
+        demo.stop()
+        server.stop()
