@@ -12,10 +12,11 @@ or served now.
 
 Two checks run before any route (:meth:`NodeApp._http`):
 
-- a request that changes something (any method but GET, HEAD, OPTIONS) sent by a browser
-  on behalf of another site (``Sec-Fetch-Site`` other than ``same-origin``/``none``, or an
-  ``Origin`` that is not this host) is refused 403 ``cross_site``: a page elsewhere cannot
-  release episodes or drain devices through an operator's browser;
+- a request that changes something (any method but GET, HEAD, OPTIONS, and every
+  websocket: openpi's steps) sent by a browser on behalf of another site
+  (``Sec-Fetch-Site`` other than ``same-origin``/``none``, or an ``Origin`` that is not
+  this host) is refused 403 ``cross_site``: a page elsewhere cannot release episodes,
+  drive a robot's episode or drain devices through an operator's browser;
 - with ``--api-key``, every endpoint that reads or changes episodes (:data:`PROTECTED`)
   wants ``Authorization: Api-Key <key>`` or the admin's ``Bearer <token>`` (401 without).
   ``/healthz``, ``/readyz``, ``/metrics``, ``/model``, ``/ui`` (the page, not its data)
@@ -105,6 +106,11 @@ class NodeApp:
         if scope["type"] == "http":
             await self.access(self._http, scope, receive, send)
         elif scope["type"] == "websocket":
+            if cross_site(scope):  # a page elsewhere must not drive a robot's episode
+                self.service.metrics.rejected.labels("forbidden").inc()
+                await receive()  # websocket.connect
+                await send({"type": "websocket.close", "code": 1008})  # before accept: 403
+                return
             await openpi.handle(self.service, scope, receive, send)
         else:
             await self.api(scope, receive, send)

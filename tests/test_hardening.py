@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import socket
 import subprocess
 import sys
 from typing import Any
@@ -418,3 +419,20 @@ def test_inputs_that_do_not_fit_the_owners_model_are_4xx_and_never_take_its_devi
         other.stop()
         demo.stop()
         server.stop()
+
+
+@pytest.mark.integration
+def test_a_websocket_from_another_site_is_refused(keyed: Node) -> None:
+    def handshake(extra: str) -> bytes:
+        with socket.create_connection((keyed.host, keyed.port), timeout=10) as sock:
+            sock.sendall(
+                (
+                    "GET / HTTP/1.1\r\nHost: t\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                    "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+                    f"Authorization: Api-Key k3y\r\n{extra}\r\n"
+                ).encode()
+            )
+            return sock.recv(4096).split(b"\r\n", 1)[0]
+
+    assert b" 403 " in handshake("Origin: https://evil.example\r\n")
+    assert b" 101 " in handshake("")
