@@ -30,16 +30,9 @@ from typing import Any, NoReturn
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from affinity import (
-    BackendUnavailable,
-    InvalidArgument,
-    NodeConflict,
-    Settings,
-    connect,
-    embedded_store,
-)
+from affinity import BackendUnavailable, NodeConflict, Settings, connect, embedded_store
 from affinity.connection import url_problem
-from affinity.errors import SecretMismatch
+from affinity.errors import InvalidArgument, SecretMismatch
 from affinity.registry import MAX_WEIGHT, check_node_id
 from node.accesslog import JsonFormatter
 from node.app import create_app
@@ -66,18 +59,6 @@ EXIT_NO_GPU = 5
 EXIT_LISTEN = 6
 """Exit status when the node cannot listen on --host/--port (it has not registered)."""
 LOG_LEVELS = ("debug", "info", "warning", "error")
-RANGES: dict[str, tuple[int, int]] = {  # integer flags: lowest and highest value allowed
-    "--port": (1, 65535),
-    "--embedded-port": (1, 65535),
-    "--capacity": (1, 1_000_000),
-    "--weight": (1, MAX_WEIGHT),
-    "--max-body-bytes": (1, 1 << 31),
-    "--max-batch": (1, 4096),
-    "--execute-steps": (1, 4096),
-    "--failure-threshold": (1, 1_000_000),
-}
-POSITIVE = ("--act-deadline", "--keep-alive", "--episode-ttl", "--lease-ttl")
-"""Flags of seconds that must be more than 0."""
 
 
 HELP = """\
@@ -110,6 +91,24 @@ class _Flag:
     default: Any
     help: str
     kind: Callable[[str], Any] = str
+    low: float | None = None  # the lowest value allowed (with high: inclusive)
+    high: float | None = None
+    positive: bool = False  # seconds: more than 0
+
+    @property
+    def bounds(self) -> str:
+        """The allowed values for ``--help`` (empty: any value of the kind)."""
+        if self.low is not None and self.high is not None:
+            return f"{self.low}-{self.high}; "
+        return "more than 0; " if self.positive else ""
+
+    def problem(self, value: Any) -> str | None:
+        """What is wrong with a converted value (``None``: nothing)."""
+        if self.low is not None and self.high is not None and not self.low <= value <= self.high:
+            return f"must be {self.low}-{self.high}"
+        if self.positive and not value > 0:
+            return "must be more than 0 seconds"
+        return None
 
 
 _FLAGS = (
@@ -119,7 +118,7 @@ _FLAGS = (
     _Flag("--namespace", "AFFINITY_NAMESPACE", "affinity", "prefix of every Redis key"),
     _Flag("--node-id", "AFFINITY_NODE_ID", None, "this node's id (none: the host name)"),
     _Flag("--host", "AFFINITY_HOST", "127.0.0.1", "address to listen on"),
-    _Flag("--port", "AFFINITY_PORT", 8000, "port to listen on", int),
+    _Flag("--port", "AFFINITY_PORT", 8000, "port to listen on", int, low=1, high=65535),
     _Flag("--advertise-url", "AFFINITY_ADVERTISE_URL", None,
           "URL other nodes forward to (none: http://<host>:<port>)"),
     _Flag("--devices", "AFFINITY_DEVICES", "auto",
@@ -128,39 +127,42 @@ _FLAGS = (
           "ONNX policy: a packaged name (demo, vla-demo) or a file"),
     _Flag("--model-name", "AFFINITY_MODEL_NAME", None,
           "the model's name for KServe v2 clients (none: the model file's stem)"),
-    _Flag("--capacity", "AFFINITY_CAPACITY", 64, "live episodes per device", int),
-    _Flag("--weight", "AFFINITY_WEIGHT", 1, "share of new episodes per device", int),
+    _Flag("--capacity", "AFFINITY_CAPACITY", 64, "live episodes per device", int,
+          low=1, high=1_000_000),
+    _Flag("--weight", "AFFINITY_WEIGHT", 1, "share of new episodes per device", int,
+          low=1, high=MAX_WEIGHT),
     _Flag("--episode-ttl", "AFFINITY_EPISODE_TTL", 300.0,
-          "seconds idle before an episode's assignment expires", float),
+          "seconds idle before an episode's assignment expires", float, positive=True),
     _Flag("--lease-ttl", "AFFINITY_LEASE_TTL", 10.0,
-          "seconds of the node's lease (renewed every third)", float),
+          "seconds of the node's lease (renewed every third)", float, positive=True),
     _Flag("--act-deadline", "AFFINITY_ACT_DEADLINE", 5.0,
-          "seconds within which every step answers", float),
+          "seconds within which every step answers", float, positive=True),
     _Flag("--max-body-bytes", "AFFINITY_MAX_BODY_BYTES", 1 << 24,
-          "bytes of one request body or websocket message", int),
+          "bytes of one request body or websocket message", int, low=1, high=1 << 31),
     _Flag("--keep-alive", "AFFINITY_KEEP_ALIVE", 5.0,
-          "seconds an idle client connection is kept open", float),
+          "seconds an idle client connection is kept open", float, positive=True),
     _Flag("--trt-cache", "AFFINITY_TRT_CACHE", "~/.cache/affinity/trt",
           "TensorRT engine cache root", Path),
     _Flag("--max-batch", "AFFINITY_MAX_BATCH", None,
           "steps of different episodes per model run (none: 8 when the model's batch axis "
-          "is dynamic, else 1; 1 turns batching off)", int),
+          "is dynamic, else 1; 1 turns batching off)", int, low=1, high=4096),
     _Flag("--batch-delay", "AFFINITY_BATCH_DELAY", 500.0,
           "microseconds a device waits for more steps once one waits (only while another "
           "recently active episode may send one)", float),
     _Flag("--execute-steps", "AFFINITY_EXECUTE_STEPS", None,
           "action-chunk execution: run the policy every k steps, serve the buffer between "
-          "(none: every step runs the model)", int),
+          "(none: every step runs the model)", int, low=1, high=4096),
     _Flag("--ensemble", "AFFINITY_ENSEMBLE", "none",
           "none | exp: temporal ensembling of overlapping chunks (ACT)"),
     _Flag("--ensemble-decay", "AFFINITY_ENSEMBLE_DECAY", 0.01,
           "m in ACT's weights w_i = exp(-m*i), oldest prediction first", float),
     _Flag("--failure-threshold", "AFFINITY_FAILURE_THRESHOLD", 3,
-          "consecutive model failures before a device goes down", int),
+          "consecutive model failures before a device goes down", int, low=1, high=1_000_000),
     _Flag("--cooldown", "AFFINITY_COOLDOWN", 30.0,
           "seconds a down device waits before its probe", float),
     _Flag("--embedded-port", "AFFINITY_EMBEDDED_PORT", None,
-          "with the embedded store: also answer the Redis protocol on this port", int),
+          "with the embedded store: also answer the Redis protocol on this port", int,
+          low=1, high=65535),
     _Flag("--api-key", "AFFINITY_API_KEY", None,
           "when set, clients must send Authorization: Api-Key <key> (openpi-client's api_key)"),
     _Flag("--log-level", "AFFINITY_LOG_LEVEL", "info", "debug | info | warning | error"),
@@ -201,8 +203,8 @@ def parse_args(
         p.add_argument(
             f.name,
             default=default,
-            help=f"{f.help} (default: {f.default if f.default is not None else 'none'}; "
-            f"env {f.env})",
+            help=f"{f.help} ({f.bounds}default: "
+            f"{f.default if f.default is not None else 'none'}; env {f.env})",
         )
     for name, var, text in _SWITCHES:
         p.add_argument(name, action="store_true", default=_is_on(env.get(var)),
@@ -220,11 +222,9 @@ def parse_args(
         values[key] = value
         if value is None:
             continue
-        low, high = RANGES.get(f.name, (None, None))
-        if low is not None and high is not None and not low <= value <= high:
-            p.error(f"{f.name} {value}: must be {low}-{high} (env {f.env})")
-        if f.name in POSITIVE and not value > 0:
-            p.error(f"{f.name} {value}: must be more than 0 seconds (env {f.env})")
+        problem = f.problem(value)
+        if problem is not None:
+            p.error(f"{f.name} {value}: {problem} (env {f.env})")
     for name, allowed in (
         ("log_format", ("plain", "json")),
         ("access_log", ("on", "off")),
