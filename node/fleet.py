@@ -264,7 +264,8 @@ event's fields. A new connection starts with the latest `backlog` events; one th
 `Last-Event-ID` (browsers' `EventSource` does on reconnect; or `?last_event_id=`) gets
 every event after that id instead, so nothing is missed while the capped stream still
 holds it (an event named `gap` says when it may not). Comment lines (`: keep-alive`) are
-sent every 15 s of quiet. At most 32 streams are open per node (503 beyond)."""
+sent every 15 s of quiet. At most 32 streams are open per node (503 `too_many_streams`
+beyond, with `Retry-After`)."""
 
 SSE_EXAMPLE = (
     "retry: 2000\n\n"
