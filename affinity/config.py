@@ -21,6 +21,7 @@ _ENV = {
     "redis_timeout_s": "AFFINITY_REDIS_TIMEOUT",
     "redis_retries": "AFFINITY_REDIS_RETRIES",
     "redis_deadline_s": "AFFINITY_REDIS_DEADLINE",
+    "redis_max_connections": "AFFINITY_REDIS_MAX_CONNECTIONS",
 }
 
 _LABELS = {
@@ -30,6 +31,7 @@ _LABELS = {
     "redis_timeout_s": "Redis timeout",
     "redis_retries": "Redis retries",
     "redis_deadline_s": "Redis deadline",
+    "redis_max_connections": "Redis connection pool size",
 }
 """What the messages call each setting (a person sets a flag or a variable, not a field)."""
 
@@ -45,7 +47,9 @@ class Settings:
     Times are seconds (floats allowed; Redis gets milliseconds). ``redis_timeout_s`` bounds
     one socket operation, ``redis_retries`` is the whole retry budget of one command
     (connection-level only; nothing nests), and ``redis_deadline_s`` bounds one library
-    call end to end, whatever the network does.
+    call end to end, whatever the network does. ``redis_max_connections`` bounds the
+    client's connection pool; a call that finds every connection busy waits for one
+    (within its deadline) instead of failing.
     """
 
     redis_url: str | None = None
@@ -56,6 +60,7 @@ class Settings:
     redis_timeout_s: float = 0.5
     redis_retries: int = 2
     redis_deadline_s: float = 2.0
+    redis_max_connections: int = 128
 
     def __post_init__(self) -> None:
         Keys(self.namespace)  # validates the namespace
@@ -72,6 +77,13 @@ class Settings:
         if self.redis_retries < 0:
             raise InvalidArgument(
                 "redis_retries", self.redis_retries, "must be >= 0", label=_LABELS["redis_retries"]
+            )
+        if self.redis_max_connections < 1:
+            raise InvalidArgument(
+                "redis_max_connections",
+                self.redis_max_connections,
+                "must be >= 1",
+                label=_LABELS["redis_max_connections"],
             )
 
     @property

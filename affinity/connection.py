@@ -5,6 +5,10 @@ dropped, no reset) one command can then hang for about 100 seconds. Here a comma
 ``redis_timeout_s`` per socket operation and ``redis_retries`` connection-level retries
 with a short capped backoff, and every library call is further bounded by
 ``redis_deadline_s`` (see :func:`affinity.claims.bounded`).
+
+The pool is bounded (``redis_max_connections``) and blocking: a burst of calls larger
+than the pool waits for connections, within the deadline, where redis-py's default pool
+fails at once with "Too many connections".
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import logging
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-from redis.asyncio import Redis, RedisCluster
+from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
@@ -23,11 +27,35 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from affinity.config import Settings
 from affinity.errors import InvalidArgument
 
-__all__ = ["AnyRedis", "close", "connect", "embedded_store"]
+__all__ = ["SCHEMES", "AnyRedis", "close", "connect", "embedded_store", "url_problem"]
 
 log = logging.getLogger("affinity")
 
 AnyRedis = Redis | RedisCluster
+SCHEMES = (
+    "redis",
+    "rediss",
+    "unix",
+    "redis+sentinel",
+    "redis+cluster",
+    "redis+cluster+tls",
+    "rediss+cluster",
+)
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with ``url`` as a Redis URL (``None``: nothing), in words a person
+    can act on; checked before anything connects."""
+    parts = urlsplit(url)
+    if parts.scheme not in SCHEMES or not (parts.path if parts.scheme == "unix" else parts.netloc):
+        return "must be a URL such as redis://host:6379/0 (schemes: " + ", ".join(SCHEMES) + ")"
+    if parts.scheme == "redis+sentinel":  # several host:port, checked when connecting
+        return None
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port that is not 0-65535
+    except ValueError:
+        return "its port must be a number 0-65535"
+    return None
 
 
 def _client_kwargs(settings: Settings) -> dict[str, Any]:
@@ -59,13 +87,16 @@ def connect(settings: Settings) -> AnyRedis:
     if scheme in ("redis+cluster+tls", "rediss+cluster"):
         kwargs.pop("health_check_interval")
         return RedisCluster.from_url("rediss://" + url.split("://", 1)[1], **kwargs)
-    if scheme not in ("redis", "rediss", "unix"):
-        raise InvalidArgument(
-            "redis_url",
-            url,
-            "scheme must be redis, rediss, unix, redis+sentinel or redis+cluster",
-        )
-    return Redis.from_url(url, **kwargs)
+    problem = url_problem(url)
+    if problem is not None:
+        raise InvalidArgument("redis_url", url, problem)
+    pool = BlockingConnectionPool.from_url(
+        url,
+        max_connections=settings.redis_max_connections,
+        timeout=settings.redis_deadline_s,
+        **kwargs,
+    )
+    return Redis.from_pool(pool)  # the client owns it: aclose() closes it
 
 
 def _sentinel(url: str, kwargs: dict[str, Any]) -> Redis:

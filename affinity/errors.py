@@ -14,6 +14,7 @@ __all__ = [
     "InvalidArgument",
     "NoCapacity",
     "NodeConflict",
+    "SecretMismatch",
     "StaleToken",
     "UnknownDevice",
     "UnknownEpisode",
@@ -133,4 +134,17 @@ class NodeConflict(AffinityError):
         super().__init__(
             f"node id {node!r} is held by another running process with a current lease; "
             "give each process its own --node-id (or wait for the old lease to lapse)"
+        )
+
+
+class SecretMismatch(AffinityError):
+    """This node's cluster secret is not the fleet's (the digest in Redis differs): it must
+    not join, since every step forwarded across it would be refused."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        super().__init__(
+            f"AFFINITY_CLUSTER_SECRET does not match the one the fleet in namespace "
+            f"{namespace!r} uses: set the same secret on every node (to change it for the "
+            f"whole fleet, stop every node and delete the key {{{namespace}}}:secret)"
         )

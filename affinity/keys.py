@@ -75,6 +75,12 @@ class Keys:
         """Stream, capped: claim, reassign, release, expire, drain, ... events."""
         return self.prefix + "events"
 
+    @property
+    def secret(self) -> str:
+        """String: a keyed digest of the fleet's cluster secret (never the secret), set by
+        the first node that registers; a node whose secret does not match cannot join."""
+        return self.prefix + "secret"
+
     def episode(self, episode: str) -> str:
         """String ``"<device> <token>"`` with the episode idle TTL."""
         return self.prefix + "episode:" + episode

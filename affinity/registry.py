@@ -10,13 +10,21 @@ a restart; a dead node's record stays until it registers again or is forgotten.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, NamedTuple
 
 from affinity.config import Settings
-from affinity.errors import InvalidArgument, NodeConflict, UnknownDevice, UnknownNode
+from affinity.errors import (
+    InvalidArgument,
+    NodeConflict,
+    SecretMismatch,
+    UnknownDevice,
+    UnknownNode,
+)
 from affinity.scripts import Script, bounded, evalsha, scripts_for
 
 __all__ = [
@@ -29,6 +37,7 @@ __all__ = [
     "StateChange",
     "check_node_id",
     "event_json",
+    "secret_digest",
 ]
 
 State = Literal["active", "draining", "down"]
@@ -45,6 +54,16 @@ def check_node_id(node: object) -> str:
             "node id", node, "must be 1-128 characters of letters, digits, '.', '_' or '-'"
         )
     return node
+
+
+def secret_digest(namespace: str, secret: str | None) -> str:
+    """What Redis keeps of a fleet's cluster secret: HMAC-SHA256 keyed with the secret over
+    the namespace (``none`` for a fleet without one). It tells equal secrets from unequal
+    ones and gives nothing away that would let anyone forge a forward."""
+    if not secret:
+        return "none"
+    message = b"affinity cluster secret " + namespace.encode()
+    return hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -225,6 +244,20 @@ class Registry:
         if deadline < 0:
             raise NodeConflict(node)
         return deadline
+
+    async def check_secret(self, secret: str | None) -> None:
+        """Join the fleet's cluster secret: the first node to call this (in a namespace, or
+        after Redis lost its data) records :func:`secret_digest` of its secret; any later
+        caller with a different one gets :class:`SecretMismatch` (nothing written). One
+        atomic ``SET NX GET``."""
+        digest = secret_digest(self.settings.namespace, secret)
+        stored = await bounded(
+            self.settings, self.redis.set(self.keys.secret, digest, nx=True, get=True)
+        )
+        if isinstance(stored, bytes):
+            stored = stored.decode()
+        if stored is not None and not hmac.compare_digest(stored, digest):
+            raise SecretMismatch(self.settings.namespace)
 
     async def renew(self, node: str, instance: str = "") -> bool:
         """Extend the lease. ``False`` means the node holds no lease any more (it lapsed,

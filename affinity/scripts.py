@@ -225,7 +225,15 @@ async def bounded(settings: Settings, call: Awaitable[T]) -> T:
     ticket = watchdog.start(task, loop.time() + settings.redis_deadline_s)
     expired = False
     try:
-        return await call
+        result = await call
+        # On Python 3.11 redis-py's asyncio.wait_for swallows a cancellation that lands as
+        # a send completes (CPython gh-86296): the call then returns after its deadline
+        # as if nothing happened. The watchdog's record says whether it fired.
+        expired = watchdog.stop(ticket)
+        if not expired:
+            return result
+        task.uncancel()
+        raise BackendUnavailable(f"Redis did not answer within {settings.redis_deadline_s}s")
     except asyncio.CancelledError:
         expired = watchdog.stop(ticket)
         if not expired:

@@ -7,6 +7,11 @@ sooner once 256 are waiting — rather than through the ``logging`` module: a ``
 its formatting and a write per request cost about a sixth of the node's throughput on a
 CPU model. They look exactly like the node's other log lines (same timestamp, level and
 logger name ``affinity.access``).
+
+In the plain format every field a client chose (method, path, episode id) is escaped
+(:func:`escape`), so that a request cannot write a line of its own, a NUL or a terminal
+escape into the log. Lines that cannot be written (a log reader that went away: broken
+pipe) are dropped and counted (``on_drop``), never kept: the batch is cleared either way.
 """
 
 from __future__ import annotations
@@ -16,19 +21,36 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import orjson
 
 from node.asgi import Receive, Scope, Send
 
-__all__ = ["STEP_KEY", "AccessLog", "JsonFormatter"]
+__all__ = ["STEP_KEY", "AccessLog", "JsonFormatter", "escape"]
 
 STEP_KEY = "affinity.step"
 """Scope key under which a step handler leaves ``(episode, device, routing)``."""
 
 FLUSH_S = 0.25
 MAX_WAITING = 256
+
+
+def _escaped(c: str) -> str:
+    if c in '\\"':
+        return "\\" + c
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
+
+
+def escape(text: str) -> str:
+    """``text`` with backslash, double quote and every unprintable character (control
+    characters, line and paragraph separators, ...) written as a Python-style escape:
+    one physical line whatever a client sent."""
+    if text.isprintable() and "\\" not in text and '"' not in text:
+        return text
+    return "".join(c if c.isprintable() and c not in '\\"' else _escaped(c) for c in text)
 
 
 class JsonFormatter(logging.Formatter):
@@ -51,12 +73,21 @@ class JsonFormatter(logging.Formatter):
 
 class AccessLog:
     """Wraps an ASGI app's ``send`` to see the status, and writes one line when the
-    response ends (see the module doc). ``stream`` defaults to stderr."""
+    response ends (see the module doc). ``stream`` defaults to stderr; ``on_drop(n)`` is
+    told of ``n`` lines that could not be written."""
 
-    def __init__(self, enabled: bool = True, *, json: bool = False, stream: TextIO | None = None):
+    def __init__(
+        self,
+        enabled: bool = True,
+        *,
+        json: bool = False,
+        stream: TextIO | None = None,
+        on_drop: Callable[[int], None] = lambda n: None,
+    ) -> None:
         self.enabled = enabled
         self.json = json
         self.stream = stream
+        self.on_drop = on_drop
         self._waiting: list[str] = []
         self._flush: asyncio.TimerHandle | None = None
         self._second = -1
@@ -102,10 +133,10 @@ class AccessLog:
                 doc["episode"], doc["device"], doc["routing"] = step
             line = orjson.dumps(doc).decode()
         else:
-            line = f'{self._time(now)} INFO affinity.access: {peer} "{scope["method"]} ' \
-                f'{scope["path"]}" {status} {ms}ms'  # fmt: skip
+            request = escape(f"{scope['method']} {scope['path']}")
+            line = f'{self._time(now)} INFO affinity.access: {peer} "{request}" {status} {ms}ms'
             if step is not None:
-                line += f" episode={step[0]} device={step[1]} routing={step[2]}"
+                line += f" episode={escape(step[0])} device={step[1]} routing={step[2]}"
         self._waiting.append(line)
         if len(self._waiting) >= MAX_WAITING:
             self.flush()
@@ -122,10 +153,14 @@ class AccessLog:
             self._flush = None
         if not self._waiting:
             return
+        lines = self._waiting
+        self._waiting = []
         stream = self.stream or sys.stderr
-        stream.write("\n".join(self._waiting) + "\n")
-        stream.flush()
-        self._waiting.clear()
+        try:
+            stream.write("\n".join(lines) + "\n")
+            stream.flush()
+        except (OSError, ValueError):  # broken pipe, closed stream: drop, never pile up
+            self.on_drop(len(lines))
 
     def _time(self, now: float) -> str:
         """``2026-11-30 16:40:02,113``, as the logging module writes it."""

@@ -9,6 +9,18 @@ JSON ``{"error": {"code", "message", "field"?}}`` (404 and 405 included; under `
 KServe's own ``{"error": "<message>"}``); 4xx for the
 client's mistakes (nothing changes), 503 with ``Retry-After`` for what cannot be decided
 or served now.
+
+Two checks run before any route (:meth:`NodeApp._http`):
+
+- a request that changes something (any method but GET, HEAD, OPTIONS, and every
+  websocket: openpi's steps) sent by a browser on behalf of another site
+  (``Sec-Fetch-Site`` other than ``same-origin``/``none``, or an ``Origin`` that is not
+  this host) is refused 403 ``cross_site``: a page elsewhere cannot release episodes,
+  drive a robot's episode or drain devices through an operator's browser;
+- with ``--api-key``, every endpoint that reads or changes episodes (:data:`PROTECTED`)
+  wants ``Authorization: Api-Key <key>`` or the admin's ``Bearer <token>`` (401 without).
+  ``/healthz``, ``/readyz``, ``/metrics``, ``/model``, ``/ui`` (the page, not its data)
+  and ``/docs`` stay open: they hold no episode id and change nothing.
 """
 
 from __future__ import annotations
@@ -36,15 +48,39 @@ from affinity import (
     UnknownEpisode,
 )
 from node.accesslog import AccessLog
-from node.asgi import Receive, Scope, Send, error_body, respond
+from node.asgi import Receive, Scope, Send, error_body, header, respond
 from node.fleet import add_fleet_routes
 from node.membership import VERSION
 from node.protocols import act, internal, kserve, openpi
 from node.service import NodeService
 
-__all__ = ["NodeApp", "create_app"]
+__all__ = ["PROTECTED", "NodeApp", "create_app", "cross_site"]
 
 Handler = Callable[[NodeService, Scope, Receive, Send], Awaitable[None]]
+SAFE_METHODS = frozenset(("GET", "HEAD", "OPTIONS"))
+PROTECTED = ("/episodes/", "/devices", "/nodes", "/events/stream")
+"""Path prefixes that read or change episodes (or the fleet): they want the API key."""
+
+
+def cross_site(scope: Scope) -> bool:
+    """Whether a browser sent this request on behalf of another site: its
+    ``Sec-Fetch-Site`` is neither ``same-origin`` nor ``none`` (typed in), or, from a
+    browser that does not send that, its ``Origin`` is not this ``Host``. Clients that are
+    not browsers send neither and pass."""
+    fetch_site = origin = host = None
+    for key, value in scope["headers"]:
+        if key == b"sec-fetch-site":
+            fetch_site = value
+        elif key == b"origin":
+            origin = value
+        elif key == b"host":
+            host = value
+    if fetch_site is not None:
+        return fetch_site not in (b"same-origin", b"none")
+    if origin is None:
+        return False
+    netloc = origin.partition(b"://")[2]
+    return not netloc or host is None or netloc.lower() != host.lower()
 
 
 class NodeApp:
@@ -72,11 +108,31 @@ class NodeApp:
         if scope["type"] == "http":
             await self.access(self._http, scope, receive, send)
         elif scope["type"] == "websocket":
+            if cross_site(scope):  # a page elsewhere must not drive a robot's episode
+                self.service.metrics.rejected.labels("forbidden").inc()
+                await receive()  # websocket.connect
+                await send({"type": "websocket.close", "code": 1008})  # before accept: 403
+                return
             await openpi.handle(self.service, scope, receive, send, self.access)
         else:
             await self.api(scope, receive, send)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] not in SAFE_METHODS and cross_site(scope):
+            self.service.metrics.rejected.labels("forbidden").inc()
+            body = error_body("cross_site", "refused: sent by a browser from another site (Origin)")
+            await respond(send, 403, body)
+            return
+        path = scope["path"]
+        if path.startswith(PROTECTED) and not self.service.reader_allowed(
+            header(scope, b"authorization")
+        ):
+            self.service.metrics.rejected.labels("unauthorized").inc()
+            body = error_body(
+                "unauthorized", "this node wants Authorization: Api-Key <key> (or the admin's)"
+            )
+            await respond(send, 401, body, headers=[(b"www-authenticate", b"Api-Key")])
+            return
         handler = self.hot.get((scope["method"], scope["path"]))
         if handler is not None:
             await handler(self.service, scope, receive, send)
@@ -219,6 +275,7 @@ def create_app(
         service = await service_factory()
         await service.start()
         api.state.service = service
+        access.on_drop = service.metrics.log_dropped.inc
         try:
             yield
         finally:

@@ -56,6 +56,7 @@ CSP = (
 STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
 MAX_BACKLOG = 1000
 RETRY_MS = 2000  # how soon a browser reconnects after the stream ends
+MAX_STREAMS = 32
 
 
 class FleetSource(Protocol):
@@ -63,6 +64,7 @@ class FleetSource(Protocol):
 
     node_id: str
     registry: Registry
+    stream_registry: Registry  # on a pool of its own: streams never take the hot path's
 
     @property
     def instance(self) -> str: ...
@@ -117,6 +119,23 @@ def _error(status: int, code: str, message: str, retry_after: int | None = None)
     )
 
 
+class _EventStream(StreamingResponse):
+    """A stream that frees its slot when the response ends, however it ends (the client
+    may go away before the stream's first line, when its generator never runs)."""
+
+    def __init__(
+        self, content: AsyncIterator[str], release: Callable[[], None], **kwargs: Any
+    ) -> None:
+        super().__init__(content, **kwargs)
+        self.release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
+
+
 def _id_key(stream_id: str) -> tuple[int, int]:
     ms, _, seq = stream_id.partition("-")
     return int(ms), int(seq or 0)
@@ -140,10 +159,12 @@ class Fleet:
     ``close()`` ends every stream (each sends nothing more and returns), so a graceful
     shutdown does not wait for browsers to hang up; it is safe to call from a signal
     handler. At most ``max_streams`` streams are open at once (each holds a Redis
-    connection in a blocking read); more are answered 503.
+    connection of the streams' own pool in a blocking read); more are answered 503. A
+    slot is taken (:meth:`reserve`) when the request is admitted, not when its stream
+    first runs, so concurrent connects cannot pass the limit together.
     """
 
-    def __init__(self, heartbeat_s: float = 15.0, max_streams: int = 32) -> None:
+    def __init__(self, heartbeat_s: float = 15.0, max_streams: int = MAX_STREAMS) -> None:
         self.heartbeat_s = heartbeat_s
         self.max_streams = max_streams
         self.open = 0
@@ -159,6 +180,22 @@ class Fleet:
         else:
             self._closing.set()
 
+    def reserve(self) -> Callable[[], None] | None:
+        """Take a stream slot now; ``None`` when all are taken. The returned release may
+        be called any number of times (it frees the slot once)."""
+        if self.open >= self.max_streams:
+            return None
+        self.open += 1
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self.open -= 1
+
+        return release
+
     async def stream(
         self,
         registry: Registry,
@@ -166,14 +203,19 @@ class Fleet:
         first: Sequence[Event] = (),
         gap: str | None = None,
         clock: Callable[[], float] = time.monotonic,
+        release: Callable[[], None] | None = None,
     ) -> AsyncIterator[str]:
         """SSE text: ``first``, then every event after ``cursor`` as it arrives.
 
         ``gap`` (an SSE ``gap`` event) is sent first when given. A Redis error is reported
         as a comment and the same cursor is read again after a second, so nothing is
-        skipped."""
+        skipped. The slot is ``release``d when the stream ends (one is taken here when
+        none is given)."""
         self._loop = asyncio.get_running_loop()
-        self.open += 1
+        if release is None:
+            release = self.reserve()
+            if release is None:
+                return
         try:
             yield f"retry: {RETRY_MS}\n\n"
             if gap:
@@ -199,7 +241,7 @@ class Fleet:
                     yield ": keep-alive\n\n"
                     quiet_since = clock()
         finally:
-            self.open -= 1
+            release()
 
     async def _pause(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -224,7 +266,8 @@ event's fields. A new connection starts with the latest `backlog` events; one th
 `Last-Event-ID` (browsers' `EventSource` does on reconnect; or `?last_event_id=`) gets
 every event after that id instead, so nothing is missed while the capped stream still
 holds it (an event named `gap` says when it may not). Comment lines (`: keep-alive`) are
-sent every 15 s of quiet. At most 32 streams are open per node (503 beyond)."""
+sent every 15 s of quiet. At most 32 streams are open per node (503 `too_many_streams`
+beyond, with `Retry-After`)."""
 
 SSE_EXAMPLE = (
     "retry: 2000\n\n"
@@ -311,24 +354,33 @@ def add_fleet_routes(app: FastAPI, service: Callable[[], FleetSource]) -> Fleet:
         s = service()
         if fleet.closed:
             return _error(503, "stopping", "node is shutting down", retry_after=1)
-        if fleet.open >= fleet.max_streams:
-            return _error(
-                503, "too_many_streams", f"{fleet.max_streams} event streams are open here"
-            )
         last_id = (last_event_id or last_event_id_query or "").strip()
         if last_id and not STREAM_ID.match(last_id):
             return _error(400, "bad_input", "Last-Event-ID must be a stream id such as 17-0")
+        release = fleet.reserve()  # before any await: the limit holds under concurrency
+        if release is None:
+            return _error(
+                503,
+                "too_many_streams",
+                f"{fleet.max_streams} event streams are open here",
+                retry_after=RETRY_MS // 1000,
+            )
         try:
             if last_id:
                 first: list[Event] = []
-                cursor, gap = last_id, await resume_gap(s.registry, last_id)
+                cursor, gap = last_id, await resume_gap(s.stream_registry, last_id)
             else:
-                first, cursor = await s.registry.latest_events(backlog)
+                first, cursor = await s.stream_registry.latest_events(backlog)
                 gap = None
         except BackendUnavailable as exc:
+            release()
             return _error(503, "redis", str(exc), retry_after=1)
-        return StreamingResponse(
-            fleet.stream(s.registry, cursor, first, gap),
+        except BaseException:
+            release()
+            raise
+        return _EventStream(
+            fleet.stream(s.stream_registry, cursor, first, gap, release=release),
+            release,
             media_type="text/event-stream",
             headers={**no_cache, "X-Accel-Buffering": "no"},
         )

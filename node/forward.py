@@ -3,8 +3,9 @@
 A router that resolved an episode to another node sends the decided assignment, the
 already-validated input arrays (binary, never JSON lists) and what is left of the
 client's deadline to the owner's ``POST /internal/act``. The owner checks the cluster
-secret, the device and the token, and does not redo what the router decided (no
-re-validation of the inputs, no second resolve unless the tokens disagree).
+secret, the device, the token and that the inputs fit its own model (names, shapes and
+dtypes: a node serving another model refuses them 422, never counting them as a crash),
+and does not redo what the router decided (no second resolve unless the tokens disagree).
 
 The client is deliberately small: requests with a ``Content-Length`` body, responses with
 a ``Content-Length`` body (what affinity nodes send), keep-alive, one request at a time

@@ -5,8 +5,10 @@ Every flag also reads an ``AFFINITY_*`` environment variable (the flag wins). Wi
 (single host only), optionally answering the Redis protocol on ``--embedded-port``.
 
 Exit codes: 0 after a graceful stop (SIGTERM: episodes handed over, deregistered), 2 for a
-usage or configuration error (one line naming the flag), 3 when Redis cannot be reached
-at start-up, 4 when another running process holds this node id.
+usage or configuration error (one line naming the flag; every flag is checked before
+anything starts), 3 when Redis cannot be reached at start-up, 4 when another running
+process holds this node id, 5 when GPUs are found that CUDA cannot run, 6 when the node
+cannot listen on --host/--port (checked before it registers).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from affinity import BackendUnavailable, NodeConflict, Settings, connect, embedded_store
+from affinity.connection import url_problem
+from affinity.errors import InvalidArgument, SecretMismatch
+from affinity.registry import MAX_WEIGHT, check_node_id
 from node.accesslog import JsonFormatter
 from node.app import create_app
 from node.binding import BoundSession
@@ -51,6 +56,9 @@ EXIT_USAGE = 2
 EXIT_REDIS = 3
 EXIT_NO_GPU = 5
 """Exit status when --devices names GPUs (or auto finds some) that CUDA cannot run."""
+EXIT_LISTEN = 6
+"""Exit status when the node cannot listen on --host/--port (it has not registered)."""
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 HELP = """\
@@ -61,8 +69,9 @@ embedded single-host store.
 
 Exit codes: 0 after a graceful stop (SIGTERM: episodes handed over, deregistered), 2 for a
 usage or configuration error (one line naming the flag), 3 when Redis cannot be reached at
-start-up, 4 when another running process holds this node id, 5 when GPUs are named (or
-found) that CUDA cannot run (one line naming the missing library)."""
+start-up, 4 when another running process holds this node id, 5 when GPUs are found that
+CUDA cannot run (one line naming the missing library), 6 when the node cannot listen on
+--host/--port or --grpc-port (checked before it registers)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,6 +91,24 @@ class _Flag:
     default: Any
     help: str
     kind: Callable[[str], Any] = str
+    low: float | None = None  # the lowest value allowed (with high: inclusive)
+    high: float | None = None
+    positive: bool = False  # seconds: more than 0
+
+    @property
+    def bounds(self) -> str:
+        """The allowed values for ``--help`` (empty: any value of the kind)."""
+        if self.low is not None and self.high is not None:
+            return f"{self.low}-{self.high}; "
+        return "more than 0; " if self.positive else ""
+
+    def problem(self, value: Any) -> str | None:
+        """What is wrong with a converted value (``None``: nothing)."""
+        if self.low is not None and self.high is not None and not self.low <= value <= self.high:
+            return f"must be {self.low}-{self.high}"
+        if self.positive and not value > 0:
+            return "must be more than 0 seconds"
+        return None
 
 
 _FLAGS = (
@@ -91,7 +118,7 @@ _FLAGS = (
     _Flag("--namespace", "AFFINITY_NAMESPACE", "affinity", "prefix of every Redis key"),
     _Flag("--node-id", "AFFINITY_NODE_ID", None, "this node's id (none: the host name)"),
     _Flag("--host", "AFFINITY_HOST", "127.0.0.1", "address to listen on"),
-    _Flag("--port", "AFFINITY_PORT", 8000, "port to listen on", int),
+    _Flag("--port", "AFFINITY_PORT", 8000, "port to listen on", int, low=1, high=65535),
     _Flag("--advertise-url", "AFFINITY_ADVERTISE_URL", None,
           "URL other nodes forward to (none: http://<host>:<port>)"),
     _Flag("--devices", "AFFINITY_DEVICES", "auto",
@@ -100,45 +127,48 @@ _FLAGS = (
           "ONNX policy: a packaged name (demo, vla-demo) or a file"),
     _Flag("--model-name", "AFFINITY_MODEL_NAME", None,
           "the model's name for KServe v2 clients (none: the model file's stem)"),
-    _Flag("--capacity", "AFFINITY_CAPACITY", 64, "live episodes per device", int),
-    _Flag("--weight", "AFFINITY_WEIGHT", 1, "share of new episodes per device", int),
+    _Flag("--capacity", "AFFINITY_CAPACITY", 64, "live episodes per device", int,
+          low=1, high=1_000_000),
+    _Flag("--weight", "AFFINITY_WEIGHT", 1, "share of new episodes per device", int,
+          low=1, high=MAX_WEIGHT),
     _Flag("--episode-ttl", "AFFINITY_EPISODE_TTL", 300.0,
-          "seconds idle before an episode's assignment expires", float),
+          "seconds idle before an episode's assignment expires", float, positive=True),
     _Flag("--lease-ttl", "AFFINITY_LEASE_TTL", 10.0,
-          "seconds of the node's lease (renewed every third)", float),
+          "seconds of the node's lease (renewed every third)", float, positive=True),
     _Flag("--act-deadline", "AFFINITY_ACT_DEADLINE", 5.0,
-          "seconds within which every step answers", float),
+          "seconds within which every step answers", float, positive=True),
     _Flag("--max-body-bytes", "AFFINITY_MAX_BODY_BYTES", 1 << 24,
-          "bytes of one request body or websocket message", int),
+          "bytes of one request body or websocket message", int, low=1, high=1 << 31),
     _Flag("--keep-alive", "AFFINITY_KEEP_ALIVE", 5.0,
-          "seconds an idle client connection is kept open", float),
+          "seconds an idle client connection is kept open", float, positive=True),
     _Flag("--trt-cache", "AFFINITY_TRT_CACHE", "~/.cache/affinity/trt",
           "TensorRT engine cache root", Path),
     _Flag("--max-batch", "AFFINITY_MAX_BATCH", None,
           "steps of different episodes per model run (none: 8 when the model's batch axis "
-          "is dynamic, else 1; 1 turns batching off)", int),
+          "is dynamic, else 1; 1 turns batching off)", int, low=1, high=4096),
     _Flag("--batch-delay", "AFFINITY_BATCH_DELAY", 500.0,
           "microseconds a device waits for more steps once one waits (only while another "
           "recently active episode may send one)", float),
     _Flag("--execute-steps", "AFFINITY_EXECUTE_STEPS", None,
           "action-chunk execution: run the policy every k steps, serve the buffer between "
-          "(none: every step runs the model)", int),
+          "(none: every step runs the model)", int, low=1, high=4096),
     _Flag("--ensemble", "AFFINITY_ENSEMBLE", "none",
           "none | exp: temporal ensembling of overlapping chunks (ACT)"),
     _Flag("--ensemble-decay", "AFFINITY_ENSEMBLE_DECAY", 0.01,
           "m in ACT's weights w_i = exp(-m*i), oldest prediction first", float),
     _Flag("--failure-threshold", "AFFINITY_FAILURE_THRESHOLD", 3,
-          "consecutive model failures before a device goes down", int),
+          "consecutive model failures before a device goes down", int, low=1, high=1_000_000),
     _Flag("--cooldown", "AFFINITY_COOLDOWN", 30.0,
           "seconds a down device waits before its probe", float),
     _Flag("--embedded-port", "AFFINITY_EMBEDDED_PORT", None,
-          "with the embedded store: also answer the Redis protocol on this port", int),
+          "with the embedded store: also answer the Redis protocol on this port", int,
+          low=1, high=65535),
     _Flag("--admission-wait", "AFFINITY_ADMISSION_WAIT", 0.0,
           "seconds a new episode that finds every device full waits in a first-come backlog "
           "for a slot (within --act-deadline; 0: 503 at once)", float),
     _Flag("--grpc-port", "AFFINITY_GRPC_PORT", None,
           "also serve KServe v2 over gRPC (Triton's GRPCInferenceService) on this port "
-          "(none: off)", int),
+          "(none: off)", int, low=1, high=65535),
     _Flag("--api-key", "AFFINITY_API_KEY", None,
           "when set, clients must send Authorization: Api-Key <key> (openpi-client's api_key)"),
     _Flag("--log-level", "AFFINITY_LOG_LEVEL", "info", "debug | info | warning | error"),
@@ -179,8 +209,8 @@ def parse_args(
         p.add_argument(
             f.name,
             default=default,
-            help=f"{f.help} (default: {f.default if f.default is not None else 'none'}; "
-            f"env {f.env})",
+            help=f"{f.help} ({f.bounds}default: "
+            f"{f.default if f.default is not None else 'none'}; env {f.env})",
         )
     for name, var, text in _SWITCHES:
         p.add_argument(name, action="store_true", default=_is_on(env.get(var)),
@@ -196,7 +226,17 @@ def parse_args(
             except ValueError:
                 p.error(f"{f.name} {value!r}: must be {f.kind.__name__} (env {f.env})")
         values[key] = value
-    for name, allowed in (("log_format", ("plain", "json")), ("access_log", ("on", "off"))):
+        if value is None:
+            continue
+        problem = f.problem(value)
+        if problem is not None:
+            p.error(f"{f.name} {value}: {problem} (env {f.env})")
+    for name, allowed in (
+        ("log_format", ("plain", "json")),
+        ("access_log", ("on", "off")),
+        ("log_level", LOG_LEVELS),
+    ):
+        values[name] = values[name].lower()
         if values[name] not in allowed:
             flag = "--" + name.replace("_", "-")
             p.error(f"{flag} {values[name]!r}: must be one of {', '.join(allowed)}")
@@ -204,10 +244,15 @@ def parse_args(
     if not 0 <= wait < values["act_deadline"]:
         p.error(f"--admission-wait {wait}: must be >= 0 and less than --act-deadline "
                 "(env AFFINITY_ADMISSION_WAIT)")  # fmt: skip
-    grpc_port = values["grpc_port"]
-    if grpc_port is not None and not 0 < grpc_port < 65536:
-        p.error(f"--grpc-port {grpc_port}: must be a TCP port (env AFFINITY_GRPC_PORT)")
+    if values["redis"]:
+        problem = url_problem(values["redis"])
+        if problem is not None:
+            p.error(f"--redis {values['redis']!r}: {problem} (env AFFINITY_REDIS_URL)")
     node_id = values["node_id"] or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:128]
+    try:
+        check_node_id(node_id)
+    except InvalidArgument as exc:
+        p.error(f"--node-id {node_id!r}: {exc.limit} (env AFFINITY_NODE_ID)")
     host = values["host"]
     advertise = values["advertise_url"] or (
         f"http://{host if host != '0.0.0.0' else socket.gethostname()}:{values['port']}"
@@ -414,15 +459,38 @@ class _Server(uvicorn.Server):
         return await super().on_tick(counter)
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """The node's listening socket, bound (not yet listening) before anything registers:
+    a node that could not serve must never advertise itself. Raises ``OSError``."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 async def _serve(config: NodeConfig) -> int:
     try:
-        service = await build_service(config)()
-    except StartupError as exc:
-        print(f"affinity-node: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except GpuUnavailable as exc:
-        print(f"affinity-node: {exc}", file=sys.stderr)
-        return EXIT_NO_GPU
+        sock = bind(config.host, config.port)
+    except OSError as exc:
+        print(
+            f"affinity-node: cannot listen on {config.host}:{config.port} (--host/--port): "
+            f"{exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return EXIT_LISTEN
+    with sock:
+        return await _serve_on(config, sock)
+
+
+async def _register(config: NodeConfig, service: NodeService) -> int | None:
+    """Start the service (register, lease); None, or the exit code with its one line said."""
     try:
         await service.start()
     except BackendUnavailable as exc:
@@ -436,6 +504,38 @@ async def _serve(config: NodeConfig) -> int:
         print(f"affinity-node: {exc}", file=sys.stderr)
         await service.stop()
         return EXIT_CONFLICT
+    except SecretMismatch as exc:
+        print(f"affinity-node: {exc}", file=sys.stderr)
+        await service.stop()
+        return EXIT_USAGE
+    return None
+
+
+async def _serve_on(config: NodeConfig, sock: socket.socket) -> int:
+    try:
+        service = await build_service(config)()
+    except StartupError as exc:
+        print(f"affinity-node: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except GpuUnavailable as exc:
+        print(f"affinity-node: {exc}", file=sys.stderr)
+        return EXIT_NO_GPU
+    grpc_server = None
+    if config.grpc_port is not None:  # bound before registering, like the HTTP listener
+        from node.protocols import grpc  # grpcio loads only where gRPC is served
+
+        try:
+            grpc_server = await grpc.start(service, config.host, config.grpc_port)
+        except RuntimeError as exc:
+            print(f"affinity-node: cannot listen on {config.host}:{config.grpc_port} "
+                  f"(--grpc-port): {exc}", file=sys.stderr)  # fmt: skip
+            await service.stop()
+            return EXIT_LISTEN
+    code = await _register(config, service)
+    if code is not None:
+        if grpc_server is not None:
+            await grpc_server.stop(0)
+        return code
 
     async def started() -> NodeService:
         return service
@@ -460,19 +560,8 @@ async def _serve(config: NodeConfig) -> int:
         service,
         app.state.fleet,
     )
-    grpc_server = None
-    if config.grpc_port is not None:
-        from node.protocols import grpc  # grpcio loads only where gRPC is served
-
-        try:
-            grpc_server = await grpc.start(service, config.host, config.grpc_port)
-        except RuntimeError as exc:
-            print(f"affinity-node: cannot serve gRPC on port {config.grpc_port}: {exc}",
-                  file=sys.stderr)  # fmt: skip
-            await service.stop()
-            return EXIT_USAGE
     try:
-        await server.serve()
+        await server.serve(sockets=[sock])
     finally:
         if grpc_server is not None:
             await grpc_server.stop(1.0)

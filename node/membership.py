@@ -115,6 +115,7 @@ class Membership:
     async def register(self) -> None:
         """Register (again); only then does this node serve. Drops any local state: a node
         that lost its registration may have lost its episodes to other devices."""
+        await self.registry.check_secret(self.config.cluster_secret)  # SecretMismatch
         sent = self.clock()
         self.dispatcher.drop_all()
         await self.registry.register(
@@ -141,6 +142,7 @@ class Membership:
         self._loop = asyncio.get_running_loop()
         waited_since = self.clock()
         limit = 2 * self.config.settings.lease_ttl_s + 1
+        waiting = False
         while True:
             try:
                 await self.register()
@@ -149,14 +151,22 @@ class Membership:
                 waited = self.clock() - waited_since
                 if waited > limit:
                     raise
-                log.warning(
-                    "node id %s is held by another process with a current lease; waiting "
-                    "up to %.0fs more for it to lapse (or start this one with another "
-                    "--node-id)",
-                    self.node_id,
-                    limit - waited,
-                )
+                if not waiting:  # one line with the wait and its bound, then the result
+                    waiting = True
+                    log.warning(
+                        "node id %s is held by another process with a current lease; "
+                        "waiting up to %.0fs for it to lapse (or start this one with another "
+                        "--node-id)",
+                        self.node_id,
+                        limit,
+                    )
                 await asyncio.sleep(min(1.0, self.config.renew_every_s))
+        if waiting:
+            log.info(
+                "node id %s: the other process's lease lapsed after %.1fs; registered",
+                self.node_id,
+                self.clock() - waited_since,
+            )
         self._tasks = [
             asyncio.create_task(self._renew_loop(), name="affinity-renew"),
             asyncio.create_task(self._maintenance_loop(), name="affinity-maintenance"),

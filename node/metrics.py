@@ -54,6 +54,7 @@ LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
     "affinity_device_capacity": {"device": "device"},
     "affinity_admission_waiting": {},
     "affinity_build_info": {"version": "build", "onnxruntime": "build"},
+    "affinity_log_lines_dropped_total": {},
 }
 
 
@@ -162,6 +163,12 @@ class Metrics:
         )
         self.build_info.labels(**BUILD).set(1)
         ProcessCollector(registry=r)
+        self.log_dropped = Counter(
+            "affinity_log_lines_dropped_total",
+            "Access-log lines dropped because the log stream could not take them "
+            "(e.g. a broken pipe to a log shipper that died).",
+            registry=r,
+        )
         for device in devices:
             self.live.labels(device).set(0)
             self.capacity.labels(device).set(capacity)

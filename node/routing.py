@@ -35,7 +35,7 @@ from node.forward import Forward, ForwardError, Poster, Response, decode_reply
 from node.membership import Membership
 from node.metrics import Metrics
 from node.peers import PeerHealth
-from node.policy import PolicyContract
+from node.policy import InvalidInput, PolicyContract, inputs_from_arrays
 from node.step import Refused, Reply, Step, Unavailable
 
 __all__ = ["FORWARD_MARGIN_S", "TRANSIENT", "Routing"]
@@ -120,13 +120,17 @@ class Routing:
             async with asyncio.timeout(step.deadline - self.clock()):
                 while True:
                     try:
-                        return await self._route(step, arrival)
+                        reply = await self._route(step, arrival)
+                        break
                     except Unavailable as exc:
                         if not patient or exc.reason not in TRANSIENT:
                             raise
                         last = exc
                     await asyncio.sleep(min(backoff, last.retry_after))
                     backoff = min(backoff * 2, 0.5)
+            if self.clock() >= step.deadline:  # the timeout's cancellation was swallowed
+                raise TimeoutError  # (gh-86296, Python 3.11): the answer is late all the same
+            return reply
         except TimeoutError:
             if last is not None:
                 raise last from None
@@ -298,8 +302,8 @@ class Routing:
             if again.node == self.node_id:
                 return await self._serve(again, step, arrival)
             return await self._forward(again, step, arrival, retry=False)
-        if resp.status == 503:
-            raise Unavailable(code, text, float(resp.headers.get("retry-after", "1")))
+        if resp.status == 503 or code == "bad_secret":  # the nodes' secrets differ: not the
+            raise Unavailable(code, text, float(resp.headers.get("retry-after", "1")))  # client's
         raise Refused(resp.status, code, text)
 
     # ---- the owner ---------------------------------------------------------------------
@@ -319,6 +323,12 @@ class Routing:
             raise Refused(400, "bad_forward", str(exc)) from None
         if fwd.device not in self.local_devices:
             raise Refused(421, "not_owner", f"device {fwd.device!r} is not on node {self.node_id}")
+        try:  # the router checked them against its model; a node serving another one refuses
+            inputs_from_arrays(self.contract, fwd.inputs)  # them as the client's (never a crash)
+        except InvalidInput as exc:
+            raise Refused(
+                422, "bad_input", f"not an input of node {self.node_id}'s model: {exc}"
+            ) from None
         arrival = self.dispatcher.arrival()
         try:
             async with asyncio.timeout(fwd.budget_s):

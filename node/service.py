@@ -14,10 +14,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from affinity import Claims, DeviceRegistration, Registry, close
+from affinity import Claims, DeviceRegistration, Registry, close, connect
 from node.config import NodeConfig
 from node.devices import DeviceSpec
 from node.dispatcher import MultiGpuDispatcher
+from node.fleet import MAX_STREAMS
 from node.forward import ForwardPool, Poster
 from node.membership import Membership
 from node.metrics import Metrics
@@ -27,6 +28,8 @@ from node.routing import Routing
 __all__ = ["NodeService"]
 
 log = logging.getLogger("affinity.node")
+LEASE_CONNECTIONS = 4
+"""Connections of the lease's own pool: renewals never wait behind client requests."""
 
 DispatcherFactory = Callable[
     [list[str], Callable[[str, str, str], None], Metrics], MultiGpuDispatcher
@@ -56,6 +59,11 @@ class NodeService:
         self.owns_redis = owns_redis  # close it at stop (it was made for this node)
         self.claims = Claims(redis, config.settings)
         self.registry = Registry(redis, config.settings)
+        # Pools that nothing a client does can exhaust: the lease's (renewals, registration,
+        # hand-overs) and the event streams' (each holds a connection in a blocking read).
+        self.lease_redis = self._own_client(LEASE_CONNECTIONS)
+        self.stream_redis = self._own_client(MAX_STREAMS)
+        self.stream_registry = Registry(self.stream_redis, config.settings)
         self.contract = contract
         self.clock = clock
         self.specs = specs
@@ -67,7 +75,13 @@ class NodeService:
             self.device_ids, self._on_transition, self.metrics
         )
         self.membership = Membership(
-            config, self.registry, self.claims, dispatcher, self.metrics, self.registrations, clock
+            config,
+            Registry(self.lease_redis, config.settings),
+            Claims(self.lease_redis, config.settings),
+            dispatcher,
+            self.metrics,
+            self.registrations,
+            clock,
         )
         self.pool: Poster = pool or ForwardPool(config.cluster_secret)
         self.started = False
@@ -82,6 +96,13 @@ class NodeService:
             self.pool,
             clock,
         )
+
+    def _own_client(self, connections: int) -> Any:
+        """A client with a pool of its own of ``connections``, when this node made its
+        Redis client from a URL; else (a client handed in, the embedded store) that one."""
+        if self.owns_redis and self.config.settings.redis_url:
+            return connect(self.config.settings.with_(redis_max_connections=connections))
+        return self.redis
 
     @property
     def instance(self) -> str:
@@ -133,7 +154,9 @@ class NodeService:
         self.dispatcher.close()
         self.pool.close()
         if self.owns_redis:
-            await close(self.redis)
+            clients = (self.redis, self.lease_redis, self.stream_redis)
+            for client in {id(c): c for c in clients}.values():
+                await close(client)
 
     def fenced(self) -> bool:
         return self.membership.fenced()
@@ -147,6 +170,19 @@ class NodeService:
         scheme, _, key = (authorization or "").partition(" ")
         return scheme.lower() == "api-key" and hmac.compare_digest(
             key.strip().encode(), expected.encode()
+        )
+
+    def reader_allowed(self, authorization: str | None) -> bool:
+        """Whether a request may read or change episodes: a client
+        (:meth:`client_allowed`) or the admin (``Authorization: Bearer <admin token>``)."""
+        if self.client_allowed(authorization):
+            return True
+        expected = self.config.admin_token
+        scheme, _, token = (authorization or "").partition(" ")
+        return (
+            bool(expected)
+            and scheme.lower() == "bearer"
+            and hmac.compare_digest(token.strip().encode(), (expected or "").encode())
         )
 
     def warn_once(self, key: str, message: str, *args: object) -> None:

@@ -521,7 +521,7 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(capsys, "--namespace", "a:b", "devices")
     assert code == 2 and err.startswith("affinity: namespace") and err.count("\n") == 1
     code, _, err = run_cli(capsys, "--redis", "http://127.0.0.1:1", "devices")
-    assert code == 2 and "scheme must be" in err and err.count("\n") == 1
+    assert code == 2 and "must be a URL such as redis://" in err and err.count("\n") == 1
     code, out, _ = run_cli(capsys, "--help")
     assert code == 0 and "exit codes" in out
 

@@ -4,6 +4,7 @@ documented (node/metrics.py LABELS and docs/metrics.md)."""
 from __future__ import annotations
 
 import asyncio
+import io
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -38,6 +39,11 @@ class Flaky:
         if Flaky.fail:
             raise RuntimeError("injected model failure")
         return list(self.inner.run(names, dict(feed)))
+
+
+class BrokenPipe(io.StringIO):
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
 
 
 def samples(text: str) -> list[tuple[str, dict[str, str], float]]:
@@ -150,6 +156,11 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         await a.client.post("/devices/a/0/drain")
         await a.client.post("/devices/a/0/drain", headers={"Authorization": "Bearer no"})
         await a.client.post("/devices/a/0/drain", headers={"Authorization": "Bearer t"})
+        # log lines dropped: the log stream broke (a log shipper that died)
+        a.app.access.stream = BrokenPipe()
+        await a.client.get("/healthz")
+        a.app.access.flush()
+        a.app.access.stream = None
         await redis.hset(KEYS.device("b/1"), "state", "draining")  # drained by an operator
         await b.service.membership.renew_once()  # the renewal picks the state up
         seen += await scrape(a)

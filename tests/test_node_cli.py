@@ -3,13 +3,14 @@ which flag is wrong in one line, with the documented exit codes (2 usage, 3 Redi
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
 import pytest
 
 from node.main import _FLAGS
-from tests.procs import ROOT, free_port
+from tests.procs import ROOT, Node, RedisServer, free_port, tmpdir
 
 pytestmark = pytest.mark.integration
 
@@ -49,14 +50,71 @@ def test_version() -> None:
         (["--capacity", "many"], "--capacity"),
         (["--log-format", "xml"], "--log-format"),
         (["--namespace", "a:b"], "namespace"),
+        (["--redis", "127.0.0.1:1"], "--redis"),
+        (["--redis", "redis://127.0.0.1:99999/0"], "--redis"),
+        (["--capacity", "0"], "--capacity"),
+        (["--weight", "0"], "--weight"),
+        (["--weight", "5000"], "--weight"),
+        (["--node-id", "a/b"], "--node-id"),
+        (["--log-level", "loud"], "--log-level"),
+        (["--act-deadline", "0"], "--act-deadline"),
+        (["--keep-alive", "-1"], "--keep-alive"),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(argv: list[str], words: str) -> None:
     out = node(*argv, "--port", str(free_port()))
-    assert out.returncode == 2, out.stderr
+    assert_one_line(out, words)
+
+
+def assert_one_line(out: subprocess.CompletedProcess[str], words: str, code: int = 2) -> None:
+    assert out.returncode == code, out.stderr
     assert "Traceback" not in out.stderr
-    lines = [line for line in out.stderr.splitlines() if line.startswith("affinity-node")]
-    assert len(lines) == 1 and words in lines[0], out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("affinity-node") and words in lines[0], (
+        out.stderr
+    )
+
+
+@pytest.mark.parametrize("port", ["99999", "0", "-1"])
+def test_a_port_out_of_range_is_a_usage_error(port: str) -> None:
+    assert_one_line(node("--port", port), "--port")
+
+
+def test_a_redis_url_from_the_environment_is_checked_too() -> None:
+    out = node("--port", str(free_port()), env={"AFFINITY_REDIS_URL": "localhost:6379"})
+    assert_one_line(out, "AFFINITY_REDIS_URL")
+
+
+def test_a_port_in_use_exits_6_before_the_node_registers() -> None:
+    tmp = tmpdir()
+    server = RedisServer(tmp).start()
+    try:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            out = node("--redis", server.url, "--devices", "cpu:1", "--port", str(port),
+                       "--node-id", "busy")  # fmt: skip
+        assert_one_line(out, f"cannot listen on 127.0.0.1:{port}", code=6)
+        assert server.client().keys("*") == []  # it never registered, nor advertised itself
+    finally:
+        server.stop()
+
+
+def test_a_duplicate_node_id_says_once_how_long_it_waits_then_the_result() -> None:
+    tmp = tmpdir()
+    server = RedisServer(tmp).start()
+    first = Node(tmp, "twin", server.url, devices="cpu:1", extra=["--lease-ttl", "1"]).start()
+    try:
+        out = node("--redis", server.url, "--devices", "cpu:1", "--port", str(free_port()),
+                   "--node-id", "twin", "--lease-ttl", "1")  # fmt: skip
+        assert out.returncode == 4, out.stderr
+        waiting = [line for line in out.stderr.splitlines() if "waiting" in line]
+        assert len(waiting) == 1 and "up to 3s" in waiting[0], out.stderr
+        assert out.stderr.strip().splitlines()[-1].startswith("affinity-node: node id 'twin'")
+    finally:
+        first.stop()
+        server.stop()
 
 
 def test_a_gpu_list_without_gpus_is_a_usage_error() -> None:

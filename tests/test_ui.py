@@ -707,7 +707,13 @@ async def test_stream_heartbeats_when_quiet_and_ends_on_close() -> None:
 def test_sigterm_ends_open_streams_and_the_node_stops_gracefully(
     stack: Stack, tmp_path: Path
 ) -> None:
-    node = Node(tmp_path, "node-stop", stack.redis.url, devices="cpu:1").start(timeout=90)
+    node = Node(
+        tmp_path,
+        "node-stop",
+        stack.redis.url,
+        devices="cpu:1",
+        env={"AFFINITY_CLUSTER_SECRET": "ui-secret"},  # the fleet's: another cannot join
+    ).start(timeout=90)
     try:
         with (
             httpx.Client(timeout=httpx.Timeout(60.0)) as client,

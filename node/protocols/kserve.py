@@ -741,6 +741,7 @@ async def _infer(
         await _error(send, 401, "this node wants Authorization: Api-Key <key>",
                      [(b"www-authenticate", b"Api-Key")])  # fmt: skip
         return
+    budget = service.config.act_deadline_s
     try:
         body = await read_body(scope, receive, service.config.max_body_bytes)
         request = decode_infer(
@@ -749,7 +750,6 @@ async def _infer(
             content_encoding=header(scope, b"content-encoding"),
             max_bytes=service.config.max_body_bytes,
         )
-        budget = service.config.act_deadline_s
         if request.timeout_s is not None:
             budget = min(budget, request.timeout_s)
         dispatcher = service.dispatcher
@@ -771,7 +771,10 @@ async def _infer(
         await _error(send, 400, str(exc))
     except Unavailable as exc:
         retry = str(max(1, round(exc.retry_after))).encode()
-        await _error(send, 503, f"{exc.reason}: {exc}", [(b"retry-after", retry)])
+        why = str(exc)
+        if exc.reason == "deadline" and budget < service.config.act_deadline_s:
+            why = f"no answer within the request's timeout of {round(budget * 1e6)} µs"
+        await _error(send, 503, f"{exc.reason}: {why}", [(b"retry-after", retry)])
     except Refused as exc:
         if exc.status == 403:
             rejected.labels("forbidden").inc()
