@@ -51,7 +51,9 @@ class Response:
 @dataclass(slots=True)
 class Forward:
     """What travels from the router to the owner: the assignment the router obtained from
-    Redis and the step, with the time left of the client's deadline."""
+    Redis and the step, with the time left of the client's deadline. ``origin`` is a
+    random id of this forward; ``undo`` asks the owner to undo the step that forward
+    ``origin`` applied (the router could not deliver its reply; ``inputs`` are empty)."""
 
     episode: str
     token: int
@@ -64,6 +66,9 @@ class Forward:
     client_token: int | None = None
     execute_steps: int | None = None
     ensemble: str | None = None
+    seq: int | None = None
+    origin: str = ""
+    undo: bool = False
 
     def encode(self) -> bytes:
         return wire.encode(
@@ -79,6 +84,9 @@ class Forward:
                 "client_token": self.client_token,
                 "execute_steps": self.execute_steps,
                 "ensemble": self.ensemble,
+                "seq": self.seq,
+                "origin": self.origin,
+                "undo": self.undo,
             }
         )
 
@@ -104,9 +112,12 @@ class Forward:
             and isinstance(budget, int | float)
         )
         client_token, execute_steps = doc.get("client_token"), doc.get("execute_steps")
-        ensemble = doc.get("ensemble")
-        if not ok or not all(v is None or type(v) is int for v in (client_token, execute_steps)):
+        ensemble, seq, origin = doc.get("ensemble"), doc.get("seq"), doc.get("origin", "")
+        ints = (client_token, execute_steps, seq)
+        if not ok or not all(v is None or type(v) is int for v in ints):
             raise ValueError("a forward's fields have the wrong types")
+        if not isinstance(origin, str):
+            raise ValueError("a forward's origin must be a string")
         if ensemble is not None and not isinstance(ensemble, str):
             raise ValueError("a forward's ensemble must be a string")
         return cls(
@@ -121,6 +132,9 @@ class Forward:
             client_token=client_token,
             execute_steps=execute_steps,
             ensemble=ensemble,
+            seq=seq,
+            origin=origin,
+            undo=doc.get("undo") is True,
         )
 
     def step(self, deadline: float) -> Step:
@@ -133,6 +147,8 @@ class Forward:
             degraded=self.degraded,
             execute_steps=self.execute_steps,
             ensemble=self.ensemble,
+            seq=self.seq,
+            origin=self.origin,
         )
 
 
@@ -158,6 +174,8 @@ def decode_reply(body: bytes) -> Reply:
             url=str(doc.get("url", "")),
             source=str(doc.get("source", "model")),
             timing={str(k): float(v) for k, v in dict(doc.get("timing", {})).items()},
+            seq=int(doc.get("seq", 0)),
+            replayed=bool(doc.get("replayed", False)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not an owner's reply: {exc}") from None

@@ -13,6 +13,11 @@ format except the forward's own msgpack body (``node/forward.py``).
 - The client's deadline bounds the whole step; a forward carries what is left of it, less
   a margin for the way back, and the owner keeps the step's state only within that budget,
   so a step the client was told failed never advanced the episode.
+- A step whose reply does not reach a live caller is undone at the owner
+  (:meth:`Routing.undelivered`): a front door whose client left calls it; a router whose
+  forward was cut off (its deadline, its client leaving, a broken connection) tells the
+  owner to undo whatever that forward applied before it answers its own client, so the
+  client's retry never finds the step applied.
 - While the node is leaving (graceful stop), an episode held here is handed over after its
   in-flight step and the request is routed again, to the episode's new owner.
 """
@@ -23,24 +28,28 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 
 from affinity import Assignment, BackendUnavailable, Claims, NoCapacity, StaleToken, UnknownEpisode
 from node.config import NodeConfig
-from node.dispatcher import Arrival, DeviceDown, ModelFailure, MultiGpuDispatcher
+from node.dispatcher import Arrival, DeviceDown, ModelFailure, MultiGpuDispatcher, SeqConflict
 from node.forward import Forward, ForwardError, Poster, Response, decode_reply
 from node.membership import Membership
 from node.metrics import Metrics
 from node.policy import PolicyContract
 from node.step import Refused, Reply, Step, Unavailable
 
-__all__ = ["FORWARD_MARGIN_S", "TRANSIENT", "Routing"]
+__all__ = ["FORWARD_MARGIN_S", "TRANSIENT", "UNDO_S", "Routing"]
 
 log = logging.getLogger("affinity.node")
 
 FORWARD_MARGIN_S = 0.05
 """Kept back from a forwarded step's budget for the owner's reply to reach the router."""
+
+UNDO_S = 0.5
+"""How long a router waits for the owner to confirm an undo before answering its client."""
 
 TRANSIENT = frozenset(
     {"owner_unreachable", "owner_refused", "redis", "full", "no_nodes", "fenced", "device_down"}
@@ -181,9 +190,13 @@ class Routing:
                 a.token,
                 a.status == "claimed",
                 step.inputs,
+                seq=step.seq,
+                origin=step.origin,
                 execute_steps=step.execute_steps,
                 ensemble=step.ensemble,
             )
+        except SeqConflict as exc:
+            raise Refused(409, "seq_conflict", str(exc)) from None
         except DeviceDown as exc:
             raise Unavailable("device_down", str(exc), 5.0) from exc
         except ModelFailure as exc:
@@ -209,7 +222,31 @@ class Routing:
             url=self.config.advertise_url,
             source=result.source,
             timing={"device_ms": (time.perf_counter() - started) * 1000},
+            seq=result.seq,
+            replayed=result.replayed,
         )
+
+    async def undelivered(self, reply: Reply) -> None:
+        """Undo the step of ``reply``, which did not reach a live caller: here when it was
+        served here, else by telling its owner (bounded by :data:`UNDO_S`)."""
+        if reply.episode is None:
+            return
+        if not reply.origin:
+            self.dispatcher.undo(reply.episode, reply.seq)
+            return
+        await self._undo_at(reply.url, reply.episode, reply.token, reply.device, reply.origin)
+
+    async def _undo_at(self, url: str, episode: str, token: int, device: str, origin: str) -> None:
+        body = Forward(episode, token, device, "hit", {}, UNDO_S, origin=origin, undo=True)
+        try:
+            async with asyncio.timeout(UNDO_S):
+                resp = await self.pool.post(url, body.encode())
+            if resp.status == 204:
+                return
+            problem = f"it answered {resp.status}"
+        except (TimeoutError, ForwardError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        log.warning("could not tell %s to undo a step of %r (%s)", url, episode, problem)
 
     async def end_episode(self, episode: str, token: int) -> None:
         self.dispatcher.release(episode)
@@ -226,6 +263,7 @@ class Routing:
         budget = step.deadline - self.clock() - FORWARD_MARGIN_S
         if budget <= 0:
             raise Unavailable("deadline", f"no time left to forward to {a.node}", 1.0)
+        origin = os.urandom(8).hex()
         body = Forward(
             episode=a.episode,
             token=a.token,
@@ -238,11 +276,19 @@ class Routing:
             client_token=step.client_token,
             execute_steps=step.execute_steps,
             ensemble=step.ensemble,
+            seq=step.seq,
+            origin=origin,
         ).encode()
         arrival.done()  # it leaves this node
         try:
             resp = await self.pool.post(a.url, body)
+        except asyncio.CancelledError:
+            # cut off (the deadline, the client left): the owner may have applied the step
+            # and even sent its reply; it is undone there before this caller hears anything
+            await self._undo_at(a.url, a.episode, a.token, a.device, origin)
+            raise
         except ForwardError as exc:
+            await self._undo_at(a.url, a.episode, a.token, a.device, origin)
             self.metrics.forwarded.labels("unreachable").inc()
             raise Unavailable(
                 "owner_unreachable",
@@ -257,10 +303,13 @@ class Routing:
                 self.metrics.forwarded.labels("unreachable").inc()
                 raise Unavailable("owner_unreachable", f"owner {a.node}: {exc}", 1.0) from exc
             self.metrics.forwarded.labels("ok").inc()
+            reply.origin = origin
             return reply
         self.metrics.forwarded.labels("refused").inc()
         code, message = _error_of(resp)
         text = f"owner {a.node} answered {resp.status}: {message}"
+        if code == "seq_conflict":
+            raise Refused(409, code, message)
         if resp.status in (409, 421):
             if not retry:
                 raise Unavailable("owner_refused", text, 1.0)
@@ -274,8 +323,9 @@ class Routing:
 
     # ---- the owner ---------------------------------------------------------------------
 
-    async def serve_forwarded(self, body: bytes, secret: str | None) -> Reply:
-        """Serve a step another node resolved and forwarded here.
+    async def serve_forwarded(self, body: bytes, secret: str | None) -> Reply | None:
+        """Serve a step another node resolved and forwarded here, or undo the step a
+        forward applied (``undo``; returns None).
 
         Refuses (403) a wrong cluster secret, (400) a malformed forward, (421) a device not
         on this node, (409) a (device, token) Redis no longer holds for the episode or an
@@ -289,6 +339,9 @@ class Routing:
             raise Refused(400, "bad_forward", str(exc)) from None
         if fwd.device not in self.local_devices:
             raise Refused(421, "not_owner", f"device {fwd.device!r} is not on node {self.node_id}")
+        if fwd.undo:
+            self.dispatcher.undo(fwd.episode, origin=fwd.origin)
+            return None
         arrival = self.dispatcher.arrival()
         try:
             async with asyncio.timeout(fwd.budget_s):
