@@ -111,6 +111,8 @@ def parse_resolution(episode: str, reply: str) -> Assignment:
     fields = reply.split(" ")
     if fields[0] == "full":
         raise NoCapacity(episode, fields[1])
+    if fields[0] == "missing":
+        raise UnknownEpisode(episode)
     status, device, token, node, url, previous = fields
     if status not in ("hit", "claimed", "reassigned"):
         raise ValueError(f"unexpected resolve reply {reply!r}")
@@ -153,17 +155,22 @@ class Claims:
             self.settings, evalsha(self.redis, script, self._episode_key + episode, args)
         )
 
-    async def resolve(self, episode: str, *, restart: bool = False) -> Assignment:
+    async def resolve(
+        self, episode: str, *, restart: bool = False, claim: bool = True
+    ) -> Assignment:
         """Find or make the episode's assignment in one atomic round trip.
 
         ``hit`` slides the idle deadline; ``claimed``/``reassigned`` write a new assignment
         with a new fencing token. ``restart=True`` (a new sequence under the same id)
-        always writes a fresh assignment (``claimed``) and frees the old slot. Raises
-        :class:`NoCapacity` (nothing written for the episode; ``reason`` says why),
-        :class:`InvalidArgument`, :class:`BackendUnavailable`.
+        always writes a fresh assignment (``claimed``) and frees the old slot.
+        ``claim=False`` never writes a new episode: one without an assignment raises
+        :class:`UnknownEpisode` in the same atomic step (a hit or a reassign happen as
+        usual). Raises :class:`NoCapacity` (nothing written for the episode; ``reason``
+        says why), :class:`InvalidArgument`, :class:`BackendUnavailable`.
         """
         episode = check_episode(episode)
-        reply = await self._call(self.scripts.resolve, episode, ("1",) if restart else ())
+        args = ("1",) if restart else () if claim else ("2",)
+        reply = await self._call(self.scripts.resolve, episode, args)
         return parse_resolution(episode, reply)
 
     async def lookup(self, episode: str) -> EpisodeInfo | None:

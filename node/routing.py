@@ -136,21 +136,24 @@ class Routing:
         self.membership.check_lease()
         if step.episode is None:
             return await self._stateless(step, arrival)
-        a = await self._resolve(step.episode, restart=step.restart)
+        a = await self._resolve(step.episode, restart=step.restart, claim=not step.live_only)
         if a.node != self.node_id:
             return await self._forward(a, step, arrival, retry=True)
         if self.membership.leaving:
             # this node is handing its episodes over: this one goes now, then to its new owner
             await self.membership.hand_over(a.episode)
-            a = await self._resolve(a.episode)
+            a = await self._resolve(a.episode, claim=not step.live_only)
             if a.node == self.node_id:
                 raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)
             return await self._forward(a, step, arrival, retry=False)
         return await self._serve(a, step, arrival)
 
-    async def _resolve(self, episode: str, *, restart: bool = False) -> Assignment:
+    async def _resolve(
+        self, episode: str, *, restart: bool = False, claim: bool = True
+    ) -> Assignment:
+        """Raises ``UnknownEpisode`` when not ``claim`` and Redis holds no assignment."""
         try:
-            return await self.claims.resolve(episode, restart=restart)
+            return await self.claims.resolve(episode, restart=restart, claim=claim)
         except BackendUnavailable as exc:
             raise Unavailable("redis", str(exc), 1.0) from exc
         except NoCapacity as exc:
@@ -313,7 +316,8 @@ class Routing:
         if resp.status in (409, 421):
             if not retry:
                 raise Unavailable("owner_refused", text, 1.0)
-            again = await self._resolve(a.episode)  # our view was stale: resolve once more
+            # our view was stale: resolve once more
+            again = await self._resolve(a.episode, claim=not step.live_only)
             if again.node == self.node_id:
                 return await self._serve(again, step, arrival)
             return await self._forward(again, step, arrival, retry=False)

@@ -31,7 +31,9 @@ class Step:
     ``execute_steps`` and ``ensemble`` override the node's action-chunk mode for this step
     (validated by the adapter with ``dispatcher.mode_for`` before anything is claimed).
     ``seq`` is the step number the client expects to be applied (its last reply's ``seq``
-    + 1), if it sends one. ``origin`` names the forward a step came in (owner side only).
+    + 1), if it sends one. ``live_only`` serves only an episode Redis already holds (a
+    KServe step without ``sequence_start``): routing raises ``UnknownEpisode`` otherwise.
+    ``origin`` names the forward a step came in (owner side only).
     """
 
     episode: str | None
@@ -45,6 +47,7 @@ class Step:
     ensemble: str | None = None
     seq: int | None = None
     origin: str = ""
+    live_only: bool = False
 
 
 @dataclass(slots=True)

@@ -494,3 +494,17 @@ async def test_each_call_ends_at_its_own_deadline() -> None:
         await quick.aclose()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_resolve_that_never_claims_refuses_an_unknown_episode(env: Env) -> None:
+    await env.node("a", 1)
+    before = await env.snapshot()
+    with pytest.raises(UnknownEpisode):
+        await env.claims.resolve("never-seen", claim=False)
+    assert await env.snapshot() == before, "nothing written"
+    a = await env.claims.resolve("known")
+    again = await env.claims.resolve("known", claim=False)
+    assert (again.status, again.token) == ("hit", a.token)
+    await env.claims.release("known", a.token)
+    with pytest.raises(UnknownEpisode):
+        await env.claims.resolve("known", claim=False)

@@ -2,7 +2,8 @@
 --
 -- KEYS[1]  {ns}:episode:<episode>  "<device> <token>" (or "... moved"), PXAT idle deadline;
 --          the episode id is KEYS[1] less EPISODE_KEY
--- ARGV[1]  "1": restart (always a fresh assignment, status "claimed"); absent otherwise
+-- ARGV[1]  "1": restart (always a fresh assignment, status "claimed"); "2": never claim
+--          (an episode without an assignment answers "missing"); absent otherwise
 -- Constants (TTL, the fleet's keys) come from the header (affinity/scripts.py, lib.lua).
 --
 -- Returns one string, "<status> <device> <token> <node> <url> <previous device>":
@@ -10,6 +11,7 @@
 --   claimed     no assignment existed (or a restart): a new one was written
 --   reassigned  the device's node is dead, the device down or no longer listed, or the
 --               episode was handed over: a new assignment with a fresh token
+--   missing     ARGV[1] "2" and no assignment exists: nothing was written
 -- or "full <reason>", reason "no_nodes" (no node holds a lease) or "at_capacity": no
 -- assignment was written (lapsed leases noticed, full devices re-checked may be).
 -- Neither the hit nor the claim reads more than one device: the cost does not grow with
@@ -28,6 +30,8 @@ local current = redis.call('GET', key)
 local device, token, flag
 if current then
     device, token, flag = string.match(current, VALUE)
+elseif ARGV[1] == '2' then
+    return 'missing'
 end
 
 -- A hit: the device is in ROUTE (listed by a node whose lease nobody has seen lapse) and
