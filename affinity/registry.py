@@ -413,8 +413,8 @@ class Registry:
         for (d, ep), value, ttl in zip(pairs, values[0::2], values[1::2], strict=True):
             if not value:
                 continue
-            owner, token, *flag = value.split(" ")
-            if owner == d and not flag:
+            owner, token, *rest = value.split(" ")
+            if owner == d and "moved" not in rest:
                 rows.append(EpisodeRow(episode=ep, device=d, token=int(token), ttl_ms=int(ttl)))
         return rows
 

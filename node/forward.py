@@ -38,7 +38,12 @@ _MAX_HEADER = 64 * 1024
 
 
 class ForwardError(Exception):
-    """The owner could not be reached, or answered something that is not HTTP."""
+    """The owner could not be reached, or answered something that is not HTTP.
+    ``unsent``: the request never left (no connection), so the step cannot have run."""
+
+    def __init__(self, message: str, *, unsent: bool = False) -> None:
+        self.unsent = unsent
+        super().__init__(message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +56,9 @@ class Response:
 @dataclass(slots=True)
 class Forward:
     """What travels from the router to the owner: the assignment the router obtained from
-    Redis and the step, with the time left of the client's deadline. ``origin`` is a
+    Redis and the step, with the time left of the client's deadline (``claim``: the claim
+    id issued with the token; ``instance``: the process Redis says holds the owner's
+    registration, which the owner checks is itself). ``origin`` is a
     random id of this forward; ``undo`` asks the owner to undo the step that forward
     ``origin`` applied (the router could not deliver its reply; ``inputs`` are empty)."""
 
@@ -69,6 +76,8 @@ class Forward:
     seq: int | None = None
     origin: str = ""
     undo: bool = False
+    claim: str = ""
+    instance: str = ""
 
     def encode(self) -> bytes:
         return wire.encode(
@@ -87,6 +96,8 @@ class Forward:
                 "seq": self.seq,
                 "origin": self.origin,
                 "undo": self.undo,
+                "claim": self.claim,
+                "instance": self.instance,
             }
         )
 
@@ -116,8 +127,9 @@ class Forward:
         ints = (client_token, execute_steps, seq)
         if not ok or not all(v is None or type(v) is int for v in ints):
             raise ValueError("a forward's fields have the wrong types")
-        if not isinstance(origin, str):
-            raise ValueError("a forward's origin must be a string")
+        claim, instance = doc.get("claim", ""), doc.get("instance", "")
+        if not all(isinstance(v, str) for v in (origin, claim, instance)):
+            raise ValueError("a forward's origin, claim and instance must be strings")
         if ensemble is not None and not isinstance(ensemble, str):
             raise ValueError("a forward's ensemble must be a string")
         return cls(
@@ -135,6 +147,8 @@ class Forward:
             seq=seq,
             origin=origin,
             undo=doc.get("undo") is True,
+            claim=claim,
+            instance=instance,
         )
 
     def step(self, deadline: float) -> Step:
@@ -281,7 +295,7 @@ class _Origin:
     def of(cls, url: str) -> _Origin:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ForwardError(f"owner URL {url!r} is not http(s)://host[:port]")
+            raise ForwardError(f"owner URL {url!r} is not http(s)://host[:port]", unsent=True)
         tls = parts.scheme == "https"
         return cls(parts.hostname, parts.port or (443 if tls else 80), tls)
 
@@ -357,7 +371,9 @@ class ForwardPool:
                 _Connection, origin.host, origin.port, ssl=context
             )
         except OSError as exc:
-            raise ForwardError(f"cannot connect to {origin.host}:{origin.port}: {exc}") from exc
+            raise ForwardError(
+                f"cannot connect to {origin.host}:{origin.port}: {exc}", unsent=True
+            ) from exc
         conn.transport = transport  # uvloop may call connection_made only later
         return conn
 

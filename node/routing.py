@@ -137,6 +137,8 @@ class Routing:
         if step.episode is None:
             return await self._stateless(step, arrival)
         a = await self._resolve(step.episode, restart=step.restart, claim=not step.live_only)
+        if a.node == self.node_id:
+            self.membership.check_instance(a.instance)  # the registration must be this one's
         if a.node != self.node_id:
             return await self._forward(a, step, arrival, retry=True)
         if self.membership.leaving:
@@ -193,6 +195,7 @@ class Routing:
                 a.token,
                 a.status == "claimed",
                 step.inputs,
+                claim=a.claim,
                 seq=step.seq,
                 origin=step.origin,
                 execute_steps=step.execute_steps,
@@ -281,6 +284,8 @@ class Routing:
             ensemble=step.ensemble,
             seq=step.seq,
             origin=origin,
+            claim=a.claim,
+            instance=a.instance,
         ).encode()
         arrival.done()  # it leaves this node
         try:
@@ -291,7 +296,8 @@ class Routing:
             await self._undo_at(a.url, a.episode, a.token, a.device, origin)
             raise
         except ForwardError as exc:
-            await self._undo_at(a.url, a.episode, a.token, a.device, origin)
+            if not exc.unsent:  # it broke after the request left: the step may have run
+                await self._undo_at(a.url, a.episode, a.token, a.device, origin)
             self.metrics.forwarded.labels("unreachable").inc()
             raise Unavailable(
                 "owner_unreachable",
@@ -359,15 +365,17 @@ class Routing:
 
     async def _serve_forwarded(self, fwd: Forward, arrival: Arrival) -> Reply:
         self.membership.check_lease()
-        if self.dispatcher.token_of(fwd.episode) != fwd.token:
-            # a token this node does not hold: obey Redis, which has the last word (a
+        self.membership.check_instance(fwd.instance)
+        if not self.dispatcher.holds(fwd.episode, fwd.device, fwd.token, fwd.claim):
+            # a claim this node does not hold: obey Redis, which has the last word (a
             # forward that was in flight while the episode moved must never start a second
-            # owner; a token re-issued after a lossy failover starts clean state)
+            # owner; a token re-issued after a lossy failover is another claim id)
             try:
                 info = await self.claims.lookup(fwd.episode)
             except BackendUnavailable as exc:
                 raise Unavailable("redis", str(exc), 1.0) from exc
-            if info is None or (info.device, info.token) != (fwd.device, fwd.token):
+            held = None if info is None else (info.device, info.token, info.claim)
+            if held != (fwd.device, fwd.token, fwd.claim):
                 raise Refused(
                     409,
                     "stale_token",
@@ -376,7 +384,8 @@ class Routing:
         if self.membership.leaving:
             await self.membership.hand_over(fwd.episode)
             raise Refused(409, "moved", f"node {self.node_id} handed {fwd.episode!r} over")
-        a = Assignment(fwd.episode, fwd.routing, fwd.device, fwd.token, self.node_id, "", None)  # type: ignore[arg-type]
+        a = Assignment(fwd.episode, fwd.routing, fwd.device, fwd.token, self.node_id, "", None,  # type: ignore[arg-type]
+                       fwd.claim, fwd.instance)  # fmt: skip
         return await self._serve(a, fwd.step(self.clock() + fwd.budget_s), arrival)
 
 

@@ -26,7 +26,7 @@ EXPIRED = "ep-6"  # its idle deadline passed: still in the load set, no longer l
 @dataclass
 class Fleet:
     server: RedisServer
-    placed: dict[str, tuple[str, int]]  # live episode -> (device, token)
+    placed: dict[str, tuple[str, int, str]]  # live episode -> (device, token, claim id)
     on_a0: set[str]  # live episodes on gpu-a/0
     now_ms: int
 
@@ -35,8 +35,8 @@ Check = Callable[[str, Fleet], None]
 
 
 def check_get(out: str, f: Fleet) -> None:
-    device, token = f.placed["ep-42"]
-    assert out == f"{device} {token}\n"
+    device, token, claim = f.placed["ep-42"]
+    assert out == f"{device} {token} {claim}\n"
     assert device == "gpu-a/0"
 
 
@@ -154,7 +154,7 @@ async def populate(url: str) -> dict[str, tuple[str, int]]:
         placed = {}
         for ep in EPISODES:
             a = await claims.resolve(ep)
-            placed[ep] = (a.device, a.token)
+            placed[ep] = (a.device, a.token, a.claim)
         return placed
     finally:
         await client.aclose()
@@ -174,7 +174,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         r.delete(KEYS.episode(EXPIRED))
         r.zadd(KEYS.load("gpu-a/0"), {EXPIRED: 1})
         del placed[EXPIRED]
-        on_a0 = {ep for ep, (d, _) in placed.items() if d == "gpu-a/0"}
+        on_a0 = {ep for ep, (d, _, _) in placed.items() if d == "gpu-a/0"}
         assert r.zcard(KEYS.load("gpu-a/0")) == len(on_a0) + 1
         yield Fleet(server, placed, on_a0, int(time.time() * 1000))
     finally:
