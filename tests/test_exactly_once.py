@@ -190,3 +190,35 @@ async def test_a_close_seen_as_the_work_finishes_hands_back_its_result() -> None
         return {"type": "http.disconnect"}
 
     assert await while_connected(stays, quick()) == "reply"
+
+
+async def test_kserve_takes_seq_as_a_request_parameter(redis: Any) -> None:
+    from tests.test_kserve import infer, result_of
+
+    obs = observations(6, 2)
+    async with cluster(redis, [config("a")]) as ([a], _):
+        r1 = await infer(a, obs[0], sequence_id=5, sequence_start=True, parameters={"seq": 1})
+        assert result_of(r1).get_response()["parameters"]["seq"] == 1
+        again = await infer(a, obs[0], sequence_id=5, parameters={"seq": 1})
+        facts = result_of(again).get_response()["parameters"]
+        assert facts["replayed"] is True and facts["seq"] == 1
+        conflict = await infer(a, obs[1], sequence_id=5, parameters={"seq": 4})
+        assert conflict.status_code == 409 and "seq_conflict" in conflict.json()["error"]
+        bad = await infer(a, obs[1], sequence_id=5, parameters={"seq": "2"})
+        assert bad.status_code == 400 and "seq" in bad.json()["error"]
+        r2 = await infer(a, obs[1], sequence_id=5, parameters={"seq": 2})
+        assert result_of(r2).get_response()["parameters"]["seq"] == 2
+        expect(obs, {"outputs": {"actions": result_of(r2).as_numpy("actions")}})
+
+
+async def test_openpi_takes_seq_out_of_the_observation(redis: Any) -> None:
+    from affinity import InvalidArgument
+    from node.protocols import openpi
+
+    async with cluster(redis, [config("a")]) as ([a], _):
+        frame = {"bytes": wire.encode({"obs": np.zeros(8, np.float32), "seq": 3})}
+        step = openpi.decode(a.service, frame, "ep", "own", {}, 0.0)
+        assert step.seq == 3 and set(step.inputs) == {"obs"}, "seq never reaches the model"
+        with pytest.raises(InvalidArgument, match="seq"):
+            bad = {"bytes": wire.encode({"obs": np.zeros(8, np.float32), "seq": 0})}
+            openpi.decode(a.service, bad, "ep", "own", {}, 0.0)
