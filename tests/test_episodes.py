@@ -4,6 +4,9 @@ a property test of random interleavings against a reference model of the episode
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import threading
 from typing import Any
 
 import numpy as np
@@ -117,7 +120,9 @@ def test_admit_and_undone_rules() -> None:
 # ---- a property test: random interleavings against a reference model ---------------------
 
 # what happens to one attempt of the client's step
-OUTCOMES = st.sampled_from(["delivered", "lost_undone", "lost_unknown", "replayed_dup"])
+OUTCOMES = st.sampled_from(
+    ["delivered", "lost_undone", "lost_unknown", "replayed_dup", "cancelled_mid_run"]
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -134,25 +139,46 @@ async def test_random_interleavings_apply_every_step_once(
 ) -> None:
     """Each client step (an observation x) is tried until delivered: an attempt is
     delivered; lost and undone (the reply never reached a live caller: router deadline,
-    closed connection, failed send, a router that gave up); lost where nobody can know
-    (applied, reply gone: only a client with seq can be served exactly once); or delivered
-    twice (a duplicate retry with the same seq). The fake model's state is the sum of the
-    observations it applied: the client's view must equal the reference sum."""
-    d, _, _ = make(1, max_batch=1)
+    closed connection, failed send, a router that gave up); cancelled while the model runs
+    (a deadline or a close that lands mid-run, e.g. an owner paused with the step queued);
+    lost where nobody can know (applied, reply gone: only a client with seq can be served
+    exactly once); or delivered twice (a duplicate retry with the same seq). The fake
+    model's state is the sum of the observations it applied: the client's view must equal
+    the reference sum."""
+    d, sessions, _ = make(1, max_batch=1, failure_threshold=10_000)  # a cancel mid-run is a hang
+    session = sessions["n/0"]
     reference = 0.0
     seq = 0
     fresh = True
     try:
         for x, attempts in plan:
-            attempts = [o for o in attempts if with_seq or o in ("delivered", "lost_undone")]
+            unseen = False  # applied, its reply lost: a retry with seq is a replay
+            safe = ("delivered", "lost_undone", "cancelled_mid_run")
+            attempts = [o for o in attempts if with_seq or o in safe]
             attempts.append("delivered")
             for outcome in attempts:
-                r = await d.step("n/0", "ep", 7, fresh, obs(x), seq=seq + 1 if with_seq else None)
+                sent = seq + 1 if with_seq else None
+                if outcome == "cancelled_mid_run" and unseen:
+                    continue  # the retry would be a replay: no model run to cancel
+                if outcome == "cancelled_mid_run":
+                    session.held.clear()
+                    gate = session.hold[float(x)] = threading.Event()
+                    running = asyncio.ensure_future(d.step("n/0", "ep", 7, fresh, obs(x), seq=sent))
+                    assert await asyncio.to_thread(session.held.wait, 10)
+                    running.cancel()
+                    gate.set()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await running
+                    del session.hold[float(x)]
+                    await d.wait_idle("ep")
+                    continue
+                r = await d.step("n/0", "ep", 7, fresh, obs(x), seq=sent)
                 fresh = False
                 if outcome == "lost_undone":
                     assert d.undo("ep", r.seq)
                     continue
                 if outcome == "lost_unknown":
+                    unseen = True
                     continue  # applied; the client retries with the same seq
                 if outcome == "replayed_dup":
                     dup = await d.step("n/0", "ep", 7, False, obs(x), seq=r.seq)
