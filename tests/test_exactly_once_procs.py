@@ -6,6 +6,7 @@ client saw applied (the demo policy's recurrent state tells the history apart)."
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -205,3 +206,47 @@ def test_a_step_whose_connection_dropped_is_undone(tmp_path: Path) -> None:
             reply = wire.decode(ws.recv(timeout=10))
         assert reply["state_reset"] is False
         expect([obs[0], obs[2]], reply["actions"])
+
+
+def test_two_processes_with_one_node_id_never_both_serve(tmp_path: Path) -> None:
+    """Item 5: original O and duplicate D of node id ``a`` (D waiting on O's lease); Redis
+    restarts empty and D registers. O must stop serving at its next step (the resolve names
+    D's instance), not at its next renewal: the client's view stays one consistent history
+    (every 200 is the model after exactly the steps served since the last reset)."""
+    redis = RedisServer(tmp_path)
+    lease = ["--lease-ttl", "30"]
+    original = Node(tmp_path, "a", redis.url, devices="cpu:1", extra=lease)
+    duplicate = Node(tmp_path / "dup", "a", redis.url, devices="cpu:1", extra=lease)
+    (tmp_path / "dup").mkdir()
+    with running(redis, [original]):
+        try:
+            duplicate.proc.start()
+            time.sleep(1.0)  # D waits for O's lease
+            redis.restart()  # empty: D's next try registers
+            deadline = time.monotonic() + 30
+            while True:
+                assert time.monotonic() < deadline, "the duplicate never registered"
+                with contextlib.suppress(httpx.TransportError):
+                    if duplicate.ready():
+                        break
+                time.sleep(0.1)
+            obs = observations(5, 3)
+            history: list[np.ndarray] = []
+            answers = []
+            for node, x in ((original, obs[0]), (duplicate, obs[1]), (original, obs[2])):
+                try:
+                    r = step(node.url, "twins", x, timeout=10)
+                except httpx.TransportError:  # O has exited (status 4)
+                    answers.append("gone")
+                    continue
+                answers.append(str(r.status_code))
+                if r.status_code != 200:
+                    assert r.json()["error"]["code"] == "fenced", r.text
+                    continue
+                history = [x] if r.json()["state_reset"] else [*history, x]
+                expect(history, r.json()["outputs"]["actions"])
+            assert answers[1] == "200" and answers[0] != "200" and answers[2] != "200", answers
+            assert original.proc.popen is not None
+            assert original.proc.popen.wait(timeout=30) == 4
+        finally:
+            duplicate.stop()
