@@ -5,11 +5,12 @@ owner side of a forward is :meth:`Routing.serve_forwarded`. Nothing here knows a
 format except the forward's own msgpack body (``node/forward.py``).
 
 - The lease is checked before anything else and again after the model ran.
-- A node serves an episode only with the (device, token) Redis has just confirmed for
-  this request: the router's resolve, or — for a forward whose token differs from the one
-  held here — a lookup by the owner, which then obeys what Redis says (a token it has
-  never seen starts clean state; a token Redis no longer holds is refused with 409 and the
-  router resolves again once).
+- A node serves an episode only with the (device, token, claim id) Redis has just
+  confirmed for this request: the router's resolve, or — for a forward whose claim differs
+  from the one held here — a lookup by the owner, which then obeys what Redis says (a
+  claim it has never seen starts clean state; one Redis no longer holds is refused with
+  409 and the router resolves again once). It serves only while the registration Redis
+  names for its node id is this process's (``Membership.check_instance``).
 - The client's deadline bounds the whole step; a forward carries what is left of it, less
   a margin for the way back, and the owner keeps the step's state only within that budget,
   so a step the client was told failed never advanced the episode.
