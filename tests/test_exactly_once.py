@@ -11,10 +11,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from affinity import Keys
 from node import wire
 from node.policy import DEMO_MODEL, reference_rollout
+from node.step import Step
 from tests.inproc import cluster, config
 
 pytestmark = pytest.mark.anyio
@@ -222,3 +225,68 @@ async def test_openpi_takes_seq_out_of_the_observation(redis: Any) -> None:
         with pytest.raises(InvalidArgument, match="seq"):
             bad = {"bytes": wire.encode({"obs": np.zeros(8, np.float32), "seq": 0})}
             openpi.decode(a.service, bad, "ep", "own", {}, 0.0)
+
+
+ATTEMPTS = st.sampled_from(["delivered", "undelivered", "lost_unknown", "duplicate"])
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    plan=st.lists(
+        st.lists(st.tuples(st.sampled_from([0, 1]), ATTEMPTS), min_size=1, max_size=3),
+        min_size=1,
+        max_size=6,
+    ),
+    with_seq=st.booleans(),
+)
+async def test_random_interleavings_through_two_nodes_match_the_reference(
+    plan: list[list[tuple[int, str]]], with_seq: bool
+) -> None:
+    """A property test through routing, forwarding and the owner's record, two nodes on
+    one Redis: each step of the client is tried until delivered, every attempt through a
+    random node, and ends as delivered; undelivered (its caller left, a router gave up: the
+    front door's undo, by forward when the owner is the other node); lost where nobody can
+    know (applied, the reply gone: with seq only); or delivered and then retried with the
+    same seq through the other node (a replay). The client's view equals the reference
+    rollout of the steps it saw, with no state_reset."""
+    from tests.conftest import make_client
+
+    redis = await make_client("fake")
+    obs = observations(7, len(plan))
+    nodes_cfg = [config("a", devices="cpu:1"), config("b", devices="cpu:1")]
+    try:
+        async with cluster(redis, nodes_cfg) as (nodes, _):
+            history: list[np.ndarray] = []
+            seq = 0
+            for x, attempts in zip(obs, plan, strict=True):
+                tries = [
+                    (n, o) for n, o in attempts if with_seq or o in ("delivered", "undelivered")
+                ]
+                for entry, outcome in [*tries, (0, "delivered")]:
+                    service = nodes[entry].service
+                    sent = seq + 1 if with_seq else None
+                    reply = await service.routing.act(
+                        Step("ep", {"obs": x}, service.clock() + 10, seq=sent)
+                    )
+                    if outcome == "undelivered":
+                        await service.routing.undelivered(reply)
+                        continue
+                    if outcome == "lost_unknown":
+                        continue
+                    if outcome == "duplicate":
+                        other = nodes[1 - entry].service
+                        dup = await other.routing.act(
+                            Step("ep", {"obs": x}, other.clock() + 10, seq=reply.seq)
+                        )
+                        assert dup.replayed and dup.seq == reply.seq
+                    history.append(x)
+                    seq = reply.seq
+                    assert reply.seq == len(history) and not reply.state_reset
+                    expect(history, {"outputs": {"actions": reply.outputs["actions"]}})
+                    break
+    finally:
+        await redis.aclose()
