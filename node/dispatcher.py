@@ -5,10 +5,14 @@ routing, batching and state logic is tested with fakes and no GPU.
 
 - Each device runs its model on its own worker thread. ONNX Runtime releases the GIL while
   it runs, so runs on different GPUs overlap; runs on one device are serialized.
-- Per-episode state is keyed by (episode, token): the recurrent state and the action buffer
-  (:mod:`node.chunks`). A step whose token differs from the stored one starts from the
-  initial state and says ``state_reset=True``; so does a step of an episode that was not
-  freshly claimed but has no state here (a restarted node).
+- Per-episode state is one :class:`node.episodes.Episode` record per episode: the claim
+  (device, token, claim id), the step count ``seq``, the recurrent state, the action buffer
+  (:mod:`node.chunks`), the last reply and the record before the last step. The rules
+  (:func:`node.episodes.admit`) are applied under one lock, in each episode's arrival
+  order: a step of another claim starts from the initial state and says
+  ``state_reset=True``, as does a step of an episode that was not freshly claimed but has
+  no record here (a restarted node); a step naming the ``seq`` already applied is answered
+  with the stored reply. :meth:`MultiGpuDispatcher.undo` restores the previous record.
 - **Batching.** When the model allows it (a batch axis, dynamic on every input and output:
   ``PolicyContract.batch_blocker``; else batching is off with one log line saying why), the
   worker takes up to ``max_batch`` waiting steps of different episodes, stacks their inputs
@@ -394,12 +398,6 @@ class MultiGpuDispatcher:
         with self._lock:
             st = self._states.get(episode)
             return st is not None and st.holds(device, token, claim)
-
-    def seq_of(self, episode: str) -> int | None:
-        """The seq of the last step applied to ``episode`` here, if it is held here."""
-        with self._lock:
-            st = self._states.get(episode)
-            return None if st is None else st.seq
 
     def state_of(self, episode: str) -> dict[str, Array] | None:
         """A copy of the recurrent state held here for ``episode``, if any."""
