@@ -498,8 +498,9 @@ class MultiGpuDispatcher:
         mode = self.mode_for(execute_steps, ensemble)
         if dev.tracker.down:
             raise DeviceDown(device)
-        if not fresh and episode not in self._in_flight:
-            # nothing of this episode is on the worker: its record cannot change under us
+        if not fresh and (seq is not None or mode is not None) and episode not in self._in_flight:
+            # a replay or a buffered action, perhaps, with nothing of this episode on the
+            # worker: its record cannot change under us
             with self._lock:
                 decision = admit(
                     episode, self._states.get(episode), device, token, claim, fresh, seq
@@ -567,7 +568,7 @@ class MultiGpuDispatcher:
         result = StepResult(outputs, base.doubt, base.seq + 1, "buffer")
         self._states[episode] = advance(
             base, dev.id, base.token, base.claim, base.state, base.buffer.served(), result,
-            self.clock(), base.state, origin,
+            self.clock(), None, origin,
         )  # fmt: skip
         return result
 
@@ -819,7 +820,8 @@ class MultiGpuDispatcher:
                         self._devices[m.read.device].live.discard(episode)
                     self._states[episode] = advance(
                         m.base, dev.id, job.token, job.claim, new_state, buffer, result, now,
-                        {name: m.feed[name] for name in self.contract.state}, job.origin,
+                        None if m.base else {n: m.feed[n] for n in self.contract.state},
+                        job.origin,
                     )  # fmt: skip
                     dev.live.add(episode)
                     job.committed = seq

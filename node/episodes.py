@@ -6,10 +6,12 @@ state and the action buffer those steps left, the last step's result (replayed t
 retry that names the step already applied) and the record before the last step
 (``previous``: restored when the last step's reply did not reach a live caller).
 
-Records are immutable: a step builds the next record from references (the new state is
-the model's output, the previous record is the old object), so keeping the previous
-state and the last reply costs no copy per step, only the memory of one more state and
-one more reply per episode. A record's ``previous`` never has a ``previous`` of its own.
+A step builds the next record from references (the new state is the model's output, the
+previous record is the old object), so keeping the previous state and the last reply
+costs no copy per step, only the memory of one more state and one more reply per
+episode. Records are not changed once current, except that the one a step replaces loses
+its own ``previous`` (a record's ``previous`` never has a ``previous`` of its own); they
+are plain slotted objects because one is made on every step.
 
 The rules here are pure functions of a record and a step; the dispatcher applies them
 under its lock, in each episode's arrival order (``node/dispatcher.py``).
@@ -40,7 +42,7 @@ class StepResult:
     replayed: bool = False  # the stored reply of a step already applied (no model run)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Episode:
     """What the owner remembers about one episode (see the module doc)."""
 
@@ -114,14 +116,18 @@ def advance(
     buffer: ActionBuffer | None,
     result: StepResult,
     now: float,
-    initial: dict[str, Array],
+    initial: dict[str, Array] | None,
     origin: str,
 ) -> Episode:
-    """The record after ``result`` was applied on ``base`` (None: from ``initial``)."""
+    """The record after ``result`` was applied on ``base`` (None: from ``initial``, the
+    initial state). Call it holding the lock that guards the current records: ``base``,
+    the current record, loses its own ``previous``."""
     if base is None:
+        assert initial is not None
         base = Episode(device, token, claim, initial, now, 0, None)
-    elif base.previous is not None or base.doubt:
-        base = replace(base, previous=None, doubt=False)
+    else:
+        base.previous = None
+        base.doubt = False
     return Episode(device, token, claim, state, now, result.seq, buffer, result, base, origin)
 
 
@@ -134,5 +140,6 @@ def undone(record: Episode, seq: int | None, origin: str | None) -> Episode | No
     if matches and record.previous is not None:
         return record.previous
     if seq is not None and record.seq > seq and origin is None:
-        return replace(record, doubt=True)
+        record.doubt = True  # in place: steps that read this record still commit on it
+        return record
     return None
