@@ -235,8 +235,10 @@ class Routing:
 
     async def undelivered(self, reply: Reply) -> None:
         """Undo the step of ``reply``, which did not reach a live caller: here when it was
-        served here, else by telling its owner (bounded by :data:`UNDO_S`)."""
-        if reply.episode is None:
+        served here, else by telling its owner (bounded by :data:`UNDO_S`). A replayed
+        reply undoes nothing: its step was applied by an earlier attempt, whose own fate
+        decides (e.g. a timed-out attempt read after its retry was answered)."""
+        if reply.episode is None or reply.replayed:
             return
         if not reply.origin:
             self.dispatcher.undo(reply.episode, reply.seq)

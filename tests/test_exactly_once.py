@@ -290,3 +290,18 @@ async def test_random_interleavings_through_two_nodes_match_the_reference(
                     break
     finally:
         await redis.aclose()
+
+
+async def test_a_replay_that_reaches_nobody_undoes_nothing(redis: Any) -> None:
+    """A timed-out attempt read by the owner after its retry was answered is a replay; its
+    connection is closed, but the step was delivered by the retry and must stay applied."""
+    obs = observations(8, 2)
+    async with cluster(redis, [config("a")]) as ([a], _):
+        routing = a.service.routing
+        first = await routing.act(Step("ep", {"obs": obs[0]}, a.service.clock() + 10, seq=1))
+        late = await routing.act(Step("ep", {"obs": obs[0]}, a.service.clock() + 10, seq=1))
+        assert late.replayed
+        await routing.undelivered(late)
+        nxt = await routing.act(Step("ep", {"obs": obs[1]}, a.service.clock() + 10, seq=2))
+        assert (first.seq, nxt.seq, nxt.replayed) == (1, 2, False)
+        expect(obs, {"outputs": {"actions": nxt.outputs["actions"]}})
