@@ -6,6 +6,7 @@ async shell the node and the CLI share.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ class Assignment(NamedTuple):
     node: str
     url: str
     previous: str | None  # the device it was taken from ("reassigned" only)
+    claim: str = ""  # the claim id issued with the token: unique even if a token number is not
+    instance: str = ""  # the process holding the owner's registration ("" when unknown)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class EpisodeInfo:
     state: str  # the device's state, or "removed" when its hash is gone
     alive: bool  # the device is listed by its node and that node's lease is current
     moved: bool = False  # handed over: the next resolve is "reassigned"
+    claim: str = ""  # the claim id issued with the token
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -107,20 +111,25 @@ def check_token(token: object) -> int:
 
 
 def parse_resolution(episode: str, reply: str) -> Assignment:
-    """``"<status> <device> <token> <node> <url> <previous>"`` or ``"full <reason>"``."""
+    """``"<status> <device> <token> <node> <url> <previous> <claim> <instance>"``, or
+    ``"full <reason>"``, or ``"missing"``."""
     fields = reply.split(" ")
     if fields[0] == "full":
         raise NoCapacity(episode, fields[1])
-    status, device, token, node, url, previous = fields
+    if fields[0] == "missing":
+        raise UnknownEpisode(episode)
+    status, device, token, node, url, previous, claim, instance = fields
     if status not in ("hit", "claimed", "reassigned"):
         raise ValueError(f"unexpected resolve reply {reply!r}")
-    return Assignment(episode, status, device, int(token), node, url, previous or None)  # type: ignore[arg-type]
+    checked: Status = status  # type: ignore[assignment]
+    return Assignment(episode, checked, device, int(token), node, url, previous or None,
+                      claim, instance)  # fmt: skip
 
 
 def parse_lookup(episode: str, reply: Sequence[Any]) -> EpisodeInfo | None:
     if not reply:
         return None
-    device, token, ttl, node, url, state, alive, moved = reply
+    device, token, ttl, node, url, state, alive, moved, claim = reply
     return EpisodeInfo(
         episode=episode,
         device=str(device),
@@ -131,6 +140,7 @@ def parse_lookup(episode: str, reply: Sequence[Any]) -> EpisodeInfo | None:
         state=str(state),
         alive=str(alive) == "1",
         moved=str(moved) == "1",
+        claim=str(claim),
     )
 
 
@@ -153,17 +163,22 @@ class Claims:
             self.settings, evalsha(self.redis, script, self._episode_key + episode, args)
         )
 
-    async def resolve(self, episode: str, *, restart: bool = False) -> Assignment:
+    async def resolve(
+        self, episode: str, *, restart: bool = False, claim: bool = True
+    ) -> Assignment:
         """Find or make the episode's assignment in one atomic round trip.
 
         ``hit`` slides the idle deadline; ``claimed``/``reassigned`` write a new assignment
         with a new fencing token. ``restart=True`` (a new sequence under the same id)
-        always writes a fresh assignment (``claimed``) and frees the old slot. Raises
-        :class:`NoCapacity` (nothing written for the episode; ``reason`` says why),
-        :class:`InvalidArgument`, :class:`BackendUnavailable`.
+        always writes a fresh assignment (``claimed``) and frees the old slot.
+        ``claim=False`` never writes a new episode: one without an assignment raises
+        :class:`UnknownEpisode` in the same atomic step (a hit or a reassign happen as
+        usual). Raises :class:`NoCapacity` (nothing written for the episode; ``reason``
+        says why), :class:`InvalidArgument`, :class:`BackendUnavailable`.
         """
         episode = check_episode(episode)
-        reply = await self._call(self.scripts.resolve, episode, ("1",) if restart else ())
+        flag = "1" if restart else "" if claim else "2"
+        reply = await self._call(self.scripts.resolve, episode, (flag, os.urandom(8).hex()))
         return parse_resolution(episode, reply)
 
     async def lookup(self, episode: str) -> EpisodeInfo | None:

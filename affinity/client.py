@@ -4,11 +4,16 @@ What they do for a caller that steps episodes through ``POST /act``:
 
 - keep each episode's last token and echo it, so a lost assignment is reported as
   ``state_reset`` (and, with ``raise_on_reset=True``, raised as :class:`StateReset`);
+- number each episode's steps: every step sends ``seq`` (the last reply's ``seq`` + 1), so
+  a retry after a timeout or a dropped connection is never applied twice (the owner
+  answers a step it already applied with its stored reply, ``replayed``);
 - send an episode's steps straight to its owner (the ``X-Affinity-URL`` of the last reply):
   no second hop through another node; when the owner cannot be reached or refuses, fall
   back to the configured nodes, which route the step to wherever the episode lives now;
 - honour ``Retry-After`` on 503 within a bounded budget (``retries`` attempts and
-  ``retry_budget_s`` seconds per step), then raise :class:`ServiceUnavailable`;
+  ``retry_budget_s`` seconds per step, timeouts and transport errors included), then raise
+  :class:`ServiceUnavailable`; a retry after a timeout or a transport error goes to a node
+  other than the one that failed, while there is one;
 - raise :class:`RequestRefused` for a 4xx (the node's error code, message and field);
 - speak msgpack with numpy arrays both ways (``encoding="msgpack"``, the default: a camera
   image travels as its bytes) or JSON (``encoding="json"``: nested lists); outputs are
@@ -24,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Generator, Iterator, Mapping, Sequence
+from collections.abc import Collection, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -95,6 +100,8 @@ class Step:
     degraded: bool
     source: str
     url: str  # the owner's address: where this episode's next step goes
+    seq: int = 0  # the step's number under its claim (0 for a stateless step)
+    replayed: bool = False  # the stored reply of a step already applied (a retry)
 
     @classmethod
     def of(cls, body: Mapping[str, Any], url: str) -> Step:
@@ -109,6 +116,8 @@ class Step:
             degraded=bool(body.get("degraded", False)),
             source=str(body.get("source", "model")),
             url=url,
+            seq=int(body.get("seq", 0)),
+            replayed=bool(body.get("replayed", False)),
         )
 
 
@@ -123,6 +132,7 @@ class _Episodes:
     raise_on_reset: bool
     tokens: dict[str, int] = field(default_factory=dict)
     owners: dict[str, str] = field(default_factory=dict)
+    seqs: dict[str, int] = field(default_factory=dict)  # the last reply's seq per episode
     _next: Iterator[str] = field(init=False)
 
     @classmethod
@@ -138,9 +148,14 @@ class _Episodes:
         self._next = itertools.cycle(self.nodes)
 
     def body(self, episode: str | None, inputs: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
-        body: dict[str, Any] = {"inputs": dict(inputs), **{k: v for k, v in extra.items() if v}}
+        # falsy values are sent too: execute_steps=0 is the node's to refuse, not ours to drop
+        body: dict[str, Any] = {
+            "inputs": dict(inputs),
+            **{k: v for k, v in extra.items() if v is not None},
+        }
         if episode is not None:
             body["episode_id"] = episode
+            body["seq"] = self.seqs.get(episode, 0) + 1
             if episode in self.tokens:
                 body["token"] = self.tokens[episode]
         return body
@@ -159,16 +174,21 @@ class _Episodes:
         body = self.body(episode, inputs, end=end, execute_steps=execute_steps)
         deadline = time.monotonic() + self.retry_budget_s
         tried_owner = False
+        failed: set[str] = set()  # nodes that timed out or could not be reached
         last: ClientError = ServiceUnavailable("unreachable", "no node answered")
         for _ in range(self.retries + 1):
-            url, owner = self.target(episode, tried_owner)
+            url, owner = self.target(episode, tried_owner, failed)
             tried_owner = tried_owner or owner
             result = yield url, body
             if isinstance(result, Exception):
-                # the owner (or this node) is gone: try the fleet
+                # a timeout or a broken connection: the step may have run there; the seq
+                # makes the retry safe, and it goes elsewhere while there is elsewhere
+                failed.add(url)
                 last = ServiceUnavailable(
                     "unreachable", f"{url}: {type(result).__name__}: {result}"
                 )
+                if time.monotonic() >= deadline:
+                    break
                 continue
             assert isinstance(result, httpx.Response)
             if result.status_code == 200:
@@ -188,11 +208,18 @@ class _Episodes:
                 yield wait
         raise last
 
-    def target(self, episode: str | None, tried_owner: bool) -> tuple[str, bool]:
-        """(URL for this attempt, whether it is the episode's owner)."""
+    def target(
+        self, episode: str | None, tried_owner: bool, failed: Collection[str] = ()
+    ) -> tuple[str, bool]:
+        """(URL for this attempt, whether it is the episode's owner): the owner first, then
+        the configured nodes in turn, skipping those in ``failed`` while others remain."""
         owner = self.owners.get(episode) if episode is not None else None
-        if owner is not None and not tried_owner:
+        if owner is not None and not tried_owner and owner not in failed:
             return owner, True
+        for _ in self.nodes:
+            url = next(self._next)
+            if url not in failed:
+                return url, False
         return next(self._next), False
 
     def served(self, episode: str | None, response: httpx.Response) -> Step:
@@ -200,6 +227,7 @@ class _Episodes:
         step = Step.of(_decode(response), url)
         if episode is not None:
             self.tokens[episode] = step.token
+            self.seqs[episode] = step.seq
             if url:
                 self.owners[episode] = url
             if step.routing == "stateless":
@@ -211,6 +239,7 @@ class _Episodes:
     def forget(self, episode: str) -> None:
         self.tokens.pop(episode, None)
         self.owners.pop(episode, None)
+        self.seqs.pop(episode, None)
 
     def failed(self, response: httpx.Response) -> ClientError:
         try:

@@ -484,8 +484,8 @@ class Registry:
         for (d, ep, was_moved), value, ttl in zip(pairs, values[0::2], values[1::2], strict=True):
             if not value:
                 continue
-            owner, token, *flag = value.split(" ")
-            if owner == d and flag == (["moved"] if was_moved else []):
+            owner, token, *rest = value.split(" ")  # "<device> <token> <claim id>[ moved]"
+            if owner == d and ("moved" in rest) == was_moved:
                 rows.append(EpisodeRow(ep, d, int(token), int(ttl), moved=was_moved))
         return rows
 

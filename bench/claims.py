@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import math
 import multiprocessing as mp
+import os
 import time
 from typing import Any
 
@@ -202,7 +203,8 @@ def fill(url: str, start: int, stop: int, namespace: str = "affinity") -> None:
     for first in range(start, stop, 1000):
         pipe = r.pipeline(transaction=False)
         for i in range(first, min(stop, first + 1000)):
-            pipe.execute_command("EVALSHA", script.sha, 1, s.keys.episode(live_id(i)))
+            key = s.keys.episode(live_id(i))
+            pipe.execute_command("EVALSHA", script.sha, 1, key, "", os.urandom(8).hex())
         for reply in pipe.execute():
             assert reply.startswith("claimed "), reply
     r.close()

@@ -4,7 +4,7 @@ loopback, one client in lockstep (the latency a robot sees), the same observatio
 
 1. p50 of one step by protocol, each on its own sticky episode served locally (a Redis
    resolve and a model run per step): KServe v2 infer with binary inputs and binary
-   outputs (and, as Triton's rule wants, one Redis lookup: is the sequence live?), the
+   outputs (Triton's rule, is the sequence live?, decided in the step's own resolve), the
    openpi websocket, msgpack ``POST /act``, JSON ``POST /act``, and v2 with JSON inputs. The
    bodies are encoded once before the clock starts (a raw keep-alive HTTP connection, a
    raw websocket), so the figures are the node's path and the transfer, not a client
@@ -18,8 +18,8 @@ loopback, one client in lockstep (the latency a robot sees), the same observatio
    the clock starts (grpcio's own channel, no ``tritonclient``). Ratios: gRPC unary /
    msgpack ``/act``, streaming / unary.
 4. The cost of Triton's unknown-sequence rule: a sequence owned by node A, stepped through
-   node B (refuses unknown sequences: B holds no state for it, so it asks Redis once per
-   step) and through node C (``--kserve-claim-unknown``: no lookup); both forward to A.
+   node B (refuses unknown sequences, in its resolve) and through node C
+   (``--kserve-claim-unknown``); both forward to A.
 
 Within a round the protocols take turns step by step (so all meet the same load from
 other processes on the machine); each figure is the median over ``--runs`` rounds of a

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -11,6 +12,7 @@ from node.step import Refused, Unavailable
 
 __all__ = [
     "BodyError",
+    "ClientGone",
     "Receive",
     "Scope",
     "Send",
@@ -19,7 +21,10 @@ __all__ = [
     "read_body",
     "respond",
     "respond_error",
+    "while_connected",
 ]
+
+T = TypeVar("T")
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -33,6 +38,49 @@ class BodyError(Exception):
         self.status = status
         self.reason = reason
         super().__init__(message)
+
+
+class ClientGone(Exception):
+    """The client's connection closed while its request was served. ``result`` is what the
+    work returned when it finished before the close was seen (None: it was cancelled)."""
+
+    def __init__(self, result: object = None) -> None:
+        self.result = result
+        super().__init__("the client closed its connection")
+
+
+async def while_connected(receive: Receive, work: Awaitable[T]) -> T:
+    """Await ``work`` (in this task) while the client's connection stays open; call it
+    once the request body has been read. A close cancels ``work`` and raises
+    :class:`ClientGone`, as does a close seen the moment ``work`` finished (with its
+    result, so that the caller can undo what no one will receive)."""
+    task = asyncio.current_task()
+    assert task is not None
+    watching = True
+    gone = False
+
+    def closed(watch: asyncio.Future[Any]) -> None:
+        nonlocal gone
+        if watching and not watch.cancelled():
+            gone = True
+            task.cancel()
+
+    watch = asyncio.ensure_future(receive())
+    watch.add_done_callback(closed)
+    try:
+        result = await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()
+        raise ClientGone() from None
+    finally:
+        watching = False
+        seen = watch.done() and not watch.cancelled()
+        watch.cancel()
+    if seen:  # closed as the work finished: its callback had not run yet
+        raise ClientGone(result)
+    return result
 
 
 def header(scope: Scope, name: bytes) -> str | None:

@@ -5,10 +5,14 @@ routing, batching and state logic is tested with fakes and no GPU.
 
 - Each device runs its model on its own worker thread. ONNX Runtime releases the GIL while
   it runs, so runs on different GPUs overlap; runs on one device are serialized.
-- Per-episode state is keyed by (episode, token): the recurrent state and the action buffer
-  (:mod:`node.chunks`). A step whose token differs from the stored one starts from the
-  initial state and says ``state_reset=True``; so does a step of an episode that was not
-  freshly claimed but has no state here (a restarted node).
+- Per-episode state is one :class:`node.episodes.Episode` record per episode: the claim
+  (device, token, claim id), the step count ``seq``, the recurrent state, the action buffer
+  (:mod:`node.chunks`), the last reply and the record before the last step. The rules
+  (:func:`node.episodes.admit`) are applied under one lock, in each episode's arrival
+  order: a step of another claim starts from the initial state and says
+  ``state_reset=True``, as does a step of an episode that was not freshly claimed but has
+  no record here (a restarted node); a step naming the ``seq`` already applied is answered
+  with the stored reply. :meth:`MultiGpuDispatcher.undo` restores the previous record.
 - **Batching.** When the model allows it (a batch axis, dynamic on every input and output:
   ``PolicyContract.batch_blocker``; else batching is off with one log line saying why), the
   worker takes up to ``max_batch`` waiting steps of different episodes, stacks their inputs
@@ -43,13 +47,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
 from node import control
 from node.chunks import ActionBuffer, ChunkMode, find_chunk
+from node.episodes import Episode, SeqConflict, StepResult, admit, advance, undone
 from node.policy import PolicyContract
 
 __all__ = [
@@ -60,6 +65,7 @@ __all__ = [
     "DeviceDown",
     "ModelFailure",
     "MultiGpuDispatcher",
+    "SeqConflict",
     "Session",
     "StepResult",
 ]
@@ -102,26 +108,6 @@ class DeviceDown(Exception):
     def __init__(self, device: str) -> None:
         self.device = device
         super().__init__(f"device {device} is down after repeated model failures")
-
-
-@dataclass(frozen=True)
-class StepResult:
-    outputs: dict[str, Array]
-    """Every model output not fed back as state; with chunk execution, only the chunk
-    output, holding this step's one action (see :mod:`node.chunks`)."""
-    state_reset: bool
-    step: int  # 1-based step count of this (episode, token) on this device
-    source: Literal["model", "buffer"] = "model"  # "buffer": answered without a model run
-
-
-@dataclass(frozen=True)
-class _EpisodeState:
-    device: str
-    token: int
-    state: dict[str, Array]
-    last_used: float
-    steps: int
-    buffer: ActionBuffer | None  # None: chunk execution off
 
 
 @dataclass
@@ -181,7 +167,10 @@ class _Job:
 
     episode: str | None
     token: int
+    claim: str
     fresh: bool
+    seq: int | None  # the seq the caller expects to be applied (None: not sent)
+    origin: str  # the forward it came in (""; not forwarded)
     inputs: dict[str, Array]
     mode: ChunkMode | None
     future: asyncio.Future[StepResult]
@@ -189,7 +178,7 @@ class _Job:
     enqueued: float = field(default_factory=time.perf_counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
     abandoned: bool = False
-    committed: bool = False
+    committed: int = 0  # the seq it applied (0: none yet)
     run: _Run | None = None  # the model run it is part of, while that runs
 
     def gave_up(self) -> bool:
@@ -213,11 +202,10 @@ class _Member:
 
     job: _Job
     feed: dict[str, Array]
-    read: _EpisodeState | None  # the state object it read (committed only if still current)
+    read: Episode | None  # the record it read (committed only if still current)
+    base: Episode | None  # the record it runs on (None: the initial state)
     generation: int
     reset: bool
-    steps: int
-    buffer: ActionBuffer | None
 
 
 class Arrival:
@@ -346,7 +334,7 @@ class MultiGpuDispatcher:
             self.chunk_mode = self.mode_for(execute_steps, ensemble)
         self.max_batch, self.batching_off = self._batching(contract, max_batch)
         self._lock = threading.Lock()
-        self._states: dict[str, _EpisodeState] = {}
+        self._states: dict[str, Episode] = {}
         self._generation = 0  # bumped by drop_all(): steps running across it keep nothing
         # steps whose caller still waits, per episode; touched only on the event loop
         self._in_flight: dict[str, int] = {}
@@ -405,6 +393,12 @@ class MultiGpuDispatcher:
         with self._lock:
             st = self._states.get(episode)
             return None if st is None else st.token
+
+    def holds(self, episode: str, device: str, token: int, claim: str) -> bool:
+        """Whether the record held here for ``episode`` serves this claim."""
+        with self._lock:
+            st = self._states.get(episode)
+            return st is not None and st.holds(device, token, claim)
 
     def state_of(self, episode: str) -> dict[str, Array] | None:
         """A copy of the recurrent state held here for ``episode``, if any."""
@@ -479,32 +473,50 @@ class MultiGpuDispatcher:
         fresh: bool,
         inputs: Mapping[str, Array],
         *,
+        claim: str = "",
+        seq: int | None = None,
+        origin: str = "",
         execute_steps: int | None = None,
         ensemble: str | None = None,
     ) -> StepResult:
-        """Run one step of ``episode`` on ``device`` with the state of (episode, token).
+        """Run one step of ``episode`` on ``device`` with the state of its claim (token and
+        claim id), by the rules of :func:`node.episodes.admit`.
 
         ``fresh`` says the episode was just claimed, so no state is expected anywhere.
+        ``seq`` is the step number the caller expects to be applied: the one already
+        applied gets its stored reply again (``replayed``, no model run); any other
+        mismatch raises :class:`SeqConflict` and changes nothing. ``origin`` names the
+        forward the step came in (see :meth:`undo`).
         ``execute_steps`` and ``ensemble`` override the node's chunk mode for this step
         (see :meth:`mode_for`; a bad one raises :class:`affinity.InvalidArgument` before
         anything changes). Raises :class:`ModelFailure` (the session raised; counted) and
         :class:`DeviceDown`. The state is only advanced when the step succeeds and its
         caller is still waiting: a step whose request was cancelled (its deadline passed)
         is skipped if it has not started, and keeps nothing if it has. In the instant where
-        the state was kept but the caller is cancelled anyway, the state is dropped, so the
-        episode's next step starts clean and says ``state_reset``.
+        the step was applied but the caller is cancelled anyway, it is undone.
         """
         dev = self._device(device)
         mode = self.mode_for(execute_steps, ensemble)
         if dev.tracker.down:
             raise DeviceDown(device)
-        if mode is not None and not fresh and episode not in self._in_flight:
-            # nothing of this episode is on the worker: its state cannot change under us
+        if not fresh and (seq is not None or mode is not None) and episode not in self._in_flight:
+            # a replay or a buffered action, perhaps, with nothing of this episode on the
+            # worker: its record cannot change under us
             with self._lock:
-                served = self._from_buffer(dev, episode, token, mode)
-            if served is not None:
-                return served
-        job = self._submit(dev, episode, token, fresh, inputs, mode)
+                decision = admit(
+                    episode, self._states.get(episode), device, token, claim, fresh, seq
+                )
+                if decision[0] == "replay":
+                    return decision[1]
+                if mode is not None and decision[1] is not None:
+                    served = self._from_buffer(dev, episode, decision[1], mode, origin)
+                    if served is not None:
+                        return served
+        feed = dict(inputs)
+        one_row = all(a.ndim >= 1 and a.shape[0] == 1 for a in feed.values())
+        future = asyncio.get_running_loop().create_future()
+        job = _Job(episode, token, claim, fresh, seq, origin, feed, mode, future, one_row)
+        dev.put(job)
         self._in_flight[episode] = self._in_flight.get(episode, 0) + 1
         try:
             return await job.future
@@ -513,12 +525,24 @@ class MultiGpuDispatcher:
                 job.abandoned = True
                 committed, run = job.committed, job.run
             if committed:
-                self.release(episode)
+                self.undo(episode, committed)
             if run is not None:
                 self._hung(dev, run)
             raise
         finally:
             self._ended(episode)
+
+    def undo(self, episode: str, seq: int | None = None, origin: str | None = None) -> bool:
+        """Undo step ``seq`` of ``episode`` (or the step forward ``origin`` applied), whose
+        reply did not reach a live caller: the record before it comes back, state, buffer
+        and stored reply included. When a later step was applied meanwhile, the episode's
+        next step says ``state_reset`` instead. True when something changed."""
+        with self._lock:
+            st = self._states.get(episode)
+            back = None if st is None else undone(st, seq, origin)
+            if back is not None:
+                self._states[episode] = back
+        return back is not None
 
     def _ended(self, episode: str) -> None:
         left = self._in_flight[episode] - 1
@@ -530,46 +554,36 @@ class MultiGpuDispatcher:
         if idle is not None:
             idle.set()
 
-    def _submit(
-        self,
-        dev: _Device,
-        episode: str | None,
-        token: int,
-        fresh: bool,
-        inputs: Mapping[str, Array],
-        mode: ChunkMode | None,
-    ) -> _Job:
-        feed = dict(inputs)
-        one_row = all(a.ndim >= 1 and a.shape[0] == 1 for a in feed.values())
-        loop = asyncio.get_running_loop()
-        job = _Job(episode, token, fresh, feed, mode, loop.create_future(), one_row)
-        dev.put(job)
-        return job
-
     def _from_buffer(
-        self, dev: _Device, episode: str, token: int, mode: ChunkMode
+        self, dev: _Device, episode: str, base: Episode, mode: ChunkMode, origin: str
     ) -> StepResult | None:
-        """Answer the step from the episode's buffer (holding ``self._lock``), or None."""
-        st = self._states.get(episode)
-        if st is None or st.token != token or st.device != dev.id or st.buffer is None:
+        """Answer the step from the buffer of ``base``, the episode's current record that
+        :func:`admit` chose (holding ``self._lock``), or None."""
+        if base.buffer is None or base.device != dev.id:
             return None
-        action = st.buffer.buffered(mode)
+        action = base.buffer.buffered(mode)
         if action is None:
             return None
         assert self.chunk is not None  # a buffer exists only for a model with a chunk
-        self._states[episode] = replace(
-            st, buffer=st.buffer.served(), steps=st.steps + 1, last_used=self.clock()
-        )
         outputs = {self.chunk.output: self.chunk.action(action.copy())}
-        return StepResult(outputs, False, st.steps + 1, "buffer")
+        result = StepResult(outputs, base.doubt, base.seq + 1, "buffer")
+        self._states[episode] = advance(
+            base, dev.id, base.token, base.claim, base.state, base.buffer.served(), result,
+            self.clock(), None, origin,
+        )  # fmt: skip
+        return result
 
     async def run_stateless(self, device: str, inputs: Mapping[str, Array]) -> dict[str, Array]:
         """One run from the initial state, keeping nothing (requests without any id)."""
         dev = self._device(device)
         if dev.tracker.down:
             raise DeviceDown(device)
-        job = self._submit(dev, None, 0, True, inputs, None)
-        return (await job.future).outputs
+        feed = dict(inputs)
+        one_row = all(a.ndim >= 1 and a.shape[0] == 1 for a in feed.values())
+        future = asyncio.get_running_loop().create_future()
+        dev.put(_Job(None, 0, "", True, None, "", feed, None, future, one_row))
+        result: StepResult = await future
+        return result.outputs
 
     # ---- the device's worker ---------------------------------------------------------
 
@@ -675,35 +689,33 @@ class MultiGpuDispatcher:
     def _prepare(self, dev: _Device, job: _Job) -> _Member | None:
         """Read the job's episode state; answer a buffered step at once. None: no run."""
         result: StepResult | None = None
+        error: SeqConflict | None = None
         with job.lock, self._lock:
             if job.gave_up():
                 return None
             if job.episode is None:
                 feed = {**job.inputs, **self.contract.initial_state()}
-                return _Member(job, feed, None, self._generation, False, 0, None)
+                return _Member(job, feed, None, None, self._generation, False)
             st = self._states.get(job.episode)
-            # a fresh claim starts clean even over state held under the same token: a token
-            # re-issued after a lossy failover names a new claim, not the old state
-            ok = st is not None and st.token == job.token and st.device == dev.id and not job.fresh
-            if ok and job.mode is not None:
-                result = self._from_buffer(dev, job.episode, job.token, job.mode)
-                job.committed = result is not None
-            if result is None:
-                if ok:
-                    assert st is not None
-                    state, reset, steps, buffer = st.state, False, st.steps, st.buffer
+            try:
+                decision = admit(job.episode, st, dev.id, job.token, job.claim, job.fresh, job.seq)
+            except SeqConflict as exc:
+                error = exc
+            else:
+                if decision[0] == "replay":
+                    result = decision[1]
                 else:
-                    state, reset, steps, buffer = (
-                        self.contract.initial_state(),
-                        st is not None or not job.fresh,
-                        0,
-                        None,
-                    )
-                feed = {**job.inputs, **state}
-                if steps == 0:
-                    control.started(feed)
-                return _Member(job, feed, st, self._generation, reset, steps, buffer)
-        dev.answer(job.future, result, None)
+                    base, reset = decision[1], decision[2]
+                    if base is not None and job.mode is not None:
+                        result = self._from_buffer(dev, job.episode, base, job.mode, job.origin)
+                        job.committed = 0 if result is None else result.seq
+                    if result is None:
+                        state = self.contract.initial_state() if base is None else base.state
+                        feed = {**job.inputs, **state}
+                        if base is None:  # the episode's first step, or its first after a reset
+                            control.started(feed)
+                        return _Member(job, feed, st, base, self._generation, reset)
+        dev.answer(job.future, result, error)
         return None
 
     def _run_batch(self, dev: _Device, group: list[_Member]) -> None:
@@ -796,16 +808,18 @@ class MultiGpuDispatcher:
         else:
             assert self.chunk is not None  # a mode exists only for a model with a chunk
             chunk = self.chunk.chunk_of(outputs[self.chunk.output])
-            buffer, action = (m.buffer or ActionBuffer()).after_run(chunk, job.mode)
+            old = None if m.base is None else m.base.buffer
+            buffer, action = (old or ActionBuffer()).after_run(chunk, job.mode)
             visible = {self.chunk.output: self.chunk.action(action)}
-        result = StepResult(visible, m.reset, m.steps + 1, "model")
+        seq = 1 if m.base is None else m.base.seq + 1
+        result = StepResult(visible, m.reset, seq, "model")
         episode = job.episode
         if episode is not None:
             new_state = {name: outputs[out] for name, out in self.contract.state.items()}
             now = self.clock()
             with job.lock, self._lock:
                 # keep nothing for a caller that gave up, after drop_all() ran meanwhile, or
-                # when the state it read was released or replaced meanwhile
+                # when the record it read was released or replaced meanwhile
                 if (
                     not job.gave_up()
                     and m.generation == self._generation
@@ -813,11 +827,13 @@ class MultiGpuDispatcher:
                 ):
                     if m.read is not None and m.read.device != dev.id:
                         self._devices[m.read.device].live.discard(episode)
-                    self._states[episode] = _EpisodeState(
-                        dev.id, job.token, new_state, now, m.steps + 1, buffer
-                    )
+                    self._states[episode] = advance(
+                        m.base, dev.id, job.token, job.claim, new_state, buffer, result, now,
+                        None if m.base else {n: m.feed[n] for n in self.contract.state},
+                        job.origin,
+                    )  # fmt: skip
                     dev.live.add(episode)
-                    job.committed = True
+                    job.committed = seq
         dev.answer(job.future, result, None)
 
     def _failed(self, dev: _Device, error: str) -> None:

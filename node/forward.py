@@ -39,7 +39,12 @@ _MAX_HEADER = 64 * 1024
 
 
 class ForwardError(Exception):
-    """The owner could not be reached, or answered something that is not HTTP."""
+    """The owner could not be reached, or answered something that is not HTTP.
+    ``unsent``: the request never left (no connection), so the step cannot have run."""
+
+    def __init__(self, message: str, *, unsent: bool = False) -> None:
+        self.unsent = unsent
+        super().__init__(message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +57,11 @@ class Response:
 @dataclass(slots=True)
 class Forward:
     """What travels from the router to the owner: the assignment the router obtained from
-    Redis and the step, with the time left of the client's deadline."""
+    Redis and the step, with the time left of the client's deadline (``claim``: the claim
+    id issued with the token; ``instance``: the process Redis says holds the owner's
+    registration, which the owner checks is itself). ``origin`` is a
+    random id of this forward; ``undo`` asks the owner to undo the step that forward
+    ``origin`` applied (the router could not deliver its reply; ``inputs`` are empty)."""
 
     episode: str
     token: int
@@ -65,6 +74,11 @@ class Forward:
     client_token: int | None = None
     execute_steps: int | None = None
     ensemble: str | None = None
+    seq: int | None = None
+    origin: str = ""
+    undo: bool = False
+    claim: str = ""
+    instance: str = ""
 
     def encode(self) -> bytes:
         return wire.encode(
@@ -80,6 +94,11 @@ class Forward:
                 "client_token": self.client_token,
                 "execute_steps": self.execute_steps,
                 "ensemble": self.ensemble,
+                "seq": self.seq,
+                "origin": self.origin,
+                "undo": self.undo,
+                "claim": self.claim,
+                "instance": self.instance,
             }
         )
 
@@ -105,9 +124,13 @@ class Forward:
             and isinstance(budget, int | float)
         )
         client_token, execute_steps = doc.get("client_token"), doc.get("execute_steps")
-        ensemble = doc.get("ensemble")
-        if not ok or not all(v is None or type(v) is int for v in (client_token, execute_steps)):
+        ensemble, seq, origin = doc.get("ensemble"), doc.get("seq"), doc.get("origin", "")
+        ints = (client_token, execute_steps, seq)
+        if not ok or not all(v is None or type(v) is int for v in ints):
             raise ValueError("a forward's fields have the wrong types")
+        claim, instance = doc.get("claim", ""), doc.get("instance", "")
+        if not all(isinstance(v, str) for v in (origin, claim, instance)):
+            raise ValueError("a forward's origin, claim and instance must be strings")
         if ensemble is not None and not isinstance(ensemble, str):
             raise ValueError("a forward's ensemble must be a string")
         return cls(
@@ -122,6 +145,11 @@ class Forward:
             client_token=client_token,
             execute_steps=execute_steps,
             ensemble=ensemble,
+            seq=seq,
+            origin=origin,
+            undo=doc.get("undo") is True,
+            claim=claim,
+            instance=instance,
         )
 
     def step(self, deadline: float) -> Step:
@@ -134,6 +162,8 @@ class Forward:
             degraded=self.degraded,
             execute_steps=self.execute_steps,
             ensemble=self.ensemble,
+            seq=self.seq,
+            origin=self.origin,
         )
 
 
@@ -159,6 +189,8 @@ def decode_reply(body: bytes) -> Reply:
             url=str(doc.get("url", "")),
             source=str(doc.get("source", "model")),
             timing={str(k): float(v) for k, v in dict(doc.get("timing", {})).items()},
+            seq=int(doc.get("seq", 0)),
+            replayed=bool(doc.get("replayed", False)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not an owner's reply: {exc}") from None
@@ -264,7 +296,7 @@ class _Origin:
     def of(cls, url: str) -> _Origin:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ForwardError(f"owner URL {url!r} is not http(s)://host[:port]")
+            raise ForwardError(f"owner URL {url!r} is not http(s)://host[:port]", unsent=True)
         tls = parts.scheme == "https"
         return cls(parts.hostname, parts.port or (443 if tls else 80), tls)
 
@@ -340,7 +372,9 @@ class ForwardPool:
                 _Connection, origin.host, origin.port, ssl=context
             )
         except OSError as exc:
-            raise ForwardError(f"cannot connect to {origin.host}:{origin.port}: {exc}") from exc
+            raise ForwardError(
+                f"cannot connect to {origin.host}:{origin.port}: {exc}", unsent=True
+            ) from exc
         conn.transport = transport  # uvloop may call connection_made only later
         return conn
 

@@ -203,6 +203,16 @@ class Membership:
             self.metrics.renewals.labels("failed").inc()
             log.warning("re-registration of %s failed: %s", self.node_id, exc)
 
+    def check_instance(self, instance: str) -> None:
+        """Raise :class:`Unavailable` (``fenced``) unless ``instance``, the process Redis
+        says holds this node id's registration, is this one ("" from an older fleet: not
+        checked). When it is another, this process has lost the node id: it fences now,
+        before serving anything more, and stops (as when a renewal finds the conflict)."""
+        if instance and instance != self.instance:
+            if self.conflict is None:
+                self._lost_to_another(f"Redis names instance {instance} as the holder")
+            self.check_lease()
+
     def _lost_to_another(self, why: str) -> None:
         """Another instance holds this node id: fence now and stop the process."""
         self.metrics.renewals.labels("failed").inc()

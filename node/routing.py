@@ -5,14 +5,20 @@ owner side of a forward is :meth:`Routing.serve_forwarded`. Nothing here knows a
 format except the forward's own msgpack body (``node/forward.py``).
 
 - The lease is checked before anything else and again after the model ran.
-- A node serves an episode only with the (device, token) Redis has just confirmed for
-  this request: the router's resolve, or — for a forward whose token differs from the one
-  held here — a lookup by the owner, which then obeys what Redis says (a token it has
-  never seen starts clean state; a token Redis no longer holds is refused with 409 and the
-  router resolves again once).
+- A node serves an episode only with the (device, token, claim id) Redis has just
+  confirmed for this request: the router's resolve, or — for a forward whose claim differs
+  from the one held here — a lookup by the owner, which then obeys what Redis says (a
+  claim it has never seen starts clean state; one Redis no longer holds is refused with
+  409 and the router resolves again once). It serves only while the registration Redis
+  names for its node id is this process's (``Membership.check_instance``).
 - The client's deadline bounds the whole step; a forward carries what is left of it, less
   a margin for the way back, and the owner keeps the step's state only within that budget,
   so a step the client was told failed never advanced the episode.
+- A step whose reply does not reach a live caller is undone at the owner
+  (:meth:`Routing.undelivered`): a front door whose client left calls it; a router whose
+  forward was cut off (its deadline, its client leaving, a broken connection) tells the
+  owner to undo whatever that forward applied before it answers its own client, so the
+  client's retry never finds the step applied.
 - While the node is leaving (graceful stop), an episode held here is handed over after its
   in-flight step and the request is routed again, to the episode's new owner.
 """
@@ -23,6 +29,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -30,7 +37,7 @@ from affinity import Assignment, BackendUnavailable, Claims, NoCapacity, StaleTo
 from node.admission import Admission
 from node.config import NodeConfig
 from node.control import control_feed
-from node.dispatcher import Arrival, DeviceDown, ModelFailure, MultiGpuDispatcher
+from node.dispatcher import Arrival, DeviceDown, ModelFailure, MultiGpuDispatcher, SeqConflict
 from node.forward import Forward, ForwardError, Poster, Response, decode_reply
 from node.membership import Membership
 from node.metrics import Metrics
@@ -38,12 +45,15 @@ from node.peers import PeerHealth
 from node.policy import InvalidInput, PolicyContract, inputs_from_arrays
 from node.step import Refused, Reply, Step, Unavailable
 
-__all__ = ["FORWARD_MARGIN_S", "TRANSIENT", "Routing"]
+__all__ = ["FORWARD_MARGIN_S", "TRANSIENT", "UNDO_S", "Routing"]
 
 log = logging.getLogger("affinity.node")
 
 FORWARD_MARGIN_S = 0.05
 """Kept back from a forwarded step's budget for the owner's reply to reach the router."""
+
+UNDO_S = 0.5
+"""How long a router waits for the owner to confirm an undo before answering its client."""
 
 TRANSIENT = frozenset(
     {"owner_unreachable", "owner_refused", "redis", "full", "no_nodes", "fenced", "device_down"}
@@ -142,31 +152,43 @@ class Routing:
         self.membership.check_lease()
         if step.episode is None:
             return await self._stateless(step, arrival)
-        a = await self._resolve(step.episode, restart=step.restart, deadline=step.deadline)
+        a = await self._resolve(
+            step.episode, restart=step.restart, claim=not step.live_only, deadline=step.deadline
+        )
+        if a.node == self.node_id:
+            self.membership.check_instance(a.instance)  # the registration must be this one's
         if a.node != self.node_id:
             return await self._forward(a, step, arrival, retry=True)
         if self.membership.leaving:
             # this node is handing its episodes over: this one goes now, then to its new owner
             await self.membership.hand_over(a.episode)
-            a = await self._resolve(a.episode)
+            a = await self._resolve(a.episode, claim=not step.live_only)
             if a.node == self.node_id:
                 raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)
             return await self._forward(a, step, arrival, retry=False)
         return await self._serve(a, step, arrival)
 
     async def _resolve(
-        self, episode: str, *, restart: bool = False, deadline: float | None = None
+        self,
+        episode: str,
+        *,
+        restart: bool = False,
+        claim: bool = True,
+        deadline: float | None = None,
     ) -> Assignment:
-        """``deadline``: a new step's; with ``--admission-wait`` a claim that finds every
+        """Raises ``UnknownEpisode`` when not ``claim`` and Redis holds no assignment.
+        ``deadline``: a new step's; with ``--admission-wait`` a claim that finds every
         device full waits in the backlog until then at most (``node/admission.py``)."""
         try:
             try:
-                assignment = await self.claims.resolve(episode, restart=restart)
+                assignment = await self.claims.resolve(episode, restart=restart, claim=claim)
             except NoCapacity as exc:
                 if self.admission is None or deadline is None or exc.reason != "at_capacity":
                     raise
                 assignment = await self.admission.wait(
-                    episode, lambda: self.claims.resolve(episode, restart=restart), deadline
+                    episode,
+                    lambda: self.claims.resolve(episode, restart=restart, claim=claim),
+                    deadline,
                 )
             self.peers.resolved(assignment)
             return assignment
@@ -213,9 +235,14 @@ class Routing:
                     **step.inputs,
                     **control_feed(self.contract, a.episode, start=False, end=step.end),
                 },
+                claim=a.claim,
+                seq=step.seq,
+                origin=step.origin,
                 execute_steps=step.execute_steps,
                 ensemble=step.ensemble,
             )
+        except SeqConflict as exc:
+            raise Refused(409, "seq_conflict", str(exc)) from None
         except DeviceDown as exc:
             raise Unavailable("device_down", str(exc), 5.0) from exc
         except ModelFailure as exc:
@@ -241,7 +268,33 @@ class Routing:
             url=self.config.advertise_url,
             source=result.source,
             timing={"device_ms": (time.perf_counter() - started) * 1000},
+            seq=result.seq,
+            replayed=result.replayed,
         )
+
+    async def undelivered(self, reply: Reply) -> None:
+        """Undo the step of ``reply``, which did not reach a live caller: here when it was
+        served here, else by telling its owner (bounded by :data:`UNDO_S`). A replayed
+        reply undoes nothing: its step was applied by an earlier attempt, whose own fate
+        decides (e.g. a timed-out attempt read after its retry was answered)."""
+        if reply.episode is None or reply.replayed:
+            return
+        if not reply.origin:
+            self.dispatcher.undo(reply.episode, reply.seq)
+            return
+        await self._undo_at(reply.url, reply.episode, reply.token, reply.device, reply.origin)
+
+    async def _undo_at(self, url: str, episode: str, token: int, device: str, origin: str) -> None:
+        body = Forward(episode, token, device, "hit", {}, UNDO_S, origin=origin, undo=True)
+        try:
+            async with asyncio.timeout(UNDO_S):
+                resp = await self.pool.post(url, body.encode())
+            if resp.status == 204:
+                return
+            problem = f"it answered {resp.status}"
+        except (TimeoutError, ForwardError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        log.warning("could not tell %s to undo a step of %r (%s)", url, episode, problem)
 
     async def end_episode(self, episode: str, token: int) -> None:
         self.dispatcher.release(episode)
@@ -258,6 +311,7 @@ class Routing:
         budget = step.deadline - self.clock() - FORWARD_MARGIN_S
         if budget <= 0:
             raise Unavailable("deadline", f"no time left to forward to {a.node}", 1.0)
+        origin = os.urandom(8).hex()
         body = Forward(
             episode=a.episode,
             token=a.token,
@@ -270,11 +324,22 @@ class Routing:
             client_token=step.client_token,
             execute_steps=step.execute_steps,
             ensemble=step.ensemble,
+            seq=step.seq,
+            origin=origin,
+            claim=a.claim,
+            instance=a.instance,
         ).encode()
         arrival.done()  # it leaves this node
         try:
             resp = await self.pool.post(a.url, body)
+        except asyncio.CancelledError:
+            # cut off (the deadline, the client left): the owner may have applied the step
+            # and even sent its reply; it is undone there before this caller hears anything
+            await self._undo_at(a.url, a.episode, a.token, a.device, origin)
+            raise
         except ForwardError as exc:
+            if not exc.unsent:  # it broke after the request left: the step may have run
+                await self._undo_at(a.url, a.episode, a.token, a.device, origin)
             self.metrics.forwarded.labels("unreachable").inc()
             self.peers.failed(a.node, a.url, exc)
             raise Unavailable(
@@ -291,14 +356,18 @@ class Routing:
                 self.metrics.forwarded.labels("unreachable").inc()
                 raise Unavailable("owner_unreachable", f"owner {a.node}: {exc}", 1.0) from exc
             self.metrics.forwarded.labels("ok").inc()
+            reply.origin = origin
             return reply
         self.metrics.forwarded.labels("refused").inc()
         code, message = _error_of(resp)
         text = f"owner {a.node} answered {resp.status}: {message}"
+        if code == "seq_conflict":
+            raise Refused(409, code, message)
         if resp.status in (409, 421):
             if not retry:
                 raise Unavailable("owner_refused", text, 1.0)
-            again = await self._resolve(a.episode)  # our view was stale: resolve once more
+            # our view was stale: resolve once more
+            again = await self._resolve(a.episode, claim=not step.live_only)
             if again.node == self.node_id:
                 return await self._serve(again, step, arrival)
             return await self._forward(again, step, arrival, retry=False)
@@ -308,8 +377,9 @@ class Routing:
 
     # ---- the owner ---------------------------------------------------------------------
 
-    async def serve_forwarded(self, body: bytes, secret: str | None) -> Reply:
-        """Serve a step another node resolved and forwarded here.
+    async def serve_forwarded(self, body: bytes, secret: str | None) -> Reply | None:
+        """Serve a step another node resolved and forwarded here, or undo the step a
+        forward applied (``undo``; returns None).
 
         Refuses (403) a wrong cluster secret, (400) a malformed forward, (421) a device not
         on this node, (409) a (device, token) Redis no longer holds for the episode or an
@@ -323,6 +393,9 @@ class Routing:
             raise Refused(400, "bad_forward", str(exc)) from None
         if fwd.device not in self.local_devices:
             raise Refused(421, "not_owner", f"device {fwd.device!r} is not on node {self.node_id}")
+        if fwd.undo:
+            self.dispatcher.undo(fwd.episode, origin=fwd.origin)
+            return None
         try:  # the router checked them against its model; a node serving another one refuses
             inputs_from_arrays(self.contract, fwd.inputs)  # them as the client's (never a crash)
         except InvalidInput as exc:
@@ -342,15 +415,17 @@ class Routing:
 
     async def _serve_forwarded(self, fwd: Forward, arrival: Arrival) -> Reply:
         self.membership.check_lease()
-        if self.dispatcher.token_of(fwd.episode) != fwd.token:
-            # a token this node does not hold: obey Redis, which has the last word (a
+        self.membership.check_instance(fwd.instance)
+        if not self.dispatcher.holds(fwd.episode, fwd.device, fwd.token, fwd.claim):
+            # a claim this node does not hold: obey Redis, which has the last word (a
             # forward that was in flight while the episode moved must never start a second
-            # owner; a token re-issued after a lossy failover starts clean state)
+            # owner; a token re-issued after a lossy failover is another claim id)
             try:
                 info = await self.claims.lookup(fwd.episode)
             except BackendUnavailable as exc:
                 raise Unavailable("redis", str(exc), 1.0) from exc
-            if info is None or (info.device, info.token) != (fwd.device, fwd.token):
+            held = None if info is None else (info.device, info.token, info.claim)
+            if held != (fwd.device, fwd.token, fwd.claim):
                 raise Refused(
                     409,
                     "stale_token",
@@ -359,7 +434,8 @@ class Routing:
         if self.membership.leaving:
             await self.membership.hand_over(fwd.episode)
             raise Refused(409, "moved", f"node {self.node_id} handed {fwd.episode!r} over")
-        a = Assignment(fwd.episode, fwd.routing, fwd.device, fwd.token, self.node_id, "", None)  # type: ignore[arg-type]
+        a = Assignment(fwd.episode, fwd.routing, fwd.device, fwd.token, self.node_id, "", None,  # type: ignore[arg-type]
+                       fwd.claim, fwd.instance)  # fmt: skip
         return await self._serve(a, fwd.step(self.clock() + fwd.budget_s), arrival)
 
 

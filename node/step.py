@@ -30,6 +30,10 @@ class Step:
     ``restart`` starts the episode over (a fresh token, clean state) before serving.
     ``execute_steps`` and ``ensemble`` override the node's action-chunk mode for this step
     (validated by the adapter with ``dispatcher.mode_for`` before anything is claimed).
+    ``seq`` is the step number the client expects to be applied (its last reply's ``seq``
+    + 1), if it sends one. ``live_only`` serves only an episode Redis already holds (a
+    KServe step without ``sequence_start``): routing raises ``UnknownEpisode`` otherwise.
+    ``origin`` names the forward a step came in (owner side only).
     """
 
     episode: str | None
@@ -41,6 +45,9 @@ class Step:
     restart: bool = False
     execute_steps: int | None = None
     ensemble: str | None = None
+    seq: int | None = None
+    origin: str = ""
+    live_only: bool = False
 
 
 @dataclass(slots=True)
@@ -50,7 +57,10 @@ class Reply:
     ``url`` is the owner's advertise URL: a client may send the episode's next steps there
     directly. ``source`` is ``model`` when the policy ran, ``buffer`` when the action came
     from the episode's action-chunk buffer. ``timing`` holds ``device_ms``, the time the
-    step spent on its device (queue and run), measured by the owner.
+    step spent on its device (queue and run), measured by the owner. ``seq`` is the step's
+    number under its claim, ``replayed`` says it is the stored reply of a step already
+    applied. ``origin`` is the id of the forward that carried it (router side; empty for a
+    step served here): the router names it when it tells the owner to undo the step.
     """
 
     outputs: dict[str, Array]
@@ -64,6 +74,9 @@ class Reply:
     url: str = ""
     source: str = "model"
     timing: dict[str, float] = field(default_factory=dict)
+    seq: int = 0
+    replayed: bool = False
+    origin: str = ""
 
     def facts(self) -> dict[str, Any]:
         """Everything but the outputs, with the wire names every protocol uses."""
@@ -76,6 +89,8 @@ class Reply:
             "state_reset": self.state_reset,
             "degraded": self.degraded,
             "source": self.source,
+            "seq": self.seq,
+            "replayed": self.replayed,
         }
 
 

@@ -33,7 +33,7 @@ class Router:
     async def post(self, url: str, body: bytes) -> Response:
         host = urlsplit(url).hostname or ""
         if host in self.down or host not in self.apps:
-            raise ForwardError(f"cannot connect to {host}")
+            raise ForwardError(f"cannot connect to {host}", unsent=True)
         resp = await self.apps[host].post(
             INTERNAL_PATH,
             content=body,

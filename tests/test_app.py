@@ -245,7 +245,7 @@ async def test_unreachable_owner_gets_503_never_a_second_owner(
     assert r.status_code == 503 and r.headers["retry-after"]
     assert r.json()["error"]["code"] == "owner_unreachable"
     value = await redis.get(KEYS.episode(first["episode_id"]))
-    assert value == f"{first['device']} {first['token']}"
+    assert value.startswith(f"{first['device']} {first['token']} ")
     again = await a.act(episode_id=first["episode_id"], inputs={"obs": [[0] * 8]})
     assert again.status_code == 503
     warnings = [r.getMessage() for r in caplog.records if r.name == "affinity.node"]
@@ -415,8 +415,10 @@ async def test_a_forwarded_step_past_the_routers_budget_keeps_no_state(redis: An
         assert first is not None and first["node"] == "b"
         ep, obs = first["episode_id"], observations(9)
         # the owner gets what is left of the router's deadline: here, 0.3 s
+        claim = (await redis.get(KEYS.episode(ep))).split(" ")[2]
         body = Forward(ep, first["token"], first["device"], "hit",
-                       {"obs": np.full((1, 8), 9, np.float32)}, budget_s=0.3).encode()  # fmt: skip
+                       {"obs": np.full((1, 8), 9, np.float32)}, budget_s=0.3,
+                       claim=claim).encode()  # fmt: skip
         r = await b.client.post("/internal/act", content=body, headers={SECRET: "k"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "deadline"
         assert Gate.entered.is_set()

@@ -30,7 +30,9 @@ async def test_claim_then_hit_is_sticky(env: Env) -> None:
     for _ in range(5):
         again = await env.claims.resolve("ep-1")
         assert (again.status, again.device, again.token) == ("hit", first.device, first.token)
-    assert await env.redis.get(env.keys.episode("ep-1")) == f"{first.device} {first.token}"
+    value = f"{first.device} {first.token} {first.claim}"
+    assert await env.redis.get(env.keys.episode("ep-1")) == value
+    assert len(first.claim) == 16 and again.claim == first.claim
 
 
 async def test_round_robin_over_new_episodes(env: Env) -> None:
@@ -152,7 +154,7 @@ async def test_reassign_with_nowhere_to_go_writes_nothing(env: Env) -> None:
     with pytest.raises(NoCapacity) as err:
         await env.claims.resolve("ep")  # notices the lapse: node-down, nothing else
     assert err.value.reason == "no_nodes"
-    assert await env.redis.get(env.keys.episode("ep")) == f"a/0 {a.token}"
+    assert await env.redis.get(env.keys.episode("ep")) == f"a/0 {a.token} {a.claim}"
     assert [f["type"] for _, f in await env.registry.events()][-1] == "node-down"
     before = await env.snapshot()
     with pytest.raises(NoCapacity):
@@ -325,7 +327,7 @@ async def test_deregister_hands_episodes_over(env: Env) -> None:
     assert await env.registry.deregister("a") == len(on_a) == 2
     for e in on_a:
         key = env.keys.episode(e.episode)
-        assert await env.redis.get(key) == f"a/0 {e.token} moved"
+        assert await env.redis.get(key) == f"a/0 {e.token} {e.claim} moved"
         assert 0 < await env.redis.pttl(key) <= 60_000  # the same expiry as before
         moved = await env.claims.resolve(e.episode)
         assert (moved.status, moved.device, moved.previous) == ("reassigned", "b/0", "a/0")
@@ -431,7 +433,7 @@ async def test_a_namespace_with_quotes_and_backslashes(env: Env) -> None:
     await registry.register("a", "http://a", cpu_devices(1))
     a = await claims.resolve("ep")
     assert (a.status, a.device) == ("claimed", "a/0")
-    assert await env.redis.get(odd.keys.episode("ep")) == f"a/0 {a.token}"
+    assert await env.redis.get(odd.keys.episode("ep")) == f"a/0 {a.token} {a.claim}"
     assert (await claims.resolve("ep")).status == "hit"
     assert await claims.release("ep", a.token) == "a/0"
     assert await env.redis.keys("{affinity}:*") == []
@@ -524,3 +526,17 @@ def test_settings_errors_name_what_a_person_sets(
         Settings(**changes)
     assert raised.value.field == field and str(raised.value).startswith(message)
     assert field not in str(raised.value)  # the settings field is for programs
+
+
+async def test_a_resolve_that_never_claims_refuses_an_unknown_episode(env: Env) -> None:
+    await env.node("a", 1)
+    before = await env.snapshot()
+    with pytest.raises(UnknownEpisode):
+        await env.claims.resolve("never-seen", claim=False)
+    assert await env.snapshot() == before, "nothing written"
+    a = await env.claims.resolve("known")
+    again = await env.claims.resolve("known", claim=False)
+    assert (again.status, again.token) == ("hit", a.token)
+    await env.claims.release("known", a.token)
+    with pytest.raises(UnknownEpisode):
+        await env.claims.resolve("known", claim=False)

@@ -34,7 +34,7 @@ def worker(url: str, seed: int, barrier: Any, out: Any) -> None:
         seen = {}
         for ep in ids:
             a = await claims.resolve(ep)
-            seen[ep] = (a.device, a.token, a.status)
+            seen[ep] = (a.device, a.token, a.status, a.claim)
         await client.aclose()
         return seen
 
@@ -84,10 +84,10 @@ def test_concurrent_resolves_agree(real_redis_url: str) -> None:
     r = sync_redis.Redis.from_url(real_redis_url, decode_responses=True)
     claimed = Counter()
     for ep in (f"ep-{i}" for i in range(EPISODES)):
-        views = {(res[ep][0], res[ep][1]) for res in results}
+        views = {(res[ep][0], res[ep][1], res[ep][3]) for res in results}
         assert len(views) == 1, f"{ep} seen as {views}"
-        device, token = views.pop()
-        assert r.get(Keys().episode(ep)) == f"{device} {token}"
+        device, token, claim = views.pop()
+        assert r.get(Keys().episode(ep)) == f"{device} {token} {claim}"
         claimed[ep] = sum(res[ep][2] == "claimed" for res in results)
     assert set(claimed.values()) == {1}, "each episode claimed exactly once"
     loads = {d: r.zcard(Keys().load(d)) for d in ("a/0", "a/1", "b/0", "b/1")}

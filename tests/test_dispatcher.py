@@ -135,11 +135,11 @@ async def test_state_follows_episode_and_token() -> None:
     r1 = await d.step("n/0", "ep", 7, True, obs(1))
     r2 = await d.step("n/0", "ep", 7, False, obs(2))
     assert (r1.outputs["act"].item(), r2.outputs["act"].item()) == (1.0, 3.0)
-    assert not r1.state_reset and not r2.state_reset and r2.step == 2
+    assert not r1.state_reset and not r2.state_reset and r2.seq == 2
     assert "state_out.h" not in r2.outputs, "fed-back state is not an output for clients"
     # a new token (a new claim) starts clean and says so
     r3 = await d.step("n/0", "ep", 9, False, obs(5))
-    assert (r3.outputs["act"].item(), r3.state_reset, r3.step) == (5.0, True, 1)
+    assert (r3.outputs["act"].item(), r3.state_reset, r3.seq) == (5.0, True, 1)
 
 
 async def test_interleaved_episodes_do_not_disturb_each_other() -> None:
@@ -158,7 +158,7 @@ async def test_a_fresh_claim_starts_clean_over_state_with_the_same_token() -> No
     await d.step("n/0", "ep", 7, True, obs(1))
     await d.step("n/0", "ep", 7, False, obs(2))
     again = await d.step("n/0", "ep", 7, True, obs(4))
-    assert (again.outputs["act"].item(), again.state_reset, again.step) == (4.0, True, 1)
+    assert (again.outputs["act"].item(), again.state_reset, again.seq) == (4.0, True, 1)
 
 
 async def test_unknown_state_of_a_hit_is_a_reset() -> None:
@@ -316,7 +316,7 @@ async def test_in_flight_and_wait_idle_follow_the_episodes_steps() -> None:
     assert not idle.done(), "wait_idle returned while the step was running"
     gate.set()
     await asyncio.wait_for(idle, 5)
-    assert step.done() and step.result().step == 1, "idle before the step's reply"
+    assert step.done() and step.result().seq == 1, "idle before the step's reply"
     assert not d.in_flight("ep")
     assert d.episodes() == [("ep", 1, "n/0")]
 
@@ -425,7 +425,7 @@ async def test_waiting_steps_of_different_episodes_run_as_one_batch() -> None:
     results = await settled([blocker, *tasks])
     assert s.runs == [[100.0], [1.0, 2.0, 3.0, 4.0, 5.0]]
     assert [r.outputs["act"].item() for r in results[1:]] == [1.0, 2.0, 3.0, 4.0, 5.0]
-    assert all(r.outputs["act"].shape == (1, 1) and r.step == 1 for r in results[1:])
+    assert all(r.outputs["act"].shape == (1, 1) and r.seq == 1 for r in results[1:])
     assert [d.state_of(f"e{i}")["state_in.h"].item() for i in range(1, 6)] == [1, 2, 3, 4, 5]
 
 
@@ -439,7 +439,7 @@ async def test_an_episode_has_one_step_per_run_and_its_steps_keep_their_order() 
     a1, a2, b, a3, c = (await settled([blocker, *tasks]))[1:]
     assert s.runs == [[100.0], [1.0, 10.0, 20.0], [2.0], [3.0]]
     assert [r.outputs["act"].item() for r in (a1, a2, a3)] == [1.0, 3.0, 6.0]
-    assert [r.step for r in (a1, a2, a3)] == [1, 2, 3]
+    assert [r.seq for r in (a1, a2, a3)] == [1, 2, 3]
     assert (b.outputs["act"].item(), c.outputs["act"].item()) == (10.0, 20.0)
 
 
@@ -517,7 +517,7 @@ async def test_a_step_cancelled_during_a_batched_run_keeps_nothing_and_counts_on
     await asyncio.sleep(0)
     hang.set()
     results = await settled(tasks)
-    assert isinstance(results[0], asyncio.CancelledError) and results[2].step == 1
+    assert isinstance(results[0], asyncio.CancelledError) and results[2].seq == 1
     assert s.runs[-1] == [1.0, 2.0, 3.0]
     assert not d.has_state("a") and not d.has_state("b") and d.has_state("c")
     assert transitions == [], "one hung run counts one failure, not one per step"
@@ -601,7 +601,7 @@ async def test_a_lone_episode_never_waits_for_a_batch() -> None:
     d, _, _ = make(1, BATCHED, batch_delay_us=120e6)  # a 2-minute delay, never paid
     for i in range(5):
         r = await asyncio.wait_for(d.step("n/0", "solo", 1, i == 0, obs(1)), 60)
-        assert r.step == i + 1
+        assert r.seq == i + 1
 
 
 async def test_a_step_waits_for_an_episode_that_is_likely_to_send_one() -> None:
@@ -691,7 +691,7 @@ def test_batched_steps_equal_one_at_a_time(batched_demo: Any, order: list[int]) 
             np.testing.assert_allclose(
                 r.outputs["actions"], reference[e][k]["actions"], rtol=1e-5, atol=1e-6
             )
-            assert r.step == k + 1 and not r.state_reset
+            assert r.seq == k + 1 and not r.state_reset
         for e in range(EPISODES):
             np.testing.assert_allclose(
                 d.state_of(f"ep{e}")["state_in.hidden"],
@@ -868,7 +868,7 @@ async def test_chunk_execution_equals_the_numpy_reference(
             assert set(reply.outputs) == {"actions"}
             assert reply.outputs["actions"].shape == (1, D)
             np.testing.assert_allclose(reply.outputs["actions"][0], action, rtol=1e-6, atol=1e-7)
-            assert (reply.source, reply.step, reply.state_reset) == (source, t + 1, False)
+            assert (reply.source, reply.seq, reply.state_reset) == (source, t + 1, False)
         # the recurrent state advanced once per model run, never for a buffered step
         assert d.state_of(f"ep{e}")["state_in.h"].item() == runs
     assert sum(map(len, sessions["n/0"].runs)) == episodes * runs, "a buffered step ran"
@@ -881,7 +881,7 @@ async def test_the_node_mode_applies_when_a_step_has_no_override() -> None:
     assert sources == ["model", "buffer", "model", "buffer"]
     # an override changes k for this step: the chunk of the last run is served further
     r = await d.step("n/0", "e", 1, False, obs(0), execute_steps=H)
-    assert (r.source, r.step) == ("buffer", 5)
+    assert (r.source, r.seq) == ("buffer", 5)
     np.testing.assert_array_equal(r.outputs["actions"][0], recorded_chunk(0, 1)[2])
     assert sessions["n/0"].calls == 2
     off, _, _ = make(1, CHUNKED, session=ChunkSession)
@@ -911,7 +911,7 @@ async def test_a_bad_override_is_refused_and_changes_nothing(
     assert raised.value.field == field
     assert sessions["n/0"].calls == 1 and not d.in_flight("e")
     r = await d.step("n/0", "e", 1, False, obs(0))
-    assert (r.source, r.step) == ("buffer", 2), "the refused step changed the buffer"
+    assert (r.source, r.seq) == ("buffer", 2), "the refused step changed the buffer"
 
 
 async def test_chunk_execution_needs_a_chunk_output() -> None:
@@ -959,12 +959,12 @@ async def test_the_buffer_is_dropped_with_the_episodes_state() -> None:
     await d.step("n/0", "e", 1, True, obs(0))
     # a new token (reassigned): fresh state and buffer, reported
     r = await d.step("n/0", "e", 2, False, obs(0))
-    assert (r.source, r.state_reset, r.step) == ("model", True, 1)
+    assert (r.source, r.state_reset, r.seq) == ("model", True, 1)
     np.testing.assert_array_equal(r.outputs["actions"][0], recorded_chunk(0, 0)[0])
     for drop in (lambda: d.release("e"), d.drop_all, expire):
         drop()
         r = await d.step("n/0", "e", 2, False, obs(0))
-        assert (r.source, r.state_reset, r.step) == ("model", True, 1)
+        assert (r.source, r.state_reset, r.seq) == ("model", True, 1)
     assert sessions["n/0"].calls == 5
 
 
@@ -986,7 +986,7 @@ async def test_a_buffered_step_does_not_wait_behind_model_runs() -> None:
     busy = asyncio.ensure_future(d.step("n/0", "other", 1, True, obs(7)))
     assert await asyncio.to_thread(s.held.wait, 10)  # the device is busy with "other"
     r = await asyncio.wait_for(d.step("n/0", "e", 1, False, obs(0)), 10)
-    assert (r.source, r.step) == ("buffer", 2) and not busy.done()
+    assert (r.source, r.seq) == ("buffer", 2) and not busy.done()
     hang.set()
     await busy
 
@@ -1003,7 +1003,7 @@ async def test_a_buffered_step_waits_for_its_episodes_step_in_flight() -> None:
     assert not after.done(), "served from the old chunk before the model step finished"
     hang.set()
     m, a = await settled([model, after])
-    assert (m.source, m.step, a.source, a.step) == ("model", 2, "buffer", 3)
+    assert (m.source, m.seq, a.source, a.seq) == ("model", 2, "buffer", 3)
     np.testing.assert_array_equal(a.outputs["actions"][0], recorded_chunk(0, 1)[1])
 
 
@@ -1027,7 +1027,7 @@ async def test_a_batch_mixes_episodes_with_and_without_chunk_execution() -> None
     assert plain.outputs["actions"].shape == (1, H, D) and "extra" in plain.outputs
     np.testing.assert_array_equal(k2.outputs["actions"][0], recorded_chunk(2, 0)[0])
     np.testing.assert_allclose(ens.outputs["actions"][0], recorded_chunk(4, 0)[0], rtol=1e-6)
-    assert (buffered.source, buffered.step) == ("buffer", 2)
+    assert (buffered.source, buffered.seq) == ("buffer", 2)
     np.testing.assert_array_equal(buffered.outputs["actions"][0], recorded_chunk(3, 0)[1])
 
 

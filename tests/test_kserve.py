@@ -333,10 +333,8 @@ async def test_a_sequence_matches_the_reference_and_ends(node: InProcNode, redis
         devices.add(facts["device"])
         tokens.add(facts["token"])
         if i < 5:
-            assert (
-                await redis.get(KEYS.episode("kserve:i:41"))
-                == f"{facts['device']} {facts['token']}"
-            )
+            value = await redis.get(KEYS.episode("kserve:i:41"))
+            assert value.startswith(f"{facts['device']} {facts['token']} ")
     assert len(devices) == 1 and len(tokens) == 1
     assert await redis.get(KEYS.episode("kserve:i:41")) is None  # sequence_end released it
     assert not node.service.dispatcher.has_state("kserve:i:41")
@@ -414,15 +412,57 @@ async def test_redis_unreachable_for_the_liveness_lookup_is_a_503(
 ) -> None:
     from affinity import BackendUnavailable
 
-    async def down(episode: str) -> None:
+    async def down(episode: str, **_: Any) -> None:
         raise BackendUnavailable("redis://test", "connection refused")
 
-    monkeypatch.setattr(node.service.claims, "lookup", down)
+    monkeypatch.setattr(node.service.claims, "resolve", down)
     unavailable = node.service.metrics.routing.labels("unavailable")._value.get()
     r = await infer(node, observations(11, 1)[0], sequence_id="blip")
     assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
     assert r.json()["error"].startswith("redis: ")
     assert node.service.metrics.routing.labels("unavailable")._value.get() == unavailable + 1
+
+
+@pytest.mark.anyio
+async def test_a_step_racing_its_sequences_end_never_starts_a_new_sequence(
+    node: InProcNode, monkeypatch: pytest.MonkeyPatch, redis: Any
+) -> None:
+    """Issue 21 item 7: the END's release lands after the liveness decision began. The
+    decision is the step's own resolve (one script), so the step is Triton's 400 and
+    nothing is claimed; before, a lookup said "live" and the resolve then claimed anew."""
+    obs = observations(13, 3)
+    r = await infer(node, obs[0], sequence_id=77, sequence_start=True)
+    assert r.status_code == 200, r.text
+    claims = node.service.claims
+    resolve = claims.resolve
+
+    async def end_lands_first(episode: str, **kw: Any) -> Any:
+        token = result_of(r).get_response()["parameters"]["token"]
+        await claims.release(episode, token)  # the END's release, just before
+        return await resolve(episode, **kw)
+
+    monkeypatch.setattr(claims, "resolve", end_lands_first)
+    plain = await infer(node, obs[1], sequence_id=77)
+    assert plain.status_code == 400, plain.text
+    assert "must specify the START flag" in plain.json()["error"]
+    assert await redis.keys(KEYS.episode("*")) == []
+
+
+@pytest.mark.anyio
+async def test_concurrent_end_and_plain_steps_are_a_hit_or_triton_400(node: InProcNode) -> None:
+    obs = observations(14, 4)
+    for n in range(8):
+        r = await infer(node, obs[0], sequence_id=f"race-{n}", sequence_start=True)
+        assert r.status_code == 200, r.text
+        end, plain = await asyncio.gather(
+            infer(node, obs[1], sequence_id=f"race-{n}", sequence_end=True),
+            infer(node, obs[2], sequence_id=f"race-{n}"),
+        )
+        assert end.status_code == 200, end.text
+        if plain.status_code == 200:
+            assert result_of(plain).get_response()["parameters"]["routing"] == "hit"
+        else:
+            assert plain.status_code == 400 and "START" in plain.json()["error"]
 
 
 @pytest.mark.anyio
@@ -597,7 +637,8 @@ def test_int_and_string_sequences_stick_across_random_entry_nodes(three: Cluster
             np.testing.assert_allclose(
                 res.as_numpy("actions"), want["actions"], rtol=1e-4, atol=1e-6
             )
-        assert r.get(KEYS.episode(episode)) == f"{facts[0]['device']} {facts[0]['token']}"
+        value = r.get(KEYS.episode(episode))
+        assert value.startswith(f"{facts[0]['device']} {facts[0]['token']} ")
         shown = httpx.get(f"{three.nodes[2].url}/episodes/{episode}").json()
         assert shown["device"] == facts[0]["device"]
 

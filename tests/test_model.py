@@ -36,6 +36,7 @@ TEN_DAYS = 10 * 24 * 3600.0
 class Held:
     device: str
     token: int
+    claim: str
     moved: bool = False
 
 
@@ -180,7 +181,9 @@ class ClaimProtocol(RuleBasedStateMachine):
             assert a.token > self.max_token, "tokens go backwards"
             self.max_token = a.token
             self.check_lapses_noticed()
-        self.held[ep] = Held(a.device, a.token)
+        if a.status != "hit":
+            self.held[ep] = Held(a.device, a.token, a.claim)
+        assert a.claim == self.held[ep].claim, "a hit names the claim id it was issued"
 
     @rule(ep=st.sampled_from(EPISODES), stale=st.booleans())
     def release(self, ep: str, stale: bool) -> None:
@@ -286,7 +289,8 @@ class ClaimProtocol(RuleBasedStateMachine):
                 if held is None:
                     assert value is None, (ep, value)
                     continue
-                assert value == f"{held.device} {held.token}" + (" moved" if held.moved else "")
+                want = f"{held.device} {held.token} {held.claim}"
+                assert value == want + (" moved" if held.moved else "")
                 assert owners.get(ep) == (None if held.moved else held.device), (ep, value)
 
         self.run(check())

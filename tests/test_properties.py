@@ -160,5 +160,5 @@ async def check_invariants(env: Env, capacities: list[int]) -> None:
             assert row.episode not in owners, "an episode in two load sets"
             owners[row.episode] = row.device
     for key in await env.redis.keys(env.keys.episode("*")):
-        device = (await env.redis.get(key)).rsplit(" ", 1)[0]
+        device = (await env.redis.get(key)).split(" ")[0]
         assert owners[key.split(":", 2)[2]] == device

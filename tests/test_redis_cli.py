@@ -14,7 +14,6 @@ import pytest
 import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
-from tests.conftest import place
 from tests.procs import ROOT, RedisServer
 
 pytestmark = pytest.mark.integration
@@ -27,7 +26,7 @@ EXPIRED = "ep-6"  # its idle deadline passed: still in the load set, no longer l
 @dataclass
 class Fleet:
     server: RedisServer
-    placed: dict[str, tuple[str, int]]  # live episode -> (device, token)
+    placed: dict[str, tuple[str, int, str]]  # live episode -> (device, token, claim id)
     on_a0: set[str]  # live episodes on gpu-a/0
     now_ms: int
 
@@ -36,8 +35,8 @@ Check = Callable[[str, Fleet], None]
 
 
 def check_get(out: str, f: Fleet) -> None:
-    device, token = f.placed["ep-42"]
-    assert out == f"{device} {token}\n"
+    device, token, claim = f.placed["ep-42"]
+    assert out == f"{device} {token} {claim}\n"
     assert device == "gpu-a/0"
 
 
@@ -152,7 +151,11 @@ async def populate(url: str) -> dict[str, tuple[str, int]]:
         registry, claims = Registry(client, settings), Claims(client, settings)
         await registry.register("gpu-a", "http://gpu-a:8000", cuda("gpu-a", 2))
         await registry.register("gpu-b", "http://gpu-b:8000", cuda("gpu-b", 1, capacity=2))
-        return await place(claims, EPISODES)
+        placed = {}
+        for ep in EPISODES:
+            a = await claims.resolve(ep)
+            placed[ep] = (a.device, a.token, a.claim)
+        return placed
     finally:
         await client.aclose()
 
@@ -171,7 +174,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         r.delete(KEYS.episode(EXPIRED))
         r.zadd(KEYS.load("gpu-a/0"), {EXPIRED: 1})
         del placed[EXPIRED]
-        on_a0 = {ep for ep, (d, _) in placed.items() if d == "gpu-a/0"}
+        on_a0 = {ep for ep, (d, _, _) in placed.items() if d == "gpu-a/0"}
         assert r.zcard(KEYS.load("gpu-a/0")) == len(on_a0) + 1
         yield Fleet(server, placed, on_a0, int(time.time() * 1000))
     finally:

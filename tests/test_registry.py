@@ -216,7 +216,7 @@ async def test_leave_takes_no_new_episodes_and_handoff_moves_each(env: Env) -> N
     assert await env.claims.handoff("ep-a", on_a.token - 1) is False
     assert await env.snapshot() == before
     assert await env.claims.handoff("ep-a", on_a.token) is True
-    assert await env.redis.get(env.keys.episode("ep-a")) == f"a/0 {on_a.token} moved"
+    assert await env.redis.get(env.keys.episode("ep-a")) == f"a/0 {on_a.token} {on_a.claim} moved"
     info = await env.claims.lookup("ep-a")
     assert info is not None and info.moved and info.device == "a/0"
     assert await env.claims.handoff("ep-a", on_a.token) is False  # once

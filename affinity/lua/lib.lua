@@ -22,10 +22,11 @@ local function event(...)
     redis.call('XADD', EVENTS, 'MAXLEN', '~', MAXLEN, '*', ...)
 end
 
--- an episode value: "<device> <token>", or "<device> <token> moved" once handed over
+-- an episode value: "<device> <token> <claim id>" (no claim id when written by an older
+-- fleet), with " moved" appended once handed over; returns device, token, moved, claim id
 local function parse(value)
     local device, token, rest = string.match(value, VALUE)
-    return device, token, rest == ' moved'
+    return device, token, string.sub(rest, -6) == ' moved', string.match(rest, '^ (%x+)') or ''
 end
 
 -- node, state, capacity, weight, url of a device listed by its node; nil when not listed

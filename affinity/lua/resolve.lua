@@ -1,15 +1,21 @@
 -- resolve: hit, claim or reassign the device of one episode, in one atomic step.
 --
--- KEYS[1]  {ns}:episode:<episode>  "<device> <token>" (or "... moved"), PXAT idle deadline;
---          the episode id is KEYS[1] less EPISODE_KEY
--- ARGV[1]  "1": restart (always a fresh assignment, status "claimed"); absent otherwise
+-- KEYS[1]  {ns}:episode:<episode>  "<device> <token> <claim id>" (or "... moved"), PXAT idle
+--          deadline; the episode id is KEYS[1] less EPISODE_KEY
+-- ARGV[1]  "1": restart (always a fresh assignment, status "claimed"); "2": never claim
+--          (an episode without an assignment answers "missing"); "" otherwise
+-- ARGV[2]  the claim id a new assignment gets (random hex from the caller): it tells this
+--          claim from any other that was given the same token number (a lossy failover)
 -- Constants (TTL, the fleet's keys) come from the header (affinity/scripts.py, lib.lua).
 --
--- Returns one string, "<status> <device> <token> <node> <url> <previous device>":
+-- Returns one string, "<status> <device> <token> <node> <url> <previous device> <claim id>
+-- <instance>" (instance: the process that holds the owner's registration, read from its
+-- node hash NODE_KEY .. node, derived here: the same hash slot as every key):
 --   hit         the device is listed by its live node and not down: deadline slid
 --   claimed     no assignment existed (or a restart): a new one was written
 --   reassigned  the device's node is dead, the device down or no longer listed, or the
 --               episode was handed over: a new assignment with a fresh token
+--   missing     ARGV[1] "2" and no assignment exists: nothing was written
 -- or "full <reason>", reason "no_nodes" (no node holds a lease) or "at_capacity": no
 -- assignment was written (lapsed leases noticed, full devices re-checked may be).
 -- Neither the hit nor the claim reads more than one device: the cost does not grow with
@@ -25,9 +31,19 @@ local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local deadline = string.format('%.0f', now_ms + TTL)
 
 local current = redis.call('GET', key)
-local device, token, flag
+local device, token, flag, claim
 if current then
     device, token, flag = string.match(current, VALUE)
+    claim = string.match(flag, '^ (%x+)') or ''
+    if string.sub(flag, -6) ~= ' moved' then
+        flag = ''
+    end
+elseif ARGV[1] == '2' then
+    return 'missing'
+end
+
+local function instance(node)
+    return redis.call('HGET', NODE_KEY .. node, 'instance') or ''
 end
 
 -- A hit: the device is in ROUTE (listed by a node whose lease nobody has seen lapse) and
@@ -43,7 +59,8 @@ local function hit()
     end
     redis.call('PEXPIREAT', key, deadline)
     redis.call('ZADD', LOAD_KEY .. device, deadline, episode)
-    return 'hit ' .. device .. ' ' .. token .. ' ' .. node .. ' ' .. url .. ' '
+    return 'hit ' .. device .. ' ' .. token .. ' ' .. node .. ' ' .. url .. '  ' .. claim .. ' '
+        .. instance(node)
 end
 
 -- first without the shared functions (making them costs more than a hit); only when a
@@ -98,7 +115,7 @@ local function assign(chosen, score, node, cap, weight, url, live, previous)
         redis.call('SET', TOKEN, token)
     end
     redis.call('INCR', RR)
-    redis.call('SET', key, chosen .. ' ' .. token, 'PXAT', deadline)
+    redis.call('SET', key, chosen .. ' ' .. token .. ' ' .. ARGV[2], 'PXAT', deadline)
     local load = LOAD_KEY .. chosen
     live = live + redis.call('ZADD', load, deadline, episode)
     if live >= cap then
@@ -117,7 +134,7 @@ local function assign(chosen, score, node, cap, weight, url, live, previous)
     event('type', status == 'claimed' and 'claim' or 'reassign',
         'episode', episode, 'device', chosen, 'token', token, 'node', node, 'from', previous)
     return status .. ' ' .. chosen .. ' ' .. token .. ' ' .. node .. ' ' .. url .. ' '
-        .. (status == 'reassigned' and previous or '')
+        .. (status == 'reassigned' and previous or '') .. ' ' .. ARGV[2] .. ' ' .. instance(node)
 end
 
 -- The common claim, a new episode with nothing to tidy up first (no lease seen to lapse,

@@ -2,16 +2,18 @@
 binary tensors.
 
 Request body (a map): ``episode_id``?, ``session_id``?, ``inputs`` (input name → array),
-``end``?, ``token``? (the token of the client's previous reply), ``execute_steps``? and
+``end``?, ``token``? (the token of the client's previous reply), ``seq``? (the step
+number it expects to be applied: its last reply's ``seq`` + 1), ``execute_steps``? and
 ``ensemble``? (action-chunk execution overrides). JSON arrays are nested lists; with
 ``Content-Type: application/msgpack`` every input is an array in openpi's msgpack
 encoding (``affinity/wire.py``). Any other top-level field is refused with 422 naming it (a
 typo such as ``episodeId`` must not silently make every step stateless).
 
 Reply: ``{"outputs": {name: array}, "episode_id", "device", "node", "token", "routing",
-"state_reset", "degraded", "source"}`` as JSON, or msgpack when ``Accept`` asks for
-``application/msgpack``; the same facts in ``X-Affinity-*`` headers, and
+"state_reset", "degraded", "source", "seq", "replayed"}`` as JSON, or msgpack when
+``Accept`` asks for ``application/msgpack``; the same facts in ``X-Affinity-*`` headers, and
 ``X-Affinity-URL``, the owner's address, where the episode's next steps can go directly.
+A client that closes its connection before the reply is sent gets its step undone.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from affinity import InvalidArgument, UnknownField, check_episode, wire
 from node.accesslog import STEP_KEY
 from node.asgi import (
     BodyError,
+    ClientGone,
     Receive,
     Scope,
     Send,
@@ -35,6 +38,7 @@ from node.asgi import (
     read_body,
     respond,
     respond_error,
+    while_connected,
 )
 from node.policy import InvalidInput, inputs_from_arrays, parse_inputs
 from node.service import NodeService
@@ -45,7 +49,9 @@ __all__ = ["MSGPACK", "decode", "encode", "handle"]
 log = logging.getLogger("affinity.node")
 
 MSGPACK = "application/msgpack"
-FIELDS = ("episode_id", "session_id", "inputs", "end", "token", "execute_steps", "ensemble")
+FIELDS = (
+    "episode_id", "session_id", "inputs", "end", "token", "seq", "execute_steps", "ensemble"
+)  # fmt: skip
 
 
 def _is_msgpack(content_type: str | None) -> bool:
@@ -80,6 +86,9 @@ def decode(service: NodeService, body: bytes, binary: bool, deadline: float) -> 
         raise InvalidArgument("end", end, "must be true or false")
     if token is not None and (type(token) is not int or not 0 <= token < 2**63):
         raise InvalidArgument("token", token, "must be the token of an earlier reply")
+    seq = doc.get("seq")
+    if seq is not None and (type(seq) is not int or not 1 <= seq < 2**63):
+        raise InvalidArgument("seq", seq, "must be a step number >= 1 (the last reply's seq + 1)")
     service.dispatcher.mode_for(steps, ensemble)  # InvalidArgument names the field
     episode, degraded = doc.get("episode_id"), False
     if episode is None and doc.get("session_id") is not None:
@@ -97,6 +106,7 @@ def decode(service: NodeService, body: bytes, binary: bool, deadline: float) -> 
         degraded=degraded,
         execute_steps=steps,
         ensemble=ensemble,
+        seq=seq,
     )
 
 
@@ -122,6 +132,7 @@ def encode(reply: Reply, binary: bool) -> tuple[bytes, bytes, list[tuple[bytes, 
         (b"x-affinity-state-reset", b"true" if reply.state_reset else b"false"),
         (b"x-affinity-degraded", b"true" if reply.degraded else b"false"),
         (b"x-affinity-source", reply.source.encode()),
+        (b"x-affinity-seq", str(reply.seq).encode()),
     ]
     if reply.url:
         headers.append((b"x-affinity-url", reply.url.encode()))
@@ -143,8 +154,11 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
         body = await read_body(scope, receive, service.config.max_body_bytes)
         step = decode(service, body, binary_in, deadline)
         scope[STEP_KEY] = (step.episode or "-", "-", "-")
-        reply = await service.routing.act(step)
+        reply = await while_connected(receive, service.routing.act(step))
         scope[STEP_KEY] = (step.episode or "-", reply.device, reply.routing)
+    except ClientGone as exc:  # nobody will read the reply: the step did not happen
+        if isinstance(exc.result, Reply):
+            await service.routing.undelivered(exc.result)
     except BodyError as exc:
         metrics.rejected.labels(exc.reason).inc()
         await respond_error(send, exc)

@@ -44,7 +44,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from affinity import InvalidArgument
+from affinity import InvalidArgument, UnknownEpisode
 from affinity.wire import MAX_ELEMENTS
 from node.membership import VERSION
 from node.policy import InvalidInput
@@ -56,10 +56,10 @@ from node.protocols.kserve import (
     MODEL_VERSION,
     BadRequest,
     InferRequest,
-    _check_live,
     bytes_elements,
     episode_of,
     model_metadata,
+    not_live,
     serialize_bytes,
     to_step,
 )
@@ -330,9 +330,14 @@ class GrpcFrontDoor:
             dispatcher = service.dispatcher
             mode = dispatcher.mode_for(request.execute_steps, request.ensemble)
             returned = [dispatcher.chunk.output] if mode and dispatcher.chunk else None
-            step = to_step(service.contract, request, started + budget, returned)
-            await _check_live(service, request, self.model_name)
+            claim_unknown = service.config.kserve_claim_unknown
+            step = to_step(service.contract, request, started + budget, returned, claim_unknown)
             reply = await service.routing.act(step)
+        except UnknownEpisode:  # Triton's rule, decided in the step's own resolve
+            rejected.labels("bad_input").inc()
+            raise _Abort(
+                grpc.StatusCode.INVALID_ARGUMENT, not_live(request.sequence, self.model_name)
+            ) from None
         except BadRequest as exc:
             rejected.labels(exc.reason).inc()
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None

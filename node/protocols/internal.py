@@ -9,10 +9,21 @@ project's JSON shape with the status the router acts on (409/421: resolve again;
 from __future__ import annotations
 
 from node.accesslog import STEP_KEY
-from node.asgi import BodyError, Receive, Scope, Send, header, read_body, respond, respond_error
+from node.asgi import (
+    BodyError,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    header,
+    read_body,
+    respond,
+    respond_error,
+    while_connected,
+)
 from node.forward import CONTENT_TYPE, SECRET_HEADER, encode_reply
 from node.service import NodeService
-from node.step import Refused, Unavailable
+from node.step import Refused, Reply, Unavailable
 
 __all__ = ["handle"]
 
@@ -20,14 +31,26 @@ _SECRET = SECRET_HEADER.lower().encode()
 
 
 async def handle(service: NodeService, scope: Scope, receive: Receive, send: Send) -> None:
-    """The ASGI handler of ``POST /internal/act``."""
+    """The ASGI handler of ``POST /internal/act``.
+
+    The owner serves a forward only while the router still waits: when the forward's
+    connection closes (the router gave up: its deadline, its client left), the step is
+    cancelled, or undone if it was applied already (see ``node.asgi.while_connected``)."""
     try:
         body = await read_body(scope, receive, service.config.max_body_bytes)
-        reply = await service.routing.serve_forwarded(body, header(scope, _SECRET))
-        scope[STEP_KEY] = (reply.episode or "-", reply.device, reply.routing)
+        work = service.routing.serve_forwarded(body, header(scope, _SECRET))
+        reply = await while_connected(receive, work)
+    except ClientGone as exc:
+        if isinstance(exc.result, Reply):
+            await service.routing.undelivered(exc.result)
+        return
     except (BodyError, Unavailable, Refused) as exc:
         if isinstance(exc, Refused) and exc.status == 403:
             service.metrics.rejected.labels("forbidden").inc()
         await respond_error(send, exc)
-    else:
-        await respond(send, 200, encode_reply(reply), CONTENT_TYPE.encode())
+        return
+    if reply is None:  # an undo
+        await respond(send, 204, b"")
+        return
+    scope[STEP_KEY] = (reply.episode or "-", reply.device, reply.routing)
+    await respond(send, 200, encode_reply(reply), CONTENT_TYPE.encode())

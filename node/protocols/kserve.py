@@ -36,7 +36,7 @@ The reply holds every returned output (or those ``outputs`` names), as JSON ``da
 with ``parameters.binary_data_output`` or an output's ``binary_data`` (``tritonclient``
 asks for binary when no outputs are named) — as binary data after the JSON header; and
 affinity's facts in ``parameters``: ``episode_id``, ``device``, ``node``, ``token``,
-``routing``, ``state_reset``, ``degraded``, ``source``.
+``routing``, ``state_reset``, ``degraded``, ``source``, ``seq``, ``replayed``.
 
 **Sequences.** ``parameters.sequence_id`` is the episode: a uint64, or a string (Triton's
 ``sequence(string_id)``); ``0`` and ``""`` (or none) are no sequence: a stateless step.
@@ -48,11 +48,13 @@ the step. A request without ``sequence_start`` for a sequence that is not live (
 started, ended, idle past ``--episode-ttl``) is refused as Triton refuses it (400, Triton's
 message), so a client that lost its sequence learns it instead of silently continuing from
 clean state; ``--kserve-claim-unknown`` makes such a request start the sequence instead.
-The check is one Redis lookup before the step's resolve (``bench/protocols.py`` measures
-it). ``timeout`` (µs) shortens ``--act-deadline`` for the request; ``execute_steps`` and
-``ensemble`` override the node's action-chunk mode for the step, as in ``/act`` (a step
-then returns the chunk output alone, one action: ``[1, D]``; the model metadata shows the
-node's own mode).
+The check is the step's own resolve, in a form that never claims: one atomic decision, so
+an END in flight cannot make the step start a new sequence. ``seq`` (an integer
+parameter) is the step number the client expects to be applied, as in ``/act``; a client
+whose connection closes before its reply is sent gets its step undone. ``timeout`` (µs)
+shortens ``--act-deadline`` for the request; ``execute_steps`` and ``ensemble`` override
+the node's action-chunk mode for the step, as in ``/act`` (a step then returns the chunk
+output alone, one action: ``[1, D]``; the model metadata shows the node's own mode).
 
 **Errors** are KServe's: a non-200 status with ``{"error": "<message>"}`` — 400 for a
 malformed body or a bad tensor, parameter or sequence, 401 without the API key (when the
@@ -73,10 +75,20 @@ from typing import Any
 import numpy as np
 import orjson
 
-from affinity import BackendUnavailable, InvalidArgument, check_episode
+from affinity import InvalidArgument, UnknownEpisode, check_episode
 from affinity.wire import MAX_ELEMENTS
 from node.accesslog import STEP_KEY
-from node.asgi import BodyError, Receive, Scope, Send, header, read_body, respond
+from node.asgi import (
+    BodyError,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    header,
+    read_body,
+    respond,
+    while_connected,
+)
 from node.membership import VERSION
 from node.policy import InvalidInput, PolicyContract, TensorSpec, inputs_from_arrays
 from node.service import NodeService
@@ -93,6 +105,7 @@ __all__ = [
     "episode_of",
     "handle",
     "model_metadata",
+    "not_live",
     "to_step",
 ]
 
@@ -161,6 +174,7 @@ class InferRequest:
     timeout_s: float | None
     execute_steps: int | None = None
     ensemble: str | None = None
+    seq: int | None = None
 
 
 # ---- decoding ----------------------------------------------------------------------------
@@ -239,6 +253,9 @@ def decode_infer(
         raise BadRequest(f"execute_steps must be an integer, not {_kind(steps)}")
     if ensemble is not None and not isinstance(ensemble, str):
         raise BadRequest(f"ensemble must be a string, not {_kind(ensemble)}")
+    seq = params.get("seq")
+    if seq is not None and (type(seq) is not int or seq < 1):
+        raise BadRequest(f"seq {seq!r:.40} must be a step number >= 1")
     arrays = _inputs(doc.get("inputs"), body, json_end, max_elements)
     binary_output = _flag(params, "binary_data_output")
     return InferRequest(
@@ -253,6 +270,7 @@ def decode_infer(
         timeout_s=timeout / 1e6 if timeout else None,
         execute_steps=steps,
         ensemble=ensemble,
+        seq=seq,
     )
 
 
@@ -544,16 +562,28 @@ def _kind(value: object) -> str:
     return next((name for t, name in kinds if isinstance(value, t)), type(value).__name__)
 
 
+def not_live(sequence: object, model_name: str) -> str:
+    """Triton's message for a step without START of a sequence that is not live."""
+    return (
+        f"inference request for sequence {sequence} to model '{model_name}' must specify the "
+        "START flag on the first request of the sequence (the sequence is not live: it never "
+        "started, it ended, or it was idle past the episode TTL)"
+    )
+
+
 def to_step(
     contract: PolicyContract,
     request: InferRequest,
     deadline: float,
     returned: Sequence[str] | None = None,
+    claim_unknown: bool = False,
 ) -> Step:
     """The internal step of a decoded request: its inputs through the policy's rule
     (``InvalidInput`` when they do not fit the model) and its requested outputs checked
     against ``returned``, the outputs the step will have (:class:`BadRequest`); by default
-    every output the model returns (with action-chunk execution: the chunk output only)."""
+    every output the model returns (with action-chunk execution: the chunk output only).
+    A sequence step without ``sequence_start`` serves only a live sequence unless
+    ``claim_unknown`` (``--kserve-claim-unknown``)."""
     if returned is None:
         returned = [spec.name for spec in contract.returned_outputs]
     if request.outputs is not None:
@@ -569,6 +599,8 @@ def to_step(
         restart=request.start,
         execute_steps=request.execute_steps,
         ensemble=request.ensemble,
+        seq=request.seq,
+        live_only=request.episode is not None and not request.start and not claim_unknown,
     )
 
 
@@ -755,11 +787,20 @@ async def _infer(
         dispatcher = service.dispatcher
         mode = dispatcher.mode_for(request.execute_steps, request.ensemble)  # InvalidArgument
         returned = [dispatcher.chunk.output] if mode and dispatcher.chunk else None
-        step = to_step(service.contract, request, started + budget, returned)
+        claim_unknown = service.config.kserve_claim_unknown
+        step = to_step(service.contract, request, started + budget, returned, claim_unknown)
         scope[STEP_KEY] = (step.episode or "-", "-", "-")
-        await _check_live(service, request, model_name)
-        reply = await service.routing.act(step)
+        reply = await while_connected(receive, service.routing.act(step))
         scope[STEP_KEY] = (step.episode or "-", reply.device, reply.routing)
+    except ClientGone as exc:  # nobody will read the reply: the step did not happen
+        if isinstance(exc.result, Reply):
+            await service.routing.undelivered(exc.result)
+    except UnknownEpisode:
+        # Triton's rule: a request without START must belong to a live sequence. Redis
+        # decides it in the step's own resolve (state this node may hold says nothing about
+        # an operator's release, an idle expiry, an END in flight, a Redis restarted empty)
+        rejected.labels("bad_input").inc()
+        await _error(send, 400, not_live(request.sequence, model_name))
     except BodyError as exc:
         rejected.labels(exc.reason).inc()
         await _error(send, exc.status, str(exc))
@@ -783,26 +824,3 @@ async def _infer(
         payload, headers = encode_infer(reply, request, model_name)
         content_type = headers[0][1]
         await respond(send, 200, payload, content_type, headers[1:])
-
-
-async def _check_live(service: NodeService, request: InferRequest, model_name: str) -> None:
-    """Triton's rule: a request without ``sequence_start`` must belong to a live sequence.
-
-    Redis is asked every time (one lookup round trip): state this node may still hold says
-    nothing about whether Redis still has the sequence (an operator's release, an idle
-    expiry a moment ago, a Redis that restarted empty), and serving such a request would
-    silently start the sequence over from clean state."""
-    episode = request.episode
-    if episode is None or request.start or service.config.kserve_claim_unknown:
-        return
-    try:
-        info = await service.claims.lookup(episode)
-    except BackendUnavailable as exc:
-        service.metrics.routing.labels("unavailable").inc()  # a step refused with 503
-        raise Unavailable("redis", str(exc), 1.0) from exc
-    if info is None:
-        raise BadRequest(
-            f"inference request for sequence {request.sequence} to model '{model_name}' must "
-            "specify the START flag on the first request of the sequence (the sequence is not "
-            "live: it never started, it ended, or it was idle past the episode TTL)"
-        )

@@ -20,6 +20,9 @@ one fresh id per connection, released when the connection closes. The connection
 remembers each episode's last token and echoes it, so a lost assignment is reported as
 ``state_reset: true``. ``execute_steps`` and ``ensemble`` keys override action-chunk
 execution (openpi clients usually keep their own ``ActionChunkBroker`` and leave it off).
+A ``seq`` key (the step number the robot expects to be applied: its last reply's ``seq``
++ 1) makes a retry after a reconnect safe; it is taken out before the model. A reply
+whose send fails (the link dropped) has its step undone.
 
 The client cannot retry: transient conditions (owner unreachable, a Redis blip, ``full``)
 are retried inside the node until ``--act-deadline``. Anything that still fails, and any
@@ -139,7 +142,11 @@ async def handle(
             }
             if prev_total_ms is not None:
                 doc["server_timing"]["prev_total_ms"] = prev_total_ms
-            await send({"type": "websocket.send", "bytes": wire.encode(doc)})
+            try:
+                await send({"type": "websocket.send", "bytes": wire.encode(doc)})
+            except OSError:  # uvicorn's ClientDisconnected: the robot never gets this step
+                await service.routing.undelivered(reply)
+                return
             prev_total_ms = (time.monotonic() - started) * 1000
     finally:
         if own in tokens:  # the connection's own episode ends with it
@@ -167,7 +174,9 @@ def decode(
     if not isinstance(observation, dict):
         raise InvalidInput("", "must be a msgpack map", root="observation")
     named, steps = observation.pop("episode_id", None), observation.pop("execute_steps", None)
-    ensemble = observation.pop("ensemble", None)
+    ensemble, seq = observation.pop("ensemble", None), observation.pop("seq", None)
+    if seq is not None and (type(seq) is not int or seq < 1):
+        raise InvalidArgument("seq", seq, "must be a step number >= 1 (the last reply's seq + 1)")
     episode = fixed or (own if named is None else check_episode(named))
     service.dispatcher.mode_for(steps, ensemble)  # InvalidArgument names the field
     converted = inputs_from_observation(service.contract, observation)
@@ -184,6 +193,7 @@ def decode(
         client_token=tokens.get(episode),
         execute_steps=steps,
         ensemble=ensemble,
+        seq=seq,
     )
 
 

@@ -1,0 +1,193 @@
+"""The owner's per-episode step record (node/episodes.py) through the dispatcher: step
+numbers, replay of the last reply, seq conflicts, undo of a step whose reply was lost, and
+a property test of random interleavings against a reference model of the episode."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from node.dispatcher import SeqConflict
+from node.episodes import Episode, admit, undone
+from tests.test_dispatcher import CHUNKED, ChunkSession, H, make, obs, recorded_chunk
+
+pytestmark = pytest.mark.anyio
+
+
+def act(result: Any) -> float:
+    return float(result.outputs["act"].item())
+
+
+async def test_steps_are_numbered_and_a_retry_of_the_last_gets_its_reply_again() -> None:
+    d, sessions, _ = make(1)
+    r1 = await d.step("n/0", "ep", 7, True, obs(1), seq=1)
+    r2 = await d.step("n/0", "ep", 7, False, obs(2), seq=2)
+    assert (r1.seq, r2.seq, act(r2)) == (1, 2, 3.0)
+    runs = sessions["n/0"].calls
+    again = await d.step("n/0", "ep", 7, False, obs(2), seq=2)
+    assert again.replayed and (again.seq, act(again)) == (2, 3.0)
+    assert sessions["n/0"].calls == runs, "a replay runs no model"
+    r3 = await d.step("n/0", "ep", 7, False, obs(4), seq=3)
+    assert (r3.seq, act(r3), r3.replayed) == (3, 7.0, False), "the replay changed nothing"
+
+
+async def test_a_seq_that_is_neither_next_nor_last_is_a_conflict_and_changes_nothing() -> None:
+    d, _, _ = make(1)
+    await d.step("n/0", "ep", 7, True, obs(1), seq=1)
+    await d.step("n/0", "ep", 7, False, obs(2), seq=2)
+    for wrong in (1, 4, 9):
+        with pytest.raises(SeqConflict) as info:
+            await d.step("n/0", "ep", 7, False, obs(100), seq=wrong)
+        assert info.value.current == 2 and "has applied step 2" in str(info.value)
+    r3 = await d.step("n/0", "ep", 7, False, obs(4), seq=3)
+    assert (r3.seq, act(r3)) == (3, 7.0)
+
+
+async def test_a_step_whose_reply_was_lost_is_undone_with_its_buffer() -> None:
+    d, _, _ = make(1)
+    await d.step("n/0", "ep", 7, True, obs(1))
+    lost = await d.step("n/0", "ep", 7, False, obs(2))
+    assert d.undo("ep", lost.seq)
+    assert not d.undo("ep", lost.seq), "an undo happens once"
+    retry = await d.step("n/0", "ep", 7, False, obs(2))
+    assert (retry.seq, act(retry), retry.state_reset) == (2, 3.0, False)
+
+
+async def test_the_first_step_undone_leaves_a_claim_with_nothing_applied() -> None:
+    d, _, _ = make(1)
+    first = await d.step("n/0", "ep", 7, True, obs(5))
+    assert d.undo("ep", first.seq)
+    again = await d.step("n/0", "ep", 7, False, obs(1))
+    assert (again.seq, act(again), again.state_reset) == (1, 1.0, False)
+
+
+async def test_an_undo_that_comes_after_a_later_step_makes_the_next_one_a_reset() -> None:
+    d, _, _ = make(1)
+    await d.step("n/0", "ep", 7, True, obs(1))
+    await d.step("n/0", "ep", 7, False, obs(2))
+    await d.step("n/0", "ep", 7, False, obs(3))
+    assert d.undo("ep", 2), "step 3 was applied on top: its outcome cannot be known"
+    nxt = await d.step("n/0", "ep", 7, False, obs(0))
+    assert nxt.state_reset and nxt.seq == 4
+    after = await d.step("n/0", "ep", 7, False, obs(0))
+    assert not after.state_reset
+
+
+async def test_an_undo_by_forward_names_the_forward_that_applied_the_step() -> None:
+    d, _, _ = make(1)
+    await d.step("n/0", "ep", 7, True, obs(1), origin="f1")
+    await d.step("n/0", "ep", 7, False, obs(2), origin="f2")
+    assert not d.undo("ep", origin="f1"), "f1's step has a later one on top; f2 is current"
+    assert d.undo("ep", origin="f2")
+    assert not d.undo("ep", origin="f2")
+    r = await d.step("n/0", "ep", 7, False, obs(4))
+    assert (r.seq, act(r)) == (2, 5.0)
+
+
+async def test_buffered_steps_are_numbered_replayed_and_undone() -> None:
+    d, _, _ = make(1, CHUNKED, session=ChunkSession, execute_steps=H)
+    m = await d.step("n/0", "ep", 7, True, obs(0), seq=1)
+    b = await d.step("n/0", "ep", 7, False, obs(0), seq=2)
+    assert (m.source, b.source, b.seq) == ("model", "buffer", 2)
+    replay = await d.step("n/0", "ep", 7, False, obs(0), seq=2)
+    assert replay.replayed and np.array_equal(replay.outputs["actions"], b.outputs["actions"])
+    assert d.undo("ep", 2)
+    again = await d.step("n/0", "ep", 7, False, obs(0), seq=2)
+    assert not again.replayed and np.array_equal(again.outputs["actions"], b.outputs["actions"])
+    np.testing.assert_array_equal(again.outputs["actions"][0], recorded_chunk(0, 0)[1])
+
+
+def test_admit_and_undone_rules() -> None:
+    rec = Episode("n/0", 7, "c1", {}, 0.0, 3, None)
+    assert admit("ep", rec, "n/0", 7, "c1", False, 4)[:2] == ("apply", rec)
+    with pytest.raises(SeqConflict):
+        admit("ep", rec, "n/0", 7, "c1", False, 3)  # no stored reply to replay
+    # another claim id under the same token number is a new claim: clean state, a reset
+    assert admit("ep", rec, "n/0", 7, "c2", False, None) == ("apply", None, True)
+    assert admit("ep", rec, "n/0", 7, "c2", False, 1) == ("apply", None, False)
+    assert admit("ep", None, "n/0", 7, "c1", True, None) == ("apply", None, False)
+    assert undone(rec, 2, None) is rec and rec.doubt
+    assert undone(rec, 5, None) is None
+
+
+# ---- a property test: random interleavings against a reference model ---------------------
+
+# what happens to one attempt of the client's step
+OUTCOMES = st.sampled_from(
+    ["delivered", "lost_undone", "lost_unknown", "replayed_dup", "cancelled_mid_run"]
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    plan=st.lists(
+        st.tuples(st.integers(1, 9), st.lists(OUTCOMES, min_size=1, max_size=4)),
+        min_size=1,
+        max_size=12,
+    ),
+    with_seq=st.booleans(),
+)
+async def test_random_interleavings_apply_every_step_once(
+    plan: list[tuple[int, list[str]]], with_seq: bool
+) -> None:
+    """Each client step (an observation x) is tried until delivered: an attempt is
+    delivered; lost and undone (the reply never reached a live caller: router deadline,
+    closed connection, failed send, a router that gave up); cancelled while the model runs
+    (a deadline or a close that lands mid-run, e.g. an owner paused with the step queued);
+    lost where nobody can know (applied, reply gone: only a client with seq can be served
+    exactly once); or delivered twice (a duplicate retry with the same seq). The fake
+    model's state is the sum of the observations it applied: the client's view must equal
+    the reference sum."""
+    d, sessions, _ = make(1, max_batch=1, failure_threshold=10_000)  # a cancel mid-run is a hang
+    session = sessions["n/0"]
+    reference = 0.0
+    seq = 0
+    fresh = True
+    try:
+        for x, attempts in plan:
+            unseen = False  # applied, its reply lost: a retry with seq is a replay
+            safe = ("delivered", "lost_undone", "cancelled_mid_run")
+            attempts = [o for o in attempts if with_seq or o in safe]
+            attempts.append("delivered")
+            for outcome in attempts:
+                sent = seq + 1 if with_seq else None
+                if outcome == "cancelled_mid_run" and unseen:
+                    continue  # the retry would be a replay: no model run to cancel
+                if outcome == "cancelled_mid_run":
+                    session.held.clear()
+                    gate = session.hold[float(x)] = threading.Event()
+                    running = asyncio.ensure_future(d.step("n/0", "ep", 7, fresh, obs(x), seq=sent))
+                    assert await asyncio.to_thread(session.held.wait, 10)
+                    running.cancel()
+                    gate.set()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await running
+                    del session.hold[float(x)]
+                    await d.wait_idle("ep")
+                    continue
+                r = await d.step("n/0", "ep", 7, fresh, obs(x), seq=sent)
+                fresh = False
+                if outcome == "lost_undone":
+                    if not r.replayed:  # a front door never undoes a replay
+                        assert d.undo("ep", r.seq)
+                    continue
+                if outcome == "lost_unknown":
+                    unseen = True
+                    continue  # applied; the client retries with the same seq
+                if outcome == "replayed_dup":
+                    dup = await d.step("n/0", "ep", 7, False, obs(x), seq=r.seq)
+                    assert dup.replayed and act(dup) == act(r)
+                reference += x
+                seq = r.seq
+                assert act(r) == reference and not r.state_reset
+                break
+        assert d.state_of("ep") == {"state_in.h": np.array([[reference]], np.float32)}
+    finally:
+        d.close()

@@ -1,0 +1,252 @@
+"""Exactly-once steps with real processes (issue 21 items 1-4): an owner or a router paused
+with SIGSTOP, a client whose timeout closes its connection, a websocket aborted mid-step.
+A step the client was told failed (or never heard of) must not have advanced the episode:
+the reply of the retry or of the next step is the model's after exactly the steps the
+client saw applied (the demo policy's recurrent state tells the history apart)."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from websockets.sync.client import connect
+
+from affinity import Client
+from node import wire
+from node.policy import DEMO_MODEL, reference_rollout
+from tests.procs import Node, RedisServer
+from tests.test_cluster import Cluster, running
+
+pytestmark = pytest.mark.integration
+
+
+def observations(seed: int, n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((1, 8)).astype(np.float32) for _ in range(n)]
+
+
+def expect(history: list[np.ndarray], actions: Any) -> None:
+    want = reference_rollout(DEMO_MODEL, history)[-1]["actions"]
+    np.testing.assert_allclose(np.asarray(actions).reshape(want.shape), want, rtol=1e-5)
+
+
+@contextmanager
+def two_nodes(tmp: Path, b_extra: list[str] | None = None) -> Iterator[Cluster]:
+    redis = RedisServer(tmp)
+    lease = ["--lease-ttl", "30"]
+    nodes = [
+        Node(tmp, "a", redis.url, devices="cpu:1", extra=lease),
+        Node(tmp, "b", redis.url, devices="cpu:1", extra=lease + (b_extra or [])),
+    ]
+    with running(redis, nodes) as c:
+        yield c
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    with two_nodes(tmp_path, ["--act-deadline", "1"]) as c:
+        yield c
+
+
+def step(url: str, episode: str, x: np.ndarray, timeout: float = 15) -> httpx.Response:
+    body = {"episode_id": episode, "inputs": {"obs": x.tolist()}}
+    return httpx.post(url + "/act", json=body, timeout=timeout)
+
+
+def owned_by(c: Cluster, node: str, via: str, x: np.ndarray, prefix: str) -> str:
+    """An episode whose first step (``x``, sent through ``via``) was claimed on ``node``."""
+    for i in range(32):
+        r = step(c.node(via).url, f"{prefix}-{i}", x)
+        assert r.status_code == 200, r.text
+        if r.json()["node"] == node:
+            return f"{prefix}-{i}"
+    raise AssertionError(f"no episode landed on {node}")
+
+
+def until_served(url: str, episode: str, x: np.ndarray) -> tuple[httpx.Response, list[str]]:
+    """Send one step until it is served (bounded), honouring Retry-After; the 503 codes."""
+    codes = []
+    for _ in range(30):
+        r = step(url, episode, x)
+        if r.status_code == 200:
+            return r, codes
+        assert r.status_code == 503, r.text
+        codes.append(r.json()["error"]["code"])
+        time.sleep(float(r.headers.get("retry-after", "1")))
+    raise AssertionError(f"never served: {codes}")
+
+
+def resume_after(node: Node, seconds: float) -> threading.Timer:
+    timer = threading.Timer(seconds, node.proc.send, (signal.SIGCONT,))
+    timer.start()
+    return timer
+
+
+def test_a_paused_owner_does_not_run_the_forwards_its_router_gave_up(cluster: Cluster) -> None:
+    """Item 1: the owner is paused for 4 s (shorter than its lease); the router's deadline
+    (1 s) answers the client's step 2 with 503 several times; on resume the owner must not
+    run those forwards, so the 200 is the model after 2 steps."""
+    a, b = cluster.node("a"), cluster.node("b")
+    obs = observations(1, 2)
+    ep = owned_by(cluster, "a", "b", obs[0], "paused-owner")
+    a.proc.send(signal.SIGSTOP)
+    timer = resume_after(a, 4.0)
+    try:
+        r, codes = until_served(b.url, ep, obs[1])
+    finally:
+        timer.join()
+        a.proc.send(signal.SIGCONT)
+    assert "deadline" in codes, f"the scenario did not happen: {codes}"
+    assert r.json()["state_reset"] is False
+    expect(obs, r.json()["outputs"]["actions"])
+
+
+def test_a_paused_router_tells_the_owner_to_undo_the_step_it_dropped(tmp_path: Path) -> None:
+    """Item 2: the router is paused while the owner runs step 2 and replies; on resume the
+    router's deadline fires before it reads the reply. The client hears 503 (or, if the
+    router read the reply first, 200): either way its next attempt must find exactly the
+    steps it was told about."""
+    with two_nodes(tmp_path, ["--act-deadline", "2"]) as c:
+        a, b = c.node("a"), c.node("b")
+        obs = observations(2, 2)
+        ep = owned_by(c, "a", "b", obs[0], "paused-router")
+        got: list[httpx.Response] = []
+        a.proc.send(signal.SIGSTOP)  # holds step 2 at the owner until the router is paused
+        sender = threading.Thread(target=lambda: got.append(step(b.url, ep, obs[1])))
+        sender.start()
+        try:
+            time.sleep(0.5)  # the router forwards step 2 to the paused owner
+            b.proc.send(signal.SIGSTOP)
+            a.proc.send(signal.SIGCONT)  # the owner runs it and replies into b's socket
+            time.sleep(2.5)  # past the router's deadline
+        finally:
+            a.proc.send(signal.SIGCONT)
+            b.proc.send(signal.SIGCONT)
+        sender.join(30)
+        first = got[0]
+        if first.status_code == 200:
+            expect(obs, first.json()["outputs"]["actions"])
+            return
+        assert first.status_code == 503 and first.json()["error"]["code"] == "deadline"
+        r, _ = until_served(b.url, ep, obs[1])
+        assert r.json()["state_reset"] is False
+        expect(obs, r.json()["outputs"]["actions"])
+
+
+def test_the_client_retries_a_timed_out_step_once(tmp_path: Path) -> None:
+    """Item 3: Client([b, a], timeout=1.0, retries=1); the owner takes 1.5 s (paused): the
+    attempt at the owner times out, the retry goes to the other node with the same seq,
+    and the step is applied once."""
+    with two_nodes(tmp_path) as c:
+        a, b = c.node("a"), c.node("b")
+        obs = observations(3, 2)
+        with Client([b.url, a.url], timeout=1.0, retries=1) as client:
+            for i in range(32):
+                first = client.act(f"timeout-{i}", {"obs": obs[0]})
+                if first.node == "a":
+                    break
+            assert first.node == "a" and first.episode_id is not None
+            a.proc.send(signal.SIGSTOP)
+            timer = resume_after(a, 1.5)
+            try:
+                second = client.act(first.episode_id, {"obs": obs[1]})
+            finally:
+                timer.join()
+                a.proc.send(signal.SIGCONT)
+            expect(obs, second.outputs["actions"])
+            assert second.seq == 2 and not second.state_reset
+            third = client.act(first.episode_id, {"obs": obs[0]})
+            expect([*obs, obs[0]], third.outputs["actions"])
+            assert third.seq == 3
+
+
+def test_a_step_whose_connection_dropped_is_undone(tmp_path: Path) -> None:
+    """Item 4: POST /act whose client's 0.1 s timeout closes the connection while the
+    owner is paused; and an openpi websocket aborted with step 2 in flight. The next step
+    (the robot reconnecting with the same id) sees the state as it was."""
+    with two_nodes(tmp_path) as c:
+        a = c.node("a")
+        obs = observations(4, 3)
+        assert step(a.url, "dropped-http", obs[0]).status_code == 200
+        a.proc.send(signal.SIGSTOP)
+        try:
+            with pytest.raises(httpx.TimeoutException):
+                step(a.url, "dropped-http", obs[1], timeout=0.1)
+        finally:
+            a.proc.send(signal.SIGCONT)
+        time.sleep(0.5)  # the owner reads the step and the close together
+        r = step(a.url, "dropped-http", obs[2])
+        assert r.status_code == 200 and r.json()["state_reset"] is False
+        expect([obs[0], obs[2]], r.json()["outputs"]["actions"])
+
+        ws_url = a.url.replace("http://", "ws://") + "/?episode_id=dropped-ws"
+        with connect(ws_url) as ws:
+            ws.recv(timeout=10)  # metadata
+            ws.send(wire.encode({"obs": obs[0][0]}))
+            wire.decode(ws.recv(timeout=10))
+            a.proc.send(signal.SIGSTOP)
+            try:
+                ws.send(wire.encode({"obs": obs[1][0]}))
+                ws.close_socket()  # the link drops with step 2 in flight
+            finally:
+                a.proc.send(signal.SIGCONT)
+        time.sleep(0.5)
+        with connect(ws_url) as ws:
+            ws.recv(timeout=10)
+            ws.send(wire.encode({"obs": obs[2][0]}))
+            reply = wire.decode(ws.recv(timeout=10))
+        assert reply["state_reset"] is False
+        expect([obs[0], obs[2]], reply["actions"])
+
+
+def test_two_processes_with_one_node_id_never_both_serve(tmp_path: Path) -> None:
+    """Item 5: original O and duplicate D of node id ``a`` (D waiting on O's lease); Redis
+    restarts empty and D registers. O must stop serving at its next step (the resolve names
+    D's instance), not at its next renewal: the client's view stays one consistent history
+    (every 200 is the model after exactly the steps served since the last reset)."""
+    redis = RedisServer(tmp_path)
+    lease = ["--lease-ttl", "30"]
+    original = Node(tmp_path, "a", redis.url, devices="cpu:1", extra=lease)
+    duplicate = Node(tmp_path / "dup", "a", redis.url, devices="cpu:1", extra=lease)
+    (tmp_path / "dup").mkdir()
+    with running(redis, [original]):
+        try:
+            duplicate.proc.start()
+            time.sleep(1.0)  # D waits for O's lease
+            redis.restart()  # empty: D's next try registers
+            deadline = time.monotonic() + 30
+            while True:
+                assert time.monotonic() < deadline, "the duplicate never registered"
+                with contextlib.suppress(httpx.TransportError):
+                    if duplicate.ready():
+                        break
+                time.sleep(0.1)
+            obs = observations(5, 3)
+            history: list[np.ndarray] = []
+            answers = []
+            for node, x in ((original, obs[0]), (duplicate, obs[1]), (original, obs[2])):
+                try:
+                    r = step(node.url, "twins", x, timeout=10)
+                except httpx.TransportError:  # O has exited (status 4)
+                    answers.append("gone")
+                    continue
+                answers.append(str(r.status_code))
+                if r.status_code != 200:
+                    assert r.json()["error"]["code"] == "fenced", r.text
+                    continue
+                history = [x] if r.json()["state_reset"] else [*history, x]
+                expect(history, r.json()["outputs"]["actions"])
+            assert answers[1] == "200" and answers[0] != "200" and answers[2] != "200", answers
+            assert original.proc.popen is not None
+            assert original.proc.popen.wait(timeout=30) == 4
+        finally:
+            duplicate.stop()
