@@ -14,8 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from affinity import Keys
-from node import wire
+from affinity import Keys, wire
 from node.policy import DEMO_MODEL, reference_rollout
 from node.step import Step
 from tests.inproc import cluster, config

@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 from websockets.sync.client import connect
 
-from affinity import Client
-from node import wire
+from affinity import Client, wire
 from node.policy import DEMO_MODEL, reference_rollout
 from tests.procs import Node, RedisServer
 from tests.test_cluster import Cluster, running
