@@ -38,7 +38,7 @@ class Recorder:
 
 def test_every_step_sends_its_seq_and_falsy_fields() -> None:
     rec = Recorder(lambda r, n: reply(r, json.loads(r.content)["seq"]))
-    with Client(A, transport=httpx.MockTransport(rec)) as client:
+    with Client(A, encoding="json", transport=httpx.MockTransport(rec)) as client:
         for _ in range(3):
             client.act("ep", {"obs": [[0.0]]}, execute_steps=0)
     assert [body["seq"] for _, body in rec.sent] == [1, 2, 3]
@@ -52,7 +52,7 @@ def test_a_timeout_is_retried_with_the_same_seq_on_another_node() -> None:
         return reply(request, json.loads(request.content)["seq"])
 
     rec = Recorder(answer)
-    with Client([A, B], transport=httpx.MockTransport(rec)) as client:
+    with Client([A, B], encoding="json", transport=httpx.MockTransport(rec)) as client:
         client.act("ep", {"obs": [[0.0]]})
         client.act("ep", {"obs": [[1.0]]})
     (_, first), (timed_out, second), (retried, again) = rec.sent
@@ -66,7 +66,7 @@ def test_transport_errors_count_against_the_retry_budget() -> None:
 
     rec = Recorder(answer)
     transport = httpx.MockTransport(rec)
-    client = Client([A, B], retries=5, retry_budget_s=0, transport=transport)
+    client = Client([A, B], retries=5, retry_budget_s=0, encoding="json", transport=transport)
     with client, pytest.raises(ServiceUnavailable, match="ConnectTimeout"):
         client.act("ep", {"obs": [[0.0]]})
     assert len(rec.sent) == 1, "a spent budget still retried after a transport error"
@@ -80,7 +80,7 @@ async def test_the_async_client_shares_the_rules() -> None:
         return reply(request, json.loads(request.content)["seq"], B)
 
     rec = Recorder(answer)
-    async with AsyncClient([A, B], transport=httpx.MockTransport(rec)) as client:
+    async with AsyncClient([A, B], encoding="json", transport=httpx.MockTransport(rec)) as client:
         step = await client.act("ep", {"obs": [[0.0]]}, execute_steps=0)
     assert step.seq == 1 and [host for host, _ in rec.sent] == [A, B]
     assert [body["seq"] for _, body in rec.sent] == [1, 1]

@@ -36,6 +36,7 @@ from node.providers import (
     require_cuda,
     trt_cache_dir,
 )
+from tests.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 # Two architectures on one node: the TensorRT caches must not be shared between them.
@@ -515,7 +516,7 @@ def fake_nvidia_smi(directory: Path) -> dict[str, str]:
 
 def node(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "node.main", "--port", "0", *args],
+        [sys.executable, "-m", "node.main", "--port", str(free_port()), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
