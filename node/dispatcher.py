@@ -476,6 +476,7 @@ class MultiGpuDispatcher:
         claim: str = "",
         seq: int | None = None,
         origin: str = "",
+        deadline: float | None = None,
         execute_steps: int | None = None,
         ensemble: str | None = None,
     ) -> StepResult:
@@ -486,7 +487,9 @@ class MultiGpuDispatcher:
         ``seq`` is the step number the caller expects to be applied: the one already
         applied gets its stored reply again (``replayed``, no model run); any other
         mismatch raises :class:`SeqConflict` and changes nothing. ``origin`` names the
-        forward the step came in (see :meth:`undo`).
+        forward the step came in (see :meth:`undo`). ``deadline`` (``time.monotonic()``) is
+        the step's: a step cancelled mid-run counts as a hung run of its device only once
+        its deadline has passed (None: always), never when its client merely left.
         ``execute_steps`` and ``ensemble`` override the node's chunk mode for this step
         (see :meth:`mode_for`; a bad one raises :class:`affinity.InvalidArgument` before
         anything changes). Raises :class:`ModelFailure` (the session raised; counted) and
@@ -526,7 +529,7 @@ class MultiGpuDispatcher:
                 committed, run = job.committed, job.run
             if committed:
                 self.undo(episode, committed)
-            if run is not None:
+            if run is not None and (deadline is None or time.monotonic() >= deadline):
                 self._hung(dev, run)
             raise
         finally:

@@ -238,6 +238,7 @@ class Routing:
                 claim=a.claim,
                 seq=step.seq,
                 origin=step.origin,
+                deadline=step.deadline,
                 execute_steps=step.execute_steps,
                 ensemble=step.ensemble,
             )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -191,3 +192,20 @@ async def test_random_interleavings_apply_every_step_once(
         assert d.state_of("ep") == {"state_in.h": np.array([[reference]], np.float32)}
     finally:
         d.close()
+
+
+async def test_a_client_leaving_mid_run_is_not_a_hung_device() -> None:
+    """A step cancelled mid-run before its deadline (its client left) keeps nothing and
+    does not count against the device; past its deadline it counts as a hung run."""
+    d, sessions, transitions = make(1, failure_threshold=1)
+    session = sessions["n/0"]
+    for deadline, counted in ((time.monotonic() + 60, False), (time.monotonic() - 1, True)):
+        session.held.clear()
+        gate = session.hold[1.0] = threading.Event()
+        running = asyncio.ensure_future(d.step("n/0", "ep", 7, True, obs(1), deadline=deadline))
+        assert await asyncio.to_thread(session.held.wait, 10)
+        running.cancel()
+        gate.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+        assert bool(transitions) is counted and not d.has_state("ep")
