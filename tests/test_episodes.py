@@ -205,7 +205,8 @@ async def test_a_client_leaving_mid_run_is_not_a_hung_device() -> None:
         running = asyncio.ensure_future(d.step("n/0", "ep", 7, True, obs(1), deadline=deadline))
         assert await asyncio.to_thread(session.held.wait, 10)
         running.cancel()
-        gate.set()
         with contextlib.suppress(asyncio.CancelledError):
-            await running
+            await running  # cancelled while the run is still held on the worker
+        gate.set()
+        await d.wait_idle("ep")
         assert bool(transitions) is counted and not d.has_state("ep")
