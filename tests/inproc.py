@@ -3,6 +3,7 @@ real Redis, and forwarded requests routed between apps without sockets."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
@@ -18,6 +19,7 @@ from node.devices import discover
 from node.dispatcher import Session
 from node.forward import INTERNAL_PATH, SECRET_HEADER, ForwardError, Response
 from node.main import build_service
+from node.policy import DEMO_MODEL
 from node.service import NodeService
 
 
@@ -101,3 +103,21 @@ async def cluster(
             router.apps[urlsplit(cfg.advertise_url).hostname or ""] = client
             nodes.append(InProcNode(app, client))
         yield nodes, router
+
+
+class Gate:
+    """A real ORT session whose runs wait for ``go`` when the input's first value is 9."""
+
+    go = threading.Event()
+    entered = threading.Event()
+
+    def __init__(self, spec: Any) -> None:
+        from node.providers import ProviderSettings, build_session
+
+        self.inner = build_session(DEMO_MODEL, spec, ProviderSettings()).session
+
+    def run(self, names: Any, feed: Any) -> Any:
+        if feed["obs"][0][0] == 9:
+            Gate.entered.set()
+            assert Gate.go.wait(30)
+        return self.inner.run(names, dict(feed))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +15,7 @@ from affinity import Keys
 from node.forward import SECRET_HEADER as SECRET
 from node.forward import Forward
 from node.policy import DEMO_MODEL, reference_rollout
-from tests.inproc import InProcNode, Router, cluster, config
+from tests.inproc import Gate, InProcNode, Router, cluster, config
 
 pytestmark = pytest.mark.anyio
 KEYS = Keys()
@@ -381,24 +380,6 @@ async def test_an_unknown_top_level_field_is_refused_by_name(node: InProcNode, r
     assert r.json()["error"]["field"] == "episodeId"
     assert r.json()["error"]["message"].startswith("unknown field 'episodeId'; expected: ")
     assert await snapshot(redis) == before
-
-
-class Gate:
-    """A real ORT session whose runs wait for ``go`` when the input's first value is 9."""
-
-    go = threading.Event()
-    entered = threading.Event()
-
-    def __init__(self, spec: Any) -> None:
-        from node.providers import ProviderSettings, build_session
-
-        self.inner = build_session(DEMO_MODEL, spec, ProviderSettings()).session
-
-    def run(self, names: Any, feed: Any) -> Any:
-        if feed["obs"][0][0] == 9:
-            Gate.entered.set()
-            assert Gate.go.wait(30)
-        return self.inner.run(names, dict(feed))
 
 
 async def test_a_forwarded_step_past_the_routers_budget_keeps_no_state(redis: Any) -> None:

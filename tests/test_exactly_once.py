@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from affinity import Keys, wire
 from node.policy import DEMO_MODEL, reference_rollout
 from node.step import Step
-from tests.inproc import cluster, config
+from tests.inproc import Gate, cluster, config
 
 pytestmark = pytest.mark.anyio
 KEYS = Keys()
@@ -112,24 +112,6 @@ async def test_a_registration_held_by_another_instance_stops_serving_at_once(
         r = await a.act(episode_id="ep", inputs={"obs": obs[1].tolist()})
         assert r.status_code == 503 and r.json()["error"]["code"] == "fenced"
         assert stopped.is_set() and not a.service.dispatcher.has_state("ep")
-
-
-class Gate:
-    """A real ORT session whose runs wait for ``go`` when the input's first value is 9."""
-
-    go = threading.Event()
-    entered = threading.Event()
-
-    def __init__(self, spec: Any) -> None:
-        from node.providers import ProviderSettings, build_session
-
-        self.inner = build_session(DEMO_MODEL, spec, ProviderSettings()).session
-
-    def run(self, names: Any, feed: Any) -> Any:
-        if feed["obs"][0][0] == 9:
-            Gate.entered.set()
-            assert Gate.go.wait(30)
-        return self.inner.run(names, dict(feed))
 
 
 async def test_a_client_that_leaves_while_its_step_runs_gets_it_undone(redis: Any) -> None:
