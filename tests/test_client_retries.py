@@ -10,7 +10,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from affinity import AsyncClient, Client, ServiceUnavailable
+from affinity import AsyncClient, Client, ServiceUnavailable, wire
 
 A, B = "http://a:8000", "http://b:8000"
 
@@ -24,6 +24,14 @@ def reply(request: httpx.Request, seq: int, url: str = A) -> httpx.Response:
     return httpx.Response(200, json=body, headers={"x-affinity-url": url})
 
 
+def sent(request: httpx.Request) -> dict[str, object]:
+    """The body a client sent, in either of its encodings."""
+    if request.headers["content-type"] == "application/msgpack":
+        body: dict[str, object] = wire.decode(request.content)
+        return body
+    return dict(json.loads(request.content))
+
+
 class Recorder:
     """A mock transport: records (host, body) of every request, answers with ``answer``."""
 
@@ -32,12 +40,12 @@ class Recorder:
         self.answer = answer
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
-        self.sent.append((f"http://{request.url.host}:8000", json.loads(request.content)))
+        self.sent.append((f"http://{request.url.host}:8000", sent(request)))
         return self.answer(request, len(self.sent))
 
 
 def test_every_step_sends_its_seq_and_falsy_fields() -> None:
-    rec = Recorder(lambda r, n: reply(r, json.loads(r.content)["seq"]))
+    rec = Recorder(lambda r, n: reply(r, sent(r)["seq"]))
     with Client(A, transport=httpx.MockTransport(rec)) as client:
         for _ in range(3):
             client.act("ep", {"obs": [[0.0]]}, execute_steps=0)
@@ -49,7 +57,7 @@ def test_a_timeout_is_retried_with_the_same_seq_on_another_node() -> None:
     def answer(request: httpx.Request, n: int) -> httpx.Response:
         if n == 2:  # step 2's first attempt, at the owner a: times out
             raise httpx.ReadTimeout("timed out", request=request)
-        return reply(request, json.loads(request.content)["seq"])
+        return reply(request, sent(request)["seq"])
 
     rec = Recorder(answer)
     with Client([A, B], transport=httpx.MockTransport(rec)) as client:
@@ -77,7 +85,7 @@ async def test_the_async_client_shares_the_rules() -> None:
     def answer(request: httpx.Request, n: int) -> httpx.Response:
         if n == 1:
             raise httpx.ReadTimeout("timed out", request=request)
-        return reply(request, json.loads(request.content)["seq"], B)
+        return reply(request, sent(request)["seq"], B)
 
     rec = Recorder(answer)
     async with AsyncClient([A, B], transport=httpx.MockTransport(rec)) as client:
