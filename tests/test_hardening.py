@@ -503,3 +503,36 @@ def test_a_websocket_from_another_site_is_refused(keyed: Node) -> None:
 
     assert b" 403 " in handshake("Origin: https://evil.example\r\n")
     assert b" 101 " in handshake("")
+
+
+@pytest.mark.anyio
+async def test_every_operator_endpoint_answers_a_redis_failure_with_one_handler() -> None:
+    redis = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    async with cluster(redis, [config("a")]) as (nodes, _):
+        node = nodes[0]
+        service = node.service
+        calls = [
+            ("GET", "/nodes"),
+            ("GET", "/devices"),
+            ("GET", "/episodes/ep-1"),
+            ("POST", "/episodes/ep-1/end"),
+        ]
+        for failure, code in (
+            (BackendUnavailable("Redis did not answer within 2.0s"), "redis"),
+            (PoolExhausted(128, 2.0), "busy"),
+        ):
+
+            async def fail(*args: object, exc: Exception = failure, **kwargs: object) -> None:
+                raise exc
+
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(service.registry, "nodes", fail)
+                mp.setattr(service.registry, "devices", fail)
+                mp.setattr(service.claims, "lookup", fail)
+                for method, path in calls:
+                    r = await node.client.request(
+                        method, path, headers={"X-Requested-With": "test"}
+                    )
+                    assert r.status_code == 503, (path, r.text)
+                    assert r.json()["error"]["code"] == code, (path, r.text)
+                    assert r.headers["retry-after"] == "1"
