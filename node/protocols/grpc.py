@@ -63,7 +63,7 @@ from node.protocols.kserve import (
     model_metadata,
     not_live,
     serialize_bytes,
-    to_step,
+    service_step,
 )
 from node.protocols.kserve_grpc import kserve_pb2 as pb
 from node.service import NodeService
@@ -366,11 +366,7 @@ class GrpcFrontDoor:
             remaining = context.time_remaining()  # the client's gRPC deadline, if it set one
             if remaining is not None:
                 budget = min(budget, remaining)
-            dispatcher = service.dispatcher
-            mode = dispatcher.mode_for(request.execute_steps, request.ensemble)
-            returned = [dispatcher.chunk.output] if mode and dispatcher.chunk else None
-            claim_unknown = service.config.kserve_claim_unknown
-            step = to_step(service.contract, request, started + budget, returned, claim_unknown)
+            step = service_step(service, request, started + budget)
             served[0] = step.episode or "-"
             reply = await service.routing.act(step)
             served[1:] = [reply.device, reply.routing]
