@@ -296,6 +296,55 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Api-Key {api_key}"} if api_key else {}
 
 
+class _Plan:
+    """One step's attempts (:meth:`_Episodes.attempts`) for a client's I/O loop: iterating
+    gives seconds to sleep, or a request (URL, body, headers) to POST, whose response or
+    transport error goes to :meth:`answer` before the next item; :meth:`outcome` then
+    returns the served step or raises what the attempts raised. The one loop both clients
+    share, with nothing of their I/O in it."""
+
+    def __init__(
+        self,
+        logic: _Episodes,
+        encoding: Encoding,
+        episode: str | None,
+        inputs: Mapping[str, Any],
+        end: bool,
+        execute_steps: int | None,
+    ) -> None:
+        self._attempts = logic.attempts(episode, inputs, end=end, execute_steps=execute_steps)
+        self._encoding = encoding
+        self._result: httpx.Response | Exception | None = None
+        self._started = False
+        self._step: Step | None = None
+
+    def __iter__(self) -> Iterator[float | tuple[str, bytes, dict[str, str]]]:
+        return self
+
+    def __next__(self) -> float | tuple[str, bytes, dict[str, str]]:
+        try:
+            if self._started:
+                action = self._attempts.send(self._result)
+            else:
+                action, self._started = next(self._attempts), True
+        except StopIteration as done:
+            self._step = done.value
+            raise StopIteration from None
+        self._result = None
+        if isinstance(action, float):
+            return action
+        url, body = action
+        data, headers = _encode(body, self._encoding)
+        return url + "/act", data, headers
+
+    def answer(self, result: httpx.Response | Exception) -> None:
+        self._result = result
+
+    def outcome(self) -> Step:
+        assert self._step is not None, "iterate the plan to its end first"
+        return self._step
+
+
 class AsyncClient:
     """The async client (see the module doc). ``nodes`` are node base URLs (any of them
     accepts any episode); ``timeout`` bounds one HTTP attempt in seconds; ``encoding`` is
@@ -330,26 +379,16 @@ class AsyncClient:
     ) -> Step:
         """One step of ``episode_id`` (``None``: stateless). Raises :class:`StateReset`
         (if asked), :class:`RequestRefused`, :class:`ServiceUnavailable`."""
-        plan = self._logic.attempts(episode_id, inputs, end=end, execute_steps=execute_steps)
-        action = next(plan)
-        while True:
+        plan = _Plan(self._logic, self._encoding, episode_id, inputs, end, execute_steps)
+        for action in plan:
+            if isinstance(action, float):
+                await asyncio.sleep(action)
+                continue
             try:
-                if isinstance(action, float):
-                    await asyncio.sleep(action)
-                    action = plan.send(None)
-                    continue
-                try:
-                    url, body = action
-                    data, headers = _encode(body, self._encoding)
-                    result: httpx.Response | Exception = await self._http.post(
-                        url + "/act", content=data, headers=headers
-                    )
-                except httpx.TransportError as exc:
-                    result = exc
-                action = plan.send(result)
-            except StopIteration as done:
-                step: Step = done.value
-                return step
+                plan.answer(await self._http.post(action[0], content=action[1], headers=action[2]))
+            except httpx.TransportError as exc:
+                plan.answer(exc)
+        return plan.outcome()
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -389,26 +428,16 @@ class Client:
         execute_steps: int | None = None,
     ) -> Step:
         """One step of ``episode_id``; see :meth:`AsyncClient.act`."""
-        plan = self._logic.attempts(episode_id, inputs, end=end, execute_steps=execute_steps)
-        action = next(plan)
-        while True:
+        plan = _Plan(self._logic, self._encoding, episode_id, inputs, end, execute_steps)
+        for action in plan:
+            if isinstance(action, float):
+                time.sleep(action)
+                continue
             try:
-                if isinstance(action, float):
-                    time.sleep(action)
-                    action = plan.send(None)
-                    continue
-                try:
-                    url, body = action
-                    data, headers = _encode(body, self._encoding)
-                    result: httpx.Response | Exception = self._http.post(
-                        url + "/act", content=data, headers=headers
-                    )
-                except httpx.TransportError as exc:
-                    result = exc
-                action = plan.send(result)
-            except StopIteration as done:
-                step: Step = done.value
-                return step
+                plan.answer(self._http.post(action[0], content=action[1], headers=action[2]))
+            except httpx.TransportError as exc:
+                plan.answer(exc)
+        return plan.outcome()
 
     def close(self) -> None:
         self._http.close()

@@ -10,9 +10,9 @@ from typing import Any
 from affinity.errors import InvalidArgument
 from affinity.keys import Keys
 
-__all__ = ["Settings"]
+__all__ = ["ENV_VARS", "Settings"]
 
-_ENV = {
+ENV_VARS = {
     "redis_url": "AFFINITY_REDIS_URL",
     "namespace": "AFFINITY_NAMESPACE",
     "episode_ttl_s": "AFFINITY_EPISODE_TTL",
@@ -23,6 +23,7 @@ _ENV = {
     "redis_deadline_s": "AFFINITY_REDIS_DEADLINE",
     "redis_max_connections": "AFFINITY_REDIS_MAX_CONNECTIONS",
 }
+"""The environment variable :meth:`Settings.from_env` reads for each setting."""
 
 _LABELS = {
     "episode_ttl_s": "episode TTL",
@@ -109,7 +110,7 @@ class Settings:
         env = os.environ if env is None else env
         kwargs: dict[str, Any] = {}
         types = {f.name: f.type for f in fields(cls)}
-        for name, var in _ENV.items():
+        for name, var in ENV_VARS.items():
             raw = env.get(var)
             if raw is None or raw == "":
                 continue

@@ -8,12 +8,16 @@ with a short capped backoff, and every library call is further bounded by
 
 The pool is bounded (``redis_max_connections``) and blocking: a burst of calls larger
 than the pool waits for connections, within the deadline, where redis-py's default pool
-fails at once with "Too many connections".
+fails at once with "Too many connections". A call that waited its whole deadline for a
+connection raises :class:`PoolExhausted` (this process is overloaded), not the error that
+blames Redis.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import weakref
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
@@ -25,9 +29,17 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from affinity.config import Settings
-from affinity.errors import InvalidArgument
+from affinity.errors import InvalidArgument, PoolExhausted
 
-__all__ = ["SCHEMES", "AnyRedis", "close", "connect", "embedded_store", "url_problem"]
+__all__ = [
+    "SCHEMES",
+    "AnyRedis",
+    "close",
+    "connect",
+    "embedded_store",
+    "starved",
+    "url_problem",
+]
 
 log = logging.getLogger("affinity")
 
@@ -56,6 +68,47 @@ def url_problem(url: str) -> str | None:
     except ValueError:
         return "its port must be a number 0-65535"
     return None
+
+
+_waiting: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
+"""Tasks waiting for a connection of a bounded pool (not yet handed one)."""
+_starved: weakref.WeakKeyDictionary[asyncio.Task[Any], int] = weakref.WeakKeyDictionary()
+"""Tasks cancelled (by their deadline) while still waiting for a pool connection: the
+size of that pool."""
+
+
+def starved(task: asyncio.Task[Any]) -> int | None:
+    """The size of the pool ``task`` was waiting on when it was cancelled (and forget it),
+    ``None`` if it was not waiting: its deadline was spent on this process's own
+    overload, not on Redis."""
+    return _starved.pop(task, None)
+
+
+class _Pool(BlockingConnectionPool):
+    """redis-py's blocking pool that tells a wait for a connection from a call to Redis."""
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        task = asyncio.current_task()
+        assert task is not None
+        _waiting.add(task)
+        try:
+            return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+        except RedisConnectionError as exc:
+            if task in _waiting:  # the pool's own timeout: "No connection available."
+                raise PoolExhausted(self.max_connections, self.timeout or 0.0) from exc
+            raise
+        except asyncio.CancelledError:
+            if task in _waiting:
+                _starved[task] = self.max_connections
+            raise
+        finally:
+            _waiting.discard(task)
+
+    def get_available_connection(self) -> Any:
+        task = asyncio.current_task()
+        if task is not None:
+            _waiting.discard(task)  # handed a connection: from here on Redis is asked
+        return super().get_available_connection()  # type: ignore[no-untyped-call]
 
 
 def _client_kwargs(settings: Settings) -> dict[str, Any]:
@@ -90,7 +143,7 @@ def connect(settings: Settings) -> AnyRedis:
     problem = url_problem(url)
     if problem is not None:
         raise InvalidArgument("redis_url", url, problem)
-    pool = BlockingConnectionPool.from_url(
+    pool = _Pool.from_url(
         url,
         max_connections=settings.redis_max_connections,
         timeout=settings.redis_deadline_s,

@@ -14,6 +14,7 @@ __all__ = [
     "InvalidArgument",
     "NoCapacity",
     "NodeConflict",
+    "PoolExhausted",
     "SecretMismatch",
     "StaleToken",
     "UnknownDevice",
@@ -121,6 +122,19 @@ class UnknownNode(AffinityError, LookupError):
 
 class BackendUnavailable(AffinityError):
     """Redis did not answer within the configured timeout and retry budget."""
+
+
+class PoolExhausted(BackendUnavailable):
+    """Every connection of this process's Redis pool stayed in use for the whole Redis
+    deadline: this process is overloaded, Redis was not asked (a node answers 503 ``busy``).
+    """
+
+    def __init__(self, connections: int, deadline_s: float) -> None:
+        self.connections = connections
+        super().__init__(
+            f"all {connections} Redis connections of this process stayed busy for "
+            f"{deadline_s}s (overloaded; Redis itself was not asked)"
+        )
 
 
 class NodeConflict(AffinityError):

@@ -34,7 +34,8 @@ from typing import Any, TypeVar
 from redis.exceptions import NoScriptError, RedisError
 
 from affinity.config import Settings
-from affinity.errors import BackendUnavailable
+from affinity.connection import starved
+from affinity.errors import BackendUnavailable, PoolExhausted
 from affinity.keys import Keys
 
 __all__ = ["NAMES", "Script", "Scripts", "bounded", "evalsha", "scripts_for", "source"]
@@ -215,7 +216,9 @@ async def bounded(settings: Settings, call: Awaitable[T]) -> T:
 
     Raises :class:`BackendUnavailable` when the deadline passes, the connection fails, or
     Redis answers with an error (OOM, READONLY after a failover, BUSY, CLUSTERDOWN: for
-    the caller the store cannot decide now)."""
+    the caller the store cannot decide now); :class:`PoolExhausted` (one of those) when
+    the deadline passed while the call still waited for a connection of this process's
+    pool."""
     loop = asyncio.get_running_loop()
     watchdog = _watchdogs.get(loop)
     if watchdog is None:
@@ -239,6 +242,9 @@ async def bounded(settings: Settings, call: Awaitable[T]) -> T:
         if not expired:
             raise
         task.uncancel()
+        connections = starved(task)
+        if connections is not None:
+            raise PoolExhausted(connections, settings.redis_deadline_s) from None
         raise BackendUnavailable(
             f"Redis did not answer within {settings.redis_deadline_s}s"
         ) from None

@@ -43,6 +43,7 @@ from affinity import (
     AffinityError,
     BackendUnavailable,
     InvalidArgument,
+    PoolExhausted,
     StaleToken,
     UnknownDevice,
     UnknownEpisode,
@@ -303,8 +304,6 @@ def create_app(
             return error(422, "bad_input", str(exc), field="episode_id")
         except (UnknownEpisode, StaleToken) as exc:
             return error(409, "changed", f"{exc}; try again")
-        except BackendUnavailable as exc:
-            return error(503, "redis", str(exc), retry_after=1)
         s.dispatcher.release(episode_id)
         return JSONResponse({"episode_id": episode_id, "released": True, "device": info.device})
 
@@ -315,8 +314,6 @@ def create_app(
             info = await svc().claims.lookup(episode_id)
         except InvalidArgument as exc:
             return error(422, "bad_input", str(exc), field="episode_id")
-        except BackendUnavailable as exc:
-            return error(503, "redis", str(exc), retry_after=1)
         if info is None:
             return error(404, "not_found", f"episode {episode_id!r} has no live assignment")
         body = info.to_json()
@@ -327,10 +324,7 @@ def create_app(
     async def devices() -> Response:
         """Every device of the fleet; this node's own add crash-tracker facts."""
         s = svc()
-        try:
-            listed = await s.registry.devices()
-        except BackendUnavailable as exc:
-            return error(503, "redis", str(exc), retry_after=1)
+        listed = await s.registry.devices()
         out = []
         for d in listed:
             row = d.to_json()
@@ -378,8 +372,6 @@ def create_app(
             return error(404, "not_found", str(exc))
         except InvalidArgument as exc:
             return error(422, "bad_input", str(exc), field=exc.field)
-        except BackendUnavailable as exc:
-            return error(503, "redis", str(exc), retry_after=1)
         if device in s.device_ids:
             s.metrics.set_state(device, change.state)
         return JSONResponse({"device": device, "state": change.state, "previous": change.previous})
@@ -436,6 +428,13 @@ def create_app(
         field = ".".join(str(part) for part in first["loc"][1:]) or str(first["loc"][0])
         message = f"{field} {first.get('input')!r:.80}: {first['msg']}"
         return error(422, "bad_input", message, field=field)
+
+    @api.exception_handler(BackendUnavailable)
+    async def redis_unavailable(request: Request, exc: BackendUnavailable) -> Response:
+        """The one answer of every endpoint whose Redis call failed: 503 ``busy`` when the
+        call only waited for this node's pool (it is overloaded), else ``redis``."""
+        code = "busy" if isinstance(exc, PoolExhausted) else "redis"
+        return error(503, code, str(exc), retry_after=1)
 
     @api.exception_handler(AffinityError)
     async def affinity_error(request: Request, exc: AffinityError) -> Response:

@@ -12,10 +12,13 @@ semantics:
   ``sequence_end`` in KServe); else 0. A stateless step: 1.
 - ``control.ready``: 1 for each row that carries a real step, 0 for the rows a batched run
   is padded with.
-- ``control.corrid``: the episode's correlation id, ``uint64`` or ``int64`` as the model
-  declares: a KServe integer sequence id as is (``kserve:i:7`` -> 7); any other episode id
-  (a string sequence id, an ``/act`` or openpi ``episode_id``) as the first 8 bytes of its
-  BLAKE2b digest (the same on every node; top bit cleared for ``int64``); 0 without one.
+- ``control.corrid``: the episode's correlation id, ``uint64``, ``int64`` or string as the
+  model declares. A number: a KServe integer sequence id as is (``kserve:i:7`` -> 7); any
+  other episode id (a string sequence id, an ``/act`` or openpi ``episode_id``) as the first
+  8 bytes of its BLAKE2b digest (the same on every node; top bit cleared for ``int64``); 0
+  without one. A string (Triton's ``sequence(string_id)``): a KServe sequence id as the
+  client sent it (``kserve:s:robot-7`` -> ``robot-7``, ``kserve:i:7`` -> ``7``), any other
+  episode id as is; ``""`` without one.
 
 Each value has the input's dtype (a bool, integer or float input takes 1/0) and shape, one
 per row: ``[1, 1]`` or ``[1]`` with a batch axis, as declared.
@@ -36,10 +39,19 @@ __all__ = ["START", "control_feed", "corrid_of", "padding", "started"]
 START = "control.start"
 _READY = "control.ready"
 _KSERVE_INT = "kserve:i:"
+_KSERVE_STR = "kserve:s:"
 
 
-def corrid_of(episode: str | None, dtype: str) -> int:
-    """The correlation id of ``episode`` for a ``dtype`` (``uint64`` or ``int64``) input."""
+def corrid_of(episode: str | None, dtype: str) -> int | str:
+    """The correlation id of ``episode`` for a ``dtype`` (``uint64``, ``int64`` or
+    ``object``: a string) input."""
+    if dtype == "object":
+        if episode is None:
+            return ""
+        for prefix in (_KSERVE_INT, _KSERVE_STR):
+            if episode.startswith(prefix):
+                return episode.removeprefix(prefix)
+        return episode
     if episode is None:
         return 0
     limit = 1 << (64 if dtype == "uint64" else 63)

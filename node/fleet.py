@@ -317,10 +317,7 @@ def add_fleet_routes(app: FastAPI, service: Callable[[], FleetSource]) -> Fleet:
     async def nodes() -> Any:
         """Every node in the registry, alive or lapsed, with its lease time left."""
         s = service()
-        try:
-            listed = await s.registry.nodes()
-        except BackendUnavailable as exc:
-            return _error(503, "redis", str(exc), retry_after=1)
+        listed = await s.registry.nodes()  # BackendUnavailable: the app's one handler
         return {
             "node": s.node_id,
             "instance": s.instance,
@@ -372,10 +369,7 @@ def add_fleet_routes(app: FastAPI, service: Callable[[], FleetSource]) -> Fleet:
             else:
                 first, cursor = await s.stream_registry.latest_events(backlog)
                 gap = None
-        except BackendUnavailable as exc:
-            release()
-            return _error(503, "redis", str(exc), retry_after=1)
-        except BaseException:
+        except BaseException:  # BackendUnavailable included: the app's one handler answers
             release()
             raise
         return _EventStream(

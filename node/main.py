@@ -26,17 +26,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
+from urllib.parse import urlsplit
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from affinity import BackendUnavailable, NodeConflict, Settings, connect, embedded_store
+from affinity.config import ENV_VARS
 from affinity.connection import url_problem
 from affinity.errors import InvalidArgument, SecretMismatch
 from affinity.registry import MAX_WEIGHT, check_node_id
 from node.accesslog import JsonFormatter
 from node.app import create_app
 from node.binding import BoundSession
+from node.chunks import ENSEMBLES
 from node.config import NodeConfig
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import MultiGpuDispatcher, Session
@@ -148,18 +151,19 @@ _FLAGS = (
           "is dynamic, else 1; 1 turns batching off)", int, low=1, high=4096),
     _Flag("--batch-delay", "AFFINITY_BATCH_DELAY", 500.0,
           "microseconds a device waits for more steps once one waits (only while another "
-          "recently active episode may send one)", float),
+          "recently active episode may send one)", float, low=0, high=60_000_000),
     _Flag("--execute-steps", "AFFINITY_EXECUTE_STEPS", None,
           "action-chunk execution: run the policy every k steps, serve the buffer between "
           "(none: every step runs the model)", int, low=1, high=4096),
     _Flag("--ensemble", "AFFINITY_ENSEMBLE", "none",
           "none | exp: temporal ensembling of overlapping chunks (ACT)"),
     _Flag("--ensemble-decay", "AFFINITY_ENSEMBLE_DECAY", 0.01,
-          "m in ACT's weights w_i = exp(-m*i), oldest prediction first", float),
+          "m in ACT's weights w_i = exp(-m*i), oldest prediction first", float,
+          low=0, high=1000),
     _Flag("--failure-threshold", "AFFINITY_FAILURE_THRESHOLD", 3,
           "consecutive model failures before a device goes down", int, low=1, high=1_000_000),
     _Flag("--cooldown", "AFFINITY_COOLDOWN", 30.0,
-          "seconds a down device waits before its probe", float),
+          "seconds a down device waits before its probe", float, low=0, high=86_400),
     _Flag("--embedded-port", "AFFINITY_EMBEDDED_PORT", None,
           "with the embedded store: also answer the Redis protocol on this port", int,
           low=1, high=65535),
@@ -232,14 +236,16 @@ def parse_args(
         if problem is not None:
             p.error(f"{f.name} {value}: {problem} (env {f.env})")
     for name, allowed in (
+        ("ensemble", ENSEMBLES),
         ("log_format", ("plain", "json")),
         ("access_log", ("on", "off")),
         ("log_level", LOG_LEVELS),
     ):
         values[name] = values[name].lower()
         if values[name] not in allowed:
-            flag = "--" + name.replace("_", "-")
-            p.error(f"{flag} {values[name]!r}: must be one of {', '.join(allowed)}")
+            flag = _flag(name)
+            p.error(f"{flag.name} {values[name]!r}: must be one of {', '.join(allowed)} "
+                    f"(env {flag.env})")  # fmt: skip
     wait = values["admission_wait"]
     if not 0 <= wait < values["act_deadline"]:
         p.error(f"--admission-wait {wait}: must be >= 0 and less than --act-deadline "
@@ -254,7 +260,11 @@ def parse_args(
     except InvalidArgument as exc:
         p.error(f"--node-id {node_id!r}: {exc.limit} (env AFFINITY_NODE_ID)")
     host = values["host"]
-    advertise = values["advertise_url"] or (
+    given = values["advertise_url"]
+    if given and (urlsplit(given).scheme not in ("http", "https") or not urlsplit(given).netloc):
+        p.error(f"--advertise-url {given!r}: must be a URL such as http://host:8000 "
+                "(env AFFINITY_ADVERTISE_URL)")  # fmt: skip
+    advertise = given or (
         f"http://{host if host != '0.0.0.0' else socket.gethostname()}:{values['port']}"
     )
     try:
@@ -310,8 +320,26 @@ def parse_args(
             admission_wait_s=values["admission_wait"],
         )
     except ValueError as exc:  # InvalidArgument included: it names the setting
-        p.error(str(exc))
+        p.error(flag_message(exc))
         raise  # unreachable: p.error exits
+
+
+def _flag(key: str) -> _Flag:
+    """The flag of a configuration key (``lease_ttl`` or ``lease_ttl_s``: ``--lease-ttl``)."""
+    name = "--" + key.removesuffix("_s").replace("_", "-")
+    return next(f for f in _FLAGS if f.name == name)
+
+
+def flag_message(exc: ValueError) -> str:
+    """``exc``'s message naming the flag or variable a person sets, never a field of the
+    code (``invalid execute_steps 5``: ``--execute-steps 5``)."""
+    if isinstance(exc, InvalidArgument):
+        if any(f.name == "--" + exc.field.removesuffix("_s").replace("_", "-") for f in _FLAGS):
+            flag = _flag(exc.field)
+            return f"{flag.name} {exc.value!r}: {exc.limit} (env {flag.env})"
+        if exc.field in ENV_VARS:
+            return f"{ENV_VARS[exc.field]}={exc.value!r}: {exc.limit}"
+    return str(exc)
 
 
 def build_service(
@@ -400,7 +428,7 @@ def build_service(
                 pool=pool,
             )
         except ValueError as exc:  # batching or chunk settings this model cannot take
-            raise StartupError(str(exc)) from None
+            raise StartupError(flag_message(exc)) from None
         await service.dispatcher.warm_up()
         graphs = sum(isinstance(s, BoundSession) for s in sessions.values())
         log.info("%d device(s) warmed up on their workers, %d CUDA graph(s)", len(sessions), graphs)

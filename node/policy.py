@@ -496,10 +496,13 @@ def _check_control(inputs: Sequence[TensorSpec], where: str) -> None:
                 f"{where}: input {spec.name!r}: the control inputs the node fills are "
                 f"{', '.join(CONTROL_INPUTS)}"
             )
-        if spec.dtype == "object":
+        if spec.name == "control.corrid":
+            if spec.dtype not in ("uint64", "int64", "object"):
+                raise ValueError(
+                    f"{where}: control.corrid is {spec.dtype}; it must be uint64, int64 or string"
+                )
+        elif spec.dtype == "object":
             raise ValueError(f"{where}: {spec.name} is a string tensor; it must be numeric")
-        if spec.name == "control.corrid" and spec.dtype not in ("uint64", "int64"):
-            raise ValueError(f"{where}: control.corrid is {spec.dtype}; it must be uint64 or int64")
         sizes = [d for d in spec.shape[1:] if isinstance(d, int)]
         if any(d != 1 for d in sizes):
             raise ValueError(f"{where}: {spec.name} is {spec.describe()}: one value per row")

@@ -33,7 +33,15 @@ import os
 import time
 from collections.abc import Callable
 
-from affinity import Assignment, BackendUnavailable, Claims, NoCapacity, StaleToken, UnknownEpisode
+from affinity import (
+    Assignment,
+    BackendUnavailable,
+    Claims,
+    NoCapacity,
+    PoolExhausted,
+    StaleToken,
+    UnknownEpisode,
+)
 from node.admission import Admission
 from node.config import NodeConfig
 from node.control import control_feed
@@ -192,6 +200,8 @@ class Routing:
                 )
             self.peers.resolved(assignment)
             return assignment
+        except PoolExhausted as exc:
+            raise Unavailable("busy", str(exc), 1.0) from exc
         except BackendUnavailable as exc:
             raise Unavailable("redis", str(exc), 1.0) from exc
         except NoCapacity as exc:
@@ -423,6 +433,8 @@ class Routing:
             # owner; a token re-issued after a lossy failover is another claim id)
             try:
                 info = await self.claims.lookup(fwd.episode)
+            except PoolExhausted as exc:
+                raise Unavailable("busy", str(exc), 1.0) from exc
             except BackendUnavailable as exc:
                 raise Unavailable("redis", str(exc), 1.0) from exc
             held = None if info is None else (info.device, info.token, info.claim)

@@ -98,7 +98,7 @@ class Unavailable(Exception):
     """The step cannot be decided or served now; answer 503 with ``Retry-After``.
 
     ``reason`` is a short code from a fixed set (documented in docs/protocols.md): ``fenced``,
-    ``leaving``, ``redis``, ``full``, ``no_nodes``, ``owner_unreachable``,
+    ``leaving``, ``redis``, ``busy``, ``full``, ``no_nodes``, ``owner_unreachable``,
     ``owner_refused``, ``deadline``, ``device_down``.
     """
 

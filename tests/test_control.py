@@ -105,7 +105,7 @@ def test_control_inputs_are_hidden_and_checked(tmp_path: Path) -> None:
     assert [t["name"] for t in model_metadata(contract, NAME)["inputs"]] == ["obs"]
     with pytest.raises(ValueError, match="control inputs the node fills"):
         load_contract(accumulator(tmp_path / "bad", extra="control.bogus"))
-    with pytest.raises(ValueError, match="uint64 or int64"):
+    with pytest.raises(ValueError, match="uint64, int64 or string"):
         load_contract(accumulator(tmp_path / "f", corrid=TensorProto.FLOAT))
 
 
@@ -269,3 +269,48 @@ def test_start_follows_resets_and_padding_rows_are_not_ready() -> None:
     runs = asyncio.run(_steps())
     assert [r["control.start"][0] for r in runs] == [1, 0, 1]
     assert all(r["control.ready"] == [1, 0, 0, 0] for r in runs)
+
+
+# ---- a string corrid (Triton's sequence(string_id)) ---------------------------------------
+
+
+def test_a_string_corrid_is_the_sequence_id_as_sent(tmp_path: Path) -> None:
+    assert corrid_of("kserve:s:robot-7", "object") == "robot-7"
+    assert corrid_of("kserve:i:7", "object") == "7"
+    assert corrid_of("act-ep", "object") == "act-ep"
+    assert corrid_of(None, "object") == ""
+    contract = load_contract(accumulator(tmp_path, corrid=TensorProto.STRING))
+    feed = control_feed(contract, "kserve:s:robot-7", start=True, end=False)
+    assert feed["control.corrid"].dtype == object
+    assert feed["control.corrid"].reshape(-1).tolist() == ["robot-7"]
+
+
+@pytest.mark.integration
+def test_a_string_corrid_model_over_kserve_http_and_grpc(tmp_path: Path) -> None:
+    path = accumulator(tmp_path / "model", corrid=TensorProto.STRING)
+    redis = RedisServer(tmp_path)
+    port = free_port()
+    node = Node(tmp_path, "sc", redis.url, devices="cpu:1",
+                extra=["--model", str(path), "--grpc-port", str(port)])  # fmt: skip
+    with running(redis, [node]):
+        http = th.InferenceServerClient(f"{node.host}:{node.port}")
+        grpc = tg.InferenceServerClient(f"127.0.0.1:{port}")
+        try:
+            for client, kind, sequence in ((http, th, "robot-h"), (grpc, tg, "robot-g")):
+                obs = steps(4, 3)
+                got = []
+                for i, o in enumerate(obs):
+                    tensor = kind.InferInput("obs", [1, 2], "FP32")
+                    tensor.set_data_from_numpy(o)
+                    last = i == len(obs) - 1
+                    r = client.infer(NAME, [tensor], sequence_id=sequence,
+                                     sequence_start=i == 0, sequence_end=last)  # fmt: skip
+                    got.append({k: r.as_numpy(k) for k in ("total", "seen", "corrid")})
+                want = replay(obs, 0)
+                for g, w in zip(got, want, strict=True):
+                    np.testing.assert_allclose(np.asarray(g["total"]).reshape(1, 2), w["total"])
+                    np.testing.assert_array_equal(np.asarray(g["seen"]).reshape(1, 3), w["seen"])
+                    assert [bytes(v) for v in g["corrid"].reshape(-1)] == [sequence.encode()]
+        finally:
+            http.close()
+            grpc.close()

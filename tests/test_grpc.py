@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import queue
 import random
+import time
 import tracemalloc
 from collections.abc import Iterator
 from typing import Any
 
+import fakeredis
 import grpc
 import httpx
 import numpy as np
@@ -21,10 +24,12 @@ import tritonclient.grpc.aio as tg_aio
 import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
+from node.accesslog import AccessLog
 from node.policy import DEMO_MODEL, reference_rollout
-from node.protocols.grpc import decode_request
+from node.protocols.grpc import GrpcFrontDoor, decode_request
 from node.protocols.kserve import BadRequest
 from node.protocols.kserve_grpc import kserve_pb2 as pb
+from tests.inproc import cluster, config
 from tests.procs import Node, RedisServer, free_port
 from tests.test_cluster import Cluster, running
 from tests.test_kserve import observations
@@ -364,3 +369,56 @@ def test_statistics_count_a_known_number_of_requests(three: tuple[Cluster, list[
     finally:
         grpc_client.close()
         http_client.close()
+
+
+# ---- in process: the budget and the access line of one gRPC step -------------------------
+
+
+class _Context:
+    """What the front door asks of a gRPC call's context."""
+
+    def __init__(self, remaining: float | None) -> None:
+        self.remaining = remaining
+
+    def time_remaining(self) -> float | None:
+        return self.remaining
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5555"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("remaining", [0.25, None])
+async def test_a_grpc_deadline_shortens_the_step_and_each_step_writes_an_access_line(
+    remaining: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    redis = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    async with cluster(redis, [config("a", act_deadline_s=5.0)]) as (nodes, _):
+        service = nodes[0].service
+        access = AccessLog(stream=io.StringIO())
+        door = GrpcFrontDoor(service, access)
+        budgets: list[float] = []
+        act = service.routing.act
+
+        async def measured(step: Any) -> Any:
+            budgets.append(step.deadline - time.monotonic())
+            return await act(step)
+
+        monkeypatch.setattr(service.routing, "act", measured)
+        msg = message([1, 8], [observations(1, 1)[0].tobytes()])
+        msg.model_name = door.model_name
+        msg.parameters["sequence_id"].string_param = "robot-7"
+        msg.parameters["sequence_start"].bool_param = True
+        await door.infer(msg, _Context(remaining), "ModelInfer")
+        msg.model_name = "nope"
+        with pytest.raises(Exception, match="unknown model"):
+            await door.infer(msg, _Context(remaining), "ModelStreamInfer")
+        access.flush()
+    if remaining is None:
+        assert 4.0 < budgets[0] <= 5.0  # --act-deadline
+    else:
+        assert 0 < budgets[0] <= remaining  # the client's deadline, not --act-deadline
+    served, refused = access.stream.getvalue().splitlines()  # type: ignore[union-attr]
+    assert '127.0.0.1:5555 "GRPC /inference.GRPCInferenceService/ModelInfer" 200' in served
+    assert "episode=kserve:s:robot-7 device=a/" in served and "routing=claimed" in served
+    assert '"GRPC /inference.GRPCInferenceService/ModelStreamInfer" 404' in refused

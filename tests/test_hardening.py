@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +20,8 @@ import numpy as np
 import orjson
 import pytest
 
+from affinity import BackendUnavailable, PoolExhausted, Settings, connect
+from affinity.scripts import bounded
 from node.accesslog import AccessLog, escape
 from tests.inproc import cluster, config
 from tests.procs import ROOT, Node, RedisServer, free_port, tmpdir, wait_until
@@ -263,8 +266,6 @@ async def test_a_kserve_timeout_of_microseconds_is_never_served_late(
 
 @pytest.mark.anyio
 async def test_a_redis_call_whose_cancellation_was_swallowed_still_fails_its_deadline() -> None:
-    from affinity import BackendUnavailable, Settings
-    from affinity.scripts import bounded
 
     async def swallows() -> str:  # what asyncio.wait_for does on 3.11 (gh-86296)
         with contextlib.suppress(asyncio.CancelledError):
@@ -388,6 +389,72 @@ def test_a_burst_of_400_new_episodes_gets_no_spurious_503() -> None:
         server.stop()
 
 
+@pytest.mark.anyio
+async def test_a_wait_for_a_pool_connection_past_the_deadline_is_busy_not_redis() -> None:
+    tmp = tmpdir()
+    server = RedisServer(tmp).start()
+    settings = Settings(redis_url=server.url, redis_max_connections=1, redis_deadline_s=0.2)
+    client = connect(settings)
+    try:
+        assert await bounded(settings, client.ping())
+        held = await client.connection_pool.get_connection()  # the pool's only connection
+        with pytest.raises(PoolExhausted, match="all 1 Redis connections"):
+            await bounded(settings, client.ping())
+        await client.connection_pool.release(held)
+        assert await bounded(settings, client.ping())  # free again: Redis is asked
+        server.proc.send(signal.SIGSTOP)  # Redis itself silent: that one is Redis's
+        try:
+            with pytest.raises(BackendUnavailable) as caught:
+                await bounded(settings, client.ping())
+            assert not isinstance(caught.value, PoolExhausted)
+        finally:
+            server.proc.send(signal.SIGCONT)
+    finally:
+        await client.aclose()
+        server.stop()
+
+
+@pytest.mark.integration
+def test_an_overloaded_node_answers_busy_with_retry_after_not_redis() -> None:
+    tmp = tmpdir()
+    server = RedisServer(tmp).start()
+    node = Node(
+        tmp, "small", server.url, devices="cpu:1",
+        extra=["--capacity", "100", "--lease-ttl", "20"],
+        env={"AFFINITY_REDIS_MAX_CONNECTIONS": "2", "AFFINITY_REDIS_DEADLINE": "0.5"},
+    ).start()  # fmt: skip
+    try:
+        with httpx.Client(timeout=10) as c:
+            warm = c.post(node.url + "/act", json={"episode_id": "w", "inputs": OBS})
+            assert warm.status_code == 200, warm.text
+
+        async def many() -> list[httpx.Response]:
+            limits = httpx.Limits(max_connections=40)
+            async with httpx.AsyncClient(timeout=30, limits=limits) as c:
+                return await asyncio.gather(
+                    *(
+                        c.post(node.url + "/act", json={"episode_id": f"o{i}", "inputs": OBS})
+                        for i in range(20)
+                    )
+                )
+
+        server.proc.send(signal.SIGSTOP)  # the node's 2 connections hang in a call
+        try:
+            replies = asyncio.run(many())
+        finally:
+            server.proc.send(signal.SIGCONT)
+        codes = [r.json()["error"]["code"] for r in replies]
+        assert all(r.status_code == 503 for r in replies), codes
+        assert set(codes) <= {"busy", "redis"}, codes
+        busy = [r for r in replies if r.json()["error"]["code"] == "busy"]
+        assert busy, codes
+        assert all(r.headers["retry-after"] == "1" for r in busy)
+        assert all("Redis itself was not asked" in r.json()["error"]["message"] for r in busy)
+    finally:
+        node.stop()
+        server.stop()
+
+
 # ---- item 9: inputs for another model are the client's, not a crash ----------------------------
 
 
@@ -436,3 +503,36 @@ def test_a_websocket_from_another_site_is_refused(keyed: Node) -> None:
 
     assert b" 403 " in handshake("Origin: https://evil.example\r\n")
     assert b" 101 " in handshake("")
+
+
+@pytest.mark.anyio
+async def test_every_operator_endpoint_answers_a_redis_failure_with_one_handler() -> None:
+    redis = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    async with cluster(redis, [config("a")]) as (nodes, _):
+        node = nodes[0]
+        service = node.service
+        calls = [
+            ("GET", "/nodes"),
+            ("GET", "/devices"),
+            ("GET", "/episodes/ep-1"),
+            ("POST", "/episodes/ep-1/end"),
+        ]
+        for failure, code in (
+            (BackendUnavailable("Redis did not answer within 2.0s"), "redis"),
+            (PoolExhausted(128, 2.0), "busy"),
+        ):
+
+            async def fail(*args: object, exc: Exception = failure, **kwargs: object) -> None:
+                raise exc
+
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(service.registry, "nodes", fail)
+                mp.setattr(service.registry, "devices", fail)
+                mp.setattr(service.claims, "lookup", fail)
+                for method, path in calls:
+                    r = await node.client.request(
+                        method, path, headers={"X-Requested-With": "test"}
+                    )
+                    assert r.status_code == 503, (path, r.text)
+                    assert r.json()["error"]["code"] == code, (path, r.text)
+                    assert r.headers["retry-after"] == "1"

@@ -3,6 +3,7 @@ which flag is wrong in one line, with the documented exit codes (2 usage, 3 Redi
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 import sys
@@ -59,11 +60,44 @@ def test_version() -> None:
         (["--log-level", "loud"], "--log-level"),
         (["--act-deadline", "0"], "--act-deadline"),
         (["--keep-alive", "-1"], "--keep-alive"),
+        (["--batch-delay", "-1"], "--batch-delay -1.0: must be 0-60000000"),
+        (["--batch-delay", "nan"], "--batch-delay nan"),
+        (["--cooldown", "-1"], "--cooldown -1.0"),
+        (["--ensemble-decay", "-1"], "--ensemble-decay -1.0"),
+        (["--ensemble", "fancy"], "--ensemble 'fancy': must be one of none, exp"),
+        (["--lease-ttl", "0.0001"], "--lease-ttl 0.0001: must be more than 0.001 seconds"),
+        (["--episode-ttl", "0.0001"], "--episode-ttl 0.0001"),
+        (["--advertise-url", "ftp://x"], "--advertise-url 'ftp://x'"),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(argv: list[str], words: str) -> None:
     out = node(*argv, "--port", str(free_port()))
     assert_one_line(out, words)
+    assert_no_field_named(out.stderr)
+
+
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [("AFFINITY_REDIS_DEADLINE", "0"), ("AFFINITY_EVENTS_MAXLEN", "0"),
+     ("AFFINITY_REDIS_MAX_CONNECTIONS", "0"), ("AFFINITY_REDIS_RETRIES", "-1")],
+)  # fmt: skip
+def test_a_bad_setting_from_the_environment_names_its_variable(var: str, value: str) -> None:
+    out = node("--port", str(free_port()), env={var: value})
+    assert_one_line(out, f"affinity-node: {var}=")
+    assert_no_field_named(out.stderr)
+
+
+def test_a_chunk_setting_the_model_cannot_take_names_the_flag() -> None:
+    out = node("--devices", "cpu:1", "--port", str(free_port()), "--execute-steps", "5")
+    assert out.returncode == 2, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("affinity-node: --execute-steps 5: must be an integer from 1"), last
+    assert_no_field_named(last)
+
+
+def assert_no_field_named(text: str) -> None:
+    """No name of the code's (``lease_ttl_s``, ``max_batch=0``) in what the node printed."""
+    assert not re.search(r"\b[a-z]+_[a-z_]+\b|\b[a-z_]+=", text), text
 
 
 def assert_one_line(out: subprocess.CompletedProcess[str], words: str, code: int = 2) -> None:

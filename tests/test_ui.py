@@ -319,6 +319,37 @@ def test_admin_buttons_only_with_the_token(page: Page, stack: Stack) -> None:
     assert not button.is_displayed()
 
 
+def test_with_an_api_key_the_page_asks_for_it_and_then_shows_the_fleet_live(
+    browser: Any, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    key = "ui-api-key"
+    tmp: Path = tmp_path_factory.mktemp("ui-keyed")
+    server = RedisServer(tmp)
+    keyed = Node(tmp, "keyed", server.url, devices="cpu:2", extra=["--api-key", key])
+    with running(server, [keyed]):
+        browser.get_log("browser")
+        p = Page(browser, keyed.url + "/ui", allowed_errors=[r" 401 "])
+        browser.get(p.url)
+        p.wait(lambda d: p.find("#api-key").is_displayed(), "the API key box")
+        assert "wants its API key" in p.find("#banner").text
+        assert p.js("return document.querySelectorAll('.device').length") == 0
+        p.find("#api-key").send_keys(key)
+        p.find("#api-key-set").click()
+        assert p.find("#api-key").get_attribute("value") == "", "the key stays in memory"
+        p.wait(lambda d: len(p.cells()) == 2, "both devices of the keyed node")
+        p.wait(lambda d: p.find("#live").text == "live", "the event stream connected")
+        assert not p.find("#api-key").is_displayed()
+        episode = f"ui-{uuid.uuid4().hex[:10]}"
+        r = httpx.post(keyed.url + "/act", json={"episode_id": episode, "inputs": OBS},
+                       headers={"Authorization": f"Api-Key {key}"}, timeout=30)  # fmt: skip
+        assert r.status_code == 200, r.text
+        claim = f"#event-list li[data-type='claim']:has(.ep[data-episode='{episode}'])"
+        p.wait(lambda d: p.text(claim) is not None, f"the claim of {episode}, live")
+        urls = p.js("return performance.getEntriesByType('resource').map(e => e.name)")
+        assert not [u for u in urls if key in u], "the key never goes into a URL"
+        assert console_errors(browser, p.allowed_errors) == []
+
+
 FAKE_NODES = [f"gpu-{c}" for c in "cdefgh"]
 FAKE_SETTINGS = Settings(lease_ttl_s=600)
 

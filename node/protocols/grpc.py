@@ -22,7 +22,8 @@ little-endian row-major bytes) or as typed ``contents``. Every declared size (el
 counts against ``MAX_ELEMENTS``, raw sizes against shape and datatype) is checked before an
 array exists; raw inputs are read-only views of the received bytes. A message is bounded by
 ``--max-body-bytes`` (gRPC's receive limit). A client's gRPC deadline (``client_timeout``)
-shortens ``--act-deadline`` for the request, like ``timeout``. Outputs go back as
+shortens ``--act-deadline`` for the request, like ``timeout``. Each step writes one
+access line (``GRPC /<service>/<rpc>``, in either log format). Outputs go back as
 ``raw_output_contents``, with affinity's facts (``episode_id``, ``device``, ``node``,
 ``token``, ``routing``, ``state_reset``, ``degraded``, ``source``) as response parameters.
 
@@ -46,6 +47,7 @@ import numpy as np
 
 from affinity import InvalidArgument, UnknownEpisode
 from affinity.wire import MAX_ELEMENTS
+from node.accesslog import STEP_KEY, AccessLog
 from node.membership import VERSION
 from node.policy import InvalidInput
 from node.protocols.kserve import (
@@ -61,7 +63,7 @@ from node.protocols.kserve import (
     model_metadata,
     not_live,
     serialize_bytes,
-    to_step,
+    service_step,
 )
 from node.protocols.kserve_grpc import kserve_pb2 as pb
 from node.service import NodeService
@@ -88,6 +90,15 @@ _CONTENTS = {
 }
 """KServe datatype -> the typed ``contents`` field that carries it (FP16: raw only)."""
 _REFUSED = {403: grpc.StatusCode.PERMISSION_DENIED, 500: grpc.StatusCode.INTERNAL}
+_HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ABORTED: 409,
+    grpc.StatusCode.UNAVAILABLE: 503,
+}
+"""The HTTP status an access line gives a gRPC status (as KServe HTTP would answer)."""
 
 
 class _Abort(Exception):
@@ -278,8 +289,9 @@ class GrpcFrontDoor:
     """The RPC handlers of one node (``grpc.aio``), each a thin shell over the shared
     KServe logic and ``service.routing``."""
 
-    def __init__(self, service: NodeService) -> None:
+    def __init__(self, service: NodeService, access: AccessLog) -> None:
         self.service = service
+        self.access = access
         self.model_name = service.config.model_name or service.config.model.stem
 
     # -- helpers
@@ -313,10 +325,37 @@ class GrpcFrontDoor:
             context.set_trailing_metadata((("retry-after", str(max(1, round(exc.retry_after)))),))
         await context.abort(exc.code, str(exc))
 
-    async def infer(self, msg: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
-        """One step: decoded, routed and encoded; raises :class:`_Abort`."""
-        service = self.service
+    async def infer(
+        self, msg: pb.ModelInferRequest, context: Any, rpc: str
+    ) -> pb.ModelInferResponse:
+        """One step: decoded, routed, encoded and logged (one access line, like a request
+        to the HTTP front doors: ``GRPC /<service>/<rpc>`` with the HTTP status the same
+        failure gets over KServe HTTP); raises :class:`_Abort`."""
         started = time.monotonic()
+        served: list[str] = ["-", "-", "-"]  # episode, device, routing
+        status = 500
+        try:
+            reply = await self._infer(msg, context, started, served)
+            status = 200
+            return reply
+        except _Abort as exc:
+            status = _HTTP_STATUS.get(exc.code, 500)
+            raise
+        finally:
+            if self.access.enabled:
+                peer = str(context.peer() or "").rsplit(":", 1)
+                scope = {
+                    "method": "GRPC",
+                    "path": f"/{SERVICE}/{rpc}",
+                    "client": (peer[0].split(":", 1)[-1], peer[1]) if len(peer) == 2 else None,
+                    STEP_KEY: tuple(served),
+                }
+                self.access.write(scope, status, time.monotonic() - started)
+
+    async def _infer(
+        self, msg: pb.ModelInferRequest, context: Any, started: float, served: list[str]
+    ) -> pb.ModelInferResponse:
+        service = self.service
         rejected = service.metrics.rejected
         self._check_model(msg.model_name, msg.model_version)
         try:
@@ -327,12 +366,10 @@ class GrpcFrontDoor:
             remaining = context.time_remaining()  # the client's gRPC deadline, if it set one
             if remaining is not None:
                 budget = min(budget, remaining)
-            dispatcher = service.dispatcher
-            mode = dispatcher.mode_for(request.execute_steps, request.ensemble)
-            returned = [dispatcher.chunk.output] if mode and dispatcher.chunk else None
-            claim_unknown = service.config.kserve_claim_unknown
-            step = to_step(service.contract, request, started + budget, returned, claim_unknown)
+            step = service_step(service, request, started + budget)
+            served[0] = step.episode or "-"
             reply = await service.routing.act(step)
+            served[1:] = [reply.device, reply.routing]
         except UnknownEpisode:  # Triton's rule, decided in the step's own resolve
             rejected.labels("bad_input").inc()
             raise _Abort(
@@ -416,7 +453,7 @@ class GrpcFrontDoor:
     async def ModelInfer(self, msg: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         try:
             self._check_key(context)
-            return await self.infer(msg, context)
+            return await self.infer(msg, context, "ModelInfer")
         except _Abort as exc:
             await self._abort(context, exc)
             raise AssertionError("abort returns only by raising") from None
@@ -430,7 +467,7 @@ class GrpcFrontDoor:
             await self._abort(context, exc)
         async for msg in requests:
             try:
-                reply = await self.infer(msg, context)
+                reply = await self.infer(msg, context, "ModelStreamInfer")
             except _Abort as exc:
                 yield pb.ModelStreamInferResponse(
                     error_message=str(exc),
@@ -477,7 +514,11 @@ async def start(service: NodeService, host: str, port: int) -> grpc.aio.Server:
             ("grpc.max_send_message_length", limit),
         ]
     )
-    server.add_generic_rpc_handlers((_handlers(GrpcFrontDoor(service)),))
+    config = service.config
+    access = AccessLog(
+        config.access_log, json=config.log_format == "json", on_drop=service.metrics.log_dropped.inc
+    )
+    server.add_generic_rpc_handlers((_handlers(GrpcFrontDoor(service, access)),))
     server.add_insecure_port(f"{host}:{port}")
     await server.start()
     return server

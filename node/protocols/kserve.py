@@ -106,6 +106,7 @@ __all__ = [
     "handle",
     "model_metadata",
     "not_live",
+    "service_step",
     "to_step",
 ]
 
@@ -604,6 +605,17 @@ def to_step(
     )
 
 
+def service_step(service: NodeService, request: InferRequest, deadline: float) -> Step:
+    """:func:`to_step` for a request to ``service`` (both KServe front doors): outputs
+    checked against what its chunk mode returns, ``--kserve-claim-unknown`` applied.
+    Raises ``InvalidArgument`` for chunk parameters this model cannot take."""
+    dispatcher = service.dispatcher
+    mode = dispatcher.mode_for(request.execute_steps, request.ensemble)
+    returned = [dispatcher.chunk.output] if mode and dispatcher.chunk else None
+    claim_unknown = service.config.kserve_claim_unknown
+    return to_step(service.contract, request, deadline, returned, claim_unknown)
+
+
 # ---- encoding ----------------------------------------------------------------------------
 
 
@@ -784,11 +796,7 @@ async def _infer(
         )
         if request.timeout_s is not None:
             budget = min(budget, request.timeout_s)
-        dispatcher = service.dispatcher
-        mode = dispatcher.mode_for(request.execute_steps, request.ensemble)  # InvalidArgument
-        returned = [dispatcher.chunk.output] if mode and dispatcher.chunk else None
-        claim_unknown = service.config.kserve_claim_unknown
-        step = to_step(service.contract, request, started + budget, returned, claim_unknown)
+        step = service_step(service, request, started + budget)
         scope[STEP_KEY] = (step.episode or "-", "-", "-")
         reply = await while_connected(receive, service.routing.act(step))
         scope[STEP_KEY] = (step.episode or "-", reply.device, reply.routing)

@@ -1,10 +1,13 @@
 // affinity fleet page: plain JavaScript, no build step, talks only to the node serving it.
 //
 // Reads GET nodes + devices every POLL_MS (and soon after each event), follows
-// GET events/stream (server-sent events; the browser resumes with Last-Event-ID by
-// itself), looks episodes up with GET episodes/{id}. With an admin token typed in (kept
-// in this page's memory only, never stored) it shows drain/undrain buttons that call
-// POST devices/{id}/drain|undrain with "Authorization: Bearer <token>".
+// GET events/stream (server-sent events, read with fetch() and a streaming reader, so
+// that it can send the API key; it resumes after the newest event shown), looks episodes
+// up with GET episodes/{id}. A node with --api-key answers those 401: the page then asks
+// for the key and sends it as "Authorization: Api-Key <key>" (kept in this page's memory
+// only, never stored, never in a URL). With an admin token typed in (likewise) it shows
+// drain/undrain buttons that call POST devices/{id}/drain|undrain with
+// "Authorization: Bearer <token>".
 (() => {
   "use strict";
 
@@ -12,10 +15,12 @@
   const EVENT_REFRESH_GAP_MS = 500; // an event refreshes the grid at most this often
   const MAX_EVENTS = 300;
   const BACKLOG = 100;
-  const RECONNECT_MS = 5000;
+  const RECONNECT_MS = 5000; // after a refusal or a failed connection
+  const RETRY_MS = 2000; // after a stream that ended
 
   const $ = (id) => document.getElementById(id);
   let adminToken = null;
+  let apiKey = null;
   let state = { self: "", nodes: [], devices: [], at: 0 };
   const rows = new Map(); // node id -> {row, card, devices}
   const cells = new Map(); // device id -> cell parts
@@ -68,8 +73,21 @@
     return parts.join(" · ");
   }
 
+  function keyHeaders() { // what a read of episodes or the fleet sends
+    if (apiKey) return { Authorization: "Api-Key " + apiKey };
+    return adminToken ? { Authorization: "Bearer " + adminToken } : {};
+  }
+
+  function askForKey() { // the node wants its API key
+    $("api-key").hidden = false;
+    $("api-key-set").hidden = false;
+    banner("key", "this node wants its API key (--api-key): type it in above");
+  }
+
   async function getJSON(path) {
-    const r = await fetch(path, { cache: "no-store", headers: { Accept: "application/json" } });
+    const r = await fetch(path, { cache: "no-store",
+                                  headers: { Accept: "application/json", ...keyHeaders() } });
+    if (r.status === 401) askForKey();
     let body = null;
     try { body = await r.json(); } catch (e) { body = null; }
     return { status: r.status, body };
@@ -409,34 +427,79 @@
     f.append(...parts);
   }
 
-  // The browser reconnects by itself after a dropped connection, sending Last-Event-ID.
-  // A refused one (503: Redis unreachable, node stopping, too many streams) closes the
-  // EventSource for good: open a new one that resumes after the newest event shown.
-  function connect() {
+  // The stream is read with fetch() (EventSource cannot send the API key). When it ends or
+  // is refused (503: Redis unreachable, node stopping, too many streams; 401: no key) a
+  // new one resumes after the newest event shown.
+  let stream = null; // the AbortController of the open stream
+
+  function dispatch(type, data) {
+    let ev = {};
+    try { ev = JSON.parse(data); } catch (e) { return; }
+    if (type === "gap") {
+      const li = el("li", "gap", "events after " + (ev.after || "?") + " up to " +
+        (ev.oldest || "?") + " may have been trimmed from the stream");
+      $("event-list").prepend(li);
+      return;
+    }
+    if (type !== "message" || !ev || !ev.id || !newer(ev.id, newest)) return; // never twice
+    newest = ev.id;
+    addEventRow(ev);
+    schedule(Math.max(0, lastStart + EVENT_REFRESH_GAP_MS - Date.now()));
+  }
+
+  async function follow(body) { // server-sent events: "field: value" lines, blank ends one
+    const reader = body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "", type = "message", data = [];
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      buffer += decoder.decode(value, { stream: true });
+      let end;
+      while ((end = buffer.indexOf("\n")) >= 0) {
+        const line = buffer.slice(0, end).replace(/\r$/, "");
+        buffer = buffer.slice(end + 1);
+        if (line === "") {
+          if (data.length) dispatch(type, data.join("\n"));
+          type = "message";
+          data = [];
+        } else if (!line.startsWith(":")) { // a comment: a heartbeat
+          const colon = line.indexOf(":");
+          const field = colon < 0 ? line : line.slice(0, colon);
+          const text = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+          if (field === "event") type = text;
+          else if (field === "data") data.push(text);
+        }
+      }
+    }
+  }
+
+  async function connect() {
+    if (stream) stream.abort();
+    const mine = new AbortController();
+    stream = mine;
     const live = $("live");
     const from = newest === "0-0" ? "backlog=" + BACKLOG : "last_event_id=" + newest;
-    const source = new EventSource("events/stream?" + from);
-    source.onopen = () => { live.dataset.live = "live"; live.textContent = "live"; };
-    source.onerror = () => {
-      live.dataset.live = "reconnecting";
-      live.textContent = "reconnecting";
-      if (source.readyState === EventSource.CLOSED) setTimeout(connect, RECONNECT_MS);
-    };
-    source.onmessage = (m) => {
-      let ev;
-      try { ev = JSON.parse(m.data); } catch (e) { return; }
-      if (!ev || !ev.id || !newer(ev.id, newest)) return; // never show one twice
-      newest = ev.id;
-      addEventRow(ev);
-      schedule(Math.max(0, lastStart + EVENT_REFRESH_GAP_MS - Date.now()));
-    };
-    source.addEventListener("gap", (m) => {
-      let g = {};
-      try { g = JSON.parse(m.data); } catch (e) { g = {}; }
-      const li = el("li", "gap", "events after " + (g.after || "?") + " up to " +
-        (g.oldest || "?") + " may have been trimmed from the stream");
-      $("event-list").prepend(li);
-    });
+    let wait = RECONNECT_MS;
+    try {
+      const r = await fetch("events/stream?" + from, {
+        cache: "no-store", signal: mine.signal,
+        headers: { Accept: "text/event-stream", ...keyHeaders() },
+      });
+      if (r.status === 401) askForKey();
+      if (r.ok && r.body) {
+        live.dataset.live = "live";
+        live.textContent = "live";
+        await follow(r.body);
+        wait = RETRY_MS;
+      }
+    } catch (e) {
+      // a dropped connection, or aborted for a new stream (then that one carries on)
+    }
+    if (stream !== mine) return;
+    live.dataset.live = "reconnecting";
+    live.textContent = "reconnecting";
+    setTimeout(() => { if (stream === mine) connect(); }, wait);
   }
 
   // ---- episode lookup -----------------------------------------------------------------
@@ -494,6 +557,19 @@
     $("admin-unlock").addEventListener("click", unlock);
     $("admin-token").addEventListener("keydown", (e) => { if (e.key === "Enter") unlock(); });
     $("admin-lock").addEventListener("click", () => setAdmin(null));
+    const setKey = () => {
+      const value = $("api-key").value.trim();
+      $("api-key").value = "";
+      if (!value) return;
+      apiKey = value;
+      $("api-key").hidden = true;
+      $("api-key-set").hidden = true;
+      banner("key", null);
+      schedule(0);
+      connect();
+    };
+    $("api-key-set").addEventListener("click", setKey);
+    $("api-key").addEventListener("keydown", (e) => { if (e.key === "Enter") setKey(); });
     $("lookup-form").addEventListener("submit", (e) => {
       e.preventDefault();
       lookup($("lookup-input").value.trim());
