@@ -16,8 +16,7 @@ import tritonclient.http as th
 from onnx import TensorProto, helper
 
 from node.models._build import Weights, model, tensor, write
-from tests.procs import Node, RedisServer, free_port
-from tests.test_cluster import Cluster, running
+from tests.test_cluster import Cluster, grpc_nodes
 
 NAME = "echo"
 PROMPTS = ["pick up the red cube", "", "é ✓ 中文", "x" * 1000]
@@ -52,23 +51,8 @@ def echo_policy(out_dir: Path) -> Path:
 @pytest.fixture(scope="module")
 def three(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, list[str]]]:
     tmp = tmp_path_factory.mktemp("bytes")
-    path = echo_policy(tmp / "model")
-    redis = RedisServer(tmp)
-    ports = [free_port() for _ in range(3)]
-    extra = ["--model", str(path), "--lease-ttl", "5", "--act-deadline", "8"]
-    nodes = [
-        Node(
-            tmp,
-            f"b{i}",
-            redis.url,
-            devices="cpu:2",
-            env={"AFFINITY_CLUSTER_SECRET": "s"},
-            extra=[*extra, "--grpc-port", str(ports[i])],
-        )
-        for i in range(3)
-    ]
-    with running(redis, nodes) as c:
-        yield c, [f"127.0.0.1:{p}" for p in ports]
+    with grpc_nodes(tmp, "b", ["--model", str(echo_policy(tmp / "model"))]) as three:
+        yield three
 
 
 def prompt(text: str) -> np.ndarray:

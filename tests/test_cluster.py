@@ -20,7 +20,7 @@ import pytest
 
 from affinity import Keys
 from node.policy import DEMO_MODEL, reference_rollout
-from tests.procs import Node, RedisServer, wait_until
+from tests.procs import Node, RedisServer, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -55,6 +55,27 @@ def running(redis: RedisServer, nodes: list[Node]) -> Iterator[Cluster]:
         for n in nodes:
             n.stop(signal.SIGKILL)
         redis.stop()
+
+
+@contextmanager
+def grpc_nodes(tmp: Path, prefix: str, extra: list[str]) -> Iterator[tuple[Cluster, list[str]]]:
+    """Three real nodes (two cpu devices each, one Redis) that also serve KServe over gRPC;
+    the cluster and the nodes' gRPC addresses."""
+    redis = RedisServer(tmp)
+    ports = [free_port() for _ in range(3)]
+    nodes = [
+        Node(
+            tmp,
+            f"{prefix}{i}",
+            redis.url,
+            devices="cpu:2",
+            env={"AFFINITY_CLUSTER_SECRET": "s"},
+            extra=["--lease-ttl", "5", "--act-deadline", "8", *extra, "--grpc-port", str(port)],
+        )
+        for i, port in enumerate(ports)
+    ]
+    with running(redis, nodes) as c:
+        yield c, [f"127.0.0.1:{p}" for p in ports]
 
 
 @pytest.fixture

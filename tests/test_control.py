@@ -25,7 +25,7 @@ from node.models._build import Weights, model, tensor, write
 from node.policy import PolicyContract, TensorSpec, load_contract
 from node.protocols.kserve import model_metadata
 from tests.procs import Node, RedisServer, free_port
-from tests.test_cluster import Cluster, running
+from tests.test_cluster import Cluster, grpc_nodes, running
 
 NAME = "accumulate"
 
@@ -123,31 +123,8 @@ def test_corrid_of_episodes() -> None:
 @pytest.fixture(scope="module")
 def three(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, list[str]]]:
     tmp = tmp_path_factory.mktemp("control")
-    path = accumulator(tmp / "model")
-    redis = RedisServer(tmp)
-    ports = [free_port() for _ in range(3)]
-    nodes = [
-        Node(
-            tmp,
-            f"c{i}",
-            redis.url,
-            devices="cpu:2",
-            env={"AFFINITY_CLUSTER_SECRET": "s"},
-            extra=[
-                "--model",
-                str(path),
-                "--lease-ttl",
-                "5",
-                "--act-deadline",
-                "8",
-                "--grpc-port",
-                str(ports[i]),
-            ],
-        )
-        for i in range(3)
-    ]
-    with running(redis, nodes) as c:
-        yield c, [f"127.0.0.1:{p}" for p in ports]
+    with grpc_nodes(tmp, "c", ["--model", str(accumulator(tmp / "model"))]) as three:
+        yield three
 
 
 @pytest.mark.integration

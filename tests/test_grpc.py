@@ -30,8 +30,7 @@ from node.protocols.grpc import GrpcFrontDoor, decode_request
 from node.protocols.kserve import BadRequest
 from node.protocols.kserve_grpc import kserve_pb2 as pb
 from tests.inproc import cluster, config
-from tests.procs import Node, RedisServer, free_port
-from tests.test_cluster import Cluster, running
+from tests.test_cluster import Cluster, grpc_nodes
 from tests.test_kserve import observations
 
 MODEL = "demo_policy"
@@ -111,31 +110,8 @@ def test_hostile_messages_are_refused_before_anything_is_allocated() -> None:
 
 @pytest.fixture(scope="module")
 def three(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, list[str]]]:
-    tmp = tmp_path_factory.mktemp("grpc")
-    redis = RedisServer(tmp)
-    ports = [free_port() for _ in range(3)]
-    nodes = [
-        Node(
-            tmp,
-            f"g{i}",
-            redis.url,
-            devices="cpu:2",
-            env={"AFFINITY_CLUSTER_SECRET": "s"},
-            extra=[
-                "--lease-ttl",
-                "5",
-                "--act-deadline",
-                "8",
-                "--grpc-port",
-                str(ports[i]),
-                "--api-key",
-                KEY,
-            ],
-        )
-        for i in range(3)
-    ]
-    with running(redis, nodes) as c:
-        yield c, [f"127.0.0.1:{p}" for p in ports]
+    with grpc_nodes(tmp_path_factory.mktemp("grpc"), "g", ["--api-key", KEY]) as three:
+        yield three
 
 
 def grpc_input(obs: np.ndarray) -> tg.InferInput:
