@@ -363,7 +363,8 @@ def build_service(
         try:
             devices = specs if specs is not None else discover(config.devices)
         except ValueError as exc:
-            raise StartupError(f"--devices: {exc}") from None
+            # discover()'s messages start with "devices <spec>:", which names the flag
+            raise StartupError(f"--{exc}") from None
         require_cuda(devices)  # GpuUnavailable: GPUs named, or found, that CUDA cannot run
         try:
             contract = load_contract(config.model)
