@@ -325,12 +325,33 @@ class GrpcFrontDoor:
             context.set_trailing_metadata((("retry-after", str(max(1, round(exc.retry_after)))),))
         await context.abort(exc.code, str(exc))
 
+    def _log(self, context: Any, rpc: str, status: int, started: float, served: list[str]) -> None:
+        """One access line, like a request to the HTTP front doors: ``GRPC /<service>/<rpc>``
+        with the HTTP status the same failure gets over KServe HTTP."""
+        if self.access.enabled:
+            peer = str(context.peer() or "").rsplit(":", 1)
+            scope = {
+                "method": "GRPC",
+                "path": f"/{SERVICE}/{rpc}",
+                "client": (peer[0].split(":", 1)[-1], peer[1]) if len(peer) == 2 else None,
+                STEP_KEY: tuple(served),
+            }
+            self.access.write(scope, status, time.monotonic() - started)
+
+    def _check_key_logged(self, context: Any, rpc: str) -> None:
+        """:meth:`_check_key`, with the access line a refused call gets (401)."""
+        started = time.monotonic()
+        try:
+            self._check_key(context)
+        except _Abort as exc:
+            self._log(context, rpc, _HTTP_STATUS.get(exc.code, 500), started, ["-", "-", "-"])
+            raise
+
     async def infer(
         self, msg: pb.ModelInferRequest, context: Any, rpc: str
     ) -> pb.ModelInferResponse:
-        """One step: decoded, routed, encoded and logged (one access line, like a request
-        to the HTTP front doors: ``GRPC /<service>/<rpc>`` with the HTTP status the same
-        failure gets over KServe HTTP); raises :class:`_Abort`."""
+        """One step: decoded, routed, encoded and logged (one access line, see
+        :meth:`_log`); raises :class:`_Abort`."""
         started = time.monotonic()
         served: list[str] = ["-", "-", "-"]  # episode, device, routing
         status = 500
@@ -342,15 +363,7 @@ class GrpcFrontDoor:
             status = _HTTP_STATUS.get(exc.code, 500)
             raise
         finally:
-            if self.access.enabled:
-                peer = str(context.peer() or "").rsplit(":", 1)
-                scope = {
-                    "method": "GRPC",
-                    "path": f"/{SERVICE}/{rpc}",
-                    "client": (peer[0].split(":", 1)[-1], peer[1]) if len(peer) == 2 else None,
-                    STEP_KEY: tuple(served),
-                }
-                self.access.write(scope, status, time.monotonic() - started)
+            self._log(context, rpc, status, started, served)
 
     async def _infer(
         self, msg: pb.ModelInferRequest, context: Any, started: float, served: list[str]
@@ -452,7 +465,7 @@ class GrpcFrontDoor:
 
     async def ModelInfer(self, msg: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         try:
-            self._check_key(context)
+            self._check_key_logged(context, "ModelInfer")
             return await self.infer(msg, context, "ModelInfer")
         except _Abort as exc:
             await self._abort(context, exc)
@@ -462,7 +475,7 @@ class GrpcFrontDoor:
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         try:
-            self._check_key(context)
+            self._check_key_logged(context, "ModelStreamInfer")
         except _Abort as exc:
             await self._abort(context, exc)
         async for msg in requests:
