@@ -427,14 +427,16 @@ def test_resolve_model(tmp_path: Path) -> None:
     assert resolve_model("vla-demo") == VLA_DEMO_MODEL
     assert resolve_model("droid-demo") == DROID_DEMO_MODEL
     assert resolve_model("aloha-demo") == ALOHA_DEMO_MODEL
-    assert set(PACKAGED_MODELS) == {"demo", "vla-demo", "droid-demo", "aloha-demo"}
+    assert resolve_model("rtc-demo") == RTC_DEMO_MODEL
+    assert set(PACKAGED_MODELS) == {"demo", "vla-demo", "droid-demo", "aloha-demo", "rtc-demo"}
     assert all(path.is_file() for path in PACKAGED_MODELS.values())
     mine = recurrent_model(tmp_path / "mine.onnx")
     assert resolve_model(str(mine)) == mine
     assert resolve_model(mine) == mine
     with pytest.raises(
         ValueError,
-        match=r"'nope\.onnx': not a packaged model \(demo, vla-demo, droid-demo, aloha-demo\)",
+        match=r"'nope\.onnx': not a packaged model \(demo, vla-demo, droid-demo, aloha-demo, "
+        r"rtc-demo\)",
     ):
         resolve_model("nope.onnx")
     with pytest.raises(ValueError, match="nor an existing file"):
