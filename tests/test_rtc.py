@@ -37,7 +37,9 @@ def own_chunk(image: np.ndarray, state: np.ndarray) -> np.ndarray:
     grid, pool = build_rtc.GRID, build_rtc.POOL
     pooled = x.reshape(grid, pool, grid, pool, 3).mean(axis=(1, 3))  # [7, 7, 3]
     z = np.concatenate([pooled.transpose(2, 0, 1).reshape(-1), state.astype(np.float64)])
-    return np.tanh(z @ WEIGHTS["W"] + WEIGHTS["bias"]).reshape(H, D)
+    p = np.tanh(z @ WEIGHTS["Wp"] + WEIGHTS["bp"])
+    v = np.tanh(z @ WEIGHTS["Wv"] + WEIGHTS["bv"])
+    return p + (np.arange(H) / (H - 1))[:, np.newaxis] * v
 
 
 def soft_mask(prefix_len: int, delay: int) -> np.ndarray:

@@ -1,12 +1,16 @@
 """Build ``rtc_demo`` (``.onnx`` and ``.affinity.json``): a camera-sized policy with
 real-time chunking's inputs (``node/rtc.py``), checkable with a few lines of numpy.
 
-Its own chunk comes from the observation (one RGB camera and the robot's 8-dim state); its
-actions are that chunk blended into the prefix the node fills from the episode's last
-chunk, by RTC's soft mask (Black et al. 2025, eq. 5, with the overlap ``P = prefix_len``)::
+Its own chunk is a straight path from the observation (one RGB camera and the robot's 8-dim
+state): from a start action p towards p + v over the horizon, as a planner's smooth
+trajectory is; its actions are that chunk blended into the prefix the node fills from the
+episode's last chunk, by RTC's soft mask (Black et al. 2025, eq. 5; the overlap
+``P = prefix_len``)::
 
     x = avgpool(transpose(image * (2 / 255) - 1, NHWC -> NCHW), 32x32, stride 32)  # [b, 3, 7, 7]
-    own = reshape(tanh(concat(flatten(x), state) @ W + bias), [b, H, D])          # [b, 16, 7]
+    z = concat(flatten(x), state)                                                   # [b, 155]
+    p, v = tanh(z @ Wp + bp), tanh(z @ Wv + bv)                                     # [b, 7] each
+    own_i = p + (i / (H - 1)) v                                                     # [b, 16, 7]
     c_i = (P - i) / (P - d + 1)                                                     # i = 0..H-1
     w_i = 1 for i < d;  c_i (e^c_i - 1) / (e - 1) for d <= i < P;  0 for i >= P
     actions = w * rtc.prefix + (1 - w) * own
@@ -51,10 +55,11 @@ SIDECAR: dict[str, Any] = {
 
 
 def weights() -> dict[str, np.ndarray[Any, Any]]:
-    """``W`` [FEATURES, H*D] and ``bias`` [H*D], drawn from the fixed seed."""
+    """``Wp``, ``Wv`` [FEATURES, D] and ``bp``, ``bv`` [D], drawn from the fixed seed."""
     w = Weights(SEED)
-    w.normal("W", (FEATURES, HORIZON * ACTION), 1.0 / math.sqrt(FEATURES))
-    w.normal("bias", (HORIZON * ACTION,), 0.1)
+    for name in ("p", "v"):
+        w.normal(f"W{name}", (FEATURES, ACTION), 2.0 / math.sqrt(FEATURES))
+        w.normal(f"b{name}", (ACTION,), 0.1)
     return {t.name: onnx.numpy_helper.to_array(t) for t in w.tensors}
 
 
@@ -65,7 +70,7 @@ def make_model() -> onnx.ModelProto:
         w.constant(name, values)
     w.constant("pixel_scale", np.array(2.0 / 255.0, dtype=np.float32))
     w.constant("pixel_offset", np.array(-1.0, dtype=np.float32))
-    w.constant("actions_shape", np.array([-1, HORIZON, ACTION], dtype=np.int64))
+    w.constant("ramp", (np.arange(HORIZON, dtype=np.float32) / (HORIZON - 1))[None, :, None])
     w.constant("rows", np.arange(HORIZON, dtype=np.float32)[np.newaxis])
     w.constant("one", np.array(1.0, dtype=np.float32))
     w.constant("zero", np.array(0.0, dtype=np.float32))
@@ -83,10 +88,16 @@ def make_model() -> onnx.ModelProto:
              kernel_shape=[POOL, POOL], strides=[POOL, POOL]),
         node("Flatten", ["image/pooled"], ["image/flat"], axis=1),
         node("Concat", ["image/flat", "state"], ["z"], axis=1),
-        node("MatMul", ["z", "W"], ["own/proj"]),
-        node("Add", ["own/proj", "bias"], ["own/pre"]),
-        node("Tanh", ["own/pre"], ["own/flat"]),
-        node("Reshape", ["own/flat", "actions_shape"], ["own"]),
+        node("MatMul", ["z", "Wp"], ["p/proj"]),
+        node("Add", ["p/proj", "bp"], ["p/pre"]),
+        node("Tanh", ["p/pre"], ["p/flat"]),
+        node("Unsqueeze", ["p/flat", "axis1"], ["p"]),
+        node("MatMul", ["z", "Wv"], ["v/proj"]),
+        node("Add", ["v/proj", "bv"], ["v/pre"]),
+        node("Tanh", ["v/pre"], ["v/flat"]),
+        node("Unsqueeze", ["v/flat", "axis1"], ["v"]),
+        node("Mul", ["ramp", "v"], ["path"]),
+        node("Add", ["p", "path"], ["own"]),
         # the soft mask, [batch, H]: P and d per row against the row index i
         node("Cast", ["rtc.prefix_len"], ["P/flat"], to=f),
         node("Unsqueeze", ["P/flat", "axis1"], ["P"]),
