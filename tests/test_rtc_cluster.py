@@ -207,10 +207,10 @@ def _timed(
 def test_executed_and_delay_are_estimated_when_not_sent(
     three: tuple[Cluster, list[str]], door: str, hz: float
 ) -> None:
-    """What the node estimated lies between what the client's own clock allows: the node's
-    interval from a reply to the next arrival lies within [this request sent - last
-    request sent... ] and contains [last reply received, this request sent]; its latencies
-    are no longer than the client's round trips."""
+    """What the node estimated lies within what the client's own clock allows: the node's
+    interval from its last reply to this step's arrival lies within [last request sent,
+    this reply received] and contains [last reply received, this request sent]; its
+    latencies are no longer than the client's round trips."""
     cluster, _ = three
     values = {"control_hz": hz} if hz != HZ else {}
     steps = _timed(cluster, DOORS[door], f"rtc-estimate-{door}", 6, values)
