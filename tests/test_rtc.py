@@ -262,6 +262,23 @@ async def test_a_reset_drops_the_prefix() -> None:
 
 
 @pytest.mark.anyio
+async def test_a_record_in_doubt_has_no_prefix() -> None:
+    d, _ = make()
+    rng = np.random.default_rng(6)
+    try:
+        for seq in (1, 2):
+            await d.step("n/0", "e", 1, seq == 1, inputs(*observation(rng)), seq=seq,
+                         rtc=Ask(0, 0))  # fmt: skip
+        assert d.undo("e", 1)  # too late: step 2 was applied on it, so the record is in doubt
+        image, state = observation(rng)
+        third = await d.step("n/0", "e", 1, False, inputs(image, state), seq=3, rtc=Ask(2, 2))
+        assert third.state_reset and third.rtc is not None and third.rtc.prefix_len == 0
+        close(third.outputs["actions"], own_chunk(image, state))
+    finally:
+        d.close()
+
+
+@pytest.mark.anyio
 async def test_executed_and_delay_are_estimated_as_documented() -> None:
     clock = Clock()
     d, _ = make(clock, control_hz=50.0)
