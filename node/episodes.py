@@ -2,10 +2,10 @@
 
 A record holds the claim it serves (device, token and the claim id Redis issued with the
 token), the number of steps applied under that claim (``seq``: 1, 2, …), the recurrent
-state and the action buffer those steps left, the chunk the last model run sent (real-time
-chunking, ``node/rtc.py``) and the step latencies it measured, the last step's result (replayed to a
-retry that names the step already applied) and the record before the last step
-(``previous``: restored when the last step's reply did not reach a live caller).
+state and the action buffer those steps left, the chunk the last model run sent and the
+latest step latencies (real-time chunking, ``node/rtc.py``), the last step's result
+(replayed to a retry that names the step already applied) and the record before the last
+step (``previous``: restored when the last step's reply did not reach a live caller).
 
 A step builds the next record from references (the new state is the model's output, the
 previous record is the old object), so keeping the previous state and the last reply
