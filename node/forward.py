@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from affinity import wire
+from node.rtc import Ask
 from node.step import Array, Reply, Step
 
 __all__ = ["Forward", "ForwardError", "ForwardPool", "Poster", "Response"]
@@ -79,6 +80,8 @@ class Forward:
     undo: bool = False
     claim: str = ""
     instance: str = ""
+    rtc: Ask | None = None  # the client's real-time-chunking values (the owner checks them)
+    elapsed_s: float = 0.0  # how long the router had the step before forwarding it
 
     def encode(self) -> bytes:
         return wire.encode(
@@ -99,8 +102,12 @@ class Forward:
                 "undo": self.undo,
                 "claim": self.claim,
                 "instance": self.instance,
+                "rtc": None if self.rtc is None else [
+                    self.rtc.executed, self.rtc.delay, self.rtc.control_hz
+                ],
+                "elapsed_ms": round(self.elapsed_s * 1000, 3),
             }
-        )
+        )  # fmt: skip
 
     @classmethod
     def decode(cls, body: bytes) -> Forward:
@@ -133,6 +140,11 @@ class Forward:
             raise ValueError("a forward's origin, claim and instance must be strings")
         if ensemble is not None and not isinstance(ensemble, str):
             raise ValueError("a forward's ensemble must be a string")
+        rtc, elapsed = doc.get("rtc"), doc.get("elapsed_ms", 0)
+        if rtc is not None and not (isinstance(rtc, list) and len(rtc) == 3):
+            raise ValueError("a forward's rtc must be [executed, delay, control_hz]")
+        if not isinstance(elapsed, int | float) or isinstance(elapsed, bool) or elapsed < 0:
+            raise ValueError("a forward's elapsed_ms must be a number >= 0")
         return cls(
             episode=episode,
             token=token,
@@ -150,6 +162,8 @@ class Forward:
             undo=doc.get("undo") is True,
             claim=claim,
             instance=instance,
+            rtc=None if rtc is None else Ask(*rtc),
+            elapsed_s=float(elapsed) / 1000,
         )
 
     def step(self, deadline: float) -> Step:
@@ -164,6 +178,7 @@ class Forward:
             ensemble=self.ensemble,
             seq=self.seq,
             origin=self.origin,
+            rtc=self.rtc,
         )
 
 
@@ -191,6 +206,7 @@ def decode_reply(body: bytes) -> Reply:
             timing={str(k): float(v) for k, v in dict(doc.get("timing", {})).items()},
             seq=int(doc.get("seq", 0)),
             replayed=bool(doc.get("replayed", False)),
+            rtc=None if doc.get("rtc") is None else {str(k): int(v) for k, v in doc["rtc"].items()},
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not an owner's reply: {exc}") from None

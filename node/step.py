@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from node.rtc import Ask
+
 __all__ = ["Array", "Refused", "Reply", "Step", "Unavailable"]
 
 Array = np.ndarray[Any, Any]
@@ -33,7 +35,11 @@ class Step:
     ``seq`` is the step number the client expects to be applied (its last reply's ``seq``
     + 1), if it sends one. ``live_only`` serves only an episode Redis already holds (a
     KServe step without ``sequence_start``): routing raises ``UnknownEpisode`` otherwise.
-    ``origin`` names the forward a step came in (owner side only).
+    ``origin`` names the forward a step came in (owner side only). ``rtc`` is what the
+    step says for real-time chunking (``node/rtc.py``; validated by the adapter with
+    ``dispatcher.rtc_for``; None for a model without ``rtc.*`` inputs); ``arrived`` is
+    when it reached the node the client sent it to, on this node's ``time.monotonic()``
+    (set by routing).
     """
 
     episode: str | None
@@ -48,6 +54,8 @@ class Step:
     seq: int | None = None
     origin: str = ""
     live_only: bool = False
+    rtc: Ask | None = None
+    arrived: float | None = None
 
 
 @dataclass(slots=True)
@@ -61,6 +69,8 @@ class Reply:
     number under its claim, ``replayed`` says it is the stored reply of a step already
     applied. ``origin`` is the id of the forward that carried it (router side; empty for a
     step served here): the router names it when it tells the owner to undo the step.
+    ``rtc`` is what a real-time-chunking step ran with: ``executed``, ``delay``,
+    ``prefix_len`` (None for other models).
     """
 
     outputs: dict[str, Array]
@@ -77,10 +87,13 @@ class Reply:
     seq: int = 0
     replayed: bool = False
     origin: str = ""
+    rtc: dict[str, int] | None = None
 
-    def facts(self) -> dict[str, Any]:
-        """Everything but the outputs, with the wire names every protocol uses."""
-        return {
+    def facts(self, *, flat: bool = False) -> dict[str, Any]:
+        """Everything but the outputs, with the wire names every protocol uses; ``rtc``
+        (when set) as a map, or ``flat`` (KServe's scalar parameters) as ``rtc_executed``,
+        ``rtc_delay``, ``rtc_prefix_len``."""
+        facts: dict[str, Any] = {
             "episode_id": self.episode,
             "device": self.device,
             "node": self.node,
@@ -92,6 +105,12 @@ class Reply:
             "seq": self.seq,
             "replayed": self.replayed,
         }
+        if self.rtc is not None:
+            if flat:
+                facts.update({f"rtc_{k}": v for k, v in self.rtc.items()})
+            else:
+                facts["rtc"] = dict(self.rtc)
+        return facts
 
 
 class Unavailable(Exception):

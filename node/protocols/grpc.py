@@ -16,7 +16,10 @@ Triton client keeps a sequence's steps in order). Every other RPC of the service
 
 **Requests.** Request parameters carry Triton's sequence fields: ``sequence_id`` (an
 ``int64_param``/``uint64_param`` or a ``string_param``), ``sequence_start``,
-``sequence_end`` (``bool_param``), ``timeout`` (µs), ``execute_steps`` and ``ensemble``.
+``sequence_end`` (``bool_param``), ``timeout`` (µs), ``execute_steps`` and ``ensemble``;
+real-time chunking's ``executed``, ``inference_delay`` (``int64_param``) and
+``control_hz`` (``double_param`` or ``int64_param``), replied as ``rtc_executed``,
+``rtc_delay``, ``rtc_prefix_len``.
 Tensors come as ``raw_input_contents`` (one entry per input, in order: the raw
 little-endian row-major bytes) or as typed ``contents``. Every declared size (element
 counts against ``MAX_ELEMENTS``, raw sizes against shape and datatype) is checked before an
@@ -169,6 +172,9 @@ def decode_request(msg: pb.ModelInferRequest, *, max_elements: int = MAX_ELEMENT
         timeout_s=timeout / 1e6 if timeout else None,
         execute_steps=steps,
         ensemble=ensemble,
+        executed=params.get("executed"),
+        inference_delay=params.get("inference_delay"),
+        control_hz=params.get("control_hz"),
     )
 
 
@@ -267,7 +273,7 @@ def encode_reply(reply: Reply, request: InferRequest, model_name: str) -> pb.Mod
     response = pb.ModelInferResponse(
         model_name=model_name, model_version=MODEL_VERSION, id=request.id or ""
     )
-    for key, value in reply.facts().items():
+    for key, value in reply.facts(flat=True).items():
         if value is not None:
             response.parameters[key].CopyFrom(_parameter(value))
     for name in names:
