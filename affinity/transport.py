@@ -47,13 +47,14 @@ class _Connection:
         try:
             self.sock.setblocking(False)
             try:
-                return not self.sock.recv(1, socket.MSG_PEEK)
+                self.sock.recv(1, socket.MSG_PEEK)  # b"" (closed) or unasked-for bytes
             finally:
                 self.sock.setblocking(True)
         except BlockingIOError:
             return True
         except OSError:
-            return False
+            pass
+        return False
 
     def fill(self, request: httpx.Request) -> None:
         """Read more of the reply into the buffer; EOF is an error."""
