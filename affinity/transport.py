@@ -97,7 +97,11 @@ def _timeouts(request: httpx.Request) -> dict[str, float | None]:
 def _head(request: httpx.Request) -> bytes:
     lines = [b"%s %s HTTP/1.1" % (request.method.encode("ascii"), request.url.raw_path)]
     lines.extend(b"%s: %s" % pair for pair in request.headers.raw)
-    return b"\r\n".join(lines) + b"\r\n\r\n"
+    head = b"\r\n".join(lines)
+    if head.count(b"\n") != len(lines) - 1 or head.count(b"\r") != len(lines) - 1:
+        # a CR or LF inside a header (an API key pasted with its newline) would split it
+        raise httpx.LocalProtocolError("a request header holds a CR or LF", request=request)
+    return head + b"\r\n\r\n"
 
 
 def _chunked(request: httpx.Request) -> bool:

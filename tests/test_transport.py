@@ -164,3 +164,17 @@ def test_transport_errors_are_httpx_errors(transport: Transport) -> None:
             transport.handle_request(request)
     with pytest.raises(httpx.ConnectError):  # nothing listens there now
         post(transport, url)
+
+
+def test_a_header_with_a_newline_is_refused_before_sending(transport: Transport) -> None:
+    server = Scripted([(ok(b"never"), True)])
+    try:
+        request = httpx.Request(
+            "POST", server.url, headers={"Authorization": "Api-Key k\r\nX-Evil: 1"},
+            extensions=TIMEOUT,
+        )  # fmt: skip
+        with pytest.raises(httpx.LocalProtocolError):
+            transport.handle_request(request)
+        assert server.requests == []
+    finally:
+        server.stop()
