@@ -27,6 +27,7 @@ __all__ = ["Transport"]
 
 _MAX_HEAD = 64 * 1024  # a reply's status line and headers
 _MAX_IDLE = 8  # idle connections kept per origin
+_MAX_INFORMATIONAL = 8  # 1xx replies skipped before the final one
 _READ = 64 * 1024
 
 Origin = tuple[bytes, int]
@@ -112,7 +113,7 @@ def _read_head(
     conn: _Connection, request: httpx.Request
 ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
     """(status, headers, HTTP version) of the final (non-1xx) reply."""
-    while True:
+    for _ in range(_MAX_INFORMATIONAL + 1):
         status_line = conn.line(request)
         version, _, rest = status_line.partition(b" ")
         code = rest[:3]
@@ -134,6 +135,7 @@ def _read_head(
             headers.append((name, value.strip()))
         if not 100 <= int(code) < 200:
             return int(code), headers, version
+    raise httpx.RemoteProtocolError("too many informational (1xx) replies", request=request)
 
 
 def _read_chunked(conn: _Connection, request: httpx.Request) -> bytes:

@@ -112,7 +112,8 @@ def test_chunked_and_close_framed_replies(transport: Transport) -> None:
         b"Retry-After: 2\r\n\r\n4;ext=1\r\nbusy\r\n3\r\n!!!\r\n0\r\nX-Trailer: t\r\n\r\n"
     )
     to_close = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it"
-    server = Scripted([(chunked, False), (to_close, True), (ok(b"again"), False)])
+    informational = b"HTTP/1.1 100 Continue\r\n\r\n" + ok(b"again")
+    server = Scripted([(chunked, False), (to_close, True), (informational, False)])
     try:
         busy = post(transport, server.url)
         whole = post(transport, server.url)
@@ -145,6 +146,7 @@ def test_a_connection_the_server_closed_while_idle_is_not_reused(transport: Tran
         b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort",
         b"HTTP/1.1 200 OK\r\nContent-Length: ten\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+        b"HTTP/1.1 100 Continue\r\n\r\n" * 9 + b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n",
     ],
 )
 def test_a_malformed_or_cut_reply_is_a_protocol_error(transport: Transport, reply: bytes) -> None:
