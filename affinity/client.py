@@ -22,7 +22,7 @@ What they do for a caller that steps episodes through ``POST /act``:
 The decisions live in plain functions of :class:`_Episodes`; the two classes only do I/O,
 handing ``httpx.Request`` objects straight to a transport (no ``httpx.Client`` layer):
 :class:`Client` to :class:`affinity.transport.Transport` (lean HTTP/1.1 on keep-alive
-sockets: httpx's pool cost about 1.5 ms of client CPU per camera step), :class:`AsyncClient`
+sockets: ``httpx.Client`` over httpcore cost ~1.5 ms of CPU per camera step), :class:`AsyncClient`
 to ``httpx.AsyncHTTPTransport``; ``transport=`` takes any httpx transport instead. Proxy
 variables (``HTTP_PROXY``) are not read: nodes are reached directly.
 Steps of one episode must be sequential (a robot's loop is); different episodes may run

@@ -10,8 +10,9 @@ responses framed by ``Content-Length``, ``Transfer-Encoding: chunked`` or the co
 close. Any other scheme (``https://``) goes to httpx's own transport.
 
 Errors are httpx's: ``ConnectError``/``ConnectTimeout``, ``WriteError``/``WriteTimeout``,
-``ReadError``/``ReadTimeout`` and ``RemoteProtocolError`` (a malformed reply, or the
-server closing before it), all ``httpx.TransportError``, with httpx's timeouts
+``ReadError``/``ReadTimeout``, ``RemoteProtocolError`` (a malformed reply, or the server
+closing before it) and ``LocalProtocolError`` (a header holding CR or LF, refused before
+anything is sent), all ``httpx.TransportError``, with httpx's timeouts
 (``request.extensions["timeout"]``) applied to connecting, writing and each read.
 """
 
