@@ -9,7 +9,10 @@ lockstep, each its own episode, taking turns step by step over the same observat
 3. ``affinity.Client(encoding="json")`` (nested lists), fewer steps: it is slow.
 
 Figures: the p50 of 2 / the p50 of 1 (goal <= 1.2x), and of 3 / 1 (reported); each the
-median over ``--runs`` rounds measured in the same run.
+median over ``--runs`` rounds measured in the same run. Reported with them, 2 / 1: the
+client's CPU per step (``time.process_time``, every thread of this process: the websocket
+client reads in a thread of its own) and the node's (its ``/proc`` CPU across each step,
+summed per client: which side a difference comes from).
 
 Usage: python -m bench.client [--runs 5] [--steps 100] [--json-steps 10]
 """
@@ -23,7 +26,7 @@ import numpy as np
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from affinity import Client
-from bench.common import Node, RedisServer, median, pct, report, tmpdir
+from bench.common import Node, RedisServer, cpu_seconds, median, pct, report, tmpdir
 from node.policy import inputs_from_observation, load_contract, resolve_model
 from tests.test_openpi import libero
 
@@ -44,8 +47,12 @@ def main() -> None:
     obs = libero(0, a.steps)
     inputs = [inputs_from_observation(contract, o).inputs for o in obs]
     rounds: list[dict[str, float]] = []
+    cpu = {"client": {"openpi": 0.0, "msgpack": 0.0}, "node": {"openpi": 0.0, "msgpack": 0.0}}
+    counted = {"openpi": 0, "msgpack": 0}
     try:
         node.start()
+        assert node.proc.popen is not None
+        pid = node.proc.popen.pid
         openpi = WebsocketClientPolicy(f"ws://{node.host}:{node.port}/?episode_id=bench-openpi")
         binary = Client(node.url, timeout=30)
         as_json = Client(node.url, timeout=30, encoding="json")
@@ -63,9 +70,14 @@ def main() -> None:
                 for kind, step in robots.items():
                     if kind == "json" and t >= a.json_steps:
                         continue
+                    n0, c0 = cpu_seconds(pid), time.process_time()
                     t0 = time.perf_counter()
                     actions = step(t)
                     lat[kind].append(time.perf_counter() - t0)
+                    if kind in counted:
+                        cpu["client"][kind] += time.process_time() - c0
+                        cpu["node"][kind] += cpu_seconds(pid) - n0
+                        counted[kind] += 1
                     assert np.asarray(actions).shape == (10, 7), kind
             rounds.append({k: pct(v, 50) for k, v in lat.items()})
         openpi._ws.close()
@@ -77,6 +89,9 @@ def main() -> None:
 
     def ms(key: str) -> float:
         return median([r[key] for r in rounds]) * 1000
+
+    def per_step(side: str, kind: str) -> float:
+        return cpu[side][kind] / counted[kind] * 1000
 
     ratio = median([r["msgpack"] / r["openpi"] for r in rounds])
     json_ratio = median([r["json"] / r["openpi"] for r in rounds])
@@ -98,6 +113,17 @@ def main() -> None:
             "ok": True,
         },
     ]
+    for side in ("client", "node"):
+        mine, theirs = per_step(side, "msgpack"), per_step(side, "openpi")
+        figures.append(
+            {
+                "figure": f"{side} CPU per camera step, affinity.Client (msgpack) / openpi-client",
+                "value": mine / theirs,
+                "result": f"{mine / theirs:.2f}x ({mine:.2f} ms vs {theirs:.2f} ms)",
+                "goal": "reported",
+                "ok": True,
+            }
+        )
     report("client", figures, {"rounds": rounds})
 
 
