@@ -79,6 +79,7 @@ class Forward:
     undo: bool = False
     claim: str = ""
     instance: str = ""
+    model: str = ""  # "name@version" of the assignment ("": a fleet without models)
 
     def encode(self) -> bytes:
         return wire.encode(
@@ -99,6 +100,7 @@ class Forward:
                 "undo": self.undo,
                 "claim": self.claim,
                 "instance": self.instance,
+                "model": self.model,
             }
         )
 
@@ -129,8 +131,9 @@ class Forward:
         if not ok or not all(v is None or type(v) is int for v in ints):
             raise ValueError("a forward's fields have the wrong types")
         claim, instance = doc.get("claim", ""), doc.get("instance", "")
-        if not all(isinstance(v, str) for v in (origin, claim, instance)):
-            raise ValueError("a forward's origin, claim and instance must be strings")
+        model = doc.get("model", "")
+        if not all(isinstance(v, str) for v in (origin, claim, instance, model)):
+            raise ValueError("a forward's origin, claim, instance and model must be strings")
         if ensemble is not None and not isinstance(ensemble, str):
             raise ValueError("a forward's ensemble must be a string")
         return cls(
@@ -150,6 +153,7 @@ class Forward:
             undo=doc.get("undo") is True,
             claim=claim,
             instance=instance,
+            model=model,
         )
 
     def step(self, deadline: float) -> Step:
@@ -164,6 +168,7 @@ class Forward:
             ensemble=self.ensemble,
             seq=self.seq,
             origin=self.origin,
+            model=self.model.partition("@")[0] or None,
         )
 
 

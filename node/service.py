@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from affinity import Claims, DeviceRegistration, Registry, close, connect
+from affinity import Claims, DeviceRegistration, ModelId, Registry, close, connect
+from node.catalog import Catalog, Dispatchers, contract_record
 from node.config import NodeConfig
 from node.devices import DeviceSpec
 from node.dispatcher import MultiGpuDispatcher
@@ -32,9 +33,10 @@ LEASE_CONNECTIONS = 4
 """Connections of the lease's own pool: renewals never wait behind client requests."""
 
 DispatcherFactory = Callable[
-    [list[str], Callable[[str, str, str], None], Metrics], MultiGpuDispatcher
+    [list[str], Callable[[str, str, str], None], Metrics], MultiGpuDispatcher | Dispatchers
 ]
-"""(device ids, crash-transition callback, metrics for the batching hooks) -> dispatcher."""
+"""(device ids, crash-transition callback, metrics for the batching hooks) -> dispatcher
+(one, of the node's only model, or one per model)."""
 
 
 class NodeService:
@@ -52,6 +54,7 @@ class NodeService:
         clock: Callable[[], float] = time.monotonic,
         owns_redis: bool = False,
         pool: Poster | None = None,
+        models: Mapping[str, tuple[ModelId, PolicyContract]] | None = None,
     ) -> None:
         self.config = config
         self.node_id = config.node_id
@@ -64,15 +67,21 @@ class NodeService:
         self.lease_redis = self._own_client(LEASE_CONNECTIONS)
         self.stream_redis = self._own_client(MAX_STREAMS)
         self.stream_registry = Registry(self.stream_redis, config.settings)
-        self.contract = contract
+        self.contract = contract  # the first model's (the node's only one, usually)
+        # name -> (name@version, contract) of each model served here, the first one first
+        self.models: dict[str, tuple[ModelId, PolicyContract]] = dict(
+            models or {config.served[0].name: (config.served[0].identity(), contract)}
+        )
+        self.catalog = Catalog(self.models, self.registry, clock)
         self.clock = clock
         self.specs = specs
         self.providers = dict(providers)
         self.device_ids = [f"{config.node_id}/{s.index}" for s in specs]
         self.metrics = Metrics(self.device_ids, config.capacity)
         # the dispatcher reports crash transitions (from its workers) to the membership
-        self.dispatcher = dispatcher = dispatcher_factory(
-            self.device_ids, self._on_transition, self.metrics
+        made = dispatcher_factory(self.device_ids, self._on_transition, self.metrics)
+        self.dispatcher = dispatcher = (
+            made if isinstance(made, Dispatchers) else Dispatchers({next(iter(self.models)): made})
         )
         self.membership = Membership(
             config,
@@ -83,6 +92,7 @@ class NodeService:
             self.registrations,
             clock,
         )
+        self.membership.models = {m: contract_record(c) for m, c in self.models.values()}
         self.pool: Poster = pool or ForwardPool(config.cluster_secret)
         self.started = False
         self._warned: set[str] = set()
@@ -95,6 +105,7 @@ class NodeService:
             contract,
             self.pool,
             clock,
+            catalog=self.catalog,
         )
 
     def _own_client(self, connections: int) -> Any:

@@ -33,7 +33,10 @@ class Step:
     ``seq`` is the step number the client expects to be applied (its last reply's ``seq``
     + 1), if it sends one. ``live_only`` serves only an episode Redis already holds (a
     KServe step without ``sequence_start``): routing raises ``UnknownEpisode`` otherwise.
-    ``origin`` names the forward a step came in (owner side only).
+    ``origin`` names the forward a step came in (owner side only). ``model`` is the name
+    of the model the step is for, as the adapter chose it (``node.catalog.Catalog``:
+    None only in code that serves one model), ``version`` the version it named (None: the
+    episode's own, or the one the rollout picks).
     """
 
     episode: str | None
@@ -48,6 +51,8 @@ class Step:
     seq: int | None = None
     origin: str = ""
     live_only: bool = False
+    model: str | None = None
+    version: str | None = None
 
 
 @dataclass(slots=True)
