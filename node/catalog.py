@@ -179,12 +179,13 @@ class Catalog:
         except Exception as exc:
             log.warning("could not read the fleet's models: %s", exc)
             return
-        fleet: dict[str, list[str]] = {m.name: [m.version] for m, _ in self.local.values()}
-        for row in rows:
+        fleet: dict[str, list[str]] = {}
+        for row in rows:  # by name, then oldest registration first
             if row.nodes:
-                versions = fleet.setdefault(row.name, [])
-                if row.version not in versions:
-                    versions.append(row.version)
+                fleet.setdefault(row.name, []).append(row.version)
+        for m, _ in self.local.values():  # known before Redis is
+            if m.version not in fleet.setdefault(m.name, []):
+                fleet[m.name].append(m.version)
         self._fleet = fleet
 
     async def choose(self, name: str | None, version: str | None = None) -> str:
@@ -209,6 +210,11 @@ class Catalog:
         if version and version not in self._fleet[name]:
             raise UnknownModel(f"{name}@{version}", self.served())
         return name
+
+    def newest(self, name: str) -> str:
+        """The newest version of ``name`` a live node serves ("" when none)."""
+        versions = self._fleet.get(name) or []
+        return versions[-1] if versions else ""
 
     async def contract(self, name: str, version: str | None = None) -> PolicyContract:
         """The contract inputs of model ``name`` are checked against: the local model's,

@@ -14,8 +14,16 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from affinity import Claims, DeviceRegistration, ModelId, Registry, close, connect
-from node.catalog import Catalog, Dispatchers, contract_record
+from affinity import (
+    Claims,
+    DeviceRegistration,
+    ModelId,
+    Registry,
+    UnknownModel,
+    close,
+    connect,
+)
+from node.catalog import AmbiguousModel, Catalog, Dispatchers, contract_record
 from node.config import NodeConfig
 from node.devices import DeviceSpec
 from node.dispatcher import MultiGpuDispatcher
@@ -25,6 +33,7 @@ from node.membership import Membership
 from node.metrics import Metrics
 from node.policy import PolicyContract
 from node.routing import Routing
+from node.step import Refused
 
 __all__ = ["NodeService"]
 
@@ -168,6 +177,22 @@ class NodeService:
             clients = (self.redis, self.lease_redis, self.stream_redis)
             for client in {id(c): c for c in clients}.values():
                 await close(client)
+
+    async def model_for(
+        self, name: str | None, version: str | None = None
+    ) -> tuple[str, PolicyContract]:
+        """The model a step is for and the contract its inputs are checked against:
+        ``name`` (None: the fleet's only model) and ``version`` (None: the episode's own
+        or the rollout's). Raises :class:`Refused` 422 ``model_required`` (no name while
+        the fleet serves several, naming them), 404 ``unknown_model`` (no live node
+        serves it), and ``InvalidArgument`` for a malformed name or version."""
+        try:
+            chosen = await self.catalog.choose(name, version)
+            return chosen, await self.catalog.contract(chosen, version)
+        except AmbiguousModel as exc:
+            raise Refused(422, "model_required", str(exc)) from None
+        except UnknownModel as exc:
+            raise Refused(404, "unknown_model", str(exc)) from None
 
     def fenced(self) -> bool:
         return self.membership.fenced()
