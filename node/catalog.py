@@ -211,6 +211,10 @@ class Catalog:
             raise UnknownModel(f"{name}@{version}", self.served())
         return name
 
+    def versions(self, name: str) -> list[str]:
+        """The versions of ``name`` live nodes serve, oldest registration first."""
+        return list(self._fleet.get(name) or [])
+
     def newest(self, name: str) -> str:
         """The newest version of ``name`` a live node serves ("" when none)."""
         versions = self._fleet.get(name) or []

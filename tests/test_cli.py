@@ -38,6 +38,7 @@ DEVICE_HEADERS = [
     "LIVE/CAP",
     "WEIGHT",
     "PROVIDER",
+    "MODELS",
     "REASON",
 ]
 

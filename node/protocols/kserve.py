@@ -749,6 +749,15 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
         else:
             await _json(send, 200, {"ready": True})
         return
+    if parts == ["models"]:  # the models of the fleet (any node routes any of them)
+        if method != "GET":
+            await _error(send, 405, f"use GET {scope['path']}", [(b"allow", b"GET")])
+        else:
+            await service.catalog.refresh(force=True)
+            listed = [{"name": n, "versions": service.catalog.versions(n)}
+                      for n in service.catalog.served()]  # fmt: skip
+            await _json(send, 200, {"models": listed})
+        return
     if len(parts) < 2 or parts[0] != "models":
         await _error(send, 404, f"{method} {scope['path'][:200]}: not a KServe v2 endpoint")
         return
@@ -758,13 +767,6 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
         else:
             stats = [_statistics(service, served) for served in service.models]
             await _json(send, 200, {"model_stats": stats})
-        return
-    if parts == ["models"]:  # the models of the fleet (any node routes any of them)
-        if method != "GET":
-            await _error(send, 405, f"use GET {scope['path']}", [(b"allow", b"GET")])
-        else:
-            await service.catalog.refresh(force=True)
-            await _json(send, 200, {"models": [{"name": n} for n in service.catalog.served()]})
         return
     name, rest = parts[1], parts[2:]
     version = None
