@@ -30,7 +30,8 @@ class NodeConfig:
     refusing one without ``sequence_start`` (Triton's rule). ``grpc_port`` serves KServe
     v2 over gRPC on ``host`` (None: off). ``admission_wait_s`` > 0 holds a new episode that
     finds every device full in a backlog that long at most (``node/admission.py``; 0: 503 at
-    once).
+    once). ``control_hz`` is the robots' control rate for real-time chunking's estimates
+    (``node/rtc.py``; None: steps must send what the estimates would give).
     """
 
     node_id: str
@@ -55,6 +56,7 @@ class NodeConfig:
     execute_steps: int | None = None
     ensemble: str | None = None
     ensemble_decay: float = 0.01
+    control_hz: float | None = None
     cooldown_s: float = 30.0
     intra_op_threads: int = 1
     embedded_port: int | None = None

@@ -52,10 +52,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from affinity.errors import InvalidArgument
 from node import control
 from node.chunks import ActionBuffer, ChunkMode, find_chunk
 from node.episodes import Episode, SeqConflict, StepResult, admit, advance, undone
 from node.policy import PolicyContract
+from node.rtc import LATENCY_WINDOW, Ask, Used, rtc_of
 
 __all__ = [
     "DEFAULT_BATCH_DELAY_US",
@@ -175,6 +177,8 @@ class _Job:
     mode: ChunkMode | None
     future: asyncio.Future[StepResult]
     one_row: bool  # every input has a first dimension of 1: it may join a batch
+    rtc: Ask | None = None  # real-time chunking: what the step says (RTC models only)
+    arrived: float = 0.0  # the dispatcher's clock when the step arrived at the node
     enqueued: float = field(default_factory=time.perf_counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
     abandoned: bool = False
@@ -206,6 +210,7 @@ class _Member:
     base: Episode | None  # the record it runs on (None: the initial state)
     generation: int
     reset: bool
+    rtc: Used | None = None  # real-time chunking: what the step runs with
 
 
 class Arrival:
@@ -310,6 +315,7 @@ class MultiGpuDispatcher:
         ensemble_decay: float = 0.01,
         on_batch: Callable[[str, int], None] | None = None,
         on_queue_wait: Callable[[str, float], None] | None = None,
+        control_hz: float | None = None,
     ) -> None:
         if not devices:
             raise ValueError("a dispatcher needs at least one device")
@@ -327,6 +333,9 @@ class MultiGpuDispatcher:
         self.on_queue_wait = on_queue_wait
         self.batch_delay_s = batch_delay_us / 1e6
         self.chunk, self._no_chunk = find_chunk(contract)
+        self.rtc = rtc_of(contract)
+        """The model's real-time-chunking inputs (None: it has none; ``node/rtc.py``)."""
+        self.control_hz = control_hz
         self.ensemble_decay = ensemble_decay
         self.chunk_mode: ChunkMode | None = None
         """The node's chunk-execution mode (None: off)."""
@@ -465,6 +474,32 @@ class MultiGpuDispatcher:
             self.chunk, self._no_chunk, execute_steps, ensemble, self.ensemble_decay
         )
 
+    def rtc_for(
+        self, executed: object = None, inference_delay: object = None, control_hz: object = None
+    ) -> Ask | None:
+        """A step's real-time-chunking values, checked (None for a model without ``rtc.*``
+        inputs). Raises :class:`affinity.InvalidArgument` naming the bad one, or any one
+        given to a model without them (see :meth:`node.rtc.RtcSpec.ask`)."""
+        if self.rtc is None:
+            given = {"executed": executed, "inference_delay": inference_delay,
+                     "control_hz": control_hz}  # fmt: skip
+            for name, value in given.items():
+                if value is not None:
+                    raise InvalidArgument(name, value, "this model takes no rtc.* inputs")
+            return None
+        return self.rtc.ask(executed, inference_delay, control_hz, self.control_hz)
+
+    def observed(self, episode: str, seq: int, seconds: float) -> None:
+        """Add the latency of step ``seq`` of ``episode`` (arrival to reply, seconds) to its
+        record, which the delay estimate reads (RTC models; nothing when the record moved
+        on meanwhile)."""
+        if self.rtc is None:
+            return
+        with self._lock:
+            st = self._states.get(episode)
+            if st is not None and st.seq == seq:
+                st.latency = (*st.latency[1 - LATENCY_WINDOW :], seconds)
+
     async def step(
         self,
         device: str,
@@ -479,6 +514,8 @@ class MultiGpuDispatcher:
         deadline: float | None = None,
         execute_steps: int | None = None,
         ensemble: str | None = None,
+        rtc: Ask | None = None,
+        arrived: float | None = None,
     ) -> StepResult:
         """Run one step of ``episode`` on ``device`` with the state of its claim (token and
         claim id), by the rules of :func:`node.episodes.admit`.
@@ -492,7 +529,9 @@ class MultiGpuDispatcher:
         its deadline has passed (None: always), never when its client merely left.
         ``execute_steps`` and ``ensemble`` override the node's chunk mode for this step
         (see :meth:`mode_for`; a bad one raises :class:`affinity.InvalidArgument` before
-        anything changes). Raises :class:`ModelFailure` (the session raised; counted) and
+        anything changes). ``rtc`` is what the step says for real-time chunking (from
+        :meth:`rtc_for`; None: estimate both) and ``arrived`` the clock when it reached the
+        node (None: now). Raises :class:`ModelFailure` (the session raised; counted) and
         :class:`DeviceDown`. The state is only advanced when the step succeeds and its
         caller is still waiting: a step whose request was cancelled (its deadline passed)
         is skipped if it has not started, and keeps nothing if it has. In the instant where
@@ -500,6 +539,8 @@ class MultiGpuDispatcher:
         """
         dev = self._device(device)
         mode = self.mode_for(execute_steps, ensemble)
+        if self.rtc is not None and rtc is None:
+            rtc = self.rtc_for()
         if dev.tracker.down:
             raise DeviceDown(device)
         if not fresh and (seq is not None or mode is not None) and episode not in self._in_flight:
@@ -518,7 +559,8 @@ class MultiGpuDispatcher:
         feed = dict(inputs)
         one_row = all(a.ndim >= 1 and a.shape[0] == 1 for a in feed.values())
         future = asyncio.get_running_loop().create_future()
-        job = _Job(episode, token, claim, fresh, seq, origin, feed, mode, future, one_row)
+        job = _Job(episode, token, claim, fresh, seq, origin, feed, mode, future, one_row, rtc,
+                   self.clock() if arrived is None else arrived)  # fmt: skip
         dev.put(job)
         self._in_flight[episode] = self._in_flight.get(episode, 0) + 1
         try:
@@ -572,7 +614,7 @@ class MultiGpuDispatcher:
         result = StepResult(outputs, base.doubt, base.seq + 1, "buffer")
         self._states[episode] = advance(
             base, dev.id, base.token, base.claim, base.state, base.buffer.served(), result,
-            self.clock(), None, origin,
+            self.clock(), None, origin, base.sent,
         )  # fmt: skip
         return result
 
@@ -698,6 +740,8 @@ class MultiGpuDispatcher:
                 return None
             if job.episode is None:
                 feed = {**job.inputs, **self.contract.initial_state()}
+                if self.rtc is not None:
+                    feed.update(self.rtc.none())
                 return _Member(job, feed, None, None, self._generation, False)
             st = self._states.get(job.episode)
             try:
@@ -717,7 +761,16 @@ class MultiGpuDispatcher:
                         feed = {**job.inputs, **state}
                         if base is None:  # the episode's first step, or its first after a reset
                             control.started(feed)
-                        return _Member(job, feed, st, base, self._generation, reset)
+                        used = None
+                        if self.rtc is not None:
+                            assert job.rtc is not None  # step() gives every job of an RTC model one
+                            sent = None if base is None or reset else base.sent
+                            latency = () if base is None else base.latency
+                            rtc_feed, used = self.rtc.feed(
+                                sent, job.rtc, job.arrived, latency, self.control_hz
+                            )
+                            feed.update(rtc_feed)
+                        return _Member(job, feed, st, base, self._generation, reset, used)
         dev.answer(job.future, result, error)
         return None
 
@@ -815,11 +868,15 @@ class MultiGpuDispatcher:
             buffer, action = (old or ActionBuffer()).after_run(chunk, job.mode)
             visible = {self.chunk.output: self.chunk.action(action)}
         seq = 1 if m.base is None else m.base.seq + 1
-        result = StepResult(visible, m.reset, seq, "model")
+        result = StepResult(visible, m.reset, seq, "model", rtc=m.rtc)
         episode = job.episode
         if episode is not None:
             new_state = {name: outputs[out] for name, out in self.contract.state.items()}
             now = self.clock()
+            sent = None
+            if self.rtc is not None:
+                assert self.chunk is not None  # an RTC model has a chunk (checked at load)
+                sent = (self.chunk.chunk_of(outputs[self.chunk.output]), now)
             with job.lock, self._lock:
                 # keep nothing for a caller that gave up, after drop_all() ran meanwhile, or
                 # when the record it read was released or replaced meanwhile
@@ -833,7 +890,7 @@ class MultiGpuDispatcher:
                     self._states[episode] = advance(
                         m.base, dev.id, job.token, job.claim, new_state, buffer, result, now,
                         None if m.base else {n: m.feed[n] for n in self.contract.state},
-                        job.origin,
+                        job.origin, sent,
                     )  # fmt: skip
                     dev.live.add(episode)
                     job.committed = seq
@@ -869,6 +926,8 @@ class MultiGpuDispatcher:
         one = {spec.name: spec.zeros() for spec in self.contract.observation_inputs}
         one.update(self.contract.initial_state())
         one.update({spec.name: spec.zeros() for spec in self.contract.control_inputs})
+        if self.rtc is not None:
+            one.update(self.rtc.none())
         return {name: np.concatenate([v] * rows) for name, v in one.items()}
 
     def _run_counted(self, dev: _Device, feed: dict[str, Array]) -> None:

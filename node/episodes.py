@@ -2,15 +2,17 @@
 
 A record holds the claim it serves (device, token and the claim id Redis issued with the
 token), the number of steps applied under that claim (``seq``: 1, 2, …), the recurrent
-state and the action buffer those steps left, the last step's result (replayed to a
-retry that names the step already applied) and the record before the last step
-(``previous``: restored when the last step's reply did not reach a live caller).
+state and the action buffer those steps left, the chunk the last model run sent and the
+latest step latencies (real-time chunking, ``node/rtc.py``), the last step's result
+(replayed to a retry that names the step already applied) and the record before the last
+step (``previous``: restored when the last step's reply did not reach a live caller).
 
 A step builds the next record from references (the new state is the model's output, the
 previous record is the old object), so keeping the previous state and the last reply
 costs no copy per step, only the memory of one more state and one more reply per
 episode. Records are not changed once current, except that the one a step replaces loses
-its own ``previous`` (a record's ``previous`` never has a ``previous`` of its own); they
+its own ``previous`` (a record's ``previous`` never has a ``previous`` of its own) and
+that a step's latency is added to its record once its reply is on its way; they
 are plain slotted objects because one is made on every step.
 
 The rules here are pure functions of a record and a step; the dispatcher applies them
@@ -25,6 +27,7 @@ from typing import Any, Literal
 import numpy as np
 
 from node.chunks import ActionBuffer
+from node.rtc import Used
 
 __all__ = ["Episode", "SeqConflict", "StepResult", "admit", "advance", "undone"]
 
@@ -40,6 +43,7 @@ class StepResult:
     seq: int  # the step's number under its claim: 1, 2, … (the owner's count)
     source: Literal["model", "buffer"] = "model"  # "buffer": answered without a model run
     replayed: bool = False  # the stored reply of a step already applied (no model run)
+    rtc: Used | None = None  # real-time chunking: what the step ran with (node/rtc.py)
 
 
 @dataclass(slots=True)
@@ -57,6 +61,8 @@ class Episode:
     previous: Episode | None = None  # the record before step ``seq``; restored by undo
     origin: str = ""  # the forward that applied step ``seq`` ("" when not forwarded)
     doubt: bool = False  # an undo came too late: the next step says state_reset
+    sent: tuple[Array, float] | None = None  # RTC: the [H, D] chunk last sent, and when
+    latency: tuple[float, ...] = ()  # RTC: the latest step latencies (seconds), oldest first
 
     def holds(self, device: str, token: int, claim: str) -> bool:
         """Whether this record serves the claim (device, token, claim id)."""
@@ -118,17 +124,20 @@ def advance(
     now: float,
     initial: dict[str, Array] | None,
     origin: str,
+    sent: tuple[Array, float] | None = None,
 ) -> Episode:
     """The record after ``result`` was applied on ``base`` (None: from ``initial``, the
-    initial state). Call it holding the lock that guards the current records: ``base``,
-    the current record, loses its own ``previous``."""
+    initial state); ``sent``: the chunk the step sent and when (RTC models), else None.
+    Call it holding the lock that guards the current records: ``base``, the current
+    record, loses its own ``previous``."""
     if base is None:
         assert initial is not None
         base = Episode(device, token, claim, initial, now, 0, None)
     else:
         base.previous = None
         base.doubt = False
-    return Episode(device, token, claim, state, now, result.seq, buffer, result, base, origin)
+    return Episode(device, token, claim, state, now, result.seq, buffer, result, base, origin,
+                   sent=sent, latency=base.latency)  # fmt: skip
 
 
 def undone(record: Episode, seq: int | None, origin: str | None) -> Episode | None:

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from affinity import wire
+from node.rtc import Ask
 from node.step import Array, Reply, Step
 
 __all__ = ["Forward", "ForwardError", "ForwardPool", "Poster", "Response"]
@@ -80,6 +81,8 @@ class Forward:
     claim: str = ""
     instance: str = ""
     model: str = ""  # "name@version" of the assignment ("": a fleet without models)
+    rtc: Ask | None = None  # the client's real-time-chunking values (the owner checks them)
+    elapsed_s: float = 0.0  # how long the router had the step before forwarding it
 
     def encode(self) -> bytes:
         return wire.encode(
@@ -101,8 +104,12 @@ class Forward:
                 "claim": self.claim,
                 "instance": self.instance,
                 "model": self.model,
+                "rtc": None if self.rtc is None else [
+                    self.rtc.executed, self.rtc.delay, self.rtc.control_hz
+                ],
+                "elapsed_ms": round(self.elapsed_s * 1000, 3),
             }
-        )
+        )  # fmt: skip
 
     @classmethod
     def decode(cls, body: bytes) -> Forward:
@@ -136,6 +143,11 @@ class Forward:
             raise ValueError("a forward's origin, claim, instance and model must be strings")
         if ensemble is not None and not isinstance(ensemble, str):
             raise ValueError("a forward's ensemble must be a string")
+        rtc, elapsed = doc.get("rtc"), doc.get("elapsed_ms", 0)
+        if rtc is not None and not (isinstance(rtc, list) and len(rtc) == 3):
+            raise ValueError("a forward's rtc must be [executed, delay, control_hz]")
+        if not isinstance(elapsed, int | float) or isinstance(elapsed, bool) or elapsed < 0:
+            raise ValueError("a forward's elapsed_ms must be a number >= 0")
         return cls(
             episode=episode,
             token=token,
@@ -154,6 +166,8 @@ class Forward:
             claim=claim,
             instance=instance,
             model=model,
+            rtc=None if rtc is None else Ask(*rtc),
+            elapsed_s=float(elapsed) / 1000,
         )
 
     def step(self, deadline: float) -> Step:
@@ -169,6 +183,7 @@ class Forward:
             seq=self.seq,
             origin=self.origin,
             model=self.model.partition("@")[0] or None,
+            rtc=self.rtc,
         )
 
 
@@ -196,6 +211,7 @@ def decode_reply(body: bytes) -> Reply:
             timing={str(k): float(v) for k, v in dict(doc.get("timing", {})).items()},
             seq=int(doc.get("seq", 0)),
             replayed=bool(doc.get("replayed", False)),
+            rtc=None if doc.get("rtc") is None else {str(k): int(v) for k, v in doc["rtc"].items()},
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not an owner's reply: {exc}") from None

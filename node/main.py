@@ -162,6 +162,10 @@ _FLAGS = (
     _Flag("--ensemble-decay", "AFFINITY_ENSEMBLE_DECAY", 0.01,
           "m in ACT's weights w_i = exp(-m*i), oldest prediction first", float,
           low=0, high=1000),
+    _Flag("--control-hz", "AFFINITY_CONTROL_HZ", None,
+          "the robots' control rate, for real-time chunking's estimates of executed and "
+          "inference_delay when a step does not send them (none: steps send them or "
+          "control_hz)", float, low=0.001, high=10_000),
     _Flag("--failure-threshold", "AFFINITY_FAILURE_THRESHOLD", 3,
           "consecutive model failures before a device goes down", int, low=1, high=1_000_000),
     _Flag("--cooldown", "AFFINITY_COOLDOWN", 30.0,
@@ -322,6 +326,7 @@ def parse_args(
             execute_steps=values["execute_steps"],
             ensemble=None if values["ensemble"] == "none" else values["ensemble"],
             ensemble_decay=values["ensemble_decay"],
+            control_hz=values["control_hz"],
             cooldown_s=values["cooldown"],
             embedded_port=values["embedded_port"],
             log_level=values["log_level"],
@@ -377,7 +382,8 @@ def build_service(
         try:
             devices = specs if specs is not None else discover(config.devices)
         except ValueError as exc:
-            raise StartupError(f"--devices: {exc}") from None
+            # discover()'s messages start with "devices <spec>:", which names the flag
+            raise StartupError(f"--{exc}") from None
         require_cuda(devices)  # GpuUnavailable: GPUs named, or found, that CUDA cannot run
         served: dict[str, tuple[ModelSpec, ModelId, PolicyContract]] = {}
         for m in config.served:
@@ -434,6 +440,7 @@ def build_service(
                         execute_steps=config.execute_steps,
                         ensemble=config.ensemble,
                         ensemble_decay=config.ensemble_decay,
+                        control_hz=config.control_hz,
                         on_batch=lambda d, n: metrics.batch_size.labels(d).observe(n),
                         on_queue_wait=lambda d, s: metrics.queue_wait.labels(d).observe(s),
                     )

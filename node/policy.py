@@ -78,12 +78,15 @@ DROID_DEMO_MODEL: Path = MODELS_DIR / "droid_demo.onnx"
 """The camera-sized demo policy for openpi's DROID observations (``build_vla.py``)."""
 ALOHA_DEMO_MODEL: Path = MODELS_DIR / "aloha_demo.onnx"
 """The camera-sized demo policy for openpi's ALOHA observations (``build_vla.py``)."""
+RTC_DEMO_MODEL: Path = MODELS_DIR / "rtc_demo.onnx"
+"""The camera-sized demo policy with real-time chunking's inputs (``build_rtc.py``)."""
 PACKAGED_MODELS: Mapping[str, Path] = MappingProxyType(
     {
         "demo": DEMO_MODEL,
         "vla-demo": VLA_DEMO_MODEL,
         "droid-demo": DROID_DEMO_MODEL,
         "aloha-demo": ALOHA_DEMO_MODEL,
+        "rtc-demo": RTC_DEMO_MODEL,
     }
 )
 """The names :func:`resolve_model` accepts besides a path."""
@@ -91,6 +94,11 @@ PACKAGED_MODELS: Mapping[str, Path] = MappingProxyType(
 STATE_IN_PREFIX = "state_in."
 CONTROL_PREFIX = "control."
 CONTROL_INPUTS = ("control.start", "control.end", "control.ready", "control.corrid")
+RTC_PREFIX_NAME = "rtc."
+RTC_PREFIX = "rtc.prefix"
+RTC_PREFIX_LEN = "rtc.prefix_len"
+RTC_DELAY = "rtc.delay"
+RTC_INPUTS = (RTC_PREFIX, RTC_PREFIX_LEN, RTC_DELAY)
 STATE_OUT_PREFIX = "state_out."
 SIDECAR_KEYS = ("state", "chunk", "batch", "observations", "metadata")
 MAX_OBSERVATION_DEPTH = 8
@@ -163,17 +171,23 @@ class PolicyContract:
 
     @property
     def observation_inputs(self) -> tuple[TensorSpec, ...]:
-        """The inputs the client sends: every input that is not state nor control."""
+        """The inputs the client sends: every input that is not state, control nor rtc."""
         return tuple(
             spec
             for spec in self.inputs
-            if spec.name not in self.state and not spec.name.startswith(CONTROL_PREFIX)
+            if spec.name not in self.state
+            and not spec.name.startswith((CONTROL_PREFIX, RTC_PREFIX_NAME))
         )
 
     @property
     def control_inputs(self) -> tuple[TensorSpec, ...]:
         """The control inputs the node fills (see ``node/control.py``)."""
         return tuple(spec for spec in self.inputs if spec.name.startswith(CONTROL_PREFIX))
+
+    @property
+    def rtc_inputs(self) -> tuple[TensorSpec, ...]:
+        """The real-time-chunking inputs the node fills (see ``node/rtc.py``)."""
+        return tuple(spec for spec in self.inputs if spec.name.startswith(RTC_PREFIX_NAME))
 
     @property
     def returned_outputs(self) -> tuple[TensorSpec, ...]:
@@ -321,6 +335,7 @@ def load_contract(model_path: Path) -> PolicyContract:
     metadata = doc.get("metadata", {})
     if not isinstance(metadata, dict):
         raise ValueError(f'{where}: "metadata" must be a JSON object, got {_kind(metadata)}')
+    _check_rtc(replace(contract, chunk=chunk), where)
     return replace(
         contract,
         chunk=chunk,
@@ -506,6 +521,37 @@ def _check_control(inputs: Sequence[TensorSpec], where: str) -> None:
         sizes = [d for d in spec.shape[1:] if isinstance(d, int)]
         if any(d != 1 for d in sizes):
             raise ValueError(f"{where}: {spec.name} is {spec.describe()}: one value per row")
+
+
+def _check_rtc(contract: PolicyContract, where: str) -> None:
+    specs = {spec.name: spec for spec in contract.rtc_inputs}
+    if not specs:
+        return
+    if set(specs) != set(RTC_INPUTS):
+        raise ValueError(
+            f"{where}: inputs {', '.join(sorted(specs))}: a real-time-chunking model takes "
+            f"all of {', '.join(RTC_INPUTS)} and no other rtc.* input"
+        )
+    shape = contract.chunk_shape
+    if shape is None:
+        raise ValueError(
+            f'{where}: {RTC_PREFIX} needs an action-chunk output (the sidecar\'s "chunk")'
+        )
+    prefix = specs[RTC_PREFIX]
+    if tuple(prefix.shape[-2:]) != shape or len(prefix.shape) != (3 if contract.batch_axis else 2):
+        raise ValueError(
+            f"{where}: {RTC_PREFIX} is {prefix.describe()}; it must have the chunk's shape "
+            f"{list(shape)} (with the batch axis first, if any)"
+        )
+    if np.dtype(prefix.dtype).kind != "f":
+        raise ValueError(f"{where}: {RTC_PREFIX} is {prefix.dtype}; it must be a float")
+    for name in (RTC_PREFIX_LEN, RTC_DELAY):
+        spec = specs[name]
+        sizes = [d for d in spec.shape[1 if contract.batch_axis else 0 :] if isinstance(d, int)]
+        if np.dtype(spec.dtype).kind not in "iu" or any(d != 1 for d in sizes):
+            raise ValueError(
+                f"{where}: {name} is {spec.describe()}; it must be an integer, one value per row"
+            )
 
 
 def _by_convention(inputs: Sequence[TensorSpec]) -> dict[str, str]:

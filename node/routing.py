@@ -37,6 +37,7 @@ from affinity import (
     Assignment,
     BackendUnavailable,
     Claims,
+    InvalidArgument,
     ModelConflict,
     ModelId,
     NoCapacity,
@@ -55,6 +56,7 @@ from node.membership import Membership
 from node.metrics import Metrics
 from node.peers import PeerHealth
 from node.policy import InvalidInput, PolicyContract, inputs_from_arrays
+from node.rtc import Ask
 from node.step import Refused, Reply, Step, Unavailable
 
 __all__ = ["FORWARD_MARGIN_S", "TRANSIENT", "UNDO_S", "Routing"]
@@ -120,6 +122,8 @@ class Routing:
         Raises :class:`Unavailable` (503), :class:`Refused` (its status), and
         ``InvalidArgument`` for a bad id."""
         started = time.perf_counter()
+        if step.arrived is None:
+            step.arrived = self.clock()
         arrival = self.dispatcher.arrival()  # lets a device with a waiting step wait for it
         try:
             reply = await self._within_deadline(step, patient, arrival)
@@ -298,6 +302,8 @@ class Routing:
                 deadline=step.deadline,
                 execute_steps=step.execute_steps,
                 ensemble=step.ensemble,
+                rtc=step.rtc,
+                arrived=step.arrived,
             )
         except SeqConflict as exc:
             raise Refused(409, "seq_conflict", str(exc)) from None
@@ -309,6 +315,8 @@ class Routing:
         if self.membership.fenced():  # the lease ran out while the model ran
             self.dispatcher.release(a.episode)
             raise Unavailable("fenced", f"node {self.node_id} lease ran out during the step", 1.0)
+        if result.source == "model" and not result.replayed and step.arrived is not None:
+            dispatcher.observed(a.episode, result.seq, self.clock() - step.arrived)
         if step.end:
             await self.end_episode(a.episode, a.token)
         # The client's echo of its last token tells a lost assignment (Redis restarted
@@ -328,6 +336,7 @@ class Routing:
             timing={"device_ms": (time.perf_counter() - started) * 1000},
             seq=result.seq,
             replayed=result.replayed,
+            rtc=None if result.rtc is None else result.rtc.to_json(),
         )
 
     async def undelivered(self, reply: Reply) -> None:
@@ -387,6 +396,8 @@ class Routing:
             claim=a.claim,
             instance=a.instance,
             model=a.model,
+            rtc=step.rtc,
+            elapsed_s=0.0 if step.arrived is None else max(0.0, self.clock() - step.arrived),
         ).encode()
         arrival.done()  # it leaves this node
         try:
@@ -445,6 +456,7 @@ class Routing:
         Refuses (403) a wrong cluster secret, (400) a malformed forward, (421) a device not
         on this node, (409) a (device, token) Redis no longer holds for the episode or an
         episode this leaving node just handed over; 503 when out of budget or fenced."""
+        received = self.clock()
         expected = self.config.cluster_secret or ""
         if expected and not hmac.compare_digest((secret or "").encode(), expected.encode()):
             raise Refused(403, "bad_secret", "missing or wrong cluster secret")
@@ -467,10 +479,15 @@ class Routing:
             raise Refused(
                 422, "bad_input", f"not an input of node {self.node_id}'s model: {exc}"
             ) from None
+        try:  # checked against this node's model and --control-hz, as the inputs are
+            ask = fwd.rtc or Ask()
+            rtc = self.dispatcher.of(name).rtc_for(ask.executed, ask.delay, ask.control_hz)
+        except InvalidArgument as exc:
+            raise Refused(422, "bad_input", f"node {self.node_id}: {exc}") from None
         arrival = self.dispatcher.arrival()
         try:
             async with asyncio.timeout(fwd.budget_s):
-                return await self._serve_forwarded(fwd, arrival)
+                return await self._serve_forwarded(fwd, arrival, rtc, received - fwd.elapsed_s)
         except TimeoutError:
             raise Unavailable(
                 "deadline", f"the router's budget of {fwd.budget_s:.3f}s ran out", 1.0
@@ -478,7 +495,9 @@ class Routing:
         finally:
             arrival.done()
 
-    async def _serve_forwarded(self, fwd: Forward, arrival: Arrival) -> Reply:
+    async def _serve_forwarded(
+        self, fwd: Forward, arrival: Arrival, rtc: Ask | None, arrived: float
+    ) -> Reply:
         self.membership.check_lease()
         self.membership.check_instance(fwd.instance)
         if not self.dispatcher.holds(fwd.episode, fwd.device, fwd.token, fwd.claim):
@@ -503,7 +522,9 @@ class Routing:
             raise Refused(409, "moved", f"node {self.node_id} handed {fwd.episode!r} over")
         a = Assignment(fwd.episode, fwd.routing, fwd.device, fwd.token, self.node_id, "", None,  # type: ignore[arg-type]
                        fwd.claim, fwd.instance, fwd.model)  # fmt: skip
-        return await self._serve(a, fwd.step(self.clock() + fwd.budget_s), arrival)
+        step = fwd.step(self.clock() + fwd.budget_s)
+        step.rtc, step.arrived = rtc, arrived
+        return await self._serve(a, step, arrival)
 
 
 def _error_of(resp: Response) -> tuple[str, str]:

@@ -33,6 +33,7 @@ from node.membership import Membership
 from node.metrics import Metrics
 from node.policy import PolicyContract
 from node.routing import Routing
+from node.rtc import Ask
 from node.step import Refused
 
 __all__ = ["NodeService"]
@@ -193,6 +194,18 @@ class NodeService:
             raise Refused(422, "model_required", str(exc)) from None
         except UnknownModel as exc:
             raise Refused(404, "unknown_model", str(exc)) from None
+
+    def rtc_for(
+        self, name: str | None, executed: object, delay: object, control_hz: object
+    ) -> Ask | None:
+        """A step's real-time-chunking values for model ``name``, checked here when this
+        node serves it (``InvalidArgument``), else passed on for its owner to check."""
+        local = self.dispatcher.by_model.get(name or next(iter(self.models)))
+        if local is not None:
+            return local.rtc_for(executed, delay, control_hz)
+        if executed is None and delay is None and control_hz is None:
+            return None
+        return Ask(executed, delay, control_hz)  # type: ignore[arg-type]
 
     def fenced(self) -> bool:
         return self.membership.fenced()

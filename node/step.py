@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from node.rtc import Ask
+
 __all__ = ["Array", "Refused", "Reply", "Step", "Unavailable"]
 
 Array = np.ndarray[Any, Any]
@@ -36,7 +38,11 @@ class Step:
     ``origin`` names the forward a step came in (owner side only). ``model`` is the name
     of the model the step is for, as the adapter chose it (``node.catalog.Catalog``:
     None only in code that serves one model), ``version`` the version it named (None: the
-    episode's own, or the one the rollout picks).
+    episode's own, or the one the rollout picks). ``rtc`` is what the
+    step says for real-time chunking (``node/rtc.py``; validated by the adapter with
+    ``dispatcher.rtc_for``; None for a model without ``rtc.*`` inputs); ``arrived`` is
+    when it reached the node the client sent it to, on this node's ``time.monotonic()``
+    (set by routing).
     """
 
     episode: str | None
@@ -53,6 +59,8 @@ class Step:
     live_only: bool = False
     model: str | None = None
     version: str | None = None
+    rtc: Ask | None = None
+    arrived: float | None = None
 
 
 @dataclass(slots=True)
@@ -66,6 +74,8 @@ class Reply:
     number under its claim, ``replayed`` says it is the stored reply of a step already
     applied. ``origin`` is the id of the forward that carried it (router side; empty for a
     step served here): the router names it when it tells the owner to undo the step.
+    ``rtc`` is what a real-time-chunking step ran with: ``executed``, ``delay``,
+    ``prefix_len`` (None for other models).
     """
 
     outputs: dict[str, Array]
@@ -82,10 +92,13 @@ class Reply:
     seq: int = 0
     replayed: bool = False
     origin: str = ""
+    rtc: dict[str, int] | None = None
 
-    def facts(self) -> dict[str, Any]:
-        """Everything but the outputs, with the wire names every protocol uses."""
-        return {
+    def facts(self, *, flat: bool = False) -> dict[str, Any]:
+        """Everything but the outputs, with the wire names every protocol uses; ``rtc``
+        (when set) as a map, or ``flat`` (KServe's scalar parameters) as ``rtc_executed``,
+        ``rtc_delay``, ``rtc_prefix_len``."""
+        facts: dict[str, Any] = {
             "episode_id": self.episode,
             "device": self.device,
             "node": self.node,
@@ -97,6 +110,12 @@ class Reply:
             "seq": self.seq,
             "replayed": self.replayed,
         }
+        if self.rtc is not None:
+            if flat:
+                facts.update({f"rtc_{k}": v for k, v in self.rtc.items()})
+            else:
+                facts["rtc"] = dict(self.rtc)
+        return facts
 
 
 class Unavailable(Exception):

@@ -398,3 +398,24 @@ async def test_a_grpc_deadline_shortens_the_step_and_each_step_writes_an_access_
     assert '127.0.0.1:5555 "GRPC /inference.GRPCInferenceService/ModelInfer" 200' in served
     assert "episode=kserve:s:robot-7 device=a/" in served and "routing=claimed" in served
     assert '"GRPC /inference.GRPCInferenceService/ModelStreamInfer" 404' in refused
+
+
+@pytest.mark.anyio
+async def test_a_call_refused_for_its_key_writes_an_access_line() -> None:
+    redis = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    async with cluster(redis, [config("a", api_key="k")]) as (nodes, _):
+        service = nodes[0].service
+        access = AccessLog(stream=io.StringIO())
+        door = GrpcFrontDoor(service, access)
+        context = _Context(None)
+        context.invocation_metadata = lambda: (("authorization", "Api-Key wrong"),)  # type: ignore[attr-defined]
+        for rpc in ("ModelInfer", "ModelStreamInfer"):
+            with pytest.raises(Exception, match="Api-Key"):
+                door._check_key_logged(context, rpc)
+        context.invocation_metadata = lambda: (("authorization", "Api-Key k"),)  # type: ignore[attr-defined]
+        door._check_key_logged(context, "ModelInfer")  # allowed: no line
+        access.flush()
+    lines = access.stream.getvalue().splitlines()  # type: ignore[union-attr]
+    assert len(lines) == 2
+    assert '"GRPC /inference.GRPCInferenceService/ModelInfer" 401' in lines[0]
+    assert '"GRPC /inference.GRPCInferenceService/ModelStreamInfer" 401' in lines[1]

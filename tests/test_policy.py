@@ -20,12 +20,13 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from onnx import TensorProto, helper, numpy_helper
 
-from node.models import build_demo, build_vla
+from node.models import build_demo, build_rtc, build_vla
 from node.policy import (
     ALOHA_DEMO_MODEL,
     DEMO_MODEL,
     DROID_DEMO_MODEL,
     PACKAGED_MODELS,
+    RTC_DEMO_MODEL,
     VLA_DEMO_MODEL,
     InvalidInput,
     PolicyContract,
@@ -426,14 +427,16 @@ def test_resolve_model(tmp_path: Path) -> None:
     assert resolve_model("vla-demo") == VLA_DEMO_MODEL
     assert resolve_model("droid-demo") == DROID_DEMO_MODEL
     assert resolve_model("aloha-demo") == ALOHA_DEMO_MODEL
-    assert set(PACKAGED_MODELS) == {"demo", "vla-demo", "droid-demo", "aloha-demo"}
+    assert resolve_model("rtc-demo") == RTC_DEMO_MODEL
+    assert set(PACKAGED_MODELS) == {"demo", "vla-demo", "droid-demo", "aloha-demo", "rtc-demo"}
     assert all(path.is_file() for path in PACKAGED_MODELS.values())
     mine = recurrent_model(tmp_path / "mine.onnx")
     assert resolve_model(str(mine)) == mine
     assert resolve_model(mine) == mine
     with pytest.raises(
         ValueError,
-        match=r"'nope\.onnx': not a packaged model \(demo, vla-demo, droid-demo, aloha-demo\)",
+        match=r"'nope\.onnx': not a packaged model \(demo, vla-demo, droid-demo, aloha-demo, "
+        r"rtc-demo\)",
     ):
         resolve_model("nope.onnx")
     with pytest.raises(ValueError, match="nor an existing file"):
@@ -990,6 +993,7 @@ def test_outputs_unbatched() -> None:
         (build_vla.build, VLA_DEMO_MODEL, 2_000_000),
         (functools.partial(build_vla.build, robot=build_vla.DROID), DROID_DEMO_MODEL, 2_000_000),
         (functools.partial(build_vla.build, robot=build_vla.ALOHA), ALOHA_DEMO_MODEL, 2_000_000),
+        (build_rtc.build, RTC_DEMO_MODEL, 200_000),
     ],
 )
 def test_packaged_models_are_reproducible(
@@ -1170,5 +1174,7 @@ def test_cost_measures_every_packaged_model(capsys: pytest.CaptureFixture[str]) 
         ("droid-demo", "8"),
         ("aloha-demo", "1"),
         ("aloha-demo", "8"),
+        ("rtc-demo", "1"),
+        ("rtc-demo", "8"),
     ]
     assert all(float(row[2]) > 0 for row in rows)

@@ -541,7 +541,7 @@ def test_node_naming_a_gpu_it_cannot_list_exits_with_one_line(tmp_path: Path) ->
     done = node(env, "--devices", "0")
     assert done.returncode == 2, done.stderr
     [line] = done.stderr.strip().splitlines()
-    assert line.startswith("affinity-node: --devices: devices '0': cannot list GPUs:")
+    assert line.startswith("affinity-node: --devices '0': cannot list GPUs:")
 
 
 def test_the_onnxruntime_floor_has_what_the_node_relies_on() -> None:

@@ -4,13 +4,15 @@ binary tensors.
 Request body (a map): ``episode_id``?, ``session_id``?, ``inputs`` (input name → array),
 ``end``?, ``token``? (the token of the client's previous reply), ``seq``? (the step
 number it expects to be applied: its last reply's ``seq`` + 1), ``execute_steps``? and
-``ensemble``? (action-chunk execution overrides). JSON arrays are nested lists; with
+``ensemble``? (action-chunk execution overrides), ``executed``?, ``inference_delay``? and
+``control_hz``? (real-time chunking, ``node/rtc.py``). JSON arrays are nested lists; with
 ``Content-Type: application/msgpack`` every input is an array in openpi's msgpack
 encoding (``affinity/wire.py``). Any other top-level field is refused with 422 naming it (a
 typo such as ``episodeId`` must not silently make every step stateless).
 
 Reply: ``{"outputs": {name: array}, "episode_id", "device", "node", "token", "routing",
-"state_reset", "degraded", "source", "seq", "replayed"}`` as JSON, or msgpack when
+"state_reset", "degraded", "source", "seq", "replayed"}`` (and ``rtc``: ``{"executed",
+"delay", "prefix_len"}`` for a real-time-chunking model) as JSON, or msgpack when
 ``Accept`` asks for ``application/msgpack``; the same facts in ``X-Affinity-*`` headers, and
 ``X-Affinity-URL``, the owner's address, where the episode's next steps can go directly.
 A client that closes its connection before the reply is sent gets its step undone.
@@ -51,7 +53,7 @@ log = logging.getLogger("affinity.node")
 MSGPACK = "application/msgpack"
 FIELDS = (
     "episode_id", "session_id", "inputs", "end", "token", "seq", "execute_steps", "ensemble",
-    "model",
+    "model", "executed", "inference_delay", "control_hz",
 )  # fmt: skip
 
 
@@ -97,6 +99,9 @@ async def decode(service: NodeService, body: bytes, binary: bool, deadline: floa
     local = service.dispatcher.by_model.get(name)  # a model served elsewhere: its owner checks
     if local is not None:
         local.mode_for(steps, ensemble)  # InvalidArgument names the field
+    rtc = service.rtc_for(
+        name, doc.get("executed"), doc.get("inference_delay"), doc.get("control_hz")
+    )
     episode, degraded = doc.get("episode_id"), False
     if episode is None and doc.get("session_id") is not None:
         episode, degraded = doc["session_id"], True
@@ -116,6 +121,7 @@ async def decode(service: NodeService, body: bytes, binary: bool, deadline: floa
         seq=seq,
         model=name,
         version=version or None,
+        rtc=rtc,
     )
 
 

@@ -16,7 +16,10 @@ Triton client keeps a sequence's steps in order). Every other RPC of the service
 
 **Requests.** Request parameters carry Triton's sequence fields: ``sequence_id`` (an
 ``int64_param``/``uint64_param`` or a ``string_param``), ``sequence_start``,
-``sequence_end`` (``bool_param``), ``timeout`` (µs), ``execute_steps`` and ``ensemble``.
+``sequence_end`` (``bool_param``), ``timeout`` (µs), ``execute_steps`` and ``ensemble``;
+real-time chunking's ``executed``, ``inference_delay`` (``int64_param``) and
+``control_hz`` (``double_param`` or ``int64_param``), replied as ``rtc_executed``,
+``rtc_delay``, ``rtc_prefix_len``.
 Tensors come as ``raw_input_contents`` (one entry per input, in order: the raw
 little-endian row-major bytes) or as typed ``contents``. Every declared size (element
 counts against ``MAX_ELEMENTS``, raw sizes against shape and datatype) is checked before an
@@ -169,6 +172,9 @@ def decode_request(msg: pb.ModelInferRequest, *, max_elements: int = MAX_ELEMENT
         timeout_s=timeout / 1e6 if timeout else None,
         execute_steps=steps,
         ensemble=ensemble,
+        executed=params.get("executed"),
+        inference_delay=params.get("inference_delay"),
+        control_hz=params.get("control_hz"),
     )
 
 
@@ -267,7 +273,7 @@ def encode_reply(reply: Reply, request: InferRequest, model_name: str) -> pb.Mod
     response = pb.ModelInferResponse(
         model_name=model_name, model_version=MODEL_VERSION, id=request.id or ""
     )
-    for key, value in reply.facts().items():
+    for key, value in reply.facts(flat=True).items():
         if value is not None:
             response.parameters[key].CopyFrom(_parameter(value))
     for name in names:
@@ -330,12 +336,33 @@ class GrpcFrontDoor:
             context.set_trailing_metadata((("retry-after", str(max(1, round(exc.retry_after)))),))
         await context.abort(exc.code, str(exc))
 
+    def _log(self, context: Any, rpc: str, status: int, started: float, served: list[str]) -> None:
+        """One access line, like a request to the HTTP front doors: ``GRPC /<service>/<rpc>``
+        with the HTTP status the same failure gets over KServe HTTP."""
+        if self.access.enabled:
+            peer = str(context.peer() or "").rsplit(":", 1)
+            scope = {
+                "method": "GRPC",
+                "path": f"/{SERVICE}/{rpc}",
+                "client": (peer[0].split(":", 1)[-1], peer[1]) if len(peer) == 2 else None,
+                STEP_KEY: tuple(served),
+            }
+            self.access.write(scope, status, time.monotonic() - started)
+
+    def _check_key_logged(self, context: Any, rpc: str) -> None:
+        """:meth:`_check_key`, with the access line a refused call gets (401)."""
+        started = time.monotonic()
+        try:
+            self._check_key(context)
+        except _Abort as exc:
+            self._log(context, rpc, _HTTP_STATUS.get(exc.code, 500), started, ["-", "-", "-"])
+            raise
+
     async def infer(
         self, msg: pb.ModelInferRequest, context: Any, rpc: str
     ) -> pb.ModelInferResponse:
-        """One step: decoded, routed, encoded and logged (one access line, like a request
-        to the HTTP front doors: ``GRPC /<service>/<rpc>`` with the HTTP status the same
-        failure gets over KServe HTTP); raises :class:`_Abort`."""
+        """One step: decoded, routed, encoded and logged (one access line, see
+        :meth:`_log`); raises :class:`_Abort`."""
         started = time.monotonic()
         served: list[str] = ["-", "-", "-"]  # episode, device, routing
         status = 500
@@ -347,15 +374,7 @@ class GrpcFrontDoor:
             status = _HTTP_STATUS.get(exc.code, 500)
             raise
         finally:
-            if self.access.enabled:
-                peer = str(context.peer() or "").rsplit(":", 1)
-                scope = {
-                    "method": "GRPC",
-                    "path": f"/{SERVICE}/{rpc}",
-                    "client": (peer[0].split(":", 1)[-1], peer[1]) if len(peer) == 2 else None,
-                    STEP_KEY: tuple(served),
-                }
-                self.access.write(scope, status, time.monotonic() - started)
+            self._log(context, rpc, status, started, served)
 
     async def _infer(
         self, msg: pb.ModelInferRequest, context: Any, started: float, served: list[str]
@@ -463,7 +482,7 @@ class GrpcFrontDoor:
 
     async def ModelInfer(self, msg: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         try:
-            self._check_key(context)
+            self._check_key_logged(context, "ModelInfer")
             return await self.infer(msg, context, "ModelInfer")
         except _Abort as exc:
             await self._abort(context, exc)
@@ -473,7 +492,7 @@ class GrpcFrontDoor:
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         try:
-            self._check_key(context)
+            self._check_key_logged(context, "ModelStreamInfer")
         except _Abort as exc:
             await self._abort(context, exc)
         async for msg in requests:

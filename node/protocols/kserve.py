@@ -36,7 +36,8 @@ The reply holds every returned output (or those ``outputs`` names), as JSON ``da
 with ``parameters.binary_data_output`` or an output's ``binary_data`` (``tritonclient``
 asks for binary when no outputs are named) — as binary data after the JSON header; and
 affinity's facts in ``parameters``: ``episode_id``, ``device``, ``node``, ``token``,
-``routing``, ``state_reset``, ``degraded``, ``source``, ``seq``, ``replayed``.
+``routing``, ``state_reset``, ``degraded``, ``source``, ``seq``, ``replayed`` (and
+``rtc_executed``, ``rtc_delay``, ``rtc_prefix_len`` for a real-time-chunking model).
 
 **Sequences.** ``parameters.sequence_id`` is the episode: a uint64, or a string (Triton's
 ``sequence(string_id)``); ``0`` and ``""`` (or none) are no sequence: a stateless step.
@@ -55,6 +56,8 @@ whose connection closes before its reply is sent gets its step undone. ``timeout
 shortens ``--act-deadline`` for the request; ``execute_steps`` and ``ensemble`` override
 the node's action-chunk mode for the step, as in ``/act`` (a step then returns the chunk
 output alone, one action: ``[1, D]``; the model metadata shows the node's own mode).
+``executed``, ``inference_delay`` (integers) and ``control_hz`` (a number) are a
+real-time-chunking model's step values, as in ``/act`` (``node/rtc.py``).
 
 **Errors** are KServe's: a non-200 status with ``{"error": "<message>"}`` — 400 for a
 malformed body or a bad tensor, parameter or sequence, 401 without the API key (when the
@@ -91,6 +94,7 @@ from node.asgi import (
 )
 from node.membership import VERSION
 from node.policy import InvalidInput, PolicyContract, TensorSpec, inputs_from_arrays
+from node.rtc import Ask
 from node.service import NodeService
 from node.stats import model_statistics
 from node.step import Array, Refused, Reply, Step, Unavailable
@@ -176,6 +180,9 @@ class InferRequest:
     execute_steps: int | None = None
     ensemble: str | None = None
     seq: int | None = None
+    executed: object = None  # real-time chunking (node/rtc.py), checked by rtc_for
+    inference_delay: object = None
+    control_hz: object = None
 
 
 # ---- decoding ----------------------------------------------------------------------------
@@ -272,6 +279,9 @@ def decode_infer(
         execute_steps=steps,
         ensemble=ensemble,
         seq=seq,
+        executed=params.get("executed"),
+        inference_delay=params.get("inference_delay"),
+        control_hz=params.get("control_hz"),
     )
 
 
@@ -533,7 +543,8 @@ def _flag(params: dict[str, Any], key: str) -> bool:
 
 REQUEST_PARAMETERS = frozenset(
     {"sequence_id", "sequence_start", "sequence_end", "timeout", "priority",
-     "binary_data_output", "execute_steps", "ensemble"}
+     "binary_data_output", "execute_steps", "ensemble", "executed", "inference_delay",
+     "control_hz"}
 )  # fmt: skip
 """The request parameters the node reads (``priority`` only checked, as Triton does)."""
 
@@ -578,6 +589,7 @@ def to_step(
     deadline: float,
     returned: Sequence[str] | None = None,
     claim_unknown: bool = False,
+    rtc: Ask | None = None,
 ) -> Step:
     """The internal step of a decoded request: its inputs through the policy's rule
     (``InvalidInput`` when they do not fit the model) and its requested outputs checked
@@ -602,6 +614,7 @@ def to_step(
         ensemble=request.ensemble,
         seq=request.seq,
         live_only=request.episode is not None and not request.start and not claim_unknown,
+        rtc=rtc,
     )
 
 
@@ -622,9 +635,10 @@ async def service_step(
     chosen, contract = await service.model_for(name, version)
     dispatcher = service.dispatcher.by_model.get(chosen)  # elsewhere: the owner checks
     mode = dispatcher.mode_for(request.execute_steps, request.ensemble) if dispatcher else None
+    rtc = service.rtc_for(chosen, request.executed, request.inference_delay, request.control_hz)
     returned = [dispatcher.chunk.output] if dispatcher and mode and dispatcher.chunk else None
     claim_unknown = service.config.kserve_claim_unknown
-    step = to_step(contract, request, deadline, returned, claim_unknown)
+    step = to_step(contract, request, deadline, returned, claim_unknown, rtc)
     step.model, step.version = chosen, version
     return step
 
@@ -664,7 +678,7 @@ def encode_infer(
     doc: dict[str, Any] = {"model_name": model_name, "model_version": MODEL_VERSION}
     if request.id is not None:
         doc["id"] = request.id
-    doc["parameters"] = {k: v for k, v in reply.facts().items() if v is not None}
+    doc["parameters"] = {k: v for k, v in reply.facts(flat=True).items() if v is not None}
     doc["outputs"] = outputs
     head = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
     headers = [(b"x-affinity-node", reply.node.encode())]

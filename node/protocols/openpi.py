@@ -21,7 +21,10 @@ remembers each episode's last token and echoes it, so a lost assignment is repor
 ``state_reset: true``. ``execute_steps`` and ``ensemble`` keys override action-chunk
 execution (openpi clients usually keep their own ``ActionChunkBroker`` and leave it off).
 A ``seq`` key (the step number the robot expects to be applied: its last reply's ``seq``
-+ 1) makes a retry after a reconnect safe; it is taken out before the model. A reply
++ 1) makes a retry after a reconnect safe; ``executed``, ``inference_delay`` and
+``control_hz`` keys are a real-time-chunking model's step values (``node/rtc.py``; the
+reply then has ``rtc``: ``{"executed", "delay", "prefix_len"}``); all are taken out
+before the model. A reply
 whose send fails (the link dropped) has its step undone.
 
 The client cannot retry: transient conditions (owner unreachable, a Redis blip, ``full``)
@@ -44,6 +47,8 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import parse_qs
+
+import numpy as np
 
 from affinity import InvalidArgument, check_episode, wire
 from node.accesslog import STEP_KEY, AccessLog
@@ -198,12 +203,15 @@ def decode(
         raise InvalidInput("", "must be a msgpack map", root="observation")
     named, steps = observation.pop("episode_id", None), observation.pop("execute_steps", None)
     ensemble, seq = observation.pop("ensemble", None), observation.pop("seq", None)
+    executed, delay = observation.pop("executed", None), observation.pop("inference_delay", None)
+    control_hz = observation.pop("control_hz", None)
     if seq is not None and (type(seq) is not int or seq < 1):
         raise InvalidArgument("seq", seq, "must be a step number >= 1 (the last reply's seq + 1)")
     episode = fixed or (own if named is None else check_episode(named))
     local = service.dispatcher.by_model.get(model or next(iter(service.models)))
     if local is not None:  # a model served elsewhere: its owner checks
         local.mode_for(steps, ensemble)  # InvalidArgument names the field
+    rtc = service.rtc_for(model, _scalar(executed), _scalar(delay), _scalar(control_hz))
     converted = inputs_from_observation(contract or service.contract, observation)
     if converted.ignored:
         service.warn_once(
@@ -220,7 +228,13 @@ def decode(
         ensemble=ensemble,
         seq=seq,
         model=model,
+        rtc=rtc,
     )
+
+
+def _scalar(value: object) -> object:
+    """A numpy scalar (as openpi clients may send a count) as the Python number."""
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def log_step(
