@@ -114,6 +114,8 @@ async def test_one_node_serves_two_models_each_on_every_device() -> None:
         for i in range(6):  # a (demo only) routes vla_demo steps to b, checked on a
             r = await a.act(episode_id=f"v{i}", model="vla_demo", inputs={"obs": OBS})
             assert r.status_code == 422 and "image" in r.text, r.text
+        listed = {n["node"]: n["models"] for n in (await a.client.get("/nodes")).json()["nodes"]}
+        assert listed["b"][1] == "vla_demo@v1" and len(listed["a"]) == 1  # what /ui shows
         r = await a.client.get("/models/vla_demo")
         assert r.json()["version"] == "v1" and r.json()["inputs"][0]["name"] == "image"
         devices = set()
