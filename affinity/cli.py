@@ -237,8 +237,11 @@ async def cmd_episodes(args: argparse.Namespace, ctx: Context) -> int:
     emit(
         ctx,
         table(
-            ("EPISODE", "DEVICE", "TOKEN", "TTL LEFT", "MOVED"),
-            [(r.episode, r.device, r.token, seconds(r.ttl_ms), yes_no(r.moved)) for r in rows],
+            ("EPISODE", "DEVICE", "TOKEN", "TTL LEFT", "MOVED", "MODEL"),
+            [
+                (r.episode, r.device, r.token, seconds(r.ttl_ms), yes_no(r.moved), r.model)
+                for r in rows
+            ],
         ),
     )
     return EXIT_OK
@@ -261,6 +264,7 @@ async def cmd_show(args: argparse.Namespace, ctx: Context) -> int:
         ("state", info.state),
         ("alive", yes_no(info.alive)),
         ("moved", "yes (handed over: its next step is reassigned)" if info.moved else "no"),
+        *([("model", info.model)] if info.model else []),
     ]
     emit(ctx, "\n".join(f"{k + ':':<10}{v}" for k, v in rows))
     return EXIT_OK
