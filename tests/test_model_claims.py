@@ -179,3 +179,19 @@ async def test_one_version_per_name_per_node(env: Env) -> None:
 
     with pytest.raises(InvalidArgument, match="one version per name"):
         await serve(env, "a", DEMO1, DEMO2)
+
+
+async def test_a_renewal_rebases_each_ring_of_its_models(env: Env) -> None:
+    await serve(env, "b", DEMO1, VLA)
+    for m in ("demo@v1", "vla@v1"):
+        ring = env.keys.model_ring(m)
+        await env.redis.zadd(ring, {"b/0": 2**21, "b/1": 2**21 + 1})
+    assert await env.registry.renew("b") is True
+    for m in ("demo@v1", "vla@v1"):
+        assert await env.redis.zrange(env.keys.model_ring(m), 0, -1, withscores=True) == [
+            ("b/0", 0.0),
+            ("b/1", 1.0),
+        ]
+    # b/1 was one turn ahead and still is: b/0 takes two turns before it
+    got = [(await env.claims.resolve(f"e{i}", model="vla")).device for i in range(3)]
+    assert got == ["b/0", "b/0", "b/1"]
