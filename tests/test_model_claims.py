@@ -195,3 +195,18 @@ async def test_a_renewal_rebases_each_ring_of_its_models(env: Env) -> None:
     # b/1 was one turn ahead and still is: b/0 takes two turns before it
     got = [(await env.claims.resolve(f"e{i}", model="vla")).device for i in range(3)]
     assert got == ["b/0", "b/0", "b/1"]
+
+
+async def test_a_node_that_stops_serving_a_model_loses_its_episodes_of_it(env: Env) -> None:
+    await serve(env, "a", DEMO1)
+    await serve(env, "b", DEMO1, VLA)
+    on_b = [a for a in [await env.claims.resolve(f"e{i}", model="demo") for i in range(4)]
+            if a.node == "b"]  # fmt: skip
+    await serve(env, "b", VLA)  # restarted without demo
+    for a in on_b:
+        again = await env.claims.resolve(a.episode, model="demo")
+        assert (again.status, again.node, again.previous) == ("reassigned", "a", a.device)
+    assert (
+        await env.redis.zcard(env.keys.load("b/0")) + await env.redis.zcard(env.keys.load("b/1"))
+        == 0
+    )

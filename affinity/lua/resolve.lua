@@ -15,11 +15,12 @@
 -- <instance> <model>" (instance: the process that holds the owner's registration, read
 -- from its node hash NODE_KEY .. node, derived here: the same hash slot as every key;
 -- model: "name@version" the episode is served with, "" in a fleet without models):
---   hit         the device is listed by its live node and not down: deadline slid
+--   hit         the device is listed by its live node, not down, and its node still serves
+--               the episode's model: deadline slid
 --   claimed     no assignment existed (or a restart): a new one was written
---   reassigned  the device's node is dead, the device down or no longer listed, or the
---               episode was handed over: a new assignment with a fresh token, on a device
---               that serves the episode's (name, version)
+--   reassigned  the device's node is dead, the device down or no longer listed, its node
+--               no longer serves the episode's model, or the episode was handed over: a new
+--               assignment with a fresh token, on a device that serves its (name, version)
 --   missing     ARGV[1] "2" and no assignment exists: nothing was written
 -- or "full <reason>", reason "no_nodes" (no node holds a lease) or "at_capacity": no
 -- assignment was written (lapsed leases noticed, full devices re-checked may be);
@@ -84,10 +85,14 @@ local function hit()
     if state == 'down' then
         return nil
     end
+    local held = redis.call('HMGET', NODE_KEY .. node, 'instance', 'models')
+    if model ~= '' and not string.find(',' .. (held[2] or '') .. ',', ',' .. model .. ',', 1, true) then
+        return nil -- its node registered again without the episode's model: reassign
+    end
     redis.call('PEXPIREAT', key, deadline)
     redis.call('ZADD', LOAD_KEY .. device, deadline, episode)
     return 'hit ' .. device .. ' ' .. token .. ' ' .. node .. ' ' .. url .. '  ' .. claim .. ' '
-        .. instance(node) .. ' ' .. model
+        .. (held[1] or '') .. ' ' .. model
 end
 
 -- first without the shared functions (making them costs more than a hit); only when a
