@@ -153,15 +153,15 @@ local function candidates()
         end
         return {name .. '@' .. version}
     end
-    local newest = redis.call('ZREVRANGE', VERSIONS_KEY .. name, 0, -1)
-    if #newest == 0 then
+    local versions = redis.call('ZRANGE', VERSIONS_KEY .. name, 0, -1) -- oldest first
+    if #versions == 0 then
         return nil
     end
     local weights = redis.call('HGETALL', ROLLOUT_KEY .. name)
     local out = {}
     if #weights == 0 then
-        for _, v in ipairs(newest) do
-            out[#out + 1] = name .. '@' .. v
+        for i = #versions, 1, -1 do
+            out[#out + 1] = name .. '@' .. versions[i]
         end
         return out
     end
