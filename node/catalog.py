@@ -164,6 +164,10 @@ class Catalog:
         self._contracts: dict[ModelId, PolicyContract] = {m: c for m, c in self.local.values()}
         self._read_at = -float("inf")
 
+    def local_ids(self) -> list[ModelId]:
+        """The (name, version) of the models this node serves."""
+        return [m for m, _ in self.local.values()]
+
     def served(self) -> list[str]:
         """The model names the fleet serves now, sorted."""
         return sorted(self._fleet)

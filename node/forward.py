@@ -212,6 +212,7 @@ def decode_reply(body: bytes) -> Reply:
             seq=int(doc.get("seq", 0)),
             replayed=bool(doc.get("replayed", False)),
             rtc=None if doc.get("rtc") is None else {str(k): int(v) for k, v in doc["rtc"].items()},
+            model=str(doc.get("model", "")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not an owner's reply: {exc}") from None

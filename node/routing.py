@@ -101,6 +101,9 @@ class Routing:
         self.clock = clock
         self.catalog = catalog
         self.first_model = next(iter(dispatcher.by_model))  # a step that names none
+        # name -> "name@version" of the models served here (for the replies)
+        ids = catalog.local_ids() if catalog else []
+        self.models = {m.name: str(m) for m in ids}
         self.local_devices = frozenset(dispatcher.devices)
         self.admission = (
             Admission(
@@ -262,7 +265,7 @@ class Routing:
         outputs = await dispatcher.run_stateless(device, inputs)
         return Reply(
             outputs, None, device, self.node_id, 0, "stateless", False, False,
-            url=self.config.advertise_url,
+            url=self.config.advertise_url, model=self.models.get(name, ""),
         )  # fmt: skip
 
     async def _serve(self, a: Assignment, step: Step, arrival: Arrival) -> Reply:
@@ -337,6 +340,7 @@ class Routing:
             seq=result.seq,
             replayed=result.replayed,
             rtc=None if result.rtc is None else result.rtc.to_json(),
+            model=a.model or self.models.get(name, ""),
         )
 
     async def undelivered(self, reply: Reply) -> None:

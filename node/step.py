@@ -75,7 +75,8 @@ class Reply:
     applied. ``origin`` is the id of the forward that carried it (router side; empty for a
     step served here): the router names it when it tells the owner to undo the step.
     ``rtc`` is what a real-time-chunking step ran with: ``executed``, ``delay``,
-    ``prefix_len`` (None for other models).
+    ``prefix_len`` (None for other models). ``model`` is the ``name@version`` that served
+    it (as registered; empty where nodes register none).
     """
 
     outputs: dict[str, Array]
@@ -93,6 +94,7 @@ class Reply:
     replayed: bool = False
     origin: str = ""
     rtc: dict[str, int] | None = None
+    model: str = ""
 
     def facts(self, *, flat: bool = False) -> dict[str, Any]:
         """Everything but the outputs, with the wire names every protocol uses; ``rtc``
@@ -110,6 +112,8 @@ class Reply:
             "seq": self.seq,
             "replayed": self.replayed,
         }
+        if self.model:
+            facts["model"] = self.model
         if self.rtc is not None:
             if flat:
                 facts.update({f"rtc_{k}": v for k, v in self.rtc.items()})

@@ -157,6 +157,7 @@ def test_every_episode_lands_on_a_device_of_its_model(abc: tuple[Cluster, dict[s
                                   "observation/wrist_image": obs["wrist_image"][0],
                                   "observation/state": obs["state"][0].astype(float)})  # fmt: skip
             assert reply["actions"].shape == (10, 7)
+            assert reply["model"].startswith(f"{VLA}@")
             landed[VLA].add(reply["node"])
     for name, nodes in landed.items():
         assert nodes == SERVES[name], (name, nodes)  # every node of the model, and no other
@@ -231,6 +232,7 @@ def test_a_rollout_shares_new_episodes_and_old_ones_keep_their_version(
         for i in range(4):
             r = act(a, {"episode_id": f"new-{i}", "model": DEMO, "inputs": {"obs": OBS.tolist()}})
             assert r.status_code == 200 and r.json()["node"] == "D", r.text
+            assert r.json()["model"] == f"{DEMO}@v2"  # the reply names the version served
             assert held_by(cluster, f"new-{i}") == ("D", f"{DEMO}@v2")
         again = act(a, {"episode_id": "old", "model": DEMO, "inputs": {"obs": OBS.tolist()}})
         assert (again.json()["node"], again.json()["routing"]) == (old["node"], "hit")
@@ -258,6 +260,7 @@ def test_a_rollout_shares_new_episodes_and_old_ones_keep_their_version(
                         "data": OBS.reshape(-1).tolist()}],
         })  # fmt: skip
         assert r.status_code == 200, r.text
+        assert r.json()["model_version"] == "v2"
         assert held_by(cluster, "kserve:s:kv2") == ("D", f"{DEMO}@v2")
         # the claims say which version each took: events and the routers' metrics
         events = cluster.redis.client().xrange(KEYS.events)

@@ -271,7 +271,9 @@ def encode_reply(reply: Reply, request: InferRequest, model_name: str) -> pb.Mod
     ``raw_output_contents``, affinity's facts as parameters."""
     names = list(reply.outputs) if request.outputs is None else list(request.outputs)
     response = pb.ModelInferResponse(
-        model_name=model_name, model_version=MODEL_VERSION, id=request.id or ""
+        model_name=model_name,
+        model_version=reply.model.partition("@")[2] or MODEL_VERSION,
+        id=request.id or "",
     )
     for key, value in reply.facts(flat=True).items():
         if value is not None:

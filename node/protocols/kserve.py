@@ -675,7 +675,8 @@ def encode_infer(
         else:
             entry["data"] = np.ascontiguousarray(array).reshape(-1)
         outputs.append(entry)
-    doc: dict[str, Any] = {"model_name": model_name, "model_version": MODEL_VERSION}
+    version = reply.model.partition("@")[2] or MODEL_VERSION  # the version that served it
+    doc: dict[str, Any] = {"model_name": model_name, "model_version": version}
     if request.id is not None:
         doc["id"] = request.id
     doc["parameters"] = {k: v for k, v in reply.facts(flat=True).items() if v is not None}
