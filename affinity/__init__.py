@@ -19,6 +19,7 @@ from affinity.errors import (
     AffinityError,
     BackendUnavailable,
     InvalidArgument,
+    ModelConflict,
     NoCapacity,
     NodeConflict,
     PoolExhausted,
@@ -26,10 +27,18 @@ from affinity.errors import (
     UnknownDevice,
     UnknownEpisode,
     UnknownField,
+    UnknownModel,
     UnknownNode,
 )
 from affinity.keys import Keys
-from affinity.registry import DeviceRegistration, DeviceStatus, NodeStatus, Registry
+from affinity.models import ModelId
+from affinity.registry import (
+    DeviceRegistration,
+    DeviceStatus,
+    ModelStatus,
+    NodeStatus,
+    Registry,
+)
 
 __version__ = "0.2.0"
 
@@ -46,6 +55,9 @@ __all__ = [
     "EpisodeInfo",
     "InvalidArgument",
     "Keys",
+    "ModelConflict",
+    "ModelId",
+    "ModelStatus",
     "NoCapacity",
     "NodeConflict",
     "NodeStatus",
@@ -59,6 +71,7 @@ __all__ = [
     "UnknownDevice",
     "UnknownEpisode",
     "UnknownField",
+    "UnknownModel",
     "UnknownNode",
     "check_episode",
     "close",

@@ -13,7 +13,15 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 from affinity.config import Settings
-from affinity.errors import InvalidArgument, NoCapacity, StaleToken, UnknownEpisode
+from affinity.errors import (
+    InvalidArgument,
+    ModelConflict,
+    NoCapacity,
+    StaleToken,
+    UnknownEpisode,
+    UnknownModel,
+)
+from affinity.models import check_model_part
 from affinity.scripts import Script, bounded, evalsha, scripts_for
 
 __all__ = [
@@ -44,6 +52,7 @@ class Assignment(NamedTuple):
     previous: str | None  # the device it was taken from ("reassigned" only)
     claim: str = ""  # the claim id issued with the token: unique even if a token number is not
     instance: str = ""  # the process holding the owner's registration ("" when unknown)
+    model: str = ""  # "name@version" the episode is served with ("": a fleet without models)
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,7 @@ class EpisodeInfo:
     alive: bool  # the device is listed by its node and that node's lease is current
     moved: bool = False  # handed over: the next resolve is "reassigned"
     claim: str = ""  # the claim id issued with the token
+    model: str = ""  # "name@version" it was claimed with ("": its node registered none)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -72,6 +82,7 @@ class EpisodeInfo:
             "state": self.state,
             "alive": self.alive,
             "moved": self.moved,
+            "model": self.model,
         }
 
 
@@ -110,26 +121,31 @@ def check_token(token: object) -> int:
     return token
 
 
-def parse_resolution(episode: str, reply: str) -> Assignment:
-    """``"<status> <device> <token> <node> <url> <previous> <claim> <instance>"``, or
-    ``"full <reason>"``, or ``"missing"``."""
+def parse_resolution(episode: str, reply: str, asked: str = "") -> Assignment:
+    """``"<status> <device> <token> <node> <url> <previous> <claim> <instance> <model>"``,
+    or ``"full <reason>"``, ``"missing"``, ``"conflict <model>"``, ``"unknown"``
+    (``asked``: the model the step named, for the errors)."""
     fields = reply.split(" ")
     if fields[0] == "full":
         raise NoCapacity(episode, fields[1])
     if fields[0] == "missing":
         raise UnknownEpisode(episode)
-    status, device, token, node, url, previous, claim, instance = fields
+    if fields[0] == "conflict":
+        raise ModelConflict(episode, fields[1], asked)
+    if fields[0] == "unknown":
+        raise UnknownModel(asked)
+    status, device, token, node, url, previous, claim, instance, model = fields
     if status not in ("hit", "claimed", "reassigned"):
         raise ValueError(f"unexpected resolve reply {reply!r}")
     checked: Status = status  # type: ignore[assignment]
     return Assignment(episode, checked, device, int(token), node, url, previous or None,
-                      claim, instance)  # fmt: skip
+                      claim, instance, model)  # fmt: skip
 
 
 def parse_lookup(episode: str, reply: Sequence[Any]) -> EpisodeInfo | None:
     if not reply:
         return None
-    device, token, ttl, node, url, state, alive, moved, claim = reply
+    device, token, ttl, node, url, state, alive, moved, claim, model = reply
     return EpisodeInfo(
         episode=episode,
         device=str(device),
@@ -141,6 +157,7 @@ def parse_lookup(episode: str, reply: Sequence[Any]) -> EpisodeInfo | None:
         alive=str(alive) == "1",
         moved=str(moved) == "1",
         claim=str(claim),
+        model=str(model),
     )
 
 
@@ -164,7 +181,13 @@ class Claims:
         )
 
     async def resolve(
-        self, episode: str, *, restart: bool = False, claim: bool = True
+        self,
+        episode: str,
+        *,
+        restart: bool = False,
+        claim: bool = True,
+        model: str = "",
+        version: str = "",
     ) -> Assignment:
         """Find or make the episode's assignment in one atomic round trip.
 
@@ -173,13 +196,30 @@ class Claims:
         always writes a fresh assignment (``claimed``) and frees the old slot.
         ``claim=False`` never writes a new episode: one without an assignment raises
         :class:`UnknownEpisode` in the same atomic step (a hit or a reassign happen as
-        usual). Raises :class:`NoCapacity` (nothing written for the episode; ``reason``
-        says why), :class:`InvalidArgument`, :class:`BackendUnavailable`.
+        usual).
+
+        ``model`` names the model's name (``""``: a fleet whose nodes register none, or
+        an episode that keeps its own); a new episode takes a device whose node serves it,
+        and ``version`` when given, else the version the operator's weights choose (else
+        the newest registered). An episode keeps its (name, version): a reassignment
+        stays on it. Raises :class:`ModelConflict` when the episode is served with
+        another name or version than named (nothing written), :class:`UnknownModel`
+        when no node ever registered the name or version, :class:`NoCapacity` (nothing
+        written for the episode; ``reason`` says why), :class:`InvalidArgument`,
+        :class:`BackendUnavailable`.
         """
         episode = check_episode(episode)
+        if model:
+            check_model_part("name", model)
+        if version:
+            if not model:
+                raise InvalidArgument("model version", version, "needs a model name")
+            check_model_part("version", version)
         flag = "1" if restart else "" if claim else "2"
-        reply = await self._call(self.scripts.resolve, episode, (flag, os.urandom(8).hex()))
-        return parse_resolution(episode, reply)
+        reply = await self._call(
+            self.scripts.resolve, episode, (flag, os.urandom(8).hex(), model, version)
+        )
+        return parse_resolution(episode, reply, f"{model}@{version}" if version else model)
 
     async def lookup(self, episode: str) -> EpisodeInfo | None:
         """The episode's assignment without touching it, or ``None``."""

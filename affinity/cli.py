@@ -35,9 +35,10 @@ from affinity.errors import (
     StaleToken,
     UnknownDevice,
     UnknownEpisode,
+    UnknownModel,
     UnknownNode,
 )
-from affinity.registry import Registry, event_json
+from affinity.registry import ModelStatus, Registry, event_json
 
 __all__ = ["main"]
 
@@ -141,12 +142,13 @@ async def cmd_devices(args: argparse.Namespace, ctx: Context) -> int:
             f"{d.load}/{d.capacity}",
             d.weight,
             d.provider,
+            ",".join(d.models),
             d.reason,
         )
         for d in devices
     ]
     headers = ("DEVICE", "NODE", "KIND", "NAME", "STATE", "ALIVE", "LIVE/CAP", "WEIGHT")
-    emit(ctx, table((*headers, "PROVIDER", "REASON"), rows))
+    emit(ctx, table((*headers, "PROVIDER", "MODELS", "REASON"), rows))
     return EXIT_OK
 
 
@@ -157,10 +159,62 @@ async def cmd_nodes(args: argparse.Namespace, ctx: Context) -> int:
         emit_json(ctx, [n.to_json() for n in nodes])
         return EXIT_OK
     rows = [
-        (n.node, n.url, n.state, yes_no(n.alive), seconds(n.lease_ms), ",".join(n.devices))
+        (
+            n.node,
+            n.url,
+            n.state,
+            yes_no(n.alive),
+            seconds(n.lease_ms),
+            ",".join(n.devices),
+            ",".join(n.models),
+        )
         for n in nodes
     ]
-    emit(ctx, table(("NODE", "URL", "STATE", "ALIVE", "LEASE LEFT", "DEVICES"), rows))
+    headers = ("NODE", "URL", "STATE", "ALIVE", "LEASE LEFT", "DEVICES", "MODELS")
+    emit(ctx, table(headers, rows))
+    return EXIT_OK
+
+
+def model_rows(models: Sequence[ModelStatus]) -> list[tuple[object, ...]]:
+    return [
+        (
+            m.name,
+            m.version,
+            "newest" if m.weight is None and m.newest else "-" if m.weight is None else m.weight,
+            ",".join(m.nodes) or "-",
+            m.devices,
+        )
+        for m in models
+    ]
+
+
+MODEL_HEADERS = ("MODEL", "VERSION", "NEW EPISODES", "LIVE NODES", "DEVICES")
+
+
+async def cmd_models(args: argparse.Namespace, ctx: Context) -> int:
+    await ctx.require_deployment()
+    models = await ctx.registry.models()
+    if ctx.json:
+        emit_json(ctx, [m.to_json() for m in models])
+    else:
+        emit(ctx, table(MODEL_HEADERS, model_rows(models)))
+    return EXIT_OK
+
+
+async def cmd_rollout(args: argparse.Namespace, ctx: Context) -> int:
+    if args.reset:
+        await ctx.registry.clear_rollout(args.name)
+    elif args.version is not None:
+        if args.weight is None:
+            raise InvalidArgument("rollout weight", None, "give VERSION and WEIGHT")
+        await ctx.registry.rollout(args.name, args.version, args.weight)
+    models = [m for m in await ctx.registry.models() if m.name == args.name]
+    if not models:
+        raise UnknownModel(args.name)
+    if ctx.json:
+        emit_json(ctx, [m.to_json() for m in models])
+    else:
+        emit(ctx, table(MODEL_HEADERS, model_rows(models)))
     return EXIT_OK
 
 
@@ -183,8 +237,11 @@ async def cmd_episodes(args: argparse.Namespace, ctx: Context) -> int:
     emit(
         ctx,
         table(
-            ("EPISODE", "DEVICE", "TOKEN", "TTL LEFT", "MOVED"),
-            [(r.episode, r.device, r.token, seconds(r.ttl_ms), yes_no(r.moved)) for r in rows],
+            ("EPISODE", "DEVICE", "TOKEN", "TTL LEFT", "MOVED", "MODEL"),
+            [
+                (r.episode, r.device, r.token, seconds(r.ttl_ms), yes_no(r.moved), r.model)
+                for r in rows
+            ],
         ),
     )
     return EXIT_OK
@@ -207,6 +264,7 @@ async def cmd_show(args: argparse.Namespace, ctx: Context) -> int:
         ("state", info.state),
         ("alive", yes_no(info.alive)),
         ("moved", "yes (handed over: its next step is reassigned)" if info.moved else "no"),
+        *([("model", info.model)] if info.model else []),
     ]
     emit(ctx, "\n".join(f"{k + ':':<10}{v}" for k, v in rows))
     return EXIT_OK
@@ -326,6 +384,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     command("devices", cmd_devices, "every registered device: state, liveness, live load")
     command("nodes", cmd_nodes, "every node with its lease; dead ones until forgotten")
+    command("models", cmd_models, "every registered model version: who serves it, its share")
+    p = command(
+        "rollout",
+        cmd_rollout,
+        "share a model's new episodes between its versions by weight (running episodes keep "
+        "theirs); with NAME alone, show its versions",
+    )
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("version", metavar="VERSION", nargs="?")
+    p.add_argument("weight", metavar="WEIGHT", nargs="?", type=non_negative)
+    p.add_argument(
+        "--reset", action="store_true", help="drop the weights: the newest version takes all"
+    )
     p = command("forget", cmd_forget, "remove a dead node's record and its devices")
     p.add_argument("node")
     p = command("episodes", cmd_episodes, "live assignments")
@@ -403,7 +474,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return asyncio.run(run(args, settings, sys.stdout))
     except KeyboardInterrupt:
         return EXIT_OK if args.command == "events" else 130
-    except (UnknownEpisode, UnknownDevice, UnknownNode, StaleToken, NothingRegistered) as exc:
+    except (
+        UnknownEpisode,
+        UnknownDevice,
+        UnknownNode,
+        UnknownModel,
+        StaleToken,
+        NothingRegistered,
+    ) as exc:
         return fail(EXIT_NOT_FOUND, str(exc))
     except (InvalidArgument, ValueError) as exc:
         return fail(EXIT_USAGE, str(exc))

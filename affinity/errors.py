@@ -12,6 +12,7 @@ __all__ = [
     "AffinityError",
     "BackendUnavailable",
     "InvalidArgument",
+    "ModelConflict",
     "NoCapacity",
     "NodeConflict",
     "PoolExhausted",
@@ -20,6 +21,7 @@ __all__ = [
     "UnknownDevice",
     "UnknownEpisode",
     "UnknownField",
+    "UnknownModel",
     "UnknownNode",
 ]
 
@@ -102,6 +104,31 @@ class UnknownEpisode(AffinityError, LookupError):
     def __init__(self, episode: str) -> None:
         self.episode = episode
         super().__init__(f"episode {episode!r} has no live assignment")
+
+
+class UnknownModel(AffinityError, LookupError):
+    """No node serves (or ever registered) the model, or that version of it; ``served``
+    names the models the fleet serves when the caller knows them."""
+
+    def __init__(self, model: str, served: Sequence[str] = ()) -> None:
+        self.model = model
+        self.served = tuple(served)
+        known = f"; the fleet serves {', '.join(self.served)}" if self.served else ""
+        super().__init__(f"no live node serves model {model!r}{known}")
+
+
+class ModelConflict(AffinityError):
+    """A step names another model or version than the one its episode was claimed with
+    (an episode keeps its (name, version) for life); nothing was changed."""
+
+    def __init__(self, episode: str, held: str, asked: str) -> None:
+        self.episode = episode
+        self.held = held
+        self.asked = asked
+        super().__init__(
+            f"episode {episode!r} is served with model {held}; this step names {asked} "
+            "(an episode keeps its model version: start a new episode for another)"
+        )
 
 
 class UnknownDevice(AffinityError, LookupError):

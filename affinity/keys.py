@@ -81,14 +81,45 @@ class Keys:
         the first node that registers; a node whose secret does not match cannot join."""
         return self.prefix + "secret"
 
+    def model_ring(self, model: str) -> str:
+        """Sorted set: device -> picks/weight, the devices that take new episodes of
+        ``model`` (``"name@version"``) now; ``""``: :attr:`ring`, the one ring of a fleet
+        whose nodes register no model."""
+        return self.ring_prefix + model if model else self.ring
+
+    @property
+    def ring_prefix(self) -> str:
+        """The start of every model's ring key (for the scripts' header)."""
+        return self.prefix + "ring:"
+
+    def versions(self, name: str) -> str:
+        """Sorted set: version -> when a node first registered it (ms), for model ``name``
+        (the newest takes new episodes unless :meth:`rollout` has weights)."""
+        return self.prefix + "versions:" + name
+
+    def rollout(self, name: str) -> str:
+        """Hash: version -> weight, the operator's share of new episodes per version of
+        model ``name`` (``affinity rollout``); absent: the newest version takes them all."""
+        return self.prefix + "rollout:" + name
+
+    def picks(self, name: str) -> str:
+        """Sorted set: version -> picks/weight, the stride scheduling over the weighted
+        versions of model ``name`` (reset by every ``affinity rollout``)."""
+        return self.prefix + "picks:" + name
+
+    def contract(self, model: str) -> str:
+        """String: the input/output contract (JSON, ``GET /models/{name}``) of ``model``
+        (``"name@version"``), written by the nodes that serve it."""
+        return self.prefix + "contract:" + model
+
     def episode(self, episode: str) -> str:
-        """String ``"<device> <token>"`` with the episode idle TTL."""
+        """String ``"<device> <token> <claim id> <model>"`` with the episode idle TTL."""
         return self.prefix + "episode:" + episode
 
     def node(self, node: str) -> str:
-        """Hash: url, devices, started_at, version, instance, state (up, leaving, down), and
-        lease (its deadline, once it lapsed). Kept after a crash until the node registers
-        again or an operator forgets it."""
+        """Hash: url, devices, started_at, version, instance, state (up, leaving, down),
+        models (``"name@version,..."``), and lease (its deadline, once it lapsed). Kept
+        after a crash until the node registers again or an operator forgets it."""
         return self.prefix + "node:" + node
 
     def device(self, device: str) -> str:

@@ -23,8 +23,10 @@ from affinity.errors import (
     NodeConflict,
     SecretMismatch,
     UnknownDevice,
+    UnknownModel,
     UnknownNode,
 )
+from affinity.models import ModelId, check_model_part
 from affinity.scripts import Script, bounded, evalsha, scripts_for
 
 __all__ = [
@@ -137,9 +139,12 @@ class DeviceStatus:
     reason: str
     alive: bool
     load: int
+    models: tuple[str, ...] = ()  # "name@version" its node serves on it
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d["models"] = list(self.models)
+        return d
 
 
 @dataclass(frozen=True)
@@ -152,10 +157,31 @@ class NodeStatus:
     lease_ms: int  # ms left on the lease (negative: lapsed that long ago)
     started_at_ms: int
     version: str
+    models: tuple[str, ...] = ()  # "name@version" on every one of its devices
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["devices"] = list(self.devices)
+        d["models"] = list(self.models)
+        return d
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """One registered (name, version): who serves it and what share of new episodes of
+    its name it takes."""
+
+    name: str
+    version: str
+    registered_at_ms: int  # when a node first registered it
+    weight: int | None  # the operator's rollout weight; None: no weights for this name
+    newest: bool  # the newest registered version of its name
+    nodes: tuple[str, ...]  # the live nodes that serve it
+    devices: int  # their devices
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["nodes"] = list(self.nodes)
         return d
 
 
@@ -166,6 +192,7 @@ class EpisodeRow:
     token: int
     ttl_ms: int
     moved: bool = False  # handed over by a graceful stop: its next step is reassigned
+    model: str = ""  # "name@version" it was claimed with ("": its node registered none)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -220,9 +247,15 @@ class Registry:
         devices: Sequence[DeviceRegistration],
         version: str = "",
         instance: str = "",
+        models: Mapping[ModelId, str] | None = None,
     ) -> int:
         """(Re)register ``node`` and its devices; start its lease. Returns the lease
         deadline (ms, Redis server time). Idempotent.
+
+        ``models`` maps each (name, version) every device serves to its contract (JSON
+        text, stored under :meth:`Keys.contract` for routers that do not serve it): new
+        episodes of a model are claimed only on devices that serve it. Without models the
+        devices take every episode (the one ring of a fleet that serves one policy).
 
         Each device's ``state`` (``down`` when the node's crash tracker has it down) is
         registered as given; an operator's drain survives. Devices of this node id that
@@ -237,7 +270,16 @@ class Registry:
             raise InvalidArgument("device indexes", indexes, "must be unique")
         if not url or any(c.isspace() for c in url):
             raise InvalidArgument("url", url, "a node needs an advertise URL without spaces")
-        args: list[str | int] = [url, version, instance]
+        served = dict(models or {})
+        names = [m.name for m in served]
+        if len(set(names)) != len(names):
+            raise InvalidArgument("models", sorted(map(str, served)), "one version per name")
+        if served:
+            pipe = self.redis.pipeline(transaction=False)
+            for m, contract in served.items():
+                pipe.set(self.keys.contract(str(m)), contract)
+            await bounded(self.settings, pipe.execute())
+        args: list[str | int] = [url, version, instance, ",".join(sorted(map(str, served)))]
         for d in devices:
             args.extend(d.fields())
         deadline = int(await self._call(self.scripts.register, self.keys.node(node), args))
@@ -390,6 +432,7 @@ class Registry:
                     lease_ms=int(deadline) - now,
                     started_at_ms=int(h.get("started_at", 0)),
                     version=h.get("version", ""),
+                    models=tuple(filter(None, h.get("models", "").split(","))),
                 )
             )
         return out
@@ -409,6 +452,14 @@ class Registry:
             pipe.hexists(k.route, device)
         replies = await pipe.execute()
         hashes = replies[0::3]
+        nodes = sorted({h["node"] for h in hashes if h})
+        pipe = self.redis.pipeline(transaction=False)
+        for node in nodes:
+            pipe.hget(k.node(node), "models")
+        served = {
+            n: tuple(filter(None, (m or "").split(",")))
+            for n, m in zip(nodes, await pipe.execute(), strict=True)
+        }
         alive_nodes = {
             node
             for node, deadline in await self.redis.zrange(k.nodes, 0, -1, withscores=True)
@@ -435,9 +486,103 @@ class Registry:
                     reason=h.get("reason", ""),
                     alive=bool(listed) and h["node"] in alive_nodes,
                     load=int(load),
+                    models=served.get(h["node"], ()),
                 )
             )
         return out
+
+    async def models(self) -> list[ModelStatus]:
+        """Every (name, version) registered by a node known now (alive or not), with the
+        live nodes that serve it, sorted by name then registration (oldest first)."""
+        return await bounded(self.settings, self._models())
+
+    async def _models(self) -> list[ModelStatus]:
+        k = self.keys
+        serving: dict[str, list[str]] = {}
+        devices: dict[str, int] = {}
+        for n in await self._nodes():
+            for m in n.models:
+                serving.setdefault(m, [])
+                devices.setdefault(m, 0)
+                if n.alive:
+                    serving[m].append(n.node)
+                    devices[m] += len(n.devices)
+        names = sorted({ModelId.parse(m).name for m in serving})
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.zrange(k.versions(name), 0, -1, withscores=True)
+            pipe.hgetall(k.rollout(name))
+        replies = await pipe.execute()
+        out = []
+        for name, versions, weights in zip(names, replies[0::2], replies[1::2], strict=True):
+            newest = versions[-1][0] if versions else ""
+            for version, at in versions:
+                m = f"{name}@{version}"
+                if m not in serving:
+                    continue
+                w = weights.get(version)
+                out.append(
+                    ModelStatus(
+                        name=name,
+                        version=version,
+                        registered_at_ms=int(at),
+                        weight=(int(w) if w is not None else 0) if weights else None,
+                        newest=version == newest,
+                        nodes=tuple(serving[m]),
+                        devices=devices[m],
+                    )
+                )
+        return out
+
+    async def contract(self, model: ModelId) -> str | None:
+        """The contract (JSON text) a node registered for ``model``, or None."""
+        value = await bounded(self.settings, self.redis.get(self.keys.contract(str(model))))
+        return value.decode() if isinstance(value, bytes) else value
+
+    async def rollout(self, name: str, version: str, weight: int) -> None:
+        """Give ``version`` of model ``name`` ``weight`` shares of its new episodes (0:
+        none). Once a name has weights, only its versions of weight > 0 take new
+        episodes, by exact weighted round-robin from now on; running episodes keep
+        theirs. Raises :class:`UnknownModel` for a version no node registered,
+        :class:`InvalidArgument` for a bad name, version or weight."""
+        check_model_part("name", name)
+        check_model_part("version", version)
+        if isinstance(weight, bool) or not isinstance(weight, int) or not 0 <= weight <= MAX_WEIGHT:
+            raise InvalidArgument("rollout weight", weight, f"must be an integer 0-{MAX_WEIGHT}")
+        k = self.keys
+
+        async def write() -> None:
+            if await self.redis.zscore(k.versions(name), version) is None:
+                raise UnknownModel(f"{name}@{version}")
+            pipe = self.redis.pipeline(transaction=False)  # no MULTI: the ACL of docs/security.md
+            pipe.hset(k.rollout(name), version, weight)
+            pipe.delete(k.picks(name))
+            pipe.xadd(
+                k.events,
+                {"type": "rollout", "model": name, "version": version, "weight": str(weight)},
+                maxlen=self.settings.events_maxlen,
+                approximate=True,
+            )
+            await pipe.execute()
+
+        await bounded(self.settings, write())
+
+    async def clear_rollout(self, name: str) -> bool:
+        """Drop the weights of model ``name``: its newest registered version takes every
+        new episode again. ``True`` when it had weights."""
+        check_model_part("name", name)
+        k = self.keys
+        pipe = self.redis.pipeline(transaction=False)  # no MULTI: the ACL of docs/security.md
+        pipe.delete(k.rollout(name))
+        pipe.delete(k.picks(name))
+        pipe.xadd(
+            k.events,
+            {"type": "rollout", "model": name, "version": "", "weight": ""},
+            maxlen=self.settings.events_maxlen,
+            approximate=True,
+        )
+        had, _, _ = await bounded(self.settings, pipe.execute())
+        return bool(had)
 
     async def episodes(
         self, device: str | None = None, node: str | None = None
@@ -484,9 +629,11 @@ class Registry:
         for (d, ep, was_moved), value, ttl in zip(pairs, values[0::2], values[1::2], strict=True):
             if not value:
                 continue
-            owner, token, *rest = value.split(" ")  # "<device> <token> <claim id>[ moved]"
+            # "<device> <token> <claim id>[ <model>][ moved]"
+            owner, token, *rest = value.split(" ")
             if owner == d and ("moved" in rest) == was_moved:
-                rows.append(EpisodeRow(ep, d, int(token), int(ttl), moved=was_moved))
+                model = next((r for r in rest if "@" in r), "")
+                rows.append(EpisodeRow(ep, d, int(token), int(ttl), was_moved, model))
         return rows
 
     async def events(self, since: str = "-", count: int = 100) -> list[tuple[str, dict[str, str]]]:

@@ -56,7 +56,7 @@ NAMES = (
 INCLUDED = ("lib", "fleet")  # shared parts, placed where a script says --@lib, --@fleet
 
 # The values scripts store, as Lua patterns:
-#   an episode  "<device> <token>", or "<device> <token> moved" once handed over
+#   an episode  "<device> <token> <claim id> <model>", "... moved" once handed over
 #   a route     "<node> <state> <capacity> <weight> <url>"
 VALUE = "^(%S+) (%d+)(.*)$"
 ROUTED = "^(%S+) (%S+) (%d+) (%d+) (.*)$"
@@ -95,6 +95,10 @@ def header(keys: Keys, episode_ttl_ms: int, lease_ttl_ms: int, events_maxlen: in
         "DEVICE_KEY": keys.device(""),
         "LOAD_KEY": keys.load(""),
         "MOVED_KEY": keys.moved(""),
+        "RING_KEY": keys.ring_prefix,
+        "VERSIONS_KEY": keys.versions(""),
+        "ROLLOUT_KEY": keys.rollout(""),
+        "PICKS_KEY": keys.picks(""),
         "VALUE": VALUE,
         "ROUTED": ROUTED,
     }

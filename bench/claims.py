@@ -5,7 +5,9 @@ baseline measured in the same run.
 2. sticky hit latency vs GET (p50)
 3. claims/s with 8 client processes vs a no-op EVALSHA at the same concurrency
 4. Redis CPU per claim (and per hit) with 256 devices (32 nodes x 8) vs 4 devices
-   (``INFO commandstats``: usec_per_call of EVALSHA)
+   (``INFO commandstats``: usec_per_call of EVALSHA); and with 256 devices serving 4 models
+   (one ring each; model m0 in two versions shared 1:1 by rollout weights, claims cycling
+   over the models) vs 4 devices serving one model (``--models-only``: this figure alone)
 5. Redis bytes per live episode at 1,000,000 live episodes vs the floor of the same keys
    and values as plain ``SET k v PXAT`` strings (same run), on a fleet with realistic
    capacity (64 per device); what ``affinity episodes --device`` / ``--node`` cost there
@@ -29,7 +31,7 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from affinity import Claims, DeviceRegistration, Registry, Settings
+from affinity import Claims, DeviceRegistration, ModelId, Registry, Settings
 from bench.common import RedisServer, median, pct, report, tmpdir
 
 NOOP = "return 1"
@@ -50,18 +52,31 @@ def devices(n: int, capacity: int) -> list[DeviceRegistration]:
 
 
 async def register_fleet(
-    url: str, nodes: int, per_node: int, capacity: int, namespace: str = "affinity"
+    url: str,
+    nodes: int,
+    per_node: int,
+    capacity: int,
+    namespace: str = "affinity",
+    models: int = 0,
 ) -> None:
+    """``models`` > 0: every node serves m0..m<models-1>, m0 as v1 on even nodes and v2 on
+    odd ones (given weights 1:1 when there are two nodes or more)."""
     client = redis.asyncio.Redis.from_url(url, decode_responses=True)
     registry = Registry(client, settings(url, namespace))
     for n in range(nodes):
-        await registry.register(f"bench-{n}", f"http://bench-{n}", devices(per_node, capacity))
+        served = {ModelId(f"m{j}", f"v{2 if j == 0 and n % 2 else 1}"): "{}" for j in range(models)}
+        await registry.register(
+            f"bench-{n}", f"http://bench-{n}", devices(per_node, capacity), models=served
+        )
+    if models and nodes > 1:
+        for version in ("v1", "v2"):
+            await registry.rollout("m0", version, 1)
     await client.aclose()
 
 
-def fresh(server: RedisServer, nodes: int, per_node: int, capacity: int) -> None:
+def fresh(server: RedisServer, nodes: int, per_node: int, capacity: int, models: int = 0) -> None:
     server.client().flushall()
-    asyncio.run(register_fleet(server.url, nodes, per_node, capacity))
+    asyncio.run(register_fleet(server.url, nodes, per_node, capacity, models=models))
 
 
 # -- latency --------------------------------------------------------------------------------
@@ -155,29 +170,35 @@ def evalsha_usec(r: redis.Redis) -> float:
     return float(stats["cmdstat_evalsha"]["usec_per_call"])
 
 
-async def _claims_then_hits(url: str, n: int, tag: str) -> tuple[float, float]:
+async def _claims_then_hits(url: str, n: int, tag: str, models: int) -> tuple[float, float]:
     client = redis.asyncio.Redis.from_url(url, decode_responses=True)
     claims = Claims(client, settings(url))
     r = redis.Redis.from_url(url)
-    await claims.resolve(f"{tag}-warm")  # loads the script
+
+    def model(i: int) -> str:
+        return f"m{i % models}" if models else ""
+
+    await claims.resolve(f"{tag}-warm", model=model(0))  # loads the script
     r.config_resetstat()
     for i in range(n):
-        await claims.resolve(f"{tag}-{i}")
+        await claims.resolve(f"{tag}-{i}", model=model(i))
     claim_usec = evalsha_usec(r)
     r.config_resetstat()
     for i in range(n):
-        await claims.resolve(f"{tag}-{i}")
+        await claims.resolve(f"{tag}-{i}", model=model(i))
     hit_usec = evalsha_usec(r)
     r.close()
     await client.aclose()
     return claim_usec, hit_usec
 
 
-def redis_cpu(server: RedisServer, nodes: int, per_node: int, n: int, rounds: int) -> Any:
+def redis_cpu(
+    server: RedisServer, nodes: int, per_node: int, n: int, rounds: int, models: int = 0
+) -> Any:
     claim, hit = [], []
     for i in range(rounds):
-        fresh(server, nodes, per_node, 10 * n)
-        c, h = asyncio.run(_claims_then_hits(server.url, n, f"cpu{i}"))
+        fresh(server, nodes, per_node, 10 * n, models)
+        c, h = asyncio.run(_claims_then_hits(server.url, n, f"cpu{i}", models))
         claim.append(c)
         hit.append(h)
     return median(claim), median(hit)
@@ -254,7 +275,11 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=8)
     p.add_argument("--live", type=int, default=1_000_000)
     p.add_argument("--cpu-claims", type=int, default=5000)
+    p.add_argument("--models-only", action="store_true", help="the 256 x 4 models figure alone")
     a = p.parse_args()
+    if a.models_only:
+        models_figure(a.cpu_claims)
+        return
     per_node = 8
     # room for the live episodes and the latency rounds run on top of them
     fleet_nodes = math.ceil((a.live + 10_000) * 1.02 / FLEET_CAPACITY / per_node)
@@ -277,6 +302,8 @@ def main() -> None:
 
         claim4, hit4 = redis_cpu(server, 1, 4, a.cpu_claims, 3)
         claim256, hit256 = redis_cpu(server, 32, 8, a.cpu_claims, 3)
+        m_claim4, m_hit4 = redis_cpu(server, 1, 4, a.cpu_claims, 3, models=1)
+        m_claim256, m_hit256 = redis_cpu(server, 32, 8, a.cpu_claims, 3, models=4)
 
         # memory: the floor first (plain strings with the same keys and values), then the
         # real thing on a fleet of capacity-64 devices; a second namespace with the same
@@ -302,9 +329,6 @@ def main() -> None:
         big50 = median(per_run(scale["big"], 3, 50))
     finally:
         server.stop()
-
-    def figure(name: str, value: float, result: str, goal: str, ok: bool) -> dict[str, Any]:
-        return {"figure": name, "value": value, "result": result, "goal": goal, "ok": ok}
 
     tp = median(tp_claim) / median(tp_noop)
     figures = [
@@ -350,6 +374,7 @@ def main() -> None:
             "<= 1.5x",
             hit256 / hit4 <= 1.5,
         ),
+        *model_figures(m_claim4, m_hit4, m_claim256, m_hit256),
         figure(
             f"Redis bytes per live episode at {a.live:,} / one plain string key with PXAT",
             per_episode / floor,
@@ -381,6 +406,51 @@ def main() -> None:
         f"({n_device} rows), --node {by_node_ms:.1f} ms ({n_node} rows)"
     )
     report("claims", figures, extra)
+
+
+def figure(name: str, value: float, result: str, goal: str, ok: bool) -> dict[str, Any]:
+    return {"figure": name, "value": value, "result": result, "goal": goal, "ok": ok}
+
+
+def model_figures(claim4: float, hit4: float, claim256: float, hit256: float) -> list[Any]:
+    return [
+        figure(
+            "Redis CPU per claim, 256 devices x 4 models (m0 in 2 weighted versions) / "
+            "4 devices x 1 model",
+            claim256 / claim4,
+            f"{claim256 / claim4:.2f}x ({claim256:.1f} us vs {claim4:.1f} us per EVALSHA)",
+            "<= 1.5x",
+            claim256 / claim4 <= 1.5,
+        ),
+        figure(
+            "Redis CPU per hit, 256 devices x 4 models / 4 devices x 1 model",
+            hit256 / hit4,
+            f"{hit256 / hit4:.2f}x ({hit256:.1f} us vs {hit4:.1f} us per EVALSHA)",
+            "<= 1.5x",
+            hit256 / hit4 <= 1.5,
+        ),
+    ]
+
+
+def models_figure(n: int) -> None:
+    server = RedisServer(tmpdir()).start()
+    try:
+        plain4, _ = redis_cpu(server, 1, 4, n, 3)
+        claim4, hit4 = redis_cpu(server, 1, 4, n, 3, models=1)
+        claim256, hit256 = redis_cpu(server, 32, 8, n, 3, models=4)
+    finally:
+        server.stop()
+    figures = model_figures(claim4, hit4, claim256, hit256)
+    figures.append(
+        figure(
+            "Redis CPU per claim, 4 devices x 1 model / 4 devices without models",
+            claim4 / plain4,
+            f"{claim4 / plain4:.2f}x ({claim4:.1f} us vs {plain4:.1f} us per EVALSHA)",
+            "(for information)",
+            True,
+        )
+    )
+    report("claims-models", figures, {})
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ from node.fleet import add_fleet_routes
 from node.membership import VERSION
 from node.protocols import act, internal, kserve, openpi
 from node.service import NodeService
+from node.step import Refused
 
 __all__ = ["PROTECTED", "NodeApp", "create_app", "cross_site"]
 
@@ -403,8 +404,44 @@ def create_app(
 
     @api.get("/model")
     async def model() -> Response:
-        """The policy contract: inputs a client sends, outputs, fed-back state."""
-        return JSONResponse(svc().contract.to_json())
+        """The policy contract of the node's model: inputs a client sends, outputs,
+        fed-back state (a node serving several models: 422, see ``/models/{name}``)."""
+        s = svc()
+        if len(s.models) > 1:
+            names = ", ".join(s.models)
+            return error(422, "model_required", f"this node serves {names}: GET /models/{{name}}")
+        return JSONResponse(s.contract.to_json())
+
+    @api.get("/models")
+    async def models() -> Response:
+        """Every model of the fleet: name, version, the live nodes serving it, its rollout
+        weight (null: the newest version takes new episodes), and whether it is the newest
+        version of its name and served on this node."""
+        s = svc()
+        here = {str(m) for m, _ in s.models.values()}
+        try:
+            rows = await s.registry.models()
+        except BackendUnavailable as exc:
+            return error(503, "redis", str(exc), retry_after=1)
+        return JSONResponse(
+            {"models": [{**r.to_json(), "local": f"{r.name}@{r.version}" in here} for r in rows]}
+        )
+
+    @api.get("/models/{name}")
+    async def model_named(name: str, version: str | None = None) -> Response:
+        """The contract of model ``name`` (``?version=``: of that version; else the one
+        served here, else the newest served), as ``GET /model`` has it, with its name and
+        version."""
+        s = svc()
+        try:
+            chosen, contract = await s.model_for(name, version)
+        except Refused as exc:
+            return error(exc.status, exc.reason, str(exc))
+        except InvalidArgument as exc:
+            return error(422, "bad_input", str(exc))
+        local = s.models.get(chosen)
+        shown = version or (local[0].version if local else s.catalog.newest(chosen))
+        return JSONResponse({"name": chosen, "version": shown, **contract.to_json()})
 
     @api.get("/metrics")
     async def metrics() -> Response:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from affinity import Settings
+from node.catalog import ModelSpec
 from node.policy import DEMO_MODEL
 from node.providers import ProviderSettings
 
@@ -23,6 +24,8 @@ class NodeConfig:
     authenticates forwarded requests between nodes; ``api_key``, when set, is required
     from clients (``Authorization: Api-Key <key>``, as ``openpi-client`` sends it).
     ``model_name`` is the name KServe v2 clients use (empty: the model file's stem);
+    ``models`` are the models the node serves (empty: ``model`` under ``model_name``; the
+    first one is ``model``);
     ``kserve_claim_unknown`` starts an unknown KServe sequence on any request instead of
     refusing one without ``sequence_start`` (Triton's rule). ``grpc_port`` serves KServe
     v2 over gRPC on ``host`` (None: off). ``admission_wait_s`` > 0 holds a new episode that
@@ -64,6 +67,12 @@ class NodeConfig:
     kserve_claim_unknown: bool = False
     grpc_port: int | None = None
     admission_wait_s: float = 0.0
+    models: tuple[ModelSpec, ...] = ()
+
+    @property
+    def served(self) -> tuple[ModelSpec, ...]:
+        """The models this node serves, the first one first (``--model`` in order)."""
+        return self.models or (ModelSpec(self.model, self.model_name or self.model.stem),)
 
     @property
     def renew_every_s(self) -> float:

@@ -82,6 +82,7 @@ class NodeOut(BaseModel):
     lease_ms: int = Field(0, description="ms left on the lease; negative: lapsed that long ago")
     started_at_ms: int = Field(0, description="registration time, ms since the epoch (Redis)")
     version: str = ""
+    models: list[str] = Field([], description='"name@version" every device of the node serves')
 
 
 class NodesOut(BaseModel):
@@ -104,6 +105,7 @@ class NodesOut(BaseModel):
                             "lease_ms": 8734,
                             "started_at_ms": 1795983840000,
                             "version": "0.1.0",
+                            "models": ["demo_policy@3f2a9c1b7e0d"],
                         }
                     ],
                 }

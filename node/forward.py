@@ -80,6 +80,7 @@ class Forward:
     undo: bool = False
     claim: str = ""
     instance: str = ""
+    model: str = ""  # "name@version" of the assignment ("": a fleet without models)
     rtc: Ask | None = None  # the client's real-time-chunking values (the owner checks them)
     elapsed_s: float = 0.0  # how long the router had the step before forwarding it
 
@@ -102,6 +103,7 @@ class Forward:
                 "undo": self.undo,
                 "claim": self.claim,
                 "instance": self.instance,
+                "model": self.model,
                 "rtc": None if self.rtc is None else [
                     self.rtc.executed, self.rtc.delay, self.rtc.control_hz
                 ],
@@ -136,8 +138,9 @@ class Forward:
         if not ok or not all(v is None or type(v) is int for v in ints):
             raise ValueError("a forward's fields have the wrong types")
         claim, instance = doc.get("claim", ""), doc.get("instance", "")
-        if not all(isinstance(v, str) for v in (origin, claim, instance)):
-            raise ValueError("a forward's origin, claim and instance must be strings")
+        model = doc.get("model", "")
+        if not all(isinstance(v, str) for v in (origin, claim, instance, model)):
+            raise ValueError("a forward's origin, claim, instance and model must be strings")
         if ensemble is not None and not isinstance(ensemble, str):
             raise ValueError("a forward's ensemble must be a string")
         rtc, elapsed = doc.get("rtc"), doc.get("elapsed_ms", 0)
@@ -162,6 +165,7 @@ class Forward:
             undo=doc.get("undo") is True,
             claim=claim,
             instance=instance,
+            model=model,
             rtc=None if rtc is None else Ask(*rtc),
             elapsed_s=float(elapsed) / 1000,
         )
@@ -178,6 +182,7 @@ class Forward:
             ensemble=self.ensemble,
             seq=self.seq,
             origin=self.origin,
+            model=self.model.partition("@")[0] or None,
             rtc=self.rtc,
         )
 
@@ -207,6 +212,7 @@ def decode_reply(body: bytes) -> Reply:
             seq=int(doc.get("seq", 0)),
             replayed=bool(doc.get("replayed", False)),
             rtc=None if doc.get("rtc") is None else {str(k): int(v) for k, v in doc["rtc"].items()},
+            model=str(doc.get("model", "")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not an owner's reply: {exc}") from None

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from affinity import BackendUnavailable, NodeConflict, Settings, connect, embedded_store
+from affinity import BackendUnavailable, ModelId, NodeConflict, Settings, connect, embedded_store
 from affinity.config import ENV_VARS
 from affinity.connection import url_problem
 from affinity.errors import InvalidArgument, SecretMismatch
@@ -39,6 +39,7 @@ from affinity.registry import MAX_WEIGHT, check_node_id
 from node.accesslog import JsonFormatter
 from node.app import create_app
 from node.binding import BoundSession
+from node.catalog import Dispatchers, ModelSpec, parse_model_arg
 from node.chunks import ENSEMBLES
 from node.config import NodeConfig
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
@@ -47,7 +48,7 @@ from node.fleet import Fleet
 from node.forward import Poster
 from node.membership import EXIT_CONFLICT, VERSION
 from node.metrics import Metrics
-from node.policy import load_contract, resolve_model
+from node.policy import PolicyContract, load_contract
 from node.providers import GpuUnavailable, ProviderSettings, build_session, require_cuda
 from node.service import NodeService
 
@@ -127,7 +128,8 @@ _FLAGS = (
     _Flag("--devices", "AFFINITY_DEVICES", "auto",
           "auto | cpu:N | GPU indices or UUIDs such as 0,2"),
     _Flag("--model", "AFFINITY_MODEL", "demo",
-          "ONNX policy: a packaged name (demo, vla-demo) or a file"),
+          "ONNX policy: a packaged name (demo, vla-demo) or a file, as [NAME=]FILE[@VERSION]; "
+          "give it once per model the node serves (env: comma-separated)"),
     _Flag("--model-name", "AFFINITY_MODEL_NAME", None,
           "the model's name for KServe v2 clients (none: the model file's stem)"),
     _Flag("--capacity", "AFFINITY_CAPACITY", 64, "live episodes per device", int,
@@ -216,7 +218,11 @@ def parse_args(
         default = f.default if raw is None or raw == "" else raw
         p.add_argument(
             f.name,
-            default=default,
+            **(
+                {"action": "append", "default": None}
+                if f.name == "--model"
+                else {"default": default}
+            ),
             help=f"{f.help} ({f.bounds}default: "
             f"{f.default if f.default is not None else 'none'}; env {f.env})",
         )
@@ -228,6 +234,8 @@ def parse_args(
     for f in _FLAGS:
         key = f.name[2:].replace("-", "_")
         value = getattr(a, key)
+        if key == "model":  # repeatable; the environment's is comma-separated
+            value = value or (env.get(f.env) or f.default).split(",")
         if isinstance(value, str) and f.kind is not str:
             try:
                 value = f.kind(value)
@@ -271,15 +279,20 @@ def parse_args(
     advertise = given or (
         f"http://{host if host != '0.0.0.0' else socket.gethostname()}:{values['port']}"
     )
-    try:
-        model = resolve_model(values["model"])
-    except ValueError as exc:
-        p.error(f"--model: {exc} (env AFFINITY_MODEL)")
-    model_name = values["model_name"] or model.stem
-    if "/" in model_name or not model_name.isprintable():
-        p.error(
-            f"--model-name {model_name!r}: no '/' nor control characters (env AFFINITY_MODEL_NAME)"
-        )
+    given_models = values["model"]
+    if values["model_name"] and len(given_models) > 1:
+        p.error("--model-name: only with one --model; name each model as NAME=FILE instead")
+    models = []
+    for text in given_models:
+        try:
+            models.append(parse_model_arg(text, values["model_name"]))
+        except ValueError as exc:  # InvalidArgument included
+            p.error(f"--model {text!r}: {getattr(exc, 'limit', exc)} (env AFFINITY_MODEL)")
+    names = [m.name for m in models]
+    if len(set(names)) != len(names):
+        p.error(f"--model: the names {', '.join(names)} repeat; name each model as NAME=FILE")
+    model = models[0].path
+    model_name = models[0].name
     try:
         settings = Settings.from_env(
             env,
@@ -320,6 +333,7 @@ def parse_args(
             log_format=values["log_format"],
             access_log=values["access_log"] == "on",
             model_name=model_name,
+            models=tuple(models),
             kserve_claim_unknown=a.kserve_claim_unknown,
             grpc_port=values["grpc_port"],
             admission_wait_s=values["admission_wait"],
@@ -371,47 +385,67 @@ def build_service(
             # discover()'s messages start with "devices <spec>:", which names the flag
             raise StartupError(f"--{exc}") from None
         require_cuda(devices)  # GpuUnavailable: GPUs named, or found, that CUDA cannot run
-        try:
-            contract = load_contract(config.model)
-        except (ValueError, OSError) as exc:
-            raise StartupError(f"--model {config.model}: {exc}") from None
+        served: dict[str, tuple[ModelSpec, ModelId, PolicyContract]] = {}
+        for m in config.served:
+            try:
+                served[m.name] = (m, m.identity(), load_contract(m.path))
+            except (ValueError, OSError) as exc:
+                raise StartupError(f"--model {m.path}: {exc}") from None
 
-        def ort_session(spec: DeviceSpec) -> tuple[Session, str]:
+        def ort_session(
+            m: ModelSpec, contract: PolicyContract, spec: DeviceSpec
+        ) -> tuple[Session, str]:
             built = build_session(
-                config.model, spec, config.providers, intra_op_threads=config.intra_op_threads
+                m.path, spec, config.providers, intra_op_threads=config.intra_op_threads
             )
             if not (config.providers.cuda_graph and built.active in CUDA_GRAPH_PROVIDERS):
                 return built.session, built.active
             # captured by dispatcher.warm_up(), on the device's worker thread
             return BoundSession(built.session, contract, "cuda", spec.ordinal or 0), built.active
 
-        make = session_factory or ort_session
-        sessions: dict[str, Session] = {}
+        # one session per model per device, made here: a model that does not fit beside
+        # the others stops the node at start-up, naming the model and the device
+        sessions: dict[tuple[str, str], Session] = {}
         providers: dict[int, str] = {}
-        for spec in devices:
-            session, provider = make(spec)
-            sessions[f"{config.node_id}/{spec.index}"] = session
-            providers[spec.index] = provider
+        for i, (name, (m, _, contract)) in enumerate(served.items()):
+            for spec in devices:
+                try:
+                    if session_factory is not None and i == 0:
+                        session, provider = session_factory(spec)
+                    else:
+                        session, provider = ort_session(m, contract, spec)
+                except Exception as exc:
+                    raise StartupError(
+                        f"--model {name}: no session on device {spec.index} ({spec.name}) "
+                        f"beside the {i} model(s) before it: {exc}"
+                    ) from exc
+                sessions[(name, f"{config.node_id}/{spec.index}")] = session
+                providers.setdefault(spec.index, provider)
 
         def dispatcher(
             ids: list[str], on_transition: Callable[[str, str, str], None], metrics: Metrics
-        ) -> MultiGpuDispatcher:
-            return MultiGpuDispatcher(
-                ids,
-                sessions.__getitem__,
-                contract,
-                idle_ttl_s=config.settings.episode_ttl_s,
-                failure_threshold=config.failure_threshold,
-                cooldown_s=config.cooldown_s,
-                on_transition=on_transition,
-                max_batch=config.max_batch,
-                batch_delay_us=config.batch_delay_us,
-                execute_steps=config.execute_steps,
-                ensemble=config.ensemble,
-                ensemble_decay=config.ensemble_decay,
-                control_hz=config.control_hz,
-                on_batch=lambda d, n: metrics.batch_size.labels(d).observe(n),
-                on_queue_wait=lambda d, s: metrics.queue_wait.labels(d).observe(s),
+        ) -> Dispatchers:
+            return Dispatchers(
+                {
+                    name: MultiGpuDispatcher(
+                        ids,
+                        lambda device, name=name: sessions[(name, device)],  # type: ignore[misc]
+                        contract,
+                        idle_ttl_s=config.settings.episode_ttl_s,
+                        failure_threshold=config.failure_threshold,
+                        cooldown_s=config.cooldown_s,
+                        on_transition=on_transition,
+                        max_batch=config.max_batch,
+                        batch_delay_us=config.batch_delay_us,
+                        execute_steps=config.execute_steps,
+                        ensemble=config.ensemble,
+                        ensemble_decay=config.ensemble_decay,
+                        control_hz=config.control_hz,
+                        on_batch=lambda d, n: metrics.batch_size.labels(d).observe(n),
+                        on_queue_wait=lambda d, s: metrics.queue_wait.labels(d).observe(s),
+                    )
+                    for name, (_, _, contract) in served.items()
+                }
             )
 
         client = redis
@@ -430,15 +464,19 @@ def build_service(
                 devices,
                 providers,
                 dispatcher,
-                contract,
+                next(iter(served.values()))[2],
                 owns_redis=redis is None,
                 pool=pool,
+                models={name: (mid, contract) for name, (_, mid, contract) in served.items()},
             )
         except ValueError as exc:  # batching or chunk settings this model cannot take
             raise StartupError(flag_message(exc)) from None
         await service.dispatcher.warm_up()
         graphs = sum(isinstance(s, BoundSession) for s in sessions.values())
-        log.info("%d device(s) warmed up on their workers, %d CUDA graph(s)", len(sessions), graphs)
+        log.info(
+            "%d device(s) warmed up on their workers with %s, %d CUDA graph(s)",
+            len(devices), ", ".join(str(mid) for _, mid, _ in served.values()), graphs,
+        )  # fmt: skip
         return service
 
     return factory

@@ -24,18 +24,19 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from affinity import (
     AffinityError,
     Claims,
     DeviceRegistration,
+    ModelId,
     NodeConflict,
     Registry,
     __version__,
 )
+from node.catalog import Dispatchers
 from node.config import NodeConfig
-from node.dispatcher import MultiGpuDispatcher
 from node.metrics import Metrics
 from node.step import Unavailable
 
@@ -55,7 +56,7 @@ class Membership:
         config: NodeConfig,
         registry: Registry,
         claims: Claims,
-        dispatcher: MultiGpuDispatcher,
+        dispatcher: Dispatchers,
         metrics: Metrics,
         registrations: Callable[[], list[DeviceRegistration]],
         clock: Callable[[], float] = time.monotonic,
@@ -67,6 +68,7 @@ class Membership:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.registrations = registrations
+        self.models: Mapping[ModelId, str] = {}  # what the node serves -> its contract record
         self.clock = clock
         self.instance = uuid.uuid4().hex  # tells this process from another with the same id
         self.lease_deadline = float("-inf")  # monotonic; nothing is served before register
@@ -124,6 +126,7 @@ class Membership:
             self.registrations(),
             VERSION,
             instance=self.instance,
+            models=self.models,
         )
         self.lease_deadline = sent + self.lease_s
         self.registered = True

@@ -2,7 +2,9 @@
 
 ``LABELS`` is the contract: every label value a series may carry. ``device`` values are
 this node's device ids (bounded by its GPUs); ``build`` values are this process's own
-(:data:`BUILD`: one value each). No episode id is ever a label. The registry also carries
+(:data:`BUILD`: one value each); ``model`` values are the names and versions the fleet's
+nodes registered (set by operators, never by a client: a step's model is checked against
+the registry before anything is counted). No episode id is ever a label. The registry also carries
 prometheus-client's ``process_*`` series (CPU seconds, resident memory, open file
 descriptors, start time; on Linux).
 docs/metrics.md lists the same names and values; a test checks both ways.
@@ -55,6 +57,11 @@ LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
     "affinity_admission_waiting": {},
     "affinity_build_info": {"version": "build", "onnxruntime": "build"},
     "affinity_log_lines_dropped_total": {},
+    "affinity_model_claims_total": {
+        "model": "model",
+        "version": "model",
+        "result": ("claimed", "reassigned"),
+    },
 }
 
 
@@ -167,6 +174,13 @@ class Metrics:
             "affinity_log_lines_dropped_total",
             "Access-log lines dropped because the log stream could not take them "
             "(e.g. a broken pipe to a log shipper that died).",
+            registry=r,
+        )
+        self.model_claims = Counter(
+            "affinity_model_claims_total",
+            "New assignments this node obtained (claimed, reassigned), by the model name and "
+            "version they took (the rollout's choice).",
+            ["model", "version", "result"],
             registry=r,
         )
         for device in devices:

@@ -31,22 +31,26 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from affinity import (
     Assignment,
     BackendUnavailable,
     Claims,
     InvalidArgument,
+    ModelConflict,
+    ModelId,
     NoCapacity,
     PoolExhausted,
     StaleToken,
     UnknownEpisode,
+    UnknownModel,
 )
 from node.admission import Admission
+from node.catalog import Catalog, Dispatchers
 from node.config import NodeConfig
 from node.control import control_feed
-from node.dispatcher import Arrival, DeviceDown, ModelFailure, MultiGpuDispatcher, SeqConflict
+from node.dispatcher import Arrival, DeviceDown, ModelFailure, SeqConflict
 from node.forward import Forward, ForwardError, Poster, Response, decode_reply
 from node.membership import Membership
 from node.metrics import Metrics
@@ -78,12 +82,13 @@ class Routing:
         self,
         config: NodeConfig,
         claims: Claims,
-        dispatcher: MultiGpuDispatcher,
+        dispatcher: Dispatchers,
         membership: Membership,
         metrics: Metrics,
         contract: PolicyContract,
         pool: Poster,
         clock: Callable[[], float] = time.monotonic,
+        catalog: Catalog | None = None,
     ) -> None:
         self.config = config
         self.node_id = config.node_id
@@ -94,6 +99,11 @@ class Routing:
         self.contract = contract
         self.pool = pool
         self.clock = clock
+        self.catalog = catalog
+        self.first_model = next(iter(dispatcher.by_model))  # a step that names none
+        # name -> "name@version" of the models served here (for the replies)
+        ids = catalog.local_ids() if catalog else []
+        self.models = {m.name: str(m) for m in ids}
         self.local_devices = frozenset(dispatcher.devices)
         self.admission = (
             Admission(
@@ -165,7 +175,12 @@ class Routing:
         if step.episode is None:
             return await self._stateless(step, arrival)
         a = await self._resolve(
-            step.episode, restart=step.restart, claim=not step.live_only, deadline=step.deadline
+            step.episode,
+            restart=step.restart,
+            claim=not step.live_only,
+            deadline=step.deadline,
+            model=step.model or self.first_model,
+            version=step.version or "",
         )
         if a.node == self.node_id:
             self.membership.check_instance(a.instance)  # the registration must be this one's
@@ -174,7 +189,9 @@ class Routing:
         if self.membership.leaving:
             # this node is handing its episodes over: this one goes now, then to its new owner
             await self.membership.hand_over(a.episode)
-            a = await self._resolve(a.episode, claim=not step.live_only)
+            a = await self._resolve(
+                a.episode, claim=not step.live_only, model=step.model or self.first_model
+            )
             if a.node == self.node_id:
                 raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)
             return await self._forward(a, step, arrival, retry=False)
@@ -187,23 +204,38 @@ class Routing:
         restart: bool = False,
         claim: bool = True,
         deadline: float | None = None,
+        model: str = "",
+        version: str = "",
     ) -> Assignment:
         """Raises ``UnknownEpisode`` when not ``claim`` and Redis holds no assignment.
         ``deadline``: a new step's; with ``--admission-wait`` a claim that finds every
-        device full waits in the backlog until then at most (``node/admission.py``)."""
+        device full waits in the backlog until then at most (``node/admission.py``).
+        ``model``/``version``: what the step names (Redis keeps an episode on its own;
+        another version is :class:`Refused` 409 ``model_conflict``, a model no node
+        registered 404 ``unknown_model``)."""
+
+        def resolve() -> Awaitable[Assignment]:
+            return self.claims.resolve(
+                episode, restart=restart, claim=claim, model=model, version=version
+            )
+
         try:
             try:
-                assignment = await self.claims.resolve(episode, restart=restart, claim=claim)
+                assignment = await resolve()
             except NoCapacity as exc:
                 if self.admission is None or deadline is None or exc.reason != "at_capacity":
                     raise
-                assignment = await self.admission.wait(
-                    episode,
-                    lambda: self.claims.resolve(episode, restart=restart, claim=claim),
-                    deadline,
-                )
+                assignment = await self.admission.wait(episode, resolve, deadline)
             self.peers.resolved(assignment)
+            if assignment.status != "hit" and assignment.model:
+                m = ModelId.parse(assignment.model)
+                self.metrics.model_claims.labels(m.name, m.version, assignment.status).inc()
             return assignment
+        except ModelConflict as exc:
+            raise Refused(409, "model_conflict", str(exc)) from exc
+        except UnknownModel as exc:
+            served = self.catalog.served() if self.catalog else []
+            raise Refused(404, "unknown_model", str(UnknownModel(exc.model, served))) from exc
         except PoolExhausted as exc:
             raise Unavailable("busy", str(exc), 1.0) from exc
         except BackendUnavailable as exc:
@@ -214,17 +246,26 @@ class Routing:
             raise Unavailable("full", str(exc), 2.0) from exc
 
     async def _stateless(self, step: Step, arrival: Arrival) -> Reply:
+        name = step.model or self.first_model
+        if name not in self.dispatcher.by_model:
+            raise Refused(
+                404,
+                "unknown_model",
+                f"node {self.node_id} does not serve model {name!r}: a step without an "
+                "episode runs where it arrives (send it to a node that serves the model)",
+            )
+        dispatcher = self.dispatcher.of(name)
         up = [d for d in self.dispatcher.devices if not self.dispatcher.tracker(d).down]
         if not up:
             raise Unavailable("device_down", "every device of this node is down", 5.0)
         device = up[self._rr % len(up)]
         self._rr += 1
         arrival.done()
-        inputs = {**step.inputs, **control_feed(self.contract, None, start=True, end=True)}
-        outputs = await self.dispatcher.run_stateless(device, inputs)
+        inputs = {**step.inputs, **control_feed(dispatcher.contract, None, start=True, end=True)}
+        outputs = await dispatcher.run_stateless(device, inputs)
         return Reply(
             outputs, None, device, self.node_id, 0, "stateless", False, False,
-            url=self.config.advertise_url,
+            url=self.config.advertise_url, model=self.models.get(name, ""),
         )  # fmt: skip
 
     async def _serve(self, a: Assignment, step: Step, arrival: Arrival) -> Reply:
@@ -236,18 +277,27 @@ class Routing:
                 f"{self.node_id} does not serve; its registration is being renewed",
                 1.0,
             )
+        name = a.model.partition("@")[0] or step.model or self.first_model
+        if name not in self.dispatcher.by_model:
+            raise Unavailable(
+                "unknown_device",
+                f"Redis assigns episode {a.episode!r} with model {name!r} to {a.device}, "
+                f"whose node {self.node_id} does not serve it; its registration is being renewed",
+                1.0,
+            )
+        dispatcher = self.dispatcher.of(name)
         self.membership.check_lease()  # the resolve may have taken a while: check again
         arrival.done()  # handed to its device now
         started = time.perf_counter()
         try:
-            result = await self.dispatcher.step(
+            result = await dispatcher.step(
                 a.device,
                 a.episode,
                 a.token,
                 a.status == "claimed",
                 {
                     **step.inputs,
-                    **control_feed(self.contract, a.episode, start=False, end=step.end),
+                    **control_feed(dispatcher.contract, a.episode, start=False, end=step.end),
                 },
                 claim=a.claim,
                 seq=step.seq,
@@ -269,7 +319,7 @@ class Routing:
             self.dispatcher.release(a.episode)
             raise Unavailable("fenced", f"node {self.node_id} lease ran out during the step", 1.0)
         if result.source == "model" and not result.replayed and step.arrived is not None:
-            self.dispatcher.observed(a.episode, result.seq, self.clock() - step.arrived)
+            dispatcher.observed(a.episode, result.seq, self.clock() - step.arrived)
         if step.end:
             await self.end_episode(a.episode, a.token)
         # The client's echo of its last token tells a lost assignment (Redis restarted
@@ -290,6 +340,7 @@ class Routing:
             seq=result.seq,
             replayed=result.replayed,
             rtc=None if result.rtc is None else result.rtc.to_json(),
+            model=a.model or self.models.get(name, ""),
         )
 
     async def undelivered(self, reply: Reply) -> None:
@@ -348,6 +399,7 @@ class Routing:
             origin=origin,
             claim=a.claim,
             instance=a.instance,
+            model=a.model,
             rtc=step.rtc,
             elapsed_s=0.0 if step.arrived is None else max(0.0, self.clock() - step.arrived),
         ).encode()
@@ -389,7 +441,9 @@ class Routing:
             if not retry:
                 raise Unavailable("owner_refused", text, 1.0)
             # our view was stale: resolve once more
-            again = await self._resolve(a.episode, claim=not step.live_only)
+            again = await self._resolve(
+                a.episode, claim=not step.live_only, model=step.model or self.first_model
+            )
             if again.node == self.node_id:
                 return await self._serve(again, step, arrival)
             return await self._forward(again, step, arrival, retry=False)
@@ -419,15 +473,19 @@ class Routing:
         if fwd.undo:
             self.dispatcher.undo(fwd.episode, origin=fwd.origin)
             return None
-        try:  # the router checked them against its model; a node serving another one refuses
-            inputs_from_arrays(self.contract, fwd.inputs)  # them as the client's (never a crash)
+        name = fwd.model.partition("@")[0] or self.first_model
+        if name not in self.dispatcher.by_model:
+            raise Refused(421, "not_owner", f"node {self.node_id} does not serve model {name!r}")
+        try:  # the router checked them against the model; a node serving another one refuses
+            inputs_from_arrays(self.dispatcher.of(name).contract, fwd.inputs)  # them as the
+            # client's error (never a crash)
         except InvalidInput as exc:
             raise Refused(
                 422, "bad_input", f"not an input of node {self.node_id}'s model: {exc}"
             ) from None
         try:  # checked against this node's model and --control-hz, as the inputs are
             ask = fwd.rtc or Ask()
-            rtc = self.dispatcher.rtc_for(ask.executed, ask.delay, ask.control_hz)
+            rtc = self.dispatcher.of(name).rtc_for(ask.executed, ask.delay, ask.control_hz)
         except InvalidArgument as exc:
             raise Refused(422, "bad_input", f"node {self.node_id}: {exc}") from None
         arrival = self.dispatcher.arrival()
@@ -467,7 +525,7 @@ class Routing:
             await self.membership.hand_over(fwd.episode)
             raise Refused(409, "moved", f"node {self.node_id} handed {fwd.episode!r} over")
         a = Assignment(fwd.episode, fwd.routing, fwd.device, fwd.token, self.node_id, "", None,  # type: ignore[arg-type]
-                       fwd.claim, fwd.instance)  # fmt: skip
+                       fwd.claim, fwd.instance, fwd.model)  # fmt: skip
         step = fwd.step(self.clock() + fwd.budget_s)
         step.rtc, step.arrived = rtc, arrived
         return await self._serve(a, step, arrival)

@@ -14,7 +14,16 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from affinity import Claims, DeviceRegistration, Registry, close, connect
+from affinity import (
+    Claims,
+    DeviceRegistration,
+    ModelId,
+    Registry,
+    UnknownModel,
+    close,
+    connect,
+)
+from node.catalog import AmbiguousModel, Catalog, Dispatchers, contract_record
 from node.config import NodeConfig
 from node.devices import DeviceSpec
 from node.dispatcher import MultiGpuDispatcher
@@ -24,6 +33,8 @@ from node.membership import Membership
 from node.metrics import Metrics
 from node.policy import PolicyContract
 from node.routing import Routing
+from node.rtc import Ask
+from node.step import Refused
 
 __all__ = ["NodeService"]
 
@@ -32,9 +43,10 @@ LEASE_CONNECTIONS = 4
 """Connections of the lease's own pool: renewals never wait behind client requests."""
 
 DispatcherFactory = Callable[
-    [list[str], Callable[[str, str, str], None], Metrics], MultiGpuDispatcher
+    [list[str], Callable[[str, str, str], None], Metrics], MultiGpuDispatcher | Dispatchers
 ]
-"""(device ids, crash-transition callback, metrics for the batching hooks) -> dispatcher."""
+"""(device ids, crash-transition callback, metrics for the batching hooks) -> dispatcher
+(one, of the node's only model, or one per model)."""
 
 
 class NodeService:
@@ -52,6 +64,7 @@ class NodeService:
         clock: Callable[[], float] = time.monotonic,
         owns_redis: bool = False,
         pool: Poster | None = None,
+        models: Mapping[str, tuple[ModelId, PolicyContract]] | None = None,
     ) -> None:
         self.config = config
         self.node_id = config.node_id
@@ -64,15 +77,21 @@ class NodeService:
         self.lease_redis = self._own_client(LEASE_CONNECTIONS)
         self.stream_redis = self._own_client(MAX_STREAMS)
         self.stream_registry = Registry(self.stream_redis, config.settings)
-        self.contract = contract
+        self.contract = contract  # the first model's (the node's only one, usually)
+        # name -> (name@version, contract) of each model served here, the first one first
+        self.models: dict[str, tuple[ModelId, PolicyContract]] = dict(
+            models or {config.served[0].name: (config.served[0].identity(), contract)}
+        )
+        self.catalog = Catalog(self.models, self.registry, clock)
         self.clock = clock
         self.specs = specs
         self.providers = dict(providers)
         self.device_ids = [f"{config.node_id}/{s.index}" for s in specs]
         self.metrics = Metrics(self.device_ids, config.capacity)
         # the dispatcher reports crash transitions (from its workers) to the membership
-        self.dispatcher = dispatcher = dispatcher_factory(
-            self.device_ids, self._on_transition, self.metrics
+        made = dispatcher_factory(self.device_ids, self._on_transition, self.metrics)
+        self.dispatcher = dispatcher = (
+            made if isinstance(made, Dispatchers) else Dispatchers({next(iter(self.models)): made})
         )
         self.membership = Membership(
             config,
@@ -83,6 +102,7 @@ class NodeService:
             self.registrations,
             clock,
         )
+        self.membership.models = {m: contract_record(c) for m, c in self.models.values()}
         self.pool: Poster = pool or ForwardPool(config.cluster_secret)
         self.started = False
         self._warned: set[str] = set()
@@ -95,6 +115,7 @@ class NodeService:
             contract,
             self.pool,
             clock,
+            catalog=self.catalog,
         )
 
     def _own_client(self, connections: int) -> Any:
@@ -157,6 +178,34 @@ class NodeService:
             clients = (self.redis, self.lease_redis, self.stream_redis)
             for client in {id(c): c for c in clients}.values():
                 await close(client)
+
+    async def model_for(
+        self, name: str | None, version: str | None = None
+    ) -> tuple[str, PolicyContract]:
+        """The model a step is for and the contract its inputs are checked against:
+        ``name`` (None: the fleet's only model) and ``version`` (None: the episode's own
+        or the rollout's). Raises :class:`Refused` 422 ``model_required`` (no name while
+        the fleet serves several, naming them), 404 ``unknown_model`` (no live node
+        serves it), and ``InvalidArgument`` for a malformed name or version."""
+        try:
+            chosen = await self.catalog.choose(name, version)
+            return chosen, await self.catalog.contract(chosen, version)
+        except AmbiguousModel as exc:
+            raise Refused(422, "model_required", str(exc)) from None
+        except UnknownModel as exc:
+            raise Refused(404, "unknown_model", str(exc)) from None
+
+    def rtc_for(
+        self, name: str | None, executed: object, delay: object, control_hz: object
+    ) -> Ask | None:
+        """A step's real-time-chunking values for model ``name``, checked here when this
+        node serves it (``InvalidArgument``), else passed on for its owner to check."""
+        local = self.dispatcher.by_model.get(name or next(iter(self.models)))
+        if local is not None:
+            return local.rtc_for(executed, delay, control_hz)
+        if executed is None and delay is None and control_hz is None:
+            return None
+        return Ask(executed, delay, control_hz)  # type: ignore[arg-type]
 
     def fenced(self) -> bool:
         return self.membership.fenced()

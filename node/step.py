@@ -35,7 +35,10 @@ class Step:
     ``seq`` is the step number the client expects to be applied (its last reply's ``seq``
     + 1), if it sends one. ``live_only`` serves only an episode Redis already holds (a
     KServe step without ``sequence_start``): routing raises ``UnknownEpisode`` otherwise.
-    ``origin`` names the forward a step came in (owner side only). ``rtc`` is what the
+    ``origin`` names the forward a step came in (owner side only). ``model`` is the name
+    of the model the step is for, as the adapter chose it (``node.catalog.Catalog``:
+    None only in code that serves one model), ``version`` the version it named (None: the
+    episode's own, or the one the rollout picks). ``rtc`` is what the
     step says for real-time chunking (``node/rtc.py``; validated by the adapter with
     ``dispatcher.rtc_for``; None for a model without ``rtc.*`` inputs); ``arrived`` is
     when it reached the node the client sent it to, on this node's ``time.monotonic()``
@@ -54,6 +57,8 @@ class Step:
     seq: int | None = None
     origin: str = ""
     live_only: bool = False
+    model: str | None = None
+    version: str | None = None
     rtc: Ask | None = None
     arrived: float | None = None
 
@@ -70,7 +75,8 @@ class Reply:
     applied. ``origin`` is the id of the forward that carried it (router side; empty for a
     step served here): the router names it when it tells the owner to undo the step.
     ``rtc`` is what a real-time-chunking step ran with: ``executed``, ``delay``,
-    ``prefix_len`` (None for other models).
+    ``prefix_len`` (None for other models). ``model`` is the ``name@version`` that served
+    it (as registered; empty where nodes register none).
     """
 
     outputs: dict[str, Array]
@@ -88,6 +94,7 @@ class Reply:
     replayed: bool = False
     origin: str = ""
     rtc: dict[str, int] | None = None
+    model: str = ""
 
     def facts(self, *, flat: bool = False) -> dict[str, Any]:
         """Everything but the outputs, with the wire names every protocol uses; ``rtc``
@@ -105,6 +112,8 @@ class Reply:
             "seq": self.seq,
             "replayed": self.replayed,
         }
+        if self.model:
+            facts["model"] = self.model
         if self.rtc is not None:
             if flat:
                 facts.update({f"rtc_{k}": v for k, v in self.rtc.items()})

@@ -38,6 +38,7 @@ DEVICE_HEADERS = [
     "LIVE/CAP",
     "WEIGHT",
     "PROVIDER",
+    "MODELS",
     "REASON",
 ]
 
@@ -219,7 +220,7 @@ def test_namespace_and_env_defaults(
 def test_episodes(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli(dep, capsys, "episodes")
     assert (code, err) == (0, "")
-    rows = parse_table(out, ["EPISODE", "DEVICE", "TOKEN", "TTL LEFT", "MOVED"])
+    rows = parse_table(out, ["EPISODE", "DEVICE", "TOKEN", "TTL LEFT", "MOVED", "MODEL"])
     assert {r["MOVED"] for r in rows} == {"no"}
     assert {r["EPISODE"]: (r["DEVICE"], int(r["TOKEN"])) for r in rows} == dep.placed
     assert all(0 < float(r["TTL LEFT"].rstrip("s")) <= 300 for r in rows)

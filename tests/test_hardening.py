@@ -460,22 +460,28 @@ def test_an_overloaded_node_answers_busy_with_retry_after_not_redis() -> None:
 
 @pytest.mark.integration
 def test_inputs_that_do_not_fit_the_owners_model_are_4xx_and_never_take_its_device_down() -> None:
+    """A node of another model joins a fleet of demo nodes (issue 24's motivating case): a
+    step that names no model is 422 naming both, demo steps land only on the demo node, and
+    demo inputs sent to the other model are the client's error on every node."""
     tmp = tmpdir()
     server = RedisServer(tmp).start()
     demo = Node(tmp, "demo", server.url, devices="cpu:1").start()
     other = Node(tmp, "vla", server.url, devices="cpu:1", extra=["--model", "vla-demo"]).start()
     try:
-        refused = 0
         with httpx.Client(timeout=30) as c:
-            for i in range(40):  # round-robin: about half land on the other model's device
-                r = c.post(demo.url + "/act", json={"episode_id": f"m{i}", "inputs": OBS})
-                if r.status_code == 200:
-                    assert r.json()["node"] == "demo"
-                    continue
-                assert r.status_code == 422, r.text
-                assert r.json()["error"]["code"] == "bad_input" and "vla" in r.text
-                refused += 1
-            assert refused >= 4, refused  # more than --failure-threshold (3)
+            r = c.post(demo.url + "/act", json={"episode_id": "none", "inputs": OBS})
+            assert r.status_code == 422 and r.json()["error"]["code"] == "model_required"
+            assert "demo_policy" in r.text and "vla_demo" in r.text
+            for i in range(8):
+                body = {"episode_id": f"m{i}", "model": "demo_policy", "inputs": OBS}
+                r = c.post(demo.url + "/act", json=body)
+                assert r.status_code == 200 and r.json()["node"] == "demo", r.text
+            for node in (demo, other):
+                for i in range(4):  # more than --failure-threshold (3)
+                    body = {"episode_id": f"v{i}", "model": "vla_demo", "inputs": OBS}
+                    r = c.post(node.url + "/act", json=body)
+                    assert r.status_code == 422, r.text
+                    assert r.json()["error"]["code"] == "bad_input" and "image" in r.text
             devices = {
                 d["device"]: d["state"] for d in c.get(demo.url + "/devices").json()["devices"]
             }

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from affinity import Keys
 from node.admission import Admission
+from node.catalog import file_version
 from node.metrics import BUILD, LABELS
 from node.policy import DEMO_MODEL
 from node.providers import ProviderSettings, build_session
@@ -186,6 +187,7 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         seen += await scrape(b)
 
     devices = {f"{n}/{i}" for n in "ab" for i in range(2)}
+    models = {DEMO_MODEL.stem, file_version(DEMO_MODEL)}  # the name and version registered
     driven: dict[str, bool] = dict.fromkeys(LABELS, False)
     process = {name for name, _, value in seen if name.startswith("process_") and value > 0}
     assert {"process_cpu_seconds_total", "process_resident_memory_bytes"} <= process, process
@@ -201,13 +203,14 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
             allowed = {
                 "device": devices,
                 "build": {BUILD.get(label, "")},
+                "model": models,
             }.get(str(documented[label]), documented[label])
             assert value_label in allowed, (name, label, value_label)
         if value > 0 and not name.endswith("_created"):
             driven[family] = True
     for family, values in LABELS.items():
         for label, allowed in values.items():
-            if allowed in ("device", "build"):
+            if allowed in ("device", "build", "model"):
                 continue
             for v in allowed:
                 hit = any(
@@ -229,6 +232,6 @@ def test_docs_document_every_metric_and_value() -> None:
         for label, values in labels.items():
             row = next(line for line in table.splitlines() if f"`{family}`" in line)
             assert f"`{label}`" in row, (family, label)
-            if values not in ("device", "build"):
+            if values not in ("device", "build", "model"):
                 for v in values:
                     assert re.search(rf"`{re.escape(v)}`", row), (family, v)

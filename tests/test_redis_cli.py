@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import subprocess
 import time
@@ -13,12 +14,14 @@ from dataclasses import dataclass
 import pytest
 import redis.asyncio
 
-from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
+from affinity import Claims, DeviceRegistration, Keys, ModelId, Registry, Settings
 from tests.procs import ROOT, RedisServer
 
 pytestmark = pytest.mark.integration
 
 KEYS = Keys("affinity")
+DEMO = ModelId("demo", "v1")
+CONTRACT = json.dumps({"inputs": [{"name": "obs", "shape": ["batch", 8], "dtype": "float32"}]})
 EPISODES = ["ep-42", *(f"ep-{i}" for i in range(1, 8))]
 EXPIRED = "ep-6"  # its idle deadline passed: still in the load set, no longer live
 
@@ -36,7 +39,7 @@ Check = Callable[[str, Fleet], None]
 
 def check_get(out: str, f: Fleet) -> None:
     device, token, claim = f.placed["ep-42"]
-    assert out == f"{device} {token} {claim}\n"
+    assert out == f"{device} {token} {claim} demo@v1\n"
     assert device == "gpu-a/0"
 
 
@@ -70,7 +73,7 @@ def check_live_members(out: str, f: Fleet) -> None:
 def check_events(out: str, f: Fleet) -> None:
     lines = out.splitlines()
     types = [lines[i + 1] for i, line in enumerate(lines[:-1]) if line == "type"]
-    assert types == ["claim"] * len(EPISODES) + ["node-up"] * 2  # newest first
+    assert types == ["claim"] * len(EPISODES) + ["rollout"] + ["node-up"]  # newest first
 
 
 def check_nodes(out: str, f: Fleet) -> None:
@@ -84,6 +87,7 @@ def check_node_hash(out: str, f: Fleet) -> None:
     fields = dict(zip(lines[0::2], lines[1::2], strict=True))
     assert (fields["url"], fields["state"]) == ("http://gpu-a:8000", "up")
     assert fields["devices"] == "gpu-a/0,gpu-a/1"
+    assert fields["models"] == "demo@v1,vla@v1"
 
 
 def check_route(out: str, f: Fleet) -> None:
@@ -99,6 +103,23 @@ def check_ring(out: str, f: Fleet) -> None:
 def check_full(out: str, f: Fleet) -> None:
     device, deadline = out.splitlines()
     assert device == "gpu-b/0" and float(deadline) > f.now_ms
+
+
+def check_models(out: str, f: Fleet) -> None:
+    assert out == "demo@v1,vla@v1\n"
+
+
+def check_versions(out: str, f: Fleet) -> None:
+    version, registered = out.splitlines()
+    assert version == "v1" and 0 < f.now_ms - float(registered) < 600_000
+
+
+def check_rollout(out: str, f: Fleet) -> None:
+    assert out.splitlines() == ["v1", "1"]
+
+
+def check_contract(out: str, f: Fleet) -> None:
+    assert json.loads(out)["inputs"][0]["name"] == "obs"
 
 
 def check_devices(out: str, f: Fleet) -> None:
@@ -130,7 +151,11 @@ DOCUMENTED: list[tuple[str, Check]] = [
     ("redis-cli ZRANGE '{affinity}:nodes' 0 -1 WITHSCORES", check_nodes),
     ("redis-cli HGETALL '{affinity}:node:gpu-a'", check_node_hash),
     ("redis-cli HGET '{affinity}:route' gpu-a/0", check_route),
-    ("redis-cli ZRANGE '{affinity}:ring' 0 -1 WITHSCORES", check_ring),
+    ("redis-cli ZRANGE '{affinity}:ring:demo@v1' 0 -1 WITHSCORES", check_ring),
+    ("redis-cli HGET '{affinity}:node:gpu-a' models", check_models),
+    ("redis-cli ZRANGE '{affinity}:versions:demo' 0 -1 WITHSCORES", check_versions),
+    ("redis-cli HGETALL '{affinity}:rollout:demo'", check_rollout),
+    ("redis-cli GET '{affinity}:contract:demo@v1'", check_contract),
     ("redis-cli ZRANGE '{affinity}:full' 0 -1 WITHSCORES", check_full),
 ]
 
@@ -149,11 +174,14 @@ async def populate(url: str) -> dict[str, tuple[str, int]]:
     settings = Settings(redis_url=url, namespace="affinity", episode_ttl_s=300, lease_ttl_s=60)
     try:
         registry, claims = Registry(client, settings), Claims(client, settings)
-        await registry.register("gpu-a", "http://gpu-a:8000", cuda("gpu-a", 2))
-        await registry.register("gpu-b", "http://gpu-b:8000", cuda("gpu-b", 1, capacity=2))
+        both = {DEMO: CONTRACT, ModelId("vla", "v1"): CONTRACT}
+        await registry.register("gpu-a", "http://gpu-a:8000", cuda("gpu-a", 2), models=both)
+        await registry.register("gpu-b", "http://gpu-b:8000", cuda("gpu-b", 1, capacity=2),
+                                models={DEMO: CONTRACT})  # fmt: skip
+        await registry.rollout("demo", "v1", 1)
         placed = {}
         for ep in EPISODES:
-            a = await claims.resolve(ep)
+            a = await claims.resolve(ep, model="demo")
             placed[ep] = (a.device, a.token, a.claim)
         return placed
     finally:

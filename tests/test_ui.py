@@ -227,6 +227,7 @@ def test_page_lists_both_nodes_and_every_device(page: Page, stack: Stack) -> Non
         row = f".node-row[data-node='{node.node_id}']"
         card = page.find(f"{row} .node-card").text
         assert node.node_id in card and node.url in card and f"v{VERSION}" in card, card
+        assert "demo_policy@" in card, card  # the models the node serves
         assert "alive · lease" in card
         assert page.find(row).get_attribute("data-alive") == "yes"
         cells = page.cells(row)

@@ -1,7 +1,7 @@
 """The README's "Run a fleet" block, run as written by bash.
 
 Only what must differ on a shared machine is substituted: free ports for Redis (6379) and
-the two nodes (8001, 8002), a temporary folder for the `/tmp/affinity-*` files, this test
+the three nodes (8001, 8002, 8003), a temporary folder for the `/tmp/affinity-*` files, this test
 environment's `.venv/bin`, and a 3 s lease instead of 10 s (through `AFFINITY_LEASE_TTL`, so
 the block's text is unchanged) so that the owner's lapse comes sooner. Everything the block
 prints is checked against what the README says it prints, whichever node registers first.
@@ -48,7 +48,7 @@ def test_the_walkthrough_runs_as_written(tmp_path: Path) -> None:
     for tool in ("redis-server", "redis-cli", "curl"):
         if shutil.which(tool) is None:
             pytest.fail(f"{tool} is not installed (bash .ci/run installs it)", pytrace=False)
-    redis_port, port_a, port_b = free_port(), free_port(), free_port()
+    redis_port, port_a, port_b, port_c = free_port(), free_port(), free_port(), free_port()
     venv_bin = str(Path(sys.executable).parent) + "/"
     script = (
         walkthrough()
@@ -56,6 +56,7 @@ def test_the_walkthrough_runs_as_written(tmp_path: Path) -> None:
         .replace("6379", str(redis_port))
         .replace("8001", str(port_a))
         .replace("8002", str(port_b))
+        .replace("8003", str(port_c))
         .replace("/tmp/affinity-", f"{tmp_path}/affinity-")
         .replace(".venv/bin/", venv_bin)
     )
@@ -93,7 +94,15 @@ def test_the_walkthrough_runs_as_written(tmp_path: Path) -> None:
     assert [s[2] for s in steps] == ["claimed", "hit", "hit", "hit"], lines
 
     assert any(line.startswith("episode:") and "ep-42" in line for line in lines), lines
-    assert any(re.fullmatch(rf"{owner}/\d \d+( .*)?", line) for line in lines), lines
+    assert any(re.fullmatch(rf"{owner}/\d \d+ [0-9a-f]+ demo_policy@v1", line) for line in lines)
 
     other = "gpu-b" if owner == "gpu-a" else "gpu-a"
-    assert lines[-1] == f"{other} reassigned state_reset: True", lines
+    assert f"{other} reassigned state_reset: True" in lines, lines
+    canaries = [line.split()[1] for line in lines if line.startswith("canary ")]
+    assert sorted(canaries) == sorted([other] * 3 + ["gpu-c"]), lines
+    models = [line.split() for line in lines if line.startswith(("demo_policy ", "vla_demo "))]
+    assert [m[:3] for m in models[-3:]] == [
+        ["demo_policy", "v1", "3"],
+        ["demo_policy", "v2", "1"],
+        ["vla_demo", models[-1][1], "newest"],
+    ], lines

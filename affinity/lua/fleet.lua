@@ -2,7 +2,9 @@
 --
 -- The structures:
 --   NODES  zset node -> lease deadline (ms, server time): nodes holding a lease
---   RING   zset device -> picks / weight: the devices that take new episodes
+--   RING   zset device -> picks / weight: the devices that take new episodes; one ring per
+--          model ("name@version", RING_KEY .. model) that a device's node serves, each
+--          with scores of its own (rings(device), lib.lua)
 --   FULL   zset device -> earliest idle deadline in its load set (ms)
 --   ROUTE  hash device -> "node state capacity weight url", devices listed by a leased node
 --
@@ -32,24 +34,13 @@ local function usable(node, state)
     return state == 'active' and redis.call('HGET', NODE_KEY .. node, 'state') == 'up'
 end
 
--- a < b in byte order (Lua's < follows the server's locale; Redis sorts members bytewise)
-local function before(a, b)
-    for i = 1, math.min(#a, #b) do
-        local x, y = string.byte(a, i), string.byte(b, i)
-        if x ~= y then
-            return x < y
-        end
-    end
-    return #a < #b
-end
-
 -- The score that makes a device joining the ring take its turns from now on: k = how many
 -- of its turns (j/w for j = 0, 1, ...) come before the next turn to be taken (the ring's
 -- lowest member), as if it had always been there. The others' turns are unchanged, so the
 -- sequence of picks stays the merge of every member's turns.
-local function join_score(device, weight)
+local function join_score(ring, device, weight)
     while true do
-        local m = redis.call('ZRANGE', RING, 0, 0, 'WITHSCORES')
+        local m = redis.call('ZRANGE', ring, 0, 0, 'WITHSCORES')
         if #m == 0 then
             return 0
         end
@@ -67,28 +58,31 @@ local function join_score(device, weight)
             end
             return k / weight
         end
-        redis.call('ZREM', RING, m[1]) -- no longer listed: never a candidate
+        redis.call('ZREM', ring, m[1]) -- no longer listed: never a candidate
     end
 end
 
--- put a usable device where its live load says: the ring (keeping its place when it is
--- already there) or full (scored by its earliest idle deadline)
+-- put a usable device where its live load says: the rings of its models (keeping its place
+-- in each it is already in) or full (scored by its earliest idle deadline)
 local function place(device, cap, weight, now_ms)
     sweep(device, now_ms)
     local load = LOAD_KEY .. device
     if redis.call('ZCARD', load) < cap then
         redis.call('ZREM', FULL, device)
-        if not redis.call('ZSCORE', RING, device) then
-            redis.call('ZADD', RING, join_score(device, weight), device)
+        for _, ring in ipairs(rings(device)) do
+            if not redis.call('ZSCORE', ring, device) then
+                redis.call('ZADD', ring, join_score(ring, device, weight), device)
+            end
         end
     else
-        redis.call('ZREM', RING, device)
-        redis.call('ZADD', FULL, redis.call('ZRANGE', load, 0, 0, 'WITHSCORES')[2], device)
+        to_full(device, load)
     end
 end
 
 local function unenroll(device)
-    redis.call('ZREM', RING, device)
+    for _, ring in ipairs(rings(device)) do
+        redis.call('ZREM', ring, device)
+    end
     redis.call('ZREM', FULL, device)
 end
 
@@ -164,20 +158,20 @@ end
 -- Keep the ring's scores small so that k/w stays exact in a double: once the lowest passes
 -- 2^20, every member moves back by the same whole number of turns (a shift of all scores
 -- by an integer n moves each device back n*w picks; the order of turns is unchanged).
-local function rebase()
-    local m = redis.call('ZRANGE', RING, 0, 0, 'WITHSCORES')
+local function rebase(ring)
+    local m = redis.call('ZRANGE', ring, 0, 0, 'WITHSCORES')
     if #m == 0 or tonumber(m[2]) < 1048576 then
         return
     end
     local shift = math.floor(tonumber(m[2]))
-    local all = redis.call('ZRANGE', RING, 0, -1, 'WITHSCORES')
+    local all = redis.call('ZRANGE', ring, 0, -1, 'WITHSCORES')
     for i = 1, #all, 2 do
         local _, _, _, w = route(all[i])
         if w then
             local k = math.floor(tonumber(all[i + 1]) * w + 0.5) - shift * w
-            redis.call('ZADD', RING, k / w, all[i])
+            redis.call('ZADD', ring, k / w, all[i])
         else
-            redis.call('ZREM', RING, all[i])
+            redis.call('ZREM', ring, all[i])
         end
     end
 end

@@ -1,7 +1,8 @@
 -- lib: what every script uses. affinity/scripts.py puts it where a script says `--@lib`,
 -- after the header of constants it generates for the deployment: PREFIX, the fixed keys
 -- NODES RING FULL ROUTE EVENTS DEVICES TOKEN RR, the key prefixes EPISODE_KEY NODE_KEY
--- DEVICE_KEY LOAD_KEY MOVED_KEY, TTL, LEASE, MAXLEN, and the value formats VALUE and ROUTED. Every
+-- DEVICE_KEY LOAD_KEY MOVED_KEY RING_KEY VERSIONS_KEY ROLLOUT_KEY PICKS_KEY, TTL, LEASE,
+-- MAXLEN, and the value formats VALUE and ROUTED. Every
 -- key shares the namespace hash tag, hence one slot: scripts derive keys from ids
 -- (LOAD_KEY .. device) safely on Redis Cluster too. The ring and full upkeep is in
 -- fleet.lua (`--@fleet`), kept apart so that the common claim does not pay for making it.
@@ -22,11 +23,43 @@ local function event(...)
     redis.call('XADD', EVENTS, 'MAXLEN', '~', MAXLEN, '*', ...)
 end
 
--- an episode value: "<device> <token> <claim id>" (no claim id when written by an older
--- fleet), with " moved" appended once handed over; returns device, token, moved, claim id
+-- an episode value: "<device> <token> <claim id> <model>" (model "name@version"; no model
+-- when its node registered none, no claim id when written by an older fleet), with
+-- " moved" appended once handed over; returns device, token, moved, claim id, model
 local function parse(value)
     local device, token, rest = string.match(value, VALUE)
-    return device, token, string.sub(rest, -6) == ' moved', string.match(rest, '^ (%x+)') or ''
+    return device, token, string.sub(rest, -6) == ' moved', string.match(rest, '^ (%x+)') or '',
+        string.match(rest, '^ %x+ (%S+@%S+)') or ''
+end
+
+-- a < b in byte order (Lua's < follows the server's locale; Redis sorts members bytewise)
+local function before(a, b)
+    for i = 1, math.min(#a, #b) do
+        local x, y = string.byte(a, i), string.byte(b, i)
+        if x ~= y then
+            return x < y
+        end
+    end
+    return #a < #b
+end
+
+-- The rings a node's devices take new episodes from: one per model the node serves
+-- (RING_KEY .. "name@version", from its record's `models`), or the one RING of a fleet
+-- whose nodes register no model. The node is the device id less "/<index>".
+local function node_rings(node)
+    local models = redis.call('HGET', NODE_KEY .. node, 'models')
+    if not models or models == '' then
+        return {RING}
+    end
+    local out = {}
+    for m in string.gmatch(models, '[^,]+') do
+        out[#out + 1] = RING_KEY .. m
+    end
+    return out
+end
+
+local function rings(device)
+    return node_rings(string.match(device, '^(.*)/[^/]*$') or device)
 end
 
 -- node, state, capacity, weight, url of a device listed by its node; nil when not listed
@@ -45,4 +78,13 @@ local function sweep(device, now_ms)
     if n > 0 then
         event('type', 'expire', 'device', device, 'count', n)
     end
+end
+
+-- a device at capacity leaves the rings of all its models for full, scored by its earliest
+-- idle deadline
+local function to_full(device, load)
+    for _, ring in ipairs(rings(device)) do
+        redis.call('ZREM', ring, device)
+    end
+    redis.call('ZADD', FULL, redis.call('ZRANGE', load, 0, 0, 'WITHSCORES')[2], device)
 end

@@ -1,11 +1,16 @@
 -- register: (re)register a node and its devices and start its lease.
 --
--- KEYS[1]  {ns}:node:<node>  hash url, devices, started_at, version, instance, state, lease
+-- KEYS[1]  {ns}:node:<node>  hash url, devices, started_at, version, instance, state, models,
+--          lease
 --          (the node id is KEYS[1] less NODE_KEY)
 -- ARGV[1]  advertise URL
 -- ARGV[2]  software version
 -- ARGV[3]  instance id of the registering process ("" = not checked)
--- ARGV[4..] 11 fields per device: index, kind, name, uuid, arch, memory, capacity, weight,
+-- ARGV[4]  the models every device of the node serves, "name@version,..." ("" = none: the
+--          devices take episodes from the one RING); a version seen for the first time is
+--          added to VERSIONS_KEY .. name with this time (the newest takes new episodes
+--          unless the operator set weights)
+-- ARGV[5..] 11 fields per device: index, kind, name, uuid, arch, memory, capacity, weight,
 --          provider, state ("active" or "down", from the node's crash tracker), reason
 --
 -- An operator's drain (state "draining" and its reason) survives re-registration while
@@ -27,9 +32,10 @@ if held_by_other(node, ARGV[3], now_ms) then
 end
 
 local listed, ids = {}, {}
-for i = 4, #ARGV, 11 do
+for i = 5, #ARGV, 11 do
     local id = node .. '/' .. ARGV[i]
     local key = DEVICE_KEY .. id
+    unenroll(id) -- out of the rings of the models it served until now
     local old = redis.call('HMGET', key, 'state', 'reason', 'uuid', 'prev_state', 'prev_reason')
     -- the drain belongs to the physical GPU: it carries over only while the same UUID sits
     -- at this index (GPU order can change across reboots)
@@ -70,11 +76,17 @@ end
 
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'url', url, 'devices', table.concat(ids, ','),
-    'started_at', int(now_ms), 'version', ARGV[2], 'instance', ARGV[3], 'state', 'up')
+    'started_at', int(now_ms), 'version', ARGV[2], 'instance', ARGV[3], 'state', 'up',
+    'models', ARGV[4])
+for m in string.gmatch(ARGV[4], '[^,]+') do
+    local name, version = string.match(m, '^(.*)@(.*)$')
+    redis.call('ZADD', VERSIONS_KEY .. name, 'NX', int(now_ms), version)
+end
 redis.call('ZADD', NODES, int(now_ms + LEASE), node)
 for _, id in ipairs(ids) do
     unenroll(id) -- re-enter at the current virtual time, with the weight registered now
     enroll(id, now_ms)
 end
-event('type', 'node-up', 'node', node, 'url', url, 'devices', table.concat(ids, ','))
+event('type', 'node-up', 'node', node, 'url', url, 'devices', table.concat(ids, ','),
+    'models', ARGV[4])
 return now_ms + LEASE

@@ -4,7 +4,7 @@
 -- ARGV[1]  instance id of the renewing process ("" = not checked)
 --
 -- Every renewal notices the leases (its own or any other node's) that ran out (once, see
--- lib.lua) and keeps the ring's scores small.
+-- lib.lua) and keeps the scores of its models' rings small.
 -- Returns the new lease deadline (ms, server time); -1 when the node holds no lease (it
 -- lapsed, the node deregistered, or Redis lost its data): register again; -2 when another
 -- instance holds the node id with a current lease (nothing written).
@@ -15,7 +15,9 @@
 local node = string.sub(KEYS[1], #NODE_KEY + 1)
 local now_ms = clock()
 notice_lapses(now_ms)
-rebase()
+for _, ring in ipairs(node_rings(node)) do
+    rebase(ring)
+end
 if held_by_other(node, ARGV[1], now_ms) then
     return -2
 end

@@ -1,25 +1,42 @@
 -- resolve: hit, claim or reassign the device of one episode, in one atomic step.
 --
--- KEYS[1]  {ns}:episode:<episode>  "<device> <token> <claim id>" (or "... moved"), PXAT idle
---          deadline; the episode id is KEYS[1] less EPISODE_KEY
+-- KEYS[1]  {ns}:episode:<episode>  "<device> <token> <claim id> <model>" (or "... moved"),
+--          PXAT idle deadline; the episode id is KEYS[1] less EPISODE_KEY
 -- ARGV[1]  "1": restart (always a fresh assignment, status "claimed"); "2": never claim
 --          (an episode without an assignment answers "missing"); "" otherwise
 -- ARGV[2]  the claim id a new assignment gets (random hex from the caller): it tells this
 --          claim from any other that was given the same token number (a lossy failover)
+-- ARGV[3]  the model's name the step names ("": a fleet whose nodes register no model,
+--          whose devices are in the one RING; or an episode that keeps its own model)
+-- ARGV[4]  the version the step names ("": the episode's own, else by rollout)
 -- Constants (TTL, the fleet's keys) come from the header (affinity/scripts.py, lib.lua).
 --
 -- Returns one string, "<status> <device> <token> <node> <url> <previous device> <claim id>
--- <instance>" (instance: the process that holds the owner's registration, read from its
--- node hash NODE_KEY .. node, derived here: the same hash slot as every key):
---   hit         the device is listed by its live node and not down: deadline slid
+-- <instance> <model>" (instance: the process that holds the owner's registration, read
+-- from its node hash NODE_KEY .. node, derived here: the same hash slot as every key;
+-- model: "name@version" the episode is served with, "" in a fleet without models):
+--   hit         the device is listed by its live node, not down, and its node still serves
+--               the episode's model: deadline slid
 --   claimed     no assignment existed (or a restart): a new one was written
---   reassigned  the device's node is dead, the device down or no longer listed, or the
---               episode was handed over: a new assignment with a fresh token
+--   reassigned  the device's node is dead, the device down or no longer listed, its node
+--               no longer serves the episode's model, or the episode was handed over: a new
+--               assignment with a fresh token, on a device that serves its (name, version)
 --   missing     ARGV[1] "2" and no assignment exists: nothing was written
 -- or "full <reason>", reason "no_nodes" (no node holds a lease) or "at_capacity": no
--- assignment was written (lapsed leases noticed, full devices re-checked may be).
--- Neither the hit nor the claim reads more than one device: the cost does not grow with
--- the fleet. Tokens are decimal: max(last + 1, server TIME in microseconds).
+-- assignment was written (lapsed leases noticed, full devices re-checked may be);
+-- "conflict <model>": the episode is served with <model> and the step names another name
+-- or version (nothing written); "unknown": no node ever registered the model or version
+-- the step names (nothing written).
+--
+-- A new episode's version: the one the step names; else by the operator's weights
+-- (ROLLOUT_KEY .. name: version -> weight; stride scheduling over the versions of weight
+-- > 0, PICKS_KEY .. name holding each one's picks/weight); without weights, the newest
+-- registered version (VERSIONS_KEY .. name: version -> first registration, ms). Versions
+-- are tried in that order: one whose devices are all full or gone passes to the next
+-- (a version of weight 0 never takes a new episode). Its device: the ring of that
+-- (name, version), as below. Neither the hit nor the claim reads more than one device per
+-- version tried: the cost does not grow with the fleet. Tokens are decimal:
+-- max(last + 1, server TIME in microseconds).
 
 local key = KEYS[1]
 local episode = string.sub(key, #EPISODE_KEY + 1)
@@ -32,14 +49,25 @@ local deadline = string.format('%.0f', now_ms + TTL)
 
 local current = redis.call('GET', key)
 local device, token, flag, claim
+local model = '' -- the episode's "name@version" while it has an assignment
 if current then
     device, token, flag = string.match(current, VALUE)
     claim = string.match(flag, '^ (%x+)') or ''
+    model = string.match(flag, '^ %x+ (%S+@%S+)') or ''
     if string.sub(flag, -6) ~= ' moved' then
         flag = ''
     end
 elseif ARGV[1] == '2' then
     return 'missing'
+end
+
+-- a step naming another model or version than its episode's changes nothing (a restart
+-- starts a new episode under the same id: it may name any)
+if model ~= '' and not restart then
+    local name, version = string.match(model, '^(.*)@(.*)$')
+    if (ARGV[3] ~= '' and ARGV[3] ~= name) or (ARGV[4] ~= '' and ARGV[4] ~= version) then
+        return 'conflict ' .. model
+    end
 end
 
 local function instance(node)
@@ -57,10 +85,14 @@ local function hit()
     if state == 'down' then
         return nil
     end
+    local held = redis.call('HMGET', NODE_KEY .. node, 'instance', 'models')
+    if model ~= '' and not string.find(',' .. (held[2] or '') .. ',', ',' .. model .. ',', 1, true) then
+        return nil -- its node registered again without the episode's model: reassign
+    end
     redis.call('PEXPIREAT', key, deadline)
     redis.call('ZADD', LOAD_KEY .. device, deadline, episode)
     return 'hit ' .. device .. ' ' .. token .. ' ' .. node .. ' ' .. url .. '  ' .. claim .. ' '
-        .. instance(node)
+        .. (held[1] or '') .. ' ' .. model
 end
 
 -- first without the shared functions (making them costs more than a hit); only when a
@@ -89,8 +121,8 @@ end
 
 -- the ring's lowest member with its route and, when it is listed and active, the members
 -- of its load set; nil when the ring is empty
-local function lowest()
-    local m = redis.call('ZRANGE', RING, 0, 0, 'WITHSCORES')
+local function lowest(ring)
+    local m = redis.call('ZRANGE', ring, 0, 0, 'WITHSCORES')
     if #m == 0 then
         return nil
     end
@@ -102,9 +134,66 @@ local function lowest()
     return m[1], tonumber(m[2]), node, cap, weight, url, live
 end
 
--- write the new assignment on the chosen device (its load set had `live` members, fewer
--- than `cap`, and it was scored k/weight in the ring) and answer
-local function assign(chosen, score, node, cap, weight, url, live, previous)
+-- The models a new assignment may take, in the order to try them: the episode's own when
+-- it is reassigned, else the version named, else by the operator's weights (`stride` then
+-- holds each one's {name, version, picks/weight, weight}), else newest first; {''} in a
+-- fleet without models; nil when the name or version was never registered.
+local stride = {}
+local function candidates()
+    if model ~= '' and not restart then
+        return {model}
+    end
+    local name, version = ARGV[3], ARGV[4]
+    if name == '' then
+        return {''}
+    end
+    if version ~= '' then
+        if not redis.call('ZSCORE', VERSIONS_KEY .. name, version) then
+            return nil
+        end
+        return {name .. '@' .. version}
+    end
+    local versions = redis.call('ZRANGE', VERSIONS_KEY .. name, 0, -1) -- oldest first
+    if #versions == 0 then
+        return nil
+    end
+    local weights = redis.call('HGETALL', ROLLOUT_KEY .. name)
+    local out = {}
+    if #weights == 0 then
+        for i = #versions, 1, -1 do
+            out[#out + 1] = name .. '@' .. versions[i]
+        end
+        return out
+    end
+    local scored = {}
+    for i = 1, #weights, 2 do
+        local w = tonumber(weights[i + 1])
+        if w and w > 0 then
+            local picks = tonumber(redis.call('ZSCORE', PICKS_KEY .. name, weights[i]) or '0')
+            scored[#scored + 1] = {name, weights[i], picks, w}
+        end
+    end
+    table.sort(scored, function(a, b)
+        if a[3] ~= b[3] then
+            return a[3] < b[3]
+        end
+        return before(a[2], b[2])
+    end)
+    for _, c in ipairs(scored) do
+        local m = name .. '@' .. c[2]
+        out[#out + 1] = m
+        stride[m] = c
+    end
+    return out
+end
+
+local function ring_of(m)
+    return m == '' and RING or RING_KEY .. m
+end
+
+-- write the new assignment of model m on the chosen device (its load set had `live`
+-- members, fewer than `cap`, and it was scored k/weight in `ring`) and answer
+local function assign(m, ring, chosen, score, node, cap, weight, url, live, previous)
     -- the token is max(last + 1, TIME in microseconds): one command unless the clock is
     -- not ahead of the last token (several claims in one microsecond, or a clock behind)
     local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -115,34 +204,45 @@ local function assign(chosen, score, node, cap, weight, url, live, previous)
         redis.call('SET', TOKEN, token)
     end
     redis.call('INCR', RR)
-    redis.call('SET', key, chosen .. ' ' .. token .. ' ' .. ARGV[2], 'PXAT', deadline)
+    redis.call('SET', key, chosen .. ' ' .. token .. ' ' .. ARGV[2] .. (m ~= '' and ' ' .. m or ''),
+        'PXAT', deadline)
+    local c = stride[m]
+    if c then -- the version's turn among the weighted ones: picks/weight, as for devices
+        redis.call('ZADD', PICKS_KEY .. c[1], (math.floor(c[3] * c[4] + 0.5) + 1) / c[4], c[2])
+    end
     local load = LOAD_KEY .. chosen
     live = live + redis.call('ZADD', load, deadline, episode)
     if live >= cap then
         live = members(chosen, cap) -- swept: the idle ones may leave room
     end
     if live < cap then
-        redis.call('ZADD', RING, (math.floor(score * weight + 0.5) + 1) / weight, chosen)
+        redis.call('ZADD', ring, (math.floor(score * weight + 0.5) + 1) / weight, chosen)
     else
-        redis.call('ZREM', RING, chosen)
-        redis.call('ZADD', FULL, redis.call('ZRANGE', load, 0, 0, 'WITHSCORES')[2], chosen)
+        to_full(chosen, load)
     end
     local status = 'claimed'
     if previous ~= '' and not restart then
         status = 'reassigned'
     end
     event('type', status == 'claimed' and 'claim' or 'reassign',
-        'episode', episode, 'device', chosen, 'token', token, 'node', node, 'from', previous)
+        'episode', episode, 'device', chosen, 'token', token, 'node', node, 'from', previous,
+        'model', m)
     return status .. ' ' .. chosen .. ' ' .. token .. ' ' .. node .. ' ' .. url .. ' '
         .. (status == 'reassigned' and previous or '') .. ' ' .. ARGV[2] .. ' ' .. instance(node)
+        .. ' ' .. m
 end
 
 -- The common claim, a new episode with nothing to tidy up first (no lease seen to lapse,
 -- no full device due for a re-check), takes the ring's lowest member when it has room.
+local models = candidates()
+if not models then
+    return 'unknown'
+end
 if not current and not unseen and redis.call('ZCOUNT', FULL, '-inf', '(' .. int(now_ms)) == 0 then
-    local chosen, score, node, cap, weight, url, live = lowest()
+    local ring = ring_of(models[1])
+    local chosen, score, node, cap, weight, url, live = lowest(ring)
     if live and live < cap then
-        return assign(chosen, score, node, cap, weight, url, live, '')
+        return assign(models[1], ring, chosen, score, node, cap, weight, url, live, '')
     end
 end
 
@@ -169,23 +269,28 @@ end
 
 refill(now_ms)
 
-while true do
-    local chosen, score, node, cap, weight, url, live = lowest()
-    if not chosen then
-        return 'full ' .. (redis.call('ZCARD', NODES) == 0 and 'no_nodes' or 'at_capacity')
-    end
-    if live and live < cap then
-        if previous ~= '' and not slot_freed then
-            if redis.call('ZREM', LOAD_KEY .. previous, episode) == 1 and previous == chosen then
-                live = live - 1
-            end
-            freed(previous, now_ms)
+for _, m in ipairs(models) do
+    local ring = ring_of(m)
+    while true do
+        local chosen, score, node, cap, weight, url, live = lowest(ring)
+        if not chosen then
+            break -- this version has no device with room: the next one, if any
         end
-        return assign(chosen, score, node, cap, weight, url, live, previous)
-    end
-    if live then
-        place(chosen, cap, weight, now_ms) -- at capacity after all: to full
-    else
-        unenroll(chosen) -- not listed, or not active: never a candidate
+        if live and live < cap then
+            if previous ~= '' and not slot_freed then
+                if redis.call('ZREM', LOAD_KEY .. previous, episode) == 1 and previous == chosen then
+                    live = live - 1
+                end
+                freed(previous, now_ms)
+            end
+            return assign(m, ring, chosen, score, node, cap, weight, url, live, previous)
+        end
+        if live then
+            place(chosen, cap, weight, now_ms) -- at capacity after all: to full
+        else
+            unenroll(chosen) -- not listed, or not active: never a candidate
+            redis.call('ZREM', ring, chosen)
+        end
     end
 end
+return 'full ' .. (redis.call('ZCARD', NODES) == 0 and 'no_nodes' or 'at_capacity')

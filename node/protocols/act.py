@@ -53,7 +53,7 @@ log = logging.getLogger("affinity.node")
 MSGPACK = "application/msgpack"
 FIELDS = (
     "episode_id", "session_id", "inputs", "end", "token", "seq", "execute_steps", "ensemble",
-    "executed", "inference_delay", "control_hz",
+    "model", "executed", "inference_delay", "control_hz",
 )  # fmt: skip
 
 
@@ -64,9 +64,11 @@ def _is_msgpack(content_type: str | None) -> bool:
     )
 
 
-def decode(service: NodeService, body: bytes, binary: bool, deadline: float) -> Step:
+async def decode(service: NodeService, body: bytes, binary: bool, deadline: float) -> Step:
     """The step in one ``/act`` body. Raises :class:`BodyError` (400, not a map),
-    :class:`InvalidInput` / ``InvalidArgument`` (422); nothing has changed anywhere."""
+    :class:`InvalidInput` / ``InvalidArgument`` (422), :class:`Refused` (``model`` missing
+    in a fleet of several models, 422; a model no node serves, 404); nothing has changed
+    anywhere."""
     try:
         doc = wire.decode(body) if binary else orjson.loads(body)
     except wire.WireError as exc:  # it says "body is not valid msgpack: ..." itself
@@ -78,11 +80,13 @@ def decode(service: NodeService, body: bytes, binary: bool, deadline: float) -> 
     for key in doc:
         if key not in FIELDS:
             raise UnknownField(str(key)[:64], FIELDS)
+    model = doc.get("model")  # "name" or "name@version"
+    if model is not None and not isinstance(model, str):
+        raise InvalidArgument("model", model, "must be a model name, or name@version")
+    name, _, version = (None, "", None) if model is None else model.partition("@")
+    name, contract = await service.model_for(name, version or None)
     raw = doc.get("inputs")
-    if binary:
-        inputs = inputs_from_arrays(service.contract, raw)
-    else:
-        inputs = parse_inputs(service.contract, raw)
+    inputs = inputs_from_arrays(contract, raw) if binary else parse_inputs(contract, raw)
     end, token = doc.get("end", False), doc.get("token")
     steps, ensemble = doc.get("execute_steps"), doc.get("ensemble")
     if not isinstance(end, bool):
@@ -92,9 +96,11 @@ def decode(service: NodeService, body: bytes, binary: bool, deadline: float) -> 
     seq = doc.get("seq")
     if seq is not None and (type(seq) is not int or not 1 <= seq < 2**63):
         raise InvalidArgument("seq", seq, "must be a step number >= 1 (the last reply's seq + 1)")
-    service.dispatcher.mode_for(steps, ensemble)  # InvalidArgument names the field
-    rtc = service.dispatcher.rtc_for(
-        doc.get("executed"), doc.get("inference_delay"), doc.get("control_hz")
+    local = service.dispatcher.by_model.get(name)  # a model served elsewhere: its owner checks
+    if local is not None:
+        local.mode_for(steps, ensemble)  # InvalidArgument names the field
+    rtc = service.rtc_for(
+        name, doc.get("executed"), doc.get("inference_delay"), doc.get("control_hz")
     )
     episode, degraded = doc.get("episode_id"), False
     if episode is None and doc.get("session_id") is not None:
@@ -113,6 +119,8 @@ def decode(service: NodeService, body: bytes, binary: bool, deadline: float) -> 
         execute_steps=steps,
         ensemble=ensemble,
         seq=seq,
+        model=name,
+        version=version or None,
         rtc=rtc,
     )
 
@@ -159,7 +167,7 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
         return
     try:
         body = await read_body(scope, receive, service.config.max_body_bytes)
-        step = decode(service, body, binary_in, deadline)
+        step = await decode(service, body, binary_in, deadline)
         scope[STEP_KEY] = (step.episode or "-", "-", "-")
         reply = await while_connected(receive, service.routing.act(step))
         scope[STEP_KEY] = (step.episode or "-", reply.device, reply.routing)

@@ -52,7 +52,7 @@ from affinity import InvalidArgument, UnknownEpisode
 from affinity.wire import MAX_ELEMENTS
 from node.accesslog import STEP_KEY, AccessLog
 from node.membership import VERSION
-from node.policy import InvalidInput
+from node.policy import InvalidInput, PolicyContract
 from node.protocols.kserve import (
     DATATYPES,
     EXTENSIONS,
@@ -271,7 +271,9 @@ def encode_reply(reply: Reply, request: InferRequest, model_name: str) -> pb.Mod
     ``raw_output_contents``, affinity's facts as parameters."""
     names = list(reply.outputs) if request.outputs is None else list(request.outputs)
     response = pb.ModelInferResponse(
-        model_name=model_name, model_version=MODEL_VERSION, id=request.id or ""
+        model_name=model_name,
+        model_version=reply.model.partition("@")[2] or MODEL_VERSION,
+        id=request.id or "",
     )
     for key, value in reply.facts(flat=True).items():
         if value is not None:
@@ -302,14 +304,19 @@ class GrpcFrontDoor:
 
     # -- helpers
 
-    def _check_model(self, name: str, version: str) -> None:
-        if name != self.model_name or version not in ("", MODEL_VERSION):
+    async def _check_model(self, name: str, version: str) -> tuple[str, PolicyContract]:
+        """The model a request names, served by some live node, and its contract."""
+        try:
+            return await self.service.model_for(
+                name, None if version in ("", MODEL_VERSION) else version
+            )
+        except (Refused, InvalidArgument):
             which = f"'{name[:128]}'" + (f" version {version[:32]}" if version else "")
+            fleet = ", ".join(f"'{n}'" for n in self.service.catalog.served())
             raise _Abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"Request for unknown model: {which} is not found (this node serves "
-                f"'{self.model_name}' version {MODEL_VERSION})",
-            )
+                f"Request for unknown model: {which} is not found (this fleet serves {fleet})",
+            ) from None
 
     def _ready(self) -> bool:
         return not (self.service.fenced() or self.service.membership.leaving)
@@ -376,7 +383,7 @@ class GrpcFrontDoor:
     ) -> pb.ModelInferResponse:
         service = self.service
         rejected = service.metrics.rejected
-        self._check_model(msg.model_name, msg.model_version)
+        name, _ = await self._check_model(msg.model_name, msg.model_version)
         try:
             request = decode_request(msg)
             budget = service.config.act_deadline_s
@@ -385,14 +392,16 @@ class GrpcFrontDoor:
             remaining = context.time_remaining()  # the client's gRPC deadline, if it set one
             if remaining is not None:
                 budget = min(budget, remaining)
-            step = service_step(service, request, started + budget)
+            step = await service_step(
+                service, request, started + budget, name, msg.model_version or None
+            )
             served[0] = step.episode or "-"
             reply = await service.routing.act(step)
             served[1:] = [reply.device, reply.routing]
         except UnknownEpisode:  # Triton's rule, decided in the step's own resolve
             rejected.labels("bad_input").inc()
             raise _Abort(
-                grpc.StatusCode.INVALID_ARGUMENT, not_live(request.sequence, self.model_name)
+                grpc.StatusCode.INVALID_ARGUMENT, not_live(request.sequence, name)
             ) from None
         except BadRequest as exc:
             rejected.labels(exc.reason).inc()
@@ -409,7 +418,7 @@ class GrpcFrontDoor:
                 rejected.labels("forbidden").inc()
             code = _REFUSED.get(exc.status, grpc.StatusCode.ABORTED)
             raise _Abort(code, f"{exc.reason}: {exc}") from None
-        return encode_reply(reply, request, self.model_name)
+        return encode_reply(reply, request, name)
 
     # -- the RPCs
 
@@ -420,8 +429,11 @@ class GrpcFrontDoor:
         return pb.ServerReadyResponse(ready=self._ready())
 
     async def ModelReady(self, msg: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
-        known = msg.name == self.model_name and msg.version in ("", MODEL_VERSION)
-        return pb.ModelReadyResponse(ready=known and self._ready())
+        try:
+            await self._check_model(msg.name, msg.version)
+        except _Abort:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=self._ready())
 
     async def ServerMetadata(
         self, msg: pb.ServerMetadataRequest, context: Any
@@ -432,12 +444,13 @@ class GrpcFrontDoor:
         self, msg: pb.ModelMetadataRequest, context: Any
     ) -> pb.ModelMetadataResponse:
         try:
-            self._check_model(msg.name, msg.version)
+            name, contract = await self._check_model(msg.name, msg.version)
         except _Abort as exc:
             await self._abort(context, exc)
-        dispatcher = self.service.dispatcher
-        chunk = dispatcher.chunk.output if dispatcher.chunk and dispatcher.chunk_mode else None
-        doc = model_metadata(self.service.contract, self.model_name, chunk)
+            raise  # unreachable: the abort raises
+        local = self.service.dispatcher.by_model.get(name)
+        chunk = local.chunk.output if local and local.chunk and local.chunk_mode else None
+        doc = model_metadata(contract, name, chunk)
         response = pb.ModelMetadataResponse(
             name=doc["name"], versions=doc["versions"], platform=doc["platform"]
         )
@@ -451,7 +464,7 @@ class GrpcFrontDoor:
     ) -> pb.ModelStatisticsResponse:
         if msg.name:
             try:
-                self._check_model(msg.name, msg.version)
+                await self._check_model(msg.name, msg.version)
             except _Abort as exc:
                 await self._abort(context, exc)
         doc = model_statistics(

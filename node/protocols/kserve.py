@@ -618,16 +618,29 @@ def to_step(
     )
 
 
-def service_step(service: NodeService, request: InferRequest, deadline: float) -> Step:
-    """:func:`to_step` for a request to ``service`` (both KServe front doors): outputs
-    checked against what its chunk mode returns, ``--kserve-claim-unknown`` applied.
-    Raises ``InvalidArgument`` for chunk parameters this model cannot take."""
-    dispatcher = service.dispatcher
-    mode = dispatcher.mode_for(request.execute_steps, request.ensemble)
-    rtc = dispatcher.rtc_for(request.executed, request.inference_delay, request.control_hz)
-    returned = [dispatcher.chunk.output] if mode and dispatcher.chunk else None
+async def service_step(
+    service: NodeService,
+    request: InferRequest,
+    deadline: float,
+    name: str | None = None,
+    version: str | None = None,
+) -> Step:
+    """:func:`to_step` for a request to ``service`` (both KServe front doors) for model
+    ``name`` (None: the fleet's only one) and ``version`` (None or ``"1"``, the version
+    a one-version server has: the episode's own, or the rollout's): outputs checked
+    against what its chunk mode returns, ``--kserve-claim-unknown`` applied. Raises
+    ``InvalidArgument`` for chunk parameters this model cannot take, ``Refused`` for a
+    model no node serves (404)."""
+    version = None if version in (None, "", MODEL_VERSION) else version
+    chosen, contract = await service.model_for(name, version)
+    dispatcher = service.dispatcher.by_model.get(chosen)  # elsewhere: the owner checks
+    mode = dispatcher.mode_for(request.execute_steps, request.ensemble) if dispatcher else None
+    rtc = service.rtc_for(chosen, request.executed, request.inference_delay, request.control_hz)
+    returned = [dispatcher.chunk.output] if dispatcher and mode and dispatcher.chunk else None
     claim_unknown = service.config.kserve_claim_unknown
-    return to_step(service.contract, request, deadline, returned, claim_unknown, rtc)
+    step = to_step(contract, request, deadline, returned, claim_unknown, rtc)
+    step.model, step.version = chosen, version
+    return step
 
 
 # ---- encoding ----------------------------------------------------------------------------
@@ -662,7 +675,8 @@ def encode_infer(
         else:
             entry["data"] = np.ascontiguousarray(array).reshape(-1)
         outputs.append(entry)
-    doc: dict[str, Any] = {"model_name": model_name, "model_version": MODEL_VERSION}
+    version = reply.model.partition("@")[2] or MODEL_VERSION  # the version that served it
+    doc: dict[str, Any] = {"model_name": model_name, "model_version": version}
     if request.id is not None:
         doc["id"] = request.id
     doc["parameters"] = {k: v for k, v in reply.facts(flat=True).items() if v is not None}
@@ -750,15 +764,24 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
         else:
             await _json(send, 200, {"ready": True})
         return
-    if len(parts) < 2 or parts[0] != "models":
-        await _error(send, 404, f"{method} {scope['path'][:200]}: not a KServe v2 endpoint")
-        return
-    served = service.config.model_name or service.config.model.stem
-    if parts == ["models", "stats"]:  # every model's statistics: this node serves one
+    if parts == ["models"]:  # the models of the fleet (any node routes any of them)
         if method != "GET":
             await _error(send, 405, f"use GET {scope['path']}", [(b"allow", b"GET")])
         else:
-            await _json(send, 200, {"model_stats": [_statistics(service, served)]})
+            await service.catalog.refresh(force=True)
+            listed = [{"name": n, "versions": service.catalog.versions(n)}
+                      for n in service.catalog.served()]  # fmt: skip
+            await _json(send, 200, {"models": listed})
+        return
+    if len(parts) < 2 or parts[0] != "models":
+        await _error(send, 404, f"{method} {scope['path'][:200]}: not a KServe v2 endpoint")
+        return
+    if parts == ["models", "stats"]:  # every model's statistics: those served here
+        if method != "GET":
+            await _error(send, 405, f"use GET {scope['path']}", [(b"allow", b"GET")])
+        else:
+            stats = [_statistics(service, served) for served in service.models]
+            await _json(send, 200, {"model_stats": stats})
         return
     name, rest = parts[1], parts[2:]
     version = None
@@ -767,22 +790,27 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
     if rest not in ([], ["ready"], ["infer"], ["stats"]):
         await _error(send, 404, f"{method} {scope['path'][:200]}: not a KServe v2 endpoint")
         return
-    if name != served or version not in (None, MODEL_VERSION):
+    try:
+        served, contract = await service.model_for(
+            name, None if version in (None, MODEL_VERSION) else version
+        )
+    except (Refused, InvalidArgument):
         which = f"'{name[:128]}'" + (f" version {version[:32]}" if version else "")
-        await _error(send, 404, f"Request for unknown model: {which} is not found (this node "
-                                f"serves '{served}' version {MODEL_VERSION})")  # fmt: skip
+        fleet = ", ".join(f"'{n}'" for n in service.catalog.served())
+        await _error(send, 404, f"Request for unknown model: {which} is not found (this "
+                                f"fleet serves {fleet})")  # fmt: skip
         return
     want = "POST" if rest == ["infer"] else "GET"
     if method != want:
         await _error(send, 405, f"use {want} {scope['path'][:200]}", [(b"allow", want.encode())])
     elif rest == ["infer"]:
-        await _infer(service, served, scope, receive, send)
+        await _infer(service, served, scope, receive, send, version)
     elif rest == ["stats"]:
         await _json(send, 200, {"model_stats": [_statistics(service, served)]})
     elif not rest:
-        dispatcher = service.dispatcher
-        chunk = dispatcher.chunk.output if dispatcher.chunk and dispatcher.chunk_mode else None
-        await _json(send, 200, model_metadata(service.contract, served, chunk))
+        local = service.dispatcher.by_model.get(served)
+        chunk = local.chunk.output if local and local.chunk and local.chunk_mode else None
+        await _json(send, 200, model_metadata(contract, served, chunk))
     elif (why := _not_ready(service)) is not None:
         await _json(send, 400, {"name": served, "ready": False, "error": why})
     else:
@@ -790,7 +818,12 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
 
 
 async def _infer(
-    service: NodeService, model_name: str, scope: Scope, receive: Receive, send: Send
+    service: NodeService,
+    model_name: str,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    version: str | None = None,
 ) -> None:
     started = time.monotonic()
     rejected = service.metrics.rejected
@@ -810,7 +843,7 @@ async def _infer(
         )
         if request.timeout_s is not None:
             budget = min(budget, request.timeout_s)
-        step = service_step(service, request, started + budget)
+        step = await service_step(service, request, started + budget, model_name, version)
         scope[STEP_KEY] = (step.episode or "-", "-", "-")
         reply = await while_connected(receive, service.routing.act(step))
         scope[STEP_KEY] = (step.episode or "-", reply.device, reply.routing)

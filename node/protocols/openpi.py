@@ -53,7 +53,12 @@ import numpy as np
 from affinity import InvalidArgument, check_episode, wire
 from node.accesslog import STEP_KEY, AccessLog
 from node.asgi import Receive, Scope, Send, header
-from node.policy import InvalidInput, inputs_from_observation, outputs_unbatched
+from node.policy import (
+    InvalidInput,
+    PolicyContract,
+    inputs_from_observation,
+    outputs_unbatched,
+)
 from node.service import NodeService
 from node.step import Refused, Step, Unavailable
 
@@ -62,18 +67,26 @@ __all__ = ["handle"]
 log = logging.getLogger("affinity.node")
 
 CLOSE_ERROR = 1011
-QUERY_KEYS = frozenset({"episode_id"})
+QUERY_KEYS = frozenset({"episode_id", "model"})
 """The query keys a connection may carry; any other is refused (a typo must not silently
 make the connection's episode anonymous)."""
 
 
-def metadata(service: NodeService, episode: str | None) -> dict[str, Any]:
-    """The sidecar's metadata (what openpi clients read, e.g. ``reset_pose``) with the
-    node's own facts under ``affinity``: the policy contract, the node, the episode."""
+def metadata(
+    service: NodeService,
+    episode: str | None,
+    contract: PolicyContract | None = None,
+    model: str | None = None,
+) -> dict[str, Any]:
+    """The sidecar's metadata of the connection's model (what openpi clients read, e.g.
+    ``reset_pose``) with the node's own facts under ``affinity``: the policy contract, the
+    model's name, the node, the episode."""
+    contract = contract or service.contract
     return {
-        **dict(service.contract.metadata),
+        **dict(contract.metadata),
         "affinity": {
-            "policy": service.contract.to_json(),
+            "policy": contract.to_json(),
+            "model": model or next(iter(service.models)),
             "node": service.node_id,
             "episode_id": episode,
         },
@@ -98,15 +111,23 @@ async def handle(
         service.metrics.rejected.labels("bad_input").inc()
         await send({"type": "websocket.close", "code": 1008})
         return
+    try:
+        name, contract = await service.model_for(query["model"][0] if "model" in query else None)
+        problem = None
+    except (Refused, InvalidArgument) as exc:  # no such model, or none named among several
+        name, contract, problem = None, service.contract, f"bad query: {exc}"
     await send({"type": "websocket.accept"})
-    await send({"type": "websocket.send", "bytes": wire.encode(metadata(service, fixed))})
-    if unknown:
+    meta = metadata(service, fixed, contract, name)
+    await send({"type": "websocket.send", "bytes": wire.encode(meta)})
+    if unknown or problem:
         # openpi's client reads the metadata on connect and an error only as a step's reply
         if (await receive())["type"] == "websocket.receive":
             service.metrics.rejected.labels("bad_input").inc()
             names = ", ".join(repr(key) for key in unknown)
-            await fail(send, f"bad query: unknown key {names}; the only key is episode_id")
+            await fail(send, problem or f"bad query: unknown key {names}; the keys are "
+                       "episode_id and model")  # fmt: skip
         return
+    assert name is not None
     own = f"ws-{uuid.uuid4().hex}"  # this connection's episode, when nothing names one
     tokens: dict[str, int] = {}  # last token per episode, echoed as the client's
     prev_total_ms: float | None = None
@@ -118,7 +139,7 @@ async def handle(
             started = time.monotonic()
             step: Step | None = None
             try:
-                step = decode(service, message, fixed, own, tokens, started)
+                step = decode(service, message, fixed, own, tokens, started, name, contract)
                 reply = await service.routing.act(step, patient=True)
             except (InvalidInput, InvalidArgument) as exc:
                 service.metrics.rejected.labels("bad_input").inc()
@@ -140,7 +161,7 @@ async def handle(
             log_step(access, scope, started, 200, step, (reply.device, reply.routing))
             total_ms = (time.monotonic() - started) * 1000
             doc: dict[str, Any] = {
-                **outputs_unbatched(service.contract, reply.outputs),
+                **outputs_unbatched(contract, reply.outputs),
                 **reply.facts(),
                 "policy_timing": {"infer_ms": reply.timing.get("device_ms", total_ms)},
                 "server_timing": {"infer_ms": total_ms},
@@ -165,6 +186,8 @@ def decode(
     own: str,
     tokens: dict[str, int],
     now: float,
+    model: str | None = None,
+    contract: PolicyContract | None = None,
 ) -> Step:
     """One observation frame as a step: the episode is ``fixed`` (the connection's
     ``?episode_id=``), else the observation's ``episode_id``, else ``own``. Raises
@@ -185,9 +208,11 @@ def decode(
     if seq is not None and (type(seq) is not int or seq < 1):
         raise InvalidArgument("seq", seq, "must be a step number >= 1 (the last reply's seq + 1)")
     episode = fixed or (own if named is None else check_episode(named))
-    service.dispatcher.mode_for(steps, ensemble)  # InvalidArgument names the field
-    rtc = service.dispatcher.rtc_for(_scalar(executed), _scalar(delay), _scalar(control_hz))
-    converted = inputs_from_observation(service.contract, observation)
+    local = service.dispatcher.by_model.get(model or next(iter(service.models)))
+    if local is not None:  # a model served elsewhere: its owner checks
+        local.mode_for(steps, ensemble)  # InvalidArgument names the field
+    rtc = service.rtc_for(model, _scalar(executed), _scalar(delay), _scalar(control_hz))
+    converted = inputs_from_observation(contract or service.contract, observation)
     if converted.ignored:
         service.warn_once(
             f"openpi-ignored:{converted.ignored}",
@@ -202,6 +227,7 @@ def decode(
         execute_steps=steps,
         ensemble=ensemble,
         seq=seq,
+        model=model,
         rtc=rtc,
     )
 

@@ -192,10 +192,11 @@
     const devices = el("div", "devices");
     row.append(card, devices);
     const parts = { name: el("span", "name"), self: el("span", "tag", "this node"),
-                    lease: el("div"), url: el("div", "muted"), meta: el("div", "muted") };
+                    lease: el("div"), url: el("div", "muted"), meta: el("div", "muted"),
+                    models: el("div", "models") };
     const first = el("div");
     first.append(parts.name, parts.self);
-    card.append(first, parts.lease, parts.url, parts.meta);
+    card.append(first, parts.lease, parts.url, parts.models, parts.meta);
     return { row, card, devices, parts };
   }
 
@@ -221,12 +222,15 @@
     if (instance) meta.push("inst " + String(instance).slice(0, 6));
     meta.push(load + "/" + cap);
     p.meta.textContent = meta.join(" · ");
+    // the models every device of the node serves, as "name@version" (issue 24)
+    p.models.textContent = (n.models || []).join(", ");
     r.card.title = [
       "live episodes / capacity: " + load + "/" + cap,
       "node: " + n.node, "url: " + (n.url || "?"), "version: " + (n.version || "?"),
       "instance: " + (instance || "?"),
       "started: " + (n.started_at_ms ? new Date(n.started_at_ms).toISOString() : "?"),
       "devices: " + g.devices.length,
+      "models: " + ((n.models || []).join(", ") || "none registered"),
     ].join("\n");
   }
 
@@ -288,6 +292,7 @@
         (d.memory_mb ? ", " + d.memory_mb + " MiB" : ""),
       "uuid: " + (d.uuid || "?"),
       "provider: " + (d.provider || "?"),
+      "models: " + ((d.models || []).join(", ") || "none registered"),
     ];
     if (local) lines.push(c.crash.title);
     c.cell.title = lines.join("\n");

@@ -1,0 +1,324 @@
+"""The models a node serves and the models its fleet serves (issue 24).
+
+A node serves one or more models (``--model`` given several times): every device gets
+one session per model, and each model has a dispatcher of its own (its sessions, its
+batching, its episodes' state). :class:`Dispatchers` puts them behind the one interface
+the membership and the routing use; a step names its model and runs on that model's
+dispatcher. :class:`Catalog` knows the models of the whole fleet (name, version and
+contract, from Redis), so that any node routes and checks a step of any model, including
+one it does not serve itself.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from affinity import ModelId, Registry, UnknownModel
+from affinity.models import check_model_part
+from node.dispatcher import Arrival, CrashTracker, MultiGpuDispatcher
+from node.policy import PolicyContract, TensorSpec, resolve_model
+
+__all__ = [
+    "AmbiguousModel",
+    "Catalog",
+    "Dispatchers",
+    "ModelSpec",
+    "contract_from_record",
+    "contract_record",
+    "file_version",
+    "parse_model_arg",
+]
+
+log = logging.getLogger("affinity.node")
+
+REFRESH_S = 2.0
+"""How long a node trusts its view of the fleet's models before reading Redis again (when
+a step names a model it does not know, it reads at once)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One ``--model`` argument: the file, the name clients use, the version (None: the
+    digest of the file, :func:`file_version`)."""
+
+    path: Path
+    name: str
+    version: str | None = None
+
+    def identity(self) -> ModelId:
+        return ModelId(self.name, self.version or file_version(self.path))
+
+
+def file_version(path: Path) -> str:
+    """The version of a model file given none: the first 12 hex digits of its SHA-256."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:12]
+
+
+_NAMED = re.compile(r"([A-Za-z0-9][A-Za-z0-9._-]{0,63})=(.+)")
+
+
+def parse_model_arg(text: str, default_name: str | None = None) -> ModelSpec:
+    """``--model`` as given: ``[NAME=]FILE_OR_PACKAGED[@VERSION]``. The name defaults to
+    ``default_name`` (``--model-name``) or the file's stem, the version to the file's
+    digest. Raises ``ValueError`` naming what is wrong."""
+    name = default_name
+    named = _NAMED.fullmatch(text)
+    if named:
+        name, text = named.group(1), named.group(2)
+    version = None
+    where, at, tail = text.rpartition("@")
+    if at and where and not Path(text).expanduser().is_file():
+        version, text = tail, where
+        check_model_part("version", version)
+    path = resolve_model(text)
+    name = name or path.stem
+    check_model_part("name", name)
+    return ModelSpec(path, name, version)
+
+
+# ---- contracts in Redis -------------------------------------------------------------
+
+
+def contract_record(contract: PolicyContract) -> str:
+    """The contract as routers that do not serve the model read it from Redis: every
+    input and output in the model's own shapes, and the sidecar's declarations."""
+    return json.dumps(
+        {
+            "inputs": [s.to_json() for s in contract.inputs],
+            "outputs": [s.to_json() for s in contract.outputs],
+            "state": dict(contract.state),
+            "chunk": contract.chunk,
+            "batch_axis": contract.batch_axis,
+            "observations": dict(contract.observations),
+            "metadata": dict(contract.metadata),
+        },
+        sort_keys=True,
+    )
+
+
+def contract_from_record(text: str) -> PolicyContract:
+    """:func:`contract_record` back; raises ``ValueError`` for a malformed record."""
+    try:
+        doc = json.loads(text)
+
+        def specs(key: str) -> tuple[TensorSpec, ...]:
+            return tuple(
+                TensorSpec(str(s["name"]), tuple(s["shape"]), str(s["dtype"])) for s in doc[key]
+            )
+
+        return PolicyContract(
+            inputs=specs("inputs"),
+            outputs=specs("outputs"),
+            state=MappingProxyType(dict(doc["state"])),
+            chunk=doc["chunk"],
+            batch_axis=bool(doc["batch_axis"]),
+            observations=MappingProxyType(dict(doc["observations"])),
+            metadata=MappingProxyType(dict(doc["metadata"])),
+        )
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"malformed model contract record: {exc}") from None
+
+
+# ---- the fleet's models ---------------------------------------------------------------
+
+
+class AmbiguousModel(Exception):
+    """A step named no model while the fleet serves several (a 422 naming them)."""
+
+    def __init__(self, served: Sequence[str]) -> None:
+        self.served = tuple(served)
+        super().__init__(
+            f"this fleet serves several models ({', '.join(self.served)}): the step must "
+            'name one (KServe: /v2/models/{name}/infer, /act: "model", openpi: ?model=)'
+        )
+
+
+class Catalog:
+    """The models of the fleet as this node last read them (live nodes' registrations)
+    and their contracts; the local ones always known. Event loop only."""
+
+    def __init__(
+        self,
+        local: Mapping[str, tuple[ModelId, PolicyContract]],
+        registry: Registry | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.local = dict(local)
+        self.registry = registry
+        self.clock = clock
+        # name -> versions served by a live node (newest last); read from Redis
+        self._fleet: dict[str, list[str]] = {m.name: [m.version] for m, _ in self.local.values()}
+        self._contracts: dict[ModelId, PolicyContract] = {m: c for m, c in self.local.values()}
+        self._read_at = -float("inf")
+
+    def local_ids(self) -> list[ModelId]:
+        """The (name, version) of the models this node serves."""
+        return [m for m, _ in self.local.values()]
+
+    def served(self) -> list[str]:
+        """The model names the fleet serves now, sorted."""
+        return sorted(self._fleet)
+
+    async def refresh(self, *, force: bool = False) -> None:
+        """Read the fleet's models from Redis (at most every :data:`REFRESH_S` unless
+        ``force``). A failure keeps the last view (logged)."""
+        if self.registry is None or (not force and self.clock() - self._read_at < REFRESH_S):
+            return
+        self._read_at = self.clock()
+        try:
+            rows = await self.registry.models()
+        except Exception as exc:
+            log.warning("could not read the fleet's models: %s", exc)
+            return
+        fleet: dict[str, list[str]] = {}
+        for row in rows:  # by name, then oldest registration first
+            if row.nodes:
+                fleet.setdefault(row.name, []).append(row.version)
+        for m, _ in self.local.values():  # known before Redis is
+            if m.version not in fleet.setdefault(m.name, []):
+                fleet[m.name].append(m.version)
+        self._fleet = fleet
+
+    async def choose(self, name: str | None, version: str | None = None) -> str:
+        """The model name a step is for: ``name`` when some live node serves it, the
+        fleet's only one when ``name`` is None. Raises :class:`AmbiguousModel` (None with
+        several served) and :class:`UnknownModel` (none serves it)."""
+        await self.refresh()
+        if name is None:
+            if len(self._fleet) == 1:
+                return next(iter(self._fleet))
+            await self.refresh(force=True)
+            if len(self._fleet) == 1:
+                return next(iter(self._fleet))
+            raise AmbiguousModel(self.served())
+        check_model_part("name", name)
+        if version is not None:
+            check_model_part("version", version)
+        if name not in self._fleet or (version and version not in self._fleet[name]):
+            await self.refresh(force=True)
+        if name not in self._fleet:
+            raise UnknownModel(name, self.served())
+        if version and version not in self._fleet[name]:
+            raise UnknownModel(f"{name}@{version}", self.served())
+        return name
+
+    def versions(self, name: str) -> list[str]:
+        """The versions of ``name`` live nodes serve, oldest registration first."""
+        return list(self._fleet.get(name) or [])
+
+    def newest(self, name: str) -> str:
+        """The newest version of ``name`` a live node serves ("" when none)."""
+        versions = self._fleet.get(name) or []
+        return versions[-1] if versions else ""
+
+    async def contract(self, name: str, version: str | None = None) -> PolicyContract:
+        """The contract inputs of model ``name`` are checked against: the local model's,
+        else the registered one of ``version`` (else of the newest version served). Raises
+        :class:`UnknownModel` when no contract is registered."""
+        local = self.local.get(name)
+        if local is not None and version in (None, "", local[0].version):
+            return local[1]
+        versions = self._fleet.get(name) or []
+        chosen = version or (versions[-1] if versions else "")
+        model = ModelId(name, chosen)
+        known = self._contracts.get(model)
+        if known is not None:
+            return known
+        text = await self.registry.contract(model) if self.registry and chosen else None
+        if text is None:
+            raise UnknownModel(str(model) if chosen else name, self.served())
+        self._contracts[model] = contract = contract_from_record(text)
+        return contract
+
+
+# ---- one dispatcher per model ---------------------------------------------------------
+
+
+class Dispatchers:
+    """The dispatchers of a node's models (same devices), behind the interface the
+    membership and the routing use: episode-wide operations go to every model (an episode
+    has state in at most one), a step to its model's. A device is down when any of its
+    models' crash trackers has it down."""
+
+    def __init__(self, by_model: Mapping[str, MultiGpuDispatcher]) -> None:
+        if not by_model:
+            raise ValueError("a node serves at least one model")
+        self.by_model = dict(by_model)
+        self.first = next(iter(self.by_model.values()))
+
+    def of(self, name: str) -> MultiGpuDispatcher:
+        """The dispatcher of model ``name`` (KeyError when this node does not serve it)."""
+        return self.by_model[name]
+
+    def all(self) -> Iterable[MultiGpuDispatcher]:
+        return self.by_model.values()
+
+    # the single-model interface, for the code that does not care which model
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self.first, attr)
+
+    @property
+    def devices(self) -> list[str]:
+        return self.first.devices
+
+    def tracker(self, device: str) -> CrashTracker:
+        trackers = [d.tracker(device) for d in self.all()]
+        return next((t for t in trackers if t.down), trackers[0])
+
+    def live_episodes(self, device: str) -> int:
+        return sum(d.live_episodes(device) for d in self.all())
+
+    def token_of(self, episode: str) -> int | None:
+        return next((t for d in self.all() if (t := d.token_of(episode)) is not None), None)
+
+    def holds(self, episode: str, device: str, token: int, claim: str) -> bool:
+        return any(d.holds(episode, device, token, claim) for d in self.all())
+
+    def episodes(self) -> list[tuple[str, int, str]]:
+        return [e for d in self.all() for e in d.episodes()]
+
+    def arrival(self) -> Arrival:
+        return self.first.arrival()
+
+    async def wait_idle(self, episode: str) -> None:
+        for d in self.all():
+            await d.wait_idle(episode)
+
+    def undo(self, episode: str, seq: int | None = None, origin: str | None = None) -> bool:
+        return any([d.undo(episode, seq, origin) for d in self.all()])
+
+    def release(self, episode: str) -> bool:
+        return any([d.release(episode) for d in self.all()])
+
+    def expire_idle(self) -> int:
+        return sum(d.expire_idle() for d in self.all())
+
+    def drop_all(self) -> int:
+        return sum(d.drop_all() for d in self.all())
+
+    async def probe(self) -> list[str]:
+        back: list[str] = []
+        for d in self.all():
+            back += [dev for dev in await d.probe() if dev not in back]
+        return back
+
+    async def warm_up(self) -> None:
+        for d in self.all():
+            await d.warm_up()
+
+    def close(self) -> None:
+        for d in self.all():
+            d.close()
