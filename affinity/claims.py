@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 from affinity.config import Settings
-from affinity.errors import InvalidArgument, NoCapacity, StaleToken, UnknownEpisode
+from affinity.errors import InvalidArgument, NoCapacity, Recovering, StaleToken, UnknownEpisode
 from affinity.scripts import Script, bounded, evalsha, scripts_for
 
 __all__ = [
@@ -112,12 +112,14 @@ def check_token(token: object) -> int:
 
 def parse_resolution(episode: str, reply: str) -> Assignment:
     """``"<status> <device> <token> <node> <url> <previous> <claim> <instance>"``, or
-    ``"full <reason>"``, or ``"missing"``."""
+    ``"full <reason>"``, ``"recovering <ms>"``, or ``"missing"``."""
     fields = reply.split(" ")
     if fields[0] == "full":
         raise NoCapacity(episode, fields[1])
     if fields[0] == "missing":
         raise UnknownEpisode(episode)
+    if fields[0] == "recovering":
+        raise Recovering(episode, int(fields[1]) / 1000)
     status, device, token, node, url, previous, claim, instance = fields
     if status not in ("hit", "claimed", "reassigned"):
         raise ValueError(f"unexpected resolve reply {reply!r}")
@@ -174,7 +176,8 @@ class Claims:
         ``claim=False`` never writes a new episode: one without an assignment raises
         :class:`UnknownEpisode` in the same atomic step (a hit or a reassign happen as
         usual). Raises :class:`NoCapacity` (nothing written for the episode; ``reason``
-        says why), :class:`InvalidArgument`, :class:`BackendUnavailable`.
+        says why), :class:`Recovering` (a claim during the grace period after Redis lost
+        its data), :class:`InvalidArgument`, :class:`BackendUnavailable`.
         """
         episode = check_episode(episode)
         flag = "1" if restart else "" if claim else "2"

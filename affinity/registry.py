@@ -32,7 +32,10 @@ __all__ = [
     "DeviceRegistration",
     "DeviceStatus",
     "EpisodeRow",
+    "Flushed",
+    "Held",
     "NodeStatus",
+    "Registered",
     "Registry",
     "StateChange",
     "check_node_id",
@@ -199,6 +202,31 @@ def _now_ms(reply: Sequence[int]) -> int:
     return int(reply[0]) * 1000 + int(reply[1]) // 1000
 
 
+class Held(NamedTuple):
+    """An episode an owner serves from memory: its claim (device, token, claim id)."""
+
+    episode: str
+    device: str
+    token: int
+    claim: str
+
+
+class Registered(NamedTuple):
+    """What a registration answered: the lease deadline (ms, server time), the grace
+    period left (ms; 0: none) and the re-asserted episodes Redis gives to another claim."""
+
+    deadline: int
+    grace_ms: int
+    lost: list[str]
+
+
+class Flushed(NamedTuple):
+    """What an owner's flush answered: the grace period left (ms) and the lost episodes."""
+
+    grace_ms: int
+    lost: list[str]
+
+
 class Registry:
     """Async registry API over one Redis client. Every call is bounded by
     ``settings.redis_deadline_s`` and raises :class:`BackendUnavailable` when Redis cannot
@@ -220,9 +248,15 @@ class Registry:
         devices: Sequence[DeviceRegistration],
         version: str = "",
         instance: str = "",
-    ) -> int:
-        """(Re)register ``node`` and its devices; start its lease. Returns the lease
-        deadline (ms, Redis server time). Idempotent.
+        episodes: Sequence[Held] = (),
+    ) -> Registered:
+        """(Re)register ``node`` and its devices; start its lease. Idempotent.
+
+        ``episodes`` are the ones this process still serves from memory (it re-registers
+        within its own lease after Redis lost its data): each is re-asserted in the same
+        script (written again when missing, counted in its device's load); those Redis
+        gives to another claim come back in :attr:`Registered.lost`. A missing fleet marker
+        starts the grace period (``Keys.fleet``), reported in :attr:`Registered.grace_ms`.
 
         Each device's ``state`` (``down`` when the node's crash tracker has it down) is
         registered as given; an operator's drain survives. Devices of this node id that
@@ -237,13 +271,43 @@ class Registry:
             raise InvalidArgument("device indexes", indexes, "must be unique")
         if not url or any(c.isspace() for c in url):
             raise InvalidArgument("url", url, "a node needs an advertise URL without spaces")
-        args: list[str | int] = [url, version, instance]
+        args: list[str | int] = [url, version, instance, len(devices)]
         for d in devices:
             args.extend(d.fields())
-        deadline = int(await self._call(self.scripts.register, self.keys.node(node), args))
-        if deadline < 0:
+        for held in episodes:
+            args.extend((held.episode, held.device, str(held.token), held.claim))
+        reply = await self._call(self.scripts.register, self.keys.node(node), args)
+        if int(reply[0]) < 0:
             raise NodeConflict(node)
-        return deadline
+        return Registered(int(reply[0]), int(reply[1]), [str(e) for e in reply[2:]])
+
+    async def flush(
+        self, node: str, instance: str, slide: Sequence[Held], idle: Sequence[tuple[str, int]]
+    ) -> Flushed | None:
+        """One owner's batch (``affinity/lua/flush.lua``): slide the backstop expiry of the
+        episodes in ``slide`` (those Redis gives to another claim, or lost outside a grace
+        period, come back in :attr:`Flushed.lost`) and release, token-checked, the
+        ``idle`` ones (episode, token) the owner ended. None (nothing written) when this
+        instance holds no current lease on ``node``: renew first."""
+        args: list[str | int] = [instance, len(slide)]
+        for held in slide:
+            args.extend((held.episode, held.device, str(held.token), held.claim))
+        for episode, token in idle:
+            args.extend((episode, str(token)))
+        reply = await self._call(self.scripts.flush, self.keys.node(node), args)
+        if int(reply[0]) < 0:
+            return None
+        return Flushed(int(reply[0]), [str(e) for e in reply[1:]])
+
+    async def new_fleet(self) -> bool:
+        """Declare that no owner serves any episode of this namespace (a new fleet on an
+        empty Redis), so its first claims need not wait for the grace period an empty
+        Redis otherwise gets (it cannot tell a new fleet from one that lost its data).
+        Never call it after Redis lost the data of a running fleet. False when the marker
+        was there already (nothing written)."""
+        return bool(
+            await bounded(self.settings, self.redis.set(self.keys.fleet, "0", nx=True))
+        )
 
     async def check_secret(self, secret: str | None) -> None:
         """Join the fleet's cluster secret: the first node to call this (in a namespace, or

@@ -56,14 +56,17 @@ async def test_sliding_ttl(env: Env) -> None:
 
 
 async def test_real_ttl_expiry_frees_capacity(env: Env) -> None:
-    short = env.settings.with_(episode_ttl_s=0.15)
-    from affinity import Claims
-
-    claims = Claims(env.redis, short)
+    """Redis' own expiry (the backstop nobody slid) frees the slot: the key's expiry and
+    its load-set deadline are brought forward to 0.15 s (the backstop is minutes long)."""
+    claims = env.claims
     await env.node("a", 1, capacity=1)
     await claims.resolve("ep-1")
     with pytest.raises(NoCapacity):
         await claims.resolve("ep-2")
+    soon = int((await env.redis.time())[0] * 1000 + 150)
+    await env.redis.pexpireat(env.keys.episode("ep-1"), soon)
+    await env.redis.zadd(env.keys.load("a/0"), {"ep-1": soon})
+    await env.redis.zadd(env.keys.full, {"a/0": soon})
     await asyncio.sleep(0.3)
     assert await env.redis.get(env.keys.episode("ep-1")) is None
     assert (await claims.resolve("ep-2")).status == "claimed"
@@ -144,7 +147,7 @@ async def test_full_writes_nothing(env: Env) -> None:
 async def test_full_when_no_node(env: Env) -> None:
     with pytest.raises(NoCapacity):
         await env.claims.resolve("ep")
-    assert await env.snapshot() == {}
+    assert await env.snapshot() == {env.keys.fleet: "0"}  # the new fleet's marker only
 
 
 async def test_reassign_with_nowhere_to_go_writes_nothing(env: Env) -> None:
@@ -328,7 +331,7 @@ async def test_deregister_hands_episodes_over(env: Env) -> None:
     for e in on_a:
         key = env.keys.episode(e.episode)
         assert await env.redis.get(key) == f"a/0 {e.token} {e.claim} moved"
-        assert 0 < await env.redis.pttl(key) <= 60_000  # the same expiry as before
+        assert 0 < await env.redis.pttl(key) <= env.settings.backstop_ms  # as before
         moved = await env.claims.resolve(e.episode)
         assert (moved.status, moved.device, moved.previous) == ("reassigned", "b/0", "a/0")
         assert moved.token > e.token
@@ -430,13 +433,14 @@ async def test_a_namespace_with_quotes_and_backslashes(env: Env) -> None:
 
     odd = env.settings.with_(namespace="o'k\\x]]--")
     registry, claims = Registry(env.redis, odd), Claims(env.redis, odd)
+    assert await registry.new_fleet()
     await registry.register("a", "http://a", cpu_devices(1))
     a = await claims.resolve("ep")
     assert (a.status, a.device) == ("claimed", "a/0")
     assert await env.redis.get(odd.keys.episode("ep")) == f"a/0 {a.token} {a.claim}"
     assert (await claims.resolve("ep")).status == "hit"
     assert await claims.release("ep", a.token) == "a/0"
-    assert await env.redis.keys("{affinity}:*") == []
+    assert await env.redis.keys("{affinity}:*") == [env.keys.fleet]  # the fixture's marker
 
 
 async def test_a_silent_redis_is_bounded_by_the_deadline() -> None:
@@ -496,6 +500,7 @@ async def test_each_call_ends_at_its_own_deadline() -> None:
         async with asyncio.timeout(60):
             slow = asyncio.create_task(Claims(silent, long).resolve("a"))
             fast = asyncio.create_task(Claims(silent, short).resolve("b"))
+            await Registry(quick, short).new_fleet()
             await Registry(quick, short).register("n", "http://n", cpu_devices(1))
             assert (await Claims(quick, short).resolve("c")).status == "claimed"
             done, _ = await asyncio.wait({slow, fast}, return_when=asyncio.FIRST_COMPLETED)

@@ -1,6 +1,6 @@
 -- lib: what every script uses. affinity/scripts.py puts it where a script says `--@lib`,
 -- after the header of constants it generates for the deployment: PREFIX, the fixed keys
--- NODES RING FULL ROUTE EVENTS DEVICES TOKEN RR, the key prefixes EPISODE_KEY NODE_KEY
+-- NODES RING FULL ROUTE EVENTS DEVICES TOKEN RR MARKER, the key prefixes EPISODE_KEY NODE_KEY
 -- DEVICE_KEY LOAD_KEY MOVED_KEY, TTL, LEASE, MAXLEN, and the value formats VALUE and ROUTED. Every
 -- key shares the namespace hash tag, hence one slot: scripts derive keys from ids
 -- (LOAD_KEY .. device) safely on Redis Cluster too. The ring and full upkeep is in
@@ -45,4 +45,25 @@ local function sweep(device, now_ms)
     if n > 0 then
         event('type', 'expire', 'device', device, 'count', n)
     end
+end
+
+-- The fleet marker (MARKER) holds the end of the grace period after Redis lost its data
+-- ("0": none). Its absence means Redis lost its data (restarted empty, or failed over to a
+-- replica that never had it) or the fleet is new: the first script that finds it missing
+-- starts a grace period of one lease TTL. During it no claim is granted (owners that may
+-- still serve an episode re-register and re-assert their episodes first); returns the ms
+-- left of it, or nil when there is none.
+local function recovering(now_ms)
+    local grace = redis.call('GET', MARKER)
+    if not grace then
+        redis.call('SET', MARKER, int(now_ms + LEASE))
+        event('type', 'recovering', 'until', int(now_ms + LEASE),
+            'reason', 'fleet marker missing: Redis lost its data, or the fleet is new')
+        return LEASE
+    end
+    local left = tonumber(grace) - now_ms
+    if left > 0 then
+        return left
+    end
+    return nil
 end

@@ -5,16 +5,27 @@
 -- ARGV[1]  advertise URL
 -- ARGV[2]  software version
 -- ARGV[3]  instance id of the registering process ("" = not checked)
--- ARGV[4..] 11 fields per device: index, kind, name, uuid, arch, memory, capacity, weight,
---          provider, state ("active" or "down", from the node's crash tracker), reason
+-- ARGV[4]  n, the number of devices
+-- ARGV[5..] 11 fields per device (n times): index, kind, name, uuid, arch, memory,
+--          capacity, weight, provider, state ("active" or "down", from the node's crash
+--          tracker), reason; then 4 fields per episode the node still serves from memory
+--          (re-registering within its lease, after Redis lost its data): episode, device,
+--          token, claim id
 --
+-- The episodes are re-asserted: each one whose assignment is missing is written again (the
+-- same value, the backstop expiry) and counted in its device's load set; one that Redis
+-- holds with the same value is kept; one that Redis gives to another claim (or that is on a
+-- device not registered now) is answered as lost: the node drops it. A missing fleet
+-- marker starts the grace period (lib.lua) in which no claim is granted meanwhile, so no
+-- other node can have claimed an episode that is re-asserted within it.
 -- An operator's drain (state "draining" and its reason) survives re-registration while
 -- the same GPU UUID sits at that index; a device the node registers "down" stays down
 -- and returns to that drain when it comes back up. Every device of this node id that the
 -- devices index holds and the node no longer registers is removed (its episodes are
 -- reassigned on their next request). Two processes must never hold one node id: while
 -- another instance's lease is current, nothing is written and -1 is returned.
--- Returns the lease deadline (ms, server time), or -1.
+-- Returns {lease deadline (ms, server time), grace ms left (0: none), lost episode...}, or
+-- {-1}.
 
 --@lib
 --@fleet
@@ -23,11 +34,13 @@ local node, url = string.sub(KEYS[1], #NODE_KEY + 1), ARGV[1]
 local now_ms = clock()
 notice_lapses(now_ms)
 if held_by_other(node, ARGV[3], now_ms) then
-    return -1
+    return {-1}
 end
+local grace = recovering(now_ms) or 0
 
 local listed, ids = {}, {}
-for i = 4, #ARGV, 11 do
+local last = 4 + 11 * tonumber(ARGV[4])
+for i = 5, last, 11 do
     local id = node .. '/' .. ARGV[i]
     local key = DEVICE_KEY .. id
     local old = redis.call('HMGET', key, 'state', 'reason', 'uuid', 'prev_state', 'prev_reason')
@@ -72,9 +85,23 @@ redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'url', url, 'devices', table.concat(ids, ','),
     'started_at', int(now_ms), 'version', ARGV[2], 'instance', ARGV[3], 'state', 'up')
 redis.call('ZADD', NODES, int(now_ms + LEASE), node)
+local lost = {}
+local deadline = int(now_ms + TTL)
+for i = last + 1, #ARGV, 4 do
+    local episode, device, token, claim = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+    local key = EPISODE_KEY .. episode
+    local want = device .. ' ' .. token .. (claim ~= '' and ' ' .. claim or '')
+    local current = redis.call('GET', key)
+    if listed[device] and (not current or current == want) then
+        redis.call('SET', key, want, 'PXAT', deadline)
+        redis.call('ZADD', LOAD_KEY .. device, deadline, episode)
+    else
+        lost[#lost + 1] = episode
+    end
+end
 for _, id in ipairs(ids) do
     unenroll(id) -- re-enter at the current virtual time, with the weight registered now
     enroll(id, now_ms)
 end
 event('type', 'node-up', 'node', node, 'url', url, 'devices', table.concat(ids, ','))
-return now_ms + LEASE
+return {int(now_ms + LEASE), int(grace), unpack(lost)}

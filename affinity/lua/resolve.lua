@@ -16,7 +16,8 @@
 --   reassigned  the device's node is dead, the device down or no longer listed, or the
 --               episode was handed over: a new assignment with a fresh token
 --   missing     ARGV[1] "2" and no assignment exists: nothing was written
--- or "full <reason>", reason "no_nodes" (no node holds a lease) or "at_capacity": no
+-- or "recovering <ms>": the fleet is in its grace period after Redis lost its data (lib.lua)
+-- and this would be a claim; nothing was written but the marker. Or "full <reason>", reason "no_nodes" (no node holds a lease) or "at_capacity": no
 -- assignment was written (lapsed leases noticed, full devices re-checked may be).
 -- Neither the hit nor the claim reads more than one device: the cost does not grow with
 -- the fleet. Tokens are decimal: max(last + 1, server TIME in microseconds).
@@ -137,6 +138,17 @@ local function assign(chosen, score, node, cap, weight, url, live, previous)
         .. (status == 'reassigned' and previous or '') .. ' ' .. ARGV[2] .. ' ' .. instance(node)
 end
 
+-- No claim while the fleet recovers from a loss of Redis data (lib.lua): an owner may still
+-- serve the episode from memory and has not re-asserted it yet. A hit (above, or once the
+-- lapses are noticed below) is not held back.
+local wait
+if not (unseen and current and not restart) then
+    wait = recovering(now_ms)
+    if wait then
+        return 'recovering ' .. int(wait)
+    end
+end
+
 -- The common claim, a new episode with nothing to tidy up first (no lease seen to lapse,
 -- no full device due for a re-check), takes the ring's lowest member when it has room.
 if not current and not unseen and redis.call('ZCOUNT', FULL, '-inf', '(' .. int(now_ms)) == 0 then
@@ -155,6 +167,13 @@ if unseen then
         if reply then
             return reply
         end
+    end
+end
+
+if unseen and current and not restart then
+    wait = recovering(now_ms)
+    if wait then
+        return 'recovering ' .. int(wait)
     end
 end
 
