@@ -39,6 +39,7 @@ from affinity import (
     Claims,
     NoCapacity,
     PoolExhausted,
+    Recovering,
     StaleToken,
     UnknownEpisode,
 )
@@ -64,7 +65,16 @@ UNDO_S = 0.5
 """How long a router waits for the owner to confirm an undo before answering its client."""
 
 TRANSIENT = frozenset(
-    {"owner_unreachable", "owner_refused", "redis", "full", "no_nodes", "fenced", "device_down"}
+    {
+        "owner_unreachable",
+        "owner_refused",
+        "redis",
+        "full",
+        "no_nodes",
+        "fenced",
+        "device_down",
+        "recovering",
+    }
 )
 """503 reasons worth retrying inside the node for clients that cannot retry themselves."""
 
@@ -93,6 +103,7 @@ class Routing:
         self.pool = pool
         self.clock = clock
         self.local_devices = frozenset(dispatcher.devices)
+        self.ownership = membership.ownership
         self.admission = (
             Admission(
                 config.admission_wait_s, clock=clock, on_waiting=metrics.admission_waiting.set
@@ -160,6 +171,11 @@ class Routing:
         self.membership.check_lease()
         if step.episode is None:
             return await self._stateless(step, arrival)
+        if not step.restart and self.membership.authority():
+            # the owner serves the episodes it holds from memory (node/ownership.py)
+            held = self.ownership.serving(step.episode, self.membership.instance)
+            if held is not None:
+                return await self._serve(held, step, arrival)
         a = await self._resolve(
             step.episode, restart=step.restart, claim=not step.live_only, deadline=step.deadline
         )
@@ -204,6 +220,8 @@ class Routing:
             raise Unavailable("busy", str(exc), 1.0) from exc
         except BackendUnavailable as exc:
             raise Unavailable("redis", str(exc), 1.0) from exc
+        except Recovering as exc:
+            raise Unavailable("recovering", str(exc), max(1.0, exc.retry_after_s)) from exc
         except NoCapacity as exc:
             if exc.reason == "no_nodes":
                 raise Unavailable("no_nodes", str(exc), 1.0) from exc

@@ -145,6 +145,10 @@ class NodeService:
                 "AFFINITY_CLUSTER_SECRET is unset: forwarded requests between nodes are "
                 "not authenticated"
             )
+        if not self.config.settings.redis_url:
+            # the embedded store is this process's own and new: nobody else can be serving
+            # its episodes, so the grace period an empty Redis gets does not apply
+            await self.registry.new_fleet()
         await self.membership.start()
 
     async def stop(self) -> None:

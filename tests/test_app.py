@@ -15,6 +15,7 @@ from affinity import Keys
 from node.forward import SECRET_HEADER as SECRET
 from node.forward import Forward
 from node.policy import DEMO_MODEL, reference_rollout
+from tests.conftest import new_fleet
 from tests.inproc import Gate, InProcNode, Router, cluster, config
 
 pytestmark = pytest.mark.anyio
@@ -603,6 +604,7 @@ async def test_a_re_registration_carries_the_crash_trackers_down_states(redis: A
         assert n.service.dispatcher.tracker("a/0").down
         # Redis lost the node (restarted empty, or its lease lapsed): it registers again
         await redis.flushdb()
+        await new_fleet(redis)  # no grace period: this test is about the device's state
         await n.service.membership.renew_once()
         assert await redis.hget(KEYS.device("a/0"), "state") == "down"
         r = await n.act(episode_id="after", inputs={"obs": [[0] * 8]})
