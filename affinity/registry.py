@@ -305,9 +305,7 @@ class Registry:
         Redis otherwise gets (it cannot tell a new fleet from one that lost its data).
         Never call it after Redis lost the data of a running fleet. False when the marker
         was there already (nothing written)."""
-        return bool(
-            await bounded(self.settings, self.redis.set(self.keys.fleet, "0", nx=True))
-        )
+        return bool(await bounded(self.settings, self.redis.set(self.keys.fleet, "0", nx=True)))
 
     async def check_secret(self, secret: str | None) -> None:
         """Join the fleet's cluster secret: the first node to call this (in a namespace, or

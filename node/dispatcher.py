@@ -410,8 +410,7 @@ class MultiGpuDispatcher:
         """(episode, device, token, claim id, last used) of every record held here."""
         with self._lock:
             return [
-                (ep, st.device, st.token, st.claim, st.last_used)
-                for ep, st in self._states.items()
+                (ep, st.device, st.token, st.claim, st.last_used) for ep, st in self._states.items()
             ]
 
     def state_of(self, episode: str) -> dict[str, Array] | None:
