@@ -61,7 +61,10 @@ class Forward:
     id issued with the token; ``instance``: the process Redis says holds the owner's
     registration, which the owner checks is itself). ``origin`` is a
     random id of this forward; ``undo`` asks the owner to undo the step that forward
-    ``origin`` applied (the router could not deliver its reply; ``inputs`` are empty)."""
+    ``origin`` applied (the router could not deliver its reply; ``inputs`` are empty);
+    ``restart`` asks the owner to start the episode over (it makes the fresh claim, so no
+    other node serves the episode while the owner still holds it); ``release`` asks the
+    owner to end the episode (a release sent to another node; ``inputs`` are empty)."""
 
     episode: str
     token: int
@@ -79,6 +82,8 @@ class Forward:
     undo: bool = False
     claim: str = ""
     instance: str = ""
+    restart: bool = False  # start the episode over: the owner makes the fresh claim
+    release: bool = False  # end the episode (``POST /episodes/<id>/end`` at another node)
 
     def encode(self) -> bytes:
         return wire.encode(
@@ -99,6 +104,8 @@ class Forward:
                 "undo": self.undo,
                 "claim": self.claim,
                 "instance": self.instance,
+                "restart": self.restart,
+                "release": self.release,
             }
         )
 
@@ -150,6 +157,8 @@ class Forward:
             undo=doc.get("undo") is True,
             claim=claim,
             instance=instance,
+            restart=doc.get("restart") is True,
+            release=doc.get("release") is True,
         )
 
     def step(self, deadline: float) -> Step:
@@ -164,6 +173,7 @@ class Forward:
             ensemble=self.ensemble,
             seq=self.seq,
             origin=self.origin,
+            restart=self.restart,
         )
 
 

@@ -32,6 +32,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from affinity import (
     Assignment,
@@ -54,12 +55,15 @@ from node.peers import PeerHealth
 from node.policy import InvalidInput, PolicyContract, inputs_from_arrays
 from node.step import Refused, Reply, Step, Unavailable
 
-__all__ = ["FORWARD_MARGIN_S", "TRANSIENT", "UNDO_S", "Routing"]
+__all__ = ["FORWARD_MARGIN_S", "MAX_HINTS", "TRANSIENT", "UNDO_S", "Routing"]
 
 log = logging.getLogger("affinity.node")
 
 FORWARD_MARGIN_S = 0.05
 """Kept back from a forwarded step's budget for the owner's reply to reach the router."""
+
+MAX_HINTS = 65_536
+"""How many episodes' owners a router remembers (the oldest is forgotten first)."""
 
 UNDO_S = 0.5
 """How long a router waits for the owner to confirm an undo before answering its client."""
@@ -113,6 +117,11 @@ class Routing:
         )
         self._rr = 0
         self.peers = PeerHealth()
+        self.hints: dict[str, Assignment] = {}
+        """Episode -> its owner elsewhere, as the last forward found it (oldest first):
+        where this router forwards next without asking Redis. Never authority: the owner
+        checks the claim and answers 409 when it does not hold it, and this router
+        resolves again."""
 
     # ---- the router ------------------------------------------------------------------
 
@@ -167,18 +176,37 @@ class Routing:
                 "deadline", f"no answer within {self.config.act_deadline_s}s", 1.0
             ) from None
 
-    async def _route(self, step: Step, arrival: Arrival) -> Reply:
+    async def _route(self, step: Step, arrival: Arrival, *, owner: bool = False) -> Reply:
+        """``owner``: a restart forwarded here by a router that found this node the owner."""
         self.membership.check_lease()
         if step.episode is None:
             return await self._stateless(step, arrival)
-        if not step.restart and self.membership.authority():
-            # the owner serves the episodes it holds from memory (node/ownership.py)
+        if step.restart:
+            # only the owner starts its episode over: it drops what it holds, then claims
+            # anew, so no node serves the old claim from memory meanwhile
+            if not owner:
+                try:
+                    current = await self._resolve(step.episode, claim=False)
+                except UnknownEpisode:
+                    current = None
+                if current is not None and current.node != self.node_id:
+                    return await self._forward(current, step, arrival, retry=True)
+            self.dispatcher.release(step.episode)
+            self.hints.pop(step.episode, None)
+        elif self.membership.authority():
+            # the owner serves the episodes it holds from memory (node/ownership.py); a
+            # router forwards to where the episode was last time (the owner checks it)
             held = self.ownership.serving(step.episode, self.membership.instance)
             if held is not None:
                 return await self._serve(held, step, arrival)
+            hint = self.hints.get(step.episode)
+            if hint is not None:
+                return await self._forward(hint, step, arrival, retry=True)
         a = await self._resolve(
             step.episode, restart=step.restart, claim=not step.live_only, deadline=step.deadline
         )
+        if step.restart:  # made: the new owner serves the fresh claim as it is
+            step = replace(step, restart=False)
         if a.node == self.node_id:
             self.membership.check_instance(a.instance)  # the registration must be this one's
         if a.node != self.node_id:
@@ -325,6 +353,52 @@ class Routing:
             problem = f"{type(exc).__name__}: {exc}"
         log.warning("could not tell %s to undo a step of %r (%s)", url, episode, problem)
 
+    async def end(self, episode: str) -> str | None:
+        """End ``episode`` where it lives (``POST /episodes/<id>/end`` on any node): its
+        owner drops it, then releases it in Redis, token-checked; a release sent to
+        another node is forwarded to the owner, so no owner keeps serving from memory an
+        episode Redis gave up. Returns the device it was on, None when Redis holds no
+        assignment. Raises ``StaleToken``/``UnknownEpisode`` (it changed meanwhile),
+        ``BackendUnavailable``, :class:`Unavailable` (an owner alive but unreachable)."""
+        info = await self.claims.lookup(episode)
+        if info is None:
+            return None
+        if info.node == self.node_id or not info.alive:  # nobody serves it from memory elsewhere
+            await self._end_here(episode, info.token, strict=True)
+            return info.device
+        body = Forward(episode, info.token, info.device, "hit", {}, UNDO_S, release=True)
+        try:
+            async with asyncio.timeout(self.config.act_deadline_s):
+                resp = await self.pool.post(info.url, body.encode())
+        except (TimeoutError, ForwardError) as exc:
+            raise Unavailable(
+                "owner_unreachable",
+                f"episode {episode!r} is owned by {info.node} ({info.url}), which did not "
+                f"answer: {exc}",
+                1.0,
+            ) from exc
+        if resp.status != 204:
+            code, message = _error_of(resp)
+            raise Unavailable(code, f"owner {info.node} answered {resp.status}: {message}", 1.0)
+        return info.device
+
+    async def _end_here(self, episode: str, token: int, *, strict: bool = False) -> None:
+        """Drop the record of ``episode`` if it serves ``token``, then release it in Redis
+        (``strict``: raise what the release raises)."""
+        claim = self.dispatcher.claim_of(episode)
+        if claim is None or claim[1] == token:
+            self.dispatcher.release(episode)
+        self.hints.pop(episode, None)
+        if strict:
+            await self.claims.release(episode, token, reason="end")
+            return
+        try:
+            await self.claims.release(episode, token)
+        except (StaleToken, UnknownEpisode):
+            pass
+        except BackendUnavailable as exc:  # its backstop ends it instead
+            log.warning("could not release %s: %s", episode, exc)
+
     async def end_episode(self, episode: str, token: int) -> None:
         self.dispatcher.release(episode)
         try:
@@ -357,6 +431,7 @@ class Routing:
             origin=origin,
             claim=a.claim,
             instance=a.instance,
+            restart=step.restart,
         ).encode()
         arrival.done()  # it leaves this node
         try:
@@ -367,6 +442,7 @@ class Routing:
             await self._undo_at(a.url, a.episode, a.token, a.device, origin)
             raise
         except ForwardError as exc:
+            self.hints.pop(a.episode, None)
             if not exc.unsent:  # it broke after the request left: the step may have run
                 await self._undo_at(a.url, a.episode, a.token, a.device, origin)
             self.metrics.forwarded.labels("unreachable").inc()
@@ -386,6 +462,7 @@ class Routing:
                 raise Unavailable("owner_unreachable", f"owner {a.node}: {exc}", 1.0) from exc
             self.metrics.forwarded.labels("ok").inc()
             reply.origin = origin
+            self._hint(a, step.end or step.restart)
             return reply
         self.metrics.forwarded.labels("refused").inc()
         code, message = _error_of(resp)
@@ -393,6 +470,7 @@ class Routing:
         if code == "seq_conflict":
             raise Refused(409, code, message)
         if resp.status in (409, 421):
+            self.hints.pop(a.episode, None)  # not there (any more): ask Redis
             if not retry:
                 raise Unavailable("owner_refused", text, 1.0)
             # our view was stale: resolve once more
@@ -403,6 +481,14 @@ class Routing:
         if resp.status == 503 or code == "bad_secret":  # the nodes' secrets differ: not the
             raise Unavailable(code, text, float(resp.headers.get("retry-after", "1")))  # client's
         raise Refused(resp.status, code, text)
+
+    def _hint(self, a: Assignment, ended: bool) -> None:
+        if ended:
+            self.hints.pop(a.episode, None)
+            return
+        if a.episode not in self.hints and len(self.hints) >= MAX_HINTS:
+            del self.hints[next(iter(self.hints))]
+        self.hints[a.episode] = a if a.status == "hit" else a._replace(status="hit", previous=None)
 
     # ---- the owner ---------------------------------------------------------------------
 
@@ -425,6 +511,9 @@ class Routing:
         if fwd.undo:
             self.dispatcher.undo(fwd.episode, origin=fwd.origin)
             return None
+        if fwd.release:
+            await self._end_here(fwd.episode, fwd.token)
+            return None
         try:  # the router checked them against its model; a node serving another one refuses
             inputs_from_arrays(self.contract, fwd.inputs)  # them as the client's (never a crash)
         except InvalidInput as exc:
@@ -445,6 +534,8 @@ class Routing:
     async def _serve_forwarded(self, fwd: Forward, arrival: Arrival) -> Reply:
         self.membership.check_lease()
         self.membership.check_instance(fwd.instance)
+        if fwd.restart:  # the router found this node the owner: it starts the episode over
+            return await self._route(fwd.step(self.clock() + fwd.budget_s), arrival, owner=True)
         if not self.dispatcher.holds(fwd.episode, fwd.device, fwd.token, fwd.claim):
             # a claim this node does not hold: obey Redis, which has the last word (a
             # forward that was in flight while the episode moved must never start a second

@@ -20,6 +20,8 @@ import httpx
 import pytest
 import redis
 
+from affinity.keys import Keys
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -124,10 +126,14 @@ class RedisServer:
             tmp / f"redis-{self.port}.log",
         )
 
-    def start(self) -> RedisServer:
+    def start(self, new_fleet: bool = True) -> RedisServer:
+        """Start the server; ``new_fleet`` marks it as a new fleet's (no grace period for
+        its first claims, see ``Registry.new_fleet``), which a restart does not."""
         self.proc.start()
         client = redis.Redis(host=self.host, port=self.port, socket_timeout=1)
         wait_until(client.ping, 10, f"redis-server on {self.port}")
+        if new_fleet:
+            client.set(Keys().fleet, "0", nx=True)
         client.close()
         return self
 
@@ -135,8 +141,9 @@ class RedisServer:
         return redis.Redis(host=self.host, port=self.port, decode_responses=True, socket_timeout=2)
 
     def restart(self) -> None:
+        """Kill and start again, empty: Redis lost its data (the grace period follows)."""
         self.proc.stop(signal.SIGKILL)
-        self.start()
+        self.start(new_fleet=False)
 
     def stop(self) -> None:
         self.proc.stop(signal.SIGKILL)

@@ -134,3 +134,79 @@ async def test_after_redis_lost_its_data_no_claim_until_the_owner_reasserted(red
         assert new.json()["error"]["code"] == "recovering"  # the grace period still runs
         await redis.set(KEYS.fleet, "1")  # ... until it ends (a time long past)
         assert (await b.act(episode_id="new", inputs={"obs": OBS})).json()["routing"] == "claimed"
+
+
+def two() -> list[Any]:
+    return [config("a", devices="cpu:1"), config("b", devices="cpu:1")]
+
+
+async def on(node: str, via: InProcNode, prefix: str) -> str:
+    """An episode claimed on ``node`` by a first step sent through ``via``."""
+    for i in range(16):
+        r = (await via.act(episode_id=f"{prefix}-{i}", inputs={"obs": OBS})).json()
+        if r["node"] == node:
+            return f"{prefix}-{i}"
+    raise AssertionError(f"nothing landed on {node}")
+
+
+async def test_a_router_forwards_to_the_owner_it_found_without_asking_redis(redis: Any) -> None:
+    async with cluster(redis, two()) as ([a, b], _):
+        ep = await on("a", b, "hint")
+        await flushed(a)
+        at_a, at_b = Counted(a.service), Counted(b.service)
+        for n in range(2, 8):
+            r = (await b.act(episode_id=ep, inputs={"obs": OBS})).json()
+            assert (r["node"], r["seq"], r["state_reset"]) == ("a", n, False)
+        assert at_a.calls == at_b.calls == []
+
+
+async def test_an_owner_that_does_not_hold_the_episode_says_so_and_the_router_resolves(
+    redis: Any,
+) -> None:
+    """The router's hint names a's claim; a no longer holds it (an operator released it and
+    it was claimed anew on b): a answers 409 and b resolves, then serves it itself."""
+    async with cluster(redis, two()) as ([a, b], _):
+        ep = await on("a", b, "gone")
+        first = (await b.act(episode_id=ep, inputs={"obs": OBS})).json()
+        a.service.dispatcher.release(ep)
+        await a.service.claims.release(ep, first["token"], "operator")
+        await redis.set(KEYS.episode(ep), f"b/0 {first['token'] + 1} abc", px=60_000)
+        at_b = Counted(b.service)
+        r = (await b.act(episode_id=ep, inputs={"obs": OBS})).json()
+        assert (r["node"], r["device"]) == ("b", "b/0") and at_b.calls == ["resolve"]
+
+
+async def test_an_end_sent_to_another_node_reaches_the_owner(redis: Any) -> None:
+    async with cluster(redis, two()) as ([a, b], _):
+        ep = await on("a", b, "end")
+        await flushed(a)
+        assert a.service.dispatcher.has_state(ep)
+        r = await b.client.post(f"/episodes/{ep}/end")
+        assert r.status_code == 200 and r.json()["device"] == "a/0"
+        assert not a.service.dispatcher.has_state(ep)  # the owner serves it no more
+        assert await redis.get(KEYS.episode(ep)) is None
+        assert await redis.zrange(KEYS.load("a/0"), 0, -1) == []
+        # an end step through b also ends it at a
+        ep2 = await on("a", b, "step-end")
+        done = await b.act(episode_id=ep2, inputs={"obs": OBS}, end=True)
+        assert done.status_code == 200
+        assert not a.service.dispatcher.has_state(ep2)
+        assert await redis.get(KEYS.episode(ep2)) is None
+
+
+async def test_a_restart_sent_to_another_node_is_made_by_the_owner(redis: Any) -> None:
+    """A restart (KServe ``sequence_start``) reaching b for a's episode: a drops its record
+    and claims anew, so a never serves the old claim from memory afterwards."""
+    from node.step import Step
+
+    async with cluster(redis, two()) as ([a, b], _):
+        ep = await on("a", b, "again")
+        old = a.service.dispatcher.claim_of(ep)
+        deadline = b.service.clock() + 5
+        step = Step(episode=ep, inputs={"obs": np.zeros((1, 8), np.float32)}, deadline=deadline,
+                    restart=True)  # fmt: skip
+        reply = await b.service.routing.act(step)
+        assert reply.routing == "claimed" and reply.token != old[1]
+        held = {n: n_.service.dispatcher.claim_of(ep) for n, n_ in (("a", a), ("b", b))}
+        assert old not in held.values()
+        assert [claim[1] for claim in held.values() if claim] == [reply.token]
