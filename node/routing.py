@@ -434,6 +434,7 @@ class Routing:
             restart=step.restart,
         ).encode()
         arrival.done()  # it leaves this node
+        self.hints.pop(a.episode, None)  # kept again only when this forward is answered
         try:
             resp = await self.pool.post(a.url, body)
         except asyncio.CancelledError:
@@ -442,7 +443,6 @@ class Routing:
             await self._undo_at(a.url, a.episode, a.token, a.device, origin)
             raise
         except ForwardError as exc:
-            self.hints.pop(a.episode, None)
             if not exc.unsent:  # it broke after the request left: the step may have run
                 await self._undo_at(a.url, a.episode, a.token, a.device, origin)
             self.metrics.forwarded.labels("unreachable").inc()
@@ -469,8 +469,7 @@ class Routing:
         text = f"owner {a.node} answered {resp.status}: {message}"
         if code == "seq_conflict":
             raise Refused(409, code, message)
-        if resp.status in (409, 421):
-            self.hints.pop(a.episode, None)  # not there (any more): ask Redis
+        if resp.status in (409, 421):  # not there (any more): ask Redis
             if not retry:
                 raise Unavailable("owner_refused", text, 1.0)
             # our view was stale: resolve once more
