@@ -62,6 +62,9 @@ log = logging.getLogger("affinity.node")
 FORWARD_MARGIN_S = 0.05
 """Kept back from a forwarded step's budget for the owner's reply to reach the router."""
 
+STALE_HINT = frozenset({"fenced", "leaving", "owner_unreachable", "device_down", "unknown_device"})
+"""What an owner named by a hint may answer that sends the router to Redis (once)."""
+
 MAX_HINTS = 65_536
 """How many episodes' owners a router remembers (the oldest is forgotten first)."""
 
@@ -201,7 +204,12 @@ class Routing:
                 return await self._serve(held, step, arrival)
             hint = self.hints.get(step.episode)
             if hint is not None:
-                return await self._forward(hint, step, arrival, retry=True)
+                try:
+                    return await self._forward(hint, step, arrival, retry=True)
+                except Unavailable as exc:
+                    if exc.reason not in STALE_HINT:
+                        raise
+                    # the owner it names cannot serve (it left, fenced, is gone): ask Redis
         a = await self._resolve(
             step.episode, restart=step.restart, claim=not step.live_only, deadline=step.deadline
         )
