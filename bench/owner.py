@@ -105,7 +105,9 @@ async def run(seconds: float, pause: float, lease: float) -> dict[str, Any]:
             total = sum(ran.values())
             scripts = ran.get("evalsha", 0) + ran.get("eval", 0)
 
-            # the pause: half at the owners, half through another node
+            # the pause: half at the owners, half through another node (each router has
+            # found its episodes' owners before: one resolve per episode, then hints)
+            await drive(client, home, urls, time.monotonic() + 1.5, True, [], [])
             lat, fails = [], []
             start = time.monotonic()
             pause_at, end = start + 2.0, start + 2.0 + pause + 2.0
@@ -157,6 +159,8 @@ def main() -> None:
     out = asyncio.run(run(a.seconds, a.pause, a.lease))
     per_step = out["commands"] / out["steps"]
     scripts_per_step = out["scripts"] / out["steps"]
+    per_node_s = out["commands"] / a.seconds / 3  # renewals and flushes: not per step
+    out["break_even_steps_per_s"] = out["commands"] / a.seconds / 0.01
     slow = out["max_during_ms"] / out["p99_before_ms"]
     new = out["new_episode"]
     report(
@@ -166,12 +170,14 @@ def main() -> None:
                 "figure": f"Redis commands per step, {EPISODES} episodes at their owners, 3 nodes",
                 "value": per_step,
                 "result": f"{per_step:.2%} commands ({scripts_per_step:.3%} scripts) over "
-                f"{out['steps']} steps ({out['steps_per_s']:.0f}/s)",
+                f"{out['steps']} steps ({out['steps_per_s']:.0f}/s); {per_node_s:.1f} "
+                f"commands/s per node (lease and flush), <= 1% from "
+                f"{out['break_even_steps_per_s']:.0f} steps/s",
                 "goal": "<= 1%",
                 "ok": per_step <= 0.01,
             },
             {
-                "figure": f"failed steps while Redis is SIGSTOPped {a.pause:g} s (lease {a.lease:g} s)",
+                "figure": f"failed steps, Redis SIGSTOPped {a.pause:g} s (lease {a.lease:g} s)",
                 "value": len(out["pause_failures"]),
                 "result": f"{len(out['pause_failures'])} of {out['pause_steps']} "
                 f"({out['steps_during']} sent during the pause)",
@@ -181,7 +187,8 @@ def main() -> None:
             {
                 "figure": "slowest step during the pause / p99 before it",
                 "value": slow,
-                "result": f"{slow:.2f}x ({out['max_during_ms']:.1f} ms vs {out['p99_before_ms']:.1f} ms)",
+                "result": f"{slow:.2f}x ({out['max_during_ms']:.1f} ms vs "
+                f"{out['p99_before_ms']:.1f} ms)",
                 "goal": "a few times",
                 "ok": slow <= 5,
             },
