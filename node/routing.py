@@ -120,6 +120,7 @@ class Routing:
         )
         self._rr = 0
         self.peers = PeerHealth()
+        self._restarting: dict[str, int] = {}  # episodes whose restart claim is in flight
         self.hints: dict[str, Assignment] = {}
         """Episode -> its owner elsewhere, as the last forward found it (oldest first):
         where this router forwards next without asking Redis. Never authority: the owner
@@ -194,9 +195,18 @@ class Routing:
                     current = None
                 if current is not None and current.node != self.node_id:
                     return await self._forward(current, step, arrival, retry=True)
-            self.dispatcher.release(step.episode)
             self.hints.pop(step.episode, None)
-        elif self.membership.authority():
+            self._restarting[step.episode] = self._restarting.get(step.episode, 0) + 1
+            try:  # not served from memory meanwhile; the fresh claim replaces the record
+                a = await self._resolve(step.episode, restart=True, deadline=step.deadline)
+            finally:
+                left = self._restarting.pop(step.episode) - 1
+                if left:
+                    self._restarting[step.episode] = left
+            if a.node != self.node_id:
+                self.dispatcher.release(step.episode)  # the new owner is another node
+            return await self._routed(a, replace(step, restart=False), arrival)
+        elif self.membership.authority() and step.episode not in self._restarting:
             # the owner serves the episodes it holds from memory (node/ownership.py); a
             # router forwards to where the episode was last time (the owner checks it)
             held = self.ownership.serving(step.episode, self.membership.instance)
@@ -210,11 +220,11 @@ class Routing:
                     if exc.reason not in STALE_HINT:
                         raise
                     # the owner it names cannot serve (it left, fenced, is gone): ask Redis
-        a = await self._resolve(
-            step.episode, restart=step.restart, claim=not step.live_only, deadline=step.deadline
-        )
-        if step.restart:  # made: the new owner serves the fresh claim as it is
-            step = replace(step, restart=False)
+        a = await self._resolve(step.episode, claim=not step.live_only, deadline=step.deadline)
+        return await self._routed(a, step, arrival)
+
+    async def _routed(self, a: Assignment, step: Step, arrival: Arrival) -> Reply:
+        """Serve or forward the step of ``a``, which Redis has just decided."""
         if a.node == self.node_id:
             self.membership.check_instance(a.instance)  # the registration must be this one's
         if a.node != self.node_id:

@@ -102,6 +102,7 @@ class RedisServer:
         if binary is None:
             pytest.fail("redis-server is not installed (bash .ci/run installs it)", pytrace=False)
         self.host = host
+        self.namespaces: tuple[str, ...] = ("affinity",)  # marked as new fleets by start()
         self.port = 6379 if netns else free_port(host)
         self.url = f"redis://{host}:{self.port}/0"
         self.proc = Proc(
@@ -133,7 +134,8 @@ class RedisServer:
         client = redis.Redis(host=self.host, port=self.port, socket_timeout=1)
         wait_until(client.ping, 10, f"redis-server on {self.port}")
         if new_fleet:
-            client.set(Keys().fleet, "0", nx=True)
+            for namespace in self.namespaces:
+                client.set(Keys(namespace).fleet, "0", nx=True)
         client.close()
         return self
 
