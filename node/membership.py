@@ -174,6 +174,7 @@ class Membership:
                 done.grace_ms / 1000,
             )
         self.ownership.grace_ms = done.grace_ms
+        self.ownership.flushed_at = sent  # every backstop of what is held is fresh now
         self.lease_deadline = sent + self.lease_s
         self.registered = True
         self._fenced_logged = False

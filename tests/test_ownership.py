@@ -210,3 +210,38 @@ async def test_a_restart_sent_to_another_node_is_made_by_the_owner(redis: Any) -
         held = {n: n_.service.dispatcher.claim_of(ep) for n, n_ in (("a", a), ("b", b))}
         assert old not in held.values()
         assert [claim[1] for claim in held.values() if claim] == [reply.token]
+
+
+async def test_a_rolled_back_claim_is_dropped_by_its_owner_at_its_next_slide(redis: Any) -> None:
+    """A lossy failover that kept the fleet marker but lost ``ep``'s assignment (simulated:
+    its key and load-set member deleted): no grace period starts; the owner's next slide of
+    ``ep`` finds it gone and drops it (it never re-asserts outside a grace period), and the
+    client that echoes its token is told ``state_reset`` (docs/guarantees.md states the
+    window before that slide)."""
+    async with cluster(redis, [config("a")]) as ([a], _):
+        first = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
+        old = a.service.dispatcher.claim_of("ep")
+        await redis.delete(KEYS.episode("ep"))
+        await redis.zrem(KEYS.load(first["device"]), "ep")
+        a.service.membership.ownership._slid.clear()  # its slide is due
+        await flushed(a)  # (or the maintenance loop's flush, whichever comes first)
+        assert not a.service.dispatcher.has_state("ep")
+        assert await redis.get(KEYS.episode("ep")) is None  # not written back
+        again = (await a.act(episode_id="ep", inputs={"obs": OBS}, token=first["token"])).json()
+        assert again["routing"] == "claimed" and again["state_reset"] is True
+        assert a.service.dispatcher.claim_of("ep") != old
+
+
+async def test_a_failover_to_a_replica_without_the_fleet_is_a_grace_period(redis: Any) -> None:
+    """The other lossy failover: the new master never had the fleet (no marker). As after
+    a restart, no claim until the owner re-asserted; then the episode goes on."""
+    async with cluster(redis, [config("a")]) as ([a], _):
+        (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
+        for key in await redis.keys("{affinity}:*"):
+            await redis.delete(key)
+        r = await a.act(episode_id="new", inputs={"obs": OBS})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "recovering"
+        served = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()  # from memory
+        assert (served["seq"], served["state_reset"]) == (2, False)
+        await a.service.membership.renew_once()
+        assert await redis.zrange(KEYS.load(served["device"]), 0, -1) == ["ep"]
