@@ -11,6 +11,7 @@ import pytest
 from affinity import (
     InvalidArgument,
     NoCapacity,
+    Recovering,
     Settings,
     StaleToken,
     UnknownDevice,
@@ -232,6 +233,8 @@ async def test_script_cache_flushed_between_calls(env: Env) -> None:
     assert await env.claims.lookup("ep") is not None
     await env.redis.script_flush()
     await env.registry.drain("a/0")
+    await env.redis.script_flush()
+    assert await env.registry.flush("a", "", [], [("ep", 1)]) is not None  # the owner's batch
 
 
 BAD_EPISODES = [
@@ -545,3 +548,46 @@ async def test_a_resolve_that_never_claims_refuses_an_unknown_episode(env: Env) 
     await env.claims.release("known", a.token)
     with pytest.raises(UnknownEpisode):
         await env.claims.resolve("known", claim=False)
+
+
+async def test_the_owners_flush_slides_releases_and_answers_what_it_lost(env: Env) -> None:
+    from affinity.registry import Held
+
+    await env.registry.register("a", "http://a", cpu_devices(1, capacity=2), instance="i")
+    one, two = await env.claims.resolve("one"), await env.claims.resolve("two")
+    with pytest.raises(NoCapacity):
+        await env.claims.resolve("three")
+    key = env.keys.episode("one")
+    await env.redis.pexpire(key, 1000)
+    held = [
+        Held("one", one.device, one.token, one.claim),
+        Held("two", two.device, two.token, "another-claim"),
+    ]
+    done = await env.registry.flush("a", "i", held, [])
+    assert done is not None and done.lost == ["two"] and done.grace_ms == 0
+    assert await env.redis.pttl(key) > 1000  # slid back to the backstop
+    # a release with another token changes nothing; with its own it frees the slot at once
+    assert await env.registry.flush("a", "i", [], [("two", two.token + 1)]) is not None
+    assert await env.redis.get(env.keys.episode("two")) is not None
+    assert await env.registry.flush("a", "i", [], [("two", two.token)]) is not None
+    assert await env.redis.get(env.keys.episode("two")) is None
+    assert (await env.claims.resolve("three")).status == "claimed"
+    # another instance of the node id writes nothing
+    before = await env.snapshot()
+    assert await env.registry.flush("a", "other", [], [("one", one.token)]) is None
+    assert await env.snapshot() == before
+
+
+async def test_a_claim_during_the_grace_period_writes_nothing_but_hits_go_on(env: Env) -> None:
+    await env.node("a", 1)
+    await env.claims.resolve("kept")
+    await env.redis.delete(env.keys.fleet)  # Redis lost its data (the marker with it)
+    with pytest.raises(Recovering) as info:
+        await env.claims.resolve("new")
+    assert 0 < info.value.retry_after_s <= env.settings.lease_ttl_s
+    assert await env.redis.get(env.keys.episode("new")) is None
+    assert (await env.claims.resolve("kept")).status == "hit"
+    with pytest.raises(Recovering):  # the grace period runs on
+        await env.claims.resolve("new")
+    await env.redis.set(env.keys.fleet, "1")  # ... until its end (long past)
+    assert (await env.claims.resolve("new")).status == "claimed"
