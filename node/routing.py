@@ -62,8 +62,9 @@ log = logging.getLogger("affinity.node")
 FORWARD_MARGIN_S = 0.05
 """Kept back from a forwarded step's budget for the owner's reply to reach the router."""
 
-STALE_HINT = frozenset({"fenced", "leaving", "owner_unreachable", "device_down", "unknown_device"})
-"""What an owner named by a hint may answer that sends the router to Redis (once)."""
+STALE_HINT = frozenset({"fenced", "leaving", "device_down", "unknown_device"})
+"""What an owner named by a hint may answer that sends the router to Redis (once). An
+unreachable one is not retried: the hint is gone, so the client's retry resolves."""
 
 MAX_HINTS = 65_536
 """How many episodes' owners a router remembers (the oldest is forgotten first)."""
