@@ -523,6 +523,7 @@ class MultiGpuDispatcher:
                     episode, self._states.get(episode), device, token, claim, fresh, seq
                 )
                 if decision[0] == "replay":
+                    self._states[episode].pinned = True  # delivered now: never undone
                     return decision[1]
                 if mode is not None and decision[1] is not None:
                     served = self._from_buffer(dev, episode, decision[1], mode, origin)
@@ -719,6 +720,8 @@ class MultiGpuDispatcher:
                 error = exc
             else:
                 if decision[0] == "replay":
+                    assert st is not None
+                    st.pinned = True  # delivered now: never undone
                     result = decision[1]
                 else:
                     base, reset = decision[1], decision[2]
