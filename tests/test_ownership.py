@@ -245,3 +245,68 @@ async def test_a_failover_to_a_replica_without_the_fleet_is_a_grace_period(redis
         assert (served["seq"], served["state_reset"]) == (2, False)
         await a.service.membership.renew_once()
         assert await redis.zrange(KEYS.load(served["device"]), 0, -1) == ["ep"]
+
+
+def versions() -> list[Any]:
+    """a serves demo@v1, b demo@v2 (one device each): a version names its node."""
+    from node.catalog import ModelSpec
+    from node.policy import DEMO_MODEL
+
+    return [
+        config("a", devices="cpu:1", models=(ModelSpec(DEMO_MODEL, "demo", "v1"),)),
+        config("b", devices="cpu:1", models=(ModelSpec(DEMO_MODEL, "demo", "v2"),)),
+    ]
+
+
+async def test_a_step_naming_another_version_is_refused_from_memory_and_on_a_hint(
+    redis: Any,
+) -> None:
+    """The owner's from-memory hit checks the step's model as Redis would (409
+    ``model_conflict``, no Redis command, nothing changed); a router whose hint names
+    another version does not forward on it: Redis answers the conflict."""
+    async with cluster(redis, versions()) as ([a, b], _):
+        first = (await a.act(episode_id="ep", model="demo@v1", inputs={"obs": OBS})).json()
+        assert (first["node"], first["model"]) == ("a", "demo@v1")
+        value = await redis.get(KEYS.episode("ep"))
+        assert value.endswith(" demo@v1")
+        await flushed(a)
+        at_a = Counted(a.service)
+        r = await a.act(episode_id="ep", model="demo@v2", inputs={"obs": OBS})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "model_conflict", r.text
+        assert "demo@v1" in r.json()["error"]["message"] and at_a.calls == []
+        again = (await a.act(episode_id="ep", model="demo", inputs={"obs": OBS})).json()
+        assert (again["seq"], again["state_reset"], again["model"]) == (2, False, "demo@v1")
+        assert at_a.calls == []
+        # through b: the first forward leaves a hint; a step naming v2 asks Redis instead
+        via_b = (await b.act(episode_id="ep", model="demo@v1", inputs={"obs": OBS})).json()
+        assert (via_b["node"], via_b["seq"]) == ("a", 3)
+        assert b.service.routing.hints["ep"].model == "demo@v1"
+        at_b = Counted(b.service)
+        r = await b.act(episode_id="ep", model="demo@v2", inputs={"obs": OBS})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "model_conflict", r.text
+        assert at_b.calls == ["resolve"] and at_a.calls == []
+        assert await redis.get(KEYS.episode("ep")) == value
+        after = (await b.act(episode_id="ep", model="demo@v1", inputs={"obs": OBS})).json()
+        assert (after["node"], after["seq"], after["state_reset"]) == ("a", 4, False)
+
+
+async def test_a_restart_forwarded_to_the_owner_takes_the_version_it_names(redis: Any) -> None:
+    """A restart reaching b for a's demo@v1 episode naming demo@v2: the owner a drops its
+    record and claims anew with v2, which only b serves; a holds nothing afterwards."""
+    from node.step import Step
+
+    async with cluster(redis, versions()) as ([a, b], _):
+        first = (await a.act(episode_id="ep", model="demo@v1", inputs={"obs": OBS})).json()
+        assert first["node"] == "a"
+        step = Step(episode="ep", inputs={"obs": np.zeros((1, 8), np.float32)},
+                    deadline=b.service.clock() + 5, restart=True, model="demo",
+                    version="v2")  # fmt: skip
+        reply = await b.service.routing.act(step)
+        assert (reply.routing, reply.node, reply.model) == ("claimed", "b", "demo@v2")
+        assert a.service.dispatcher.claim_of("ep") is None
+        assert b.service.dispatcher.claim_of("ep") == (
+            "b/0",
+            reply.token,
+            (await redis.get(KEYS.episode("ep"))).split(" ")[2],
+            "demo@v2",
+        )
