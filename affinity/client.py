@@ -109,6 +109,8 @@ class Step:
     url: str  # the owner's address: where this episode's next step goes
     seq: int = 0  # the step's number under its claim (0 for a stateless step)
     replayed: bool = False  # the stored reply of a step already applied (a retry)
+    model: str | None = None  # the model version that served it ("name@version")
+    rtc: dict[str, int] | None = None  # real-time chunking: executed, delay, prefix_len
 
     @classmethod
     def of(cls, body: Mapping[str, Any], url: str) -> Step:
@@ -125,6 +127,8 @@ class Step:
             url=url,
             seq=int(body.get("seq", 0)),
             replayed=bool(body.get("replayed", False)),
+            model=body.get("model"),
+            rtc=body.get("rtc"),
         )
 
 
@@ -173,12 +177,12 @@ class _Episodes:
         inputs: Mapping[str, Any],
         *,
         end: bool,
-        execute_steps: int | None,
+        fields: Mapping[str, Any],
     ) -> Generator[tuple[str, dict[str, Any]] | float, httpx.Response | Exception | None, Step]:
         """The attempts of one step, without I/O: yields (URL, body) to POST to ``URL/act``
         (and is sent the response, or the transport error), or seconds to sleep (and is
         sent ``None``); returns the served :class:`Step` or raises a :class:`ClientError`."""
-        body = self.body(episode, inputs, end=end, execute_steps=execute_steps)
+        body = self.body(episode, inputs, end=end, **fields)
         deadline = time.monotonic() + self.retry_budget_s
         tried_owner = False
         failed: set[str] = set()  # nodes that timed out or could not be reached
@@ -327,6 +331,23 @@ def _act_url(node: str) -> httpx.URL:
     return httpx.URL(node + "/act")
 
 
+def _fields(
+    model: str | None,
+    execute_steps: int | None,
+    executed: int | None,
+    inference_delay: int | None,
+    control_hz: float | None,
+) -> dict[str, Any]:
+    """A step's optional ``/act`` fields, as the node names them."""
+    return {
+        "model": model,
+        "execute_steps": execute_steps,
+        "executed": executed,
+        "inference_delay": inference_delay,
+        "control_hz": control_hz,
+    }
+
+
 class _Plan:
     """One step's attempts (:meth:`_Episodes.attempts`) for a client's I/O loop: iterating
     gives seconds to sleep, or an ``httpx.Request`` to hand to the transport, whose
@@ -341,9 +362,9 @@ class _Plan:
         episode: str | None,
         inputs: Mapping[str, Any],
         end: bool,
-        execute_steps: int | None,
+        fields: Mapping[str, Any],
     ) -> None:
-        self._attempts = logic.attempts(episode, inputs, end=end, execute_steps=execute_steps)
+        self._attempts = logic.attempts(episode, inputs, end=end, fields=fields)
         self._wire = wire
         self._result: httpx.Response | Exception | None = None
         self._started = False
@@ -403,11 +424,21 @@ class AsyncClient:
         inputs: Mapping[str, Any],
         *,
         end: bool = False,
+        model: str | None = None,
         execute_steps: int | None = None,
+        executed: int | None = None,
+        inference_delay: int | None = None,
+        control_hz: float | None = None,
     ) -> Step:
-        """One step of ``episode_id`` (``None``: stateless). Raises :class:`StateReset`
-        (if asked), :class:`RequestRefused`, :class:`ServiceUnavailable`."""
-        plan = _Plan(self._logic, self._wire, episode_id, inputs, end, execute_steps)
+        """One step of ``episode_id`` (``None``: stateless). ``model`` names the policy
+        (``name`` or ``name@version``; needed when the fleet serves several);
+        ``execute_steps`` overrides action-chunk execution; ``executed``,
+        ``inference_delay`` and ``control_hz`` are real-time chunking's (the node estimates
+        what is left out; see docs/policies.md). ``None`` sends nothing. Raises
+        :class:`StateReset` (if asked), :class:`RequestRefused`,
+        :class:`ServiceUnavailable`."""
+        fields = _fields(model, execute_steps, executed, inference_delay, control_hz)
+        plan = _Plan(self._logic, self._wire, episode_id, inputs, end, fields)
         for action in plan:
             if isinstance(action, float):
                 await asyncio.sleep(action)
@@ -434,7 +465,8 @@ class AsyncClient:
 
 
 class Client:
-    """The sync client: the same behaviour as :class:`AsyncClient`, on ``httpx.Client``."""
+    """The sync client: the same behaviour as :class:`AsyncClient`, on
+    :class:`affinity.transport.Transport`."""
 
     def __init__(
         self,
@@ -458,10 +490,15 @@ class Client:
         inputs: Mapping[str, Any],
         *,
         end: bool = False,
+        model: str | None = None,
         execute_steps: int | None = None,
+        executed: int | None = None,
+        inference_delay: int | None = None,
+        control_hz: float | None = None,
     ) -> Step:
         """One step of ``episode_id``; see :meth:`AsyncClient.act`."""
-        plan = _Plan(self._logic, self._wire, episode_id, inputs, end, execute_steps)
+        fields = _fields(model, execute_steps, executed, inference_delay, control_hz)
+        plan = _Plan(self._logic, self._wire, episode_id, inputs, end, fields)
         for action in plan:
             if isinstance(action, float):
                 time.sleep(action)

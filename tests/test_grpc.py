@@ -81,6 +81,21 @@ def test_sequence_parameters() -> None:
         decode_request(msg)
 
 
+def test_the_seq_parameter_numbers_the_step() -> None:
+    msg = message([1, 8], [bytes(32)])
+    msg.parameters["sequence_id"].int64_param = 7
+    assert decode_request(msg).seq is None
+    msg.parameters["seq"].int64_param = 3
+    assert decode_request(msg).seq == 3
+    for bad in (0, -2):
+        msg.parameters["seq"].int64_param = bad
+        with pytest.raises(BadRequest, match="must be a step number"):
+            decode_request(msg)
+    msg.parameters["seq"].string_param = "3"
+    with pytest.raises(BadRequest, match="must be a step number"):
+        decode_request(msg)
+
+
 def test_hostile_messages_are_refused_before_anything_is_allocated() -> None:
     hostile = [
         message([1 << 40, 1 << 20], [bytes(32)]),  # a huge declared shape, small raw bytes

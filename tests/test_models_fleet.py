@@ -24,7 +24,7 @@ from onnx import TensorProto, helper, numpy_helper
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from tritonclient.utils import InferenceServerException
 
-from affinity import Keys, wire
+from affinity import Client, Keys, RequestRefused, wire
 from node.catalog import file_version
 from node.models._build import Weights, model, tensor, write
 from node.policy import DEMO_MODEL
@@ -166,6 +166,25 @@ def test_every_episode_lands_on_a_device_of_its_model(abc: tuple[Cluster, dict[s
     for key in r.scan_iter(KEYS.episode("*")):
         node, held = held_by(cluster, key.removeprefix(KEYS.episode("")))
         assert node in SERVES[held.split("@")[0]], (key, node, held)
+
+
+def test_the_python_client_names_its_model(abc: tuple[Cluster, dict[str, str]]) -> None:
+    """``affinity.Client(...).act(..., model=...)``: each episode lands on a node that serves
+    its model, the step says which version served it, and an unnamed one is refused."""
+    cluster, _ = abc
+    with Client([node.url for node in cluster.nodes]) as client:
+        for i in range(3):
+            for name, inputs in ((DEMO, {"obs": OBS}), (VLA, vla_inputs(i))):
+                ep = f"client-{name}-{i}"
+                step = client.act(ep, inputs, model=name)
+                assert step.model is not None and step.model.startswith(name + "@"), step
+                assert step.node in SERVES[name] and held_by(cluster, ep) == (
+                    step.node,
+                    step.model,
+                ), (ep, step)
+        with pytest.raises(RequestRefused) as refused:
+            client.act("client-unnamed", {"obs": OBS})
+    assert refused.value.status == 422 and refused.value.code == "model_required"
 
 
 def test_a_step_without_a_model_or_with_an_unknown_one(abc: tuple[Cluster, dict[str, str]]) -> None:

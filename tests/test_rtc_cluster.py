@@ -21,7 +21,7 @@ import tritonclient.grpc as tg
 import tritonclient.http as th
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
-from affinity import wire
+from affinity import Client, wire
 from tests.procs import wait_until
 from tests.test_cluster import Cluster, grpc_nodes
 from tests.test_rtc import H, close, observation, own_chunk, reference
@@ -332,3 +332,26 @@ def test_bad_rtc_values_are_422_and_change_nothing(three: tuple[Cluster, list[st
                                                 "state": [state.tolist()]}, **values})  # fmt: skip
         assert resp.status_code == 422 and resp.json()["error"]["field"] == field, resp.text
     assert r.get("{affinity}:episode:rtc-bad") is None
+
+
+def test_the_python_client_sends_where_the_robot_is(three: tuple[Cluster, list[str]]) -> None:
+    """``affinity.Client``'s ``executed`` and ``inference_delay`` reach the model: each chunk
+    equals the reference, and the step says what it ran with (``Step.rtc``, ``Step.model``)."""
+    cluster, _ = three
+    rng = np.random.default_rng(7)
+    previous = None
+    with Client([node.url for node in cluster.nodes]) as client:
+        for i in range(4):
+            image, state = observation(rng)
+            executed, delay = int(rng.integers(0, H + 1)), int(rng.integers(0, H + 1))
+            step = client.act(
+                "rtc-client",
+                {"image": image[np.newaxis], "state": state[np.newaxis]},
+                executed=executed,
+                inference_delay=delay,
+            )
+            want, used = reference(image, state, previous, executed, delay)
+            close(step.outputs["actions"], want)
+            assert step.rtc == used and step.seq == i + 1, (i, step)
+            assert step.model is not None and step.model.startswith(NAME + "@")
+            previous = want

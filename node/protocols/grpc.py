@@ -145,6 +145,9 @@ def decode_request(msg: pb.ModelInferRequest, *, max_elements: int = MAX_ELEMENT
         raise BadRequest("execute_steps must be an int64_param")
     if ensemble is not None and not isinstance(ensemble, str):
         raise BadRequest("ensemble must be a string_param")
+    seq = params.get("seq")
+    if seq is not None and (type(seq) is not int or seq < 1):
+        raise BadRequest(f"seq {seq!r:.40} must be a step number >= 1 (an int64_param)")
     for key in params:
         if key.startswith("shared_memory"):
             raise BadRequest(f"parameter {key[:64]!r} is not supported")
@@ -172,6 +175,7 @@ def decode_request(msg: pb.ModelInferRequest, *, max_elements: int = MAX_ELEMENT
         timeout_s=timeout / 1e6 if timeout else None,
         execute_steps=steps,
         ensemble=ensemble,
+        seq=seq,
         executed=params.get("executed"),
         inference_delay=params.get("inference_delay"),
         control_hz=params.get("control_hz"),
