@@ -17,6 +17,7 @@ from affinity.errors import (
     InvalidArgument,
     ModelConflict,
     NoCapacity,
+    Recovering,
     StaleToken,
     UnknownEpisode,
     UnknownModel,
@@ -123,8 +124,8 @@ def check_token(token: object) -> int:
 
 def parse_resolution(episode: str, reply: str, asked: str = "") -> Assignment:
     """``"<status> <device> <token> <node> <url> <previous> <claim> <instance> <model>"``,
-    or ``"full <reason>"``, ``"missing"``, ``"conflict <model>"``, ``"unknown"``
-    (``asked``: the model the step named, for the errors)."""
+    or ``"full <reason>"``, ``"recovering <ms>"``, ``"missing"``, ``"conflict <model>"``,
+    ``"unknown"`` (``asked``: the model the step named, for the errors)."""
     fields = reply.split(" ")
     if fields[0] == "full":
         raise NoCapacity(episode, fields[1])
@@ -134,6 +135,8 @@ def parse_resolution(episode: str, reply: str, asked: str = "") -> Assignment:
         raise ModelConflict(episode, fields[1], asked)
     if fields[0] == "unknown":
         raise UnknownModel(asked)
+    if fields[0] == "recovering":
+        raise Recovering(episode, int(fields[1]) / 1000)
     status, device, token, node, url, previous, claim, instance, model = fields
     if status not in ("hit", "claimed", "reassigned"):
         raise ValueError(f"unexpected resolve reply {reply!r}")
@@ -205,8 +208,9 @@ class Claims:
         stays on it. Raises :class:`ModelConflict` when the episode is served with
         another name or version than named (nothing written), :class:`UnknownModel`
         when no node ever registered the name or version, :class:`NoCapacity` (nothing
-        written for the episode; ``reason`` says why), :class:`InvalidArgument`,
-        :class:`BackendUnavailable`.
+        written for the episode; ``reason`` says why), :class:`Recovering` (a claim, of
+        any model, during the grace period after Redis lost its data),
+        :class:`InvalidArgument`, :class:`BackendUnavailable`.
         """
         episode = check_episode(episode)
         if model:

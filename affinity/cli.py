@@ -227,6 +227,17 @@ async def cmd_forget(args: argparse.Namespace, ctx: Context) -> int:
     return EXIT_OK
 
 
+async def cmd_new_fleet(args: argparse.Namespace, ctx: Context) -> int:
+    written = await ctx.registry.new_fleet()
+    if ctx.json:
+        emit_json(ctx, {"new_fleet": written})
+    elif written:
+        emit(ctx, "marked as a new fleet: its first claims need not wait for the grace period")
+    else:
+        emit(ctx, "the fleet marker is there already: nothing written")
+    return EXIT_OK
+
+
 async def cmd_episodes(args: argparse.Namespace, ctx: Context) -> int:
     if args.device is None:
         await ctx.require_deployment()
@@ -399,6 +410,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p = command("forget", cmd_forget, "remove a dead node's record and its devices")
     p.add_argument("node")
+    command(
+        "new-fleet",
+        cmd_new_fleet,
+        "mark an empty Redis that never served a fleet as new (no grace period for its "
+        "first claims); never after Redis lost a running fleet's data",
+    )
     p = command("episodes", cmd_episodes, "live assignments")
     p.add_argument("--device", help="only this device")
     p.add_argument("--node", help="only this node's devices")

@@ -85,6 +85,21 @@ class NoCapacity(AffinityError):
         super().__init__(message)
 
 
+class Recovering(AffinityError):
+    """The fleet is in its grace period after Redis lost its data (or is new): no claim is
+    granted for ``retry_after_s`` more seconds, while owners that may still serve episodes
+    from memory re-register and re-assert them. Nothing was written for the episode."""
+
+    def __init__(self, episode: str, retry_after_s: float) -> None:
+        self.episode = episode
+        self.retry_after_s = retry_after_s
+        super().__init__(
+            f"Redis lost its data (or the fleet is new): no episode is claimed for "
+            f"{retry_after_s:.1f}s more, while owners re-assert the episodes they serve; "
+            f"episode {episode!r} was not placed"
+        )
+
+
 class StaleToken(AffinityError):
     """The caller's fencing token is not the one in Redis; nothing was changed."""
 

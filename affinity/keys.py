@@ -112,8 +112,17 @@ class Keys:
         (``"name@version"``), written by the nodes that serve it."""
         return self.prefix + "contract:" + model
 
+    @property
+    def fleet(self) -> str:
+        """String: the fleet marker, the end (ms, server time) of the grace period after
+        Redis was found to have lost its data ("0": none). Its absence means Redis lost
+        its data (or the fleet is new): the first script to notice starts a grace period
+        of one lease TTL in which no new claim is granted (``affinity/lua/lib.lua``)."""
+        return self.prefix + "fleet"
+
     def episode(self, episode: str) -> str:
-        """String ``"<device> <token> <claim id> <model>"`` with the episode idle TTL."""
+        """String ``"<device> <token> <claim id> <model>"`` with the episode's backstop expiry
+        (the owner's idle timeout + two lease TTLs + 3 s, slid by the owner in batches)."""
         return self.prefix + "episode:" + episode
 
     def node(self, node: str) -> str:

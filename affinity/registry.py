@@ -34,7 +34,10 @@ __all__ = [
     "DeviceRegistration",
     "DeviceStatus",
     "EpisodeRow",
+    "Flushed",
+    "Held",
     "NodeStatus",
+    "Registered",
     "Registry",
     "StateChange",
     "check_node_id",
@@ -226,6 +229,33 @@ def _now_ms(reply: Sequence[int]) -> int:
     return int(reply[0]) * 1000 + int(reply[1]) // 1000
 
 
+class Held(NamedTuple):
+    """An episode an owner serves from memory: its claim (device, token, claim id, and the
+    ``"name@version"`` it was claimed with, ``""`` in a fleet without models)."""
+
+    episode: str
+    device: str
+    token: int
+    claim: str
+    model: str = ""
+
+
+class Registered(NamedTuple):
+    """What a registration answered: the lease deadline (ms, server time), the grace
+    period left (ms; 0: none) and the re-asserted episodes Redis gives to another claim."""
+
+    deadline: int
+    grace_ms: int
+    lost: list[str]
+
+
+class Flushed(NamedTuple):
+    """What an owner's flush answered: the grace period left (ms) and the lost episodes."""
+
+    grace_ms: int
+    lost: list[str]
+
+
 class Registry:
     """Async registry API over one Redis client. Every call is bounded by
     ``settings.redis_deadline_s`` and raises :class:`BackendUnavailable` when Redis cannot
@@ -248,9 +278,16 @@ class Registry:
         version: str = "",
         instance: str = "",
         models: Mapping[ModelId, str] | None = None,
-    ) -> int:
-        """(Re)register ``node`` and its devices; start its lease. Returns the lease
-        deadline (ms, Redis server time). Idempotent.
+        episodes: Sequence[Held] = (),
+    ) -> Registered:
+        """(Re)register ``node`` and its devices; start its lease. Idempotent.
+
+        ``episodes`` are the ones this process still serves from memory (it re-registers
+        within its own lease after Redis lost its data): each is re-asserted in the same
+        script (written again when missing, with its model, counted in its device's load);
+        those Redis gives to another claim, or whose model the node no longer serves, come
+        back in :attr:`Registered.lost`. A missing fleet marker starts the grace period
+        (``Keys.fleet``), reported in :attr:`Registered.grace_ms`.
 
         ``models`` maps each (name, version) every device serves to its contract (JSON
         text, stored under :meth:`Keys.contract` for routers that do not serve it): new
@@ -279,13 +316,47 @@ class Registry:
             for m, contract in served.items():
                 pipe.set(self.keys.contract(str(m)), contract)
             await bounded(self.settings, pipe.execute())
-        args: list[str | int] = [url, version, instance, ",".join(sorted(map(str, served)))]
+        args: list[str | int] = [
+            url,
+            version,
+            instance,
+            ",".join(sorted(map(str, served))),
+            len(devices),
+        ]
         for d in devices:
             args.extend(d.fields())
-        deadline = int(await self._call(self.scripts.register, self.keys.node(node), args))
-        if deadline < 0:
+        for held in episodes:
+            args.extend((held.episode, held.device, str(held.token), held.claim, held.model))
+        reply = await self._call(self.scripts.register, self.keys.node(node), args)
+        if int(reply[0]) < 0:
             raise NodeConflict(node)
-        return deadline
+        return Registered(int(reply[0]), int(reply[1]), [str(e) for e in reply[2:]])
+
+    async def flush(
+        self, node: str, instance: str, slide: Sequence[Held], idle: Sequence[tuple[str, int]]
+    ) -> Flushed | None:
+        """One owner's batch (``affinity/lua/flush.lua``): slide the backstop expiry of the
+        episodes in ``slide`` (those Redis gives to another claim, or lost outside a grace
+        period, come back in :attr:`Flushed.lost`) and release, token-checked, the
+        ``idle`` ones (episode, token) the owner ended. None (nothing written) when this
+        instance holds no current lease on ``node``: renew first."""
+        args: list[str | int] = [instance, len(slide)]
+        for held in slide:
+            args.extend((held.episode, held.device, str(held.token), held.claim, held.model))
+        for episode, token in idle:
+            args.extend((episode, str(token)))
+        reply = await self._call(self.scripts.flush, self.keys.node(node), args)
+        if int(reply[0]) < 0:
+            return None
+        return Flushed(int(reply[0]), [str(e) for e in reply[1:]])
+
+    async def new_fleet(self) -> bool:
+        """Declare that no owner serves any episode of this namespace (a new fleet on an
+        empty Redis), so its first claims need not wait for the grace period an empty
+        Redis otherwise gets (it cannot tell a new fleet from one that lost its data).
+        Never call it after Redis lost the data of a running fleet. False when the marker
+        was there already (nothing written)."""
+        return bool(await bounded(self.settings, self.redis.set(self.keys.fleet, "0", nx=True)))
 
     async def check_secret(self, secret: str | None) -> None:
         """Join the fleet's cluster secret: the first node to call this (in a namespace, or

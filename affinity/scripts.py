@@ -51,6 +51,7 @@ NAMES = (
     "deregister",
     "forget",
     "set_state",
+    "flush",
 )
 
 INCLUDED = ("lib", "fleet")  # shared parts, placed where a script says --@lib, --@fleet
@@ -89,6 +90,7 @@ def header(keys: Keys, episode_ttl_ms: int, lease_ttl_ms: int, events_maxlen: in
         "EVENTS": keys.events,
         "DEVICES": keys.devices,
         "TOKEN": keys.token,
+        "MARKER": keys.fleet,
         "RR": keys.rr,
         "EPISODE_KEY": keys.episode(""),
         "NODE_KEY": keys.node(""),
@@ -138,6 +140,7 @@ class Scripts:
     deregister: Script
     forget: Script
     set_state: Script
+    flush: Script
 
 
 @cache
@@ -147,9 +150,10 @@ def _scripts(namespace: str, ttl_ms: int, lease_ms: int, maxlen: int) -> Scripts
 
 
 def scripts_for(settings: Settings) -> Scripts:
-    """The scripts with ``settings``' constants (built once per distinct constants)."""
+    """The scripts with ``settings``' constants (built once per distinct constants). The
+    scripts' ``TTL`` is the episode backstop (:attr:`Settings.backstop_ms`)."""
     return _scripts(
-        settings.namespace, settings.episode_ttl_ms, settings.lease_ttl_ms, settings.events_maxlen
+        settings.namespace, settings.backstop_ms, settings.lease_ttl_ms, settings.events_maxlen
     )
 
 

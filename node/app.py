@@ -54,7 +54,7 @@ from node.fleet import add_fleet_routes
 from node.membership import VERSION
 from node.protocols import act, internal, kserve, openpi
 from node.service import NodeService
-from node.step import Refused
+from node.step import Refused, Unavailable
 
 __all__ = ["PROTECTED", "NodeApp", "create_app", "cross_site"]
 
@@ -296,17 +296,17 @@ def create_app(
     async def end_episode(episode_id: str) -> Response:
         """Release the episode (its next step claims anew); 404 when it has no assignment."""
         s = svc()
-        try:
-            info = await s.claims.lookup(episode_id)
-            if info is None:
+        try:  # at its owner, wherever this request arrived (Routing.end)
+            device = await s.routing.end(episode_id)
+            if device is None:
                 return error(404, "not_found", f"episode {episode_id!r} has no live assignment")
-            await s.claims.release(episode_id, info.token, reason="end")
         except InvalidArgument as exc:
             return error(422, "bad_input", str(exc), field="episode_id")
         except (UnknownEpisode, StaleToken) as exc:
             return error(409, "changed", f"{exc}; try again")
-        s.dispatcher.release(episode_id)
-        return JSONResponse({"episode_id": episode_id, "released": True, "device": info.device})
+        except Unavailable as exc:
+            return error(503, exc.reason, str(exc), retry_after=exc.retry_after)
+        return JSONResponse({"episode_id": episode_id, "released": True, "device": device})
 
     @api.get("/episodes/{episode_id:path}")
     async def get_episode(episode_id: str) -> Response:

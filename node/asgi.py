@@ -49,15 +49,25 @@ class ClientGone(Exception):
         super().__init__("the client closed its connection")
 
 
+WATCH_AFTER_S = 0.01
+"""A step still running after this long gets a task watching its connection; a quicker one
+only has its connection checked once it finished (no task per step)."""
+
+
 async def while_connected(receive: Receive, work: Awaitable[T]) -> T:
     """Await ``work`` (in this task) while the client's connection stays open; call it
     once the request body has been read. A close cancels ``work`` and raises
     :class:`ClientGone`, as does a close seen the moment ``work`` finished (with its
-    result, so that the caller can undo what no one will receive)."""
+    result, so that the caller can undo what no one will receive).
+
+    Work that ends within :data:`WATCH_AFTER_S` is not watched while it runs: its
+    connection is checked once, when it finished (:func:`_closed_now`), which costs no task;
+    longer work gets a task awaiting ``receive()``, so that a close cancels it at once."""
     task = asyncio.current_task()
     assert task is not None
     watching = True
     gone = False
+    watch: asyncio.Future[Any] | None = None
 
     def closed(watch: asyncio.Future[Any]) -> None:
         nonlocal gone
@@ -65,8 +75,12 @@ async def while_connected(receive: Receive, work: Awaitable[T]) -> T:
             gone = True
             task.cancel()
 
-    watch = asyncio.ensure_future(receive())
-    watch.add_done_callback(closed)
+    def start() -> None:
+        nonlocal watch
+        watch = asyncio.ensure_future(receive())
+        watch.add_done_callback(closed)
+
+    timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, start)
     try:
         result = await work
     except asyncio.CancelledError:
@@ -76,11 +90,36 @@ async def while_connected(receive: Receive, work: Awaitable[T]) -> T:
         raise ClientGone() from None
     finally:
         watching = False
-        seen = watch.done() and not watch.cancelled()
-        watch.cancel()
+        timer.cancel()
+        if watch is None:
+            seen = None
+        else:
+            seen = watch.done() and not watch.cancelled()
+            watch.cancel()
+    if seen is None:
+        seen = _closed_now(receive)
     if seen:  # closed as the work finished: its callback had not run yet
         raise ClientGone(result)
     return result
+
+
+def _closed_now(receive: Receive) -> bool:
+    """Whether ``receive()`` answers ``http.disconnect`` without waiting: run its coroutine
+    up to its first suspension and close it there. A server's ``receive`` returns at once
+    once the connection closed (uvicorn, httpx's ASGI transport); one that is not a plain
+    coroutine is awaited in a task, as long work is."""
+    probe = receive()
+    send = getattr(probe, "send", None)
+    if send is None:  # not a coroutine: nothing to step through without a task
+        asyncio.ensure_future(probe).cancel()
+        return False
+    try:
+        send(None)  # suspended: the connection is open (the future it waits on is dropped)
+    except StopIteration as done:
+        return isinstance(done.value, dict) and done.value.get("type") == "http.disconnect"
+    finally:
+        probe.close()  # type: ignore[attr-defined]
+    return False
 
 
 def header(scope: Scope, name: bytes) -> str | None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from affinity import ModelId, Registry, UnknownModel
 from affinity.models import check_model_part
+from affinity.registry import Held
 from node.dispatcher import Arrival, CrashTracker, MultiGpuDispatcher
 from node.policy import PolicyContract, TensorSpec, resolve_model
 
@@ -253,11 +254,15 @@ class Dispatchers:
     has state in at most one), a step to its model's. A device is down when any of its
     models' crash trackers has it down."""
 
-    def __init__(self, by_model: Mapping[str, MultiGpuDispatcher]) -> None:
+    def __init__(
+        self, by_model: Mapping[str, MultiGpuDispatcher], ids: Mapping[str, str] | None = None
+    ) -> None:
         if not by_model:
             raise ValueError("a node serves at least one model")
         self.by_model = dict(by_model)
         self.first = next(iter(self.by_model.values()))
+        # name -> "name@version" served (what Redis holds in its episodes' values)
+        self.ids: dict[str, str] = dict(ids or {})
 
     def of(self, name: str) -> MultiGpuDispatcher:
         """The dispatcher of model ``name`` (KeyError when this node does not serve it)."""
@@ -290,6 +295,23 @@ class Dispatchers:
     def episodes(self) -> list[tuple[str, int, str]]:
         return [e for d in self.all() for e in d.episodes()]
 
+    def claim_of(self, episode: str) -> tuple[str, int, str, str] | None:
+        """The claim (device, token, claim id, ``"name@version"``) of the record held here
+        for ``episode``, if any (``node/ownership.py``)."""
+        for name, d in self.by_model.items():
+            claim = d.claim_of(episode)
+            if claim is not None:
+                return (*claim, self.ids.get(name, ""))
+        return None
+
+    def held(self) -> list[tuple[Held, float]]:
+        """Every record held here: its claim, model included, and when it was last used."""
+        return [
+            (Held(ep, device, token, claim, self.ids.get(name, "")), used)
+            for name, d in self.by_model.items()
+            for ep, device, token, claim, used in d.held()
+        ]
+
     def arrival(self) -> Arrival:
         return self.first.arrival()
 
@@ -303,8 +325,8 @@ class Dispatchers:
     def release(self, episode: str) -> bool:
         return any([d.release(episode) for d in self.all()])
 
-    def expire_idle(self) -> int:
-        return sum(d.expire_idle() for d in self.all())
+    def expire_idle(self) -> list[tuple[str, int]]:
+        return [e for d in self.all() for e in d.expire_idle()]
 
     def drop_all(self) -> int:
         return sum(d.drop_all() for d in self.all())

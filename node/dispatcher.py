@@ -409,6 +409,19 @@ class MultiGpuDispatcher:
             st = self._states.get(episode)
             return st is not None and st.holds(device, token, claim)
 
+    def claim_of(self, episode: str) -> tuple[str, int, str] | None:
+        """The claim (device, token, claim id) of the record held here, if any."""
+        with self._lock:
+            st = self._states.get(episode)
+            return None if st is None else (st.device, st.token, st.claim)
+
+    def held(self) -> list[tuple[str, str, int, str, float]]:
+        """(episode, device, token, claim id, last used) of every record held here."""
+        with self._lock:
+            return [
+                (ep, st.device, st.token, st.claim, st.last_used) for ep, st in self._states.items()
+            ]
+
     def state_of(self, episode: str) -> dict[str, Array] | None:
         """A copy of the recurrent state held here for ``episode``, if any."""
         with self._lock:
@@ -551,6 +564,7 @@ class MultiGpuDispatcher:
                     episode, self._states.get(episode), device, token, claim, fresh, seq
                 )
                 if decision[0] == "replay":
+                    self._states[episode].pinned = True  # delivered now: never undone
                     return decision[1]
                 if mode is not None and decision[1] is not None:
                     served = self._from_buffer(dev, episode, decision[1], mode, origin)
@@ -750,6 +764,8 @@ class MultiGpuDispatcher:
                 error = exc
             else:
                 if decision[0] == "replay":
+                    assert st is not None
+                    st.pinned = True  # delivered now: never undone
                     result = decision[1]
                 else:
                     base, reset = decision[1], decision[2]
@@ -985,15 +1001,22 @@ class MultiGpuDispatcher:
                 dev.recent.pop(episode, None)
         return st is not None
 
-    def expire_idle(self) -> int:
-        """Drop the state of episodes idle for longer than ``idle_ttl_s``; return how many."""
+    def expire_idle(self) -> list[tuple[str, int]]:
+        """Drop the records of episodes idle for longer than ``idle_ttl_s`` (none with a
+        step in flight); return their (episode, token), for the owner to release."""
         cutoff = self.clock() - self.idle_ttl_s
         with self._lock:
-            stale = [ep for ep, st in self._states.items() if st.last_used < cutoff]
+            stale = [
+                ep
+                for ep, st in self._states.items()
+                if st.last_used < cutoff and ep not in self._in_flight
+            ]
+            out = []
             for ep in stale:
                 st = self._states.pop(ep)
                 self._devices[st.device].live.discard(ep)
-        return len(stale)
+                out.append((ep, st.token))
+        return out
 
     def drop_all(self) -> int:
         """Drop every episode's state (self-fencing); return how many."""

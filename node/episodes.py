@@ -63,6 +63,7 @@ class Episode:
     doubt: bool = False  # an undo came too late: the next step says state_reset
     sent: tuple[Array, float] | None = None  # RTC: the [H, D] chunk last sent, and when
     latency: tuple[float, ...] = ()  # RTC: the latest step latencies (seconds), oldest first
+    pinned: bool = False  # step ``seq``'s reply was replayed to a retry: never undone
 
     def holds(self, device: str, token: int, claim: str) -> bool:
         """Whether this record serves the claim (device, token, claim id)."""
@@ -144,8 +145,11 @@ def undone(record: Episode, seq: int | None, origin: str | None) -> Episode | No
     """The record once step ``seq`` (or the step applied by forward ``origin``) is undone:
     its previous record, or ``record`` marked in doubt when a later step was applied
     meanwhile (the next step says ``state_reset``). None: nothing to undo (the step was
-    never applied, or was undone already)."""
+    never applied, was undone already, or its reply was replayed to a retry, which
+    delivered it)."""
     matches = record.seq == seq if origin is None else (origin != "" and record.origin == origin)
+    if matches and record.pinned:
+        return None  # a retry got its reply replayed: the step counts, whatever befell the first
     if matches and record.previous is not None:
         return record.previous
     if seq is not None and record.seq > seq and origin is None:

@@ -62,7 +62,10 @@ class Forward:
     id issued with the token; ``instance``: the process Redis says holds the owner's
     registration, which the owner checks is itself). ``origin`` is a
     random id of this forward; ``undo`` asks the owner to undo the step that forward
-    ``origin`` applied (the router could not deliver its reply; ``inputs`` are empty)."""
+    ``origin`` applied (the router could not deliver its reply; ``inputs`` are empty);
+    ``restart`` asks the owner to start the episode over (it makes the fresh claim, so no
+    other node serves the episode while the owner still holds it); ``release`` asks the
+    owner to end the episode (a release sent to another node; ``inputs`` are empty)."""
 
     episode: str
     token: int
@@ -80,9 +83,13 @@ class Forward:
     undo: bool = False
     claim: str = ""
     instance: str = ""
-    model: str = ""  # "name@version" of the assignment ("": a fleet without models)
+    # "name@version" of the assignment ("": a fleet without models); for a restart, the
+    # model the step names ("name" or "name@version"), which the owner's fresh claim takes
+    model: str = ""
     rtc: Ask | None = None  # the client's real-time-chunking values (the owner checks them)
     elapsed_s: float = 0.0  # how long the router had the step before forwarding it
+    restart: bool = False  # start the episode over: the owner makes the fresh claim
+    release: bool = False  # end the episode (``POST /episodes/<id>/end`` at another node)
 
     def encode(self) -> bytes:
         return wire.encode(
@@ -108,6 +115,8 @@ class Forward:
                     self.rtc.executed, self.rtc.delay, self.rtc.control_hz
                 ],
                 "elapsed_ms": round(self.elapsed_s * 1000, 3),
+                "restart": self.restart,
+                "release": self.release,
             }
         )  # fmt: skip
 
@@ -168,9 +177,12 @@ class Forward:
             model=model,
             rtc=None if rtc is None else Ask(*rtc),
             elapsed_s=float(elapsed) / 1000,
+            restart=doc.get("restart") is True,
+            release=doc.get("release") is True,
         )
 
     def step(self, deadline: float) -> Step:
+        name, _, version = self.model.partition("@")
         return Step(
             episode=self.episode,
             inputs=self.inputs,
@@ -182,8 +194,10 @@ class Forward:
             ensemble=self.ensemble,
             seq=self.seq,
             origin=self.origin,
-            model=self.model.partition("@")[0] or None,
+            model=name or None,
+            version=version or None,
             rtc=self.rtc,
+            restart=self.restart,
         )
 
 

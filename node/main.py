@@ -137,7 +137,7 @@ _FLAGS = (
     _Flag("--weight", "AFFINITY_WEIGHT", 1, "share of new episodes per device", int,
           low=1, high=MAX_WEIGHT),
     _Flag("--episode-ttl", "AFFINITY_EPISODE_TTL", 300.0,
-          "seconds idle before an episode's assignment expires", float, positive=True),
+          "seconds idle before an episode's owner ends it", float, positive=True),
     _Flag("--lease-ttl", "AFFINITY_LEASE_TTL", 10.0,
           "seconds of the node's lease (renewed every third)", float, positive=True),
     _Flag("--act-deadline", "AFFINITY_ACT_DEADLINE", 5.0,

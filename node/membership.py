@@ -35,9 +35,11 @@ from affinity import (
     Registry,
     __version__,
 )
+from affinity.registry import Held
 from node.catalog import Dispatchers
 from node.config import NodeConfig
 from node.metrics import Metrics
+from node.ownership import Ownership
 from node.step import Unavailable
 
 __all__ = ["EXIT_CONFLICT", "VERSION", "Membership"]
@@ -80,6 +82,14 @@ class Membership:
         self._handing: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.ownership = Ownership(
+            self.node_id,
+            config.advertise_url,
+            config.settings.lease_ttl_s,
+            registry,
+            dispatcher,
+            clock,
+        )
 
     # ---- lease -----------------------------------------------------------------------
 
@@ -97,6 +107,7 @@ class Membership:
         if not self._fenced_logged:
             self._fenced_logged = True
             dropped = self.dispatcher.drop_all()
+            self.ownership.drop()
             self.metrics.fenced.set(1)
             if self.registered:
                 log.error(
@@ -107,6 +118,17 @@ class Membership:
                     dropped,
                 )
         return True
+
+    def authority(self) -> bool:
+        """Whether this instance may serve the episodes it holds from memory now: it is
+        registered, its lease is valid by its own conservative clock, it is not leaving,
+        and no other instance holds its node id."""
+        return (
+            self.registered
+            and not self.leaving
+            and self.conflict is None
+            and self.clock() < self.lease_deadline
+        )
 
     def check_lease(self) -> None:
         """Raise :class:`Unavailable` (``fenced``) unless the lease is current."""
@@ -119,15 +141,43 @@ class Membership:
         that lost its registration may have lost its episodes to other devices."""
         await self.registry.check_secret(self.config.cluster_secret)  # SecretMismatch
         sent = self.clock()
-        self.dispatcher.drop_all()
-        await self.registry.register(
+        # Within its own lease (Redis lost its data: nobody can have taken an episode over,
+        # and the grace period holds new claims back), the episodes held here are kept and
+        # re-asserted in the same script; otherwise they may be another node's by now.
+        own_until = self.lease_deadline
+        keep = self.registered and self.conflict is None and sent < own_until
+        held: list[Held] = []
+        if keep:
+            held = [h for h, _ in self.dispatcher.held()]
+        else:
+            self.dispatcher.drop_all()
+            self.ownership.drop()
+        done = await self.registry.register(
             self.node_id,
             self.config.advertise_url,
             self.registrations(),
             VERSION,
             instance=self.instance,
             models=self.models,
+            episodes=held,
         )
+        if held and self.clock() >= own_until:  # answered after this node's own lease ended
+            self.dispatcher.drop_all()
+            self.ownership.drop()
+        else:
+            for episode in done.lost:
+                self.dispatcher.release(episode)
+        if held:
+            log.warning(
+                "node %s re-registered within its lease (Redis lost its data?): re-asserted "
+                "%d episode(s), %d held by another claim now and dropped; grace period %.1fs",
+                self.node_id,
+                len(held) - len(done.lost),
+                len(done.lost),
+                done.grace_ms / 1000,
+            )
+        self.ownership.grace_ms = done.grace_ms
+        self.ownership.flushed_at = sent  # every backstop of what is held is fresh now
         self.lease_deadline = sent + self.lease_s
         self.registered = True
         self._fenced_logged = False
@@ -246,7 +296,10 @@ class Membership:
             await asyncio.sleep(min(1.0, self.config.renew_every_s))
             try:
                 self.fenced()
-                self.dispatcher.expire_idle()
+                try:
+                    await self.ownership.flush(self.instance, self.registered)
+                except AffinityError as exc:  # kept for the next flush
+                    log.warning("flush of node %s failed: %s", self.node_id, exc)
                 async with asyncio.timeout(self.config.act_deadline_s):
                     for device in await self.dispatcher.probe():
                         log.info("device %s passed its probe", device)

@@ -32,6 +32,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 from affinity import (
     Assignment,
@@ -42,6 +43,7 @@ from affinity import (
     ModelId,
     NoCapacity,
     PoolExhausted,
+    Recovering,
     StaleToken,
     UnknownEpisode,
     UnknownModel,
@@ -59,18 +61,34 @@ from node.policy import InvalidInput, PolicyContract, inputs_from_arrays
 from node.rtc import Ask
 from node.step import Refused, Reply, Step, Unavailable
 
-__all__ = ["FORWARD_MARGIN_S", "TRANSIENT", "UNDO_S", "Routing"]
+__all__ = ["FORWARD_MARGIN_S", "MAX_HINTS", "TRANSIENT", "UNDO_S", "Routing"]
 
 log = logging.getLogger("affinity.node")
 
 FORWARD_MARGIN_S = 0.05
 """Kept back from a forwarded step's budget for the owner's reply to reach the router."""
 
+STALE_HINT = frozenset({"fenced", "leaving", "device_down", "unknown_device"})
+"""What an owner named by a hint may answer that sends the router to Redis (once). An
+unreachable one is not retried: the hint is gone, so the client's retry resolves."""
+
+MAX_HINTS = 65_536
+"""How many episodes' owners a router remembers (the oldest is forgotten first)."""
+
 UNDO_S = 0.5
 """How long a router waits for the owner to confirm an undo before answering its client."""
 
 TRANSIENT = frozenset(
-    {"owner_unreachable", "owner_refused", "redis", "full", "no_nodes", "fenced", "device_down"}
+    {
+        "owner_unreachable",
+        "owner_refused",
+        "redis",
+        "full",
+        "no_nodes",
+        "fenced",
+        "device_down",
+        "recovering",
+    }
 )
 """503 reasons worth retrying inside the node for clients that cannot retry themselves."""
 
@@ -105,6 +123,7 @@ class Routing:
         ids = catalog.local_ids() if catalog else []
         self.models = {m.name: str(m) for m in ids}
         self.local_devices = frozenset(dispatcher.devices)
+        self.ownership = membership.ownership
         self.admission = (
             Admission(
                 config.admission_wait_s, clock=clock, on_waiting=metrics.admission_waiting.set
@@ -114,6 +133,12 @@ class Routing:
         )
         self._rr = 0
         self.peers = PeerHealth()
+        self._restarting: dict[str, int] = {}  # episodes whose restart claim is in flight
+        self.hints: dict[str, Assignment] = {}
+        """Episode -> its owner elsewhere, as the last forward found it (oldest first):
+        where this router forwards next without asking Redis. Never authority: the owner
+        checks the claim and answers 409 when it does not hold it, and this router
+        resolves again."""
 
     # ---- the router ------------------------------------------------------------------
 
@@ -170,18 +195,84 @@ class Routing:
                 "deadline", f"no answer within {self.config.act_deadline_s}s", 1.0
             ) from None
 
-    async def _route(self, step: Step, arrival: Arrival) -> Reply:
+    async def _route(self, step: Step, arrival: Arrival, *, owner: bool = False) -> Reply:
+        """``owner``: a restart forwarded here by a router that found this node the owner."""
         self.membership.check_lease()
         if step.episode is None:
             return await self._stateless(step, arrival)
+        if step.restart:
+            # only the owner starts its episode over: it drops what it holds, then claims
+            # anew, so no node serves the old claim from memory meanwhile
+            if not owner:
+                try:  # the episode's own model: a restart may name any
+                    current = await self._resolve(step.episode, claim=False)
+                except UnknownEpisode:
+                    current = None
+                if current is not None and current.node != self.node_id:
+                    return await self._forward(current, step, arrival, retry=True)
+            self.hints.pop(step.episode, None)
+            self._restarting[step.episode] = self._restarting.get(step.episode, 0) + 1
+            try:  # not served from memory meanwhile; the fresh claim replaces the record
+                a = await self._resolve(
+                    step.episode,
+                    restart=True,
+                    deadline=step.deadline,
+                    model=step.model or self.first_model,
+                    version=step.version or "",
+                )
+            finally:
+                left = self._restarting.pop(step.episode) - 1
+                if left:
+                    self._restarting[step.episode] = left
+            if a.node != self.node_id:
+                self.dispatcher.release(step.episode)  # the new owner is another node
+            return await self._routed(a, replace(step, restart=False), arrival)
+        elif self.membership.authority() and step.episode not in self._restarting:
+            # the owner serves the episodes it holds from memory (node/ownership.py); a
+            # router forwards to where the episode was last time (the owner checks it)
+            held = self.ownership.serving(step.episode, self.membership.instance)
+            if held is not None:
+                if self._names_other(step, held.model):
+                    raise Refused(
+                        409,
+                        "model_conflict",
+                        str(ModelConflict(step.episode, held.model, self._asked(step))),
+                    )
+                return await self._serve(held, step, arrival)
+            hint = self.hints.get(step.episode)
+            if hint is not None and not self._names_other(step, hint.model):
+                # (a hint of another model or version: Redis answers, 409 or a new place)
+                try:
+                    return await self._forward(hint, step, arrival, retry=True)
+                except Unavailable as exc:
+                    if exc.reason not in STALE_HINT:
+                        raise
+                    # the owner it names cannot serve (it left, fenced, is gone): ask Redis
         a = await self._resolve(
             step.episode,
-            restart=step.restart,
             claim=not step.live_only,
             deadline=step.deadline,
             model=step.model or self.first_model,
             version=step.version or "",
         )
+        return await self._routed(a, step, arrival)
+
+    def _asked(self, step: Step) -> str:
+        """The model a step names: ``"name@version"``, or its name alone."""
+        name = step.model or self.first_model
+        return f"{name}@{step.version}" if step.version else name
+
+    def _names_other(self, step: Step, model: str) -> bool:
+        """Whether ``step`` names another model name or version than ``model`` (an
+        episode's ``"name@version"``; ``""``: a fleet without models), as resolve.lua
+        decides it (``model_conflict``)."""
+        if not model:
+            return False
+        name, _, version = model.partition("@")
+        return (step.model or self.first_model) != name or (step.version or version) != version
+
+    async def _routed(self, a: Assignment, step: Step, arrival: Arrival) -> Reply:
+        """Serve or forward the step of ``a``, which Redis has just decided."""
         if a.node == self.node_id:
             self.membership.check_instance(a.instance)  # the registration must be this one's
         if a.node != self.node_id:
@@ -240,6 +331,8 @@ class Routing:
             raise Unavailable("busy", str(exc), 1.0) from exc
         except BackendUnavailable as exc:
             raise Unavailable("redis", str(exc), 1.0) from exc
+        except Recovering as exc:
+            raise Unavailable("recovering", str(exc), max(1.0, exc.retry_after_s)) from exc
         except NoCapacity as exc:
             if exc.reason == "no_nodes":
                 raise Unavailable("no_nodes", str(exc), 1.0) from exc
@@ -367,6 +460,52 @@ class Routing:
             problem = f"{type(exc).__name__}: {exc}"
         log.warning("could not tell %s to undo a step of %r (%s)", url, episode, problem)
 
+    async def end(self, episode: str) -> str | None:
+        """End ``episode`` where it lives (``POST /episodes/<id>/end`` on any node): its
+        owner drops it, then releases it in Redis, token-checked; a release sent to
+        another node is forwarded to the owner, so no owner keeps serving from memory an
+        episode Redis gave up. Returns the device it was on, None when Redis holds no
+        assignment. Raises ``StaleToken``/``UnknownEpisode`` (it changed meanwhile),
+        ``BackendUnavailable``, :class:`Unavailable` (an owner alive but unreachable)."""
+        info = await self.claims.lookup(episode)
+        if info is None:
+            return None
+        if info.node == self.node_id or not info.alive:  # nobody serves it from memory elsewhere
+            await self._end_here(episode, info.token, strict=True)
+            return info.device
+        body = Forward(episode, info.token, info.device, "hit", {}, UNDO_S, release=True)
+        try:
+            async with asyncio.timeout(self.config.act_deadline_s):
+                resp = await self.pool.post(info.url, body.encode())
+        except (TimeoutError, ForwardError) as exc:
+            raise Unavailable(
+                "owner_unreachable",
+                f"episode {episode!r} is owned by {info.node} ({info.url}), which did not "
+                f"answer: {exc}",
+                1.0,
+            ) from exc
+        if resp.status != 204:
+            code, message = _error_of(resp)
+            raise Unavailable(code, f"owner {info.node} answered {resp.status}: {message}", 1.0)
+        return info.device
+
+    async def _end_here(self, episode: str, token: int, *, strict: bool = False) -> None:
+        """Drop the record of ``episode`` if it serves ``token``, then release it in Redis
+        (``strict``: raise what the release raises)."""
+        claim = self.dispatcher.claim_of(episode)
+        if claim is None or claim[1] == token:
+            self.dispatcher.release(episode)
+        self.hints.pop(episode, None)
+        if strict:
+            await self.claims.release(episode, token, reason="end")
+            return
+        try:
+            await self.claims.release(episode, token)
+        except (StaleToken, UnknownEpisode):
+            pass
+        except BackendUnavailable as exc:  # its backstop ends it instead
+            log.warning("could not release %s: %s", episode, exc)
+
     async def end_episode(self, episode: str, token: int) -> None:
         self.dispatcher.release(episode)
         try:
@@ -399,11 +538,13 @@ class Routing:
             origin=origin,
             claim=a.claim,
             instance=a.instance,
-            model=a.model,
+            model=self._asked(step) if step.restart else a.model,
             rtc=step.rtc,
             elapsed_s=0.0 if step.arrived is None else max(0.0, self.clock() - step.arrived),
+            restart=step.restart,
         ).encode()
         arrival.done()  # it leaves this node
+        self.hints.pop(a.episode, None)  # kept again only when this forward is answered
         try:
             resp = await self.pool.post(a.url, body)
         except asyncio.CancelledError:
@@ -431,18 +572,22 @@ class Routing:
                 raise Unavailable("owner_unreachable", f"owner {a.node}: {exc}", 1.0) from exc
             self.metrics.forwarded.labels("ok").inc()
             reply.origin = origin
+            self._hint(a, step.end or step.restart)
             return reply
         self.metrics.forwarded.labels("refused").inc()
         code, message = _error_of(resp)
         text = f"owner {a.node} answered {resp.status}: {message}"
         if code == "seq_conflict":
             raise Refused(409, code, message)
-        if resp.status in (409, 421):
+        if resp.status in (409, 421):  # not there (any more): ask Redis
             if not retry:
                 raise Unavailable("owner_refused", text, 1.0)
             # our view was stale: resolve once more
             again = await self._resolve(
-                a.episode, claim=not step.live_only, model=step.model or self.first_model
+                a.episode,
+                claim=not step.live_only,
+                model=step.model or self.first_model,
+                version=step.version or "",
             )
             if again.node == self.node_id:
                 return await self._serve(again, step, arrival)
@@ -450,6 +595,14 @@ class Routing:
         if resp.status == 503 or code == "bad_secret":  # the nodes' secrets differ: not the
             raise Unavailable(code, text, float(resp.headers.get("retry-after", "1")))  # client's
         raise Refused(resp.status, code, text)
+
+    def _hint(self, a: Assignment, ended: bool) -> None:
+        if ended:
+            self.hints.pop(a.episode, None)
+            return
+        if a.episode not in self.hints and len(self.hints) >= MAX_HINTS:
+            del self.hints[next(iter(self.hints))]
+        self.hints[a.episode] = a if a.status == "hit" else a._replace(status="hit", previous=None)
 
     # ---- the owner ---------------------------------------------------------------------
 
@@ -473,21 +626,25 @@ class Routing:
         if fwd.undo:
             self.dispatcher.undo(fwd.episode, origin=fwd.origin)
             return None
+        if fwd.release:
+            await self._end_here(fwd.episode, fwd.token)
+            return None
         name = fwd.model.partition("@")[0] or self.first_model
-        if name not in self.dispatcher.by_model:
+        rtc = fwd.rtc
+        if name in self.dispatcher.by_model:
+            try:  # the router checked them against the model; a node serving another one
+                inputs_from_arrays(self.dispatcher.of(name).contract, fwd.inputs)  # refuses
+            except InvalidInput as exc:  # them as the client's error (never a crash)
+                raise Refused(
+                    422, "bad_input", f"not an input of node {self.node_id}'s model: {exc}"
+                ) from None
+            try:  # checked against this node's model and --control-hz, as the inputs are
+                ask = fwd.rtc or Ask()
+                rtc = self.dispatcher.of(name).rtc_for(ask.executed, ask.delay, ask.control_hz)
+            except InvalidArgument as exc:
+                raise Refused(422, "bad_input", f"node {self.node_id}: {exc}") from None
+        elif not fwd.restart:  # a restart may name a model served elsewhere: its claim says
             raise Refused(421, "not_owner", f"node {self.node_id} does not serve model {name!r}")
-        try:  # the router checked them against the model; a node serving another one refuses
-            inputs_from_arrays(self.dispatcher.of(name).contract, fwd.inputs)  # them as the
-            # client's error (never a crash)
-        except InvalidInput as exc:
-            raise Refused(
-                422, "bad_input", f"not an input of node {self.node_id}'s model: {exc}"
-            ) from None
-        try:  # checked against this node's model and --control-hz, as the inputs are
-            ask = fwd.rtc or Ask()
-            rtc = self.dispatcher.of(name).rtc_for(ask.executed, ask.delay, ask.control_hz)
-        except InvalidArgument as exc:
-            raise Refused(422, "bad_input", f"node {self.node_id}: {exc}") from None
         arrival = self.dispatcher.arrival()
         try:
             async with asyncio.timeout(fwd.budget_s):
@@ -504,6 +661,10 @@ class Routing:
     ) -> Reply:
         self.membership.check_lease()
         self.membership.check_instance(fwd.instance)
+        step = fwd.step(self.clock() + fwd.budget_s)
+        step.rtc, step.arrived = rtc, arrived
+        if fwd.restart:  # the router found this node the owner: it starts the episode over
+            return await self._route(step, arrival, owner=True)
         if not self.dispatcher.holds(fwd.episode, fwd.device, fwd.token, fwd.claim):
             # a claim this node does not hold: obey Redis, which has the last word (a
             # forward that was in flight while the episode moved must never start a second
@@ -526,8 +687,6 @@ class Routing:
             raise Refused(409, "moved", f"node {self.node_id} handed {fwd.episode!r} over")
         a = Assignment(fwd.episode, fwd.routing, fwd.device, fwd.token, self.node_id, "", None,  # type: ignore[arg-type]
                        fwd.claim, fwd.instance, fwd.model)  # fmt: skip
-        step = fwd.step(self.clock() + fwd.budget_s)
-        step.rtc, step.arrived = rtc, arrived
         return await self._serve(a, step, arrival)
 
 

@@ -93,6 +93,7 @@ class NodeService:
         self.dispatcher = dispatcher = (
             made if isinstance(made, Dispatchers) else Dispatchers({next(iter(self.models)): made})
         )
+        dispatcher.ids = {name: str(mid) for name, (mid, _) in self.models.items()}
         self.membership = Membership(
             config,
             Registry(self.lease_redis, config.settings),
@@ -166,6 +167,10 @@ class NodeService:
                 "AFFINITY_CLUSTER_SECRET is unset: forwarded requests between nodes are "
                 "not authenticated"
             )
+        if not self.config.settings.redis_url:
+            # the embedded store is this process's own and new: nobody else can be serving
+            # its episodes, so the grace period an empty Redis gets does not apply
+            await self.registry.new_fleet()
         await self.membership.start()
 
     async def stop(self) -> None:

@@ -21,7 +21,7 @@ import pytest
 import redis
 import redis.asyncio
 
-from affinity import Claims, DeviceRegistration, Registry, Settings
+from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
 
 BACKENDS = ["fake", "real"]
 _session_redis: list[Any] = []  # this session's RedisServer, started on first use
@@ -57,11 +57,19 @@ def _stop_session_redis() -> Iterator[None]:
         _session_redis.pop().stop()
 
 
+def new_fleet(r: Any, namespace: str = "affinity") -> Any:
+    """Mark a flushed Redis as a new fleet's (``Registry.new_fleet``: its first claims do not
+    wait for the grace period an empty Redis gets); returns what ``SET`` returns (awaitable
+    on an async client)."""
+    return r.set(Keys(namespace).fleet, "0", nx=True)
+
+
 @pytest.fixture
 def real_redis_url() -> Iterator[str]:
     url = require_real_redis()
     r = redis.Redis.from_url(url)
     r.flushdb()
+    new_fleet(r)
     yield url
     r.flushdb()
     r.close()
@@ -151,10 +159,13 @@ class Env:
 
 
 async def make_client(backend: str) -> Any:
+    """A client on an empty Redis of ``backend`` marked as a new fleet's (:func:`new_fleet`)."""
     if backend == "fake":
-        return fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer(), decode_responses=True)
-    client = redis.asyncio.Redis.from_url(require_real_redis(), decode_responses=True)
-    await client.flushdb()
+        client = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    else:
+        client = redis.asyncio.Redis.from_url(require_real_redis(), decode_responses=True)
+        await client.flushdb()
+    await new_fleet(client)
     return client
 
 

@@ -20,6 +20,8 @@ import httpx
 import pytest
 import redis
 
+from affinity.keys import Keys
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -100,6 +102,7 @@ class RedisServer:
         if binary is None:
             pytest.fail("redis-server is not installed (bash .ci/run installs it)", pytrace=False)
         self.host = host
+        self.namespaces: tuple[str, ...] = ("affinity",)  # marked as new fleets by start()
         self.port = 6379 if netns else free_port(host)
         self.url = f"redis://{host}:{self.port}/0"
         self.proc = Proc(
@@ -124,10 +127,15 @@ class RedisServer:
             tmp / f"redis-{self.port}.log",
         )
 
-    def start(self) -> RedisServer:
+    def start(self, new_fleet: bool = True) -> RedisServer:
+        """Start the server; ``new_fleet`` marks it as a new fleet's (no grace period for
+        its first claims, see ``Registry.new_fleet``), which a restart does not."""
         self.proc.start()
         client = redis.Redis(host=self.host, port=self.port, socket_timeout=1)
         wait_until(client.ping, 10, f"redis-server on {self.port}")
+        if new_fleet:
+            for namespace in self.namespaces:
+                client.set(Keys(namespace).fleet, "0", nx=True)
         client.close()
         return self
 
@@ -135,8 +143,9 @@ class RedisServer:
         return redis.Redis(host=self.host, port=self.port, decode_responses=True, socket_timeout=2)
 
     def restart(self) -> None:
+        """Kill and start again, empty: Redis lost its data (the grace period follows)."""
         self.proc.stop(signal.SIGKILL)
-        self.start()
+        self.start(new_fleet=False)
 
     def stop(self) -> None:
         self.proc.stop(signal.SIGKILL)

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import redis
 
+from affinity.keys import Keys
 from tests.procs import Node, RedisServer, free_port, wait_until
 
 pytestmark = pytest.mark.integration
@@ -68,6 +69,7 @@ def acl_redis(tmp_path: Path) -> Iterator[int]:
     try:
         wait_until(admin.ping, 10, "redis with a password")
         admin.execute_command(*ACL_LINE.split())
+        admin.set(Keys().fleet, "0")  # a new fleet (as RedisServer.start() marks one)
         yield server.port
     finally:
         server.stop()
@@ -149,6 +151,7 @@ def test_node_and_cli_over_tls(tmp_path: Path) -> None:
     node = Node(tmp_path, "tls", url, devices="cpu:1")
     try:
         wait_until(redis.Redis.from_url(url).ping, 10, "redis over TLS")
+        redis.Redis.from_url(url).set(Keys().fleet, "0")  # a new fleet
         with pytest.raises(redis.exceptions.ConnectionError):
             redis.Redis(port=port, socket_timeout=2).ping()  # plain text is refused
         node.start()

@@ -15,10 +15,18 @@ from affinity import Keys
 from node.forward import SECRET_HEADER as SECRET
 from node.forward import Forward
 from node.policy import DEMO_MODEL, reference_rollout
+from tests.conftest import new_fleet
 from tests.inproc import Gate, InProcNode, Router, cluster, config
 
 pytestmark = pytest.mark.anyio
 KEYS = Keys()
+
+
+async def slid(node: InProcNode) -> None:
+    """The owner's flush with every episode it holds due for a slide."""
+    m = node.service.membership
+    m.ownership._slid.clear()
+    await m.ownership.flush(m.instance, m.registered)
 
 
 def forward(episode: str, token: int, device: str, routing: str) -> bytes:
@@ -85,8 +93,10 @@ async def test_token_change_resets_state(node: InProcNode, redis: Any) -> None:
     ref = reference_rollout(DEMO_MODEL, obs)
     first = (await node.act(episode_id="ep", inputs={"obs": obs[0].tolist()})).json()
     await node.act(episode_id="ep", inputs={"obs": obs[1].tolist()})
-    # as if the episode had been claimed anew elsewhere and back: same device, new token
+    # as if the episode had been claimed anew elsewhere and back: same device, new token;
+    # the owner serves from memory until its next slide of the episode finds it changed
     await redis.set(KEYS.episode("ep"), f"{first['device']} {first['token'] + 5}", px=60_000)
+    await slid(node)
     r = (await node.act(episode_id="ep", inputs={"obs": obs[0].tolist()})).json()
     assert r["state_reset"] is True and r["token"] == first["token"] + 5
     np.testing.assert_allclose(r["outputs"]["actions"], ref[0]["actions"], rtol=1e-5)
@@ -291,7 +301,8 @@ async def test_lost_assignment_is_a_reset_when_the_client_echoes_its_token(
     node: InProcNode, redis: Any
 ) -> None:
     first = (await node.act(episode_id="ep", inputs={"obs": [[0.3] * 8]})).json()
-    await redis.delete(KEYS.episode("ep"))  # as after Redis restarted empty
+    await redis.delete(KEYS.episode("ep"))  # as after a failover that lost the last claim
+    await slid(node)  # the owner's next slide of it finds it gone: it drops it
     r = (await node.act(episode_id="ep", inputs={"obs": [[0.3] * 8]}, token=first["token"])).json()
     assert r["routing"] == "claimed" and r["token"] > first["token"]
     assert r["state_reset"] is True
@@ -435,6 +446,7 @@ async def test_the_router_forwards_only_what_is_left_of_its_deadline(redis: Any)
             if r["node"] == "b":
                 break
         a.service.claims.resolve = stalled  # type: ignore[method-assign]
+        a.service.routing.hints.clear()  # so that it resolves (a hint skips Redis)
         sent.clear()
         assert (
             await a.act(episode_id=r["episode_id"], inputs={"obs": [[0.5] * 8]})
@@ -445,7 +457,7 @@ async def test_the_router_forwards_only_what_is_left_of_its_deadline(redis: Any)
 async def test_an_owner_obeys_redis_when_tokens_differ(
     two: tuple[list[InProcNode], Router], redis: Any
 ) -> None:
-    (a, _), _ = two
+    (a, b), _ = two
     obs = observations(11)
     for i in range(8):
         first = (await a.act(episode_id=f"fo{i}", inputs={"obs": obs[0].tolist()})).json()
@@ -453,8 +465,10 @@ async def test_an_owner_obeys_redis_when_tokens_differ(
             break
     ep = first["episode_id"]
     await a.act(episode_id=ep, inputs={"obs": obs[1].tolist()})
-    # a failover lost the last claim: Redis now holds an older token than the owner's state
+    # a failover lost the last claim: Redis now holds an older token than the owner's state;
+    # the owner learns it at its next slide of the episode, the router when b says so
     await redis.set(KEYS.episode(ep), f"{first['device']} {first['token'] - 1}", px=60_000)
+    await slid(b)
     r = await a.act(episode_id=ep, inputs={"obs": obs[0].tolist()})
     assert r.status_code == 200, r.text  # served at once, not refused until the state idles out
     assert r.json()["state_reset"] is True and r.json()["token"] == first["token"] - 1
@@ -603,6 +617,7 @@ async def test_a_re_registration_carries_the_crash_trackers_down_states(redis: A
         assert n.service.dispatcher.tracker("a/0").down
         # Redis lost the node (restarted empty, or its lease lapsed): it registers again
         await redis.flushdb()
+        await new_fleet(redis)  # no grace period: this test is about the device's state
         await n.service.membership.renew_once()
         assert await redis.hget(KEYS.device("a/0"), "state") == "down"
         r = await n.act(episode_id="after", inputs={"obs": [[0] * 8]})

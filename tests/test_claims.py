@@ -11,6 +11,7 @@ import pytest
 from affinity import (
     InvalidArgument,
     NoCapacity,
+    Recovering,
     Settings,
     StaleToken,
     UnknownDevice,
@@ -56,14 +57,17 @@ async def test_sliding_ttl(env: Env) -> None:
 
 
 async def test_real_ttl_expiry_frees_capacity(env: Env) -> None:
-    short = env.settings.with_(episode_ttl_s=0.15)
-    from affinity import Claims
-
-    claims = Claims(env.redis, short)
+    """Redis' own expiry (the backstop nobody slid) frees the slot: the key's expiry and
+    its load-set deadline are brought forward to 0.15 s (the backstop is minutes long)."""
+    claims = env.claims
     await env.node("a", 1, capacity=1)
     await claims.resolve("ep-1")
     with pytest.raises(NoCapacity):
         await claims.resolve("ep-2")
+    soon = int((await env.redis.time())[0] * 1000 + 150)
+    await env.redis.pexpireat(env.keys.episode("ep-1"), soon)
+    await env.redis.zadd(env.keys.load("a/0"), {"ep-1": soon})
+    await env.redis.zadd(env.keys.full, {"a/0": soon})
     await asyncio.sleep(0.3)
     assert await env.redis.get(env.keys.episode("ep-1")) is None
     assert (await claims.resolve("ep-2")).status == "claimed"
@@ -144,7 +148,7 @@ async def test_full_writes_nothing(env: Env) -> None:
 async def test_full_when_no_node(env: Env) -> None:
     with pytest.raises(NoCapacity):
         await env.claims.resolve("ep")
-    assert await env.snapshot() == {}
+    assert await env.snapshot() == {env.keys.fleet: "0"}  # the new fleet's marker only
 
 
 async def test_reassign_with_nowhere_to_go_writes_nothing(env: Env) -> None:
@@ -229,6 +233,8 @@ async def test_script_cache_flushed_between_calls(env: Env) -> None:
     assert await env.claims.lookup("ep") is not None
     await env.redis.script_flush()
     await env.registry.drain("a/0")
+    await env.redis.script_flush()
+    assert await env.registry.flush("a", "", [], [("ep", 1)]) is not None  # the owner's batch
 
 
 BAD_EPISODES = [
@@ -328,7 +334,7 @@ async def test_deregister_hands_episodes_over(env: Env) -> None:
     for e in on_a:
         key = env.keys.episode(e.episode)
         assert await env.redis.get(key) == f"a/0 {e.token} {e.claim} moved"
-        assert 0 < await env.redis.pttl(key) <= 60_000  # the same expiry as before
+        assert 0 < await env.redis.pttl(key) <= env.settings.backstop_ms  # as before
         moved = await env.claims.resolve(e.episode)
         assert (moved.status, moved.device, moved.previous) == ("reassigned", "b/0", "a/0")
         assert moved.token > e.token
@@ -430,13 +436,14 @@ async def test_a_namespace_with_quotes_and_backslashes(env: Env) -> None:
 
     odd = env.settings.with_(namespace="o'k\\x]]--")
     registry, claims = Registry(env.redis, odd), Claims(env.redis, odd)
+    assert await registry.new_fleet()
     await registry.register("a", "http://a", cpu_devices(1))
     a = await claims.resolve("ep")
     assert (a.status, a.device) == ("claimed", "a/0")
     assert await env.redis.get(odd.keys.episode("ep")) == f"a/0 {a.token} {a.claim}"
     assert (await claims.resolve("ep")).status == "hit"
     assert await claims.release("ep", a.token) == "a/0"
-    assert await env.redis.keys("{affinity}:*") == []
+    assert await env.redis.keys("{affinity}:*") == [env.keys.fleet]  # the fixture's marker
 
 
 async def test_a_silent_redis_is_bounded_by_the_deadline() -> None:
@@ -496,6 +503,7 @@ async def test_each_call_ends_at_its_own_deadline() -> None:
         async with asyncio.timeout(60):
             slow = asyncio.create_task(Claims(silent, long).resolve("a"))
             fast = asyncio.create_task(Claims(silent, short).resolve("b"))
+            await Registry(quick, short).new_fleet()
             await Registry(quick, short).register("n", "http://n", cpu_devices(1))
             assert (await Claims(quick, short).resolve("c")).status == "claimed"
             done, _ = await asyncio.wait({slow, fast}, return_when=asyncio.FIRST_COMPLETED)
@@ -540,3 +548,46 @@ async def test_a_resolve_that_never_claims_refuses_an_unknown_episode(env: Env) 
     await env.claims.release("known", a.token)
     with pytest.raises(UnknownEpisode):
         await env.claims.resolve("known", claim=False)
+
+
+async def test_the_owners_flush_slides_releases_and_answers_what_it_lost(env: Env) -> None:
+    from affinity.registry import Held
+
+    await env.registry.register("a", "http://a", cpu_devices(1, capacity=2), instance="i")
+    one, two = await env.claims.resolve("one"), await env.claims.resolve("two")
+    with pytest.raises(NoCapacity):
+        await env.claims.resolve("three")
+    key = env.keys.episode("one")
+    await env.redis.pexpire(key, 1000)
+    held = [
+        Held("one", one.device, one.token, one.claim),
+        Held("two", two.device, two.token, "another-claim"),
+    ]
+    done = await env.registry.flush("a", "i", held, [])
+    assert done is not None and done.lost == ["two"] and done.grace_ms == 0
+    assert await env.redis.pttl(key) > 1000  # slid back to the backstop
+    # a release with another token changes nothing; with its own it frees the slot at once
+    assert await env.registry.flush("a", "i", [], [("two", two.token + 1)]) is not None
+    assert await env.redis.get(env.keys.episode("two")) is not None
+    assert await env.registry.flush("a", "i", [], [("two", two.token)]) is not None
+    assert await env.redis.get(env.keys.episode("two")) is None
+    assert (await env.claims.resolve("three")).status == "claimed"
+    # another instance of the node id writes nothing
+    before = await env.snapshot()
+    assert await env.registry.flush("a", "other", [], [("one", one.token)]) is None
+    assert await env.snapshot() == before
+
+
+async def test_a_claim_during_the_grace_period_writes_nothing_but_hits_go_on(env: Env) -> None:
+    await env.node("a", 1)
+    await env.claims.resolve("kept")
+    await env.redis.delete(env.keys.fleet)  # Redis lost its data (the marker with it)
+    with pytest.raises(Recovering) as info:
+        await env.claims.resolve("new")
+    assert 0 < info.value.retry_after_s <= env.settings.lease_ttl_s
+    assert await env.redis.get(env.keys.episode("new")) is None
+    assert (await env.claims.resolve("kept")).status == "hit"
+    with pytest.raises(Recovering):  # the grace period runs on
+        await env.claims.resolve("new")
+    await env.redis.set(env.keys.fleet, "1")  # ... until its end (long past)
+    assert (await env.claims.resolve("new")).status == "claimed"

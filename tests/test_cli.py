@@ -74,6 +74,7 @@ async def populate(url: str, namespace: str = "affinity") -> dict[str, tuple[str
     settings = SETTINGS.with_(redis_url=url, namespace=namespace)
     registry, claims = Registry(client, settings), Claims(client, settings)
     try:
+        await registry.new_fleet()
         await registry.register("gone-c", "http://gone-c:8000", devices("gone-c", "cpu", 1, 4))
         await client.zadd(settings.keys.nodes, {"gone-c": 1})  # its lease lapsed
         await registry.register("gpu-a", "http://gpu-a:8000", devices("gpu-a", "cuda", 2, 4))
@@ -223,14 +224,14 @@ def test_episodes(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     rows = parse_table(out, ["EPISODE", "DEVICE", "TOKEN", "TTL LEFT", "MOVED", "MODEL"])
     assert {r["MOVED"] for r in rows} == {"no"}
     assert {r["EPISODE"]: (r["DEVICE"], int(r["TOKEN"])) for r in rows} == dep.placed
-    assert all(0 < float(r["TTL LEFT"].rstrip("s")) <= 300 for r in rows)
+    assert all(0 < float(r["TTL LEFT"].rstrip("s")) <= SETTINGS.backstop_ms / 1000 for r in rows)
 
     code, out, _ = cli(dep, capsys, "episodes", "--device", "gpu-a/0", "--json")
     assert code == 0
     on_a0 = {ep for ep, (d, _) in dep.placed.items() if d == "gpu-a/0"}
     listed = json.loads(out)
     assert on_a0 and {r["episode"] for r in listed} == on_a0
-    assert all(r["device"] == "gpu-a/0" and 0 < r["ttl_ms"] <= 300_000 for r in listed)
+    assert all(r["device"] == "gpu-a/0" and 0 < r["ttl_ms"] <= SETTINGS.backstop_ms for r in listed)
 
     code, out, _ = cli(dep, capsys, "--json", "episodes", "--node", "cpu-b")
     assert code == 0
@@ -255,14 +256,14 @@ def test_show(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     assert fields["token"] == str(token)
     assert fields["alive"] == "yes"
     assert fields["state"] == "active"
-    assert 0 < float(fields["ttl left"].rstrip("s")) <= 300
+    assert 0 < float(fields["ttl left"].rstrip("s")) <= SETTINGS.backstop_ms / 1000
 
     code, out, _ = cli(dep, capsys, "show", "ep-1", "--json")
     assert code == 0
     shown = json.loads(out)
     assert (shown["episode"], shown["device"], shown["token"]) == ("ep-1", device, token)
     assert shown["moved"] is False and fields["moved"] == "no"
-    assert shown["alive"] is True and 0 < shown["ttl_ms"] <= 300_000
+    assert shown["alive"] is True and 0 < shown["ttl_ms"] <= SETTINGS.backstop_ms
 
     code, out, err = cli(dep, capsys, "show", "ep-missing")
     assert (code, out) == (1, "")

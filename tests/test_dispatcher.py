@@ -205,7 +205,7 @@ async def test_release_expire_drop() -> None:
     clock.t += 5
     await d.step("n/0", "c", 3, True, obs(1))
     clock.t += 6
-    assert d.expire_idle() == 1  # b idle 11s, c idle 6s
+    assert len(d.expire_idle()) == 1  # b idle 11s, c idle 6s
     assert not d.has_state("b") and d.has_state("c")
     assert d.drop_all() == 1 and d.live_episodes("n/0") == 0
 
@@ -954,7 +954,7 @@ async def test_the_buffer_is_dropped_with_the_episodes_state() -> None:
 
     def expire() -> None:
         clock.t += 11
-        assert d.expire_idle() == 1
+        assert len(d.expire_idle()) == 1
 
     await d.step("n/0", "e", 1, True, obs(0))
     # a new token (reassigned): fresh state and buffer, reported

@@ -39,6 +39,21 @@ async def test_steps_are_numbered_and_a_retry_of_the_last_gets_its_reply_again()
     assert (r3.seq, act(r3), r3.replayed) == (3, 7.0, False), "the replay changed nothing"
 
 
+async def test_a_step_replayed_to_a_retry_is_never_undone_by_its_first_attempt() -> None:
+    """The first attempt's client left (its undo comes late, e.g. it ran after its
+    connection closed and was checked only then); a retry with the same seq got the reply
+    replayed meanwhile: that retry delivered the step, so the first attempt's undo is
+    refused and the episode goes on from step 2."""
+    d, _, _ = make(1)
+    await d.step("n/0", "ep", 7, True, obs(1), seq=1)
+    first = await d.step("n/0", "ep", 7, False, obs(2), seq=2)
+    again = await d.step("n/0", "ep", 7, False, obs(2), seq=2)
+    assert again.replayed
+    assert not d.undo("ep", first.seq)
+    r3 = await d.step("n/0", "ep", 7, False, obs(4), seq=3)
+    assert (r3.seq, act(r3)) == (3, 7.0)
+
+
 async def test_a_seq_that_is_neither_next_nor_last_is_a_conflict_and_changes_nothing() -> None:
     d, _, _ = make(1)
     await d.step("n/0", "ep", 7, True, obs(1), seq=1)
@@ -97,12 +112,13 @@ async def test_buffered_steps_are_numbered_replayed_and_undone() -> None:
     m = await d.step("n/0", "ep", 7, True, obs(0), seq=1)
     b = await d.step("n/0", "ep", 7, False, obs(0), seq=2)
     assert (m.source, b.source, b.seq) == ("model", "buffer", 2)
-    replay = await d.step("n/0", "ep", 7, False, obs(0), seq=2)
-    assert replay.replayed and np.array_equal(replay.outputs["actions"], b.outputs["actions"])
-    assert d.undo("ep", 2)
+    assert d.undo("ep", 2)  # its reply was lost: undone, buffer included
     again = await d.step("n/0", "ep", 7, False, obs(0), seq=2)
     assert not again.replayed and np.array_equal(again.outputs["actions"], b.outputs["actions"])
     np.testing.assert_array_equal(again.outputs["actions"][0], recorded_chunk(0, 0)[1])
+    replay = await d.step("n/0", "ep", 7, False, obs(0), seq=2)
+    assert replay.replayed and np.array_equal(replay.outputs["actions"], b.outputs["actions"])
+    assert not d.undo("ep", 2), "a step whose reply a retry got is not undone"
 
 
 def test_admit_and_undone_rules() -> None:

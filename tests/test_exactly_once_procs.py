@@ -208,17 +208,24 @@ def test_a_step_whose_connection_dropped_is_undone(tmp_path: Path) -> None:
 
 
 def test_two_processes_with_one_node_id_never_both_serve(tmp_path: Path) -> None:
-    """Item 5: original O and duplicate D of node id ``a`` (D waiting on O's lease); Redis
-    restarts empty and D registers. O must stop serving at its next step (the resolve names
-    D's instance), not at its next renewal: the client's view stays one consistent history
-    (every 200 is the model after exactly the steps served since the last reset)."""
+    """Item 5, with owner-authoritative hits: original O of node id ``a`` serves ``twins``
+    from memory; duplicate D waits on O's lease; Redis restarts empty and D registers,
+    which starts the grace period. D cannot claim ``twins`` during it (O may still serve it
+    from memory); O serves it until its renewal finds D's registration, then fences and
+    exits 4; after the grace D claims it anew (``state_reset``). Never both: once D served
+    a step O serves none, and the client's view stays one consistent history (every 200 is
+    the model after exactly the steps served since the last reset)."""
     redis = RedisServer(tmp_path)
-    lease = ["--lease-ttl", "30"]
+    lease = ["--lease-ttl", "15"]  # O renews every 5 s: D, trying each second, registers first
     original = Node(tmp_path, "a", redis.url, devices="cpu:1", extra=lease)
     duplicate = Node(tmp_path / "dup", "a", redis.url, devices="cpu:1", extra=lease)
     (tmp_path / "dup").mkdir()
     with running(redis, [original]):
         try:
+            obs = observations(5, 400)
+            first = step(original.url, "twins", obs[0])
+            assert first.status_code == 200, first.text
+            history, token = [obs[0]], first.json()["token"]
             duplicate.proc.start()
             time.sleep(1.0)  # D waits for O's lease
             redis.restart()  # empty: D's next try registers
@@ -229,22 +236,28 @@ def test_two_processes_with_one_node_id_never_both_serve(tmp_path: Path) -> None
                     if duplicate.ready():
                         break
                 time.sleep(0.1)
-            obs = observations(5, 3)
-            history: list[np.ndarray] = []
-            answers = []
-            for node, x in ((original, obs[0]), (duplicate, obs[1]), (original, obs[2])):
-                try:
-                    r = step(node.url, "twins", x, timeout=10)
-                except httpx.TransportError:  # O has exited (status 4)
-                    answers.append("gone")
-                    continue
-                answers.append(str(r.status_code))
-                if r.status_code != 200:
-                    assert r.json()["error"]["code"] == "fenced", r.text
-                    continue
-                history = [x] if r.json()["state_reset"] else [*history, x]
-                expect(history, r.json()["outputs"]["actions"])
-            assert answers[1] == "200" and answers[0] != "200" and answers[2] != "200", answers
+            answers: list[tuple[str, str]] = []
+            i = 1
+            while not any(who == "D" and code == "200" for who, code in answers):
+                assert i < len(obs), answers
+                for who, node in (("O", original), ("D", duplicate)):
+                    x, i = obs[i], i + 1
+                    body = {"episode_id": "twins", "inputs": {"obs": x.tolist()}, "token": token}
+                    try:  # the token echo tells a lost assignment from a new episode
+                        r = httpx.post(node.url + "/act", json=body, timeout=10)
+                    except httpx.TransportError:  # O has exited (status 4)
+                        answers.append((who, "gone"))
+                        continue
+                    answers.append((who, str(r.status_code)))
+                    if r.status_code != 200:
+                        assert r.json()["error"]["code"] in ("fenced", "recovering"), r.text
+                        continue
+                    token = r.json()["token"]
+                    history = [x] if r.json()["state_reset"] else [*history, x]
+                    expect(history, r.json()["outputs"]["actions"])
+                time.sleep(0.2)
+            by_d = answers.index(("D", "200"))
+            assert ("O", "200") not in answers[by_d:], answers
             assert original.proc.popen is not None
             assert original.proc.popen.wait(timeout=30) == 4
         finally:

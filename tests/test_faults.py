@@ -167,7 +167,13 @@ def test_two_processes_never_keep_one_node_id_after_redis_restarts_empty(tmp_pat
         # the one that stayed holds the registration, and serves
         wait_until(kept.ready, 30, "the other serves")
         assert redis.client().hget(KEYS.node("twin"), "url") == kept.url
-        r = httpx.post(kept.url + "/act", json={"episode_id": "t", "inputs": {"obs": [[0] * 8]}})
+        for _ in range(30):  # a new claim waits for the grace period after the restart
+            r = httpx.post(
+                kept.url + "/act", json={"episode_id": "t", "inputs": {"obs": [[0] * 8]}}
+            )
+            if r.status_code != 503 or r.json()["error"]["code"] != "recovering":
+                break
+            time.sleep(float(r.headers["retry-after"]))
         assert r.status_code == 200
     finally:
         first.stop()

@@ -8,7 +8,8 @@ from collections import Counter
 
 import pytest
 
-from affinity import ModelConflict, ModelId, NoCapacity, UnknownModel
+from affinity import ModelConflict, ModelId, NoCapacity, Recovering, UnknownModel
+from affinity.registry import Held
 from tests.conftest import Env, cpu_devices
 
 pytestmark = pytest.mark.anyio
@@ -210,3 +211,69 @@ async def test_a_node_that_stops_serving_a_model_loses_its_episodes_of_it(env: E
         await env.redis.zcard(env.keys.load("b/0")) + await env.redis.zcard(env.keys.load("b/1"))
         == 0
     )
+
+
+async def owner(env: Env, *models: ModelId) -> None:
+    """Node b, one device of capacity 1 serving ``models``, registered as instance "i"."""
+    await env.registry.register(
+        "b", "http://b.test:8000", cpu_devices(1, capacity=1, uuid_prefix="b"), version="t",
+        instance="i", models={m: '{"inputs": []}' for m in models},
+    )  # fmt: skip
+
+
+async def rings(env: Env, *models: ModelId) -> list[list[str]]:
+    return [await env.redis.zrange(env.keys.model_ring(str(m)), 0, -1) for m in models]
+
+
+async def test_the_owners_flush_keeps_the_model_and_frees_a_device_onto_all_its_rings(
+    env: Env,
+) -> None:
+    await owner(env, DEMO1, VLA)
+    d = await env.claims.resolve("d", model="demo")
+    assert await rings(env, DEMO1, VLA) == [[], []]  # full: out of both rings
+    value = await env.redis.get(env.keys.episode("d"))
+    assert value == f"b/0 {d.token} {d.claim} demo@v1"
+    held = Held("d", d.device, d.token, d.claim, d.model)
+    done = await env.registry.flush("b", "i", [held], [])
+    assert done is not None and done.lost == []
+    assert await env.redis.get(env.keys.episode("d")) == value  # slid, model kept
+    other = await env.registry.flush("b", "i", [held._replace(model="demo@v2")], [])
+    assert other is not None and other.lost == ["d"]  # another model's claim: not this one
+    assert await env.redis.get(env.keys.episode("d")) == value
+    done = await env.registry.flush("b", "i", [], [("d", d.token)])  # ended idle at b
+    assert done is not None and await env.redis.get(env.keys.episode("d")) is None
+    assert await rings(env, DEMO1, VLA) == [["b/0"], ["b/0"]]
+    assert await env.redis.zrange(env.keys.full, 0, -1) == []
+    assert (await env.claims.resolve("v", model="vla")).device == "b/0"
+
+
+async def test_a_reassert_keeps_each_episodes_model_and_counts_it_in_the_load(env: Env) -> None:
+    await owner(env, DEMO1, VLA)
+    d = await env.claims.resolve("d", model="demo")
+    value = await env.redis.get(env.keys.episode("d"))
+    for key in await env.redis.keys("{affinity}:*"):  # Redis lost its data
+        await env.redis.delete(key)
+    with pytest.raises(Recovering):  # the grace period holds claims of every model back
+        await env.claims.resolve("v", model="vla")
+    held = Held("d", d.device, d.token, d.claim, d.model)
+    other = Held("x", d.device, d.token + 1, "abc", "pi0@v1")  # a model b does not serve
+    await env.redis.set(env.keys.fleet, "99999999999999")  # a grace period that runs on
+    done = await env.registry.register(
+        "b", "http://b.test:8000", cpu_devices(1, capacity=1, uuid_prefix="b"), version="t",
+        instance="i", models={m: '{"inputs": []}' for m in (DEMO1, VLA)},
+        episodes=[held, other],
+    )  # fmt: skip
+    assert done.lost == ["x"] and done.grace_ms > 0
+    assert await env.redis.get(env.keys.episode("d")) == value
+    assert await env.redis.get(env.keys.episode("x")) is None
+    assert await env.redis.zrange(env.keys.load("b/0"), 0, -1) == ["d"]
+    assert await rings(env, DEMO1, VLA) == [[], []]  # the re-asserted episode fills b/0
+    assert await env.redis.zrange(env.keys.full, 0, -1) == ["b/0"]
+    for model in ("demo", "vla"):
+        with pytest.raises(Recovering):
+            await env.claims.resolve(f"new-{model}", model=model)
+    await env.redis.set(env.keys.fleet, "1")  # the grace period is over
+    with pytest.raises(NoCapacity):  # b/0 is full with the re-asserted episode
+        await env.claims.resolve("new", model="vla")
+    hit = await env.claims.resolve("d", model="demo")
+    assert (hit.status, hit.token, hit.model) == ("hit", d.token, "demo@v1")

@@ -55,6 +55,7 @@ def robots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Node]
     """One node per other robot's demo policy (each in its own namespace)."""
     tmp = tmp_path_factory.mktemp("openpi-robots")
     redis = RedisServer(tmp)
+    redis.namespaces = ("droid-demo", "aloha-demo")
     nodes = {
         model: Node(
             tmp,

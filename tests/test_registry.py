@@ -344,6 +344,7 @@ async def test_rebase_keeps_the_order_of_turns(env: Env) -> None:
     shifted = env.settings.with_(namespace="shifted")
     other = (Claims(env.redis, shifted), Registry(env.redis, shifted))
     runs = []
+    await other[1].new_fleet()
     for claims, registry in ((env.claims, env.registry), other):
         await registry.register("w", "http://w", cpu_devices(weights=[3, 1, 2], capacity=1000))
         for i in range(7):

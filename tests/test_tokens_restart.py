@@ -17,6 +17,7 @@ pytestmark = pytest.mark.integration
 async def claim_tokens(url: str, prefix: str, n: int) -> list[int]:
     client = redis.asyncio.Redis.from_url(url, decode_responses=True)
     settings = Settings(redis_url=url)
+    await Registry(client, settings).new_fleet()  # nobody serves: no grace period to wait out
     await Registry(client, settings).register(
         "a", "http://a", [DeviceRegistration(0, "cpu", "c", "u", "cpu", 0, capacity=100)]
     )

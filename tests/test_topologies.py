@@ -27,6 +27,7 @@ async def round_trip(url: str) -> None:
     settings = Settings(redis_url=url, redis_deadline_s=5)
     client = connect(settings)
     registry, claims = Registry(client, settings), Claims(client, settings)
+    assert await registry.new_fleet()  # a new fleet: no grace period for its first claims
     await registry.register("n", "http://n", cpu_devices(2, capacity=10))
     a = await claims.resolve("ep-1")
     assert a.status == "claimed"

@@ -1,6 +1,6 @@
 -- lib: what every script uses. affinity/scripts.py puts it where a script says `--@lib`,
 -- after the header of constants it generates for the deployment: PREFIX, the fixed keys
--- NODES RING FULL ROUTE EVENTS DEVICES TOKEN RR, the key prefixes EPISODE_KEY NODE_KEY
+-- NODES RING FULL ROUTE EVENTS DEVICES TOKEN RR MARKER, the key prefixes EPISODE_KEY NODE_KEY
 -- DEVICE_KEY LOAD_KEY MOVED_KEY RING_KEY VERSIONS_KEY ROLLOUT_KEY PICKS_KEY, TTL, LEASE,
 -- MAXLEN, and the value formats VALUE and ROUTED. Every
 -- key shares the namespace hash tag, hence one slot: scripts derive keys from ids
@@ -30,6 +30,13 @@ local function parse(value)
     local device, token, rest = string.match(value, VALUE)
     return device, token, string.sub(rest, -6) == ' moved', string.match(rest, '^ (%x+)') or '',
         string.match(rest, '^ %x+ (%S+@%S+)') or ''
+end
+
+-- the value an owner's re-assert (register.lua) or slide (flush.lua) writes for a claim it
+-- holds: the same as resolve.lua wrote for it
+local function value(device, token, claim, model)
+    return device .. ' ' .. token .. (claim ~= '' and ' ' .. claim or '')
+        .. (model ~= '' and ' ' .. model or '')
 end
 
 -- a < b in byte order (Lua's < follows the server's locale; Redis sorts members bytewise)
@@ -87,4 +94,25 @@ local function to_full(device, load)
         redis.call('ZREM', ring, device)
     end
     redis.call('ZADD', FULL, redis.call('ZRANGE', load, 0, 0, 'WITHSCORES')[2], device)
+end
+
+-- The fleet marker (MARKER) holds the end of the grace period after Redis lost its data
+-- ("0": none). Its absence means Redis lost its data (restarted empty, or failed over to a
+-- replica that never had it) or the fleet is new: the first script that finds it missing
+-- starts a grace period of one lease TTL. During it no claim is granted (owners that may
+-- still serve an episode re-register and re-assert their episodes first); returns the ms
+-- left of it, or nil when there is none.
+local function recovering(now_ms)
+    local grace = redis.call('GET', MARKER)
+    if not grace then
+        redis.call('SET', MARKER, int(now_ms + LEASE))
+        event('type', 'recovering', 'until', int(now_ms + LEASE),
+            'reason', 'fleet marker missing: Redis lost its data, or the fleet is new')
+        return LEASE
+    end
+    local left = tonumber(grace) - now_ms
+    if left > 0 then
+        return left
+    end
+    return nil
 end

@@ -10,16 +10,29 @@
 --          devices take episodes from the one RING); a version seen for the first time is
 --          added to VERSIONS_KEY .. name with this time (the newest takes new episodes
 --          unless the operator set weights)
--- ARGV[5..] 11 fields per device: index, kind, name, uuid, arch, memory, capacity, weight,
---          provider, state ("active" or "down", from the node's crash tracker), reason
+-- ARGV[5]  n, the number of devices
+-- ARGV[6..] 11 fields per device (n times): index, kind, name, uuid, arch, memory,
+--          capacity, weight, provider, state ("active" or "down", from the node's crash
+--          tracker), reason; then 5 fields per episode the node still serves from memory
+--          (re-registering within its lease, after Redis lost its data): episode, device,
+--          token, claim id, model ("name@version", "" = none)
 --
+-- The episodes are re-asserted: each one whose assignment is missing is written again (the
+-- same value, model included, the backstop expiry) and counted in its device's load set
+-- (a device it fills leaves the rings of all its models for full); one that Redis holds
+-- with the same value is kept; one that Redis gives to another claim (or that is on a
+-- device not registered now, or of a model the node no longer serves) is answered as lost:
+-- the node drops it. A missing fleet marker starts the grace period (lib.lua) in which no
+-- claim is granted meanwhile, so no other node can have claimed an episode that is
+-- re-asserted within it.
 -- An operator's drain (state "draining" and its reason) survives re-registration while
 -- the same GPU UUID sits at that index; a device the node registers "down" stays down
 -- and returns to that drain when it comes back up. Every device of this node id that the
 -- devices index holds and the node no longer registers is removed (its episodes are
 -- reassigned on their next request). Two processes must never hold one node id: while
 -- another instance's lease is current, nothing is written and -1 is returned.
--- Returns the lease deadline (ms, server time), or -1.
+-- Returns {lease deadline (ms, server time), grace ms left (0: none), lost episode...}, or
+-- {-1}.
 
 --@lib
 --@fleet
@@ -28,11 +41,13 @@ local node, url = string.sub(KEYS[1], #NODE_KEY + 1), ARGV[1]
 local now_ms = clock()
 notice_lapses(now_ms)
 if held_by_other(node, ARGV[3], now_ms) then
-    return -1
+    return {-1}
 end
+local grace = recovering(now_ms) or 0
 
 local listed, ids = {}, {}
-for i = 5, #ARGV, 11 do
+local last = 5 + 11 * tonumber(ARGV[5])
+for i = 6, last, 11 do
     local id = node .. '/' .. ARGV[i]
     local key = DEVICE_KEY .. id
     unenroll(id) -- out of the rings of the models it served until now
@@ -83,10 +98,27 @@ for m in string.gmatch(ARGV[4], '[^,]+') do
     redis.call('ZADD', VERSIONS_KEY .. name, 'NX', int(now_ms), version)
 end
 redis.call('ZADD', NODES, int(now_ms + LEASE), node)
+local lost = {}
+local deadline = int(now_ms + TTL)
+local served = ',' .. ARGV[4] .. ','
+for i = last + 1, #ARGV, 5 do
+    local episode, device, token, claim, model = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3],
+        ARGV[i + 4]
+    local key = EPISODE_KEY .. episode
+    local want = value(device, token, claim, model)
+    local current = redis.call('GET', key)
+    local serves = model == '' or string.find(served, ',' .. model .. ',', 1, true)
+    if listed[device] and serves and (not current or current == want) then
+        redis.call('SET', key, want, 'PXAT', deadline)
+        redis.call('ZADD', LOAD_KEY .. device, deadline, episode)
+    else
+        lost[#lost + 1] = episode
+    end
+end
 for _, id in ipairs(ids) do
     unenroll(id) -- re-enter at the current virtual time, with the weight registered now
     enroll(id, now_ms)
 end
 event('type', 'node-up', 'node', node, 'url', url, 'devices', table.concat(ids, ','),
     'models', ARGV[4])
-return now_ms + LEASE
+return {int(now_ms + LEASE), int(grace), unpack(lost)}

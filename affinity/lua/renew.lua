@@ -14,6 +14,7 @@
 
 local node = string.sub(KEYS[1], #NODE_KEY + 1)
 local now_ms = clock()
+recovering(now_ms) -- a renewal is often the first to find that Redis lost its data
 notice_lapses(now_ms)
 for _, ring in ipairs(node_rings(node)) do
     rebase(ring)

@@ -1,7 +1,7 @@
 -- resolve: hit, claim or reassign the device of one episode, in one atomic step.
 --
 -- KEYS[1]  {ns}:episode:<episode>  "<device> <token> <claim id> <model>" (or "... moved"),
---          PXAT idle deadline; the episode id is KEYS[1] less EPISODE_KEY
+--          PXAT backstop deadline; the episode id is KEYS[1] less EPISODE_KEY
 -- ARGV[1]  "1": restart (always a fresh assignment, status "claimed"); "2": never claim
 --          (an episode without an assignment answers "missing"); "" otherwise
 -- ARGV[2]  the claim id a new assignment gets (random hex from the caller): it tells this
@@ -22,7 +22,9 @@
 --               no longer serves the episode's model, or the episode was handed over: a new
 --               assignment with a fresh token, on a device that serves its (name, version)
 --   missing     ARGV[1] "2" and no assignment exists: nothing was written
--- or "full <reason>", reason "no_nodes" (no node holds a lease) or "at_capacity": no
+-- or "recovering <ms>": the fleet is in its grace period after Redis lost its data (lib.lua)
+-- and this would be a claim, of any model (nothing was written but the marker); or
+-- "full <reason>", reason "no_nodes" (no node holds a lease) or "at_capacity": no
 -- assignment was written (lapsed leases noticed, full devices re-checked may be);
 -- "conflict <model>": the episode is served with <model> and the step names another name
 -- or version (nothing written); "unknown": no node ever registered the model or version
@@ -232,6 +234,17 @@ local function assign(m, ring, chosen, score, node, cap, weight, url, live, prev
         .. ' ' .. m
 end
 
+-- No claim while the fleet recovers from a loss of Redis data (lib.lua): an owner may still
+-- serve the episode from memory and has not re-asserted it yet. A hit (above, or once the
+-- lapses are noticed below) is not held back.
+local wait
+if not (unseen and current and not restart) then
+    wait = recovering(now_ms)
+    if wait then
+        return 'recovering ' .. int(wait)
+    end
+end
+
 -- The common claim, a new episode with nothing to tidy up first (no lease seen to lapse,
 -- no full device due for a re-check), takes the ring's lowest member when it has room.
 local models = candidates()
@@ -255,6 +268,13 @@ if unseen then
         if reply then
             return reply
         end
+    end
+end
+
+if unseen and current and not restart then
+    wait = recovering(now_ms)
+    if wait then
+        return 'recovering ' .. int(wait)
     end
 end
 

@@ -1,0 +1,61 @@
+-- flush: what an owner tells Redis about the episodes it serves from memory, once a second
+-- at most, in one round trip (node/ownership.py).
+--
+-- KEYS[1]  {ns}:node:<node> (the node id is KEYS[1] less NODE_KEY)
+-- ARGV[1]  instance id of the owner process
+-- ARGV[2]  n, the number of episodes to slide
+-- ARGV[3..] 5 fields per episode to slide (n times): episode, device, token, claim id, model
+--          ("name@version", "" = none); then 2 fields per episode the owner ended for being
+--          idle: episode, token
+--
+-- Slides: an assignment Redis holds with the same value (model included) gets the backstop
+-- expiry again, and so does its load-set member; one Redis gives to another claim, or has lost outside a
+-- grace period (an operator released it), is answered as lost: the owner drops it. During
+-- a grace period (lib.lua) a lost one is written again, as a re-registration does.
+-- Releases: token-checked, as release.lua; the load slot is freed (a full device takes new
+-- episodes again, on the rings of all its models); a "release" event (reason "idle") says
+-- which.
+-- Returns {grace ms left (0: none), lost episode...}; {-1} (nothing written) when this
+-- instance holds no current lease on the node id: it renews or registers first.
+
+--@lib
+--@fleet
+
+local node = string.sub(KEYS[1], #NODE_KEY + 1)
+local now_ms = clock()
+if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[1] or not alive(node, now_ms) then
+    return {-1}
+end
+local grace = recovering(now_ms)
+local deadline = int(now_ms + TTL)
+local last = 2 + 5 * tonumber(ARGV[2])
+local lost = {}
+for i = 3, last, 5 do
+    local episode, device, token, claim, model = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3],
+        ARGV[i + 4]
+    local key = EPISODE_KEY .. episode
+    local want = value(device, token, claim, model)
+    local current = redis.call('GET', key)
+    if current == want or (not current and grace) then
+        redis.call('SET', key, want, 'PXAT', deadline)
+        redis.call('ZADD', LOAD_KEY .. device, deadline, episode)
+    else
+        lost[#lost + 1] = episode
+    end
+end
+for i = last + 1, #ARGV, 2 do
+    local episode, token = ARGV[i], ARGV[i + 1]
+    local key = EPISODE_KEY .. episode
+    local current = redis.call('GET', key)
+    if current then
+        local device, held, moved = parse(current)
+        if held == token and not moved then
+            redis.call('DEL', key)
+            redis.call('ZREM', LOAD_KEY .. device, episode)
+            freed(device, now_ms)
+            event('type', 'release', 'episode', episode, 'device', device, 'token', token,
+                'reason', 'idle')
+        end
+    end
+end
+return {int(grace or 0), unpack(lost)}

@@ -1,0 +1,209 @@
+"""Owner-authoritative hits (issue 22): Redis commands per step, and steps through a Redis
+pause (real redis-server, three real nodes, 64 live episodes).
+
+1. Commands per step: every episode steps for ``--seconds`` at its owner (the client sends
+   each step to the node that served the last one); ``INFO commandstats`` before and after
+   gives the commands Redis ran (those scripts ran included) and the scripts called, per
+   step. Goal: <= 1%.
+2. Redis SIGSTOPped for ``--pause`` seconds (lease ``--lease``) while every episode steps,
+   half of them at their owners and half through another node: failed steps (goal 0), the
+   slowest step during the pause against the p99 before it, and what a new episode gets
+   during the pause (a 503 with Retry-After).
+
+Usage: python -m bench.owner [--seconds 10] [--pause 3] [--lease 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import time
+from typing import Any
+
+import httpx
+import redis
+
+from bench.common import Node, RedisServer, pct, report, tmpdir
+
+EPISODES = 64
+OBS = {"obs": [[0.0] * 8]}
+
+
+def commandstats(r: redis.Redis) -> dict[str, int]:
+    stats = r.info("commandstats")
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+
+
+async def drive(
+    client: httpx.AsyncClient,
+    home: dict[str, str],
+    urls: dict[str, str],
+    until: float,
+    routed: bool,
+    latencies: list[tuple[float, float]],
+    failures: list[str],
+) -> int:
+    """Step every episode until ``until`` (one task per episode); ``routed``: odd episodes go
+    through another node than their owner. Returns the steps served."""
+    nodes = sorted(urls)
+    served = 0
+
+    async def one(i: int, episode: str) -> None:
+        nonlocal served
+        while time.monotonic() < until:
+            owner = home[episode]
+            node = owner
+            if routed and i % 2:
+                node = nodes[(nodes.index(owner) + 1) % len(nodes)]
+            sent = time.monotonic()
+            try:
+                r = await client.post(
+                    urls[node] + "/act", json={"episode_id": episode, "inputs": OBS}
+                )
+            except httpx.HTTPError as exc:
+                failures.append(f"{type(exc).__name__}")
+                continue
+            latencies.append((sent, time.monotonic() - sent))
+            if r.status_code != 200:
+                failures.append(f"{r.status_code} {r.text[:120]}")
+                continue
+            home[episode] = r.json()["node"]
+            served += 1
+
+    await asyncio.gather(*(one(i, ep) for i, ep in enumerate(home)))
+    return served
+
+
+async def run(seconds: float, pause: float, lease: float) -> dict[str, Any]:
+    tmp = tmpdir()
+    server = RedisServer(tmp).start()
+    extra = ["--lease-ttl", str(lease)]
+    nodes = [Node(tmp, f"o{i}", server.url, devices="cpu:2", extra=extra) for i in range(3)]
+    r = server.client()
+    try:
+        for n in nodes:
+            n.start()
+        urls = {n.node_id: n.url for n in nodes}
+        limits = httpx.Limits(max_connections=EPISODES + 8)
+        async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+            home: dict[str, str] = {}
+            for i in range(EPISODES):
+                via = nodes[i % 3].url
+                reply = await client.post(via + "/act", json={"episode_id": f"e{i}", "inputs": OBS})
+                home[f"e{i}"] = reply.json()["node"]
+            await asyncio.sleep(1.5)  # one flush: the owners serve from memory from now on
+            lat: list[tuple[float, float]] = []
+            fails: list[str] = []
+            await drive(client, home, urls, time.monotonic() + 1, False, lat, fails)  # warm
+            before = commandstats(r)
+            t0 = time.monotonic()
+            steps = await drive(client, home, urls, t0 + seconds, False, lat, fails)
+            after = commandstats(r)
+            ran = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+            ran.pop("info", None)
+            total = sum(ran.values())
+            scripts = ran.get("evalsha", 0) + ran.get("eval", 0)
+
+            # the pause: half at the owners, half through another node (each router has
+            # found its episodes' owners before: one resolve per episode, then hints)
+            await drive(client, home, urls, time.monotonic() + 1.5, True, [], [])
+            lat, fails = [], []
+            start = time.monotonic()
+            pause_at, end = start + 2.0, start + 2.0 + pause + 2.0
+            task = asyncio.create_task(drive(client, home, urls, end, True, lat, fails))
+            await asyncio.sleep(pause_at - time.monotonic())
+            server.proc.send(signal.SIGSTOP)
+            stopped = time.monotonic()
+            new_sent = time.monotonic()
+            new = await client.post(
+                nodes[0].url + "/act", json={"episode_id": "new-in-pause", "inputs": OBS}
+            )
+            new_s = time.monotonic() - new_sent
+            await asyncio.sleep(max(0.0, stopped + pause - time.monotonic()))
+            server.proc.send(signal.SIGCONT)
+            resumed = time.monotonic()
+            paused_steps = await task
+        before_p99 = pct([d for s, d in lat if s < stopped], 99)
+        during = [d for s, d in lat if stopped <= s < resumed]
+        return {
+            "steps": steps,
+            "steps_per_s": steps / seconds,
+            "commands": total,
+            "scripts": scripts,
+            "commands_by_name": {k: v for k, v in ran.items() if v},
+            "pause_steps": paused_steps,
+            "pause_failures": fails,
+            "p99_before_ms": before_p99 * 1000,
+            "max_during_ms": max(during) * 1000 if during else float("nan"),
+            "steps_during": len(during),
+            "new_episode": {
+                "status": new.status_code,
+                "code": new.json().get("error", {}).get("code") if new.status_code != 200 else "",
+                "retry_after": new.headers.get("retry-after"),
+                "seconds": new_s,
+            },
+        }
+    finally:
+        for n in nodes:
+            n.stop()
+        server.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--pause", type=float, default=3.0)
+    p.add_argument("--lease", type=float, default=10.0)
+    a = p.parse_args()
+    out = asyncio.run(run(a.seconds, a.pause, a.lease))
+    per_step = out["commands"] / out["steps"]
+    scripts_per_step = out["scripts"] / out["steps"]
+    per_node_s = out["commands"] / a.seconds / 3  # renewals and flushes: not per step
+    out["break_even_steps_per_s"] = out["commands"] / a.seconds / 0.01
+    slow = out["max_during_ms"] / out["p99_before_ms"]
+    new = out["new_episode"]
+    report(
+        "owner",
+        [
+            {
+                "figure": f"Redis commands per step, {EPISODES} episodes at their owners, 3 nodes",
+                "value": per_step,
+                "result": f"{per_step:.2%} commands ({scripts_per_step:.3%} scripts) over "
+                f"{out['steps']} steps ({out['steps_per_s']:.0f}/s); {per_node_s:.1f} "
+                f"commands/s per node (lease and flush), <= 1% from "
+                f"{out['break_even_steps_per_s']:.0f} steps/s",
+                "goal": "<= 1%",
+                "ok": per_step <= 0.01,
+            },
+            {
+                "figure": f"failed steps, Redis SIGSTOPped {a.pause:g} s (lease {a.lease:g} s)",
+                "value": len(out["pause_failures"]),
+                "result": f"{len(out['pause_failures'])} of {out['pause_steps']} "
+                f"({out['steps_during']} sent during the pause)",
+                "goal": "0",
+                "ok": not out["pause_failures"],
+            },
+            {
+                "figure": "slowest step during the pause / p99 before it",
+                "value": slow,
+                "result": f"{slow:.2f}x ({out['max_during_ms']:.1f} ms vs "
+                f"{out['p99_before_ms']:.1f} ms)",
+                "goal": "a few times",
+                "ok": slow <= 5,
+            },
+            {
+                "figure": "a new episode during the pause",
+                "value": new["status"],
+                "result": f"{new['status']} {new['code']} Retry-After {new['retry_after']} "
+                f"after {new['seconds']:.2f} s",
+                "goal": "503 with Retry-After",
+                "ok": new["status"] == 503 and new["retry_after"] is not None,
+            },
+        ],
+        out,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""The owner's authority over its episodes: serve them from memory, tell Redis in batches.
+
+Redis decides who owns an episode, once, in the claim; the owner decides each step
+(DESIGN.md, "Ownership and steps"). A step of an episode whose record this node holds (a
+claim Redis confirmed for this process, see ``node/routing.py``) is served from memory,
+with no Redis command, while:
+
+- this instance's lease is valid by its own conservative clock (``Membership.authority``:
+  counted from the send time of the renewal that succeeded, less a drift allowance;
+  checked before the model runs and again after, in ``Routing._serve``), and
+- its last flush succeeded less than one lease TTL ago (:meth:`Ownership.current`), so
+  Redis' backstop expiry of every episode it serves is still ahead (``Settings.backstop_ms``).
+
+Records exist only under the registration that confirmed them: a node that fences itself
+or registers anew drops them (``Membership``), except that one re-registering within its
+own lease after Redis lost its data re-asserts them in the same script.
+
+The flush (``affinity/lua/flush.lua``, one round trip, at most once a second, only when
+there is something to say) ends at the owner what the owner ends: episodes idle past the
+idle timeout are dropped here and released in Redis, token-checked, freeing their load
+slot (a slot may stay taken until the flush, never the reverse); and it slides the
+backstop of the episodes stepped since their last slide, at most once a lease TTL each.
+An episode Redis answers as lost (another claim holds it; an operator released it) is
+dropped here at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from affinity import Assignment, Registry
+from node.catalog import Dispatchers
+
+__all__ = ["Ownership"]
+
+log = logging.getLogger("affinity.node")
+
+
+class Ownership:
+    """Serve-from-memory checks and the owner's flush (see the module doc)."""
+
+    def __init__(
+        self,
+        node_id: str,
+        url: str,
+        lease_ttl_s: float,
+        registry: Registry,
+        dispatcher: Dispatchers,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node_id = node_id
+        self.url = url
+        self.lease_ttl_s = lease_ttl_s
+        self.registry = registry
+        self.dispatcher = dispatcher
+        self.clock = clock
+        self.flushed_at = float("-inf")  # send time of the last flush that succeeded
+        self.grace_ms = 0  # the fleet's grace period left, as the last script said
+        self._slid: dict[str, float] = {}  # episode -> send time of the flush that slid it
+        self._idle: list[tuple[str, int]] = []  # dropped here for idleness: to release
+        self._releasing: set[str] = set()  # in the flush in flight: never from memory
+
+    def current(self) -> bool:
+        """Whether the last flush succeeded less than a lease TTL ago."""
+        return self.clock() < self.flushed_at + self.lease_ttl_s
+
+    def serving(self, episode: str, instance: str) -> Assignment | None:
+        """The assignment to serve ``episode`` from memory, or None (ask Redis): it needs a
+        record held here, a current flush and a device that is not down. The caller checks
+        the lease (``Membership.authority``) and that the step names the record's model
+        (``"name@version"``: the assignment's ``model``)."""
+        claim = self.dispatcher.claim_of(episode)
+        if claim is None or episode in self._releasing or not self.current():
+            return None
+        device, token, claim_id, model = claim
+        if self.dispatcher.tracker(device).down:
+            return None  # Redis moves it: the resolve says reassigned
+        return Assignment(
+            episode, "hit", device, token, self.node_id, self.url, None, claim_id, instance, model
+        )
+
+    def drop(self) -> None:
+        """Forget what was slid (every record was dropped: fenced, registered anew)."""
+        self._slid.clear()
+        self._idle.clear()
+
+    async def flush(self, instance: str, registered: bool) -> None:
+        """Expire idle records here, then release them and slide the backstops in one
+        round trip (nothing to say: no round trip). Raises what the registry raises; the
+        work is kept for the next flush."""
+        sent = self.clock()
+        self._idle.extend(self.dispatcher.expire_idle())
+        held = self.dispatcher.held()
+        never = float("-inf")
+        slide = [
+            h
+            for h, used in held
+            if used > self._slid.get(h.episode, never)
+            and sent - self._slid.get(h.episode, never) >= self.lease_ttl_s
+        ]
+        holding = {h.episode for h, _ in held}
+        idle = [(ep, token) for ep, token in self._idle if ep not in holding]
+        if not slide and not idle:
+            self.flushed_at = sent
+            self._prune(holding)
+            return
+        if not registered:
+            return
+        self._releasing = {ep for ep, _ in idle}
+        try:
+            done = await self.registry.flush(self.node_id, instance, slide, idle)
+        finally:
+            self._releasing = set()
+        if done is None:
+            return  # no current lease here: the renewal registers again
+        released = {ep for ep, _ in idle}
+        self._idle = [item for item in self._idle if item[0] not in released]
+        for h in slide:
+            self._slid[h.episode] = sent
+        for episode in released:
+            if self.dispatcher.claim_of(episode) is not None:
+                self.dispatcher.release(episode)  # stepped again meanwhile: resolve anew
+        for episode in done.lost:
+            log.warning(
+                "episode %r is no longer this node's in Redis (another claim holds it, or "
+                "it was released): its state here is dropped",
+                episode,
+            )
+            self.dispatcher.release(episode)
+        self.grace_ms = done.grace_ms
+        self.flushed_at = sent
+        self._prune({h.episode for h, _ in self.dispatcher.held()})
+
+    def _prune(self, holding: set[str]) -> None:
+        for episode in [ep for ep in self._slid if ep not in holding]:
+            del self._slid[episode]
