@@ -71,7 +71,25 @@ def test_docker_compose_accepts_the_file() -> None:
 
 
 def test_services() -> None:
-    assert {"redis", *NODES, "prometheus", "grafana", "stack-test"} <= set(services())
+    assert {"redis", "fleet-init", *NODES, "prometheus", "grafana", "stack-test"} <= set(
+        services()
+    )
+
+
+def test_fleet_init_marks_the_empty_redis_a_new_fleet_before_any_node() -> None:
+    """The stack's Redis starts empty; without the marker its first claims would wait out
+    the grace period of a Redis that lost its data (docs/guarantees.md)."""
+    all_services = services()
+    init = all_services["fleet-init"]
+    assert init["entrypoint"] == ["affinity", "new-fleet"]
+    assert init["build"]["target"] == "runtime"
+    assert init["depends_on"]["redis"]["condition"] == "service_healthy"
+    node_urls = {environment(all_services[n])["AFFINITY_REDIS_URL"] for n in NODES}
+    assert node_urls == {environment(init)["AFFINITY_REDIS_URL"]}
+    for name in NODES:
+        assert all_services[name]["depends_on"]["fleet-init"]["condition"] == (
+            "service_completed_successfully"
+        )
 
 
 def test_redis_service() -> None:
