@@ -45,7 +45,7 @@ import logging
 import math
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -102,6 +102,18 @@ class ModelFailure(Exception):
     def __init__(self, device: str, cause: BaseException) -> None:
         self.device = device
         super().__init__(f"model failed on {device}: {type(cause).__name__}: {cause}")
+
+
+class ForwardCancelled(Exception):
+    """The router that forwarded this step gave up on it and said so (an undo that reached
+    this node before the step itself, or while it ran): the step is not applied."""
+
+    def __init__(self, origin: str) -> None:
+        self.origin = origin
+        super().__init__(f"the router gave up on forward {origin!r} before it was applied")
+
+
+_CANCELLED_MAX = 4096  # forwards remembered as given up (their undo came first)
 
 
 class DeviceDown(Exception):
@@ -347,6 +359,9 @@ class MultiGpuDispatcher:
         self._generation = 0  # bumped by drop_all(): steps running across it keep nothing
         # steps whose caller still waits, per episode; touched only on the event loop
         self._in_flight: dict[str, int] = {}
+        # forwards whose router gave up before this node applied them (an undo that found
+        # nothing: its forward is queued behind it, e.g. after a pause): never applied
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._idle: dict[str, asyncio.Event] = {}
         self._arriving = 0  # steps on their way through the node (see arrival()): loop only
         self._outputs = [o.name for o in contract.outputs]
@@ -551,6 +566,8 @@ class MultiGpuDispatcher:
         the step was applied but the caller is cancelled anyway, it is undone.
         """
         dev = self._device(device)
+        if origin and origin in self._cancelled:
+            raise ForwardCancelled(origin)
         mode = self.mode_for(execute_steps, ensemble)
         if self.rtc is not None and rtc is None:
             rtc = self.rtc_for()
@@ -601,6 +618,10 @@ class MultiGpuDispatcher:
             back = None if st is None else undone(st, seq, origin)
             if back is not None:
                 self._states[episode] = back
+            elif origin:  # not applied (yet): the forward may still be queued here
+                self._cancelled[origin] = None
+                if len(self._cancelled) > _CANCELLED_MAX:
+                    self._cancelled.popitem(last=False)
         return back is not None
 
     def _ended(self, episode: str) -> None:
@@ -748,7 +769,7 @@ class MultiGpuDispatcher:
     def _prepare(self, dev: _Device, job: _Job) -> _Member | None:
         """Read the job's episode state; answer a buffered step at once. None: no run."""
         result: StepResult | None = None
-        error: SeqConflict | None = None
+        error: SeqConflict | ForwardCancelled | None = None
         with job.lock, self._lock:
             if job.gave_up():
                 return None
@@ -759,8 +780,10 @@ class MultiGpuDispatcher:
                 return _Member(job, feed, None, None, self._generation, False)
             st = self._states.get(job.episode)
             try:
+                if job.origin and job.origin in self._cancelled:
+                    raise ForwardCancelled(job.origin)
                 decision = admit(job.episode, st, dev.id, job.token, job.claim, job.fresh, job.seq)
-            except SeqConflict as exc:
+            except (SeqConflict, ForwardCancelled) as exc:
                 error = exc
             else:
                 if decision[0] == "replay":
@@ -894,8 +917,12 @@ class MultiGpuDispatcher:
                 assert self.chunk is not None  # an RTC model has a chunk (checked at load)
                 sent = (self.chunk.chunk_of(outputs[self.chunk.output]), now)
             with job.lock, self._lock:
-                # keep nothing for a caller that gave up, after drop_all() ran meanwhile, or
-                # when the record it read was released or replaced meanwhile
+                # keep nothing for a caller that gave up (its router, for a forward whose
+                # undo came while it ran), after drop_all() ran meanwhile, or when the
+                # record it read was released or replaced meanwhile
+                if job.origin and job.origin in self._cancelled:
+                    dev.answer(job.future, None, ForwardCancelled(job.origin))
+                    return
                 if (
                     not job.gave_up()
                     and m.generation == self._generation

@@ -151,6 +151,8 @@ def undone(record: Episode, seq: int | None, origin: str | None) -> Episode | No
     if matches and record.pinned:
         return None  # a retry got its reply replayed: the step counts, whatever befell the first
     if matches and record.previous is not None:
+        if record.doubt:  # an earlier step could not be undone: the one before is in doubt too
+            record.previous.doubt = True
         return record.previous
     if seq is not None and record.seq > seq and origin is None:
         record.doubt = True  # in place: steps that read this record still commit on it

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from node.dispatcher import SeqConflict
+from node.dispatcher import ForwardCancelled, SeqConflict
 from node.episodes import Episode, admit, undone
 from tests.test_dispatcher import CHUNKED, ChunkSession, H, make, obs, recorded_chunk
 
@@ -105,6 +105,33 @@ async def test_an_undo_by_forward_names_the_forward_that_applied_the_step() -> N
     assert not d.undo("ep", origin="f2")
     r = await d.step("n/0", "ep", 7, False, obs(4))
     assert (r.seq, act(r)) == (2, 5.0)
+
+
+async def test_a_forward_whose_undo_came_first_is_never_applied() -> None:
+    """A paused owner reads, on resume, a forward its router gave up on and the router's
+    undo of it, in either order: the undo that finds nothing is remembered, and the forward
+    is refused rather than applied with no one waiting for it (issue 21 item 1)."""
+    d, sessions, _ = make(1)
+    await d.step("n/0", "ep", 7, True, obs(1), origin="f1")
+    assert not d.undo("ep", origin="f2"), "f2 has not been applied yet"
+    runs = sessions["n/0"].calls
+    with pytest.raises(ForwardCancelled):
+        await d.step("n/0", "ep", 7, False, obs(2), origin="f2")
+    assert sessions["n/0"].calls == runs
+    r = await d.step("n/0", "ep", 7, False, obs(4), origin="f3")
+    assert (r.seq, act(r), r.state_reset) == (2, 5.0, False), "f2 changed nothing"
+
+
+async def test_undoing_the_step_on_top_of_one_in_doubt_keeps_the_doubt() -> None:
+    """Step 2's undo comes after step 3 (so step 2 cannot be restored), then step 3's own:
+    the record back is step 2's, which is exactly the step that should have been undone,
+    so the next step still says state_reset."""
+    d, _, _ = make(1)
+    for i, first in ((1, True), (2, False), (3, False)):
+        await d.step("n/0", "ep", 7, first, obs(i))
+    assert d.undo("ep", 2) and d.undo("ep", 3)
+    nxt = await d.step("n/0", "ep", 7, False, obs(0))
+    assert nxt.seq == 3 and nxt.state_reset
 
 
 async def test_buffered_steps_are_numbered_replayed_and_undone() -> None:
