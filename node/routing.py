@@ -52,7 +52,7 @@ from node.admission import Admission
 from node.catalog import Catalog, Dispatchers
 from node.config import NodeConfig
 from node.control import control_feed
-from node.dispatcher import Arrival, DeviceDown, ModelFailure, SeqConflict
+from node.dispatcher import Arrival, DeviceDown, ForwardCancelled, ModelFailure, SeqConflict
 from node.forward import Forward, ForwardError, Poster, Response, decode_reply
 from node.membership import Membership
 from node.metrics import Metrics
@@ -69,8 +69,16 @@ FORWARD_MARGIN_S = 0.05
 """Kept back from a forwarded step's budget for the owner's reply to reach the router."""
 
 STALE_HINT = frozenset({"fenced", "leaving", "device_down", "unknown_device"})
-"""What an owner named by a hint may answer that sends the router to Redis (once). An
-unreachable one is not retried: the hint is gone, so the client's retry resolves."""
+"""What an owner named by a hint may answer that sends the router to Redis (once). So does
+an owner the forward never reached (:class:`_NotSent`: it left after a hand-over, say);
+one that broke after the forward left is not retried (the step may have run there): the
+hint is gone, so the client's retry resolves."""
+
+
+class _NotSent(Unavailable):
+    """``owner_unreachable`` for a forward that never left this node (refused connection):
+    the step did not run anywhere, so it may be routed again."""
+
 
 MAX_HINTS = 65_536
 """How many episodes' owners a router remembers (the oldest is forgotten first)."""
@@ -245,7 +253,7 @@ class Routing:
                 try:
                     return await self._forward(hint, step, arrival, retry=True)
                 except Unavailable as exc:
-                    if exc.reason not in STALE_HINT:
+                    if exc.reason not in STALE_HINT and not isinstance(exc, _NotSent):
                         raise
                     # the owner it names cannot serve (it left, fenced, is gone): ask Redis
         a = await self._resolve(
@@ -403,6 +411,8 @@ class Routing:
             )
         except SeqConflict as exc:
             raise Refused(409, "seq_conflict", str(exc)) from None
+        except ForwardCancelled as exc:  # its router answered 503 deadline already
+            raise Unavailable("deadline", str(exc), 1.0) from None
         except DeviceDown as exc:
             raise Unavailable("device_down", str(exc), 5.0) from exc
         except ModelFailure as exc:
@@ -557,7 +567,7 @@ class Routing:
                 await self._undo_at(a.url, a.episode, a.token, a.device, origin)
             self.metrics.forwarded.labels("unreachable").inc()
             self.peers.failed(a.node, a.url, exc)
-            raise Unavailable(
+            raise (_NotSent if exc.unsent else Unavailable)(
                 "owner_unreachable",
                 f"episode {a.episode!r} is owned by {a.device} on {a.node} ({a.url}), "
                 f"which did not answer: {exc}",

@@ -176,6 +176,27 @@ async def test_an_owner_that_does_not_hold_the_episode_says_so_and_the_router_re
         assert (r["node"], r["device"]) == ("b", "b/0") and at_b.calls == ["resolve"]
 
 
+async def test_a_hint_naming_an_owner_that_cannot_be_reached_is_resolved_again(
+    redis: Any,
+) -> None:
+    """The router's hint names a, which is gone (it handed its episodes over and exited:
+    the connection is refused, so the forward never left): b asks Redis once and follows
+    the assignment there, instead of answering owner_unreachable for a step that ran
+    nowhere."""
+    async with cluster(redis, two()) as ([a, b], router):
+        ep = await on("a", b, "handed")
+        first = (await b.act(episode_id=ep, inputs={"obs": OBS})).json()
+        assert first["node"] == "a" and ep in b.service.routing.hints
+        a.service.dispatcher.release(ep)
+        await a.service.claims.release(ep, first["token"], "operator")
+        await redis.set(KEYS.episode(ep), f"b/0 {first['token'] + 1} abc", px=60_000)
+        router.down.add("a.test")
+        at_b = Counted(b.service)
+        r = await b.act(episode_id=ep, inputs={"obs": OBS})
+        assert r.status_code == 200, r.text
+        assert (r.json()["node"], at_b.calls) == ("b", ["resolve"])
+
+
 async def test_an_end_sent_to_another_node_reaches_the_owner(redis: Any) -> None:
     async with cluster(redis, two()) as ([a, b], _):
         ep = await on("a", b, "end")
