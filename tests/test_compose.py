@@ -71,9 +71,7 @@ def test_docker_compose_accepts_the_file() -> None:
 
 
 def test_services() -> None:
-    assert {"redis", "fleet-init", *NODES, "prometheus", "grafana", "stack-test"} <= set(
-        services()
-    )
+    assert {"redis", "fleet-init", *NODES, "prometheus", "grafana", "stack-test"} <= set(services())
 
 
 def test_fleet_init_marks_the_empty_redis_a_new_fleet_before_any_node() -> None:
