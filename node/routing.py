@@ -256,6 +256,16 @@ class Routing:
                     if exc.reason not in STALE_HINT and not isinstance(exc, _NotSent):
                         raise
                     # the owner it names cannot serve (it left, fenced, is gone): ask Redis
+                    a = await self._resolve(
+                        step.episode,
+                        claim=not step.live_only,
+                        deadline=step.deadline,
+                        model=step.model or self.first_model,
+                        version=step.version or "",
+                    )
+                    if isinstance(exc, _NotSent) and (a.node, a.token) == (hint.node, hint.token):
+                        raise  # Redis still names it: unreachable, not moved
+                    return await self._routed(a, step, arrival)
         a = await self._resolve(
             step.episode,
             claim=not step.live_only,
