@@ -208,6 +208,8 @@ class Routing:
         self.membership.check_lease()
         if step.episode is None:
             return await self._stateless(step, arrival)
+        hint: Assignment | None = None
+        unsent: _NotSent | None = None  # the hinted owner refused the connection
         if step.restart:
             # only the owner starts its episode over: it drops what it holds, then claims
             # anew, so no node serves the old claim from memory meanwhile
@@ -256,16 +258,17 @@ class Routing:
                     if exc.reason not in STALE_HINT and not isinstance(exc, _NotSent):
                         raise
                     # the owner it names cannot serve (it left, fenced, is gone): ask Redis
-                    a = await self._resolve(
-                        step.episode,
-                        claim=not step.live_only,
-                        deadline=step.deadline,
-                        model=step.model or self.first_model,
-                        version=step.version or "",
-                    )
-                    if isinstance(exc, _NotSent) and (a.node, a.token) == (hint.node, hint.token):
-                        raise  # Redis still names it: unreachable, not moved
-                    return await self._routed(a, step, arrival)
+                    unsent = exc if isinstance(exc, _NotSent) else None
+        a = await self._resolve(
+            step.episode,
+            claim=not step.live_only,
+            deadline=step.deadline,
+            model=step.model or self.first_model,
+            version=step.version or "",
+        )
+        if unsent is not None and hint is not None and (a.node, a.token) == (hint.node, hint.token):
+            raise unsent  # Redis still names the owner that refused: unreachable, not moved
+        return await self._routed(a, step, arrival)
         a = await self._resolve(
             step.episode,
             claim=not step.live_only,
