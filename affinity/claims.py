@@ -230,15 +230,20 @@ class Claims:
         episode = check_episode(episode)
         return parse_lookup(episode, await self._call(self.scripts.lookup, episode))
 
-    async def release(self, episode: str, token: int, reason: str = "end") -> str:
+    async def release(
+        self, episode: str, token: int, reason: str = "end", *, owner: bool = False
+    ) -> str:
         """Delete the assignment if ``token`` still holds it; return the device it was on.
+        ``owner``: the caller is the episode's owner and dropped its record; otherwise the
+        owner is told at its next renewal (:meth:`Registry.renewal`) and drops it then.
 
         Idempotent per token. Raises :class:`StaleToken` (nothing changed) when another
         token holds the episode, :class:`UnknownEpisode` when nothing does.
         """
         episode = check_episode(episode)
         check_token(token)
-        reply = await self._call(self.scripts.release, episode, (str(token), reason))
+        args = (str(token), reason, "owner" if owner else "")
+        reply = await self._call(self.scripts.release, episode, args)
         if reply[0] == "missing":
             raise UnknownEpisode(episode)
         if reply[0] == "stale":

@@ -103,8 +103,8 @@ class Settings:
     def backstop_ms(self) -> int:
         """How long Redis keeps an assignment nobody slid (ms): the owner's idle timeout
         (``episode_ttl_s``) + two lease TTLs + 3 s. The owner serves its episodes from
-        memory and slides this in batches (``node/ownership.py``: once a lease TTL at
-        most per episode, and only for episodes stepped since), so Redis never expires an
+        memory and slides this in batches (``node/ownership.py``: once less than a lease
+        TTL + 3 s of it is left, and only for episodes stepped since), so Redis never expires an
         episode its owner still serves: the owner drops an idle one at its idle timeout
         (checked each second) and releases it in its next flush (<= 1 s)."""
         return self.episode_ttl_ms + 2 * self.lease_ttl_ms + 3000

@@ -144,6 +144,12 @@ class Keys:
         device by a graceful stop, until claimed anew or idle (for listing only)."""
         return self.prefix + "moved:" + device
 
+    def revoked(self, node: str) -> str:
+        """Set: ``"<episode> <token>"`` of the node's assignments released in Redis by
+        someone else than the owner (an operator's ``affinity release``), until the owner's
+        next renewal reads them and drops its records (expires after two lease TTLs)."""
+        return self.prefix + "revoked:" + node
+
     def episode_pattern(self) -> str:
         """``SCAN MATCH`` pattern of all assignments (for operators, never inside Lua)."""
         return self.prefix + "episode:*"

@@ -377,10 +377,22 @@ class Registry:
         it deregistered, or Redis lost its data): it must :meth:`register` again. Raises
         :class:`NodeConflict` when another instance holds the node id with a current lease:
         this process has lost its registration and must stop serving and exit."""
-        reply = int(await self._call(self.scripts.renew, self.keys.node(node), (instance,)))
-        if reply == -2:
+        return await self.renewal(node, instance) is not None
+
+    async def renewal(self, node: str, instance: str = "") -> list[tuple[str, int]] | None:
+        """:meth:`renew`, answering the (episode, token) of the node's assignments someone
+        else released in Redis since the last renewal (an operator: the owner drops their
+        records), or None where :meth:`renew` answers False."""
+        reply = await self._call(self.scripts.renew, self.keys.node(node), (instance,))
+        if int(reply[0]) == -2:
             raise NodeConflict(node)
-        return reply >= 0
+        if int(reply[0]) < 0:
+            return None
+        revoked = []
+        for item in reply[1:]:
+            episode, _, token = str(item).rpartition(" ")
+            revoked.append((episode, int(token)))
+        return revoked
 
     async def leave(self, node: str, instance: str = "") -> int:
         """Begin a graceful stop: the node's devices take no new episodes; the episodes

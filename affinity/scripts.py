@@ -97,6 +97,7 @@ def header(keys: Keys, episode_ttl_ms: int, lease_ttl_ms: int, events_maxlen: in
         "DEVICE_KEY": keys.device(""),
         "LOAD_KEY": keys.load(""),
         "MOVED_KEY": keys.moved(""),
+        "REVOKED_KEY": keys.revoked(""),
         "RING_KEY": keys.ring_prefix,
         "VERSIONS_KEY": keys.versions(""),
         "ROLLOUT_KEY": keys.rollout(""),

@@ -8,11 +8,14 @@ episode slid. The fleet's Redis load is then computed from those costs:
 
 - per-step scripts: steps/s x hit cost; one Redis core saturates at 1 / hit cost steps/s,
   however many nodes there are;
-- owner-authoritative: per node, renewals (every lease/3) + one flush a second that slides
-  each episode at most once a lease TTL; the step rate does not appear. It saturates when
-  the fleet's episodes need more slides than one core runs.
+- owner-authoritative: per node, renewals (every lease/3) + the flushes that slide each
+  stepping episode's backstop once it nears (every idle timeout + lease TTL, see
+  ``node/ownership.py``; at most one flush a second a node, counted as one a second when
+  slides are due more often); the step rate does not appear. Claims and ends (episode
+  churn) are not modelled: each is one script, as before. It saturates when the fleet's
+  nodes need more renewals and slides than one core runs.
 
-Usage: python -m bench.fleet [--calls 4000] [--hz 10] [--lease 10]
+Usage: python -m bench.fleet [--calls 4000] [--hz 10] [--lease 10] [--episode-ttl 300]
 """
 
 from __future__ import annotations
@@ -97,6 +100,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=4000)
     p.add_argument("--hz", type=float, default=10.0)
     p.add_argument("--lease", type=float, default=10.0)
+    p.add_argument("--episode-ttl", type=float, default=300.0)
     a = p.parse_args()
     c = asyncio.run(measure(a.calls, a.lease))
     per_step_max = 1e6 / c["hit_us"]  # steps/s one Redis core runs as per-step scripts
@@ -104,8 +108,9 @@ def main() -> None:
     def owner_load(nodes: int) -> float:
         """Redis CPU (µs per second) of ``nodes`` owners (their step rate does not count)."""
         renewals = nodes * (3 / a.lease) * c["renew_us"]
-        flushes = nodes * c["flush_base_us"]  # one a second, the most there is
-        slides = nodes * EPISODES_PER_NODE / a.lease * c["slide_us"]
+        slides_per_s = EPISODES_PER_NODE / (a.episode_ttl + a.lease)  # one node's
+        flushes = nodes * min(1.0, slides_per_s) * c["flush_base_us"]
+        slides = nodes * slides_per_s * c["slide_us"]
         return renewals + flushes + slides
 
     rows = []
@@ -143,7 +148,7 @@ def main() -> None:
             },
             {
                 "figure": f"owner-authoritative, {EPISODES_PER_NODE} episodes a node at "
-                f"{a.hz:g} Hz, lease {a.lease:g} s",
+                f"{a.hz:g} Hz, lease {a.lease:g} s, idle timeout {a.episode_ttl:g} s",
                 "value": owner_steps_max,
                 "result": f"{owner_steps_max:,.0f} steps/s ({owner_nodes_max:,.0f} nodes; "
                 f"{ratio:,.0f}x per-step scripts)",

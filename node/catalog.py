@@ -41,7 +41,7 @@ __all__ = [
 
 log = logging.getLogger("affinity.node")
 
-REFRESH_S = 2.0
+REFRESH_S = 10.0
 """How long a node trusts its view of the fleet's models before reading Redis again (when
 a step names a model it does not know, it reads at once)."""
 

@@ -86,6 +86,7 @@ class Membership:
             self.node_id,
             config.advertise_url,
             config.settings.lease_ttl_s,
+            config.settings.backstop_ms / 1000,
             registry,
             dispatcher,
             clock,
@@ -178,6 +179,7 @@ class Membership:
             )
         self.ownership.grace_ms = done.grace_ms
         self.ownership.flushed_at = sent  # every backstop of what is held is fresh now
+        self.ownership.asserted([h.episode for h in held], sent)
         self.lease_deadline = sent + self.lease_s
         self.registered = True
         self._fenced_logged = False
@@ -228,7 +230,7 @@ class Membership:
     async def renew_once(self) -> None:
         sent = self.clock()
         try:
-            ok = await self.registry.renew(self.node_id, self.instance)
+            revoked = await self.registry.renewal(self.node_id, self.instance)
         except NodeConflict as exc:
             self._lost_to_another(str(exc))
             return
@@ -236,9 +238,14 @@ class Membership:
             self.metrics.renewals.labels("failed").inc()
             log.warning("lease renewal of %s failed: %s", self.node_id, exc)
             return
-        if ok:
+        if revoked is not None:
             self.metrics.renewals.labels("ok").inc()
             self.lease_deadline = sent + self.lease_s
+            for episode, token in revoked:  # released in Redis by an operator
+                claim = self.dispatcher.claim_of(episode)
+                if claim is not None and claim[1] == token:
+                    log.info("episode %r was released in Redis: its state here is dropped", episode)
+                    self.dispatcher.release(episode)
             with contextlib.suppress(AffinityError):
                 await self._reconcile()
             if self._fenced_logged:

@@ -8,8 +8,9 @@ with no Redis command, while:
 - this instance's lease is valid by its own conservative clock (``Membership.authority``:
   counted from the send time of the renewal that succeeded, less a drift allowance;
   checked before the model runs and again after, in ``Routing._serve``), and
-- its last flush succeeded less than one lease TTL ago (:meth:`Ownership.current`), so
-  Redis' backstop expiry of every episode it serves is still ahead (``Settings.backstop_ms``).
+- its last flush succeeded less than one lease TTL ago (:meth:`Ownership.current`), and
+  Redis' backstop expiry of the episode (``Settings.backstop_ms`` from the send time of the
+  last write that set it) is more than :data:`EXPIRY_MARGIN_S` ahead by this clock.
 
 Records exist only under the registration that confirmed them: a node that fences itself
 or registers anew drops them (``Membership``), except that one re-registering within its
@@ -19,7 +20,13 @@ The flush (``affinity/lua/flush.lua``, one round trip, at most once a second, on
 there is something to say) ends at the owner what the owner ends: episodes idle past the
 idle timeout are dropped here and released in Redis, token-checked, freeing their load
 slot (a slot may stay taken until the flush, never the reverse); and it slides the
-backstop of the episodes stepped since their last slide, at most once a lease TTL each.
+backstop of an episode stepped since its last slide once that backstop is less than one
+lease TTL + :data:`SLIDE_AHEAD_S` from running out (and of a new record at its first
+flush): with the default 300 s idle timeout, a stepping episode costs one slide (three
+commands inside the flush script) every ~5 minutes, not one per lease TTL. A flush that
+cannot reach Redis is retried each second; if Redis stays away the lease lapses first
+(the backstop outlasts the lease), and an episode whose backstop is near anyway is
+resolved through Redis again (:meth:`Ownership.serving`), never served past it.
 An episode Redis answers as lost (another claim holds it; an operator released it) is
 dropped here at once.
 """
@@ -33,9 +40,15 @@ from collections.abc import Callable
 from affinity import Assignment, Registry
 from node.catalog import Dispatchers
 
-__all__ = ["Ownership"]
+__all__ = ["EXPIRY_MARGIN_S", "SLIDE_AHEAD_S", "Ownership"]
 
 log = logging.getLogger("affinity.node")
+
+SLIDE_AHEAD_S = 3.0
+"""A stepped episode is slid once its backstop has less than a lease TTL + this left (the
+flush runs every second; this leaves room for retries)."""
+EXPIRY_MARGIN_S = 1.0
+"""Never served from memory within this of its backstop by the owner's clock (drift)."""
 
 
 class Ownership:
@@ -46,6 +59,7 @@ class Ownership:
         node_id: str,
         url: str,
         lease_ttl_s: float,
+        backstop_s: float,
         registry: Registry,
         dispatcher: Dispatchers,
         clock: Callable[[], float] = time.monotonic,
@@ -53,12 +67,13 @@ class Ownership:
         self.node_id = node_id
         self.url = url
         self.lease_ttl_s = lease_ttl_s
+        self.backstop_s = backstop_s
         self.registry = registry
         self.dispatcher = dispatcher
         self.clock = clock
         self.flushed_at = float("-inf")  # send time of the last flush that succeeded
         self.grace_ms = 0  # the fleet's grace period left, as the last script said
-        self._slid: dict[str, float] = {}  # episode -> send time of the flush that slid it
+        self._slid: dict[str, float] = {}  # episode -> send time of the last write of its backstop
         self._idle: list[tuple[str, int]] = []  # dropped here for idleness: to release
         self._releasing: set[str] = set()  # in the flush in flight: never from memory
 
@@ -74,12 +89,21 @@ class Ownership:
         claim = self.dispatcher.claim_of(episode)
         if claim is None or episode in self._releasing or not self.current():
             return None
+        slid = self._slid.get(episode)  # None: claimed since the last flush, backstop fresh
+        if slid is not None and self.clock() >= slid + self.backstop_s - EXPIRY_MARGIN_S:
+            return None  # its backstop is near (flushes failed): Redis answers, and slides it
         device, token, claim_id, model = claim
         if self.dispatcher.tracker(device).down:
             return None  # Redis moves it: the resolve says reassigned
         return Assignment(
             episode, "hit", device, token, self.node_id, self.url, None, claim_id, instance, model
         )
+
+    def asserted(self, episodes: list[str], sent: float) -> None:
+        """``episodes``' backstops were written by a script sent at ``sent`` (re-asserted
+        by a registration)."""
+        for episode in episodes:
+            self._slid[episode] = sent
 
     def drop(self) -> None:
         """Forget what was slid (every record was dropped: fenced, registered anew)."""
@@ -94,11 +118,12 @@ class Ownership:
         self._idle.extend(self.dispatcher.expire_idle())
         held = self.dispatcher.held()
         never = float("-inf")
+        due = self.backstop_s - self.lease_ttl_s - SLIDE_AHEAD_S
         slide = [
             h
             for h, used in held
             if used > self._slid.get(h.episode, never)
-            and sent - self._slid.get(h.episode, never) >= self.lease_ttl_s
+            and sent - self._slid.get(h.episode, never) >= due
         ]
         holding = {h.episode for h, _ in held}
         idle = [(ep, token) for ep, token in self._idle if ep not in holding]

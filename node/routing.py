@@ -269,14 +269,6 @@ class Routing:
         if unsent is not None and hint is not None and (a.node, a.token) == (hint.node, hint.token):
             raise unsent  # Redis still names the owner that refused: unreachable, not moved
         return await self._routed(a, step, arrival)
-        a = await self._resolve(
-            step.episode,
-            claim=not step.live_only,
-            deadline=step.deadline,
-            model=step.model or self.first_model,
-            version=step.version or "",
-        )
-        return await self._routed(a, step, arrival)
 
     def _asked(self, step: Step) -> str:
         """The model a step names: ``"name@version"``, or its name alone."""
@@ -520,10 +512,10 @@ class Routing:
             self.dispatcher.release(episode)
         self.hints.pop(episode, None)
         if strict:
-            await self.claims.release(episode, token, reason="end")
+            await self.claims.release(episode, token, reason="end", owner=True)
             return
         try:
-            await self.claims.release(episode, token)
+            await self.claims.release(episode, token, owner=True)
         except (StaleToken, UnknownEpisode):
             pass
         except BackendUnavailable as exc:  # its backstop ends it instead
@@ -532,7 +524,7 @@ class Routing:
     async def end_episode(self, episode: str, token: int) -> None:
         self.dispatcher.release(episode)
         try:
-            await self.claims.release(episode, token)
+            await self.claims.release(episode, token, owner=True)
         except (StaleToken, UnknownEpisode):
             pass
         except BackendUnavailable as exc:  # the assignment idles out instead

@@ -93,6 +93,43 @@ async def test_idle_expiry_at_the_owner_frees_the_slot_in_its_flush(redis: Any) 
         assert (await a.act(episode_id="two", inputs={"obs": OBS})).json()["routing"] == "claimed"
 
 
+async def test_a_stepping_episode_is_slid_once_its_backstop_is_near_not_each_flush(
+    redis: Any,
+) -> None:
+    """The first flush after a claim slides it; later flushes slide it only once its
+    backstop has less than a lease TTL + SLIDE_AHEAD_S left; a backstop closer than
+    EXPIRY_MARGIN_S (flushes failing) sends the step to Redis, which slides it."""
+    from node.ownership import EXPIRY_MARGIN_S, SLIDE_AHEAD_S
+
+    async with cluster(redis, [config("a")]) as ([a], _):
+        o = a.service.membership.ownership
+        assert (await a.act(episode_id="ep", inputs={"obs": OBS})).status_code == 200
+        await flushed(a)  # slides the new record
+        slid = o._slid["ep"]
+        key = KEYS.episode("ep")
+        first = await redis.pttl(key)
+        assert first > 0
+        counted = Counted(a.service)
+        for _ in range(3):  # stepped, flushed: nothing is due, nothing is sent
+            assert (await a.act(episode_id="ep", inputs={"obs": OBS})).json()["routing"] == "hit"
+            await flushed(a)
+        assert o._slid["ep"] == slid and counted.calls == []
+        assert await redis.pttl(key) <= first
+        # its backstop nears: the next flush slides it (written again in full)
+        o._slid["ep"] = slid - (o.backstop_s - o.lease_ttl_s - SLIDE_AHEAD_S)
+        await a.act(episode_id="ep", inputs={"obs": OBS})
+        await redis.pexpire(key, 60_000)
+        await flushed(a)
+        assert o._slid["ep"] > slid
+        assert await redis.pttl(key) > 60_000
+        # nearer than the margin (its slides failed): the step asks Redis, which slides it
+        o._slid["ep"] = o.clock() - o.backstop_s + EXPIRY_MARGIN_S / 2
+        await redis.pexpire(key, 60_000)
+        r = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
+        assert r["routing"] == "hit" and counted.calls == ["resolve"]
+        assert await redis.pttl(key) > 60_000
+
+
 async def test_an_episode_released_in_redis_is_dropped_at_the_next_flush(redis: Any) -> None:
     async with cluster(redis, [config("a")]) as ([a], _):
         r = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
@@ -104,6 +141,31 @@ async def test_an_episode_released_in_redis_is_dropped_at_the_next_flush(redis: 
         assert not a.service.dispatcher.has_state("ep")
         again = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
         assert again["routing"] == "claimed" and again["token"] != r["token"]
+
+
+async def test_an_operator_release_reaches_the_owner_at_its_next_renewal(redis: Any) -> None:
+    """``affinity release`` writes Redis only: the owner, which serves the episode from
+    memory and would not slide it for minutes, learns it from its next renewal (one set
+    read in the renewal script) and drops its record; a release by the owner itself, or
+    one for an older token, revokes nothing."""
+    async with cluster(redis, [config("a")]) as ([a], _):
+        r = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
+        await flushed(a)
+        await a.service.claims.release("ep", r["token"], "operator")
+        assert await redis.smembers(KEYS.revoked("a")) == {f"ep {r['token']}"}
+        hit = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
+        assert hit["routing"] == "hit"  # from memory: the owner does not know yet
+        await a.service.membership.renew_once()
+        assert not a.service.dispatcher.has_state("ep")
+        assert await redis.exists(KEYS.revoked("a")) == 0  # read once
+        again = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
+        assert again["routing"] == "claimed" and again["token"] != r["token"]
+        # the owner's own end, then a stale revocation of the old token: nothing revoked
+        await redis.sadd(KEYS.revoked("a"), f"ep {r['token']}")
+        await a.service.membership.renew_once()
+        assert a.service.dispatcher.claim_of("ep") is not None
+        await a.service.routing.end_episode("ep", again["token"])
+        assert await redis.exists(KEYS.revoked("a")) == 0
 
 
 async def test_after_redis_lost_its_data_no_claim_until_the_owner_reasserted(redis: Any) -> None:

@@ -3,6 +3,9 @@
 -- KEYS[1]  {ns}:episode:<episode> (the episode id is KEYS[1] less EPISODE_KEY)
 -- ARGV[1]  fencing token the caller holds (decimal string)
 -- ARGV[2]  reason recorded in the event (end, operator, ...)
+-- ARGV[3]  "owner" when the caller is the episode's owner (it dropped its record already);
+--          otherwise the owner is told at its next renewal ({ns}:revoked:<node>, renew.lua),
+--          since it serves the episode from memory and would not ask Redis again
 --
 -- Returns {"released", device, token} | {"stale", device, current_token} | {"missing"}.
 -- A stale token or a missing episode writes nothing. A full device whose slot this frees
@@ -24,6 +27,11 @@ redis.call('DEL', KEYS[1])
 if not moved then
     redis.call('ZREM', LOAD_KEY .. device, episode)
     freed(device, clock())
+    local owner = ARGV[3] ~= 'owner' and redis.call('HGET', DEVICE_KEY .. device, 'node')
+    if owner then
+        redis.call('SADD', REVOKED_KEY .. owner, episode .. ' ' .. token)
+        redis.call('PEXPIRE', REVOKED_KEY .. owner, 2 * LEASE)
+    end
 end
 event('type', 'release', 'episode', episode, 'device', device, 'token', token, 'reason', ARGV[2])
 return {'released', device, token}

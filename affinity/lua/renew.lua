@@ -5,9 +5,11 @@
 --
 -- Every renewal notices the leases (its own or any other node's) that ran out (once, see
 -- lib.lua) and keeps the scores of its models' rings small.
--- Returns the new lease deadline (ms, server time); -1 when the node holds no lease (it
--- lapsed, the node deregistered, or Redis lost its data): register again; -2 when another
--- instance holds the node id with a current lease (nothing written).
+-- Returns {the new lease deadline (ms, server time), "<episode> <token>"...}: the node's
+-- assignments someone else released in Redis since the last renewal (release.lua; read
+-- once: the owner drops their records); {-1} when the node holds no lease (it lapsed, the
+-- node deregistered, or Redis lost its data): register again; {-2} when another instance
+-- holds the node id with a current lease (nothing written).
 
 --@lib
 --@fleet
@@ -20,10 +22,14 @@ for _, ring in ipairs(node_rings(node)) do
     rebase(ring)
 end
 if held_by_other(node, ARGV[1], now_ms) then
-    return -2
+    return {-2}
 end
 if not alive(node, now_ms) or redis.call('EXISTS', KEYS[1]) == 0 then
-    return -1
+    return {-1}
 end
 redis.call('ZADD', NODES, int(now_ms + LEASE), node)
-return now_ms + LEASE
+local revoked = redis.call('SMEMBERS', REVOKED_KEY .. node)
+if #revoked > 0 then
+    redis.call('DEL', REVOKED_KEY .. node)
+end
+return {int(now_ms + LEASE), unpack(revoked)}
