@@ -835,6 +835,11 @@ def _parse_array(spec: TensorSpec, value: object, batch: bool) -> Array:
     return np.array([int(number) for number in numbers], dtype=dtype).reshape(shape)
 
 
+_SMALL = 64
+"""Up to this many numbers, :func:`_vectorised` checks them in Python (faster there)."""
+_FLOAT_MAX = {np.dtype(n): float(np.finfo(n).max) for n in (np.float16, np.float32, np.float64)}
+
+
 def _vectorised(leaves: list[object], dtype: np.dtype[Any], shape: tuple[int, ...]) -> Array | None:
     """The array of ``leaves`` when every one is valid for ``dtype``, checked with one pass
     over their types and numpy's reductions (a camera image is 150,000 numbers); ``None``
@@ -846,6 +851,13 @@ def _vectorised(leaves: list[object], dtype: np.dtype[Any], shape: tuple[int, ..
         return None  # bools, strings, lists..., and floats for an integer input
     if not leaves:
         return np.zeros(shape, dtype)
+    limit = _FLOAT_MAX.get(dtype)
+    if limit is not None and len(leaves) <= _SMALL:
+        # a robot's state vector: one Python pass costs less than numpy's reductions
+        for leaf in cast(list[float], leaves):
+            if not -limit <= leaf <= limit:  # NaN fails both; so do infinities
+                return None
+        return np.array(leaves, dtype=dtype).reshape(shape)
     if dtype.kind in "iu":
         info, ints = np.iinfo(dtype), cast(list[int], leaves)
         ok = info.min <= min(ints) and max(ints) <= info.max

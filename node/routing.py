@@ -55,7 +55,7 @@ from node.control import control_feed
 from node.dispatcher import Arrival, DeviceDown, ForwardCancelled, ModelFailure, SeqConflict
 from node.forward import Forward, ForwardError, Poster, Response, decode_reply
 from node.membership import Membership
-from node.metrics import Metrics
+from node.metrics import ROUTING, Metrics
 from node.peers import PeerHealth
 from node.policy import InvalidInput, PolicyContract, inputs_from_arrays
 from node.rtc import Ask
@@ -140,6 +140,9 @@ class Routing:
             else None
         )
         self._rr = 0
+        # the labelled children of the per-step metrics (labels() takes a lock each call)
+        self._routing_counted = {r: metrics.routing.labels(r) for r in ROUTING}
+        self._act_seconds = {p: metrics.act_seconds.labels(p) for p in ("local", "forwarded")}
         self.peers = PeerHealth()
         self._restarting: dict[str, int] = {}  # episodes whose restart claim is in flight
         self.hints: dict[str, Assignment] = {}
@@ -173,9 +176,10 @@ class Routing:
             raise
         finally:
             arrival.done()
-        self.metrics.routing.labels(reply.routing).inc()
+        counted = self._routing_counted.get(reply.routing)
+        (counted or self.metrics.routing.labels(reply.routing)).inc()
         path = "local" if reply.node == self.node_id else "forwarded"
-        self.metrics.act_seconds.labels(path).observe(time.perf_counter() - started)
+        self._act_seconds[path].observe(time.perf_counter() - started)
         return reply
 
     async def _within_deadline(self, step: Step, patient: bool, arrival: Arrival) -> Reply:
