@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, NamedTuple
 
+from redis.asyncio import RedisCluster
+
 from affinity.config import Settings
 from affinity.errors import (
     InvalidArgument,
@@ -393,6 +395,15 @@ class Registry:
             episode, _, token = str(item).rpartition(" ")
             revoked.append((episode, int(token)))
         return revoked
+
+    async def server_id(self) -> str | None:
+        """The ``run_id`` of the Redis server answering (another one after a restart or a
+        failover), or None where it cannot be told (Redis Cluster, a store without it)."""
+        if isinstance(self.redis, RedisCluster):
+            return None
+        info = await bounded(self.settings, self.redis.info("server"))
+        run_id = info.get("run_id") if isinstance(info, dict) else None
+        return str(run_id) if run_id else None
 
     async def leave(self, node: str, instance: str = "") -> int:
         """Begin a graceful stop: the node's devices take no new episodes; the episodes

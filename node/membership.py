@@ -79,6 +79,7 @@ class Membership:
         self.conflict: str | None = None  # why this process must stop (another instance)
         self.on_conflict: Callable[[], None] = lambda: None
         self._fenced_logged = False
+        self.server_id: str | None = None  # run_id of the Redis server last seen
         self._handing: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -180,6 +181,8 @@ class Membership:
         self.ownership.grace_ms = done.grace_ms
         self.ownership.flushed_at = sent  # every backstop of what is held is fresh now
         self.ownership.asserted([h.episode for h in held], sent)
+        with contextlib.suppress(AffinityError):
+            await self._check_server()
         self.lease_deadline = sent + self.lease_s
         self.registered = True
         self._fenced_logged = False
@@ -241,6 +244,8 @@ class Membership:
         if revoked is not None:
             self.metrics.renewals.labels("ok").inc()
             self.lease_deadline = sent + self.lease_s
+            with contextlib.suppress(AffinityError):
+                await self._check_server()
             for episode, token in revoked:  # released in Redis by an operator
                 claim = self.dispatcher.claim_of(episode)
                 if claim is not None and claim[1] == token:
@@ -262,6 +267,26 @@ class Membership:
         except AffinityError as exc:
             self.metrics.renewals.labels("failed").inc()
             log.warning("re-registration of %s failed: %s", self.node_id, exc)
+
+    async def _check_server(self) -> None:
+        """Notice that another Redis server answers now (a restart from a snapshot, a
+        failover to a replica): it may lack the last writes, claims of episodes held here
+        among them, and then grant them again. Every record held here is checked in the
+        next flush (slid: one Redis lost or gave to another claim is dropped), ≤ 1 s, not
+        when its slide would next be due (minutes)."""
+        run_id = await self.registry.server_id()
+        if run_id is None:
+            return
+        if self.server_id is not None and run_id != self.server_id:
+            log.warning(
+                "another Redis server answers now (run_id %s, was %s: restarted or failed "
+                "over): checking the %d episode(s) held here in the next flush",
+                run_id[:12],
+                self.server_id[:12],
+                len(self.dispatcher.held()),
+            )
+            self.ownership.check_all()
+        self.server_id = run_id
 
     def check_instance(self, instance: str) -> None:
         """Raise :class:`Unavailable` (``fenced``) unless ``instance``, the process Redis

@@ -105,6 +105,11 @@ class Ownership:
         for episode in episodes:
             self._slid[episode] = sent
 
+    def check_all(self) -> None:
+        """Have the next flush slide every record held here (Redis may have lost writes:
+        each one it lost, or gives to another claim, is answered as lost and dropped)."""
+        self._slid.clear()  # every record is due (and stays due until a flush succeeds)
+
     def drop(self) -> None:
         """Forget what was slid (every record was dropped: fenced, registered anew)."""
         self._slid.clear()

@@ -168,6 +168,38 @@ async def test_an_operator_release_reaches_the_owner_at_its_next_renewal(redis: 
         assert await redis.exists(KEYS.revoked("a")) == 0
 
 
+async def test_another_redis_server_has_the_owner_check_every_record_in_its_next_flush(
+    redis: Any,
+) -> None:
+    """A restart from a snapshot or a failover keeps the fleet marker (no grace period) but
+    may lose the last claims: the renewal that finds another ``run_id`` has the next flush
+    slide every record held here, dropping the ones Redis lost, long before their slides
+    would be due."""
+    async with cluster(redis, [config("a")]) as ([a], _):
+        m = a.service.membership
+        tokens = {}
+        for episode in ("kept", "lost"):
+            tokens[episode] = (await a.act(episode_id=episode, inputs={"obs": OBS})).json()["token"]
+        await flushed(a)
+        ids = iter(["first", "second"])
+
+        async def server_id() -> str:
+            return next(ids)
+
+        m.registry.server_id = server_id  # type: ignore[method-assign]
+        m.server_id = "first"  # the server seen so far
+        await redis.delete(KEYS.episode("lost"))  # a claim the new server never had
+        await m.renew_once()  # the same server: nothing to check
+        await flushed(a)
+        assert a.service.dispatcher.has_state("lost")  # not due: kept (and not checked)
+        await m.renew_once()  # another server answers
+        await flushed(a)
+        assert not a.service.dispatcher.has_state("lost")
+        assert a.service.dispatcher.has_state("kept") and await redis.exists(KEYS.episode("kept"))
+        again = await a.act(episode_id="lost", inputs={"obs": OBS}, token=tokens["lost"])
+        assert (again.json()["routing"], again.json()["state_reset"]) == ("claimed", True)
+
+
 async def test_after_redis_lost_its_data_no_claim_until_the_owner_reasserted(redis: Any) -> None:
     """Redis restarted empty while ``a`` serves ``ep`` from memory: ``b``'s claims get 503
     ``recovering`` (the grace period), ``a`` re-registers within its lease and re-asserts
