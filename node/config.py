@@ -53,6 +53,7 @@ class NodeConfig:
     failure_threshold: int = 3
     max_batch: int | None = None
     batch_delay_us: float = 500.0
+    inline_under_us: float = 500.0
     execute_steps: int | None = None
     ensemble: str | None = None
     ensemble_decay: float = 0.01

@@ -46,7 +46,7 @@ import math
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -79,6 +79,9 @@ Array = np.ndarray[Any, Any]
 MAX_DEFAULT_BATCH = 8
 """``max_batch`` when not given and the model allows batching."""
 DEFAULT_BATCH_DELAY_US = 500.0
+DEFAULT_INLINE_UNDER_US = 500.0
+"""The node's default: a CPU device whose model runs take less than this on average runs
+an idle-time step on the event loop's thread (:meth:`MultiGpuDispatcher._inline`)."""
 """How long a waiting step may wait for others to join its run (microseconds)."""
 _RECENT_S = 1.0  # an episode that sent a step this recently is expected to send another
 
@@ -257,6 +260,8 @@ class _Device:
         # answers made by the worker, handed to their loops together (one wake-up per loop)
         self.outbox: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
         self.thread: threading.Thread | None = None
+        self.busy = False  # a run (the worker's, or one inline on the loop) holds the device
+        self.run_s = float("inf")  # moving average of its model runs' wall time
 
     def bucket(self, n: int) -> int:
         """The batch size to run ``n`` steps at: padded up to a session's size, if any."""
@@ -301,7 +306,10 @@ class MultiGpuDispatcher:
 
     ``max_batch``: most steps per model run (None: ``MAX_DEFAULT_BATCH`` when the model
     allows batching, else 1; 1 turns batching off). ``batch_delay_us``: how long a waiting
-    step may wait for others (see the module doc). ``execute_steps``, ``ensemble`` and
+    step may wait for others (see the module doc). ``inline_under_us`` and
+    ``inline_devices``: which devices may run a step on the event loop's thread when that
+    is cheaper than the hand-off to their worker (:meth:`_inline`; 0 or none: never).
+    ``execute_steps``, ``ensemble`` and
     ``ensemble_decay``: the node's chunk-execution mode (see :mod:`node.chunks`; both None
     or ``"none"``: off). ``on_batch(device, size)`` is called for each model run of steps,
     ``on_queue_wait(device, seconds)`` for each step that reaches the model (time from
@@ -322,6 +330,8 @@ class MultiGpuDispatcher:
         on_transition: Transition | None = None,
         max_batch: int | None = None,
         batch_delay_us: float = DEFAULT_BATCH_DELAY_US,
+        inline_under_us: float = 0.0,
+        inline_devices: Collection[str] = (),
         execute_steps: int | None = None,
         ensemble: str | None = None,
         ensemble_decay: float = 0.01,
@@ -344,6 +354,10 @@ class MultiGpuDispatcher:
         self.on_batch = on_batch
         self.on_queue_wait = on_queue_wait
         self.batch_delay_s = batch_delay_us / 1e6
+        if not 0 <= inline_under_us <= 1_000_000:
+            raise ValueError(f"inline_under_us must be 0-1000000, not {inline_under_us}")
+        self.inline_under_s = inline_under_us / 1e6
+        self.inline_devices = frozenset(inline_devices)
         self.chunk, self._no_chunk = find_chunk(contract)
         self.rtc = rtc_of(contract)
         """The model's real-time-chunking inputs (None: it has none; ``node/rtc.py``)."""
@@ -592,8 +606,9 @@ class MultiGpuDispatcher:
         future = asyncio.get_running_loop().create_future()
         job = _Job(episode, token, claim, fresh, seq, origin, feed, mode, future, one_row, rtc,
                    self.clock() if arrived is None else arrived)  # fmt: skip
-        dev.put(job)
         self._in_flight[episode] = self._in_flight.get(episode, 0) + 1
+        if not self._inline(dev, job):
+            dev.put(job)
         try:
             return await job.future
         except asyncio.CancelledError:
@@ -672,33 +687,74 @@ class MultiGpuDispatcher:
             item = self._next(dev)
             if item is None:
                 return
-            if isinstance(item, _Call):
-                try:
-                    result, error = item.fn(), None
-                except BaseException as exc:  # handed to the awaiting task
-                    result, error = None, exc
-                dev.answer(item.future, result, error)
-                dev.flush()
-                continue
             try:
-                self._round(dev, item)
-            except Exception as exc:  # a bug here must not leave callers waiting forever
-                log.exception("device %s: a run of %d steps broke", dev.id, len(item))
-                for job in item:
-                    dev.answer(job.future, None, exc)
+                if isinstance(item, _Call):
+                    try:
+                        result, error = item.fn(), None
+                    except BaseException as exc:  # handed to the awaiting task
+                        result, error = None, exc
+                    dev.answer(item.future, result, error)
+                else:
+                    self._round_safely(dev, item)
+            finally:
+                with dev.cond:
+                    dev.busy = False
             dev.flush()
+
+    def _round_safely(self, dev: _Device, jobs: list[_Job]) -> None:
+        try:
+            self._round(dev, jobs)
+        except Exception as exc:  # a bug here must not leave callers waiting forever
+            log.exception("device %s: a run of %d steps broke", dev.id, len(jobs))
+            for job in jobs:
+                dev.answer(job.future, None, exc)
+
+    def _inline(self, dev: _Device, job: _Job) -> bool:
+        """Run ``job`` now, on the event loop's thread, instead of handing it to the
+        device's worker thread, when that costs less and takes nothing from anyone: the
+        device's model runs take less than :attr:`inline_under_s` on average (the hand-off
+        there and back, two thread wake-ups and the GIL changing hands, costs about as much
+        as such a run), the device is idle, and no other step is on its way through the
+        node nor any other device busy (the loop waits for the run, so a step for another
+        device would wait too). Only devices in ``inline_devices`` (the node passes its CPU
+        devices: a GPU run that hangs must not stop the event loop, where its worker's
+        watch marks the device down and the node goes on). False: the worker runs it, as
+        always under load."""
+        if dev.run_s >= self.inline_under_s or self._arriving > 0:
+            return False
+        if dev.id not in self.inline_devices:
+            return False
+        if len(self._devices) > 1 and any(
+            d.busy or d.pending for d in self._devices.values() if d is not dev
+        ):
+            return False
+        with dev.cond:
+            if dev.busy or dev.pending:
+                return False
+            dev.busy = True
+        try:
+            self._round_safely(dev, [job])
+        finally:
+            with dev.cond:
+                dev.busy = False
+                if dev.pending:
+                    dev.cond.notify()
+        dev.flush()
+        return True
 
     def _next(self, dev: _Device) -> _Call | list[_Job] | None:
         """The next work of ``dev``: a call, or the steps of one run (distinct episodes)."""
         with dev.cond:
             while True:
-                while not dev.pending:
+                while not dev.pending or dev.busy:
                     dev.cond.wait()
                 head = dev.pending.popleft()
                 if not isinstance(head, _Job):
+                    dev.busy = head is not None
                     return head
                 if not head.gave_up():
                     break
+            dev.busy = True
             taken = [head]
             if dev.max_batch == 1 or not head.one_row:
                 return taken
@@ -882,9 +938,12 @@ class MultiGpuDispatcher:
         for m in members:
             with m.job.lock:
                 m.job.run = run
+        started = time.perf_counter()
         try:
             values = dev.session.run(self._outputs, feed)
         finally:
+            took = time.perf_counter() - started
+            dev.run_s = took if dev.run_s == float("inf") else 0.8 * dev.run_s + 0.2 * took
             with run.lock:
                 run.active = False
             for m in members:

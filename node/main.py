@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 import uvicorn
+from prometheus_client import Histogram
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from affinity import BackendUnavailable, ModelId, NodeConflict, Settings, connect, embedded_store
@@ -49,7 +50,7 @@ from node.forward import Poster
 from node.membership import EXIT_CONFLICT, VERSION
 from node.metrics import Metrics
 from node.policy import PolicyContract, load_contract
-from node.providers import GpuUnavailable, ProviderSettings, build_session, require_cuda
+from node.providers import CPU, GpuUnavailable, ProviderSettings, build_session, require_cuda
 from node.service import NodeService
 
 __all__ = ["build_service", "main", "parse_args"]
@@ -154,6 +155,10 @@ _FLAGS = (
     _Flag("--batch-delay", "AFFINITY_BATCH_DELAY", 500.0,
           "microseconds a device waits for more steps once one waits (only while another "
           "recently active episode may send one)", float, low=0, high=60_000_000),
+    _Flag("--inline-under", "AFFINITY_INLINE_UNDER", 500.0,
+          "microseconds: a device whose model runs take less on average runs a step on the "
+          "event loop when nothing else is running (no thread hand-off); 0 turns it off",
+          float, low=0, high=1_000_000),
     _Flag("--execute-steps", "AFFINITY_EXECUTE_STEPS", None,
           "action-chunk execution: run the policy every k steps, serve the buffer between "
           "(none: every step runs the model)", int, low=1, high=4096),
@@ -194,6 +199,20 @@ _SWITCHES = (
         "KServe: a request for an unknown sequence starts it (Triton refuses it)",
     ),
 )
+
+
+def per_device(histogram: Histogram) -> Callable[[str, float], None]:
+    """``observe(device, value)`` on ``histogram``'s child of that device, each child made
+    once (``labels()`` takes a lock each call; this runs once per step)."""
+    children: dict[str, Any] = {}
+
+    def observe(device: str, value: float) -> None:
+        child = children.get(device)
+        if child is None:
+            child = children.setdefault(device, histogram.labels(device))
+        child.observe(value)
+
+    return observe
 
 
 def _is_on(value: str | None) -> bool:
@@ -323,6 +342,7 @@ def parse_args(
             failure_threshold=values["failure_threshold"],
             max_batch=values["max_batch"],
             batch_delay_us=values["batch_delay"],
+            inline_under_us=values["inline_under"],
             execute_steps=values["execute_steps"],
             ensemble=None if values["ensemble"] == "none" else values["ensemble"],
             ensemble_decay=values["ensemble_decay"],
@@ -407,6 +427,7 @@ def build_service(
         # the others stops the node at start-up, naming the model and the device
         sessions: dict[tuple[str, str], Session] = {}
         providers: dict[int, str] = {}
+        active: dict[tuple[str, str], str] = {}  # the provider each session runs on
         for i, (name, (m, _, contract)) in enumerate(served.items()):
             for spec in devices:
                 try:
@@ -420,6 +441,7 @@ def build_service(
                         f"beside the {i} model(s) before it: {exc}"
                     ) from exc
                 sessions[(name, f"{config.node_id}/{spec.index}")] = session
+                active[(name, f"{config.node_id}/{spec.index}")] = provider
                 providers.setdefault(spec.index, provider)
 
         def dispatcher(
@@ -437,12 +459,16 @@ def build_service(
                         on_transition=on_transition,
                         max_batch=config.max_batch,
                         batch_delay_us=config.batch_delay_us,
+                        inline_under_us=config.inline_under_us,
+                        inline_devices=[  # CPU sessions only (see MultiGpuDispatcher._inline)
+                            d for (n, d), p in active.items() if n == name and p == CPU
+                        ],
                         execute_steps=config.execute_steps,
                         ensemble=config.ensemble,
                         ensemble_decay=config.ensemble_decay,
                         control_hz=config.control_hz,
-                        on_batch=lambda d, n: metrics.batch_size.labels(d).observe(n),
-                        on_queue_wait=lambda d, s: metrics.queue_wait.labels(d).observe(s),
+                        on_batch=per_device(metrics.batch_size),
+                        on_queue_wait=per_device(metrics.queue_wait),
                     )
                     for name, (_, _, contract) in served.items()
                 }

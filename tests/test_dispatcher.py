@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -186,6 +187,105 @@ async def test_devices_overlap() -> None:
     assert r.outputs["act"].item() == 1.0 and not slow.done()
     gate.set()
     await slow
+
+
+class Overlaps(FakeSession):
+    """A FakeSession that counts runs in progress at once on it (the most seen)."""
+
+    def __init__(self, device: str) -> None:
+        super().__init__(device)
+        self.running = 0
+        self.most = 0
+        self.lock = threading.Lock()
+
+    def run(self, names: Sequence[str] | None, feed: Mapping[str, Any]) -> list[Any]:
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            time.sleep(0.0002)  # long enough for another thread to enter, were it let in
+            return super().run(names, feed)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+async def test_a_quick_idle_device_in_inline_devices_runs_on_the_event_loop() -> None:
+    loop_thread = threading.get_ident()
+    d, sessions, _ = make(1, inline_under_us=1_000_000, inline_devices=["n/0"])
+    s = sessions["n/0"]
+    await d.step("n/0", "ep", 1, True, obs(1))  # no run measured yet: the worker runs it
+    assert s.threads and loop_thread not in s.threads
+    r = None
+    for x in range(2, 6):
+        r = await d.step("n/0", "ep", 1, False, obs(x))
+    assert r is not None and (r.outputs["act"].item(), r.seq) == (15.0, 5)
+    assert loop_thread in s.threads and len(s.threads) == 2
+    # the same steps elsewhere: off (0), a device not listed, runs slower than the bound
+    for kw in (
+        {"inline_under_us": 0, "inline_devices": ["n/0"]},
+        {"inline_under_us": 1_000_000, "inline_devices": ["n/1"]},
+        {"inline_under_us": 1, "inline_devices": ["n/0"]},
+    ):
+        d, sessions, _ = make(1, session=Overlaps, **kw)
+        for x in range(5):
+            await d.step("n/0", "ep", 1, x == 0, obs(x))
+        assert loop_thread not in sessions["n/0"].threads, kw
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+async def test_inline_runs_and_worker_runs_never_overlap_on_a_device(devices: int) -> None:
+    """Concurrent steps of many episodes (the worker takes them while the device is busy,
+    the loop when it is idle): one run at a time per device, every episode's steps in
+    order and each counted once."""
+    loop_thread = threading.get_ident()
+    ids = [f"n/{i}" for i in range(devices)]
+    d, sessions, _ = make(devices, session=Overlaps, inline_under_us=1_000_000, inline_devices=ids)
+
+    async def episode(i: int, xs: range) -> list[float]:
+        out = []
+        for x in xs:
+            r = await d.step(ids[i % devices], f"ep{i}", 1, x == 1, obs(x))
+            out.append(r.outputs["act"].item())
+            if x % 2:
+                await asyncio.sleep(0)
+        return out
+
+    async def together(xs: range) -> list[list[float]]:
+        return await asyncio.wait_for(asyncio.gather(*(episode(i, xs) for i in range(16))), 60)
+
+    first = await together(range(1, 4))  # all at once: the worker, mostly
+    middle = [await episode(i, range(4, 5)) for i in range(16)]  # one by one: inline
+    last = await together(range(5, 7))
+    want = [1.0, 3.0, 6.0, 10.0, 15.0, 21.0]
+    assert all(a + b + c == want for a, b, c in zip(first, middle, last, strict=True))
+    assert sum(s.calls for s in sessions.values()) <= 16 * 6  # batched or not, never twice
+    for dev in ids:
+        assert sessions[dev].most == 1, f"{dev}: {sessions[dev].most} runs at once"
+    if devices == 1:
+        assert len(sessions["n/0"].threads) == 2 and loop_thread in sessions["n/0"].threads
+
+
+async def test_no_inline_run_while_another_device_is_busy() -> None:
+    """The loop would wait for an inline run: not while another device runs (its steps'
+    answers, and steps for it, would wait too). n/1 is not listed: its runs stay on its
+    worker, where one can be held."""
+    loop_thread = threading.get_ident()
+    d, sessions, _ = make(2, inline_under_us=1_000_000, inline_devices=["n/0"])
+    for dev in ("n/0", "n/1"):
+        await d.step(dev, f"warm-{dev}", 1, True, obs(1))
+    sessions["n/0"].threads.clear()
+    gate = sessions["n/1"].gate = threading.Event()
+    sessions["n/1"].entered.clear()
+    slow = asyncio.ensure_future(d.step("n/1", "slow", 1, True, obs(1)))
+    await started(sessions["n/1"])
+    r = await asyncio.wait_for(d.step("n/0", "quick", 1, True, obs(2)), 10)
+    assert r.outputs["act"].item() == 2.0 and not slow.done()
+    assert loop_thread not in sessions["n/0"].threads
+    gate.set()
+    await slow
+    await d.step("n/0", "quick", 1, False, obs(1))  # nothing else busy: inline again
+    assert loop_thread in sessions["n/0"].threads
 
 
 async def test_moving_episode_between_devices() -> None:
