@@ -23,7 +23,7 @@ pytestmark = pytest.mark.integration
 # Every command affinity sends, directly or from its Lua scripts (ACL applies to both).
 ACL_COMMANDS = (
     "+ping +hello +auth +time "
-    "+evalsha +script|load "
+    "+evalsha +wait +script|load "  # (+wait: with --redis-replicas)
     "+get +set +incr +del +exists +pexpireat +pttl "
     "+hget +hmget +hset +hdel +hgetall +hexists "
     "+sadd +srem +smembers "
