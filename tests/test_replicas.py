@@ -8,6 +8,7 @@ settings and the N = 0 path run on it. The failover with real nodes is in
 
 from __future__ import annotations
 
+import shutil
 import signal
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -18,13 +19,22 @@ import pytest
 import redis as sync_redis
 import redis.asyncio
 
-from affinity import Claims, InvalidArgument, Keys, NotReplicated, Registry, Settings
+from affinity import (
+    Claims,
+    InvalidArgument,
+    Keys,
+    NotReplicated,
+    Registry,
+    Settings,
+    close,
+    connect,
+)
 from affinity.registry import Held
 from node.main import parse_args
 from node.ownership import Ownership
 from tests.conftest import cpu_devices, new_fleet
 from tests.inproc import cluster, config
-from tests.procs import RedisServer, wait_until
+from tests.procs import Proc, RedisServer, free_port, wait_until
 
 KEYS = Keys()
 OBS = np.zeros((1, 8), np.float32).tolist()
@@ -35,13 +45,18 @@ def replica_of(tmp: Path, primary: RedisServer) -> RedisServer:
     """A real replica of ``primary``, started and in sync."""
     replica = RedisServer(tmp, extra=[*SYNC, "--replicaof", primary.host, str(primary.port)])
     replica.start(new_fleet=False)
-    wait_until(lambda: online(primary), 30, f"replica {replica.port} in sync")
+    wait_until(lambda: online(primary, replica), 30, f"replica {replica.port} in sync")
     return replica
 
 
-def online(primary: RedisServer) -> bool:
-    info = primary.client().info("replication")
-    return bool(info.get("connected_slaves")) and info["slave0"]["state"] == "online"
+def online(primary: RedisServer, replica: RedisServer) -> bool:
+    """The primary sends to the replica and the replica has loaded what it got."""
+    with primary.client() as p, replica.client() as r:
+        sending = p.info("replication")
+        if not sending.get("connected_slaves") or sending["slave0"]["state"] != "online":
+            return False
+        link = r.info("replication")["master_link_status"] == "up"
+        return link and not int(r.info("persistence")["loading"])
 
 
 def calls(r: sync_redis.Redis, command: str) -> int:
@@ -62,9 +77,18 @@ def pair(tmp_path: Path) -> Iterator[tuple[RedisServer, RedisServer]]:
         primary.stop()
 
 
-def waited(url: str | None, **kw: Any) -> Settings:
+def waited(url: str | None, wait_s: float = 2.0) -> Settings:
+    """WAIT for one replica: up to 2 s by default, so a busy machine's replica always
+    acknowledges in time (a stopped one never does: the tests that expect that pass a
+    short ``wait_s``, which only makes them quicker)."""
     return Settings(
-        redis_url=url, redis_replicas=1, redis_wait_s=0.02, lease_ttl_s=10, episode_ttl_s=60, **kw
+        redis_url=url,
+        redis_replicas=1,
+        redis_wait_s=wait_s,
+        redis_timeout_s=max(0.5, 2 * wait_s),
+        redis_deadline_s=max(2.0, 4 * wait_s),
+        lease_ttl_s=10,
+        episode_ttl_s=60,
     )
 
 
@@ -113,7 +137,7 @@ async def lone(real_redis_url: str) -> AsyncIterator[tuple[Any, Claims, Claims, 
     """A client of the session's server (no replica), Claims with and without WAIT, and a
     waiting Registry, with node ``a`` (2 devices) registered."""
     client = redis.asyncio.Redis.from_url(real_redis_url, decode_responses=True)
-    settings = waited(real_redis_url)
+    settings = waited(real_redis_url, wait_s=0.02)  # nothing acknowledges here
     plain = Settings(redis_url=real_redis_url, lease_ttl_s=10, episode_ttl_s=60)
     registry = Registry(client, settings)
     await registry.register("a", "http://a.test", cpu_devices(2, capacity=1), instance="i")
@@ -216,6 +240,7 @@ async def test_the_owner_counts_on_no_slide_a_replica_did_not_acknowledge(lone: 
 # ---- a real replica --------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 async def test_with_a_replica_each_claim_is_one_wait_on_its_own_connection(pair: Any) -> None:
     primary, replica = pair
@@ -240,7 +265,7 @@ async def test_with_a_replica_each_claim_is_one_wait_on_its_own_connection(pair:
         replica.proc.send(signal.SIGSTOP)
         try:
             with pytest.raises(NotReplicated):
-                await claims.resolve("while-stopped")
+                await Claims(client, waited(primary.url, 0.05)).resolve("while-stopped")
             assert r.get(KEYS.episode("while-stopped")) is None
         finally:
             replica.proc.send(signal.SIGCONT)
@@ -261,6 +286,7 @@ async def test_with_a_replica_each_claim_is_one_wait_on_its_own_connection(pair:
         await client.aclose()
 
 
+@pytest.mark.integration
 @pytest.mark.anyio
 async def test_a_node_answers_503_not_replicated_and_serves_nothing_unacknowledged(
     pair: Any,
@@ -273,7 +299,8 @@ async def test_a_node_answers_503_not_replicated_and_serves_nothing_unacknowledg
     client = redis.asyncio.Redis.from_url(primary.url, decode_responses=True)
     await new_fleet(client)
     try:
-        async with cluster(client, [config("a", settings=waited(primary.url))]) as ([a], _):
+        settings = waited(primary.url, 0.5)  # (each 503 below waits this long)
+        async with cluster(client, [config("a", settings=settings)]) as ([a], _):
             first = (await a.act(episode_id="old", inputs={"obs": OBS})).json()
             assert first["routing"] == "claimed"
             replica.proc.send(signal.SIGSTOP)
@@ -297,3 +324,43 @@ async def test_a_node_answers_503_not_replicated_and_serves_nothing_unacknowledg
             assert (doc["routing"], doc["seq"], doc["state_reset"]) == ("claimed", 1, False)
     finally:
         await client.aclose()
+
+
+@pytest.mark.integration
+@pytest.mark.anyio
+async def test_behind_sentinel_a_claim_waits_on_the_masters_connection(
+    pair: Any, tmp_path: Path
+) -> None:
+    """``redis+sentinel://`` (the deployment with replicas): the pipeline goes to the
+    master Sentinel names, and its WAIT counts that master's replica."""
+    primary, replica = pair
+    port = free_port()
+    conf = tmp_path / "sentinel.conf"
+    conf.write_text(f"port {port}\nbind 127.0.0.1\nsentinel monitor m 127.0.0.1 {primary.port} 1\n")
+    proc = Proc([shutil.which("redis-server") or "redis-server", str(conf), "--sentinel"],
+                None, tmp_path / "sentinel.log")  # fmt: skip
+    proc.start()
+    try:
+
+        def watching() -> bool:
+            with sync_redis.Redis(port=port) as r:
+                return bool(r.sentinel_get_master_addr_by_name("m"))
+
+        wait_until(watching, 20, "sentinel")
+        settings = waited(f"redis+sentinel://127.0.0.1:{port}/m")
+        client = connect(settings)
+        try:
+            await Registry(client, settings).register("a", "http://a.test", cpu_devices(2))
+            claims = Claims(client, settings)
+            assert (await claims.resolve("ep")).status == "claimed"
+            assert replica.client().get(KEYS.episode("ep")) is not None
+            replica.proc.send(signal.SIGSTOP)
+            try:
+                with pytest.raises(NotReplicated):
+                    await Claims(client, waited(settings.redis_url, 0.05)).resolve("stopped")
+            finally:
+                replica.proc.send(signal.SIGCONT)
+        finally:
+            await close(client)
+    finally:
+        proc.stop()

@@ -95,9 +95,12 @@ def test_a_lossy_failover_never_makes_two_owners(
     servers.append(replica)
     forwarder = Forwarder(primary.port)
     url = f"redis://127.0.0.1:{forwarder.port}/0"
-    extra = ["--lease-ttl", str(LEASE), "--redis-replicas", "1", "--redis-wait", "0.2",
-             "--capacity", "50"]  # fmt: skip
-    env = {"AFFINITY_CLUSTER_SECRET": "s"}
+    # a generous WAIT: on a busy machine the replica still acknowledges every write in
+    # time (the stopped one never does; only the steps that show it wait this long)
+    extra = ["--lease-ttl", str(LEASE), "--redis-replicas", "1", "--redis-wait", "1",
+             "--capacity", "50", "--act-deadline", "8"]  # fmt: skip
+    env = {"AFFINITY_CLUSTER_SECRET": "s", "AFFINITY_REDIS_TIMEOUT": "3",
+           "AFFINITY_REDIS_DEADLINE": "6"}  # fmt: skip
     nodes = [Node(tmp_path, n, url, devices="cpu:2", extra=extra, env=env) for n in ("a", "b")]
     urls = {n.node_id: n.url for n in nodes}
     model = Model(22)
