@@ -6,6 +6,7 @@ async shell the node and the CLI share.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Sequence
@@ -14,16 +15,18 @@ from typing import Any, Literal, NamedTuple
 
 from affinity.config import Settings
 from affinity.errors import (
+    AffinityError,
     InvalidArgument,
     ModelConflict,
     NoCapacity,
+    NotReplicated,
     Recovering,
     StaleToken,
     UnknownEpisode,
     UnknownModel,
 )
 from affinity.models import check_model_part
-from affinity.scripts import Script, bounded, evalsha, scripts_for
+from affinity.scripts import Script, bounded, evalsha, replicated, scripts_for
 
 __all__ = [
     "MAX_EPISODE_BYTES",
@@ -211,6 +214,13 @@ class Claims:
         written for the episode; ``reason`` says why), :class:`Recovering` (a claim, of
         any model, during the grace period after Redis lost its data),
         :class:`InvalidArgument`, :class:`BackendUnavailable`.
+
+        With ``settings.redis_replicas`` (N > 0) the script is followed by ``WAIT`` on its
+        connection (one round trip): an assignment fewer than N replicas acknowledged
+        raises :class:`NotReplicated` (a subclass of :class:`BackendUnavailable`); a claim
+        or reassign this call made is released again first, token-checked, best effort
+        (a hit, someone else's claim, stays). The hit writes too (its deadline), so its
+        ``WAIT`` covers the claim it names, whichever connection wrote that.
         """
         episode = check_episode(episode)
         if model:
@@ -220,10 +230,24 @@ class Claims:
                 raise InvalidArgument("model version", version, "needs a model name")
             check_model_part("version", version)
         flag = "1" if restart else "" if claim else "2"
-        reply = await self._call(
-            self.scripts.resolve, episode, (flag, os.urandom(8).hex(), model, version)
-        )
-        return parse_resolution(episode, reply, f"{model}@{version}" if version else model)
+        args = (flag, os.urandom(8).hex(), model, version)
+        if self.settings.redis_replicas:
+            reply, short = await replicated(
+                self.settings, self.redis, self.scripts.resolve, self._episode_key + episode, args
+            )
+        else:
+            reply, short = await self._call(self.scripts.resolve, episode, args), None
+        a = parse_resolution(episode, reply, f"{model}@{version}" if version else model)
+        if short is not None:
+            if a.status != "hit":  # nobody may serve it: give the slot back if Redis lets us
+                # (else its backstop ends it; a retry finds it a hit, WAITed again)
+                with contextlib.suppress(AffinityError):
+                    await self.release(episode, a.token, reason="not_replicated")
+            raise NotReplicated(
+                "claim", short, self.settings.redis_replicas, self.settings.redis_wait_s,
+                f"episode {episode!r}",
+            )  # fmt: skip
+        return a
 
     async def lookup(self, episode: str) -> EpisodeInfo | None:
         """The episode's assignment without touching it, or ``None``."""

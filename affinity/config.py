@@ -6,11 +6,15 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
+from urllib.parse import urlsplit
 
 from affinity.errors import InvalidArgument
 from affinity.keys import Keys
 
-__all__ = ["ENV_VARS", "Settings"]
+__all__ = ["ENV_VARS", "MAX_REPLICAS", "Settings"]
+
+MAX_REPLICAS = 64
+"""The most replicas a write may be made to wait for."""
 
 ENV_VARS = {
     "redis_url": "AFFINITY_REDIS_URL",
@@ -22,6 +26,8 @@ ENV_VARS = {
     "redis_retries": "AFFINITY_REDIS_RETRIES",
     "redis_deadline_s": "AFFINITY_REDIS_DEADLINE",
     "redis_max_connections": "AFFINITY_REDIS_MAX_CONNECTIONS",
+    "redis_replicas": "AFFINITY_REDIS_REPLICAS",
+    "redis_wait_s": "AFFINITY_REDIS_WAIT",
 }
 """The environment variable :meth:`Settings.from_env` reads for each setting."""
 
@@ -33,6 +39,8 @@ _LABELS = {
     "redis_retries": "Redis retries",
     "redis_deadline_s": "Redis deadline",
     "redis_max_connections": "Redis connection pool size",
+    "redis_replicas": "Redis replicas",
+    "redis_wait_s": "Redis replica wait",
 }
 """What the messages call each setting (a person sets a flag or a variable, not a field)."""
 
@@ -51,6 +59,13 @@ class Settings:
     call end to end, whatever the network does. ``redis_max_connections`` bounds the
     client's connection pool; a call that finds every connection busy waits for one
     (within its deadline) instead of failing.
+
+    ``redis_replicas`` > 0 makes every write a node then serves from memory on (a claim,
+    a renewal, a re-assert, a flush's slides) wait on its own connection for that many
+    replicas to acknowledge it (``WAIT``, at most ``redis_wait_s``, which must be at most
+    half of ``redis_timeout_s``); one fewer replicas acknowledged is not acted on
+    (:class:`~affinity.errors.NotReplicated`). It needs a Redis server or Sentinel: the
+    embedded store has no replicas, and on Redis Cluster it is refused.
     """
 
     redis_url: str | None = None
@@ -62,6 +77,8 @@ class Settings:
     redis_retries: int = 2
     redis_deadline_s: float = 2.0
     redis_max_connections: int = 128
+    redis_replicas: int = 0
+    redis_wait_s: float = 0.1
 
     def __post_init__(self) -> None:
         Keys(self.namespace)  # validates the namespace
@@ -86,6 +103,47 @@ class Settings:
                 "must be >= 1",
                 label=_LABELS["redis_max_connections"],
             )
+        self._check_replicas()
+
+    def _check_replicas(self) -> None:
+        n = self.redis_replicas
+        label = _LABELS["redis_replicas"]
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_REPLICAS:
+            raise InvalidArgument(
+                "redis_replicas", n, f"must be an integer 0-{MAX_REPLICAS}", label=label
+            )
+        if not n:
+            return
+        if not self.redis_url:
+            raise InvalidArgument(
+                "redis_replicas",
+                n,
+                "needs a Redis server (--redis): the embedded store has no replicas",
+                label=label,
+            )
+        if "cluster" in urlsplit(self.redis_url).scheme:
+            raise InvalidArgument(
+                "redis_replicas",
+                n,
+                "is not supported on Redis Cluster (WAIT would have to run on the shard's "
+                "own connection): use a primary with replicas, behind Sentinel "
+                "(redis+sentinel://)",
+                label=label,
+            )
+        wait = self.redis_wait_s
+        if not 0.001 <= wait <= self.redis_timeout_s / 2:
+            raise InvalidArgument(
+                "redis_wait_s",
+                wait,
+                f"must be 0.001 seconds to half the Redis timeout ({self.redis_timeout_s}s, "
+                "AFFINITY_REDIS_TIMEOUT), so a socket never times out while WAIT waits",
+                label=_LABELS["redis_wait_s"],
+            )
+
+    @property
+    def redis_wait_ms(self) -> int:
+        """The ``WAIT`` timeout in milliseconds (never 0, which would wait for ever)."""
+        return max(1, round(self.redis_wait_s * 1000))
 
     @property
     def keys(self) -> Keys:

@@ -15,6 +15,7 @@ __all__ = [
     "ModelConflict",
     "NoCapacity",
     "NodeConflict",
+    "NotReplicated",
     "PoolExhausted",
     "SecretMismatch",
     "StaleToken",
@@ -176,6 +177,32 @@ class PoolExhausted(BackendUnavailable):
         super().__init__(
             f"all {connections} Redis connections of this process stayed busy for "
             f"{deadline_s}s (overloaded; Redis itself was not asked)"
+        )
+
+
+class NotReplicated(BackendUnavailable):
+    """Fewer replicas than ``--redis-replicas`` acknowledged a write within its ``WAIT``
+    timeout: a failover could lose it, so its result is not acted on. ``what`` names the
+    write (``claim``, ``renewal``, ``registration``, ``flush``); ``acked`` and ``wanted``
+    the replicas that acknowledged and that were asked for. A claim made by the write was
+    released again, token-checked, as far as Redis answered (best effort); the step that
+    asked for it got nothing (503 ``not_replicated``)."""
+
+    WRITES = ("claim", "renewal", "registration", "flush")
+
+    def __init__(
+        self, what: str, acked: int, wanted: int, wait_s: float, subject: str = ""
+    ) -> None:
+        if what not in self.WRITES:
+            raise ValueError(f"unknown NotReplicated write {what!r}")
+        self.what = what
+        self.acked = acked
+        self.wanted = wanted
+        about = f" of {subject}" if subject else ""
+        super().__init__(
+            f"the {what}{about} was acknowledged by {acked} of the {wanted} Redis replica(s) "
+            f"required (--redis-replicas) within {wait_s}s: a failover could lose it, so it "
+            "is not used (check the replicas: INFO replication on the primary)"
         )
 
 

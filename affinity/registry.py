@@ -15,21 +15,23 @@ import hmac
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, NoReturn
 
 from redis.asyncio import RedisCluster
+from redis.exceptions import NoPermissionError
 
 from affinity.config import Settings
 from affinity.errors import (
     InvalidArgument,
     NodeConflict,
+    NotReplicated,
     SecretMismatch,
     UnknownDevice,
     UnknownModel,
     UnknownNode,
 )
 from affinity.models import ModelId, check_model_part
-from affinity.scripts import Script, bounded, evalsha, scripts_for
+from affinity.scripts import Script, bounded, evalsha, replicated, scripts_for
 
 __all__ = [
     "STATES",
@@ -252,10 +254,13 @@ class Registered(NamedTuple):
 
 
 class Flushed(NamedTuple):
-    """What an owner's flush answered: the grace period left (ms) and the lost episodes."""
+    """What an owner's flush answered: the grace period left (ms), the lost episodes, and
+    whether its slides may be relied on (``False``: fewer replicas than
+    ``--redis-replicas`` acknowledged them, so a failover could undo them)."""
 
     grace_ms: int
     lost: list[str]
+    replicated: bool = True
 
 
 class Registry:
@@ -300,7 +305,11 @@ class Registry:
         registered as given; an operator's drain survives. Devices of this node id that
         are not in ``devices`` are removed. ``instance`` identifies the process: while
         another instance holds a current lease on the same node id, nothing is written and
-        :class:`NodeConflict` is raised."""
+        :class:`NodeConflict` is raised. With ``settings.redis_replicas`` a registration that
+        re-asserts ``episodes`` is followed by ``WAIT`` on its connection and raises
+        :class:`NotReplicated` when fewer replicas acknowledged it (nothing it re-asserted
+        may be served on); one without episodes is not waited for (nothing is served on
+        it alone: every claim on its devices comes after it and is waited for)."""
         check_node_id(node)
         if not devices:
             raise InvalidArgument("devices", [], "a node registers at least one device")
@@ -329,10 +338,22 @@ class Registry:
             args.extend(d.fields())
         for held in episodes:
             args.extend((held.episode, held.device, str(held.token), held.claim, held.model))
-        reply = await self._call(self.scripts.register, self.keys.node(node), args)
+        key = self.keys.node(node)
+        if not episodes:  # nothing served on it: the claims after it carry it to the replicas
+            reply, short = await self._call(self.scripts.register, key, args), None
+        else:
+            reply, short = await replicated(self.settings, self.redis, self.scripts.register,
+                                            key, args)  # fmt: skip
         if int(reply[0]) < 0:
             raise NodeConflict(node)
+        if short is not None:
+            self._short("registration", short, node)
         return Registered(int(reply[0]), int(reply[1]), [str(e) for e in reply[2:]])
+
+    def _short(self, what: str, acked: int, node: str) -> NoReturn:
+        raise NotReplicated(
+            what, acked, self.settings.redis_replicas, self.settings.redis_wait_s, f"node {node}"
+        )
 
     async def flush(
         self, node: str, instance: str, slide: Sequence[Held], idle: Sequence[tuple[str, int]]
@@ -341,16 +362,24 @@ class Registry:
         episodes in ``slide`` (those Redis gives to another claim, or lost outside a grace
         period, come back in :attr:`Flushed.lost`) and release, token-checked, the
         ``idle`` ones (episode, token) the owner ended. None (nothing written) when this
-        instance holds no current lease on ``node``: renew first."""
+        instance holds no current lease on ``node``: renew first. With
+        ``settings.redis_replicas`` a flush that slides is followed by ``WAIT`` on its
+        connection; :attr:`Flushed.replicated` says whether enough replicas acknowledged
+        it (the owner must not count on slides they did not)."""
         args: list[str | int] = [instance, len(slide)]
         for held in slide:
             args.extend((held.episode, held.device, str(held.token), held.claim, held.model))
         for episode, token in idle:
             args.extend((episode, str(token)))
-        reply = await self._call(self.scripts.flush, self.keys.node(node), args)
+        key = self.keys.node(node)
+        if not slide:  # releases only: one a failover undoes keeps a slot taken, never more
+            reply, short = await self._call(self.scripts.flush, key, args), None
+        else:
+            reply, short = await replicated(self.settings, self.redis, self.scripts.flush,
+                                            key, args)  # fmt: skip
         if int(reply[0]) < 0:
             return None
-        return Flushed(int(reply[0]), [str(e) for e in reply[1:]])
+        return Flushed(int(reply[0]), [str(e) for e in reply[1:]], short is None)
 
     async def new_fleet(self) -> bool:
         """Declare that no owner serves any episode of this namespace (a new fleet on an
@@ -378,18 +407,24 @@ class Registry:
         """Extend the lease. ``False`` means the node holds no lease any more (it lapsed,
         it deregistered, or Redis lost its data): it must :meth:`register` again. Raises
         :class:`NodeConflict` when another instance holds the node id with a current lease:
-        this process has lost its registration and must stop serving and exit."""
+        this process has lost its registration and must stop serving and exit; and
+        :class:`NotReplicated` when fewer replicas than ``settings.redis_replicas``
+        acknowledged the renewal (the lease must not be counted from it)."""
         return await self.renewal(node, instance) is not None
 
     async def renewal(self, node: str, instance: str = "") -> list[tuple[str, int]] | None:
         """:meth:`renew`, answering the (episode, token) of the node's assignments someone
         else released in Redis since the last renewal (an operator: the owner drops their
-        records), or None where :meth:`renew` answers False."""
-        reply = await self._call(self.scripts.renew, self.keys.node(node), (instance,))
+        records), or None where :meth:`renew` answers False. Raises as :meth:`renew`."""
+        reply, short = await replicated(
+            self.settings, self.redis, self.scripts.renew, self.keys.node(node), (instance,)
+        )
         if int(reply[0]) == -2:
             raise NodeConflict(node)
         if int(reply[0]) < 0:
             return None
+        if short is not None:
+            self._short("renewal", short, node)
         revoked = []
         for item in reply[1:]:
             episode, _, token = str(item).rpartition(" ")
@@ -401,7 +436,10 @@ class Registry:
         failover), or None where it cannot be told (Redis Cluster, a store without it)."""
         if isinstance(self.redis, RedisCluster):
             return None
-        info = await bounded(self.settings, self.redis.info("server"))
+        try:
+            info = await bounded(self.settings, self.redis.info("server"))
+        except NoPermissionError:  # an ACL user without +info: cannot be told
+            return None
         run_id = info.get("run_id") if isinstance(info, dict) else None
         return str(run_id) if run_id else None
 

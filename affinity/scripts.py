@@ -38,7 +38,17 @@ from affinity.connection import starved
 from affinity.errors import BackendUnavailable, PoolExhausted
 from affinity.keys import Keys
 
-__all__ = ["NAMES", "Script", "Scripts", "bounded", "evalsha", "scripts_for", "source"]
+__all__ = [
+    "NAMES",
+    "Script",
+    "Scripts",
+    "bounded",
+    "evalsha",
+    "evalsha_waited",
+    "replicated",
+    "scripts_for",
+    "source",
+]
 
 NAMES = (
     "resolve",
@@ -166,6 +176,46 @@ async def evalsha(redis: Any, script: Script, key: str, args: Sequence[Any] = ()
     except NoScriptError:
         await redis.script_load(script.text)
         return await redis.execute_command("EVALSHA", script.sha, 1, key, *args)
+
+
+async def evalsha_waited(
+    redis: Any, script: Script, key: str, args: Sequence[Any], replicas: int, wait_ms: int
+) -> tuple[Any, int]:
+    """:func:`evalsha`, then ``WAIT replicas wait_ms`` on the same connection, sent together
+    (one round trip; a pipeline without MULTI): the script's reply and how many replicas
+    acknowledged every write this connection made up to and including the script's.
+    ``WAIT`` waits for the connection's last write, so the caller must only trust the
+    count for a script that wrote (every reply a node serves on does)."""
+
+    def both() -> Awaitable[list[Any]]:
+        pipe = redis.pipeline(transaction=False)
+        pipe.execute_command("EVALSHA", script.sha, 1, key, *args)
+        pipe.execute_command("WAIT", replicas, wait_ms)
+        result: Awaitable[list[Any]] = pipe.execute()
+        return result
+
+    try:
+        reply, acked = await both()
+    except NoScriptError:
+        await redis.script_load(script.text)
+        reply, acked = await both()
+    return reply, int(acked)
+
+
+async def replicated(
+    settings: Settings, redis: Any, script: Script, key: str, args: Sequence[Any]
+) -> tuple[Any, int | None]:
+    """One bounded script call that a node serves from memory on afterwards: with
+    ``settings.redis_replicas`` (N > 0) it is followed by ``WAIT`` on its connection
+    (:func:`evalsha_waited`). Returns the reply and ``None`` when the write is safe to act
+    on (N replicas acknowledged it, or N is 0), else how many replicas acknowledged it."""
+    n = settings.redis_replicas
+    if not n:
+        return await bounded(settings, evalsha(redis, script, key, args)), None
+    reply, acked = await bounded(
+        settings, evalsha_waited(redis, script, key, args, n, settings.redis_wait_ms)
+    )
+    return reply, (None if acked >= n else acked)
 
 
 class _Watchdog:

@@ -43,6 +43,7 @@ from affinity import (
     AffinityError,
     BackendUnavailable,
     InvalidArgument,
+    NotReplicated,
     PoolExhausted,
     StaleToken,
     UnknownDevice,
@@ -469,8 +470,15 @@ def create_app(
     @api.exception_handler(BackendUnavailable)
     async def redis_unavailable(request: Request, exc: BackendUnavailable) -> Response:
         """The one answer of every endpoint whose Redis call failed: 503 ``busy`` when the
-        call only waited for this node's pool (it is overloaded), else ``redis``."""
-        code = "busy" if isinstance(exc, PoolExhausted) else "redis"
+        call only waited for this node's pool (it is overloaded), ``not_replicated`` when
+        too few replicas acknowledged its write, else ``redis``."""
+        code = (
+            "busy"
+            if isinstance(exc, PoolExhausted)
+            else "not_replicated"
+            if isinstance(exc, NotReplicated)
+            else "redis"
+        )
         return error(503, code, str(exc), retry_after=1)
 
     @api.exception_handler(AffinityError)

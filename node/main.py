@@ -33,7 +33,7 @@ from prometheus_client import Histogram
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from affinity import BackendUnavailable, ModelId, NodeConflict, Settings, connect, embedded_store
-from affinity.config import ENV_VARS
+from affinity.config import ENV_VARS, MAX_REPLICAS
 from affinity.connection import url_problem
 from affinity.errors import InvalidArgument, SecretMismatch
 from affinity.registry import MAX_WEIGHT, check_node_id
@@ -121,6 +121,13 @@ _FLAGS = (
           "Redis URL: redis://, rediss://, unix://, redis+sentinel://, redis+cluster:// "
           "(none: the embedded single-host store)"),
     _Flag("--namespace", "AFFINITY_NAMESPACE", "affinity", "prefix of every Redis key"),
+    _Flag("--redis-replicas", "AFFINITY_REDIS_REPLICAS", 0,
+          "replicas that must acknowledge (WAIT) every claim, renewal and slide before the "
+          "node serves on it (0: no WAIT; needs --redis, not Redis Cluster)", int,
+          low=0, high=MAX_REPLICAS),
+    _Flag("--redis-wait", "AFFINITY_REDIS_WAIT", 0.1,
+          "seconds a write waits for --redis-replicas acknowledgements (at most half of "
+          "AFFINITY_REDIS_TIMEOUT)", float, positive=True),
     _Flag("--node-id", "AFFINITY_NODE_ID", None, "this node's id (none: the host name)"),
     _Flag("--host", "AFFINITY_HOST", "127.0.0.1", "address to listen on"),
     _Flag("--port", "AFFINITY_PORT", 8000, "port to listen on", int, low=1, high=65535),
@@ -319,6 +326,8 @@ def parse_args(
             namespace=values["namespace"],
             episode_ttl_s=values["episode_ttl"],
             lease_ttl_s=values["lease_ttl"],
+            redis_replicas=values["redis_replicas"],
+            redis_wait_s=values["redis_wait"],
         )
         return NodeConfig(
             node_id=node_id,

@@ -147,8 +147,6 @@ class Ownership:
             return  # no current lease here: the renewal registers again
         released = {ep for ep, _ in idle}
         self._idle = [item for item in self._idle if item[0] not in released]
-        for h in slide:
-            self._slid[h.episode] = sent
         for episode in released:
             if self.dispatcher.claim_of(episode) is not None:
                 self.dispatcher.release(episode)  # stepped again meanwhile: resolve anew
@@ -160,6 +158,15 @@ class Ownership:
             )
             self.dispatcher.release(episode)
         self.grace_ms = done.grace_ms
+        if not done.replicated:  # a failover could undo the slides: not done, sent again
+            log.warning(
+                "flush of node %s: fewer Redis replicas than --redis-replicas acknowledged "
+                "its slides; they are sent again at the next flush",
+                self.node_id,
+            )
+            return
+        for h in slide:
+            self._slid[h.episode] = sent
         self.flushed_at = sent
         self._prune({h.episode for h, _ in self.dispatcher.held()})
 

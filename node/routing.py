@@ -42,6 +42,7 @@ from affinity import (
     ModelConflict,
     ModelId,
     NoCapacity,
+    NotReplicated,
     PoolExhausted,
     Recovering,
     StaleToken,
@@ -96,6 +97,7 @@ TRANSIENT = frozenset(
         "fenced",
         "device_down",
         "recovering",
+        "not_replicated",
     }
 )
 """503 reasons worth retrying inside the node for clients that cannot retry themselves."""
@@ -346,6 +348,8 @@ class Routing:
             raise Refused(404, "unknown_model", str(UnknownModel(exc.model, served))) from exc
         except PoolExhausted as exc:
             raise Unavailable("busy", str(exc), 1.0) from exc
+        except NotReplicated as exc:  # nobody serves it: retry once the replicas catch up
+            raise Unavailable("not_replicated", str(exc), 1.0) from exc
         except BackendUnavailable as exc:
             raise Unavailable("redis", str(exc), 1.0) from exc
         except Recovering as exc:

@@ -127,7 +127,7 @@ class Unavailable(Exception):
 
     ``reason`` is a short code from a fixed set (documented in docs/protocols.md): ``fenced``,
     ``leaving``, ``redis``, ``busy``, ``full``, ``no_nodes``, ``owner_unreachable``,
-    ``owner_refused``, ``deadline``, ``device_down``.
+    ``owner_refused``, ``deadline``, ``device_down``, ``recovering``, ``not_replicated``.
     """
 
     def __init__(self, reason: str, message: str, retry_after: float = 1.0) -> None:

@@ -6,6 +6,7 @@ even when the test fails.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -13,6 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -215,3 +217,62 @@ class Node:
 
 def tmpdir() -> Path:
     return Path(tempfile.mkdtemp(prefix="affinity-test-"))
+
+
+class Forwarder:
+    """A loopback TCP forwarder in the test process: clients connect to ``port`` and reach
+    whatever ``target`` port it points at now. :meth:`point` re-points it and cuts every
+    open connection, as a failover does to the clients of the old primary (they reconnect
+    and reach the new one)."""
+
+    def __init__(self, target: int, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.target = target
+        self._lock = threading.Lock()
+        self._open: list[socket.socket] = []
+        self._listener = socket.create_server((host, 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._closed = False
+        threading.Thread(target=self._accept, name="forwarder", daemon=True).start()
+
+    def point(self, target: int) -> None:
+        with self._lock:
+            self.target = target
+            cut, self._open = self._open, []
+        for s in cut:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        self.point(self.target)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection((self.host, self.target), timeout=2)
+            except OSError:
+                client.close()  # nothing listens there (the old primary is dead)
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)

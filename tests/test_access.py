@@ -23,8 +23,8 @@ pytestmark = pytest.mark.integration
 # Every command affinity sends, directly or from its Lua scripts (ACL applies to both).
 ACL_COMMANDS = (
     "+ping +hello +auth +time "
-    "+evalsha +script|load "
-    "+get +set +incr +del +exists +pexpireat +pttl "
+    "+evalsha +wait +script|load "  # (+wait: with --redis-replicas)
+    "+get +set +incr +del +exists +pexpire +pexpireat +pttl +info "  # (+info: run_id)
     "+hget +hmget +hset +hdel +hgetall +hexists "
     "+sadd +srem +smembers "
     "+zadd +zrem +zscore +zcount +zrange +zrangebyscore +zremrangebyscore +zcard "
