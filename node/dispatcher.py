@@ -735,11 +735,12 @@ class MultiGpuDispatcher:
         try:
             self._round_safely(dev, [job])
         finally:
+            items, dev.outbox = dev.outbox, []  # the worker waits: only this round's
             with dev.cond:
                 dev.busy = False
                 if dev.pending:
                     dev.cond.notify()
-        dev.flush()
+        _settle(items)  # on this loop already: no wake-up through call_soon_threadsafe
         return True
 
     def _next(self, dev: _Device) -> _Call | list[_Job] | None:

@@ -54,6 +54,7 @@ bools are not numbers. Anything else is :class:`InvalidInput`.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -236,7 +237,7 @@ class PolicyContract:
         """``spec`` as one client step holds it: the batch axis (if any) of size 1."""
         if not self.batch_axis:
             return spec
-        return replace(spec, shape=(1, *spec.shape[1:]))
+        return _one_row(spec)
 
     def to_json(self) -> dict[str, Any]:
         """The contract as served by ``GET /model``.
@@ -786,6 +787,12 @@ def _dtype_problem(spec: TensorSpec, array: Array) -> str | None:
         if int(low) < info.min or int(high) > info.max:
             return f"{given} with values outside {info.min}..{info.max} ({target.name})"
     return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _one_row(spec: TensorSpec) -> TensorSpec:
+    """``spec`` with a batch axis of 1 (made once per spec: each step asks)."""
+    return replace(spec, shape=(1, *spec.shape[1:]))
 
 
 def _parse_array(spec: TensorSpec, value: object, batch: bool) -> Array:
