@@ -91,6 +91,7 @@ class Membership:
             registry,
             dispatcher,
             clock,
+            lambda reason, n: metrics.owner_dropped.labels(reason).inc(n),
         )
 
     # ---- lease -----------------------------------------------------------------------
@@ -169,6 +170,8 @@ class Membership:
         else:
             for episode in done.lost:
                 self.dispatcher.release(episode)
+            if done.lost:
+                self.metrics.owner_dropped.labels("lost").inc(len(done.lost))
         if held:
             log.warning(
                 "node %s re-registered within its lease (Redis lost its data?): re-asserted "
@@ -251,6 +254,7 @@ class Membership:
                 if claim is not None and claim[1] == token:
                     log.info("episode %r was released in Redis: its state here is dropped", episode)
                     self.dispatcher.release(episode)
+                    self.metrics.owner_dropped.labels("revoked").inc()
             with contextlib.suppress(AffinityError):
                 await self._reconcile()
             if self._fenced_logged:

@@ -51,6 +51,7 @@ LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
     "affinity_rejected_requests_total": {"reason": REJECTED},
     "affinity_fenced": {},
     "affinity_lease_renewals_total": {"result": ("ok", "reregistered", "failed")},
+    "affinity_owner_dropped_total": {"reason": ("idle", "lost", "revoked")},
     "affinity_batch_size": {"device": "device"},
     "affinity_queue_wait_seconds": {"device": "device"},
     "affinity_device_capacity": {"device": "device"},
@@ -135,6 +136,14 @@ class Metrics:
             "affinity_lease_renewals_total",
             "Lease renewal attempts, by result.",
             ["result"],
+            registry=r,
+        )
+        self.owner_dropped = Counter(
+            "affinity_owner_dropped_total",
+            "Episodes the owner stopped serving from memory, by why: idle (its idle "
+            "timeout), lost (Redis holds another claim or none: a failover, a restart, an "
+            "operator), revoked (an operator released it in Redis).",
+            ["reason"],
             registry=r,
         )
         self.batch_size = Histogram(

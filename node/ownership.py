@@ -63,6 +63,7 @@ class Ownership:
         registry: Registry,
         dispatcher: Dispatchers,
         clock: Callable[[], float] = time.monotonic,
+        dropped: Callable[[str, int], None] = lambda reason, n: None,
     ) -> None:
         self.node_id = node_id
         self.url = url
@@ -71,6 +72,7 @@ class Ownership:
         self.registry = registry
         self.dispatcher = dispatcher
         self.clock = clock
+        self.dropped = dropped  # (reason, how many): affinity_owner_dropped_total
         self.flushed_at = float("-inf")  # send time of the last flush that succeeded
         self.grace_ms = 0  # the fleet's grace period left, as the last script said
         self._slid: dict[str, float] = {}  # episode -> send time of the last write of its backstop
@@ -120,7 +122,10 @@ class Ownership:
         round trip (nothing to say: no round trip). Raises what the registry raises; the
         work is kept for the next flush."""
         sent = self.clock()
-        self._idle.extend(self.dispatcher.expire_idle())
+        expired = self.dispatcher.expire_idle()
+        if expired:
+            self.dropped("idle", len(expired))
+        self._idle.extend(expired)
         held = self.dispatcher.held()
         never = float("-inf")
         due = self.backstop_s - self.lease_ttl_s - SLIDE_AHEAD_S
@@ -150,6 +155,8 @@ class Ownership:
         for episode in released:
             if self.dispatcher.claim_of(episode) is not None:
                 self.dispatcher.release(episode)  # stepped again meanwhile: resolve anew
+        if done.lost:
+            self.dropped("lost", len(done.lost))
         for episode in done.lost:
             log.warning(
                 "episode %r is no longer this node's in Redis (another claim holds it, or "

@@ -100,6 +100,28 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
     async with cluster(redis, cfgs, session_factory=lambda s: (Flaky(s), "CPU")) as (nodes, router):
         a, b = nodes
         sa = a.service
+        # the owner drops: revoked (an operator's release), lost (Redis no longer holds it),
+        # idle (its idle timeout)
+        om = sa.membership
+        own = {
+            n: (await episode_on(a, a, f"own-{n}"))["episode_id"] for n in ("rev", "gone", "idle")
+        }
+        await om.ownership.flush(om.instance, om.registered)
+        rev = sa.dispatcher.claim_of(own["rev"])
+        assert rev is not None
+        await sa.claims.release(own["rev"], rev[1], "operator")
+        await om.renew_once()
+        assert sa.dispatcher.claim_of(own["rev"]) is None
+        await redis.delete(KEYS.episode(own["gone"]))
+        om.ownership._slid.clear()  # (a failover, seen by its run_id, does this)
+        await om.ownership.flush(om.instance, om.registered)
+        assert sa.dispatcher.claim_of(own["gone"]) is None
+        for d in sa.dispatcher.by_model.values():
+            for record in d._states.values():
+                record.last_used -= 10_000  # every record idle past the timeout
+        await om.ownership.flush(om.instance, om.registered)
+        assert sa.dispatcher.claim_of(own["idle"]) is None
+        seen += await scrape(a)
         # routing: claimed, hit, stateless, degraded; forwarded ok
         on_b = await episode_on(b, a, "fwd")
         assert (await a.act(episode_id=on_b["episode_id"], inputs=OBS)).status_code == 200
