@@ -412,12 +412,16 @@ class Registry:
         acknowledged the renewal (the lease must not be counted from it)."""
         return await self.renewal(node, instance) is not None
 
-    async def renewal(self, node: str, instance: str = "") -> list[tuple[str, int]] | None:
+    async def renewal(
+        self, node: str, instance: str = "", done: Sequence[tuple[str, int]] = ()
+    ) -> list[tuple[str, int]] | None:
         """:meth:`renew`, answering the (episode, token) of the node's assignments someone
-        else released in Redis since the last renewal (an operator: the owner drops their
-        records), or None where :meth:`renew` answers False. Raises as :meth:`renew`."""
+        else released in Redis (an operator) that the owner has not said it carried out;
+        ``done`` says which it carried out since (they are removed). None where
+        :meth:`renew` answers False. Raises as :meth:`renew`."""
+        args = (instance, *(f"{episode} {token}" for episode, token in done))
         reply, short = await replicated(
-            self.settings, self.redis, self.scripts.renew, self.keys.node(node), (instance,)
+            self.settings, self.redis, self.scripts.renew, self.keys.node(node), args
         )
         if int(reply[0]) == -2:
             raise NodeConflict(node)

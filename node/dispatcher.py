@@ -79,7 +79,7 @@ Array = np.ndarray[Any, Any]
 MAX_DEFAULT_BATCH = 8
 """``max_batch`` when not given and the model allows batching."""
 DEFAULT_BATCH_DELAY_US = 500.0
-DEFAULT_INLINE_UNDER_US = 500.0
+DEFAULT_INLINE_UNDER_US = 500.0  # the node's --inline-under
 """The node's default: a CPU device whose model runs take less than this on average runs
 an idle-time step on the event loop's thread (:meth:`MultiGpuDispatcher._inline`)."""
 """How long a waiting step may wait for others to join its run (microseconds)."""
@@ -697,9 +697,9 @@ class MultiGpuDispatcher:
                 else:
                     self._round_safely(dev, item)
             finally:
+                dev.flush()  # while still busy: an inline round must not share the outbox
                 with dev.cond:
                     dev.busy = False
-            dev.flush()
 
     def _round_safely(self, dev: _Device, jobs: list[_Job]) -> None:
         try:
@@ -720,7 +720,7 @@ class MultiGpuDispatcher:
         devices: a GPU run that hangs must not stop the event loop, where its worker's
         watch marks the device down and the node goes on). False: the worker runs it, as
         always under load."""
-        if dev.run_s >= self.inline_under_s or self._arriving > 0:
+        if dev.run_s >= self.inline_under_s or self._arriving > 0 or not job.one_row:
             return False
         if dev.id not in self.inline_devices:
             return False

@@ -80,6 +80,8 @@ class Membership:
         self.on_conflict: Callable[[], None] = lambda: None
         self._fenced_logged = False
         self.server_id: str | None = None  # run_id of the Redis server last seen
+        self._revoked: list[tuple[str, int]] = []  # revocations carried out, not yet said
+        self._no_server_id = False  # logged that run_id cannot be read
         self._handing: dict[str, asyncio.Task[None]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -168,10 +170,11 @@ class Membership:
             self.dispatcher.drop_all()
             self.ownership.drop()
         else:
-            for episode in done.lost:
+            lost = self.ownership.unchanged(held, done.lost)
+            for episode in lost:
                 self.dispatcher.release(episode)
-            if done.lost:
-                self.metrics.owner_dropped.labels("lost").inc(len(done.lost))
+            if lost:
+                self.metrics.owner_dropped.labels("lost").inc(len(lost))
         if held:
             log.warning(
                 "node %s re-registered within its lease (Redis lost its data?): re-asserted "
@@ -236,7 +239,7 @@ class Membership:
     async def renew_once(self) -> None:
         sent = self.clock()
         try:
-            revoked = await self.registry.renewal(self.node_id, self.instance)
+            revoked = await self.registry.renewal(self.node_id, self.instance, self._revoked)
         except NodeConflict as exc:
             self._lost_to_another(str(exc))
             return
@@ -255,6 +258,7 @@ class Membership:
                     log.info("episode %r was released in Redis: its state here is dropped", episode)
                     self.dispatcher.release(episode)
                     self.metrics.owner_dropped.labels("revoked").inc()
+            self._revoked = revoked  # said done at the next renewal (removed then)
             with contextlib.suppress(AffinityError):
                 await self._reconcile()
             if self._fenced_logged:
@@ -280,6 +284,13 @@ class Membership:
         when its slide would next be due (minutes)."""
         run_id = await self.registry.server_id()
         if run_id is None:
+            if not self._no_server_id:
+                self._no_server_id = True
+                log.info(
+                    "cannot tell one Redis server from another (no run_id: Redis Cluster, "
+                    "an ACL user without +info, or the embedded store): a claim a failover "
+                    "loses is found at the episode's next slide, not at the next renewal"
+                )
             return
         if self.server_id is not None and run_id != self.server_id:
             log.warning(

@@ -146,6 +146,8 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        for reason in LABELS["affinity_owner_dropped_total"]["reason"]:
+            self.owner_dropped.labels(reason)  # at 0 from the start: increase() sees the first
         self.batch_size = Histogram(
             "affinity_batch_size",
             "Steps per model run (1: unbatched), by device.",

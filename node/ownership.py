@@ -35,9 +35,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from affinity import Assignment, Registry
+from affinity.registry import Held
 from node.catalog import Dispatchers
 
 __all__ = ["EXPIRY_MARGIN_S", "SLIDE_AHEAD_S", "Ownership"]
@@ -101,6 +102,18 @@ class Ownership:
             episode, "hit", device, token, self.node_id, self.url, None, claim_id, instance, model
         )
 
+    def unchanged(self, sent: Sequence[Held], lost: Sequence[str]) -> list[str]:
+        """The episodes of ``lost`` (Redis' answer to ``sent``) whose record here is still
+        the claim that was sent: one ended, or claimed anew, meanwhile is not the claim
+        Redis judged, and stays."""
+        sent_as = {h.episode: (h.device, h.token, h.claim) for h in sent}
+        out = []
+        for episode in lost:
+            claim = self.dispatcher.claim_of(episode)
+            if claim is not None and claim[:3] == sent_as.get(episode):
+                out.append(episode)
+        return out
+
     def asserted(self, episodes: list[str], sent: float) -> None:
         """``episodes``' backstops were written by a script sent at ``sent`` (re-asserted
         by a registration)."""
@@ -155,9 +168,10 @@ class Ownership:
         for episode in released:
             if self.dispatcher.claim_of(episode) is not None:
                 self.dispatcher.release(episode)  # stepped again meanwhile: resolve anew
-        if done.lost:
-            self.dropped("lost", len(done.lost))
-        for episode in done.lost:
+        lost = self.unchanged(slide, done.lost)
+        if lost:
+            self.dropped("lost", len(lost))
+        for episode in lost:
             log.warning(
                 "episode %r is no longer this node's in Redis (another claim holds it, or "
                 "it was released): its state here is dropped",

@@ -186,6 +186,7 @@ class Routing:
 
     async def _within_deadline(self, step: Step, patient: bool, arrival: Arrival) -> Reply:
         last: Unavailable | None = None
+        late: Reply | None = None
         backoff = 0.025
         try:
             async with asyncio.timeout(step.deadline - self.clock()):
@@ -199,10 +200,16 @@ class Routing:
                         last = exc
                     await asyncio.sleep(min(backoff, last.retry_after))
                     backoff = min(backoff * 2, 0.5)
-            if self.clock() >= step.deadline:  # the timeout's cancellation was swallowed
-                raise TimeoutError  # (gh-86296, Python 3.11): the answer is late all the same
+            if self.clock() >= step.deadline:
+                # served past the deadline without a suspension the timeout could cancel (a
+                # quick run on the event loop after a stall), or the cancellation was
+                # swallowed (gh-86296, Python 3.11): answered 503, so it must not stay done
+                late = reply
+                raise TimeoutError
             return reply
         except TimeoutError:
+            if late is not None:
+                await self.undelivered(late)
             if last is not None:
                 raise last from None
             raise Unavailable(

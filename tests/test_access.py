@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 ACL_COMMANDS = (
     "+ping +hello +auth +time "
     "+evalsha +wait +script|load "  # (+wait: with --redis-replicas)
-    "+get +set +incr +del +exists +pexpire +pexpireat +pttl +info "  # (+info: run_id)
+    "+get +set +incr +del +exists +pexpireat +pttl +info "  # (+info: run_id)
     "+hget +hmget +hset +hdel +hgetall +hexists "
     "+sadd +srem +smembers "
     "+zadd +zrem +zscore +zcount +zrange +zrangebyscore +zremrangebyscore +zcard "

@@ -146,8 +146,9 @@ async def test_an_episode_released_in_redis_is_dropped_at_the_next_flush(redis: 
 async def test_an_operator_release_reaches_the_owner_at_its_next_renewal(redis: Any) -> None:
     """``affinity release`` writes Redis only: the owner, which serves the episode from
     memory and would not slide it for minutes, learns it from its next renewal (one set
-    read in the renewal script) and drops its record; a release by the owner itself, or
-    one for an older token, revokes nothing."""
+    read in the renewal script) and drops its record; the entry stays until a later
+    renewal says it was carried out (a renewal whose answer was lost loses nothing); a
+    release by the owner itself, or one for an older token, revokes nothing."""
     async with cluster(redis, [config("a")]) as ([a], _):
         r = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
         await flushed(a)
@@ -155,15 +156,21 @@ async def test_an_operator_release_reaches_the_owner_at_its_next_renewal(redis: 
         assert await redis.smembers(KEYS.revoked("a")) == {f"ep {r['token']}"}
         hit = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
         assert hit["routing"] == "hit"  # from memory: the owner does not know yet
-        await a.service.membership.renew_once()
+        m = a.service.membership
+        assert await m.registry.renewal("a", m.instance) == [("ep", r["token"])]  # answer lost
+        assert a.service.dispatcher.has_state("ep")
+        await m.renew_once()  # asked again: still there
         assert not a.service.dispatcher.has_state("ep")
-        assert await redis.exists(KEYS.revoked("a")) == 0  # read once
+        assert await redis.smembers(KEYS.revoked("a")) == {f"ep {r['token']}"}
+        await m.renew_once()  # says it was carried out: removed
+        assert await redis.exists(KEYS.revoked("a")) == 0
         again = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
         assert again["routing"] == "claimed" and again["token"] != r["token"]
         # the owner's own end, then a stale revocation of the old token: nothing revoked
         await redis.sadd(KEYS.revoked("a"), f"ep {r['token']}")
         await a.service.membership.renew_once()
         assert a.service.dispatcher.claim_of("ep") is not None
+        await a.service.membership.renew_once()
         await a.service.routing.end_episode("ep", again["token"])
         assert await redis.exists(KEYS.revoked("a")) == 0
 
@@ -198,6 +205,54 @@ async def test_another_redis_server_has_the_owner_check_every_record_in_its_next
         assert a.service.dispatcher.has_state("kept") and await redis.exists(KEYS.episode("kept"))
         again = await a.act(episode_id="lost", inputs={"obs": OBS}, token=tokens["lost"])
         assert (again.json()["routing"], again.json()["state_reset"]) == ("claimed", True)
+
+
+async def test_a_record_claimed_anew_during_the_flush_is_not_dropped_as_lost(redis: Any) -> None:
+    """Redis answers "lost" for the claim the flush sent; the episode was ended and
+    claimed anew here while the flush was on its way: the new record is not that claim,
+    and stays (nor is it counted as lost)."""
+    async with cluster(redis, [config("a")]) as ([a], _):
+        m = a.service.membership
+        first = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
+        await flushed(a)
+        await redis.delete(KEYS.episode("ep"))  # Redis lost that claim
+        m.ownership._slid.clear()
+        real = m.registry.flush
+        again: dict[str, Any] = {}
+
+        async def flush(*args: Any) -> Any:
+            done = await real(*args)
+            a.service.dispatcher.release("ep")  # ended here meanwhile, and claimed anew
+            again.update((await a.act(episode_id="ep", inputs={"obs": OBS})).json())
+            return done
+
+        m.registry.flush = flush  # type: ignore[method-assign]
+        await flushed(a)
+        assert again["routing"] == "claimed" and again["token"] != first["token"]
+        claim = a.service.dispatcher.claim_of("ep")
+        assert claim is not None and claim[1] == again["token"]
+        lost = a.service.metrics.owner_dropped.labels("lost")._value.get()
+        assert lost == 0
+
+
+async def test_a_step_served_past_its_deadline_is_answered_503_and_undone(redis: Any) -> None:
+    """A step at its owner that never suspends (a quick run on the event loop) cannot be
+    cancelled by its deadline; finished past it, it is answered 503 ``deadline`` and so
+    must not stay applied: the next step is the one after the last 200."""
+    from dataclasses import replace
+
+    async with cluster(redis, [config("a", devices="cpu:1")]) as ([a], _):
+        for _ in range(3):  # the worker's runs give the device its quick average
+            assert (await a.act(episode_id="ep", inputs={"obs": OBS})).status_code == 200
+        await flushed(a)
+        s = a.service
+        normal = s.config
+        s.config = replace(normal, act_deadline_s=1e-9)  # past before the run ends
+        late = await a.act(episode_id="ep", inputs={"obs": OBS})
+        assert late.status_code == 503 and late.json()["error"]["code"] == "deadline"
+        s.config = normal
+        r = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
+        assert (r["seq"], r["state_reset"]) == (4, False)
 
 
 async def test_after_redis_lost_its_data_no_claim_until_the_owner_reasserted(redis: Any) -> None:

@@ -52,7 +52,7 @@ import numpy as np
 
 from affinity import InvalidArgument, check_episode, wire
 from node.accesslog import STEP_KEY, AccessLog
-from node.asgi import Receive, Scope, Send, header
+from node.asgi import Receive, Scope, Send, header, io_seen
 from node.policy import (
     InvalidInput,
     PolicyContract,
@@ -169,6 +169,7 @@ async def handle(
             if prev_total_ms is not None:
                 doc["server_timing"]["prev_total_ms"] = prev_total_ms
             try:
+                await io_seen()  # a close that came with the frame fails the send: undone
                 await send({"type": "websocket.send", "bytes": wire.encode(doc)})
             except OSError:  # uvicorn's ClientDisconnected: the robot never gets this step
                 await service.routing.undelivered(reply)
