@@ -79,9 +79,6 @@ Array = np.ndarray[Any, Any]
 MAX_DEFAULT_BATCH = 8
 """``max_batch`` when not given and the model allows batching."""
 DEFAULT_BATCH_DELAY_US = 500.0
-DEFAULT_INLINE_UNDER_US = 500.0  # the node's --inline-under
-"""The node's default: a CPU device whose model runs take less than this on average runs
-an idle-time step on the event loop's thread (:meth:`MultiGpuDispatcher._inline`)."""
 """How long a waiting step may wait for others to join its run (microseconds)."""
 _RECENT_S = 1.0  # an episode that sent a step this recently is expected to send another
 
@@ -607,9 +604,9 @@ class MultiGpuDispatcher:
         job = _Job(episode, token, claim, fresh, seq, origin, feed, mode, future, one_row, rtc,
                    self.clock() if arrived is None else arrived)  # fmt: skip
         self._in_flight[episode] = self._in_flight.get(episode, 0) + 1
-        if not self._inline(dev, job):
-            dev.put(job)
         try:
+            if not self._inline(dev, job):
+                dev.put(job)
             return await job.future
         except asyncio.CancelledError:
             with job.lock:

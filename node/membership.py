@@ -187,8 +187,6 @@ class Membership:
         self.ownership.grace_ms = done.grace_ms
         self.ownership.flushed_at = sent  # every backstop of what is held is fresh now
         self.ownership.asserted([h.episode for h in held], sent)
-        with contextlib.suppress(AffinityError):
-            await self._check_server()
         self.lease_deadline = sent + self.lease_s
         self.registered = True
         self._fenced_logged = False
@@ -199,6 +197,8 @@ class Membership:
             len(self.dispatcher.devices),
             self.config.advertise_url,
         )
+        with contextlib.suppress(AffinityError):
+            await self._check_server()  # the server this registration was made on
 
     async def start(self) -> None:
         """Register, waiting for an earlier process's lease on this node id to lapse (a
@@ -250,8 +250,6 @@ class Membership:
         if revoked is not None:
             self.metrics.renewals.labels("ok").inc()
             self.lease_deadline = sent + self.lease_s
-            with contextlib.suppress(AffinityError):
-                await self._check_server()
             for episode, token in revoked:  # released in Redis by an operator
                 claim = self.dispatcher.claim_of(episode)
                 if claim is not None and claim[1] == token:
@@ -259,6 +257,8 @@ class Membership:
                     self.dispatcher.release(episode)
                     self.metrics.owner_dropped.labels("revoked").inc()
             self._revoked = revoked  # said done at the next renewal (removed then)
+            with contextlib.suppress(AffinityError):
+                await self._check_server()
             with contextlib.suppress(AffinityError):
                 await self._reconcile()
             if self._fenced_logged:
