@@ -9,6 +9,7 @@ import contextlib
 import io
 import queue
 import random
+import signal
 import time
 import tracemalloc
 from collections.abc import Iterator
@@ -370,9 +371,13 @@ class _Context:
 
     def __init__(self, remaining: float | None) -> None:
         self.remaining = remaining
+        self.gone = False  # the client cancelled the call
 
     def time_remaining(self) -> float | None:
         return self.remaining
+
+    def cancelled(self) -> bool:
+        return self.gone
 
     def peer(self) -> str:
         return "ipv4:127.0.0.1:5555"
@@ -416,6 +421,44 @@ async def test_a_grpc_deadline_shortens_the_step_and_each_step_writes_an_access_
 
 
 @pytest.mark.anyio
+async def test_a_step_whose_call_was_cancelled_while_it_ran_is_undone() -> None:
+    """The client cancels while the step runs (a quick one, on the event loop: nothing
+    could cancel it): the reply cannot go, so the step is undone and the next one follows
+    the state before it."""
+    redis = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    async with cluster(redis, [config("a", devices="cpu:1")]) as (nodes, _):
+        service = nodes[0].service
+        door = GrpcFrontDoor(service, AccessLog(enabled=False))
+        obs = observations(5, 4)
+
+        def msg(i: int) -> Any:
+            m = message([1, 8], [obs[i].tobytes()])
+            m.model_name = door.model_name
+            m.parameters["sequence_id"].string_param = "robot-c"
+            m.parameters["sequence_start"].bool_param = i == 0
+            return m
+
+        for i in range(2):  # (the second runs inline: the first gave the device its average)
+            await door.infer(msg(i), _Context(None), "ModelInfer")
+        cancelled = _Context(None)
+        act = service.routing.act
+
+        async def cancelled_meanwhile(step: Any) -> Any:
+            reply = await act(step)
+            cancelled.gone = True
+            return reply
+
+        service.routing.act = cancelled_meanwhile  # type: ignore[method-assign]
+        with pytest.raises(asyncio.CancelledError):
+            await door.infer(msg(2), cancelled, "ModelInfer")
+        service.routing.act = act  # type: ignore[method-assign]
+        reply = await door.infer(msg(3), _Context(None), "ModelInfer")
+    want = reference_rollout(DEMO_MODEL, [obs[0], obs[1], obs[3]])[-1]["actions"]
+    got = np.frombuffer(reply.raw_output_contents[0], np.float32).reshape(want.shape)
+    close(want, got)
+
+
+@pytest.mark.anyio
 async def test_a_call_refused_for_its_key_writes_an_access_line() -> None:
     redis = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer(), decode_responses=True)
     async with cluster(redis, [config("a", api_key="k")]) as (nodes, _):
@@ -434,3 +477,42 @@ async def test_a_call_refused_for_its_key_writes_an_access_line() -> None:
     assert len(lines) == 2
     assert '"GRPC /inference.GRPCInferenceService/ModelInfer" 401' in lines[0]
     assert '"GRPC /inference.GRPCInferenceService/ModelStreamInfer" 401' in lines[1]
+
+
+@pytest.mark.integration
+def test_a_step_whose_rpc_was_cancelled_is_undone(three: tuple[Cluster, list[str]]) -> None:
+    """A tritonclient call cancelled (no deadline: the client gave up, or went away) while
+    its owner was paused: the owner reads the request and the cancel together, and the
+    step does not count; the sequence goes on from the state before it. (gRPC's core
+    drops a call cancelled before it was handed to the handler, so this passes without
+    ``undo_if_cancelled`` too; that one covers a cancel read while the handler runs.)"""
+    cluster, addresses = three
+    obs = observations(91, 3)
+    client = tg.InferenceServerClient(addresses[0])
+    try:
+        first = client.infer(
+            MODEL, [grpc_input(obs[0])], sequence_id=9191, sequence_start=True, headers=HEADERS
+        )
+        owner = next(n for n in cluster.nodes if n.node_id == facts(first)["node"])
+        at = tg.InferenceServerClient(addresses[cluster.nodes.index(owner)])
+        done: queue.Queue[Any] = queue.Queue()
+        owner.proc.send(signal.SIGSTOP)
+        try:
+            call = at.async_infer(
+                MODEL, [grpc_input(obs[1])], lambda result, error: done.put((result, error)),
+                sequence_id=9191, headers=HEADERS,
+            )  # fmt: skip
+            time.sleep(0.2)  # (the request is sent; the node cannot read it yet)
+            call.cancel()
+        finally:
+            owner.proc.send(signal.SIGCONT)
+        result, error = done.get(timeout=30)
+        assert result is None and error is not None  # cancelled: no reply
+        time.sleep(0.5)  # the owner reads the request and the cancel
+        r = at.infer(MODEL, [grpc_input(obs[2])], sequence_id=9191, headers=HEADERS)
+        assert facts(r)["state_reset"] is False
+        want = reference_rollout(DEMO_MODEL, [obs[0], obs[2]])[-1]["actions"]
+        close(want, r.as_numpy("actions"))
+        at.close()
+    finally:
+        client.close()

@@ -40,6 +40,7 @@ and ``INTERNAL`` (a model failure). In a stream an error answers that request wi
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import AsyncIterator
@@ -51,6 +52,7 @@ import numpy as np
 from affinity import InvalidArgument, UnknownEpisode
 from affinity.wire import MAX_ELEMENTS
 from node.accesslog import STEP_KEY, AccessLog
+from node.asgi import io_seen
 from node.membership import VERSION
 from node.policy import InvalidInput, PolicyContract
 from node.protocols.kserve import (
@@ -111,6 +113,24 @@ class _Abort(Exception):
         self.code = code
         self.retry_after = retry_after
         super().__init__(message)
+
+
+# ---- a step whose RPC was cancelled ---------------------------------------------------
+
+
+async def undo_if_cancelled(service: NodeService, context: Any, reply: Reply) -> None:
+    """Undo the step of ``reply`` when its RPC was cancelled (the client's deadline, or it
+    left) before the reply could go: the client sees no reply, so the step must not
+    count. A cancel that came with the request is read after :func:`io_seen`; one seen
+    while the step awaited cancelled it already (the dispatcher undid it)."""
+    try:
+        await io_seen()
+    except asyncio.CancelledError:
+        await service.routing.undelivered(reply)
+        raise
+    if context.cancelled():
+        await service.routing.undelivered(reply)
+        raise asyncio.CancelledError
 
 
 # ---- decoding ----------------------------------------------------------------------------
@@ -402,6 +422,7 @@ class GrpcFrontDoor:
             served[0] = step.episode or "-"
             reply = await service.routing.act(step)
             served[1:] = [reply.device, reply.routing]
+            await undo_if_cancelled(service, context, reply)
         except UnknownEpisode:  # Triton's rule, decided in the step's own resolve
             rejected.labels("bad_input").inc()
             raise _Abort(
