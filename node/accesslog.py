@@ -5,8 +5,9 @@ the node (this one included) a JSON object; ``--access-log off`` silences it.
 The lines are written straight to the log stream (stderr) in batches — every 0.25 s, or
 sooner once 256 are waiting — rather than through the ``logging`` module: a ``LogRecord``,
 its formatting and a write per request cost about a sixth of the node's throughput on a
-CPU model. They look exactly like the node's other log lines (same timestamp, level and
-logger name ``affinity.access``).
+CPU model. A request only records its facts (a tuple); the lines are formatted when the
+batch is written, off the request's own path. They look exactly like the node's other
+log lines (same timestamp, level and logger name ``affinity.access``).
 
 In the plain format every field a client chose (method, path, episode id) is escaped
 (:func:`escape`), so that a request cannot write a line of its own, a NUL or a terminal
@@ -35,6 +36,9 @@ STEP_KEY = "affinity.step"
 
 FLUSH_S = 0.25
 MAX_WAITING = 256
+
+_Entry = tuple[float, Any, str, str, int, float, Any]
+"""What a request leaves for its line: time, client, method, path, status, seconds, step."""
 
 
 def _escaped(c: str) -> str:
@@ -88,7 +92,7 @@ class AccessLog:
         self.json = json
         self.stream = stream
         self.on_drop = on_drop
-        self._waiting: list[str] = []
+        self._waiting: list[_Entry] = []
         self._flush: asyncio.TimerHandle | None = None
         self._second = -1
         self._stamp = ""
@@ -112,32 +116,11 @@ class AccessLog:
             self.write(scope, status or 500, time.perf_counter() - started)
 
     def write(self, scope: Scope, status: int, seconds: float) -> None:
-        """Queue the line of one request (flushed within ``FLUSH_S``)."""
-        now = time.time()
-        client = scope.get("client")
-        peer = f"{client[0]}:{client[1]}" if client else "-"
-        ms = round(seconds * 1000, 3)
-        step = scope.get(STEP_KEY)
-        if self.json:
-            doc: dict[str, Any] = {
-                "ts": round(now, 6),
-                "level": "info",
-                "logger": "affinity.access",
-                "client": peer,
-                "method": scope["method"],
-                "path": scope["path"],
-                "status": status,
-                "ms": ms,
-            }
-            if step is not None:
-                doc["episode"], doc["device"], doc["routing"] = step
-            line = orjson.dumps(doc).decode()
-        else:
-            request = escape(f"{scope['method']} {scope['path']}")
-            line = f'{self._time(now)} INFO affinity.access: {peer} "{request}" {status} {ms}ms'
-            if step is not None:
-                line += f" episode={escape(step[0])} device={step[1]} routing={step[2]}"
-        self._waiting.append(line)
+        """Queue the line of one request (formatted and written within ``FLUSH_S``)."""
+        self._waiting.append(
+            (time.time(), scope.get("client"), scope["method"], scope["path"], status, seconds,
+             scope.get(STEP_KEY))
+        )  # fmt: skip
         if len(self._waiting) >= MAX_WAITING:
             self.flush()
         elif self._flush is None:
@@ -146,6 +129,30 @@ class AccessLog:
             except RuntimeError:  # no loop (a direct call): write now
                 self.flush()
 
+    def _line(self, entry: _Entry) -> str:
+        now, client, method, path, status, seconds, step = entry
+        peer = f"{client[0]}:{client[1]}" if client else "-"
+        ms = round(seconds * 1000, 3)
+        if self.json:
+            doc: dict[str, Any] = {
+                "ts": round(now, 6),
+                "level": "info",
+                "logger": "affinity.access",
+                "client": peer,
+                "method": method,
+                "path": path,
+                "status": status,
+                "ms": ms,
+            }
+            if step is not None:
+                doc["episode"], doc["device"], doc["routing"] = step
+            return orjson.dumps(doc).decode()
+        request = escape(f"{method} {path}")
+        line = f'{self._time(now)} INFO affinity.access: {peer} "{request}" {status} {ms}ms'
+        if step is not None:
+            line += f" episode={escape(step[0])} device={step[1]} routing={step[2]}"
+        return line
+
     def flush(self) -> None:
         """Write every waiting line now."""
         if self._flush is not None:
@@ -153,14 +160,14 @@ class AccessLog:
             self._flush = None
         if not self._waiting:
             return
-        lines = self._waiting
+        entries = self._waiting
         self._waiting = []
         stream = self.stream or sys.stderr
         try:
-            stream.write("\n".join(lines) + "\n")
+            stream.write("\n".join(map(self._line, entries)) + "\n")
             stream.flush()
         except (OSError, ValueError):  # broken pipe, closed stream: drop, never pile up
-            self.on_drop(len(lines))
+            self.on_drop(len(entries))
 
     def _time(self, now: float) -> str:
         """``2026-11-30 16:40:02,113``, as the logging module writes it."""
