@@ -11,6 +11,7 @@ import orjson
 from node.step import Refused, Unavailable
 
 __all__ = [
+    "PEER_CLOSED",
     "BodyError",
     "ClientGone",
     "Receive",
@@ -50,20 +51,30 @@ class ClientGone(Exception):
         super().__init__("the client closed its connection")
 
 
+PEER_CLOSED = "affinity.peer_closed"
+"""Scope key of a callable the node's HTTP server puts in every request's scope (``node/main.py``):
+``scope[PEER_CLOSED]()`` says whether the client has closed its connection by now, as the
+kernel knows it, without a turn of the event loop. Other servers (tests' ASGI transports)
+leave it out; :func:`while_connected` then reads ``receive()`` after :func:`io_seen`."""
+
 WATCH_AFTER_S = 0.01
 """A step still running after this long gets a task watching its connection; a quicker one
 only has its connection checked once it finished (no task per step)."""
 
 
-async def while_connected(receive: Receive, work: Awaitable[T]) -> T:
+async def while_connected(
+    receive: Receive, work: Awaitable[T], peer_closed: Callable[[], bool] | None = None
+) -> T:
     """Await ``work`` (in this task) while the client's connection stays open; call it
     once the request body has been read. A close cancels ``work`` and raises
     :class:`ClientGone`, as does a close seen the moment ``work`` finished (with its
     result, so that the caller can undo what no one will receive).
 
     Work that ends within :data:`WATCH_AFTER_S` is not watched while it runs: its
-    connection is checked once, when it finished (:func:`_closed_now`), which costs no task;
-    longer work gets a task awaiting ``receive()``, so that a close cancels it at once."""
+    connection is checked once, when it finished, which costs no task: by
+    ``peer_closed`` (the scope's :data:`PEER_CLOSED`) where the server gives one, else by
+    ``receive()`` after :func:`io_seen` (:func:`_closed_now`). Longer work gets a task
+    awaiting ``receive()``, so that a close cancels it at once."""
     task = asyncio.current_task()
     assert task is not None
     watching = True
@@ -98,8 +109,11 @@ async def while_connected(receive: Receive, work: Awaitable[T]) -> T:
             seen = watch.done() and not watch.cancelled()
             watch.cancel()
     if seen is None:
-        await io_seen()
-        seen = _closed_now(receive)
+        if peer_closed is not None:
+            seen = peer_closed()
+        else:
+            await io_seen()
+            seen = _closed_now(receive)
     if seen:  # closed as the work finished: its callback had not run yet
         raise ClientGone(result)
     return result
