@@ -810,6 +810,9 @@ class MultiGpuDispatcher:
                 _observe(self.on_queue_wait, dev.id, now - job.enqueued)
             members.append(member)
         dev.flush()  # steps answered from a buffer do not wait for the model run
+        if len(members) == 1:  # a step alone (one client, or one inline): nothing to group
+            self._run_alone(dev, members[0])
+            return
         groups: dict[tuple[tuple[str, tuple[int, ...], str], ...], list[_Member]] = {}
         for m in members:  # steps whose tensors differ beyond the first axis run apart
             key = tuple(sorted((k, v.shape[1:], v.dtype.str) for k, v in m.feed.items()))

