@@ -39,7 +39,7 @@ from affinity.errors import InvalidArgument, SecretMismatch
 from affinity.registry import MAX_WEIGHT, check_node_id
 from node.accesslog import JsonFormatter
 from node.app import create_app
-from node.asgi import PEER_CLOSED
+from node.asgi import CONNECTION
 from node.binding import BoundSession
 from node.catalog import Dispatchers, ModelSpec, parse_model_arg
 from node.chunks import ENSEMBLES
@@ -526,9 +526,10 @@ class _KeepAliveProtocol(HttpToolsProtocol):
       timeout, the timer fires before the queued request is read, and closing would drop
       a request the client cannot know the fate of. Such a request is read and answered
       instead (503 ``fenced`` if the lease lapsed);
-    - every request's scope carries :data:`~node.asgi.PEER_CLOSED`, which tells whether the
-      client has closed the connection by now (:meth:`peer_closed`): a step answers it with
-      one ``poll(2)`` instead of two turns of the event loop (``node.asgi.while_connected``)."""
+    - every request's scope carries it as :data:`~node.asgi.CONNECTION`: whether the
+      client has closed the connection by now (:meth:`peer_closed`: one ``poll(2)``
+      instead of two turns of the event loop) and whether other requests are being served
+      (:meth:`serving_others`), for ``node.asgi.while_connected``."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -540,7 +541,7 @@ class _KeepAliveProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.scope[PEER_CLOSED] = self.peer_closed  # type: ignore[literal-required]
+        self.scope[CONNECTION] = self  # type: ignore[literal-required]
 
     def peer_closed(self) -> bool:
         """Whether the client has closed (or reset) the connection, as the kernel knows it
@@ -552,6 +553,10 @@ class _KeepAliveProtocol(HttpToolsProtocol):
         if self._hangup is None:
             return False
         return bool(self._hangup.poll(0))
+
+    def serving_others(self) -> bool:
+        """Whether the server runs other requests' tasks now (every connection's)."""
+        return len(self.tasks) > 1
 
     def timeout_keep_alive_handler(self) -> None:
         sock = self.transport.get_extra_info("socket")

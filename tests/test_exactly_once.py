@@ -182,9 +182,10 @@ async def test_a_close_seen_as_the_work_finishes_hands_back_its_result() -> None
     assert await while_connected(stays, quick()) == "reply"
 
 
-async def test_a_servers_close_probe_decides_without_reading_the_connection() -> None:
-    """With the server's probe (scope[PEER_CLOSED], node/main.py), a finished step's close
-    check asks it alone: no turn of the loop, no ``receive()``."""
+async def test_a_servers_connection_probe_decides_without_reading_the_connection() -> None:
+    """With the server's probe (scope[CONNECTION], node/main.py), a finished step's close
+    check asks it alone, without ``receive()``; it yields one loop turn only while the
+    server serves other requests."""
     from node.asgi import ClientGone, while_connected
 
     reads: list[str] = []
@@ -196,11 +197,34 @@ async def test_a_servers_close_probe_decides_without_reading_the_connection() ->
     async def quick() -> str:
         return "reply"
 
+    class Probe:
+        def __init__(self, closed: bool, others: bool) -> None:
+            self.closed, self.others = closed, others
+
+        def peer_closed(self) -> bool:
+            return self.closed
+
+        def serving_others(self) -> bool:
+            return self.others
+
     with pytest.raises(ClientGone) as info:
-        await while_connected(receive, quick(), lambda: True)
+        await while_connected(receive, quick(), Probe(closed=True, others=False))
     assert info.value.result == "reply"
-    assert await while_connected(receive, quick(), lambda: False) == "reply"
+    assert await while_connected(receive, quick(), Probe(closed=False, others=False)) == "reply"
     assert reads == [], "the probe answered: the connection was not read"
+
+    turns: list[str] = []
+
+    async def other() -> None:
+        turns.append("other")
+
+    for others in (False, True):
+        turns.clear()
+        pending = asyncio.ensure_future(other())  # ready: runs at the loop's next turn
+        await while_connected(receive, quick(), Probe(closed=False, others=others))
+        turns.append("replied")
+        await pending
+        assert turns == (["other", "replied"] if others else ["replied", "other"])
 
 
 async def test_the_step_time_limit_raises_timeout_and_lets_other_cancels_through() -> None:

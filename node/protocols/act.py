@@ -30,7 +30,7 @@ import orjson
 from affinity import InvalidArgument, UnknownField, check_episode, wire
 from node.accesslog import STEP_KEY
 from node.asgi import (
-    PEER_CLOSED,
+    CONNECTION,
     BodyError,
     ClientGone,
     Receive,
@@ -171,7 +171,7 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
         body = await read_body(scope, receive, service.config.max_body_bytes)
         step = await decode(service, body, binary_in, deadline)
         scope[STEP_KEY] = (step.episode or "-", "-", "-")
-        reply = await while_connected(receive, service.routing.act(step), scope.get(PEER_CLOSED))
+        reply = await while_connected(receive, service.routing.act(step), scope.get(CONNECTION))
         scope[STEP_KEY] = (step.episode or "-", reply.device, reply.routing)
     except ClientGone as exc:  # nobody will read the reply: the step did not happen
         if isinstance(exc.result, Reply):

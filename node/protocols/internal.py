@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from node.accesslog import STEP_KEY
 from node.asgi import (
-    PEER_CLOSED,
+    CONNECTION,
     BodyError,
     ClientGone,
     Receive,
@@ -40,7 +40,7 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
     try:
         body = await read_body(scope, receive, service.config.max_body_bytes)
         work = service.routing.serve_forwarded(body, header(scope, _SECRET))
-        reply = await while_connected(receive, work, scope.get(PEER_CLOSED))
+        reply = await while_connected(receive, work, scope.get(CONNECTION))
     except ClientGone as exc:
         if isinstance(exc.result, Reply):
             await service.routing.undelivered(exc.result)

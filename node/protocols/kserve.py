@@ -82,7 +82,7 @@ from affinity import InvalidArgument, UnknownEpisode, check_episode
 from affinity.wire import MAX_ELEMENTS
 from node.accesslog import STEP_KEY
 from node.asgi import (
-    PEER_CLOSED,
+    CONNECTION,
     BodyError,
     ClientGone,
     Receive,
@@ -846,7 +846,7 @@ async def _infer(
             budget = min(budget, request.timeout_s)
         step = await service_step(service, request, started + budget, model_name, version)
         scope[STEP_KEY] = (step.episode or "-", "-", "-")
-        reply = await while_connected(receive, service.routing.act(step), scope.get(PEER_CLOSED))
+        reply = await while_connected(receive, service.routing.act(step), scope.get(CONNECTION))
         scope[STEP_KEY] = (step.episode or "-", reply.device, reply.routing)
     except ClientGone as exc:  # nobody will read the reply: the step did not happen
         if isinstance(exc.result, Reply):
