@@ -573,13 +573,10 @@ class Routing:
             log.warning("could not release %s: %s", episode, exc)
 
     async def end_episode(self, episode: str, token: int) -> None:
-        self.dispatcher.release(episode)
-        try:
-            await self.claims.release(episode, token, owner=True)
-        except (StaleToken, UnknownEpisode):
-            pass
-        except BackendUnavailable as exc:  # the assignment idles out instead
-            log.warning("could not release %s: %s", episode, exc)
+        """End ``episode``, served here under ``token`` (a step that said ``end``, a closed
+        websocket): :meth:`_end_here`; a release Redis cannot take now is left to the
+        episode's backstop."""
+        await self._end_here(episode, token)
 
     # ---- forwarding --------------------------------------------------------------------
 
