@@ -763,18 +763,17 @@ def _shape_problem(spec: TensorSpec, shape: tuple[int, ...], batch: bool) -> str
 
 def _dtype_problem(spec: TensorSpec, array: Array) -> str | None:
     source, target = array.dtype, np.dtype(spec.dtype)
-    given = f"is {source}"
     if target.kind == "O":  # a string input: str values (numpy str or object arrays of str)
         if source.kind == "U" or (
             source.kind == "O" and all(isinstance(v, str) for v in array.reshape(-1))
         ):
             return None
-        return f"{given}; {spec.name} takes strings only"
+        return f"is {source}; {spec.name} takes strings only"
     if target.kind == "b":
-        return None if source.kind == "b" else f"{given}; {spec.name} takes bool only"
+        return None if source.kind == "b" else f"is {source}; {spec.name} takes bool only"
     if source.kind not in ("iu" if target.kind in "iu" else "iuf"):
         why = " (send 0-255 integers, not floats)" if source.kind == "f" else ""
-        return f"{given}; {spec.name} takes {target.name}{why}"
+        return f"is {source}; {spec.name} takes {target.name}{why}"
     if source.kind == "f":
         finite = np.isfinite(array).reshape(-1)
         if not finite.all():
@@ -786,11 +785,11 @@ def _dtype_problem(spec: TensorSpec, array: Array) -> str | None:
     if target.kind == "f":
         limit = float(np.finfo(target).max)
         if float(low) < -limit or float(high) > limit:
-            return f"{given} with values beyond the range of {target.name}"
+            return f"is {source} with values beyond the range of {target.name}"
     else:
         info = np.iinfo(target)
         if int(low) < info.min or int(high) > info.max:
-            return f"{given} with values outside {info.min}..{info.max} ({target.name})"
+            return f"is {source} with values outside {info.min}..{info.max} ({target.name})"
     return None
 
 
