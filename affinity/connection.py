@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qsl, urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
@@ -177,9 +177,8 @@ def _sentinel(url: str, kwargs: dict[str, Any]) -> Redis:
         "retry": Retry(NoBackoff(), 0),
         "password": password,
     }
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
-        addresses, sentinel_kwargs=sentinel_kwargs
-    )
+    # typed from redis-py 8.2 on, untyped before: called through Any for both
+    sentinel = cast(Any, Sentinel)(addresses, sentinel_kwargs=sentinel_kwargs)
     client: Redis = sentinel.master_for(
         master, password=password, db=int(query.get("db", 0)), **kwargs
     )
