@@ -4,7 +4,7 @@
 keeps nodes, devices and their states; ``Keys`` names every Redis key.
 """
 
-from affinity.claims import Assignment, Claims, EpisodeInfo, check_episode
+from affinity.claims import Assignment, Claims, EpisodeInfo, Released, check_episode
 from affinity.client import (
     AsyncClient,
     Client,
@@ -55,6 +55,7 @@ __all__ = [
     "DeviceRegistration",
     "DeviceStatus",
     "EpisodeInfo",
+    "Released",
     "InvalidArgument",
     "Keys",
     "ModelConflict",
