@@ -152,6 +152,9 @@ _FLAGS = (
           "seconds of the node's lease (renewed every third)", float, positive=True),
     _Flag("--act-deadline", "AFFINITY_ACT_DEADLINE", 5.0,
           "seconds within which every step answers", float, positive=True),
+    _Flag("--drain-timeout", "AFFINITY_DRAIN_TIMEOUT", 20.0,
+          "seconds: the most a graceful stop (SIGTERM) spends handing episodes over before "
+          "it deregisters", float, positive=True),
     _Flag("--max-body-bytes", "AFFINITY_MAX_BODY_BYTES", 1 << 24,
           "bytes of one request body or websocket message", int, low=1, high=1 << 31),
     _Flag("--keep-alive", "AFFINITY_KEEP_ALIVE", 5.0,
@@ -342,6 +345,7 @@ def parse_args(
             capacity=values["capacity"],
             weight=values["weight"],
             act_deadline_s=values["act_deadline"],
+            drain_timeout_s=values["drain_timeout"],
             max_body_bytes=values["max_body_bytes"],
             keep_alive_s=values["keep_alive"],
             admin_token=env.get("AFFINITY_ADMIN_TOKEN") or None,
