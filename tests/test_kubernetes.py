@@ -398,7 +398,7 @@ def shutdown_bounds(config: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, f
     async def registered(config: Any, service: Any) -> None:
         return None
 
-    service = SimpleNamespace(membership=SimpleNamespace(conflict=None))
+    service = SimpleNamespace(lease=SimpleNamespace(conflict=None))
 
     async def built() -> Any:
         return service
