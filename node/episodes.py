@@ -301,6 +301,7 @@ class EpisodeTable:
         self._ended_early: set[str] = set()
         self._dropped = _Bounded()  # episode -> why: dropped here, not ended by its client
         self._cancelled = _Bounded()  # forwards whose router gave up before they applied
+        self._applied = _Bounded()  # forwards applied here: origin -> episode
         self._in_flight: dict[str, int] = {}
         self._idle: dict[str, asyncio.Event] = {}
 
@@ -385,11 +386,15 @@ class EpisodeTable:
         self._records[episode] = new
         self._live.setdefault(new.device, set()).add(episode)
         self._dropped.pop(episode, None)
+        if new.origin:
+            self._applied.remember(new.origin, episode)
         return True
 
     def replace_locked(self, episode: str, new: Episode) -> None:
         """Make ``new`` (the same claim, one step on: a buffered action) the record."""
         self._records[episode] = new
+        if new.origin:
+            self._applied.remember(new.origin, episode)
 
     def observed(self, episode: str, seq: int, seconds: float) -> None:
         """Add step ``seq``'s latency (arrival to reply) to the record, for the delay
@@ -458,13 +463,20 @@ class EpisodeTable:
 
     def undo(self, episode: str, seq: int | None = None, origin: str | None = None) -> bool:
         """Undo step ``seq`` of ``episode`` (or the step forward ``origin`` applied), whose
-        reply did not reach a live caller (see :func:`undone`). A forward not applied yet
-        is remembered as given up: it never applies. True when something changed."""
+        reply did not reach a live caller (see :func:`undone`). A forward applied with
+        later steps on top (its router was paused while the client went on through
+        another node) leaves the record in doubt: the next step says ``state_reset``. A
+        forward not applied yet is remembered as given up: it never applies. True when
+        something changed."""
         with self.lock:
             record = self._records.get(episode)
             back = None if record is None else undone(record, seq, origin)
             if back is not None:
                 self._records[episode] = back
+            elif origin and record is not None and self._applied.get(origin) == episode:
+                if record.origin != origin:  # applied, and later steps went on top of it
+                    record.doubt = True  # (its reply reached nobody): the next step says so
+                    return True
             elif origin and (record is None or record.origin != origin):
                 self._cancelled.remember(origin)
         return back is not None
