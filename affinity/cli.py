@@ -39,6 +39,7 @@ from affinity.errors import (
     UnknownNode,
 )
 from affinity.registry import ModelStatus, Registry, event_json
+from affinity.scripts import failure
 
 __all__ = ["main"]
 
@@ -507,7 +508,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except (BackendUnavailable, RedisError, OSError, TimeoutError) as exc:
-        reason = str(exc) or type(exc).__name__
+        reason = str(exc) if isinstance(exc, BackendUnavailable) else failure(exc)
         return fail(EXIT_REDIS, f"cannot reach Redis at {shown_url(url)}: {reason}")
 
 
