@@ -592,11 +592,10 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 def test_unreachable_redis_exits_3_fast(capsys: pytest.CaptureFixture[str]) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     for argv in (["devices"], ["show", "ep-1"], ["events", "--follow"], ["drain", "x/0"]):
-        started = time.monotonic()
         code, out, err = run_cli(capsys, "--redis", url, *argv)
-        assert time.monotonic() - started < 5
         assert (code, out) == (3, ""), argv
-        assert err.startswith(f"affinity: cannot reach Redis at {url}: ")
+        # the refusal itself is reported (at once), not a deadline that ran out waiting
+        assert err.startswith(f"affinity: cannot reach Redis at {url}: connection refused")
         assert err.count("\n") == 1 and "Traceback" not in err
 
 
