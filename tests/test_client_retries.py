@@ -144,8 +144,9 @@ def test_a_fleet_that_cannot_be_reached_is_retried_with_waits_not_in_a_tight_loo
         client.act("ep", {"obs": [[0.0]]})
     hosts = [host for host, _ in rec.sent]
     # both nodes, then a wait of 0.1 s, both again, 0.2 s, both again; the next wait would
-    # pass the budget (the waits, not the attempts, bound it)
-    assert 4 <= len(hosts) <= 6 and set(hosts) == {A, B}, hosts
+    # pass the budget (the waits, not the attempts, bound it). A wait never comes back
+    # early, so there are at most 6; at least the first round and one attempt after a wait
+    assert 3 <= len(hosts) <= 6 and hosts[:2] in ([A, B], [B, A]), hosts
 
 
 @pytest.mark.parametrize("url", ["127.0.0.1:8004", "localhost:8004", "ftp://a:8000", "http://"])
