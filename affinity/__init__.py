@@ -4,7 +4,7 @@
 keeps nodes, devices and their states; ``Keys`` names every Redis key.
 """
 
-from affinity.claims import Assignment, Claims, EpisodeInfo, check_episode
+from affinity.claims import Assignment, Claims, EpisodeInfo, Released, check_episode
 from affinity.client import (
     AsyncClient,
     Client,
@@ -69,6 +69,7 @@ __all__ = [
     "PoolExhausted",
     "Recovering",
     "Registry",
+    "Released",
     "RequestRefused",
     "ServiceUnavailable",
     "Settings",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
@@ -33,6 +33,7 @@ __all__ = [
     "Assignment",
     "Claims",
     "EpisodeInfo",
+    "Released",
     "check_episode",
     "check_token",
 ]
@@ -59,6 +60,14 @@ class Assignment(NamedTuple):
     model: str = ""  # "name@version" the episode is served with ("": a fleet without models)
 
 
+class Released(NamedTuple):
+    """What a release did: the device the episode was on, and whether its owner still
+    lets go of it (``revoked``: at its next renewal) or it is gone already."""
+
+    device: str
+    revoked: bool = False
+
+
 @dataclass(frozen=True)
 class EpisodeInfo:
     """A read-only view of an assignment (``lookup``)."""
@@ -71,9 +80,10 @@ class EpisodeInfo:
     url: str
     state: str  # the device's state, or "removed" when its hash is gone
     alive: bool  # the device is listed by its node and that node's lease is current
-    moved: bool = False  # handed over: the next resolve is "reassigned"
+    moved: bool = False  # its owner let it go (handed over): the next resolve is "reassigned"
     claim: str = ""  # the claim id issued with the token
     model: str = ""  # "name@version" it was claimed with ("": its node registered none)
+    revoked: bool = False  # an operator released it; its owner lets go at its next renewal
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -86,6 +96,7 @@ class EpisodeInfo:
             "state": self.state,
             "alive": self.alive,
             "moved": self.moved,
+            "revoked": self.revoked,
             "model": self.model,
         }
 
@@ -151,7 +162,7 @@ def parse_resolution(episode: str, reply: str, asked: str = "") -> Assignment:
 def parse_lookup(episode: str, reply: Sequence[Any]) -> EpisodeInfo | None:
     if not reply:
         return None
-    device, token, ttl, node, url, state, alive, moved, claim, model = reply
+    device, token, ttl, node, url, state, alive, mark, claim, model = reply
     return EpisodeInfo(
         episode=episode,
         device=str(device),
@@ -161,9 +172,10 @@ def parse_lookup(episode: str, reply: Sequence[Any]) -> EpisodeInfo | None:
         url=str(url),
         state=str(state),
         alive=str(alive) == "1",
-        moved=str(moved) == "1",
+        moved=str(mark) == "moved",
         claim=str(claim),
         model=str(model),
+        revoked=str(mark) == "revoked",
     )
 
 
@@ -171,12 +183,17 @@ class Claims:
     """Async claim API over one Redis client. Safe to share between tasks.
 
     Every call is one ``EVALSHA`` bounded by ``settings.redis_deadline_s``; it raises
-    :class:`BackendUnavailable` when Redis cannot decide in time.
+    :class:`BackendUnavailable` when Redis cannot decide in time. ``known_lease_ms``
+    answers the longest lease TTL of the fleet its caller heard of (a node's lease: see
+    :meth:`Registry.renewal`): a grace period a resolve starts lasts at least that long.
     """
 
-    def __init__(self, redis: Any, settings: Settings) -> None:
+    def __init__(
+        self, redis: Any, settings: Settings, known_lease_ms: Callable[[], int] = lambda: 0
+    ) -> None:
         self.redis = redis
         self.settings = settings
+        self.known_lease_ms = known_lease_ms
         self.keys = settings.keys
         self.scripts = scripts_for(settings)
         self._episode_key = self.keys.episode("")
@@ -230,7 +247,7 @@ class Claims:
                 raise InvalidArgument("model version", version, "needs a model name")
             check_model_part("version", version)
         flag = "1" if restart else "" if claim else "2"
-        args = (flag, os.urandom(8).hex(), model, version)
+        args = (flag, os.urandom(8).hex(), model, version, self.known_lease_ms())
         if self.settings.redis_replicas:
             reply, short = await replicated(
                 self.settings, self.redis, self.scripts.resolve, self._episode_key + episode, args
@@ -241,8 +258,8 @@ class Claims:
         if short is not None:
             if a.status != "hit":  # nobody may serve it: give the slot back if Redis lets us
                 # (else its backstop ends it; a retry finds it a hit, WAITed again)
-                with contextlib.suppress(AffinityError):
-                    await self.release(episode, a.token, reason="not_replicated")
+                with contextlib.suppress(AffinityError):  # (served nowhere: no owner to wait for)
+                    await self.release(episode, a.token, reason="not_replicated", owner=True)
             raise NotReplicated(
                 "claim", short, self.settings.redis_replicas, self.settings.redis_wait_s,
                 f"episode {episode!r}",
@@ -256,10 +273,14 @@ class Claims:
 
     async def release(
         self, episode: str, token: int, reason: str = "end", *, owner: bool = False
-    ) -> str:
-        """Delete the assignment if ``token`` still holds it; return the device it was on.
-        ``owner``: the caller is the episode's owner and dropped its record; otherwise the
-        owner is told at its next renewal (:meth:`Registry.renewal`) and drops it then.
+    ) -> Released:
+        """End the assignment if ``token`` still holds it.
+
+        ``owner``: the caller is the episode's owner and dropped its record; the assignment
+        is deleted. Anyone else's release of an episode whose owner holds a live lease is
+        a revocation: the owner lets go at its next renewal (:meth:`Registry.renewal`),
+        then the episode's next step is reassigned with ``state_reset``; until then its
+        steps still reach the owner, so no second owner can start meanwhile.
 
         Idempotent per token. Raises :class:`StaleToken` (nothing changed) when another
         token holds the episode, :class:`UnknownEpisode` when nothing does.
@@ -272,7 +293,7 @@ class Claims:
             raise UnknownEpisode(episode)
         if reply[0] == "stale":
             raise StaleToken(episode, token, int(reply[2]), str(reply[1]))
-        return str(reply[1])
+        return Released(str(reply[1]), str(reply[0]) == "revoked")
 
     async def handoff(self, episode: str, token: int) -> bool:
         """Hand the episode over (graceful stop): its next :meth:`resolve` says

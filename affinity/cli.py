@@ -282,6 +282,11 @@ async def cmd_show(args: argparse.Namespace, ctx: Context) -> int:
         ("state", info.state),
         ("alive", yes_no(info.alive)),
         ("moved", "yes (handed over: its next step is reassigned)" if info.moved else "no"),
+        *(
+            [("revoked", "yes (released: its owner lets go at its next renewal)")]
+            if info.revoked
+            else []
+        ),
         *([("model", info.model)] if info.model else []),
     ]
     emit(ctx, "\n".join(f"{k + ':':<10}{v}" for k, v in rows))
@@ -316,14 +321,27 @@ async def cmd_release(args: argparse.Namespace, ctx: Context) -> int:
     info = await ctx.claims.lookup(args.episode)
     if info is None:
         raise UnknownEpisode(args.episode)
-    device = await ctx.claims.release(args.episode, info.token, reason="operator")
+    done = await ctx.claims.release(args.episode, info.token, reason="operator")
     if ctx.json:
         emit_json(
             ctx,
-            {"episode": args.episode, "device": device, "token": info.token, "released": True},
+            {
+                "episode": args.episode,
+                "device": done.device,
+                "token": info.token,
+                "released": True,
+                "pending_owner": done.revoked,
+            },
+        )
+    elif done.revoked:  # the owner serves it from memory: it lets go at its next renewal
+        emit(
+            ctx,
+            f"released {args.episode} from {done.device} (token {info.token}): its owner "
+            f"{info.node} drops it at its next lease renewal; its next step then starts "
+            "afresh (state_reset)",
         )
     else:
-        emit(ctx, f"released {args.episode} from {device} (token {info.token})")
+        emit(ctx, f"released {args.episode} from {done.device} (token {info.token})")
     return EXIT_OK
 
 

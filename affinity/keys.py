@@ -117,12 +117,27 @@ class Keys:
         """String: the fleet marker, the end (ms, server time) of the grace period after
         Redis was found to have lost its data ("0": none). Its absence means Redis lost
         its data (or the fleet is new): the first script to notice starts a grace period
-        of one lease TTL in which no new claim is granted (``affinity/lua/lib.lua``)."""
+        as long as the longest lease a node may hold, in which no new claim is granted
+        (``affinity/lua/lib.lua``)."""
         return self.prefix + "fleet"
+
+    @property
+    def leases(self) -> str:
+        """Sorted set: node id -> its lease TTL (ms), for the nodes that hold a lease (the
+        longest is the grace period a loss of Redis data starts, ``affinity/lua/fleet.lua``)."""
+        return self.prefix + "leases"
+
+    @property
+    def known_leases(self) -> str:
+        """Sorted set: node id -> the longest lease TTL (ms) that node has heard of; no node
+        is granted a lease longer than the shortest of these (``affinity/lua/fleet.lua``)."""
+        return self.prefix + "leases:known"
 
     def episode(self, episode: str) -> str:
         """String ``"<device> <token> <claim id> <model>"`` with the episode's backstop expiry
-        (the owner's idle timeout + two lease TTLs + 3 s, slid by the owner in batches)."""
+        (the owner's idle timeout + two lease TTLs + 3 s, slid by the owner in batches),
+        then `` revoked`` while an operator's release waits for the owner to let go, or
+        `` moved`` once it let go (handed over; the next resolve reassigns it)."""
         return self.prefix + "episode:" + episode
 
     def node(self, node: str) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, NamedTuple, NoReturn
 
@@ -40,9 +40,11 @@ __all__ = [
     "EpisodeRow",
     "Flushed",
     "Held",
+    "LeaseTerms",
     "NodeStatus",
     "Registered",
     "Registry",
+    "Renewal",
     "StateChange",
     "check_node_id",
     "event_json",
@@ -246,11 +248,30 @@ class Held(NamedTuple):
 
 class Registered(NamedTuple):
     """What a registration answered: the lease deadline (ms, server time), the grace
-    period left (ms; 0: none) and the re-asserted episodes Redis gives to another claim."""
+    period left (ms; 0: none), the re-asserted episodes Redis gives to another claim, and
+    the lease terms (:class:`LeaseTerms`)."""
 
     deadline: int
     grace_ms: int
     lost: list[str]
+    terms: LeaseTerms
+
+
+class LeaseTerms(NamedTuple):
+    """The lease a registration or renewal granted (ms: the node's own TTL, shorter while
+    the fleet has not heard of it yet) and the longest lease TTL of the fleet (ms), which
+    the node passes on as what it knows (``known_lease_ms``)."""
+
+    granted_ms: int
+    longest_ms: int
+
+
+class Renewal(NamedTuple):
+    """What a renewal answered: the lease terms and the (episode, token) of the node's
+    assignments someone else released in Redis that the owner has not carried out."""
+
+    terms: LeaseTerms
+    revoked: list[tuple[str, int]]
 
 
 class Flushed(NamedTuple):
@@ -266,11 +287,16 @@ class Flushed(NamedTuple):
 class Registry:
     """Async registry API over one Redis client. Every call is bounded by
     ``settings.redis_deadline_s`` and raises :class:`BackendUnavailable` when Redis cannot
-    answer in time."""
+    answer in time. ``known_lease_ms`` answers the longest lease TTL of the fleet the
+    caller heard of (a node's last :class:`LeaseTerms`; 0: none): a grace period one of
+    its calls starts lasts at least that long (``affinity/lua/lib.lua``)."""
 
-    def __init__(self, redis: Any, settings: Settings) -> None:
+    def __init__(
+        self, redis: Any, settings: Settings, known_lease_ms: Callable[[], int] = lambda: 0
+    ) -> None:
         self.redis = redis
         self.settings = settings
+        self.known_lease_ms = known_lease_ms
         self.keys = settings.keys
         self.scripts = scripts_for(settings)
 
@@ -332,6 +358,7 @@ class Registry:
             version,
             instance,
             ",".join(sorted(map(str, served))),
+            self.known_lease_ms(),
             len(devices),
         ]
         for d in devices:
@@ -348,7 +375,8 @@ class Registry:
             raise NodeConflict(node)
         if short is not None:
             self._short("registration", short, node)
-        return Registered(int(reply[0]), int(reply[1]), [str(e) for e in reply[2:]])
+        terms = LeaseTerms(int(reply[2]), int(reply[3]))
+        return Registered(int(reply[0]), int(reply[1]), [str(e) for e in reply[4:]], terms)
 
     def _short(self, what: str, acked: int, node: str) -> NoReturn:
         raise NotReplicated(
@@ -366,7 +394,7 @@ class Registry:
         ``settings.redis_replicas`` a flush that slides is followed by ``WAIT`` on its
         connection; :attr:`Flushed.replicated` says whether enough replicas acknowledged
         it (the owner must not count on slides they did not)."""
-        args: list[str | int] = [instance, len(slide)]
+        args: list[str | int] = [instance, self.known_lease_ms(), len(slide)]
         for held in slide:
             args.extend((held.episode, held.device, str(held.token), held.claim, held.model))
         for episode, token in idle:
@@ -403,23 +431,26 @@ class Registry:
         if stored is not None and not hmac.compare_digest(stored, digest):
             raise SecretMismatch(self.settings.namespace)
 
-    async def renew(self, node: str, instance: str = "") -> bool:
-        """Extend the lease. ``False`` means the node holds no lease any more (it lapsed,
-        it deregistered, or Redis lost its data): it must :meth:`register` again. Raises
-        :class:`NodeConflict` when another instance holds the node id with a current lease:
-        this process has lost its registration and must stop serving and exit; and
+    async def renew(
+        self, node: str, instance: str = "", done: Sequence[tuple[str, int]] = ()
+    ) -> Renewal | None:
+        """Extend the lease. None means the node holds no lease any more (it lapsed, it
+        deregistered, or Redis lost its data): it must :meth:`register` again.
+
+        The answer holds the lease granted (count the lease from it, not from the node's
+        own TTL) and the (episode, token) of the node's assignments someone else released
+        in Redis (an operator): the owner drops their records and says so in ``done`` at
+        its next call, which makes each one's next resolve a reassignment.
+
+        Raises :class:`NodeConflict` when another instance holds the node id with a current
+        lease: this process has lost its registration and must stop serving and exit; and
         :class:`NotReplicated` when fewer replicas than ``settings.redis_replicas``
         acknowledged the renewal (the lease must not be counted from it)."""
-        return await self.renewal(node, instance) is not None
-
-    async def renewal(
-        self, node: str, instance: str = "", done: Sequence[tuple[str, int]] = ()
-    ) -> list[tuple[str, int]] | None:
-        """:meth:`renew`, answering the (episode, token) of the node's assignments someone
-        else released in Redis (an operator) that the owner has not said it carried out;
-        ``done`` says which it carried out since (they are removed). None where
-        :meth:`renew` answers False. Raises as :meth:`renew`."""
-        args = (instance, *(f"{episode} {token}" for episode, token in done))
+        args = (
+            instance,
+            self.known_lease_ms(),
+            *(f"{episode} {token}" for episode, token in done),
+        )
         reply, short = await replicated(
             self.settings, self.redis, self.scripts.renew, self.keys.node(node), args
         )
@@ -430,10 +461,10 @@ class Registry:
         if short is not None:
             self._short("renewal", short, node)
         revoked = []
-        for item in reply[1:]:
+        for item in reply[3:]:
             episode, _, token = str(item).rpartition(" ")
             revoked.append((episode, int(token)))
-        return revoked
+        return Renewal(LeaseTerms(int(reply[1]), int(reply[2])), revoked)
 
     async def server_id(self) -> str | None:
         """The ``run_id`` of the Redis server answering (another one after a restart or a

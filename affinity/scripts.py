@@ -102,6 +102,8 @@ def header(keys: Keys, episode_ttl_ms: int, lease_ttl_ms: int, events_maxlen: in
         "DEVICES": keys.devices,
         "TOKEN": keys.token,
         "MARKER": keys.fleet,
+        "LEASES": keys.leases,
+        "KNOWN": keys.known_leases,
         "RR": keys.rr,
         "EPISODE_KEY": keys.episode(""),
         "NODE_KEY": keys.node(""),

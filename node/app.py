@@ -52,7 +52,7 @@ from affinity import (
 from node.accesslog import AccessLog
 from node.asgi import Receive, Scope, Send, error_body, header, respond
 from node.fleet import add_fleet_routes
-from node.membership import VERSION
+from node.lease import VERSION
 from node.protocols import act, internal, kserve, openpi
 from node.service import NodeService
 from node.step import Refused, Unavailable
@@ -179,6 +179,10 @@ class ActRequest(BaseModel):
         None, ge=0, description="The token of the previous reply; a lost assignment is then "
         "reported as state_reset.",
     )  # fmt: skip
+    claim: str | None = Field(
+        None, max_length=64, description="The claim of the previous reply; a claim other than "
+        "the one serving the step (even under the same token number) is reported as state_reset.",
+    )  # fmt: skip
     execute_steps: int | None = Field(
         None, ge=1, description="Action-chunk execution: run the policy every k steps."
     )
@@ -199,6 +203,9 @@ class ActReply(BaseModel):
     device: str = Field(description="The device that served the step, e.g. gpu-a/1.")
     node: str
     token: int = Field(description="Fencing token of the assignment; echo it in the next step.")
+    claim: str | None = Field(
+        None, description="The claim id issued with the token; echo it in the next step."
+    )
     routing: str = Field(description="hit | claimed | reassigned | stateless")
     state_reset: bool = Field(description="The episode's state started over with this step.")
     degraded: bool = Field(description="Routed by session_id for lack of an episode_id.")
@@ -298,7 +305,7 @@ def create_app(
         """Release the episode (its next step claims anew); 404 when it has no assignment."""
         s = svc()
         try:  # at its owner, wherever this request arrived (Routing.end)
-            device = await s.routing.end(episode_id)
+            device = await s.router.end_anywhere(episode_id)
             if device is None:
                 return error(404, "not_found", f"episode {episode_id!r} has no live assignment")
         except InvalidArgument as exc:
@@ -331,9 +338,9 @@ def create_app(
         for d in listed:
             row = d.to_json()
             if d.device in s.device_ids:
-                tracker = s.dispatcher.tracker(d.device)
+                tracker = s.health.tracker(d.device)
                 row["local"] = {
-                    "live_episodes": s.dispatcher.live_episodes(d.device),
+                    "live_episodes": s.table.live(d.device),
                     "consecutive_failures": tracker.failures,
                     "crash_down": tracker.down,
                 }
@@ -397,9 +404,9 @@ def create_app(
     async def readyz() -> Response:
         """Registered, lease current, not leaving."""
         s = svc()
-        if s.fenced():
+        if not s.lease.valid():
             return error(503, "fenced", "lease not current", retry_after=1)
-        if s.membership.leaving:
+        if s.lease.leaving:
             return error(503, "leaving", "the node is shutting down", retry_after=1)
         return JSONResponse({"ready": True, "node": s.node_id, "devices": s.device_ids})
 
@@ -448,7 +455,7 @@ def create_app(
     async def metrics() -> Response:
         """Prometheus text format."""
         s = svc()
-        s.membership.refresh_gauges()
+        s.owner.refresh_gauges()
         return Response(generate_latest(s.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     add_fleet_routes(api, svc)  # /ui, /nodes, /events/stream

@@ -1,37 +1,33 @@
-"""The models a node serves and the models its fleet serves (issue 24).
+"""The models a node serves and the models its fleet serves.
 
 A node serves one or more models (``--model`` given several times): every device gets
-one session per model, and each model has a dispatcher of its own (its sessions, its
-batching, its episodes' state). :class:`Dispatchers` puts them behind the one interface
-the membership and the routing use; a step names its model and runs on that model's
-dispatcher. :class:`Catalog` knows the models of the whole fleet (name, version and
-contract, from Redis), so that any node routes and checks a step of any model, including
-one it does not serve itself.
+one session per model, and each model has a dispatcher of its own (its sessions and its
+batching; the episodes' records are node-wide, ``node/episodes.py``). A step names its
+model and runs on that model's dispatcher. :class:`Catalog` knows the models of the whole
+fleet (name, version and contract, from Redis), so that any node routes and checks a step
+of any model, including one it does not serve itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 from affinity import ModelId, Registry, UnknownModel
 from affinity.models import check_model_part
-from affinity.registry import Held
-from node.dispatcher import Arrival, CrashTracker, MultiGpuDispatcher
 from node.policy import PolicyContract, TensorSpec, resolve_model
 
 __all__ = [
     "AmbiguousModel",
     "Catalog",
-    "Dispatchers",
     "ModelSpec",
     "contract_from_record",
     "contract_record",
@@ -42,8 +38,11 @@ __all__ = [
 log = logging.getLogger("affinity.node")
 
 REFRESH_S = 10.0
-"""How long a node trusts its view of the fleet's models before reading Redis again (when
-a step names a model it does not know, it reads at once)."""
+"""How long a node trusts its view of the fleet's models before reading Redis again (a step
+that names a model the view does not know, or none among several, reads at once)."""
+REFRESH_WAIT_S = 0.02
+"""How long a step waits for a due refresh before going on with the view it has (the read
+goes on in the background): a Redis pause never stalls a step for longer."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +163,7 @@ class Catalog:
         self._fleet: dict[str, list[str]] = {m.name: [m.version] for m, _ in self.local.values()}
         self._contracts: dict[ModelId, PolicyContract] = {m: c for m, c in self.local.values()}
         self._read_at = -float("inf")
+        self._refreshing: asyncio.Task[None] | None = None
 
     def local_ids(self) -> list[ModelId]:
         """The (name, version) of the models this node serves."""
@@ -193,11 +193,28 @@ class Catalog:
                 fleet[m.name].append(m.version)
         self._fleet = fleet
 
+    async def _refresh_due(self) -> None:
+        """Read the fleet's models when the view is older than :data:`REFRESH_S`, waiting
+        :data:`REFRESH_WAIT_S` at most: a read Redis does not answer goes on in the
+        background, and the step goes on with the view it has."""
+        task = self._refreshing
+        if task is None:
+            if self.registry is None or self.clock() - self._read_at < REFRESH_S:
+                return
+            self._refreshing = task = asyncio.ensure_future(self.refresh())
+            task.add_done_callback(self._refreshed)
+        await asyncio.wait({task}, timeout=REFRESH_WAIT_S)
+
+    def _refreshed(self, task: asyncio.Task[None]) -> None:
+        self._refreshing = None
+        if not task.cancelled():
+            task.exception()  # refresh() logs its own failures
+
     async def choose(self, name: str | None, version: str | None = None) -> str:
         """The model name a step is for: ``name`` when some live node serves it, the
         fleet's only one when ``name`` is None. Raises :class:`AmbiguousModel` (None with
         several served) and :class:`UnknownModel` (none serves it)."""
-        await self.refresh()
+        await self._refresh_due()
         if name is None:
             if len(self._fleet) == 1:
                 return next(iter(self._fleet))
@@ -243,104 +260,3 @@ class Catalog:
             raise UnknownModel(str(model) if chosen else name, self.served())
         self._contracts[model] = contract = contract_from_record(text)
         return contract
-
-
-# ---- one dispatcher per model ---------------------------------------------------------
-
-
-class Dispatchers:
-    """The dispatchers of a node's models (same devices), behind the interface the
-    membership and the routing use: episode-wide operations go to every model (an episode
-    has state in at most one), a step to its model's. A device is down when any of its
-    models' crash trackers has it down."""
-
-    def __init__(
-        self, by_model: Mapping[str, MultiGpuDispatcher], ids: Mapping[str, str] | None = None
-    ) -> None:
-        if not by_model:
-            raise ValueError("a node serves at least one model")
-        self.by_model = dict(by_model)
-        self.first = next(iter(self.by_model.values()))
-        # name -> "name@version" served (what Redis holds in its episodes' values)
-        self.ids: dict[str, str] = dict(ids or {})
-
-    def of(self, name: str) -> MultiGpuDispatcher:
-        """The dispatcher of model ``name`` (KeyError when this node does not serve it)."""
-        return self.by_model[name]
-
-    def all(self) -> Iterable[MultiGpuDispatcher]:
-        return self.by_model.values()
-
-    # the single-model interface, for the code that does not care which model
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(self.first, attr)
-
-    @property
-    def devices(self) -> list[str]:
-        return self.first.devices
-
-    def tracker(self, device: str) -> CrashTracker:
-        trackers = [d.tracker(device) for d in self.all()]
-        return next((t for t in trackers if t.down), trackers[0])
-
-    def live_episodes(self, device: str) -> int:
-        return sum(d.live_episodes(device) for d in self.all())
-
-    def token_of(self, episode: str) -> int | None:
-        return next((t for d in self.all() if (t := d.token_of(episode)) is not None), None)
-
-    def holds(self, episode: str, device: str, token: int, claim: str) -> bool:
-        return any(d.holds(episode, device, token, claim) for d in self.all())
-
-    def episodes(self) -> list[tuple[str, int, str]]:
-        return [e for d in self.all() for e in d.episodes()]
-
-    def claim_of(self, episode: str) -> tuple[str, int, str, str] | None:
-        """The claim (device, token, claim id, ``"name@version"``) of the record held here
-        for ``episode``, if any (``node/ownership.py``)."""
-        for name, d in self.by_model.items():
-            claim = d.claim_of(episode)
-            if claim is not None:
-                return (*claim, self.ids.get(name, ""))
-        return None
-
-    def held(self) -> list[tuple[Held, float]]:
-        """Every record held here: its claim, model included, and when it was last used."""
-        return [
-            (Held(ep, device, token, claim, self.ids.get(name, "")), used)
-            for name, d in self.by_model.items()
-            for ep, device, token, claim, used in d.held()
-        ]
-
-    def arrival(self) -> Arrival:
-        return self.first.arrival()
-
-    async def wait_idle(self, episode: str) -> None:
-        for d in self.all():
-            await d.wait_idle(episode)
-
-    def undo(self, episode: str, seq: int | None = None, origin: str | None = None) -> bool:
-        return any([d.undo(episode, seq, origin) for d in self.all()])
-
-    def release(self, episode: str) -> bool:
-        return any([d.release(episode) for d in self.all()])
-
-    def expire_idle(self) -> list[tuple[str, int]]:
-        return [e for d in self.all() for e in d.expire_idle()]
-
-    def drop_all(self) -> int:
-        return sum(d.drop_all() for d in self.all())
-
-    async def probe(self) -> list[str]:
-        back: list[str] = []
-        for d in self.all():
-            back += [dev for dev in await d.probe() if dev not in back]
-        return back
-
-    async def warm_up(self) -> None:
-        for d in self.all():
-            await d.warm_up()
-
-    def close(self) -> None:
-        for d in self.all():
-            d.close()

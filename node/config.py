@@ -44,6 +44,7 @@ class NodeConfig:
     capacity: int = 64
     weight: int = 1
     act_deadline_s: float = 5.0
+    drain_timeout_s: float = 20.0
     max_body_bytes: int = 1 << 24
     keep_alive_s: float = 5.0
     admin_token: str | None = None

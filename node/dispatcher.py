@@ -45,7 +45,7 @@ import logging
 import math
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -55,14 +55,25 @@ import numpy as np
 from affinity.errors import InvalidArgument
 from node import control
 from node.chunks import ActionBuffer, ChunkMode, find_chunk
-from node.episodes import Episode, SeqConflict, StepResult, admit, advance, undone
+from node.episodes import (
+    Apply,
+    ClaimEnded,
+    Episode,
+    EpisodeTable,
+    ForwardCancelled,
+    NotKept,
+    SeqConflict,
+    StepResult,
+    advance,
+)
 from node.policy import PolicyContract
-from node.rtc import LATENCY_WINDOW, Ask, Used, rtc_of
+from node.rtc import Ask, Used, rtc_of
 
 __all__ = [
     "DEFAULT_BATCH_DELAY_US",
     "MAX_DEFAULT_BATCH",
     "Arrival",
+    "Arrivals",
     "CrashTracker",
     "DeviceDown",
     "ModelFailure",
@@ -102,18 +113,6 @@ class ModelFailure(Exception):
     def __init__(self, device: str, cause: BaseException) -> None:
         self.device = device
         super().__init__(f"model failed on {device}: {type(cause).__name__}: {cause}")
-
-
-class ForwardCancelled(Exception):
-    """The router that forwarded this step gave up on it and said so (an undo that reached
-    this node before the step itself, or while it ran): the step is not applied."""
-
-    def __init__(self, origin: str) -> None:
-        self.origin = origin
-        super().__init__(f"the router gave up on forward {origin!r} before it was applied")
-
-
-_CANCELLED_MAX = 4096  # forwards remembered as given up (their undo came first)
 
 
 class DeviceDown(Exception):
@@ -191,6 +190,8 @@ class _Job:
     one_row: bool  # every input has a first dimension of 1: it may join a batch
     rtc: Ask | None = None  # real-time chunking: what the step says (RTC models only)
     arrived: float = 0.0  # the dispatcher's clock when the step arrived at the node
+    generation: int = 0  # the table's generation when the step began (a drop since: not kept)
+    asked: Mapping[str, Array] | None = None  # its inputs when it named its seq (see admit)
     enqueued: float = field(default_factory=time.perf_counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
     abandoned: bool = False
@@ -220,26 +221,41 @@ class _Member:
     feed: dict[str, Array]
     read: Episode | None  # the record it read (committed only if still current)
     base: Episode | None  # the record it runs on (None: the initial state)
-    generation: int
     reset: bool
     rtc: Used | None = None  # real-time chunking: what the step runs with
 
 
+class Arrivals:
+    """How many steps are on their way through the node (being resolved or checked), for
+    every dispatcher of the node: while any is, a device holding a waiting step may wait up
+    to ``batch_delay`` for others to join its run. Event loop only (workers read it)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def arrival(self) -> Arrival:
+        """Count one step until its ``done()``: the node opens one when a request arrives
+        and closes it as the step is handed to a device (or leaves the node)."""
+        return Arrival(self)
+
+
 class Arrival:
-    """One step on its way through the node (:meth:`MultiGpuDispatcher.arrival`)."""
+    """One step on its way through the node (:meth:`Arrivals.arrival`)."""
 
-    __slots__ = ("_dispatcher", "_open")
+    __slots__ = ("_arrivals", "_open")
 
-    def __init__(self, dispatcher: MultiGpuDispatcher) -> None:
-        self._dispatcher = dispatcher
+    def __init__(self, arrivals: Arrivals) -> None:
+        self._arrivals = arrivals
         self._open = True
-        dispatcher._arriving += 1
+        arrivals.count += 1
 
     def done(self) -> None:
         """The step reached a device, left the node or failed; idempotent."""
         if self._open:
             self._open = False
-            self._dispatcher._arriving -= 1
+            self._arrivals.count -= 1
 
 
 class _Device:
@@ -250,7 +266,6 @@ class _Device:
         sizes = getattr(session, "batch_sizes", None)
         self.sizes: tuple[int, ...] | None = tuple(sorted(sizes)) if sizes else None
         self.max_batch = min(max_batch, self.sizes[-1]) if self.sizes else max_batch
-        self.live: set[str] = set()
         self.cond = threading.Condition()
         self.pending: deque[_Job | _Call | None] = deque()  # None: stop
         self.recent: dict[str, float] = {}  # episode -> when its last step was queued
@@ -320,7 +335,6 @@ class MultiGpuDispatcher:
         session_factory: Callable[[str], Session],
         contract: PolicyContract,
         *,
-        idle_ttl_s: float = 300.0,
         failure_threshold: int = 3,
         cooldown_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
@@ -335,6 +349,9 @@ class MultiGpuDispatcher:
         on_batch: Callable[[str, int], None] | None = None,
         on_queue_wait: Callable[[str, float], None] | None = None,
         control_hz: float | None = None,
+        table: EpisodeTable | None = None,
+        arrivals: Arrivals | None = None,
+        model: str = "",
     ) -> None:
         if not devices:
             raise ValueError("a dispatcher needs at least one device")
@@ -345,7 +362,6 @@ class MultiGpuDispatcher:
         if not (math.isfinite(batch_delay_us) and batch_delay_us >= 0):
             raise ValueError(f"batch_delay_us={batch_delay_us}: must be a finite number >= 0")
         self.contract = contract
-        self.idle_ttl_s = idle_ttl_s
         self.clock = clock
         self.on_transition = on_transition
         self.on_batch = on_batch
@@ -365,16 +381,11 @@ class MultiGpuDispatcher:
         if execute_steps is not None or ensemble not in (None, "none"):
             self.chunk_mode = self.mode_for(execute_steps, ensemble)
         self.max_batch, self.batching_off = self._batching(contract, max_batch)
-        self._lock = threading.Lock()
-        self._states: dict[str, Episode] = {}
-        self._generation = 0  # bumped by drop_all(): steps running across it keep nothing
-        # steps whose caller still waits, per episode; touched only on the event loop
-        self._in_flight: dict[str, int] = {}
-        # forwards whose router gave up before this node applied them (an undo that found
-        # nothing: its forward is queued behind it, e.g. after a pause): never applied
-        self._cancelled: OrderedDict[str, None] = OrderedDict()
-        self._idle: dict[str, asyncio.Event] = {}
-        self._arriving = 0  # steps on their way through the node (see arrival()): loop only
+        self.table = table if table is not None else EpisodeTable(clock)
+        """The node's episode records, shared by the dispatchers of all its models."""
+        self.arrivals = arrivals if arrivals is not None else Arrivals()
+        self.model = model
+        """``name@version`` of the model (its records' claims); "" where none is given."""
         self._outputs = [o.name for o in contract.outputs]
         self._fed_back = set(contract.state.values())
         self._devices: dict[str, _Device] = {}
@@ -416,78 +427,13 @@ class MultiGpuDispatcher:
         return self._device(device).tracker
 
     def live_episodes(self, device: str) -> int:
-        with self._lock:
-            return len(self._device(device).live)
-
-    def has_state(self, episode: str) -> bool:
-        with self._lock:
-            return episode in self._states
-
-    def token_of(self, episode: str) -> int | None:
-        """The token of the state held here for ``episode``, if any."""
-        with self._lock:
-            st = self._states.get(episode)
-            return None if st is None else st.token
-
-    def holds(self, episode: str, device: str, token: int, claim: str) -> bool:
-        """Whether the record held here for ``episode`` serves this claim."""
-        with self._lock:
-            st = self._states.get(episode)
-            return st is not None and st.holds(device, token, claim)
-
-    def claim_of(self, episode: str) -> tuple[str, int, str] | None:
-        """The claim (device, token, claim id) of the record held here, if any."""
-        with self._lock:
-            st = self._states.get(episode)
-            return None if st is None else (st.device, st.token, st.claim)
-
-    def held(self) -> list[tuple[str, str, int, str, float]]:
-        """(episode, device, token, claim id, last used) of every record held here."""
-        with self._lock:
-            return [
-                (ep, st.device, st.token, st.claim, st.last_used) for ep, st in self._states.items()
-            ]
-
-    def state_of(self, episode: str) -> dict[str, Array] | None:
-        """A copy of the recurrent state held here for ``episode``, if any."""
-        with self._lock:
-            st = self._states.get(episode)
-            return None if st is None else {k: v.copy() for k, v in st.state.items()}
-
-    def episodes(self) -> list[tuple[str, int, str]]:
-        """(episode, token, device) of every episode with state held here."""
-        with self._lock:
-            return [(ep, st.token, st.device) for ep, st in self._states.items()]
+        """How many episode records (of any model) are on ``device``."""
+        self._device(device)
+        return self.table.live(device)
 
     def arrival(self) -> Arrival:
-        """Mark one step as on its way to some device of this node (being resolved or
-        checked), until ``done()``: while any step is, a device holding a waiting step may
-        wait up to ``batch_delay`` for others to join its run. The node opens one when a
-        request arrives and closes it as the step is handed to a device (or leaves the
-        node). Event loop only."""
-        return Arrival(self)
-
-    def in_flight(self, episode: str) -> bool:
-        """True while a step of ``episode`` is queued or running and its caller still waits.
-
-        A step whose caller gave up (deadline, cancellation) no longer counts: it keeps no
-        state, so it cannot change the episode any more (see :meth:`step`).
-        """
-        return episode in self._in_flight
-
-    async def wait_idle(self, episode: str) -> None:
-        """Return once no step of ``episode`` is in flight (see :meth:`in_flight`).
-
-        After it returns, the episode's state here changes only through a new step: a
-        graceful hand-over waits for this before giving the episode away. It waits as long
-        as the model runs; bound it with a timeout (a hung device's steps end at their
-        deadlines).
-        """
-        while episode in self._in_flight:
-            idle = self._idle.get(episode)
-            if idle is None:
-                idle = self._idle[episode] = asyncio.Event()
-            await idle.wait()
+        """Count one step on its way through the node (:meth:`Arrivals.arrival`)."""
+        return self.arrivals.arrival()
 
     def _device(self, device: str) -> _Device:
         try:
@@ -530,14 +476,9 @@ class MultiGpuDispatcher:
 
     def observed(self, episode: str, seq: int, seconds: float) -> None:
         """Add the latency of step ``seq`` of ``episode`` (arrival to reply, seconds) to its
-        record, which the delay estimate reads (RTC models; nothing when the record moved
-        on meanwhile)."""
-        if self.rtc is None:
-            return
-        with self._lock:
-            st = self._states.get(episode)
-            if st is not None and st.seq == seq:
-                st.latency = (*st.latency[1 - LATENCY_WINDOW :], seconds)
+        record, which the delay estimate reads (RTC models only)."""
+        if self.rtc is not None:
+            self.table.observed(episode, seq, seconds)
 
     async def step(
         self,
@@ -555,102 +496,104 @@ class MultiGpuDispatcher:
         ensemble: str | None = None,
         rtc: Ask | None = None,
         arrived: float | None = None,
+        generation: int | None = None,
     ) -> StepResult:
         """Run one step of ``episode`` on ``device`` with the state of its claim (token and
         claim id), by the rules of :func:`node.episodes.admit`.
 
         ``fresh`` says the episode was just claimed, so no state is expected anywhere.
         ``seq`` is the step number the caller expects to be applied: the one already
-        applied gets its stored reply again (``replayed``, no model run); any other
-        mismatch raises :class:`SeqConflict` and changes nothing. ``origin`` names the
-        forward the step came in (see :meth:`undo`). ``deadline`` (``time.monotonic()``) is
-        the step's: a step cancelled mid-run counts as a hung run of its device only once
-        its deadline has passed (None: always), never when its client merely left.
-        ``execute_steps`` and ``ensemble`` override the node's chunk mode for this step
-        (see :meth:`mode_for`; a bad one raises :class:`affinity.InvalidArgument` before
-        anything changes). ``rtc`` is what the step says for real-time chunking (from
-        :meth:`rtc_for`; None: estimate both) and ``arrived`` the clock when it reached the
-        node (None: now). Raises :class:`ModelFailure` (the session raised; counted) and
-        :class:`DeviceDown`. The state is only advanced when the step succeeds and its
-        caller is still waiting: a step whose request was cancelled (its deadline passed)
-        is skipped if it has not started, and keeps nothing if it has. In the instant where
-        the step was applied but the caller is cancelled anyway, it is undone.
+        applied gets its stored reply again (``replayed``, no model run) when the inputs
+        are the same; any other mismatch raises :class:`SeqConflict` and changes nothing.
+        ``origin`` names the forward the step came in (see :meth:`EpisodeTable.undo`).
+        ``deadline`` (``time.monotonic()``) is the step's: a step cancelled mid-run counts
+        as a hung run of its device only once its deadline has passed (None: always),
+        never when its client merely left. ``execute_steps`` and ``ensemble`` override the
+        node's chunk mode for this step (see :meth:`mode_for`; a bad one raises
+        :class:`affinity.InvalidArgument` before anything changes). ``rtc`` is what the
+        step says for real-time chunking (from :meth:`rtc_for`; None: estimate both) and
+        ``arrived`` the clock when it reached the node (None: now). ``generation`` is the
+        table's generation when the step began (None: now): a drop since then keeps
+        nothing of it.
+
+        Raises :class:`ModelFailure` (the session raised; counted), :class:`DeviceDown`,
+        :class:`ClaimEnded` (the claim ended here first), :class:`NotKept` (the node
+        dropped its records meanwhile) and :class:`ForwardCancelled`. A step whose caller
+        is cancelled keeps nothing (skipped, or undone if it was applied), unless it named
+        its ``seq``: that one runs on and keeps its result for the caller's retry, which
+        gets the run under way or its stored reply.
         """
         dev = self._device(device)
-        if origin and origin in self._cancelled:
-            raise ForwardCancelled(origin)
+        table = self.table
+        current = table.generation
+        if generation is not None and generation != current:
+            raise NotKept(episode)
         mode = self.mode_for(execute_steps, ensemble)
         if self.rtc is not None and rtc is None:
             rtc = self.rtc_for()
         if dev.tracker.down:
             raise DeviceDown(device)
-        if not fresh and (seq is not None or mode is not None) and episode not in self._in_flight:
+        feed = dict(inputs)
+        asked = feed if seq is not None else None
+        if not fresh and (seq is not None or mode is not None) and not table.in_flight(episode):
             # a replay or a buffered action, perhaps, with nothing of this episode on the
             # worker: its record cannot change under us
-            with self._lock:
-                decision = admit(
-                    episode, self._states.get(episode), device, token, claim, fresh, seq
+            with table.lock:
+                _, verdict = table.admit_locked(
+                    episode, device, token, claim, fresh, seq, origin, asked
                 )
-                if decision[0] == "replay":
-                    self._states[episode].pinned = True  # delivered now: never undone
-                    return decision[1]
-                if mode is not None and decision[1] is not None:
-                    served = self._from_buffer(dev, episode, decision[1], mode, origin)
+                if not isinstance(verdict, Apply):
+                    table.pin_locked(episode)  # delivered now: never undone
+                    return verdict.result
+                if mode is not None and verdict.base is not None:
+                    served = self._from_buffer(dev, episode, verdict.base, mode, origin, asked)
                     if served is not None:
                         return served
-        feed = dict(inputs)
         one_row = all(a.ndim >= 1 and a.shape[0] == 1 for a in feed.values())
         future = asyncio.get_running_loop().create_future()
         job = _Job(episode, token, claim, fresh, seq, origin, feed, mode, future, one_row, rtc,
-                   self.clock() if arrived is None else arrived)  # fmt: skip
-        self._in_flight[episode] = self._in_flight.get(episode, 0) + 1
+                   self.clock() if arrived is None else arrived, current, asked)  # fmt: skip
+        table.enter(episode)
+        held = False
         try:
             if not self._inline(dev, job):
                 dev.put(job)
-            return await job.future
+            if seq is None:
+                return await job.future
+            return await asyncio.shield(job.future)
         except asyncio.CancelledError:
             with job.lock:
-                job.abandoned = True
-                committed, run = job.committed, job.run
-            if committed:
-                self.undo(episode, committed)
+                run = job.run
+                if seq is None:
+                    job.abandoned = True
+                    committed = job.committed
             if run is not None and (deadline is None or time.monotonic() >= deadline):
                 self._hung(dev, run)
+            if seq is not None:  # held for the caller's retry: it runs on and keeps its result
+                held = True
+                job.future.add_done_callback(functools.partial(_held_done, table, episode))
+            elif committed:
+                table.undo(episode, committed)
             raise
         finally:
-            self._ended(episode)
+            if not held:
+                table.leave(episode)
 
     def undo(self, episode: str, seq: int | None = None, origin: str | None = None) -> bool:
-        """Undo step ``seq`` of ``episode`` (or the step forward ``origin`` applied), whose
-        reply did not reach a live caller: the record before it comes back, state, buffer
-        and stored reply included. When a later step was applied meanwhile, the episode's
-        next step says ``state_reset`` instead. True when something changed."""
-        with self._lock:
-            st = self._states.get(episode)
-            back = None if st is None else undone(st, seq, origin)
-            if back is not None:
-                self._states[episode] = back
-            elif origin:  # not applied (yet): the forward may still be queued here
-                self._cancelled[origin] = None
-                if len(self._cancelled) > _CANCELLED_MAX:
-                    self._cancelled.popitem(last=False)
-        return back is not None
-
-    def _ended(self, episode: str) -> None:
-        left = self._in_flight[episode] - 1
-        if left:
-            self._in_flight[episode] = left
-            return
-        del self._in_flight[episode]
-        idle = self._idle.pop(episode, None)
-        if idle is not None:
-            idle.set()
+        """:meth:`EpisodeTable.undo` (the node's records, whichever model)."""
+        return self.table.undo(episode, seq, origin)
 
     def _from_buffer(
-        self, dev: _Device, episode: str, base: Episode, mode: ChunkMode, origin: str
+        self,
+        dev: _Device,
+        episode: str,
+        base: Episode,
+        mode: ChunkMode,
+        origin: str,
+        asked: Mapping[str, Array] | None,
     ) -> StepResult | None:
         """Answer the step from the buffer of ``base``, the episode's current record that
-        :func:`admit` chose (holding ``self._lock``), or None."""
+        :func:`admit` chose (holding the table's lock), or None."""
         if base.buffer is None or base.device != dev.id:
             return None
         action = base.buffer.buffered(mode)
@@ -659,10 +602,10 @@ class MultiGpuDispatcher:
         assert self.chunk is not None  # a buffer exists only for a model with a chunk
         outputs = {self.chunk.output: self.chunk.action(action.copy())}
         result = StepResult(outputs, base.doubt, base.seq + 1, "buffer")
-        self._states[episode] = advance(
+        self.table.replace_locked(episode, advance(
             base, dev.id, base.token, base.claim, base.state, base.buffer.served(), result,
-            self.clock(), None, origin, base.sent,
-        )  # fmt: skip
+            self.clock(), None, origin, base.sent, asked=asked,
+        ))  # fmt: skip
         return result
 
     async def run_stateless(self, device: str, inputs: Mapping[str, Array]) -> dict[str, Array]:
@@ -717,7 +660,7 @@ class MultiGpuDispatcher:
         devices: a GPU run that hangs must not stop the event loop, where its worker's
         watch marks the device down and the node goes on). False: the worker runs it, as
         always under load."""
-        if dev.run_s >= self.inline_under_s or self._arriving > 0 or not job.one_row:
+        if dev.run_s >= self.inline_under_s or self.arrivals.count > 0 or not job.one_row:
             return False
         if dev.id not in self.inline_devices:
             return False
@@ -793,7 +736,7 @@ class MultiGpuDispatcher:
         through the node (see :meth:`arrival`) and an episode that sent a step to this
         device within the last second has none in ``taken`` or waiting. A robot stepping
         alone, or one client stepping many episodes in turn, never waits."""
-        if self._arriving <= 0:  # an int read from the worker: atomic under the GIL
+        if self.arrivals.count <= 0:  # an int read from the worker: atomic under the GIL
             return False
         waiting = {j.episode for j in taken}
         waiting.update(j.episode for j in dev.pending if isinstance(j, _Job))
@@ -826,31 +769,35 @@ class MultiGpuDispatcher:
     def _prepare(self, dev: _Device, job: _Job) -> _Member | None:
         """Read the job's episode state; answer a buffered step at once. None: no run."""
         result: StepResult | None = None
-        error: SeqConflict | ForwardCancelled | None = None
-        with job.lock, self._lock:
+        error: SeqConflict | ForwardCancelled | ClaimEnded | NotKept | None = None
+        table = self.table
+        with job.lock, table.lock:
             if job.gave_up():
                 return None
             if job.episode is None:
                 feed = {**job.inputs, **self.contract.initial_state()}
                 if self.rtc is not None:
                     feed.update(self.rtc.none())
-                return _Member(job, feed, None, None, self._generation, False)
-            st = self._states.get(job.episode)
+                return _Member(job, feed, None, None, False)
             try:
-                if job.origin and job.origin in self._cancelled:
-                    raise ForwardCancelled(job.origin)
-                decision = admit(job.episode, st, dev.id, job.token, job.claim, job.fresh, job.seq)
-            except (SeqConflict, ForwardCancelled) as exc:
+                if job.generation != table.generation:
+                    raise NotKept(job.episode)
+                st, verdict = table.admit_locked(
+                    job.episode, dev.id, job.token, job.claim, job.fresh, job.seq, job.origin,
+                    job.asked,
+                )  # fmt: skip
+            except (SeqConflict, ForwardCancelled, ClaimEnded, NotKept) as exc:
                 error = exc
             else:
-                if decision[0] == "replay":
-                    assert st is not None
-                    st.pinned = True  # delivered now: never undone
-                    result = decision[1]
+                if not isinstance(verdict, Apply):
+                    table.pin_locked(job.episode)  # delivered now: never undone
+                    result = verdict.result
                 else:
-                    base, reset = decision[1], decision[2]
+                    base, reset = verdict.base, verdict.reset
                     if base is not None and job.mode is not None:
-                        result = self._from_buffer(dev, job.episode, base, job.mode, job.origin)
+                        result = self._from_buffer(
+                            dev, job.episode, base, job.mode, job.origin, job.asked
+                        )
                         job.committed = 0 if result is None else result.seq
                     if result is None:
                         state = self.contract.initial_state() if base is None else base.state
@@ -866,7 +813,7 @@ class MultiGpuDispatcher:
                                 sent, job.rtc, job.arrived, latency, self.control_hz
                             )
                             feed.update(rtc_feed)
-                        return _Member(job, feed, st, base, self._generation, reset, used)
+                        return _Member(job, feed, st, base, reset, used)
         dev.answer(job.future, result, error)
         return None
 
@@ -976,27 +923,27 @@ class MultiGpuDispatcher:
             if self.rtc is not None:
                 assert self.chunk is not None  # an RTC model has a chunk (checked at load)
                 sent = (self.chunk.chunk_of(outputs[self.chunk.output]), now)
-            with job.lock, self._lock:
+            table = self.table
+            with job.lock, table.lock:
                 # keep nothing for a caller that gave up (its router, for a forward whose
-                # undo came while it ran), after drop_all() ran meanwhile, or when the
-                # record it read was released or replaced meanwhile
-                if job.origin and job.origin in self._cancelled:
+                # undo came while it ran), after a drop meanwhile, or when the record it
+                # read was released or replaced meanwhile; and then answer no result
+                if table.cancelled_locked(job.origin):
                     dev.answer(job.future, None, ForwardCancelled(job.origin))
                     return
-                if (
-                    not job.gave_up()
-                    and m.generation == self._generation
-                    and self._states.get(episode) is m.read
-                ):
-                    if m.read is not None and m.read.device != dev.id:
-                        self._devices[m.read.device].live.discard(episode)
-                    self._states[episode] = advance(
-                        m.base, dev.id, job.token, job.claim, new_state, buffer, result, now,
-                        None if m.base else {n: m.feed[n] for n in self.contract.state},
-                        job.origin, sent,
-                    )  # fmt: skip
-                    dev.live.add(episode)
-                    job.committed = seq
+                if job.gave_up():
+                    return
+                new = advance(
+                    m.base, dev.id, job.token, job.claim, new_state, buffer, result, now,
+                    None if m.base else {n: m.feed[n] for n in self.contract.state},
+                    job.origin, sent, model=self.model, asked=job.asked,
+                )  # fmt: skip
+                if not table.keep_locked(episode, m.read, job.generation, new):
+                    lost = job.generation != table.generation
+                    why = NotKept(episode) if lost else ClaimEnded(episode, job.claim)
+                    dev.answer(job.future, None, why)
+                    return
+                job.committed = seq
         dev.answer(job.future, result, None)
 
     def _failed(self, dev: _Device, error: str) -> None:
@@ -1083,47 +1030,6 @@ class MultiGpuDispatcher:
                 run = functools.partial(warmup.run, dev.session, self._outputs, feed)
                 await self._call(dev, run)
 
-    # ---- dropping state --------------------------------------------------------------
-
-    def release(self, episode: str) -> bool:
-        """Drop the state of ``episode``; True when there was some."""
-        with self._lock:
-            st = self._states.pop(episode, None)
-            if st is not None:
-                self._devices[st.device].live.discard(episode)
-        if st is not None:
-            dev = self._devices[st.device]
-            with dev.cond:  # an ended episode sends no more steps: do not wait for it
-                dev.recent.pop(episode, None)
-        return st is not None
-
-    def expire_idle(self) -> list[tuple[str, int]]:
-        """Drop the records of episodes idle for longer than ``idle_ttl_s`` (none with a
-        step in flight); return their (episode, token), for the owner to release."""
-        cutoff = self.clock() - self.idle_ttl_s
-        with self._lock:
-            stale = [
-                ep
-                for ep, st in self._states.items()
-                if st.last_used < cutoff and ep not in self._in_flight
-            ]
-            out = []
-            for ep in stale:
-                st = self._states.pop(ep)
-                self._devices[st.device].live.discard(ep)
-                out.append((ep, st.token))
-        return out
-
-    def drop_all(self) -> int:
-        """Drop every episode's state (self-fencing); return how many."""
-        with self._lock:
-            n = len(self._states)
-            self._states.clear()
-            self._generation += 1
-            for dev in self._devices.values():
-                dev.live.clear()
-        return n
-
     def close(self) -> None:
         for dev in self._devices.values():
             dev.put(None)
@@ -1137,6 +1043,13 @@ def _observe(hook: Callable[[str, Any], None], device: str, value: Any) -> None:
         hook(device, value)
     except Exception:  # a metrics hook must never fail a model run
         log.exception("device %s: a dispatcher hook raised", device)
+
+
+def _held_done(table: EpisodeTable, episode: str, future: asyncio.Future[Any]) -> None:
+    """A step held for its caller's retry ended: it no longer counts as in flight."""
+    if not future.cancelled():
+        future.exception()  # retrieved: nobody else awaits it
+    table.leave(episode)
 
 
 def _settle(items: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:

@@ -90,6 +90,7 @@ class Forward:
     elapsed_s: float = 0.0  # how long the router had the step before forwarding it
     restart: bool = False  # start the episode over: the owner makes the fresh claim
     release: bool = False  # end the episode (``POST /episodes/<id>/end`` at another node)
+    client_claim: str | None = None  # the claim id the client echoed, if any
 
     def encode(self) -> bytes:
         return wire.encode(
@@ -117,6 +118,7 @@ class Forward:
                 "elapsed_ms": round(self.elapsed_s * 1000, 3),
                 "restart": self.restart,
                 "release": self.release,
+                "client_claim": self.client_claim,
             }
         )  # fmt: skip
 
@@ -147,9 +149,11 @@ class Forward:
         if not ok or not all(v is None or type(v) is int for v in ints):
             raise ValueError("a forward's fields have the wrong types")
         claim, instance = doc.get("claim", ""), doc.get("instance", "")
-        model = doc.get("model", "")
+        model, client_claim = doc.get("model", ""), doc.get("client_claim")
         if not all(isinstance(v, str) for v in (origin, claim, instance, model)):
             raise ValueError("a forward's origin, claim, instance and model must be strings")
+        if client_claim is not None and not isinstance(client_claim, str):
+            raise ValueError("a forward's client_claim must be a string")
         if ensemble is not None and not isinstance(ensemble, str):
             raise ValueError("a forward's ensemble must be a string")
         rtc, elapsed = doc.get("rtc"), doc.get("elapsed_ms", 0)
@@ -179,6 +183,7 @@ class Forward:
             elapsed_s=float(elapsed) / 1000,
             restart=doc.get("restart") is True,
             release=doc.get("release") is True,
+            client_claim=client_claim,
         )
 
     def step(self, deadline: float) -> Step:
@@ -198,6 +203,7 @@ class Forward:
             version=version or None,
             rtc=self.rtc,
             restart=self.restart,
+            client_claim=self.client_claim,
         )
 
 
@@ -227,6 +233,7 @@ def decode_reply(body: bytes) -> Reply:
             replayed=bool(doc.get("replayed", False)),
             rtc=None if doc.get("rtc") is None else {str(k): int(v) for k, v in doc["rtc"].items()},
             model=str(doc.get("model", "")),
+            claim=str(doc.get("claim", "")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not an owner's reply: {exc}") from None

@@ -42,14 +42,15 @@ from node.accesslog import JsonFormatter
 from node.app import create_app
 from node.asgi import CONNECTION
 from node.binding import BoundSession
-from node.catalog import Dispatchers, ModelSpec, parse_model_arg
+from node.catalog import ModelSpec, parse_model_arg
 from node.chunks import ENSEMBLES
 from node.config import NodeConfig
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
-from node.dispatcher import MultiGpuDispatcher, Session
+from node.dispatcher import Arrivals, MultiGpuDispatcher, Session
+from node.episodes import EpisodeTable
 from node.fleet import Fleet
 from node.forward import Poster
-from node.membership import EXIT_CONFLICT, VERSION
+from node.lease import EXIT_CONFLICT, VERSION
 from node.metrics import Metrics
 from node.policy import PolicyContract, load_contract
 from node.providers import CPU, GpuUnavailable, ProviderSettings, build_session, require_cuda
@@ -152,6 +153,9 @@ _FLAGS = (
           "seconds of the node's lease (renewed every third)", float, positive=True),
     _Flag("--act-deadline", "AFFINITY_ACT_DEADLINE", 5.0,
           "seconds within which every step answers", float, positive=True),
+    _Flag("--drain-timeout", "AFFINITY_DRAIN_TIMEOUT", 20.0,
+          "seconds: the most a graceful stop (SIGTERM) spends handing episodes over before "
+          "it deregisters", float, positive=True),
     _Flag("--max-body-bytes", "AFFINITY_MAX_BODY_BYTES", 1 << 24,
           "bytes of one request body or websocket message", int, low=1, high=1 << 31),
     _Flag("--keep-alive", "AFFINITY_KEEP_ALIVE", 5.0,
@@ -345,6 +349,7 @@ def parse_args(
             capacity=values["capacity"],
             weight=values["weight"],
             act_deadline_s=values["act_deadline"],
+            drain_timeout_s=values["drain_timeout"],
             max_body_bytes=values["max_body_bytes"],
             keep_alive_s=values["keep_alive"],
             admin_token=env.get("AFFINITY_ADMIN_TOKEN") or None,
@@ -466,35 +471,39 @@ def build_service(
                 active[(name, f"{config.node_id}/{spec.index}")] = provider
                 providers.setdefault(spec.index, provider)
 
-        def dispatcher(
-            ids: list[str], on_transition: Callable[[str, str, str], None], metrics: Metrics
-        ) -> Dispatchers:
-            return Dispatchers(
-                {
-                    name: MultiGpuDispatcher(
-                        ids,
-                        lambda device, name=name: sessions[(name, device)],  # type: ignore[misc]
-                        contract,
-                        idle_ttl_s=config.settings.episode_ttl_s,
-                        failure_threshold=config.failure_threshold,
-                        cooldown_s=config.cooldown_s,
-                        on_transition=on_transition,
-                        max_batch=config.max_batch,
-                        batch_delay_us=config.batch_delay_us,
-                        inline_under_us=config.inline_under_us,
-                        inline_devices=[  # CPU sessions only (see MultiGpuDispatcher._inline)
-                            d for (n, d), p in active.items() if n == name and p == CPU
-                        ],
-                        execute_steps=config.execute_steps,
-                        ensemble=config.ensemble,
-                        ensemble_decay=config.ensemble_decay,
-                        control_hz=config.control_hz,
-                        on_batch=per_device(metrics.batch_size),
-                        on_queue_wait=per_device(metrics.queue_wait),
-                    )
-                    for name, (_, _, contract) in served.items()
-                }
-            )
+        def dispatchers(
+            ids: list[str],
+            on_transition: Callable[[str, str, str], None],
+            metrics: Metrics,
+            table: EpisodeTable,
+            arrivals: Arrivals,
+        ) -> dict[str, MultiGpuDispatcher]:
+            return {
+                name: MultiGpuDispatcher(
+                    ids,
+                    lambda device, name=name: sessions[(name, device)],  # type: ignore[misc]
+                    contract,
+                    failure_threshold=config.failure_threshold,
+                    cooldown_s=config.cooldown_s,
+                    on_transition=on_transition,
+                    max_batch=config.max_batch,
+                    batch_delay_us=config.batch_delay_us,
+                    inline_under_us=config.inline_under_us,
+                    inline_devices=[  # CPU sessions only (see MultiGpuDispatcher._inline)
+                        d for (n, d), p in active.items() if n == name and p == CPU
+                    ],
+                    execute_steps=config.execute_steps,
+                    ensemble=config.ensemble,
+                    ensemble_decay=config.ensemble_decay,
+                    control_hz=config.control_hz,
+                    on_batch=per_device(metrics.batch_size),
+                    on_queue_wait=per_device(metrics.queue_wait),
+                    table=table,
+                    arrivals=arrivals,
+                    model=str(mid),
+                )
+                for name, (_, mid, contract) in served.items()
+            }
 
         client = redis
         if client is None:
@@ -511,7 +520,7 @@ def build_service(
                 client,
                 devices,
                 providers,
-                dispatcher,
+                dispatchers,
                 next(iter(served.values()))[2],
                 owns_redis=redis is None,
                 pool=pool,
@@ -522,7 +531,7 @@ def build_service(
         warm = [
             str(mid)
             for name, (m, mid, contract) in served.items()
-            if await _warm_up(name, m, contract, service.dispatcher.by_model[name])
+            if await _warm_up(name, m, contract, service.dispatchers[name])
         ]
         graphs = sum(isinstance(s, BoundSession) for s in sessions.values())
         if warm:
@@ -645,10 +654,10 @@ class _Server(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.leave_requested and self.leaving is None:
             log.info("node %s leaving the fleet (signal)", self.service.node_id)
-            self.leaving = asyncio.create_task(self.service.membership.leave())
+            self.leaving = asyncio.create_task(self.service.owner.leave())
         if self.leaving is not None and self.leaving.done():
             self.should_exit = True
-        if self.service.membership.conflict is not None:
+        if self.service.lease.conflict is not None:
             self.should_exit = True
         if self.should_exit:
             self.fleet.close()  # a graceful stop waits for open responses: streams never end
@@ -784,7 +793,7 @@ async def _serve_on(
     finally:
         if grpc_server is not None:
             await grpc_server.stop(1.0)
-    return EXIT_CONFLICT if service.membership.conflict is not None else 0
+    return EXIT_CONFLICT if service.lease.conflict is not None else 0
 
 
 def _safe_url(config: NodeConfig) -> str:

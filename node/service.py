@@ -1,13 +1,18 @@
-"""One node, composed: its devices' dispatcher, its membership (lease), its routing.
+"""One node, composed: its episode table, its models' dispatchers, the lease, the owner,
+the router, the devices' health.
 
-The pieces live in their own modules — ``membership.py`` (registration, lease, fencing,
-leaving), ``routing.py`` (resolve, serve, forward), ``forward.py`` (the connection pool to
-owners) — and the wire protocols in ``node/protocols/``. This class builds them from the
-configuration and starts and stops them in order.
+Each piece answers one question in its own module: ``episodes.py`` (what the owner
+remembers), ``lease.py`` (is this node alive; fencing), ``owner.py`` (may I serve, and
+serve; let go; flush), ``router.py`` (find the owner, forward once), ``health.py`` (device
+crashes and probes), ``forward.py`` (the connection pool to owners); the wire protocols are
+in ``node/protocols/``. This class builds them from the configuration and starts and stops
+them in order, and runs the node's maintenance loop.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 import time
@@ -15,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from affinity import (
+    AffinityError,
     Claims,
     DeviceRegistration,
     ModelId,
@@ -23,16 +29,19 @@ from affinity import (
     close,
     connect,
 )
-from node.catalog import AmbiguousModel, Catalog, Dispatchers, contract_record
+from node.catalog import AmbiguousModel, Catalog, contract_record
 from node.config import NodeConfig
 from node.devices import DeviceSpec
-from node.dispatcher import MultiGpuDispatcher
+from node.dispatcher import Arrivals, MultiGpuDispatcher
+from node.episodes import EpisodeTable
 from node.fleet import MAX_STREAMS
 from node.forward import ForwardPool, Poster
-from node.membership import Membership
+from node.health import DeviceHealth
+from node.lease import Lease
 from node.metrics import Metrics
+from node.owner import Owner
 from node.policy import PolicyContract
-from node.routing import Routing
+from node.router import Router
 from node.rtc import Ask
 from node.step import Refused
 
@@ -43,10 +52,11 @@ LEASE_CONNECTIONS = 4
 """Connections of the lease's own pool: renewals never wait behind client requests."""
 
 DispatcherFactory = Callable[
-    [list[str], Callable[[str, str, str], None], Metrics], MultiGpuDispatcher | Dispatchers
+    [list[str], Callable[[str, str, str], None], Metrics, EpisodeTable, Arrivals],
+    dict[str, MultiGpuDispatcher],
 ]
-"""(device ids, crash-transition callback, metrics for the batching hooks) -> dispatcher
-(one, of the node's only model, or one per model)."""
+"""(device ids, crash-transition callback, metrics for the batching hooks, the node's
+episode table, its arrivals) -> model name -> its dispatcher (the first model first)."""
 
 
 class NodeService:
@@ -70,8 +80,10 @@ class NodeService:
         self.node_id = config.node_id
         self.redis = redis
         self.owns_redis = owns_redis  # close it at stop (it was made for this node)
-        self.claims = Claims(redis, config.settings)
-        self.registry = Registry(redis, config.settings)
+        self.table = EpisodeTable(clock)
+        self.lease_known = 0  # set below: the lease's knowledge of the fleet's longest lease
+        self.claims = Claims(redis, config.settings, self._known_lease_ms)
+        self.registry = Registry(redis, config.settings, self._known_lease_ms)
         # Pools that nothing a client does can exhaust: the lease's (renewals, registration,
         # hand-overs) and the event streams' (each holds a connection in a blocking read).
         self.lease_redis = self._own_client(LEASE_CONNECTIONS)
@@ -88,36 +100,51 @@ class NodeService:
         self.providers = dict(providers)
         self.device_ids = [f"{config.node_id}/{s.index}" for s in specs]
         self.metrics = Metrics(self.device_ids, config.capacity)
-        # the dispatcher reports crash transitions (from its workers) to the membership
-        made = dispatcher_factory(self.device_ids, self._on_transition, self.metrics)
-        self.dispatcher = dispatcher = (
-            made if isinstance(made, Dispatchers) else Dispatchers({next(iter(self.models)): made})
+        # the dispatchers report crash transitions (from their workers) to the health
+        self.dispatchers = dispatcher_factory(
+            self.device_ids, self._on_transition, self.metrics, self.table, Arrivals()
         )
-        dispatcher.ids = {name: str(mid) for name, (mid, _) in self.models.items()}
-        self.membership = Membership(
-            config,
-            Registry(self.lease_redis, config.settings),
-            Claims(self.lease_redis, config.settings),
-            dispatcher,
-            self.metrics,
-            self.registrations,
-            clock,
+        for name, (mid, _) in self.models.items():
+            self.dispatchers[name].model = str(mid)
+        lease_registry = Registry(self.lease_redis, config.settings, self._known_lease_ms)
+        self.health = DeviceHealth(self.dispatchers, lease_registry, self.metrics)
+        self.lease = Lease(
+            config, lease_registry, self.table, self.metrics, self.registrations, clock
         )
-        self.membership.models = {m: contract_record(c) for m, c in self.models.values()}
+        self.lease.models = {m: contract_record(c) for m, c in self.models.values()}
+        self.lease.on_renewed = self.health.reconcile  # Redis' device states, made to agree
         self.pool: Poster = pool or ForwardPool(config.cluster_secret)
         self.started = False
         self._warned: set[str] = set()
-        self.routing = Routing(
+        self.owner = Owner(
+            config,
+            self.table,
+            self.dispatchers,
+            self.lease,
+            self.health,
+            self.claims,
+            Claims(self.lease_redis, config.settings, self._known_lease_ms),
+            lease_registry,
+            self.metrics,
+            clock,
+        )
+        self.router = Router(
             config,
             self.claims,
-            dispatcher,
-            self.membership,
+            self.dispatchers,
+            self.lease,
+            self.owner,
+            self.health,
             self.metrics,
-            contract,
             self.pool,
             clock,
             catalog=self.catalog,
         )
+        self._maintenance: asyncio.Task[None] | None = None
+
+    def _known_lease_ms(self) -> int:
+        lease: Lease | None = getattr(self, "lease", None)
+        return lease.known_ms() if lease is not None else self.config.settings.lease_ttl_ms
 
     def _own_client(self, connections: int) -> Any:
         """A client with a pool of its own of ``connections``, when this node made its
@@ -129,16 +156,16 @@ class NodeService:
     @property
     def instance(self) -> str:
         """This process's instance id (tells it from another with the same node id)."""
-        return self.membership.instance
+        return self.lease.instance
 
     def _on_transition(self, device: str, to: str, reason: str) -> None:
-        self.membership.on_transition_threadsafe(device, to, reason)
+        self.health.on_transition_threadsafe(device, to, reason)
 
     def registrations(self) -> list[DeviceRegistration]:
         """What this node registers: each device with the state its crash tracker holds."""
         out = []
         for s in self.specs:
-            tracker = self.dispatcher.tracker(f"{self.node_id}/{s.index}")
+            tracker = self.health.tracker(f"{self.node_id}/{s.index}")
             out.append(
                 DeviceRegistration(
                     index=s.index,
@@ -171,13 +198,38 @@ class NodeService:
             # the embedded store is this process's own and new: nobody else can be serving
             # its episodes, so the grace period an empty Redis gets does not apply
             await self.registry.new_fleet()
-        await self.membership.start()
+        self.health.start()
+        await self.lease.start()
+        self._maintenance = asyncio.create_task(self._maintain(), name="affinity-maintenance")
+
+    async def _maintain(self) -> None:
+        """Once a second: fence a lapsed lease, flush the owner's batch, probe down
+        devices, refresh the gauges."""
+        every = min(1.0, self.config.renew_every_s)
+        while True:
+            await asyncio.sleep(every)
+            try:
+                self.lease.fence()
+                try:
+                    await self.owner.flush()
+                except AffinityError as exc:  # kept for the next flush
+                    log.warning("flush of node %s failed: %s", self.node_id, exc)
+                async with asyncio.timeout(self.config.act_deadline_s):
+                    for device in await self.health.probe():
+                        log.info("device %s passed its probe", device)
+                self.owner.refresh_gauges()
+            except Exception:  # includes a probe that hangs past the deadline
+                log.exception("maintenance of node %s failed", self.node_id)
 
     async def stop(self) -> None:
         """Leave the fleet (hand episodes over, deregister) if not done yet, then release
         the devices and connections."""
-        await self.membership.leave()
-        self.dispatcher.close()
+        await self.owner.leave()
+        if self._maintenance is not None:
+            self._maintenance.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._maintenance
+        self.health.close()
         self.pool.close()
         if self.owns_redis:
             clients = (self.redis, self.lease_redis, self.stream_redis)
@@ -205,15 +257,16 @@ class NodeService:
     ) -> Ask | None:
         """A step's real-time-chunking values for model ``name``, checked here when this
         node serves it (``InvalidArgument``), else passed on for its owner to check."""
-        local = self.dispatcher.by_model.get(name or next(iter(self.models)))
+        local = self.dispatchers.get(name or next(iter(self.models)))
         if local is not None:
             return local.rtc_for(executed, delay, control_hz)
         if executed is None and delay is None and control_hz is None:
             return None
         return Ask(executed, delay, control_hz)  # type: ignore[arg-type]
 
-    def fenced(self) -> bool:
-        return self.membership.fenced()
+    def serving(self) -> bool:
+        """Whether this node serves now: its lease is valid and it is not leaving."""
+        return self.lease.may_serve()
 
     def client_allowed(self, authorization: str | None) -> bool:
         """Whether a client may use the node: always without ``--api-key``, else only with

@@ -47,6 +47,13 @@ class Router:
         pass
 
 
+def claim_of(service: NodeService, episode: str) -> tuple[str, int, str, str] | None:
+    """The claim (device, token, claim id, ``"name@version"``) of the record ``service``
+    holds for ``episode``, if any."""
+    record = service.table.get(episode)
+    return None if record is None else (record.device, record.token, record.claim, record.model)
+
+
 @dataclass
 class InProcNode:
     app: NodeApp

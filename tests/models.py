@@ -56,6 +56,52 @@ def slow_policy(out_dir: Path, repeats: int = 72, width: int = 256) -> Path:
     return path
 
 
+def counter_policy(out_dir: Path, repeats: int = 0, width: int = 128) -> Path:
+    """A probe policy whose recurrent state counts exactly the steps its episode has seen:
+    ``obs [batch,8]`` and ``state_in.count [batch,1]`` in, ``count = state_in.count + 1``
+    out (fed back as ``state_out.count``). ``repeats`` ``width``x``width`` matrix products
+    per run (their result multiplied by zero) make a run take longer without changing it."""
+    w = Weights(seed=11)
+    nodes = [
+        helper.make_node(
+            "Add", ["state_in.count", w.constant("one", np.ones((1, 1), np.float32))], ["next"]
+        )
+    ]
+    if repeats:
+        nodes += [
+            helper.make_node("MatMul", ["obs", w.normal("up", (8, width * width), 0.3)], ["flat"]),
+            helper.make_node(
+                "Reshape", ["flat", w.constant("square", np.array([-1, width, width]))], ["x0"]
+            ),
+        ]
+        square = w.normal("sq", (width, width), 1.0 / width**0.5)
+        for i in range(repeats):
+            nodes.append(helper.make_node("MatMul", [f"x{i}", square], [f"m{i}"]))
+            nodes.append(helper.make_node("Tanh", [f"m{i}"], [f"x{i + 1}"]))
+        nodes += [
+            helper.make_node("ReduceMean", [f"x{repeats}"], ["r"], axes=[1, 2], keepdims=0),
+            helper.make_node("Unsqueeze", ["r", w.constant("axis", np.array([1]))], ["r1"]),
+            helper.make_node(
+                "Mul", ["r1", w.constant("zero", np.zeros((1, 1), np.float32))], ["nil"]
+            ),
+            helper.make_node("Add", ["next", "nil"], ["state_out.count"]),
+        ]
+    else:
+        nodes.append(helper.make_node("Identity", ["next"], ["state_out.count"]))
+    nodes.append(helper.make_node("Identity", ["state_out.count"], ["count"]))
+    built = model(
+        "counter_policy",
+        nodes,
+        [tensor("obs", TensorProto.FLOAT, 8), tensor("state_in.count", TensorProto.FLOAT, 1)],
+        [tensor("count", TensorProto.FLOAT, 1), tensor("state_out.count", TensorProto.FLOAT, 1)],
+        w,
+        "affinity-tests",
+    )
+    name = f"counter_policy_{repeats}.onnx"
+    path, _ = write(out_dir, name, built, {"state": {"state_in.count": "state_out.count"}})
+    return path
+
+
 def string_adder(out_dir: Path) -> Path:
     """Triton's ``simple_string`` example as an ONNX policy: ``INPUT0`` and ``INPUT1`` are
     strings of 16 integers each (``[batch, 16]`` BYTES), cast to INT32; ``OUTPUT0`` is

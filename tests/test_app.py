@@ -24,9 +24,9 @@ KEYS = Keys()
 
 async def slid(node: InProcNode) -> None:
     """The owner's flush with every episode it holds due for a slide."""
-    m = node.service.membership
-    m.ownership._slid.clear()
-    await m.ownership.flush(m.instance, m.registered)
+    o = node.service.owner
+    o._slid.clear()
+    await o.flush()
 
 
 def forward(episode: str, token: int, device: str, routing: str) -> bytes:
@@ -144,7 +144,7 @@ async def test_bad_input_changes_nothing(node: InProcNode, redis: Any) -> None:
     assert r.status_code == 413
     assert await snapshot(redis) == before
     s = node.service
-    assert all(s.dispatcher.tracker(d).failures == 0 for d in s.device_ids)
+    assert all(s.health.tracker(d).failures == 0 for d in s.device_ids)
     again = await node.act(episode_id="kept", inputs={"obs": [[0.5] * 8]})
     assert again.json()["token"] == ok.json()["token"] and again.json()["routing"] == "hit"
     assert (await node.client.get("/healthz")).status_code == 200
@@ -173,7 +173,7 @@ async def test_degraded_and_stateless(node: InProcNode, redis: Any) -> None:
 async def test_end_releases(node: InProcNode, redis: Any) -> None:
     r = (await node.act(episode_id="e1", inputs={"obs": [[0] * 8]}, end=True)).json()
     assert await redis.get(KEYS.episode("e1")) is None
-    assert not node.service.dispatcher.has_state("e1")
+    assert node.service.table.get("e1") is None
     await node.act(episode_id="e2", inputs={"obs": [[0] * 8]})
     got = await node.client.get("/episodes/e2")
     assert got.status_code == 200 and got.json()["node"] == "a"
@@ -272,13 +272,14 @@ async def test_unreachable_owner_gets_503_never_a_second_owner(
 async def test_fenced_node_refuses_then_reregisters(node: InProcNode, redis: Any) -> None:
     await node.act(episode_id="ep", inputs={"obs": [[0] * 8]})
     s = node.service
-    s.membership.lease_deadline = s.clock() - 0.01  # as if renewals had failed for a whole lease
+    s.lease.deadline = s.clock() - 0.01  # as if renewals had failed for a whole lease
     r = await node.act(episode_id="ep", inputs={"obs": [[0] * 8]})
     assert r.status_code == 503 and r.json()["error"]["code"] == "fenced"
-    assert not s.dispatcher.has_state("ep")
+    assert s.table.get("ep") is not None  # a query never acts: the renewal loop fences
+    assert s.lease.fence() and s.table.get("ep") is None
     assert (await node.client.get("/readyz")).status_code == 503
     await redis.delete(KEYS.node("a"))  # the lease lapsed in Redis too
-    await s.membership.renew_once()
+    await s.lease.renew_once()
     r = await node.act(episode_id="ep", inputs={"obs": [[0] * 8]})
     assert r.status_code == 200 and r.json()["state_reset"] is True
 
@@ -319,7 +320,7 @@ async def test_owner_refuses_a_forward_for_an_assignment_redis_no_longer_has(
     body = forward("gone", 12345, "b/0", "hit")
     r = await b.client.post("/internal/act", content=body, headers={SECRET: "k"})
     assert r.status_code == 409 and r.json()["error"]["code"] == "stale_token"
-    assert not b.service.dispatcher.has_state("gone")
+    assert b.service.table.get("gone") is None
 
 
 async def test_lease_running_out_during_the_step_is_a_503(redis: Any) -> None:
@@ -334,8 +335,8 @@ async def test_lease_running_out_during_the_step_is_a_503(redis: Any) -> None:
             self.inner = build_session(DEMO_MODEL, spec, ProviderSettings()).session
 
         def run(self, names: Any, feed: Any) -> Any:
-            if services and services[0].membership.lease_deadline > 0 and feed["obs"][0][0] == 9:
-                services[0].membership.lease_deadline = services[0].clock() - 1  # time passes
+            if services and services[0].lease.deadline > 0 and feed["obs"][0][0] == 9:
+                services[0].lease.deadline = services[0].clock() - 1  # time passes
             return self.inner.run(names, dict(feed))
 
     async with cluster(
@@ -346,21 +347,23 @@ async def test_lease_running_out_during_the_step_is_a_503(redis: Any) -> None:
         assert (await n.act(episode_id="ep", inputs={"obs": [[0] * 8]})).status_code == 200
         r = await n.act(episode_id="ep", inputs={"obs": [[9] * 8]})
         assert r.status_code == 503 and r.json()["error"]["code"] == "fenced"
-        assert not n.service.dispatcher.has_state("ep")
+        record = n.service.table.get("ep")
+        assert record is not None and record.seq == 1  # the step answered 503 is undone
+        assert n.service.lease.fence() and n.service.table.get("ep") is None
 
 
 async def test_renewal_reconciles_down_with_the_crash_tracker(node: InProcNode, redis: Any) -> None:
     s = node.service
     # a 'down' that the tracker does not hold (its 'up' write was lost): restored
     await redis.hset(KEYS.device("a/0"), mapping={"state": "down", "prev_state": "active"})
-    await s.membership.renew_once()
+    await s.lease.renew_once()
     assert await redis.hget(KEYS.device("a/0"), "state") == "active"
     # a crash the registry never heard of: written again
-    tracker = s.dispatcher.tracker("a/1")
+    tracker = s.health.tracker("a/1")
     tracker.failure("boom")
     tracker.failure("boom")
     tracker.failure("boom")
-    await s.membership.renew_once()
+    await s.lease.renew_once()
     assert await redis.hget(KEYS.device("a/1"), "state") == "down"
 
 
@@ -446,7 +449,7 @@ async def test_the_router_forwards_only_what_is_left_of_its_deadline(redis: Any)
             if r["node"] == "b":
                 break
         a.service.claims.resolve = stalled  # type: ignore[method-assign]
-        a.service.routing.hints.clear()  # so that it resolves (a hint skips Redis)
+        a.service.router.locator._hints.clear()  # so that it resolves (a hint skips Redis)
         sent.clear()
         assert (
             await a.act(episode_id=r["episode_id"], inputs={"obs": [[0.5] * 8]})
@@ -532,7 +535,7 @@ async def test_bad_msgpack_bodies_are_4xx_and_change_nothing(node: InProcNode, r
     garbage = await node.client.post("/act", content=b"\xc1", headers=MSGPACK)
     assert garbage.json()["error"]["message"].startswith("body is not valid msgpack: ")
     assert await snapshot(redis) == before
-    assert all(node.service.dispatcher.tracker(d).failures == 0 for d in node.service.device_ids)
+    assert all(node.service.health.tracker(d).failures == 0 for d in node.service.device_ids)
 
 
 async def test_a_websocket_step_writes_one_access_line_in_both_formats() -> None:
@@ -614,11 +617,11 @@ async def test_a_re_registration_carries_the_crash_trackers_down_states(redis: A
         n = nodes[0]
         r = await n.act(episode_id="crash", inputs={"obs": [[7] * 8]})
         assert r.status_code == 500
-        assert n.service.dispatcher.tracker("a/0").down
+        assert n.service.health.tracker("a/0").down
         # Redis lost the node (restarted empty, or its lease lapsed): it registers again
         await redis.flushdb()
         await new_fleet(redis)  # no grace period: this test is about the device's state
-        await n.service.membership.renew_once()
+        await n.service.lease.renew_once()
         assert await redis.hget(KEYS.device("a/0"), "state") == "down"
         r = await n.act(episode_id="after", inputs={"obs": [[0] * 8]})
         assert r.status_code == 503 and r.json()["error"]["code"] in ("full", "no_nodes")

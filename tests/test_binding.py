@@ -189,7 +189,7 @@ async def test_warm_up_of_a_plain_session_is_one_run_from_zeros() -> None:
         [feed] = seen
         assert set(feed) == {"obs", "state_in.hidden"}
         assert not any(np.any(v) for v in feed.values())
-        assert not d.has_state("anything") and d.tracker("n/0").failures == 0
+        assert d.table.get("anything") is None and d.tracker("n/0").failures == 0
     finally:
         d.close()
 
@@ -209,9 +209,11 @@ async def test_the_node_warms_its_devices_up_at_start_up() -> None:
     )()
     try:
         assert [len(s.warm_threads) for s in sessions.values()] == [1, 1]
-        await service.dispatcher.step("gpu-a/1", "ep", 1, True, {"obs": np.zeros((1, 8))})
+        await service.dispatchers["demo_policy"].step(
+            "gpu-a/1", "ep", 1, True, {"obs": np.zeros((1, 8))}
+        )
         assert sessions[1].run_threads == sessions[1].warm_threads
         assert threading.get_ident() not in sessions[0].warm_threads + sessions[1].warm_threads
     finally:
-        service.dispatcher.close()
+        service.health.close()
         await redis.aclose()

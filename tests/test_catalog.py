@@ -107,7 +107,7 @@ async def test_one_node_serves_two_models_each_on_every_device() -> None:
     one = config("a")
     async with cluster(redis, [one, both]) as (nodes, _):
         a, b = nodes
-        assert set(b.service.dispatcher.by_model) == {"demo_policy", "vla_demo"}
+        assert set(b.service.dispatchers) == {"demo_policy", "vla_demo"}
         assert await redis.hget("{affinity}:node:b", "models") == (
             f"demo_policy@{file_version(DEMO_MODEL)},vla_demo@v1"
         )

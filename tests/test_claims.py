@@ -12,6 +12,7 @@ from affinity import (
     InvalidArgument,
     NoCapacity,
     Recovering,
+    Released,
     Settings,
     StaleToken,
     UnknownDevice,
@@ -174,13 +175,46 @@ async def test_release_right_and_stale_token(env: Env) -> None:
         await env.claims.release("ep", a.token - 1)
     assert err.value.current == a.token and err.value.device == "a/0"
     assert await env.snapshot() == before
-    assert await env.claims.release("ep", a.token) == "a/0"
+    assert await env.claims.release("ep", a.token, owner=True) == Released("a/0", False)
     assert await env.redis.get(env.keys.episode("ep")) is None
     assert await env.redis.zcard(env.keys.load("a/0")) == 0
     with pytest.raises(UnknownEpisode):
-        await env.claims.release("ep", a.token)
+        await env.claims.release("ep", a.token, owner=True)
     # the slot is free again
     assert (await env.claims.resolve("ep-2")).status == "claimed"
+
+
+async def test_a_release_by_anyone_but_the_owner_waits_for_the_owner(env: Env) -> None:
+    """An operator's release of an episode whose owner holds a live lease revokes it: the
+    value is marked, the slot stays taken, the owner is told at its renewal and still
+    serves it (a resolve is a hit there) until its renewal says it let go; then the next
+    resolve reassigns it (state_reset). Without a live owner it is deleted at once."""
+    await env.node("a", 1, capacity=2)
+    a = await env.claims.resolve("ep")
+    done = await env.claims.release("ep", a.token, "operator")
+    assert done == Released("a/0", True)
+    assert (await env.redis.get(env.keys.episode("ep"))).endswith(" revoked")
+    assert await env.redis.zcard(env.keys.load("a/0")) == 1  # still the owner's
+    assert await env.claims.release("ep", a.token, "operator") == done  # idempotent
+    hit = await env.claims.resolve("ep")
+    assert (hit.status, hit.token) == ("hit", a.token)  # the owner still serves it
+    info = await env.claims.lookup("ep")
+    assert info is not None and info.revoked and not info.moved
+    renewal = await env.registry.renew("a", "", [("ep", a.token)])  # the owner let go
+    assert renewal is not None and renewal.revoked == []
+    assert (await env.redis.get(env.keys.episode("ep"))).endswith(" moved")
+    assert await env.redis.zcard(env.keys.load("a/0")) == 0
+    again = await env.claims.resolve("ep")
+    assert (again.status, again.previous) == ("reassigned", "a/0") and again.token > a.token
+    types = [f["type"] for _, f in await env.registry.events()]
+    assert types[-3:] == ["revoke", "release", "reassign"]
+    # the owner's lease lapsed: nobody serves it from memory, so it goes at once
+    b = await env.claims.resolve("other-node-gone")
+    await env.lapse("a")
+    assert await env.claims.release("other-node-gone", b.token, "operator") == Released(
+        "a/0", False
+    )
+    assert await env.redis.get(env.keys.episode("other-node-gone")) is None
 
 
 async def test_lookup_is_read_only(env: Env) -> None:
@@ -219,7 +253,7 @@ async def test_events_are_appended(env: Env) -> None:
     await env.node("a", 1)
     a = await env.claims.resolve("ep")
     await env.registry.drain("a/0", "why")
-    await env.claims.release("ep", a.token)
+    await env.claims.release("ep", a.token, owner=True)
     types = [f["type"] for _, f in await env.registry.events()]
     assert types == ["node-up", "claim", "drain", "release"]
 
@@ -352,9 +386,9 @@ async def test_deregister_hands_episodes_over(env: Env) -> None:
 
 async def test_renew_after_loss_asks_to_register(env: Env) -> None:
     await env.node("a", 1)
-    assert await env.registry.renew("a") is True
+    assert await env.registry.renew("a") is not None
     await env.redis.flushdb()
-    assert await env.registry.renew("a") is False
+    assert await env.registry.renew("a") is None
 
 
 async def test_only_if_guard(env: Env) -> None:
@@ -422,12 +456,12 @@ async def test_one_node_id_one_live_process(env: Env) -> None:
         with pytest.raises(NodeConflict):
             await call("a", "second")
     assert await env.snapshot() == before
-    assert await env.registry.renew("a", "first") is True
+    assert await env.registry.renew("a", "first") is not None
     await env.lapse("a")  # once the first one's lease lapsed, the id is free
     await env.registry.register("a", "http://a-second", devices, instance="second")
     with pytest.raises(NodeConflict):  # the first one must stop serving and exit
         await env.registry.renew("a", "first")
-    assert await env.registry.renew("a", "second") is True
+    assert await env.registry.renew("a", "second") is not None
 
 
 async def test_a_namespace_with_quotes_and_backslashes(env: Env) -> None:
@@ -442,7 +476,7 @@ async def test_a_namespace_with_quotes_and_backslashes(env: Env) -> None:
     assert (a.status, a.device) == ("claimed", "a/0")
     assert await env.redis.get(odd.keys.episode("ep")) == f"a/0 {a.token} {a.claim}"
     assert (await claims.resolve("ep")).status == "hit"
-    assert await claims.release("ep", a.token) == "a/0"
+    assert (await claims.release("ep", a.token, owner=True)).device == "a/0"
     assert await env.redis.keys("{affinity}:*") == [env.keys.fleet]  # the fixture's marker
 
 
@@ -545,7 +579,7 @@ async def test_a_resolve_that_never_claims_refuses_an_unknown_episode(env: Env) 
     a = await env.claims.resolve("known")
     again = await env.claims.resolve("known", claim=False)
     assert (again.status, again.token) == ("hit", a.token)
-    await env.claims.release("known", a.token)
+    await env.claims.release("known", a.token, owner=True)
     with pytest.raises(UnknownEpisode):
         await env.claims.resolve("known", claim=False)
 

@@ -273,23 +273,31 @@ def test_show(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_release(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """The owner (gpu-a or cpu-b) holds a live lease and may serve the episode from memory:
+    the release revokes it, and the owner lets go at its next renewal (said so); with no
+    live owner it is gone at once."""
     device, token = dep.placed["ep-2"]
+    owner = device.split("/")[0]
     code, out, err = cli(dep, capsys, "release", "ep-2")
     assert (code, err) == (0, "")
-    assert out == f"released ep-2 from {device} (token {token})\n"
-    assert dep.server.client().get(KEYS.episode("ep-2")) is None
-    assert cli(dep, capsys, "show", "ep-2")[0] == 1
+    assert out == (
+        f"released ep-2 from {device} (token {token}): its owner {owner} drops it at its next "
+        "lease renewal; its next step then starts afresh (state_reset)\n"
+    )
+    assert dep.server.client().get(KEYS.episode("ep-2")).endswith(" revoked")
+    code, out, _ = cli(dep, capsys, "show", "ep-2")
+    assert code == 0 and "revoked:  yes" in out
 
     code, out, _ = cli(dep, capsys, "events", "--count", "1", "--json")
     event = json.loads(out)
-    assert event["type"] == "release" and event["episode"] == "ep-2"
+    assert event["type"] == "revoke" and event["episode"] == "ep-2"
     assert (event["device"], event["token"], event["reason"]) == (device, token, "operator")
 
-    code, out, err = cli(dep, capsys, "release", "ep-2", "--json")
-    assert (code, out) == (1, "")
-    assert "ep-2" in err and err.count("\n") == 1
+    code, out, _ = cli(dep, capsys, "release", "ep-2", "--json")  # again: the same answer
+    assert code == 0 and json.loads(out)["pending_owner"] is True
 
     device3, token3 = dep.placed["ep-3"]
+    dep.server.client().zadd(KEYS.nodes, {device3.split("/")[0]: 1})  # its owner's lease lapsed
     code, out, _ = cli(dep, capsys, "--json", "release", "ep-3")
     assert code == 0
     assert json.loads(out) == {
@@ -297,7 +305,10 @@ def test_release(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
         "device": device3,
         "token": token3,
         "released": True,
+        "pending_owner": False,
     }
+    assert dep.server.client().get(KEYS.episode("ep-3")) is None
+    assert cli(dep, capsys, "show", "ep-3")[0] == 1
 
 
 # -- drain, undrain -------------------------------------------------------------------------

@@ -235,7 +235,7 @@ async def _steps() -> list[dict[str, list[int]]]:
 
         await d.step("n/0", "e", 1, True, feed("e"))  # a fresh claim: start
         await d.step("n/0", "e", 1, False, feed("e"))  # its next step
-        d.release("e")  # the state is gone: the next step is a reset
+        d.table.release("e", "end")  # the state is gone: the next step is a reset
         await d.step("n/0", "e", 1, False, feed("e"))
         return sessions["n/0"].runs
     finally:

@@ -22,6 +22,7 @@ from node.binding import BoundSession
 from node.chunks import ActionBuffer, ChunkMode, ChunkSpec, find_chunk
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import DeviceDown, ModelFailure, MultiGpuDispatcher
+from node.episodes import NotKept
 from node.policy import DEMO_MODEL, PolicyContract, TensorSpec, load_contract, reference_rollout
 from node.providers import ProviderSettings, build_session
 
@@ -108,6 +109,11 @@ async def started(session: FakeSession) -> None:
 
 def obs(x: float) -> dict[str, np.ndarray]:
     return {"obs": np.array([[x, 0]], np.float32)}
+
+
+def episodes(d: MultiGpuDispatcher) -> list[tuple[str, int, str]]:
+    """(episode, token, device) of every record held."""
+    return [(ep, r.token, r.device) for ep, r in d.table.records()]
 
 
 def make(
@@ -328,16 +334,16 @@ async def test_moving_episode_between_devices() -> None:
 
 async def test_release_expire_drop() -> None:
     clock = Clock()
-    d, _, _ = make(2, clock=clock, idle_ttl_s=10)
+    d, _, _ = make(2, clock=clock)
     await d.step("n/0", "a", 1, True, obs(1))
     await d.step("n/1", "b", 2, True, obs(1))
-    assert d.release("a") and not d.release("a")
+    assert d.table.release("a", "end") and not d.table.release("a", "end")
     clock.t += 5
     await d.step("n/0", "c", 3, True, obs(1))
     clock.t += 6
-    assert len(d.expire_idle()) == 1  # b idle 11s, c idle 6s
-    assert not d.has_state("b") and d.has_state("c")
-    assert d.drop_all() == 1 and d.live_episodes("n/0") == 0
+    assert len(d.table.expire_idle(10)) == 1  # b idle 11s, c idle 6s
+    assert d.table.get("b") is None and d.table.get("c") is not None
+    assert d.table.drop_all("fenced") == 1 and d.live_episodes("n/0") == 0
 
 
 async def test_crash_tracker_down_probe_up() -> None:
@@ -353,7 +359,7 @@ async def test_crash_tracker_down_probe_up() -> None:
     with pytest.raises(DeviceDown):
         await d.step("n/0", "ep", 1, False, obs(1))
     # the failed runs did not advance the state
-    assert d.token_of("ep") == 1
+    assert d.table.get("ep").token == 1
     assert await d.probe() == []  # cool-down not over
     clock.t += 31
     assert await d.probe() == ["n/0"]
@@ -380,7 +386,7 @@ async def test_failed_probe_restarts_cooldown() -> None:
 async def test_stateless_run_keeps_nothing() -> None:
     d, _, _ = make(1)
     out = await d.run_stateless("n/0", obs(4))
-    assert out["act"].item() == 4.0 and not d.has_state("") and d.live_episodes("n/0") == 0
+    assert out["act"].item() == 4.0 and d.table.get("") is None and d.live_episodes("n/0") == 0
 
 
 async def test_a_step_whose_caller_gave_up_keeps_nothing() -> None:
@@ -401,19 +407,24 @@ async def test_a_step_whose_caller_gave_up_keeps_nothing() -> None:
     r = await d.step("n/0", "ep", 1, False, obs(2))
     assert r.outputs["act"].item() == 3.0 and not r.state_reset  # h = 1 + 2, not 1 + 2 + 2
     assert s.calls == calls + 1, "the queued step of a cancelled request never ran"
-    assert not d.has_state("other")
+    assert d.table.get("other") is None
 
 
-async def test_drop_all_during_a_run_keeps_nothing() -> None:
+async def test_drop_all_during_a_run_keeps_nothing_and_answers_nothing() -> None:
+    """The node fenced itself (or registered anew) while the model ran: the step's result
+    is kept nowhere, so it is not answered either (NotKept: 503 at the owner)."""
     d, sessions, _ = make(1)
     gate = threading.Event()
     sessions["n/0"].gate = gate
     step = asyncio.ensure_future(d.step("n/0", "ep", 1, True, obs(1)))
     await started(sessions["n/0"])
-    d.drop_all()  # the node fenced itself while the model ran
+    d.table.drop_all("fenced")  # the node fenced itself while the model ran
     gate.set()
-    await step
-    assert not d.has_state("ep")
+    with pytest.raises(NotKept):
+        await step
+    assert d.table.get("ep") is None
+    with pytest.raises(NotKept):  # a step that began before the drop never runs
+        await d.step("n/0", "ep", 1, True, obs(1), generation=d.table.generation - 1)
 
 
 async def test_a_run_that_outlives_its_deadline_counts_as_a_failure() -> None:
@@ -434,21 +445,21 @@ async def test_a_run_that_outlives_its_deadline_counts_as_a_failure() -> None:
 async def test_in_flight_and_wait_idle_follow_the_episodes_steps() -> None:
     d, sessions, _ = make(1)
     s = sessions["n/0"]
-    assert not d.in_flight("ep")
-    await asyncio.wait_for(d.wait_idle("ep"), 5)  # nothing in flight: returns at once
+    assert not d.table.in_flight("ep")
+    await asyncio.wait_for(d.table.wait_idle("ep"), 5)  # nothing in flight: returns at once
     gate = threading.Event()
     s.gate = gate
     step = asyncio.ensure_future(d.step("n/0", "ep", 1, True, obs(1)))
     await started(s)
-    assert d.in_flight("ep") and not d.in_flight("other")
-    idle = asyncio.ensure_future(d.wait_idle("ep"))
+    assert d.table.in_flight("ep") and not d.table.in_flight("other")
+    idle = asyncio.ensure_future(d.table.wait_idle("ep"))
     await asyncio.sleep(0)
     assert not idle.done(), "wait_idle returned while the step was running"
     gate.set()
     await asyncio.wait_for(idle, 5)
     assert step.done() and step.result().seq == 1, "idle before the step's reply"
-    assert not d.in_flight("ep")
-    assert d.episodes() == [("ep", 1, "n/0")]
+    assert not d.table.in_flight("ep")
+    assert episodes(d) == [("ep", 1, "n/0")]
 
 
 async def test_a_cancelled_step_is_not_in_flight() -> None:
@@ -460,13 +471,13 @@ async def test_a_cancelled_step_is_not_in_flight() -> None:
     await started(s)
     queued = asyncio.ensure_future(d.step("n/0", "b", 2, True, obs(1)))
     await asyncio.sleep(0)
-    assert d.in_flight("b")
+    assert d.table.in_flight("b")
     queued.cancel()
-    await asyncio.wait_for(d.wait_idle("b"), 5)  # the blocked run does not hold it
-    assert not d.in_flight("b") and d.in_flight("a")
+    await asyncio.wait_for(d.table.wait_idle("b"), 5)  # the blocked run does not hold it
+    assert not d.table.in_flight("b") and d.table.in_flight("a")
     gate.set()
     await blocker
-    assert sorted(d.episodes()) == [("a", 1, "n/0")]
+    assert sorted(episodes(d)) == [("a", 1, "n/0")]
 
 
 async def test_episodes_lists_state_held_here() -> None:
@@ -474,9 +485,9 @@ async def test_episodes_lists_state_held_here() -> None:
     await d.step("n/0", "a", 5, True, obs(1))
     await d.step("n/1", "b", 6, True, obs(1))
     await d.step("n/1", "a", 7, False, obs(1))  # a moved with a new token
-    assert sorted(d.episodes()) == [("a", 7, "n/1"), ("b", 6, "n/1")]
-    d.release("a")
-    assert d.episodes() == [("b", 6, "n/1")]
+    assert sorted(episodes(d)) == [("a", 7, "n/1"), ("b", 6, "n/1")]
+    d.table.release("a", "end")
+    assert episodes(d) == [("b", 6, "n/1")]
 
 
 # ---- batching ---------------------------------------------------------------------------
@@ -556,7 +567,7 @@ async def test_waiting_steps_of_different_episodes_run_as_one_batch() -> None:
     assert s.runs == [[100.0], [1.0, 2.0, 3.0, 4.0, 5.0]]
     assert [r.outputs["act"].item() for r in results[1:]] == [1.0, 2.0, 3.0, 4.0, 5.0]
     assert all(r.outputs["act"].shape == (1, 1) and r.seq == 1 for r in results[1:])
-    assert [d.state_of(f"e{i}")["state_in.h"].item() for i in range(1, 6)] == [1, 2, 3, 4, 5]
+    assert [d.table.state_of(f"e{i}")["state_in.h"].item() for i in range(1, 6)] == [1, 2, 3, 4, 5]
 
 
 async def test_an_episode_has_one_step_per_run_and_its_steps_keep_their_order() -> None:
@@ -597,7 +608,7 @@ async def test_a_failed_batch_is_rerun_one_by_one_and_only_the_bad_step_fails() 
     assert isinstance(bad, ModelFailure)
     assert [r.outputs["act"].item() for r in (a, b, c)] == [1.0, 2.0, 3.0]
     assert d.tracker("n/0").failures == 0, "the good steps after the bad one reset the count"
-    assert transitions == [] and not d.has_state("bad")
+    assert transitions == [] and d.table.get("bad") is None
     # the failed batch did not count: one bad step alone counts once
     s.gate = None
     with pytest.raises(ModelFailure):
@@ -630,7 +641,7 @@ async def test_a_step_whose_caller_gave_up_is_left_out_of_the_batch() -> None:
     gate.set()
     await settled([blocker, *tasks])
     assert s.runs[1] == [1.0, 3.0]
-    assert not d.has_state("gone") and not d.in_flight("gone")
+    assert d.table.get("gone") is None and not d.table.in_flight("gone")
 
 
 async def test_a_step_cancelled_during_a_batched_run_keeps_nothing_and_counts_once() -> None:
@@ -649,7 +660,7 @@ async def test_a_step_cancelled_during_a_batched_run_keeps_nothing_and_counts_on
     results = await settled(tasks)
     assert isinstance(results[0], asyncio.CancelledError) and results[2].seq == 1
     assert s.runs[-1] == [1.0, 2.0, 3.0]
-    assert not d.has_state("a") and not d.has_state("b") and d.has_state("c")
+    assert d.table.get("a") is None and d.table.get("b") is None and d.table.get("c") is not None
     assert transitions == [], "one hung run counts one failure, not one per step"
     assert d.tracker("n/0").failures == 0  # ... and the run's success reset it
 
@@ -677,7 +688,7 @@ async def test_runs_are_padded_to_the_sessions_batch_sizes() -> None:
     assert s.runs[1:] == [[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 5.0]]
     assert [r.outputs["act"].item() for r in results[1:]] == [1, 2, 3, 4, 5, 6, 7]
     assert all(r.outputs["act"].shape == (1, 1) for r in results[1:])
-    assert d.state_of("e5")["state_in.h"].shape == (1, 1)
+    assert d.table.state_of("e5")["state_in.h"].shape == (1, 1)
 
 
 async def test_warm_up_runs_every_batch_size_on_each_devices_worker() -> None:
@@ -824,7 +835,7 @@ def test_batched_steps_equal_one_at_a_time(batched_demo: Any, order: list[int]) 
             assert r.seq == k + 1 and not r.state_reset
         for e in range(EPISODES):
             np.testing.assert_allclose(
-                d.state_of(f"ep{e}")["state_in.hidden"],
+                d.table.state_of(f"ep{e}")["state_in.hidden"],
                 reference[e][-1]["state_out.hidden"],
                 rtol=1e-5,
                 atol=1e-6,
@@ -1000,7 +1011,7 @@ async def test_chunk_execution_equals_the_numpy_reference(
             np.testing.assert_allclose(reply.outputs["actions"][0], action, rtol=1e-6, atol=1e-7)
             assert (reply.source, reply.seq, reply.state_reset) == (source, t + 1, False)
         # the recurrent state advanced once per model run, never for a buffered step
-        assert d.state_of(f"ep{e}")["state_in.h"].item() == runs
+        assert d.table.state_of(f"ep{e}")["state_in.h"].item() == runs
     assert sum(map(len, sessions["n/0"].runs)) == episodes * runs, "a buffered step ran"
 
 
@@ -1039,7 +1050,7 @@ async def test_a_bad_override_is_refused_and_changes_nothing(
     with pytest.raises(InvalidArgument) as raised:
         await d.step("n/0", "e", 1, False, obs(0), **overrides)
     assert raised.value.field == field
-    assert sessions["n/0"].calls == 1 and not d.in_flight("e")
+    assert sessions["n/0"].calls == 1 and not d.table.in_flight("e")
     r = await d.step("n/0", "e", 1, False, obs(0))
     assert (r.source, r.seq) == ("buffer", 2), "the refused step changed the buffer"
 
@@ -1049,7 +1060,7 @@ async def test_chunk_execution_needs_a_chunk_output() -> None:
     assert d.chunk is None
     with pytest.raises(InvalidArgument, match="no action-chunk output"):
         await d.step("n/0", "e", 1, True, obs(0), execute_steps=1)
-    assert not d.has_state("e")
+    assert d.table.get("e") is None
     with pytest.raises(ValueError, match="no action-chunk output"):
         make(1, BATCHED, execute_steps=2)
     with pytest.raises(ValueError, match="execute_steps"):
@@ -1078,20 +1089,18 @@ def test_the_chunk_spec_follows_the_contract() -> None:
 
 async def test_the_buffer_is_dropped_with_the_episodes_state() -> None:
     clock = Clock()
-    d, sessions, _ = make(
-        1, CHUNKED, session=ChunkSession, execute_steps=H, clock=clock, idle_ttl_s=10
-    )
+    d, sessions, _ = make(1, CHUNKED, session=ChunkSession, execute_steps=H, clock=clock)
 
     def expire() -> None:
         clock.t += 11
-        assert len(d.expire_idle()) == 1
+        assert len(d.table.expire_idle(10)) == 1
 
     await d.step("n/0", "e", 1, True, obs(0))
     # a new token (reassigned): fresh state and buffer, reported
     r = await d.step("n/0", "e", 2, False, obs(0))
     assert (r.source, r.state_reset, r.seq) == ("model", True, 1)
     np.testing.assert_array_equal(r.outputs["actions"][0], recorded_chunk(0, 0)[0])
-    for drop in (lambda: d.release("e"), d.drop_all, expire):
+    for drop in (lambda: d.table.release("e", "end"), lambda: d.table.drop_all("fenced"), expire):
         drop()
         r = await d.step("n/0", "e", 2, False, obs(0))
         assert (r.source, r.state_reset, r.seq) == ("model", True, 1)
@@ -1183,4 +1192,4 @@ async def test_stateless_runs_batch_with_each_other_and_with_steps() -> None:
     results = await settled([blocker, *tasks])
     assert s.runs[1:] == [[1.0, 2.0, 3.0, 4.0]]
     assert [r["act"].item() for r in (results[1], results[2], results[4])] == [1.0, 2.0, 4.0]
-    assert d.episodes() == [("blocker", 99, "n/0"), ("a", 1, "n/0")]
+    assert episodes(d) == [("blocker", 99, "n/0"), ("a", 1, "n/0")]

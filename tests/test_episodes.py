@@ -15,9 +15,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from node.dispatcher import ForwardCancelled, SeqConflict
-from node.episodes import Episode, admit, undone
-from tests.test_dispatcher import CHUNKED, ChunkSession, H, make, obs, recorded_chunk
+from node.episodes import (
+    Apply,
+    ClaimEnded,
+    Episode,
+    ForwardCancelled,
+    NotKept,
+    SeqConflict,
+    admit,
+    undone,
+)
+from tests.test_dispatcher import CHUNKED, ChunkSession, H, make, obs, recorded_chunk, started
 
 pytestmark = pytest.mark.anyio
 
@@ -136,8 +144,8 @@ async def test_undoing_the_step_on_top_of_one_in_doubt_keeps_the_doubt() -> None
 
 async def test_buffered_steps_are_numbered_replayed_and_undone() -> None:
     d, _, _ = make(1, CHUNKED, session=ChunkSession, execute_steps=H)
-    m = await d.step("n/0", "ep", 7, True, obs(0), seq=1)
-    b = await d.step("n/0", "ep", 7, False, obs(0), seq=2)
+    m = await d.step("n/0", "ep", 7, True, obs(0))
+    b = await d.step("n/0", "ep", 7, False, obs(0))
     assert (m.source, b.source, b.seq) == ("model", "buffer", 2)
     assert d.undo("ep", 2)  # its reply was lost: undone, buffer included
     again = await d.step("n/0", "ep", 7, False, obs(0), seq=2)
@@ -145,18 +153,117 @@ async def test_buffered_steps_are_numbered_replayed_and_undone() -> None:
     np.testing.assert_array_equal(again.outputs["actions"][0], recorded_chunk(0, 0)[1])
     replay = await d.step("n/0", "ep", 7, False, obs(0), seq=2)
     assert replay.replayed and np.array_equal(replay.outputs["actions"], b.outputs["actions"])
-    assert not d.undo("ep", 2), "a step whose reply a retry got is not undone"
+    assert not d.undo("ep", 2), "a step that named its seq is held for the retry, never undone"
+
+
+async def test_a_step_that_named_its_seq_is_held_for_the_retry_and_never_undone() -> None:
+    """The caller of step 2 went away while it ran (its client's timeout): the step runs on
+    and keeps its result; the retry, the same request, gets the run under way or its
+    stored reply without a second run; a different request under seq 2 is a conflict."""
+    d, sessions, _ = make(1)
+    await d.step("n/0", "ep", 7, True, obs(1), seq=1)
+    gate = threading.Event()
+    sessions["n/0"].gate = gate
+    first = asyncio.ensure_future(d.step("n/0", "ep", 7, False, obs(2), seq=2))
+    await started(sessions["n/0"])
+    first.cancel()  # the caller left while its step ran
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert d.table.in_flight("ep"), "a held step still counts until it is done"
+    retry = asyncio.ensure_future(d.step("n/0", "ep", 7, False, obs(2), seq=2))
+    await asyncio.sleep(0.01)
+    assert not retry.done()  # it waits for the run under way
+    runs = sessions["n/0"].calls
+    gate.set()
+    got = await retry
+    assert got.replayed and (got.seq, act(got)) == (2, 3.0)
+    assert sessions["n/0"].calls == runs, "the retry ran no model: it got the first run's reply"
+    await d.table.wait_idle("ep")
+    assert not d.undo("ep", 2)
+    with pytest.raises(SeqConflict, match="other inputs"):
+        await d.step("n/0", "ep", 7, False, obs(9), seq=2)
+    nxt = await d.step("n/0", "ep", 7, False, obs(4), seq=3)
+    assert (nxt.seq, act(nxt), nxt.state_reset) == (3, 7.0, False)
+
+
+async def test_a_step_queued_behind_the_end_of_its_claim_never_recreates_it() -> None:
+    """The owner ends the episode (a client's end, an operator's revocation, a lost claim)
+    while a step of that claim waits in the device's queue: the step is refused
+    (ClaimEnded, nothing applied) instead of re-creating the record under the ended claim;
+    a new claim of the episode starts clean."""
+    d, sessions, _ = make(1)
+    await d.step("n/0", "ep", 7, True, obs(1), claim="c1")
+    gate = threading.Event()
+    sessions["n/0"].gate = gate
+    blocker = asyncio.ensure_future(d.step("n/0", "other", 8, True, obs(1), claim="c9"))
+    await started(sessions["n/0"])
+    queued = asyncio.ensure_future(d.step("n/0", "ep", 7, False, obs(2), claim="c1"))
+    await asyncio.sleep(0.01)
+    assert d.table.release("ep", "end") is not None
+    gate.set()
+    await blocker
+    with pytest.raises(ClaimEnded):
+        await queued
+    assert d.table.get("ep") is None
+    with pytest.raises(ClaimEnded):  # and any later step of that claim
+        await d.step("n/0", "ep", 7, False, obs(2), claim="c1")
+    fresh = await d.step("n/0", "ep", 9, True, obs(5), claim="c2")
+    assert (fresh.seq, fresh.state_reset, act(fresh)) == (1, False, 5.0)
+
+
+async def test_a_claim_ended_while_its_step_ran_keeps_nothing() -> None:
+    d, sessions, _ = make(1)
+    gate = threading.Event()
+    sessions["n/0"].gate = gate
+    step = asyncio.ensure_future(d.step("n/0", "ep", 7, True, obs(1), claim="c1"))
+    await started(sessions["n/0"])
+    d.table.release("ep", "revoked", 7)  # nothing held yet: that claim's step keeps nothing
+    gate.set()
+    with pytest.raises((ClaimEnded, NotKept)):
+        await step
+    assert d.table.get("ep") is None
+
+
+async def test_a_node_that_dropped_an_episode_says_state_reset_when_it_starts_it_again() -> None:
+    """Dropped here for any reason but its client's end (idle, lost, revoked, fenced): the
+    episode's next claim here starts clean and says so, echo or not; after a client's end
+    the next claim is a new episode."""
+    for reason, reset in (("idle", True), ("lost", True), ("fenced", True), ("end", False)):
+        d, _, _ = make(1)
+        await d.step("n/0", "ep", 7, True, obs(1), claim="c1")
+        if reason == "fenced":
+            d.table.drop_all("fenced")
+        else:
+            d.table.release("ep", reason)  # type: ignore[arg-type]
+        again = await d.step("n/0", "ep", 9, True, obs(1), claim="c2")
+        assert (again.seq, again.state_reset) == (1, reset), reason
+        after = await d.step("n/0", "ep", 9, False, obs(1), claim="c2")
+        assert not after.state_reset, "said once"
+        d.close()
+
+
+async def test_a_reset_whose_reply_was_lost_is_said_again_by_the_retry() -> None:
+    """A first step that said state_reset and was undone (its reply never reached the
+    client): the retry must say it again, or the client never learns of the reset."""
+    d, _, _ = make(1)
+    lost = await d.step("n/0", "ep", 7, False, obs(1))  # not fresh, nothing held: a reset
+    assert lost.state_reset and d.undo("ep", lost.seq)
+    retry = await d.step("n/0", "ep", 7, False, obs(1))
+    assert (retry.seq, retry.state_reset) == (1, True)
 
 
 def test_admit_and_undone_rules() -> None:
     rec = Episode("n/0", 7, "c1", {}, 0.0, 3, None)
-    assert admit("ep", rec, "n/0", 7, "c1", False, 4)[:2] == ("apply", rec)
+    assert admit("ep", rec, "n/0", 7, "c1", False, 4) == Apply(rec, False)
     with pytest.raises(SeqConflict):
         admit("ep", rec, "n/0", 7, "c1", False, 3)  # no stored reply to replay
     # another claim id under the same token number is a new claim: clean state, a reset
-    assert admit("ep", rec, "n/0", 7, "c2", False, None) == ("apply", None, True)
-    assert admit("ep", rec, "n/0", 7, "c2", False, 1) == ("apply", None, False)
-    assert admit("ep", None, "n/0", 7, "c1", True, None) == ("apply", None, False)
+    assert admit("ep", rec, "n/0", 7, "c2", False, None) == Apply(None, True)
+    assert admit("ep", rec, "n/0", 7, "c2", False, 1) == Apply(None, False)
+    assert admit("ep", None, "n/0", 7, "c1", True, None) == Apply(None, False)
+    assert admit("ep", None, "n/0", 7, "c1", True, None, dropped=True) == Apply(None, True)
+    with pytest.raises(ClaimEnded):  # an older claim's step never replaces a newer record
+        admit("ep", rec, "n/0", 6, "c0", False, None)
     assert undone(rec, 2, None) is rec and rec.doubt
     assert undone(rec, 5, None) is None
 
@@ -183,8 +290,9 @@ async def test_random_interleavings_apply_every_step_once(
 ) -> None:
     """Each client step (an observation x) is tried until delivered: an attempt is
     delivered; lost and undone (the reply never reached a live caller: router deadline,
-    closed connection, failed send, a router that gave up); cancelled while the model runs
-    (a deadline or a close that lands mid-run, e.g. an owner paused with the step queued);
+    closed connection, failed send, a router that gave up; one that named its seq is held
+    instead, its retry replayed); cancelled while the model runs (a deadline or a close
+    that lands mid-run, e.g. an owner paused with the step queued; held too, with seq);
     lost where nobody can know (applied, reply gone: only a client with seq can be served
     exactly once); or delivered twice (a duplicate retry with the same seq). The fake
     model's state is the sum of the observations it applied: the client's view must equal
@@ -214,12 +322,17 @@ async def test_random_interleavings_apply_every_step_once(
                     with contextlib.suppress(asyncio.CancelledError):
                         await running
                     del session.hold[float(x)]
-                    await d.wait_idle("ep")
+                    await d.table.wait_idle("ep")
+                    fresh = fresh and not with_seq
+                    unseen = with_seq  # held for the retry: it ran to the end and applied
                     continue
                 r = await d.step("n/0", "ep", 7, fresh, obs(x), seq=sent)
                 fresh = False
                 if outcome == "lost_undone":
-                    if not r.replayed:  # a front door never undoes a replay
+                    if with_seq:  # a step that named its seq is held, never undone
+                        assert not d.undo("ep", r.seq)
+                        unseen = True
+                    elif not r.replayed:  # a front door never undoes a replay
                         assert d.undo("ep", r.seq)
                     continue
                 if outcome == "lost_unknown":
@@ -232,7 +345,7 @@ async def test_random_interleavings_apply_every_step_once(
                 seq = r.seq
                 assert act(r) == reference and not r.state_reset
                 break
-        assert d.state_of("ep") == {"state_in.h": np.array([[reference]], np.float32)}
+        assert d.table.state_of("ep") == {"state_in.h": np.array([[reference]], np.float32)}
     finally:
         d.close()
 
@@ -251,5 +364,5 @@ async def test_a_client_leaving_mid_run_is_not_a_hung_device() -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await running  # cancelled while the run is still held on the worker
         gate.set()
-        await d.wait_idle("ep")
-        assert bool(transitions) is counted and not d.has_state("ep")
+        await d.table.wait_idle("ep")
+        assert bool(transitions) is counted and d.table.get("ep") is None

@@ -91,9 +91,9 @@ async def test_a_reissued_token_number_with_another_claim_id_starts_clean(redis:
         device, token, _claim = (await redis.get(KEYS.episode("ep"))).split(" ")[:3]
         # the lost claim's successor: the same token number, a claim id the owner never saw
         await redis.set(KEYS.episode("ep"), f"{device} {token} 0123456789abcdef", px=60_000)
-        m = a.service.membership  # the owner learns it at its next slide of the episode
-        m.ownership._slid.clear()
-        await m.ownership.flush(m.instance, m.registered)
+        o = a.service.owner  # the owner learns it at its next slide of the episode
+        o._slid.clear()
+        await o.flush()
         r = (await a.act(episode_id="ep", inputs={"obs": obs[2].tolist()})).json()
         assert (r["routing"], r["token"]) == ("hit", r1["token"])
         assert r["state_reset"] is True and r["source"] == "model" and r["seq"] == 1
@@ -113,11 +113,11 @@ async def test_a_registration_held_by_another_instance_stops_serving_at_once(
     async with cluster(redis, [config("a")]) as ([a], _):
         await a.act(episode_id="ep", inputs={"obs": obs[0].tolist()})
         stopped = threading.Event()
-        a.service.membership.on_conflict = stopped.set
+        a.service.lease.on_conflict = stopped.set
         await redis.hset(KEYS.node("a"), "instance", "another-process")
         r = await a.act(episode_id="other", inputs={"obs": obs[1].tolist()})
         assert r.status_code == 503 and r.json()["error"]["code"] == "fenced"
-        assert stopped.is_set() and not a.service.dispatcher.has_state("ep")
+        assert stopped.is_set() and a.service.table.get("ep") is None
 
 
 async def test_a_client_that_leaves_while_its_step_runs_gets_it_undone(redis: Any) -> None:
@@ -228,7 +228,7 @@ async def test_a_servers_connection_probe_decides_without_reading_the_connection
 
 
 async def test_the_step_time_limit_raises_timeout_and_lets_other_cancels_through() -> None:
-    from node.routing import _TimeLimit
+    from node.step import TimeLimit as _TimeLimit
 
     with pytest.raises(TimeoutError), _TimeLimit(0.01):
         await asyncio.sleep(30)
@@ -332,17 +332,17 @@ async def test_random_interleavings_through_two_nodes_match_the_reference(
                 for entry, outcome in [*tries, (0, "delivered")]:
                     service = nodes[entry].service
                     sent = seq + 1 if with_seq else None
-                    reply = await service.routing.act(
+                    reply = await service.router.act(
                         Step("ep", {"obs": x}, service.clock() + 10, seq=sent)
                     )
                     if outcome == "undelivered":
-                        await service.routing.undelivered(reply)
+                        await service.router.undelivered(reply)
                         continue
                     if outcome == "lost_unknown":
                         continue
                     if outcome == "duplicate":
                         other = nodes[1 - entry].service
-                        dup = await other.routing.act(
+                        dup = await other.router.act(
                             Step("ep", {"obs": x}, other.clock() + 10, seq=reply.seq)
                         )
                         assert dup.replayed and dup.seq == reply.seq
@@ -360,7 +360,7 @@ async def test_a_replay_that_reaches_nobody_undoes_nothing(redis: Any) -> None:
     connection is closed, but the step was delivered by the retry and must stay applied."""
     obs = observations(8, 2)
     async with cluster(redis, [config("a")]) as ([a], _):
-        routing = a.service.routing
+        routing = a.service.router
         first = await routing.act(Step("ep", {"obs": obs[0]}, a.service.clock() + 10, seq=1))
         late = await routing.act(Step("ep", {"obs": obs[0]}, a.service.clock() + 10, seq=1))
         assert late.replayed

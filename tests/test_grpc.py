@@ -394,13 +394,13 @@ async def test_a_grpc_deadline_shortens_the_step_and_each_step_writes_an_access_
         access = AccessLog(stream=io.StringIO())
         door = GrpcFrontDoor(service, access)
         budgets: list[float] = []
-        act = service.routing.act
+        act = service.router.act
 
         async def measured(step: Any) -> Any:
             budgets.append(step.deadline - time.monotonic())
             return await act(step)
 
-        monkeypatch.setattr(service.routing, "act", measured)
+        monkeypatch.setattr(service.router, "act", measured)
         msg = message([1, 8], [observations(1, 1)[0].tobytes()])
         msg.model_name = door.model_name
         msg.parameters["sequence_id"].string_param = "robot-7"
@@ -441,17 +441,17 @@ async def test_a_step_whose_call_was_cancelled_while_it_ran_is_undone() -> None:
         for i in range(2):  # (the second runs inline: the first gave the device its average)
             await door.infer(msg(i), _Context(None), "ModelInfer")
         cancelled = _Context(None)
-        act = service.routing.act
+        act = service.router.act
 
         async def cancelled_meanwhile(step: Any) -> Any:
             reply = await act(step)
             cancelled.gone = True
             return reply
 
-        service.routing.act = cancelled_meanwhile  # type: ignore[method-assign]
+        service.router.act = cancelled_meanwhile  # type: ignore[method-assign]
         with pytest.raises(asyncio.CancelledError):
             await door.infer(msg(2), cancelled, "ModelInfer")
-        service.routing.act = act  # type: ignore[method-assign]
+        service.router.act = act  # type: ignore[method-assign]
         reply = await door.infer(msg(3), _Context(None), "ModelInfer")
     want = reference_rollout(DEMO_MODEL, [obs[0], obs[1], obs[3]])[-1]["actions"]
     got = np.frombuffer(reply.raw_output_contents[0], np.float32).reshape(want.shape)

@@ -306,13 +306,13 @@ async def test_health_metadata_and_kserve_errors(node: InProcNode) -> None:
         assert r.status_code == status, (path, r.text)
         error = r.json()["error"]
         assert isinstance(error, str) and text in error, (path, error)
-    node.service.membership.leaving = True
+    node.service.lease.leaving = True
     try:
         r = await c.get("/v2/health/ready")
         assert r.status_code == 400 and "shutting down" in r.json()["error"]
         assert (await c.get(f"/v2/models/{MODEL}/ready")).status_code == 400
     finally:
-        node.service.membership.leaving = False
+        node.service.lease.leaving = False
 
 
 @pytest.mark.anyio
@@ -337,7 +337,7 @@ async def test_a_sequence_matches_the_reference_and_ends(node: InProcNode, redis
             assert value.startswith(f"{facts['device']} {facts['token']} ")
     assert len(devices) == 1 and len(tokens) == 1
     assert await redis.get(KEYS.episode("kserve:i:41")) is None  # sequence_end released it
-    assert not node.service.dispatcher.has_state("kserve:i:41")
+    assert node.service.table.get("kserve:i:41") is None
     r = await infer(node, obs[0], sequence_id=41)
     assert r.status_code == 400 and "must specify the START flag" in r.json()["error"]
 
@@ -401,13 +401,18 @@ async def test_a_sequence_released_behind_the_owners_back_is_not_silently_restar
     r = await infer(node, obs[0], sequence_id=77, sequence_start=True)
     facts = result_of(r).get_response()["parameters"]
     await node.service.claims.release("kserve:i:77", facts["token"], reason="operator")
-    assert node.service.dispatcher.has_state("kserve:i:77")  # the owner still holds state
-    # an operator's release reaches the owner at its next slide of the episode (issue 22)
-    m = node.service.membership
-    m.ownership._slid.clear()
-    await m.ownership.flush(m.instance, m.registered)
+    assert node.service.table.get("kserve:i:77") is not None  # the owner still holds state
+    # an operator's release reaches the owner at its next renewal; until then it serves on
+    o = node.service.owner
+    o._slid.clear()
+    await o.flush()
     r = await infer(node, obs[1], sequence_id=77)
-    assert r.status_code == 400 and "START flag" in r.json()["error"]
+    assert r.status_code == 200 and result_of(r).get_response()["parameters"]["seq"] == 2
+    await node.service.lease.renew_once()  # the owner lets go: the sequence starts afresh
+    assert node.service.table.get("kserve:i:77") is None
+    r = await infer(node, obs[1], sequence_id=77)
+    facts = result_of(r).get_response()["parameters"]
+    assert (facts["routing"], facts["state_reset"], facts["seq"]) == ("reassigned", True, 1)
 
 
 @pytest.mark.anyio
@@ -442,13 +447,13 @@ async def test_a_step_racing_its_sequences_end_never_starts_a_new_sequence(
 
     async def end_lands_first(episode: str, **kw: Any) -> Any:
         token = result_of(r).get_response()["parameters"]["token"]
-        await claims.release(episode, token)  # the END's release, just before
+        await claims.release(episode, token, owner=True)  # the END's release, just before
         return await resolve(episode, **kw)
 
     monkeypatch.setattr(claims, "resolve", end_lands_first)
     # the step takes the resolve path (as at a router, or before the owner's first flush):
     # at the owner an END drops the record before its release, so no step is served from it
-    node.service.membership.ownership.flushed_at = float("-inf")
+    node.service.owner.flushed_at = float("-inf")
     plain = await infer(node, obs[1], sequence_id=77)
     assert plain.status_code == 400, plain.text
     assert "must specify the START flag" in plain.json()["error"]

@@ -20,7 +20,7 @@ from node.catalog import file_version
 from node.metrics import BUILD, LABELS
 from node.policy import DEMO_MODEL
 from node.providers import ProviderSettings, build_session
-from tests.inproc import InProcNode, cluster, config
+from tests.inproc import InProcNode, claim_of, cluster, config
 
 pytestmark = pytest.mark.anyio
 KEYS = Keys()
@@ -102,25 +102,24 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         sa = a.service
         # the owner drops: revoked (an operator's release), lost (Redis no longer holds it),
         # idle (its idle timeout)
-        om = sa.membership
+        om = sa.owner
         own = {
             n: (await episode_on(a, a, f"own-{n}"))["episode_id"] for n in ("rev", "gone", "idle")
         }
-        await om.ownership.flush(om.instance, om.registered)
-        rev = sa.dispatcher.claim_of(own["rev"])
+        await om.flush()
+        rev = claim_of(sa, own["rev"])
         assert rev is not None
         await sa.claims.release(own["rev"], rev[1], "operator")
-        await om.renew_once()
-        assert sa.dispatcher.claim_of(own["rev"]) is None
+        await sa.lease.renew_once()
+        assert claim_of(sa, own["rev"]) is None
         await redis.delete(KEYS.episode(own["gone"]))
-        om.ownership._slid.clear()  # (a failover, seen by its run_id, does this)
-        await om.ownership.flush(om.instance, om.registered)
-        assert sa.dispatcher.claim_of(own["gone"]) is None
-        for d in sa.dispatcher.by_model.values():
-            for record in d._states.values():
-                record.last_used -= 10_000  # every record idle past the timeout
-        await om.ownership.flush(om.instance, om.registered)
-        assert sa.dispatcher.claim_of(own["idle"]) is None
+        om._slid.clear()  # (a failover, seen by its run_id, does this)
+        await om.flush()
+        assert claim_of(sa, own["gone"]) is None
+        for _, record in sa.table.records():
+            record.last_used -= 10_000  # every record idle past the timeout
+        await om.flush()
+        assert claim_of(sa, own["idle"]) is None
         seen += await scrape(a)
         # routing: claimed, hit, stateless, degraded; forwarded ok
         on_b = await episode_on(b, a, "fwd")
@@ -128,10 +127,10 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         await a.act(inputs=OBS)
         await a.act(session_id="sess", inputs=OBS)
         # forwarded refused: the owner answers 503 (its lease is not current), passed on
-        b.service.membership.lease_deadline = b.service.clock() - 1
+        b.service.lease.deadline = b.service.clock() - 1
         r = await a.act(episode_id=on_b["episode_id"], inputs=OBS)
         assert r.status_code == 503 and r.json()["error"]["code"] == "fenced"
-        await b.service.membership.renew_once()
+        await b.service.lease.renew_once()
         # forwarded unreachable
         router.down.add("b.test")
         other = await episode_on(b, b, "unreach")
@@ -142,7 +141,7 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         await redis.delete(KEYS.node("b"))
         r = (await a.act(episode_id=other["episode_id"], inputs=OBS)).json()
         assert r["routing"] == "reassigned" and r["state_reset"] is True
-        await b.service.membership.renew_once()  # b: not registered any more -> re-registers
+        await b.service.lease.renew_once()  # b: not registered any more -> re-registers
         # crash tracker: a model failure takes the device down, the probe brings it up
         mine = await episode_on(a, a, "mine")
         Flaky.fail = True
@@ -152,7 +151,7 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         assert (await redis.hget(KEYS.device(mine["device"]), "state")) == "down"
         seen += await scrape(a)
         Flaky.fail = False
-        assert await sa.dispatcher.probe() == [mine["device"]]
+        assert await sa.health.probe() == [mine["device"]]
         await asyncio.sleep(0.05)
         assert (await redis.hget(KEYS.device(mine["device"]), "state")) == "active"
         seen += await scrape(a)
@@ -160,18 +159,18 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         for i in range(12):
             await a.act(episode_id=f"fill{i}", inputs=OBS)
         # admission backlog: a new episode waits while every device is full, until one ends
-        sa.routing.admission = Admission(
+        sa.router.admission = Admission(
             30.0, poll_s=0.001, on_waiting=sa.metrics.admission_waiting.set
         )
         waiting = asyncio.create_task(a.act(episode_id="backlog", inputs=OBS))
         for _ in range(2000):
-            if sa.routing.admission.waiting:
+            if sa.router.admission.waiting:
                 break
             await asyncio.sleep(0.005)
         seen += await scrape(a)
         assert (await a.act(episode_id="fill0", inputs=OBS, end=True)).status_code == 200
         assert (await waiting).status_code == 200
-        sa.routing.admission = None
+        sa.router.admission = None
         # rejected: bad_input, too_large, malformed, unauthorized, forbidden
         await a.act(episode_id="x", inputs={"obs": [[1]]})
         await a.client.post("/act", content=b"x" * 3000)
@@ -185,14 +184,14 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         a.app.access.flush()
         a.app.access.stream = None
         await redis.hset(KEYS.device("b/1"), "state", "draining")  # drained by an operator
-        await b.service.membership.renew_once()  # the renewal picks the state up
+        await b.service.lease.renew_once()  # the renewal picks the state up
         seen += await scrape(a)
         seen += await scrape(b)
         await a.client.post("/devices/a/0/undrain", headers={"Authorization": "Bearer t"})
         # lease renewals: ok, then failed while Redis is unreachable (also: routing unavailable)
-        await sa.membership.renew_once()
+        await sa.lease.renew_once()
         server.connected = False
-        await sa.membership.renew_once()
+        await sa.lease.renew_once()
         r = await a.act(episode_id="while-down", inputs=OBS)
         assert r.status_code == 503 and r.json()["error"]["code"] == "redis"
         server.connected = True
@@ -200,10 +199,11 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         await redis.zadd(KEYS.nodes, {"a": 1, "b": 1})
         r = await a.act(episode_id="nobody", inputs=OBS)
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_nodes", r.text
-        await sa.membership.renew_once()
-        await b.service.membership.renew_once()
+        await sa.lease.renew_once()
+        await b.service.lease.renew_once()
         # fenced
-        sa.membership.lease_deadline = sa.clock() - 1
+        sa.lease.deadline = sa.clock() - 1
+        sa.lease.fence()  # what the renewal loop does once the lease is gone
         assert (await a.act(episode_id="fenced", inputs=OBS)).status_code == 503
         seen += await scrape(a)
         seen += await scrape(b)

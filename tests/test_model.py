@@ -193,10 +193,12 @@ class ClaimProtocol(RuleBasedStateMachine):
         if stale:
             before = self.run(self.env.snapshot())
             with pytest.raises(StaleToken):
-                self.run(self.env.claims.release(ep, held.token - 1))
+                self.run(self.env.claims.release(ep, held.token - 1, owner=True))
             assert self.run(self.env.snapshot()) == before
         else:
-            assert self.run(self.env.claims.release(ep, held.token)) == held.device
+            assert (
+                self.run(self.env.claims.release(ep, held.token, owner=True)).device == held.device
+            )
             del self.held[ep]
 
     @rule(ep=st.sampled_from(EPISODES), stale=st.booleans())
@@ -219,7 +221,7 @@ class ClaimProtocol(RuleBasedStateMachine):
 
     @rule(node=st.sampled_from(NODES))
     def renew(self, node: str) -> None:
-        assert self.run(self.env.registry.renew(node)) is (node in self.alive)
+        assert (self.run(self.env.registry.renew(node)) is not None) is (node in self.alive)
         self.check_lapses_noticed()
 
     @rule(node=st.sampled_from(NODES))

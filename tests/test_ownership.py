@@ -13,7 +13,7 @@ import pytest
 
 from affinity import BackendUnavailable, Keys
 from node.service import NodeService
-from tests.inproc import InProcNode, cluster, config
+from tests.inproc import InProcNode, claim_of, cluster, config
 
 pytestmark = pytest.mark.anyio
 KEYS = Keys()
@@ -39,8 +39,7 @@ class Counted:
 
 async def flushed(node: InProcNode) -> None:
     """One flush of ``node`` now (the maintenance loop runs one each second too)."""
-    m = node.service.membership
-    await m.ownership.flush(m.instance, m.registered)
+    await node.service.owner.flush()
 
 
 async def test_a_step_at_its_owner_costs_no_redis_command(redis: Any) -> None:
@@ -71,7 +70,7 @@ async def test_the_owner_serves_while_redis_does_not_answer(redis: Any) -> None:
         assert new.status_code == 503 and new.json()["error"]["code"] == "redis"
         assert "retry-after" in new.headers
         # a lapsed lease ends the authority: the owner asks Redis (and is refused) again
-        a.service.membership.lease_deadline = float("-inf")
+        a.service.lease.deadline = float("-inf")
         r = await a.act(episode_id="ep", inputs={"obs": OBS})
         assert r.status_code == 503 and r.json()["error"]["code"] == "fenced"
 
@@ -81,11 +80,12 @@ async def test_idle_expiry_at_the_owner_frees_the_slot_in_its_flush(redis: Any) 
         one = (await a.act(episode_id="one", inputs={"obs": OBS})).json()
         full = await a.act(episode_id="two", inputs={"obs": OBS})
         assert full.status_code == 503 and full.json()["error"]["code"] == "full"
-        d = a.service.dispatcher
-        d._states["one"].last_used -= d.idle_ttl_s + 1  # idle past the owner's timeout
+        record = a.service.table.get("one")
+        assert record is not None
+        record.last_used -= a.service.owner.idle_ttl_s + 1  # idle past the owner's timeout
         assert await redis.get(KEYS.episode("one")) is not None  # taken until the flush
         await flushed(a)
-        assert not d.has_state("one")
+        assert a.service.table.get("one") is None
         assert await redis.get(KEYS.episode("one")) is None
         assert await redis.zrange(KEYS.load("a/0"), 0, -1) == []
         events = [f for _, f in await redis.xrange(KEYS.events) if f.get("reason") == "idle"]
@@ -99,10 +99,10 @@ async def test_a_stepping_episode_is_slid_once_its_backstop_is_near_not_each_flu
     """The first flush after a claim slides it; later flushes slide it only once its
     backstop has less than a lease TTL + SLIDE_AHEAD_S left; a backstop closer than
     EXPIRY_MARGIN_S (flushes failing) sends the step to Redis, which slides it."""
-    from node.ownership import EXPIRY_MARGIN_S, SLIDE_AHEAD_S
+    from node.owner import EXPIRY_MARGIN_S, SLIDE_AHEAD_S
 
     async with cluster(redis, [config("a")]) as ([a], _):
-        o = a.service.membership.ownership
+        o = a.service.owner
         assert (await a.act(episode_id="ep", inputs={"obs": OBS})).status_code == 200
         await flushed(a)  # slides the new record
         slid = o._slid["ep"]
@@ -130,49 +130,60 @@ async def test_a_stepping_episode_is_slid_once_its_backstop_is_near_not_each_flu
         assert await redis.pttl(key) > 60_000
 
 
-async def test_an_episode_released_in_redis_is_dropped_at_the_next_flush(redis: Any) -> None:
+async def test_an_episode_redis_lost_is_dropped_at_the_next_flush(redis: Any) -> None:
+    """The owner drops an episode its flush finds lost, and remembers that it did: the
+    episode's next claim here says ``state_reset`` even for a client that echoes nothing."""
     async with cluster(redis, [config("a")]) as ([a], _):
         r = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
         await flushed(a)
-        a.service.membership.ownership._slid.clear()  # due for a slide again
-        await a.service.claims.release("ep", r["token"], "operator")
+        a.service.owner._slid.clear()  # due for a slide again
+        await redis.delete(KEYS.episode("ep"))
         await a.act(episode_id="ep", inputs={"obs": OBS})  # from memory, before the flush
         await flushed(a)
-        assert not a.service.dispatcher.has_state("ep")
+        assert a.service.table.get("ep") is None
         again = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
         assert again["routing"] == "claimed" and again["token"] != r["token"]
+        assert again["state_reset"] is True
 
 
-async def test_an_operator_release_reaches_the_owner_at_its_next_renewal(redis: Any) -> None:
-    """``affinity release`` writes Redis only: the owner, which serves the episode from
-    memory and would not slide it for minutes, learns it from its next renewal (one set
-    read in the renewal script) and drops its record; the entry stays until a later
-    renewal says it was carried out (a renewal whose answer was lost loses nothing); a
-    release by the owner itself, or one for an older token, revokes nothing."""
-    async with cluster(redis, [config("a")]) as ([a], _):
+async def test_an_operator_release_goes_through_the_owner(redis: Any) -> None:
+    """``affinity release`` writes Redis only, and must not make a second owner: while the
+    owner's lease is live the assignment is marked revoked (its steps still go to the
+    owner, a router's resolve still finds it there), the owner learns it from its next
+    renewal, drops its record and says so at once in a second renewal, which turns the
+    mark into ``moved``: the next step is reassigned with ``state_reset``. A renewal whose
+    answer was lost loses nothing; a release by the owner itself, or one for an older
+    token, revokes nothing."""
+    async with cluster(redis, [config("a"), config("b")]) as ([a, b], _):
         r = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
         await flushed(a)
-        await a.service.claims.release("ep", r["token"], "operator")
+        done = await a.service.claims.release("ep", r["token"], "operator")
+        assert done.revoked
         assert await redis.smembers(KEYS.revoked("a")) == {f"ep {r['token']}"}
+        assert (await redis.get(KEYS.episode("ep"))).endswith(" revoked")
         hit = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
         assert hit["routing"] == "hit"  # from memory: the owner does not know yet
-        m = a.service.membership
-        assert await m.registry.renewal("a", m.instance) == [("ep", r["token"])]  # answer lost
-        assert a.service.dispatcher.has_state("ep")
-        await m.renew_once()  # asked again: still there
-        assert not a.service.dispatcher.has_state("ep")
-        assert await redis.smembers(KEYS.revoked("a")) == {f"ep {r['token']}"}
-        await m.renew_once()  # says it was carried out: removed
+        via_b = (await b.act(episode_id="ep", inputs={"obs": OBS})).json()
+        assert (via_b["node"], via_b["seq"]) == ("a", 3)  # no second owner meanwhile
+        lease = a.service.lease
+        lost = await lease.registry.renew("a", lease.instance)  # an answer that was lost
+        assert lost is not None and lost.revoked == [("ep", r["token"])]
+        assert a.service.table.get("ep") is not None
+        await lease.renew_once()  # asked again: carried out, and said at once
+        assert a.service.table.get("ep") is None
         assert await redis.exists(KEYS.revoked("a")) == 0
-        again = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
-        assert again["routing"] == "claimed" and again["token"] != r["token"]
-        # the owner's own end, then a stale revocation of the old token: nothing revoked
-        await redis.sadd(KEYS.revoked("a"), f"ep {r['token']}")
-        await a.service.membership.renew_once()
-        assert a.service.dispatcher.claim_of("ep") is not None
-        await a.service.membership.renew_once()
-        await a.service.routing.end_episode("ep", again["token"])
-        assert await redis.exists(KEYS.revoked("a")) == 0
+        assert (await redis.get(KEYS.episode("ep"))).endswith(" moved")
+        again = (await b.act(episode_id="ep", inputs={"obs": OBS})).json()
+        assert again["routing"] == "reassigned" and again["token"] != r["token"]
+        assert again["state_reset"] is True
+        # a stale revocation of the old token revokes nothing; then the owner's own end
+        owner = a if again["node"] == "a" else b
+        await redis.sadd(KEYS.revoked(again["node"]), f"ep {r['token']}")
+        await owner.service.lease.renew_once()
+        assert claim_of(owner.service, "ep") is not None
+        assert await redis.exists(KEYS.revoked(again["node"])) == 0
+        await owner.service.router.end_here("ep", again["token"])
+        assert await redis.get(KEYS.episode("ep")) is None
 
 
 async def test_another_redis_server_has_the_owner_check_every_record_in_its_next_flush(
@@ -183,7 +194,7 @@ async def test_another_redis_server_has_the_owner_check_every_record_in_its_next
     slide every record held here, dropping the ones Redis lost, long before their slides
     would be due."""
     async with cluster(redis, [config("a")]) as ([a], _):
-        m = a.service.membership
+        m = a.service.lease
         tokens = {}
         for episode in ("kept", "lost"):
             tokens[episode] = (await a.act(episode_id=episode, inputs={"obs": OBS})).json()["token"]
@@ -198,11 +209,11 @@ async def test_another_redis_server_has_the_owner_check_every_record_in_its_next
         await redis.delete(KEYS.episode("lost"))  # a claim the new server never had
         await m.renew_once()  # the same server: nothing to check
         await flushed(a)
-        assert a.service.dispatcher.has_state("lost")  # not due: kept (and not checked)
+        assert a.service.table.get("lost") is not None  # not due: kept (and not checked)
         await m.renew_once()  # another server answers
         await flushed(a)
-        assert not a.service.dispatcher.has_state("lost")
-        assert a.service.dispatcher.has_state("kept") and await redis.exists(KEYS.episode("kept"))
+        assert a.service.table.get("lost") is None
+        assert a.service.table.get("kept") is not None and await redis.exists(KEYS.episode("kept"))
         again = await a.act(episode_id="lost", inputs={"obs": OBS}, token=tokens["lost"])
         assert (again.json()["routing"], again.json()["state_reset"]) == ("claimed", True)
 
@@ -212,24 +223,24 @@ async def test_a_record_claimed_anew_during_the_flush_is_not_dropped_as_lost(red
     claimed anew here while the flush was on its way: the new record is not that claim,
     and stays (nor is it counted as lost)."""
     async with cluster(redis, [config("a")]) as ([a], _):
-        m = a.service.membership
+        o = a.service.owner
         first = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
         await flushed(a)
         await redis.delete(KEYS.episode("ep"))  # Redis lost that claim
-        m.ownership._slid.clear()
-        real = m.registry.flush
+        o._slid.clear()
+        real = o.registry.flush
         again: dict[str, Any] = {}
 
         async def flush(*args: Any) -> Any:
             done = await real(*args)
-            a.service.dispatcher.release("ep")  # ended here meanwhile, and claimed anew
+            a.service.table.release("ep", "end")  # ended here meanwhile, and claimed anew
             again.update((await a.act(episode_id="ep", inputs={"obs": OBS})).json())
             return done
 
-        m.registry.flush = flush  # type: ignore[method-assign]
+        o.registry.flush = flush  # type: ignore[method-assign]
         await flushed(a)
         assert again["routing"] == "claimed" and again["token"] != first["token"]
-        claim = a.service.dispatcher.claim_of("ep")
+        claim = claim_of(a.service, "ep")
         assert claim is not None and claim[1] == again["token"]
         lost = a.service.metrics.owner_dropped.labels("lost")._value.get()
         assert lost == 0
@@ -271,12 +282,12 @@ async def test_after_redis_lost_its_data_no_claim_until_the_owner_reasserted(red
             assert r.status_code == 503 and r.json()["error"]["code"] == "recovering"
             assert int(r.headers["retry-after"]) >= 1
         assert await redis.get(KEYS.episode("ep")) is None
-        await a.service.membership.renew_once()  # finds itself gone: registers, re-asserts
-        claim = a.service.dispatcher.claim_of("ep")
+        await a.service.lease.renew_once()  # finds itself gone: registers, re-asserts
+        claim = claim_of(a.service, "ep")
         assert claim is not None and claim[:2] == ("a/0", first["token"])
         assert await redis.get(KEYS.episode("ep")) == " ".join(map(str, claim))
         assert await redis.zrange(KEYS.load("a/0"), 0, -1) == ["ep"]
-        await b.service.membership.renew_once()
+        await b.service.lease.renew_once()
         via_b = (await b.act(episode_id="ep", inputs={"obs": OBS})).json()
         assert (via_b["node"], via_b["seq"], via_b["state_reset"]) == ("a", 2, False)
         new = await b.act(episode_id="new", inputs={"obs": OBS})
@@ -317,7 +328,7 @@ async def test_an_owner_that_does_not_hold_the_episode_says_so_and_the_router_re
     async with cluster(redis, two()) as ([a, b], _):
         ep = await on("a", b, "gone")
         first = (await b.act(episode_id=ep, inputs={"obs": OBS})).json()
-        a.service.dispatcher.release(ep)
+        a.service.table.release(ep, "end")
         await a.service.claims.release(ep, first["token"], "operator")
         await redis.set(KEYS.episode(ep), f"b/0 {first['token'] + 1} abc", px=60_000)
         at_b = Counted(b.service)
@@ -335,8 +346,8 @@ async def test_a_hint_naming_an_owner_that_cannot_be_reached_is_resolved_again(
     async with cluster(redis, two()) as ([a, b], router):
         ep = await on("a", b, "handed")
         first = (await b.act(episode_id=ep, inputs={"obs": OBS})).json()
-        assert first["node"] == "a" and ep in b.service.routing.hints
-        a.service.dispatcher.release(ep)
+        assert first["node"] == "a" and b.service.router.locator.lookup(ep) is not None
+        a.service.table.release(ep, "end")
         await a.service.claims.release(ep, first["token"], "operator")
         await redis.set(KEYS.episode(ep), f"b/0 {first['token'] + 1} abc", px=60_000)
         router.down.add("a.test")
@@ -350,17 +361,17 @@ async def test_an_end_sent_to_another_node_reaches_the_owner(redis: Any) -> None
     async with cluster(redis, two()) as ([a, b], _):
         ep = await on("a", b, "end")
         await flushed(a)
-        assert a.service.dispatcher.has_state(ep)
+        assert a.service.table.get(ep) is not None
         r = await b.client.post(f"/episodes/{ep}/end")
         assert r.status_code == 200 and r.json()["device"] == "a/0"
-        assert not a.service.dispatcher.has_state(ep)  # the owner serves it no more
+        assert a.service.table.get(ep) is None  # the owner serves it no more
         assert await redis.get(KEYS.episode(ep)) is None
         assert await redis.zrange(KEYS.load("a/0"), 0, -1) == []
         # an end step through b also ends it at a
         ep2 = await on("a", b, "step-end")
         done = await b.act(episode_id=ep2, inputs={"obs": OBS}, end=True)
         assert done.status_code == 200
-        assert not a.service.dispatcher.has_state(ep2)
+        assert a.service.table.get(ep2) is None
         assert await redis.get(KEYS.episode(ep2)) is None
 
 
@@ -371,13 +382,13 @@ async def test_a_restart_sent_to_another_node_is_made_by_the_owner(redis: Any) -
 
     async with cluster(redis, two()) as ([a, b], _):
         ep = await on("a", b, "again")
-        old = a.service.dispatcher.claim_of(ep)
+        old = claim_of(a.service, ep)
         deadline = b.service.clock() + 5
         step = Step(episode=ep, inputs={"obs": np.zeros((1, 8), np.float32)}, deadline=deadline,
                     restart=True)  # fmt: skip
-        reply = await b.service.routing.act(step)
+        reply = await b.service.router.act(step)
         assert reply.routing == "claimed" and reply.token != old[1]
-        held = {n: n_.service.dispatcher.claim_of(ep) for n, n_ in (("a", a), ("b", b))}
+        held = {n: claim_of(n_.service, ep) for n, n_ in (("a", a), ("b", b))}
         assert old not in held.values()
         assert [claim[1] for claim in held.values() if claim] == [reply.token]
 
@@ -390,16 +401,16 @@ async def test_a_rolled_back_claim_is_dropped_by_its_owner_at_its_next_slide(red
     window before that slide)."""
     async with cluster(redis, [config("a")]) as ([a], _):
         first = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
-        old = a.service.dispatcher.claim_of("ep")
+        old = claim_of(a.service, "ep")
         await redis.delete(KEYS.episode("ep"))
         await redis.zrem(KEYS.load(first["device"]), "ep")
-        a.service.membership.ownership._slid.clear()  # its slide is due
+        a.service.owner._slid.clear()  # its slide is due
         await flushed(a)  # (or the maintenance loop's flush, whichever comes first)
-        assert not a.service.dispatcher.has_state("ep")
+        assert a.service.table.get("ep") is None
         assert await redis.get(KEYS.episode("ep")) is None  # not written back
         again = (await a.act(episode_id="ep", inputs={"obs": OBS}, token=first["token"])).json()
         assert again["routing"] == "claimed" and again["state_reset"] is True
-        assert a.service.dispatcher.claim_of("ep") != old
+        assert claim_of(a.service, "ep") != old
 
 
 async def test_a_failover_to_a_replica_without_the_fleet_is_a_grace_period(redis: Any) -> None:
@@ -413,7 +424,7 @@ async def test_a_failover_to_a_replica_without_the_fleet_is_a_grace_period(redis
         assert r.status_code == 503 and r.json()["error"]["code"] == "recovering"
         served = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()  # from memory
         assert (served["seq"], served["state_reset"]) == (2, False)
-        await a.service.membership.renew_once()
+        await a.service.lease.renew_once()
         assert await redis.zrange(KEYS.load(served["device"]), 0, -1) == ["ep"]
 
 
@@ -450,7 +461,7 @@ async def test_a_step_naming_another_version_is_refused_from_memory_and_on_a_hin
         # through b: the first forward leaves a hint; a step naming v2 asks Redis instead
         via_b = (await b.act(episode_id="ep", model="demo@v1", inputs={"obs": OBS})).json()
         assert (via_b["node"], via_b["seq"]) == ("a", 3)
-        assert b.service.routing.hints["ep"].model == "demo@v1"
+        assert b.service.router.locator.lookup("ep").model == "demo@v1"
         at_b = Counted(b.service)
         r = await b.act(episode_id="ep", model="demo@v2", inputs={"obs": OBS})
         assert r.status_code == 409 and r.json()["error"]["code"] == "model_conflict", r.text
@@ -471,10 +482,10 @@ async def test_a_restart_forwarded_to_the_owner_takes_the_version_it_names(redis
         step = Step(episode="ep", inputs={"obs": np.zeros((1, 8), np.float32)},
                     deadline=b.service.clock() + 5, restart=True, model="demo",
                     version="v2")  # fmt: skip
-        reply = await b.service.routing.act(step)
+        reply = await b.service.router.act(step)
         assert (reply.routing, reply.node, reply.model) == ("claimed", "b", "demo@v2")
-        assert a.service.dispatcher.claim_of("ep") is None
-        assert b.service.dispatcher.claim_of("ep") == (
+        assert claim_of(a.service, "ep") is None
+        assert claim_of(b.service, "ep") == (
             "b/0",
             reply.token,
             (await redis.get(KEYS.episode("ep"))).split(" ")[2],

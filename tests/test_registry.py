@@ -68,7 +68,7 @@ async def test_renewal_after_an_empty_restart_tells_the_loser_to_exit(env: Env) 
     await env.registry.register("a", "http://a", devices, instance="second")  # ...a duplicate
     with pytest.raises(NodeConflict, match="'a'"):
         await env.registry.renew("a", "first")
-    assert await env.registry.renew("a", "second") is True
+    assert await env.registry.renew("a", "second") is not None
 
 
 # -- absolute expiries (issue 10 #5) --------------------------------------------------------
@@ -125,12 +125,12 @@ async def test_a_lapse_writes_one_node_down_by_whoever_notices_first(env: Env) -
     await env.node("b", 1)
     await env.lapse("a")
     assert await events(env, "node-down") == []
-    assert await env.registry.renew("b") is True  # b's renewal notices a's lapse
+    assert await env.registry.renew("b") is not None  # b's renewal notices a's lapse
     (down,) = await events(env, "node-down")
     assert (down["node"], down["reason"], down["lease"]) == ("a", "lease lapsed", "1")
     for i in range(4):  # later claims do not write it again, nor place anything on a
         assert (await env.claims.resolve(f"ep-{i}")).device == "b/0"
-    assert await env.registry.renew("a") is False  # a must register again
+    assert await env.registry.renew("a") is None  # a must register again
     assert len(await events(env, "node-down")) == 1
     nodes = {n.node: n for n in await env.registry.nodes()}
     a = nodes["a"]
@@ -188,7 +188,7 @@ async def test_no_capacity_says_whether_any_node_is_alive(env: Env) -> None:
     with pytest.raises(NoCapacity, match="at capacity") as err:
         await env.claims.resolve("ep-1")
     assert err.value.reason == "at_capacity"
-    await env.claims.release("ep-0", (await env.claims.resolve("ep-0")).token)
+    await env.claims.release("ep-0", (await env.claims.resolve("ep-0")).token, owner=True)
     await env.registry.drain("a/0")
     with pytest.raises(NoCapacity) as err:
         await env.claims.resolve("ep-1")
@@ -210,7 +210,7 @@ async def test_leave_takes_no_new_episodes_and_handoff_moves_each(env: Env) -> N
     assert await env.registry.leave("a") == 1
     assert {(await env.claims.resolve(f"new-{i}")).device for i in range(3)} == {"b/0"}
     assert (await env.claims.resolve("ep-a")).status == "hit"  # its episodes stay
-    assert await env.registry.renew("a") is True  # the lease goes on while it hands over
+    assert await env.registry.renew("a") is not None  # the lease goes on while it hands over
 
     before = await env.snapshot()
     assert await env.claims.handoff("ep-a", on_a.token - 1) is False
@@ -291,7 +291,7 @@ async def test_a_handed_over_episode_can_still_be_released(env: Env) -> None:
     await env.node("a", 1)
     a = await env.claims.resolve("ep")
     await env.claims.handoff("ep", a.token)
-    assert await env.claims.release("ep", a.token) == "a/0"
+    assert (await env.claims.release("ep", a.token, owner=True)).device == "a/0"
     assert (await env.claims.resolve("ep")).status == "claimed"
 
 
@@ -329,7 +329,7 @@ async def test_a_full_device_leaves_the_ring_and_comes_back_when_freed(env: Env)
     assert await env.redis.zscore(env.keys.full, "a/0") == await env.redis.zscore(
         env.keys.load("a/0"), "ep-0"
     )
-    await env.claims.release("ep-0", a0.token)
+    await env.claims.release("ep-0", a0.token, owner=True)
     assert sorted(await env.redis.zrange(env.keys.ring, 0, -1)) == ["a/0", "a/1"]
     assert await env.redis.zcard(env.keys.full) == 0
     await env.claims.resolve("ep-1")
@@ -355,7 +355,7 @@ async def test_rebase_keeps_the_order_of_turns(env: Env) -> None:
     for device, score in await env.redis.zrange(k.ring, 0, -1, withscores=True):
         w = {"w/0": 3, "w/1": 1, "w/2": 2}[device]
         await env.redis.zadd(k.ring, {device: (round(score * w) + big * w) / w})
-    assert await other[1].renew("w") is True
+    assert await other[1].renew("w") is not None
     assert all(s < 100 for _, s in await env.redis.zrange(k.ring, 0, -1, withscores=True))
     picks = [[(await c.resolve(f"ep-{i}")).device for i in range(12)] for c, _ in runs]
     assert picks[0] == picks[1]

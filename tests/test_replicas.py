@@ -30,10 +30,14 @@ from affinity import (
     connect,
 )
 from affinity.registry import Held
+from node.config import NodeConfig
+from node.dispatcher import Arrivals
+from node.episodes import Episode, EpisodeTable
 from node.main import parse_args
-from node.ownership import Ownership
+from node.metrics import Metrics
+from node.owner import Owner
 from tests.conftest import cpu_devices, new_fleet
-from tests.inproc import cluster, config
+from tests.inproc import claim_of, cluster, config
 from tests.procs import Proc, RedisServer, free_port, wait_until
 
 KEYS = Keys()
@@ -197,44 +201,40 @@ async def test_renewals_reasserts_and_slides_no_replica_acknowledged_are_not_don
     assert await client.get(KEYS.episode("ep")) is None
 
 
-class _Dispatcher:
-    """What :class:`Ownership` asks its dispatcher, for one held episode."""
+def lone_owner(registry: Registry, held: Held, clock: Any) -> Owner:
+    """An owner holding one record, with no lease loop, devices or router behind it."""
+    from types import SimpleNamespace
 
-    def __init__(self, held: Held) -> None:
-        self.one = held
-
-    def expire_idle(self) -> list[tuple[str, int]]:
-        return []
-
-    def held(self) -> list[tuple[Held, float]]:
-        return [(self.one, 1.0)]
-
-    def claim_of(self, episode: str) -> Any:
-        return None
-
-    def release(self, episode: str) -> None:
-        raise AssertionError("nothing is dropped")
+    table = EpisodeTable(clock)
+    record = Episode(held.device, held.token, held.claim, {}, 1.0, 1, None, model=held.model)
+    with table.lock:
+        assert table.keep_locked(held.episode, None, 0, record)
+    settings = Settings(lease_ttl_s=10, episode_ttl_s=377)  # a backstop of 400 s
+    config = NodeConfig(node_id="a", advertise_url="http://a.test", settings=settings)
+    dispatcher = SimpleNamespace(model="", arrivals=Arrivals())
+    health = SimpleNamespace(devices=[held.device], down=lambda device: False)
+    lease = SimpleNamespace(registered=True, instance="i", listener=None)
+    return Owner(
+        config, table, {"m": dispatcher}, lease, health, None, None, registry,  # type: ignore[arg-type]
+        Metrics([held.device], 1), clock,
+    )  # fmt: skip
 
 
 @pytest.mark.anyio
 async def test_the_owner_counts_on_no_slide_a_replica_did_not_acknowledge(lone: Any) -> None:
-    """The owner's authority to serve from memory (``Ownership.current``) runs from its
-    last flush whose slides the replicas acknowledged: an unacknowledged one leaves it
-    where it was, and the slide is sent again at the next flush."""
+    """The owner's authority to serve from memory (``Owner.current``) runs from its last
+    flush whose slides the replicas acknowledged: an unacknowledged one leaves it where it
+    was, and the slide is sent again at the next flush."""
     client, _, plain, registry = lone
     a = await plain.resolve("ep")
     now = [100.0]
-    held = _Dispatcher(Held("ep", a.device, a.token, a.claim))
-    owner = Ownership(
-        "a", "http://a.test", 10, 400, registry, held,  # type: ignore[arg-type]
-        clock=lambda: now[0],
-    )  # fmt: skip
-    await owner.flush("i", True)
+    owner = lone_owner(registry, Held("ep", a.device, a.token, a.claim), lambda: now[0])
+    await owner.flush()
     assert owner.flushed_at == float("-inf") and not owner.current()
     assert owner._slid == {}  # due again at the next flush
     owner.registry = Registry(client, plain.settings)  # no WAIT asked: the flush is done
     now[0] = 101.0
-    await owner.flush("i", True)
+    await owner.flush()
     assert owner.flushed_at == 101.0 and owner._slid == {"ep": 101.0}
 
 
@@ -310,7 +310,7 @@ async def test_a_node_answers_503_not_replicated_and_serves_nothing_unacknowledg
                 assert r.status_code == 503, r.text
                 assert r.json()["error"]["code"] == "not_replicated"
                 assert int(r.headers["retry-after"]) >= 1
-                assert a.service.dispatcher.claim_of("new") is None
+                assert claim_of(a.service, "new") is None
                 assert await client.get(KEYS.episode("new")) is None
                 old = (await a.act(episode_id="old", inputs={"obs": OBS})).json()
                 assert (old["routing"], old["seq"], old["state_reset"]) == ("hit", 2, False)

@@ -234,7 +234,8 @@ async def test_a_replay_does_not_move_the_chunk_and_an_undo_restores_it() -> Non
         again = await d.step("n/0", "e", 1, False, inputs(*steps[0]), seq=1, rtc=Ask(5, 5))
         assert again.replayed and again.rtc == first.rtc
         chunk1, _ = reference(*steps[0], None, 0, 0)
-        second = await d.step("n/0", "e", 1, False, inputs(*steps[1]), seq=2, rtc=Ask(3, 2))
+        # (no seq: a step that names its seq is held for its retry, never undone)
+        second = await d.step("n/0", "e", 1, False, inputs(*steps[1]), rtc=Ask(3, 2))
         close(second.outputs["actions"], reference(*steps[1], chunk1, 3, 2)[0])
         assert d.undo("e", 2)  # its reply never reached the robot: chunk 1 is the last sent
         third = await d.step("n/0", "e", 1, False, inputs(*steps[2]), seq=2, rtc=Ask(6, 4))
@@ -254,7 +255,7 @@ async def test_a_reset_drops_the_prefix() -> None:
         moved = await d.step("n/0", "e", 2, False, inputs(image, state), rtc=Ask(2, 2))
         assert moved.state_reset and moved.rtc is not None and moved.rtc.prefix_len == 0
         close(moved.outputs["actions"], own_chunk(image, state))
-        d.release("e")  # ended or expired: the next step starts over too
+        d.table.release("e", "end")  # ended or expired: the next step starts over too
         after = await d.step("n/0", "e", 2, False, inputs(image, state), rtc=Ask(2, 2))
         assert after.state_reset and after.rtc is not None and after.rtc.prefix_len == 0
     finally:

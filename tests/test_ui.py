@@ -38,7 +38,7 @@ import redis.asyncio
 from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
 from affinity.registry import EVENT_NUMBERS
 from node.fleet import RETRY_MS, Fleet
-from node.membership import VERSION
+from node.lease import VERSION
 from tests.procs import ROOT, Node, RedisServer
 from tests.test_cluster import running
 

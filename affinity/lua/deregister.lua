@@ -32,9 +32,9 @@ for _, device in ipairs(node_devices(node)) do
         local key = EPISODE_KEY .. episode
         local current = redis.call('GET', key)
         if current then
-            local holder, _, moved = parse(current)
-            if holder == device and not moved then
-                redis.call('SET', key, current .. ' moved', 'KEEPTTL')
+            local holder, _, mark, _, _, base = parse(current)
+            if holder == device and mark ~= 'moved' then
+                redis.call('SET', key, base .. ' moved', 'KEEPTTL')
                 moved_from(device, episode, live[i + 1], now_ms)
                 handed = handed + 1
             end
@@ -43,6 +43,8 @@ for _, device in ipairs(node_devices(node)) do
     redis.call('DEL', load)
 end
 local was_leased = redis.call('ZREM', NODES, node) == 1
+redis.call('ZREM', LEASES, node)
+redis.call('ZREM', KNOWN, node)
 if redis.call('EXISTS', KEYS[1]) == 1 then
     redis.call('HSET', KEYS[1], 'state', 'left', 'lease', int(now_ms))
 end

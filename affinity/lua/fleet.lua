@@ -151,6 +151,8 @@ local function notice_lapses(now_ms)
             redis.call('HSET', key, 'state', 'down', 'lease', deadline)
         end
         redis.call('ZREM', NODES, node)
+        redis.call('ZREM', LEASES, node)
+        redis.call('ZREM', KNOWN, node)
         event('type', 'node-down', 'node', node, 'reason', 'lease lapsed', 'lease', deadline)
     end
 end
@@ -174,6 +176,20 @@ local function rebase(ring)
             redis.call('ZREM', ring, all[i])
         end
     end
+end
+
+-- The lease a registration or renewal of `node` grants, and the longest lease TTL of the
+-- fleet (ms). LEASES holds each leased node's own TTL, KNOWN the longest TTL each one has
+-- heard of (`known`: what its last renewal answered). A node gets its own TTL, but never
+-- more than every leased node has heard of: one whose lease is longer than the others knew
+-- holds a shorter one until each of them renewed once more, so that a grace period started
+-- after Redis lost its data (lib.lua's recovering, by any node) outlasts every lease held.
+local function lease_terms(node, known)
+    redis.call('ZADD', LEASES, LEASE, node)
+    redis.call('ZADD', KNOWN, math.max(LEASE, tonumber(known) or 0), node)
+    local longest = tonumber(redis.call('ZRANGE', LEASES, -1, -1, 'WITHSCORES')[2])
+    local everyone = tonumber(redis.call('ZRANGE', KNOWN, 0, 0, 'WITHSCORES')[2])
+    return math.min(LEASE, everyone), longest
 end
 
 -- the holder check shared by the node scripts: does another process hold this node id?

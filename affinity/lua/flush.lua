@@ -3,13 +3,15 @@
 --
 -- KEYS[1]  {ns}:node:<node> (the node id is KEYS[1] less NODE_KEY)
 -- ARGV[1]  instance id of the owner process
--- ARGV[2]  n, the number of episodes to slide
--- ARGV[3..] 5 fields per episode to slide (n times): episode, device, token, claim id, model
+-- ARGV[2]  the longest lease TTL (ms) the owner has heard of (for a grace period it starts)
+-- ARGV[3]  n, the number of episodes to slide
+-- ARGV[4..] 5 fields per episode to slide (n times): episode, device, token, claim id, model
 --          ("name@version", "" = none); then 2 fields per episode the owner ended for being
 --          idle: episode, token
 --
--- Slides: an assignment Redis holds with the same value (model included) gets the backstop
--- expiry again, and so does its load-set member; one Redis gives to another claim, or has lost outside a
+-- Slides: an assignment Redis holds with the same value (model included; an operator's
+-- " revoked" mark is kept, the renewal carries it out) gets the backstop expiry again, and
+-- so does its load-set member; one Redis gives to another claim, or has lost outside a
 -- grace period (an operator released it), is answered as lost: the owner drops it. During
 -- a grace period (lib.lua) a lost one is written again, as a re-registration does.
 -- Releases: token-checked, as release.lua; the load slot is freed (a full device takes new
@@ -26,18 +28,18 @@ local now_ms = clock()
 if redis.call('HGET', KEYS[1], 'instance') ~= ARGV[1] or not alive(node, now_ms) then
     return {-1}
 end
-local grace = recovering(now_ms)
+local grace = recovering(now_ms, ARGV[2])
 local deadline = int(now_ms + TTL)
-local last = 2 + 5 * tonumber(ARGV[2])
+local last = 3 + 5 * tonumber(ARGV[3])
 local lost = {}
-for i = 3, last, 5 do
+for i = 4, last, 5 do
     local episode, device, token, claim, model = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3],
         ARGV[i + 4]
     local key = EPISODE_KEY .. episode
     local want = value(device, token, claim, model)
     local current = redis.call('GET', key)
-    if current == want or (not current and grace) then
-        redis.call('SET', key, want, 'PXAT', deadline)
+    if current == want or current == want .. ' revoked' or (not current and grace) then
+        redis.call('SET', key, current or want, 'PXAT', deadline)
         redis.call('ZADD', LOAD_KEY .. device, deadline, episode)
     else
         lost[#lost + 1] = episode
@@ -48,8 +50,8 @@ for i = last + 1, #ARGV, 2 do
     local key = EPISODE_KEY .. episode
     local current = redis.call('GET', key)
     if current then
-        local device, held, moved = parse(current)
-        if held == token and not moved then
+        local device, held, mark = parse(current)
+        if held == token and mark ~= 'moved' then
             redis.call('DEL', key)
             redis.call('ZREM', LOAD_KEY .. device, episode)
             freed(device, now_ms)

@@ -16,11 +16,11 @@ local current = redis.call('GET', KEYS[1])
 if not current then
     return 0
 end
-local device, token, moved = parse(current)
-if moved or token ~= ARGV[1] then
+local device, token, mark, _, _, base = parse(current)
+if mark == 'moved' or token ~= ARGV[1] then
     return 0
 end
-redis.call('SET', KEYS[1], current .. ' moved', 'KEEPTTL')
+redis.call('SET', KEYS[1], base .. ' moved', 'KEEPTTL')
 local now_ms = clock()
 local deadline = redis.call('ZSCORE', LOAD_KEY .. device, episode)
 redis.call('ZREM', LOAD_KEY .. device, episode)

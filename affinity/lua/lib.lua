@@ -1,8 +1,9 @@
 -- lib: what every script uses. affinity/scripts.py puts it where a script says `--@lib`,
 -- after the header of constants it generates for the deployment: PREFIX, the fixed keys
--- NODES RING FULL ROUTE EVENTS DEVICES TOKEN RR MARKER, the key prefixes EPISODE_KEY NODE_KEY
--- DEVICE_KEY LOAD_KEY MOVED_KEY RING_KEY VERSIONS_KEY ROLLOUT_KEY PICKS_KEY, TTL, LEASE,
--- MAXLEN, and the value formats VALUE and ROUTED. Every
+-- NODES RING FULL ROUTE EVENTS DEVICES TOKEN RR MARKER LEASES KNOWN, the key prefixes
+-- EPISODE_KEY NODE_KEY DEVICE_KEY LOAD_KEY MOVED_KEY REVOKED_KEY RING_KEY VERSIONS_KEY
+-- ROLLOUT_KEY PICKS_KEY, TTL, LEASE (this caller's lease TTL, ms), MAXLEN, and the value
+-- formats VALUE and ROUTED. Every
 -- key shares the namespace hash tag, hence one slot: scripts derive keys from ids
 -- (LOAD_KEY .. device) safely on Redis Cluster too. The ring and full upkeep is in
 -- fleet.lua (`--@fleet`), kept apart so that the common claim does not pay for making it.
@@ -24,12 +25,21 @@ local function event(...)
 end
 
 -- an episode value: "<device> <token> <claim id> <model>" (model "name@version"; no model
--- when its node registered none, no claim id when written by an older fleet), with
--- " moved" appended once handed over; returns device, token, moved, claim id, model
+-- when its node registered none, no claim id when written by an older fleet), then a mark:
+-- " revoked" while an operator's release waits for its owner to let go (release.lua), or
+-- " moved" once it let go (a hand-over, a carried-out revocation): the next resolve
+-- reassigns it. Returns device, token, mark ('', 'revoked' or 'moved'), claim id, model,
+-- and the value without its mark.
 local function parse(value)
     local device, token, rest = string.match(value, VALUE)
-    return device, token, string.sub(rest, -6) == ' moved', string.match(rest, '^ (%x+)') or '',
-        string.match(rest, '^ %x+ (%S+@%S+)') or ''
+    local mark = ''
+    if string.sub(rest, -6) == ' moved' then
+        mark, rest = 'moved', string.sub(rest, 1, -7)
+    elseif string.sub(rest, -8) == ' revoked' then
+        mark, rest = 'revoked', string.sub(rest, 1, -9)
+    end
+    return device, token, mark, string.match(rest, '^ (%x+)') or '',
+        string.match(rest, '^ %x+ (%S+@%S+)') or '', device .. ' ' .. token .. rest
 end
 
 -- the value an owner's re-assert (register.lua) or slide (flush.lua) writes for a claim it
@@ -99,16 +109,19 @@ end
 -- The fleet marker (MARKER) holds the end of the grace period after Redis lost its data
 -- ("0": none). Its absence means Redis lost its data (restarted empty, or failed over to a
 -- replica that never had it) or the fleet is new: the first script that finds it missing
--- starts a grace period of one lease TTL. During it no claim is granted (owners that may
--- still serve an episode re-register and re-assert their episodes first); returns the ms
--- left of it, or nil when there is none.
-local function recovering(now_ms)
+-- starts a grace period as long as the longest lease any node may hold: the caller's own
+-- (LEASE) or the longest it heard of at its last renewal (`known`, ms; fleet.lua's
+-- lease_terms grants no node a lease longer than every leased node has heard of). During
+-- it no claim is granted (owners that may still serve an episode re-register and re-assert
+-- their episodes first); returns the ms left of it, or nil when there is none.
+local function recovering(now_ms, known)
     local grace = redis.call('GET', MARKER)
     if not grace then
-        redis.call('SET', MARKER, int(now_ms + LEASE))
-        event('type', 'recovering', 'until', int(now_ms + LEASE),
+        local length = math.max(LEASE, tonumber(known) or 0)
+        redis.call('SET', MARKER, int(now_ms + length))
+        event('type', 'recovering', 'until', int(now_ms + length),
             'reason', 'fleet marker missing: Redis lost its data, or the fleet is new')
-        return LEASE
+        return length
     end
     local left = tonumber(grace) - now_ms
     if left > 0 then

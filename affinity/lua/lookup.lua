@@ -3,8 +3,8 @@
 -- KEYS[1]  {ns}:episode:<episode>
 --
 -- Returns {} when the episode has no assignment, else
---   {device, token, ttl_ms, node, url, state, alive ("1"/"0"), moved ("1"/"0"), claim id,
---    model ("name@version", "" when its node registered none)}
+--   {device, token, ttl_ms, node, url, state, alive ("1"/"0"), mark ("", "revoked" or
+--    "moved", lib.lua), claim id, model ("name@version", "" when its node registered none)}
 -- alive: the device is listed by its node and that node's lease is current.
 
 --@lib
@@ -14,7 +14,7 @@ local current = redis.call('GET', KEYS[1])
 if not current then
     return {}
 end
-local device, token, moved, claim, model = parse(current)
+local device, token, mark, claim, model = parse(current)
 local ttl = redis.call('PTTL', KEYS[1])
 local d = redis.call('HMGET', DEVICE_KEY .. device, 'node', 'state')
 local node = d[1] or ''
@@ -25,5 +25,4 @@ if node ~= '' then
 end
 local listed_by = route(device)
 local live = listed_by ~= nil and alive(listed_by, clock())
-return {device, token, ttl, node, url, state, live and '1' or '0', moved and '1' or '0', claim,
-    model}
+return {device, token, ttl, node, url, state, live and '1' or '0', mark, claim, model}

@@ -10,8 +10,9 @@
 --          devices take episodes from the one RING); a version seen for the first time is
 --          added to VERSIONS_KEY .. name with this time (the newest takes new episodes
 --          unless the operator set weights)
--- ARGV[5]  n, the number of devices
--- ARGV[6..] 11 fields per device (n times): index, kind, name, uuid, arch, memory,
+-- ARGV[5]  the longest lease TTL (ms) the node has heard of (0: none yet)
+-- ARGV[6]  n, the number of devices
+-- ARGV[7..] 11 fields per device (n times): index, kind, name, uuid, arch, memory,
 --          capacity, weight, provider, state ("active" or "down", from the node's crash
 --          tracker), reason; then 5 fields per episode the node still serves from memory
 --          (re-registering within its lease, after Redis lost its data): episode, device,
@@ -20,7 +21,8 @@
 -- The episodes are re-asserted: each one whose assignment is missing is written again (the
 -- same value, model included, the backstop expiry) and counted in its device's load set
 -- (a device it fills leaves the rings of all its models for full); one that Redis holds
--- with the same value is kept; one that Redis gives to another claim (or that is on a
+-- with the same value is kept (an operator's " revoked" mark too: the renewal carries it
+-- out); one that Redis gives to another claim (or that is on a
 -- device not registered now, or of a model the node no longer serves) is answered as lost:
 -- the node drops it. A missing fleet marker starts the grace period (lib.lua) in which no
 -- claim is granted meanwhile, so no other node can have claimed an episode that is
@@ -31,8 +33,9 @@
 -- devices index holds and the node no longer registers is removed (its episodes are
 -- reassigned on their next request). Two processes must never hold one node id: while
 -- another instance's lease is current, nothing is written and -1 is returned.
--- Returns {lease deadline (ms, server time), grace ms left (0: none), lost episode...}, or
--- {-1}.
+-- Returns {lease deadline (ms, server time), grace ms left (0: none), the lease granted
+-- (ms: fleet.lua's lease_terms), the longest lease TTL of the fleet (ms), lost
+-- episode...}, or {-1}.
 
 --@lib
 --@fleet
@@ -43,11 +46,11 @@ notice_lapses(now_ms)
 if held_by_other(node, ARGV[3], now_ms) then
     return {-1}
 end
-local grace = recovering(now_ms) or 0
+local grace = recovering(now_ms, ARGV[5]) or 0
 
 local listed, ids = {}, {}
-local last = 5 + 11 * tonumber(ARGV[5])
-for i = 6, last, 11 do
+local last = 6 + 11 * tonumber(ARGV[6])
+for i = 7, last, 11 do
     local id = node .. '/' .. ARGV[i]
     local key = DEVICE_KEY .. id
     unenroll(id) -- out of the rings of the models it served until now
@@ -97,7 +100,8 @@ for m in string.gmatch(ARGV[4], '[^,]+') do
     local name, version = string.match(m, '^(.*)@(.*)$')
     redis.call('ZADD', VERSIONS_KEY .. name, 'NX', int(now_ms), version)
 end
-redis.call('ZADD', NODES, int(now_ms + LEASE), node)
+local granted, longest = lease_terms(node, ARGV[5])
+redis.call('ZADD', NODES, int(now_ms + granted), node)
 local lost = {}
 local deadline = int(now_ms + TTL)
 local served = ',' .. ARGV[4] .. ','
@@ -108,8 +112,9 @@ for i = last + 1, #ARGV, 5 do
     local want = value(device, token, claim, model)
     local current = redis.call('GET', key)
     local serves = model == '' or string.find(served, ',' .. model .. ',', 1, true)
-    if listed[device] and serves and (not current or current == want) then
-        redis.call('SET', key, want, 'PXAT', deadline)
+    local revoked = current == want .. ' revoked'
+    if listed[device] and serves and (not current or current == want or revoked) then
+        redis.call('SET', key, current or want, 'PXAT', deadline)
         redis.call('ZADD', LOAD_KEY .. device, deadline, episode)
     else
         lost[#lost + 1] = episode
@@ -121,4 +126,4 @@ for _, id in ipairs(ids) do
 end
 event('type', 'node-up', 'node', node, 'url', url, 'devices', table.concat(ids, ','),
     'models', ARGV[4])
-return {int(now_ms + LEASE), int(grace), unpack(lost)}
+return {int(now_ms + granted), int(grace), int(granted), int(longest), unpack(lost)}

@@ -2,23 +2,29 @@
 --
 -- KEYS[1]  {ns}:node:<node> (the node id is KEYS[1] less NODE_KEY)
 -- ARGV[1]  instance id of the renewing process ("" = not checked)
--- ARGV[2..] "<episode> <token>" revocations the owner carried out since they were last
---          answered (removed now: one whose answer was lost comes back, never goes missing)
+-- ARGV[2]  the longest lease TTL (ms) the node has heard of (its last renewal's answer)
+-- ARGV[3..] "<episode> <token>" revocations the owner carried out (it dropped the record)
+--          since they were last answered: removed now (one whose answer was lost comes
+--          back, never goes missing), and an assignment still marked " revoked" under that
+--          token becomes " moved" (its slot freed): its next resolve reassigns it. The
+--          episode's key is derived here (EPISODE_KEY .. episode: the same hash slot).
 --
 -- Every renewal notices the leases (its own or any other node's) that ran out (once, see
 -- lib.lua) and keeps the scores of its models' rings small.
--- Returns {the new lease deadline (ms, server time), "<episode> <token>"...}: the node's
--- assignments someone else released in Redis (release.lua) not yet carried out: the
--- owner drops their records and says so at its next renewal; {-1} when the node holds no lease (it lapsed, the
--- node deregistered, or Redis lost its data): register again; {-2} when another instance
--- holds the node id with a current lease (nothing written).
+-- Returns {the new lease deadline (ms, server time), the lease granted (ms), the longest
+-- lease TTL of the fleet (ms), "<episode> <token>"...}: the node's assignments someone
+-- else released in Redis (release.lua) not yet carried out: the owner drops their records
+-- and says so (ARGV[3..]); {-1} when the node holds no lease (it lapsed, the node
+-- deregistered, or Redis lost its data): register again; {-2} when another instance holds
+-- the node id with a current lease (nothing written). The granted lease is the node's own
+-- TTL unless the fleet has not heard of it yet (fleet.lua's lease_terms).
 
 --@lib
 --@fleet
 
 local node = string.sub(KEYS[1], #NODE_KEY + 1)
 local now_ms = clock()
-recovering(now_ms) -- a renewal is often the first to find that Redis lost its data
+recovering(now_ms, ARGV[2]) -- a renewal is often the first to find that Redis lost its data
 notice_lapses(now_ms)
 for _, ring in ipairs(node_rings(node)) do
     rebase(ring)
@@ -29,13 +35,31 @@ end
 if not alive(node, now_ms) or redis.call('EXISTS', KEYS[1]) == 0 then
     return {-1}
 end
-redis.call('ZADD', NODES, int(now_ms + LEASE), node)
+local granted, longest = lease_terms(node, ARGV[2])
+redis.call('ZADD', NODES, int(now_ms + granted), node)
 local revoked_key = REVOKED_KEY .. node
-for i = 2, #ARGV do
+for i = 3, #ARGV do
     redis.call('SREM', revoked_key, ARGV[i])
+    local episode, token = string.match(ARGV[i], '^(.*) (%d+)$')
+    local key = EPISODE_KEY .. episode
+    local current = episode and redis.call('GET', key)
+    if current then
+        local device, held, mark, _, _, base = parse(current)
+        if mark == 'revoked' and held == token then
+            redis.call('SET', key, base .. ' moved', 'KEEPTTL')
+            local deadline = redis.call('ZSCORE', LOAD_KEY .. device, episode)
+            redis.call('ZREM', LOAD_KEY .. device, episode)
+            if deadline then
+                moved_from(device, episode, deadline, now_ms)
+            end
+            freed(device, now_ms)
+            event('type', 'release', 'episode', episode, 'device', device, 'token', token,
+                'reason', 'revoked')
+        end
+    end
 end
 local revoked = redis.call('SMEMBERS', revoked_key)
 if #revoked > 0 then -- kept while this owner renews; gone with it
-    redis.call('PEXPIREAT', revoked_key, int(now_ms + 2 * LEASE))
+    redis.call('PEXPIREAT', revoked_key, int(now_ms + 2 * granted))
 end
-return {int(now_ms + LEASE), unpack(revoked)}
+return {int(now_ms + granted), int(granted), int(longest), unpack(revoked)}

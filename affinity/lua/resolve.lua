@@ -1,6 +1,7 @@
 -- resolve: hit, claim or reassign the device of one episode, in one atomic step.
 --
--- KEYS[1]  {ns}:episode:<episode>  "<device> <token> <claim id> <model>" (or "... moved"),
+-- KEYS[1]  {ns}:episode:<episode>  "<device> <token> <claim id> <model>" (or "... moved",
+--          or "... revoked": served by its owner as any other until it lets go),
 --          PXAT backstop deadline; the episode id is KEYS[1] less EPISODE_KEY
 -- ARGV[1]  "1": restart (always a fresh assignment, status "claimed"); "2": never claim
 --          (an episode without an assignment answers "missing"); "" otherwise
@@ -9,6 +10,7 @@
 -- ARGV[3]  the model's name the step names ("": a fleet whose nodes register no model,
 --          whose devices are in the one RING; or an episode that keeps its own model)
 -- ARGV[4]  the version the step names ("": the episode's own, else by rollout)
+-- ARGV[5]  the longest lease TTL (ms) the caller has heard of (for a grace period it starts)
 -- Constants (TTL, the fleet's keys) come from the header (affinity/scripts.py, lib.lua).
 --
 -- Returns one string, "<status> <device> <token> <node> <url> <previous device> <claim id>
@@ -239,7 +241,7 @@ end
 -- lapses are noticed below) is not held back.
 local wait
 if not (unseen and current and not restart) then
-    wait = recovering(now_ms)
+    wait = recovering(now_ms, ARGV[5])
     if wait then
         return 'recovering ' .. int(wait)
     end
@@ -272,7 +274,7 @@ if unseen then
 end
 
 if unseen and current and not restart then
-    wait = recovering(now_ms)
+    wait = recovering(now_ms, ARGV[5])
     if wait then
         return 'recovering ' .. int(wait)
     end

@@ -2,7 +2,8 @@
 binary tensors.
 
 Request body (a map): ``episode_id``?, ``session_id``?, ``inputs`` (input name → array),
-``end``?, ``token``? (the token of the client's previous reply), ``seq``? (the step
+``end``?, ``token``? and ``claim``? (the token and claim id of the client's previous
+reply: a lost assignment then says ``state_reset``), ``seq``? (the step
 number it expects to be applied: its last reply's ``seq`` + 1), ``execute_steps``? and
 ``ensemble``? (action-chunk execution overrides), ``executed``?, ``inference_delay``? and
 ``control_hz``? (real-time chunking, ``node/rtc.py``). JSON arrays are nested lists; with
@@ -10,8 +11,8 @@ number it expects to be applied: its last reply's ``seq`` + 1), ``execute_steps`
 encoding (``affinity/wire.py``). Any other top-level field is refused with 422 naming it (a
 typo such as ``episodeId`` must not silently make every step stateless).
 
-Reply: ``{"outputs": {name: array}, "episode_id", "device", "node", "token", "routing",
-"state_reset", "degraded", "source", "seq", "replayed"}`` (and ``rtc``: ``{"executed",
+Reply: ``{"outputs": {name: array}, "episode_id", "device", "node", "token", "claim",
+"routing", "state_reset", "degraded", "source", "seq", "replayed"}`` (and ``rtc``: ``{"executed",
 "delay", "prefix_len"}`` for a real-time-chunking model) as JSON, or msgpack when
 ``Accept`` asks for ``application/msgpack``; the same facts in ``X-Affinity-*`` headers, and
 ``X-Affinity-URL``, the owner's address, where the episode's next steps can go directly.
@@ -53,8 +54,8 @@ log = logging.getLogger("affinity.node")
 
 MSGPACK = "application/msgpack"
 FIELDS = (
-    "episode_id", "session_id", "inputs", "end", "token", "seq", "execute_steps", "ensemble",
-    "model", "executed", "inference_delay", "control_hz",
+    "episode_id", "session_id", "inputs", "end", "token", "claim", "seq", "execute_steps",
+    "ensemble", "model", "executed", "inference_delay", "control_hz",
 )  # fmt: skip
 _KNOWN = frozenset(FIELDS)
 
@@ -95,10 +96,13 @@ async def decode(service: NodeService, body: bytes, binary: bool, deadline: floa
         raise InvalidArgument("end", end, "must be true or false")
     if token is not None and (type(token) is not int or not 0 <= token < 2**63):
         raise InvalidArgument("token", token, "must be the token of an earlier reply")
+    claim = doc.get("claim")
+    if claim is not None and not (isinstance(claim, str) and 0 < len(claim) <= 64):
+        raise InvalidArgument("claim", claim, "must be the claim of an earlier reply")
     seq = doc.get("seq")
     if seq is not None and (type(seq) is not int or not 1 <= seq < 2**63):
         raise InvalidArgument("seq", seq, "must be a step number >= 1 (the last reply's seq + 1)")
-    local = service.dispatcher.by_model.get(name)  # a model served elsewhere: its owner checks
+    local = service.dispatchers.get(name)  # a model served elsewhere: its owner checks
     if local is not None:
         local.mode_for(steps, ensemble)  # InvalidArgument names the field
     rtc = service.rtc_for(
@@ -117,6 +121,7 @@ async def decode(service: NodeService, body: bytes, binary: bool, deadline: floa
         deadline=deadline,
         end=end,
         client_token=token,
+        client_claim=claim,
         degraded=degraded,
         execute_steps=steps,
         ensemble=ensemble,
@@ -171,11 +176,11 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
         body = await read_body(scope, receive, service.config.max_body_bytes)
         step = await decode(service, body, binary_in, deadline)
         scope[STEP_KEY] = (step.episode or "-", "-", "-")
-        reply = await while_connected(receive, service.routing.act(step), scope.get(CONNECTION))
+        reply = await while_connected(receive, service.router.act(step), scope.get(CONNECTION))
         scope[STEP_KEY] = (step.episode or "-", reply.device, reply.routing)
     except ClientGone as exc:  # nobody will read the reply: the step did not happen
         if isinstance(exc.result, Reply):
-            await service.routing.undelivered(exc.result)
+            await service.router.undelivered(exc.result)
     except BodyError as exc:
         metrics.rejected.labels(exc.reason).inc()
         await respond_error(send, exc)

@@ -3,7 +3,7 @@
 
 The same protocol as ``node/protocols/kserve.py`` over another transport: a request is
 decoded into that module's :class:`~node.protocols.kserve.InferRequest`, then follows the
-same path (``to_step``, Triton's live-sequence rule, ``service.routing.act``: resolve,
+same path (``to_step``, Triton's live-sequence rule, ``service.router.act``: resolve,
 serve or forward to the owner over the node's internal HTTP), so a sequence is sticky across
 nodes whichever front door each of its steps used.
 
@@ -53,7 +53,7 @@ from affinity import InvalidArgument, UnknownEpisode
 from affinity.wire import MAX_ELEMENTS
 from node.accesslog import STEP_KEY, AccessLog
 from node.asgi import io_seen
-from node.membership import VERSION
+from node.lease import VERSION
 from node.policy import InvalidInput, PolicyContract
 from node.protocols.kserve import (
     DATATYPES,
@@ -126,10 +126,10 @@ async def undo_if_cancelled(service: NodeService, context: Any, reply: Reply) ->
     try:
         await io_seen()
     except asyncio.CancelledError:
-        await service.routing.undelivered(reply)
+        await service.router.undelivered(reply)
         raise
     if context.cancelled():
-        await service.routing.undelivered(reply)
+        await service.router.undelivered(reply)
         raise asyncio.CancelledError
 
 
@@ -319,7 +319,7 @@ def encode_reply(reply: Reply, request: InferRequest, model_name: str) -> pb.Mod
 
 class GrpcFrontDoor:
     """The RPC handlers of one node (``grpc.aio``), each a thin shell over the shared
-    KServe logic and ``service.routing``."""
+    KServe logic and ``service.router``."""
 
     def __init__(self, service: NodeService, access: AccessLog) -> None:
         self.service = service
@@ -343,7 +343,7 @@ class GrpcFrontDoor:
             ) from None
 
     def _ready(self) -> bool:
-        return not (self.service.fenced() or self.service.membership.leaving)
+        return self.service.lease.may_serve()
 
     def _check_key(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         metadata = dict(context.invocation_metadata() or ())
@@ -420,7 +420,7 @@ class GrpcFrontDoor:
                 service, request, started + budget, name, msg.model_version or None
             )
             served[0] = step.episode or "-"
-            reply = await service.routing.act(step)
+            reply = await service.router.act(step)
             served[1:] = [reply.device, reply.routing]
             await undo_if_cancelled(service, context, reply)
         except UnknownEpisode:  # Triton's rule, decided in the step's own resolve
@@ -473,7 +473,7 @@ class GrpcFrontDoor:
         except _Abort as exc:
             await self._abort(context, exc)
             raise  # unreachable: the abort raises
-        local = self.service.dispatcher.by_model.get(name)
+        local = self.service.dispatchers.get(name)
         chunk = local.chunk.output if local and local.chunk and local.chunk_mode else None
         doc = model_metadata(contract, name, chunk)
         response = pb.ModelMetadataResponse(

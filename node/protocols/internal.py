@@ -39,11 +39,11 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
     cancelled, or undone if it was applied already (see ``node.asgi.while_connected``)."""
     try:
         body = await read_body(scope, receive, service.config.max_body_bytes)
-        work = service.routing.serve_forwarded(body, header(scope, _SECRET))
+        work = service.owner.serve_forwarded(body, header(scope, _SECRET))
         reply = await while_connected(receive, work, scope.get(CONNECTION))
     except ClientGone as exc:
         if isinstance(exc.result, Reply):
-            await service.routing.undelivered(exc.result)
+            await service.router.undelivered(exc.result)
         return
     except (BodyError, Unavailable, Refused) as exc:
         if isinstance(exc, Refused) and exc.status == 403:

@@ -93,7 +93,7 @@ from node.asgi import (
     respond,
     while_connected,
 )
-from node.membership import VERSION
+from node.lease import VERSION
 from node.policy import InvalidInput, PolicyContract, TensorSpec, inputs_from_arrays
 from node.rtc import Ask
 from node.service import NodeService
@@ -634,7 +634,7 @@ async def service_step(
     model no node serves (404)."""
     version = None if version in (None, "", MODEL_VERSION) else version
     chosen, contract = await service.model_for(name, version)
-    dispatcher = service.dispatcher.by_model.get(chosen)  # elsewhere: the owner checks
+    dispatcher = service.dispatchers.get(chosen)  # elsewhere: the owner checks
     mode = dispatcher.mode_for(request.execute_steps, request.ensemble) if dispatcher else None
     rtc = service.rtc_for(chosen, request.executed, request.inference_delay, request.control_hz)
     returned = [dispatcher.chunk.output] if dispatcher and mode and dispatcher.chunk else None
@@ -740,9 +740,9 @@ def _statistics(service: NodeService, served: str) -> dict[str, Any]:
 
 
 def _not_ready(service: NodeService) -> str | None:
-    if service.fenced():
+    if not service.lease.valid():
         return f"node {service.node_id} is not registered with a current lease"
-    if service.membership.leaving:
+    if service.lease.leaving:
         return f"node {service.node_id} is shutting down"
     return None
 
@@ -809,7 +809,7 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
     elif rest == ["stats"]:
         await _json(send, 200, {"model_stats": [_statistics(service, served)]})
     elif not rest:
-        local = service.dispatcher.by_model.get(served)
+        local = service.dispatchers.get(served)
         chunk = local.chunk.output if local and local.chunk and local.chunk_mode else None
         await _json(send, 200, model_metadata(contract, served, chunk))
     elif (why := _not_ready(service)) is not None:
@@ -846,11 +846,11 @@ async def _infer(
             budget = min(budget, request.timeout_s)
         step = await service_step(service, request, started + budget, model_name, version)
         scope[STEP_KEY] = (step.episode or "-", "-", "-")
-        reply = await while_connected(receive, service.routing.act(step), scope.get(CONNECTION))
+        reply = await while_connected(receive, service.router.act(step), scope.get(CONNECTION))
         scope[STEP_KEY] = (step.episode or "-", reply.device, reply.routing)
     except ClientGone as exc:  # nobody will read the reply: the step did not happen
         if isinstance(exc.result, Reply):
-            await service.routing.undelivered(exc.result)
+            await service.router.undelivered(exc.result)
     except UnknownEpisode:
         # Triton's rule: a request without START must belong to a live sequence. Redis
         # decides it in the step's own resolve (state this node may hold says nothing about

@@ -26,7 +26,10 @@ A ``seq`` key (the step number the robot expects to be applied: its last reply's
 ``control_hz`` keys are a real-time-chunking model's step values (``node/rtc.py``; the
 reply then has ``rtc``: ``{"executed", "delay", "prefix_len"}``); all are taken out
 before the model. A reply
-whose send fails (the link dropped) has its step undone.
+whose send fails (the link dropped) has its step undone, and so has a step whose
+connection closes while it runs (the robot gave up on it and reconnects to retry): the
+connection is watched during a step, as ``/act``'s is, so the retry never finds the lost
+step applied (a step that named its ``seq`` is held for that retry instead).
 
 The client cannot retry: transient conditions (owner unreachable, a Redis blip, ``full``)
 are retried inside the node until ``--act-deadline``. Anything that still fails, and any
@@ -42,18 +45,19 @@ the step's episode, device and routing.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Mapping, MutableMapping
+from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
 import numpy as np
 
 from affinity import InvalidArgument, check_episode, wire
 from node.accesslog import STEP_KEY, AccessLog
-from node.asgi import Receive, Scope, Send, error_body, header, io_seen
+from node.asgi import WATCH_AFTER_S, ClientGone, Receive, Scope, Send, error_body, header, io_seen
 from node.policy import (
     InvalidInput,
     PolicyContract,
@@ -66,6 +70,8 @@ from node.step import Refused, Step, Unavailable
 __all__ = ["handle"]
 
 log = logging.getLogger("affinity.node")
+
+T = TypeVar("T")
 
 CLOSE_ERROR = 1011
 QUERY_KEYS = frozenset({"episode_id", "model"})
@@ -131,17 +137,23 @@ async def handle(
     assert name is not None
     own = f"ws-{uuid.uuid4().hex}"  # this connection's episode, when nothing names one
     tokens: dict[str, int] = {}  # last token per episode, echoed as the client's
+    claims: dict[str, str] = {}  # last claim id per episode, echoed likewise
     prev_total_ms: float | None = None
+    early: list[asyncio.Future[MutableMapping[str, Any]]] = []  # a receive begun mid-step
     try:
         while True:
-            message = await receive()
+            message = await early.pop() if early else await receive()
             if message["type"] == "websocket.disconnect":
                 return
             started = time.monotonic()
             step: Step | None = None
             try:
                 step = decode(service, message, fixed, own, tokens, started, name, contract)
-                reply = await service.routing.act(step, patient=True)
+                step.client_claim = claims.get(step.episode or "")
+                reply = await watching(receive, service.router.act(step, patient=True), early)
+            except ClientGone:  # closed mid-step: cancelled there, so undone (or held)
+                log_step(access, scope, started, 499, step)
+                return
             except (InvalidInput, InvalidArgument) as exc:
                 service.metrics.rejected.labels("bad_input").inc()
                 log_step(access, scope, started, 422, step)
@@ -159,6 +171,8 @@ async def handle(
                 return
             assert step.episode is not None
             tokens[step.episode] = reply.token
+            if reply.claim:
+                claims[step.episode] = reply.claim
             log_step(access, scope, started, 200, step, (reply.device, reply.routing))
             total_ms = (time.monotonic() - started) * 1000
             doc: dict[str, Any] = {
@@ -173,12 +187,53 @@ async def handle(
                 await io_seen()  # a close that came with the frame fails the send: undone
                 await send({"type": "websocket.send", "bytes": wire.encode(doc)})
             except OSError:  # uvicorn's ClientDisconnected: the robot never gets this step
-                await service.routing.undelivered(reply)
+                await service.router.undelivered(reply)
                 return
             prev_total_ms = (time.monotonic() - started) * 1000
     finally:
         if own in tokens:  # the connection's own episode ends with it
-            await service.routing.end_episode(own, tokens[own])
+            await service.router.end_here(own, tokens[own])
+
+
+async def watching(
+    receive: Receive,
+    work: Awaitable[T],
+    early: list[asyncio.Future[MutableMapping[str, Any]]],
+) -> T:
+    """Await ``work`` (in this task) while watching the websocket: a close seen while it
+    runs cancels it and raises :class:`ClientGone`. Work that ends within
+    :data:`~node.asgi.WATCH_AFTER_S` is not watched (no task per step); a receive begun to
+    watch longer work is left in ``early``, since what it brings (the next observation of
+    a robot that did not wait) is the connection's next message."""
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
+    running = True
+
+    def seen(future: asyncio.Future[MutableMapping[str, Any]]) -> None:
+        nonlocal gone
+        if not running or future.cancelled() or future.exception() is not None:
+            return
+        if future.result()["type"] == "websocket.disconnect" and not gone:
+            gone = True
+            task.cancel()
+
+    def watch() -> None:
+        future = asyncio.ensure_future(receive())
+        future.add_done_callback(seen)
+        early.append(future)
+
+    timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()
+        raise ClientGone() from None
+    finally:
+        running = False
+        timer.cancel()
 
 
 def decode(
@@ -210,7 +265,7 @@ def decode(
     if seq is not None and (type(seq) is not int or seq < 1):
         raise InvalidArgument("seq", seq, "must be a step number >= 1 (the last reply's seq + 1)")
     episode = fixed or (own if named is None else check_episode(named))
-    local = service.dispatcher.by_model.get(model or next(iter(service.models)))
+    local = service.dispatchers.get(model or next(iter(service.models)))
     if local is not None:  # a model served elsewhere: its owner checks
         local.mode_for(steps, ensemble)  # InvalidArgument names the field
     rtc = service.rtc_for(model, _scalar(executed), _scalar(delay), _scalar(control_hz))

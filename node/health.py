@@ -1,0 +1,106 @@
+"""The node's devices' health: crash trackers across models, their transitions in Redis,
+probes of down devices, and the reconciliation of Redis with what the node knows.
+
+A device is down when any of its models' crash trackers has it down (``node/dispatcher.py``
+counts failures per model). ``down`` belongs to the node: Redis is told at each transition
+and made to agree again at each renewal (a lost or reordered write must not leave a
+crashed device taking claims, or a healthy one down); an operator's drain belongs to Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+
+from affinity import AffinityError, Registry
+from node.dispatcher import CrashTracker, MultiGpuDispatcher
+from node.metrics import Metrics
+
+__all__ = ["DeviceHealth"]
+
+log = logging.getLogger("affinity.node")
+
+
+class DeviceHealth:
+    """The health of one node's devices, over the dispatchers of all its models."""
+
+    def __init__(
+        self,
+        dispatchers: Mapping[str, MultiGpuDispatcher],
+        registry: Registry,
+        metrics: Metrics,
+    ) -> None:
+        self.dispatchers = dispatchers
+        self.registry = registry
+        self.metrics = metrics
+        self.devices = next(iter(dispatchers.values())).devices
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        """Begin taking transitions (from the device threads) on the running loop."""
+        self._loop = asyncio.get_running_loop()
+
+    def tracker(self, device: str) -> CrashTracker:
+        """A tracker that has ``device`` down, if any model's does; else the first one."""
+        trackers = [d.tracker(device) for d in self.dispatchers.values()]
+        return next((t for t in trackers if t.down), trackers[0])
+
+    def down(self, device: str) -> bool:
+        return any(d.tracker(device).down for d in self.dispatchers.values())
+
+    def on_transition_threadsafe(self, device: str, to: str, reason: str) -> None:
+        """A crash tracker took ``device`` down or brought it back (any thread)."""
+        loop = self._loop
+        if loop is not None:
+            loop.call_soon_threadsafe(self._track, device, to, reason)
+
+    def _track(self, device: str, to: str, reason: str) -> None:
+        task = asyncio.ensure_future(self._on_transition(device, to, reason))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _on_transition(self, device: str, to: str, reason: str) -> None:
+        self.metrics.transitions.labels(device, to).inc()
+        self.metrics.set_state(device, "down" if to == "down" else "active")
+        try:
+            if to == "down":
+                await self.registry.set_state(device, "down", reason[:256])
+            else:  # back to what it was before (an operator's drain stays a drain)
+                await self.registry.set_state(device, "active", "", only_if="down")
+        except AffinityError as exc:
+            log.error("could not record %s as %s: %s", device, to, exc)
+
+    async def reconcile(self) -> None:
+        """Make Redis agree with the crash trackers, and the state gauges with Redis (an
+        operator's drain). Raises what the registry raises."""
+        states = await self.registry.states(self.devices)
+        for device, state in states.items():
+            tracker = self.tracker(device)
+            if tracker.down and state in ("active", "draining"):
+                state = "down"
+                await self.registry.set_state(device, "down", tracker.last_error[:256])
+            elif not tracker.down and state == "down":
+                change = await self.registry.set_state(device, "active", "", only_if="down")
+                state = change.state  # a drain from before comes back
+            if state in ("active", "draining", "down"):
+                self.metrics.set_state(device, state)
+
+    async def probe(self) -> list[str]:
+        """Probe every down device whose cool-down has passed (each model's session);
+        returns the devices that came back up."""
+        back: list[str] = []
+        for d in self.dispatchers.values():
+            back += [dev for dev in await d.probe() if dev not in back]
+        return back
+
+    async def warm_up(self) -> None:
+        """Warm every model up on every device before serving (see
+        :meth:`MultiGpuDispatcher.warm_up`)."""
+        for d in self.dispatchers.values():
+            await d.warm_up()
+
+    def close(self) -> None:
+        for d in self.dispatchers.values():
+            d.close()

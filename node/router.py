@@ -1,0 +1,571 @@
+"""Find the owner of a step's episode and forward the step once: the router.
+
+Every front door calls :meth:`Router.act` with a decoded :class:`~node.step.Step`. The
+layers each add one concern: :meth:`Router.act` (metrics) → ``_act_within_deadline``
+(the client's deadline, patient retries) → ``_act_handling_restart`` (a restart is made
+by the owner; an episode held here is served from memory; a hint is tried) →
+``_act_at_owner`` (serve here, or forward once).
+
+Routers ask, owners answer: Redis (a resolve) decides who owns an episode; a hint (the
+owner the last forward found, :class:`Locator`) is only where to ask first, evicted when
+the owner answers that it does not hold the episode. Nothing a router knows fences any
+node. A step whose reply reaches nobody is undone at its owner (:meth:`Router.undelivered`),
+unless it named its ``seq``: then it is held for the client's retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+
+from affinity import (
+    Assignment,
+    BackendUnavailable,
+    Claims,
+    ModelConflict,
+    ModelId,
+    NoCapacity,
+    NotReplicated,
+    PoolExhausted,
+    Recovering,
+    UnknownEpisode,
+    UnknownModel,
+)
+from node.admission import Admission
+from node.catalog import Catalog
+from node.config import NodeConfig
+from node.control import control_feed
+from node.dispatcher import Arrival, MultiGpuDispatcher
+from node.episodes import ClaimEnded
+from node.forward import Forward, ForwardError, Poster, Response, decode_reply
+from node.health import DeviceHealth
+from node.lease import Lease
+from node.metrics import ROUTING, Metrics
+from node.owner import Owner
+from node.peers import PeerHealth
+from node.step import Refused, Reply, Step, TimeLimit, Unavailable
+
+__all__ = ["FORWARD_MARGIN_S", "MAX_HINTS", "TRANSIENT", "UNDO_S", "Locator", "Router"]
+
+log = logging.getLogger("affinity.node")
+
+FORWARD_MARGIN_S = 0.05
+"""Kept back from a forwarded step's budget for the owner's reply to reach the router."""
+
+STALE_HINT = frozenset({"fenced", "leaving", "device_down", "unknown_device"})
+"""What an owner named by a hint may answer that sends the router to Redis (once). So does
+an owner the forward never reached (:class:`_NotSent`: it left after a hand-over, say);
+one that broke after the forward left is not retried (the step may have run there): the
+hint is gone, so the client's retry resolves."""
+
+MAX_HINTS = 65_536
+"""How many episodes' owners a router remembers (the oldest is forgotten first)."""
+
+UNDO_S = 0.5
+"""How long a router waits for the owner to confirm an undo before answering its client."""
+
+TRANSIENT = frozenset(
+    {
+        "owner_unreachable",
+        "owner_refused",
+        "redis",
+        "full",
+        "no_nodes",
+        "fenced",
+        "device_down",
+        "recovering",
+        "not_replicated",
+    }
+)
+"""503 reasons worth retrying inside the node for clients that cannot retry themselves."""
+
+
+class _NotSent(Unavailable):
+    """``owner_unreachable`` for a forward that never left this node (refused connection):
+    the step did not run anywhere, so it may be routed again."""
+
+
+class Locator:
+    """Where each episode's owner was last found (Orleans' locator cache): never
+    authority, only where to forward first. Evicted when the owner says it does not hold
+    the episode, cannot be reached, or the episode ends; the oldest goes past
+    :data:`MAX_HINTS`."""
+
+    def __init__(self) -> None:
+        self._hints: OrderedDict[str, Assignment] = OrderedDict()
+
+    def lookup(self, episode: str) -> Assignment | None:
+        return self._hints.get(episode)
+
+    def remember(self, a: Assignment) -> None:
+        if a.episode not in self._hints and len(self._hints) >= MAX_HINTS:
+            self._hints.popitem(last=False)
+        self._hints[a.episode] = a if a.status == "hit" else a._replace(status="hit", previous=None)
+
+    def forget(self, episode: str) -> None:
+        self._hints.pop(episode, None)
+
+    def __len__(self) -> int:
+        return len(self._hints)
+
+
+class Router:
+    """Resolve, then serve here or forward once (see the module doc)."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        claims: Claims,
+        dispatchers: dict[str, MultiGpuDispatcher],
+        lease: Lease,
+        owner: Owner,
+        health: DeviceHealth,
+        metrics: Metrics,
+        pool: Poster,
+        clock: Callable[[], float] = time.monotonic,
+        catalog: Catalog | None = None,
+    ) -> None:
+        self.config = config
+        self.node_id = config.node_id
+        self.claims = claims
+        self.dispatchers = dispatchers
+        self.first_model = next(iter(dispatchers))  # a step that names none
+        self.arrivals = next(iter(dispatchers.values())).arrivals
+        self.lease = lease
+        self.owner = owner
+        self.health = health
+        self.metrics = metrics
+        self.pool = pool
+        self.clock = clock
+        self.catalog = catalog
+        self.models = owner.models
+        self.admission = (
+            Admission(
+                config.admission_wait_s, clock=clock, on_waiting=metrics.admission_waiting.set
+            )
+            if config.admission_wait_s
+            else None
+        )
+        self._rr = 0
+        # the labelled children of the per-step metrics (labels() takes a lock each call)
+        self._routing_counted = {r: metrics.routing.labels(r) for r in ROUTING}
+        self._act_seconds = {p: metrics.act_seconds.labels(p) for p in ("local", "forwarded")}
+        self.peers = PeerHealth()
+        self._restarting: dict[str, int] = {}  # episodes whose restart claim is in flight
+        self.locator = Locator()
+        owner.router = self
+
+    # ---- the layers --------------------------------------------------------------------
+
+    async def act(self, step: Step, *, patient: bool = False) -> Reply:
+        """Route and serve one step within ``step.deadline``.
+
+        ``patient`` retries transient conditions (owner unreachable, a Redis blip, ``full``)
+        inside the node until the deadline, for clients that cannot retry (openpi's).
+        Raises :class:`Unavailable` (503), :class:`Refused` (its status), and
+        ``InvalidArgument`` for a bad id."""
+        started = time.perf_counter()
+        if step.arrived is None:
+            step.arrived = self.clock()
+        arrival = self.arrivals.arrival()  # lets a device with a waiting step wait for it
+        try:
+            reply = await self._act_within_deadline(step, patient, arrival)
+        except Unavailable as exc:
+            self.metrics.routing.labels(
+                exc.reason if exc.reason in ("full", "no_nodes") else "unavailable"
+            ).inc()
+            raise
+        except Refused:
+            self.metrics.routing.labels("failed").inc()
+            raise
+        finally:
+            arrival.done()
+        counted = self._routing_counted.get(reply.routing)
+        (counted or self.metrics.routing.labels(reply.routing)).inc()
+        path = "local" if reply.node == self.node_id else "forwarded"
+        self._act_seconds[path].observe(time.perf_counter() - started)
+        return reply
+
+    async def _act_within_deadline(self, step: Step, patient: bool, arrival: Arrival) -> Reply:
+        last: Unavailable | None = None
+        late: Reply | None = None
+        backoff = 0.025
+        try:
+            with TimeLimit(step.deadline - self.clock()):
+                while True:
+                    try:
+                        reply = await self._act_handling_restart(step, arrival)
+                        break
+                    except Unavailable as exc:
+                        if not patient or exc.reason not in TRANSIENT:
+                            raise
+                        last = exc
+                    await asyncio.sleep(min(backoff, last.retry_after))
+                    backoff = min(backoff * 2, 0.5)
+            if self.clock() >= step.deadline:
+                # served past the deadline without a suspension the timeout could cancel (a
+                # quick run on the event loop after a stall), or the cancellation was
+                # swallowed (gh-86296, Python 3.11): answered 503, so it must not stay done
+                late = reply
+                raise TimeoutError
+            return reply
+        except TimeoutError:
+            if late is not None:
+                await self.undelivered(late)
+            if last is not None:
+                raise last from None
+            raise Unavailable(
+                "deadline", f"no answer within {self.config.act_deadline_s}s", 1.0
+            ) from None
+
+    async def _act_handling_restart(self, step: Step, arrival: Arrival) -> Reply:
+        self.lease.require()
+        if step.episode is None:
+            return await self._stateless(step, arrival)
+        if step.restart:
+            # only the owner starts its episode over: it drops what it holds, then claims
+            # anew, so no node serves the old claim from memory meanwhile
+            try:  # the episode's own model: a restart may name any
+                current = await self._resolve(step.episode, claim=False)
+            except UnknownEpisode:
+                current = None
+            if current is not None and current.node != self.node_id:
+                return await self._forward(current, step, arrival, retry=True)
+            return await self.restart_here(step, arrival)
+        hint: Assignment | None = None
+        unsent: _NotSent | None = None  # the hinted owner refused the connection
+        if step.episode not in self._restarting:
+            # the owner serves the episodes it holds from memory; a router forwards to
+            # where the episode was last time (the owner checks it)
+            held = self.owner.serving(step.episode)
+            if held is not None:
+                if self._names_other(step, held.model):
+                    raise Refused(
+                        409,
+                        "model_conflict",
+                        str(ModelConflict(step.episode, held.model, self._asked(step))),
+                    )
+                return await self._serve_here(held, step, arrival)
+            hint = self.locator.lookup(step.episode) if self.lease.may_serve() else None
+            if hint is not None and not self._names_other(step, hint.model):
+                # (a hint of another model or version: Redis answers, 409 or a new place)
+                try:
+                    return await self._forward(hint, step, arrival, retry=True)
+                except Unavailable as exc:
+                    if exc.reason not in STALE_HINT and not isinstance(exc, _NotSent):
+                        raise
+                    # the owner it names cannot serve (it left, fenced, is gone): ask Redis
+                    unsent = exc if isinstance(exc, _NotSent) else None
+        a = await self._resolve_for(step)
+        if unsent is not None and hint is not None and (a.node, a.token) == (hint.node, hint.token):
+            raise unsent  # Redis still names the owner that refused: unreachable, not moved
+        return await self._act_at_owner(a, step, arrival)
+
+    async def restart_here(self, step: Step, arrival: Arrival) -> Reply:
+        """Start ``step``'s episode over, this node being its owner (or none being): drop
+        what is held here, claim anew, serve the step there."""
+        assert step.episode is not None
+        self.locator.forget(step.episode)
+        self._restarting[step.episode] = self._restarting.get(step.episode, 0) + 1
+        try:  # not served from memory meanwhile; the fresh claim replaces the record
+            a = await self._resolve(
+                step.episode,
+                restart=True,
+                deadline=step.deadline,
+                model=step.model or self.first_model,
+                version=step.version or "",
+            )
+        finally:
+            left = self._restarting.pop(step.episode) - 1
+            if left:
+                self._restarting[step.episode] = left
+        if a.node != self.node_id:
+            self.owner.table.release(step.episode, "end")  # the new owner is another node
+        return await self._act_at_owner(a, replace(step, restart=False), arrival)
+
+    async def _act_at_owner(self, a: Assignment, step: Step, arrival: Arrival) -> Reply:
+        """Serve or forward the step of ``a``, which Redis has just decided."""
+        if a.node != self.node_id:
+            return await self._forward(a, step, arrival, retry=True)
+        self.lease.require_instance(a.instance)  # Redis' word: the registration must be ours
+        if self.lease.leaving:
+            # this node is handing its episodes over: this one goes now, then to its new owner
+            await self.owner.hand_over(a.episode)
+            a = await self._resolve_for(step)
+            if a.node == self.node_id:
+                raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)
+            return await self._forward(a, step, arrival, retry=False)
+        return await self._serve_here(a, step, arrival)
+
+    async def _serve_here(self, a: Assignment, step: Step, arrival: Arrival) -> Reply:
+        """The owner serves ``a`` here; a claim that ended here meanwhile is asked about
+        again, once (a step queued behind an end, a release, an idle expiry)."""
+        try:
+            return await self.owner.serve(a, step, arrival)
+        except ClaimEnded:
+            pass
+        again = await self._resolve_for(step)
+        if again.node != self.node_id:
+            return await self._forward(again, step, arrival, retry=False)
+        try:
+            return await self.owner.serve(again, step, arrival)
+        except ClaimEnded as exc:
+            raise Unavailable("owner_refused", str(exc), 1.0) from None
+
+    # ---- Redis -------------------------------------------------------------------------
+
+    async def _resolve_for(self, step: Step) -> Assignment:
+        assert step.episode is not None
+        return await self._resolve(
+            step.episode,
+            claim=not step.live_only,
+            deadline=step.deadline,
+            model=step.model or self.first_model,
+            version=step.version or "",
+        )
+
+    async def _resolve(
+        self,
+        episode: str,
+        *,
+        restart: bool = False,
+        claim: bool = True,
+        deadline: float | None = None,
+        model: str = "",
+        version: str = "",
+    ) -> Assignment:
+        """Raises ``UnknownEpisode`` when not ``claim`` and Redis holds no assignment.
+        ``deadline``: a new step's; with ``--admission-wait`` a claim that finds every
+        device full waits in the backlog until then at most (``node/admission.py``).
+        ``model``/``version``: what the step names (Redis keeps an episode on its own;
+        another version is :class:`Refused` 409 ``model_conflict``, a model no node
+        registered 404 ``unknown_model``)."""
+
+        def resolve() -> Awaitable[Assignment]:
+            return self.claims.resolve(
+                episode, restart=restart, claim=claim, model=model, version=version
+            )
+
+        try:
+            try:
+                assignment = await resolve()
+            except NoCapacity as exc:
+                if self.admission is None or deadline is None or exc.reason != "at_capacity":
+                    raise
+                assignment = await self.admission.wait(episode, resolve, deadline)
+            self.peers.resolved(assignment)
+            if assignment.status != "hit" and assignment.model:
+                m = ModelId.parse(assignment.model)
+                self.metrics.model_claims.labels(m.name, m.version, assignment.status).inc()
+            return assignment
+        except ModelConflict as exc:
+            raise Refused(409, "model_conflict", str(exc)) from exc
+        except UnknownModel as exc:
+            served = self.catalog.served() if self.catalog else []
+            raise Refused(404, "unknown_model", str(UnknownModel(exc.model, served))) from exc
+        except PoolExhausted as exc:
+            raise Unavailable("busy", str(exc), 1.0) from exc
+        except NotReplicated as exc:  # nobody serves it: retry once the replicas catch up
+            raise Unavailable("not_replicated", str(exc), 1.0) from exc
+        except BackendUnavailable as exc:
+            raise Unavailable("redis", str(exc), 1.0) from exc
+        except Recovering as exc:
+            raise Unavailable("recovering", str(exc), max(1.0, exc.retry_after_s)) from exc
+        except NoCapacity as exc:
+            if exc.reason == "no_nodes":
+                raise Unavailable("no_nodes", str(exc), 1.0) from exc
+            raise Unavailable("full", str(exc), 2.0) from exc
+
+    def _asked(self, step: Step) -> str:
+        """The model a step names: ``"name@version"``, or its name alone."""
+        name = step.model or self.first_model
+        return f"{name}@{step.version}" if step.version else name
+
+    def _names_other(self, step: Step, model: str) -> bool:
+        """Whether ``step`` names another model name or version than ``model`` (an
+        episode's ``"name@version"``; ``""``: a fleet without models), as resolve.lua
+        decides it (``model_conflict``)."""
+        if not model:
+            return False
+        name, _, version = model.partition("@")
+        return (step.model or self.first_model) != name or (step.version or version) != version
+
+    async def _stateless(self, step: Step, arrival: Arrival) -> Reply:
+        name = step.model or self.first_model
+        dispatcher = self.dispatchers.get(name)
+        if dispatcher is None:
+            raise Refused(
+                404,
+                "unknown_model",
+                f"node {self.node_id} does not serve model {name!r}: a step without an "
+                "episode runs where it arrives (send it to a node that serves the model)",
+            )
+        up = [d for d in self.health.devices if not self.health.down(d)]
+        if not up:
+            raise Unavailable("device_down", "every device of this node is down", 5.0)
+        device = up[self._rr % len(up)]
+        self._rr += 1
+        arrival.done()
+        inputs = {**step.inputs, **control_feed(dispatcher.contract, None, start=True, end=True)}
+        outputs = await dispatcher.run_stateless(device, inputs)
+        return Reply(
+            outputs, None, device, self.node_id, 0, "stateless", False, False,
+            url=self.config.advertise_url, model=self.models.get(name, ""),
+        )  # fmt: skip
+
+    # ---- undo and end ------------------------------------------------------------------
+
+    async def undelivered(self, reply: Reply) -> None:
+        """Undo the step of ``reply``, which did not reach a live caller: here when it was
+        served here, else by telling its owner (bounded by :data:`UNDO_S`). Nothing for a
+        replayed reply (an earlier attempt applied it, whose own fate decides) or a step
+        that named its ``seq`` (held for the client's retry)."""
+        if reply.episode is None or reply.replayed or reply.held:
+            return
+        if not reply.origin:
+            self.owner.undo(reply.episode, reply.seq)
+            return
+        await self._undo_at(reply.url, reply.episode, reply.token, reply.device, reply.origin)
+
+    async def _undo_at(self, url: str, episode: str, token: int, device: str, origin: str) -> None:
+        body = Forward(episode, token, device, "hit", {}, UNDO_S, origin=origin, undo=True)
+        try:
+            async with asyncio.timeout(UNDO_S):
+                resp = await self.pool.post(url, body.encode())
+            if resp.status == 204:
+                return
+            problem = f"it answered {resp.status}"
+        except (TimeoutError, ForwardError) as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        log.warning("could not tell %s to undo a step of %r (%s)", url, episode, problem)
+
+    async def end_anywhere(self, episode: str) -> str | None:
+        """End ``episode`` where it lives (``POST /episodes/<id>/end`` on any node): its
+        owner drops it, then releases it in Redis, token-checked; an end sent to another
+        node is forwarded to the owner, so no owner keeps serving from memory an episode
+        Redis gave up. Returns the device it was on, None when Redis holds no assignment.
+        Raises ``StaleToken``/``UnknownEpisode`` (it changed meanwhile),
+        ``BackendUnavailable``, :class:`Unavailable` (an owner alive but unreachable)."""
+        info = await self.claims.lookup(episode)
+        if info is None:
+            return None
+        self.locator.forget(episode)
+        if info.node == self.node_id or not info.alive:  # nobody serves it from memory elsewhere
+            await self.owner.end(episode, info.token, strict=True)
+            return info.device
+        body = Forward(episode, info.token, info.device, "hit", {}, UNDO_S, release=True)
+        try:
+            async with asyncio.timeout(self.config.act_deadline_s):
+                resp = await self.pool.post(info.url, body.encode())
+        except (TimeoutError, ForwardError) as exc:
+            raise Unavailable(
+                "owner_unreachable",
+                f"episode {episode!r} is owned by {info.node} ({info.url}), which did not "
+                f"answer: {exc}",
+                1.0,
+            ) from exc
+        if resp.status != 204:
+            code, message = _error_of(resp)
+            raise Unavailable(code, f"owner {info.node} answered {resp.status}: {message}", 1.0)
+        return info.device
+
+    async def end_here(self, episode: str, token: int) -> None:
+        """End ``episode``, served here under ``token`` (a closed websocket's own episode):
+        :meth:`Owner.end`; a release Redis cannot take now is left to its backstop."""
+        self.locator.forget(episode)
+        await self.owner.end(episode, token)
+
+    # ---- forwarding --------------------------------------------------------------------
+
+    async def _forward(self, a: Assignment, step: Step, arrival: Arrival, *, retry: bool) -> Reply:
+        budget = step.deadline - self.clock() - FORWARD_MARGIN_S
+        if budget <= 0:
+            raise Unavailable("deadline", f"no time left to forward to {a.node}", 1.0)
+        origin = os.urandom(8).hex()
+        body = Forward(
+            episode=a.episode,
+            token=a.token,
+            device=a.device,
+            routing=a.status,
+            inputs=step.inputs,
+            budget_s=budget,
+            end=step.end,
+            degraded=step.degraded,
+            client_token=step.client_token,
+            execute_steps=step.execute_steps,
+            ensemble=step.ensemble,
+            seq=step.seq,
+            origin=origin,
+            claim=a.claim,
+            instance=a.instance,
+            model=self._asked(step) if step.restart else a.model,
+            rtc=step.rtc,
+            elapsed_s=0.0 if step.arrived is None else max(0.0, self.clock() - step.arrived),
+            restart=step.restart,
+            client_claim=step.client_claim,
+        ).encode()
+        arrival.done()  # it leaves this node
+        self.locator.forget(a.episode)  # kept again only when this forward is answered
+        held = step.seq is not None  # a step that names its seq is never undone: its retry is safe
+        try:
+            resp = await self.pool.post(a.url, body)
+        except asyncio.CancelledError:
+            # cut off (the deadline, the client left): the owner may have applied the step
+            # and even sent its reply; it is undone there before this caller hears anything
+            if not held:
+                await self._undo_at(a.url, a.episode, a.token, a.device, origin)
+            raise
+        except ForwardError as exc:
+            if not exc.unsent and not held:  # it broke after the request left: it may have run
+                await self._undo_at(a.url, a.episode, a.token, a.device, origin)
+            self.metrics.forwarded.labels("unreachable").inc()
+            self.peers.failed(a.node, a.url, exc)
+            raise (_NotSent if exc.unsent else Unavailable)(
+                "owner_unreachable",
+                f"episode {a.episode!r} is owned by {a.device} on {a.node} ({a.url}), "
+                f"which did not answer: {exc}",
+                1.0,
+            ) from exc
+        self.peers.answered(a.node)
+        if resp.status == 200:
+            try:
+                reply = decode_reply(resp.body)
+            except ValueError as exc:
+                self.metrics.forwarded.labels("unreachable").inc()
+                raise Unavailable("owner_unreachable", f"owner {a.node}: {exc}", 1.0) from exc
+            self.metrics.forwarded.labels("ok").inc()
+            reply.origin = origin
+            reply.held = held
+            if not (step.end or step.restart):
+                self.locator.remember(a)
+            return reply
+        self.metrics.forwarded.labels("refused").inc()
+        code, message = _error_of(resp)
+        text = f"owner {a.node} answered {resp.status}: {message}"
+        if code == "seq_conflict":
+            raise Refused(409, code, message)
+        if resp.status in (409, 421):  # not there (any more), or not that process: ask Redis
+            if not retry:
+                raise Unavailable("owner_refused", text, 1.0)
+            # our view was stale: resolve once more
+            again = await self._resolve_for(step)
+            if again.node == self.node_id:
+                return await self._act_at_owner(again, step, arrival)
+            return await self._forward(again, step, arrival, retry=False)
+        if resp.status == 503 or code == "bad_secret":  # the nodes' secrets differ: not the
+            raise Unavailable(code, text, float(resp.headers.get("retry-after", "1")))  # client's
+        raise Refused(resp.status, code, text)
+
+
+def _error_of(resp: Response) -> tuple[str, str]:
+    try:
+        err = json.loads(resp.body)["error"]
+        return str(err["code"]), str(err["message"])
+    except (ValueError, KeyError, TypeError):
+        return "owner_error", resp.body[:200].decode("utf-8", "replace")

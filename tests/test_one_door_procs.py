@@ -1,0 +1,209 @@
+"""One door for every change of owner (issue 33) with real processes: an owner paused past
+its lease, nodes with different lease TTLs when Redis restarts empty, a node restarted
+under the same node id while a router still holds a hint, an openpi robot that reconnects
+and retries while its lost step still runs, and a client whose timeout is shorter than a
+step. The probe policy's recurrent state counts exactly the steps its episode has seen
+(``tests/models.py: counter_policy``), so a step applied twice, or one answered whose
+state was kept nowhere, shows in the next count. Each failed on the code before it."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from websockets.sync.client import connect
+
+from affinity import Client, Keys, wire
+from tests.models import counter_policy
+from tests.procs import Node, RedisServer, wait_until
+from tests.test_cluster import Cluster, running
+
+pytestmark = pytest.mark.integration
+KEYS = Keys()
+OBS = {"obs": [[0.0] * 8]}
+
+
+def act(url: str, episode: str, timeout: float = 60) -> httpx.Response:
+    return httpx.post(url + "/act", json={"episode_id": episode, "inputs": OBS}, timeout=timeout)
+
+
+def count(reply: dict[str, Any]) -> int:
+    return int(np.asarray(reply["outputs"]["count"]).reshape(-1)[0])
+
+
+def owned_by(c: Cluster, node: str, prefix: str) -> str:
+    """An episode claimed on ``node`` by a first step sent there (one step applied)."""
+    for i in range(32):
+        r = act(c.node(node).url, f"{prefix}-{i}")
+        assert r.status_code == 200, r.text
+        if r.json()["node"] == node:
+            return f"{prefix}-{i}"
+    raise AssertionError(f"no episode landed on {node}")
+
+
+def until_served(url: str, episode: str, limit: float = 60) -> dict[str, Any]:
+    """Step through ``url`` until a 200 (bounded): its reply."""
+    deadline = time.monotonic() + limit
+    last = ""
+    while time.monotonic() < deadline:
+        r = act(url, episode)
+        if r.status_code == 200:
+            return dict(r.json())
+        last = r.text
+        time.sleep(0.2)
+    raise AssertionError(f"{episode} was not served within {limit}s: {last}")
+
+
+@pytest.fixture
+def slow_model(tmp_path: Path) -> Path:
+    """The counter policy at ~0.5-2 s a run (long enough to be paused or given up mid-run)."""
+    return counter_policy(tmp_path, repeats=150, width=512)
+
+
+def test_an_owner_paused_past_its_lease_never_answers_200_from_kept_nowhere(
+    tmp_path: Path, slow_model: Path
+) -> None:
+    """a is SIGSTOPped while a step of its episode runs, past its lease; b takes the episode
+    over meanwhile. On SIGCONT a's renewal may run first and register anew: the interrupted
+    step is then answered 503, never 200 under the old claim (its state is kept nowhere)."""
+    redis = RedisServer(tmp_path)
+    extra = ["--lease-ttl", "3", "--act-deadline", "60", "--model", str(slow_model)]
+    nodes = [Node(tmp_path, n, redis.url, devices="cpu:1", extra=extra) for n in ("a", "b")]
+    with running(redis, nodes) as c:
+        a = c.node("a")
+        tried = 0
+        for trial in range(4):  # bounded: a trial counts when the stop lands mid-step
+            ep = owned_by(c, "a", f"paused{trial}")
+            got: dict[str, Any] = {}
+
+            def step(ep: str = ep, got: dict[str, Any] = got) -> None:
+                r = act(a.url, ep, timeout=120)
+                got.update(status=r.status_code, body=r.json(), at=time.monotonic())
+
+            t = threading.Thread(target=step)
+            t.start()
+            time.sleep(0.2)
+            a.proc.send(signal.SIGSTOP)
+            stopped = time.monotonic()
+            try:
+                taken = until_served(c.node("b").url, ep)  # b, once a's lease lapsed
+                assert taken["node"] == "b" and taken["state_reset"] is True
+            finally:
+                a.proc.send(signal.SIGCONT)
+            t.join(120)
+            assert got, "the paused owner's step never answered"
+            if got["at"] < stopped:
+                continue  # it finished before the stop: not this case; try again
+            tried += 1
+            assert got["status"] != 200, (
+                f"a answered the interrupted step 200 after b took {ep} over: {got['body']}"
+            )
+            assert got["body"]["error"]["code"] in ("fenced", "deadline"), got["body"]
+            nxt = until_served(c.node("b").url, ep)
+            assert (nxt["node"], count(nxt)) == ("b", count(taken) + 1)
+        assert tried >= 1, "no SIGSTOP landed while a step ran"
+
+
+def test_nodes_with_different_lease_ttls_never_both_serve_after_redis_restarts_empty(
+    tmp_path: Path,
+) -> None:
+    """a holds 30 s leases, b 3 s ones. Redis restarts empty while a serves E from memory:
+    b must not claim E while a may still serve it (before: b's grace period was its own
+    3 s; a re-registers only at its next renewal, up to 10 s later)."""
+    redis = RedisServer(tmp_path)
+    nodes = [
+        Node(tmp_path, "a", redis.url, devices="cpu:1", extra=["--lease-ttl", "30"]),
+        Node(tmp_path, "b", redis.url, devices="cpu:1", extra=["--lease-ttl", "3"]),
+    ]
+    with running(redis, nodes) as c:
+        r = redis.client()
+        wait_until(lambda: r.zscore(KEYS.known_leases, "b") == 30_000, 30, "b heard of 30 s")
+        ep = owned_by(c, "a", "mixed")
+        redis.restart()  # empty: no marker, no lease, no assignment
+        via_a = [until_served(c.node("a").url, ep)]  # a serves it from memory
+        replies = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # bounded: until a re-asserted E and b found it
+            resp = act(c.node("b").url, ep)
+            if resp.status_code == 200:
+                replies.append(resp.json())
+                if len(replies) >= 3:
+                    break
+            else:
+                assert resp.json()["error"]["code"] in ("recovering", "redis"), resp.text
+            time.sleep(0.2)
+        assert replies, "b never served E"
+        assert {x["node"] for x in replies} == {"a"}, "b claimed E while a served it"
+        counts = [count(x) for x in via_a + replies]
+        assert counts == list(range(counts[0], counts[0] + len(counts))), counts
+        assert all(not x["state_reset"] for x in via_a + replies)
+
+
+def test_a_node_restarted_under_its_id_survives_a_routers_stale_hint(tmp_path: Path) -> None:
+    """a is killed and started again under the same node id; b still holds a hint naming
+    the dead process: b's forward is refused with 409 and b asks Redis; a keeps running
+    (before: it took the hint for Redis' word, fenced and exited with code 4)."""
+    redis = RedisServer(tmp_path)
+    lease = ["--lease-ttl", "3"]
+    nodes = [Node(tmp_path, n, redis.url, devices="cpu:1", extra=lease) for n in ("a", "b")]
+    with running(redis, nodes) as c:
+        a, b = c.node("a"), c.node("b")
+        ep = owned_by(c, "a", "twin")
+        assert act(b.url, ep).json()["node"] == "a"  # b remembers a as the owner
+        a.stop(signal.SIGKILL)
+        a.start(timeout=60)  # waits out the dead process's lease, then registers
+        replies = [until_served(b.url, ep) for _ in range(3)]
+        assert replies[0]["node"] == "a" and replies[0]["state_reset"] is True
+        assert a.proc.popen is not None and a.proc.popen.poll() is None, a.proc.log()
+        assert "held by another process" not in a.proc.log()
+        assert [count(x) for x in replies] == [1, 2, 3]
+
+
+def test_an_openpi_robot_that_reconnects_and_retries_never_sees_its_lost_step(
+    tmp_path: Path, slow_model: Path
+) -> None:
+    """The robot's connection drops while step 2 runs; it reconnects and sends step 2
+    again: the lost step is undone as its connection closes, so the retry is counted 2,
+    not 3 (before: the websocket was not watched during a step)."""
+    redis = RedisServer(tmp_path)
+    extra = ["--act-deadline", "60", "--model", str(slow_model)]
+    with running(redis, [Node(tmp_path, "a", redis.url, devices="cpu:1", extra=extra)]) as c:
+        url = c.node("a").url.replace("http://", "ws://") + "/?episode_id=robot"
+        obs = {"obs": np.zeros(8, np.float32)}
+
+        def infer(ws: Any) -> dict[str, Any]:
+            ws.send(wire.encode(obs))
+            return dict(wire.decode(ws.recv(timeout=120)))
+
+        with connect(url, max_size=None) as ws:
+            ws.recv(timeout=30)  # the metadata
+            assert int(infer(ws)["count"][0]) == 1
+            ws.send(wire.encode(obs))  # step 2 ...
+            time.sleep(0.3)  # ... runs, and the link drops
+        with connect(url, max_size=None) as ws:
+            ws.recv(timeout=30)
+            retry = infer(ws)
+            assert (int(retry["count"][0]), retry["state_reset"]) == (2, False), retry
+            assert int(infer(ws)["count"][0]) == 3
+
+
+def test_a_client_whose_timeout_is_shorter_than_a_step_gets_its_answer(tmp_path: Path) -> None:
+    """``Client(timeout=1)`` and steps that take longer: each attempt times out, but the
+    step named its seq, so it is held and the retry gets the run under way (before: every
+    attempt was undone and run again; ServiceUnavailable after 4 attempts)."""
+    slower = counter_policy(tmp_path, repeats=500, width=512)  # ~2 s a run, or more
+    redis = RedisServer(tmp_path)
+    extra = ["--act-deadline", "60", "--model", str(slower)]
+    with running(redis, [Node(tmp_path, "a", redis.url, devices="cpu:1", extra=extra)]) as c:
+        node = c.node("a")
+        with Client([node.url], timeout=1, retries=30, retry_budget_s=120) as fleet:
+            first = fleet.act("slow", OBS)
+            second = fleet.act("slow", OBS)
+        assert [int(np.asarray(s.outputs["count"]).item()) for s in (first, second)] == [1, 2]
+        assert not first.state_reset and not second.state_reset
