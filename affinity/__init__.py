@@ -12,6 +12,8 @@ from affinity.client import (
     RequestRefused,
     ServiceUnavailable,
     StateReset,
+    Step,
+    StepReply,
 )
 from affinity.config import Settings
 from affinity.connection import close, connect, embedded_store
@@ -55,7 +57,6 @@ __all__ = [
     "DeviceRegistration",
     "DeviceStatus",
     "EpisodeInfo",
-    "Released",
     "InvalidArgument",
     "Keys",
     "ModelConflict",
@@ -68,11 +69,14 @@ __all__ = [
     "PoolExhausted",
     "Recovering",
     "Registry",
+    "Released",
     "RequestRefused",
     "ServiceUnavailable",
     "Settings",
     "StaleToken",
     "StateReset",
+    "Step",
+    "StepReply",
     "UnknownDevice",
     "UnknownEpisode",
     "UnknownField",

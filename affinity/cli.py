@@ -39,6 +39,7 @@ from affinity.errors import (
     UnknownNode,
 )
 from affinity.registry import ModelStatus, Registry, event_json
+from affinity.scripts import failure
 
 __all__ = ["main"]
 
@@ -129,7 +130,8 @@ async def cmd_devices(args: argparse.Namespace, ctx: Context) -> int:
     await ctx.require_deployment()
     devices = await ctx.registry.devices()
     if ctx.json:
-        emit_json(ctx, [d.to_json() for d in devices])
+        # a dead node's load is stale (its episodes move on their next step): none is shown
+        emit_json(ctx, [{**d.to_json(), "load": d.load if d.alive else None} for d in devices])
         return EXIT_OK
     rows = [
         (
@@ -139,7 +141,7 @@ async def cmd_devices(args: argparse.Namespace, ctx: Context) -> int:
             d.name,
             d.state,
             yes_no(d.alive),
-            f"{d.load}/{d.capacity}",
+            f"{d.load if d.alive else '-'}/{d.capacity}",
             d.weight,
             d.provider,
             ",".join(d.models),
@@ -202,15 +204,20 @@ async def cmd_models(args: argparse.Namespace, ctx: Context) -> int:
 
 
 async def cmd_rollout(args: argparse.Namespace, ctx: Context) -> int:
+    await ctx.require_deployment()
+    models = await ctx.registry.models()
+    served = [f"{m.name}@{m.version}" for m in models if m.nodes]
+    if not any(m.name == args.name for m in models):
+        raise UnknownModel(args.name, served)
     if args.reset:
         await ctx.registry.clear_rollout(args.name)
     elif args.version is not None:
         if args.weight is None:
             raise InvalidArgument("rollout weight", None, "give VERSION and WEIGHT")
+        if f"{args.name}@{args.version}" not in served:  # a weight no node could honour
+            raise UnknownModel(f"{args.name}@{args.version}", served)
         await ctx.registry.rollout(args.name, args.version, args.weight)
     models = [m for m in await ctx.registry.models() if m.name == args.name]
-    if not models:
-        raise UnknownModel(args.name)
     if ctx.json:
         emit_json(ctx, [m.to_json() for m in models])
     else:
@@ -525,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except (BackendUnavailable, RedisError, OSError, TimeoutError) as exc:
-        reason = str(exc) or type(exc).__name__
+        reason = str(exc) if isinstance(exc, BackendUnavailable) else failure(exc)
         return fail(EXIT_REDIS, f"cannot reach Redis at {shown_url(url)}: {reason}")
 
 

@@ -1008,18 +1008,27 @@ class MultiGpuDispatcher:
     async def warm_up(self) -> None:
         """Warm every device up on its own worker thread, one device after another, before
         serving. A session with a ``warm_up()`` method (``node.binding.BoundSession``, which
-        captures its CUDA graph there) is asked to; any other runs zeros once at every batch
-        size it will use (a session with ``batch_sizes`` captures one graph per size there).
+        captures its CUDA graph there) is asked to; any other runs the feed of
+        ``node.warmup`` (the operator's samples, else zeros) once at every batch size it will
+        use (a session with ``batch_sizes`` captures one graph per size there); a model with
+        an input nothing may be fed (``node.warmup.unfed``) is not run at all.
         ONNX Runtime keeps a captured CUDA graph per thread, so the capture must happen on the
         thread that runs the device's steps; CUDA's capture mode is process-wide, so devices
-        go one at a time. Raises :class:`ModelFailure` (counted) when a run fails."""
+        go one at a time. Raises what a run raised (nothing is counted: the node stops)."""
+        from node import warmup  # the feed's one home (also the probe's, once it moves)
+
+        if warmup.unfed(self.contract):
+            return
         for dev in self._devices.values():
             warm = getattr(dev.session, "warm_up", None)
             if warm is not None:
                 await self._call(dev, warm)
                 continue
             for size in [s for s in dev.sizes or () if s <= dev.max_batch] or [dev.bucket(1)]:
-                await self._call(dev, functools.partial(self._run_counted, dev, self._zeros(size)))
+                feed = warmup.feed(self.contract, size)
+                assert feed is not None  # no unfed input
+                run = functools.partial(warmup.run, dev.session, self._outputs, feed)
+                await self._call(dev, run)
 
     def close(self) -> None:
         for dev in self._devices.values():
