@@ -53,7 +53,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from affinity.errors import InvalidArgument
-from node import control
+from node import control, warmup
 from node.chunks import ActionBuffer, ChunkMode, find_chunk
 from node.episodes import (
     Apply,
@@ -972,14 +972,6 @@ class MultiGpuDispatcher:
         dev.put(call)
         return await call.future
 
-    def _zeros(self, rows: int) -> dict[str, Array]:
-        one = {spec.name: spec.zeros() for spec in self.contract.observation_inputs}
-        one.update(self.contract.initial_state())
-        one.update({spec.name: spec.zeros() for spec in self.contract.control_inputs})
-        if self.rtc is not None:
-            one.update(self.rtc.none())
-        return {name: np.concatenate([v] * rows) for name, v in one.items()}
-
     def _run_counted(self, dev: _Device, feed: dict[str, Array]) -> None:
         try:
             dev.session.run(self._outputs, feed)
@@ -990,14 +982,21 @@ class MultiGpuDispatcher:
             self._transition(dev.id, "up", "")
 
     async def probe(self) -> list[str]:
-        """Probe every down device whose cool-down has passed, with a run of zeros.
+        """Probe every down device whose cool-down has passed, with the warm-up's feed
+        (``node.warmup``); a model nothing may be fed to made up comes back untested, and
+        its next steps probe it (a failure takes it down again).
 
         Returns the devices that came back up."""
         back = []
         for dev in self._devices.values():
             if not dev.tracker.probe_due():
                 continue
-            feed = self._zeros(1)
+            feed = warmup.feed(self.contract)
+            if feed is None:
+                if dev.tracker.success():
+                    self._transition(dev.id, "up", "")
+                back.append(dev.id)
+                continue
             try:
                 await self._call(dev, functools.partial(self._run_counted, dev, feed))
             except ModelFailure:
@@ -1015,8 +1014,6 @@ class MultiGpuDispatcher:
         ONNX Runtime keeps a captured CUDA graph per thread, so the capture must happen on the
         thread that runs the device's steps; CUDA's capture mode is process-wide, so devices
         go one at a time. Raises what a run raised (nothing is counted: the node stops)."""
-        from node import warmup  # the feed's one home (also the probe's, once it moves)
-
         if warmup.unfed(self.contract):
             return
         for dev in self._devices.values():

@@ -313,11 +313,11 @@ async def test_no_inline_run_while_another_device_is_busy() -> None:
     assert loop_thread not in sessions["n/0"].threads
     gate.set()
     await slow
-    # the worker hands its answers over before it frees the device (an inline round must
-    # not share its outbox): wait, bounded, until n/1 is free, as a next step would find it
-    worker = d._devices["n/1"]
+    # a worker hands its answers over before it frees its device (an inline round must
+    # not share its outbox): wait, bounded, until both are free, as a next step would find
+    # them (n/0's worker ran the first quick step)
     for _ in range(10_000):
-        if not (worker.busy or worker.pending):
+        if not any(w.busy or w.pending for w in d._devices.values()):
             break
         await asyncio.sleep(0.001)
     await d.step("n/0", "quick", 1, False, obs(1))  # nothing else busy: inline again
