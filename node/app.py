@@ -1,7 +1,7 @@
 """The node's ASGI application: the hot endpoints as plain handlers, FastAPI for the rest.
 
 ``POST /act`` (JSON or msgpack), ``POST /internal/act`` (forwards between nodes) and every
-path under ``/v2`` (KServe v2, ``node/protocols/kserve.py``) are dispatched straight to
+path under ``/v2`` (KServe v2, ``node/protocols/kserve/``) are dispatched straight to
 their protocol modules in ``node/protocols/``, without a
 framework's routing, validation or response classes on the request path. Everything else —
 inspection, administration, ``/metrics``, ``/docs`` — is a FastAPI app. Every error is

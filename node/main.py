@@ -664,7 +664,7 @@ async def _serve_on(config: NodeConfig, sock: socket.socket) -> int:
         return EXIT_NO_GPU
     grpc_server = None
     if config.grpc_port is not None:  # bound before registering, like the HTTP listener
-        from node.protocols import grpc  # grpcio loads only where gRPC is served
+        from node.protocols.kserve import grpc  # grpcio loads only where gRPC is served
 
         try:
             grpc_server = await grpc.start(service, config.host, config.grpc_port)

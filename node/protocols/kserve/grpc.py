@@ -1,8 +1,8 @@
 """KServe v2 over gRPC (``inference.GRPCInferenceService``), as the unmodified
 ``tritonclient.grpc`` (sync, ``aio`` and ``start_stream``) speaks it, on ``--grpc-port``.
 
-The same protocol as ``node/protocols/kserve.py`` over another transport: a request is
-decoded into that module's :class:`~node.protocols.kserve.InferRequest`, then follows the
+The same protocol as ``http.py`` over another transport: a request is decoded into
+``request.py``'s :class:`InferRequest`, then follows the
 same path (``to_step``, Triton's live-sequence rule, ``service.routing.act``: resolve,
 serve or forward to the owner over the node's internal HTTP), so a sequence is sticky across
 nodes whichever front door each of its steps used.
@@ -55,22 +55,24 @@ from node.accesslog import STEP_KEY, AccessLog
 from node.asgi import io_seen
 from node.membership import VERSION
 from node.policy import InvalidInput, PolicyContract
-from node.protocols.kserve import (
-    DATATYPES,
+from node.protocols.kserve.pb import kserve_pb2 as pb
+from node.protocols.kserve.request import (
     EXTENSIONS,
-    MAX_RANK,
-    MAX_TENSORS,
     MODEL_VERSION,
-    BadRequest,
     InferRequest,
-    bytes_elements,
     episode_of,
     model_metadata,
     not_live,
-    serialize_bytes,
     service_step,
 )
-from node.protocols.kserve_grpc import kserve_pb2 as pb
+from node.protocols.kserve.tensors import (
+    DATATYPES,
+    MAX_RANK,
+    MAX_TENSORS,
+    BadRequest,
+    bytes_elements,
+    serialize_bytes,
+)
 from node.service import NodeService
 from node.stats import model_statistics
 from node.step import Array, Refused, Reply, Unavailable

@@ -1,0 +1,379 @@
+"""KServe v2 over HTTP/REST, as the unmodified ``tritonclient.http`` (sync and ``aio``)
+speaks it: the infer body, the reply, and the handler of every path under ``/v2``.
+
+**Infer.** The body is the JSON request, or — the binary tensor extension, what
+``tritonclient`` sends by default — ``Inference-Header-Content-Length`` bytes of JSON
+followed by each binary input's raw bytes, in input order (``tensors.py``). The reply holds
+every returned output (or those ``outputs`` names), as JSON ``data`` or — with
+``parameters.binary_data_output`` or an output's ``binary_data`` — as binary data after the
+JSON header; and affinity's facts in ``parameters``.
+
+**Errors** are KServe's: a non-200 status with ``{"error": "<message>"}``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import orjson
+
+from affinity import InvalidArgument, UnknownEpisode
+from affinity.wire import MAX_ELEMENTS
+from node.accesslog import STEP_KEY
+from node.asgi import (
+    CONNECTION,
+    BodyError,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    header,
+    read_body,
+    respond,
+    while_connected,
+)
+from node.membership import VERSION
+from node.policy import InvalidInput
+from node.protocols.kserve.request import (
+    EXTENSIONS,
+    MODEL_VERSION,
+    InferRequest,
+    check_custom,
+    episode_of,
+    model_metadata,
+    not_live,
+    service_step,
+)
+from node.protocols.kserve.tensors import (
+    MAX_TENSORS,
+    NAMES,
+    STRINGS,
+    BadRequest,
+    as_object,
+    body_inputs,
+    inflate,
+    kind_of,
+    serialize_bytes,
+)
+from node.service import NodeService
+from node.stats import model_statistics
+from node.step import Refused, Reply, Unavailable
+
+__all__ = ["decode_infer", "encode_infer", "handle"]
+
+_JSON = b"application/json"
+_HEADER_LENGTH = b"inference-header-content-length"
+
+
+def decode_infer(
+    body: bytes,
+    header_length: str | None,
+    *,
+    content_encoding: str | None = None,
+    max_bytes: int = 1 << 24,
+    max_elements: int = MAX_ELEMENTS,
+) -> InferRequest:
+    """Decode one infer body (see the module doc). ``header_length`` is the
+    ``Inference-Header-Content-Length`` header, if any; ``max_bytes`` bounds an inflated
+    body. Raises :class:`BadRequest` (400) or ``BodyError`` (413, an inflated body past
+    ``max_bytes``); allocates nothing from a declared size before checking it."""
+    if content_encoding is not None:
+        body = inflate(body, content_encoding.strip().lower(), max_bytes)
+    if header_length is None:
+        json_end = len(body)
+    else:
+        text = header_length.strip()
+        if not text.isdigit() or len(text) > 20 or int(text) > len(body):
+            raise BadRequest(
+                f"Inference-Header-Content-Length {header_length[:24]!r} must be the length of "
+                f"the JSON header within the {len(body)}-byte body",
+                "malformed",
+            )
+        json_end = int(text)
+    try:
+        doc = orjson.loads(memoryview(body)[:json_end])
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request JSON is not valid: {exc}"[:300], "malformed") from None
+    if not isinstance(doc, dict):
+        raise BadRequest("the request must be a JSON object", "malformed")
+    request_id = doc.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise BadRequest(f"id must be a string, not {kind_of(request_id)}")
+    params = as_object(doc.get("parameters"), "parameters")
+    check_custom(params)
+    sequence = params.get("sequence_id")
+    episode = episode_of(sequence)
+    start = _flag(params, "sequence_start")
+    end = _flag(params, "sequence_end")
+    if episode is None and (start or end):
+        raise BadRequest("sequence_start and sequence_end need a non-zero sequence_id")
+    timeout = params.get("timeout")
+    if timeout is not None and (type(timeout) is not int or timeout < 0):
+        raise BadRequest(f"timeout {timeout!r:.40} must be a whole number of microseconds")
+    steps, ensemble = params.get("execute_steps"), params.get("ensemble")
+    if steps is not None and type(steps) is not int:
+        raise BadRequest(f"execute_steps must be an integer, not {kind_of(steps)}")
+    if ensemble is not None and not isinstance(ensemble, str):
+        raise BadRequest(f"ensemble must be a string, not {kind_of(ensemble)}")
+    seq = params.get("seq")
+    if seq is not None and (type(seq) is not int or seq < 1):
+        raise BadRequest(f"seq {seq!r:.40} must be a step number >= 1")
+    arrays = body_inputs(doc.get("inputs"), body, json_end, max_elements)
+    binary_output = _flag(params, "binary_data_output")
+    return InferRequest(
+        id=request_id,
+        sequence=None if episode is None else sequence,
+        episode=episode,
+        start=start,
+        end=end,
+        arrays=arrays,
+        outputs=_requested(doc.get("outputs"), binary_output),
+        binary_output=binary_output,
+        timeout_s=timeout / 1e6 if timeout else None,
+        execute_steps=steps,
+        ensemble=ensemble,
+        seq=seq,
+        executed=params.get("executed"),
+        inference_delay=params.get("inference_delay"),
+        control_hz=params.get("control_hz"),
+    )
+
+
+def _requested(raw: object, binary_output: bool) -> dict[str, bool] | None:
+    if raw is None or raw == []:  # none named: every output
+        return None
+    if not isinstance(raw, list) or len(raw) > MAX_TENSORS:
+        raise BadRequest(f"outputs must be a list of at most {MAX_TENSORS} objects")
+    requested: dict[str, bool] = {}
+    for i, tensor in enumerate(raw):
+        if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
+            raise BadRequest(f"outputs[{i}] must be an object with a name")
+        name = tensor["name"]
+        params = as_object(tensor.get("parameters"), f"output {name[:64]!r} parameters")
+        for key in params:
+            if key == "classification" or key.startswith("shared_memory"):
+                raise BadRequest(f"output {name[:64]!r}: {key} is not supported")
+        if name in requested:
+            raise BadRequest(f"output {name[:64]!r} is requested twice")
+        binary = params.get("binary_data", binary_output)
+        if not isinstance(binary, bool):
+            raise BadRequest(f"output {name[:64]!r}: binary_data must be true or false")
+        requested[name] = binary
+    return requested
+
+
+def _flag(params: dict[str, Any], key: str) -> bool:
+    value = params.get(key, False)
+    if not isinstance(value, bool):
+        raise BadRequest(f"{key} must be true or false, not {kind_of(value)}")
+    return value
+
+
+def encode_infer(
+    reply: Reply, request: InferRequest, model_name: str
+) -> tuple[bytes, list[tuple[bytes, bytes]]]:
+    """(body, headers) of a step's reply: JSON, or a JSON header and binary outputs with
+    ``Inference-Header-Content-Length`` when any output goes back binary."""
+    wanted = request.outputs
+    if wanted is None:
+        wanted = dict.fromkeys(reply.outputs, request.binary_output)
+    outputs: list[dict[str, Any]] = []
+    blobs: list[bytes] = []
+    for name, binary in wanted.items():
+        array = reply.outputs[name]
+        entry: dict[str, Any] = {
+            "name": name,
+            "datatype": NAMES[array.dtype.name],
+            "shape": list(array.shape),
+        }
+        if binary:
+            if array.dtype == STRINGS:
+                blob = serialize_bytes(array)
+            else:
+                blob = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        elif array.dtype == STRINGS:
+            entry["data"] = [str(v) for v in array.reshape(-1).tolist()]
+        else:
+            entry["data"] = np.ascontiguousarray(array).reshape(-1)
+        outputs.append(entry)
+    version = reply.model.partition("@")[2] or MODEL_VERSION  # the version that served it
+    doc: dict[str, Any] = {"model_name": model_name, "model_version": version}
+    if request.id is not None:
+        doc["id"] = request.id
+    doc["parameters"] = {k: v for k, v in reply.facts(flat=True).items() if v is not None}
+    doc["outputs"] = outputs
+    head = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
+    headers = [(b"x-affinity-node", reply.node.encode())]
+    if reply.url:
+        headers.append((b"x-affinity-url", reply.url.encode()))
+    if not blobs:
+        return head, [(b"content-type", _JSON), *headers]
+    return b"".join([head, *blobs]), [
+        (b"content-type", b"application/octet-stream"),
+        (_HEADER_LENGTH, str(len(head)).encode()),
+        *headers,
+    ]
+
+
+# ---- the ASGI handler --------------------------------------------------------------------
+
+
+async def _error(
+    send: Send, status: int, message: str, headers: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    await respond(send, status, orjson.dumps({"error": message}), _JSON, headers or [])
+
+
+async def _json(send: Send, status: int, doc: dict[str, Any]) -> None:
+    await respond(send, status, orjson.dumps(doc), _JSON)
+
+
+def _statistics(service: NodeService, served: str) -> dict[str, Any]:
+    return model_statistics(service.metrics, service.device_ids, served, MODEL_VERSION)
+
+
+def _not_ready(service: NodeService) -> str | None:
+    if service.fenced():
+        return f"node {service.node_id} is not registered with a current lease"
+    if service.membership.leaving:
+        return f"node {service.node_id} is shutting down"
+    return None
+
+
+async def handle(service: NodeService, scope: Scope, receive: Receive, send: Send) -> None:
+    """The ASGI handler of every path under ``/v2``."""
+    parts = scope["path"].rstrip("/").split("/")[2:]  # after "", "v2"
+    method = scope["method"]
+    if parts in ([], ["health", "live"], ["health", "ready"]):
+        if method != "GET":
+            await _error(send, 405, f"use GET {scope['path']}", [(b"allow", b"GET")])
+        elif not parts:
+            extensions = list(EXTENSIONS)
+            await _json(send, 200, {"name": "affinity", "version": VERSION,
+                                    "extensions": extensions})  # fmt: skip
+        elif parts[1] == "live":
+            await _json(send, 200, {"live": True})
+        elif (why := _not_ready(service)) is not None:
+            await _json(send, 400, {"ready": False, "error": why})
+        else:
+            await _json(send, 200, {"ready": True})
+        return
+    if parts == ["models"]:  # the models of the fleet (any node routes any of them)
+        if method != "GET":
+            await _error(send, 405, f"use GET {scope['path']}", [(b"allow", b"GET")])
+        else:
+            await service.catalog.refresh(force=True)
+            listed = [{"name": n, "versions": service.catalog.versions(n)}
+                      for n in service.catalog.served()]  # fmt: skip
+            await _json(send, 200, {"models": listed})
+        return
+    if len(parts) < 2 or parts[0] != "models":
+        await _error(send, 404, f"{method} {scope['path'][:200]}: not a KServe v2 endpoint")
+        return
+    if parts == ["models", "stats"]:  # every model's statistics: those served here
+        if method != "GET":
+            await _error(send, 405, f"use GET {scope['path']}", [(b"allow", b"GET")])
+        else:
+            stats = [_statistics(service, served) for served in service.models]
+            await _json(send, 200, {"model_stats": stats})
+        return
+    name, rest = parts[1], parts[2:]
+    version = None
+    if rest[:1] == ["versions"] and len(rest) >= 2:
+        version, rest = rest[1], rest[2:]
+    if rest not in ([], ["ready"], ["infer"], ["stats"]):
+        await _error(send, 404, f"{method} {scope['path'][:200]}: not a KServe v2 endpoint")
+        return
+    try:
+        served, contract = await service.model_for(
+            name, None if version in (None, MODEL_VERSION) else version
+        )
+    except (Refused, InvalidArgument):
+        which = f"'{name[:128]}'" + (f" version {version[:32]}" if version else "")
+        fleet = ", ".join(f"'{n}'" for n in service.catalog.served())
+        await _error(send, 404, f"Request for unknown model: {which} is not found (this "
+                                f"fleet serves {fleet})")  # fmt: skip
+        return
+    want = "POST" if rest == ["infer"] else "GET"
+    if method != want:
+        await _error(send, 405, f"use {want} {scope['path'][:200]}", [(b"allow", want.encode())])
+    elif rest == ["infer"]:
+        await _infer(service, served, scope, receive, send, version)
+    elif rest == ["stats"]:
+        await _json(send, 200, {"model_stats": [_statistics(service, served)]})
+    elif not rest:
+        local = service.dispatcher.by_model.get(served)
+        chunk = local.chunk.output if local and local.chunk and local.chunk_mode else None
+        await _json(send, 200, model_metadata(contract, served, chunk))
+    elif (why := _not_ready(service)) is not None:
+        await _json(send, 400, {"name": served, "ready": False, "error": why})
+    else:
+        await _json(send, 200, {"name": served, "ready": True})
+
+
+async def _infer(
+    service: NodeService,
+    model_name: str,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    version: str | None = None,
+) -> None:
+    started = time.monotonic()
+    rejected = service.metrics.rejected
+    if not service.client_allowed(header(scope, b"authorization")):
+        rejected.labels("unauthorized").inc()
+        await _error(send, 401, "this node wants Authorization: Api-Key <key>",
+                     [(b"www-authenticate", b"Api-Key")])  # fmt: skip
+        return
+    budget = service.config.act_deadline_s
+    try:
+        body = await read_body(scope, receive, service.config.max_body_bytes)
+        request = decode_infer(
+            body,
+            header(scope, _HEADER_LENGTH),
+            content_encoding=header(scope, b"content-encoding"),
+            max_bytes=service.config.max_body_bytes,
+        )
+        if request.timeout_s is not None:
+            budget = min(budget, request.timeout_s)
+        step = await service_step(service, request, started + budget, model_name, version)
+        scope[STEP_KEY] = (step.episode or "-", "-", "-")
+        reply = await while_connected(receive, service.routing.act(step), scope.get(CONNECTION))
+        scope[STEP_KEY] = (step.episode or "-", reply.device, reply.routing)
+    except ClientGone as exc:  # nobody will read the reply: the step did not happen
+        if isinstance(exc.result, Reply):
+            await service.routing.undelivered(exc.result)
+    except UnknownEpisode:
+        # Triton's rule: a request without START must belong to a live sequence. Redis
+        # decides it in the step's own resolve (state this node may hold says nothing about
+        # an operator's release, an idle expiry, an END in flight, a Redis restarted empty)
+        rejected.labels("bad_input").inc()
+        await _error(send, 400, not_live(request.sequence, model_name))
+    except BodyError as exc:
+        rejected.labels(exc.reason).inc()
+        await _error(send, exc.status, str(exc))
+    except BadRequest as exc:
+        rejected.labels(exc.reason).inc()
+        await _error(send, 400, str(exc))
+    except (InvalidInput, InvalidArgument) as exc:
+        rejected.labels("bad_input").inc()
+        await _error(send, 400, str(exc))
+    except Unavailable as exc:
+        retry = str(max(1, round(exc.retry_after))).encode()
+        why = str(exc)
+        if exc.reason == "deadline" and budget < service.config.act_deadline_s:
+            why = f"no answer within the request's timeout of {round(budget * 1e6)} µs"
+        await _error(send, 503, f"{exc.reason}: {why}", [(b"retry-after", retry)])
+    except Refused as exc:
+        if exc.status == 403:
+            rejected.labels("forbidden").inc()
+        await _error(send, exc.status, f"{exc.reason}: {exc}")
+    else:
+        payload, headers = encode_infer(reply, request, model_name)
+        content_type = headers[0][1]
+        await respond(send, 200, payload, content_type, headers[1:])
