@@ -13,7 +13,10 @@ JSON header; and affinity's facts in ``parameters``.
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,7 +38,7 @@ from node.asgi import (
     while_connected,
 )
 from node.membership import VERSION
-from node.policy import InvalidInput
+from node.policy import InvalidInput, PolicyContract
 from node.protocols.kserve.request import (
     EXTENSIONS,
     MODEL_VERSION,
@@ -61,7 +64,7 @@ from node.service import NodeService
 from node.stats import model_statistics
 from node.step import Refused, Reply, Unavailable
 
-__all__ = ["decode_infer", "encode_infer", "handle"]
+__all__ = ["ROUTES", "Route", "decode_infer", "encode_infer", "handle"]
 
 _JSON = b"application/json"
 _HEADER_LENGTH = b"inference-header-content-length"
@@ -219,7 +222,7 @@ def encode_infer(
     ]
 
 
-# ---- the ASGI handler --------------------------------------------------------------------
+# ---- the route table ---------------------------------------------------------------------
 
 
 async def _error(
@@ -244,75 +247,151 @@ def _not_ready(service: NodeService) -> str | None:
     return None
 
 
-async def handle(service: NodeService, scope: Scope, receive: Receive, send: Send) -> None:
-    """The ASGI handler of every path under ``/v2``."""
-    parts = scope["path"].rstrip("/").split("/")[2:]  # after "", "v2"
-    method = scope["method"]
-    if parts in ([], ["health", "live"], ["health", "ready"]):
-        if method != "GET":
-            await _error(send, 405, f"use GET {scope['path']}", [(b"allow", b"GET")])
-        elif not parts:
-            extensions = list(EXTENSIONS)
-            await _json(send, 200, {"name": "affinity", "version": VERSION,
-                                    "extensions": extensions})  # fmt: skip
-        elif parts[1] == "live":
-            await _json(send, 200, {"live": True})
-        elif (why := _not_ready(service)) is not None:
-            await _json(send, 400, {"ready": False, "error": why})
-        else:
-            await _json(send, 200, {"ready": True})
-        return
-    if parts == ["models"]:  # the models of the fleet (any node routes any of them)
-        if method != "GET":
-            await _error(send, 405, f"use GET {scope['path']}", [(b"allow", b"GET")])
-        else:
-            await service.catalog.refresh(force=True)
-            listed = [{"name": n, "versions": service.catalog.versions(n)}
-                      for n in service.catalog.served()]  # fmt: skip
-            await _json(send, 200, {"models": listed})
-        return
-    if len(parts) < 2 or parts[0] != "models":
-        await _error(send, 404, f"{method} {scope['path'][:200]}: not a KServe v2 endpoint")
-        return
-    if parts == ["models", "stats"]:  # every model's statistics: those served here
-        if method != "GET":
-            await _error(send, 405, f"use GET {scope['path']}", [(b"allow", b"GET")])
-        else:
-            stats = [_statistics(service, served) for served in service.models]
-            await _json(send, 200, {"model_stats": stats})
-        return
-    name, rest = parts[1], parts[2:]
-    version = None
-    if rest[:1] == ["versions"] and len(rest) >= 2:
-        version, rest = rest[1], rest[2:]
-    if rest not in ([], ["ready"], ["infer"], ["stats"]):
-        await _error(send, 404, f"{method} {scope['path'][:200]}: not a KServe v2 endpoint")
-        return
+Params = dict[str, str | None]
+Endpoint = Callable[[NodeService, Scope, Receive, Send, Params], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One endpoint: ``method`` and a path ``pattern`` (matched whole) -> ``endpoint``, which
+    gets the pattern's named groups."""
+
+    method: str
+    pattern: re.Pattern[str]
+    endpoint: Endpoint
+
+
+async def _server_metadata(
+    service: NodeService, scope: Scope, receive: Receive, send: Send, params: Params
+) -> None:
+    await _json(send, 200, {"name": "affinity", "version": VERSION,
+                            "extensions": list(EXTENSIONS)})  # fmt: skip
+
+
+async def _live(
+    service: NodeService, scope: Scope, receive: Receive, send: Send, params: Params
+) -> None:
+    await _json(send, 200, {"live": True})
+
+
+async def _ready(
+    service: NodeService, scope: Scope, receive: Receive, send: Send, params: Params
+) -> None:
+    if (why := _not_ready(service)) is not None:
+        await _json(send, 400, {"ready": False, "error": why})
+    else:
+        await _json(send, 200, {"ready": True})
+
+
+async def _index(
+    service: NodeService, scope: Scope, receive: Receive, send: Send, params: Params
+) -> None:
+    """The models of the fleet (any node routes any of them)."""
+    await service.catalog.refresh(force=True)
+    listed = [{"name": n, "versions": service.catalog.versions(n)}
+              for n in service.catalog.served()]  # fmt: skip
+    await _json(send, 200, {"models": listed})
+
+
+async def _every_statistics(
+    service: NodeService, scope: Scope, receive: Receive, send: Send, params: Params
+) -> None:
+    """Every model's statistics: those served here."""
+    stats = [_statistics(service, served) for served in service.models]
+    await _json(send, 200, {"model_stats": stats})
+
+
+async def _model(
+    service: NodeService, send: Send, params: Params
+) -> tuple[str, PolicyContract] | None:
+    """The model ``params`` name and its contract; None once a 404 was sent for a model or
+    version no live node serves."""
+    name, version = params["name"] or "", params["version"]
     try:
-        served, contract = await service.model_for(
-            name, None if version in (None, MODEL_VERSION) else version
-        )
+        return await service.model_for(name, None if version in (None, MODEL_VERSION) else version)
     except (Refused, InvalidArgument):
         which = f"'{name[:128]}'" + (f" version {version[:32]}" if version else "")
         fleet = ", ".join(f"'{n}'" for n in service.catalog.served())
         await _error(send, 404, f"Request for unknown model: {which} is not found (this "
                                 f"fleet serves {fleet})")  # fmt: skip
+        return None
+
+
+async def _metadata(
+    service: NodeService, scope: Scope, receive: Receive, send: Send, params: Params
+) -> None:
+    if (model := await _model(service, send, params)) is None:
         return
-    want = "POST" if rest == ["infer"] else "GET"
-    if method != want:
-        await _error(send, 405, f"use {want} {scope['path'][:200]}", [(b"allow", want.encode())])
-    elif rest == ["infer"]:
-        await _infer(service, served, scope, receive, send, version)
-    elif rest == ["stats"]:
-        await _json(send, 200, {"model_stats": [_statistics(service, served)]})
-    elif not rest:
-        local = service.dispatcher.by_model.get(served)
-        chunk = local.chunk.output if local and local.chunk and local.chunk_mode else None
-        await _json(send, 200, model_metadata(contract, served, chunk))
-    elif (why := _not_ready(service)) is not None:
-        await _json(send, 400, {"name": served, "ready": False, "error": why})
+    served, contract = model
+    local = service.dispatcher.by_model.get(served)
+    chunk = local.chunk.output if local and local.chunk and local.chunk_mode else None
+    await _json(send, 200, model_metadata(contract, served, chunk))
+
+
+async def _model_ready(
+    service: NodeService, scope: Scope, receive: Receive, send: Send, params: Params
+) -> None:
+    if (model := await _model(service, send, params)) is None:
+        return
+    if (why := _not_ready(service)) is not None:
+        await _json(send, 400, {"name": model[0], "ready": False, "error": why})
     else:
-        await _json(send, 200, {"name": served, "ready": True})
+        await _json(send, 200, {"name": model[0], "ready": True})
+
+
+async def _model_statistics(
+    service: NodeService, scope: Scope, receive: Receive, send: Send, params: Params
+) -> None:
+    if (model := await _model(service, send, params)) is not None:
+        await _json(send, 200, {"model_stats": [_statistics(service, model[0])]})
+
+
+async def _model_infer(
+    service: NodeService, scope: Scope, receive: Receive, send: Send, params: Params
+) -> None:
+    if (model := await _model(service, send, params)) is not None:
+        await _infer(service, model[0], scope, receive, send, params["version"])
+
+
+_MODEL = r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?"
+ROUTES = tuple(
+    Route(method, re.compile(pattern), endpoint)
+    for method, pattern, endpoint in (
+        ("POST", _MODEL + "/infer", _model_infer),  # first: the hot one
+        ("GET", "/v2", _server_metadata),
+        ("GET", "/v2/health/live", _live),
+        ("GET", "/v2/health/ready", _ready),
+        ("GET", "/v2/models", _index),
+        ("GET", "/v2/models/stats", _every_statistics),
+        ("GET", _MODEL, _metadata),
+        ("GET", _MODEL + "/ready", _model_ready),
+        ("GET", _MODEL + "/stats", _model_statistics),
+    )
+)
+"""Every KServe v2 endpoint; a path no route matches is 404, one matched for another
+method 405 (with ``Allow``). A path matching two routes of one method takes the first."""
+
+
+async def handle(service: NodeService, scope: Scope, receive: Receive, send: Send) -> None:
+    """The ASGI handler of every path under ``/v2``: the first route of :data:`ROUTES`
+    whose pattern and method match; else 405 when the path matched for other methods,
+    else 404."""
+    path = scope["path"].rstrip("/")
+    method = scope["method"]
+    allowed: list[str] = []
+    for route in ROUTES:
+        match = route.pattern.fullmatch(path)
+        if match is None:
+            continue
+        if route.method == method:
+            await route.endpoint(service, scope, receive, send, match.groupdict())
+            return
+        allowed.append(route.method)
+    if allowed:
+        allow = ", ".join(sorted(set(allowed)))
+        await _error(send, 405, f"use {allow} {scope['path'][:200]}", [(b"allow", allow.encode())])
+    else:
+        await _error(send, 404, f"{method} {scope['path'][:200]}: not a KServe v2 endpoint")
 
 
 async def _infer(
