@@ -53,6 +53,7 @@ from node.metrics import Metrics
 from node.policy import PolicyContract, load_contract
 from node.providers import CPU, GpuUnavailable, ProviderSettings, build_session, require_cuda
 from node.service import NodeService
+from node.stats import ModelStats
 
 __all__ = ["build_service", "main", "parse_args"]
 
@@ -207,6 +208,18 @@ _SWITCHES = (
         "KServe: a request for an unknown sequence starts it (Triton refuses it)",
     ),
 )
+
+
+def both(
+    first: Callable[[str, float], None], second: Callable[[str, float], None]
+) -> Callable[[str, float], None]:
+    """A dispatcher hook that calls ``first``, then ``second``."""
+
+    def call(device: str, value: float) -> None:
+        first(device, value)
+        second(device, value)
+
+    return call
 
 
 def per_device(histogram: Histogram) -> Callable[[str, float], None]:
@@ -477,8 +490,13 @@ def build_service(
                         ensemble=config.ensemble,
                         ensemble_decay=config.ensemble_decay,
                         control_hz=config.control_hz,
-                        on_batch=per_device(metrics.batch_size),
-                        on_queue_wait=per_device(metrics.queue_wait),
+                        on_batch=both(
+                            per_device(metrics.batch_size),
+                            metrics.model_stats.setdefault(name, ModelStats()).ran,
+                        ),
+                        on_queue_wait=both(
+                            per_device(metrics.queue_wait), metrics.model_stats[name].queued
+                        ),
                     )
                     for name, (_, _, contract) in served.items()
                 }

@@ -167,7 +167,7 @@ def test_health_metadata_and_errors(three: tuple[Cluster, list[str]]) -> None:
             client.infer(MODEL, [wrong], headers=HEADERS)
         assert err.value.status() == str(grpc.StatusCode.INVALID_ARGUMENT)
         with pytest.raises(InferenceServerException) as err:
-            client.get_model_config(MODEL, headers=HEADERS)
+            client.get_model_repository_index(headers=HEADERS)
         assert err.value.status() == str(grpc.StatusCode.UNIMPLEMENTED)
     finally:
         client.close()

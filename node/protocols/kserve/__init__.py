@@ -6,8 +6,8 @@ messages)."""
 
 from node.protocols.kserve.http import decode_infer, encode_infer, handle
 from node.protocols.kserve.request import (
+    ANY_VERSION,
     EXTENSIONS,
-    MODEL_VERSION,
     InferRequest,
     episode_of,
     model_metadata,
@@ -18,8 +18,8 @@ from node.protocols.kserve.request import (
 from node.protocols.kserve.tensors import BadRequest
 
 __all__ = [
+    "ANY_VERSION",
     "EXTENSIONS",
-    "MODEL_VERSION",
     "BadRequest",
     "InferRequest",
     "decode_infer",

@@ -8,11 +8,11 @@ serve or forward to the owner over the node's internal HTTP), so a sequence is s
 nodes whichever front door each of its steps used.
 
 Served RPCs: ``ServerLive``, ``ServerReady``, ``ModelReady``, ``ServerMetadata``,
-``ModelMetadata``, ``ModelStatistics`` (``node/stats.py``), ``ModelInfer`` and
-``ModelStreamInfer`` (one stream's requests are answered one at a time, in order: the way a
-Triton client keeps a sequence's steps in order). Every other RPC of the service
-(model configuration, repository and model control, shared memory, trace, logging) answers
-``UNIMPLEMENTED``: see the README's KServe section.
+``ModelMetadata``, ``ModelStatistics`` (``node/stats.py``), ``ModelConfig``, ``ModelInfer``
+and ``ModelStreamInfer`` (one stream's requests are answered one at a time, in order: the
+way a Triton client keeps a sequence's steps in order). Every other RPC of the service
+(repository and model control, shared memory, trace, logging) answers ``UNIMPLEMENTED``
+(docs/protocols.md says why).
 
 **Requests.** Request parameters carry Triton's sequence fields: ``sequence_id`` (an
 ``int64_param``/``uint64_param`` or a ``string_param``), ``sequence_start``,
@@ -48,6 +48,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf import json_format
 
 from affinity import InvalidArgument, UnknownEpisode
 from affinity.wire import MAX_ELEMENTS
@@ -58,12 +59,16 @@ from node.policy import InvalidInput, PolicyContract
 from node.protocols.kserve.pb import kserve_pb2 as pb
 from node.protocols.kserve.request import (
     EXTENSIONS,
-    MODEL_VERSION,
     InferRequest,
+    NotServed,
+    config_of,
     episode_of,
-    model_metadata,
+    find_model,
+    metadata_of,
     not_live,
     service_step,
+    statistics_of,
+    stats_for,
 )
 from node.protocols.kserve.tensors import (
     DATATYPES,
@@ -74,7 +79,6 @@ from node.protocols.kserve.tensors import (
     serialize_bytes,
 )
 from node.service import NodeService
-from node.stats import model_statistics
 from node.step import Array, Refused, Reply, Unavailable
 
 __all__ = ["SERVICE", "GrpcFrontDoor", "decode_request", "encode_reply", "start"]
@@ -205,8 +209,6 @@ def decode_request(msg: pb.ModelInferRequest, *, max_elements: int = MAX_ELEMENT
 
 
 def _inputs(msg: pb.ModelInferRequest, max_elements: int) -> dict[str, Array]:
-    if not msg.inputs:
-        raise BadRequest("inputs must be a non-empty list of tensors")
     if len(msg.inputs) > MAX_TENSORS:
         raise BadRequest(f"{len(msg.inputs)} inputs; the limit is {MAX_TENSORS}")
     raw = msg.raw_input_contents
@@ -298,7 +300,7 @@ def encode_reply(reply: Reply, request: InferRequest, model_name: str) -> pb.Mod
     names = list(reply.outputs) if request.outputs is None else list(request.outputs)
     response = pb.ModelInferResponse(
         model_name=model_name,
-        model_version=reply.model.partition("@")[2] or MODEL_VERSION,
+        model_version=reply.model.partition("@")[2],
         id=request.id or "",
     )
     for key, value in reply.facts(flat=True).items():
@@ -333,16 +335,9 @@ class GrpcFrontDoor:
     async def _check_model(self, name: str, version: str) -> tuple[str, PolicyContract]:
         """The model a request names, served by some live node, and its contract."""
         try:
-            return await self.service.model_for(
-                name, None if version in ("", MODEL_VERSION) else version
-            )
-        except (Refused, InvalidArgument):
-            which = f"'{name[:128]}'" + (f" version {version[:32]}" if version else "")
-            fleet = ", ".join(f"'{n}'" for n in self.service.catalog.served())
-            raise _Abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"Request for unknown model: {which} is not found (this fleet serves {fleet})",
-            ) from None
+            return await find_model(self.service, name, version)
+        except NotServed as exc:
+            raise _Abort(grpc.StatusCode.NOT_FOUND, str(exc)) from None
 
     def _ready(self) -> bool:
         return not (self.service.fenced() or self.service.membership.leaving)
@@ -425,6 +420,7 @@ class GrpcFrontDoor:
             reply = await service.routing.act(step)
             served[1:] = [reply.device, reply.routing]
             await undo_if_cancelled(service, context, reply)
+            stats_for(service, name).answered(time.monotonic() - started)
         except UnknownEpisode:  # Triton's rule, decided in the step's own resolve
             rejected.labels("bad_input").inc()
             raise _Abort(
@@ -437,12 +433,15 @@ class GrpcFrontDoor:
             rejected.labels("bad_input").inc()
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except Unavailable as exc:
+            stats_for(service, name).failed()
             raise _Abort(
                 grpc.StatusCode.UNAVAILABLE, f"{exc.reason}: {exc}", exc.retry_after
             ) from None
         except Refused as exc:
             if exc.status == 403:
                 rejected.labels("forbidden").inc()
+            if exc.status == 500:
+                stats_for(service, name).failed()
             code = _REFUSED.get(exc.status, grpc.StatusCode.ABORTED)
             raise _Abort(code, f"{exc.reason}: {exc}") from None
         return encode_reply(reply, request, name)
@@ -475,9 +474,7 @@ class GrpcFrontDoor:
         except _Abort as exc:
             await self._abort(context, exc)
             raise  # unreachable: the abort raises
-        local = self.service.dispatcher.by_model.get(name)
-        chunk = local.chunk.output if local and local.chunk and local.chunk_mode else None
-        doc = model_metadata(contract, name, chunk)
+        doc = metadata_of(self.service, name, contract)
         response = pb.ModelMetadataResponse(
             name=doc["name"], versions=doc["versions"], platform=doc["platform"]
         )
@@ -489,25 +486,34 @@ class GrpcFrontDoor:
     async def ModelStatistics(
         self, msg: pb.ModelStatisticsRequest, context: Any
     ) -> pb.ModelStatisticsResponse:
+        names = list(self.service.models)  # no name: every model served here
         if msg.name:
             try:
-                await self._check_model(msg.name, msg.version)
+                names = [(await self._check_model(msg.name, msg.version))[0]]
             except _Abort as exc:
                 await self._abort(context, exc)
-        doc = model_statistics(
-            self.service.metrics, self.service.device_ids, self.model_name, MODEL_VERSION
-        )
         response = pb.ModelStatisticsResponse()
-        entry = response.model_stats.add(
-            name=doc["name"],
-            version=doc["version"],
-            last_inference=doc["last_inference"],
-            inference_count=doc["inference_count"],
-            execution_count=doc["execution_count"],
-        )
-        for key, value in doc["inference_stats"].items():
-            getattr(entry.inference_stats, key).CopyFrom(pb.StatisticDuration(**value))
+        for name in names:
+            doc = statistics_of(self.service, name)
+            entry = response.model_stats.add(
+                name=doc["name"],
+                version=doc["version"],
+                last_inference=doc["last_inference"],
+                inference_count=doc["inference_count"],
+                execution_count=doc["execution_count"],
+            )
+            for key, value in doc["inference_stats"].items():
+                getattr(entry.inference_stats, key).CopyFrom(pb.StatisticDuration(**value))
         return response
+
+    async def ModelConfig(self, msg: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
+        try:
+            name, contract = await self._check_model(msg.name, msg.version)
+        except _Abort as exc:
+            await self._abort(context, exc)
+            raise  # unreachable: the abort raises
+        config = json_format.ParseDict(config_of(self.service, name, contract), pb.ModelConfig())
+        return pb.ModelConfigResponse(config=config)
 
     async def ModelInfer(self, msg: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         try:
@@ -551,6 +557,7 @@ def _handlers(door: GrpcFrontDoor) -> grpc.GenericRpcHandler:
             ("ServerMetadata", "ServerMetadata", "ServerMetadata"),
             ("ModelMetadata", "ModelMetadata", "ModelMetadata"),
             ("ModelStatistics", "ModelStatistics", "ModelStatistics"),
+            ("ModelConfig", "ModelConfig", "ModelConfig"),
             ("ModelInfer", "ModelInfer", "ModelInfer"),
         )
     }

@@ -41,13 +41,17 @@ from node.membership import VERSION
 from node.policy import InvalidInput, PolicyContract
 from node.protocols.kserve.request import (
     EXTENSIONS,
-    MODEL_VERSION,
     InferRequest,
+    NotServed,
     check_custom,
+    config_of,
     episode_of,
-    model_metadata,
+    find_model,
+    metadata_of,
     not_live,
     service_step,
+    statistics_of,
+    stats_for,
 )
 from node.protocols.kserve.tensors import (
     MAX_TENSORS,
@@ -61,7 +65,6 @@ from node.protocols.kserve.tensors import (
     serialize_bytes,
 )
 from node.service import NodeService
-from node.stats import model_statistics
 from node.step import Refused, Reply, Unavailable
 
 __all__ = ["ROUTES", "Route", "decode_infer", "encode_infer", "handle"]
@@ -203,7 +206,7 @@ def encode_infer(
         else:
             entry["data"] = np.ascontiguousarray(array).reshape(-1)
         outputs.append(entry)
-    version = reply.model.partition("@")[2] or MODEL_VERSION  # the version that served it
+    version = reply.model.partition("@")[2]  # the version that served it
     doc: dict[str, Any] = {"model_name": model_name, "model_version": version}
     if request.id is not None:
         doc["id"] = request.id
@@ -233,10 +236,6 @@ async def _error(
 
 async def _json(send: Send, status: int, doc: dict[str, Any]) -> None:
     await respond(send, status, orjson.dumps(doc), _JSON)
-
-
-def _statistics(service: NodeService, served: str) -> dict[str, Any]:
-    return model_statistics(service.metrics, service.device_ids, served, MODEL_VERSION)
 
 
 def _not_ready(service: NodeService) -> str | None:
@@ -297,7 +296,7 @@ async def _every_statistics(
     service: NodeService, scope: Scope, receive: Receive, send: Send, params: Params
 ) -> None:
     """Every model's statistics: those served here."""
-    stats = [_statistics(service, served) for served in service.models]
+    stats = [statistics_of(service, served) for served in service.models]
     await _json(send, 200, {"model_stats": stats})
 
 
@@ -306,14 +305,10 @@ async def _model(
 ) -> tuple[str, PolicyContract] | None:
     """The model ``params`` name and its contract; None once a 404 was sent for a model or
     version no live node serves."""
-    name, version = params["name"] or "", params["version"]
     try:
-        return await service.model_for(name, None if version in (None, MODEL_VERSION) else version)
-    except (Refused, InvalidArgument):
-        which = f"'{name[:128]}'" + (f" version {version[:32]}" if version else "")
-        fleet = ", ".join(f"'{n}'" for n in service.catalog.served())
-        await _error(send, 404, f"Request for unknown model: {which} is not found (this "
-                                f"fleet serves {fleet})")  # fmt: skip
+        return await find_model(service, params["name"] or "", params["version"])
+    except NotServed as exc:
+        await _error(send, 404, str(exc))
         return None
 
 
@@ -322,10 +317,14 @@ async def _metadata(
 ) -> None:
     if (model := await _model(service, send, params)) is None:
         return
-    served, contract = model
-    local = service.dispatcher.by_model.get(served)
-    chunk = local.chunk.output if local and local.chunk and local.chunk_mode else None
-    await _json(send, 200, model_metadata(contract, served, chunk))
+    await _json(send, 200, metadata_of(service, *model))
+
+
+async def _config(
+    service: NodeService, scope: Scope, receive: Receive, send: Send, params: Params
+) -> None:
+    if (model := await _model(service, send, params)) is not None:
+        await _json(send, 200, config_of(service, *model))
 
 
 async def _model_ready(
@@ -343,7 +342,7 @@ async def _model_statistics(
     service: NodeService, scope: Scope, receive: Receive, send: Send, params: Params
 ) -> None:
     if (model := await _model(service, send, params)) is not None:
-        await _json(send, 200, {"model_stats": [_statistics(service, model[0])]})
+        await _json(send, 200, {"model_stats": [statistics_of(service, model[0])]})
 
 
 async def _model_infer(
@@ -366,6 +365,7 @@ ROUTES = tuple(
         ("GET", _MODEL, _metadata),
         ("GET", _MODEL + "/ready", _model_ready),
         ("GET", _MODEL + "/stats", _model_statistics),
+        ("GET", _MODEL + "/config", _config),
     )
 )
 """Every KServe v2 endpoint; a path no route matches is 404, one matched for another
@@ -424,6 +424,7 @@ async def _infer(
         scope[STEP_KEY] = (step.episode or "-", "-", "-")
         reply = await while_connected(receive, service.routing.act(step), scope.get(CONNECTION))
         scope[STEP_KEY] = (step.episode or "-", reply.device, reply.routing)
+        stats_for(service, model_name).answered(time.monotonic() - started)
     except ClientGone as exc:  # nobody will read the reply: the step did not happen
         if isinstance(exc.result, Reply):
             await service.routing.undelivered(exc.result)
@@ -443,6 +444,7 @@ async def _infer(
         rejected.labels("bad_input").inc()
         await _error(send, 400, str(exc))
     except Unavailable as exc:
+        stats_for(service, model_name).failed()
         retry = str(max(1, round(exc.retry_after))).encode()
         why = str(exc)
         if exc.reason == "deadline" and budget < service.config.act_deadline_s:
@@ -451,6 +453,8 @@ async def _infer(
     except Refused as exc:
         if exc.status == 403:
             rejected.labels("forbidden").inc()
+        elif exc.status == 500:
+            stats_for(service, model_name).failed()
         await _error(send, exc.status, f"{exc.reason}: {exc}")
     else:
         payload, headers = encode_infer(reply, request, model_name)

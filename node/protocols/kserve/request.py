@@ -17,29 +17,51 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from affinity import InvalidArgument, check_episode
+from node.devices import DeviceSpec
 from node.policy import PolicyContract, TensorSpec, inputs_from_arrays
 from node.protocols.kserve.tensors import NAMES, BadRequest, kind_of
 from node.rtc import Ask
 from node.service import NodeService
-from node.step import Array, Step
+from node.stats import ModelStats, model_statistics
+from node.step import Array, Refused, Step
 
 __all__ = [
+    "ANY_VERSION",
     "EXTENSIONS",
-    "MODEL_VERSION",
     "PLATFORM",
     "REQUEST_PARAMETERS",
     "InferRequest",
+    "NotServed",
     "check_custom",
+    "config_of",
     "episode_of",
+    "find_model",
+    "metadata_of",
+    "model_config",
     "model_metadata",
     "not_live",
+    "requested_version",
+    "served_version",
     "service_step",
+    "statistics_of",
+    "stats_for",
     "to_step",
 ]
 
-MODEL_VERSION = "1"
-EXTENSIONS = ("binary_tensor_data", "sequence", "sequence(string_id)", "statistics")
+ANY_VERSION = "1"
+"""Triton's default version: a request naming it (or none) takes the episode's own version,
+or the rollout's, unless the fleet registered a version ``"1"`` of the model. Replies,
+metadata, statistics and configuration say the registered version (``v2``, or the model
+file's hash), never this."""
+EXTENSIONS = (
+    "binary_tensor_data",
+    "sequence",
+    "sequence(string_id)",
+    "statistics",
+    "model_configuration",
+)
 PLATFORM = "onnxruntime_onnx"
+BACKEND = "onnxruntime"
 
 
 @dataclass(slots=True)
@@ -161,6 +183,41 @@ def to_step(
     )
 
 
+class NotServed(LookupError):
+    """No live node serves the model (or version) a request names: 404, ``NOT_FOUND``."""
+
+
+def requested_version(service: NodeService, name: str, version: str | None) -> str | None:
+    """The version a request for model ``name`` names: None for none, ``""`` or
+    :data:`ANY_VERSION` (unless the fleet registered a version ``"1"`` of ``name``)."""
+    if version in (None, ""):
+        return None
+    if version == ANY_VERSION and ANY_VERSION not in service.catalog.versions(name):
+        return None
+    return version
+
+
+async def find_model(
+    service: NodeService, name: str, version: str | None
+) -> tuple[str, PolicyContract]:
+    """The model ``name`` (``version``: see :func:`requested_version`) served by a live node,
+    and its contract. Raises :class:`NotServed` with Triton's message."""
+    try:
+        return await service.model_for(name, requested_version(service, name, version))
+    except (Refused, InvalidArgument):
+        which = f"'{name[:128]}'" + (f" version {version[:32]}" if version else "")
+        fleet = ", ".join(f"'{n}'" for n in service.catalog.served())
+        raise NotServed(
+            f"Request for unknown model: {which} is not found (this fleet serves {fleet})"
+        ) from None
+
+
+def served_version(service: NodeService, name: str) -> str:
+    """The version of ``name`` served here, else the fleet's newest."""
+    local = service.models.get(name)
+    return local[0].version if local else service.catalog.newest(name)
+
+
 async def service_step(
     service: NodeService,
     request: InferRequest,
@@ -169,12 +226,11 @@ async def service_step(
     version: str | None = None,
 ) -> Step:
     """:func:`to_step` for a request to ``service`` (both KServe front doors) for model
-    ``name`` (None: the fleet's only one) and ``version`` (None or ``"1"``, the version
-    a one-version server has: the episode's own, or the rollout's): outputs checked
-    against what its chunk mode returns, ``--kserve-claim-unknown`` applied. Raises
-    ``InvalidArgument`` for chunk parameters this model cannot take, ``Refused`` for a
-    model no node serves (404)."""
-    version = None if version in (None, "", MODEL_VERSION) else version
+    ``name`` (None: the fleet's only one) and ``version`` (see :func:`requested_version`):
+    outputs checked against what its chunk mode returns, ``--kserve-claim-unknown``
+    applied. Raises ``InvalidArgument`` for chunk parameters this model cannot take,
+    ``Refused`` for a model no node serves (404)."""
+    version = requested_version(service, name or "", version)
     chosen, contract = await service.model_for(name, version)
     dispatcher = service.dispatcher.by_model.get(chosen)  # elsewhere: the owner checks
     mode = dispatcher.mode_for(request.execute_steps, request.ensemble) if dispatcher else None
@@ -186,28 +242,147 @@ async def service_step(
     return step
 
 
-def model_metadata(contract: PolicyContract, name: str, chunk: str | None = None) -> dict[str, Any]:
+def _returned(contract: PolicyContract, chunk: str | None) -> list[TensorSpec]:
+    """The outputs a step returns: with chunk execution (``chunk`` names the chunk output)
+    that output alone, one action (its time axis dropped)."""
+    if chunk is None:
+        return list(contract.returned_outputs)
+    (spec,) = (s for s in contract.returned_outputs if s.name == chunk)
+    return [replace(spec, shape=spec.shape[:-2] + spec.shape[-1:])]
+
+
+def _dims(spec: TensorSpec) -> list[int]:
+    return [d if isinstance(d, int) else -1 for d in spec.shape]
+
+
+def model_metadata(
+    contract: PolicyContract,
+    name: str,
+    chunk: str | None = None,
+    versions: Sequence[str] = (),
+) -> dict[str, Any]:
     """The model metadata of KServe v2: the inputs a client sends and the outputs it gets
-    (recurrent state hidden: the node feeds it back), ``-1`` for a variable dimension.
-    ``chunk`` names the action-chunk output when the node executes chunks: a step then
-    returns that output alone, one action (its time axis dropped)."""
+    (recurrent state hidden: the node feeds it back), ``-1`` for a variable dimension;
+    ``versions`` as registered. ``chunk`` names the action-chunk output when the node
+    executes chunks."""
 
     def tensor(spec: TensorSpec) -> dict[str, Any]:
-        return {
-            "name": spec.name,
-            "datatype": NAMES[spec.dtype],
-            "shape": [d if isinstance(d, int) else -1 for d in spec.shape],
-        }
-
-    outputs = [tensor(spec) for spec in contract.returned_outputs]
-    if chunk is not None:
-        (spec,) = (s for s in contract.returned_outputs if s.name == chunk)
-        outputs = [tensor(replace(spec, shape=spec.shape[:-2] + spec.shape[-1:]))]
+        return {"name": spec.name, "datatype": NAMES[spec.dtype], "shape": _dims(spec)}
 
     return {
         "name": name,
-        "versions": [MODEL_VERSION],
+        "versions": list(versions),
         "platform": PLATFORM,
         "inputs": [tensor(spec) for spec in contract.observation_inputs],
-        "outputs": outputs,
+        "outputs": [tensor(spec) for spec in _returned(contract, chunk)],
     }
+
+
+_CONTROLS = (
+    ("START", "CONTROL_SEQUENCE_START"),
+    ("END", "CONTROL_SEQUENCE_END"),
+    ("READY", "CONTROL_SEQUENCE_READY"),
+)
+
+
+def model_config(
+    contract: PolicyContract,
+    name: str,
+    devices: list[DeviceSpec],
+    *,
+    max_batch: int,
+    batch_delay_us: float,
+    idle_s: float,
+    capacity: int,
+    chunk: str | None = None,
+) -> dict[str, Any]:
+    """Triton's model configuration (its JSON form) of a model served on ``devices``, for
+    tools that read it before they infer (``perf_analyzer``, PyTriton's ``ModelClient``).
+
+    ``max_batch_size`` is 1 for a model with a batch axis (a client step is one row; the
+    node batches steps of different sequences itself, up to ``max_batch`` rows waiting at
+    most ``batch_delay_us``: the ``oldest`` strategy's preferred size and delay), else 0.
+    ``sequence_batching`` lists Triton's control inputs, which a client never sends (the
+    sequence travels in request parameters); ``max_candidate_sequences`` is the live
+    episodes the devices hold (``capacity`` each), ``max_sequence_idle_microseconds``
+    ``--episode-ttl``. ``instance_group`` has one instance per device."""
+    batched = contract.batch_axis
+
+    def tensor(spec: TensorSpec) -> dict[str, Any]:
+        dims = _dims(spec)[1:] if batched else _dims(spec)
+        return {"name": spec.name, "data_type": f"TYPE_{NAMES[spec.dtype]}", "dims": dims}
+
+    gpus = [d.ordinal for d in devices if d.kind == "cuda" and d.ordinal is not None]
+    cpus = sum(d.kind == "cpu" for d in devices)
+    groups: list[dict[str, Any]] = []
+    if gpus:
+        groups.append({"name": f"{name}_gpu", "kind": "KIND_GPU", "count": 1, "gpus": gpus})
+    if cpus:
+        groups.append({"name": f"{name}_cpu", "kind": "KIND_CPU", "count": cpus})
+    flags = [{"name": n, "control": [{"kind": k, "int32_false_true": [0, 1]}]}
+             for n, k in _CONTROLS]  # fmt: skip
+    corrid = {"kind": "CONTROL_SEQUENCE_CORRID", "data_type": "TYPE_UINT64"}
+    return {
+        "name": name,
+        "platform": PLATFORM,
+        "backend": BACKEND,
+        "version_policy": {"latest": {"num_versions": 1}},
+        "max_batch_size": 1 if batched else 0,
+        "input": [tensor(spec) for spec in contract.observation_inputs],
+        "output": [tensor(spec) for spec in _returned(contract, chunk)],
+        "sequence_batching": {
+            "max_sequence_idle_microseconds": round(idle_s * 1e6),
+            "control_input": [*flags, {"name": "CORRID", "control": [corrid]}],
+            "oldest": {
+                "max_candidate_sequences": capacity * len(devices),
+                "preferred_batch_size": [max_batch],
+                "max_queue_delay_microseconds": round(batch_delay_us),
+            },
+        },
+        "instance_group": groups,
+    }
+
+
+def _chunk_here(service: NodeService, name: str) -> str | None:
+    """The chunk output a step of ``name`` returns alone here (chunk execution), or None."""
+    local = service.dispatcher.by_model.get(name)
+    return local.chunk.output if local and local.chunk and local.chunk_mode else None
+
+
+def metadata_of(service: NodeService, name: str, contract: PolicyContract) -> dict[str, Any]:
+    """:func:`model_metadata` of model ``name`` as this node serves it, with the fleet's
+    versions of it."""
+    versions = service.catalog.versions(name) or [served_version(service, name)]
+    return model_metadata(contract, name, _chunk_here(service, name), versions)
+
+
+def config_of(service: NodeService, name: str, contract: PolicyContract) -> dict[str, Any]:
+    """:func:`model_config` of model ``name`` as this node serves it (another node's model:
+    as this node would serve it, with this node's devices and settings)."""
+    by_model = service.dispatcher.by_model
+    local = by_model.get(name) or next(iter(by_model.values()))
+    config = service.config
+    return model_config(
+        contract,
+        name,
+        service.specs,
+        max_batch=local.max_batch,
+        batch_delay_us=config.batch_delay_us,
+        idle_s=config.settings.episode_ttl_s,
+        capacity=config.capacity,
+        chunk=_chunk_here(service, name),
+    )
+
+
+def statistics_of(service: NodeService, name: str) -> dict[str, Any]:
+    """Triton's statistics of model ``name`` on this node (``node/stats.py``)."""
+    stats = service.metrics.model_stats.get(name)
+    return model_statistics(stats, name, served_version(service, name))
+
+
+def stats_for(service: NodeService, name: str) -> ModelStats:
+    """The statistics that count infer requests for model ``name`` on this node."""
+    stats = service.metrics.model_stats.get(name)
+    if stats is None:  # a model other nodes serve: requests forwarded from here
+        stats = service.metrics.model_stats[name] = ModelStats()
+    return stats

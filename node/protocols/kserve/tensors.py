@@ -92,8 +92,13 @@ def inflate(body: bytes, encoding: str, limit: int) -> bytes:
 
 
 def body_inputs(raw: object, body: bytes, json_end: int, max_elements: int) -> dict[str, Array]:
-    if not isinstance(raw, list) or not raw:
-        raise BadRequest("inputs must be a non-empty list of tensors")
+    """The input tensors ``raw`` (the request's ``inputs``) declares, binary ones read from
+    ``body`` after ``json_end``. Raises :class:`BadRequest`. None or an empty list is no
+    input: the policy's input rule then names each one missing."""
+    if raw is None:
+        raw = []
+    if not isinstance(raw, list):
+        raise BadRequest(f"inputs must be a list of tensors, not {kind_of(raw)}")
     if len(raw) > MAX_TENSORS:
         raise BadRequest(f"{len(raw)} inputs; the limit is {MAX_TENSORS}")
     binary = len(body) - json_end
