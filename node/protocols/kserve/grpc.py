@@ -41,6 +41,7 @@ and ``INTERNAL`` (a model failure). In a stream an error answers that request wi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import AsyncIterator
@@ -529,6 +530,7 @@ class GrpcFrontDoor:
         try:
             self._check_key_logged(context, "ModelStreamInfer")
         except _Abort as exc:
+            await _drain(requests)
             await self._abort(context, exc)
         async for msg in requests:
             try:
@@ -540,6 +542,25 @@ class GrpcFrontDoor:
                 )
             else:
                 yield pb.ModelStreamInferResponse(infer_response=reply)
+
+
+STREAM_FIRST_S = 10.0
+STREAM_QUIET_S = 0.05
+STREAM_DRAINED = 256
+
+
+async def _drain(requests: AsyncIterator[pb.ModelInferRequest]) -> None:
+    """Read and drop what a refused stream's client sends, until it half-closes, sends
+    nothing for :data:`STREAM_QUIET_S` after a request (:data:`STREAM_FIRST_S` before the
+    first), or has sent :data:`STREAM_DRAINED` requests. A status sent while the client
+    still writes reaches it as grpc's own ``INTERNAL`` ("Internal error from Core": its
+    write failed), not as the status the node sent."""
+    pending = aiter(requests)
+    wait = STREAM_FIRST_S
+    with contextlib.suppress(StopAsyncIteration, TimeoutError):
+        for _ in range(STREAM_DRAINED):
+            await asyncio.wait_for(anext(pending), wait)
+            wait = STREAM_QUIET_S
 
 
 def _handlers(door: GrpcFrontDoor) -> grpc.GenericRpcHandler:

@@ -169,6 +169,9 @@ def to_step(
             if name not in returned:
                 raise BadRequest(f"unknown output {name[:64]!r}; the model returns: "
                                  f"{', '.join(returned)}")  # fmt: skip
+    specs = contract.observation_specs
+    if request.arrays.keys() != specs.keys():
+        _check_missing(contract, request.arrays)
     return Step(
         episode=request.episode,
         inputs=inputs_from_arrays(contract, request.arrays),
@@ -181,6 +184,20 @@ def to_step(
         live_only=request.episode is not None and not request.start and not claim_unknown,
         rtc=rtc,
     )
+
+
+def _check_missing(contract: PolicyContract, arrays: dict[str, Array]) -> None:
+    """Raise :class:`BadRequest` naming every input the model takes that ``arrays`` lacks,
+    as Triton names them (none missing: the input rule checks the rest)."""
+    specs = contract.observation_specs
+    missing = [name for name in specs if name not in arrays]
+    if missing:
+        listed = ", ".join(f"'{n}' ({contract.step_spec(specs[n]).describe()})" for n in missing)
+        given = ", ".join(f"'{n[:64]}'" for n in list(arrays)[:8])
+        raise BadRequest(
+            f"missing required input(s) {listed}: the model takes {len(specs)} inputs, the "
+            f"request gives {len(arrays)} [{given}]"
+        )
 
 
 class NotServed(LookupError):
