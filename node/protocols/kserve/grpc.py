@@ -72,12 +72,13 @@ from node.protocols.kserve.request import (
     stats_for,
 )
 from node.protocols.kserve.tensors import (
+    DATATYPE_OF,
     DATATYPES,
     MAX_RANK,
     MAX_TENSORS,
     BadRequest,
     bytes_elements,
-    serialize_bytes,
+    tensor_bytes,
 )
 from node.service import NodeService
 from node.step import Array, Refused, Reply, Unavailable
@@ -85,7 +86,6 @@ from node.step import Array, Refused, Reply, Unavailable
 __all__ = ["SERVICE", "GrpcFrontDoor", "decode_request", "encode_reply", "start"]
 
 SERVICE = "inference.GRPCInferenceService"
-_NAMES = {dtype.name: name for name, dtype in DATATYPES.items()} | {"object": "BYTES"}
 _CONTENTS = {
     "BOOL": "bool_contents",
     "INT8": "int_contents",
@@ -309,13 +309,8 @@ def encode_reply(reply: Reply, request: InferRequest, model_name: str) -> pb.Mod
             response.parameters[key].CopyFrom(_parameter(value))
     for name in names:
         array = reply.outputs[name]
-        response.outputs.add(name=name, datatype=_NAMES[array.dtype.name], shape=array.shape)
-        if array.dtype.kind == "O":
-            response.raw_output_contents.append(serialize_bytes(array))
-        else:
-            response.raw_output_contents.append(
-                np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
-            )
+        response.outputs.add(name=name, datatype=DATATYPE_OF[array.dtype], shape=array.shape)
+        response.raw_output_contents.append(tensor_bytes(array))
     return response
 
 
@@ -405,7 +400,8 @@ class GrpcFrontDoor:
     ) -> pb.ModelInferResponse:
         service = self.service
         rejected = service.metrics.rejected
-        name, _ = await self._check_model(msg.model_name, msg.model_version)
+        found = await self._check_model(msg.model_name, msg.model_version)
+        name = found[0]
         try:
             request = decode_request(msg)
             budget = service.config.act_deadline_s
@@ -415,7 +411,7 @@ class GrpcFrontDoor:
             if remaining is not None:
                 budget = min(budget, remaining)
             step = await service_step(
-                service, request, started + budget, name, msg.model_version or None
+                service, request, started + budget, name, msg.model_version or None, found
             )
             served[0] = step.episode or "-"
             reply = await service.routing.act(step)

@@ -54,15 +54,15 @@ from node.protocols.kserve.request import (
     stats_for,
 )
 from node.protocols.kserve.tensors import (
+    DATATYPE_OF,
     MAX_TENSORS,
-    NAMES,
     STRINGS,
     BadRequest,
     as_object,
     body_inputs,
     inflate,
     kind_of,
-    serialize_bytes,
+    tensor_bytes,
 )
 from node.service import NodeService
 from node.step import Refused, Reply, Unavailable
@@ -191,14 +191,11 @@ def encode_infer(
         array = reply.outputs[name]
         entry: dict[str, Any] = {
             "name": name,
-            "datatype": NAMES[array.dtype.name],
-            "shape": list(array.shape),
+            "datatype": DATATYPE_OF[array.dtype],
+            "shape": array.shape,
         }
         if binary:
-            if array.dtype == STRINGS:
-                blob = serialize_bytes(array)
-            else:
-                blob = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+            blob = tensor_bytes(array)
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         elif array.dtype == STRINGS:
@@ -349,7 +346,7 @@ async def _model_infer(
     service: NodeService, scope: Scope, receive: Receive, send: Send, params: Params
 ) -> None:
     if (model := await _model(service, send, params)) is not None:
-        await _infer(service, model[0], scope, receive, send, params["version"])
+        await _infer(service, model, scope, receive, send, params["version"])
 
 
 _MODEL = r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?"
@@ -396,13 +393,14 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
 
 async def _infer(
     service: NodeService,
-    model_name: str,
+    model: tuple[str, PolicyContract],
     scope: Scope,
     receive: Receive,
     send: Send,
     version: str | None = None,
 ) -> None:
     started = time.monotonic()
+    model_name = model[0]
     rejected = service.metrics.rejected
     if not service.client_allowed(header(scope, b"authorization")):
         rejected.labels("unauthorized").inc()
@@ -420,7 +418,7 @@ async def _infer(
         )
         if request.timeout_s is not None:
             budget = min(budget, request.timeout_s)
-        step = await service_step(service, request, started + budget, model_name, version)
+        step = await service_step(service, request, started + budget, model_name, version, model)
         scope[STEP_KEY] = (step.episode or "-", "-", "-")
         reply = await while_connected(receive, service.routing.act(step), scope.get(CONNECTION))
         scope[STEP_KEY] = (step.episode or "-", reply.device, reply.routing)

@@ -241,14 +241,16 @@ async def service_step(
     deadline: float,
     name: str | None = None,
     version: str | None = None,
+    found: tuple[str, PolicyContract] | None = None,
 ) -> Step:
     """:func:`to_step` for a request to ``service`` (both KServe front doors) for model
     ``name`` (None: the fleet's only one) and ``version`` (see :func:`requested_version`):
     outputs checked against what its chunk mode returns, ``--kserve-claim-unknown``
-    applied. Raises ``InvalidArgument`` for chunk parameters this model cannot take,
-    ``Refused`` for a model no node serves (404)."""
+    applied. ``found`` is what :func:`find_model` gave for them, if the caller asked.
+    Raises ``InvalidArgument`` for chunk parameters this model cannot take, ``Refused``
+    for a model no node serves (404)."""
     version = requested_version(service, name or "", version)
-    chosen, contract = await service.model_for(name, version)
+    chosen, contract = found or await service.model_for(name, version)
     dispatcher = service.dispatcher.by_model.get(chosen)  # elsewhere: the owner checks
     mode = dispatcher.mode_for(request.execute_steps, request.ensemble) if dispatcher else None
     rtc = service.rtc_for(chosen, request.executed, request.inference_delay, request.control_hz)

@@ -11,6 +11,7 @@ UTF-8 (ONNX Runtime takes ``str``). ``BF16`` is refused (numpy has no bfloat16).
 from __future__ import annotations
 
 import math
+import sys
 import zlib
 from typing import Any
 
@@ -21,6 +22,7 @@ from node.step import Array
 
 __all__ = [
     "DATATYPES",
+    "DATATYPE_OF",
     "MAX_RANK",
     "MAX_TENSORS",
     "NAMES",
@@ -61,6 +63,11 @@ NAMES = {dtype.name: name for name, dtype in DATATYPES.items()} | {"object": "BY
 """numpy dtype name (``float32``) -> KServe datatype (a string tensor, ``object``: BYTES)."""
 STRINGS = np.dtype(object)
 """BYTES: an object array of str (a model's string tensor; values must be UTF-8)."""
+DATATYPE_OF: dict[np.dtype[Any], str] = {dtype: name for name, dtype in DATATYPES.items()} | {
+    STRINGS: "BYTES"
+}
+"""numpy dtype -> KServe datatype, for replies (``dtype.name`` costs ~3 µs a call)."""
+_NATIVE_LITTLE = sys.byteorder == "little"
 REFUSED_TYPES = ("BF16",)
 
 
@@ -315,6 +322,9 @@ def kind_of(value: object) -> str:
 
 def tensor_bytes(array: Array) -> bytes:
     """A tensor's binary form: BYTES elements, or the raw little-endian row-major bytes."""
-    if array.dtype == STRINGS:
+    dtype = array.dtype
+    if dtype.kind == "O":
         return serialize_bytes(array)
-    return np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+    if dtype.byteorder == ">" or (dtype.byteorder == "=" and not _NATIVE_LITTLE):
+        array = array.astype(dtype.newbyteorder("<"))
+    return array.tobytes()  # row-major whatever the array's layout
