@@ -37,7 +37,10 @@ from node.main import build_service
 
 SEQUENCES = 64
 OBS = np.array([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]], np.float32)
-ACT = b'{"episode_id":"act-%d","model":"demo_policy","inputs":{"obs":[[0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8]]}}'
+ACT = (
+    b'{"episode_id":"act-%d","model":"demo_policy",'
+    b'"inputs":{"obs":[[0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8]]}}'
+)
 MODEL = "demo_policy"
 
 
@@ -129,7 +132,8 @@ async def _measure(rounds: int, steps: int, models: list[str], profile: bool) ->
                 profiler.disable()
                 stats = pstats.Stats(profiler)
                 stats.sort_stats("tottime").print_stats(30)
-                stats.sort_stats("cumulative").print_stats("kserve|catalog|service.py|asgi|orjson|numpy", 40)
+                shown = "kserve|catalog|service.py|asgi|orjson|numpy"
+                stats.sort_stats("cumulative").print_stats(shown, 40)
                 return results
             for _ in range(rounds):
                 kserve = await work.run(app, "kserve", steps, connection)
@@ -160,8 +164,7 @@ def main() -> None:
                 "figure": f"sticky KServe infer in process / sticky JSON /act, same node "
                 f"(--model {a.models})",
                 "value": ratio,
-                "result": f"{ratio:.2f}x ({kserve:.0f} µs vs {act:.0f} µs a step; "
-                f"{added:+.0f} µs)",
+                "result": f"{ratio:.2f}x ({kserve:.0f} µs vs {act:.0f} µs a step; {added:+.0f} µs)",
                 "goal": "reported",
                 "ok": True,
             }

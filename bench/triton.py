@@ -13,7 +13,9 @@ Redis, no access log (Triton logs no request by default).
 Both are driven with ``tritonclient.http`` (binary tensors, every output), each step of a
 sequence after a START, an END at the end:
 
-1. lockstep: one sequence, one step at a time; p50 and p99;
+1. lockstep: one sequence on each server, one step at a time, the two servers' steps
+   taking turns (the machine's load changes by the second; both meet the same); p50 and
+   p99;
 2. load: 16 sequences in lockstep each, from ``--procs`` client processes, for
    ``--seconds``: steps/s, and the server's CPU per step (``/proc``: Triton with its
    Python backend stubs, the node's one process);
@@ -108,15 +110,17 @@ class TritonPythonModel:
             if end:
                 self.states.pop(corrid, None)
             else:
-                self.states[corrid] = {name: outputs["state_out." + name[len("state_in."):]][i:i + 1]
-                                       for name in self.state}
+                self.states[corrid] = {
+                    name: outputs["state_out." + name[len("state_in."):]][i:i + 1]
+                    for name in self.state
+                }
             tensors = [pb_utils.Tensor(n, outputs[n][i:i + 1]) for n in self.returned]
             responses.append(pb_utils.InferenceResponse(tensors))
         return responses
 '''
 
-_TYPES = {"float32": "TYPE_FP32", "uint8": "TYPE_UINT8", "int64": "TYPE_INT64", "int32": "TYPE_INT32",
-          "float64": "TYPE_FP64", "bool": "TYPE_BOOL"}  # fmt: skip
+_TYPES = {"float32": "TYPE_FP32", "uint8": "TYPE_UINT8", "int64": "TYPE_INT64",
+          "int32": "TYPE_INT32", "float64": "TYPE_FP64", "bool": "TYPE_BOOL"}  # fmt: skip
 
 
 # ---- setting Triton up ------------------------------------------------------------------
@@ -171,7 +175,9 @@ input [ {inputs} ]
 output [ {outputs} ]
 sequence_batching {{
   max_sequence_idle_microseconds: 300000000
-  oldest {{ max_candidate_sequences: 64 preferred_batch_size: [ 8 ] max_queue_delay_microseconds: 0 }}
+  oldest {{
+    max_candidate_sequences: 64 preferred_batch_size: [ 8 ] max_queue_delay_microseconds: 0
+  }}
   control_input [
 {flags}
     {{ name: "CORRID" control [ {{ kind: CONTROL_SEQUENCE_CORRID data_type: TYPE_UINT64 }} ] }}
@@ -268,12 +274,41 @@ def _sequence(url: str, model: str, sequence: int, until: float, steps: int,
     return latencies
 
 
+def lockstep(urls: dict[str, str], model: str, first_sequence: int, steps: int,
+             seed: int) -> dict[str, list[float]]:  # fmt: skip
+    """One sequence on each server, stepped in turn (which one first alternates each
+    step), so that both meet the same machine; each step's latency in seconds, per server,
+    the END of each sequence not counted."""
+    import tritonclient.http as th
+
+    clients = {who: th.InferenceServerClient(url) for who, url in urls.items()}
+    inputs = [th.InferInput(name, list(a.shape), datatype).set_data_from_numpy(a)
+              for name, datatype, a in observations(model, seed)]  # fmt: skip
+    sequences = {who: first_sequence + i for i, who in enumerate(urls)}
+    latencies: dict[str, list[float]] = {who: [] for who in urls}
+    order = list(urls)
+    try:
+        for step in range(steps):
+            for who in order if step % 2 else order[::-1]:
+                began = time.perf_counter()
+                clients[who].infer(model, inputs, sequence_id=sequences[who],
+                                   sequence_start=step == 0)  # fmt: skip
+                latencies[who].append(time.perf_counter() - began)
+        for who, client in clients.items():
+            client.infer(model, inputs, sequence_id=sequences[who], sequence_end=True)
+    finally:
+        for client in clients.values():
+            client.close()
+    return latencies
+
+
 def _process(url: str, model: str, sequences: list[int], start_at: float, seconds: float,
              out: Any) -> None:  # fmt: skip
     """A client process: one thread per sequence, all starting at ``start_at`` (wall time)."""
     results: list[list[float]] = []
     time.sleep(max(0.0, start_at - time.time()))
     until = time.monotonic() + seconds
+    cpu = time.process_time()
 
     def run(sequence: int) -> None:
         results.append(_sequence(url, model, sequence, until, 10**9, sequence))
@@ -283,29 +318,32 @@ def _process(url: str, model: str, sequences: list[int], start_at: float, second
         t.start()
     for t in threads:
         t.join()
-    out.put([len(r) for r in results])
+    out.put(([len(r) for r in results], time.process_time() - cpu))
 
 
 def load(url: str, model: str, first_sequence: int, seconds: float, procs: int,
-         pids: list[int]) -> tuple[float, float]:  # fmt: skip
-    """Steps/s of :data:`SEQUENCES` sequences from ``procs`` processes, and the CPU of
-    ``pids`` per step (seconds)."""
+         pids: list[int]) -> tuple[float, float, float]:  # fmt: skip
+    """Steps/s of :data:`SEQUENCES` sequences from ``procs`` processes, the CPU of ``pids``
+    per step and the client processes' CPU per step (seconds)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     ids = list(range(first_sequence, first_sequence + SEQUENCES))
     start_at = time.time() + 3.0  # the processes import tritonclient first
-    workers = [ctx.Process(target=_process, args=(url, model, ids[i::procs], start_at, seconds, out))
-               for i in range(procs)]  # fmt: skip
+    workers = [
+        ctx.Process(target=_process, args=(url, model, ids[i::procs], start_at, seconds, out))
+        for i in range(procs)
+    ]
     for w in workers:
         w.start()
     time.sleep(max(0.0, start_at - time.time()))
     cpu_before = sum(cpu_seconds(p) for p in pids)
-    counts = [n for _ in workers for n in out.get(timeout=seconds + 120)]
+    answers = [out.get(timeout=seconds + 120) for _ in workers]
     cpu = sum(cpu_seconds(p) for p in pids) - cpu_before
     for w in workers:
         w.join()
-    steps = sum(counts)
-    return steps / seconds, cpu / max(steps, 1)
+    steps = sum(n for counts, _ in answers for n in counts)
+    client = sum(seconds for _, seconds in answers)
+    return steps / seconds, cpu / max(steps, 1), client / max(steps, 1)
 
 
 def parity(triton: str, node: str, model: str, steps: int = 20) -> bool:
@@ -368,14 +406,15 @@ def main() -> None:
                 row: dict[str, float] = {}
                 order = ("triton", "node") if r % 2 == 0 else ("node", "triton")
                 steps = a.steps if m == "demo_policy" else max(50, a.steps // 4)
-                for who in order:
-                    lat = _sequence(urls[who], m, sequence, time.monotonic() + 60, steps, r)
-                    sequence += 1
+                for who, lat in lockstep(urls, m, sequence, steps, r).items():
                     row[f"p50_{who}"], row[f"p99_{who}"] = pct(lat, 50), pct(lat, 99)
+                sequence += 2
                 for who in order:
-                    rate, cpu = load(urls[who], m, sequence, a.seconds, a.procs, pids[who])
+                    rate, cpu, client = load(urls[who], m, sequence, a.seconds, a.procs,
+                                             pids[who])  # fmt: skip
                     sequence += SEQUENCES
                     row[f"rps_{who}"], row[f"cpu_{who}_us"] = rate, cpu * 1e6
+                    row[f"client_{who}_us"] = client * 1e6
                 rounds[m].append(row)
                 print(m, {k: round(v, 6) for k, v in row.items()}, flush=True)
     finally:
