@@ -128,8 +128,8 @@ _TYPES = {"float32": "TYPE_FP32", "uint8": "TYPE_UINT8", "int64": "TYPE_INT64",
 
 def unpacked_triton(cache: Path) -> Path:
     """The ``tritonserver`` directory of the unpacked ``nvidia-pytriton`` wheel under
-    ``cache`` (downloaded with pip and unzipped the first time), with the Python 3.11
-    backend stub in place."""
+    ``cache`` (downloaded with pip and unzipped the first time), with the Python backend's
+    stub for this interpreter's version (3.8 to 3.13) in place."""
     root = cache / "pytriton-0.7.0"
     server = root / "pytriton" / "tritonserver"
     if not (server / "bin" / "tritonserver").exists():
@@ -142,7 +142,8 @@ def unpacked_triton(cache: Path) -> Path:
     binary = server / "bin" / "tritonserver"
     stub = server / "backends" / "python" / "triton_python_backend_stub"
     if not stub.exists():
-        shutil.copy(server / "python_backend_stubs" / "3.11" / stub.name, stub)
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        shutil.copy(server / "python_backend_stubs" / version / stub.name, stub)
     for path in (binary, stub):
         path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return server
@@ -376,17 +377,24 @@ def main() -> None:
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "affinity-bench")
     p.add_argument("--node-args", default="", help="extra flags for the node")
+    p.add_argument("--embedded", action="store_true",
+                   help="the node on its embedded store, no redis-server")  # fmt: skip
     a = p.parse_args()
     models = a.models.split(",")
     server = unpacked_triton(a.cache)
     tmp = tmpdir()
     triton = Triton(server, model_repository(tmp, models), tmp / "tritonserver.log")
-    redis = RedisServer(tmp).start()
+    redis = RedisServer(tmp)
+    if not a.embedded:
+        redis.start()
     extra = ["--lease-ttl", "30", "--capacity", "100"]
     for m in models:
         extra += ["--model", MODELS[m]]
     node = Node(tmp, "bench", redis.url, devices="cpu:2", extra=[*extra, *a.node_args.split()],
                 env={"AFFINITY_ACCESS_LOG": "off"})  # fmt: skip
+    if a.embedded:  # the node's argv without --redis URL
+        at = node.proc.argv.index("--redis")
+        del node.proc.argv[at : at + 2]
     rounds: dict[str, list[dict[str, float]]] = {m: [] for m in models}
     same: dict[str, bool] = {}
     try:
@@ -420,7 +428,8 @@ def main() -> None:
     finally:
         node.stop()
         triton.stop()
-        redis.stop()
+        if not a.embedded:
+            redis.stop()
     figures = []
     for m in models:
         rs = rounds[m]
