@@ -1,7 +1,7 @@
 """The node's KServe infer path in process: one sequence step as ``tritonclient.http`` sends
 it (binary tensors, sequence parameters) through the node's ASGI app vs the same step as a
-msgpack-free JSON ``POST /act`` through the same app, both called directly (no sockets, no
-HTTP parsing, no client), interleaved on uvloop, 64 sequences in turn.
+JSON ``POST /act`` through the same app, both called directly (no sockets, no HTTP
+parsing, no client), taking turns step by step on uvloop, 64 sequences in turn.
 
 What KServe adds over ``/act`` is the v2 wire (decoding the JSON header and the binary
 tensors, Triton's parameters, the reply's JSON header and binary outputs); the step itself
@@ -94,6 +94,19 @@ class Steps:
             self.kserve.append((body, headers))
         self.act = [(ACT % n, [(b"content-type", b"application/json")]) for n in range(SEQUENCES)]
 
+    async def interleaved(self, app: Any, steps: int, connection: _Connection) -> dict[str, float]:
+        """``steps`` steps of each kind, taking turns step by step (both meet the same
+        machine); the mean µs a step of each."""
+        spent = {"kserve": 0.0, "act": 0.0}
+        path = {"kserve": f"/v2/models/{MODEL}/infer", "act": "/act"}
+        for n in range(steps):
+            for kind in ("kserve", "act") if n % 2 else ("act", "kserve"):
+                body, headers = (self.kserve if kind == "kserve" else self.act)[n % SEQUENCES]
+                began = time.perf_counter()
+                await _one(app, path[kind], body, headers, connection)
+                spent[kind] += time.perf_counter() - began
+        return {f"{kind}_us": total / steps * 1e6 for kind, total in spent.items()}
+
     async def run(self, app: Any, kind: str, steps: int, connection: _Connection) -> float:
         path = f"/v2/models/{MODEL}/infer" if kind == "kserve" else "/act"
         bodies = self.kserve if kind == "kserve" else self.act
@@ -136,9 +149,7 @@ async def _measure(rounds: int, steps: int, models: list[str], profile: bool) ->
                 stats.sort_stats("cumulative").print_stats(shown, 40)
                 return results
             for _ in range(rounds):
-                kserve = await work.run(app, "kserve", steps, connection)
-                act = await work.run(app, "act", steps, connection)
-                results.append({"kserve_us": kserve, "act_us": act})
+                results.append(await work.interleaved(app, steps, connection))
     finally:
         app.access.stream.close()
     return results

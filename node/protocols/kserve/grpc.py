@@ -1,41 +1,12 @@
 """KServe v2 over gRPC (``inference.GRPCInferenceService``), as the unmodified
-``tritonclient.grpc`` (sync, ``aio`` and ``start_stream``) speaks it, on ``--grpc-port``.
+``tritonclient.grpc`` (sync, ``aio`` and streams) speaks it, on ``--grpc-port``.
 
-The same protocol as ``http.py`` over another transport: a request is decoded into
-``request.py``'s :class:`InferRequest`, then follows the
-same path (``to_step``, Triton's live-sequence rule, ``service.routing.act``: resolve,
-serve or forward to the owner over the node's internal HTTP), so a sequence is sticky across
-nodes whichever front door each of its steps used.
-
-Served RPCs: ``ServerLive``, ``ServerReady``, ``ModelReady``, ``ServerMetadata``,
-``ModelMetadata``, ``ModelStatistics`` (``node/stats.py``), ``ModelConfig``, ``ModelInfer``
-and ``ModelStreamInfer`` (one stream's requests are answered one at a time, in order: the
-way a Triton client keeps a sequence's steps in order). Every other RPC of the service
-(repository and model control, shared memory, trace, logging) answers ``UNIMPLEMENTED``
-(docs/protocols.md says why).
-
-**Requests.** Request parameters carry Triton's sequence fields: ``sequence_id`` (an
-``int64_param``/``uint64_param`` or a ``string_param``), ``sequence_start``,
-``sequence_end`` (``bool_param``), ``timeout`` (µs), ``execute_steps`` and ``ensemble``;
-real-time chunking's ``executed``, ``inference_delay`` (``int64_param``) and
-``control_hz`` (``double_param`` or ``int64_param``), replied as ``rtc_executed``,
-``rtc_delay``, ``rtc_prefix_len``.
-Tensors come as ``raw_input_contents`` (one entry per input, in order: the raw
-little-endian row-major bytes) or as typed ``contents``. Every declared size (element
-counts against ``MAX_ELEMENTS``, raw sizes against shape and datatype) is checked before an
-array exists; raw inputs are read-only views of the received bytes. A message is bounded by
-``--max-body-bytes`` (gRPC's receive limit). A client's gRPC deadline (``client_timeout``)
-shortens ``--act-deadline`` for the request, like ``timeout``. Each step writes one
-access line (``GRPC /<service>/<rpc>``, in either log format). Outputs go back as
-``raw_output_contents``, with affinity's facts (``episode_id``, ``device``, ``node``,
-``token``, ``routing``, ``state_reset``, ``degraded``, ``source``) as response parameters.
-
-**Errors** are gRPC status codes with the node's message: ``INVALID_ARGUMENT`` (what HTTP
-answers with 400), ``UNAUTHENTICATED`` (no ``authorization: Api-Key <key>`` metadata when
-the node has ``--api-key``), ``NOT_FOUND`` (another model or version), ``UNAVAILABLE``
-(503; the ``retry-after`` trailing metadata says when), ``PERMISSION_DENIED``, ``ABORTED``
-and ``INTERNAL`` (a model failure). In a stream an error answers that request with
-``error_message`` and the stream goes on, as Triton's does.
+A request decodes into ``request.py``'s :class:`InferRequest` and takes the HTTP front
+door's path (Triton's live-sequence rule, ``service.routing.act``), so a sequence sticks to
+its GPU whichever front door each step used. Sizes are checked before an array exists;
+raw inputs are views of the received bytes. Failures are status codes with the node's
+message (``_Abort``); in a stream, one answers that request and the stream goes on, as
+Triton's does. The wire and its errors: docs/protocols.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What both KServe front doors (HTTP and gRPC) share: the decoded request, Triton's
-sequence ids and parameters, its live-sequence rule, the step a request becomes, and the
-model metadata.
+sequence ids and parameters, its live-sequence rule, the step a request becomes, and what
+a node says of a model: metadata, configuration, statistics, its one version string.
 
 **Sequences.** ``sequence_id`` is the episode: a uint64, or a string (Triton's
 ``sequence(string_id)``); ``0`` and ``""`` (or none) are no sequence: a stateless step.
