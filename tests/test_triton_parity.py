@@ -271,3 +271,44 @@ def test_the_admin_api_answers_401_without_valid_credentials_and_403_without_the
     admin = {"Authorization": f"Bearer {ADMIN}"}
     assert httpx.post(url, headers=admin).json()["state"] == "draining"
     assert httpx.post(undrain, headers=admin).json()["state"] == "active"
+
+
+def test_a_replys_head_and_body_leave_in_one_write() -> None:
+    """uvicorn writes a reply's head and its body apart; the node's transport sends them
+    in one write (one TCP segment, one wake-up of the client), and a head whose body does
+    not follow in the same loop iteration (a streamed reply) leaves at its end."""
+    from node.main import _OneWriteTransport
+
+    class Recording:
+        def __init__(self) -> None:
+            self.sent: list[list[bytes]] = []
+
+        def write(self, data: bytes) -> None:
+            self.sent.append([data])
+
+        def writelines(self, parts: Any) -> None:
+            self.sent.append(list(parts))
+
+        def is_closing(self) -> bool:
+            return False
+
+        def close(self) -> None:
+            self.sent.append([b"<close>"])
+
+    loop = asyncio.new_event_loop()
+    try:
+        wire = Recording()
+        transport = _OneWriteTransport(wire, loop)  # type: ignore[arg-type]
+        head = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
+        transport.write(head)
+        transport.write(b"{}")
+        assert wire.sent == [[head, b"{}"]]
+        transport.write(head)  # a streamed reply: its head, then nothing in this iteration
+        loop.run_until_complete(asyncio.sleep(0))
+        assert wire.sent[1:] == [[head]]
+        transport.write(b"data: 1\n\n")
+        transport.write(head)
+        transport.close()  # a held head leaves before the connection closes
+        assert wire.sent[2:] == [[b"data: 1\n\n"], [head], [b"<close>"]]
+    finally:
+        loop.close()
