@@ -32,7 +32,6 @@ from node.asgi import (
     Receive,
     Scope,
     Send,
-    header,
     read_body,
     respond,
     while_connected,
@@ -402,7 +401,15 @@ async def _infer(
     started = time.monotonic()
     model_name = model[0]
     rejected = service.metrics.rejected
-    if not service.client_allowed(header(scope, b"authorization")):
+    authorization = header_length = encoding = None
+    for key, value in scope["headers"]:  # one pass for the three this door reads (first wins)
+        if key == b"authorization" and authorization is None:
+            authorization = value.decode("latin-1")
+        elif key == _HEADER_LENGTH and header_length is None:
+            header_length = value.decode("latin-1")
+        elif key == b"content-encoding" and encoding is None:
+            encoding = value.decode("latin-1")
+    if not service.client_allowed(authorization):
         rejected.labels("unauthorized").inc()
         await _error(send, 401, "this node wants Authorization: Api-Key <key>",
                      [(b"www-authenticate", b"Api-Key")])  # fmt: skip
@@ -411,10 +418,7 @@ async def _infer(
     try:
         body = await read_body(scope, receive, service.config.max_body_bytes)
         request = decode_infer(
-            body,
-            header(scope, _HEADER_LENGTH),
-            content_encoding=header(scope, b"content-encoding"),
-            max_bytes=service.config.max_body_bytes,
+            body, header_length, content_encoding=encoding, max_bytes=service.config.max_body_bytes
         )
         if request.timeout_s is not None:
             budget = min(budget, request.timeout_s)
