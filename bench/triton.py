@@ -19,7 +19,8 @@ sequence after a START, an END at the end:
 2. load: 16 sequences in lockstep each, from ``--procs`` client processes, for
    ``--seconds``: steps/s, and the server's CPU per step (``/proc``: Triton with its
    Python backend stubs, the node's one process);
-3. parity: one sequence's outputs from both, bit for bit.
+3. parity: one sequence's outputs from both, bit for bit; and PyTriton's own
+   ``ModelClient`` (config first, then ``infer_sample``/``infer_batch``) against the node.
 
 Rounds alternate the servers (and which goes first); every figure is the median over
 ``--rounds`` of the node / Triton ratio measured in the same round.
@@ -347,6 +348,41 @@ def load(url: str, model: str, first_sequence: int, seconds: float, procs: int,
     return steps / seconds, cpu / max(steps, 1), client / max(steps, 1)
 
 
+MODEL_CLIENT_NEEDS = ("typing_inspect", "wrapt", "sh", "pyzmq", "typer", "importlib_metadata")
+"""What PyTriton's client package imports beside tritonclient (its wheel's Requires-Dist)."""
+
+
+def model_client_check(cache: Path, url: str, models: list[str]) -> str:
+    """PyTriton's own ``ModelClient`` (from the unpacked wheel; its other imports installed
+    with pip under ``cache``, not into this environment) against ``url``: it reads the
+    model configuration, then ``infer_sample`` and ``infer_batch``. A summary per model,
+    or what failed. ``ModelClient`` sends no sequence parameters (``tritonclient`` refuses
+    ``sequence_id`` among ``parameters``), so these are stateless steps."""
+    deps = cache / "pytriton-client-deps"
+    if not deps.exists():
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(deps),
+                        *MODEL_CLIENT_NEEDS], check=True)  # fmt: skip
+    script = f"""
+import sys
+import numpy as np
+sys.path[:0] = [{str(deps)!r}, {str(cache / "pytriton-0.7.0")!r}]
+from pytriton.client import ModelClient
+for model in {models!r}:
+    with ModelClient({url!r}, model, init_timeout_s=60) as client:
+        config = client.model_config
+        sample = {{i.name: np.zeros(i.shape, i.dtype) for i in config.inputs}}
+        one = client.infer_sample(**sample)
+        batch = client.infer_batch(**{{k: v[np.newaxis] for k, v in sample.items()}})
+        print(model, "max_batch_size", config.max_batch_size,
+              {{k: v.shape for k, v in one.items()}}, {{k: v.shape for k, v in batch.items()}})
+"""
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", script], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    if done.returncode != 0:
+        return "FAILED: " + done.stderr.strip().splitlines()[-1][:300]
+    return "; ".join(done.stdout.strip().splitlines())
+
+
 def parity(triton: str, node: str, model: str, steps: int = 20) -> bool:
     """Whether one sequence's outputs (``steps`` steps, new observations each) are the same,
     bit for bit, from both servers."""
@@ -409,6 +445,9 @@ def main() -> None:
         sequence = 1
         for m in models:
             same[m] = parity(urls["triton"], urls["node"], m)
+        client_check = model_client_check(a.cache, f"http://{urls['node']}", models)
+        print("PyTriton ModelClient against the node:", client_check, flush=True)
+        for m in models:
             for url in urls.values():  # warm up both
                 _sequence(url, m, sequence, time.monotonic() + 2, 50, 0)
                 sequence += 1
@@ -466,6 +505,11 @@ def main() -> None:
              "result": "bit-identical" if same[m] else "DIFFERENT", "goal": "bit-identical",
              "ok": same[m]},
         ]  # fmt: skip
+    figures.append(
+        {"figure": "PyTriton's ModelClient against the node (config, infer_sample, infer_batch)",
+         "value": not client_check.startswith("FAILED"), "result": client_check,
+         "goal": "works", "ok": not client_check.startswith("FAILED")}
+    )  # fmt: skip
     report("triton", figures, {"rounds": rounds})
 
 
