@@ -360,8 +360,11 @@ def model_client_check(cache: Path, url: str, models: list[str]) -> str:
     ``sequence_id`` among ``parameters``), so these are stateless steps."""
     deps = cache / "pytriton-client-deps"
     if not deps.exists():
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(deps),
-                        *MODEL_CLIENT_NEEDS], check=True)  # fmt: skip
+        installed = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target",
+                                    str(deps), *MODEL_CLIENT_NEEDS])  # fmt: skip
+        if installed.returncode != 0:
+            shutil.rmtree(deps, ignore_errors=True)
+            return "FAILED: pip could not install " + ", ".join(MODEL_CLIENT_NEEDS)
     script = f"""
 import sys
 import numpy as np
