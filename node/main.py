@@ -55,6 +55,7 @@ from node.metrics import Metrics
 from node.policy import PolicyContract, load_contract
 from node.providers import CPU, GpuUnavailable, ProviderSettings, build_session, require_cuda
 from node.service import NodeService
+from node.stats import ModelStats
 
 __all__ = ["build_service", "main", "parse_args"]
 
@@ -212,6 +213,18 @@ _SWITCHES = (
         "KServe: a request for an unknown sequence starts it (Triton refuses it)",
     ),
 )
+
+
+def both(
+    first: Callable[[str, float], None], second: Callable[[str, float], None]
+) -> Callable[[str, float], None]:
+    """A dispatcher hook that calls ``first``, then ``second``."""
+
+    def call(device: str, value: float) -> None:
+        first(device, value)
+        second(device, value)
+
+    return call
 
 
 def per_device(histogram: Histogram) -> Callable[[str, float], None]:
@@ -496,8 +509,13 @@ def build_service(
                     ensemble=config.ensemble,
                     ensemble_decay=config.ensemble_decay,
                     control_hz=config.control_hz,
-                    on_batch=per_device(metrics.batch_size),
-                    on_queue_wait=per_device(metrics.queue_wait),
+                    on_batch=both(
+                        per_device(metrics.batch_size),
+                        metrics.model_stats.setdefault(name, ModelStats()).ran,
+                    ),
+                    on_queue_wait=both(
+                        per_device(metrics.queue_wait), metrics.model_stats[name].queued
+                    ),
                     table=table,
                     arrivals=arrivals,
                     model=str(mid),
@@ -581,6 +599,47 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())
 
 
+class _OneWriteTransport:
+    """A connection's transport that sends a response's status line and headers together
+    with what follows them: uvicorn writes the head and the body of a reply as two
+    ``write`` calls, so two TCP segments, and the client wakes up twice for one reply
+    (``tritonclient.http`` in lockstep, steps to a node that writes once and to one that
+    writes twice taking turns: p50 0.58 ms vs 1.05 ms). The head is held until the next
+    write (the body, in the same send of a plain reply) or the end of the loop iteration
+    (a streamed body), whichever comes first; every other call goes to the transport."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._head: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        head, self._head = self._head, None
+        if head is not None:
+            self._transport.writelines((head, data))
+        elif data.startswith(b"HTTP/"):
+            self._head = data
+            self._loop.call_soon(self._flush)
+        else:
+            self._transport.write(data)
+
+    def _flush(self) -> None:
+        head, self._head = self._head, None
+        if head is not None and not self._transport.is_closing():
+            self._transport.write(head)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def write_eof(self) -> None:
+        self._flush()
+        self._transport.write_eof()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class _KeepAliveProtocol(HttpToolsProtocol):
     """uvicorn's HTTP protocol, except that:
 
@@ -589,13 +648,14 @@ class _KeepAliveProtocol(HttpToolsProtocol):
       timeout, the timer fires before the queued request is read, and closing would drop
       a request the client cannot know the fate of. Such a request is read and answered
       instead (503 ``fenced`` if the lease lapsed);
+    - a reply's head and body leave in one write (:class:`_OneWriteTransport`);
     - every request's scope carries it as :data:`~node.asgi.CONNECTION`: whether the
       client has closed the connection by now (:meth:`peer_closed`: one ``poll(2)``
       instead of two turns of the event loop) and whether other requests are being served
       (:meth:`serving_others`), for ``node.asgi.while_connected``."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(_OneWriteTransport(transport, self.loop))  # type: ignore[arg-type]
         sock = transport.get_extra_info("socket")
         self._hangup: select.poll | None = None
         if sock is not None and sock.fileno() >= 0:
@@ -739,11 +799,11 @@ async def _serve_on(
             return EXIT_NO_GPU
         grpc_server = None
         if grpc_sock is not None:  # bound before registering, like the HTTP listener
-            from node.protocols import grpc  # grpcio loads only where gRPC is served
+            from node.protocols.kserve import grpc  # grpcio loads only where gRPC is served
 
             assert config.grpc_port is not None
-            # gRPC binds its own listener with SO_REUSEPORT, which a second process could
-            # share: the port was held exclusively until here, and is handed over now
+            # gRPC binds its own listener (without SO_REUSEPORT: grpc.so_reuseport 0); the
+            # port was held exclusively until here, and is handed over now
             grpc_sock.close()
             try:
                 grpc_server = await grpc.start(service, config.host, config.grpc_port)

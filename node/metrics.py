@@ -16,6 +16,7 @@ import onnxruntime
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from affinity import __version__
+from node.stats import ModelStats
 
 __all__ = ["BUILD", "LABELS", "Metrics"]
 
@@ -71,6 +72,8 @@ class Metrics:
 
     def __init__(self, devices: list[str], capacity: int) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.model_stats: dict[str, ModelStats] = {}
+        """Model name -> Triton's statistics of that model on this node (``node/stats.py``)."""
         r = self.registry
         self.routing = Counter(
             "affinity_routing_total",

@@ -177,6 +177,7 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         await a.client.post("/act", content=b"{")
         await a.client.post("/devices/a/0/drain")
         await a.client.post("/devices/a/0/drain", headers={"Authorization": "Bearer no"})
+        await a.client.post("/devices/a/0/drain", headers={"Sec-Fetch-Site": "cross-site"})
         await a.client.post("/devices/a/0/drain", headers={"Authorization": "Bearer t"})
         # log lines dropped: the log stream broke (a log shipper that died)
         a.app.access.stream = BrokenPipe()
