@@ -87,7 +87,9 @@ class Episode:
     reply: StepResult | None = None  # the result of step ``seq`` (None when seq is 0)
     previous: Episode | None = None  # the record before step ``seq``; restored by undo
     origin: str = ""  # the forward that applied step ``seq`` ("" when not forwarded)
-    doubt: bool = False  # the next step says state_reset (an undo came too late, a reset)
+    doubt: bool = (
+        False  # its history is unknown (an undo came too late): the next step starts clean
+    )
     sent: tuple[Array, float] | None = None  # RTC: the [H, D] chunk last sent, and when
     latency: tuple[float, ...] = ()  # RTC: the latest step latencies (seconds), oldest first
     pinned: bool = False  # step ``seq``'s reply was replayed to a retry: never undone
@@ -194,8 +196,10 @@ def admit(
 ) -> Verdict:
     """Decide a step against the episode's record.
 
-    A step of the record's claim applies on it when it names no ``seq`` or the next one,
-    and replays the stored reply when it names the one applied with the same inputs
+    A step of the record's claim applies on it when it names no ``seq`` or the next one
+    (from the initial state, said, when the record is in doubt: ``state_reset`` always
+    means the state started over), and replays the stored reply when it names the one
+    applied with the same inputs
     (``asked``); any other ``seq`` raises :class:`SeqConflict`. Any other step starts
     clean: a fresh claim, or one Redis confirmed that this node does not hold. It says
     ``state_reset`` unless it is the claim's first step (``seq`` 1, or no ``seq`` and a
@@ -204,7 +208,9 @@ def admit(
     :class:`ClaimEnded`: it would replace a newer claim's record."""
     if record is not None and not fresh and record.holds(device, token, claim):
         if seq is None or seq == record.seq + 1:
-            return Apply(record, record.doubt)
+            if record.doubt:  # its history is unknown (a late undo): start clean, say so
+                return Apply(None, True)
+            return Apply(record, False)
         if seq == record.seq and record.reply is not None:
             if (
                 record.asked is not None

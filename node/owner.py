@@ -230,8 +230,9 @@ class Owner:
         if step.end:
             await self.end(a.episode, a.token)
         # A client's echo of its last claim (or token) tells a lost assignment (Redis
-        # restarted empty, a failover dropped the last writes) from a continuing one.
-        echoed = (
+        # restarted empty, a failover dropped the last writes) from a new episode when the
+        # step started clean; a claim that changed with the record (a hand-over) is no reset.
+        echoed = result.seq == 1 and (
             step.client_claim not in (None, a.claim)
             if step.client_claim is not None and a.claim
             else step.client_token not in (None, a.token)
