@@ -30,7 +30,7 @@ from typing import Literal
 from affinity import AffinityError, Claims, wire
 from affinity.transfers import Placement, Transfers
 from affinity.transfers import Refused as NotPlaced
-from node.episodes import EpisodeTable
+from node.episodes import Episode, EpisodeTable
 from node.forward import MOVE_PATH, Forward, ForwardError, Poster
 from node.lease import Lease
 from node.metrics import Metrics
@@ -51,6 +51,8 @@ HOLD_MS = 10_000
 """How long Redis keeps the slot a move reserved (a move that dies leaves it to expire)."""
 MOVE_S = 5.0
 """The most one move's record may take to reach the new owner."""
+RETRY_S = 0.2
+"""How often a move whose commit answer was lost asks Redis again whether it moved."""
 
 
 class Mover:
@@ -137,7 +139,12 @@ class Mover:
             )
         except AffinityError as exc:  # unknown: Redis may have moved it; find out
             log.warning("moving %s: the commit's answer was lost (%s)", episode, exc)
-            refused = await self._committed_after_all(episode, to)
+            refused = await self._committed_after_all(episode, record, to)
+        if refused is not None and refused.reason == "unknown":
+            # Redis could not be asked while this node's lease lasted: the fence drops the
+            # record here, and the new owner's copy is served only if Redis moved it there
+            # (a routed step confirms it); nothing is told or undone on a guess
+            return "kept"
         if refused is not None:
             await self._abort(episode, record.token, record.claim, instance, to)
             await self._tell(to, episode, "drop")
@@ -151,13 +158,31 @@ class Mover:
         task.add_done_callback(self._telling.discard)
         return "moved"
 
-    async def _committed_after_all(self, episode: str, to: Placement) -> NotPlaced | None:
-        with contextlib.suppress(AffinityError):
-            info = await self.lease_claims.lookup(episode)
-            if info is not None and (info.device, info.token, info.claim) == (
-                to.device, to.token, to.claim,
-            ):  # fmt: skip
+    async def _committed_after_all(
+        self, episode: str, record: Episode, to: Placement
+    ) -> NotPlaced | None:
+        """The commit's answer was lost (a timeout, a dropped connection): ask Redis which
+        claim holds ``episode`` now, again every :data:`RETRY_S` while this node's lease is
+        valid (the episode's steps wait meanwhile). None: it moved. ``failed``: the old
+        claim still holds it (the commit never ran). ``marked``: an operator released it.
+        ``stale``: another claim holds it, or none. ``unknown``: the lease ran out first.
+        Never a guess: telling the new owner to drop a record Redis gave it would leave the
+        episode with an owner that refuses it."""
+        while self.lease.valid():
+            try:
+                info = await self.lease_claims.lookup(episode)
+            except AffinityError as exc:
+                log.warning("moving %s: cannot tell whether it moved yet (%s)", episode, exc)
+                await asyncio.sleep(RETRY_S)
+                continue
+            if info is None:
+                return NotPlaced("stale")
+            held = (info.device, info.token, info.claim)
+            if held == (to.device, to.token, to.claim):
                 return None
+            if held == (record.device, record.token, record.claim):
+                return NotPlaced("marked" if info.revoked or info.moved else "failed")
+            return NotPlaced("stale")
         return NotPlaced("unknown")
 
     async def _send(self, to: Placement, body: bytes, episode: str) -> bool:

@@ -39,7 +39,7 @@ from node.forward import ForwardPool, Poster
 from node.health import DeviceHealth
 from node.lease import Lease
 from node.metrics import Metrics
-from node.owner import Owner
+from node.owner import MOVES_AT_ONCE, Owner
 from node.policy import PolicyContract
 from node.router import Router
 from node.rtc import Ask
@@ -48,8 +48,9 @@ from node.step import Refused
 __all__ = ["NodeService"]
 
 log = logging.getLogger("affinity.node")
-LEASE_CONNECTIONS = 4
-"""Connections of the lease's own pool: renewals never wait behind client requests."""
+LEASE_CONNECTIONS = 4 + MOVES_AT_ONCE
+"""Connections of the lease's own pool: renewals never wait behind client requests, nor
+behind the hand-overs that may run at once (each holds one while it asks Redis)."""
 
 DispatcherFactory = Callable[
     [list[str], Callable[[str, str, str], None], Metrics, EpisodeTable, Arrivals],

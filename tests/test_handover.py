@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from affinity import Keys
+from affinity import BackendUnavailable, Keys
 from affinity.registry import MoveRequest
 from node.policy import DEMO_MODEL, reference_rollout
 from tests.inproc import InProcNode, cluster, config
@@ -143,6 +143,87 @@ async def test_a_commit_refused_keeps_one_owner_and_nothing_is_served_from_the_c
         value = (await redis.get(KEYS.episode(ep))).split(" ")
         assert value[0] == "a/0"
         assert await redis.zrange(KEYS.load("b/0"), 0, -1) == []
+
+
+async def test_a_commit_whose_answer_is_lost_asks_redis_until_it_knows(redis: Any) -> None:
+    """The commit ran in Redis but its answer was lost (a pool exhausted, a dropped
+    connection), and the first lookups fail too: the old owner asks again until Redis
+    answers, and the move completes: the new owner is told, nothing is dropped, the
+    episode goes on with its state. (Dropping the copy on a guess left the episode with an
+    owner that refused it until that owner stopped: a reset, and 503s meanwhile.)"""
+    obs = observations(8, 3)
+    async with cluster(redis, two()) as ([a, _b], _):
+        first = await on("a", a, "lost-answer", obs[0])
+        ep = first["episode_id"]
+        mover = a.service.owner.mover
+        commit, lookup = mover.transfers.commit, mover.lease_claims.lookup
+        failures = [2]
+
+        async def answer_lost(*args: Any, **kw: Any) -> Any:
+            await commit(*args, **kw)
+            raise BackendUnavailable("connection lost after the commit")
+
+        async def flaky_lookup(*args: Any, **kw: Any) -> Any:
+            if failures[0]:
+                failures[0] -= 1
+                raise BackendUnavailable("still down")
+            return await lookup(*args, **kw)
+
+        mover.transfers.commit = answer_lost  # type: ignore[method-assign]
+        mover.lease_claims.lookup = flaky_lookup  # type: ignore[method-assign]
+        try:
+            assert await a.service.owner.hand_over(ep, "drain") == "moved"
+        finally:
+            mover.transfers.commit = commit  # type: ignore[method-assign]
+            mover.lease_claims.lookup = lookup  # type: ignore[method-assign]
+        assert failures == [0] and a.service.table.get(ep) is None
+        r = (await a.act(episode_id=ep, inputs={"obs": obs[1].tolist()}, seq=2)).json()
+        assert (r["node"], r["seq"], r["state_reset"]) == ("b", 2, False), r
+        expect(obs[:2], r)
+
+
+async def test_a_commit_never_known_before_the_lease_ends_tells_nothing_on_a_guess(
+    redis: Any,
+) -> None:
+    """The commit's answer is lost and Redis cannot be asked until the old owner's lease
+    is over: it tells the new owner nothing (no drop on a guess) and keeps no claim to
+    serve (its fence drops the record). Redis moved the episode, so the new owner's copy
+    is served once a routed step confirms it: state kept, one owner."""
+    obs = observations(9, 3)
+    async with cluster(redis, two()) as ([a, b], _):
+        ep = (await on("a", a, "never-known", obs[0]))["episode_id"]
+        mover = a.service.owner.mover
+        commit, lookup, tell = mover.transfers.commit, mover.lease_claims.lookup, mover._tell
+        told: list[str] = []
+
+        async def answer_lost(*args: Any, **kw: Any) -> Any:
+            await commit(*args, **kw)
+            raise BackendUnavailable("connection lost after the commit")
+
+        async def down(*args: Any, **kw: Any) -> Any:
+            a.service.lease.deadline = a.service.clock() - 1  # the lease runs out meanwhile
+            raise BackendUnavailable("down")
+
+        async def spy(to: Any, episode: str, op: str, claim: str = "") -> None:
+            told.append(op)
+            await tell(to, episode, op, claim)
+
+        mover.transfers.commit = answer_lost  # type: ignore[method-assign]
+        mover.lease_claims.lookup = down  # type: ignore[method-assign]
+        mover._tell = spy  # type: ignore[method-assign]
+        try:
+            assert await a.service.owner.hand_over(ep, "drain") == "kept"
+        finally:
+            mover.transfers.commit = commit  # type: ignore[method-assign]
+            mover.lease_claims.lookup = lookup  # type: ignore[method-assign]
+            mover._tell = tell  # type: ignore[method-assign]
+        assert told == []
+        copy = b.service.table.get(ep)
+        assert copy is not None and not copy.confirmed
+        assert a.service.owner.serving(ep) is None  # the old owner serves nothing
+        r = (await b.act(episode_id=ep, inputs={"obs": obs[1].tolist()}, seq=2)).json()
+        assert (r["node"], r["seq"], r["state_reset"]) == ("b", 2, False), r
+        expect(obs[:2], r)
 
 
 async def test_an_unconfirmed_copy_is_never_served_from_memory(redis: Any) -> None:
