@@ -294,11 +294,21 @@ async def cmd_show(args: argparse.Namespace, ctx: Context) -> int:
 
 
 async def cmd_drain(args: argparse.Namespace, ctx: Context) -> int:
-    change = await ctx.registry.drain(args.device, args.reason)
-    if args.move:  # its node moves them with their state at its next renewal
-        node = args.device.rpartition("/")[0]
-        await ctx.registry.request_move(node, MoveRequest(device=args.device))
-    return report_state(ctx, args.device, change.state, change.previous)
+    # every device drains before any move is asked: a move never lands on a device that
+    # drains next (draining a node's devices together moves each episode once); a typo in
+    # any of them changes nothing
+    states = await ctx.registry.states(args.device)
+    for device in args.device:
+        if states[device] == "removed":
+            raise UnknownDevice(device)
+    changes = [await ctx.registry.drain(device, args.reason) for device in args.device]
+    if args.move:  # each node moves them with their state at its next renewal
+        for device in args.device:
+            node = device.rpartition("/")[0]
+            await ctx.registry.request_move(node, MoveRequest(device=device))
+    for device, change in zip(args.device, changes, strict=True):
+        report_state(ctx, device, change.state, change.previous)
+    return EXIT_OK
 
 
 async def cmd_move(args: argparse.Namespace, ctx: Context) -> int:
@@ -477,8 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node", help="only this node's devices")
     p = command("show", cmd_show, "one episode's assignment (exit 1 when it has none)")
     p.add_argument("episode")
-    p = command("drain", cmd_drain, "stop new episodes on a device; its episodes stay")
-    p.add_argument("device")
+    p = command("drain", cmd_drain, "stop new episodes on devices; their episodes stay")
+    p.add_argument("device", nargs="+", help="one or more devices (a node's: drain them together)")
     p.add_argument("--reason", default="", help="recorded on the device and in the event")
     p.add_argument(
         "--move",

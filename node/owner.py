@@ -116,6 +116,7 @@ class Owner:
         self._releasing: set[str] = set()  # in the flush in flight: never from memory
         self._handing: dict[str, asyncio.Task[Outcome]] = {}
         self._moving: set[asyncio.Task[Outcome]] = set()  # operators' moves under way
+        self._gate = asyncio.Semaphore(MOVES_AT_ONCE)  # hand-overs under way, at most
         self.mover = Mover(
             self.node_id,
             table,
@@ -385,13 +386,19 @@ class Owner:
         """Hand ``episode`` over once its in-flight step (if any) finished: with its state
         to a device that serves its model and has room (``node/handover.py``), else
         without it (its next step is ``reassigned``, ``state_reset``). Idempotent;
-        concurrent callers share one hand-over."""
+        concurrent callers share one hand-over. :data:`MOVES_AT_ONCE` run at a time (a
+        drain's, a graceful stop's and an operator's together); an episode waiting its turn
+        goes on stepping here."""
         task = self._handing.get(episode)
         if task is None:
-            task = asyncio.ensure_future(self.mover.hand_over(episode, reason, target))
+            task = asyncio.ensure_future(self._gated(episode, reason, target))
             self._handing[episode] = task
             task.add_done_callback(lambda _: self._handing.pop(episode, None))
         return await asyncio.shield(task)
+
+    async def _gated(self, episode: str, reason: Reason, target: str) -> Outcome:
+        async with self._gate:
+            return await self.mover.hand_over(episode, reason, target)
 
     def move_requested(self, moves: Sequence[MoveRequest]) -> None:
         """Carry out the moves an operator asked (read at the renewal): every episode of a
@@ -419,16 +426,12 @@ class Owner:
         registered = self.lease.registered
         await self.lease.begin_leave()
         held = [episode for episode, _ in self.table.records()]
-        gate = asyncio.Semaphore(MOVES_AT_ONCE)
-
-        async def one(episode: str) -> Outcome:
-            async with gate:
-                return await self.hand_over(episode, "stop")
-
         outcomes: list[Outcome | BaseException] = []
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.config.drain_timeout_s):
-                outcomes = await asyncio.gather(*(one(ep) for ep in held), return_exceptions=True)
+                outcomes = await asyncio.gather(
+                    *(self.hand_over(ep, "stop") for ep in held), return_exceptions=True
+                )
         self.table.drop_all("handed")
         released = await self.lease.end()
         if registered:

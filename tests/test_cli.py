@@ -348,6 +348,22 @@ def test_drain_unknown_device(dep: Deployment, capsys: pytest.CaptureFixture[str
     assert dep.server.client().exists(KEYS.device("gpu-z/0")) == 0
 
 
+def test_drain_several_devices_at_once(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """A node's devices drain together (and a move is asked of their node for each); a typo
+    among them drains none."""
+    code, out, err = cli(dep, capsys, "drain", "gpu-a/0", "gpu-z/0")
+    assert (code, out) == (1, "")
+    assert err == "affinity: device 'gpu-z/0' is not registered\n"
+    code, out, _ = cli(dep, capsys, "devices", "--json")
+    assert {d["device"]: d["state"] for d in json.loads(out)}["gpu-a/0"] == "active"
+
+    code, out, err = cli(dep, capsys, "drain", "gpu-a/0", "gpu-a/1", "--move")
+    assert (code, err) == (0, "")
+    assert out == "gpu-a/0: active -> draining\ngpu-a/1: active -> draining\n"
+    asked = dep.server.client().smembers(KEYS.moves("gpu-a"))
+    assert asked == {"@gpu-a/0", "@gpu-a/1"}
+
+
 # -- events ---------------------------------------------------------------------------------
 
 
