@@ -90,10 +90,10 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
             admin_token="t",
             failure_threshold=1,
             cooldown_s=0,
-            capacity=3,
+            capacity=5,
             max_body_bytes=2000,
         ),
-        config("b", cluster_secret="k", capacity=3),
+        config("b", cluster_secret="k", capacity=5),
     ]
     seen: list[tuple[str, dict[str, str], float]] = []
     Flaky.fail = False
@@ -142,6 +142,30 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         r = (await a.act(episode_id=other["episode_id"], inputs=OBS)).json()
         assert r["routing"] == "reassigned" and r["state_reset"] is True
         await b.service.lease.renew_once()  # b: not registered any more -> re-registers
+        # live hand-overs: a drain's moves an episode with its state; a graceful stop's
+        # finds no room (every other device draining) and hands one over without it; a
+        # move of an episode not held here is kept
+        made = []
+        for i in range(16):
+            made.append(f"mv{i}")
+            body = (await a.act(episode_id=made[-1], inputs=OBS)).json()
+            on_a = [ep for ep in made if sa.table.get(ep) is not None]
+            if len(on_a) == 2:
+                break
+        assert len(on_a) == 2, [(ep, body) for ep in made]
+        moving, resetting = on_a
+        assert await om.hand_over(moving, "drain") == "moved"
+        record = sa.table.get(resetting)
+        assert record is not None
+        others = sorted({"a/0", "a/1", "b/0", "b/1"} - {record.device})
+        for device in others:
+            await sa.registry.drain(device)
+        assert await om.hand_over(resetting, "stop") == "reset"
+        for device in others:
+            await sa.registry.undrain(device)
+        assert await om.hand_over("held-nowhere", "move") == "kept"
+        for ep in made:  # their slots back, for the full fleet below
+            await a.act(episode_id=ep, inputs=OBS, end=True)
         # crash tracker: a model failure takes the device down, the probe brings it up
         mine = await episode_on(a, a, "mine")
         Flaky.fail = True
@@ -156,7 +180,7 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         assert (await redis.hget(KEYS.device(mine["device"]), "state")) == "active"
         seen += await scrape(a)
         # full
-        for i in range(12):
+        for i in range(20):
             await a.act(episode_id=f"fill{i}", inputs=OBS)
         # admission backlog: a new episode waits while every device is full, until one ends
         sa.router.admission = Admission(

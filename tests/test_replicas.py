@@ -211,12 +211,13 @@ def lone_owner(registry: Registry, held: Held, clock: Any) -> Owner:
         assert table.keep_locked(held.episode, None, 0, record)
     settings = Settings(lease_ttl_s=10, episode_ttl_s=377)  # a backstop of 400 s
     config = NodeConfig(node_id="a", advertise_url="http://a.test", settings=settings)
-    dispatcher = SimpleNamespace(model="", arrivals=Arrivals())
+    dispatcher = SimpleNamespace(model="", arrivals=Arrivals(), contract=None)
     health = SimpleNamespace(devices=[held.device], down=lambda device: False)
     lease = SimpleNamespace(registered=True, instance="i", listener=None)
+    claims = SimpleNamespace(redis=None)  # no lookups, ends or hand-overs here
     return Owner(
-        config, table, {"m": dispatcher}, lease, health, None, None, registry,  # type: ignore[arg-type]
-        Metrics([held.device], 1), clock,
+        config, table, {"m": dispatcher}, lease, health, claims, claims, registry,  # type: ignore[arg-type]
+        Metrics([held.device], 1), pool=None, clock=clock,  # type: ignore[arg-type]
     )  # fmt: skip
 
 

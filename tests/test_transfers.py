@@ -92,7 +92,7 @@ async def test_place_takes_only_a_device_with_room_that_serves_the_model(env: En
 async def test_a_reservation_expires_with_its_hold(env: Env) -> None:
     a, ia = await owned(env, capacity=1)  # a/0 is full with ep; b/0 takes one
     moves = Transfers(env.redis, env.settings)
-    to = await moves.place("ep", a.token, a.claim, ia, hold_ms=1)
+    to = await moves.place("ep", a.token, a.claim, ia, hold_ms=60_000)
     assert isinstance(to, Placement)
     with pytest.raises(NoCapacity):  # the reservation takes b/0's one slot
         await env.claims.resolve("other")
