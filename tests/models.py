@@ -127,3 +127,35 @@ def string_adder(out_dir: Path) -> Path:
     )
     path, _ = write(out_dir, "simple_string.onnx", built, {"state": {}})
     return path
+
+
+def big_state_policy(out_dir: Path, elements: int = 1 << 20) -> Path:
+    """A policy whose recurrent state is ``elements`` float32s (4 MiB by default): each
+    step adds one to every element (``state_in.big`` -> ``state_out.big``), and ``steps``
+    [batch,1] is their mean, so the step count shows whether the whole state was kept."""
+    w = Weights(seed=13)
+    nodes = [
+        helper.make_node(
+            "Add",
+            ["state_in.big", w.constant("one", np.ones((1, 1), np.float32))],
+            ["state_out.big"],
+        ),
+        helper.make_node("ReduceMean", ["state_out.big"], ["steps"], axes=[1], keepdims=1),
+        helper.make_node("Identity", ["obs"], ["seen"]),
+    ]
+    built = model(
+        "big_state_policy",
+        nodes,
+        [tensor("obs", TensorProto.FLOAT, 8), tensor("state_in.big", TensorProto.FLOAT, elements)],
+        [
+            tensor("steps", TensorProto.FLOAT, 1),
+            tensor("seen", TensorProto.FLOAT, 8),
+            tensor("state_out.big", TensorProto.FLOAT, elements),
+        ],
+        w,
+        "affinity-tests",
+    )
+    path, _ = write(
+        out_dir, "big_state_policy.onnx", built, {"state": {"state_in.big": "state_out.big"}}
+    )
+    return path
