@@ -13,7 +13,6 @@ cannot listen on --host/--port (checked before it registers).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -21,39 +20,35 @@ import re
 import select
 import socket
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Sequence
 from types import FrameType
-from typing import Any, NoReturn
-from urllib.parse import urlsplit
+from typing import Any
 
 import uvicorn
 from prometheus_client import Histogram
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from affinity import BackendUnavailable, ModelId, NodeConflict, Settings, connect, embedded_store
-from affinity.config import ENV_VARS, MAX_REPLICAS
-from affinity.connection import url_problem
-from affinity.errors import InvalidArgument, SecretMismatch
-from affinity.registry import MAX_WEIGHT, check_node_id
+from affinity import BackendUnavailable, ModelId, NodeConflict, connect, embedded_store
+from affinity.errors import SecretMismatch
 from node import warmup
 from node.accesslog import JsonFormatter
 from node.app import create_app
 from node.asgi import CONNECTION
 from node.binding import BoundSession
-from node.catalog import ModelSpec, parse_model_arg
-from node.chunks import ENSEMBLES
+from node.catalog import ModelSpec
+from node.cli import _FLAGS as _FLAGS
+from node.cli import _SWITCHES as _SWITCHES
+from node.cli import EXIT_USAGE, flag_message, parse_args
 from node.config import NodeConfig
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import Arrivals, MultiGpuDispatcher, Session
 from node.episodes import EpisodeTable
 from node.fleet import Fleet
 from node.forward import Poster
-from node.lease import EXIT_CONFLICT, VERSION
+from node.lease import EXIT_CONFLICT
 from node.metrics import Metrics
 from node.policy import PolicyContract, load_contract
-from node.providers import CPU, GpuUnavailable, ProviderSettings, build_session, require_cuda
+from node.providers import CPU, GpuUnavailable, build_session, require_cuda
 from node.service import NodeService
 from node.stats import ModelStats
 
@@ -61,158 +56,15 @@ __all__ = ["build_service", "main", "parse_args"]
 
 log = logging.getLogger("affinity.node")
 CUDA_GRAPH_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
-EXIT_USAGE = 2
 EXIT_REDIS = 3
 EXIT_NO_GPU = 5
 """Exit status when --devices names GPUs (or auto finds some) that CUDA cannot run."""
 EXIT_LISTEN = 6
 """Exit status when the node cannot listen on --host/--port (it has not registered)."""
-LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-HELP = """\
-Serve a policy on this host's devices as one node of an affinity fleet: episodes stick to
-one device across hosts, with Redis as the source of truth. Every flag also reads the
-environment variable named in its help (the flag wins). Without --redis the node runs on an
-embedded single-host store.
-
-Exit codes: 0 after a graceful stop (SIGTERM: episodes handed over, deregistered), 2 for a
-usage or configuration error (one line naming the flag), 3 when Redis cannot be reached at
-start-up, 4 when another running process holds this node id, 5 when GPUs are found that
-CUDA cannot run (one line naming the missing library), 6 when the node cannot listen on
---host/--port or --grpc-port (checked before it registers)."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        """One line naming the flag (no usage dump), exit code 2."""
-        self.exit(EXIT_USAGE, f"affinity-node: {message} (see affinity-node --help)\n")
 
 
 class StartupError(Exception):
     """A configuration the node cannot start with; the message names the flag and the fix."""
-
-
-@dataclass(frozen=True)
-class _Flag:
-    name: str
-    env: str
-    default: Any
-    help: str
-    kind: Callable[[str], Any] = str
-    low: float | None = None  # the lowest value allowed (with high: inclusive)
-    high: float | None = None
-    positive: bool = False  # seconds: more than 0
-
-    @property
-    def bounds(self) -> str:
-        """The allowed values for ``--help`` (empty: any value of the kind)."""
-        if self.low is not None and self.high is not None:
-            return f"{self.low}-{self.high}; "
-        return "more than 0; " if self.positive else ""
-
-    def problem(self, value: Any) -> str | None:
-        """What is wrong with a converted value (``None``: nothing)."""
-        if self.low is not None and self.high is not None and not self.low <= value <= self.high:
-            return f"must be {self.low}-{self.high}"
-        if self.positive and not value > 0:
-            return "must be more than 0 seconds"
-        return None
-
-
-_FLAGS = (
-    _Flag("--redis", "AFFINITY_REDIS_URL", None,
-          "Redis URL: redis://, rediss://, unix://, redis+sentinel://, redis+cluster:// "
-          "(none: the embedded single-host store)"),
-    _Flag("--namespace", "AFFINITY_NAMESPACE", "affinity", "prefix of every Redis key"),
-    _Flag("--redis-replicas", "AFFINITY_REDIS_REPLICAS", 0,
-          "replicas that must acknowledge (WAIT) every claim, renewal and slide before the "
-          "node serves on it (0: no WAIT; needs --redis, not Redis Cluster)", int,
-          low=0, high=MAX_REPLICAS),
-    _Flag("--redis-wait", "AFFINITY_REDIS_WAIT", 0.1,
-          "seconds a write waits for --redis-replicas acknowledgements (at most half of "
-          "AFFINITY_REDIS_TIMEOUT)", float, positive=True),
-    _Flag("--node-id", "AFFINITY_NODE_ID", None, "this node's id (none: the host name)"),
-    _Flag("--host", "AFFINITY_HOST", "127.0.0.1", "address to listen on"),
-    _Flag("--port", "AFFINITY_PORT", 8000, "port to listen on", int, low=1, high=65535),
-    _Flag("--advertise-url", "AFFINITY_ADVERTISE_URL", None,
-          "URL other nodes forward to (none: http://<host>:<port>)"),
-    _Flag("--devices", "AFFINITY_DEVICES", "auto",
-          "auto | cpu:N | GPU indices or UUIDs such as 0,2"),
-    _Flag("--model", "AFFINITY_MODEL", "demo",
-          "ONNX policy: a packaged name (demo, vla-demo) or a file, as [NAME=]FILE[@VERSION]; "
-          "give it once per model the node serves (env: comma-separated)"),
-    _Flag("--model-name", "AFFINITY_MODEL_NAME", None,
-          "the model's name for KServe v2 clients (none: the model file's stem)"),
-    _Flag("--capacity", "AFFINITY_CAPACITY", 64, "live episodes per device", int,
-          low=1, high=1_000_000),
-    _Flag("--weight", "AFFINITY_WEIGHT", 1, "share of new episodes per device", int,
-          low=1, high=MAX_WEIGHT),
-    _Flag("--episode-ttl", "AFFINITY_EPISODE_TTL", 300.0,
-          "seconds idle before an episode's owner ends it", float, positive=True),
-    _Flag("--lease-ttl", "AFFINITY_LEASE_TTL", 10.0,
-          "seconds of the node's lease (renewed every third)", float, positive=True),
-    _Flag("--act-deadline", "AFFINITY_ACT_DEADLINE", 5.0,
-          "seconds within which every step answers", float, positive=True),
-    _Flag("--drain-timeout", "AFFINITY_DRAIN_TIMEOUT", 20.0,
-          "seconds: the most a graceful stop (SIGTERM) spends handing episodes over before "
-          "it deregisters", float, positive=True),
-    _Flag("--max-body-bytes", "AFFINITY_MAX_BODY_BYTES", 1 << 24,
-          "bytes of one request body or websocket message", int, low=1, high=1 << 31),
-    _Flag("--keep-alive", "AFFINITY_KEEP_ALIVE", 5.0,
-          "seconds an idle client connection is kept open", float, positive=True),
-    _Flag("--trt-cache", "AFFINITY_TRT_CACHE", "~/.cache/affinity/trt",
-          "TensorRT engine cache root", Path),
-    _Flag("--max-batch", "AFFINITY_MAX_BATCH", None,
-          "steps of different episodes per model run (none: 8 when the model's batch axis "
-          "is dynamic, else 1; 1 turns batching off)", int, low=1, high=4096),
-    _Flag("--batch-delay", "AFFINITY_BATCH_DELAY", 500.0,
-          "microseconds a device waits for more steps once one waits (only while another "
-          "recently active episode may send one)", float, low=0, high=60_000_000),
-    _Flag("--inline-under", "AFFINITY_INLINE_UNDER", 500.0,
-          "microseconds: a device whose model runs take less on average runs a step on the "
-          "event loop when nothing else is running (no thread hand-off); 0 turns it off",
-          float, low=0, high=1_000_000),
-    _Flag("--execute-steps", "AFFINITY_EXECUTE_STEPS", None,
-          "action-chunk execution: run the policy every k steps, serve the buffer between "
-          "(none: every step runs the model)", int, low=1, high=4096),
-    _Flag("--ensemble", "AFFINITY_ENSEMBLE", "none",
-          "none | exp: temporal ensembling of overlapping chunks (ACT)"),
-    _Flag("--ensemble-decay", "AFFINITY_ENSEMBLE_DECAY", 0.01,
-          "m in ACT's weights w_i = exp(-m*i), oldest prediction first", float,
-          low=0, high=1000),
-    _Flag("--control-hz", "AFFINITY_CONTROL_HZ", None,
-          "the robots' control rate, for real-time chunking's estimates of executed and "
-          "inference_delay when a step does not send them (none: steps send them or "
-          "control_hz)", float, low=0.001, high=10_000),
-    _Flag("--failure-threshold", "AFFINITY_FAILURE_THRESHOLD", 3,
-          "consecutive model failures before a device goes down", int, low=1, high=1_000_000),
-    _Flag("--cooldown", "AFFINITY_COOLDOWN", 30.0,
-          "seconds a down device waits before its probe", float, low=0, high=86_400),
-    _Flag("--embedded-port", "AFFINITY_EMBEDDED_PORT", None,
-          "with the embedded store: also answer the Redis protocol on this port", int,
-          low=1, high=65535),
-    _Flag("--admission-wait", "AFFINITY_ADMISSION_WAIT", 0.0,
-          "seconds a new episode that finds every device full waits in a first-come backlog "
-          "for a slot (within --act-deadline; 0: 503 at once)", float),
-    _Flag("--grpc-port", "AFFINITY_GRPC_PORT", None,
-          "also serve KServe v2 over gRPC (Triton's GRPCInferenceService) on this port "
-          "(none: off)", int, low=1, high=65535),
-    _Flag("--api-key", "AFFINITY_API_KEY", None,
-          "when set, clients must send Authorization: Api-Key <key> (openpi-client's api_key)"),
-    _Flag("--log-level", "AFFINITY_LOG_LEVEL", "info", "debug | info | warning | error"),
-    _Flag("--log-format", "AFFINITY_LOG_FORMAT", "plain", "plain | json (every log line)"),
-    _Flag("--access-log", "AFFINITY_ACCESS_LOG", "on", "on | off: one line per request"),
-)  # fmt: skip
-_SWITCHES = (
-    ("--tensorrt", "AFFINITY_TENSORRT", "put TensorRT first on GPUs"),
-    ("--cuda-graph", "AFFINITY_CUDA_GRAPH", "capture one CUDA graph per device"),
-    (
-        "--kserve-claim-unknown",
-        "AFFINITY_KSERVE_CLAIM_UNKNOWN",
-        "KServe: a request for an unknown sequence starts it (Triton refuses it)",
-    ),
-)
 
 
 def both(
@@ -239,178 +91,6 @@ def per_device(histogram: Histogram) -> Callable[[str, float], None]:
         child.observe(value)
 
     return observe
-
-
-def _is_on(value: str | None) -> bool:
-    return (value or "").lower() in ("1", "true", "yes", "on")
-
-
-def parse_args(
-    argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
-) -> NodeConfig:
-    """The node's configuration from flags and ``AFFINITY_*`` variables (flags win).
-
-    Exits with code 2 and one line naming the flag on a bad value."""
-    env = os.environ if env is None else env
-    p = _Parser(
-        prog="affinity-node",
-        description=HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--version", action="version", version=f"affinity-node {VERSION}")
-    for f in _FLAGS:
-        raw = env.get(f.env)
-        default = f.default if raw is None or raw == "" else raw
-        p.add_argument(
-            f.name,
-            **(
-                {"action": "append", "default": None}
-                if f.name == "--model"
-                else {"default": default}
-            ),
-            help=f"{f.help} ({f.bounds}default: "
-            f"{f.default if f.default is not None else 'none'}; env {f.env})",
-        )
-    for name, var, text in _SWITCHES:
-        p.add_argument(name, action="store_true", default=_is_on(env.get(var)),
-                       help=f"{text} (default: off; env {var}=1)")  # fmt: skip
-    a = p.parse_args(argv)
-    values: dict[str, Any] = {}
-    for f in _FLAGS:
-        key = f.name[2:].replace("-", "_")
-        value = getattr(a, key)
-        if key == "model":  # repeatable; the environment's is comma-separated
-            value = value or (env.get(f.env) or f.default).split(",")
-        if isinstance(value, str) and f.kind is not str:
-            try:
-                value = f.kind(value)
-            except ValueError:
-                p.error(f"{f.name} {value!r}: must be {f.kind.__name__} (env {f.env})")
-        values[key] = value
-        if value is None:
-            continue
-        problem = f.problem(value)
-        if problem is not None:
-            p.error(f"{f.name} {value}: {problem} (env {f.env})")
-    for name, allowed in (
-        ("ensemble", ENSEMBLES),
-        ("log_format", ("plain", "json")),
-        ("access_log", ("on", "off")),
-        ("log_level", LOG_LEVELS),
-    ):
-        values[name] = values[name].lower()
-        if values[name] not in allowed:
-            flag = _flag(name)
-            p.error(f"{flag.name} {values[name]!r}: must be one of {', '.join(allowed)} "
-                    f"(env {flag.env})")  # fmt: skip
-    wait = values["admission_wait"]
-    if not 0 <= wait < values["act_deadline"]:
-        p.error(f"--admission-wait {wait}: must be >= 0 and less than --act-deadline "
-                "(env AFFINITY_ADMISSION_WAIT)")  # fmt: skip
-    if values["redis"]:
-        problem = url_problem(values["redis"])
-        if problem is not None:
-            p.error(f"--redis {values['redis']!r}: {problem} (env AFFINITY_REDIS_URL)")
-    node_id = values["node_id"] or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:128]
-    try:
-        check_node_id(node_id)
-    except InvalidArgument as exc:
-        p.error(f"--node-id {node_id!r}: {exc.limit} (env AFFINITY_NODE_ID)")
-    host = values["host"]
-    given = values["advertise_url"]
-    if given and (urlsplit(given).scheme not in ("http", "https") or not urlsplit(given).netloc):
-        p.error(f"--advertise-url {given!r}: must be a URL such as http://host:8000 "
-                "(env AFFINITY_ADVERTISE_URL)")  # fmt: skip
-    advertise = given or (
-        f"http://{host if host != '0.0.0.0' else socket.gethostname()}:{values['port']}"
-    )
-    if values["grpc_port"] is not None and values["grpc_port"] == values["port"]:
-        p.error(f"--grpc-port {values['grpc_port']}: must differ from --port, where the "
-                "node serves HTTP (env AFFINITY_GRPC_PORT)")  # fmt: skip
-    given_models = values["model"]
-    if values["model_name"] and len(given_models) > 1:
-        p.error("--model-name: only with one --model; name each model as NAME=FILE instead")
-    models = []
-    for text in given_models:
-        try:
-            models.append(parse_model_arg(text, values["model_name"]))
-        except ValueError as exc:  # InvalidArgument included
-            p.error(f"--model {text!r}: {getattr(exc, 'limit', exc)} (env AFFINITY_MODEL)")
-    names = [m.name for m in models]
-    if len(set(names)) != len(names):
-        p.error(f"--model: the names {', '.join(names)} repeat; name each model as NAME=FILE")
-    model = models[0].path
-    model_name = models[0].name
-    try:
-        settings = Settings.from_env(
-            env,
-            redis_url=values["redis"],
-            namespace=values["namespace"],
-            episode_ttl_s=values["episode_ttl"],
-            lease_ttl_s=values["lease_ttl"],
-            redis_replicas=values["redis_replicas"],
-            redis_wait_s=values["redis_wait"],
-        )
-        return NodeConfig(
-            node_id=node_id,
-            advertise_url=advertise.rstrip("/"),
-            settings=settings,
-            host=host,
-            port=values["port"],
-            devices=values["devices"],
-            model=model,
-            capacity=values["capacity"],
-            weight=values["weight"],
-            act_deadline_s=values["act_deadline"],
-            drain_timeout_s=values["drain_timeout"],
-            max_body_bytes=values["max_body_bytes"],
-            keep_alive_s=values["keep_alive"],
-            admin_token=env.get("AFFINITY_ADMIN_TOKEN") or None,
-            api_key=values["api_key"] or None,
-            cluster_secret=env.get("AFFINITY_CLUSTER_SECRET") or None,
-            providers=ProviderSettings(
-                tensorrt=a.tensorrt, trt_cache_root=values["trt_cache"], cuda_graph=a.cuda_graph
-            ),
-            failure_threshold=values["failure_threshold"],
-            max_batch=values["max_batch"],
-            batch_delay_us=values["batch_delay"],
-            inline_under_us=values["inline_under"],
-            execute_steps=values["execute_steps"],
-            ensemble=None if values["ensemble"] == "none" else values["ensemble"],
-            ensemble_decay=values["ensemble_decay"],
-            control_hz=values["control_hz"],
-            cooldown_s=values["cooldown"],
-            embedded_port=values["embedded_port"],
-            log_level=values["log_level"],
-            log_format=values["log_format"],
-            access_log=values["access_log"] == "on",
-            model_name=model_name,
-            models=tuple(models),
-            kserve_claim_unknown=a.kserve_claim_unknown,
-            grpc_port=values["grpc_port"],
-            admission_wait_s=values["admission_wait"],
-        )
-    except ValueError as exc:  # InvalidArgument included: it names the setting
-        p.error(flag_message(exc))
-        raise  # unreachable: p.error exits
-
-
-def _flag(key: str) -> _Flag:
-    """The flag of a configuration key (``lease_ttl`` or ``lease_ttl_s``: ``--lease-ttl``)."""
-    name = "--" + key.removesuffix("_s").replace("_", "-")
-    return next(f for f in _FLAGS if f.name == name)
-
-
-def flag_message(exc: ValueError) -> str:
-    """``exc``'s message naming the flag or variable a person sets, never a field of the
-    code (``invalid execute_steps 5``: ``--execute-steps 5``)."""
-    if isinstance(exc, InvalidArgument):
-        if any(f.name == "--" + exc.field.removesuffix("_s").replace("_", "-") for f in _FLAGS):
-            flag = _flag(exc.field)
-            return f"{flag.name} {exc.value!r}: {exc.limit} (env {flag.env})"
-        if exc.field in ENV_VARS:
-            return f"{ENV_VARS[exc.field]}={exc.value!r}: {exc.limit}"
-    return str(exc)
 
 
 def build_service(

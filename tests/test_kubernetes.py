@@ -6,7 +6,7 @@ inside kubectl, what ``kubectl apply -k`` applies) and checked offline:
   newest it ships, and the Prometheus Operator and KEDA objects against models generated
   from their CRDs (``cloudcoil-models-*``; a field the CRD lacks fails too);
 - against the node's own code: every ``AFFINITY_*`` variable is one the node reads, the
-  container's environment parses (``node.main.parse_args``) into a node that listens on
+  container's environment parses (``node.cli.parse_args``) into a node that listens on
   the ports the probes and the Service use, probe paths are routes of the node's app, the
   grace period covers the graceful stop as ``node.main`` bounds it, and secrets come from
   Secrets only;
@@ -46,6 +46,7 @@ from cloudcoil.models.keda import v1alpha1 as keda
 from cloudcoil.models.prometheus_operator import v1 as prometheus_operator
 from packaging.version import Version
 
+import node.cli
 import node.main
 from affinity import Client, ClientError
 from affinity.config import ENV_VARS
@@ -275,11 +276,11 @@ def test_the_schema_checks_catch_mistakes(rendered: dict[str, list[dict[str, Any
 
 
 def node_variables() -> set[str]:
-    """Every variable ``affinity-node`` reads: its flags' and switches' (node/main.py's
+    """Every variable ``affinity-node`` reads: its flags' and switches' (node/cli.py's
     table), the library's settings (affinity.config), and the secrets parse_args reads."""
     return (
-        {f.env for f in node.main._FLAGS}
-        | {var for _, var, _ in node.main._SWITCHES}
+        {f.env for f in node.cli._FLAGS}
+        | {f.env for f in node.cli._SWITCHES}
         | set(ENV_VARS.values())
         | set(SECRET_ENV)
     )
@@ -288,7 +289,7 @@ def node_variables() -> set[str]:
 def test_the_secret_variables_are_read_by_the_node() -> None:
     """:data:`SECRET_ENV` is what parse_args reads, not a list of wishes."""
     for var, attribute in SECRET_ENV.items():
-        config = node.main.parse_args([], {var: "from-a-secret"})
+        config = node.cli.parse_args([], {var: "from-a-secret"})
         assert getattr(config, attribute) == "from-a-secret", var
 
 
@@ -297,7 +298,7 @@ def test_every_flag_and_variable_is_the_node_s_own(
     rendered: dict[str, list[dict[str, Any]]], overlay: str
 ) -> None:
     container = node_container(rendered[overlay])
-    flags = {f.name for f in node.main._FLAGS} | {name for name, _, _ in node.main._SWITCHES}
+    flags = {f.name for f in node.cli._FLAGS} | {f.name for f in node.cli._SWITCHES}
     args = [a.split("=")[0] for a in container.get("args", []) if a.startswith("--")]
     assert set(args) <= flags, set(args) - flags
     assert "command" not in container, "the image's entrypoint is affinity-node"
@@ -315,7 +316,7 @@ def test_the_container_environment_is_a_node_on_the_pod_s_address(
     of the pod on the ports the container declares, is named after the pod, advertises
     the pod's IP and its own port to the other nodes, and reads Redis from the Secret."""
     container = node_container(rendered[overlay])
-    config = node.main.parse_args(container.get("args", []), container_env(container))
+    config = node.cli.parse_args(container.get("args", []), container_env(container))
     declared = ports(container)
     assert config.host == "0.0.0.0"
     assert config.port == declared["http"]
@@ -334,12 +335,12 @@ def test_the_container_environment_is_a_node_on_the_pod_s_address(
 
 def test_production_runs_on_the_gpus_it_asks_for(rendered: dict[str, list[dict[str, Any]]]) -> None:
     container = node_container(rendered["production"])
-    config = node.main.parse_args([], container_env(container))
+    config = node.cli.parse_args([], container_env(container))
     assert config.devices == "auto"
     resources = container["resources"]
     assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] >= 1
     test = node_container(rendered["test"])
-    assert node.main.parse_args([], container_env(test)).devices.startswith("cpu:")
+    assert node.cli.parse_args([], container_env(test)).devices.startswith("cpu:")
     assert "nvidia.com/gpu" not in str(test["resources"])
 
 
@@ -352,7 +353,7 @@ def test_probes_ask_the_node_s_own_routes_on_its_port(
     rendered: dict[str, list[dict[str, Any]]], overlay: str
 ) -> None:
     container = node_container(rendered[overlay])
-    config = node.main.parse_args([], container_env(container))
+    config = node.cli.parse_args([], container_env(container))
 
     async def never() -> Any:
         raise AssertionError("not started")
@@ -437,7 +438,7 @@ def test_the_grace_period_covers_the_graceful_stop(
     call), --drain-timeout of hand-overs, deregistering (one Redis call), the HTTP
     server's close and the gRPC server's stop — all before Kubernetes' SIGKILL."""
     container = node_container(rendered[overlay])
-    config = node.main.parse_args([], container_env(container))
+    config = node.cli.parse_args([], container_env(container))
     bounds = shutdown_bounds(config, monkeypatch)
     redis_call = config.settings.redis_deadline_s
     needed = {
