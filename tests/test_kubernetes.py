@@ -8,8 +8,8 @@ inside kubectl, what ``kubectl apply -k`` applies) and checked offline:
 - against the node's own code: every ``AFFINITY_*`` variable is one the node reads, the
   container's environment parses (``node.cli.parse_args``) into a node that listens on
   the ports the probes and the Service use, probe paths are routes of the node's app, the
-  grace period covers the graceful stop as ``node.main`` bounds it, and secrets come from
-  Secrets only;
+  grace period covers the graceful stop as ``node.server.stop_bounds`` bounds it, and
+  secrets come from Secrets only;
 - the PrometheusRule holds docker/prometheus/alerts.yml's rules;
 - and, with real processes on loopback, a rolling update as the Deployment does it, under
   live episodes.
@@ -18,7 +18,6 @@ Nothing here reaches the network: kustomize reads local directories only."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.util
 import itertools
@@ -47,7 +46,7 @@ from cloudcoil.models.prometheus_operator import v1 as prometheus_operator
 from packaging.version import Version
 
 import node.cli
-import node.main
+import node.server
 from affinity import Client, ClientError
 from affinity.config import ENV_VARS
 from node.app import create_app
@@ -376,49 +375,6 @@ def test_probes_ask_the_node_s_own_routes_on_its_port(
     assert ready["periodSeconds"] * ready["failureThreshold"] <= lease
 
 
-def shutdown_bounds(config: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
-    """The HTTP server's close (uvicorn's ``timeout_graceful_shutdown``) and the gRPC
-    server's stop grace, as ``node.main._serve_on`` sets them for ``config``: it runs with
-    everything around the two servers stubbed out."""
-    seen: dict[str, float] = {}
-
-    class Server:
-        def __init__(self, uvicorn_config: Any, service: Any, fleet: Any) -> None:
-            seen["http_close"] = float(uvicorn_config.timeout_graceful_shutdown)
-
-        async def serve(self, sockets: Any) -> None:
-            return None
-
-    class Grpc:
-        async def stop(self, grace: float) -> None:
-            seen["grpc_stop"] = float(grace)
-
-    async def grpc_start(service: Any, host: str, port: int) -> Grpc:
-        return Grpc()
-
-    async def registered(config: Any, service: Any) -> None:
-        return None
-
-    service = SimpleNamespace(lease=SimpleNamespace(conflict=None))
-
-    async def built() -> Any:
-        return service
-
-    from node.protocols.kserve import grpc
-
-    monkeypatch.setattr(node.main, "build_service", lambda config: built)
-    monkeypatch.setattr(node.main, "_register", registered)
-    monkeypatch.setattr(
-        node.main, "create_app", lambda *a, **k: SimpleNamespace(state=SimpleNamespace(fleet=None))
-    )
-    monkeypatch.setattr(node.main, "_Server", Server)
-    monkeypatch.setattr(grpc, "start", grpc_start)
-    with socket.socket() as sock, socket.socket() as grpc_sock:
-        assert asyncio.run(node.main._serve_on(config, sock, grpc_sock)) == 0
-    assert set(seen) == {"http_close", "grpc_stop"}, seen
-    return seen
-
-
 def pre_stop_seconds(container: dict[str, Any]) -> float:
     hook = container.get("lifecycle", {}).get("preStop")
     if hook is None:
@@ -432,21 +388,22 @@ def pre_stop_seconds(container: dict[str, Any]) -> float:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_grace_period_covers_the_graceful_stop(
-    rendered: dict[str, list[dict[str, Any]]], overlay: str, monkeypatch: pytest.MonkeyPatch
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
 ) -> None:
     """From the pod's deletion: the preStop pause, marking the node as leaving (one Redis
     call), --drain-timeout of hand-overs, deregistering (one Redis call), the HTTP
     server's close and the gRPC server's stop — all before Kubernetes' SIGKILL."""
     container = node_container(rendered[overlay])
     config = node.cli.parse_args([], container_env(container))
-    bounds = shutdown_bounds(config, monkeypatch)
+    bounds = node.server.stop_bounds(config)
     redis_call = config.settings.redis_deadline_s
     needed = {
         "preStop": pre_stop_seconds(container),
         "leave": redis_call,
-        "drain": config.drain_timeout_s,
+        "drain": bounds.drain_s,
         "deregister": redis_call,
-        **bounds,
+        "http_close": bounds.http_close_s,
+        "grpc_stop": bounds.grpc_stop_s,
     }
     grace = node_deployment(rendered[overlay])["spec"]["template"]["spec"][
         "terminationGracePeriodSeconds"
