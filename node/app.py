@@ -32,11 +32,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
 from affinity import (
@@ -49,6 +47,7 @@ from affinity import (
     UnknownDevice,
     UnknownEpisode,
 )
+from node import openapi
 from node.accesslog import AccessLog
 from node.asgi import Receive, Scope, Send, error_body, header, respond
 from node.fleet import add_fleet_routes
@@ -156,117 +155,6 @@ def error(
         body["field"] = field
     headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
     return JSONResponse({"error": body}, status_code=status, headers=headers)
-
-
-# ---- OpenAPI documentation of the hot endpoint (served by node/protocols/act.py) --------
-
-
-class ActRequest(BaseModel):
-    """One step of an episode."""
-
-    episode_id: str | None = Field(
-        None, max_length=512, description="Sticky key of the episode (UTF-8, no control chars)."
-    )
-    session_id: str | None = Field(
-        None, max_length=512, description="Used when episode_id is missing (degraded routing)."
-    )
-    inputs: dict[str, Any] = Field(
-        description="Observation input name -> nested list of the model's shape "
-        "(GET /model); with Content-Type application/msgpack, arrays in openpi's encoding."
-    )
-    end: bool = Field(False, description="Release the episode after serving this step.")
-    token: int | None = Field(
-        None, ge=0, description="The token of the previous reply; a lost assignment is then "
-        "reported as state_reset.",
-    )  # fmt: skip
-    claim: str | None = Field(
-        None, max_length=64, description="The claim of the previous reply; a claim other than "
-        "the one serving the step (even under the same token number) is reported as state_reset.",
-    )  # fmt: skip
-    execute_steps: int | None = Field(
-        None, ge=1, description="Action-chunk execution: run the policy every k steps."
-    )
-
-    model_config = {
-        "extra": "forbid",
-        "json_schema_extra": {
-            "examples": [{"episode_id": "ep-42", "inputs": {"obs": [[0.1] * 8]}, "token": 17}]
-        },
-    }
-
-
-class ActReply(BaseModel):
-    """What a step returns; X-Affinity-* headers repeat the facts."""
-
-    outputs: dict[str, Any] = Field(description="Output name -> nested list (or msgpack array).")
-    episode_id: str | None
-    device: str = Field(description="The device that served the step, e.g. gpu-a/1.")
-    node: str
-    token: int = Field(description="Fencing token of the assignment; echo it in the next step.")
-    claim: str | None = Field(
-        None, description="The claim id issued with the token; echo it in the next step."
-    )
-    routing: str = Field(description="hit | claimed | reassigned | stateless")
-    state_reset: bool = Field(description="The episode's state started over with this step.")
-    degraded: bool = Field(description="Routed by session_id for lack of an episode_id.")
-    source: str = Field(description="model, or buffer for an action from the chunk buffer.")
-
-    model_config = {
-        "json_schema_extra": {
-            "examples": [
-                {
-                    "outputs": {"actions": [[[0.06, -0.22], [0.1, 0.3], [0.0, 0.1], [0.2, 0.2]]]},
-                    "episode_id": "ep-42",
-                    "device": "gpu-a/0",
-                    "node": "gpu-a",
-                    "token": 1796000000000123,
-                    "routing": "hit",
-                    "state_reset": False,
-                    "degraded": False,
-                    "source": "model",
-                }
-            ]
-        }
-    }
-
-
-def _act_openapi(api: FastAPI) -> dict[str, Any]:
-    schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
-    components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for model in (ActRequest, ActReply):
-        components[model.__name__] = model.model_json_schema(
-            ref_template="#/components/schemas/{model}"
-        )
-    error_ref = {"description": "Error", "content": {"application/json": {}}}
-    schema["paths"]["/act"] = {
-        "post": {
-            "summary": "One step of an episode",
-            "description": act.__doc__,
-            "operationId": "act",
-            "requestBody": {
-                "required": True,
-                "content": {
-                    "application/json": {"schema": {"$ref": "#/components/schemas/ActRequest"}},
-                    "application/msgpack": {"schema": {"type": "string", "format": "binary"}},
-                },
-            },
-            "responses": {
-                "200": {
-                    "description": "The step's outputs and where it ran",
-                    "content": {
-                        "application/json": {"schema": {"$ref": "#/components/schemas/ActReply"}},
-                        "application/msgpack": {"schema": {"type": "string", "format": "binary"}},
-                    },
-                },
-                "400": error_ref,
-                "413": error_ref,
-                "422": error_ref,
-                "500": error_ref,
-                "503": error_ref,
-            },
-        }
-    }
-    return schema
 
 
 def create_app(
@@ -497,7 +385,7 @@ def create_app(
     async def affinity_error(request: Request, exc: AffinityError) -> Response:
         return error(503, "affinity", str(exc), retry_after=1)
 
-    api.openapi = lambda: api.openapi_schema or _cache(api, _act_openapi(api))  # type: ignore[method-assign]
+    openapi.document_act(api)
 
     hot: dict[tuple[str, str], Handler] = {
         ("POST", "/act"): act.handle,
@@ -505,8 +393,3 @@ def create_app(
         ("POST", "/internal/move"): internal.move,
     }
     return NodeApp(api, hot, access)
-
-
-def _cache(api: FastAPI, schema: dict[str, Any]) -> dict[str, Any]:
-    api.openapi_schema = schema
-    return schema
