@@ -1,9 +1,10 @@
-"""``affinity-node``'s flags: one table, each flag with its variable, bounds and field.
+"""``affinity-node``'s flags: one table, each row a flag, its variable, bounds and field.
 
 ``parse_args`` reads flags and ``AFFINITY_*`` variables (the flag wins) into a
-:class:`~node.config.NodeConfig`. Every value is checked before anything starts; a bad one
-exits 2 with one line naming the flag. A new flag is one row of :data:`_FLAGS` and one
-field of ``NodeConfig`` (or of ``Settings`` / ``ProviderSettings``: see ``_Flag.into``).
+``NodeConfig``. Every value is checked before anything starts; a bad one exits 2 naming
+the flag. A new flag is one row here and one field of ``NodeConfig``, ``Settings`` or
+``ProviderSettings``. Hazard: the cluster secret and admin token come from the environment
+only, never a flag.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """A node's start-up: devices, one session per (model, device), dispatchers, Redis, warm-up.
 
-Everything that can fail on a configuration fails here, before the node registers, with
-:class:`StartupError` naming the flag. Sessions are made here, not lazily: a model that
-does not fit beside the others stops the node, never a step. Hazard: a CUDA graph is
-captured by the warm-up on its device's worker thread, never on this one.
+A configuration the node cannot serve fails here, before it registers: ``StartupError``
+names the flag, ``GpuUnavailable`` the missing CUDA library. Sessions are made here, not
+lazily: a model that does not fit beside the others stops the node, never a step.
+Hazard: CUDA graphs are captured by the warm-up on each device's worker thread.
 """
 
 from __future__ import annotations
