@@ -54,7 +54,7 @@ class ClientGone(Exception):
 
 CONNECTION = "affinity.connection"
 """Scope key of the request's :class:`Connection`, which the node's HTTP server puts in
-every request's scope (``node/main.py``). Other servers (tests' ASGI transports) leave it
+every request's scope (``node/server.py``). Other servers (tests' ASGI transports) leave it
 out; :func:`while_connected` then reads ``receive()`` after :func:`io_seen`."""
 
 

@@ -61,7 +61,7 @@ episode table, its arrivals) -> model name -> its dispatcher (the first model fi
 
 
 class NodeService:
-    """One node: built once at start-up (``node.main.build_service``), started and stopped
+    """One node: built once at start-up (``node.startup.build_service``), started and stopped
     by the app's lifespan."""
 
     def __init__(

@@ -214,14 +214,12 @@ def test_dockerfile() -> None:
 
 def test_node_reads_every_variable_compose_passes() -> None:
     sources = "".join(
-        (ROOT / path).read_text(encoding="utf-8") for path in ("node/main.py", "affinity/config.py")
+        (ROOT / path).read_text(encoding="utf-8") for path in ("node/cli.py", "affinity/config.py")
     )
     all_services = services()
     for name in NODES:
         for var in environment(all_services[name]):
-            assert f'"{var}"' in sources, (
-                f"{name}: {var} is read by neither node/main.py nor config"
-            )
+            assert f'"{var}"' in sources, f"{name}: {var} is read by neither node/cli.py nor config"
 
 
 def mounts(service: dict[str, Any]) -> dict[str, Path]:

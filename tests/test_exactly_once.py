@@ -183,7 +183,7 @@ async def test_a_close_seen_as_the_work_finishes_hands_back_its_result() -> None
 
 
 async def test_a_servers_connection_probe_decides_without_reading_the_connection() -> None:
-    """With the server's probe (scope[CONNECTION], node/main.py), a finished step's close
+    """With the server's probe (scope[CONNECTION], node/server.py), a finished step's close
     check asks it alone, without ``receive()``; it yields one loop turn only while the
     server serves other requests."""
     from node.asgi import ClientGone, while_connected

@@ -6,10 +6,10 @@ inside kubectl, what ``kubectl apply -k`` applies) and checked offline:
   newest it ships, and the Prometheus Operator and KEDA objects against models generated
   from their CRDs (``cloudcoil-models-*``; a field the CRD lacks fails too);
 - against the node's own code: every ``AFFINITY_*`` variable is one the node reads, the
-  container's environment parses (``node.main.parse_args``) into a node that listens on
+  container's environment parses (``node.cli.parse_args``) into a node that listens on
   the ports the probes and the Service use, probe paths are routes of the node's app, the
-  grace period covers the graceful stop as ``node.main`` bounds it, and secrets come from
-  Secrets only;
+  grace period covers the graceful stop as ``node.server.stop_bounds`` bounds it, and
+  secrets come from Secrets only;
 - the PrometheusRule holds docker/prometheus/alerts.yml's rules;
 - and, with real processes on loopback, a rolling update as the Deployment does it, under
   live episodes.
@@ -18,7 +18,6 @@ Nothing here reaches the network: kustomize reads local directories only."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.util
 import itertools
@@ -46,7 +45,8 @@ from cloudcoil.models.keda import v1alpha1 as keda
 from cloudcoil.models.prometheus_operator import v1 as prometheus_operator
 from packaging.version import Version
 
-import node.main
+import node.cli
+import node.server
 from affinity import Client, ClientError
 from affinity.config import ENV_VARS
 from node.app import create_app
@@ -275,11 +275,11 @@ def test_the_schema_checks_catch_mistakes(rendered: dict[str, list[dict[str, Any
 
 
 def node_variables() -> set[str]:
-    """Every variable ``affinity-node`` reads: its flags' and switches' (node/main.py's
+    """Every variable ``affinity-node`` reads: its flags' and switches' (node/cli.py's
     table), the library's settings (affinity.config), and the secrets parse_args reads."""
     return (
-        {f.env for f in node.main._FLAGS}
-        | {var for _, var, _ in node.main._SWITCHES}
+        {f.env for f in node.cli._FLAGS}
+        | {f.env for f in node.cli._SWITCHES}
         | set(ENV_VARS.values())
         | set(SECRET_ENV)
     )
@@ -288,7 +288,7 @@ def node_variables() -> set[str]:
 def test_the_secret_variables_are_read_by_the_node() -> None:
     """:data:`SECRET_ENV` is what parse_args reads, not a list of wishes."""
     for var, attribute in SECRET_ENV.items():
-        config = node.main.parse_args([], {var: "from-a-secret"})
+        config = node.cli.parse_args([], {var: "from-a-secret"})
         assert getattr(config, attribute) == "from-a-secret", var
 
 
@@ -297,7 +297,7 @@ def test_every_flag_and_variable_is_the_node_s_own(
     rendered: dict[str, list[dict[str, Any]]], overlay: str
 ) -> None:
     container = node_container(rendered[overlay])
-    flags = {f.name for f in node.main._FLAGS} | {name for name, _, _ in node.main._SWITCHES}
+    flags = {f.name for f in node.cli._FLAGS} | {f.name for f in node.cli._SWITCHES}
     args = [a.split("=")[0] for a in container.get("args", []) if a.startswith("--")]
     assert set(args) <= flags, set(args) - flags
     assert "command" not in container, "the image's entrypoint is affinity-node"
@@ -315,7 +315,7 @@ def test_the_container_environment_is_a_node_on_the_pod_s_address(
     of the pod on the ports the container declares, is named after the pod, advertises
     the pod's IP and its own port to the other nodes, and reads Redis from the Secret."""
     container = node_container(rendered[overlay])
-    config = node.main.parse_args(container.get("args", []), container_env(container))
+    config = node.cli.parse_args(container.get("args", []), container_env(container))
     declared = ports(container)
     assert config.host == "0.0.0.0"
     assert config.port == declared["http"]
@@ -334,12 +334,12 @@ def test_the_container_environment_is_a_node_on_the_pod_s_address(
 
 def test_production_runs_on_the_gpus_it_asks_for(rendered: dict[str, list[dict[str, Any]]]) -> None:
     container = node_container(rendered["production"])
-    config = node.main.parse_args([], container_env(container))
+    config = node.cli.parse_args([], container_env(container))
     assert config.devices == "auto"
     resources = container["resources"]
     assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] >= 1
     test = node_container(rendered["test"])
-    assert node.main.parse_args([], container_env(test)).devices.startswith("cpu:")
+    assert node.cli.parse_args([], container_env(test)).devices.startswith("cpu:")
     assert "nvidia.com/gpu" not in str(test["resources"])
 
 
@@ -352,13 +352,15 @@ def test_probes_ask_the_node_s_own_routes_on_its_port(
     rendered: dict[str, list[dict[str, Any]]], overlay: str
 ) -> None:
     container = node_container(rendered[overlay])
-    config = node.main.parse_args([], container_env(container))
+    config = node.cli.parse_args([], container_env(container))
 
     async def never() -> Any:
         raise AssertionError("not started")
 
     app = create_app(never)
-    routes = {r.path for r in app.api.routes if "GET" in getattr(r, "methods", ())}
+    routes = {
+        path for path, operations in app.api.openapi()["paths"].items() if "get" in operations
+    }
     found = probes(container)
     assert found["readiness"]["httpGet"]["path"] == "/readyz"  # registered, lease current
     assert found["liveness"]["httpGet"]["path"] == "/healthz"  # the process answers
@@ -375,49 +377,6 @@ def test_probes_ask_the_node_s_own_routes_on_its_port(
     assert ready["periodSeconds"] * ready["failureThreshold"] <= lease
 
 
-def shutdown_bounds(config: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, float]:
-    """The HTTP server's close (uvicorn's ``timeout_graceful_shutdown``) and the gRPC
-    server's stop grace, as ``node.main._serve_on`` sets them for ``config``: it runs with
-    everything around the two servers stubbed out."""
-    seen: dict[str, float] = {}
-
-    class Server:
-        def __init__(self, uvicorn_config: Any, service: Any, fleet: Any) -> None:
-            seen["http_close"] = float(uvicorn_config.timeout_graceful_shutdown)
-
-        async def serve(self, sockets: Any) -> None:
-            return None
-
-    class Grpc:
-        async def stop(self, grace: float) -> None:
-            seen["grpc_stop"] = float(grace)
-
-    async def grpc_start(service: Any, host: str, port: int) -> Grpc:
-        return Grpc()
-
-    async def registered(config: Any, service: Any) -> None:
-        return None
-
-    service = SimpleNamespace(lease=SimpleNamespace(conflict=None))
-
-    async def built() -> Any:
-        return service
-
-    from node.protocols.kserve import grpc
-
-    monkeypatch.setattr(node.main, "build_service", lambda config: built)
-    monkeypatch.setattr(node.main, "_register", registered)
-    monkeypatch.setattr(
-        node.main, "create_app", lambda *a, **k: SimpleNamespace(state=SimpleNamespace(fleet=None))
-    )
-    monkeypatch.setattr(node.main, "_Server", Server)
-    monkeypatch.setattr(grpc, "start", grpc_start)
-    with socket.socket() as sock, socket.socket() as grpc_sock:
-        assert asyncio.run(node.main._serve_on(config, sock, grpc_sock)) == 0
-    assert set(seen) == {"http_close", "grpc_stop"}, seen
-    return seen
-
-
 def pre_stop_seconds(container: dict[str, Any]) -> float:
     hook = container.get("lifecycle", {}).get("preStop")
     if hook is None:
@@ -431,21 +390,22 @@ def pre_stop_seconds(container: dict[str, Any]) -> float:
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_grace_period_covers_the_graceful_stop(
-    rendered: dict[str, list[dict[str, Any]]], overlay: str, monkeypatch: pytest.MonkeyPatch
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
 ) -> None:
     """From the pod's deletion: the preStop pause, marking the node as leaving (one Redis
     call), --drain-timeout of hand-overs, deregistering (one Redis call), the HTTP
     server's close and the gRPC server's stop — all before Kubernetes' SIGKILL."""
     container = node_container(rendered[overlay])
-    config = node.main.parse_args([], container_env(container))
-    bounds = shutdown_bounds(config, monkeypatch)
+    config = node.cli.parse_args([], container_env(container))
+    bounds = node.server.stop_bounds(config)
     redis_call = config.settings.redis_deadline_s
     needed = {
         "preStop": pre_stop_seconds(container),
         "leave": redis_call,
-        "drain": config.drain_timeout_s,
+        "drain": bounds.drain_s,
         "deregister": redis_call,
-        **bounds,
+        "http_close": bounds.http_close_s,
+        "grpc_stop": bounds.grpc_stop_s,
     }
     grace = node_deployment(rendered[overlay])["spec"]["template"]["spec"][
         "terminationGracePeriodSeconds"

@@ -1,0 +1,416 @@
+"""``affinity-node``'s process: listen, start, serve over uvicorn, stop gracefully, exit.
+
+The listening sockets are bound before the node registers: a node that cannot serve must
+never advertise itself. The first SIGTERM leaves the fleet while still listening; a second
+one stops at once. Hazard: uvicorn's HTTP protocol is subclassed here (keep-alive, one
+write per reply, the connection probe), so a uvicorn upgrade is checked against it.
+
+Exit codes: 0 after a graceful stop (SIGTERM: episodes handed over, deregistered), 2 for a
+usage or configuration error (one line naming the flag; every flag is checked before
+anything starts), 3 when Redis cannot be reached at start-up, 4 when another running
+process holds this node id, 5 when GPUs are found that CUDA cannot run, 6 when the node
+cannot listen on --host/--port or --grpc-port (checked before it registers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import select
+import socket
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from affinity import BackendUnavailable, NodeConflict
+from affinity.errors import SecretMismatch
+from node.accesslog import JsonFormatter
+from node.app import create_app
+from node.asgi import CONNECTION
+from node.cli import EXIT_USAGE, parse_args
+from node.config import NodeConfig
+from node.fleet import Fleet
+from node.lease import EXIT_CONFLICT
+from node.providers import GpuUnavailable
+from node.service import NodeService
+from node.startup import StartupError, build_service
+
+__all__ = [
+    "EXIT_CONFLICT",
+    "EXIT_LISTEN",
+    "EXIT_NO_GPU",
+    "EXIT_REDIS",
+    "EXIT_USAGE",
+    "StopBounds",
+    "bind",
+    "main",
+    "stop_bounds",
+]
+
+log = logging.getLogger("affinity.node")
+EXIT_REDIS = 3
+"""Exit status when Redis cannot be reached at start-up."""
+EXIT_NO_GPU = 5
+"""Exit status when --devices names GPUs (or auto finds some) that CUDA cannot run."""
+EXIT_LISTEN = 6
+"""Exit status when the node cannot listen on --host/--port (it has not registered)."""
+GRPC_STOP_GRACE_S = 1.0
+"""Seconds gRPC's stop leaves its running calls, after the HTTP server closed."""
+
+
+@dataclass(frozen=True)
+class StopBounds:
+    """The most each stage of a graceful stop takes, in seconds, in the order they run."""
+
+    drain_s: float
+    """Handing the episodes over (``--drain-timeout``), before deregistering."""
+    http_close_s: int
+    """uvicorn's ``timeout_graceful_shutdown``: open requests finish, then it closes."""
+    grpc_stop_s: float
+    """gRPC's stop grace (0 when gRPC is not served)."""
+
+
+def stop_bounds(config: NodeConfig) -> StopBounds:
+    """The bounds of a graceful stop of a node configured as ``config``."""
+    return StopBounds(
+        drain_s=config.drain_timeout_s,
+        http_close_s=int(config.act_deadline_s) + 5,
+        grpc_stop_s=GRPC_STOP_GRACE_S if config.grpc_port is not None else 0.0,
+    )
+
+
+class _OneWriteTransport:
+    """A connection's transport that sends a response's status line and headers together
+    with what follows them: uvicorn writes the head and the body of a reply as two
+    ``write`` calls, so two TCP segments, and the client wakes up twice for one reply
+    (``tritonclient.http`` in lockstep, steps to a node that writes once and to one that
+    writes twice taking turns: p50 0.58 ms vs 1.05 ms). The head is held until the next
+    write (the body, in the same send of a plain reply) or the end of the loop iteration
+    (a streamed body), whichever comes first; every other call goes to the transport."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._head: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        head, self._head = self._head, None
+        if head is not None:
+            self._transport.writelines((head, data))
+        elif data.startswith(b"HTTP/"):
+            self._head = data
+            self._loop.call_soon(self._flush)
+        else:
+            self._transport.write(data)
+
+    def _flush(self) -> None:
+        head, self._head = self._head, None
+        if head is not None and not self._transport.is_closing():
+            self._transport.write(head)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def write_eof(self) -> None:
+        self._flush()
+        self._transport.write_eof()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class _KeepAliveProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP protocol, except that:
+
+    - an idle keep-alive connection whose client has already sent its next request is not
+      closed: after the process was paused (or the loop was busy) past the keep-alive
+      timeout, the timer fires before the queued request is read, and closing would drop
+      a request the client cannot know the fate of. Such a request is read and answered
+      instead (503 ``fenced`` if the lease lapsed);
+    - a reply's head and body leave in one write (:class:`_OneWriteTransport`);
+    - every request's scope carries it as :data:`~node.asgi.CONNECTION`: whether the
+      client has closed the connection by now (:meth:`peer_closed`: one ``poll(2)``
+      instead of two turns of the event loop) and whether other requests are being served
+      (:meth:`serving_others`), for ``node.asgi.while_connected``."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(_OneWriteTransport(transport, self.loop))  # type: ignore[arg-type]
+        sock = transport.get_extra_info("socket")
+        self._hangup: select.poll | None = None
+        if sock is not None and sock.fileno() >= 0:
+            self._hangup = select.poll()
+            self._hangup.register(sock.fileno(), select.POLLRDHUP)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope[CONNECTION] = self  # type: ignore[literal-required]
+
+    def peer_closed(self) -> bool:
+        """Whether the client has closed (or reset) the connection, as the kernel knows it
+        now, even before the event loop read it: POLLRDHUP (its FIN), POLLHUP or POLLERR.
+        The socket is polled only while the transport is open, so the descriptor is this
+        connection's."""
+        if self.cycle is None or self.cycle.disconnected or self.transport.is_closing():
+            return True
+        if self._hangup is None:
+            return False
+        return bool(self._hangup.poll(0))
+
+    def serving_others(self) -> bool:
+        """Whether the server runs other requests' tasks now (every connection's)."""
+        return len(self.tasks) > 1
+
+    def timeout_keep_alive_handler(self) -> None:
+        sock = self.transport.get_extra_info("socket")
+        fd = sock.fileno() if sock is not None else -1
+        if fd >= 0 and select.select([fd], [], [], 0)[0]:
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+            return
+        super().timeout_keep_alive_handler()
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with the node's graceful stop: the first SIGTERM/SIGINT makes the
+    node leave the fleet while it still listens (episodes handed over, deregistered, no
+    more renewals), then uvicorn closes the listener and drains; a second one forces."""
+
+    def __init__(self, config: uvicorn.Config, service: NodeService, fleet: Fleet) -> None:
+        super().__init__(config)
+        self.service = service
+        self.fleet = fleet
+        self.leave_requested = False
+        self.leaving: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.leave_requested or self.should_exit:
+            self.fleet.close()  # a graceful stop waits for open responses: streams never end
+            super().handle_exit(sig, frame)
+        else:
+            self.leave_requested = True  # picked up by on_tick, on the event loop
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.leave_requested and self.leaving is None:
+            log.info("node %s leaving the fleet (signal)", self.service.node_id)
+            self.leaving = asyncio.create_task(self.service.owner.leave())
+        if self.leaving is not None and self.leaving.done():
+            self.should_exit = True
+        if self.service.lease.conflict is not None:
+            self.should_exit = True
+        if self.should_exit:
+            self.fleet.close()  # a graceful stop waits for open responses: streams never end
+        return await super().on_tick(counter)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The node's listening socket, bound (not yet listening) before anything registers:
+    a node that could not serve must never advertise itself. Raises ``OSError``."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+async def _serve(config: NodeConfig, held: _HeldLines | None = None) -> int:
+    ports = {"--host/--port": config.port}
+    if config.grpc_port is not None:
+        ports["--grpc-port"] = config.grpc_port
+    socks: list[socket.socket] = []
+    for flag, port in ports.items():
+        try:
+            socks.append(bind(config.host, port))
+        except OSError as exc:
+            for sock in socks:
+                sock.close()
+            print(f"affinity-node: cannot listen on {config.host}:{port} ({flag}): "
+                  f"{exc.strerror or exc}", file=sys.stderr)  # fmt: skip
+            return EXIT_LISTEN
+    with socks[0]:
+        return await _serve_on(config, socks[0], socks[1] if len(socks) > 1 else None, held)
+
+
+async def _register(config: NodeConfig, service: NodeService) -> int | None:
+    """Start the service (register, lease); None, or the exit code with its one line said."""
+    try:
+        await service.start()
+    except BackendUnavailable as exc:
+        print(
+            f"affinity-node: cannot reach Redis at {_safe_url(config)} (--redis): {exc}",
+            file=sys.stderr,
+        )
+        await service.stop()
+        return EXIT_REDIS
+    except NodeConflict as exc:
+        print(f"affinity-node: {exc}", file=sys.stderr)
+        await service.stop()
+        return EXIT_CONFLICT
+    except SecretMismatch as exc:
+        print(f"affinity-node: {exc}", file=sys.stderr)
+        await service.stop()
+        return EXIT_USAGE
+    return None
+
+
+async def _serve_on(
+    config: NodeConfig,
+    sock: socket.socket,
+    grpc_sock: socket.socket | None = None,
+    held: _HeldLines | None = None,
+) -> int:
+    """Start the node on ``sock`` (bound) and serve until it stops; ``grpc_sock`` holds
+    ``--grpc-port`` (bound, exclusively) until gRPC's own listener takes it over."""
+    try:
+        started = await _start(config, grpc_sock, held)
+    finally:
+        if grpc_sock is not None:
+            grpc_sock.close()
+    if isinstance(started, int):
+        return started
+    service, grpc_server = started
+    if held is not None:
+        held.serving()  # it serves: the lines held since it started are written now
+    bounds = stop_bounds(config)
+    try:
+        await _http_server(config, service, bounds).serve(sockets=[sock])
+    finally:
+        if grpc_server is not None:
+            await grpc_server.stop(bounds.grpc_stop_s)
+    return EXIT_CONFLICT if service.lease.conflict is not None else 0
+
+
+async def _start(
+    config: NodeConfig, grpc_sock: socket.socket | None, held: _HeldLines | None
+) -> tuple[NodeService, Any] | int:
+    """The node built, gRPC listening (with ``grpc_sock``) and registered; or the exit
+    code, its one line said and everything started stopped again."""
+    try:
+        service = await build_service(config)()
+    except StartupError as exc:
+        print(f"affinity-node: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except GpuUnavailable as exc:
+        print(f"affinity-node: {exc}", file=sys.stderr)
+        return EXIT_NO_GPU
+    grpc_server = None
+    if grpc_sock is not None:  # bound before registering, like the HTTP listener
+        from node.protocols.kserve import grpc  # grpcio loads only where gRPC is served
+
+        assert config.grpc_port is not None
+        # gRPC binds its own listener (without SO_REUSEPORT: grpc.so_reuseport 0); the
+        # port was held exclusively until here, and is handed over now
+        grpc_sock.close()
+        try:
+            grpc_server = await grpc.start(service, config.host, config.grpc_port)
+        except RuntimeError as exc:
+            print(f"affinity-node: cannot listen on {config.host}:{config.grpc_port} "
+                  f"(--grpc-port): {exc}", file=sys.stderr)  # fmt: skip
+            await service.stop()
+            return EXIT_LISTEN
+    if held is not None:
+        held.registering()
+    code = await _register(config, service)
+    if code is not None:
+        if grpc_server is not None:
+            await grpc_server.stop(0)
+        return code
+    return service, grpc_server
+
+
+def _http_server(config: NodeConfig, service: NodeService, bounds: StopBounds) -> _Server:
+    """uvicorn serving the node's app for the started ``service``."""
+
+    async def started() -> NodeService:
+        return service
+
+    app = create_app(started, access_log=config.access_log, log_json=config.log_format == "json")
+    return _Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            http=_KeepAliveProtocol,
+            ws="websockets-sansio",
+            ws_max_size=config.max_body_bytes,
+            log_level="warning",
+            access_log=False,  # node/accesslog.py writes the node's own, with the step's facts
+            proxy_headers=False,
+            server_header=False,
+            timeout_keep_alive=max(1, round(config.keep_alive_s)),
+            timeout_graceful_shutdown=bounds.http_close_s,
+            lifespan="on",
+        ),
+        service,
+        app.state.fleet,
+    )
+
+
+def _safe_url(config: NodeConfig) -> str:
+    url = config.settings.redis_url or "the embedded store"
+    return re.sub(r"//[^@/]*@", "//***@", url)
+
+
+class _HeldLines(logging.Handler):
+    """The node's log handler while it starts: what it says before it serves is held, and
+    written once it serves (:meth:`serving`); a node that cannot start prints its one
+    error line and nothing else. While it builds its sessions every line below ERROR is
+    held; once it registers (:meth:`registering`), warnings go out at once, so that a wait
+    for another process's lease on the node id says so while it waits."""
+
+    def __init__(self, target: logging.Handler) -> None:
+        super().__init__()
+        self.target = target
+        self.below = logging.ERROR  # records below this level are held
+        self.held: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno < self.below:
+            self.held.append(record)
+        else:
+            self.target.handle(record)
+
+    def registering(self) -> None:
+        self.below = logging.WARNING
+
+    def serving(self) -> None:
+        """Write the held lines, and every line from now on."""
+        self.below = logging.NOTSET
+        held, self.held = self.held, []
+        for record in held:
+            self.target.handle(record)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        JsonFormatter()
+        if config.log_format == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    held = _HeldLines(handler)
+    logging.basicConfig(level=getattr(logging, config.log_level.upper(), logging.INFO),
+                        handlers=[held])  # fmt: skip
+    import uvloop
+
+    code = uvloop.run(_serve(config, held))
+    # a graceful stop on a signal ends the way the signal would (uvicorn re-raises it)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

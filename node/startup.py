@@ -1,0 +1,290 @@
+"""A node's start-up: devices, one session per (model, device), dispatchers, Redis, warm-up.
+
+A configuration the node cannot serve fails here, before it registers: ``StartupError``
+names the flag, ``GpuUnavailable`` the missing CUDA library. Sessions are made here, not
+lazily: a model that does not fit beside the others stops the node, never a step.
+Hazard: CUDA graphs are captured by the warm-up on each device's worker thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from prometheus_client import Histogram
+
+from affinity import ModelId, connect, embedded_store
+from node import warmup
+from node.binding import BoundSession
+from node.catalog import ModelSpec
+from node.cli import flag_message
+from node.config import NodeConfig
+from node.devices import DeviceSpec, discover, pin_pci_bus_order
+from node.dispatcher import Arrivals, MultiGpuDispatcher, Session
+from node.episodes import EpisodeTable
+from node.forward import Poster
+from node.metrics import Metrics
+from node.policy import PolicyContract, load_contract
+from node.providers import CPU, build_session, require_cuda
+from node.service import DispatcherFactory, NodeService
+from node.stats import ModelStats
+
+__all__ = ["StartupError", "build_service"]
+
+log = logging.getLogger("affinity.node")
+CUDA_GRAPH_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+
+Served = dict[str, tuple[ModelSpec, ModelId, PolicyContract]]
+"""Each model the node serves, by name: as given, its identity, its contract."""
+Key = tuple[str, str]
+"""(model name, device id)."""
+
+
+class StartupError(Exception):
+    """A configuration the node cannot start with; the message names the flag and the fix."""
+
+
+def build_service(
+    config: NodeConfig,
+    redis: Any | None = None,
+    specs: list[DeviceSpec] | None = None,
+    session_factory: Callable[[DeviceSpec], tuple[Session, str]] | None = None,
+    pool: Poster | None = None,
+) -> Callable[[], Awaitable[NodeService]]:
+    """The start-up of a node, as a factory for :func:`node.app.create_app`.
+
+    ``redis`` defaults to a client for ``config.settings`` (or the embedded store);
+    ``session_factory(spec)`` returns (session, provider really used) and defaults to
+    ONNX Runtime with the device's provider plan; ``pool`` carries forwards to owners
+    (tests route them in-process). Raises :class:`StartupError` for a
+    device list or model the node cannot use.
+    """
+
+    async def factory() -> NodeService:
+        pin_pci_bus_order(os.environ)
+        devices = _devices(config, specs)
+        served = _served(config)
+        sessions, active, providers = _sessions(config, served, devices, session_factory)
+        client = redis if redis is not None else _redis_client(config)
+        try:
+            service = NodeService(
+                config,
+                client,
+                devices,
+                providers,
+                _dispatchers(config, served, sessions, active),
+                next(iter(served.values()))[2],
+                owns_redis=redis is None,
+                pool=pool,
+                models={name: (mid, contract) for name, (_, mid, contract) in served.items()},
+            )
+        except ValueError as exc:  # batching or chunk settings this model cannot take
+            raise StartupError(flag_message(exc)) from None
+        warm = [
+            str(mid)
+            for name, (m, mid, contract) in served.items()
+            if await _warm_up(name, m, contract, service.dispatchers[name])
+        ]
+        graphs = sum(isinstance(s, BoundSession) for s in sessions.values())
+        if warm:
+            log.info(
+                "%d device(s) warmed up on their workers with %s, %d CUDA graph(s)",
+                len(devices), ", ".join(warm), graphs,
+            )  # fmt: skip
+        return service
+
+    return factory
+
+
+def _devices(config: NodeConfig, specs: list[DeviceSpec] | None) -> list[DeviceSpec]:
+    """``specs``, or the devices ``--devices`` names; raises ``GpuUnavailable`` for GPUs
+    that CUDA cannot run."""
+    try:
+        devices = specs if specs is not None else discover(config.devices)
+    except ValueError as exc:
+        # discover()'s messages start with "devices <spec>:", which names the flag
+        raise StartupError(f"--{exc}") from None
+    require_cuda(devices)  # GpuUnavailable: GPUs named, or found, that CUDA cannot run
+    return devices
+
+
+def _served(config: NodeConfig) -> Served:
+    """Each model of ``--model`` loaded: its contract, with its warm-up samples."""
+    served: Served = {}
+    for m in config.served:
+        try:
+            contract = load_contract(m.path)
+        except (ValueError, OSError) as exc:
+            raise StartupError(f"--model {m.path}: {exc}") from None
+        except Exception as exc:  # ONNX Runtime's own errors: a file it cannot load
+            raise StartupError(
+                f"--model {m.path}: not a model ONNX Runtime can load: {_one_line(exc)}"
+            ) from None
+        try:
+            served[m.name] = (m, m.identity(), warmup.with_samples(m.path, contract))
+        except (ValueError, OSError) as exc:
+            raise StartupError(f"--model {m.name}: warm-up samples: {exc}") from None
+    return served
+
+
+def _sessions(
+    config: NodeConfig,
+    served: Served,
+    devices: list[DeviceSpec],
+    session_factory: Callable[[DeviceSpec], tuple[Session, str]] | None,
+) -> tuple[dict[Key, Session], dict[Key, str], dict[int, str]]:
+    """One session per model per device (``session_factory`` makes the first model's),
+    the provider each runs on, and each device's provider (its first model's)."""
+
+    def ort_session(
+        m: ModelSpec, contract: PolicyContract, spec: DeviceSpec
+    ) -> tuple[Session, str]:
+        built = build_session(
+            m.path, spec, config.providers, intra_op_threads=config.intra_op_threads
+        )
+        if not (config.providers.cuda_graph and built.active in CUDA_GRAPH_PROVIDERS):
+            return built.session, built.active
+        # captured by dispatcher.warm_up(), on the device's worker thread
+        return BoundSession(built.session, contract, "cuda", spec.ordinal or 0), built.active
+
+    # made here: a model that does not fit beside the others stops the node at start-up,
+    # naming the model and the device
+    sessions: dict[Key, Session] = {}
+    active: dict[Key, str] = {}
+    providers: dict[int, str] = {}
+    for i, (name, (m, _, contract)) in enumerate(served.items()):
+        for spec in devices:
+            try:
+                if session_factory is not None and i == 0:
+                    session, provider = session_factory(spec)
+                else:
+                    session, provider = ort_session(m, contract, spec)
+            except Exception as exc:
+                raise StartupError(
+                    f"--model {name}: no session on device {spec.index} ({spec.name}) "
+                    f"beside the {i} model(s) before it: {exc}"
+                ) from exc
+            sessions[(name, f"{config.node_id}/{spec.index}")] = session
+            active[(name, f"{config.node_id}/{spec.index}")] = provider
+            providers.setdefault(spec.index, provider)
+    return sessions, active, providers
+
+
+def _dispatchers(
+    config: NodeConfig, served: Served, sessions: dict[Key, Session], active: dict[Key, str]
+) -> DispatcherFactory:
+    """What :class:`NodeService` calls to make one dispatcher per model, on ``sessions``."""
+
+    def dispatchers(
+        ids: list[str],
+        on_transition: Callable[[str, str, str], None],
+        metrics: Metrics,
+        table: EpisodeTable,
+        arrivals: Arrivals,
+    ) -> dict[str, MultiGpuDispatcher]:
+        return {
+            name: MultiGpuDispatcher(
+                ids,
+                lambda device, name=name: sessions[(name, device)],  # type: ignore[misc]
+                contract,
+                failure_threshold=config.failure_threshold,
+                cooldown_s=config.cooldown_s,
+                on_transition=on_transition,
+                max_batch=config.max_batch,
+                batch_delay_us=config.batch_delay_us,
+                inline_under_us=config.inline_under_us,
+                inline_devices=[  # CPU sessions only (see MultiGpuDispatcher._inline)
+                    d for (n, d), p in active.items() if n == name and p == CPU
+                ],
+                execute_steps=config.execute_steps,
+                ensemble=config.ensemble,
+                ensemble_decay=config.ensemble_decay,
+                control_hz=config.control_hz,
+                on_batch=both(
+                    per_device(metrics.batch_size),
+                    metrics.model_stats.setdefault(name, ModelStats()).ran,
+                ),
+                on_queue_wait=both(
+                    per_device(metrics.queue_wait), metrics.model_stats[name].queued
+                ),
+                table=table,
+                arrivals=arrivals,
+                model=str(mid),
+            )
+            for name, (_, mid, contract) in served.items()
+        }
+
+    return dispatchers
+
+
+def _redis_client(config: NodeConfig) -> Any:
+    """A client for ``--redis``, or the embedded store when none is given."""
+    if config.settings.redis_url:
+        return connect(config.settings)
+    log.warning("no Redis URL given: using the embedded in-process store (single host only)")
+    return embedded_store(config.embedded_port)
+
+
+async def _warm_up(
+    name: str, model: ModelSpec, contract: PolicyContract, dispatcher: MultiGpuDispatcher
+) -> bool:
+    """Warm ``dispatcher``'s devices up with what ``node.warmup`` allows; ``False`` (and one
+    info line) when nothing may be fed. Raises :class:`StartupError` naming the model and
+    the inputs when a run fails."""
+    samples = warmup.samples_path(model.path)
+    unfed = warmup.unfed(contract)
+    if unfed:
+        log.info(
+            "model %s is not warmed up: %s %s string input%s with no sample to feed "
+            "(give one in %s; docs/policies.md#warm-up)",
+            name, ", ".join(unfed), "is a" if len(unfed) == 1 else "are",
+            "" if len(unfed) == 1 else "s", samples,
+        )  # fmt: skip
+        return False
+    try:
+        await dispatcher.warm_up()
+    except Exception as exc:
+        zeros = warmup.made_up(contract)
+        fed = (
+            f"zeros for {', '.join(zeros)} (no sample; give one in {samples})"
+            if zeros
+            else f"the samples of {samples}"
+        )
+        raise StartupError(
+            f"--model {name}: the warm-up run failed on {fed}: {_one_line(exc)} "
+            "(docs/policies.md#warm-up)"
+        ) from None
+    return True
+
+
+def _one_line(exc: BaseException) -> str:
+    """``exc`` as ``Type: message`` on one line."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+def both(
+    first: Callable[[str, float], None], second: Callable[[str, float], None]
+) -> Callable[[str, float], None]:
+    """A dispatcher hook that calls ``first``, then ``second``."""
+
+    def call(device: str, value: float) -> None:
+        first(device, value)
+        second(device, value)
+
+    return call
+
+
+def per_device(histogram: Histogram) -> Callable[[str, float], None]:
+    """``observe(device, value)`` on ``histogram``'s child of that device, each child made
+    once (``labels()`` takes a lock each call; this runs once per step)."""
+    children: dict[str, Any] = {}
+
+    def observe(device: str, value: float) -> None:
+        child = children.get(device)
+        if child is None:
+            child = children.setdefault(device, histogram.labels(device))
+        child.observe(value)
+
+    return observe
