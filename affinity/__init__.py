@@ -34,6 +34,7 @@ from affinity.errors import (
     UnknownModel,
     UnknownNode,
 )
+from affinity.events import EventStream
 from affinity.keys import Keys
 from affinity.models import ModelId
 from affinity.registry import (
@@ -57,6 +58,7 @@ __all__ = [
     "DeviceRegistration",
     "DeviceStatus",
     "EpisodeInfo",
+    "EventStream",
     "InvalidArgument",
     "Keys",
     "ModelConflict",

@@ -38,7 +38,8 @@ from affinity.errors import (
     UnknownModel,
     UnknownNode,
 )
-from affinity.registry import ModelStatus, Registry, event_json
+from affinity.events import Event, EventStream, event_json
+from affinity.registry import ModelStatus, Registry
 from affinity.scripts import failure
 
 __all__ = ["main"]
@@ -47,8 +48,6 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 FOLLOW_BLOCK_MS = 1000
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_REDIS = 0, 1, 2, 3
 _STREAM_ID = re.compile(r"^(-|\d+(-\d+)?)$")
-
-Event = tuple[str, dict[str, str]]
 
 
 class NothingRegistered(AffinityError):
@@ -65,6 +64,7 @@ class NothingRegistered(AffinityError):
 @dataclass
 class Context:
     registry: Registry
+    events: EventStream
     claims: Claims
     json: bool
     out: TextIO
@@ -347,9 +347,9 @@ async def cmd_release(args: argparse.Namespace, ctx: Context) -> int:
 
 async def cmd_events(args: argparse.Namespace, ctx: Context) -> int:
     if args.since is None:
-        batch, cursor = await ctx.registry.latest_events(args.count)
+        batch, cursor = await ctx.events.latest(args.count)
     else:
-        batch = await ctx.registry.events(args.since, args.count)
+        batch = await ctx.events.events(args.since, args.count)
         cursor = "0-0" if args.since == "-" else args.since
     limit: int | None = args.max_events
     printed = 0
@@ -362,7 +362,7 @@ async def cmd_events(args: argparse.Namespace, ctx: Context) -> int:
             cursor = event[0]
         if not args.follow or (limit is not None and printed >= limit):
             return EXIT_OK
-        batch = await ctx.registry.wait_events(cursor, FOLLOW_BLOCK_MS)
+        batch = await ctx.events.wait(cursor, FOLLOW_BLOCK_MS)
 
 
 # -- parsing --------------------------------------------------------------------------------
@@ -482,9 +482,13 @@ async def run(args: argparse.Namespace, settings: Settings, out: TextIO) -> int:
     assert settings.redis_url is not None
     client = connect(settings)
     try:
-        registry = Registry(client, settings)
         ctx = Context(
-            registry, Claims(client, settings), args.json, out, shown_url(settings.redis_url)
+            Registry(client, settings),
+            EventStream(client, settings),
+            Claims(client, settings),
+            args.json,
+            out,
+            shown_url(settings.redis_url),
         )
         command: Command = args.run
         try:

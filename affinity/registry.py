@@ -47,7 +47,6 @@ __all__ = [
     "Renewal",
     "StateChange",
     "check_node_id",
-    "event_json",
     "secret_digest",
 ]
 
@@ -214,21 +213,6 @@ def _node_state(recorded: str, leased: bool) -> str:
     if recorded == "left":
         return "left"
     return recorded if leased else "down"
-
-
-EVENT_NUMBERS = ("token", "count", "handed_over", "lease")
-"""Event fields that hold numbers (the stream holds every field as a string)."""
-
-
-def event_json(event_id: str, fields: Mapping[str, str]) -> dict[str, object]:
-    """An event as JSON, as the CLI prints it and ``/events/stream`` sends it: its id, its
-    fields, :data:`EVENT_NUMBERS` as numbers."""
-    out: dict[str, object] = {"id": event_id, **fields}
-    for name in EVENT_NUMBERS:
-        value = fields.get(name)
-        if value is not None and value.isdigit():
-            out[name] = int(value)
-    return out
 
 
 def _now_ms(reply: Sequence[int]) -> int:
@@ -802,37 +786,3 @@ class Registry:
                 model = next((r for r in rest if "@" in r), "")
                 rows.append(EpisodeRow(ep, d, int(token), int(ttl), was_moved, model))
         return rows
-
-    async def events(self, since: str = "-", count: int = 100) -> list[tuple[str, dict[str, str]]]:
-        """Up to ``count`` events after ``since`` (a stream id; ``-`` is the start)."""
-        start = since if since == "-" else f"({since}"
-        reply = await bounded(
-            self.settings, self.redis.xrange(self.keys.events, start, "+", count=count)
-        )
-        return [(str(i), dict(f)) for i, f in reply]
-
-    async def latest_events(self, count: int) -> tuple[list[tuple[str, dict[str, str]]], str]:
-        """The last ``count`` events (oldest first), and the id to follow on from with
-        :meth:`wait_events` (``0-0`` for an empty stream; never ``$``, which would miss
-        what arrives between two waits)."""
-        reply = await bounded(
-            self.settings, self.redis.xrevrange(self.keys.events, count=max(count, 1))
-        )
-        newest_first = [(str(i), dict(f)) for i, f in reply]
-        cursor = newest_first[0][0] if newest_first else "0-0"
-        return newest_first[:count][::-1], cursor
-
-    async def wait_events(self, since: str, block_ms: int) -> list[tuple[str, dict[str, str]]]:
-        """Events after the id ``since``, waiting up to ``block_ms`` for the first one.
-
-        The wait is capped below the socket timeout (``redis_timeout_s``), so a quiet
-        stream returns ``[]`` instead of timing out; callers loop."""
-        k = self.keys
-        block = max(1, min(block_ms, round(self.settings.redis_timeout_s * 1000) - 100))
-        reply = await bounded(
-            self.settings, self.redis.xread({k.events: since}, block=block, count=100)
-        )
-        if not reply:
-            return []
-        entries = reply[k.events][0] if isinstance(reply, dict) else reply[0][1]
-        return [(str(i), dict(f)) for i, f in entries]

@@ -82,7 +82,7 @@ async def test_expiry_frees_capacity(env: Env) -> None:
         await env.claims.resolve("ep-2")
     await env.expire("ep-1")
     assert (await env.claims.resolve("ep-2")).device == "a/0"
-    events = [f for _, f in await env.registry.events()]
+    events = [f for _, f in await env.events.events()]
     assert {"type": "expire", "device": "a/0", "count": "1"} in events
 
 
@@ -100,7 +100,7 @@ async def test_reassigned_when_lease_lapses(env: Env) -> None:
     assert (await env.claims.resolve("ep")).status == "hit"
     # the claim noticed the lapse: one node-down, and none more when the node is back
     for _ in range(2):
-        downs = [f["node"] for _, f in await env.registry.events() if f["type"] == "node-down"]
+        downs = [f["node"] for _, f in await env.events.events() if f["type"] == "node-down"]
         assert downs == ["a"]
         await env.node("a", 1)
 
@@ -160,7 +160,7 @@ async def test_reassign_with_nowhere_to_go_writes_nothing(env: Env) -> None:
         await env.claims.resolve("ep")  # notices the lapse: node-down, nothing else
     assert err.value.reason == "no_nodes"
     assert await env.redis.get(env.keys.episode("ep")) == f"a/0 {a.token} {a.claim}"
-    assert [f["type"] for _, f in await env.registry.events()][-1] == "node-down"
+    assert [f["type"] for _, f in await env.events.events()][-1] == "node-down"
     before = await env.snapshot()
     with pytest.raises(NoCapacity):
         await env.claims.resolve("ep")
@@ -206,7 +206,7 @@ async def test_a_release_by_anyone_but_the_owner_waits_for_the_owner(env: Env) -
     assert await env.redis.zcard(env.keys.load("a/0")) == 0
     again = await env.claims.resolve("ep")
     assert (again.status, again.previous) == ("reassigned", "a/0") and again.token > a.token
-    types = [f["type"] for _, f in await env.registry.events()]
+    types = [f["type"] for _, f in await env.events.events()]
     assert types[-3:] == ["revoke", "release", "reassign"]
     # the owner's lease lapsed: nobody serves it from memory, so it goes at once
     b = await env.claims.resolve("other-node-gone")
@@ -254,7 +254,7 @@ async def test_events_are_appended(env: Env) -> None:
     a = await env.claims.resolve("ep")
     await env.registry.drain("a/0", "why")
     await env.claims.release("ep", a.token, owner=True)
-    types = [f["type"] for _, f in await env.registry.events()]
+    types = [f["type"] for _, f in await env.events.events()]
     assert types == ["node-up", "claim", "drain", "release"]
 
 
@@ -374,7 +374,7 @@ async def test_deregister_hands_episodes_over(env: Env) -> None:
         assert moved.token > e.token
     nodes = {n.node: (n.state, n.alive) for n in await env.registry.nodes()}
     assert nodes == {"a": ("left", False), "b": ("up", True)}
-    events = [f for _, f in await env.registry.events()]
+    events = [f for _, f in await env.events.events()]
     assert {
         "type": "node-down",
         "node": "a",

@@ -45,7 +45,7 @@ async def test_each_model_has_its_own_round_robin(env: Env) -> None:
     assert (again.status, again.device, again.model) == ("hit", "a/0", "demo@v1")
     # a step that does not name its model keeps the episode's
     assert (await env.claims.resolve("v0")).model == "vla@v1"
-    claims = [f for _, f in await env.registry.events() if f["type"] == "claim"]
+    claims = [f for _, f in await env.events.events() if f["type"] == "claim"]
     assert Counter(f["model"] for f in claims) == {"demo@v1": 8, "vla@v1": 8}
 
 
@@ -132,7 +132,7 @@ async def test_rollout_weights_are_exact_and_running_episodes_stay(env: Env) -> 
     assert (await env.claims.resolve("g", model="demo")).model == "demo@v2"
     with pytest.raises(UnknownModel):
         await env.registry.rollout("demo", "v7", 1)
-    kinds = [f for _, f in await env.registry.events() if f["type"] == "rollout"]
+    kinds = [f for _, f in await env.events.events() if f["type"] == "rollout"]
     assert [(f["version"], f["weight"]) for f in kinds] == [
         ("v1", "3"),
         ("v2", "1"),

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.anyio
 
 
 async def events(env: Env, kind: str) -> list[dict[str, str]]:
-    return [f for _, f in await env.registry.events() if f["type"] == kind]
+    return [f for _, f in await env.events.events() if f["type"] == kind]
 
 
 # -- devices a node no longer has (issue 10 #1) ---------------------------------------------

@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from affinity import Claims, Registry, Settings, close, connect
+from affinity.events import EventStream
 from tests.conftest import cpu_devices
 from tests.procs import Proc, free_port, wait_until
 
@@ -36,7 +37,7 @@ async def round_trip(url: str) -> None:
     assert [r.episode for r in await registry.episodes(node="n")] == ["ep-1"]
     await registry.drain("n/1", "test")
     assert (await claims.release("ep-1", a.token, owner=True)).device == a.device
-    assert [f["type"] for _, f in await registry.events()] == [
+    assert [f["type"] for _, f in await EventStream(client, settings).events()] == [
         "node-up",
         "claim",
         "drain",
