@@ -1,7 +1,8 @@
 """affinity: episode-sticky GPU placement backed by Redis.
 
 ``Claims`` decides where an episode lives (one atomic Lua round trip); ``Registry``
-keeps nodes, devices and their states; ``Keys`` names every Redis key.
+keeps nodes, devices and their states; ``Inventory`` lists them for operators;
+``EventStream`` reads the event log; ``Keys`` names every Redis key.
 """
 
 from affinity.claims import Assignment, Claims, EpisodeInfo, Released, check_episode
@@ -35,15 +36,10 @@ from affinity.errors import (
     UnknownNode,
 )
 from affinity.events import EventStream
+from affinity.inventory import DeviceStatus, Inventory, ModelStatus, NodeStatus
 from affinity.keys import Keys
 from affinity.models import ModelId
-from affinity.registry import (
-    DeviceRegistration,
-    DeviceStatus,
-    ModelStatus,
-    NodeStatus,
-    Registry,
-)
+from affinity.registry import DeviceRegistration, Registry
 
 __version__ = "0.2.0"
 
@@ -60,6 +56,7 @@ __all__ = [
     "EpisodeInfo",
     "EventStream",
     "InvalidArgument",
+    "Inventory",
     "Keys",
     "ModelConflict",
     "ModelId",

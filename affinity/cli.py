@@ -1,5 +1,5 @@
-"""``affinity``: the operator's command line, a thin shell over :class:`Registry` and
-:class:`Claims`.
+"""``affinity``: the operator's command line, a thin shell over :class:`Registry`,
+:class:`Inventory`, :class:`EventStream` and :class:`Claims`.
 
 Exit codes: 0 ok, 1 not found (episode, device, node, or no node registered at all in the
 namespace), 2 usage, 3 Redis unreachable or failing. ``--json`` (before or after the
@@ -39,7 +39,8 @@ from affinity.errors import (
     UnknownNode,
 )
 from affinity.events import Event, EventStream, event_json
-from affinity.registry import ModelStatus, Registry
+from affinity.inventory import Inventory, ModelStatus
+from affinity.registry import Registry
 from affinity.scripts import failure
 
 __all__ = ["main"]
@@ -64,6 +65,7 @@ class NothingRegistered(AffinityError):
 @dataclass
 class Context:
     registry: Registry
+    inventory: Inventory
     events: EventStream
     claims: Claims
     json: bool
@@ -72,8 +74,8 @@ class Context:
 
     async def require_deployment(self) -> None:
         """Raise :class:`NothingRegistered` when the namespace is empty."""
-        if await self.registry.empty():
-            raise NothingRegistered(self.url, self.registry.keys.namespace)
+        if await self.inventory.empty():
+            raise NothingRegistered(self.url, self.inventory.keys.namespace)
 
 
 Command = Callable[[argparse.Namespace, Context], Awaitable[int]]
@@ -128,7 +130,7 @@ def emit_json(ctx: Context, value: Any) -> None:
 
 async def cmd_devices(args: argparse.Namespace, ctx: Context) -> int:
     await ctx.require_deployment()
-    devices = await ctx.registry.devices()
+    devices = await ctx.inventory.devices()
     if ctx.json:
         # a dead node's load is stale (its episodes move on their next step): none is shown
         emit_json(ctx, [{**d.to_json(), "load": d.load if d.alive else None} for d in devices])
@@ -156,7 +158,7 @@ async def cmd_devices(args: argparse.Namespace, ctx: Context) -> int:
 
 async def cmd_nodes(args: argparse.Namespace, ctx: Context) -> int:
     await ctx.require_deployment()
-    nodes = await ctx.registry.nodes()
+    nodes = await ctx.inventory.nodes()
     if ctx.json:
         emit_json(ctx, [n.to_json() for n in nodes])
         return EXIT_OK
@@ -195,7 +197,7 @@ MODEL_HEADERS = ("MODEL", "VERSION", "NEW EPISODES", "LIVE NODES", "DEVICES")
 
 async def cmd_models(args: argparse.Namespace, ctx: Context) -> int:
     await ctx.require_deployment()
-    models = await ctx.registry.models()
+    models = await ctx.inventory.models()
     if ctx.json:
         emit_json(ctx, [m.to_json() for m in models])
     else:
@@ -205,7 +207,7 @@ async def cmd_models(args: argparse.Namespace, ctx: Context) -> int:
 
 async def cmd_rollout(args: argparse.Namespace, ctx: Context) -> int:
     await ctx.require_deployment()
-    models = await ctx.registry.models()
+    models = await ctx.inventory.models()
     served = [f"{m.name}@{m.version}" for m in models if m.nodes]
     if not any(m.name == args.name for m in models):
         raise UnknownModel(args.name, served)
@@ -217,7 +219,7 @@ async def cmd_rollout(args: argparse.Namespace, ctx: Context) -> int:
         if f"{args.name}@{args.version}" not in served:  # a weight no node could honour
             raise UnknownModel(f"{args.name}@{args.version}", served)
         await ctx.registry.rollout(args.name, args.version, args.weight)
-    models = [m for m in await ctx.registry.models() if m.name == args.name]
+    models = [m for m in await ctx.inventory.models() if m.name == args.name]
     if ctx.json:
         emit_json(ctx, [m.to_json() for m in models])
     else:
@@ -248,7 +250,7 @@ async def cmd_new_fleet(args: argparse.Namespace, ctx: Context) -> int:
 async def cmd_episodes(args: argparse.Namespace, ctx: Context) -> int:
     if args.device is None:
         await ctx.require_deployment()
-    rows = await ctx.registry.episodes(device=args.device, node=args.node)
+    rows = await ctx.inventory.episodes(device=args.device, node=args.node)
     if ctx.json:
         emit_json(ctx, [r.to_json() for r in rows])
         return EXIT_OK
@@ -484,6 +486,7 @@ async def run(args: argparse.Namespace, settings: Settings, out: TextIO) -> int:
     try:
         ctx = Context(
             Registry(client, settings),
+            Inventory(client, settings),
             EventStream(client, settings),
             Claims(client, settings),
             args.json,

@@ -43,6 +43,7 @@ from affinity import (
     AffinityError,
     BackendUnavailable,
     InvalidArgument,
+    Inventory,
     NotReplicated,
     PoolExhausted,
     StaleToken,
@@ -333,7 +334,7 @@ def create_app(
     async def devices() -> Response:
         """Every device of the fleet; this node's own add crash-tracker facts."""
         s = svc()
-        listed = await s.registry.devices()
+        listed = await Inventory(s.redis, s.config.settings).devices()
         out = []
         for d in listed:
             row = d.to_json()
@@ -433,7 +434,7 @@ def create_app(
         s = svc()
         here = {str(m) for m, _ in s.models.values()}
         try:
-            rows = await s.registry.models()
+            rows = await Inventory(s.redis, s.config.settings).models()
         except BackendUnavailable as exc:
             return error(503, "redis", str(exc), retry_after=1)
         return JSONResponse(

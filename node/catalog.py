@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from affinity import ModelId, Registry, UnknownModel
+from affinity import Inventory, ModelId, Registry, UnknownModel
 from affinity.models import check_model_part
 from node.policy import PolicyContract, TensorSpec, resolve_model
 
@@ -158,6 +158,8 @@ class Catalog:
     ) -> None:
         self.local = dict(local)
         self.registry = registry
+        # the fleet's models, read on the registry's client
+        self.inventory = Inventory(registry.redis, registry.settings) if registry else None
         self.clock = clock
         # name -> versions served by a live node (newest last); read from Redis
         self._fleet: dict[str, list[str]] = {m.name: [m.version] for m, _ in self.local.values()}
@@ -176,11 +178,11 @@ class Catalog:
     async def refresh(self, *, force: bool = False) -> None:
         """Read the fleet's models from Redis (at most every :data:`REFRESH_S` unless
         ``force``). A failure keeps the last view (logged)."""
-        if self.registry is None or (not force and self.clock() - self._read_at < REFRESH_S):
+        if self.inventory is None or (not force and self.clock() - self._read_at < REFRESH_S):
             return
         self._read_at = self.clock()
         try:
-            rows = await self.registry.models()
+            rows = await self.inventory.models()
         except Exception as exc:
             log.warning("could not read the fleet's models: %s", exc)
             return
@@ -199,7 +201,7 @@ class Catalog:
         background, and the step goes on with the view it has."""
         task = self._refreshing
         if task is None:
-            if self.registry is None or self.clock() - self._read_at < REFRESH_S:
+            if self.inventory is None or self.clock() - self._read_at < REFRESH_S:
                 return
             self._refreshing = task = asyncio.ensure_future(self.refresh())
             task.add_done_callback(self._refreshed)

@@ -33,7 +33,7 @@ from fastapi import FastAPI, Header, Query
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from affinity import BackendUnavailable, Registry
+from affinity import BackendUnavailable, Inventory, Registry
 from affinity.events import Event, EventStream, event_json
 
 __all__ = ["Fleet", "FleetSource", "add_fleet_routes"]
@@ -317,7 +317,8 @@ def add_fleet_routes(app: FastAPI, service: Callable[[], FleetSource]) -> Fleet:
     async def nodes() -> Any:
         """Every node in the registry, alive or lapsed, with its lease time left."""
         s = service()
-        listed = await s.registry.nodes()  # BackendUnavailable: the app's one handler
+        inventory = Inventory(s.registry.redis, s.registry.settings)
+        listed = await inventory.nodes()  # BackendUnavailable: the app's one handler
         return {
             "node": s.node_id,
             "instance": s.instance,

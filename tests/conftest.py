@@ -23,6 +23,7 @@ import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
 from affinity.events import EventStream
+from affinity.inventory import Inventory
 
 BACKENDS = ["fake", "real"]
 _session_redis: list[Any] = []  # this session's RedisServer, started on first use
@@ -120,6 +121,10 @@ class Env:
     @property
     def keys(self):  # type: ignore[no-untyped-def]
         return self.settings.keys
+
+    @property
+    def inventory(self) -> Inventory:
+        return Inventory(self.redis, self.settings)
 
     @property
     def events(self) -> EventStream:

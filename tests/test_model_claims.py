@@ -126,7 +126,7 @@ async def test_rollout_weights_are_exact_and_running_episodes_stay(env: Env) -> 
     await env.registry.rollout("demo", "v2", 0)
     got = [(await env.claims.resolve(f"f{i}", model="demo")).model for i in range(6)]
     assert set(got) == {"demo@v1"}
-    statuses = {(m.version, m.weight, m.newest, m.nodes) for m in await env.registry.models()}
+    statuses = {(m.version, m.weight, m.newest, m.nodes) for m in await env.inventory.models()}
     assert statuses == {("v1", 3, False, ("a",)), ("v2", 0, True, ("b",))}
     assert await env.registry.clear_rollout("demo")
     assert (await env.claims.resolve("g", model="demo")).model == "demo@v2"
@@ -155,9 +155,9 @@ async def test_reregistering_with_other_models_leaves_the_old_rings(env: Env) ->
     assert await env.redis.zrange(env.keys.model_ring("vla@v1"), 0, -1) == ["b/0", "b/1"]
     with pytest.raises(NoCapacity):
         await env.claims.resolve("d", model="demo")
-    (node,) = await env.registry.nodes()
+    (node,) = await env.inventory.nodes()
     assert node.models == ("vla@v1",)
-    assert {d.models for d in await env.registry.devices()} == {("vla@v1",)}
+    assert {d.models for d in await env.inventory.devices()} == {("vla@v1",)}
 
 
 async def test_drain_and_lapse_take_a_device_out_of_every_ring(env: Env) -> None:
