@@ -2,7 +2,8 @@
 
 ``Claims`` decides where an episode lives (one atomic Lua round trip); ``Registry``
 keeps nodes, devices and their states; ``Inventory`` lists them for operators;
-``EventStream`` reads the event log; ``Keys`` names every Redis key.
+``EventStream`` reads the event log; ``Models`` keeps rollout weights and contracts;
+``Keys`` names every Redis key.
 """
 
 from affinity.claims import Assignment, Claims, EpisodeInfo, Released, check_episode
@@ -38,7 +39,7 @@ from affinity.errors import (
 from affinity.events import EventStream
 from affinity.inventory import DeviceStatus, Inventory, ModelStatus, NodeStatus
 from affinity.keys import Keys
-from affinity.models import ModelId
+from affinity.models import ModelId, Models
 from affinity.registry import DeviceRegistration, Registry
 
 __version__ = "0.2.0"
@@ -61,6 +62,7 @@ __all__ = [
     "ModelConflict",
     "ModelId",
     "ModelStatus",
+    "Models",
     "NoCapacity",
     "NodeConflict",
     "NodeStatus",

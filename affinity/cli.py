@@ -1,5 +1,5 @@
 """``affinity``: the operator's command line, a thin shell over :class:`Registry`,
-:class:`Inventory`, :class:`EventStream` and :class:`Claims`.
+:class:`Inventory`, :class:`EventStream`, :class:`Models` and :class:`Claims`.
 
 Exit codes: 0 ok, 1 not found (episode, device, node, or no node registered at all in the
 namespace), 2 usage, 3 Redis unreachable or failing. ``--json`` (before or after the
@@ -40,6 +40,7 @@ from affinity.errors import (
 )
 from affinity.events import Event, EventStream, event_json
 from affinity.inventory import Inventory, ModelStatus
+from affinity.models import Models
 from affinity.registry import Registry
 from affinity.scripts import failure
 
@@ -67,6 +68,7 @@ class Context:
     registry: Registry
     inventory: Inventory
     events: EventStream
+    models: Models
     claims: Claims
     json: bool
     out: TextIO
@@ -212,13 +214,13 @@ async def cmd_rollout(args: argparse.Namespace, ctx: Context) -> int:
     if not any(m.name == args.name for m in models):
         raise UnknownModel(args.name, served)
     if args.reset:
-        await ctx.registry.clear_rollout(args.name)
+        await ctx.models.clear_rollout(args.name)
     elif args.version is not None:
         if args.weight is None:
             raise InvalidArgument("rollout weight", None, "give VERSION and WEIGHT")
         if f"{args.name}@{args.version}" not in served:  # a weight no node could honour
             raise UnknownModel(f"{args.name}@{args.version}", served)
-        await ctx.registry.rollout(args.name, args.version, args.weight)
+        await ctx.models.rollout(args.name, args.version, args.weight)
     models = [m for m in await ctx.inventory.models() if m.name == args.name]
     if ctx.json:
         emit_json(ctx, [m.to_json() for m in models])
@@ -488,6 +490,7 @@ async def run(args: argparse.Namespace, settings: Settings, out: TextIO) -> int:
             Registry(client, settings),
             Inventory(client, settings),
             EventStream(client, settings),
+            Models(client, settings),
             Claims(client, settings),
             args.json,
             out,

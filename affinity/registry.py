@@ -31,13 +31,13 @@ from affinity.errors import (
     NotReplicated,
     SecretMismatch,
     UnknownDevice,
-    UnknownModel,
     UnknownNode,
 )
-from affinity.models import ModelId, check_model_part
+from affinity.models import MAX_WEIGHT, ModelId
 from affinity.scripts import Script, bounded, evalsha, replicated, scripts_for
 
 __all__ = [
+    "MAX_WEIGHT",
     "STATES",
     "DeviceRegistration",
     "Flushed",
@@ -55,7 +55,6 @@ State = Literal["active", "draining", "down"]
 STATES: tuple[State, ...] = ("active", "draining", "down")
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_REASON = 256
-MAX_WEIGHT = 1000  # keeps the ring's picks/weight scores exact in a double (see lib.lua)
 
 
 def check_node_id(node: object) -> str:
@@ -452,53 +451,3 @@ class Registry:
             pipe.hget(k.device(device), "state")
         replies = await bounded(self.settings, pipe.execute())
         return {d: s or "removed" for d, s in zip(devices, replies, strict=True)}
-
-    async def contract(self, model: ModelId) -> str | None:
-        """The contract (JSON text) a node registered for ``model``, or None."""
-        value = await bounded(self.settings, self.redis.get(self.keys.contract(str(model))))
-        return value.decode() if isinstance(value, bytes) else value
-
-    async def rollout(self, name: str, version: str, weight: int) -> None:
-        """Give ``version`` of model ``name`` ``weight`` shares of its new episodes (0:
-        none). Once a name has weights, only its versions of weight > 0 take new
-        episodes, by exact weighted round-robin from now on; running episodes keep
-        theirs. Raises :class:`UnknownModel` for a version no node registered,
-        :class:`InvalidArgument` for a bad name, version or weight."""
-        check_model_part("name", name)
-        check_model_part("version", version)
-        if isinstance(weight, bool) or not isinstance(weight, int) or not 0 <= weight <= MAX_WEIGHT:
-            raise InvalidArgument("rollout weight", weight, f"must be an integer 0-{MAX_WEIGHT}")
-        k = self.keys
-
-        async def write() -> None:
-            if await self.redis.zscore(k.versions(name), version) is None:
-                raise UnknownModel(f"{name}@{version}")
-            pipe = self.redis.pipeline(transaction=False)  # no MULTI: the ACL of docs/security.md
-            pipe.hset(k.rollout(name), version, weight)
-            pipe.delete(k.picks(name))
-            pipe.xadd(
-                k.events,
-                {"type": "rollout", "model": name, "version": version, "weight": str(weight)},
-                maxlen=self.settings.events_maxlen,
-                approximate=True,
-            )
-            await pipe.execute()
-
-        await bounded(self.settings, write())
-
-    async def clear_rollout(self, name: str) -> bool:
-        """Drop the weights of model ``name``: its newest registered version takes every
-        new episode again. ``True`` when it had weights."""
-        check_model_part("name", name)
-        k = self.keys
-        pipe = self.redis.pipeline(transaction=False)  # no MULTI: the ACL of docs/security.md
-        pipe.delete(k.rollout(name))
-        pipe.delete(k.picks(name))
-        pipe.xadd(
-            k.events,
-            {"type": "rollout", "model": name, "version": "", "weight": ""},
-            maxlen=self.settings.events_maxlen,
-            approximate=True,
-        )
-        had, _, _ = await bounded(self.settings, pipe.execute())
-        return bool(had)

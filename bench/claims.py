@@ -31,7 +31,7 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from affinity import Claims, DeviceRegistration, Inventory, ModelId, Registry, Settings
+from affinity import Claims, DeviceRegistration, Inventory, ModelId, Models, Registry, Settings
 from bench.common import RedisServer, median, pct, report, tmpdir
 
 NOOP = "return 1"
@@ -70,7 +70,7 @@ async def register_fleet(
         )
     if models and nodes > 1:
         for version in ("v1", "v2"):
-            await registry.rollout("m0", version, 1)
+            await Models(client, settings(url, namespace)).rollout("m0", version, 1)
     await client.aclose()
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from affinity import Inventory, ModelId, Registry, UnknownModel
-from affinity.models import check_model_part
+from affinity.models import Models, check_model_part
 from node.policy import PolicyContract, TensorSpec, resolve_model
 
 __all__ = [
@@ -158,8 +158,9 @@ class Catalog:
     ) -> None:
         self.local = dict(local)
         self.registry = registry
-        # the fleet's models, read on the registry's client
+        # the fleet's models and their contracts, read on the registry's client
         self.inventory = Inventory(registry.redis, registry.settings) if registry else None
+        self.registered = Models(registry.redis, registry.settings) if registry else None
         self.clock = clock
         # name -> versions served by a live node (newest last); read from Redis
         self._fleet: dict[str, list[str]] = {m.name: [m.version] for m, _ in self.local.values()}
@@ -257,7 +258,7 @@ class Catalog:
         known = self._contracts.get(model)
         if known is not None:
             return known
-        text = await self.registry.contract(model) if self.registry and chosen else None
+        text = await self.registered.contract(model) if self.registered and chosen else None
         if text is None:
             raise UnknownModel(str(model) if chosen else name, self.served())
         self._contracts[model] = contract = contract_from_record(text)

@@ -24,6 +24,7 @@ import redis.asyncio
 from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
 from affinity.events import EventStream
 from affinity.inventory import Inventory
+from affinity.models import Models
 
 BACKENDS = ["fake", "real"]
 _session_redis: list[Any] = []  # this session's RedisServer, started on first use
@@ -129,6 +130,10 @@ class Env:
     @property
     def events(self) -> EventStream:
         return EventStream(self.redis, self.settings)
+
+    @property
+    def models(self) -> Models:
+        return Models(self.redis, self.settings)
 
     async def node(self, node: str, n: int = 2, capacity: int = 100, weight: int = 1) -> list[str]:
         devices = cpu_devices(n, capacity=capacity, weights=[weight] * n, uuid_prefix=node)

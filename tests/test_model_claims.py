@@ -117,21 +117,21 @@ async def test_rollout_weights_are_exact_and_running_episodes_stay(env: Env) -> 
     await serve(env, "b", DEMO2)
     running = await env.claims.resolve("running", model="demo")
     assert running.model == "demo@v2"
-    await env.registry.rollout("demo", "v1", 3)
-    await env.registry.rollout("demo", "v2", 1)
+    await env.models.rollout("demo", "v1", 3)
+    await env.models.rollout("demo", "v2", 1)
     got = [(await env.claims.resolve(f"e{i}", model="demo")).model for i in range(40)]
     assert Counter(got) == {"demo@v1": 30, "demo@v2": 10}
     assert all(Counter(got[i : i + 4]) == {"demo@v1": 3, "demo@v2": 1} for i in range(0, 40, 4))
     assert (await env.claims.resolve("running", model="demo")).model == "demo@v2"
-    await env.registry.rollout("demo", "v2", 0)
+    await env.models.rollout("demo", "v2", 0)
     got = [(await env.claims.resolve(f"f{i}", model="demo")).model for i in range(6)]
     assert set(got) == {"demo@v1"}
     statuses = {(m.version, m.weight, m.newest, m.nodes) for m in await env.inventory.models()}
     assert statuses == {("v1", 3, False, ("a",)), ("v2", 0, True, ("b",))}
-    assert await env.registry.clear_rollout("demo")
+    assert await env.models.clear_rollout("demo")
     assert (await env.claims.resolve("g", model="demo")).model == "demo@v2"
     with pytest.raises(UnknownModel):
-        await env.registry.rollout("demo", "v7", 1)
+        await env.models.rollout("demo", "v7", 1)
     kinds = [f for _, f in await env.events.events() if f["type"] == "rollout"]
     assert [(f["version"], f["weight"]) for f in kinds] == [
         ("v1", "3"),
