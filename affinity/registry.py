@@ -40,10 +40,13 @@ __all__ = [
     "MAX_WEIGHT",
     "STATES",
     "DeviceRegistration",
+    "FlushResult",
     "Flushed",
     "Held",
+    "HeldEpisode",
     "LeaseTerms",
     "Registered",
+    "Registration",
     "Registry",
     "Renewal",
     "StateChange",
@@ -130,7 +133,7 @@ class StateChange(NamedTuple):
     state: str  # the state now
 
 
-class Held(NamedTuple):
+class HeldEpisode(NamedTuple):
     """An episode an owner serves from memory: its claim (device, token, claim id, and the
     ``"name@version"`` it was claimed with, ``""`` in a fleet without models)."""
 
@@ -141,7 +144,7 @@ class Held(NamedTuple):
     model: str = ""
 
 
-class Registered(NamedTuple):
+class Registration(NamedTuple):
     """What a registration answered: the lease deadline (ms, server time), the grace
     period left (ms; 0: none), the re-asserted episodes Redis gives to another claim, and
     the lease terms (:class:`LeaseTerms`)."""
@@ -169,7 +172,7 @@ class Renewal(NamedTuple):
     revoked: list[tuple[str, int]]
 
 
-class Flushed(NamedTuple):
+class FlushResult(NamedTuple):
     """What an owner's flush answered: the grace period left (ms), the lost episodes, and
     whether its slides may be relied on (``False``: fewer replicas than
     ``--redis-replicas`` acknowledged them, so a failover could undo them)."""
@@ -177,6 +180,12 @@ class Flushed(NamedTuple):
     grace_ms: int
     lost: list[str]
     replicated: bool = True
+
+
+# The old names of the three result types, kept for one release.
+Held = HeldEpisode
+Registered = Registration
+Flushed = FlushResult
 
 
 class Registry:
@@ -206,16 +215,16 @@ class Registry:
         version: str = "",
         instance: str = "",
         models: Mapping[ModelId, str] | None = None,
-        episodes: Sequence[Held] = (),
-    ) -> Registered:
+        episodes: Sequence[HeldEpisode] = (),
+    ) -> Registration:
         """(Re)register ``node`` and its devices; start its lease. Idempotent.
 
         ``episodes`` are the ones this process still serves from memory (it re-registers
         within its own lease after Redis lost its data): each is re-asserted in the same
         script (written again when missing, with its model, counted in its device's load);
         those Redis gives to another claim, or whose model the node no longer serves, come
-        back in :attr:`Registered.lost`. A missing fleet marker starts the grace period
-        (``Keys.fleet``), reported in :attr:`Registered.grace_ms`.
+        back in :attr:`Registration.lost`. A missing fleet marker starts the grace period
+        (``Keys.fleet``), reported in :attr:`Registration.grace_ms`.
 
         ``models`` maps each (name, version) every device serves to its contract (JSON
         text, stored under :meth:`Keys.contract` for routers that do not serve it): new
@@ -271,7 +280,7 @@ class Registry:
         if short is not None:
             self._short("registration", short, node)
         terms = LeaseTerms(int(reply[2]), int(reply[3]))
-        return Registered(int(reply[0]), int(reply[1]), [str(e) for e in reply[4:]], terms)
+        return Registration(int(reply[0]), int(reply[1]), [str(e) for e in reply[4:]], terms)
 
     def _short(self, what: str, acked: int, node: str) -> NoReturn:
         raise NotReplicated(
@@ -279,15 +288,19 @@ class Registry:
         )
 
     async def flush(
-        self, node: str, instance: str, slide: Sequence[Held], idle: Sequence[tuple[str, int]]
-    ) -> Flushed | None:
+        self,
+        node: str,
+        instance: str,
+        slide: Sequence[HeldEpisode],
+        idle: Sequence[tuple[str, int]],
+    ) -> FlushResult | None:
         """One owner's batch (``affinity/lua/flush.lua``): slide the backstop expiry of the
         episodes in ``slide`` (those Redis gives to another claim, or lost outside a grace
-        period, come back in :attr:`Flushed.lost`) and release, token-checked, the
+        period, come back in :attr:`FlushResult.lost`) and release, token-checked, the
         ``idle`` ones (episode, token) the owner ended. None (nothing written) when this
         instance holds no current lease on ``node``: renew first. With
         ``settings.redis_replicas`` a flush that slides is followed by ``WAIT`` on its
-        connection; :attr:`Flushed.replicated` says whether enough replicas acknowledged
+        connection; :attr:`FlushResult.replicated` says whether enough replicas acknowledged
         it (the owner must not count on slides they did not)."""
         args: list[str | int] = [instance, self.known_lease_ms(), len(slide)]
         for held in slide:
@@ -302,7 +315,7 @@ class Registry:
                                             key, args)  # fmt: skip
         if int(reply[0]) < 0:
             return None
-        return Flushed(int(reply[0]), [str(e) for e in reply[1:]], short is None)
+        return FlushResult(int(reply[0]), [str(e) for e in reply[1:]], short is None)
 
     async def new_fleet(self) -> bool:
         """Declare that no owner serves any episode of this namespace (a new fleet on an

@@ -585,7 +585,7 @@ async def test_a_resolve_that_never_claims_refuses_an_unknown_episode(env: Env) 
 
 
 async def test_the_owners_flush_slides_releases_and_answers_what_it_lost(env: Env) -> None:
-    from affinity.registry import Held
+    from affinity.registry import HeldEpisode
 
     await env.registry.register("a", "http://a", cpu_devices(1, capacity=2), instance="i")
     one, two = await env.claims.resolve("one"), await env.claims.resolve("two")
@@ -594,8 +594,8 @@ async def test_the_owners_flush_slides_releases_and_answers_what_it_lost(env: En
     key = env.keys.episode("one")
     await env.redis.pexpire(key, 1000)
     held = [
-        Held("one", one.device, one.token, one.claim),
-        Held("two", two.device, two.token, "another-claim"),
+        HeldEpisode("one", one.device, one.token, one.claim),
+        HeldEpisode("two", two.device, two.token, "another-claim"),
     ]
     done = await env.registry.flush("a", "i", held, [])
     assert done is not None and done.lost == ["two"] and done.grace_ms == 0

@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from affinity import ModelConflict, ModelId, NoCapacity, Recovering, UnknownModel
-from affinity.registry import Held
+from affinity.registry import HeldEpisode
 from tests.conftest import Env, cpu_devices
 
 pytestmark = pytest.mark.anyio
@@ -233,7 +233,7 @@ async def test_the_owners_flush_keeps_the_model_and_frees_a_device_onto_all_its_
     assert await rings(env, DEMO1, VLA) == [[], []]  # full: out of both rings
     value = await env.redis.get(env.keys.episode("d"))
     assert value == f"b/0 {d.token} {d.claim} demo@v1"
-    held = Held("d", d.device, d.token, d.claim, d.model)
+    held = HeldEpisode("d", d.device, d.token, d.claim, d.model)
     done = await env.registry.flush("b", "i", [held], [])
     assert done is not None and done.lost == []
     assert await env.redis.get(env.keys.episode("d")) == value  # slid, model kept
@@ -255,8 +255,8 @@ async def test_a_reassert_keeps_each_episodes_model_and_counts_it_in_the_load(en
         await env.redis.delete(key)
     with pytest.raises(Recovering):  # the grace period holds claims of every model back
         await env.claims.resolve("v", model="vla")
-    held = Held("d", d.device, d.token, d.claim, d.model)
-    other = Held("x", d.device, d.token + 1, "abc", "pi0@v1")  # a model b does not serve
+    held = HeldEpisode("d", d.device, d.token, d.claim, d.model)
+    other = HeldEpisode("x", d.device, d.token + 1, "abc", "pi0@v1")  # a model b does not serve
     await env.redis.set(env.keys.fleet, "99999999999999")  # a grace period that runs on
     done = await env.registry.register(
         "b", "http://b.test:8000", cpu_devices(1, capacity=1, uuid_prefix="b"), version="t",
