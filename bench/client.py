@@ -27,7 +27,8 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from affinity import Client
 from bench.common import Node, RedisServer, cpu_seconds, median, pct, report, tmpdir
-from node.policy import inputs_from_observation, load_contract, resolve_model
+from node.contract import load_contract
+from node.policy import inputs_from_observation, resolve_model
 from tests.test_openpi import libero
 
 

@@ -17,8 +17,9 @@ from typing import Any
 import websockets.asyncio.server
 
 from affinity import wire
+from node.contract import load_contract
 from node.devices import discover
-from node.policy import inputs_from_observation, load_contract, outputs_unbatched, resolve_model
+from node.policy import inputs_from_observation, outputs_unbatched, resolve_model
 from node.providers import ProviderSettings, build_session
 
 

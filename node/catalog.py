@@ -23,7 +23,8 @@ from types import MappingProxyType
 
 from affinity import Inventory, ModelId, Registry, UnknownModel
 from affinity.models import Models, check_model_part
-from node.policy import PolicyContract, TensorSpec, resolve_model
+from node.contract import PolicyContract, TensorSpec
+from node.policy import resolve_model
 
 __all__ = [
     "AmbiguousModel",

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from node.policy import PolicyContract, TensorSpec
+from node.contract import PolicyContract, TensorSpec
 from node.step import Array
 
 __all__ = ["START", "control_feed", "corrid_of", "padding", "started"]

@@ -45,6 +45,7 @@ from node.binding import BoundSession
 from node.catalog import ModelSpec, parse_model_arg
 from node.chunks import ENSEMBLES
 from node.config import NodeConfig
+from node.contract import PolicyContract, load_contract
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import Arrivals, MultiGpuDispatcher, Session
 from node.episodes import EpisodeTable
@@ -52,7 +53,6 @@ from node.fleet import Fleet
 from node.forward import Poster
 from node.lease import EXIT_CONFLICT, VERSION
 from node.metrics import Metrics
-from node.policy import PolicyContract, load_contract
 from node.providers import CPU, GpuUnavailable, ProviderSettings, build_session, require_cuda
 from node.service import NodeService
 from node.stats import ModelStats

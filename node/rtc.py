@@ -44,7 +44,7 @@ from typing import Any, cast
 import numpy as np
 
 from affinity.errors import InvalidArgument
-from node.policy import RTC_DELAY, RTC_PREFIX, RTC_PREFIX_LEN, PolicyContract
+from node.contract import RTC_DELAY, RTC_PREFIX, RTC_PREFIX_LEN, PolicyContract
 
 __all__ = [
     "LATENCY_PERCENTILE",

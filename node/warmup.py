@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 import onnxruntime
 
-from node.policy import Array, InvalidInput, PolicyContract, inputs_from_arrays
+from node.contract import Array, PolicyContract
+from node.policy import InvalidInput, inputs_from_arrays
 from node.rtc import rtc_of
 
 __all__ = ["feed", "made_up", "run", "samples_path", "unfed", "with_samples"]

@@ -22,7 +22,8 @@ from tritonclient.utils import InferenceServerException
 
 from affinity import Keys
 from node.catalog import file_version
-from node.policy import DEMO_MODEL, load_contract, reference_rollout
+from node.contract import load_contract
+from node.policy import DEMO_MODEL, reference_rollout
 from node.protocols.kserve import BadRequest, decode_infer, episode_of, model_metadata, to_step
 from tests.inproc import InProcNode, cluster, config
 from tests.procs import Node, RedisServer

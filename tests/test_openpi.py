@@ -15,7 +15,8 @@ from openpi_client.action_chunk_broker import ActionChunkBroker
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from affinity import Keys
-from node.policy import inputs_from_observation, load_contract, reference_rollout, resolve_model
+from node.contract import load_contract
+from node.policy import inputs_from_observation, reference_rollout, resolve_model
 from tests.procs import Node, RedisServer, wait_until
 from tests.test_cluster import Cluster, running
 

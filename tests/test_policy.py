@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from onnx import TensorProto, helper, numpy_helper
 
+from node.contract import PolicyContract, TensorSpec, load_contract, sidecar_path
 from node.models import build_demo, build_rtc, build_vla
 from node.policy import (
     ALOHA_DEMO_MODEL,
@@ -29,16 +30,12 @@ from node.policy import (
     RTC_DEMO_MODEL,
     VLA_DEMO_MODEL,
     InvalidInput,
-    PolicyContract,
-    TensorSpec,
     inputs_from_arrays,
     inputs_from_observation,
-    load_contract,
     outputs_unbatched,
     parse_inputs,
     reference_rollout,
     resolve_model,
-    sidecar_path,
 )
 
 Tensor = tuple[str, int, list[int | str]]

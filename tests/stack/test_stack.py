@@ -23,7 +23,8 @@ import httpx
 import numpy as np
 import pytest
 
-from node.policy import DEMO_MODEL, load_contract, reference_rollout
+from node.contract import load_contract
+from node.policy import DEMO_MODEL, reference_rollout
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
