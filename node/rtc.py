@@ -109,7 +109,7 @@ def _row(shape: tuple[Any, ...], value: int, dtype: str) -> Array:
 
 @dataclass(frozen=True)
 class RtcSpec:
-    """A model's ``rtc.*`` inputs (checked at load by ``node.policy``)."""
+    """A model's ``rtc.*`` inputs (checked at load by ``node.contract``)."""
 
     horizon: int
     size: int
