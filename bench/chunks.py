@@ -23,7 +23,7 @@ from bench.common import median, pct, report
 from node.contract import load_contract
 from node.devices import discover
 from node.dispatcher import MultiGpuDispatcher
-from node.policy import VLA_DEMO_MODEL
+from node.models import VLA_DEMO_MODEL
 from node.providers import ProviderSettings, build_session
 
 

@@ -29,7 +29,7 @@ from affinity import Client
 from bench.common import Node, RedisServer, cpu_seconds, median, pct, report, tmpdir
 from node.contract import load_contract
 from node.inputs import from_observation
-from node.policy import resolve_model
+from node.models import resolve_model
 from tests.test_openpi import libero
 
 

@@ -178,7 +178,7 @@ def state_figure(device_type: str, steps: int) -> dict[str, Any]:
     from node.contract import load_contract
     from node.devices import discover, pin_pci_bus_order
     from node.dispatcher import MultiGpuDispatcher
-    from node.policy import DEMO_MODEL
+    from node.models import DEMO_MODEL
     from node.providers import ProviderSettings, build_session
 
     pin_pci_bus_order(os.environ)  # before this process initialises CUDA

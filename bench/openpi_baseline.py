@@ -20,7 +20,7 @@ from affinity import wire
 from node.contract import load_contract
 from node.devices import discover
 from node.inputs import from_observation, outputs_unbatched
-from node.policy import resolve_model
+from node.models import resolve_model
 from node.providers import ProviderSettings, build_session
 
 

@@ -24,7 +24,7 @@ from types import MappingProxyType
 from affinity import Inventory, ModelId, Registry, UnknownModel
 from affinity.models import Models, check_model_part
 from node.contract import PolicyContract, TensorSpec
-from node.policy import resolve_model
+from node.models import resolve_model
 
 __all__ = [
     "AmbiguousModel",

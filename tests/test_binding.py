@@ -18,7 +18,8 @@ from node.contract import PolicyContract, TensorSpec, load_contract
 from node.devices import DeviceSpec, discover
 from node.dispatcher import MultiGpuDispatcher
 from node.main import build_service
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
+from node.policy import reference_rollout
 from node.providers import ProviderSettings, build_session
 
 pytestmark = pytest.mark.anyio

@@ -26,7 +26,7 @@ from node.catalog import (
 from node.contract import load_contract
 from node.forward import Forward
 from node.main import StartupError, build_service, parse_args
-from node.policy import DEMO_MODEL, VLA_DEMO_MODEL
+from node.models import DEMO_MODEL, VLA_DEMO_MODEL
 from tests.inproc import cluster, config
 from tests.procs import ROOT
 

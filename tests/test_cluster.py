@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from affinity import Keys
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
+from node.policy import reference_rollout
 from tests.procs import Node, RedisServer, free_port, wait_until
 
 pytestmark = pytest.mark.integration

@@ -24,7 +24,8 @@ from node.contract import PolicyContract, TensorSpec, load_contract
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import DeviceDown, ModelFailure, MultiGpuDispatcher
 from node.episodes import NotKept
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
+from node.policy import reference_rollout
 from node.providers import ProviderSettings, build_session
 
 pytestmark = pytest.mark.anyio

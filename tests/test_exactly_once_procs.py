@@ -21,7 +21,8 @@ import pytest
 from websockets.sync.client import connect
 
 from affinity import Client, wire
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
+from node.policy import reference_rollout
 from tests.procs import Node, RedisServer
 from tests.test_cluster import Cluster, running
 

@@ -26,7 +26,8 @@ import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
 from node.accesslog import AccessLog
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
+from node.policy import reference_rollout
 from node.protocols.kserve import BadRequest
 from node.protocols.kserve.grpc import GrpcFrontDoor, decode_request
 from node.protocols.kserve.pb import kserve_pb2 as pb

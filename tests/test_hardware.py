@@ -35,7 +35,8 @@ from node.binding import BoundSession, DeviceTensor  # noqa: E402
 from node.contract import Array, load_contract  # noqa: E402
 from node.devices import DeviceSpec, discover, pin_pci_bus_order  # noqa: E402
 from node.dispatcher import MultiGpuDispatcher  # noqa: E402
-from node.policy import DEMO_MODEL, reference_rollout  # noqa: E402
+from node.models import DEMO_MODEL  # noqa: E402
+from node.policy import reference_rollout  # noqa: E402
 from node.providers import (  # noqa: E402
     CudaGraphUnavailable,
     ProviderSettings,

@@ -23,7 +23,8 @@ from tritonclient.utils import InferenceServerException
 from affinity import Keys
 from node.catalog import file_version
 from node.contract import load_contract
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
+from node.policy import reference_rollout
 from node.protocols.kserve import BadRequest, decode_infer, episode_of, model_metadata, to_step
 from tests.inproc import InProcNode, cluster, config
 from tests.procs import Node, RedisServer

@@ -51,7 +51,8 @@ from affinity import Client, ClientError
 from affinity.config import ENV_VARS
 from node.app import create_app
 from node.metrics import LABELS
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
+from node.policy import reference_rollout
 from tests.procs import ROOT, Node, RedisServer, free_port, wait_until
 from tests.test_alerts import ALERTS, references
 

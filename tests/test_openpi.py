@@ -17,7 +17,8 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from affinity import Keys
 from node.contract import load_contract
 from node.inputs import from_observation
-from node.policy import reference_rollout, resolve_model
+from node.models import resolve_model
+from node.policy import reference_rollout
 from tests.procs import Node, RedisServer, wait_until
 from tests.test_cluster import Cluster, running
 

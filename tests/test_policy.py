@@ -22,17 +22,19 @@ from onnx import TensorProto, helper, numpy_helper
 
 from node.contract import PolicyContract, TensorSpec, load_contract, sidecar_path
 from node.inputs import InvalidInput, from_arrays, from_json, from_observation, outputs_unbatched
-from node.models import build_demo, build_rtc, build_vla
-from node.policy import (
+from node.models import (
     ALOHA_DEMO_MODEL,
     DEMO_MODEL,
     DROID_DEMO_MODEL,
     PACKAGED_MODELS,
     RTC_DEMO_MODEL,
     VLA_DEMO_MODEL,
-    reference_rollout,
+    build_demo,
+    build_rtc,
+    build_vla,
     resolve_model,
 )
+from node.policy import reference_rollout
 
 Tensor = tuple[str, int, list[int | str]]
 

@@ -23,7 +23,8 @@ from packaging.version import Version
 
 import node.providers as providers
 from node.devices import DeviceSpec
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
+from node.policy import reference_rollout
 from node.providers import (
     ORT_PROVIDER_ERRORS,
     CudaGraphUnavailable,

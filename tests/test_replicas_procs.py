@@ -27,7 +27,8 @@ import pytest
 import redis
 
 from affinity import Keys
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
+from node.policy import reference_rollout
 from tests.procs import Forwarder, Node, RedisServer, wait_until
 from tests.test_replicas import SYNC, calls, replica_of
 

@@ -11,7 +11,7 @@ import pytest
 from node import warmup
 from node.contract import load_contract
 from node.dispatcher import MultiGpuDispatcher
-from node.policy import DEMO_MODEL
+from node.models import DEMO_MODEL
 from tests.models import string_adder
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime
 
 from node.contract import PolicyContract, load_contract
-from node.policy import PACKAGED_MODELS, resolve_model
+from node.models import PACKAGED_MODELS, resolve_model
 
 
 def random_feed(

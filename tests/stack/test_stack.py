@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 from node.contract import load_contract
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
+from node.policy import reference_rollout
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
