@@ -15,9 +15,9 @@ from affinity import Keys
 from node.forward import SECRET_HEADER as SECRET
 from node.forward import Forward
 from node.models import DEMO_MODEL
-from node.policy import reference_rollout
 from tests.conftest import new_fleet
 from tests.inproc import Gate, InProcNode, Router, cluster, config
+from tests.rollout import reference_rollout
 
 pytestmark = pytest.mark.anyio
 KEYS = Keys()

@@ -19,8 +19,8 @@ from node.devices import DeviceSpec, discover
 from node.dispatcher import MultiGpuDispatcher
 from node.main import build_service
 from node.models import DEMO_MODEL
-from node.policy import reference_rollout
 from node.providers import ProviderSettings, build_session
+from tests.rollout import reference_rollout
 
 pytestmark = pytest.mark.anyio
 

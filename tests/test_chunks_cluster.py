@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from node.models import DEMO_MODEL
-from node.policy import reference_rollout
 from tests.procs import Node, RedisServer, wait_until
+from tests.rollout import reference_rollout
 from tests.test_cluster import Cluster, running
 from tests.test_dispatcher import reference_ensemble, reference_execute
 

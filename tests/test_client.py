@@ -14,8 +14,8 @@ import pytest
 
 from affinity import AsyncClient, Client, RequestRefused, ServiceUnavailable, StateReset, wire
 from node.models import DEMO_MODEL
-from node.policy import reference_rollout
 from tests.procs import Node, RedisServer, wait_until
+from tests.rollout import reference_rollout
 from tests.test_cluster import Cluster, running
 
 pytestmark = pytest.mark.integration

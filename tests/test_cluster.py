@@ -20,8 +20,8 @@ import pytest
 
 from affinity import Keys
 from node.models import DEMO_MODEL
-from node.policy import reference_rollout
 from tests.procs import Node, RedisServer, free_port, wait_until
+from tests.rollout import reference_rollout
 
 pytestmark = pytest.mark.integration
 

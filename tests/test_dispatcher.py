@@ -25,8 +25,8 @@ from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import DeviceDown, ModelFailure, MultiGpuDispatcher
 from node.episodes import NotKept
 from node.models import DEMO_MODEL
-from node.policy import reference_rollout
 from node.providers import ProviderSettings, build_session
+from tests.rollout import reference_rollout
 
 pytestmark = pytest.mark.anyio
 

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from affinity import Keys, wire
 from node.models import DEMO_MODEL
-from node.policy import reference_rollout
 from node.step import Step
 from tests.inproc import Gate, cluster, config
+from tests.rollout import reference_rollout
 
 pytestmark = pytest.mark.anyio
 KEYS = Keys()

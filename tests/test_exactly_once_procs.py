@@ -22,8 +22,8 @@ from websockets.sync.client import connect
 
 from affinity import Client, wire
 from node.models import DEMO_MODEL
-from node.policy import reference_rollout
 from tests.procs import Node, RedisServer
+from tests.rollout import reference_rollout
 from tests.test_cluster import Cluster, running
 
 pytestmark = pytest.mark.integration

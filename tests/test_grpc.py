@@ -27,11 +27,11 @@ from tritonclient.utils import InferenceServerException
 
 from node.accesslog import AccessLog
 from node.models import DEMO_MODEL
-from node.policy import reference_rollout
 from node.protocols.kserve import BadRequest
 from node.protocols.kserve.grpc import GrpcFrontDoor, decode_request
 from node.protocols.kserve.pb import kserve_pb2 as pb
 from tests.inproc import cluster, config
+from tests.rollout import reference_rollout
 from tests.test_cluster import Cluster, grpc_nodes
 from tests.test_kserve import observations
 

@@ -52,8 +52,8 @@ from affinity.config import ENV_VARS
 from node.app import create_app
 from node.metrics import LABELS
 from node.models import DEMO_MODEL
-from node.policy import reference_rollout
 from tests.procs import ROOT, Node, RedisServer, free_port, wait_until
+from tests.rollout import reference_rollout
 from tests.test_alerts import ALERTS, references
 
 KUBERNETES = ROOT / "deploy" / "kubernetes"

@@ -18,8 +18,8 @@ from affinity import Keys
 from node.contract import load_contract
 from node.inputs import from_observation
 from node.models import resolve_model
-from node.policy import reference_rollout
 from tests.procs import Node, RedisServer, wait_until
+from tests.rollout import reference_rollout
 from tests.test_cluster import Cluster, running
 
 pytestmark = [

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from node.models import DEMO_MODEL
-from node.policy import reference_rollout
 from tests.procs import Node, RedisServer
+from tests.rollout import reference_rollout
 from tests.test_cluster import running
 
 pytestmark = pytest.mark.integration

@@ -34,7 +34,7 @@ from node.models import (
     build_vla,
     resolve_model,
 )
-from node.policy import reference_rollout
+from tests.rollout import reference_rollout
 
 Tensor = tuple[str, int, list[int | str]]
 

@@ -28,8 +28,8 @@ import redis
 
 from affinity import Keys
 from node.models import DEMO_MODEL
-from node.policy import reference_rollout
 from tests.procs import Forwarder, Node, RedisServer, wait_until
+from tests.rollout import reference_rollout
 from tests.test_replicas import SYNC, calls, replica_of
 
 pytestmark = pytest.mark.integration

@@ -25,7 +25,7 @@ import pytest
 
 from node.contract import load_contract
 from node.models import DEMO_MODEL
-from node.policy import reference_rollout
+from tests.rollout import reference_rollout
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 
