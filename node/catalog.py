@@ -149,7 +149,8 @@ class AmbiguousModel(Exception):
 
 class Catalog:
     """The models of the fleet as this node last read them (live nodes' registrations)
-    and their contracts; the local ones always known. Event loop only."""
+    and their contracts; the local ones always known. Reads on ``registry``'s Redis client
+    (None: the local models only). Event loop only."""
 
     def __init__(
         self,
@@ -158,8 +159,6 @@ class Catalog:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.local = dict(local)
-        self.registry = registry
-        # the fleet's models and their contracts, read on the registry's client
         self.inventory = Inventory(registry.redis, registry.settings) if registry else None
         self.registered = Models(registry.redis, registry.settings) if registry else None
         self.clock = clock
