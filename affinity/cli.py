@@ -41,7 +41,7 @@ from affinity.errors import (
 from affinity.events import Event, EventStream, event_json
 from affinity.inventory import Inventory, ModelStatus
 from affinity.models import Models
-from affinity.registry import Registry
+from affinity.registry import MoveRequest, Registry
 from affinity.scripts import failure
 
 __all__ = ["main"]
@@ -299,7 +299,38 @@ async def cmd_show(args: argparse.Namespace, ctx: Context) -> int:
 
 async def cmd_drain(args: argparse.Namespace, ctx: Context) -> int:
     change = await ctx.registry.drain(args.device, args.reason)
+    if args.move:  # its node moves them with their state at its next renewal
+        node = args.device.rpartition("/")[0]
+        await ctx.registry.request_move(node, MoveRequest(device=args.device))
     return report_state(ctx, args.device, change.state, change.previous)
+
+
+async def cmd_move(args: argparse.Namespace, ctx: Context) -> int:
+    info = await ctx.claims.lookup(args.episode)
+    if info is None:
+        raise UnknownEpisode(args.episode)
+    if not info.alive:
+        raise InvalidArgument(
+            "episode", args.episode, f"its owner {info.node} holds no lease: its next step moves it"
+        )
+    target = args.to or ""
+    if target:  # a typo is UnknownNode / UnknownDevice, not a move that finds nowhere
+        await (
+            ctx.inventory.episodes(device=target)
+            if "/" in target
+            else ctx.inventory.episodes(node=target)
+        )
+    await ctx.registry.request_move(info.node, MoveRequest(episode=args.episode, target=target))
+    where = f" to {target}" if target else ""
+    if ctx.json:
+        emit_json(ctx, {"episode": args.episode, "owner": info.node, "to": target, "asked": True})
+    else:
+        emit(
+            ctx,
+            f"asked {info.node} to move {args.episode}{where} with its state, at its next lease "
+            "renewal (affinity events shows the move)",
+        )
+    return EXIT_OK
 
 
 async def cmd_undrain(args: argparse.Namespace, ctx: Context) -> int:
@@ -453,6 +484,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("drain", cmd_drain, "stop new episodes on a device; its episodes stay")
     p.add_argument("device")
     p.add_argument("--reason", default="", help="recorded on the device and in the event")
+    p.add_argument(
+        "--move",
+        action="store_true",
+        help="and move its episodes to other devices now, with their state",
+    )
+    p = command("move", cmd_move, "move an episode to another device, with its state")
+    p.add_argument("episode")
+    p.add_argument("--to", help="a node or a device (default: any with room)")
     p = command("undrain", cmd_undrain, "let a device take new episodes again")
     p.add_argument("device")
     p = command("release", cmd_release, "end an episode's assignment (its next step claims anew)")

@@ -63,6 +63,7 @@ NAMES = (
     "forget",
     "set_state",
     "flush",
+    "transfer",
 )
 
 INCLUDED = ("lib", "fleet")  # shared parts, placed where a script says --@lib, --@fleet
@@ -111,6 +112,7 @@ def header(keys: Keys, episode_ttl_ms: int, lease_ttl_ms: int, events_maxlen: in
         "LOAD_KEY": keys.load(""),
         "MOVED_KEY": keys.moved(""),
         "REVOKED_KEY": keys.revoked(""),
+        "MOVES_KEY": keys.moves(""),
         "RING_KEY": keys.ring_prefix,
         "VERSIONS_KEY": keys.versions(""),
         "ROLLOUT_KEY": keys.rollout(""),
@@ -155,6 +157,7 @@ class Scripts:
     forget: Script
     set_state: Script
     flush: Script
+    transfer: Script
 
 
 @cache

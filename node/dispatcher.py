@@ -460,19 +460,24 @@ class MultiGpuDispatcher:
         )
 
     def rtc_for(
-        self, executed: object = None, inference_delay: object = None, control_hz: object = None
+        self,
+        executed: object = None,
+        inference_delay: object = None,
+        control_hz: object = None,
+        pending: object = None,
     ) -> Ask | None:
         """A step's real-time-chunking values, checked (None for a model without ``rtc.*``
         inputs). Raises :class:`affinity.InvalidArgument` naming the bad one, or any one
         given to a model without them (see :meth:`node.rtc.RtcSpec.ask`)."""
         if self.rtc is None:
             given = {"executed": executed, "inference_delay": inference_delay,
-                     "control_hz": control_hz}  # fmt: skip
+                     "control_hz": control_hz, "pending": pending}  # fmt: skip
             for name, value in given.items():
                 if value is not None:
-                    raise InvalidArgument(name, value, "this model takes no rtc.* inputs")
+                    shown = "(array)" if name == "pending" else value
+                    raise InvalidArgument(name, shown, "this model takes no rtc.* inputs")
             return None
-        return self.rtc.ask(executed, inference_delay, control_hz, self.control_hz)
+        return self.rtc.ask(executed, inference_delay, control_hz, self.control_hz, pending)
 
     def observed(self, episode: str, seq: int, seconds: float) -> None:
         """Add the latency of step ``seq`` of ``episode`` (arrival to reply, seconds) to its

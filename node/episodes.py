@@ -87,7 +87,9 @@ class Episode:
     reply: StepResult | None = None  # the result of step ``seq`` (None when seq is 0)
     previous: Episode | None = None  # the record before step ``seq``; restored by undo
     origin: str = ""  # the forward that applied step ``seq`` ("" when not forwarded)
-    doubt: bool = False  # the next step says state_reset (an undo came too late, a reset)
+    doubt: bool = (
+        False  # its history is unknown (an undo came too late): the next step starts clean
+    )
     sent: tuple[Array, float] | None = None  # RTC: the [H, D] chunk last sent, and when
     latency: tuple[float, ...] = ()  # RTC: the latest step latencies (seconds), oldest first
     pinned: bool = False  # step ``seq``'s reply was replayed to a retry: never undone
@@ -95,6 +97,9 @@ class Episode:
     asked: Mapping[str, Array] | None = None
     """The inputs of step ``seq`` when it named its ``seq``: such a step is held for its
     caller's retry (never undone), and a retry must repeat these inputs to be replayed."""
+    confirmed: bool = True
+    """False for a record a hand-over installed before Redis moved the claim here: never
+    served from memory until a step Redis routed here (or the old owner) confirms it."""
 
     def holds(self, device: str, token: int, claim: str) -> bool:
         """Whether this record serves the claim (device, token, claim id)."""
@@ -191,8 +196,10 @@ def admit(
 ) -> Verdict:
     """Decide a step against the episode's record.
 
-    A step of the record's claim applies on it when it names no ``seq`` or the next one,
-    and replays the stored reply when it names the one applied with the same inputs
+    A step of the record's claim applies on it when it names no ``seq`` or the next one
+    (from the initial state, said, when the record is in doubt: ``state_reset`` always
+    means the state started over), and replays the stored reply when it names the one
+    applied with the same inputs
     (``asked``); any other ``seq`` raises :class:`SeqConflict`. Any other step starts
     clean: a fresh claim, or one Redis confirmed that this node does not hold. It says
     ``state_reset`` unless it is the claim's first step (``seq`` 1, or no ``seq`` and a
@@ -201,7 +208,9 @@ def admit(
     :class:`ClaimEnded`: it would replace a newer claim's record."""
     if record is not None and not fresh and record.holds(device, token, claim):
         if seq is None or seq == record.seq + 1:
-            return Apply(record, record.doubt)
+            if record.doubt:  # its history is unknown (a late undo): start clean, say so
+                return Apply(None, True)
+            return Apply(record, False)
         if seq == record.seq and record.reply is not None:
             if (
                 record.asked is not None
@@ -264,6 +273,9 @@ def undone(record: Episode, seq: int | None, origin: str | None) -> Episode | No
         if record.doubt:  # an earlier step could not be undone: the one before is in doubt too
             record.previous.doubt = True
         return record.previous
+    if matches and record.seq > 0:
+        record.doubt = True  # handed over without the record before it: the next step says so
+        return record
     if seq is not None and record.seq > seq and origin is None:
         record.doubt = True  # in place: steps that read this record still commit on it
         return record
@@ -274,6 +286,16 @@ class _Bounded(OrderedDict[str, str]):
     """Keys remembered up to :data:`REMEMBERED`, the oldest forgotten first."""
 
     def remember(self, key: str, value: str = "") -> None:
+        self[key] = value
+        self.move_to_end(key)
+        if len(self) > REMEMBERED:
+            self.popitem(last=False)
+
+
+class _BoundedTo(OrderedDict[str, tuple[str, str, int]]):
+    """Episode -> (URL, device, token) of where its record went, the oldest forgotten."""
+
+    def remember(self, key: str, value: tuple[str, str, int]) -> None:
         self[key] = value
         self.move_to_end(key)
         if len(self) > REMEMBERED:
@@ -304,6 +326,8 @@ class EpisodeTable:
         self._applied = _Bounded()  # forwards applied here: origin -> episode
         self._in_flight: dict[str, int] = {}
         self._idle: dict[str, asyncio.Event] = {}
+        self._moving: dict[str, asyncio.Event] = {}  # episodes being handed over (loop only)
+        self._moved = _BoundedTo()  # episode -> where its record went: late undos follow it
 
     # ---- reads -------------------------------------------------------------------------
 
@@ -408,6 +432,60 @@ class EpisodeTable:
         """The current record's reply was replayed: it is delivered, never undone."""
         self._records[episode].pinned = True
 
+    # ---- hand-over ---------------------------------------------------------------------
+
+    def install(self, episode: str, record: Episode) -> None:
+        """Install a record a hand-over brought (unconfirmed: see :attr:`Episode.confirmed`);
+        a record of another claim it replaces is remembered as ended."""
+        with self.lock:
+            old = self._records.get(episode)
+            if old is not None:
+                self._forget_locked(episode, old, "end")
+            self._records[episode] = record
+            self._live.setdefault(record.device, set()).add(episode)
+            self._dropped.pop(episode, None)
+
+    def confirm(self, episode: str, claim: str) -> bool:
+        """Redis moved the claim here (the old owner said so): serve it from memory."""
+        with self.lock:
+            record = self._records.get(episode)
+            if record is None or record.claim != claim:
+                return False
+            record.confirmed = True
+            return True
+
+    def moved(self, episode: str, token: int, to: tuple[str, str, int]) -> Episode | None:
+        """The record went to ``to`` (URL, device, token): drop it here (its claim ended)
+        and remember where it went, so that a late undo follows it."""
+        record = self.release(episode, "handed", token)
+        self._moved.remember(episode, to)
+        return record
+
+    def moved_to(self, episode: str) -> tuple[str, str, int] | None:
+        return self._moved.get(episode)
+
+    def begin_move(self, episode: str) -> bool:
+        """Mark ``episode`` as being handed over (its new steps wait, :meth:`wait_moved`);
+        False when a hand-over of it is under way already."""
+        if episode in self._moving:
+            return False
+        self._moving[episode] = asyncio.Event()
+        return True
+
+    def end_move(self, episode: str) -> None:
+        event = self._moving.pop(episode, None)
+        if event is not None:
+            event.set()
+
+    def moving(self, episode: str) -> bool:
+        return episode in self._moving
+
+    async def wait_moved(self, episode: str) -> None:
+        """Return once no hand-over of ``episode`` is under way (bound it with a timeout)."""
+        event = self._moving.get(episode)
+        if event is not None:
+            await event.wait()
+
     # ---- letting go ------------------------------------------------------------------------
 
     def release(self, episode: str, reason: DropReason, token: int | None = None) -> Episode | None:
@@ -473,6 +551,8 @@ class EpisodeTable:
             back = None if record is None else undone(record, seq, origin)
             if back is not None:
                 self._records[episode] = back
+                if record is not None and record.origin and back is not record:
+                    self._applied.pop(record.origin, None)  # no longer applied
             elif origin and record is not None and self._applied.get(origin) == episode:
                 if record.origin != origin:  # applied, and later steps went on top of it
                     record.doubt = True  # (its reply reached nobody): the next step says so

@@ -52,8 +52,9 @@ class Episode:
     last: int = 0  # the count of its last 200 (0: none yet)
     seq: int = 0  # the seq of its last 200
     token: int | None = None
-    end_started: float = float("inf")  # when an end of it began (inf: none pending)
-    end_done: float = float("inf")  # when that end returned
+    prev_sent: float = float("-inf")  # when the request of its last 200 was sent
+    fresh_sent: float = float("-inf")  # when the request of its last fresh start was sent
+    ends: list[list[float]] = field(default_factory=list)  # [started, returned] of each end
     skipped: int = 0  # steps applied whose reply reached nobody, seen as a skip (no seq)
     replies: int = 0
     resets: int = 0
@@ -61,7 +62,7 @@ class Episode:
     violations: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def judge(self, sent: float, reply: dict[str, Any]) -> None:
+    def judge(self, sent: float, received: float, reply: dict[str, Any]) -> None:
         count = int(np.asarray(reply["outputs"]["count"]).reshape(-1)[0])
         token = int(reply["token"])
         with self.lock:
@@ -74,16 +75,18 @@ class Episode:
                 self.violations.append(f"a superseded claim served again: {where}")
             if self.token is not None and token != self.token:
                 self.superseded.add(self.token)
-            racing_end = sent >= self.end_started  # sent while or after an end ran
-            after_end = sent > self.end_done  # sent once the end returned: a new episode
+            # an end that returned before this step was sent, and began after the last
+            # fresh start: this step must start afresh (a new episode under the same id)
+            after_end = any(s > self.fresh_sent and d < sent for s, d in self.ends)
+            # an end that ran between the last reply's request and this reply: a fresh
+            # start without state_reset is the new episode the client asked for
+            racing_end = any(s < received and d > self.prev_sent for s, d in self.ends)
             if after_end and count != 1:
                 self.violations.append(f"served from before its end: count {count}: {where}")
             elif reply["state_reset"]:
                 self.resets += 1
-            elif count == self.last + 1 and not after_end:
+            elif count == self.last + 1 or (count == 1 and racing_end):
                 pass
-            elif count == 1 and racing_end:
-                pass  # a new episode under the same id, after its end
             elif count == self.last + 2 and not self.with_seq:
                 # its previous step was applied and its reply lost with the router that
                 # carried it (killed, or paused while the robot went on elsewhere): without
@@ -91,9 +94,10 @@ class Episode:
                 self.skipped += 1
             else:
                 self.violations.append(f"count {count} after {self.last}: {where}")
+            if count == 1 or reply["state_reset"]:
+                self.fresh_sent = sent
             self.last, self.token, self.seq = count, token, int(reply["seq"])
-            if after_end or (racing_end and count == 1):
-                self.end_started = self.end_done = float("inf")
+            self.prev_sent = sent
 
 
 def robot(ep: Episode, urls: list[str], until: float, seed: int) -> None:
@@ -113,7 +117,7 @@ def robot(ep: Episode, urls: list[str], until: float, seed: int) -> None:
                 time.sleep(0.05)
                 continue
             if r.status_code == 200:
-                ep.judge(sent, r.json())
+                ep.judge(sent, time.monotonic(), r.json())
                 continue
             if r.status_code == 409 and r.json()["error"]["code"] == "seq_conflict":
                 with ep.lock:  # a step that raced its end: numbered afresh
@@ -188,18 +192,17 @@ class Chaos:
         else:  # an end through a random node (as POST /episodes/<id>/end)
             ep = self.rng.choice(episodes)
             self.log.append(f"  end of {ep.name}")
+            interval = [time.monotonic(), float("inf")]
             with ep.lock:
-                ep.end_started = time.monotonic()
+                ep.ends.append(interval)
             ended = False
             with contextlib.suppress(httpx.HTTPError):
                 r = httpx.post(f"{node.url}/episodes/{ep.name}/end", timeout=4)
                 ended = r.status_code == 200 and r.json().get("released") is True
             with ep.lock:
-                if ended:
-                    ep.end_done = time.monotonic()
-                self.log.append(f"  ended {ended} {ep.end_started:.1f}-{time.monotonic():.1f}")
-                # (an end that failed, or found nothing, may still have ended it: its
-                # start stays, so a fresh count from now on is no violation)
+                if ended:  # (one that failed may have ended it all the same: it stays open)
+                    interval[1] = time.monotonic()
+            self.log.append(f"  ended {ended} {interval[0]:.1f}-{interval[1]:.1f}")
         time.sleep(self.rng.uniform(0.3, 1.5))
 
     def release(self, episode: str) -> None:

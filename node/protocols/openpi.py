@@ -261,14 +261,14 @@ def decode(
     named, steps = observation.pop("episode_id", None), observation.pop("execute_steps", None)
     ensemble, seq = observation.pop("ensemble", None), observation.pop("seq", None)
     executed, delay = observation.pop("executed", None), observation.pop("inference_delay", None)
-    control_hz = observation.pop("control_hz", None)
+    control_hz, pending = observation.pop("control_hz", None), observation.pop("pending", None)
     if seq is not None and (type(seq) is not int or seq < 1):
         raise InvalidArgument("seq", seq, "must be a step number >= 1 (the last reply's seq + 1)")
     episode = fixed or (own if named is None else check_episode(named))
     local = service.dispatchers.get(model or next(iter(service.models)))
     if local is not None:  # a model served elsewhere: its owner checks
         local.mode_for(steps, ensemble)  # InvalidArgument names the field
-    rtc = service.rtc_for(model, _scalar(executed), _scalar(delay), _scalar(control_hz))
+    rtc = service.rtc_for(model, _scalar(executed), _scalar(delay), _scalar(control_hz), pending)
     converted = inputs_from_observation(contract or service.contract, observation)
     if converted.ignored:
         service.warn_once(

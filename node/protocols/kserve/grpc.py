@@ -177,6 +177,7 @@ def decode_request(msg: pb.ModelInferRequest, *, max_elements: int = MAX_ELEMENT
         executed=params.get("executed"),
         inference_delay=params.get("inference_delay"),
         control_hz=params.get("control_hz"),
+        pending=params.get("pending"),
     )
 
 

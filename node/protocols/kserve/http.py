@@ -143,6 +143,7 @@ def decode_infer(
         executed=params.get("executed"),
         inference_delay=params.get("inference_delay"),
         control_hz=params.get("control_hz"),
+        pending=params.get("pending"),
     )
 
 

@@ -12,6 +12,7 @@ refused as Triton refuses it, unless ``--kserve-claim-unknown``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -90,6 +91,18 @@ class InferRequest:
     executed: object = None  # real-time chunking (node/rtc.py), checked by rtc_for
     inference_delay: object = None
     control_hz: object = None
+    pending: object = None  # JSON text of the robot's unexecuted actions [k][D]
+
+
+def pending_of(value: object) -> object:
+    """A ``pending`` parameter (a string: KServe parameters are scalars) as a list of
+    rows, or ``value`` itself for the check to refuse; None when absent."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        raise BadRequest("parameter pending must be a JSON list of action rows") from None
 
 
 def episode_of(sequence_id: object) -> str | None:
@@ -118,7 +131,7 @@ def episode_of(sequence_id: object) -> str | None:
 REQUEST_PARAMETERS = frozenset(
     {"sequence_id", "sequence_start", "sequence_end", "timeout", "priority",
      "binary_data_output", "execute_steps", "ensemble", "executed", "inference_delay",
-     "control_hz"}
+     "control_hz", "pending"}
 )  # fmt: skip
 """The request parameters the node reads (``priority`` only checked, as Triton does)."""
 
@@ -253,7 +266,13 @@ async def service_step(
     chosen, contract = found or await service.model_for(name, version)
     dispatcher = service.dispatchers.get(chosen)  # elsewhere: the owner checks
     mode = dispatcher.mode_for(request.execute_steps, request.ensemble) if dispatcher else None
-    rtc = service.rtc_for(chosen, request.executed, request.inference_delay, request.control_hz)
+    rtc = service.rtc_for(
+        chosen,
+        request.executed,
+        request.inference_delay,
+        request.control_hz,
+        pending_of(request.pending),
+    )
     returned = [dispatcher.chunk.output] if dispatcher and mode and dispatcher.chunk else None
     claim_unknown = service.config.kserve_claim_unknown
     step = to_step(contract, request, deadline, returned, claim_unknown, rtc)
