@@ -1,7 +1,9 @@
 """affinity: episode-sticky GPU placement backed by Redis.
 
 ``Claims`` decides where an episode lives (one atomic Lua round trip); ``Registry``
-keeps nodes, devices and their states; ``Keys`` names every Redis key.
+keeps nodes, devices and their states; ``Inventory`` lists them for operators;
+``EventStream`` reads the event log; ``Models`` keeps rollout weights and contracts;
+``Keys`` names every Redis key.
 """
 
 from affinity.claims import Assignment, Claims, EpisodeInfo, Released, check_episode
@@ -34,15 +36,11 @@ from affinity.errors import (
     UnknownModel,
     UnknownNode,
 )
+from affinity.events import EventStream
+from affinity.inventory import DeviceStatus, Inventory, ModelStatus, NodeStatus
 from affinity.keys import Keys
-from affinity.models import ModelId
-from affinity.registry import (
-    DeviceRegistration,
-    DeviceStatus,
-    ModelStatus,
-    NodeStatus,
-    Registry,
-)
+from affinity.models import ModelId, Models
+from affinity.registry import DeviceRegistration, Registry
 
 __version__ = "0.2.0"
 
@@ -57,11 +55,14 @@ __all__ = [
     "DeviceRegistration",
     "DeviceStatus",
     "EpisodeInfo",
+    "EventStream",
     "InvalidArgument",
+    "Inventory",
     "Keys",
     "ModelConflict",
     "ModelId",
     "ModelStatus",
+    "Models",
     "NoCapacity",
     "NodeConflict",
     "NodeStatus",

@@ -1,5 +1,5 @@
-"""``affinity``: the operator's command line, a thin shell over :class:`Registry` and
-:class:`Claims`.
+"""``affinity``: the operator's command line, a thin shell over :class:`Registry`,
+:class:`Inventory`, :class:`EventStream`, :class:`Models` and :class:`Claims`.
 
 Exit codes: 0 ok, 1 not found (episode, device, node, or no node registered at all in the
 namespace), 2 usage, 3 Redis unreachable or failing. ``--json`` (before or after the
@@ -38,7 +38,10 @@ from affinity.errors import (
     UnknownModel,
     UnknownNode,
 )
-from affinity.registry import ModelStatus, MoveRequest, Registry, event_json
+from affinity.events import Event, EventStream, event_json
+from affinity.inventory import Inventory, ModelStatus
+from affinity.models import Models
+from affinity.registry import MoveRequest, Registry
 from affinity.scripts import failure
 
 __all__ = ["main"]
@@ -47,8 +50,6 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 FOLLOW_BLOCK_MS = 1000
 EXIT_OK, EXIT_NOT_FOUND, EXIT_USAGE, EXIT_REDIS = 0, 1, 2, 3
 _STREAM_ID = re.compile(r"^(-|\d+(-\d+)?)$")
-
-Event = tuple[str, dict[str, str]]
 
 
 class NothingRegistered(AffinityError):
@@ -65,6 +66,9 @@ class NothingRegistered(AffinityError):
 @dataclass
 class Context:
     registry: Registry
+    inventory: Inventory
+    events: EventStream
+    models: Models
     claims: Claims
     json: bool
     out: TextIO
@@ -72,8 +76,8 @@ class Context:
 
     async def require_deployment(self) -> None:
         """Raise :class:`NothingRegistered` when the namespace is empty."""
-        if await self.registry.empty():
-            raise NothingRegistered(self.url, self.registry.keys.namespace)
+        if await self.inventory.empty():
+            raise NothingRegistered(self.url, self.inventory.keys.namespace)
 
 
 Command = Callable[[argparse.Namespace, Context], Awaitable[int]]
@@ -128,7 +132,7 @@ def emit_json(ctx: Context, value: Any) -> None:
 
 async def cmd_devices(args: argparse.Namespace, ctx: Context) -> int:
     await ctx.require_deployment()
-    devices = await ctx.registry.devices()
+    devices = await ctx.inventory.devices()
     if ctx.json:
         # a dead node's load is stale (its episodes move on their next step): none is shown
         emit_json(ctx, [{**d.to_json(), "load": d.load if d.alive else None} for d in devices])
@@ -156,7 +160,7 @@ async def cmd_devices(args: argparse.Namespace, ctx: Context) -> int:
 
 async def cmd_nodes(args: argparse.Namespace, ctx: Context) -> int:
     await ctx.require_deployment()
-    nodes = await ctx.registry.nodes()
+    nodes = await ctx.inventory.nodes()
     if ctx.json:
         emit_json(ctx, [n.to_json() for n in nodes])
         return EXIT_OK
@@ -195,7 +199,7 @@ MODEL_HEADERS = ("MODEL", "VERSION", "NEW EPISODES", "LIVE NODES", "DEVICES")
 
 async def cmd_models(args: argparse.Namespace, ctx: Context) -> int:
     await ctx.require_deployment()
-    models = await ctx.registry.models()
+    models = await ctx.inventory.models()
     if ctx.json:
         emit_json(ctx, [m.to_json() for m in models])
     else:
@@ -205,19 +209,19 @@ async def cmd_models(args: argparse.Namespace, ctx: Context) -> int:
 
 async def cmd_rollout(args: argparse.Namespace, ctx: Context) -> int:
     await ctx.require_deployment()
-    models = await ctx.registry.models()
+    models = await ctx.inventory.models()
     served = [f"{m.name}@{m.version}" for m in models if m.nodes]
     if not any(m.name == args.name for m in models):
         raise UnknownModel(args.name, served)
     if args.reset:
-        await ctx.registry.clear_rollout(args.name)
+        await ctx.models.clear_rollout(args.name)
     elif args.version is not None:
         if args.weight is None:
             raise InvalidArgument("rollout weight", None, "give VERSION and WEIGHT")
         if f"{args.name}@{args.version}" not in served:  # a weight no node could honour
             raise UnknownModel(f"{args.name}@{args.version}", served)
-        await ctx.registry.rollout(args.name, args.version, args.weight)
-    models = [m for m in await ctx.registry.models() if m.name == args.name]
+        await ctx.models.rollout(args.name, args.version, args.weight)
+    models = [m for m in await ctx.inventory.models() if m.name == args.name]
     if ctx.json:
         emit_json(ctx, [m.to_json() for m in models])
     else:
@@ -248,7 +252,7 @@ async def cmd_new_fleet(args: argparse.Namespace, ctx: Context) -> int:
 async def cmd_episodes(args: argparse.Namespace, ctx: Context) -> int:
     if args.device is None:
         await ctx.require_deployment()
-    rows = await ctx.registry.episodes(device=args.device, node=args.node)
+    rows = await ctx.inventory.episodes(device=args.device, node=args.node)
     if ctx.json:
         emit_json(ctx, [r.to_json() for r in rows])
         return EXIT_OK
@@ -322,9 +326,9 @@ async def cmd_move(args: argparse.Namespace, ctx: Context) -> int:
     target = args.to or ""
     if target:  # a typo is UnknownNode / UnknownDevice, not a move that finds nowhere
         await (
-            ctx.registry.episodes(device=target)
+            ctx.inventory.episodes(device=target)
             if "/" in target
-            else ctx.registry.episodes(node=target)
+            else ctx.inventory.episodes(node=target)
         )
     await ctx.registry.request_move(info.node, MoveRequest(episode=args.episode, target=target))
     where = f" to {target}" if target else ""
@@ -388,9 +392,9 @@ async def cmd_release(args: argparse.Namespace, ctx: Context) -> int:
 
 async def cmd_events(args: argparse.Namespace, ctx: Context) -> int:
     if args.since is None:
-        batch, cursor = await ctx.registry.latest_events(args.count)
+        batch, cursor = await ctx.events.latest(args.count)
     else:
-        batch = await ctx.registry.events(args.since, args.count)
+        batch = await ctx.events.events(args.since, args.count)
         cursor = "0-0" if args.since == "-" else args.since
     limit: int | None = args.max_events
     printed = 0
@@ -403,7 +407,7 @@ async def cmd_events(args: argparse.Namespace, ctx: Context) -> int:
             cursor = event[0]
         if not args.follow or (limit is not None and printed >= limit):
             return EXIT_OK
-        batch = await ctx.registry.wait_events(cursor, FOLLOW_BLOCK_MS)
+        batch = await ctx.events.wait(cursor, FOLLOW_BLOCK_MS)
 
 
 # -- parsing --------------------------------------------------------------------------------
@@ -531,9 +535,15 @@ async def run(args: argparse.Namespace, settings: Settings, out: TextIO) -> int:
     assert settings.redis_url is not None
     client = connect(settings)
     try:
-        registry = Registry(client, settings)
         ctx = Context(
-            registry, Claims(client, settings), args.json, out, shown_url(settings.redis_url)
+            Registry(client, settings),
+            Inventory(client, settings),
+            EventStream(client, settings),
+            Models(client, settings),
+            Claims(client, settings),
+            args.json,
+            out,
+            shown_url(settings.redis_url),
         )
         command: Command = args.run
         try:

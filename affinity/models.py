@@ -1,20 +1,28 @@
-"""Model identity: a policy's name and version, as nodes register them and steps name them.
+"""Model identity (a policy's name and version) and what the fleet keeps per model in Redis:
+the operator's rollout weights and the contracts nodes registered.
 
 A model is ``name@version``: the name a client uses (KServe's model name, ``/act``'s
 ``model``, openpi's ``?model=``), the version an operator gives (``--model NAME@VERSION``)
 or the first 12 hex digits of the SHA-256 of the model file. Both are 1-64 characters of
 ``A-Z a-z 0-9 . _ -`` starting with a letter or digit, so a model is one word in an episode's
-value, a key suffix and a URL path segment.
+value, a key suffix and a URL path segment. A rollout changes which version new episodes
+get, never the version of a running one.
 """
 
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from affinity.errors import InvalidArgument
+from affinity.config import Settings
+from affinity.errors import InvalidArgument, UnknownModel
+from affinity.scripts import bounded
 
-__all__ = ["ModelId", "check_model_part"]
+__all__ = ["MAX_WEIGHT", "ModelId", "Models", "check_model_part"]
+
+MAX_WEIGHT = 1000
+"""The largest weight of a device or of a rollout's version: it keeps the rings' and the
+versions' ``picks/weight`` scores exact in a double (see ``affinity/lua/lib.lua``)."""
 
 _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -45,3 +53,65 @@ class ModelId(NamedTuple):
 
     def __str__(self) -> str:
         return f"{self.name}@{self.version}"
+
+
+class Models:
+    """What the fleet keeps per model, over one Redis client: rollout weights (written by
+    operators) and registered contracts (written by :meth:`Registry.register`). Every call
+    is bounded by ``settings.redis_deadline_s`` and raises :class:`BackendUnavailable` when
+    Redis cannot answer in time."""
+
+    def __init__(self, redis: Any, settings: Settings) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.keys = settings.keys
+
+    async def contract(self, model: ModelId) -> str | None:
+        """The contract (JSON text) a node registered for ``model``, or None."""
+        value = await bounded(self.settings, self.redis.get(self.keys.contract(str(model))))
+        return value.decode() if isinstance(value, bytes) else value
+
+    async def rollout(self, name: str, version: str, weight: int) -> None:
+        """Give ``version`` of model ``name`` ``weight`` shares of its new episodes (0:
+        none). Once a name has weights, only its versions of weight > 0 take new
+        episodes, by exact weighted round-robin from now on; running episodes keep
+        theirs. Raises :class:`UnknownModel` for a version no node registered,
+        :class:`InvalidArgument` for a bad name, version or weight."""
+        check_model_part("name", name)
+        check_model_part("version", version)
+        if isinstance(weight, bool) or not isinstance(weight, int) or not 0 <= weight <= MAX_WEIGHT:
+            raise InvalidArgument("rollout weight", weight, f"must be an integer 0-{MAX_WEIGHT}")
+        k = self.keys
+
+        async def write() -> None:
+            if await self.redis.zscore(k.versions(name), version) is None:
+                raise UnknownModel(f"{name}@{version}")
+            pipe = self.redis.pipeline(transaction=False)  # no MULTI: the ACL of docs/security.md
+            pipe.hset(k.rollout(name), version, weight)
+            pipe.delete(k.picks(name))
+            pipe.xadd(
+                k.events,
+                {"type": "rollout", "model": name, "version": version, "weight": str(weight)},
+                maxlen=self.settings.events_maxlen,
+                approximate=True,
+            )
+            await pipe.execute()
+
+        await bounded(self.settings, write())
+
+    async def clear_rollout(self, name: str) -> bool:
+        """Drop the weights of model ``name``: its newest registered version takes every
+        new episode again. ``True`` when it had weights."""
+        check_model_part("name", name)
+        k = self.keys
+        pipe = self.redis.pipeline(transaction=False)  # no MULTI: the ACL of docs/security.md
+        pipe.delete(k.rollout(name))
+        pipe.delete(k.picks(name))
+        pipe.xadd(
+            k.events,
+            {"type": "rollout", "model": name, "version": "", "weight": ""},
+            maxlen=self.settings.events_maxlen,
+            approximate=True,
+        )
+        had, _, _ = await bounded(self.settings, pipe.execute())
+        return bool(had)

@@ -1,11 +1,15 @@
-"""Nodes, devices and their states: register, renew, leave, deregister, forget, drain,
-list.
+"""Node lifecycle and device states: register, renew, flush, leave, deregister, forget;
+the cluster secret, the fleet marker, drain and undrain.
 
 A node registers its devices (ids ``<node>/<index>``) and holds a lease it renews every
-``lease_ttl/3``; a node whose lease lapsed is dead for the claim script, which moves its
-episodes on their next request, and the first claim or renewal that sees the lapse writes
-its ``node-down`` event. Device hashes outlive nodes so that an operator's drain survives
-a restart; a dead node's record stays until it registers again or is forgotten.
+``lease_ttl/3``. A node whose lease lapsed is dead for the claim script, which moves its
+episodes on their next request; the first claim or renewal that sees the lapse writes its
+``node-down`` event. Device hashes outlive nodes, so an operator's drain survives a
+restart; a dead node's record stays until it registers again or is forgotten. Hazards: a
+renewal answered ``None`` or :class:`NodeConflict` means this process must stop serving;
+never call :meth:`Registry.new_fleet` after Redis lost a running fleet's data. The
+read-only views are in :mod:`affinity.inventory`, the event stream in
+:mod:`affinity.events`, rollouts and contracts in :mod:`affinity.models`.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import hashlib
 import hmac
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, NoReturn
 
 from redis.asyncio import RedisCluster
@@ -27,28 +31,27 @@ from affinity.errors import (
     NotReplicated,
     SecretMismatch,
     UnknownDevice,
-    UnknownModel,
     UnknownNode,
 )
-from affinity.models import ModelId, check_model_part
+from affinity.models import MAX_WEIGHT, ModelId
 from affinity.scripts import Script, bounded, evalsha, replicated, scripts_for
 
 __all__ = [
+    "MAX_WEIGHT",
     "STATES",
     "DeviceRegistration",
-    "DeviceStatus",
-    "EpisodeRow",
+    "FlushResult",
     "Flushed",
     "Held",
+    "HeldEpisode",
     "LeaseTerms",
     "MoveRequest",
-    "NodeStatus",
     "Registered",
+    "Registration",
     "Registry",
     "Renewal",
     "StateChange",
     "check_node_id",
-    "event_json",
     "secret_digest",
 ]
 
@@ -56,7 +59,6 @@ State = Literal["active", "draining", "down"]
 STATES: tuple[State, ...] = ("active", "draining", "down")
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_REASON = 256
-MAX_WEIGHT = 1000  # keeps the ring's picks/weight scores exact in a double (see lib.lua)
 
 
 def check_node_id(node: object) -> str:
@@ -132,111 +134,7 @@ class StateChange(NamedTuple):
     state: str  # the state now
 
 
-@dataclass(frozen=True)
-class DeviceStatus:
-    device: str
-    node: str
-    index: int
-    kind: str
-    name: str
-    uuid: str
-    arch: str
-    memory_mb: int
-    capacity: int
-    weight: int
-    provider: str
-    state: str
-    reason: str
-    alive: bool
-    load: int
-    models: tuple[str, ...] = ()  # "name@version" its node serves on it
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["models"] = list(self.models)
-        return d
-
-
-@dataclass(frozen=True)
-class NodeStatus:
-    node: str
-    url: str
-    devices: tuple[str, ...]
-    alive: bool
-    state: str  # up | leaving | down (its lease lapsed) | left (it deregistered)
-    lease_ms: int  # ms left on the lease (negative: lapsed that long ago)
-    started_at_ms: int
-    version: str
-    models: tuple[str, ...] = ()  # "name@version" on every one of its devices
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["devices"] = list(self.devices)
-        d["models"] = list(self.models)
-        return d
-
-
-@dataclass(frozen=True)
-class ModelStatus:
-    """One registered (name, version): who serves it and what share of new episodes of
-    its name it takes."""
-
-    name: str
-    version: str
-    registered_at_ms: int  # when a node first registered it
-    weight: int | None  # the operator's rollout weight; None: no weights for this name
-    newest: bool  # the newest registered version of its name
-    nodes: tuple[str, ...]  # the live nodes that serve it
-    devices: int  # their devices
-
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["nodes"] = list(self.nodes)
-        return d
-
-
-@dataclass(frozen=True)
-class EpisodeRow:
-    episode: str
-    device: str
-    token: int
-    ttl_ms: int
-    moved: bool = False  # handed over by a graceful stop: its next step is reassigned
-    model: str = ""  # "name@version" it was claimed with ("": its node registered none)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _node_state(recorded: str, leased: bool) -> str:
-    """``left`` for a node that deregistered (its record kept until it registers again or
-    is forgotten), ``down`` for one whose lease lapsed, else what it recorded (``up``,
-    ``leaving``)."""
-    if recorded == "left":
-        return "left"
-    return recorded if leased else "down"
-
-
-EVENT_NUMBERS = ("token", "count", "handed_over", "lease")
-"""Event fields that hold numbers (the stream holds every field as a string)."""
-
-
-def event_json(event_id: str, fields: Mapping[str, str]) -> dict[str, object]:
-    """An event as JSON, as the CLI prints it and ``/events/stream`` sends it: its id, its
-    fields, :data:`EVENT_NUMBERS` as numbers."""
-    out: dict[str, object] = {"id": event_id, **fields}
-    for name in EVENT_NUMBERS:
-        value = fields.get(name)
-        if value is not None and value.isdigit():
-            out[name] = int(value)
-    return out
-
-
-def _now_ms(reply: Sequence[int]) -> int:
-    return int(reply[0]) * 1000 + int(reply[1]) // 1000
-
-
-class Held(NamedTuple):
+class HeldEpisode(NamedTuple):
     """An episode an owner serves from memory: its claim (device, token, claim id, and the
     ``"name@version"`` it was claimed with, ``""`` in a fleet without models)."""
 
@@ -247,7 +145,7 @@ class Held(NamedTuple):
     model: str = ""
 
 
-class Registered(NamedTuple):
+class Registration(NamedTuple):
     """What a registration answered: the lease deadline (ms, server time), the grace
     period left (ms; 0: none), the re-asserted episodes Redis gives to another claim, and
     the lease terms (:class:`LeaseTerms`)."""
@@ -296,7 +194,7 @@ class MoveRequest(NamedTuple):
         return cls(episode=episode, target=target)
 
 
-class Flushed(NamedTuple):
+class FlushResult(NamedTuple):
     """What an owner's flush answered: the grace period left (ms), the lost episodes, and
     whether its slides may be relied on (``False``: fewer replicas than
     ``--redis-replicas`` acknowledged them, so a failover could undo them)."""
@@ -304,6 +202,12 @@ class Flushed(NamedTuple):
     grace_ms: int
     lost: list[str]
     replicated: bool = True
+
+
+# The old names of the three result types, kept for one release.
+Held = HeldEpisode
+Registered = Registration
+Flushed = FlushResult
 
 
 class Registry:
@@ -333,16 +237,16 @@ class Registry:
         version: str = "",
         instance: str = "",
         models: Mapping[ModelId, str] | None = None,
-        episodes: Sequence[Held] = (),
-    ) -> Registered:
+        episodes: Sequence[HeldEpisode] = (),
+    ) -> Registration:
         """(Re)register ``node`` and its devices; start its lease. Idempotent.
 
         ``episodes`` are the ones this process still serves from memory (it re-registers
         within its own lease after Redis lost its data): each is re-asserted in the same
         script (written again when missing, with its model, counted in its device's load);
         those Redis gives to another claim, or whose model the node no longer serves, come
-        back in :attr:`Registered.lost`. A missing fleet marker starts the grace period
-        (``Keys.fleet``), reported in :attr:`Registered.grace_ms`.
+        back in :attr:`Registration.lost`. A missing fleet marker starts the grace period
+        (``Keys.fleet``), reported in :attr:`Registration.grace_ms`.
 
         ``models`` maps each (name, version) every device serves to its contract (JSON
         text, stored under :meth:`Keys.contract` for routers that do not serve it): new
@@ -398,7 +302,7 @@ class Registry:
         if short is not None:
             self._short("registration", short, node)
         terms = LeaseTerms(int(reply[2]), int(reply[3]))
-        return Registered(int(reply[0]), int(reply[1]), [str(e) for e in reply[4:]], terms)
+        return Registration(int(reply[0]), int(reply[1]), [str(e) for e in reply[4:]], terms)
 
     def _short(self, what: str, acked: int, node: str) -> NoReturn:
         raise NotReplicated(
@@ -406,15 +310,19 @@ class Registry:
         )
 
     async def flush(
-        self, node: str, instance: str, slide: Sequence[Held], idle: Sequence[tuple[str, int]]
-    ) -> Flushed | None:
+        self,
+        node: str,
+        instance: str,
+        slide: Sequence[HeldEpisode],
+        idle: Sequence[tuple[str, int]],
+    ) -> FlushResult | None:
         """One owner's batch (``affinity/lua/flush.lua``): slide the backstop expiry of the
         episodes in ``slide`` (those Redis gives to another claim, or lost outside a grace
-        period, come back in :attr:`Flushed.lost`) and release, token-checked, the
+        period, come back in :attr:`FlushResult.lost`) and release, token-checked, the
         ``idle`` ones (episode, token) the owner ended. None (nothing written) when this
         instance holds no current lease on ``node``: renew first. With
         ``settings.redis_replicas`` a flush that slides is followed by ``WAIT`` on its
-        connection; :attr:`Flushed.replicated` says whether enough replicas acknowledged
+        connection; :attr:`FlushResult.replicated` says whether enough replicas acknowledged
         it (the owner must not count on slides they did not)."""
         args: list[str | int] = [instance, self.known_lease_ms(), len(slide)]
         for held in slide:
@@ -429,7 +337,7 @@ class Registry:
                                             key, args)  # fmt: skip
         if int(reply[0]) < 0:
             return None
-        return Flushed(int(reply[0]), [str(e) for e in reply[1:]], short is None)
+        return FlushResult(int(reply[0]), [str(e) for e in reply[1:]], short is None)
 
     async def new_fleet(self) -> bool:
         """Declare that no owner serves any episode of this namespace (a new fleet on an
@@ -589,283 +497,3 @@ class Registry:
             pipe.hget(k.device(device), "state")
         replies = await bounded(self.settings, pipe.execute())
         return {d: s or "removed" for d, s in zip(devices, replies, strict=True)}
-
-    async def empty(self) -> bool:
-        """True when no node and no device was ever registered in this namespace (or
-        Redis lost them)."""
-        k = self.keys
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.exists(k.devices, k.nodes)
-        (count,) = await bounded(self.settings, pipe.execute())
-        return int(count) == 0
-
-    async def nodes(self) -> list[NodeStatus]:
-        """Every node known: those holding a lease, and dead ones (their record stays
-        until they register again or are forgotten), sorted by id."""
-        return await bounded(self.settings, self._nodes())
-
-    async def _nodes(self) -> list[NodeStatus]:
-        k = self.keys
-        now = _now_ms(await self.redis.time())
-        leases = dict(await self.redis.zrange(k.nodes, 0, -1, withscores=True))
-        ids = sorted(
-            set(leases) | {d.split("/", 1)[0] for d in await self.redis.smembers(k.devices)}
-        )
-        pipe = self.redis.pipeline(transaction=False)
-        for node in ids:
-            pipe.hgetall(k.node(node))
-        hashes = await pipe.execute()
-        out = []
-        for node, h in zip(ids, hashes, strict=True):
-            if not h:
-                continue
-            deadline = leases.get(node)
-            if deadline is None:
-                deadline = float(h.get("lease") or 0)
-            out.append(
-                NodeStatus(
-                    node=node,
-                    url=h.get("url", ""),
-                    devices=tuple(filter(None, h.get("devices", "").split(","))),
-                    alive=node in leases and deadline > now,
-                    state=_node_state(h.get("state", "up"), deadline > now),
-                    lease_ms=int(deadline) - now,
-                    started_at_ms=int(h.get("started_at", 0)),
-                    version=h.get("version", ""),
-                    models=tuple(filter(None, h.get("models", "").split(","))),
-                )
-            )
-        return out
-
-    async def devices(self) -> list[DeviceStatus]:
-        """Every registered device with its liveness and live load, sorted by id."""
-        return await bounded(self.settings, self._devices())
-
-    async def _devices(self) -> list[DeviceStatus]:
-        k = self.keys
-        now = _now_ms(await self.redis.time())
-        ids = sorted(await self.redis.smembers(k.devices))
-        pipe = self.redis.pipeline(transaction=False)
-        for device in ids:
-            pipe.hgetall(k.device(device))
-            pipe.zcount(k.load(device), now, "+inf")
-            pipe.hexists(k.route, device)
-        replies = await pipe.execute()
-        hashes = replies[0::3]
-        nodes = sorted({h["node"] for h in hashes if h})
-        pipe = self.redis.pipeline(transaction=False)
-        for node in nodes:
-            pipe.hget(k.node(node), "models")
-        served = {
-            n: tuple(filter(None, (m or "").split(",")))
-            for n, m in zip(nodes, await pipe.execute(), strict=True)
-        }
-        alive_nodes = {
-            node
-            for node, deadline in await self.redis.zrange(k.nodes, 0, -1, withscores=True)
-            if deadline > now
-        }
-        out = []
-        for device, h, load, listed in zip(ids, hashes, replies[1::3], replies[2::3], strict=True):
-            if not h:
-                continue
-            out.append(
-                DeviceStatus(
-                    device=device,
-                    node=h["node"],
-                    index=int(h["index"]),
-                    kind=h["kind"],
-                    name=h["name"],
-                    uuid=h["uuid"],
-                    arch=h["arch"],
-                    memory_mb=int(h["memory"]),
-                    capacity=int(h["capacity"]),
-                    weight=int(h["weight"]),
-                    provider=h.get("provider", ""),
-                    state=h["state"],
-                    reason=h.get("reason", ""),
-                    alive=bool(listed) and h["node"] in alive_nodes,
-                    load=int(load),
-                    models=served.get(h["node"], ()),
-                )
-            )
-        return out
-
-    async def models(self) -> list[ModelStatus]:
-        """Every (name, version) registered by a node known now (alive or not), with the
-        live nodes that serve it, sorted by name then registration (oldest first)."""
-        return await bounded(self.settings, self._models())
-
-    async def _models(self) -> list[ModelStatus]:
-        k = self.keys
-        serving: dict[str, list[str]] = {}
-        devices: dict[str, int] = {}
-        for n in await self._nodes():
-            for m in n.models:
-                serving.setdefault(m, [])
-                devices.setdefault(m, 0)
-                if n.alive:
-                    serving[m].append(n.node)
-                    devices[m] += len(n.devices)
-        names = sorted({ModelId.parse(m).name for m in serving})
-        pipe = self.redis.pipeline(transaction=False)
-        for name in names:
-            pipe.zrange(k.versions(name), 0, -1, withscores=True)
-            pipe.hgetall(k.rollout(name))
-        replies = await pipe.execute()
-        out = []
-        for name, versions, weights in zip(names, replies[0::2], replies[1::2], strict=True):
-            newest = versions[-1][0] if versions else ""
-            for version, at in versions:
-                m = f"{name}@{version}"
-                if m not in serving:
-                    continue
-                w = weights.get(version)
-                out.append(
-                    ModelStatus(
-                        name=name,
-                        version=version,
-                        registered_at_ms=int(at),
-                        weight=(int(w) if w is not None else 0) if weights else None,
-                        newest=version == newest,
-                        nodes=tuple(serving[m]),
-                        devices=devices[m],
-                    )
-                )
-        return out
-
-    async def contract(self, model: ModelId) -> str | None:
-        """The contract (JSON text) a node registered for ``model``, or None."""
-        value = await bounded(self.settings, self.redis.get(self.keys.contract(str(model))))
-        return value.decode() if isinstance(value, bytes) else value
-
-    async def rollout(self, name: str, version: str, weight: int) -> None:
-        """Give ``version`` of model ``name`` ``weight`` shares of its new episodes (0:
-        none). Once a name has weights, only its versions of weight > 0 take new
-        episodes, by exact weighted round-robin from now on; running episodes keep
-        theirs. Raises :class:`UnknownModel` for a version no node registered,
-        :class:`InvalidArgument` for a bad name, version or weight."""
-        check_model_part("name", name)
-        check_model_part("version", version)
-        if isinstance(weight, bool) or not isinstance(weight, int) or not 0 <= weight <= MAX_WEIGHT:
-            raise InvalidArgument("rollout weight", weight, f"must be an integer 0-{MAX_WEIGHT}")
-        k = self.keys
-
-        async def write() -> None:
-            if await self.redis.zscore(k.versions(name), version) is None:
-                raise UnknownModel(f"{name}@{version}")
-            pipe = self.redis.pipeline(transaction=False)  # no MULTI: the ACL of docs/security.md
-            pipe.hset(k.rollout(name), version, weight)
-            pipe.delete(k.picks(name))
-            pipe.xadd(
-                k.events,
-                {"type": "rollout", "model": name, "version": version, "weight": str(weight)},
-                maxlen=self.settings.events_maxlen,
-                approximate=True,
-            )
-            await pipe.execute()
-
-        await bounded(self.settings, write())
-
-    async def clear_rollout(self, name: str) -> bool:
-        """Drop the weights of model ``name``: its newest registered version takes every
-        new episode again. ``True`` when it had weights."""
-        check_model_part("name", name)
-        k = self.keys
-        pipe = self.redis.pipeline(transaction=False)  # no MULTI: the ACL of docs/security.md
-        pipe.delete(k.rollout(name))
-        pipe.delete(k.picks(name))
-        pipe.xadd(
-            k.events,
-            {"type": "rollout", "model": name, "version": "", "weight": ""},
-            maxlen=self.settings.events_maxlen,
-            approximate=True,
-        )
-        had, _, _ = await bounded(self.settings, pipe.execute())
-        return bool(had)
-
-    async def episodes(
-        self, device: str | None = None, node: str | None = None
-    ) -> list[EpisodeRow]:
-        """Live assignments, from the devices' load sets, and those handed over by a graceful
-        stop and not yet claimed anew (``moved``), optionally filtered. With
-        ``device`` it reads that device's load set only (at most its capacity of members).
-        Raises :class:`UnknownDevice` for a device that is not registered and
-        :class:`UnknownNode` for a ``node`` with no record and no device."""
-        return await bounded(self.settings, self._episodes(device, node))
-
-    async def _episodes(self, device: str | None, node: str | None) -> list[EpisodeRow]:
-        k = self.keys
-        if device is not None:
-            if not await self.redis.exists(k.device(device)):
-                raise UnknownDevice(device)
-            chosen = [device]
-        else:
-            chosen = sorted(await self.redis.smembers(k.devices))
-        if node is not None:
-            chosen = [d for d in chosen if d.split("/", 1)[0] == node]
-            if not chosen and not await self.redis.exists(k.node(node)):
-                raise UnknownNode(node)
-        now = _now_ms(await self.redis.time())
-        pipe = self.redis.pipeline(transaction=False)
-        for d in chosen:
-            pipe.zrangebyscore(k.load(d), now, "+inf")
-            pipe.zrangebyscore(k.moved(d), now, "+inf")
-        members = await pipe.execute()
-        # (device, episode, listed as handed over): a handed-over entry counts only while
-        # the value still says so (not once the episode was claimed anew, even on d)
-        pairs = [
-            (d, ep, was_moved)
-            for d, live, moved in zip(chosen, members[0::2], members[1::2], strict=True)
-            for eps, was_moved in ((live, False), (moved, True))
-            for ep in eps
-        ]
-        pipe = self.redis.pipeline(transaction=False)
-        for _, ep, _ in pairs:
-            pipe.get(k.episode(ep))
-            pipe.pttl(k.episode(ep))
-        values = await pipe.execute()
-        rows = []
-        for (d, ep, was_moved), value, ttl in zip(pairs, values[0::2], values[1::2], strict=True):
-            if not value:
-                continue
-            # "<device> <token> <claim id>[ <model>][ moved]"
-            owner, token, *rest = value.split(" ")
-            if owner == d and ("moved" in rest) == was_moved:
-                model = next((r for r in rest if "@" in r), "")
-                rows.append(EpisodeRow(ep, d, int(token), int(ttl), was_moved, model))
-        return rows
-
-    async def events(self, since: str = "-", count: int = 100) -> list[tuple[str, dict[str, str]]]:
-        """Up to ``count`` events after ``since`` (a stream id; ``-`` is the start)."""
-        start = since if since == "-" else f"({since}"
-        reply = await bounded(
-            self.settings, self.redis.xrange(self.keys.events, start, "+", count=count)
-        )
-        return [(str(i), dict(f)) for i, f in reply]
-
-    async def latest_events(self, count: int) -> tuple[list[tuple[str, dict[str, str]]], str]:
-        """The last ``count`` events (oldest first), and the id to follow on from with
-        :meth:`wait_events` (``0-0`` for an empty stream; never ``$``, which would miss
-        what arrives between two waits)."""
-        reply = await bounded(
-            self.settings, self.redis.xrevrange(self.keys.events, count=max(count, 1))
-        )
-        newest_first = [(str(i), dict(f)) for i, f in reply]
-        cursor = newest_first[0][0] if newest_first else "0-0"
-        return newest_first[:count][::-1], cursor
-
-    async def wait_events(self, since: str, block_ms: int) -> list[tuple[str, dict[str, str]]]:
-        """Events after the id ``since``, waiting up to ``block_ms`` for the first one.
-
-        The wait is capped below the socket timeout (``redis_timeout_s``), so a quiet
-        stream returns ``[]`` instead of timing out; callers loop."""
-        k = self.keys
-        block = max(1, min(block_ms, round(self.settings.redis_timeout_s * 1000) - 100))
-        reply = await bounded(
-            self.settings, self.redis.xread({k.events: since}, block=block, count=100)
-        )
-        if not reply:
-            return []
-        entries = reply[k.events][0] if isinstance(reply, dict) else reply[0][1]
-        return [(str(i), dict(f)) for i, f in entries]

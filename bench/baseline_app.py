@@ -14,8 +14,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from node.contract import load_contract
 from node.devices import discover
-from node.policy import DEMO_MODEL, load_contract
+from node.models import DEMO_MODEL
 from node.providers import ProviderSettings, build_session
 
 contract = load_contract(DEMO_MODEL)

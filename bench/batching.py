@@ -31,9 +31,10 @@ from typing import Any
 import numpy as np
 
 from bench.common import median, pct, report
+from node.contract import PolicyContract, TensorSpec, load_contract
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import MultiGpuDispatcher, Session
-from node.policy import MODELS_DIR, PolicyContract, TensorSpec, load_contract
+from node.models import MODELS_DIR
 from node.providers import ProviderSettings, build_session
 
 MODES = {"on": None, "off": 1}  # max_batch

@@ -20,9 +20,10 @@ from typing import Any
 
 from bench.batching import observation
 from bench.common import median, pct, report
+from node.contract import load_contract
 from node.devices import discover
 from node.dispatcher import MultiGpuDispatcher
-from node.policy import VLA_DEMO_MODEL, load_contract
+from node.models import VLA_DEMO_MODEL
 from node.providers import ProviderSettings, build_session
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import redis
 import redis.asyncio
 
-from affinity import Claims, DeviceRegistration, ModelId, Registry, Settings
+from affinity import Claims, DeviceRegistration, Inventory, ModelId, Models, Registry, Settings
 from bench.common import RedisServer, median, pct, report, tmpdir
 
 NOOP = "return 1"
@@ -70,7 +70,7 @@ async def register_fleet(
         )
     if models and nodes > 1:
         for version in ("v1", "v2"):
-            await registry.rollout("m0", version, 1)
+            await Models(client, settings(url, namespace)).rollout("m0", version, 1)
     await client.aclose()
 
 
@@ -251,13 +251,13 @@ def floor_bytes(server: RedisServer, live: int, values: list[str]) -> float:
 
 async def listing_ms(url: str, device: str, node: str) -> tuple[float, float, int, int]:
     client = redis.asyncio.Redis.from_url(url, decode_responses=True)
-    registry = Registry(client, settings(url, "big"))
+    inventory = Inventory(client, settings(url, "big"))
     times_d, times_n = [], []
     for _ in range(5):
         t0 = time.perf_counter()
-        on_device = await registry.episodes(device=device)
+        on_device = await inventory.episodes(device=device)
         t1 = time.perf_counter()
-        on_node = await registry.episodes(node=node)
+        on_node = await inventory.episodes(node=node)
         t2 = time.perf_counter()
         times_d.append(t1 - t0)
         times_n.append(t2 - t1)

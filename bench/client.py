@@ -27,7 +27,9 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from affinity import Client
 from bench.common import Node, RedisServer, cpu_seconds, median, pct, report, tmpdir
-from node.policy import inputs_from_observation, load_contract, resolve_model
+from node.contract import load_contract
+from node.inputs import from_observation
+from node.models import resolve_model
 from tests.test_openpi import libero
 
 
@@ -45,7 +47,7 @@ def main() -> None:
     )
     contract = load_contract(resolve_model("vla-demo"))
     obs = libero(0, a.steps)
-    inputs = [inputs_from_observation(contract, o).inputs for o in obs]
+    inputs = [from_observation(contract, o).inputs for o in obs]
     rounds: list[dict[str, float]] = []
     cpu = {"client": {"openpi": 0.0, "msgpack": 0.0}, "node": {"openpi": 0.0, "msgpack": 0.0}}
     counted = {"openpi": 0, "msgpack": 0}

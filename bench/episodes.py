@@ -17,9 +17,10 @@ import asyncio
 import tracemalloc
 
 from bench.common import report
+from node.contract import load_contract
 from node.devices import discover
 from node.dispatcher import MultiGpuDispatcher
-from node.policy import load_contract, resolve_model
+from node.models import resolve_model
 from node.providers import ProviderSettings, build_session
 
 

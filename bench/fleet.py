@@ -27,7 +27,7 @@ from typing import Any
 import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Registry, Settings
-from affinity.registry import Held
+from affinity.registry import HeldEpisode
 from bench.common import RedisServer, report, tmpdir
 
 NODES = (10, 100, 1000)
@@ -62,7 +62,7 @@ async def measure(calls: int, lease: float) -> dict[str, float]:
         held = []
         for i in range(EPISODES_PER_NODE):
             a = await claims.resolve(f"e{i}")
-            held.append(Held(a.episode, a.device, a.token, a.claim, a.model))
+            held.append(HeldEpisode(a.episode, a.device, a.token, a.claim, a.model))
         k = 0
 
         async def hit() -> None:

@@ -175,9 +175,10 @@ def state_figure(device_type: str, steps: int) -> dict[str, Any]:
     """Dispatcher step p50 of the demo policy through BoundSession: state on the device vs
     through the host (the same session kind, the same run)."""
     from node.binding import BoundSession
+    from node.contract import load_contract
     from node.devices import discover, pin_pci_bus_order
     from node.dispatcher import MultiGpuDispatcher
-    from node.policy import DEMO_MODEL, load_contract
+    from node.models import DEMO_MODEL
     from node.providers import ProviderSettings, build_session
 
     pin_pci_bus_order(os.environ)  # before this process initialises CUDA

@@ -37,7 +37,8 @@ import numpy as np
 
 from affinity import Keys, wire
 from bench.common import ROOT, Node, RedisServer, pct, report, tmpdir, wait_until
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
+from tests.rollout import reference_rollout
 
 KEYS = Keys()
 MSGPACK = {"content-type": "application/msgpack", "accept": "application/msgpack"}

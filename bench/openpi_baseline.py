@@ -17,8 +17,10 @@ from typing import Any
 import websockets.asyncio.server
 
 from affinity import wire
+from node.contract import load_contract
 from node.devices import discover
-from node.policy import inputs_from_observation, load_contract, outputs_unbatched, resolve_model
+from node.inputs import from_observation, outputs_unbatched
+from node.models import resolve_model
 from node.providers import ProviderSettings, build_session
 
 
@@ -38,7 +40,7 @@ async def main(port: int, model: str) -> None:
                 return
             started = time.monotonic()
             observation = wire.decode(data)
-            feed = {**inputs_from_observation(contract, observation).inputs, **state}
+            feed = {**from_observation(contract, observation).inputs, **state}
             outputs = dict(zip(names, session.run(names, feed), strict=True))
             state = {name: outputs[out] for name, out in contract.state.items()}
             visible = {k: v for k, v in outputs.items() if k not in contract.state.values()}

@@ -34,9 +34,10 @@ from typing import Any
 import numpy as np
 
 from bench.common import median, pct, report
+from node.contract import load_contract
 from node.devices import discover
 from node.dispatcher import MultiGpuDispatcher
-from node.policy import RTC_DEMO_MODEL, load_contract
+from node.models import RTC_DEMO_MODEL
 from node.providers import ProviderSettings, build_session
 from node.rtc import Ask
 

@@ -59,7 +59,7 @@ from bench.common import (
     tmpdir,
     wait_until,
 )
-from node.policy import load_contract
+from node.contract import load_contract
 
 WHEEL = "nvidia-pytriton==0.7.0"
 MODELS = {"demo_policy": "demo", "vla_demo": "vla-demo"}

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import onnxruntime
 
-from node.policy import PolicyContract, TensorSpec
+from node.contract import PolicyContract, TensorSpec
 
 __all__ = ["BoundSession", "DeviceTensor"]
 

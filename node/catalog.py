@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from affinity import ModelId, Registry, UnknownModel
-from affinity.models import check_model_part
-from node.policy import PolicyContract, TensorSpec, resolve_model
+from affinity import Inventory, ModelId, Registry, UnknownModel
+from affinity.models import Models, check_model_part
+from node.contract import PolicyContract, TensorSpec
+from node.models import resolve_model
 
 __all__ = [
     "AmbiguousModel",
@@ -148,7 +149,8 @@ class AmbiguousModel(Exception):
 
 class Catalog:
     """The models of the fleet as this node last read them (live nodes' registrations)
-    and their contracts; the local ones always known. Event loop only."""
+    and their contracts; the local ones always known. Reads on ``registry``'s Redis client
+    (None: the local models only). Event loop only."""
 
     def __init__(
         self,
@@ -157,7 +159,8 @@ class Catalog:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.local = dict(local)
-        self.registry = registry
+        self.inventory = Inventory(registry.redis, registry.settings) if registry else None
+        self.registered = Models(registry.redis, registry.settings) if registry else None
         self.clock = clock
         # name -> versions served by a live node (newest last); read from Redis
         self._fleet: dict[str, list[str]] = {m.name: [m.version] for m, _ in self.local.values()}
@@ -176,11 +179,11 @@ class Catalog:
     async def refresh(self, *, force: bool = False) -> None:
         """Read the fleet's models from Redis (at most every :data:`REFRESH_S` unless
         ``force``). A failure keeps the last view (logged)."""
-        if self.registry is None or (not force and self.clock() - self._read_at < REFRESH_S):
+        if self.inventory is None or (not force and self.clock() - self._read_at < REFRESH_S):
             return
         self._read_at = self.clock()
         try:
-            rows = await self.registry.models()
+            rows = await self.inventory.models()
         except Exception as exc:
             log.warning("could not read the fleet's models: %s", exc)
             return
@@ -199,7 +202,7 @@ class Catalog:
         background, and the step goes on with the view it has."""
         task = self._refreshing
         if task is None:
-            if self.registry is None or self.clock() - self._read_at < REFRESH_S:
+            if self.inventory is None or self.clock() - self._read_at < REFRESH_S:
                 return
             self._refreshing = task = asyncio.ensure_future(self.refresh())
             task.add_done_callback(self._refreshed)
@@ -255,7 +258,7 @@ class Catalog:
         known = self._contracts.get(model)
         if known is not None:
             return known
-        text = await self.registry.contract(model) if self.registry and chosen else None
+        text = await self.registered.contract(model) if self.registered and chosen else None
         if text is None:
             raise UnknownModel(str(model) if chosen else name, self.served())
         self._contracts[model] = contract = contract_from_record(text)

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from affinity.errors import InvalidArgument
-from node.policy import PolicyContract
+from node.contract import PolicyContract
 
 __all__ = ["ENSEMBLES", "ActionBuffer", "ChunkMode", "ChunkSpec", "find_chunk"]
 

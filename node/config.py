@@ -7,7 +7,7 @@ from pathlib import Path
 
 from affinity import Settings
 from node.catalog import ModelSpec
-from node.policy import DEMO_MODEL
+from node.models import DEMO_MODEL
 from node.providers import ProviderSettings
 
 __all__ = ["NodeConfig"]

@@ -1,7 +1,7 @@
 """Triton's sequence-batcher control inputs, filled by the node on every step.
 
 A model input named ``control.start``, ``control.end``, ``control.ready`` or
-``control.corrid`` (``node.policy.CONTROL_INPUTS``) is not sent by clients (it is hidden
+``control.corrid`` (``node.contract.CONTROL_INPUTS``) is not sent by clients (it is hidden
 from them like ``state_in.*``); the node fills it, on every front door, with Triton's
 semantics:
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from node.policy import PolicyContract, TensorSpec
+from node.contract import PolicyContract, TensorSpec
 from node.step import Array
 
 __all__ = ["START", "control_feed", "corrid_of", "padding", "started"]

@@ -55,6 +55,7 @@ import numpy as np
 from affinity.errors import InvalidArgument
 from node import control, warmup
 from node.chunks import ActionBuffer, ChunkMode, find_chunk
+from node.contract import PolicyContract
 from node.episodes import (
     Apply,
     ClaimEnded,
@@ -66,7 +67,6 @@ from node.episodes import (
     StepResult,
     advance,
 )
-from node.policy import PolicyContract
 from node.rtc import Ask, Used, rtc_of
 
 __all__ = [

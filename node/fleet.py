@@ -33,14 +33,12 @@ from fastapi import FastAPI, Header, Query
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from affinity import BackendUnavailable, Registry
-from affinity.registry import event_json
+from affinity import BackendUnavailable, Inventory, Registry
+from affinity.events import Event, EventStream, event_json
 
 __all__ = ["Fleet", "FleetSource", "add_fleet_routes"]
 
 log = logging.getLogger("affinity.node")
-
-Event = tuple[str, dict[str, str]]
 
 UI_DIR = resources.files("node") / "ui"
 ASSETS = {  # file in node/ui -> media type
@@ -146,7 +144,7 @@ def _id_key(stream_id: str) -> tuple[int, int]:
 def sse_event(stream_id: str, fields: dict[str, str]) -> str:
     """One event in SSE framing: ``id:`` = the stream id, ``data:`` = one JSON line with
     the id and every field of the event (``type`` among them), numbers as numbers, as
-    ``affinity events --json`` prints it (``affinity.registry.event_json``)."""
+    ``affinity events --json`` prints it (``affinity.events.event_json``)."""
     data = json.dumps(event_json(stream_id, fields), separators=(",", ":"))
     return f"id: {stream_id}\ndata: {data}\n\n"
 
@@ -200,7 +198,7 @@ class Fleet:
 
     async def stream(
         self,
-        registry: Registry,
+        events: EventStream,
         cursor: str,
         first: Sequence[Event] = (),
         gap: str | None = None,
@@ -228,7 +226,7 @@ class Fleet:
             block_ms = max(1, round(self.heartbeat_s * 1000))
             while not self._closing.is_set():
                 try:
-                    batch = await registry.wait_events(cursor, block_ms)
+                    batch = await events.wait(cursor, block_ms)
                 except BackendUnavailable as exc:
                     yield sse_comment(f"redis unavailable, retrying: {exc}")
                     quiet_since = clock()
@@ -250,10 +248,10 @@ class Fleet:
             await asyncio.wait_for(self._closing.wait(), seconds)
 
 
-async def resume_gap(registry: Registry, last_id: str) -> str | None:
+async def resume_gap(events: EventStream, last_id: str) -> str | None:
     """An SSE ``gap`` event when events after ``last_id`` may have been trimmed from the
     capped stream (it no longer reaches back to ``last_id``), else ``None``."""
-    oldest = await registry.events("-", count=1)
+    oldest = await events.events("-", count=1)
     if oldest and _id_key(oldest[0][0]) > _id_key(last_id):
         data = json.dumps({"after": last_id, "oldest": oldest[0][0]})
         return f"event: gap\ndata: {data}\n\n"
@@ -319,7 +317,8 @@ def add_fleet_routes(app: FastAPI, service: Callable[[], FleetSource]) -> Fleet:
     async def nodes() -> Any:
         """Every node in the registry, alive or lapsed, with its lease time left."""
         s = service()
-        listed = await s.registry.nodes()  # BackendUnavailable: the app's one handler
+        inventory = Inventory(s.registry.redis, s.registry.settings)
+        listed = await inventory.nodes()  # BackendUnavailable: the app's one handler
         return {
             "node": s.node_id,
             "instance": s.instance,
@@ -364,18 +363,19 @@ def add_fleet_routes(app: FastAPI, service: Callable[[], FleetSource]) -> Fleet:
                 f"{fleet.max_streams} event streams are open here",
                 retry_after=RETRY_MS // 1000,
             )
+        events = EventStream(s.stream_registry.redis, s.stream_registry.settings)
         try:
             if last_id:
                 first: list[Event] = []
-                cursor, gap = last_id, await resume_gap(s.stream_registry, last_id)
+                cursor, gap = last_id, await resume_gap(events, last_id)
             else:
-                first, cursor = await s.stream_registry.latest_events(backlog)
+                first, cursor = await events.latest(backlog)
                 gap = None
         except BaseException:  # BackendUnavailable included: the app's one handler answers
             release()
             raise
         return _EventStream(
-            fleet.stream(s.stream_registry, cursor, first, gap, release=release),
+            fleet.stream(events, cursor, first, gap, release=release),
             release,
             media_type="text/event-stream",
             headers={**no_cache, "X-Accel-Buffering": "no"},

@@ -30,11 +30,11 @@ from typing import Literal
 from affinity import AffinityError, Claims, wire
 from affinity.transfers import Placement, Transfers
 from affinity.transfers import Refused as NotPlaced
+from node.contract import PolicyContract
 from node.episodes import Episode, EpisodeTable
 from node.forward import MOVE_PATH, Forward, ForwardError, Poster
 from node.lease import Lease
 from node.metrics import Metrics
-from node.policy import PolicyContract
 from node.step import Refused
 from node.transfer import Install, TransferError, decode_install, encode_install, record_bytes
 

@@ -41,6 +41,7 @@ from affinity import (
 )
 from affinity.registry import Held, MoveRequest, Registered
 from affinity.transfers import Transfers
+from node import inputs
 from node.config import NodeConfig
 from node.control import control_feed
 from node.dispatcher import Arrival, DeviceDown, ModelFailure, MultiGpuDispatcher
@@ -48,9 +49,9 @@ from node.episodes import ClaimEnded, EpisodeTable, ForwardCancelled, NotKept, S
 from node.forward import Forward, Poster
 from node.handover import Mover, Outcome, Reason
 from node.health import DeviceHealth
+from node.inputs import InvalidInput
 from node.lease import Lease
 from node.metrics import Metrics
-from node.policy import InvalidInput, inputs_from_arrays
 from node.rtc import Ask
 from node.step import Refused, Reply, Step, TimeLimit, Unavailable
 
@@ -287,7 +288,7 @@ class Owner:
         dispatcher = self.dispatchers.get(name)
         if dispatcher is not None:
             try:  # the router checked them against the model; a node serving another one
-                inputs_from_arrays(dispatcher.contract, fwd.inputs)  # refuses them as the
+                inputs.from_arrays(dispatcher.contract, fwd.inputs)  # refuses them as the
             except InvalidInput as exc:  # client's error (never a crash)
                 raise Refused(
                     422, "bad_input", f"not an input of node {self.node_id}'s model: {exc}"

@@ -15,7 +15,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from affinity import BackendUnavailable, InvalidArgument, StaleToken, UnknownDevice, UnknownEpisode
+from affinity import (
+    BackendUnavailable,
+    InvalidArgument,
+    Inventory,
+    StaleToken,
+    UnknownDevice,
+    UnknownEpisode,
+)
 from node.service import NodeService
 from node.step import Refused, Unavailable
 
@@ -124,7 +131,7 @@ devices = APIRouter()
 async def list_devices(s: Service) -> Response:
     """Every device of the fleet; this node's own add crash-tracker facts."""
     out = []
-    for d in await s.registry.devices():
+    for d in await Inventory(s.redis, s.config.settings).devices():
         row = d.to_json()
         if d.device in s.device_ids:
             tracker = s.health.tracker(d.device)
@@ -207,7 +214,7 @@ async def list_models(s: Service) -> Response:
     version of its name and served on this node."""
     here = {str(m) for m, _ in s.models.values()}
     try:
-        rows = await s.registry.models()
+        rows = await Inventory(s.redis, s.config.settings).models()
     except BackendUnavailable as exc:
         return error(503, "redis", str(exc), retry_after=1)
     return JSONResponse(

@@ -50,7 +50,7 @@ from typing import Any, cast
 import numpy as np
 
 from affinity.errors import InvalidArgument
-from node.policy import RTC_DELAY, RTC_PREFIX, RTC_PREFIX_LEN, PolicyContract
+from node.contract import RTC_DELAY, RTC_PREFIX, RTC_PREFIX_LEN, PolicyContract
 
 __all__ = [
     "LATENCY_PERCENTILE",
@@ -116,7 +116,7 @@ def _row(shape: tuple[Any, ...], value: int, dtype: str) -> Array:
 
 @dataclass(frozen=True)
 class RtcSpec:
-    """A model's ``rtc.*`` inputs (checked at load by ``node.policy``)."""
+    """A model's ``rtc.*`` inputs (checked at load by ``node.contract``)."""
 
     horizon: int
     size: int

@@ -31,6 +31,7 @@ from affinity import (
 )
 from node.catalog import AmbiguousModel, Catalog, contract_record
 from node.config import NodeConfig
+from node.contract import PolicyContract
 from node.devices import DeviceSpec
 from node.dispatcher import Arrivals, MultiGpuDispatcher
 from node.episodes import EpisodeTable
@@ -40,7 +41,6 @@ from node.health import DeviceHealth
 from node.lease import Lease
 from node.metrics import Metrics
 from node.owner import MOVES_AT_ONCE, Owner
-from node.policy import PolicyContract
 from node.router import Router
 from node.rtc import Ask
 from node.step import Refused

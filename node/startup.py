@@ -21,12 +21,12 @@ from node.binding import BoundSession
 from node.catalog import ModelSpec
 from node.cli import flag_message
 from node.config import NodeConfig
+from node.contract import PolicyContract, load_contract
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import Arrivals, MultiGpuDispatcher, Session
 from node.episodes import EpisodeTable
 from node.forward import Poster
 from node.metrics import Metrics
-from node.policy import PolicyContract, load_contract
 from node.providers import CPU, build_session, require_cuda
 from node.service import DispatcherFactory, NodeService
 from node.stats import ModelStats

@@ -4,7 +4,7 @@ An adapter (``node/protocols/*``) turns its wire format into a :class:`Step` (in
 already validated against the policy contract, as numpy arrays) and a :class:`Reply` back
 into its wire format; routing, leases, forwarding, state and metrics live once behind
 them (``node/routing.py``). The errors here are what routing raises besides the input
-errors (``node.policy.InvalidInput``, ``affinity.InvalidArgument``); each adapter maps
+errors (``node.inputs.InvalidInput``, ``affinity.InvalidArgument``); each adapter maps
 them to its protocol's error shape.
 """
 

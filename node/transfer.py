@@ -20,8 +20,8 @@ import numpy as np
 
 from affinity import wire
 from node.chunks import ActionBuffer
+from node.contract import PolicyContract
 from node.episodes import Episode, StepResult
-from node.policy import PolicyContract
 from node.rtc import Used
 
 __all__ = ["Install", "TransferError", "decode_install", "encode_install", "record_bytes"]

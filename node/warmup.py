@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 import onnxruntime
 
-from node.policy import Array, InvalidInput, PolicyContract, inputs_from_arrays
+from node.contract import Array, PolicyContract
+from node.inputs import InvalidInput, from_arrays
 from node.rtc import rtc_of
 
 __all__ = ["feed", "made_up", "run", "samples_path", "unfed", "with_samples"]
@@ -56,7 +57,7 @@ def with_samples(model_path: Path, contract: PolicyContract) -> PolicyContract:
     except (OSError, ValueError, zipfile.BadZipFile) as exc:
         raise ValueError(f"{path}: not a .npz file of numpy arrays (np.savez): {exc}") from None
     try:
-        samples = inputs_from_arrays(contract, arrays)
+        samples = from_arrays(contract, arrays)
     except InvalidInput as exc:
         raise ValueError(f"{path}: {exc}") from None
     return replace(contract, warmup=MappingProxyType(samples))

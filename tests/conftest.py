@@ -22,6 +22,9 @@ import redis
 import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
+from affinity.events import EventStream
+from affinity.inventory import Inventory
+from affinity.models import Models
 
 BACKENDS = ["fake", "real"]
 _session_redis: list[Any] = []  # this session's RedisServer, started on first use
@@ -119,6 +122,18 @@ class Env:
     @property
     def keys(self):  # type: ignore[no-untyped-def]
         return self.settings.keys
+
+    @property
+    def inventory(self) -> Inventory:
+        return Inventory(self.redis, self.settings)
+
+    @property
+    def events(self) -> EventStream:
+        return EventStream(self.redis, self.settings)
+
+    @property
+    def models(self) -> Models:
+        return Models(self.redis, self.settings)
 
     async def node(self, node: str, n: int = 2, capacity: int = 100, weight: int = 1) -> list[str]:
         devices = cpu_devices(n, capacity=capacity, weights=[weight] * n, uuid_prefix=node)

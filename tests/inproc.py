@@ -19,7 +19,7 @@ from node.devices import discover
 from node.dispatcher import Session
 from node.forward import INTERNAL_PATH, SECRET_HEADER, ForwardError, Response
 from node.main import build_service
-from node.policy import DEMO_MODEL
+from node.models import DEMO_MODEL
 from node.service import NodeService
 
 

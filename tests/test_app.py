@@ -14,9 +14,10 @@ import pytest
 from affinity import Keys
 from node.forward import SECRET_HEADER as SECRET
 from node.forward import Forward
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
 from tests.conftest import new_fleet
 from tests.inproc import Gate, InProcNode, Router, cluster, config
+from tests.rollout import reference_rollout
 
 pytestmark = pytest.mark.anyio
 KEYS = Keys()
@@ -325,7 +326,7 @@ async def test_owner_refuses_a_forward_for_an_assignment_redis_no_longer_has(
 
 async def test_lease_running_out_during_the_step_is_a_503(redis: Any) -> None:
     from node.devices import DeviceSpec
-    from node.policy import DEMO_MODEL
+    from node.models import DEMO_MODEL
     from node.providers import ProviderSettings, build_session
 
     services: list[Any] = []

@@ -14,11 +14,13 @@ import pytest
 
 from node.binding import BoundSession, DeviceTensor
 from node.config import NodeConfig
+from node.contract import PolicyContract, TensorSpec, load_contract
 from node.devices import DeviceSpec, discover
 from node.dispatcher import MultiGpuDispatcher
 from node.main import build_service
-from node.policy import DEMO_MODEL, PolicyContract, TensorSpec, load_contract, reference_rollout
+from node.models import DEMO_MODEL
 from node.providers import ProviderSettings, build_session
+from tests.rollout import reference_rollout
 
 pytestmark = pytest.mark.anyio
 

@@ -23,9 +23,10 @@ from node.catalog import (
     file_version,
     parse_model_arg,
 )
+from node.contract import load_contract
 from node.forward import Forward
 from node.main import StartupError, build_service, parse_args
-from node.policy import DEMO_MODEL, VLA_DEMO_MODEL, load_contract
+from node.models import DEMO_MODEL, VLA_DEMO_MODEL
 from tests.inproc import cluster, config
 from tests.procs import ROOT
 

@@ -13,8 +13,9 @@ import httpx
 import numpy as np
 import pytest
 
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
 from tests.procs import Node, RedisServer, wait_until
+from tests.rollout import reference_rollout
 from tests.test_cluster import Cluster, running
 from tests.test_dispatcher import reference_ensemble, reference_execute
 

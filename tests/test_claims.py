@@ -82,7 +82,7 @@ async def test_expiry_frees_capacity(env: Env) -> None:
         await env.claims.resolve("ep-2")
     await env.expire("ep-1")
     assert (await env.claims.resolve("ep-2")).device == "a/0"
-    events = [f for _, f in await env.registry.events()]
+    events = [f for _, f in await env.events.events()]
     assert {"type": "expire", "device": "a/0", "count": "1"} in events
 
 
@@ -100,7 +100,7 @@ async def test_reassigned_when_lease_lapses(env: Env) -> None:
     assert (await env.claims.resolve("ep")).status == "hit"
     # the claim noticed the lapse: one node-down, and none more when the node is back
     for _ in range(2):
-        downs = [f["node"] for _, f in await env.registry.events() if f["type"] == "node-down"]
+        downs = [f["node"] for _, f in await env.events.events() if f["type"] == "node-down"]
         assert downs == ["a"]
         await env.node("a", 1)
 
@@ -122,7 +122,7 @@ async def test_reassigned_when_node_drops_device(env: Env) -> None:
     await env.node("a", 1)  # restarted with one GPU fewer
     moved = await env.claims.resolve("ep-1")
     assert (moved.status, moved.device) == ("reassigned", "a/0")
-    assert "a/1" not in [d.device for d in await env.registry.devices()]
+    assert "a/1" not in [d.device for d in await env.inventory.devices()]
 
 
 async def test_drain_keeps_episodes_takes_no_new(env: Env) -> None:
@@ -160,7 +160,7 @@ async def test_reassign_with_nowhere_to_go_writes_nothing(env: Env) -> None:
         await env.claims.resolve("ep")  # notices the lapse: node-down, nothing else
     assert err.value.reason == "no_nodes"
     assert await env.redis.get(env.keys.episode("ep")) == f"a/0 {a.token} {a.claim}"
-    assert [f["type"] for _, f in await env.registry.events()][-1] == "node-down"
+    assert [f["type"] for _, f in await env.events.events()][-1] == "node-down"
     before = await env.snapshot()
     with pytest.raises(NoCapacity):
         await env.claims.resolve("ep")
@@ -206,7 +206,7 @@ async def test_a_release_by_anyone_but_the_owner_waits_for_the_owner(env: Env) -
     assert await env.redis.zcard(env.keys.load("a/0")) == 0
     again = await env.claims.resolve("ep")
     assert (again.status, again.previous) == ("reassigned", "a/0") and again.token > a.token
-    types = [f["type"] for _, f in await env.registry.events()]
+    types = [f["type"] for _, f in await env.events.events()]
     assert types[-3:] == ["revoke", "release", "reassign"]
     # the owner's lease lapsed: nobody serves it from memory, so it goes at once
     b = await env.claims.resolve("other-node-gone")
@@ -254,7 +254,7 @@ async def test_events_are_appended(env: Env) -> None:
     a = await env.claims.resolve("ep")
     await env.registry.drain("a/0", "why")
     await env.claims.release("ep", a.token, owner=True)
-    types = [f["type"] for _, f in await env.registry.events()]
+    types = [f["type"] for _, f in await env.events.events()]
     assert types == ["node-up", "claim", "drain", "release"]
 
 
@@ -342,7 +342,7 @@ async def test_reregister_keeps_drain_not_down(env: Env) -> None:
     await env.registry.set_state("a/1", "down", "crashes")
     await env.registry.deregister("a")
     await env.node("a", 2)
-    states = {d.device: (d.state, d.reason) for d in await env.registry.devices()}
+    states = {d.device: (d.state, d.reason) for d in await env.inventory.devices()}
     assert states == {"a/0": ("draining", "bad fan"), "a/1": ("active", "")}
 
 
@@ -353,11 +353,11 @@ async def test_drain_follows_the_gpu_uuid_not_the_index(env: Env) -> None:
     swapped = cpu_devices(2, uuid_prefix="a")
     swapped = [replace(swapped[0], uuid=swapped[1].uuid), replace(swapped[1], uuid=swapped[0].uuid)]
     await env.registry.register("a", "http://a.test:8000", swapped)
-    states = {d.device: (d.state, d.uuid) for d in await env.registry.devices()}
+    states = {d.device: (d.state, d.uuid) for d in await env.inventory.devices()}
     assert states["a/1"] == ("active", "a-cpu-0")
     await env.registry.drain("a/0", "bad fan")  # the operator follows the GPU
     await env.registry.register("a", "http://a.test:8000", swapped)
-    assert {d.device: d.state for d in await env.registry.devices()}["a/0"] == "draining"
+    assert {d.device: d.state for d in await env.inventory.devices()}["a/0"] == "draining"
 
 
 async def test_deregister_hands_episodes_over(env: Env) -> None:
@@ -372,9 +372,9 @@ async def test_deregister_hands_episodes_over(env: Env) -> None:
         moved = await env.claims.resolve(e.episode)
         assert (moved.status, moved.device, moved.previous) == ("reassigned", "b/0", "a/0")
         assert moved.token > e.token
-    nodes = {n.node: (n.state, n.alive) for n in await env.registry.nodes()}
+    nodes = {n.node: (n.state, n.alive) for n in await env.inventory.nodes()}
     assert nodes == {"a": ("left", False), "b": ("up", True)}
-    events = [f for _, f in await env.registry.events()]
+    events = [f for _, f in await env.events.events()]
     assert {
         "type": "node-down",
         "node": "a",
@@ -399,7 +399,7 @@ async def test_only_if_guard(env: Env) -> None:
         False,
         "draining",
     )
-    assert (await env.registry.devices())[0].state == "draining"
+    assert (await env.inventory.devices())[0].state == "draining"
 
 
 async def test_listing(env: Env) -> None:
@@ -407,18 +407,18 @@ async def test_listing(env: Env) -> None:
     await env.node("b", 1)
     for i in range(3):
         await env.claims.resolve(f"ep-{i}")
-    devs = {d.device: d for d in await env.registry.devices()}
+    devs = {d.device: d for d in await env.inventory.devices()}
     assert {k: (v.load, v.capacity, v.alive) for k, v in devs.items()} == {
         "a/0": (1, 3, True),
         "a/1": (1, 3, True),
         "b/0": (1, 100, True),
     }
     await env.lapse("b")
-    assert not {d.device: d for d in await env.registry.devices()}["b/0"].alive
-    rows = await env.registry.episodes(node="a")
+    assert not {d.device: d for d in await env.inventory.devices()}["b/0"].alive
+    rows = await env.inventory.episodes(node="a")
     assert sorted((r.episode, r.device) for r in rows) == [("ep-0", "a/0"), ("ep-1", "a/1")]
     with pytest.raises(UnknownDevice):
-        await env.registry.episodes(device="zz/9")
+        await env.inventory.episodes(device="zz/9")
 
 
 async def test_crash_down_and_up_keeps_an_operators_drain(env: Env) -> None:
@@ -430,7 +430,7 @@ async def test_crash_down_and_up_keeps_an_operators_drain(env: Env) -> None:
         True,
         "draining",
     )
-    d = {x.device: x for x in await env.registry.devices()}["a/0"]
+    d = {x.device: x for x in await env.inventory.devices()}["a/0"]
     assert (d.state, d.reason) == ("draining", "flaky fan")
     assert {(await env.claims.resolve(f"e{i}")).device for i in range(3)} == {"a/1"}
     # undrain does not revive a crashed device; re-registering restores the drain
@@ -439,7 +439,7 @@ async def test_crash_down_and_up_keeps_an_operators_drain(env: Env) -> None:
     # a drain asked while down keeps it down, and waits for it to come back
     assert await env.registry.drain("a/0", "swap it") == ("down", True, "down")
     await env.node("a", 2)
-    d = {x.device: x for x in await env.registry.devices()}["a/0"]
+    d = {x.device: x for x in await env.inventory.devices()}["a/0"]
     assert (d.state, d.reason) == ("draining", "swap it")
 
 
@@ -487,7 +487,7 @@ async def test_a_silent_redis_is_bounded_by_the_deadline() -> None:
     cancellation."""
     import redis.asyncio
 
-    from affinity import BackendUnavailable, Claims, Registry, Settings
+    from affinity import BackendUnavailable, Claims, Inventory, Settings
 
     async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read(-1)
@@ -502,7 +502,7 @@ async def test_a_silent_redis_is_bounded_by_the_deadline() -> None:
             with pytest.raises(BackendUnavailable, match=r"did not answer within 0\.2s"):
                 await Claims(client, settings).resolve("ep")
             with pytest.raises(BackendUnavailable):
-                await Registry(client, settings).devices()
+                await Inventory(client, settings).devices()
             await asyncio.sleep(0)  # the task carries no pending cancellation
             task = asyncio.create_task(
                 Claims(client, settings.with_(redis_deadline_s=30)).resolve("ep")
@@ -585,7 +585,7 @@ async def test_a_resolve_that_never_claims_refuses_an_unknown_episode(env: Env) 
 
 
 async def test_the_owners_flush_slides_releases_and_answers_what_it_lost(env: Env) -> None:
-    from affinity.registry import Held
+    from affinity.registry import HeldEpisode
 
     await env.registry.register("a", "http://a", cpu_devices(1, capacity=2), instance="i")
     one, two = await env.claims.resolve("one"), await env.claims.resolve("two")
@@ -594,8 +594,8 @@ async def test_the_owners_flush_slides_releases_and_answers_what_it_lost(env: En
     key = env.keys.episode("one")
     await env.redis.pexpire(key, 1000)
     held = [
-        Held("one", one.device, one.token, one.claim),
-        Held("two", two.device, two.token, "another-claim"),
+        HeldEpisode("one", one.device, one.token, one.claim),
+        HeldEpisode("two", two.device, two.token, "another-claim"),
     ]
     done = await env.registry.flush("a", "i", held, [])
     assert done is not None and done.lost == ["two"] and done.grace_ms == 0

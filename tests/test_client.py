@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from affinity import AsyncClient, Client, RequestRefused, ServiceUnavailable, StateReset, wire
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
 from tests.procs import Node, RedisServer, wait_until
+from tests.rollout import reference_rollout
 from tests.test_cluster import Cluster, running
 
 pytestmark = pytest.mark.integration

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from affinity import Keys
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
 from tests.procs import Node, RedisServer, free_port, wait_until
+from tests.rollout import reference_rollout
 
 pytestmark = pytest.mark.integration
 

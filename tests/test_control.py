@@ -19,10 +19,10 @@ import tritonclient.http as th
 from onnx import TensorProto, helper
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
+from node.contract import PolicyContract, TensorSpec, load_contract
 from node.control import control_feed, corrid_of
 from node.dispatcher import MultiGpuDispatcher
 from node.models._build import Weights, model, tensor, write
-from node.policy import PolicyContract, TensorSpec, load_contract
 from node.protocols.kserve import model_metadata
 from tests.procs import Node, RedisServer, free_port
 from tests.test_cluster import Cluster, grpc_nodes, running

@@ -20,11 +20,13 @@ from hypothesis import strategies as st
 from affinity.errors import InvalidArgument
 from node.binding import BoundSession
 from node.chunks import ActionBuffer, ChunkMode, ChunkSpec, find_chunk
+from node.contract import PolicyContract, TensorSpec, load_contract
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import DeviceDown, ModelFailure, MultiGpuDispatcher
 from node.episodes import NotKept
-from node.policy import DEMO_MODEL, PolicyContract, TensorSpec, load_contract, reference_rollout
+from node.models import DEMO_MODEL
 from node.providers import ProviderSettings, build_session
+from tests.rollout import reference_rollout
 
 pytestmark = pytest.mark.anyio
 

@@ -15,9 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from affinity import Keys, wire
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
 from node.step import Step
 from tests.inproc import Gate, cluster, config
+from tests.rollout import reference_rollout
 
 pytestmark = pytest.mark.anyio
 KEYS = Keys()

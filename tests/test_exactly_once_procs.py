@@ -21,8 +21,9 @@ import pytest
 from websockets.sync.client import connect
 
 from affinity import Client, wire
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
 from tests.procs import Node, RedisServer
+from tests.rollout import reference_rollout
 from tests.test_cluster import Cluster, running
 
 pytestmark = pytest.mark.integration

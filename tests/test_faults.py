@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from affinity import Keys
-from node.policy import reference_rollout
 from tests.models import slow_policy
 from tests.procs import Node, RedisServer, wait_until
+from tests.rollout import reference_rollout
 from tests.test_cluster import running
 
 pytestmark = pytest.mark.integration

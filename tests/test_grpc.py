@@ -26,11 +26,12 @@ import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
 from node.accesslog import AccessLog
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
 from node.protocols.kserve import BadRequest
 from node.protocols.kserve.grpc import GrpcFrontDoor, decode_request
 from node.protocols.kserve.pb import kserve_pb2 as pb
 from tests.inproc import cluster, config
+from tests.rollout import reference_rollout
 from tests.test_cluster import Cluster, grpc_nodes
 from tests.test_kserve import observations
 

@@ -13,8 +13,9 @@ import pytest
 
 from affinity import BackendUnavailable, Keys
 from affinity.registry import MoveRequest
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
 from tests.inproc import InProcNode, cluster, config
+from tests.rollout import reference_rollout
 
 pytestmark = pytest.mark.anyio
 KEYS = Keys()

@@ -19,9 +19,10 @@ import tritonclient.http as th
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from affinity import Client, Keys
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
 from tests.models import big_state_policy
 from tests.procs import ROOT, Node, RedisServer, wait_until
+from tests.rollout import reference_rollout
 from tests.test_cluster import running
 
 pytestmark = [

@@ -20,7 +20,7 @@ import numpy as np
 import orjson
 import pytest
 
-from affinity import BackendUnavailable, PoolExhausted, Settings, connect
+from affinity import BackendUnavailable, Inventory, PoolExhausted, Settings, connect
 from affinity.scripts import bounded
 from node.accesslog import AccessLog, escape
 from tests.inproc import cluster, config
@@ -532,8 +532,8 @@ async def test_every_operator_endpoint_answers_a_redis_failure_with_one_handler(
                 raise exc
 
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(service.registry, "nodes", fail)
-                mp.setattr(service.registry, "devices", fail)
+                mp.setattr(Inventory, "nodes", fail)
+                mp.setattr(Inventory, "devices", fail)
                 mp.setattr(service.claims, "lookup", fail)
                 for method, path in calls:
                     r = await node.client.request(

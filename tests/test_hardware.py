@@ -32,9 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from node.binding import BoundSession, DeviceTensor  # noqa: E402
+from node.contract import Array, load_contract  # noqa: E402
 from node.devices import DeviceSpec, discover, pin_pci_bus_order  # noqa: E402
 from node.dispatcher import MultiGpuDispatcher  # noqa: E402
-from node.policy import DEMO_MODEL, Array, load_contract, reference_rollout  # noqa: E402
+from node.models import DEMO_MODEL  # noqa: E402
 from node.providers import (  # noqa: E402
     CudaGraphUnavailable,
     ProviderSettings,
@@ -43,6 +44,7 @@ from node.providers import (  # noqa: E402
     tensorrt_version,
     trt_cache_dir,
 )
+from tests.rollout import reference_rollout  # noqa: E402
 
 pytestmark = [
     pytest.mark.hardware,

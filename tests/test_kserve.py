@@ -22,10 +22,12 @@ from tritonclient.utils import InferenceServerException
 
 from affinity import Keys
 from node.catalog import file_version
-from node.policy import DEMO_MODEL, load_contract, reference_rollout
+from node.contract import load_contract
+from node.models import DEMO_MODEL
 from node.protocols.kserve import BadRequest, decode_infer, episode_of, model_metadata, to_step
 from tests.inproc import InProcNode, cluster, config
 from tests.procs import Node, RedisServer
+from tests.rollout import reference_rollout
 from tests.test_cluster import Cluster, running
 
 KEYS = Keys()

@@ -51,8 +51,9 @@ from affinity import Client, ClientError
 from affinity.config import ENV_VARS
 from node.app import create_app
 from node.metrics import LABELS
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
 from tests.procs import ROOT, Node, RedisServer, free_port, wait_until
+from tests.rollout import reference_rollout
 from tests.test_alerts import ALERTS, references
 
 KUBERNETES = ROOT / "deploy" / "kubernetes"

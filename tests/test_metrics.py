@@ -18,7 +18,7 @@ from affinity import Keys
 from node.admission import Admission
 from node.catalog import file_version
 from node.metrics import BUILD, LABELS
-from node.policy import DEMO_MODEL
+from node.models import DEMO_MODEL
 from node.providers import ProviderSettings, build_session
 from tests.inproc import InProcNode, claim_of, cluster, config
 

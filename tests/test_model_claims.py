@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from affinity import ModelConflict, ModelId, NoCapacity, Recovering, UnknownModel
-from affinity.registry import Held
+from affinity.registry import HeldEpisode
 from tests.conftest import Env, cpu_devices
 
 pytestmark = pytest.mark.anyio
@@ -45,7 +45,7 @@ async def test_each_model_has_its_own_round_robin(env: Env) -> None:
     assert (again.status, again.device, again.model) == ("hit", "a/0", "demo@v1")
     # a step that does not name its model keeps the episode's
     assert (await env.claims.resolve("v0")).model == "vla@v1"
-    claims = [f for _, f in await env.registry.events() if f["type"] == "claim"]
+    claims = [f for _, f in await env.events.events() if f["type"] == "claim"]
     assert Counter(f["model"] for f in claims) == {"demo@v1": 8, "vla@v1": 8}
 
 
@@ -117,22 +117,22 @@ async def test_rollout_weights_are_exact_and_running_episodes_stay(env: Env) -> 
     await serve(env, "b", DEMO2)
     running = await env.claims.resolve("running", model="demo")
     assert running.model == "demo@v2"
-    await env.registry.rollout("demo", "v1", 3)
-    await env.registry.rollout("demo", "v2", 1)
+    await env.models.rollout("demo", "v1", 3)
+    await env.models.rollout("demo", "v2", 1)
     got = [(await env.claims.resolve(f"e{i}", model="demo")).model for i in range(40)]
     assert Counter(got) == {"demo@v1": 30, "demo@v2": 10}
     assert all(Counter(got[i : i + 4]) == {"demo@v1": 3, "demo@v2": 1} for i in range(0, 40, 4))
     assert (await env.claims.resolve("running", model="demo")).model == "demo@v2"
-    await env.registry.rollout("demo", "v2", 0)
+    await env.models.rollout("demo", "v2", 0)
     got = [(await env.claims.resolve(f"f{i}", model="demo")).model for i in range(6)]
     assert set(got) == {"demo@v1"}
-    statuses = {(m.version, m.weight, m.newest, m.nodes) for m in await env.registry.models()}
+    statuses = {(m.version, m.weight, m.newest, m.nodes) for m in await env.inventory.models()}
     assert statuses == {("v1", 3, False, ("a",)), ("v2", 0, True, ("b",))}
-    assert await env.registry.clear_rollout("demo")
+    assert await env.models.clear_rollout("demo")
     assert (await env.claims.resolve("g", model="demo")).model == "demo@v2"
     with pytest.raises(UnknownModel):
-        await env.registry.rollout("demo", "v7", 1)
-    kinds = [f for _, f in await env.registry.events() if f["type"] == "rollout"]
+        await env.models.rollout("demo", "v7", 1)
+    kinds = [f for _, f in await env.events.events() if f["type"] == "rollout"]
     assert [(f["version"], f["weight"]) for f in kinds] == [
         ("v1", "3"),
         ("v2", "1"),
@@ -155,9 +155,9 @@ async def test_reregistering_with_other_models_leaves_the_old_rings(env: Env) ->
     assert await env.redis.zrange(env.keys.model_ring("vla@v1"), 0, -1) == ["b/0", "b/1"]
     with pytest.raises(NoCapacity):
         await env.claims.resolve("d", model="demo")
-    (node,) = await env.registry.nodes()
+    (node,) = await env.inventory.nodes()
     assert node.models == ("vla@v1",)
-    assert {d.models for d in await env.registry.devices()} == {("vla@v1",)}
+    assert {d.models for d in await env.inventory.devices()} == {("vla@v1",)}
 
 
 async def test_drain_and_lapse_take_a_device_out_of_every_ring(env: Env) -> None:
@@ -233,7 +233,7 @@ async def test_the_owners_flush_keeps_the_model_and_frees_a_device_onto_all_its_
     assert await rings(env, DEMO1, VLA) == [[], []]  # full: out of both rings
     value = await env.redis.get(env.keys.episode("d"))
     assert value == f"b/0 {d.token} {d.claim} demo@v1"
-    held = Held("d", d.device, d.token, d.claim, d.model)
+    held = HeldEpisode("d", d.device, d.token, d.claim, d.model)
     done = await env.registry.flush("b", "i", [held], [])
     assert done is not None and done.lost == []
     assert await env.redis.get(env.keys.episode("d")) == value  # slid, model kept
@@ -255,8 +255,8 @@ async def test_a_reassert_keeps_each_episodes_model_and_counts_it_in_the_load(en
         await env.redis.delete(key)
     with pytest.raises(Recovering):  # the grace period holds claims of every model back
         await env.claims.resolve("v", model="vla")
-    held = Held("d", d.device, d.token, d.claim, d.model)
-    other = Held("x", d.device, d.token + 1, "abc", "pi0@v1")  # a model b does not serve
+    held = HeldEpisode("d", d.device, d.token, d.claim, d.model)
+    other = HeldEpisode("x", d.device, d.token + 1, "abc", "pi0@v1")  # a model b does not serve
     await env.redis.set(env.keys.fleet, "99999999999999")  # a grace period that runs on
     done = await env.registry.register(
         "b", "http://b.test:8000", cpu_devices(1, capacity=1, uuid_prefix="b"), version="t",

@@ -26,8 +26,8 @@ from tritonclient.utils import InferenceServerException
 
 from affinity import Client, Keys, RequestRefused, wire
 from node.catalog import file_version
+from node.models import DEMO_MODEL
 from node.models._build import Weights, model, tensor, write
-from node.policy import DEMO_MODEL
 from tests.procs import ROOT, Node, RedisServer, free_port
 from tests.test_cluster import Cluster, running
 

@@ -187,7 +187,7 @@ async def test_a_router_with_a_hint_serves_through_a_redis_pause(redis: Any) -> 
             await paused.wait()
             return []
 
-        b.service.catalog.registry.models = models  # type: ignore[method-assign, union-attr]
+        b.service.catalog.inventory.models = models  # type: ignore[method-assign, union-attr]
         b.service.catalog._read_at = float("-inf")  # due
         step = asyncio.create_task(b.act(episode_id=ep, inputs={"obs": OBS}))
         done, _ = await asyncio.wait({step}, timeout=10)

@@ -15,8 +15,11 @@ from openpi_client.action_chunk_broker import ActionChunkBroker
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from affinity import Keys
-from node.policy import inputs_from_observation, load_contract, reference_rollout, resolve_model
+from node.contract import load_contract
+from node.inputs import from_observation
+from node.models import resolve_model
 from tests.procs import Node, RedisServer, wait_until
+from tests.rollout import reference_rollout
 from tests.test_cluster import Cluster, running
 
 pytestmark = [
@@ -129,7 +132,7 @@ def test_openpis_example_client_runs_every_environment(
     policy._ws.close()
     path = resolve_model(model)
     contract = load_contract(path)
-    feeds = [inputs_from_observation(contract, obs).inputs for obs in sent]
+    feeds = [from_observation(contract, obs).inputs for obs in sent]
     want = [step["actions"][0] for step in reference_rollout(path, feeds)]
     assert [r["routing"] for r in replies] == ["claimed"] + ["hit"] * 4
     for got, expected in zip(replies, want, strict=True):
@@ -154,7 +157,7 @@ def libero(seed: int, steps: int) -> list[dict[str, Any]]:
 def replay(observations: list[dict[str, Any]]) -> list[np.ndarray]:
     """What one node alone must answer, step by step: the reference rollout's actions."""
     contract = load_contract(VLA)
-    feeds = [inputs_from_observation(contract, obs).inputs for obs in observations]
+    feeds = [from_observation(contract, obs).inputs for obs in observations]
     return [step["actions"][0] for step in reference_rollout(VLA, feeds)]
 
 

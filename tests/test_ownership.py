@@ -431,7 +431,7 @@ async def test_a_failover_to_a_replica_without_the_fleet_is_a_grace_period(redis
 def versions() -> list[Any]:
     """a serves demo@v1, b demo@v2 (one device each): a version names its node."""
     from node.catalog import ModelSpec
-    from node.policy import DEMO_MODEL
+    from node.models import DEMO_MODEL
 
     return [
         config("a", devices="cpu:1", models=(ModelSpec(DEMO_MODEL, "demo", "v1"),)),

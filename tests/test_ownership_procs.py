@@ -15,8 +15,9 @@ import httpx
 import numpy as np
 import pytest
 
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
 from tests.procs import Node, RedisServer
+from tests.rollout import reference_rollout
 from tests.test_cluster import running
 
 pytestmark = pytest.mark.integration

@@ -20,26 +20,21 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from onnx import TensorProto, helper, numpy_helper
 
-from node.models import build_demo, build_rtc, build_vla
-from node.policy import (
+from node.contract import PolicyContract, TensorSpec, load_contract, sidecar_path
+from node.inputs import InvalidInput, from_arrays, from_json, from_observation, outputs_unbatched
+from node.models import (
     ALOHA_DEMO_MODEL,
     DEMO_MODEL,
     DROID_DEMO_MODEL,
     PACKAGED_MODELS,
     RTC_DEMO_MODEL,
     VLA_DEMO_MODEL,
-    InvalidInput,
-    PolicyContract,
-    TensorSpec,
-    inputs_from_arrays,
-    inputs_from_observation,
-    load_contract,
-    outputs_unbatched,
-    parse_inputs,
-    reference_rollout,
+    build_demo,
+    build_rtc,
+    build_vla,
     resolve_model,
-    sidecar_path,
 )
+from tests.rollout import reference_rollout
 
 Tensor = tuple[str, int, list[int | str]]
 
@@ -279,14 +274,14 @@ def test_string_tensors_are_object_arrays_of_str(tmp_path: Path) -> None:
     (spec,) = contract.observation_inputs
     assert spec.dtype == "object" and spec.zeros().tolist() == [""]
     words = np.array(["pick"], dtype=object)
-    assert inputs_from_arrays(contract, {"words": words})["words"].tolist() == ["pick"]
-    assert inputs_from_arrays(contract, {"words": np.array(["pick"])})["words"].dtype == object
-    assert parse_inputs(contract, {"words": ["pick"]})["words"].tolist() == ["pick"]
+    assert from_arrays(contract, {"words": words})["words"].tolist() == ["pick"]
+    assert from_arrays(contract, {"words": np.array(["pick"])})["words"].dtype == object
+    assert from_json(contract, {"words": ["pick"]})["words"].tolist() == ["pick"]
     for bad in (np.array([1.0]), np.array([b"x"], dtype=object)):
         with pytest.raises(InvalidInput, match="strings only"):
-            inputs_from_arrays(contract, {"words": bad})
+            from_arrays(contract, {"words": bad})
     with pytest.raises(InvalidInput, match="must be a string"):
-        parse_inputs(contract, {"words": [3]})
+        from_json(contract, {"words": [3]})
 
 
 def test_sidecar_with_state_only_still_loads(tmp_path: Path) -> None:
@@ -359,7 +354,7 @@ def test_sidecar_turns_the_batch_axis_off(tmp_path: Path) -> None:
     contract = load_contract(path)
     assert (contract.batch_axis, contract.batchable) == (False, False)
     # without a batch axis a symbolic first dimension takes any size, as any other
-    parsed = parse_inputs(contract, {"x": [[1.0, 2, 3]] * 2, "c_in": [[[0.0] * 2] * 4] * 2})
+    parsed = from_json(contract, {"x": [[1.0, 2, 3]] * 2, "c_in": [[[0.0] * 2] * 4] * 2})
     assert parsed["x"].shape == (2, 3)
     assert contract.to_json()["inputs"][0]["shape"] == ["batch", 3]
 
@@ -443,12 +438,12 @@ def test_resolve_model(tmp_path: Path) -> None:
         resolve_model(tmp_path)  # a directory
 
 
-# --- parse_inputs -----------------------------------------------------------------------
+# --- from_json -----------------------------------------------------------------------
 
 
 def test_parse_demo_inputs() -> None:
     contract = load_contract(DEMO_MODEL)
-    parsed = parse_inputs(contract, {"obs": [[0.5, 1, -2, 0, 0, 0, 0, 3e-3]]})
+    parsed = from_json(contract, {"obs": [[0.5, 1, -2, 0, 0, 0, 0, 3e-3]]})
     assert list(parsed) == ["obs"]
     assert parsed["obs"].dtype == np.float32
     np.testing.assert_array_equal(
@@ -457,7 +452,7 @@ def test_parse_demo_inputs() -> None:
 
 
 def test_parse_every_dtype(typed_contract: PolicyContract) -> None:
-    parsed = parse_inputs(typed_contract, VALID_TYPED)
+    parsed = from_json(typed_contract, VALID_TYPED)
     assert {name: (a.dtype.name, a.shape) for name, a in parsed.items()} == {
         "count": ("int64", (2,)),
         "small": ("int8", (2,)),
@@ -494,7 +489,7 @@ def test_parse_every_dtype(typed_contract: PolicyContract) -> None:
 )
 def test_parse_rejects_demo_inputs(raw: object, field: str, problem: str) -> None:
     with pytest.raises(InvalidInput) as raised:
-        parse_inputs(load_contract(DEMO_MODEL), raw)
+        from_json(load_contract(DEMO_MODEL), raw)
     assert raised.value.field == field
     assert problem in raised.value.problem
     assert (
@@ -524,18 +519,18 @@ def test_parse_rejects_typed_inputs(
     typed_contract: PolicyContract, field: str, value: object, problem: str
 ) -> None:
     with pytest.raises(InvalidInput) as raised:
-        parse_inputs(typed_contract, {**VALID_TYPED, field: value})
+        from_json(typed_contract, {**VALID_TYPED, field: value})
     assert (raised.value.field, raised.value.problem) == (field, problem)
 
 
 def test_symbolic_dims_accept_any_size(typed_contract: PolicyContract) -> None:
-    parsed = parse_inputs(typed_contract, {**VALID_TYPED, "batch": [[1.0, 2.0, 3.0]] * 5})
+    parsed = from_json(typed_contract, {**VALID_TYPED, "batch": [[1.0, 2.0, 3.0]] * 5})
     assert parsed["batch"].shape == (5, 3)
 
 
 def test_long_unknown_name_is_shortened_in_message() -> None:
     with pytest.raises(InvalidInput) as raised:
-        parse_inputs(load_contract(DEMO_MODEL), {"x" * 10_000: 1})
+        from_json(load_contract(DEMO_MODEL), {"x" * 10_000: 1})
     assert raised.value.field == "x" * 10_000
     assert len(str(raised.value)) < 200
 
@@ -551,7 +546,7 @@ TYPED_NAMES = ["count", "small", "flag", "half", "batch"]
 @given(JSON)
 def test_parse_raises_only_invalid_input_for_any_json(raw: object) -> None:
     with contextlib.suppress(InvalidInput):
-        parse_inputs(DEMO_CONTRACT, raw)
+        from_json(DEMO_CONTRACT, raw)
 
 
 SMALL_JSON = st.recursive(
@@ -576,7 +571,7 @@ NEAR_OBS = st.lists(
 )
 def test_parse_raises_only_invalid_input_near_the_contract(raw: dict[str, object]) -> None:
     with contextlib.suppress(InvalidInput):
-        parse_inputs(DEMO_CONTRACT, raw)
+        from_json(DEMO_CONTRACT, raw)
 
 
 @given(data=st.data())
@@ -586,7 +581,7 @@ def test_parse_raises_only_invalid_input_for_every_dtype(
     field = data.draw(st.sampled_from(TYPED_NAMES))
     raw = {**VALID_TYPED, field: data.draw(JSON)}
     try:
-        parsed = parse_inputs(typed_contract, raw)
+        parsed = from_json(typed_contract, raw)
     except InvalidInput as exc:
         assert exc.field == field
     else:
@@ -599,7 +594,7 @@ def test_parse_raises_only_invalid_input_for_every_dtype(
     )
 )
 def test_parse_round_trips_valid_observations(observation: np.ndarray[Any, Any]) -> None:
-    parsed = parse_inputs(DEMO_CONTRACT, {"obs": observation.tolist()})
+    parsed = from_json(DEMO_CONTRACT, {"obs": observation.tolist()})
     np.testing.assert_array_equal(parsed["obs"], observation)
 
 
@@ -608,18 +603,18 @@ def test_parse_round_trips_valid_observations(observation: np.ndarray[Any, Any])
 
 def test_arrays_in_the_model_shape() -> None:
     obs = np.arange(8, dtype=np.float32).reshape(1, 8)
-    inputs = inputs_from_arrays(DEMO_CONTRACT, {"obs": obs})
+    inputs = from_arrays(DEMO_CONTRACT, {"obs": obs})
     assert inputs["obs"] is obs  # nothing to convert: no copy
-    converted = inputs_from_arrays(DEMO_CONTRACT, {"obs": obs.astype(np.float64)})["obs"]
+    converted = from_arrays(DEMO_CONTRACT, {"obs": obs.astype(np.float64)})["obs"]
     assert (converted.dtype, converted.shape) == (np.float32, (1, 8))
     np.testing.assert_array_equal(converted, obs)
     # big-endian, strided and read-only arrays are made native and contiguous
     swapped = obs.astype(">f4")
-    np.testing.assert_array_equal(inputs_from_arrays(DEMO_CONTRACT, {"obs": swapped})["obs"], obs)
+    np.testing.assert_array_equal(from_arrays(DEMO_CONTRACT, {"obs": swapped})["obs"], obs)
     strided = np.zeros((1, 16), np.float32)[:, ::2]
-    assert inputs_from_arrays(DEMO_CONTRACT, {"obs": strided})["obs"].flags.c_contiguous
+    assert from_arrays(DEMO_CONTRACT, {"obs": strided})["obs"].flags.c_contiguous
     # nested lists still parse as in JSON
-    listed = inputs_from_arrays(DEMO_CONTRACT, {"obs": obs.tolist()})["obs"]
+    listed = from_arrays(DEMO_CONTRACT, {"obs": obs.tolist()})["obs"]
     np.testing.assert_array_equal(listed, obs)
 
 
@@ -628,7 +623,7 @@ def test_read_only_buffers_run_through_the_model() -> None:
     obs = np.linspace(-1, 1, 8, dtype=np.float32).reshape(1, 8)
     received = np.frombuffer(obs.tobytes(), dtype="<f4").reshape(1, 8)
     assert not received.flags.writeable
-    inputs = inputs_from_arrays(DEMO_CONTRACT, {"obs": received})
+    inputs = from_arrays(DEMO_CONTRACT, {"obs": received})
     [want] = reference_rollout(DEMO_MODEL, [obs])
     [got] = reference_rollout(DEMO_MODEL, [inputs])
     np.testing.assert_array_equal(got["actions"], want["actions"])
@@ -664,7 +659,7 @@ def test_read_only_buffers_run_through_the_model() -> None:
 )
 def test_arrays_rejected(value: object, problem: str) -> None:
     with pytest.raises(InvalidInput) as raised:
-        inputs_from_arrays(DEMO_CONTRACT, {"obs": value})
+        from_arrays(DEMO_CONTRACT, {"obs": value})
     assert (raised.value.field, raised.value.problem) == ("obs", problem)
     assert str(raised.value) == f"inputs.obs: {problem}"
 
@@ -684,7 +679,7 @@ def test_arrays_rejected(value: object, problem: str) -> None:
 )
 def test_array_maps_rejected(raw: object, field: str, problem: str) -> None:
     with pytest.raises(InvalidInput) as raised:
-        inputs_from_arrays(DEMO_CONTRACT, raw)
+        from_arrays(DEMO_CONTRACT, raw)
     assert raised.value.field == field
     assert raised.value.problem.startswith(problem)
 
@@ -706,11 +701,11 @@ def test_array_maps_rejected(raw: object, field: str, problem: str) -> None:
 def test_typed_arrays_rejected(
     typed_contract: PolicyContract, field: str, value: np.ndarray[Any, Any], problem: str
 ) -> None:
-    arrays = parse_inputs(typed_contract, VALID_TYPED)
-    same = inputs_from_arrays(typed_contract, arrays)
+    arrays = from_json(typed_contract, VALID_TYPED)
+    same = from_arrays(typed_contract, arrays)
     assert all(same[name] is array for name, array in arrays.items())  # valid as they are
     with pytest.raises(InvalidInput) as raised:
-        inputs_from_arrays(typed_contract, {**arrays, field: value})
+        from_arrays(typed_contract, {**arrays, field: value})
     assert raised.value.field == field
     assert problem in raised.value.problem
 
@@ -723,7 +718,7 @@ def test_typed_arrays_convert_by_the_rule(typed_contract: PolicyContract) -> Non
         "half": np.array([3], np.int32),  # integers into floats
         "batch": np.ones((5, 3), np.float64),  # symbolic dims: any size
     }
-    inputs = inputs_from_arrays(typed_contract, arrays)
+    inputs = from_arrays(typed_contract, arrays)
     assert {name: (a.dtype.name, a.shape) for name, a in inputs.items()} == {
         "count": ("int64", (2,)),
         "small": ("int8", (2,)),
@@ -742,7 +737,7 @@ ANY_DTYPE = st.sampled_from(
 @given(hnp.arrays(ANY_DTYPE, hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=9)))
 def test_arrays_raise_only_invalid_input(value: np.ndarray[Any, Any]) -> None:
     try:
-        inputs = inputs_from_arrays(DEMO_CONTRACT, {"obs": value})
+        inputs = from_arrays(DEMO_CONTRACT, {"obs": value})
     except InvalidInput as exc:
         assert exc.field == "obs"
     else:
@@ -756,10 +751,8 @@ def test_arrays_raise_only_invalid_input(value: np.ndarray[Any, Any]) -> None:
     )
 )
 def test_float64_arrays_match_the_json_path(observation: np.ndarray[Any, Any]) -> None:
-    from_json = parse_inputs(DEMO_CONTRACT, {"obs": observation.tolist()})["obs"]
-    np.testing.assert_array_equal(
-        inputs_from_arrays(DEMO_CONTRACT, {"obs": observation})["obs"], from_json
-    )
+    decoded = from_json(DEMO_CONTRACT, {"obs": observation.tolist()})["obs"]
+    np.testing.assert_array_equal(from_arrays(DEMO_CONTRACT, {"obs": observation})["obs"], decoded)
 
 
 # --- openpi observations -----------------------------------------------------------------
@@ -781,7 +774,7 @@ def libero(seed: int) -> dict[str, Any]:
 
 def test_openpi_observation_gets_the_batch_axis() -> None:
     observation = libero(1)
-    inputs, ignored = inputs_from_observation(VLA_CONTRACT, observation)
+    inputs, ignored = from_observation(VLA_CONTRACT, observation)
     assert ignored == ("prompt",)
     assert {name: (a.dtype.name, a.shape) for name, a in inputs.items()} == {
         "image": ("uint8", (1, 224, 224, 3)),
@@ -806,8 +799,8 @@ def test_nested_observation_flattens_with_slashes() -> None:
         "prompt": flat["prompt"],
         "extra": {"depth": {"front": np.zeros(3)}, "n": 3},
     }
-    inputs, ignored = inputs_from_observation(VLA_CONTRACT, nested)
-    want, _ = inputs_from_observation(VLA_CONTRACT, flat)
+    inputs, ignored = from_observation(VLA_CONTRACT, nested)
+    want, _ = from_observation(VLA_CONTRACT, flat)
     assert ignored == ("extra/depth/front", "extra/n", "prompt")
     for name in want:
         np.testing.assert_array_equal(inputs[name], want[name])
@@ -818,7 +811,7 @@ def test_ignored_values_are_never_touched() -> None:
         def __array__(self, *args: object, **kwargs: object) -> None:
             raise AssertionError("an ignored value was read")
 
-    inputs, ignored = inputs_from_observation(
+    inputs, ignored = from_observation(
         VLA_CONTRACT, {**libero(3), "prompt": Hostile(), "tokens": [Hostile()] * 3}
     )
     assert ignored == ("prompt", "tokens")
@@ -826,10 +819,10 @@ def test_ignored_values_are_never_touched() -> None:
 
 
 def test_openpi_with_the_demo_policy_and_lists() -> None:
-    inputs, ignored = inputs_from_observation(DEMO_CONTRACT, {"obs": [0.5] * 8})
+    inputs, ignored = from_observation(DEMO_CONTRACT, {"obs": [0.5] * 8})
     assert ignored == ()
     assert (inputs["obs"].dtype, inputs["obs"].shape) == (np.float32, (1, 8))
-    scalar = inputs_from_observation(DEMO_CONTRACT, {"obs": np.arange(8)})  # ints -> float
+    scalar = from_observation(DEMO_CONTRACT, {"obs": np.arange(8)})  # ints -> float
     assert scalar.inputs["obs"].tolist() == [list(range(8))]
 
 
@@ -904,7 +897,7 @@ def without(observation: dict[str, Any], key: str) -> dict[str, Any]:
 )
 def test_bad_openpi_observations(change: Any, field: str, problem: str) -> None:
     with pytest.raises(InvalidInput) as raised:
-        inputs_from_observation(VLA_CONTRACT, change(libero(4)))
+        from_observation(VLA_CONTRACT, change(libero(4)))
     assert (raised.value.field, raised.value.problem) == (field, problem)
     assert str(raised.value) == (f"observation.{field}: " if field else "observation: ") + problem
 
@@ -914,7 +907,7 @@ def test_observation_nesting_is_bounded() -> None:
     for _ in range(8):
         deep = {"d": deep}
     with pytest.raises(InvalidInput, match="nested deeper than 8 maps") as raised:
-        inputs_from_observation(VLA_CONTRACT, {**libero(5), **deep})
+        from_observation(VLA_CONTRACT, {**libero(5), **deep})
     assert raised.value.field == "/".join(["d"] * 8)
 
 
@@ -922,9 +915,7 @@ def test_openpi_without_a_batch_axis_takes_the_whole_shape(tmp_path: Path) -> No
     path = batch_model(tmp_path / "fixed.onnx", 2)
     contract = load_contract(path)
     assert not contract.batch_axis
-    inputs, _ = inputs_from_observation(
-        contract, {"x": np.ones((2, 3)), "c_in": np.ones((2, 4, 2))}
-    )
+    inputs, _ = from_observation(contract, {"x": np.ones((2, 3)), "c_in": np.ones((2, 4, 2))})
     assert inputs["x"].shape == (2, 3)
     outputs = {"y": np.ones((2, 3), np.float32)}
     assert outputs_unbatched(contract, outputs)["y"].shape == (2, 3)
@@ -959,7 +950,7 @@ def test_observations_raise_only_invalid_input(observation: dict[str, Any], comp
     if complete:  # the valid ones first, so that what follows is what is under test
         observation = {**libero(6), **observation}
     try:
-        inputs, ignored = inputs_from_observation(VLA_CONTRACT, observation)
+        inputs, ignored = from_observation(VLA_CONTRACT, observation)
     except InvalidInput as exc:
         assert str(exc).startswith("observation")
     else:
@@ -1100,7 +1091,7 @@ def vla_step(
 
 
 def vla_inputs(steps: int, seed: int = 11) -> list[dict[str, np.ndarray[Any, Any]]]:
-    return [inputs_from_observation(VLA_CONTRACT, libero(seed + t)).inputs for t in range(steps)]
+    return [from_observation(VLA_CONTRACT, libero(seed + t)).inputs for t in range(steps)]
 
 
 def test_vla_matches_the_documented_equations() -> None:

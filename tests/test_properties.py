@@ -85,7 +85,7 @@ def test_round_robin_stays_exact_as_devices_come_and_go(
 
         for op, x in steps:
             devices = sorted(weight)
-            if op == "claim" and any(d.state == "active" for d in await env.registry.devices()):
+            if op == "claim" and any(d.state == "active" for d in await env.inventory.devices()):
                 await claim(x)
             elif op == "drain":
                 await env.registry.drain(devices[x % len(devices)])
@@ -97,7 +97,7 @@ def test_round_robin_stays_exact_as_devices_come_and_go(
                     node, f"http://{node}", cpu_devices(weights=[x], capacity=10_000)
                 )
                 weight[f"{node}/0"] = x
-        active = {d.device for d in await env.registry.devices() if d.state == "active"}
+        active = {d.device for d in await env.inventory.devices() if d.state == "active"}
         if not active:
             await env.registry.undrain("n/0")
             active = {"n/0"}
@@ -151,12 +151,12 @@ def test_live_load_never_exceeds_capacity(
 
 
 async def check_invariants(env: Env, capacities: list[int]) -> None:
-    status = {d.device: d for d in await env.registry.devices()}
+    status = {d.device: d for d in await env.inventory.devices()}
     owners: dict[str, Any] = {}
     for i, cap in enumerate(capacities):
         d = status[f"n{i}/0"]
         assert d.load <= cap
-        for row in await env.registry.episodes(device=d.device):
+        for row in await env.inventory.episodes(device=d.device):
             assert row.episode not in owners, "an episode in two load sets"
             owners[row.episode] = row.device
     for key in await env.redis.keys(env.keys.episode("*")):

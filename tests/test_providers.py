@@ -23,7 +23,7 @@ from packaging.version import Version
 
 import node.providers as providers
 from node.devices import DeviceSpec
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
 from node.providers import (
     ORT_PROVIDER_ERRORS,
     CudaGraphUnavailable,
@@ -37,6 +37,7 @@ from node.providers import (
     trt_cache_dir,
 )
 from tests.procs import free_port
+from tests.rollout import reference_rollout
 
 ROOT = Path(__file__).resolve().parent.parent
 # Two architectures on one node: the TensorRT caches must not be shared between them.

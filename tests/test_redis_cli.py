@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pytest
 import redis.asyncio
 
-from affinity import Claims, DeviceRegistration, Keys, ModelId, Registry, Settings
+from affinity import Claims, DeviceRegistration, Keys, ModelId, Models, Registry, Settings
 from tests.procs import ROOT, RedisServer
 
 pytestmark = pytest.mark.integration
@@ -179,7 +179,7 @@ async def populate(url: str) -> dict[str, tuple[str, int]]:
         await registry.register("gpu-a", "http://gpu-a:8000", cuda("gpu-a", 2), models=both)
         await registry.register("gpu-b", "http://gpu-b:8000", cuda("gpu-b", 1, capacity=2),
                                 models={DEMO: CONTRACT})  # fmt: skip
-        await registry.rollout("demo_policy", "v1", 1)
+        await Models(client, settings).rollout("demo_policy", "v1", 1)
         placed = {}
         for ep in EPISODES:
             a = await claims.resolve(ep, model="demo_policy")

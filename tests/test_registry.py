@@ -24,7 +24,7 @@ pytestmark = pytest.mark.anyio
 
 
 async def events(env: Env, kind: str) -> list[dict[str, str]]:
-    return [f for _, f in await env.registry.events() if f["type"] == kind]
+    return [f for _, f in await env.events.events() if f["type"] == kind]
 
 
 # -- devices a node no longer has (issue 10 #1) ---------------------------------------------
@@ -42,7 +42,7 @@ async def test_a_crashed_node_back_with_fewer_devices_loses_the_others(env: Env)
     await env.node("a", 1)
     moved = await env.claims.resolve("ep-1")
     assert (moved.status, moved.device, moved.previous) == ("reassigned", "a/0", "a/1")
-    assert [d.device for d in await env.registry.devices()] == ["a/0"]
+    assert [d.device for d in await env.inventory.devices()] == ["a/0"]
     assert await env.redis.exists(env.keys.device("a/1"), env.keys.load("a/1")) == 0
     assert (await env.claims.resolve("ep-1")).status == "hit"
 
@@ -55,7 +55,7 @@ async def test_a_stopped_node_back_with_fewer_devices_loses_the_others(env: Env)
     await env.node("a", 1)
     moved = await env.claims.resolve("ep-1")
     assert (moved.status, moved.device, moved.previous) == ("reassigned", "a/0", "a/1")
-    assert [d.device for d in await env.registry.devices()] == ["a/0"]
+    assert [d.device for d in await env.inventory.devices()] == ["a/0"]
 
 
 # -- one process per node id (issue 10 #3) --------------------------------------------------
@@ -98,7 +98,7 @@ async def test_registration_carries_down_states_and_keeps_drains(env: Env) -> No
     devices[1] = replace(devices[1], state="down", reason="3 model failures")
     devices[2] = replace(devices[2], state="down", reason="hung")
     await env.registry.register("a", "http://a.test:8000", devices)
-    states = {d.device: (d.state, d.reason) for d in await env.registry.devices()}
+    states = {d.device: (d.state, d.reason) for d in await env.inventory.devices()}
     assert states == {
         "a/0": ("active", ""),
         "a/1": ("down", "3 model failures"),
@@ -132,7 +132,7 @@ async def test_a_lapse_writes_one_node_down_by_whoever_notices_first(env: Env) -
         assert (await env.claims.resolve(f"ep-{i}")).device == "b/0"
     assert await env.registry.renew("a") is None  # a must register again
     assert len(await events(env, "node-down")) == 1
-    nodes = {n.node: n for n in await env.registry.nodes()}
+    nodes = {n.node: n for n in await env.inventory.nodes()}
     a = nodes["a"]
     assert (a.url, a.devices, a.alive, a.state, a.version) == (
         "http://a.test:8000",
@@ -168,8 +168,8 @@ async def test_forget_a_dead_node(env: Env) -> None:
     with pytest.raises(UnknownNode, match="'zz'"):
         await env.registry.forget("zz")
     await env.registry.forget("a")
-    assert [n.node for n in await env.registry.nodes()] == ["b"]
-    assert [d.device for d in await env.registry.devices()] == ["b/0"]
+    assert [n.node for n in await env.inventory.nodes()] == ["b"]
+    assert [d.device for d in await env.inventory.devices()] == ["b/0"]
     assert (await env.claims.resolve("ep")).previous == "a/0"
     with pytest.raises(UnknownNode):
         await env.registry.forget("a")
@@ -237,23 +237,23 @@ async def test_a_stopped_node_is_listed_as_left_with_its_devices(env: Env) -> No
     await env.node("b", 1)
     await env.claims.resolve("ep")
     await env.registry.deregister("a")
-    nodes = {n.node: n for n in await env.registry.nodes()}
+    nodes = {n.node: n for n in await env.inventory.nodes()}
     assert (nodes["a"].state, nodes["a"].alive, nodes["a"].devices) == (
         "left",
         False,
         ("a/0", "a/1"),
     )
     assert nodes["b"].state == "up"
-    devices = {d.device: d for d in await env.registry.devices()}
+    devices = {d.device: d for d in await env.inventory.devices()}
     assert {d for d, s in devices.items() if s.node == "a"} == set(nodes["a"].devices)
     assert not any(devices[d].alive for d in nodes["a"].devices)
     await env.lapse("b")  # a lapse noticed later does not turn "left" into "down"
-    assert {n.node: n.state for n in await env.registry.nodes()} == {"a": "left", "b": "down"}
+    assert {n.node: n.state for n in await env.inventory.nodes()} == {"a": "left", "b": "down"}
     await env.registry.forget("a")
-    assert [n.node for n in await env.registry.nodes()] == ["b"]
-    assert not any(d.node == "a" for d in await env.registry.devices())
+    assert [n.node for n in await env.inventory.nodes()] == ["b"]
+    assert not any(d.node == "a" for d in await env.inventory.devices())
     await env.node("a", 1)  # or it comes back up
-    assert {n.node: n.state for n in await env.registry.nodes()}["a"] == "up"
+    assert {n.node: n.state for n in await env.inventory.nodes()}["a"] == "up"
 
 
 async def test_episodes_lists_handed_over_episodes_as_show_does(env: Env) -> None:
@@ -264,16 +264,16 @@ async def test_episodes_lists_handed_over_episodes_as_show_does(env: Env) -> Non
     token = {c.episode: c.token for c in claimed}
     await env.claims.handoff(on_a[0], token[on_a[0]])  # one by hand, the rest by the stop
     await env.registry.deregister("a")
-    rows = {r.episode: r for r in await env.registry.episodes(node="a")}
+    rows = {r.episode: r for r in await env.inventory.episodes(node="a")}
     assert sorted(rows) == on_a and all(r.moved and r.device == "a/0" for r in rows.values())
     for ep in on_a:
         info = await env.claims.lookup(ep)
         assert info is not None and info.moved and rows[ep].token == info.token
-    assert all(not r.moved for r in await env.registry.episodes(node="b"))
+    assert all(not r.moved for r in await env.inventory.episodes(node="b"))
     moved = await env.claims.resolve(on_a[0])  # claimed anew: listed where it is now
     assert moved.status == "reassigned" and moved.device == "b/0"
-    assert on_a[0] not in {r.episode for r in await env.registry.episodes(node="a")}
-    assert on_a[0] in {r.episode for r in await env.registry.episodes(device="b/0") if not r.moved}
+    assert on_a[0] not in {r.episode for r in await env.inventory.episodes(node="a")}
+    assert on_a[0] in {r.episode for r in await env.inventory.episodes(device="b/0") if not r.moved}
     await env.registry.forget("a")
     assert await env.redis.exists(env.keys.moved("a/0")) == 0
 

@@ -29,7 +29,7 @@ from affinity import (
     close,
     connect,
 )
-from affinity.registry import Held
+from affinity.registry import HeldEpisode
 from node.config import NodeConfig
 from node.dispatcher import Arrivals
 from node.episodes import Episode, EpisodeTable
@@ -184,7 +184,7 @@ async def test_renewals_reasserts_and_slides_no_replica_acknowledged_are_not_don
 ) -> None:
     client, _, plain, registry = lone
     a = await plain.resolve("ep")
-    held = Held("ep", a.device, a.token, a.claim, a.model)
+    held = HeldEpisode("ep", a.device, a.token, a.claim, a.model)
     with pytest.raises(NotReplicated, match="renewal of node a"):
         await registry.renew("a", "i")
     with pytest.raises(NotReplicated, match="registration of node a"):
@@ -201,7 +201,7 @@ async def test_renewals_reasserts_and_slides_no_replica_acknowledged_are_not_don
     assert await client.get(KEYS.episode("ep")) is None
 
 
-def lone_owner(registry: Registry, held: Held, clock: Any) -> Owner:
+def lone_owner(registry: Registry, held: HeldEpisode, clock: Any) -> Owner:
     """An owner holding one record, with no lease loop, devices or router behind it."""
     from types import SimpleNamespace
 
@@ -229,7 +229,7 @@ async def test_the_owner_counts_on_no_slide_a_replica_did_not_acknowledge(lone: 
     client, _, plain, registry = lone
     a = await plain.resolve("ep")
     now = [100.0]
-    owner = lone_owner(registry, Held("ep", a.device, a.token, a.claim), lambda: now[0])
+    owner = lone_owner(registry, HeldEpisode("ep", a.device, a.token, a.claim), lambda: now[0])
     await owner.flush()
     assert owner.flushed_at == float("-inf") and not owner.current()
     assert owner._slid == {}  # due again at the next flush

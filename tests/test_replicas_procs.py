@@ -27,8 +27,9 @@ import pytest
 import redis
 
 from affinity import Keys
-from node.policy import DEMO_MODEL, reference_rollout
+from node.models import DEMO_MODEL
 from tests.procs import Forwarder, Node, RedisServer, wait_until
+from tests.rollout import reference_rollout
 from tests.test_replicas import SYNC, calls, replica_of
 
 pytestmark = pytest.mark.integration

@@ -17,10 +17,10 @@ import pytest
 from onnx import TensorProto, helper
 
 from affinity.errors import InvalidArgument
+from node.contract import load_contract
 from node.dispatcher import MultiGpuDispatcher
-from node.models import build_rtc
+from node.models import DEMO_MODEL, RTC_DEMO_MODEL, build_rtc
 from node.models._build import Weights, model, tensor, write
-from node.policy import DEMO_MODEL, RTC_DEMO_MODEL, load_contract
 from node.protocols.kserve import model_metadata
 from node.rtc import Ask, delay_estimate, executed_estimate, rtc_of
 

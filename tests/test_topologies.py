@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from affinity import Claims, Registry, Settings, close, connect
+from affinity import Claims, EventStream, Inventory, Registry, Settings, close, connect
 from tests.conftest import cpu_devices
 from tests.procs import Proc, free_port, wait_until
 
@@ -27,16 +27,17 @@ async def round_trip(url: str) -> None:
     settings = Settings(redis_url=url, redis_deadline_s=5)
     client = connect(settings)
     registry, claims = Registry(client, settings), Claims(client, settings)
+    inventory = Inventory(client, settings)
     assert await registry.new_fleet()  # a new fleet: no grace period for its first claims
     await registry.register("n", "http://n", cpu_devices(2, capacity=10))
     a = await claims.resolve("ep-1")
     assert a.status == "claimed"
     assert (await claims.resolve("ep-1")).status == "hit"
-    assert {d.device: d.load for d in await registry.devices()} == {"n/0": 1, "n/1": 0}
-    assert [r.episode for r in await registry.episodes(node="n")] == ["ep-1"]
+    assert {d.device: d.load for d in await inventory.devices()} == {"n/0": 1, "n/1": 0}
+    assert [r.episode for r in await inventory.episodes(node="n")] == ["ep-1"]
     await registry.drain("n/1", "test")
     assert (await claims.release("ep-1", a.token, owner=True)).device == a.device
-    assert [f["type"] for _, f in await registry.events()] == [
+    assert [f["type"] for _, f in await EventStream(client, settings).events()] == [
         "node-up",
         "claim",
         "drain",

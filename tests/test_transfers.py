@@ -46,7 +46,7 @@ async def test_place_then_commit_moves_the_assignment_and_its_slot(env: Env) -> 
     assert await env.redis.zrange(env.keys.load("a/0"), 0, -1) == []
     hit = await env.claims.resolve("ep")
     assert (hit.status, hit.device, hit.token, hit.claim) == ("hit", "b/0", to.token, to.claim)
-    moved = [f for _, f in await env.registry.events() if f["type"] == "moved"]
+    moved = [f for _, f in await env.events.events() if f["type"] == "moved"]
     assert [(m["from"], m["to"], m["bytes"], m["reason"]) for m in moved] == [
         ("a/0", "b/0", "96", "drain")
     ]

@@ -36,7 +36,7 @@ import redis
 import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
-from affinity.registry import EVENT_NUMBERS
+from affinity.events import EVENT_NUMBERS, EventStream
 from node.fleet import RETRY_MS, Fleet
 from node.lease import VERSION
 from tests.procs import ROOT, Node, RedisServer
@@ -712,9 +712,8 @@ def test_event_stream_says_when_the_capped_stream_lost_events(stack: Stack) -> N
 @pytest.mark.anyio
 async def test_stream_heartbeats_when_quiet_and_ends_on_close() -> None:
     client = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer(), decode_responses=True)
-    registry = Registry(client, Settings())
     fleet = Fleet(heartbeat_s=0.05)
-    stream = fleet.stream(registry, "0-0")
+    stream = fleet.stream(EventStream(client, Settings()), "0-0")
     with anyio.fail_after(30):
         assert await anext(stream) == f"retry: {RETRY_MS}\n\n"
         assert await anext(stream) == ": keep-alive\n\n"  # nothing happened

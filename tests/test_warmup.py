@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from node import warmup
+from node.contract import load_contract
 from node.dispatcher import MultiGpuDispatcher
-from node.policy import DEMO_MODEL, load_contract
+from node.models import DEMO_MODEL
 from tests.models import string_adder
 
 

@@ -17,12 +17,8 @@ from typing import Any
 import numpy as np
 import onnxruntime
 
-from node.policy import (
-    PACKAGED_MODELS,
-    PolicyContract,
-    load_contract,
-    resolve_model,
-)
+from node.contract import PolicyContract, load_contract
+from node.models import PACKAGED_MODELS, resolve_model
 
 
 def random_feed(

@@ -31,6 +31,7 @@ import numpy as np
 import orjson
 
 from affinity import InvalidArgument, UnknownField, check_episode, wire
+from node import inputs
 from node.accesslog import STEP_KEY
 from node.asgi import (
     CONNECTION,
@@ -46,7 +47,7 @@ from node.asgi import (
     respond_error,
     while_connected,
 )
-from node.policy import InvalidInput, inputs_from_arrays, parse_inputs
+from node.inputs import InvalidInput
 from node.service import NodeService
 from node.step import Refused, Reply, Step, Unavailable
 
@@ -91,7 +92,7 @@ async def decode(service: NodeService, body: bytes, binary: bool, deadline: floa
     name, _, version = (None, "", None) if model is None else model.partition("@")
     name, contract = await service.model_for(name, version or None)
     raw = doc.get("inputs")
-    inputs = inputs_from_arrays(contract, raw) if binary else parse_inputs(contract, raw)
+    feed = inputs.from_arrays(contract, raw) if binary else inputs.from_json(contract, raw)
     end, token = doc.get("end", False), doc.get("token")
     steps, ensemble = doc.get("execute_steps"), doc.get("ensemble")
     if not isinstance(end, bool):
@@ -123,7 +124,7 @@ async def decode(service: NodeService, body: bytes, binary: bool, deadline: floa
         )
     return Step(
         episode=None if episode is None else check_episode(episode),
-        inputs=inputs,
+        inputs=feed,
         deadline=deadline,
         end=end,
         client_token=token,

@@ -56,14 +56,11 @@ from urllib.parse import parse_qs
 import numpy as np
 
 from affinity import InvalidArgument, check_episode, wire
+from node import inputs
 from node.accesslog import STEP_KEY, AccessLog
 from node.asgi import WATCH_AFTER_S, ClientGone, Receive, Scope, Send, error_body, header, io_seen
-from node.policy import (
-    InvalidInput,
-    PolicyContract,
-    inputs_from_observation,
-    outputs_unbatched,
-)
+from node.contract import PolicyContract
+from node.inputs import InvalidInput, outputs_unbatched
 from node.service import NodeService
 from node.step import Refused, Step, Unavailable
 
@@ -269,7 +266,7 @@ def decode(
     if local is not None:  # a model served elsewhere: its owner checks
         local.mode_for(steps, ensemble)  # InvalidArgument names the field
     rtc = service.rtc_for(model, _scalar(executed), _scalar(delay), _scalar(control_hz), pending)
-    converted = inputs_from_observation(contract or service.contract, observation)
+    converted = inputs.from_observation(contract or service.contract, observation)
     if converted.ignored:
         service.warn_once(
             f"openpi-ignored:{converted.ignored}",

@@ -23,7 +23,9 @@ import httpx
 import numpy as np
 import pytest
 
-from node.policy import DEMO_MODEL, load_contract, reference_rollout
+from node.contract import load_contract
+from node.models import DEMO_MODEL
+from tests.rollout import reference_rollout
 
 pytestmark = [pytest.mark.integration, pytest.mark.anyio]
 

@@ -26,8 +26,9 @@ from affinity import InvalidArgument, UnknownEpisode
 from affinity.wire import MAX_ELEMENTS
 from node.accesslog import STEP_KEY, AccessLog
 from node.asgi import io_seen
+from node.contract import PolicyContract
+from node.inputs import InvalidInput
 from node.lease import VERSION
-from node.policy import InvalidInput, PolicyContract
 from node.protocols.kserve.pb import kserve_pb2 as pb
 from node.protocols.kserve.request import (
     EXTENSIONS,

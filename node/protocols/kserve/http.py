@@ -36,8 +36,9 @@ from node.asgi import (
     respond,
     while_connected,
 )
+from node.contract import PolicyContract
+from node.inputs import InvalidInput
 from node.lease import VERSION
-from node.policy import InvalidInput, PolicyContract
 from node.protocols.kserve.request import (
     EXTENSIONS,
     InferRequest,

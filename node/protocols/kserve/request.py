@@ -18,8 +18,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from affinity import InvalidArgument, check_episode
+from node import inputs
+from node.contract import PolicyContract, TensorSpec
 from node.devices import DeviceSpec
-from node.policy import PolicyContract, TensorSpec, inputs_from_arrays
 from node.protocols.kserve.tensors import NAMES, BadRequest, kind_of
 from node.rtc import Ask
 from node.service import NodeService
@@ -187,7 +188,7 @@ def to_step(
         _check_missing(contract, request.arrays)
     return Step(
         episode=request.episode,
-        inputs=inputs_from_arrays(contract, request.arrays),
+        inputs=inputs.from_arrays(contract, request.arrays),
         deadline=deadline,
         end=request.end,
         restart=request.start,

@@ -1,0 +1,318 @@
+"""Read-only views of the fleet for operators and the fleet page: nodes, devices, models,
+live episodes.
+
+Nothing here writes, and nothing here decides: the claim script and the owners do. Each
+view is a few pipelined reads (no Lua, no MULTI), so it may mix instants a few ms apart; a
+row may describe an episode that expired a moment later. Liveness is judged by the Redis
+server's clock (``TIME``), not the caller's. ``episodes`` reads the devices' load sets, so
+its cost grows with the number of devices asked about.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from affinity.config import Settings
+from affinity.errors import UnknownDevice, UnknownNode
+from affinity.models import ModelId
+from affinity.scripts import bounded
+
+__all__ = ["DeviceStatus", "EpisodeRow", "Inventory", "ModelStatus", "NodeStatus"]
+
+
+@dataclass(frozen=True)
+class DeviceStatus:
+    device: str
+    node: str
+    index: int
+    kind: str
+    name: str
+    uuid: str
+    arch: str
+    memory_mb: int
+    capacity: int
+    weight: int
+    provider: str
+    state: str
+    reason: str
+    alive: bool
+    load: int
+    models: tuple[str, ...] = ()  # "name@version" its node serves on it
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["models"] = list(self.models)
+        return d
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    node: str
+    url: str
+    devices: tuple[str, ...]
+    alive: bool
+    state: str  # up | leaving | down (its lease lapsed) | left (it deregistered)
+    lease_ms: int  # ms left on the lease (negative: lapsed that long ago)
+    started_at_ms: int
+    version: str
+    models: tuple[str, ...] = ()  # "name@version" on every one of its devices
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["devices"] = list(self.devices)
+        d["models"] = list(self.models)
+        return d
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """One registered (name, version): who serves it and what share of new episodes of
+    its name it takes."""
+
+    name: str
+    version: str
+    registered_at_ms: int  # when a node first registered it
+    weight: int | None  # the operator's rollout weight; None: no weights for this name
+    newest: bool  # the newest registered version of its name
+    nodes: tuple[str, ...]  # the live nodes that serve it
+    devices: int  # their devices
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["nodes"] = list(self.nodes)
+        return d
+
+
+@dataclass(frozen=True)
+class EpisodeRow:
+    episode: str
+    device: str
+    token: int
+    ttl_ms: int
+    moved: bool = False  # handed over by a graceful stop: its next step is reassigned
+    model: str = ""  # "name@version" it was claimed with ("": its node registered none)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _node_state(recorded: str, leased: bool) -> str:
+    """``left`` for a node that deregistered (its record kept until it registers again or
+    is forgotten), ``down`` for one whose lease lapsed, else what it recorded (``up``,
+    ``leaving``)."""
+    if recorded == "left":
+        return "left"
+    return recorded if leased else "down"
+
+
+def _now_ms(reply: Sequence[int]) -> int:
+    return int(reply[0]) * 1000 + int(reply[1]) // 1000
+
+
+class Inventory:
+    """Read-only views over one Redis client. Every call is bounded by
+    ``settings.redis_deadline_s`` and raises :class:`BackendUnavailable` when Redis cannot
+    answer in time."""
+
+    def __init__(self, redis: Any, settings: Settings) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.keys = settings.keys
+
+    async def empty(self) -> bool:
+        """True when no node and no device was ever registered in this namespace (or
+        Redis lost them)."""
+        k = self.keys
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.exists(k.devices, k.nodes)
+        (count,) = await bounded(self.settings, pipe.execute())
+        return int(count) == 0
+
+    async def nodes(self) -> list[NodeStatus]:
+        """Every node known: those holding a lease, and dead ones (their record stays
+        until they register again or are forgotten), sorted by id."""
+        return await bounded(self.settings, self._nodes())
+
+    async def _nodes(self) -> list[NodeStatus]:
+        k = self.keys
+        now = _now_ms(await self.redis.time())
+        leases = dict(await self.redis.zrange(k.nodes, 0, -1, withscores=True))
+        ids = sorted(
+            set(leases) | {d.split("/", 1)[0] for d in await self.redis.smembers(k.devices)}
+        )
+        pipe = self.redis.pipeline(transaction=False)
+        for node in ids:
+            pipe.hgetall(k.node(node))
+        hashes = await pipe.execute()
+        out = []
+        for node, h in zip(ids, hashes, strict=True):
+            if not h:
+                continue
+            deadline = leases.get(node)
+            if deadline is None:
+                deadline = float(h.get("lease") or 0)
+            out.append(
+                NodeStatus(
+                    node=node,
+                    url=h.get("url", ""),
+                    devices=tuple(filter(None, h.get("devices", "").split(","))),
+                    alive=node in leases and deadline > now,
+                    state=_node_state(h.get("state", "up"), deadline > now),
+                    lease_ms=int(deadline) - now,
+                    started_at_ms=int(h.get("started_at", 0)),
+                    version=h.get("version", ""),
+                    models=tuple(filter(None, h.get("models", "").split(","))),
+                )
+            )
+        return out
+
+    async def devices(self) -> list[DeviceStatus]:
+        """Every registered device with its liveness and live load, sorted by id."""
+        return await bounded(self.settings, self._devices())
+
+    async def _devices(self) -> list[DeviceStatus]:
+        k = self.keys
+        now = _now_ms(await self.redis.time())
+        ids = sorted(await self.redis.smembers(k.devices))
+        pipe = self.redis.pipeline(transaction=False)
+        for device in ids:
+            pipe.hgetall(k.device(device))
+            pipe.zcount(k.load(device), now, "+inf")
+            pipe.hexists(k.route, device)
+        replies = await pipe.execute()
+        hashes = replies[0::3]
+        nodes = sorted({h["node"] for h in hashes if h})
+        pipe = self.redis.pipeline(transaction=False)
+        for node in nodes:
+            pipe.hget(k.node(node), "models")
+        served = {
+            n: tuple(filter(None, (m or "").split(",")))
+            for n, m in zip(nodes, await pipe.execute(), strict=True)
+        }
+        alive_nodes = {
+            node
+            for node, deadline in await self.redis.zrange(k.nodes, 0, -1, withscores=True)
+            if deadline > now
+        }
+        out = []
+        for device, h, load, listed in zip(ids, hashes, replies[1::3], replies[2::3], strict=True):
+            if not h:
+                continue
+            out.append(
+                DeviceStatus(
+                    device=device,
+                    node=h["node"],
+                    index=int(h["index"]),
+                    kind=h["kind"],
+                    name=h["name"],
+                    uuid=h["uuid"],
+                    arch=h["arch"],
+                    memory_mb=int(h["memory"]),
+                    capacity=int(h["capacity"]),
+                    weight=int(h["weight"]),
+                    provider=h.get("provider", ""),
+                    state=h["state"],
+                    reason=h.get("reason", ""),
+                    alive=bool(listed) and h["node"] in alive_nodes,
+                    load=int(load),
+                    models=served.get(h["node"], ()),
+                )
+            )
+        return out
+
+    async def models(self) -> list[ModelStatus]:
+        """Every (name, version) registered by a node known now (alive or not), with the
+        live nodes that serve it, sorted by name then registration (oldest first)."""
+        return await bounded(self.settings, self._models())
+
+    async def _models(self) -> list[ModelStatus]:
+        k = self.keys
+        serving: dict[str, list[str]] = {}
+        devices: dict[str, int] = {}
+        for n in await self._nodes():
+            for m in n.models:
+                serving.setdefault(m, [])
+                devices.setdefault(m, 0)
+                if n.alive:
+                    serving[m].append(n.node)
+                    devices[m] += len(n.devices)
+        names = sorted({ModelId.parse(m).name for m in serving})
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.zrange(k.versions(name), 0, -1, withscores=True)
+            pipe.hgetall(k.rollout(name))
+        replies = await pipe.execute()
+        out = []
+        for name, versions, weights in zip(names, replies[0::2], replies[1::2], strict=True):
+            newest = versions[-1][0] if versions else ""
+            for version, at in versions:
+                m = f"{name}@{version}"
+                if m not in serving:
+                    continue
+                w = weights.get(version)
+                out.append(
+                    ModelStatus(
+                        name=name,
+                        version=version,
+                        registered_at_ms=int(at),
+                        weight=(int(w) if w is not None else 0) if weights else None,
+                        newest=version == newest,
+                        nodes=tuple(serving[m]),
+                        devices=devices[m],
+                    )
+                )
+        return out
+
+    async def episodes(
+        self, device: str | None = None, node: str | None = None
+    ) -> list[EpisodeRow]:
+        """Live assignments, from the devices' load sets, and those handed over by a graceful
+        stop and not yet claimed anew (``moved``), optionally filtered. With
+        ``device`` it reads that device's load set only (at most its capacity of members).
+        Raises :class:`UnknownDevice` for a device that is not registered and
+        :class:`UnknownNode` for a ``node`` with no record and no device."""
+        return await bounded(self.settings, self._episodes(device, node))
+
+    async def _episodes(self, device: str | None, node: str | None) -> list[EpisodeRow]:
+        k = self.keys
+        if device is not None:
+            if not await self.redis.exists(k.device(device)):
+                raise UnknownDevice(device)
+            chosen = [device]
+        else:
+            chosen = sorted(await self.redis.smembers(k.devices))
+        if node is not None:
+            chosen = [d for d in chosen if d.split("/", 1)[0] == node]
+            if not chosen and not await self.redis.exists(k.node(node)):
+                raise UnknownNode(node)
+        now = _now_ms(await self.redis.time())
+        pipe = self.redis.pipeline(transaction=False)
+        for d in chosen:
+            pipe.zrangebyscore(k.load(d), now, "+inf")
+            pipe.zrangebyscore(k.moved(d), now, "+inf")
+        members = await pipe.execute()
+        # (device, episode, listed as handed over): a handed-over entry counts only while
+        # the value still says so (not once the episode was claimed anew, even on d)
+        pairs = [
+            (d, ep, was_moved)
+            for d, live, moved in zip(chosen, members[0::2], members[1::2], strict=True)
+            for eps, was_moved in ((live, False), (moved, True))
+            for ep in eps
+        ]
+        pipe = self.redis.pipeline(transaction=False)
+        for _, ep, _ in pairs:
+            pipe.get(k.episode(ep))
+            pipe.pttl(k.episode(ep))
+        values = await pipe.execute()
+        rows = []
+        for (d, ep, was_moved), value, ttl in zip(pairs, values[0::2], values[1::2], strict=True):
+            if not value:
+                continue
+            # "<device> <token> <claim id>[ <model>][ moved]"
+            owner, token, *rest = value.split(" ")
+            if owner == d and ("moved" in rest) == was_moved:
+                model = next((r for r in rest if "@" in r), "")
+                rows.append(EpisodeRow(ep, d, int(token), int(ttl), was_moved, model))
+        return rows
