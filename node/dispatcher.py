@@ -66,6 +66,7 @@ from node.episodes import (
     StepResult,
     advance,
 )
+from node.health import CrashTracker, DeviceDown, ModelFailure, Transition
 from node.policy import PolicyContract
 from node.rtc import Ask, Used, rtc_of
 
@@ -105,63 +106,6 @@ class Session(Protocol):
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> list[Any]:
         """Run the model; return the outputs in ``output_names`` order."""
-
-
-class ModelFailure(Exception):
-    """The model session raised while running a step; the device's crash count went up."""
-
-    def __init__(self, device: str, cause: BaseException) -> None:
-        self.device = device
-        super().__init__(f"model failed on {device}: {type(cause).__name__}: {cause}")
-
-
-class DeviceDown(Exception):
-    """The device is marked down by its crash tracker and is waiting for a probe."""
-
-    def __init__(self, device: str) -> None:
-        self.device = device
-        super().__init__(f"device {device} is down after repeated model failures")
-
-
-@dataclass
-class CrashTracker:
-    """Consecutive model failures of one device, with a cool-down before a probe."""
-
-    threshold: int
-    cooldown_s: float
-    clock: Callable[[], float]
-    failures: int = 0
-    down_since: float | None = None
-    last_error: str = ""
-    # the device's worker and the event loop (deadline hits) both record outcomes
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    @property
-    def down(self) -> bool:
-        return self.down_since is not None
-
-    def success(self) -> bool:
-        """Record a good run; True when this brings the device back up."""
-        with self.lock:
-            was_down = self.down
-            self.failures = 0
-            self.down_since = None
-            return was_down
-
-    def failure(self, error: str) -> bool:
-        """Record a failed run; True when this takes the device down."""
-        with self.lock:
-            self.failures += 1
-            self.last_error = error
-            if not self.down and self.failures >= self.threshold:
-                self.down_since = self.clock()
-                return True
-            if self.down:
-                self.down_since = self.clock()  # a failed probe restarts the cool-down
-            return False
-
-    def probe_due(self) -> bool:
-        return self.down_since is not None and self.clock() - self.down_since >= self.cooldown_s
 
 
 @dataclass
@@ -304,9 +248,6 @@ class _Device:
             if isinstance(item, _Job) and item.episode is not None and self.max_batch > 1:
                 self.recent[item.episode] = item.enqueued
             self.cond.notify()
-
-
-Transition = Callable[[str, str, str], None]
 
 
 class MultiGpuDispatcher:

@@ -1,25 +1,93 @@
-"""The node's devices' health: crash trackers across models, their transitions in Redis,
-probes of down devices, and the reconciliation of Redis with what the node knows.
+"""The health of a node's devices: each model's crash tracker per device, the probe and
+warm-up runs made on a device's worker, and :class:`DeviceHealth`, which carries the
+trackers' transitions to Redis and makes Redis agree with them.
 
-A device is down when any of its models' crash trackers has it down (``node/dispatcher.py``
-counts failures per model). ``down`` belongs to the node: Redis is told at each transition
-and made to agree again at each renewal (a lost or reordered write must not leave a
-crashed device taking claims, or a healthy one down); an operator's drain belongs to Redis.
+A device is down when any of its models' trackers has it down (failures are counted per
+model, by the device's worker: ``node/worker.py``). ``down`` belongs to the node: Redis is
+told at each transition and made to agree again at each renewal (a lost or reordered write
+must not leave a crashed device taking claims, or a healthy one down); an operator's drain
+belongs to Redis. Bad client input never reaches a model, so it never counts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from affinity import AffinityError, Registry
-from node.dispatcher import CrashTracker, MultiGpuDispatcher
 from node.metrics import Metrics
 
-__all__ = ["DeviceHealth"]
+if TYPE_CHECKING:
+    from node.dispatcher import MultiGpuDispatcher
+
+__all__ = ["CrashTracker", "DeviceDown", "DeviceHealth", "ModelFailure", "Transition"]
 
 log = logging.getLogger("affinity.node")
+
+Transition = Callable[[str, str, str], None]
+"""``(device, "down" | "up", reason)``: a crash tracker took a device down or brought it
+back. Called on the device's worker thread (or the event loop, for a hung run)."""
+
+
+class ModelFailure(Exception):
+    """The model session raised while running a step; the device's crash count went up."""
+
+    def __init__(self, device: str, cause: BaseException) -> None:
+        self.device = device
+        super().__init__(f"model failed on {device}: {type(cause).__name__}: {cause}")
+
+
+class DeviceDown(Exception):
+    """The device is marked down by its crash tracker and is waiting for a probe."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        super().__init__(f"device {device} is down after repeated model failures")
+
+
+@dataclass
+class CrashTracker:
+    """Consecutive model failures of one device, with a cool-down before a probe."""
+
+    threshold: int
+    cooldown_s: float
+    clock: Callable[[], float]
+    failures: int = 0
+    down_since: float | None = None
+    last_error: str = ""
+    # the device's worker and the event loop (deadline hits) both record outcomes
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def down(self) -> bool:
+        return self.down_since is not None
+
+    def success(self) -> bool:
+        """Record a good run; True when this brings the device back up."""
+        with self.lock:
+            was_down = self.down
+            self.failures = 0
+            self.down_since = None
+            return was_down
+
+    def failure(self, error: str) -> bool:
+        """Record a failed run; True when this takes the device down."""
+        with self.lock:
+            self.failures += 1
+            self.last_error = error
+            if not self.down and self.failures >= self.threshold:
+                self.down_since = self.clock()
+                return True
+            if self.down:
+                self.down_since = self.clock()  # a failed probe restarts the cool-down
+            return False
+
+    def probe_due(self) -> bool:
+        return self.down_since is not None and self.clock() - self.down_since >= self.cooldown_s
 
 
 class DeviceHealth:
