@@ -12,6 +12,7 @@ belongs to Redis. Bad client input never reaches a model, so it never counts.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -19,12 +20,23 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from affinity import AffinityError, Registry
+from node import warmup
 from node.metrics import Metrics
+from node.policy import Array, PolicyContract
 
 if TYPE_CHECKING:
     from node.dispatcher import MultiGpuDispatcher
+    from node.worker import DeviceWorker
 
-__all__ = ["CrashTracker", "DeviceDown", "DeviceHealth", "ModelFailure", "Transition"]
+__all__ = [
+    "CrashTracker",
+    "DeviceDown",
+    "DeviceHealth",
+    "ModelFailure",
+    "Transition",
+    "probe",
+    "warm_up",
+]
 
 log = logging.getLogger("affinity.node")
 
@@ -88,6 +100,57 @@ class CrashTracker:
 
     def probe_due(self) -> bool:
         return self.down_since is not None and self.clock() - self.down_since >= self.cooldown_s
+
+
+async def probe(worker: DeviceWorker, contract: PolicyContract) -> bool:
+    """Probe ``worker``'s device if it is down and its cool-down has passed, with the
+    warm-up's feed (``node.warmup``), on its worker thread; True when it came back up. A
+    model nothing may be fed to made up comes back untested, and its next steps probe it
+    (a failure takes it down again)."""
+    if not worker.tracker.probe_due():
+        return False
+    feed = warmup.feed(contract)
+    if feed is None:
+        worker.count_success()
+        return True
+    try:
+        await worker.call(functools.partial(_run_counted, worker, feed))
+    except ModelFailure:
+        return False
+    return True
+
+
+def _run_counted(worker: DeviceWorker, feed: dict[str, Array]) -> None:
+    """One run of ``feed`` that counts as the device's; raises :class:`ModelFailure`."""
+    try:
+        worker.session.run(worker.outputs, feed)
+    except Exception as exc:
+        worker.count_failure(f"{type(exc).__name__}: {exc}")
+        raise ModelFailure(worker.id, exc) from exc
+    worker.count_success()
+
+
+async def warm_up(worker: DeviceWorker, contract: PolicyContract) -> None:
+    """Warm ``worker``'s device up on its worker thread, before serving. A session with a
+    ``warm_up()`` method (``node.binding.BoundSession``, which captures its CUDA graph
+    there) is asked to; any other runs the feed of ``node.warmup`` (the operator's samples,
+    else zeros) once at every batch size it will use (a session with ``batch_sizes``
+    captures one graph per size there); a model with an input nothing may be fed
+    (``node.warmup.unfed``) is not run at all. ONNX Runtime keeps a captured CUDA graph per
+    thread, so the capture must happen on the thread that runs the device's steps; CUDA's
+    capture mode is process-wide, so warm one device at a time. Raises what a run raised
+    (nothing is counted: the node stops)."""
+    if warmup.unfed(contract):
+        return
+    warm = getattr(worker.session, "warm_up", None)
+    if warm is not None:
+        await worker.call(warm)
+        return
+    sizes = [s for s in worker.sizes or () if s <= worker.max_batch] or [worker.bucket(1)]
+    for size in sizes:
+        feed = warmup.feed(contract, size)
+        assert feed is not None  # no unfed input
+        await worker.call(functools.partial(warmup.run, worker.session, worker.outputs, feed))
 
 
 class DeviceHealth:
