@@ -1,0 +1,552 @@
+"""A device's worker: the thread that runs one model's session on one device, the queue of
+work waiting for it, and the batch window that gathers waiting steps into one run.
+
+It knows sessions and futures, not episodes. A :class:`Job` carries an opaque ``key``: jobs
+with one key run one at a time, in arrival order, at most one in a run (None: distinct).
+Its owner (``node/dispatcher.py``) says, through two callables, what a job runs with
+(``prepare``) and what is kept of the run (``commit``); both answer through
+:meth:`DeviceWorker.answer`.
+
+Why this is hard:
+
+- One run at a time on a device: ``busy``, under ``cond``, is held by the worker's round or
+  by an inline run on the event loop's thread.
+- The worker hands its answers to their loops (``flush``) before it frees the device, so an
+  inline round never shares its outbox.
+- A caller may give up at any moment (``Job.gave_up``). A run still going at a step's
+  deadline counts once as a failure (``count_hang``): a hung GPU goes down like one that raises.
+- A failed batched run is run again one step at a time; only single runs count as failures,
+  so one bad step cannot take its batch's device down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from node import control
+from node.health import CrashTracker, DeviceDown, ModelFailure, Transition
+
+__all__ = [
+    "DEFAULT_BATCH_DELAY_US",
+    "MAX_DEFAULT_BATCH",
+    "Arrival",
+    "Arrivals",
+    "DeviceWorker",
+    "Job",
+    "Member",
+    "Run",
+    "Session",
+    "batch_limit",
+]
+
+log = logging.getLogger("affinity.node")
+
+Array = np.ndarray[Any, Any]
+
+MAX_DEFAULT_BATCH = 8
+"""``max_batch`` when not given and the model allows batching."""
+DEFAULT_BATCH_DELAY_US = 500.0
+"""How long a waiting step may wait for others to join its run (microseconds)."""
+_RECENT_S = 1.0  # a key that sent a step this recently is expected to send another
+
+
+def batch_limit(blocker: str | None, max_batch: int | None) -> tuple[int, str]:
+    """The most steps per run, and why batching is off ("": on), for a model that
+    ``blocker`` says cannot batch (None: it can) and the limit asked (None:
+    :data:`MAX_DEFAULT_BATCH`). Says which in one log line."""
+    if max_batch == 1:
+        log.info("batching is off (max batch 1)")
+        return 1, "max batch 1"
+    if blocker is not None:
+        log.log(
+            logging.INFO if max_batch is None else logging.WARNING,
+            "batching is off: %s; every step runs alone",
+            blocker,
+        )
+        return 1, blocker
+    size = MAX_DEFAULT_BATCH if max_batch is None else max_batch
+    log.info("batching is on: up to %d steps per model run", size)
+    return size, ""
+
+
+class Session(Protocol):
+    """What a worker needs of a model session (``onnxruntime.InferenceSession``).
+
+    A session may also have ``batch_sizes``, a tuple of the batch sizes it runs best (e.g.
+    one captured CUDA graph each): batched runs are then padded to the smallest of them
+    that fits, and no run is larger than the largest. A step whose client sent several
+    rows runs alone, unpadded.
+    """
+
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> list[Any]:
+        """Run the model; return the outputs in ``output_names`` order."""
+
+
+class Arrivals:
+    """How many steps are on their way through the node (being resolved or checked), for
+    every dispatcher of the node: while any is, a device holding a waiting step may wait up
+    to ``batch_delay`` for others to join its run. Event loop only (workers read it)."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def arrival(self) -> Arrival:
+        """Count one step until its ``done()``: the node opens one when a request arrives
+        and closes it as the step is handed to a device (or leaves the node)."""
+        return Arrival(self)
+
+
+class Arrival:
+    """One step on its way through the node (:meth:`Arrivals.arrival`)."""
+
+    __slots__ = ("_arrivals", "_open")
+
+    def __init__(self, arrivals: Arrivals) -> None:
+        self._arrivals = arrivals
+        self._open = True
+        arrivals.count += 1
+
+    def done(self) -> None:
+        """The step reached a device, left the node or failed; idempotent."""
+        if self._open:
+            self._open = False
+            self._arrivals.count -= 1
+
+
+@dataclass
+class Run:
+    """One model run in progress; a run that outlives its steps' deadlines counts once."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    active: bool = True
+    hang_counted: bool = False
+
+
+@dataclass(eq=False)
+class Job:
+    """A step for a model run and the future its caller awaits. ``lock`` guards what the
+    caller and the worker share (``abandoned``, ``run``, and what the owner adds)."""
+
+    key: str | None  # one key: one job per run, in arrival order (None: always distinct)
+    inputs: dict[str, Array]
+    future: asyncio.Future[Any]
+    one_row: bool  # every input has a first dimension of 1: it may join a batch
+    enqueued: float = field(default_factory=time.perf_counter)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    abandoned: bool = False
+    run: Run | None = None  # the model run it is part of, while that runs
+
+    def gave_up(self) -> bool:
+        # Task.cancel() cancels the awaited future at once but runs the caller's handler
+        # (which sets `abandoned`) later; a plain read of the future's state (atomic under
+        # the GIL) closes that gap for the worker.
+        return self.abandoned or self.future.cancelled()
+
+
+@dataclass(eq=False)
+class _Call:
+    """Other work on a device's thread (a probe, the warm-up): runs alone, in order."""
+
+    fn: Callable[[], Any]
+    future: asyncio.Future[Any]
+
+
+@dataclass(eq=False)
+class Member:
+    """A job taken into a model run, with the feed it runs with."""
+
+    job: Job
+    feed: dict[str, Array]
+
+
+Prepare = Callable[["DeviceWorker", Any], "Member | None"]
+"""``prepare(worker, job)``: the member ``job`` (the owner's :class:`Job`) runs as, or None
+when it needs no run (given up, or answered through ``worker.answer``)."""
+Commit = Callable[["DeviceWorker", Any, dict[str, Array]], None]
+"""``commit(worker, member, outputs)``: keep what the run gave ``member`` (the member
+``prepare`` made) and answer it through ``worker.answer``."""
+
+
+class DeviceWorker:
+    """One model's session on one device, its thread and its queue (see the module doc).
+
+    ``max_batch``: most jobs per run. ``batch_delay_s``: how long a waiting job may wait
+    for others, while ``arrivals`` counts a step on its way and a key that sent a job here
+    in the last second has none waiting. ``inline_under_s``: a job runs on the event loop's
+    thread, instead of the worker's, when the device's runs take less on average and
+    nothing else waits (:meth:`run_inline`; 0: never). ``peers``: the workers of the same
+    model, the device's included. ``on_batch(device, size)`` and
+    ``on_queue_wait(device, seconds)`` are called on the worker's thread for each run and
+    each job that reaches the model; ``on_transition`` as the tracker goes down or up.
+    """
+
+    def __init__(
+        self,
+        id: str,
+        session: Session,
+        tracker: CrashTracker,
+        *,
+        outputs: Sequence[str],
+        prepare: Prepare,
+        commit: Commit,
+        max_batch: int,
+        batch_delay_s: float,
+        arrivals: Arrivals,
+        peers: Mapping[str, DeviceWorker],
+        inline_under_s: float = 0.0,
+        on_transition: Transition | None = None,
+        on_batch: Callable[[str, int], None] | None = None,
+        on_queue_wait: Callable[[str, float], None] | None = None,
+    ) -> None:
+        self.id = id
+        self.session = session
+        self.tracker = tracker
+        self.outputs = list(outputs)
+        self.prepare = prepare
+        self.commit = commit
+        sizes = getattr(session, "batch_sizes", None)
+        self.sizes: tuple[int, ...] | None = tuple(sorted(sizes)) if sizes else None
+        self.max_batch = min(max_batch, self.sizes[-1]) if self.sizes else max_batch
+        self.batch_delay_s = batch_delay_s
+        self.arrivals = arrivals
+        self.peers = peers
+        self.inline_under_s = inline_under_s
+        self.on_transition = on_transition
+        self.on_batch = on_batch
+        self.on_queue_wait = on_queue_wait
+        self.cond = threading.Condition()
+        self.pending: deque[Job | _Call | None] = deque()  # None: stop
+        self.recent: dict[str, float] = {}  # key -> when its last job was queued
+        # answers made by the worker, handed to their loops together (one wake-up per loop)
+        self.outbox: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        self.thread: threading.Thread | None = None
+        self.busy = False  # a run (the worker's, or one inline on the loop) holds the device
+        self.run_s = float("inf")  # moving average of its model runs' wall time
+
+    # ---- the queue -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._work, name=f"affinity-{self.id}", daemon=True)
+        self.thread.start()
+
+    def put(self, item: Job | _Call | None) -> None:
+        """Queue ``item`` for the worker (None: stop once what is queued has run)."""
+        with self.cond:
+            self.pending.append(item)
+            if isinstance(item, Job) and item.key is not None and self.max_batch > 1:
+                self.recent[item.key] = item.enqueued
+            self.cond.notify()
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` alone on the worker's thread; return or raise what it did."""
+        call = _Call(fn, asyncio.get_running_loop().create_future())
+        self.put(call)
+        return await call.future
+
+    def bucket(self, n: int) -> int:
+        """The batch size to run ``n`` steps at: padded up to a session's size, if any."""
+        if self.sizes is None:
+            return n
+        return next((s for s in self.sizes if s >= n), n)
+
+    def answer(self, future: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+        """Complete ``future`` with the next :meth:`flush` (the thread running the round)."""
+        self.outbox.append((future, result, exc))
+
+    def flush(self) -> None:
+        """Hand every answer made since the last flush to its loop."""
+        if not self.outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
+        for item in self.outbox:
+            by_loop.setdefault(item[0].get_loop(), []).append(item)
+        self.outbox = []
+        for loop, items in by_loop.items():
+            # a loop that closed meanwhile has nobody left waiting
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, items)
+
+    def _work(self) -> None:
+        while True:
+            item = self.next_batch()
+            if item is None:
+                return
+            try:
+                if isinstance(item, _Call):
+                    try:
+                        result, error = item.fn(), None
+                    except BaseException as exc:  # handed to the awaiting task
+                        result, error = None, exc
+                    self.answer(item.future, result, error)
+                else:
+                    self._run_batch_safely(item)
+            finally:
+                self.flush()  # while still busy: an inline round must not share the outbox
+                with self.cond:
+                    self.busy = False
+
+    def run_inline(self, job: Job) -> bool:
+        """Run ``job`` now, on the event loop's thread, instead of handing it to the
+        worker's, when that costs less and takes nothing from anyone: the device's model
+        runs take less than :attr:`inline_under_s` on average (the hand-off there and back,
+        two thread wake-ups and the GIL changing hands, costs about as much as such a run),
+        the device is idle, and no other step is on its way through the node nor any peer
+        busy (the loop waits for the run, so a step for another device would wait too).
+        The node gives a bound to CPU devices only: a GPU run that hangs must not stop the
+        event loop, where its worker's watch marks the device down and the node goes on.
+        False: the worker runs it, as always under load."""
+        if self.run_s >= self.inline_under_s or self.arrivals.count > 0 or not job.one_row:
+            return False
+        if len(self.peers) > 1 and any(
+            d.busy or d.pending for d in self.peers.values() if d is not self
+        ):
+            return False
+        with self.cond:
+            if self.busy or self.pending:
+                return False
+            self.busy = True
+        try:
+            self._run_batch_safely([job])
+        finally:
+            items, self.outbox = self.outbox, []  # the worker waits: only this round's
+            with self.cond:
+                self.busy = False
+                if self.pending:
+                    self.cond.notify()
+        _settle(items)  # on this loop already: no wake-up through call_soon_threadsafe
+        return True
+
+    # ---- the batch window --------------------------------------------------------------
+
+    def next_batch(self) -> _Call | list[Job] | None:
+        """The next work: a call, or the jobs of one run (distinct keys). Waits for it."""
+        with self.cond:
+            while True:
+                while not self.pending or self.busy:
+                    self.cond.wait()
+                head = self.pending.popleft()
+                if not isinstance(head, Job):
+                    self.busy = head is not None
+                    return head
+                if not head.gave_up():
+                    break
+            self.busy = True
+            taken = [head]
+            if self.max_batch == 1 or not head.one_row:
+                return taken
+            cutoff = time.perf_counter() - _RECENT_S
+            for key, at in list(self.recent.items()):
+                if at < cutoff:
+                    del self.recent[key]
+            until = head.enqueued + self.batch_delay_s
+            while True:
+                self.take_joiners(taken)
+                now = time.perf_counter()
+                if len(taken) >= self.max_batch or now >= until or not self.others_expected(taken):
+                    return taken
+                self.cond.wait(until - now)
+
+    def take_joiners(self, taken: list[Job]) -> None:
+        """Move waiting jobs that may join ``taken`` from :attr:`pending` into it."""
+        # keys with a job taken or left waiting: their later jobs wait (jobs without a key
+        # are all distinct)
+        busy = {j.key for j in taken if j.key is not None}
+        left: deque[Job | _Call | None] = deque()
+        for item in self.pending:
+            if isinstance(item, Job):
+                if item.gave_up():
+                    continue
+                joins = len(taken) < self.max_batch and item.one_row and item.key not in busy
+                if item.key is not None:
+                    busy.add(item.key)
+                if joins:
+                    taken.append(item)
+                    continue
+            left.append(item)
+        self.pending = left
+
+    def others_expected(self, taken: list[Job]) -> bool:
+        """Whether another key is likely to send a job soon: some step is on its way
+        through the node (:class:`Arrivals`) and a key that sent a job to this device
+        within the last second has none in ``taken`` or waiting. A robot stepping alone,
+        or one client stepping many episodes in turn, never waits."""
+        if self.arrivals.count <= 0:  # an int read from the worker: atomic under the GIL
+            return False
+        waiting = {j.key for j in taken}
+        waiting.update(j.key for j in self.pending if isinstance(j, Job))
+        return any(key not in waiting for key in self.recent)
+
+    # ---- runs --------------------------------------------------------------------------
+
+    def _run_batch_safely(self, jobs: list[Job]) -> None:
+        try:
+            self.run_batch(jobs)
+        except Exception as exc:  # a bug here must not leave callers waiting forever
+            log.exception("device %s: a run of %d steps broke", self.id, len(jobs))
+            for job in jobs:
+                self.answer(job.future, None, exc)
+
+    def run_batch(self, jobs: list[Job]) -> None:
+        """Prepare ``jobs`` and run those that need the model, together where their
+        tensors agree beyond the first axis."""
+        members: list[Member] = []
+        now = time.perf_counter()
+        for job in jobs:
+            member = self.prepare(self, job)
+            if member is None:
+                continue
+            if self.on_queue_wait is not None:
+                _observe(self.on_queue_wait, self.id, now - job.enqueued)
+            members.append(member)
+        self.flush()  # steps answered from a buffer do not wait for the model run
+        if len(members) == 1:  # a step alone (one client, or one inline): nothing to group
+            self._run_alone(members[0])
+            return
+        groups: dict[tuple[tuple[str, tuple[int, ...], str], ...], list[Member]] = {}
+        for m in members:  # steps whose tensors differ beyond the first axis run apart
+            key = tuple(sorted((k, v.shape[1:], v.dtype.str) for k, v in m.feed.items()))
+            groups.setdefault(key, []).append(m)
+        for group in groups.values():
+            if len(group) == 1:
+                self._run_alone(group[0])
+            else:
+                self._run_stacked(group)
+
+    def _run_stacked(self, group: list[Member]) -> None:
+        """One run of ``group`` stacked along the first axis, padded to :meth:`bucket`."""
+        n = len(group)
+        size = self.bucket(n)
+        feed = {
+            name: np.concatenate(
+                [m.feed[name] for m in group]
+                + [control.padding(name, group[0].feed[name])] * (size - n)
+            )
+            for name in group[0].feed
+        }
+        try:
+            values = self._session_run(feed, group)
+            for name, value in values.items():
+                if value.shape[:1] != (size,):
+                    raise ValueError(
+                        f"output {name!r} has shape {value.shape} for a batch of {size}"
+                    )
+        except Exception as exc:
+            log.warning(
+                "device %s: a batched run of %d steps failed (%s: %s); running them one by one",
+                self.id,
+                n,
+                type(exc).__name__,
+                exc,
+            )
+            for m in group:
+                self._run_alone(m)
+                self.flush()  # each as soon as it is known
+            return
+        self.count_success()
+        # state kept on the device (node.binding.DeviceTensor) is scattered through the host
+        host = {name: np.asarray(v) for name, v in values.items()}
+        for i, m in enumerate(group):
+            self.commit(self, m, {name: v[i : i + 1].copy() for name, v in host.items()})
+
+    def _run_alone(self, m: Member) -> None:
+        with m.job.lock:
+            if m.job.gave_up():
+                return
+        if self.tracker.down:  # an earlier step of its failed batch took the device down
+            self.answer(m.job.future, None, DeviceDown(self.id))
+            return
+        size = self.bucket(1) if m.job.one_row else 1
+        feed = m.feed
+        if size > 1:
+            feed = {
+                name: np.concatenate([v] + [control.padding(name, v)] * (size - 1))
+                for name, v in feed.items()
+            }
+        try:
+            values = self._session_run(feed, [m])
+        except Exception as exc:
+            self.count_failure(f"{type(exc).__name__}: {exc}")
+            self.answer(m.job.future, None, ModelFailure(self.id, exc))
+            return
+        self.count_success()
+        if size > 1:
+            values = {name: np.asarray(v)[:1].copy() for name, v in values.items()}
+        self.commit(self, m, values)
+
+    def _session_run(self, feed: dict[str, Array], members: list[Member]) -> dict[str, Array]:
+        run = Run()
+        for m in members:
+            with m.job.lock:
+                m.job.run = run
+        started = time.perf_counter()
+        try:
+            values = self.session.run(self.outputs, feed)
+        finally:
+            took = time.perf_counter() - started
+            self.run_s = took if self.run_s == float("inf") else 0.8 * self.run_s + 0.2 * took
+            with run.lock:
+                run.active = False
+            for m in members:
+                with m.job.lock:
+                    m.job.run = None
+            if self.on_batch is not None:
+                _observe(self.on_batch, self.id, len(members))
+        return dict(zip(self.outputs, values, strict=True))
+
+    # ---- the device's health -----------------------------------------------------------
+
+    def count_success(self) -> None:
+        """Record a good run (or a probe that needs none): a down device comes back up."""
+        if self.tracker.success():
+            self._transition("up", "")
+
+    def count_failure(self, error: str) -> None:
+        """Record a failed run: at the tracker's threshold the device goes down."""
+        went_down = self.tracker.failure(error)
+        log.error("model failure on %s (%d in a row): %s", self.id, self.tracker.failures, error)
+        if went_down:
+            self._transition("down", self.tracker.last_error)
+
+    def count_hang(self, run: Run) -> None:
+        """``run`` was still going at a step's deadline: count one failure (once per run)."""
+        # A device that hangs must go down like one that raises, or its episodes never
+        # move. One count per run, however many of its steps gave up.
+        with run.lock:
+            if not run.active or run.hang_counted:
+                return
+            run.hang_counted = True
+        self.count_failure("a model run outlived its request's deadline")
+
+    def _transition(self, to: str, reason: str) -> None:
+        log.warning("device %s is %s%s", self.id, to, f": {reason}" if reason else "")
+        if self.on_transition is not None:
+            self.on_transition(self.id, to, reason)
+
+
+def _observe(hook: Callable[[str, Any], None], device: str, value: Any) -> None:
+    try:
+        hook(device, value)
+    except Exception:  # a metrics hook must never fail a model run
+        log.exception("device %s: a dispatcher hook raised", device)
+
+
+def _settle(items: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    for future, result, exc in items:
+        if future.done():  # cancelled, or already failed by a broken round
+            continue
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
