@@ -1,4 +1,4 @@
-"""The deployment's event stream (``{ns}:events``, a capped Redis stream): read, follow.
+"""The deployment's event stream (a capped Redis stream, ``Keys.events``): read, follow.
 
 Claims, releases, drains, lease lapses and rollouts write to it (the Lua scripts and
 :class:`affinity.models.Models`); this module only reads. The stream is capped, so a

@@ -183,13 +183,15 @@ def test_a_node_restarted_under_its_id_survives_a_routers_stale_hint(
 
 
 def test_an_openpi_robot_that_reconnects_and_retries_never_sees_its_lost_step(
-    tmp_path: Path, slow_model: Path
+    tmp_path: Path,
 ) -> None:
     """The robot's connection drops while step 2 runs; it reconnects and sends step 2
     again: the lost step is undone as its connection closes, so the retry is counted 2,
-    not 3 (before: the websocket was not watched during a step)."""
+    not 3 (before: the websocket was not watched during a step). The run takes seconds
+    and the link drops 50 ms after the send: on any machine, before the run ends."""
+    slower = counter_policy(tmp_path, repeats=1200, width=512)  # ~2 s a run, or more
     redis = RedisServer(tmp_path)
-    extra = ["--act-deadline", "60", "--model", str(slow_model)]
+    extra = ["--act-deadline", "60", "--model", str(slower)]
     with running(redis, [Node(tmp_path, "a", redis.url, devices="cpu:1", extra=extra)]) as c:
         url = c.node("a").url.replace("http://", "ws://") + "/?episode_id=robot"
         obs = {"obs": np.zeros(8, np.float32)}
@@ -202,7 +204,7 @@ def test_an_openpi_robot_that_reconnects_and_retries_never_sees_its_lost_step(
             ws.recv(timeout=30)  # the metadata
             assert int(infer(ws)["count"][0]) == 1
             ws.send(wire.encode(obs))  # step 2 ...
-            time.sleep(0.3)  # ... runs, and the link drops
+            time.sleep(0.05)  # ... runs, and the link drops
         with connect(url, max_size=None) as ws:
             ws.recv(timeout=30)
             retry = infer(ws)
