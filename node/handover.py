@@ -114,15 +114,11 @@ class Mover:
                 episode, record.token, record.claim, instance, target=target, hold_ms=HOLD_MS
             )
         except AffinityError as exc:
-            log.warning("could not move %s (%s): %s", episode, reason, exc)
-            return await self._without_state(episode, record.token)
+            return await self._fallback(episode, record.token, reason, str(exc))
         if isinstance(to, NotPlaced):
-            if to.reason == "none" and reason == "move":
-                log.warning("nothing can take %s where it was asked to move: kept", episode)
-                return "kept"
-            if to.reason == "none":  # nothing with room serves its model: as before, reset
-                log.info("nothing can take %s (%s): handed over without its state", episode, reason)
-                return await self._without_state(episode, record.token)
+            if to.reason == "none":
+                why = "no device of a live node serving its model has room"
+                return await self._fallback(episode, record.token, reason, why)
             if to.reason == "stale":  # Redis holds another claim: this record is stale
                 self.table.release(episode, "lost", record.token)
             return "kept"
@@ -132,7 +128,7 @@ class Mover:
         size = record_bytes(record)
         if not await self._send(to, body, episode):
             await self._abort(episode, record.token, record.claim, instance, to)
-            return await self._without_state(episode, record.token)
+            return await self._fallback(episode, record.token, reason, f"{to.node} did not take it")
         try:
             refused = await self.transfers.commit(
                 episode, record.token, record.claim, instance, to, size=size, reason=reason
@@ -150,7 +146,7 @@ class Mover:
             await self._tell(to, episode, "drop")
             if refused.reason in ("lease", "marked", "stale"):
                 return "kept"  # fenced, released or moved meanwhile: the owner's rules apply
-            return await self._without_state(episode, record.token)
+            return await self._fallback(episode, record.token, reason, f"commit {refused.reason}")
         self.table.moved(episode, record.token, (to.url, to.device, to.token))
         self.metrics.move_bytes.observe(size)
         task = asyncio.ensure_future(self._tell(to, episode, "confirm", to.claim))
@@ -209,6 +205,17 @@ class Mover:
         with contextlib.suppress(TimeoutError, ForwardError):
             async with asyncio.timeout(MOVE_S):
                 await self.pool.post(to.url, body, MOVE_PATH)
+
+    async def _fallback(self, episode: str, token: int, reason: Reason, why: str) -> Outcome:
+        """A move that could not be made: a graceful stop hands the episode over without
+        its state (its next step says ``state_reset``); a drain's or an operator's move
+        leaves it here, with its state (a drain never resets anything)."""
+        if reason != "stop":
+            log.warning("could not move %s (%s): %s; it stays here with its state", episode,
+                        reason, why)  # fmt: skip
+            return "kept"
+        log.info("could not move %s (stop): %s; handed over without its state", episode, why)
+        return await self._without_state(episode, token)
 
     async def _without_state(self, episode: str, token: int) -> Outcome:
         """The fallback: hand ``episode`` over without its state (``state_reset``)."""

@@ -9,6 +9,7 @@ Hazard: the admin routes refuse through :class:`AdminRefused`, which ``create_ap
 from __future__ import annotations
 
 import hmac
+import json
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -23,6 +24,7 @@ from affinity import (
     UnknownDevice,
     UnknownEpisode,
 )
+from affinity.registry import MoveRequest
 from node.service import NodeService
 from node.step import Refused, Unavailable
 
@@ -146,8 +148,19 @@ async def list_devices(s: Service) -> Response:
 
 @devices.post("/devices/{device:path}/drain", dependencies=[Depends(admin)])
 async def drain(request: Request, device: str, s: Service) -> Response:
-    """Admin: the device keeps its episodes and takes no new ones."""
-    return await _set_state(s, device, "draining", request.query_params.get("reason", ""))
+    """Admin: the device takes no new episodes; it keeps them, or with ``move=true`` its
+    node moves them to other devices with their state at its next lease renewal (as
+    ``affinity drain --move``)."""
+    move = request.query_params.get("move", "false").lower()
+    if move not in ("true", "false", "1", "0"):
+        return error(
+            422, "bad_input", f"move must be true or false, not {move[:16]!r}", field="move"
+        )
+    reply = await _set_state(s, device, "draining", request.query_params.get("reason", ""))
+    if reply.status_code != 200 or move in ("false", "0"):
+        return reply
+    await s.registry.request_move(device.rpartition("/")[0], MoveRequest(device=device))
+    return JSONResponse({**json.loads(bytes(reply.body)), "move": True})
 
 
 @devices.post("/devices/{device:path}/undrain", dependencies=[Depends(admin)])

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from affinity import Keys
+from affinity.registry import MoveRequest
 from node.forward import SECRET_HEADER as SECRET
 from node.forward import Forward
 from node.models import DEMO_MODEL
@@ -204,6 +205,28 @@ async def test_admin_endpoints(node: InProcNode, redis: Any) -> None:
     assert r.status_code == 404
     r = await node.client.post("/devices/a/0/undrain", headers={"Authorization": "Bearer s3cret"})
     assert r.json()["state"] == "active"
+    # with move=true its node is asked to move the device's episodes, with their state
+    asked: list[tuple[str, Any]] = []
+    registry = node.service.registry
+    request_move = registry.request_move
+
+    async def spy(who: str, move: Any) -> None:
+        asked.append((who, move))
+        await request_move(who, move)
+
+    registry.request_move = spy  # type: ignore[method-assign]
+    r = await node.client.post(
+        "/devices/a/1/drain", params={"move": "true"}, headers={"Authorization": "Bearer s3cret"}
+    )
+    registry.request_move = request_move  # type: ignore[method-assign]
+    assert r.json() == {"device": "a/1", "state": "draining", "previous": "active", "move": True}
+    assert asked == [("a", MoveRequest(device="a/1"))]
+    r = await node.client.post(
+        "/devices/a/0/drain", params={"move": "yes"}, headers={"Authorization": "Bearer s3cret"}
+    )
+    assert r.status_code == 422 and r.json()["error"]["field"] == "move"
+    devices = {d["device"]: d for d in (await node.client.get("/devices")).json()["devices"]}
+    assert devices["a/0"]["state"] == "active"  # a bad request changes nothing
 
 
 async def test_admin_refused_without_configured_token(redis: Any) -> None:

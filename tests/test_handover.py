@@ -97,11 +97,14 @@ async def test_with_nowhere_to_go_a_stop_hands_over_without_state_and_says_so(
     redis: Any,
 ) -> None:
     async with cluster(redis, [config("a", devices="cpu:1")]) as ([a], _):
-        obs = observations(3, 2)
+        obs = observations(3, 3)
         ep = (await a.act(episode_id="alone", inputs={"obs": obs[0].tolist()})).json()
+        assert await a.service.owner.hand_over("alone", "drain") == "kept"  # stays, as is
+        r = (await a.act(episode_id="alone", inputs={"obs": obs[1].tolist()})).json()
+        assert (r["seq"], r["state_reset"]) == (2, False)
         assert await a.service.owner.hand_over("alone", "stop") == "reset"
         assert (await redis.get(KEYS.episode("alone"))).endswith(" moved")
-        r = (await a.act(episode_id="alone", inputs={"obs": obs[1].tolist()})).json()
+        r = (await a.act(episode_id="alone", inputs={"obs": obs[2].tolist()})).json()
         assert (r["routing"], r["state_reset"]) == ("reassigned", True)
         assert r["token"] != ep["token"]
 
@@ -109,17 +112,23 @@ async def test_with_nowhere_to_go_a_stop_hands_over_without_state_and_says_so(
 async def test_a_move_whose_record_cannot_be_sent_leaves_the_old_owner_serving(
     redis: Any,
 ) -> None:
-    """The new owner is unreachable: the reservation is taken back and the episode is
-    handed over without its state (said); the old claim never serves again."""
-    obs = observations(4, 3)
+    """The new owner is unreachable: the reservation is taken back. A drain's move leaves
+    the episode where it was, with its state (a drain never resets anything); a graceful
+    stop's hands it over without its state, said."""
+    obs = observations(4, 4)
     async with cluster(redis, two()) as ([a, b], router):
         ep = (await on("a", a, "unsent", obs[0]))["episode_id"]
         router.down.add("b.test")
-        assert await a.service.owner.hand_over(ep, "drain") == "reset"
+        assert await a.service.owner.hand_over(ep, "drain") == "kept"
         assert await redis.zrange(KEYS.load("b/0"), 0, -1) == []  # the reservation is gone
         assert b.service.table.get(ep) is None
+        r = (await a.act(episode_id=ep, inputs={"obs": obs[1].tolist()})).json()
+        assert (r["node"], r["seq"], r["state_reset"]) == ("a", 2, False), r
+        expect(obs[:2], r)
+        assert await a.service.owner.hand_over(ep, "stop") == "reset"
+        assert await redis.zrange(KEYS.load("b/0"), 0, -1) == []
         router.down.clear()
-        r = (await b.act(episode_id=ep, inputs={"obs": obs[1].tolist()})).json()
+        r = (await b.act(episode_id=ep, inputs={"obs": obs[2].tolist()})).json()
         assert (r["routing"], r["state_reset"]) == ("reassigned", True)
 
 

@@ -39,7 +39,7 @@ from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
 from affinity.events import EVENT_NUMBERS, EventStream
 from node.fleet import RETRY_MS, Fleet
 from node.lease import VERSION
-from tests.procs import ROOT, Node, RedisServer
+from tests.procs import ROOT, Node, RedisServer, wait_until
 from tests.test_cluster import running
 
 pytestmark = pytest.mark.integration
@@ -309,9 +309,16 @@ def test_admin_buttons_only_with_the_token(page: Page, stack: Stack) -> None:
     page.find("#admin-unlock").click()
     assert page.find("#admin-token").get_attribute("value") == "", "the token stays in memory"
     page.wait(lambda d: button.is_displayed() and button.text == "drain", "the drain button")
+    riding = next(  # an episode on the device: the drain button moves it, with its state
+        ep for ep in (f"ui-ride-{i}" for i in range(64)) if stack.act(0, ep)["device"] == device
+    )
     button.click()
     page.wait(lambda d: page.cell_state(device) == "draining", f"{device} draining")
     assert stack.device_states()[device] == "draining"
+    where = stack.nodes[0].url + "/episodes/" + riding
+    wait_until(lambda: httpx.get(where, timeout=10).json()["device"] != device, 30, "the move")
+    after = stack.act(1, riding)
+    assert (after["seq"], after["state_reset"]) == (2, False), after
     page.wait(lambda d: button.text == "undrain", "the undrain button")
     button.click()
     page.wait(lambda d: page.cell_state(device) == "active", f"{device} active")

@@ -6,8 +6,8 @@
 // up with GET episodes/{id}. A node with --api-key answers those 401: the page then asks
 // for the key and sends it as "Authorization: Api-Key <key>" (kept in this page's memory
 // only, never stored, never in a URL). With an admin token typed in (likewise) it shows
-// drain/undrain buttons that call POST devices/{id}/drain|undrain with
-// "Authorization: Bearer <token>".
+// drain/undrain buttons that call POST devices/{id}/drain?move=true|undrain with
+// "Authorization: Bearer <token>" (a drain moves the device's episodes with their state).
 (() => {
   "use strict";
 
@@ -283,6 +283,9 @@
     const action = st === "draining" ? "undrain" : "drain";
     c.button.dataset.action = action;
     c.button.textContent = action;
+    c.button.title = action === "drain"
+      ? "take no new episodes; move this device's episodes to other devices, with their state"
+      : "take new episodes again";
     const lines = [
       d.device + " on " + d.node + (alive ? "" : " (node lease lapsed)"),
       "state: " + st + (d.reason ? " — " + d.reason : ""),
@@ -331,8 +334,10 @@
     let res;
     try {
       const reason = $("drain-reason").value.trim() || "drained from /ui";
+      // a drain moves the device's episodes to other devices with their state (its node
+      // does, at its next lease renewal); one nothing can take stays, as it is
       const url = "devices/" + devicePath(device) + "/" + action +
-        (action === "drain" ? "?reason=" + encodeURIComponent(reason) : "");
+        (action === "drain" ? "?move=true&reason=" + encodeURIComponent(reason) : "");
       const r = await fetch(url, { method: "POST",
                                    headers: { Authorization: "Bearer " + adminToken } });
       let body = null;
