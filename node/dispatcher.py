@@ -67,7 +67,7 @@ from node.episodes import (
     advance,
 )
 from node.policy import PolicyContract
-from node.rtc import Ask, Used, rtc_of
+from node.rtc import Ask, Used, control_rate, rtc_of
 
 __all__ = [
     "DEFAULT_BATCH_DELAY_US",
@@ -197,6 +197,8 @@ class _Job:
     abandoned: bool = False
     committed: int = 0  # the seq it applied (0: none yet)
     run: _Run | None = None  # the model run it is part of, while that runs
+    queue_s: float = 0.0  # from being queued to its run (worker thread)
+    run_s: float = 0.0  # its model run (worker thread)
 
     def gave_up(self) -> bool:
         # Task.cancel() cancels the awaited future at once but runs the caller's handler
@@ -463,14 +465,15 @@ class MultiGpuDispatcher:
         self, executed: object = None, inference_delay: object = None, control_hz: object = None
     ) -> Ask | None:
         """A step's real-time-chunking values, checked (None for a model without ``rtc.*``
-        inputs). Raises :class:`affinity.InvalidArgument` naming the bad one, or any one
-        given to a model without them (see :meth:`node.rtc.RtcSpec.ask`)."""
+        inputs). Raises :class:`affinity.InvalidArgument` naming the bad one, or
+        ``executed`` or ``inference_delay`` given to a model without them (see
+        :meth:`node.rtc.RtcSpec.ask`; any model's step may name its ``control_hz``)."""
         if self.rtc is None:
-            given = {"executed": executed, "inference_delay": inference_delay,
-                     "control_hz": control_hz}  # fmt: skip
+            given = {"executed": executed, "inference_delay": inference_delay}
             for name, value in given.items():
                 if value is not None:
                     raise InvalidArgument(name, value, "this model takes no rtc.* inputs")
+            control_rate(control_hz)
             return None
         return self.rtc.ask(executed, inference_delay, control_hz, self.control_hz)
 
@@ -749,8 +752,9 @@ class MultiGpuDispatcher:
             member = self._prepare(dev, job)
             if member is None:
                 continue
+            job.queue_s = now - job.enqueued
             if self.on_queue_wait is not None:
-                _observe(self.on_queue_wait, dev.id, now - job.enqueued)
+                _observe(self.on_queue_wait, dev.id, job.queue_s)
             members.append(member)
         dev.flush()  # steps answered from a buffer do not wait for the model run
         if len(members) == 1:  # a step alone (one client, or one inline): nothing to group
@@ -897,6 +901,7 @@ class MultiGpuDispatcher:
             for m in members:
                 with m.job.lock:
                     m.job.run = None
+                    m.job.run_s = took
             if self.on_batch is not None:
                 _observe(self.on_batch, dev.id, len(members))
         return dict(zip(self._outputs, values, strict=True))
@@ -914,7 +919,8 @@ class MultiGpuDispatcher:
             buffer, action = (old or ActionBuffer()).after_run(chunk, job.mode)
             visible = {self.chunk.output: self.chunk.action(action)}
         seq = 1 if m.base is None else m.base.seq + 1
-        result = StepResult(visible, m.reset, seq, "model", rtc=m.rtc)
+        result = StepResult(visible, m.reset, seq, "model", rtc=m.rtc, queue_s=job.queue_s,
+                            run_s=job.run_s)  # fmt: skip
         episode = job.episode
         if episode is not None:
             new_state = {name: outputs[out] for name, out in self.contract.state.items()}

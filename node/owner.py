@@ -215,6 +215,9 @@ class Owner:
             if step.client_claim is not None and a.claim
             else step.client_token not in (None, a.token)
         )
+        timing = {"device_ms": (time.perf_counter() - started) * 1000}
+        if result.run_s and not result.replayed:  # the model ran for this step
+            timing["queue_ms"], timing["run_ms"] = result.queue_s * 1000, result.run_s * 1000
         return Reply(
             result.outputs,
             a.episode,
@@ -226,7 +229,7 @@ class Owner:
             step.degraded,
             url=self.url,
             source=result.source,
-            timing={"device_ms": (time.perf_counter() - started) * 1000},
+            timing=timing,
             seq=result.seq,
             replayed=result.replayed,
             rtc=None if result.rtc is None else result.rtc.to_json(),

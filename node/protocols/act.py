@@ -45,8 +45,10 @@ from node.asgi import (
     while_connected,
 )
 from node.policy import InvalidInput, inputs_from_arrays, parse_inputs
+from node.rtc import control_rate
 from node.service import NodeService
 from node.step import Refused, Reply, Step, Unavailable
+from node.timing import TIMING_HEADER, asks_timing
 
 __all__ = ["MSGPACK", "decode", "encode", "handle"]
 
@@ -129,6 +131,7 @@ async def decode(service: NodeService, body: bytes, binary: bool, deadline: floa
         model=name,
         version=version or None,
         rtc=rtc,
+        control_hz=control_rate(doc.get("control_hz")),
     )
 
 
@@ -138,9 +141,14 @@ def _numpy(obj: Any) -> Any:
     raise TypeError(type(obj).__name__)
 
 
-def encode(reply: Reply, binary: bool) -> tuple[bytes, bytes, list[tuple[bytes, bytes]]]:
-    """(body, content type, headers) of a reply."""
+def encode(
+    reply: Reply, binary: bool, timing: bool = False
+) -> tuple[bytes, bytes, list[tuple[bytes, bytes]]]:
+    """(body, content type, headers) of a reply; ``timing``: with the split of the step's
+    time (``Reply.split``), which the client asked for."""
     doc = {"outputs": reply.outputs, **reply.facts()}
+    if timing:
+        doc["timing"] = reply.split()
     if binary:
         body, kind = wire.encode(doc), MSGPACK.encode()
     else:
@@ -163,7 +171,8 @@ def encode(reply: Reply, binary: bool) -> tuple[bytes, bytes, list[tuple[bytes, 
 
 async def handle(service: NodeService, scope: Scope, receive: Receive, send: Send) -> None:
     """The ASGI handler of ``POST /act``."""
-    deadline = time.monotonic() + service.config.act_deadline_s
+    received = time.monotonic()
+    deadline = received + service.config.act_deadline_s
     metrics = service.metrics
     binary_in = _is_msgpack(header(scope, b"content-type"))
     binary_out = MSGPACK in (header(scope, b"accept") or "")
@@ -175,6 +184,7 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
     try:
         body = await read_body(scope, receive, service.config.max_body_bytes)
         step = await decode(service, body, binary_in, deadline)
+        step.received, step.timing = received, asks_timing(header(scope, TIMING_HEADER))
         scope[STEP_KEY] = (step.episode or "-", "-", "-")
         reply = await while_connected(receive, service.router.act(step), scope.get(CONNECTION))
         scope[STEP_KEY] = (step.episode or "-", reply.device, reply.routing)
@@ -196,5 +206,5 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
             metrics.rejected.labels("forbidden").inc()
         await respond_error(send, exc)
     else:
-        body, kind, headers = encode(reply, binary_out)
+        body, kind, headers = encode(reply, binary_out, step.timing)
         await respond(send, 200, body, kind, headers)

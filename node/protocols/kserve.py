@@ -95,10 +95,11 @@ from node.asgi import (
 )
 from node.lease import VERSION
 from node.policy import InvalidInput, PolicyContract, TensorSpec, inputs_from_arrays
-from node.rtc import Ask
+from node.rtc import Ask, control_rate
 from node.service import NodeService
 from node.stats import model_statistics
 from node.step import Array, Refused, Reply, Step, Unavailable
+from node.timing import TIMING_HEADER, asks_timing
 
 __all__ = [
     "EXTENSIONS",
@@ -112,6 +113,7 @@ __all__ = [
     "model_metadata",
     "not_live",
     "service_step",
+    "timing_parameters",
     "to_step",
 ]
 
@@ -184,6 +186,7 @@ class InferRequest:
     executed: object = None  # real-time chunking (node/rtc.py), checked by rtc_for
     inference_delay: object = None
     control_hz: object = None
+    timing: bool = False  # the split of the step's time in the reply's parameters
 
 
 # ---- decoding ----------------------------------------------------------------------------
@@ -283,6 +286,7 @@ def decode_infer(
         executed=params.get("executed"),
         inference_delay=params.get("inference_delay"),
         control_hz=params.get("control_hz"),
+        timing=_flag(params, "timing"),
     )
 
 
@@ -545,7 +549,7 @@ def _flag(params: dict[str, Any], key: str) -> bool:
 REQUEST_PARAMETERS = frozenset(
     {"sequence_id", "sequence_start", "sequence_end", "timeout", "priority",
      "binary_data_output", "execute_steps", "ensemble", "executed", "inference_delay",
-     "control_hz"}
+     "control_hz", "timing"}
 )  # fmt: skip
 """The request parameters the node reads (``priority`` only checked, as Triton does)."""
 
@@ -616,6 +620,8 @@ def to_step(
         seq=request.seq,
         live_only=request.episode is not None and not request.start and not claim_unknown,
         rtc=rtc,
+        control_hz=control_rate(request.control_hz),
+        timing=request.timing,
     )
 
 
@@ -681,6 +687,8 @@ def encode_infer(
     if request.id is not None:
         doc["id"] = request.id
     doc["parameters"] = {k: v for k, v in reply.facts(flat=True).items() if v is not None}
+    if request.timing:
+        doc["parameters"].update(timing_parameters(reply))
     doc["outputs"] = outputs
     head = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
     headers = [(b"x-affinity-node", reply.node.encode())]
@@ -693,6 +701,11 @@ def encode_infer(
         (_HEADER_LENGTH, str(len(head)).encode()),
         *headers,
     ]
+
+
+def timing_parameters(reply: Reply) -> dict[str, float]:
+    """The split of a step's time as flat reply parameters (``timing_total_ms``, ...)."""
+    return {f"timing_{k}": v for k, v in reply.split().items()}
 
 
 def model_metadata(contract: PolicyContract, name: str, chunk: str | None = None) -> dict[str, Any]:
@@ -844,7 +857,9 @@ async def _infer(
         )
         if request.timeout_s is not None:
             budget = min(budget, request.timeout_s)
+        request.timing = request.timing or asks_timing(header(scope, TIMING_HEADER))
         step = await service_step(service, request, started + budget, model_name, version)
+        step.door, step.received = "kserve_http", started
         scope[STEP_KEY] = (step.episode or "-", "-", "-")
         reply = await while_connected(receive, service.router.act(step), scope.get(CONNECTION))
         scope[STEP_KEY] = (step.episode or "-", reply.device, reply.routing)

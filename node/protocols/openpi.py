@@ -63,6 +63,7 @@ from node.policy import (
     inputs_from_observation,
     outputs_unbatched,
 )
+from node.rtc import control_rate
 from node.service import NodeService
 from node.step import Refused, Step, Unavailable
 
@@ -182,6 +183,8 @@ async def handle(
             }
             if prev_total_ms is not None:
                 doc["server_timing"]["prev_total_ms"] = prev_total_ms
+            if step.timing:
+                doc["timing"] = reply.split()
             try:
                 await io_seen()  # a close that came with the frame fails the send: undone
                 await send({"type": "websocket.send", "bytes": wire.encode(doc)})
@@ -260,7 +263,12 @@ def decode(
     named, steps = observation.pop("episode_id", None), observation.pop("execute_steps", None)
     ensemble, seq = observation.pop("ensemble", None), observation.pop("seq", None)
     executed, delay = observation.pop("executed", None), observation.pop("inference_delay", None)
-    control_hz = observation.pop("control_hz", None)
+    control_hz, timing = (
+        observation.pop("control_hz", None),
+        _scalar(observation.pop("timing", False)),
+    )
+    if not isinstance(timing, bool):
+        raise InvalidArgument("timing", timing, "must be true or false")
     if seq is not None and (type(seq) is not int or seq < 1):
         raise InvalidArgument("seq", seq, "must be a step number >= 1 (the last reply's seq + 1)")
     episode = fixed or (own if named is None else check_episode(named))
@@ -285,6 +293,10 @@ def decode(
         seq=seq,
         model=model,
         rtc=rtc,
+        door="openpi",
+        received=now,
+        control_hz=control_rate(_scalar(control_hz)),
+        timing=timing,
     )
 
 
