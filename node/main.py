@@ -193,6 +193,10 @@ _FLAGS = (
     _Flag("--admission-wait", "AFFINITY_ADMISSION_WAIT", 0.0,
           "seconds a new episode that finds every device full waits in a first-come backlog "
           "for a slot (within --act-deadline; 0: 503 at once)", float),
+    _Flag("--fleet-view-every", "AFFINITY_FLEET_VIEW_EVERY", 10.0,
+          "seconds between reads of the fleet's load per model version for the "
+          "affinity_fleet_* gauges (one node of the fleet reads the devices each period, "
+          "the others its result; 0: off)", float, low=0, high=3600),
     _Flag("--grpc-port", "AFFINITY_GRPC_PORT", None,
           "also serve KServe v2 over gRPC (Triton's GRPCInferenceService) on this port "
           "(none: off)", int, low=1, high=65535),
@@ -372,6 +376,7 @@ def parse_args(
             kserve_claim_unknown=a.kserve_claim_unknown,
             grpc_port=values["grpc_port"],
             admission_wait_s=values["admission_wait"],
+            fleet_view_every_s=values["fleet_view_every"],
         )
     except ValueError as exc:  # InvalidArgument included: it names the setting
         p.error(flag_message(exc))

@@ -4,7 +4,8 @@
 this node's device ids (bounded by its GPUs); ``build`` values are this process's own
 (:data:`BUILD`: one value each); ``model`` values are the names and versions the fleet's
 nodes registered (set by operators, never by a client: a step's model is checked against
-the registry before anything is counted). No episode id is ever a label. The registry also carries
+the registry before anything is counted), and ``served`` values the ``"name@version"``
+the fleet's nodes registered. No episode id is ever a label. The registry also carries
 prometheus-client's ``process_*`` series (CPU seconds, resident memory, open file
 descriptors, start time; on Linux).
 docs/metrics.md lists the same names and values; a test checks both ways.
@@ -17,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 from affinity import __version__
 
-__all__ = ["BUILD", "LABELS", "Metrics"]
+__all__ = ["BUILD", "DOORS", "LABELS", "PARTS", "Metrics"]
 
 BUILD = {"version": __version__, "onnxruntime": onnxruntime.__version__}
 """The ``affinity_build_info`` labels: this package's version and ONNX Runtime's."""
@@ -37,6 +38,13 @@ STATES = ("active", "draining", "down")
 TRANSITIONS = ("down", "up")
 FORWARD = ("ok", "refused", "unreachable")
 REJECTED = ("bad_input", "too_large", "malformed", "unauthorized", "forbidden")
+DOORS = ("act", "kserve_http", "kserve_grpc", "openpi")
+"""The front doors a step may come in by (``Step.door``)."""
+PARTS = ("queue", "run", "forward")
+"""The parts of a step's time ``affinity_step_part_seconds`` splits out."""
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.0125, 0.02, 0.025, 0.0333, 0.05, 0.1,
+                0.2, 0.5, 1, 2.5)  # fmt: skip
+"""Step times (seconds), with a bound at the usual control periods (100 Hz to 10 Hz)."""
 
 # metric name -> {label: allowed values}; "device" means this node's device ids.
 LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
@@ -63,6 +71,13 @@ LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
         "version": "model",
         "result": ("claimed", "reassigned"),
     },
+    "affinity_step_seconds": {"model": "served", "door": DOORS},
+    "affinity_step_part_seconds": {"model": "served", "part": PARTS},
+    "affinity_deadline_miss_total": {"model": "served", "door": DOORS},
+    "affinity_control_period_seconds": {"model": "served"},
+    "affinity_fleet_saturation": {"model": "served"},
+    "affinity_fleet_live_episodes": {"model": "served"},
+    "affinity_fleet_capacity": {"model": "served"},
 }
 
 
@@ -192,6 +207,57 @@ class Metrics:
             "New assignments this node obtained (claimed, reassigned), by the model name and "
             "version they took (the rollout's choice).",
             ["model", "version", "result"],
+            registry=r,
+        )
+        self.step_seconds = Histogram(
+            "affinity_step_seconds",
+            "Time of a served step at the node it came in by, from its request to its reply "
+            "(seconds), by the model version that served it and the front door.",
+            ["model", "door"],
+            registry=r,
+            buckets=STEP_BUCKETS,
+        )
+        self.step_parts = Histogram(
+            "affinity_step_part_seconds",
+            "The parts of a served step's time (seconds), counted where it came in: its wait "
+            "on its device (queue), its model run (run), what forwarding it to its owner "
+            "added (forward).",
+            ["model", "part"],
+            registry=r,
+            buckets=STEP_BUCKETS,
+        )
+        self.deadline_misses = Counter(
+            "affinity_deadline_miss_total",
+            "Served steps whose time at the node they came in by exceeded their control "
+            "period (the step's control_hz, else --control-hz).",
+            ["model", "door"],
+            registry=r,
+        )
+        self.control_period = Gauge(
+            "affinity_control_period_seconds",
+            "The control period of the latest step of the model that had one (seconds).",
+            ["model"],
+            registry=r,
+        )
+        self.fleet_saturation = Gauge(
+            "affinity_fleet_saturation",
+            "The fleet's live episodes over its capacity on the devices that may take a new "
+            "episode of the model version (1: none may); the same value on every node.",
+            ["model"],
+            registry=r,
+        )
+        self.fleet_live = Gauge(
+            "affinity_fleet_live_episodes",
+            "The fleet's live episodes on the devices that may take a new episode of the "
+            "model version; the same value on every node.",
+            ["model"],
+            registry=r,
+        )
+        self.fleet_capacity = Gauge(
+            "affinity_fleet_capacity",
+            "The fleet's capacity (episodes) on the devices that may take a new episode of "
+            "the model version; the same value on every node.",
+            ["model"],
             registry=r,
         )
         for device in devices:

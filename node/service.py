@@ -43,6 +43,7 @@ from node.owner import Owner
 from node.policy import PolicyContract
 from node.router import Router
 from node.rtc import Ask
+from node.signals import FleetSignals
 from node.step import Refused
 
 __all__ = ["NodeService"]
@@ -141,6 +142,8 @@ class NodeService:
             catalog=self.catalog,
         )
         self._maintenance: asyncio.Task[None] | None = None
+        every = config.fleet_view_every_s
+        self.signals = FleetSignals(self.node_id, self.registry, self.metrics, every, clock)
 
     def _known_lease_ms(self) -> int:
         lease: Lease | None = getattr(self, "lease", None)
@@ -201,6 +204,8 @@ class NodeService:
         self.health.start()
         await self.lease.start()
         self._maintenance = asyncio.create_task(self._maintain(), name="affinity-maintenance")
+        if self.config.fleet_view_every_s:
+            self.signals.start()
 
     async def _maintain(self) -> None:
         """Once a second: fence a lapsed lease, flush the owner's batch, probe down
@@ -225,6 +230,7 @@ class NodeService:
         """Leave the fleet (hand episodes over, deregister) if not done yet, then release
         the devices and connections."""
         await self.owner.leave()
+        await self.signals.stop()
         if self._maintenance is not None:
             self._maintenance.cancel()
             with contextlib.suppress(asyncio.CancelledError):
