@@ -5,15 +5,17 @@ Request body (a map): ``episode_id``?, ``session_id``?, ``inputs`` (input name â
 ``end``?, ``token``? and ``claim``? (the token and claim id of the client's previous
 reply: a lost assignment then says ``state_reset``), ``seq``? (the step
 number it expects to be applied: its last reply's ``seq`` + 1), ``execute_steps``? and
-``ensemble``? (action-chunk execution overrides), ``executed``?, ``inference_delay``? and
-``control_hz``? (real-time chunking, ``node/rtc.py``). JSON arrays are nested lists; with
+``ensemble``? (action-chunk execution overrides), ``executed``? and ``inference_delay``?
+(real-time chunking, ``node/rtc.py``), ``control_hz``? (the robot's control rate: the
+step's period, ``node/timing.py``). JSON arrays are nested lists; with
 ``Content-Type: application/msgpack`` every input is an array in openpi's msgpack
 encoding (``affinity/wire.py``). Any other top-level field is refused with 422 naming it (a
 typo such as ``episodeId`` must not silently make every step stateless).
 
 Reply: ``{"outputs": {name: array}, "episode_id", "device", "node", "token", "claim",
 "routing", "state_reset", "degraded", "source", "seq", "replayed"}`` (and ``rtc``: ``{"executed",
-"delay", "prefix_len"}`` for a real-time-chunking model) as JSON, or msgpack when
+"delay", "prefix_len"}`` for a real-time-chunking model, and ``timing``, the split of the
+step's time, when the request says ``X-Affinity-Timing: 1``) as JSON, or msgpack when
 ``Accept`` asks for ``application/msgpack``; the same facts in ``X-Affinity-*`` headers, and
 ``X-Affinity-URL``, the owner's address, where the episode's next steps can go directly.
 A client that closes its connection before the reply is sent gets its step undone.

@@ -19,7 +19,9 @@ Triton client keeps a sequence's steps in order). Every other RPC of the service
 ``sequence_end`` (``bool_param``), ``timeout`` (µs), ``execute_steps`` and ``ensemble``;
 real-time chunking's ``executed``, ``inference_delay`` (``int64_param``) and
 ``control_hz`` (``double_param`` or ``int64_param``), replied as ``rtc_executed``,
-``rtc_delay``, ``rtc_prefix_len``.
+``rtc_delay``, ``rtc_prefix_len``; ``timing`` (``bool_param``) asks for the split of the
+step's time, replied as ``double_param`` ``timing_total_ms``, ``timing_queue_ms``,
+``timing_run_ms``, ``timing_forward_ms``.
 Tensors come as ``raw_input_contents`` (one entry per input, in order: the raw
 little-endian row-major bytes) or as typed ``contents``. Every declared size (element
 counts against ``MAX_ELEMENTS``, raw sizes against shape and datatype) is checked before an

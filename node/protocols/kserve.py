@@ -56,8 +56,11 @@ whose connection closes before its reply is sent gets its step undone. ``timeout
 shortens ``--act-deadline`` for the request; ``execute_steps`` and ``ensemble`` override
 the node's action-chunk mode for the step, as in ``/act`` (a step then returns the chunk
 output alone, one action: ``[1, D]``; the model metadata shows the node's own mode).
-``executed``, ``inference_delay`` (integers) and ``control_hz`` (a number) are a
-real-time-chunking model's step values, as in ``/act`` (``node/rtc.py``).
+``executed``, ``inference_delay`` (integers) are a real-time-chunking model's step values
+and ``control_hz`` (a number) the robot's control rate, as in ``/act``; ``timing: true``
+(or the header ``X-Affinity-Timing: 1``) adds the split of the step's time to the reply's
+parameters (``timing_total_ms``, ``timing_queue_ms``, ``timing_run_ms``,
+``timing_forward_ms``).
 
 **Errors** are KServe's: a non-200 status with ``{"error": "<message>"}`` — 400 for a
 malformed body or a bad tensor, parameter or sequence, 401 without the API key (when the

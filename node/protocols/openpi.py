@@ -23,8 +23,9 @@ execution (openpi clients usually keep their own ``ActionChunkBroker`` and leave
 A ``seq`` key (the step number the robot expects to be applied: its last reply's ``seq``
 + 1) makes a retry after a reconnect safe; ``executed``, ``inference_delay`` and
 ``control_hz`` keys are a real-time-chunking model's step values (``node/rtc.py``; the
-reply then has ``rtc``: ``{"executed", "delay", "prefix_len"}``); all are taken out
-before the model. A reply
+reply then has ``rtc``: ``{"executed", "delay", "prefix_len"}``; ``control_hz`` is any
+model's step's control rate); ``timing: true`` adds the map ``timing``, the split of the
+step's time; all are taken out before the model. A reply
 whose send fails (the link dropped) has its step undone, and so has a step whose
 connection closes while it runs (the robot gave up on it and reconnects to retry): the
 connection is watched during a step, as ``/act``'s is, so the retry never finds the lost
