@@ -34,11 +34,11 @@ class _Series:
     __slots__ = ("forward", "miss", "period", "queue", "run", "step")
 
     def __init__(self, metrics: Metrics, model: str, door: str) -> None:
-        self.step: Any = metrics.step_seconds.labels(model, door)
+        self.step = metrics.step_seconds.labels(model, door)
+        self.queue = metrics.step_parts.labels(model, "queue")
+        self.run = metrics.step_parts.labels(model, "run")
+        self.forward = metrics.step_parts.labels(model, "forward")
         self.miss: Any = metrics.deadline_misses.labels(model, door)
-        self.queue: Any = metrics.step_parts.labels(model, "queue")
-        self.run: Any = metrics.step_parts.labels(model, "run")
-        self.forward: Any = metrics.step_parts.labels(model, "forward")
         self.period: Any = metrics.control_period.labels(model)
 
 
@@ -51,6 +51,7 @@ class StepTimes:
         self.metrics = metrics
         self.control_hz = control_hz
         self._series: dict[tuple[str, str], _Series] = {}
+        self._periods: dict[str, float] = {}  # model -> the period its gauge shows
 
     def served(self, step: Step, reply: Reply, seconds: float) -> None:
         """Count ``step``, served as ``reply`` in ``seconds`` from its request, and put
@@ -73,6 +74,8 @@ class StepTimes:
         hz = step.control_hz or self.control_hz
         if hz:
             period = 1.0 / hz
-            series.period.set(period)
+            if self._periods.get(key[0]) != period:  # (a gauge's set takes a lock)
+                series.period.set(period)
+                self._periods[key[0]] = period
             if seconds > period:
                 series.miss.inc()

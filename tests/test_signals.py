@@ -364,3 +364,35 @@ async def openpi_step(
     assert "bytes" in reply, sent
     doc: dict[str, Any] = wire.decode(reply["bytes"])
     return doc
+
+
+def test_a_loop_histogram_exports_what_prometheus_clients_histogram_does() -> None:
+    """The lock-free histogram of the per-step series counts like prometheus-client's:
+    the same values give the same buckets (a value on a bound counts in it), sum and
+    count, and the family is declared before any child exists."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from node.metrics import STEP_BUCKETS, LoopHistogram
+
+    values = [0.0001, 0.0005, 0.0005001, 0.01, 0.0333, 0.04, 2.5, 7.0, 0.0125]
+    pages = []
+    for kind in ("loop", "client"):
+        registry = CollectorRegistry()
+        if kind == "loop":
+            h: Any = LoopHistogram("x_seconds", "x", ["model"], STEP_BUCKETS, registry)
+        else:
+            h = Histogram("x_seconds", "x", ["model"], buckets=STEP_BUCKETS, registry=registry)
+        assert "# TYPE x_seconds histogram" in generate_latest(registry).decode()
+        for v in values:
+            h.labels("m@1").observe(v)
+        pages.append(
+            {
+                (s.name, s.labels.get("le")): s.value
+                for f in text_string_to_metric_families(generate_latest(registry).decode())
+                for s in f.samples
+                if not s.name.endswith("_created")
+            }
+        )
+    assert pages[0] == pages[1]
+    assert pages[0][("x_seconds_bucket", "0.0005")] == 2
+    assert pages[0][("x_seconds_count", None)] == len(values)
