@@ -12,6 +12,8 @@ from affinity.client import (
     RequestRefused,
     ServiceUnavailable,
     StateReset,
+    Step,
+    StepReply,
 )
 from affinity.config import Settings
 from affinity.connection import close, connect, embedded_store
@@ -73,6 +75,8 @@ __all__ = [
     "Settings",
     "StaleToken",
     "StateReset",
+    "Step",
+    "StepReply",
     "UnknownDevice",
     "UnknownEpisode",
     "UnknownField",

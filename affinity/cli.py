@@ -38,7 +38,8 @@ from affinity.errors import (
     UnknownModel,
     UnknownNode,
 )
-from affinity.registry import ModelStatus, Registry, event_json
+from affinity.registry import ModelStatus, MoveRequest, Registry, event_json
+from affinity.scripts import failure
 
 __all__ = ["main"]
 
@@ -129,7 +130,8 @@ async def cmd_devices(args: argparse.Namespace, ctx: Context) -> int:
     await ctx.require_deployment()
     devices = await ctx.registry.devices()
     if ctx.json:
-        emit_json(ctx, [d.to_json() for d in devices])
+        # a dead node's load is stale (its episodes move on their next step): none is shown
+        emit_json(ctx, [{**d.to_json(), "load": d.load if d.alive else None} for d in devices])
         return EXIT_OK
     rows = [
         (
@@ -139,7 +141,7 @@ async def cmd_devices(args: argparse.Namespace, ctx: Context) -> int:
             d.name,
             d.state,
             yes_no(d.alive),
-            f"{d.load}/{d.capacity}",
+            f"{d.load if d.alive else '-'}/{d.capacity}",
             d.weight,
             d.provider,
             ",".join(d.models),
@@ -202,15 +204,20 @@ async def cmd_models(args: argparse.Namespace, ctx: Context) -> int:
 
 
 async def cmd_rollout(args: argparse.Namespace, ctx: Context) -> int:
+    await ctx.require_deployment()
+    models = await ctx.registry.models()
+    served = [f"{m.name}@{m.version}" for m in models if m.nodes]
+    if not any(m.name == args.name for m in models):
+        raise UnknownModel(args.name, served)
     if args.reset:
         await ctx.registry.clear_rollout(args.name)
     elif args.version is not None:
         if args.weight is None:
             raise InvalidArgument("rollout weight", None, "give VERSION and WEIGHT")
+        if f"{args.name}@{args.version}" not in served:  # a weight no node could honour
+            raise UnknownModel(f"{args.name}@{args.version}", served)
         await ctx.registry.rollout(args.name, args.version, args.weight)
     models = [m for m in await ctx.registry.models() if m.name == args.name]
-    if not models:
-        raise UnknownModel(args.name)
     if ctx.json:
         emit_json(ctx, [m.to_json() for m in models])
     else:
@@ -288,7 +295,38 @@ async def cmd_show(args: argparse.Namespace, ctx: Context) -> int:
 
 async def cmd_drain(args: argparse.Namespace, ctx: Context) -> int:
     change = await ctx.registry.drain(args.device, args.reason)
+    if args.move:  # its node moves them with their state at its next renewal
+        node = args.device.rpartition("/")[0]
+        await ctx.registry.request_move(node, MoveRequest(device=args.device))
     return report_state(ctx, args.device, change.state, change.previous)
+
+
+async def cmd_move(args: argparse.Namespace, ctx: Context) -> int:
+    info = await ctx.claims.lookup(args.episode)
+    if info is None:
+        raise UnknownEpisode(args.episode)
+    if not info.alive:
+        raise InvalidArgument(
+            "episode", args.episode, f"its owner {info.node} holds no lease: its next step moves it"
+        )
+    target = args.to or ""
+    if target:  # a typo is UnknownNode / UnknownDevice, not a move that finds nowhere
+        await (
+            ctx.registry.episodes(device=target)
+            if "/" in target
+            else ctx.registry.episodes(node=target)
+        )
+    await ctx.registry.request_move(info.node, MoveRequest(episode=args.episode, target=target))
+    where = f" to {target}" if target else ""
+    if ctx.json:
+        emit_json(ctx, {"episode": args.episode, "owner": info.node, "to": target, "asked": True})
+    else:
+        emit(
+            ctx,
+            f"asked {info.node} to move {args.episode}{where} with its state, at its next lease "
+            "renewal (affinity events shows the move)",
+        )
+    return EXIT_OK
 
 
 async def cmd_undrain(args: argparse.Namespace, ctx: Context) -> int:
@@ -442,6 +480,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("drain", cmd_drain, "stop new episodes on a device; its episodes stay")
     p.add_argument("device")
     p.add_argument("--reason", default="", help="recorded on the device and in the event")
+    p.add_argument(
+        "--move",
+        action="store_true",
+        help="and move its episodes to other devices now, with their state",
+    )
+    p = command("move", cmd_move, "move an episode to another device, with its state")
+    p.add_argument("episode")
+    p.add_argument("--to", help="a node or a device (default: any with room)")
     p = command("undrain", cmd_undrain, "let a device take new episodes again")
     p.add_argument("device")
     p = command("release", cmd_release, "end an episode's assignment (its next step claims anew)")
@@ -525,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
     except (BackendUnavailable, RedisError, OSError, TimeoutError) as exc:
-        reason = str(exc) or type(exc).__name__
+        reason = str(exc) if isinstance(exc, BackendUnavailable) else failure(exc)
         return fail(EXIT_REDIS, f"cannot reach Redis at {shown_url(url)}: {reason}")
 
 

@@ -10,23 +10,29 @@ What they do for a caller that steps episodes through ``POST /act``:
 - send an episode's steps straight to its owner (the ``X-Affinity-URL`` of the last reply):
   no second hop through another node; when the owner cannot be reached or refuses, fall
   back to the configured nodes, which route the step to wherever the episode lives now;
-- honour ``Retry-After`` on 503 within a bounded budget (``retries`` attempts and
-  ``retry_budget_s`` seconds per step, timeouts and transport errors included), then raise
-  :class:`ServiceUnavailable`; a retry after a timeout or a transport error goes to a node
-  other than the one that failed, while there is one;
+- honour ``Retry-After`` on 503 within a time budget (``retry_budget_s`` seconds per
+  step, 30 by default: longer than a node's lease, so an owner's crash is ridden out with
+  one ``state_reset``; timeouts and transport errors included; ``retries`` caps the
+  attempts too when given), then raise :class:`ServiceUnavailable`; a retry after a
+  timeout or a transport error goes to a node other than the one that failed, while there
+  is one, and waits (0.1 s, doubling to 1 s) once every node has failed;
 - raise :class:`RequestRefused` for a 4xx (the node's error code, message and field);
 - speak msgpack with numpy arrays both ways (``encoding="msgpack"``, the default: a camera
   image travels as its bytes) or JSON (``encoding="json"``: nested lists); outputs are
   numpy arrays either way.
 
-The decisions live in plain functions of :class:`_Episodes`; the two classes only do I/O,
-handing ``httpx.Request`` objects straight to a transport (no ``httpx.Client`` layer):
+The decisions live in :class:`_StickyRoutes`, without I/O: its :meth:`~_StickyRoutes.attempts`
+generator yields what to send (or how long to wait) and is sent each answer, and the two
+classes drive it as httpx drives an auth flow, handing ``httpx.Request`` objects straight to
+a transport (no ``httpx.Client`` layer):
 :class:`Client` to :class:`affinity.transport.Transport` (lean HTTP/1.1 on keep-alive
 sockets: ``httpx.Client`` over httpcore cost ~1.5 ms of CPU per camera step), :class:`AsyncClient`
 to ``httpx.AsyncHTTPTransport``; ``transport=`` takes any httpx transport instead. Proxy
 variables (``HTTP_PROXY``) are not read: nodes are reached directly.
 Steps of one episode must be sequential (a robot's loop is); different episodes may run
-concurrently on one :class:`AsyncClient`.
+concurrently on one :class:`AsyncClient`. Node URLs are checked when a client is made: one
+that is not ``http://`` or ``https://`` (``127.0.0.1:8000``) is a ``ValueError`` then, never
+a retryable failure of every step.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import time
 from collections.abc import Collection, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import httpx
 import numpy as np
@@ -56,6 +63,7 @@ __all__ = [
     "ServiceUnavailable",
     "StateReset",
     "Step",
+    "StepReply",
 ]
 
 
@@ -84,7 +92,7 @@ class StateReset(ClientError):
     """The episode's state started over with this step (raised only with
     ``raise_on_reset=True``); ``step`` holds the reply, which was served."""
 
-    def __init__(self, step: Step) -> None:
+    def __init__(self, step: StepReply) -> None:
         self.step = step
         super().__init__(
             "state_reset",
@@ -93,7 +101,7 @@ class StateReset(ClientError):
 
 
 @dataclass(frozen=True)
-class Step:
+class StepReply:
     """One served step: the outputs (numpy arrays, by output name) and where and how it
     ran."""
 
@@ -113,7 +121,7 @@ class Step:
     rtc: dict[str, int] | None = None  # real-time chunking: executed, delay, prefix_len
 
     @classmethod
-    def of(cls, body: Mapping[str, Any], url: str) -> Step:
+    def of(cls, body: Mapping[str, Any], url: str) -> StepReply:
         return cls(
             outputs={name: np.array(value) for name, value in body["outputs"].items()},
             episode_id=body.get("episode_id"),
@@ -132,13 +140,34 @@ class Step:
         )
 
 
+Step = StepReply
+"""The former name of :class:`StepReply`, kept for one release."""
+
+_BACKOFF_S = (0.1, 0.2, 0.4, 0.8, 1.0)
+"""The waits before another round once every node failed to answer (then 1 s each)."""
+
+
+def _node_url(url: str) -> str:
+    """``url`` without a trailing slash; ``ValueError`` naming it unless it is an
+    ``http://`` or ``https://`` URL with a host (a typo must fail once, here, not as a
+    retryable failure of every step)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        example = f"http://{url}" if "://" not in url else "http://node-a:8000"
+        raise ValueError(
+            f"node URL {url!r}: must be an http:// or https:// URL with a host, such as {example!r}"
+        )
+    return url.rstrip("/")
+
+
 @dataclass
-class _Episodes:
-    """The clients' shared logic: where each episode goes, what to send, what to do with
-    an answer. No I/O."""
+class _StickyRoutes:
+    """The clients' shared logic: where each episode's steps go (its owner, else the
+    configured nodes in turn), what each step sends, and what to do with an answer. No
+    I/O: :meth:`attempts` is a generator the clients drive."""
 
     nodes: tuple[str, ...]
-    retries: int
+    retries: int | None
     retry_budget_s: float
     raise_on_reset: bool
     tokens: dict[str, int] = field(default_factory=dict)
@@ -148,14 +177,21 @@ class _Episodes:
 
     @classmethod
     def of(
-        cls, nodes: Sequence[str] | str, retries: int, retry_budget_s: float, raise_on_reset: bool
-    ) -> _Episodes:
+        cls,
+        nodes: Sequence[str] | str,
+        retries: int | None,
+        retry_budget_s: float,
+        raise_on_reset: bool,
+    ) -> _StickyRoutes:
+        """Raises ``ValueError`` for no node, or a node URL that is not ``http(s)://``."""
         urls = (nodes,) if isinstance(nodes, str) else tuple(nodes)
-        return cls(tuple(u.rstrip("/") for u in urls), retries, retry_budget_s, raise_on_reset)
+        return cls(tuple(_node_url(u) for u in urls), retries, retry_budget_s, raise_on_reset)
 
     def __post_init__(self) -> None:
         if not self.nodes:
             raise ValueError("a client needs at least one node URL")
+        if self.retries is not None and self.retries < 0:
+            raise ValueError(f"retries {self.retries}: must be >= 0 (or None: the budget alone)")
         self._next = itertools.cycle(self.nodes)
 
     def body(self, episode: str | None, inputs: Mapping[str, Any], **extra: Any) -> dict[str, Any]:
@@ -178,16 +214,23 @@ class _Episodes:
         *,
         end: bool,
         fields: Mapping[str, Any],
-    ) -> Generator[tuple[str, dict[str, Any]] | float, httpx.Response | Exception | None, Step]:
+    ) -> Generator[
+        tuple[str, dict[str, Any]] | float, httpx.Response | Exception | None, StepReply
+    ]:
         """The attempts of one step, without I/O: yields (URL, body) to POST to ``URL/act``
         (and is sent the response, or the transport error), or seconds to sleep (and is
-        sent ``None``); returns the served :class:`Step` or raises a :class:`ClientError`."""
+        sent ``None``); returns the served :class:`StepReply` or raises a
+        :class:`ClientError`. Attempts go on until one is served or refused, for at most
+        ``retry_budget_s`` (and ``retries`` + 1 attempts, when given)."""
         body = self.body(episode, inputs, end=end, **fields)
         deadline = time.monotonic() + self.retry_budget_s
         tried_owner = False
         failed: set[str] = set()  # nodes that timed out or could not be reached
+        rounds = 0  # waits after every node failed
         last: ClientError = ServiceUnavailable("unreachable", "no node answered")
-        for _ in range(self.retries + 1):
+        for attempt in itertools.count():
+            if self.retries is not None and attempt > self.retries:
+                break
             url, owner = self.target(episode, tried_owner, failed)
             tried_owner = tried_owner or owner
             result = yield url, body
@@ -198,24 +241,28 @@ class _Episodes:
                 last = ServiceUnavailable(
                     "unreachable", f"{url}: {type(result).__name__}: {result}"
                 )
-                if time.monotonic() >= deadline:
-                    break
-                continue
-            assert isinstance(result, httpx.Response)
-            if result.status_code == 200:
-                step = self.served(episode, result)
-                if end and episode is not None:
-                    self.forget(episode)
-                return step
-            last = self.failed(result)
-            if result.status_code != 503:
-                if owner:
-                    continue  # the owner refused (e.g. the episode moved): ask the fleet
-                raise last
-            wait = self.retry_after(result)
-            if time.monotonic() + wait > deadline:
+                wait = 0.0
+                if failed.issuperset(self.nodes):  # a whole round failed: wait, then again
+                    wait = _BACKOFF_S[min(rounds, len(_BACKOFF_S) - 1)]
+                    rounds += 1
+                    failed.clear()
+            else:
+                assert isinstance(result, httpx.Response)
+                if result.status_code == 200:
+                    step = self.served(episode, result)
+                    if end and episode is not None:
+                        self.forget(episode)
+                    return step
+                last = self.failed(result)
+                if result.status_code != 503:
+                    if owner:
+                        continue  # the owner refused (e.g. the episode moved): ask the fleet
+                    raise last
+                # the owner's 503 goes to the fleet at once; the fleet's is waited out
+                wait = 0.0 if owner else self.retry_after(result)
+            if time.monotonic() + wait >= deadline:
                 break
-            if not owner:
+            if wait:
                 yield wait
         raise last
 
@@ -233,9 +280,9 @@ class _Episodes:
                 return url, False
         return next(self._next), False
 
-    def served(self, episode: str | None, response: httpx.Response) -> Step:
+    def served(self, episode: str | None, response: httpx.Response) -> StepReply:
         url = response.headers.get("x-affinity-url", "")
-        step = Step.of(_decode(response), url)
+        step = StepReply.of(_decode(response), url)
         if episode is not None:
             self.tokens[episode] = step.token
             self.seqs[episode] = step.seq
@@ -264,9 +311,10 @@ class _Episodes:
 
     @staticmethod
     def retry_after(response: httpx.Response) -> float:
+        """The 503's ``Retry-After`` in seconds, 0.1-30 (a missing or bad one: 1)."""
         raw = response.headers.get("retry-after", "1")
         try:
-            return min(max(float(raw), 0.0), 30.0)
+            return min(max(float(raw), 0.1), 30.0)
         except ValueError:
             return 1.0
 
@@ -348,73 +396,28 @@ def _fields(
     }
 
 
-class _Plan:
-    """One step's attempts (:meth:`_Episodes.attempts`) for a client's I/O loop: iterating
-    gives seconds to sleep, or an ``httpx.Request`` to hand to the transport, whose
-    response or transport error goes to :meth:`answer` before the next item;
-    :meth:`outcome` then returns the served step or raises what the attempts raised. The
-    one loop both clients share, with nothing of their I/O in it."""
-
-    def __init__(
-        self,
-        logic: _Episodes,
-        wire: _Wire,
-        episode: str | None,
-        inputs: Mapping[str, Any],
-        end: bool,
-        fields: Mapping[str, Any],
-    ) -> None:
-        self._attempts = logic.attempts(episode, inputs, end=end, fields=fields)
-        self._wire = wire
-        self._result: httpx.Response | Exception | None = None
-        self._started = False
-        self._step: Step | None = None
-
-    def __iter__(self) -> Iterator[float | httpx.Request]:
-        return self
-
-    def __next__(self) -> float | httpx.Request:
-        try:
-            if self._started:
-                action = self._attempts.send(self._result)
-            else:
-                action, self._started = next(self._attempts), True
-        except StopIteration as done:
-            self._step = done.value
-            raise StopIteration from None
-        self._result = None
-        if isinstance(action, float):
-            return action
-        url, body = action
-        return self._wire.request(url, body)
-
-    def answer(self, result: httpx.Response | Exception) -> None:
-        self._result = result
-
-    def outcome(self) -> Step:
-        assert self._step is not None, "iterate the plan to its end first"
-        return self._step
-
-
 class AsyncClient:
-    """The async client (see the module doc). ``nodes`` are node base URLs (any of them
-    accepts any episode); ``timeout`` bounds one HTTP attempt in seconds; ``encoding`` is
-    ``"msgpack"`` (numpy arrays as bytes) or ``"json"``. Raises ``ValueError`` for another
-    encoding."""
+    """The async client (see the module doc). ``nodes`` are node base URLs (``http://`` or
+    ``https://``; any of them accepts any episode); ``timeout`` bounds one HTTP attempt in
+    seconds; ``retry_budget_s`` bounds one step's attempts and waits in seconds (30: an
+    owner's crash costs a lease, 10 s by default, and a Retry-After), ``retries`` their
+    number beyond the first (``None``: the budget alone); ``encoding`` is ``"msgpack"``
+    (numpy arrays as bytes) or ``"json"``. Raises ``ValueError`` for a node URL that is not
+    ``http(s)://``, or another encoding."""
 
     def __init__(
         self,
         nodes: Sequence[str] | str,
         *,
         timeout: float = 10.0,
-        retries: int = 5,
+        retries: int | None = None,
         retry_budget_s: float = 30.0,
         raise_on_reset: bool = False,
         api_key: str | None = None,
         encoding: Encoding = "msgpack",
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self._logic = _Episodes.of(nodes, retries, retry_budget_s, raise_on_reset)
+        self._routes = _StickyRoutes.of(nodes, retries, retry_budget_s, raise_on_reset)
         self._wire = _Wire.of(encoding, api_key, timeout)
         self._transport = httpx.AsyncHTTPTransport() if transport is None else transport
 
@@ -429,7 +432,7 @@ class AsyncClient:
         executed: int | None = None,
         inference_delay: int | None = None,
         control_hz: float | None = None,
-    ) -> Step:
+    ) -> StepReply:
         """One step of ``episode_id`` (``None``: stateless). ``model`` names the policy
         (``name`` or ``name@version``; needed when the fleet serves several);
         ``execute_steps`` overrides action-chunk execution; ``executed``,
@@ -438,21 +441,26 @@ class AsyncClient:
         :class:`StateReset` (if asked), :class:`RequestRefused`,
         :class:`ServiceUnavailable`."""
         fields = _fields(model, execute_steps, executed, inference_delay, control_hz)
-        plan = _Plan(self._logic, self._wire, episode_id, inputs, end, fields)
-        for action in plan:
+        attempts = self._routes.attempts(episode_id, inputs, end=end, fields=fields)
+        action = next(attempts)
+        while True:
+            result: httpx.Response | Exception | None = None
             if isinstance(action, float):
                 await asyncio.sleep(action)
-                continue
-            try:
-                response = await self._transport.handle_async_request(action)
+            else:
                 try:
-                    await response.aread()
-                finally:
-                    await response.aclose()
-                plan.answer(response)
-            except httpx.TransportError as exc:
-                plan.answer(exc)
-        return plan.outcome()
+                    result = await self._transport.handle_async_request(self._wire.request(*action))
+                    try:
+                        await result.aread()
+                    finally:
+                        await result.aclose()
+                except httpx.TransportError as exc:
+                    result = exc
+            try:
+                action = attempts.send(result)
+            except StopIteration as served:
+                reply: StepReply = served.value
+                return reply
 
     async def aclose(self) -> None:
         await self._transport.aclose()
@@ -473,14 +481,14 @@ class Client:
         nodes: Sequence[str] | str,
         *,
         timeout: float = 10.0,
-        retries: int = 5,
+        retries: int | None = None,
         retry_budget_s: float = 30.0,
         raise_on_reset: bool = False,
         api_key: str | None = None,
         encoding: Encoding = "msgpack",
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self._logic = _Episodes.of(nodes, retries, retry_budget_s, raise_on_reset)
+        self._routes = _StickyRoutes.of(nodes, retries, retry_budget_s, raise_on_reset)
         self._wire = _Wire.of(encoding, api_key, timeout)
         self._transport = Transport() if transport is None else transport
 
@@ -495,24 +503,29 @@ class Client:
         executed: int | None = None,
         inference_delay: int | None = None,
         control_hz: float | None = None,
-    ) -> Step:
+    ) -> StepReply:
         """One step of ``episode_id``; see :meth:`AsyncClient.act`."""
         fields = _fields(model, execute_steps, executed, inference_delay, control_hz)
-        plan = _Plan(self._logic, self._wire, episode_id, inputs, end, fields)
-        for action in plan:
+        attempts = self._routes.attempts(episode_id, inputs, end=end, fields=fields)
+        action = next(attempts)
+        while True:
+            result: httpx.Response | Exception | None = None
             if isinstance(action, float):
                 time.sleep(action)
-                continue
-            try:
-                response = self._transport.handle_request(action)
+            else:
                 try:
-                    response.read()
-                finally:
-                    response.close()
-                plan.answer(response)
-            except httpx.TransportError as exc:
-                plan.answer(exc)
-        return plan.outcome()
+                    result = self._transport.handle_request(self._wire.request(*action))
+                    try:
+                        result.read()
+                    finally:
+                        result.close()
+                except httpx.TransportError as exc:
+                    result = exc
+            try:
+                action = attempts.send(result)
+            except StopIteration as served:
+                reply: StepReply = served.value
+                return reply
 
     def close(self) -> None:
         self._transport.close()

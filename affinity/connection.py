@@ -85,7 +85,13 @@ def starved(task: asyncio.Task[Any]) -> int | None:
 
 
 class _Pool(BlockingConnectionPool):
-    """redis-py's blocking pool that tells a wait for a connection from a call to Redis."""
+    """redis-py's blocking pool that tells a wait for a connection from a call to Redis.
+
+    A task counts as waiting from :meth:`get_connection` until the pool hands it a
+    connection, which it then checks (:meth:`ensure_connection`: connecting, when the
+    connection is new): from there on a failure or a deadline is Redis's (refused,
+    unreachable, silent), not this process's overload. (redis-py takes the connection
+    through ``super().get_available_connection()``, which no override here would see.)"""
 
     async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         task = asyncio.current_task()
@@ -104,11 +110,11 @@ class _Pool(BlockingConnectionPool):
         finally:
             _waiting.discard(task)
 
-    def get_available_connection(self) -> Any:
+    async def ensure_connection(self, connection: Any) -> None:
         task = asyncio.current_task()
         if task is not None:
             _waiting.discard(task)  # handed a connection: from here on Redis is asked
-        return super().get_available_connection()  # type: ignore[no-untyped-call]
+        await super().ensure_connection(connection)
 
 
 def _client_kwargs(settings: Settings) -> dict[str, Any]:

@@ -179,6 +179,12 @@ class Keys:
         next renewal reads them and drops its records (expires after two lease TTLs)."""
         return self.prefix + "revoked:" + node
 
+    def moves(self, node: str) -> str:
+        """Set: the moves an operator asked of the node's episodes (``affinity drain
+        --move``: ``@<device>``; ``affinity move``: ``<episode>\\x1f<target>``), until its
+        next renewal reads them."""
+        return self.prefix + "moves:" + node
+
     def episode_pattern(self) -> str:
         """``SCAN MATCH`` pattern of all assignments (for operators, never inside Lua)."""
         return self.prefix + "episode:*"

@@ -44,6 +44,7 @@ __all__ = [
     "Held",
     "LeaseTerms",
     "ModelLoad",
+    "MoveRequest",
     "NodeStatus",
     "Registered",
     "Registry",
@@ -295,11 +296,32 @@ class LeaseTerms(NamedTuple):
 
 
 class Renewal(NamedTuple):
-    """What a renewal answered: the lease terms and the (episode, token) of the node's
-    assignments someone else released in Redis that the owner has not carried out."""
+    """What a renewal answered: the lease terms, the (episode, token) of the node's
+    assignments someone else released in Redis that the owner has not carried out, and the
+    moves an operator asked of its episodes (:class:`MoveRequest`)."""
 
     terms: LeaseTerms
     revoked: list[tuple[str, int]]
+    moves: tuple[MoveRequest, ...] = ()
+
+
+class MoveRequest(NamedTuple):
+    """An operator's move: every episode of ``device`` (``affinity drain --move``), or one
+    ``episode`` (``affinity move``) to ``target`` (a node, a device, or "" for any)."""
+
+    device: str = ""
+    episode: str = ""
+    target: str = ""
+
+    def encode(self) -> str:
+        return "@" + self.device if self.device else f"{self.episode}\x1f{self.target}"
+
+    @classmethod
+    def decode(cls, text: str) -> MoveRequest:
+        if text.startswith("@"):
+            return cls(device=text[1:])
+        episode, _, target = text.partition("\x1f")
+        return cls(episode=episode, target=target)
 
 
 class Flushed(NamedTuple):
@@ -488,11 +510,22 @@ class Registry:
             return None
         if short is not None:
             self._short("renewal", short, node)
+        n = int(reply[3])
         revoked = []
-        for item in reply[3:]:
+        for item in reply[4 : 4 + n]:
             episode, _, token = str(item).rpartition(" ")
             revoked.append((episode, int(token)))
-        return Renewal(LeaseTerms(int(reply[1]), int(reply[2])), revoked)
+        moves = tuple(MoveRequest.decode(str(item)) for item in reply[4 + n :])
+        return Renewal(LeaseTerms(int(reply[1]), int(reply[2])), revoked, moves)
+
+    async def request_move(self, node: str, move: MoveRequest) -> None:
+        """Ask ``node`` to move episodes with their state (carried out at its next
+        renewal, a third of its lease at most). Kept two minutes at most."""
+        key = self.keys.moves(node)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.sadd(key, move.encode())
+        pipe.pexpire(key, 120_000)
+        await bounded(self.settings, pipe.execute())
 
     async def server_id(self) -> str | None:
         """The ``run_id`` of the Redis server answering (another one after a restart or a

@@ -45,6 +45,7 @@ __all__ = [
     "bounded",
     "evalsha",
     "evalsha_waited",
+    "failure",
     "replicated",
     "scripts_for",
     "source",
@@ -62,6 +63,7 @@ NAMES = (
     "forget",
     "set_state",
     "flush",
+    "transfer",
 )
 
 INCLUDED = ("lib", "fleet")  # shared parts, placed where a script says --@lib, --@fleet
@@ -110,6 +112,7 @@ def header(keys: Keys, episode_ttl_ms: int, lease_ttl_ms: int, events_maxlen: in
         "LOAD_KEY": keys.load(""),
         "MOVED_KEY": keys.moved(""),
         "REVOKED_KEY": keys.revoked(""),
+        "MOVES_KEY": keys.moves(""),
         "RING_KEY": keys.ring_prefix,
         "VERSIONS_KEY": keys.versions(""),
         "ROLLOUT_KEY": keys.rollout(""),
@@ -154,6 +157,7 @@ class Scripts:
     forget: Script
     set_state: Script
     flush: Script
+    transfer: Script
 
 
 @cache
@@ -272,6 +276,19 @@ _watchdogs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Watchdog] = (
 )
 
 
+def failure(exc: BaseException) -> str:
+    """What a Redis call's transport error or error reply means, in one line: a refused
+    connection says so first (nothing listens there: Redis is not running, or the URL's
+    port is wrong), whatever redis-py and the event loop wrote around it."""
+    text = str(exc) or type(exc).__name__
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ConnectionRefusedError):
+            return f"connection refused (is Redis running there?): {text}"
+        cause = cause.__cause__ or cause.__context__
+    return f"Redis failed or did not answer: {text}"
+
+
 async def bounded(settings: Settings, call: Awaitable[T]) -> T:
     """Await ``call`` within ``settings.redis_deadline_s``.
 
@@ -310,9 +327,7 @@ async def bounded(settings: Settings, call: Awaitable[T]) -> T:
             f"Redis did not answer within {settings.redis_deadline_s}s"
         ) from None
     except (RedisError, OSError) as exc:
-        raise BackendUnavailable(
-            f"Redis failed or did not answer: {exc or type(exc).__name__}"
-        ) from exc
+        raise BackendUnavailable(failure(exc)) from exc
     finally:
         if not expired:
             watchdog.stop(ticket)

@@ -47,7 +47,7 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from affinity import wire
 from bench.common import Node, RedisServer, free_port, median, pct, report, tmpdir
-from node.protocols.kserve_grpc import kserve_pb2 as pb
+from node.protocols.kserve.pb import kserve_pb2 as pb
 
 MODEL = "vla_demo"
 INFER = f"/v2/models/{MODEL}/infer"

@@ -1,7 +1,7 @@
 """The node's ASGI application: the hot endpoints as plain handlers, FastAPI for the rest.
 
 ``POST /act`` (JSON or msgpack), ``POST /internal/act`` (forwards between nodes) and every
-path under ``/v2`` (KServe v2, ``node/protocols/kserve.py``) are dispatched straight to
+path under ``/v2`` (KServe v2, ``node/protocols/kserve/``) are dispatched straight to
 their protocol modules in ``node/protocols/``, without a
 framework's routing, validation or response classes on the request path. Everything else —
 inspection, administration, ``/metrics``, ``/docs`` — is a FastAPI app. Every error is
@@ -348,23 +348,28 @@ def create_app(
         return JSONResponse({"node": s.node_id, "devices": out})
 
     def admin(request: Request) -> Response | None:
+        """None when the request carries the admin's token; else the refusal: 401 without
+        valid credentials (none, or a wrong token), 403 with credentials that are valid but
+        not the admin's (a client's API key), or while the admin API is disabled."""
         s = svc()
         expected = s.config.admin_token
         if not expected:
             s.metrics.rejected.labels("forbidden").inc()
             return error(403, "admin_disabled", "admin API disabled: set AFFINITY_ADMIN_TOKEN")
         given = request.headers.get("authorization", "")
-        if not given.lower().startswith("bearer "):
-            s.metrics.rejected.labels("unauthorized").inc()
-            return JSONResponse(
-                {"error": {"code": "unauthorized", "message": "bearer token required"}},
-                status_code=401,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        if not hmac.compare_digest(given[7:].strip().encode(), expected.encode()):
+        bearer = given.lower().startswith("bearer ")
+        if bearer and hmac.compare_digest(given[7:].strip().encode(), expected.encode()):
+            return None
+        if s.config.api_key and s.client_allowed(given):
             s.metrics.rejected.labels("forbidden").inc()
-            return error(403, "forbidden", "wrong admin token")
-        return None
+            return error(403, "forbidden", "an API key is a client's: use the admin's bearer token")
+        s.metrics.rejected.labels("unauthorized").inc()
+        return JSONResponse(
+            {"error": {"code": "unauthorized",
+                       "message": "wrong admin token" if bearer else "bearer token required"}},
+            status_code=401,
+            headers={"WWW-Authenticate": 'Bearer error="invalid_token"' if bearer else "Bearer"},
+        )  # fmt: skip
 
     async def set_state(request: Request, device: str, state: str) -> Response:
         denied = admin(request)
@@ -497,6 +502,7 @@ def create_app(
     hot: dict[tuple[str, str], Handler] = {
         ("POST", "/act"): act.handle,
         ("POST", "/internal/act"): internal.handle,
+        ("POST", "/internal/move"): internal.move,
     }
     return NodeApp(api, hot, access)
 

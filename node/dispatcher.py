@@ -53,7 +53,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from affinity.errors import InvalidArgument
-from node import control
+from node import control, warmup
 from node.chunks import ActionBuffer, ChunkMode, find_chunk
 from node.episodes import (
     Apply,
@@ -462,20 +462,26 @@ class MultiGpuDispatcher:
         )
 
     def rtc_for(
-        self, executed: object = None, inference_delay: object = None, control_hz: object = None
+        self,
+        executed: object = None,
+        inference_delay: object = None,
+        control_hz: object = None,
+        pending: object = None,
     ) -> Ask | None:
         """A step's real-time-chunking values, checked (None for a model without ``rtc.*``
         inputs). Raises :class:`affinity.InvalidArgument` naming the bad one, or
-        ``executed`` or ``inference_delay`` given to a model without them (see
+        ``executed``, ``inference_delay`` or ``pending`` given to a model without them (see
         :meth:`node.rtc.RtcSpec.ask`; any model's step may name its ``control_hz``)."""
         if self.rtc is None:
-            given = {"executed": executed, "inference_delay": inference_delay}
+            given = {"executed": executed, "inference_delay": inference_delay,
+                     "pending": pending}  # fmt: skip
             for name, value in given.items():
                 if value is not None:
-                    raise InvalidArgument(name, value, "this model takes no rtc.* inputs")
+                    shown = "(array)" if name == "pending" else value
+                    raise InvalidArgument(name, shown, "this model takes no rtc.* inputs")
             control_rate(control_hz)
             return None
-        return self.rtc.ask(executed, inference_delay, control_hz, self.control_hz)
+        return self.rtc.ask(executed, inference_delay, control_hz, self.control_hz, pending)
 
     def observed(self, episode: str, seq: int, seconds: float) -> None:
         """Add the latency of step ``seq`` of ``episode`` (arrival to reply, seconds) to its
@@ -978,14 +984,6 @@ class MultiGpuDispatcher:
         dev.put(call)
         return await call.future
 
-    def _zeros(self, rows: int) -> dict[str, Array]:
-        one = {spec.name: spec.zeros() for spec in self.contract.observation_inputs}
-        one.update(self.contract.initial_state())
-        one.update({spec.name: spec.zeros() for spec in self.contract.control_inputs})
-        if self.rtc is not None:
-            one.update(self.rtc.none())
-        return {name: np.concatenate([v] * rows) for name, v in one.items()}
-
     def _run_counted(self, dev: _Device, feed: dict[str, Array]) -> None:
         try:
             dev.session.run(self._outputs, feed)
@@ -996,14 +994,21 @@ class MultiGpuDispatcher:
             self._transition(dev.id, "up", "")
 
     async def probe(self) -> list[str]:
-        """Probe every down device whose cool-down has passed, with a run of zeros.
+        """Probe every down device whose cool-down has passed, with the warm-up's feed
+        (``node.warmup``); a model nothing may be fed to made up comes back untested, and
+        its next steps probe it (a failure takes it down again).
 
         Returns the devices that came back up."""
         back = []
         for dev in self._devices.values():
             if not dev.tracker.probe_due():
                 continue
-            feed = self._zeros(1)
+            feed = warmup.feed(self.contract)
+            if feed is None:
+                if dev.tracker.success():
+                    self._transition(dev.id, "up", "")
+                back.append(dev.id)
+                continue
             try:
                 await self._call(dev, functools.partial(self._run_counted, dev, feed))
             except ModelFailure:
@@ -1014,18 +1019,25 @@ class MultiGpuDispatcher:
     async def warm_up(self) -> None:
         """Warm every device up on its own worker thread, one device after another, before
         serving. A session with a ``warm_up()`` method (``node.binding.BoundSession``, which
-        captures its CUDA graph there) is asked to; any other runs zeros once at every batch
-        size it will use (a session with ``batch_sizes`` captures one graph per size there).
+        captures its CUDA graph there) is asked to; any other runs the feed of
+        ``node.warmup`` (the operator's samples, else zeros) once at every batch size it will
+        use (a session with ``batch_sizes`` captures one graph per size there); a model with
+        an input nothing may be fed (``node.warmup.unfed``) is not run at all.
         ONNX Runtime keeps a captured CUDA graph per thread, so the capture must happen on the
         thread that runs the device's steps; CUDA's capture mode is process-wide, so devices
-        go one at a time. Raises :class:`ModelFailure` (counted) when a run fails."""
+        go one at a time. Raises what a run raised (nothing is counted: the node stops)."""
+        if warmup.unfed(self.contract):
+            return
         for dev in self._devices.values():
             warm = getattr(dev.session, "warm_up", None)
             if warm is not None:
                 await self._call(dev, warm)
                 continue
             for size in [s for s in dev.sizes or () if s <= dev.max_batch] or [dev.bucket(1)]:
-                await self._call(dev, functools.partial(self._run_counted, dev, self._zeros(size)))
+                feed = warmup.feed(self.contract, size)
+                assert feed is not None  # no unfed input
+                run = functools.partial(warmup.run, dev.session, self._outputs, feed)
+                await self._call(dev, run)
 
     def close(self) -> None:
         for dev in self._devices.values():

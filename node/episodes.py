@@ -97,6 +97,9 @@ class Episode:
     asked: Mapping[str, Array] | None = None
     """The inputs of step ``seq`` when it named its ``seq``: such a step is held for its
     caller's retry (never undone), and a retry must repeat these inputs to be replayed."""
+    confirmed: bool = True
+    """False for a record a hand-over installed before Redis moved the claim here: never
+    served from memory until a step Redis routed here (or the old owner) confirms it."""
 
     def holds(self, device: str, token: int, claim: str) -> bool:
         """Whether this record serves the claim (device, token, claim id)."""
@@ -266,6 +269,9 @@ def undone(record: Episode, seq: int | None, origin: str | None) -> Episode | No
         if record.doubt:  # an earlier step could not be undone: the one before is in doubt too
             record.previous.doubt = True
         return record.previous
+    if matches and record.seq > 0:
+        record.doubt = True  # handed over without the record before it: the next step says so
+        return record
     if seq is not None and record.seq > seq and origin is None:
         record.doubt = True  # in place: steps that read this record still commit on it
         return record
@@ -276,6 +282,16 @@ class _Bounded(OrderedDict[str, str]):
     """Keys remembered up to :data:`REMEMBERED`, the oldest forgotten first."""
 
     def remember(self, key: str, value: str = "") -> None:
+        self[key] = value
+        self.move_to_end(key)
+        if len(self) > REMEMBERED:
+            self.popitem(last=False)
+
+
+class _BoundedTo(OrderedDict[str, tuple[str, str, int]]):
+    """Episode -> (URL, device, token) of where its record went, the oldest forgotten."""
+
+    def remember(self, key: str, value: tuple[str, str, int]) -> None:
         self[key] = value
         self.move_to_end(key)
         if len(self) > REMEMBERED:
@@ -303,8 +319,11 @@ class EpisodeTable:
         self._ended_early: set[str] = set()
         self._dropped = _Bounded()  # episode -> why: dropped here, not ended by its client
         self._cancelled = _Bounded()  # forwards whose router gave up before they applied
+        self._applied = _Bounded()  # forwards applied here: origin -> episode
         self._in_flight: dict[str, int] = {}
         self._idle: dict[str, asyncio.Event] = {}
+        self._moving: dict[str, asyncio.Event] = {}  # episodes being handed over (loop only)
+        self._moved = _BoundedTo()  # episode -> where its record went: late undos follow it
 
     # ---- reads -------------------------------------------------------------------------
 
@@ -387,11 +406,15 @@ class EpisodeTable:
         self._records[episode] = new
         self._live.setdefault(new.device, set()).add(episode)
         self._dropped.pop(episode, None)
+        if new.origin:
+            self._applied.remember(new.origin, episode)
         return True
 
     def replace_locked(self, episode: str, new: Episode) -> None:
         """Make ``new`` (the same claim, one step on: a buffered action) the record."""
         self._records[episode] = new
+        if new.origin:
+            self._applied.remember(new.origin, episode)
 
     def observed(self, episode: str, seq: int, seconds: float) -> None:
         """Add step ``seq``'s latency (arrival to reply) to the record, for the delay
@@ -404,6 +427,60 @@ class EpisodeTable:
     def pin_locked(self, episode: str) -> None:
         """The current record's reply was replayed: it is delivered, never undone."""
         self._records[episode].pinned = True
+
+    # ---- hand-over ---------------------------------------------------------------------
+
+    def install(self, episode: str, record: Episode) -> None:
+        """Install a record a hand-over brought (unconfirmed: see :attr:`Episode.confirmed`);
+        a record of another claim it replaces is remembered as ended."""
+        with self.lock:
+            old = self._records.get(episode)
+            if old is not None:
+                self._forget_locked(episode, old, "end")
+            self._records[episode] = record
+            self._live.setdefault(record.device, set()).add(episode)
+            self._dropped.pop(episode, None)
+
+    def confirm(self, episode: str, claim: str) -> bool:
+        """Redis moved the claim here (the old owner said so): serve it from memory."""
+        with self.lock:
+            record = self._records.get(episode)
+            if record is None or record.claim != claim:
+                return False
+            record.confirmed = True
+            return True
+
+    def moved(self, episode: str, token: int, to: tuple[str, str, int]) -> Episode | None:
+        """The record went to ``to`` (URL, device, token): drop it here (its claim ended)
+        and remember where it went, so that a late undo follows it."""
+        record = self.release(episode, "handed", token)
+        self._moved.remember(episode, to)
+        return record
+
+    def moved_to(self, episode: str) -> tuple[str, str, int] | None:
+        return self._moved.get(episode)
+
+    def begin_move(self, episode: str) -> bool:
+        """Mark ``episode`` as being handed over (its new steps wait, :meth:`wait_moved`);
+        False when a hand-over of it is under way already."""
+        if episode in self._moving:
+            return False
+        self._moving[episode] = asyncio.Event()
+        return True
+
+    def end_move(self, episode: str) -> None:
+        event = self._moving.pop(episode, None)
+        if event is not None:
+            event.set()
+
+    def moving(self, episode: str) -> bool:
+        return episode in self._moving
+
+    async def wait_moved(self, episode: str) -> None:
+        """Return once no hand-over of ``episode`` is under way (bound it with a timeout)."""
+        event = self._moving.get(episode)
+        if event is not None:
+            await event.wait()
 
     # ---- letting go ------------------------------------------------------------------------
 
@@ -460,13 +537,22 @@ class EpisodeTable:
 
     def undo(self, episode: str, seq: int | None = None, origin: str | None = None) -> bool:
         """Undo step ``seq`` of ``episode`` (or the step forward ``origin`` applied), whose
-        reply did not reach a live caller (see :func:`undone`). A forward not applied yet
-        is remembered as given up: it never applies. True when something changed."""
+        reply did not reach a live caller (see :func:`undone`). A forward applied with
+        later steps on top (its router was paused while the client went on through
+        another node) leaves the record in doubt: the next step says ``state_reset``. A
+        forward not applied yet is remembered as given up: it never applies. True when
+        something changed."""
         with self.lock:
             record = self._records.get(episode)
             back = None if record is None else undone(record, seq, origin)
             if back is not None:
                 self._records[episode] = back
+                if record is not None and record.origin and back is not record:
+                    self._applied.pop(record.origin, None)  # no longer applied
+            elif origin and record is not None and self._applied.get(origin) == episode:
+                if record.origin != origin:  # applied, and later steps went on top of it
+                    record.doubt = True  # (its reply reached nobody): the next step says so
+                    return True
             elif origin and (record is None or record.origin != origin):
                 self._cancelled.remember(origin)
         return back is not None

@@ -31,9 +31,10 @@ from affinity import wire
 from node.rtc import Ask
 from node.step import Array, Reply, Step
 
-__all__ = ["Forward", "ForwardError", "ForwardPool", "Poster", "Response"]
+__all__ = ["MOVE_PATH", "Forward", "ForwardError", "ForwardPool", "Poster", "Response"]
 
 INTERNAL_PATH = "/internal/act"
+MOVE_PATH = "/internal/move"  # a live hand-over's record (node/transfer.py)
 SECRET_HEADER = "X-Affinity-Secret"
 CONTENT_TYPE = "application/msgpack"
 _MAX_HEADER = 64 * 1024
@@ -113,7 +114,7 @@ class Forward:
                 "instance": self.instance,
                 "model": self.model,
                 "rtc": None if self.rtc is None else [
-                    self.rtc.executed, self.rtc.delay, self.rtc.control_hz
+                    self.rtc.executed, self.rtc.delay, self.rtc.control_hz, self.rtc.pending
                 ],
                 "elapsed_ms": round(self.elapsed_s * 1000, 3),
                 "restart": self.restart,
@@ -157,8 +158,8 @@ class Forward:
         if ensemble is not None and not isinstance(ensemble, str):
             raise ValueError("a forward's ensemble must be a string")
         rtc, elapsed = doc.get("rtc"), doc.get("elapsed_ms", 0)
-        if rtc is not None and not (isinstance(rtc, list) and len(rtc) == 3):
-            raise ValueError("a forward's rtc must be [executed, delay, control_hz]")
+        if rtc is not None and not (isinstance(rtc, list) and len(rtc) in (3, 4)):
+            raise ValueError("a forward's rtc must be [executed, delay, control_hz, pending]")
         if not isinstance(elapsed, int | float) or isinstance(elapsed, bool) or elapsed < 0:
             raise ValueError("a forward's elapsed_ms must be a number >= 0")
         return cls(
@@ -243,7 +244,7 @@ class Poster(Protocol):
     """What routing needs of a pool: POST a forward body to an owner (tests route it
     in-process)."""
 
-    async def post(self, url: str, body: bytes) -> Response: ...
+    async def post(self, url: str, body: bytes, path: str = INTERNAL_PATH) -> Response: ...
 
     def close(self) -> None: ...
 
@@ -361,14 +362,14 @@ class ForwardPool:
         self._ssl = ssl_context
         self._idle: dict[_Origin, collections.deque[_Connection]] = {}
 
-    async def post(self, url: str, body: bytes) -> Response:
+    async def post(self, url: str, body: bytes, path: str = INTERNAL_PATH) -> Response:
         """POST ``body`` (msgpack) to the owner at ``url`` + ``/internal/act``.
 
         Raises :class:`ForwardError` when the owner cannot be reached or the connection
         breaks. Cancellation (the caller's deadline) closes the connection."""
         origin = _Origin.of(url)
         head = (
-            f"POST {INTERNAL_PATH} HTTP/1.1\r\nHost: {origin.host}:{origin.port}\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: {origin.host}:{origin.port}\r\n"
             f"Content-Type: {CONTENT_TYPE}\r\nContent-Length: {len(body)}\r\n"
             f"{SECRET_HEADER}: {self.secret}\r\n\r\n"
         ).encode("latin-1")

@@ -95,12 +95,6 @@ class DeviceHealth:
             back += [dev for dev in await d.probe() if dev not in back]
         return back
 
-    async def warm_up(self) -> None:
-        """Warm every model up on every device before serving (see
-        :meth:`MultiGpuDispatcher.warm_up`)."""
-        for d in self.dispatchers.values():
-            await d.warm_up()
-
     def close(self) -> None:
         for d in self.dispatchers.values():
             d.close()

@@ -32,7 +32,7 @@ from affinity import (
     Registry,
     __version__,
 )
-from affinity.registry import Held, LeaseTerms, Registered
+from affinity.registry import Held, LeaseTerms, MoveRequest, Registered
 from node.config import NodeConfig
 from node.episodes import EpisodeTable
 from node.metrics import Metrics
@@ -57,6 +57,9 @@ class LeaseListener(Protocol):
 
     def revoked(self, revoked: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
         """Drop what an operator released; return what was carried out (all of it)."""
+
+    def move_requested(self, moves: Sequence[MoveRequest]) -> None:
+        """Move what an operator asked to move (in the background)."""
 
     def server_changed(self) -> None:
         """Another Redis server answers now: check every record at the next flush."""
@@ -304,6 +307,8 @@ class Lease:
         was_fenced = self._fenced
         self._serving_again(sent, renewal.terms)
         self._done = []
+        if renewal.moves and self.listener is not None:
+            self.listener.move_requested(renewal.moves)
         if renewal.revoked and self.listener is not None:
             self._done = self.listener.revoked(renewal.revoked)
             # said now, not a third of a lease later: until Redis hears it, the episodes'

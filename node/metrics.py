@@ -22,6 +22,7 @@ from prometheus_client.metrics_core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from affinity import __version__
+from node.stats import ModelStats
 
 __all__ = ["BUILD", "DOORS", "LABELS", "PARTS", "LoopHistogram", "Metrics"]
 
@@ -69,6 +70,12 @@ LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
     "affinity_queue_wait_seconds": {"device": "device"},
     "affinity_device_capacity": {"device": "device"},
     "affinity_admission_waiting": {},
+    "affinity_moves_total": {
+        "reason": ("drain", "stop", "move"),
+        "outcome": ("moved", "reset", "kept"),
+    },
+    "affinity_move_seconds": {},
+    "affinity_move_bytes": {},
     "affinity_build_info": {"version": "build", "onnxruntime": "build"},
     "affinity_log_lines_dropped_total": {},
     "affinity_model_claims_total": {
@@ -149,6 +156,8 @@ class Metrics:
 
     def __init__(self, devices: list[str], capacity: int) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.model_stats: dict[str, ModelStats] = {}
+        """Model name -> Triton's statistics of that model on this node (``node/stats.py``)."""
         r = self.registry
         self.routing = Counter(
             "affinity_routing_total",
@@ -226,6 +235,29 @@ class Metrics:
         )
         for reason in LABELS["affinity_owner_dropped_total"]["reason"]:
             self.owner_dropped.labels(reason)  # at 0 from the start: increase() sees the first
+        self.moves = Counter(
+            "affinity_moves_total",
+            "Live hand-overs this node made as the old owner, by why (drain: an operator's "
+            "drain --move; stop: a graceful stop; move: affinity move) and what came of it "
+            "(moved: with its state; reset: nothing could take it, or the transfer failed "
+            "before its commit, so handed over without its state; kept: not moved).",
+            ["reason", "outcome"],
+            registry=r,
+        )
+        self.move_seconds = Histogram(
+            "affinity_move_seconds",
+            "How long a live hand-over took at the old owner, from the moment its steps "
+            "started to wait to the commit.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+            registry=r,
+        )
+        self.move_bytes = Histogram(
+            "affinity_move_bytes",
+            "The tensor bytes of each record a live hand-over moved (state, buffer, reply, "
+            "the last chunk sent, a held step's inputs).",
+            buckets=(256, 1024, 4096, 16384, 65536, 262144, 1 << 20, 4 << 20, 16 << 20),
+            registry=r,
+        )
         self.batch_size = Histogram(
             "affinity_batch_size",
             "Steps per model run (1: unbatched), by device.",

@@ -30,7 +30,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from affinity import (
-    AffinityError,
     Assignment,
     BackendUnavailable,
     Claims,
@@ -40,12 +39,14 @@ from affinity import (
     StaleToken,
     UnknownEpisode,
 )
-from affinity.registry import Held, Registered
+from affinity.registry import Held, MoveRequest, Registered
+from affinity.transfers import Transfers
 from node.config import NodeConfig
 from node.control import control_feed
 from node.dispatcher import Arrival, DeviceDown, ModelFailure, MultiGpuDispatcher
 from node.episodes import ClaimEnded, EpisodeTable, ForwardCancelled, NotKept, SeqConflict
-from node.forward import Forward
+from node.forward import Forward, Poster
+from node.handover import Mover, Outcome, Reason
 from node.health import DeviceHealth
 from node.lease import Lease
 from node.metrics import Metrics
@@ -56,7 +57,7 @@ from node.step import Refused, Reply, Step, TimeLimit, Unavailable
 if TYPE_CHECKING:
     from node.router import Router
 
-__all__ = ["EXPIRY_MARGIN_S", "SLIDE_AHEAD_S", "Owner"]
+__all__ = ["EXPIRY_MARGIN_S", "MOVES_AT_ONCE", "SLIDE_AHEAD_S", "Owner"]
 
 log = logging.getLogger("affinity.node")
 
@@ -65,6 +66,8 @@ SLIDE_AHEAD_S = 3.0
 flush runs every second; this leaves room for retries)."""
 EXPIRY_MARGIN_S = 1.0
 """Never served from memory within this of its backstop by the owner's clock (drift)."""
+MOVES_AT_ONCE = 16
+"""How many episodes a graceful stop hands over at a time."""
 
 
 class Owner:
@@ -82,6 +85,7 @@ class Owner:
         lease_claims: Claims,
         registry: Registry,
         metrics: Metrics,
+        pool: Poster,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
@@ -110,7 +114,20 @@ class Owner:
         self._slid: dict[str, float] = {}  # episode -> send time of its backstop's last write
         self._idle: list[tuple[str, int]] = []  # dropped here for idleness: to release
         self._releasing: set[str] = set()  # in the flush in flight: never from memory
-        self._handing: dict[str, asyncio.Task[None]] = {}
+        self._handing: dict[str, asyncio.Task[Outcome]] = {}
+        self._moving: set[asyncio.Task[Outcome]] = set()  # operators' moves under way
+        self.mover = Mover(
+            self.node_id,
+            table,
+            lease,
+            Transfers(lease_claims.redis, config.settings),
+            lease_claims,
+            pool,
+            metrics,
+            {name: d.contract for name, d in dispatchers.items()},
+            config.cluster_secret,
+            clock,
+        )
         lease.listener = self
 
     # ---- may I serve -------------------------------------------------------------------
@@ -128,6 +145,8 @@ class Owner:
         record = self.table.get(episode)
         if record is None or episode in self._releasing or not self.current():
             return None
+        if not record.confirmed or self.table.moving(episode):
+            return None  # handed over here, not yet confirmed by Redis; or moving away
         slid = self._slid.get(episode)  # None: claimed since the last flush, backstop fresh
         if slid is not None and self.clock() >= slid + self.backstop_s - EXPIRY_MARGIN_S:
             return None  # its backstop is near (flushes failed): Redis answers, and slides it
@@ -159,6 +178,8 @@ class Owner:
                 f"whose node {self.node_id} does not serve it; its registration is being renewed",
                 1.0,
             )
+        if self.table.moving(a.episode):  # a hand-over is under way: wait for it (bounded
+            await self.table.wait_moved(a.episode)  # by the step's deadline), then go on
         generation = self.table.generation  # the registration this step is served under
         self.lease.require()  # the resolve may have taken a while: check again
         arrival.done()  # handed to its device now
@@ -257,7 +278,7 @@ class Owner:
         if fwd.device not in self.local_devices:
             raise Refused(421, "not_owner", f"device {fwd.device!r} is not on node {self.node_id}")
         if fwd.undo:
-            self.table.undo(fwd.episode, origin=fwd.origin)
+            await self.undo(fwd.episode, fwd.seq, fwd.origin)
             return None
         if fwd.release:
             await self.end(fwd.episode, fwd.token)
@@ -274,7 +295,7 @@ class Owner:
                 ) from None
             try:  # checked against this node's model and --control-hz, as the inputs are
                 ask = fwd.rtc or Ask()
-                rtc = dispatcher.rtc_for(ask.executed, ask.delay, ask.control_hz)
+                rtc = dispatcher.rtc_for(ask.executed, ask.delay, ask.control_hz, ask.pending)
             except InvalidArgument as exc:
                 raise Refused(422, "bad_input", f"node {self.node_id}: {exc}") from None
         elif not fwd.restart:  # a restart may name a model served elsewhere: its claim says
@@ -335,10 +356,14 @@ class Owner:
         except ClaimEnded as exc:  # its router asks Redis again
             raise Refused(409, "ended", str(exc)) from None
 
-    def undo(self, episode: str, seq: int, origin: str = "") -> None:
+    async def undo(self, episode: str, seq: int | None, origin: str = "") -> None:
         """Undo step ``seq`` of ``episode`` (or forward ``origin``'s), served here, whose
-        reply reached nobody (a step that named its seq is held for the retry instead)."""
-        self.table.undo(episode, None if origin else seq, origin or None)
+        reply reached nobody (a step that named its seq is held for the retry instead). An
+        undo for an episode whose record was handed over since follows it there."""
+        if self.table.undo(episode, None if origin else seq, origin or None):
+            return
+        if self.table.get(episode) is None and self.table.moved_to(episode) is not None:
+            await self.mover.undo_moved(episode, None if origin else seq, origin or None)
 
     # ---- let go ------------------------------------------------------------------------
 
@@ -358,46 +383,63 @@ class Owner:
         except BackendUnavailable as exc:  # its backstop ends it instead
             log.warning("could not release %s: %s", episode, exc)
 
-    async def hand_over(self, episode: str) -> None:
-        """Hand ``episode`` over to the fleet once its in-flight step (if any) finished:
-        its next step is ``reassigned`` elsewhere, with clean state. Idempotent;
+    async def hand_over(self, episode: str, reason: Reason = "stop", target: str = "") -> Outcome:
+        """Hand ``episode`` over once its in-flight step (if any) finished: with its state
+        to a device that serves its model and has room (``node/handover.py``), else
+        without it (its next step is ``reassigned``, ``state_reset``). Idempotent;
         concurrent callers share one hand-over."""
         task = self._handing.get(episode)
         if task is None:
-            task = asyncio.ensure_future(self._hand_over(episode))
+            task = asyncio.ensure_future(self.mover.hand_over(episode, reason, target))
             self._handing[episode] = task
-        await asyncio.shield(task)
+            task.add_done_callback(lambda _: self._handing.pop(episode, None))
+        return await asyncio.shield(task)
 
-    async def _hand_over(self, episode: str) -> None:
-        await self.table.wait_idle(episode)
-        record = self.table.release(episode, "handed")
-        if record is not None:
-            try:
-                await self.lease_claims.handoff(episode, record.token)
-            except AffinityError as exc:  # deregistration covers it
-                log.warning("could not hand %s over: %s", episode, exc)
+    def move_requested(self, moves: Sequence[MoveRequest]) -> None:
+        """Carry out the moves an operator asked (read at the renewal): every episode of a
+        drained device, or one episode to a target; in the background."""
+        for move in moves:
+            if move.device:
+                episodes = [ep for ep, r in self.table.records() if r.device == move.device]
+                targets = [(ep, "drain", "") for ep in episodes]
+            else:
+                targets = [(move.episode, "move", move.target)]
+            for ep, reason, target in targets:
+                task = asyncio.ensure_future(self.hand_over(ep, reason, target))  # type: ignore[arg-type]
+                self._moving.add(task)
+                task.add_done_callback(self._moving.discard)
 
     async def leave(self) -> None:
-        """The graceful stop: no new episodes here; every episode is handed over after its
-        in-flight step; then the node deregisters, while it still listens (forwards get
-        answers, not connection errors). Bounded by the act deadline for the steps in
-        flight plus the Redis deadline for each write."""
+        """The graceful stop: no new episodes here; every episode is handed over with its
+        state (after its in-flight step; :data:`MOVES_AT_ONCE` at a time), or without it
+        when nothing can take it, within ``--drain-timeout``; what is left then is handed
+        over by the deregistration, without its state. Then the node deregisters, while it
+        still listens (forwards get answers, not connection errors)."""
         if self.lease.leaving:
             return
         started = self.clock()
         registered = self.lease.registered
         await self.lease.begin_leave()
         held = [episode for episode, _ in self.table.records()]
+        gate = asyncio.Semaphore(MOVES_AT_ONCE)
+
+        async def one(episode: str) -> Outcome:
+            async with gate:
+                return await self.hand_over(episode, "stop")
+
+        outcomes: list[Outcome | BaseException] = []
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.config.act_deadline_s + 1):
-                await asyncio.gather(*(self.hand_over(ep) for ep in held))
+            async with asyncio.timeout(self.config.drain_timeout_s):
+                outcomes = await asyncio.gather(*(one(ep) for ep in held), return_exceptions=True)
         self.table.drop_all("handed")
         released = await self.lease.end()
         if registered:
             log.info(
-                "node %s left: handed over %d episode(s), deregistered %d more in %.2fs",
+                "node %s left: moved %d episode(s) with their state, handed over %d without, "
+                "deregistered %d more in %.2fs",
                 self.node_id,
-                len(held),
+                sum(o == "moved" for o in outcomes),
+                sum(o == "reset" for o in outcomes),
                 max(released, 0),
                 self.clock() - started,
             )

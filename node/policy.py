@@ -169,6 +169,10 @@ class PolicyContract:
     """The sidecar's observation key -> input entries (see :attr:`observation_map`)."""
     metadata: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """The sidecar's free JSON map for openpi clients (read only)."""
+    warmup: Mapping[str, Array] = field(default_factory=lambda: MappingProxyType({}), compare=False)
+    """The operator's sample of every observation input, one step each, that the node warms
+    the model up (and probes a down device) with: ``<stem>.warmup.npz`` beside the model,
+    read by ``node.warmup.with_samples``; empty when none is given."""
 
     @functools.cached_property
     def observation_inputs(self) -> tuple[TensorSpec, ...]:

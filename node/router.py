@@ -434,7 +434,7 @@ class Router:
         if reply.episode is None or reply.replayed or reply.held:
             return
         if not reply.origin:
-            self.owner.undo(reply.episode, reply.seq)
+            await self.owner.undo(reply.episode, reply.seq)
             return
         await self._undo_at(reply.url, reply.episode, reply.token, reply.device, reply.origin)
 

@@ -32,6 +32,12 @@ estimated at ``control_hz`` (the step's, else the node's ``--control-hz``):
   capped at H.
 
 A step of an RTC model that leaves either out when there is no rate is refused (422).
+
+After a crash nothing of the episode is left to take the prefix from: a step may then send
+``pending``, the actions the robot has not executed yet (``[k, D]``, k at most H), and a
+step that starts from clean state takes its prefix from them (``prefix_len`` k), so the
+motion does not jump even though the state was lost. A step that has a chunk of its own
+episode ignores it.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ class Ask:
     executed: int | None = None
     delay: int | None = None
     control_hz: float | None = None
+    pending: Array | None = None  # the robot's unexecuted actions [k, D] (after a crash)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,10 +150,12 @@ class RtcSpec:
         inference_delay: object = None,
         control_hz: object = None,
         node_hz: float | None = None,
+        pending: object = None,
     ) -> Ask:
         """A step's RTC values checked (``InvalidArgument`` naming the bad one): integers
-        0..H, a rate from more than 0 to :data:`MAX_CONTROL_HZ`, and a rate (the step's or
-        ``node_hz``) whenever one of the two is left to estimate."""
+        0..H, a rate from more than 0 to :data:`MAX_CONTROL_HZ`, a rate (the step's or
+        ``node_hz``) whenever one of the two is left to estimate, and ``pending`` a finite
+        numeric ``[k, D]`` with k at most H."""
         for name, value in (("executed", executed), ("inference_delay", inference_delay)):
             if value is not None and (type(value) is not int or not 0 <= value <= self.horizon):
                 raise InvalidArgument(
@@ -158,7 +167,29 @@ class RtcSpec:
             raise InvalidArgument(
                 missing, None, "needed (or control_hz, or the node's --control-hz, to estimate it)"
             )
-        return Ask(cast(int | None, executed), cast(int | None, inference_delay), hz)
+        return Ask(
+            cast(int | None, executed),
+            cast(int | None, inference_delay),
+            hz,
+            None if pending is None else self._pending(pending),
+        )
+
+    def _pending(self, value: object) -> Array:
+        try:
+            actions = np.asarray(value, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise InvalidArgument("pending", "(array)", "must be numbers [k, D]") from None
+        if actions.ndim == 3 and actions.shape[0] == 1:
+            actions = actions[0]  # one row with its batch axis
+        if actions.ndim != 2 or actions.shape[1] != self.size or actions.shape[0] > self.horizon:
+            raise InvalidArgument(
+                "pending",
+                f"shape {list(actions.shape)}",
+                f"must be [k, {self.size}] with k at most the chunk's horizon {self.horizon}",
+            )
+        if not np.isfinite(actions).all():
+            raise InvalidArgument("pending", "(array)", "must be finite numbers")
+        return actions.astype(self.prefix_dtype)
 
     def none(self) -> dict[str, Array]:
         """The inputs of a step without a prefix."""
@@ -176,6 +207,14 @@ class RtcSpec:
         episode's last reply carried and the clock then (None: no prefix, the state was
         reset or nothing was sent), ``arrived`` the clock when the step arrived,
         ``latencies`` the episode's recent step latencies (seconds)."""
+        if sent is None and ask.pending is not None:  # after a crash: the robot's own actions
+            k = len(ask.pending)
+            delay = min(k, ask.delay if ask.delay is not None else 0)
+            prefix = np.zeros((self.horizon, self.size), self.prefix_dtype)
+            prefix[:k] = ask.pending
+            return self._feed(prefix.reshape(self._prefix_rows()), k, delay), Used(
+                self.horizon - k, delay, k
+            )
         if sent is None:
             return self.none(), Used(0, 0, 0)
         chunk, at = sent

@@ -127,6 +127,7 @@ class NodeService:
             Claims(self.lease_redis, config.settings, self._known_lease_ms),
             lease_registry,
             self.metrics,
+            self.pool,
             clock,
         )
         self.router = Router(
@@ -259,16 +260,21 @@ class NodeService:
             raise Refused(404, "unknown_model", str(exc)) from None
 
     def rtc_for(
-        self, name: str | None, executed: object, delay: object, control_hz: object
+        self,
+        name: str | None,
+        executed: object,
+        delay: object,
+        control_hz: object,
+        pending: object = None,
     ) -> Ask | None:
         """A step's real-time-chunking values for model ``name``, checked here when this
         node serves it (``InvalidArgument``), else passed on for its owner to check."""
         local = self.dispatchers.get(name or next(iter(self.models)))
         if local is not None:
-            return local.rtc_for(executed, delay, control_hz)
-        if executed is None and delay is None and control_hz is None:
+            return local.rtc_for(executed, delay, control_hz, pending)
+        if executed is None and delay is None and control_hz is None and pending is None:
             return None
-        return Ask(executed, delay, control_hz)  # type: ignore[arg-type]
+        return Ask(executed, delay, control_hz, pending)  # type: ignore[arg-type]
 
     def serving(self) -> bool:
         """Whether this node serves now: its lease is valid and it is not leaving."""

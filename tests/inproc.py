@@ -32,12 +32,12 @@ class Router:
         self.down: set[str] = set()
         self.secret = ""
 
-    async def post(self, url: str, body: bytes) -> Response:
+    async def post(self, url: str, body: bytes, path: str = INTERNAL_PATH) -> Response:
         host = urlsplit(url).hostname or ""
         if host in self.down or host not in self.apps:
             raise ForwardError(f"cannot connect to {host}", unsent=True)
         resp = await self.apps[host].post(
-            INTERNAL_PATH,
+            path,
             content=body,
             headers={SECRET_HEADER: self.secret, "content-type": "application/msgpack"},
         )

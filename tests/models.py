@@ -100,3 +100,30 @@ def counter_policy(out_dir: Path, repeats: int = 0, width: int = 128) -> Path:
     name = f"counter_policy_{repeats}.onnx"
     path, _ = write(out_dir, name, built, {"state": {"state_in.count": "state_out.count"}})
     return path
+
+
+def string_adder(out_dir: Path) -> Path:
+    """Triton's ``simple_string`` example as an ONNX policy: ``INPUT0`` and ``INPUT1`` are
+    strings of 16 integers each (``[batch, 16]`` BYTES), cast to INT32; ``OUTPUT0`` is
+    their sum and ``OUTPUT1`` their difference, cast back to strings. Strings that do not
+    hold integers (an empty string included) fail ONNX Runtime's ``Cast``, as they make
+    Triton's own model fail: only real inputs can warm it up."""
+    w = Weights(seed=3)
+    nodes = [
+        helper.make_node("Cast", ["INPUT0"], ["a"], to=TensorProto.INT32),
+        helper.make_node("Cast", ["INPUT1"], ["b"], to=TensorProto.INT32),
+        helper.make_node("Add", ["a", "b"], ["sum"]),
+        helper.make_node("Sub", ["a", "b"], ["difference"]),
+        helper.make_node("Cast", ["sum"], ["OUTPUT0"], to=TensorProto.STRING),
+        helper.make_node("Cast", ["difference"], ["OUTPUT1"], to=TensorProto.STRING),
+    ]
+    built = model(
+        "simple_string",
+        nodes,
+        [tensor("INPUT0", TensorProto.STRING, 16), tensor("INPUT1", TensorProto.STRING, 16)],
+        [tensor("OUTPUT0", TensorProto.STRING, 16), tensor("OUTPUT1", TensorProto.STRING, 16)],
+        w,
+        "affinity-tests",
+    )
+    path, _ = write(out_dir, "simple_string.onnx", built, {"state": {}})
+    return path

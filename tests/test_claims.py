@@ -625,3 +625,21 @@ async def test_a_claim_during_the_grace_period_writes_nothing_but_hits_go_on(env
         await env.claims.resolve("new")
     await env.redis.set(env.keys.fleet, "1")  # ... until its end (long past)
     assert (await env.claims.resolve("new")).status == "claimed"
+
+
+async def test_a_claim_soon_after_redis_lost_its_data_is_a_reassignment(env: Env) -> None:
+    """For one backstop after the grace period, Redis cannot tell an episode it never saw
+    from one it lost with an owner that died meanwhile: the claim is a reassignment (its
+    client is told state_reset), never a silent fresh start; afterwards, a claim again."""
+    await env.node("a", 1)
+    await env.redis.delete(env.keys.fleet)  # Redis lost its data
+    with pytest.raises(Recovering):
+        await env.claims.resolve("lost-or-new")
+    grace_end, doubt_end = map(int, (await env.redis.get(env.keys.fleet)).split(" "))
+    assert doubt_end - grace_end == env.settings.backstop_ms
+    await env.redis.set(env.keys.fleet, f"1 {doubt_end}")  # the grace period is over
+    a = await env.claims.resolve("lost-or-new")
+    assert (a.status, a.previous) == ("reassigned", None)
+    assert (await env.claims.resolve("lost-or-new")).status == "hit"
+    await env.redis.set(env.keys.fleet, "1 2")  # the doubt is over too
+    assert (await env.claims.resolve("brand-new")).status == "claimed"

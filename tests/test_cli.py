@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import redis
 import redis.asyncio
 
-from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
+from affinity import Claims, DeviceRegistration, Keys, ModelId, Registry, Settings
 from affinity.cli import main
 from tests.conftest import place
 from tests.procs import ROOT, RedisServer, free_port, wait_until
@@ -146,7 +147,8 @@ def test_devices_table(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> N
     load = Counter(device for device, _ in dep.placed.values())
     for device, row in rows.items():
         cap = "8" if device.startswith("cpu-b") else "4"
-        assert row["LIVE/CAP"] == f"{load[device]}/{cap}"
+        live = "-" if device == "gone-c/0" else load[device]  # a dead node's load is stale
+        assert row["LIVE/CAP"] == f"{live}/{cap}"
         assert row["STATE"] == "active"
         assert row["WEIGHT"] == "1"
         assert row["ALIVE"] == ("no" if device == "gone-c/0" else "yes")
@@ -403,6 +405,65 @@ def test_one_json_vocabulary(dep: Deployment, capsys: pytest.CaptureFixture[str]
 # -- dead nodes, forget, an empty Redis ------------------------------------------------------
 
 
+def test_a_dead_nodes_devices_show_no_load(
+    dep: Deployment, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 36 item 14: ``affinity devices`` showed the load of a crashed node's devices
+    as if it were live; its episodes move on their next step, so none is shown."""
+    held = Counter(device for device, _ in dep.placed.values() if device.startswith("cpu-b"))
+    assert sum(held.values()) > 0
+    lapse = redis.Redis.from_url(dep.url)
+    lapse.zadd(KEYS.nodes, {"cpu-b": 1})  # its lease lapsed: it crashed
+    lapse.close()
+    code, out, _ = cli(dep, capsys, "devices")
+    rows = {r["DEVICE"]: r for r in parse_table(out, DEVICE_HEADERS)}
+    assert code == 0
+    assert [rows[d]["LIVE/CAP"] for d in ("cpu-b/0", "cpu-b/1")] == ["-/8", "-/8"]
+    assert rows["cpu-b/0"]["ALIVE"] == "no"
+    listed = {d["device"]: d for d in json.loads(cli(dep, capsys, "devices", "--json")[1])}
+    assert listed["cpu-b/0"]["load"] is None and listed["cpu-b/0"]["alive"] is False
+    assert isinstance(listed["gpu-a/0"]["load"], int)
+
+
+async def register_models(url: str) -> None:
+    """Node m-a serves demo_policy v1 and vla_demo v1; m-b served demo_policy v2 and
+    crashed (its lease lapsed)."""
+    client = redis.asyncio.Redis.from_url(url, decode_responses=True)
+    registry = Registry(client, SETTINGS.with_(redis_url=url))
+    try:
+        await registry.new_fleet()
+        served = {ModelId("demo_policy", "v1"): "{}", ModelId("vla_demo", "v1"): "{}"}
+        await registry.register("m-a", "http://m-a:8000", devices("m-a", "cpu", 1, 4),
+                                models=served)  # fmt: skip
+        await registry.register("m-b", "http://m-b:8000", devices("m-b", "cpu", 1, 4),
+                                models={ModelId("demo_policy", "v2"): "{}"})  # fmt: skip
+        await client.zadd(KEYS.nodes, {"m-b": 1})
+    finally:
+        await client.aclose()
+
+
+def test_rollout_of_what_no_node_serves_is_an_error_naming_what_is_served(
+    server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 36 item 14: a version no live node serves was accepted (exit 0) while an
+    unknown model was exit 1; both are exit 1 now, naming what the fleet serves."""
+    server.client().flushall()
+    asyncio.run(register_models(server.url))
+    served = "the fleet serves demo_policy@v1, vla_demo@v1"
+    for argv, model in (
+        (["rollout", "demo_policy", "v2", "1"], "demo_policy@v2"),  # registered, its node dead
+        (["rollout", "demo_policy", "v9", "1"], "demo_policy@v9"),  # never registered
+        (["rollout", "nosuch", "v1", "1"], "nosuch"),
+        (["rollout", "nosuch"], "nosuch"),
+    ):
+        code, out, err = run_cli(capsys, "--redis", server.url, *argv)
+        assert (code, out) == (1, ""), (argv, err)
+        assert err == f"affinity: no live node serves model {model!r}; {served}\n", argv
+    assert not server.client().exists(KEYS.rollout("demo_policy"))
+    code, out, err = run_cli(capsys, "--redis", server.url, "rollout", "demo_policy", "v1", "3")
+    assert (code, err) == (0, "") and "demo_policy  v1" in out
+
+
 def test_forget(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli(dep, capsys, "forget", "gone-c")
     assert (code, out, err) == (0, "forgot node gone-c and its devices\n", "")
@@ -542,11 +603,10 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 def test_unreachable_redis_exits_3_fast(capsys: pytest.CaptureFixture[str]) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     for argv in (["devices"], ["show", "ep-1"], ["events", "--follow"], ["drain", "x/0"]):
-        started = time.monotonic()
         code, out, err = run_cli(capsys, "--redis", url, *argv)
-        assert time.monotonic() - started < 5
         assert (code, out) == (3, ""), argv
-        assert err.startswith(f"affinity: cannot reach Redis at {url}: ")
+        # the refusal itself is reported (at once), not a deadline that ran out waiting
+        assert err.startswith(f"affinity: cannot reach Redis at {url}: connection refused")
         assert err.count("\n") == 1 and "Traceback" not in err
 
 

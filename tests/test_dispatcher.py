@@ -219,9 +219,32 @@ class Overlaps(FakeSession):
 async def test_a_quick_idle_device_in_inline_devices_runs_on_the_event_loop() -> None:
     loop_thread = threading.get_ident()
     d, sessions, _ = make(1, inline_under_us=1_000_000, inline_devices=["n/0"])
-    s = sessions["n/0"]
+    s, dev = sessions["n/0"], d._devices["n/0"]
+    # The worker hands its answer over before it frees the device, so an awaited step can
+    # return while the device is still busy (a next step then goes to the worker: this
+    # test failed once under load). Take the worst order every time: the worker frees the
+    # device only once the step has returned; then wait, on an event, until it waits for
+    # work again, as a step that comes later would find it.
+    returned, idle = threading.Event(), threading.Event()
+    flush, wait = dev.flush, dev.cond.wait
+
+    def flush_then_lag() -> None:
+        handed = bool(dev.outbox)
+        flush()
+        if handed:
+            assert returned.wait(10), "the step never returned"
+
+    def worker_waits(timeout: float | None = None) -> bool:
+        if not (dev.busy or dev.pending):  # called holding dev.cond: the device is free
+            idle.set()
+        return wait(timeout)
+
+    dev.flush, dev.cond.wait = flush_then_lag, worker_waits  # type: ignore[method-assign]
     await d.step("n/0", "ep", 1, True, obs(1))  # no run measured yet: the worker runs it
     assert s.threads and loop_thread not in s.threads
+    assert dev.busy, "the worst order: the step returned before the worker freed the device"
+    returned.set()
+    assert await asyncio.to_thread(idle.wait, 10), "the worker never freed the device"
     r = None
     for x in range(2, 6):
         r = await d.step("n/0", "ep", 1, False, obs(x))
@@ -290,11 +313,11 @@ async def test_no_inline_run_while_another_device_is_busy() -> None:
     assert loop_thread not in sessions["n/0"].threads
     gate.set()
     await slow
-    # the worker hands its answers over before it frees the device (an inline round must
-    # not share its outbox): wait, bounded, until n/1 is free, as a next step would find it
-    worker = d._devices["n/1"]
+    # a worker hands its answers over before it frees its device (an inline round must
+    # not share its outbox): wait, bounded, until both are free, as a next step would find
+    # them (n/0's worker ran the first quick step)
     for _ in range(10_000):
-        if not (worker.busy or worker.pending):
+        if not any(w.busy or w.pending for w in d._devices.values()):
             break
         await asyncio.sleep(0.001)
     await d.step("n/0", "quick", 1, False, obs(1))  # nothing else busy: inline again

@@ -27,9 +27,9 @@ from tritonclient.utils import InferenceServerException
 
 from node.accesslog import AccessLog
 from node.policy import DEMO_MODEL, reference_rollout
-from node.protocols.grpc import GrpcFrontDoor, decode_request
 from node.protocols.kserve import BadRequest
-from node.protocols.kserve_grpc import kserve_pb2 as pb
+from node.protocols.kserve.grpc import GrpcFrontDoor, decode_request
+from node.protocols.kserve.pb import kserve_pb2 as pb
 from tests.inproc import cluster, config
 from tests.test_cluster import Cluster, grpc_nodes
 from tests.test_kserve import observations
@@ -167,7 +167,7 @@ def test_health_metadata_and_errors(three: tuple[Cluster, list[str]]) -> None:
             client.infer(MODEL, [wrong], headers=HEADERS)
         assert err.value.status() == str(grpc.StatusCode.INVALID_ARGUMENT)
         with pytest.raises(InferenceServerException) as err:
-            client.get_model_config(MODEL, headers=HEADERS)
+            client.get_model_repository_index(headers=HEADERS)
         assert err.value.status() == str(grpc.StatusCode.UNIMPLEMENTED)
     finally:
         client.close()

@@ -21,6 +21,7 @@ import tritonclient.http.aio as th_aio
 from tritonclient.utils import InferenceServerException
 
 from affinity import Keys
+from node.catalog import file_version
 from node.policy import DEMO_MODEL, load_contract, reference_rollout
 from node.protocols.kserve import BadRequest, decode_infer, episode_of, model_metadata, to_step
 from tests.inproc import InProcNode, cluster, config
@@ -31,6 +32,8 @@ KEYS = Keys()
 MODEL = "demo_policy"
 INFER = f"/v2/models/{MODEL}/infer"
 CONTRACT = load_contract(DEMO_MODEL)
+VERSION = file_version(DEMO_MODEL)
+"""The version a node registers for the demo model when none is given: its file's hash."""
 
 
 def observations(seed: int, n: int) -> list[np.ndarray]:
@@ -169,7 +172,7 @@ HOSTILE = {
     "twice": (*raw_body({"inputs": [GOOD["inputs"][0]] * 2}, F32 * 2), "twice"),
     "not JSON": (b"\x00\x01binary", None, "not valid"),
     "not an object": (b"[1, 2]", None, "JSON object"),
-    "no inputs": (b'{"inputs": []}', None, "non-empty"),
+    "inputs not a list": (b'{"inputs": {"obs": 1}}', None, "inputs must be a list"),
     "JSON data of the wrong count": (*json_body("obs", [1, 8], "FP32", [1]), "1 values"),
     "JSON data ragged": (*json_body("obs", [2, 2], "FP32", [[1, 2], [3]]), "nested"),
     "JSON strings": (*json_body("obs", [2], "FP32", ["1", "2"]), "must be numbers"),
@@ -256,10 +259,10 @@ def test_compressed_bodies_inflate_within_the_limit() -> None:
 
 
 def test_metadata_hides_the_state_and_marks_variable_dimensions() -> None:
-    meta = model_metadata(CONTRACT, MODEL)
+    meta = model_metadata(CONTRACT, MODEL, versions=[VERSION])
     assert meta == {
         "name": MODEL,
-        "versions": ["1"],
+        "versions": [VERSION],
         "platform": "onnxruntime_onnx",
         "inputs": [{"name": "obs", "datatype": "FP32", "shape": [-1, 8]}],
         "outputs": [{"name": "actions", "datatype": "FP32", "shape": [-1, 4, 2]}],
@@ -290,13 +293,13 @@ async def test_health_metadata_and_kserve_errors(node: InProcNode) -> None:
     assert (await c.get("/v2/health/live")).json() == {"live": True}
     assert (await c.get("/v2/health/ready")).status_code == 200
     for path in (f"/v2/models/{MODEL}", f"/v2/models/{MODEL}/versions/1"):
-        assert (await c.get(path)).json() == model_metadata(CONTRACT, MODEL)
+        assert (await c.get(path)).json() == model_metadata(CONTRACT, MODEL, versions=[VERSION])
         assert (await c.get(path + "/ready")).json() == {"name": MODEL, "ready": True}
     for path, method, status, text in (
         ("/v2/models/other", "GET", 404, "unknown model: 'other'"),
         ("/v2/models/other/infer", "POST", 404, "unknown model: 'other'"),
         (f"/v2/models/{MODEL}/versions/2/infer", "POST", 404, "version 2 is not found"),
-        (f"/v2/models/{MODEL}/config", "GET", 404, "not a KServe v2 endpoint"),
+        (f"/v2/models/{MODEL}/config", "POST", 405, "use GET"),
         ("/v2/repository/index", "POST", 404, "not a KServe v2 endpoint"),
         (INFER, "GET", 405, "use POST"),
         (f"/v2/models/{MODEL}", "POST", 405, "use GET"),
@@ -627,7 +630,9 @@ def test_tritonclient_health_and_metadata(three: Cluster) -> None:
         assert not client.is_model_ready("other")
         meta = client.get_server_metadata()
         assert "sequence(string_id)" in meta["extensions"]
-        assert client.get_model_metadata(MODEL) == model_metadata(CONTRACT, MODEL)
+        assert client.get_model_metadata(MODEL) == model_metadata(
+            CONTRACT, MODEL, versions=[VERSION]
+        )
     finally:
         client.close()
 

@@ -402,7 +402,7 @@ def shutdown_bounds(config: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, f
     async def built() -> Any:
         return service
 
-    from node.protocols import grpc
+    from node.protocols.kserve import grpc
 
     monkeypatch.setattr(node.main, "build_service", lambda config: built)
     monkeypatch.setattr(node.main, "_register", registered)
@@ -411,8 +411,8 @@ def shutdown_bounds(config: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, f
     )
     monkeypatch.setattr(node.main, "_Server", Server)
     monkeypatch.setattr(grpc, "start", grpc_start)
-    with socket.socket() as sock:
-        assert asyncio.run(node.main._serve_on(config, sock)) == 0
+    with socket.socket() as sock, socket.socket() as grpc_sock:
+        assert asyncio.run(node.main._serve_on(config, sock, grpc_sock)) == 0
     assert set(seen) == {"http_close", "grpc_stop"}, seen
     return seen
 

@@ -21,7 +21,7 @@ from node.admission import Admission
 from node.catalog import file_version
 from node.metrics import BUILD, LABELS
 from node.policy import DEMO_MODEL
-from node.protocols.grpc import GrpcFrontDoor
+from node.protocols.kserve.grpc import GrpcFrontDoor
 from node.providers import ProviderSettings, build_session
 from tests.inproc import InProcNode, claim_of, cluster, config
 from tests.test_grpc import _Context, message
@@ -199,6 +199,7 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         await a.client.post("/act", content=b"{")
         await a.client.post("/devices/a/0/drain")
         await a.client.post("/devices/a/0/drain", headers={"Authorization": "Bearer no"})
+        await a.client.post("/devices/a/0/drain", headers={"Sec-Fetch-Site": "cross-site"})
         await a.client.post("/devices/a/0/drain", headers={"Authorization": "Bearer t"})
         # log lines dropped: the log stream broke (a log shipper that died)
         a.app.access.stream = BrokenPipe()

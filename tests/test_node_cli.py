@@ -17,12 +17,14 @@ from tests.procs import ROOT, Node, RedisServer, free_port, tmpdir
 pytestmark = pytest.mark.integration
 
 
-def node(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def node(
+    *argv: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "node.main", *argv],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         cwd=ROOT,
         env={"PATH": "/usr/bin:/bin", "HOME": "/tmp", **(env or {})},
     )

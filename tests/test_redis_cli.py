@@ -20,7 +20,7 @@ from tests.procs import ROOT, RedisServer
 pytestmark = pytest.mark.integration
 
 KEYS = Keys("affinity")
-DEMO = ModelId("demo", "v1")
+DEMO = ModelId("demo_policy", "v1")
 CONTRACT = json.dumps({"inputs": [{"name": "obs", "shape": ["batch", 8], "dtype": "float32"}]})
 EPISODES = ["ep-42", *(f"ep-{i}" for i in range(1, 8))]
 EXPIRED = "ep-6"  # its idle deadline passed: still in the load set, no longer live
@@ -39,7 +39,7 @@ Check = Callable[[str, Fleet], None]
 
 def check_get(out: str, f: Fleet) -> None:
     device, token, claim = f.placed["ep-42"]
-    assert out == f"{device} {token} {claim} demo@v1\n"
+    assert out == f"{device} {token} {claim} demo_policy@v1\n"
     assert device == "gpu-a/0"
 
 
@@ -88,7 +88,7 @@ def check_node_hash(out: str, f: Fleet) -> None:
     fields = dict(zip(lines[0::2], lines[1::2], strict=True))
     assert (fields["url"], fields["state"]) == ("http://gpu-a:8000", "up")
     assert fields["devices"] == "gpu-a/0,gpu-a/1"
-    assert fields["models"] == "demo@v1,vla@v1"
+    assert fields["models"] == "demo_policy@v1,vla@v1"
 
 
 def check_route(out: str, f: Fleet) -> None:
@@ -107,7 +107,7 @@ def check_full(out: str, f: Fleet) -> None:
 
 
 def check_models(out: str, f: Fleet) -> None:
-    assert out == "demo@v1,vla@v1\n"
+    assert out == "demo_policy@v1,vla@v1\n"
 
 
 def check_versions(out: str, f: Fleet) -> None:
@@ -152,11 +152,11 @@ DOCUMENTED: list[tuple[str, Check]] = [
     ("redis-cli ZRANGE '{affinity}:nodes' 0 -1 WITHSCORES", check_nodes),
     ("redis-cli HGETALL '{affinity}:node:gpu-a'", check_node_hash),
     ("redis-cli HGET '{affinity}:route' gpu-a/0", check_route),
-    ("redis-cli ZRANGE '{affinity}:ring:demo@v1' 0 -1 WITHSCORES", check_ring),
+    ("redis-cli ZRANGE '{affinity}:ring:demo_policy@v1' 0 -1 WITHSCORES", check_ring),
     ("redis-cli HGET '{affinity}:node:gpu-a' models", check_models),
-    ("redis-cli ZRANGE '{affinity}:versions:demo' 0 -1 WITHSCORES", check_versions),
-    ("redis-cli HGETALL '{affinity}:rollout:demo'", check_rollout),
-    ("redis-cli GET '{affinity}:contract:demo@v1'", check_contract),
+    ("redis-cli ZRANGE '{affinity}:versions:demo_policy' 0 -1 WITHSCORES", check_versions),
+    ("redis-cli HGETALL '{affinity}:rollout:demo_policy'", check_rollout),
+    ("redis-cli GET '{affinity}:contract:demo_policy@v1'", check_contract),
     ("redis-cli ZRANGE '{affinity}:full' 0 -1 WITHSCORES", check_full),
 ]
 
@@ -179,10 +179,10 @@ async def populate(url: str) -> dict[str, tuple[str, int]]:
         await registry.register("gpu-a", "http://gpu-a:8000", cuda("gpu-a", 2), models=both)
         await registry.register("gpu-b", "http://gpu-b:8000", cuda("gpu-b", 1, capacity=2),
                                 models={DEMO: CONTRACT})  # fmt: skip
-        await registry.rollout("demo", "v1", 1)
+        await registry.rollout("demo_policy", "v1", 1)
         placed = {}
         for ep in EPISODES:
-            a = await claims.resolve(ep, model="demo")
+            a = await claims.resolve(ep, model="demo_policy")
             placed[ep] = (a.device, a.token, a.claim)
         return placed
     finally:

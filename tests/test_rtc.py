@@ -263,6 +263,38 @@ async def test_a_reset_drops_the_prefix() -> None:
 
 
 @pytest.mark.anyio
+async def test_after_a_crash_the_robots_pending_actions_are_the_prefix() -> None:
+    """Nothing of the episode is left (a crash: the state and its chunk are gone): a step
+    that sends the actions the robot has not executed yet starts its chunk from them, so
+    the motion goes on without a jump; a step of a continuing episode ignores them."""
+    d, _ = make()
+    rng = np.random.default_rng(11)
+    try:
+        pending = rng.standard_normal((6, D)).astype(np.float32)
+        image, state = observation(rng)
+        ask = d.rtc_for(0, 3, None, pending.tolist())  # as /act's JSON brings it
+        first = await d.step("n/0", "e", 1, False, inputs(image, state), rtc=ask)
+        assert first.state_reset and first.rtc is not None
+        assert first.rtc.to_json() == {"executed": H - 6, "delay": 3, "prefix_len": 6}
+        padded = np.vstack([np.zeros((H - 6, D)), pending])  # the chunk it stands for
+        want, _ = reference(image, state, padded, H - 6, 3)
+        close(first.outputs["actions"], want)
+        got = np.asarray(first.outputs["actions"]).reshape(H, D)
+        np.testing.assert_allclose(got[:3], pending[:3], atol=1e-6)  # no jump
+        image, state = observation(rng)
+        nxt = await d.step("n/0", "e", 1, False, inputs(image, state),
+                           rtc=d.rtc_for(2, 1, None, pending.tolist()))  # fmt: skip
+        want, facts = reference(image, state, got, 2, 1)  # its own chunk, not the pending
+        close(nxt.outputs["actions"], want)
+        assert nxt.rtc is not None and nxt.rtc.to_json() == facts
+        for bad in ([[1.0] * (D + 1)], [[[0.0] * D] * (H + 1)], [[float("nan")] * D]):
+            with pytest.raises(InvalidArgument, match="pending"):
+                d.rtc_for(0, 0, None, bad)
+    finally:
+        d.close()
+
+
+@pytest.mark.anyio
 async def test_a_record_in_doubt_has_no_prefix() -> None:
     d, _ = make()
     rng = np.random.default_rng(6)

@@ -248,17 +248,20 @@ def _step_until_moved(cluster: Cluster, ep: str, image: np.ndarray, state: np.nd
 
 
 @pytest.mark.parametrize("how", ["sigkill", "handover"])
-def test_a_moved_episode_starts_without_a_prefix(
+def test_a_crashed_owners_episode_starts_without_a_prefix_a_handed_over_one_with_it(
     three: tuple[Cluster, list[str]], how: str
 ) -> None:
+    """After a crash the chunk is gone with the state: no prefix, said with state_reset.
+    A graceful stop hands the episode over with its record, the last chunk sent included:
+    the next chunk continues it, on another node, with no reset."""
     cluster, _ = three
     rng = np.random.default_rng(11)
     ep = f"rtc-{how}"
     door = DOORS["act-json"]
     for i in range(3):
         image, state = observation(rng)
-        _, facts = door(cluster, [], i % 3, ep, i, image, state,
-                        {"executed": 4, "inference_delay": 2})  # fmt: skip
+        last, facts = door(cluster, [], i % 3, ep, i, image, state,
+                           {"executed": 4, "inference_delay": 2})  # fmt: skip
     assert facts["rtc"]["prefix_len"] == H - 4
     owner = cluster.node(facts["node"])
     try:
@@ -269,10 +272,17 @@ def test_a_moved_episode_starts_without_a_prefix(
             assert owner.proc.popen is not None and owner.proc.popen.wait(timeout=30) == 0
         image, state = observation(rng)
         after = _step_until_moved(cluster, ep, image, state, owner.node_id)
-        assert after["node"] != owner.node_id and after["routing"] == "reassigned"
-        assert after["state_reset"] is True
-        assert after["rtc"] == {"executed": 0, "delay": 0, "prefix_len": 0}
-        close(np.asarray(after["outputs"]["actions"]), own_chunk(image, state))
+        assert after["node"] != owner.node_id
+        if how == "sigkill":
+            assert after["routing"] == "reassigned" and after["state_reset"] is True
+            assert after["rtc"] == {"executed": 0, "delay": 0, "prefix_len": 0}
+            close(np.asarray(after["outputs"]["actions"]), own_chunk(image, state))
+        else:
+            assert after["routing"] == "hit" and after["state_reset"] is False
+            assert after["rtc"] == {"executed": 2, "delay": 3, "prefix_len": H - 2}
+            previous = np.asarray(last, np.float64).reshape(H, -1)
+            want, _ = reference(image, state, previous, 2, 3)
+            close(np.asarray(after["outputs"]["actions"]), want)
     finally:
         owner.proc.start()  # back for the other tests of the module
         wait_until(owner.ready, 60, "owner back")

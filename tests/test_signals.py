@@ -24,7 +24,7 @@ from node.catalog import file_version
 from node.metrics import Metrics
 from node.policy import DEMO_MODEL
 from node.protocols import openpi
-from node.protocols.grpc import GrpcFrontDoor
+from node.protocols.kserve.grpc import GrpcFrontDoor
 from node.signals import FleetSignals
 from tests.conftest import Env, cpu_devices
 from tests.inproc import InProcNode, cluster, config

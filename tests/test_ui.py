@@ -296,7 +296,7 @@ def test_admin_buttons_only_with_the_token(page: Page, stack: Stack) -> None:
     assert not button.is_displayed(), "no admin button before a token is typed in"
 
     # A wrong token: the node refuses, the page says so and hides the buttons again.
-    page.allowed_errors.append(r"devices/node-a/2/drain.* 403")
+    page.allowed_errors.append(r"devices/node-a/2/drain.* 401")
     page.find("#admin-token").send_keys("wrong-token")
     page.find("#admin-unlock").click()
     page.wait(lambda d: button.is_displayed(), "the admin buttons")

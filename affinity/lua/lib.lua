@@ -1,7 +1,7 @@
 -- lib: what every script uses. affinity/scripts.py puts it where a script says `--@lib`,
 -- after the header of constants it generates for the deployment: PREFIX, the fixed keys
 -- NODES RING FULL ROUTE EVENTS DEVICES TOKEN RR MARKER LEASES KNOWN, the key prefixes
--- EPISODE_KEY NODE_KEY DEVICE_KEY LOAD_KEY MOVED_KEY REVOKED_KEY RING_KEY VERSIONS_KEY
+-- EPISODE_KEY NODE_KEY DEVICE_KEY LOAD_KEY MOVED_KEY REVOKED_KEY MOVES_KEY RING_KEY VERSIONS_KEY
 -- ROLLOUT_KEY PICKS_KEY, TTL, LEASE (this caller's lease TTL, ms), MAXLEN, and the value
 -- formats VALUE and ROUTED. Every
 -- key shares the namespace hash tag, hence one slot: scripts derive keys from ids
@@ -107,25 +107,30 @@ local function to_full(device, load)
 end
 
 -- The fleet marker (MARKER) holds the end of the grace period after Redis lost its data
--- ("0": none). Its absence means Redis lost its data (restarted empty, or failed over to a
--- replica that never had it) or the fleet is new: the first script that finds it missing
--- starts a grace period as long as the longest lease any node may hold: the caller's own
--- (LEASE) or the longest it heard of at its last renewal (`known`, ms; fleet.lua's
--- lease_terms grants no node a lease longer than every leased node has heard of). During
--- it no claim is granted (owners that may still serve an episode re-register and re-assert
--- their episodes first); returns the ms left of it, or nil when there is none.
+-- ("0": none), then the end of the doubt that follows it. Its absence means Redis lost its
+-- data (restarted empty, or failed over to a replica that never had it) or the fleet is new:
+-- the first script that finds it missing starts a grace period as long as the longest lease
+-- any node may hold: the caller's own (LEASE) or the longest it heard of at its last renewal
+-- (`known`, ms; fleet.lua's lease_terms grants no node a lease longer than every leased node
+-- has heard of). During it no claim is granted (owners that may still serve an episode
+-- re-register and re-assert their episodes first). For one backstop (TTL) after it, Redis
+-- cannot tell an episode it never saw from one it lost with an owner that died meanwhile:
+-- a claim then is a reassignment (resolve.lua: the client is told state_reset). Returns
+-- the ms left of the grace period (nil when there is none), and whether the doubt lasts.
 local function recovering(now_ms, known)
-    local grace = redis.call('GET', MARKER)
-    if not grace then
+    local marker = redis.call('GET', MARKER)
+    if not marker then
         local length = math.max(LEASE, tonumber(known) or 0)
-        redis.call('SET', MARKER, int(now_ms + length))
+        redis.call('SET', MARKER, int(now_ms + length) .. ' ' .. int(now_ms + length + TTL))
         event('type', 'recovering', 'until', int(now_ms + length),
             'reason', 'fleet marker missing: Redis lost its data, or the fleet is new')
-        return length
+        return length, true
     end
-    local left = tonumber(grace) - now_ms
+    local grace, doubt = string.match(marker, '^(%d+) ?(%d*)$')
+    local left = tonumber(grace or '0') - now_ms
+    local doubting = doubt ~= nil and doubt ~= '' and tonumber(doubt) > now_ms
     if left > 0 then
-        return left
+        return left, doubting
     end
-    return nil
+    return nil, doubting
 end

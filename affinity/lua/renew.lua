@@ -12,9 +12,10 @@
 -- Every renewal notices the leases (its own or any other node's) that ran out (once, see
 -- lib.lua) and keeps the scores of its models' rings small.
 -- Returns {the new lease deadline (ms, server time), the lease granted (ms), the longest
--- lease TTL of the fleet (ms), "<episode> <token>"...}: the node's assignments someone
--- else released in Redis (release.lua) not yet carried out: the owner drops their records
--- and says so (ARGV[3..]); {-1} when the node holds no lease (it lapsed, the node
+-- lease TTL of the fleet (ms), n, then n "<episode> <token>": the node's assignments
+-- someone else released in Redis (release.lua) not yet carried out: the owner drops their
+-- records and says so (ARGV[3..]); then the moves an operator asked of the node
+-- (MOVES_KEY .. node, read and removed: "@<device>" or "<episode>\x1f<target>")}; {-1} when the node holds no lease (it lapsed, the node
 -- deregistered, or Redis lost its data): register again; {-2} when another instance holds
 -- the node id with a current lease (nothing written). The granted lease is the node's own
 -- TTL unless the fleet has not heard of it yet (fleet.lua's lease_terms).
@@ -62,4 +63,12 @@ local revoked = redis.call('SMEMBERS', revoked_key)
 if #revoked > 0 then -- kept while this owner renews; gone with it
     redis.call('PEXPIREAT', revoked_key, int(now_ms + 2 * granted))
 end
-return {int(now_ms + granted), int(granted), int(longest), unpack(revoked)}
+local reply = {int(now_ms + granted), int(granted), int(longest), #revoked, unpack(revoked)}
+local moves = redis.call('SMEMBERS', MOVES_KEY .. node)
+if #moves > 0 then
+    redis.call('DEL', MOVES_KEY .. node)
+    for _, move in ipairs(moves) do
+        reply[#reply + 1] = move
+    end
+end
+return reply

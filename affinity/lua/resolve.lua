@@ -22,7 +22,9 @@
 --   claimed     no assignment existed (or a restart): a new one was written
 --   reassigned  the device's node is dead, the device down or no longer listed, its node
 --               no longer serves the episode's model, or the episode was handed over: a new
---               assignment with a fresh token, on a device that serves its (name, version)
+--               assignment with a fresh token, on a device that serves its (name, version);
+--               also a claim within one backstop of a loss of Redis data (lib.lua): Redis
+--               cannot tell a new episode from one it lost (previous is then empty)
 --   missing     ARGV[1] "2" and no assignment exists: nothing was written
 -- or "recovering <ms>": the fleet is in its grace period after Redis lost its data (lib.lua)
 -- and this would be a claim, of any model (nothing was written but the marker); or
@@ -143,6 +145,7 @@ end
 -- holds each one's {name, version, picks/weight, weight}), else newest first; {''} in a
 -- fleet without models; nil when the name or version was never registered.
 local stride = {}
+local doubt = false -- Redis lost its data lately: a claim may be of an episode it lost
 local function candidates()
     if model ~= '' and not restart then
         return {model}
@@ -225,7 +228,7 @@ local function assign(m, ring, chosen, score, node, cap, weight, url, live, prev
         to_full(chosen, load)
     end
     local status = 'claimed'
-    if previous ~= '' and not restart then
+    if (previous ~= '' or doubt) and not restart then
         status = 'reassigned'
     end
     event('type', status == 'claimed' and 'claim' or 'reassign',
@@ -241,7 +244,7 @@ end
 -- lapses are noticed below) is not held back.
 local wait
 if not (unseen and current and not restart) then
-    wait = recovering(now_ms, ARGV[5])
+    wait, doubt = recovering(now_ms, ARGV[5])
     if wait then
         return 'recovering ' .. int(wait)
     end
@@ -274,7 +277,7 @@ if unseen then
 end
 
 if unseen and current and not restart then
-    wait = recovering(now_ms, ARGV[5])
+    wait, doubt = recovering(now_ms, ARGV[5])
     if wait then
         return 'recovering ' .. int(wait)
     end

@@ -5,9 +5,11 @@ Request body (a map): ``episode_id``?, ``session_id``?, ``inputs`` (input name â
 ``end``?, ``token``? and ``claim``? (the token and claim id of the client's previous
 reply: a lost assignment then says ``state_reset``), ``seq``? (the step
 number it expects to be applied: its last reply's ``seq`` + 1), ``execute_steps``? and
-``ensemble``? (action-chunk execution overrides), ``executed``? and ``inference_delay``?
-(real-time chunking, ``node/rtc.py``), ``control_hz``? (the robot's control rate: the
-step's period, ``node/timing.py``). JSON arrays are nested lists; with
+``ensemble``? (action-chunk execution overrides), ``executed``?, ``inference_delay``? and
+``pending``? (real-time chunking, ``node/rtc.py``; ``pending``: the robot's unexecuted
+actions, a prefix for a step that starts from clean state), ``control_hz``? (the robot's
+control rate: the step's period, ``node/timing.py``, and real-time chunking's). JSON
+arrays are nested lists; with
 ``Content-Type: application/msgpack`` every input is an array in openpi's msgpack
 encoding (``affinity/wire.py``). Any other top-level field is refused with 422 naming it (a
 typo such as ``episodeId`` must not silently make every step stateless).
@@ -59,7 +61,7 @@ log = logging.getLogger("affinity.node")
 MSGPACK = "application/msgpack"
 FIELDS = (
     "episode_id", "session_id", "inputs", "end", "token", "claim", "seq", "execute_steps",
-    "ensemble", "model", "executed", "inference_delay", "control_hz",
+    "ensemble", "model", "executed", "inference_delay", "control_hz", "pending",
 )  # fmt: skip
 _KNOWN = frozenset(FIELDS)
 
@@ -110,7 +112,11 @@ async def decode(service: NodeService, body: bytes, binary: bool, deadline: floa
     if local is not None:
         local.mode_for(steps, ensemble)  # InvalidArgument names the field
     rtc = service.rtc_for(
-        name, doc.get("executed"), doc.get("inference_delay"), doc.get("control_hz")
+        name,
+        doc.get("executed"),
+        doc.get("inference_delay"),
+        doc.get("control_hz"),
+        doc.get("pending"),
     )
     episode, degraded = doc.get("episode_id"), False
     if episode is None and doc.get("session_id") is not None:

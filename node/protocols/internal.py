@@ -1,4 +1,5 @@
-"""``POST /internal/act``: the owner's side of a forward (not a public API).
+"""``POST /internal/act`` (the owner's side of a forward) and ``POST /internal/move`` (the
+new owner's side of a live hand-over); not a public API.
 
 The body is a :class:`node.forward.Forward` in msgpack, authenticated by the cluster
 secret header; the reply is the :class:`~node.step.Reply` in msgpack, or an error in the
@@ -26,7 +27,7 @@ from node.forward import CONTENT_TYPE, SECRET_HEADER, encode_reply
 from node.service import NodeService
 from node.step import Refused, Reply, Unavailable
 
-__all__ = ["handle"]
+__all__ = ["handle", "move"]
 
 _SECRET = SECRET_HEADER.lower().encode()
 
@@ -55,3 +56,17 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
         return
     scope[STEP_KEY] = (reply.episode or "-", reply.device, reply.routing)
     await respond(send, 200, encode_reply(reply), CONTENT_TYPE.encode())
+
+
+async def move(service: NodeService, scope: Scope, receive: Receive, send: Send) -> None:
+    """The ASGI handler of ``POST /internal/move``: install, confirm or drop a record
+    another node hands over (``node/handover.py``); 204, or the error."""
+    try:
+        body = await read_body(scope, receive, service.config.max_body_bytes)
+        service.owner.mover.receive(body, header(scope, _SECRET), service.owner.local_devices)
+    except (BodyError, Unavailable, Refused) as exc:
+        if isinstance(exc, Refused) and exc.status == 403:
+            service.metrics.rejected.labels("forbidden").inc()
+        await respond_error(send, exc)
+        return
+    await respond(send, 204, b"")

@@ -3,7 +3,8 @@
 On every path of the node's port (``ws://node:8000``, ``ws://node:8000/?episode_id=ep-42``):
 
 1. The client connects (``Authorization: Api-Key <key>`` when the node has ``--api-key``;
-   without the right key the handshake is refused with HTTP 403).
+   without the right key the handshake is answered 401 with the project's JSON error,
+   ``unauthorized``, and an access line, as ``POST /act`` is).
 2. The node sends one binary msgpack map, the metadata: the model sidecar's ``metadata``
    (e.g. ``reset_pose``) plus ``affinity``: ``policy`` (the contract of ``GET /model``),
    ``node`` and ``episode_id`` (when the connection names one).
@@ -57,7 +58,7 @@ import numpy as np
 
 from affinity import InvalidArgument, check_episode, wire
 from node.accesslog import STEP_KEY, AccessLog
-from node.asgi import WATCH_AFTER_S, ClientGone, Receive, Scope, Send, header, io_seen
+from node.asgi import WATCH_AFTER_S, ClientGone, Receive, Scope, Send, error_body, header, io_seen
 from node.policy import (
     InvalidInput,
     PolicyContract,
@@ -109,7 +110,7 @@ async def handle(
         return
     if not service.client_allowed(header(scope, b"authorization")):
         service.metrics.rejected.labels("unauthorized").inc()
-        await send({"type": "websocket.close", "code": 1008})
+        await unauthorized(scope, send, access, time.monotonic())
         return
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
     unknown = sorted(set(query) - QUERY_KEYS)
@@ -264,10 +265,8 @@ def decode(
     named, steps = observation.pop("episode_id", None), observation.pop("execute_steps", None)
     ensemble, seq = observation.pop("ensemble", None), observation.pop("seq", None)
     executed, delay = observation.pop("executed", None), observation.pop("inference_delay", None)
-    control_hz, timing = (
-        observation.pop("control_hz", None),
-        _scalar(observation.pop("timing", False)),
-    )
+    control_hz, pending = observation.pop("control_hz", None), observation.pop("pending", None)
+    timing = _scalar(observation.pop("timing", False))
     if not isinstance(timing, bool):
         raise InvalidArgument("timing", timing, "must be true or false")
     if seq is not None and (type(seq) is not int or seq < 1):
@@ -276,7 +275,7 @@ def decode(
     local = service.dispatchers.get(model or next(iter(service.models)))
     if local is not None:  # a model served elsewhere: its owner checks
         local.mode_for(steps, ensemble)  # InvalidArgument names the field
-    rtc = service.rtc_for(model, _scalar(executed), _scalar(delay), _scalar(control_hz))
+    rtc = service.rtc_for(model, _scalar(executed), _scalar(delay), _scalar(control_hz), pending)
     converted = inputs_from_observation(contract or service.contract, observation)
     if converted.ignored:
         service.warn_once(
@@ -323,6 +322,26 @@ def log_step(
     device, routing = served or ("-", "-")
     line = {**scope, "method": "WS", STEP_KEY: (episode, device, routing)}
     access.write(line, status, time.monotonic() - started)
+
+
+async def unauthorized(scope: Scope, send: Send, access: AccessLog, started: float) -> None:
+    """Refuse the handshake before the upgrade: 401 with the project's JSON error body (a
+    server without ASGI's denial-response extension can only close: 403), and its line."""
+    if "websocket.http.response" in scope.get("extensions", {}):
+        body = error_body(
+            "unauthorized", "this node wants Authorization: Api-Key <key> (openpi-client's api_key)"
+        )
+        await send({
+            "type": "websocket.http.response.start",
+            "status": 401,
+            "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Api-Key")],
+        })  # fmt: skip
+        await send({"type": "websocket.http.response.body", "body": body})
+        status = 401
+    else:
+        await send({"type": "websocket.close", "code": 1008})
+        status = 403
+    log_step(access, scope, started, status, None)
 
 
 async def fail(send: Send, text: str) -> None:

@@ -1,48 +1,18 @@
 """KServe v2 over gRPC (``inference.GRPCInferenceService``), as the unmodified
-``tritonclient.grpc`` (sync, ``aio`` and ``start_stream``) speaks it, on ``--grpc-port``.
+``tritonclient.grpc`` (sync, ``aio`` and streams) speaks it, on ``--grpc-port``.
 
-The same protocol as ``node/protocols/kserve.py`` over another transport: a request is
-decoded into that module's :class:`~node.protocols.kserve.InferRequest`, then follows the
-same path (``to_step``, Triton's live-sequence rule, ``service.router.act``: resolve,
-serve or forward to the owner over the node's internal HTTP), so a sequence is sticky across
-nodes whichever front door each of its steps used.
-
-Served RPCs: ``ServerLive``, ``ServerReady``, ``ModelReady``, ``ServerMetadata``,
-``ModelMetadata``, ``ModelStatistics`` (``node/stats.py``), ``ModelInfer`` and
-``ModelStreamInfer`` (one stream's requests are answered one at a time, in order: the way a
-Triton client keeps a sequence's steps in order). Every other RPC of the service
-(model configuration, repository and model control, shared memory, trace, logging) answers
-``UNIMPLEMENTED``: see the README's KServe section.
-
-**Requests.** Request parameters carry Triton's sequence fields: ``sequence_id`` (an
-``int64_param``/``uint64_param`` or a ``string_param``), ``sequence_start``,
-``sequence_end`` (``bool_param``), ``timeout`` (µs), ``execute_steps`` and ``ensemble``;
-real-time chunking's ``executed``, ``inference_delay`` (``int64_param``) and
-``control_hz`` (``double_param`` or ``int64_param``), replied as ``rtc_executed``,
-``rtc_delay``, ``rtc_prefix_len``; ``timing`` (``bool_param``) asks for the split of the
-step's time, replied as ``double_param`` ``timing_total_ms``, ``timing_queue_ms``,
-``timing_run_ms``, ``timing_forward_ms``.
-Tensors come as ``raw_input_contents`` (one entry per input, in order: the raw
-little-endian row-major bytes) or as typed ``contents``. Every declared size (element
-counts against ``MAX_ELEMENTS``, raw sizes against shape and datatype) is checked before an
-array exists; raw inputs are read-only views of the received bytes. A message is bounded by
-``--max-body-bytes`` (gRPC's receive limit). A client's gRPC deadline (``client_timeout``)
-shortens ``--act-deadline`` for the request, like ``timeout``. Each step writes one
-access line (``GRPC /<service>/<rpc>``, in either log format). Outputs go back as
-``raw_output_contents``, with affinity's facts (``episode_id``, ``device``, ``node``,
-``token``, ``routing``, ``state_reset``, ``degraded``, ``source``) as response parameters.
-
-**Errors** are gRPC status codes with the node's message: ``INVALID_ARGUMENT`` (what HTTP
-answers with 400), ``UNAUTHENTICATED`` (no ``authorization: Api-Key <key>`` metadata when
-the node has ``--api-key``), ``NOT_FOUND`` (another model or version), ``UNAVAILABLE``
-(503; the ``retry-after`` trailing metadata says when), ``PERMISSION_DENIED``, ``ABORTED``
-and ``INTERNAL`` (a model failure). In a stream an error answers that request with
-``error_message`` and the stream goes on, as Triton's does.
+A request decodes into ``request.py``'s :class:`InferRequest` and takes the HTTP front
+door's path (Triton's live-sequence rule, ``service.router.act``), so a sequence sticks to
+its GPU whichever front door each step used. Sizes are checked before an array exists;
+raw inputs are views of the received bytes. Failures are status codes with the node's
+message (``_Abort``); in a stream, one answers that request and the stream goes on, as
+Triton's does. The wire and its errors: docs/protocols.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import AsyncIterator
@@ -50,6 +20,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf import json_format
 
 from affinity import InvalidArgument, UnknownEpisode
 from affinity.wire import MAX_ELEMENTS
@@ -57,31 +28,36 @@ from node.accesslog import STEP_KEY, AccessLog
 from node.asgi import io_seen
 from node.lease import VERSION
 from node.policy import InvalidInput, PolicyContract
-from node.protocols.kserve import (
-    DATATYPES,
+from node.protocols.kserve.pb import kserve_pb2 as pb
+from node.protocols.kserve.request import (
     EXTENSIONS,
-    MAX_RANK,
-    MAX_TENSORS,
-    MODEL_VERSION,
-    BadRequest,
     InferRequest,
-    bytes_elements,
+    NotServed,
+    config_of,
     episode_of,
-    model_metadata,
+    find_model,
+    metadata_of,
     not_live,
-    serialize_bytes,
     service_step,
+    statistics_of,
+    stats_for,
     timing_parameters,
 )
-from node.protocols.kserve_grpc import kserve_pb2 as pb
+from node.protocols.kserve.tensors import (
+    DATATYPE_OF,
+    DATATYPES,
+    MAX_RANK,
+    MAX_TENSORS,
+    BadRequest,
+    bytes_elements,
+    tensor_bytes,
+)
 from node.service import NodeService
-from node.stats import model_statistics
 from node.step import Array, Refused, Reply, Unavailable
 
 __all__ = ["SERVICE", "GrpcFrontDoor", "decode_request", "encode_reply", "start"]
 
 SERVICE = "inference.GRPCInferenceService"
-_NAMES = {dtype.name: name for name, dtype in DATATYPES.items()} | {"object": "BYTES"}
 _CONTENTS = {
     "BOOL": "bool_contents",
     "INT8": "int_contents",
@@ -203,12 +179,11 @@ def decode_request(msg: pb.ModelInferRequest, *, max_elements: int = MAX_ELEMENT
         inference_delay=params.get("inference_delay"),
         control_hz=params.get("control_hz"),
         timing=_flag(params, "timing"),
+        pending=params.get("pending"),
     )
 
 
 def _inputs(msg: pb.ModelInferRequest, max_elements: int) -> dict[str, Array]:
-    if not msg.inputs:
-        raise BadRequest("inputs must be a non-empty list of tensors")
     if len(msg.inputs) > MAX_TENSORS:
         raise BadRequest(f"{len(msg.inputs)} inputs; the limit is {MAX_TENSORS}")
     raw = msg.raw_input_contents
@@ -302,7 +277,7 @@ def encode_reply(reply: Reply, request: InferRequest, model_name: str) -> pb.Mod
     names = list(reply.outputs) if request.outputs is None else list(request.outputs)
     response = pb.ModelInferResponse(
         model_name=model_name,
-        model_version=reply.model.partition("@")[2] or MODEL_VERSION,
+        model_version=reply.model.partition("@")[2],
         id=request.id or "",
     )
     facts = reply.facts(flat=True)
@@ -313,13 +288,8 @@ def encode_reply(reply: Reply, request: InferRequest, model_name: str) -> pb.Mod
             response.parameters[key].CopyFrom(_parameter(value))
     for name in names:
         array = reply.outputs[name]
-        response.outputs.add(name=name, datatype=_NAMES[array.dtype.name], shape=array.shape)
-        if array.dtype.kind == "O":
-            response.raw_output_contents.append(serialize_bytes(array))
-        else:
-            response.raw_output_contents.append(
-                np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
-            )
+        response.outputs.add(name=name, datatype=DATATYPE_OF[array.dtype], shape=array.shape)
+        response.raw_output_contents.append(tensor_bytes(array))
     return response
 
 
@@ -340,16 +310,9 @@ class GrpcFrontDoor:
     async def _check_model(self, name: str, version: str) -> tuple[str, PolicyContract]:
         """The model a request names, served by some live node, and its contract."""
         try:
-            return await self.service.model_for(
-                name, None if version in ("", MODEL_VERSION) else version
-            )
-        except (Refused, InvalidArgument):
-            which = f"'{name[:128]}'" + (f" version {version[:32]}" if version else "")
-            fleet = ", ".join(f"'{n}'" for n in self.service.catalog.served())
-            raise _Abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"Request for unknown model: {which} is not found (this fleet serves {fleet})",
-            ) from None
+            return await find_model(self.service, name, version)
+        except NotServed as exc:
+            raise _Abort(grpc.StatusCode.NOT_FOUND, str(exc)) from None
 
     def _ready(self) -> bool:
         return self.service.lease.may_serve()
@@ -416,7 +379,8 @@ class GrpcFrontDoor:
     ) -> pb.ModelInferResponse:
         service = self.service
         rejected = service.metrics.rejected
-        name, _ = await self._check_model(msg.model_name, msg.model_version)
+        found = await self._check_model(msg.model_name, msg.model_version)
+        name = found[0]
         try:
             request = decode_request(msg)
             budget = service.config.act_deadline_s
@@ -426,13 +390,14 @@ class GrpcFrontDoor:
             if remaining is not None:
                 budget = min(budget, remaining)
             step = await service_step(
-                service, request, started + budget, name, msg.model_version or None
+                service, request, started + budget, name, msg.model_version or None, found
             )
             step.door, step.received = "kserve_grpc", started
             served[0] = step.episode or "-"
             reply = await service.router.act(step)
             served[1:] = [reply.device, reply.routing]
             await undo_if_cancelled(service, context, reply)
+            stats_for(service, name).answered(time.monotonic() - started)
         except UnknownEpisode:  # Triton's rule, decided in the step's own resolve
             rejected.labels("bad_input").inc()
             raise _Abort(
@@ -445,12 +410,15 @@ class GrpcFrontDoor:
             rejected.labels("bad_input").inc()
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         except Unavailable as exc:
+            stats_for(service, name).failed()
             raise _Abort(
                 grpc.StatusCode.UNAVAILABLE, f"{exc.reason}: {exc}", exc.retry_after
             ) from None
         except Refused as exc:
             if exc.status == 403:
                 rejected.labels("forbidden").inc()
+            if exc.status == 500:
+                stats_for(service, name).failed()
             code = _REFUSED.get(exc.status, grpc.StatusCode.ABORTED)
             raise _Abort(code, f"{exc.reason}: {exc}") from None
         return encode_reply(reply, request, name)
@@ -483,9 +451,7 @@ class GrpcFrontDoor:
         except _Abort as exc:
             await self._abort(context, exc)
             raise  # unreachable: the abort raises
-        local = self.service.dispatchers.get(name)
-        chunk = local.chunk.output if local and local.chunk and local.chunk_mode else None
-        doc = model_metadata(contract, name, chunk)
+        doc = metadata_of(self.service, name, contract)
         response = pb.ModelMetadataResponse(
             name=doc["name"], versions=doc["versions"], platform=doc["platform"]
         )
@@ -497,25 +463,34 @@ class GrpcFrontDoor:
     async def ModelStatistics(
         self, msg: pb.ModelStatisticsRequest, context: Any
     ) -> pb.ModelStatisticsResponse:
+        names = list(self.service.models)  # no name: every model served here
         if msg.name:
             try:
-                await self._check_model(msg.name, msg.version)
+                names = [(await self._check_model(msg.name, msg.version))[0]]
             except _Abort as exc:
                 await self._abort(context, exc)
-        doc = model_statistics(
-            self.service.metrics, self.service.device_ids, self.model_name, MODEL_VERSION
-        )
         response = pb.ModelStatisticsResponse()
-        entry = response.model_stats.add(
-            name=doc["name"],
-            version=doc["version"],
-            last_inference=doc["last_inference"],
-            inference_count=doc["inference_count"],
-            execution_count=doc["execution_count"],
-        )
-        for key, value in doc["inference_stats"].items():
-            getattr(entry.inference_stats, key).CopyFrom(pb.StatisticDuration(**value))
+        for name in names:
+            doc = statistics_of(self.service, name)
+            entry = response.model_stats.add(
+                name=doc["name"],
+                version=doc["version"],
+                last_inference=doc["last_inference"],
+                inference_count=doc["inference_count"],
+                execution_count=doc["execution_count"],
+            )
+            for key, value in doc["inference_stats"].items():
+                getattr(entry.inference_stats, key).CopyFrom(pb.StatisticDuration(**value))
         return response
+
+    async def ModelConfig(self, msg: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
+        try:
+            name, contract = await self._check_model(msg.name, msg.version)
+        except _Abort as exc:
+            await self._abort(context, exc)
+            raise  # unreachable: the abort raises
+        config = json_format.ParseDict(config_of(self.service, name, contract), pb.ModelConfig())
+        return pb.ModelConfigResponse(config=config)
 
     async def ModelInfer(self, msg: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         try:
@@ -531,6 +506,7 @@ class GrpcFrontDoor:
         try:
             self._check_key_logged(context, "ModelStreamInfer")
         except _Abort as exc:
+            await _drain(requests)
             await self._abort(context, exc)
         async for msg in requests:
             try:
@@ -542,6 +518,25 @@ class GrpcFrontDoor:
                 )
             else:
                 yield pb.ModelStreamInferResponse(infer_response=reply)
+
+
+STREAM_FIRST_S = 10.0
+STREAM_QUIET_S = 0.05
+STREAM_DRAINED = 256
+
+
+async def _drain(requests: AsyncIterator[pb.ModelInferRequest]) -> None:
+    """Read and drop what a refused stream's client sends, until it half-closes, sends
+    nothing for :data:`STREAM_QUIET_S` after a request (:data:`STREAM_FIRST_S` before the
+    first), or has sent :data:`STREAM_DRAINED` requests. A status sent while the client
+    still writes reaches it as grpc's own ``INTERNAL`` ("Internal error from Core": its
+    write failed), not as the status the node sent."""
+    pending = aiter(requests)
+    wait = STREAM_FIRST_S
+    with contextlib.suppress(StopAsyncIteration, TimeoutError):
+        for _ in range(STREAM_DRAINED):
+            await asyncio.wait_for(anext(pending), wait)
+            wait = STREAM_QUIET_S
 
 
 def _handlers(door: GrpcFrontDoor) -> grpc.GenericRpcHandler:
@@ -559,6 +554,7 @@ def _handlers(door: GrpcFrontDoor) -> grpc.GenericRpcHandler:
             ("ServerMetadata", "ServerMetadata", "ServerMetadata"),
             ("ModelMetadata", "ModelMetadata", "ModelMetadata"),
             ("ModelStatistics", "ModelStatistics", "ModelStatistics"),
+            ("ModelConfig", "ModelConfig", "ModelConfig"),
             ("ModelInfer", "ModelInfer", "ModelInfer"),
         )
     }
@@ -579,6 +575,8 @@ async def start(service: NodeService, host: str, port: int) -> grpc.aio.Server:
         options=[
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
+            # an exclusive port: a second node on it fails to start instead of sharing it
+            ("grpc.so_reuseport", 0),
         ]
     )
     config = service.config

@@ -1,10 +1,44 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class DataType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TYPE_INVALID: _ClassVar[DataType]
+    TYPE_BOOL: _ClassVar[DataType]
+    TYPE_UINT8: _ClassVar[DataType]
+    TYPE_UINT16: _ClassVar[DataType]
+    TYPE_UINT32: _ClassVar[DataType]
+    TYPE_UINT64: _ClassVar[DataType]
+    TYPE_INT8: _ClassVar[DataType]
+    TYPE_INT16: _ClassVar[DataType]
+    TYPE_INT32: _ClassVar[DataType]
+    TYPE_INT64: _ClassVar[DataType]
+    TYPE_FP16: _ClassVar[DataType]
+    TYPE_FP32: _ClassVar[DataType]
+    TYPE_FP64: _ClassVar[DataType]
+    TYPE_STRING: _ClassVar[DataType]
+    TYPE_BF16: _ClassVar[DataType]
+TYPE_INVALID: DataType
+TYPE_BOOL: DataType
+TYPE_UINT8: DataType
+TYPE_UINT16: DataType
+TYPE_UINT32: DataType
+TYPE_UINT64: DataType
+TYPE_INT8: DataType
+TYPE_INT16: DataType
+TYPE_INT32: DataType
+TYPE_INT64: DataType
+TYPE_FP16: DataType
+TYPE_FP32: DataType
+TYPE_FP64: DataType
+TYPE_STRING: DataType
+TYPE_BF16: DataType
 
 class ServerLiveRequest(_message.Message):
     __slots__ = ()
@@ -300,3 +334,137 @@ class ModelStatisticsResponse(_message.Message):
     MODEL_STATS_FIELD_NUMBER: _ClassVar[int]
     model_stats: _containers.RepeatedCompositeFieldContainer[ModelStatistics]
     def __init__(self, model_stats: _Optional[_Iterable[_Union[ModelStatistics, _Mapping]]] = ...) -> None: ...
+
+class ModelVersionPolicy(_message.Message):
+    __slots__ = ("latest",)
+    class Latest(_message.Message):
+        __slots__ = ("num_versions",)
+        NUM_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+        num_versions: int
+        def __init__(self, num_versions: _Optional[int] = ...) -> None: ...
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    latest: ModelVersionPolicy.Latest
+    def __init__(self, latest: _Optional[_Union[ModelVersionPolicy.Latest, _Mapping]] = ...) -> None: ...
+
+class ModelInput(_message.Message):
+    __slots__ = ("name", "data_type", "dims")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    data_type: DataType
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ModelOutput(_message.Message):
+    __slots__ = ("name", "data_type", "dims")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    data_type: DataType
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ModelInstanceGroup(_message.Message):
+    __slots__ = ("name", "count", "gpus", "kind")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_AUTO: _ClassVar[ModelInstanceGroup.Kind]
+        KIND_GPU: _ClassVar[ModelInstanceGroup.Kind]
+        KIND_CPU: _ClassVar[ModelInstanceGroup.Kind]
+        KIND_MODEL: _ClassVar[ModelInstanceGroup.Kind]
+    KIND_AUTO: ModelInstanceGroup.Kind
+    KIND_GPU: ModelInstanceGroup.Kind
+    KIND_CPU: ModelInstanceGroup.Kind
+    KIND_MODEL: ModelInstanceGroup.Kind
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    count: int
+    gpus: _containers.RepeatedScalarFieldContainer[int]
+    kind: ModelInstanceGroup.Kind
+    def __init__(self, name: _Optional[str] = ..., count: _Optional[int] = ..., gpus: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[ModelInstanceGroup.Kind, str]] = ...) -> None: ...
+
+class ModelSequenceBatching(_message.Message):
+    __slots__ = ("max_sequence_idle_microseconds", "control_input", "oldest")
+    class Control(_message.Message):
+        __slots__ = ("kind", "int32_false_true", "data_type")
+        class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+            __slots__ = ()
+            CONTROL_SEQUENCE_START: _ClassVar[ModelSequenceBatching.Control.Kind]
+            CONTROL_SEQUENCE_READY: _ClassVar[ModelSequenceBatching.Control.Kind]
+            CONTROL_SEQUENCE_END: _ClassVar[ModelSequenceBatching.Control.Kind]
+            CONTROL_SEQUENCE_CORRID: _ClassVar[ModelSequenceBatching.Control.Kind]
+        CONTROL_SEQUENCE_START: ModelSequenceBatching.Control.Kind
+        CONTROL_SEQUENCE_READY: ModelSequenceBatching.Control.Kind
+        CONTROL_SEQUENCE_END: ModelSequenceBatching.Control.Kind
+        CONTROL_SEQUENCE_CORRID: ModelSequenceBatching.Control.Kind
+        KIND_FIELD_NUMBER: _ClassVar[int]
+        INT32_FALSE_TRUE_FIELD_NUMBER: _ClassVar[int]
+        DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
+        kind: ModelSequenceBatching.Control.Kind
+        int32_false_true: _containers.RepeatedScalarFieldContainer[int]
+        data_type: DataType
+        def __init__(self, kind: _Optional[_Union[ModelSequenceBatching.Control.Kind, str]] = ..., int32_false_true: _Optional[_Iterable[int]] = ..., data_type: _Optional[_Union[DataType, str]] = ...) -> None: ...
+    class ControlInput(_message.Message):
+        __slots__ = ("name", "control")
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        CONTROL_FIELD_NUMBER: _ClassVar[int]
+        name: str
+        control: _containers.RepeatedCompositeFieldContainer[ModelSequenceBatching.Control]
+        def __init__(self, name: _Optional[str] = ..., control: _Optional[_Iterable[_Union[ModelSequenceBatching.Control, _Mapping]]] = ...) -> None: ...
+    class StrategyOldest(_message.Message):
+        __slots__ = ("max_candidate_sequences", "preferred_batch_size", "max_queue_delay_microseconds")
+        MAX_CANDIDATE_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+        PREFERRED_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+        MAX_QUEUE_DELAY_MICROSECONDS_FIELD_NUMBER: _ClassVar[int]
+        max_candidate_sequences: int
+        preferred_batch_size: _containers.RepeatedScalarFieldContainer[int]
+        max_queue_delay_microseconds: int
+        def __init__(self, max_candidate_sequences: _Optional[int] = ..., preferred_batch_size: _Optional[_Iterable[int]] = ..., max_queue_delay_microseconds: _Optional[int] = ...) -> None: ...
+    MAX_SEQUENCE_IDLE_MICROSECONDS_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_INPUT_FIELD_NUMBER: _ClassVar[int]
+    OLDEST_FIELD_NUMBER: _ClassVar[int]
+    max_sequence_idle_microseconds: int
+    control_input: _containers.RepeatedCompositeFieldContainer[ModelSequenceBatching.ControlInput]
+    oldest: ModelSequenceBatching.StrategyOldest
+    def __init__(self, max_sequence_idle_microseconds: _Optional[int] = ..., control_input: _Optional[_Iterable[_Union[ModelSequenceBatching.ControlInput, _Mapping]]] = ..., oldest: _Optional[_Union[ModelSequenceBatching.StrategyOldest, _Mapping]] = ...) -> None: ...
+
+class ModelConfig(_message.Message):
+    __slots__ = ("name", "platform", "version_policy", "max_batch_size", "input", "output", "instance_group", "sequence_batching", "backend")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
+    VERSION_POLICY_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_BATCHING_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    platform: str
+    version_policy: ModelVersionPolicy
+    max_batch_size: int
+    input: _containers.RepeatedCompositeFieldContainer[ModelInput]
+    output: _containers.RepeatedCompositeFieldContainer[ModelOutput]
+    instance_group: _containers.RepeatedCompositeFieldContainer[ModelInstanceGroup]
+    sequence_batching: ModelSequenceBatching
+    backend: str
+    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., version_policy: _Optional[_Union[ModelVersionPolicy, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., sequence_batching: _Optional[_Union[ModelSequenceBatching, _Mapping]] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class ModelConfigRequest(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
+class ModelConfigResponse(_message.Message):
+    __slots__ = ("config",)
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    config: ModelConfig
+    def __init__(self, config: _Optional[_Union[ModelConfig, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,117 @@
+"""Moving an episode to another device with its state: the live hand-over's Redis side.
+
+The owner moves an episode in three calls of one script (``affinity/lua/transfer.lua``):
+:meth:`Transfers.place` picks a device that serves the episode's model and has room,
+reserves a slot there and issues the new claim's token; the owner then sends the record to
+that device's node; :meth:`Transfers.commit` moves the assignment to the new claim, only
+while the owner's claim still holds it unmarked and the owner's lease is live (the fence:
+a paused or fenced owner's transfer is refused, and so is one of an episode an operator
+released meanwhile); :meth:`Transfers.abort` takes a reservation back when the move did
+not happen. Argument building and reply parsing are plain functions; the class is a thin
+async shell, like :class:`affinity.Claims`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from affinity.claims import check_episode, check_token
+from affinity.config import Settings
+from affinity.scripts import Script, bounded, evalsha, scripts_for
+
+__all__ = ["Placement", "Refused", "Transfers"]
+
+
+class Placement(NamedTuple):
+    """Where a moving episode goes: the device (a slot reserved there), the new claim's
+    token and claim id, the device's node, its URL and the instance holding it."""
+
+    device: str
+    token: int
+    claim: str
+    node: str
+    url: str
+    instance: str
+
+
+class Refused(NamedTuple):
+    """Why Redis would not place or commit a move: ``stale`` (another claim holds the
+    episode, or none), ``marked`` (an operator released it, or it was handed over),
+    ``lease`` (the owner's lease is not live), ``none`` (no device with room serves its
+    model), ``target`` (the chosen device's node is no longer alive)."""
+
+    reason: str
+
+
+def parse_placement(reply: str, claim: str) -> Placement | Refused:
+    fields = reply.split(" ")
+    if fields[0] == "refused":
+        return Refused(fields[1])
+    _, device, token, node, url, instance = fields
+    return Placement(device, int(token), claim, node, url, instance)
+
+
+class Transfers:
+    """Async transfer API over one Redis client (every call one bounded ``EVALSHA``,
+    raising :class:`affinity.BackendUnavailable` when Redis cannot answer in time)."""
+
+    def __init__(self, redis: Any, settings: Settings) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.scripts = scripts_for(settings)
+        self._episode_key = settings.keys.episode("")
+
+    async def _call(self, script: Script, episode: str, args: Sequence[Any]) -> Any:
+        return await bounded(
+            self.settings, evalsha(self.redis, script, self._episode_key + episode, args)
+        )
+
+    async def place(
+        self,
+        episode: str,
+        token: int,
+        claim: str,
+        instance: str,
+        *,
+        target: str = "",
+        hold_ms: int = 10_000,
+    ) -> Placement | Refused:
+        """Pick a device for ``episode`` (held by the caller under ``token``/``claim``)
+        that serves its model and has room — ``target`` narrows it to a node or a device —
+        and reserve a slot there for ``hold_ms``; the new claim's token and id come back.
+        Nothing else changes."""
+        episode = check_episode(episode)
+        check_token(token)
+        fresh = os.urandom(8).hex()
+        args = ("place", str(token), claim, instance, fresh, target, str(hold_ms))
+        return parse_placement(str(await self._call(self.scripts.transfer, episode, args)), fresh)
+
+    async def commit(
+        self,
+        episode: str,
+        token: int,
+        claim: str,
+        instance: str,
+        to: Placement,
+        *,
+        size: int = 0,
+        reason: str = "move",
+    ) -> Refused | None:
+        """Move ``episode``'s assignment from the caller's claim to ``to``'s, fenced: only
+        while that claim holds it unmarked and the caller's lease is live. None when it
+        moved (a ``moved`` event records ``size`` bytes and ``reason``)."""
+        args = (
+            "commit", str(token), claim, instance, to.device, str(to.token), to.claim, str(size),
+            reason,
+        )  # fmt: skip
+        reply = str(await self._call(self.scripts.transfer, episode, args))
+        return None if reply == "moved" else Refused(reply.split(" ")[1])
+
+    async def abort(
+        self, episode: str, token: int, claim: str, instance: str, to: Placement
+    ) -> bool:
+        """Take back the slot ``to`` reserved, unless the move was committed after all."""
+        args = ("abort", str(token), claim, instance, to.device)
+        return int(await self._call(self.scripts.transfer, episode, args)) == 1

@@ -1,0 +1,247 @@
+"""How an episode moves to another node with its state: the live hand-over, the third door.
+
+The old owner stops serving the episode (its new steps wait, bounded by their deadlines),
+waits for the step in flight, asks Redis for a device that serves the episode's model and
+has room (a slot is reserved there, a token issued: ``affinity/transfers.py``), sends the
+record to that device's node, which installs it unconfirmed, then commits in Redis — only
+while its own claim still holds the episode and its lease is live — and drops its copy.
+The new owner serves the record from memory once Redis (a routed step) or the old owner
+confirms it. Any failure leaves exactly one owner: before the commit the old owner keeps
+the episode (or, when nothing can take it, hands it over without its state, said with
+``state_reset``); after it, the new one holds it.
+
+Why this is hard: the commit is the only moment ownership changes. A record installed on
+a node whose commit never came must never be served from memory there (it is not
+confirmed, and the new owner's first flush finds it lost and drops it); a paused old
+owner's commit is refused once its lease lapsed; a step that waited behind the move asks
+Redis again and reaches the new owner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Literal
+
+from affinity import AffinityError, Claims, wire
+from affinity.transfers import Placement, Transfers
+from affinity.transfers import Refused as NotPlaced
+from node.episodes import EpisodeTable
+from node.forward import MOVE_PATH, Forward, ForwardError, Poster
+from node.lease import Lease
+from node.metrics import Metrics
+from node.policy import PolicyContract
+from node.step import Refused
+from node.transfer import Install, TransferError, decode_install, encode_install, record_bytes
+
+__all__ = ["HOLD_MS", "MOVE_S", "Mover", "Outcome", "Reason"]
+
+log = logging.getLogger("affinity.node")
+
+Outcome = Literal["moved", "reset", "kept"]
+"""moved: with its state; reset: handed over without it (said with state_reset); kept:
+nothing moved (the episode is not held here, or its owner must keep it: fenced, released)."""
+Reason = Literal["drain", "stop", "move"]
+
+HOLD_MS = 10_000
+"""How long Redis keeps the slot a move reserved (a move that dies leaves it to expire)."""
+MOVE_S = 5.0
+"""The most one move's record may take to reach the new owner."""
+
+
+class Mover:
+    """Both sides of a live hand-over for one node (see the module doc)."""
+
+    def __init__(
+        self,
+        node_id: str,
+        table: EpisodeTable,
+        lease: Lease,
+        transfers: Transfers,
+        lease_claims: Claims,
+        pool: Poster,
+        metrics: Metrics,
+        contracts: Mapping[str, PolicyContract],
+        secret: str | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node_id = node_id
+        self.table = table
+        self.lease = lease
+        self.transfers = transfers
+        self.lease_claims = lease_claims
+        self.pool = pool
+        self.metrics = metrics
+        self.contracts = contracts  # model name -> contract, of the models served here
+        self.secret = secret or ""
+        self.clock = clock
+        self._telling: set[asyncio.Task[None]] = set()
+
+    # ---- the old owner ---------------------------------------------------------------
+
+    async def hand_over(self, episode: str, reason: Reason, target: str = "") -> Outcome:
+        """Move ``episode`` with its state; when nothing can take it, or the transfer
+        fails before its commit, hand it over without its state (its next step is
+        ``reassigned`` with ``state_reset``). A hand-over already under way is joined."""
+        if not self.table.begin_move(episode):
+            await self.table.wait_moved(episode)
+            return "kept"
+        started = time.perf_counter()
+        outcome: Outcome = "kept"
+        try:
+            await self.table.wait_idle(episode)  # the step in flight, if any, finishes first
+            outcome = await self._move(episode, reason, target)
+        finally:
+            self.table.end_move(episode)  # the steps that waited ask Redis again
+            self.metrics.moves.labels(reason, outcome).inc()
+            if outcome == "moved":
+                self.metrics.move_seconds.observe(time.perf_counter() - started)
+        return outcome
+
+    async def _move(self, episode: str, reason: Reason, target: str) -> Outcome:
+        record = self.table.get(episode)
+        if record is None:
+            return "kept"
+        instance = self.lease.instance
+        try:
+            to = await self.transfers.place(
+                episode, record.token, record.claim, instance, target=target, hold_ms=HOLD_MS
+            )
+        except AffinityError as exc:
+            log.warning("could not move %s (%s): %s", episode, reason, exc)
+            return await self._without_state(episode, record.token)
+        if isinstance(to, NotPlaced):
+            if to.reason == "none" and reason == "move":
+                log.warning("nothing can take %s where it was asked to move: kept", episode)
+                return "kept"
+            if to.reason == "none":  # nothing with room serves its model: as before, reset
+                log.info("nothing can take %s (%s): handed over without its state", episode, reason)
+                return await self._without_state(episode, record.token)
+            if to.reason == "stale":  # Redis holds another claim: this record is stale
+                self.table.release(episode, "lost", record.token)
+            return "kept"
+        body = encode_install(
+            Install(episode, to.device, to.token, to.claim, self.node_id, record), self.clock()
+        )
+        size = record_bytes(record)
+        if not await self._send(to, body, episode):
+            await self._abort(episode, record.token, record.claim, instance, to)
+            return await self._without_state(episode, record.token)
+        try:
+            refused = await self.transfers.commit(
+                episode, record.token, record.claim, instance, to, size=size, reason=reason
+            )
+        except AffinityError as exc:  # unknown: Redis may have moved it; find out
+            log.warning("moving %s: the commit's answer was lost (%s)", episode, exc)
+            refused = await self._committed_after_all(episode, to)
+        if refused is not None:
+            await self._abort(episode, record.token, record.claim, instance, to)
+            await self._tell(to, episode, "drop")
+            if refused.reason in ("lease", "marked", "stale"):
+                return "kept"  # fenced, released or moved meanwhile: the owner's rules apply
+            return await self._without_state(episode, record.token)
+        self.table.moved(episode, record.token, (to.url, to.device, to.token))
+        self.metrics.move_bytes.observe(size)
+        task = asyncio.ensure_future(self._tell(to, episode, "confirm", to.claim))
+        self._telling.add(task)  # (a routed step confirms it too, should this not arrive)
+        task.add_done_callback(self._telling.discard)
+        return "moved"
+
+    async def _committed_after_all(self, episode: str, to: Placement) -> NotPlaced | None:
+        with contextlib.suppress(AffinityError):
+            info = await self.lease_claims.lookup(episode)
+            if info is not None and (info.device, info.token, info.claim) == (
+                to.device, to.token, to.claim,
+            ):  # fmt: skip
+                return None
+        return NotPlaced("unknown")
+
+    async def _send(self, to: Placement, body: bytes, episode: str) -> bool:
+        try:
+            async with asyncio.timeout(MOVE_S):
+                resp = await self.pool.post(to.url, body, MOVE_PATH)
+        except (TimeoutError, ForwardError) as exc:
+            log.warning("could not send %s's record to %s: %s", episode, to.node, exc)
+            return False
+        if resp.status != 204:
+            text = resp.body[:200].decode("utf-8", "replace")
+            log.warning("%s refused %s's record (%s): %s", to.node, episode, resp.status, text)
+            return False
+        return True
+
+    async def _abort(
+        self, episode: str, token: int, claim: str, instance: str, to: Placement
+    ) -> None:
+        with contextlib.suppress(AffinityError):
+            await self.transfers.abort(episode, token, claim, instance, to)
+
+    async def _tell(self, to: Placement, episode: str, op: str, claim: str = "") -> None:
+        body = wire.encode({"op": op, "episode_id": episode, "claim": claim or to.claim})
+        with contextlib.suppress(TimeoutError, ForwardError):
+            async with asyncio.timeout(MOVE_S):
+                await self.pool.post(to.url, body, MOVE_PATH)
+
+    async def _without_state(self, episode: str, token: int) -> Outcome:
+        """The fallback: hand ``episode`` over without its state (``state_reset``)."""
+        if self.table.release(episode, "handed", token) is None:
+            return "kept"
+        try:
+            await self.lease_claims.handoff(episode, token)
+        except AffinityError as exc:  # deregistration covers it
+            log.warning("could not hand %s over: %s", episode, exc)
+        return "reset"
+
+    async def undo_moved(self, episode: str, seq: int | None, origin: str | None) -> None:
+        """An undo for an episode whose record moved on: it follows the record, where it
+        leaves the episode in doubt (the record before the step did not move)."""
+        to = self.table.moved_to(episode)
+        if to is None:
+            return
+        url, device, token = to
+        body = Forward(episode, token, device, "hit", {}, MOVE_S, origin=origin or "", seq=seq,
+                       undo=True).encode()  # fmt: skip
+        with contextlib.suppress(TimeoutError, ForwardError):
+            async with asyncio.timeout(MOVE_S):
+                await self.pool.post(url, body)
+
+    # ---- the new owner ---------------------------------------------------------------
+
+    def receive(self, body: bytes, secret: str | None, local_devices: frozenset[str]) -> None:
+        """Install (or confirm, or drop) a record another node hands over. Raises
+        :class:`Refused` (403 bad secret, 400/422 a record that does not fit, 421 a device
+        not here) and ``Unavailable`` (this node's lease is not current)."""
+        if self.secret and not hmac.compare_digest((secret or "").encode(), self.secret.encode()):
+            raise Refused(403, "bad_secret", "missing or wrong cluster secret")
+        self.lease.require()
+        try:
+            doc = wire.decode(body)
+        except wire.WireError as exc:
+            raise Refused(400, "bad_forward", str(exc)) from None
+        op = doc.get("op", "install") if isinstance(doc, dict) else None
+        if op in ("confirm", "drop"):
+            episode, claim = str(doc.get("episode_id", "")), str(doc.get("claim", ""))
+            if op == "confirm":
+                self.table.confirm(episode, claim)
+            else:
+                record = self.table.get(episode)
+                if record is not None and record.claim == claim and not record.confirmed:
+                    self.table.release(episode, "end", record.token)
+            return
+        name = str(doc.get("model", "")).partition("@")[0] if isinstance(doc, dict) else ""
+        contract = self.contracts.get(name) or (
+            next(iter(self.contracts.values())) if not name else None
+        )
+        if contract is None:
+            raise Refused(421, "not_owner", f"node {self.node_id} does not serve model {name!r}")
+        try:
+            install = decode_install(body, contract, self.clock())
+        except TransferError as exc:
+            raise Refused(422, "bad_record", str(exc)) from None
+        if install.device not in local_devices:
+            raise Refused(421, "not_owner", f"device {install.device!r} is not on {self.node_id}")
+        self.table.install(install.episode, install.record)
+        log.debug("installed %s's record from %s", install.episode, install.origin_node)

@@ -1,0 +1,435 @@
+"""What both KServe front doors (HTTP and gRPC) share: the decoded request, Triton's
+sequence ids and parameters, its live-sequence rule, the step a request becomes, and what
+a node says of a model: metadata, configuration, statistics, its one version string.
+
+**Sequences.** ``sequence_id`` is the episode: a uint64, or a string (Triton's
+``sequence(string_id)``); ``0`` and ``""`` (or none) are no sequence: a stateless step.
+The episode id keeps the integer ``7`` and the string ``"7"`` apart: ``kserve:i:7`` and
+``kserve:s:7``. ``sequence_start`` starts the sequence over; ``sequence_end`` releases it
+after the step. A request without ``sequence_start`` for a sequence that is not live is
+refused as Triton refuses it, unless ``--kserve-claim-unknown``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from affinity import InvalidArgument, check_episode
+from node.devices import DeviceSpec
+from node.policy import PolicyContract, TensorSpec, inputs_from_arrays
+from node.protocols.kserve.tensors import NAMES, BadRequest, kind_of
+from node.rtc import Ask, control_rate
+from node.service import NodeService
+from node.stats import ModelStats, model_statistics
+from node.step import Array, Refused, Reply, Step
+
+__all__ = [
+    "ANY_VERSION",
+    "EXTENSIONS",
+    "PLATFORM",
+    "REQUEST_PARAMETERS",
+    "InferRequest",
+    "NotServed",
+    "check_custom",
+    "config_of",
+    "episode_of",
+    "find_model",
+    "metadata_of",
+    "model_config",
+    "model_metadata",
+    "not_live",
+    "requested_version",
+    "served_version",
+    "service_step",
+    "statistics_of",
+    "stats_for",
+    "timing_parameters",
+    "to_step",
+]
+
+ANY_VERSION = "1"
+"""Triton's default version: a request naming it (or none) takes the episode's own version,
+or the rollout's, unless the fleet registered a version ``"1"`` of the model. Replies,
+metadata, statistics and configuration say the registered version (``v2``, or the model
+file's hash), never this."""
+EXTENSIONS = (
+    "binary_tensor_data",
+    "sequence",
+    "sequence(string_id)",
+    "statistics",
+    "model_configuration",
+)
+PLATFORM = "onnxruntime_onnx"
+BACKEND = "onnxruntime"
+
+
+@dataclass(slots=True)
+class InferRequest:
+    """One decoded infer request, before the policy's input rule.
+
+    ``sequence`` is the client's ``sequence_id`` (None without a sequence) and ``episode``
+    its affinity episode id; ``arrays`` holds each input as declared (its datatype and
+    shape); ``outputs`` maps each requested output to whether it goes back binary (None:
+    every output, binary when ``binary_output``); ``timeout_s`` is the client's
+    ``timeout``, if any; ``execute_steps`` and ``ensemble`` are the client's action-chunk
+    overrides (their ranges are the dispatcher's ``mode_for``'s to check)."""
+
+    id: str | None
+    sequence: int | str | None
+    episode: str | None
+    start: bool
+    end: bool
+    arrays: dict[str, Array]
+    outputs: dict[str, bool] | None
+    binary_output: bool
+    timeout_s: float | None
+    execute_steps: int | None = None
+    ensemble: str | None = None
+    seq: int | None = None
+    executed: object = None  # real-time chunking (node/rtc.py), checked by rtc_for
+    inference_delay: object = None
+    control_hz: object = None
+    pending: object = None  # JSON text of the robot's unexecuted actions [k][D]
+    timing: bool = False  # the split of the step's time in the reply's parameters
+
+
+def pending_of(value: object) -> object:
+    """A ``pending`` parameter (a string: KServe parameters are scalars) as a list of
+    rows, or ``value`` itself for the check to refuse; None when absent."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        raise BadRequest("parameter pending must be a JSON list of action rows") from None
+
+
+def episode_of(sequence_id: object) -> str | None:
+    """The episode id of a ``sequence_id``: ``kserve:i:<n>`` for a uint64 ``n``,
+    ``kserve:s:<text>`` for a string, None for ``0``, ``""`` or no id (stateless). Raises
+    :class:`BadRequest` for anything else (a bool, a negative or fractional number, a
+    string over the episode id limit or with control characters)."""
+    if sequence_id is None or sequence_id == 0 or sequence_id == "":
+        if isinstance(sequence_id, bool | float):
+            raise BadRequest(f"sequence_id {sequence_id!r} must be an unsigned integer or a string")
+        return None
+    if type(sequence_id) is int:
+        if not 0 < sequence_id < 2**64:
+            raise BadRequest(f"sequence_id {sequence_id} is not a uint64")
+        return f"kserve:i:{sequence_id}"
+    if isinstance(sequence_id, str):
+        try:
+            return check_episode(f"kserve:s:{sequence_id}")
+        except InvalidArgument as exc:
+            raise BadRequest(f"sequence_id {sequence_id[:64]!r}: {exc.limit}") from None
+    raise BadRequest(
+        f"sequence_id must be an unsigned integer or a string, not {kind_of(sequence_id)}"
+    )
+
+
+REQUEST_PARAMETERS = frozenset(
+    {"sequence_id", "sequence_start", "sequence_end", "timeout", "priority",
+     "binary_data_output", "execute_steps", "ensemble", "executed", "inference_delay",
+     "control_hz", "pending", "timing"}
+)  # fmt: skip
+"""The request parameters the node reads (``priority`` only checked, as Triton does)."""
+
+
+def check_custom(params: dict[str, Any]) -> None:
+    """Refuse what Triton refuses among the parameters: a ``priority`` that is not a
+    uint64, and a custom parameter (any other) whose value is not a boolean, a number or a
+    string. Other custom parameters are accepted and unused, as a Triton backend that does
+    not read them leaves them."""
+    priority = params.get("priority")
+    if priority is not None and (type(priority) is not int or not 0 <= priority < 2**64):
+        raise BadRequest(f"priority {priority!r:.40} must be an unsigned integer")
+    for key, value in params.items():
+        if key not in REQUEST_PARAMETERS and (value is None or isinstance(value, list | dict)):
+            raise BadRequest(
+                f"parameter {key[:64]!r} must be a boolean, a number or a string, "
+                f"not {kind_of(value)}"
+            )
+
+
+def not_live(sequence: object, model_name: str) -> str:
+    """Triton's message for a step without START of a sequence that is not live."""
+    return (
+        f"inference request for sequence {sequence} to model '{model_name}' must specify the "
+        "START flag on the first request of the sequence (the sequence is not live: it never "
+        "started, it ended, or it was idle past the episode TTL)"
+    )
+
+
+def to_step(
+    contract: PolicyContract,
+    request: InferRequest,
+    deadline: float,
+    returned: Sequence[str] | None = None,
+    claim_unknown: bool = False,
+    rtc: Ask | None = None,
+) -> Step:
+    """The internal step of a decoded request: its inputs through the policy's rule
+    (``InvalidInput`` when they do not fit the model) and its requested outputs checked
+    against ``returned``, the outputs the step will have (:class:`BadRequest`); by default
+    every output the model returns (with action-chunk execution: the chunk output only).
+    A sequence step without ``sequence_start`` serves only a live sequence unless
+    ``claim_unknown`` (``--kserve-claim-unknown``)."""
+    if returned is None:
+        returned = [spec.name for spec in contract.returned_outputs]
+    if request.outputs is not None:
+        for name in request.outputs:
+            if name not in returned:
+                raise BadRequest(f"unknown output {name[:64]!r}; the model returns: "
+                                 f"{', '.join(returned)}")  # fmt: skip
+    specs = contract.observation_specs
+    if request.arrays.keys() != specs.keys():
+        _check_missing(contract, request.arrays)
+    return Step(
+        episode=request.episode,
+        inputs=inputs_from_arrays(contract, request.arrays),
+        deadline=deadline,
+        end=request.end,
+        restart=request.start,
+        execute_steps=request.execute_steps,
+        ensemble=request.ensemble,
+        seq=request.seq,
+        live_only=request.episode is not None and not request.start and not claim_unknown,
+        rtc=rtc,
+        control_hz=control_rate(request.control_hz),
+        timing=request.timing,
+    )
+
+
+def timing_parameters(reply: Reply) -> dict[str, float]:
+    """The split of a step's time as flat reply parameters (``timing_total_ms``, ...)."""
+    return {f"timing_{k}": v for k, v in reply.split().items()}
+
+
+def _check_missing(contract: PolicyContract, arrays: dict[str, Array]) -> None:
+    """Raise :class:`BadRequest` naming every input the model takes that ``arrays`` lacks,
+    as Triton names them (none missing: the input rule checks the rest)."""
+    specs = contract.observation_specs
+    missing = [name for name in specs if name not in arrays]
+    if missing:
+        listed = ", ".join(f"'{n}' ({contract.step_spec(specs[n]).describe()})" for n in missing)
+        given = ", ".join(f"'{n[:64]}'" for n in list(arrays)[:8])
+        raise BadRequest(
+            f"missing required input(s) {listed}: the model takes {len(specs)} inputs, the "
+            f"request gives {len(arrays)} [{given}]"
+        )
+
+
+class NotServed(LookupError):
+    """No live node serves the model (or version) a request names: 404, ``NOT_FOUND``."""
+
+
+def requested_version(service: NodeService, name: str, version: str | None) -> str | None:
+    """The version a request for model ``name`` names: None for none, ``""`` or
+    :data:`ANY_VERSION` (unless the fleet registered a version ``"1"`` of ``name``)."""
+    if version in (None, ""):
+        return None
+    if version == ANY_VERSION and ANY_VERSION not in service.catalog.versions(name):
+        return None
+    return version
+
+
+async def find_model(
+    service: NodeService, name: str, version: str | None
+) -> tuple[str, PolicyContract]:
+    """The model ``name`` (``version``: see :func:`requested_version`) served by a live node,
+    and its contract. Raises :class:`NotServed` with Triton's message."""
+    try:
+        return await service.model_for(name, requested_version(service, name, version))
+    except (Refused, InvalidArgument):
+        which = f"'{name[:128]}'" + (f" version {version[:32]}" if version else "")
+        fleet = ", ".join(f"'{n}'" for n in service.catalog.served())
+        raise NotServed(
+            f"Request for unknown model: {which} is not found (this fleet serves {fleet})"
+        ) from None
+
+
+def served_version(service: NodeService, name: str) -> str:
+    """The version of ``name`` served here, else the fleet's newest."""
+    local = service.models.get(name)
+    return local[0].version if local else service.catalog.newest(name)
+
+
+async def service_step(
+    service: NodeService,
+    request: InferRequest,
+    deadline: float,
+    name: str | None = None,
+    version: str | None = None,
+    found: tuple[str, PolicyContract] | None = None,
+) -> Step:
+    """:func:`to_step` for a request to ``service`` (both KServe front doors) for model
+    ``name`` (None: the fleet's only one) and ``version`` (see :func:`requested_version`):
+    outputs checked against what its chunk mode returns, ``--kserve-claim-unknown``
+    applied. ``found`` is what :func:`find_model` gave for them, if the caller asked.
+    Raises ``InvalidArgument`` for chunk parameters this model cannot take, ``Refused``
+    for a model no node serves (404)."""
+    version = requested_version(service, name or "", version)
+    chosen, contract = found or await service.model_for(name, version)
+    dispatcher = service.dispatchers.get(chosen)  # elsewhere: the owner checks
+    mode = dispatcher.mode_for(request.execute_steps, request.ensemble) if dispatcher else None
+    rtc = service.rtc_for(
+        chosen,
+        request.executed,
+        request.inference_delay,
+        request.control_hz,
+        pending_of(request.pending),
+    )
+    returned = [dispatcher.chunk.output] if dispatcher and mode and dispatcher.chunk else None
+    claim_unknown = service.config.kserve_claim_unknown
+    step = to_step(contract, request, deadline, returned, claim_unknown, rtc)
+    step.model, step.version = chosen, version
+    return step
+
+
+def _returned(contract: PolicyContract, chunk: str | None) -> list[TensorSpec]:
+    """The outputs a step returns: with chunk execution (``chunk`` names the chunk output)
+    that output alone, one action (its time axis dropped)."""
+    if chunk is None:
+        return list(contract.returned_outputs)
+    (spec,) = (s for s in contract.returned_outputs if s.name == chunk)
+    return [replace(spec, shape=spec.shape[:-2] + spec.shape[-1:])]
+
+
+def _dims(spec: TensorSpec) -> list[int]:
+    return [d if isinstance(d, int) else -1 for d in spec.shape]
+
+
+def model_metadata(
+    contract: PolicyContract,
+    name: str,
+    chunk: str | None = None,
+    versions: Sequence[str] = (),
+) -> dict[str, Any]:
+    """The model metadata of KServe v2: the inputs a client sends and the outputs it gets
+    (recurrent state hidden: the node feeds it back), ``-1`` for a variable dimension;
+    ``versions`` as registered. ``chunk`` names the action-chunk output when the node
+    executes chunks."""
+
+    def tensor(spec: TensorSpec) -> dict[str, Any]:
+        return {"name": spec.name, "datatype": NAMES[spec.dtype], "shape": _dims(spec)}
+
+    return {
+        "name": name,
+        "versions": list(versions),
+        "platform": PLATFORM,
+        "inputs": [tensor(spec) for spec in contract.observation_inputs],
+        "outputs": [tensor(spec) for spec in _returned(contract, chunk)],
+    }
+
+
+_CONTROLS = (
+    ("START", "CONTROL_SEQUENCE_START"),
+    ("END", "CONTROL_SEQUENCE_END"),
+    ("READY", "CONTROL_SEQUENCE_READY"),
+)
+
+
+def model_config(
+    contract: PolicyContract,
+    name: str,
+    devices: list[DeviceSpec],
+    *,
+    max_batch: int,
+    batch_delay_us: float,
+    idle_s: float,
+    capacity: int,
+    chunk: str | None = None,
+) -> dict[str, Any]:
+    """Triton's model configuration (its JSON form) of a model served on ``devices``, for
+    tools that read it before they infer (``perf_analyzer``, PyTriton's ``ModelClient``).
+
+    ``max_batch_size`` is 1 for a model with a batch axis (a client step is one row; the
+    node batches steps of different sequences itself, up to ``max_batch`` rows waiting at
+    most ``batch_delay_us``: the ``oldest`` strategy's preferred size and delay), else 0.
+    ``sequence_batching`` lists Triton's control inputs, which a client never sends (the
+    sequence travels in request parameters); ``max_candidate_sequences`` is the live
+    episodes the devices hold (``capacity`` each), ``max_sequence_idle_microseconds``
+    ``--episode-ttl``. ``instance_group`` has one instance per device."""
+    batched = contract.batch_axis
+
+    def tensor(spec: TensorSpec) -> dict[str, Any]:
+        dims = _dims(spec)[1:] if batched else _dims(spec)
+        return {"name": spec.name, "data_type": f"TYPE_{NAMES[spec.dtype]}", "dims": dims}
+
+    gpus = [d.ordinal for d in devices if d.kind == "cuda" and d.ordinal is not None]
+    cpus = sum(d.kind == "cpu" for d in devices)
+    groups: list[dict[str, Any]] = []
+    if gpus:
+        groups.append({"name": f"{name}_gpu", "kind": "KIND_GPU", "count": 1, "gpus": gpus})
+    if cpus:
+        groups.append({"name": f"{name}_cpu", "kind": "KIND_CPU", "count": cpus})
+    flags = [{"name": n, "control": [{"kind": k, "int32_false_true": [0, 1]}]}
+             for n, k in _CONTROLS]  # fmt: skip
+    corrid = {"kind": "CONTROL_SEQUENCE_CORRID", "data_type": "TYPE_UINT64"}
+    return {
+        "name": name,
+        "platform": PLATFORM,
+        "backend": BACKEND,
+        "version_policy": {"latest": {"num_versions": 1}},
+        "max_batch_size": 1 if batched else 0,
+        "input": [tensor(spec) for spec in contract.observation_inputs],
+        "output": [tensor(spec) for spec in _returned(contract, chunk)],
+        "sequence_batching": {
+            "max_sequence_idle_microseconds": round(idle_s * 1e6),
+            "control_input": [*flags, {"name": "CORRID", "control": [corrid]}],
+            "oldest": {
+                "max_candidate_sequences": capacity * len(devices),
+                "preferred_batch_size": [max_batch],
+                "max_queue_delay_microseconds": round(batch_delay_us),
+            },
+        },
+        "instance_group": groups,
+    }
+
+
+def _chunk_here(service: NodeService, name: str) -> str | None:
+    """The chunk output a step of ``name`` returns alone here (chunk execution), or None."""
+    local = service.dispatchers.get(name)
+    return local.chunk.output if local and local.chunk and local.chunk_mode else None
+
+
+def metadata_of(service: NodeService, name: str, contract: PolicyContract) -> dict[str, Any]:
+    """:func:`model_metadata` of model ``name`` as this node serves it, with the fleet's
+    versions of it."""
+    versions = service.catalog.versions(name) or [served_version(service, name)]
+    return model_metadata(contract, name, _chunk_here(service, name), versions)
+
+
+def config_of(service: NodeService, name: str, contract: PolicyContract) -> dict[str, Any]:
+    """:func:`model_config` of model ``name`` as this node serves it (another node's model:
+    as this node would serve it, with this node's devices and settings)."""
+    by_model = service.dispatchers
+    local = by_model.get(name) or next(iter(by_model.values()))
+    config = service.config
+    return model_config(
+        contract,
+        name,
+        service.specs,
+        max_batch=local.max_batch,
+        batch_delay_us=config.batch_delay_us,
+        idle_s=config.settings.episode_ttl_s,
+        capacity=config.capacity,
+        chunk=_chunk_here(service, name),
+    )
+
+
+def statistics_of(service: NodeService, name: str) -> dict[str, Any]:
+    """Triton's statistics of model ``name`` on this node (``node/stats.py``)."""
+    stats = service.metrics.model_stats.get(name)
+    return model_statistics(stats, name, served_version(service, name))
+
+
+def stats_for(service: NodeService, name: str) -> ModelStats:
+    """The statistics that count infer requests for model ``name`` on this node."""
+    stats = service.metrics.model_stats.get(name)
+    if stats is None:  # a model other nodes serve: requests forwarded from here
+        stats = service.metrics.model_stats[name] = ModelStats()
+    return stats

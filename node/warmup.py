@@ -1,0 +1,106 @@
+"""What a node feeds a model before any client does: the warm-up at start-up (one run per
+batch size, which also captures CUDA graphs) and the probe of a down device.
+
+A model must never be fed made-up values it may reject (Triton warms a model up only from
+the samples its configuration gives). So the feed of an observation input is, in order:
+
+1. the operator's sample: ``<stem>.warmup.npz`` beside the model file (the sidecar's
+   neighbour, ``np.savez``), one array per observation input named as the input, in the
+   shape of one client step (the batch axis as 1), checked at start-up by the rule every
+   front door applies to a client's arrays (strings as numpy ``str`` arrays: no pickles);
+2. else zeros, for a numeric input: every numeric dtype holds 0, and a new episode's state
+   starts from zeros too;
+3. else nothing: a string (BYTES) input has no value the contract guarantees valid (an
+   empty string fails a model that parses numbers from it), so the model is not warmed up
+   (one info line) and serves all the same; its first steps pay what the warm-up would have.
+
+State inputs get the initial state, control inputs zeros and real-time-chunking inputs a
+step without a prefix: what the node itself feeds a first step.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+import onnxruntime
+
+from node.policy import Array, InvalidInput, PolicyContract, inputs_from_arrays
+from node.rtc import rtc_of
+
+__all__ = ["feed", "made_up", "run", "samples_path", "unfed", "with_samples"]
+
+SUFFIX = ".warmup.npz"
+
+
+def samples_path(model_path: Path) -> Path:
+    """The samples file of ``model_path``: ``<stem>.warmup.npz`` in the same directory."""
+    return model_path.with_name(model_path.stem + SUFFIX)
+
+
+def with_samples(model_path: Path, contract: PolicyContract) -> PolicyContract:
+    """``contract`` with the samples of :func:`samples_path` as its ``warmup`` (unchanged
+    when there is no such file). Raises ``ValueError`` naming the file, and the input when
+    one is missing, unknown or not of the model's shape and dtype for one step."""
+    path = samples_path(model_path)
+    if not path.exists():
+        return contract
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in npz.files}
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"{path}: not a .npz file of numpy arrays (np.savez): {exc}") from None
+    try:
+        samples = inputs_from_arrays(contract, arrays)
+    except InvalidInput as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return replace(contract, warmup=MappingProxyType(samples))
+
+
+def unfed(contract: PolicyContract) -> list[str]:
+    """The observation inputs nothing may be fed to: strings without a sample. While there
+    is one, the model is neither warmed up nor probed with made-up values."""
+    return [
+        spec.name
+        for spec in contract.observation_inputs
+        if spec.dtype == "object" and spec.name not in contract.warmup
+    ]
+
+
+def made_up(contract: PolicyContract) -> list[str]:
+    """The observation inputs :func:`feed` gives zeros (no sample), for messages."""
+    return [spec.name for spec in contract.observation_inputs if spec.name not in contract.warmup]
+
+
+def feed(contract: PolicyContract, rows: int = 1) -> dict[str, Array] | None:
+    """The inputs of one warm-up or probe run of ``rows`` rows (the same row repeated along
+    the batch axis), or ``None`` when :func:`unfed` names an input. Fresh arrays."""
+    if unfed(contract):
+        return None
+    one: dict[str, Array] = {
+        spec.name: contract.warmup.get(spec.name, spec.zeros())
+        for spec in contract.observation_inputs
+    }
+    one.update(contract.initial_state())
+    one.update({spec.name: spec.zeros() for spec in contract.control_inputs})
+    rtc = rtc_of(contract)
+    if rtc is not None:
+        one.update(rtc.none())
+    return {name: np.concatenate([value] * rows) for name, value in one.items()}
+
+
+_QUIET = onnxruntime.RunOptions()
+_QUIET.log_severity_level = 4  # fatal only: a failed run is reported once, by the node
+
+
+def run(session: Any, outputs: Sequence[str] | None, inputs: Mapping[str, Array]) -> Any:
+    """One warm-up run of ``session``. ONNX Runtime's own log line about a run that fails
+    is left out (the exception carries the same text, and the node says it in one line)."""
+    if isinstance(session, onnxruntime.InferenceSession):
+        return session.run(outputs, inputs, _QUIET)
+    return session.run(outputs, inputs)
