@@ -22,6 +22,7 @@ them (``docs/metrics.md``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -55,19 +56,25 @@ class FleetSignals:
         self._kept_until = float("-inf")  # the last view is exported until then at most
         self._exported: set[str] = set()  # the model versions with fleet series now
         self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
 
     def start(self) -> None:
+        self._stopping = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="affinity-fleet-signals")
 
     async def stop(self) -> None:
+        """End the loop. The event ends it even when a cancellation landing in a Redis call
+        is swallowed (redis-py on Python 3.11, gh-86296: see ``affinity.scripts.bounded``)."""
         if self._task is not None:
+            self._stopping.set()
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             await self.refresh()
-            await asyncio.sleep(self.every_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.every_s)
 
     async def refresh(self) -> None:
         """Read the fleet's view (one node of the fleet reads the devices each period) and

@@ -396,3 +396,24 @@ def test_a_loop_histogram_exports_what_prometheus_clients_histogram_does() -> No
     assert pages[0] == pages[1]
     assert pages[0][("x_seconds_bucket", "0.0005")] == 2
     assert pages[0][("x_seconds_count", None)] == len(values)
+
+
+async def test_the_view_loop_stops_even_when_redis_swallows_its_cancellation() -> None:
+    """redis-py on Python 3.11 may swallow a cancellation that lands in a call (gh-86296):
+    the loop must end at stop() all the same (it once slept on, and a node's stop hung)."""
+    entered = asyncio.Event()
+
+    class Swallowing:
+        async def fleet_view(self, node: str, every_ms: int) -> FleetView | None:
+            entered.set()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]
+            return None
+
+    signals = FleetSignals("a", Swallowing(), Metrics(["a/0"], 4), 3600.0)  # type: ignore[arg-type]
+    signals.start()
+    await entered.wait()
+    await asyncio.wait_for(signals.stop(), 60)  # (a guard: it returns at once)
+    assert signals._task is not None and signals._task.done()
