@@ -315,6 +315,7 @@ class Router:
             return await self.owner.serve(a, step, arrival)
         except ClaimEnded:
             pass
+        await self.owner.ended(a.episode)  # an end's release in flight: Redis answers after it
         again = await self._resolve_for(step)
         if again.node != self.node_id:
             return await self._forward(again, step, arrival, retry=False)
