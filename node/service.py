@@ -144,7 +144,7 @@ class NodeService:
         )
         self._maintenance: asyncio.Task[None] | None = None
         every = config.fleet_view_every_s
-        self.signals = FleetSignals(self.node_id, self.registry, self.metrics, every, clock)
+        self.signals = FleetSignals(self.node_id, lease_registry, self.metrics, every, clock)
 
     def _known_lease_ms(self) -> int:
         lease: Lease | None = getattr(self, "lease", None)
