@@ -1,7 +1,8 @@
-"""Read-only views of the fleet for operators and the fleet page: nodes, devices, models,
-live episodes.
+"""Read-only views of the fleet for operators, the fleet page and the autoscaler: nodes,
+devices, models, live episodes, and the fleet's load per model version.
 
-Nothing here writes, and nothing here decides: the claim script and the owners do. Each
+Nothing here decides: the claim script and the owners do. Nothing here writes but the
+fleet view (:meth:`Inventory.fleet_view`), which one node a period caches for the others. Each
 view is a few pipelined reads (no Lua, no MULTI), so it may mix instants a few ms apart; a
 row may describe an episode that expired a moment later. Liveness is judged by the Redis
 server's clock (``TIME``), not the caller's. ``episodes`` reads the devices' load sets, so
@@ -10,16 +11,25 @@ its cost grows with the number of devices asked about.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from affinity.config import Settings
 from affinity.errors import UnknownDevice, UnknownNode
 from affinity.models import ModelId
 from affinity.scripts import bounded
 
-__all__ = ["DeviceStatus", "EpisodeRow", "Inventory", "ModelStatus", "NodeStatus"]
+__all__ = [
+    "DeviceStatus",
+    "EpisodeRow",
+    "FleetView",
+    "Inventory",
+    "ModelLoad",
+    "ModelStatus",
+    "NodeStatus",
+]
 
 
 @dataclass(frozen=True)
@@ -105,6 +115,31 @@ def _node_state(recorded: str, leased: bool) -> str:
     if recorded == "left":
         return "left"
     return recorded if leased else "down"
+
+
+class ModelLoad(NamedTuple):
+    """One model version's share of the fleet, on the devices that may take a new episode
+    of it: listed by a live node that serves it and is up (not leaving), and active. A
+    device's capacity and live episodes count for every model its node serves (capacity is
+    the device's, whatever the model)."""
+
+    model: str  # "name@version"
+    live: int
+    capacity: int
+
+    @property
+    def saturation(self) -> float:
+        """Live episodes over capacity; 1.0 when no device may take a new episode of it."""
+        return min(1.0, self.live / self.capacity) if self.capacity else 1.0
+
+
+class FleetView(NamedTuple):
+    """The fleet's load per model version as one node read it at ``at_ms`` (server time),
+    and the server time when it was fetched (``now_ms``)."""
+
+    at_ms: int
+    now_ms: int
+    models: tuple[ModelLoad, ...]
 
 
 def _now_ms(reply: Sequence[int]) -> int:
@@ -316,3 +351,79 @@ class Inventory:
                 model = next((r for r in rest if "@" in r), "")
                 rows.append(EpisodeRow(ep, d, int(token), int(ttl), was_moved, model))
         return rows
+
+    async def fleet_view(self, node: str, every_ms: int) -> FleetView | None:
+        """The fleet's live episodes and capacity per model version (:class:`ModelLoad`),
+        read at most ``every_ms`` ago by some node of the fleet. One call a period from
+        each node costs three commands (``SET NX PX``, ``GET``, ``TIME``); the first caller
+        of a period (``node``, the reader) also reads the fleet (:meth:`fleet_load`: one
+        command per listed device and live node, plus two) and writes the result for the
+        others, so the cost grows with nodes + devices, not nodes x devices. None: no read
+        yet (the reader of this period has not written it), or the last one is older than
+        three periods."""
+        return await bounded(self.settings, self._fleet_view(node, every_ms))
+
+    async def _fleet_view(self, node: str, every_ms: int) -> FleetView | None:
+        k = self.keys
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(k.view_reader, node, nx=True, px=every_ms)
+        pipe.get(k.view)
+        pipe.time()
+        reader, stored, now = await pipe.execute()
+        now_ms = _now_ms(now)
+        if reader:
+            models = await self._fleet_load(now_ms)
+            doc = {"at": now_ms, "models": {m.model: [m.live, m.capacity] for m in models}}
+            await self.redis.set(k.view, json.dumps(doc, separators=(",", ":")), px=3 * every_ms)
+            return FleetView(now_ms, now_ms, tuple(models))
+        if stored is None:
+            return None
+        doc = json.loads(stored)
+        at = int(doc["at"])
+        if now_ms - at > 3 * every_ms:
+            return None
+        loads = (ModelLoad(m, int(v[0]), int(v[1])) for m, v in doc["models"].items())
+        return FleetView(at, now_ms, tuple(loads))
+
+    async def fleet_load(self) -> list[ModelLoad]:
+        """:class:`ModelLoad` of every model version a live, up node serves, sorted (read
+        now: the route, the live nodes, each of their records and each listed device's live
+        load)."""
+
+        async def read() -> list[ModelLoad]:
+            return await self._fleet_load(_now_ms(await self.redis.time()))
+
+        return await bounded(self.settings, read())
+
+    async def _fleet_load(self, now_ms: int) -> list[ModelLoad]:
+        k = self.keys
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(k.route)
+        pipe.zrangebyscore(k.nodes, f"({now_ms}", "+inf")
+        route, alive = await pipe.execute()
+        nodes = sorted(alive)
+        listed = sorted(
+            (device, fields[0], int(fields[2]))
+            for device, value in route.items()
+            if (fields := value.split(" ", 4))[0] in alive and fields[1] == "active"
+        )
+        pipe = self.redis.pipeline(transaction=False)
+        for n in nodes:
+            pipe.hmget(k.node(n), "state", "models")
+        for device, _, _ in listed:
+            pipe.zcount(k.load(device), now_ms, "+inf")
+        replies = await pipe.execute()
+        served: dict[str, tuple[str, ...]] = {}
+        live: dict[str, int] = {}
+        capacity: dict[str, int] = {}
+        for n, (state, models) in zip(nodes, replies[: len(nodes)], strict=True):
+            if state == "up":
+                served[n] = tuple(filter(None, (models or "").split(",")))
+                for m in served[n]:
+                    live.setdefault(m, 0)
+                    capacity.setdefault(m, 0)
+        for (_, n, cap), load in zip(listed, replies[len(nodes) :], strict=True):
+            for m in served.get(n, ()):
+                live[m] += int(load)
+                capacity[m] += cap
+        return [ModelLoad(m, live[m], capacity[m]) for m in sorted(live)]

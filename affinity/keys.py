@@ -133,6 +133,20 @@ class Keys:
         is granted a lease longer than the shortest of these (``affinity/lua/fleet.lua``)."""
         return self.prefix + "leases:known"
 
+    @property
+    def view(self) -> str:
+        """String, JSON: the fleet's live episodes and capacity per model version, as one
+        node read them (``Inventory.fleet_view``): ``{"at": ms, "models": {"name@version":
+        [live, capacity]}}``; expires after three of its periods without a new read."""
+        return self.prefix + "view"
+
+    @property
+    def view_reader(self) -> str:
+        """String, expires after one period: the node that reads the fleet's load for
+        :attr:`view` in this period (``SET NX PX``: one node a period, whichever asks
+        first)."""
+        return self.prefix + "view:reader"
+
     def episode(self, episode: str) -> str:
         """String ``"<device> <token> <claim id> <model>"`` with the episode's backstop expiry
         (the owner's idle timeout + two lease TTLs + 3 s, slid by the owner in batches),

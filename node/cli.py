@@ -173,6 +173,11 @@ _FLAGS = (
           "the robots' control rate, for real-time chunking's estimates of executed and "
           "inference_delay when a step does not send them (none: steps send them or "
           "control_hz)", float, low=0.001, high=10_000),
+    _Flag("--fleet-view-every", "AFFINITY_FLEET_VIEW_EVERY", 10.0,
+          "seconds between reads of the fleet's load per model version for the "
+          "affinity_fleet_* gauges (one node of the fleet reads the devices each period, "
+          "the others its result; 0: off)", float, low=0, high=3600,
+          into="fleet_view_every_s"),
     _Flag("--failure-threshold", "AFFINITY_FAILURE_THRESHOLD", 3,
           "consecutive model failures before a device goes down", int, low=1, high=1_000_000),
     _Flag("--cooldown", "AFFINITY_COOLDOWN", 30.0,

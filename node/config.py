@@ -31,7 +31,10 @@ class NodeConfig:
     v2 over gRPC on ``host`` (None: off). ``admission_wait_s`` > 0 holds a new episode that
     finds every device full in a backlog that long at most (``node/admission.py``; 0: 503 at
     once). ``control_hz`` is the robots' control rate for real-time chunking's estimates
-    (``node/rtc.py``; None: steps must send what the estimates would give).
+    (``node/rtc.py``; None: steps must send what the estimates would give), and the period
+    of a step that names none (``node/timing.py``). ``fleet_view_every_s`` is how often the
+    node reads the fleet's view for its ``affinity_fleet_*`` gauges (``node/signals.py``;
+    0: never).
     """
 
     node_id: str
@@ -70,6 +73,7 @@ class NodeConfig:
     grpc_port: int | None = None
     admission_wait_s: float = 0.0
     models: tuple[ModelSpec, ...] = ()
+    fleet_view_every_s: float = 10.0
 
     @property
     def served(self) -> tuple[ModelSpec, ...]:

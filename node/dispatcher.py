@@ -43,7 +43,7 @@ from node.episodes import (
     advance,
 )
 from node.health import CrashTracker, DeviceDown, ModelFailure, Transition
-from node.rtc import Ask, RtcSpec, Used, rtc_of
+from node.rtc import Ask, RtcSpec, Used, control_rate, rtc_of
 from node.worker import (
     DEFAULT_BATCH_DELAY_US,
     MAX_DEFAULT_BATCH,
@@ -252,15 +252,17 @@ class MultiGpuDispatcher:
         pending: object = None,
     ) -> Ask | None:
         """A step's real-time-chunking values, checked (None for a model without ``rtc.*``
-        inputs). Raises :class:`affinity.InvalidArgument` naming the bad one, or any one
-        given to a model without them (see :meth:`node.rtc.RtcSpec.ask`)."""
+        inputs). Raises :class:`affinity.InvalidArgument` naming the bad one, or
+        ``executed``, ``inference_delay`` or ``pending`` given to a model without them (see
+        :meth:`node.rtc.RtcSpec.ask`; any model's step may name its ``control_hz``)."""
         if self.rtc is None:
             given = {"executed": executed, "inference_delay": inference_delay,
-                     "control_hz": control_hz, "pending": pending}  # fmt: skip
+                     "pending": pending}  # fmt: skip
             for name, value in given.items():
                 if value is not None:
                     shown = "(array)" if name == "pending" else value
                     raise InvalidArgument(name, shown, "this model takes no rtc.* inputs")
+            control_rate(control_hz)
             return None
         return self.rtc.ask(executed, inference_delay, control_hz, self.control_hz, pending)
 
@@ -565,7 +567,8 @@ class _Records:
             buffer, action = (old or ActionBuffer()).after_run(chunk, job.mode)
             visible = {self.chunk.output: self.chunk.action(action)}
         seq = 1 if m.base is None else m.base.seq + 1
-        result = StepResult(visible, m.reset, seq, "model", rtc=m.rtc)
+        result = StepResult(visible, m.reset, seq, "model", rtc=m.rtc, queue_s=job.queue_s,
+                            run_s=job.run_s)  # fmt: skip
         episode = job.key
         if episode is not None:
             new_state = {name: outputs[out] for name, out in self.contract.state.items()}

@@ -69,6 +69,8 @@ class StepResult:
     source: Literal["model", "buffer"] = "model"  # "buffer": answered without a model run
     replayed: bool = False  # the stored reply of a step already applied (no model run)
     rtc: Used | None = None  # real-time chunking: what the step ran with (node/rtc.py)
+    queue_s: float = 0.0  # its wait for its device before the model run (seconds)
+    run_s: float = 0.0  # the model run it was part of (seconds; 0: no run)
 
 
 @dataclass(slots=True)

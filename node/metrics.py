@@ -4,7 +4,8 @@
 this node's device ids (bounded by its GPUs); ``build`` values are this process's own
 (:data:`BUILD`: one value each); ``model`` values are the names and versions the fleet's
 nodes registered (set by operators, never by a client: a step's model is checked against
-the registry before anything is counted). No episode id is ever a label. The registry also carries
+the registry before anything is counted), and ``served`` values the ``"name@version"``
+the fleet's nodes registered. No episode id is ever a label. The registry also carries
 prometheus-client's ``process_*`` series (CPU seconds, resident memory, open file
 descriptors, start time; on Linux).
 docs/metrics.md lists the same names and values; a test checks both ways.
@@ -12,13 +13,18 @@ docs/metrics.md lists the same names and values; a test checks both ways.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+from collections.abc import Iterator, Sequence
+
 import onnxruntime
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from affinity import __version__
 from node.stats import ModelStats
 
-__all__ = ["BUILD", "LABELS", "Metrics"]
+__all__ = ["BUILD", "DOORS", "LABELS", "PARTS", "LoopHistogram", "Metrics"]
 
 BUILD = {"version": __version__, "onnxruntime": onnxruntime.__version__}
 """The ``affinity_build_info`` labels: this package's version and ONNX Runtime's."""
@@ -38,6 +44,13 @@ STATES = ("active", "draining", "down")
 TRANSITIONS = ("down", "up")
 FORWARD = ("ok", "refused", "unreachable")
 REJECTED = ("bad_input", "too_large", "malformed", "unauthorized", "forbidden")
+DOORS = ("act", "kserve_http", "kserve_grpc", "openpi")
+"""The front doors a step may come in by (``Step.door``)."""
+PARTS = ("queue", "run", "forward")
+"""The parts of a step's time ``affinity_step_part_seconds`` splits out."""
+STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.0125, 0.02, 0.025, 0.0333, 0.05, 0.1,
+                0.2, 0.5, 1, 2.5)  # fmt: skip
+"""Step times (seconds), with a bound at the usual control periods (100 Hz to 10 Hz)."""
 
 # metric name -> {label: allowed values}; "device" means this node's device ids.
 LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
@@ -70,7 +83,72 @@ LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
         "version": "model",
         "result": ("claimed", "reassigned"),
     },
+    "affinity_step_seconds": {"model": "served", "door": DOORS},
+    "affinity_step_part_seconds": {"model": "served", "part": PARTS},
+    "affinity_deadline_miss_total": {"model": "served", "door": DOORS},
+    "affinity_control_period_seconds": {"model": "served"},
+    "affinity_fleet_saturation": {"model": "served"},
+    "affinity_fleet_live_episodes": {"model": "served"},
+    "affinity_fleet_capacity": {"model": "served"},
 }
+
+
+class LoopBuckets:
+    """One labelled child of a :class:`LoopHistogram`: plain counts, no lock."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1  # the first bound >= value
+        self.sum += value
+
+
+class LoopHistogram:
+    """A histogram observed from one thread only, the event loop's (each step, at the node
+    it came in by): a child's buckets are plain integers, so an observation costs a
+    bisection and two additions (prometheus-client's ``Histogram`` takes two locks, ~1 µs).
+    A scrape from another thread may read a child between its count and its sum: never a
+    lost count. Exported like any histogram, its family declared before any child exists."""
+
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        labelnames: Sequence[str],
+        buckets: Sequence[float],
+        registry: CollectorRegistry,
+    ) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self.bounds = tuple(float(b) for b in buckets)
+        self._children: dict[tuple[str, ...], LoopBuckets] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> LoopBuckets:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children.setdefault(values, LoopBuckets(self.bounds))
+        return child
+
+    def describe(self) -> Iterator[HistogramMetricFamily]:
+        yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
+        for values, child in list(self._children.items()):
+            total, buckets = 0, []
+            for le, count in zip(les, list(child.counts), strict=True):
+                total += count
+                buckets.append((le, float(total)))
+            family.add_metric(list(values), buckets, child.sum)
+        yield family
 
 
 class Metrics:
@@ -224,6 +302,58 @@ class Metrics:
             "New assignments this node obtained (claimed, reassigned), by the model name and "
             "version they took (the rollout's choice).",
             ["model", "version", "result"],
+            registry=r,
+        )
+        # observed on the event loop at every step: the lock-free kind
+        self.step_seconds = LoopHistogram(
+            "affinity_step_seconds",
+            "Time of a served step at the node it came in by, from its request to its reply "
+            "(seconds), by the model version that served it and the front door.",
+            ["model", "door"],
+            STEP_BUCKETS,
+            r,
+        )
+        self.step_parts = LoopHistogram(
+            "affinity_step_part_seconds",
+            "The parts of a served step's time (seconds), counted where it came in: its wait "
+            "on its device (queue), its model run (run), what forwarding it to its owner "
+            "added (forward).",
+            ["model", "part"],
+            STEP_BUCKETS,
+            r,
+        )
+        self.deadline_misses = Counter(
+            "affinity_deadline_miss_total",
+            "Served steps whose time at the node they came in by exceeded their control "
+            "period (the step's control_hz, else --control-hz).",
+            ["model", "door"],
+            registry=r,
+        )
+        self.control_period = Gauge(
+            "affinity_control_period_seconds",
+            "The control period of the latest step of the model that had one (seconds).",
+            ["model"],
+            registry=r,
+        )
+        self.fleet_saturation = Gauge(
+            "affinity_fleet_saturation",
+            "The fleet's live episodes over its capacity on the devices that may take a new "
+            "episode of the model version (1: none may); the same value on every node.",
+            ["model"],
+            registry=r,
+        )
+        self.fleet_live = Gauge(
+            "affinity_fleet_live_episodes",
+            "The fleet's live episodes on the devices that may take a new episode of the "
+            "model version; the same value on every node.",
+            ["model"],
+            registry=r,
+        )
+        self.fleet_capacity = Gauge(
+            "affinity_fleet_capacity",
+            "The fleet's capacity (episodes) on the devices that may take a new episode of "
+            "the model version; the same value on every node.",
+            ["model"],
             registry=r,
         )
         for device in devices:

@@ -116,6 +116,7 @@ class Owner:
         self._idle: list[tuple[str, int]] = []  # dropped here for idleness: to release
         self._releasing: set[str] = set()  # in the flush in flight: never from memory
         self._handing: dict[str, asyncio.Task[Outcome]] = {}
+        self._ending: dict[str, asyncio.Event] = {}  # ends whose release in Redis is in flight
         self._moving: set[asyncio.Task[Outcome]] = set()  # operators' moves under way
         self._gate = asyncio.Semaphore(MOVES_AT_ONCE)  # hand-overs under way, at most
         self.mover = Mover(
@@ -239,6 +240,9 @@ class Owner:
             if step.client_claim is not None and a.claim
             else step.client_token not in (None, a.token)
         )
+        timing = {"device_ms": (time.perf_counter() - started) * 1000}
+        if result.run_s and not result.replayed:  # the model ran for this step
+            timing["queue_ms"], timing["run_ms"] = result.queue_s * 1000, result.run_s * 1000
         return Reply(
             result.outputs,
             a.episode,
@@ -250,7 +254,7 @@ class Owner:
             step.degraded,
             url=self.url,
             source=result.source,
-            timing={"device_ms": (time.perf_counter() - started) * 1000},
+            timing=timing,
             seq=result.seq,
             replayed=result.replayed,
             rtc=None if result.rtc is None else result.rtc.to_json(),
@@ -373,15 +377,29 @@ class Owner:
         Redis, token-checked. ``strict``: raise what the release raises; else a release
         Redis cannot take now is left to the episode's backstop."""
         self.table.release(episode, "end", token)
-        if strict:
-            await self.claims.release(episode, token, reason="end", owner=True)
-            return
+        ending = self._ending[episode] = asyncio.Event()
         try:
-            await self.claims.release(episode, token, owner=True)
-        except (StaleToken, UnknownEpisode):
-            pass
-        except BackendUnavailable as exc:  # its backstop ends it instead
-            log.warning("could not release %s: %s", episode, exc)
+            if strict:
+                await self.claims.release(episode, token, reason="end", owner=True)
+                return
+            try:
+                await self.claims.release(episode, token, owner=True)
+            except (StaleToken, UnknownEpisode):
+                pass
+            except BackendUnavailable as exc:  # its backstop ends it instead
+                log.warning("could not release %s: %s", episode, exc)
+        finally:
+            ending.set()
+            if self._ending.get(episode) is ending:
+                del self._ending[episode]
+
+    async def ended(self, episode: str) -> None:
+        """Wait for the release of an end of ``episode`` in flight here, if any (bounded by
+        the Redis deadline): until then Redis still holds the claim the end dropped, and a
+        step that asks it would be sent back here to a claim that no longer exists."""
+        ending = self._ending.get(episode)
+        if ending is not None:
+            await ending.wait()
 
     async def hand_over(self, episode: str, reason: Reason = "stop", target: str = "") -> Outcome:
         """Hand ``episode`` over once its in-flight step (if any) finished: with its state

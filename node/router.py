@@ -50,6 +50,7 @@ from node.metrics import ROUTING, Metrics
 from node.owner import Owner
 from node.peers import PeerHealth
 from node.step import Refused, Reply, Step, TimeLimit, Unavailable
+from node.timing import StepTimes
 
 __all__ = ["FORWARD_MARGIN_S", "MAX_HINTS", "TRANSIENT", "UNDO_S", "Locator", "Router"]
 
@@ -159,6 +160,7 @@ class Router:
         self.peers = PeerHealth()
         self._restarting: dict[str, int] = {}  # episodes whose restart claim is in flight
         self.locator = Locator()
+        self.times = StepTimes(metrics, config.control_hz)
         owner.router = self
 
     # ---- the layers --------------------------------------------------------------------
@@ -171,6 +173,8 @@ class Router:
         Raises :class:`Unavailable` (503), :class:`Refused` (its status), and
         ``InvalidArgument`` for a bad id."""
         started = time.perf_counter()
+        if step.received is None:
+            step.received = time.monotonic()
         if step.arrived is None:
             step.arrived = self.clock()
         arrival = self.arrivals.arrival()  # lets a device with a waiting step wait for it
@@ -190,6 +194,7 @@ class Router:
         (counted or self.metrics.routing.labels(reply.routing)).inc()
         path = "local" if reply.node == self.node_id else "forwarded"
         self._act_seconds[path].observe(time.perf_counter() - started)
+        self.times.served(step, reply, time.monotonic() - step.received)
         return reply
 
     async def _act_within_deadline(self, step: Step, patient: bool, arrival: Arrival) -> Reply:
@@ -310,6 +315,7 @@ class Router:
             return await self.owner.serve(a, step, arrival)
         except ClaimEnded:
             pass
+        await self.owner.ended(a.episode)  # an end's release in flight: Redis answers after it
         again = await self._resolve_for(step)
         if again.node != self.node_id:
             return await self._forward(again, step, arrival, retry=False)
@@ -484,6 +490,7 @@ class Router:
     # ---- forwarding --------------------------------------------------------------------
 
     async def _forward(self, a: Assignment, step: Step, arrival: Arrival, *, retry: bool) -> Reply:
+        sent = time.monotonic()
         budget = step.deadline - self.clock() - FORWARD_MARGIN_S
         if budget <= 0:
             raise Unavailable("deadline", f"no time left to forward to {a.node}", 1.0)
@@ -540,6 +547,8 @@ class Router:
                 self.metrics.forwarded.labels("unreachable").inc()
                 raise Unavailable("owner_unreachable", f"owner {a.node}: {exc}", 1.0) from exc
             self.metrics.forwarded.labels("ok").inc()
+            hop = (time.monotonic() - sent) * 1000 - reply.timing.get("device_ms", 0.0)
+            reply.timing["forward_ms"] = max(0.0, hop)  # encoding, the network, decoding
             reply.origin = origin
             reply.held = held
             if not (step.end or step.restart):

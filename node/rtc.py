@@ -59,6 +59,7 @@ __all__ = [
     "Ask",
     "RtcSpec",
     "Used",
+    "control_rate",
     "delay_estimate",
     "executed_estimate",
     "rtc_of",
@@ -94,6 +95,22 @@ class Used:
 
     def to_json(self) -> dict[str, int]:
         return {"executed": self.executed, "delay": self.delay, "prefix_len": self.prefix_len}
+
+
+def control_rate(control_hz: object) -> float | None:
+    """A step's ``control_hz`` checked (``InvalidArgument``: not a number from more than
+    0 to :data:`MAX_CONTROL_HZ`), as a float; None when not given. Any model's step may
+    name its rate: its period is the step's deadline (``node/timing.py``)."""
+    if control_hz is None:
+        return None
+    if isinstance(control_hz, bool) or not isinstance(control_hz, int | float):
+        raise InvalidArgument("control_hz", control_hz, "must be a number")
+    hz = float(control_hz)
+    if not (math.isfinite(hz) and 0 < hz <= MAX_CONTROL_HZ):
+        raise InvalidArgument(
+            "control_hz", control_hz, f"must be more than 0 and at most {MAX_CONTROL_HZ:g}"
+        )
+    return hz
 
 
 def delay_estimate(latencies: Sequence[float], hz: float) -> int:
@@ -144,15 +161,7 @@ class RtcSpec:
                 raise InvalidArgument(
                     name, value, f"must be an integer from 0 to the chunk's horizon {self.horizon}"
                 )
-        hz: float | None = None
-        if control_hz is not None:
-            if isinstance(control_hz, bool) or not isinstance(control_hz, int | float):
-                raise InvalidArgument("control_hz", control_hz, "must be a number")
-            hz = float(control_hz)
-            if not (math.isfinite(hz) and 0 < hz <= MAX_CONTROL_HZ):
-                raise InvalidArgument(
-                    "control_hz", control_hz, f"must be more than 0 and at most {MAX_CONTROL_HZ:g}"
-                )
+        hz = control_rate(control_hz)
         if (executed is None or inference_delay is None) and hz is None and node_hz is None:
             missing = "executed" if executed is None else "inference_delay"
             raise InvalidArgument(

@@ -23,6 +23,7 @@ from affinity import (
     AffinityError,
     Claims,
     DeviceRegistration,
+    Inventory,
     ModelId,
     Registry,
     UnknownModel,
@@ -43,6 +44,7 @@ from node.metrics import Metrics
 from node.owner import MOVES_AT_ONCE, Owner
 from node.router import Router
 from node.rtc import Ask
+from node.signals import FleetSignals
 from node.step import Refused
 
 __all__ = ["NodeService"]
@@ -143,6 +145,9 @@ class NodeService:
             catalog=self.catalog,
         )
         self._maintenance: asyncio.Task[None] | None = None
+        every = config.fleet_view_every_s
+        fleet = Inventory(lease_registry.redis, config.settings)  # the lease's own pool
+        self.signals = FleetSignals(self.node_id, fleet, self.metrics, every, clock)
 
     def _known_lease_ms(self) -> int:
         lease: Lease | None = getattr(self, "lease", None)
@@ -203,6 +208,8 @@ class NodeService:
         self.health.start()
         await self.lease.start()
         self._maintenance = asyncio.create_task(self._maintain(), name="affinity-maintenance")
+        if self.config.fleet_view_every_s:
+            self.signals.start()
 
     async def _maintain(self) -> None:
         """Once a second: fence a lapsed lease, flush the owner's batch, probe down
@@ -227,6 +234,7 @@ class NodeService:
         """Leave the fleet (hand episodes over, deregister) if not done yet, then release
         the devices and connections."""
         await self.owner.leave()
+        await self.signals.stop()
         if self._maintenance is not None:
             self._maintenance.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -43,7 +43,11 @@ class Step:
     step says for real-time chunking (``node/rtc.py``; validated by the adapter with
     ``dispatcher.rtc_for``; None for a model without ``rtc.*`` inputs); ``arrived`` is
     when it reached the node the client sent it to, on this node's ``time.monotonic()``
-    (set by routing).
+    (set by routing). ``door`` is the front door it came in by (``node.metrics.DOORS``),
+    ``received`` when that door began to read it (``time.monotonic()``; None: when routing
+    began), ``control_hz`` the control rate it named (None: the node's ``--control-hz``,
+    if any: a step's time over the period counts as a deadline miss) and ``timing``
+    whether the client asked for the split of its time in the reply.
     """
 
     episode: str | None
@@ -63,6 +67,10 @@ class Step:
     rtc: Ask | None = None
     arrived: float | None = None
     client_claim: str | None = None
+    door: str = "act"
+    received: float | None = None
+    control_hz: float | None = None
+    timing: bool = False
 
 
 @dataclass(slots=True)
@@ -72,7 +80,11 @@ class Reply:
     ``url`` is the owner's advertise URL: a client may send the episode's next steps there
     directly. ``source`` is ``model`` when the policy ran, ``buffer`` when the action came
     from the episode's action-chunk buffer. ``timing`` holds ``device_ms``, the time the
-    step spent on its device (queue and run), measured by the owner. ``seq`` is the step's
+    step spent on its device (queue and run), ``queue_ms`` and ``run_ms`` (its wait for the
+    device and its model run; none for a step the model did not run), measured by the
+    owner; ``forward_ms`` (what the forward to the owner added: the round trip less
+    ``device_ms``) and ``total_ms`` (request to reply at the node the step came in by),
+    measured by that node (:meth:`split`). ``seq`` is the step's
     number under its claim, ``replayed`` says it is the stored reply of a step already
     applied. ``origin`` is the id of the forward that carried it (router side; empty for a
     step served here): the router names it when it tells the owner to undo the step.
@@ -100,6 +112,14 @@ class Reply:
     model: str = ""
     claim: str = ""
     held: bool = False  # the step named its seq: never undone, held for the client's retry
+
+    def split(self) -> dict[str, float]:
+        """The split of the step's time a client may ask for (milliseconds, 0 for a part
+        it did not have): ``total_ms``, ``queue_ms``, ``run_ms``, ``forward_ms``."""
+        t = self.timing
+        return {
+            k: round(t.get(k, 0.0), 3) for k in ("total_ms", "queue_ms", "run_ms", "forward_ms")
+        }
 
     def facts(self, *, flat: bool = False) -> dict[str, Any]:
         """Everything but the outputs, with the wire names every protocol uses; ``rtc``

@@ -147,6 +147,8 @@ class Job:
     lock: threading.Lock = field(default_factory=threading.Lock)
     abandoned: bool = False
     run: Run | None = None  # the model run it is part of, while that runs
+    queue_s: float = 0.0  # from being queued to its run (worker thread)
+    run_s: float = 0.0  # its model run (worker thread)
 
     def gave_up(self) -> bool:
         # Task.cancel() cancels the awaited future at once but runs the caller's handler
@@ -407,8 +409,9 @@ class DeviceWorker:
             member = self.prepare(self, job)
             if member is None:
                 continue
+            job.queue_s = now - job.enqueued
             if self.on_queue_wait is not None:
-                _observe(self.on_queue_wait, self.id, now - job.enqueued)
+                _observe(self.on_queue_wait, self.id, job.queue_s)
             members.append(member)
         self.flush()  # steps answered from a buffer do not wait for the model run
         if len(members) == 1:  # a step alone (one client, or one inline): nothing to group
@@ -501,6 +504,7 @@ class DeviceWorker:
             for m in members:
                 with m.job.lock:
                     m.job.run = None
+                    m.job.run_s = took
             if self.on_batch is not None:
                 _observe(self.on_batch, self.id, len(members))
         return dict(zip(self.outputs, values, strict=True))

@@ -323,6 +323,8 @@ def test_prometheus_evaluates_every_dashboard_query(
             "Forward results /s",
             "Fenced nodes",
             "Lease renewals /s",
+            "Fleet saturation per model version",
+            "Step time p50 and p99 against the control period, by model",
         ):
             expr = panels[title]["targets"][0]["expr"]
             for var, value in GRAFANA_VARIABLES.items():
@@ -368,5 +370,12 @@ def test_dashboard_shows_what_the_issue_asks_on_one_grid() -> None:
         "affinity_forwarded_total",
         "affinity_fenced",
         "affinity_lease_renewals_total",
+        # the autoscaling signals and the steps against their control period (issue 37)
+        "max by (model) (affinity_fleet_saturation)",
+        "affinity_admission_waiting",
+        "histogram_quantile(0.99, sum by (le, model) (rate(affinity_step_seconds_bucket",
+        "affinity_control_period_seconds",
+        "affinity_deadline_miss_total",
+        "affinity_step_part_seconds_bucket",
     ):
         assert needed in exprs, needed

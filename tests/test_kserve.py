@@ -483,6 +483,34 @@ async def test_concurrent_end_and_plain_steps_are_a_hit_or_triton_400(node: InPr
 
 
 @pytest.mark.anyio
+async def test_a_plain_step_behind_an_end_whose_release_is_slow_is_still_a_hit_or_400(
+    node: InProcNode,
+) -> None:
+    """The end drops its record at once and releases it in Redis after: a plain step that
+    finds the record gone asks Redis again only once that release is done, so it never hears
+    Redis name the claim the end just dropped (which answered 503 owner_refused)."""
+    claims = node.service.owner.claims
+    release = claims.release
+
+    async def slow(*args: Any, **kwargs: Any) -> Any:
+        for _ in range(50):  # many loop turns: a slow Redis round trip for the release
+            await asyncio.sleep(0)
+        return await release(*args, **kwargs)
+
+    claims.release = slow  # type: ignore[method-assign]  (this test's node only)
+    obs = observations(15, 3)
+    for n in range(4):
+        r = await infer(node, obs[0], sequence_id=f"slow-{n}", sequence_start=True)
+        assert r.status_code == 200, r.text
+        end, plain = await asyncio.gather(
+            infer(node, obs[1], sequence_id=f"slow-{n}", sequence_end=True),
+            infer(node, obs[2], sequence_id=f"slow-{n}"),
+        )
+        assert end.status_code == 200, end.text
+        assert plain.status_code in (200, 400), plain.text
+
+
+@pytest.mark.anyio
 async def test_action_chunk_execution(redis: Any) -> None:
     obs = observations(12, 5)
     chunks = [step["actions"][0] for step in reference_rollout(DEMO_MODEL, obs)]  # [4, 2]

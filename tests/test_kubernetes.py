@@ -67,10 +67,9 @@ SECRET_ENV = {
     "AFFINITY_API_KEY": "api_key",
 }
 """The variables that must come from a Secret, and the NodeConfig field each one sets."""
-PENDING_METRICS = {"affinity_fleet_saturation"}
-"""Metrics the KEDA example reads that nodes do not export yet: the fleet-level gauge
-(live episodes / capacity per model version) being added. Remove it from here when it
-lands in node/metrics.py."""
+PENDING_METRICS: set[str] = set()
+"""Metrics the KEDA example reads that nodes do not export yet (none: the fleet-level
+gauges landed in node/metrics.py). A query may name one before it lands, listed here."""
 CRD_MODELS: dict[tuple[str, str], Any] = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): prometheus_operator.ServiceMonitor,
     ("monitoring.coreos.com/v1", "PrometheusRule"): prometheus_operator.PrometheusRule,

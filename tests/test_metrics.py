@@ -11,16 +11,21 @@ from pathlib import Path
 from typing import Any
 
 import fakeredis
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from affinity import Keys
+from node.accesslog import AccessLog
 from node.admission import Admission
 from node.catalog import file_version
 from node.metrics import BUILD, LABELS
 from node.models import DEMO_MODEL
+from node.protocols.kserve.grpc import GrpcFrontDoor
 from node.providers import ProviderSettings, build_session
 from tests.inproc import InProcNode, claim_of, cluster, config
+from tests.test_grpc import _Context, message
+from tests.test_signals import openpi_step
 
 pytestmark = pytest.mark.anyio
 KEYS = Keys()
@@ -126,6 +131,23 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         assert (await a.act(episode_id=on_b["episode_id"], inputs=OBS)).status_code == 200
         await a.act(inputs=OBS)
         await a.act(session_id="sess", inputs=OBS)
+        # a step's time, its parts (queue, run, forward) and deadline misses, by every door
+        # (a 0.1 ms period: every step misses it), then the fleet's view
+        fast = {"control_hz": 10_000}
+        r = await a.act(episode_id=on_b["episode_id"], inputs=OBS, **fast)
+        assert r.status_code == 200
+        kserve = {"inputs": [{"name": "obs", "datatype": "FP32", "shape": [1, 8],
+                              "data": [0.1] * 8}], "parameters": fast}  # fmt: skip
+        r = await a.client.post(f"/v2/models/{DEMO_MODEL.stem}/infer", json=kserve)
+        assert r.status_code == 200, r.text
+        door = GrpcFrontDoor(sa, AccessLog(enabled=False))
+        msg = message([1, 8], [np.full((1, 8), 0.3, np.float32).tobytes()])
+        msg.model_name = door.model_name
+        msg.parameters["control_hz"].double_param = 10_000
+        await door.infer(msg, _Context(None), "ModelInfer")
+        await openpi_step(a, {"obs": np.full(8, 0.2), **fast}, on_b["episode_id"])
+        await redis.delete(KEYS.view_reader)  # a new period: a reads the fleet
+        await sa.signals.refresh()
         # forwarded refused: the owner answers 503 (its lease is not current), passed on
         b.service.lease.deadline = b.service.clock() - 1
         r = await a.act(episode_id=on_b["episode_id"], inputs=OBS)
@@ -235,6 +257,7 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
 
     devices = {f"{n}/{i}" for n in "ab" for i in range(2)}
     models = {DEMO_MODEL.stem, file_version(DEMO_MODEL)}  # the name and version registered
+    served = {f"{DEMO_MODEL.stem}@{file_version(DEMO_MODEL)}"}  # as "name@version"
     driven: dict[str, bool] = dict.fromkeys(LABELS, False)
     process = {name for name, _, value in seen if name.startswith("process_") and value > 0}
     assert {"process_cpu_seconds_total", "process_resident_memory_bytes"} <= process, process
@@ -251,13 +274,14 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
                 "device": devices,
                 "build": {BUILD.get(label, "")},
                 "model": models,
+                "served": served,
             }.get(str(documented[label]), documented[label])
             assert value_label in allowed, (name, label, value_label)
         if value > 0 and not name.endswith("_created"):
             driven[family] = True
     for family, values in LABELS.items():
         for label, allowed in values.items():
-            if allowed in ("device", "build", "model"):
+            if allowed in ("device", "build", "model", "served"):
                 continue
             for v in allowed:
                 hit = any(
@@ -279,6 +303,6 @@ def test_docs_document_every_metric_and_value() -> None:
         for label, values in labels.items():
             row = next(line for line in table.splitlines() if f"`{family}`" in line)
             assert f"`{label}`" in row, (family, label)
-            if values not in ("device", "build", "model"):
+            if values not in ("device", "build", "model", "served"):
                 for v in values:
                     assert re.search(rf"`{re.escape(v)}`", row), (family, v)

@@ -382,7 +382,7 @@ async def test_batched_runs_with_different_executed_and_delay_equal_one_at_a_tim
         d.close()
 
 
-def test_rtc_values_to_a_model_without_rtc_inputs_are_refused() -> None:
+def test_rtc_values_to_a_model_without_rtc_inputs_are_refused_but_a_rate_is_not() -> None:
     d = MultiGpuDispatcher(
         ["n/0"],
         lambda _: onnxruntime.InferenceSession(str(DEMO_MODEL), providers=["CPUExecutionProvider"]),
@@ -392,5 +392,11 @@ def test_rtc_values_to_a_model_without_rtc_inputs_are_refused() -> None:
         assert d.rtc_for() is None
         with pytest.raises(InvalidArgument, match="takes no rtc"):
             d.rtc_for(executed=2)
+        with pytest.raises(InvalidArgument, match="takes no rtc"):
+            d.rtc_for(inference_delay=1)
+        # any model's step may name its control rate (its period: the step's deadline)
+        assert d.rtc_for(control_hz=50) is None
+        with pytest.raises(InvalidArgument, match="control_hz"):
+            d.rtc_for(control_hz=0)
     finally:
         d.close()

@@ -5,9 +5,10 @@ Request body (a map): ``episode_id``?, ``session_id``?, ``inputs`` (input name â
 ``end``?, ``token``? and ``claim``? (the token and claim id of the client's previous
 reply: a lost assignment then says ``state_reset``), ``seq``? (the step
 number it expects to be applied: its last reply's ``seq`` + 1), ``execute_steps``? and
-``ensemble``? (action-chunk execution overrides), ``executed``?, ``inference_delay``?,
-``control_hz``? and ``pending``? (real-time chunking, ``node/rtc.py``; ``pending``: the
-robot's unexecuted actions, a prefix for a step that starts from clean state). JSON
+``ensemble``? (action-chunk execution overrides), ``executed``?, ``inference_delay``? and
+``pending``? (real-time chunking, ``node/rtc.py``; ``pending``: the robot's unexecuted
+actions, a prefix for a step that starts from clean state), ``control_hz``? (the robot's
+control rate: the step's period, ``node/timing.py``, and real-time chunking's). JSON
 arrays are nested lists; with
 ``Content-Type: application/msgpack`` every input is an array in openpi's msgpack
 encoding (``affinity/wire.py``). Any other top-level field is refused with 422 naming it (a
@@ -15,7 +16,8 @@ typo such as ``episodeId`` must not silently make every step stateless).
 
 Reply: ``{"outputs": {name: array}, "episode_id", "device", "node", "token", "claim",
 "routing", "state_reset", "degraded", "source", "seq", "replayed"}`` (and ``rtc``: ``{"executed",
-"delay", "prefix_len"}`` for a real-time-chunking model) as JSON, or msgpack when
+"delay", "prefix_len"}`` for a real-time-chunking model, and ``timing``, the split of the
+step's time, when the request says ``X-Affinity-Timing: 1``) as JSON, or msgpack when
 ``Accept`` asks for ``application/msgpack``; the same facts in ``X-Affinity-*`` headers, and
 ``X-Affinity-URL``, the owner's address, where the episode's next steps can go directly.
 A client that closes its connection before the reply is sent gets its step undone.
@@ -48,8 +50,10 @@ from node.asgi import (
     while_connected,
 )
 from node.inputs import InvalidInput
+from node.rtc import control_rate
 from node.service import NodeService
 from node.step import Refused, Reply, Step, Unavailable
+from node.timing import TIMING_HEADER, asks_timing
 
 __all__ = ["MSGPACK", "decode", "encode", "handle"]
 
@@ -136,6 +140,7 @@ async def decode(service: NodeService, body: bytes, binary: bool, deadline: floa
         model=name,
         version=version or None,
         rtc=rtc,
+        control_hz=control_rate(doc.get("control_hz")),
     )
 
 
@@ -145,9 +150,14 @@ def _numpy(obj: Any) -> Any:
     raise TypeError(type(obj).__name__)
 
 
-def encode(reply: Reply, binary: bool) -> tuple[bytes, bytes, list[tuple[bytes, bytes]]]:
-    """(body, content type, headers) of a reply."""
+def encode(
+    reply: Reply, binary: bool, timing: bool = False
+) -> tuple[bytes, bytes, list[tuple[bytes, bytes]]]:
+    """(body, content type, headers) of a reply; ``timing``: with the split of the step's
+    time (``Reply.split``), which the client asked for."""
     doc = {"outputs": reply.outputs, **reply.facts()}
+    if timing:
+        doc["timing"] = reply.split()
     if binary:
         body, kind = wire.encode(doc), MSGPACK.encode()
     else:
@@ -170,7 +180,8 @@ def encode(reply: Reply, binary: bool) -> tuple[bytes, bytes, list[tuple[bytes, 
 
 async def handle(service: NodeService, scope: Scope, receive: Receive, send: Send) -> None:
     """The ASGI handler of ``POST /act``."""
-    deadline = time.monotonic() + service.config.act_deadline_s
+    received = time.monotonic()
+    deadline = received + service.config.act_deadline_s
     metrics = service.metrics
     binary_in = _is_msgpack(header(scope, b"content-type"))
     binary_out = MSGPACK in (header(scope, b"accept") or "")
@@ -182,6 +193,7 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
     try:
         body = await read_body(scope, receive, service.config.max_body_bytes)
         step = await decode(service, body, binary_in, deadline)
+        step.received, step.timing = received, asks_timing(header(scope, TIMING_HEADER))
         scope[STEP_KEY] = (step.episode or "-", "-", "-")
         reply = await while_connected(receive, service.router.act(step), scope.get(CONNECTION))
         scope[STEP_KEY] = (step.episode or "-", reply.device, reply.routing)
@@ -203,5 +215,5 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
             metrics.rejected.labels("forbidden").inc()
         await respond_error(send, exc)
     else:
-        body, kind, headers = encode(reply, binary_out)
+        body, kind, headers = encode(reply, binary_out, step.timing)
         await respond(send, 200, body, kind, headers)

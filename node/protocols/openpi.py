@@ -24,8 +24,9 @@ execution (openpi clients usually keep their own ``ActionChunkBroker`` and leave
 A ``seq`` key (the step number the robot expects to be applied: its last reply's ``seq``
 + 1) makes a retry after a reconnect safe; ``executed``, ``inference_delay`` and
 ``control_hz`` keys are a real-time-chunking model's step values (``node/rtc.py``; the
-reply then has ``rtc``: ``{"executed", "delay", "prefix_len"}``); all are taken out
-before the model. A reply
+reply then has ``rtc``: ``{"executed", "delay", "prefix_len"}``; ``control_hz`` is any
+model's step's control rate); ``timing: true`` adds the map ``timing``, the split of the
+step's time; all are taken out before the model. A reply
 whose send fails (the link dropped) has its step undone, and so has a step whose
 connection closes while it runs (the robot gave up on it and reconnects to retry): the
 connection is watched during a step, as ``/act``'s is, so the retry never finds the lost
@@ -61,6 +62,7 @@ from node.accesslog import STEP_KEY, AccessLog
 from node.asgi import WATCH_AFTER_S, ClientGone, Receive, Scope, Send, error_body, header, io_seen
 from node.contract import PolicyContract
 from node.inputs import InvalidInput, outputs_unbatched
+from node.rtc import control_rate
 from node.service import NodeService
 from node.step import Refused, Step, Unavailable
 
@@ -180,6 +182,8 @@ async def handle(
             }
             if prev_total_ms is not None:
                 doc["server_timing"]["prev_total_ms"] = prev_total_ms
+            if step.timing:
+                doc["timing"] = reply.split()
             try:
                 await io_seen()  # a close that came with the frame fails the send: undone
                 await send({"type": "websocket.send", "bytes": wire.encode(doc)})
@@ -259,6 +263,9 @@ def decode(
     ensemble, seq = observation.pop("ensemble", None), observation.pop("seq", None)
     executed, delay = observation.pop("executed", None), observation.pop("inference_delay", None)
     control_hz, pending = observation.pop("control_hz", None), observation.pop("pending", None)
+    timing = _scalar(observation.pop("timing", False))
+    if not isinstance(timing, bool):
+        raise InvalidArgument("timing", timing, "must be true or false")
     if seq is not None and (type(seq) is not int or seq < 1):
         raise InvalidArgument("seq", seq, "must be a step number >= 1 (the last reply's seq + 1)")
     episode = fixed or (own if named is None else check_episode(named))
@@ -283,6 +290,10 @@ def decode(
         seq=seq,
         model=model,
         rtc=rtc,
+        door="openpi",
+        received=now,
+        control_hz=control_rate(_scalar(control_hz)),
+        timing=timing,
     )
 
 

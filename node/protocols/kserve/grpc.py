@@ -42,6 +42,7 @@ from node.protocols.kserve.request import (
     service_step,
     statistics_of,
     stats_for,
+    timing_parameters,
 )
 from node.protocols.kserve.tensors import (
     DATATYPE_OF,
@@ -178,6 +179,7 @@ def decode_request(msg: pb.ModelInferRequest, *, max_elements: int = MAX_ELEMENT
         executed=params.get("executed"),
         inference_delay=params.get("inference_delay"),
         control_hz=params.get("control_hz"),
+        timing=_flag(params, "timing"),
         pending=params.get("pending"),
     )
 
@@ -265,6 +267,8 @@ def _parameter(value: object) -> pb.InferParameter:
         return pb.InferParameter(bool_param=value)
     if isinstance(value, int):
         return pb.InferParameter(int64_param=value)
+    if isinstance(value, float):
+        return pb.InferParameter(double_param=value)
     return pb.InferParameter(string_param=str(value))
 
 
@@ -277,7 +281,10 @@ def encode_reply(reply: Reply, request: InferRequest, model_name: str) -> pb.Mod
         model_version=reply.model.partition("@")[2],
         id=request.id or "",
     )
-    for key, value in reply.facts(flat=True).items():
+    facts = reply.facts(flat=True)
+    if request.timing:
+        facts.update(timing_parameters(reply))
+    for key, value in facts.items():
         if value is not None:
             response.parameters[key].CopyFrom(_parameter(value))
     for name in names:
@@ -386,6 +393,7 @@ class GrpcFrontDoor:
             step = await service_step(
                 service, request, started + budget, name, msg.model_version or None, found
             )
+            step.door, step.received = "kserve_grpc", started
             served[0] = step.episode or "-"
             reply = await service.router.act(step)
             served[1:] = [reply.device, reply.routing]

@@ -6,7 +6,9 @@ speaks it: the infer body, the reply, and the handler of every path under ``/v2`
 followed by each binary input's raw bytes, in input order (``tensors.py``). The reply holds
 every returned output (or those ``outputs`` names), as JSON ``data`` or — with
 ``parameters.binary_data_output`` or an output's ``binary_data`` — as binary data after the
-JSON header; and affinity's facts in ``parameters``.
+JSON header; and affinity's facts in ``parameters`` (with the split of the step's time,
+``timing_total_ms``, ``timing_queue_ms``, ``timing_run_ms``, ``timing_forward_ms``, when the
+request has the header ``X-Affinity-Timing: 1`` or the parameter ``timing: true``).
 
 **Errors** are KServe's: a non-200 status with ``{"error": "<message>"}``.
 """
@@ -52,6 +54,7 @@ from node.protocols.kserve.request import (
     service_step,
     statistics_of,
     stats_for,
+    timing_parameters,
 )
 from node.protocols.kserve.tensors import (
     DATATYPE_OF,
@@ -66,6 +69,7 @@ from node.protocols.kserve.tensors import (
 )
 from node.service import NodeService
 from node.step import Refused, Reply, Unavailable
+from node.timing import TIMING_HEADER, asks_timing
 
 __all__ = ["ROUTES", "Route", "decode_infer", "encode_infer", "handle"]
 
@@ -145,6 +149,7 @@ def decode_infer(
         inference_delay=params.get("inference_delay"),
         control_hz=params.get("control_hz"),
         pending=params.get("pending"),
+        timing=_flag(params, "timing"),
     )
 
 
@@ -209,6 +214,8 @@ def encode_infer(
     if request.id is not None:
         doc["id"] = request.id
     doc["parameters"] = {k: v for k, v in reply.facts(flat=True).items() if v is not None}
+    if request.timing:
+        doc["parameters"].update(timing_parameters(reply))
     doc["outputs"] = outputs
     head = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
     headers = [(b"x-affinity-node", reply.node.encode())]
@@ -403,14 +410,16 @@ async def _infer(
     started = time.monotonic()
     model_name = model[0]
     rejected = service.metrics.rejected
-    authorization = header_length = encoding = None
-    for key, value in scope["headers"]:  # one pass for the three this door reads (first wins)
+    authorization = header_length = encoding = timing = None
+    for key, value in scope["headers"]:  # one pass for the four this door reads (first wins)
         if key == b"authorization" and authorization is None:
             authorization = value.decode("latin-1")
         elif key == _HEADER_LENGTH and header_length is None:
             header_length = value.decode("latin-1")
         elif key == b"content-encoding" and encoding is None:
             encoding = value.decode("latin-1")
+        elif key == TIMING_HEADER and timing is None:
+            timing = value.decode("latin-1")
     if not service.client_allowed(authorization):
         rejected.labels("unauthorized").inc()
         await _error(send, 401, "this node wants Authorization: Api-Key <key>",
@@ -424,7 +433,9 @@ async def _infer(
         )
         if request.timeout_s is not None:
             budget = min(budget, request.timeout_s)
+        request.timing = request.timing or asks_timing(timing)
         step = await service_step(service, request, started + budget, model_name, version, model)
+        step.door, step.received = "kserve_http", started
         scope[STEP_KEY] = (step.episode or "-", "-", "-")
         reply = await while_connected(receive, service.router.act(step), scope.get(CONNECTION))
         scope[STEP_KEY] = (step.episode or "-", reply.device, reply.routing)

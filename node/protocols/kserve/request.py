@@ -22,10 +22,10 @@ from node import inputs
 from node.contract import PolicyContract, TensorSpec
 from node.devices import DeviceSpec
 from node.protocols.kserve.tensors import NAMES, BadRequest, kind_of
-from node.rtc import Ask
+from node.rtc import Ask, control_rate
 from node.service import NodeService
 from node.stats import ModelStats, model_statistics
-from node.step import Array, Refused, Step
+from node.step import Array, Refused, Reply, Step
 
 __all__ = [
     "ANY_VERSION",
@@ -47,6 +47,7 @@ __all__ = [
     "service_step",
     "statistics_of",
     "stats_for",
+    "timing_parameters",
     "to_step",
 ]
 
@@ -93,6 +94,7 @@ class InferRequest:
     inference_delay: object = None
     control_hz: object = None
     pending: object = None  # JSON text of the robot's unexecuted actions [k][D]
+    timing: bool = False  # the split of the step's time in the reply's parameters
 
 
 def pending_of(value: object) -> object:
@@ -132,7 +134,7 @@ def episode_of(sequence_id: object) -> str | None:
 REQUEST_PARAMETERS = frozenset(
     {"sequence_id", "sequence_start", "sequence_end", "timeout", "priority",
      "binary_data_output", "execute_steps", "ensemble", "executed", "inference_delay",
-     "control_hz", "pending"}
+     "control_hz", "pending", "timing"}
 )  # fmt: skip
 """The request parameters the node reads (``priority`` only checked, as Triton does)."""
 
@@ -197,7 +199,14 @@ def to_step(
         seq=request.seq,
         live_only=request.episode is not None and not request.start and not claim_unknown,
         rtc=rtc,
+        control_hz=control_rate(request.control_hz),
+        timing=request.timing,
     )
+
+
+def timing_parameters(reply: Reply) -> dict[str, float]:
+    """The split of a step's time as flat reply parameters (``timing_total_ms``, ...)."""
+    return {f"timing_{k}": v for k, v in reply.split().items()}
 
 
 def _check_missing(contract: PolicyContract, arrays: dict[str, Array]) -> None:
