@@ -345,8 +345,14 @@ async def cmd_move(args: argparse.Namespace, ctx: Context) -> int:
 
 async def cmd_undrain(args: argparse.Namespace, ctx: Context) -> int:
     # only a draining device is undrained; a down one comes back through its node's probe
-    change = await ctx.registry.undrain(args.device)
-    return report_state(ctx, args.device, change.state, change.previous)
+    states = await ctx.registry.states(args.device)
+    for device in args.device:
+        if states[device] == "removed":
+            raise UnknownDevice(device)
+    for device in args.device:
+        change = await ctx.registry.undrain(device)
+        report_state(ctx, device, change.state, change.previous)
+    return EXIT_OK
 
 
 def report_state(ctx: Context, device: str, state: str, previous: str) -> int:
@@ -502,8 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("move", cmd_move, "move an episode to another device, with its state")
     p.add_argument("episode")
     p.add_argument("--to", help="a node or a device (default: any with room)")
-    p = command("undrain", cmd_undrain, "let a device take new episodes again")
-    p.add_argument("device")
+    p = command("undrain", cmd_undrain, "let devices take new episodes again")
+    p.add_argument("device", nargs="+")
     p = command("release", cmd_release, "end an episode's assignment (its next step claims anew)")
     p.add_argument("episode")
     p = command("events", cmd_events, "the event stream: claim, release, drain, node-up, ...")

@@ -362,6 +362,8 @@ def test_drain_several_devices_at_once(dep: Deployment, capsys: pytest.CaptureFi
     assert out == "gpu-a/0: active -> draining\ngpu-a/1: active -> draining\n"
     asked = dep.server.client().smembers(KEYS.moves("gpu-a"))
     assert asked == {"@gpu-a/0", "@gpu-a/1"}
+    code, out, _ = cli(dep, capsys, "undrain", "gpu-a/0", "gpu-a/1")
+    assert (code, out) == (0, "gpu-a/0: draining -> active\ngpu-a/1: draining -> active\n")
 
 
 # -- events ---------------------------------------------------------------------------------

@@ -87,12 +87,17 @@ class Fleet:
 
     @property
     def owner(self) -> str:
-        """The node that owned ep-42 first, killed by the block."""
+        """The node that owned ep-42 first: drained with --move, then the survivor."""
         return self.lines[0].split()[0]
 
     @property
-    def survivor(self) -> str:
+    def moved_to(self) -> str:
+        """The node the drain moved ep-42 to, killed by the block."""
         return "gpu-b" if self.owner == "gpu-a" else "gpu-a"
+
+    @property
+    def survivor(self) -> str:
+        return self.owner
 
     def bash(self, script: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -176,6 +181,10 @@ def test_the_walkthrough_runs_as_written(fleet: Fleet) -> None:
     assert any(line.startswith("episode:") and "ep-42" in line for line in lines), lines
     assert any(re.fullmatch(rf"{owner}/\d \d+ [0-9a-f]+ demo_policy@v1", line) for line in lines)
 
+    # the drain with --move: ep-42 goes on at the other node, at its fifth step, no reset
+    assert f"{owner}/0: active -> draining" in lines and f"{owner}/1: active -> draining" in lines
+    assert f"{fleet.moved_to} step 5 state_reset: False" in lines, f"{lines}\n{fleet.logs()}"
+    assert f"{owner}/1: draining -> active" in lines, lines
     other = fleet.survivor
     assert f"{other} reassigned state_reset: True" in lines, lines
     canaries = [line.split()[1] for line in lines if line.startswith("canary ")]
@@ -194,7 +203,7 @@ def test_every_act_body_of_the_fleet_block_is_served_once_two_models_run(fleet: 
     """Issue 36 item 11: the block's first steps named no model; once the second model
     joined, the same lines answered 422 ``model_required``."""
     bodies = re.findall(r"-d '(\{.*?\})'", walkthrough())
-    assert len(bodies) == 3, bodies
+    assert len(bodies) == 4, bodies
     for body in bodies:
         step = json.loads(body.replace("'$i'", "1"))
         assert "model" in step, body
