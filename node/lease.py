@@ -92,6 +92,7 @@ class Lease:
         self.deadline = float("-inf")  # monotonic; nothing is served before register
         self.registered = False
         self.leaving = False
+        self.left = False  # deregistered by a graceful stop: routes its stragglers, serves none
         self.conflict: str | None = None  # why this process must stop (another instance)
         self.on_conflict: Callable[[], None] = lambda: None
         self.on_renewed: Callable[[], Awaitable[None]] | None = None  # after each renewal
@@ -402,4 +403,5 @@ class Lease:
                 log.error("could not deregister node %s: %s", self.node_id, exc)
         self.registered = False
         self.deadline = float("-inf")  # serve nothing more, whatever is still queued
+        self.left = self.leaving
         return released

@@ -230,7 +230,10 @@ class Router:
             ) from None
 
     async def _act_handling_restart(self, step: Step, arrival: Arrival) -> Reply:
-        self.lease.require()
+        if not self.lease.left:
+            self.lease.require()
+        elif step.episode is None:  # a node that left routes episodes' steps, runs none
+            raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)
         if step.episode is None:
             return await self._stateless(step, arrival)
         if step.restart:

@@ -132,6 +132,21 @@ async def test_a_move_whose_record_cannot_be_sent_leaves_the_old_owner_serving(
         assert (r["routing"], r["state_reset"]) == ("reassigned", True)
 
 
+async def test_a_node_that_left_routes_the_steps_still_sent_to_it(redis: Any) -> None:
+    """After a graceful stop deregistered a, a step a load balancer still sent to a (in
+    flight while it left) is routed to its owner, not refused 503 ``fenced``; a stateless
+    one is refused ``leaving`` (it would run on a device that is going away)."""
+    obs = observations(10, 3)
+    async with cluster(redis, two()) as ([a, _b], _):
+        ep = (await on("b", a, "straggler", obs[0]))["episode_id"]
+        await a.service.owner.leave()
+        r = await a.act(episode_id=ep, inputs={"obs": obs[1].tolist()})
+        assert r.status_code == 200, r.text
+        assert (r.json()["node"], r.json()["seq"], r.json()["state_reset"]) == ("b", 2, False)
+        r = await a.act(inputs={"obs": obs[2].tolist()})
+        assert (r.status_code, r.json()["error"]["code"]) == (503, "leaving")
+
+
 async def test_a_commit_refused_keeps_one_owner_and_nothing_is_served_from_the_copy(
     redis: Any,
 ) -> None:
