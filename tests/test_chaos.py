@@ -1,7 +1,8 @@
 """A random chaos run checked against a reference model (issue 33): three real nodes with
 different lease TTLs, robots stepping live episodes through random nodes, and, at random,
-kills (then a restart under the same node id), graceful stops, pauses under and past the
-lease, empty Redis restarts, operators' releases and ends.
+kills (then a restart under the same node id), graceful stops (each moves its episodes
+with their state), pauses under and past the lease, empty Redis restarts, operators'
+releases, ends, moves of one episode and drains of a node with ``--move``.
 
 The probe policy counts exactly the steps its episode has seen (``counter_policy``), so
 each reply is checked against the last one of its episode:
@@ -33,7 +34,8 @@ import httpx
 import numpy as np
 import pytest
 
-from affinity import Claims, Settings, StaleToken, UnknownEpisode
+from affinity import Claims, Registry, Settings, StaleToken, UnknownEpisode
+from affinity.registry import MoveRequest
 from tests.models import counter_policy
 from tests.procs import Node, RedisServer, wait_until
 
@@ -163,8 +165,9 @@ class Chaos:
         name = self.rng.choice(list(self.nodes))
         node = self.nodes[name]
         what = self.rng.choice(
-            ["kill", "term", "pause_under", "pause_past", "redis", "release", "end", "end"]
-        )
+            ["kill", "term", "pause_under", "pause_past", "redis", "release", "end", "end",
+             "move", "drain_move"]
+        )  # fmt: skip
         self.log.append(f"{time.monotonic():.1f} {what} {name}")
         if what == "kill":
             self.stopped.add(name)
@@ -185,6 +188,15 @@ class Chaos:
                 node.proc.send(signal.SIGCONT)
         elif what == "redis":
             self.redis.restart()
+        elif what == "move":  # an operator's `affinity move EP` (to any device with room)
+            ep = self.rng.choice(episodes)
+            self.log.append(f"  move of {ep.name}")
+            self.operator(lambda r, c: self._move(r, c, ep.name))
+        elif what == "drain_move":  # `affinity drain N/0 N/1 --move`, undrained a while later
+            devices = [f"{name}/0", f"{name}/1"]
+            self.operator(lambda r, c: self._drain(r, devices, move=True))
+            time.sleep(self.rng.uniform(1, 4))
+            self.operator(lambda r, c: self._drain(r, devices, move=False))
         elif what == "release":  # an operator's `affinity release`
             ep = self.rng.choice(episodes)
             self.log.append(f"  release of {ep.name}")
@@ -204,6 +216,38 @@ class Chaos:
                     interval[1] = time.monotonic()
             self.log.append(f"  ended {ended} {interval[0]:.1f}-{interval[1]:.1f}")
         time.sleep(self.rng.uniform(0.3, 1.5))
+
+    @staticmethod
+    async def _move(registry: Any, claims: Any, episode: str) -> None:
+        info = await claims.lookup(episode)
+        if info is not None and info.alive:
+            await registry.request_move(info.node, MoveRequest(episode=episode))
+
+    @staticmethod
+    async def _drain(registry: Any, devices: list[str], *, move: bool) -> None:
+        for device in devices:
+            await (registry.drain(device, "chaos") if move else registry.undrain(device))
+        if move:
+            node = devices[0].rpartition("/")[0]
+            for device in devices:
+                await registry.request_move(node, MoveRequest(device=device))
+
+    def operator(self, action: Any) -> None:
+        """Run ``action(registry, claims)`` as the CLI would (Redis may be restarting: then
+        nothing happens, as for an operator whose command failed)."""
+        import asyncio
+
+        async def go() -> None:
+            import redis.asyncio
+
+            client = redis.asyncio.Redis.from_url(self.redis.url, decode_responses=True)
+            try:
+                await action(Registry(client, Settings()), Claims(client, Settings()))
+            finally:
+                await client.aclose()
+
+        with contextlib.suppress(Exception):
+            asyncio.run(go())
 
     def release(self, episode: str) -> None:
         import asyncio
@@ -259,7 +303,8 @@ def test_chaos_never_two_owners_never_a_silent_reset_never_state_kept_nowhere(
             f"seed {seed}, {actions} actions, "
             f"{sum(ep.replies for ep in episodes)} steps, "
             f"{sum(ep.resets for ep in episodes)} resets said, "
-            f"{sum(ep.skipped for ep in episodes)} lost replies of steps without seq"
+            f"{sum(ep.skipped for ep in episodes)} lost replies of steps without seq; "
+            f"actions: {' '.join(sorted(line.split()[1] for line in chaos.log if line[0] != ' '))}"
         )
         print(summary)
         assert not violations, f"{summary}\n" + "\n".join(violations + chaos.log)
