@@ -217,17 +217,21 @@ def _to_input(
 
 
 def _shape_problem(spec: TensorSpec, shape: tuple[int, ...], batch: bool) -> str | None:
-    got = f"has shape {list(shape)}; expected {spec.describe()}"
     if len(shape) != len(spec.shape):
-        return got
+        return _got(spec, shape)
     for axis, (size, declared) in enumerate(zip(shape, spec.shape, strict=True)):
         if axis == 0 and batch and size != 1:
-            return f"{got}: dimension 0 is the batch axis, send exactly one sample per step"
+            why = "dimension 0 is the batch axis, send exactly one sample per step"
+            return f"{_got(spec, shape)}: {why}"
         if isinstance(declared, int) and size != declared:
-            return got
+            return _got(spec, shape)
         if not isinstance(declared, int) and size < 1:
-            return f"{got}: dimension {axis} needs at least 1"
+            return f"{_got(spec, shape)}: dimension {axis} needs at least 1"
     return None
+
+
+def _got(spec: TensorSpec, shape: tuple[int, ...]) -> str:
+    return f"has shape {list(shape)}; expected {spec.describe()}"
 
 
 def _dtype_problem(spec: TensorSpec, array: Array) -> str | None:
