@@ -173,3 +173,48 @@ def test_a_new_owner_paused_during_a_graceful_stop_leaves_one_owner_and_says_the
         assert (after["node"], after["routing"], after["state_reset"]) == ("b", "reassigned", True)
         assert after["seq"] == 1
         b.stop()
+
+
+def test_affinity_move_to_a_named_device_carries_the_episode_with_its_state(
+    tmp_path: Path,
+) -> None:
+    """``affinity move EP --to c/0`` on a fleet of three: the episode lands on the device
+    named (not on b, which has room too), its next steps continue its history through any
+    node, and a typo in the target is refused before anything is asked."""
+    redis = RedisServer(tmp_path)
+    a = Node(tmp_path, "a", redis.url, devices="cpu:1")
+    b = Node(tmp_path, "b", redis.url, devices="cpu:1")
+    c = Node(tmp_path, "c", redis.url, devices="cpu:1")
+    with running(redis, [a]):
+        obs = observations(7, 6)
+        got: list[np.ndarray] = []
+        with Client([a.url], raise_on_reset=True) as fleet:
+            for i in range(3):
+                got.append(np.asarray(fleet.act("moved-ep", {"obs": obs[i]}).outputs["actions"]))
+            for node in (b, c):
+                node.proc.start()
+            for node in (b, c):
+                wait_until(node.ready, 60, f"{node.node_id} ready")
+            assert on_device(redis, "moved-ep") == "a/0"
+            env = {**os.environ, "AFFINITY_REDIS_URL": redis.url}
+            typo = subprocess.run(
+                [sys.executable, "-m", "affinity.cli", "move", "moved-ep", "--to", "c/9"],
+                cwd=ROOT, env=env, capture_output=True, text=True,
+            )  # fmt: skip
+            assert typo.returncode != 0 and "c/9" in typo.stderr, typo
+            out = cli(redis.url, "move", "moved-ep", "--to", "c/0")
+            assert "asked a to move moved-ep to c/0" in out, out
+            wait_until(lambda: on_device(redis, "moved-ep") == "c/0", 30, "moved to c/0")
+            for i in range(3, 6):  # the client still knows only a: a routes to c
+                step = fleet.act("moved-ep", {"obs": obs[i]})
+                assert step.node == "c", step
+                got.append(np.asarray(step.outputs["actions"]))
+        want = reference_rollout(DEMO_MODEL, obs)
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            np.testing.assert_allclose(
+                g.reshape(w["actions"].shape), w["actions"], rtol=1e-5, err_msg=f"step {i}"
+            )
+        moved = [f for _, f in redis.client().xrange(KEYS.events) if f.get("type") == "moved"]
+        assert [(m["from"], m["to"], m["reason"]) for m in moved] == [("a/0", "c/0", "move")]
+        for node in (b, c):
+            node.stop()
