@@ -8,6 +8,7 @@ prefix and says ``state_reset: true``."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import signal
 import time
@@ -24,7 +25,7 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from affinity import Client, wire
 from tests.procs import wait_until
 from tests.test_cluster import Cluster, grpc_nodes
-from tests.test_rtc import H, close, observation, own_chunk, reference
+from tests.test_rtc import D, H, close, observation, own_chunk, reference
 
 pytestmark = [
     pytest.mark.integration,
@@ -188,6 +189,28 @@ def test_every_chunk_continues_the_last_through_every_front_door(
         chunk, facts = DOORS[door](cluster, addresses, 0, ep, 0, image, state, {})
         assert facts["rtc"] == {"executed": 0, "delay": 0, "prefix_len": 0}
         close(chunk, own_chunk(image, state))
+
+
+@pytest.mark.parametrize("door", list(DOORS))
+def test_the_robots_pending_actions_start_a_new_episodes_chunk_through_every_front_door(
+    three: tuple[Cluster, list[str]], door: str
+) -> None:
+    """After a crash nothing of the episode is left: its first step at the new owner sends
+    the actions the robot has not executed (``pending``, in each door's own shape) and the
+    chunk starts from them, so the motion does not jump."""
+    cluster, addresses = three
+    rng = np.random.default_rng(100 + len(door))
+    pending = rng.standard_normal((6, D)).astype(np.float32)
+    image, state = observation(rng)
+    sent: object = json.dumps(pending.tolist()) if door.startswith("kserve") else pending.tolist()
+    values = {"executed": 0, "inference_delay": 3, "pending": sent}
+    chunk, facts = DOORS[door](cluster, addresses, 1, f"pending-{door}", 0, image, state, values)
+    assert facts["rtc"] == {"executed": H - 6, "delay": 3, "prefix_len": 6}, facts
+    padded = np.vstack([np.zeros((H - 6, D)), pending])  # the chunk the robot still runs
+    want, _ = reference(image, state, padded, H - 6, 3)
+    close(chunk, want)
+    got = np.asarray(chunk, np.float64).reshape(H, D)
+    np.testing.assert_allclose(got[:3], pending[:3], atol=1e-5)  # no jump
 
 
 def _timed(
