@@ -15,13 +15,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import tritonclient.grpc as tg
 import tritonclient.http as th
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from affinity import Client, Keys
 from node.models import DEMO_MODEL
 from tests.models import big_state_policy
-from tests.procs import ROOT, Node, RedisServer, wait_until
+from tests.procs import ROOT, Node, RedisServer, free_port, wait_until
 from tests.rollout import reference_rollout
 from tests.test_cluster import running
 
@@ -54,17 +55,21 @@ def on_device(redis: RedisServer, episode: str) -> str:
 def test_a_drain_with_move_carries_every_front_doors_episode_with_its_state(
     tmp_path: Path,
 ) -> None:
-    """Three robots, one per front door, step episodes that a owns; ``affinity drain a/0
+    """Four robots, one per front door, step episodes that a owns; ``affinity drain a/0
     --move`` moves them to b; the clients, none of them ours but the first, see no error
     and no reset, and every reply is the model after the episode's whole history."""
     redis = RedisServer(tmp_path)
-    a = Node(tmp_path, "a", redis.url, devices="cpu:1")
-    b = Node(tmp_path, "b", redis.url, devices="cpu:1")
+    grpc_port = free_port()
+    a = Node(tmp_path, "a", redis.url, devices="cpu:1", extra=["--grpc-port", str(grpc_port)])
+    b = Node(tmp_path, "b", redis.url, devices="cpu:1", extra=["--grpc-port", str(free_port())])
+    doors = ("act", "kserve", "grpc", "openpi")
+    names = ("act-robot", "kserve:i:4242", "kserve:s:grpc-robot", "pi-robot")
     with running(redis, [a]):
-        obs = {door: observations(i, 8) for i, door in enumerate(("act", "kserve", "openpi"))}
+        obs = {door: observations(i, 8) for i, door in enumerate(doors)}
         got: dict[str, list[np.ndarray]] = {door: [] for door in obs}
         fleet = Client([a.url], raise_on_reset=True)  # a StateReset would be an exception
         triton = th.InferenceServerClient(f"{a.host}:{a.port}")
+        triton_grpc = tg.InferenceServerClient(f"{a.host}:{grpc_port}")
         robot = WebsocketClientPolicy(f"ws://{a.host}:{a.port}/?episode_id=pi-robot")
 
         def steps(i: int) -> None:
@@ -75,6 +80,13 @@ def test_a_drain_with_move_carries_every_front_doors_episode_with_its_state(
             r = triton.infer("demo_policy", [x], sequence_id=4242, sequence_start=i == 0)
             assert r.get_response()["parameters"]["state_reset"] is False
             got["kserve"].append(r.as_numpy("actions"))
+            g = tg.InferInput("obs", [1, 8], "FP32")
+            g.set_data_from_numpy(obs["grpc"][i])
+            rg = triton_grpc.infer("demo_policy", [g], sequence_id="grpc-robot",
+                                   sequence_start=i == 0)  # fmt: skip
+            params = rg.get_response().parameters
+            assert params["state_reset"].bool_param is False
+            got["grpc"].append(rg.as_numpy("actions"))
             reply = robot.infer({"obs": obs["openpi"][i][0]})
             assert reply["state_reset"] is False, reply
             got["openpi"].append(reply["actions"])
@@ -84,14 +96,12 @@ def test_a_drain_with_move_carries_every_front_doors_episode_with_its_state(
                 steps(i)
             b.proc.start()
             wait_until(b.ready, 60, "b ready")
-            for name in ("act-robot", "kserve:i:4242", "pi-robot"):
+            for name in names:
                 assert on_device(redis, name) == "a/0"
             out = cli(redis.url, "drain", "a/0", "--move")
             assert "draining" in out
             wait_until(
-                lambda: all(
-                    on_device(redis, n) == "b/0" for n in ("act-robot", "kserve:i:4242", "pi-robot")
-                ),
+                lambda: all(on_device(redis, n) == "b/0" for n in names),
                 30,
                 "every episode moved to b (at a's next renewal)",
             )
@@ -100,6 +110,7 @@ def test_a_drain_with_move_carries_every_front_doors_episode_with_its_state(
         finally:
             fleet.close()
             triton.close()
+            triton_grpc.close()
             robot._ws.close()
         for door, history in obs.items():
             want = reference_rollout(DEMO_MODEL, history)
@@ -109,7 +120,7 @@ def test_a_drain_with_move_carries_every_front_doors_episode_with_its_state(
                     err_msg=f"{door} step {i}",
                 )  # fmt: skip
         events = [f for _, f in redis.client().xrange(KEYS.events) if f.get("type") == "moved"]
-        assert {e["episode"] for e in events} == {"act-robot", "kserve:i:4242", "pi-robot"}
+        assert {e["episode"] for e in events} == set(names)
         assert {e["reason"] for e in events} == {"drain"}
         b.stop()
 
