@@ -19,18 +19,8 @@ import numpy as np
 from node import control
 from node.chunks import ActionBuffer, ChunkMode, ChunkSpec
 from node.contract import PolicyContract
-from node.episodes import (
-    Apply,
-    ClaimEnded,
-    Episode,
-    EpisodeTable,
-    ForwardCancelled,
-    NotKept,
-    SeqConflict,
-    StepResult,
-    Verdict,
-    advance,
-)
+from node.episodes import ClaimEnded, EpisodeTable, ForwardCancelled, NotKept, SeqConflict
+from node.record import Apply, Episode, StepResult, Verdict, advance
 from node.rtc import Ask, RtcSpec, Used
 from node.worker import DeviceWorker, Job, Member
 

@@ -26,8 +26,9 @@ from node import health
 from node.chunks import ChunkMode, find_chunk
 from node.commit import Records, StepJob
 from node.contract import PolicyContract
-from node.episodes import EpisodeTable, NotKept, StepResult
+from node.episodes import EpisodeTable, NotKept
 from node.health import CrashTracker, DeviceDown, ModelFailure, Transition
+from node.record import StepResult
 from node.rtc import Ask, control_rate, rtc_of
 from node.worker import (
     DEFAULT_BATCH_DELAY_US,
