@@ -20,9 +20,10 @@ from node import control
 from node.chunks import ActionBuffer, ChunkMode, ChunkSpec
 from node.contract import PolicyContract
 from node.episodes import ClaimEnded, EpisodeTable, ForwardCancelled, NotKept, SeqConflict
+from node.jobs import Job, Member
 from node.record import Apply, Episode, StepResult, Verdict, advance
 from node.rtc import Ask, RtcSpec, Used
-from node.worker import DeviceWorker, Job, Member
+from node.worker import DeviceWorker
 
 __all__ = ["Records", "StepJob", "StepMember"]
 

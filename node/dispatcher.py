@@ -28,16 +28,10 @@ from node.commit import Records, StepJob
 from node.contract import PolicyContract
 from node.episodes import EpisodeTable, NotKept
 from node.health import CrashTracker, DeviceDown, ModelFailure, Transition
+from node.jobs import Arrival, Arrivals, Session
 from node.record import StepResult
 from node.rtc import Ask, control_rate, rtc_of
-from node.worker import (
-    DEFAULT_BATCH_DELAY_US,
-    Arrival,
-    Arrivals,
-    DeviceWorker,
-    Session,
-    batch_limit,
-)
+from node.worker import DEFAULT_BATCH_DELAY_US, DeviceWorker, batch_limit
 
 __all__ = [  # the worker's and health's names too, for the imports made before the split
     "Arrival",
