@@ -17,7 +17,7 @@ import functools
 import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,6 +32,10 @@ from node.jobs import Arrival, Arrivals, Session
 from node.record import StepResult
 from node.rtc import Ask, control_rate, rtc_of
 from node.worker import DEFAULT_BATCH_DELAY_US, DeviceWorker, batch_limit
+
+if TYPE_CHECKING:
+    from affinity.claims import Assignment
+    from node.step import Step
 
 __all__ = [  # the worker's and health's names too, for the imports made before the split
     "Arrival",
@@ -215,35 +219,25 @@ class MultiGpuDispatcher:
 
     async def step(
         self,
-        device: str,
-        episode: str,
-        token: int,
-        fresh: bool,
-        inputs: Mapping[str, Array],
+        step: Step,
+        assignment: Assignment,
         *,
-        claim: str = "",
-        seq: int | None = None,
-        origin: str = "",
-        deadline: float | None = None,
-        execute_steps: int | None = None,
-        ensemble: str | None = None,
-        rtc: Ask | None = None,
-        arrived: float | None = None,
+        inputs: Mapping[str, Array] | None = None,
         generation: int | None = None,
     ) -> StepResult:
-        """Run one step of ``episode`` on ``device`` under its claim (``token`` and claim
-        id), by the rules of :func:`node.episodes.admit`; return its result.
+        """Run ``step`` under ``assignment`` (its episode, device, token and claim id), by
+        the rules of :func:`node.episodes.admit`; return its result.
 
-        ``fresh``: the episode was just claimed, so no state is expected anywhere. ``seq``:
-        the step number the caller expects to be applied; a retry of the one applied, with
-        the same inputs, gets its stored reply (``replayed``, no model run), any other
-        mismatch raises :class:`SeqConflict` and changes nothing. ``origin``: the forward
-        it came in (:meth:`EpisodeTable.undo`). ``deadline`` (``time.monotonic()``): a
-        cancelled step's run counts as hung once past it (None: always), not when its
-        client left before. ``execute_steps``, ``ensemble``: the step's chunk mode
-        (:meth:`mode_for`). ``rtc``: its real-time-chunking values (:meth:`rtc_for`; None:
-        estimate both). ``arrived``: the clock when it reached the node, and
-        ``generation``: the table's when it began (None: now; a drop since keeps nothing).
+        A fresh claim (status ``claimed``) expects no state anywhere. ``inputs``: the
+        step's inputs with the caller's control values (None: ``step.inputs``).
+        ``generation``: the table's when the step began (None: now; a drop since keeps
+        nothing). Of the step: ``seq``, the number the caller expects to be applied (a
+        retry of the one applied, with the same inputs, gets its stored reply, no model
+        run; any other mismatch raises :class:`SeqConflict` and changes nothing);
+        ``origin``, the forward it came in (:meth:`EpisodeTable.undo`); ``deadline``, past
+        which a cancelled step's run counts as hung; ``execute_steps`` and ``ensemble``
+        (:meth:`mode_for`); ``rtc`` (:meth:`rtc_for`; None: estimate both); ``arrived``
+        (None: now).
 
         Raises :class:`ModelFailure` (counted), :class:`DeviceDown`, :class:`ClaimEnded`
         (the claim ended here first), :class:`NotKept` (the records were dropped),
@@ -251,17 +245,22 @@ class MultiGpuDispatcher:
         (before anything changes). A cancelled step keeps nothing, unless it named its
         ``seq``: that one runs on and keeps its result for the caller's retry.
         """
+        episode, device = assignment.episode, assignment.device
+        token, claim = assignment.token, assignment.claim
+        fresh = assignment.status == "claimed"
+        seq, origin = step.seq, step.origin
         dev = self._device(device)
         table = self.table
         current = table.generation
         if generation is not None and generation != current:
             raise NotKept(episode)
-        mode = self.mode_for(execute_steps, ensemble)
+        mode = self.mode_for(step.execute_steps, step.ensemble)
+        rtc = step.rtc
         if self.rtc is not None and rtc is None:
             rtc = self.rtc_for()
         if dev.tracker.down:
             raise DeviceDown(device)
-        feed = dict(inputs)
+        feed = dict(step.inputs if inputs is None else inputs)
         asked = feed if seq is not None else None
         if not fresh and (seq is not None or mode is not None) and not table.in_flight(episode):
             # a replay or a buffered action, perhaps, with nothing of this episode on the
@@ -273,10 +272,10 @@ class MultiGpuDispatcher:
                 return answered
         one_row = all(a.ndim >= 1 and a.shape[0] == 1 for a in feed.values())
         future = asyncio.get_running_loop().create_future()
+        arrived = self.clock() if step.arrived is None else step.arrived
         job = StepJob(episode, feed, future, one_row, token=token, claim=claim, fresh=fresh,
-                    seq=seq, origin=origin, mode=mode, rtc=rtc,
-                    arrived=self.clock() if arrived is None else arrived, generation=current,
-                    asked=asked)  # fmt: skip
+                    seq=seq, origin=origin, mode=mode, rtc=rtc, arrived=arrived,
+                    generation=current, asked=asked)  # fmt: skip
         table.enter(episode)
         held = False
         try:
@@ -286,14 +285,14 @@ class MultiGpuDispatcher:
             result: StepResult = await (job.future if seq is None else asyncio.shield(job.future))
             return result
         except asyncio.CancelledError:
-            held = self._handle_cancel(dev, job, episode, deadline)
+            held = self._handle_cancel(dev, job, episode, step.deadline)
             raise
         finally:
             if not held:
                 table.leave(episode)
 
     def _handle_cancel(
-        self, dev: DeviceWorker, job: StepJob, episode: str, deadline: float | None
+        self, dev: DeviceWorker, job: StepJob, episode: str, deadline: float
     ) -> bool:
         """The caller of ``job`` was cancelled: a run still going at its ``deadline`` counts
         as hung; what it applied is undone, unless it named its seq: then it runs on and
@@ -304,7 +303,7 @@ class MultiGpuDispatcher:
             if job.seq is None:
                 job.abandoned = True
                 committed = job.committed
-        if run is not None and (deadline is None or time.monotonic() >= deadline):
+        if run is not None and time.monotonic() >= deadline:
             dev.count_hang(run)
         if job.seq is not None:
             job.future.add_done_callback(functools.partial(_held_done, self.table, episode))
