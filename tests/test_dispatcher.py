@@ -13,11 +13,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from affinity.claims import Assignment
 from affinity.errors import InvalidArgument
 from node.chunks import ActionBuffer, ChunkMode, ChunkSpec, find_chunk
 from node.contract import PolicyContract, TensorSpec
 from node.dispatcher import DeviceDown, ModelFailure, MultiGpuDispatcher
 from node.episodes import NotKept
+from node.step import Step
 from tests.dispatch import dispatch
 
 pytestmark = pytest.mark.anyio
@@ -145,6 +147,18 @@ async def test_state_follows_episode_and_token() -> None:
     # a new token (a new claim) starts clean and says so
     r3 = await dispatch(d, "n/0", "ep", 9, False, obs(5))
     assert (r3.outputs["act"].item(), r3.state_reset, r3.seq) == (5.0, True, 1)
+
+
+async def test_a_step_and_its_assignment_are_taken_whole() -> None:
+    """The claim comes from the Assignment (status "claimed": fresh), the options from the
+    Step; ``inputs`` replaces the step's own (the owner adds its control values)."""
+    d, _, _ = make()
+    claimed = Assignment("ep", "claimed", "n/0", 7, "n", "", None, "c1")
+    first = await d.step(Step("ep", obs(1), 0.0, seq=1), claimed)
+    second = await d.step(Step("ep", obs(100), 0.0, seq=2), claimed._replace(status="hit"),
+                          inputs=obs(2))  # fmt: skip
+    assert (first.outputs["act"].item(), second.outputs["act"].item(), second.seq) == (1, 3, 2)
+    assert not second.state_reset and d.table.holds("ep", "n/0", 7, "c1")
 
 
 async def test_interleaved_episodes_do_not_disturb_each_other() -> None:
