@@ -4,8 +4,8 @@ work waiting for it, and the batch window that gathers waiting steps into one ru
 It knows sessions and futures, not episodes. A :class:`~node.jobs.Job` (its types are in
 ``node/jobs.py``) carries an opaque ``key``: jobs with one key run one at a time, in arrival
 order, at most one in a run (None: distinct).
-Its owner (``node/dispatcher.py``) says, through two callables, what a job runs with
-(``prepare``) and what is kept of the run (``commit``); both answer through
+Its owner (the commit rules, ``node/commit.py``) says, through two callables, what a job
+runs with (``prepare``) and what is kept of the run (``commit``); both answer through
 :meth:`DeviceWorker.answer`.
 
 Why this is hard:
