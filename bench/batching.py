@@ -36,6 +36,7 @@ from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import MultiGpuDispatcher, Session
 from node.models import MODELS_DIR
 from node.providers import ProviderSettings, build_session
+from tests.dispatch import dispatch
 
 MODES = {"on": None, "off": 1}  # max_batch
 
@@ -85,15 +86,16 @@ async def drive(
 ) -> tuple[float, list[float]]:
     """Closed-loop episodes for ``seconds``; return (steps/s, step latencies in s)."""
     device = d.devices[0]
+    rtc = None if d.rtc is None else d.rtc_for(0, 0)  # an RTC model: no prefix, no estimate
     for e in range(episodes):  # claim each episode once, outside the measurement
-        await d.step(device, f"ep{e}", 1, True, inputs)
+        await dispatch(d, device, f"ep{e}", 1, True, inputs, rtc=rtc)
     latencies: list[float] = []
     stop = time.perf_counter() + seconds
 
     async def episode(e: int) -> None:
         while time.perf_counter() < stop:
             t0 = time.perf_counter()
-            await d.step(device, f"ep{e}", 1, False, inputs)
+            await dispatch(d, device, f"ep{e}", 1, False, inputs, rtc=rtc)
             latencies.append(time.perf_counter() - t0)
 
     t0 = time.perf_counter()

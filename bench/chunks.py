@@ -25,6 +25,7 @@ from node.devices import discover
 from node.dispatcher import MultiGpuDispatcher
 from node.models import VLA_DEMO_MODEL
 from node.providers import ProviderSettings, build_session
+from tests.dispatch import dispatch
 
 
 async def drive(
@@ -33,7 +34,7 @@ async def drive(
     """Closed-loop episodes; return (steps/s, latencies, latencies by reply source)."""
     device = d.devices[0]
     for e in range(episodes):
-        await d.step(device, f"ep{e}", 1, True, inputs, execute_steps=k)
+        await dispatch(d, device, f"ep{e}", 1, True, inputs, execute_steps=k)
     latencies: list[float] = []
     by_source: dict[str, list[float]] = {"model": [], "buffer": []}
     stop = time.perf_counter() + seconds
@@ -41,7 +42,7 @@ async def drive(
     async def episode(e: int) -> None:
         while time.perf_counter() < stop:
             t0 = time.perf_counter()
-            r = await d.step(device, f"ep{e}", 1, False, inputs, execute_steps=k)
+            r = await dispatch(d, device, f"ep{e}", 1, False, inputs, execute_steps=k)
             took = time.perf_counter() - t0
             latencies.append(took)
             by_source[r.source].append(took)

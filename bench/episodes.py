@@ -22,6 +22,7 @@ from node.devices import discover
 from node.dispatcher import MultiGpuDispatcher
 from node.models import resolve_model
 from node.providers import ProviderSettings, build_session
+from tests.dispatch import dispatch
 
 
 async def measure(model: str, episodes: int, steps: int) -> tuple[float, int]:
@@ -34,13 +35,13 @@ async def measure(model: str, episodes: int, steps: int) -> tuple[float, int]:
     inputs = {s.name: s.zeros() for s in contract.observation_inputs}
     try:
         for i in range(20):  # warm: allocator pools, caches
-            await d.step(device, f"warm-{i}", 1, True, inputs)
+            await dispatch(d, device, f"warm-{i}", 1, True, inputs)
         tracemalloc.start()
         before = tracemalloc.take_snapshot()
         last = None
         for i in range(episodes):
             for t in range(steps):
-                last = await d.step(device, f"ep-{i}", 1, t == 0, inputs)
+                last = await dispatch(d, device, f"ep-{i}", 1, t == 0, inputs)
         after = tracemalloc.take_snapshot()
         tracemalloc.stop()
     finally:

@@ -180,6 +180,7 @@ def state_figure(device_type: str, steps: int) -> dict[str, Any]:
     from node.dispatcher import MultiGpuDispatcher
     from node.models import DEMO_MODEL
     from node.providers import ProviderSettings, build_session
+    from tests.dispatch import dispatch
 
     pin_pci_bus_order(os.environ)  # before this process initialises CUDA
     contract = load_contract(DEMO_MODEL)
@@ -199,7 +200,7 @@ def state_figure(device_type: str, steps: int) -> dict[str, Any]:
             latencies = []
             for i in range(steps):
                 t0 = time.perf_counter()
-                await d.step("d", "ep", 1, i == 0, obs)
+                await dispatch(d, "d", "ep", 1, i == 0, obs)
                 latencies.append(time.perf_counter() - t0)
             return latencies[10:]
 

@@ -40,6 +40,7 @@ from node.dispatcher import MultiGpuDispatcher
 from node.models import RTC_DEMO_MODEL
 from node.providers import ProviderSettings, build_session
 from node.rtc import Ask
+from tests.dispatch import dispatch
 
 HZ = 50.0
 EVERY = 8  # control steps between inferences (the execution horizon s)
@@ -92,8 +93,8 @@ async def robot(
             clock.t = t / HZ
             ask = None if rtc else Ask(16, 0)
             t0 = time.perf_counter()
-            result = await d.step(device, episode, 1, seq == 0, {"image": image, "state": state},
-                                  rtc=ask)  # fmt: skip
+            feed = {"image": image, "state": state}
+            result = await dispatch(d, device, episode, 1, seq == 0, feed, rtc=ask)
             wall.append(time.perf_counter() - t0)
             seq += 1
             d.observed(episode, result.seq, latency)

@@ -1,107 +1,52 @@
 """``MultiGpuDispatcher``: one model's steps on the node's devices.
 
-A step is admitted against its episode's record (``EpisodeTable.admit_locked``): a retry of
-the step already applied gets its reply again, a step the action buffer holds is answered
-from it, and any other goes to its device's worker (``node/worker.py``: the queue, batches,
-inline runs), whose run is kept only if the record is still the one it read
-(``EpisodeTable.keep_locked``). Pure composition: no HTTP, no Redis; sessions come from an
-injectable factory, so the rules are tested with fakes and no GPU.
+A step is admitted against its episode's record: a retry of the step already applied gets
+its reply again, and a step the action buffer holds is answered from it. Any other step goes
+to its device's worker (``node/worker.py``: the queue, batches, inline runs). The worker
+keeps a run only by the commit rules of ``node/commit.py``. No HTTP, no Redis: sessions
+come from an injectable factory, so the rules are tested with fakes and no GPU.
 
-Why this is hard: a step reads its record on the worker's thread as its run starts and
-keeps its result there as the run ends, while the event loop ends, undoes and drops
-records. Both sides take the table's lock; the job's lock settles whether its caller still
-waits. ``docs/internals.md`` tells the whole path.
+Hazard: a caller cancelled mid-run. Its step is undone, unless it named its ``seq``: then it
+runs on and keeps its result for the caller's retry. ``docs/internals.md`` tells the path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from affinity.errors import InvalidArgument
-from node import control, health
-from node.chunks import ActionBuffer, ChunkMode, ChunkSpec, find_chunk
+from node import health
+from node.chunks import ChunkMode, find_chunk
+from node.commit import Records, StepJob
 from node.contract import PolicyContract
-from node.episodes import (
-    Apply,
-    ClaimEnded,
-    Episode,
-    EpisodeTable,
-    ForwardCancelled,
-    NotKept,
-    SeqConflict,
-    StepResult,
-    Verdict,
-    advance,
-)
+from node.episodes import EpisodeTable, NotKept
 from node.health import CrashTracker, DeviceDown, ModelFailure, Transition
-from node.rtc import Ask, RtcSpec, Used, control_rate, rtc_of
-from node.worker import (
-    DEFAULT_BATCH_DELAY_US,
-    MAX_DEFAULT_BATCH,
-    Arrival,
-    Arrivals,
-    DeviceWorker,
-    Job,
-    Member,
-    Session,
-    batch_limit,
-)
+from node.jobs import Arrival, Arrivals, Session
+from node.record import StepResult
+from node.rtc import Ask, control_rate, rtc_of
+from node.worker import DEFAULT_BATCH_DELAY_US, DeviceWorker, batch_limit
+
+if TYPE_CHECKING:
+    from affinity.claims import Assignment
+    from node.step import Step
 
 __all__ = [  # the worker's and health's names too, for the imports made before the split
-    "DEFAULT_BATCH_DELAY_US",
-    "MAX_DEFAULT_BATCH",
     "Arrival",
     "Arrivals",
-    "CrashTracker",
     "DeviceDown",
     "ModelFailure",
     "MultiGpuDispatcher",
-    "SeqConflict",
     "Session",
-    "StepResult",
 ]
 
-log = logging.getLogger("affinity.node")
-
 Array = np.ndarray[Any, Any]
-
-
-@dataclass(eq=False, kw_only=True)
-class _Step(Job):
-    """A step of the episode ``key`` (or a stateless run, ``key`` None) and what it shares
-    with its caller, under ``lock``, to agree on whether its state is kept."""
-
-    token: int = 0
-    claim: str = ""
-    fresh: bool = True
-    seq: int | None = None  # the seq the caller expects to be applied (None: not sent)
-    origin: str = ""  # the forward it came in (""; not forwarded)
-    mode: ChunkMode | None = None
-    rtc: Ask | None = None  # real-time chunking: what the step says (RTC models only)
-    arrived: float = 0.0  # the dispatcher's clock when the step arrived at the node
-    generation: int = 0  # the table's generation when the step began (a drop since: not kept)
-    asked: Mapping[str, Array] | None = None  # its inputs when it named its seq (see admit)
-    committed: int = 0  # the seq it applied (0: none yet)
-
-
-@dataclass(eq=False)
-class _Member(Member):
-    """A step taken into a model run, with what it read of its episode's record."""
-
-    job: _Step
-    read: Episode | None  # the record it read (kept over only if still current)
-    base: Episode | None  # the record it runs on (None: the initial state)
-    reset: bool
-    rtc: Used | None = None  # real-time chunking: what the step runs with
 
 
 class MultiGpuDispatcher:
@@ -168,7 +113,7 @@ class MultiGpuDispatcher:
         self.table = table if table is not None else EpisodeTable(clock)
         """The node's episode records, shared by the dispatchers of all its models."""
         self.arrivals = arrivals if arrivals is not None else Arrivals()
-        self._records = _Records(
+        self._records = Records(
             self.table, contract, self.chunk, self.rtc, control_hz, clock, model
         )
         self._outputs = [o.name for o in contract.outputs]
@@ -274,35 +219,25 @@ class MultiGpuDispatcher:
 
     async def step(
         self,
-        device: str,
-        episode: str,
-        token: int,
-        fresh: bool,
-        inputs: Mapping[str, Array],
+        step: Step,
+        assignment: Assignment,
         *,
-        claim: str = "",
-        seq: int | None = None,
-        origin: str = "",
-        deadline: float | None = None,
-        execute_steps: int | None = None,
-        ensemble: str | None = None,
-        rtc: Ask | None = None,
-        arrived: float | None = None,
+        inputs: Mapping[str, Array] | None = None,
         generation: int | None = None,
     ) -> StepResult:
-        """Run one step of ``episode`` on ``device`` under its claim (``token`` and claim
-        id), by the rules of :func:`node.episodes.admit`; return its result.
+        """Run ``step`` under ``assignment`` (its episode, device, token and claim id), by
+        the rules of :func:`node.episodes.admit`; return its result.
 
-        ``fresh``: the episode was just claimed, so no state is expected anywhere. ``seq``:
-        the step number the caller expects to be applied; a retry of the one applied, with
-        the same inputs, gets its stored reply (``replayed``, no model run), any other
-        mismatch raises :class:`SeqConflict` and changes nothing. ``origin``: the forward
-        it came in (:meth:`EpisodeTable.undo`). ``deadline`` (``time.monotonic()``): a
-        cancelled step's run counts as hung once past it (None: always), not when its
-        client left before. ``execute_steps``, ``ensemble``: the step's chunk mode
-        (:meth:`mode_for`). ``rtc``: its real-time-chunking values (:meth:`rtc_for`; None:
-        estimate both). ``arrived``: the clock when it reached the node, and
-        ``generation``: the table's when it began (None: now; a drop since keeps nothing).
+        A fresh claim (status ``claimed``) expects no state anywhere. ``inputs``: the
+        step's inputs with the caller's control values (None: ``step.inputs``).
+        ``generation``: the table's when the step began (None: now; a drop since keeps
+        nothing). Of the step: ``seq``, the number the caller expects to be applied (a
+        retry of the one applied, with the same inputs, gets its stored reply, no model
+        run; any other mismatch raises :class:`SeqConflict` and changes nothing);
+        ``origin``, the forward it came in (:meth:`EpisodeTable.undo`); ``deadline``, past
+        which a cancelled step's run counts as hung; ``execute_steps`` and ``ensemble``
+        (:meth:`mode_for`); ``rtc`` (:meth:`rtc_for`; None: estimate both); ``arrived``
+        (None: now).
 
         Raises :class:`ModelFailure` (counted), :class:`DeviceDown`, :class:`ClaimEnded`
         (the claim ended here first), :class:`NotKept` (the records were dropped),
@@ -310,17 +245,22 @@ class MultiGpuDispatcher:
         (before anything changes). A cancelled step keeps nothing, unless it named its
         ``seq``: that one runs on and keeps its result for the caller's retry.
         """
+        episode, device = assignment.episode, assignment.device
+        token, claim = assignment.token, assignment.claim
+        fresh = assignment.status == "claimed"
+        seq, origin = step.seq, step.origin
         dev = self._device(device)
         table = self.table
         current = table.generation
         if generation is not None and generation != current:
             raise NotKept(episode)
-        mode = self.mode_for(execute_steps, ensemble)
+        mode = self.mode_for(step.execute_steps, step.ensemble)
+        rtc = step.rtc
         if self.rtc is not None and rtc is None:
             rtc = self.rtc_for()
         if dev.tracker.down:
             raise DeviceDown(device)
-        feed = dict(inputs)
+        feed = dict(step.inputs if inputs is None else inputs)
         asked = feed if seq is not None else None
         if not fresh and (seq is not None or mode is not None) and not table.in_flight(episode):
             # a replay or a buffered action, perhaps, with nothing of this episode on the
@@ -332,10 +272,10 @@ class MultiGpuDispatcher:
                 return answered
         one_row = all(a.ndim >= 1 and a.shape[0] == 1 for a in feed.values())
         future = asyncio.get_running_loop().create_future()
-        job = _Step(episode, feed, future, one_row, token=token, claim=claim, fresh=fresh,
-                    seq=seq, origin=origin, mode=mode, rtc=rtc,
-                    arrived=self.clock() if arrived is None else arrived, generation=current,
-                    asked=asked)  # fmt: skip
+        arrived = self.clock() if step.arrived is None else step.arrived
+        job = StepJob(episode, feed, future, one_row, token=token, claim=claim, fresh=fresh,
+                    seq=seq, origin=origin, mode=mode, rtc=rtc, arrived=arrived,
+                    generation=current, asked=asked)  # fmt: skip
         table.enter(episode)
         held = False
         try:
@@ -345,14 +285,14 @@ class MultiGpuDispatcher:
             result: StepResult = await (job.future if seq is None else asyncio.shield(job.future))
             return result
         except asyncio.CancelledError:
-            held = self._handle_cancel(dev, job, episode, deadline)
+            held = self._handle_cancel(dev, job, episode, step.deadline)
             raise
         finally:
             if not held:
                 table.leave(episode)
 
     def _handle_cancel(
-        self, dev: DeviceWorker, job: _Step, episode: str, deadline: float | None
+        self, dev: DeviceWorker, job: StepJob, episode: str, deadline: float
     ) -> bool:
         """The caller of ``job`` was cancelled: a run still going at its ``deadline`` counts
         as hung; what it applied is undone, unless it named its seq: then it runs on and
@@ -363,7 +303,7 @@ class MultiGpuDispatcher:
             if job.seq is None:
                 job.abandoned = True
                 committed = job.committed
-        if run is not None and (deadline is None or time.monotonic() >= deadline):
+        if run is not None and time.monotonic() >= deadline:
             dev.count_hang(run)
         if job.seq is not None:
             job.future.add_done_callback(functools.partial(_held_done, self.table, episode))
@@ -384,7 +324,7 @@ class MultiGpuDispatcher:
         feed = dict(inputs)
         one_row = all(a.ndim >= 1 and a.shape[0] == 1 for a in feed.values())
         future = asyncio.get_running_loop().create_future()
-        dev.put(_Step(None, feed, future, one_row))
+        dev.put(StepJob(None, feed, future, one_row))
         result: StepResult = await future
         return result.outputs
 
@@ -409,196 +349,6 @@ class MultiGpuDispatcher:
         for dev in self._devices.values():
             if dev.thread is not None:
                 dev.thread.join(timeout=30)
-
-
-class _Records:
-    """One model's side of the episode table, under its lock: a step's admission (a replay,
-    an action from its buffer, or the feed of its run) and the keeping of what a run gave.
-    ``prepare`` and ``commit`` run on a device's worker thread, or on the event loop's for
-    an inline run."""
-
-    def __init__(
-        self,
-        table: EpisodeTable,
-        contract: PolicyContract,
-        chunk: ChunkSpec | None,
-        rtc: RtcSpec | None,
-        control_hz: float | None,
-        clock: Callable[[], float],
-        model: str,
-    ) -> None:
-        self.table = table
-        self.contract = contract
-        self.chunk = chunk
-        self.rtc = rtc
-        self.control_hz = control_hz
-        self.clock = clock
-        self.model = model
-        self._fed_back = set(contract.state.values())
-
-    def answer_at_once(
-        self,
-        device: str,
-        episode: str,
-        token: int,
-        claim: str,
-        fresh: bool,
-        seq: int | None,
-        origin: str,
-        mode: ChunkMode | None,
-        asked: Mapping[str, Array] | None,
-    ) -> StepResult | None:
-        """Admit a step and answer it if :func:`admit`'s verdict holds the answer already,
-        without a worker (see :meth:`answer_locked`); None: the step needs a run."""
-        with self.table.lock:
-            _, verdict = self.table.admit_locked(
-                episode, device, token, claim, fresh, seq, origin, asked
-            )
-            return self.answer_locked(device, episode, verdict, mode, origin, asked)
-
-    def answer_locked(
-        self,
-        device: str,
-        episode: str,
-        verdict: Verdict,
-        mode: ChunkMode | None,
-        origin: str,
-        asked: Mapping[str, Array] | None,
-    ) -> StepResult | None:
-        """The answer :func:`admit`'s ``verdict`` holds already (a replay, or an action from
-        the buffer of the record it chose), or None: the step needs a model run."""
-        if not isinstance(verdict, Apply):
-            self.table.pin_locked(episode)  # delivered now: never undone
-            return verdict.result
-        if mode is None or verdict.base is None:
-            return None
-        return self.from_buffer_locked(device, episode, verdict.base, mode, origin, asked)
-
-    def from_buffer_locked(
-        self,
-        device: str,
-        episode: str,
-        base: Episode,
-        mode: ChunkMode,
-        origin: str,
-        asked: Mapping[str, Array] | None,
-    ) -> StepResult | None:
-        """Answer the step from the buffer of ``base``, the episode's current record that
-        :func:`admit` chose, or None."""
-        if base.buffer is None or base.device != device:
-            return None
-        action = base.buffer.buffered(mode)
-        if action is None:
-            return None
-        assert self.chunk is not None  # a buffer exists only for a model with a chunk
-        outputs = {self.chunk.output: self.chunk.action(action.copy())}
-        result = StepResult(outputs, base.doubt, base.seq + 1, "buffer")
-        self.table.replace_locked(episode, advance(
-            base, device, base.token, base.claim, base.state, base.buffer.served(), result,
-            self.clock(), None, origin, base.sent, asked=asked,
-        ))  # fmt: skip
-        return result
-
-    def prepare(self, dev: DeviceWorker, job: _Step) -> _Member | None:
-        """Admit the job's step: answer it at once (a replay, or an action from its buffer)
-        or say what its run feeds. None: no run."""
-        episode = job.key
-        result: StepResult | None = None
-        error: SeqConflict | ForwardCancelled | ClaimEnded | NotKept | None = None
-        table = self.table
-        with job.lock, table.lock:
-            if job.gave_up():
-                return None
-            if episode is None:
-                feed = {**job.inputs, **self.contract.initial_state()}
-                if self.rtc is not None:
-                    feed.update(self.rtc.none())
-                return _Member(job, feed, None, None, False)
-            try:
-                if job.generation != table.generation:
-                    raise NotKept(episode)
-                st, verdict = table.admit_locked(
-                    episode, dev.id, job.token, job.claim, job.fresh, job.seq, job.origin,
-                    job.asked,
-                )  # fmt: skip
-            except (SeqConflict, ForwardCancelled, ClaimEnded, NotKept) as exc:
-                error = exc
-            else:
-                result = self.answer_locked(
-                    dev.id, episode, verdict, job.mode, job.origin, job.asked
-                )
-                if result is None:
-                    assert isinstance(verdict, Apply)  # a replay is answered
-                    feed, used = self._feed(job, verdict.base, verdict.reset)
-                    return _Member(job, feed, st, verdict.base, verdict.reset, used)
-                if isinstance(verdict, Apply):  # from the buffer: undone if its caller leaves
-                    job.committed = result.seq
-        dev.answer(job.future, result, error)
-        return None
-
-    def _feed(
-        self, job: _Step, base: Episode | None, reset: bool
-    ) -> tuple[dict[str, Array], Used | None]:
-        """What the job's run feeds on ``base`` (None: the initial state), and the
-        real-time-chunking values it runs with."""
-        state = self.contract.initial_state() if base is None else base.state
-        feed = {**job.inputs, **state}
-        if base is None:  # the episode's first step, or its first after a reset
-            control.started(feed)
-        if self.rtc is None:
-            return feed, None
-        assert job.rtc is not None  # step() gives every job of an RTC model one
-        sent = None if base is None or reset else base.sent
-        latency = () if base is None else base.latency
-        rtc_feed, used = self.rtc.feed(sent, job.rtc, job.arrived, latency, self.control_hz)
-        feed.update(rtc_feed)
-        return feed, used
-
-    def commit(self, dev: DeviceWorker, m: _Member, outputs: dict[str, Array]) -> None:
-        """Keep the member's new state (if its caller still waits) and answer it."""
-        job = m.job
-        buffer: ActionBuffer | None = None
-        if job.mode is None:
-            visible = {k: v for k, v in outputs.items() if k not in self._fed_back}
-        else:
-            assert self.chunk is not None  # a mode exists only for a model with a chunk
-            chunk = self.chunk.chunk_of(outputs[self.chunk.output])
-            old = None if m.base is None else m.base.buffer
-            buffer, action = (old or ActionBuffer()).after_run(chunk, job.mode)
-            visible = {self.chunk.output: self.chunk.action(action)}
-        seq = 1 if m.base is None else m.base.seq + 1
-        result = StepResult(visible, m.reset, seq, "model", rtc=m.rtc, queue_s=job.queue_s,
-                            run_s=job.run_s)  # fmt: skip
-        episode = job.key
-        if episode is not None:
-            new_state = {name: outputs[out] for name, out in self.contract.state.items()}
-            now = self.clock()
-            sent = None
-            if self.rtc is not None:
-                assert self.chunk is not None  # an RTC model has a chunk (checked at load)
-                sent = (self.chunk.chunk_of(outputs[self.chunk.output]), now)
-            table = self.table
-            with job.lock, table.lock:
-                # keep nothing for a caller that gave up (its router, for a forward whose
-                # undo came while it ran), after a drop meanwhile, or when the record it
-                # read was released or replaced meanwhile; and then answer no result
-                if table.cancelled_locked(job.origin):
-                    dev.answer(job.future, None, ForwardCancelled(job.origin))
-                    return
-                if job.gave_up():
-                    return
-                new = advance(
-                    m.base, dev.id, job.token, job.claim, new_state, buffer, result, now,
-                    None if m.base else {n: m.feed[n] for n in self.contract.state},
-                    job.origin, sent, model=self.model, asked=job.asked,
-                )  # fmt: skip
-                if not table.keep_locked(episode, m.read, job.generation, new):
-                    lost = job.generation != table.generation
-                    why = NotKept(episode) if lost else ClaimEnded(episode, job.claim)
-                    dev.answer(job.future, None, why)
-                    return
-                job.committed = seq
-        dev.answer(job.future, result, None)
 
 
 def _held_done(table: EpisodeTable, episode: str, future: asyncio.Future[Any]) -> None:

@@ -1,11 +1,6 @@
-"""What the owner remembers about its episodes: one :class:`Episode` record per episode, in
-one node-wide :class:`EpisodeTable` (an episode has a record in at most one model).
-
-A record holds the claim it serves (device, token, the claim id Redis issued with the
-token, the model ``name@version``), the number of steps applied under that claim
-(``seq``), the recurrent state and action buffer those steps left, the chunk and
-latencies real-time chunking reads, the last step's reply (replayed to a retry) and the
-record before the last step (``previous``: restored when that step is undone).
+"""What the owner remembers about its episodes: one node-wide :class:`EpisodeTable` of
+:class:`~node.record.Episode` records (an episode has a record in at most one model), and
+:func:`admit`, the rule that decides a step against its record.
 
 Why this is hard: steps run on device threads while the event loop ends, releases,
 expires and drops records. A step reads its record when its run starts and keeps its
@@ -23,13 +18,22 @@ import asyncio
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from typing import Any, Literal
+from dataclasses import replace
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
-from node.chunks import ActionBuffer
-from node.rtc import LATENCY_WINDOW, Used
+from node.record import (
+    Apply,
+    Episode,
+    Replay,
+    StepResult,
+    Verdict,
+    advance,
+    same_inputs,
+    undone,
+)
+from node.rtc import LATENCY_WINDOW
 
 __all__ = [
     "REMEMBERED",
@@ -57,55 +61,6 @@ REMEMBERED = 65_536
 DropReason = Literal["end", "idle", "lost", "revoked", "fenced", "registered", "handed"]
 """Why a record left the table. ``end`` (the client ended or restarted the episode) is the
 only one after which the episode's next claim here starts clean without ``state_reset``."""
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    outputs: dict[str, Array]
-    """Every model output not fed back as state; with chunk execution, only the chunk
-    output, holding this step's one action (see :mod:`node.chunks`)."""
-    state_reset: bool
-    seq: int  # the step's number under its claim: 1, 2, … (the owner's count)
-    source: Literal["model", "buffer"] = "model"  # "buffer": answered without a model run
-    replayed: bool = False  # the stored reply of a step already applied (no model run)
-    rtc: Used | None = None  # real-time chunking: what the step ran with (node/rtc.py)
-    queue_s: float = 0.0  # its wait for its device before the model run (seconds)
-    run_s: float = 0.0  # the model run it was part of (seconds; 0: no run)
-
-
-@dataclass(slots=True)
-class Episode:
-    """What the owner remembers about one episode (see the module doc). Records are not
-    changed once current, except that the one a step replaces loses its ``previous``, a
-    step's latency is added once its reply is on its way, and ``pinned``/``doubt``."""
-
-    device: str
-    token: int
-    claim: str  # the claim id Redis issued with the token ("" from an older fleet)
-    state: dict[str, Array]
-    last_used: float
-    seq: int  # steps applied under this claim; 0: claimed, nothing applied yet
-    buffer: ActionBuffer | None  # None: chunk execution off, or nothing buffered
-    reply: StepResult | None = None  # the result of step ``seq`` (None when seq is 0)
-    previous: Episode | None = None  # the record before step ``seq``; restored by undo
-    origin: str = ""  # the forward that applied step ``seq`` ("" when not forwarded)
-    doubt: bool = (
-        False  # its history is unknown (an undo came too late): the next step starts clean
-    )
-    sent: tuple[Array, float] | None = None  # RTC: the [H, D] chunk last sent, and when
-    latency: tuple[float, ...] = ()  # RTC: the latest step latencies (seconds), oldest first
-    pinned: bool = False  # step ``seq``'s reply was replayed to a retry: never undone
-    model: str = ""  # "name@version" of the claim ("": a fleet without models)
-    asked: Mapping[str, Array] | None = None
-    """The inputs of step ``seq`` when it named its ``seq``: such a step is held for its
-    caller's retry (never undone), and a retry must repeat these inputs to be replayed."""
-    confirmed: bool = True
-    """False for a record a hand-over installed before Redis moved the claim here: never
-    served from memory until a step Redis routed here (or the old owner) confirms it."""
-
-    def holds(self, device: str, token: int, claim: str) -> bool:
-        """Whether this record serves the claim (device, token, claim id)."""
-        return self.device == device and self.token == token and self.claim == claim
 
 
 class SeqConflict(Exception):
@@ -156,35 +111,6 @@ class ForwardCancelled(Exception):
         super().__init__(f"the router gave up on forward {origin!r} before it was applied")
 
 
-@dataclass(frozen=True, slots=True)
-class Apply:
-    """Run the step from ``base`` (None: the initial state); ``reset``: say state_reset."""
-
-    base: Episode | None
-    reset: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Replay:
-    """Answer ``result``, the stored reply of the step already applied."""
-
-    result: StepResult
-
-
-Verdict = Apply | Replay
-
-
-def same_inputs(a: Mapping[str, Array], b: Mapping[str, Array]) -> bool:
-    """Whether two steps' inputs are the same request (names, shapes, dtypes, values)."""
-    if a.keys() != b.keys():
-        return False
-    for name, x in a.items():
-        y = b[name]
-        if x.shape != y.shape or x.dtype != y.dtype or not np.array_equal(x, y):
-            return False
-    return True
-
-
 def admit(
     episode: str,
     record: Episode | None,
@@ -229,75 +155,13 @@ def admit(
     return Apply(None, record is not None or not fresh or dropped)
 
 
-def advance(
-    base: Episode | None,
-    device: str,
-    token: int,
-    claim: str,
-    state: dict[str, Array],
-    buffer: ActionBuffer | None,
-    result: StepResult,
-    now: float,
-    initial: dict[str, Array] | None,
-    origin: str,
-    sent: tuple[Array, float] | None = None,
-    *,
-    model: str = "",
-    asked: Mapping[str, Array] | None = None,
-) -> Episode:
-    """The record after ``result`` was applied on ``base`` (None: from ``initial``, the
-    initial state; a reset's initial record keeps ``doubt``, so a retry after an undo
-    still says ``state_reset``); ``sent``: the chunk the step sent and when (RTC models).
-    Call it holding the table's lock: ``base``, the current record, loses its
-    ``previous``."""
-    if base is None:
-        assert initial is not None
-        base = Episode(device, token, claim, initial, now, 0, None, doubt=result.state_reset,
-                       model=model)  # fmt: skip
-    else:
-        base.previous = None
-        base.doubt = False
-    return Episode(device, token, claim, state, now, result.seq, buffer, result, base, origin,
-                   sent=sent, latency=base.latency, model=model or base.model,
-                   asked=asked)  # fmt: skip
+_V = TypeVar("_V")
 
 
-def undone(record: Episode, seq: int | None, origin: str | None) -> Episode | None:
-    """The record once step ``seq`` (or the step applied by forward ``origin``) is undone:
-    its previous record, or ``record`` marked in doubt when a later step was applied
-    meanwhile (the next step says ``state_reset``). None: nothing to undo (the step was
-    never applied, was undone already, named its ``seq`` (held for its caller's retry),
-    or its reply was replayed to a retry, which delivered it)."""
-    matches = record.seq == seq if origin is None else (origin != "" and record.origin == origin)
-    if matches and (record.pinned or record.asked is not None):
-        return None  # delivered by a replay, or held for the retry its seq makes safe
-    if matches and record.previous is not None:
-        if record.doubt:  # an earlier step could not be undone: the one before is in doubt too
-            record.previous.doubt = True
-        return record.previous
-    if matches and record.seq > 0:
-        record.doubt = True  # handed over without the record before it: the next step says so
-        return record
-    if seq is not None and record.seq > seq and origin is None:
-        record.doubt = True  # in place: steps that read this record still commit on it
-        return record
-    return None
+class _Bounded(OrderedDict[str, _V]):
+    """Keys remembered with a value up to :data:`REMEMBERED`, the oldest forgotten first."""
 
-
-class _Bounded(OrderedDict[str, str]):
-    """Keys remembered up to :data:`REMEMBERED`, the oldest forgotten first."""
-
-    def remember(self, key: str, value: str = "") -> None:
-        self[key] = value
-        self.move_to_end(key)
-        if len(self) > REMEMBERED:
-            self.popitem(last=False)
-
-
-class _BoundedTo(OrderedDict[str, tuple[str, str, int]]):
-    """Episode -> (URL, device, token) of where its record went, the oldest forgotten."""
-
-    def remember(self, key: str, value: tuple[str, str, int]) -> None:
+    def remember(self, key: str, value: _V) -> None:
         self[key] = value
         self.move_to_end(key)
         if len(self) > REMEMBERED:
@@ -319,17 +183,20 @@ class EpisodeTable:
         """Bumped by :meth:`drop_all`: a step that began before keeps nothing."""
         self._records: dict[str, Episode] = {}
         self._live: dict[str, set[str]] = {}  # device -> episodes with a record on it
-        self._ended = _Bounded()  # claim ids whose record left the table
+        self._ended: _Bounded[str] = _Bounded()  # claim ids whose record left the table
         # "<episode> <token>" released while a step of it was in flight but before any
         # record of it existed (its claim id unknown here): until those steps are done
         self._ended_early: set[str] = set()
-        self._dropped = _Bounded()  # episode -> why: dropped here, not ended by its client
-        self._cancelled = _Bounded()  # forwards whose router gave up before they applied
-        self._applied = _Bounded()  # forwards applied here: origin -> episode
+        # episode -> why: dropped here, not ended by its client
+        self._dropped: _Bounded[str] = _Bounded()
+        # forwards whose router gave up before they applied
+        self._cancelled: _Bounded[str] = _Bounded()
+        self._applied: _Bounded[str] = _Bounded()  # forwards applied here: origin -> episode
         self._in_flight: dict[str, int] = {}
         self._idle: dict[str, asyncio.Event] = {}
         self._moving: dict[str, asyncio.Event] = {}  # episodes being handed over (loop only)
-        self._moved = _BoundedTo()  # episode -> where its record went: late undos follow it
+        # episode -> where its record went (URL, device, token): late undos follow it
+        self._moved: _Bounded[tuple[str, str, int]] = _Bounded()
 
     # ---- reads -------------------------------------------------------------------------
 
@@ -406,7 +273,7 @@ class EpisodeTable:
         ):
             return False
         if read is not None and read.claim != new.claim:
-            self._ended.remember(read.claim)
+            self._ended.remember(read.claim, "")
         if read is not None and read.device != new.device:
             self._live.get(read.device, set()).discard(episode)
         self._records[episode] = new
@@ -560,7 +427,7 @@ class EpisodeTable:
                     record.doubt = True  # (its reply reached nobody): the next step says so
                     return True
             elif origin and (record is None or record.origin != origin):
-                self._cancelled.remember(origin)
+                self._cancelled.remember(origin, "")
         return back is not None
 
     def cancelled_locked(self, origin: str) -> bool:

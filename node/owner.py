@@ -189,22 +189,12 @@ class Owner:
         started = time.perf_counter()
         try:
             result = await dispatcher.step(
-                a.device,
-                a.episode,
-                a.token,
-                a.status == "claimed",
-                {
+                step,
+                a,
+                inputs={
                     **step.inputs,
                     **control_feed(dispatcher.contract, a.episode, start=False, end=step.end),
                 },
-                claim=a.claim,
-                seq=step.seq,
-                origin=step.origin,
-                deadline=step.deadline,
-                execute_steps=step.execute_steps,
-                ensemble=step.ensemble,
-                rtc=step.rtc,
-                arrived=step.arrived,
                 generation=generation,
             )
         except SeqConflict as exc:

@@ -1,37 +1,14 @@
 """The ONNX Runtime provider plan of one device, and building a session pinned to it.
 
-A CUDA device gets ``[TensorRT (opt-in), CUDA, CPU]``, each GPU provider carrying the
-device's CUDA ordinal as ``device_id``; a CPU device gets ``[CPU]``.
-
-**CUDA must load.** onnxruntime-gpu 1.31.1 is built for CUDA 13 and cuDNN 9
-(``onnxruntime/capi/build_and_package_info.py``: ``cuda_version='13.0'``; its CUDA provider
-library needs ``libcudart.so.13``, ``libcublasLt.so.13``, ``libcublas.so.13``,
-``libcurand.so.10``, ``libcudnn.so.9`` and the driver's ``libcuda.so.1``, per ``readelf -d``).
-When they cannot load, ONNX Runtime quietly runs the session on the CPU. A node whose devices
-are GPUs must not serve their traffic on the CPU, so :func:`require_cuda` (called once at
-start-up) and :func:`build_session` raise :class:`CudaUnavailable` naming the missing library
-in one line. CUDA libraries installed from pip (``onnxruntime-gpu[cuda,cudnn]``) are not on
-the loader's path; :func:`preload_gpu_libraries` loads them with ``onnxruntime.preload_dlls()``
-first (and TensorRT's from the ``tensorrt_libs`` package of the ``tensorrt-cu13-libs`` wheel).
-
-**TensorRT caches.** ONNX Runtime already puts the compute capability into its cache file
-names (``TensorrtExecutionProvider_cache_sm90.timing``, ``..._sm90.engine``), but not the GPU
-model, its memory, or the TensorRT and ONNX Runtime versions: an engine built on one GPU
-model may not load on another of the same architecture, and after an upgrade "could not
-deserialize engine" fails session creation. :func:`trt_cache_dir` keys the directory by all
-of them. An unreadable cache is moved aside (``<dir>.unreadable``) and rebuilt, never fatal.
-
-**ORT's errors.** Session creation raises ``RuntimeError``/``ValueError`` when a provider
-library cannot be registered, but ``onnxruntime.capi.onnxruntime_pybind11_state.Fail`` (and
-``EPFail``) — which derive from ``Exception`` only — when a provider is registered but cannot
-honour its options: e.g. ``trt_cuda_graph_enable`` on a model TensorRT cannot take whole. Both
-drop the failing provider here: ``--tensorrt --cuda-graph`` on such a model runs on CUDA with
-the CUDA graph kept; when CUDA cannot capture the model either, :class:`CudaGraphUnavailable`
-says why.
-
-ONNX Runtime's own fallback is disabled when a session is built: when a provider cannot be
-registered it retries with ``["CUDAExecutionProvider", "CPUExecutionProvider"]`` *without
-their options*, which would silently move every device onto GPU 0.
+A CUDA device gets ``[TensorRT (opt-in), CUDA, CPU]``, each GPU provider with the device's
+CUDA ordinal as ``device_id``; a CPU device gets ``[CPU]``. ``docs/internals.md`` tells why.
+Hazards: when CUDA cannot load, ONNX Runtime quietly runs on the CPU; :func:`require_cuda`
+and :func:`build_session` raise :class:`CudaUnavailable` instead, naming the missing
+library. ORT's own fallback drops ``device_id`` (every device on GPU 0): it is disabled.
+ORT raises ``Fail``/``EPFail``, not ``RuntimeError``, for an option a provider refuses:
+both drop that provider (:class:`CudaGraphUnavailable` when CUDA cannot capture either).
+A TensorRT cache is keyed by GPU model, memory and versions (:func:`trt_cache_dir`); an
+unreadable one is moved aside and rebuilt, never fatal.
 """
 
 from __future__ import annotations

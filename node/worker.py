@@ -1,10 +1,11 @@
 """A device's worker: the thread that runs one model's session on one device, the queue of
 work waiting for it, and the batch window that gathers waiting steps into one run.
 
-It knows sessions and futures, not episodes. A :class:`Job` carries an opaque ``key``: jobs
-with one key run one at a time, in arrival order, at most one in a run (None: distinct).
-Its owner (``node/dispatcher.py``) says, through two callables, what a job runs with
-(``prepare``) and what is kept of the run (``commit``); both answer through
+It knows sessions and futures, not episodes. A :class:`~node.jobs.Job` (its types are in
+``node/jobs.py``) carries an opaque ``key``: jobs with one key run one at a time, in arrival
+order, at most one in a run (None: distinct).
+Its owner (the commit rules, ``node/commit.py``) says, through two callables, what a job
+runs with (``prepare``) and what is kept of the run (``commit``); both answer through
 :meth:`DeviceWorker.answer`.
 
 Why this is hard:
@@ -28,26 +29,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from node import control
 from node.health import CrashTracker, DeviceDown, ModelFailure, Transition
+from node.jobs import Arrivals, Job, Member, Run, Session
 
-__all__ = [
-    "DEFAULT_BATCH_DELAY_US",
-    "MAX_DEFAULT_BATCH",
-    "Arrival",
-    "Arrivals",
-    "DeviceWorker",
-    "Job",
-    "Member",
-    "Run",
-    "Session",
-    "batch_limit",
-]
+__all__ = ["DEFAULT_BATCH_DELAY_US", "MAX_DEFAULT_BATCH", "DeviceWorker", "batch_limit"]
 
 log = logging.getLogger("affinity.node")
 
@@ -79,98 +70,12 @@ def batch_limit(blocker: str | None, max_batch: int | None) -> tuple[int, str]:
     return size, ""
 
 
-class Session(Protocol):
-    """What a worker needs of a model session (``onnxruntime.InferenceSession``).
-
-    A session may also have ``batch_sizes``, a tuple of the batch sizes it runs best (e.g.
-    one captured CUDA graph each): batched runs are then padded to the smallest of them
-    that fits, and no run is larger than the largest. A step whose client sent several
-    rows runs alone, unpadded.
-    """
-
-    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> list[Any]:
-        """Run the model; return the outputs in ``output_names`` order."""
-
-
-class Arrivals:
-    """How many steps are on their way through the node (being resolved or checked), for
-    every dispatcher of the node: while any is, a device holding a waiting step may wait up
-    to ``batch_delay`` for others to join its run. Event loop only (workers read it)."""
-
-    __slots__ = ("count",)
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def arrival(self) -> Arrival:
-        """Count one step until its ``done()``: the node opens one when a request arrives
-        and closes it as the step is handed to a device (or leaves the node)."""
-        return Arrival(self)
-
-
-class Arrival:
-    """One step on its way through the node (:meth:`Arrivals.arrival`)."""
-
-    __slots__ = ("_arrivals", "_open")
-
-    def __init__(self, arrivals: Arrivals) -> None:
-        self._arrivals = arrivals
-        self._open = True
-        arrivals.count += 1
-
-    def done(self) -> None:
-        """The step reached a device, left the node or failed; idempotent."""
-        if self._open:
-            self._open = False
-            self._arrivals.count -= 1
-
-
-@dataclass
-class Run:
-    """One model run in progress; a run that outlives its steps' deadlines counts once."""
-
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    active: bool = True
-    hang_counted: bool = False
-
-
-@dataclass(eq=False)
-class Job:
-    """A step for a model run and the future its caller awaits. ``lock`` guards what the
-    caller and the worker share (``abandoned``, ``run``, and what the owner adds)."""
-
-    key: str | None  # one key: one job per run, in arrival order (None: always distinct)
-    inputs: dict[str, Array]
-    future: asyncio.Future[Any]
-    one_row: bool  # every input has a first dimension of 1: it may join a batch
-    enqueued: float = field(default_factory=time.perf_counter)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    abandoned: bool = False
-    run: Run | None = None  # the model run it is part of, while that runs
-    queue_s: float = 0.0  # from being queued to its run (worker thread)
-    run_s: float = 0.0  # its model run (worker thread)
-
-    def gave_up(self) -> bool:
-        # Task.cancel() cancels the awaited future at once but runs the caller's handler
-        # (which sets `abandoned`) later; a plain read of the future's state (atomic under
-        # the GIL) closes that gap for the worker.
-        return self.abandoned or self.future.cancelled()
-
-
 @dataclass(eq=False)
 class _Call:
     """Other work on a device's thread (a probe, the warm-up): runs alone, in order."""
 
     fn: Callable[[], Any]
     future: asyncio.Future[Any]
-
-
-@dataclass(eq=False)
-class Member:
-    """A job taken into a model run, with the feed it runs with."""
-
-    job: Job
-    feed: dict[str, Array]
 
 
 Prepare = Callable[["DeviceWorker", Any], "Member | None"]
@@ -431,13 +336,7 @@ class DeviceWorker:
         """One run of ``group`` stacked along the first axis, padded to :meth:`bucket`."""
         n = len(group)
         size = self.bucket(n)
-        feed = {
-            name: np.concatenate(
-                [m.feed[name] for m in group]
-                + [control.padding(name, group[0].feed[name])] * (size - n)
-            )
-            for name in group[0].feed
-        }
+        feed = _stacked([m.feed for m in group], size)
         try:
             values = self._session_run(feed, group)
             for name, value in values.items():
@@ -471,12 +370,7 @@ class DeviceWorker:
             self.answer(m.job.future, None, DeviceDown(self.id))
             return
         size = self.bucket(1) if m.job.one_row else 1
-        feed = m.feed
-        if size > 1:
-            feed = {
-                name: np.concatenate([v] + [control.padding(name, v)] * (size - 1))
-                for name, v in feed.items()
-            }
+        feed = _stacked([m.feed], size) if size > 1 else m.feed
         try:
             values = self._session_run(feed, [m])
         except Exception as exc:
@@ -537,6 +431,17 @@ class DeviceWorker:
         log.warning("device %s is %s%s", self.id, to, f": {reason}" if reason else "")
         if self.on_transition is not None:
             self.on_transition(self.id, to, reason)
+
+
+def _stacked(feeds: list[dict[str, Array]], size: int) -> dict[str, Array]:
+    """``feeds`` stacked along the first axis, padded to ``size`` rows with padding rows
+    made from the first feed's (:func:`node.control.padding`)."""
+    first = feeds[0]
+    pad = size - len(feeds)
+    return {
+        name: np.concatenate([f[name] for f in feeds] + [control.padding(name, first[name])] * pad)
+        for name in first
+    }
 
 
 def _observe(hook: Callable[[str, Any], None], device: str, value: Any) -> None:

@@ -20,6 +20,7 @@ from node.dispatcher import MultiGpuDispatcher
 from node.main import build_service
 from node.models import DEMO_MODEL
 from node.providers import ProviderSettings, build_session
+from tests.dispatch import dispatch
 from tests.rollout import reference_rollout
 
 pytestmark = pytest.mark.anyio
@@ -116,7 +117,7 @@ async def test_dispatcher_keeps_state_on_the_device_and_matches_reference() -> N
     try:
         obs = observations(6)
         for i, (o, want) in enumerate(zip(obs, reference_rollout(DEMO_MODEL, obs), strict=True)):
-            result = await d.step("n/0", "ep", 1, i == 0, {"obs": o})
+            result = await dispatch(d, "n/0", "ep", 1, i == 0, {"obs": o})
             np.testing.assert_allclose(result.outputs["actions"], want["actions"], rtol=1e-6)
             assert set(result.outputs) == {"actions"}
         # the first step starts from host zeros; every later one is fed the device handle
@@ -167,7 +168,9 @@ async def test_warm_up_runs_on_each_devices_worker_one_device_at_a_time() -> Non
         assert order == ["start a", "end a", "start b", "end b"]
         for device, session in sessions.items():
             for _ in range(3):
-                await d.step(device, f"ep-{device}", 1, True, {"obs": np.zeros((1, 8), np.float32)})
+                await dispatch(
+                    d, device, f"ep-{device}", 1, True, {"obs": np.zeros((1, 8), np.float32)}
+                )
             # captured on the thread that runs the steps, which is not the caller's thread
             [warm] = session.warm_threads
             assert set(session.run_threads) == {warm}
@@ -211,8 +214,8 @@ async def test_the_node_warms_its_devices_up_at_start_up() -> None:
     )()
     try:
         assert [len(s.warm_threads) for s in sessions.values()] == [1, 1]
-        await service.dispatchers["demo_policy"].step(
-            "gpu-a/1", "ep", 1, True, {"obs": np.zeros((1, 8))}
+        await dispatch(
+            service.dispatchers["demo_policy"], "gpu-a/1", "ep", 1, True, {"obs": np.zeros((1, 8))}
         )
         assert sessions[1].run_threads == sessions[1].warm_threads
         assert threading.get_ident() not in sessions[0].warm_threads + sessions[1].warm_threads

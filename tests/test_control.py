@@ -24,6 +24,7 @@ from node.control import control_feed, corrid_of
 from node.dispatcher import MultiGpuDispatcher
 from node.models._build import Weights, model, tensor, write
 from node.protocols.kserve import model_metadata
+from tests.dispatch import dispatch
 from tests.procs import Node, RedisServer, free_port
 from tests.test_cluster import Cluster, grpc_nodes, running
 
@@ -233,10 +234,10 @@ async def _steps() -> list[dict[str, list[int]]]:
         def feed(episode: str) -> dict[str, Any]:
             return {**one, **control_feed(contract, episode, start=False, end=False)}
 
-        await d.step("n/0", "e", 1, True, feed("e"))  # a fresh claim: start
-        await d.step("n/0", "e", 1, False, feed("e"))  # its next step
+        await dispatch(d, "n/0", "e", 1, True, feed("e"))  # a fresh claim: start
+        await dispatch(d, "n/0", "e", 1, False, feed("e"))  # its next step
         d.table.release("e", "end")  # the state is gone: the next step is a reset
-        await d.step("n/0", "e", 1, False, feed("e"))
+        await dispatch(d, "n/0", "e", 1, False, feed("e"))
         return sessions["n/0"].runs
     finally:
         d.close()

@@ -13,11 +13,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from affinity.claims import Assignment
 from affinity.errors import InvalidArgument
 from node.chunks import ActionBuffer, ChunkMode, ChunkSpec, find_chunk
 from node.contract import PolicyContract, TensorSpec
 from node.dispatcher import DeviceDown, ModelFailure, MultiGpuDispatcher
 from node.episodes import NotKept
+from node.step import Step
+from tests.dispatch import dispatch
 
 pytestmark = pytest.mark.anyio
 
@@ -136,22 +139,34 @@ async def settled(tasks: list[asyncio.Future[Any]]) -> list[Any]:
 
 async def test_state_follows_episode_and_token() -> None:
     d, _, _ = make()
-    r1 = await d.step("n/0", "ep", 7, True, obs(1))
-    r2 = await d.step("n/0", "ep", 7, False, obs(2))
+    r1 = await dispatch(d, "n/0", "ep", 7, True, obs(1))
+    r2 = await dispatch(d, "n/0", "ep", 7, False, obs(2))
     assert (r1.outputs["act"].item(), r2.outputs["act"].item()) == (1.0, 3.0)
     assert not r1.state_reset and not r2.state_reset and r2.seq == 2
     assert "state_out.h" not in r2.outputs, "fed-back state is not an output for clients"
     # a new token (a new claim) starts clean and says so
-    r3 = await d.step("n/0", "ep", 9, False, obs(5))
+    r3 = await dispatch(d, "n/0", "ep", 9, False, obs(5))
     assert (r3.outputs["act"].item(), r3.state_reset, r3.seq) == (5.0, True, 1)
+
+
+async def test_a_step_and_its_assignment_are_taken_whole() -> None:
+    """The claim comes from the Assignment (status "claimed": fresh), the options from the
+    Step; ``inputs`` replaces the step's own (the owner adds its control values)."""
+    d, _, _ = make()
+    claimed = Assignment("ep", "claimed", "n/0", 7, "n", "", None, "c1")
+    first = await d.step(Step("ep", obs(1), 0.0, seq=1), claimed)
+    second = await d.step(Step("ep", obs(100), 0.0, seq=2), claimed._replace(status="hit"),
+                          inputs=obs(2))  # fmt: skip
+    assert (first.outputs["act"].item(), second.outputs["act"].item(), second.seq) == (1, 3, 2)
+    assert not second.state_reset and d.table.holds("ep", "n/0", 7, "c1")
 
 
 async def test_interleaved_episodes_do_not_disturb_each_other() -> None:
     d, _, _ = make()
     a = b = 0.0
     for i in range(10):
-        a = (await d.step("n/0", "a", 1, i == 0, obs(1))).outputs["act"].item()
-        b = (await d.step("n/0", "b", 2, i == 0, obs(10))).outputs["act"].item()
+        a = (await dispatch(d, "n/0", "a", 1, i == 0, obs(1))).outputs["act"].item()
+        b = (await dispatch(d, "n/0", "b", 2, i == 0, obs(10))).outputs["act"].item()
     assert (a, b) == (10.0, 100.0)
     assert d.live_episodes("n/0") == 2
 
@@ -159,22 +174,22 @@ async def test_interleaved_episodes_do_not_disturb_each_other() -> None:
 async def test_a_fresh_claim_starts_clean_over_state_with_the_same_token() -> None:
     # after a lossy failover Redis may hand out a token number again, for a new claim
     d, _, _ = make()
-    await d.step("n/0", "ep", 7, True, obs(1))
-    await d.step("n/0", "ep", 7, False, obs(2))
-    again = await d.step("n/0", "ep", 7, True, obs(4))
+    await dispatch(d, "n/0", "ep", 7, True, obs(1))
+    await dispatch(d, "n/0", "ep", 7, False, obs(2))
+    again = await dispatch(d, "n/0", "ep", 7, True, obs(4))
     assert (again.outputs["act"].item(), again.state_reset, again.seq) == (4.0, True, 1)
 
 
 async def test_unknown_state_of_a_hit_is_a_reset() -> None:
     d, _, _ = make()
-    r = await d.step("n/1", "ep", 3, False, obs(1))
+    r = await dispatch(d, "n/1", "ep", 3, False, obs(1))
     assert r.state_reset
 
 
 async def test_moving_episode_between_devices() -> None:
     d, _, _ = make(2)
-    await d.step("n/0", "ep", 1, True, obs(1))
-    r = await d.step("n/1", "ep", 2, False, obs(1))
+    await dispatch(d, "n/0", "ep", 1, True, obs(1))
+    r = await dispatch(d, "n/1", "ep", 2, False, obs(1))
     assert r.state_reset
     assert (d.live_episodes("n/0"), d.live_episodes("n/1")) == (0, 1)
 
@@ -182,11 +197,11 @@ async def test_moving_episode_between_devices() -> None:
 async def test_release_expire_drop() -> None:
     clock = Clock()
     d, _, _ = make(2, clock=clock)
-    await d.step("n/0", "a", 1, True, obs(1))
-    await d.step("n/1", "b", 2, True, obs(1))
+    await dispatch(d, "n/0", "a", 1, True, obs(1))
+    await dispatch(d, "n/1", "b", 2, True, obs(1))
     assert d.table.release("a", "end") and not d.table.release("a", "end")
     clock.t += 5
-    await d.step("n/0", "c", 3, True, obs(1))
+    await dispatch(d, "n/0", "c", 3, True, obs(1))
     clock.t += 6
     assert len(d.table.expire_idle(10)) == 1  # b idle 11s, c idle 6s
     assert d.table.get("b") is None and d.table.get("c") is not None
@@ -196,22 +211,22 @@ async def test_release_expire_drop() -> None:
 async def test_crash_tracker_down_probe_up() -> None:
     clock = Clock()
     d, sessions, transitions = make(2, clock=clock, failure_threshold=3, cooldown_s=30)
-    await d.step("n/0", "ep", 1, True, obs(1))
+    await dispatch(d, "n/0", "ep", 1, True, obs(1))
     sessions["n/0"].fail = 3
     for _ in range(3):
         with pytest.raises(ModelFailure, match="n/0"):
-            await d.step("n/0", "ep", 1, False, obs(1))
+            await dispatch(d, "n/0", "ep", 1, False, obs(1))
     assert transitions == [("n/0", "down", transitions[0][2])]
     assert "illegal memory access" in transitions[0][2]
     with pytest.raises(DeviceDown):
-        await d.step("n/0", "ep", 1, False, obs(1))
+        await dispatch(d, "n/0", "ep", 1, False, obs(1))
     # the failed runs did not advance the state
     assert d.table.get("ep").token == 1
     assert await d.probe() == []  # cool-down not over
     clock.t += 31
     assert await d.probe() == ["n/0"]
     assert transitions[-1] == ("n/0", "up", "")
-    r = await d.step("n/0", "ep", 1, False, obs(1))
+    r = await dispatch(d, "n/0", "ep", 1, False, obs(1))
     assert r.outputs["act"].item() == 2.0
 
 
@@ -220,7 +235,7 @@ async def test_failed_probe_restarts_cooldown() -> None:
     d, sessions, transitions = make(1, clock=clock, failure_threshold=1, cooldown_s=10)
     sessions["n/0"].fail = 2
     with pytest.raises(ModelFailure):
-        await d.step("n/0", "ep", 1, True, obs(1))
+        await dispatch(d, "n/0", "ep", 1, True, obs(1))
     clock.t += 11
     assert await d.probe() == []
     clock.t += 5
@@ -238,20 +253,20 @@ async def test_stateless_run_keeps_nothing() -> None:
 
 async def test_a_step_whose_caller_gave_up_keeps_nothing() -> None:
     d, sessions, _ = make(1)
-    await d.step("n/0", "ep", 1, True, obs(1))  # h = 1
+    await dispatch(d, "n/0", "ep", 1, True, obs(1))  # h = 1
     s = sessions["n/0"]
     gate = threading.Event()
     s.gate = gate
     s.entered.clear()
-    running = asyncio.ensure_future(d.step("n/0", "ep", 1, False, obs(2)))
-    queued = asyncio.ensure_future(d.step("n/0", "other", 2, True, obs(5)))
+    running = asyncio.ensure_future(dispatch(d, "n/0", "ep", 1, False, obs(2)))
+    queued = asyncio.ensure_future(dispatch(d, "n/0", "other", 2, True, obs(5)))
     await started(s)
     calls = s.calls
     running.cancel()  # the request's deadline passed while the model ran
     queued.cancel()  # ... and while this one still waited in the device's queue
     gate.set()
     s.gate = None
-    r = await d.step("n/0", "ep", 1, False, obs(2))
+    r = await dispatch(d, "n/0", "ep", 1, False, obs(2))
     assert r.outputs["act"].item() == 3.0 and not r.state_reset  # h = 1 + 2, not 1 + 2 + 2
     assert s.calls == calls + 1, "the queued step of a cancelled request never ran"
     assert d.table.get("other") is None
@@ -263,7 +278,7 @@ async def test_drop_all_during_a_run_keeps_nothing_and_answers_nothing() -> None
     d, sessions, _ = make(1)
     gate = threading.Event()
     sessions["n/0"].gate = gate
-    step = asyncio.ensure_future(d.step("n/0", "ep", 1, True, obs(1)))
+    step = asyncio.ensure_future(dispatch(d, "n/0", "ep", 1, True, obs(1)))
     await started(sessions["n/0"])
     d.table.drop_all("fenced")  # the node fenced itself while the model ran
     gate.set()
@@ -271,7 +286,7 @@ async def test_drop_all_during_a_run_keeps_nothing_and_answers_nothing() -> None
         await step
     assert d.table.get("ep") is None
     with pytest.raises(NotKept):  # a step that began before the drop never runs
-        await d.step("n/0", "ep", 1, True, obs(1), generation=d.table.generation - 1)
+        await dispatch(d, "n/0", "ep", 1, True, obs(1), generation=d.table.generation - 1)
 
 
 async def test_a_run_that_outlives_its_deadline_counts_as_a_failure() -> None:
@@ -280,11 +295,11 @@ async def test_a_run_that_outlives_its_deadline_counts_as_a_failure() -> None:
     sessions["n/0"].gate = gate  # the GPU hangs
     with pytest.raises(TimeoutError):
         async with asyncio.timeout(0.05):
-            await d.step("n/0", "ep", 1, True, obs(1))
+            await dispatch(d, "n/0", "ep", 1, True, obs(1))
     assert transitions and transitions[0][:2] == ("n/0", "down")
     assert "deadline" in transitions[0][2]
     with pytest.raises(DeviceDown):
-        await d.step("n/0", "ep", 1, True, obs(1))
+        await dispatch(d, "n/0", "ep", 1, True, obs(1))
     gate.set()
     d.close()  # the hung run returns; its worker ends
 
@@ -296,7 +311,7 @@ async def test_in_flight_and_wait_idle_follow_the_episodes_steps() -> None:
     await asyncio.wait_for(d.table.wait_idle("ep"), 5)  # nothing in flight: returns at once
     gate = threading.Event()
     s.gate = gate
-    step = asyncio.ensure_future(d.step("n/0", "ep", 1, True, obs(1)))
+    step = asyncio.ensure_future(dispatch(d, "n/0", "ep", 1, True, obs(1)))
     await started(s)
     assert d.table.in_flight("ep") and not d.table.in_flight("other")
     idle = asyncio.ensure_future(d.table.wait_idle("ep"))
@@ -314,9 +329,9 @@ async def test_a_cancelled_step_is_not_in_flight() -> None:
     s = sessions["n/0"]
     gate = threading.Event()
     s.gate = gate
-    blocker = asyncio.ensure_future(d.step("n/0", "a", 1, True, obs(1)))
+    blocker = asyncio.ensure_future(dispatch(d, "n/0", "a", 1, True, obs(1)))
     await started(s)
-    queued = asyncio.ensure_future(d.step("n/0", "b", 2, True, obs(1)))
+    queued = asyncio.ensure_future(dispatch(d, "n/0", "b", 2, True, obs(1)))
     await asyncio.sleep(0)
     assert d.table.in_flight("b")
     queued.cancel()
@@ -329,9 +344,9 @@ async def test_a_cancelled_step_is_not_in_flight() -> None:
 
 async def test_episodes_lists_state_held_here() -> None:
     d, _, _ = make(2)
-    await d.step("n/0", "a", 5, True, obs(1))
-    await d.step("n/1", "b", 6, True, obs(1))
-    await d.step("n/1", "a", 7, False, obs(1))  # a moved with a new token
+    await dispatch(d, "n/0", "a", 5, True, obs(1))
+    await dispatch(d, "n/1", "b", 6, True, obs(1))
+    await dispatch(d, "n/1", "a", 7, False, obs(1))  # a moved with a new token
     assert sorted(episodes(d)) == [("a", 7, "n/1"), ("b", 6, "n/1")]
     d.table.release("a", "end")
     assert episodes(d) == [("b", 6, "n/1")]
@@ -420,7 +435,9 @@ async def test_chunk_execution_equals_the_numpy_reference(
         for t in range(steps):
             inputs = {"obs": np.array([[e, t]], np.float32)}
             replies.append(
-                await d.step("n/0", f"ep{e}", 1, t == 0, inputs, execute_steps=k, ensemble=ensemble)
+                await dispatch(
+                    d, "n/0", f"ep{e}", 1, t == 0, inputs, execute_steps=k, ensemble=ensemble
+                )
             )
         return replies
 
@@ -446,15 +463,15 @@ async def test_chunk_execution_equals_the_numpy_reference(
 async def test_the_node_mode_applies_when_a_step_has_no_override() -> None:
     d, sessions, _ = make(1, CHUNKED, session=ChunkSession, execute_steps=2)
     assert d.chunk_mode is not None and d.chunk_mode.execute_steps == 2
-    sources = [(await d.step("n/0", "e", 1, t == 0, obs(0))).source for t in range(4)]
+    sources = [(await dispatch(d, "n/0", "e", 1, t == 0, obs(0))).source for t in range(4)]
     assert sources == ["model", "buffer", "model", "buffer"]
     # an override changes k for this step: the chunk of the last run is served further
-    r = await d.step("n/0", "e", 1, False, obs(0), execute_steps=H)
+    r = await dispatch(d, "n/0", "e", 1, False, obs(0), execute_steps=H)
     assert (r.source, r.seq) == ("buffer", 5)
     np.testing.assert_array_equal(r.outputs["actions"][0], recorded_chunk(0, 1)[2])
     assert sessions["n/0"].calls == 2
     off, _, _ = make(1, CHUNKED, session=ChunkSession)
-    full = await off.step("n/0", "e", 1, True, obs(0))
+    full = await dispatch(off, "n/0", "e", 1, True, obs(0))
     assert full.outputs["actions"].shape == (1, H, D) and "extra" in full.outputs
 
 
@@ -474,12 +491,12 @@ async def test_a_bad_override_is_refused_and_changes_nothing(
     overrides: dict[str, Any], field: str
 ) -> None:
     d, sessions, _ = make(1, CHUNKED, session=ChunkSession, execute_steps=H)
-    await d.step("n/0", "e", 1, True, obs(0))
+    await dispatch(d, "n/0", "e", 1, True, obs(0))
     with pytest.raises(InvalidArgument) as raised:
-        await d.step("n/0", "e", 1, False, obs(0), **overrides)
+        await dispatch(d, "n/0", "e", 1, False, obs(0), **overrides)
     assert raised.value.field == field
     assert sessions["n/0"].calls == 1 and not d.table.in_flight("e")
-    r = await d.step("n/0", "e", 1, False, obs(0))
+    r = await dispatch(d, "n/0", "e", 1, False, obs(0))
     assert (r.source, r.seq) == ("buffer", 2), "the refused step changed the buffer"
 
 
@@ -487,7 +504,7 @@ async def test_chunk_execution_needs_a_chunk_output() -> None:
     d, _, _ = make(1, BATCHED)  # its only output is [batch, 1]
     assert d.chunk is None
     with pytest.raises(InvalidArgument, match="no action-chunk output"):
-        await d.step("n/0", "e", 1, True, obs(0), execute_steps=1)
+        await dispatch(d, "n/0", "e", 1, True, obs(0), execute_steps=1)
     assert d.table.get("e") is None
     with pytest.raises(ValueError, match="no action-chunk output"):
         make(1, BATCHED, execute_steps=2)
@@ -523,24 +540,24 @@ async def test_the_buffer_is_dropped_with_the_episodes_state() -> None:
         clock.t += 11
         assert len(d.table.expire_idle(10)) == 1
 
-    await d.step("n/0", "e", 1, True, obs(0))
+    await dispatch(d, "n/0", "e", 1, True, obs(0))
     # a new token (reassigned): fresh state and buffer, reported
-    r = await d.step("n/0", "e", 2, False, obs(0))
+    r = await dispatch(d, "n/0", "e", 2, False, obs(0))
     assert (r.source, r.state_reset, r.seq) == ("model", True, 1)
     np.testing.assert_array_equal(r.outputs["actions"][0], recorded_chunk(0, 0)[0])
     for drop in (lambda: d.table.release("e", "end"), lambda: d.table.drop_all("fenced"), expire):
         drop()
-        r = await d.step("n/0", "e", 2, False, obs(0))
+        r = await dispatch(d, "n/0", "e", 2, False, obs(0))
         assert (r.source, r.state_reset, r.seq) == ("model", True, 1)
     assert sessions["n/0"].calls == 5
 
 
 async def test_a_step_with_chunk_execution_off_drops_the_buffer() -> None:
     d, _, _ = make(1, CHUNKED, session=ChunkSession)
-    await d.step("n/0", "e", 1, True, obs(0), execute_steps=H)
-    full = await d.step("n/0", "e", 1, False, obs(0))
+    await dispatch(d, "n/0", "e", 1, True, obs(0), execute_steps=H)
+    full = await dispatch(d, "n/0", "e", 1, False, obs(0))
     assert full.outputs["actions"].shape == (1, H, D) and full.source == "model"
-    r = await d.step("n/0", "e", 1, False, obs(0), execute_steps=H)
+    r = await dispatch(d, "n/0", "e", 1, False, obs(0), execute_steps=H)
     assert r.source == "model", "a chunk older than the last model run was served"
     np.testing.assert_array_equal(r.outputs["actions"][0], recorded_chunk(0, 2)[0])
 
@@ -548,11 +565,11 @@ async def test_a_step_with_chunk_execution_off_drops_the_buffer() -> None:
 async def test_a_buffered_step_does_not_wait_behind_model_runs() -> None:
     d, sessions, _ = make(1, CHUNKED, session=ChunkSession, execute_steps=H)
     s = sessions["n/0"]
-    await d.step("n/0", "e", 1, True, obs(0))
+    await dispatch(d, "n/0", "e", 1, True, obs(0))
     hang = s.hold[7.0] = threading.Event()
-    busy = asyncio.ensure_future(d.step("n/0", "other", 1, True, obs(7)))
+    busy = asyncio.ensure_future(dispatch(d, "n/0", "other", 1, True, obs(7)))
     assert await asyncio.to_thread(s.held.wait, 10)  # the device is busy with "other"
-    r = await asyncio.wait_for(d.step("n/0", "e", 1, False, obs(0)), 10)
+    r = await asyncio.wait_for(dispatch(d, "n/0", "e", 1, False, obs(0)), 10)
     assert (r.source, r.seq) == ("buffer", 2) and not busy.done()
     hang.set()
     await busy
@@ -561,11 +578,11 @@ async def test_a_buffered_step_does_not_wait_behind_model_runs() -> None:
 async def test_a_buffered_step_waits_for_its_episodes_step_in_flight() -> None:
     d, sessions, _ = make(1, CHUNKED, session=ChunkSession, execute_steps=H)
     s = sessions["n/0"]
-    await d.step("n/0", "e", 1, True, obs(0))
+    await dispatch(d, "n/0", "e", 1, True, obs(0))
     hang = s.hold[0.0] = threading.Event()
-    model = asyncio.ensure_future(d.step("n/0", "e", 1, False, obs(0), execute_steps=1))
+    model = asyncio.ensure_future(dispatch(d, "n/0", "e", 1, False, obs(0), execute_steps=1))
     assert await asyncio.to_thread(s.held.wait, 10)
-    after = asyncio.ensure_future(d.step("n/0", "e", 1, False, obs(0)))
+    after = asyncio.ensure_future(dispatch(d, "n/0", "e", 1, False, obs(0)))
     await asyncio.sleep(0)
     assert not after.done(), "served from the old chunk before the model step finished"
     hang.set()
@@ -577,15 +594,15 @@ async def test_a_buffered_step_waits_for_its_episodes_step_in_flight() -> None:
 async def test_a_batch_mixes_episodes_with_and_without_chunk_execution() -> None:
     d, sessions, _ = make(1, CHUNKED, session=ChunkSession)
     s = sessions["n/0"]
-    await d.step("n/0", "buffered", 1, True, obs(3), execute_steps=H)
+    await dispatch(d, "n/0", "buffered", 1, True, obs(3), execute_steps=H)
     hang = s.hold[9.0] = threading.Event()
-    blocker = asyncio.ensure_future(d.step("n/0", "blocker", 1, True, obs(9)))
+    blocker = asyncio.ensure_future(dispatch(d, "n/0", "blocker", 1, True, obs(9)))
     assert await asyncio.to_thread(s.held.wait, 10)
     tasks = [
-        asyncio.ensure_future(d.step("n/0", "plain", 1, True, obs(1))),
-        asyncio.ensure_future(d.step("n/0", "k2", 1, True, obs(2), execute_steps=2)),
-        asyncio.ensure_future(d.step("n/0", "ens", 1, True, obs(4), ensemble="exp")),
-        asyncio.ensure_future(d.step("n/0", "buffered", 1, False, obs(3), execute_steps=H)),
+        asyncio.ensure_future(dispatch(d, "n/0", "plain", 1, True, obs(1))),
+        asyncio.ensure_future(dispatch(d, "n/0", "k2", 1, True, obs(2), execute_steps=2)),
+        asyncio.ensure_future(dispatch(d, "n/0", "ens", 1, True, obs(4), ensemble="exp")),
+        asyncio.ensure_future(dispatch(d, "n/0", "buffered", 1, False, obs(3), execute_steps=H)),
     ]
     await asyncio.sleep(0)
     hang.set()

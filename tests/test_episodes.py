@@ -25,6 +25,7 @@ from node.episodes import (
     admit,
     undone,
 )
+from tests.dispatch import dispatch
 from tests.test_dispatcher import CHUNKED, ChunkSession, H, make, obs, recorded_chunk, started
 
 pytestmark = pytest.mark.anyio
@@ -36,14 +37,14 @@ def act(result: Any) -> float:
 
 async def test_steps_are_numbered_and_a_retry_of_the_last_gets_its_reply_again() -> None:
     d, sessions, _ = make(1)
-    r1 = await d.step("n/0", "ep", 7, True, obs(1), seq=1)
-    r2 = await d.step("n/0", "ep", 7, False, obs(2), seq=2)
+    r1 = await dispatch(d, "n/0", "ep", 7, True, obs(1), seq=1)
+    r2 = await dispatch(d, "n/0", "ep", 7, False, obs(2), seq=2)
     assert (r1.seq, r2.seq, act(r2)) == (1, 2, 3.0)
     runs = sessions["n/0"].calls
-    again = await d.step("n/0", "ep", 7, False, obs(2), seq=2)
+    again = await dispatch(d, "n/0", "ep", 7, False, obs(2), seq=2)
     assert again.replayed and (again.seq, act(again)) == (2, 3.0)
     assert sessions["n/0"].calls == runs, "a replay runs no model"
-    r3 = await d.step("n/0", "ep", 7, False, obs(4), seq=3)
+    r3 = await dispatch(d, "n/0", "ep", 7, False, obs(4), seq=3)
     assert (r3.seq, act(r3), r3.replayed) == (3, 7.0, False), "the replay changed nothing"
 
 
@@ -53,67 +54,67 @@ async def test_a_step_replayed_to_a_retry_is_never_undone_by_its_first_attempt()
     replayed meanwhile: that retry delivered the step, so the first attempt's undo is
     refused and the episode goes on from step 2."""
     d, _, _ = make(1)
-    await d.step("n/0", "ep", 7, True, obs(1), seq=1)
-    first = await d.step("n/0", "ep", 7, False, obs(2), seq=2)
-    again = await d.step("n/0", "ep", 7, False, obs(2), seq=2)
+    await dispatch(d, "n/0", "ep", 7, True, obs(1), seq=1)
+    first = await dispatch(d, "n/0", "ep", 7, False, obs(2), seq=2)
+    again = await dispatch(d, "n/0", "ep", 7, False, obs(2), seq=2)
     assert again.replayed
     assert not d.undo("ep", first.seq)
-    r3 = await d.step("n/0", "ep", 7, False, obs(4), seq=3)
+    r3 = await dispatch(d, "n/0", "ep", 7, False, obs(4), seq=3)
     assert (r3.seq, act(r3)) == (3, 7.0)
 
 
 async def test_a_seq_that_is_neither_next_nor_last_is_a_conflict_and_changes_nothing() -> None:
     d, _, _ = make(1)
-    await d.step("n/0", "ep", 7, True, obs(1), seq=1)
-    await d.step("n/0", "ep", 7, False, obs(2), seq=2)
+    await dispatch(d, "n/0", "ep", 7, True, obs(1), seq=1)
+    await dispatch(d, "n/0", "ep", 7, False, obs(2), seq=2)
     for wrong in (1, 4, 9):
         with pytest.raises(SeqConflict) as info:
-            await d.step("n/0", "ep", 7, False, obs(100), seq=wrong)
+            await dispatch(d, "n/0", "ep", 7, False, obs(100), seq=wrong)
         assert info.value.current == 2 and "has applied step 2" in str(info.value)
-    r3 = await d.step("n/0", "ep", 7, False, obs(4), seq=3)
+    r3 = await dispatch(d, "n/0", "ep", 7, False, obs(4), seq=3)
     assert (r3.seq, act(r3)) == (3, 7.0)
 
 
 async def test_a_step_whose_reply_was_lost_is_undone_with_its_buffer() -> None:
     d, _, _ = make(1)
-    await d.step("n/0", "ep", 7, True, obs(1))
-    lost = await d.step("n/0", "ep", 7, False, obs(2))
+    await dispatch(d, "n/0", "ep", 7, True, obs(1))
+    lost = await dispatch(d, "n/0", "ep", 7, False, obs(2))
     assert d.undo("ep", lost.seq)
     assert not d.undo("ep", lost.seq), "an undo happens once"
-    retry = await d.step("n/0", "ep", 7, False, obs(2))
+    retry = await dispatch(d, "n/0", "ep", 7, False, obs(2))
     assert (retry.seq, act(retry), retry.state_reset) == (2, 3.0, False)
 
 
 async def test_the_first_step_undone_leaves_a_claim_with_nothing_applied() -> None:
     d, _, _ = make(1)
-    first = await d.step("n/0", "ep", 7, True, obs(5))
+    first = await dispatch(d, "n/0", "ep", 7, True, obs(5))
     assert d.undo("ep", first.seq)
-    again = await d.step("n/0", "ep", 7, False, obs(1))
+    again = await dispatch(d, "n/0", "ep", 7, False, obs(1))
     assert (again.seq, act(again), again.state_reset) == (1, 1.0, False)
 
 
 async def test_an_undo_that_comes_after_a_later_step_makes_the_next_one_a_reset() -> None:
     d, _, _ = make(1)
-    await d.step("n/0", "ep", 7, True, obs(1))
-    await d.step("n/0", "ep", 7, False, obs(2))
-    await d.step("n/0", "ep", 7, False, obs(3))
+    await dispatch(d, "n/0", "ep", 7, True, obs(1))
+    await dispatch(d, "n/0", "ep", 7, False, obs(2))
+    await dispatch(d, "n/0", "ep", 7, False, obs(3))
     assert d.undo("ep", 2), "step 3 was applied on top: its outcome cannot be known"
-    nxt = await d.step("n/0", "ep", 7, False, obs(5))
+    nxt = await dispatch(d, "n/0", "ep", 7, False, obs(5))
     assert (nxt.state_reset, nxt.seq, act(nxt)) == (True, 1, 5.0)  # started clean, said
-    after = await d.step("n/0", "ep", 7, False, obs(0))
+    after = await dispatch(d, "n/0", "ep", 7, False, obs(0))
     assert not after.state_reset
 
 
 async def test_an_undo_by_forward_names_the_forward_that_applied_the_step() -> None:
     d, _, _ = make(1)
-    await d.step("n/0", "ep", 7, True, obs(1), origin="f1")
-    await d.step("n/0", "ep", 7, False, obs(2), origin="f2")
+    await dispatch(d, "n/0", "ep", 7, True, obs(1), origin="f1")
+    await dispatch(d, "n/0", "ep", 7, False, obs(2), origin="f2")
     # f1's step has a later one on top (f2 is current): it cannot be undone, so the
     # episode is in doubt; undoing f2 then leaves f1's step, which its client never saw
     assert d.undo("ep", origin="f1")
     assert d.undo("ep", origin="f2")
     assert not d.undo("ep", origin="f2")
-    r = await d.step("n/0", "ep", 7, False, obs(4))
+    r = await dispatch(d, "n/0", "ep", 7, False, obs(4))
     assert (r.seq, act(r), r.state_reset) == (1, 4.0, True)  # started clean, said
 
 
@@ -122,13 +123,13 @@ async def test_a_forward_whose_undo_came_first_is_never_applied() -> None:
     undo of it, in either order: the undo that finds nothing is remembered, and the forward
     is refused rather than applied with no one waiting for it (issue 21 item 1)."""
     d, sessions, _ = make(1)
-    await d.step("n/0", "ep", 7, True, obs(1), origin="f1")
+    await dispatch(d, "n/0", "ep", 7, True, obs(1), origin="f1")
     assert not d.undo("ep", origin="f2"), "f2 has not been applied yet"
     runs = sessions["n/0"].calls
     with pytest.raises(ForwardCancelled):
-        await d.step("n/0", "ep", 7, False, obs(2), origin="f2")
+        await dispatch(d, "n/0", "ep", 7, False, obs(2), origin="f2")
     assert sessions["n/0"].calls == runs
-    r = await d.step("n/0", "ep", 7, False, obs(4), origin="f3")
+    r = await dispatch(d, "n/0", "ep", 7, False, obs(4), origin="f3")
     assert (r.seq, act(r), r.state_reset) == (2, 5.0, False), "f2 changed nothing"
 
 
@@ -138,22 +139,22 @@ async def test_undoing_the_step_on_top_of_one_in_doubt_keeps_the_doubt() -> None
     so the next step still says state_reset."""
     d, _, _ = make(1)
     for i, first in ((1, True), (2, False), (3, False)):
-        await d.step("n/0", "ep", 7, first, obs(i))
+        await dispatch(d, "n/0", "ep", 7, first, obs(i))
     assert d.undo("ep", 2) and d.undo("ep", 3)
-    nxt = await d.step("n/0", "ep", 7, False, obs(0))
+    nxt = await dispatch(d, "n/0", "ep", 7, False, obs(0))
     assert nxt.seq == 1 and nxt.state_reset  # started clean, said
 
 
 async def test_buffered_steps_are_numbered_replayed_and_undone() -> None:
     d, _, _ = make(1, CHUNKED, session=ChunkSession, execute_steps=H)
-    m = await d.step("n/0", "ep", 7, True, obs(0))
-    b = await d.step("n/0", "ep", 7, False, obs(0))
+    m = await dispatch(d, "n/0", "ep", 7, True, obs(0))
+    b = await dispatch(d, "n/0", "ep", 7, False, obs(0))
     assert (m.source, b.source, b.seq) == ("model", "buffer", 2)
     assert d.undo("ep", 2)  # its reply was lost: undone, buffer included
-    again = await d.step("n/0", "ep", 7, False, obs(0), seq=2)
+    again = await dispatch(d, "n/0", "ep", 7, False, obs(0), seq=2)
     assert not again.replayed and np.array_equal(again.outputs["actions"], b.outputs["actions"])
     np.testing.assert_array_equal(again.outputs["actions"][0], recorded_chunk(0, 0)[1])
-    replay = await d.step("n/0", "ep", 7, False, obs(0), seq=2)
+    replay = await dispatch(d, "n/0", "ep", 7, False, obs(0), seq=2)
     assert replay.replayed and np.array_equal(replay.outputs["actions"], b.outputs["actions"])
     assert not d.undo("ep", 2), "a step that named its seq is held for the retry, never undone"
 
@@ -163,16 +164,16 @@ async def test_a_step_that_named_its_seq_is_held_for_the_retry_and_never_undone(
     and keeps its result; the retry, the same request, gets the run under way or its
     stored reply without a second run; a different request under seq 2 is a conflict."""
     d, sessions, _ = make(1)
-    await d.step("n/0", "ep", 7, True, obs(1), seq=1)
+    await dispatch(d, "n/0", "ep", 7, True, obs(1), seq=1)
     gate = threading.Event()
     sessions["n/0"].gate = gate
-    first = asyncio.ensure_future(d.step("n/0", "ep", 7, False, obs(2), seq=2))
+    first = asyncio.ensure_future(dispatch(d, "n/0", "ep", 7, False, obs(2), seq=2))
     await started(sessions["n/0"])
     first.cancel()  # the caller left while its step ran
     with pytest.raises(asyncio.CancelledError):
         await first
     assert d.table.in_flight("ep"), "a held step still counts until it is done"
-    retry = asyncio.ensure_future(d.step("n/0", "ep", 7, False, obs(2), seq=2))
+    retry = asyncio.ensure_future(dispatch(d, "n/0", "ep", 7, False, obs(2), seq=2))
     await asyncio.sleep(0.01)
     assert not retry.done()  # it waits for the run under way
     runs = sessions["n/0"].calls
@@ -183,8 +184,8 @@ async def test_a_step_that_named_its_seq_is_held_for_the_retry_and_never_undone(
     await d.table.wait_idle("ep")
     assert not d.undo("ep", 2)
     with pytest.raises(SeqConflict, match="other inputs"):
-        await d.step("n/0", "ep", 7, False, obs(9), seq=2)
-    nxt = await d.step("n/0", "ep", 7, False, obs(4), seq=3)
+        await dispatch(d, "n/0", "ep", 7, False, obs(9), seq=2)
+    nxt = await dispatch(d, "n/0", "ep", 7, False, obs(4), seq=3)
     assert (nxt.seq, act(nxt), nxt.state_reset) == (3, 7.0, False)
 
 
@@ -194,12 +195,12 @@ async def test_a_step_queued_behind_the_end_of_its_claim_never_recreates_it() ->
     (ClaimEnded, nothing applied) instead of re-creating the record under the ended claim;
     a new claim of the episode starts clean."""
     d, sessions, _ = make(1)
-    await d.step("n/0", "ep", 7, True, obs(1), claim="c1")
+    await dispatch(d, "n/0", "ep", 7, True, obs(1), claim="c1")
     gate = threading.Event()
     sessions["n/0"].gate = gate
-    blocker = asyncio.ensure_future(d.step("n/0", "other", 8, True, obs(1), claim="c9"))
+    blocker = asyncio.ensure_future(dispatch(d, "n/0", "other", 8, True, obs(1), claim="c9"))
     await started(sessions["n/0"])
-    queued = asyncio.ensure_future(d.step("n/0", "ep", 7, False, obs(2), claim="c1"))
+    queued = asyncio.ensure_future(dispatch(d, "n/0", "ep", 7, False, obs(2), claim="c1"))
     await asyncio.sleep(0.01)
     assert d.table.release("ep", "end") is not None
     gate.set()
@@ -208,8 +209,8 @@ async def test_a_step_queued_behind_the_end_of_its_claim_never_recreates_it() ->
         await queued
     assert d.table.get("ep") is None
     with pytest.raises(ClaimEnded):  # and any later step of that claim
-        await d.step("n/0", "ep", 7, False, obs(2), claim="c1")
-    fresh = await d.step("n/0", "ep", 9, True, obs(5), claim="c2")
+        await dispatch(d, "n/0", "ep", 7, False, obs(2), claim="c1")
+    fresh = await dispatch(d, "n/0", "ep", 9, True, obs(5), claim="c2")
     assert (fresh.seq, fresh.state_reset, act(fresh)) == (1, False, 5.0)
 
 
@@ -217,7 +218,7 @@ async def test_a_claim_ended_while_its_step_ran_keeps_nothing() -> None:
     d, sessions, _ = make(1)
     gate = threading.Event()
     sessions["n/0"].gate = gate
-    step = asyncio.ensure_future(d.step("n/0", "ep", 7, True, obs(1), claim="c1"))
+    step = asyncio.ensure_future(dispatch(d, "n/0", "ep", 7, True, obs(1), claim="c1"))
     await started(sessions["n/0"])
     d.table.release("ep", "revoked", 7)  # nothing held yet: that claim's step keeps nothing
     gate.set()
@@ -232,14 +233,14 @@ async def test_a_node_that_dropped_an_episode_says_state_reset_when_it_starts_it
     the next claim is a new episode."""
     for reason, reset in (("idle", True), ("lost", True), ("fenced", True), ("end", False)):
         d, _, _ = make(1)
-        await d.step("n/0", "ep", 7, True, obs(1), claim="c1")
+        await dispatch(d, "n/0", "ep", 7, True, obs(1), claim="c1")
         if reason == "fenced":
             d.table.drop_all("fenced")
         else:
             d.table.release("ep", reason)  # type: ignore[arg-type]
-        again = await d.step("n/0", "ep", 9, True, obs(1), claim="c2")
+        again = await dispatch(d, "n/0", "ep", 9, True, obs(1), claim="c2")
         assert (again.seq, again.state_reset) == (1, reset), reason
-        after = await d.step("n/0", "ep", 9, False, obs(1), claim="c2")
+        after = await dispatch(d, "n/0", "ep", 9, False, obs(1), claim="c2")
         assert not after.state_reset, "said once"
         d.close()
 
@@ -248,9 +249,9 @@ async def test_a_reset_whose_reply_was_lost_is_said_again_by_the_retry() -> None
     """A first step that said state_reset and was undone (its reply never reached the
     client): the retry must say it again, or the client never learns of the reset."""
     d, _, _ = make(1)
-    lost = await d.step("n/0", "ep", 7, False, obs(1))  # not fresh, nothing held: a reset
+    lost = await dispatch(d, "n/0", "ep", 7, False, obs(1))  # not fresh, nothing held: a reset
     assert lost.state_reset and d.undo("ep", lost.seq)
-    retry = await d.step("n/0", "ep", 7, False, obs(1))
+    retry = await dispatch(d, "n/0", "ep", 7, False, obs(1))
     assert (retry.seq, retry.state_reset) == (1, True)
 
 
@@ -317,7 +318,9 @@ async def test_random_interleavings_apply_every_step_once(
                 if outcome == "cancelled_mid_run":
                     session.held.clear()
                     gate = session.hold[float(x)] = threading.Event()
-                    running = asyncio.ensure_future(d.step("n/0", "ep", 7, fresh, obs(x), seq=sent))
+                    running = asyncio.ensure_future(
+                        dispatch(d, "n/0", "ep", 7, fresh, obs(x), seq=sent)
+                    )
                     assert await asyncio.to_thread(session.held.wait, 10)
                     running.cancel()
                     gate.set()
@@ -328,7 +331,7 @@ async def test_random_interleavings_apply_every_step_once(
                     fresh = fresh and not with_seq
                     unseen = with_seq  # held for the retry: it ran to the end and applied
                     continue
-                r = await d.step("n/0", "ep", 7, fresh, obs(x), seq=sent)
+                r = await dispatch(d, "n/0", "ep", 7, fresh, obs(x), seq=sent)
                 fresh = False
                 if outcome == "lost_undone":
                     if with_seq:  # a step that named its seq is held, never undone
@@ -341,7 +344,7 @@ async def test_random_interleavings_apply_every_step_once(
                     unseen = True
                     continue  # applied; the client retries with the same seq
                 if outcome == "replayed_dup":
-                    dup = await d.step("n/0", "ep", 7, False, obs(x), seq=r.seq)
+                    dup = await dispatch(d, "n/0", "ep", 7, False, obs(x), seq=r.seq)
                     assert dup.replayed and act(dup) == act(r)
                 reference += x
                 seq = r.seq
@@ -360,7 +363,9 @@ async def test_a_client_leaving_mid_run_is_not_a_hung_device() -> None:
     for deadline, counted in ((time.monotonic() + 60, False), (time.monotonic() - 1, True)):
         session.held.clear()
         gate = session.hold[1.0] = threading.Event()
-        running = asyncio.ensure_future(d.step("n/0", "ep", 7, True, obs(1), deadline=deadline))
+        running = asyncio.ensure_future(
+            dispatch(d, "n/0", "ep", 7, True, obs(1), deadline=deadline)
+        )
         assert await asyncio.to_thread(session.held.wait, 10)
         running.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -44,6 +44,7 @@ from node.providers import (  # noqa: E402
     tensorrt_version,
     trt_cache_dir,
 )
+from tests.dispatch import dispatch  # noqa: E402
 from tests.rollout import reference_rollout  # noqa: E402
 
 pytestmark = [
@@ -78,7 +79,7 @@ async def run_episodes(
         obs = episode(seed)
         errors = []
         for step, (o, want) in enumerate(zip(obs, reference_rollout(DEMO_MODEL, obs), strict=True)):
-            result = await dispatcher.step(device, f"ep-{seed}", 1, step == 0, {"obs": o})
+            result = await dispatch(dispatcher, device, f"ep-{seed}", 1, step == 0, {"obs": o})
             errors.append(float(np.max(np.abs(result.outputs["actions"] - want["actions"]))))
         return seed, max(errors)
 

@@ -23,6 +23,7 @@ from node.models import DEMO_MODEL, RTC_DEMO_MODEL, build_rtc
 from node.models._build import Weights, model, tensor, write
 from node.protocols.kserve import model_metadata
 from node.rtc import Ask, delay_estimate, executed_estimate, rtc_of
+from tests.dispatch import dispatch
 
 H, D = build_rtc.HORIZON, build_rtc.ACTION
 WEIGHTS = build_rtc.weights()
@@ -213,8 +214,8 @@ async def test_each_chunk_continues_the_last_one_sent() -> None:
         previous = None
         for seq, (executed, delay) in enumerate([(0, 0), (4, 5), (9, 3), (0, 16), (16, 2)], 1):
             image, state = observation(rng)
-            result = await d.step("n/0", "e", 1, seq == 1, inputs(image, state),
-                                  rtc=Ask(executed, delay))  # fmt: skip
+            result = await dispatch(d, "n/0", "e", 1, seq == 1, inputs(image, state),
+                                    rtc=Ask(executed, delay))  # fmt: skip
             want, facts = reference(image, state, previous, executed, delay)
             close(result.outputs["actions"], want)
             assert result.rtc is not None and result.rtc.to_json() == facts
@@ -230,15 +231,15 @@ async def test_a_replay_does_not_move_the_chunk_and_an_undo_restores_it() -> Non
     rng = np.random.default_rng(2)
     try:
         steps = [observation(rng) for _ in range(3)]
-        first = await d.step("n/0", "e", 1, True, inputs(*steps[0]), seq=1, rtc=Ask(0, 0))
-        again = await d.step("n/0", "e", 1, False, inputs(*steps[0]), seq=1, rtc=Ask(5, 5))
+        first = await dispatch(d, "n/0", "e", 1, True, inputs(*steps[0]), seq=1, rtc=Ask(0, 0))
+        again = await dispatch(d, "n/0", "e", 1, False, inputs(*steps[0]), seq=1, rtc=Ask(5, 5))
         assert again.replayed and again.rtc == first.rtc
         chunk1, _ = reference(*steps[0], None, 0, 0)
         # (no seq: a step that names its seq is held for its retry, never undone)
-        second = await d.step("n/0", "e", 1, False, inputs(*steps[1]), rtc=Ask(3, 2))
+        second = await dispatch(d, "n/0", "e", 1, False, inputs(*steps[1]), rtc=Ask(3, 2))
         close(second.outputs["actions"], reference(*steps[1], chunk1, 3, 2)[0])
         assert d.undo("e", 2)  # its reply never reached the robot: chunk 1 is the last sent
-        third = await d.step("n/0", "e", 1, False, inputs(*steps[2]), seq=2, rtc=Ask(6, 4))
+        third = await dispatch(d, "n/0", "e", 1, False, inputs(*steps[2]), seq=2, rtc=Ask(6, 4))
         close(third.outputs["actions"], reference(*steps[2], chunk1, 6, 4)[0])
     finally:
         d.close()
@@ -249,14 +250,14 @@ async def test_a_reset_drops_the_prefix() -> None:
     d, _ = make()
     rng = np.random.default_rng(3)
     try:
-        await d.step("n/0", "e", 1, True, inputs(*observation(rng)), rtc=Ask(0, 0))
+        await dispatch(d, "n/0", "e", 1, True, inputs(*observation(rng)), rtc=Ask(0, 0))
         image, state = observation(rng)
         # another claim (a token change, a reassignment): clean state, no prefix
-        moved = await d.step("n/0", "e", 2, False, inputs(image, state), rtc=Ask(2, 2))
+        moved = await dispatch(d, "n/0", "e", 2, False, inputs(image, state), rtc=Ask(2, 2))
         assert moved.state_reset and moved.rtc is not None and moved.rtc.prefix_len == 0
         close(moved.outputs["actions"], own_chunk(image, state))
         d.table.release("e", "end")  # ended or expired: the next step starts over too
-        after = await d.step("n/0", "e", 2, False, inputs(image, state), rtc=Ask(2, 2))
+        after = await dispatch(d, "n/0", "e", 2, False, inputs(image, state), rtc=Ask(2, 2))
         assert after.state_reset and after.rtc is not None and after.rtc.prefix_len == 0
     finally:
         d.close()
@@ -273,7 +274,7 @@ async def test_after_a_crash_the_robots_pending_actions_are_the_prefix() -> None
         pending = rng.standard_normal((6, D)).astype(np.float32)
         image, state = observation(rng)
         ask = d.rtc_for(0, 3, None, pending.tolist())  # as /act's JSON brings it
-        first = await d.step("n/0", "e", 1, False, inputs(image, state), rtc=ask)
+        first = await dispatch(d, "n/0", "e", 1, False, inputs(image, state), rtc=ask)
         assert first.state_reset and first.rtc is not None
         assert first.rtc.to_json() == {"executed": H - 6, "delay": 3, "prefix_len": 6}
         padded = np.vstack([np.zeros((H - 6, D)), pending])  # the chunk it stands for
@@ -282,8 +283,8 @@ async def test_after_a_crash_the_robots_pending_actions_are_the_prefix() -> None
         got = np.asarray(first.outputs["actions"]).reshape(H, D)
         np.testing.assert_allclose(got[:3], pending[:3], atol=1e-6)  # no jump
         image, state = observation(rng)
-        nxt = await d.step("n/0", "e", 1, False, inputs(image, state),
-                           rtc=d.rtc_for(2, 1, None, pending.tolist()))  # fmt: skip
+        nxt = await dispatch(d, "n/0", "e", 1, False, inputs(image, state),
+                             rtc=d.rtc_for(2, 1, None, pending.tolist()))  # fmt: skip
         want, facts = reference(image, state, got, 2, 1)  # its own chunk, not the pending
         close(nxt.outputs["actions"], want)
         assert nxt.rtc is not None and nxt.rtc.to_json() == facts
@@ -300,11 +301,11 @@ async def test_a_record_in_doubt_has_no_prefix() -> None:
     rng = np.random.default_rng(6)
     try:
         for seq in (1, 2):
-            await d.step("n/0", "e", 1, seq == 1, inputs(*observation(rng)), seq=seq,
-                         rtc=Ask(0, 0))  # fmt: skip
+            await dispatch(d, "n/0", "e", 1, seq == 1, inputs(*observation(rng)), seq=seq,
+                           rtc=Ask(0, 0))  # fmt: skip
         assert d.undo("e", 1)  # too late: step 2 was applied on it, so the record is in doubt
         image, state = observation(rng)
-        third = await d.step("n/0", "e", 1, False, inputs(image, state), seq=3, rtc=Ask(2, 2))
+        third = await dispatch(d, "n/0", "e", 1, False, inputs(image, state), seq=3, rtc=Ask(2, 2))
         assert third.state_reset and third.rtc is not None and third.rtc.prefix_len == 0
         close(third.outputs["actions"], own_chunk(image, state))
     finally:
@@ -318,27 +319,27 @@ async def test_executed_and_delay_are_estimated_as_documented() -> None:
     rng = np.random.default_rng(4)
     try:
         steps = [observation(rng) for _ in range(4)]
-        first = await d.step("n/0", "e", 1, True, inputs(*steps[0]))  # sent at t = 1000
+        first = await dispatch(d, "n/0", "e", 1, True, inputs(*steps[0]))  # sent at t = 1000
         assert first.rtc is not None and first.rtc.to_json() == {
             "executed": 0, "delay": 0, "prefix_len": 0,
         }  # fmt: skip
         d.observed("e", 1, 0.1)  # the step took 100 ms, arrival to reply
         clock.t += 0.1  # the next observation arrives 100 ms after the chunk was sent
-        second = await d.step("n/0", "e", 1, False, inputs(*steps[1]))
+        second = await dispatch(d, "n/0", "e", 1, False, inputs(*steps[1]))
         chunk1 = reference(*steps[0], None, 0, 0)[0]
         want, facts = reference(*steps[1], chunk1, 5, 5)  # 0.1 s x 50 Hz: 5 and 5
         assert second.rtc is not None and second.rtc.to_json() == facts
         close(second.outputs["actions"], want)
         d.observed("e", 2, 0.3)  # one slow step: p90 of (0.1, 0.3) is 0.3, 15 steps
         clock.t += 0.22  # 11 actions of chunk 2 executed: 5 left, d capped at them
-        third = await d.step("n/0", "e", 1, False, inputs(*steps[2]))
+        third = await dispatch(d, "n/0", "e", 1, False, inputs(*steps[2]))
         want3, facts = reference(*steps[2], want, 11, 15)
         assert facts == {"executed": 11, "delay": 5, "prefix_len": 5}
         assert third.rtc is not None and third.rtc.to_json() == facts
         close(third.outputs["actions"], want3)
         # a step's own rate replaces the node's, and what it sends is not estimated
         clock.t += 0.02
-        fourth = await d.step("n/0", "e", 1, False, inputs(*steps[3]), rtc=Ask(None, 1, 100.0))
+        fourth = await dispatch(d, "n/0", "e", 1, False, inputs(*steps[3]), rtc=Ask(None, 1, 100.0))
         assert fourth.rtc is not None and fourth.rtc.to_json() == {
             "executed": 2, "delay": 1, "prefix_len": H - 2,
         }  # fmt: skip
@@ -355,17 +356,17 @@ async def test_batched_runs_with_different_executed_and_delay_equal_one_at_a_tim
     try:
         firsts = {ep: observation(rng) for ep in episodes}
         for ep in episodes:  # one at a time: each episode's chunk 1
-            await d.step("n/0", ep, 1, True, inputs(*firsts[ep]), rtc=Ask(0, 0))
+            await dispatch(d, "n/0", ep, 1, True, inputs(*firsts[ep]), rtc=Ask(0, 0))
         seconds = {ep: observation(rng) for ep in episodes}
         gate = threading.Event()
         session.gate, session.entered = gate, threading.Event()
         blocker = asyncio.ensure_future(
-            d.step("n/0", "blocker", 1, True, inputs(*observation(rng)), rtc=Ask(0, 0))
+            dispatch(d, "n/0", "blocker", 1, True, inputs(*observation(rng)), rtc=Ask(0, 0))
         )
         assert await asyncio.to_thread(session.entered.wait, 10)
         tasks = [
             asyncio.ensure_future(
-                d.step("n/0", ep, 1, False, inputs(*seconds[ep]), rtc=Ask(*values[i]))
+                dispatch(d, "n/0", ep, 1, False, inputs(*seconds[ep]), rtc=Ask(*values[i]))
             )
             for i, ep in enumerate(episodes)
         ]

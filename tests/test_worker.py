@@ -24,6 +24,7 @@ from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import DeviceDown, ModelFailure, MultiGpuDispatcher
 from node.models import DEMO_MODEL
 from node.providers import ProviderSettings, build_session
+from tests.dispatch import dispatch
 from tests.rollout import reference_rollout
 from tests.test_dispatcher import (  # the dispatcher's fakes; its fixture closes what make() opens
     BATCHED,
@@ -44,7 +45,7 @@ pytestmark = pytest.mark.anyio
 
 async def test_each_device_runs_on_its_own_thread() -> None:
     d, sessions, _ = make(3)
-    await asyncio.gather(*(d.step(f"n/{i % 3}", f"ep{i}", i, True, obs(1)) for i in range(12)))
+    await asyncio.gather(*(dispatch(d, f"n/{i % 3}", f"ep{i}", i, True, obs(1)) for i in range(12)))
     threads = [sessions[f"n/{i}"].threads for i in range(3)]
     assert all(len(t) == 1 for t in threads)
     assert len(set.union(*threads)) == 3
@@ -55,9 +56,9 @@ async def test_devices_overlap() -> None:
     d, sessions, _ = make(2)
     gate = threading.Event()
     sessions["n/0"].gate = gate
-    slow = asyncio.ensure_future(d.step("n/0", "a", 1, True, obs(1)))
+    slow = asyncio.ensure_future(dispatch(d, "n/0", "a", 1, True, obs(1)))
     # n/1 answers while n/0 is blocked inside its run
-    r = await asyncio.wait_for(d.step("n/1", "b", 2, True, obs(1)), 5)
+    r = await asyncio.wait_for(dispatch(d, "n/1", "b", 2, True, obs(1)), 5)
     assert r.outputs["act"].item() == 1.0 and not slow.done()
     gate.set()
     await slow
@@ -108,14 +109,14 @@ async def test_a_quick_idle_device_in_inline_devices_runs_on_the_event_loop() ->
         return wait(timeout)
 
     dev.flush, dev.cond.wait = flush_then_lag, worker_waits  # type: ignore[method-assign]
-    await d.step("n/0", "ep", 1, True, obs(1))  # no run measured yet: the worker runs it
+    await dispatch(d, "n/0", "ep", 1, True, obs(1))  # no run measured yet: the worker runs it
     assert s.threads and loop_thread not in s.threads
     assert dev.busy, "the worst order: the step returned before the worker freed the device"
     returned.set()
     assert await asyncio.to_thread(idle.wait, 10), "the worker never freed the device"
     r = None
     for x in range(2, 6):
-        r = await d.step("n/0", "ep", 1, False, obs(x))
+        r = await dispatch(d, "n/0", "ep", 1, False, obs(x))
     assert r is not None and (r.outputs["act"].item(), r.seq) == (15.0, 5)
     assert loop_thread in s.threads and len(s.threads) == 2
     # the same steps elsewhere: off (0), a device not listed, runs slower than the bound
@@ -126,7 +127,7 @@ async def test_a_quick_idle_device_in_inline_devices_runs_on_the_event_loop() ->
     ):
         d, sessions, _ = make(1, session=Overlaps, **kw)
         for x in range(5):
-            await d.step("n/0", "ep", 1, x == 0, obs(x))
+            await dispatch(d, "n/0", "ep", 1, x == 0, obs(x))
         assert loop_thread not in sessions["n/0"].threads, kw
 
 
@@ -142,7 +143,7 @@ async def test_inline_runs_and_worker_runs_never_overlap_on_a_device(devices: in
     async def episode(i: int, xs: range) -> list[float]:
         out = []
         for x in xs:
-            r = await d.step(ids[i % devices], f"ep{i}", 1, x == 1, obs(x))
+            r = await dispatch(d, ids[i % devices], f"ep{i}", 1, x == 1, obs(x))
             out.append(r.outputs["act"].item())
             if x % 2:
                 await asyncio.sleep(0)
@@ -170,13 +171,13 @@ async def test_no_inline_run_while_another_device_is_busy() -> None:
     loop_thread = threading.get_ident()
     d, sessions, _ = make(2, inline_under_us=1_000_000, inline_devices=["n/0"])
     for dev in ("n/0", "n/1"):
-        await d.step(dev, f"warm-{dev}", 1, True, obs(1))
+        await dispatch(d, dev, f"warm-{dev}", 1, True, obs(1))
     sessions["n/0"].threads.clear()
     gate = sessions["n/1"].gate = threading.Event()
     sessions["n/1"].entered.clear()
-    slow = asyncio.ensure_future(d.step("n/1", "slow", 1, True, obs(1)))
+    slow = asyncio.ensure_future(dispatch(d, "n/1", "slow", 1, True, obs(1)))
     await started(sessions["n/1"])
-    r = await asyncio.wait_for(d.step("n/0", "quick", 1, True, obs(2)), 10)
+    r = await asyncio.wait_for(dispatch(d, "n/0", "quick", 1, True, obs(2)), 10)
     assert r.outputs["act"].item() == 2.0 and not slow.done()
     assert loop_thread not in sessions["n/0"].threads
     gate.set()
@@ -188,7 +189,7 @@ async def test_no_inline_run_while_another_device_is_busy() -> None:
         if not any(w.busy or w.pending for w in d._devices.values()):
             break
         await asyncio.sleep(0.001)
-    await d.step("n/0", "quick", 1, False, obs(1))  # nothing else busy: inline again
+    await dispatch(d, "n/0", "quick", 1, False, obs(1))  # nothing else busy: inline again
     assert loop_thread in sessions["n/0"].threads
 
 
@@ -201,7 +202,7 @@ async def blocked(d: MultiGpuDispatcher, session: FakeSession) -> tuple[Any, thr
     gate = threading.Event()
     session.gate = gate
     session.entered.clear()
-    task = asyncio.ensure_future(d.step("n/0", "blocker", 99, True, obs(100)))
+    task = asyncio.ensure_future(dispatch(d, "n/0", "blocker", 99, True, obs(100)))
     await started(session)
     return task, gate
 
@@ -212,7 +213,7 @@ def queue(d: MultiGpuDispatcher, *steps: tuple[str, float]) -> list[asyncio.Futu
     seen: set[str] = set()
     tasks = []
     for ep, x in steps:
-        tasks.append(asyncio.ensure_future(d.step("n/0", ep, 1, ep not in seen, obs(x))))
+        tasks.append(asyncio.ensure_future(dispatch(d, "n/0", ep, 1, ep not in seen, obs(x))))
         seen.add(ep)
     return tasks
 
@@ -310,7 +311,7 @@ async def test_a_failed_batch_is_rerun_one_by_one_and_only_the_bad_step_fails() 
     # the failed batch did not count: one bad step alone counts once
     s.gate = None
     with pytest.raises(ModelFailure):
-        await d.step("n/0", "bad", 1, True, obs(POISON))
+        await dispatch(d, "n/0", "bad", 1, True, obs(POISON))
     assert d.tracker("n/0").failures == 1 and transitions == []
 
 
@@ -422,7 +423,7 @@ async def test_a_failing_hook_fails_no_step() -> None:
         raise RuntimeError("metrics broke")
 
     d, _, _ = make(1, BATCHED, on_batch=boom, on_queue_wait=boom)
-    r = await d.step("n/0", "a", 1, True, obs(2))
+    r = await dispatch(d, "n/0", "a", 1, True, obs(2))
     assert r.outputs["act"].item() == 2.0 and d.tracker("n/0").failures == 0
 
 
@@ -432,14 +433,14 @@ async def test_steps_that_are_not_on_their_way_are_not_waited_for() -> None:
     d, _, _ = make(1, BATCHED, batch_delay_us=120e6)
     await settled(queue(d, ("a", 1), ("b", 1), ("c", 1)))
     for i in range(6):
-        r = await asyncio.wait_for(d.step("n/0", "abc"[i % 3], 1, False, obs(1)), 60)
+        r = await asyncio.wait_for(dispatch(d, "n/0", "abc"[i % 3], 1, False, obs(1)), 60)
         assert r.outputs["act"].shape == (1, 1)
 
 
 async def test_a_lone_episode_never_waits_for_a_batch() -> None:
     d, _, _ = make(1, BATCHED, batch_delay_us=120e6)  # a 2-minute delay, never paid
     for i in range(5):
-        r = await asyncio.wait_for(d.step("n/0", "solo", 1, i == 0, obs(1)), 60)
+        r = await asyncio.wait_for(dispatch(d, "n/0", "solo", 1, i == 0, obs(1)), 60)
         assert r.seq == i + 1
 
 
@@ -448,7 +449,7 @@ async def test_a_step_waits_for_an_episode_that_is_likely_to_send_one() -> None:
     s = sessions["n/0"]
     await settled(queue(d, ("a", 1), ("b", 1)))  # both episodes are active here
     on_its_way = d.arrival()  # b's next step is being routed through the node
-    first = asyncio.ensure_future(d.step("n/0", "a", 1, False, obs(2)))
+    first = asyncio.ensure_future(dispatch(d, "n/0", "a", 1, False, obs(2)))
     dev = d._devices["n/0"]
     for _ in range(10_000):  # until the worker holds it, waiting for b (bounded)
         await asyncio.sleep(0.001)
@@ -457,7 +458,7 @@ async def test_a_step_waits_for_an_episode_that_is_likely_to_send_one() -> None:
                 break
     assert not first.done()
     on_its_way.done()
-    second = asyncio.ensure_future(d.step("n/0", "b", 1, False, obs(3)))
+    second = asyncio.ensure_future(dispatch(d, "n/0", "b", 1, False, obs(3)))
     await settled([first, second])
     assert s.runs[-1] == [2.0, 3.0], "the waiting step did not wait for b"
 
@@ -514,13 +515,15 @@ def test_batched_steps_equal_one_at_a_time(batched_demo: Any, order: list[int]) 
         _open.append(d)
         assert d.max_batch == 8
         session.gate.clear()  # hold the worker so that the steps queue up behind it
-        first = asyncio.ensure_future(d.step("n/0", "warm", 1, True, {"obs": observations[0, 0]}))
+        first = asyncio.ensure_future(
+            dispatch(d, "n/0", "warm", 1, True, {"obs": observations[0, 0]})
+        )
         assert await asyncio.to_thread(session.entered.wait, 10)
         sent = [0] * EPISODES
         tasks = []
         for e in order:  # each episode's k-th arrival carries its k-th observation
             inputs = {"obs": observations[e, sent[e]]}
-            tasks.append((e, sent[e], d.step("n/0", f"ep{e}", 1, sent[e] == 0, inputs)))
+            tasks.append((e, sent[e], dispatch(d, "n/0", f"ep{e}", 1, sent[e] == 0, inputs)))
             sent[e] += 1
         futures = [asyncio.ensure_future(t) for _, _, t in tasks]
         await asyncio.sleep(0)
@@ -579,7 +582,10 @@ async def bucketed_steps_equal_reference(session: BoundBuckets, batched_demo: An
     assert sorted(session.rows) == sorted(session.batch_sizes)
     for k in range(STEPS):  # 7 episodes at once: each run padded to the next size up
         results = await asyncio.gather(
-            *(d.step("n/0", f"ep{e}", 1, k == 0, {"obs": observations[e, k]}) for e in range(7))
+            *(
+                dispatch(d, "n/0", f"ep{e}", 1, k == 0, {"obs": observations[e, k]})
+                for e in range(7)
+            )
         )
         for e, r in enumerate(results):
             np.testing.assert_allclose(
