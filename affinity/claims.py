@@ -7,13 +7,13 @@ async shell the node and the CLI share.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
-from affinity.config import Settings
 from affinity.errors import (
     AffinityError,
     InvalidArgument,
@@ -26,7 +26,7 @@ from affinity.errors import (
     UnknownModel,
 )
 from affinity.models import check_model_part
-from affinity.scripts import Script, bounded, evalsha, replicated, scripts_for
+from affinity.scripts import Script, ScriptCaller, bounded, evalsha, replicated
 
 __all__ = [
     "MAX_EPISODE_BYTES",
@@ -179,7 +179,7 @@ def parse_lookup(episode: str, reply: Sequence[Any]) -> EpisodeInfo | None:
     )
 
 
-class Claims:
+class Claims(ScriptCaller):
     """Async claim API over one Redis client. Safe to share between tasks.
 
     Every call is one ``EVALSHA`` bounded by ``settings.redis_deadline_s``; it raises
@@ -188,15 +188,9 @@ class Claims:
     :meth:`Registry.renewal`): a grace period a resolve starts lasts at least that long.
     """
 
-    def __init__(
-        self, redis: Any, settings: Settings, known_lease_ms: Callable[[], int] = lambda: 0
-    ) -> None:
-        self.redis = redis
-        self.settings = settings
-        self.known_lease_ms = known_lease_ms
-        self.keys = settings.keys
-        self.scripts = scripts_for(settings)
-        self._episode_key = self.keys.episode("")
+    @functools.cached_property
+    def _episode_key(self) -> str:
+        return self.keys.episode("")
 
     async def _call(self, script: Script, episode: str, args: Sequence[Any] = ()) -> Any:
         return await bounded(

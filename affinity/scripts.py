@@ -25,7 +25,7 @@ import asyncio
 import hashlib
 import math
 import weakref
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from importlib.resources import files
@@ -41,6 +41,7 @@ from affinity.keys import Keys
 __all__ = [
     "NAMES",
     "Script",
+    "ScriptCaller",
     "Scripts",
     "bounded",
     "evalsha",
@@ -172,6 +173,22 @@ def scripts_for(settings: Settings) -> Scripts:
     return _scripts(
         settings.namespace, settings.backstop_ms, settings.lease_ttl_ms, settings.events_maxlen
     )
+
+
+class ScriptCaller:
+    """What an async API over the scripts holds: one Redis client, the settings, their
+    keys and scripts. ``known_lease_ms`` answers the longest lease TTL of the fleet the
+    caller heard of (0: none): a grace period one of its calls starts lasts at least that
+    long (``affinity/lua/lib.lua``)."""
+
+    def __init__(
+        self, redis: Any, settings: Settings, known_lease_ms: Callable[[], int] = lambda: 0
+    ) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.known_lease_ms = known_lease_ms
+        self.keys = settings.keys
+        self.scripts = scripts_for(settings)
 
 
 async def evalsha(redis: Any, script: Script, key: str, args: Sequence[Any] = ()) -> Any:
