@@ -297,14 +297,19 @@ async def cmd_show(args: argparse.Namespace, ctx: Context) -> int:
     return EXIT_OK
 
 
-async def cmd_drain(args: argparse.Namespace, ctx: Context) -> int:
-    # every device drains before any move is asked: a move never lands on a device that
-    # drains next (draining a node's devices together moves each episode once); a typo in
-    # any of them changes nothing
-    states = await ctx.registry.states(args.device)
-    for device in args.device:
+async def check_devices(ctx: Context, devices: Sequence[str]) -> None:
+    """Raises :class:`UnknownDevice` for the first of ``devices`` that is not registered,
+    before any of them changes (a typo in one changes nothing)."""
+    states = await ctx.registry.states(devices)
+    for device in devices:
         if states[device] == "removed":
             raise UnknownDevice(device)
+
+
+async def cmd_drain(args: argparse.Namespace, ctx: Context) -> int:
+    # every device drains before any move is asked: a move never lands on a device that
+    # drains next (draining a node's devices together moves each episode once)
+    await check_devices(ctx, args.device)
     changes = [await ctx.registry.drain(device, args.reason) for device in args.device]
     if args.move:  # each node moves them with their state at its next renewal
         for device in args.device:
@@ -345,10 +350,7 @@ async def cmd_move(args: argparse.Namespace, ctx: Context) -> int:
 
 async def cmd_undrain(args: argparse.Namespace, ctx: Context) -> int:
     # only a draining device is undrained; a down one comes back through its node's probe
-    states = await ctx.registry.states(args.device)
-    for device in args.device:
-        if states[device] == "removed":
-            raise UnknownDevice(device)
+    await check_devices(ctx, args.device)
     for device in args.device:
         change = await ctx.registry.undrain(device)
         report_state(ctx, device, change.state, change.previous)
