@@ -197,13 +197,17 @@ def model_rows(models: Sequence[ModelStatus]) -> list[tuple[object, ...]]:
 MODEL_HEADERS = ("MODEL", "VERSION", "NEW EPISODES", "LIVE NODES", "DEVICES")
 
 
-async def cmd_models(args: argparse.Namespace, ctx: Context) -> int:
-    await ctx.require_deployment()
-    models = await ctx.inventory.models()
+def emit_models(ctx: Context, models: Sequence[ModelStatus]) -> None:
     if ctx.json:
         emit_json(ctx, [m.to_json() for m in models])
     else:
         emit(ctx, table(MODEL_HEADERS, model_rows(models)))
+
+
+async def cmd_models(args: argparse.Namespace, ctx: Context) -> int:
+    await ctx.require_deployment()
+    models = await ctx.inventory.models()
+    emit_models(ctx, models)
     return EXIT_OK
 
 
@@ -222,10 +226,7 @@ async def cmd_rollout(args: argparse.Namespace, ctx: Context) -> int:
             raise UnknownModel(f"{args.name}@{args.version}", served)
         await ctx.models.rollout(args.name, args.version, args.weight)
     models = [m for m in await ctx.inventory.models() if m.name == args.name]
-    if ctx.json:
-        emit_json(ctx, [m.to_json() for m in models])
-    else:
-        emit(ctx, table(MODEL_HEADERS, model_rows(models)))
+    emit_models(ctx, models)
     return EXIT_OK
 
 
