@@ -7,7 +7,6 @@ async shell the node and the CLI share.
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import re
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ from affinity.errors import (
     UnknownModel,
 )
 from affinity.models import check_model_part
-from affinity.scripts import Script, ScriptCaller, bounded, evalsha, replicated
+from affinity.scripts import EpisodeScriptCaller, replicated
 
 __all__ = [
     "MAX_EPISODE_BYTES",
@@ -179,7 +178,7 @@ def parse_lookup(episode: str, reply: Sequence[Any]) -> EpisodeInfo | None:
     )
 
 
-class Claims(ScriptCaller):
+class Claims(EpisodeScriptCaller):
     """Async claim API over one Redis client. Safe to share between tasks.
 
     Every call is one ``EVALSHA`` bounded by ``settings.redis_deadline_s``; it raises
@@ -187,15 +186,6 @@ class Claims(ScriptCaller):
     answers the longest lease TTL of the fleet its caller heard of (a node's lease: see
     :meth:`Registry.renewal`): a grace period a resolve starts lasts at least that long.
     """
-
-    @functools.cached_property
-    def _episode_key(self) -> str:
-        return self.keys.episode("")
-
-    async def _call(self, script: Script, episode: str, args: Sequence[Any] = ()) -> Any:
-        return await bounded(
-            self.settings, evalsha(self.redis, script, self._episode_key + episode, args)
-        )
 
     async def resolve(
         self,

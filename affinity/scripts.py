@@ -27,7 +27,7 @@ import math
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from importlib.resources import files
 from typing import Any, TypeVar
 
@@ -40,6 +40,7 @@ from affinity.keys import Keys
 
 __all__ = [
     "NAMES",
+    "EpisodeScriptCaller",
     "Script",
     "ScriptCaller",
     "Scripts",
@@ -189,6 +190,19 @@ class ScriptCaller:
         self.known_lease_ms = known_lease_ms
         self.keys = settings.keys
         self.scripts = scripts_for(settings)
+
+
+class EpisodeScriptCaller(ScriptCaller):
+    """A :class:`ScriptCaller` whose every call is about one episode: ``KEYS[1]`` is its
+    key."""
+
+    @cached_property
+    def _episode_key(self) -> str:
+        return self.keys.episode("")
+
+    async def _call(self, script: Script, episode: str, args: Sequence[Any] = ()) -> Any:
+        key = self._episode_key + episode
+        return await bounded(self.settings, evalsha(self.redis, script, key, args))
 
 
 async def evalsha(redis: Any, script: Script, key: str, args: Sequence[Any] = ()) -> Any:

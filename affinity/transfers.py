@@ -14,12 +14,10 @@ async shell, like :class:`affinity.Claims`.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from affinity.claims import check_episode, check_token
-from affinity.config import Settings
-from affinity.scripts import Script, bounded, evalsha, scripts_for
+from affinity.scripts import EpisodeScriptCaller
 
 __all__ = ["Placement", "Refused", "Transfers"]
 
@@ -53,20 +51,9 @@ def parse_placement(reply: str, claim: str) -> Placement | Refused:
     return Placement(device, int(token), claim, node, url, instance)
 
 
-class Transfers:
+class Transfers(EpisodeScriptCaller):
     """Async transfer API over one Redis client (every call one bounded ``EVALSHA``,
     raising :class:`affinity.BackendUnavailable` when Redis cannot answer in time)."""
-
-    def __init__(self, redis: Any, settings: Settings) -> None:
-        self.redis = redis
-        self.settings = settings
-        self.scripts = scripts_for(settings)
-        self._episode_key = settings.keys.episode("")
-
-    async def _call(self, script: Script, episode: str, args: Sequence[Any]) -> Any:
-        return await bounded(
-            self.settings, evalsha(self.redis, script, self._episode_key + episode, args)
-        )
 
     async def place(
         self,

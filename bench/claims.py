@@ -52,12 +52,7 @@ def devices(n: int, capacity: int) -> list[DeviceRegistration]:
 
 
 async def register_fleet(
-    url: str,
-    nodes: int,
-    per_node: int,
-    capacity: int,
-    namespace: str = "affinity",
-    models: int = 0,
+    url: str, nodes: int, per_node: int, capacity: int, namespace: str = "affinity", models: int = 0
 ) -> None:
     """``models`` > 0: every node serves m0..m<models-1>, m0 as v1 on even nodes and v2 on
     odd ones (given weights 1:1 when there are two nodes or more)."""
