@@ -7,7 +7,6 @@ The probe is a real socket pair, so the close check costs the node's ``poll(2)``
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -37,14 +36,6 @@ class Connection:
 
     def serving_others(self) -> bool:
         return False
-
-
-def parser() -> argparse.ArgumentParser:
-    """The options every in-process bench takes: ``--rounds`` and ``--steps`` a round."""
-    p = argparse.ArgumentParser()
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--steps", type=int, default=1000)
-    return p
 
 
 @contextlib.asynccontextmanager

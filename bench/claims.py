@@ -20,7 +20,6 @@ Usage: python -m bench.claims [--runs 5] [--samples 2000] [--live 1000000]
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import math
 import multiprocessing as mp
@@ -32,7 +31,7 @@ import redis
 import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Inventory, ModelId, Models, Registry, Settings
-from bench.common import RedisServer, median, pct, report, tmpdir
+from bench.common import RedisServer, median, options, pct, report, tmpdir
 
 NOOP = "return 1"
 HOUR = 3600.0
@@ -264,14 +263,14 @@ async def listing_ms(url: str, device: str, node: str) -> tuple[float, float, in
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--samples", type=int, default=2000)
-    p.add_argument("--procs", type=int, default=8)
-    p.add_argument("--live", type=int, default=1_000_000)
-    p.add_argument("--cpu-claims", type=int, default=5000)
-    p.add_argument("--models-only", action="store_true", help="the 256 x 4 models figure alone")
-    a = p.parse_args()
+    a = options(
+        runs=5,
+        samples=2000,
+        procs=8,
+        live=1_000_000,
+        cpu_claims=5000,
+        models_only=(False, "the 256 x 4 models figure alone"),
+    )
     if a.models_only:
         models_figure(a.cpu_claims)
         return

@@ -23,8 +23,8 @@ import numpy as np
 import tritonclient.http as th
 import uvloop
 
-from bench.asgi import Connection, parser, post, running_node
-from bench.common import median, report
+from bench.asgi import Connection, post, running_node
+from bench.common import median, options, report
 from node.catalog import parse_model_arg
 
 SEQUENCES = 64
@@ -108,10 +108,7 @@ async def _measure(rounds: int, steps: int, models: list[str], profile: bool) ->
 
 
 def main() -> None:
-    p = parser()
-    p.add_argument("--models", default="demo")
-    p.add_argument("--profile", action="store_true")
-    a = p.parse_args()
+    a = options(rounds=15, steps=1000, models="demo", profile=False)
     rounds = uvloop.run(_measure(a.rounds, a.steps, a.models.split(","), a.profile))
     if a.profile:
         return

@@ -20,8 +20,8 @@ from typing import Any
 
 import uvloop
 
-from bench.asgi import Connection, parser, post, running_node
-from bench.common import median, report
+from bench.asgi import Connection, post, running_node
+from bench.common import median, options, report
 
 BODY = b'{"episode_id":"ep-%d","inputs":{"obs":[[0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8]]}}'
 EPISODES = 64
@@ -58,7 +58,7 @@ async def _measure(rounds: int, steps: int) -> list[dict[str, float]]:
 
 
 def main() -> None:
-    a = parser().parse_args()
+    a = options(rounds=15, steps=1000)
     rounds = uvloop.run(_measure(a.rounds, a.steps))
     ratio = median([r["node_us"] / r["base_us"] for r in rounds])
     added = median([r["node_us"] - r["base_us"] for r in rounds])
