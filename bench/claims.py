@@ -57,6 +57,7 @@ async def register_fleet(
     odd ones (given weights 1:1 when there are two nodes or more)."""
     client = redis.asyncio.Redis.from_url(url, decode_responses=True)
     registry = Registry(client, settings(url, namespace))
+    await registry.new_fleet()  # a new fleet: no grace period (else no claim for a lease)
     for n in range(nodes):
         served = {ModelId(f"m{j}", f"v{2 if j == 0 and n % 2 else 1}"): "{}" for j in range(models)}
         await registry.register(
@@ -219,7 +220,9 @@ def fill(url: str, start: int, stop: int, namespace: str = "affinity") -> None:
         pipe = r.pipeline(transaction=False)
         for i in range(first, min(stop, first + 1000)):
             key = s.keys.episode(live_id(i))
-            pipe.execute_command("EVALSHA", script.sha, 1, key, "", os.urandom(8).hex())
+            # resolve.lua's ARGV: no restart, a claim id, no model, no version, no lease heard of
+            args = ("", os.urandom(8).hex(), "", "", 0)
+            pipe.execute_command("EVALSHA", script.sha, 1, key, *args)
         for reply in pipe.execute():
             assert reply.startswith("claimed "), reply
     r.close()
