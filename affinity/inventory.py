@@ -16,10 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from affinity.config import Settings
 from affinity.errors import UnknownDevice, UnknownNode
 from affinity.models import ModelId
-from affinity.scripts import bounded
+from affinity.scripts import RedisApi, bounded
 
 __all__ = [
     "DeviceStatus",
@@ -134,15 +133,8 @@ def _now_ms(reply: Sequence[int]) -> int:
     return int(reply[0]) * 1000 + int(reply[1]) // 1000
 
 
-class Inventory:
-    """Read-only views over one Redis client. Every call is bounded by
-    ``settings.redis_deadline_s`` and raises :class:`BackendUnavailable` when Redis cannot
-    answer in time."""
-
-    def __init__(self, redis: Any, settings: Settings) -> None:
-        self.redis = redis
-        self.settings = settings
-        self.keys = settings.keys
+class Inventory(RedisApi):
+    """Read-only views over one Redis client (a :class:`RedisApi`: every call bounded)."""
 
     async def empty(self) -> bool:
         """True when no node and no device was ever registered in this namespace (or

@@ -41,6 +41,7 @@ from affinity.keys import Keys
 __all__ = [
     "NAMES",
     "EpisodeScriptCaller",
+    "RedisApi",
     "Script",
     "ScriptCaller",
     "Scripts",
@@ -176,19 +177,27 @@ def scripts_for(settings: Settings) -> Scripts:
     )
 
 
-class ScriptCaller:
-    """What an async API over the scripts holds: one Redis client, the settings, their
-    keys and scripts. ``known_lease_ms`` answers the longest lease TTL of the fleet the
-    caller heard of (0: none): a grace period one of its calls starts lasts at least that
-    long (``affinity/lua/lib.lua``)."""
+class RedisApi:
+    """An async API over one Redis client: it holds the client, the settings and their keys.
+    Every call is bounded by ``settings.redis_deadline_s`` (:func:`bounded`) and raises
+    :class:`BackendUnavailable` when Redis cannot answer in time."""
+
+    def __init__(self, redis: Any, settings: Settings) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.keys = settings.keys
+
+
+class ScriptCaller(RedisApi):
+    """A :class:`RedisApi` that calls the scripts. ``known_lease_ms`` answers the longest
+    lease TTL of the fleet the caller heard of (0: none): a grace period one of its calls
+    starts lasts at least that long (``affinity/lua/lib.lua``)."""
 
     def __init__(
         self, redis: Any, settings: Settings, known_lease_ms: Callable[[], int] = lambda: 0
     ) -> None:
-        self.redis = redis
-        self.settings = settings
+        super().__init__(redis, settings)
         self.known_lease_ms = known_lease_ms
-        self.keys = settings.keys
         self.scripts = scripts_for(settings)
 
 
