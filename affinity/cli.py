@@ -440,9 +440,9 @@ def stream_id(text: str) -> str:
     return text
 
 
-def build_parser() -> argparse.ArgumentParser:
-    # The global options are accepted before and after the subcommand; SUPPRESS keeps a
-    # subcommand's parser from overwriting a value given before it.
+def common_options() -> argparse.ArgumentParser:
+    """The global options, accepted before and after the subcommand; SUPPRESS keeps a
+    subcommand's parser from overwriting a value given before it."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--redis",
@@ -458,20 +458,15 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
     )
+    return common
 
-    parser = argparse.ArgumentParser(
-        prog="affinity",
-        description="Inspect and operate an affinity deployment through its Redis.",
-        epilog="exit codes: 0 ok, 1 not found, 2 usage, 3 Redis unreachable or failing",
-        parents=[common],
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, run: Command, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, parents=[common], help=help, description=help)
-        p.set_defaults(run=run)
-        return p
+AddCommand = Callable[[str, Command, str], argparse.ArgumentParser]
+"""Adds a subcommand: its name, what runs it and its help; returns its parser."""
 
+
+def add_fleet_commands(command: AddCommand) -> None:
+    """The subcommands about nodes, devices and models."""
     command("devices", cmd_devices, "every registered device: state, liveness, live load")
     command("nodes", cmd_nodes, "every node with its lease; dead ones until forgotten")
     command("models", cmd_models, "every registered model version: who serves it, its share")
@@ -495,6 +490,10 @@ def build_parser() -> argparse.ArgumentParser:
         "mark an empty Redis that never served a fleet as new (no grace period for its "
         "first claims); never after Redis lost a running fleet's data",
     )
+
+
+def add_episode_commands(command: AddCommand) -> None:
+    """The subcommands about episodes and the devices they run on, and the event stream."""
     p = command("episodes", cmd_episodes, "live assignments")
     p.add_argument("--device", help="only this device")
     p.add_argument("--node", help="only this node's devices")
@@ -524,6 +523,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--count", type=non_negative, default=20, help="how many (default: 20)")
     p.add_argument("--max-events", type=non_negative, help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = common_options()
+    parser = argparse.ArgumentParser(
+        prog="affinity",
+        description="Inspect and operate an affinity deployment through its Redis.",
+        epilog="exit codes: 0 ok, 1 not found, 2 usage, 3 Redis unreachable or failing",
+        parents=[common],
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, run: Command, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help, description=help)
+        p.set_defaults(run=run)
+        return p
+
+    add_fleet_commands(command)
+    add_episode_commands(command)
     return parser
 
 
