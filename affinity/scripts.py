@@ -1,22 +1,19 @@
 """The Lua scripts (``affinity/lua/*.lua``) and the one way the library calls Redis.
 
-Each script is sent as a header of this deployment's constants, then the script, with
-``lib.lua`` and ``fleet.lua`` (the functions the scripts share) where the script says
-``--@lib`` and ``--@fleet``. The
-header holds what is the same on every call of one deployment: the fixed key names (built
-by :class:`Keys`, so no key literal lives here), the prefixes of derived keys, the episode
-TTL, the lease TTL and the events stream's MAXLEN. Per call, ``KEYS[1]`` is the one key
-the call is about (an episode, a node or a device) and ``ARGV`` holds the per-call values.
-Passing the eight fixed keys and three constants on every claim cost about 1 µs per
-argument on each side (packing in redis-py, parsing and table building in Redis): more
-than a tenth of a claim's round trip on loopback. The header's values are validated
-(namespace, positive integers) and written as escaped Lua literals.
+Each script is sent as a header of this deployment's constants, then the script.
+``lib.lua`` and ``fleet.lua``, the functions the scripts share, go where a script says
+``--@lib`` and ``--@fleet``: a function two scripts need is written there once.
+The header holds what one deployment's calls share: fixed key names (from :class:`Keys`),
+prefixes of derived keys, the episode TTL, the lease TTL, the events stream's MAXLEN.
+Per call, ``KEYS[1]`` is the one key the call is about; ``ARGV`` holds the per-call values.
+Passing the fixed keys on every claim cost over a tenth of its round trip on loopback.
+The header's values are validated and written as escaped Lua literals.
 
-:func:`evalsha` calls ``EVALSHA`` directly and, on ``NOSCRIPT`` (after a Redis restart or
-``SCRIPT FLUSH``), loads the script and calls again. :func:`bounded` awaits one library
-call under ``redis_deadline_s`` (one timer per event loop watches every call in flight,
-instead of an ``asyncio.timeout`` per call) and maps transport errors and Redis error
-replies to :class:`BackendUnavailable`.
+:func:`evalsha` reloads a script on ``NOSCRIPT`` (a Redis restart, ``SCRIPT FLUSH``).
+:func:`bounded` awaits a call under ``redis_deadline_s`` (one timer per event loop).
+It maps transport errors and Redis error replies to :class:`BackendUnavailable`.
+:class:`RedisApi`, :class:`ScriptCaller` and :class:`EpisodeScriptCaller` are what the
+async APIs (``Claims``, ``Registry``, ``Transfers``, ``Inventory``...) hold.
 """
 
 from __future__ import annotations
