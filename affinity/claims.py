@@ -9,11 +9,10 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
-from affinity.config import Settings
 from affinity.errors import (
     AffinityError,
     InvalidArgument,
@@ -26,7 +25,7 @@ from affinity.errors import (
     UnknownModel,
 )
 from affinity.models import check_model_part
-from affinity.scripts import Script, bounded, evalsha, replicated, scripts_for
+from affinity.scripts import EpisodeScriptCaller, replicated
 
 __all__ = [
     "MAX_EPISODE_BYTES",
@@ -179,7 +178,7 @@ def parse_lookup(episode: str, reply: Sequence[Any]) -> EpisodeInfo | None:
     )
 
 
-class Claims:
+class Claims(EpisodeScriptCaller):
     """Async claim API over one Redis client. Safe to share between tasks.
 
     Every call is one ``EVALSHA`` bounded by ``settings.redis_deadline_s``; it raises
@@ -187,21 +186,6 @@ class Claims:
     answers the longest lease TTL of the fleet its caller heard of (a node's lease: see
     :meth:`Registry.renewal`): a grace period a resolve starts lasts at least that long.
     """
-
-    def __init__(
-        self, redis: Any, settings: Settings, known_lease_ms: Callable[[], int] = lambda: 0
-    ) -> None:
-        self.redis = redis
-        self.settings = settings
-        self.known_lease_ms = known_lease_ms
-        self.keys = settings.keys
-        self.scripts = scripts_for(settings)
-        self._episode_key = self.keys.episode("")
-
-    async def _call(self, script: Script, episode: str, args: Sequence[Any] = ()) -> Any:
-        return await bounded(
-            self.settings, evalsha(self.redis, script, self._episode_key + episode, args)
-        )
 
     async def resolve(
         self,

@@ -197,13 +197,17 @@ def model_rows(models: Sequence[ModelStatus]) -> list[tuple[object, ...]]:
 MODEL_HEADERS = ("MODEL", "VERSION", "NEW EPISODES", "LIVE NODES", "DEVICES")
 
 
-async def cmd_models(args: argparse.Namespace, ctx: Context) -> int:
-    await ctx.require_deployment()
-    models = await ctx.inventory.models()
+def emit_models(ctx: Context, models: Sequence[ModelStatus]) -> None:
     if ctx.json:
         emit_json(ctx, [m.to_json() for m in models])
     else:
         emit(ctx, table(MODEL_HEADERS, model_rows(models)))
+
+
+async def cmd_models(args: argparse.Namespace, ctx: Context) -> int:
+    await ctx.require_deployment()
+    models = await ctx.inventory.models()
+    emit_models(ctx, models)
     return EXIT_OK
 
 
@@ -222,10 +226,7 @@ async def cmd_rollout(args: argparse.Namespace, ctx: Context) -> int:
             raise UnknownModel(f"{args.name}@{args.version}", served)
         await ctx.models.rollout(args.name, args.version, args.weight)
     models = [m for m in await ctx.inventory.models() if m.name == args.name]
-    if ctx.json:
-        emit_json(ctx, [m.to_json() for m in models])
-    else:
-        emit(ctx, table(MODEL_HEADERS, model_rows(models)))
+    emit_models(ctx, models)
     return EXIT_OK
 
 
@@ -297,14 +298,19 @@ async def cmd_show(args: argparse.Namespace, ctx: Context) -> int:
     return EXIT_OK
 
 
-async def cmd_drain(args: argparse.Namespace, ctx: Context) -> int:
-    # every device drains before any move is asked: a move never lands on a device that
-    # drains next (draining a node's devices together moves each episode once); a typo in
-    # any of them changes nothing
-    states = await ctx.registry.states(args.device)
-    for device in args.device:
+async def check_devices(ctx: Context, devices: Sequence[str]) -> None:
+    """Raises :class:`UnknownDevice` for the first of ``devices`` that is not registered,
+    before any of them changes (a typo in one changes nothing)."""
+    states = await ctx.registry.states(devices)
+    for device in devices:
         if states[device] == "removed":
             raise UnknownDevice(device)
+
+
+async def cmd_drain(args: argparse.Namespace, ctx: Context) -> int:
+    # every device drains before any move is asked: a move never lands on a device that
+    # drains next (draining a node's devices together moves each episode once)
+    await check_devices(ctx, args.device)
     changes = [await ctx.registry.drain(device, args.reason) for device in args.device]
     if args.move:  # each node moves them with their state at its next renewal
         for device in args.device:
@@ -345,10 +351,7 @@ async def cmd_move(args: argparse.Namespace, ctx: Context) -> int:
 
 async def cmd_undrain(args: argparse.Namespace, ctx: Context) -> int:
     # only a draining device is undrained; a down one comes back through its node's probe
-    states = await ctx.registry.states(args.device)
-    for device in args.device:
-        if states[device] == "removed":
-            raise UnknownDevice(device)
+    await check_devices(ctx, args.device)
     for device in args.device:
         change = await ctx.registry.undrain(device)
         report_state(ctx, device, change.state, change.previous)
@@ -437,9 +440,9 @@ def stream_id(text: str) -> str:
     return text
 
 
-def build_parser() -> argparse.ArgumentParser:
-    # The global options are accepted before and after the subcommand; SUPPRESS keeps a
-    # subcommand's parser from overwriting a value given before it.
+def common_options() -> argparse.ArgumentParser:
+    """The global options, accepted before and after the subcommand; SUPPRESS keeps a
+    subcommand's parser from overwriting a value given before it."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--redis",
@@ -455,20 +458,15 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
     )
+    return common
 
-    parser = argparse.ArgumentParser(
-        prog="affinity",
-        description="Inspect and operate an affinity deployment through its Redis.",
-        epilog="exit codes: 0 ok, 1 not found, 2 usage, 3 Redis unreachable or failing",
-        parents=[common],
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def command(name: str, run: Command, help: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, parents=[common], help=help, description=help)
-        p.set_defaults(run=run)
-        return p
+AddCommand = Callable[[str, Command, str], argparse.ArgumentParser]
+"""Adds a subcommand: its name, what runs it and its help; returns its parser."""
 
+
+def add_fleet_commands(command: AddCommand) -> None:
+    """The subcommands about nodes, devices and models."""
     command("devices", cmd_devices, "every registered device: state, liveness, live load")
     command("nodes", cmd_nodes, "every node with its lease; dead ones until forgotten")
     command("models", cmd_models, "every registered model version: who serves it, its share")
@@ -492,6 +490,10 @@ def build_parser() -> argparse.ArgumentParser:
         "mark an empty Redis that never served a fleet as new (no grace period for its "
         "first claims); never after Redis lost a running fleet's data",
     )
+
+
+def add_episode_commands(command: AddCommand) -> None:
+    """The subcommands about episodes and the devices they run on, and the event stream."""
     p = command("episodes", cmd_episodes, "live assignments")
     p.add_argument("--device", help="only this device")
     p.add_argument("--node", help="only this node's devices")
@@ -521,6 +523,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--count", type=non_negative, default=20, help="how many (default: 20)")
     p.add_argument("--max-events", type=non_negative, help=argparse.SUPPRESS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = common_options()
+    parser = argparse.ArgumentParser(
+        prog="affinity",
+        description="Inspect and operate an affinity deployment through its Redis.",
+        epilog="exit codes: 0 ok, 1 not found, 2 usage, 3 Redis unreachable or failing",
+        parents=[common],
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, run: Command, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help, description=help)
+        p.set_defaults(run=run)
+        return p
+
+    add_fleet_commands(command)
+    add_episode_commands(command)
     return parser
 
 

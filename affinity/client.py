@@ -1,38 +1,16 @@
-"""Python clients of the node's HTTP API: :class:`Client` (sync) and :class:`AsyncClient`.
+"""Python clients of the node's ``POST /act``: :class:`Client` (sync) and :class:`AsyncClient`.
 
-What they do for a caller that steps episodes through ``POST /act``:
+They own each episode's client-side state: its token, its last ``seq`` and its owner's URL.
+Every step sends ``seq``, so a retry after a timeout is never applied twice.
+An episode's steps go straight to its owner; the configured nodes are the fallback.
+A 503 is retried within ``retry_budget_s``; a 4xx raises :class:`RequestRefused` at once.
+The decisions live in :class:`_StickyRoutes`, without I/O; the two clients only drive it.
+The sync client posts on :class:`affinity.transport.Transport`: ``httpx.Client`` cost CPU.
 
-- keep each episode's last token and echo it, so a lost assignment is reported as
-  ``state_reset`` (and, with ``raise_on_reset=True``, raised as :class:`StateReset`);
-- number each episode's steps: every step sends ``seq`` (the last reply's ``seq`` + 1), so
-  a retry after a timeout or a dropped connection is never applied twice (the owner
-  answers a step it already applied with its stored reply, ``replayed``);
-- send an episode's steps straight to its owner (the ``X-Affinity-URL`` of the last reply):
-  no second hop through another node; when the owner cannot be reached or refuses, fall
-  back to the configured nodes, which route the step to wherever the episode lives now;
-- honour ``Retry-After`` on 503 within a time budget (``retry_budget_s`` seconds per
-  step, 30 by default: longer than a node's lease, so an owner's crash is ridden out with
-  one ``state_reset``; timeouts and transport errors included; ``retries`` caps the
-  attempts too when given), then raise :class:`ServiceUnavailable`; a retry after a
-  timeout or a transport error goes to a node other than the one that failed, while there
-  is one, and waits (0.1 s, doubling to 1 s) once every node has failed;
-- raise :class:`RequestRefused` for a 4xx (the node's error code, message and field);
-- speak msgpack with numpy arrays both ways (``encoding="msgpack"``, the default: a camera
-  image travels as its bytes) or JSON (``encoding="json"``: nested lists); outputs are
-  numpy arrays either way.
-
-The decisions live in :class:`_StickyRoutes`, without I/O: its :meth:`~_StickyRoutes.attempts`
-generator yields what to send (or how long to wait) and is sent each answer, and the two
-classes drive it as httpx drives an auth flow, handing ``httpx.Request`` objects straight to
-a transport (no ``httpx.Client`` layer):
-:class:`Client` to :class:`affinity.transport.Transport` (lean HTTP/1.1 on keep-alive
-sockets: ``httpx.Client`` over httpcore cost ~1.5 ms of CPU per camera step), :class:`AsyncClient`
-to ``httpx.AsyncHTTPTransport``; ``transport=`` takes any httpx transport instead. Proxy
-variables (``HTTP_PROXY``) are not read: nodes are reached directly.
-Steps of one episode must be sequential (a robot's loop is); different episodes may run
-concurrently on one :class:`AsyncClient`. Node URLs are checked when a client is made: one
-that is not ``http://`` or ``https://`` (``127.0.0.1:8000``) is a ``ValueError`` then, never
-a retryable failure of every step.
+Hazards: one episode's steps must be sequential; different episodes may run concurrently.
+A node URL that is not ``http(s)://`` is a ``ValueError`` when the client is made.
+Proxy variables (``HTTP_PROXY``) are not read: nodes are reached directly.
+The manual is docs/protocols.md, "The Python client".
 """
 
 from __future__ import annotations
@@ -43,7 +21,7 @@ import itertools
 import time
 from collections.abc import Collection, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypedDict, TypeVar, Unpack
 from urllib.parse import urlsplit
 
 import httpx
@@ -63,6 +41,7 @@ __all__ = [
     "ServiceUnavailable",
     "StateReset",
     "Step",
+    "StepOptions",
     "StepReply",
 ]
 
@@ -107,13 +86,13 @@ class StepReply:
 
     outputs: dict[str, Any]
     episode_id: str | None
-    device: str
-    node: str
-    token: int
-    routing: str
-    state_reset: bool
-    degraded: bool
-    source: str
+    device: str  # the device that ran it ("gpu0")
+    node: str  # the node that ran it
+    token: int  # the claim's fencing token; the client echoes it with the next step
+    routing: str  # how the step found its device: claimed, hit, reassigned or stateless
+    state_reset: bool  # the episode's state started over with this step
+    degraded: bool  # routed by ``session_id``: the request named no ``episode_id``
+    source: str  # "model" (the policy ran) or "buffer" (the action chunk's next action)
     url: str  # the owner's address: where this episode's next step goes
     seq: int = 0  # the step's number under its claim (0 for a stateless step)
     replayed: bool = False  # the stored reply of a step already applied (a retry)
@@ -211,18 +190,18 @@ class _StickyRoutes:
         self,
         episode: str | None,
         inputs: Mapping[str, Any],
-        *,
-        end: bool,
-        fields: Mapping[str, Any],
-    ) -> Generator[
-        tuple[str, dict[str, Any]] | float, httpx.Response | Exception | None, StepReply
-    ]:
+        options: StepOptions,
+    ) -> _Attempts:
         """The attempts of one step, without I/O: yields (URL, body) to POST to ``URL/act``
         (and is sent the response, or the transport error), or seconds to sleep (and is
         sent ``None``); returns the served :class:`StepReply` or raises a
         :class:`ClientError`. Attempts go on until one is served or refused, for at most
         ``retry_budget_s`` (and ``retries`` + 1 attempts, when given)."""
-        body = self.body(episode, inputs, end=end, **fields)
+        unknown = options.keys() - _OPTIONS
+        if unknown:
+            raise TypeError(f"act() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
+        end = options.get("end", False)
+        body = self.body(episode, inputs, **{"end": end, **options})
         deadline = time.monotonic() + self.retry_budget_s
         tried_owner = False
         failed: set[str] = set()  # nodes that timed out or could not be reached
@@ -379,31 +358,39 @@ def _act_url(node: str) -> httpx.URL:
     return httpx.URL(node + "/act")
 
 
-def _fields(
-    model: str | None,
-    execute_steps: int | None,
-    executed: int | None,
-    inference_delay: int | None,
-    control_hz: float | None,
-) -> dict[str, Any]:
-    """A step's optional ``/act`` fields, as the node names them."""
-    return {
-        "model": model,
-        "execute_steps": execute_steps,
-        "executed": executed,
-        "inference_delay": inference_delay,
-        "control_hz": control_hz,
-    }
+_OPTIONS = frozenset(("end", "model", "execute_steps", "executed", "inference_delay", "control_hz"))
 
 
-class AsyncClient:
-    """The async client (see the module doc). ``nodes`` are node base URLs (``http://`` or
-    ``https://``; any of them accepts any episode); ``timeout`` bounds one HTTP attempt in
-    seconds; ``retry_budget_s`` bounds one step's attempts and waits in seconds (30: an
-    owner's crash costs a lease, 10 s by default, and a Retry-After), ``retries`` their
-    number beyond the first (``None``: the budget alone); ``encoding`` is ``"msgpack"``
-    (numpy arrays as bytes) or ``"json"``. Raises ``ValueError`` for a node URL that is not
-    ``http(s)://``, or another encoding."""
+class StepOptions(TypedDict, total=False):
+    """The keyword options of ``act``, sent as the ``/act`` fields of the same names; one
+    left out (or ``None``) is not sent, but ``end`` is always sent (``False`` by default)."""
+
+    end: bool  # the episode ends with this step: the node drops its state
+    model: str | None  # ``name`` or ``name@version``; needed when the fleet serves several
+    execute_steps: int | None  # overrides action-chunk execution
+    executed: int | None  # real-time chunking: actions executed since the last chunk
+    inference_delay: int | None  # real-time chunking: actions the inference will take
+    control_hz: float | None  # real-time chunking: the robot's control rate
+
+
+_Action = tuple[str, dict[str, Any]] | float
+_Result = httpx.Response | Exception | None
+_Attempts = Generator[_Action, _Result, "StepReply"]
+_T = TypeVar("_T", httpx.BaseTransport, httpx.AsyncBaseTransport)
+
+
+def _advance(attempts: _Attempts, result: _Result) -> _Action | StepReply:
+    """What ``attempts`` asks for next once sent ``result``, or the reply it returns."""
+    try:
+        return attempts.send(result)
+    except StopIteration as served:
+        reply: StepReply = served.value
+        return reply
+
+
+class _ClientBase(Generic[_T]):
+    """What both clients hold: the episodes' routes, the wire settings and a transport
+    (``transport``, else :meth:`_default_transport`). Parameters: see :class:`AsyncClient`."""
 
     def __init__(
         self,
@@ -415,52 +402,59 @@ class AsyncClient:
         raise_on_reset: bool = False,
         api_key: str | None = None,
         encoding: Encoding = "msgpack",
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: _T | None = None,
     ) -> None:
         self._routes = _StickyRoutes.of(nodes, retries, retry_budget_s, raise_on_reset)
         self._wire = _Wire.of(encoding, api_key, timeout)
-        self._transport = httpx.AsyncHTTPTransport() if transport is None else transport
+        self._transport: _T = self._default_transport() if transport is None else transport
+
+    def _default_transport(self) -> _T:
+        raise NotImplementedError
+
+
+class AsyncClient(_ClientBase[httpx.AsyncBaseTransport]):
+    """The async client (see the module doc). ``nodes`` are node base URLs (``http://`` or
+    ``https://``; any of them accepts any episode); ``timeout`` bounds one HTTP attempt in
+    seconds; ``retry_budget_s`` bounds one step's attempts and waits in seconds (30: an
+    owner's crash costs a lease, 10 s by default, and a Retry-After), ``retries`` their
+    number beyond the first (``None``: the budget alone); ``encoding`` is ``"msgpack"``
+    (numpy arrays as bytes) or ``"json"``; ``transport`` is any httpx async transport
+    (``httpx.AsyncHTTPTransport`` by default). Raises ``ValueError`` for a node URL that is
+    not ``http(s)://``, or another encoding."""
+
+    def _default_transport(self) -> httpx.AsyncBaseTransport:
+        return httpx.AsyncHTTPTransport()
 
     async def act(
-        self,
-        episode_id: str | None,
-        inputs: Mapping[str, Any],
-        *,
-        end: bool = False,
-        model: str | None = None,
-        execute_steps: int | None = None,
-        executed: int | None = None,
-        inference_delay: int | None = None,
-        control_hz: float | None = None,
+        self, episode_id: str | None, inputs: Mapping[str, Any], **options: Unpack[StepOptions]
     ) -> StepReply:
-        """One step of ``episode_id`` (``None``: stateless). ``model`` names the policy
-        (``name`` or ``name@version``; needed when the fleet serves several);
-        ``execute_steps`` overrides action-chunk execution; ``executed``,
-        ``inference_delay`` and ``control_hz`` are real-time chunking's (the node estimates
-        what is left out; see docs/policies.md). ``None`` sends nothing. Raises
-        :class:`StateReset` (if asked), :class:`RequestRefused`,
-        :class:`ServiceUnavailable`."""
-        fields = _fields(model, execute_steps, executed, inference_delay, control_hz)
-        attempts = self._routes.attempts(episode_id, inputs, end=end, fields=fields)
-        action = next(attempts)
-        while True:
-            result: httpx.Response | Exception | None = None
+        """One step of ``episode_id`` (``None``: stateless); ``options`` are
+        :class:`StepOptions` (``end``, ``model``, ``execute_steps``, and real-time chunking's
+        ``executed``, ``inference_delay``, ``control_hz``: the node estimates what is left
+        out; see docs/policies.md). Raises :class:`StateReset` (if asked),
+        :class:`RequestRefused`, :class:`ServiceUnavailable`; ``TypeError`` for another
+        option."""
+        attempts = self._routes.attempts(episode_id, inputs, options)
+        result: _Result = None
+        while not isinstance(action := _advance(attempts, result), StepReply):
             if isinstance(action, float):
                 await asyncio.sleep(action)
+                result = None
             else:
-                try:
-                    result = await self._transport.handle_async_request(self._wire.request(*action))
-                    try:
-                        await result.aread()
-                    finally:
-                        await result.aclose()
-                except httpx.TransportError as exc:
-                    result = exc
+                result = await self._post(self._wire.request(*action))
+        return action
+
+    async def _post(self, request: httpx.Request) -> httpx.Response | httpx.TransportError:
+        """The response, read, or the transport error (the step may have run there)."""
+        try:
+            response = await self._transport.handle_async_request(request)
             try:
-                action = attempts.send(result)
-            except StopIteration as served:
-                reply: StepReply = served.value
-                return reply
+                await response.aread()
+            finally:
+                await response.aclose()
+        except httpx.TransportError as exc:
+            return exc
+        return response
 
     async def aclose(self) -> None:
         await self._transport.aclose()
@@ -472,60 +466,38 @@ class AsyncClient:
         await self.aclose()
 
 
-class Client:
-    """The sync client: the same behaviour as :class:`AsyncClient`, on
-    :class:`affinity.transport.Transport`."""
+class Client(_ClientBase[httpx.BaseTransport]):
+    """The sync client: the same behaviour and parameters as :class:`AsyncClient`, on
+    :class:`affinity.transport.Transport` (``transport`` is any httpx sync transport)."""
 
-    def __init__(
-        self,
-        nodes: Sequence[str] | str,
-        *,
-        timeout: float = 10.0,
-        retries: int | None = None,
-        retry_budget_s: float = 30.0,
-        raise_on_reset: bool = False,
-        api_key: str | None = None,
-        encoding: Encoding = "msgpack",
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        self._routes = _StickyRoutes.of(nodes, retries, retry_budget_s, raise_on_reset)
-        self._wire = _Wire.of(encoding, api_key, timeout)
-        self._transport = Transport() if transport is None else transport
+    def _default_transport(self) -> httpx.BaseTransport:
+        return Transport()
 
     def act(
-        self,
-        episode_id: str | None,
-        inputs: Mapping[str, Any],
-        *,
-        end: bool = False,
-        model: str | None = None,
-        execute_steps: int | None = None,
-        executed: int | None = None,
-        inference_delay: int | None = None,
-        control_hz: float | None = None,
+        self, episode_id: str | None, inputs: Mapping[str, Any], **options: Unpack[StepOptions]
     ) -> StepReply:
         """One step of ``episode_id``; see :meth:`AsyncClient.act`."""
-        fields = _fields(model, execute_steps, executed, inference_delay, control_hz)
-        attempts = self._routes.attempts(episode_id, inputs, end=end, fields=fields)
-        action = next(attempts)
-        while True:
-            result: httpx.Response | Exception | None = None
+        attempts = self._routes.attempts(episode_id, inputs, options)
+        result: _Result = None
+        while not isinstance(action := _advance(attempts, result), StepReply):
             if isinstance(action, float):
                 time.sleep(action)
+                result = None
             else:
-                try:
-                    result = self._transport.handle_request(self._wire.request(*action))
-                    try:
-                        result.read()
-                    finally:
-                        result.close()
-                except httpx.TransportError as exc:
-                    result = exc
+                result = self._post(self._wire.request(*action))
+        return action
+
+    def _post(self, request: httpx.Request) -> httpx.Response | httpx.TransportError:
+        """The response, read, or the transport error (the step may have run there)."""
+        try:
+            response = self._transport.handle_request(request)
             try:
-                action = attempts.send(result)
-            except StopIteration as served:
-                reply: StepReply = served.value
-                return reply
+                response.read()
+            finally:
+                response.close()
+        except httpx.TransportError as exc:
+            return exc
+        return response
 
     def close(self) -> None:
         self._transport.close()

@@ -9,10 +9,8 @@ reader that falls behind may miss events: ``/events/stream`` tells its clients w
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
-from affinity.config import Settings
-from affinity.scripts import bounded
+from affinity.scripts import RedisApi, bounded
 
 __all__ = ["EVENT_NUMBERS", "Event", "EventStream", "event_json"]
 
@@ -34,15 +32,13 @@ def event_json(event_id: str, fields: Mapping[str, str]) -> dict[str, object]:
     return out
 
 
-class EventStream:
-    """Reads of the event stream over one Redis client. Every call is bounded by
-    ``settings.redis_deadline_s`` and raises :class:`BackendUnavailable` when Redis cannot
-    answer in time."""
+class EventStream(RedisApi):
+    """Reads of the event stream over one Redis client (a :class:`RedisApi`: every call
+    bounded)."""
 
-    def __init__(self, redis: Any, settings: Settings) -> None:
-        self.redis = redis
-        self.settings = settings
-        self.key = settings.keys.events
+    @property
+    def key(self) -> str:
+        return self.keys.events
 
     async def events(self, since: str = "-", count: int = 100) -> list[Event]:
         """Up to ``count`` events after ``since`` (a stream id; ``-`` is the start)."""

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from affinity.config import Settings
 from affinity.errors import UnknownDevice, UnknownNode
 from affinity.models import ModelId
-from affinity.scripts import bounded
+from affinity.scripts import RedisApi, bounded
 
 __all__ = [
     "DeviceStatus",
@@ -32,8 +31,15 @@ __all__ = [
 ]
 
 
+class _Row:
+    """A view's row: :meth:`to_json` gives its fields, tuples as lists."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in vars(self).items()}
+
+
 @dataclass(frozen=True)
-class DeviceStatus:
+class DeviceStatus(_Row):
     device: str
     node: str
     index: int
@@ -51,14 +57,9 @@ class DeviceStatus:
     load: int
     models: tuple[str, ...] = ()  # "name@version" its node serves on it
 
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["models"] = list(self.models)
-        return d
-
 
 @dataclass(frozen=True)
-class NodeStatus:
+class NodeStatus(_Row):
     node: str
     url: str
     devices: tuple[str, ...]
@@ -69,15 +70,9 @@ class NodeStatus:
     version: str
     models: tuple[str, ...] = ()  # "name@version" on every one of its devices
 
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["devices"] = list(self.devices)
-        d["models"] = list(self.models)
-        return d
-
 
 @dataclass(frozen=True)
-class ModelStatus:
+class ModelStatus(_Row):
     """One registered (name, version): who serves it and what share of new episodes of
     its name it takes."""
 
@@ -89,23 +84,15 @@ class ModelStatus:
     nodes: tuple[str, ...]  # the live nodes that serve it
     devices: int  # their devices
 
-    def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["nodes"] = list(self.nodes)
-        return d
-
 
 @dataclass(frozen=True)
-class EpisodeRow:
+class EpisodeRow(_Row):
     episode: str
     device: str
     token: int
     ttl_ms: int
     moved: bool = False  # handed over by a graceful stop: its next step is reassigned
     model: str = ""  # "name@version" it was claimed with ("": its node registered none)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _node_state(recorded: str, leased: bool) -> str:
@@ -146,15 +133,8 @@ def _now_ms(reply: Sequence[int]) -> int:
     return int(reply[0]) * 1000 + int(reply[1]) // 1000
 
 
-class Inventory:
-    """Read-only views over one Redis client. Every call is bounded by
-    ``settings.redis_deadline_s`` and raises :class:`BackendUnavailable` when Redis cannot
-    answer in time."""
-
-    def __init__(self, redis: Any, settings: Settings) -> None:
-        self.redis = redis
-        self.settings = settings
-        self.keys = settings.keys
+class Inventory(RedisApi):
+    """Read-only views over one Redis client (a :class:`RedisApi`: every call bounded)."""
 
     async def empty(self) -> bool:
         """True when no node and no device was ever registered in this namespace (or

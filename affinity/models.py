@@ -12,11 +12,10 @@ get, never the version of a running one.
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-from affinity.config import Settings
 from affinity.errors import InvalidArgument, UnknownModel
-from affinity.scripts import bounded
+from affinity.scripts import RedisApi, bounded
 
 __all__ = ["MAX_WEIGHT", "ModelId", "Models", "check_model_part"]
 
@@ -55,16 +54,10 @@ class ModelId(NamedTuple):
         return f"{self.name}@{self.version}"
 
 
-class Models:
+class Models(RedisApi):
     """What the fleet keeps per model, over one Redis client: rollout weights (written by
-    operators) and registered contracts (written by :meth:`Registry.register`). Every call
-    is bounded by ``settings.redis_deadline_s`` and raises :class:`BackendUnavailable` when
-    Redis cannot answer in time."""
-
-    def __init__(self, redis: Any, settings: Settings) -> None:
-        self.redis = redis
-        self.settings = settings
-        self.keys = settings.keys
+    operators) and registered contracts (written by :meth:`Registry.register`). A
+    :class:`RedisApi`: every call is bounded."""
 
     async def contract(self, model: ModelId) -> str | None:
         """The contract (JSON text) a node registered for ``model``, or None."""

@@ -17,14 +17,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, NoReturn
 
 from redis.asyncio import RedisCluster
 from redis.exceptions import NoPermissionError
 
-from affinity.config import Settings
 from affinity.errors import (
     InvalidArgument,
     NodeConflict,
@@ -34,7 +33,7 @@ from affinity.errors import (
     UnknownNode,
 )
 from affinity.models import MAX_WEIGHT, ModelId
-from affinity.scripts import Script, bounded, evalsha, replicated, scripts_for
+from affinity.scripts import Script, ScriptCaller, bounded, evalsha, replicated
 
 __all__ = [
     "MAX_WEIGHT",
@@ -210,21 +209,12 @@ Registered = Registration
 Flushed = FlushResult
 
 
-class Registry:
+class Registry(ScriptCaller):
     """Async registry API over one Redis client. Every call is bounded by
     ``settings.redis_deadline_s`` and raises :class:`BackendUnavailable` when Redis cannot
     answer in time. ``known_lease_ms`` answers the longest lease TTL of the fleet the
     caller heard of (a node's last :class:`LeaseTerms`; 0: none): a grace period one of
     its calls starts lasts at least that long (``affinity/lua/lib.lua``)."""
-
-    def __init__(
-        self, redis: Any, settings: Settings, known_lease_ms: Callable[[], int] = lambda: 0
-    ) -> None:
-        self.redis = redis
-        self.settings = settings
-        self.known_lease_ms = known_lease_ms
-        self.keys = settings.keys
-        self.scripts = scripts_for(settings)
 
     async def _call(self, script: Script, key: str, args: Sequence[Any]) -> Any:
         return await bounded(self.settings, evalsha(self.redis, script, key, args))

@@ -1,22 +1,19 @@
 """The Lua scripts (``affinity/lua/*.lua``) and the one way the library calls Redis.
 
-Each script is sent as a header of this deployment's constants, then the script, with
-``lib.lua`` and ``fleet.lua`` (the functions the scripts share) where the script says
-``--@lib`` and ``--@fleet``. The
-header holds what is the same on every call of one deployment: the fixed key names (built
-by :class:`Keys`, so no key literal lives here), the prefixes of derived keys, the episode
-TTL, the lease TTL and the events stream's MAXLEN. Per call, ``KEYS[1]`` is the one key
-the call is about (an episode, a node or a device) and ``ARGV`` holds the per-call values.
-Passing the eight fixed keys and three constants on every claim cost about 1 µs per
-argument on each side (packing in redis-py, parsing and table building in Redis): more
-than a tenth of a claim's round trip on loopback. The header's values are validated
-(namespace, positive integers) and written as escaped Lua literals.
+Each script is sent as a header of this deployment's constants, then the script.
+``lib.lua`` and ``fleet.lua``, the functions the scripts share, go where a script says
+``--@lib`` and ``--@fleet``: a function two scripts need is written there once.
+The header holds what one deployment's calls share: fixed key names (from :class:`Keys`),
+prefixes of derived keys, the episode TTL, the lease TTL, the events stream's MAXLEN.
+Per call, ``KEYS[1]`` is the one key the call is about; ``ARGV`` holds the per-call values.
+Passing the fixed keys on every claim cost over a tenth of its round trip on loopback.
+The header's values are validated and written as escaped Lua literals.
 
-:func:`evalsha` calls ``EVALSHA`` directly and, on ``NOSCRIPT`` (after a Redis restart or
-``SCRIPT FLUSH``), loads the script and calls again. :func:`bounded` awaits one library
-call under ``redis_deadline_s`` (one timer per event loop watches every call in flight,
-instead of an ``asyncio.timeout`` per call) and maps transport errors and Redis error
-replies to :class:`BackendUnavailable`.
+:func:`evalsha` reloads a script on ``NOSCRIPT`` (a Redis restart, ``SCRIPT FLUSH``).
+:func:`bounded` awaits a call under ``redis_deadline_s`` (one timer per event loop).
+It maps transport errors and Redis error replies to :class:`BackendUnavailable`.
+:class:`RedisApi`, :class:`ScriptCaller` and :class:`EpisodeScriptCaller` are what the
+async APIs (``Claims``, ``Registry``, ``Transfers``, ``Inventory``...) hold.
 """
 
 from __future__ import annotations
@@ -25,9 +22,9 @@ import asyncio
 import hashlib
 import math
 import weakref
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from importlib.resources import files
 from typing import Any, TypeVar
 
@@ -40,7 +37,10 @@ from affinity.keys import Keys
 
 __all__ = [
     "NAMES",
+    "EpisodeScriptCaller",
+    "RedisApi",
     "Script",
+    "ScriptCaller",
     "Scripts",
     "bounded",
     "evalsha",
@@ -172,6 +172,43 @@ def scripts_for(settings: Settings) -> Scripts:
     return _scripts(
         settings.namespace, settings.backstop_ms, settings.lease_ttl_ms, settings.events_maxlen
     )
+
+
+class RedisApi:
+    """An async API over one Redis client: it holds the client, the settings and their keys.
+    Every call is bounded by ``settings.redis_deadline_s`` (:func:`bounded`) and raises
+    :class:`BackendUnavailable` when Redis cannot answer in time."""
+
+    def __init__(self, redis: Any, settings: Settings) -> None:
+        self.redis = redis
+        self.settings = settings
+        self.keys = settings.keys
+
+
+class ScriptCaller(RedisApi):
+    """A :class:`RedisApi` that calls the scripts. ``known_lease_ms`` answers the longest
+    lease TTL of the fleet the caller heard of (0: none): a grace period one of its calls
+    starts lasts at least that long (``affinity/lua/lib.lua``)."""
+
+    def __init__(
+        self, redis: Any, settings: Settings, known_lease_ms: Callable[[], int] = lambda: 0
+    ) -> None:
+        super().__init__(redis, settings)
+        self.known_lease_ms = known_lease_ms
+        self.scripts = scripts_for(settings)
+
+
+class EpisodeScriptCaller(ScriptCaller):
+    """A :class:`ScriptCaller` whose every call is about one episode: ``KEYS[1]`` is its
+    key."""
+
+    @cached_property
+    def _episode_key(self) -> str:
+        return self.keys.episode("")
+
+    async def _call(self, script: Script, episode: str, args: Sequence[Any] = ()) -> Any:
+        key = self._episode_key + episode
+        return await bounded(self.settings, evalsha(self.redis, script, key, args))
 
 
 async def evalsha(redis: Any, script: Script, key: str, args: Sequence[Any] = ()) -> Any:

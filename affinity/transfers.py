@@ -1,25 +1,22 @@
 """Moving an episode to another device with its state: the live hand-over's Redis side.
 
-The owner moves an episode in three calls of one script (``affinity/lua/transfer.lua``):
-:meth:`Transfers.place` picks a device that serves the episode's model and has room,
-reserves a slot there and issues the new claim's token; the owner then sends the record to
-that device's node; :meth:`Transfers.commit` moves the assignment to the new claim, only
-while the owner's claim still holds it unmarked and the owner's lease is live (the fence:
-a paused or fenced owner's transfer is refused, and so is one of an episode an operator
-released meanwhile); :meth:`Transfers.abort` takes a reservation back when the move did
-not happen. Argument building and reply parsing are plain functions; the class is a thin
-async shell, like :class:`affinity.Claims`.
+One script (``affinity/lua/transfer.lua``) serves three calls of :class:`Transfers`.
+:meth:`~Transfers.place` reserves a slot on a device that serves the model, and a token.
+The owner then sends the record to that device's node.
+:meth:`~Transfers.commit` moves the assignment to the new claim: the fence.
+It is refused unless the owner's claim holds it unmarked and the owner's lease is live.
+So a paused or fenced owner cannot move, nor move an episode an operator released.
+:meth:`~Transfers.abort` takes the reservation back when the move did not happen.
+Argument building and reply parsing are plain functions; the class is a thin shell.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from affinity.claims import check_episode, check_token
-from affinity.config import Settings
-from affinity.scripts import Script, bounded, evalsha, scripts_for
+from affinity.scripts import EpisodeScriptCaller
 
 __all__ = ["Placement", "Refused", "Transfers"]
 
@@ -53,20 +50,9 @@ def parse_placement(reply: str, claim: str) -> Placement | Refused:
     return Placement(device, int(token), claim, node, url, instance)
 
 
-class Transfers:
+class Transfers(EpisodeScriptCaller):
     """Async transfer API over one Redis client (every call one bounded ``EVALSHA``,
     raising :class:`affinity.BackendUnavailable` when Redis cannot answer in time)."""
-
-    def __init__(self, redis: Any, settings: Settings) -> None:
-        self.redis = redis
-        self.settings = settings
-        self.scripts = scripts_for(settings)
-        self._episode_key = settings.keys.episode("")
-
-    async def _call(self, script: Script, episode: str, args: Sequence[Any]) -> Any:
-        return await bounded(
-            self.settings, evalsha(self.redis, script, self._episode_key + episode, args)
-        )
 
     async def place(
         self,

@@ -17,15 +17,22 @@ Usage: python -m bench.act [--runs 5] [--seconds 4] [--connections 16]
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
-import subprocess
-import sys
 
 import httpx
 
-from bench.common import ROOT, Node, RedisServer, free_port, median, report, tmpdir, wait_until, wrk
+from bench.common import (
+    Node,
+    RedisServer,
+    baseline,
+    median,
+    options,
+    report,
+    tmpdir,
+    wait_until,
+    wrk,
+)
 
 EXTRA = os.environ.get("BENCH_NODE_ARGS", "").split()
 OBS = "[[0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8]]"
@@ -53,15 +60,10 @@ end
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--seconds", type=float, default=4.0)
-    p.add_argument("--connections", type=int, default=16)
-    a = p.parse_args()
+    a = options(runs=5, seconds=4.0, connections=16)
     tmp = tmpdir()
     redis = RedisServer(tmp).start()
-    port = free_port()
-    base = subprocess.Popen([sys.executable, "-m", "bench.baseline_app", str(port)], cwd=ROOT)
+    base, port = baseline("bench.baseline_app")
     base_url = f"http://127.0.0.1:{port}"
     extra = ["--capacity", "1000", "--lease-ttl", "30", *EXTRA]
     one = Node(tmp, "one", redis.url, devices="cpu:1", extra=extra)

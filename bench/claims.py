@@ -20,7 +20,6 @@ Usage: python -m bench.claims [--runs 5] [--samples 2000] [--live 1000000]
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import math
 import multiprocessing as mp
@@ -32,7 +31,7 @@ import redis
 import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Inventory, ModelId, Models, Registry, Settings
-from bench.common import RedisServer, median, pct, report, tmpdir
+from bench.common import RedisServer, median, options, pct, report, tmpdir
 
 NOOP = "return 1"
 HOUR = 3600.0
@@ -52,17 +51,13 @@ def devices(n: int, capacity: int) -> list[DeviceRegistration]:
 
 
 async def register_fleet(
-    url: str,
-    nodes: int,
-    per_node: int,
-    capacity: int,
-    namespace: str = "affinity",
-    models: int = 0,
+    url: str, nodes: int, per_node: int, capacity: int, namespace: str = "affinity", models: int = 0
 ) -> None:
     """``models`` > 0: every node serves m0..m<models-1>, m0 as v1 on even nodes and v2 on
     odd ones (given weights 1:1 when there are two nodes or more)."""
     client = redis.asyncio.Redis.from_url(url, decode_responses=True)
     registry = Registry(client, settings(url, namespace))
+    await registry.new_fleet()  # a new fleet: no grace period (else no claim for a lease)
     for n in range(nodes):
         served = {ModelId(f"m{j}", f"v{2 if j == 0 and n % 2 else 1}"): "{}" for j in range(models)}
         await registry.register(
@@ -225,7 +220,9 @@ def fill(url: str, start: int, stop: int, namespace: str = "affinity") -> None:
         pipe = r.pipeline(transaction=False)
         for i in range(first, min(stop, first + 1000)):
             key = s.keys.episode(live_id(i))
-            pipe.execute_command("EVALSHA", script.sha, 1, key, "", os.urandom(8).hex())
+            # resolve.lua's ARGV: no restart, a claim id, no model, no version, no lease heard of
+            args = ("", os.urandom(8).hex(), "", "", 0)
+            pipe.execute_command("EVALSHA", script.sha, 1, key, *args)
         for reply in pipe.execute():
             assert reply.startswith("claimed "), reply
     r.close()
@@ -269,14 +266,14 @@ async def listing_ms(url: str, device: str, node: str) -> tuple[float, float, in
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--samples", type=int, default=2000)
-    p.add_argument("--procs", type=int, default=8)
-    p.add_argument("--live", type=int, default=1_000_000)
-    p.add_argument("--cpu-claims", type=int, default=5000)
-    p.add_argument("--models-only", action="store_true", help="the 256 x 4 models figure alone")
-    a = p.parse_args()
+    a = options(
+        runs=5,
+        samples=2000,
+        procs=8,
+        live=1_000_000,
+        cpu_claims=5000,
+        models_only=(False, "the 256 x 4 models figure alone"),
+    )
     if a.models_only:
         models_figure(a.cpu_claims)
         return

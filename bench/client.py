@@ -19,14 +19,13 @@ Usage: python -m bench.client [--runs 5] [--steps 100] [--json-steps 10]
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from affinity import Client
-from bench.common import Node, RedisServer, cpu_seconds, median, pct, report, tmpdir
+from bench.common import Node, RedisServer, cpu_seconds, median, options, pct, report, tmpdir
 from node.contract import load_contract
 from node.inputs import from_observation
 from node.models import resolve_model
@@ -34,11 +33,7 @@ from tests.test_openpi import libero
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--json-steps", type=int, default=10)
-    a = p.parse_args()
+    a = options(runs=5, steps=100, json_steps=10)
     tmp = tmpdir()
     redis = RedisServer(tmp).start()
     extra = ["--model", "vla-demo", "--max-batch", "1", "--lease-ttl", "30", "--capacity", "100"]

@@ -1,7 +1,8 @@
-"""Shared helpers of the benchmarks: processes, percentiles, reporting."""
+"""Shared helpers of the benchmarks: options, processes, percentiles, reporting."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -24,9 +25,11 @@ __all__ = [
     "Node",
     "RedisServer",
     "Wrk",
+    "baseline",
     "cpu_seconds",
     "free_port",
     "median",
+    "options",
     "pct",
     "report",
     "tmpdir",
@@ -35,6 +38,27 @@ __all__ = [
 ]
 
 RESULTS = ROOT / "bench" / "results"
+
+
+def options(**defaults: Any) -> argparse.Namespace:
+    """A bench's command line: one ``--name`` per keyword (``_`` written ``-``) of its
+    default's type; a ``False`` default makes a flag; ``(default, "help")`` adds a help."""
+    p = argparse.ArgumentParser()
+    for name, given in defaults.items():
+        default, help = given if isinstance(given, tuple) else (given, None)
+        flag = "--" + name.replace("_", "-")
+        if default is False:
+            p.add_argument(flag, action="store_true", help=help)
+        else:
+            p.add_argument(flag, type=type(default), default=default, help=help)
+    return p.parse_args()
+
+
+def baseline(module: str) -> tuple[subprocess.Popen[bytes], int]:
+    """``python -m module PORT`` started from the checkout on a free port: the process and
+    its port (the caller waits for it and kills it)."""
+    port = free_port()
+    return subprocess.Popen([sys.executable, "-m", module, str(port)], cwd=ROOT), port
 
 
 def pct(values: Sequence[float], q: float) -> float:

@@ -6,13 +6,12 @@ Usage: python -m bench.failover [--runs 3] [--lease 2]
 
 from __future__ import annotations
 
-import argparse
 import signal
 import time
 
 import httpx
 
-from bench.common import Node, RedisServer, median, report, tmpdir
+from bench.common import Node, RedisServer, median, options, report, tmpdir
 
 OBS = {"obs": [[0.0] * 8]}
 
@@ -51,10 +50,7 @@ def one_run(lease: float) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--lease", type=float, default=2.0)
-    a = p.parse_args()
+    a = options(runs=3, lease=2.0)
     times = [one_run(a.lease) for _ in range(a.runs)]
     bound = a.lease + a.lease / 3
     ratio = median(times) / bound

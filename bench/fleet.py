@@ -20,7 +20,6 @@ Usage: python -m bench.fleet [--calls 4000] [--hz 10] [--lease 10] [--episode-tt
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from typing import Any
 
@@ -28,7 +27,7 @@ import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Registry, Settings
 from affinity.registry import HeldEpisode
-from bench.common import RedisServer, report, tmpdir
+from bench.common import RedisServer, options, report, tmpdir
 
 NODES = (10, 100, 1000)
 EPISODES_PER_NODE = 64
@@ -96,12 +95,7 @@ async def measure(calls: int, lease: float) -> dict[str, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--calls", type=int, default=4000)
-    p.add_argument("--hz", type=float, default=10.0)
-    p.add_argument("--lease", type=float, default=10.0)
-    p.add_argument("--episode-ttl", type=float, default=300.0)
-    a = p.parse_args()
+    a = options(calls=4000, hz=10.0, lease=10.0, episode_ttl=300.0)
     c = asyncio.run(measure(a.calls, a.lease))
     per_step_max = 1e6 / c["hit_us"]  # steps/s one Redis core runs as per-step scripts
 

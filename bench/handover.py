@@ -20,7 +20,6 @@ Usage: python -m bench.handover [--episodes 64] [--hz 20] [--seconds 4] [--procs
 
 from __future__ import annotations
 
-import argparse
 import collections
 import multiprocessing as mp
 import os
@@ -36,7 +35,7 @@ import httpx
 import numpy as np
 
 from affinity import Keys, wire
-from bench.common import ROOT, Node, RedisServer, pct, report, tmpdir, wait_until
+from bench.common import ROOT, Node, RedisServer, options, pct, report, tmpdir, wait_until
 from node.models import DEMO_MODEL
 from tests.rollout import reference_rollout
 
@@ -274,12 +273,7 @@ def run(episodes: int, hz: float, seconds: float, procs: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--episodes", type=int, default=64)
-    p.add_argument("--hz", type=float, default=20.0)
-    p.add_argument("--seconds", type=float, default=4.0)
-    p.add_argument("--procs", type=int, default=4)
-    a = p.parse_args()
+    a = options(episodes=64, hz=20.0, seconds=4.0, procs=4)
     out = run(a.episodes, a.hz, a.seconds, a.procs)
     figures = []
     for phase in ("drain", "rolling"):

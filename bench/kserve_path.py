@@ -14,26 +14,18 @@ Usage: python -m bench.kserve_path [--rounds 15] [--steps 1000] [--models demo,v
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import cProfile
-import os
 import pstats
 import time
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import tritonclient.http as th
 import uvloop
 
-from affinity import Settings
-from bench.common import median, report
-from bench.path import _Connection
-from node.app import NodeApp, create_app
+from bench.asgi import Connection, post, running_node
+from bench.common import median, options, report
 from node.catalog import parse_model_arg
-from node.config import NodeConfig
-from node.main import build_service
 
 SEQUENCES = 64
 OBS = np.array([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]], np.float32)
@@ -53,35 +45,6 @@ def kserve_body(sequence: int, start: bool) -> tuple[bytes, int]:
     return body, length
 
 
-async def _one(app: Any, path: str, body: bytes, headers: list[tuple[bytes, bytes]],
-               connection: _Connection) -> None:  # fmt: skip
-    sent = False
-    out: list[Any] = []
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.get_running_loop().create_future()  # open until the reply
-        raise AssertionError("unreachable")
-
-    async def send(message: Any) -> None:
-        out.append(message)
-
-    scope = {
-        "type": "http", "method": "POST", "path": path, "http_version": "1.1",
-        "scheme": "http", "query_string": b"", "root_path": "", "client": ("127.0.0.1", 5555),
-        "server": ("127.0.0.1", 8000), "asgi": {"version": "3.0"}, "state": {},
-        "headers": [(b"host", b"127.0.0.1:8000"), *headers,
-                    (b"content-length", str(len(body)).encode())],
-        "affinity.connection": connection,
-    }  # fmt: skip
-    await app(scope, receive, send)
-    if out[0]["status"] != 200:
-        raise RuntimeError(f"{out[0]['status']}: {out[-1].get('body', b'')[:300]!r}")
-
-
 class Steps:
     """Pre-built bodies of both kinds, for 64 sequences."""
 
@@ -94,7 +57,7 @@ class Steps:
             self.kserve.append((body, headers))
         self.act = [(ACT % n, [(b"content-type", b"application/json")]) for n in range(SEQUENCES)]
 
-    async def interleaved(self, app: Any, steps: int, connection: _Connection) -> dict[str, float]:
+    async def interleaved(self, app: Any, steps: int, connection: Connection) -> dict[str, float]:
         """``steps`` steps of each kind, taking turns step by step (both meet the same
         machine); the mean µs a step of each."""
         spent = {"kserve": 0.0, "act": 0.0}
@@ -103,65 +66,49 @@ class Steps:
             for kind in ("kserve", "act") if n % 2 else ("act", "kserve"):
                 body, headers = (self.kserve if kind == "kserve" else self.act)[n % SEQUENCES]
                 began = time.perf_counter()
-                await _one(app, path[kind], body, headers, connection)
+                await post(app, path[kind], body, headers, connection)
                 spent[kind] += time.perf_counter() - began
         return {f"{kind}_us": total / steps * 1e6 for kind, total in spent.items()}
 
-    async def run(self, app: Any, kind: str, steps: int, connection: _Connection) -> float:
+    async def run(self, app: Any, kind: str, steps: int, connection: Connection) -> float:
         path = f"/v2/models/{MODEL}/infer" if kind == "kserve" else "/act"
         bodies = self.kserve if kind == "kserve" else self.act
         started = time.perf_counter()
         for n in range(steps):
             body, headers = bodies[n % SEQUENCES]
-            await _one(app, path, body, headers, connection)
+            await post(app, path, body, headers, connection)
         return (time.perf_counter() - started) / steps * 1e6
 
 
 async def _measure(rounds: int, steps: int, models: list[str], profile: bool) -> list[Any]:
     served = tuple(parse_model_arg(m) for m in models)
-    config = replace(
-        NodeConfig(node_id="path", advertise_url="http://path.test", devices="cpu:1"),
-        settings=Settings(lease_ttl_s=30),
-        capacity=1000,
-        models=served,
-    )
-    app: NodeApp = create_app(build_service(config))
-    app.access.stream = open(os.devnull, "w")  # noqa: SIM115 (closed below)
-    connection = _Connection()
+    connection = Connection()
     work = Steps()
     results: list[Any] = []
-    try:
-        async with app.api.router.lifespan_context(app.api):
-            for n in range(SEQUENCES):  # every sequence started
-                body, length = kserve_body(n + 1, True)
-                headers = [(b"inference-header-content-length", str(length).encode())]
-                await _one(app, f"/v2/models/{MODEL}/infer", body, headers, connection)
-            await work.run(app, "act", 2 * SEQUENCES, connection)
-            await work.run(app, "kserve", 2 * SEQUENCES, connection)
-            if profile:
-                profiler = cProfile.Profile()
-                profiler.enable()
-                await work.run(app, "kserve", steps, connection)
-                profiler.disable()
-                stats = pstats.Stats(profiler)
-                stats.sort_stats("tottime").print_stats(30)
-                shown = "kserve|catalog|service.py|asgi|orjson|numpy"
-                stats.sort_stats("cumulative").print_stats(shown, 40)
-                return results
-            for _ in range(rounds):
-                results.append(await work.interleaved(app, steps, connection))
-    finally:
-        app.access.stream.close()
+    async with running_node(models=served) as app:
+        for n in range(SEQUENCES):  # every sequence started
+            body, length = kserve_body(n + 1, True)
+            headers = [(b"inference-header-content-length", str(length).encode())]
+            await post(app, f"/v2/models/{MODEL}/infer", body, headers, connection)
+        await work.run(app, "act", 2 * SEQUENCES, connection)
+        await work.run(app, "kserve", 2 * SEQUENCES, connection)
+        if profile:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            await work.run(app, "kserve", steps, connection)
+            profiler.disable()
+            stats = pstats.Stats(profiler)
+            stats.sort_stats("tottime").print_stats(30)
+            shown = "kserve|catalog|service.py|asgi|orjson|numpy"
+            stats.sort_stats("cumulative").print_stats(shown, 40)
+            return results
+        for _ in range(rounds):
+            results.append(await work.interleaved(app, steps, connection))
     return results
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--steps", type=int, default=1000)
-    p.add_argument("--models", default="demo")
-    p.add_argument("--profile", action="store_true")
-    a = p.parse_args()
+    a = options(rounds=15, steps=1000, models="demo", profile=False)
     rounds = uvloop.run(_measure(a.rounds, a.steps, a.models.split(","), a.profile))
     if a.profile:
         return

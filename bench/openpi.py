@@ -14,9 +14,6 @@ Usage: python -m bench.openpi [--runs 5] [--steps 100]
 
 from __future__ import annotations
 
-import argparse
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -24,19 +21,25 @@ import httpx
 import numpy as np
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
-from bench.common import ROOT, Node, RedisServer, free_port, median, pct, report, tmpdir, wait_until
+from bench.common import (
+    Node,
+    RedisServer,
+    baseline,
+    median,
+    options,
+    pct,
+    report,
+    tmpdir,
+    wait_until,
+)
 from tests.test_openpi import libero
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--steps", type=int, default=100)
-    a = p.parse_args()
+    a = options(runs=5, steps=100)
     tmp = tmpdir()
     redis = RedisServer(tmp).start()
-    port = free_port()
-    base = subprocess.Popen([sys.executable, "-m", "bench.openpi_baseline", str(port)], cwd=ROOT)
+    base, port = baseline("bench.openpi_baseline")
     extra = ["--model", "vla-demo", "--max-batch", "1", "--lease-ttl", "30", "--capacity", "100"]
     env = {"AFFINITY_CLUSTER_SECRET": "bench", "AFFINITY_ACCESS_LOG": "off"}
     owner = Node(tmp, "oa", redis.url, devices="cpu:1", extra=extra, env=env)

@@ -19,7 +19,6 @@ Usage: python -m bench.owner [--seconds 10] [--pause 3] [--lease 10] [--rate 5]
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import signal
 import time
@@ -29,7 +28,7 @@ from typing import Any
 import httpx
 import redis
 
-from bench.common import Node, RedisServer, Wrk, cpu_seconds, pct, report, tmpdir, wrk
+from bench.common import Node, RedisServer, Wrk, cpu_seconds, options, pct, report, tmpdir, wrk
 
 EPISODES = 64
 OBS = {"obs": [[0.0] * 8]}
@@ -205,12 +204,9 @@ async def run(seconds: float, pause: float, lease: float, rate: float) -> dict[s
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--seconds", type=float, default=10.0)
-    p.add_argument("--pause", type=float, default=3.0)
-    p.add_argument("--lease", type=float, default=10.0)
-    p.add_argument("--rate", type=float, default=5.0, help="steps/s of each episode in the pause")
-    a = p.parse_args()
+    a = options(
+        seconds=10.0, pause=3.0, lease=10.0, rate=(5.0, "steps/s of each episode in the pause")
+    )
     out = asyncio.run(run(a.seconds, a.pause, a.lease, a.rate))
     per_step = out["commands"] / out["steps"]
     scripts_per_step = out["scripts"] / out["steps"]

@@ -170,3 +170,12 @@ def test_the_reply_type_is_StepReply_and_Step_stays_its_alias_for_a_release() ->
     rec = Recorder(lambda r, n: reply(r, sent(r)["seq"]))
     with Client(A, transport=httpx.MockTransport(rec)) as client:
         assert isinstance(client.act("ep", {"obs": [[0.0]]}), affinity.StepReply)
+
+
+def test_an_unknown_step_option_is_a_type_error_and_sends_nothing() -> None:
+    rec = Recorder(lambda r, n: reply(r, sent(r)["seq"]))
+    with Client(A, transport=httpx.MockTransport(rec)) as client:
+        with pytest.raises(TypeError, match="execute_step"):
+            client.act("ep", {"obs": [[0.0]]}, execute_step=1)  # type: ignore[call-arg]
+        client.act("ep", {"obs": [[0.0]]}, end=True)
+    assert [body["end"] for _, body in rec.sent] == [True]

@@ -209,6 +209,34 @@ local function moved_from(device, episode, deadline, now_ms)
     redis.call('ZADD', moved, deadline, episode)
 end
 
+-- hand an episode over from its device (handoff.lua, a revocation carried out in
+-- renew.lua): its unmarked value `base` becomes "<base> moved" under `key` (same expiry),
+-- its load slot is freed and it is listed in the device's moved set
+local function hand_over(key, episode, device, base, now_ms)
+    redis.call('SET', key, base .. ' moved', 'KEEPTTL')
+    local deadline = redis.call('ZSCORE', LOAD_KEY .. device, episode)
+    redis.call('ZREM', LOAD_KEY .. device, episode)
+    if deadline then
+        moved_from(device, episode, deadline, now_ms)
+    end
+    freed(device, now_ms)
+end
+
+-- an episode its owner holds, as register.lua and flush.lua receive it: five ARGV from i
+-- (episode, device, token, claim id, model). Returns the episode, its device, its model,
+-- the value it should have (lib.lua's value) and the value Redis holds (false: none).
+local function held_at(i)
+    local episode, device, model = ARGV[i], ARGV[i + 1], ARGV[i + 4]
+    local want = value(device, ARGV[i + 2], ARGV[i + 3], model)
+    return episode, device, model, want, redis.call('GET', EPISODE_KEY .. episode)
+end
+
+-- keep a held episode until `deadline` (ms): its value `kept` and its load-set member
+local function slide(episode, device, kept, deadline)
+    redis.call('SET', EPISODE_KEY .. episode, kept, 'PXAT', deadline)
+    redis.call('ZADD', LOAD_KEY .. device, deadline, episode)
+end
+
 -- forget a device: record, index entry, route, ring/full, load and moved sets
 local function remove_device(device)
     unenroll(device)

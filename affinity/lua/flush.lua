@@ -33,14 +33,9 @@ local deadline = int(now_ms + TTL)
 local last = 3 + 5 * tonumber(ARGV[3])
 local lost = {}
 for i = 4, last, 5 do
-    local episode, device, token, claim, model = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3],
-        ARGV[i + 4]
-    local key = EPISODE_KEY .. episode
-    local want = value(device, token, claim, model)
-    local current = redis.call('GET', key)
+    local episode, device, _, want, current = held_at(i)
     if current == want or current == want .. ' revoked' or (not current and grace) then
-        redis.call('SET', key, current or want, 'PXAT', deadline)
-        redis.call('ZADD', LOAD_KEY .. device, deadline, episode)
+        slide(episode, device, current or want, deadline)
     else
         lost[#lost + 1] = episode
     end

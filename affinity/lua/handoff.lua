@@ -20,13 +20,6 @@ local device, token, mark, _, _, base = parse(current)
 if mark == 'moved' or token ~= ARGV[1] then
     return 0
 end
-redis.call('SET', KEYS[1], base .. ' moved', 'KEEPTTL')
-local now_ms = clock()
-local deadline = redis.call('ZSCORE', LOAD_KEY .. device, episode)
-redis.call('ZREM', LOAD_KEY .. device, episode)
-if deadline then
-    moved_from(device, episode, deadline, now_ms)
-end
-freed(device, now_ms)
+hand_over(KEYS[1], episode, device, base, clock())
 event('type', 'handoff', 'episode', episode, 'device', device, 'token', token)
 return 1

@@ -106,16 +106,11 @@ local lost = {}
 local deadline = int(now_ms + TTL)
 local served = ',' .. ARGV[4] .. ','
 for i = last + 1, #ARGV, 5 do
-    local episode, device, token, claim, model = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3],
-        ARGV[i + 4]
-    local key = EPISODE_KEY .. episode
-    local want = value(device, token, claim, model)
-    local current = redis.call('GET', key)
+    local episode, device, model, want, current = held_at(i)
     local serves = model == '' or string.find(served, ',' .. model .. ',', 1, true)
     local revoked = current == want .. ' revoked'
     if listed[device] and serves and (not current or current == want or revoked) then
-        redis.call('SET', key, current or want, 'PXAT', deadline)
-        redis.call('ZADD', LOAD_KEY .. device, deadline, episode)
+        slide(episode, device, current or want, deadline)
     else
         lost[#lost + 1] = episode
     end

@@ -47,13 +47,7 @@ for i = 3, #ARGV do
     if current then
         local device, held, mark, _, _, base = parse(current)
         if mark == 'revoked' and held == token then
-            redis.call('SET', key, base .. ' moved', 'KEEPTTL')
-            local deadline = redis.call('ZSCORE', LOAD_KEY .. device, episode)
-            redis.call('ZREM', LOAD_KEY .. device, episode)
-            if deadline then
-                moved_from(device, episode, deadline, now_ms)
-            end
-            freed(device, now_ms)
+            hand_over(key, episode, device, base, now_ms)
             event('type', 'release', 'episode', episode, 'device', device, 'token', token,
                 'reason', 'revoked')
         end
