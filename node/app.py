@@ -25,10 +25,11 @@ from affinity import AffinityError, BackendUnavailable, NotReplicated, PoolExhau
 from node import openapi, routes
 from node.accesslog import AccessLog
 from node.asgi import Receive, Scope, Send, error_body, header, respond
+from node.errors import AdminRefused, outcome
 from node.fleet import add_fleet_routes
 from node.lease import VERSION
 from node.protocols import act, internal, kserve, openpi
-from node.routes import AdminRefused, error
+from node.routes import error, refusal
 from node.service import NodeService
 
 __all__ = ["PROTECTED", "NodeApp", "create_app", "cross_site"]
@@ -166,7 +167,12 @@ def _add_error_handlers(api: FastAPI) -> None:
 
     @api.exception_handler(AdminRefused)
     async def admin_refused(request: Request, exc: AdminRefused) -> Response:
-        return exc.response
+        metrics = request.app.state.service.metrics
+        metrics.rejected.labels(outcome(exc).reject_reason).inc()
+        response = refusal(exc)
+        if exc.challenge is not None:
+            response.headers["WWW-Authenticate"] = exc.challenge
+        return response
 
     @api.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:

@@ -8,6 +8,7 @@ from typing import Any, Protocol, TypeVar
 
 import orjson
 
+from node.errors import BodyError, ClientGone
 from node.step import Refused, Unavailable
 
 __all__ = [
@@ -32,24 +33,6 @@ T = TypeVar("T")
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-
-
-class BodyError(Exception):
-    """A request body refused before it was decoded (413 too large, 400 malformed)."""
-
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        self.status = status
-        self.reason = reason
-        super().__init__(message)
-
-
-class ClientGone(Exception):
-    """The client's connection closed while its request was served. ``result`` is what the
-    work returned when it finished before the close was seen (None: it was cancelled)."""
-
-    def __init__(self, result: object = None) -> None:
-        self.result = result
-        super().__init__("the client closed its connection")
 
 
 CONNECTION = "affinity.connection"

@@ -25,6 +25,7 @@ from affinity import (
     UnknownEpisode,
 )
 from affinity.registry import MoveRequest
+from node.errors import AdminRefused, outcome
 from node.service import NodeService
 from node.step import Refused, Unavailable
 
@@ -50,6 +51,13 @@ def error(
         body["field"] = field
     headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after else None
     return JSONResponse({"error": body}, status_code=status, headers=headers)
+
+
+def refusal(exc: BaseException, field: str | None = None) -> JSONResponse:
+    """:func:`error` for ``exc`` as :func:`node.errors.outcome` maps it; ``field`` names the
+    request field at fault (none by default: each route knows its own)."""
+    o = outcome(exc)
+    return error(o.status, o.code, o.message, field, o.retry_after)
 
 
 # ---- episodes --------------------------------------------------------------------------
@@ -90,40 +98,26 @@ async def get_episode(episode_id: str, s: Service) -> Response:
 # ---- devices (the admin's) -------------------------------------------------------------
 
 
-class AdminRefused(Exception):
-    """A request to an admin route without the admin's token; ``response`` says why."""
-
-    def __init__(self, response: Response) -> None:
-        super().__init__(response.status_code)
-        self.response = response
-
-
 async def admin(request: Request, s: Service) -> None:
     """Pass the admin's token; else raise :class:`AdminRefused`: 401 without valid
     credentials (none, or a wrong token), 403 with credentials that are valid but not the
     admin's (a client's API key), or while the admin API is disabled."""
     expected = s.config.admin_token
     if not expected:
-        s.metrics.rejected.labels("forbidden").inc()
-        raise AdminRefused(
-            error(403, "admin_disabled", "admin API disabled: set AFFINITY_ADMIN_TOKEN")
-        )
+        raise AdminRefused(403, "admin_disabled", "admin API disabled: set AFFINITY_ADMIN_TOKEN")
     given = request.headers.get("authorization", "")
     bearer = given.lower().startswith("bearer ")
     if bearer and hmac.compare_digest(given[7:].strip().encode(), expected.encode()):
         return
     if s.config.api_key and s.client_allowed(given):
-        s.metrics.rejected.labels("forbidden").inc()
-        raise AdminRefused(
-            error(403, "forbidden", "an API key is a client's: use the admin's bearer token")
-        )
-    s.metrics.rejected.labels("unauthorized").inc()
-    raise AdminRefused(JSONResponse(
-        {"error": {"code": "unauthorized",
-                   "message": "wrong admin token" if bearer else "bearer token required"}},
-        status_code=401,
-        headers={"WWW-Authenticate": 'Bearer error="invalid_token"' if bearer else "Bearer"},
-    ))  # fmt: skip
+        why = "an API key is a client's: use the admin's bearer token"
+        raise AdminRefused(403, "forbidden", why)
+    raise AdminRefused(
+        401,
+        "unauthorized",
+        "wrong admin token" if bearer else "bearer token required",
+        'Bearer error="invalid_token"' if bearer else "Bearer",
+    )
 
 
 devices = APIRouter()

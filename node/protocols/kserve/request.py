@@ -21,6 +21,7 @@ from affinity import InvalidArgument, check_episode
 from node import inputs
 from node.contract import PolicyContract, TensorSpec
 from node.devices import DeviceSpec
+from node.errors import NotServed
 from node.protocols.kserve.tensors import NAMES, BadRequest, kind_of
 from node.rtc import Ask, control_rate
 from node.service import NodeService
@@ -221,10 +222,6 @@ def _check_missing(contract: PolicyContract, arrays: dict[str, Array]) -> None:
             f"missing required input(s) {listed}: the model takes {len(specs)} inputs, the "
             f"request gives {len(arrays)} [{given}]"
         )
-
-
-class NotServed(LookupError):
-    """No live node serves the model (or version) a request names: 404, ``NOT_FOUND``."""
 
 
 def requested_version(service: NodeService, name: str, version: str | None) -> str | None:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from node.asgi import BodyError
+from node.errors import BadRequest
 from node.step import Array
 
 __all__ = [
@@ -69,15 +70,6 @@ DATATYPE_OF: dict[np.dtype[Any], str] = {dtype: name for name, dtype in DATATYPE
 """numpy dtype -> KServe datatype, for replies (``dtype.name`` costs ~3 µs a call)."""
 _NATIVE_LITTLE = sys.byteorder == "little"
 REFUSED_TYPES = ("BF16",)
-
-
-class BadRequest(ValueError):
-    """A request this protocol refuses with 400; ``reason`` is the rejection metric's label
-    (``malformed`` for a body that is not a v2 request, ``bad_input`` for a bad value)."""
-
-    def __init__(self, message: str, reason: str = "bad_input") -> None:
-        self.reason = reason
-        super().__init__(message)
 
 
 def inflate(body: bytes, encoding: str, limit: int) -> bytes:
