@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from affinity import InvalidArgument, check_episode
+from affinity import InvalidArgument, UnknownEpisode, check_episode
 from node import inputs
 from node.contract import PolicyContract, TensorSpec
 from node.devices import DeviceSpec
-from node.errors import NotServed
+from node.errors import NotServed, Outcome, outcome
 from node.protocols.kserve.tensors import NAMES, BadRequest, kind_of
 from node.rtc import Ask, control_rate
 from node.service import NodeService
@@ -43,6 +43,7 @@ __all__ = [
     "model_config",
     "model_metadata",
     "not_live",
+    "refusal",
     "requested_version",
     "served_version",
     "service_step",
@@ -423,6 +424,36 @@ def statistics_of(service: NodeService, name: str) -> dict[str, Any]:
     """Triton's statistics of model ``name`` on this node (``node/stats.py``)."""
     stats = service.metrics.model_stats.get(name)
     return model_statistics(stats, name, served_version(service, name))
+
+
+def refusal(
+    service: NodeService,
+    model_name: str,
+    exc: Exception,
+    request: InferRequest | None,
+    timeout_s: float | None = None,
+) -> Outcome:
+    """What a KServe door answers for ``exc`` (:func:`node.errors.outcome`), counted in
+    the rejection metric and the model's failures. An invalid request is 400 (413 too
+    large, 404 not served) with the bare message; a refused step keeps its status and
+    prefixes its code. ``timeout_s``: the request's own timeout, when shorter than
+    ``--act-deadline``, which a ``deadline`` names."""
+    o = outcome(exc)
+    if o.reject_reason is not None:
+        service.metrics.rejected.labels(o.reject_reason).inc()
+    if isinstance(exc, UnknownEpisode) and request is not None:
+        # Triton's rule: a request without START must belong to a live sequence. Redis
+        # decides it in the step's own resolve (state this node may hold says nothing about
+        # an operator's release, an idle expiry, an END in flight, a Redis restarted empty)
+        return replace(o, message=not_live(request.sequence, model_name))
+    if o.invalid:
+        return replace(o, status=400 if o.status == 422 else o.status)
+    if o.status in (500, 503):
+        stats_for(service, model_name).failed()
+    why = o.message
+    if o.code == "deadline" and timeout_s is not None:
+        why = f"no answer within the request's timeout of {round(timeout_s * 1e6)} µs"
+    return replace(o, message=f"{o.code}: {why}")
 
 
 def stats_for(service: NodeService, name: str) -> ModelStats:
