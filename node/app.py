@@ -21,7 +21,7 @@ from fastapi.responses import Response
 from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException
 
-from affinity import AffinityError, BackendUnavailable, NotReplicated, PoolExhausted
+from affinity import AffinityError
 from node import openapi, routes
 from node.accesslog import AccessLog
 from node.asgi import Receive, Scope, Send, error_body, header, respond
@@ -188,20 +188,9 @@ def _add_error_handlers(api: FastAPI) -> None:
         message = f"{field} {first.get('input')!r:.80}: {first['msg']}"
         return error(422, "bad_input", message, field=field)
 
-    @api.exception_handler(BackendUnavailable)
-    async def redis_unavailable(request: Request, exc: BackendUnavailable) -> Response:
-        """The one answer of every endpoint whose Redis call failed: 503 ``busy`` when the
-        call only waited for this node's pool (it is overloaded), ``not_replicated`` when
-        too few replicas acknowledged its write, else ``redis``."""
-        code = (
-            "busy"
-            if isinstance(exc, PoolExhausted)
-            else "not_replicated"
-            if isinstance(exc, NotReplicated)
-            else "redis"
-        )
-        return error(503, code, str(exc), retry_after=1)
-
     @api.exception_handler(AffinityError)
     async def affinity_error(request: Request, exc: AffinityError) -> Response:
-        return error(503, "affinity", str(exc), retry_after=1)
+        """The one answer of every endpoint whose Redis call failed (``errors.outcome``):
+        503 ``busy`` when the call only waited for this node's pool (it is overloaded),
+        ``not_replicated`` when too few replicas acknowledged its write, else ``redis``."""
+        return refusal(exc)

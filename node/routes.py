@@ -2,7 +2,8 @@
 
 The hot paths (``/act``, ``/internal/act``, ``/v2``) never come here: ``node/app.py``
 sends them to their protocol modules first. Every route reads the running node through
-:data:`Service`. Errors are JSON ``{"error": {"code", "message", "field"?}}`` (:func:`error`).
+:data:`Service`. Errors are JSON ``{"error": {"code", "message", "field"?}}`` (:func:`error`);
+an exception's status and code come from ``node.errors.outcome`` (:func:`refusal`).
 Hazard: the admin routes refuse through :class:`AdminRefused`, which ``create_app`` renders.
 """
 
@@ -17,7 +18,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from affinity import (
-    BackendUnavailable,
     InvalidArgument,
     Inventory,
     StaleToken,
@@ -73,11 +73,11 @@ async def end_episode(episode_id: str, s: Service) -> Response:
         if device is None:
             return error(404, "not_found", f"episode {episode_id!r} has no live assignment")
     except InvalidArgument as exc:
-        return error(422, "bad_input", str(exc), field="episode_id")
-    except (UnknownEpisode, StaleToken) as exc:
+        return refusal(exc, field="episode_id")
+    except (UnknownEpisode, StaleToken) as exc:  # it changed while this ran: not the table's
         return error(409, "changed", f"{exc}; try again")
     except Unavailable as exc:
-        return error(503, exc.reason, str(exc), retry_after=exc.retry_after)
+        return refusal(exc)
     return JSONResponse({"episode_id": episode_id, "released": True, "device": device})
 
 
@@ -87,7 +87,7 @@ async def get_episode(episode_id: str, s: Service) -> Response:
     try:
         info = await s.claims.lookup(episode_id)
     except InvalidArgument as exc:
-        return error(422, "bad_input", str(exc), field="episode_id")
+        return refusal(exc, field="episode_id")
     if info is None:
         return error(404, "not_found", f"episode {episode_id!r} has no live assignment")
     body = info.to_json()
@@ -172,7 +172,7 @@ async def _set_state(s: NodeService, device: str, state: str, reason: str = "") 
     except UnknownDevice as exc:
         return error(404, "not_found", str(exc))
     except InvalidArgument as exc:
-        return error(422, "bad_input", str(exc), field=exc.field)
+        return refusal(exc, field=exc.field)
     if device in s.device_ids:
         s.metrics.set_state(device, change.state)
     return JSONResponse({"device": device, "state": change.state, "previous": change.previous})
@@ -220,10 +220,7 @@ async def list_models(s: Service) -> Response:
     weight (null: the newest version takes new episodes), and whether it is the newest
     version of its name and served on this node."""
     here = {str(m) for m, _ in s.models.values()}
-    try:
-        rows = await Inventory(s.redis, s.config.settings).models()
-    except BackendUnavailable as exc:
-        return error(503, "redis", str(exc), retry_after=1)
+    rows = await Inventory(s.redis, s.config.settings).models()  # BackendUnavailable: the app's
     return JSONResponse(
         {"models": [{**r.to_json(), "local": f"{r.name}@{r.version}" in here} for r in rows]}
     )
@@ -236,10 +233,8 @@ async def model_named(name: str, s: Service, version: str | None = None) -> Resp
     version."""
     try:
         chosen, contract = await s.model_for(name, version)
-    except Refused as exc:
-        return error(exc.status, exc.reason, str(exc))
-    except InvalidArgument as exc:
-        return error(422, "bad_input", str(exc))
+    except (Refused, InvalidArgument) as exc:
+        return refusal(exc)
     local = s.models.get(chosen)
     shown = version or (local[0].version if local else s.catalog.newest(chosen))
     return JSONResponse({"name": chosen, "version": shown, **contract.to_json()})
