@@ -104,37 +104,10 @@ async def handle(
     service: NodeService, scope: Scope, receive: Receive, send: Send, access: AccessLog
 ) -> None:
     """The ASGI handler of a websocket connection; ``access`` gets one line per step."""
-    if (await receive())["type"] != "websocket.connect":
+    opened = await connect(service, scope, receive, send, access)
+    if opened is None:
         return
-    if not service.client_allowed(header(scope, b"authorization")):
-        service.metrics.rejected.labels("unauthorized").inc()
-        await unauthorized(scope, send, access, time.monotonic())
-        return
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
-    unknown = sorted(set(query) - QUERY_KEYS)
-    try:
-        fixed = check_episode(query["episode_id"][0]) if "episode_id" in query else None
-    except InvalidArgument:
-        service.metrics.rejected.labels("bad_input").inc()
-        await send({"type": "websocket.close", "code": 1008})
-        return
-    try:
-        name, contract = await service.model_for(query["model"][0] if "model" in query else None)
-        problem = None
-    except (Refused, InvalidArgument) as exc:  # no such model, or none named among several
-        name, contract, problem = None, service.contract, f"bad query: {exc}"
-    await send({"type": "websocket.accept"})
-    meta = metadata(service, fixed, contract, name)
-    await send({"type": "websocket.send", "bytes": wire.encode(meta)})
-    if unknown or problem:
-        # openpi's client reads the metadata on connect and an error only as a step's reply
-        if (await receive())["type"] == "websocket.receive":
-            service.metrics.rejected.labels("bad_input").inc()
-            names = ", ".join(repr(key) for key in unknown)
-            await fail(send, problem or f"bad query: unknown key {names}; the keys are "
-                       "episode_id and model")  # fmt: skip
-        return
-    assert name is not None
+    fixed, name, contract = opened
     own = f"ws-{uuid.uuid4().hex}"  # this connection's episode, when nothing names one
     tokens: dict[str, int] = {}  # last token per episode, echoed as the client's
     claims: dict[str, str] = {}  # last claim id per episode, echoed likewise
@@ -185,6 +158,45 @@ async def handle(
     finally:
         if own in tokens:  # the connection's own episode ends with it
             await service.router.end_here(own, tokens[own])
+
+
+async def connect(
+    service: NodeService, scope: Scope, receive: Receive, send: Send, access: AccessLog
+) -> tuple[str | None, str, PolicyContract] | None:
+    """Accept a connection and send its metadata: its fixed episode (``?episode_id=``),
+    model and contract; None once it was refused (401, a bad query: closed or answered)."""
+    if (await receive())["type"] != "websocket.connect":
+        return None
+    if not service.client_allowed(header(scope, b"authorization")):
+        service.metrics.rejected.labels("unauthorized").inc()
+        await unauthorized(scope, send, access, time.monotonic())
+        return None
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+    unknown = sorted(set(query) - QUERY_KEYS)
+    try:
+        fixed = check_episode(query["episode_id"][0]) if "episode_id" in query else None
+    except InvalidArgument:
+        service.metrics.rejected.labels("bad_input").inc()
+        await send({"type": "websocket.close", "code": 1008})
+        return None
+    try:
+        name, contract = await service.model_for(query["model"][0] if "model" in query else None)
+        problem = None
+    except (Refused, InvalidArgument) as exc:  # no such model, or none named among several
+        name, contract, problem = None, service.contract, f"bad query: {exc}"
+    await send({"type": "websocket.accept"})
+    meta = metadata(service, fixed, contract, name)
+    await send({"type": "websocket.send", "bytes": wire.encode(meta)})
+    if unknown or problem:
+        # openpi's client reads the metadata on connect and an error only as a step's reply
+        if (await receive())["type"] == "websocket.receive":
+            service.metrics.rejected.labels("bad_input").inc()
+            names = ", ".join(repr(key) for key in unknown)
+            await fail(send, problem or f"bad query: unknown key {names}; the keys are "
+                       "episode_id and model")  # fmt: skip
+        return None
+    assert name is not None
+    return fixed, name, contract
 
 
 async def watching(
