@@ -20,33 +20,18 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
-from affinity import InvalidArgument, UnknownEpisode
 from node.accesslog import STEP_KEY, AccessLog
 from node.asgi import io_seen
 from node.contract import PolicyContract
 from node.errors import (
-    BadRequest,
-    InvalidInput,
     NotServed,
     Outcome,
-    Refused,
-    Unavailable,
     outcome,
 )
 from node.lease import VERSION
+from node.protocols.kserve import request as kserve
 from node.protocols.kserve.messages import decode_request, encode_reply
 from node.protocols.kserve.pb import kserve_pb2 as pb
-from node.protocols.kserve.request import (
-    EXTENSIONS,
-    InferRequest,
-    config_of,
-    find_model,
-    metadata_of,
-    refusal,
-    service_step,
-    statistics_of,
-    stats_for,
-)
 from node.service import NodeService
 from node.step import Reply
 
@@ -116,7 +101,7 @@ class GrpcFrontDoor:
     async def _check_model(self, name: str, version: str) -> tuple[str, PolicyContract]:
         """The model a request names, served by some live node, and its contract."""
         try:
-            return await find_model(self.service, name, version)
+            return await kserve.find_model(self.service, name, version)
         except NotServed as exc:
             raise _Abort.of(outcome(exc)) from None
 
@@ -186,7 +171,7 @@ class GrpcFrontDoor:
         service = self.service
         found = await self._check_model(msg.model_name, msg.model_version)
         name = found[0]
-        request: InferRequest | None = None
+        request: kserve.InferRequest | None = None
         try:
             request = decode_request(msg)
             budget = service.config.act_deadline_s
@@ -195,7 +180,7 @@ class GrpcFrontDoor:
             remaining = context.time_remaining()  # the client's gRPC deadline, if it set one
             if remaining is not None:
                 budget = min(budget, remaining)
-            step = await service_step(
+            step = await kserve.service_step(
                 service, request, started + budget, name, msg.model_version or None, found
             )
             step.door, step.received = "kserve_grpc", started
@@ -203,16 +188,9 @@ class GrpcFrontDoor:
             reply = await service.router.act(step)
             served[1:] = [reply.device, reply.routing]
             await undo_if_cancelled(service, context, reply)
-            stats_for(service, name).answered(time.monotonic() - started)
-        except (
-            UnknownEpisode,
-            BadRequest,
-            InvalidInput,
-            InvalidArgument,
-            Unavailable,
-            Refused,
-        ) as exc:
-            raise _Abort.of(refusal(service, name, exc, request)) from None
+            kserve.stats_for(service, name).answered(time.monotonic() - started)
+        except kserve.REFUSED as exc:
+            raise _Abort.of(kserve.refusal(service, name, exc, request)) from None
         return encode_reply(reply, request, name)
 
     # -- the RPCs
@@ -233,7 +211,9 @@ class GrpcFrontDoor:
     async def ServerMetadata(
         self, msg: pb.ServerMetadataRequest, context: Any
     ) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name="affinity", version=VERSION, extensions=EXTENSIONS)
+        return pb.ServerMetadataResponse(
+            name="affinity", version=VERSION, extensions=kserve.EXTENSIONS
+        )
 
     async def ModelMetadata(
         self, msg: pb.ModelMetadataRequest, context: Any
@@ -243,7 +223,7 @@ class GrpcFrontDoor:
         except _Abort as exc:
             await self._abort(context, exc)
             raise  # unreachable: the abort raises
-        doc = metadata_of(self.service, name, contract)
+        doc = kserve.metadata_of(self.service, name, contract)
         response = pb.ModelMetadataResponse(
             name=doc["name"], versions=doc["versions"], platform=doc["platform"]
         )
@@ -263,7 +243,7 @@ class GrpcFrontDoor:
                 await self._abort(context, exc)
         response = pb.ModelStatisticsResponse()
         for name in names:
-            doc = statistics_of(self.service, name)
+            doc = kserve.statistics_of(self.service, name)
             entry = response.model_stats.add(
                 name=doc["name"],
                 version=doc["version"],
@@ -281,7 +261,9 @@ class GrpcFrontDoor:
         except _Abort as exc:
             await self._abort(context, exc)
             raise  # unreachable: the abort raises
-        config = json_format.ParseDict(config_of(self.service, name, contract), pb.ModelConfig())
+        config = json_format.ParseDict(
+            kserve.config_of(self.service, name, contract), pb.ModelConfig()
+        )
         return pb.ModelConfigResponse(config=config)
 
     async def ModelInfer(self, msg: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:

@@ -24,24 +24,20 @@ from typing import Any
 import numpy as np
 import orjson
 
-from affinity import InvalidArgument, UnknownEpisode
 from affinity.wire import MAX_ELEMENTS
 from node.accesslog import STEP_KEY
 from node.asgi import CONNECTION, Receive, Scope, Send, read_body, respond, while_connected
 from node.contract import PolicyContract
 from node.errors import (
     BadRequest,
-    BodyError,
     ClientGone,
-    InvalidInput,
     NotServed,
-    Refused,
-    Unavailable,
     outcome,
 )
 from node.lease import VERSION
 from node.protocols.kserve.request import (
     EXTENSIONS,
+    REFUSED,
     InferRequest,
     check_custom,
     config_of,
@@ -52,6 +48,7 @@ from node.protocols.kserve.request import (
     service_step,
     statistics_of,
     stats_for,
+    step_parameters,
     timing_parameters,
 )
 from node.protocols.kserve.tensors import (
@@ -138,15 +135,8 @@ def decode_infer(
         arrays=arrays,
         outputs=_requested(doc.get("outputs"), binary_output),
         binary_output=binary_output,
-        timeout_s=timeout / 1e6 if timeout else None,
-        execute_steps=steps,
-        ensemble=ensemble,
-        seq=seq,
-        executed=params.get("executed"),
-        inference_delay=params.get("inference_delay"),
-        control_hz=params.get("control_hz"),
-        pending=params.get("pending"),
         timing=_flag(params, "timing"),
+        **step_parameters(params),
     )
 
 
@@ -442,15 +432,7 @@ async def _infer(
     except ClientGone as exc:  # nobody will read the reply: the step did not happen
         if isinstance(exc.result, Reply):
             await service.router.undelivered(exc.result)
-    except (
-        UnknownEpisode,
-        BodyError,
-        BadRequest,
-        InvalidInput,
-        InvalidArgument,
-        Unavailable,
-        Refused,
-    ) as exc:
+    except REFUSED as exc:
         own = budget if budget < service.config.act_deadline_s else None
         o = refusal(service, model_name, exc, request, own)
         retry = [] if o.retry_after is None else [(b"retry-after", o.retry_header.encode())]

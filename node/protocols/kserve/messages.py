@@ -15,7 +15,12 @@ import numpy as np
 from affinity.wire import MAX_ELEMENTS
 from node.errors import BadRequest
 from node.protocols.kserve.pb import kserve_pb2 as pb
-from node.protocols.kserve.request import InferRequest, episode_of, timing_parameters
+from node.protocols.kserve.request import (
+    InferRequest,
+    episode_of,
+    step_parameters,
+    timing_parameters,
+)
 from node.protocols.kserve.tensors import (
     DATATYPE_OF,
     DATATYPES,
@@ -103,15 +108,8 @@ def decode_request(msg: pb.ModelInferRequest, *, max_elements: int = MAX_ELEMENT
         arrays=_inputs(msg, max_elements),
         outputs=outputs,
         binary_output=True,
-        timeout_s=timeout / 1e6 if timeout else None,
-        execute_steps=steps,
-        ensemble=ensemble,
-        seq=seq,
-        executed=params.get("executed"),
-        inference_delay=params.get("inference_delay"),
-        control_hz=params.get("control_hz"),
         timing=_flag(params, "timing"),
-        pending=params.get("pending"),
+        **step_parameters(params),
     )
 
 

@@ -21,17 +21,27 @@ from affinity import InvalidArgument, UnknownEpisode, check_episode
 from node import inputs
 from node.contract import PolicyContract, TensorSpec
 from node.devices import DeviceSpec
-from node.errors import NotServed, Outcome, outcome
-from node.protocols.kserve.tensors import NAMES, BadRequest, kind_of
+from node.errors import (
+    BadRequest,
+    BodyError,
+    InvalidInput,
+    NotServed,
+    Outcome,
+    Refused,
+    Unavailable,
+    outcome,
+)
+from node.protocols.kserve.tensors import NAMES, kind_of
 from node.rtc import Ask, control_rate
 from node.service import NodeService
 from node.stats import ModelStats, model_statistics
-from node.step import Array, Refused, Reply, Step
+from node.step import Array, Reply, Step
 
 __all__ = [
     "ANY_VERSION",
     "EXTENSIONS",
     "PLATFORM",
+    "REFUSED",
     "REQUEST_PARAMETERS",
     "InferRequest",
     "NotServed",
@@ -49,6 +59,7 @@ __all__ = [
     "service_step",
     "statistics_of",
     "stats_for",
+    "step_parameters",
     "timing_parameters",
     "to_step",
 ]
@@ -155,6 +166,22 @@ def check_custom(params: dict[str, Any]) -> None:
                 f"parameter {key[:64]!r} must be a boolean, a number or a string, "
                 f"not {kind_of(value)}"
             )
+
+
+def step_parameters(params: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`InferRequest` fields Triton's parameters give as they are (each wire's
+    decoder checked their types first, in its own words)."""
+    timeout = params.get("timeout")
+    return {
+        "timeout_s": timeout / 1e6 if timeout else None,
+        "execute_steps": params.get("execute_steps"),
+        "ensemble": params.get("ensemble"),
+        "seq": params.get("seq"),
+        "executed": params.get("executed"),
+        "inference_delay": params.get("inference_delay"),
+        "control_hz": params.get("control_hz"),
+        "pending": params.get("pending"),
+    }
 
 
 def not_live(sequence: object, model_name: str) -> str:
@@ -424,6 +451,12 @@ def statistics_of(service: NodeService, name: str) -> dict[str, Any]:
     """Triton's statistics of model ``name`` on this node (``node/stats.py``)."""
     stats = service.metrics.model_stats.get(name)
     return model_statistics(stats, name, served_version(service, name))
+
+
+REFUSED: tuple[type[Exception], ...] = (
+    UnknownEpisode, BodyError, BadRequest, InvalidInput, InvalidArgument, Unavailable, Refused
+)  # fmt: skip
+"""What a KServe door answers with :func:`refusal` (anything else is a bug: 500)."""
 
 
 def refusal(
