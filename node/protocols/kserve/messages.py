@@ -165,27 +165,37 @@ def _inputs(msg: pb.ModelInferRequest, max_elements: int) -> dict[str, Array]:
                 raise BadRequest(f"{shown}: BOOL bytes must be 0 or 1")
             arrays[name] = array
             continue
-        field = _CONTENTS.get(tensor.datatype)
-        if field is None:
-            raise BadRequest(f"{shown}: {tensor.datatype} travels as raw_input_contents only")
-        values = getattr(tensor.contents, field)
-        if len(values) != count:
-            raise BadRequest(f"{shown}: {len(values)} values for shape {shape} ({count} values)")
-        if strings:
-            try:
-                text = [bytes(v).decode() for v in values]
-            except UnicodeDecodeError:
-                raise BadRequest(f"{shown}: a BYTES element is not UTF-8") from None
-            array = np.empty(count, dtype=object)
-            array[:] = text
-            arrays[name] = array.reshape(shape)
-            continue
-        if dtype.kind in "iu":
-            info = np.iinfo(dtype)
-            if values and (min(values) < info.min or max(values) > info.max):
-                raise BadRequest(f"{shown}: data outside {info.min}..{info.max}")
-        arrays[name] = np.array(values, dtype=dtype).reshape(shape)
+        arrays[name] = _from_contents(tensor, shown, dtype, shape)
     return arrays
+
+
+def _from_contents(
+    tensor: pb.ModelInferRequest.InferInputTensor,
+    shown: str,
+    dtype: np.dtype[Any],
+    shape: list[int],
+) -> Array:
+    """The array of an input's typed ``contents`` (its size is checked against ``shape``)."""
+    count = math.prod(shape)
+    field = _CONTENTS.get(tensor.datatype)
+    if field is None:
+        raise BadRequest(f"{shown}: {tensor.datatype} travels as raw_input_contents only")
+    values = getattr(tensor.contents, field)
+    if len(values) != count:
+        raise BadRequest(f"{shown}: {len(values)} values for shape {shape} ({count} values)")
+    if dtype == np.dtype(object):  # BYTES
+        try:
+            text = [bytes(v).decode() for v in values]
+        except UnicodeDecodeError:
+            raise BadRequest(f"{shown}: a BYTES element is not UTF-8") from None
+        array = np.empty(count, dtype=object)
+        array[:] = text
+        return array.reshape(shape)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if values and (min(values) < info.min or max(values) > info.max):
+            raise BadRequest(f"{shown}: data outside {info.min}..{info.max}")
+    return np.array(values, dtype=dtype).reshape(shape)
 
 
 # ---- encoding ----------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def body_inputs(raw: object, body: bytes, json_end: int, max_elements: int) -> d
     if len(raw) > MAX_TENSORS:
         raise BadRequest(f"{len(raw)} inputs; the limit is {MAX_TENSORS}")
     binary = len(body) - json_end
-    planned: list[tuple[str, np.dtype[Any], list[int], tuple[int, int] | None, object]] = []
+    planned: list[_Planned] = []
     names: set[str] = set()
     offset = 0
     # every size is checked against the body before any array exists
@@ -154,6 +154,15 @@ def body_inputs(raw: object, body: bytes, json_end: int, max_elements: int) -> d
         raise BadRequest(
             f"{binary} bytes follow the JSON header but the inputs declare {offset}", "malformed"
         )
+    return _arrays(planned, body)
+
+
+_Planned = tuple[str, np.dtype[Any], list[int], tuple[int, int] | None, object]
+"""An input whose sizes were checked: name, dtype, shape, its span of the body (binary)
+or None, and its JSON ``data``."""
+
+
+def _arrays(planned: list[_Planned], body: bytes) -> dict[str, Array]:
     arrays: dict[str, Array] = {}
     for name, dtype, shape, at, data in planned:
         if at is None:
