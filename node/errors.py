@@ -309,6 +309,10 @@ class Outcome:
         return str(max(1, round(self.retry_after or 1)))
 
 
+def _bad_input(status: int, exc: Exception, field: str | None = None) -> Outcome:
+    return Outcome(status, "bad_input", str(exc), None, "bad_input", field, invalid=True)
+
+
 def _unavailable(code: str, retry_after: float = 1.0) -> Callable[[Any], Outcome]:
     return lambda exc: Outcome(503, code, str(exc), retry_after)
 
@@ -321,13 +325,9 @@ _TABLE: dict[type[BaseException], Callable[[Any], Outcome]] = {
     BodyError: lambda e: Outcome(e.status, e.reason, str(e), reject_reason=e.reason, invalid=True),
     BadRequest: lambda e: Outcome(400, e.reason, str(e), reject_reason=e.reason, invalid=True),
     WireError: lambda e: Outcome(400, "malformed", str(e), reject_reason="malformed", invalid=True),
-    InvalidInput: lambda e: Outcome(
-        422, "bad_input", str(e), None, "bad_input", f"inputs.{e.field}".rstrip("."), True
-    ),
-    InvalidArgument: lambda e: Outcome(
-        422, "bad_input", str(e), None, "bad_input", e.field.replace(" ", "_"), True
-    ),
-    UnknownEpisode: lambda e: Outcome(400, "bad_input", str(e), None, "bad_input", None, True),
+    InvalidInput: lambda e: _bad_input(422, e, f"inputs.{e.field}".rstrip(".")),
+    InvalidArgument: lambda e: _bad_input(422, e, e.field.replace(" ", "_")),
+    UnknownEpisode: lambda e: _bad_input(400, e),  # KServe's not-live sequence
     NotServed: lambda e: Outcome(404, "unknown_model", str(e), invalid=True),
     AmbiguousModel: lambda e: Outcome(422, "model_required", str(e)),
     AdminRefused: lambda e: Outcome(
