@@ -21,14 +21,15 @@ from fastapi.responses import Response
 from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException
 
-from affinity import AffinityError, BackendUnavailable, NotReplicated, PoolExhausted
+from affinity import AffinityError
 from node import openapi, routes
 from node.accesslog import AccessLog
 from node.asgi import Receive, Scope, Send, error_body, header, respond
+from node.errors import AdminRefused, outcome
 from node.fleet import add_fleet_routes
 from node.lease import VERSION
 from node.protocols import act, internal, kserve, openpi
-from node.routes import AdminRefused, error
+from node.routes import error, refusal
 from node.service import NodeService
 
 __all__ = ["PROTECTED", "NodeApp", "create_app", "cross_site"]
@@ -166,7 +167,12 @@ def _add_error_handlers(api: FastAPI) -> None:
 
     @api.exception_handler(AdminRefused)
     async def admin_refused(request: Request, exc: AdminRefused) -> Response:
-        return exc.response
+        metrics = request.app.state.service.metrics
+        metrics.rejected.labels(outcome(exc).reject_reason).inc()
+        response = refusal(exc)
+        if exc.challenge is not None:
+            response.headers["WWW-Authenticate"] = exc.challenge
+        return response
 
     @api.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
@@ -182,20 +188,9 @@ def _add_error_handlers(api: FastAPI) -> None:
         message = f"{field} {first.get('input')!r:.80}: {first['msg']}"
         return error(422, "bad_input", message, field=field)
 
-    @api.exception_handler(BackendUnavailable)
-    async def redis_unavailable(request: Request, exc: BackendUnavailable) -> Response:
-        """The one answer of every endpoint whose Redis call failed: 503 ``busy`` when the
-        call only waited for this node's pool (it is overloaded), ``not_replicated`` when
-        too few replicas acknowledged its write, else ``redis``."""
-        code = (
-            "busy"
-            if isinstance(exc, PoolExhausted)
-            else "not_replicated"
-            if isinstance(exc, NotReplicated)
-            else "redis"
-        )
-        return error(503, code, str(exc), retry_after=1)
-
     @api.exception_handler(AffinityError)
     async def affinity_error(request: Request, exc: AffinityError) -> Response:
-        return error(503, "affinity", str(exc), retry_after=1)
+        """The one answer of every endpoint whose Redis call failed (``errors.outcome``):
+        503 ``busy`` when the call only waited for this node's pool (it is overloaded),
+        ``not_replicated`` when too few replicas acknowledged its write, else ``redis``."""
+        return refusal(exc)

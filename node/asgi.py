@@ -7,8 +7,9 @@ from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any, Protocol, TypeVar
 
 import orjson
+from prometheus_client import Counter
 
-from node.step import Refused, Unavailable
+from node.errors import BodyError, ClientGone, outcome
 
 __all__ = [
     "CONNECTION",
@@ -18,6 +19,7 @@ __all__ = [
     "Receive",
     "Scope",
     "Send",
+    "cancel_when_gone",
     "error_body",
     "header",
     "io_seen",
@@ -32,24 +34,6 @@ T = TypeVar("T")
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
-
-
-class BodyError(Exception):
-    """A request body refused before it was decoded (413 too large, 400 malformed)."""
-
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        self.status = status
-        self.reason = reason
-        super().__init__(message)
-
-
-class ClientGone(Exception):
-    """The client's connection closed while its request was served. ``result`` is what the
-    work returned when it finished before the close was seen (None: it was cancelled)."""
-
-    def __init__(self, result: object = None) -> None:
-        self.result = result
-        super().__init__("the client closed its connection")
 
 
 CONNECTION = "affinity.connection"
@@ -92,34 +76,16 @@ async def while_connected(
     loop iteration reads and answers more requests (``bench.act``: 86% → 110% of the
     minimal app's throughput under ``wrk -c16`` in one run). A request served alone (a
     robot in lockstep) does not wait for it."""
-    task = asyncio.current_task()
-    assert task is not None
-    watching = True
-    gone = False
     watch: asyncio.Future[Any] | None = None
 
-    def closed(watch: asyncio.Future[Any]) -> None:
-        nonlocal gone
-        if watching and not watch.cancelled():
-            gone = True
-            task.cancel()
-
-    def start() -> None:
+    def start(gone: Callable[[], None]) -> None:
         nonlocal watch
         watch = asyncio.ensure_future(receive())
-        watch.add_done_callback(closed)
+        watch.add_done_callback(lambda done: None if done.cancelled() else gone())
 
-    timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, start)
     try:
-        result = await work
-    except asyncio.CancelledError:
-        if not gone:
-            raise
-        task.uncancel()
-        raise ClientGone() from None
+        result = await cancel_when_gone(work, start)
     finally:
-        watching = False
-        timer.cancel()
         if watch is None:
             seen = None
         else:
@@ -136,6 +102,33 @@ async def while_connected(
     if seen:  # closed as the work finished: its callback had not run yet
         raise ClientGone(result)
     return result
+
+
+async def cancel_when_gone(work: Awaitable[T], start: Callable[[Callable[[], None]], None]) -> T:
+    """Await ``work`` (in this task); after :data:`WATCH_AFTER_S` call ``start(gone)``,
+    which arranges to call ``gone()`` when the client is seen gone. ``gone()`` while
+    ``work`` runs cancels it, and this raises :class:`ClientGone`; later it does nothing."""
+    task = asyncio.current_task()
+    assert task is not None
+    running, cancelled = True, False
+
+    def gone() -> None:
+        nonlocal cancelled
+        if running and not cancelled:
+            cancelled = True
+            task.cancel()
+
+    timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, start, gone)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not cancelled:
+            raise
+        task.uncancel()
+        raise ClientGone() from None
+    finally:
+        running = False
+        timer.cancel()
 
 
 async def io_seen() -> None:
@@ -226,14 +219,11 @@ def error_body(code: str, message: str, field: str | None = None) -> bytes:
     return orjson.dumps({"error": err})
 
 
-async def respond_error(
-    send: Send, exc: BodyError | Unavailable | Refused, field: str | None = None
-) -> None:
-    """Answer a refused body, a 503 (with ``Retry-After``) or a refusal, in the project's
-    error shape."""
-    if isinstance(exc, Unavailable):
-        retry = str(max(1, round(exc.retry_after))).encode()
-        body = error_body(exc.reason, str(exc))
-        await respond(send, 503, body, headers=[(b"retry-after", retry)])
-    else:
-        await respond(send, exc.status, error_body(exc.reason, str(exc), field))
+async def respond_error(send: Send, exc: BaseException, rejected: Counter | None = None) -> None:
+    """Answer ``exc`` as :func:`node.errors.outcome` maps it, in the project's error shape
+    (with ``Retry-After`` on a 503); count it in ``rejected`` under its label, if any."""
+    o = outcome(exc)
+    if rejected is not None and o.reject_reason is not None:
+        rejected.labels(o.reject_reason).inc()
+    headers = [] if o.retry_after is None else [(b"retry-after", o.retry_header.encode())]
+    await respond(send, o.status, error_body(o.code, o.message, o.field), headers=headers)

@@ -16,7 +16,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -24,6 +24,7 @@ from types import MappingProxyType
 from affinity import Inventory, ModelId, Registry, UnknownModel
 from affinity.models import Models, check_model_part
 from node.contract import PolicyContract, TensorSpec
+from node.errors import AmbiguousModel
 from node.models import resolve_model
 
 __all__ = [
@@ -134,17 +135,6 @@ def contract_from_record(text: str) -> PolicyContract:
 
 
 # ---- the fleet's models ---------------------------------------------------------------
-
-
-class AmbiguousModel(Exception):
-    """A step named no model while the fleet serves several (a 422 naming them)."""
-
-    def __init__(self, served: Sequence[str]) -> None:
-        self.served = tuple(served)
-        super().__init__(
-            f"this fleet serves several models ({', '.join(self.served)}): the step must "
-            'name one (KServe: /v2/models/{name}/infer, /act: "model", openpi: ?model=)'
-        )
 
 
 class Catalog:

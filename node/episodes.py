@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
+from node.errors import ClaimEnded, ForwardCancelled, NotKept, SeqConflict
 from node.record import (
     Apply,
     Episode,
@@ -61,54 +62,6 @@ REMEMBERED = 65_536
 DropReason = Literal["end", "idle", "lost", "revoked", "fenced", "registered", "handed"]
 """Why a record left the table. ``end`` (the client ended or restarted the episode) is the
 only one after which the episode's next claim here starts clean without ``state_reset``."""
-
-
-class SeqConflict(Exception):
-    """A step's ``seq`` is neither the next one nor a retry of the one applied (409);
-    nothing changed. ``current`` is the last applied step's ``seq``."""
-
-    def __init__(self, episode: str, current: int, sent: int, *, other: bool = False) -> None:
-        self.current = current
-        why = (
-            f"episode {episode!r} applied step {current} with other inputs: a retry repeats "
-            f"its step; the next step is seq {current + 1}"
-            if other
-            else f"episode {episode!r} has applied step {current}; seq {sent} is neither the "
-            f"next ({current + 1}) nor the last (a retry)"
-        )
-        super().__init__(why)
-
-
-class ClaimEnded(Exception):
-    """The step's claim ended here (its episode was ended, released, expired or claimed
-    anew) before the step was kept: nothing was applied; its router asks Redis again."""
-
-    def __init__(self, episode: str, claim: str) -> None:
-        self.episode = episode
-        super().__init__(
-            f"episode {episode!r}: claim {claim or '(none)'} ended on this node before "
-            "the step was kept"
-        )
-
-
-class NotKept(Exception):
-    """The node dropped its records while the step ran (it fenced itself, or registered
-    anew): the result was not kept, so it must not be answered."""
-
-    def __init__(self, episode: str) -> None:
-        super().__init__(
-            f"episode {episode!r}: this node dropped its episodes while the step ran "
-            "(its lease lapsed, or it registered anew); nothing was kept"
-        )
-
-
-class ForwardCancelled(Exception):
-    """The router that forwarded this step gave up on it and said so (an undo that reached
-    this node before the step itself, or while it ran): the step is not applied."""
-
-    def __init__(self, origin: str) -> None:
-        self.origin = origin
-        super().__init__(f"the router gave up on forward {origin!r} before it was applied")
 
 
 def admit(

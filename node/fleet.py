@@ -51,6 +51,7 @@ CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
     "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
+NO_CACHE = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
 STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
 MAX_BACKLOG = 1000
 RETRY_MS = 2000  # how soon a browser reconnects after the stream ends
@@ -278,6 +279,40 @@ SSE_EXAMPLE = (
 )
 
 
+async def open_stream(fleet: Fleet, s: FleetSource, backlog: int, last_id: str) -> Response:
+    """``GET /events/stream``'s answer: the stream from ``last_id`` (else the latest
+    ``backlog`` events), or its error (400, 503 ``stopping`` or ``too_many_streams``)."""
+    if fleet.closed:
+        return _error(503, "stopping", "node is shutting down", retry_after=1)
+    if last_id and not STREAM_ID.match(last_id):
+        return _error(400, "bad_input", "Last-Event-ID must be a stream id such as 17-0")
+    release = fleet.reserve()  # before any await: the limit holds under concurrency
+    if release is None:
+        return _error(
+            503,
+            "too_many_streams",
+            f"{fleet.max_streams} event streams are open here",
+            retry_after=RETRY_MS // 1000,
+        )
+    events = EventStream(s.stream_registry.redis, s.stream_registry.settings)
+    try:
+        if last_id:
+            first: list[Event] = []
+            cursor, gap = last_id, await resume_gap(events, last_id)
+        else:
+            first, cursor = await events.latest(backlog)
+            gap = None
+    except BaseException:  # BackendUnavailable included: the app's one handler answers
+        release()
+        raise
+    return _EventStream(
+        fleet.stream(events, cursor, first, gap, release=release),
+        release,
+        media_type="text/event-stream",
+        headers={**NO_CACHE, "X-Accel-Buffering": "no"},
+    )
+
+
 def add_fleet_routes(app: FastAPI, service: Callable[[], FleetSource]) -> Fleet:
     """Mount ``/ui`` (and its assets), ``/nodes`` and ``/events/stream`` on ``app``;
     ``service`` returns the running node. The returned :class:`Fleet` (also
@@ -286,7 +321,6 @@ def add_fleet_routes(app: FastAPI, service: Callable[[], FleetSource]) -> Fleet:
     app.state.fleet = fleet
     page = (UI_DIR / "index.html").read_bytes()
     assets = {name: (UI_DIR / name).read_bytes() for name in ASSETS}
-    no_cache = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"}
 
     @app.get(
         "/ui",
@@ -296,12 +330,12 @@ def add_fleet_routes(app: FastAPI, service: Callable[[], FleetSource]) -> Fleet:
     )
     async def ui() -> Response:
         """The fleet page: nodes, devices, live events, episode lookup (see README)."""
-        headers = {**no_cache, "Content-Security-Policy": CSP}
+        headers = {**NO_CACHE, "Content-Security-Policy": CSP}
         return Response(page, media_type="text/html; charset=utf-8", headers=headers)
 
     def asset_route(name: str) -> None:
         async def asset() -> Response:
-            return Response(assets[name], media_type=ASSETS[name], headers=no_cache)
+            return Response(assets[name], media_type=ASSETS[name], headers=NO_CACHE)
 
         app.add_api_route(f"/ui/{name}", asset, methods=["GET"], include_in_schema=False)
 
@@ -349,36 +383,7 @@ def add_fleet_routes(app: FastAPI, service: Callable[[], FleetSource]) -> Fleet:
             None, alias="last_event_id", description="the same, for clients that cannot set it"
         ),
     ) -> Response:
-        s = service()
-        if fleet.closed:
-            return _error(503, "stopping", "node is shutting down", retry_after=1)
         last_id = (last_event_id or last_event_id_query or "").strip()
-        if last_id and not STREAM_ID.match(last_id):
-            return _error(400, "bad_input", "Last-Event-ID must be a stream id such as 17-0")
-        release = fleet.reserve()  # before any await: the limit holds under concurrency
-        if release is None:
-            return _error(
-                503,
-                "too_many_streams",
-                f"{fleet.max_streams} event streams are open here",
-                retry_after=RETRY_MS // 1000,
-            )
-        events = EventStream(s.stream_registry.redis, s.stream_registry.settings)
-        try:
-            if last_id:
-                first: list[Event] = []
-                cursor, gap = last_id, await resume_gap(events, last_id)
-            else:
-                first, cursor = await events.latest(backlog)
-                gap = None
-        except BaseException:  # BackendUnavailable included: the app's one handler answers
-            release()
-            raise
-        return _EventStream(
-            fleet.stream(events, cursor, first, gap, release=release),
-            release,
-            media_type="text/event-stream",
-            headers={**no_cache, "X-Accel-Buffering": "no"},
-        )
+        return await open_stream(fleet, service(), backlog, last_id)
 
     return fleet

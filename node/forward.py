@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from affinity import wire
+from node.errors import ForwardError
 from node.rtc import Ask
 from node.step import Array, Reply, Step
 
@@ -38,15 +39,6 @@ MOVE_PATH = "/internal/move"  # a live hand-over's record (node/transfer.py)
 SECRET_HEADER = "X-Affinity-Secret"
 CONTENT_TYPE = "application/msgpack"
 _MAX_HEADER = 64 * 1024
-
-
-class ForwardError(Exception):
-    """The owner could not be reached, or answered something that is not HTTP.
-    ``unsent``: the request never left (no connection), so the step cannot have run."""
-
-    def __init__(self, message: str, *, unsent: bool = False) -> None:
-        self.unsent = unsent
-        super().__init__(message)
 
 
 @dataclass(frozen=True, slots=True)

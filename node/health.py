@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from affinity import AffinityError, Registry
 from node import warmup
 from node.contract import Array, PolicyContract
+from node.errors import DeviceDown, ModelFailure
 from node.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -43,22 +44,6 @@ log = logging.getLogger("affinity.node")
 Transition = Callable[[str, str, str], None]
 """``(device, "down" | "up", reason)``: a crash tracker took a device down or brought it
 back. Called on the device's worker thread (or the event loop, for a hung run)."""
-
-
-class ModelFailure(Exception):
-    """The model session raised while running a step; the device's crash count went up."""
-
-    def __init__(self, device: str, cause: BaseException) -> None:
-        self.device = device
-        super().__init__(f"model failed on {device}: {type(cause).__name__}: {cause}")
-
-
-class DeviceDown(Exception):
-    """The device is marked down by its crash tracker and is waiting for a probe."""
-
-    def __init__(self, device: str) -> None:
-        self.device = device
-        super().__init__(f"device {device} is down after repeated model failures")
 
 
 @dataclass

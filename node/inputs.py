@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 
 from node.contract import Array, PolicyContract, TensorSpec, json_kind
+from node.errors import InvalidInput
 
 __all__ = [
     "MAX_OBSERVATION_DEPTH",
@@ -35,18 +36,6 @@ __all__ = [
 MAX_OBSERVATION_DEPTH = 8
 """How deeply an openpi observation's maps may nest."""
 _OBS = "observation"  # the root of openpi observations in InvalidInput messages
-
-
-class InvalidInput(ValueError):
-    """A client's inputs are unusable; ``field`` names the input or observation key ("" for
-    the whole object), ``problem`` says what is wrong; ``str()`` is ``<root>.<field>:
-    <problem>``, ``root`` being ``inputs`` (``/act``, KServe) or ``observation`` (openpi)."""
-
-    def __init__(self, field: str, problem: str, *, root: str = "inputs") -> None:
-        self.field = field
-        self.problem = problem
-        shown = field if len(field) <= 64 else field[:64] + "..."
-        super().__init__(f"{root}.{shown}: {problem}" if field else f"{root}: {problem}")
 
 
 class ObservationInputs(NamedTuple):

@@ -32,6 +32,7 @@ from onnxruntime.capi import build_and_package_info
 from onnxruntime.capi.onnxruntime_pybind11_state import EPFail, Fail
 
 from node.devices import DeviceSpec
+from node.errors import CudaGraphUnavailable, CudaUnavailable, GpuUnavailable
 
 __all__ = [
     "BuiltSession",
@@ -72,25 +73,6 @@ ORT_CUDA_VERSION: str = getattr(build_and_package_info, "cuda_version", "") or "
 """The CUDA version this onnxruntime-gpu build needs (``"13.0"`` for 1.31.1)."""
 
 _CAPI = Path(onnxruntime.__file__).parent / "capi"
-
-
-class GpuUnavailable(Exception):
-    """A device of this node is a GPU, and ONNX Runtime cannot serve it there.
-
-    ``str()`` is one line saying why and what to do; ``affinity-node`` prints it and exits.
-    """
-
-
-class CudaUnavailable(GpuUnavailable):
-    """CUDA cannot load or start. ``library`` names the missing library when that is why."""
-
-    def __init__(self, message: str, library: str | None = None) -> None:
-        self.library = library
-        super().__init__(message)
-
-
-class CudaGraphUnavailable(GpuUnavailable):
-    """``--cuda-graph`` was asked for, and ONNX Runtime cannot capture this model on CUDA."""
 
 
 @dataclass(frozen=True)

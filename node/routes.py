@@ -2,7 +2,8 @@
 
 The hot paths (``/act``, ``/internal/act``, ``/v2``) never come here: ``node/app.py``
 sends them to their protocol modules first. Every route reads the running node through
-:data:`Service`. Errors are JSON ``{"error": {"code", "message", "field"?}}`` (:func:`error`).
+:data:`Service`. Errors are JSON ``{"error": {"code", "message", "field"?}}`` (:func:`error`);
+an exception's status and code come from ``node.errors.outcome`` (:func:`refusal`).
 Hazard: the admin routes refuse through :class:`AdminRefused`, which ``create_app`` renders.
 """
 
@@ -17,7 +18,6 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from affinity import (
-    BackendUnavailable,
     InvalidArgument,
     Inventory,
     StaleToken,
@@ -25,6 +25,7 @@ from affinity import (
     UnknownEpisode,
 )
 from affinity.registry import MoveRequest
+from node.errors import AdminRefused, outcome
 from node.service import NodeService
 from node.step import Refused, Unavailable
 
@@ -52,6 +53,13 @@ def error(
     return JSONResponse({"error": body}, status_code=status, headers=headers)
 
 
+def refusal(exc: BaseException, field: str | None = None) -> JSONResponse:
+    """:func:`error` for ``exc`` as :func:`node.errors.outcome` maps it; ``field`` names the
+    request field at fault (none by default: each route knows its own)."""
+    o = outcome(exc)
+    return error(o.status, o.code, o.message, field, o.retry_after)
+
+
 # ---- episodes --------------------------------------------------------------------------
 
 episodes = APIRouter()
@@ -65,11 +73,11 @@ async def end_episode(episode_id: str, s: Service) -> Response:
         if device is None:
             return error(404, "not_found", f"episode {episode_id!r} has no live assignment")
     except InvalidArgument as exc:
-        return error(422, "bad_input", str(exc), field="episode_id")
-    except (UnknownEpisode, StaleToken) as exc:
+        return refusal(exc, field="episode_id")
+    except (UnknownEpisode, StaleToken) as exc:  # it changed while this ran: not the table's
         return error(409, "changed", f"{exc}; try again")
     except Unavailable as exc:
-        return error(503, exc.reason, str(exc), retry_after=exc.retry_after)
+        return refusal(exc)
     return JSONResponse({"episode_id": episode_id, "released": True, "device": device})
 
 
@@ -79,7 +87,7 @@ async def get_episode(episode_id: str, s: Service) -> Response:
     try:
         info = await s.claims.lookup(episode_id)
     except InvalidArgument as exc:
-        return error(422, "bad_input", str(exc), field="episode_id")
+        return refusal(exc, field="episode_id")
     if info is None:
         return error(404, "not_found", f"episode {episode_id!r} has no live assignment")
     body = info.to_json()
@@ -90,40 +98,26 @@ async def get_episode(episode_id: str, s: Service) -> Response:
 # ---- devices (the admin's) -------------------------------------------------------------
 
 
-class AdminRefused(Exception):
-    """A request to an admin route without the admin's token; ``response`` says why."""
-
-    def __init__(self, response: Response) -> None:
-        super().__init__(response.status_code)
-        self.response = response
-
-
 async def admin(request: Request, s: Service) -> None:
     """Pass the admin's token; else raise :class:`AdminRefused`: 401 without valid
     credentials (none, or a wrong token), 403 with credentials that are valid but not the
     admin's (a client's API key), or while the admin API is disabled."""
     expected = s.config.admin_token
     if not expected:
-        s.metrics.rejected.labels("forbidden").inc()
-        raise AdminRefused(
-            error(403, "admin_disabled", "admin API disabled: set AFFINITY_ADMIN_TOKEN")
-        )
+        raise AdminRefused(403, "admin_disabled", "admin API disabled: set AFFINITY_ADMIN_TOKEN")
     given = request.headers.get("authorization", "")
     bearer = given.lower().startswith("bearer ")
     if bearer and hmac.compare_digest(given[7:].strip().encode(), expected.encode()):
         return
     if s.config.api_key and s.client_allowed(given):
-        s.metrics.rejected.labels("forbidden").inc()
-        raise AdminRefused(
-            error(403, "forbidden", "an API key is a client's: use the admin's bearer token")
-        )
-    s.metrics.rejected.labels("unauthorized").inc()
-    raise AdminRefused(JSONResponse(
-        {"error": {"code": "unauthorized",
-                   "message": "wrong admin token" if bearer else "bearer token required"}},
-        status_code=401,
-        headers={"WWW-Authenticate": 'Bearer error="invalid_token"' if bearer else "Bearer"},
-    ))  # fmt: skip
+        why = "an API key is a client's: use the admin's bearer token"
+        raise AdminRefused(403, "forbidden", why)
+    raise AdminRefused(
+        401,
+        "unauthorized",
+        "wrong admin token" if bearer else "bearer token required",
+        'Bearer error="invalid_token"' if bearer else "Bearer",
+    )
 
 
 devices = APIRouter()
@@ -178,7 +172,7 @@ async def _set_state(s: NodeService, device: str, state: str, reason: str = "") 
     except UnknownDevice as exc:
         return error(404, "not_found", str(exc))
     except InvalidArgument as exc:
-        return error(422, "bad_input", str(exc), field=exc.field)
+        return refusal(exc, field=exc.field)
     if device in s.device_ids:
         s.metrics.set_state(device, change.state)
     return JSONResponse({"device": device, "state": change.state, "previous": change.previous})
@@ -226,10 +220,7 @@ async def list_models(s: Service) -> Response:
     weight (null: the newest version takes new episodes), and whether it is the newest
     version of its name and served on this node."""
     here = {str(m) for m, _ in s.models.values()}
-    try:
-        rows = await Inventory(s.redis, s.config.settings).models()
-    except BackendUnavailable as exc:
-        return error(503, "redis", str(exc), retry_after=1)
+    rows = await Inventory(s.redis, s.config.settings).models()  # BackendUnavailable: the app's
     return JSONResponse(
         {"models": [{**r.to_json(), "local": f"{r.name}@{r.version}" in here} for r in rows]}
     )
@@ -242,10 +233,8 @@ async def model_named(name: str, s: Service, version: str | None = None) -> Resp
     version."""
     try:
         chosen, contract = await s.model_for(name, version)
-    except Refused as exc:
-        return error(exc.status, exc.reason, str(exc))
-    except InvalidArgument as exc:
-        return error(422, "bad_input", str(exc))
+    except (Refused, InvalidArgument) as exc:
+        return refusal(exc)
     local = s.models.get(chosen)
     shown = version or (local[0].version if local else s.catalog.newest(chosen))
     return JSONResponse({"name": chosen, "version": shown, **contract.to_json()})

@@ -3,9 +3,8 @@
 An adapter (``node/protocols/*``) turns its wire format into a :class:`Step` (inputs
 already validated against the policy contract, as numpy arrays) and a :class:`Reply` back
 into its wire format; routing, leases, forwarding, state and metrics live once behind
-them (``node/routing.py``). The errors here are what routing raises besides the input
-errors (``node.inputs.InvalidInput``, ``affinity.InvalidArgument``); each adapter maps
-them to its protocol's error shape.
+them (``node/router.py``). ``Unavailable`` and ``Refused`` (from ``node/errors.py``) are
+what routing raises; each adapter renders ``node.errors.outcome`` in its wire shape.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from node.errors import Refused, Unavailable
 from node.rtc import Ask
 
 __all__ = ["Array", "Refused", "Reply", "Step", "TimeLimit", "Unavailable"]
@@ -147,30 +147,6 @@ class Reply:
             else:
                 facts["rtc"] = dict(self.rtc)
         return facts
-
-
-class Unavailable(Exception):
-    """The step cannot be decided or served now; answer 503 with ``Retry-After``.
-
-    ``reason`` is a short code from a fixed set (documented in docs/protocols.md): ``fenced``,
-    ``leaving``, ``redis``, ``busy``, ``full``, ``no_nodes``, ``owner_unreachable``,
-    ``owner_refused``, ``deadline``, ``device_down``, ``recovering``, ``not_replicated``.
-    """
-
-    def __init__(self, reason: str, message: str, retry_after: float = 1.0) -> None:
-        self.reason = reason
-        self.retry_after = retry_after
-        super().__init__(message)
-
-
-class Refused(Exception):
-    """A request refused for what it is: a forward the owner will not serve (403 bad
-    secret, 409 stale token or moved, 421 not the owner) or a model failure (500)."""
-
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        self.status = status
-        self.reason = reason
-        super().__init__(message)
 
 
 class TimeLimit:

@@ -22,15 +22,12 @@ from affinity import wire
 from node.chunks import ActionBuffer
 from node.contract import PolicyContract
 from node.episodes import Episode, StepResult
+from node.errors import TransferError
 from node.rtc import Used
 
 __all__ = ["Install", "TransferError", "decode_install", "encode_install", "record_bytes"]
 
 Array = np.ndarray[Any, Any]
-
-
-class TransferError(ValueError):
-    """A hand-over message this node cannot install; the message says why."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,8 +37,6 @@ from node import inputs
 from node.accesslog import STEP_KEY
 from node.asgi import (
     CONNECTION,
-    BodyError,
-    ClientGone,
     Receive,
     Scope,
     Send,
@@ -49,10 +47,10 @@ from node.asgi import (
     respond_error,
     while_connected,
 )
-from node.inputs import InvalidInput
+from node.errors import BodyError, ClientGone, InvalidInput, Refused, Unavailable
 from node.rtc import control_rate
 from node.service import NodeService
-from node.step import Refused, Reply, Step, Unavailable
+from node.step import Reply, Step
 from node.timing import TIMING_HEADER, asks_timing
 
 __all__ = ["MSGPACK", "decode", "encode", "handle"]
@@ -200,20 +198,8 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
     except ClientGone as exc:  # nobody will read the reply: the step did not happen
         if isinstance(exc.result, Reply):
             await service.router.undelivered(exc.result)
-    except BodyError as exc:
-        metrics.rejected.labels(exc.reason).inc()
-        await respond_error(send, exc)
-    except InvalidInput as exc:
-        metrics.rejected.labels("bad_input").inc()
-        field = f"inputs.{exc.field}".rstrip(".")
-        await respond(send, 422, error_body("bad_input", str(exc), field))
-    except InvalidArgument as exc:
-        metrics.rejected.labels("bad_input").inc()
-        await respond(send, 422, error_body("bad_input", str(exc), exc.field.replace(" ", "_")))
-    except (Unavailable, Refused) as exc:
-        if isinstance(exc, Refused) and exc.status == 403:
-            metrics.rejected.labels("forbidden").inc()
-        await respond_error(send, exc)
+    except (BodyError, InvalidInput, InvalidArgument, Unavailable, Refused) as exc:
+        await respond_error(send, exc, metrics.rejected)
     else:
         body, kind, headers = encode(reply, binary_out, step.timing)
         await respond(send, 200, body, kind, headers)

@@ -9,11 +9,11 @@ project's JSON shape with the status the router acts on (409/421: resolve again;
 
 from __future__ import annotations
 
+from prometheus_client import Counter
+
 from node.accesslog import STEP_KEY
 from node.asgi import (
     CONNECTION,
-    BodyError,
-    ClientGone,
     Receive,
     Scope,
     Send,
@@ -23,13 +23,20 @@ from node.asgi import (
     respond_error,
     while_connected,
 )
+from node.errors import BodyError, ClientGone, Refused, Unavailable
 from node.forward import CONTENT_TYPE, SECRET_HEADER, encode_reply
 from node.service import NodeService
-from node.step import Refused, Reply, Unavailable
+from node.step import Reply
 
 __all__ = ["handle", "move"]
 
 _SECRET = SECRET_HEADER.lower().encode()
+
+
+def _counted(service: NodeService, exc: Exception) -> Counter | None:
+    """Where a refused forward counts: a body cut off or too large is the router's, not a
+    client's, so only a refusal (403 a wrong secret) counts."""
+    return None if isinstance(exc, BodyError) else service.metrics.rejected
 
 
 async def handle(service: NodeService, scope: Scope, receive: Receive, send: Send) -> None:
@@ -47,9 +54,7 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
             await service.router.undelivered(exc.result)
         return
     except (BodyError, Unavailable, Refused) as exc:
-        if isinstance(exc, Refused) and exc.status == 403:
-            service.metrics.rejected.labels("forbidden").inc()
-        await respond_error(send, exc)
+        await respond_error(send, exc, _counted(service, exc))
         return
     if reply is None:  # an undo
         await respond(send, 204, b"")
@@ -65,8 +70,6 @@ async def move(service: NodeService, scope: Scope, receive: Receive, send: Send)
         body = await read_body(scope, receive, service.config.max_body_bytes)
         service.owner.mover.receive(body, header(scope, _SECRET), service.owner.local_devices)
     except (BodyError, Unavailable, Refused) as exc:
-        if isinstance(exc, Refused) and exc.status == 403:
-            service.metrics.rejected.labels("forbidden").inc()
-        await respond_error(send, exc)
+        await respond_error(send, exc, _counted(service, exc))
         return
     await respond(send, 204, b"")

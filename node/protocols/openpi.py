@@ -50,7 +50,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any, TypeVar
 from urllib.parse import parse_qs
 
@@ -59,12 +59,13 @@ import numpy as np
 from affinity import InvalidArgument, check_episode, wire
 from node import inputs
 from node.accesslog import STEP_KEY, AccessLog
-from node.asgi import WATCH_AFTER_S, ClientGone, Receive, Scope, Send, error_body, header, io_seen
+from node.asgi import Receive, Scope, Send, cancel_when_gone, error_body, header, io_seen
 from node.contract import PolicyContract
-from node.inputs import InvalidInput, outputs_unbatched
+from node.errors import ClientGone, InvalidInput, Outcome, Refused, Unavailable, outcome
+from node.inputs import outputs_unbatched
 from node.rtc import control_rate
 from node.service import NodeService
-from node.step import Refused, Step, Unavailable
+from node.step import Step
 
 __all__ = ["handle"]
 
@@ -103,37 +104,10 @@ async def handle(
     service: NodeService, scope: Scope, receive: Receive, send: Send, access: AccessLog
 ) -> None:
     """The ASGI handler of a websocket connection; ``access`` gets one line per step."""
-    if (await receive())["type"] != "websocket.connect":
+    opened = await connect(service, scope, receive, send, access)
+    if opened is None:
         return
-    if not service.client_allowed(header(scope, b"authorization")):
-        service.metrics.rejected.labels("unauthorized").inc()
-        await unauthorized(scope, send, access, time.monotonic())
-        return
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
-    unknown = sorted(set(query) - QUERY_KEYS)
-    try:
-        fixed = check_episode(query["episode_id"][0]) if "episode_id" in query else None
-    except InvalidArgument:
-        service.metrics.rejected.labels("bad_input").inc()
-        await send({"type": "websocket.close", "code": 1008})
-        return
-    try:
-        name, contract = await service.model_for(query["model"][0] if "model" in query else None)
-        problem = None
-    except (Refused, InvalidArgument) as exc:  # no such model, or none named among several
-        name, contract, problem = None, service.contract, f"bad query: {exc}"
-    await send({"type": "websocket.accept"})
-    meta = metadata(service, fixed, contract, name)
-    await send({"type": "websocket.send", "bytes": wire.encode(meta)})
-    if unknown or problem:
-        # openpi's client reads the metadata on connect and an error only as a step's reply
-        if (await receive())["type"] == "websocket.receive":
-            service.metrics.rejected.labels("bad_input").inc()
-            names = ", ".join(repr(key) for key in unknown)
-            await fail(send, problem or f"bad query: unknown key {names}; the keys are "
-                       "episode_id and model")  # fmt: skip
-        return
-    assert name is not None
+    fixed, name, contract = opened
     own = f"ws-{uuid.uuid4().hex}"  # this connection's episode, when nothing names one
     tokens: dict[str, int] = {}  # last token per episode, echoed as the client's
     claims: dict[str, str] = {}  # last claim id per episode, echoed likewise
@@ -153,20 +127,10 @@ async def handle(
             except ClientGone:  # closed mid-step: cancelled there, so undone (or held)
                 log_step(access, scope, started, 499, step)
                 return
-            except (InvalidInput, InvalidArgument) as exc:
-                service.metrics.rejected.labels("bad_input").inc()
-                log_step(access, scope, started, 422, step)
-                await fail(send, f"bad observation: {exc}")
-                return
-            except wire.WireError as exc:
-                service.metrics.rejected.labels("malformed").inc()
-                log_step(access, scope, started, 400, step)
-                await fail(send, f"bad observation: {exc}")
-                return
-            except (Unavailable, Refused) as exc:
-                status = 503 if isinstance(exc, Unavailable) else exc.status
-                log_step(access, scope, started, status, step)
-                await fail(send, f"{exc.reason}: {exc}")
+            except (InvalidInput, InvalidArgument, wire.WireError, Unavailable, Refused) as exc:
+                refusal = outcome(exc)
+                log_step(access, scope, started, refusal.status, step)
+                await refuse(service, send, refusal)
                 return
             assert step.episode is not None
             tokens[step.episode] = reply.token
@@ -196,6 +160,45 @@ async def handle(
             await service.router.end_here(own, tokens[own])
 
 
+async def connect(
+    service: NodeService, scope: Scope, receive: Receive, send: Send, access: AccessLog
+) -> tuple[str | None, str, PolicyContract] | None:
+    """Accept a connection and send its metadata: its fixed episode (``?episode_id=``),
+    model and contract; None once it was refused (401, a bad query: closed or answered)."""
+    if (await receive())["type"] != "websocket.connect":
+        return None
+    if not service.client_allowed(header(scope, b"authorization")):
+        service.metrics.rejected.labels("unauthorized").inc()
+        await unauthorized(scope, send, access, time.monotonic())
+        return None
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+    unknown = sorted(set(query) - QUERY_KEYS)
+    try:
+        fixed = check_episode(query["episode_id"][0]) if "episode_id" in query else None
+    except InvalidArgument:
+        service.metrics.rejected.labels("bad_input").inc()
+        await send({"type": "websocket.close", "code": 1008})
+        return None
+    try:
+        name, contract = await service.model_for(query["model"][0] if "model" in query else None)
+        problem = None
+    except (Refused, InvalidArgument) as exc:  # no such model, or none named among several
+        name, contract, problem = None, service.contract, f"bad query: {exc}"
+    await send({"type": "websocket.accept"})
+    meta = metadata(service, fixed, contract, name)
+    await send({"type": "websocket.send", "bytes": wire.encode(meta)})
+    if unknown or problem:
+        # openpi's client reads the metadata on connect and an error only as a step's reply
+        if (await receive())["type"] == "websocket.receive":
+            service.metrics.rejected.labels("bad_input").inc()
+            names = ", ".join(repr(key) for key in unknown)
+            await fail(send, problem or f"bad query: unknown key {names}; the keys are "
+                       "episode_id and model")  # fmt: skip
+        return None
+    assert name is not None
+    return fixed, name, contract
+
+
 async def watching(
     receive: Receive,
     work: Awaitable[T],
@@ -206,35 +209,19 @@ async def watching(
     :data:`~node.asgi.WATCH_AFTER_S` is not watched (no task per step); a receive begun to
     watch longer work is left in ``early``, since what it brings (the next observation of
     a robot that did not wait) is the connection's next message."""
-    task = asyncio.current_task()
-    assert task is not None
-    gone = False
-    running = True
 
-    def seen(future: asyncio.Future[MutableMapping[str, Any]]) -> None:
-        nonlocal gone
-        if not running or future.cancelled() or future.exception() is not None:
-            return
-        if future.result()["type"] == "websocket.disconnect" and not gone:
-            gone = True
-            task.cancel()
+    def watch(gone: Callable[[], None]) -> None:
+        def seen(future: asyncio.Future[MutableMapping[str, Any]]) -> None:
+            if future.cancelled() or future.exception() is not None:
+                return
+            if future.result()["type"] == "websocket.disconnect":
+                gone()
 
-    def watch() -> None:
         future = asyncio.ensure_future(receive())
         future.add_done_callback(seen)
         early.append(future)
 
-    timer = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch)
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if not gone:
-            raise
-        task.uncancel()
-        raise ClientGone() from None
-    finally:
-        running = False
-        timer.cancel()
+    return await cancel_when_gone(work, watch)
 
 
 def decode(
@@ -339,6 +326,14 @@ async def unauthorized(scope: Scope, send: Send, access: AccessLog, started: flo
         await send({"type": "websocket.close", "code": 1008})
         status = 403
     log_step(access, scope, started, status, None)
+
+
+async def refuse(service: NodeService, send: Send, o: Outcome) -> None:
+    """openpi's error for a step's :class:`~node.errors.Outcome`, counted: a bad
+    observation says so, a refused step names its code."""
+    if o.reject_reason is not None:
+        service.metrics.rejected.labels(o.reject_reason).inc()
+    await fail(send, f"bad observation: {o.message}" if o.invalid else f"{o.code}: {o.message}")
 
 
 async def fail(send: Send, text: str) -> None:

@@ -1,10 +1,10 @@
 """KServe v2 over gRPC (``inference.GRPCInferenceService``), as the unmodified
 ``tritonclient.grpc`` (sync, ``aio`` and streams) speaks it, on ``--grpc-port``.
 
-A request decodes into ``request.py``'s :class:`InferRequest` and takes the HTTP front
-door's path (Triton's live-sequence rule, ``service.router.act``), so a sequence sticks to
-its GPU whichever front door each step used. Sizes are checked before an array exists;
-raw inputs are views of the received bytes. Failures are status codes with the node's
+A request decodes (``messages.py``) into ``request.py``'s :class:`InferRequest` and takes
+the HTTP front door's path (Triton's live-sequence rule, ``service.router.act``), so a
+sequence sticks to its GPU whichever front door each step used. Failures are the status
+codes of KServe HTTP's statuses (``request.refusal``, one table here) with the node's
 message (``_Abort``); in a stream, one answers that request and the stream goes on, as
 Triton's does. The wire and its errors: docs/protocols.md.
 """
@@ -13,76 +13,42 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-import numpy as np
 from google.protobuf import json_format
 
-from affinity import InvalidArgument, UnknownEpisode
-from affinity.wire import MAX_ELEMENTS
 from node.accesslog import STEP_KEY, AccessLog
 from node.asgi import io_seen
 from node.contract import PolicyContract
-from node.inputs import InvalidInput
-from node.lease import VERSION
-from node.protocols.kserve.pb import kserve_pb2 as pb
-from node.protocols.kserve.request import (
-    EXTENSIONS,
-    InferRequest,
+from node.errors import (
     NotServed,
-    config_of,
-    episode_of,
-    find_model,
-    metadata_of,
-    not_live,
-    service_step,
-    statistics_of,
-    stats_for,
-    timing_parameters,
+    Outcome,
+    outcome,
 )
-from node.protocols.kserve.tensors import (
-    DATATYPE_OF,
-    DATATYPES,
-    MAX_RANK,
-    MAX_TENSORS,
-    BadRequest,
-    bytes_elements,
-    tensor_bytes,
-)
+from node.lease import VERSION
+from node.protocols.kserve import request as kserve
+from node.protocols.kserve.messages import decode_request, encode_reply
+from node.protocols.kserve.pb import kserve_pb2 as pb
 from node.service import NodeService
-from node.step import Array, Refused, Reply, Unavailable
+from node.step import Reply
 
 __all__ = ["SERVICE", "GrpcFrontDoor", "decode_request", "encode_reply", "start"]
 
 SERVICE = "inference.GRPCInferenceService"
-_CONTENTS = {
-    "BOOL": "bool_contents",
-    "INT8": "int_contents",
-    "INT16": "int_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-    "UINT8": "uint_contents",
-    "UINT16": "uint_contents",
-    "UINT32": "uint_contents",
-    "UINT64": "uint64_contents",
-    "FP32": "fp32_contents",
-    "FP64": "fp64_contents",
-    "BYTES": "bytes_contents",
+_CODE_OF = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    409: grpc.StatusCode.ABORTED,
+    500: grpc.StatusCode.INTERNAL,
+    503: grpc.StatusCode.UNAVAILABLE,
 }
-"""KServe datatype -> the typed ``contents`` field that carries it (FP16: raw only)."""
-_REFUSED = {403: grpc.StatusCode.PERMISSION_DENIED, 500: grpc.StatusCode.INTERNAL}
-_HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.PERMISSION_DENIED: 403,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.ABORTED: 409,
-    grpc.StatusCode.UNAVAILABLE: 503,
-}
+"""KServe HTTP's status -> the gRPC status; any other (421, 422) is ``ABORTED``."""
+_HTTP_STATUS = {code: status for status, code in _CODE_OF.items()}
 """The HTTP status an access line gives a gRPC status (as KServe HTTP would answer)."""
 
 
@@ -93,6 +59,11 @@ class _Abort(Exception):
         self.code = code
         self.retry_after = retry_after
         super().__init__(message)
+
+    @classmethod
+    def of(cls, o: Outcome) -> _Abort:
+        """The gRPC status of an outcome KServe HTTP answers with ``o.status``."""
+        return cls(_CODE_OF.get(o.status, grpc.StatusCode.ABORTED), o.message, o.retry_after)
 
 
 # ---- a step whose RPC was cancelled ---------------------------------------------------
@@ -113,187 +84,6 @@ async def undo_if_cancelled(service: NodeService, context: Any, reply: Reply) ->
         raise asyncio.CancelledError
 
 
-# ---- decoding ----------------------------------------------------------------------------
-
-
-def _value(param: pb.InferParameter) -> Any:
-    which = param.WhichOneof("parameter_choice")
-    return None if which is None else getattr(param, which)
-
-
-def _flag(params: dict[str, Any], key: str) -> bool:
-    value = params.get(key, False)
-    if not isinstance(value, bool):
-        raise BadRequest(f"{key} must be a bool_param")
-    return value
-
-
-def decode_request(msg: pb.ModelInferRequest, *, max_elements: int = MAX_ELEMENTS) -> InferRequest:
-    """The :class:`InferRequest` of one ``ModelInferRequest``. Raises :class:`BadRequest`
-    (``INVALID_ARGUMENT``); allocates nothing from a declared size before checking it."""
-    params = {key: _value(p) for key, p in msg.parameters.items()}
-    sequence = params.get("sequence_id")
-    episode = episode_of(sequence)
-    start, end = _flag(params, "sequence_start"), _flag(params, "sequence_end")
-    if episode is None and (start or end):
-        raise BadRequest("sequence_start and sequence_end need a non-zero sequence_id")
-    timeout = params.get("timeout")
-    if timeout is not None and (type(timeout) is not int or timeout < 0):
-        raise BadRequest("timeout must be a whole number of microseconds")
-    steps, ensemble = params.get("execute_steps"), params.get("ensemble")
-    if steps is not None and type(steps) is not int:
-        raise BadRequest("execute_steps must be an int64_param")
-    if ensemble is not None and not isinstance(ensemble, str):
-        raise BadRequest("ensemble must be a string_param")
-    seq = params.get("seq")
-    if seq is not None and (type(seq) is not int or seq < 1):
-        raise BadRequest(f"seq {seq!r:.40} must be a step number >= 1 (an int64_param)")
-    for key in params:
-        if key.startswith("shared_memory"):
-            raise BadRequest(f"parameter {key[:64]!r} is not supported")
-    outputs: dict[str, bool] | None = None
-    if msg.outputs:
-        if len(msg.outputs) > MAX_TENSORS:
-            raise BadRequest(f"{len(msg.outputs)} outputs; the limit is {MAX_TENSORS}")
-        outputs = {}
-        for out in msg.outputs:
-            if out.name in outputs:
-                raise BadRequest(f"output {out.name[:64]!r} is requested twice")
-            for key in out.parameters:
-                if key == "classification" or key.startswith("shared_memory"):
-                    raise BadRequest(f"output {out.name[:64]!r}: {key} is not supported")
-            outputs[out.name] = True
-    return InferRequest(
-        id=msg.id or None,
-        sequence=None if episode is None else sequence,
-        episode=episode,
-        start=start,
-        end=end,
-        arrays=_inputs(msg, max_elements),
-        outputs=outputs,
-        binary_output=True,
-        timeout_s=timeout / 1e6 if timeout else None,
-        execute_steps=steps,
-        ensemble=ensemble,
-        seq=seq,
-        executed=params.get("executed"),
-        inference_delay=params.get("inference_delay"),
-        control_hz=params.get("control_hz"),
-        timing=_flag(params, "timing"),
-        pending=params.get("pending"),
-    )
-
-
-def _inputs(msg: pb.ModelInferRequest, max_elements: int) -> dict[str, Array]:
-    if len(msg.inputs) > MAX_TENSORS:
-        raise BadRequest(f"{len(msg.inputs)} inputs; the limit is {MAX_TENSORS}")
-    raw = msg.raw_input_contents
-    if raw and len(raw) != len(msg.inputs):
-        raise BadRequest(
-            f"{len(raw)} raw_input_contents for {len(msg.inputs)} inputs: give one per input, "
-            "in order, or none"
-        )
-    arrays: dict[str, Array] = {}
-    for i, tensor in enumerate(msg.inputs):
-        name = tensor.name
-        shown = f"input {name[:64]!r}"
-        if name in arrays:
-            raise BadRequest(f"{shown} is given twice")
-        strings = tensor.datatype == "BYTES"
-        if tensor.datatype not in DATATYPES and not strings:
-            raise BadRequest(
-                f"{shown}: datatype {tensor.datatype[:24]!r} is not supported; expected one of "
-                f"{', '.join(DATATYPES)}, BYTES"
-            )
-        dtype: np.dtype[Any] = np.dtype(object) if strings else DATATYPES[tensor.datatype]
-        shape = list(tensor.shape)
-        if len(shape) > MAX_RANK or any(d < 0 for d in shape):
-            raise BadRequest(
-                f"{shown}: shape {shape[: MAX_RANK + 1]} must be at most {MAX_RANK} "
-                "non-negative dimensions"
-            )
-        count = math.prod(shape)  # Python ints: no overflow, whatever was declared
-        if count > max_elements:
-            raise BadRequest(
-                f"{shown} of shape {shape} has {count} elements; the limit is {max_elements}"
-            )
-        if any(key.startswith("shared_memory") for key in tensor.parameters):
-            raise BadRequest(f"{shown}: shared memory is not supported")
-        if raw:
-            if tensor.HasField("contents"):
-                raise BadRequest(f"{shown} has both contents and raw_input_contents")
-            if strings:
-                arrays[name] = bytes_elements(name, raw[i], shape)
-                continue
-            need = count * dtype.itemsize
-            if len(raw[i]) != need:
-                raise BadRequest(
-                    f"{shown}: {len(raw[i])} raw bytes, but shape {shape} of "
-                    f"{tensor.datatype} is {need} bytes"
-                )
-            array = np.frombuffer(raw[i], dtype=dtype, count=count).reshape(shape)
-            if dtype.kind == "b" and array.size and array.view(np.uint8).max() > 1:
-                raise BadRequest(f"{shown}: BOOL bytes must be 0 or 1")
-            arrays[name] = array
-            continue
-        field = _CONTENTS.get(tensor.datatype)
-        if field is None:
-            raise BadRequest(f"{shown}: {tensor.datatype} travels as raw_input_contents only")
-        values = getattr(tensor.contents, field)
-        if len(values) != count:
-            raise BadRequest(f"{shown}: {len(values)} values for shape {shape} ({count} values)")
-        if strings:
-            try:
-                text = [bytes(v).decode() for v in values]
-            except UnicodeDecodeError:
-                raise BadRequest(f"{shown}: a BYTES element is not UTF-8") from None
-            array = np.empty(count, dtype=object)
-            array[:] = text
-            arrays[name] = array.reshape(shape)
-            continue
-        if dtype.kind in "iu":
-            info = np.iinfo(dtype)
-            if values and (min(values) < info.min or max(values) > info.max):
-                raise BadRequest(f"{shown}: data outside {info.min}..{info.max}")
-        arrays[name] = np.array(values, dtype=dtype).reshape(shape)
-    return arrays
-
-
-# ---- encoding ----------------------------------------------------------------------------
-
-
-def _parameter(value: object) -> pb.InferParameter:
-    if isinstance(value, bool):
-        return pb.InferParameter(bool_param=value)
-    if isinstance(value, int):
-        return pb.InferParameter(int64_param=value)
-    if isinstance(value, float):
-        return pb.InferParameter(double_param=value)
-    return pb.InferParameter(string_param=str(value))
-
-
-def encode_reply(reply: Reply, request: InferRequest, model_name: str) -> pb.ModelInferResponse:
-    """The ``ModelInferResponse`` of a step: the requested outputs (all by default) as
-    ``raw_output_contents``, affinity's facts as parameters."""
-    names = list(reply.outputs) if request.outputs is None else list(request.outputs)
-    response = pb.ModelInferResponse(
-        model_name=model_name,
-        model_version=reply.model.partition("@")[2],
-        id=request.id or "",
-    )
-    facts = reply.facts(flat=True)
-    if request.timing:
-        facts.update(timing_parameters(reply))
-    for key, value in facts.items():
-        if value is not None:
-            response.parameters[key].CopyFrom(_parameter(value))
-    for name in names:
-        array = reply.outputs[name]
-        response.outputs.add(name=name, datatype=DATATYPE_OF[array.dtype], shape=array.shape)
-        response.raw_output_contents.append(tensor_bytes(array))
-    return response
-
-
 # ---- the service -------------------------------------------------------------------------
 
 
@@ -311,9 +101,9 @@ class GrpcFrontDoor:
     async def _check_model(self, name: str, version: str) -> tuple[str, PolicyContract]:
         """The model a request names, served by some live node, and its contract."""
         try:
-            return await find_model(self.service, name, version)
+            return await kserve.find_model(self.service, name, version)
         except NotServed as exc:
-            raise _Abort(grpc.StatusCode.NOT_FOUND, str(exc)) from None
+            raise _Abort.of(outcome(exc)) from None
 
     def _ready(self) -> bool:
         return self.service.lease.may_serve()
@@ -379,9 +169,9 @@ class GrpcFrontDoor:
         self, msg: pb.ModelInferRequest, context: Any, started: float, served: list[str]
     ) -> pb.ModelInferResponse:
         service = self.service
-        rejected = service.metrics.rejected
         found = await self._check_model(msg.model_name, msg.model_version)
         name = found[0]
+        request: kserve.InferRequest | None = None
         try:
             request = decode_request(msg)
             budget = service.config.act_deadline_s
@@ -390,7 +180,7 @@ class GrpcFrontDoor:
             remaining = context.time_remaining()  # the client's gRPC deadline, if it set one
             if remaining is not None:
                 budget = min(budget, remaining)
-            step = await service_step(
+            step = await kserve.service_step(
                 service, request, started + budget, name, msg.model_version or None, found
             )
             step.door, step.received = "kserve_grpc", started
@@ -398,30 +188,9 @@ class GrpcFrontDoor:
             reply = await service.router.act(step)
             served[1:] = [reply.device, reply.routing]
             await undo_if_cancelled(service, context, reply)
-            stats_for(service, name).answered(time.monotonic() - started)
-        except UnknownEpisode:  # Triton's rule, decided in the step's own resolve
-            rejected.labels("bad_input").inc()
-            raise _Abort(
-                grpc.StatusCode.INVALID_ARGUMENT, not_live(request.sequence, name)
-            ) from None
-        except BadRequest as exc:
-            rejected.labels(exc.reason).inc()
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        except (InvalidInput, InvalidArgument) as exc:
-            rejected.labels("bad_input").inc()
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        except Unavailable as exc:
-            stats_for(service, name).failed()
-            raise _Abort(
-                grpc.StatusCode.UNAVAILABLE, f"{exc.reason}: {exc}", exc.retry_after
-            ) from None
-        except Refused as exc:
-            if exc.status == 403:
-                rejected.labels("forbidden").inc()
-            if exc.status == 500:
-                stats_for(service, name).failed()
-            code = _REFUSED.get(exc.status, grpc.StatusCode.ABORTED)
-            raise _Abort(code, f"{exc.reason}: {exc}") from None
+            kserve.stats_for(service, name).answered(time.monotonic() - started)
+        except kserve.REFUSED as exc:
+            raise _Abort.of(kserve.refusal(service, name, exc, request)) from None
         return encode_reply(reply, request, name)
 
     # -- the RPCs
@@ -442,7 +211,9 @@ class GrpcFrontDoor:
     async def ServerMetadata(
         self, msg: pb.ServerMetadataRequest, context: Any
     ) -> pb.ServerMetadataResponse:
-        return pb.ServerMetadataResponse(name="affinity", version=VERSION, extensions=EXTENSIONS)
+        return pb.ServerMetadataResponse(
+            name="affinity", version=VERSION, extensions=kserve.EXTENSIONS
+        )
 
     async def ModelMetadata(
         self, msg: pb.ModelMetadataRequest, context: Any
@@ -452,7 +223,7 @@ class GrpcFrontDoor:
         except _Abort as exc:
             await self._abort(context, exc)
             raise  # unreachable: the abort raises
-        doc = metadata_of(self.service, name, contract)
+        doc = kserve.metadata_of(self.service, name, contract)
         response = pb.ModelMetadataResponse(
             name=doc["name"], versions=doc["versions"], platform=doc["platform"]
         )
@@ -472,7 +243,7 @@ class GrpcFrontDoor:
                 await self._abort(context, exc)
         response = pb.ModelStatisticsResponse()
         for name in names:
-            doc = statistics_of(self.service, name)
+            doc = kserve.statistics_of(self.service, name)
             entry = response.model_stats.add(
                 name=doc["name"],
                 version=doc["version"],
@@ -490,7 +261,9 @@ class GrpcFrontDoor:
         except _Abort as exc:
             await self._abort(context, exc)
             raise  # unreachable: the abort raises
-        config = json_format.ParseDict(config_of(self.service, name, contract), pb.ModelConfig())
+        config = json_format.ParseDict(
+            kserve.config_of(self.service, name, contract), pb.ModelConfig()
+        )
         return pb.ModelConfigResponse(config=config)
 
     async def ModelInfer(self, msg: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:

@@ -24,43 +24,37 @@ from typing import Any
 import numpy as np
 import orjson
 
-from affinity import InvalidArgument, UnknownEpisode
 from affinity.wire import MAX_ELEMENTS
 from node.accesslog import STEP_KEY
-from node.asgi import (
-    CONNECTION,
-    BodyError,
-    ClientGone,
-    Receive,
-    Scope,
-    Send,
-    read_body,
-    respond,
-    while_connected,
-)
+from node.asgi import CONNECTION, Receive, Scope, Send, read_body, respond, while_connected
 from node.contract import PolicyContract
-from node.inputs import InvalidInput
+from node.errors import (
+    BadRequest,
+    ClientGone,
+    NotServed,
+    outcome,
+)
 from node.lease import VERSION
 from node.protocols.kserve.request import (
     EXTENSIONS,
+    REFUSED,
     InferRequest,
-    NotServed,
     check_custom,
     config_of,
     episode_of,
     find_model,
     metadata_of,
-    not_live,
+    refusal,
     service_step,
     statistics_of,
     stats_for,
+    step_parameters,
     timing_parameters,
 )
 from node.protocols.kserve.tensors import (
     DATATYPE_OF,
     MAX_TENSORS,
     STRINGS,
-    BadRequest,
     as_object,
     body_inputs,
     inflate,
@@ -68,7 +62,7 @@ from node.protocols.kserve.tensors import (
     tensor_bytes,
 )
 from node.service import NodeService
-from node.step import Refused, Reply, Unavailable
+from node.step import Reply
 from node.timing import TIMING_HEADER, asks_timing
 
 __all__ = ["ROUTES", "Route", "decode_infer", "encode_infer", "handle"]
@@ -141,15 +135,8 @@ def decode_infer(
         arrays=arrays,
         outputs=_requested(doc.get("outputs"), binary_output),
         binary_output=binary_output,
-        timeout_s=timeout / 1e6 if timeout else None,
-        execute_steps=steps,
-        ensemble=ensemble,
-        seq=seq,
-        executed=params.get("executed"),
-        inference_delay=params.get("inference_delay"),
-        control_hz=params.get("control_hz"),
-        pending=params.get("pending"),
         timing=_flag(params, "timing"),
+        **step_parameters(params),
     )
 
 
@@ -313,7 +300,8 @@ async def _model(
     try:
         return await find_model(service, params["name"] or "", params["version"])
     except NotServed as exc:
-        await _error(send, 404, str(exc))
+        o = outcome(exc)
+        await _error(send, o.status, o.message)
         return None
 
 
@@ -426,6 +414,7 @@ async def _infer(
                      [(b"www-authenticate", b"Api-Key")])  # fmt: skip
         return
     budget = service.config.act_deadline_s
+    request: InferRequest | None = None
     try:
         body = await read_body(scope, receive, service.config.max_body_bytes)
         request = decode_infer(
@@ -443,34 +432,11 @@ async def _infer(
     except ClientGone as exc:  # nobody will read the reply: the step did not happen
         if isinstance(exc.result, Reply):
             await service.router.undelivered(exc.result)
-    except UnknownEpisode:
-        # Triton's rule: a request without START must belong to a live sequence. Redis
-        # decides it in the step's own resolve (state this node may hold says nothing about
-        # an operator's release, an idle expiry, an END in flight, a Redis restarted empty)
-        rejected.labels("bad_input").inc()
-        await _error(send, 400, not_live(request.sequence, model_name))
-    except BodyError as exc:
-        rejected.labels(exc.reason).inc()
-        await _error(send, exc.status, str(exc))
-    except BadRequest as exc:
-        rejected.labels(exc.reason).inc()
-        await _error(send, 400, str(exc))
-    except (InvalidInput, InvalidArgument) as exc:
-        rejected.labels("bad_input").inc()
-        await _error(send, 400, str(exc))
-    except Unavailable as exc:
-        stats_for(service, model_name).failed()
-        retry = str(max(1, round(exc.retry_after))).encode()
-        why = str(exc)
-        if exc.reason == "deadline" and budget < service.config.act_deadline_s:
-            why = f"no answer within the request's timeout of {round(budget * 1e6)} µs"
-        await _error(send, 503, f"{exc.reason}: {why}", [(b"retry-after", retry)])
-    except Refused as exc:
-        if exc.status == 403:
-            rejected.labels("forbidden").inc()
-        elif exc.status == 500:
-            stats_for(service, model_name).failed()
-        await _error(send, exc.status, f"{exc.reason}: {exc}")
+    except REFUSED as exc:
+        own = budget if budget < service.config.act_deadline_s else None
+        o = refusal(service, model_name, exc, request, own)
+        retry = [] if o.retry_after is None else [(b"retry-after", o.retry_header.encode())]
+        await _error(send, o.status, o.message, retry)
     else:
         payload, headers = encode_infer(reply, request, model_name)
         content_type = headers[0][1]

@@ -17,20 +17,31 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from affinity import InvalidArgument, check_episode
+from affinity import InvalidArgument, UnknownEpisode, check_episode
 from node import inputs
 from node.contract import PolicyContract, TensorSpec
 from node.devices import DeviceSpec
-from node.protocols.kserve.tensors import NAMES, BadRequest, kind_of
+from node.errors import (
+    BadRequest,
+    BodyError,
+    InvalidInput,
+    NotServed,
+    Outcome,
+    Refused,
+    Unavailable,
+    outcome,
+)
+from node.protocols.kserve.tensors import NAMES, kind_of
 from node.rtc import Ask, control_rate
 from node.service import NodeService
 from node.stats import ModelStats, model_statistics
-from node.step import Array, Refused, Reply, Step
+from node.step import Array, Reply, Step
 
 __all__ = [
     "ANY_VERSION",
     "EXTENSIONS",
     "PLATFORM",
+    "REFUSED",
     "REQUEST_PARAMETERS",
     "InferRequest",
     "NotServed",
@@ -42,11 +53,13 @@ __all__ = [
     "model_config",
     "model_metadata",
     "not_live",
+    "refusal",
     "requested_version",
     "served_version",
     "service_step",
     "statistics_of",
     "stats_for",
+    "step_parameters",
     "timing_parameters",
     "to_step",
 ]
@@ -155,6 +168,22 @@ def check_custom(params: dict[str, Any]) -> None:
             )
 
 
+def step_parameters(params: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`InferRequest` fields Triton's parameters give as they are (each wire's
+    decoder checked their types first, in its own words)."""
+    timeout = params.get("timeout")
+    return {
+        "timeout_s": timeout / 1e6 if timeout else None,
+        "execute_steps": params.get("execute_steps"),
+        "ensemble": params.get("ensemble"),
+        "seq": params.get("seq"),
+        "executed": params.get("executed"),
+        "inference_delay": params.get("inference_delay"),
+        "control_hz": params.get("control_hz"),
+        "pending": params.get("pending"),
+    }
+
+
 def not_live(sequence: object, model_name: str) -> str:
     """Triton's message for a step without START of a sequence that is not live."""
     return (
@@ -221,10 +250,6 @@ def _check_missing(contract: PolicyContract, arrays: dict[str, Array]) -> None:
             f"missing required input(s) {listed}: the model takes {len(specs)} inputs, the "
             f"request gives {len(arrays)} [{given}]"
         )
-
-
-class NotServed(LookupError):
-    """No live node serves the model (or version) a request names: 404, ``NOT_FOUND``."""
 
 
 def requested_version(service: NodeService, name: str, version: str | None) -> str | None:
@@ -426,6 +451,42 @@ def statistics_of(service: NodeService, name: str) -> dict[str, Any]:
     """Triton's statistics of model ``name`` on this node (``node/stats.py``)."""
     stats = service.metrics.model_stats.get(name)
     return model_statistics(stats, name, served_version(service, name))
+
+
+REFUSED: tuple[type[Exception], ...] = (
+    UnknownEpisode, BodyError, BadRequest, InvalidInput, InvalidArgument, Unavailable, Refused
+)  # fmt: skip
+"""What a KServe door answers with :func:`refusal` (anything else is a bug: 500)."""
+
+
+def refusal(
+    service: NodeService,
+    model_name: str,
+    exc: Exception,
+    request: InferRequest | None,
+    timeout_s: float | None = None,
+) -> Outcome:
+    """What a KServe door answers for ``exc`` (:func:`node.errors.outcome`), counted in
+    the rejection metric and the model's failures. An invalid request is 400 (413 too
+    large, 404 not served) with the bare message; a refused step keeps its status and
+    prefixes its code. ``timeout_s``: the request's own timeout, when shorter than
+    ``--act-deadline``, which a ``deadline`` names."""
+    o = outcome(exc)
+    if o.reject_reason is not None:
+        service.metrics.rejected.labels(o.reject_reason).inc()
+    if isinstance(exc, UnknownEpisode) and request is not None:
+        # Triton's rule: a request without START must belong to a live sequence. Redis
+        # decides it in the step's own resolve (state this node may hold says nothing about
+        # an operator's release, an idle expiry, an END in flight, a Redis restarted empty)
+        return replace(o, message=not_live(request.sequence, model_name))
+    if o.invalid:
+        return replace(o, status=400 if o.status == 422 else o.status)
+    if o.status in (500, 503):
+        stats_for(service, model_name).failed()
+    why = o.message
+    if o.code == "deadline" and timeout_s is not None:
+        why = f"no answer within the request's timeout of {round(timeout_s * 1e6)} µs"
+    return replace(o, message=f"{o.code}: {why}")
 
 
 def stats_for(service: NodeService, name: str) -> ModelStats:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from node.asgi import BodyError
+from node.errors import BadRequest
 from node.step import Array
 
 __all__ = [
@@ -71,15 +72,6 @@ _NATIVE_LITTLE = sys.byteorder == "little"
 REFUSED_TYPES = ("BF16",)
 
 
-class BadRequest(ValueError):
-    """A request this protocol refuses with 400; ``reason`` is the rejection metric's label
-    (``malformed`` for a body that is not a v2 request, ``bad_input`` for a bad value)."""
-
-    def __init__(self, message: str, reason: str = "bad_input") -> None:
-        self.reason = reason
-        super().__init__(message)
-
-
 def inflate(body: bytes, encoding: str, limit: int) -> bytes:
     wbits = {"gzip": 31, "deflate": 15, "identity": 0}.get(encoding)
     if wbits is None:
@@ -109,7 +101,7 @@ def body_inputs(raw: object, body: bytes, json_end: int, max_elements: int) -> d
     if len(raw) > MAX_TENSORS:
         raise BadRequest(f"{len(raw)} inputs; the limit is {MAX_TENSORS}")
     binary = len(body) - json_end
-    planned: list[tuple[str, np.dtype[Any], list[int], tuple[int, int] | None, object]] = []
+    planned: list[_Planned] = []
     names: set[str] = set()
     offset = 0
     # every size is checked against the body before any array exists
@@ -162,6 +154,15 @@ def body_inputs(raw: object, body: bytes, json_end: int, max_elements: int) -> d
         raise BadRequest(
             f"{binary} bytes follow the JSON header but the inputs declare {offset}", "malformed"
         )
+    return _arrays(planned, body)
+
+
+_Planned = tuple[str, np.dtype[Any], list[int], tuple[int, int] | None, object]
+"""An input whose sizes were checked: name, dtype, shape, its span of the body (binary)
+or None, and its JSON ``data``."""
+
+
+def _arrays(planned: list[_Planned], body: bytes) -> dict[str, Array]:
     arrays: dict[str, Array] = {}
     for name, dtype, shape, at, data in planned:
         if at is None:

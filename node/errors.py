@@ -1,0 +1,360 @@
+"""Every node-side exception, and the one table of what a client sees for each.
+
+The hierarchy (``ValueError`` subclasses are a client's bad values)::
+
+    Exception
+    ├── Unavailable          503 + Retry-After: cannot serve now, try again
+    ├── Refused              a refusal with its own status (403, 404, 409, 421, 422, 500)
+    ├── BodyError            413 too large, 400 malformed: refused before decoding
+    ├── ClientGone           the client left mid-request: nobody gets an answer
+    ├── AmbiguousModel       422: several models served and the step named none
+    ├── SeqConflict          409: a step's seq is neither the next nor a retry
+    ├── ClaimEnded           409: the step's claim ended here before it was kept
+    ├── NotKept              503: the node dropped its records while the step ran
+    ├── ForwardCancelled     503: the forwarding router gave up on the step
+    ├── ForwardError         503: the owner could not be reached
+    ├── ModelFailure         500: the model session raised
+    ├── DeviceDown           503: the device waits for a probe after crashes
+    ├── AdminRefused         401/403: an admin route without the admin's token
+    ├── GpuUnavailable       start-up only: the node exits (no status)
+    │   ├── CudaUnavailable
+    │   └── CudaGraphUnavailable
+    ├── ValueError
+    │   ├── InvalidInput     422 (KServe 400): inputs that do not fit the model
+    │   ├── BadRequest       400: a KServe body or message that is not v2
+    │   └── TransferError    422: a hand-over record this node cannot install
+    └── LookupError
+        └── NotServed        404: no live node serves the model a KServe request names
+
+:func:`outcome` maps any of them (and ``affinity``'s errors) to an :class:`Outcome`; each
+front door renders that in its own wire shape. Adding a failure mode touches ``_TABLE``.
+
+Kept elsewhere on purpose (never answered as they are): ``node/router.py``'s ``_NotSent``
+(an :class:`Unavailable`), ``node/protocols/kserve/grpc.py``'s ``_Abort`` (an outcome
+already rendered as a gRPC status) and ``node/startup.py``'s ``StartupError`` (an exit
+code). Hazard: this module is a leaf; importing anything from ``node`` makes a cycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from affinity import (
+    AffinityError,
+    BackendUnavailable,
+    InvalidArgument,
+    NotReplicated,
+    PoolExhausted,
+    UnknownEpisode,
+)
+from affinity.wire import WireError
+
+__all__ = [
+    "PRIVATE",
+    "AdminRefused",
+    "AmbiguousModel",
+    "BadRequest",
+    "BodyError",
+    "ClaimEnded",
+    "ClientGone",
+    "CudaGraphUnavailable",
+    "CudaUnavailable",
+    "DeviceDown",
+    "ForwardCancelled",
+    "ForwardError",
+    "GpuUnavailable",
+    "InvalidInput",
+    "ModelFailure",
+    "NotKept",
+    "NotServed",
+    "Outcome",
+    "Refused",
+    "SeqConflict",
+    "TransferError",
+    "Unavailable",
+    "outcome",
+]
+
+PRIVATE = frozenset({"_NotSent", "_Abort", "StartupError"})
+"""Exception classes defined outside this module on purpose (see the module doc)."""
+
+
+# ---- the step's own refusals -------------------------------------------------------------
+
+
+class Unavailable(Exception):
+    """The step cannot be decided or served now; answer 503 with ``Retry-After``.
+
+    ``reason`` is a short code from a fixed set (documented in docs/protocols.md): ``fenced``,
+    ``leaving``, ``redis``, ``busy``, ``full``, ``no_nodes``, ``owner_unreachable``,
+    ``owner_refused``, ``deadline``, ``device_down``, ``recovering``, ``not_replicated``.
+    """
+
+    def __init__(self, reason: str, message: str, retry_after: float = 1.0) -> None:
+        self.reason = reason
+        self.retry_after = retry_after
+        super().__init__(message)
+
+
+class Refused(Exception):
+    """A request refused for what it is: a forward the owner will not serve (403 bad
+    secret, 409 stale token or moved, 421 not the owner) or a model failure (500)."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        self.status = status
+        self.reason = reason
+        super().__init__(message)
+
+
+# ---- requests refused at the door ----------------------------------------------------------
+
+
+class BodyError(Exception):
+    """A request body refused before it was decoded (413 too large, 400 malformed)."""
+
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        self.status = status
+        self.reason = reason
+        super().__init__(message)
+
+
+class ClientGone(Exception):
+    """The client's connection closed while its request was served. ``result`` is what the
+    work returned when it finished before the close was seen (None: it was cancelled)."""
+
+    def __init__(self, result: object = None) -> None:
+        self.result = result
+        super().__init__("the client closed its connection")
+
+
+class InvalidInput(ValueError):
+    """A client's inputs are unusable; ``field`` names the input or observation key ("" for
+    the whole object), ``problem`` says what is wrong; ``str()`` is ``<root>.<field>:
+    <problem>``, ``root`` being ``inputs`` (``/act``, KServe) or ``observation`` (openpi)."""
+
+    def __init__(self, field: str, problem: str, *, root: str = "inputs") -> None:
+        self.field = field
+        self.problem = problem
+        shown = field if len(field) <= 64 else field[:64] + "..."
+        super().__init__(f"{root}.{shown}: {problem}" if field else f"{root}: {problem}")
+
+
+class BadRequest(ValueError):
+    """A request this protocol refuses with 400; ``reason`` is the rejection metric's label
+    (``malformed`` for a body that is not a v2 request, ``bad_input`` for a bad value)."""
+
+    def __init__(self, message: str, reason: str = "bad_input") -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+class NotServed(LookupError):
+    """No live node serves the model (or version) a request names: 404, ``NOT_FOUND``."""
+
+
+class AmbiguousModel(Exception):
+    """A step named no model while the fleet serves several (a 422 naming them)."""
+
+    def __init__(self, served: Sequence[str]) -> None:
+        self.served = tuple(served)
+        super().__init__(
+            f"this fleet serves several models ({', '.join(self.served)}): the step must "
+            'name one (KServe: /v2/models/{name}/infer, /act: "model", openpi: ?model=)'
+        )
+
+
+class AdminRefused(Exception):
+    """A request to an admin route without the admin's token: 401 (with ``challenge``,
+    the ``WWW-Authenticate`` value) or 403."""
+
+    def __init__(self, status: int, code: str, message: str, challenge: str | None = None):
+        self.status = status
+        self.code = code
+        self.challenge = challenge
+        super().__init__(message)
+
+
+# ---- the owner's table of episodes -------------------------------------------------------
+
+
+class SeqConflict(Exception):
+    """A step's ``seq`` is neither the next one nor a retry of the one applied (409);
+    nothing changed. ``current`` is the last applied step's ``seq``."""
+
+    def __init__(self, episode: str, current: int, sent: int, *, other: bool = False) -> None:
+        self.current = current
+        why = (
+            f"episode {episode!r} applied step {current} with other inputs: a retry repeats "
+            f"its step; the next step is seq {current + 1}"
+            if other
+            else f"episode {episode!r} has applied step {current}; seq {sent} is neither the "
+            f"next ({current + 1}) nor the last (a retry)"
+        )
+        super().__init__(why)
+
+
+class ClaimEnded(Exception):
+    """The step's claim ended here (its episode was ended, released, expired or claimed
+    anew) before the step was kept: nothing was applied; its router asks Redis again."""
+
+    def __init__(self, episode: str, claim: str) -> None:
+        self.episode = episode
+        super().__init__(
+            f"episode {episode!r}: claim {claim or '(none)'} ended on this node before "
+            "the step was kept"
+        )
+
+
+class NotKept(Exception):
+    """The node dropped its records while the step ran (it fenced itself, or registered
+    anew): the result was not kept, so it must not be answered."""
+
+    def __init__(self, episode: str) -> None:
+        super().__init__(
+            f"episode {episode!r}: this node dropped its episodes while the step ran "
+            "(its lease lapsed, or it registered anew); nothing was kept"
+        )
+
+
+class ForwardCancelled(Exception):
+    """The router that forwarded this step gave up on it and said so (an undo that reached
+    this node before the step itself, or while it ran): the step is not applied."""
+
+    def __init__(self, origin: str) -> None:
+        self.origin = origin
+        super().__init__(f"the router gave up on forward {origin!r} before it was applied")
+
+
+# ---- between nodes -------------------------------------------------------------------------
+
+
+class ForwardError(Exception):
+    """The owner could not be reached, or answered something that is not HTTP.
+    ``unsent``: the request never left (no connection), so the step cannot have run."""
+
+    def __init__(self, message: str, *, unsent: bool = False) -> None:
+        self.unsent = unsent
+        super().__init__(message)
+
+
+class TransferError(ValueError):
+    """A hand-over message this node cannot install; the message says why."""
+
+
+# ---- devices -------------------------------------------------------------------------------
+
+
+class ModelFailure(Exception):
+    """The model session raised while running a step; the device's crash count went up."""
+
+    def __init__(self, device: str, cause: BaseException) -> None:
+        self.device = device
+        super().__init__(f"model failed on {device}: {type(cause).__name__}: {cause}")
+
+
+class DeviceDown(Exception):
+    """The device is marked down by its crash tracker and is waiting for a probe."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        super().__init__(f"device {device} is down after repeated model failures")
+
+
+class GpuUnavailable(Exception):
+    """A device of this node is a GPU, and ONNX Runtime cannot serve it there.
+
+    ``str()`` is one line saying why and what to do; ``affinity-node`` prints it and exits.
+    """
+
+
+class CudaUnavailable(GpuUnavailable):
+    """CUDA cannot load or start. ``library`` names the missing library when that is why."""
+
+    def __init__(self, message: str, library: str | None = None) -> None:
+        self.library = library
+        super().__init__(message)
+
+
+class CudaGraphUnavailable(GpuUnavailable):
+    """``--cuda-graph`` was asked for, and ONNX Runtime cannot capture this model on CUDA."""
+
+
+# ---- the table -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a client sees for a failure, before a front door gives it its wire shape."""
+
+    status: int
+    """The HTTP status, as ``POST /act`` answers it."""
+    code: str
+    """The error code (``{"error": {"code"}}``; openpi and KServe prefix messages with it)."""
+    message: str
+    retry_after: float | None = None
+    """Seconds the client should wait (503 only); sent as whole seconds, at least 1."""
+    reject_reason: str | None = None
+    """The ``affinity_rejected_requests_total`` label this refusal counts under, if any."""
+    field: str | None = None
+    """The request field at fault, for ``/act``'s error body."""
+    invalid: bool = False
+    """The request itself is bad and nothing ran: KServe's 400 with the bare message,
+    openpi's "bad observation"."""
+
+    @property
+    def retry_header(self) -> str:
+        """``Retry-After``'s value: whole seconds, at least 1."""
+        return str(max(1, round(self.retry_after or 1)))
+
+
+def _bad_input(status: int, exc: Exception, field: str | None = None) -> Outcome:
+    return Outcome(status, "bad_input", str(exc), None, "bad_input", field, invalid=True)
+
+
+def _unavailable(code: str, retry_after: float = 1.0) -> Callable[[Any], Outcome]:
+    return lambda exc: Outcome(503, code, str(exc), retry_after)
+
+
+_TABLE: dict[type[BaseException], Callable[[Any], Outcome]] = {
+    Unavailable: lambda e: Outcome(503, e.reason, str(e), e.retry_after),
+    Refused: lambda e: Outcome(
+        e.status, e.reason, str(e), reject_reason="forbidden" if e.status == 403 else None
+    ),
+    BodyError: lambda e: Outcome(e.status, e.reason, str(e), reject_reason=e.reason, invalid=True),
+    BadRequest: lambda e: Outcome(400, e.reason, str(e), reject_reason=e.reason, invalid=True),
+    WireError: lambda e: Outcome(400, "malformed", str(e), reject_reason="malformed", invalid=True),
+    InvalidInput: lambda e: _bad_input(422, e, f"inputs.{e.field}".rstrip(".")),
+    InvalidArgument: lambda e: _bad_input(422, e, e.field.replace(" ", "_")),
+    UnknownEpisode: lambda e: _bad_input(400, e),  # KServe's not-live sequence
+    NotServed: lambda e: Outcome(404, "unknown_model", str(e), invalid=True),
+    AmbiguousModel: lambda e: Outcome(422, "model_required", str(e)),
+    AdminRefused: lambda e: Outcome(
+        e.status, e.code, str(e), reject_reason="forbidden" if e.status == 403 else "unauthorized"
+    ),
+    ClientGone: lambda e: Outcome(499, "client_gone", str(e)),
+    SeqConflict: lambda e: Outcome(409, "seq_conflict", str(e)),
+    ClaimEnded: lambda e: Outcome(409, "ended", str(e)),
+    NotKept: _unavailable("fenced"),
+    ForwardCancelled: _unavailable("deadline"),
+    ForwardError: _unavailable("owner_unreachable"),
+    TransferError: lambda e: Outcome(422, "bad_record", str(e)),
+    ModelFailure: lambda e: Outcome(500, "model_failure", str(e)),
+    DeviceDown: _unavailable("device_down", 5.0),
+    PoolExhausted: _unavailable("busy"),
+    NotReplicated: _unavailable("not_replicated"),
+    BackendUnavailable: _unavailable("redis"),
+    AffinityError: _unavailable("affinity"),
+}
+"""Each exception class (or its nearest base in the table) -> its outcome."""
+
+
+def outcome(exc: BaseException) -> Outcome:
+    """What the client sees for ``exc``: the entry of its class, or of its nearest base
+    class in the table; anything else is a 500 ``internal``."""
+    for kind in type(exc).__mro__:
+        make = _TABLE.get(kind)
+        if make is not None:
+            return make(exc)
+    return Outcome(500, "internal", f"internal error: {type(exc).__name__}: {exc}"[:300])

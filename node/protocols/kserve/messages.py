@@ -1,0 +1,233 @@
+"""The KServe v2 gRPC messages: a ``ModelInferRequest`` as ``request.py``'s
+:class:`InferRequest`, a step's :class:`~node.step.Reply` as a ``ModelInferResponse``.
+
+Sizes are checked before an array exists; raw inputs are views of the received bytes.
+Every refusal is :class:`~node.errors.BadRequest` (the servicer answers ``INVALID_ARGUMENT``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from affinity.wire import MAX_ELEMENTS
+from node.errors import BadRequest
+from node.protocols.kserve.pb import kserve_pb2 as pb
+from node.protocols.kserve.request import (
+    InferRequest,
+    episode_of,
+    step_parameters,
+    timing_parameters,
+)
+from node.protocols.kserve.tensors import (
+    DATATYPE_OF,
+    DATATYPES,
+    MAX_RANK,
+    MAX_TENSORS,
+    bytes_elements,
+    tensor_bytes,
+)
+from node.step import Array, Reply
+
+__all__ = ["decode_request", "encode_reply"]
+
+_CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+"""KServe datatype -> the typed ``contents`` field that carries it (FP16: raw only)."""
+
+# ---- decoding ----------------------------------------------------------------------------
+
+
+def _value(param: pb.InferParameter) -> Any:
+    which = param.WhichOneof("parameter_choice")
+    return None if which is None else getattr(param, which)
+
+
+def _flag(params: dict[str, Any], key: str) -> bool:
+    value = params.get(key, False)
+    if not isinstance(value, bool):
+        raise BadRequest(f"{key} must be a bool_param")
+    return value
+
+
+def decode_request(msg: pb.ModelInferRequest, *, max_elements: int = MAX_ELEMENTS) -> InferRequest:
+    """The :class:`InferRequest` of one ``ModelInferRequest``. Raises :class:`BadRequest`
+    (``INVALID_ARGUMENT``); allocates nothing from a declared size before checking it."""
+    params = {key: _value(p) for key, p in msg.parameters.items()}
+    sequence = params.get("sequence_id")
+    episode = episode_of(sequence)
+    start, end = _flag(params, "sequence_start"), _flag(params, "sequence_end")
+    if episode is None and (start or end):
+        raise BadRequest("sequence_start and sequence_end need a non-zero sequence_id")
+    timeout = params.get("timeout")
+    if timeout is not None and (type(timeout) is not int or timeout < 0):
+        raise BadRequest("timeout must be a whole number of microseconds")
+    steps, ensemble = params.get("execute_steps"), params.get("ensemble")
+    if steps is not None and type(steps) is not int:
+        raise BadRequest("execute_steps must be an int64_param")
+    if ensemble is not None and not isinstance(ensemble, str):
+        raise BadRequest("ensemble must be a string_param")
+    seq = params.get("seq")
+    if seq is not None and (type(seq) is not int or seq < 1):
+        raise BadRequest(f"seq {seq!r:.40} must be a step number >= 1 (an int64_param)")
+    for key in params:
+        if key.startswith("shared_memory"):
+            raise BadRequest(f"parameter {key[:64]!r} is not supported")
+    outputs: dict[str, bool] | None = None
+    if msg.outputs:
+        if len(msg.outputs) > MAX_TENSORS:
+            raise BadRequest(f"{len(msg.outputs)} outputs; the limit is {MAX_TENSORS}")
+        outputs = {}
+        for out in msg.outputs:
+            if out.name in outputs:
+                raise BadRequest(f"output {out.name[:64]!r} is requested twice")
+            for key in out.parameters:
+                if key == "classification" or key.startswith("shared_memory"):
+                    raise BadRequest(f"output {out.name[:64]!r}: {key} is not supported")
+            outputs[out.name] = True
+    return InferRequest(
+        id=msg.id or None,
+        sequence=None if episode is None else sequence,
+        episode=episode,
+        start=start,
+        end=end,
+        arrays=_inputs(msg, max_elements),
+        outputs=outputs,
+        binary_output=True,
+        timing=_flag(params, "timing"),
+        **step_parameters(params),
+    )
+
+
+def _inputs(msg: pb.ModelInferRequest, max_elements: int) -> dict[str, Array]:
+    if len(msg.inputs) > MAX_TENSORS:
+        raise BadRequest(f"{len(msg.inputs)} inputs; the limit is {MAX_TENSORS}")
+    raw = msg.raw_input_contents
+    if raw and len(raw) != len(msg.inputs):
+        raise BadRequest(
+            f"{len(raw)} raw_input_contents for {len(msg.inputs)} inputs: give one per input, "
+            "in order, or none"
+        )
+    arrays: dict[str, Array] = {}
+    for i, tensor in enumerate(msg.inputs):
+        name = tensor.name
+        shown = f"input {name[:64]!r}"
+        if name in arrays:
+            raise BadRequest(f"{shown} is given twice")
+        strings = tensor.datatype == "BYTES"
+        if tensor.datatype not in DATATYPES and not strings:
+            raise BadRequest(
+                f"{shown}: datatype {tensor.datatype[:24]!r} is not supported; expected one of "
+                f"{', '.join(DATATYPES)}, BYTES"
+            )
+        dtype: np.dtype[Any] = np.dtype(object) if strings else DATATYPES[tensor.datatype]
+        shape = list(tensor.shape)
+        if len(shape) > MAX_RANK or any(d < 0 for d in shape):
+            raise BadRequest(
+                f"{shown}: shape {shape[: MAX_RANK + 1]} must be at most {MAX_RANK} "
+                "non-negative dimensions"
+            )
+        count = math.prod(shape)  # Python ints: no overflow, whatever was declared
+        if count > max_elements:
+            raise BadRequest(
+                f"{shown} of shape {shape} has {count} elements; the limit is {max_elements}"
+            )
+        if any(key.startswith("shared_memory") for key in tensor.parameters):
+            raise BadRequest(f"{shown}: shared memory is not supported")
+        if raw:
+            if tensor.HasField("contents"):
+                raise BadRequest(f"{shown} has both contents and raw_input_contents")
+            if strings:
+                arrays[name] = bytes_elements(name, raw[i], shape)
+                continue
+            need = count * dtype.itemsize
+            if len(raw[i]) != need:
+                raise BadRequest(
+                    f"{shown}: {len(raw[i])} raw bytes, but shape {shape} of "
+                    f"{tensor.datatype} is {need} bytes"
+                )
+            array = np.frombuffer(raw[i], dtype=dtype, count=count).reshape(shape)
+            if dtype.kind == "b" and array.size and array.view(np.uint8).max() > 1:
+                raise BadRequest(f"{shown}: BOOL bytes must be 0 or 1")
+            arrays[name] = array
+            continue
+        arrays[name] = _from_contents(tensor, shown, dtype, shape)
+    return arrays
+
+
+def _from_contents(
+    tensor: pb.ModelInferRequest.InferInputTensor,
+    shown: str,
+    dtype: np.dtype[Any],
+    shape: list[int],
+) -> Array:
+    """The array of an input's typed ``contents`` (its size is checked against ``shape``)."""
+    count = math.prod(shape)
+    field = _CONTENTS.get(tensor.datatype)
+    if field is None:
+        raise BadRequest(f"{shown}: {tensor.datatype} travels as raw_input_contents only")
+    values = getattr(tensor.contents, field)
+    if len(values) != count:
+        raise BadRequest(f"{shown}: {len(values)} values for shape {shape} ({count} values)")
+    if dtype == np.dtype(object):  # BYTES
+        try:
+            text = [bytes(v).decode() for v in values]
+        except UnicodeDecodeError:
+            raise BadRequest(f"{shown}: a BYTES element is not UTF-8") from None
+        array = np.empty(count, dtype=object)
+        array[:] = text
+        return array.reshape(shape)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if values and (min(values) < info.min or max(values) > info.max):
+            raise BadRequest(f"{shown}: data outside {info.min}..{info.max}")
+    return np.array(values, dtype=dtype).reshape(shape)
+
+
+# ---- encoding ----------------------------------------------------------------------------
+
+
+def _parameter(value: object) -> pb.InferParameter:
+    if isinstance(value, bool):
+        return pb.InferParameter(bool_param=value)
+    if isinstance(value, int):
+        return pb.InferParameter(int64_param=value)
+    if isinstance(value, float):
+        return pb.InferParameter(double_param=value)
+    return pb.InferParameter(string_param=str(value))
+
+
+def encode_reply(reply: Reply, request: InferRequest, model_name: str) -> pb.ModelInferResponse:
+    """The ``ModelInferResponse`` of a step: the requested outputs (all by default) as
+    ``raw_output_contents``, affinity's facts as parameters."""
+    names = list(reply.outputs) if request.outputs is None else list(request.outputs)
+    response = pb.ModelInferResponse(
+        model_name=model_name,
+        model_version=reply.model.partition("@")[2],
+        id=request.id or "",
+    )
+    facts = reply.facts(flat=True)
+    if request.timing:
+        facts.update(timing_parameters(reply))
+    for key, value in facts.items():
+        if value is not None:
+            response.parameters[key].CopyFrom(_parameter(value))
+    for name in names:
+        array = reply.outputs[name]
+        response.outputs.add(name=name, datatype=DATATYPE_OF[array.dtype], shape=array.shape)
+        response.raw_output_contents.append(tensor_bytes(array))
+    return response
