@@ -343,10 +343,10 @@ class Owner:
         if self.lease.leaving:
             await self.hand_over(fwd.episode)
             raise Refused(409, "moved", f"node {self.node_id} handed {fwd.episode!r} over")
-        a = Assignment(fwd.episode, fwd.routing, fwd.device, fwd.token, self.node_id, "", None,  # type: ignore[arg-type]
-                       fwd.claim, fwd.instance, fwd.model)  # fmt: skip
+        assignment = Assignment(fwd.episode, fwd.routing, fwd.device, fwd.token, self.node_id,  # type: ignore[arg-type]
+                                "", None, fwd.claim, fwd.instance, fwd.model)  # fmt: skip
         try:
-            return await self.serve(a, step, arrival)
+            return await self.serve(assignment, step, arrival)
         except ClaimEnded as exc:  # its router asks Redis again
             raise Refused(409, "ended", str(exc)) from None
 

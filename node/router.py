@@ -104,10 +104,14 @@ class Locator:
     def lookup(self, episode: str) -> Assignment | None:
         return self._hints.get(episode)
 
-    def remember(self, a: Assignment) -> None:
-        if a.episode not in self._hints and len(self._hints) >= MAX_HINTS:
+    def remember(self, assignment: Assignment) -> None:
+        if assignment.episode not in self._hints and len(self._hints) >= MAX_HINTS:
             self._hints.popitem(last=False)
-        self._hints[a.episode] = a if a.status == "hit" else a._replace(status="hit", previous=None)
+        self._hints[assignment.episode] = (
+            assignment
+            if assignment.status == "hit"
+            else assignment._replace(status="hit", previous=None)
+        )
 
     def forget(self, episode: str) -> None:
         self._hints.pop(episode, None)
@@ -270,10 +274,14 @@ class Router:
                         raise
                     # the owner it names cannot serve (it left, fenced, is gone): ask Redis
                     unsent = exc if isinstance(exc, _NotSent) else None
-        a = await self._resolve_for(step)
-        if unsent is not None and hint is not None and (a.node, a.token) == (hint.node, hint.token):
+        assignment = await self._resolve_for(step)
+        if (
+            unsent is not None
+            and hint is not None
+            and (assignment.node, assignment.token) == (hint.node, hint.token)
+        ):
             raise unsent  # Redis still names the owner that refused: unreachable, not moved
-        return await self._act_at_owner(a, step, arrival)
+        return await self._act_at_owner(assignment, step, arrival)
 
     async def restart_here(self, step: Step, arrival: Arrival) -> Reply:
         """Start ``step``'s episode over, this node being its owner (or none being): drop
@@ -282,7 +290,7 @@ class Router:
         self.locator.forget(step.episode)
         self._restarting[step.episode] = self._restarting.get(step.episode, 0) + 1
         try:  # not served from memory meanwhile; the fresh claim replaces the record
-            a = await self._resolve(
+            assignment = await self._resolve(
                 step.episode,
                 restart=True,
                 deadline=step.deadline,
@@ -293,32 +301,36 @@ class Router:
             left = self._restarting.pop(step.episode) - 1
             if left:
                 self._restarting[step.episode] = left
-        if a.node != self.node_id:
+        if assignment.node != self.node_id:
             self.owner.table.release(step.episode, "end")  # the new owner is another node
-        return await self._act_at_owner(a, replace(step, restart=False), arrival)
+        return await self._act_at_owner(assignment, replace(step, restart=False), arrival)
 
-    async def _act_at_owner(self, a: Assignment, step: Step, arrival: Arrival) -> Reply:
+    async def _act_at_owner(self, assignment: Assignment, step: Step, arrival: Arrival) -> Reply:
         """Serve or forward the step of ``a``, which Redis has just decided."""
-        if a.node != self.node_id:
-            return await self._forward(a, step, arrival, retry=True)
-        self.lease.require_instance(a.instance)  # Redis' word: the registration must be ours
+        if assignment.node != self.node_id:
+            return await self._forward(assignment, step, arrival, retry=True)
+        self.lease.require_instance(
+            assignment.instance
+        )  # Redis' word: the registration must be ours
         if self.lease.leaving:
             # this node is handing its episodes over: this one goes now, then to its new owner
-            await self.owner.hand_over(a.episode)
-            a = await self._resolve_for(step)
-            if a.node == self.node_id:
+            await self.owner.hand_over(assignment.episode)
+            assignment = await self._resolve_for(step)
+            if assignment.node == self.node_id:
                 raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)
-            return await self._forward(a, step, arrival, retry=False)
-        return await self._serve_here(a, step, arrival)
+            return await self._forward(assignment, step, arrival, retry=False)
+        return await self._serve_here(assignment, step, arrival)
 
-    async def _serve_here(self, a: Assignment, step: Step, arrival: Arrival) -> Reply:
+    async def _serve_here(self, assignment: Assignment, step: Step, arrival: Arrival) -> Reply:
         """The owner serves ``a`` here; a claim that ended here meanwhile is asked about
         again, once (a step queued behind an end, a release, an idle expiry)."""
         try:
-            return await self.owner.serve(a, step, arrival)
+            return await self.owner.serve(assignment, step, arrival)
         except ClaimEnded:
             pass
-        await self.owner.ended(a.episode)  # an end's release in flight: Redis answers after it
+        await self.owner.ended(
+            assignment.episode
+        )  # an end's release in flight: Redis answers after it
         again = await self._resolve_for(step)
         if again.node != self.node_id:
             return await self._forward(again, step, arrival, retry=False)
@@ -492,17 +504,19 @@ class Router:
 
     # ---- forwarding --------------------------------------------------------------------
 
-    async def _forward(self, a: Assignment, step: Step, arrival: Arrival, *, retry: bool) -> Reply:
+    async def _forward(
+        self, assignment: Assignment, step: Step, arrival: Arrival, *, retry: bool
+    ) -> Reply:
         sent = time.monotonic()
         budget = step.deadline - self.clock() - FORWARD_MARGIN_S
         if budget <= 0:
-            raise Unavailable("deadline", f"no time left to forward to {a.node}", 1.0)
+            raise Unavailable("deadline", f"no time left to forward to {assignment.node}", 1.0)
         origin = os.urandom(8).hex()
         body = Forward(
-            episode=a.episode,
-            token=a.token,
-            device=a.device,
-            routing=a.status,
+            episode=assignment.episode,
+            token=assignment.token,
+            device=assignment.device,
+            routing=assignment.status,
             inputs=step.inputs,
             budget_s=budget,
             end=step.end,
@@ -512,54 +526,60 @@ class Router:
             ensemble=step.ensemble,
             seq=step.seq,
             origin=origin,
-            claim=a.claim,
-            instance=a.instance,
-            model=self._asked(step) if step.restart else a.model,
+            claim=assignment.claim,
+            instance=assignment.instance,
+            model=self._asked(step) if step.restart else assignment.model,
             rtc=step.rtc,
             elapsed_s=0.0 if step.arrived is None else max(0.0, self.clock() - step.arrived),
             restart=step.restart,
             client_claim=step.client_claim,
         ).encode()
         arrival.done()  # it leaves this node
-        self.locator.forget(a.episode)  # kept again only when this forward is answered
+        self.locator.forget(assignment.episode)  # kept again only when this forward is answered
         held = step.seq is not None  # a step that names its seq is never undone: its retry is safe
         try:
-            resp = await self.pool.post(a.url, body)
+            resp = await self.pool.post(assignment.url, body)
         except asyncio.CancelledError:
             # cut off (the deadline, the client left): the owner may have applied the step
             # and even sent its reply; it is undone there before this caller hears anything
             if not held:
-                await self._undo_at(a.url, a.episode, a.token, a.device, origin)
+                await self._undo_at(
+                    assignment.url, assignment.episode, assignment.token, assignment.device, origin
+                )
             raise
         except ForwardError as exc:
             if not exc.unsent and not held:  # it broke after the request left: it may have run
-                await self._undo_at(a.url, a.episode, a.token, a.device, origin)
+                await self._undo_at(
+                    assignment.url, assignment.episode, assignment.token, assignment.device, origin
+                )
             self.metrics.forwarded.labels("unreachable").inc()
-            self.peers.failed(a.node, a.url, exc)
+            self.peers.failed(assignment.node, assignment.url, exc)
             raise (_NotSent if exc.unsent else Unavailable)(
                 "owner_unreachable",
-                f"episode {a.episode!r} is owned by {a.device} on {a.node} ({a.url}), "
-                f"which did not answer: {exc}",
+                f"episode {assignment.episode!r} is owned by {assignment.device} on "
+                f"{assignment.node} ({assignment.url}), which did not answer: {exc}",
                 1.0,
             ) from exc
-        self.peers.answered(a.node)
+        self.peers.answered(assignment.node)
         if resp.status == 200:
             try:
                 reply = decode_reply(resp.body)
             except ValueError as exc:
                 self.metrics.forwarded.labels("unreachable").inc()
-                raise Unavailable("owner_unreachable", f"owner {a.node}: {exc}", 1.0) from exc
+                raise Unavailable(
+                    "owner_unreachable", f"owner {assignment.node}: {exc}", 1.0
+                ) from exc
             self.metrics.forwarded.labels("ok").inc()
             hop = (time.monotonic() - sent) * 1000 - reply.timing.get("device_ms", 0.0)
             reply.timing["forward_ms"] = max(0.0, hop)  # encoding, the network, decoding
             reply.origin = origin
             reply.held = held
             if not (step.end or step.restart):
-                self.locator.remember(a)
+                self.locator.remember(assignment)
             return reply
         self.metrics.forwarded.labels("refused").inc()
         code, message = _error_of(resp)
-        text = f"owner {a.node} answered {resp.status}: {message}"
+        text = f"owner {assignment.node} answered {resp.status}: {message}"
         if code == "seq_conflict":
             raise Refused(409, code, message)
         if resp.status in (409, 421):  # not there (any more), or not that process: ask Redis
