@@ -21,7 +21,7 @@ import asyncio
 import collections
 import ssl
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
@@ -30,7 +30,7 @@ import numpy as np
 from affinity import wire
 from node.errors import ForwardError
 from node.rtc import Ask
-from node.step import Array, Reply, Step
+from node.step import Reply, Step
 
 __all__ = ["MOVE_PATH", "Forward", "ForwardError", "ForwardPool", "Poster", "Response"]
 
@@ -48,72 +48,86 @@ class Response:
     body: bytes
 
 
+_NOT_SENT = frozenset(
+    {
+        *("deadline", "model", "version"),  # as budget_ms, and in the forward's model
+        *("live_only", "arrived", "door", "received", "control_hz", "timing"),  # the router's
+    }
+)
+"""The step's fields a forward does not carry as they are."""
+_SENT = tuple(
+    (f.name, "episode_id" if f.name == "episode" else f.name)
+    for f in fields(Step)
+    if f.name not in _NOT_SENT
+)
+"""(field, msgpack key) of each step field a forward carries, in ``Step``'s order."""
+
+
 @dataclass(slots=True)
 class Forward:
-    """What travels from the router to the owner: the assignment the router obtained from
-    Redis and the step, with the time left of the client's deadline (``claim``: the claim
-    id issued with the token; ``instance``: the process Redis says holds the owner's
-    registration, which the owner checks is itself). ``origin`` is a
-    random id of this forward; ``undo`` asks the owner to undo the step that forward
-    ``origin`` applied (the router could not deliver its reply; ``inputs`` are empty);
-    ``restart`` asks the owner to start the episode over (it makes the fresh claim, so no
-    other node serves the episode while the owner still holds it); ``release`` asks the
-    owner to end the episode (a release sent to another node; ``inputs`` are empty)."""
+    """What travels from the router to the owner: the step, whole (its fields but
+    :data:`_NOT_SENT`, field by field), the assignment the router obtained from Redis and
+    the time left of the client's deadline (``budget_s``). ``claim``: the claim id issued
+    with the token; ``instance``: the process Redis says holds the owner's registration,
+    which the owner checks is itself; ``model``: the assignment's ``"name@version"`` (""
+    in a fleet without models), or for a restart the model the step names, which the
+    owner's fresh claim takes. ``step.origin`` is a random id of this forward. ``undo``
+    asks the owner to undo the step that forward ``step.origin`` applied (the router
+    could not deliver its reply; no inputs); ``release`` asks the owner to end the
+    episode (a release sent to another node; no inputs). The owner sets the decoded
+    step's ``deadline`` on receipt (``budget_s`` from then)."""
 
-    episode: str
+    step: Step
     token: int
     device: str
     routing: str
-    inputs: dict[str, Array]
     budget_s: float
-    end: bool = False
-    degraded: bool = False
-    client_token: int | None = None
-    execute_steps: int | None = None
-    ensemble: str | None = None
-    seq: int | None = None
-    origin: str = ""
     undo: bool = False
     claim: str = ""
     instance: str = ""
-    # "name@version" of the assignment ("": a fleet without models); for a restart, the
-    # model the step names ("name" or "name@version"), which the owner's fresh claim takes
     model: str = ""
-    rtc: Ask | None = None  # the client's real-time-chunking values (the owner checks them)
     elapsed_s: float = 0.0  # how long the router had the step before forwarding it
-    restart: bool = False  # start the episode over: the owner makes the fresh claim
     release: bool = False  # end the episode (``POST /episodes/<id>/end`` at another node)
-    client_claim: str | None = None  # the claim id the client echoed, if any
+
+    @classmethod
+    def about(
+        cls,
+        episode: str,
+        token: int,
+        device: str,
+        budget_s: float,
+        *,
+        origin: str = "",
+        seq: int | None = None,
+        undo: bool = False,
+        release: bool = False,
+    ) -> Forward:
+        """A forward without a step to run: an undo or a release of ``episode``."""
+        step = Step(episode, {}, 0.0, seq=seq, origin=origin)
+        return cls(step, token, device, "hit", budget_s, undo=undo, release=release)
+
+    @property
+    def episode(self) -> str:
+        assert self.step.episode is not None, "a forwarded step has an episode"
+        return self.step.episode
 
     def encode(self) -> bytes:
-        return wire.encode(
-            {
-                "episode_id": self.episode,
-                "token": self.token,
-                "device": self.device,
-                "routing": self.routing,
-                "inputs": self.inputs,
-                "budget_ms": round(self.budget_s * 1000, 3),
-                "end": self.end,
-                "degraded": self.degraded,
-                "client_token": self.client_token,
-                "execute_steps": self.execute_steps,
-                "ensemble": self.ensemble,
-                "seq": self.seq,
-                "origin": self.origin,
-                "undo": self.undo,
-                "claim": self.claim,
-                "instance": self.instance,
-                "model": self.model,
-                "rtc": None if self.rtc is None else [
-                    self.rtc.executed, self.rtc.delay, self.rtc.control_hz, self.rtc.pending
-                ],
-                "elapsed_ms": round(self.elapsed_s * 1000, 3),
-                "restart": self.restart,
-                "release": self.release,
-                "client_claim": self.client_claim,
-            }
-        )  # fmt: skip
+        doc: dict[str, Any] = {key: getattr(self.step, name) for name, key in _SENT}
+        rtc = self.step.rtc
+        doc["rtc"] = None if rtc is None else [getattr(rtc, f.name) for f in fields(Ask)]
+        doc.update(
+            token=self.token,
+            device=self.device,
+            routing=self.routing,
+            budget_ms=round(self.budget_s * 1000, 3),
+            undo=self.undo,
+            claim=self.claim,
+            instance=self.instance,
+            model=self.model,
+            elapsed_ms=round(self.elapsed_s * 1000, 3),
+            release=self.release,
+        )
+        return wire.encode(doc)
 
     @classmethod
     def decode(cls, body: bytes) -> Forward:
@@ -154,49 +168,36 @@ class Forward:
             raise ValueError("a forward's rtc must be [executed, delay, control_hz, pending]")
         if not isinstance(elapsed, int | float) or isinstance(elapsed, bool) or elapsed < 0:
             raise ValueError("a forward's elapsed_ms must be a number >= 0")
-        return cls(
+        name, _, version = model.partition("@")
+        step = Step(
             episode=episode,
-            token=token,
-            device=device,
-            routing=routing,
             inputs=inputs,
-            budget_s=float(budget) / 1000,
+            deadline=float("inf"),  # the owner's: budget_s from receipt
             end=doc.get("end") is True,
-            degraded=doc.get("degraded") is True,
             client_token=client_token,
+            degraded=doc.get("degraded") is True,
+            restart=doc.get("restart") is True,
             execute_steps=execute_steps,
             ensemble=ensemble,
             seq=seq,
             origin=origin,
+            model=name or None,
+            version=version or None,
+            rtc=None if rtc is None else Ask(*rtc),
+            client_claim=client_claim,
+        )
+        return cls(
+            step,
+            token,
+            device,
+            routing,
+            float(budget) / 1000,
             undo=doc.get("undo") is True,
             claim=claim,
             instance=instance,
             model=model,
-            rtc=None if rtc is None else Ask(*rtc),
             elapsed_s=float(elapsed) / 1000,
-            restart=doc.get("restart") is True,
             release=doc.get("release") is True,
-            client_claim=client_claim,
-        )
-
-    def step(self, deadline: float) -> Step:
-        name, _, version = self.model.partition("@")
-        return Step(
-            episode=self.episode,
-            inputs=self.inputs,
-            deadline=deadline,
-            end=self.end,
-            client_token=self.client_token,
-            degraded=self.degraded,
-            execute_steps=self.execute_steps,
-            ensemble=self.ensemble,
-            seq=self.seq,
-            origin=self.origin,
-            model=name or None,
-            version=version or None,
-            rtc=self.rtc,
-            restart=self.restart,
-            client_claim=self.client_claim,
         )
 
 

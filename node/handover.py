@@ -234,8 +234,9 @@ class Mover:
         if to is None:
             return
         url, device, token = to
-        body = Forward(episode, token, device, "hit", {}, MOVE_S, origin=origin or "", seq=seq,
-                       undo=True).encode()  # fmt: skip
+        body = Forward.about(
+            episode, token, device, MOVE_S, origin=origin or "", seq=seq, undo=True
+        ).encode()
         with contextlib.suppress(TimeoutError, ForwardError):
             async with asyncio.timeout(MOVE_S):
                 await self.pool.post(url, body)

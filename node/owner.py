@@ -272,27 +272,27 @@ class Owner:
         if fwd.device not in self.local_devices:
             raise Refused(421, "not_owner", f"device {fwd.device!r} is not on node {self.node_id}")
         if fwd.undo:
-            await self.undo(fwd.episode, fwd.seq, fwd.origin)
+            await self.undo(fwd.episode, fwd.step.seq, fwd.step.origin)
             return None
         if fwd.release:
             await self.end(fwd.episode, fwd.token)
             return None
         name = fwd.model.partition("@")[0] or self.first_model
-        rtc = fwd.rtc
+        rtc = fwd.step.rtc
         dispatcher = self.dispatchers.get(name)
         if dispatcher is not None:
             try:  # the router checked them against the model; a node serving another one
-                inputs.from_arrays(dispatcher.contract, fwd.inputs)  # refuses them as the
+                inputs.from_arrays(dispatcher.contract, fwd.step.inputs)  # refuses them as the
             except InvalidInput as exc:  # client's error (never a crash)
                 raise Refused(
                     422, "bad_input", f"not an input of node {self.node_id}'s model: {exc}"
                 ) from None
             try:  # checked against this node's model and --control-hz, as the inputs are
-                ask = fwd.rtc or Ask()
+                ask = fwd.step.rtc or Ask()
                 rtc = dispatcher.rtc_for(ask.executed, ask.delay, ask.control_hz, ask.pending)
             except InvalidArgument as exc:
                 raise Refused(422, "bad_input", f"node {self.node_id}: {exc}") from None
-        elif not fwd.restart:  # a restart may name a model served elsewhere: its claim says
+        elif not fwd.step.restart:  # a restart may name a model served elsewhere: its claim says
             raise Refused(421, "not_owner", f"node {self.node_id} does not serve model {name!r}")
         arrival = self.arrivals.arrival()
         try:
@@ -318,9 +318,9 @@ class Owner:
                 f"node {self.node_id} is another process now (instance {self.lease.instance}, "
                 f"not {fwd.instance}): ask Redis again",
             )
-        step = fwd.step(self.clock() + fwd.budget_s)
-        step.rtc, step.arrived = rtc, arrived
-        if fwd.restart:  # the router found this node the owner: it starts the episode over
+        step = fwd.step
+        step.deadline, step.rtc, step.arrived = self.clock() + fwd.budget_s, rtc, arrived
+        if step.restart:  # the router found this node the owner: it starts the episode over
             assert self.router is not None
             return await self.router.restart_here(step, arrival)
         if not self.table.holds(fwd.episode, fwd.device, fwd.token, fwd.claim):

@@ -455,7 +455,7 @@ class Router:
         await self._undo_at(reply.url, reply.episode, reply.token, reply.device, reply.origin)
 
     async def _undo_at(self, url: str, episode: str, token: int, device: str, origin: str) -> None:
-        body = Forward(episode, token, device, "hit", {}, UNDO_S, origin=origin, undo=True)
+        body = Forward.about(episode, token, device, UNDO_S, origin=origin, undo=True)
         try:
             async with asyncio.timeout(UNDO_S):
                 resp = await self.pool.post(url, body.encode())
@@ -480,7 +480,7 @@ class Router:
         if info.node == self.node_id or not info.alive:  # nobody serves it from memory elsewhere
             await self.owner.end(episode, info.token, strict=True)
             return info.device
-        body = Forward(episode, info.token, info.device, "hit", {}, UNDO_S, release=True)
+        body = Forward.about(episode, info.token, info.device, UNDO_S, release=True)
         try:
             async with asyncio.timeout(self.config.act_deadline_s):
                 resp = await self.pool.post(info.url, body.encode())
@@ -513,26 +513,15 @@ class Router:
             raise Unavailable("deadline", f"no time left to forward to {assignment.node}", 1.0)
         origin = os.urandom(8).hex()
         body = Forward(
-            episode=assignment.episode,
-            token=assignment.token,
-            device=assignment.device,
-            routing=assignment.status,
-            inputs=step.inputs,
-            budget_s=budget,
-            end=step.end,
-            degraded=step.degraded,
-            client_token=step.client_token,
-            execute_steps=step.execute_steps,
-            ensemble=step.ensemble,
-            seq=step.seq,
-            origin=origin,
+            replace(step, origin=origin),
+            assignment.token,
+            assignment.device,
+            assignment.status,
+            budget,
             claim=assignment.claim,
             instance=assignment.instance,
             model=self._asked(step) if step.restart else assignment.model,
-            rtc=step.rtc,
             elapsed_s=0.0 if step.arrived is None else max(0.0, self.clock() - step.arrived),
-            restart=step.restart,
-            client_claim=step.client_claim,
         ).encode()
         arrival.done()  # it leaves this node
         self.locator.forget(assignment.episode)  # kept again only when this forward is answered

@@ -16,6 +16,7 @@ from affinity.registry import MoveRequest
 from node.forward import SECRET_HEADER as SECRET
 from node.forward import Forward
 from node.models import DEMO_MODEL
+from node.step import Step
 from tests.conftest import new_fleet
 from tests.inproc import Gate, InProcNode, Router, cluster, config
 from tests.rollout import reference_rollout
@@ -33,7 +34,7 @@ async def slid(node: InProcNode) -> None:
 
 def forward(episode: str, token: int, device: str, routing: str) -> bytes:
     obs = np.zeros((1, 8), np.float32)
-    return Forward(episode, token, device, routing, {"obs": obs}, budget_s=2.0).encode()
+    return Forward(Step(episode, {"obs": obs}, 0.0), token, device, routing, budget_s=2.0).encode()
 
 
 def observations(seed: int, n: int = 20) -> list[np.ndarray]:
@@ -435,8 +436,8 @@ async def test_a_forwarded_step_past_the_routers_budget_keeps_no_state(redis: An
         ep, obs = first["episode_id"], observations(9)
         # the owner gets what is left of the router's deadline: here, 0.3 s
         claim = (await redis.get(KEYS.episode(ep))).split(" ")[2]
-        body = Forward(ep, first["token"], first["device"], "hit",
-                       {"obs": np.full((1, 8), 9, np.float32)}, budget_s=0.3,
+        body = Forward(Step(ep, {"obs": np.full((1, 8), 9, np.float32)}, 0.0),
+                       first["token"], first["device"], "hit", budget_s=0.3,
                        claim=claim).encode()  # fmt: skip
         r = await b.client.post("/internal/act", content=body, headers={SECRET: "k"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "deadline"

@@ -27,6 +27,7 @@ from node.contract import load_contract
 from node.forward import Forward
 from node.main import StartupError, build_service, parse_args
 from node.models import DEMO_MODEL, VLA_DEMO_MODEL
+from node.step import Step
 from tests.inproc import cluster, config
 from tests.procs import ROOT
 
@@ -79,11 +80,11 @@ def test_a_contract_record_round_trips() -> None:
 
 
 def test_a_forward_carries_the_model() -> None:
-    fwd = Forward("ep", 7, "a/0", "hit", {"obs": np.zeros((1, 8), np.float32)}, 1.0,
+    fwd = Forward(Step("ep", {"obs": np.zeros((1, 8), np.float32)}, 0.0), 7, "a/0", "hit", 1.0,
                   model="demo_policy@v1")  # fmt: skip
     back = Forward.decode(fwd.encode())
-    assert back.model == "demo_policy@v1" and back.step(1.0).model == "demo_policy"
-    assert Forward.decode(replace(fwd, model="").encode()).step(1.0).model is None
+    assert back.model == "demo_policy@v1" and back.step.model == "demo_policy"
+    assert Forward.decode(replace(fwd, model="").encode()).step.model is None
 
 
 async def test_the_catalog_chooses_a_model_or_says_why_not() -> None:

@@ -10,8 +10,10 @@ from contextlib import asynccontextmanager
 import numpy as np
 import pytest
 
+from affinity import wire
 from node.forward import Forward, ForwardError, ForwardPool, decode_reply, encode_reply
-from node.step import Reply
+from node.rtc import Ask
+from node.step import Reply, Step
 from tests.procs import free_port
 
 pytestmark = pytest.mark.anyio
@@ -151,28 +153,26 @@ async def test_unreachable_owner_and_cancellation() -> None:
 
 
 def test_forward_and_reply_bodies_round_trip() -> None:
-    fwd = Forward(
+    step = Step(
         episode="ep/1",
-        token=2**62,
-        device="a/0",
-        routing="hit",
         inputs={"obs": np.arange(8, dtype=np.float32).reshape(1, 8)},
-        budget_s=1.25,
+        deadline=0.0,
         end=True,
         degraded=True,
         client_token=7,
         execute_steps=3,
     )
+    fwd = Forward(step, token=2**62, device="a/0", routing="hit", budget_s=1.25)
     back = Forward.decode(fwd.encode())
-    np.testing.assert_array_equal(back.inputs["obs"], fwd.inputs["obs"])
-    assert (back.episode, back.token, back.device, back.routing, back.end) == (
+    np.testing.assert_array_equal(back.step.inputs["obs"], step.inputs["obs"])
+    assert (back.episode, back.token, back.device, back.routing, back.step.end) == (
         "ep/1",
         2**62,
         "a/0",
         "hit",
         True,
     )
-    assert (back.budget_s, back.degraded, back.client_token, back.execute_steps) == (
+    assert (back.budget_s, back.step.degraded, back.step.client_token, back.step.execute_steps) == (
         1.25,
         True,
         7,
@@ -186,3 +186,49 @@ def test_forward_and_reply_bodies_round_trip() -> None:
     got = decode_reply(encode_reply(reply))
     np.testing.assert_array_equal(got.outputs["a"], reply.outputs["a"])
     assert got.facts() == reply.facts()
+
+
+OLD_KEYS = {
+    "episode_id", "token", "device", "routing", "inputs", "budget_ms", "end", "degraded",
+    "client_token", "execute_steps", "ensemble", "seq", "origin", "undo", "claim", "instance",
+    "model", "rtc", "elapsed_ms", "restart", "release", "client_claim",
+}  # fmt: skip
+
+
+def test_a_forward_carries_the_step_whole_under_the_old_keys() -> None:
+    """The step travels field by field, under the msgpack keys an older node reads and
+    writes: a forward of each kind decodes on both sides."""
+    step = Step("ep", {"obs": np.zeros((1, 8), np.float32)}, 0.0, end=True, client_token=3,
+                degraded=True, restart=True, execute_steps=2, ensemble="avg", seq=5,
+                origin="ab12", rtc=Ask(1, 2, 50.0, None), client_claim="c1",
+                model="ignored", door="kserve", control_hz=50.0)  # fmt: skip
+    fwd = Forward(step, 7, "a/0", "claimed", 0.5, claim="c2", instance="i", model="m@v1",
+                  elapsed_s=0.25)  # fmt: skip
+    doc = wire.decode(fwd.encode())
+    assert doc.keys() == OLD_KEYS
+    assert doc["episode_id"] == "ep" and doc["rtc"] == [1, 2, 50.0, None]
+    assert (doc["budget_ms"], doc["elapsed_ms"], doc["seq"], doc["origin"]) == (500, 250, 5, "ab12")
+    back = Forward.decode(fwd.encode())
+    got = back.step
+    assert (got.episode, got.end, got.client_token, got.degraded, got.restart) == (
+        "ep", True, 3, True, True)  # fmt: skip
+    assert (got.execute_steps, got.ensemble, got.seq, got.origin, got.client_claim) == (
+        2, "avg", 5, "ab12", "c1")  # fmt: skip
+    assert got.rtc == Ask(1, 2, 50.0, None) and (got.model, got.version) == ("m", "v1")
+    assert (got.door, got.control_hz) == ("act", None)  # the router's own: not sent
+    assert (back.token, back.device, back.routing, back.claim, back.instance) == (
+        7, "a/0", "claimed", "c2", "i")  # fmt: skip
+    # what an older node sends (its own literal map, fewer keys) still decodes
+    old = {"episode_id": "ep", "token": 1, "device": "a/0", "routing": "hit", "inputs": {},
+           "budget_ms": 100, "undo": True, "origin": "ff", "seq": 4,
+           "rtc": [1, 2, None]}  # fmt: skip
+    undo = Forward.decode(wire.encode(old))
+    assert undo.undo and (undo.step.origin, undo.step.seq, undo.step.rtc) == (
+        "ff",
+        4,
+        Ask(1, 2, None),
+    )
+    about = Forward.decode(
+        Forward.about("ep", 1, "a/0", 0.5, origin="ff", seq=4, undo=True).encode()
+    )
+    assert about.undo and not about.release and (about.step.origin, about.step.seq) == ("ff", 4)

@@ -134,7 +134,7 @@ async def test_a_forward_naming_another_process_never_fences_the_receiver(redis:
         assert a.service.lease.valid()
         # the owner's own answer to such a forward, directly: 409, nothing else
         inputs = {"obs": np.zeros((1, 8), np.float32)}
-        fwd = Forward(ep, hint.token, hint.device, "hit", inputs, 1.0, claim=hint.claim,
+        fwd = Forward(Step(ep, inputs, 0.0), hint.token, hint.device, "hit", 1.0, claim=hint.claim,
                       instance="a-dead-predecessor", model=hint.model)  # fmt: skip
         resp = await a.client.post("/internal/act", content=fwd.encode())
         assert resp.status_code == 409 and resp.json()["error"]["code"] == "stale_instance"
