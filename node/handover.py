@@ -15,6 +15,9 @@ a node whose commit never came must never be served from memory there (it is not
 confirmed, and the new owner's first flush finds it lost and drops it); a paused old
 owner's commit is refused once its lease lapsed; a step that waited behind the move asks
 Redis again and reaches the new owner.
+
+:class:`HandOvers` decides when: an operator's move or drain, a graceful stop, at most
+:data:`MOVES_AT_ONCE` at a time, one per episode.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 from affinity import AffinityError, Claims, wire
+from affinity.registry import MoveRequest
 from affinity.transfers import Placement, Transfers
 from affinity.transfers import Refused as NotPlaced
 from node.contract import PolicyContract
@@ -38,7 +42,7 @@ from node.metrics import Metrics
 from node.step import Refused
 from node.transfer import Install, TransferError, decode_install, encode_install, record_bytes
 
-__all__ = ["HOLD_MS", "MOVE_S", "Mover", "Outcome", "Reason"]
+__all__ = ["HOLD_MS", "MOVES_AT_ONCE", "MOVE_S", "HandOvers", "Mover", "Outcome", "Reason"]
 
 log = logging.getLogger("affinity.node")
 
@@ -53,6 +57,8 @@ MOVE_S = 5.0
 """The most one move's record may take to reach the new owner."""
 RETRY_S = 0.2
 """How often a move whose commit answer was lost asks Redis again whether it moved."""
+MOVES_AT_ONCE = 16
+"""How many episodes a node hands over at a time."""
 
 
 class Mover:
@@ -278,3 +284,89 @@ class Mover:
             raise Refused(421, "not_owner", f"device {install.device!r} is not on {self.node_id}")
         self.table.install(install.episode, install.record)
         log.debug("installed %s's record from %s", install.episode, install.origin_node)
+
+
+class HandOvers:
+    """When the owner's episodes are handed over: one hand-over at a time per episode and
+    :data:`MOVES_AT_ONCE` in all (a drain's, a graceful stop's and an operator's together),
+    operators' moves in the background, and the graceful stop."""
+
+    def __init__(
+        self,
+        node_id: str,
+        table: EpisodeTable,
+        lease: Lease,
+        mover: Mover,
+        drain_timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node_id = node_id
+        self.table = table
+        self.lease = lease
+        self.mover = mover
+        self.drain_timeout_s = drain_timeout_s
+        self.clock = clock
+        self._handing: dict[str, asyncio.Task[Outcome]] = {}
+        self._moving: set[asyncio.Task[Outcome]] = set()  # operators' moves under way
+        self._gate = asyncio.Semaphore(MOVES_AT_ONCE)  # hand-overs under way, at most
+
+    async def hand_over(self, episode: str, reason: Reason = "stop", target: str = "") -> Outcome:
+        """Hand ``episode`` over once its in-flight step (if any) finished: with its state
+        to a device that serves its model and has room (:class:`Mover`), else without it
+        (its next step is ``reassigned``, ``state_reset``). Idempotent; concurrent callers
+        share one hand-over. An episode waiting its turn goes on stepping here."""
+        task = self._handing.get(episode)
+        if task is None:
+            task = asyncio.ensure_future(self._gated(episode, reason, target))
+            self._handing[episode] = task
+            task.add_done_callback(lambda _: self._handing.pop(episode, None))
+        return await asyncio.shield(task)
+
+    async def _gated(self, episode: str, reason: Reason, target: str) -> Outcome:
+        async with self._gate:
+            return await self.mover.hand_over(episode, reason, target)
+
+    def move_requested(self, moves: Sequence[MoveRequest]) -> None:
+        """Carry out the moves an operator asked (read at the renewal): every episode of a
+        drained device, or one episode to a target; in the background."""
+        for move in moves:
+            if move.device:
+                episodes = [ep for ep, r in self.table.records() if r.device == move.device]
+                targets = [(ep, "drain", "") for ep in episodes]
+            else:
+                targets = [(move.episode, "move", move.target)]
+            for ep, reason, target in targets:
+                task = asyncio.ensure_future(self.hand_over(ep, reason, target))  # type: ignore[arg-type]
+                self._moving.add(task)
+                task.add_done_callback(self._moving.discard)
+
+    async def leave(self) -> None:
+        """The graceful stop: no new episodes here; every episode is handed over with its
+        state (after its in-flight step; :data:`MOVES_AT_ONCE` at a time), or without it
+        when nothing can take it, within ``--drain-timeout``; what is left then is handed
+        over by the deregistration, without its state. Then the node deregisters, while it
+        still listens (forwards get answers, not connection errors)."""
+        if self.lease.leaving:
+            return
+        started = self.clock()
+        registered = self.lease.registered
+        await self.lease.begin_leave()
+        held = [episode for episode, _ in self.table.records()]
+        outcomes: list[Outcome | BaseException] = []
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.drain_timeout_s):
+                outcomes = await asyncio.gather(
+                    *(self.hand_over(ep, "stop") for ep in held), return_exceptions=True
+                )
+        self.table.drop_all("handed")
+        released = await self.lease.end()
+        if registered:
+            log.info(
+                "node %s left: moved %d episode(s) with their state, handed over %d without, "
+                "deregistered %d more in %.2fs",
+                self.node_id,
+                sum(o == "moved" for o in outcomes),
+                sum(o == "reset" for o in outcomes),
+                max(released, 0),
+                self.clock() - started,
+            )

@@ -47,7 +47,7 @@ EXIT_CONFLICT = 4
 
 
 class LeaseListener(Protocol):
-    """What the owner does when the lease changes what it may keep (``node/owner.py``)."""
+    """What the owner does when the lease changes what it may keep (``node/flusher.py``)."""
 
     def held(self) -> list[Held]:
         """The records to re-assert at a registration within the lease."""
@@ -57,9 +57,6 @@ class LeaseListener(Protocol):
 
     def revoked(self, revoked: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
         """Drop what an operator released; return what was carried out (all of it)."""
-
-    def move_requested(self, moves: Sequence[MoveRequest]) -> None:
-        """Move what an operator asked to move (in the background)."""
 
     def server_changed(self) -> None:
         """Another Redis server answers now: check every record at the next flush."""
@@ -97,6 +94,8 @@ class Lease:
         self.on_conflict: Callable[[], None] = lambda: None
         self.on_renewed: Callable[[], Awaitable[None]] | None = None  # after each renewal
         self.listener: LeaseListener | None = None
+        # what an operator asked to move, read at a renewal (started in the background)
+        self.on_moves: Callable[[Sequence[MoveRequest]], None] | None = None
         self.granted_s = config.settings.lease_ttl_s  # what Redis granted last
         self.longest_ms = 0  # the longest lease TTL of the fleet, as last heard
         self.server_id: str | None = None  # run_id of the Redis server last seen
@@ -308,8 +307,8 @@ class Lease:
         was_fenced = self._fenced
         self._serving_again(sent, renewal.terms)
         self._done = []
-        if renewal.moves and self.listener is not None:
-            self.listener.move_requested(renewal.moves)
+        if renewal.moves and self.on_moves is not None:
+            self.on_moves(renewal.moves)
         if renewal.revoked and self.listener is not None:
             self._done = self.listener.revoked(renewal.revoked)
             # said now, not a third of a lease later: until Redis hears it, the episodes'

@@ -3,30 +3,23 @@
 Redis decides who owns an episode, once, in the claim; the owner decides each step
 (DESIGN.md, "Ownership and steps"). A step of an episode whose record this node holds is
 served from memory, with no Redis command, while the lease is valid (``node/lease.py``),
-the last flush succeeded less than a lease ago, and the episode's backstop in Redis is
-more than :data:`EXPIRY_MARGIN_S` away by this node's clock.
+the last flush succeeded less than a lease ago (``node/flusher.py``), and the episode's
+backstop in Redis is not near by this node's clock.
 
 Only the owner lets an episode go (DESIGN.md rule 8): a client's end, idle expiry, an
-operator's revocation (carried out at the renewal that brings it), a hand-over. Each drops
-the record first (the table then refuses any step of that claim still queued), then tells
-Redis: at once for an end or a hand-over, in the next flush for idle expiry (a load slot
-may stay taken until then, never the reverse).
-
-The flush (``affinity/lua/flush.lua``, one round trip, at most once a second, only when
-there is something to say) releases what idled out and slides the backstop of an episode
-stepped since its last slide once that backstop is less than a lease + :data:`SLIDE_AHEAD_S`
-from running out: with the default 300 s idle timeout, one slide every ~5 minutes a
-stepping episode. An episode Redis answers as lost (another claim holds it) is dropped.
+operator's revocation (carried out at the renewal that brings it), a hand-over
+(``node/handover.py``). Each drops the record first (the table then refuses any step of
+that claim still queued), then tells Redis: at once for an end or a hand-over, in the
+next flush for idle expiry (a load slot may stay taken until then, never the reverse).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from affinity import (
@@ -39,41 +32,34 @@ from affinity import (
     StaleToken,
     UnknownEpisode,
 )
-from affinity.registry import Held, MoveRequest, Registered
 from affinity.transfers import Transfers
 from node import inputs
 from node.config import NodeConfig
 from node.control import control_feed
 from node.dispatcher import Arrival, DeviceDown, ModelFailure, MultiGpuDispatcher
 from node.episodes import ClaimEnded, EpisodeTable, ForwardCancelled, NotKept, SeqConflict
+from node.flusher import Flusher
 from node.forward import Forward, Poster
-from node.handover import Mover, Outcome, Reason
+from node.handover import HandOvers, Mover
 from node.health import DeviceHealth
 from node.inputs import InvalidInput
 from node.lease import Lease
 from node.metrics import Metrics
+from node.record import StepResult
 from node.rtc import Ask
 from node.step import Refused, Reply, Step, TimeLimit, Unavailable
 
 if TYPE_CHECKING:
     from node.router import Router
 
-__all__ = ["EXPIRY_MARGIN_S", "MOVES_AT_ONCE", "SLIDE_AHEAD_S", "Owner"]
+__all__ = ["Owner"]
 
 log = logging.getLogger("affinity.node")
 
-SLIDE_AHEAD_S = 3.0
-"""A stepped episode is slid once its backstop has less than a lease TTL + this left (the
-flush runs every second; this leaves room for retries)."""
-EXPIRY_MARGIN_S = 1.0
-"""Never served from memory within this of its backstop by the owner's clock (drift)."""
-MOVES_AT_ONCE = 16
-"""How many episodes a graceful stop hands over at a time."""
-
 
 class Owner:
-    """Serve from memory, serve what a router forwards, let go, flush (see the module doc).
-    It is the lease's listener (``node.lease.LeaseListener``)."""
+    """Serve from memory, serve what a router forwards, let go (see the module doc); its
+    :class:`Flusher` tells Redis, its :class:`HandOvers` hand episodes over."""
 
     def __init__(
         self,
@@ -98,32 +84,23 @@ class Owner:
         self.lease = lease
         self.health = health
         self.claims = claims  # the request path's pool (lookups, ends)
-        self.lease_claims = lease_claims  # the lease's own pool (hand-overs at a stop)
-        self.registry = registry  # the lease's own pool (flushes)
         self.metrics = metrics
         self.clock = clock
-        self.lease_ttl_s = config.settings.lease_ttl_s
-        self.backstop_s = config.settings.backstop_ms / 1000
-        self.idle_ttl_s = config.settings.episode_ttl_s
         self.local_devices = frozenset(health.devices)
         self.arrivals = next(iter(dispatchers.values())).arrivals
         # name -> "name@version" of the models served here (for the replies)
         self.models = {name: d.model for name, d in dispatchers.items()}
         self.router: Router | None = None  # set by the service: a restart claims through it
-        self.flushed_at = float("-inf")  # send time of the last flush that succeeded
-        self.grace_ms = 0  # the fleet's grace period left, as the last script said
-        self._slid: dict[str, float] = {}  # episode -> send time of its backstop's last write
-        self._idle: list[tuple[str, int]] = []  # dropped here for idleness: to release
-        self._releasing: set[str] = set()  # in the flush in flight: never from memory
-        self._handing: dict[str, asyncio.Task[Outcome]] = {}
         self._ending: dict[str, asyncio.Event] = {}  # ends whose release in Redis is in flight
-        self._moving: set[asyncio.Task[Outcome]] = set()  # operators' moves under way
-        self._gate = asyncio.Semaphore(MOVES_AT_ONCE)  # hand-overs under way, at most
+        settings = config.settings  # the flushes and hand-overs use the lease's own pool
+        self.flusher = Flusher(self.node_id, table, lease, registry, metrics,
+                               settings.lease_ttl_s, settings.backstop_ms / 1000,
+                               settings.episode_ttl_s, clock)  # fmt: skip
         self.mover = Mover(
             self.node_id,
             table,
             lease,
-            Transfers(lease_claims.redis, config.settings),
+            Transfers(lease_claims.redis, settings),
             lease_claims,
             pool,
             metrics,
@@ -131,13 +108,12 @@ class Owner:
             config.cluster_secret,
             clock,
         )
-        lease.listener = self
+        self.handovers = HandOvers(self.node_id, table, lease, self.mover,
+                                   config.drain_timeout_s, clock)  # fmt: skip
+        lease.listener = self.flusher
+        lease.on_moves = self.handovers.move_requested
 
     # ---- may I serve -------------------------------------------------------------------
-
-    def current(self) -> bool:
-        """Whether the last flush succeeded less than a lease TTL ago."""
-        return self.clock() < self.flushed_at + self.lease_ttl_s
 
     def serving(self, episode: str) -> Assignment | None:
         """The assignment to serve ``episode`` from memory now, or None (ask Redis): a
@@ -146,13 +122,10 @@ class Owner:
         if not self.lease.may_serve():
             return None
         record = self.table.get(episode)
-        if record is None or episode in self._releasing or not self.current():
+        if record is None or not self.flusher.fresh(episode):
             return None
         if not record.confirmed or self.table.moving(episode):
             return None  # handed over here, not yet confirmed by Redis; or moving away
-        slid = self._slid.get(episode)  # None: claimed since the last flush, backstop fresh
-        if slid is not None and self.clock() >= slid + self.backstop_s - EXPIRY_MARGIN_S:
-            return None  # its backstop is near (flushes failed): Redis answers, and slides it
         if self.health.down(record.device):
             return None  # Redis moves it: the resolve says reassigned
         return Assignment(episode, "hit", record.device, record.token, self.node_id, self.url,
@@ -160,33 +133,58 @@ class Owner:
 
     # ---- serve -------------------------------------------------------------------------
 
-    async def serve(self, a: Assignment, step: Step, arrival: Arrival) -> Reply:
+    async def serve(self, assignment: Assignment, step: Step, arrival: Arrival) -> Reply:
         """Run the step here, on the device and under the claim Redis confirmed. It is
         answered only if its result was kept under the registration it started with.
         Raises :class:`Unavailable`, :class:`Refused` and ``ClaimEnded`` (the claim ended
         here meanwhile: nothing applied; ask Redis again)."""
-        if a.device not in self.local_devices:
-            raise Unavailable(
-                "unknown_device",
-                f"Redis assigns episode {a.episode!r} to {a.device}, which node "
-                f"{self.node_id} does not serve; its registration is being renewed",
-                1.0,
-            )
-        name = a.model.partition("@")[0] or step.model or self.first_model
-        dispatcher = self.dispatchers.get(name)
-        if dispatcher is None:
-            raise Unavailable(
-                "unknown_device",
-                f"Redis assigns episode {a.episode!r} with model {name!r} to {a.device}, "
-                f"whose node {self.node_id} does not serve it; its registration is being renewed",
-                1.0,
-            )
-        if self.table.moving(a.episode):  # a hand-over is under way: wait for it (bounded
-            await self.table.wait_moved(a.episode)  # by the step's deadline), then go on
+        name, dispatcher = self._dispatcher_for(assignment, step)
+        episode = assignment.episode
+        if self.table.moving(episode):  # a hand-over is under way: wait for it (bounded
+            await self.table.wait_moved(episode)  # by the step's deadline), then go on
         generation = self.table.generation  # the registration this step is served under
         self.lease.require()  # the resolve may have taken a while: check again
         arrival.done()  # handed to its device now
         started = time.perf_counter()
+        result = await self._run(assignment, step, dispatcher, generation)
+        try:  # the lease ran out, or the node registered anew, while the model ran
+            self.lease.require(generation)
+        except Unavailable:
+            if not result.replayed:
+                self.table.undo(episode, result.seq)  # answered 503: not applied
+            raise
+        if result.source == "model" and not result.replayed and step.arrived is not None:
+            dispatcher.observed(episode, result.seq, self.clock() - step.arrived)
+        if step.end:
+            await self.end(episode, assignment.token)
+        return self._reply(assignment, step, result, name, started)
+
+    def _dispatcher_for(self, assignment: Assignment, step: Step) -> tuple[str, MultiGpuDispatcher]:
+        """The name and dispatcher of the model ``assignment`` is served with here. Raises
+        :class:`Unavailable` (``unknown_device``) for a device or model not served here."""
+        if assignment.device not in self.local_devices:
+            raise Unavailable(
+                "unknown_device",
+                f"Redis assigns episode {assignment.episode!r} to {assignment.device}, which "
+                f"node {self.node_id} does not serve; its registration is being renewed",
+                1.0,
+            )
+        name = assignment.model.partition("@")[0] or step.model or self.first_model
+        dispatcher = self.dispatchers.get(name)
+        if dispatcher is None:
+            raise Unavailable(
+                "unknown_device",
+                f"Redis assigns episode {assignment.episode!r} with model {name!r} to "
+                f"{assignment.device}, whose node {self.node_id} does not serve it; its "
+                "registration is being renewed",
+                1.0,
+            )
+        return name, dispatcher
+
+    async def _run(
+        self, a: Assignment, step: Step, dispatcher: MultiGpuDispatcher, generation: int
+    ) -> StepResult:
+        """The step run on its device; the dispatcher's refusals as the step's errors."""
         try:
             result = await dispatcher.step(
                 step,
@@ -204,42 +202,38 @@ class Owner:
         except NotKept as exc:
             raise Unavailable("fenced", str(exc), 1.0) from None
         except ClaimEnded:
-            if any(ep == a.episode for ep, _ in self._idle):
-                await self.flush()  # it idled out here: release it now, so a resolve claims anew
+            if self.flusher.idled(a.episode):  # it idled out here: release it now, so a
+                await self.flusher.flush()  # resolve claims anew
             raise
         except DeviceDown as exc:
             raise Unavailable("device_down", str(exc), 5.0) from exc
         except ModelFailure as exc:
             self.metrics.model_failures.labels(exc.device).inc()
             raise Refused(500, "model_failure", str(exc)) from exc
-        try:  # the lease ran out, or the node registered anew, while the model ran
-            self.lease.require(generation)
-        except Unavailable:
-            if not result.replayed:
-                self.table.undo(a.episode, result.seq)  # answered 503: not applied
-            raise
-        if result.source == "model" and not result.replayed and step.arrived is not None:
-            dispatcher.observed(a.episode, result.seq, self.clock() - step.arrived)
-        if step.end:
-            await self.end(a.episode, a.token)
+        return result
+
+    def _reply(
+        self, assignment: Assignment, step: Step, result: StepResult, name: str, started: float
+    ) -> Reply:
         # A client's echo of its last claim (or token) tells a lost assignment (Redis
         # restarted empty, a failover dropped the last writes) from a new episode when the
         # step started clean; a claim that changed with the record (a hand-over) is no reset.
+        claim, token = assignment.claim, assignment.token
         echoed = result.seq == 1 and (
-            step.client_claim not in (None, a.claim)
-            if step.client_claim is not None and a.claim
-            else step.client_token not in (None, a.token)
+            step.client_claim not in (None, claim)
+            if step.client_claim is not None and claim
+            else step.client_token not in (None, token)
         )
         timing = {"device_ms": (time.perf_counter() - started) * 1000}
         if result.run_s and not result.replayed:  # the model ran for this step
             timing["queue_ms"], timing["run_ms"] = result.queue_s * 1000, result.run_s * 1000
         return Reply(
             result.outputs,
-            a.episode,
-            a.device,
+            assignment.episode,
+            assignment.device,
             self.node_id,
-            a.token,
-            a.status,
+            token,
+            assignment.status,
             result.state_reset or echoed,
             step.degraded,
             url=self.url,
@@ -248,8 +242,8 @@ class Owner:
             seq=result.seq,
             replayed=result.replayed,
             rtc=None if result.rtc is None else result.rtc.to_json(),
-            model=a.model or self.models.get(name, ""),
-            claim=a.claim,
+            model=assignment.model or self.models.get(name, ""),
+            claim=claim,
             held=step.seq is not None,
         )
 
@@ -341,7 +335,7 @@ class Owner:
                     f"episode {fwd.episode!r} is no longer {fwd.device} with token {fwd.token}",
                 )
         if self.lease.leaving:
-            await self.hand_over(fwd.episode)
+            await self.handovers.hand_over(fwd.episode)
             raise Refused(409, "moved", f"node {self.node_id} handed {fwd.episode!r} over")
         assignment = Assignment(fwd.episode, fwd.routing, fwd.device, fwd.token, self.node_id,  # type: ignore[arg-type]
                                 "", None, fwd.claim, fwd.instance, fwd.model)  # fmt: skip
@@ -391,175 +385,9 @@ class Owner:
         if ending is not None:
             await ending.wait()
 
-    async def hand_over(self, episode: str, reason: Reason = "stop", target: str = "") -> Outcome:
-        """Hand ``episode`` over once its in-flight step (if any) finished: with its state
-        to a device that serves its model and has room (``node/handover.py``), else
-        without it (its next step is ``reassigned``, ``state_reset``). Idempotent;
-        concurrent callers share one hand-over. :data:`MOVES_AT_ONCE` run at a time (a
-        drain's, a graceful stop's and an operator's together); an episode waiting its turn
-        goes on stepping here."""
-        task = self._handing.get(episode)
-        if task is None:
-            task = asyncio.ensure_future(self._gated(episode, reason, target))
-            self._handing[episode] = task
-            task.add_done_callback(lambda _: self._handing.pop(episode, None))
-        return await asyncio.shield(task)
-
-    async def _gated(self, episode: str, reason: Reason, target: str) -> Outcome:
-        async with self._gate:
-            return await self.mover.hand_over(episode, reason, target)
-
-    def move_requested(self, moves: Sequence[MoveRequest]) -> None:
-        """Carry out the moves an operator asked (read at the renewal): every episode of a
-        drained device, or one episode to a target; in the background."""
-        for move in moves:
-            if move.device:
-                episodes = [ep for ep, r in self.table.records() if r.device == move.device]
-                targets = [(ep, "drain", "") for ep in episodes]
-            else:
-                targets = [(move.episode, "move", move.target)]
-            for ep, reason, target in targets:
-                task = asyncio.ensure_future(self.hand_over(ep, reason, target))  # type: ignore[arg-type]
-                self._moving.add(task)
-                task.add_done_callback(self._moving.discard)
-
     async def leave(self) -> None:
-        """The graceful stop: no new episodes here; every episode is handed over with its
-        state (after its in-flight step; :data:`MOVES_AT_ONCE` at a time), or without it
-        when nothing can take it, within ``--drain-timeout``; what is left then is handed
-        over by the deregistration, without its state. Then the node deregisters, while it
-        still listens (forwards get answers, not connection errors)."""
-        if self.lease.leaving:
-            return
-        started = self.clock()
-        registered = self.lease.registered
-        await self.lease.begin_leave()
-        held = [episode for episode, _ in self.table.records()]
-        outcomes: list[Outcome | BaseException] = []
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.config.drain_timeout_s):
-                outcomes = await asyncio.gather(
-                    *(self.hand_over(ep, "stop") for ep in held), return_exceptions=True
-                )
-        self.table.drop_all("handed")
-        released = await self.lease.end()
-        if registered:
-            log.info(
-                "node %s left: moved %d episode(s) with their state, handed over %d without, "
-                "deregistered %d more in %.2fs",
-                self.node_id,
-                sum(o == "moved" for o in outcomes),
-                sum(o == "reset" for o in outcomes),
-                max(released, 0),
-                self.clock() - started,
-            )
-
-    # ---- the lease's listener ------------------------------------------------------------
-
-    def held(self) -> list[Held]:
-        """Every record held here, as re-asserted at a registration."""
-        return [Held(ep, r.device, r.token, r.claim, r.model) for ep, r in self.table.records()]
-
-    def registered(self, held: Sequence[Held], done: Registered, sent: float) -> None:
-        lost = self._unchanged(held, done.lost)
-        for episode in lost:
-            self.table.release(episode, "lost")
-        if lost:
-            self.metrics.owner_dropped.labels("lost").inc(len(lost))
-        self.grace_ms = done.grace_ms
-        self.flushed_at = sent  # every backstop of what is held is fresh now
-        for h in held:
-            self._slid[h.episode] = sent
-
-    def revoked(self, revoked: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
-        for episode, token in revoked:  # released in Redis by an operator
-            if self.table.release(episode, "revoked", token) is not None:
-                log.info("episode %r was released in Redis: its state here is dropped", episode)
-                self.metrics.owner_dropped.labels("revoked").inc()
-        return list(revoked)  # carried out, held or not
-
-    def server_changed(self) -> None:
-        self._slid.clear()  # every record is due (and stays due until a flush succeeds)
-
-    def dropped(self) -> None:
-        self._slid.clear()
-        self._idle.clear()
-
-    def _unchanged(self, sent: Sequence[Held], lost: Sequence[str]) -> list[str]:
-        """The episodes of ``lost`` (Redis' answer to ``sent``) whose record here is still
-        the claim that was sent: one ended, or claimed anew, meanwhile stays."""
-        sent_as = {h.episode: (h.device, h.token, h.claim) for h in sent}
-        out = []
-        for episode in lost:
-            record = self.table.get(episode)
-            if record is not None and (record.device, record.token, record.claim) == sent_as.get(
-                episode
-            ):
-                out.append(episode)
-        return out
-
-    # ---- the flush ---------------------------------------------------------------------
-
-    async def flush(self) -> None:
-        """Expire idle records here, then release them and slide the backstops in one
-        round trip (nothing to say: no round trip). Raises what the registry raises; the
-        work is kept for the next flush."""
-        sent = self.clock()
-        expired = self.table.expire_idle(self.idle_ttl_s)
-        if expired:
-            self.metrics.owner_dropped.labels("idle").inc(len(expired))
-        self._idle.extend(expired)
-        records = self.table.records()
-        never = float("-inf")
-        due = self.backstop_s - self.lease_ttl_s - SLIDE_AHEAD_S
-        slide = [
-            Held(ep, r.device, r.token, r.claim, r.model)
-            for ep, r in records
-            if r.last_used > self._slid.get(ep, never) and sent - self._slid.get(ep, never) >= due
-        ]
-        holding = {ep for ep, _ in records}
-        idle = [(ep, token) for ep, token in self._idle if ep not in holding]
-        if not slide and not idle:
-            self.flushed_at = sent
-            self._prune(holding)
-            return
-        if not self.lease.registered:
-            return
-        self._releasing = {ep for ep, _ in idle}
-        try:
-            done = await self.registry.flush(self.node_id, self.lease.instance, slide, idle)
-        finally:
-            self._releasing = set()
-        if done is None:
-            return  # no current lease here: the renewal registers again
-        released = {ep for ep, _ in idle}
-        self._idle = [item for item in self._idle if item[0] not in released]
-        lost = self._unchanged(slide, done.lost)
-        if lost:
-            self.metrics.owner_dropped.labels("lost").inc(len(lost))
-        for episode in lost:
-            log.warning(
-                "episode %r is no longer this node's in Redis (another claim holds it, or "
-                "it was released): its state here is dropped",
-                episode,
-            )
-            self.table.release(episode, "lost")
-        self.grace_ms = done.grace_ms
-        if not done.replicated:  # a failover could undo the slides: not done, sent again
-            log.warning(
-                "flush of node %s: fewer Redis replicas than --redis-replicas acknowledged "
-                "its slides; they are sent again at the next flush",
-                self.node_id,
-            )
-            return
-        for h in slide:
-            self._slid[h.episode] = sent
-        self.flushed_at = sent
-        self._prune({ep for ep, _ in self.table.records()})
-
-    def _prune(self, holding: set[str]) -> None:
-        for episode in [ep for ep in self._slid if ep not in holding]:
-            del self._slid[episode]
+        """The graceful stop (:meth:`HandOvers.leave`)."""
+        await self.handovers.leave()
 
     def refresh_gauges(self) -> None:
         for device in self.local_devices:

@@ -314,7 +314,7 @@ class Router:
         )  # Redis' word: the registration must be ours
         if self.lease.leaving:
             # this node is handing its episodes over: this one goes now, then to its new owner
-            await self.owner.hand_over(assignment.episode)
+            await self.owner.handovers.hand_over(assignment.episode)
             assignment = await self._resolve_for(step)
             if assignment.node == self.node_id:
                 raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)

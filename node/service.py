@@ -38,10 +38,11 @@ from node.dispatcher import Arrivals, MultiGpuDispatcher
 from node.episodes import EpisodeTable
 from node.fleet import MAX_STREAMS
 from node.forward import ForwardPool, Poster
+from node.handover import MOVES_AT_ONCE
 from node.health import DeviceHealth
 from node.lease import Lease
 from node.metrics import Metrics
-from node.owner import MOVES_AT_ONCE, Owner
+from node.owner import Owner
 from node.router import Router
 from node.rtc import Ask
 from node.signals import FleetSignals
@@ -220,7 +221,7 @@ class NodeService:
             try:
                 self.lease.fence()
                 try:
-                    await self.owner.flush()
+                    await self.owner.flusher.flush()
                 except AffinityError as exc:  # kept for the next flush
                     log.warning("flush of node %s failed: %s", self.node_id, exc)
                 async with asyncio.timeout(self.config.act_deadline_s):

@@ -27,7 +27,7 @@ KEYS = Keys()
 
 async def slid(node: InProcNode) -> None:
     """The owner's flush with every episode it holds due for a slide."""
-    o = node.service.owner
+    o = node.service.owner.flusher
     o._slid.clear()
     await o.flush()
 

@@ -92,7 +92,7 @@ async def test_a_reissued_token_number_with_another_claim_id_starts_clean(redis:
         device, token, _claim = (await redis.get(KEYS.episode("ep"))).split(" ")[:3]
         # the lost claim's successor: the same token number, a claim id the owner never saw
         await redis.set(KEYS.episode("ep"), f"{device} {token} 0123456789abcdef", px=60_000)
-        o = a.service.owner  # the owner learns it at its next slide of the episode
+        o = a.service.owner.flusher  # the owner learns it at its next slide of the episode
         o._slid.clear()
         await o.flush()
         r = (await a.act(episode_id="ep", inputs={"obs": obs[2].tolist()})).json()

@@ -52,7 +52,7 @@ async def test_a_moved_episode_goes_on_with_its_state_through_either_node(redis:
         ep = first["episode_id"]
         second = (await b.act(episode_id=ep, inputs={"obs": obs[1].tolist()}, seq=2)).json()
         assert (second["node"], second["seq"]) == ("a", 2)
-        assert await a.service.owner.hand_over(ep, "move") == "moved"
+        assert await a.service.owner.handovers.hand_over(ep, "move") == "moved"
         assert a.service.table.get(ep) is None
         record = b.service.table.get(ep)
         assert record is not None and record.seq == 2
@@ -85,7 +85,7 @@ async def test_steps_that_arrive_during_a_move_wait_and_reach_the_new_owner(redi
         table.end_move(ep)  # (this one moved nothing: the step goes on at a)
         r = (await waiting).json()
         assert (r["node"], r["seq"]) == ("a", 2)
-        move = asyncio.create_task(a.service.owner.hand_over(ep, "move"))
+        move = asyncio.create_task(a.service.owner.handovers.hand_over(ep, "move"))
         during = asyncio.create_task(b.act(episode_id=ep, inputs={"obs": obs[2].tolist()}))
         assert await move == "moved"
         r = (await during).json()
@@ -99,10 +99,10 @@ async def test_with_nowhere_to_go_a_stop_hands_over_without_state_and_says_so(
     async with cluster(redis, [config("a", devices="cpu:1")]) as ([a], _):
         obs = observations(3, 3)
         ep = (await a.act(episode_id="alone", inputs={"obs": obs[0].tolist()})).json()
-        assert await a.service.owner.hand_over("alone", "drain") == "kept"  # stays, as is
+        assert await a.service.owner.handovers.hand_over("alone", "drain") == "kept"  # stays, as is
         r = (await a.act(episode_id="alone", inputs={"obs": obs[1].tolist()})).json()
         assert (r["seq"], r["state_reset"]) == (2, False)
-        assert await a.service.owner.hand_over("alone", "stop") == "reset"
+        assert await a.service.owner.handovers.hand_over("alone", "stop") == "reset"
         assert (await redis.get(KEYS.episode("alone"))).endswith(" moved")
         r = (await a.act(episode_id="alone", inputs={"obs": obs[2].tolist()})).json()
         assert (r["routing"], r["state_reset"]) == ("reassigned", True)
@@ -119,13 +119,13 @@ async def test_a_move_whose_record_cannot_be_sent_leaves_the_old_owner_serving(
     async with cluster(redis, two()) as ([a, b], router):
         ep = (await on("a", a, "unsent", obs[0]))["episode_id"]
         router.down.add("b.test")
-        assert await a.service.owner.hand_over(ep, "drain") == "kept"
+        assert await a.service.owner.handovers.hand_over(ep, "drain") == "kept"
         assert await redis.zrange(KEYS.load("b/0"), 0, -1) == []  # the reservation is gone
         assert b.service.table.get(ep) is None
         r = (await a.act(episode_id=ep, inputs={"obs": obs[1].tolist()})).json()
         assert (r["node"], r["seq"], r["state_reset"]) == ("a", 2, False), r
         expect(obs[:2], r)
-        assert await a.service.owner.hand_over(ep, "stop") == "reset"
+        assert await a.service.owner.handovers.hand_over(ep, "stop") == "reset"
         assert await redis.zrange(KEYS.load("b/0"), 0, -1) == []
         router.down.clear()
         r = (await b.act(episode_id=ep, inputs={"obs": obs[2].tolist()})).json()
@@ -163,7 +163,7 @@ async def test_a_commit_refused_keeps_one_owner_and_nothing_is_served_from_the_c
             return await commit(*args, **kw)
 
         a.service.owner.mover.transfers.commit = lease_gone  # type: ignore[method-assign]
-        assert await a.service.owner.hand_over(ep, "move") == "kept"
+        assert await a.service.owner.handovers.hand_over(ep, "move") == "kept"
         assert b.service.table.get(ep) is None  # told to drop its copy
         value = (await redis.get(KEYS.episode(ep))).split(" ")
         assert value[0] == "a/0"
@@ -197,7 +197,7 @@ async def test_a_commit_whose_answer_is_lost_asks_redis_until_it_knows(redis: An
         mover.transfers.commit = answer_lost  # type: ignore[method-assign]
         mover.lease_claims.lookup = flaky_lookup  # type: ignore[method-assign]
         try:
-            assert await a.service.owner.hand_over(ep, "drain") == "moved"
+            assert await a.service.owner.handovers.hand_over(ep, "drain") == "moved"
         finally:
             mover.transfers.commit = commit  # type: ignore[method-assign]
             mover.lease_claims.lookup = lookup  # type: ignore[method-assign]
@@ -237,7 +237,7 @@ async def test_a_commit_never_known_before_the_lease_ends_tells_nothing_on_a_gue
         mover.lease_claims.lookup = down  # type: ignore[method-assign]
         mover._tell = spy  # type: ignore[method-assign]
         try:
-            assert await a.service.owner.hand_over(ep, "drain") == "kept"
+            assert await a.service.owner.handovers.hand_over(ep, "drain") == "kept"
         finally:
             mover.transfers.commit = commit  # type: ignore[method-assign]
             mover.lease_claims.lookup = lookup  # type: ignore[method-assign]
@@ -269,7 +269,7 @@ async def test_an_unconfirmed_copy_is_never_served_from_memory(redis: Any) -> No
             return Refused("lease")
 
         a.service.owner.mover.transfers.commit = refused  # type: ignore[method-assign]
-        assert await a.service.owner.hand_over(ep, "move") == "kept"
+        assert await a.service.owner.handovers.hand_over(ep, "move") == "kept"
         record = b.service.table.get(ep)
         assert record is not None and not record.confirmed  # installed, never confirmed
         assert b.service.owner.serving(ep) is None
@@ -290,13 +290,13 @@ async def test_an_operators_move_and_drain_with_move_reach_the_owner_at_its_rene
         registry = a.service.registry
         await registry.request_move("a", MoveRequest(episode=eps[0], target="b"))
         await a.service.lease.renew_once()
-        await asyncio.gather(*list(a.service.owner._moving))
+        await asyncio.gather(*list(a.service.owner.handovers._moving))
         assert b.service.table.get(eps[0]) is not None
         device = a.service.table.get(eps[1]).device  # type: ignore[union-attr]
         await registry.drain(device, "maintenance")
         await registry.request_move("a", MoveRequest(device=device))
         await a.service.lease.renew_once()
-        await asyncio.gather(*list(a.service.owner._moving))
+        await asyncio.gather(*list(a.service.owner.handovers._moving))
         for ep in eps:
             r = (await a.act(episode_id=ep, inputs={"obs": obs[1].tolist()})).json()
             assert (r["node"], r["seq"], r["state_reset"]) == ("b", 2, False), r

@@ -408,7 +408,7 @@ async def test_a_sequence_released_behind_the_owners_back_is_not_silently_restar
     await node.service.claims.release("kserve:i:77", facts["token"], reason="operator")
     assert node.service.table.get("kserve:i:77") is not None  # the owner still holds state
     # an operator's release reaches the owner at its next renewal; until then it serves on
-    o = node.service.owner
+    o = node.service.owner.flusher
     o._slid.clear()
     await o.flush()
     r = await infer(node, obs[1], sequence_id=77)
@@ -458,7 +458,7 @@ async def test_a_step_racing_its_sequences_end_never_starts_a_new_sequence(
     monkeypatch.setattr(claims, "resolve", end_lands_first)
     # the step takes the resolve path (as at a router, or before the owner's first flush):
     # at the owner an END drops the record before its release, so no step is served from it
-    node.service.owner.flushed_at = float("-inf")
+    node.service.owner.flusher.flushed_at = float("-inf")
     plain = await infer(node, obs[1], sequence_id=77)
     assert plain.status_code == 400, plain.text
     assert "must specify the START flag" in plain.json()["error"]

@@ -107,7 +107,7 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         sa = a.service
         # the owner drops: revoked (an operator's release), lost (Redis no longer holds it),
         # idle (its idle timeout)
-        om = sa.owner
+        om = sa.owner.flusher
         own = {
             n: (await episode_on(a, a, f"own-{n}"))["episode_id"] for n in ("rev", "gone", "idle")
         }
@@ -176,16 +176,16 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
                 break
         assert len(on_a) == 2, [(ep, body) for ep in made]
         moving, resetting = on_a
-        assert await om.hand_over(moving, "drain") == "moved"
+        assert await sa.owner.handovers.hand_over(moving, "drain") == "moved"
         record = sa.table.get(resetting)
         assert record is not None
         others = sorted({"a/0", "a/1", "b/0", "b/1"} - {record.device})
         for device in others:
             await sa.registry.drain(device)
-        assert await om.hand_over(resetting, "stop") == "reset"
+        assert await sa.owner.handovers.hand_over(resetting, "stop") == "reset"
         for device in others:
             await sa.registry.undrain(device)
-        assert await om.hand_over("held-nowhere", "move") == "kept"
+        assert await sa.owner.handovers.hand_over("held-nowhere", "move") == "kept"
         for ep in made:  # their slots back, for the full fleet below
             await a.act(episode_id=ep, inputs=OBS, end=True)
         # crash tracker: a model failure takes the device down, the probe brings it up

@@ -39,7 +39,7 @@ class Counted:
 
 async def flushed(node: InProcNode) -> None:
     """One flush of ``node`` now (the maintenance loop runs one each second too)."""
-    await node.service.owner.flush()
+    await node.service.owner.flusher.flush()
 
 
 async def test_a_step_at_its_owner_costs_no_redis_command(redis: Any) -> None:
@@ -82,7 +82,7 @@ async def test_idle_expiry_at_the_owner_frees_the_slot_in_its_flush(redis: Any) 
         assert full.status_code == 503 and full.json()["error"]["code"] == "full"
         record = a.service.table.get("one")
         assert record is not None
-        record.last_used -= a.service.owner.idle_ttl_s + 1  # idle past the owner's timeout
+        record.last_used -= a.service.owner.flusher.idle_ttl_s + 1  # idle past the owner's timeout
         assert await redis.get(KEYS.episode("one")) is not None  # taken until the flush
         await flushed(a)
         assert a.service.table.get("one") is None
@@ -99,10 +99,10 @@ async def test_a_stepping_episode_is_slid_once_its_backstop_is_near_not_each_flu
     """The first flush after a claim slides it; later flushes slide it only once its
     backstop has less than a lease TTL + SLIDE_AHEAD_S left; a backstop closer than
     EXPIRY_MARGIN_S (flushes failing) sends the step to Redis, which slides it."""
-    from node.owner import EXPIRY_MARGIN_S, SLIDE_AHEAD_S
+    from node.flusher import EXPIRY_MARGIN_S, SLIDE_AHEAD_S
 
     async with cluster(redis, [config("a")]) as ([a], _):
-        o = a.service.owner
+        o = a.service.owner.flusher
         assert (await a.act(episode_id="ep", inputs={"obs": OBS})).status_code == 200
         await flushed(a)  # slides the new record
         slid = o._slid["ep"]
@@ -136,7 +136,7 @@ async def test_an_episode_redis_lost_is_dropped_at_the_next_flush(redis: Any) ->
     async with cluster(redis, [config("a")]) as ([a], _):
         r = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
         await flushed(a)
-        a.service.owner._slid.clear()  # due for a slide again
+        a.service.owner.flusher._slid.clear()  # due for a slide again
         await redis.delete(KEYS.episode("ep"))
         await a.act(episode_id="ep", inputs={"obs": OBS})  # from memory, before the flush
         await flushed(a)
@@ -223,7 +223,7 @@ async def test_a_record_claimed_anew_during_the_flush_is_not_dropped_as_lost(red
     claimed anew here while the flush was on its way: the new record is not that claim,
     and stays (nor is it counted as lost)."""
     async with cluster(redis, [config("a")]) as ([a], _):
-        o = a.service.owner
+        o = a.service.owner.flusher
         first = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
         await flushed(a)
         await redis.delete(KEYS.episode("ep"))  # Redis lost that claim
@@ -404,7 +404,7 @@ async def test_a_rolled_back_claim_is_dropped_by_its_owner_at_its_next_slide(red
         old = claim_of(a.service, "ep")
         await redis.delete(KEYS.episode("ep"))
         await redis.zrem(KEYS.load(first["device"]), "ep")
-        a.service.owner._slid.clear()  # its slide is due
+        a.service.owner.flusher._slid.clear()  # its slide is due
         await flushed(a)  # (or the maintenance loop's flush, whichever comes first)
         assert a.service.table.get("ep") is None
         assert await redis.get(KEYS.episode("ep")) is None  # not written back

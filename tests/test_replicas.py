@@ -223,20 +223,21 @@ def lone_owner(registry: Registry, held: HeldEpisode, clock: Any) -> Owner:
 
 @pytest.mark.anyio
 async def test_the_owner_counts_on_no_slide_a_replica_did_not_acknowledge(lone: Any) -> None:
-    """The owner's authority to serve from memory (``Owner.current``) runs from its last
+    """The owner's authority to serve from memory (``Flusher.current``) runs from its last
     flush whose slides the replicas acknowledged: an unacknowledged one leaves it where it
     was, and the slide is sent again at the next flush."""
     client, _, plain, registry = lone
     a = await plain.resolve("ep")
     now = [100.0]
     owner = lone_owner(registry, HeldEpisode("ep", a.device, a.token, a.claim), lambda: now[0])
-    await owner.flush()
-    assert owner.flushed_at == float("-inf") and not owner.current()
-    assert owner._slid == {}  # due again at the next flush
-    owner.registry = Registry(client, plain.settings)  # no WAIT asked: the flush is done
+    flusher = owner.flusher
+    await flusher.flush()
+    assert flusher.flushed_at == float("-inf") and not flusher.current()
+    assert flusher._slid == {}  # due again at the next flush
+    flusher.registry = Registry(client, plain.settings)  # no WAIT asked: the flush is done
     now[0] = 101.0
-    await owner.flush()
-    assert owner.flushed_at == 101.0 and owner._slid == {"ep": 101.0}
+    await flusher.flush()
+    assert flusher.flushed_at == 101.0 and flusher._slid == {"ep": 101.0}
 
 
 # ---- a real replica --------------------------------------------------------------------
