@@ -201,6 +201,17 @@ class Forward:
         )
 
 
+async def send_undo(pool: Poster, url: str, undo: Forward) -> str:
+    """POST ``undo`` (a :meth:`Forward.about` that undoes) to the owner at ``url``, within
+    its ``budget_s``. Returns "" when the owner confirmed, else what went wrong."""
+    try:
+        async with asyncio.timeout(undo.budget_s):
+            resp = await pool.post(url, undo.encode())
+    except (TimeoutError, ForwardError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "" if resp.status == 204 else f"it answered {resp.status}"
+
+
 def encode_reply(reply: Reply) -> bytes:
     return wire.encode(
         {"outputs": reply.outputs, **reply.facts(), "url": reply.url, "timing": reply.timing}

@@ -36,7 +36,7 @@ from affinity.transfers import Placement, Transfers
 from affinity.transfers import Refused as NotPlaced
 from node.contract import PolicyContract
 from node.episodes import Episode, EpisodeTable
-from node.forward import MOVE_PATH, Forward, ForwardError, Poster
+from node.forward import MOVE_PATH, Forward, ForwardError, Poster, send_undo
 from node.lease import Lease
 from node.metrics import Metrics
 from node.step import Refused
@@ -240,12 +240,10 @@ class Mover:
         if to is None:
             return
         url, device, token = to
-        body = Forward.about(
+        undo = Forward.about(
             episode, token, device, MOVE_S, origin=origin or "", seq=seq, undo=True
-        ).encode()
-        with contextlib.suppress(TimeoutError, ForwardError):
-            async with asyncio.timeout(MOVE_S):
-                await self.pool.post(url, body)
+        )
+        await send_undo(self.pool, url, undo)
 
     # ---- the new owner ---------------------------------------------------------------
 

@@ -10,7 +10,8 @@ Routers ask, owners answer: Redis (a resolve) decides who owns an episode; a hin
 owner the last forward found, :class:`Locator`) is only where to ask first, evicted when
 the owner answers that it does not hold the episode. Nothing a router knows fences any
 node. A step whose reply reaches nobody is undone at its owner (:meth:`Router.undelivered`),
-unless it named its ``seq``: then it is held for the client's retry.
+unless it named its ``seq``: then it is held for the client's retry. The questions to
+Redis are ``node/resolver.py``'s; a step without an episode is ``node/stateless.py``'s.
 """
 
 from __future__ import annotations
@@ -21,34 +22,27 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import replace
 
 from affinity import (
     Assignment,
-    BackendUnavailable,
     Claims,
     ModelConflict,
-    ModelId,
-    NoCapacity,
-    NotReplicated,
-    PoolExhausted,
-    Recovering,
     UnknownEpisode,
-    UnknownModel,
 )
-from node.admission import Admission
 from node.catalog import Catalog
 from node.config import NodeConfig
-from node.control import control_feed
 from node.dispatcher import Arrival, MultiGpuDispatcher
 from node.episodes import ClaimEnded
-from node.forward import Forward, ForwardError, Poster, Response, decode_reply
+from node.forward import Forward, ForwardError, Poster, Response, decode_reply, send_undo
 from node.health import DeviceHealth
 from node.lease import Lease
 from node.metrics import ROUTING, Metrics
 from node.owner import Owner
 from node.peers import PeerHealth
+from node.resolver import Resolver
+from node.stateless import Stateless
 from node.step import Refused, Reply, Step, TimeLimit, Unavailable
 from node.timing import StepTimes
 
@@ -139,29 +133,20 @@ class Router:
         self.config = config
         self.node_id = config.node_id
         self.claims = claims
-        self.dispatchers = dispatchers
-        self.first_model = next(iter(dispatchers))  # a step that names none
         self.arrivals = next(iter(dispatchers.values())).arrivals
         self.lease = lease
         self.owner = owner
-        self.health = health
         self.metrics = metrics
         self.pool = pool
         self.clock = clock
-        self.catalog = catalog
-        self.models = owner.models
-        self.admission = (
-            Admission(
-                config.admission_wait_s, clock=clock, on_waiting=metrics.admission_waiting.set
-            )
-            if config.admission_wait_s
-            else None
-        )
-        self._rr = 0
         # the labelled children of the per-step metrics (labels() takes a lock each call)
         self._routing_counted = {r: metrics.routing.labels(r) for r in ROUTING}
         self._act_seconds = {p: metrics.act_seconds.labels(p) for p in ("local", "forwarded")}
         self.peers = PeerHealth()
+        self.resolver = Resolver(claims, owner.first_model, metrics, self.peers,
+                                 config.admission_wait_s, clock, catalog)  # fmt: skip
+        self.stateless = Stateless(self.node_id, config.advertise_url, dispatchers, health,
+                                   owner.models)  # fmt: skip
         self._restarting: dict[str, int] = {}  # episodes whose restart claim is in flight
         self.locator = Locator()
         self.times = StepTimes(metrics, config.control_hz)
@@ -239,12 +224,12 @@ class Router:
         elif step.episode is None:  # a node that left routes episodes' steps, runs none
             raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)
         if step.episode is None:
-            return await self._stateless(step, arrival)
+            return await self.stateless.run(step, arrival)
         if step.restart:
             # only the owner starts its episode over: it drops what it holds, then claims
             # anew, so no node serves the old claim from memory meanwhile
             try:  # the episode's own model: a restart may name any
-                current = await self._resolve(step.episode, claim=False)
+                current = await self.resolver.resolve(step.episode, claim=False)
             except UnknownEpisode:
                 current = None
             if current is not None and current.node != self.node_id:
@@ -257,15 +242,15 @@ class Router:
             # where the episode was last time (the owner checks it)
             held = self.owner.serving(step.episode)
             if held is not None:
-                if self._names_other(step, held.model):
+                if self.resolver.names_other(step, held.model):
                     raise Refused(
                         409,
                         "model_conflict",
-                        str(ModelConflict(step.episode, held.model, self._asked(step))),
+                        str(ModelConflict(step.episode, held.model, self.resolver.asked(step))),
                     )
                 return await self._serve_here(held, step, arrival)
             hint = self.locator.lookup(step.episode) if self.lease.may_serve() else None
-            if hint is not None and not self._names_other(step, hint.model):
+            if hint is not None and not self.resolver.names_other(step, hint.model):
                 # (a hint of another model or version: Redis answers, 409 or a new place)
                 try:
                     return await self._forward(hint, step, arrival, retry=True)
@@ -274,7 +259,7 @@ class Router:
                         raise
                     # the owner it names cannot serve (it left, fenced, is gone): ask Redis
                     unsent = exc if isinstance(exc, _NotSent) else None
-        assignment = await self._resolve_for(step)
+        assignment = await self.resolver.for_step(step)
         if (
             unsent is not None
             and hint is not None
@@ -290,11 +275,11 @@ class Router:
         self.locator.forget(step.episode)
         self._restarting[step.episode] = self._restarting.get(step.episode, 0) + 1
         try:  # not served from memory meanwhile; the fresh claim replaces the record
-            assignment = await self._resolve(
+            assignment = await self.resolver.resolve(
                 step.episode,
                 restart=True,
                 deadline=step.deadline,
-                model=step.model or self.first_model,
+                model=step.model or self.resolver.first_model,
                 version=step.version or "",
             )
         finally:
@@ -315,7 +300,7 @@ class Router:
         if self.lease.leaving:
             # this node is handing its episodes over: this one goes now, then to its new owner
             await self.owner.handovers.hand_over(assignment.episode)
-            assignment = await self._resolve_for(step)
+            assignment = await self.resolver.for_step(step)
             if assignment.node == self.node_id:
                 raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)
             return await self._forward(assignment, step, arrival, retry=False)
@@ -331,114 +316,13 @@ class Router:
         await self.owner.ended(
             assignment.episode
         )  # an end's release in flight: Redis answers after it
-        again = await self._resolve_for(step)
+        again = await self.resolver.for_step(step)
         if again.node != self.node_id:
             return await self._forward(again, step, arrival, retry=False)
         try:
             return await self.owner.serve(again, step, arrival)
         except ClaimEnded as exc:
             raise Unavailable("owner_refused", str(exc), 1.0) from None
-
-    # ---- Redis -------------------------------------------------------------------------
-
-    async def _resolve_for(self, step: Step) -> Assignment:
-        assert step.episode is not None
-        return await self._resolve(
-            step.episode,
-            claim=not step.live_only,
-            deadline=step.deadline,
-            model=step.model or self.first_model,
-            version=step.version or "",
-        )
-
-    async def _resolve(
-        self,
-        episode: str,
-        *,
-        restart: bool = False,
-        claim: bool = True,
-        deadline: float | None = None,
-        model: str = "",
-        version: str = "",
-    ) -> Assignment:
-        """Raises ``UnknownEpisode`` when not ``claim`` and Redis holds no assignment.
-        ``deadline``: a new step's; with ``--admission-wait`` a claim that finds every
-        device full waits in the backlog until then at most (``node/admission.py``).
-        ``model``/``version``: what the step names (Redis keeps an episode on its own;
-        another version is :class:`Refused` 409 ``model_conflict``, a model no node
-        registered 404 ``unknown_model``)."""
-
-        def resolve() -> Awaitable[Assignment]:
-            return self.claims.resolve(
-                episode, restart=restart, claim=claim, model=model, version=version
-            )
-
-        try:
-            try:
-                assignment = await resolve()
-            except NoCapacity as exc:
-                if self.admission is None or deadline is None or exc.reason != "at_capacity":
-                    raise
-                assignment = await self.admission.wait(episode, resolve, deadline)
-            self.peers.resolved(assignment)
-            if assignment.status != "hit" and assignment.model:
-                m = ModelId.parse(assignment.model)
-                self.metrics.model_claims.labels(m.name, m.version, assignment.status).inc()
-            return assignment
-        except ModelConflict as exc:
-            raise Refused(409, "model_conflict", str(exc)) from exc
-        except UnknownModel as exc:
-            served = self.catalog.served() if self.catalog else []
-            raise Refused(404, "unknown_model", str(UnknownModel(exc.model, served))) from exc
-        except PoolExhausted as exc:
-            raise Unavailable("busy", str(exc), 1.0) from exc
-        except NotReplicated as exc:  # nobody serves it: retry once the replicas catch up
-            raise Unavailable("not_replicated", str(exc), 1.0) from exc
-        except BackendUnavailable as exc:
-            raise Unavailable("redis", str(exc), 1.0) from exc
-        except Recovering as exc:
-            raise Unavailable("recovering", str(exc), max(1.0, exc.retry_after_s)) from exc
-        except NoCapacity as exc:
-            if exc.reason == "no_nodes":
-                raise Unavailable("no_nodes", str(exc), 1.0) from exc
-            raise Unavailable("full", str(exc), 2.0) from exc
-
-    def _asked(self, step: Step) -> str:
-        """The model a step names: ``"name@version"``, or its name alone."""
-        name = step.model or self.first_model
-        return f"{name}@{step.version}" if step.version else name
-
-    def _names_other(self, step: Step, model: str) -> bool:
-        """Whether ``step`` names another model name or version than ``model`` (an
-        episode's ``"name@version"``; ``""``: a fleet without models), as resolve.lua
-        decides it (``model_conflict``)."""
-        if not model:
-            return False
-        name, _, version = model.partition("@")
-        return (step.model or self.first_model) != name or (step.version or version) != version
-
-    async def _stateless(self, step: Step, arrival: Arrival) -> Reply:
-        name = step.model or self.first_model
-        dispatcher = self.dispatchers.get(name)
-        if dispatcher is None:
-            raise Refused(
-                404,
-                "unknown_model",
-                f"node {self.node_id} does not serve model {name!r}: a step without an "
-                "episode runs where it arrives (send it to a node that serves the model)",
-            )
-        up = [d for d in self.health.devices if not self.health.down(d)]
-        if not up:
-            raise Unavailable("device_down", "every device of this node is down", 5.0)
-        device = up[self._rr % len(up)]
-        self._rr += 1
-        arrival.done()
-        inputs = {**step.inputs, **control_feed(dispatcher.contract, None, start=True, end=True)}
-        outputs = await dispatcher.run_stateless(device, inputs)
-        return Reply(
-            outputs, None, device, self.node_id, 0, "stateless", False, False,
-            url=self.config.advertise_url, model=self.models.get(name, ""),
-        )  # fmt: skip
 
     # ---- undo and end ------------------------------------------------------------------
 
@@ -455,16 +339,10 @@ class Router:
         await self._undo_at(reply.url, reply.episode, reply.token, reply.device, reply.origin)
 
     async def _undo_at(self, url: str, episode: str, token: int, device: str, origin: str) -> None:
-        body = Forward.about(episode, token, device, UNDO_S, origin=origin, undo=True)
-        try:
-            async with asyncio.timeout(UNDO_S):
-                resp = await self.pool.post(url, body.encode())
-            if resp.status == 204:
-                return
-            problem = f"it answered {resp.status}"
-        except (TimeoutError, ForwardError) as exc:
-            problem = f"{type(exc).__name__}: {exc}"
-        log.warning("could not tell %s to undo a step of %r (%s)", url, episode, problem)
+        undo = Forward.about(episode, token, device, UNDO_S, origin=origin, undo=True)
+        problem = await send_undo(self.pool, url, undo)
+        if problem:
+            log.warning("could not tell %s to undo a step of %r (%s)", url, episode, problem)
 
     async def end_anywhere(self, episode: str) -> str | None:
         """End ``episode`` where it lives (``POST /episodes/<id>/end`` on any node): its
@@ -505,77 +383,72 @@ class Router:
     # ---- forwarding --------------------------------------------------------------------
 
     async def _forward(
-        self, assignment: Assignment, step: Step, arrival: Arrival, *, retry: bool
+        self, owner: Assignment, step: Step, arrival: Arrival, *, retry: bool
     ) -> Reply:
+        """Forward ``step`` once to the owner Redis or a hint names; map its answer."""
         sent = time.monotonic()
         budget = step.deadline - self.clock() - FORWARD_MARGIN_S
         if budget <= 0:
-            raise Unavailable("deadline", f"no time left to forward to {assignment.node}", 1.0)
+            raise Unavailable("deadline", f"no time left to forward to {owner.node}", 1.0)
         origin = os.urandom(8).hex()
         body = Forward(
             replace(step, origin=origin),
-            assignment.token,
-            assignment.device,
-            assignment.status,
+            owner.token,
+            owner.device,
+            owner.status,
             budget,
-            claim=assignment.claim,
-            instance=assignment.instance,
-            model=self._asked(step) if step.restart else assignment.model,
+            claim=owner.claim,
+            instance=owner.instance,
+            model=self.resolver.asked(step) if step.restart else owner.model,
             elapsed_s=0.0 if step.arrived is None else max(0.0, self.clock() - step.arrived),
         ).encode()
         arrival.done()  # it leaves this node
-        self.locator.forget(assignment.episode)  # kept again only when this forward is answered
+        self.locator.forget(owner.episode)  # kept again only when this forward is answered
         held = step.seq is not None  # a step that names its seq is never undone: its retry is safe
         try:
-            resp = await self.pool.post(assignment.url, body)
+            resp = await self.pool.post(owner.url, body)
         except asyncio.CancelledError:
             # cut off (the deadline, the client left): the owner may have applied the step
             # and even sent its reply; it is undone there before this caller hears anything
             if not held:
-                await self._undo_at(
-                    assignment.url, assignment.episode, assignment.token, assignment.device, origin
-                )
+                await self._undo_at(owner.url, owner.episode, owner.token, owner.device, origin)
             raise
         except ForwardError as exc:
             if not exc.unsent and not held:  # it broke after the request left: it may have run
-                await self._undo_at(
-                    assignment.url, assignment.episode, assignment.token, assignment.device, origin
-                )
+                await self._undo_at(owner.url, owner.episode, owner.token, owner.device, origin)
             self.metrics.forwarded.labels("unreachable").inc()
-            self.peers.failed(assignment.node, assignment.url, exc)
+            self.peers.failed(owner.node, owner.url, exc)
             raise (_NotSent if exc.unsent else Unavailable)(
                 "owner_unreachable",
-                f"episode {assignment.episode!r} is owned by {assignment.device} on "
-                f"{assignment.node} ({assignment.url}), which did not answer: {exc}",
+                f"episode {owner.episode!r} is owned by {owner.device} on "
+                f"{owner.node} ({owner.url}), which did not answer: {exc}",
                 1.0,
             ) from exc
-        self.peers.answered(assignment.node)
+        self.peers.answered(owner.node)
         if resp.status == 200:
             try:
                 reply = decode_reply(resp.body)
             except ValueError as exc:
                 self.metrics.forwarded.labels("unreachable").inc()
-                raise Unavailable(
-                    "owner_unreachable", f"owner {assignment.node}: {exc}", 1.0
-                ) from exc
+                raise Unavailable("owner_unreachable", f"owner {owner.node}: {exc}", 1.0) from exc
             self.metrics.forwarded.labels("ok").inc()
             hop = (time.monotonic() - sent) * 1000 - reply.timing.get("device_ms", 0.0)
             reply.timing["forward_ms"] = max(0.0, hop)  # encoding, the network, decoding
             reply.origin = origin
             reply.held = held
             if not (step.end or step.restart):
-                self.locator.remember(assignment)
+                self.locator.remember(owner)
             return reply
         self.metrics.forwarded.labels("refused").inc()
         code, message = _error_of(resp)
-        text = f"owner {assignment.node} answered {resp.status}: {message}"
+        text = f"owner {owner.node} answered {resp.status}: {message}"
         if code == "seq_conflict":
             raise Refused(409, code, message)
         if resp.status in (409, 421):  # not there (any more), or not that process: ask Redis
             if not retry:
                 raise Unavailable("owner_refused", text, 1.0)
             # our view was stale: resolve once more
-            again = await self._resolve_for(step)
+            again = await self.resolver.for_step(step)
             if again.node == self.node_id:
                 return await self._act_at_owner(again, step, arrival)
             return await self._forward(again, step, arrival, retry=False)

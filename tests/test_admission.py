@@ -129,7 +129,7 @@ async def test_full_nodes_hold_new_episodes_in_order_and_never_delay_running_one
     ]
     async with cluster(redis, cfgs) as (nodes, _):
         entry = nodes[0]
-        line = entry.service.router.admission
+        line = entry.service.router.resolver.admission
         assert line is not None
         line.poll_s = 0.001
         for episode in ("run-1", "run-2"):

@@ -205,18 +205,18 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         for i in range(20):
             await a.act(episode_id=f"fill{i}", inputs=OBS)
         # admission backlog: a new episode waits while every device is full, until one ends
-        sa.router.admission = Admission(
+        sa.router.resolver.admission = Admission(
             30.0, poll_s=0.001, on_waiting=sa.metrics.admission_waiting.set
         )
         waiting = asyncio.create_task(a.act(episode_id="backlog", inputs=OBS))
         for _ in range(2000):
-            if sa.router.admission.waiting:
+            if sa.router.resolver.admission.waiting:
                 break
             await asyncio.sleep(0.005)
         seen += await scrape(a)
         assert (await a.act(episode_id="fill0", inputs=OBS, end=True)).status_code == 200
         assert (await waiting).status_code == 200
-        sa.router.admission = None
+        sa.router.resolver.admission = None
         # rejected: bad_input, too_large, malformed, unauthorized, forbidden
         await a.act(episode_id="x", inputs={"obs": [[1]]})
         await a.client.post("/act", content=b"x" * 3000)

@@ -1,0 +1,134 @@
+"""Ask Redis who owns a step's episode: the resolve, its admission backlog, its refusals.
+
+Redis decides (``affinity/claims.py``); this module asks and maps the answer to the step's
+errors: another model or version 409 ``model_conflict``, a model no node registered 404
+``unknown_model``, the rest 503 with a reason. With ``--admission-wait`` a claim that finds
+every device full waits in the backlog (``node/admission.py``) until its step's deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+
+from affinity import (
+    Assignment,
+    BackendUnavailable,
+    Claims,
+    ModelConflict,
+    ModelId,
+    NoCapacity,
+    NotReplicated,
+    PoolExhausted,
+    Recovering,
+    UnknownModel,
+)
+from node.admission import Admission
+from node.catalog import Catalog
+from node.metrics import Metrics
+from node.peers import PeerHealth
+from node.step import Refused, Step, Unavailable
+
+__all__ = ["Resolver"]
+
+
+class Resolver:
+    """A router's questions to Redis (see the module doc)."""
+
+    def __init__(
+        self,
+        claims: Claims,
+        first_model: str,
+        metrics: Metrics,
+        peers: PeerHealth,
+        admission_wait_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        catalog: Catalog | None = None,
+    ) -> None:
+        self.claims = claims
+        self.first_model = first_model  # a step that names none
+        self.metrics = metrics
+        self.peers = peers
+        self.catalog = catalog
+        self.admission = (
+            Admission(admission_wait_s, clock=clock, on_waiting=metrics.admission_waiting.set)
+            if admission_wait_s
+            else None
+        )
+
+    async def for_step(self, step: Step) -> Assignment:
+        """Where ``step`` is served: claimed unless it is ``live_only``."""
+        assert step.episode is not None
+        return await self.resolve(
+            step.episode,
+            claim=not step.live_only,
+            deadline=step.deadline,
+            model=step.model or self.first_model,
+            version=step.version or "",
+        )
+
+    async def resolve(
+        self,
+        episode: str,
+        *,
+        restart: bool = False,
+        claim: bool = True,
+        deadline: float | None = None,
+        model: str = "",
+        version: str = "",
+    ) -> Assignment:
+        """Raises ``UnknownEpisode`` when not ``claim`` and Redis holds no assignment.
+        ``deadline``: a new step's; with ``--admission-wait`` a claim that finds every
+        device full waits in the backlog until then at most. ``model``/``version``: what
+        the step names (Redis keeps an episode on its own; another version is
+        :class:`Refused` 409 ``model_conflict``, a model no node registered 404
+        ``unknown_model``)."""
+
+        def resolve() -> Awaitable[Assignment]:
+            return self.claims.resolve(
+                episode, restart=restart, claim=claim, model=model, version=version
+            )
+
+        try:
+            try:
+                assignment = await resolve()
+            except NoCapacity as exc:
+                if self.admission is None or deadline is None or exc.reason != "at_capacity":
+                    raise
+                assignment = await self.admission.wait(episode, resolve, deadline)
+            self.peers.resolved(assignment)
+            if assignment.status != "hit" and assignment.model:
+                m = ModelId.parse(assignment.model)
+                self.metrics.model_claims.labels(m.name, m.version, assignment.status).inc()
+            return assignment
+        except ModelConflict as exc:
+            raise Refused(409, "model_conflict", str(exc)) from exc
+        except UnknownModel as exc:
+            served = self.catalog.served() if self.catalog else []
+            raise Refused(404, "unknown_model", str(UnknownModel(exc.model, served))) from exc
+        except PoolExhausted as exc:
+            raise Unavailable("busy", str(exc), 1.0) from exc
+        except NotReplicated as exc:  # nobody serves it: retry once the replicas catch up
+            raise Unavailable("not_replicated", str(exc), 1.0) from exc
+        except BackendUnavailable as exc:
+            raise Unavailable("redis", str(exc), 1.0) from exc
+        except Recovering as exc:
+            raise Unavailable("recovering", str(exc), max(1.0, exc.retry_after_s)) from exc
+        except NoCapacity as exc:
+            if exc.reason == "no_nodes":
+                raise Unavailable("no_nodes", str(exc), 1.0) from exc
+            raise Unavailable("full", str(exc), 2.0) from exc
+
+    def asked(self, step: Step) -> str:
+        """The model a step names: ``"name@version"``, or its name alone."""
+        name = step.model or self.first_model
+        return f"{name}@{step.version}" if step.version else name
+
+    def names_other(self, step: Step, model: str) -> bool:
+        """Whether ``step`` names another model name or version than ``model`` (an
+        episode's ``"name@version"``; ``""``: a fleet without models), as resolve.lua
+        decides it (``model_conflict``)."""
+        if not model:
+            return False
+        name, _, version = model.partition("@")
+        return (step.model or self.first_model) != name or (step.version or version) != version
