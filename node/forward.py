@@ -6,6 +6,8 @@ client's deadline to the owner's ``POST /internal/act``. The owner checks the cl
 secret, the device, the token and that the inputs fit its own model (names, shapes and
 dtypes: a node serving another model refuses them 422, never counting them as a crash),
 and does not redo what the router decided (no second resolve unless the tokens disagree).
+The forward carries the :class:`~node.step.Step` whole, field by field under fixed msgpack
+keys: a new step option travels without a change here, and nodes of two releases talk.
 
 The client is deliberately small: requests with a ``Content-Length`` body, responses with
 a ``Content-Length`` body (what affinity nodes send), keep-alive, one request at a time
