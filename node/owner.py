@@ -182,16 +182,18 @@ class Owner:
         return name, dispatcher
 
     async def _run(
-        self, a: Assignment, step: Step, dispatcher: MultiGpuDispatcher, generation: int
+        self, assignment: Assignment, step: Step, dispatcher: MultiGpuDispatcher, generation: int
     ) -> StepResult:
         """The step run on its device; the dispatcher's refusals as the step's errors."""
         try:
             result = await dispatcher.step(
                 step,
-                a,
+                assignment,
                 inputs={
                     **step.inputs,
-                    **control_feed(dispatcher.contract, a.episode, start=False, end=step.end),
+                    **control_feed(
+                        dispatcher.contract, assignment.episode, start=False, end=step.end
+                    ),
                 },
                 generation=generation,
             )
@@ -202,8 +204,8 @@ class Owner:
         except NotKept as exc:
             raise Unavailable("fenced", str(exc), 1.0) from None
         except ClaimEnded:
-            if self.flusher.idled(a.episode):  # it idled out here: release it now, so a
-                await self.flusher.flush()  # resolve claims anew
+            if self.flusher.idled(assignment.episode):  # it idled out here: release it now,
+                await self.flusher.flush()  # so a resolve claims anew
             raise
         except DeviceDown as exc:
             raise Unavailable("device_down", str(exc), 5.0) from exc
