@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-from affinity import Registry
+from affinity import Registry, Settings
 from affinity.registry import Held, Registered
 from node.episodes import EpisodeTable
 from node.lease import Lease
@@ -46,9 +46,7 @@ class Flusher:
         lease: Lease,
         registry: Registry,
         metrics: Metrics,
-        lease_ttl_s: float,
-        backstop_s: float,
-        idle_ttl_s: float,
+        settings: Settings,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.node_id = node_id
@@ -56,9 +54,9 @@ class Flusher:
         self.lease = lease
         self.registry = registry  # the lease's own pool
         self.metrics = metrics
-        self.lease_ttl_s = lease_ttl_s
-        self.backstop_s = backstop_s
-        self.idle_ttl_s = idle_ttl_s
+        self.lease_ttl_s = settings.lease_ttl_s
+        self.backstop_s = settings.backstop_ms / 1000
+        self.idle_ttl_s = settings.episode_ttl_s
         self.clock = clock
         self.flushed_at = float("-inf")  # send time of the last flush that succeeded
         self.grace_ms = 0  # the fleet's grace period left, as the last script said

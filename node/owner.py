@@ -93,9 +93,7 @@ class Owner:
         self.router: Router | None = None  # set by the service: a restart claims through it
         self._ending: dict[str, asyncio.Event] = {}  # ends whose release in Redis is in flight
         settings = config.settings  # the flushes and hand-overs use the lease's own pool
-        self.flusher = Flusher(self.node_id, table, lease, registry, metrics,
-                               settings.lease_ttl_s, settings.backstop_ms / 1000,
-                               settings.episode_ttl_s, clock)  # fmt: skip
+        self.flusher = Flusher(self.node_id, table, lease, registry, metrics, settings, clock)
         self.mover = Mover(
             self.node_id,
             table,
