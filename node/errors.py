@@ -8,13 +8,14 @@ The hierarchy (``ValueError`` subclasses are a client's bad values)::
     ├── BodyError            413 too large, 400 malformed: refused before decoding
     ├── ClientGone           the client left mid-request: nobody gets an answer
     ├── AmbiguousModel       422: several models served and the step named none
-    ├── SeqConflict          409: a step's seq is neither the next nor a retry
-    ├── ClaimEnded           409: the step's claim ended here before it was kept
-    ├── NotKept              503: the node dropped its records while the step ran
-    ├── ForwardCancelled     503: the forwarding router gave up on the step
+    ├── StepRefused          the owner answers it as refusal(exc): Unavailable or Refused
+    │   ├── SeqConflict      409: a step's seq is neither the next nor a retry
+    │   ├── ClaimEnded       409: the step's claim ended here before it was kept
+    │   ├── NotKept          503: the node dropped its records while the step ran
+    │   ├── ForwardCancelled 503: the forwarding router gave up on the step
+    │   ├── ModelFailure     500: the model session raised
+    │   └── DeviceDown       503: the device waits for a probe after crashes
     ├── ForwardError         503: the owner could not be reached
-    ├── ModelFailure         500: the model session raised
-    ├── DeviceDown           503: the device waits for a probe after crashes
     ├── AdminRefused         401/403: an admin route without the admin's token
     ├── GpuUnavailable       start-up only: the node exits (no status)
     │   ├── CudaUnavailable
@@ -72,9 +73,11 @@ __all__ = [
     "Outcome",
     "Refused",
     "SeqConflict",
+    "StepRefused",
     "TransferError",
     "Unavailable",
     "outcome",
+    "refusal",
 ]
 
 PRIVATE = frozenset({"_NotSent", "_Abort", "StartupError"})
@@ -179,7 +182,12 @@ class AdminRefused(Exception):
 # ---- the owner's table of episodes -------------------------------------------------------
 
 
-class SeqConflict(Exception):
+class StepRefused(Exception):
+    """A step its record or its device refused. The owner answers it as :func:`outcome`
+    says (:func:`refusal`); a new kind is a subclass and a row of ``_TABLE``."""
+
+
+class SeqConflict(StepRefused):
     """A step's ``seq`` is neither the next one nor a retry of the one applied (409);
     nothing changed. ``current`` is the last applied step's ``seq``."""
 
@@ -195,7 +203,7 @@ class SeqConflict(Exception):
         super().__init__(why)
 
 
-class ClaimEnded(Exception):
+class ClaimEnded(StepRefused):
     """The step's claim ended here (its episode was ended, released, expired or claimed
     anew) before the step was kept: nothing was applied; its router asks Redis again."""
 
@@ -207,7 +215,7 @@ class ClaimEnded(Exception):
         )
 
 
-class NotKept(Exception):
+class NotKept(StepRefused):
     """The node dropped its records while the step ran (it fenced itself, or registered
     anew): the result was not kept, so it must not be answered."""
 
@@ -218,7 +226,7 @@ class NotKept(Exception):
         )
 
 
-class ForwardCancelled(Exception):
+class ForwardCancelled(StepRefused):
     """The router that forwarded this step gave up on it and said so (an undo that reached
     this node before the step itself, or while it ran): the step is not applied."""
 
@@ -246,7 +254,7 @@ class TransferError(ValueError):
 # ---- devices -------------------------------------------------------------------------------
 
 
-class ModelFailure(Exception):
+class ModelFailure(StepRefused):
     """The model session raised while running a step; the device's crash count went up."""
 
     def __init__(self, device: str, cause: BaseException) -> None:
@@ -254,7 +262,7 @@ class ModelFailure(Exception):
         super().__init__(f"model failed on {device}: {type(cause).__name__}: {cause}")
 
 
-class DeviceDown(Exception):
+class DeviceDown(StepRefused):
     """The device is marked down by its crash tracker and is waiting for a probe."""
 
     def __init__(self, device: str) -> None:
@@ -348,6 +356,14 @@ _TABLE: dict[type[BaseException], Callable[[Any], Outcome]] = {
     AffinityError: _unavailable("affinity"),
 }
 """Each exception class (or its nearest base in the table) -> its outcome."""
+
+
+def refusal(exc: BaseException) -> Unavailable | Refused:
+    """``exc`` as the step's error: :class:`Unavailable` for a 503, else :class:`Refused`."""
+    o = outcome(exc)
+    if o.status == 503:
+        return Unavailable(o.code, o.message, 1.0 if o.retry_after is None else o.retry_after)
+    return Refused(o.status, o.code, o.message)
 
 
 def outcome(exc: BaseException) -> Outcome:

@@ -36,8 +36,9 @@ from affinity.transfers import Transfers
 from node import inputs
 from node.config import NodeConfig
 from node.control import control_feed
-from node.dispatcher import Arrival, DeviceDown, ModelFailure, MultiGpuDispatcher
-from node.episodes import ClaimEnded, EpisodeTable, ForwardCancelled, NotKept, SeqConflict
+from node.dispatcher import Arrival, MultiGpuDispatcher
+from node.episodes import EpisodeTable
+from node.errors import ClaimEnded, ModelFailure, StepRefused, refusal
 from node.flusher import Flusher
 from node.forward import Forward, Poster
 from node.handover import HandOvers, Mover
@@ -195,21 +196,14 @@ class Owner:
                 },
                 generation=generation,
             )
-        except SeqConflict as exc:
-            raise Refused(409, "seq_conflict", str(exc)) from None
-        except ForwardCancelled as exc:  # its router answered 503 deadline already
-            raise Unavailable("deadline", str(exc), 1.0) from None
-        except NotKept as exc:
-            raise Unavailable("fenced", str(exc), 1.0) from None
         except ClaimEnded:
             if self.flusher.idled(assignment.episode):  # it idled out here: release it now,
                 await self.flusher.flush()  # so a resolve claims anew
             raise
-        except DeviceDown as exc:
-            raise Unavailable("device_down", str(exc), 5.0) from exc
-        except ModelFailure as exc:
-            self.metrics.model_failures.labels(exc.device).inc()
-            raise Refused(500, "model_failure", str(exc)) from exc
+        except StepRefused as exc:
+            if isinstance(exc, ModelFailure):
+                self.metrics.model_failures.labels(exc.device).inc()
+            raise refusal(exc) from exc
         return result
 
     def _reply(

@@ -170,3 +170,27 @@ def test_errors_imports_nothing_from_node() -> None:
         for alias in node.names
     ]
     assert not [name for name in imported if name == "node" or name.startswith("node.")]
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind", "status", "code", "retry_after"),
+    [
+        (SeqConflict("e", 3, 5), Refused, 409, "seq_conflict", None),
+        (ClaimEnded("e", "c-1"), Refused, 409, "ended", None),
+        (NotKept("e"), Unavailable, 503, "fenced", 1.0),
+        (ForwardCancelled("f-1"), Unavailable, 503, "deadline", 1.0),
+        (ModelFailure("n/0", RuntimeError("boom")), Refused, 500, "model_failure", None),
+        (DeviceDown("n/0"), Unavailable, 503, "device_down", 5.0),
+    ],
+)
+def test_a_refused_step_is_answered_as_the_table_says(
+    exc: errors.StepRefused, kind: type, status: int, code: str, retry_after: float | None
+) -> None:
+    """The owner turns what its record or device refused into the step's error through
+    ``refusal``: one table, no second mapping in the owner."""
+    got = errors.refusal(exc)
+    assert type(got) is kind and str(got) == str(exc)
+    assert errors.outcome(got).status == status
+    assert got.reason == code
+    if retry_after is not None:
+        assert isinstance(got, Unavailable) and got.retry_after == retry_after
