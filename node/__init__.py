@@ -1,1 +1,5 @@
 """The affinity serving node."""
+
+from affinity import __version__ as VERSION
+
+__all__ = ["VERSION"]

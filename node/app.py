@@ -22,12 +22,11 @@ from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException
 
 from affinity import AffinityError
-from node import openapi, routes
+from node import VERSION, openapi, routes
 from node.accesslog import AccessLog
 from node.asgi import Receive, Scope, Send, error_body, header, respond
 from node.errors import AdminRefused, outcome
 from node.fleet import add_fleet_routes
-from node.lease import VERSION
 from node.protocols import act, internal, kserve, openpi
 from node.routes import error, refusal
 from node.service import NodeService

@@ -24,10 +24,10 @@ from affinity.config import ENV_VARS, MAX_REPLICAS
 from affinity.connection import url_problem
 from affinity.errors import InvalidArgument
 from affinity.registry import MAX_WEIGHT, check_node_id
+from node import VERSION
 from node.catalog import ModelSpec, parse_model_arg
 from node.chunks import ENSEMBLES
 from node.config import NodeConfig
-from node.lease import VERSION
 from node.providers import ProviderSettings
 
 __all__ = ["EXIT_USAGE", "flag_message", "parse_args"]

@@ -38,11 +38,9 @@ from node.episodes import EpisodeTable
 from node.metrics import Metrics
 from node.step import Unavailable
 
-__all__ = ["EXIT_CONFLICT", "VERSION", "Lease", "LeaseListener"]
+__all__ = ["Lease", "LeaseListener"]
 
 log = logging.getLogger("affinity.node")
-VERSION = __version__
-EXIT_CONFLICT = 4
 """Exit code of a node that found its id held by another running process."""
 
 
@@ -201,7 +199,7 @@ class Lease:
             self.node_id,
             self.config.advertise_url,
             self.registrations(),
-            VERSION,
+            __version__,
             instance=self.instance,
             models=self.models,
             episodes=held,

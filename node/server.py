@@ -36,7 +36,6 @@ from node.asgi import CONNECTION
 from node.cli import EXIT_USAGE, parse_args
 from node.config import NodeConfig
 from node.fleet import Fleet
-from node.lease import EXIT_CONFLICT
 from node.providers import GpuUnavailable
 from node.service import NodeService
 from node.startup import StartupError, build_service
@@ -56,6 +55,8 @@ __all__ = [
 log = logging.getLogger("affinity.node")
 EXIT_REDIS = 3
 """Exit status when Redis cannot be reached at start-up."""
+EXIT_CONFLICT = 4
+"""Exit status when another process holds this node id (Redis names it as the holder)."""
 EXIT_NO_GPU = 5
 """Exit status when --devices names GPUs (or auto finds some) that CUDA cannot run."""
 EXIT_LISTEN = 6

@@ -37,8 +37,8 @@ import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
 from affinity.events import EVENT_NUMBERS, EventStream
+from node import VERSION
 from node.fleet import RETRY_MS, Fleet
-from node.lease import VERSION
 from tests.procs import ROOT, Node, RedisServer, wait_until
 from tests.test_cluster import running
 

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from node import VERSION
 from node.accesslog import STEP_KEY, AccessLog
 from node.asgi import io_seen
 from node.contract import PolicyContract
@@ -28,7 +29,6 @@ from node.errors import (
     Outcome,
     outcome,
 )
-from node.lease import VERSION
 from node.protocols.kserve import request as kserve
 from node.protocols.kserve.messages import decode_request, encode_reply
 from node.protocols.kserve.pb import kserve_pb2 as pb

@@ -25,6 +25,7 @@ import numpy as np
 import orjson
 
 from affinity.wire import MAX_ELEMENTS
+from node import VERSION
 from node.accesslog import STEP_KEY
 from node.asgi import CONNECTION, Receive, Scope, Send, read_body, respond, while_connected
 from node.contract import PolicyContract
@@ -34,7 +35,6 @@ from node.errors import (
     NotServed,
     outcome,
 )
-from node.lease import VERSION
 from node.protocols.kserve.request import (
     EXTENSIONS,
     REFUSED,
