@@ -12,23 +12,24 @@ A node serves on a list of :class:`DeviceSpec`, one per device, chosen by a spec
     Exactly these GPUs, by their ``nvidia-smi`` index (PCI bus order), in the order given.
     Strict: a GPU that is missing or hidden by ``CUDA_VISIBLE_DEVICES`` raises ``ValueError``.
 
-MIG. A GPU in MIG mode is never served whole (CUDA would run on one of its instances, not on
-the GPU ``nvidia-smi --query-gpu`` describes): naming it, or ``auto`` finding it, raises
+MIG. A GPU in MIG mode is never served whole. CUDA would run on one of its instances, not on
+the GPU ``nvidia-smi --query-gpu`` describes. Naming it, or ``auto`` finding it, raises
 ``ValueError`` saying so. A MIG instance is served when ``CUDA_VISIBLE_DEVICES`` names it
 (``MIG-<uuid>``, a unique prefix of it, or the older ``MIG-GPU-<uuid>/<gi>/<ci>``) with
-``auto``: one cuda device, CUDA ordinal 0, its ``MIG-`` UUID, the parent GPU's name with the
-instance's profile (``NVIDIA A100-SXM4-80GB MIG 3g.40gb``), the parent's architecture, and the
-memory of its profile. ``nvidia-smi -L`` lists the instances. One MIG instance per node
-process: the NVIDIA MIG user guide documents that a CUDA process enumerates a single MIG
-instance, so naming several raises ``ValueError`` (run one ``affinity-node`` per instance).
+``auto``. It is one cuda device with CUDA ordinal 0 and its ``MIG-`` UUID. Its name is the
+parent GPU's with the instance's profile (``NVIDIA A100-SXM4-80GB MIG 3g.40gb``). It has the
+parent's architecture and the memory of its profile. ``nvidia-smi -L`` lists the instances.
+One MIG instance per node process: a CUDA process enumerates a single MIG instance (the
+NVIDIA MIG user guide). Naming several raises ``ValueError``; run one ``affinity-node`` per
+instance.
 
 Ordinals. CUDA (and so ONNX Runtime's ``device_id``) numbers only the GPUs that
 ``CUDA_VISIBLE_DEVICES`` lets through, in the order that variable lists them, while
 ``nvidia-smi`` lists every GPU regardless. :attr:`DeviceSpec.ordinal` is the CUDA number.
-Both agree on the numbering only when ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` (CUDA's default orders
-the fastest GPU first), so call :func:`pin_pci_bus_order` on ``os.environ`` before anything
-initialises CUDA; :func:`discover` warns when more than one GPU is visible and the order is
-not pinned.
+Both agree on the numbering only when ``CUDA_DEVICE_ORDER=PCI_BUS_ID``. CUDA's default
+orders the fastest GPU first. So call :func:`pin_pci_bus_order` on ``os.environ`` before
+anything initialises CUDA. :func:`discover` warns when more than one GPU is visible and the
+order is not pinned.
 """
 
 from __future__ import annotations
@@ -60,11 +61,11 @@ _ACCEPTED = "'auto', 'cpu:N' (N >= 1), or GPU indices like '0,2' or 'cuda:0,2'"
 class DeviceSpec:
     """One device of this node.
 
-    ``index`` is the local index (the device id is ``f"{node_id}/{index}"``); ``ordinal`` is
-    the CUDA device number to give ONNX Runtime as ``device_id`` (``None`` for cpu); ``uuid``
-    is the GPU UUID (``GPU-...``), or ``cpu-<index>`` for CPU stand-ins; ``arch`` is the
-    compute capability as ``sm_90``, or ``cpu``; ``memory_mb`` is total memory in MiB (0 for
-    cpu, and 0 when ``nvidia-smi`` reports it as not available).
+    ``index`` is the local index; the device id is ``f"{node_id}/{index}"``. ``ordinal`` is
+    the CUDA device number to give ONNX Runtime as ``device_id`` (``None`` for cpu). ``uuid``
+    is the GPU UUID (``GPU-...``), or ``cpu-<index>`` for CPU stand-ins. ``arch`` is the
+    compute capability as ``sm_90``, or ``cpu``. ``memory_mb`` is total memory in MiB: 0 for
+    cpu, and 0 when ``nvidia-smi`` reports it as not available.
     """
 
     index: int
@@ -106,17 +107,18 @@ def discover(
 ) -> list[DeviceSpec]:
     """Return the devices that ``spec`` selects, local indices ``0..n-1`` (see module doc).
 
-    ``env`` defaults to ``os.environ`` and is read for ``CUDA_VISIBLE_DEVICES`` (indices, or
-    GPU UUIDs and UUID prefixes; ``""`` or ``-1`` hide every GPU; as in CUDA, an entry that
-    matches no single GPU hides itself and every entry after it; or one MIG instance) and
-    ``CUDA_DEVICE_ORDER``. ``run_nvidia_smi`` returns the output of :data:`NVIDIA_SMI_QUERY`
-    and ``list_nvidia_smi`` that of :data:`NVIDIA_SMI_LIST`, or raise ``OSError`` saying why
-    they could not; they default to running the real commands with a timeout.
+    ``env`` defaults to ``os.environ``; it is read for ``CUDA_VISIBLE_DEVICES`` and
+    ``CUDA_DEVICE_ORDER``. ``CUDA_VISIBLE_DEVICES`` holds indices, GPU UUIDs and UUID
+    prefixes, or one MIG instance; ``""`` or ``-1`` hide every GPU. As in CUDA, an entry that
+    matches no single GPU hides itself and every entry after it. ``run_nvidia_smi`` returns
+    the output of :data:`NVIDIA_SMI_QUERY` and ``list_nvidia_smi`` that of
+    :data:`NVIDIA_SMI_LIST`, or raise ``OSError`` saying why they could not. They default to
+    running the real commands with a timeout.
 
-    Raises ``ValueError`` when ``spec`` is malformed, or names a GPU that is absent, not
-    visible or in MIG mode, or when ``CUDA_VISIBLE_DEVICES`` names MIG instances that cannot be
-    served (see module doc); ``RuntimeError`` when ``nvidia-smi`` prints a line this cannot
-    parse.
+    Raises ``ValueError`` when ``spec`` is malformed or names a GPU that is absent, not
+    visible or in MIG mode. Also ``ValueError`` when ``CUDA_VISIBLE_DEVICES`` names MIG
+    instances that cannot be served (see module doc). ``RuntimeError`` when ``nvidia-smi``
+    prints a line this cannot parse.
     """
     env = os.environ if env is None else env
     run = _run_nvidia_smi if run_nvidia_smi is None else run_nvidia_smi
@@ -258,9 +260,9 @@ def _visible(
 ) -> list[_Gpu]:
     """The GPUs CUDA can see, in CUDA's order, as ``CUDA_VISIBLE_DEVICES`` selects them.
 
-    Mirrors CUDA's parsing (as PyTorch models it): the first entry decides between indices,
-    ``GPU-`` UUID prefixes and a ``MIG-`` instance (see :func:`_mig_visible`); the first entry
-    that is invalid, absent or an ambiguous prefix ends the list; a GPU named twice makes the
+    Mirrors CUDA's parsing, as PyTorch models it. The first entry decides between indices,
+    ``GPU-`` UUID prefixes and a ``MIG-`` instance (see :func:`_mig_visible`). The first entry
+    that is invalid, absent or an ambiguous prefix ends the list. A GPU named twice makes the
     whole list empty.
     """
     raw = env.get("CUDA_VISIBLE_DEVICES")

@@ -1,19 +1,19 @@
 """How an episode moves to another node with its state: the live hand-over, the third door.
 
-The old owner stops serving the episode (its new steps wait, bounded by their deadlines),
-waits for the step in flight, asks Redis for a device that serves the episode's model and
-has room (a slot is reserved there, a token issued: ``affinity/transfers.py``), sends the
-record to that device's node, which installs it unconfirmed, then commits in Redis — only
-while its own claim still holds the episode and its lease is live — and drops its copy.
-The new owner serves the record from memory once Redis (a routed step) or the old owner
-confirms it. Any failure leaves exactly one owner: before the commit the old owner keeps
-the episode (or, when nothing can take it, hands it over without its state, said with
-``state_reset``); after it, the new one holds it.
+The old owner stops serving the episode; its new steps wait, bounded by their deadlines.
+It waits for the step in flight. It asks Redis for a device that serves the episode's model
+and has room; a slot is reserved there and a token issued (``affinity/transfers.py``). It
+sends the record to that device's node, which installs it unconfirmed. Then it commits in
+Redis, only while its own claim still holds the episode and its lease is live. Then it
+drops its copy. The new owner serves the record from memory once Redis (a routed step) or
+the old owner confirms it. Any failure leaves exactly one owner. Before the commit the old
+owner keeps the episode. When nothing can take it, it hands it over without its state,
+said with ``state_reset``. After the commit, the new one holds it.
 
 Why this is hard: the commit is the only moment ownership changes. A record installed on
-a node whose commit never came must never be served from memory there (it is not
-confirmed, and the new owner's first flush finds it lost and drops it); a paused old
-owner's commit is refused once its lease lapsed; a step that waited behind the move asks
+a node whose commit never came must never be served from memory there. It is not
+confirmed, and the new owner's first flush finds it lost and drops it. A paused old
+owner's commit is refused once its lease lapsed. A step that waited behind the move asks
 Redis again and reaches the new owner.
 
 :class:`HandOvers` decides when: an operator's move or drain, a graceful stop, at most
@@ -163,9 +163,9 @@ class Mover:
     async def _committed_after_all(
         self, episode: str, record: Episode, to: Placement
     ) -> NotPlaced | None:
-        """The commit's answer was lost (a timeout, a dropped connection): ask Redis which
-        claim holds ``episode`` now, again every :data:`RETRY_S` while this node's lease is
-        valid (the episode's steps wait meanwhile). None: it moved. ``failed``: the old
+        """The commit's answer was lost (a timeout, a dropped connection). Ask Redis which
+        claim holds ``episode`` now. Ask again every :data:`RETRY_S` while this node's lease
+        is valid; the episode's steps wait meanwhile. None: it moved. ``failed``: the old
         claim still holds it (the commit never ran). ``marked``: an operator released it.
         ``stale``: another claim holds it, or none. ``unknown``: the lease ran out first.
         Never a guess: telling the new owner to drop a record Redis gave it would leave the
@@ -213,9 +213,9 @@ class Mover:
                 await self.pool.post(to.url, body, MOVE_PATH)
 
     async def _fallback(self, episode: str, token: int, reason: Reason, why: str) -> Outcome:
-        """A move that could not be made: a graceful stop hands the episode over without
-        its state (its next step says ``state_reset``); a drain's or an operator's move
-        leaves it here, with its state (a drain never resets anything)."""
+        """A move that could not be made. A graceful stop hands the episode over without
+        its state; its next step says ``state_reset``. A drain's or an operator's move
+        leaves it here, with its state; a drain never resets anything."""
         if reason != "stop":
             log.warning("could not move %s (%s): %s; it stays here with its state", episode,
                         reason, why)  # fmt: skip
@@ -285,9 +285,9 @@ class Mover:
 
 
 class HandOvers:
-    """When the owner's episodes are handed over: one hand-over at a time per episode and
-    :data:`MOVES_AT_ONCE` in all (a drain's, a graceful stop's and an operator's together),
-    operators' moves in the background, and the graceful stop."""
+    """When the owner's episodes are handed over. One hand-over at a time per episode.
+    :data:`MOVES_AT_ONCE` in all: a drain's, a graceful stop's and an operator's together.
+    Operators' moves run in the background. Also the graceful stop."""
 
     def __init__(
         self,
@@ -309,10 +309,10 @@ class HandOvers:
         self._gate = asyncio.Semaphore(MOVES_AT_ONCE)  # hand-overs under way, at most
 
     async def hand_over(self, episode: str, reason: Reason = "stop", target: str = "") -> Outcome:
-        """Hand ``episode`` over once its in-flight step (if any) finished: with its state
-        to a device that serves its model and has room (:class:`Mover`), else without it
-        (its next step is ``reassigned``, ``state_reset``). Idempotent; concurrent callers
-        share one hand-over. An episode waiting its turn goes on stepping here."""
+        """Hand ``episode`` over once its in-flight step (if any) finished. It goes with its
+        state to a device that serves its model and has room (:class:`Mover`). Else it goes
+        without it; its next step is ``reassigned``, ``state_reset``. Idempotent; concurrent
+        callers share one hand-over. An episode waiting its turn goes on stepping here."""
         task = self._handing.get(episode)
         if task is None:
             task = asyncio.ensure_future(self._gated(episode, reason, target))
@@ -339,11 +339,11 @@ class HandOvers:
                 task.add_done_callback(self._moving.discard)
 
     async def leave(self) -> None:
-        """The graceful stop: no new episodes here; every episode is handed over with its
-        state (after its in-flight step; :data:`MOVES_AT_ONCE` at a time), or without it
-        when nothing can take it, within ``--drain-timeout``; what is left then is handed
-        over by the deregistration, without its state. Then the node deregisters, while it
-        still listens (forwards get answers, not connection errors)."""
+        """The graceful stop: no new episodes here. Every episode is handed over within
+        ``--drain-timeout``. It goes with its state, after its in-flight step,
+        :data:`MOVES_AT_ONCE` at a time; or without it when nothing can take it. What is left
+        then is handed over by the deregistration, without its state. Then the node
+        deregisters, while it still listens (forwards get answers, not connection errors)."""
         if self.lease.leaving:
             return
         started = self.clock()

@@ -2,12 +2,12 @@
 checked against a :class:`PolicyContract` and turned into the model's arrays.
 
 Every front door calls one of :func:`from_json`, :func:`from_arrays` and
-:func:`from_observation`; each raises :class:`InvalidInput`, and nothing else, for any value
-a client can send, so a bad input is always the client's 4xx and never a device failure.
+:func:`from_observation`. Each raises :class:`InvalidInput`, and nothing else, for any value
+a client can send. So a bad input is always the client's 4xx and never a device failure.
 Sizes are checked against the contract before anything is allocated, and recursion stops
-at the model's declared rank. One dtype rule for arrays: the model's dtype passes as is; a
-float input takes finite floats and integers within its range; an integer input takes
-integers within its range and never floats (a float image's scale is unknown); a bool
+at the model's declared rank. One dtype rule for arrays: the model's dtype passes as is. A
+float input takes finite floats and integers within its range. An integer input takes
+integers within its range and never floats (a float image's scale is unknown). A bool
 input takes bools only. ``docs/policies.md`` is the manual.
 """
 
@@ -50,12 +50,12 @@ class ObservationInputs(NamedTuple):
 def from_json(contract: PolicyContract, raw: object) -> dict[str, Array]:
     """Validate a client's decoded ``inputs`` JSON and return one array per observation input.
 
-    ``raw`` must be an object holding every observation input and nothing else (no unknown
-    names, no state inputs); each value a nested list of exactly the declared shape (the batch
-    axis: exactly 1; other symbolic dimensions: any size >= 1, the same for every sibling), of
-    numbers castable to the declared dtype: finite and in range for floats, integral and in
-    range for ints, ``true``/``false`` for bool (booleans are not numbers). Raises
-    :class:`InvalidInput`, and nothing else, for any JSON value.
+    ``raw`` must be an object holding every observation input and nothing else: no unknown
+    names, no state inputs. Each value is a nested list of exactly the declared shape. The
+    batch axis is exactly 1; other symbolic dimensions are any size >= 1, the same for every
+    sibling. Its numbers must be castable to the declared dtype. That is finite and in range
+    for floats, integral and in range for ints, ``true``/``false`` for bool (booleans are not
+    numbers). Raises :class:`InvalidInput`, and nothing else, for any JSON value.
     """
     return {
         spec.name: _parse_array(contract.step_spec(spec), value, contract.batch_axis)
@@ -67,12 +67,13 @@ def from_arrays(contract: PolicyContract, arrays: object) -> dict[str, Array]:
     """Validate decoded binary inputs (msgpack ``/act``, KServe) named by model input.
 
     ``arrays`` must be a map holding every observation input and nothing else (as
-    :func:`from_json`), each value a numpy array (or numpy scalar) of exactly the model's
-    shape for one step (batch axis of size 1, other symbolic dimensions any size >= 1), of a
-    dtype the module doc's rule converts to the model's; a nested list of numbers is parsed
-    as in :func:`from_json`. Returns C-contiguous arrays of the model's dtypes (the given
-    array itself when nothing needed converting). Raises :class:`InvalidInput`, and nothing
-    else, for any value; allocates nothing beyond the arrays' own sizes.
+    :func:`from_json`). Each value is a numpy array (or numpy scalar) of exactly the model's
+    shape for one step: batch axis of size 1, other symbolic dimensions any size >= 1. Its
+    dtype must be one the module doc's rule converts to the model's. A nested list of
+    numbers is parsed as in :func:`from_json`. Returns C-contiguous arrays of the model's
+    dtypes (the given array itself when nothing needed converting). Raises
+    :class:`InvalidInput`, and nothing else, for any value. Allocates nothing beyond the
+    arrays' own sizes.
     """
     return {
         spec.name: _to_input(contract.step_spec(spec), value, contract.batch_axis)
@@ -86,14 +87,14 @@ def from_observation(contract: PolicyContract, observation: object) -> Observati
     ``observation`` is a map, possibly nested (``{"state": .., "images": {"cam_high": ..},
     "prompt": ".."}``); nested keys flatten with ``/`` (``images/cam_high``), up to
     :data:`MAX_OBSERVATION_DEPTH` levels. Each key of :attr:`PolicyContract.observation_map`
-    must be present, holding the input's value *unbatched*: the model's shape without the
-    batch axis (``float64[8]`` for a ``float32 [batch, 8]`` input), converted by the module
-    doc's dtype rule; the batch axis (size 1) is added here. Without a batch axis the value
-    has the model's whole shape. Keys the model does not take are returned in ``ignored``,
-    never touched. Raises :class:`InvalidInput` (root ``observation``, ``field`` the
-    observation key; ``""`` when several are missing, every one named), and nothing else,
-    for a missing key, a wrong shape or dtype, a key
-    given twice (nested and flat), or a non-map observation.
+    must be present, holding the input's value *unbatched*. That is the model's shape
+    without the batch axis (``float64[8]`` for a ``float32 [batch, 8]`` input), converted by
+    the module doc's dtype rule. The batch axis (size 1) is added here. Without a batch axis
+    the value has the model's whole shape. Keys the model does not take are returned in
+    ``ignored``, never touched. Raises :class:`InvalidInput`, and nothing else, for a missing
+    key, a wrong shape or dtype, a key given twice (nested and flat), or a non-map
+    observation. Its root is ``observation`` and its ``field`` the observation key; ``""``
+    when several are missing, every one named.
     """
     flat = _flatten(observation)
     by_name = {spec.name: spec for spec in contract.observation_inputs}
@@ -309,9 +310,9 @@ _BOOLS, _INTS, _NUMBERS = frozenset({bool}), frozenset({int}), frozenset({int, f
 
 
 def _vectorised(leaves: list[object], dtype: np.dtype[Any], shape: tuple[int, ...]) -> Array | None:
-    """The array of ``leaves`` when every one is valid for ``dtype``, checked with one pass
-    over their types and numpy's reductions (a camera image is 150,000 numbers); ``None``
-    when any is not, for the element-by-element checks to say which."""
+    """The array of ``leaves`` when every one is valid for ``dtype``. It is checked with one
+    pass over their types and numpy's reductions; a camera image is 150,000 numbers.
+    ``None`` when any is not, for the element-by-element checks to say which."""
     kinds = set(map(type, leaves))
     if dtype.kind == "b":
         return np.array(leaves, dtype=dtype).reshape(shape) if kinds <= _BOOLS else None

@@ -1,22 +1,22 @@
 """Real-time chunking (RTC) kept with the episode: the node fills a model's ``rtc.*`` inputs.
 
-While the robot executes chunk k, chunk k+1 is computed from a fresh observation; its first
-d actions (those the robot executes while inference runs) must equal chunk k's, and the rest
+While the robot executes chunk k, chunk k+1 is computed from a fresh observation. Its first
+d actions (those the robot executes while inference runs) must equal chunk k's. The rest
 of the overlap is guided towards them (Black et al., *Real-Time Execution of Action Chunking
 Flow Policies*, 2025). The server side of that is per-episode state: the chunk last sent and
-where the robot is in it. A model that declares the inputs
+where the robot is in it. A model may declare these inputs:
 
 * ``rtc.prefix`` float ``[B, H, D]`` (``[H, D]`` without a batch axis): the previous chunk's
-  actions from the one the robot reached when this observation was taken, zero-padded to H;
-* ``rtc.prefix_len`` integer ``[B]``: how many rows of ``rtc.prefix`` are real (H - executed);
+  actions from the one the robot reached when this observation was taken, zero-padded to H.
+* ``rtc.prefix_len`` integer ``[B]``: how many rows of ``rtc.prefix`` are real (H - executed).
 * ``rtc.delay`` integer ``[B]``: d, the control steps the robot executes while this step's
-  inference runs (at most ``prefix_len``),
+  inference runs (at most ``prefix_len``).
 
-gets them filled by the node from the episode's record (``node/episodes.py``: the chunk it
-last sent and when), hidden from clients like ``state_in.*``. There is no prefix
-(``prefix_len`` 0, ``delay`` 0) on an episode's first step and on every step whose state
-was reset (a new claim, a reassignment, a hand-over, ``sequence_start``, a token change):
-the chunk lives and dies with the recurrent state.
+The node fills them from the episode's record (``node/episodes.py``: the chunk it last sent
+and when). They are hidden from clients like ``state_in.*``. There is no prefix
+(``prefix_len`` 0, ``delay`` 0) on an episode's first step. Nor on any step whose state was
+reset: a new claim, a reassignment, a hand-over, ``sequence_start``, a token change. The
+chunk lives and dies with the recurrent state.
 
 A step may say ``executed`` (how many actions of the last chunk the robot had executed when
 it took the observation, 0..H) and ``inference_delay`` (d, 0..H). What it leaves out is
@@ -24,20 +24,20 @@ estimated at ``control_hz`` (the step's, else the node's ``--control-hz``):
 
 * d = ceil(p90 of this episode's last :data:`LATENCY_WINDOW` receive-to-reply latencies x
   rate), capped at ``prefix_len``. A latency runs from the step's arrival at the node the
-  client sent it to (the router's arrival when forwarded: the router sends how long it had
-  the step, so the forward hop and the owner's queue and model run are in it) to the
-  owner's reply; the way back to the router and the network to the robot are not.
-  Replayed and buffered steps add no sample.
+  client sent it to, up to the owner's reply. When forwarded, it starts at the router's
+  arrival: the router sends how long it had the step. So the forward hop and the owner's
+  queue and model run are in it. The way back to the router and the network to the robot
+  are not. Replayed and buffered steps add no sample.
 * executed = floor(seconds from the last chunk's reply to this step's arrival x rate),
   capped at H.
 
 A step of an RTC model that leaves either out when there is no rate is refused (422).
 
-After a crash nothing of the episode is left to take the prefix from: a step may then send
-``pending``, the actions the robot has not executed yet (``[k, D]``, k at most H), and a
-step that starts from clean state takes its prefix from them (``prefix_len`` k), so the
-motion does not jump even though the state was lost. A step that has a chunk of its own
-episode ignores it.
+After a crash nothing of the episode is left to take the prefix from. A step may then send
+``pending``, the actions the robot has not executed yet (``[k, D]``, k at most H). A step
+that starts from clean state takes its prefix from them (``prefix_len`` k). So the motion
+does not jump even though the state was lost. A step that has a chunk of its own episode
+ignores it.
 """
 
 from __future__ import annotations
@@ -152,9 +152,9 @@ class RtcSpec:
         node_hz: float | None = None,
         pending: object = None,
     ) -> Ask:
-        """A step's RTC values checked (``InvalidArgument`` naming the bad one): integers
-        0..H, a rate from more than 0 to :data:`MAX_CONTROL_HZ`, a rate (the step's or
-        ``node_hz``) whenever one of the two is left to estimate, and ``pending`` a finite
+        """A step's RTC values checked; ``InvalidArgument`` names the bad one. Integers
+        0..H, a rate from more than 0 to :data:`MAX_CONTROL_HZ`. A rate (the step's or
+        ``node_hz``) whenever one of the two is left to estimate. ``pending`` a finite
         numeric ``[k, D]`` with k at most H."""
         for name, value in (("executed", executed), ("inference_delay", inference_delay)):
             if value is not None and (type(value) is not int or not 0 <= value <= self.horizon):
@@ -203,10 +203,10 @@ class RtcSpec:
         latencies: Sequence[float],
         node_hz: float | None,
     ) -> tuple[dict[str, Array], Used]:
-        """The inputs of one step and what it used: ``sent`` is the chunk (``[H, D]``) the
-        episode's last reply carried and the clock then (None: no prefix, the state was
-        reset or nothing was sent), ``arrived`` the clock when the step arrived,
-        ``latencies`` the episode's recent step latencies (seconds)."""
+        """The inputs of one step and what it used. ``sent`` is the chunk (``[H, D]``) the
+        episode's last reply carried and the clock then. None: no prefix, the state was
+        reset or nothing was sent. ``arrived`` is the clock when the step arrived.
+        ``latencies`` are the episode's recent step latencies (seconds)."""
         if sent is None and ask.pending is not None:  # after a crash: the robot's own actions
             k = len(ask.pending)
             delay = min(k, ask.delay if ask.delay is not None else 0)

@@ -5,11 +5,16 @@ never advertise itself. The first SIGTERM leaves the fleet while still listening
 one stops at once. Hazard: uvicorn's HTTP protocol is subclassed here (keep-alive, one
 write per reply, the connection probe), so a uvicorn upgrade is checked against it.
 
-Exit codes: 0 after a graceful stop (SIGTERM: episodes handed over, deregistered), 2 for a
-usage or configuration error (one line naming the flag; every flag is checked before
-anything starts), 3 when Redis cannot be reached at start-up, 4 when another running
-process holds this node id, 5 when GPUs are found that CUDA cannot run, 6 when the node
-cannot listen on --host/--port or --grpc-port (checked before it registers).
+Exit codes:
+
+- 0 after a graceful stop (SIGTERM: episodes handed over, deregistered).
+- 2 for a usage or configuration error. One line names the flag; every flag is checked
+  before anything starts.
+- 3 when Redis cannot be reached at start-up.
+- 4 when another running process holds this node id.
+- 5 when GPUs are found that CUDA cannot run.
+- 6 when the node cannot listen on --host/--port or --grpc-port (checked before it
+  registers).
 """
 
 from __future__ import annotations
@@ -88,12 +93,13 @@ def stop_bounds(config: NodeConfig) -> StopBounds:
 
 class _OneWriteTransport:
     """A connection's transport that sends a response's status line and headers together
-    with what follows them: uvicorn writes the head and the body of a reply as two
-    ``write`` calls, so two TCP segments, and the client wakes up twice for one reply
-    (``tritonclient.http`` in lockstep, steps to a node that writes once and to one that
-    writes twice taking turns: p50 0.58 ms vs 1.05 ms). The head is held until the next
-    write (the body, in the same send of a plain reply) or the end of the loop iteration
-    (a streamed body), whichever comes first; every other call goes to the transport."""
+    with what follows them. uvicorn writes the head and the body of a reply as two
+    ``write`` calls, so two TCP segments, and the client wakes up twice for one reply.
+    Measured with ``tritonclient.http`` in lockstep, steps to a node that writes once and
+    to one that writes twice taking turns: p50 0.58 ms vs 1.05 ms. The head is held until
+    the next write or the end of the loop iteration, whichever comes first. The next write
+    is the body, in the same send of a plain reply; the loop's end serves a streamed body.
+    Every other call goes to the transport."""
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
@@ -131,15 +137,15 @@ class _KeepAliveProtocol(HttpToolsProtocol):
     """uvicorn's HTTP protocol, except that:
 
     - an idle keep-alive connection whose client has already sent its next request is not
-      closed: after the process was paused (or the loop was busy) past the keep-alive
-      timeout, the timer fires before the queued request is read, and closing would drop
-      a request the client cannot know the fate of. Such a request is read and answered
-      instead (503 ``fenced`` if the lease lapsed);
-    - a reply's head and body leave in one write (:class:`_OneWriteTransport`);
-    - every request's scope carries it as :data:`~node.asgi.CONNECTION`: whether the
-      client has closed the connection by now (:meth:`peer_closed`: one ``poll(2)``
-      instead of two turns of the event loop) and whether other requests are being served
-      (:meth:`serving_others`), for ``node.asgi.while_connected``."""
+      closed. The process may be paused (or the loop busy) past the keep-alive timeout.
+      Then the timer fires before the queued request is read. Closing would drop a request
+      the client cannot know the fate of. Such a request is read and answered instead (503
+      ``fenced`` if the lease lapsed).
+    - a reply's head and body leave in one write (:class:`_OneWriteTransport`).
+    - every request's scope carries it as :data:`~node.asgi.CONNECTION`, for
+      ``node.asgi.while_connected``. It says whether the client has closed the connection
+      by now (:meth:`peer_closed`: one ``poll(2)`` instead of two turns of the event loop).
+      It says whether other requests are being served (:meth:`serving_others`)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_OneWriteTransport(transport, self.loop))  # type: ignore[arg-type]
@@ -180,9 +186,9 @@ class _KeepAliveProtocol(HttpToolsProtocol):
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server with the node's graceful stop: the first SIGTERM/SIGINT makes the
-    node leave the fleet while it still listens (episodes handed over, deregistered, no
-    more renewals), then uvicorn closes the listener and drains; a second one forces."""
+    """uvicorn's server with the node's graceful stop. The first SIGTERM/SIGINT makes the
+    node leave the fleet while it still listens: episodes handed over, deregistered, no
+    more renewals. Then uvicorn closes the listener and drains. A second one forces."""
 
     def __init__(self, config: uvicorn.Config, service: NodeService, fleet: Fleet) -> None:
         super().__init__(config)
@@ -366,11 +372,11 @@ def _safe_url(config: NodeConfig) -> str:
 
 
 class _HeldLines(logging.Handler):
-    """The node's log handler while it starts: what it says before it serves is held, and
-    written once it serves (:meth:`serving`); a node that cannot start prints its one
+    """The node's log handler while it starts. What it says before it serves is held, and
+    written once it serves (:meth:`serving`). A node that cannot start prints its one
     error line and nothing else. While it builds its sessions every line below ERROR is
-    held; once it registers (:meth:`registering`), warnings go out at once, so that a wait
-    for another process's lease on the node id says so while it waits."""
+    held. Once it registers (:meth:`registering`), warnings go out at once. So a wait for
+    another process's lease on the node id says so while it waits."""
 
     def __init__(self, target: logging.Handler) -> None:
         super().__init__()

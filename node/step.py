@@ -1,10 +1,11 @@
 """The one internal step and reply every wire protocol decodes into and encodes from.
 
-An adapter (``node/protocols/*``) turns its wire format into a :class:`Step` (inputs
-already validated against the policy contract, as numpy arrays) and a :class:`Reply` back
-into its wire format; routing, leases, forwarding, state and metrics live once behind
-them (``node/router.py``). ``Unavailable`` and ``Refused`` (from ``node/errors.py``) are
-what routing raises; each adapter renders ``node.errors.outcome`` in its wire shape.
+An adapter (``node/protocols/*``) turns its wire format into a :class:`Step`. Its inputs
+are already validated against the policy contract, as numpy arrays. It turns a
+:class:`Reply` back into its wire format. Routing, leases, forwarding, state and metrics
+live once behind them (``node/router.py``). ``Unavailable`` and ``Refused`` (from
+``node/errors.py``) are what routing raises. Each adapter renders ``node.errors.outcome``
+in its wire shape.
 """
 
 from __future__ import annotations
@@ -37,17 +38,17 @@ class Step:
     + 1), if it sends one. ``live_only`` serves only an episode Redis already holds (a
     KServe step without ``sequence_start``): routing raises ``UnknownEpisode`` otherwise.
     ``origin`` names the forward a step came in (owner side only). ``model`` is the name
-    of the model the step is for, as the adapter chose it (``node.catalog.Catalog``:
-    None only in code that serves one model), ``version`` the version it named (None: the
-    episode's own, or the one the rollout picks). ``rtc`` is what the
-    step says for real-time chunking (``node/rtc.py``; validated by the adapter with
-    ``dispatcher.rtc_for``; None for a model without ``rtc.*`` inputs); ``arrived`` is
+    of the model the step is for, as the adapter chose it (``node.catalog.Catalog``).
+    It is None only in code that serves one model. ``version`` is the version it named
+    (None: the episode's own, or the one the rollout picks). ``rtc`` is what the step says
+    for real-time chunking (``node/rtc.py``). The adapter validates it with
+    ``dispatcher.rtc_for``; None for a model without ``rtc.*`` inputs. ``arrived`` is
     when it reached the node the client sent it to, on this node's ``time.monotonic()``
-    (set by routing). ``door`` is the front door it came in by (``node.metrics.DOORS``),
-    ``received`` when that door began to read it (``time.monotonic()``; None: when routing
-    began), ``control_hz`` the control rate it named (None: the node's ``--control-hz``,
-    if any: a step's time over the period counts as a deadline miss) and ``timing``
-    whether the client asked for the split of its time in the reply.
+    (set by routing). ``door`` is the front door it came in by (``node.metrics.DOORS``).
+    ``received`` is when that door began to read it (``time.monotonic()``; None: when
+    routing began). ``control_hz`` is the control rate it named. None means the node's
+    ``--control-hz``, if any; a step's time over the period counts as a deadline miss.
+    ``timing`` says whether the client asked for the split of its time in the reply.
     """
 
     episode: str | None
@@ -79,15 +80,15 @@ class Reply:
 
     ``url`` is the owner's advertise URL: a client may send the episode's next steps there
     directly. ``source`` is ``model`` when the policy ran, ``buffer`` when the action came
-    from the episode's action-chunk buffer. ``timing`` holds ``device_ms``, the time the
-    step spent on its device (queue and run), ``queue_ms`` and ``run_ms`` (its wait for the
-    device and its model run; none for a step the model did not run), measured by the
-    owner; ``forward_ms`` (what the forward to the owner added: the round trip less
-    ``device_ms``) and ``total_ms`` (request to reply at the node the step came in by),
-    measured by that node (:meth:`split`). ``seq`` is the step's
+    from the episode's action-chunk buffer. ``timing`` holds times measured by the owner:
+    ``device_ms``, the time the step spent on its device (queue and run). Also
+    ``queue_ms`` and ``run_ms``, its wait for the device and its model run; none for a step
+    the model did not run. It holds times measured by the node the step came in by
+    (:meth:`split`). ``forward_ms`` is what the forward to the owner added: the round trip
+    less ``device_ms``. ``total_ms`` is request to reply at that node. ``seq`` is the step's
     number under its claim, ``replayed`` says it is the stored reply of a step already
     applied. ``origin`` is the id of the forward that carried it (router side; empty for a
-    step served here): the router names it when it tells the owner to undo the step.
+    step served here). The router names it when it tells the owner to undo the step.
     ``rtc`` is what a real-time-chunking step ran with: ``executed``, ``delay``,
     ``prefix_len`` (None for other models). ``model`` is the ``name@version`` that served
     it (as registered; empty where nodes register none). ``claim`` is the claim id the step
@@ -150,11 +151,12 @@ class Reply:
 
 
 class TimeLimit:
-    """``asyncio.timeout(delay)`` for the step path at a third of its cost (one timer
-    handle, no state machine; ``asyncio.timeout`` costs ~6 µs a step): when ``delay``
-    seconds pass before the ``with`` block ends, its task is cancelled and the block raises
-    :class:`TimeoutError`; a cancellation from elsewhere passes through unchanged (the
-    task's ``cancelling()`` count tells them apart, as ``asyncio.timeout`` does)."""
+    """``asyncio.timeout(delay)`` for the step path at a third of its cost. It uses one
+    timer handle and no state machine; ``asyncio.timeout`` costs ~6 µs a step. When
+    ``delay`` seconds pass before the ``with`` block ends, its task is cancelled and the
+    block raises :class:`TimeoutError`. A cancellation from elsewhere passes through
+    unchanged. The task's ``cancelling()`` count tells them apart, as ``asyncio.timeout``
+    does."""
 
     __slots__ = ("_cancelling", "_delay", "_expired", "_handle", "_task")
 

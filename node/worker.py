@@ -1,17 +1,19 @@
-"""A device's worker: the thread that runs one model's session on one device, the queue of
-work waiting for it, and the batch window that gathers waiting steps into one run.
+"""A device's worker: its thread, its queue and its batch window.
+
+The thread runs one model's session on one device. The queue holds work waiting for it.
+The batch window gathers waiting steps into one run.
 
 It knows sessions and futures, not episodes. A :class:`~node.jobs.Job` (its types are in
-``node/jobs.py``) carries an opaque ``key``: jobs with one key run one at a time, in arrival
-order, at most one in a run (None: distinct).
+``node/jobs.py``) carries an opaque ``key`` (None: distinct). Jobs with one key run one at
+a time, in arrival order, at most one in a run.
 Its owner (the commit rules, ``node/commit.py``) says, through two callables, what a job
 runs with (``prepare``) and what is kept of the run (``commit``); both answer through
 :meth:`DeviceWorker.answer`.
 
 Why this is hard:
 
-- One run at a time on a device: ``busy``, under ``cond``, is held by the worker's round or
-  by an inline run on the event loop's thread.
+- One run at a time on a device. ``busy``, under ``cond``, is held by the worker's round
+  or by an inline run on the event loop's thread.
 - The worker hands its answers to their loops (``flush``) before it frees the device, so an
   inline round never shares its outbox.
 - A caller may give up at any moment (``Job.gave_up``). A run still going at a step's
@@ -90,13 +92,14 @@ class DeviceWorker:
     """One model's session on one device, its thread and its queue (see the module doc).
 
     ``max_batch``: most jobs per run. ``batch_delay_s``: how long a waiting job may wait
-    for others, while ``arrivals`` counts a step on its way and a key that sent a job here
-    in the last second has none waiting. ``inline_under_s``: a job runs on the event loop's
-    thread, instead of the worker's, when the device's runs take less on average and
-    nothing else waits (:meth:`run_inline`; 0: never). ``peers``: the workers of the same
-    model, the device's included. ``on_batch(device, size)`` and
+    for others. It waits only while ``arrivals`` counts a step on its way and a key that
+    sent a job here in the last second has none waiting. ``inline_under_s``: a job runs on
+    the event loop's thread, instead of the worker's, when the device's runs take less on
+    average and nothing else waits (:meth:`run_inline`; 0: never). ``peers``: the workers of
+    the same model, the device's included. ``on_batch(device, size)`` and
     ``on_queue_wait(device, seconds)`` are called on the worker's thread for each run and
-    each job that reaches the model; ``on_transition`` as the tracker goes down or up.
+    each job that reaches the model. ``on_transition`` is called as the tracker goes down
+    or up.
     """
 
     def __init__(
@@ -206,13 +209,17 @@ class DeviceWorker:
 
     def run_inline(self, job: Job) -> bool:
         """Run ``job`` now, on the event loop's thread, instead of handing it to the
-        worker's, when that costs less and takes nothing from anyone: the device's model
-        runs take less than :attr:`inline_under_s` on average (the hand-off there and back,
-        two thread wake-ups and the GIL changing hands, costs about as much as such a run),
-        the device is idle, and no other step is on its way through the node nor any peer
-        busy (the loop waits for the run, so a step for another device would wait too).
-        The node gives a bound to CPU devices only: a GPU run that hangs must not stop the
-        event loop, where its worker's watch marks the device down and the node goes on.
+        worker's, when that costs less and takes nothing from anyone. That is when:
+
+        - the device's model runs take less than :attr:`inline_under_s` on average. The
+          hand-off there and back (two thread wake-ups, the GIL changing hands) costs
+          about as much as such a run.
+        - the device is idle.
+        - no other step is on its way through the node nor any peer busy. The loop waits
+          for the run, so a step for another device would wait too.
+
+        The node gives a bound to CPU devices only. A GPU run that hangs must not stop the
+        event loop. There its worker's watch marks the device down and the node goes on.
         False: the worker runs it, as always under load."""
         if self.run_s >= self.inline_under_s or self.arrivals.count > 0 or not job.one_row:
             return False
@@ -285,8 +292,8 @@ class DeviceWorker:
         self.pending = left
 
     def others_expected(self, taken: list[Job]) -> bool:
-        """Whether another key is likely to send a job soon: some step is on its way
-        through the node (:class:`Arrivals`) and a key that sent a job to this device
+        """Whether another key is likely to send a job soon. Some step is on its way
+        through the node (:class:`Arrivals`). And a key that sent a job to this device
         within the last second has none in ``taken`` or waiting. A robot stepping alone,
         or one client stepping many episodes in turn, never waits."""
         if self.arrivals.count <= 0:  # an int read from the worker: atomic under the GIL
