@@ -1,26 +1,27 @@
 """Runs through I/O binding on fixed device buffers, with each episode's state kept on the device.
 
 ONNX Runtime replays a captured CUDA graph only for runs made with ``run_with_iobinding`` on
-the same bound buffers (``enable_cuda_graph``): the first run captures (ONNX Runtime repeats
-the run internally until the graph is captured), later runs copy the new inputs into the bound
+the same bound buffers (``enable_cuda_graph``). The first run captures; ONNX Runtime repeats
+the run internally until the graph is captured. Later runs copy the new inputs into the bound
 buffers and replay. :class:`BoundSession` does that behind the plain
 ``run(output_names, feed)`` the dispatcher uses.
 
 **One thread.** ONNX Runtime 1.31's CUDA provider keeps the captured graph in a per-thread
-context (``CUDAExecutionProvider::PerThreadContext``), and the CUDA EP documentation asks that
-a captured session is not run from several threads: a graph captured on one thread is not
+context (``CUDAExecutionProvider::PerThreadContext``). The CUDA EP documentation asks that a
+captured session is not run from several threads. A graph captured on one thread is not
 replayed on another, which captures again. So :meth:`BoundSession.warm_up` must run on the
 thread that will run the steps: the device's worker (``MultiGpuDispatcher.warm_up``). Capture
 uses ``cudaStreamCaptureModeGlobal``, during which another thread's ``cudaMalloc`` or
 synchronous copy invalidates it, so devices are warmed up one after another, before traffic.
 
 **State on the device.** A state output (an output fed back as an input on the next step) is
-not copied to the host: it is copied, device to device (``OrtValue.update_inplace(OrtValue)``,
-ONNX Runtime >= 1.26), into a :class:`DeviceTensor` that belongs to the episode, and the
-dispatcher feeds that handle back on the next step, which copies it device to device into the
-bound input buffer. Only the outputs a client receives are read back. A handle also converts
-to a numpy array (``np.asarray``), so code that gathers states on the host (batched runs) keeps
-working, with a host round trip. One instance per device, used only from its worker thread.
+not copied to the host. It is copied, device to device, into a :class:`DeviceTensor` that
+belongs to the episode (``OrtValue.update_inplace(OrtValue)``, ONNX Runtime >= 1.26).
+The dispatcher feeds that handle back on the next step. That step copies it device to
+device into the bound input buffer. Only the outputs a client receives are read back. A
+handle also converts to a numpy array (``np.asarray``). So code that gathers states on the
+host (batched runs) keeps working, with a host round trip. One instance per device, used
+only from its worker thread.
 """
 
 from __future__ import annotations
@@ -55,9 +56,9 @@ def _fixed(contract: PolicyContract, spec: TensorSpec, batch: int) -> tuple[int,
 class DeviceTensor:
     """One state tensor of one episode, held in device memory.
 
-    Two buffers of the tensor's size: a step reads the handle it is fed and writes the new
-    state into the other buffer, returning the handle of that one; the one it read is left as
-    it was, so a step whose result is not kept (its caller gave up) leaves the episode's state
+    Two buffers of the tensor's size. A step reads the handle it is fed and writes the new
+    state into the other buffer, returning the handle of that one. The one it read is left as
+    it was. So a step whose result is not kept (its caller gave up) leaves the episode's state
     intact. That holds as long as only the latest kept handle of an episode is fed, and one
     step of an episode runs at a time — which the dispatcher guarantees.
     """
@@ -111,8 +112,8 @@ class BoundSession:
 
     The contract's batch axis (if any) is pinned to ``batch`` (1: one episode's step). With
     ``state_on_device`` (the default), state outputs come back as :class:`DeviceTensor` handles
-    (see the module doc); without it, as host arrays like every other output (the host round
-    trip, kept to measure against).
+    (see the module doc). Without it, they come back as host arrays like every other output:
+    the host round trip, kept to measure against.
     """
 
     def __init__(

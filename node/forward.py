@@ -1,20 +1,21 @@
 """Node-to-node forwarding: one persistent HTTP/1.1 connection pool on asyncio, msgpack bodies.
 
-A router that resolved an episode to another node sends the decided assignment, the
-already-validated input arrays (binary, never JSON lists) and what is left of the
-client's deadline to the owner's ``POST /internal/act``. The owner checks the cluster
-secret, the device, the token and that the inputs fit its own model (names, shapes and
-dtypes: a node serving another model refuses them 422, never counting them as a crash),
-and does not redo what the router decided (no second resolve unless the tokens disagree).
+A router that resolved an episode to another node sends it to the owner's
+``POST /internal/act``. It sends the decided assignment, the already-validated input
+arrays (binary, never JSON lists) and what is left of the client's deadline. The owner
+checks the cluster secret, the device and the token. It checks that the inputs fit its own
+model: names, shapes and dtypes. A node serving another model refuses them 422, never
+counting them as a crash. The owner does not redo what the router decided (no second
+resolve unless the tokens disagree).
 The forward carries the :class:`~node.step.Step` whole, field by field under fixed msgpack
 keys: a new step option travels without a change here, and nodes of two releases talk.
 
 The client is deliberately small: requests with a ``Content-Length`` body, responses with
 a ``Content-Length`` body (what affinity nodes send), keep-alive, one request at a time
 per connection. A connection idle for longer than ``keepalive_s`` is not reused (the
-server may be closing it), and a reused connection that fails before a single byte of
-the response arrived is retried once on a fresh one: the server closed it without reading
-the request, so the step did not run.
+server may be closing it). A reused connection that fails before a single byte of the
+response arrived is retried once on a fresh one. The server closed it without reading the
+request, so the step did not run.
 """
 
 from __future__ import annotations
@@ -67,16 +68,16 @@ _SENT = tuple(
 
 @dataclass(slots=True)
 class Forward:
-    """What travels from the router to the owner: the step, whole (its fields but
-    :data:`_NOT_SENT`, field by field), the assignment the router obtained from Redis and
-    the time left of the client's deadline (``budget_s``). ``claim``: the claim id issued
-    with the token; ``instance``: the process Redis says holds the owner's registration,
-    which the owner checks is itself; ``model``: the assignment's ``"name@version"`` (""
-    in a fleet without models), or for a restart the model the step names, which the
-    owner's fresh claim takes. ``step.origin`` is a random id of this forward. ``undo``
-    asks the owner to undo the step that forward ``step.origin`` applied (the router
-    could not deliver its reply; no inputs); ``release`` asks the owner to end the
-    episode (a release sent to another node; no inputs). The owner sets the decoded
+    """What travels from the router to the owner. The step goes whole: its fields but
+    :data:`_NOT_SENT`, field by field. With it go the assignment the router obtained from
+    Redis and the time left of the client's deadline (``budget_s``). ``claim``: the claim
+    id issued with the token. ``instance``: the process Redis says holds the owner's
+    registration, which the owner checks is itself. ``model``: the assignment's
+    ``"name@version"`` ("" in a fleet without models). For a restart it is the model the
+    step names, which the owner's fresh claim takes. ``step.origin`` is a random id of this
+    forward. ``undo`` asks the owner to undo the step that forward ``step.origin`` applied
+    (the router could not deliver its reply; no inputs). ``release`` asks the owner to end
+    the episode (a release sent to another node; no inputs). The owner sets the decoded
     step's ``deadline`` on receipt (``budget_s`` from then)."""
 
     step: Step

@@ -2,15 +2,15 @@
 
 Redis decides who owns an episode, once, in the claim; the owner decides each step
 (DESIGN.md, "Ownership and steps"). A step of an episode whose record this node holds is
-served from memory, with no Redis command, while the lease is valid (``node/lease.py``),
-the last flush succeeded less than a lease ago (``node/flusher.py``), and the episode's
-backstop in Redis is not near by this node's clock.
+served from memory, with no Redis command, while three things hold. The lease is valid
+(``node/lease.py``). The last flush succeeded less than a lease ago (``node/flusher.py``).
+The episode's backstop in Redis is not near by this node's clock.
 
 Only the owner lets an episode go (DESIGN.md rule 8): a client's end, idle expiry, an
 operator's revocation (carried out at the renewal that brings it), a hand-over
-(``node/handover.py``). Each drops the record first (the table then refuses any step of
-that claim still queued), then tells Redis: at once for an end or a hand-over, in the
-next flush for idle expiry (a load slot may stay taken until then, never the reverse).
+(``node/handover.py``). Each drops the record first; the table then refuses any step of
+that claim still queued. Then it tells Redis: at once for an end or a hand-over, in the
+next flush for idle expiry. A load slot may stay taken until then, never the reverse.
 """
 
 from __future__ import annotations
@@ -115,9 +115,9 @@ class Owner:
     # ---- may I serve -------------------------------------------------------------------
 
     def serving(self, episode: str) -> Assignment | None:
-        """The assignment to serve ``episode`` from memory now, or None (ask Redis): a
-        record held here, a valid lease, a current flush, its backstop not near, and a
-        device that is not down. The caller checks that the step names its model."""
+        """The assignment to serve ``episode`` from memory now, or None (ask Redis). It
+        needs a record held here, a valid lease, a current flush, its backstop not near, and
+        a device that is not down. The caller checks that the step names its model."""
         if not self.lease.may_serve():
             return None
         record = self.table.get(episode)
@@ -246,9 +246,10 @@ class Owner:
         end (``release``) what a forward names (None).
 
         Refuses (403) a wrong cluster secret, (400) a malformed forward, (421) a device not
-        on this node, (409) a claim Redis no longer holds for the episode, a registration
-        other than this process's (the router's view is stale: it asks Redis), or an
-        episode this leaving node just handed over; 503 when out of budget or fenced."""
+        on this node. Refuses (409) a claim Redis no longer holds for the episode, or an
+        episode this leaving node just handed over. Also 409 for a registration other than
+        this process's; the router's view is stale, so it asks Redis. 503 when out of budget
+        or fenced."""
         received = self.clock()
         expected = self.config.cluster_secret or ""
         if expected and not hmac.compare_digest((secret or "").encode(), expected.encode()):
@@ -373,8 +374,8 @@ class Owner:
 
     async def ended(self, episode: str) -> None:
         """Wait for the release of an end of ``episode`` in flight here, if any (bounded by
-        the Redis deadline): until then Redis still holds the claim the end dropped, and a
-        step that asks it would be sent back here to a claim that no longer exists."""
+        the Redis deadline). Until then Redis still holds the claim the end dropped. A step
+        that asks it would be sent back here to a claim that no longer exists."""
         ending = self._ending.get(episode)
         if ending is not None:
             await ending.wait()

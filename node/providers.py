@@ -103,9 +103,9 @@ class ProviderSettings:
 class BuiltSession:
     """A session and what ONNX Runtime really made of the plan.
 
-    ``requested`` is the provider the settings ask for (TensorRT when ``tensorrt``, else CUDA,
-    for a cuda device), ``active`` the first provider the session uses; ``fell_back`` is true
-    when they differ (a cuda device never falls back further than CUDA: that raises).
+    ``requested`` is the provider the settings ask for: TensorRT when ``tensorrt``, else
+    CUDA, for a cuda device. ``active`` is the first provider the session uses. ``fell_back``
+    is true when they differ. A cuda device never falls back further than CUDA: that raises.
     ``provider_options`` is ``session.get_provider_options()`` (``device_id`` included).
     """
 
@@ -150,11 +150,11 @@ def preload_gpu_libraries(tensorrt: bool = False) -> None:
     """Load the CUDA (and with ``tensorrt``, TensorRT) libraries that pip installed.
 
     ``onnxruntime.preload_dlls()`` loads ``libcudart``, ``libcublas``... from the ``nvidia``
-    packages of ``onnxruntime-gpu[cuda,cudnn]`` (else by their names, from the loader's usual
-    paths), so that ONNX Runtime's ``dlopen`` of its CUDA provider finds them; its complaints
-    about what it could not load go to stdout and are kept at debug level here (the node says
-    what is missing in one line instead). TensorRT comes from ``tensorrt_libs`` (the
-    ``tensorrt-cu13-libs`` wheel) when installed. Once per process (cached).
+    packages of ``onnxruntime-gpu[cuda,cudnn]``. Else it loads them by their names, from the
+    loader's usual paths. Then ONNX Runtime's ``dlopen`` of its CUDA provider finds them. Its
+    complaints about what it could not load go to stdout. They are kept at debug level here;
+    the node says what is missing in one line instead. TensorRT comes from ``tensorrt_libs``
+    (the ``tensorrt-cu13-libs`` wheel) when installed. Once per process (cached).
     """
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -219,10 +219,10 @@ def require_cuda(
 ) -> None:
     """Check that CUDA can run every cuda device of ``devices``; nothing to do without one.
 
-    Preloads pip-installed CUDA libraries (:func:`preload_gpu_libraries`), then loads ONNX
-    Runtime's CUDA provider library (``provider_library``, default the installed one) and asks
-    the CUDA runtime for the driver's version and the device count (``runtime``, default
-    ``libcudart`` through ctypes). Call it after ``CUDA_DEVICE_ORDER`` is pinned.
+    Preloads pip-installed CUDA libraries (:func:`preload_gpu_libraries`). Then loads ONNX
+    Runtime's CUDA provider library (``provider_library``, default the installed one). Then
+    asks the CUDA runtime for the driver's version and the device count (``runtime``,
+    default ``libcudart`` through ctypes). Call it after ``CUDA_DEVICE_ORDER`` is pinned.
 
     Raises :class:`CudaUnavailable` with one line: a CPU-only onnxruntime, the missing library,
     a driver older than the CUDA this onnxruntime-gpu needs, or fewer devices than the
@@ -292,8 +292,8 @@ def trt_cache_dir(device: DeviceSpec, settings: ProviderSettings, trt_version: s
     """The TensorRT engine and timing cache directory of ``device``.
 
     ``<root>/<arch>/<GPU name>-<memory>MiB/trt<TensorRT version>-ort<ONNX Runtime version>``,
-    e.g. ``~/.cache/affinity/trt/sm_90/NVIDIA_H100_80GB_HBM3-81559MiB/trt10.13.3-ort1.31.1``:
-    GPUs of one model and memory size share it; a different GPU, memory size (a MIG slice
+    e.g. ``~/.cache/affinity/trt/sm_90/NVIDIA_H100_80GB_HBM3-81559MiB/trt10.13.3-ort1.31.1``.
+    GPUs of one model and memory size share it. A different GPU, memory size (a MIG slice
     included: its name carries its profile) or an upgrade of either library gets a new one.
     """
     gpu = re.sub(r"[^A-Za-z0-9.+-]+", "_", device.name).strip("_") or "gpu"
@@ -365,16 +365,16 @@ def build_session(
     """Build an ONNX Runtime session for ``model_path`` pinned to ``device``.
 
     Providers of the plan that ONNX Runtime cannot register or cannot honour are dropped in
-    order, keeping the others' options; one warning line names the device, the provider used
+    order, keeping the others' options. One warning line names the device, the provider used
     and why. A TensorRT cache that cannot be read is moved aside and rebuilt (one warning).
     ONNX Runtime's own logging is lowered to errors, process-wide. ``intra_op_threads`` is the
     session's intra-op thread count (0: one per core). ``session_factory`` replaces
     ``onnxruntime.InferenceSession`` (tests).
 
     Raises :class:`CudaUnavailable` when a cuda device would end up on the CPU (the reason:
-    the library that does not load, or ONNX Runtime's error), :class:`CudaGraphUnavailable`
-    when ``settings.cuda_graph`` cannot be honoured on CUDA. Errors loading the model itself
-    propagate unchanged.
+    the library that does not load, or ONNX Runtime's error). Raises
+    :class:`CudaGraphUnavailable` when ``settings.cuda_graph`` cannot be honoured on CUDA.
+    Errors loading the model itself propagate unchanged.
     """
     make = session_factory or onnxruntime.InferenceSession
     onnxruntime.set_default_logger_severity(_ORT_ERROR)
