@@ -2,19 +2,19 @@
 
 Triton's sequence batcher holds a new sequence in a backlog until a slot frees; without one,
 a new episode beyond the fleet's capacity gets an immediate 503. With ``--admission-wait
-SECONDS``, a claim that answers ``full`` (nodes alive, every device at capacity, draining or
-down) waits here instead: first come, first served, at most :data:`LIMIT` waiting on one
-node and each at most ``wait_s`` (and never past its step's deadline); then 503 ``full``
-with ``Retry-After``, as without a backlog.
+SECONDS``, a claim that answers ``full`` waits here instead. ``full`` means nodes alive,
+every device at capacity, draining or down. First come, first served: at most
+:data:`LIMIT` waiting on one node. Each waits at most ``wait_s``, and never past its step's
+deadline. Then 503 ``full`` with ``Retry-After``, as without a backlog.
 
 Only the head of the line asks Redis again (every :data:`POLL_S`, doubling up to
-:data:`MAX_POLL_S`): a slot may free on any node of the fleet, and the claim is the one
+:data:`MAX_POLL_S`). A slot may free on any node of the fleet, and the claim is the one
 authority on whether it did. The others wait for their turn without a Redis command. Only a
-claim waits: a running episode's step never reaches the backlog (its resolve is a hit, or
-the owner serves it from memory), so running episodes are never delayed by it. The order is
-per entry node; a new episode that arrives at another node while this one's line waits may
-take a freed slot first, and one that arrives here in the instant a slot frees may take it
-before the head asks again (the claim itself comes first; the line only orders the retries).
+claim waits. A running episode's step never reaches the backlog: its resolve is a hit, or
+the owner serves it from memory. So running episodes are never delayed by it. The order is
+per entry node. A new episode that arrives at another node while this one's line waits may
+take a freed slot first. One that arrives here in the instant a slot frees may take it
+before the head asks again. The claim itself comes first; the line only orders the retries.
 """
 
 from __future__ import annotations

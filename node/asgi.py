@@ -65,16 +65,16 @@ async def while_connected(
     :class:`ClientGone`, as does a close seen the moment ``work`` finished (with its
     result, so that the caller can undo what no one will receive).
 
-    Work that ends within :data:`WATCH_AFTER_S` is not watched while it runs: its
-    connection is checked once, when it finished, which costs no task: by ``connection``
-    (the scope's :data:`CONNECTION`) where the server gives one, else by ``receive()``
-    after :func:`io_seen` (:func:`_closed_now`). Longer work gets a task awaiting
-    ``receive()``, so that a close cancels it at once.
+    Work that ends within :data:`WATCH_AFTER_S` is not watched while it runs. Its
+    connection is checked once, when it finished, which costs no task. It is checked by
+    ``connection`` (the scope's :data:`CONNECTION`) where the server gives one. Else by
+    ``receive()`` after :func:`io_seen` (:func:`_closed_now`). Longer work gets a task
+    awaiting ``receive()``, so that a close cancels it at once.
 
     While the server serves other requests, a finished step yields once before its reply
-    (one loop turn): the others' steps run first and the replies leave together, so each
-    loop iteration reads and answers more requests (``bench.act``: 86% → 110% of the
-    minimal app's throughput under ``wrk -c16`` in one run). A request served alone (a
+    (one loop turn). The others' steps run first and the replies leave together. So each
+    loop iteration reads and answers more requests: ``bench.act`` went from 86% to 110% of
+    the minimal app's throughput under ``wrk -c16`` in one run. A request served alone (a
     robot in lockstep) does not wait for it."""
     watch: asyncio.Future[Any] | None = None
 
@@ -132,10 +132,10 @@ async def cancel_when_gone(work: Awaitable[T], start: Callable[[Callable[[], Non
 
 
 async def io_seen() -> None:
-    """Let the loop read what its sockets already hold: a close that came with a request
+    """Let the loop read what its sockets already hold. A close that came with a request
     is seen after this even when the work never suspended (a quick run on the event loop,
-    ``MultiGpuDispatcher._inline``). Two turns: in the first the loop polls the sockets
-    (the server reads the FIN and schedules its ``connection_lost``), in the second that
+    ``MultiGpuDispatcher._inline``). Two turns. In the first the loop polls the sockets;
+    the server reads the FIN and schedules its ``connection_lost``. In the second that
     callback runs, before this task resumes."""
     await asyncio.sleep(0)
     await asyncio.sleep(0)

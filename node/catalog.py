@@ -1,11 +1,11 @@
 """The models a node serves and the models its fleet serves.
 
-A node serves one or more models (``--model`` given several times): every device gets
-one session per model, and each model has a dispatcher of its own (its sessions and its
-batching; the episodes' records are node-wide, ``node/episodes.py``). A step names its
+A node serves one or more models (``--model`` given several times). Every device gets
+one session per model. Each model has a dispatcher of its own: its sessions and its
+batching. The episodes' records are node-wide (``node/episodes.py``). A step names its
 model and runs on that model's dispatcher. :class:`Catalog` knows the models of the whole
-fleet (name, version and contract, from Redis), so that any node routes and checks a step
-of any model, including one it does not serve itself.
+fleet: name, version and contract, from Redis. So any node routes and checks a step of any
+model, including one it does not serve itself.
 """
 
 from __future__ import annotations
@@ -187,8 +187,8 @@ class Catalog:
         self._fleet = fleet
 
     async def _refresh_due(self) -> None:
-        """Read the fleet's models when the view is older than :data:`REFRESH_S`, waiting
-        :data:`REFRESH_WAIT_S` at most: a read Redis does not answer goes on in the
+        """Read the fleet's models when the view is older than :data:`REFRESH_S`. Wait
+        :data:`REFRESH_WAIT_S` at most. A read Redis does not answer goes on in the
         background, and the step goes on with the view it has."""
         task = self._refreshing
         if task is None:

@@ -5,19 +5,19 @@ A policy that predicts a chunk of H future actions per run (output ``[B, H, D]``
 
 * **off** (no mode): the model runs and every output is returned as the model made it.
 * **execute k** (``1 <= k <= H``): the model runs, its chunk is kept, and the step is answered
-  with action 0 of it; the next ``k - 1`` steps are answered with actions ``1 .. k-1`` of
+  with action 0 of it. The next ``k - 1`` steps are answered with actions ``1 .. k-1`` of
   the same chunk from the buffer, without running the model. ``k = 1`` runs every step and
   returns action 0.
 * **ensemble exp** with decay ``m >= 0`` (ACT's temporal ensembling): the model runs every
-  step; the reply for time step ``t`` blends every stored prediction for ``t``, one from
-  each of the (at most H) chunks predicted at ``t-H+1 .. t``. Ordered oldest first
-  (``i = 0`` is the chunk predicted longest ago), prediction ``i`` gets the weight
-  ``w_i = exp(-m * i)``, and the reply is ``sum(w_i * a_i) / sum(w_i)``: with ``m > 0`` the
+  step. The reply for time step ``t`` blends every stored prediction for ``t``. There is one
+  from each of the (at most H) chunks predicted at ``t-H+1 .. t``. They are ordered oldest
+  first (``i = 0`` is the chunk predicted longest ago). Prediction ``i`` gets the weight
+  ``w_i = exp(-m * i)``, and the reply is ``sum(w_i * a_i) / sum(w_i)``. With ``m > 0`` the
   oldest prediction weighs most, as in ACT (``m = 0.01`` there); ``m = 0`` is a plain mean.
   The blend is computed in float64 and cast to the chunk's dtype.
 
-The action of a step is the chunk output with its time axis removed: ``[1, D]`` for a
-``[B, H, D]`` output (the batch axis is kept), ``[D]`` for an ``[H, D]`` output.
+The action of a step is the chunk output with its time axis removed. That is ``[1, D]``
+for a ``[B, H, D]`` output (the batch axis is kept), ``[D]`` for an ``[H, D]`` output.
 
 The buffer belongs to the episode's state and lives and dies with it. It holds at most H
 chunks of ``H x D`` values (ensembling; execute-k keeps one), so at most ``H * H * D``

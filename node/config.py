@@ -17,22 +17,22 @@ __all__ = ["NodeConfig"]
 class NodeConfig:
     """Everything one ``affinity-node`` process needs.
 
-    Times are seconds. ``act_deadline_s`` bounds every step end to end (Redis, the
-    model and any forward); ``max_body_bytes`` bounds a request body or websocket message;
+    Times are seconds. ``act_deadline_s`` bounds every step end to end: Redis, the model
+    and any forward. ``max_body_bytes`` bounds a request body or websocket message.
     ``keep_alive_s`` is how long an idle client connection stays open. ``admin_token``
-    enables the admin endpoints (they are refused while it is unset); ``cluster_secret``
-    authenticates forwarded requests between nodes; ``api_key``, when set, is required
+    enables the admin endpoints; they are refused while it is unset. ``cluster_secret``
+    authenticates forwarded requests between nodes. ``api_key``, when set, is required
     from clients (``Authorization: Api-Key <key>``, as ``openpi-client`` sends it).
-    ``model_name`` is the name KServe v2 clients use (empty: the model file's stem);
-    ``models`` are the models the node serves (empty: ``model`` under ``model_name``; the
-    first one is ``model``);
+    ``model_name`` is the name KServe v2 clients use (empty: the model file's stem).
+    ``models`` are the models the node serves (empty: ``model`` under ``model_name``). The
+    first one is ``model``.
     ``kserve_claim_unknown`` starts an unknown KServe sequence on any request instead of
     refusing one without ``sequence_start`` (Triton's rule). ``grpc_port`` serves KServe
     v2 over gRPC on ``host`` (None: off). ``admission_wait_s`` > 0 holds a new episode that
     finds every device full in a backlog that long at most (``node/admission.py``; 0: 503 at
     once). ``control_hz`` is the robots' control rate for real-time chunking's estimates
-    (``node/rtc.py``; None: steps must send what the estimates would give), and the period
-    of a step that names none (``node/timing.py``). ``fleet_view_every_s`` is how often the
+    (``node/rtc.py``). None: steps must send what the estimates would give. It is also the
+    period of a step that names none (``node/timing.py``). ``fleet_view_every_s`` is how often the
     node reads the fleet's view for its ``affinity_fleet_*`` gauges (``node/signals.py``;
     0: never).
     """

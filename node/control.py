@@ -1,8 +1,8 @@
 """Triton's sequence-batcher control inputs, filled by the node on every step.
 
 A model input named ``control.start``, ``control.end``, ``control.ready`` or
-``control.corrid`` (``node.contract.CONTROL_INPUTS``) is not sent by clients (it is hidden
-from them like ``state_in.*``); the node fills it, on every front door, with Triton's
+``control.corrid`` (``node.contract.CONTROL_INPUTS``) is not sent by clients. It is hidden
+from them like ``state_in.*``. The node fills it, on every front door, with Triton's
 semantics:
 
 - ``control.start``: 1 on an episode's first step on its device, and on the first step
@@ -13,12 +13,12 @@ semantics:
 - ``control.ready``: 1 for each row that carries a real step, 0 for the rows a batched run
   is padded with.
 - ``control.corrid``: the episode's correlation id, ``uint64``, ``int64`` or string as the
-  model declares. A number: a KServe integer sequence id as is (``kserve:i:7`` -> 7); any
-  other episode id (a string sequence id, an ``/act`` or openpi ``episode_id``) as the first
-  8 bytes of its BLAKE2b digest (the same on every node; top bit cleared for ``int64``); 0
-  without one. A string (Triton's ``sequence(string_id)``): a KServe sequence id as the
-  client sent it (``kserve:s:robot-7`` -> ``robot-7``, ``kserve:i:7`` -> ``7``), any other
-  episode id as is; ``""`` without one.
+  model declares. A number: a KServe integer sequence id as is (``kserve:i:7`` -> 7). Any
+  other episode id (a string sequence id, an ``/act`` or openpi ``episode_id``) becomes the
+  first 8 bytes of its BLAKE2b digest. That is the same on every node; its top bit is
+  cleared for ``int64``. 0 without one. A string (Triton's ``sequence(string_id)``): a
+  KServe sequence id as the client sent it (``kserve:s:robot-7`` -> ``robot-7``,
+  ``kserve:i:7`` -> ``7``). Any other episode id as is; ``""`` without one.
 
 Each value has the input's dtype (a bool, integer or float input takes 1/0) and shape, one
 per row: ``[1, 1]`` or ``[1]`` with a batch axis, as declared.
@@ -71,8 +71,8 @@ def _row(contract: PolicyContract, spec: TensorSpec, value: Any) -> Array:
 def control_feed(
     contract: PolicyContract, episode: str | None, *, start: bool, end: bool
 ) -> dict[str, Array]:
-    """The control inputs of one step (none for a model without any); ``start`` is what the
-    caller knows (a stateless step: True); the dispatcher sets it once it knows whether the
+    """The control inputs of one step (none for a model without any). ``start`` is what the
+    caller knows (a stateless step: True). The dispatcher sets it once it knows whether the
     episode's state was reset (:func:`started`)."""
     values: dict[str, Any] = {
         START: int(start),

@@ -1,15 +1,17 @@
-"""What the owner remembers about its episodes: one node-wide :class:`EpisodeTable` of
-:class:`~node.record.Episode` records (an episode has a record in at most one model), and
-:func:`admit`, the rule that decides a step against its record.
+"""What the owner remembers about its episodes, and the rule that decides a step.
+
+One node-wide :class:`EpisodeTable` holds :class:`~node.record.Episode` records. An
+episode has a record in at most one model. :func:`admit` is the rule that decides a step
+against its record.
 
 Why this is hard: steps run on device threads while the event loop ends, releases,
-expires and drops records. A step reads its record when its run starts and keeps its
-result only if, when it finishes, the record is still the one it read, its claim was not
-ended meanwhile, and no drop (a fence, a new registration) happened since the step began
-(:attr:`EpisodeTable.generation`). A claim whose record left the table is remembered as
-ended (bounded), so a step of it still queued never re-creates the record; an episode
-whose record this node dropped without its client ending it is remembered too, so the
-next claim of it here says ``state_reset``.
+expires and drops records. A step reads its record when its run starts. It keeps its
+result only if three things hold when it finishes. The record is still the one it read.
+Its claim was not ended meanwhile. No drop (a fence, a new registration) happened since
+the step began (:attr:`EpisodeTable.generation`). A claim whose record left the table is
+remembered as ended (bounded). So a step of it still queued never re-creates the record.
+An episode whose record this node dropped without its client ending it is remembered too.
+So the next claim of it here says ``state_reset``.
 """
 
 from __future__ import annotations
@@ -77,15 +79,14 @@ def admit(
 ) -> Verdict:
     """Decide a step against the episode's record.
 
-    A step of the record's claim applies on it when it names no ``seq`` or the next one
-    (from the initial state, said, when the record is in doubt: ``state_reset`` always
-    means the state started over), and replays the stored reply when it names the one
-    applied with the same inputs
-    (``asked``); any other ``seq`` raises :class:`SeqConflict`. Any other step starts
-    clean: a fresh claim, or one Redis confirmed that this node does not hold. It says
-    ``state_reset`` unless it is the claim's first step (``seq`` 1, or no ``seq`` and a
-    fresh claim) of an episode this node did not drop (``dropped``). A step of another
-    claim than the record's that is not fresh and older (a smaller token) raises
+    A step of the record's claim applies on it when it names no ``seq`` or the next one.
+    When the record is in doubt it applies from the initial state, said: ``state_reset``
+    always means the state started over. It replays the stored reply when it names the one
+    applied with the same inputs (``asked``). Any other ``seq`` raises :class:`SeqConflict`.
+    Any other step starts clean: a fresh claim, or one Redis confirmed that this node does
+    not hold. It says ``state_reset`` unless it is the claim's first step (``seq`` 1, or no
+    ``seq`` and a fresh claim) of an episode this node did not drop (``dropped``). A step of
+    another claim than the record's that is not fresh and older (a smaller token) raises
     :class:`ClaimEnded`: it would replace a newer claim's record."""
     if record is not None and not fresh and record.holds(device, token, claim):
         if seq is None or seq == record.seq + 1:

@@ -102,8 +102,9 @@ class Unavailable(Exception):
 
 
 class Refused(Exception):
-    """A request refused for what it is: a forward the owner will not serve (403 bad
-    secret, 409 stale token or moved, 421 not the owner) or a model failure (500)."""
+    """A request refused for what it is: a forward the owner will not serve, or a model
+    failure (500). The owner refuses 403 bad secret, 409 stale token or moved, 421 not the
+    owner."""
 
     def __init__(self, status: int, reason: str, message: str) -> None:
         self.status = status
@@ -133,8 +134,8 @@ class ClientGone(Exception):
 
 
 class InvalidInput(ValueError):
-    """A client's inputs are unusable; ``field`` names the input or observation key ("" for
-    the whole object), ``problem`` says what is wrong; ``str()`` is ``<root>.<field>:
+    """A client's inputs are unusable. ``field`` names the input or observation key ("" for
+    the whole object). ``problem`` says what is wrong. ``str()`` is ``<root>.<field>:
     <problem>``, ``root`` being ``inputs`` (``/act``, KServe) or ``observation`` (openpi)."""
 
     def __init__(self, field: str, problem: str, *, root: str = "inputs") -> None:
@@ -227,8 +228,8 @@ class NotKept(StepRefused):
 
 
 class ForwardCancelled(StepRefused):
-    """The router that forwarded this step gave up on it and said so (an undo that reached
-    this node before the step itself, or while it ran): the step is not applied."""
+    """The router that forwarded this step gave up on it and said so. Its undo reached this
+    node before the step itself, or while it ran. The step is not applied."""
 
     def __init__(self, origin: str) -> None:
         self.origin = origin

@@ -2,17 +2,18 @@
 
 ``add_fleet_routes(app, service)`` mounts, on every node:
 
-- ``GET /ui`` — one page (HTML, CSS and plain JavaScript from ``node/ui/``, nothing loaded
-  from anywhere else; a Content-Security-Policy says so to the browser) that shows the
-  whole fleet as Redis sees it: nodes, devices, the event stream, an episode lookup and,
-  once an admin token is typed in, drain/undrain buttons. It reads ``GET /nodes``,
-  ``GET /devices``, ``GET /episodes/{id}`` and ``GET /events/stream``.
+- ``GET /ui`` — one page that shows the whole fleet as Redis sees it. It is HTML, CSS and
+  plain JavaScript from ``node/ui/``, nothing loaded from anywhere else; a
+  Content-Security-Policy says so to the browser. It shows nodes, devices, the event
+  stream, an episode lookup and, once an admin token is typed in, drain/undrain buttons.
+  It reads ``GET /nodes``, ``GET /devices``, ``GET /episodes/{id}`` and
+  ``GET /events/stream``.
 - ``GET /nodes`` — every registered node with its lease.
 - ``GET /events/stream`` — the deployment's event stream as server-sent events. Each
-  event's ``id:`` is its Redis stream id, so a client that reconnects with
-  ``Last-Event-ID`` (browsers do it by themselves) gets every event after the last one
-  it saw, as long as the capped stream still holds it. Quiet streams send a comment line
-  every ``heartbeat_s``; each wait on Redis is bounded by the Redis deadline.
+  event's ``id:`` is its Redis stream id. A client that reconnects with ``Last-Event-ID``
+  (browsers do it by themselves) gets every event after the last one it saw. That holds as
+  long as the capped stream still holds it. Quiet streams send a comment line every
+  ``heartbeat_s``; each wait on Redis is bounded by the Redis deadline.
 
 Everything here is read-only, like the other GET endpoints.
 """
@@ -143,9 +144,9 @@ def _id_key(stream_id: str) -> tuple[int, int]:
 
 
 def sse_event(stream_id: str, fields: dict[str, str]) -> str:
-    """One event in SSE framing: ``id:`` = the stream id, ``data:`` = one JSON line with
-    the id and every field of the event (``type`` among them), numbers as numbers, as
-    ``affinity events --json`` prints it (``affinity.events.event_json``)."""
+    """One event in SSE framing: ``id:`` = the stream id, ``data:`` = one JSON line. The
+    line holds the id and every field of the event (``type`` among them), numbers as
+    numbers. It is what ``affinity events --json`` prints (``affinity.events.event_json``)."""
     data = json.dumps(event_json(stream_id, fields), separators=(",", ":"))
     return f"id: {stream_id}\ndata: {data}\n\n"
 
@@ -157,12 +158,12 @@ def sse_comment(text: str) -> str:
 class Fleet:
     """The open event streams of one app.
 
-    ``close()`` ends every stream (each sends nothing more and returns), so a graceful
+    ``close()`` ends every stream (each sends nothing more and returns). So a graceful
     shutdown does not wait for browsers to hang up; it is safe to call from a signal
-    handler. At most ``max_streams`` streams are open at once (each holds a Redis
-    connection of the streams' own pool in a blocking read); more are answered 503. A
-    slot is taken (:meth:`reserve`) when the request is admitted, not when its stream
-    first runs, so concurrent connects cannot pass the limit together.
+    handler. At most ``max_streams`` streams are open at once; more are answered 503. Each
+    holds a Redis connection of the streams' own pool in a blocking read. A slot is taken
+    (:meth:`reserve`) when the request is admitted, not when its stream first runs. So
+    concurrent connects cannot pass the limit together.
     """
 
     def __init__(self, heartbeat_s: float = 15.0, max_streams: int = MAX_STREAMS) -> None:

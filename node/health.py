@@ -1,11 +1,13 @@
-"""The health of a node's devices: each model's crash tracker per device, the probe and
-warm-up runs made on a device's worker, and :class:`DeviceHealth`, which carries the
-trackers' transitions to Redis and makes Redis agree with them.
+"""The health of a node's devices: crash trackers, probe and warm-up runs, and Redis's view.
 
-A device is down when any of its models' trackers has it down (failures are counted per
-model, by the device's worker: ``node/worker.py``). ``down`` belongs to the node: Redis is
-told at each transition and made to agree again at each renewal (a lost or reordered write
-must not leave a crashed device taking claims, or a healthy one down); an operator's drain
+Each model has a crash tracker per device. The probe and warm-up runs are made on a
+device's worker. :class:`DeviceHealth` carries the trackers' transitions to Redis and
+makes Redis agree with them.
+
+A device is down when any of its models' trackers has it down. Failures are counted per
+model, by the device's worker (``node/worker.py``). ``down`` belongs to the node. Redis is
+told at each transition and made to agree again at each renewal. A lost or reordered write
+must not leave a crashed device taking claims, or a healthy one down. An operator's drain
 belongs to Redis. Bad client input never reaches a model, so it never counts.
 """
 
@@ -117,12 +119,12 @@ def _run_counted(worker: DeviceWorker, feed: dict[str, Array]) -> None:
 
 async def warm_up(worker: DeviceWorker, contract: PolicyContract) -> None:
     """Warm ``worker``'s device up on its worker thread, before serving. A session with a
-    ``warm_up()`` method (``node.binding.BoundSession``, which captures its CUDA graph
-    there) is asked to; any other runs the feed of ``node.warmup`` (the operator's samples,
-    else zeros) once at every batch size it will use (a session with ``batch_sizes``
-    captures one graph per size there); a model with an input nothing may be fed
+    ``warm_up()`` method is asked to (``node.binding.BoundSession`` captures its CUDA graph
+    there). Any other runs the feed of ``node.warmup`` (the operator's samples, else zeros).
+    It runs once at every batch size it will use. A session with ``batch_sizes`` captures
+    one graph per size there. A model with an input nothing may be fed
     (``node.warmup.unfed``) is not run at all. ONNX Runtime keeps a captured CUDA graph per
-    thread, so the capture must happen on the thread that runs the device's steps; CUDA's
+    thread. So the capture must happen on the thread that runs the device's steps. CUDA's
     capture mode is process-wide, so warm one device at a time. Raises what a run raised
     (nothing is counted: the node stops)."""
     if warmup.unfed(contract):

@@ -8,10 +8,10 @@ drops every record once the lease is gone, called by the renewal loop.
 
 Why this is hard: another node may take this node's episodes over as soon as Redis sees
 the lease lapse. A step must therefore be answered under the registration it started with
-(``EpisodeTable.generation``, compared by :meth:`Lease.require`), never merely under "a
-lease is valid now": a paused process whose renewal re-registers first would otherwise
-answer with state nobody keeps. Redis alone decides that another process holds this node
-id (a renewal, a registration, a resolve); what a forward says is a hint, never that.
+(``EpisodeTable.generation``, compared by :meth:`Lease.require`). Never merely under "a
+lease is valid now". Else a paused process whose renewal re-registers first would answer
+with state nobody keeps. Redis alone decides that another process holds this node id (a
+renewal, a registration, a resolve). What a forward says is a hint, never that.
 """
 
 from __future__ import annotations
@@ -184,9 +184,9 @@ class Lease:
 
     async def register(self) -> None:
         """Register (again); only then does this node serve. Drops every record unless it
-        re-registers within its own lease (Redis lost its data: nobody can have taken an
-        episode over, and the grace period holds claims back), when it re-asserts them in
-        the same script."""
+        re-registers within its own lease; then it re-asserts them in the same script. That
+        case means Redis lost its data. Nobody can have taken an episode over, and the grace
+        period holds claims back."""
         await self.registry.check_secret(self.config.cluster_secret)  # SecretMismatch
         sent = self.clock()
         own_until = self.deadline
@@ -325,8 +325,8 @@ class Lease:
 
     async def _check_server(self) -> None:
         """Notice that another Redis server answers now (a restart from a snapshot, a
-        failover to a replica): it may lack the last writes, claims of episodes held here
-        among them, and then grant them again; the owner checks every record at its next
+        failover to a replica). It may lack the last writes, claims of episodes held here
+        among them, and then grant them again. The owner checks every record at its next
         flush (≤ 1 s)."""
         run_id = await self.registry.server_id()
         if run_id is None:
