@@ -2,17 +2,17 @@
 device and routing. Plain text by default; ``--log-format json`` makes every log line of
 the node (this one included) a JSON object; ``--access-log off`` silences it.
 
-The lines are written straight to the log stream (stderr) in batches — every 0.25 s, or
-sooner once 256 are waiting — rather than through the ``logging`` module: a ``LogRecord``,
-its formatting and a write per request cost about a sixth of the node's throughput on a
-CPU model. A request only records its facts (a tuple); the lines are formatted when the
-batch is written, off the request's own path. They look exactly like the node's other
-log lines (same timestamp, level and logger name ``affinity.access``).
+The lines are written straight to the log stream (stderr) in batches, not through the
+``logging`` module. A batch goes every 0.25 s, or sooner once 256 are waiting. A
+``LogRecord``, its formatting and a write per request cost about a sixth of the node's
+throughput on a CPU model. A request only records its facts (a tuple); the lines are
+formatted when the batch is written, off the request's own path. They look exactly like
+the node's other log lines (same timestamp, level and logger name ``affinity.access``).
 
 In the plain format every field a client chose (method, path, episode id) is escaped
-(:func:`escape`), so that a request cannot write a line of its own, a NUL or a terminal
-escape into the log. Lines that cannot be written (a log reader that went away: broken
-pipe) are dropped and counted (``on_drop``), never kept: the batch is cleared either way.
+(:func:`escape`). So a request cannot write a line of its own, a NUL or a terminal escape
+into the log. Lines that cannot be written (a log reader that went away: broken pipe) are
+dropped and counted (``on_drop``), never kept. The batch is cleared either way.
 """
 
 from __future__ import annotations

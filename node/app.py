@@ -40,8 +40,8 @@ PROTECTED = ("/episodes/", "/devices", "/nodes", "/events/stream")
 
 
 def cross_site(scope: Scope) -> bool:
-    """Whether a browser sent this request on behalf of another site: its
-    ``Sec-Fetch-Site`` is neither ``same-origin`` nor ``none`` (typed in), or, from a
+    """Whether a browser sent this request on behalf of another site. Its
+    ``Sec-Fetch-Site`` is neither ``same-origin`` nor ``none`` (typed in). Or, from a
     browser that does not send that, its ``Origin`` is not this ``Host``. Clients that are
     not browsers send neither and pass."""
     fetch_site = origin = host = None
@@ -189,7 +189,7 @@ def _add_error_handlers(api: FastAPI) -> None:
 
     @api.exception_handler(AffinityError)
     async def affinity_error(request: Request, exc: AffinityError) -> Response:
-        """The one answer of every endpoint whose Redis call failed (``errors.outcome``):
-        503 ``busy`` when the call only waited for this node's pool (it is overloaded),
+        """The one answer of every endpoint whose Redis call failed (``errors.outcome``).
+        503 ``busy`` when the call only waited for this node's pool (it is overloaded).
         ``not_replicated`` when too few replicas acknowledged its write, else ``redis``."""
         return refusal(exc)

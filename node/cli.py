@@ -58,8 +58,8 @@ class _Parser(argparse.ArgumentParser):
 @dataclass(frozen=True)
 class _Flag:
     """One flag: its variable, default, help, how its text converts, what it allows, and
-    the configuration field it sets (``into``: empty for the field named as the flag;
-    ``settings.<field>`` and ``providers.<field>`` for the two nested settings)."""
+    the configuration field it sets. ``into`` is empty for the field named as the flag;
+    ``settings.<field>`` and ``providers.<field>`` for the two nested settings."""
 
     name: str
     env: str
@@ -292,8 +292,8 @@ def _check_together(parser: _Parser, values: Mapping[str, Any]) -> None:
 
 
 def _derived(parser: _Parser, values: Mapping[str, Any]) -> dict[str, Any]:
-    """The values a flag's text does not give as such: the node id and advertise URL when
-    not given, the models and their first one's name, and the words made values."""
+    """The values a flag's text does not give as such. The node id and advertise URL when
+    not given. The models and their first one's name. The words made values."""
     node_id = values["node_id"] or re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:128]
     try:
         check_node_id(node_id)

@@ -1,11 +1,13 @@
-"""The commit rules: how one model's step is admitted against its episode's record and how
-what its run gave is kept. A module of its own because it is the one bridge between the
-table (``node/episodes.py``) and the device workers (``node/worker.py``).
+"""The commit rules: how one model's step is admitted and how what its run gave is kept.
+
+A step is admitted against its episode's record. A module of its own because it is the one
+bridge between the table (``node/episodes.py``) and the device workers (``node/worker.py``).
 
 ``Records.prepare`` and ``Records.commit`` run on a device's worker thread, or on the event
-loop's for an inline run; both take the job's lock, then the table's, in that order.
-Hazard: a run is kept only if its record is still the one it read, its claim did not end
-and no drop happened since the step began; otherwise its caller gets no result.
+loop's for an inline run. Both take the job's lock, then the table's, in that order.
+Hazard: a run is kept only if its record is still the one it read and its claim did not
+end. And no drop may have happened since the step began. Otherwise its caller gets no
+result.
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ class StepMember(Member):
 
 
 class Records:
-    """One model's side of the episode table, under its lock: a step's admission (a replay,
-    an action from its buffer, or the feed of its run) and the keeping of what a run gave.
+    """One model's side of the episode table, under its lock. A step's admission: a replay,
+    an action from its buffer, or the feed of its run. And the keeping of what a run gave.
     ``prepare`` and ``commit`` run on a device's worker thread, or on the event loop's for
     an inline run."""
 

@@ -1,8 +1,8 @@
 """A policy's tensor contract: what the model takes and returns, which outputs feed which
 inputs back, and the sidecar's declarations (``<stem>.affinity.json``).
 
-:func:`load_contract` reads the model's inputs and outputs from ONNX Runtime and checks the
-sidecar against them; any contradiction stops the node at start-up with the file, the key
+:func:`load_contract` reads the model's inputs and outputs from ONNX Runtime. It checks the
+sidecar against them. Any contradiction stops the node at start-up with the file, the key
 and the problem. Inputs named ``state_in.*``, ``control.*`` and ``rtc.*`` are filled by the
 node and hidden from clients (:attr:`PolicyContract.observation_inputs`). Shapes are ONNX
 Runtime's: a dimension is an ``int``, a symbolic name (``str``) or ``None`` (unknown). The
@@ -202,12 +202,12 @@ class PolicyContract:
     def to_json(self) -> dict[str, Any]:
         """The contract as served by ``GET /model``.
 
-        ``inputs``: the observation inputs a client sends in ``/act``, ``outputs``: the
-        outputs it gets back, both in the shape of one step (the batch axis as 1);
+        ``inputs``: the observation inputs a client sends in ``/act``. ``outputs``: the
+        outputs it gets back. Both are in the shape of one step (the batch axis as 1).
         ``state``: state input -> output fed back into it (kept by the server, never sent nor
-        returned); ``batch_axis``: dimension 0 is the batch axis (openpi observations leave
-        it out); ``chunk``: the action-chunk output or null; ``observations``: openpi
-        observation key -> input; ``metadata``: the sidecar's map for openpi clients.
+        returned). ``batch_axis``: dimension 0 is the batch axis (openpi observations leave
+        it out). ``chunk``: the action-chunk output or null. ``observations``: openpi
+        observation key -> input. ``metadata``: the sidecar's map for openpi clients.
         """
         return {
             "inputs": [self.step_spec(spec).to_json() for spec in self.observation_inputs],

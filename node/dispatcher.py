@@ -231,11 +231,11 @@ class MultiGpuDispatcher:
         A fresh claim (status ``claimed``) expects no state anywhere. ``inputs``: the
         step's inputs with the caller's control values (None: ``step.inputs``).
         ``generation``: the table's when the step began (None: now; a drop since keeps
-        nothing). Of the step: ``seq``, the number the caller expects to be applied (a
+        nothing). Of the step: ``seq`` is the number the caller expects to be applied. A
         retry of the one applied, with the same inputs, gets its stored reply, no model
-        run; any other mismatch raises :class:`SeqConflict` and changes nothing);
-        ``origin``, the forward it came in (:meth:`EpisodeTable.undo`); ``deadline``, past
-        which a cancelled step's run counts as hung; ``execute_steps`` and ``ensemble``
+        run. Any other mismatch raises :class:`SeqConflict` and changes nothing.
+        ``origin`` is the forward it came in (:meth:`EpisodeTable.undo`). ``deadline``:
+        past it a cancelled step's run counts as hung. ``execute_steps`` and ``ensemble``
         (:meth:`mode_for`); ``rtc`` (:meth:`rtc_for`; None: estimate both); ``arrived``
         (None: now).
 
@@ -294,8 +294,8 @@ class MultiGpuDispatcher:
     def _handle_cancel(
         self, dev: DeviceWorker, job: StepJob, episode: str, deadline: float
     ) -> bool:
-        """The caller of ``job`` was cancelled: a run still going at its ``deadline`` counts
-        as hung; what it applied is undone, unless it named its seq: then it runs on and
+        """The caller of ``job`` was cancelled. A run still going at its ``deadline`` counts
+        as hung. What it applied is undone, unless it named its seq. Then it runs on and
         keeps its result for the caller's retry (True: held)."""
         committed = 0
         with job.lock:

@@ -1,13 +1,13 @@
 """Prometheus metrics of one node, with bounded and documented label values.
 
 ``LABELS`` is the contract: every label value a series may carry. ``device`` values are
-this node's device ids (bounded by its GPUs); ``build`` values are this process's own
-(:data:`BUILD`: one value each); ``model`` values are the names and versions the fleet's
-nodes registered (set by operators, never by a client: a step's model is checked against
-the registry before anything is counted), and ``served`` values the ``"name@version"``
-the fleet's nodes registered. No episode id is ever a label. The registry also carries
-prometheus-client's ``process_*`` series (CPU seconds, resident memory, open file
-descriptors, start time; on Linux).
+this node's device ids (bounded by its GPUs). ``build`` values are this process's own
+(:data:`BUILD`: one value each). ``model`` values are the names and versions the fleet's
+nodes registered. They are set by operators, never by a client: a step's model is checked
+against the registry before anything is counted. ``served`` values are the
+``"name@version"`` the fleet's nodes registered. No episode id is ever a label. The
+registry also carries prometheus-client's ``process_*`` series (CPU seconds, resident
+memory, open file descriptors, start time; on Linux).
 docs/metrics.md lists the same names and values; a test checks both ways.
 """
 
@@ -110,7 +110,7 @@ class LoopBuckets:
 
 class LoopHistogram:
     """A histogram observed from one thread only, the event loop's (each step, at the node
-    it came in by): a child's buckets are plain integers, so an observation costs a
+    it came in by). A child's buckets are plain integers. So an observation costs a
     bisection and two additions (prometheus-client's ``Histogram`` takes two locks, ~1 µs).
     A scrape from another thread may read a child between its count and its sum: never a
     lost count. Exported like any histogram, its family declared before any child exists."""

@@ -125,9 +125,9 @@ def advance(
     model: str = "",
     asked: Mapping[str, Array] | None = None,
 ) -> Episode:
-    """The record after ``result`` was applied on ``base`` (None: from ``initial``, the
-    initial state; a reset's initial record keeps ``doubt``, so a retry after an undo
-    still says ``state_reset``); ``sent``: the chunk the step sent and when (RTC models).
+    """The record after ``result`` was applied on ``base``. None: from ``initial``, the
+    initial state. A reset's initial record keeps ``doubt``, so a retry after an undo
+    still says ``state_reset``. ``sent``: the chunk the step sent and when (RTC models).
     Call it holding the table's lock: ``base``, the current record, loses its
     ``previous``."""
     if base is None:
@@ -143,11 +143,11 @@ def advance(
 
 
 def undone(record: Episode, seq: int | None, origin: str | None) -> Episode | None:
-    """The record once step ``seq`` (or the step applied by forward ``origin``) is undone:
-    its previous record, or ``record`` marked in doubt when a later step was applied
-    meanwhile (the next step says ``state_reset``). None: nothing to undo (the step was
-    never applied, was undone already, named its ``seq`` (held for its caller's retry),
-    or its reply was replayed to a retry, which delivered it)."""
+    """The record once step ``seq`` (or the step applied by forward ``origin``) is undone.
+    That is its previous record, or ``record`` marked in doubt when a later step was
+    applied meanwhile (the next step says ``state_reset``). None: nothing to undo. The step
+    was never applied or was undone already. Or it named its ``seq`` (held for its
+    caller's retry). Or its reply was replayed to a retry, which delivered it."""
     matches = record.seq == seq if origin is None else (origin != "" and record.origin == origin)
     if matches and (record.pinned or record.asked is not None):
         return None  # delivered by a replay, or held for the retry its seq makes safe

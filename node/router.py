@@ -1,15 +1,18 @@
 """Find the owner of a step's episode and forward the step once: the router.
 
 Every front door calls :meth:`Router.act` with a decoded :class:`~node.step.Step`. The
-layers each add one concern: :meth:`Router.act` (metrics) → ``_act_within_deadline``
-(the client's deadline, patient retries) → ``_act_handling_restart`` (a restart is made
-by the owner; an episode held here is served from memory; a hint is tried) →
-``_act_at_owner`` (serve here, or forward once).
+layers each add one concern, outermost first:
 
-Routers ask, owners answer: Redis (a resolve) decides who owns an episode; a hint (the
-owner the last forward found, :class:`Locator`) is only where to ask first, evicted when
-the owner answers that it does not hold the episode. Nothing a router knows fences any
-node. A step whose reply reaches nobody is undone at its owner (:meth:`Router.undelivered`),
+- :meth:`Router.act`: metrics.
+- ``_act_within_deadline``: the client's deadline, patient retries.
+- ``_act_handling_restart``: a restart is made by the owner; an episode held here is
+  served from memory; a hint is tried.
+- ``_act_at_owner``: serve here, or forward once.
+
+Routers ask, owners answer: Redis (a resolve) decides who owns an episode. A hint (the
+owner the last forward found, :class:`Locator`) is only where to ask first. It is evicted
+when the owner answers that it does not hold the episode. Nothing a router knows fences
+any node. A step whose reply reaches nobody is undone at its owner (:meth:`Router.undelivered`),
 unless it named its ``seq``: then it is held for the client's retry. The questions to
 Redis are ``node/resolver.py``'s; a step without an episode is ``node/stateless.py``'s.
 """
@@ -345,9 +348,9 @@ class Router:
             log.warning("could not tell %s to undo a step of %r (%s)", url, episode, problem)
 
     async def end_anywhere(self, episode: str) -> str | None:
-        """End ``episode`` where it lives (``POST /episodes/<id>/end`` on any node): its
-        owner drops it, then releases it in Redis, token-checked; an end sent to another
-        node is forwarded to the owner, so no owner keeps serving from memory an episode
+        """End ``episode`` where it lives (``POST /episodes/<id>/end`` on any node). Its
+        owner drops it, then releases it in Redis, token-checked. An end sent to another
+        node is forwarded to the owner. So no owner keeps serving from memory an episode
         Redis gave up. Returns the device it was on, None when Redis holds no assignment.
         Raises ``StaleToken``/``UnknownEpisode`` (it changed meanwhile),
         ``BackendUnavailable``, :class:`Unavailable` (an owner alive but unreachable)."""

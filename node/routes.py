@@ -99,8 +99,8 @@ async def get_episode(episode_id: str, s: Service) -> Response:
 
 
 async def admin(request: Request, s: Service) -> None:
-    """Pass the admin's token; else raise :class:`AdminRefused`: 401 without valid
-    credentials (none, or a wrong token), 403 with credentials that are valid but not the
+    """Pass the admin's token; else raise :class:`AdminRefused`. 401 without valid
+    credentials (none, or a wrong token). 403 with credentials that are valid but not the
     admin's (a client's API key), or while the admin API is disabled."""
     expected = s.config.admin_token
     if not expected:
@@ -142,9 +142,9 @@ async def list_devices(s: Service) -> Response:
 
 @devices.post("/devices/{device:path}/drain", dependencies=[Depends(admin)])
 async def drain(request: Request, device: str, s: Service) -> Response:
-    """Admin: the device takes no new episodes; it keeps them, or with ``move=true`` its
-    node moves them to other devices with their state at its next lease renewal (as
-    ``affinity drain --move``)."""
+    """Admin: the device takes no new episodes. It keeps the ones it has. With
+    ``move=true`` its node moves them to other devices with their state at its next lease
+    renewal (as ``affinity drain --move``)."""
     move = request.query_params.get("move", "false").lower()
     if move not in ("true", "false", "1", "0"):
         return error(
@@ -217,8 +217,8 @@ async def model(s: Service) -> Response:
 @models.get("/models", name="models")
 async def list_models(s: Service) -> Response:
     """Every model of the fleet: name, version, the live nodes serving it, its rollout
-    weight (null: the newest version takes new episodes), and whether it is the newest
-    version of its name and served on this node."""
+    weight. A null weight means the newest version takes new episodes. Also whether it is
+    the newest version of its name and served on this node."""
     here = {str(m) for m, _ in s.models.values()}
     rows = await Inventory(s.redis, s.config.settings).models()  # BackendUnavailable: the app's
     return JSONResponse(

@@ -1,14 +1,16 @@
-"""The fleet's autoscaling signals, as every node exports them: how full the devices that may
-take a new episode of each model version are (``affinity_fleet_saturation``,
-``affinity_fleet_live_episodes``, ``affinity_fleet_capacity``).
+"""The fleet's autoscaling signals, as every node exports them.
+
+They say how full the devices that may take a new episode of each model version are
+(``affinity_fleet_saturation``, ``affinity_fleet_live_episodes``,
+``affinity_fleet_capacity``).
 
 A fleet-level figure must not come in N different copies from N nodes. Each node exports
-the one view of the fleet that Redis holds (``Inventory.fleet_view``): one node a period
-(whichever asks first) reads the devices and writes the result, and every node exports what
-was written, so all nodes show the same value (at most one period apart) and a query takes
+the one view of the fleet that Redis holds (``Inventory.fleet_view``). One node a period
+(whichever asks first) reads the devices and writes the result. Every node exports what
+was written. So all nodes show the same value (at most one period apart), and a query takes
 ``max()`` of them. No node holds a role: when the reader of a period dies, the next period
 has another one. A view older than three periods (Redis unreachable, no reader) is not
-exported at all (a failed read keeps the last view until then): the series disappear, so a
+exported at all. A failed read keeps the last view until then. The series disappear, so a
 scaler sees no answer rather than a stale one.
 Model versions no live node serves any more disappear too; the label values are the
 ``name@version`` the fleet's nodes registered.

@@ -1,21 +1,21 @@
 """Model statistics in Triton's shape (``GET /v2/models/{m}/stats``, gRPC ``ModelStatistics``),
 one entry per model this node serves, counted apart for each model.
 
-What each field holds, for one model on this node (its counters start at zero when the
-process starts, like Triton's):
+What each field holds, for one model on this node. Its counters start at zero when the
+process starts, like Triton's.
 
 - ``inference_count``: steps this node's devices ran through the model (one per row of a
-  model run, padding not counted); ``execution_count``: its model runs; ``last_inference``:
+  model run, padding not counted). ``execution_count``: its model runs. ``last_inference``:
   when the last run ended (ms since the epoch; 0 before the first).
 - ``inference_stats.queue``: the model's steps that waited on a device for their run, and
   the total wait.
 - ``inference_stats.success``: KServe infer requests (HTTP and gRPC) for the model that this
-  node answered, served here or forwarded to the owner, with their total latency;
+  node answered, with their total latency. They were served here or forwarded to the owner.
   ``fail``: those it answered with a 503 or a model failure (``ns`` 0: not measured).
   Steps through ``/act`` and openpi count in ``inference_count`` and in ``/metrics``.
 - ``compute_input``, ``compute_infer``, ``compute_output``, ``cache_hit``, ``cache_miss``:
-  not measured apart (the model run is one ONNX Runtime call; there is no response cache),
-  so always zero; ``batch_stats`` is empty for the same reason.
+  not measured apart, so always zero. The model run is one ONNX Runtime call, and there is
+  no response cache. ``batch_stats`` is empty for the same reason.
 """
 
 from __future__ import annotations

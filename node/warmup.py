@@ -1,18 +1,21 @@
-"""What a node feeds a model before any client does: the warm-up at start-up (one run per
-batch size, which also captures CUDA graphs) and the probe of a down device.
+"""What a node feeds a model before any client does: the warm-up and the probe.
+
+The warm-up runs at start-up, once per batch size; it also captures CUDA graphs. The probe
+runs on a down device.
 
 A model must never be fed made-up values it may reject (Triton warms a model up only from
 the samples its configuration gives). So the feed of an observation input is, in order:
 
 1. the operator's sample: ``<stem>.warmup.npz`` beside the model file (the sidecar's
-   neighbour, ``np.savez``), one array per observation input named as the input, in the
-   shape of one client step (the batch axis as 1), checked at start-up by the rule every
-   front door applies to a client's arrays (strings as numpy ``str`` arrays: no pickles);
+   neighbour, ``np.savez``). It holds one array per observation input named as the input,
+   in the shape of one client step (the batch axis as 1). It is checked at start-up by the
+   rule every front door applies to a client's arrays. Strings come as numpy ``str``
+   arrays: no pickles.
 2. else zeros, for a numeric input: every numeric dtype holds 0, and a new episode's state
-   starts from zeros too;
-3. else nothing: a string (BYTES) input has no value the contract guarantees valid (an
-   empty string fails a model that parses numbers from it), so the model is not warmed up
-   (one info line) and serves all the same; its first steps pay what the warm-up would have.
+   starts from zeros too.
+3. else nothing: a string (BYTES) input has no value the contract guarantees valid. An
+   empty string fails a model that parses numbers from it. So the model is not warmed up
+   (one info line) and serves all the same. Its first steps pay what the warm-up would have.
 
 State inputs get the initial state, control inputs zeros and real-time-chunking inputs a
 step without a prefix: what the node itself feeds a first step.
