@@ -3,7 +3,7 @@
 A model input named ``control.start``, ``control.end``, ``control.ready`` or
 ``control.corrid`` (``node.contract.CONTROL_INPUTS``) is not sent by clients. It is hidden
 from them like ``state_in.*``. The node fills it, on every front door, with Triton's
-semantics:
+semantics.
 
 - ``control.start``: 1 on an episode's first step on its device, and on the first step
   after its state was reset (a new claim, a reassignment, ``sequence_start``, lost state);

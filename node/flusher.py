@@ -1,15 +1,17 @@
 """The owner's batched writes to Redis, and what Redis' answers let it keep serving.
 
-The flush (``affinity/lua/flush.lua``, one round trip, at most once a second, only when
-there is something to say) releases what idled out and slides the backstop of an episode
-stepped since its last slide once that backstop is less than a lease + :data:`SLIDE_AHEAD_S`
-from running out: with the default 300 s idle timeout, one slide every ~5 minutes a
-stepping episode. An episode Redis answers as lost (another claim holds it) is dropped.
+The flush is ``affinity/lua/flush.lua``: one round trip, at most once a second, only when
+there is something to say. It releases what idled out. It slides the backstop of an
+episode stepped since its last slide, once that backstop is less than a lease +
+:data:`SLIDE_AHEAD_S` from running out. With the default 300 s idle timeout, that is one
+slide every ~5 minutes a stepping episode. An episode Redis answers as lost (another claim
+holds it) is dropped.
 
-It is the lease's listener (``node.lease.LeaseListener``): a registration re-asserts what
-is held, a renewal brings operators' revocations, another Redis server makes every record due.
+It is the lease's listener (``node.lease.LeaseListener``). A registration re-asserts what
+is held. A renewal brings operators' revocations. Another Redis server makes every record
+due.
 
-Hazards: an episode being released in the flush in flight is never served from memory; a
+Hazards: an episode being released in the flush in flight is never served from memory. A
 slide that too few replicas acknowledged is not counted (a failover could undo it).
 """
 

@@ -37,7 +37,7 @@ class Session(Protocol):
 
 class Arrivals:
     """How many steps are on their way through the node (being resolved or checked), for
-    every dispatcher of the node: while any is, a device holding a waiting step may wait up
+    every dispatcher of the node. While any is, a device holding a waiting step may wait up
     to ``batch_delay`` for others to join its run. Event loop only (workers read it)."""
 
     __slots__ = ("count",)

@@ -2,8 +2,9 @@
 
 While an owner is down and its lease is still alive, its episodes get 503s (never a second
 owner); the access log then shows only 503 lines. :class:`PeerHealth` writes one warning
-when a forward to an owner first fails, one when that owner answers again, and one when its
-lease lapsed (an episode it held is claimed anew elsewhere) — not one per request.
+when a forward to an owner first fails, and one when that owner answers again. It writes
+one when its lease lapsed (an episode it held is claimed anew elsewhere). Not one per
+request.
 """
 
 from __future__ import annotations

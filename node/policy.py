@@ -1,10 +1,11 @@
 """Deprecated: the old home of policy I/O, kept for one release so that imports of
 ``node.policy`` go on working; it is deleted in the release after.
 
-It re-exports the old names from their new modules: the contract from
-:mod:`node.contract`, the input rule from :mod:`node.inputs` (``parse_inputs``,
-``inputs_from_arrays`` and ``inputs_from_observation`` are ``from_json``, ``from_arrays``
-and ``from_observation`` there), the packaged models from :mod:`node.models`.
+It re-exports the old names from their new modules. The contract comes from
+:mod:`node.contract` and the packaged models from :mod:`node.models`. The input rule comes
+from :mod:`node.inputs`: ``parse_inputs``, ``inputs_from_arrays`` and
+``inputs_from_observation`` are ``from_json``, ``from_arrays`` and ``from_observation``
+there.
 ``reference_rollout``, a test oracle, is now ``tests/rollout.py``.
 """
 

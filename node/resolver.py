@@ -1,8 +1,8 @@
 """Ask Redis who owns a step's episode: the resolve, its admission backlog, its refusals.
 
-Redis decides (``affinity/claims.py``); this module asks and maps the answer to the step's
-errors: another model or version 409 ``model_conflict``, a model no node registered 404
-``unknown_model``, the rest 503 with a reason. With ``--admission-wait`` a claim that finds
+Redis decides (``affinity/claims.py``). This module asks and maps the answer to the step's
+errors. Another model or version is 409 ``model_conflict``. A model no node registered is
+404 ``unknown_model``. The rest is 503 with a reason. With ``--admission-wait`` a claim that finds
 every device full waits in the backlog (``node/admission.py``) until its step's deadline.
 """
 

@@ -4,7 +4,7 @@ While the robot executes chunk k, chunk k+1 is computed from a fresh observation
 d actions (those the robot executes while inference runs) must equal chunk k's. The rest
 of the overlap is guided towards them (Black et al., *Real-Time Execution of Action Chunking
 Flow Policies*, 2025). The server side of that is per-episode state: the chunk last sent and
-where the robot is in it. A model may declare these inputs:
+where the robot is in it. A model may declare these inputs.
 
 * ``rtc.prefix`` float ``[B, H, D]`` (``[H, D]`` without a batch axis): the previous chunk's
   actions from the one the robot reached when this observation was taken, zero-padded to H.

@@ -1,12 +1,17 @@
 """One node, composed: its episode table, its models' dispatchers, the lease, the owner,
 the router, the devices' health.
 
-Each piece answers one question in its own module: ``episodes.py`` (what the owner
-remembers), ``lease.py`` (is this node alive; fencing), ``owner.py`` (may I serve, and
-serve; let go; flush), ``router.py`` (find the owner, forward once), ``health.py`` (device
-crashes and probes), ``forward.py`` (the connection pool to owners); the wire protocols are
-in ``node/protocols/``. This class builds them from the configuration and starts and stops
-them in order, and runs the node's maintenance loop.
+Each piece answers one question in its own module:
+
+- ``episodes.py``: what the owner remembers.
+- ``lease.py``: is this node alive; fencing.
+- ``owner.py``: may I serve, and serve; let go; flush.
+- ``router.py``: find the owner, forward once.
+- ``health.py``: device crashes and probes.
+- ``forward.py``: the connection pool to owners.
+
+The wire protocols are in ``node/protocols/``. This class builds them from the
+configuration and starts and stops them in order, and runs the node's maintenance loop.
 """
 
 from __future__ import annotations

@@ -55,11 +55,11 @@ def build_service(
 ) -> Callable[[], Awaitable[NodeService]]:
     """The start-up of a node, as a factory for :func:`node.app.create_app`.
 
-    ``redis`` defaults to a client for ``config.settings`` (or the embedded store);
-    ``session_factory(spec)`` returns (session, provider really used) and defaults to
-    ONNX Runtime with the device's provider plan; ``pool`` carries forwards to owners
-    (tests route them in-process). Raises :class:`StartupError` for a
-    device list or model the node cannot use.
+    ``redis`` defaults to a client for ``config.settings`` (or the embedded store).
+    ``session_factory(spec)`` returns (session, provider really used). It defaults to
+    ONNX Runtime with the device's provider plan. ``pool`` carries forwards to owners
+    (tests route them in-process). Raises :class:`StartupError` for a device list or model
+    the node cannot use.
     """
 
     async def factory() -> NodeService:

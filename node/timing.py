@@ -1,13 +1,14 @@
 """A served step's time at the node it came in by, its parts, and its control period.
 
 The node a step comes in by (``Router.act``, behind every front door) counts each served
-step once: its time from the request to the reply (``affinity_step_seconds``), the parts
-of it that the owner and the forward measured (``affinity_step_part_seconds``: ``queue``,
-``run``, ``forward``), and, when the step has a control period (its ``control_hz``, else
-the node's ``--control-hz``), a deadline miss when that time exceeded the period
-(``affinity_deadline_miss_total``). The owner of a forwarded step counts nothing of it:
-its router does. The reply's ``timing`` gets ``total_ms``, which a front door sends back
-with the rest of the split when the client asks for it (``Reply.split``).
+step once. It counts its time from the request to the reply (``affinity_step_seconds``).
+It counts the parts of it that the owner and the forward measured
+(``affinity_step_part_seconds``: ``queue``, ``run``, ``forward``). The step may have a
+control period: its ``control_hz``, else the node's ``--control-hz``. Then it counts a
+deadline miss when that time exceeded the period (``affinity_deadline_miss_total``). The
+owner of a forwarded step counts nothing of it: its router does. The reply's ``timing``
+gets ``total_ms``. A front door sends it back with the rest of the split when the client
+asks for it (``Reply.split``).
 """
 
 from __future__ import annotations

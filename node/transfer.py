@@ -1,13 +1,14 @@
 """An episode's record between nodes: what a live hand-over sends, binary, size-checked.
 
-Everything the owner remembers about the episode moves: the recurrent state, the action
-buffer and its position, the chunk real-time chunking last sent (with its age: clocks
-differ between hosts) and the latency window, ``seq``, the stored reply, the inputs of a
-step held for its retry, and the claim's model. The record before the last step does not
-move (an undo of the last step that reaches the new owner leaves the episode in doubt: the
-next step says ``state_reset``). Tensors travel as msgpack arrays (``affinity/wire.py``:
-shapes checked against the message before anything is allocated); the receiver checks
-the state against its own model's contract before it installs anything.
+Everything the owner remembers about the episode moves. That is the recurrent state, the
+action buffer and its position, and the latency window. It is the chunk real-time chunking
+last sent, with its age (clocks differ between hosts). It is ``seq``, the stored reply, the
+inputs of a step held for its retry, and the claim's model. The record before the last step
+does not move. So an undo of the last step that reaches the new owner leaves the episode in
+doubt: the next step says ``state_reset``. Tensors travel as msgpack arrays
+(``affinity/wire.py``: shapes checked against the message before anything is allocated).
+The receiver checks the state against its own model's contract before it installs
+anything.
 """
 
 from __future__ import annotations
