@@ -5,9 +5,9 @@ A model input named ``control.start``, ``control.end``, ``control.ready`` or
 from them like ``state_in.*``. The node fills it, on every front door, with Triton's
 semantics.
 
-- ``control.start``: 1 on an episode's first step on its device, and on the first step
-  after its state was reset (a new claim, a reassignment, ``sequence_start``, lost state);
-  else 0. A stateless step is a sequence of one step: 1.
+- ``control.start``: 1 on an episode's first step on its device. Also 1 on the first step
+  after its state was reset (a new claim, a reassignment, ``sequence_start``, lost state).
+  Else 0. A stateless step is a sequence of one step: 1.
 - ``control.end``: 1 on the step that ends the episode (``end`` in ``/act``,
   ``sequence_end`` in KServe); else 0. A stateless step: 1.
 - ``control.ready``: 1 for each row that carries a real step, 0 for the rows a batched run
