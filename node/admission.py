@@ -1,6 +1,6 @@
 """A bounded backlog for new episodes that find every device full (``--admission-wait``).
 
-Triton's sequence batcher holds a new sequence in a backlog until a slot frees; without one,
+Triton's sequence batcher holds a new sequence in a backlog until a slot frees. Without one,
 a new episode beyond the fleet's capacity gets an immediate 503. With ``--admission-wait
 SECONDS``, a claim that answers ``full`` waits here instead. ``full`` means nodes alive,
 every device at capacity, draining or down. First come, first served: at most
@@ -67,9 +67,9 @@ class Admission:
         return len(self._line)
 
     async def wait(self, episode: str, claim: Callable[[], Awaitable[T]], deadline: float) -> T:
-        """Retry ``claim`` (which raises :class:`NoCapacity` while every device is full) in
-        the backlog's order until it succeeds, ``wait_s`` has passed or ``deadline`` (on
-        ``clock``) comes; then the last ``NoCapacity``. A full backlog raises at once. Any
+        """Retry ``claim`` in the backlog's order; it raises :class:`NoCapacity` while every
+        device is full. Retry until it succeeds, ``wait_s`` has passed or ``deadline`` (on
+        ``clock``) comes; then raise the last ``NoCapacity``. A full backlog raises at once. Any
         other error of ``claim`` passes through."""
         if len(self._line) >= self.limit:
             raise NoCapacity(episode)

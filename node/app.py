@@ -2,8 +2,8 @@
 
 ``POST /act``, the nodes' ``POST /internal/*`` and ``/v2`` go straight to
 ``node/protocols/``, without a framework on the request path; websockets go to openpi.
-Two checks run before any route: a browser's request from another site that changes
-something is refused (403 ``cross_site``), and with ``--api-key`` the paths of
+Two checks run before any route. A browser's request from another site that changes
+something is refused (403 ``cross_site``). With ``--api-key`` the paths of
 :data:`PROTECTED` want the key (401). Errors are JSON ``{"error": {"code", "message",
 "field"?}}``; under ``/v2`` KServe's own. Hazard: a new path that reads or changes
 episodes must be listed in :data:`PROTECTED`.

@@ -62,8 +62,8 @@ async def while_connected(
 ) -> T:
     """Await ``work`` (in this task) while the client's connection stays open; call it
     once the request body has been read. A close cancels ``work`` and raises
-    :class:`ClientGone`, as does a close seen the moment ``work`` finished (with its
-    result, so that the caller can undo what no one will receive).
+    :class:`ClientGone`. So does a close seen the moment ``work`` finished, with its
+    result, so that the caller can undo what no one will receive.
 
     Work that ends within :data:`WATCH_AFTER_S` is not watched while it runs. Its
     connection is checked once, when it finished, which costs no task. It is checked by
@@ -144,7 +144,7 @@ async def io_seen() -> None:
 def _closed_now(receive: Receive) -> bool:
     """Whether ``receive()`` answers ``http.disconnect`` without waiting: run its coroutine
     up to its first suspension and close it there. A server's ``receive`` returns at once
-    once the connection closed (uvicorn, httpx's ASGI transport); one that is not a plain
+    once the connection closed (uvicorn, httpx's ASGI transport). One that is not a plain
     coroutine is awaited in a task, as long work is."""
     probe = receive()
     send = getattr(probe, "send", None)

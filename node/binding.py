@@ -59,8 +59,8 @@ class DeviceTensor:
     Two buffers of the tensor's size. A step reads the handle it is fed and writes the new
     state into the other buffer, returning the handle of that one. The one it read is left as
     it was. So a step whose result is not kept (its caller gave up) leaves the episode's state
-    intact. That holds as long as only the latest kept handle of an episode is fed, and one
-    step of an episode runs at a time — which the dispatcher guarantees.
+    intact. That holds as long as only the latest kept handle of an episode is fed. And one
+    step of an episode must run at a time. The dispatcher guarantees both.
     """
 
     __slots__ = ("_buffers", "_current", "dtype", "shape")

@@ -121,7 +121,7 @@ class ChunkMode:
 class ActionBuffer:
     """One episode's chunks. Immutable: each step makes the next buffer.
 
-    ``t`` is the time step the next reply is for (steps served since the buffer began);
+    ``t`` is the time step the next reply is for (steps served since the buffer began).
     ``chunks`` holds (time step it was predicted at, ``[H, D]`` chunk), oldest first.
     """
 

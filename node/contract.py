@@ -233,9 +233,9 @@ def load_contract(model_path: Path) -> PolicyContract:
     """Read the tensor contract of the model at ``model_path`` with its sidecar's declarations.
 
     Names, shapes and dtypes come from ONNX Runtime (CPU provider); the rest from the sidecar,
-    or defaults (``docs/policies.md``). Raises ``ValueError`` naming the file, the sidecar key and
-    the problem when the sidecar is malformed or contradicts the model, or a tensor has a type
-    a policy cannot use.
+    or defaults (``docs/policies.md``). Raises ``ValueError`` when the sidecar is malformed or
+    contradicts the model, or a tensor has a type a policy cannot use. It names the file, the
+    sidecar key and the problem.
     """
     session = _cpu_session(model_path)
     inputs = tuple(_spec(arg) for arg in session.get_inputs())

@@ -24,7 +24,7 @@ NVIDIA MIG user guide). Naming several raises ``ValueError``; run one ``affinity
 instance.
 
 Ordinals. CUDA (and so ONNX Runtime's ``device_id``) numbers only the GPUs that
-``CUDA_VISIBLE_DEVICES`` lets through, in the order that variable lists them, while
+``CUDA_VISIBLE_DEVICES`` lets through, in the order that variable lists them.
 ``nvidia-smi`` lists every GPU regardless. :attr:`DeviceSpec.ordinal` is the CUDA number.
 Both agree on the numbering only when ``CUDA_DEVICE_ORDER=PCI_BUS_ID``. CUDA's default
 orders the fastest GPU first. So call :func:`pin_pci_bus_order` on ``os.environ`` before

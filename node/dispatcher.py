@@ -1,7 +1,7 @@
 """``MultiGpuDispatcher``: one model's steps on the node's devices.
 
-A step is admitted against its episode's record: a retry of the step already applied gets
-its reply again, and a step the action buffer holds is answered from it. Any other step goes
+A step is admitted against its episode's record. A retry of the step already applied gets
+its reply again. A step the action buffer holds is answered from it. Any other step goes
 to its device's worker (``node/worker.py``: the queue, batches, inline runs). The worker
 keeps a run only by the commit rules of ``node/commit.py``. No HTTP, no Redis: sessions
 come from an injectable factory, so the rules are tested with fakes and no GPU.
@@ -177,11 +177,11 @@ class MultiGpuDispatcher:
         """The chunk mode of a step with these overrides (None: off).
 
         With neither override, the node's mode. An override replaces the node's mode for
-        the step: ``execute_steps=k`` alone is execute-k without ensembling,
-        ``ensemble="exp"`` alone ensembles (the model runs every step), ``"none"`` alone is
+        the step. ``execute_steps=k`` alone is execute-k without ensembling.
+        ``ensemble="exp"`` alone ensembles (the model runs every step). ``"none"`` alone is
         execute-1. Raises :class:`affinity.InvalidArgument` for k outside 1..H, a
-        non-integer k, an unknown ensemble mode, ensembling with k > 1, or any override
-        when the model has no action chunk.
+        non-integer k, an unknown ensemble mode or ensembling with k > 1. Also for any
+        override when the model has no action chunk.
         """
         if execute_steps is None and ensemble is None:
             return self.chunk_mode

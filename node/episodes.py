@@ -125,8 +125,8 @@ class _Bounded(OrderedDict[str, _V]):
 class EpisodeTable:
     """The owner's memory, node-wide (see the module doc).
 
-    The records and what the table remembers are guarded by :attr:`lock`, taken by the
-    device threads and the event loop; methods ending in ``_locked`` expect it held. The
+    The records and what the table remembers are guarded by :attr:`lock`. The device
+    threads and the event loop take it. Methods ending in ``_locked`` expect it held. The
     in-flight counts (:meth:`enter`, :meth:`leave`, :meth:`wait_idle`) are the event
     loop's only."""
 
@@ -364,9 +364,9 @@ class EpisodeTable:
 
     def undo(self, episode: str, seq: int | None = None, origin: str | None = None) -> bool:
         """Undo step ``seq`` of ``episode`` (or the step forward ``origin`` applied), whose
-        reply did not reach a live caller (see :func:`undone`). A forward applied with
-        later steps on top (its router was paused while the client went on through
-        another node) leaves the record in doubt: the next step says ``state_reset``. A
+        reply did not reach a live caller (see :func:`undone`). A forward may be applied
+        with later steps on top: its router was paused while the client went on through
+        another node. That leaves the record in doubt: the next step says ``state_reset``. A
         forward not applied yet is remembered as given up: it never applies. True when
         something changed."""
         with self.lock:

@@ -146,8 +146,8 @@ class InvalidInput(ValueError):
 
 
 class BadRequest(ValueError):
-    """A request this protocol refuses with 400; ``reason`` is the rejection metric's label
-    (``malformed`` for a body that is not a v2 request, ``bad_input`` for a bad value)."""
+    """A request this protocol refuses with 400. ``reason`` is the rejection metric's label:
+    ``malformed`` for a body that is not a v2 request, ``bad_input`` for a bad value."""
 
     def __init__(self, message: str, reason: str = "bad_input") -> None:
         self.reason = reason
@@ -206,7 +206,7 @@ class SeqConflict(StepRefused):
 
 class ClaimEnded(StepRefused):
     """The step's claim ended here (its episode was ended, released, expired or claimed
-    anew) before the step was kept: nothing was applied; its router asks Redis again."""
+    anew) before the step was kept. Nothing was applied; its router asks Redis again."""
 
     def __init__(self, episode: str, claim: str) -> None:
         self.episode = episode

@@ -8,7 +8,7 @@ model: names, shapes and dtypes. A node serving another model refuses them 422, 
 counting them as a crash. The owner does not redo what the router decided (no second
 resolve unless the tokens disagree).
 The forward carries the :class:`~node.step.Step` whole, field by field under fixed msgpack
-keys: a new step option travels without a change here, and nodes of two releases talk.
+keys. So a new step option travels without a change here, and nodes of two releases talk.
 
 The client is deliberately small: requests with a ``Content-Length`` body, responses with
 a ``Content-Length`` body (what affinity nodes send), keep-alive, one request at a time

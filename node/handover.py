@@ -92,9 +92,9 @@ class Mover:
     # ---- the old owner ---------------------------------------------------------------
 
     async def hand_over(self, episode: str, reason: Reason, target: str = "") -> Outcome:
-        """Move ``episode`` with its state; when nothing can take it, or the transfer
-        fails before its commit, hand it over without its state (its next step is
-        ``reassigned`` with ``state_reset``). A hand-over already under way is joined."""
+        """Move ``episode`` with its state. When nothing can take it, or the transfer
+        fails before its commit, hand it over without its state. Its next step is then
+        ``reassigned`` with ``state_reset``. A hand-over already under way is joined."""
         if not self.table.begin_move(episode):
             await self.table.wait_moved(episode)
             return "kept"

@@ -90,10 +90,10 @@ class CrashTracker:
 
 
 async def probe(worker: DeviceWorker, contract: PolicyContract) -> bool:
-    """Probe ``worker``'s device if it is down and its cool-down has passed, with the
-    warm-up's feed (``node.warmup``), on its worker thread; True when it came back up. A
-    model nothing may be fed to made up comes back untested, and its next steps probe it
-    (a failure takes it down again)."""
+    """Probe ``worker``'s device if it is down and its cool-down has passed. The probe runs
+    the warm-up's feed (``node.warmup``) on its worker thread. True when it came back up. A
+    model nothing may be fed to made up comes back untested, and its next steps probe it (a
+    failure takes it down again)."""
     if not worker.tracker.probe_due():
         return False
     feed = warmup.feed(contract)

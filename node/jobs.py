@@ -1,6 +1,8 @@
-"""What a device worker is handed: the session it runs, the jobs and members of its runs,
-and the node's count of steps on their way (:class:`Arrivals`). A module of its own so the
-dispatcher, the commit rules and the worker share these types without the worker's code.
+"""What a device worker is handed: its session, its runs' jobs, the steps on their way.
+
+The session is the one it runs. The jobs and members make up its runs. :class:`Arrivals`
+is the node's count of steps on their way. A module of its own so the dispatcher, the
+commit rules and the worker share these types without the worker's code.
 
 Hazard: a job is shared by its caller's event loop and the worker's thread. Read or change
 what they share only under ``Job.lock``; ``Arrivals.count`` is changed by the loop only.

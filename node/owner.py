@@ -352,7 +352,7 @@ class Owner:
 
     async def end(self, episode: str, token: int, *, strict: bool = False) -> None:
         """End ``episode`` here (a step that said ``end``, a closed websocket, an end
-        forwarded by a router): drop the record if it serves ``token``, then release it in
+        forwarded by a router). Drop the record if it serves ``token``. Then release it in
         Redis, token-checked. ``strict``: raise what the release raises; else a release
         Redis cannot take now is left to the episode's backstop."""
         self.table.release(episode, "end", token)

@@ -1,7 +1,7 @@
 """What a router has seen of the other nodes it forwards to, logged once per change.
 
 While an owner is down and its lease is still alive, its episodes get 503s (never a second
-owner); the access log then shows only 503 lines. :class:`PeerHealth` writes one warning
+owner). The access log then shows only 503 lines. :class:`PeerHealth` writes one warning
 when a forward to an owner first fails, and one when that owner answers again. It writes
 one when its lease lapsed (an episode it held is claimed anew elsewhere). Not one per
 request.

@@ -48,8 +48,9 @@ class StepResult:
 @dataclass(slots=True)
 class Episode:
     """What the owner remembers about one episode (see the module doc). Records are not
-    changed once current, except that the one a step replaces loses its ``previous``, a
-    step's latency is added once its reply is on its way, and ``pinned``/``doubt``."""
+    changed once current, with three exceptions. The one a step replaces loses its
+    ``previous``. A step's latency is added once its reply is on its way. And
+    ``pinned``/``doubt``."""
 
     device: str
     token: int

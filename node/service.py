@@ -257,9 +257,10 @@ class NodeService:
     ) -> tuple[str, PolicyContract]:
         """The model a step is for and the contract its inputs are checked against:
         ``name`` (None: the fleet's only model) and ``version`` (None: the episode's own
-        or the rollout's). Raises :class:`Refused` 422 ``model_required`` (no name while
-        the fleet serves several, naming them), 404 ``unknown_model`` (no live node
-        serves it), and ``InvalidArgument`` for a malformed name or version."""
+        or the rollout's). Raises :class:`Refused` 422 ``model_required`` when there is no
+        name while the fleet serves several; it names them. Raises 404 ``unknown_model``
+        when no live node serves it. Raises ``InvalidArgument`` for a malformed name or
+        version."""
         try:
             chosen = await self.catalog.choose(name, version)
             return chosen, await self.catalog.contract(chosen, version)

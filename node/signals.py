@@ -15,10 +15,10 @@ scaler sees no answer rather than a stale one.
 Model versions no live node serves any more disappear too; the label values are the
 ``name@version`` the fleet's nodes registered.
 
-Every node's own figures are not here: its admission backlog
+Every node's own figures are not here. Its admission backlog
 (``affinity_admission_waiting``) and the claims it refused for capacity
-(``affinity_routing_total{result="full"}``) are distinct on each node, and a query sums
-them (``docs/metrics.md``).
+(``affinity_routing_total{result="full"}``) are distinct on each node. A query sums them
+(``docs/metrics.md``).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ The batch window gathers waiting steps into one run.
 It knows sessions and futures, not episodes. A :class:`~node.jobs.Job` (its types are in
 ``node/jobs.py``) carries an opaque ``key`` (None: distinct). Jobs with one key run one at
 a time, in arrival order, at most one in a run.
-Its owner (the commit rules, ``node/commit.py``) says, through two callables, what a job
-runs with (``prepare``) and what is kept of the run (``commit``); both answer through
+Its owner (the commit rules, ``node/commit.py``) says through two callables what a job
+runs with (``prepare``) and what is kept of the run (``commit``). Both answer through
 :meth:`DeviceWorker.answer`.
 
 Why this is hard:
@@ -18,8 +18,8 @@ Why this is hard:
   inline round never shares its outbox.
 - A caller may give up at any moment (``Job.gave_up``). A run still going at a step's
   deadline counts once as a failure (``count_hang``): a hung GPU goes down like one that raises.
-- A failed batched run is run again one step at a time; only single runs count as failures,
-  so one bad step cannot take its batch's device down.
+- A failed batched run is run again one step at a time. Only single runs count as
+  failures, so one bad step cannot take its batch's device down.
 """
 
 from __future__ import annotations
