@@ -98,8 +98,7 @@ class DeviceWorker:
     average and nothing else waits (:meth:`run_inline`; 0: never). ``peers``: the workers of
     the same model, the device's included. ``on_batch(device, size)`` and
     ``on_queue_wait(device, seconds)`` are called on the worker's thread for each run and
-    each job that reaches the model. ``on_transition`` is called as the tracker goes down
-    or up.
+    each job that reaches the model. ``on_transition``: as the tracker goes down or up.
     """
 
     def __init__(
@@ -209,18 +208,14 @@ class DeviceWorker:
 
     def run_inline(self, job: Job) -> bool:
         """Run ``job`` now, on the event loop's thread, instead of handing it to the
-        worker's, when that costs less and takes nothing from anyone. That is when:
-
-        - the device's model runs take less than :attr:`inline_under_s` on average. The
-          hand-off there and back (two thread wake-ups, the GIL changing hands) costs
-          about as much as such a run.
-        - the device is idle.
-        - no other step is on its way through the node nor any peer busy. The loop waits
-          for the run, so a step for another device would wait too.
-
-        The node gives a bound to CPU devices only. A GPU run that hangs must not stop the
-        event loop. There its worker's watch marks the device down and the node goes on.
-        False: the worker runs it, as always under load."""
+        worker's, when that costs less and takes nothing from anyone. Three things must
+        hold. The device's model runs take less than :attr:`inline_under_s` on average; the
+        hand-off there and back (two thread wake-ups, the GIL changing hands) costs about
+        as much as such a run. The device is idle. No other step is on its way through the
+        node nor any peer busy; the loop waits for the run, so a step for another device
+        would wait too. The node gives a bound to CPU devices only. A GPU run that hangs
+        must not stop the event loop. There its worker's watch marks the device down and
+        the node goes on. False: the worker runs it, as always under load."""
         if self.run_s >= self.inline_under_s or self.arrivals.count > 0 or not job.one_row:
             return False
         if len(self.peers) > 1 and any(
