@@ -93,7 +93,7 @@ def from_observation(contract: PolicyContract, observation: object) -> Observati
     the value has the model's whole shape. Keys the model does not take are returned in
     ``ignored``, never touched. Raises :class:`InvalidInput`, and nothing else, for a missing
     key, a wrong shape or dtype, a key given twice (nested and flat), or a non-map
-    observation. Its root is ``observation`` and its ``field`` the observation key; ``""``
+    observation. The error's root is ``observation``, its ``field`` the observation key; ``""``
     when several are missing, every one named.
     """
     flat = _flatten(observation)
