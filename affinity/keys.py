@@ -116,8 +116,8 @@ class Keys:
     def fleet(self) -> str:
         """String: the fleet marker, the end (ms, server time) of the grace period after
         Redis was found to have lost its data ("0": none). Its absence means Redis lost
-        its data (or the fleet is new): the first script to notice starts a grace period
-        as long as the longest lease a node may hold, in which no new claim is granted
+        its data (or the fleet is new). The first script to notice starts a grace period
+        as long as the longest lease a node may hold. No new claim is granted in it
         (``affinity/lua/lib.lua``)."""
         return self.prefix + "fleet"
 
@@ -135,9 +135,11 @@ class Keys:
 
     @property
     def view(self) -> str:
-        """String, JSON: the fleet's live episodes and capacity per model version, as one
-        node read them (``Inventory.fleet_view``): ``{"at": ms, "models": {"name@version":
-        [live, capacity]}}``; expires after three of its periods without a new read."""
+        """String, JSON: the fleet's live episodes and capacity per model version.
+
+        One node read them (``Inventory.fleet_view``): ``{"at": ms, "models":
+        {"name@version": [live, capacity]}}``. Expires after three of its periods without a
+        new read."""
         return self.prefix + "view"
 
     @property
@@ -148,10 +150,11 @@ class Keys:
         return self.prefix + "view:reader"
 
     def episode(self, episode: str) -> str:
-        """String ``"<device> <token> <claim id> <model>"`` with the episode's backstop expiry
-        (the owner's idle timeout + two lease TTLs + 3 s, slid by the owner in batches),
-        then `` revoked`` while an operator's release waits for the owner to let go, or
-        `` moved`` once it let go (handed over; the next resolve reassigns it)."""
+        """String ``"<device> <token> <claim id> <model>"`` with the episode's backstop expiry.
+
+        The expiry is the owner's idle timeout + two lease TTLs + 3 s, slid by the owner in
+        batches. Then comes `` revoked`` while an operator's release waits for the owner to
+        let go. Or `` moved`` once it let go (handed over; the next resolve reassigns it)."""
         return self.prefix + "episode:" + episode
 
     def node(self, node: str) -> str:
@@ -174,9 +177,11 @@ class Keys:
         return self.prefix + "moved:" + device
 
     def revoked(self, node: str) -> str:
-        """Set: ``"<episode> <token>"`` of the node's assignments released in Redis by
-        someone else than the owner (an operator's ``affinity release``), until the owner's
-        next renewal reads them and drops its records (expires after two lease TTLs)."""
+        """Set: ``"<episode> <token>"`` of the node's assignments someone else released.
+
+        Someone else than the owner released them in Redis (an operator's ``affinity
+        release``). They stay until the owner's next renewal reads them and drops its
+        records. Expires after two lease TTLs."""
         return self.prefix + "revoked:" + node
 
     def moves(self, node: str) -> str:
