@@ -87,9 +87,11 @@ class NoCapacity(AffinityError):
 
 
 class Recovering(AffinityError):
-    """The fleet is in its grace period after Redis lost its data (or is new): no claim is
-    granted for ``retry_after_s`` more seconds, while owners that may still serve episodes
-    from memory re-register and re-assert them. Nothing was written for the episode."""
+    """The fleet is in its grace period after Redis lost its data (or is new).
+
+    No claim is granted for ``retry_after_s`` more seconds. Meanwhile owners that may still
+    serve episodes from memory re-register and re-assert them. Nothing was written for the
+    episode."""
 
     def __init__(self, episode: str, retry_after_s: float) -> None:
         self.episode = episode
