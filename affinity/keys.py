@@ -1,10 +1,10 @@
 """Every Redis key affinity uses, built from pure functions of (namespace, ids).
 
 No other module writes a key literal. Every key starts with the hash tag
-``{<namespace>}`` so that one Lua script may touch any of them on Redis Cluster too:
-they all hash to the same slot. Lua scripts that must derive a key from stored data
-(the device named in an assignment) get :attr:`Keys.prefix` through ``ARGV`` and append
-the same suffixes as the methods below (``affinity/lua/lib.lua``).
+``{<namespace>}``, so they all hash to the same slot. One Lua script may then touch any of
+them on Redis Cluster too. Some Lua scripts must derive a key from stored data (the device
+named in an assignment). They get :attr:`Keys.prefix` through ``ARGV`` and append the same
+suffixes as the methods below (``affinity/lua/lib.lua``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Keys:
     @property
     def nodes(self) -> str:
         """Sorted set: node id -> lease deadline (Redis server time, ms), for the nodes that
-        hold a lease; a lapsed one stays until a claim or a renewal notices it."""
+        hold a lease. A lapsed one stays until a claim or a renewal notices it."""
         return self.prefix + "nodes"
 
     @property
@@ -77,13 +77,15 @@ class Keys:
 
     @property
     def secret(self) -> str:
-        """String: a keyed digest of the fleet's cluster secret (never the secret), set by
-        the first node that registers; a node whose secret does not match cannot join."""
+        """String: a keyed digest of the fleet's cluster secret (never the secret).
+
+        The first node that registers sets it. A node whose secret does not match cannot
+        join."""
         return self.prefix + "secret"
 
     def model_ring(self, model: str) -> str:
         """Sorted set: device -> picks/weight, the devices that take new episodes of
-        ``model`` (``"name@version"``) now; ``""``: :attr:`ring`, the one ring of a fleet
+        ``model`` (``"name@version"``) now. ``""``: :attr:`ring`, the one ring of a fleet
         whose nodes register no model."""
         return self.ring_prefix + model if model else self.ring
 
@@ -123,14 +125,17 @@ class Keys:
 
     @property
     def leases(self) -> str:
-        """Sorted set: node id -> its lease TTL (ms), for the nodes that hold a lease (the
-        longest is the grace period a loss of Redis data starts, ``affinity/lua/fleet.lua``)."""
+        """Sorted set: node id -> its lease TTL (ms), for the nodes that hold a lease.
+
+        The longest is the grace period a loss of Redis data starts (``affinity/lua/fleet.lua``)."""
         return self.prefix + "leases"
 
     @property
     def known_leases(self) -> str:
-        """Sorted set: node id -> the longest lease TTL (ms) that node has heard of; no node
-        is granted a lease longer than the shortest of these (``affinity/lua/fleet.lua``)."""
+        """Sorted set: node id -> the longest lease TTL (ms) that node has heard of.
+
+        No node is granted a lease longer than the shortest of these
+        (``affinity/lua/fleet.lua``)."""
         return self.prefix + "leases:known"
 
     @property
