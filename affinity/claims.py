@@ -60,8 +60,10 @@ class Assignment(NamedTuple):
 
 
 class Released(NamedTuple):
-    """What a release did: the device the episode was on, and whether its owner still
-    lets go of it (``revoked``: at its next renewal) or it is gone already."""
+    """What a release did: the device the episode was on, and how it went.
+
+    Either its owner still lets go of it (``revoked``: at its next renewal), or it is gone
+    already."""
 
     device: str
     revoked: bool = False
@@ -184,7 +186,7 @@ class Claims(EpisodeScriptCaller):
     Every call is one ``EVALSHA`` bounded by ``settings.redis_deadline_s``; it raises
     :class:`BackendUnavailable` when Redis cannot decide in time. ``known_lease_ms``
     answers the longest lease TTL of the fleet its caller heard of (a node's lease: see
-    :meth:`Registry.renewal`): a grace period a resolve starts lasts at least that long.
+    :meth:`Registry.renewal`). A grace period a resolve starts lasts at least that long.
     """
 
     async def resolve(

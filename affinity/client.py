@@ -142,8 +142,9 @@ def _node_url(url: str) -> str:
 
 @dataclass
 class _StickyRoutes:
-    """The clients' shared logic: where each episode's steps go (its owner, else the
-    configured nodes in turn), what each step sends, and what to do with an answer. No
+    """The clients' shared logic: where steps go, what they send, what an answer means.
+
+    Each episode's steps go to its owner, else the configured nodes in turn. No
     I/O: :meth:`attempts` is a generator the clients drive."""
 
     nodes: tuple[str, ...]
@@ -365,8 +366,10 @@ _OPTIONS = frozenset(("end", "model", "execute_steps", "executed", "inference_de
 
 
 class StepOptions(TypedDict, total=False):
-    """The keyword options of ``act``, sent as the ``/act`` fields of the same names; one
-    left out (or ``None``) is not sent, but ``end`` is always sent (``False`` by default)."""
+    """The keyword options of ``act``, sent as the ``/act`` fields of the same names.
+
+    One left out (or ``None``) is not sent, but ``end`` is always sent (``False`` by
+    default)."""
 
     end: bool  # the episode ends with this step: the node drops its state
     model: str | None  # ``name`` or ``name@version``; needed when the fleet serves several

@@ -96,9 +96,10 @@ class EpisodeRow(_Row):
 
 
 def _node_state(recorded: str, leased: bool) -> str:
-    """``left`` for a node that deregistered (its record kept until it registers again or
-    is forgotten), ``down`` for one whose lease lapsed, else what it recorded (``up``,
-    ``leaving``)."""
+    """``left`` for a node that deregistered, ``down`` for one whose lease lapsed.
+
+    Else what it recorded (``up``, ``leaving``). A node that left keeps its record until it
+    registers again or is forgotten."""
     if recorded == "left":
         return "left"
     return recorded if leased else "down"
@@ -369,9 +370,10 @@ class Inventory(RedisApi):
         return FleetView(at, now_ms, tuple(loads))
 
     async def fleet_load(self) -> list[ModelLoad]:
-        """:class:`ModelLoad` of every model version a live, up node serves, sorted (read
-        now: the route, the live nodes, each of their records and each listed device's live
-        load)."""
+        """:class:`ModelLoad` of every model version a live, up node serves, sorted.
+
+        It is read now: the route, the live nodes, each of their records and each listed
+        device's live load."""
 
         async def read() -> list[ModelLoad]:
             return await self._fleet_load(_now_ms(await self.redis.time()))

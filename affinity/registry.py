@@ -145,9 +145,10 @@ class HeldEpisode(NamedTuple):
 
 
 class Registration(NamedTuple):
-    """What a registration answered: the lease deadline (ms, server time), the grace
-    period left (ms; 0: none), the re-asserted episodes Redis gives to another claim, and
-    the lease terms (:class:`LeaseTerms`)."""
+    """What a registration answered: the lease deadline (ms, server time) and more.
+
+    It also holds the grace period left (ms; 0: none), the re-asserted episodes Redis gives
+    to another claim, and the lease terms (:class:`LeaseTerms`)."""
 
     deadline: int
     grace_ms: int
@@ -320,9 +321,9 @@ class Registry(ScriptCaller):
         It releases, token-checked, the ``idle`` ones (episode, token) the owner ended.
 
         None (nothing written) when this instance holds no current lease on ``node``: renew
-        first. With ``settings.redis_replicas`` a flush that slides is followed by ``WAIT`` on its
-        connection; :attr:`FlushResult.replicated` says whether enough replicas acknowledged
-        it (the owner must not count on slides they did not)."""
+        first. With ``settings.redis_replicas`` a flush that slides is followed by ``WAIT`` on
+        its connection. :attr:`FlushResult.replicated` says whether enough replicas
+        acknowledged it. The owner must not count on slides they did not."""
         args: list[str | int] = [instance, self.known_lease_ms(), len(slide)]
         for held in slide:
             args.extend((held.episode, held.device, str(held.token), held.claim, held.model))
@@ -410,7 +411,7 @@ class Registry(ScriptCaller):
 
     async def server_id(self) -> str | None:
         """The ``run_id`` of the Redis server answering (another one after a restart or a
-        failover), or None where it cannot be told (Redis Cluster, a store without it)."""
+        failover). None where it cannot be told (Redis Cluster, a store without it)."""
         if isinstance(self.redis, RedisCluster):
             return None
         try:

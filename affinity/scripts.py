@@ -187,7 +187,7 @@ class RedisApi:
 
 class ScriptCaller(RedisApi):
     """A :class:`RedisApi` that calls the scripts. ``known_lease_ms`` answers the longest
-    lease TTL of the fleet the caller heard of (0: none): a grace period one of its calls
+    lease TTL of the fleet the caller heard of (0: none). A grace period one of its calls
     starts lasts at least that long (``affinity/lua/lib.lua``)."""
 
     def __init__(

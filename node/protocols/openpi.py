@@ -36,8 +36,8 @@ step applied. A step that named its ``seq`` is held for that retry instead.
 
 The client cannot retry: transient conditions (owner unreachable, a Redis blip, ``full``)
 are retried inside the node until ``--act-deadline``. Anything that still fails, and any
-bad observation, gets openpi's error: a text frame with the message, then close code
-1011 (the client raises ``RuntimeError`` with the text). Nothing changes for a bad
+bad observation, gets openpi's error. That is a text frame with the message, then close
+code 1011 (the client raises ``RuntimeError`` with the text). Nothing changes for a bad
 observation. A connection whose query has a key other than ``episode_id`` gets that error
 in reply to its first observation.
 
