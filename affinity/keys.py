@@ -184,9 +184,9 @@ class Keys:
     def revoked(self, node: str) -> str:
         """Set: ``"<episode> <token>"`` of the node's assignments someone else released.
 
-        Someone else than the owner released them in Redis (an operator's ``affinity
-        release``). They stay until the owner's next renewal reads them and drops its
-        records. Expires after two lease TTLs."""
+        Someone else than the owner released them in Redis (an operator's
+        ``affinity release``). They stay until the owner's next renewal reads them and
+        drops its records. Expires after two lease TTLs."""
         return self.prefix + "revoked:" + node
 
     def moves(self, node: str) -> str:

@@ -209,8 +209,8 @@ async def watching(
     """Await ``work`` (in this task) while watching the websocket: a close seen while it
     runs cancels it and raises :class:`ClientGone`. Work that ends within
     :data:`~node.asgi.WATCH_AFTER_S` is not watched (no task per step). A receive begun to
-    watch longer work is left in ``early``. What it brings is the connection's next
-    message: the next observation of a robot that did not wait."""
+    watch longer work is left in ``early``, because what it brings is the connection's
+    next message. That is the next observation of a robot that did not wait."""
 
     def watch(gone: Callable[[], None]) -> None:
         def seen(future: asyncio.Future[MutableMapping[str, Any]]) -> None:
