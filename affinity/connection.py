@@ -1,9 +1,9 @@
 """Build the async Redis client from :class:`Settings`, with explicit timeouts and retries.
 
-redis-py 8's defaults retry at two levels that nest; under a silent partition (packets
+redis-py 8's defaults retry at two levels that nest. Under a silent partition (packets
 dropped, no reset) one command can then hang for about 100 seconds. Here a command gets
 ``redis_timeout_s`` per socket operation and ``redis_retries`` connection-level retries
-with a short capped backoff, and every library call is further bounded by
+with a short capped backoff. Every library call is further bounded by
 ``redis_deadline_s`` (see :func:`affinity.claims.bounded`).
 
 The pool is bounded (``redis_max_connections``) and blocking. A burst of calls larger

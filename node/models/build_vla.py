@@ -66,8 +66,10 @@ FEATURES, STATE_FEATURES = 64, 32
 
 @dataclass(frozen=True)
 class Robot:
-    """One demo policy: the robot's cameras and state as openpi's example client sends
-    them (``examples/simple_client/main.py``), and the action chunk its openpi policy
+    """One demo policy: a robot's inputs and its action chunk, as openpi has them.
+
+    The robot's cameras and state are as openpi's example client sends them
+    (``examples/simple_client/main.py``). The action chunk is what its openpi policy
     returns (``droid_policy.py``: ``[:, :8]``; ``aloha_policy.py``: ``[:, :14]``)."""
 
     policy: str  # the packaged name (``--model``) and the sidecar's metadata.policy

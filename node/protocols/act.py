@@ -74,10 +74,12 @@ def _is_msgpack(content_type: str | None) -> bool:
 
 
 async def decode(service: NodeService, body: bytes, binary: bool, deadline: float) -> Step:
-    """The step in one ``/act`` body. Raises :class:`BodyError` (400, not a map),
-    :class:`InvalidInput` / ``InvalidArgument`` (422), :class:`Refused` (``model`` missing
-    in a fleet of several models, 422; a model no node serves, 404); nothing has changed
-    anywhere."""
+    """The step in one ``/act`` body.
+
+    Raises :class:`BodyError` (400, not a map) and :class:`InvalidInput` /
+    ``InvalidArgument`` (422). Raises :class:`Refused` for ``model`` missing in a fleet of
+    several models (422), or a model no node serves (404). Nothing has changed anywhere
+    then."""
     try:
         doc = wire.decode(body) if binary else orjson.loads(body)
     except wire.WireError as exc:  # it says "body is not valid msgpack: ..." itself

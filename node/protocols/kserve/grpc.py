@@ -301,11 +301,13 @@ STREAM_DRAINED = 256
 
 
 async def _drain(requests: AsyncIterator[pb.ModelInferRequest]) -> None:
-    """Read and drop what a refused stream's client sends, until it half-closes, sends
-    nothing for :data:`STREAM_QUIET_S` after a request (:data:`STREAM_FIRST_S` before the
-    first), or has sent :data:`STREAM_DRAINED` requests. A status sent while the client
-    still writes reaches it as grpc's own ``INTERNAL`` ("Internal error from Core": its
-    write failed), not as the status the node sent."""
+    """Read and drop what a refused stream's client sends, until it stops.
+
+    It stops when the client half-closes, or sends nothing for :data:`STREAM_QUIET_S` after
+    a request (:data:`STREAM_FIRST_S` before the first). It also stops once the client has
+    sent :data:`STREAM_DRAINED` requests. A status sent while the client still writes
+    reaches it as grpc's own ``INTERNAL``, not as the status the node sent. ("Internal
+    error from Core": its write failed.)"""
     pending = aiter(requests)
     wait = STREAM_FIRST_S
     with contextlib.suppress(StopAsyncIteration, TimeoutError):

@@ -368,9 +368,10 @@ method 405 (with ``Allow``). A path matching two routes of one method takes the 
 
 
 async def handle(service: NodeService, scope: Scope, receive: Receive, send: Send) -> None:
-    """The ASGI handler of every path under ``/v2``: the first route of :data:`ROUTES`
-    whose pattern and method match; else 405 when the path matched for other methods,
-    else 404."""
+    """The ASGI handler of every path under ``/v2``.
+
+    It runs the first route of :data:`ROUTES` whose pattern and method match. Else 405 when
+    the path matched for other methods, else 404."""
     path = scope["path"].rstrip("/")
     method = scope["method"]
     allowed: list[str] = []

@@ -383,8 +383,8 @@ def model_config(
     row. The node batches steps of different sequences itself, up to ``max_batch`` rows
     waiting at most ``batch_delay_us``: the ``oldest`` strategy's preferred size and delay.
     ``sequence_batching`` lists Triton's control inputs, which a client never sends (the
-    sequence travels in request parameters); ``max_candidate_sequences`` is the live
-    episodes the devices hold (``capacity`` each), ``max_sequence_idle_microseconds``
+    sequence travels in request parameters). ``max_candidate_sequences`` is the live
+    episodes the devices hold (``capacity`` each). ``max_sequence_idle_microseconds`` is
     ``--episode-ttl``. ``instance_group`` has one instance per device."""
     batched = contract.batch_axis
 
