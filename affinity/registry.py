@@ -236,30 +236,27 @@ class Registry(ScriptCaller):
     ) -> Registration:
         """(Re)register ``node`` and its devices; start its lease. Idempotent.
 
-        ``episodes`` are the ones this process still serves from memory. (It re-registers
-        within its own lease after Redis lost its data.) Each is re-asserted in the same
-        script. It is written again when missing, with its model, and counted in its
-        device's load. Those Redis gives to another claim, or whose model the node no longer serves,
-        come back in :attr:`Registration.lost`. A missing fleet marker starts the grace period
+        ``episodes`` are the ones this process still serves from memory. (It re-registers within
+        its own lease after Redis lost its data.) Each is re-asserted in the same script. It is
+        written again when missing, with its model, and counted in its device's load. Those
+        Redis gives to another claim, or whose model the node no longer serves, come back in
+        :attr:`Registration.lost`. A missing fleet marker starts the grace period
         (``Keys.fleet``), reported in :attr:`Registration.grace_ms`.
 
-        ``models`` maps each (name, version) every device serves to its contract. The
-        contract is JSON text, stored under :meth:`Keys.contract` for routers that do not
-        serve it. New episodes of a model are claimed only on devices that serve it.
-        Without models the devices take every episode (the one ring of a fleet that serves
-        one policy).
+        ``models`` maps each (name, version) every device serves to its contract. The contract
+        is JSON text, stored under :meth:`Keys.contract` for routers that do not serve it. New
+        episodes of a model are claimed only on devices that serve it. Without models the
+        devices take every episode (the one ring of a fleet that serves one policy).
 
         Each device's ``state`` (``down`` when the node's crash tracker has it down) is
-        registered as given; an operator's drain survives. Devices of this node id that
-        are not in ``devices`` are removed. ``instance`` identifies the process: while
-        another instance holds a current lease on the same node id, nothing is written and
-        :class:`NodeConflict` is raised.
-
-        With ``settings.redis_replicas`` a registration that re-asserts ``episodes`` is
-        followed by ``WAIT`` on its connection. It raises :class:`NotReplicated` when fewer
+        registered as given; an operator's drain survives. Devices of this node id that are not
+        in ``devices`` are removed. ``instance`` identifies the process: while another instance
+        holds a current lease on the same node id, nothing is written and :class:`NodeConflict`
+        is raised. With ``settings.redis_replicas`` a registration that re-asserts ``episodes``
+        is followed by ``WAIT`` on its connection. It raises :class:`NotReplicated` when fewer
         replicas acknowledged it; nothing it re-asserted may be served on then. One without
-        episodes is not waited for. Nothing is served on it alone: every claim on its
-        devices comes after it and is waited for."""
+        episodes is not waited for. Nothing is served on it alone: every claim on its devices
+        comes after it and is waited for."""
         check_node_id(node)
         if not devices:
             raise InvalidArgument("devices", [], "a node registers at least one device")
