@@ -1,8 +1,8 @@
 """affinity: episode-sticky GPU placement backed by Redis.
 
-``Claims`` decides where an episode lives (one atomic Lua round trip); ``Registry``
-keeps nodes, devices and their states; ``Inventory`` lists them for operators;
-``EventStream`` reads the event log; ``Models`` keeps rollout weights and contracts;
+``Claims`` decides where an episode lives (one atomic Lua round trip). ``Registry``
+keeps nodes, devices and their states. ``Inventory`` lists them for operators.
+``EventStream`` reads the event log. ``Models`` keeps rollout weights and contracts.
 ``Keys`` names every Redis key.
 """
 

@@ -60,8 +60,10 @@ class Assignment(NamedTuple):
 
 
 class Released(NamedTuple):
-    """What a release did: the device the episode was on, and whether its owner still
-    lets go of it (``revoked``: at its next renewal) or it is gone already."""
+    """What a release did: the device the episode was on, and how it went.
+
+    Either its owner still lets go of it (``revoked``: at its next renewal), or it is gone
+    already."""
 
     device: str
     revoked: bool = False
@@ -184,7 +186,7 @@ class Claims(EpisodeScriptCaller):
     Every call is one ``EVALSHA`` bounded by ``settings.redis_deadline_s``; it raises
     :class:`BackendUnavailable` when Redis cannot decide in time. ``known_lease_ms``
     answers the longest lease TTL of the fleet its caller heard of (a node's lease: see
-    :meth:`Registry.renewal`): a grace period a resolve starts lasts at least that long.
+    :meth:`Registry.renewal`). A grace period a resolve starts lasts at least that long.
     """
 
     async def resolve(
@@ -206,21 +208,23 @@ class Claims(EpisodeScriptCaller):
         usual).
 
         ``model`` names the model's name (``""``: a fleet whose nodes register none, or
-        an episode that keeps its own); a new episode takes a device whose node serves it,
-        and ``version`` when given, else the version the operator's weights choose (else
-        the newest registered). An episode keeps its (name, version): a reassignment
-        stays on it. Raises :class:`ModelConflict` when the episode is served with
-        another name or version than named (nothing written), :class:`UnknownModel`
-        when no node ever registered the name or version, :class:`NoCapacity` (nothing
-        written for the episode; ``reason`` says why), :class:`Recovering` (a claim, of
-        any model, during the grace period after Redis lost its data),
-        :class:`InvalidArgument`, :class:`BackendUnavailable`.
+        an episode that keeps its own). A new episode takes a device whose node serves it.
+        It takes ``version`` when given, else the version the operator's weights choose
+        (else the newest registered). An episode keeps its (name, version): a reassignment
+        stays on it.
+
+        Raises :class:`ModelConflict` when the episode is served with another name or
+        version than named (nothing written). Raises :class:`UnknownModel` when no node
+        ever registered the name or version. Raises :class:`NoCapacity` (nothing written
+        for the episode; ``reason`` says why). Raises :class:`Recovering` on a claim, of
+        any model, during the grace period after Redis lost its data. Also raises
+        :class:`InvalidArgument` and :class:`BackendUnavailable`.
 
         With ``settings.redis_replicas`` (N > 0) the script is followed by ``WAIT`` on its
-        connection (one round trip): an assignment fewer than N replicas acknowledged
-        raises :class:`NotReplicated` (a subclass of :class:`BackendUnavailable`); a claim
-        or reassign this call made is released again first, token-checked, best effort
-        (a hit, someone else's claim, stays). The hit writes too (its deadline), so its
+        connection (one round trip). An assignment fewer than N replicas acknowledged
+        raises :class:`NotReplicated` (a subclass of :class:`BackendUnavailable`). A claim
+        or reassign this call made is released again first, token-checked, best effort;
+        a hit, someone else's claim, stays. The hit writes too (its deadline), so its
         ``WAIT`` covers the claim it names, whichever connection wrote that.
         """
         episode = check_episode(episode)
@@ -262,8 +266,8 @@ class Claims(EpisodeScriptCaller):
 
         ``owner``: the caller is the episode's owner and dropped its record; the assignment
         is deleted. Anyone else's release of an episode whose owner holds a live lease is
-        a revocation: the owner lets go at its next renewal (:meth:`Registry.renewal`),
-        then the episode's next step is reassigned with ``state_reset``; until then its
+        a revocation. The owner lets go at its next renewal (:meth:`Registry.renewal`).
+        Then the episode's next step is reassigned with ``state_reset``. Until then its
         steps still reach the owner, so no second owner can start meanwhile.
 
         Idempotent per token. Raises :class:`StaleToken` (nothing changed) when another

@@ -127,9 +127,10 @@ _BACKOFF_S = (0.1, 0.2, 0.4, 0.8, 1.0)
 
 
 def _node_url(url: str) -> str:
-    """``url`` without a trailing slash; ``ValueError`` naming it unless it is an
-    ``http://`` or ``https://`` URL with a host (a typo must fail once, here, not as a
-    retryable failure of every step)."""
+    """``url`` without a trailing slash.
+
+    Raises ``ValueError`` naming it unless it is an ``http://`` or ``https://`` URL with a
+    host. A typo must fail once, here, not as a retryable failure of every step."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         example = f"http://{url}" if "://" not in url else "http://node-a:8000"
@@ -141,8 +142,9 @@ def _node_url(url: str) -> str:
 
 @dataclass
 class _StickyRoutes:
-    """The clients' shared logic: where each episode's steps go (its owner, else the
-    configured nodes in turn), what each step sends, and what to do with an answer. No
+    """The clients' shared logic: where steps go, what they send, what an answer means.
+
+    Each episode's steps go to its owner, else the configured nodes in turn. No
     I/O: :meth:`attempts` is a generator the clients drive."""
 
     nodes: tuple[str, ...]
@@ -192,11 +194,13 @@ class _StickyRoutes:
         inputs: Mapping[str, Any],
         options: StepOptions,
     ) -> _Attempts:
-        """The attempts of one step, without I/O: yields (URL, body) to POST to ``URL/act``
-        (and is sent the response, or the transport error), or seconds to sleep (and is
-        sent ``None``); returns the served :class:`StepReply` or raises a
-        :class:`ClientError`. Attempts go on until one is served or refused, for at most
-        ``retry_budget_s`` (and ``retries`` + 1 attempts, when given)."""
+        """The attempts of one step, without I/O.
+
+        It yields (URL, body) to POST to ``URL/act``, and is sent the response or the
+        transport error. Or it yields seconds to sleep, and is sent ``None``. It returns
+        the served :class:`StepReply` or raises a :class:`ClientError`. Attempts go on
+        until one is served or refused, for at most ``retry_budget_s`` (and ``retries`` + 1
+        attempts, when given)."""
         unknown = options.keys() - _OPTIONS
         if unknown:
             raise TypeError(f"act() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
@@ -362,8 +366,10 @@ _OPTIONS = frozenset(("end", "model", "execute_steps", "executed", "inference_de
 
 
 class StepOptions(TypedDict, total=False):
-    """The keyword options of ``act``, sent as the ``/act`` fields of the same names; one
-    left out (or ``None``) is not sent, but ``end`` is always sent (``False`` by default)."""
+    """The keyword options of ``act``, sent as the ``/act`` fields of the same names.
+
+    One left out (or ``None``) is not sent, but ``end`` is always sent (``False`` by
+    default)."""
 
     end: bool  # the episode ends with this step: the node drops its state
     model: str | None  # ``name`` or ``name@version``; needed when the fleet serves several
@@ -413,14 +419,15 @@ class _ClientBase(Generic[_T]):
 
 
 class AsyncClient(_ClientBase[httpx.AsyncBaseTransport]):
-    """The async client (see the module doc). ``nodes`` are node base URLs (``http://`` or
-    ``https://``; any of them accepts any episode); ``timeout`` bounds one HTTP attempt in
-    seconds; ``retry_budget_s`` bounds one step's attempts and waits in seconds (30: an
-    owner's crash costs a lease, 10 s by default, and a Retry-After), ``retries`` their
-    number beyond the first (``None``: the budget alone); ``encoding`` is ``"msgpack"``
-    (numpy arrays as bytes) or ``"json"``; ``transport`` is any httpx async transport
-    (``httpx.AsyncHTTPTransport`` by default). Raises ``ValueError`` for a node URL that is
-    not ``http(s)://``, or another encoding."""
+    """The async client (see the module doc).
+
+    ``nodes`` are node base URLs (``http://`` or ``https://``; any of them accepts any
+    episode). ``timeout`` bounds one HTTP attempt in seconds. ``retry_budget_s`` bounds one
+    step's attempts and waits in seconds. (30: an owner's crash costs a lease, 10 s by
+    default, and a Retry-After.) ``retries`` is their number beyond the first (``None``:
+    the budget alone). ``encoding`` is ``"msgpack"`` (numpy arrays as bytes) or ``"json"``.
+    ``transport`` is any httpx async transport (``httpx.AsyncHTTPTransport`` by default).
+    Raises ``ValueError`` for a node URL that is not ``http(s)://``, or another encoding."""
 
     def _default_transport(self) -> httpx.AsyncBaseTransport:
         return httpx.AsyncHTTPTransport()

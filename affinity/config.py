@@ -54,18 +54,19 @@ class Settings:
     ``redis+cluster://host:port``. ``None`` means the embedded single-host store.
 
     Times are seconds (floats allowed; Redis gets milliseconds). ``redis_timeout_s`` bounds
-    one socket operation, ``redis_retries`` is the whole retry budget of one command
-    (connection-level only; nothing nests), and ``redis_deadline_s`` bounds one library
-    call end to end, whatever the network does. ``redis_max_connections`` bounds the
+    one socket operation. ``redis_retries`` is the whole retry budget of one command
+    (connection-level only; nothing nests). ``redis_deadline_s`` bounds one library call
+    end to end, whatever the network does. ``redis_max_connections`` bounds the
     client's connection pool; a call that finds every connection busy waits for one
     (within its deadline) instead of failing.
 
-    ``redis_replicas`` > 0 makes every write a node then serves from memory on (a claim,
-    a renewal, a re-assert, a flush's slides) wait on its own connection for that many
-    replicas to acknowledge it (``WAIT``, at most ``redis_wait_s``, which must be at most
-    half of ``redis_timeout_s``); one fewer replicas acknowledged is not acted on
-    (:class:`~affinity.errors.NotReplicated`). It needs a Redis server or Sentinel: the
-    embedded store has no replicas, and on Redis Cluster it is refused.
+    ``redis_replicas`` > 0 makes every write a node then serves from memory on wait for
+    that many replicas to acknowledge it. Such writes are a claim, a renewal, a re-assert
+    and a flush's slides. Each waits on its own connection (``WAIT``, at most
+    ``redis_wait_s``, which must be at most half of ``redis_timeout_s``). One fewer
+    replicas acknowledged is not acted on (:class:`~affinity.errors.NotReplicated`). It
+    needs a Redis server or Sentinel: the embedded store has no replicas, and on Redis
+    Cluster it is refused.
     """
 
     redis_url: str | None = None
@@ -161,10 +162,10 @@ class Settings:
     def backstop_ms(self) -> int:
         """How long Redis keeps an assignment nobody slid (ms): the owner's idle timeout
         (``episode_ttl_s``) + two lease TTLs + 3 s. The owner serves its episodes from
-        memory and slides this in batches (``node/ownership.py``: once less than a lease
-        TTL + 3 s of it is left, and only for episodes stepped since), so Redis never expires an
-        episode its owner still serves: the owner drops an idle one at its idle timeout
-        (checked each second) and releases it in its next flush (<= 1 s)."""
+        memory and slides this in batches (``node/ownership.py``). It slides once less than
+        a lease TTL + 3 s of it is left, and only for episodes stepped since. So Redis never
+        expires an episode its owner still serves. The owner drops an idle one at its idle
+        timeout (checked each second) and releases it in its next flush (<= 1 s)."""
         return self.episode_ttl_ms + 2 * self.lease_ttl_ms + 3000
 
     @classmethod

@@ -1,14 +1,14 @@
 """Build the async Redis client from :class:`Settings`, with explicit timeouts and retries.
 
-redis-py 8's defaults retry at two levels that nest; under a silent partition (packets
+redis-py 8's defaults retry at two levels that nest. Under a silent partition (packets
 dropped, no reset) one command can then hang for about 100 seconds. Here a command gets
 ``redis_timeout_s`` per socket operation and ``redis_retries`` connection-level retries
-with a short capped backoff, and every library call is further bounded by
+with a short capped backoff. Every library call is further bounded by
 ``redis_deadline_s`` (see :func:`affinity.claims.bounded`).
 
-The pool is bounded (``redis_max_connections``) and blocking: a burst of calls larger
-than the pool waits for connections, within the deadline, where redis-py's default pool
-fails at once with "Too many connections". A call that waited its whole deadline for a
+The pool is bounded (``redis_max_connections``) and blocking. A burst of calls larger
+than the pool waits for connections, within the deadline. redis-py's default pool fails
+at once there, with "Too many connections". A call that waited its whole deadline for a
 connection raises :class:`PoolExhausted` (this process is overloaded), not the error that
 blames Redis.
 """
@@ -78,9 +78,10 @@ size of that pool."""
 
 
 def starved(task: asyncio.Task[Any]) -> int | None:
-    """The size of the pool ``task`` was waiting on when it was cancelled (and forget it),
-    ``None`` if it was not waiting: its deadline was spent on this process's own
-    overload, not on Redis."""
+    """The size of the pool ``task`` was waiting on when it was cancelled (and forget it).
+
+    ``None`` if it was not waiting. A size means its deadline was spent on this process's
+    own overload, not on Redis."""
     return _starved.pop(task, None)
 
 
@@ -88,9 +89,9 @@ class _Pool(BlockingConnectionPool):
     """redis-py's blocking pool that tells a wait for a connection from a call to Redis.
 
     A task counts as waiting from :meth:`get_connection` until the pool hands it a
-    connection, which it then checks (:meth:`ensure_connection`: connecting, when the
-    connection is new): from there on a failure or a deadline is Redis's (refused,
-    unreachable, silent), not this process's overload. (redis-py takes the connection
+    connection. It then checks that connection (:meth:`ensure_connection`: connecting,
+    when the connection is new). From there on a failure or a deadline is Redis's
+    (refused, unreachable, silent), not this process's overload. (redis-py takes the connection
     through ``super().get_available_connection()``, which no override here would see.)"""
 
     async def get_connection(self, *args: Any, **kwargs: Any) -> Any:

@@ -48,8 +48,10 @@ class InvalidArgument(AffinityError, ValueError):
 
 
 class UnknownField(InvalidArgument):
-    """A request named a field the receiver does not take (a typo would otherwise be
-    silently ignored); ``field`` is the name given, ``expected`` the names it takes."""
+    """A request named a field the receiver does not take.
+
+    A typo would otherwise be silently ignored. ``field`` is the name given, ``expected``
+    the names it takes."""
 
     def __init__(self, field: str, expected: Sequence[str]) -> None:
         super().__init__(field, None, f"unknown field; expected: {', '.join(expected)}")
@@ -87,9 +89,11 @@ class NoCapacity(AffinityError):
 
 
 class Recovering(AffinityError):
-    """The fleet is in its grace period after Redis lost its data (or is new): no claim is
-    granted for ``retry_after_s`` more seconds, while owners that may still serve episodes
-    from memory re-register and re-assert them. Nothing was written for the episode."""
+    """The fleet is in its grace period after Redis lost its data (or is new).
+
+    No claim is granted for ``retry_after_s`` more seconds. Meanwhile owners that may still
+    serve episodes from memory re-register and re-assert them. Nothing was written for the
+    episode."""
 
     def __init__(self, episode: str, retry_after_s: float) -> None:
         self.episode = episode
@@ -134,8 +138,9 @@ class UnknownModel(AffinityError, LookupError):
 
 
 class ModelConflict(AffinityError):
-    """A step names another model or version than the one its episode was claimed with
-    (an episode keeps its (name, version) for life); nothing was changed."""
+    """A step names another model or version than the one its episode was claimed with.
+
+    An episode keeps its (name, version) for life. Nothing was changed."""
 
     def __init__(self, episode: str, held: str, asked: str) -> None:
         self.episode = episode
@@ -169,7 +174,7 @@ class BackendUnavailable(AffinityError):
 
 class PoolExhausted(BackendUnavailable):
     """Every connection of this process's Redis pool stayed in use for the whole Redis
-    deadline: this process is overloaded, Redis was not asked (a node answers 503 ``busy``).
+    deadline. This process is overloaded; Redis was not asked (a node answers 503 ``busy``).
     """
 
     def __init__(self, connections: int, deadline_s: float) -> None:
@@ -185,7 +190,7 @@ class NotReplicated(BackendUnavailable):
     timeout: a failover could lose it, so its result is not acted on. ``what`` names the
     write (``claim``, ``renewal``, ``registration``, ``flush``); ``acked`` and ``wanted``
     the replicas that acknowledged and that were asked for. A claim made by the write was
-    released again, token-checked, as far as Redis answered (best effort); the step that
+    released again, token-checked, as far as Redis answered (best effort). The step that
     asked for it got nothing (503 ``not_replicated``)."""
 
     WRITES = ("claim", "renewal", "registration", "flush")
@@ -221,8 +226,9 @@ class NodeConflict(AffinityError):
 
 
 class SecretMismatch(AffinityError):
-    """This node's cluster secret is not the fleet's (the digest in Redis differs): it must
-    not join, since every step forwarded across it would be refused."""
+    """This node's cluster secret is not the fleet's (the digest in Redis differs).
+
+    It must not join, since every step forwarded across it would be refused."""
 
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace

@@ -47,9 +47,10 @@ class EventStream(RedisApi):
         return [(str(i), dict(f)) for i, f in reply]
 
     async def latest(self, count: int) -> tuple[list[Event], str]:
-        """The last ``count`` events (oldest first), and the id to follow on from with
-        :meth:`wait` (``0-0`` for an empty stream; never ``$``, which would miss what
-        arrives between two waits)."""
+        """The last ``count`` events (oldest first), and the id to follow on from.
+
+        Follow on with :meth:`wait`. The id is ``0-0`` for an empty stream. It is never
+        ``$``, which would miss what arrives between two waits."""
         reply = await bounded(self.settings, self.redis.xrevrange(self.key, count=max(count, 1)))
         newest_first = [(str(i), dict(f)) for i, f in reply]
         cursor = newest_first[0][0] if newest_first else "0-0"

@@ -3,7 +3,7 @@ devices, models, live episodes, and the fleet's load per model version.
 
 Nothing here decides: the claim script and the owners do. Nothing here writes but the
 fleet view (:meth:`Inventory.fleet_view`), which one node a period caches for the others. Each
-view is a few pipelined reads (no Lua, no MULTI), so it may mix instants a few ms apart; a
+view is a few pipelined reads (no Lua, no MULTI), so it may mix instants a few ms apart. A
 row may describe an episode that expired a moment later. Liveness is judged by the Redis
 server's clock (``TIME``), not the caller's. ``episodes`` reads the devices' load sets, so
 its cost grows with the number of devices asked about.
@@ -96,17 +96,20 @@ class EpisodeRow(_Row):
 
 
 def _node_state(recorded: str, leased: bool) -> str:
-    """``left`` for a node that deregistered (its record kept until it registers again or
-    is forgotten), ``down`` for one whose lease lapsed, else what it recorded (``up``,
-    ``leaving``)."""
+    """``left`` for a node that deregistered, ``down`` for one whose lease lapsed.
+
+    Else what it recorded (``up``, ``leaving``). A node that left keeps its record until it
+    registers again or is forgotten."""
     if recorded == "left":
         return "left"
     return recorded if leased else "down"
 
 
 class ModelLoad(NamedTuple):
-    """One model version's share of the fleet, on the devices that may take a new episode
-    of it: listed by a live node that serves it and is up (not leaving), and active. A
+    """One model version's share of the fleet, on the devices that may take a new episode.
+
+    Those devices are listed by a live node that serves the model and is up (not leaving),
+    and are active. A
     device's capacity and live episodes count for every model its node serves (capacity is
     the device's, whatever the model)."""
 
@@ -335,10 +338,11 @@ class Inventory(RedisApi):
     async def fleet_view(self, node: str, every_ms: int) -> FleetView | None:
         """The fleet's live episodes and capacity per model version (:class:`ModelLoad`),
         read at most ``every_ms`` ago by some node of the fleet. One call a period from
-        each node costs three commands (``SET NX PX``, ``GET``, ``TIME``); the first caller
-        of a period (``node``, the reader) also reads the fleet (:meth:`fleet_load`: one
-        command per listed device and live node, plus two) and writes the result for the
-        others, so the cost grows with nodes + devices, not nodes x devices. None: no read
+        each node costs three commands (``SET NX PX``, ``GET``, ``TIME``). The first caller
+        of a period (``node``, the reader) also reads the fleet and writes the result for
+        the others. That read (:meth:`fleet_load`) costs one command per listed device and
+        live node, plus two. So the cost grows with nodes + devices, not nodes x devices.
+        None: no read
         yet (the reader of this period has not written it), or the last one is older than
         three periods."""
         return await bounded(self.settings, self._fleet_view(node, every_ms))
@@ -366,9 +370,10 @@ class Inventory(RedisApi):
         return FleetView(at, now_ms, tuple(loads))
 
     async def fleet_load(self) -> list[ModelLoad]:
-        """:class:`ModelLoad` of every model version a live, up node serves, sorted (read
-        now: the route, the live nodes, each of their records and each listed device's live
-        load)."""
+        """:class:`ModelLoad` of every model version a live, up node serves, sorted.
+
+        It is read now: the route, the live nodes, each of their records and each listed
+        device's live load."""
 
         async def read() -> list[ModelLoad]:
             return await self._fleet_load(_now_ms(await self.redis.time()))

@@ -1,10 +1,10 @@
 """Every Redis key affinity uses, built from pure functions of (namespace, ids).
 
 No other module writes a key literal. Every key starts with the hash tag
-``{<namespace>}`` so that one Lua script may touch any of them on Redis Cluster too:
-they all hash to the same slot. Lua scripts that must derive a key from stored data
-(the device named in an assignment) get :attr:`Keys.prefix` through ``ARGV`` and append
-the same suffixes as the methods below (``affinity/lua/lib.lua``).
+``{<namespace>}``, so they all hash to the same slot. One Lua script may then touch any of
+them on Redis Cluster too. Some Lua scripts must derive a key from stored data (the device
+named in an assignment). They get :attr:`Keys.prefix` through ``ARGV`` and append the same
+suffixes as the methods below (``affinity/lua/lib.lua``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Keys:
     @property
     def nodes(self) -> str:
         """Sorted set: node id -> lease deadline (Redis server time, ms), for the nodes that
-        hold a lease; a lapsed one stays until a claim or a renewal notices it."""
+        hold a lease. A lapsed one stays until a claim or a renewal notices it."""
         return self.prefix + "nodes"
 
     @property
@@ -77,13 +77,15 @@ class Keys:
 
     @property
     def secret(self) -> str:
-        """String: a keyed digest of the fleet's cluster secret (never the secret), set by
-        the first node that registers; a node whose secret does not match cannot join."""
+        """String: a keyed digest of the fleet's cluster secret (never the secret).
+
+        The first node that registers sets it. A node whose secret does not match cannot
+        join."""
         return self.prefix + "secret"
 
     def model_ring(self, model: str) -> str:
         """Sorted set: device -> picks/weight, the devices that take new episodes of
-        ``model`` (``"name@version"``) now; ``""``: :attr:`ring`, the one ring of a fleet
+        ``model`` (``"name@version"``) now. ``""``: :attr:`ring`, the one ring of a fleet
         whose nodes register no model."""
         return self.ring_prefix + model if model else self.ring
 
@@ -116,28 +118,33 @@ class Keys:
     def fleet(self) -> str:
         """String: the fleet marker, the end (ms, server time) of the grace period after
         Redis was found to have lost its data ("0": none). Its absence means Redis lost
-        its data (or the fleet is new): the first script to notice starts a grace period
-        as long as the longest lease a node may hold, in which no new claim is granted
+        its data (or the fleet is new). The first script to notice starts a grace period
+        as long as the longest lease a node may hold. No new claim is granted in it
         (``affinity/lua/lib.lua``)."""
         return self.prefix + "fleet"
 
     @property
     def leases(self) -> str:
-        """Sorted set: node id -> its lease TTL (ms), for the nodes that hold a lease (the
-        longest is the grace period a loss of Redis data starts, ``affinity/lua/fleet.lua``)."""
+        """Sorted set: node id -> its lease TTL (ms), for the nodes that hold a lease.
+
+        The longest is the grace period a loss of Redis data starts (``affinity/lua/fleet.lua``)."""
         return self.prefix + "leases"
 
     @property
     def known_leases(self) -> str:
-        """Sorted set: node id -> the longest lease TTL (ms) that node has heard of; no node
-        is granted a lease longer than the shortest of these (``affinity/lua/fleet.lua``)."""
+        """Sorted set: node id -> the longest lease TTL (ms) that node has heard of.
+
+        No node is granted a lease longer than the shortest of these
+        (``affinity/lua/fleet.lua``)."""
         return self.prefix + "leases:known"
 
     @property
     def view(self) -> str:
-        """String, JSON: the fleet's live episodes and capacity per model version, as one
-        node read them (``Inventory.fleet_view``): ``{"at": ms, "models": {"name@version":
-        [live, capacity]}}``; expires after three of its periods without a new read."""
+        """String, JSON: the fleet's live episodes and capacity per model version.
+
+        One node read them (``Inventory.fleet_view``): ``{"at": ms, "models":
+        {"name@version": [live, capacity]}}``. Expires after three of its periods without a
+        new read."""
         return self.prefix + "view"
 
     @property
@@ -148,10 +155,11 @@ class Keys:
         return self.prefix + "view:reader"
 
     def episode(self, episode: str) -> str:
-        """String ``"<device> <token> <claim id> <model>"`` with the episode's backstop expiry
-        (the owner's idle timeout + two lease TTLs + 3 s, slid by the owner in batches),
-        then `` revoked`` while an operator's release waits for the owner to let go, or
-        `` moved`` once it let go (handed over; the next resolve reassigns it)."""
+        """String ``"<device> <token> <claim id> <model>"`` with the episode's backstop expiry.
+
+        The expiry is the owner's idle timeout + two lease TTLs + 3 s, slid by the owner in
+        batches. Then comes `` revoked`` while an operator's release waits for the owner to
+        let go. Or `` moved`` once it let go (handed over; the next resolve reassigns it)."""
         return self.prefix + "episode:" + episode
 
     def node(self, node: str) -> str:
@@ -174,9 +182,11 @@ class Keys:
         return self.prefix + "moved:" + device
 
     def revoked(self, node: str) -> str:
-        """Set: ``"<episode> <token>"`` of the node's assignments released in Redis by
-        someone else than the owner (an operator's ``affinity release``), until the owner's
-        next renewal reads them and drops its records (expires after two lease TTLs)."""
+        """Set: ``"<episode> <token>"`` of the node's assignments someone else released.
+
+        Someone else than the owner released them in Redis (an operator's
+        ``affinity release``). They stay until the owner's next renewal reads them and
+        drops its records. Expires after two lease TTLs."""
         return self.prefix + "revoked:" + node
 
     def moves(self, node: str) -> str:

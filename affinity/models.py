@@ -1,12 +1,12 @@
 """Model identity (a policy's name and version) and what the fleet keeps per model in Redis:
 the operator's rollout weights and the contracts nodes registered.
 
-A model is ``name@version``: the name a client uses (KServe's model name, ``/act``'s
-``model``, openpi's ``?model=``), the version an operator gives (``--model NAME@VERSION``)
-or the first 12 hex digits of the SHA-256 of the model file. Both are 1-64 characters of
-``A-Z a-z 0-9 . _ -`` starting with a letter or digit, so a model is one word in an episode's
-value, a key suffix and a URL path segment. A rollout changes which version new episodes
-get, never the version of a running one.
+A model is ``name@version``. The name is what a client uses (KServe's model name, ``/act``'s
+``model``, openpi's ``?model=``). The version is what an operator gives
+(``--model NAME@VERSION``), or the first 12 hex digits of the SHA-256 of the model file.
+Both are 1-64 characters of ``A-Z a-z 0-9 . _ -`` starting with a letter or digit, so a
+model is one word in an episode's value, a key suffix and a URL path segment. A rollout
+changes which version new episodes get, never the version of a running one.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 the cluster secret, the fleet marker, drain and undrain.
 
 A node registers its devices (ids ``<node>/<index>``) and holds a lease it renews every
-``lease_ttl/3``. A node whose lease lapsed is dead for the claim script, which moves its
-episodes on their next request; the first claim or renewal that sees the lapse writes its
-``node-down`` event. Device hashes outlive nodes, so an operator's drain survives a
+``lease_ttl/3``. A node whose lease lapsed is dead for the claim script. That script
+moves its episodes on their next request. The first claim or renewal that sees the lapse
+writes its ``node-down`` event. Device hashes outlive nodes, so an operator's drain survives a
 restart; a dead node's record stays until it registers again or is forgotten. Hazards: a
 renewal answered ``None`` or :class:`NodeConflict` means this process must stop serving;
 never call :meth:`Registry.new_fleet` after Redis lost a running fleet's data. The
@@ -145,9 +145,10 @@ class HeldEpisode(NamedTuple):
 
 
 class Registration(NamedTuple):
-    """What a registration answered: the lease deadline (ms, server time), the grace
-    period left (ms; 0: none), the re-asserted episodes Redis gives to another claim, and
-    the lease terms (:class:`LeaseTerms`)."""
+    """What a registration answered: the lease deadline (ms, server time) and more.
+
+    It also holds the grace period left (ms; 0: none), the re-asserted episodes Redis gives
+    to another claim, and the lease terms (:class:`LeaseTerms`)."""
 
     deadline: int
     grace_ms: int
@@ -156,18 +157,21 @@ class Registration(NamedTuple):
 
 
 class LeaseTerms(NamedTuple):
-    """The lease a registration or renewal granted (ms: the node's own TTL, shorter while
-    the fleet has not heard of it yet) and the longest lease TTL of the fleet (ms), which
-    the node passes on as what it knows (``known_lease_ms``)."""
+    """The lease a registration or renewal granted, and the fleet's longest lease TTL.
+
+    Both are in ms. The grant is the node's own TTL, shorter while the fleet has not heard
+    of it yet. The node passes the longest TTL on as what it knows (``known_lease_ms``)."""
 
     granted_ms: int
     longest_ms: int
 
 
 class Renewal(NamedTuple):
-    """What a renewal answered: the lease terms, the (episode, token) of the node's
-    assignments someone else released in Redis that the owner has not carried out, and the
-    moves an operator asked of its episodes (:class:`MoveRequest`)."""
+    """What a renewal answered: the lease terms, revoked assignments and requested moves.
+
+    ``revoked`` holds the (episode, token) of the node's assignments someone else released
+    in Redis that the owner has not carried out. ``moves`` are the moves an operator asked
+    of its episodes (:class:`MoveRequest`)."""
 
     terms: LeaseTerms
     revoked: list[tuple[str, int]]
@@ -194,9 +198,10 @@ class MoveRequest(NamedTuple):
 
 
 class FlushResult(NamedTuple):
-    """What an owner's flush answered: the grace period left (ms), the lost episodes, and
-    whether its slides may be relied on (``False``: fewer replicas than
-    ``--redis-replicas`` acknowledged them, so a failover could undo them)."""
+    """What an owner's flush answered: the grace period left (ms) and the lost episodes.
+
+    ``replicated`` says whether its slides may be relied on. ``False``: fewer replicas than
+    ``--redis-replicas`` acknowledged them, so a failover could undo them."""
 
     grace_ms: int
     lost: list[str]
@@ -213,7 +218,7 @@ class Registry(ScriptCaller):
     """Async registry API over one Redis client. Every call is bounded by
     ``settings.redis_deadline_s`` and raises :class:`BackendUnavailable` when Redis cannot
     answer in time. ``known_lease_ms`` answers the longest lease TTL of the fleet the
-    caller heard of (a node's last :class:`LeaseTerms`; 0: none): a grace period one of
+    caller heard of (a node's last :class:`LeaseTerms`; 0: none). A grace period one of
     its calls starts lasts at least that long (``affinity/lua/lib.lua``)."""
 
     async def _call(self, script: Script, key: str, args: Sequence[Any]) -> Any:
@@ -231,27 +236,27 @@ class Registry(ScriptCaller):
     ) -> Registration:
         """(Re)register ``node`` and its devices; start its lease. Idempotent.
 
-        ``episodes`` are the ones this process still serves from memory (it re-registers
-        within its own lease after Redis lost its data): each is re-asserted in the same
-        script (written again when missing, with its model, counted in its device's load);
-        those Redis gives to another claim, or whose model the node no longer serves, come
-        back in :attr:`Registration.lost`. A missing fleet marker starts the grace period
+        ``episodes`` are the ones this process still serves from memory. (It re-registers within
+        its own lease after Redis lost its data.) Each is re-asserted in the same script. It is
+        written again when missing, with its model, and counted in its device's load. Those
+        Redis gives to another claim, or whose model the node no longer serves, come back in
+        :attr:`Registration.lost`. A missing fleet marker starts the grace period
         (``Keys.fleet``), reported in :attr:`Registration.grace_ms`.
 
-        ``models`` maps each (name, version) every device serves to its contract (JSON
-        text, stored under :meth:`Keys.contract` for routers that do not serve it): new
+        ``models`` maps each (name, version) every device serves to its contract. The contract
+        is JSON text, stored under :meth:`Keys.contract` for routers that do not serve it. New
         episodes of a model are claimed only on devices that serve it. Without models the
         devices take every episode (the one ring of a fleet that serves one policy).
 
         Each device's ``state`` (``down`` when the node's crash tracker has it down) is
-        registered as given; an operator's drain survives. Devices of this node id that
-        are not in ``devices`` are removed. ``instance`` identifies the process: while
-        another instance holds a current lease on the same node id, nothing is written and
-        :class:`NodeConflict` is raised. With ``settings.redis_replicas`` a registration that
-        re-asserts ``episodes`` is followed by ``WAIT`` on its connection and raises
-        :class:`NotReplicated` when fewer replicas acknowledged it (nothing it re-asserted
-        may be served on); one without episodes is not waited for (nothing is served on
-        it alone: every claim on its devices comes after it and is waited for)."""
+        registered as given; an operator's drain survives. Devices of this node id that are not
+        in ``devices`` are removed. ``instance`` identifies the process: while another instance
+        holds a current lease on the same node id, nothing is written and :class:`NodeConflict`
+        is raised. With ``settings.redis_replicas`` a registration that re-asserts ``episodes``
+        is followed by ``WAIT`` on its connection. It raises :class:`NotReplicated` when fewer
+        replicas acknowledged it; nothing it re-asserted may be served on then. One without
+        episodes is not waited for. Nothing is served on it alone: every claim on its devices
+        comes after it and is waited for."""
         check_node_id(node)
         if not devices:
             raise InvalidArgument("devices", [], "a node registers at least one device")
@@ -306,14 +311,16 @@ class Registry(ScriptCaller):
         slide: Sequence[HeldEpisode],
         idle: Sequence[tuple[str, int]],
     ) -> FlushResult | None:
-        """One owner's batch (``affinity/lua/flush.lua``): slide the backstop expiry of the
-        episodes in ``slide`` (those Redis gives to another claim, or lost outside a grace
-        period, come back in :attr:`FlushResult.lost`) and release, token-checked, the
-        ``idle`` ones (episode, token) the owner ended. None (nothing written) when this
-        instance holds no current lease on ``node``: renew first. With
-        ``settings.redis_replicas`` a flush that slides is followed by ``WAIT`` on its
-        connection; :attr:`FlushResult.replicated` says whether enough replicas acknowledged
-        it (the owner must not count on slides they did not)."""
+        """One owner's batch (``affinity/lua/flush.lua``): slide some expiries, release others.
+
+        It slides the backstop expiry of the episodes in ``slide``. Those Redis gives to
+        another claim, or lost outside a grace period, come back in :attr:`FlushResult.lost`.
+        It releases, token-checked, the ``idle`` ones (episode, token) the owner ended.
+
+        None (nothing written) when this instance holds no current lease on ``node``: renew
+        first. With ``settings.redis_replicas`` a flush that slides is followed by ``WAIT`` on
+        its connection. :attr:`FlushResult.replicated` says whether enough replicas
+        acknowledged it. The owner must not count on slides they did not."""
         args: list[str | int] = [instance, self.known_lease_ms(), len(slide)]
         for held in slide:
             args.extend((held.episode, held.device, str(held.token), held.claim, held.model))
@@ -330,18 +337,20 @@ class Registry(ScriptCaller):
         return FlushResult(int(reply[0]), [str(e) for e in reply[1:]], short is None)
 
     async def new_fleet(self) -> bool:
-        """Declare that no owner serves any episode of this namespace (a new fleet on an
-        empty Redis), so its first claims need not wait for the grace period an empty
-        Redis otherwise gets (it cannot tell a new fleet from one that lost its data).
-        Never call it after Redis lost the data of a running fleet. False when the marker
-        was there already (nothing written)."""
+        """Declare that no owner serves any episode of this namespace (a new fleet).
+
+        This is for a new fleet on an empty Redis: its first claims need not wait for the
+        grace period an empty Redis otherwise gets. (Redis cannot tell a new fleet from one
+        that lost its data.) Never call it after Redis lost the data of a running fleet.
+        False when the marker was there already (nothing written)."""
         return bool(await bounded(self.settings, self.redis.set(self.keys.fleet, "0", nx=True)))
 
     async def check_secret(self, secret: str | None) -> None:
-        """Join the fleet's cluster secret: the first node to call this (in a namespace, or
-        after Redis lost its data) records :func:`secret_digest` of its secret; any later
-        caller with a different one gets :class:`SecretMismatch` (nothing written). One
-        atomic ``SET NX GET``."""
+        """Join the fleet's cluster secret. One atomic ``SET NX GET``.
+
+        The first node to call this (in a namespace, or after Redis lost its data) records
+        :func:`secret_digest` of its secret. Any later caller with a different one gets
+        :class:`SecretMismatch` (nothing written)."""
         digest = secret_digest(self.settings.namespace, secret)
         stored = await bounded(
             self.settings, self.redis.set(self.keys.secret, digest, nx=True, get=True)
@@ -357,15 +366,15 @@ class Registry(ScriptCaller):
         """Extend the lease. None means the node holds no lease any more (it lapsed, it
         deregistered, or Redis lost its data): it must :meth:`register` again.
 
-        The answer holds the lease granted (count the lease from it, not from the node's
-        own TTL) and the (episode, token) of the node's assignments someone else released
-        in Redis (an operator): the owner drops their records and says so in ``done`` at
-        its next call, which makes each one's next resolve a reassignment.
+        The answer holds the lease granted: count the lease from it, not from the node's
+        own TTL. It also holds the (episode, token) of the node's assignments someone else
+        (an operator) released in Redis. The owner drops their records and says so in
+        ``done`` at its next call. That makes each one's next resolve a reassignment.
 
         Raises :class:`NodeConflict` when another instance holds the node id with a current
-        lease: this process has lost its registration and must stop serving and exit; and
-        :class:`NotReplicated` when fewer replicas than ``settings.redis_replicas``
-        acknowledged the renewal (the lease must not be counted from it)."""
+        lease. This process has then lost its registration and must stop serving and exit.
+        Raises :class:`NotReplicated` when fewer replicas than ``settings.redis_replicas``
+        acknowledged the renewal; the lease must not be counted from it."""
         args = (
             instance,
             self.known_lease_ms(),
@@ -399,7 +408,7 @@ class Registry(ScriptCaller):
 
     async def server_id(self) -> str | None:
         """The ``run_id`` of the Redis server answering (another one after a restart or a
-        failover), or None where it cannot be told (Redis Cluster, a store without it)."""
+        failover). None where it cannot be told (Redis Cluster, a store without it)."""
         if isinstance(self.redis, RedisCluster):
             return None
         try:
@@ -448,7 +457,7 @@ class Registry(ScriptCaller):
         """Ask for a device state; return what it was, whether it changed, what it is now.
 
         ``only_if`` makes it conditional on the current state. A ``down`` device asked to
-        drain stays down and drains when it comes back up; a ``down`` device asked to be
+        drain stays down and drains when it comes back up. A ``down`` device asked to be
         ``active`` (its probe passed) returns to a drain it had before. The device stops
         or starts taking new episodes at once. Raises :class:`UnknownDevice` (nothing
         written) and :class:`InvalidArgument`.

@@ -187,7 +187,7 @@ class RedisApi:
 
 class ScriptCaller(RedisApi):
     """A :class:`RedisApi` that calls the scripts. ``known_lease_ms`` answers the longest
-    lease TTL of the fleet the caller heard of (0: none): a grace period one of its calls
+    lease TTL of the fleet the caller heard of (0: none). A grace period one of its calls
     starts lasts at least that long (``affinity/lua/lib.lua``)."""
 
     def __init__(
@@ -224,10 +224,11 @@ async def evalsha(redis: Any, script: Script, key: str, args: Sequence[Any] = ()
 async def evalsha_waited(
     redis: Any, script: Script, key: str, args: Sequence[Any], replicas: int, wait_ms: int
 ) -> tuple[Any, int]:
-    """:func:`evalsha`, then ``WAIT replicas wait_ms`` on the same connection, sent together
-    (one round trip; a pipeline without MULTI): the script's reply and how many replicas
-    acknowledged every write this connection made up to and including the script's.
-    ``WAIT`` waits for the connection's last write, so the caller must only trust the
+    """:func:`evalsha`, then ``WAIT replicas wait_ms`` on the same connection, sent together.
+
+    One round trip: a pipeline without MULTI. Returns the script's reply and how many
+    replicas acknowledged every write this connection made up to and including the
+    script's. ``WAIT`` waits for the connection's last write, so the caller must only trust the
     count for a script that wrote (every reply a node serves on does)."""
 
     def both() -> Awaitable[list[Any]]:
@@ -262,8 +263,10 @@ async def replicated(
 
 
 class _Watchdog:
-    """Cancels the library calls of one event loop that pass their deadline, with one timer
-    for all of them (a timer per call cost about 3 µs, a few per cent of a claim)."""
+    """Cancels the library calls of one event loop that pass their deadline.
+
+    One timer serves all of them. A timer per call cost about 3 µs, a few per cent of a
+    claim."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -314,9 +317,10 @@ _watchdogs: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Watchdog] = (
 
 
 def failure(exc: BaseException) -> str:
-    """What a Redis call's transport error or error reply means, in one line: a refused
-    connection says so first (nothing listens there: Redis is not running, or the URL's
-    port is wrong), whatever redis-py and the event loop wrote around it."""
+    """What a Redis call's transport error or error reply means, in one line.
+
+    A refused connection says so first, whatever redis-py and the event loop wrote around
+    it. Nothing listens there: Redis is not running, or the URL's port is wrong."""
     text = str(exc) or type(exc).__name__
     cause: BaseException | None = exc
     while cause is not None:
@@ -330,10 +334,10 @@ async def bounded(settings: Settings, call: Awaitable[T]) -> T:
     """Await ``call`` within ``settings.redis_deadline_s``.
 
     Raises :class:`BackendUnavailable` when the deadline passes, the connection fails, or
-    Redis answers with an error (OOM, READONLY after a failover, BUSY, CLUSTERDOWN: for
-    the caller the store cannot decide now); :class:`PoolExhausted` (one of those) when
-    the deadline passed while the call still waited for a connection of this process's
-    pool."""
+    Redis answers with an error: OOM, READONLY after a failover, BUSY, CLUSTERDOWN. For
+    the caller the store cannot decide now. Raises :class:`PoolExhausted` (one of those)
+    when the deadline passed while the call still waited for a connection of this
+    process's pool."""
     loop = asyncio.get_running_loop()
     watchdog = _watchdogs.get(loop)
     if watchdog is None:

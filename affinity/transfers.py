@@ -34,10 +34,11 @@ class Placement(NamedTuple):
 
 
 class Refused(NamedTuple):
-    """Why Redis would not place or commit a move: ``stale`` (another claim holds the
-    episode, or none), ``marked`` (an operator released it, or it was handed over),
-    ``lease`` (the owner's lease is not live), ``none`` (no device with room serves its
-    model), ``target`` (the chosen device's node is no longer alive)."""
+    """Why Redis would not place or commit a move.
+
+    ``stale``: another claim holds the episode, or none. ``marked``: an operator released
+    it, or it was handed over. ``lease``: the owner's lease is not live. ``none``: no device
+    with room serves its model. ``target``: the chosen device's node is no longer alive."""
 
     reason: str
 
@@ -64,10 +65,11 @@ class Transfers(EpisodeScriptCaller):
         target: str = "",
         hold_ms: int = 10_000,
     ) -> Placement | Refused:
-        """Pick a device for ``episode`` (held by the caller under ``token``/``claim``)
-        that serves its model and has room — ``target`` narrows it to a node or a device —
-        and reserve a slot there for ``hold_ms``; the new claim's token and id come back.
-        Nothing else changes."""
+        """Pick a device for ``episode`` and reserve a slot there for ``hold_ms``.
+
+        The caller holds ``episode`` under ``token``/``claim``. The device serves its model
+        and has room; ``target`` narrows it to a node or a device. The new claim's token
+        and id come back. Nothing else changes."""
         episode = check_episode(episode)
         check_token(token)
         fresh = os.urandom(8).hex()

@@ -1,19 +1,22 @@
 """The sync client's HTTP/1.1 transport: plain ``http://`` on keep-alive sockets.
 
 httpx's default transport (httpcore over h11) spends about a millisecond of the client's
-CPU on each request on a small machine, and more with a camera-sized body; for a robot
-stepping a policy in lockstep that is most of what separates ``POST /act`` from openpi's
-websocket. :class:`Transport` does what the client needs and no more: one request at a
-time per connection, idle connections kept per origin (checked for a close by the server
-before reuse), ``TCP_NODELAY``, bodies written from the caller's bytes without a copy,
-responses framed by ``Content-Length``, ``Transfer-Encoding: chunked`` or the connection's
-close. Any other scheme (``https://``) goes to httpx's own transport.
+CPU on each request on a small machine. It spends more with a camera-sized body. For a
+robot stepping a policy in lockstep that is most of what separates ``POST /act`` from
+openpi's websocket.
 
-Errors are httpx's: ``ConnectError``/``ConnectTimeout``, ``WriteError``/``WriteTimeout``,
-``ReadError``/``ReadTimeout``, ``RemoteProtocolError`` (a malformed reply, or the server
-closing before it) and ``LocalProtocolError`` (a header holding CR or LF, refused before
-anything is sent), all ``httpx.TransportError``, with httpx's timeouts
-(``request.extensions["timeout"]``) applied to connecting, writing and each read.
+:class:`Transport` does what the client needs and no more. It sends one request at a time
+per connection and keeps idle connections per origin (checked for a close by the server
+before reuse). It sets ``TCP_NODELAY`` and writes bodies from the caller's bytes without a
+copy. Responses are framed by ``Content-Length``, ``Transfer-Encoding: chunked`` or the
+connection's close. Any other scheme (``https://``) goes to httpx's own transport.
+
+Errors are httpx's, all ``httpx.TransportError``: ``ConnectError``/``ConnectTimeout``,
+``WriteError``/``WriteTimeout`` and ``ReadError``/``ReadTimeout``. Also
+``RemoteProtocolError`` (a malformed reply, or the server closing before it). Also
+``LocalProtocolError`` (a header holding CR or LF, refused before anything is sent).
+httpx's timeouts (``request.extensions["timeout"]``) apply to connecting, writing and each
+read.
 """
 
 from __future__ import annotations

@@ -144,9 +144,10 @@ def _scalar(dtype: np.dtype[Any], value: object) -> Any:
 def decode(data: bytes, *, max_elements: int = MAX_ELEMENTS) -> Any:
     """Decode one msgpack message; arrays come back as read-only numpy views of ``data``.
 
-    Raises :class:`WireError` for anything malformed: truncated or trailing bytes, a
-    declared length past the message, nesting past msgpack's stack, an array whose shape,
-    dtype and data length disagree, or that has more than ``max_elements`` elements.
+    Raises :class:`WireError` for anything malformed. That is truncated or trailing bytes,
+    a declared length past the message, or nesting past msgpack's stack. It is also an
+    array whose shape, dtype and data length disagree, or that has more than
+    ``max_elements`` elements.
     """
     try:
         return msgpack.unpackb(data, object_hook=lambda obj: _hook(obj, max_elements))

@@ -2,9 +2,9 @@
 real-time chunking's inputs (``node/rtc.py``), checkable with a few lines of numpy.
 
 Its own chunk is a straight path from the observation (one RGB camera and the robot's 8-dim
-state): from a start action p towards p + v over the horizon, as a planner's smooth
-trajectory is; its actions are that chunk blended into the prefix the node fills from the
-episode's last chunk, by RTC's soft mask (Black et al. 2025, eq. 5; the overlap
+state). It goes from a start action p towards p + v over the horizon, as a planner's smooth
+trajectory does. Its actions are that chunk blended into the prefix the node fills from the
+episode's last chunk. The blend is RTC's soft mask (Black et al. 2025, eq. 5; the overlap
 ``P = prefix_len``)::
 
     x = avgpool(transpose(image * (2 / 255) - 1, NHWC -> NCHW), 32x32, stride 32)  # [b, 3, 7, 7]

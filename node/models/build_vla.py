@@ -1,9 +1,9 @@
 """Build the camera-sized demo policies: ``vla_demo``, ``droid_demo`` and ``aloha_demo``
 (``.onnx`` and ``.affinity.json`` each), one per robot of openpi's example client.
 
-Shaped like a small vision-language-action policy as LIBERO clients of openpi feed it: two
-RGB cameras and the robot's 8-dim state in, a chunk of 10 future 7-dim actions out, with a
-recurrent hidden state the server keeps per episode. Its cost on a CPU is that of a small
+Shaped like a small vision-language-action policy as LIBERO clients of openpi feed it. Two
+RGB cameras and the robot's 8-dim state go in, a chunk of 10 future 7-dim actions comes out.
+It has a recurrent hidden state the server keeps per episode. Its cost on a CPU is that of a small
 real policy (a few ms per run on one core; ``python -m node.models.cost``)::
 
     x = transpose(image * (2 / 255) - 1, NHWC -> NCHW)                # per camera, same weights
@@ -66,8 +66,10 @@ FEATURES, STATE_FEATURES = 64, 32
 
 @dataclass(frozen=True)
 class Robot:
-    """One demo policy: the robot's cameras and state as openpi's example client sends
-    them (``examples/simple_client/main.py``), and the action chunk its openpi policy
+    """One demo policy: a robot's inputs and its action chunk, as openpi has them.
+
+    The robot's cameras and state are as openpi's example client sends them
+    (``examples/simple_client/main.py``). The action chunk is what its openpi policy
     returns (``droid_policy.py``: ``[:, :8]``; ``aloha_policy.py``: ``[:, :14]``)."""
 
     policy: str  # the packaged name (``--model``) and the sidecar's metadata.policy

@@ -2,10 +2,11 @@
 
     python -m node.models.cost [--runs N] [--threads T] [MODEL ...]  # default: all packaged
 
-For each model (a packaged name or a path) and batch size (1, and 8 where the batch axis is
-dynamic), runs the model ``--runs`` times (default 200, after 10 warm-up runs) on ONNX
-Runtime's CPU provider with ``--threads`` intra-op threads (default 1: one core) on random
-inputs of the model's shapes, and prints the median and p90 milliseconds per run.
+For each model (a packaged name or a path) and batch size, runs the model ``--runs`` times.
+The batch sizes are 1, and 8 where the batch axis is dynamic. The default is 200 runs, after
+10 warm-up runs. It runs on ONNX Runtime's CPU provider with ``--threads`` intra-op threads
+(default 1: one core), on random inputs of the model's shapes. It prints the median and p90
+milliseconds per run.
 """
 
 from __future__ import annotations

@@ -15,11 +15,12 @@ encoding (``affinity/wire.py``). Any other top-level field is refused with 422 n
 typo such as ``episodeId`` must not silently make every step stateless).
 
 Reply: ``{"outputs": {name: array}, "episode_id", "device", "node", "token", "claim",
-"routing", "state_reset", "degraded", "source", "seq", "replayed"}`` (and ``rtc``: ``{"executed",
-"delay", "prefix_len"}`` for a real-time-chunking model, and ``timing``, the split of the
-step's time, when the request says ``X-Affinity-Timing: 1``) as JSON, or msgpack when
-``Accept`` asks for ``application/msgpack``; the same facts in ``X-Affinity-*`` headers, and
-``X-Affinity-URL``, the owner's address, where the episode's next steps can go directly.
+"routing", "state_reset", "degraded", "source", "seq", "replayed"}``. A real-time-chunking
+model adds ``rtc``: ``{"executed", "delay", "prefix_len"}``. ``timing``, the split of the
+step's time, is added when the request says ``X-Affinity-Timing: 1``. The reply is JSON, or
+msgpack when ``Accept`` asks for ``application/msgpack``. The same facts are in
+``X-Affinity-*`` headers. ``X-Affinity-URL`` is the owner's address, where the episode's
+next steps can go directly.
 A client that closes its connection before the reply is sent gets its step undone.
 """
 
@@ -73,10 +74,12 @@ def _is_msgpack(content_type: str | None) -> bool:
 
 
 async def decode(service: NodeService, body: bytes, binary: bool, deadline: float) -> Step:
-    """The step in one ``/act`` body. Raises :class:`BodyError` (400, not a map),
-    :class:`InvalidInput` / ``InvalidArgument`` (422), :class:`Refused` (``model`` missing
-    in a fleet of several models, 422; a model no node serves, 404); nothing has changed
-    anywhere."""
+    """The step in one ``/act`` body.
+
+    Raises :class:`BodyError` (400, not a map) and :class:`InvalidInput` /
+    ``InvalidArgument`` (422). Raises :class:`Refused` for ``model`` missing in a fleet of
+    several models (422), or a model no node serves (404). Nothing has changed anywhere
+    then."""
     try:
         doc = wire.decode(body) if binary else orjson.loads(body)
     except wire.WireError as exc:  # it says "body is not valid msgpack: ..." itself

@@ -2,9 +2,9 @@
 new owner's side of a live hand-over); not a public API.
 
 The body is a :class:`node.forward.Forward` in msgpack, authenticated by the cluster
-secret header; the reply is the :class:`~node.step.Reply` in msgpack, or an error in the
-project's JSON shape with the status the router acts on (409/421: resolve again; 503 with
-``Retry-After``: pass on to the client).
+secret header. The reply is the :class:`~node.step.Reply` in msgpack. Or it is an error in
+the project's JSON shape with the status the router acts on. 409/421: resolve again. 503
+with ``Retry-After``: pass on to the client.
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ def _counted(service: NodeService, exc: Exception) -> Counter | None:
 async def handle(service: NodeService, scope: Scope, receive: Receive, send: Send) -> None:
     """The ASGI handler of ``POST /internal/act``.
 
-    The owner serves a forward only while the router still waits: when the forward's
-    connection closes (the router gave up: its deadline, its client left), the step is
-    cancelled, or undone if it was applied already (see ``node.asgi.while_connected``)."""
+    The owner serves a forward only while the router still waits. The forward's
+    connection may close (the router gave up: its deadline, its client left). Then the
+    step is cancelled, or undone if it was applied already (see
+    ``node.asgi.while_connected``)."""
     try:
         body = await read_body(scope, receive, service.config.max_body_bytes)
         work = service.owner.serve_forwarded(body, header(scope, _SECRET))

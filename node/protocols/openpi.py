@@ -2,46 +2,48 @@
 
 On every path of the node's port (``ws://node:8000``, ``ws://node:8000/?episode_id=ep-42``):
 
-1. The client connects (``Authorization: Api-Key <key>`` when the node has ``--api-key``;
-   without the right key the handshake is answered 401 with the project's JSON error,
-   ``unauthorized``, and an access line, as ``POST /act`` is).
+1. The client connects (``Authorization: Api-Key <key>`` when the node has ``--api-key``).
+   Without the right key the handshake is answered 401 with the project's JSON error,
+   ``unauthorized``, and an access line, as ``POST /act`` is.
 2. The node sends one binary msgpack map, the metadata: the model sidecar's ``metadata``
    (e.g. ``reset_pose``) plus ``affinity``: ``policy`` (the contract of ``GET /model``),
    ``node`` and ``episode_id`` (when the connection names one).
 3. Lockstep: the client sends an observation (msgpack map, nested or flat keys, numpy
-   arrays in openpi's encoding, unbatched); the node answers a msgpack map holding every
-   model output without its batch axis (``actions`` ``[H, D]``), the step's facts as
-   scalars (``episode_id``, ``device``, ``node``, ``token``, ``routing``, ``state_reset``,
-   ``source``) and ``policy_timing``/``server_timing`` maps — so openpi's
-   ``ActionChunkBroker``, which slices every array along its first axis, works unchanged.
+   arrays in openpi's encoding, unbatched). The node answers a msgpack map. It holds
+   every model output without its batch axis (``actions`` ``[H, D]``) and the step's
+   facts as scalars (``episode_id``, ``device``, ``node``, ``token``, ``routing``,
+   ``state_reset``, ``source``). It also holds ``policy_timing``/``server_timing`` maps.
+   So openpi's ``ActionChunkBroker``, which slices every array along its first axis,
+   works unchanged.
 
-The episode of a step is ``?episode_id=`` of the connection; else an ``episode_id`` key in
-the observation (a robot reusing one connection across episodes switches with it); else
-one fresh id per connection, released when the connection closes. The connection
+The episode of a step is ``?episode_id=`` of the connection. Else it is an ``episode_id``
+key in the observation; a robot reusing one connection across episodes switches with it.
+Else it is one fresh id per connection, released when the connection closes. The connection
 remembers each episode's last token and echoes it, so a lost assignment is reported as
 ``state_reset: true``. ``execute_steps`` and ``ensemble`` keys override action-chunk
-execution (openpi clients usually keep their own ``ActionChunkBroker`` and leave it off).
-A ``seq`` key (the step number the robot expects to be applied: its last reply's ``seq``
-+ 1) makes a retry after a reconnect safe; ``executed``, ``inference_delay`` and
-``control_hz`` keys are a real-time-chunking model's step values (``node/rtc.py``; the
-reply then has ``rtc``: ``{"executed", "delay", "prefix_len"}``; ``control_hz`` is any
-model's step's control rate); ``timing: true`` adds the map ``timing``, the split of the
-step's time; all are taken out before the model. A reply
-whose send fails (the link dropped) has its step undone, and so has a step whose
-connection closes while it runs (the robot gave up on it and reconnects to retry): the
+execution (openpi clients usually keep their own ``ActionChunkBroker`` and leave it off). A
+``seq`` key makes a retry after a reconnect safe. It is the step number the robot expects to
+be applied: its last reply's ``seq`` + 1. ``executed``, ``inference_delay`` and
+``control_hz`` keys are a real-time-chunking model's step values (``node/rtc.py``). The
+reply then has ``rtc``: ``{"executed", "delay", "prefix_len"}``. ``control_hz`` is any
+model's step's control rate. ``timing: true`` adds the map ``timing``, the split of the
+step's time. All these keys are taken out before the model.
+
+A reply whose send fails (the link dropped) has its step undone. So has a step whose
+connection closes while it runs (the robot gave up on it and reconnects to retry). The
 connection is watched during a step, as ``/act``'s is, so the retry never finds the lost
-step applied (a step that named its ``seq`` is held for that retry instead).
+step applied. A step that named its ``seq`` is held for that retry instead.
 
 The client cannot retry: transient conditions (owner unreachable, a Redis blip, ``full``)
 are retried inside the node until ``--act-deadline``. Anything that still fails, and any
-bad observation, gets openpi's error: a text frame with the message, then close code
-1011 (the client raises ``RuntimeError`` with the text). Nothing changes for a bad
+bad observation, gets openpi's error. That is a text frame with the message, then close
+code 1011 (the client raises ``RuntimeError`` with the text). Nothing changes for a bad
 observation. A connection whose query has a key other than ``episode_id`` gets that error
 in reply to its first observation.
 
-Every step writes one access-log line, in either log format, like a request's: ``"WS /"``,
-the HTTP status the same outcome gets on ``/act`` (200, 400, 422, 503...), the latency, and
-the step's episode, device and routing.
+Every step writes one access-log line, in either log format, like a request's. It holds
+``"WS /"`` and the HTTP status the same outcome gets on ``/act`` (200, 400, 422, 503...).
+It also holds the latency, and the step's episode, device and routing.
 """
 
 from __future__ import annotations
@@ -206,9 +208,9 @@ async def watching(
 ) -> T:
     """Await ``work`` (in this task) while watching the websocket: a close seen while it
     runs cancels it and raises :class:`ClientGone`. Work that ends within
-    :data:`~node.asgi.WATCH_AFTER_S` is not watched (no task per step); a receive begun to
-    watch longer work is left in ``early``, since what it brings (the next observation of
-    a robot that did not wait) is the connection's next message."""
+    :data:`~node.asgi.WATCH_AFTER_S` is not watched (no task per step). A receive begun to
+    watch longer work is left in ``early``, because what it brings is the connection's
+    next message. That is the next observation of a robot that did not wait."""
 
     def watch(gone: Callable[[], None]) -> None:
         def seen(future: asyncio.Future[MutableMapping[str, Any]]) -> None:
@@ -297,9 +299,11 @@ def log_step(
     step: Step | None,
     served: tuple[str, str] | None = None,
 ) -> None:
-    """The access line of one websocket step, as ``WS <path>`` with the HTTP status the
-    same failure gets on ``/act`` (200, 400, 422, 503...), and the episode, device and
-    routing of a served step (the episode alone of a refused one)."""
+    """The access line of one websocket step, as ``WS <path>``.
+
+    It holds the HTTP status the same failure gets on ``/act`` (200, 400, 422, 503...). It
+    holds the episode, device and routing of a served step (the episode alone of a refused
+    one)."""
     if not access.enabled:
         return
     episode = "-" if step is None or step.episode is None else step.episode

@@ -1,12 +1,12 @@
 """KServe v2 over gRPC (``inference.GRPCInferenceService``), as the unmodified
 ``tritonclient.grpc`` (sync, ``aio`` and streams) speaks it, on ``--grpc-port``.
 
-A request decodes (``messages.py``) into ``request.py``'s :class:`InferRequest` and takes
-the HTTP front door's path (Triton's live-sequence rule, ``service.router.act``), so a
+A request decodes (``messages.py``) into ``request.py``'s :class:`InferRequest`. It takes
+the HTTP front door's path (Triton's live-sequence rule, ``service.router.act``). So a
 sequence sticks to its GPU whichever front door each step used. Failures are the status
-codes of KServe HTTP's statuses (``request.refusal``, one table here) with the node's
-message (``_Abort``); in a stream, one answers that request and the stream goes on, as
-Triton's does. The wire and its errors: docs/protocols.md.
+codes of KServe HTTP's statuses (``request.refusal``, one table here). They carry the
+node's message (``_Abort``). In a stream, one answers that request and the stream goes on,
+as Triton's does. The wire and its errors: docs/protocols.md.
 """
 
 from __future__ import annotations
@@ -70,9 +70,10 @@ class _Abort(Exception):
 
 
 async def undo_if_cancelled(service: NodeService, context: Any, reply: Reply) -> None:
-    """Undo the step of ``reply`` when its RPC was cancelled (the client's deadline, or it
-    left) before the reply could go: the client sees no reply, so the step must not
-    count. A cancel that came with the request is read after :func:`io_seen`; one seen
+    """Undo the step of ``reply`` when its RPC was cancelled before the reply could go.
+
+    The cancel is the client's deadline, or it left. The client sees no reply, so the step
+    must not count. A cancel that came with the request is read after :func:`io_seen`; one seen
     while the step awaited cancelled it already (the dispatcher undid it)."""
     try:
         await io_seen()
@@ -300,11 +301,13 @@ STREAM_DRAINED = 256
 
 
 async def _drain(requests: AsyncIterator[pb.ModelInferRequest]) -> None:
-    """Read and drop what a refused stream's client sends, until it half-closes, sends
-    nothing for :data:`STREAM_QUIET_S` after a request (:data:`STREAM_FIRST_S` before the
-    first), or has sent :data:`STREAM_DRAINED` requests. A status sent while the client
-    still writes reaches it as grpc's own ``INTERNAL`` ("Internal error from Core": its
-    write failed), not as the status the node sent."""
+    """Read and drop what a refused stream's client sends, until it stops.
+
+    It stops when the client half-closes, or sends nothing for :data:`STREAM_QUIET_S` after
+    a request (:data:`STREAM_FIRST_S` before the first). It also stops once the client has
+    sent :data:`STREAM_DRAINED` requests. A status sent while the client still writes
+    reaches it as grpc's own ``INTERNAL``, not as the status the node sent. ("Internal
+    error from Core": its write failed.)"""
     pending = aiter(requests)
     wait = STREAM_FIRST_S
     with contextlib.suppress(StopAsyncIteration, TimeoutError):

@@ -1,14 +1,16 @@
 """KServe v2 over HTTP/REST, as the unmodified ``tritonclient.http`` (sync and ``aio``)
 speaks it: the infer body, the reply, and the handler of every path under ``/v2``.
 
-**Infer.** The body is the JSON request, or — the binary tensor extension, what
-``tritonclient`` sends by default — ``Inference-Header-Content-Length`` bytes of JSON
-followed by each binary input's raw bytes, in input order (``tensors.py``). The reply holds
-every returned output (or those ``outputs`` names), as JSON ``data`` or — with
-``parameters.binary_data_output`` or an output's ``binary_data`` — as binary data after the
-JSON header; and affinity's facts in ``parameters`` (with the split of the step's time,
-``timing_total_ms``, ``timing_queue_ms``, ``timing_run_ms``, ``timing_forward_ms``, when the
-request has the header ``X-Affinity-Timing: 1`` or the parameter ``timing: true``).
+**Infer.** The body is the JSON request, or the binary tensor extension (``tensors.py``).
+``tritonclient`` sends the extension by default: ``Inference-Header-Content-Length`` bytes
+of JSON followed by each binary input's raw bytes, in input order.
+
+The reply holds every returned output (or those ``outputs`` names), as JSON ``data``. With
+``parameters.binary_data_output`` or an output's ``binary_data`` it is binary data after
+the JSON header instead. Affinity's facts are in ``parameters``. They include the split of
+the step's time (``timing_total_ms``, ``timing_queue_ms``, ``timing_run_ms``,
+``timing_forward_ms``). That split comes when the request has the header
+``X-Affinity-Timing: 1`` or the parameter ``timing: true``.
 
 **Errors** are KServe's: a non-200 status with ``{"error": "<message>"}``.
 """
@@ -366,9 +368,10 @@ method 405 (with ``Allow``). A path matching two routes of one method takes the 
 
 
 async def handle(service: NodeService, scope: Scope, receive: Receive, send: Send) -> None:
-    """The ASGI handler of every path under ``/v2``: the first route of :data:`ROUTES`
-    whose pattern and method match; else 405 when the path matched for other methods,
-    else 404."""
+    """The ASGI handler of every path under ``/v2``.
+
+    It runs the first route of :data:`ROUTES` whose pattern and method match. Else 405 when
+    the path matched for other methods, else 404."""
     path = scope["path"].rstrip("/")
     method = scope["method"]
     allowed: list[str] = []

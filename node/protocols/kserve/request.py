@@ -1,6 +1,8 @@
-"""What both KServe front doors (HTTP and gRPC) share: the decoded request, Triton's
-sequence ids and parameters, its live-sequence rule, the step a request becomes, and what
-a node says of a model: metadata, configuration, statistics, its one version string.
+"""What both KServe front doors (HTTP and gRPC) share.
+
+That is the decoded request, Triton's sequence ids and parameters, its live-sequence rule
+and the step a request becomes. It is also what a node says of a model: metadata,
+configuration, statistics, its one version string.
 
 **Sequences.** ``sequence_id`` is the episode: a uint64, or a string (Triton's
 ``sequence(string_id)``); ``0`` and ``""`` (or none) are no sequence: a stateless step.
@@ -85,10 +87,10 @@ class InferRequest:
     """One decoded infer request, before the policy's input rule.
 
     ``sequence`` is the client's ``sequence_id`` (None without a sequence) and ``episode``
-    its affinity episode id; ``arrays`` holds each input as declared (its datatype and
-    shape); ``outputs`` maps each requested output to whether it goes back binary (None:
-    every output, binary when ``binary_output``); ``timeout_s`` is the client's
-    ``timeout``, if any; ``execute_steps`` and ``ensemble`` are the client's action-chunk
+    its affinity episode id. ``arrays`` holds each input as declared (its datatype and
+    shape). ``outputs`` maps each requested output to whether it goes back binary (None:
+    every output, binary when ``binary_output``). ``timeout_s`` is the client's
+    ``timeout``, if any. ``execute_steps`` and ``ensemble`` are the client's action-chunk
     overrides (their ranges are the dispatcher's ``mode_for``'s to check)."""
 
     id: str | None
@@ -153,10 +155,11 @@ REQUEST_PARAMETERS = frozenset(
 
 
 def check_custom(params: dict[str, Any]) -> None:
-    """Refuse what Triton refuses among the parameters: a ``priority`` that is not a
-    uint64, and a custom parameter (any other) whose value is not a boolean, a number or a
-    string. Other custom parameters are accepted and unused, as a Triton backend that does
-    not read them leaves them."""
+    """Refuse what Triton refuses among the parameters.
+
+    That is a ``priority`` that is not a uint64, and a custom parameter (any other) whose
+    value is not a boolean, a number or a string. Other custom parameters are accepted and
+    unused, as a Triton backend that does not read them leaves them."""
     priority = params.get("priority")
     if priority is not None and (type(priority) is not int or not 0 <= priority < 2**64):
         raise BadRequest(f"priority {priority!r:.40} must be an unsigned integer")
@@ -201,12 +204,14 @@ def to_step(
     claim_unknown: bool = False,
     rtc: Ask | None = None,
 ) -> Step:
-    """The internal step of a decoded request: its inputs through the policy's rule
-    (``InvalidInput`` when they do not fit the model) and its requested outputs checked
-    against ``returned``, the outputs the step will have (:class:`BadRequest`); by default
-    every output the model returns (with action-chunk execution: the chunk output only).
-    A sequence step without ``sequence_start`` serves only a live sequence unless
-    ``claim_unknown`` (``--kserve-claim-unknown``)."""
+    """The internal step of a decoded request.
+
+    Its inputs go through the policy's rule (``InvalidInput`` when they do not fit the
+    model). Its requested outputs are checked against ``returned``, the outputs the step
+    will have (:class:`BadRequest`). By default that is every output the model returns (with
+    action-chunk execution: the chunk output only). A sequence step without
+    ``sequence_start`` serves only a live sequence unless ``claim_unknown``
+    (``--kserve-claim-unknown``)."""
     if returned is None:
         returned = [spec.name for spec in contract.returned_outputs]
     if request.outputs is not None:
@@ -291,12 +296,13 @@ async def service_step(
     version: str | None = None,
     found: tuple[str, PolicyContract] | None = None,
 ) -> Step:
-    """:func:`to_step` for a request to ``service`` (both KServe front doors) for model
-    ``name`` (None: the fleet's only one) and ``version`` (see :func:`requested_version`):
-    outputs checked against what its chunk mode returns, ``--kserve-claim-unknown``
-    applied. ``found`` is what :func:`find_model` gave for them, if the caller asked.
-    Raises ``InvalidArgument`` for chunk parameters this model cannot take, ``Refused``
-    for a model no node serves (404)."""
+    """:func:`to_step` for a request to ``service`` (both KServe front doors).
+
+    The request is for model ``name`` (None: the fleet's only one) and ``version`` (see
+    :func:`requested_version`). Outputs are checked against what its chunk mode returns,
+    with ``--kserve-claim-unknown`` applied. ``found`` is what :func:`find_model` gave for
+    them, if the caller asked. Raises ``InvalidArgument`` for chunk parameters this model
+    cannot take, ``Refused`` for a model no node serves (404)."""
     version = requested_version(service, name or "", version)
     chosen, contract = found or await service.model_for(name, version)
     dispatcher = service.dispatchers.get(chosen)  # elsewhere: the owner checks
@@ -334,9 +340,10 @@ def model_metadata(
     chunk: str | None = None,
     versions: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The model metadata of KServe v2: the inputs a client sends and the outputs it gets
-    (recurrent state hidden: the node feeds it back), ``-1`` for a variable dimension;
-    ``versions`` as registered. ``chunk`` names the action-chunk output when the node
+    """The model metadata of KServe v2: the inputs a client sends and the outputs it gets.
+
+    Recurrent state is hidden: the node feeds it back. ``-1`` stands for a variable
+    dimension. ``versions`` are as registered. ``chunk`` names the action-chunk output when the node
     executes chunks."""
 
     def tensor(spec: TensorSpec) -> dict[str, Any]:
@@ -372,12 +379,12 @@ def model_config(
     """Triton's model configuration (its JSON form) of a model served on ``devices``, for
     tools that read it before they infer (``perf_analyzer``, PyTriton's ``ModelClient``).
 
-    ``max_batch_size`` is 1 for a model with a batch axis (a client step is one row; the
-    node batches steps of different sequences itself, up to ``max_batch`` rows waiting at
-    most ``batch_delay_us``: the ``oldest`` strategy's preferred size and delay), else 0.
+    ``max_batch_size`` is 1 for a model with a batch axis, else 0. A client step is one
+    row. The node batches steps of different sequences itself, up to ``max_batch`` rows
+    waiting at most ``batch_delay_us``: the ``oldest`` strategy's preferred size and delay.
     ``sequence_batching`` lists Triton's control inputs, which a client never sends (the
-    sequence travels in request parameters); ``max_candidate_sequences`` is the live
-    episodes the devices hold (``capacity`` each), ``max_sequence_idle_microseconds``
+    sequence travels in request parameters). ``max_candidate_sequences`` is the live
+    episodes the devices hold (``capacity`` each). ``max_sequence_idle_microseconds`` is
     ``--episode-ttl``. ``instance_group`` has one instance per device."""
     batched = contract.batch_axis
 

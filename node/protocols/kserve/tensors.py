@@ -1,9 +1,9 @@
 """KServe v2 tensors: datatypes, ``BYTES``, JSON and binary tensors of an HTTP body, and
 inflating a compressed body.
 
-Every declared size (header length against the body, ``binary_data_size`` against the
-shape and datatype and against the bytes that follow, element counts) is checked before
-anything is allocated; binary inputs are read-only views of the body. ``BYTES`` tensors are
+Every declared size is checked before anything is allocated: header length against the
+body, ``binary_data_size`` against the shape and datatype and against the bytes that
+follow, element counts. Binary inputs are read-only views of the body. ``BYTES`` tensors are
 Triton's elements of a 4-byte little-endian length and that many bytes, whose text must be
 UTF-8 (ONNX Runtime takes ``str``). ``BF16`` is refused (numpy has no bfloat16).
 """
@@ -177,7 +177,7 @@ def _arrays(planned: list[_Planned], body: bytes) -> dict[str, Array]:
 def bytes_elements(name: str, data: bytes | memoryview, shape: list[int]) -> Array:
     """The BYTES tensor of ``shape`` in ``data``: each element a 4-byte little-endian length
     and that many bytes of UTF-8, filling ``data`` exactly. Raises :class:`BadRequest` for a
-    length that runs past the data, trailing bytes or text that is not UTF-8; the object
+    length that runs past the data, trailing bytes or text that is not UTF-8. The object
     array it allocates has at most ``len(data) / 4`` elements (checked first)."""
     view = memoryview(data)
     count = math.prod(shape)
