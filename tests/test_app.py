@@ -56,9 +56,22 @@ async def two(redis: Any) -> AsyncIterator[tuple[list[InProcNode], Router]]:
 
 
 async def snapshot(redis: Any) -> dict[str, Any]:
+    """The keyspace a request could write. The node's own upkeep runs whenever it is due
+    (a renewal re-scores the node and ring sorted sets, the fleet view is rewritten), so
+    those scores and the view are left out: a slow machine must not fail the comparison."""
     from tests.conftest import Env
 
-    return await Env(redis, None, None, None).snapshot()  # type: ignore[arg-type]
+    snap = await Env(redis, None, None, None).snapshot()  # type: ignore[arg-type]
+    for key, value in list(snap.items()):
+        if key in (KEYS.view, KEYS.view_reader):
+            del snap[key]
+        elif (
+            isinstance(value, list)
+            and not key.startswith(KEYS.load(""))
+            and all(isinstance(m, list | tuple) and len(m) == 2 for m in value)
+        ):
+            snap[key] = [m[0] for m in value]  # a sorted set's members, not their scores
+    return snap
 
 
 async def test_episode_matches_reference(node: InProcNode) -> None:
