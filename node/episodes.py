@@ -61,6 +61,10 @@ REMEMBERED = 65_536
 """How many ended claims, dropped episodes and given-up forwards the table remembers each
 (the oldest is forgotten first)."""
 
+ENDED_EARLY_S = 120.0
+"""How long a claim released before its first record existed here stays refused. Its
+first step reaches its device within that step's deadline (seconds), far below this."""
+
 DropReason = Literal["end", "idle", "lost", "revoked", "fenced", "registered", "handed"]
 """Why a record left the table. ``end`` (the client ended or restarted the episode) is the
 only one after which the episode's next claim here starts clean without ``state_reset``."""
@@ -138,9 +142,10 @@ class EpisodeTable:
         self._records: dict[str, Episode] = {}
         self._live: dict[str, set[str]] = {}  # device -> episodes with a record on it
         self._ended: _Bounded[str] = _Bounded()  # claim ids whose record left the table
-        # "<episode> <token>" released while a step of it was in flight but before any
-        # record of it existed (its claim id unknown here): until those steps are done
-        self._ended_early: set[str] = set()
+        # "<episode> <token>" released before any record of its claim existed here (its
+        # claim id unknown): the claim's first step may still be in flight, or not yet
+        # arrived (claimed in Redis, its step on its way), until this clock time
+        self._ended_early: dict[str, float] = {}
         # episode -> why: dropped here, not ended by its client
         self._dropped: _Bounded[str] = _Bounded()
         # forwards whose router gave up before they applied
@@ -208,7 +213,7 @@ class EpisodeTable:
         ended here) and :class:`SeqConflict`."""
         if origin and origin in self._cancelled:
             raise ForwardCancelled(origin)
-        if (claim and claim in self._ended) or f"{episode} {token}" in self._ended_early:
+        if (claim and claim in self._ended) or self._ended_early_locked(f"{episode} {token}"):
             raise ClaimEnded(episode, claim)
         record = self._records.get(episode)
         dropped = episode in self._dropped
@@ -222,8 +227,8 @@ class EpisodeTable:
         of another claim it replaces is remembered as ended. False: nothing kept."""
         if generation != self.generation or self._records.get(episode) is not read:
             return False
-        if (new.claim and new.claim in self._ended) or f"{episode} {new.token}" in (
-            self._ended_early
+        if (new.claim and new.claim in self._ended) or self._ended_early_locked(
+            f"{episode} {new.token}"
         ):
             return False
         if read is not None and read.claim != new.claim:
@@ -317,12 +322,28 @@ class EpisodeTable:
         step of ``episode`` in flight (its claim's first), that step keeps nothing either."""
         with self.lock:
             record = self._records.get(episode)
-            if record is None and token is not None and episode in self._in_flight:
-                self._ended_early.add(f"{episode} {token}")
+            if record is None and token is not None:
+                self._end_early_locked(f"{episode} {token}")
             if record is None or (token is not None and record.token != token):
                 return None
             self._forget_locked(episode, record, reason)
             return record
+
+    def _end_early_locked(self, key: str) -> None:
+        # Why: a router claims in Redis, then sends the claim's first step here. An end
+        # that reads Redis in between finds no record to drop; the step must keep none.
+        now = self.clock()
+        self._ended_early.pop(key, None)
+        self._ended_early[key] = now + ENDED_EARLY_S
+        while self._ended_early:  # oldest first: all share one horizon
+            first = next(iter(self._ended_early))
+            if self._ended_early[first] > now and len(self._ended_early) <= REMEMBERED:
+                break
+            del self._ended_early[first]
+
+    def _ended_early_locked(self, key: str) -> bool:
+        until = self._ended_early.get(key)
+        return until is not None and until > self.clock()
 
     def expire_idle(self, idle_s: float) -> list[tuple[str, int]]:
         """Drop the records idle for longer than ``idle_s`` (none with a step in flight);
@@ -401,9 +422,6 @@ class EpisodeTable:
             self._in_flight[episode] = left
             return
         del self._in_flight[episode]
-        if self._ended_early:
-            with self.lock:
-                self._ended_early = {e for e in self._ended_early if e.split(" ")[0] != episode}
         idle = self._idle.pop(episode, None)
         if idle is not None:
             idle.set()

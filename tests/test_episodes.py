@@ -227,6 +227,20 @@ async def test_a_claim_ended_while_its_step_ran_keeps_nothing() -> None:
     assert d.table.get("ep") is None
 
 
+async def test_a_claim_ended_before_its_first_step_arrived_keeps_nothing() -> None:
+    """A router claimed the episode in Redis and sends its first step here; an end that
+    read Redis meanwhile releases that claim before the step arrived (no record, nothing in
+    flight). The step, arriving after, is refused and keeps nothing: Redis gave the
+    episode up, and the next claim may be on another node."""
+    d, _, _ = make(1)
+    assert d.table.release("ep", "end", 7) is None  # ended before anything arrived
+    with pytest.raises(ClaimEnded):
+        await dispatch(d, "n/0", "ep", 7, True, obs(1), claim="c1")
+    assert d.table.get("ep") is None
+    fresh = await dispatch(d, "n/0", "ep", 8, True, obs(2), claim="c2")  # a new claim
+    assert (fresh.seq, fresh.state_reset, act(fresh)) == (1, False, 2.0)
+
+
 async def test_a_node_that_dropped_an_episode_says_state_reset_when_it_starts_it_again() -> None:
     """Dropped here for any reason but its client's end (idle, lost, revoked, fenced): the
     episode's next claim here starts clean and says so, echo or not; after a client's end
