@@ -58,6 +58,8 @@ class Episode:
     fresh_sent: float = float("-inf")  # when the request of its last fresh start was sent
     ends: list[list[float]] = field(default_factory=list)  # [started, returned] of each end
     skipped: int = 0  # steps applied whose reply reached nobody, seen as a skip (no seq)
+    lost: bool = False  # an attempt since its last 200 got no reply (timed out, cut off)
+    lost_resets: int = 0  # of those, a reset whose reply reached nobody (no seq)
     replies: int = 0
     resets: int = 0
     superseded: set[int] = field(default_factory=set)
@@ -94,12 +96,18 @@ class Episode:
                 # carried it (killed, or paused while the robot went on elsewhere): without
                 # seq nobody can tell a retry from the next step (docs/guarantees.md)
                 self.skipped += 1
+            elif count == 2 and not self.with_seq and self.lost:
+                # the same, where the lost step started the state over (it said so, to
+                # nobody): its retry ran on top before the undo came, and the step after
+                # says state_reset (docs/guarantees.md)
+                self.lost_resets += 1
             else:
                 self.violations.append(f"count {count} after {self.last}: {where}")
             if count == 1 or reply["state_reset"]:
                 self.fresh_sent = sent
             self.last, self.token, self.seq = count, token, int(reply["seq"])
             self.prev_sent = sent
+            self.lost = False
 
 
 def robot(ep: Episode, urls: list[str], until: float, seed: int) -> None:
@@ -115,7 +123,9 @@ def robot(ep: Episode, urls: list[str], until: float, seed: int) -> None:
                 body["seq"] = ep.seq + 1
             try:
                 r = client.post(rng.choice(urls) + "/act", json=body)
-            except httpx.HTTPError:
+            except httpx.HTTPError:  # no reply: the step may have been applied
+                with ep.lock:
+                    ep.lost = True
                 time.sleep(0.05)
                 continue
             if r.status_code == 200:
@@ -303,7 +313,8 @@ def test_chaos_never_two_owners_never_a_silent_reset_never_state_kept_nowhere(
             f"seed {seed}, {actions} actions, "
             f"{sum(ep.replies for ep in episodes)} steps, "
             f"{sum(ep.resets for ep in episodes)} resets said, "
-            f"{sum(ep.skipped for ep in episodes)} lost replies of steps without seq; "
+            f"{sum(ep.skipped for ep in episodes)} lost replies of steps without seq "
+            f"({sum(ep.lost_resets for ep in episodes)} of them resets); "
             f"actions: {' '.join(sorted(line.split()[1] for line in chaos.log if line[0] != ' '))}"
         )
         print(summary)
