@@ -25,6 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from redis.exceptions import RedisError
 
+from affinity import __version__
 from affinity.claims import Claims
 from affinity.config import Settings
 from affinity.connection import close, connect
@@ -476,14 +477,20 @@ def add_fleet_commands(command: AddCommand) -> None:
         "share a model's new episodes between its versions by weight (running episodes keep "
         "theirs); with NAME alone, show its versions",
     )
-    p.add_argument("name", metavar="NAME")
-    p.add_argument("version", metavar="VERSION", nargs="?")
-    p.add_argument("weight", metavar="WEIGHT", nargs="?", type=non_negative)
+    p.add_argument("name", metavar="NAME", help="the model's name (as in affinity models)")
+    p.add_argument("version", metavar="VERSION", nargs="?", help="one of its versions")
+    p.add_argument(
+        "weight",
+        metavar="WEIGHT",
+        nargs="?",
+        type=non_negative,
+        help="its share of new episodes, relative to the other versions' weights (0: none)",
+    )
     p.add_argument(
         "--reset", action="store_true", help="drop the weights: the newest version takes all"
     )
     p = command("forget", cmd_forget, "remove a dead node's record and its devices")
-    p.add_argument("node")
+    p.add_argument("node", help="the node id (as in affinity nodes)")
     command(
         "new-fleet",
         cmd_new_fleet,
@@ -498,22 +505,33 @@ def add_episode_commands(command: AddCommand) -> None:
     p.add_argument("--device", help="only this device")
     p.add_argument("--node", help="only this node's devices")
     p = command("show", cmd_show, "one episode's assignment (exit 1 when it has none)")
-    p.add_argument("episode")
-    p = command("drain", cmd_drain, "stop new episodes on devices; their episodes stay")
+    p.add_argument("episode", help="the episode id")
+    p = command(
+        "drain", cmd_drain, "stop new episodes on devices; their episodes stay (but --move)"
+    )
     p.add_argument("device", nargs="+", help="one or more devices (a node's: drain them together)")
     p.add_argument("--reason", default="", help="recorded on the device and in the event")
     p.add_argument(
         "--move",
         action="store_true",
-        help="and move its episodes to other devices now, with their state",
+        help="and move its episodes to other devices with their state, at each node's next "
+        "lease renewal (within a third of its lease)",
     )
-    p = command("move", cmd_move, "move an episode to another device, with its state")
-    p.add_argument("episode")
-    p.add_argument("--to", help="a node or a device (default: any with room)")
+    p = command(
+        "move",
+        cmd_move,
+        "move an episode to another device with its state, at its owner's next lease renewal",
+    )
+    p.add_argument("episode", help="the episode id")
+    p.add_argument(
+        "--to",
+        metavar="TARGET",
+        help="a node or a device serving the episode's model (default: any with room)",
+    )
     p = command("undrain", cmd_undrain, "let devices take new episodes again")
-    p.add_argument("device", nargs="+")
+    p.add_argument("device", nargs="+", help="one or more devices (as in affinity devices)")
     p = command("release", cmd_release, "end an episode's assignment (its next step claims anew)")
-    p.add_argument("episode")
+    p.add_argument("episode", help="the episode id")
     p = command("events", cmd_events, "the event stream: claim, release, drain, node-up, ...")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     p.add_argument(
@@ -533,6 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit codes: 0 ok, 1 not found, 2 usage, 3 Redis unreachable or failing",
         parents=[common],
     )
+    parser.add_argument("--version", action="version", version=f"affinity {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, run: Command, help: str) -> argparse.ArgumentParser:

@@ -3,9 +3,11 @@ devices and assignments (in process with capsys, and as real subprocesses)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -616,6 +618,28 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2 and "must be a URL such as redis://" in err and err.count("\n") == 1
     code, out, _ = run_cli(capsys, "--help")
     assert code == 0 and "exit codes" in out
+
+
+def test_version_and_help_for_every_argument(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 42 item 13: ``--version``; every positional argument has help; ``--move``
+    says when the move happens (at the next lease renewal, not now)."""
+    from affinity import __version__
+    from affinity.cli import build_parser
+
+    code, out, _ = run_cli(capsys, "--version")
+    assert (code, out) == (0, f"affinity {__version__}\n")
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS:
+                continue
+            assert action.help, f"affinity {name}: {action.dest} has no help"
+    code, out, _ = run_cli(capsys, "drain", "--help")
+    text = " ".join(out.split())
+    assert code == 0 and not re.search(r"\bnow\b", text), text
+    assert "at each node's next lease renewal" in text
+    code, out, _ = run_cli(capsys, "move", "--help")
+    assert code == 0 and "at its owner's next lease renewal" in " ".join(out.split())
 
 
 def test_unreachable_redis_exits_3_fast(capsys: pytest.CaptureFixture[str]) -> None:
