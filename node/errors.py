@@ -68,6 +68,7 @@ __all__ = [
     "GpuUnavailable",
     "InvalidInput",
     "ModelFailure",
+    "ModelNotServed",
     "NotKept",
     "NotServed",
     "Outcome",
@@ -250,6 +251,10 @@ class ForwardError(Exception):
 
 class TransferError(ValueError):
     """A hand-over message this node cannot install; the message says why."""
+
+
+class ModelNotServed(TransferError):
+    """A hand-over's record names a ``name@version`` this node does not serve."""
 
 
 # ---- devices -------------------------------------------------------------------------------
