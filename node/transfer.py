@@ -200,7 +200,7 @@ def check_record(record: Episode, contract: PolicyContract) -> None:
     input, one step's shape), its action buffer (``[H, D]`` chunks of the chunk output's
     dtype, at most H of them, never ahead of ``t``), the chunk real-time chunking last sent
     (``[H, D]``), its stored reply (returned outputs, the chunk output as a chunk or as one
-    action; its RTC values 0..H) and its held inputs (observation inputs)."""
+    action; its RTC values 0..H) and its held inputs (the model's inputs)."""
     inputs = {spec.name: contract.step_spec(spec) for spec in contract.inputs}
     outputs = {spec.name: contract.step_spec(spec) for spec in contract.returned_outputs}
     if set(record.state) != set(contract.state):
@@ -219,10 +219,9 @@ def check_record(record: Episode, contract: PolicyContract) -> None:
         _check_array("the sent chunk", record.sent[0], _chunk_rows(chunk, contract))
     if record.reply is not None:
         _check_reply(record.reply, outputs, chunk, contract)
-    observed = {spec.name for spec in contract.observation_inputs}
     for name, value in (record.asked or {}).items():
-        if name not in observed:
-            raise TransferError(f"held input {name!r} is not an observation input of this model")
+        if name not in inputs:
+            raise TransferError(f"held input {name!r} is not an input of this model")
         _check_array(f"held input {name!r}", value, inputs[name])
 
 

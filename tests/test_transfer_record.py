@@ -114,7 +114,7 @@ def test_a_record_arrives_as_it_left_with_its_times_on_the_receivers_clock() -> 
         (message(reply=reply_doc(actions=np.zeros((1, 4, 3), np.float32))), "[1, 4, 3]"),
         (message(reply=reply_doc(other=np.zeros((1, 2), np.float32))), "not an output"),
         (message(reply=reply_doc(rtc=[9, 0, 0])), "rtc values"),
-        (message(asked={"image": np.zeros((1, 8), np.float32)}), "not an observation input"),
+        (message(asked={"image": np.zeros((1, 8), np.float32)}), "not an input of this model"),
         (message(asked={"obs": np.zeros((1, 9), np.float32)}), "held input 'obs'"),
     ],
 )
