@@ -96,8 +96,8 @@ def test_a_record_arrives_as_it_left_with_its_times_on_the_receivers_clock() -> 
         (message(sent=[np.zeros(2, np.float32), -1.0]), "age must be a number >= 0"),
         (message(latency=["soon"]), "latency must be a list of seconds"),
         (message(asked={"obs": [0.0]}), "held inputs"),
-        # issue 41 item 5: each of these was installed, and its next step answered a bare
-        # 500 (numpy's "could not broadcast ... into shape")
+        # issue 41 item 5: the state check alone let these through (a wrong shape then
+        # failed the episode's next step with a bare 500)
         (message(model=""), "must be name@version"),
         (message(model="demo_policy"), "must be name@version"),
         (message(buffer={"t": 1, "chunks": [[0, np.ones((11, 7), np.float32)]]}), "[11, 7]"),
