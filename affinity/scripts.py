@@ -64,6 +64,7 @@ NAMES = (
     "set_state",
     "flush",
     "transfer",
+    "restore_rollout",
 )
 
 INCLUDED = ("lib", "fleet")  # shared parts, placed where a script says --@lib, --@fleet
@@ -158,6 +159,7 @@ class Scripts:
     set_state: Script
     flush: Script
     transfer: Script
+    restore_rollout: Script
 
 
 @cache
