@@ -92,7 +92,7 @@ def test_fleet_init_marks_the_empty_redis_a_new_fleet_before_any_node() -> None:
 
 def test_redis_service() -> None:
     redis = services()["redis"]
-    assert str(redis["image"]).startswith("redis:7")
+    assert str(redis["image"]).startswith("docker.io/library/redis:7")
     command = redis["command"]
     command = command if isinstance(command, list) else command.split()
     assert command[0] == "redis-server"
@@ -177,6 +177,17 @@ def test_published_ports_are_distinct_and_on_loopback_only() -> None:
     assert ports and {address for address, _, _ in ports} == {"127.0.0.1"}
     host_ports = [host for _, host, _ in ports]
     assert all(h.isdigit() for h in host_ports) and len(host_ports) == len(set(host_ports))
+
+
+def test_images_are_named_in_full() -> None:
+    """Podman resolves no short name (``redis:7-alpine``) unless the host's registries.conf
+    lists unqualified-search-registries; a full name works with Docker and Podman alike."""
+    images = [str(s["image"]) for s in services().values() if "image" in s]
+    assert images
+    for image in images:
+        assert "." in image.split("/")[0], f"{image}: name its registry (docker.io/...)"
+    (base,) = re.findall(r"\$\{BASE_IMAGE:-([^}]+)\}", DOCKERFILE.read_text(encoding="utf-8"))
+    assert base.startswith("docker.io/library/python:3.11"), base
 
 
 def test_nodes_run_as_the_kubernetes_manifests_run_them() -> None:
@@ -275,7 +286,7 @@ def pinned(image: str) -> bool:
 def test_prometheus_scrapes_both_nodes_with_the_alert_rules() -> None:
     all_services = services()
     prom = all_services["prometheus"]
-    assert str(prom["image"]).startswith("prom/prometheus:") and pinned(prom["image"])
+    assert str(prom["image"]).startswith("docker.io/prom/prometheus:") and pinned(prom["image"])
     config_dir = mounts(prom)["/etc/prometheus"]
     assert config_dir == ROOT / "docker" / "prometheus"
     assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
@@ -297,7 +308,8 @@ def test_prometheus_scrapes_both_nodes_with_the_alert_rules() -> None:
 
 def test_grafana_is_provisioned_with_the_dashboard_and_that_prometheus() -> None:
     grafana = services()["grafana"]
-    assert str(grafana["image"]).startswith("grafana/grafana:") and pinned(grafana["image"])
+    image = str(grafana["image"])
+    assert image.startswith("docker.io/grafana/grafana:") and pinned(image)
     mounted = mounts(grafana)
     provisioning = mounted["/etc/grafana/provisioning"]
     assert provisioning == ROOT / "docker" / "grafana" / "provisioning"

@@ -269,7 +269,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     extra = tmp / "compose.podman.yaml"
     extra.write_text(yaml.safe_dump(override(base)))
     try:
-        # podman-compose 1.0.3 ignores depends_on's conditions: start in their order.
+        # podman-compose 1.0.3 ignores depends_on's conditions: start in their order. (It
+        # ignores --no-deps too: the last `up` starts redis, running already, and fleet-init,
+        # which finds its marker there and writes nothing, again.)
         podman.compose("up", "-d", "--no-build", "redis", override=extra)
         wait_until(lambda: healthy(podman, "redis"), 60, "redis healthy", interval=1)
         podman.compose("up", "-d", "--no-build", "--no-deps", "fleet-init", override=extra)
