@@ -140,8 +140,9 @@ def unusable() -> str | None:
     """Why Podman cannot run this stack here, or None."""
     if os.geteuid() != 0:
         return "Podman runs these containers as root here (rootless needs subuids and slirp)"
-    for tool in ("podman", "podman-compose", "runc", "debootstrap"):
-        if shutil.which(tool) is None:
+    helpers = "/usr/lib/podman:/usr/libexec/podman"  # the bridge network and its DNS
+    for tool in ("podman", "podman-compose", "runc", "debootstrap", "netavark", "aardvark-dns"):
+        if shutil.which(tool) is None and shutil.which(tool, path=helpers) is None:
             return (
                 f"{tool} is not installed (bash .ci/run installs podman, podman-compose, runc, "
                 "netavark, aardvark-dns and debootstrap)"
