@@ -3,8 +3,9 @@
 The node image is built from ``docker/Dockerfile`` on a Debian bookworm base made here with
 ``debootstrap`` and ``podman import`` (no registry is reachable; the base is cached under
 ``/var/tmp/affinity-podman-base`` and in Podman's storage, keyed by a hash of what goes into
-it). ``podman-compose`` then runs ``docker/compose.yaml`` (Redis, fleet-init, two nodes,
-Prometheus) with an override of this test's own: the images of Docker Hub replaced by that
+it). ``docker/compose.yaml`` (Redis, fleet-init, two nodes, Prometheus) then runs under each
+of two compose runners, ``podman-compose`` and ``docker-compose`` through Podman's Docker API,
+with an override of this test's own: the images of Docker Hub replaced by that
 base, a ulimit Podman may set without ``CAP_SYS_RESOURCE``, and free ports on 127.0.0.1. An
 unmodified ``openpi-client`` robot steps an episode across a ``podman stop`` of its owner's
 container; the nodes run as the Kubernetes manifests run them. Podman is configured by a
@@ -21,6 +22,7 @@ import os
 import shutil
 import ssl
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -88,10 +90,12 @@ def base_tag() -> str:
 
 @dataclass
 class Podman:
-    """``podman`` and ``podman-compose`` with the test's containers.conf, every call bounded."""
+    """``podman`` and a compose runner (``podman-compose``, or ``docker-compose`` talking to
+    Podman's Docker API) with the test's containers.conf, every call bounded."""
 
     conf: Path
-    project: str
+    project: str = ""
+    runner: str = "podman-compose"
     env: dict[str, str] = field(default_factory=dict)
 
     def environ(self) -> dict[str, str]:
@@ -109,15 +113,18 @@ class Podman:
         return done
 
     def compose(self, *args: str, override: Path, timeout: float = 300) -> str:
-        argv = ["podman-compose", "-p", self.project, "-f", str(COMPOSE), "-f", str(override)]
+        argv = [self.runner, "-p", self.project, "-f", str(COMPOSE), "-f", str(override)]
         done = subprocess.run(
             [*argv, *args], env=self.environ(), capture_output=True, text=True, timeout=timeout,
         )  # fmt: skip
-        assert done.returncode == 0, f"podman-compose {' '.join(args)}:\n{done.stdout}{done.stderr}"
+        assert done.returncode == 0, f"{self.runner} {' '.join(args)}:\n{done.stdout}{done.stderr}"
         return done.stdout
 
     def container(self, service: str) -> str:
-        return f"{self.project}_{service}_1"  # podman-compose 1.0.3's naming
+        return f"{self.project}_{service}_1"  # both runners' naming
+
+    def label(self) -> str:
+        return f"label=com.docker.compose.project={self.project}"  # both runners set it
 
     def inspect(self, service: str) -> dict[str, Any]:
         (info,) = json.loads(self("inspect", self.container(service)).stdout)
@@ -127,10 +134,9 @@ class Podman:
         return self("exec", self.container(service), *argv, check=False, timeout=60)
 
     def logs(self) -> str:
-        label = f"label=io.podman.compose.project={self.project}"
-        names = self("ps", "-a", "--format", "{{.Names}}", "--filter", label, check=False).stdout
+        names = self("ps", "-a", "--format", "{{.Names}}", "--filter", self.label(), check=False)
         out = []
-        for name in names.split():
+        for name in names.stdout.split():
             done = self("logs", "--tail", "40", name, check=False, timeout=30)
             out.append(f"--- {name}\n{done.stdout}{done.stderr}")
         return "\n".join(out)
@@ -242,48 +248,112 @@ def healthy(podman: Podman, service: str) -> bool:
     return str(podman.inspect(service)["State"]["Health"]["Status"]) == "healthy"
 
 
+@dataclass
+class Images:
+    conf: Path  # the test's containers.conf
+    base: str
+
+
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def images(tmp_path_factory: pytest.TempPathFactory) -> Images:
+    """The base and the node image, built once for both runners."""
     reason = unusable()
     if reason:
         pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("podman")
     conf = tmp / "containers.conf"
     conf.write_text(CONTAINERS_CONF)
+    podman = Podman(conf)
+    info = podman("info", "--format", "json", check=False, timeout=60)
+    if info.returncode != 0:
+        pytest.skip(f"podman cannot run containers here: {info.stderr.strip()[-300:]}")
+    assert json.loads(info.stdout)["host"]["ociRuntime"]["name"] == "runc"
+    base = ensure_base(podman)
+    build_node_image(podman, base, tmp)
+    return Images(conf, base)
+
+
+class HealthPump:
+    """Runs the project's health checks every second, as Podman's systemd timers would:
+    docker-compose waits on ``condition: service_healthy`` for a status nobody updates
+    on a host without systemd."""
+
+    def __init__(self, podman: Podman) -> None:
+        self.podman, self.stop = podman, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        while not self.stop.wait(1.0):
+            ids = self.podman("ps", "-q", "--filter", self.podman.label(), check=False)
+            for cid in ids.stdout.split():
+                self.podman("healthcheck", "run", cid, check=False, timeout=30)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(60)
+
+
+def docker_api(podman: Podman, tmp: Path) -> subprocess.Popen[bytes]:
+    """``podman system service`` on a socket of the test's own, for docker-compose."""
+    sock = tmp / "podman.sock"
+    service = subprocess.Popen(
+        ["podman", "system", "service", "--time=0", f"unix://{sock}"],
+        env=podman.environ(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    podman.env["DOCKER_HOST"] = f"unix://{sock}"
+    wait_until(sock.exists, 30, "podman system service listening", interval=0.2)
+    return service
+
+
+@pytest.fixture(scope="module", params=["podman-compose", "docker-compose"])
+def stack(
+    request: pytest.FixtureRequest, images: Images, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """docker/compose.yaml running under either runner: podman-compose (Debian 12's 1.0.3,
+    which ignores depends_on's conditions: the test starts the services in their order) or
+    Debian's docker-compose 1.29 through Podman's Docker API (which waits on them itself)."""
+    runner = str(request.param)
+    if shutil.which(runner) is None:
+        pytest.skip(f"{runner} is not installed (bash .ci/run installs it)")
+    tmp = tmp_path_factory.mktemp(runner)
     ports = {"a": free_port(), "b": free_port(), "prom": free_port()}
     podman = Podman(
-        conf,
+        images.conf,
         f"affinity-podman-{uuid.uuid4().hex[:8]}",
+        runner,
         {
             "AFFINITY_NODE_A_PORT": str(ports["a"]),
             "AFFINITY_NODE_B_PORT": str(ports["b"]),
             "AFFINITY_PROMETHEUS_PORT": str(ports["prom"]),
         },
     )
-    info = podman("info", "--format", "json", check=False, timeout=60)
-    if info.returncode != 0:
-        pytest.skip(f"podman cannot run containers here: {info.stderr.strip()[-300:]}")
-    assert json.loads(info.stdout)["host"]["ociRuntime"]["name"] == "runc"
-
-    base = ensure_base(podman)
-    build_node_image(podman, base, tmp)
     extra = tmp / "compose.podman.yaml"
-    extra.write_text(yaml.safe_dump(override(base)))
+    extra.write_text(yaml.safe_dump(override(images.base)))
+    service: subprocess.Popen[bytes] | None = None
+    pump: HealthPump | None = None
     try:
-        # podman-compose 1.0.3 ignores depends_on's conditions: start in their order. (It
-        # ignores --no-deps too: the last `up` starts redis, running already, and fleet-init,
-        # which finds its marker there and writes nothing, again.)
-        podman.compose("up", "-d", "--no-build", "redis", override=extra)
-        wait_until(lambda: healthy(podman, "redis"), 60, "redis healthy", interval=1)
-        podman.compose("up", "-d", "--no-build", "--no-deps", "fleet-init", override=extra)
+        if runner == "docker-compose":
+            service = docker_api(podman, tmp)
+            pump = HealthPump(podman)
+            podman.compose("up", "-d", "--no-build", "node-a", "node-b", "prometheus",
+                           override=extra)  # fmt: skip
+        else:
+            # It ignores --no-deps too: the last `up` starts redis, running already, and
+            # fleet-init, which finds its marker there and writes nothing, again.
+            podman.compose("up", "-d", "--no-build", "redis", override=extra)
+            wait_until(lambda: healthy(podman, "redis"), 60, "redis healthy", interval=1)
+            podman.compose("up", "-d", "--no-build", "--no-deps", "fleet-init", override=extra)
+            done = podman("wait", podman.container("fleet-init"), timeout=120)
+            assert done.stdout.strip() == "0", podman.logs()
+            podman.compose(
+                "up", "-d", "--no-build", "--no-deps", "node-a", "node-b", "prometheus",
+                override=extra,
+            )  # fmt: skip
         done = podman("wait", podman.container("fleet-init"), timeout=120)
         assert done.stdout.strip() == "0", podman.logs()
-        podman.compose(
-            "up", "-d", "--no-build", "--no-deps", "node-a", "node-b", "prometheus",
-            override=extra,
-        )  # fmt: skip
-        for service in SERVICES:
-            wait_until(lambda s=service: healthy(podman, s), 120, f"{service} healthy", interval=1)
+        for name in SERVICES:
+            wait_until(lambda s=name: healthy(podman, s), 120, f"{name} healthy", interval=1)
         yield Stack(
             podman,
             {
@@ -297,14 +367,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         try:
             podman.compose("down", "-v", override=extra, timeout=180)
         finally:
-            label = f"label=io.podman.compose.project={podman.project}"
-            left = podman("ps", "-a", "-q", "--filter", label, check=False).stdout.split()
-            if left:
-                podman("rm", "-f", "-t", "0", *left, check=False)
-            volumes = podman("volume", "ls", "-q", "--filter", label, check=False).stdout.split()
-            if volumes:
-                podman("volume", "rm", "-f", *volumes, check=False)
+            if pump is not None:
+                pump.close()
+            left = podman("ps", "-a", "-q", "--filter", podman.label(), check=False).stdout
+            if left.split():
+                podman("rm", "-f", "-t", "0", *left.split(), check=False)
+            volumes = podman("volume", "ls", "-q", "--filter", podman.label(), check=False).stdout
+            if volumes.split():
+                podman("volume", "rm", "-f", *volumes.split(), check=False)
             podman("network", "rm", "-f", f"{podman.project}_default", check=False)
+            if service is not None:
+                service.terminate()
+                service.wait(30)
 
 
 def test_the_health_checks_report_healthy_and_prometheus_scrapes_both_nodes(stack: Stack) -> None:
