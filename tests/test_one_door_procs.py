@@ -110,17 +110,28 @@ def test_an_owner_paused_past_its_lease_never_answers_200_from_kept_nowhere(
             finally:
                 a.proc.send(signal.SIGCONT)
             t.join(120)
-            assert got, f"the paused owner's step never answered:\n{a.proc.log()}"
+            logs = f"\n--- a:\n{a.proc.log()}\n--- b:\n{c.node('b').proc.log()}"
+            assert got, f"the paused owner's step never answered:{logs}"
             if got["at"] < stopped:
                 continue  # it finished before the stop: not this case; try again
-            tried += 1
-            assert got["status"] == 503, (
-                f"a answered the interrupted step {got['status']} after b took {ep} over: "
-                f"{got['body']}\n{a.proc.log()}"
-            )
-            assert got["body"]["error"]["code"] == "fenced", got["body"]
+            last = count(taken)
+            if got["status"] == 200 and got["body"]["node"] == "b":
+                # Issue 42 item 1: under load the step may reach a only after the stop (it
+                # waited in a's socket). If a's renewal then registers anew first, a asks
+                # Redis and forwards it to b, which applies it on b's state: a correct
+                # answer, not one from a's old state. Not this case either; b's count says
+                # it was applied once, there.
+                assert count(got["body"]) == last + 1, f"{got['body']}{logs}"
+                last += 1
+            else:
+                tried += 1
+                assert got["status"] == 503, (
+                    f"a answered the interrupted step {got['status']} after b took {ep} over: "
+                    f"{got['body']}{logs}"
+                )
+                assert got["body"]["error"]["code"] == "fenced", f"{got['body']}{logs}"
             nxt = until_served(c.node("b").url, ep)
-            assert (nxt["node"], count(nxt)) == ("b", count(taken) + 1)
+            assert (nxt["node"], count(nxt)) == ("b", last + 1), f"{nxt}{logs}"
         assert tried >= 1, "no SIGSTOP landed while a step ran"
 
 
