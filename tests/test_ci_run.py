@@ -1,4 +1,5 @@
-"""``.ci/run`` and the README's "Two commands" (issue 42 items 5 and 8).
+"""``.ci/run`` and the README's "Two commands" (issue 42 items 5 and 8), and what a test
+session leaves behind (item 9).
 
 ``.ci/run`` runs here in a copy of the repository's ``.ci`` folder whose commands are fakes
 on ``PATH`` (``redis-server``, ``redis-cli``, ``apt-get``, ``.venv/bin/*``): each records
@@ -16,6 +17,7 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -158,3 +160,30 @@ def test_ci_installs_what_is_missing_unasked_and_stops_its_redis_when_the_tests_
     assert ran[-1] == "python -m pytest -q", ran
     pid = int((tmp_path / "up").read_text())
     wait_until(lambda: not alive(pid), 30, "the Redis .ci/run started to stop")
+
+
+def test_a_failed_test_session_leaves_no_affinity_test_folders(tmp_path: Path) -> None:
+    """Item 9: each session left its ``affinity-test-*`` folders (its Redis', its nodes')
+    in the temporary directory. A session whose test fails, with this suite's conftest,
+    starts a real Redis and makes a folder; none is left once it ended."""
+    work = tmp_path / "session"
+    (work / "temp").mkdir(parents=True)
+    (work / "conftest.py").write_text("from tests.conftest import *  # noqa: F403\n")
+    (work / "test_inner.py").write_text(
+        "from tests.conftest import require_real_redis\n"
+        "from tests.procs import tmpdir\n\n\n"
+        "def test_fails() -> None:\n"
+        "    require_real_redis()\n"
+        "    (tmpdir() / 'node.log').write_text('x')\n"
+        "    assert False, 'this session fails'\n"
+    )
+    env = {**os.environ, "TMPDIR": str(work / "temp"), "PYTHONPATH": str(ROOT)}
+    env.pop("AFFINITY_TEST_REDIS_URL", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:cloudcoil",
+         "--rootdir", str(work), str(work / "test_inner.py")],
+        cwd=work, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1 and "this session fails" in done.stdout, done.stdout
+    left = sorted(p.name for p in (work / "temp").glob("affinity-test-*"))
+    assert left == [], f"the session left {left}"
