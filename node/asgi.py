@@ -26,6 +26,7 @@ __all__ = [
     "read_body",
     "respond",
     "respond_error",
+    "respond_gone",
     "while_connected",
 ]
 
@@ -227,3 +228,14 @@ async def respond_error(send: Send, exc: BaseException, rejected: Counter | None
         rejected.labels(o.reject_reason).inc()
     headers = [] if o.retry_after is None else [(b"retry-after", o.retry_header.encode())]
     await respond(send, o.status, error_body(o.code, o.message, o.field), headers=headers)
+
+
+async def respond_gone(send: Send) -> None:
+    """Close the exchange of a request whose client left (:class:`ClientGone`): 499
+    ``client_gone`` (nginx's "client closed request"), which nobody reads. The server
+    drops it if it has seen the close already. Else it goes to a socket the client shut.
+    Hazard: returning without a response instead made uvicorn log ``ASGI callable
+    returned without starting response`` at ERROR and write a 500, when the probe
+    (:data:`CONNECTION`) saw the close before the server's read did, and the access
+    line said 500."""
+    await respond_error(send, ClientGone())

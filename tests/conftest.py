@@ -60,6 +60,17 @@ def _stop_session_redis() -> Iterator[None]:
         _session_redis.pop().stop()
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Remove the ``affinity-test-*`` folders the session made (tests/procs.py ``tmpdir``),
+    whatever its outcome (tests/procs.py removes them at exit too, for a session cut
+    short). The session's Redis goes first: it writes in its folder."""
+    from tests.procs import remove_tmpdirs
+
+    while _session_redis:
+        _session_redis.pop().stop()
+    remove_tmpdirs()
+
+
 def new_fleet(r: Any, namespace: str = "affinity") -> Any:
     """Mark a flushed Redis as a new fleet's (``Registry.new_fleet``: its first claims do not
     wait for the grace period an empty Redis gets); returns what ``SET`` returns (awaitable

@@ -6,6 +6,7 @@ even when the test fails.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -226,8 +227,25 @@ class Node:
         self.proc.stop(sig)
 
 
+_TMPDIRS: list[Path] = []
+
+
 def tmpdir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="affinity-test-"))
+    """A new ``affinity-test-*`` folder in the temporary directory, removed with the others
+    when the test session ends (:func:`remove_tmpdirs`)."""
+    path = Path(tempfile.mkdtemp(prefix="affinity-test-"))
+    _TMPDIRS.append(path)
+    return path
+
+
+def remove_tmpdirs() -> None:
+    """Remove every folder :func:`tmpdir` made (tests/conftest.py calls it when the session
+    finishes, passed or failed; and at exit). Issue 42 item 9: a run left them all."""
+    while _TMPDIRS:
+        shutil.rmtree(_TMPDIRS.pop(), ignore_errors=True)
+
+
+atexit.register(remove_tmpdirs)  # before any server's stop is registered: runs after it
 
 
 class Forwarder:

@@ -148,7 +148,10 @@ async def test_a_client_that_leaves_while_its_step_runs_gets_it_undone(redis: An
         scope = {"type": "http", "headers": [(b"content-type", b"application/msgpack")]}
         await act.handle(a.service, scope, receive, send)  # type: ignore[arg-type]
         Gate.go.set()  # the run ends after its client left: its state must not be kept
-        assert sent == [], "a reply was sent to a client that had left"
+        # never the step's reply; a 499 closes the exchange (issue 42 item 1: a handler
+        # that returned without a response made uvicorn log an ERROR and a 500)
+        assert [m.get("status") for m in sent] == [499, None], sent
+        assert b"client_gone" in sent[1]["body"] and b"outputs" not in sent[1]["body"]
         r = (await a.act(episode_id="ep", inputs={"obs": obs[2].tolist()})).json()
         assert r["seq"] == 2 and not r["state_reset"]
         expect([obs[0], obs[2]], r)

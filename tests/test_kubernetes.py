@@ -59,6 +59,8 @@ from tests.test_alerts import ALERTS, references
 KUBERNETES = ROOT / "deploy" / "kubernetes"
 MONITORING = KUBERNETES / "components" / "monitoring"
 OVERLAYS = ("production", "test")
+POLICY = "policy.yaml"  # the production overlay's file every operator writes
+POLICY_EXAMPLE = "policy.example.yaml"
 OLDEST_KUBERNETES = "1.30"
 """The oldest Kubernetes the manifests are validated against (docs/operations.md)."""
 SECRET_ENV = {
@@ -102,23 +104,38 @@ def kubectl() -> str:
     return found
 
 
-def kustomize(directory: Path) -> list[dict[str, Any]]:
-    """The objects ``kubectl apply -k directory`` would apply."""
-    out = subprocess.run(
+def render(directory: Path) -> subprocess.CompletedProcess[str]:
+    """``kubectl kustomize directory``, as it ran."""
+    return subprocess.run(
         [kubectl(), "kustomize", str(directory)],
         capture_output=True,
         text=True,
         timeout=120,
         env={**os.environ, "KUBECONFIG": os.devnull},  # no cluster: rendering is local
     )
+
+
+def kustomize(directory: Path) -> list[dict[str, Any]]:
+    """The objects ``kubectl apply -k directory`` would apply."""
+    out = render(directory)
     assert out.returncode == 0, out.stderr
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
-def with_components(tmp: Path, overlay: str, *components: str) -> Path:
+def as_an_operator_has_it(tmp: Path) -> Path:
+    """A copy of ``deploy/kubernetes`` with the one file every operator writes: the
+    production overlay's ``policy.yaml``, here its example as shipped."""
+    root = tmp / "kubernetes"
+    shutil.copytree(KUBERNETES, root)
+    production = root / "overlays" / "production"
+    shutil.copy(production / POLICY_EXAMPLE, production / POLICY)
+    return root
+
+
+def with_components(tmp: Path, overlay: str, *components: str, root: Path = KUBERNETES) -> Path:
     """A kustomization of ``overlay`` plus ``components``, as an operator adds them."""
     tmp.mkdir(parents=True, exist_ok=True)
-    up = Path(os.path.relpath(KUBERNETES, tmp))
+    up = Path(os.path.relpath(root, tmp))
     (tmp / "kustomization.yaml").write_text(
         yaml.safe_dump(
             {
@@ -134,24 +151,30 @@ def with_components(tmp: Path, overlay: str, *components: str) -> Path:
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    """Every overlay as rendered, and production with the KEDA component added."""
-    out = {name: kustomize(KUBERNETES / "overlays" / name) for name in OVERLAYS}
-    keda_dir = with_components(tmp_path_factory.mktemp("keda"), "production", "keda")
+    """Every overlay as rendered (production with its example policy.yaml), production with
+    the KEDA component added, and the new-fleet Job."""
+    root = as_an_operator_has_it(tmp_path_factory.mktemp("deploy"))
+    out = {name: kustomize(root / "overlays" / name) for name in OVERLAYS}
+    keda_dir = with_components(tmp_path_factory.mktemp("keda"), "production", "keda", root=root)
     out["production+keda"] = kustomize(keda_dir)
+    out["new-fleet"] = kustomize(root / "jobs" / "new-fleet")
     return out
 
 
 def test_every_kustomization_names_local_files_only() -> None:
     """Rendering never fetches anything: no remote base, component or generator input."""
     kustomizations = sorted(KUBERNETES.rglob("kustomization.yaml"))
-    assert len(kustomizations) == 5, kustomizations
+    assert len(kustomizations) == 6, kustomizations
     for path in kustomizations:
         doc = yaml.safe_load(path.read_text(encoding="utf-8"))
         named = [*doc.get("resources", []), *doc.get("components", [])]
+        named += [patch["path"] for patch in doc.get("patches", []) if "path" in patch]
         for generator in doc.get("secretGenerator", []) + doc.get("configMapGenerator", []):
             named += generator.get("files", []) + generator.get("envs", [])
         for entry in named:
             assert "://" not in entry and not entry.startswith("github.com"), (path, entry)
+            if (path.parent / entry) == KUBERNETES / "overlays" / "production" / POLICY:
+                continue  # the operator's (test_production_never_serves_the_demo_policy)
             assert (path.parent / entry).exists(), (path, entry)
 
 
@@ -186,6 +209,8 @@ def container_env(container: dict[str, Any], pod: dict[str, str] = POD) -> dict[
             env[item["name"]] = pod[item["valueFrom"]["fieldRef"]["fieldPath"]]
         else:
             env[item["name"]] = SECRET_VALUES[item["valueFrom"]["secretKeyRef"]["key"]]
+    if "AFFINITY_MODEL" in env:  # the operator's policy, on its volume: the demo file stands in
+        env["AFFINITY_MODEL"] = re.sub(r"/models/[^@,]+", str(DEMO_MODEL), env["AFFINITY_MODEL"])
     return env
 
 
@@ -231,7 +256,7 @@ def paths(value: Any, prefix: str = "") -> list[str]:
     return [f"{prefix}={value!r}"]
 
 
-@pytest.mark.parametrize("target", [*OVERLAYS, "production+keda"])
+@pytest.mark.parametrize("target", [*OVERLAYS, "production+keda", "new-fleet"])
 def test_every_rendered_object_fits_its_schema(
     rendered: dict[str, list[dict[str, Any]]], target: str
 ) -> None:
@@ -330,6 +355,61 @@ def test_the_container_environment_is_a_node_on_the_pod_s_address(
     budget = the(rendered[overlay], "PodDisruptionBudget")["spec"]["selector"]["matchLabels"]
     for selecting in (service["spec"]["selector"], budget):
         assert selecting.items() <= labels.items()
+
+
+def test_production_never_serves_the_demo_policy(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """Issue 42 item 7: the one change every operator makes (their policy instead of the
+    base's ``AFFINITY_MODEL=demo``) had no patch, and production served the demo policy
+    when it was forgotten. The overlay does not render without the operator's
+    ``policy.yaml`` and says which file it wants; with the shipped example the node reads
+    a policy file from a volume mounted read-only where the model path points."""
+    out = render(KUBERNETES / "overlays" / "production")
+    if not (KUBERNETES / "overlays" / "production" / POLICY).exists():
+        assert out.returncode != 0 and POLICY in out.stderr, out.stderr
+    copy = tmp_path / "production"
+    shutil.copytree(KUBERNETES / "overlays" / "production", copy)
+    (copy / POLICY).unlink(missing_ok=True)
+    resources = [str(Path(os.path.relpath(KUBERNETES / "base", copy)))]
+    doc = yaml.safe_load((copy / "kustomization.yaml").read_text(encoding="utf-8"))
+    doc["resources"], doc["components"] = resources, []
+    (copy / "kustomization.yaml").write_text(yaml.safe_dump(doc))
+    out = render(copy)  # the overlay as shipped, without policy.yaml
+    assert out.returncode != 0 and POLICY in out.stderr, out.stderr
+
+    container = node_container(rendered["production"])
+    (model,) = [e["value"] for e in container["env"] if e["name"] == "AFFINITY_MODEL"]
+    config = node.cli.parse_args([], {"AFFINITY_MODEL": container_env(container)["AFFINITY_MODEL"]})
+    assert "demo" not in model and config.models[0].name == "my_policy", model
+    path = model.partition("=")[2].partition("@")[0]
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    assert "/models" in mounts and path.startswith("/models/"), (model, mounts)
+    assert mounts["/models"].get("readOnly") is True
+    volumes = node_deployment(rendered["production"])["spec"]["template"]["spec"]["volumes"]
+    assert mounts["/models"]["name"] in {v["name"] for v in volumes}
+
+
+def test_the_new_fleet_job_runs_the_cli_on_the_fleet_s_redis_with_production_s_image(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Issue 42 item 7: "affinity new-fleet before the first apply" had no command: a Job
+    of its own (never part of the overlay applied again and again: after a loss of Redis'
+    data it must not run), as non-root as the node, on the same Secret and image."""
+    (job,) = rendered["new-fleet"]
+    assert job["kind"] == "Job" and job["metadata"]["namespace"] == "affinity"
+    spec = job["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    assert container["command"] == ["affinity", "new-fleet"]
+    redis_ref = container["env"][0]["valueFrom"]["secretKeyRef"]
+    node_env = {e["name"]: e for e in node_container(rendered["production"])["env"]}
+    assert container["env"][0]["name"] == "AFFINITY_REDIS_URL"
+    assert redis_ref == node_env["AFFINITY_REDIS_URL"]["valueFrom"]["secretKeyRef"]
+    assert container["image"] == node_container(rendered["production"])["image"]
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    production = [o["kind"] for o in rendered["production"]]
+    assert "Job" not in production, "new-fleet must not run again with every apply"
 
 
 def test_production_runs_on_the_gpus_it_asks_for(rendered: dict[str, list[dict[str, Any]]]) -> None:

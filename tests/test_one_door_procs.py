@@ -8,6 +8,7 @@ state was kept nowhere, shows in the next count. Each failed on the code before 
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
@@ -77,7 +78,9 @@ def test_an_owner_paused_past_its_lease_never_answers_200_from_kept_nowhere(
 ) -> None:
     """a is SIGSTOPped while a step of its episode runs, past its lease; b takes the episode
     over meanwhile. On SIGCONT a's renewal may run first and register anew: the interrupted
-    step is then answered 503, never 200 under the old claim (its state is kept nowhere)."""
+    step is then answered 503, never 200 under the old claim (its state is kept nowhere).
+    Issue 42 item 1: under load the step may reach a only after the stop; then a 200 from
+    b, applied once on b's state, is right, and the test had read it as a broken promise."""
     redis = RedisServer(tmp_path)
     model = ["--lease-ttl", "3", "--model", str(slow_model)]
     nodes = [  # a's step outlives the pause; b's forwards to the paused a give up soon
@@ -110,18 +113,34 @@ def test_an_owner_paused_past_its_lease_never_answers_200_from_kept_nowhere(
             finally:
                 a.proc.send(signal.SIGCONT)
             t.join(120)
-            assert got, f"the paused owner's step never answered:\n{a.proc.log()}"
+            logs = f"\n--- a:\n{a.proc.log()}\n--- b:\n{c.node('b').proc.log()}"
+            assert got, f"the paused owner's step never answered:{logs}"
             if got["at"] < stopped:
                 continue  # it finished before the stop: not this case; try again
-            tried += 1
-            assert got["status"] == 503, (
-                f"a answered the interrupted step {got['status']} after b took {ep} over: "
-                f"{got['body']}\n{a.proc.log()}"
-            )
-            assert got["body"]["error"]["code"] == "fenced", got["body"]
+            last = count(taken)
+            if got["status"] == 200 and got["body"]["node"] == "b":
+                # Issue 42 item 1: under load the step may reach a only after the stop (it
+                # waited in a's socket). If a's renewal then registers anew first, a asks
+                # Redis and forwards it to b, which applies it on b's state: a correct
+                # answer, not one from a's old state. Not this case either; b's count says
+                # it was applied once, there.
+                assert count(got["body"]) == last + 1, f"{got['body']}{logs}"
+                last += 1
+            else:
+                tried += 1
+                assert got["status"] == 503, (
+                    f"a answered the interrupted step {got['status']} after b took {ep} over: "
+                    f"{got['body']}{logs}"
+                )
+                assert got["body"]["error"]["code"] == "fenced", f"{got['body']}{logs}"
             nxt = until_served(c.node("b").url, ep)
-            assert (nxt["node"], count(nxt)) == ("b", count(taken) + 1)
+            assert (nxt["node"], count(nxt)) == ("b", last + 1), f"{nxt}{logs}"
         assert tried >= 1, "no SIGSTOP landed while a step ran"
+        # b's forwards that waited in a's socket meet a router that gave up: each is closed
+        # with 499, never left unanswered (uvicorn then logged an ERROR and a 500)
+        whole = a.proc.log_path.read_text(errors="replace")
+        assert "without starting response" not in whole, whole[-4000:]
+        assert not re.search(r'" 500 [0-9.]+ms', whole), whole[-4000:]
 
 
 def test_nodes_with_different_lease_ttls_never_both_serve_after_redis_restarts_empty(

@@ -8,6 +8,8 @@ loop finishes, one reply says ``state_reset``, nothing is raised. It used to giv
 from __future__ import annotations
 
 import signal
+import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,3 +99,45 @@ def test_the_openpi_loop_rides_out_the_owners_crash(fleet: Cluster) -> None:
     assert resets[0]["routing"] == "reassigned" and resets[0]["node"] != killed[0]
     after = [r["seq"] for r in replies[CRASH:]]
     assert after == list(range(after[0], after[0] + len(after))), seen  # numbered on
+
+
+def test_the_openpi_loop_reconnects_at_once_when_its_node_stops_gracefully(
+    fleet: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 42 item 6: the node the robot is connected to stops gracefully (SIGTERM): it
+    moves the episode with its state and closes the websocket with 1012. The README's loop
+    slept its 1 s pause before it reconnected, although nothing was wrong. It reconnects at
+    once now (no pause from the loop), and the robot sees no reset, its seq numbered on."""
+    for node in fleet.nodes:  # the crash tests above killed some
+        if node not in alive(fleet):
+            node.start()
+    a, b = alive(fleet)[:2]
+    ws = {n: n.url.replace("http://", "ws://") for n in (a, b)}
+    replies: list[dict[str, Any]] = []
+    namespace: dict[str, Any] = {}
+    pauses: list[float] = []
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        if sys._getframe(1).f_code.co_filename == "README.md":  # the loop's own pauses
+            pauses.append(seconds)
+        real_sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", sleep)
+
+    def before(i: int) -> None:
+        if i > 0:
+            replies.append(namespace["reply"])
+        if i == CRASH:
+            a.proc.stop(signal.SIGTERM, timeout=60)  # the node the loop is connected to
+
+    robot = Robot(STEPS, camera, before)
+    urls = {"ws://node-a:8000": ws[a], "ws://node-b:8000": ws[b], "robot-7-ep-3": "graceful"}
+    run_loop(snippet("WebsocketClientPolicy"), robot, urls, namespace)
+    replies.append(namespace["reply"])
+    seen = [(r["node"], r["routing"], r["seq"]) for r in replies]
+    assert len(replies) == STEPS, seen
+    assert not any(r["state_reset"] for r in replies), seen
+    assert [r["seq"] for r in replies] == list(range(1, STEPS + 1)), seen
+    assert all(r["node"] != a.node_id for r in replies[CRASH:]), seen
+    assert pauses == [], f"the loop paused {pauses} although the node stopped gracefully"

@@ -349,3 +349,40 @@ def test_on_a_port_another_redis_holds_the_block_stops_loudly_and_leaves_it_alon
         kill_what_is_left(tmp_path)
         theirs.kill()
         theirs.wait(10)
+
+
+def test_pasted_with_its_port_taken_the_block_stops_at_the_guard_and_the_shell_lives_on(
+    tmp_path: Path,
+) -> None:
+    """Issue 42 item 4: pasted into an interactive shell (no ``set -e`` of the caller's),
+    the block went on past its guard when 6390 was taken: new-fleet, two nodes, every step
+    and command failed in turn, 198 s and 1,670 lines with 111 Python tracebacks. Fed to
+    bash line by line as a paste is, it must print the guard's one line and stop before
+    anything else starts, and the shell must go on to run what the user types next."""
+    require_tools()
+    ports = {name: free_port() for name in PORTS}
+    theirs = subprocess.Popen(
+        ["redis-server", "--port", str(ports["redis"]), "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    other = redis.Redis(port=ports["redis"], socket_timeout=2)
+    try:
+        wait_until(other.ping, 10, "the other Redis")
+        pasted = substitute(walkthrough(), tmp_path, ports) + "echo the shell goes on\n"
+        done = subprocess.run(
+            ["bash"], input=pasted, cwd=tmp_path, env=environment(),
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.stdout == "the shell goes on\n", done.stdout
+        assert done.stderr.splitlines() == [
+            f"no Redis of ours on {ports['redis']}: {tmp_path}/affinity-redis.log"
+        ], done.stderr
+        started = sorted(p.name for p in tmp_path.glob("affinity-*.pid"))
+        assert started == ["affinity-redis.pid"], "the block went on past its guard"
+        assert other.keys("*") == [], "the block wrote into another Redis"
+    finally:
+        other.close()
+        kill_what_is_left(tmp_path)
+        theirs.kill()
+        theirs.wait(10)

@@ -46,6 +46,7 @@ from node.asgi import (
     read_body,
     respond,
     respond_error,
+    respond_gone,
     while_connected,
 )
 from node.errors import BodyError, ClientGone, InvalidInput, Refused, Unavailable
@@ -201,6 +202,7 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
     except ClientGone as exc:  # nobody will read the reply: the step did not happen
         if isinstance(exc.result, Reply):
             await service.router.undelivered(exc.result)
+        await respond_gone(send)
     except (BodyError, InvalidInput, InvalidArgument, Unavailable, Refused) as exc:
         await respond_error(send, exc, metrics.rejected)
     else:

@@ -21,6 +21,7 @@ from node.asgi import (
     read_body,
     respond,
     respond_error,
+    respond_gone,
     while_connected,
 )
 from node.errors import BodyError, ClientGone, Refused, Unavailable
@@ -53,6 +54,7 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
     except ClientGone as exc:
         if isinstance(exc.result, Reply):
             await service.router.undelivered(exc.result)
+        await respond_gone(send)  # never an unanswered request: uvicorn would log a 500
         return
     except (BodyError, Unavailable, Refused) as exc:
         await respond_error(send, exc, _counted(service, exc))

@@ -29,7 +29,16 @@ import orjson
 from affinity.wire import MAX_ELEMENTS
 from node import VERSION
 from node.accesslog import STEP_KEY
-from node.asgi import CONNECTION, Receive, Scope, Send, read_body, respond, while_connected
+from node.asgi import (
+    CONNECTION,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    respond,
+    respond_gone,
+    while_connected,
+)
 from node.contract import PolicyContract
 from node.errors import (
     BadRequest,
@@ -435,6 +444,7 @@ async def _infer(
     except ClientGone as exc:  # nobody will read the reply: the step did not happen
         if isinstance(exc.result, Reply):
             await service.router.undelivered(exc.result)
+        await respond_gone(send)
     except REFUSED as exc:
         own = budget if budget < service.config.act_deadline_s else None
         o = refusal(service, model_name, exc, request, own)
