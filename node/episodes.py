@@ -262,25 +262,54 @@ class EpisodeTable:
 
     # ---- hand-over ---------------------------------------------------------------------
 
-    def install(self, episode: str, record: Episode) -> None:
-        """Install a record a hand-over brought (unconfirmed: see :attr:`Episode.confirmed`);
-        a record of another claim it replaces is remembered as ended."""
+    def install(self, episode: str, record: Episode) -> bool:
+        """Install a copy a hand-over brought (unconfirmed: see :attr:`Episode.confirmed`).
+        It replaces only another unconfirmed copy (whose reservation the new one's replaced
+        in Redis: it can never be committed), never a confirmed record: False then, nothing
+        changed. A copy is nobody's claim yet: replacing or dropping one ends nothing."""
         with self.lock:
             old = self._records.get(episode)
+            if old is not None and old.confirmed:
+                return False
             if old is not None:
-                self._forget_locked(episode, old, "end")
+                self._live.get(old.device, set()).discard(episode)
             self._records[episode] = record
             self._live.setdefault(record.device, set()).add(episode)
-            self._dropped.pop(episode, None)
+            if record.origin:  # an undo of the forward that applied its last step follows it
+                self._applied.remember(record.origin, episode)
+            return True
 
     def confirm(self, episode: str, claim: str) -> bool:
-        """Redis moved the claim here (the old owner said so): serve it from memory."""
+        """Redis moved the claim here (the old owner said so, or Redis answered the new
+        owner's settle): serve it from memory."""
         with self.lock:
             record = self._records.get(episode)
             if record is None or record.claim != claim:
                 return False
             record.confirmed = True
             return True
+
+    def drop_copy(self, episode: str, claim: str) -> bool:
+        """Drop the unconfirmed copy of ``episode`` for ``claim`` (its commit can never
+        happen now); its claim is not remembered as ended: it never was one here."""
+        with self.lock:
+            record = self._records.get(episode)
+            if record is None or record.confirmed or record.claim != claim:
+                return False
+            del self._records[episode]
+            self._live.get(record.device, set()).discard(episode)
+            return True
+
+    def copies(self) -> list[tuple[str, Episode]]:
+        """The unconfirmed copies held here (installed by a hand-over, not yet committed)."""
+        with self.lock:
+            return [(ep, r) for ep, r in self._records.items() if not r.confirmed]
+
+    def owned(self) -> list[tuple[str, Episode]]:
+        """The records held here that are this node's (every one but unconfirmed copies):
+        what is slid, re-asserted, handed over."""
+        with self.lock:
+            return [(ep, r) for ep, r in self._records.items() if r.confirmed]
 
     def moved(self, episode: str, token: int, to: tuple[str, str, int]) -> Episode | None:
         """The record went to ``to`` (URL, device, token): drop it here (its claim ended)
@@ -353,8 +382,8 @@ class EpisodeTable:
             stale = [
                 (ep, record)
                 for ep, record in self._records.items()
-                if record.last_used < cutoff and ep not in self._in_flight
-            ]
+                if record.last_used < cutoff and ep not in self._in_flight and record.confirmed
+            ]  # (a copy is settled by the new owner, never ended: node/handover.py)
             for ep, record in stale:
                 self._forget_locked(ep, record, "idle")
         return [(ep, record.token) for ep, record in stale]

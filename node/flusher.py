@@ -89,7 +89,7 @@ class Flusher:
 
     def held(self) -> list[Held]:
         """Every record held here, as re-asserted at a registration."""
-        return [Held(ep, r.device, r.token, r.claim, r.model) for ep, r in self.table.records()]
+        return [Held(ep, r.device, r.token, r.claim, r.model) for ep, r in self.table.owned()]
 
     def registered(self, held: Sequence[Held], done: Registered, sent: float) -> None:
         lost = self._unchanged(held, done.lost)
@@ -140,7 +140,7 @@ class Flusher:
         if expired:
             self.metrics.owner_dropped.labels("idle").inc(len(expired))
         self._idle.extend(expired)
-        records = self.table.records()
+        records = self.table.owned()  # an unconfirmed copy is never slid (node/handover.py)
         never = float("-inf")
         due = self.backstop_s - self.lease_ttl_s - SLIDE_AHEAD_S
         slide = [
@@ -148,7 +148,7 @@ class Flusher:
             for ep, r in records
             if r.last_used > self._slid.get(ep, never) and sent - self._slid.get(ep, never) >= due
         ]
-        holding = {ep for ep, _ in records}
+        holding = {ep for ep, _ in self.table.records()}
         idle = [(ep, token) for ep, token in self._idle if ep not in holding]
         if not slide and not idle:
             self.flushed_at = sent
