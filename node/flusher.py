@@ -12,7 +12,9 @@ is held. A renewal brings operators' revocations. Another Redis server makes eve
 due.
 
 Hazards: an episode being released in the flush in flight is never served from memory. A
-slide that too few replicas acknowledged is not counted (a failover could undo it).
+slide that too few replicas acknowledged is not counted (a failover could undo it). A
+hand-over's unconfirmed copy is neither slid nor re-asserted: Redis names the old claim
+until the commit, so a slide would find it lost (``node/handover.py``).
 """
 
 from __future__ import annotations

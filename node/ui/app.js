@@ -427,6 +427,10 @@
       case "node-down":
         parts.push(take("node") + (ev.released !== undefined ? ", released " + take("released") : ""));
         break;
+      case "move-kept": // a drain's or an operator's move left the episode where it was
+        if (ev.episode !== undefined) parts.push(episodeLink(take("episode")));
+        parts.push(" stays on " + take("device") + " (" + take("reason") + ": " + take("why") + ")");
+        break;
       default:
         break;
     }
