@@ -327,6 +327,7 @@ class EpisodeTable:
         if episode in self._moving:
             return False
         self._moving[episode] = asyncio.Event()
+        self._moved.pop(episode, None)  # where an earlier move took it: no longer there
         return True
 
     def end_move(self, episode: str) -> None:
