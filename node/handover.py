@@ -371,9 +371,9 @@ class Mover:
             if op == "confirm":
                 self.table.confirm(episode, claim)
                 return
-            record = self.table.get(episode)
-            if record is not None and record.claim == claim and not record.confirmed:
-                await self._settle(episode, record)  # dropped only if never committed
+            copy = self.table.copy_of(episode)
+            if copy is not None and copy.claim == claim:
+                await self._settle(episode, copy)  # dropped only if never committed
             return
         if self.lease.leaving:
             raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)
@@ -397,7 +397,8 @@ class Mover:
         whose mark cannot be written, or that this node would hold while leaving, is
         dropped (settled) before it is answered."""
         episode, claim = install.episode, install.claim
-        if not self.table.install(episode, install.record):
+        beside = install.origin_node == self.node_id  # between two devices of this node
+        if not self.table.install(episode, install.record, beside=beside):
             raise Refused(409, "held", f"node {self.node_id} serves a live record of {episode!r}")
         try:
             marked = await self.transfers.installed(episode, install.device, install.token, claim)

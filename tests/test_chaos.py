@@ -79,6 +79,7 @@ class Episode:
     replies: int = 0
     resets: int = 0
     restored: int = 0  # replies of two owners within the bound after a snapshot restore
+    tolerated: list[str] = field(default_factory=list)  # the first few of them
     refused_since: float | None = None  # the first owner_refused of the failures in a row
     superseded: set[int] = field(default_factory=set)
     violations: list[str] = field(default_factory=list)
@@ -126,6 +127,8 @@ class Episode:
             else:
                 self.violations.append(f"count {count} after {self.last}: {where}")
             if window and len(self.violations) > violations:
+                if len(self.tolerated) < 3:
+                    self.tolerated += self.violations[violations:]
                 del self.violations[violations:]
                 self.restored += 1
             if count == 1 or reply["state_reset"]:
@@ -381,6 +384,7 @@ def test_chaos_never_two_owners_never_a_silent_reset_never_state_kept_nowhere(
             f"actions: {' '.join(sorted(line.split()[1] for line in chaos.log if line[0] != ' '))}"
         )
         print(summary)
+        print("\n".join(t for ep in episodes for t in ep.tolerated))
         assert not violations, f"{summary}\n" + "\n".join(violations + chaos.log)
         assert all(ep.replies for ep in episodes), "an episode was never served"
         for node in chaos.nodes.values():

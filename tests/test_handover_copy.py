@@ -5,7 +5,8 @@ at the moment it happens with real processes (tests/test_handover_relay.py runs 
 a slow Redis link): a new owner's flush or registration between the install and a late
 commit, an undo during a move, Redis losing its data or going back to an older snapshot, a
 target that starts leaving as the record arrives, a graceful stop whose timeout fires.
-Each test was run against the code before this change (on fakeredis) and failed there.
+Each test but the last was run against the code before this change (on fakeredis) and
+failed there.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from node.errors import Refused
 from node.forward import MOVE_PATH
 from node.transfer import Install, encode_install
 from tests.inproc import cluster, config
-from tests.test_handover import expect, observations, on, two
+from tests.test_handover import expect, held, observations, on, two
 
 pytestmark = pytest.mark.anyio
 KEYS = Keys()
@@ -46,12 +47,12 @@ async def test_a_late_commit_finds_the_copy_its_new_owner_flushed_meanwhile(redi
         flusher = b.service.owner.flusher
 
         async def slow(*args: Any, **kw: Any) -> Any:
-            copy = b.service.table.get(ep)
-            assert copy is not None and not copy.confirmed
+            copy = b.service.table.copy_of(ep)
+            assert copy is not None and b.service.table.get(ep) is None
             assert all(h.episode != ep for h in flusher.held())  # never re-asserted
             flusher._slid.clear()  # every record due, as after a change of Redis server
             await flusher.flush()
-            assert b.service.table.get(ep) is copy  # not slid, not dropped
+            assert b.service.table.copy_of(ep) is copy  # not slid, not dropped
             return await commit(*args, **kw)
 
         mover.transfers.commit = slow  # type: ignore[method-assign]
@@ -77,11 +78,11 @@ async def test_a_copy_its_new_owner_settles_away_can_never_be_committed(redis: A
         copies: list[Episode] = []
 
         async def late(*args: Any, **kw: Any) -> Any:
-            copy = b.service.table.get(ep)
+            copy = held(b, ep)
             assert copy is not None
             copies.append(copy)
             await b.service.owner.mover.settle(0.0)  # unconfirmed too long: settled
-            assert b.service.table.get(ep) is None
+            assert held(b, ep) is None
             return await commit(*args, **kw)
 
         mover.transfers.commit = late  # type: ignore[method-assign]
@@ -132,10 +133,11 @@ async def test_a_copy_whose_confirmation_was_lost_is_confirmed_by_its_settle(
             assert await a.service.owner.handovers.hand_over(ep, "move") == "moved"
         finally:
             mover._tell = tell  # type: ignore[method-assign]
-        copy = b.service.table.get(ep)
-        assert copy is not None and not copy.confirmed
+        copy = b.service.table.copy_of(ep)
+        assert copy is not None and not copy.confirmed and b.service.table.get(ep) is None
         await b.service.owner.mover.settle(0.0)
-        assert copy.confirmed and b.service.owner.serving(ep) is not None
+        assert copy.confirmed and b.service.table.get(ep) is copy
+        assert b.service.owner.serving(ep) is not None
 
 
 async def test_an_undo_before_the_commit_is_sent_spoils_the_move_which_starts_again(
@@ -164,7 +166,7 @@ async def test_an_undo_before_the_commit_is_sent_spoils_the_move_which_starts_ag
             assert await a.service.owner.handovers.hand_over(ep, "drain") == "moved"
         finally:
             router.post = post  # type: ignore[method-assign]
-        record = b.service.table.get(ep)
+        record = held(b, ep)
         assert record is not None and record.seq == 1
         r = (await a.act(episode_id=ep, inputs={"obs": obs[1].tolist()})).json()
         assert (r["node"], r["seq"], r["state_reset"]) == ("b", 2, False), r
@@ -196,7 +198,7 @@ async def test_an_undo_during_the_commit_waits_and_follows_the_record(redis: Any
         finally:
             mover.transfers.commit = commit  # type: ignore[method-assign]
         await undos[0]
-        record = b.service.table.get(ep)
+        record = held(b, ep)
         assert record is not None and record.doubt
         r = (await a.act(episode_id=ep, inputs={"obs": obs[1].tolist()})).json()
         assert (r["node"], r["state_reset"]) == ("b", True), r
@@ -226,7 +228,7 @@ async def test_redis_restored_from_before_a_move_reassigns_the_old_claim_at_once
         flusher._slid.clear()  # the renewal saw another run_id: every record is due
         await flusher.flush()
         for node in (a, b):
-            record = node.service.table.get(ep)
+            record = held(node, ep)
             assert record is None or (record.device, record.token, record.claim) == value
         for i in (2, 3):
             r = await b.act(episode_id=ep, inputs={"obs": obs[i].tolist()})
@@ -261,7 +263,7 @@ async def test_redis_restarted_empty_mid_move_keeps_one_owner_with_the_state(
         assert await a.service.lease.renew_once()
         assert claim(await redis.get(KEYS.episode(ep)))[0] == "a/0"
         await b.service.owner.mover.settle(0.0)
-        assert b.service.table.get(ep) is None
+        assert held(b, ep) is None
         r = (await b.act(episode_id=ep, inputs={"obs": obs[1].tolist()})).json()
         assert (r["node"], r["seq"], r["state_reset"]) == ("a", 2, False), r
         expect(obs[:2], r)
@@ -281,7 +283,7 @@ async def test_a_target_that_starts_leaving_as_the_record_arrives_refuses_it(
             assert await a.service.owner.handovers.hand_over(ep, "drain") == "kept"
         finally:
             b.service.lease.leaving = False
-        assert b.service.table.get(ep) is None
+        assert held(b, ep) is None
         mover = a.service.owner.mover
         commit = mover.transfers.commit
 
@@ -294,7 +296,7 @@ async def test_a_target_that_starts_leaving_as_the_record_arrives_refuses_it(
             assert await a.service.owner.handovers.hand_over(ep, "drain") == "kept"
         finally:
             mover.transfers.commit = commit  # type: ignore[method-assign]
-        assert b.service.table.get(ep) is None
+        assert held(b, ep) is None
         r = (await a.act(episode_id=ep, inputs={"obs": obs[1].tolist()})).json()
         assert (r["node"], r["seq"], r["state_reset"]) == ("a", 2, False), r
 
@@ -305,14 +307,14 @@ async def test_an_install_never_replaces_a_live_record(redis: Any) -> None:
     obs = observations(50, 2)
     async with cluster(redis, two()) as ([a, b], _):
         ep = (await on("b", a, "live", obs[0]))["episode_id"]
-        live = b.service.table.get(ep)
+        live = held(b, ep)
         assert live is not None
         other = Episode("b/0", live.token + 1, "ab" * 8, dict(live.state), 0.0, 7, None)
         body = encode_install(Install(ep, "b/0", other.token, other.claim, "a", other), 0.0)
         with pytest.raises(Refused) as refused:
             await b.service.owner.mover.receive(body, None, b.service.owner.local_devices)
         assert refused.value.status == 409
-        assert b.service.table.get(ep) is live
+        assert held(b, ep) is live
 
 
 async def test_a_graceful_stop_whose_timeout_fires_counts_what_moved(
@@ -346,4 +348,35 @@ async def test_a_graceful_stop_whose_timeout_fires_counts_what_moved(
         assert len(lines) == 1 and f"moved {moved} episode(s)" in lines[0], lines
         assert "--drain-timeout" in lines[0]
         for ep in set(eps):
-            assert b.service.table.get(ep) is not None
+            assert held(b, ep) is not None
+
+
+async def test_a_move_between_two_devices_of_one_node_keeps_the_record_until_the_commit(
+    redis: Any,
+) -> None:
+    """A drain of one device moves its episode to another device of the same node: the
+    copy waits beside the live record (an install never replaces a live record) and
+    becomes the record at the commit; a refused commit leaves the live record serving."""
+    obs = observations(52, 3)
+    async with cluster(redis, [config("a", devices="cpu:2")]) as ([a], _):
+        ep = "same-node"
+        first = (await a.act(episode_id=ep, inputs={"obs": obs[0].tolist()})).json()
+        other = "a/1" if first["device"] == "a/0" else "a/0"
+        mover = a.service.owner.mover
+        commit = mover.transfers.commit
+        seen: list[bool] = []
+
+        async def beside(*args: Any, **kw: Any) -> Any:
+            seen.append(a.service.table.get(ep) is not None and held(a, ep) is not None)
+            seen.append(a.service.table.copy_of(ep) is not None)
+            return await commit(*args, **kw)
+
+        mover.transfers.commit = beside  # type: ignore[method-assign]
+        try:
+            assert await a.service.owner.handovers.hand_over(ep, "move", other) == "moved"
+        finally:
+            mover.transfers.commit = commit  # type: ignore[method-assign]
+        assert seen == [True, True]
+        r = (await a.act(episode_id=ep, inputs={"obs": obs[1].tolist()})).json()
+        assert (r["device"], r["seq"], r["state_reset"]) == (other, 2, False), r
+        expect(obs[:2], r)
