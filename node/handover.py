@@ -14,8 +14,11 @@ event says so) and a graceful stop hands it over without its state (``state_rese
 
 The protocol, and why (issue 41): a copy is not an owner until the commit is known.
 
-- *The copy's life.* Installed unconfirmed (never served from memory, never slid in a
-  flush, never re-asserted at a registration, never handed on, never ended by idleness).
+- *The copy's life.* Installed unconfirmed and held apart from the records
+  (``EpisodeTable.copy_of``): never served from memory, never slid in a flush, never
+  re-asserted at a registration, never handed on, never ended by idleness; a move between
+  two devices of one node keeps the live record beside it until the commit, and a copy
+  from another node is refused beside a live record (409: it never replaces one).
   It becomes the record of the claim in exactly three ways, each a proof that Redis moved
   the claim: the old owner's ``confirm`` (it saw the commit), a routed step that carries
   the new claim (Redis gave it to the router), or the new owner's own *settle* answering
