@@ -446,8 +446,8 @@ class EpisodeTable:
             record = self._records.get(episode)
             held = self._records
             copy = self._copies.get(episode)
-            if copy is not None and (record is None or (origin and copy.origin == origin)):
-                record, held = copy, self._copies  # it followed the record's move here
+            if copy is not None and record is None:  # it followed the record's move here
+                record, held = copy, self._copies
             back = None if record is None else undone(record, seq, origin)
             if back is not None:
                 held[episode] = back
