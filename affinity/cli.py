@@ -1,8 +1,9 @@
 """``affinity``: the operator's command line, a thin shell over :class:`Registry`,
 :class:`Inventory`, :class:`EventStream`, :class:`Models` and :class:`Claims`.
 
-Exit codes: 0 ok, 1 not found (episode, device, node, or no node registered at all in the
-namespace), 2 usage, 3 Redis unreachable or failing. ``--json`` (before or after the
+Exit codes: 0 ok, 1 not found (episode, device, node, no node registered at all in the
+namespace, or a move target that does not serve the episode's model), 2 usage, 3 Redis
+unreachable or failing. ``--json`` (before or after the
 subcommand) prints machine-readable output instead of tables; ``events --json`` prints one
 JSON object per line. JSON says ``episode`` for an episode id everywhere, and tokens and
 counts are numbers.
@@ -25,6 +26,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from redis.exceptions import RedisError
 
+from affinity import __version__
 from affinity.claims import Claims
 from affinity.config import Settings
 from affinity.connection import close, connect
@@ -60,6 +62,21 @@ class NothingRegistered(AffinityError):
             f"no node is registered in namespace {namespace!r} at {url}. A node started "
             "without --redis keeps its own embedded store: start it with --embedded-port "
             "PORT and point this command at it with --redis redis://127.0.0.1:PORT/0"
+        )
+
+
+class TargetServesOther(AffinityError):
+    """A move's target does not serve the episode's model: nothing was asked."""
+
+    def __init__(self, episode: str, model: str, target: str, served: Sequence[str]) -> None:
+        self.episode = episode
+        self.model = model
+        self.target = target
+        self.served = tuple(served)
+        serves = f"it serves {', '.join(self.served)}" if self.served else "it serves no model"
+        super().__init__(
+            f"{target} does not serve {model}, the model of episode {episode!r}: {serves} "
+            "(affinity models shows who serves it)"
         )
 
 
@@ -260,9 +277,17 @@ async def cmd_episodes(args: argparse.Namespace, ctx: Context) -> int:
     emit(
         ctx,
         table(
-            ("EPISODE", "DEVICE", "TOKEN", "TTL LEFT", "MOVED", "MODEL"),
+            ("EPISODE", "DEVICE", "TOKEN", "IDLE END", "BACKSTOP", "MOVED", "MODEL"),
             [
-                (r.episode, r.device, r.token, seconds(r.ttl_ms), yes_no(r.moved), r.model)
+                (
+                    r.episode,
+                    r.device,
+                    r.token,
+                    seconds(r.idle_ms),
+                    seconds(r.ttl_ms),
+                    yes_no(r.moved),
+                    r.model,
+                )
                 for r in rows
             ],
         ),
@@ -274,8 +299,9 @@ async def cmd_show(args: argparse.Namespace, ctx: Context) -> int:
     info = await ctx.claims.lookup(args.episode)
     if info is None:
         raise UnknownEpisode(args.episode)
+    idle_ms = await ctx.inventory.idle_left(info.node, info.ttl_ms)
     if ctx.json:
-        emit_json(ctx, info.to_json())
+        emit_json(ctx, {**info.to_json(), "idle_ms": idle_ms})
         return EXIT_OK
     rows = [
         ("episode", info.episode),
@@ -283,7 +309,8 @@ async def cmd_show(args: argparse.Namespace, ctx: Context) -> int:
         ("node", info.node),
         ("url", info.url),
         ("token", info.token),
-        ("ttl left", seconds(info.ttl_ms)),
+        ("idle end", f"in {seconds(idle_ms)} if no step comes (its owner ends it)"),
+        ("backstop", f"in {seconds(info.ttl_ms)} (Redis drops it then if nobody slid it)"),
         ("state", info.state),
         ("alive", yes_no(info.alive)),
         ("moved", "yes (handed over: its next step is reassigned)" if info.moved else "no"),
@@ -330,12 +357,10 @@ async def cmd_move(args: argparse.Namespace, ctx: Context) -> int:
             "episode", args.episode, f"its owner {info.node} holds no lease: its next step moves it"
         )
     target = args.to or ""
-    if target:  # a typo is UnknownNode / UnknownDevice, not a move that finds nowhere
-        await (
-            ctx.inventory.episodes(device=target)
-            if "/" in target
-            else ctx.inventory.episodes(node=target)
-        )
+    if target:  # a typo, or another model's device, is refused, not a move that finds nowhere
+        served = await ctx.inventory.served_by(target)  # UnknownNode / UnknownDevice
+        if info.model and info.model not in served:
+            raise TargetServesOther(args.episode, info.model, target, served)
     await ctx.registry.request_move(info.node, MoveRequest(episode=args.episode, target=target))
     where = f" to {target}" if target else ""
     if ctx.json:
@@ -476,14 +501,20 @@ def add_fleet_commands(command: AddCommand) -> None:
         "share a model's new episodes between its versions by weight (running episodes keep "
         "theirs); with NAME alone, show its versions",
     )
-    p.add_argument("name", metavar="NAME")
-    p.add_argument("version", metavar="VERSION", nargs="?")
-    p.add_argument("weight", metavar="WEIGHT", nargs="?", type=non_negative)
+    p.add_argument("name", metavar="NAME", help="the model's name (as in affinity models)")
+    p.add_argument("version", metavar="VERSION", nargs="?", help="one of its versions")
+    p.add_argument(
+        "weight",
+        metavar="WEIGHT",
+        nargs="?",
+        type=non_negative,
+        help="its share of new episodes, relative to the other versions' weights (0: none)",
+    )
     p.add_argument(
         "--reset", action="store_true", help="drop the weights: the newest version takes all"
     )
     p = command("forget", cmd_forget, "remove a dead node's record and its devices")
-    p.add_argument("node")
+    p.add_argument("node", help="the node id (as in affinity nodes)")
     command(
         "new-fleet",
         cmd_new_fleet,
@@ -498,22 +529,33 @@ def add_episode_commands(command: AddCommand) -> None:
     p.add_argument("--device", help="only this device")
     p.add_argument("--node", help="only this node's devices")
     p = command("show", cmd_show, "one episode's assignment (exit 1 when it has none)")
-    p.add_argument("episode")
-    p = command("drain", cmd_drain, "stop new episodes on devices; their episodes stay")
+    p.add_argument("episode", help="the episode id")
+    p = command(
+        "drain", cmd_drain, "stop new episodes on devices; their episodes stay (but --move)"
+    )
     p.add_argument("device", nargs="+", help="one or more devices (a node's: drain them together)")
     p.add_argument("--reason", default="", help="recorded on the device and in the event")
     p.add_argument(
         "--move",
         action="store_true",
-        help="and move its episodes to other devices now, with their state",
+        help="and move its episodes to other devices with their state, at each node's next "
+        "lease renewal (within a third of its lease)",
     )
-    p = command("move", cmd_move, "move an episode to another device, with its state")
-    p.add_argument("episode")
-    p.add_argument("--to", help="a node or a device (default: any with room)")
+    p = command(
+        "move",
+        cmd_move,
+        "move an episode to another device with its state, at its owner's next lease renewal",
+    )
+    p.add_argument("episode", help="the episode id")
+    p.add_argument(
+        "--to",
+        metavar="TARGET",
+        help="a node or a device serving the episode's model (default: any with room)",
+    )
     p = command("undrain", cmd_undrain, "let devices take new episodes again")
-    p.add_argument("device", nargs="+")
+    p.add_argument("device", nargs="+", help="one or more devices (as in affinity devices)")
     p = command("release", cmd_release, "end an episode's assignment (its next step claims anew)")
-    p.add_argument("episode")
+    p.add_argument("episode", help="the episode id")
     p = command("events", cmd_events, "the event stream: claim, release, drain, node-up, ...")
     p.add_argument("--follow", "-f", action="store_true", help="keep printing new events")
     p.add_argument(
@@ -533,6 +575,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="exit codes: 0 ok, 1 not found, 2 usage, 3 Redis unreachable or failing",
         parents=[common],
     )
+    parser.add_argument("--version", action="version", version=f"affinity {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, run: Command, help: str) -> argparse.ArgumentParser:
@@ -609,6 +652,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         UnknownModel,
         StaleToken,
         NothingRegistered,
+        TargetServesOther,
     ) as exc:
         return fail(EXIT_NOT_FOUND, str(exc))
     except (InvalidArgument, ValueError) as exc:

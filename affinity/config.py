@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 from affinity.errors import InvalidArgument
 from affinity.keys import Keys
 
-__all__ = ["ENV_VARS", "MAX_REPLICAS", "Settings"]
+__all__ = ["ENV_VARS", "MAX_REPLICAS", "Settings", "backstop_beyond_idle_ms"]
 
 MAX_REPLICAS = 64
 """The most replicas a write may be made to wait for."""
@@ -43,6 +43,12 @@ _LABELS = {
     "redis_wait_s": "Redis replica wait",
 }
 """What the messages call each setting (a person sets a flag or a variable, not a field)."""
+
+
+def backstop_beyond_idle_ms(lease_ttl_ms: int) -> int:
+    """How much longer than its owner's idle timeout Redis keeps an assignment it wrote or
+    slid last (ms): two lease TTLs of that owner + 3 s (:attr:`Settings.backstop_ms`)."""
+    return 2 * lease_ttl_ms + 3000
 
 
 @dataclass(frozen=True)
@@ -166,7 +172,7 @@ class Settings:
         a lease TTL + 3 s of it is left, and only for episodes stepped since. So Redis never
         expires an episode its owner still serves. The owner drops an idle one at its idle
         timeout (checked each second) and releases it in its next flush (<= 1 s)."""
-        return self.episode_ttl_ms + 2 * self.lease_ttl_ms + 3000
+        return self.episode_ttl_ms + backstop_beyond_idle_ms(self.lease_ttl_ms)
 
     @classmethod
     def from_url(cls, url: str | None, **overrides: Any) -> Settings:

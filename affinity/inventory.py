@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from affinity.config import backstop_beyond_idle_ms
 from affinity.errors import UnknownDevice, UnknownNode
 from affinity.models import ModelId
 from affinity.scripts import RedisApi, bounded
@@ -90,9 +91,10 @@ class EpisodeRow(_Row):
     episode: str
     device: str
     token: int
-    ttl_ms: int
+    ttl_ms: int  # ms left on its backstop: Redis drops it then if nobody slid it
     moved: bool = False  # handed over by a graceful stop: its next step is reassigned
     model: str = ""  # "name@version" it was claimed with ("": its node registered none)
+    idle_ms: int = 0  # ms until its owner ends it if no step comes (Inventory.idle_left)
 
 
 def _node_state(recorded: str, leased: bool) -> str:
@@ -283,6 +285,41 @@ class Inventory(RedisApi):
                 )
         return out
 
+    async def idle_left(self, node: str, ttl_ms: int) -> int:
+        """When the owner ``node`` ends an episode whose backstop has ``ttl_ms`` left if no
+        step comes (ms from now, >= 0). The backstop runs two of the owner's lease TTLs +
+        3 s past its idle timeout, counted from the claim or the owner's last slide. So it
+        is exact for an episode not stepped since its claim. A stepping one's owner slides
+        about once an idle timeout: it may be off by up to that. The lease TTL is the
+        node's own (``leases``), else this caller's."""
+        score = await bounded(self.settings, self.redis.zscore(self.keys.leases, node))
+        return self._idle_ms(ttl_ms, score)
+
+    def _idle_ms(self, ttl_ms: int, lease_ms: float | None) -> int:
+        lease = int(lease_ms) if lease_ms else self.settings.lease_ttl_ms
+        return max(0, ttl_ms - backstop_beyond_idle_ms(lease))
+
+    async def served_by(self, target: str) -> tuple[str, ...]:
+        """The models (``"name@version"``) that ``target`` serves, as its node registered
+        them: a device (``node/index``) serves its node's. Raises :class:`UnknownDevice` or
+        :class:`UnknownNode` when ``target`` is not registered."""
+        return await bounded(self.settings, self._served_by(target))
+
+    async def _served_by(self, target: str) -> tuple[str, ...]:
+        k = self.keys
+        node = target
+        if "/" in target:
+            node = await self.redis.hget(k.device(target), "node")
+            if node is None:
+                raise UnknownDevice(target)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.exists(k.node(node))
+        pipe.hget(k.node(node), "models")
+        exists, models = await pipe.execute()
+        if not exists:
+            raise UnknownNode(node)
+        return tuple(filter(None, (models or "").split(",")))
+
     async def episodes(
         self, device: str | None = None, node: str | None = None
     ) -> list[EpisodeRow]:
@@ -307,10 +344,12 @@ class Inventory(RedisApi):
                 raise UnknownNode(node)
         now = _now_ms(await self.redis.time())
         pipe = self.redis.pipeline(transaction=False)
+        pipe.zrange(k.leases, 0, -1, withscores=True)
         for d in chosen:
             pipe.zrangebyscore(k.load(d), now, "+inf")
             pipe.zrangebyscore(k.moved(d), now, "+inf")
-        members = await pipe.execute()
+        leases, *members = await pipe.execute()
+        lease_of = dict(leases)
         # (device, episode, listed as handed over): a handed-over entry counts only while
         # the value still says so (not once the episode was claimed anew, even on d)
         pairs = [
@@ -332,7 +371,8 @@ class Inventory(RedisApi):
             owner, token, *rest = value.split(" ")
             if owner == d and ("moved" in rest) == was_moved:
                 model = next((r for r in rest if "@" in r), "")
-                rows.append(EpisodeRow(ep, d, int(token), int(ttl), was_moved, model))
+                idle = self._idle_ms(int(ttl), lease_of.get(d.split("/", 1)[0]))
+                rows.append(EpisodeRow(ep, d, int(token), int(ttl), was_moved, model, idle))
         return rows
 
     async def fleet_view(self, node: str, every_ms: int) -> FleetView | None:

@@ -12,12 +12,14 @@ changes which version new episodes get, never the version of a running one.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from affinity.errors import InvalidArgument, UnknownModel
-from affinity.scripts import RedisApi, bounded
+from affinity.scripts import ScriptCaller, bounded, evalsha
 
-__all__ = ["MAX_WEIGHT", "ModelId", "Models", "check_model_part"]
+__all__ = ["MAX_WEIGHT", "ModelId", "Models", "Rollout", "check_model_part"]
 
 MAX_WEIGHT = 1000
 """The largest weight of a device or of a rollout's version: it keeps the rings' and the
@@ -54,10 +56,53 @@ class ModelId(NamedTuple):
         return f"{self.name}@{self.version}"
 
 
-class Models(RedisApi):
+@dataclass(frozen=True)
+class Rollout:
+    """What Redis holds of one model name's rollout: each version's first registration
+    (ms, server time: the newest takes new episodes while there are no weights) and the
+    operator's weights (empty: none)."""
+
+    versions: Mapping[str, int]
+    weights: Mapping[str, int]
+
+
+class Models(ScriptCaller):
     """What the fleet keeps per model, over one Redis client: rollout weights (written by
-    operators) and registered contracts (written by :meth:`Registry.register`). A
-    :class:`RedisApi`: every call is bounded."""
+    operators) and registered contracts (written by :meth:`Registry.register`). Every
+    call is bounded."""
+
+    async def rollouts(self, names: Iterable[str]) -> dict[str, Rollout]:
+        """The rollout of each model name, in one round trip (no MULTI)."""
+        names = list(names)
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.zrange(self.keys.versions(name), 0, -1, withscores=True)
+            pipe.hgetall(self.keys.rollout(name))
+        replies = await bounded(self.settings, pipe.execute())
+        out = {}
+        for i, name in enumerate(names):
+            versions, weights = replies[2 * i], replies[2 * i + 1]
+            out[name] = Rollout(
+                {_text(v): int(score) for v, score in versions},
+                {_text(v): int(w) for v, w in weights.items()},
+            )
+        return out
+
+    async def restore(self, name: str, rollout: Rollout) -> tuple[int, bool]:
+        """Put back ``rollout`` of model ``name`` after Redis lost its data
+        (``affinity/lua/restore_rollout.lua``): each version's first registration where
+        Redis has a later one or none, and the weights while the name has none. Returns
+        (versions whose place was put back, whether the weights were)."""
+        args: list[str | int] = [len(rollout.versions)]
+        for version, ms in rollout.versions.items():
+            args += [version, ms]
+        for version, weight in rollout.weights.items():
+            args += [version, weight]
+        moved, weighted = await bounded(
+            self.settings,
+            evalsha(self.redis, self.scripts.restore_rollout, self.keys.rollout(name), args),
+        )
+        return int(moved), bool(weighted)
 
     async def contract(self, model: ModelId) -> str | None:
         """The contract (JSON text) a node registered for ``model``, or None."""
@@ -108,3 +153,7 @@ class Models(RedisApi):
         )
         had, _, _ = await bounded(self.settings, pipe.execute())
         return bool(had)
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -64,6 +64,7 @@ NAMES = (
     "set_state",
     "flush",
     "transfer",
+    "restore_rollout",
 )
 
 INCLUDED = ("lib", "fleet")  # shared parts, placed where a script says --@lib, --@fleet
@@ -159,6 +160,7 @@ class Scripts:
     set_state: Script
     flush: Script
     transfer: Script
+    restore_rollout: Script
 
 
 @cache

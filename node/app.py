@@ -37,6 +37,11 @@ Handler = Callable[[NodeService, Scope, Receive, Send], Awaitable[None]]
 SAFE_METHODS = frozenset(("GET", "HEAD", "OPTIONS"))
 PROTECTED = ("/episodes/", "/devices", "/nodes", "/events/stream")
 """Path prefixes that read or change episodes (or the fleet): they want the API key."""
+ADMIN_ACTIONS = ("/drain", "/undrain")
+"""The ends of the admin's ``POST /devices/{id}/...`` paths. ``node.routes.admin`` alone
+decides those (401 without valid credentials, 403 for a client's key and while
+``AFFINITY_ADMIN_TOKEN`` is unset: ``docs/security.md``), on a node with or without
+``--api-key``."""
 
 
 def cross_site(scope: Scope) -> bool:
@@ -101,8 +106,10 @@ class NodeApp:
             await respond(send, 403, body)
             return
         path = scope["path"]
-        if path.startswith(PROTECTED) and not self.service.reader_allowed(
-            header(scope, b"authorization")
+        if (
+            path.startswith(PROTECTED)
+            and not (path.startswith("/devices/") and path.endswith(ADMIN_ACTIONS))
+            and not self.service.reader_allowed(header(scope, b"authorization"))
         ):
             self.service.metrics.rejected.labels("unauthorized").inc()
             body = error_body(

@@ -223,7 +223,8 @@ def parse_args(
 ) -> NodeConfig:
     """The node's configuration from flags and ``AFFINITY_*`` variables (flags win).
 
-    Exits with code 2 and one line naming the flag on a bad value."""
+    Exits with code 2 and one line naming the flag on a bad value, and when a node on Redis
+    has no ``AFFINITY_CLUSTER_SECRET``."""
     env = os.environ if env is None else env
     parser = _parser(env)
     given = parser.parse_args(argv)
@@ -231,7 +232,16 @@ def parse_args(
     values.update((f.key, getattr(given, f.key)) for f in _SWITCHES)
     _check_together(parser, values)
     values.update(_derived(parser, values))
-    return _config(parser, values, env)
+    config = _config(parser, values, env)
+    if config.settings.redis_url and not config.cluster_secret:
+        # without it any host that reaches a node's port could install and confirm a
+        # forged record through /internal/move (docs/security.md)
+        parser.error(
+            "AFFINITY_CLUSTER_SECRET is unset: a node on Redis (--redis) needs the fleet's "
+            "cluster secret, the same on every node, to authenticate the calls between nodes "
+            "(e.g. export AFFINITY_CLUSTER_SECRET=$(openssl rand -hex 32))"
+        )
+    return config
 
 
 def _parser(env: Mapping[str, str]) -> _Parser:

@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger("affinity.node")
 
 NVIDIA_SMI_QUERY: tuple[str, ...] = (
     "nvidia-smi",
@@ -161,7 +161,7 @@ def _auto(
                 f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r} names a MIG instance "
                 f"but GPUs cannot be listed: {exc}"
             ) from exc
-        logger.warning("no GPU used: nvidia-smi unavailable (%s); serving on one CPU device", exc)
+        log.warning("no GPU used: nvidia-smi unavailable (%s); serving on one CPU device", exc)
         return [_cpu(0)]
     visible = _visible(gpus, env, listing)
     if not visible:
@@ -170,7 +170,7 @@ def _auto(
             if not gpus
             else f"CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')!r} hides every GPU"
         )
-        logger.warning("no GPU used: %s; serving on one CPU device", why)
+        log.warning("no GPU used: %s; serving on one CPU device", why)
         return [_cpu(0)]
     _refuse_mig_mode(visible, "auto")
     _check_order(visible, env)
@@ -232,7 +232,7 @@ def _cuda(index: int, gpu: _Gpu, visible: Sequence[_Gpu]) -> DeviceSpec:
 def _check_order(visible: Sequence[_Gpu], env: Mapping[str, str]) -> None:
     order = env.get("CUDA_DEVICE_ORDER")
     if len(visible) > 1 and order != "PCI_BUS_ID":
-        logger.warning(
+        log.warning(
             "CUDA_DEVICE_ORDER=%r, not 'PCI_BUS_ID': CUDA may number the %d visible GPUs "
             "differently from nvidia-smi, so a device could run on the wrong GPU",
             order,
@@ -277,7 +277,7 @@ def _visible(
         gpu = _by_uuid_prefix(entry, gpus) if by_uuid else _by_index(entry, gpus)
         if gpu is None:
             if visible:
-                logger.warning(
+                log.warning(
                     "CUDA_VISIBLE_DEVICES=%r: entry %r matches no single GPU; CUDA ignores it "
                     "and every entry after it",
                     raw,

@@ -109,7 +109,7 @@ class MultiGpuDispatcher:
         """The node's chunk-execution mode (None: off)."""
         if execute_steps is not None or ensemble not in (None, "none"):
             self.chunk_mode = self.mode_for(execute_steps, ensemble)
-        self.max_batch, self.batching_off = batch_limit(contract.batch_blocker, max_batch)
+        self.max_batch, self.batching_off = batch_limit(contract.batch_blocker, max_batch, model)
         self.table = table if table is not None else EpisodeTable(clock)
         """The node's episode records, shared by the dispatchers of all its models."""
         self.arrivals = arrivals if arrivals is not None else Arrivals()

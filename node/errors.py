@@ -24,6 +24,7 @@ The hierarchy (``ValueError`` subclasses are a client's bad values)::
     │   ├── InvalidInput     422 (KServe 400): inputs that do not fit the model
     │   ├── BadRequest       400: a KServe body or message that is not v2
     │   └── TransferError    422: a hand-over record this node cannot install
+    │       └── ModelNotServed 421: the record's name@version is not served here
     └── LookupError
         └── NotServed        404: no live node serves the model a KServe request names
 
@@ -68,6 +69,7 @@ __all__ = [
     "GpuUnavailable",
     "InvalidInput",
     "ModelFailure",
+    "ModelNotServed",
     "NotKept",
     "NotServed",
     "Outcome",
@@ -252,6 +254,10 @@ class TransferError(ValueError):
     """A hand-over message this node cannot install; the message says why."""
 
 
+class ModelNotServed(TransferError):
+    """A hand-over's record names a ``name@version`` this node does not serve."""
+
+
 # ---- devices -------------------------------------------------------------------------------
 
 
@@ -348,6 +354,7 @@ _TABLE: dict[type[BaseException], Callable[[Any], Outcome]] = {
     NotKept: _unavailable("fenced"),
     ForwardCancelled: _unavailable("deadline"),
     ForwardError: _unavailable("owner_unreachable"),
+    ModelNotServed: lambda e: Outcome(421, "not_owner", str(e)),
     TransferError: lambda e: Outcome(422, "bad_record", str(e)),
     ModelFailure: lambda e: Outcome(500, "model_failure", str(e)),
     DeviceDown: _unavailable("device_down", 5.0),

@@ -261,7 +261,8 @@ async def resume_gap(events: EventStream, last_id: str) -> str | None:
 
 
 STREAM_DOC = """The deployment's events (`claim`, `reassign`, `release`, `expire`, `drain`,
-`undrain`, `down`, `up`, `node-up`, `node-down`, ...) as server-sent events.
+`undrain`, `down`, `up`, `node-up`, `node-leave`, `node-down` (`reason` `deregistered`: a
+graceful stop; `lease lapsed`: a crash), `moved`, ...) as server-sent events.
 
 Each event is `id: <Redis stream id>` and one `data:` line of JSON holding the id and the
 event's fields. A new connection starts with the latest `backlog` events; one that sends

@@ -69,6 +69,7 @@ from affinity.transfers import Placement, Transfers
 from affinity.transfers import Refused as NotPlaced
 from node.contract import PolicyContract
 from node.episodes import Episode, EpisodeTable
+from node.errors import ModelNotServed
 from node.forward import MOVE_PATH, Forward, ForwardError, Poster, send_undo
 from node.lease import Lease
 from node.metrics import Metrics
@@ -132,7 +133,7 @@ class Mover:
         self.lease_claims = lease_claims
         self.pool = pool
         self.metrics = metrics
-        self.contracts = contracts  # model name -> contract, of the models served here
+        self.contracts = contracts  # "name@version" -> contract, of the models served here
         self.secret = secret or ""
         self.clock = clock
         self._telling: set[asyncio.Task[None]] = set()
@@ -380,14 +381,10 @@ class Mover:
             return
         if self.lease.leaving:
             raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)
-        name = str(doc.get("model", "")).partition("@")[0] if isinstance(doc, dict) else ""
-        contract = self.contracts.get(name) or (
-            next(iter(self.contracts.values())) if not name else None
-        )
-        if contract is None:
-            raise Refused(421, "not_owner", f"node {self.node_id} does not serve model {name!r}")
         try:
-            install = decode_install(body, contract, self.clock())
+            install = decode_install(body, self.contracts, self.clock())
+        except ModelNotServed as exc:
+            raise Refused(421, "not_owner", f"node {self.node_id}: {exc}") from None
         except TransferError as exc:
             raise Refused(422, "bad_record", str(exc)) from None
         if install.device not in local_devices:

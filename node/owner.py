@@ -104,7 +104,7 @@ class Owner:
             lease_claims,
             pool,
             metrics,
-            {name: d.contract for name, d in dispatchers.items()},
+            {d.model: d.contract for d in dispatchers.values()},
             config.cluster_secret,
             clock,
         )

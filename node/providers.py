@@ -51,7 +51,7 @@ __all__ = [
     "trt_cache_dir",
 ]
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger("affinity.node")
 
 ProviderPlan = list[tuple[str, dict[str, str]]]
 """Providers in order of preference, each with its ONNX Runtime options."""
@@ -160,7 +160,7 @@ def preload_gpu_libraries(tensorrt: bool = False) -> None:
     with contextlib.redirect_stdout(out):
         onnxruntime.preload_dlls()
     if out.getvalue().strip():
-        logger.debug("onnxruntime.preload_dlls(): %s", out.getvalue().strip())
+        log.debug("onnxruntime.preload_dlls(): %s", out.getvalue().strip())
     if tensorrt:
         spec = importlib.util.find_spec("tensorrt_libs")
         if spec is not None and spec.submodule_search_locations:
@@ -408,7 +408,7 @@ def build_session(
             library,
         )
     if active != requested:
-        logger.warning(
+        log.warning(
             "%s: asked for %s, ONNX Runtime runs on %s (%s)",
             where,
             requested,
@@ -468,7 +468,7 @@ def _open_tensorrt(
         shutil.rmtree(aside, ignore_errors=True)
         os.replace(cache, aside)
         cache.mkdir()
-        logger.warning(
+        log.warning(
             "TensorRT cache %s could not be read (%s): moved to %s, rebuilding",
             cache,
             _first_line(exc),

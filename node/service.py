@@ -35,6 +35,7 @@ from affinity import (
     close,
     connect,
 )
+from affinity.models import Models
 from node.catalog import AmbiguousModel, Catalog, contract_record
 from node.config import NodeConfig
 from node.contract import PolicyContract
@@ -48,6 +49,7 @@ from node.health import DeviceHealth
 from node.lease import Lease
 from node.metrics import Metrics
 from node.owner import Owner
+from node.rollouts import RolloutMemory
 from node.router import Router
 from node.rtc import Ask
 from node.signals import FleetSignals
@@ -121,7 +123,10 @@ class NodeService:
             config, lease_registry, self.table, self.metrics, self.registrations, clock
         )
         self.lease.models = {m: contract_record(c) for m, c in self.models.values()}
-        self.lease.on_renewed = self.health.reconcile  # Redis' device states, made to agree
+        self.rollouts = RolloutMemory(
+            Models(self.lease_redis, config.settings), [mid.name for mid, _ in self.models.values()]
+        )
+        self.lease.on_renewed = self._renewed
         self.pool: Poster = pool or ForwardPool(config.cluster_secret)
         self.started = False
         self._warned: set[str] = set()
@@ -195,6 +200,13 @@ class NodeService:
                 )
             )
         return out
+
+    async def _renewed(self) -> None:
+        """After each lease renewal: Redis' device states made to agree, and the rollouts
+        of the models served here remembered (put back after Redis lost them)."""
+        with contextlib.suppress(AffinityError):
+            await self.health.reconcile()
+        await self.rollouts.sync()
 
     async def start(self) -> None:
         """Register and start the lease; idempotent (``affinity-node`` starts the service

@@ -116,8 +116,9 @@ def _served(config: NodeConfig) -> Served:
     for m in config.served:
         try:
             contract = load_contract(m.path)
-        except (ValueError, OSError) as exc:
-            raise StartupError(f"--model {m.path}: {exc}") from None
+        except (ValueError, OSError) as exc:  # its message names the file at fault already
+            said = str(exc).removeprefix(f"{m.path}: ")
+            raise StartupError(f"--model {m.path}: {said}") from None
         except Exception as exc:  # ONNX Runtime's own errors: a file it cannot load
             raise StartupError(
                 f"--model {m.path}: not a model ONNX Runtime can load: {_one_line(exc)}"
@@ -252,6 +253,9 @@ async def _warm_up(
             if zeros
             else f"the samples of {samples}"
         )
+        control = warmup.control_values(contract)
+        if control:  # the node's own values: the input at fault may be one of them
+            fed += f" and the node's control inputs {', '.join(control)}"
         raise StartupError(
             f"--model {name}: the warm-up run failed on {fed}: {_one_line(exc)} "
             "(docs/policies.md#warm-up)"

@@ -7,8 +7,11 @@ inputs of a step held for its retry, and the claim's model. The record before th
 does not move. So an undo of the last step that reaches the new owner leaves the episode in
 doubt: the next step says ``state_reset``. Tensors travel as msgpack arrays
 (``affinity/wire.py``: shapes checked against the message before anything is allocated).
-The receiver checks the state against its own model's contract before it installs
-anything.
+The receiver checks the whole record against the contract of the model it names before
+it installs anything: the model must be a ``name@version`` served there, and its state,
+action buffer, real-time-chunking chunk, stored reply and held inputs must have the names,
+dtypes and shapes that model's steps make (a record that does not fit would answer its
+next step with a bare 500).
 """
 
 from __future__ import annotations
@@ -21,12 +24,19 @@ import numpy as np
 
 from affinity import wire
 from node.chunks import ActionBuffer
-from node.contract import PolicyContract
+from node.contract import PolicyContract, TensorSpec
 from node.episodes import Episode, StepResult
-from node.errors import TransferError
+from node.errors import ModelNotServed, TransferError
 from node.rtc import Used
 
-__all__ = ["Install", "TransferError", "decode_install", "encode_install", "record_bytes"]
+__all__ = [
+    "Install",
+    "TransferError",
+    "check_record",
+    "decode_install",
+    "encode_install",
+    "record_bytes",
+]
 
 Array = np.ndarray[Any, Any]
 
@@ -116,9 +126,11 @@ def encode_install(install: Install, now: float) -> bytes:
     )
 
 
-def decode_install(body: bytes, contract: PolicyContract, now: float) -> Install:
-    """The message back, the record's times on this node's clock; raises
-    :class:`TransferError` when it is malformed or its state does not fit ``contract``."""
+def decode_install(body: bytes, served: Mapping[str, PolicyContract], now: float) -> Install:
+    """The message back, the record's times on this node's clock. ``served`` maps each
+    ``name@version`` served here to its contract. Raises :class:`ModelNotServed` when the
+    record's model is not one of them, :class:`TransferError` when the record is malformed
+    or does not fit its model's contract (:func:`check_record`)."""
     try:
         doc = wire.decode(body)
     except wire.WireError as exc:
@@ -139,9 +151,8 @@ def decode_install(body: bytes, contract: PolicyContract, now: float) -> Install
         or type(seq) is not int
     ):
         raise TransferError("a hand-over's ids, token and seq have the wrong types")
-    state = _arrays(doc["state"], "a record's state")
-    _check_state(state, contract)
-    return Install(
+    contract = _contract_of(model, served)
+    install = Install(
         episode,
         device,
         token,
@@ -151,7 +162,7 @@ def decode_install(body: bytes, contract: PolicyContract, now: float) -> Install
             device,
             token,
             claim,
-            state,
+            _arrays(doc["state"], "a record's state"),
             now,
             seq,
             _buffer(buffer),
@@ -167,25 +178,114 @@ def decode_install(body: bytes, contract: PolicyContract, now: float) -> Install
             confirmed=False,
         ),
     )
+    check_record(install.record, contract)
+    return install
 
 
-def _check_state(state: Mapping[str, Array], contract: PolicyContract) -> None:
-    specs = {spec.name: spec for spec in contract.inputs}
-    if set(state) != set(contract.state):
+def _contract_of(model: str, served: Mapping[str, PolicyContract]) -> PolicyContract:
+    """The contract of the record's ``name@version``, served here."""
+    name, at, version = model.partition("@")
+    if not (name and at and version):
+        raise TransferError(f"a record's model must be name@version, not {model!r}")
+    contract = served.get(model)
+    if contract is None:
+        here = ", ".join(sorted(served)) or "none"
+        raise ModelNotServed(f"the record's model {model} is not served here (served: {here})")
+    return contract
+
+
+def check_record(record: Episode, contract: PolicyContract) -> None:
+    """Raise :class:`TransferError` naming the first part of ``record`` that does not fit
+    ``contract`` as this node's own steps would have made it: its state (every state
+    input, one step's shape), its action buffer (``[H, D]`` chunks of the chunk output's
+    dtype, at most H of them, never ahead of ``t``), the chunk real-time chunking last sent
+    (``[H, D]``), its stored reply (returned outputs, the chunk output as a chunk or as one
+    action; its RTC values 0..H) and its held inputs (the model's inputs)."""
+    inputs = {spec.name: contract.step_spec(spec) for spec in contract.inputs}
+    outputs = {spec.name: contract.step_spec(spec) for spec in contract.returned_outputs}
+    if set(record.state) != set(contract.state):
         raise TransferError(
-            f"the record's state {sorted(state)} is not this model's {sorted(contract.state)}"
+            f"the record's state {sorted(record.state)} is not this model's "
+            f"{sorted(contract.state)}"
         )
-    for name, value in state.items():
-        spec = contract.step_spec(specs[name])
-        want = tuple(d if isinstance(d, int) else None for d in spec.shape)
-        fits = len(want) == value.ndim and all(
-            w in (None, v) for w, v in zip(want, value.shape, strict=True)
+    for name, value in record.state.items():
+        _check_array(f"state {name!r}", value, inputs[name])
+    chunk = None if contract.chunk is None else outputs.get(contract.chunk)
+    if record.buffer is not None:
+        _check_buffer(record.buffer, chunk, contract)
+    if record.sent is not None:
+        if chunk is None:
+            raise TransferError("the record's sent chunk: this model has no action chunk")
+        _check_array("the sent chunk", record.sent[0], _chunk_rows(chunk, contract))
+    if record.reply is not None:
+        _check_reply(record.reply, outputs, chunk, contract)
+    for name, value in (record.asked or {}).items():
+        if name not in inputs:
+            raise TransferError(f"held input {name!r} is not an input of this model")
+        _check_array(f"held input {name!r}", value, inputs[name])
+
+
+def _check_buffer(buffer: ActionBuffer, chunk: TensorSpec | None, contract: PolicyContract) -> None:
+    if chunk is None:
+        raise TransferError("the record's buffer: this model has no action chunk")
+    rows = _chunk_rows(chunk, contract)
+    horizon = rows.shape[0]
+    assert isinstance(horizon, int)  # checked at load
+    if buffer.t < 0 or len(buffer.chunks) > horizon:
+        raise TransferError(
+            f"the record's buffer holds {len(buffer.chunks)} chunk(s) at step {buffer.t}; "
+            f"this model's holds at most {horizon} at a step >= 0"
         )
-        if not fits or value.dtype != np.dtype(spec.dtype):
+    for start, value in buffer.chunks:
+        if not 0 <= start <= buffer.t:
+            raise TransferError(f"a buffered chunk starts at step {start}, after {buffer.t}")
+        _check_array("a buffered chunk", value, rows)
+
+
+def _check_reply(
+    reply: StepResult,
+    outputs: Mapping[str, TensorSpec],
+    chunk: TensorSpec | None,
+    contract: PolicyContract,
+) -> None:
+    for name, value in reply.outputs.items():
+        spec = outputs.get(name)
+        if spec is None:
             raise TransferError(
-                f"state {name!r} is {value.dtype}{list(value.shape)}; this model's is "
-                f"{spec.dtype}{list(spec.shape)}"
+                f"the stored reply's {name!r} is not an output of this model ({', '.join(outputs)})"
             )
+        if spec is chunk and chunk is not None and value.ndim == len(chunk.shape) - 1:
+            # a chunk model's step may answer one action: the chunk without its time axis
+            spec = TensorSpec(name, (*chunk.shape[:-2], chunk.shape[-1]), chunk.dtype)
+        _check_array(f"the stored reply's {name!r}", value, spec)
+    used, horizon = reply.rtc, (contract.chunk_shape or (-1, 0))[0]
+    if used is not None and not all(
+        0 <= v <= horizon for v in (used.executed, used.delay, used.prefix_len)
+    ):
+        raise TransferError(
+            f"the stored reply's rtc values {used.to_json()} do not fit this model's chunk "
+            f"(0 to its horizon {horizon})"
+        )
+
+
+def _chunk_rows(chunk: TensorSpec, contract: PolicyContract) -> TensorSpec:
+    """The ``[H, D]`` chunk a step's chunk output holds (its batch axis dropped)."""
+    shape = chunk.shape[1:] if contract.batch_axis else chunk.shape
+    return TensorSpec(chunk.name, shape, chunk.dtype)
+
+
+def _check_array(what: str, value: Array, spec: TensorSpec) -> None:
+    """Raise :class:`TransferError` unless ``value`` has ``spec``'s dtype and shape
+    (a symbolic or unknown dimension takes any size)."""
+    want = tuple(d if isinstance(d, int) else None for d in spec.shape)
+    fits = len(want) == value.ndim and all(
+        w in (None, v) for w, v in zip(want, value.shape, strict=True)
+    )
+    if not fits or value.dtype != np.dtype(spec.dtype):
+        raise TransferError(
+            f"{what} is {value.dtype}{list(value.shape)}; this model's is "
+            f"{spec.dtype}{list(spec.shape)}"
+        )
 
 
 def _buffer(doc: object) -> ActionBuffer | None:

@@ -17,8 +17,12 @@ the samples its configuration gives). So the feed of an observation input is, in
    empty string fails a model that parses numbers from it. So the model is not warmed up
    (one info line) and serves all the same. Its first steps pay what the warm-up would have.
 
-State inputs get the initial state, control inputs zeros and real-time-chunking inputs a
-step without a prefix: what the node itself feeds a first step.
+State inputs get the initial state and real-time-chunking inputs a step without a prefix:
+what the node itself feeds a first step. Control inputs get what a real step of a sequence
+of one step gets (``node/control.py``), as the step of KServe sequence id 0
+(:data:`EPISODE`): start, end and ready 1, and a correlation id of ``0``, or ``"0"`` for a
+string one (Triton's ``simple_string_dyna_sequence`` casts it to a number; an empty string
+fails that cast).
 """
 
 from __future__ import annotations
@@ -34,12 +38,24 @@ import numpy as np
 import onnxruntime
 
 from node.contract import Array, PolicyContract
+from node.control import control_feed
 from node.inputs import InvalidInput, from_arrays
 from node.rtc import rtc_of
 
-__all__ = ["feed", "made_up", "run", "samples_path", "unfed", "with_samples"]
+__all__ = [
+    "EPISODE",
+    "control_values",
+    "feed",
+    "made_up",
+    "run",
+    "samples_path",
+    "unfed",
+    "with_samples",
+]
 
 SUFFIX = ".warmup.npz"
+EPISODE = "kserve:i:0"
+"""The episode a warm-up or probe run is fed as (its control inputs): KServe sequence id 0."""
 
 
 def samples_path(model_path: Path) -> Path:
@@ -81,6 +97,14 @@ def made_up(contract: PolicyContract) -> list[str]:
     return [spec.name for spec in contract.observation_inputs if spec.name not in contract.warmup]
 
 
+def control_values(contract: PolicyContract) -> list[str]:
+    """What :func:`feed` gives each control input, as ``name=value``, for messages."""
+    return [
+        f"{name}={value.reshape(-1).tolist()[0]!r}"
+        for name, value in control_feed(contract, EPISODE, start=True, end=True).items()
+    ]
+
+
 def feed(contract: PolicyContract, rows: int = 1) -> dict[str, Array] | None:
     """The inputs of one warm-up or probe run of ``rows`` rows (the same row repeated along
     the batch axis), or ``None`` when :func:`unfed` names an input. Fresh arrays."""
@@ -91,7 +115,7 @@ def feed(contract: PolicyContract, rows: int = 1) -> dict[str, Array] | None:
         for spec in contract.observation_inputs
     }
     one.update(contract.initial_state())
-    one.update({spec.name: spec.zeros() for spec in contract.control_inputs})
+    one.update(control_feed(contract, EPISODE, start=True, end=True))
     rtc = rtc_of(contract)
     if rtc is not None:
         one.update(rtc.none())

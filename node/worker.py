@@ -53,22 +53,25 @@ DEFAULT_BATCH_DELAY_US = 500.0
 _RECENT_S = 1.0  # a key that sent a step this recently is expected to send another
 
 
-def batch_limit(blocker: str | None, max_batch: int | None) -> tuple[int, str]:
+def batch_limit(blocker: str | None, max_batch: int | None, model: str = "") -> tuple[int, str]:
     """The most steps per run, and why batching is off ("": on), for a model that
     ``blocker`` says cannot batch (None: it can) and the limit asked (None:
-    :data:`MAX_DEFAULT_BATCH`). Says which in one log line."""
+    :data:`MAX_DEFAULT_BATCH`). Says which in one log line, naming ``model`` (a node
+    serving several says it once for each)."""
+    of = f" for {model}" if model else ""
     if max_batch == 1:
-        log.info("batching is off (max batch 1)")
+        log.info("batching is off%s (max batch 1)", of)
         return 1, "max batch 1"
     if blocker is not None:
         log.log(
             logging.INFO if max_batch is None else logging.WARNING,
-            "batching is off: %s; every step runs alone",
+            "batching is off%s: %s; every step runs alone",
+            of,
             blocker,
         )
         return 1, blocker
     size = MAX_DEFAULT_BATCH if max_batch is None else max_batch
-    log.info("batching is on: up to %d steps per model run", size)
+    log.info("batching is on%s: up to %d steps per model run", of, size)
     return size, ""
 
 

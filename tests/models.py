@@ -159,3 +159,47 @@ def big_state_policy(out_dir: Path, elements: int = 1 << 20) -> Path:
         out_dir, "big_state_policy.onnx", built, {"state": {"state_in.big": "state_out.big"}}
     )
     return path
+
+
+def string_corrid_sequence(out_dir: Path) -> Path:
+    """Triton's ``simple_string_dyna_sequence`` as an ONNX policy: a sequence model whose
+    correlation id is a STRING (``control.corrid``, ``[batch, 1]``) that the model casts to
+    a number, as Triton's example does. ``INPUT`` (int32 ``[batch, 1]``) is added to the
+    episode's running sum (``state_in.acc`` -> ``state_out.acc``); ``OUTPUT`` is that sum
+    plus the correlation id. An empty string fails ONNX Runtime's ``Cast``."""
+    nodes = [
+        helper.make_node("Cast", ["control.corrid"], ["corrid"], to=TensorProto.INT32),
+        helper.make_node("Add", ["state_in.acc", "INPUT"], ["state_out.acc"]),
+        helper.make_node("Add", ["state_out.acc", "corrid"], ["OUTPUT"]),
+    ]
+    built = model(
+        "simple_string_dyna_sequence",
+        nodes,
+        [
+            tensor("INPUT", TensorProto.INT32, 1),
+            tensor("control.corrid", TensorProto.STRING, 1),
+            tensor("state_in.acc", TensorProto.INT32, 1),
+        ],
+        [tensor("OUTPUT", TensorProto.INT32, 1), tensor("state_out.acc", TensorProto.INT32, 1)],
+        Weights(seed=4),
+        "affinity-tests",
+    )
+    path, _ = write(out_dir, "simple_string_dyna_sequence.onnx", built, {})
+    return path
+
+
+def unknown_control(path: Path) -> Path:
+    """A model at ``path``, without a sidecar, with an input ``control.bogus`` (no control
+    input the node fills): its contract check names the model file."""
+    nodes = [helper.make_node("Identity", ["control.bogus"], ["out"])]
+    built = model(
+        "unknown_control",
+        nodes,
+        [tensor("control.bogus", TensorProto.FLOAT, 1)],
+        [tensor("out", TensorProto.FLOAT, 1)],
+        Weights(seed=5),
+        "affinity-tests",
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(built.SerializeToString(deterministic=True))
+    return path

@@ -154,6 +154,10 @@ class RedisServer:
         self.proc.stop(signal.SIGKILL)
 
 
+FLEET_SECRET = "tests-cluster-secret"
+"""The cluster secret of :class:`Node` processes that name none."""
+
+
 class Node:
     """One ``affinity-node`` process."""
 
@@ -173,7 +177,14 @@ class Node:
         self.host = host
         self.port = 8000 if netns else free_port(host)
         self.url = f"http://{host}:{self.port}"
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # a node on Redis refuses to start without a cluster secret (docs/security.md):
+        # the tests' nodes share one unless a test gives its own
+        full_env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "AFFINITY_CLUSTER_SECRET": FLEET_SECRET,
+            **(env or {}),
+        }
         self.proc = Proc(
             [
                 *(["ip", "netns", "exec", netns] if netns else []),

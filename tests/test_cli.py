@@ -3,9 +3,11 @@ devices and assignments (in process with capsys, and as real subprocesses)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -223,10 +225,17 @@ def test_namespace_and_env_defaults(
 def test_episodes(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli(dep, capsys, "episodes")
     assert (code, err) == (0, "")
-    rows = parse_table(out, ["EPISODE", "DEVICE", "TOKEN", "TTL LEFT", "MOVED", "MODEL"])
+    headers = ["EPISODE", "DEVICE", "TOKEN", "IDLE END", "BACKSTOP", "MOVED", "MODEL"]
+    rows = parse_table(out, headers)
     assert {r["MOVED"] for r in rows} == {"no"}
     assert {r["EPISODE"]: (r["DEVICE"], int(r["TOKEN"])) for r in rows} == dep.placed
-    assert all(0 < float(r["TTL LEFT"].rstrip("s")) <= SETTINGS.backstop_ms / 1000 for r in rows)
+    # issue 42 item 10: when the owner ends an idle episode (its idle timeout after the
+    # claim), not Redis' backstop two lease TTLs + 3 s later (shown beside it)
+    beyond = (SETTINGS.backstop_ms - SETTINGS.episode_ttl_ms) / 1000
+    for r in rows:
+        idle, backstop = (float(r[h].rstrip("s")) for h in ("IDLE END", "BACKSTOP"))
+        assert 0 < idle <= SETTINGS.episode_ttl_s < backstop <= SETTINGS.backstop_ms / 1000
+        assert abs(backstop - beyond - idle) < 0.11, r  # rounded to 0.1 s each
 
     code, out, _ = cli(dep, capsys, "episodes", "--device", "gpu-a/0", "--json")
     assert code == 0
@@ -234,6 +243,8 @@ def test_episodes(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     listed = json.loads(out)
     assert on_a0 and {r["episode"] for r in listed} == on_a0
     assert all(r["device"] == "gpu-a/0" and 0 < r["ttl_ms"] <= SETTINGS.backstop_ms for r in listed)
+    beyond_ms = SETTINGS.backstop_ms - SETTINGS.episode_ttl_ms
+    assert all(r["idle_ms"] == r["ttl_ms"] - beyond_ms for r in listed), listed
 
     code, out, _ = cli(dep, capsys, "--json", "episodes", "--node", "cpu-b")
     assert code == 0
@@ -258,7 +269,10 @@ def test_show(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     assert fields["token"] == str(token)
     assert fields["alive"] == "yes"
     assert fields["state"] == "active"
-    assert 0 < float(fields["ttl left"].rstrip("s")) <= SETTINGS.backstop_ms / 1000
+    idle = float(fields["idle end"].split()[1].rstrip("s"))
+    backstop = float(fields["backstop"].split()[1].rstrip("s"))
+    assert 0 < idle <= SETTINGS.episode_ttl_s < backstop <= SETTINGS.backstop_ms / 1000
+    assert "its owner ends it" in fields["idle end"] and "Redis drops it" in fields["backstop"]
 
     code, out, _ = cli(dep, capsys, "show", "ep-1", "--json")
     assert code == 0
@@ -266,6 +280,7 @@ def test_show(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     assert (shown["episode"], shown["device"], shown["token"]) == ("ep-1", device, token)
     assert shown["moved"] is False and fields["moved"] == "no"
     assert shown["alive"] is True and 0 < shown["ttl_ms"] <= SETTINGS.backstop_ms
+    assert shown["idle_ms"] == shown["ttl_ms"] - (SETTINGS.backstop_ms - SETTINGS.episode_ttl_ms)
 
     code, out, err = cli(dep, capsys, "show", "ep-missing")
     assert (code, out) == (1, "")
@@ -482,6 +497,48 @@ def test_rollout_of_what_no_node_serves_is_an_error_naming_what_is_served(
     assert (code, err) == (0, "") and "demo_policy  v1" in out
 
 
+def test_move_to_a_target_that_serves_another_model_is_refused(
+    server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 42 item 2: ``affinity move EP --to TARGET`` with a target that does not serve
+    the episode's model was accepted (exit 0) and the owner then found no room. It is
+    refused at once, exit 1, naming what the target serves; nothing is asked."""
+    server.client().flushall()
+    asyncio.run(register_models(server.url))
+
+    async def setup() -> None:
+        client = redis.asyncio.Redis.from_url(server.url, decode_responses=True)
+        settings = SETTINGS.with_(redis_url=server.url)
+        try:
+            await Registry(client, settings).register(
+                "m-c", "http://m-c:8000", devices("m-c", "cpu", 1, 4),
+                models={ModelId("demo_policy", "v2"): "{}"},
+            )  # fmt: skip
+            a = await Claims(client, settings).resolve("ep-m", model="demo_policy", version="v1")
+            assert a.device == "m-a/0"
+            await Registry(client, settings).register(
+                "m-d", "http://m-d:8000", devices("m-d", "cpu", 1, 4),
+                models={ModelId("demo_policy", "v1"): "{}"},
+            )  # fmt: skip
+        finally:
+            await client.aclose()
+
+    asyncio.run(setup())
+    for target in ("m-c", "m-c/0"):
+        code, out, err = run_cli(capsys, "--redis", server.url, "move", "ep-m", "--to", target)
+        assert (code, out) == (1, ""), err
+        assert err == (
+            f"affinity: {target} does not serve demo_policy@v1, the model of episode 'ep-m': "
+            "it serves demo_policy@v2 (affinity models shows who serves it)\n"
+        )
+    assert not server.client().exists(KEYS.moves("m-a"))
+    code, out, err = run_cli(capsys, "--redis", server.url, "move", "ep-m", "--to", "m-c/7")
+    assert (code, out, err) == (1, "", "affinity: device 'm-c/7' is not registered\n")
+    code, out, err = run_cli(capsys, "--redis", server.url, "move", "ep-m", "--to", "m-d/0")
+    assert (code, err) == (0, "") and "asked m-a to move ep-m to m-d/0" in out
+    assert server.client().smembers(KEYS.moves("m-a")) == {"ep-m\x1fm-d/0"}
+
+
 def test_forget(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli(dep, capsys, "forget", "gone-c")
     assert (code, out, err) == (0, "forgot node gone-c and its devices\n", "")
@@ -616,6 +673,28 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2 and "must be a URL such as redis://" in err and err.count("\n") == 1
     code, out, _ = run_cli(capsys, "--help")
     assert code == 0 and "exit codes" in out
+
+
+def test_version_and_help_for_every_argument(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 42 item 13: ``--version``; every positional argument has help; ``--move``
+    says when the move happens (at the next lease renewal, not now)."""
+    from affinity import __version__
+    from affinity.cli import build_parser
+
+    code, out, _ = run_cli(capsys, "--version")
+    assert (code, out) == (0, f"affinity {__version__}\n")
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS:
+                continue
+            assert action.help, f"affinity {name}: {action.dest} has no help"
+    code, out, _ = run_cli(capsys, "drain", "--help")
+    text = " ".join(out.split())
+    assert code == 0 and not re.search(r"\bnow\b", text), text
+    assert "at each node's next lease renewal" in text
+    code, out, _ = run_cli(capsys, "move", "--help")
+    assert code == 0 and "at its owner's next lease renewal" in " ".join(out.split())
 
 
 def test_unreachable_redis_exits_3_fast(capsys: pytest.CaptureFixture[str]) -> None:

@@ -92,7 +92,7 @@ def test_fleet_init_marks_the_empty_redis_a_new_fleet_before_any_node() -> None:
 
 def test_redis_service() -> None:
     redis = services()["redis"]
-    assert str(redis["image"]).startswith("redis:7")
+    assert str(redis["image"]).startswith("docker.io/library/redis:7")
     command = redis["command"]
     command = command if isinstance(command, list) else command.split()
     assert command[0] == "redis-server"
@@ -158,14 +158,60 @@ def test_nodes() -> None:
     assert len(secrets) == 1, "the nodes must share one cluster secret"
 
 
-def test_published_ports_are_distinct() -> None:
-    published = []
-    for service in services().values():
-        for port in service.get("ports", []):
-            parts = str(port).split(":")
-            assert len(parts) >= 2, f"publish {port} on a fixed host port"
-            published.append(parts[-2])
-    assert published and len(published) == len(set(published)), published
+def published(service: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(host address, host port, container port) of each published port, a
+    ``${VAR:-default}`` in it read as its default."""
+    out = []
+    for port in service.get("ports", []):
+        text = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", str(port))
+        parts = text.split(":")
+        assert len(parts) == 3, f"publish {port} as ADDRESS:HOST_PORT:PORT"
+        out.append((parts[0], parts[1], parts[2]))
+    return out
+
+
+def test_published_ports_are_distinct_and_on_loopback_only() -> None:
+    """Fixed default host ports, each one a variable away from another (the Podman test
+    picks free ones), and only on 127.0.0.1: the stack's secrets are demo values."""
+    ports = [p for service in services().values() for p in published(service)]
+    assert ports and {address for address, _, _ in ports} == {"127.0.0.1"}
+    host_ports = [host for _, host, _ in ports]
+    assert all(h.isdigit() for h in host_ports) and len(host_ports) == len(set(host_ports))
+
+
+def test_images_are_named_in_full() -> None:
+    """Podman resolves no short name (``redis:7-alpine``) unless the host's registries.conf
+    lists unqualified-search-registries; a full name works with Docker and Podman alike."""
+    images = [str(s["image"]) for s in services().values() if "image" in s]
+    assert images
+    for image in images:
+        assert "." in image.split("/")[0], f"{image}: name its registry (docker.io/...)"
+    (base,) = re.findall(r"\$\{BASE_IMAGE:-([^}]+)\}", DOCKERFILE.read_text(encoding="utf-8"))
+    assert base.startswith("docker.io/library/python:3.11"), base
+
+
+def test_nodes_run_as_the_kubernetes_manifests_run_them() -> None:
+    """Read-only root file system with the manifests' emptyDir mounts on tmpfs, no
+    capabilities, no privilege gain, and the manifests' time to hand episodes over on a stop
+    (tests/test_podman_stack.py checks this in running containers)."""
+    (pod,) = [
+        d["spec"]["template"]["spec"]
+        for d in yaml.safe_load_all(
+            (ROOT / "deploy" / "kubernetes" / "base" / "node.yaml").read_text(encoding="utf-8")
+        )
+        if d and d.get("kind") in ("Deployment", "StatefulSet")
+    ]
+    (container,) = [c for c in pod["containers"] if c.get("volumeMounts")]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    grace = f"{pod['terminationGracePeriodSeconds']}s"
+    for name in NODES:
+        node = services()[name]
+        assert node["read_only"] is True
+        assert set(node["tmpfs"]) == {m["mountPath"] for m in container["volumeMounts"]}
+        assert node["cap_drop"] == ["ALL"]
+        assert node["security_opt"] == ["no-new-privileges:true"]
+        assert node["stop_grace_period"] == grace
 
 
 def test_stack_test_service() -> None:
@@ -240,7 +286,7 @@ def pinned(image: str) -> bool:
 def test_prometheus_scrapes_both_nodes_with_the_alert_rules() -> None:
     all_services = services()
     prom = all_services["prometheus"]
-    assert str(prom["image"]).startswith("prom/prometheus:") and pinned(prom["image"])
+    assert str(prom["image"]).startswith("docker.io/prom/prometheus:") and pinned(prom["image"])
     config_dir = mounts(prom)["/etc/prometheus"]
     assert config_dir == ROOT / "docker" / "prometheus"
     assert "--config.file=/etc/prometheus/prometheus.yml" in prom["command"]
@@ -256,13 +302,14 @@ def test_prometheus_scrapes_both_nodes_with_the_alert_rules() -> None:
         expected[env["AFFINITY_NODE_ID"]] = [f"{advertise.hostname}:{advertise.port}"]
     assert scraped == expected, "each node by its service name, labelled with its node id"
     assert job.get("metrics_path", "/metrics") == "/metrics"
-    assert "9090:9090" in [str(p) for p in prom["ports"]]
+    assert [(h, c) for _, h, c in published(prom)] == [("9090", "9090")]
     assert "/-/ready" in " ".join(healthcheck_command(prom))
 
 
 def test_grafana_is_provisioned_with_the_dashboard_and_that_prometheus() -> None:
     grafana = services()["grafana"]
-    assert str(grafana["image"]).startswith("grafana/grafana:") and pinned(grafana["image"])
+    image = str(grafana["image"])
+    assert image.startswith("docker.io/grafana/grafana:") and pinned(image)
     mounted = mounts(grafana)
     provisioning = mounted["/etc/grafana/provisioning"]
     assert provisioning == ROOT / "docker" / "grafana" / "provisioning"
@@ -282,4 +329,4 @@ def test_grafana_is_provisioned_with_the_dashboard_and_that_prometheus() -> None
     assert env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer", "anonymous users only look"
     assert env["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD")
     assert grafana["depends_on"]["prometheus"]["condition"] == "service_healthy"
-    assert "3000:3000" in [str(p) for p in grafana["ports"]]
+    assert [(h, c) for _, h, c in published(grafana)] == [("3000", "3000")]

@@ -46,7 +46,7 @@ def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "node.devices" and r.levelno == logging.WARNING
+        if r.name == "affinity.node" and r.levelno == logging.WARNING
     ]
 
 

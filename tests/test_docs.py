@@ -59,3 +59,26 @@ async def test_a_step_without_an_episode_is_flagged_stateless_where_the_docs_say
         assert 'affinity_routing_total{result="stateless"} 1.0' in metrics
     text = (ROOT / "docs" / "protocols.md").read_text(encoding="utf-8")
     assert '"routing": "stateless"' in text and 'result="stateless"' in text
+
+
+@pytest.mark.anyio
+async def test_a_brand_new_episode_in_the_doubt_window_is_told_state_reset_as_documented() -> None:
+    """Issue 42 item 14: after Redis restarted empty, a brand-new episode's first step in
+    the doubt window (one backstop after the grace period) says ``state_reset: true``;
+    docs/protocols.md's ``state_reset`` says so."""
+    redis = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    async with cluster(redis, [config("a", devices="cpu:1")]) as (nodes, _):
+        fleet = config("a").settings.keys.fleet
+        await redis.set(fleet, f"1 {10**15}")  # the grace period is over, the doubt is not
+        r = await nodes[0].act(episode_id="brand-new", inputs={"obs": [[0.0] * 8]})
+        assert r.status_code == 200, r.text
+        assert (r.json()["routing"], r.json()["state_reset"]) == ("reassigned", True)
+        await redis.set(fleet, "1 2")  # the doubt is over too
+        r = await nodes[0].act(episode_id="brand-new-later", inputs={"obs": [[0.0] * 8]})
+        assert (r.json()["routing"], r.json()["state_reset"]) == ("claimed", False)
+    text = " ".join((ROOT / "docs" / "protocols.md").read_text(encoding="utf-8").split())
+    said = re.search(r"`state_reset: true` says .*?\)", text)
+    assert said, "docs/protocols.md describes state_reset: true"
+    paragraph = text[said.start() : said.start() + 900]
+    assert "doubt window" in paragraph and "brand-new episode" in paragraph, paragraph
+    assert "`routing: reassigned`, `state_reset: true`" in paragraph, paragraph

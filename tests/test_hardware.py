@@ -403,7 +403,7 @@ def test_an_unreadable_tensorrt_cache_is_rebuilt(
     assert engines
     for engine in engines:
         engine.write_bytes(b"\x00" * 64)  # a write cut short
-    with caplog.at_level(logging.WARNING, logger="node.providers"):
+    with caplog.at_level(logging.WARNING, logger="affinity.node"):
         built = build_session(DEMO_MODEL, device, settings)
     assert built.active == "TensorrtExecutionProvider"
     assert any("could not be read" in r.getMessage() for r in caplog.records)

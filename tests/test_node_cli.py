@@ -12,7 +12,7 @@ import pytest
 
 from affinity.keys import Keys
 from node.main import _FLAGS
-from tests.procs import ROOT, Node, RedisServer, free_port, tmpdir
+from tests.procs import FLEET_SECRET, ROOT, Node, RedisServer, free_port, tmpdir
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +26,12 @@ def node(
         text=True,
         timeout=timeout,
         cwd=ROOT,
-        env={"PATH": "/usr/bin:/bin", "HOME": "/tmp", **(env or {})},
+        env={
+            "PATH": "/usr/bin:/bin",
+            "HOME": "/tmp",
+            "AFFINITY_CLUSTER_SECRET": FLEET_SECRET,
+            **(env or {}),
+        },
     )
 
 

@@ -16,7 +16,11 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.models import string_adder
+from node import startup, warmup
+from node.catalog import ModelSpec
+from node.contract import load_contract
+from node.startup import StartupError
+from tests.models import string_adder, string_corrid_sequence, unknown_control
 from tests.procs import ROOT, Node, RedisServer, free_port, tmpdir
 from tests.test_node_cli import assert_one_line, node
 
@@ -168,3 +172,61 @@ def test_the_cli_says_connection_refused_with_the_url_in_one_line() -> None:
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith(f"affinity: cannot reach Redis at {url}: connection refused")
     assert "busy" not in lines[0]
+
+
+def test_a_model_error_names_the_model_path_once(tmp_path: Path) -> None:
+    """Issue 42 item 13: ``--model`` naming no file said the path twice; a model whose
+    own checks fail (no sidecar: they name the model file) said it twice too."""
+    missing = tmp_path / "nope.onnx"
+    out = node("--model", str(missing), "--devices", "cpu:1", "--port", str(free_port()))
+    assert_one_line(out, f"--model {str(missing)!r}: not a packaged model")
+    assert out.stderr.count(str(missing)) == 1, out.stderr
+
+    model = unknown_control(tmp_path / "bad_control.onnx")
+    out = node("--model", str(model), "--devices", "cpu:1", "--port", str(free_port()))
+    assert_one_line(out, f"--model {model}: ")
+    assert out.stderr.count(str(model)) == 1, out.stderr
+
+
+def test_a_string_correlation_id_model_warms_up_and_steps(redis_server: RedisServer) -> None:
+    """Issue 42 item 15: Triton's ``simple_string_dyna_sequence`` (a STRING
+    ``control.corrid`` the model casts to a number) could not start: the warm-up fed the
+    id an empty string and the cast failed, and the error named ``INPUT``. The warm-up
+    feeds the id as a real step of KServe sequence id 0 does (``"0"``); it starts warmed
+    up and serves an episode whose id is its correlation id."""
+    model = string_corrid_sequence(tmpdir() / "models")
+    n = Node(tmpdir(), "corrid", redis_server.url, devices="cpu:1",
+             extra=["--model", str(model)], env=SECRET).start()  # fmt: skip
+    try:
+        log = n.proc.log()
+        assert "1 device(s) warmed up on their workers with simple_string_dyna_sequence@" in log
+        outputs = []
+        for value in (5, 7):
+            body = {"episode_id": "1000", "inputs": {"INPUT": [[value]]}}
+            r = httpx.post(n.url + "/act", json=body, timeout=30)
+            assert r.status_code == 200, r.text
+            outputs.append(r.json()["outputs"]["OUTPUT"])
+        assert outputs == [[[1005]], [[1012]]]  # the running sum plus the id
+    finally:
+        n.stop()
+
+
+@pytest.mark.anyio
+async def test_a_warm_up_failing_names_the_control_inputs_the_node_fed(tmp_path: Path) -> None:
+    """Issue 42 item 15: a failed warm-up named only the inputs fed zeros ("failed on zeros
+    for INPUT") while the run failed on the correlation id the node itself had fed: the
+    node's control inputs are named too, with their values."""
+    path = string_corrid_sequence(tmp_path / "models")
+    contract = load_contract(path)
+
+    class Failing:
+        async def warm_up(self) -> None:
+            raise RuntimeError("Cast failed")
+
+    with pytest.raises(StartupError) as failed:
+        await startup._warm_up("seq", ModelSpec(path, "seq", None), contract, Failing())  # type: ignore[arg-type]
+    assert str(failed.value) == (
+        "--model seq: the warm-up run failed on zeros for INPUT (no sample; give one in "
+        f"{warmup.samples_path(path)}) and the node's control inputs control.corrid='0': "
+        "RuntimeError: Cast failed (docs/policies.md#warm-up)"
+    )

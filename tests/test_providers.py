@@ -58,7 +58,7 @@ def our_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "node.providers" and r.levelno >= logging.WARNING
+        if r.name == "affinity.node" and r.levelno >= logging.WARNING
     ]
 
 

@@ -120,7 +120,9 @@ def test_replicas_are_validated_with_messages_that_name_what_to_change() -> None
 
 
 def test_the_node_flags_refuse_a_bad_replica_count(capsys: pytest.CaptureFixture[str]) -> None:
-    config = parse_args(["--redis", "redis://h", "--redis-replicas", "1"], env={})
+    config = parse_args(
+        ["--redis", "redis://h", "--redis-replicas", "1"], env={"AFFINITY_CLUSTER_SECRET": "s"}
+    )
     assert (config.settings.redis_replicas, config.settings.redis_wait_s) == (1, 0.1)
     for argv, said in (
         (["--redis", "redis://h", "--redis-replicas", "-1"], "--redis-replicas -1: must be 0-64"),

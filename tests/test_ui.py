@@ -475,6 +475,78 @@ def test_a_dead_node_shows_no_load_and_counts_not_active(page: Page, stack: Stac
         cli(stack, "forget", node)
 
 
+async def stop_gracefully(url: str, node: str) -> None:
+    """A node that registers, then stops gracefully (leave, deregister): the events a
+    SIGTERM writes."""
+    client = redis.asyncio.Redis.from_url(url, decode_responses=True)
+    try:
+        registry = Registry(client, Settings())
+        await registry.register(node, f"http://{node}:8000", h200s(node, 1), "0.1.0", node)
+        await registry.leave(node, node)
+        await registry.deregister(node, node)
+    finally:
+        await client.aclose()
+
+
+def test_a_graceful_stop_and_moves_read_as_what_they_are(page: Page, stack: Stack) -> None:
+    """Issue 42 item 11: a graceful stop showed as a red ``node-down`` (a crash's colour)
+    and ``moved`` events as raw key=value text. A node that deregistered is ``node-left``
+    in a neutral colour, a lapsed lease stays a red ``node-down``, a move reads
+    from → to with its outcome, and an owner's move that nothing could take (``move-kept``)
+    says the episode stayed."""
+    left, dying = (f"{p}-{uuid.uuid4().hex[:6]}" for p in ("gpu-leaving", "gpu-crashing"))
+    episode = f"ui-moved-{uuid.uuid4().hex[:6]}"
+    asyncio.run(stop_gracefully(stack.redis.url, left))
+    asyncio.run(register_dying_node(stack.redis.url, dying))
+    r = redis.Redis.from_url(stack.redis.url, decode_responses=True)
+    try:  # as transfer.lua writes them (a real move is tests/test_handover_procs.py's)
+        r.xadd(KEYS.events, {"type": "moved", "episode": episode, "from": "node-a/0",
+                             "to": "node-b/3", "token": "17", "bytes": "2048",
+                             "reason": "drain", "model": "demo_policy@v1"})  # fmt: skip
+        r.xadd(KEYS.events, {"type": "move-kept", "episode": episode, "device": "node-b/3",
+                             "reason": "move"})  # fmt: skip
+    finally:
+        r.close()
+
+    def row(kind: str, node_or_episode: str) -> dict[str, str] | None:
+        return page.js(  # type: ignore[no-any-return]
+            "const li = [...document.querySelectorAll('#event-list li')].find(li =>"
+            " li.dataset.kind === arguments[0] && li.textContent.includes(arguments[1]));"
+            "if (!li) return null; const ty = li.querySelector('.ty');"
+            "return {type: li.dataset.type, label: ty.textContent, text: li.querySelector('.f')"
+            ".textContent, colour: getComputedStyle(ty).color};",
+            kind,
+            node_or_episode,
+        )
+
+    page.wait(lambda d: row("node-left", left) is not None, "the graceful stop")
+    graceful = row("node-left", left)
+    assert graceful is not None and graceful["type"] == "node-down", graceful
+    assert graceful["label"] == "node-left"
+    assert (
+        graceful["text"]
+        == f"{left} stopped gracefully, 0 episode(s) handed over without their state"
+    )
+    assert row("node-leave", left) is not None  # its start: no new episodes
+    # the node-down of a lapsed lease is written by the next renewal or claim that notices
+    page.wait(lambda d: row("node-down", dying) is not None, "the lapsed lease")
+    crash = row("node-down", dying)
+    assert crash is not None and crash["text"] == f"{dying} down: lease lapsed", crash
+    assert graceful["colour"] != crash["colour"], (graceful, crash)  # not a crash's red
+
+    page.wait(lambda d: row("moved", episode) is not None, "the move")
+    moved = row("moved", episode)
+    assert moved is not None
+    assert moved["text"] == f"{episode} node-a/0 → node-b/3: moved with its state (drain), 2.0 KiB"
+    kept = row("move-kept", episode)
+    assert kept is not None
+    assert kept["text"] == (
+        f"{episode} stayed on node-b/3: nothing could take it, kept with its state (move)"
+    )
+    cli(stack, "forget", dying)
+    cli(stack, "forget", left)
+
+
 def cli_devices(stack: Stack) -> list[dict[str, Any]]:
     return json.loads(cli(stack, "devices", "--json"))  # type: ignore[no-any-return]
 

@@ -240,6 +240,36 @@ async def test_a_model_without_a_batch_axis_runs_unbatched_and_says_so(
     assert s.runs == [[100.0], [1.0], [2.0], [3.0]]
 
 
+async def test_each_models_batching_line_names_the_model(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A node serving two models says batching once for each, naming which (issue 42)."""
+    with caplog.at_level("INFO", "affinity.node"):
+        make(1, BATCHED, model="demo@v1")
+        make(1, CONTRACT, model="vla_demo@v3")
+    said = [r.getMessage() for r in caplog.records if "batching" in r.getMessage()]
+    assert said == [
+        "batching is on for demo@v1: up to 8 steps per model run",
+        "batching is off for vla_demo@v3: the model has no batch axis "
+        '(see the sidecar\'s "batch"); every step runs alone',
+    ]
+    assert {r.name for r in caplog.records} == {"affinity.node"}
+
+
+def test_every_node_module_logs_as_affinity_node() -> None:
+    """One logger name for the node's log lines (a start-up line from another name stood
+    out, issue 42)."""
+    import re
+
+    root = Path(__file__).resolve().parent.parent / "node"
+    names = {
+        (path.name, name)
+        for path in root.rglob("*.py")
+        for name in re.findall(r"logging\.getLogger\(([^)]*)\)", path.read_text())
+    }
+    assert names and {name for _, name in names} == {'"affinity.node"'}, names
+
+
 async def test_batching_defaults_to_eight_for_a_model_with_a_batch_axis(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 
+from affinity.errors import InvalidArgument
+
 __all__ = [
     "ALOHA_DEMO_MODEL",
     "DEMO_MODEL",
@@ -48,14 +50,16 @@ PACKAGED_MODELS: Mapping[str, Path] = MappingProxyType(
 def resolve_model(name_or_path: str | Path) -> Path:
     """The model file that ``--model`` names: a packaged name (``demo``, ``vla-demo``; see
     :data:`PACKAGED_MODELS`) or a path to an existing file (``./demo`` for a file of that
-    name). Raises ``ValueError`` naming both choices when it is neither."""
+    name). Raises :class:`InvalidArgument` (a ``ValueError``) naming both choices when it is
+    neither."""
     packaged = PACKAGED_MODELS.get(str(name_or_path))
     if packaged is not None:
         return packaged
     path = Path(name_or_path).expanduser()
     if not path.is_file():
-        raise ValueError(
-            f"model {str(name_or_path)!r}: not a packaged model "
-            f"({', '.join(PACKAGED_MODELS)}) nor an existing file"
+        raise InvalidArgument(
+            "model",
+            str(name_or_path),
+            f"not a packaged model ({', '.join(PACKAGED_MODELS)}) nor an existing file",
         )
     return path

@@ -260,7 +260,7 @@
     c.cell.dataset.state = st;
     c.cell.dataset.alive = alive ? "yes" : "no";
     c.idx.textContent = "#" + d.index;
-    c.st.textContent = alive ? st : "node dead";
+    c.st.textContent = alive ? st : node.state === "left" ? "node left" : "node dead";
     c.hw.textContent = hardware(d);
     const load = alive ? Number(d.load) || 0 : 0, cap = Number(d.capacity) || 0;
     c.fill.style.width = (cap > 0 ? Math.min(100, (100 * load) / cap) : 0) + "%";
@@ -367,12 +367,14 @@
     const li = el("li");
     li.dataset.id = ev.id;
     li.dataset.type = ev.type || "";
+    const kind = eventKind(ev);
+    li.dataset.kind = kind;
     const ms = streamKey(ev.id)[0];
     const t = new Date(ms);
     const time = el("span", "t", t.toLocaleTimeString([], { hour12: false }) + "." +
       String(t.getMilliseconds()).padStart(3, "0"));
     time.title = t.toISOString() + " (" + ev.id + ")";
-    const ty = el("span", "ty ty-" + (ev.type || "other"), ev.type || "?");
+    const ty = el("span", "ty ty-" + kind, kind);
     const f = el("span", "f");
     describe(ev, f);
     f.title = Object.entries(ev).filter(([k]) => k !== "id").map(([k, v]) => k + "=" + v).join("\n");
@@ -383,11 +385,24 @@
     $("event-count").textContent = "(" + shown + " seen)";
   }
 
+  function bytes(v) {
+    const n = Number(v);
+    if (!Number.isFinite(n)) return v + " bytes";
+    return n >= 1048576 ? (n / 1048576).toFixed(1) + " MiB" : n >= 1024 ? (n / 1024).toFixed(1) + " KiB" : n + " bytes";
+  }
+
   function episodeLink(v) {
     const ep = el("span", "ep", v);
     ep.dataset.episode = v;
     ep.title = "look up " + v;
     return ep;
+  }
+
+  // What an event is called on the page: its type, but a node that deregistered (a graceful
+  // stop: node-down with reason "deregistered") is "node-left", not a crash's red node-down.
+  function eventKind(ev) {
+    if (ev.type === "node-down" && ev.reason === "deregistered") return "node-left";
+    return ev.type || "other";
   }
 
   // One short line per event; the full fields are in the row's tooltip. Unknown types
@@ -424,12 +439,32 @@
       case "node-up":
         parts.push(take("node") + " " + (ev.devices ? take("devices").split(",").length + " device(s) " : "") + take("url"));
         break;
-      case "node-down":
-        parts.push(take("node") + (ev.released !== undefined ? ", released " + take("released") : ""));
+      case "node-leave":
+        parts.push(take("node") + " is stopping gracefully: no new episodes, moving its own");
         break;
-      case "move-kept": // a drain's or an operator's move left the episode where it was
+      case "node-down":
+        if (ev.reason === "deregistered") {
+          parts.push(take("node") + " stopped gracefully" + (ev.handed_over !== undefined
+            ? ", " + take("handed_over") + " episode(s) handed over without their state" : ""));
+        } else {
+          parts.push(take("node") + " down" + (ev.reason ? ": " + take("reason") : ""));
+        }
+        take("reason"); take("lease");
+        if (ev.released !== undefined) parts.push(", released " + take("released"));
+        break;
+      case "moved":
         if (ev.episode !== undefined) parts.push(episodeLink(take("episode")));
-        parts.push(" stays on " + take("device") + " (" + take("reason") + ": " + take("why") + ")");
+        parts.push(" " + take("from") + " → " + take("to") + ": moved with its state");
+        if (ev.reason) parts.push(" (" + take("reason") + ")");
+        if (ev.bytes !== undefined && ev.bytes !== "") parts.push(", " + bytes(take("bytes")));
+        take("token"); take("model");
+        break;
+      case "move-kept":
+        if (ev.episode !== undefined) parts.push(episodeLink(take("episode")));
+        parts.push(" stayed" + (ev.device || ev.from ? " on " + (take("device") || take("from")) : "") +
+          ": nothing could take it, kept with its state");
+        if (ev.reason) parts.push(" (" + take("reason") + ")");
+        take("token"); take("model");
         break;
       default:
         break;
