@@ -524,7 +524,7 @@ class HandOvers:
         if registered:
             log.info(
                 "node %s left: moved %d episode(s) with their state, handed over %d without, "
-                "kept %d for the deregistration%s, which handed over %d more, in %.2fs",
+                "kept %d for the deregistration%s, deregistered %d more in %.2fs",
                 self.node_id,
                 outcomes.count("moved"),
                 outcomes.count("reset"),

@@ -309,7 +309,9 @@ async def test_an_install_never_replaces_a_live_record(redis: Any) -> None:
         ep = (await on("b", a, "live", obs[0]))["episode_id"]
         live = held(b, ep)
         assert live is not None
-        other = Episode("b/0", live.token + 1, "ab" * 8, dict(live.state), 0.0, 7, None)
+        other = Episode(
+            "b/0", live.token + 1, "ab" * 8, dict(live.state), 0.0, 7, None, model=live.model
+        )
         body = encode_install(Install(ep, "b/0", other.token, other.claim, "a", other), 0.0)
         with pytest.raises(Refused) as refused:
             await b.service.owner.mover.receive(body, None, b.service.owner.local_devices)
