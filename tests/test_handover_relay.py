@@ -42,17 +42,16 @@ class Robots:
     def __init__(self, urls: list[str], count: int) -> None:
         self.urls = urls
         self.clients = [httpx.Client(base_url=u, timeout=10) for u in urls]
-        rng = np.random.default_rng(41)
-        self.obs = {
-            f"slow-{i}": [rng.standard_normal((1, 8)).astype(np.float32) for _ in range(12)]
-            for i in range(count)
-        }
+        self.rngs = {f"slow-{i}": np.random.default_rng(41 + i) for i in range(count)}
+        self.obs: dict[str, list[np.ndarray]] = {ep: [] for ep in self.rngs}
         self.got: dict[str, list[np.ndarray]] = {ep: [] for ep in self.obs}
         self.resets: list[tuple[str, int]] = []
         self.stuck: list[tuple[str, int, str]] = []
 
     def step(self, ep: str, via: int) -> None:
         n = len(self.got[ep]) + 1
+        if len(self.obs[ep]) < n:  # each robot's observations, drawn as it goes
+            self.obs[ep].append(self.rngs[ep].standard_normal((1, 8)).astype(np.float32))
         body = {"episode_id": ep, "inputs": {"obs": self.obs[ep][n - 1].tolist()}, "seq": n}
         deadline = time.monotonic() + RETRY_S
         last = ""
@@ -120,12 +119,13 @@ def test_a_drain_moves_every_episode_though_the_old_owners_redis_link_is_slow(
         cli(redis.url, "drain", "a/0", "--move")
         rounds = 0
         with ThreadPoolExecutor(8) as pool:
-            while rounds < 16 and (on_b() < len(eps) or rounds < 2):
+            while rounds < 60 and (on_b() < len(eps) or rounds < 2):
                 # every robot steps once a round, through a and b in turn, while the drain
                 # moves them (at a's next renewal)
                 list(pool.map(robots.step, eps, [i + rounds for i in range(len(eps))]))
                 rounds += 1
-                if rounds % 4 == 0 and on_b() < len(eps):
+                time.sleep(0.1)  # (a's renewal, ≤ a third of its lease, starts the moves)
+                if rounds % 15 == 0 and on_b() < len(eps):
                     # what a move could not carry stays on a with its state (a move-kept
                     # event says so, e.g. a's slow link let a placement time out): the
                     # operator runs the drain again
