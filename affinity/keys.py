@@ -195,6 +195,15 @@ class Keys:
         next renewal reads them."""
         return self.prefix + "moves:" + node
 
+    def transfer(self, episode: str) -> str:
+        """String ``"<device> <token> <claim id>"``, then `` installed``: a live hand-over's
+        reservation of the episode's new claim (``affinity/lua/transfer.lua``).
+
+        Written by the move's *place*, marked ``installed`` by the new owner once it holds
+        the copy, deleted by the *commit* (which needs the mark), an *abort*, or the new
+        owner dropping its copy (*settle*). Expires with the reserved slot (10 s)."""
+        return self.prefix + "transfer:" + episode
+
     def episode_pattern(self) -> str:
         """``SCAN MATCH`` pattern of all assignments (for operators, never inside Lua)."""
         return self.prefix + "episode:*"

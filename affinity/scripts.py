@@ -114,6 +114,7 @@ def header(keys: Keys, episode_ttl_ms: int, lease_ttl_ms: int, events_maxlen: in
         "MOVED_KEY": keys.moved(""),
         "REVOKED_KEY": keys.revoked(""),
         "MOVES_KEY": keys.moves(""),
+        "TRANSFER_KEY": keys.transfer(""),
         "RING_KEY": keys.ring_prefix,
         "VERSIONS_KEY": keys.versions(""),
         "ROLLOUT_KEY": keys.rollout(""),

@@ -140,6 +140,9 @@ class EpisodeTable:
         self.generation = 0
         """Bumped by :meth:`drop_all`: a step that began before keeps nothing."""
         self._records: dict[str, Episode] = {}
+        # episode -> a copy a hand-over installed, unconfirmed: not a record (never served,
+        # slid, re-asserted, handed on or ended) until proof that Redis moved the claim
+        self._copies: dict[str, Episode] = {}
         self._live: dict[str, set[str]] = {}  # device -> episodes with a record on it
         self._ended: _Bounded[str] = _Bounded()  # claim ids whose record left the table
         # "<episode> <token>" released before any record of its claim existed here (its
@@ -216,6 +219,9 @@ class EpisodeTable:
         if (claim and claim in self._ended) or self._ended_early_locked(f"{episode} {token}"):
             raise ClaimEnded(episode, claim)
         record = self._records.get(episode)
+        copy = self._copies.get(episode)
+        if copy is not None and not fresh and copy.holds(device, token, claim):
+            record = self._promote_locked(episode, copy)  # Redis routed its claim here
         dropped = episode in self._dropped
         return record, admit(episode, record, device, token, claim, fresh, seq, asked, dropped)
 
@@ -262,25 +268,67 @@ class EpisodeTable:
 
     # ---- hand-over ---------------------------------------------------------------------
 
-    def install(self, episode: str, record: Episode) -> None:
-        """Install a record a hand-over brought (unconfirmed: see :attr:`Episode.confirmed`);
-        a record of another claim it replaces is remembered as ended."""
+    def install(self, episode: str, record: Episode, *, beside: bool = False) -> bool:
+        """Hold a copy a hand-over brought (unconfirmed: see :attr:`Episode.confirmed`),
+        apart from the records: it replaces only another copy (whose reservation the new
+        one's replaced in Redis: it can never be committed). ``beside``: a move between two
+        devices of this node, whose live record stays until the commit. Else a live record
+        held here refuses it: False, nothing changed."""
         with self.lock:
-            old = self._records.get(episode)
-            if old is not None:
-                self._forget_locked(episode, old, "end")
-            self._records[episode] = record
-            self._live.setdefault(record.device, set()).add(episode)
-            self._dropped.pop(episode, None)
+            if episode in self._records and not beside:
+                return False
+            record.confirmed = False
+            self._copies[episode] = record
+            if record.origin:  # an undo of the forward that applied its last step follows it
+                self._applied.remember(record.origin, episode)
+            return True
 
     def confirm(self, episode: str, claim: str) -> bool:
-        """Redis moved the claim here (the old owner said so): serve it from memory."""
+        """Redis moved the claim here (the old owner said so, or Redis answered the new
+        owner's settle): the copy becomes the record, served from memory."""
         with self.lock:
+            copy = self._copies.get(episode)
+            if copy is not None and copy.claim == claim:
+                self._promote_locked(episode, copy)
+                return True
             record = self._records.get(episode)
-            if record is None or record.claim != claim:
+            return record is not None and record.claim == claim
+
+    def _promote_locked(self, episode: str, copy: Episode) -> Episode:
+        del self._copies[episode]
+        old = self._records.get(episode)
+        if old is not None:  # the claim it moved from (a move between devices of this node)
+            self._forget_locked(episode, old, "handed")
+        copy.confirmed = True
+        self._records[episode] = copy
+        self._live.setdefault(copy.device, set()).add(episode)
+        self._dropped.pop(episode, None)
+        return copy
+
+    def drop_copy(self, episode: str, claim: str) -> bool:
+        """Drop the copy of ``episode`` for ``claim`` (its commit can never happen now);
+        nothing is remembered as ended: it never was a claim here."""
+        with self.lock:
+            copy = self._copies.get(episode)
+            if copy is None or copy.claim != claim:
                 return False
-            record.confirmed = True
+            del self._copies[episode]
             return True
+
+    def copy_of(self, episode: str) -> Episode | None:
+        """The unconfirmed copy of ``episode`` held here, if any."""
+        with self.lock:
+            return self._copies.get(episode)
+
+    def copies(self) -> list[tuple[str, Episode]]:
+        """The unconfirmed copies held here (installed by a hand-over, not yet committed)."""
+        with self.lock:
+            return list(self._copies.items())
+
+    def owned(self) -> list[tuple[str, Episode]]:
+        """The records held here: this node's (a copy is not one)."""
+        with self.lock:
+            return list(self._records.items())
 
     def moved(self, episode: str, token: int, to: tuple[str, str, int]) -> Episode | None:
         """The record went to ``to`` (URL, device, token): drop it here (its claim ended)
@@ -298,6 +346,7 @@ class EpisodeTable:
         if episode in self._moving:
             return False
         self._moving[episode] = asyncio.Event()
+        self._moved.pop(episode, None)  # where an earlier move took it: no longer there
         return True
 
     def end_move(self, episode: str) -> None:
@@ -368,6 +417,9 @@ class EpisodeTable:
             records = list(self._records.items())
             for ep, record in records:
                 self._forget_locked(ep, record, reason, ended=False)
+            # the copies too: a commit that lands later finds no record here, and the
+            # claim's next step here says state_reset
+            self._copies.clear()
             self.generation += 1
             return len(records)
 
@@ -392,9 +444,13 @@ class EpisodeTable:
         something changed."""
         with self.lock:
             record = self._records.get(episode)
+            held = self._records
+            copy = self._copies.get(episode)
+            if copy is not None and record is None:  # it followed the record's move here
+                record, held = copy, self._copies
             back = None if record is None else undone(record, seq, origin)
             if back is not None:
-                self._records[episode] = back
+                held[episode] = back
                 if record is not None and record.origin and back is not record:
                     self._applied.pop(record.origin, None)  # no longer applied
             elif origin and record is not None and self._applied.get(origin) == episode:

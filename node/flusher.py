@@ -12,7 +12,9 @@ is held. A renewal brings operators' revocations. Another Redis server makes eve
 due.
 
 Hazards: an episode being released in the flush in flight is never served from memory. A
-slide that too few replicas acknowledged is not counted (a failover could undo it).
+slide that too few replicas acknowledged is not counted (a failover could undo it). A
+hand-over's unconfirmed copy is neither slid nor re-asserted: Redis names the old claim
+until the commit, so a slide would find it lost (``node/handover.py``).
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ class Flusher:
 
     def held(self) -> list[Held]:
         """Every record held here, as re-asserted at a registration."""
-        return [Held(ep, r.device, r.token, r.claim, r.model) for ep, r in self.table.records()]
+        return [Held(ep, r.device, r.token, r.claim, r.model) for ep, r in self.table.owned()]
 
     def registered(self, held: Sequence[Held], done: Registered, sent: float) -> None:
         lost = self._unchanged(held, done.lost)
@@ -140,7 +142,7 @@ class Flusher:
         if expired:
             self.metrics.owner_dropped.labels("idle").inc(len(expired))
         self._idle.extend(expired)
-        records = self.table.records()
+        records = self.table.owned()  # an unconfirmed copy is never slid (node/handover.py)
         never = float("-inf")
         due = self.backstop_s - self.lease_ttl_s - SLIDE_AHEAD_S
         slide = [
@@ -148,7 +150,7 @@ class Flusher:
             for ep, r in records
             if r.last_used > self._slid.get(ep, never) and sent - self._slid.get(ep, never) >= due
         ]
-        holding = {ep for ep, _ in records}
+        holding = {ep for ep, _ in self.table.records()}
         idle = [(ep, token) for ep, token in self._idle if ep not in holding]
         if not slide and not idle:
             self.flushed_at = sent

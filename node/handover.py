@@ -2,19 +2,52 @@
 
 The old owner stops serving the episode; its new steps wait, bounded by their deadlines.
 It waits for the step in flight. It asks Redis for a device that serves the episode's model
-and has room; a slot is reserved there and a token issued (``affinity/transfers.py``). It
-sends the record to that device's node, which installs it unconfirmed. Then it commits in
-Redis, only while its own claim still holds the episode and its lease is live. Then it
-drops its copy. The new owner serves the record from memory once Redis (a routed step) or
-the old owner confirms it. Any failure leaves exactly one owner. Before the commit the old
-owner keeps the episode. When nothing can take it, it hands it over without its state,
-said with ``state_reset``. After the commit, the new one holds it.
+and has room; a slot is reserved there, a token issued and the reservation written
+(``affinity/transfers.py``). It sends the record to that device's node. The new owner
+installs it as an unconfirmed *copy*, then marks the reservation ``installed`` in Redis,
+and only then answers 204. Then the old owner commits in Redis, only while its own claim
+still holds the episode, its lease is live, the new node is alive and not leaving, and the
+reservation is marked installed. Then it drops its record and tells the new owner, which
+confirms its copy. Any failure leaves exactly one owner. Before the commit the old owner
+keeps the episode. When nothing can take it, a drain or a move keeps it (a ``move-kept``
+event says so) and a graceful stop hands it over without its state (``state_reset``).
 
-Why this is hard: the commit is the only moment ownership changes. A record installed on
-a node whose commit never came must never be served from memory there. It is not
-confirmed, and the new owner's first flush finds it lost and drops it. A paused old
-owner's commit is refused once its lease lapsed. A step that waited behind the move asks
-Redis again and reaches the new owner.
+The protocol, and why (issue 41): a copy is not an owner until the commit is known.
+
+- *The copy's life.* Installed unconfirmed and held apart from the records
+  (``EpisodeTable.copy_of``): never served from memory, never slid in a flush, never
+  re-asserted at a registration, never handed on, never ended by idleness; a move between
+  two devices of one node keeps the live record beside it until the commit, and a copy
+  from another node is refused beside a live record (409: it never replaces one).
+  It becomes the record of the claim in exactly three ways, each a proof that Redis moved
+  the claim: the old owner's ``confirm`` (it saw the commit), a routed step that carries
+  the new claim (Redis gave it to the router), or the new owner's own *settle* answering
+  ``committed``. It is dropped in one way only: *settle* answering ``dropped``, which
+  deletes the reservation in the same script, so the commit can never happen afterwards.
+  The old owner's ``drop`` and a copy unconfirmed for :data:`SETTLE_S` both settle;
+  so does a graceful stop of the new owner. Dropping a copy remembers nothing as ended:
+  its claim was never one here. So a slow old owner whose commit lands late finds either a
+  copy waiting for it (and the copy is confirmed) or no mark (and the commit is refused):
+  never a claim in Redis that its node refuses.
+- *Nothing changes the record between read and commit unseen.* An undo that reaches the
+  old owner before it sends the commit is applied to the record there and spoils the
+  move: the copy is settled away and the move starts again with the record as it is now
+  (:data:`MOVE_TRIES` times at most). An undo that arrives once the commit is on its way
+  waits for the move, then follows the record: applied here if it stayed, sent to the new
+  owner if it moved (where an undo of the copy's last step, whose previous record did not
+  move, leaves it in doubt: its next step says ``state_reset``). An end waits likewise and
+  follows the record.
+- *Redis loses its data mid-move.* The reservation is lost with it, so the commit is
+  refused (``missing``/``copy``) and the old owner keeps and re-asserts its record; the
+  new owner never re-asserts the copy, and its settle drops it. Restored from a snapshot
+  taken before a completed move, Redis names the old claim again: the old owner, which
+  ended it, hands that claim over in Redis at once when it refuses a step of it
+  (:meth:`node.owner.Owner.let_go`), so its next step is ``reassigned`` with
+  ``state_reset`` (said, never stuck); the new owner drops its record at its next flush.
+- *A leaving new owner* refuses installs (503), and the commit refuses a leaving target.
+
+A paused old owner's commit is refused once its lease lapsed. A step that waited behind
+the move asks Redis again and reaches the new owner.
 
 :class:`HandOvers` decides when: an operator's move or drain, a graceful stop, at most
 :data:`MOVES_AT_ONCE` at a time, one per episode.
@@ -40,10 +73,19 @@ from node.errors import ModelNotServed
 from node.forward import MOVE_PATH, Forward, ForwardError, Poster, send_undo
 from node.lease import Lease
 from node.metrics import Metrics
-from node.step import Refused
+from node.step import Refused, Unavailable
 from node.transfer import Install, TransferError, decode_install, encode_install, record_bytes
 
-__all__ = ["HOLD_MS", "MOVES_AT_ONCE", "MOVE_S", "HandOvers", "Mover", "Outcome", "Reason"]
+__all__ = [
+    "HOLD_MS",
+    "MOVES_AT_ONCE",
+    "MOVE_S",
+    "SETTLE_S",
+    "HandOvers",
+    "Mover",
+    "Outcome",
+    "Reason",
+]
 
 log = logging.getLogger("affinity.node")
 
@@ -60,6 +102,12 @@ RETRY_S = 0.2
 """How often a move whose commit answer was lost asks Redis again whether it moved."""
 MOVES_AT_ONCE = 16
 """How many episodes a node hands over at a time."""
+SETTLE_S = MOVE_S
+"""How long a copy stays unconfirmed before its new owner asks Redis whether it was
+committed (and drops it if not); well past a commit's round trip, within the reservation's
+:data:`HOLD_MS`."""
+MOVE_TRIES = 3
+"""How many times a move starts again because an undo changed the record on its way."""
 
 
 class Mover:
@@ -89,6 +137,8 @@ class Mover:
         self.secret = secret or ""
         self.clock = clock
         self._telling: set[asyncio.Task[None]] = set()
+        self._committing: set[str] = set()  # moves whose commit is on its way
+        self._spoiled: set[str] = set()  # moves whose record an undo changed on its way
 
     # ---- the old owner ---------------------------------------------------------------
 
@@ -105,37 +155,58 @@ class Mover:
             await self.table.wait_idle(episode)  # the step in flight, if any, finishes first
             outcome = await self._move(episode, reason, target)
         finally:
-            self.table.end_move(episode)  # the steps that waited ask Redis again
+            self._committing.discard(episode)
+            self._spoiled.discard(episode)
+            self.table.end_move(episode)  # the steps (and undos, ends) that waited go on
             self.metrics.moves.labels(reason, outcome).inc()
             if outcome == "moved":
                 self.metrics.move_seconds.observe(time.perf_counter() - started)
         return outcome
 
     async def _move(self, episode: str, reason: Reason, target: str) -> Outcome:
-        record = self.table.get(episode)
-        if record is None:
-            return "kept"
+        token = 0
+        for _ in range(MOVE_TRIES):
+            self._spoiled.discard(episode)
+            record = self.table.get(episode)
+            if record is None or not record.confirmed:
+                return "kept"
+            token = record.token
+            outcome = await self._try(episode, record, reason, target)
+            if outcome is not None:
+                return outcome
+        return await self._fallback(episode, token, reason, "refused", "its record kept changing")
+
+    async def _try(
+        self, episode: str, record: Episode, reason: Reason, target: str
+    ) -> Outcome | None:
+        """One attempt; None: an undo changed the record on its way (start again)."""
         instance = self.lease.instance
         try:
             to = await self.transfers.place(
                 episode, record.token, record.claim, instance, target=target, hold_ms=HOLD_MS
             )
         except AffinityError as exc:
-            return await self._fallback(episode, record.token, reason, str(exc))
+            return await self._fallback(episode, record.token, reason, "redis", str(exc))
         if isinstance(to, NotPlaced):
             if to.reason == "none":
                 why = "no device of a live node serving its model has room"
-                return await self._fallback(episode, record.token, reason, why)
+                return await self._fallback(episode, record.token, reason, "none", why)
             if to.reason == "stale":  # Redis holds another claim: this record is stale
                 self.table.release(episode, "lost", record.token)
-            return "kept"
+            return "kept"  # (missing: Redis lost it; the registration re-asserts it)
         body = encode_install(
             Install(episode, to.device, to.token, to.claim, self.node_id, record), self.clock()
         )
         size = record_bytes(record)
         if not await self._send(to, body, episode):
             await self._abort(episode, record.token, record.claim, instance, to)
-            return await self._fallback(episode, record.token, reason, f"{to.node} did not take it")
+            why = f"{to.node} did not take it"
+            return await self._fallback(episode, record.token, reason, "unreachable", why)
+        if episode in self._spoiled:  # an undo changed the record here: send it again
+            await self._abort(episode, record.token, record.claim, instance, to)
+            await self._tell(to, episode, "drop")
+            return None
+        self._committing.add(episode)  # from now on an undo waits for the outcome
         try:
             refused = await self.transfers.commit(
                 episode, record.token, record.claim, instance, to, size=size, reason=reason
@@ -145,19 +216,19 @@ class Mover:
             refused = await self._committed_after_all(episode, record, to)
         if refused is not None and refused.reason == "unknown":
             # Redis could not be asked while this node's lease lasted: the fence drops the
-            # record here, and the new owner's copy is served only if Redis moved it there
-            # (a routed step confirms it); nothing is told or undone on a guess
+            # record here; the new owner's settle finds out whether Redis moved it there
             return "kept"
         if refused is not None:
             await self._abort(episode, record.token, record.claim, instance, to)
             await self._tell(to, episode, "drop")
-            if refused.reason in ("lease", "marked", "stale"):
-                return "kept"  # fenced, released or moved meanwhile: the owner's rules apply
-            return await self._fallback(episode, record.token, reason, f"commit {refused.reason}")
+            if refused.reason in ("lease", "marked", "stale", "missing"):
+                return "kept"  # fenced, released, moved or lost meanwhile: the owner's rules
+            why = f"commit {refused.reason}"
+            return await self._fallback(episode, record.token, reason, "refused", why)
         self.table.moved(episode, record.token, (to.url, to.device, to.token))
         self.metrics.move_bytes.observe(size)
         task = asyncio.ensure_future(self._tell(to, episode, "confirm", to.claim))
-        self._telling.add(task)  # (a routed step confirms it too, should this not arrive)
+        self._telling.add(task)  # (a routed step, or its settle, confirms it too)
         task.add_done_callback(self._telling.discard)
         return "moved"
 
@@ -213,13 +284,20 @@ class Mover:
             async with asyncio.timeout(MOVE_S):
                 await self.pool.post(to.url, body, MOVE_PATH)
 
-    async def _fallback(self, episode: str, token: int, reason: Reason, why: str) -> Outcome:
-        """A move that could not be made. A graceful stop hands the episode over without
-        its state; its next step says ``state_reset``. A drain's or an operator's move
-        leaves it here, with its state; a drain never resets anything."""
+    async def _fallback(
+        self, episode: str, token: int, reason: Reason, code: str, why: str
+    ) -> Outcome:
+        """A move that could not be made (``code``: none, unreachable, refused, redis). A
+        graceful stop hands the episode over without its state; its next step says
+        ``state_reset``. A drain's or an operator's move leaves it here, with its state (a
+        drain never resets anything), said in the log and in a ``move-kept`` event."""
         if reason != "stop":
             log.warning("could not move %s (%s): %s; it stays here with its state", episode,
                         reason, why)  # fmt: skip
+            try:
+                await self.transfers.kept(episode, reason, code)
+            except AffinityError as exc:
+                log.warning("could not write the move-kept event of %s: %s", episode, exc)
             return "kept"
         log.info("could not move %s (stop): %s; handed over without its state", episode, why)
         return await self._without_state(episode, token)
@@ -246,12 +324,44 @@ class Mover:
         )
         await send_undo(self.pool, url, undo)
 
+    async def end_moved(self, episode: str) -> bool:
+        """An end for an episode whose record moved on: it follows the record (the new
+        owner ends it, token-checked). True when the new owner took it."""
+        to = self.table.moved_to(episode)
+        if to is None:
+            return False
+        url, device, token = to
+        end = Forward.about(episode, token, device, MOVE_S, release=True)
+        return not await send_undo(self.pool, url, end)
+
+    async def undo_during_move(self, episode: str, seq: int | None, origin: str | None) -> None:
+        """An undo that reached this node while ``episode`` is being moved. Before the
+        commit is sent, it is applied here and spoils the move (which sends the record
+        again). Once the commit is on its way it waits for the move (in a task of its own:
+        a router that stops waiting does not cancel it), then follows the record."""
+        if episode not in self._committing:
+            if self.table.undo(episode, seq, origin):
+                self._spoiled.add(episode)
+            return
+        task = asyncio.ensure_future(self._undo_after_move(episode, seq, origin))
+        self._telling.add(task)
+        task.add_done_callback(self._telling.discard)
+        await asyncio.shield(task)
+
+    async def _undo_after_move(self, episode: str, seq: int | None, origin: str | None) -> None:
+        await self.table.wait_moved(episode)
+        if self.table.undo(episode, seq, origin) or self.table.get(episode) is not None:
+            return
+        await self.undo_moved(episode, seq, origin)
+
     # ---- the new owner ---------------------------------------------------------------
 
-    def receive(self, body: bytes, secret: str | None, local_devices: frozenset[str]) -> None:
+    async def receive(self, body: bytes, secret: str | None, local_devices: frozenset[str]) -> None:
         """Install (or confirm, or drop) a record another node hands over. Raises
         :class:`Refused` (403 bad secret, 400/422 a record that does not fit, 421 a device
-        not here) and ``Unavailable`` (this node's lease is not current)."""
+        not here, 409 a live record held here or a reservation that is gone) and
+        ``Unavailable`` (this node's lease is not current, it is leaving, Redis cannot be
+        asked)."""
         if self.secret and not hmac.compare_digest((secret or "").encode(), self.secret.encode()):
             raise Refused(403, "bad_secret", "missing or wrong cluster secret")
         self.lease.require()
@@ -264,11 +374,13 @@ class Mover:
             episode, claim = str(doc.get("episode_id", "")), str(doc.get("claim", ""))
             if op == "confirm":
                 self.table.confirm(episode, claim)
-            else:
-                record = self.table.get(episode)
-                if record is not None and record.claim == claim and not record.confirmed:
-                    self.table.release(episode, "end", record.token)
+                return
+            copy = self.table.copy_of(episode)
+            if copy is not None and copy.claim == claim:
+                await self._settle(episode, copy)  # dropped only if never committed
             return
+        if self.lease.leaving:
+            raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)
         try:
             install = decode_install(body, self.contracts, self.clock())
         except ModelNotServed as exc:
@@ -277,8 +389,50 @@ class Mover:
             raise Refused(422, "bad_record", str(exc)) from None
         if install.device not in local_devices:
             raise Refused(421, "not_owner", f"device {install.device!r} is not on {self.node_id}")
-        self.table.install(install.episode, install.record)
+        await self._install(install)
         log.debug("installed %s's record from %s", install.episode, install.origin_node)
+
+    async def _install(self, install: Install) -> None:
+        """The copy, unconfirmed, then its mark in Redis (the commit needs it). A copy
+        whose mark cannot be written, or that this node would hold while leaving, is
+        dropped (settled) before it is answered."""
+        episode, claim = install.episode, install.claim
+        beside = install.origin_node == self.node_id  # between two devices of this node
+        if not self.table.install(episode, install.record, beside=beside):
+            raise Refused(409, "held", f"node {self.node_id} serves a live record of {episode!r}")
+        try:
+            marked = await self.transfers.installed(episode, install.device, install.token, claim)
+        except AffinityError as exc:  # (its commit needs an answer the sender never gets)
+            self.table.drop_copy(episode, claim)
+            raise Unavailable("redis", f"could not mark the copy of {episode!r}: {exc}") from None
+        if not marked:
+            self.table.drop_copy(episode, claim)
+            raise Refused(409, "stale_token", f"the move of {episode!r} is no longer reserved")
+        if self.lease.leaving:  # SIGTERMed while it was marked: take it back
+            await self._settle(episode, install.record)
+            raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)
+
+    async def settle(self, older_than: float = SETTLE_S) -> None:
+        """Ask Redis about every copy unconfirmed for ``older_than`` or longer: confirm
+        the ones committed here, drop the rest (their commit can never happen now)."""
+        now = self.clock()
+        for episode, record in self.table.copies():
+            if now - record.last_used >= older_than:
+                await self._settle(episode, record)
+
+    async def _settle(self, episode: str, record: Episode) -> None:
+        try:
+            committed = await self.transfers.settle(
+                episode, record.device, record.token, record.claim
+            )
+        except AffinityError as exc:  # asked again at the next settle
+            log.warning("could not settle the copy of %s: %s", episode, exc)
+            return
+        if committed:
+            if self.table.confirm(episode, record.claim):
+                log.info("episode %r: its move here was committed; serving it", episode)
+        elif self.table.drop_copy(episode, record.claim):
+            log.info("episode %r: its move here was not committed; its copy is dropped", episode)
 
 
 class HandOvers:
@@ -304,6 +458,7 @@ class HandOvers:
         self._handing: dict[str, asyncio.Task[Outcome]] = {}
         self._moving: set[asyncio.Task[Outcome]] = set()  # operators' moves under way
         self._gate = asyncio.Semaphore(MOVES_AT_ONCE)  # hand-overs under way, at most
+        self._closing = False  # the graceful stop's timeout fired: begin no more moves
 
     async def hand_over(self, episode: str, reason: Reason = "stop", target: str = "") -> Outcome:
         """Hand ``episode`` over once its in-flight step (if any) finished. It goes with its
@@ -319,6 +474,8 @@ class HandOvers:
 
     async def _gated(self, episode: str, reason: Reason, target: str) -> Outcome:
         async with self._gate:
+            if self._closing:
+                return "kept"  # the deregistration hands it over (without its state)
             return await self.mover.hand_over(episode, reason, target)
 
     def move_requested(self, moves: Sequence[MoveRequest]) -> None:
@@ -326,7 +483,7 @@ class HandOvers:
         drained device, or one episode to a target; in the background."""
         for move in moves:
             if move.device:
-                episodes = [ep for ep, r in self.table.records() if r.device == move.device]
+                episodes = [ep for ep, r in self.table.owned() if r.device == move.device]
                 targets = [(ep, "drain", "") for ep in episodes]
             else:
                 targets = [(move.episode, "move", move.target)]
@@ -336,32 +493,46 @@ class HandOvers:
                 task.add_done_callback(self._moving.discard)
 
     async def leave(self) -> None:
-        """The graceful stop: no new episodes here. Every episode is handed over within
+        """The graceful stop: no new episodes here, and no copies (settled first: the
+        committed ones are handed over too). Every episode is handed over within
         ``--drain-timeout``. It goes with its state, after its in-flight step,
-        :data:`MOVES_AT_ONCE` at a time; or without it when nothing can take it. What is left
-        then is handed over by the deregistration, without its state. Then the node
-        deregisters, while it still listens (forwards get answers, not connection errors)."""
+        :data:`MOVES_AT_ONCE` at a time; or without it when nothing can take it. When the
+        timeout fires, no more moves begin and those under way finish (each bounded).
+        What is left then is handed over by the deregistration, without its state. Then
+        the node deregisters, while it still listens (forwards get answers, not connection
+        errors). The log line counts what each hand-over did."""
         if self.lease.leaving:
             return
         started = self.clock()
         registered = self.lease.registered
         await self.lease.begin_leave()
-        held = [episode for episode, _ in self.table.records()]
-        outcomes: list[Outcome | BaseException] = []
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.drain_timeout_s):
-                outcomes = await asyncio.gather(
-                    *(self.hand_over(ep, "stop") for ep in held), return_exceptions=True
-                )
+        await self.mover.settle(0.0)
+        held = [episode for episode, _ in self.table.owned()]
+        tasks = [asyncio.ensure_future(self.hand_over(ep, "stop")) for ep in held]
+        late = 0
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self.drain_timeout_s)
+            if pending:
+                self._closing = True  # those waiting their turn begin nothing
+                _, pending = await asyncio.wait(pending, timeout=MOVE_S + 1)
+                late = len(pending)
+        outcomes = [
+            t.result() for t in tasks if t.done() and not t.cancelled() and t.exception() is None
+        ]
         self.table.drop_all("handed")
         released = await self.lease.end()
         if registered:
             log.info(
                 "node %s left: moved %d episode(s) with their state, handed over %d without, "
-                "deregistered %d more in %.2fs",
+                "kept %d for the deregistration%s, deregistered %d more in %.2fs",
                 self.node_id,
-                sum(o == "moved" for o in outcomes),
-                sum(o == "reset" for o in outcomes),
+                outcomes.count("moved"),
+                outcomes.count("reset"),
+                outcomes.count("kept"),
+                f" (--drain-timeout {self.drain_timeout_s:g}s ran out; {late} move(s) "
+                "still under way)"
+                if self._closing
+                else "",
                 max(released, 0),
                 self.clock() - started,
             )

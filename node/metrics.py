@@ -65,7 +65,7 @@ LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
     "affinity_rejected_requests_total": {"reason": REJECTED},
     "affinity_fenced": {},
     "affinity_lease_renewals_total": {"result": ("ok", "reregistered", "failed")},
-    "affinity_owner_dropped_total": {"reason": ("idle", "lost", "revoked")},
+    "affinity_owner_dropped_total": {"reason": ("idle", "lost", "revoked", "refused")},
     "affinity_batch_size": {"device": "device"},
     "affinity_queue_wait_seconds": {"device": "device"},
     "affinity_device_capacity": {"device": "device"},

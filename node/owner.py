@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from affinity import (
+    AffinityError,
     Assignment,
     BackendUnavailable,
     Claims,
@@ -336,13 +337,17 @@ class Owner:
                                 "", None, fwd.claim, fwd.instance, fwd.model)  # fmt: skip
         try:
             return await self.serve(assignment, step, arrival)
-        except ClaimEnded as exc:  # its router asks Redis again
+        except ClaimEnded as exc:  # its router asks Redis again (never sent back here)
+            await self.let_go(fwd.episode, fwd.device, fwd.token, fwd.claim)
             raise Refused(409, "ended", str(exc)) from None
 
     async def undo(self, episode: str, seq: int | None, origin: str = "") -> None:
         """Undo step ``seq`` of ``episode`` (or forward ``origin``'s), served here, whose
         reply reached nobody (a step that named its seq is held for the retry instead). An
         undo for an episode whose record was handed over since follows it there."""
+        if self.table.moving(episode):  # the undo waits for the move, or spoils it
+            await self.mover.undo_during_move(episode, None if origin else seq, origin or None)
+            return
         if self.table.undo(episode, None if origin else seq, origin or None):
             return
         if self.table.get(episode) is None and self.table.moved_to(episode) is not None:
@@ -354,7 +359,12 @@ class Owner:
         """End ``episode`` here (a step that said ``end``, a closed websocket, an end
         forwarded by a router). Drop the record if it serves ``token``. Then release it in
         Redis, token-checked. ``strict``: raise what the release raises; else a release
-        Redis cannot take now is left to the episode's backstop."""
+        Redis cannot take now is left to the episode's backstop. An end that arrives while
+        the episode is being moved waits for the move; if it moved, the end follows it."""
+        if self.table.moving(episode):
+            await self.table.wait_moved(episode)
+            if self.table.get(episode) is None and await self.mover.end_moved(episode):
+                return
         self.table.release(episode, "end", token)
         ending = self._ending[episode] = asyncio.Event()
         try:
@@ -371,6 +381,44 @@ class Owner:
             ending.set()
             if self._ending.get(episode) is ending:
                 del self._ending[episode]
+
+    async def let_go(self, episode: str, device: str, token: int, claim: str) -> bool:
+        """A step of a claim this node refuses (ended here: an end, an idle expiry, a
+        hand-over) while Redis may still name that claim as this node's. Redis restored
+        from a snapshot older than a move, an end whose release was lost: the claim would
+        be refused for as long as its robot retries. So hand it over in Redis at once,
+        token-checked: its next resolve reassigns it, ``state_reset``. True when it did."""
+        await self.ended(episode)  # an end's release in flight: Redis answers after it
+        try:
+            info = await self.claims.lookup(episode)
+        except AffinityError as exc:
+            log.warning("could not ask Redis about %s: %s", episode, exc)
+            return False
+        if (
+            info is None
+            or (info.device, info.token, info.claim) != (device, token, claim)
+            or info.moved
+            or info.revoked
+            or info.device not in self.local_devices
+            or self.table.holds(episode, device, token, claim)
+        ):
+            return False
+        try:
+            handed = await self.claims.handoff(episode, token)
+        except AffinityError as exc:
+            log.warning("could not hand %s over: %s", episode, exc)
+            return False
+        if handed:
+            self.metrics.owner_dropped.labels("refused").inc()
+            log.warning(
+                "episode %r: Redis names claim %s of %s as this node's, which no longer "
+                "holds it (ended or handed over here; Redis restored from an older "
+                "snapshot?): handed over in Redis, its next step is reassigned, state_reset",
+                episode,
+                claim,
+                device,
+            )
+        return handed
 
     async def ended(self, episode: str) -> None:
         """Wait for the release of an end of ``episode`` in flight here, if any (bounded by

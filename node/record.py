@@ -73,8 +73,9 @@ class Episode:
     """The inputs of step ``seq`` when it named its ``seq``: such a step is held for its
     caller's retry (never undone), and a retry must repeat these inputs to be replayed."""
     confirmed: bool = True
-    """False for a record a hand-over installed before Redis moved the claim here: never
-    served from memory until a step Redis routed here (or the old owner) confirms it."""
+    """False for a copy a hand-over installed before Redis moved the claim here, held
+    apart from the records (``EpisodeTable.copy_of``): never served from memory until a
+    step Redis routed here, the old owner or the new owner's settle confirms it."""
 
     def holds(self, device: str, token: int, claim: str) -> bool:
         """Whether this record serves the claim (device, token, claim id)."""

@@ -325,6 +325,16 @@ class Router:
         try:
             return await self.owner.serve(again, step, arrival)
         except ClaimEnded as exc:
+            # Redis names a claim this node ended: it is handed over in Redis at once, so
+            # it is reassigned (state_reset), never refused for as long as its robot retries
+            if not await self.owner.let_go(again.episode, again.device, again.token, again.claim):
+                raise Unavailable("owner_refused", str(exc), 1.0) from None
+        again = await self.resolver.for_step(step)
+        if again.node != self.node_id:
+            return await self._forward(again, step, arrival, retry=False)
+        try:
+            return await self.owner.serve(again, step, arrival)
+        except ClaimEnded as exc:
             raise Unavailable("owner_refused", str(exc), 1.0) from None
 
     # ---- undo and end ------------------------------------------------------------------

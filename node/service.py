@@ -230,8 +230,8 @@ class NodeService:
             self.signals.start()
 
     async def _maintain(self) -> None:
-        """Once a second: fence a lapsed lease, flush the owner's batch, probe down
-        devices, refresh the gauges."""
+        """Once a second: fence a lapsed lease, flush the owner's batch, settle the copies
+        of moves left unconfirmed, probe down devices, refresh the gauges."""
         every = min(1.0, self.config.renew_every_s)
         while True:
             await asyncio.sleep(every)
@@ -241,6 +241,7 @@ class NodeService:
                     await self.owner.flusher.flush()
                 except AffinityError as exc:  # kept for the next flush
                     log.warning("flush of node %s failed: %s", self.node_id, exc)
+                await self.owner.mover.settle()  # copies whose move was not confirmed
                 async with asyncio.timeout(self.config.act_deadline_s):
                     for device in await self.health.probe():
                         log.info("device %s passed its probe", device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -252,11 +253,13 @@ class Forwarder:
     """A loopback TCP forwarder in the test process: clients connect to ``port`` and reach
     whatever ``target`` port it points at now. :meth:`point` re-points it and cuts every
     open connection, as a failover does to the clients of the old primary (they reconnect
-    and reach the new one)."""
+    and reach the new one). ``delay_s`` (settable at any time) holds every chunk that long
+    in each direction, in order: a slow link (a round trip takes twice that longer)."""
 
-    def __init__(self, target: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, target: int, host: str = "127.0.0.1", delay_s: float = 0.0) -> None:
         self.host = host
         self.target = target
+        self.delay_s = delay_s
         self._lock = threading.Lock()
         self._open: list[socket.socket] = []
         self._listener = socket.create_server((host, 0))
@@ -295,13 +298,26 @@ class Forwarder:
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        held: queue.Queue[tuple[float, bytes]] = queue.Queue()
+        threading.Thread(target=self._send, args=(held, dst), daemon=True).start()
         try:
             while data := src.recv(65536):
+                held.put((time.monotonic() + self.delay_s, data))
+        except OSError:
+            pass
+        held.put((0.0, b""))  # then close both, once what is held went out
+
+    @staticmethod
+    def _send(held: queue.Queue[tuple[float, bytes]], dst: socket.socket) -> None:
+        try:
+            while True:
+                due, data = held.get()
+                if not data:
+                    break
+                time.sleep(max(0.0, due - time.monotonic()))
                 dst.sendall(data)
         except OSError:
             pass
-        for s in (src, dst):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_RDWR)

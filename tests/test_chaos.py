@@ -2,7 +2,11 @@
 different lease TTLs, robots stepping live episodes through random nodes, and, at random,
 kills (then a restart under the same node id), graceful stops (each moves its episodes
 with their state), pauses under and past the lease, empty Redis restarts, operators'
-releases, ends, moves of one episode and drains of a node with ``--move``.
+releases, ends, moves of one episode and drains of a node with ``--move``. Each node reaches
+Redis through a relay of its own (``tests/procs.py``'s ``Forwarder``), so a drain with
+``--move`` may run while its node's link is slow (25 to 100 ms each way), and Redis may be
+restarted empty, or from a snapshot taken just before moves, while the moves run
+(issue 41).
 
 The probe policy counts exactly the steps its episode has seen (``counter_policy``), so
 each reply is checked against the last one of its episode:
@@ -14,8 +18,12 @@ each reply is checked against the last one of its episode:
 Anything else is a violation: a count that repeats or goes back is a 200 whose state was
 kept nowhere (or a second owner serving older state), one that skips is a step applied
 twice, a fresh count without ``state_reset`` is a silent reset. Once a claim (token) has
-been superseded by another, it must never serve again. And no node process exits but the
-ones this test stops. Every loop is bounded in count and time; the run is seeded.
+been superseded by another, it must never serve again, but within the documented bound
+after Redis went back to an older snapshot (:data:`SNAPSHOT_BOUND_S`: the owners notice
+the other server at a renewal and check their records at the next flush). A robot is never
+refused ``owner_refused`` (its owner refuses a claim Redis names) for longer than
+:data:`REFUSED_BOUND_S` in a row. And no node process exits but the ones this test stops.
+Every loop is bounded in count and time; the run is seeded.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ import pytest
 from affinity import Claims, Registry, Settings, StaleToken, UnknownEpisode
 from affinity.registry import MoveRequest
 from tests.models import counter_policy
-from tests.procs import Node, RedisServer, wait_until
+from tests.procs import Forwarder, Node, RedisServer, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -45,6 +53,14 @@ SECONDS = float(os.environ.get("AFFINITY_CHAOS_SECONDS", "45"))
 EPISODES = 6
 OBS = {"obs": [[0.0] * 8]}
 LEASES = {"c0": 3.0, "c1": 3.0, "c2": 5.0}  # mixed lease TTLs
+SNAPSHOT_BOUND_S = max(LEASES.values()) + 2.0
+"""Two owners may serve an episode this long after Redis was restored from an older
+snapshot: a renewal (a third of a lease) notices the other server, the next flush (≤ 1 s)
+drops what Redis no longer names; generous for a busy machine."""
+REFUSED_BOUND_S = 3 * max(LEASES.values())
+"""A lease is the documented bound on ``owner_refused`` in a row; three, for a busy
+machine (before issue 41 it lasted for the rest of the run)."""
+RESTORES: list[float] = []  # when Redis was restored from an older snapshot (monotonic)
 
 
 @dataclass
@@ -62,6 +78,10 @@ class Episode:
     lost_resets: int = 0  # of those, a reset whose reply reached nobody (no seq)
     replies: int = 0
     resets: int = 0
+    restored: int = 0  # replies of two owners within the bound after a snapshot restore
+    tolerated: list[str] = field(default_factory=list)  # the first few of them
+    latest: float = 0.0  # the latest of them, seconds after its restore
+    refused_since: float | None = None  # the first owner_refused of the failures in a row
     superseded: set[int] = field(default_factory=set)
     violations: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -75,6 +95,10 @@ class Episode:
                 f"{self.name} via {reply['node']} token {token} routing {reply['routing']} "
                 f"sent {sent:.1f} seq {reply['seq']}"
             )
+            # within the bound after Redis went back to an older snapshot, two owners may
+            # serve (docs/guarantees.md): what they answer then is counted, not a violation
+            window = any(r - 1.0 < received and sent < r + SNAPSHOT_BOUND_S for r in RESTORES)
+            violations = len(self.violations)
             if token in self.superseded:
                 self.violations.append(f"a superseded claim served again: {where}")
             if self.token is not None and token != self.token:
@@ -103,6 +127,14 @@ class Episode:
                 self.lost_resets += 1
             else:
                 self.violations.append(f"count {count} after {self.last}: {where}")
+            if window and len(self.violations) > violations:
+                after = max(received - r for r in RESTORES if r - 1.0 < received)
+                self.latest = max(self.latest, after)
+                if len(self.tolerated) < 3:
+                    self.tolerated += [f"{v} ({after:.1f}s after a restore)"
+                                       for v in self.violations[violations:]]  # fmt: skip
+                del self.violations[violations:]
+                self.restored += 1
             if count == 1 or reply["state_reset"]:
                 self.fresh_sent = sent
             self.last, self.token, self.seq = count, token, int(reply["seq"])
@@ -130,7 +162,19 @@ def robot(ep: Episode, urls: list[str], until: float, seed: int) -> None:
                 continue
             if r.status_code == 200:
                 ep.judge(sent, time.monotonic(), r.json())
+                ep.refused_since = None
                 continue
+            if r.status_code == 503 and "owner_refused" in r.text:
+                now = time.monotonic()
+                if ep.refused_since is None:
+                    ep.refused_since = now
+                elif now - ep.refused_since > REFUSED_BOUND_S:
+                    with ep.lock:
+                        ep.violations.append(
+                            f"{ep.name}: refused owner_refused for {now - ep.refused_since:.1f}s "
+                            f"in a row: {r.text[:200]}"
+                        )
+                    ep.refused_since = None
             if r.status_code == 409 and r.json()["error"]["code"] == "seq_conflict":
                 with ep.lock:  # a step that raced its end: numbered afresh
                     ep.seq = 0
@@ -144,10 +188,12 @@ class Chaos:
     def __init__(self, tmp: Path, seed: int) -> None:
         self.rng = random.Random(seed)
         self.redis = RedisServer(tmp)
+        self.snapshot = tmp / "dump.rdb"  # where SAVE writes and a start reads it
         model = counter_policy(tmp)
+        self.relays = {n: Forwarder(self.redis.port) for n in LEASES}  # each node's link
         self.nodes = {
             n: Node(
-                tmp, n, self.redis.url, devices="cpu:2",
+                tmp, n, f"redis://127.0.0.1:{self.relays[n].port}/0", devices="cpu:2",
                 extra=["--lease-ttl", str(t), "--act-deadline", "3", "--model", str(model)],
             )
             for n, t in LEASES.items()
@@ -176,7 +222,7 @@ class Chaos:
         node = self.nodes[name]
         what = self.rng.choice(
             ["kill", "term", "pause_under", "pause_past", "redis", "release", "end", "end",
-             "move", "drain_move"]
+             "move", "drain_move", "slow_drain_move", "redis_snapshot"]
         )  # fmt: skip
         self.log.append(f"{time.monotonic():.1f} {what} {name}")
         if what == "kill":
@@ -196,8 +242,30 @@ class Chaos:
                 time.sleep(pause)
             finally:
                 node.proc.send(signal.SIGCONT)
-        elif what == "redis":
+        elif what == "redis":  # restarted empty (its snapshot, if any, gone)
+            self.snapshot.unlink(missing_ok=True)
             self.redis.restart()
+        elif what == "slow_drain_move":  # a drain whose old owner's link to Redis is slow
+            delay = self.rng.choice([0.025, 0.05, 0.1])
+            self.log.append(f"  {name}'s link +{delay * 1000:.0f} ms each way")
+            self.relays[name].delay_s = delay
+            devices = [f"{name}/0", f"{name}/1"]
+            try:
+                self.operator(lambda r, c: self._drain(r, devices, move=True))
+                time.sleep(self.rng.uniform(1, 4))
+                self.operator(lambda r, c: self._drain(r, devices, move=False))
+            finally:
+                self.relays[name].delay_s = 0.0
+        elif what == "redis_snapshot":  # Redis goes back to a snapshot from before moves
+            with contextlib.suppress(Exception):
+                self.redis.client().save()
+            devices = [f"{name}/0", f"{name}/1"]
+            self.operator(lambda r, c: self._drain(r, devices, move=True))
+            time.sleep(self.rng.uniform(0.5, 3))  # the moves, at the node's next renewal
+            self.redis.proc.stop(signal.SIGKILL)
+            self.redis.start(new_fleet=False)  # from the snapshot, when SAVE made one
+            RESTORES.append(time.monotonic())
+            self.snapshot.unlink(missing_ok=True)
         elif what == "move":  # an operator's `affinity move EP` (to any device with room)
             ep = self.rng.choice(episodes)
             self.log.append(f"  move of {ep.name}")
@@ -314,10 +382,14 @@ def test_chaos_never_two_owners_never_a_silent_reset_never_state_kept_nowhere(
             f"{sum(ep.replies for ep in episodes)} steps, "
             f"{sum(ep.resets for ep in episodes)} resets said, "
             f"{sum(ep.skipped for ep in episodes)} lost replies of steps without seq "
-            f"({sum(ep.lost_resets for ep in episodes)} of them resets); "
+            f"({sum(ep.lost_resets for ep in episodes)} of them resets), "
+            f"{sum(ep.restored for ep in episodes)} replies of two owners within "
+            f"{SNAPSHOT_BOUND_S:g}s of a snapshot restore (the latest "
+            f"{max(ep.latest for ep in episodes):.1f}s after it); "
             f"actions: {' '.join(sorted(line.split()[1] for line in chaos.log if line[0] != ' '))}"
         )
         print(summary)
+        print("\n".join(t for ep in episodes for t in ep.tolerated))
         assert not violations, f"{summary}\n" + "\n".join(violations + chaos.log)
         assert all(ep.replies for ep in episodes), "an episode was never served"
         for node in chaos.nodes.values():
@@ -325,4 +397,7 @@ def test_chaos_never_two_owners_never_a_silent_reset_never_state_kept_nowhere(
     finally:
         for node in chaos.nodes.values():
             node.stop(signal.SIGKILL)
+        for relay in chaos.relays.values():
+            relay.close()
         chaos.redis.stop()
+        RESTORES.clear()

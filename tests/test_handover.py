@@ -41,6 +41,12 @@ async def on(node: str, via: InProcNode, prefix: str, obs: np.ndarray) -> dict[s
     raise AssertionError(f"nothing landed on {node}")
 
 
+def held(node: InProcNode, episode: str) -> Any:
+    """The record ``node`` holds for ``episode``, or else the copy a move installed."""
+    table = node.service.table
+    return table.get(episode) or table.copy_of(episode)
+
+
 def two() -> list[Any]:
     return [config("a", devices="cpu:1"), config("b", devices="cpu:1")]
 
@@ -54,7 +60,7 @@ async def test_a_moved_episode_goes_on_with_its_state_through_either_node(redis:
         assert (second["node"], second["seq"]) == ("a", 2)
         assert await a.service.owner.handovers.hand_over(ep, "move") == "moved"
         assert a.service.table.get(ep) is None
-        record = b.service.table.get(ep)
+        record = held(b, ep)
         assert record is not None and record.seq == 2
         value = (await redis.get(KEYS.episode(ep))).split(" ")
         assert (value[0], int(value[1]), value[2]) == ("b/0", record.token, record.claim)
@@ -121,7 +127,7 @@ async def test_a_move_whose_record_cannot_be_sent_leaves_the_old_owner_serving(
         router.down.add("b.test")
         assert await a.service.owner.handovers.hand_over(ep, "drain") == "kept"
         assert await redis.zrange(KEYS.load("b/0"), 0, -1) == []  # the reservation is gone
-        assert b.service.table.get(ep) is None
+        assert held(b, ep) is None
         r = (await a.act(episode_id=ep, inputs={"obs": obs[1].tolist()})).json()
         assert (r["node"], r["seq"], r["state_reset"]) == ("a", 2, False), r
         expect(obs[:2], r)
@@ -164,7 +170,7 @@ async def test_a_commit_refused_keeps_one_owner_and_nothing_is_served_from_the_c
 
         a.service.owner.mover.transfers.commit = lease_gone  # type: ignore[method-assign]
         assert await a.service.owner.handovers.hand_over(ep, "move") == "kept"
-        assert b.service.table.get(ep) is None  # told to drop its copy
+        assert held(b, ep) is None  # told to drop its copy
         value = (await redis.get(KEYS.episode(ep))).split(" ")
         assert value[0] == "a/0"
         assert await redis.zrange(KEYS.load("b/0"), 0, -1) == []
@@ -243,7 +249,7 @@ async def test_a_commit_never_known_before_the_lease_ends_tells_nothing_on_a_gue
             mover.lease_claims.lookup = lookup  # type: ignore[method-assign]
             mover._tell = tell  # type: ignore[method-assign]
         assert told == []
-        copy = b.service.table.get(ep)
+        copy = held(b, ep)
         assert copy is not None and not copy.confirmed
         assert a.service.owner.serving(ep) is None  # the old owner serves nothing
         r = (await b.act(episode_id=ep, inputs={"obs": obs[1].tolist()}, seq=2)).json()
@@ -270,7 +276,7 @@ async def test_an_unconfirmed_copy_is_never_served_from_memory(redis: Any) -> No
 
         a.service.owner.mover.transfers.commit = refused  # type: ignore[method-assign]
         assert await a.service.owner.handovers.hand_over(ep, "move") == "kept"
-        record = b.service.table.get(ep)
+        record = held(b, ep)
         assert record is not None and not record.confirmed  # installed, never confirmed
         assert b.service.owner.serving(ep) is None
         r = (await b.act(episode_id=ep, inputs={"obs": obs[1].tolist()})).json()

@@ -125,6 +125,16 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
             record.last_used -= 10_000  # every record idle past the timeout
         await om.flush()
         assert claim_of(sa, own["idle"]) is None
+        # refused: a claim Redis names that its owner ended (a lost release, Redis restored
+        # from an older snapshot) is handed over in Redis at its first refused step
+        ended = (await episode_on(a, a, "own-refused"))["episode_id"]
+        value = await redis.get(KEYS.episode(ended))
+        held = claim_of(sa, ended)
+        assert held is not None
+        await sa.owner.end(ended, held[1])
+        await redis.set(KEYS.episode(ended), value, px=60_000)
+        r = await a.act(episode_id=ended, inputs=OBS)
+        assert r.status_code == 200 and r.json()["state_reset"] is True, r.text
         seen += await scrape(a)
         # routing: claimed, hit, stateless, degraded; forwarded ok
         on_b = await episode_on(b, a, "fwd")

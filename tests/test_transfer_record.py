@@ -12,7 +12,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from affinity import wire
+from affinity import Keys, wire
 from node.chunks import ActionBuffer
 from node.contract import load_contract
 from node.episodes import Episode, StepResult
@@ -175,8 +175,14 @@ async def test_a_node_installs_nothing_it_could_not_serve() -> None:
         r = await post(message(model=served, sent=[np.zeros((11, 7), np.float32), 1.0]))
         assert r.status_code == 422 and r.json()["error"]["code"] == "bad_record", r.text
         assert "the sent chunk is float32[11, 7]" in r.json()["error"]["message"]
-        assert b.service.table.get("ep") is None
-        r = await post(message(model=served, sent=[np.zeros((4, 2), np.float32), 1.0]))
+        assert b.service.table.get("ep") is None and b.service.table.copy_of("ep") is None
+        fits = message(model=served, sent=[np.zeros((4, 2), np.float32), 1.0])
+        r = await post(fits)  # (no move reserved it in Redis: refused, nothing kept)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "stale_token", r.text
+        assert b.service.table.copy_of("ep") is None
+        await redis.set(Keys().transfer("ep"), "b/0 7 c-1", px=10_000)  # the move's place
+        r = await post(fits)
         assert r.status_code == 204, r.text
-        record = b.service.table.get("ep")
+        record = b.service.table.copy_of("ep")  # a copy, held apart until the commit
         assert record is not None and record.model == served and not record.confirmed
+        assert await redis.get(Keys().transfer("ep")) == "b/0 7 c-1 installed"

@@ -1,7 +1,9 @@
 """The live hand-over's Redis side (affinity/transfers.py, affinity/lua/transfer.lua), on
 fakeredis and a real redis-server: place reserves a slot on a device that serves the
 episode's model and issues a token; commit moves the assignment only while the owner's
-claim holds it unmarked and the owner's lease is live; abort takes a reservation back."""
+claim holds it unmarked, the owner's lease is live and the new owner marked its copy
+installed; abort takes a reservation back; the new owner's settle confirms a committed
+copy or makes sure it never will be."""
 
 from __future__ import annotations
 
@@ -40,7 +42,11 @@ async def test_place_then_commit_moves_the_assignment_and_its_slot(env: Env) -> 
     # reserved: the slot counts on b/0, the assignment is still a's
     assert await env.redis.zrange(env.keys.load("b/0"), 0, -1) == ["ep"]
     assert (await env.claims.resolve("ep")).device == "a/0"
+    # the commit needs the new owner's copy: the reservation marked installed
+    assert await moves.commit("ep", a.token, a.claim, ia, to) == Refused("copy")
+    assert await moves.installed("ep", to.device, to.token, to.claim)
     assert await moves.commit("ep", a.token, a.claim, ia, to, size=96, reason="drain") is None
+    assert await env.redis.get(env.keys.transfer("ep")) is None
     value = await env.redis.get(env.keys.episode("ep"))
     assert value.split(" ")[:3] == ["b/0", str(to.token), to.claim]
     assert await env.redis.zrange(env.keys.load("a/0"), 0, -1) == []
@@ -84,6 +90,7 @@ async def test_place_takes_only_a_device_with_room_that_serves_the_model(env: En
     named = await moves.place("ep", a.token, a.claim, ia, target="b/0")
     assert isinstance(named, Placement) and named.device == "b/0"
     # an abort after a commit changes nothing
+    assert await moves.installed("ep", named.device, named.token, named.claim)
     assert await moves.commit("ep", a.token, a.claim, ia, named) is None
     assert not await moves.abort("ep", a.token, a.claim, ia, named)
     assert await env.redis.zrange(env.keys.load("b/0"), 0, -1) == ["ep"]
@@ -100,3 +107,49 @@ async def test_a_reservation_expires_with_its_hold(env: Env) -> None:
     await env.redis.zadd(env.keys.full, {"b/0": 1}, xx=True)
     other = await env.claims.resolve("other")  # the sweep finds room on b/0 again
     assert other.device == "b/0"
+
+
+async def test_a_settled_copy_can_never_be_committed(env: Env) -> None:
+    """The new owner settles a copy whose commit has not landed: the mark and the slot go
+    in the same step, and the late commit is refused (issue 41)."""
+    a, ia = await owned(env)
+    moves = Transfers(env.redis, env.settings)
+    to = await moves.place("ep", a.token, a.claim, ia)
+    assert isinstance(to, Placement)
+    assert not await moves.installed("ep", to.device, to.token, "another-claim")
+    assert await moves.installed("ep", to.device, to.token, to.claim)
+    assert not await moves.settle("ep", to.device, to.token, to.claim)  # dropped
+    assert await env.redis.get(env.keys.transfer("ep")) is None
+    assert await env.redis.zrange(env.keys.load("b/0"), 0, -1) == []
+    assert await moves.commit("ep", a.token, a.claim, ia, to) == Refused("copy")
+    assert (await env.redis.get(env.keys.episode("ep"))).startswith("a/0 ")
+    # a committed copy settles as committed
+    again = await moves.place("ep", a.token, a.claim, ia)
+    assert isinstance(again, Placement)
+    assert await moves.installed("ep", again.device, again.token, again.claim)
+    assert await moves.commit("ep", a.token, a.claim, ia, again) is None
+    assert await moves.settle("ep", again.device, again.token, again.claim)
+
+
+async def test_a_commit_is_refused_onto_a_leaving_node_or_when_redis_lost_the_episode(
+    env: Env,
+) -> None:
+    a, ia = await owned(env)
+    moves = Transfers(env.redis, env.settings)
+    to = await moves.place("ep", a.token, a.claim, ia)
+    assert isinstance(to, Placement)
+    assert await moves.installed("ep", to.device, to.token, to.claim)
+    await env.registry.leave("b", "ib")
+    assert await moves.commit("ep", a.token, a.claim, ia, to) == Refused("target")
+    await env.redis.delete(env.keys.episode("ep"))
+    assert await moves.commit("ep", a.token, a.claim, ia, to) == Refused("missing")
+    assert await moves.place("ep", a.token, a.claim, ia) == Refused("missing")
+
+
+async def test_a_move_kept_where_it_was_writes_an_event(env: Env) -> None:
+    a, _ = await owned(env)
+    await Transfers(env.redis, env.settings).kept("ep", "drain", "none")
+    kept = [f for _, f in await env.events.events() if f["type"] == "move-kept"]
+    assert [(k["episode"], k["device"], k["reason"], k["why"]) for k in kept] == [
+        ("ep", a.device, "drain", "none")
+    ]

@@ -1,8 +1,8 @@
 -- lib: what every script uses. affinity/scripts.py puts it where a script says `--@lib`,
 -- after the header of constants it generates for the deployment: PREFIX, the fixed keys
 -- NODES RING FULL ROUTE EVENTS DEVICES TOKEN RR MARKER LEASES KNOWN, the key prefixes
--- EPISODE_KEY NODE_KEY DEVICE_KEY LOAD_KEY MOVED_KEY REVOKED_KEY MOVES_KEY RING_KEY VERSIONS_KEY
--- ROLLOUT_KEY PICKS_KEY, TTL, LEASE (this caller's lease TTL, ms), MAXLEN, and the value
+-- EPISODE_KEY NODE_KEY DEVICE_KEY LOAD_KEY MOVED_KEY REVOKED_KEY MOVES_KEY TRANSFER_KEY RING_KEY
+-- VERSIONS_KEY ROLLOUT_KEY PICKS_KEY, TTL, LEASE (this caller's lease TTL, ms), MAXLEN, and the value
 -- formats VALUE and ROUTED. Every
 -- key shares the namespace hash tag, hence one slot: scripts derive keys from ids
 -- (LOAD_KEY .. device) safely on Redis Cluster too. The ring and full upkeep is in

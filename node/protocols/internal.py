@@ -71,7 +71,7 @@ async def move(service: NodeService, scope: Scope, receive: Receive, send: Send)
     another node hands over (``node/handover.py``); 204, or the error."""
     try:
         body = await read_body(scope, receive, service.config.max_body_bytes)
-        service.owner.mover.receive(body, header(scope, _SECRET), service.owner.local_devices)
+        await service.owner.mover.receive(body, header(scope, _SECRET), service.owner.local_devices)
     except (BodyError, Unavailable, Refused) as exc:
         await respond_error(send, exc, _counted(service, exc))
         return
