@@ -334,23 +334,25 @@ async def test_a_graceful_stop_whose_timeout_fires_counts_what_moved(
 
         async def slow(url: str, body: bytes, path: str = "") -> Any:
             if path == MOVE_PATH:
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(1.0)
             return await post(url, body, path) if path else await post(url, body)
 
         router.post = slow  # type: ignore[method-assign]
-        a.service.owner.handovers.drain_timeout_s = 0.05
+        # The timeout fires while the moves that began are on their way. On a busy machine
+        # a move may not begin before it fires: it is handed over by the deregistration, and
+        # the line must count it there, not among the moved.
+        a.service.owner.handovers.drain_timeout_s = 0.15
         try:
             with caplog.at_level(logging.INFO, logger="affinity.node"):
                 await a.service.owner.leave()
         finally:
             router.post = post  # type: ignore[method-assign]
         moved = int(a.service.metrics.moves.labels("stop", "moved")._value.get())
-        assert moved == len(set(eps))
+        assert 1 <= moved <= len(set(eps))
         lines = [r.getMessage() for r in caplog.records if " left: " in r.getMessage()]
         assert len(lines) == 1 and f"moved {moved} episode(s)" in lines[0], lines
         assert "--drain-timeout" in lines[0]
-        for ep in set(eps):
-            assert held(b, ep) is not None
+        assert sum(held(b, ep) is not None for ep in set(eps)) == moved
 
 
 async def test_a_move_between_two_devices_of_one_node_keeps_the_record_until_the_commit(
