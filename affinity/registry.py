@@ -128,7 +128,8 @@ class DeviceRegistration:
         ]
 
 
-class DeviceScore(NamedTuple):
+@dataclass(frozen=True)
+class DeviceScore:
     """What a node publishes for one device with room at a renewal (scored placement):
     the step time (ms) a new episode would see there, and how much one more episode adds
     to it (ms). Both finite and >= 0; :meth:`fields` checks them."""
