@@ -19,21 +19,48 @@ OBS = {"obs": [[0.1] * 8]}
 
 def test_step_times_per_batch_size() -> None:
     t = StepTimes(max_batch=4)
-    assert t.score("d", 0) == (0.0, NOMINAL_COST_MS)  # never measured: tried, then measured
+    assert t.score("d", 0, 0.0) == (0.0, NOMINAL_COST_MS)  # never measured: tried first
     t.ran("d", (1, 0.010))
     t.ran("d", (4, 0.016))
     assert t.run_ms("d", 1) == pytest.approx(10.0)
     assert t.run_ms("d", 2) == pytest.approx(12.0)  # between the sizes seen: linear
     t.ran("d", (1, 0.020))  # an EWMA: a new run weighs 0.2
     assert t.run_ms("d", 1) == pytest.approx(12.0)
-    # 5 episodes in batches of 4: two runs at batch 4
-    assert t.step_ms("d", 5) == pytest.approx(32.0)
-    step, cost = t.score("d", 1)  # one held: a new one sees batch 2
-    assert step == pytest.approx(12 + 4 / 3) and cost == pytest.approx(4 / 3)
-    scores = t.scores([(0, "d"), (1, "e")], {"d": 3, "e": 8}.__getitem__, capacity=8)
-    assert [s.index for s in scores] == [0]  # e is full: not published
+    assert t.run_ms("d", 8) == pytest.approx(32.0)  # beyond: proportionally slower
     t.ran("d", (2, float("nan")))  # nothing measured: ignored
     assert t.run_ms("d", 2) == pytest.approx(12 + 4 / 3)
+
+
+def test_step_time_follows_the_load_and_explodes_past_it() -> None:
+    t = StepTimes(max_batch=4)
+    t.ran("d", (1, 0.010))
+    t.ran("d", (4, 0.016))  # t(b) = 8 + 2b ms
+    # idle between steps (1 episode at 0.01 steps/ms): a batch of 1, its wait and its run
+    assert t.step_ms("d", 1, 0.01) == pytest.approx(20.0)
+    # 10 episodes at 20 Hz (0.2 steps/ms): b = 0.2 t(b) settles at 2.8, run as 3 (14 ms)
+    assert t.step_ms("d", 10, 0.02) == pytest.approx(28.0)
+    # 30 episodes: 0.6 x 16 = 9.6 steps arrive during a full run of 4: unbounded queue
+    over = t.step_ms("d", 30, 0.02)
+    assert over is not None and over > 2 * 32.0
+    step, cost = t.score("d", 0, 0.02)
+    assert step == pytest.approx(20.0) and cost == pytest.approx(10.0 / 4)  # t(1) / B
+
+
+def test_scores_measure_each_episodes_step_rate() -> None:
+    now = [0.0]
+    t = StepTimes(max_batch=4, clock=lambda: now[0])
+    t.ran("d", (1, 0.010))
+    t.ran("d", (4, 0.016))
+    for _ in range(399):  # 404 rows in 1 s over 20 episodes: about 20 Hz each
+        t.ran("d", (1, 0.010))
+    now[0] = 1.0
+    live = {"d": 20, "e": 8}
+    scores = t.scores([(0, "d"), (1, "e")], live.__getitem__, capacity=8 * 4)
+    assert [s.index for s in scores] == [0, 1]
+    assert scores[0].step_ms == pytest.approx(t.step_ms("d", 21, 404 / 1000 / 20))
+    assert scores[1].step_ms == 0.0  # never ran: tried first
+    full = t.scores([(0, "d")], {"d": 32}.__getitem__, capacity=32)
+    assert full == []  # no room: nothing published
 
 
 async def test_renewal_publishes_measured_scores_and_again_after_redis_restart(

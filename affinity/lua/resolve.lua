@@ -183,17 +183,24 @@ end
 
 local function best(ring)
     local index = index_of(ring)
-    local top = redis.call('ZRANGE', index, 0, PEEK - 1, 'WITHSCORES')
-    local slow = false
-    for i = 1, #top, 2 do
-        local c, why = eligible(top[i], tonumber(top[i + 1]))
-        if c then
-            return c
+    local slow, kept = false, 0 -- kept: entries the gate refused, still ahead in the index
+    -- the first entry alone (the common case: it qualifies), then up to PEEK - 1 more
+    for pass = 1, 2 do
+        local last = pass == 1 and kept or kept + PEEK - 2
+        local top = redis.call('ZRANGE', index, kept, last, 'WITHSCORES')
+        for i = 1, #top, 2 do
+            local c, why = eligible(top[i], tonumber(top[i + 1]))
+            if c then
+                return c
+            end
+            if why == 'gone' then
+                redis.call('ZREM', index, top[i])
+            elseif why == 'slow' then
+                slow, kept = true, kept + 1
+            end -- ('full' left the index with the ring: to_full)
         end
-        if why == 'gone' then
-            redis.call('ZREM', index, top[i])
-        elseif why == 'slow' then
-            slow = true
+        if #top == 0 then
+            break
         end
     end
     return nil, slow
@@ -306,11 +313,11 @@ local function assign(m, ring, chosen, score, node, cap, weight, url, live, prev
         live = members(chosen, cap) -- swept: the idle ones may leave room
     end
     if live < cap then
-        if cost then -- scored: the ring keeps its stride for a fallback; the index moves
+        if cost then -- scored: the index moves (the ring's stride is round-robin's alone)
             redis.call('ZINCRBY', index_of(ring), cost / weight, chosen)
-            score = tonumber(redis.call('ZSCORE', ring, chosen) or '0')
+        else
+            redis.call('ZADD', ring, (math.floor(score * weight + 0.5) + 1) / weight, chosen)
         end
-        redis.call('ZADD', ring, (math.floor(score * weight + 0.5) + 1) / weight, chosen)
     else
         to_full(chosen, load)
     end
