@@ -110,6 +110,16 @@ async def test_drained_down_and_full_devices_never_win(env: Env) -> None:
     assert (await claim(env, "e3")).device == "a/0"
 
 
+async def test_a_dead_nodes_devices_never_win(env: Env) -> None:
+    await serve(env, "a", DEMO1)
+    await serve(env, "b", DEMO1)
+    await publish(env, "a", (0, 1.0, 1.0), (1, 1.0, 1.0))
+    await publish(env, "b", (0, 9.0, 1.0), (1, 9.0, 1.0))
+    await env.lapse("a")  # its lease ran out, nobody noticed yet
+    assert {(await claim(env, f"e{i}")).device for i in range(4)} == {"b/0", "b/1"}
+    assert set(await env.redis.zrange(env.keys.scores("demo@v1"), 0, -1)) == {"b/0", "b/1"}
+
+
 async def test_weights_hold_their_shares(env: Env) -> None:
     await serve(env, "a", DEMO1, n=1, weight=3)
     await serve(env, "b", DEMO1, n=1, weight=1)
