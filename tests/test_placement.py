@@ -201,3 +201,17 @@ async def test_reclaim_prefers_its_hashed_device_within_the_load_bound(env: Env)
     await env.redis.zadd(env.keys.scores("demo@v1"), {hashed: 100.0})
     third = await claim(env, "ep")
     assert third.status == "reassigned" and third.device != hashed
+
+
+async def test_only_an_empty_index_falls_back_to_the_round_robin(env: Env) -> None:
+    await serve(env, "a", DEMO1, n=1)
+    await serve(env, "b", DEMO1, n=1)
+    # nobody published yet: the ring's stride, without a gate
+    assert (await claim(env, "e0", limit_ms=1.0)).device == "a/0"
+    await publish(env, "a", (0, 60.0, 1.0))  # b has not renewed since it registered
+    # a's score is over the gate and b, unscored, is not a candidate: refused, not b
+    with pytest.raises(NoCapacity) as refused:
+        await claim(env, "e1", limit_ms=40.0)
+    assert refused.value.reason == "slo"
+    await publish(env, "b", (0, 20.0, 1.0))
+    assert (await claim(env, "e2", limit_ms=40.0)).device == "b/0"

@@ -54,9 +54,11 @@
 -- entries that is listed, active, has room, whose score has not expired and, with a gate,
 -- predicts at most ARGV[7] ms (step = score x weight). Its score moves up by its cost /
 -- weight, so a burst spreads. Entries found unlisted or expired are removed, full ones go
--- to full. A re-claim (reassigned) first tries the device its episode id hashes to on the
--- ring's hash ring when one more episode keeps its live load within LOAD_BOUND x its
--- share of the model's (live + 1) in the fleet view (VIEW: capacity-weighted average). An index with no usable entry falls back to the ring's stride.
+-- to full; when none of them qualified, nor was refused by the gate, the next PEEK are
+-- read once more. A re-claim (reassigned) first tries the device its episode id hashes to
+-- on the ring's hash ring when one more episode keeps its live load within LOAD_BOUND x
+-- its share of the model's (live + 1) in the fleet view (VIEW: capacity-weighted average).
+-- Only an empty index (no node has published yet) falls back to the ring's stride.
 
 local key = KEYS[1]
 local episode = string.sub(key, #EPISODE_KEY + 1)
@@ -399,14 +401,19 @@ local slow = false -- scored: a device was refused by the gate only
 for _, m in ipairs(models) do
     local ring = ring_of(m)
     local c, gated
+    local unscored = not scored -- round-robin, or no score published: the ring's stride
     if scored then
         if previous ~= '' then
             c = local_choice(ring, m)
         end
         if not c then
             c, gated = best(ring)
+            if not c and not gated then -- the entries it met left the index: once more
+                c, gated = best(ring)
+            end
         end
         slow = slow or gated
+        unscored = not c and not gated and redis.call('ZCARD', index_of(ring)) == 0
     end
     if c then
         if previous ~= '' and not slot_freed then
@@ -417,7 +424,7 @@ for _, m in ipairs(models) do
         end
         return assign(m, ring, c[1], c[2], c[3], c[4], c[5], c[6], c[7], previous, c[8])
     end
-    while not gated do
+    while unscored do
         local chosen, score, node, cap, weight, url, live = lowest(ring)
         if not chosen then
             break -- this version has no device with room: the next one, if any
