@@ -29,6 +29,7 @@ from affinity.scripts import EpisodeScriptCaller, replicated
 
 __all__ = [
     "MAX_EPISODE_BYTES",
+    "PLACEMENTS",
     "Assignment",
     "Claims",
     "EpisodeInfo",
@@ -38,6 +39,7 @@ __all__ = [
 ]
 
 MAX_EPISODE_BYTES = 512
+PLACEMENTS = ("round-robin", "scored")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 Status = Literal["hit", "claimed", "reassigned"]
@@ -197,8 +199,15 @@ class Claims(EpisodeScriptCaller):
         claim: bool = True,
         model: str = "",
         version: str = "",
+        placement: str = "round-robin",
+        limit_ms: float | None = None,
     ) -> Assignment:
         """Find or make the episode's assignment in one atomic round trip.
+
+        ``placement``: ``"scored"`` takes the device with the lowest published step time
+        (``limit_ms``: the most it may predict, the episode's control period x the
+        headroom; None: no gate), ``"round-robin"`` the ring's stride (docs/policies.md).
+        Every device over ``limit_ms`` raises :class:`NoCapacity` ``"slo"``.
 
         ``hit`` slides the idle deadline; ``claimed``/``reassigned`` write a new assignment
         with a new fencing token. ``restart=True`` (a new sequence under the same id)
@@ -234,8 +243,15 @@ class Claims(EpisodeScriptCaller):
             if not model:
                 raise InvalidArgument("model version", version, "needs a model name")
             check_model_part("version", version)
+        if placement not in PLACEMENTS:
+            raise InvalidArgument("placement", placement, f"must be one of {PLACEMENTS}")
+        gate = ""
+        if limit_ms is not None:
+            if isinstance(limit_ms, bool) or not limit_ms > 0 or limit_ms == float("inf"):
+                raise InvalidArgument("step time limit (ms)", limit_ms, "must be > 0")
+            gate = f"{limit_ms:.3f}"
         flag = "1" if restart else "" if claim else "2"
-        args = (flag, os.urandom(8).hex(), model, version, self.known_lease_ms())
+        args = (flag, os.urandom(8).hex(), model, version, self.known_lease_ms(), placement, gate)
         if self.settings.redis_replicas:
             reply, short = await replicated(
                 self.settings, self.redis, self.scripts.resolve, self._episode_key + episode, args

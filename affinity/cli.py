@@ -164,6 +164,7 @@ async def cmd_devices(args: argparse.Namespace, ctx: Context) -> int:
             yes_no(d.alive),
             f"{d.load if d.alive else '-'}/{d.capacity}",
             d.weight,
+            "-" if d.score is None else f"{d.score:.1f}",
             d.provider,
             ",".join(d.models),
             d.reason,
@@ -171,7 +172,7 @@ async def cmd_devices(args: argparse.Namespace, ctx: Context) -> int:
         for d in devices
     ]
     headers = ("DEVICE", "NODE", "KIND", "NAME", "STATE", "ALIVE", "LIVE/CAP", "WEIGHT")
-    emit(ctx, table((*headers, "PROVIDER", "MODELS", "REASON"), rows))
+    emit(ctx, table((*headers, "SCORE_MS", "PROVIDER", "MODELS", "REASON"), rows))
     return EXIT_OK
 
 

@@ -64,10 +64,12 @@ class NoCapacity(AffinityError):
 
     ``reason`` is ``"no_nodes"`` (no node holds a lease: none registered yet, e.g. right
     after Redis restarted empty, or every lease lapsed) or ``"at_capacity"`` (nodes are
-    alive, but every device is at capacity, draining, down or leaving).
+    alive, but every device is at capacity, draining, down or leaving) or ``"slo"`` (scored
+    placement: every device that qualifies predicts a step time above the episode's control
+    period x the headroom).
     """
 
-    REASONS = ("no_nodes", "at_capacity")
+    REASONS = ("no_nodes", "at_capacity", "slo")
 
     def __init__(self, episode: str, reason: str = "at_capacity") -> None:
         if reason not in self.REASONS:
@@ -79,6 +81,11 @@ class NoCapacity(AffinityError):
                 f"no node is registered and alive, so episode {episode!r} cannot be placed "
                 "(nodes register at start-up, and again within one renewal period after "
                 "Redis lost its data)"
+            )
+        elif reason == "slo":
+            message = (
+                f"every device with room predicts a step time above the control period x "
+                f"the placement headroom: episode {episode!r} would miss its control period"
             )
         else:
             message = (

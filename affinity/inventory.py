@@ -57,6 +57,7 @@ class DeviceStatus(_Row):
     alive: bool
     load: int
     models: tuple[str, ...] = ()  # "name@version" its node serves on it
+    score: float | None = None  # its published step time (ms): scored placement; None: none
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,8 @@ class Inventory(RedisApi):
             pipe.hgetall(k.device(device))
             pipe.zcount(k.load(device), now, "+inf")
             pipe.hexists(k.route, device)
-        replies = await pipe.execute()
+        pipe.hgetall(k.scored)
+        *replies, scored = await pipe.execute()
         hashes = replies[0::3]
         nodes = sorted({h["node"] for h in hashes if h})
         pipe = self.redis.pipeline(transaction=False)
@@ -238,6 +240,7 @@ class Inventory(RedisApi):
                     alive=bool(listed) and h["node"] in alive_nodes,
                     load=int(load),
                     models=served.get(h["node"], ()),
+                    score=_score(scored.get(device), now),
                 )
             )
         return out
@@ -452,3 +455,11 @@ class Inventory(RedisApi):
                 live[m] += int(load)
                 capacity[m] += cap
         return [ModelLoad(m, live[m], capacity[m]) for m in sorted(live)]
+
+
+def _score(published: str | None, now_ms: int) -> float | None:
+    """A device's published step time (ms) from ``Keys.scored``; None: none, or expired."""
+    if not published:
+        return None
+    expires, step, _ = published.split(" ")
+    return float(step) if int(expires) > now_ms else None

@@ -204,6 +204,34 @@ class Keys:
         owner dropping its copy (*settle*). Expires with the reserved slot (10 s)."""
         return self.prefix + "transfer:" + episode
 
+    def scores(self, model: str) -> str:
+        """Sorted set: device -> predicted step time (ms) / weight, the score index of
+        :meth:`model_ring` (``""``: the one ring). Scored placement takes its lowest; each
+        renewal republishes it, each claim moves it (``affinity/lua/lib.lua``)."""
+        return self.prefix + "score:" + model if model else self.prefix + "score"
+
+    @property
+    def score_prefix(self) -> str:
+        """The start of every model's score index key (for the scripts' header)."""
+        return self.prefix + "score:"
+
+    @property
+    def scored(self) -> str:
+        """Hash: device -> ``"<expires ms> <step ms> <cost ms>"``, its last published score.
+
+        It expires (not read past ``expires``) with the lease its renewal granted."""
+        return self.prefix + "scored"
+
+    def hash_ring(self, model: str) -> str:
+        """Sorted set: device -> a 32-bit hash of its id, the devices of :meth:`model_ring`
+        on a consistent-hash ring (``""``: the one ring): a re-claim's preferred device."""
+        return self.prefix + "hashring:" + model if model else self.prefix + "hashring"
+
+    @property
+    def hash_ring_prefix(self) -> str:
+        """The start of every model's hash ring key (for the scripts' header)."""
+        return self.prefix + "hashring:"
+
     def episode_pattern(self) -> str:
         """``SCAN MATCH`` pattern of all assignments (for operators, never inside Lua)."""
         return self.prefix + "episode:*"

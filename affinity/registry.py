@@ -39,6 +39,7 @@ __all__ = [
     "MAX_WEIGHT",
     "STATES",
     "DeviceRegistration",
+    "DeviceScore",
     "FlushResult",
     "Flushed",
     "Held",
@@ -125,6 +126,23 @@ class DeviceRegistration:
             self.state,
             self.reason,
         ]
+
+
+@dataclass(frozen=True)
+class DeviceScore:
+    """What a node publishes for one device with room at a renewal (scored placement):
+    the step time (ms) a new episode would see there, and how much one more episode adds
+    to it (ms). Both finite and >= 0; :meth:`fields` checks them."""
+
+    index: int
+    step_ms: float
+    cost_ms: float
+
+    def fields(self) -> list[str | int]:
+        for what, value in (("step time (ms)", self.step_ms), ("cost (ms)", self.cost_ms)):
+            if not 0 <= value < 1e9:  # (NaN fails too)
+                raise InvalidArgument(f"device score {what}", value, "must be in [0, 1e9)")
+        return [self.index, f"{self.step_ms:.3f}", f"{self.cost_ms:.3f}"]
 
 
 class StateChange(NamedTuple):
@@ -361,7 +379,11 @@ class Registry(ScriptCaller):
             raise SecretMismatch(self.settings.namespace)
 
     async def renew(
-        self, node: str, instance: str = "", done: Sequence[tuple[str, int]] = ()
+        self,
+        node: str,
+        instance: str = "",
+        done: Sequence[tuple[str, int]] = (),
+        scores: Sequence[DeviceScore] = (),
     ) -> Renewal | None:
         """Extend the lease. None means the node holds no lease any more (it lapsed, it
         deregistered, or Redis lost its data): it must :meth:`register` again.
@@ -374,12 +396,15 @@ class Registry(ScriptCaller):
         Raises :class:`NodeConflict` when another instance holds the node id with a current
         lease. This process has then lost its registration and must stop serving and exit.
         Raises :class:`NotReplicated` when fewer replicas than ``settings.redis_replicas``
-        acknowledged the renewal; the lease must not be counted from it."""
-        args = (
-            instance,
-            self.known_lease_ms(),
-            *(f"{episode} {token}" for episode, token in done),
-        )
+        acknowledged the renewal; the lease must not be counted from it.
+
+        ``scores`` publishes each device's predicted step time for scored placement (one
+        per device with room; a device not named keeps its last until it expires with
+        this lease)."""
+        args = [instance, self.known_lease_ms(), len(scores)]
+        for score in scores:
+            args += score.fields()
+        args += [f"{episode} {token}" for episode, token in done]
         reply, short = await replicated(
             self.settings, self.redis, self.scripts.renew, self.keys.node(node), args
         )

@@ -119,6 +119,12 @@ def header(keys: Keys, episode_ttl_ms: int, lease_ttl_ms: int, events_maxlen: in
         "VERSIONS_KEY": keys.versions(""),
         "ROLLOUT_KEY": keys.rollout(""),
         "PICKS_KEY": keys.picks(""),
+        "SCORES": keys.scores(""),
+        "SCORE_KEY": keys.score_prefix,
+        "SCORED": keys.scored,
+        "HASHRING": keys.hash_ring(""),
+        "HASHRING_KEY": keys.hash_ring_prefix,
+        "VIEW": keys.view,
         "VALUE": VALUE,
         "ROUTED": ROUTED,
     }

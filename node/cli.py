@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 from affinity import Settings
+from affinity.claims import PLACEMENTS
 from affinity.config import ENV_VARS, MAX_REPLICAS
 from affinity.connection import url_problem
 from affinity.errors import InvalidArgument
@@ -173,6 +174,14 @@ _FLAGS = (
           "the robots' control rate, for real-time chunking's estimates of executed and "
           "inference_delay when a step does not send them (none: steps send them or "
           "control_hz)", float, low=0.001, high=10_000),
+    _Flag("--placement", "AFFINITY_PLACEMENT", "round-robin",
+          "scored | round-robin: a new episode takes the device with the lowest predicted "
+          "step time (scored), or the next of the weighted round-robin (docs/policies.md)",
+          choices=PLACEMENTS),
+    _Flag("--placement-headroom", "AFFINITY_PLACEMENT_HEADROOM", 0.8,
+          "scored placement: a device whose predicted step time exceeds this share of a new "
+          "episode's control period (its control_hz, else --control-hz) is not chosen; none "
+          "left: 503 slo", float, low=0.01, high=100),
     _Flag("--fleet-view-every", "AFFINITY_FLEET_VIEW_EVERY", 10.0,
           "seconds between reads of the fleet's load per model version for the "
           "affinity_fleet_* gauges (one node of the fleet reads the devices each period, "

@@ -62,6 +62,8 @@ class NodeConfig:
     ensemble: str | None = None
     ensemble_decay: float = 0.01
     control_hz: float | None = None
+    placement: str = "round-robin"  # scored | round-robin: how a new episode's device is chosen
+    placement_headroom: float = 0.8  # scored: the share of the control period a step may take
     cooldown_s: float = 30.0
     intra_op_threads: int = 1
     embedded_port: int | None = None

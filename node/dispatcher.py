@@ -153,6 +153,12 @@ class MultiGpuDispatcher:
     def devices(self) -> list[str]:
         return list(self._devices)
 
+    def observe_runs(self, hook: Callable[[str, tuple[int, float]], None]) -> None:
+        """Call ``hook(device, (batch size, seconds))`` after each model run, on the worker's
+        thread (scored placement's step times, ``node/placement.py``)."""
+        for dev in self._devices.values():
+            dev.on_run = hook
+
     def tracker(self, device: str) -> CrashTracker:
         return self._device(device).tracker
 

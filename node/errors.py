@@ -94,7 +94,8 @@ class Unavailable(Exception):
 
     ``reason`` is a short code from a fixed set (documented in docs/protocols.md): ``fenced``,
     ``leaving``, ``redis``, ``busy``, ``full``, ``no_nodes``, ``owner_unreachable``,
-    ``owner_refused``, ``deadline``, ``device_down``, ``recovering``, ``not_replicated``.
+    ``owner_refused``, ``deadline``, ``device_down``, ``recovering``, ``not_replicated``,
+    ``slo`` (scored placement: every device would miss the new episode's control period).
     """
 
     def __init__(self, reason: str, message: str, retry_after: float = 1.0) -> None:

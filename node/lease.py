@@ -32,7 +32,7 @@ from affinity import (
     Registry,
     __version__,
 )
-from affinity.registry import Held, LeaseTerms, MoveRequest, Registered
+from affinity.registry import DeviceScore, Held, LeaseTerms, MoveRequest, Registered
 from node.config import NodeConfig
 from node.episodes import EpisodeTable
 from node.metrics import Metrics
@@ -91,6 +91,8 @@ class Lease:
         self.conflict: str | None = None  # why this process must stop (another instance)
         self.on_conflict: Callable[[], None] = lambda: None
         self.on_renewed: Callable[[], Awaitable[None]] | None = None  # after each renewal
+        # the scores each renewal publishes (scored placement: node/placement.py)
+        self.scores: Callable[[], Sequence[DeviceScore]] = list
         self.listener: LeaseListener | None = None
         # what an operator asked to move, read at a renewal (started in the background)
         self.on_moves: Callable[[Sequence[MoveRequest]], None] | None = None
@@ -279,7 +281,9 @@ class Lease:
         renewal. True when the lease is current afterwards."""
         sent = self.clock()
         try:
-            renewal = await self.registry.renew(self.node_id, self.instance, self._done)
+            renewal = await self.registry.renew(
+                self.node_id, self.instance, self._done, self.scores()
+            )
         except NodeConflict as exc:
             self._lost_to_another(str(exc))
             return False

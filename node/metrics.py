@@ -70,6 +70,7 @@ LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
     "affinity_queue_wait_seconds": {"device": "device"},
     "affinity_device_capacity": {"device": "device"},
     "affinity_admission_waiting": {},
+    "affinity_placement_slo_total": {},
     "affinity_moves_total": {
         "reason": ("drain", "stop", "move"),
         "outcome": ("moved", "reset", "kept"),
@@ -295,6 +296,12 @@ class Metrics:
             "affinity_log_lines_dropped_total",
             "Access-log lines dropped because the log stream could not take them "
             "(e.g. a broken pipe to a log shipper that died).",
+            registry=r,
+        )
+        self.placement_slo = Counter(
+            "affinity_placement_slo_total",
+            "New episodes refused with slo: every device that could take them predicted a "
+            "step time above their control period x --placement-headroom.",
             registry=r,
         )
         self.model_claims = Counter(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
 from affinity import (
     Assignment,
@@ -29,7 +30,25 @@ from node.metrics import Metrics
 from node.peers import PeerHealth
 from node.step import Refused, Step, Unavailable
 
-__all__ = ["Resolver"]
+__all__ = ["Placement", "Resolver"]
+
+
+class Placement(NamedTuple):
+    """How new episodes' devices are chosen (``--placement``, docs/policies.md). ``scored``:
+    the device with the lowest predicted step time, none that predicts more than
+    ``headroom`` x the control period (1 / the step's ``control_hz``, else 1 /
+    ``control_hz`` here, the node's ``--control-hz``; neither: no gate)."""
+
+    mode: str = "round-robin"
+    headroom: float = 0.8
+    control_hz: float | None = None
+
+    def limit_ms(self, control_hz: float | None) -> float | None:
+        """The most step time (ms) a chosen device may predict; None: no gate."""
+        hz = control_hz or self.control_hz
+        if self.mode != "scored" or not hz:
+            return None
+        return 1000.0 / hz * self.headroom
 
 
 class Resolver:
@@ -50,6 +69,7 @@ class Resolver:
         self.metrics = metrics
         self.peers = peers
         self.catalog = catalog
+        self.placement = Placement()  # the node's --placement (node/service.py sets it)
         self.admission = (
             Admission(admission_wait_s, clock=clock, on_waiting=metrics.admission_waiting.set)
             if admission_wait_s
@@ -65,6 +85,7 @@ class Resolver:
             deadline=step.deadline,
             model=step.model or self.first_model,
             version=step.version or "",
+            control_hz=step.control_hz,
         )
 
     async def resolve(
@@ -76,18 +97,23 @@ class Resolver:
         deadline: float | None = None,
         model: str = "",
         version: str = "",
+        control_hz: float | None = None,
     ) -> Assignment:
         """Raises ``UnknownEpisode`` when not ``claim`` and Redis holds no assignment.
         ``deadline``: a new step's; with ``--admission-wait`` a claim that finds every
         device full waits in the backlog until then at most. ``model``/``version``: what
         the step names (Redis keeps an episode on its own; another version is
         :class:`Refused` 409 ``model_conflict``, a model no node registered 404
-        ``unknown_model``)."""
+        ``unknown_model``). ``control_hz``: the step's, for scored placement's gate (every
+        device over it: 503 ``slo``, counted in ``affinity_placement_slo_total``)."""
+        placement = self.placement
+        limit_ms = placement.limit_ms(control_hz)
 
         def resolve() -> Awaitable[Assignment]:
             return self.claims.resolve(
-                episode, restart=restart, claim=claim, model=model, version=version
-            )
+                episode, restart=restart, claim=claim, model=model, version=version,
+                placement=placement.mode, limit_ms=limit_ms,
+            )  # fmt: skip
 
         try:
             try:
@@ -117,6 +143,9 @@ class Resolver:
         except NoCapacity as exc:
             if exc.reason == "no_nodes":
                 raise Unavailable("no_nodes", str(exc), 1.0) from exc
+            if exc.reason == "slo":  # scores move at the next renewals (a third of a lease)
+                self.metrics.placement_slo.inc()
+                raise Unavailable("slo", str(exc), 2.0) from exc
             raise Unavailable("full", str(exc), 2.0) from exc
 
     def asked(self, step: Step) -> str:

@@ -36,6 +36,7 @@ from affinity import (
     connect,
 )
 from affinity.models import Models
+from affinity.registry import DeviceScore
 from node.catalog import AmbiguousModel, Catalog, contract_record
 from node.config import NodeConfig
 from node.contract import PolicyContract
@@ -49,6 +50,8 @@ from node.health import DeviceHealth
 from node.lease import Lease
 from node.metrics import Metrics
 from node.owner import Owner
+from node.placement import StepTimes
+from node.resolver import Placement
 from node.rollouts import RolloutMemory
 from node.router import Router
 from node.rtc import Ask
@@ -117,6 +120,14 @@ class NodeService:
         )
         for name, (mid, _) in self.models.items():
             self.dispatchers[name].model = str(mid)
+        # scored placement's step times, measured here, published at each renewal
+        self.step_times = StepTimes(
+            max((getattr(d, "max_batch", 1) for d in self.dispatchers.values()), default=1)
+        )
+        for d in self.dispatchers.values():
+            observe = getattr(d, "observe_runs", None)  # (a test's fake dispatcher has none)
+            if observe is not None:
+                observe(self.step_times.ran)
         lease_registry = Registry(self.lease_redis, config.settings, self._known_lease_ms)
         self.health = DeviceHealth(self.dispatchers, lease_registry, self.metrics)
         self.lease = Lease(
@@ -127,6 +138,7 @@ class NodeService:
             Models(self.lease_redis, config.settings), [mid.name for mid, _ in self.models.values()]
         )
         self.lease.on_renewed = self._renewed
+        self.lease.scores = self._scores
         self.pool: Poster = pool or ForwardPool(config.cluster_secret)
         self.started = False
         self._warned: set[str] = set()
@@ -154,6 +166,9 @@ class NodeService:
             self.pool,
             clock,
             catalog=self.catalog,
+        )
+        self.router.resolver.placement = Placement(
+            config.placement, config.placement_headroom, config.control_hz
         )
         self._maintenance: asyncio.Task[None] | None = None
         every = config.fleet_view_every_s
@@ -200,6 +215,16 @@ class NodeService:
                 )
             )
         return out
+
+    def _scores(self) -> list[DeviceScore]:
+        """Each device's score for scored placement, published at each renewal: one per
+        device with room that its crash tracker has up."""
+        up = [
+            (s.index, f"{self.node_id}/{s.index}")
+            for s in self.specs
+            if not self.health.down(f"{self.node_id}/{s.index}")
+        ]
+        return self.step_times.scores(up, self.table.live, self.config.capacity)
 
     async def _renewed(self) -> None:
         """After each lease renewal: Redis' device states made to agree, and the rollouts

@@ -138,6 +138,8 @@ class DeviceWorker:
         self.on_transition = on_transition
         self.on_batch = on_batch
         self.on_queue_wait = on_queue_wait
+        # (batch size, seconds) of each run, for scored placement's step times (node/placement.py)
+        self.on_run: Callable[[str, tuple[int, float]], None] | None = None
         self.cond = threading.Condition()
         self.pending: deque[Job | _Call | None] = deque()  # None: stop
         self.recent: dict[str, float] = {}  # key -> when its last job was queued
@@ -406,6 +408,8 @@ class DeviceWorker:
                     m.job.run_s = took
             if self.on_batch is not None:
                 _observe(self.on_batch, self.id, len(members))
+            if self.on_run is not None:
+                _observe(self.on_run, self.id, (len(members), took))
         return dict(zip(self.outputs, values, strict=True))
 
     # ---- the device's health -----------------------------------------------------------

@@ -40,6 +40,7 @@ DEVICE_HEADERS = [
     "ALIVE",
     "LIVE/CAP",
     "WEIGHT",
+    "SCORE_MS",
     "PROVIDER",
     "MODELS",
     "REASON",
@@ -159,6 +160,26 @@ def test_devices_table(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> N
     assert rows["gpu-a/1"]["PROVIDER"] == "CUDAExecutionProvider"
     assert rows["cpu-b/0"]["NODE"] == "cpu-b"
     assert sum(load[d] for d in rows) == len(EPISODES)
+
+
+def test_devices_show_their_published_scores(
+    dep: Deployment, capsys: pytest.CaptureFixture[str]
+) -> None:
+    r = redis.Redis.from_url(dep.url, decode_responses=True)
+    far = int(time.time() * 1000) + 3_600_000  # (Redis server time: the same host's clock)
+    r.hset(KEYS.scored, mapping={"cpu-b/0": f"{far} 12.500 1.000", "cpu-b/1": "1 9.000 1.000"})
+    try:
+        code, out, _ = cli(dep, capsys, "devices")
+        rows = {row["DEVICE"]: row for row in parse_table(out, DEVICE_HEADERS)}
+        assert code == 0 and rows["cpu-b/0"]["SCORE_MS"] == "12.5"
+        assert rows["cpu-b/1"]["SCORE_MS"] == "-"  # expired: its node stopped publishing
+        assert rows["gpu-a/0"]["SCORE_MS"] == "-"
+        code, out, _ = cli(dep, capsys, "devices", "--json")
+        scores = {d["device"]: d["score"] for d in json.loads(out)}
+        assert scores["cpu-b/0"] == 12.5 and scores["cpu-b/1"] is None
+    finally:
+        r.delete(KEYS.scored)
+        r.close()
 
 
 def test_json_before_and_after_the_subcommand(

@@ -23,6 +23,7 @@ from node.metrics import BUILD, LABELS
 from node.models import DEMO_MODEL
 from node.protocols.kserve.grpc import GrpcFrontDoor
 from node.providers import ProviderSettings, build_session
+from node.resolver import Placement
 from tests.inproc import InProcNode, claim_of, cluster, config
 from tests.test_grpc import _Context, message
 from tests.test_signals import openpi_step
@@ -141,6 +142,17 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         assert (await a.act(episode_id=on_b["episode_id"], inputs=OBS)).status_code == 200
         await a.act(inputs=OBS)
         await a.act(session_id="sess", inputs=OBS)
+        # slo: scored placement, every device predicting more than the step's period allows
+        await sa.lease.renew_once()  # (publishes the scores)
+        await b.service.lease.renew_once()
+        sa.router.resolver.placement = Placement("scored", 0.8)
+        for key in await redis.keys(KEYS.score_prefix + "*"):
+            for device in await redis.zrange(key, 0, -1):
+                await redis.zadd(key, {device: 1000.0})
+        r = await a.act(episode_id="too-slow", inputs=OBS, control_hz=20)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "slo", r.text
+        assert int(r.headers["retry-after"]) >= 1
+        sa.router.resolver.placement = Placement()
         # a step's time, its parts (queue, run, forward) and deadline misses, by every door
         # (a 0.1 ms period: every step misses it), then the fleet's view
         fast = {"control_hz": 10_000}

@@ -7,6 +7,7 @@
 --          with scores of its own (rings(device), lib.lua)
 --   FULL   zset device -> earliest idle deadline in its load set (ms)
 --   ROUTE  hash device -> "node state capacity weight url", devices listed by a leased node
+--   the score index and hash ring of each ring (lib.lua): members of the ring only
 --
 -- A device is enrolled (in the ring or in full, never both) while its node holds a lease,
 -- is up (not leaving), lists it, and the device is active. Enrolled with live load below
@@ -69,9 +70,14 @@ local function place(device, cap, weight, now_ms)
     local load = LOAD_KEY .. device
     if redis.call('ZCARD', load) < cap then
         redis.call('ZREM', FULL, device)
+        local expires, step = published(device)
         for _, ring in ipairs(rings(device)) do
             if not redis.call('ZSCORE', ring, device) then
                 redis.call('ZADD', ring, join_score(ring, device, weight), device)
+                redis.call('ZADD', hashring_of(ring), hash_of(device), device)
+                if expires and expires > now_ms then -- its last score, until the next renewal
+                    redis.call('ZADD', index_of(ring), step / weight, device)
+                end
             end
         end
     else
@@ -81,7 +87,7 @@ end
 
 local function unenroll(device)
     for _, ring in ipairs(rings(device)) do
-        redis.call('ZREM', ring, device)
+        leave_ring(ring, device)
     end
     redis.call('ZREM', FULL, device)
 end
@@ -242,5 +248,6 @@ local function remove_device(device)
     unenroll(device)
     redis.call('HDEL', ROUTE, device)
     redis.call('DEL', DEVICE_KEY .. device, LOAD_KEY .. device, MOVED_KEY .. device)
+    redis.call('HDEL', SCORED, device)
     redis.call('SREM', DEVICES, device)
 end

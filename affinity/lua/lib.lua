@@ -2,7 +2,8 @@
 -- after the header of constants it generates for the deployment: PREFIX, the fixed keys
 -- NODES RING FULL ROUTE EVENTS DEVICES TOKEN RR MARKER LEASES KNOWN, the key prefixes
 -- EPISODE_KEY NODE_KEY DEVICE_KEY LOAD_KEY MOVED_KEY REVOKED_KEY MOVES_KEY TRANSFER_KEY RING_KEY
--- VERSIONS_KEY ROLLOUT_KEY PICKS_KEY, TTL, LEASE (this caller's lease TTL, ms), MAXLEN, and the value
+-- VERSIONS_KEY ROLLOUT_KEY PICKS_KEY, the placement keys SCORES SCORE_KEY SCORED HASHRING
+-- HASHRING_KEY VIEW, TTL, LEASE (this caller's lease TTL, ms), MAXLEN, and the value
 -- formats VALUE and ROUTED. Every
 -- key shares the namespace hash tag, hence one slot: scripts derive keys from ids
 -- (LOAD_KEY .. device) safely on Redis Cluster too. The ring and full upkeep is in
@@ -97,11 +98,52 @@ local function sweep(device, now_ms)
     end
 end
 
+-- Scored placement (docs/policies.md): beside each ring, its score index (device ->
+-- predicted step time in ms / weight, published at renewals, moved by each claim) and its
+-- hash ring (device -> a hash of its id: bounded-load consistent hashing of re-claims).
+-- Both hold only members of the ring: they enter and leave with it.
+local function index_of(ring)
+    return ring == RING and SCORES or SCORE_KEY .. string.sub(ring, #RING_KEY + 1)
+end
+
+local function hashring_of(ring)
+    return ring == RING and HASHRING or HASHRING_KEY .. string.sub(ring, #RING_KEY + 1)
+end
+
+-- a point on the hash ring: 32 bits of an id (djb2, then a multiplicative mix so that ids
+-- that differ in one character land far apart; exact in a double: no product passes 2^53)
+local function hash_of(id)
+    local h = 5381
+    for i = 1, #id do
+        h = (h * 33 + string.byte(id, i)) % 4294967296
+    end
+    local hi, lo = math.floor(h / 65536), h % 65536
+    return ((hi * 31153 % 65536) * 65536 + lo * 2654435761) % 4294967296
+end
+
+-- a device's last published score, "<expires ms> <step ms> <cost ms>" in SCORED: its
+-- expiry, step time and cost as numbers; nil when none was published
+local function published(device)
+    local v = redis.call('HGET', SCORED, device)
+    if not v then
+        return nil
+    end
+    local expires, step, cost = string.match(v, '^(%d+) (%S+) (%S+)$')
+    return tonumber(expires), tonumber(step), tonumber(cost)
+end
+
+-- out of one ring and its score index and hash ring
+local function leave_ring(ring, device)
+    redis.call('ZREM', ring, device)
+    redis.call('ZREM', index_of(ring), device)
+    redis.call('ZREM', hashring_of(ring), device)
+end
+
 -- a device at capacity leaves the rings of all its models for full, scored by its earliest
 -- idle deadline
 local function to_full(device, load)
     for _, ring in ipairs(rings(device)) do
-        redis.call('ZREM', ring, device)
+        leave_ring(ring, device)
     end
     redis.call('ZADD', FULL, redis.call('ZRANGE', load, 0, 0, 'WITHSCORES')[2], device)
 end

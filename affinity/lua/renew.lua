@@ -3,12 +3,18 @@
 -- KEYS[1]  {ns}:node:<node> (the node id is KEYS[1] less NODE_KEY)
 -- ARGV[1]  instance id of the renewing process ("" = not checked)
 -- ARGV[2]  the longest lease TTL (ms) the node has heard of (its last renewal's answer)
--- ARGV[3..] "<episode> <token>" revocations the owner carried out (it dropped the record)
+-- ARGV[3]  n, the scores the node publishes (scored placement: docs/policies.md), then 3
+--          fields per score: device index, step ms (the step time a new episode would see
+--          there), cost ms (how much one more episode adds to it)
+-- ARGV[4+3n..] "<episode> <token>" revocations the owner carried out (it dropped the record)
 --          since they were last answered: removed now (one whose answer was lost comes
 --          back, never goes missing), and an assignment still marked " revoked" under that
 --          token becomes " moved" (its slot freed): its next resolve reassigns it. The
 --          episode's key is derived here (EPISODE_KEY .. episode: the same hash slot).
 --
+-- Each score is kept in SCORED (expiring with the lease granted now: a node that stops
+-- publishing ages out) and, for a device its rings hold (active, with room), in their
+-- score indexes as step / weight.
 -- Every renewal notices the leases (its own or any other node's) that ran out (once, see
 -- lib.lua) and keeps the scores of its models' rings small.
 -- Returns {the new lease deadline (ms, server time), the lease granted (ms), the longest
@@ -38,8 +44,27 @@ if not alive(node, now_ms) or redis.call('EXISTS', KEYS[1]) == 0 then
 end
 local granted, longest = lease_terms(node, ARGV[2])
 redis.call('ZADD', NODES, int(now_ms + granted), node)
+local scored = tonumber(ARGV[3]) or 0
+local first = 4 + 3 * scored -- the first revocation
+if scored > 0 then
+    local expires = int(now_ms + granted)
+    local own = node_rings(node)
+    for i = 4, first - 1, 3 do
+        local device = node .. '/' .. ARGV[i]
+        local step, cost = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
+        local _, _, _, weight = route(device)
+        if step and cost and weight then
+            redis.call('HSET', SCORED, device, expires .. ' ' .. ARGV[i + 1] .. ' ' .. ARGV[i + 2])
+            for _, ring in ipairs(own) do
+                if redis.call('ZSCORE', ring, device) then
+                    redis.call('ZADD', index_of(ring), step / weight, device)
+                end
+            end
+        end
+    end
+end
 local revoked_key = REVOKED_KEY .. node
-for i = 3, #ARGV do
+for i = first, #ARGV do
     redis.call('SREM', revoked_key, ARGV[i])
     local episode, token = string.match(ARGV[i], '^(.*) (%d+)$')
     local key = EPISODE_KEY .. episode

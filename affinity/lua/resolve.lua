@@ -11,6 +11,10 @@
 --          whose devices are in the one RING; or an episode that keeps its own model)
 -- ARGV[4]  the version the step names ("": the episode's own, else by rollout)
 -- ARGV[5]  the longest lease TTL (ms) the caller has heard of (for a grace period it starts)
+-- ARGV[6]  placement: "scored" (the lowest published step time, below) or anything else
+--          (round-robin: the ring's stride, as always)
+-- ARGV[7]  scored only: the most step time (ms) a chosen device may predict (the episode's
+--          control period x the headroom); "" = no gate
 -- Constants (TTL, the fleet's keys) come from the header (affinity/scripts.py, lib.lua).
 --
 -- Returns one string, "<status> <device> <token> <node> <url> <previous device> <claim id>
@@ -28,7 +32,8 @@
 --   missing     ARGV[1] "2" and no assignment exists: nothing was written
 -- or "recovering <ms>": the fleet is in its grace period after Redis lost its data (lib.lua)
 -- and this would be a claim, of any model (nothing was written but the marker); or
--- "full <reason>", reason "no_nodes" (no node holds a lease) or "at_capacity": no
+-- "full <reason>", reason "no_nodes" (no node holds a lease), "at_capacity" or "slo" (scored:
+-- every qualifying device predicts more than ARGV[7]; an event "slo" is written): no
 -- assignment was written (lapsed leases noticed, full devices re-checked may be);
 -- "conflict <model>": the episode is served with <model> and the step names another name
 -- or version (nothing written); "unknown": no node ever registered the model or version
@@ -43,6 +48,17 @@
 -- (name, version), as below. Neither the hit nor the claim reads more than one device per
 -- version tried: the cost does not grow with the fleet. Tokens are decimal:
 -- max(last + 1, server TIME in microseconds).
+--
+-- Scored placement (ARGV[6] "scored"): within the version, the device is the lowest of the
+-- ring's score index (index_of, lib.lua: predicted step ms / weight) among its first PEEK
+-- entries that is listed, active, has room, whose score has not expired and, with a gate,
+-- predicts at most ARGV[7] ms (step = score x weight). Its score moves up by its cost /
+-- weight, so a burst spreads. Entries found unlisted or expired are removed, full ones go
+-- to full; when none of them qualified, nor was refused by the gate, the next PEEK are
+-- read once more. A re-claim (reassigned) first tries the device its episode id hashes to
+-- on the ring's hash ring when one more episode keeps its live load within LOAD_BOUND x
+-- its share of the model's (live + 1) in the fleet view (VIEW: capacity-weighted average).
+-- Only an empty index (no node has published yet) falls back to the ring's stride.
 
 local key = KEYS[1]
 local episode = string.sub(key, #EPISODE_KEY + 1)
@@ -140,6 +156,82 @@ local function lowest(ring)
     return m[1], tonumber(m[2]), node, cap, weight, url, live
 end
 
+-- Scored placement: the index's first eligible device, as above. Returns chosen, index
+-- score, node, cap, weight, url, live, cost; or nil and whether a device was refused by
+-- the gate only.
+local PEEK = 8
+local LOAD_BOUND = 1.25
+local scored = ARGV[6] == 'scored'
+local limit = tonumber(ARGV[7] or '')
+
+-- may device d (its index score given) take the claim? its route and live members, or nil
+-- and why not: 'gone' (remove it from the index), 'full', 'slow' (the gate)
+local function eligible(d, score)
+    local node, state, cap, weight, url = route(d)
+    local expires, _, cost = published(d)
+    if not node or state ~= 'active' or not expires or expires <= now_ms then
+        return nil, 'gone'
+    end
+    if limit and score * weight > limit then
+        return nil, 'slow'
+    end
+    local live = members(d, cap)
+    if live >= cap then
+        to_full(d, LOAD_KEY .. d)
+        return nil, 'full'
+    end
+    return {d, score, node, cap, weight, url, live, cost}
+end
+
+local function best(ring)
+    local index = index_of(ring)
+    local slow, kept = false, 0 -- kept: entries the gate refused, still ahead in the index
+    -- the first entry alone (the common case: it qualifies), then up to PEEK - 1 more
+    for pass = 1, 2 do
+        local last = pass == 1 and kept or kept + PEEK - 2
+        local top = redis.call('ZRANGE', index, kept, last, 'WITHSCORES')
+        for i = 1, #top, 2 do
+            local c, why = eligible(top[i], tonumber(top[i + 1]))
+            if c then
+                return c
+            end
+            if why == 'gone' then
+                redis.call('ZREM', index, top[i])
+            elseif why == 'slow' then
+                slow, kept = true, kept + 1
+            end -- ('full' left the index with the ring: to_full)
+        end
+        if #top == 0 then
+            break
+        end
+    end
+    return nil, slow
+end
+
+-- a re-claim's device on the hash ring, when it is eligible and its load within the bound
+local function local_choice(ring, m)
+    local hashring = hashring_of(ring)
+    local h = hash_of(episode)
+    local d = redis.call('ZRANGEBYSCORE', hashring, h, '+inf', 'LIMIT', 0, 1)[1]
+        or redis.call('ZRANGE', hashring, 0, 0)[1]
+    local view = d and m ~= '' and redis.call('GET', VIEW)
+    local score = view and redis.call('ZSCORE', index_of(ring), d)
+    if not score then
+        return nil
+    end
+    local ok, doc = pcall(cjson.decode, view)
+    local fleet = ok and type(doc) == 'table' and type(doc.models) == 'table' and doc.models[m]
+    if type(fleet) ~= 'table' or not tonumber(fleet[2]) or tonumber(fleet[2]) <= 0 then
+        return nil
+    end
+    -- bounded loads: one more episode keeps it within c x the fleet's average per slot
+    local c = eligible(d, tonumber(score))
+    if c and c[7] + 1 <= math.ceil(LOAD_BOUND * (tonumber(fleet[1]) + 1) * c[4] / tonumber(fleet[2])) then
+        return c
+    end
+    return nil
+end
+
 -- The models a new assignment may take, in the order to try them: the episode's own when
 -- it is reassigned, else the version named, else by the operator's weights (`stride` then
 -- holds each one's {name, version, picks/weight, weight}), else newest first; {''} in a
@@ -200,7 +292,7 @@ end
 
 -- write the new assignment of model m on the chosen device (its load set had `live`
 -- members, fewer than `cap`, and it was scored k/weight in `ring`) and answer
-local function assign(m, ring, chosen, score, node, cap, weight, url, live, previous)
+local function assign(m, ring, chosen, score, node, cap, weight, url, live, previous, cost)
     -- the token is max(last + 1, TIME in microseconds): one command unless the clock is
     -- not ahead of the last token (several claims in one microsecond, or a clock behind)
     local now_us = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -223,7 +315,11 @@ local function assign(m, ring, chosen, score, node, cap, weight, url, live, prev
         live = members(chosen, cap) -- swept: the idle ones may leave room
     end
     if live < cap then
-        redis.call('ZADD', ring, (math.floor(score * weight + 0.5) + 1) / weight, chosen)
+        if cost then -- scored: the index moves (the ring's stride is round-robin's alone)
+            redis.call('ZINCRBY', index_of(ring), cost / weight, chosen)
+        else
+            redis.call('ZADD', ring, (math.floor(score * weight + 0.5) + 1) / weight, chosen)
+        end
     else
         to_full(chosen, load)
     end
@@ -258,9 +354,16 @@ if not models then
 end
 if not current and not unseen and redis.call('ZCOUNT', FULL, '-inf', '(' .. int(now_ms)) == 0 then
     local ring = ring_of(models[1])
-    local chosen, score, node, cap, weight, url, live = lowest(ring)
-    if live and live < cap then
-        return assign(models[1], ring, chosen, score, node, cap, weight, url, live, '')
+    if scored then
+        local c = best(ring)
+        if c then
+            return assign(models[1], ring, c[1], c[2], c[3], c[4], c[5], c[6], c[7], '', c[8])
+        end
+    else
+        local chosen, score, node, cap, weight, url, live = lowest(ring)
+        if live and live < cap then
+            return assign(models[1], ring, chosen, score, node, cap, weight, url, live, '')
+        end
     end
 end
 
@@ -294,9 +397,34 @@ end
 
 refill(now_ms)
 
+local slow = false -- scored: a device was refused by the gate only
 for _, m in ipairs(models) do
     local ring = ring_of(m)
-    while true do
+    local c, gated
+    local unscored = not scored -- round-robin, or no score published: the ring's stride
+    if scored then
+        if previous ~= '' then
+            c = local_choice(ring, m)
+        end
+        if not c then
+            c, gated = best(ring)
+            if not c and not gated then -- the entries it met left the index: once more
+                c, gated = best(ring)
+            end
+        end
+        slow = slow or gated
+        unscored = not c and not gated and redis.call('ZCARD', index_of(ring)) == 0
+    end
+    if c then
+        if previous ~= '' and not slot_freed then
+            if redis.call('ZREM', LOAD_KEY .. previous, episode) == 1 and previous == c[1] then
+                c[7] = c[7] - 1
+            end
+            freed(previous, now_ms)
+        end
+        return assign(m, ring, c[1], c[2], c[3], c[4], c[5], c[6], c[7], previous, c[8])
+    end
+    while unscored do
         local chosen, score, node, cap, weight, url, live = lowest(ring)
         if not chosen then
             break -- this version has no device with room: the next one, if any
@@ -317,5 +445,9 @@ for _, m in ipairs(models) do
             redis.call('ZREM', ring, chosen)
         end
     end
+end
+if slow then
+    event('type', 'slo', 'episode', episode, 'limit_ms', ARGV[7], 'model', models[#models])
+    return 'full slo'
 end
 return 'full ' .. (redis.call('ZCARD', NODES) == 0 and 'no_nodes' or 'at_capacity')
