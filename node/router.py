@@ -164,9 +164,9 @@ class Router:
         inside the node until the deadline, for clients that cannot retry (openpi's).
         Raises :class:`Unavailable` (503), :class:`Refused` (its status), and
         ``InvalidArgument`` for a bad id."""
-        started = time.perf_counter()
+        started = time.monotonic()
         if step.received is None:
-            step.received = time.monotonic()
+            step.received = started
         if step.arrived is None:
             step.arrived = self.clock()
         arrival = self.arrivals.arrival()  # lets a device with a waiting step wait for it
@@ -185,8 +185,9 @@ class Router:
         counted = self._routing_counted.get(reply.routing)
         (counted or self.metrics.routing.labels(reply.routing)).inc()
         path = "local" if reply.node == self.node_id else "forwarded"
-        self._act_seconds[path].observe(time.perf_counter() - started)
-        self.times.served(step, reply, time.monotonic() - step.received)
+        now = time.monotonic()  # one clock read for both
+        self._act_seconds[path].observe(now - started)
+        self.times.served(step, reply, now - step.received)
         return reply
 
     async def _act_within_deadline(self, step: Step, patient: bool, arrival: Arrival) -> Reply:
