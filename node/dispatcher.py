@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from affinity.errors import InvalidArgument
-from node import health
+from node import warmup
 from node.chunks import ChunkMode, find_chunk
 from node.commit import Records, StepJob
 from node.contract import PolicyContract
+from node.crashes import CrashTracker, Transition
 from node.episodes import EpisodeTable, NotKept
-from node.health import CrashTracker, DeviceDown, ModelFailure, Transition
+from node.errors import DeviceDown, ModelFailure
 from node.jobs import Arrival, Arrivals, Session
 from node.record import StepResult
 from node.rtc import Ask, control_rate, rtc_of
@@ -331,17 +332,17 @@ class MultiGpuDispatcher:
     # ---- the devices' health ---------------------------------------------------------
 
     async def probe(self) -> list[str]:
-        """Probe every down device whose cool-down has passed (:func:`health.probe`).
+        """Probe every down device whose cool-down has passed (:func:`warmup.probe`).
 
         Returns the devices that came back up."""
-        return [dev.id for dev in self._devices.values() if await health.probe(dev, self.contract)]
+        return [dev.id for dev in self._devices.values() if await warmup.probe(dev, self.contract)]
 
     async def warm_up(self) -> None:
         """Warm every device up on its own worker thread, one device after another, before
-        serving (:func:`health.warm_up`). Raises what a run raised (nothing is counted: the
+        serving (:func:`warmup.warm_up`). Raises what a run raised (nothing is counted: the
         node stops)."""
         for dev in self._devices.values():
-            await health.warm_up(dev, self.contract)
+            await warmup.warm_up(dev, self.contract)
 
     def close(self) -> None:
         for dev in self._devices.values():
