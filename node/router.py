@@ -153,7 +153,6 @@ class Router:
         self._restarting: dict[str, int] = {}  # episodes whose restart claim is in flight
         self.locator = Locator()
         self.times = StepTimes(metrics, config.control_hz)
-        owner.router = self
 
     # ---- the layers --------------------------------------------------------------------
 

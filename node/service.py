@@ -39,19 +39,20 @@ from node.catalog import AmbiguousModel, Catalog, contract_record
 from node.config import NodeConfig
 from node.contract import PolicyContract
 from node.devices import DeviceSpec
-from node.dispatcher import Arrivals, MultiGpuDispatcher
+from node.dispatcher import MultiGpuDispatcher
 from node.episodes import EpisodeTable
 from node.fleet import MAX_STREAMS
 from node.forward import ForwardPool, Poster
 from node.handover import MOVES_AT_ONCE
 from node.health import DeviceHealth
+from node.jobs import Arrival, Arrivals
 from node.lease import Lease
 from node.metrics import Metrics
 from node.owner import Owner
 from node.router import Router
 from node.rtc import Ask
 from node.signals import FleetSignals
-from node.step import Refused
+from node.step import Refused, Reply, Step
 
 __all__ = ["NodeService"]
 
@@ -137,6 +138,7 @@ class NodeService:
             self.metrics,
             self.pool,
             clock,
+            restart=self._restart_here,
         )
         self.router = Router(
             config,
@@ -154,6 +156,10 @@ class NodeService:
         every = config.fleet_view_every_s
         fleet = Inventory(lease_registry.redis, config.settings)  # the lease's own pool
         self.signals = FleetSignals(self.node_id, fleet, self.metrics, every, clock)
+
+    async def _restart_here(self, step: Step, arrival: Arrival) -> Reply:
+        """A restart forwarded to the owner: it claims anew through the router."""
+        return await self.router.restart_here(step, arrival)
 
     def _known_lease_ms(self) -> int:
         lease: Lease | None = getattr(self, "lease", None)
