@@ -32,21 +32,20 @@ from typing import Literal
 
 from affinity import AffinityError, Claims, wire
 from affinity.registry import MoveRequest
-from affinity.transfers import Placement, Transfers
-from affinity.transfers import Refused as NotPlaced
+from affinity.transfers import NotPlaced, Placement, Transfers
 from node.contract import PolicyContract
 from node.episodes import Episode, EpisodeTable
-from node.forward import MOVE_PATH, Forward, ForwardError, Poster, send_undo
+from node.errors import ForwardError, Refused, TransferError
+from node.forward import MOVE_PATH, Forward, Poster, send_undo
 from node.lease import Lease
 from node.metrics import Metrics
-from node.step import Refused
-from node.transfer import Install, TransferError, decode_install, encode_install, record_bytes
+from node.transfer import Install, decode_install, encode_install, record_bytes
 
-__all__ = ["HOLD_MS", "MOVES_AT_ONCE", "MOVE_S", "HandOvers", "Mover", "Outcome", "Reason"]
+__all__ = ["HOLD_MS", "MOVES_AT_ONCE", "MOVE_S", "HandOvers", "MoveOutcome", "Mover", "Reason"]
 
 log = logging.getLogger("affinity.node")
 
-Outcome = Literal["moved", "reset", "kept"]
+MoveOutcome = Literal["moved", "reset", "kept"]
 """moved: with its state; reset: handed over without it (said with state_reset); kept:
 nothing moved (the episode is not held here, or its owner must keep it: fenced, released)."""
 Reason = Literal["drain", "stop", "move"]
@@ -91,7 +90,7 @@ class Mover:
 
     # ---- the old owner ---------------------------------------------------------------
 
-    async def hand_over(self, episode: str, reason: Reason, target: str = "") -> Outcome:
+    async def hand_over(self, episode: str, reason: Reason, target: str = "") -> MoveOutcome:
         """Move ``episode`` with its state. When nothing can take it, or the transfer
         fails before its commit, hand it over without its state. Its next step is then
         ``reassigned`` with ``state_reset``. A hand-over already under way is joined."""
@@ -99,7 +98,7 @@ class Mover:
             await self.table.wait_moved(episode)
             return "kept"
         started = time.perf_counter()
-        outcome: Outcome = "kept"
+        outcome: MoveOutcome = "kept"
         try:
             await self.table.wait_idle(episode)  # the step in flight, if any, finishes first
             outcome = await self._move(episode, reason, target)
@@ -110,7 +109,7 @@ class Mover:
                 self.metrics.move_seconds.observe(time.perf_counter() - started)
         return outcome
 
-    async def _move(self, episode: str, reason: Reason, target: str) -> Outcome:
+    async def _move(self, episode: str, reason: Reason, target: str) -> MoveOutcome:
         record = self.table.get(episode)
         if record is None:
             return "kept"
@@ -212,7 +211,7 @@ class Mover:
             async with asyncio.timeout(MOVE_S):
                 await self.pool.post(to.url, body, MOVE_PATH)
 
-    async def _fallback(self, episode: str, token: int, reason: Reason, why: str) -> Outcome:
+    async def _fallback(self, episode: str, token: int, reason: Reason, why: str) -> MoveOutcome:
         """A move that could not be made. A graceful stop hands the episode over without
         its state; its next step says ``state_reset``. A drain's or an operator's move
         leaves it here, with its state; a drain never resets anything."""
@@ -223,7 +222,7 @@ class Mover:
         log.info("could not move %s (stop): %s; handed over without its state", episode, why)
         return await self._without_state(episode, token)
 
-    async def _without_state(self, episode: str, token: int) -> Outcome:
+    async def _without_state(self, episode: str, token: int) -> MoveOutcome:
         """The fallback: hand ``episode`` over without its state (``state_reset``)."""
         if self.table.release(episode, "handed", token) is None:
             return "kept"
@@ -304,11 +303,13 @@ class HandOvers:
         self.mover = mover
         self.drain_timeout_s = drain_timeout_s
         self.clock = clock
-        self._handing: dict[str, asyncio.Task[Outcome]] = {}
-        self._moving: set[asyncio.Task[Outcome]] = set()  # operators' moves under way
+        self._handing: dict[str, asyncio.Task[MoveOutcome]] = {}
+        self._moving: set[asyncio.Task[MoveOutcome]] = set()  # operators' moves under way
         self._gate = asyncio.Semaphore(MOVES_AT_ONCE)  # hand-overs under way, at most
 
-    async def hand_over(self, episode: str, reason: Reason = "stop", target: str = "") -> Outcome:
+    async def hand_over(
+        self, episode: str, reason: Reason = "stop", target: str = ""
+    ) -> MoveOutcome:
         """Hand ``episode`` over once its in-flight step (if any) finished. It goes with its
         state to a device that serves its model and has room (:class:`Mover`). Else it goes
         without it; its next step is ``reassigned``, ``state_reset``. Idempotent; concurrent
@@ -320,7 +321,7 @@ class HandOvers:
             task.add_done_callback(lambda _: self._handing.pop(episode, None))
         return await asyncio.shield(task)
 
-    async def _gated(self, episode: str, reason: Reason, target: str) -> Outcome:
+    async def _gated(self, episode: str, reason: Reason, target: str) -> MoveOutcome:
         async with self._gate:
             return await self.mover.hand_over(episode, reason, target)
 
@@ -350,7 +351,7 @@ class HandOvers:
         registered = self.lease.registered
         await self.lease.begin_leave()
         held = [episode for episode, _ in self.table.records()]
-        outcomes: list[Outcome | BaseException] = []
+        outcomes: list[MoveOutcome | BaseException] = []
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.drain_timeout_s):
                 outcomes = await asyncio.gather(

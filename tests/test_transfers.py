@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from affinity import NoCapacity, StaleToken
-from affinity.transfers import Placement, Refused, Transfers
+from affinity.transfers import NotPlaced, Placement, Transfers
 from tests.conftest import Env, cpu_devices
 
 pytestmark = pytest.mark.anyio
@@ -51,7 +51,7 @@ async def test_place_then_commit_moves_the_assignment_and_its_slot(env: Env) -> 
         ("a/0", "b/0", "96", "drain")
     ]
     # the old claim is gone: a second commit, or a release under it, is refused
-    assert await moves.commit("ep", a.token, a.claim, ia, to) == Refused("stale")
+    assert await moves.commit("ep", a.token, a.claim, ia, to) == NotPlaced("stale")
     with pytest.raises(StaleToken):
         await env.claims.release("ep", a.token, owner=True)
 
@@ -62,13 +62,13 @@ async def test_a_commit_is_refused_without_the_owners_live_lease_or_claim(env: E
     to = await moves.place("ep", a.token, a.claim, ia)
     assert isinstance(to, Placement)
     before = await env.redis.get(env.keys.episode("ep"))
-    assert await moves.commit("ep", a.token, a.claim, "another", to) == Refused("lease")
-    assert await moves.commit("ep", a.token, "other-claim", ia, to) == Refused("stale")
+    assert await moves.commit("ep", a.token, a.claim, "another", to) == NotPlaced("lease")
+    assert await moves.commit("ep", a.token, "other-claim", ia, to) == NotPlaced("stale")
     await env.claims.release("ep", a.token, "operator")  # revoked: the owner lets go
-    assert await moves.commit("ep", a.token, a.claim, ia, to) == Refused("marked")
+    assert await moves.commit("ep", a.token, a.claim, ia, to) == NotPlaced("marked")
     await env.redis.set(env.keys.episode("ep"), before, keepttl=True)
     await env.lapse("a")  # a paused owner whose lease lapsed never moves anything
-    assert await moves.commit("ep", a.token, a.claim, ia, to) == Refused("lease")
+    assert await moves.commit("ep", a.token, a.claim, ia, to) == NotPlaced("lease")
     assert (await env.redis.get(env.keys.episode("ep"))) == before
     assert await moves.abort("ep", a.token, a.claim, ia, to)
     assert await env.redis.zrange(env.keys.load("b/0"), 0, -1) == []
@@ -78,9 +78,9 @@ async def test_place_takes_only_a_device_with_room_that_serves_the_model(env: En
     a, ia = await owned(env)
     moves = Transfers(env.redis, env.settings)
     await env.registry.drain("b/0", "full too")
-    assert await moves.place("ep", a.token, a.claim, ia) == Refused("none")
+    assert await moves.place("ep", a.token, a.claim, ia) == NotPlaced("none")
     await env.registry.undrain("b/0")
-    assert await moves.place("ep", a.token, a.claim, ia, target="a") == Refused("none")
+    assert await moves.place("ep", a.token, a.claim, ia, target="a") == NotPlaced("none")
     named = await moves.place("ep", a.token, a.claim, ia, target="b/0")
     assert isinstance(named, Placement) and named.device == "b/0"
     # an abort after a commit changes nothing
