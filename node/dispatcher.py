@@ -27,8 +27,8 @@ from node.chunks import ChunkMode, find_chunk
 from node.commit import Records, StepJob
 from node.contract import PolicyContract
 from node.crashes import CrashTracker, Transition
-from node.episodes import EpisodeTable, NotKept
-from node.errors import DeviceDown, ModelFailure
+from node.episodes import EpisodeTable
+from node.errors import DeviceDown, NotKept
 from node.jobs import Arrival, Arrivals, Session
 from node.record import StepResult
 from node.rtc import Ask, control_rate, rtc_of
@@ -41,8 +41,6 @@ if TYPE_CHECKING:
 __all__ = [  # the worker's and health's names too, for the imports made before the split
     "Arrival",
     "Arrivals",
-    "DeviceDown",
-    "ModelFailure",
     "MultiGpuDispatcher",
     "Session",
 ]

@@ -35,8 +35,8 @@ from affinity import (
 from affinity.registry import Held, LeaseTerms, MoveRequest, Registered
 from node.config import NodeConfig
 from node.episodes import EpisodeTable
+from node.errors import Unavailable
 from node.metrics import Metrics
-from node.step import Unavailable
 
 __all__ = ["Lease", "LeaseListener"]
 

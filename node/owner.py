@@ -37,17 +37,24 @@ from node.config import NodeConfig
 from node.control import control_feed
 from node.dispatcher import Arrival, MultiGpuDispatcher
 from node.episodes import EpisodeTable
-from node.errors import ClaimEnded, ModelFailure, StepRefused, refusal
+from node.errors import (
+    ClaimEnded,
+    InvalidInput,
+    ModelFailure,
+    Refused,
+    StepRefused,
+    Unavailable,
+    refusal,
+)
 from node.flusher import Flusher
 from node.forward import Forward, Poster
 from node.handover import HandOvers, Mover
 from node.health import DeviceHealth
-from node.inputs import InvalidInput
 from node.lease import Lease
 from node.metrics import Metrics
 from node.record import StepResult
 from node.rtc import Ask
-from node.step import Refused, Reply, Step, TimeLimit, Unavailable
+from node.step import Reply, Step, TimeLimit
 
 __all__ = ["Owner", "Restart"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from node import contract, models
 from node.contract import *  # noqa: F403
-from node.inputs import MAX_OBSERVATION_DEPTH, InvalidInput, ObservationInputs, outputs_unbatched
+from node.inputs import MAX_OBSERVATION_DEPTH, ObservationInputs, outputs_unbatched
 from node.inputs import from_arrays as inputs_from_arrays
 from node.inputs import from_json as parse_inputs
 from node.inputs import from_observation as inputs_from_observation
@@ -21,7 +21,6 @@ from node.models import *  # noqa: F403
 
 __all__ = [
     "MAX_OBSERVATION_DEPTH",
-    "InvalidInput",
     "ObservationInputs",
     "inputs_from_arrays",
     "inputs_from_observation",

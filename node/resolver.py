@@ -25,9 +25,10 @@ from affinity import (
 )
 from node.admission import Admission
 from node.catalog import Catalog
+from node.errors import Refused, Unavailable
 from node.metrics import Metrics
 from node.peers import PeerHealth
-from node.step import Refused, Step, Unavailable
+from node.step import Step
 
 __all__ = ["Resolver"]
 

@@ -37,8 +37,8 @@ from affinity import (
 from node.catalog import Catalog
 from node.config import NodeConfig
 from node.dispatcher import Arrival, MultiGpuDispatcher
-from node.episodes import ClaimEnded
-from node.forward import Forward, ForwardError, Poster, Response, decode_reply, send_undo
+from node.errors import ClaimEnded, ForwardError, Refused, Unavailable
+from node.forward import Forward, Poster, Response, decode_reply, send_undo
 from node.health import DeviceHealth
 from node.lease import Lease
 from node.metrics import ROUTING, Metrics
@@ -46,7 +46,7 @@ from node.owner import Owner
 from node.peers import PeerHealth
 from node.resolver import Resolver
 from node.stateless import Stateless
-from node.step import Refused, Reply, Step, TimeLimit, Unavailable
+from node.step import Reply, Step, TimeLimit
 from node.timing import StepTimes
 
 __all__ = ["FORWARD_MARGIN_S", "MAX_HINTS", "TRANSIENT", "UNDO_S", "Locator", "Router"]

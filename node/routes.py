@@ -25,11 +25,10 @@ from affinity import (
     UnknownEpisode,
 )
 from affinity.registry import MoveRequest
-from node.errors import AdminRefused, outcome
+from node.errors import AdminRefused, Refused, Unavailable, outcome
 from node.service import NodeService
-from node.step import Refused, Unavailable
 
-__all__ = ["AdminRefused", "Service", "devices", "episodes", "error", "health", "metrics", "models"]
+__all__ = ["Service", "devices", "episodes", "error", "health", "metrics", "models"]
 
 
 async def _service(request: Request) -> NodeService:  # async: no thread per request

@@ -35,12 +35,13 @@ from affinity import (
     close,
     connect,
 )
-from node.catalog import AmbiguousModel, Catalog, contract_record
+from node.catalog import Catalog, contract_record
 from node.config import NodeConfig
 from node.contract import PolicyContract
 from node.devices import DeviceSpec
 from node.dispatcher import MultiGpuDispatcher
 from node.episodes import EpisodeTable
+from node.errors import AmbiguousModel, Refused
 from node.fleet import MAX_STREAMS
 from node.forward import ForwardPool, Poster
 from node.handover import MOVES_AT_ONCE
@@ -52,7 +53,7 @@ from node.owner import Owner
 from node.router import Router
 from node.rtc import Ask
 from node.signals import FleetSignals
-from node.step import Refused, Reply, Step
+from node.step import Reply, Step
 
 __all__ = ["NodeService"]
 

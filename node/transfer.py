@@ -26,7 +26,7 @@ from node.episodes import Episode, StepResult
 from node.errors import TransferError
 from node.rtc import Used
 
-__all__ = ["Install", "TransferError", "decode_install", "encode_install", "record_bytes"]
+__all__ = ["Install", "decode_install", "encode_install", "record_bytes"]
 
 Array = np.ndarray[Any, Any]
 

@@ -35,8 +35,8 @@ import numpy as np
 import onnxruntime
 
 from node.contract import Array, PolicyContract
-from node.errors import ModelFailure
-from node.inputs import InvalidInput, from_arrays
+from node.errors import InvalidInput, ModelFailure
+from node.inputs import from_arrays
 from node.rtc import rtc_of
 from node.worker import DeviceWorker
 

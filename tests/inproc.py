@@ -17,7 +17,8 @@ from node.app import NodeApp, create_app
 from node.config import NodeConfig
 from node.devices import discover
 from node.dispatcher import Session
-from node.forward import INTERNAL_PATH, SECRET_HEADER, ForwardError, Response
+from node.errors import ForwardError
+from node.forward import INTERNAL_PATH, SECRET_HEADER, Response
 from node.main import build_service
 from node.models import DEMO_MODEL
 from node.service import NodeService

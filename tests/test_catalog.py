@@ -15,7 +15,6 @@ import pytest
 
 from affinity import InvalidArgument, ModelId, UnknownModel
 from node.catalog import (
-    AmbiguousModel,
     Catalog,
     ModelSpec,
     contract_from_record,
@@ -24,6 +23,7 @@ from node.catalog import (
     parse_model_arg,
 )
 from node.contract import load_contract
+from node.errors import AmbiguousModel
 from node.forward import Forward
 from node.main import StartupError, build_service, parse_args
 from node.models import DEMO_MODEL, VLA_DEMO_MODEL

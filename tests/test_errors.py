@@ -172,6 +172,30 @@ def test_errors_imports_nothing_from_node() -> None:
     assert not [name for name in imported if name == "node" or name.startswith("node.")]
 
 
+def test_node_errors_are_imported_from_errors_only() -> None:
+    """One module per exception: no other module hands a node error on (``__all__``), and
+    the node, the tests and the benchmarks import each from ``node.errors``."""
+    names = {name for name, value in vars(errors).items() if isinstance(value, type)}
+    found = []
+    for folder in ("node", "tests", "bench"):
+        for path in (NODE.parent / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text(), str(path))
+            where = path.relative_to(NODE.parent)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("node"):
+                    if node.module != "node.errors":
+                        found += [f"{where}: {a.name} from {node.module}" for a in node.names
+                                  if a.name in names]  # fmt: skip
+                elif (
+                    isinstance(node, ast.Assign)
+                    and path.name != "errors.py"
+                    and any(getattr(t, "id", "") == "__all__" for t in node.targets)
+                ):
+                    listed = ast.literal_eval(node.value)
+                    found += [f"{where}: {n} in __all__" for n in listed if n in names]
+    assert found == [], "import node errors from node.errors only"
+
+
 @pytest.mark.parametrize(
     ("exc", "kind", "status", "code", "retry_after"),
     [

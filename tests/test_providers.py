@@ -23,12 +23,10 @@ from packaging.version import Version
 
 import node.providers as providers
 from node.devices import DeviceSpec
+from node.errors import CudaGraphUnavailable, CudaUnavailable, GpuUnavailable
 from node.models import DEMO_MODEL
 from node.providers import (
     ORT_PROVIDER_ERRORS,
-    CudaGraphUnavailable,
-    CudaUnavailable,
-    GpuUnavailable,
     ProviderSettings,
     build_session,
     library_load_error,

@@ -15,8 +15,9 @@ from affinity import wire
 from node.chunks import ActionBuffer
 from node.contract import load_contract
 from node.episodes import Episode, StepResult
+from node.errors import TransferError
 from node.models import DEMO_MODEL
-from node.transfer import Install, TransferError, decode_install, encode_install, record_bytes
+from node.transfer import Install, decode_install, encode_install, record_bytes
 
 CONTRACT = load_contract(DEMO_MODEL)
 HIDDEN = np.arange(16, dtype=np.float32).reshape(1, 16)

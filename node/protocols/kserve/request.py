@@ -46,7 +46,6 @@ __all__ = [
     "REFUSED",
     "REQUEST_PARAMETERS",
     "InferRequest",
-    "NotServed",
     "check_custom",
     "config_of",
     "episode_of",
