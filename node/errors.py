@@ -46,9 +46,13 @@ from affinity import (
     AffinityError,
     BackendUnavailable,
     InvalidArgument,
+    ModelConflict,
+    NoCapacity,
     NotReplicated,
     PoolExhausted,
+    Recovering,
     UnknownEpisode,
+    UnknownModel,
 )
 from affinity.wire import WireError
 
@@ -351,8 +355,16 @@ _TABLE: dict[type[BaseException], Callable[[Any], Outcome]] = {
     TransferError: lambda e: Outcome(422, "bad_record", str(e)),
     ModelFailure: lambda e: Outcome(500, "model_failure", str(e)),
     DeviceDown: _unavailable("device_down", 5.0),
+    ModelConflict: lambda e: Outcome(409, "model_conflict", str(e)),
+    UnknownModel: lambda e: Outcome(404, "unknown_model", str(e)),
+    NoCapacity: lambda e: (
+        Outcome(503, "no_nodes", str(e), 1.0)
+        if e.reason == "no_nodes"
+        else Outcome(503, "full", str(e), 2.0)
+    ),
+    Recovering: lambda e: Outcome(503, "recovering", str(e), max(1.0, e.retry_after_s)),
     PoolExhausted: _unavailable("busy"),
-    NotReplicated: _unavailable("not_replicated"),
+    NotReplicated: _unavailable("not_replicated"),  # nobody serves it: retry once caught up
     BackendUnavailable: _unavailable("redis"),
     AffinityError: _unavailable("affinity"),
 }

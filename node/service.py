@@ -41,7 +41,7 @@ from node.contract import PolicyContract
 from node.devices import DeviceSpec
 from node.dispatcher import MultiGpuDispatcher
 from node.episodes import EpisodeTable
-from node.errors import AmbiguousModel, Refused
+from node.errors import AmbiguousModel, refusal
 from node.fleet import MAX_STREAMS
 from node.forward import ForwardPool, Poster
 from node.handover import MOVES_AT_ONCE
@@ -271,10 +271,8 @@ class NodeService:
         try:
             chosen = await self.catalog.choose(name, version)
             return chosen, await self.catalog.contract(chosen, version)
-        except AmbiguousModel as exc:
-            raise Refused(422, "model_required", str(exc)) from None
-        except UnknownModel as exc:
-            raise Refused(404, "unknown_model", str(exc)) from None
+        except (AmbiguousModel, UnknownModel) as exc:
+            raise refusal(exc) from None
 
     def rtc_for(
         self,

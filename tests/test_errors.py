@@ -14,10 +14,14 @@ from affinity import (
     AffinityError,
     BackendUnavailable,
     InvalidArgument,
+    ModelConflict,
+    NoCapacity,
     NotReplicated,
     PoolExhausted,
+    Recovering,
     UnknownEpisode,
     UnknownField,
+    UnknownModel,
 )
 from affinity.wire import WireError
 from node import errors
@@ -74,6 +78,12 @@ TABLE: list[tuple[BaseException, int, str, float | None, str | None, bool]] = [
     (TransferError("not a map"), 422, "bad_record", None, None, False),
     (ModelFailure("cpu/0", RuntimeError("x")), 500, "model_failure", None, None, False),
     (DeviceDown("cpu/0"), 503, "device_down", 5.0, None, False),
+    (ModelConflict("ep", "m@1", "m@2"), 409, "model_conflict", None, None, False),
+    (UnknownModel("m", ["demo"]), 404, "unknown_model", None, None, False),
+    (NoCapacity("ep"), 503, "full", 2.0, None, False),
+    (NoCapacity("ep", "no_nodes"), 503, "no_nodes", 1.0, None, False),
+    (Recovering("ep", 0.2), 503, "recovering", 1.0, None, False),
+    (Recovering("ep", 4.5), 503, "recovering", 4.5, None, False),
     (PoolExhausted(8, 0.5), 503, "busy", 1.0, None, False),
     (NotReplicated("claim", 1, 2, 0.1), 503, "not_replicated", 1.0, None, False),
     (BackendUnavailable("down"), 503, "redis", 1.0, None, False),
