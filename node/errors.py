@@ -31,9 +31,10 @@ The hierarchy (``ValueError`` subclasses are a client's bad values)::
 front door renders that in its own wire shape. Adding a failure mode touches ``_TABLE``.
 
 Kept elsewhere on purpose (never answered as they are): ``node/router.py``'s ``_NotSent``
-(an :class:`Unavailable`), ``node/protocols/kserve/grpc.py``'s ``_Abort`` (an outcome
-already rendered as a gRPC status) and ``node/startup.py``'s ``StartupError`` (an exit
-code). Hazard: this module is a leaf; importing anything from ``node`` makes a cycle.
+and ``_Stale`` (each an :class:`Unavailable`), ``node/protocols/kserve/grpc.py``'s
+``_Abort`` (an outcome already rendered as a gRPC status) and ``node/startup.py``'s
+``StartupError`` (an exit code). Hazard: this module is a leaf; importing anything from
+``node`` makes a cycle.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ __all__ = [
     "refusal",
 ]
 
-PRIVATE = frozenset({"_NotSent", "_Abort", "StartupError"})
+PRIVATE = frozenset({"_NotSent", "_Stale", "_Abort", "StartupError"})
 """Exception classes defined outside this module on purpose (see the module doc)."""
 
 

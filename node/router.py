@@ -7,6 +7,9 @@ layers each add one concern, outermost first:
 - ``_act_within_deadline``: the client's deadline, patient retries.
 - ``_act_handling_restart``: a restart is made by the owner; an episode held here is
   served from memory; a hint is tried.
+- ``_act_asking_again``: the one re-resolve. An owner that turned out stale (it no longer
+  holds the claim, it is another process, it is handing its episodes over) sends the step
+  back to Redis once; the leaves below never resolve themselves.
 - ``_act_at_owner``: serve here, or forward once.
 
 Routers ask, owners answer: Redis (a resolve) decides who owns an episode. A hint (the
@@ -25,7 +28,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from affinity import (
@@ -87,6 +90,12 @@ TRANSIENT = frozenset(
 class _NotSent(Unavailable):
     """``owner_unreachable`` for a forward that never left this node (refused connection):
     the step did not run anywhere, so it may be routed again."""
+
+
+class _Stale(Unavailable):
+    """The owner Redis (or a hint) named cannot serve the step as named: Redis is asked
+    again, once (:meth:`Router._act_asking_again`). Raised as it is, its 503, when Redis was
+    asked again already."""
 
 
 class Locator:
@@ -236,7 +245,9 @@ class Router:
             except UnknownEpisode:
                 current = None
             if current is not None and current.node != self.node_id:
-                return await self._forward(current, step, arrival, retry=True)
+                return await self._act_asking_again(
+                    step, arrival, self._forward(current, step, arrival)
+                )
             return await self.restart_here(step, arrival)
         hint: Assignment | None = None
         unsent: _NotSent | None = None  # the hinted owner refused the connection
@@ -251,12 +262,16 @@ class Router:
                         "model_conflict",
                         str(ModelConflict(step.episode, held.model, self.resolver.asked(step))),
                     )
-                return await self._serve_here(held, step, arrival)
+                return await self._act_asking_again(
+                    step, arrival, self._serve_here(held, step, arrival)
+                )
             hint = self.locator.lookup(step.episode) if self.lease.may_serve() else None
             if hint is not None and not self.resolver.names_other(step, hint.model):
                 # (a hint of another model or version: Redis answers, 409 or a new place)
                 try:
-                    return await self._forward(hint, step, arrival, retry=True)
+                    return await self._forward(hint, step, arrival)
+                except _Stale:
+                    pass  # it does not hold the episode (any more): ask Redis
                 except Unavailable as exc:
                     if exc.reason not in STALE_HINT and not isinstance(exc, _NotSent):
                         raise
@@ -269,7 +284,9 @@ class Router:
             and (assignment.node, assignment.token) == (hint.node, hint.token)
         ):
             raise unsent  # Redis still names the owner that refused: unreachable, not moved
-        return await self._act_at_owner(assignment, step, arrival)
+        return await self._act_asking_again(
+            step, arrival, self._act_at_owner(assignment, step, arrival)
+        )
 
     async def restart_here(self, step: Step, arrival: Arrival) -> Reply:
         """Start ``step``'s episode over, this node being its owner (or none being): drop
@@ -291,41 +308,54 @@ class Router:
                 self._restarting[step.episode] = left
         if assignment.node != self.node_id:
             self.owner.table.release(step.episode, "end")  # the new owner is another node
-        return await self._act_at_owner(assignment, replace(step, restart=False), arrival)
+        step = replace(step, restart=False)
+        return await self._act_asking_again(
+            step, arrival, self._act_at_owner(assignment, step, arrival)
+        )
 
-    async def _act_at_owner(self, assignment: Assignment, step: Step, arrival: Arrival) -> Reply:
-        """Serve or forward the step of ``a``, which Redis has just decided."""
+    async def _act_asking_again(
+        self, step: Step, arrival: Arrival, first: Awaitable[Reply]
+    ) -> Reply:
+        """``first`` (the step at the owner found first); if that owner turned out stale
+        (:class:`_Stale`), Redis is asked again and the step goes to the owner it names
+        then. Once: a second stale owner is the step's 503."""
+        try:
+            return await first
+        except _Stale:
+            pass
+        assignment = await self.resolver.for_step(step)
+        return await self._act_at_owner(assignment, step, arrival, again=True)
+
+    async def _act_at_owner(
+        self, assignment: Assignment, step: Step, arrival: Arrival, *, again: bool = False
+    ) -> Reply:
+        """Serve or forward the step of ``assignment``, which Redis has just decided
+        (``again``: a second time, for this step)."""
         if assignment.node != self.node_id:
-            return await self._forward(assignment, step, arrival, retry=True)
+            return await self._forward(assignment, step, arrival)
         self.lease.require_instance(
             assignment.instance
         )  # Redis' word: the registration must be ours
         if self.lease.leaving:
+            leaving = f"node {self.node_id} is shutting down"
+            if again:
+                raise Unavailable("leaving", leaving, 1.0)
             # this node is handing its episodes over: this one goes now, then to its new owner
             await self.owner.handovers.hand_over(assignment.episode)
-            assignment = await self.resolver.for_step(step)
-            if assignment.node == self.node_id:
-                raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)
-            return await self._forward(assignment, step, arrival, retry=False)
+            raise _Stale("leaving", leaving, 1.0)
         return await self._serve_here(assignment, step, arrival)
 
     async def _serve_here(self, assignment: Assignment, step: Step, arrival: Arrival) -> Reply:
-        """The owner serves ``a`` here; a claim that ended here meanwhile is asked about
-        again, once (a step queued behind an end, a release, an idle expiry)."""
+        """The owner serves ``assignment`` here; a claim that ended here meanwhile is
+        :class:`_Stale` (a step queued behind an end, a release, an idle expiry)."""
         try:
             return await self.owner.serve(assignment, step, arrival)
-        except ClaimEnded:
-            pass
+        except ClaimEnded as exc:
+            error = _Stale("owner_refused", str(exc), 1.0)
         await self.owner.ended(
             assignment.episode
         )  # an end's release in flight: Redis answers after it
-        again = await self.resolver.for_step(step)
-        if again.node != self.node_id:
-            return await self._forward(again, step, arrival, retry=False)
-        try:
-            return await self.owner.serve(again, step, arrival)
-        except ClaimEnded as exc:
-            raise Unavailable("owner_refused", str(exc), 1.0) from None
+        raise error
 
     # ---- undo and end ------------------------------------------------------------------
 
@@ -385,10 +415,9 @@ class Router:
 
     # ---- forwarding --------------------------------------------------------------------
 
-    async def _forward(
-        self, owner: Assignment, step: Step, arrival: Arrival, *, retry: bool
-    ) -> Reply:
-        """Forward ``step`` once to the owner Redis or a hint names; map its answer."""
+    async def _forward(self, owner: Assignment, step: Step, arrival: Arrival) -> Reply:
+        """Forward ``step`` once to the owner Redis or a hint names; map its answer
+        (:class:`_Stale` when it does not hold the episode)."""
         sent = time.monotonic()
         budget = step.deadline - self.clock() - FORWARD_MARGIN_S
         if budget <= 0:
@@ -448,13 +477,7 @@ class Router:
         if code == "seq_conflict":
             raise Refused(409, code, message)
         if resp.status in (409, 421):  # not there (any more), or not that process: ask Redis
-            if not retry:
-                raise Unavailable("owner_refused", text, 1.0)
-            # our view was stale: resolve once more
-            again = await self.resolver.for_step(step)
-            if again.node == self.node_id:
-                return await self._act_at_owner(again, step, arrival)
-            return await self._forward(again, step, arrival, retry=False)
+            raise _Stale("owner_refused", text, 1.0)
         if resp.status == 503 or code == "bad_secret":  # the nodes' secrets differ: not the
             raise Unavailable(code, text, float(resp.headers.get("retry-after", "1")))  # client's
         raise Refused(resp.status, code, text)
