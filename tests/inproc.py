@@ -19,9 +19,9 @@ from node.devices import discover
 from node.dispatcher import Session
 from node.errors import ForwardError
 from node.forward import INTERNAL_PATH, SECRET_HEADER, Response
-from node.main import build_service
 from node.models import DEMO_MODEL
 from node.service import NodeService
+from node.startup import build_service
 
 
 class Router:

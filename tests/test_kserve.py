@@ -833,7 +833,7 @@ def test_hostile_bodies_leave_the_node_healthy(three: Cluster) -> None:
 
 
 def test_model_name_flag() -> None:
-    from node.main import parse_args
+    from node.cli import parse_args
 
     assert parse_args(["--model", "vla-demo"], env={}).model_name == "vla_demo"
     assert parse_args([], env={"AFFINITY_MODEL_NAME": "policy"}).model_name == "policy"

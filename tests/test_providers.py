@@ -515,7 +515,7 @@ def fake_nvidia_smi(directory: Path) -> dict[str, str]:
 
 def node(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "node.main", "--port", str(free_port()), *args],
+        [sys.executable, "-m", "node.server", "--port", str(free_port()), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
