@@ -144,10 +144,6 @@ class MultiGpuDispatcher:
         """``name@version`` of the model (its records' claims); "" where none is given."""
         return self._records.model
 
-    @model.setter
-    def model(self, model: str) -> None:
-        self._records.model = model
-
     @property
     def devices(self) -> list[str]:
         return list(self._devices)

@@ -74,6 +74,9 @@ class Lease:
         metrics: Metrics,
         registrations: Callable[[], list[DeviceRegistration]],
         clock: Callable[[], float] = time.monotonic,
+        *,
+        models: Mapping[ModelId, str] | None = None,
+        on_renewed: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.config = config
         self.node_id = config.node_id
@@ -82,7 +85,7 @@ class Lease:
         self.metrics = metrics
         self.registrations = registrations
         self.clock = clock
-        self.models: Mapping[ModelId, str] = {}  # what the node serves -> its contract record
+        self.models: Mapping[ModelId, str] = models or {}  # served -> its contract record
         self.instance = uuid.uuid4().hex  # tells this process from another with the same id
         self.deadline = float("-inf")  # monotonic; nothing is served before register
         self.registered = False
@@ -90,7 +93,7 @@ class Lease:
         self.left = False  # deregistered by a graceful stop: routes its stragglers, serves none
         self.conflict: str | None = None  # why this process must stop (another instance)
         self.on_conflict: Callable[[], None] = lambda: None
-        self.on_renewed: Callable[[], Awaitable[None]] | None = None  # after each renewal
+        self.on_renewed = on_renewed  # after each renewal
         self.listener: LeaseListener | None = None
         # what an operator asked to move, read at a renewal (started in the background)
         self.on_moves: Callable[[Sequence[MoveRequest]], None] | None = None

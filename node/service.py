@@ -115,15 +115,18 @@ class NodeService:
         self.dispatchers = dispatcher_factory(
             self.device_ids, self._on_transition, self.metrics, self.table, Arrivals()
         )
-        for name, (mid, _) in self.models.items():
-            self.dispatchers[name].model = str(mid)
         lease_registry = Registry(self.lease_redis, config.settings, self._known_lease_ms)
         self.health = DeviceHealth(self.dispatchers, lease_registry, self.metrics)
         self.lease = Lease(
-            config, lease_registry, self.table, self.metrics, self.registrations, clock
+            config,
+            lease_registry,
+            self.table,
+            self.metrics,
+            self.registrations,
+            clock,
+            models={m: contract_record(c) for m, c in self.models.values()},
+            on_renewed=self.health.reconcile,  # Redis' device states, made to agree
         )
-        self.lease.models = {m: contract_record(c) for m, c in self.models.values()}
-        self.lease.on_renewed = self.health.reconcile  # Redis' device states, made to agree
         self.pool: Poster = pool or ForwardPool(config.cluster_secret)
         self.started = False
         self._warned: set[str] = set()
