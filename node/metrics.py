@@ -13,12 +13,14 @@ docs/metrics.md lists the same names and values; a test checks both ways.
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
 import onnxruntime
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from affinity import __version__
@@ -96,12 +98,13 @@ LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
 class LoopBuckets:
     """One labelled child of a :class:`LoopHistogram`: plain counts, no lock."""
 
-    __slots__ = ("bounds", "counts", "sum")
+    __slots__ = ("bounds", "counts", "created", "sum")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
         self.sum = 0.0
+        self.created = time.time()  # exported as ``_created``, as prometheus-client does
 
     def observe(self, value: float) -> None:
         self.counts[bisect_left(self.bounds, value)] += 1  # the first bound >= value
@@ -150,6 +153,8 @@ class LoopHistogram:
                 total += count
                 buckets.append((le, float(total)))
             family.add_metric(list(values), buckets, child.sum)
+            labels = dict(zip(self.labelnames, values, strict=True))
+            family.samples.append(Sample(self.name + "_created", labels, child.created))
         yield family
 
 
