@@ -262,9 +262,10 @@ class Router:
                         "model_conflict",
                         str(ModelConflict(step.episode, held.model, self.resolver.asked(step))),
                     )
-                return await self._act_asking_again(
-                    step, arrival, self._serve_here(held, step, arrival)
-                )
+                try:  # the hot path: no layer more than it needs
+                    return await self._serve_here(held, step, arrival)
+                except _Stale:
+                    return await self._act_asking_again(step, arrival, None)
             hint = self.locator.lookup(step.episode) if self.lease.may_serve() else None
             if hint is not None and not self.resolver.names_other(step, hint.model):
                 # (a hint of another model or version: Redis answers, 409 or a new place)
@@ -314,15 +315,17 @@ class Router:
         )
 
     async def _act_asking_again(
-        self, step: Step, arrival: Arrival, first: Awaitable[Reply]
+        self, step: Step, arrival: Arrival, first: Awaitable[Reply] | None
     ) -> Reply:
-        """``first`` (the step at the owner found first); if that owner turned out stale
-        (:class:`_Stale`), Redis is asked again and the step goes to the owner it names
-        then. Once: a second stale owner is the step's 503."""
-        try:
-            return await first
-        except _Stale:
-            pass
+        """``first`` (the step at the owner found first; None: it turned out stale
+        already); if that owner turned out stale (:class:`_Stale`), Redis is asked again
+        and the step goes to the owner it names then. Once: a second stale owner is the
+        step's 503."""
+        if first is not None:
+            try:
+                return await first
+            except _Stale:
+                pass
         assignment = await self.resolver.for_step(step)
         return await self._act_at_owner(assignment, step, arrival, again=True)
 
