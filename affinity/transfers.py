@@ -23,7 +23,7 @@ from typing import NamedTuple
 from affinity.claims import check_episode, check_token
 from affinity.scripts import EpisodeScriptCaller
 
-__all__ = ["Placement", "Refused", "Transfers"]
+__all__ = ["NotPlaced", "Placement", "Transfers"]
 
 
 class Placement(NamedTuple):
@@ -38,7 +38,7 @@ class Placement(NamedTuple):
     instance: str
 
 
-class Refused(NamedTuple):
+class NotPlaced(NamedTuple):
     """Why Redis would not place or commit a move.
 
     ``stale``: another claim holds the episode. ``missing``: none does (Redis lost it, or
@@ -50,10 +50,10 @@ class Refused(NamedTuple):
     reason: str
 
 
-def parse_placement(reply: str, claim: str) -> Placement | Refused:
+def parse_placement(reply: str, claim: str) -> Placement | NotPlaced:
     fields = reply.split(" ")
     if fields[0] == "refused":
-        return Refused(fields[1])
+        return NotPlaced(fields[1])
     _, device, token, node, url, instance = fields
     return Placement(device, int(token), claim, node, url, instance)
 
@@ -71,7 +71,7 @@ class Transfers(EpisodeScriptCaller):
         *,
         target: str = "",
         hold_ms: int = 10_000,
-    ) -> Placement | Refused:
+    ) -> Placement | NotPlaced:
         """Pick a device for ``episode`` and reserve a slot there for ``hold_ms``.
 
         The caller holds ``episode`` under ``token``/``claim``. The device serves its model
@@ -93,7 +93,7 @@ class Transfers(EpisodeScriptCaller):
         *,
         size: int = 0,
         reason: str = "move",
-    ) -> Refused | None:
+    ) -> NotPlaced | None:
         """Move ``episode``'s assignment from the caller's claim to ``to``'s, fenced: only
         while that claim holds it unmarked and the caller's lease is live. None when it
         moved (a ``moved`` event records ``size`` bytes and ``reason``)."""
@@ -102,7 +102,7 @@ class Transfers(EpisodeScriptCaller):
             reason,
         )  # fmt: skip
         reply = str(await self._call(self.scripts.transfer, episode, args))
-        return None if reply == "moved" else Refused(reply.split(" ")[1])
+        return None if reply == "moved" else NotPlaced(reply.split(" ")[1])
 
     async def abort(
         self, episode: str, token: int, claim: str, instance: str, to: Placement

@@ -19,7 +19,7 @@ from typing import Any
 from affinity import Settings
 from node.app import NodeApp, create_app
 from node.config import NodeConfig
-from node.main import build_service
+from node.startup import build_service
 
 
 class Connection:

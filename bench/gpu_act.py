@@ -72,7 +72,7 @@ class NodeProcess:
         command = [
             sys.executable,
             "-m",
-            "node.main",
+            "node.server",
             "--node-id",
             name,
             "--port",

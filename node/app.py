@@ -28,7 +28,7 @@ from node.asgi import Receive, Scope, Send, error_body, header, respond
 from node.errors import AdminRefused, outcome
 from node.fleet import add_fleet_routes
 from node.protocols import act, internal, kserve, openpi
-from node.routes import error, refusal
+from node.routes import error, error_for
 from node.service import NodeService
 
 __all__ = ["PROTECTED", "NodeApp", "create_app", "cross_site"]
@@ -175,7 +175,7 @@ def _add_error_handlers(api: FastAPI) -> None:
     async def admin_refused(request: Request, exc: AdminRefused) -> Response:
         metrics = request.app.state.service.metrics
         metrics.rejected.labels(outcome(exc).reject_reason).inc()
-        response = refusal(exc)
+        response = error_for(exc)
         if exc.challenge is not None:
             response.headers["WWW-Authenticate"] = exc.challenge
         return response
@@ -199,4 +199,4 @@ def _add_error_handlers(api: FastAPI) -> None:
         """The one answer of every endpoint whose Redis call failed (``errors.outcome``).
         503 ``busy`` when the call only waited for this node's pool (it is overloaded).
         ``not_replicated`` when too few replicas acknowledged its write, else ``redis``."""
-        return refusal(exc)
+        return error_for(exc)

@@ -13,8 +13,6 @@ from node.errors import BodyError, ClientGone, outcome
 
 __all__ = [
     "CONNECTION",
-    "BodyError",
-    "ClientGone",
     "Connection",
     "Receive",
     "Scope",

@@ -28,7 +28,6 @@ from node.errors import AmbiguousModel
 from node.models import resolve_model
 
 __all__ = [
-    "AmbiguousModel",
     "Catalog",
     "ModelSpec",
     "contract_from_record",

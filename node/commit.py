@@ -21,7 +21,8 @@ import numpy as np
 from node import control
 from node.chunks import ActionBuffer, ChunkMode, ChunkSpec
 from node.contract import PolicyContract
-from node.episodes import ClaimEnded, EpisodeTable, ForwardCancelled, NotKept, SeqConflict
+from node.episodes import EpisodeTable
+from node.errors import ClaimEnded, ForwardCancelled, NotKept, SeqConflict
 from node.jobs import Job, Member
 from node.record import Apply, Episode, StepResult, Verdict, advance
 from node.rtc import Ask, RtcSpec, Used

@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from affinity.errors import InvalidArgument
-from node import health
+from node import warmup
 from node.chunks import ChunkMode, find_chunk
 from node.commit import Records, StepJob
 from node.contract import PolicyContract
-from node.episodes import EpisodeTable, NotKept
-from node.health import CrashTracker, DeviceDown, ModelFailure, Transition
+from node.crashes import CrashTracker, Transition
+from node.episodes import EpisodeTable
+from node.errors import DeviceDown, NotKept
 from node.jobs import Arrival, Arrivals, Session
 from node.record import StepResult
 from node.rtc import Ask, control_rate, rtc_of
@@ -40,8 +41,6 @@ if TYPE_CHECKING:
 __all__ = [  # the worker's and health's names too, for the imports made before the split
     "Arrival",
     "Arrivals",
-    "DeviceDown",
-    "ModelFailure",
     "MultiGpuDispatcher",
     "Session",
 ]
@@ -144,10 +143,6 @@ class MultiGpuDispatcher:
     def model(self) -> str:
         """``name@version`` of the model (its records' claims); "" where none is given."""
         return self._records.model
-
-    @model.setter
-    def model(self, model: str) -> None:
-        self._records.model = model
 
     @property
     def devices(self) -> list[str]:
@@ -337,17 +332,17 @@ class MultiGpuDispatcher:
     # ---- the devices' health ---------------------------------------------------------
 
     async def probe(self) -> list[str]:
-        """Probe every down device whose cool-down has passed (:func:`health.probe`).
+        """Probe every down device whose cool-down has passed (:func:`warmup.probe`).
 
         Returns the devices that came back up."""
-        return [dev.id for dev in self._devices.values() if await health.probe(dev, self.contract)]
+        return [dev.id for dev in self._devices.values() if await warmup.probe(dev, self.contract)]
 
     async def warm_up(self) -> None:
         """Warm every device up on its own worker thread, one device after another, before
-        serving (:func:`health.warm_up`). Raises what a run raised (nothing is counted: the
+        serving (:func:`warmup.warm_up`). Raises what a run raised (nothing is counted: the
         node stops)."""
         for dev in self._devices.values():
-            await health.warm_up(dev, self.contract)
+            await warmup.warm_up(dev, self.contract)
 
     def close(self) -> None:
         for dev in self._devices.values():

@@ -25,7 +25,7 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 
-from node.errors import ClaimEnded, ForwardCancelled, NotKept, SeqConflict
+from node.errors import ClaimEnded, ForwardCancelled, SeqConflict
 from node.record import (
     Apply,
     Episode,
@@ -41,13 +41,9 @@ from node.rtc import LATENCY_WINDOW
 __all__ = [
     "REMEMBERED",
     "Apply",
-    "ClaimEnded",
     "Episode",
     "EpisodeTable",
-    "ForwardCancelled",
-    "NotKept",
     "Replay",
-    "SeqConflict",
     "StepResult",
     "Verdict",
     "admit",

@@ -31,10 +31,11 @@ The hierarchy (``ValueError`` subclasses are a client's bad values)::
 :func:`outcome` maps any of them (and ``affinity``'s errors) to an :class:`Outcome`; each
 front door renders that in its own wire shape. Adding a failure mode touches ``_TABLE``.
 
-Kept elsewhere on purpose (never answered as they are): ``node/router.py``'s ``_NotSent``
-(an :class:`Unavailable`), ``node/protocols/kserve/grpc.py``'s ``_Abort`` (an outcome
-already rendered as a gRPC status) and ``node/startup.py``'s ``StartupError`` (an exit
-code). Hazard: this module is a leaf; importing anything from ``node`` makes a cycle.
+Kept elsewhere on purpose (never answered as they are): ``node/router.py``'s ``_NotSent``,
+``_Stale`` and ``_LetGo`` (each an :class:`Unavailable`), ``node/protocols/kserve/grpc.py``'s
+``_Abort`` (an outcome already rendered as a gRPC status) and ``node/startup.py``'s
+``StartupError`` (an exit code). Hazard: this module is a leaf; importing anything from
+``node`` makes a cycle.
 """
 
 from __future__ import annotations
@@ -47,9 +48,13 @@ from affinity import (
     AffinityError,
     BackendUnavailable,
     InvalidArgument,
+    ModelConflict,
+    NoCapacity,
     NotReplicated,
     PoolExhausted,
+    Recovering,
     UnknownEpisode,
+    UnknownModel,
 )
 from affinity.wire import WireError
 
@@ -82,7 +87,7 @@ __all__ = [
     "refusal",
 ]
 
-PRIVATE = frozenset({"_NotSent", "_Abort", "StartupError"})
+PRIVATE = frozenset({"_NotSent", "_Stale", "_LetGo", "_Abort", "StartupError"})
 """Exception classes defined outside this module on purpose (see the module doc)."""
 
 
@@ -359,8 +364,19 @@ _TABLE: dict[type[BaseException], Callable[[Any], Outcome]] = {
     TransferError: lambda e: Outcome(422, "bad_record", str(e)),
     ModelFailure: lambda e: Outcome(500, "model_failure", str(e)),
     DeviceDown: _unavailable("device_down", 5.0),
+    ModelConflict: lambda e: Outcome(409, "model_conflict", str(e)),
+    UnknownModel: lambda e: Outcome(404, "unknown_model", str(e)),
+    NoCapacity: lambda e: (
+        Outcome(503, "no_nodes", str(e), 1.0)
+        if e.reason == "no_nodes"
+        # slo: the scores move at the next renewals (a third of a lease)
+        else Outcome(503, "slo", str(e), 2.0)
+        if e.reason == "slo"
+        else Outcome(503, "full", str(e), 2.0)
+    ),
+    Recovering: lambda e: Outcome(503, "recovering", str(e), max(1.0, e.retry_after_s)),
     PoolExhausted: _unavailable("busy"),
-    NotReplicated: _unavailable("not_replicated"),
+    NotReplicated: _unavailable("not_replicated"),  # nobody serves it: retry once caught up
     BackendUnavailable: _unavailable("redis"),
     AffinityError: _unavailable("affinity"),
 }

@@ -35,7 +35,7 @@ from node.errors import ForwardError
 from node.rtc import Ask
 from node.step import Reply, Step
 
-__all__ = ["MOVE_PATH", "Forward", "ForwardError", "ForwardPool", "Poster", "Response"]
+__all__ = ["MOVE_PATH", "Forward", "ForwardPool", "Poster", "Response"]
 
 INTERNAL_PATH = "/internal/act"
 MOVE_PATH = "/internal/move"  # a live hand-over's record (node/transfer.py)

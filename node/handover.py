@@ -65,16 +65,14 @@ from typing import Literal
 
 from affinity import AffinityError, Claims, wire
 from affinity.registry import MoveRequest
-from affinity.transfers import Placement, Transfers
-from affinity.transfers import Refused as NotPlaced
+from affinity.transfers import NotPlaced, Placement, Transfers
 from node.contract import PolicyContract
 from node.episodes import Episode, EpisodeTable
-from node.errors import ModelNotServed
-from node.forward import MOVE_PATH, Forward, ForwardError, Poster, send_undo
+from node.errors import ForwardError, ModelNotServed, Refused, TransferError, Unavailable
+from node.forward import MOVE_PATH, Forward, Poster, send_undo
 from node.lease import Lease
 from node.metrics import Metrics
-from node.step import Refused, Unavailable
-from node.transfer import Install, TransferError, decode_install, encode_install, record_bytes
+from node.transfer import Install, decode_install, encode_install, record_bytes
 
 __all__ = [
     "HOLD_MS",
@@ -82,14 +80,14 @@ __all__ = [
     "MOVE_S",
     "SETTLE_S",
     "HandOvers",
+    "MoveOutcome",
     "Mover",
-    "Outcome",
     "Reason",
 ]
 
 log = logging.getLogger("affinity.node")
 
-Outcome = Literal["moved", "reset", "kept"]
+MoveOutcome = Literal["moved", "reset", "kept"]
 """moved: with its state; reset: handed over without it (said with state_reset); kept:
 nothing moved (the episode is not held here, or its owner must keep it: fenced, released)."""
 Reason = Literal["drain", "stop", "move"]
@@ -142,7 +140,7 @@ class Mover:
 
     # ---- the old owner ---------------------------------------------------------------
 
-    async def hand_over(self, episode: str, reason: Reason, target: str = "") -> Outcome:
+    async def hand_over(self, episode: str, reason: Reason, target: str = "") -> MoveOutcome:
         """Move ``episode`` with its state. When nothing can take it, or the transfer
         fails before its commit, hand it over without its state. Its next step is then
         ``reassigned`` with ``state_reset``. A hand-over already under way is joined."""
@@ -150,7 +148,7 @@ class Mover:
             await self.table.wait_moved(episode)
             return "kept"
         started = time.perf_counter()
-        outcome: Outcome = "kept"
+        outcome: MoveOutcome = "kept"
         try:
             await self.table.wait_idle(episode)  # the step in flight, if any, finishes first
             outcome = await self._move(episode, reason, target)
@@ -163,7 +161,7 @@ class Mover:
                 self.metrics.move_seconds.observe(time.perf_counter() - started)
         return outcome
 
-    async def _move(self, episode: str, reason: Reason, target: str) -> Outcome:
+    async def _move(self, episode: str, reason: Reason, target: str) -> MoveOutcome:
         token = 0
         for _ in range(MOVE_TRIES):
             self._spoiled.discard(episode)
@@ -178,7 +176,7 @@ class Mover:
 
     async def _try(
         self, episode: str, record: Episode, reason: Reason, target: str
-    ) -> Outcome | None:
+    ) -> MoveOutcome | None:
         """One attempt; None: an undo changed the record on its way (start again)."""
         instance = self.lease.instance
         try:
@@ -286,7 +284,7 @@ class Mover:
 
     async def _fallback(
         self, episode: str, token: int, reason: Reason, code: str, why: str
-    ) -> Outcome:
+    ) -> MoveOutcome:
         """A move that could not be made (``code``: none, unreachable, refused, redis). A
         graceful stop hands the episode over without its state; its next step says
         ``state_reset``. A drain's or an operator's move leaves it here, with its state (a
@@ -302,7 +300,7 @@ class Mover:
         log.info("could not move %s (stop): %s; handed over without its state", episode, why)
         return await self._without_state(episode, token)
 
-    async def _without_state(self, episode: str, token: int) -> Outcome:
+    async def _without_state(self, episode: str, token: int) -> MoveOutcome:
         """The fallback: hand ``episode`` over without its state (``state_reset``)."""
         if self.table.release(episode, "handed", token) is None:
             return "kept"
@@ -455,12 +453,14 @@ class HandOvers:
         self.mover = mover
         self.drain_timeout_s = drain_timeout_s
         self.clock = clock
-        self._handing: dict[str, asyncio.Task[Outcome]] = {}
-        self._moving: set[asyncio.Task[Outcome]] = set()  # operators' moves under way
+        self._handing: dict[str, asyncio.Task[MoveOutcome]] = {}
+        self._moving: set[asyncio.Task[MoveOutcome]] = set()  # operators' moves under way
         self._gate = asyncio.Semaphore(MOVES_AT_ONCE)  # hand-overs under way, at most
         self._closing = False  # the graceful stop's timeout fired: begin no more moves
 
-    async def hand_over(self, episode: str, reason: Reason = "stop", target: str = "") -> Outcome:
+    async def hand_over(
+        self, episode: str, reason: Reason = "stop", target: str = ""
+    ) -> MoveOutcome:
         """Hand ``episode`` over once its in-flight step (if any) finished. It goes with its
         state to a device that serves its model and has room (:class:`Mover`). Else it goes
         without it; its next step is ``reassigned``, ``state_reset``. Idempotent; concurrent
@@ -472,7 +472,7 @@ class HandOvers:
             task.add_done_callback(lambda _: self._handing.pop(episode, None))
         return await asyncio.shield(task)
 
-    async def _gated(self, episode: str, reason: Reason, target: str) -> Outcome:
+    async def _gated(self, episode: str, reason: Reason, target: str) -> MoveOutcome:
         async with self._gate:
             if self._closing:
                 return "kept"  # the deregistration hands it over (without its state)

@@ -1,8 +1,8 @@
-"""The health of a node's devices: crash trackers, probe and warm-up runs, and Redis's view.
+"""The health of a node's devices, and Redis's view of it.
 
-Each model has a crash tracker per device. The probe and warm-up runs are made on a
-device's worker. :class:`DeviceHealth` carries the trackers' transitions to Redis and
-makes Redis agree with them.
+Each model has a crash tracker per device (``node/crashes.py``). The probe and warm-up runs
+are made on a device's worker (``node/warmup.py``). :class:`DeviceHealth` carries the
+trackers' transitions to Redis and makes Redis agree with them.
 
 A device is down when any of its models' trackers has it down. Failures are counted per
 model, by the device's worker (``node/worker.py``). ``down`` belongs to the node. Redis is
@@ -14,130 +14,30 @@ belongs to Redis. Bad client input never reaches a model, so it never counts.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import threading
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import Protocol
 
 from affinity import AffinityError, Registry
-from node import warmup
-from node.contract import Array, PolicyContract
-from node.errors import DeviceDown, ModelFailure
+from node.crashes import CrashTracker
 from node.metrics import Metrics
 
-if TYPE_CHECKING:
-    from node.dispatcher import MultiGpuDispatcher
-    from node.worker import DeviceWorker
-
-__all__ = [
-    "CrashTracker",
-    "DeviceDown",
-    "DeviceHealth",
-    "ModelFailure",
-    "Transition",
-    "probe",
-    "warm_up",
-]
+__all__ = ["DeviceHealth", "ModelDevices"]
 
 log = logging.getLogger("affinity.node")
 
-Transition = Callable[[str, str, str], None]
-"""``(device, "down" | "up", reason)``: a crash tracker took a device down or brought it
-back. Called on the device's worker thread (or the event loop, for a hung run)."""
 
-
-@dataclass
-class CrashTracker:
-    """Consecutive model failures of one device, with a cool-down before a probe."""
-
-    threshold: int
-    cooldown_s: float
-    clock: Callable[[], float]
-    failures: int = 0
-    down_since: float | None = None
-    last_error: str = ""
-    # the device's worker and the event loop (deadline hits) both record outcomes
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+class ModelDevices(Protocol):
+    """One model's devices, as the health asks them (``node.dispatcher.MultiGpuDispatcher``)."""
 
     @property
-    def down(self) -> bool:
-        return self.down_since is not None
+    def devices(self) -> list[str]: ...
 
-    def success(self) -> bool:
-        """Record a good run; True when this brings the device back up."""
-        with self.lock:
-            was_down = self.down
-            self.failures = 0
-            self.down_since = None
-            return was_down
+    def tracker(self, device: str) -> CrashTracker: ...
 
-    def failure(self, error: str) -> bool:
-        """Record a failed run; True when this takes the device down."""
-        with self.lock:
-            self.failures += 1
-            self.last_error = error
-            if not self.down and self.failures >= self.threshold:
-                self.down_since = self.clock()
-                return True
-            if self.down:
-                self.down_since = self.clock()  # a failed probe restarts the cool-down
-            return False
+    async def probe(self) -> list[str]: ...
 
-    def probe_due(self) -> bool:
-        return self.down_since is not None and self.clock() - self.down_since >= self.cooldown_s
-
-
-async def probe(worker: DeviceWorker, contract: PolicyContract) -> bool:
-    """Probe ``worker``'s device if it is down and its cool-down has passed. The probe runs
-    the warm-up's feed (``node.warmup``) on its worker thread. True when it came back up. A
-    model nothing may be fed to made up comes back untested, and its next steps probe it (a
-    failure takes it down again)."""
-    if not worker.tracker.probe_due():
-        return False
-    feed = warmup.feed(contract)
-    if feed is None:
-        worker.count_success()
-        return True
-    try:
-        await worker.call(functools.partial(_run_counted, worker, feed))
-    except ModelFailure:
-        return False
-    return True
-
-
-def _run_counted(worker: DeviceWorker, feed: dict[str, Array]) -> None:
-    """One run of ``feed`` that counts as the device's; raises :class:`ModelFailure`."""
-    try:
-        worker.session.run(worker.outputs, feed)
-    except Exception as exc:
-        worker.count_failure(f"{type(exc).__name__}: {exc}")
-        raise ModelFailure(worker.id, exc) from exc
-    worker.count_success()
-
-
-async def warm_up(worker: DeviceWorker, contract: PolicyContract) -> None:
-    """Warm ``worker``'s device up on its worker thread, before serving. A session with a
-    ``warm_up()`` method is asked to (``node.binding.BoundSession`` captures its CUDA graph
-    there). Any other runs the feed of ``node.warmup`` (the operator's samples, else zeros).
-    It runs once at every batch size it will use. A session with ``batch_sizes`` captures
-    one graph per size there. A model with an input nothing may be fed
-    (``node.warmup.unfed``) is not run at all. ONNX Runtime keeps a captured CUDA graph per
-    thread. So the capture must happen on the thread that runs the device's steps. CUDA's
-    capture mode is process-wide, so warm one device at a time. Raises what a run raised
-    (nothing is counted: the node stops)."""
-    if warmup.unfed(contract):
-        return
-    warm = getattr(worker.session, "warm_up", None)
-    if warm is not None:
-        await worker.call(warm)
-        return
-    sizes = [s for s in worker.sizes or () if s <= worker.max_batch] or [worker.bucket(1)]
-    for size in sizes:
-        feed = warmup.feed(contract, size)
-        assert feed is not None  # no unfed input
-        await worker.call(functools.partial(warmup.run, worker.session, worker.outputs, feed))
+    def close(self) -> None: ...
 
 
 class DeviceHealth:
@@ -145,7 +45,7 @@ class DeviceHealth:
 
     def __init__(
         self,
-        dispatchers: Mapping[str, MultiGpuDispatcher],
+        dispatchers: Mapping[str, ModelDevices],
         registry: Registry,
         metrics: Metrics,
     ) -> None:

@@ -25,7 +25,6 @@ from node.errors import InvalidInput
 
 __all__ = [
     "MAX_OBSERVATION_DEPTH",
-    "InvalidInput",
     "ObservationInputs",
     "from_arrays",
     "from_json",

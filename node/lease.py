@@ -35,8 +35,8 @@ from affinity import (
 from affinity.registry import DeviceScore, Held, LeaseTerms, MoveRequest, Registered
 from node.config import NodeConfig
 from node.episodes import EpisodeTable
+from node.errors import Unavailable
 from node.metrics import Metrics
-from node.step import Unavailable
 
 __all__ = ["Lease", "LeaseListener"]
 
@@ -74,6 +74,10 @@ class Lease:
         metrics: Metrics,
         registrations: Callable[[], list[DeviceRegistration]],
         clock: Callable[[], float] = time.monotonic,
+        *,
+        models: Mapping[ModelId, str] | None = None,
+        on_renewed: Callable[[], Awaitable[None]] | None = None,
+        scores: Callable[[], Sequence[DeviceScore]] = list,
     ) -> None:
         self.config = config
         self.node_id = config.node_id
@@ -82,7 +86,7 @@ class Lease:
         self.metrics = metrics
         self.registrations = registrations
         self.clock = clock
-        self.models: Mapping[ModelId, str] = {}  # what the node serves -> its contract record
+        self.models: Mapping[ModelId, str] = models or {}  # served -> its contract record
         self.instance = uuid.uuid4().hex  # tells this process from another with the same id
         self.deadline = float("-inf")  # monotonic; nothing is served before register
         self.registered = False
@@ -90,9 +94,9 @@ class Lease:
         self.left = False  # deregistered by a graceful stop: routes its stragglers, serves none
         self.conflict: str | None = None  # why this process must stop (another instance)
         self.on_conflict: Callable[[], None] = lambda: None
-        self.on_renewed: Callable[[], Awaitable[None]] | None = None  # after each renewal
+        self.on_renewed = on_renewed  # after each renewal
         # the scores each renewal publishes (scored placement: node/placement.py)
-        self.scores: Callable[[], Sequence[DeviceScore]] = list
+        self.scores = scores
         self.listener: LeaseListener | None = None
         # what an operator asked to move, read at a renewal (started in the background)
         self.on_moves: Callable[[Sequence[MoveRequest]], None] | None = None

@@ -13,12 +13,14 @@ docs/metrics.md lists the same names and values; a test checks both ways.
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
 import onnxruntime
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from affinity import __version__
@@ -97,12 +99,13 @@ LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
 class LoopBuckets:
     """One labelled child of a :class:`LoopHistogram`: plain counts, no lock."""
 
-    __slots__ = ("bounds", "counts", "sum")
+    __slots__ = ("bounds", "counts", "created", "sum")
 
     def __init__(self, bounds: tuple[float, ...]) -> None:
         self.bounds = bounds
         self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
         self.sum = 0.0
+        self.created = time.time()  # exported as ``_created``, as prometheus-client does
 
     def observe(self, value: float) -> None:
         self.counts[bisect_left(self.bounds, value)] += 1  # the first bound >= value
@@ -110,11 +113,13 @@ class LoopBuckets:
 
 
 class LoopHistogram:
-    """A histogram observed from one thread only, the event loop's (each step, at the node
-    it came in by). A child's buckets are plain integers. So an observation costs a
-    bisection and two additions (prometheus-client's ``Histogram`` takes two locks, ~1 µs).
-    A scrape from another thread may read a child between its count and its sum: never a
-    lost count. Exported like any histogram, its family declared before any child exists."""
+    """A histogram whose each child is observed by one thread at a time: the event loop's
+    (each step, at the node it came in by), or a device's run, which holds the device. A
+    child's buckets are plain integers. So an observation costs a bisection and two
+    additions (prometheus-client's ``Histogram`` takes two locks, ~1 µs). Two writers of
+    one child at once could lose a count. A scrape from another thread may read a child
+    between its count and its sum: never a lost count. Exported like any histogram, its
+    family declared before any child exists."""
 
     def __init__(
         self,
@@ -149,6 +154,8 @@ class LoopHistogram:
                 total += count
                 buckets.append((le, float(total)))
             family.add_metric(list(values), buckets, child.sum)
+            labels = dict(zip(self.labelnames, values, strict=True))
+            family.samples.append(Sample(self.name + "_created", labels, child.created))
         yield family
 
 
@@ -167,12 +174,12 @@ class Metrics:
             ["result"],
             registry=r,
         )
-        self.act_seconds = Histogram(
+        self.act_seconds = LoopHistogram(  # observed on the event loop at every step
             "affinity_act_seconds",
             "Latency of served /act requests (seconds), by path.",
             ["path"],
-            registry=r,
-            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            r,
         )
         self.live = Gauge(
             "affinity_live_episodes",
@@ -259,19 +266,21 @@ class Metrics:
             buckets=(256, 1024, 4096, 16384, 65536, 262144, 1 << 20, 4 << 20, 16 << 20),
             registry=r,
         )
-        self.batch_size = Histogram(
+        # observed at every model run by the run's thread, which holds the device (a
+        # device's child has one writer at a time): the lock-free kind too
+        self.batch_size = LoopHistogram(
             "affinity_batch_size",
             "Steps per model run (1: unbatched), by device.",
             ["device"],
-            registry=r,
-            buckets=(1, 2, 3, 4, 5, 6, 7, 8),
+            (1, 2, 3, 4, 5, 6, 7, 8),
+            r,
         )
-        self.queue_wait = Histogram(
+        self.queue_wait = LoopHistogram(
             "affinity_queue_wait_seconds",
             "Time a step waited on its device before its model run began (seconds).",
             ["device"],
-            registry=r,
-            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+            (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+            r,
         )
         self.capacity = Gauge(
             "affinity_device_capacity",

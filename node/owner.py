@@ -19,8 +19,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Mapping
 
 from affinity import (
     AffinityError,
@@ -39,22 +38,30 @@ from node.config import NodeConfig
 from node.control import control_feed
 from node.dispatcher import Arrival, MultiGpuDispatcher
 from node.episodes import EpisodeTable
-from node.errors import ClaimEnded, ModelFailure, StepRefused, refusal
+from node.errors import (
+    ClaimEnded,
+    InvalidInput,
+    ModelFailure,
+    Refused,
+    StepRefused,
+    Unavailable,
+    refusal,
+)
 from node.flusher import Flusher
 from node.forward import Forward, Poster
 from node.handover import HandOvers, Mover
 from node.health import DeviceHealth
-from node.inputs import InvalidInput
 from node.lease import Lease
 from node.metrics import Metrics
 from node.record import StepResult
 from node.rtc import Ask
-from node.step import Refused, Reply, Step, TimeLimit, Unavailable
+from node.step import Reply, Step, TimeLimit
 
-if TYPE_CHECKING:
-    from node.router import Router
+__all__ = ["Owner", "Restart"]
 
-__all__ = ["Owner"]
+Restart = Callable[[Step, Arrival], Awaitable[Reply]]
+"""Start a forwarded step's episode over here (``node.router.Router.restart_here``): it
+claims anew through the router's resolve."""
 
 log = logging.getLogger("affinity.node")
 
@@ -76,6 +83,7 @@ class Owner:
         metrics: Metrics,
         pool: Poster,
         clock: Callable[[], float] = time.monotonic,
+        restart: Restart | None = None,
     ) -> None:
         self.config = config
         self.node_id = config.node_id
@@ -92,7 +100,7 @@ class Owner:
         self.arrivals = next(iter(dispatchers.values())).arrivals
         # name -> "name@version" of the models served here (for the replies)
         self.models = {name: d.model for name, d in dispatchers.items()}
-        self.router: Router | None = None  # set by the service: a restart claims through it
+        self.restart = restart  # a forwarded restart claims anew through the router
         self._ending: dict[str, asyncio.Event] = {}  # ends whose release in Redis is in flight
         settings = config.settings  # the flushes and hand-overs use the lease's own pool
         self.flusher = Flusher(self.node_id, table, lease, registry, metrics, settings, clock)
@@ -311,8 +319,8 @@ class Owner:
         step = fwd.step
         step.deadline, step.rtc, step.arrived = self.clock() + fwd.budget_s, rtc, arrived
         if step.restart:  # the router found this node the owner: it starts the episode over
-            assert self.router is not None
-            return await self.router.restart_here(step, arrival)
+            assert self.restart is not None
+            return await self.restart(step, arrival)
         if not self.table.holds(fwd.episode, fwd.device, fwd.token, fwd.claim):
             # a claim this node does not hold: obey Redis, which has the last word (a
             # forward that was in flight while the episode moved must never start a second

@@ -32,14 +32,11 @@ from onnxruntime.capi import build_and_package_info
 from onnxruntime.capi.onnxruntime_pybind11_state import EPFail, Fail
 
 from node.devices import DeviceSpec
-from node.errors import CudaGraphUnavailable, CudaUnavailable, GpuUnavailable
+from node.errors import CudaGraphUnavailable, CudaUnavailable
 
 __all__ = [
     "BuiltSession",
-    "CudaGraphUnavailable",
     "CudaRuntime",
-    "CudaUnavailable",
-    "GpuUnavailable",
     "ProviderPlan",
     "ProviderSettings",
     "build_session",

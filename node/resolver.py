@@ -1,8 +1,9 @@
 """Ask Redis who owns a step's episode: the resolve, its admission backlog, its refusals.
 
 Redis decides (``affinity/claims.py``). This module asks and maps the answer to the step's
-errors. Another model or version is 409 ``model_conflict``. A model no node registered is
-404 ``unknown_model``. The rest is 503 with a reason. With ``--admission-wait`` a claim that finds
+errors through the one table (``node.errors.refusal``). Another model or version is 409
+``model_conflict``. A model no node registered is 404 ``unknown_model``. The rest is 503
+with a reason. With ``--admission-wait`` a claim that finds
 every device full waits in the backlog (``node/admission.py``) until its step's deadline.
 """
 
@@ -19,16 +20,15 @@ from affinity import (
     ModelConflict,
     ModelId,
     NoCapacity,
-    NotReplicated,
-    PoolExhausted,
     Recovering,
     UnknownModel,
 )
 from node.admission import Admission
 from node.catalog import Catalog
+from node.errors import refusal
 from node.metrics import Metrics
 from node.peers import PeerHealth
-from node.step import Refused, Step, Unavailable
+from node.step import Step
 
 __all__ = ["Placement", "Resolver"]
 
@@ -127,26 +127,15 @@ class Resolver:
                 m = ModelId.parse(assignment.model)
                 self.metrics.model_claims.labels(m.name, m.version, assignment.status).inc()
             return assignment
-        except ModelConflict as exc:
-            raise Refused(409, "model_conflict", str(exc)) from exc
-        except UnknownModel as exc:
+        except UnknownModel as exc:  # named with the models served here
             served = self.catalog.served() if self.catalog else []
-            raise Refused(404, "unknown_model", str(UnknownModel(exc.model, served))) from exc
-        except PoolExhausted as exc:
-            raise Unavailable("busy", str(exc), 1.0) from exc
-        except NotReplicated as exc:  # nobody serves it: retry once the replicas catch up
-            raise Unavailable("not_replicated", str(exc), 1.0) from exc
-        except BackendUnavailable as exc:
-            raise Unavailable("redis", str(exc), 1.0) from exc
-        except Recovering as exc:
-            raise Unavailable("recovering", str(exc), max(1.0, exc.retry_after_s)) from exc
+            raise refusal(UnknownModel(exc.model, served)) from exc
         except NoCapacity as exc:
-            if exc.reason == "no_nodes":
-                raise Unavailable("no_nodes", str(exc), 1.0) from exc
-            if exc.reason == "slo":  # scores move at the next renewals (a third of a lease)
+            if exc.reason == "slo":
                 self.metrics.placement_slo.inc()
-                raise Unavailable("slo", str(exc), 2.0) from exc
-            raise Unavailable("full", str(exc), 2.0) from exc
+            raise refusal(exc) from exc
+        except (ModelConflict, Recovering, BackendUnavailable) as exc:
+            raise refusal(exc) from exc
 
     def asked(self, step: Step) -> str:
         """The model a step names: ``"name@version"``, or its name alone."""

@@ -7,6 +7,9 @@ layers each add one concern, outermost first:
 - ``_act_within_deadline``: the client's deadline, patient retries.
 - ``_act_handling_restart``: a restart is made by the owner; an episode held here is
   served from memory; a hint is tried.
+- ``_act_asking_again``: the one re-resolve. An owner that turned out stale (it no longer
+  holds the claim, it is another process, it is handing its episodes over) sends the step
+  back to Redis once; the leaves below never resolve themselves.
 - ``_act_at_owner``: serve here, or forward once.
 
 Routers ask, owners answer: Redis (a resolve) decides who owns an episode. A hint (the
@@ -25,7 +28,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from affinity import (
@@ -37,8 +40,8 @@ from affinity import (
 from node.catalog import Catalog
 from node.config import NodeConfig
 from node.dispatcher import Arrival, MultiGpuDispatcher
-from node.episodes import ClaimEnded
-from node.forward import Forward, ForwardError, Poster, Response, decode_reply, send_undo
+from node.errors import ClaimEnded, ForwardError, Refused, Unavailable
+from node.forward import Forward, Poster, Response, decode_reply, send_undo
 from node.health import DeviceHealth
 from node.lease import Lease
 from node.metrics import ROUTING, Metrics
@@ -46,7 +49,7 @@ from node.owner import Owner
 from node.peers import PeerHealth
 from node.resolver import Resolver
 from node.stateless import Stateless
-from node.step import Refused, Reply, Step, TimeLimit, Unavailable
+from node.step import Reply, Step, TimeLimit
 from node.timing import StepTimes
 
 __all__ = ["FORWARD_MARGIN_S", "MAX_HINTS", "TRANSIENT", "UNDO_S", "Locator", "Router"]
@@ -87,6 +90,17 @@ TRANSIENT = frozenset(
 class _NotSent(Unavailable):
     """``owner_unreachable`` for a forward that never left this node (refused connection):
     the step did not run anywhere, so it may be routed again."""
+
+
+class _Stale(Unavailable):
+    """The owner Redis (or a hint) named cannot serve the step as named: Redis is asked
+    again, once (:meth:`Router._act_asking_again`). Raised as it is, its 503, when Redis was
+    asked again already."""
+
+
+class _LetGo(_Stale):
+    """This node refused a claim Redis named when asked again, and handed it over in Redis
+    (token-checked): asking once more finds a fresh claim."""
 
 
 class Locator:
@@ -153,7 +167,6 @@ class Router:
         self._restarting: dict[str, int] = {}  # episodes whose restart claim is in flight
         self.locator = Locator()
         self.times = StepTimes(metrics, config.control_hz)
-        owner.router = self
 
     # ---- the layers --------------------------------------------------------------------
 
@@ -164,9 +177,9 @@ class Router:
         inside the node until the deadline, for clients that cannot retry (openpi's).
         Raises :class:`Unavailable` (503), :class:`Refused` (its status), and
         ``InvalidArgument`` for a bad id."""
-        started = time.perf_counter()
+        started = time.monotonic()
         if step.received is None:
-            step.received = time.monotonic()
+            step.received = started
         if step.arrived is None:
             step.arrived = self.clock()
         arrival = self.arrivals.arrival()  # lets a device with a waiting step wait for it
@@ -185,8 +198,9 @@ class Router:
         counted = self._routing_counted.get(reply.routing)
         (counted or self.metrics.routing.labels(reply.routing)).inc()
         path = "local" if reply.node == self.node_id else "forwarded"
-        self._act_seconds[path].observe(time.perf_counter() - started)
-        self.times.served(step, reply, time.monotonic() - step.received)
+        now = time.monotonic()  # one clock read for both
+        self._act_seconds[path].observe(now - started)
+        self.times.served(step, reply, now - step.received)
         return reply
 
     async def _act_within_deadline(self, step: Step, patient: bool, arrival: Arrival) -> Reply:
@@ -236,7 +250,9 @@ class Router:
             except UnknownEpisode:
                 current = None
             if current is not None and current.node != self.node_id:
-                return await self._forward(current, step, arrival, retry=True)
+                return await self._act_asking_again(
+                    step, arrival, self._forward(current, step, arrival)
+                )
             return await self.restart_here(step, arrival)
         hint: Assignment | None = None
         unsent: _NotSent | None = None  # the hinted owner refused the connection
@@ -251,12 +267,17 @@ class Router:
                         "model_conflict",
                         str(ModelConflict(step.episode, held.model, self.resolver.asked(step))),
                     )
-                return await self._serve_here(held, step, arrival)
+                try:  # the hot path: no layer more than it needs
+                    return await self._serve_here(held, step, arrival)
+                except _Stale:
+                    return await self._act_asking_again(step, arrival, None)
             hint = self.locator.lookup(step.episode) if self.lease.may_serve() else None
             if hint is not None and not self.resolver.names_other(step, hint.model):
                 # (a hint of another model or version: Redis answers, 409 or a new place)
                 try:
-                    return await self._forward(hint, step, arrival, retry=True)
+                    return await self._forward(hint, step, arrival)
+                except _Stale:
+                    pass  # it does not hold the episode (any more): ask Redis
                 except Unavailable as exc:
                     if exc.reason not in STALE_HINT and not isinstance(exc, _NotSent):
                         raise
@@ -269,7 +290,9 @@ class Router:
             and (assignment.node, assignment.token) == (hint.node, hint.token)
         ):
             raise unsent  # Redis still names the owner that refused: unreachable, not moved
-        return await self._act_at_owner(assignment, step, arrival)
+        return await self._act_asking_again(
+            step, arrival, self._act_at_owner(assignment, step, arrival)
+        )
 
     async def restart_here(self, step: Step, arrival: Arrival) -> Reply:
         """Start ``step``'s episode over, this node being its owner (or none being): drop
@@ -291,51 +314,73 @@ class Router:
                 self._restarting[step.episode] = left
         if assignment.node != self.node_id:
             self.owner.table.release(step.episode, "end")  # the new owner is another node
-        return await self._act_at_owner(assignment, replace(step, restart=False), arrival)
+        step = replace(step, restart=False)
+        return await self._act_asking_again(
+            step, arrival, self._act_at_owner(assignment, step, arrival)
+        )
 
-    async def _act_at_owner(self, assignment: Assignment, step: Step, arrival: Arrival) -> Reply:
-        """Serve or forward the step of ``a``, which Redis has just decided."""
+    async def _act_asking_again(
+        self, step: Step, arrival: Arrival, first: Awaitable[Reply] | None
+    ) -> Reply:
+        """``first`` (the step at the owner found first; None: it turned out stale
+        already); if that owner turned out stale (:class:`_Stale`), Redis is asked again
+        and the step goes to the owner it names then. Once: a second stale owner is the
+        step's 503, unless it was this node refusing a claim Redis names, which it let go
+        in Redis (:class:`_LetGo`): the third answer is a fresh claim."""
+        if first is not None:
+            try:
+                return await first
+            except _Stale:
+                pass
+        for tries_left in (1, 0):
+            assignment = await self.resolver.for_step(step)
+            try:
+                return await self._act_at_owner(assignment, step, arrival, again=True)
+            except _LetGo:
+                if not tries_left:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _act_at_owner(
+        self, assignment: Assignment, step: Step, arrival: Arrival, *, again: bool = False
+    ) -> Reply:
+        """Serve or forward the step of ``assignment``, which Redis has just decided
+        (``again``: a second time, for this step)."""
         if assignment.node != self.node_id:
-            return await self._forward(assignment, step, arrival, retry=True)
+            return await self._forward(assignment, step, arrival)
         self.lease.require_instance(
             assignment.instance
         )  # Redis' word: the registration must be ours
         if self.lease.leaving:
+            leaving = f"node {self.node_id} is shutting down"
+            if again:
+                raise Unavailable("leaving", leaving, 1.0)
             # this node is handing its episodes over: this one goes now, then to its new owner
             await self.owner.handovers.hand_over(assignment.episode)
-            assignment = await self.resolver.for_step(step)
-            if assignment.node == self.node_id:
-                raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)
-            return await self._forward(assignment, step, arrival, retry=False)
-        return await self._serve_here(assignment, step, arrival)
+            raise _Stale("leaving", leaving, 1.0)
+        return await self._serve_here(assignment, step, arrival, again=again)
 
-    async def _serve_here(self, assignment: Assignment, step: Step, arrival: Arrival) -> Reply:
-        """The owner serves ``a`` here; a claim that ended here meanwhile is asked about
-        again, once (a step queued behind an end, a release, an idle expiry)."""
+    async def _serve_here(
+        self, assignment: Assignment, step: Step, arrival: Arrival, *, again: bool = False
+    ) -> Reply:
+        """The owner serves ``assignment`` here; a claim that ended here meanwhile is
+        :class:`_Stale` (a step queued behind an end, a release, an idle expiry), or
+        :class:`_LetGo` when Redis named it when asked ``again`` and it was let go there."""
         try:
             return await self.owner.serve(assignment, step, arrival)
-        except ClaimEnded:
-            pass
+        except ClaimEnded as exc:
+            error = _Stale("owner_refused", str(exc), 1.0)
         await self.owner.ended(
             assignment.episode
         )  # an end's release in flight: Redis answers after it
-        again = await self.resolver.for_step(step)
-        if again.node != self.node_id:
-            return await self._forward(again, step, arrival, retry=False)
-        try:
-            return await self.owner.serve(again, step, arrival)
-        except ClaimEnded as exc:
-            # Redis names a claim this node ended: it is handed over in Redis at once, so
-            # it is reassigned (state_reset), never refused for as long as its robot retries
-            if not await self.owner.let_go(again.episode, again.device, again.token, again.claim):
-                raise Unavailable("owner_refused", str(exc), 1.0) from None
-        again = await self.resolver.for_step(step)
-        if again.node != self.node_id:
-            return await self._forward(again, step, arrival, retry=False)
-        try:
-            return await self.owner.serve(again, step, arrival)
-        except ClaimEnded as exc:
-            raise Unavailable("owner_refused", str(exc), 1.0) from None
+        if again:
+            # Redis names, asked again, a claim this node ended: it is handed over in Redis
+            # at once, so it is reassigned (state_reset), never refused for as long as its
+            # robot retries
+            a = assignment
+            if await self.owner.let_go(a.episode, a.device, a.token, a.claim):
+                raise _LetGo(error.reason, str(error), 1.0)
+        raise error
 
     # ---- undo and end ------------------------------------------------------------------
 
@@ -395,10 +440,9 @@ class Router:
 
     # ---- forwarding --------------------------------------------------------------------
 
-    async def _forward(
-        self, owner: Assignment, step: Step, arrival: Arrival, *, retry: bool
-    ) -> Reply:
-        """Forward ``step`` once to the owner Redis or a hint names; map its answer."""
+    async def _forward(self, owner: Assignment, step: Step, arrival: Arrival) -> Reply:
+        """Forward ``step`` once to the owner Redis or a hint names; map its answer
+        (:class:`_Stale` when it does not hold the episode)."""
         sent = time.monotonic()
         budget = step.deadline - self.clock() - FORWARD_MARGIN_S
         if budget <= 0:
@@ -458,13 +502,7 @@ class Router:
         if code == "seq_conflict":
             raise Refused(409, code, message)
         if resp.status in (409, 421):  # not there (any more), or not that process: ask Redis
-            if not retry:
-                raise Unavailable("owner_refused", text, 1.0)
-            # our view was stale: resolve once more
-            again = await self.resolver.for_step(step)
-            if again.node == self.node_id:
-                return await self._act_at_owner(again, step, arrival)
-            return await self._forward(again, step, arrival, retry=False)
+            raise _Stale("owner_refused", text, 1.0)
         if resp.status == 503 or code == "bad_secret":  # the nodes' secrets differ: not the
             raise Unavailable(code, text, float(resp.headers.get("retry-after", "1")))  # client's
         raise Refused(resp.status, code, text)

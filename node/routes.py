@@ -3,7 +3,7 @@
 The hot paths (``/act``, ``/internal/act``, ``/v2``) never come here: ``node/app.py``
 sends them to their protocol modules first. Every route reads the running node through
 :data:`Service`. Errors are JSON ``{"error": {"code", "message", "field"?}}`` (:func:`error`);
-an exception's status and code come from ``node.errors.outcome`` (:func:`refusal`).
+an exception's status and code come from ``node.errors.outcome`` (:func:`error_for`).
 Hazard: the admin routes refuse through :class:`AdminRefused`, which ``create_app`` renders.
 """
 
@@ -25,11 +25,10 @@ from affinity import (
     UnknownEpisode,
 )
 from affinity.registry import MoveRequest
-from node.errors import AdminRefused, outcome
+from node.errors import AdminRefused, Refused, Unavailable, outcome
 from node.service import NodeService
-from node.step import Refused, Unavailable
 
-__all__ = ["AdminRefused", "Service", "devices", "episodes", "error", "health", "metrics", "models"]
+__all__ = ["Service", "devices", "episodes", "error", "health", "metrics", "models"]
 
 
 async def _service(request: Request) -> NodeService:  # async: no thread per request
@@ -53,7 +52,7 @@ def error(
     return JSONResponse({"error": body}, status_code=status, headers=headers)
 
 
-def refusal(exc: BaseException, field: str | None = None) -> JSONResponse:
+def error_for(exc: BaseException, field: str | None = None) -> JSONResponse:
     """:func:`error` for ``exc`` as :func:`node.errors.outcome` maps it; ``field`` names the
     request field at fault (none by default: each route knows its own)."""
     o = outcome(exc)
@@ -73,11 +72,11 @@ async def end_episode(episode_id: str, s: Service) -> Response:
         if device is None:
             return error(404, "not_found", f"episode {episode_id!r} has no live assignment")
     except InvalidArgument as exc:
-        return refusal(exc, field="episode_id")
+        return error_for(exc, field="episode_id")
     except (UnknownEpisode, StaleToken) as exc:  # it changed while this ran: not the table's
         return error(409, "changed", f"{exc}; try again")
     except Unavailable as exc:
-        return refusal(exc)
+        return error_for(exc)
     return JSONResponse({"episode_id": episode_id, "released": True, "device": device})
 
 
@@ -87,7 +86,7 @@ async def get_episode(episode_id: str, s: Service) -> Response:
     try:
         info = await s.claims.lookup(episode_id)
     except InvalidArgument as exc:
-        return refusal(exc, field="episode_id")
+        return error_for(exc, field="episode_id")
     if info is None:
         return error(404, "not_found", f"episode {episode_id!r} has no live assignment")
     body = info.to_json()
@@ -172,7 +171,7 @@ async def _set_state(s: NodeService, device: str, state: str, reason: str = "") 
     except UnknownDevice as exc:
         return error(404, "not_found", str(exc))
     except InvalidArgument as exc:
-        return refusal(exc, field=exc.field)
+        return error_for(exc, field=exc.field)
     if device in s.device_ids:
         s.metrics.set_state(device, change.state)
     return JSONResponse({"device": device, "state": change.state, "previous": change.previous})
@@ -234,7 +233,7 @@ async def model_named(name: str, s: Service, version: str | None = None) -> Resp
     try:
         chosen, contract = await s.model_for(name, version)
     except (Refused, InvalidArgument) as exc:
-        return refusal(exc)
+        return error_for(exc)
     local = s.models.get(chosen)
     shown = version or (local[0].version if local else s.catalog.newest(chosen))
     return JSONResponse({"name": chosen, "version": shown, **contract.to_json()})

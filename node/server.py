@@ -40,8 +40,8 @@ from node.app import create_app
 from node.asgi import CONNECTION
 from node.cli import EXIT_USAGE, parse_args
 from node.config import NodeConfig
+from node.errors import GpuUnavailable
 from node.fleet import Fleet
-from node.providers import GpuUnavailable
 from node.service import NodeService
 from node.startup import StartupError, build_service
 

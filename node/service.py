@@ -37,16 +37,18 @@ from affinity import (
 )
 from affinity.models import Models
 from affinity.registry import DeviceScore
-from node.catalog import AmbiguousModel, Catalog, contract_record
+from node.catalog import Catalog, contract_record
 from node.config import NodeConfig
 from node.contract import PolicyContract
 from node.devices import DeviceSpec
-from node.dispatcher import Arrivals, MultiGpuDispatcher
+from node.dispatcher import MultiGpuDispatcher
 from node.episodes import EpisodeTable
+from node.errors import AmbiguousModel, refusal
 from node.fleet import MAX_STREAMS
 from node.forward import ForwardPool, Poster
 from node.handover import MOVES_AT_ONCE
 from node.health import DeviceHealth
+from node.jobs import Arrival, Arrivals
 from node.lease import Lease
 from node.metrics import Metrics
 from node.owner import Owner
@@ -56,7 +58,7 @@ from node.rollouts import RolloutMemory
 from node.router import Router
 from node.rtc import Ask
 from node.signals import FleetSignals
-from node.step import Refused
+from node.step import Reply, Step
 
 __all__ = ["NodeService"]
 
@@ -118,8 +120,6 @@ class NodeService:
         self.dispatchers = dispatcher_factory(
             self.device_ids, self._on_transition, self.metrics, self.table, Arrivals()
         )
-        for name, (mid, _) in self.models.items():
-            self.dispatchers[name].model = str(mid)
         # scored placement's step times, measured here, published at each renewal
         self.step_times = StepTimes(
             max((getattr(d, "max_batch", 1) for d in self.dispatchers.values()), default=1)
@@ -131,14 +131,19 @@ class NodeService:
         lease_registry = Registry(self.lease_redis, config.settings, self._known_lease_ms)
         self.health = DeviceHealth(self.dispatchers, lease_registry, self.metrics)
         self.lease = Lease(
-            config, lease_registry, self.table, self.metrics, self.registrations, clock
+            config,
+            lease_registry,
+            self.table,
+            self.metrics,
+            self.registrations,
+            clock,
+            models={m: contract_record(c) for m, c in self.models.values()},
+            on_renewed=self._renewed,  # device states made to agree, rollouts remembered
+            scores=self._scores,  # scored placement's, published at each renewal
         )
-        self.lease.models = {m: contract_record(c) for m, c in self.models.values()}
         self.rollouts = RolloutMemory(
             Models(self.lease_redis, config.settings), [mid.name for mid, _ in self.models.values()]
         )
-        self.lease.on_renewed = self._renewed
-        self.lease.scores = self._scores
         self.pool: Poster = pool or ForwardPool(config.cluster_secret)
         self.started = False
         self._warned: set[str] = set()
@@ -154,6 +159,7 @@ class NodeService:
             self.metrics,
             self.pool,
             clock,
+            restart=self._restart_here,
         )
         self.router = Router(
             config,
@@ -174,6 +180,10 @@ class NodeService:
         every = config.fleet_view_every_s
         fleet = Inventory(lease_registry.redis, config.settings)  # the lease's own pool
         self.signals = FleetSignals(self.node_id, fleet, self.metrics, every, clock)
+
+    async def _restart_here(self, step: Step, arrival: Arrival) -> Reply:
+        """A restart forwarded to the owner: it claims anew through the router."""
+        return await self.router.restart_here(step, arrival)
 
     def _known_lease_ms(self) -> int:
         lease: Lease | None = getattr(self, "lease", None)
@@ -302,10 +312,8 @@ class NodeService:
         try:
             chosen = await self.catalog.choose(name, version)
             return chosen, await self.catalog.contract(chosen, version)
-        except AmbiguousModel as exc:
-            raise Refused(422, "model_required", str(exc)) from None
-        except UnknownModel as exc:
-            raise Refused(404, "unknown_model", str(exc)) from None
+        except (AmbiguousModel, UnknownModel) as exc:
+            raise refusal(exc) from None
 
     def rtc_for(
         self,

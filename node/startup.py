@@ -13,8 +13,6 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from prometheus_client import Histogram
-
 from affinity import ModelId, connect, embedded_store
 from node import warmup
 from node.binding import BoundSession
@@ -26,7 +24,7 @@ from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import Arrivals, MultiGpuDispatcher, Session
 from node.episodes import EpisodeTable
 from node.forward import Poster
-from node.metrics import Metrics
+from node.metrics import LoopHistogram, Metrics
 from node.providers import CPU, build_session, require_cuda
 from node.service import DispatcherFactory, NodeService
 from node.stats import ModelStats
@@ -280,9 +278,9 @@ def both(
     return call
 
 
-def per_device(histogram: Histogram) -> Callable[[str, float], None]:
+def per_device(histogram: LoopHistogram) -> Callable[[str, float], None]:
     """``observe(device, value)`` on ``histogram``'s child of that device, each child made
-    once (``labels()`` takes a lock each call; this runs once per step)."""
+    once (this runs once per step)."""
     children: dict[str, Any] = {}
 
     def observe(device: str, value: float) -> None:

@@ -10,8 +10,9 @@ from collections.abc import Mapping
 
 from node.control import control_feed
 from node.dispatcher import Arrival, MultiGpuDispatcher
+from node.errors import Refused, Unavailable
 from node.health import DeviceHealth
-from node.step import Refused, Reply, Step, Unavailable
+from node.step import Reply, Step
 
 __all__ = ["Stateless"]
 

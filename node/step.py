@@ -16,10 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from node.errors import Refused, Unavailable
 from node.rtc import Ask
 
-__all__ = ["Array", "Refused", "Reply", "Step", "TimeLimit", "Unavailable"]
+__all__ = ["Array", "Reply", "Step", "TimeLimit"]
 
 Array = np.ndarray[Any, Any]
 

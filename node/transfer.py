@@ -29,14 +29,7 @@ from node.episodes import Episode, StepResult
 from node.errors import ModelNotServed, TransferError
 from node.rtc import Used
 
-__all__ = [
-    "Install",
-    "TransferError",
-    "check_record",
-    "decode_install",
-    "encode_install",
-    "record_bytes",
-]
+__all__ = ["Install", "check_record", "decode_install", "encode_install", "record_bytes"]
 
 Array = np.ndarray[Any, Any]
 

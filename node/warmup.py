@@ -27,6 +27,7 @@ fails that cast).
 
 from __future__ import annotations
 
+import functools
 import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -39,17 +40,21 @@ import onnxruntime
 
 from node.contract import Array, PolicyContract
 from node.control import control_feed
-from node.inputs import InvalidInput, from_arrays
+from node.errors import InvalidInput, ModelFailure
+from node.inputs import from_arrays
 from node.rtc import rtc_of
+from node.worker import DeviceWorker
 
 __all__ = [
     "EPISODE",
     "control_values",
     "feed",
     "made_up",
+    "probe",
     "run",
     "samples_path",
     "unfed",
+    "warm_up",
     "with_samples",
 ]
 
@@ -132,3 +137,54 @@ def run(session: Any, outputs: Sequence[str] | None, inputs: Mapping[str, Array]
     if isinstance(session, onnxruntime.InferenceSession):
         return session.run(outputs, inputs, _QUIET)
     return session.run(outputs, inputs)
+
+
+async def probe(worker: DeviceWorker, contract: PolicyContract) -> bool:
+    """Probe ``worker``'s device if it is down and its cool-down has passed. The probe runs
+    the warm-up's :func:`feed` on its worker thread. True when it came back up. A
+    model nothing may be fed to made up comes back untested, and its next steps probe it (a
+    failure takes it down again)."""
+    if not worker.tracker.probe_due():
+        return False
+    inputs = feed(contract)
+    if inputs is None:
+        worker.count_success()
+        return True
+    try:
+        await worker.call(functools.partial(_run_counted, worker, inputs))
+    except ModelFailure:
+        return False
+    return True
+
+
+def _run_counted(worker: DeviceWorker, inputs: dict[str, Array]) -> None:
+    """One run of ``inputs`` that counts as the device's; raises :class:`ModelFailure`."""
+    try:
+        worker.session.run(worker.outputs, inputs)
+    except Exception as exc:
+        worker.count_failure(f"{type(exc).__name__}: {exc}")
+        raise ModelFailure(worker.id, exc) from exc
+    worker.count_success()
+
+
+async def warm_up(worker: DeviceWorker, contract: PolicyContract) -> None:
+    """Warm ``worker``'s device up on its worker thread, before serving. A session with a
+    ``warm_up()`` method is asked to (``node.binding.BoundSession`` captures its CUDA graph
+    there). Any other runs :func:`feed` (the operator's samples, else zeros).
+    It runs once at every batch size it will use. A session with ``batch_sizes`` captures
+    one graph per size there. A model with an input nothing may be fed
+    (:func:`unfed`) is not run at all. ONNX Runtime keeps a captured CUDA graph per
+    thread. So the capture must happen on the thread that runs the device's steps. CUDA's
+    capture mode is process-wide, so warm one device at a time. Raises what a run raised
+    (nothing is counted: the node stops)."""
+    if unfed(contract):
+        return
+    warm = getattr(worker.session, "warm_up", None)
+    if warm is not None:
+        await worker.call(warm)
+        return
+    sizes = [s for s in worker.sizes or () if s <= worker.max_batch] or [worker.bucket(1)]
+    for size in sizes:
+        inputs = feed(contract, size)
+        assert inputs is not None  # no unfed input
+        await worker.call(functools.partial(run, worker.session, worker.outputs, inputs))

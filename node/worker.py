@@ -37,7 +37,8 @@ from typing import Any
 import numpy as np
 
 from node import control
-from node.health import CrashTracker, DeviceDown, ModelFailure, Transition
+from node.crashes import CrashTracker, Transition
+from node.errors import DeviceDown, ModelFailure
 from node.jobs import Arrivals, Job, Member, Run, Session
 
 __all__ = ["DEFAULT_BATCH_DELAY_US", "MAX_DEFAULT_BATCH", "DeviceWorker", "batch_limit"]

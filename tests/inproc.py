@@ -17,10 +17,11 @@ from node.app import NodeApp, create_app
 from node.config import NodeConfig
 from node.devices import discover
 from node.dispatcher import Session
-from node.forward import INTERNAL_PATH, SECRET_HEADER, ForwardError, Response
-from node.main import build_service
+from node.errors import ForwardError
+from node.forward import INTERNAL_PATH, SECRET_HEADER, Response
 from node.models import DEMO_MODEL
 from node.service import NodeService
+from node.startup import build_service
 
 
 class Router:

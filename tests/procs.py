@@ -191,7 +191,7 @@ class Node:
                 *(["ip", "netns", "exec", netns] if netns else []),
                 sys.executable,
                 "-m",
-                "node.main",
+                "node.server",
                 "--redis",
                 redis_url,
                 "--node-id",

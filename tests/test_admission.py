@@ -17,7 +17,7 @@ from tritonclient.utils import InferenceServerException
 
 from affinity import BackendUnavailable, NoCapacity
 from node.admission import Admission
-from node.main import parse_args
+from node.cli import parse_args
 from tests.inproc import InProcNode, cluster, config
 from tests.procs import Node, RedisServer
 from tests.test_cluster import running

@@ -17,9 +17,9 @@ from node.config import NodeConfig
 from node.contract import PolicyContract, TensorSpec, load_contract
 from node.devices import DeviceSpec, discover
 from node.dispatcher import MultiGpuDispatcher
-from node.main import build_service
 from node.models import DEMO_MODEL
 from node.providers import ProviderSettings, build_session
+from node.startup import build_service
 from tests.dispatch import dispatch
 from tests.rollout import reference_rollout
 

@@ -15,7 +15,6 @@ import pytest
 
 from affinity import InvalidArgument, ModelId, UnknownModel
 from node.catalog import (
-    AmbiguousModel,
     Catalog,
     ModelSpec,
     contract_from_record,
@@ -23,10 +22,12 @@ from node.catalog import (
     file_version,
     parse_model_arg,
 )
+from node.cli import parse_args
 from node.contract import load_contract
+from node.errors import AmbiguousModel
 from node.forward import Forward
-from node.main import StartupError, build_service, parse_args
 from node.models import DEMO_MODEL, VLA_DEMO_MODEL
+from node.startup import StartupError, build_service
 from node.step import Step
 from tests.inproc import cluster, config
 from tests.procs import ROOT
@@ -63,7 +64,7 @@ def test_the_flag_repeats_and_names_must_differ() -> None:
         (["--model", "demo", "--model", "vla-demo", "--model-name", "x"], "only with one"),
         (["--model", "demo@v/1"], "--model"),
     ):
-        done = subprocess.run([sys.executable, "-m", "node.main", *argv], cwd=ROOT,
+        done = subprocess.run([sys.executable, "-m", "node.server", *argv], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)  # fmt: skip
         assert done.returncode == 2 and words in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1

@@ -17,8 +17,8 @@ from affinity.claims import Assignment
 from affinity.errors import InvalidArgument
 from node.chunks import ActionBuffer, ChunkMode, ChunkSpec, find_chunk
 from node.contract import PolicyContract, TensorSpec
-from node.dispatcher import DeviceDown, ModelFailure, MultiGpuDispatcher
-from node.episodes import NotKept
+from node.dispatcher import MultiGpuDispatcher
+from node.errors import DeviceDown, ModelFailure, NotKept
 from node.step import Step
 from tests.dispatch import dispatch
 

@@ -15,16 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from node.episodes import (
-    Apply,
-    ClaimEnded,
-    Episode,
-    ForwardCancelled,
-    NotKept,
-    SeqConflict,
-    admit,
-    undone,
-)
+from node.episodes import Apply, Episode, admit, undone
+from node.errors import ClaimEnded, ForwardCancelled, NotKept, SeqConflict
 from tests.dispatch import dispatch
 from tests.test_dispatcher import CHUNKED, ChunkSession, H, make, obs, recorded_chunk, started
 

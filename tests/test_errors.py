@@ -14,10 +14,14 @@ from affinity import (
     AffinityError,
     BackendUnavailable,
     InvalidArgument,
+    ModelConflict,
+    NoCapacity,
     NotReplicated,
     PoolExhausted,
+    Recovering,
     UnknownEpisode,
     UnknownField,
+    UnknownModel,
 )
 from affinity.wire import WireError
 from node import errors
@@ -76,6 +80,12 @@ TABLE: list[tuple[BaseException, int, str, float | None, str | None, bool]] = [
     (ModelNotServed("m@v2 is not served here"), 421, "not_owner", None, None, False),
     (ModelFailure("cpu/0", RuntimeError("x")), 500, "model_failure", None, None, False),
     (DeviceDown("cpu/0"), 503, "device_down", 5.0, None, False),
+    (ModelConflict("ep", "m@1", "m@2"), 409, "model_conflict", None, None, False),
+    (UnknownModel("m", ["demo"]), 404, "unknown_model", None, None, False),
+    (NoCapacity("ep"), 503, "full", 2.0, None, False),
+    (NoCapacity("ep", "no_nodes"), 503, "no_nodes", 1.0, None, False),
+    (Recovering("ep", 0.2), 503, "recovering", 1.0, None, False),
+    (Recovering("ep", 4.5), 503, "recovering", 4.5, None, False),
     (PoolExhausted(8, 0.5), 503, "busy", 1.0, None, False),
     (NotReplicated("claim", 1, 2, 0.1), 503, "not_replicated", 1.0, None, False),
     (BackendUnavailable("down"), 503, "redis", 1.0, None, False),
@@ -156,7 +166,7 @@ def test_every_node_exception_is_defined_in_errors() -> None:
         if name not in errors.PRIVATE
     )
     assert elsewhere == [], "define these in node/errors.py (or list them in errors.PRIVATE)"
-    assert {"_NotSent", "_Abort", "StartupError"} == errors.PRIVATE
+    assert {"_NotSent", "_Stale", "_LetGo", "_Abort", "StartupError"} == errors.PRIVATE
 
 
 def test_errors_imports_nothing_from_node() -> None:
@@ -172,6 +182,30 @@ def test_errors_imports_nothing_from_node() -> None:
         for alias in node.names
     ]
     assert not [name for name in imported if name == "node" or name.startswith("node.")]
+
+
+def test_node_errors_are_imported_from_errors_only() -> None:
+    """One module per exception: no other module hands a node error on (``__all__``), and
+    the node, the tests and the benchmarks import each from ``node.errors``."""
+    names = {name for name, value in vars(errors).items() if isinstance(value, type)}
+    found = []
+    for folder in ("node", "tests", "bench"):
+        for path in (NODE.parent / folder).rglob("*.py"):
+            tree = ast.parse(path.read_text(), str(path))
+            where = path.relative_to(NODE.parent)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("node"):
+                    if node.module != "node.errors":
+                        found += [f"{where}: {a.name} from {node.module}" for a in node.names
+                                  if a.name in names]  # fmt: skip
+                elif (
+                    isinstance(node, ast.Assign)
+                    and path.name != "errors.py"
+                    and any(getattr(t, "id", "") == "__all__" for t in node.targets)
+                ):
+                    listed = ast.literal_eval(node.value)
+                    found += [f"{where}: {n} in __all__" for n in listed if n in names]
+    assert found == [], "import node errors from node.errors only"
 
 
 @pytest.mark.parametrize(

@@ -158,7 +158,8 @@ async def test_a_client_that_leaves_while_its_step_runs_gets_it_undone(redis: An
 
 
 async def test_a_close_seen_as_the_work_finishes_hands_back_its_result() -> None:
-    from node.asgi import ClientGone, while_connected
+    from node.asgi import while_connected
+    from node.errors import ClientGone
 
     async def gone() -> dict[str, Any]:
         return {"type": "http.disconnect"}
@@ -190,7 +191,8 @@ async def test_a_servers_connection_probe_decides_without_reading_the_connection
     """With the server's probe (scope[CONNECTION], node/server.py), a finished step's close
     check asks it alone, without ``receive()``; it yields one loop turn only while the
     server serves other requests."""
-    from node.asgi import ClientGone, while_connected
+    from node.asgi import while_connected
+    from node.errors import ClientGone
 
     reads: list[str] = []
 

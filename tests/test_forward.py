@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from affinity import wire
-from node.forward import Forward, ForwardError, ForwardPool, decode_reply, encode_reply
+from node.errors import ForwardError
+from node.forward import Forward, ForwardPool, decode_reply, encode_reply
 from node.rtc import Ask
 from node.step import Reply, Step
 from tests.procs import free_port

@@ -26,8 +26,8 @@ import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
 from node.accesslog import AccessLog
+from node.errors import BadRequest
 from node.models import DEMO_MODEL
-from node.protocols.kserve import BadRequest
 from node.protocols.kserve.grpc import GrpcFrontDoor, decode_request
 from node.protocols.kserve.pb import kserve_pb2 as pb
 from tests.inproc import cluster, config

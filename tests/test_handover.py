@@ -270,9 +270,9 @@ async def test_an_unconfirmed_copy_is_never_served_from_memory(redis: Any) -> No
         commit = a.service.owner.mover.transfers.commit
 
         async def refused(*args: Any, **kw: Any) -> Any:
-            from affinity.transfers import Refused
+            from affinity.transfers import NotPlaced
 
-            return Refused("lease")
+            return NotPlaced("lease")
 
         a.service.owner.mover.transfers.commit = refused  # type: ignore[method-assign]
         assert await a.service.owner.handovers.hand_over(ep, "move") == "kept"

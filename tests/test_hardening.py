@@ -97,7 +97,7 @@ def test_a_node_whose_stderr_reader_died_keeps_serving_and_counts_the_dropped_li
     server = RedisServer(tmp).start()
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "node.main", "--redis", server.url, "--node-id", "pipe",
+        [sys.executable, "-m", "node.server", "--redis", server.url, "--node-id", "pipe",
          "--port", str(port), "--devices", "cpu:1"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
         env={**os.environ, "AFFINITY_CLUSTER_SECRET": "s"},
@@ -242,7 +242,7 @@ def test_a_node_on_redis_without_a_cluster_secret_refuses_to_start() -> None:
     server = RedisServer(tmp).start()
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "node.main", "--redis", server.url, "--node-id", "open",
+            [sys.executable, "-m", "node.server", "--redis", server.url, "--node-id", "open",
              "--port", str(free_port()), "--devices", "cpu:1"],
             cwd=ROOT, capture_output=True, text=True, timeout=120,
             env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"},
@@ -269,7 +269,7 @@ def test_a_node_with_another_cluster_secret_cannot_join_and_a_router_answers_503
     try:
         assert server.client().get("{affinity}:secret") not in (None, "one", b"one")
         wrong = subprocess.run(
-            [sys.executable, "-m", "node.main", "--redis", server.url, "--node-id", "sb",
+            [sys.executable, "-m", "node.server", "--redis", server.url, "--node-id", "sb",
              "--port", str(free_port()), "--devices", "cpu:1"],
             cwd=ROOT, capture_output=True, text=True, timeout=120,
             env={"PATH": "/usr/bin:/bin", "HOME": "/tmp", "AFFINITY_CLUSTER_SECRET": "two"},

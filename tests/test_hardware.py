@@ -35,9 +35,9 @@ from node.binding import BoundSession, DeviceTensor  # noqa: E402
 from node.contract import Array, load_contract  # noqa: E402
 from node.devices import DeviceSpec, discover, pin_pci_bus_order  # noqa: E402
 from node.dispatcher import MultiGpuDispatcher  # noqa: E402
+from node.errors import CudaGraphUnavailable  # noqa: E402
 from node.models import DEMO_MODEL  # noqa: E402
 from node.providers import (  # noqa: E402
-    CudaGraphUnavailable,
     ProviderSettings,
     build_session,
     provider_plan,

@@ -23,8 +23,9 @@ from tritonclient.utils import InferenceServerException
 from affinity import Keys
 from node.catalog import file_version
 from node.contract import load_contract
+from node.errors import BadRequest
 from node.models import DEMO_MODEL
-from node.protocols.kserve import BadRequest, decode_infer, episode_of, model_metadata, to_step
+from node.protocols.kserve import decode_infer, episode_of, model_metadata, to_step
 from tests.inproc import InProcNode, cluster, config
 from tests.procs import Node, RedisServer
 from tests.rollout import reference_rollout
@@ -249,7 +250,7 @@ def test_compressed_bodies_inflate_within_the_limit() -> None:
     for encoding, packed in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
         req = decode_infer(packed, length, content_encoding=encoding)
         np.testing.assert_array_equal(req.arrays["obs"], obs)
-    from node.asgi import BodyError
+    from node.errors import BodyError
 
     bomb = gzip.compress(b" " * (1 << 22))
     with pytest.raises(BodyError, match="inflated body exceeds"):
@@ -832,7 +833,7 @@ def test_hostile_bodies_leave_the_node_healthy(three: Cluster) -> None:
 
 
 def test_model_name_flag() -> None:
-    from node.main import parse_args
+    from node.cli import parse_args
 
     assert parse_args(["--model", "vla-demo"], env={}).model_name == "vla_demo"
     assert parse_args([], env={"AFFINITY_MODEL_NAME": "policy"}).model_name == "policy"

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from affinity.keys import Keys
-from node.main import _FLAGS
+from node.cli import _FLAGS
 from tests.procs import FLEET_SECRET, ROOT, Node, RedisServer, free_port, tmpdir
 
 pytestmark = pytest.mark.integration
@@ -21,7 +21,7 @@ def node(
     *argv: str, env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "node.main", *argv],
+        [sys.executable, "-m", "node.server", *argv],
         capture_output=True,
         text=True,
         timeout=timeout,

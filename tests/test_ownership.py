@@ -357,6 +357,49 @@ async def test_a_hint_naming_an_owner_that_cannot_be_reached_is_resolved_again(
         assert (r.json()["node"], at_b.calls) == ("b", ["resolve"])
 
 
+async def test_a_router_asks_redis_again_once_a_step(redis: Any) -> None:
+    """Redis names a, which answers each forward that it does not hold the claim (its own
+    lookup disagrees): b asks Redis, then once again, and answers 503 ``owner_refused``;
+    never a third time."""
+    async with cluster(redis, two()) as ([a, b], _):
+        ep = await on("a", b, "stale")
+        a.service.table.release(ep, "end")
+
+        async def nothing(episode: str) -> None:
+            return None
+
+        a.service.owner.claims.lookup = nothing  # type: ignore[method-assign,assignment]
+        b.service.router.locator.forget(ep)
+        at_b = Counted(b.service)
+        r = await b.act(episode_id=ep, inputs={"obs": OBS})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "owner_refused", r.text
+        assert at_b.calls == ["resolve", "resolve"]
+
+
+def test_the_router_asks_redis_again_in_one_place() -> None:
+    """One re-resolve loop (``Router._act_asking_again``), as httpx's redirect loop: the
+    leaves (serve here, forward, hand over) raise, and only the loop asks again."""
+    import ast
+    from pathlib import Path
+
+    source = Path(__file__).resolve().parents[1] / "node" / "router.py"
+    asking: list[str] = []
+    for fn in ast.walk(ast.parse(source.read_text())):
+        if isinstance(fn, ast.AsyncFunctionDef | ast.FunctionDef):
+            for call in ast.walk(fn):
+                if (
+                    isinstance(call, ast.Attribute)
+                    and call.attr in ("for_step", "resolve")
+                    and isinstance(call.value, ast.Attribute)
+                    and call.value.attr == "resolver"
+                ):
+                    asking.append(fn.name)
+    # the first ask, the restart's two (where it is, the new claim), and the loop's
+    assert sorted(asking) == sorted(
+        ["_act_handling_restart", "_act_handling_restart", "restart_here", "_act_asking_again"]
+    )
+
+
 async def test_an_end_sent_to_another_node_reaches_the_owner(redis: Any) -> None:
     async with cluster(redis, two()) as ([a, b], _):
         ep = await on("a", b, "end")

@@ -21,7 +21,8 @@ from hypothesis.extra import numpy as hnp
 from onnx import TensorProto, helper, numpy_helper
 
 from node.contract import PolicyContract, TensorSpec, load_contract, sidecar_path
-from node.inputs import InvalidInput, from_arrays, from_json, from_observation, outputs_unbatched
+from node.errors import InvalidInput
+from node.inputs import from_arrays, from_json, from_observation, outputs_unbatched
 from node.models import (
     ALOHA_DEMO_MODEL,
     DEMO_MODEL,

@@ -23,12 +23,10 @@ from packaging.version import Version
 
 import node.providers as providers
 from node.devices import DeviceSpec
+from node.errors import CudaGraphUnavailable, CudaUnavailable, GpuUnavailable
 from node.models import DEMO_MODEL
 from node.providers import (
     ORT_PROVIDER_ERRORS,
-    CudaGraphUnavailable,
-    CudaUnavailable,
-    GpuUnavailable,
     ProviderSettings,
     build_session,
     library_load_error,
@@ -517,7 +515,7 @@ def fake_nvidia_smi(directory: Path) -> dict[str, str]:
 
 def node(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "node.main", "--port", str(free_port()), *args],
+        [sys.executable, "-m", "node.server", "--port", str(free_port()), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

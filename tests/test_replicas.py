@@ -30,10 +30,10 @@ from affinity import (
     connect,
 )
 from affinity.registry import HeldEpisode
+from node.cli import parse_args
 from node.config import NodeConfig
 from node.dispatcher import Arrivals
 from node.episodes import Episode, EpisodeTable
-from node.main import parse_args
 from node.metrics import Metrics
 from node.owner import Owner
 from tests.conftest import cpu_devices, new_fleet

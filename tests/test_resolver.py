@@ -17,11 +17,12 @@ from affinity import (
     Recovering,
     UnknownModel,
 )
+from node.errors import Refused, Unavailable
 from node.metrics import Metrics
 from node.peers import PeerHealth
 from node.resolver import Resolver
 from node.stateless import Stateless
-from node.step import Refused, Step, Unavailable
+from node.step import Step
 
 pytestmark = pytest.mark.anyio
 

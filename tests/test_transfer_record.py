@@ -16,10 +16,10 @@ from affinity import Keys, wire
 from node.chunks import ActionBuffer
 from node.contract import load_contract
 from node.episodes import Episode, StepResult
-from node.errors import ModelNotServed
+from node.errors import ModelNotServed, TransferError
 from node.forward import MOVE_PATH, SECRET_HEADER
 from node.models import DEMO_MODEL
-from node.transfer import Install, TransferError, decode_install, encode_install, record_bytes
+from node.transfer import Install, decode_install, encode_install, record_bytes
 from tests.inproc import cluster, config
 
 CONTRACT = load_contract(DEMO_MODEL)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from affinity import NoCapacity, StaleToken
-from affinity.transfers import Placement, Refused, Transfers
+from affinity.transfers import NotPlaced, Placement, Transfers
 from tests.conftest import Env, cpu_devices
 
 pytestmark = pytest.mark.anyio
@@ -43,7 +43,7 @@ async def test_place_then_commit_moves_the_assignment_and_its_slot(env: Env) -> 
     assert await env.redis.zrange(env.keys.load("b/0"), 0, -1) == ["ep"]
     assert (await env.claims.resolve("ep")).device == "a/0"
     # the commit needs the new owner's copy: the reservation marked installed
-    assert await moves.commit("ep", a.token, a.claim, ia, to) == Refused("copy")
+    assert await moves.commit("ep", a.token, a.claim, ia, to) == NotPlaced("copy")
     assert await moves.installed("ep", to.device, to.token, to.claim)
     assert await moves.commit("ep", a.token, a.claim, ia, to, size=96, reason="drain") is None
     assert await env.redis.get(env.keys.transfer("ep")) is None
@@ -57,7 +57,7 @@ async def test_place_then_commit_moves_the_assignment_and_its_slot(env: Env) -> 
         ("a/0", "b/0", "96", "drain")
     ]
     # the old claim is gone: a second commit, or a release under it, is refused
-    assert await moves.commit("ep", a.token, a.claim, ia, to) == Refused("stale")
+    assert await moves.commit("ep", a.token, a.claim, ia, to) == NotPlaced("stale")
     with pytest.raises(StaleToken):
         await env.claims.release("ep", a.token, owner=True)
 
@@ -68,13 +68,13 @@ async def test_a_commit_is_refused_without_the_owners_live_lease_or_claim(env: E
     to = await moves.place("ep", a.token, a.claim, ia)
     assert isinstance(to, Placement)
     before = await env.redis.get(env.keys.episode("ep"))
-    assert await moves.commit("ep", a.token, a.claim, "another", to) == Refused("lease")
-    assert await moves.commit("ep", a.token, "other-claim", ia, to) == Refused("stale")
+    assert await moves.commit("ep", a.token, a.claim, "another", to) == NotPlaced("lease")
+    assert await moves.commit("ep", a.token, "other-claim", ia, to) == NotPlaced("stale")
     await env.claims.release("ep", a.token, "operator")  # revoked: the owner lets go
-    assert await moves.commit("ep", a.token, a.claim, ia, to) == Refused("marked")
+    assert await moves.commit("ep", a.token, a.claim, ia, to) == NotPlaced("marked")
     await env.redis.set(env.keys.episode("ep"), before, keepttl=True)
     await env.lapse("a")  # a paused owner whose lease lapsed never moves anything
-    assert await moves.commit("ep", a.token, a.claim, ia, to) == Refused("lease")
+    assert await moves.commit("ep", a.token, a.claim, ia, to) == NotPlaced("lease")
     assert (await env.redis.get(env.keys.episode("ep"))) == before
     assert await moves.abort("ep", a.token, a.claim, ia, to)
     assert await env.redis.zrange(env.keys.load("b/0"), 0, -1) == []
@@ -84,9 +84,9 @@ async def test_place_takes_only_a_device_with_room_that_serves_the_model(env: En
     a, ia = await owned(env)
     moves = Transfers(env.redis, env.settings)
     await env.registry.drain("b/0", "full too")
-    assert await moves.place("ep", a.token, a.claim, ia) == Refused("none")
+    assert await moves.place("ep", a.token, a.claim, ia) == NotPlaced("none")
     await env.registry.undrain("b/0")
-    assert await moves.place("ep", a.token, a.claim, ia, target="a") == Refused("none")
+    assert await moves.place("ep", a.token, a.claim, ia, target="a") == NotPlaced("none")
     named = await moves.place("ep", a.token, a.claim, ia, target="b/0")
     assert isinstance(named, Placement) and named.device == "b/0"
     # an abort after a commit changes nothing
@@ -121,7 +121,7 @@ async def test_a_settled_copy_can_never_be_committed(env: Env) -> None:
     assert not await moves.settle("ep", to.device, to.token, to.claim)  # dropped
     assert await env.redis.get(env.keys.transfer("ep")) is None
     assert await env.redis.zrange(env.keys.load("b/0"), 0, -1) == []
-    assert await moves.commit("ep", a.token, a.claim, ia, to) == Refused("copy")
+    assert await moves.commit("ep", a.token, a.claim, ia, to) == NotPlaced("copy")
     assert (await env.redis.get(env.keys.episode("ep"))).startswith("a/0 ")
     # a committed copy settles as committed
     again = await moves.place("ep", a.token, a.claim, ia)
@@ -140,10 +140,10 @@ async def test_a_commit_is_refused_onto_a_leaving_node_or_when_redis_lost_the_ep
     assert isinstance(to, Placement)
     assert await moves.installed("ep", to.device, to.token, to.claim)
     await env.registry.leave("b", "ib")
-    assert await moves.commit("ep", a.token, a.claim, ia, to) == Refused("target")
+    assert await moves.commit("ep", a.token, a.claim, ia, to) == NotPlaced("target")
     await env.redis.delete(env.keys.episode("ep"))
-    assert await moves.commit("ep", a.token, a.claim, ia, to) == Refused("missing")
-    assert await moves.place("ep", a.token, a.claim, ia) == Refused("missing")
+    assert await moves.commit("ep", a.token, a.claim, ia, to) == NotPlaced("missing")
+    assert await moves.place("ep", a.token, a.claim, ia) == NotPlaced("missing")
 
 
 async def test_a_move_kept_where_it_was_writes_an_event(env: Env) -> None:

@@ -277,7 +277,7 @@ def test_a_replys_head_and_body_leave_in_one_write() -> None:
     """uvicorn writes a reply's head and its body apart; the node's transport sends them
     in one write (one TCP segment, one wake-up of the client), and a head whose body does
     not follow in the same loop iteration (a streamed reply) leaves at its end."""
-    from node.main import _OneWriteTransport
+    from node.server import _OneWriteTransport
 
     class Recording:
         def __init__(self) -> None:

@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from node.binding import BoundSession
 from node.contract import PolicyContract, load_contract
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
-from node.dispatcher import DeviceDown, ModelFailure, MultiGpuDispatcher
+from node.dispatcher import MultiGpuDispatcher
+from node.errors import DeviceDown, ModelFailure
 from node.models import DEMO_MODEL
 from node.providers import ProviderSettings, build_session
 from tests.dispatch import dispatch

@@ -1,5 +1,5 @@
 -- flush: what an owner tells Redis about the episodes it serves from memory, once a second
--- at most, in one round trip (node/ownership.py).
+-- at most, in one round trip (node/flusher.py).
 --
 -- KEYS[1]  {ns}:node:<node> (the node id is KEYS[1] less NODE_KEY)
 -- ARGV[1]  instance id of the owner process

@@ -5,8 +5,9 @@
 --
 -- While the token still holds the episode, its value becomes "<device> <token> moved"
 -- (same expiry; redis-cli GET still shows where it was), its load slot is freed (the
--- episode moves to the device's moved set, for listing), and a handoff event is written. Returns 1, or 0 (nothing written) when another token holds
--- the episode, it was already handed over, or it has no assignment.
+-- episode moves to the device's moved set, for listing), and a handoff event is written.
+-- Returns 1, or 0 (nothing written) when another token holds the episode, it was already
+-- handed over, or it has no assignment.
 
 --@lib
 --@fleet

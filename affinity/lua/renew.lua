@@ -21,8 +21,9 @@
 -- lease TTL of the fleet (ms), n, then n "<episode> <token>": the node's assignments
 -- someone else released in Redis (release.lua) not yet carried out: the owner drops their
 -- records and says so (ARGV[3..]); then the moves an operator asked of the node
--- (MOVES_KEY .. node, read and removed: "@<device>" or "<episode>\x1f<target>")}; {-1} when the node holds no lease (it lapsed, the node
--- deregistered, or Redis lost its data): register again; {-2} when another instance holds
+-- (MOVES_KEY .. node, read and removed: "@<device>" or "<episode>\x1f<target>")}; {-1}
+-- when the node holds no lease (it lapsed, the node deregistered, or Redis lost its data):
+-- register again; {-2} when another instance holds
 -- the node id with a current lease (nothing written). The granted lease is the node's own
 -- TTL unless the fleet has not heard of it yet (fleet.lua's lease_terms).
 

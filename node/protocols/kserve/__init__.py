@@ -16,12 +16,10 @@ from node.protocols.kserve.request import (
     service_step,
     to_step,
 )
-from node.protocols.kserve.tensors import BadRequest
 
 __all__ = [
     "ANY_VERSION",
     "EXTENSIONS",
-    "BadRequest",
     "InferRequest",
     "decode_infer",
     "encode_infer",

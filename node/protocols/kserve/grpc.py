@@ -4,7 +4,7 @@
 A request decodes (``messages.py``) into ``request.py``'s :class:`InferRequest`. It takes
 the HTTP front door's path (Triton's live-sequence rule, ``service.router.act``). So a
 sequence sticks to its GPU whichever front door each step used. Failures are the status
-codes of KServe HTTP's statuses (``request.refusal``, one table here). They carry the
+codes of KServe HTTP's statuses (``request.kserve_outcome``, one table here). They carry the
 node's message (``_Abort``). In a stream, one answers that request and the stream goes on,
 as Triton's does. The wire and its errors: docs/protocols.md.
 """
@@ -191,7 +191,7 @@ class GrpcFrontDoor:
             await undo_if_cancelled(service, context, reply)
             kserve.stats_for(service, name).answered(time.monotonic() - started)
         except kserve.REFUSED as exc:
-            raise _Abort.of(kserve.refusal(service, name, exc, request)) from None
+            raise _Abort.of(kserve.kserve_outcome(service, name, exc, request)) from None
         return encode_reply(reply, request, name)
 
     # -- the RPCs

@@ -54,8 +54,8 @@ from node.protocols.kserve.request import (
     config_of,
     episode_of,
     find_model,
+    kserve_outcome,
     metadata_of,
-    refusal,
     service_step,
     statistics_of,
     stats_for,
@@ -447,7 +447,7 @@ async def _infer(
         await respond_gone(send)
     except REFUSED as exc:
         own = budget if budget < service.config.act_deadline_s else None
-        o = refusal(service, model_name, exc, request, own)
+        o = kserve_outcome(service, model_name, exc, request, own)
         retry = [] if o.retry_after is None else [(b"retry-after", o.retry_header.encode())]
         await _error(send, o.status, o.message, retry)
     else:

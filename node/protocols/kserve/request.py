@@ -46,16 +46,15 @@ __all__ = [
     "REFUSED",
     "REQUEST_PARAMETERS",
     "InferRequest",
-    "NotServed",
     "check_custom",
     "config_of",
     "episode_of",
     "find_model",
+    "kserve_outcome",
     "metadata_of",
     "model_config",
     "model_metadata",
     "not_live",
-    "refusal",
     "requested_version",
     "served_version",
     "service_step",
@@ -463,10 +462,10 @@ def statistics_of(service: NodeService, name: str) -> dict[str, Any]:
 REFUSED: tuple[type[Exception], ...] = (
     UnknownEpisode, BodyError, BadRequest, InvalidInput, InvalidArgument, Unavailable, Refused
 )  # fmt: skip
-"""What a KServe door answers with :func:`refusal` (anything else is a bug: 500)."""
+"""What a KServe door answers with :func:`kserve_outcome` (anything else is a bug: 500)."""
 
 
-def refusal(
+def kserve_outcome(
     service: NodeService,
     model_name: str,
     exc: Exception,

@@ -17,8 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from node.asgi import BodyError
-from node.errors import BadRequest
+from node.errors import BadRequest, BodyError
 from node.step import Array
 
 __all__ = [
@@ -28,7 +27,6 @@ __all__ = [
     "MAX_TENSORS",
     "NAMES",
     "STRINGS",
-    "BadRequest",
     "as_object",
     "body_inputs",
     "bytes_elements",
