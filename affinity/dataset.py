@@ -19,6 +19,7 @@ first step), ``frame_index``, ``episode_index``, ``index``, ``task_index``, and 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -28,11 +29,52 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Recorded", "finalize", "read_episodes"]
+__all__ = ["MODES", "Recorded", "Selection", "finalize", "picked", "read_episodes"]
 
 Array = np.ndarray[Any, Any]
 HIDDEN = ("state_in.", "control.", "rtc.")
 CODEBASE_VERSION = "v3.0"
+MODES = ("all", "fraction", "named")
+"""How ``affinity record`` selects a model version's episodes."""
+
+
+def picked(episode: str, fraction: float) -> bool:
+    """Whether ``episode`` falls in ``fraction`` of all episodes: by a hash of its id, so
+    every node agrees (an episode that moves stays recorded, or not)."""
+    digest = hashlib.sha256(episode.encode()).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2.0**64
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which episodes of one model version are recorded: ``all``, a ``fraction`` (by
+    :func:`picked`) or the ``named`` episode ids."""
+
+    mode: str = "all"
+    fraction: float = 1.0
+    episodes: frozenset[str] = field(default_factory=frozenset)
+
+    def wants(self, episode: str) -> bool:
+        if self.mode == "all":
+            return True
+        if self.mode == "fraction":
+            return picked(episode, self.fraction)
+        return episode in self.episodes
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"mode": self.mode, "fraction": self.fraction, "episodes": sorted(self.episodes)}
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Selection:
+        """The selection ``affinity record`` wrote. Raises ``ValueError`` on anything else."""
+        doc = json.loads(text)
+        mode = str(doc.get("mode"))
+        fraction = float(doc.get("fraction", 1.0))
+        if mode not in MODES or not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"not a recording selection: {doc!r}")
+        return cls(mode, fraction, frozenset(str(e) for e in doc.get("episodes", ())))
 
 
 @dataclass

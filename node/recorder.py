@@ -25,7 +25,6 @@ afterwards (the node never writes to a step's inputs or returned outputs once co
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import logging
 import re
@@ -37,54 +36,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MODES", "Recorder", "Selection", "picked"]
+from affinity.dataset import Selection
+
+__all__ = ["Recorder"]
 
 log = logging.getLogger("affinity.node")
 
 Array = np.ndarray[Any, Any]
-MODES = ("all", "fraction", "named")
-"""How ``affinity record`` selects a model version's episodes."""
 _SAFE = re.compile(r"[^A-Za-z0-9._@-]")
 _CHOSEN_MAX = 100_000  # claims whose choice is remembered before the memory starts over
-
-
-def picked(episode: str, fraction: float) -> bool:
-    """Whether ``episode`` falls in ``fraction`` of all episodes: by a hash of its id, so
-    every node agrees (an episode that moves stays recorded, or not)."""
-    digest = hashlib.sha256(episode.encode()).digest()
-    return int.from_bytes(digest[:8], "big") < fraction * 2.0**64
-
-
-@dataclass(frozen=True)
-class Selection:
-    """Which episodes of one model version are recorded: ``all``, a ``fraction`` (by
-    :func:`picked`) or the ``named`` episode ids."""
-
-    mode: str = "all"
-    fraction: float = 1.0
-    episodes: frozenset[str] = field(default_factory=frozenset)
-
-    def wants(self, episode: str) -> bool:
-        if self.mode == "all":
-            return True
-        if self.mode == "fraction":
-            return picked(episode, self.fraction)
-        return episode in self.episodes
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {"mode": self.mode, "fraction": self.fraction, "episodes": sorted(self.episodes)}
-        )
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> Selection:
-        """The selection ``affinity record`` wrote. Raises ``ValueError`` on anything else."""
-        doc = json.loads(text)
-        mode = str(doc.get("mode"))
-        fraction = float(doc.get("fraction", 1.0))
-        if mode not in MODES or not 0.0 <= fraction <= 1.0:
-            raise ValueError(f"not a recording selection: {doc!r}")
-        return cls(mode, fraction, frozenset(str(e) for e in doc.get("episodes", ())))
 
 
 @dataclass

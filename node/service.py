@@ -35,6 +35,7 @@ from affinity import (
     close,
     connect,
 )
+from affinity.dataset import Selection
 from affinity.models import Models
 from node.catalog import AmbiguousModel, Catalog, contract_record
 from node.config import NodeConfig
@@ -49,7 +50,7 @@ from node.health import DeviceHealth
 from node.lease import Lease
 from node.metrics import Metrics
 from node.owner import Owner
-from node.recorder import Recorder, Selection
+from node.recorder import Recorder
 from node.rollouts import RolloutMemory
 from node.router import Router
 from node.rtc import Ask
