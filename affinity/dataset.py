@@ -246,7 +246,9 @@ def finalize(
                     shapes[key] = shape
                     features[key] = {"dtype": dtype.name, "shape": [size], "names": None}
                     columns[key] += [a.reshape(size) for a in arrays]
-        nodes, moves, resets = [], [], []
+        nodes: list[str] = []
+        moves: list[int] = []
+        resets: list[int] = []
         for i, row in enumerate(rec.rows):
             if not nodes or nodes[-1] != row["node"]:
                 if nodes:

@@ -50,8 +50,12 @@ async def select(nodes: list[InProcNode], redis: Any, selection: Selection | Non
 
 def test_each_selection_mode_records_what_it_names(tmp_path: Path) -> None:
     r = Recorder(str(tmp_path), "n", flush_frames=1000)
-    for mode, selection in (("all", Selection("all")), ("fraction", Selection("fraction", 0.25)),
-                            ("named", Selection("named", 1.0, frozenset({"e7", "e11"})))):  # fmt: skip
+    modes = {
+        "all": Selection("all"),
+        "fraction": Selection("fraction", 0.25),
+        "named": Selection("named", 1.0, frozenset({"e7", "e11"})),
+    }
+    for mode, selection in modes.items():
         r.select({"m@1": selection})
         for i in range(400):
             frame(r, f"e{i}", 1, claim=mode)
