@@ -47,7 +47,7 @@ _SAFE = re.compile(r"[^A-Za-z0-9._@-]")
 _CHOSEN_MAX = 100_000  # claims whose choice is remembered before the memory starts over
 
 
-@dataclass
+@dataclass(slots=True)
 class _Frame:
     episode: str
     claim: str
@@ -87,7 +87,7 @@ class Recorder:
         node_id: str,
         *,
         queue_max: int = 4096,
-        flush_frames: int = 32,
+        flush_frames: int = 512,
         flush_s: float = 1.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
