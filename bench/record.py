@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -46,7 +45,6 @@ async def _act(rounds: int, steps: int, root: str) -> list[dict[str, float]]:
             off_us = await _per_step_us(off, steps, connection)
             on_us = await _per_step_us(on, steps, connection)
             out.append({"off_us": off_us, "on_us": on_us})
-        assert rec.dropped == 0 or True  # reported below
         out.append({"dropped": float(rec.dropped), "queued": float(rec.queued)})
     return out
 
