@@ -44,6 +44,7 @@ log = logging.getLogger("affinity.node")
 
 Array = np.ndarray[Any, Any]
 _SAFE = re.compile(r"[^A-Za-z0-9._@-]")
+_IDLE_S = 300.0  # seconds a segment with nothing waiting stays in memory
 _CHOSEN_MAX = 100_000  # claims whose choice is remembered before the memory starts over
 
 
@@ -199,13 +200,20 @@ class Recorder:
             seg = self._segments[key] = _Segment(
                 model, frame.episode, frame.claim, frame.token, frame.device, path
             )
+            if self.fs.exists(f"{path}/segment.json"):  # evicted while idle: go on after it
+                with self.fs.open(f"{path}/segment.json", "r") as fh:
+                    meta = json.loads(fh.read())
+                seg.parts, seg.frames = int(meta["parts"]), int(meta["frames"])
+                seg.dropped, seg.specs = int(meta["dropped"]), dict(meta["specs"])
         return seg
 
     def _flush_due(self, force: bool) -> None:
         now = time.monotonic()
-        for seg in list(self._segments.values()):
+        for key, seg in list(self._segments.items()):
             if seg.rows and (force or now - seg.since >= self.flush_s):
                 self._write(seg)
+            elif not seg.rows and now - seg.since >= _IDLE_S:
+                del self._segments[key]  # its claim ended, most likely: memory stays bounded
 
     def _write(self, seg: _Segment) -> None:
         try:

@@ -146,6 +146,20 @@ async def test_the_node_counts_recorded_frames_in_its_metrics(redis: Any, tmp_pa
         assert (queued, written) == (3, 3)
 
 
+def test_a_segment_evicted_while_idle_goes_on_after_its_parts(tmp_path: Path) -> None:
+    r = Recorder(str(tmp_path), "n", flush_frames=2)
+    r.select({"m@1": Selection("all")})
+    for seq in (1, 2):
+        frame(r, "e", seq)
+    r._drain()
+    r._segments.clear()  # what _flush_due does to a segment idle for _IDLE_S
+    for seq in (3, 4):
+        frame(r, "e", seq)
+    r._drain()
+    _, episodes, _ = read_episodes(str(tmp_path))
+    assert [row["seq"] for row in episodes[0].rows] == [1, 2, 3, 4]
+
+
 # -- a node killed mid-episode --------------------------------------------------------------
 
 
