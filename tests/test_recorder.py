@@ -4,6 +4,7 @@ replay's parity and error report. LeRobot's own reader: tests/test_recorder_lero
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from pathlib import Path
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from affinity import Settings
+from affinity.cli import main
 from affinity.dataset import Selection, finalize, picked, read_episodes
 from affinity.models import Models
 from node.models import DEMO_MODEL
@@ -261,12 +263,18 @@ async def test_replay_matches_the_same_version_bit_for_bit_and_reports_error_of_
 ) -> None:
     out = str(tmp_path / "rec")
     truth = await record_fleet(redis, out)
-    finalize(out, str(tmp_path / "ds"))
+    # the command line: finalize, then replay --check (exit 0 only at parity)
+    ds, cli = str(tmp_path / "ds"), ["--redis", "redis://127.0.0.1:1"]  # neither asks Redis
+    assert await asyncio.to_thread(main, [*cli, "dataset", "finalize", out, "--out", ds]) == 0
+    checked = [*cli, "replay", ds, "--check", "--model"]
+    assert await asyncio.to_thread(main, [*checked, str(DEMO_MODEL)]) == 0
+    other_file = str(slow_policy(tmp_path, repeats=1, width=8))
+    assert await asyncio.to_thread(main, [*checked, other_file]) == 1
     same = await replay(str(tmp_path / "ds"), str(DEMO_MODEL))
     frames = sum(len(v) for v in truth["sent"].values())
     assert same.parity and same.frames == frames and same.max_error == 0.0
     assert same.model == same.recorded_model
-    other = await replay(str(tmp_path / "ds"), str(slow_policy(tmp_path, repeats=1, width=8)))
+    other = await replay(str(tmp_path / "ds"), other_file)
     assert not other.parity and other.max_error > 0
     doc = other.to_json()
     assert len(doc["per_joint_mean_abs_error"]) == len(truth["sent"])

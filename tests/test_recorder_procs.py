@@ -43,10 +43,21 @@ def test_a_node_killed_mid_episode_leaves_what_it_finished_readable(tmp_path: Pa
     sent = [rng.standard_normal((1, 8)).astype(np.float32) for _ in range(40)]
     with running(redis, [a]), httpx.Client(timeout=10) as client:
         name_version = f"{DEMO_MODEL.stem}@{file_version(DEMO_MODEL)}"  # the default --model
-        cli = subprocess.run(
-            [sys.executable, "-m", "affinity.cli", "--redis", redis.url, "record", name_version],
-            capture_output=True, text=True, timeout=60, env={**os.environ},
-        )  # fmt: skip
+
+        def record(*args: str) -> subprocess.CompletedProcess[str]:
+            argv = [sys.executable, "-m", "affinity.cli", "--redis", redis.url, "record", *args]
+            return subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                                  env={**os.environ})  # fmt: skip
+
+        assert record(name_version, "--fraction", "2").returncode == 2  # not 0-1
+        assert record("demo_policy@nosuch").returncode == 1  # no node serves it
+        key = "{affinity}:record:" + DEMO_MODEL.stem
+        assert record(name_version, "--episodes", "x,y").returncode == 0
+        named = json.loads(redis.client().hget(key, file_version(DEMO_MODEL)))
+        assert (named["mode"], named["episodes"]) == ("named", ["x", "y"])
+        assert record(name_version, "--off").returncode == 0
+        assert redis.client().hget(key, file_version(DEMO_MODEL)) is None
+        cli = record(name_version)
         assert cli.returncode == 0, cli.stdout + cli.stderr
         n = 0
 
