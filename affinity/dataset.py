@@ -34,8 +34,10 @@ __all__ = ["MODES", "Recorded", "Selection", "finalize", "picked", "read_episode
 Array = np.ndarray[Any, Any]
 HIDDEN = ("state_in.", "control.", "rtc.")
 CODEBASE_VERSION = "v3.0"
-MODES = ("all", "fraction", "named")
-"""How ``affinity record`` selects a model version's episodes."""
+MODES = ("all", "fraction", "named", "reset")
+"""How ``affinity record`` selects a model version's episodes (``reset``: every episode is
+written, and finalize keeps those in which a step started from clean state after the first:
+a crash, a lapsed lease, a lost claim)."""
 
 
 def picked(episode: str, fraction: float) -> bool:
@@ -48,14 +50,15 @@ def picked(episode: str, fraction: float) -> bool:
 @dataclass(frozen=True)
 class Selection:
     """Which episodes of one model version are recorded: ``all``, a ``fraction`` (by
-    :func:`picked`) or the ``named`` episode ids."""
+    :func:`picked`), the ``named`` episode ids, or those that see a ``reset`` (all written,
+    kept by finalize)."""
 
     mode: str = "all"
     fraction: float = 1.0
     episodes: frozenset[str] = field(default_factory=frozenset)
 
     def wants(self, episode: str) -> bool:
-        if self.mode == "all":
+        if self.mode in ("all", "reset"):
             return True
         if self.mode == "fraction":
             return picked(episode, self.fraction)
@@ -144,6 +147,7 @@ def read_episodes(url: str, model: str | None = None) -> tuple[str, list[Recorde
             dropped += int(meta.get("dropped", 0))
     episodes = []
     for episode, segs in by_episode.items():
+        only_reset = any(m.get("keep") == "reset" for m in segs)
         rec = Recorded(episode)
         read = []
         for meta in segs:
@@ -167,6 +171,8 @@ def read_episodes(url: str, model: str | None = None) -> tuple[str, list[Recorde
                     "device": row["device"], "node": meta["node"], "claim": meta["claim"],
                     "dropped": int(meta.get("dropped", 0)),
                 })  # fmt: skip
+        if only_reset and not any(r["state_reset"] for r in rec.rows[1:]):
+            continue  # selected as "reset" and never reset: not kept
         if rec.rows:
             episodes.append(rec)
     episodes.sort(key=lambda r: r.rows[0]["t"])

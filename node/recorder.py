@@ -59,6 +59,7 @@ class _Frame:
     device: str
     inputs: Mapping[str, Array]
     outputs: Mapping[str, Array]
+    mode: str  # the selection's mode that chose its claim
 
 
 @dataclass
@@ -69,6 +70,7 @@ class _Segment:
     token: int
     device: str
     path: str
+    mode: str
     rows: list[_Frame] = field(default_factory=list)
     since: float = 0.0  # monotonic time of the oldest waiting row
     parts: int = 0
@@ -104,7 +106,7 @@ class Recorder:
         self.selections: dict[str, Selection] = {}
         """``name@version`` -> its selection; replaced whole by :meth:`select`."""
         self._queue: collections.deque[tuple[str, _Frame]] = collections.deque()
-        self._chosen: dict[tuple[str, str], bool] = {}
+        self._chosen: dict[tuple[str, str], str | None] = {}  # claim -> its mode (None: no)
         self._drops: dict[tuple[str, str], int] = {}
         self.queued = 0
         self.dropped = 0
@@ -149,8 +151,9 @@ class Recorder:
                 return  # not recorded now; asked again at this claim's next step
             if len(self._chosen) >= _CHOSEN_MAX:
                 self._chosen.clear()
-            chosen = self._chosen[key] = selection.wants(episode)
-        if not chosen:
+            chosen = selection.mode if selection.wants(episode) else None
+            self._chosen[key] = chosen
+        if chosen is None:
             return
         if len(self._queue) >= self.queue_max:
             self.dropped += 1
@@ -158,7 +161,7 @@ class Recorder:
             return
         self.queued += 1
         frame = _Frame(episode, claim, token, seq, self.clock(), state_reset, device,
-                       inputs, outputs)  # fmt: skip
+                       inputs, outputs, chosen)  # fmt: skip
         self._queue.append((model, frame))
 
     # the writer thread ---------------------------------------------------------------
@@ -198,7 +201,7 @@ class Recorder:
                  _SAFE.sub("_", frame.claim) or f"token-{frame.token}")
             )  # fmt: skip
             seg = self._segments[key] = _Segment(
-                model, frame.episode, frame.claim, frame.token, frame.device, path
+                model, frame.episode, frame.claim, frame.token, frame.device, path, frame.mode
             )
             if self.fs.exists(f"{path}/segment.json"):  # evicted while idle: go on after it
                 with self.fs.open(f"{path}/segment.json", "r") as fh:
@@ -260,7 +263,7 @@ class Recorder:
             "model": seg.model, "node": self.node_id, "device": seg.device,
             "episode": seg.episode, "claim": seg.claim, "token": seg.token,
             "parts": seg.parts, "frames": seg.frames, "dropped": seg.dropped,
-            "specs": seg.specs,
+            "specs": seg.specs, "keep": seg.mode,
         }  # fmt: skip
         with self.fs.open(f"{seg.path}/segment.json", "w") as fh:
             fh.write(json.dumps(meta))

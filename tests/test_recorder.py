@@ -186,7 +186,7 @@ def test_a_segment_is_readable_up_to_its_last_complete_part(tmp_path: Path) -> N
 # -- one robot episode across nodes, resets, finalize, replay -------------------------------
 
 
-async def record_fleet(redis: Any, out: str) -> dict[str, Any]:
+async def record_fleet(redis: Any, out: str, mode: str = "all") -> dict[str, Any]:
     """Two nodes record: an episode that moves from a to b with its state mid-way, one whose
     claim is released under it (its next step says state_reset), and a plain one. Returns
     what the robots sent and got, per episode."""
@@ -196,7 +196,7 @@ async def record_fleet(redis: Any, out: str) -> dict[str, Any]:
     resets: dict[str, list[bool]] = {}
     async with cluster(redis, cfgs) as (nodes, _):
         a, b = nodes
-        await select(nodes, redis, Selection("all"))
+        await select(nodes, redis, Selection(mode))
 
         async def step(via: InProcNode, ep: str, i: int, **kw: Any) -> dict[str, Any]:
             x = obs(i + 10 * len(sent))
@@ -256,6 +256,18 @@ async def test_finalize_joins_a_moved_episode_and_keeps_a_reset(redis: Any, tmp_
     assert by_id["reset"]["affinity/state_reset_at"] == [3]
     assert len(by_id["reset"]["affinity/claims"]) == 2
     assert info["codebase_version"] == "v3.0" and info["features"]["action"]["shape"] == [8]
+
+
+async def test_reset_mode_keeps_only_the_episodes_that_were_reset(
+    redis: Any, tmp_path: Path
+) -> None:
+    out = str(tmp_path / "rec")
+    truth = await record_fleet(redis, out, mode="reset")
+    _, episodes, _ = read_episodes(out)
+    assert [e.episode for e in episodes] == ["reset"]  # moved with its state: not a reset
+    assert [r["state_reset"] for r in episodes[0].rows] == truth["resets"]["reset"]
+    info = finalize(out, str(tmp_path / "ds"))
+    assert info["total_episodes"] == 1 and info["total_frames"] == len(truth["sent"]["reset"])
 
 
 async def test_replay_matches_the_same_version_bit_for_bit_and_reports_error_of_another(
