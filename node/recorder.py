@@ -246,7 +246,7 @@ class Recorder:
                 first = arrays[0]
                 seg.specs.setdefault(prefix + name, {"dtype": first.dtype.str,
                                                      "shape": list(first.shape)})  # fmt: skip
-                cols[prefix + name] = pa.array([a.tobytes() for a in arrays], pa.binary())
+                cols[prefix + name] = _bytes_column(pa, arrays)
         table = pa.table(cols)
         name = f"{seg.path}/part-{seg.parts:06d}.parquet"
         self.fs.makedirs(seg.path, exist_ok=True)
@@ -289,3 +289,14 @@ class Recorder:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+
+def _bytes_column(pa: Any, arrays: list[Array]) -> Any:
+    """One binary value per array, built with the one copy of each array's bytes (into a
+    shared buffer that Arrow then wraps, not copies)."""
+    flat = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
+    data = np.concatenate(flat)  # the copy
+    offsets = np.zeros(len(flat) + 1, np.int64)
+    np.cumsum([f.size for f in flat], out=offsets[1:])
+    buffers = [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(flat), buffers)
