@@ -30,6 +30,7 @@ from affinity import __version__
 from affinity.claims import Claims
 from affinity.config import Settings
 from affinity.connection import close, connect
+from affinity.dataset import Selection
 from affinity.errors import (
     AffinityError,
     BackendUnavailable,
@@ -246,6 +247,64 @@ async def cmd_rollout(args: argparse.Namespace, ctx: Context) -> int:
     models = [m for m in await ctx.inventory.models() if m.name == args.name]
     emit_models(ctx, models)
     return EXIT_OK
+
+
+async def cmd_record(args: argparse.Namespace, ctx: Context) -> int:
+    """Which episodes of a model version the fleet records (``node/recorder.py``)."""
+    name, _, version = args.model.partition("@")
+    if not name or not version:
+        raise InvalidArgument("record model", args.model, "give NAME@VERSION")
+    await ctx.require_deployment()
+    served = [f"{m.name}@{m.version}" for m in await ctx.inventory.models() if m.nodes]
+    if args.model not in served:
+        raise UnknownModel(args.model, served)
+    if args.off:
+        selection = None
+    elif args.episodes:
+        episodes = frozenset(e for e in args.episodes.split(",") if e)
+        selection = Selection("named", 1.0, episodes)
+    elif args.reset:
+        selection = Selection("reset")
+    elif args.fraction is not None:
+        if not 0.0 <= args.fraction <= 1.0:
+            raise InvalidArgument("record fraction", args.fraction, "must be 0-1")
+        selection = Selection("fraction", args.fraction)
+    else:
+        selection = Selection("all")
+    await ctx.models.set_recording(
+        name, version, None if selection is None else selection.to_json()
+    )
+    state = "off" if selection is None else selection.to_json()
+    emit(ctx, f"recording {args.model}: {state} (nodes read it at their next lease renewal)")
+    return EXIT_OK
+
+
+async def cmd_dataset(args: argparse.Namespace, ctx: Context) -> int:
+    """Join a recording's segments into one LeRobotDataset v3."""
+    from affinity.dataset import finalize
+
+    out = args.out or args.url.rstrip("/") + "/dataset"
+    info = finalize(args.url, out, args.model, args.task, args.fps)
+    meta = info["affinity"]
+    emit(ctx, f"{out}: {info['total_episodes']} episode(s), {info['total_frames']} frame(s) "
+              f"of {meta['model']}, {meta['dropped_frames']} dropped")  # fmt: skip
+    return EXIT_OK
+
+
+async def cmd_replay(args: argparse.Namespace, ctx: Context) -> int:
+    """Replay a recorded dataset in process and compare actions."""
+    from node.replay import replay  # the node's own model loading and dispatcher
+
+    report = await replay(args.dataset, args.model)
+    doc = report.to_json()
+    if ctx.json:
+        emit_json(ctx, doc)
+    else:
+        emit(ctx, f"{doc['frames']} frame(s) of {doc['episodes']} episode(s) recorded with "
+                  f"{doc['recorded_model']}, replayed with {doc['model']}: max |error| "
+                  f"{doc['max_abs_error']:.6g}, parity {'yes' if doc['parity'] else 'no'}, "
+                  f"{doc['x_real_time']}x real time")  # fmt: skip
+    return EXIT_OK if report.parity or not args.check else EXIT_NOT_FOUND
 
 
 async def cmd_forget(args: argparse.Namespace, ctx: Context) -> int:
@@ -514,6 +573,35 @@ def add_fleet_commands(command: AddCommand) -> None:
     p.add_argument(
         "--reset", action="store_true", help="drop the weights: the newest version takes all"
     )
+    p = command(
+        "record",
+        cmd_record,
+        "record a model version's episodes as LeRobot data on nodes run with --record: all, "
+        "--fraction F, --episodes IDS, --reset, or --off",
+    )
+    p.add_argument("model", metavar="NAME@VERSION", help="the model version")
+    p.add_argument("--fraction", type=float, help="this fraction of its episodes (0-1)")
+    p.add_argument("--episodes", help="only these episode ids (comma-separated)")
+    p.add_argument(
+        "--reset",
+        action="store_true",
+        help="keep the episodes in which a step started from clean state after the first "
+        "(all are written; dataset finalize keeps these)",
+    )
+    p.add_argument("--off", action="store_true", help="stop recording it")
+    p = command("dataset", cmd_dataset, "join a recording's segments into a LeRobotDataset v3")
+    p.add_argument("action", choices=("finalize",), help="finalize")
+    p.add_argument("url", metavar="URL", help="the nodes' --record directory or fsspec URL")
+    p.add_argument("--out", help="where the dataset goes (default: URL/dataset)")
+    p.add_argument("--model", help="NAME@VERSION (default: the only one recorded)")
+    p.add_argument("--task", default="", help="the dataset's task text")
+    p.add_argument("--fps", type=int, help="frames per second (default: the recorded rate)")
+    p = command(
+        "replay", cmd_replay, "run a recorded dataset's episodes in process; compare actions"
+    )
+    p.add_argument("dataset", metavar="DATASET", help="a dataset affinity dataset finalize wrote")
+    p.add_argument("--model", required=True, help="[NAME=]FILE[@VERSION] or a packaged model")
+    p.add_argument("--check", action="store_true", help="exit 1 unless bit-for-bit parity")
     p = command("forget", cmd_forget, "remove a dead node's record and its devices")
     p.add_argument("node", help="the node id (as in affinity nodes)")
     command(

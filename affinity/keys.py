@@ -104,6 +104,11 @@ class Keys:
         model ``name`` (``affinity rollout``); absent: the newest version takes them all."""
         return self.prefix + "rollout:" + name
 
+    def recording(self, name: str) -> str:
+        """Hash: version -> the JSON selection of model ``name``'s episodes the fleet
+        records (``affinity record``; ``node/recorder.py``); absent: none recorded."""
+        return self.prefix + "record:" + name
+
     def picks(self, name: str) -> str:
         """Sorted set: version -> picks/weight, the stride scheduling over the weighted
         versions of model ``name`` (reset by every ``affinity rollout``)."""

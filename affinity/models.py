@@ -88,6 +88,26 @@ class Models(ScriptCaller):
             )
         return out
 
+    async def recordings(self, names: Iterable[str]) -> dict[str, dict[str, str]]:
+        """Each model name's recording selections (version -> JSON), in one round trip."""
+        names = list(names)
+        pipe = self.redis.pipeline(transaction=False)
+        for name in names:
+            pipe.hgetall(self.keys.recording(name))
+        replies = await bounded(self.settings, pipe.execute())
+        return {
+            name: {_text(v): _text(s) for v, s in reply.items()}
+            for name, reply in zip(names, replies, strict=True)
+        }
+
+    async def set_recording(self, name: str, version: str, selection: str | None) -> None:
+        """Record ``name@version``'s episodes as ``selection`` says (JSON; None: stop)."""
+        key = self.keys.recording(name)
+        if selection is None:
+            await bounded(self.settings, self.redis.hdel(key, version))
+        else:
+            await bounded(self.settings, self.redis.hset(key, version, selection))
+
     async def restore(self, name: str, rollout: Rollout) -> tuple[int, bool]:
         """Put back ``rollout`` of model ``name`` after Redis lost its data
         (``affinity/lua/restore_rollout.lua``): each version's first registration where

@@ -204,6 +204,9 @@ _FLAGS = (
           "(none: off)", int, low=1, high=65535),
     _Flag("--api-key", "AFFINITY_API_KEY", None,
           "when set, clients must send Authorization: Api-Key <key> (openpi-client's api_key)"),
+    _Flag("--record", "AFFINITY_RECORD", None,
+          "record the episodes `affinity record` selects as LeRobot dataset segments "
+          "under this directory or fsspec URL (none: off; needs the record extra)"),
     _Flag("--log-level", "AFFINITY_LOG_LEVEL", "info", "debug | info | warning | error",
           choices=LOG_LEVELS),
     _Flag("--log-format", "AFFINITY_LOG_FORMAT", "plain", "plain | json (every log line)",

@@ -25,6 +25,7 @@ from node.episodes import EpisodeTable
 from node.errors import ClaimEnded, ForwardCancelled, NotKept, SeqConflict
 from node.jobs import Job, Member
 from node.record import Apply, Episode, StepResult, Verdict, advance
+from node.recorder import Recorder
 from node.rtc import Ask, RtcSpec, Used
 from node.worker import DeviceWorker
 
@@ -86,6 +87,7 @@ class Records:
         self.clock = clock
         self.model = model
         self._fed_back = set(contract.state.values())
+        self.recorder: Recorder | None = None  # --record: kept steps go to it (node/recorder.py)
 
     def answer_at_once(
         self,
@@ -249,4 +251,7 @@ class Records:
                     dev.answer(job.future, None, why)
                     return
                 job.committed = seq
+            if self.recorder is not None:  # a reference handed over: no copy, no wait
+                self.recorder.offer(self.model, dev.id, episode, job.claim, job.token, seq,
+                                    m.reset, job.inputs, visible)  # fmt: skip
         dev.answer(job.future, result, None)

@@ -76,6 +76,7 @@ class NodeConfig:
     admission_wait_s: float = 0.0
     models: tuple[ModelSpec, ...] = ()
     fleet_view_every_s: float = 10.0
+    record: str | None = None  # --record: where the recorder writes (node/recorder.py)
 
     @property
     def served(self) -> tuple[ModelSpec, ...]:

@@ -36,6 +36,7 @@ from node.worker import DEFAULT_BATCH_DELAY_US, DeviceWorker, batch_limit
 
 if TYPE_CHECKING:
     from affinity.claims import Assignment
+    from node.recorder import Recorder
     from node.step import Step
 
 __all__ = [  # the worker's and health's names too, for the imports made before the split
@@ -138,6 +139,10 @@ class MultiGpuDispatcher:
             dev.start()
 
     # ---- inspection ------------------------------------------------------------------
+
+    def record_to(self, recorder: Recorder | None) -> None:
+        """Hand each kept step of this model to ``recorder`` (``--record``)."""
+        self._records.recorder = recorder
 
     @property
     def model(self) -> str:

@@ -58,6 +58,7 @@ STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.0125, 0.02, 0.025, 0.0333, 
 LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
     "affinity_routing_total": {"result": ROUTING},
     "affinity_act_seconds": {"path": PATHS},
+    "affinity_record_frames_total": {"outcome": ("queued", "dropped", "written")},
     "affinity_live_episodes": {"device": "device"},
     "affinity_device_state": {"device": "device", "state": STATES},
     "affinity_crash_transitions_total": {"device": "device", "to": TRANSITIONS},
@@ -231,6 +232,13 @@ class Metrics:
             "affinity_lease_renewals_total",
             "Lease renewal attempts, by result.",
             ["result"],
+            registry=r,
+        )
+        self.recorded = Counter(
+            "affinity_record_frames_total",
+            "Steps of recorded episodes (--record): queued for the writer, dropped (the "
+            "writer was behind, or a part could not be written), written to a segment.",
+            ["outcome"],
             registry=r,
         )
         self.owner_dropped = Counter(

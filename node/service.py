@@ -35,6 +35,7 @@ from affinity import (
     close,
     connect,
 )
+from affinity.dataset import Selection
 from affinity.models import Models
 from affinity.registry import DeviceScore
 from node.catalog import Catalog, contract_record
@@ -53,6 +54,7 @@ from node.lease import Lease
 from node.metrics import Metrics
 from node.owner import Owner
 from node.placement import StepTimes
+from node.recorder import Recorder
 from node.resolver import Placement
 from node.rollouts import RolloutMemory
 from node.router import Router
@@ -144,6 +146,7 @@ class NodeService:
         self.rollouts = RolloutMemory(
             Models(self.lease_redis, config.settings), [mid.name for mid, _ in self.models.values()]
         )
+        self.recorder = self._recorder()
         self.pool: Poster = pool or ForwardPool(config.cluster_secret)
         self.started = False
         self._warned: set[str] = set()
@@ -242,6 +245,35 @@ class NodeService:
         with contextlib.suppress(AffinityError):
             await self.health.reconcile()
         await self.rollouts.sync()
+        if self.recorder is not None:
+            await self._read_recordings()
+
+    def _recorder(self) -> Recorder | None:
+        """The recorder of ``--record`` (None: off), handed every model's kept steps."""
+        if not self.config.record:
+            return None
+        recorder = Recorder(self.config.record, self.config.node_id)
+        recorder.on_count = lambda outcome, n: self.metrics.recorded.labels(outcome).inc(n)
+        recorder.start()
+        for dispatcher in self.dispatchers.values():
+            dispatcher.record_to(recorder)
+        return recorder
+
+    async def _read_recordings(self) -> None:
+        """The fleet's recording selections of the models served here (``affinity record``),
+        read after each renewal; steps read the recorder's copy, never Redis."""
+        assert self.recorder is not None
+        names = {mid.name: str(mid) for mid, _ in self.models.values()}
+        read = await Models(self.lease_redis, self.config.settings).recordings(list(names))
+        chosen = {}
+        for name, versions in read.items():
+            for version, text in versions.items():
+                try:
+                    chosen[f"{name}@{version}"] = Selection.from_json(text)
+                except ValueError:
+                    log.warning("model %s@%s: unreadable recording selection %r",
+                                name, version, text)  # fmt: skip
+        self.recorder.select(chosen)
 
     async def start(self) -> None:
         """Register and start the lease; idempotent (``affinity-node`` starts the service
@@ -294,6 +326,8 @@ class NodeService:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._maintenance
         self.health.close()
+        if self.recorder is not None:
+            self.recorder.close()
         self.pool.close()
         if self.owns_redis:
             clients = (self.redis, self.lease_redis, self.stream_redis)

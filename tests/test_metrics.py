@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from affinity import Keys
+from affinity.dataset import Selection
 from node.accesslog import AccessLog
 from node.admission import Admission
 from node.catalog import file_version
@@ -86,7 +87,7 @@ async def episode_on(node: InProcNode, via: InProcNode, prefix: str) -> dict[str
     raise AssertionError("round-robin never reached the node")
 
 
-async def test_every_series_is_driven_and_labels_are_documented() -> None:
+async def test_every_series_is_driven_and_labels_are_documented(tmp_path: Path) -> None:
     server = fakeredis.FakeServer()
     redis = fakeredis.aioredis.FakeRedis(server=server, decode_responses=True)
     cfgs = [
@@ -98,6 +99,7 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
             cooldown_s=0,
             capacity=5,
             max_body_bytes=2000,
+            record=str(tmp_path / "rec"),
         ),
         config("b", cluster_secret="k", capacity=5),
     ]
@@ -137,6 +139,18 @@ async def test_every_series_is_driven_and_labels_are_documented() -> None:
         r = await a.act(episode_id=ended, inputs=OBS)
         assert r.status_code == 200 and r.json()["state_reset"] is True, r.text
         seen += await scrape(a)
+        # the recorder (--record): frames queued and written, then one dropped (queue full)
+        rec = sa.recorder
+        assert rec is not None
+        rec.select({str(mid): Selection("all") for mid, _ in sa.models.values()})
+        recorded = (await episode_on(a, a, "rec"))["episode_id"]
+        rec.queue_max = 0
+        assert (await a.act(episode_id=recorded, inputs=OBS)).status_code == 200
+        for _ in range(100):  # the writer counts on its own thread
+            if rec.written >= 1 or not rec.wait_idle():
+                break
+        rec.close()
+        rec._count()
         # routing: claimed, hit, stateless, degraded; forwarded ok
         on_b = await episode_on(b, a, "fwd")
         assert (await a.act(episode_id=on_b["episode_id"], inputs=OBS)).status_code == 200

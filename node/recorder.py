@@ -1,0 +1,302 @@
+"""The fleet-side recorder (``affinity-node --record URL``): every selected episode's steps,
+as this node served them, written as segments that ``affinity dataset finalize`` joins
+into one LeRobotDataset v3 (``affinity/dataset.py``).
+
+Two sides. :meth:`Recorder.offer` runs on the commit path (a device's worker thread, or
+the event loop's for an inline run, ``node/commit.py``): it decides once per claim whether
+the episode is recorded (:class:`Selection`, read from Redis by the node's main loop after
+each lease renewal, never on a step), then appends a reference to the step's inputs and
+outputs to a bounded deque; it never copies an array, never blocks and never raises. When
+the deque is full the frame is dropped and counted (``affinity_record_frames_total``
+``outcome="dropped"``, and the segment's ``dropped`` count, which finalize puts in the
+dataset's metadata). The writer thread (:meth:`Recorder._run`, thread ``affinity-recorder``)
+is the only reader: it copies each array once, into a Parquet row.
+
+Segments: one per (claim) under ``<URL>/segments/<name>@<version>/<node>/<claim>/``;
+``part-NNNNNN.parquet`` files of at most ``flush_frames`` rows each, written when that many
+frames wait or ``flush_s`` after the oldest one came, and ``segment.json`` beside them. A
+part is written whole before its name exists (a temporary name then a rename on a local
+directory; one object put on an object store), so a node killed mid-episode leaves every
+part it finished readable and loses only the frames still waiting (at most ``flush_frames``
+or ``flush_s`` of them). Hazard: arrays handed to :meth:`offer` must not be written to
+afterwards (the node never writes to a step's inputs or returned outputs once committed).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from affinity.dataset import Selection
+
+__all__ = ["Recorder"]
+
+log = logging.getLogger("affinity.node")
+
+Array = np.ndarray[Any, Any]
+_SAFE = re.compile(r"[^A-Za-z0-9._@-]")
+_IDLE_S = 300.0  # seconds a segment with nothing waiting stays in memory
+_CHOSEN_MAX = 100_000  # claims whose choice is remembered before the memory starts over
+
+
+@dataclass(slots=True)
+class _Frame:
+    episode: str
+    claim: str
+    token: int
+    seq: int
+    t: float
+    state_reset: bool
+    device: str
+    inputs: Mapping[str, Array]
+    outputs: Mapping[str, Array]
+    mode: str  # the selection's mode that chose its claim
+
+
+@dataclass
+class _Segment:
+    model: str
+    episode: str
+    claim: str
+    token: int
+    device: str
+    path: str
+    mode: str
+    rows: list[_Frame] = field(default_factory=list)
+    since: float = 0.0  # monotonic time of the oldest waiting row
+    parts: int = 0
+    frames: int = 0
+    dropped: int = 0
+    specs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+class Recorder:
+    """Records the selected episodes' steps under ``url`` (a directory or an fsspec URL).
+    ``offer`` is the step path's side; the rest runs on the writer thread or the main loop.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        node_id: str,
+        *,
+        queue_max: int = 4096,
+        flush_frames: int = 512,
+        flush_s: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        import fsspec  # the optional "record" extra: imported only when recording is on
+
+        self.fs, self.root = fsspec.core.url_to_fs(url)
+        self.url = url
+        self.node_id = node_id
+        self.queue_max = queue_max
+        self.flush_frames = flush_frames
+        self.flush_s = flush_s
+        self.clock = clock
+        self.selections: dict[str, Selection] = {}
+        """``name@version`` -> its selection; replaced whole by :meth:`select`."""
+        self._queue: collections.deque[tuple[str, _Frame]] = collections.deque()
+        self._chosen: dict[tuple[str, str], str | None] = {}  # claim -> its mode (None: no)
+        self._drops: dict[tuple[str, str], int] = {}
+        self.queued = 0
+        self.dropped = 0
+        self.written = 0
+        self._counted = {"queued": 0, "dropped": 0, "written": 0}
+        self.on_count: Callable[[str, int], None] | None = None
+        """Called on the writer thread with (outcome, increase) for the metrics."""
+        self._segments: dict[tuple[str, str], _Segment] = {}
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="affinity-recorder", daemon=True)
+
+    def start(self) -> None:
+        self.fs.makedirs(f"{self.root}/segments", exist_ok=True)
+        self._thread.start()
+
+    def select(self, selections: Mapping[str, Selection]) -> None:
+        """The fleet's selections as last read (main loop); choices made stay as made."""
+        self.selections = dict(selections)
+
+    # the step path -------------------------------------------------------------------
+
+    def offer(
+        self,
+        model: str,
+        device: str,
+        episode: str,
+        claim: str,
+        token: int,
+        seq: int,
+        state_reset: bool,
+        inputs: Mapping[str, Array],
+        outputs: Mapping[str, Array],
+    ) -> None:
+        """Hand one committed step to the writer, or drop it when the writer is behind.
+        Never blocks, copies nothing, raises nothing."""
+        key = (episode, claim)
+        chosen = self._chosen.get(key)
+        if chosen is None:
+            selection = self.selections.get(model)
+            if selection is None:
+                return  # not recorded now; asked again at this claim's next step
+            if len(self._chosen) >= _CHOSEN_MAX:
+                self._chosen.clear()
+            chosen = selection.mode if selection.wants(episode) else None
+            self._chosen[key] = chosen
+        if chosen is None:
+            return
+        if len(self._queue) >= self.queue_max:
+            self.dropped += 1
+            self._drops[key] = self._drops.get(key, 0) + 1
+            return
+        self.queued += 1
+        frame = _Frame(episode, claim, token, seq, self.clock(), state_reset, device,
+                       inputs, outputs, chosen)  # fmt: skip
+        self._queue.append((model, frame))
+
+    # the writer thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            stopping = self._stop.is_set()
+            moved = self._drain()
+            self._flush_due(force=stopping)
+            self._count()
+            if stopping and not self._queue:
+                return
+            if not moved:
+                self._idle.set()
+                self._stop.wait(0.02)
+
+    def _drain(self) -> int:
+        n = 0
+        queue = self._queue
+        while queue:
+            model, frame = queue.popleft()
+            n += 1
+            seg = self._segment(model, frame)
+            if not seg.rows:
+                seg.since = time.monotonic()
+            seg.rows.append(frame)
+            if len(seg.rows) >= self.flush_frames:
+                self._write(seg)
+        return n
+
+    def _segment(self, model: str, frame: _Frame) -> _Segment:
+        key = (frame.episode, frame.claim)
+        seg = self._segments.get(key)
+        if seg is None:
+            path = "/".join(
+                (self.root, "segments", _SAFE.sub("_", model), _SAFE.sub("_", self.node_id),
+                 _SAFE.sub("_", frame.claim) or f"token-{frame.token}")
+            )  # fmt: skip
+            seg = self._segments[key] = _Segment(
+                model, frame.episode, frame.claim, frame.token, frame.device, path, frame.mode
+            )
+            if self.fs.exists(f"{path}/segment.json"):  # evicted while idle: go on after it
+                with self.fs.open(f"{path}/segment.json", "r") as fh:
+                    meta = json.loads(fh.read())
+                seg.parts, seg.frames = int(meta["parts"]), int(meta["frames"])
+                seg.dropped, seg.specs = int(meta["dropped"]), dict(meta["specs"])
+        return seg
+
+    def _flush_due(self, force: bool) -> None:
+        now = time.monotonic()
+        for key, seg in list(self._segments.items()):
+            if seg.rows and (force or now - seg.since >= self.flush_s):
+                self._write(seg)
+            elif not seg.rows and now - seg.since >= _IDLE_S:
+                del self._segments[key]  # its claim ended, most likely: memory stays bounded
+
+    def _write(self, seg: _Segment) -> None:
+        try:
+            self._write_part(seg)
+        except Exception:  # a full disk or an unreachable store: counted as dropped
+            log.exception("recorder: a part of segment %s could not be written", seg.path)
+            self.dropped += len(seg.rows)
+            seg.dropped += len(seg.rows)
+        seg.rows = []
+
+    def _write_part(self, seg: _Segment) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        rows = seg.rows
+        seg.dropped += self._drops.pop((seg.episode, seg.claim), 0)
+        cols: dict[str, Any] = {
+            "seq": pa.array([f.seq for f in rows], pa.int64()),
+            "t": pa.array([f.t for f in rows], pa.float64()),
+            "state_reset": pa.array([f.state_reset for f in rows], pa.bool_()),
+            "device": pa.array([f.device for f in rows], pa.string()),
+        }
+        for side, prefix in (("inputs", "in:"), ("outputs", "out:")):
+            names = list(getattr(rows[0], side))
+            for name in names:
+                arrays = [np.asarray(getattr(f, side)[name]) for f in rows]
+                first = arrays[0]
+                seg.specs.setdefault(prefix + name, {"dtype": first.dtype.str,
+                                                     "shape": list(first.shape)})  # fmt: skip
+                cols[prefix + name] = _bytes_column(pa, arrays)
+        table = pa.table(cols)
+        name = f"{seg.path}/part-{seg.parts:06d}.parquet"
+        self.fs.makedirs(seg.path, exist_ok=True)
+        local = self.fs.protocol in ("file", "local") or "file" in self.fs.protocol
+        target = f"{name}.tmp" if local else name
+        with self.fs.open(target, "wb") as fh:
+            pq.write_table(table, fh)
+        if local:
+            self.fs.mv(target, name)
+        seg.parts += 1
+        seg.frames += len(rows)
+        self.written += len(rows)
+        meta = {
+            "model": seg.model, "node": self.node_id, "device": seg.device,
+            "episode": seg.episode, "claim": seg.claim, "token": seg.token,
+            "parts": seg.parts, "frames": seg.frames, "dropped": seg.dropped,
+            "specs": seg.specs, "keep": seg.mode,
+        }  # fmt: skip
+        with self.fs.open(f"{seg.path}/segment.json", "w") as fh:
+            fh.write(json.dumps(meta))
+
+    def _count(self) -> None:
+        if self.on_count is None:
+            return
+        for outcome in ("queued", "dropped", "written"):
+            now = getattr(self, outcome)
+            if now > self._counted[outcome]:
+                self.on_count(outcome, now - self._counted[outcome])
+                self._counted[outcome] = now
+
+    # the main loop -------------------------------------------------------------------
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Wait until the writer found the queue empty once more (tests, benchmarks)."""
+        self._idle.clear()
+        return self._idle.wait(timeout)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Write what waits, every segment's last part, and stop the writer."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+
+def _bytes_column(pa: Any, arrays: list[Array]) -> Any:
+    """One binary value per array, built with the one copy of each array's bytes (into a
+    shared buffer that Arrow then wraps, not copies)."""
+    flat = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
+    data = np.concatenate(flat)  # the copy
+    offsets = np.zeros(len(flat) + 1, np.int64)
+    np.cumsum([f.size for f in flat], out=offsets[1:])
+    buffers = [None, pa.py_buffer(offsets), pa.py_buffer(data)]
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(flat), buffers)
