@@ -78,6 +78,7 @@ def run_ci(
     fake(venv / "python", record + f'case "$*" in *pytest*) exit {pytest_rc};; esac\n')
     fake(venv / "ruff", record)
     fake(venv / "mypy", record)
+    fake(tmp / "tests" / "lerobot_env.sh", record)  # the LeRobot reader's environment
     base = {k: v for k, v in os.environ.items() if k not in ("CI", "AFFINITY_CI_NO_APT")}
     # only the basic tools of the system: none of the Debian packages the script looks for
     tools = tmp / "tools"
