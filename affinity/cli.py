@@ -45,6 +45,7 @@ from affinity.inventory import Inventory, ModelStatus
 from affinity.models import Models
 from affinity.registry import MoveRequest, Registry
 from affinity.scripts import failure
+from affinity.shadows import Shadow, Shadows
 
 __all__ = ["main"]
 
@@ -244,6 +245,66 @@ async def cmd_rollout(args: argparse.Namespace, ctx: Context) -> int:
         await ctx.models.rollout(args.name, args.version, args.weight)
     models = [m for m in await ctx.inventory.models() if m.name == args.name]
     emit_models(ctx, models)
+    return EXIT_OK
+
+
+async def cmd_shadow(args: argparse.Namespace, ctx: Context) -> int:
+    """``shadow NAME@CANDIDATE --of NAME@LIVE``, ``shadow stop NAME@CANDIDATE``, ``shadow
+    status`` (``affinity/shadows.py``)."""
+    shadows = Shadows(ctx.models.redis, ctx.models.settings)
+    what = list(args.what)
+    if what == ["status"]:
+        return await shadow_status(ctx, shadows)
+    if len(what) == 2 and what[0] == "stop":
+        stopped = await shadows.stop(what[1])
+        if stopped is None:
+            raise UnknownModel(what[1], sorted(await shadows.all()))
+        if ctx.json:
+            emit_json(ctx, {"candidate": what[1], "live": str(stopped.live), "stopped": True})
+        else:
+            emit(ctx, f"stopped the shadow of {what[1]} (its figures stay)")
+        return EXIT_OK
+    if len(what) != 1 or args.of is None:
+        raise InvalidArgument(
+            "shadow",
+            " ".join(what),
+            "give NAME@CANDIDATE --of NAME@LIVE, stop NAME@CANDIDATE or status",
+        )
+    shadow = Shadow.checked(what[0], args.of, args.fraction)
+    await ctx.require_deployment()
+    served = [f"{m.name}@{m.version}" for m in await ctx.inventory.models() if m.nodes]
+    if str(shadow.live) not in served:  # nothing to shadow
+        raise UnknownModel(str(shadow.live), served)
+    await shadows.start(shadow)
+    if ctx.json:
+        emit_json(ctx, {"candidate": str(shadow.candidate), "live": str(shadow.live),
+                        "fraction": shadow.fraction})  # fmt: skip
+    else:
+        emit(ctx, f"{shadow.candidate} shadows {shadow.fraction:g} of the episodes of "
+                  f"{shadow.live} from each owner's next renewal")  # fmt: skip
+    return EXIT_OK
+
+
+async def shadow_status(ctx: Context, shadows: Shadows) -> int:
+    active = await shadows.all()
+    pairs = [(c, str(s.live)) for c, s in sorted(active.items())]
+    totals = await shadows.totals(pairs)
+    rows = []
+    for candidate, live in pairs:
+        shadow, t = active[candidate], totals[(candidate, live)]
+        rows.append({"candidate": candidate, "live": live, "fraction": shadow.fraction,
+                     "state": "stopped" if shadow.stopped else "on", **t.to_json()})  # fmt: skip
+    if ctx.json:
+        emit_json(ctx, rows)
+        return EXIT_OK
+    headers = ["CANDIDATE", "LIVE", "FRACTION", "STATE", "COMPARED", "SKIPPED", "RESTARTS",
+               "MAX_ABS", "L2_MAX", "RESTARTED_MAX_ABS"]  # fmt: skip
+    emit(ctx, table(headers, [
+        (r["candidate"], r["live"], f"{r['fraction']:g}", r["state"], r["compared"],
+         r["skipped"], r["restarts"], f"{r['max_abs']:.6g}", f"{r['l2_max']:.6g}",
+         f"{r['restarted_max_abs']:.6g}")
+        for r in rows
+    ]))  # fmt: skip
     return EXIT_OK
 
 
@@ -512,6 +573,20 @@ def add_fleet_commands(command: AddCommand) -> None:
     )
     p.add_argument(
         "--reset", action="store_true", help="drop the weights: the newest version takes all"
+    )
+    p = command(
+        "shadow",
+        cmd_shadow,
+        "run a candidate version beside a live one on live episodes' inputs, never answering "
+        "(NAME@CANDIDATE --of NAME@LIVE [--fraction F]; stop NAME@CANDIDATE; status)",
+    )
+    p.add_argument("what", nargs="+", metavar="NAME@CANDIDATE | stop NAME@CANDIDATE | status")
+    p.add_argument("--of", metavar="NAME@LIVE", help="the live version it runs beside")
+    p.add_argument(
+        "--fraction",
+        type=float,
+        default=1.0,
+        help="the share of the live version's episodes shadowed, chosen by episode id (default: 1)",
     )
     p = command("forget", cmd_forget, "remove a dead node's record and its devices")
     p.add_argument("node", help="the node id (as in affinity nodes)")

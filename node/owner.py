@@ -53,6 +53,7 @@ from node.step import Refused, Reply, Step, TimeLimit, Unavailable
 
 if TYPE_CHECKING:
     from node.router import Router
+    from node.shadow import ShadowRunner
 
 __all__ = ["Owner"]
 
@@ -93,6 +94,7 @@ class Owner:
         # name -> "name@version" of the models served here (for the replies)
         self.models = {name: d.model for name, d in dispatchers.items()}
         self.router: Router | None = None  # set by the service: a restart claims through it
+        self.shadow: ShadowRunner | None = None  # set by the service: ghosts after live steps
         self._ending: dict[str, asyncio.Event] = {}  # ends whose release in Redis is in flight
         settings = config.settings  # the flushes and hand-overs use the lease's own pool
         self.flusher = Flusher(self.node_id, table, lease, registry, metrics, settings, clock)
@@ -157,7 +159,10 @@ class Owner:
             dispatcher.observed(episode, result.seq, self.clock() - step.arrived)
         if step.end:
             await self.end(episode, assignment.token)
-        return self._reply(assignment, step, result, name, started)
+        reply = self._reply(assignment, step, result, name, started)
+        if self.shadow is not None:  # its ghost runs after the reply, off the step path
+            self.shadow.after(assignment, step, result)
+        return reply
 
     def _dispatcher_for(self, assignment: Assignment, step: Step) -> tuple[str, MultiGpuDispatcher]:
         """The name and dispatcher of the model ``assignment`` is served with here. Raises

@@ -36,6 +36,7 @@ from affinity import (
     connect,
 )
 from affinity.models import Models
+from affinity.shadows import Shadows
 from node.catalog import AmbiguousModel, Catalog, contract_record
 from node.config import NodeConfig
 from node.contract import PolicyContract
@@ -52,6 +53,7 @@ from node.owner import Owner
 from node.rollouts import RolloutMemory
 from node.router import Router
 from node.rtc import Ask
+from node.shadow import ShadowRunner, sync_quietly
 from node.signals import FleetSignals
 from node.step import Refused
 
@@ -68,6 +70,10 @@ DispatcherFactory = Callable[
 ]
 """(device ids, crash-transition callback, metrics for the batching hooks, the node's
 episode table, its arrivals) -> model name -> its dispatcher (the first model first)."""
+
+CandidateFactory = Callable[[list[str], EpisodeTable], dict[str, MultiGpuDispatcher]]
+"""(device ids, the ghost table) -> candidate ``"name@version"`` -> its dispatcher
+(``--shadow-model``, ``node/shadow.py``)."""
 
 
 class NodeService:
@@ -86,6 +92,7 @@ class NodeService:
         owns_redis: bool = False,
         pool: Poster | None = None,
         models: Mapping[str, tuple[ModelId, PolicyContract]] | None = None,
+        candidates: CandidateFactory | None = None,
     ) -> None:
         self.config = config
         self.node_id = config.node_id
@@ -143,6 +150,18 @@ class NodeService:
             self.pool,
             clock,
         )
+        ghosts = EpisodeTable(clock)  # the ghost episodes' records, apart from the live ones
+        self.shadow = ShadowRunner(
+            self.node_id,
+            self.table,
+            ghosts,
+            self.dispatchers,
+            candidates(self.device_ids, ghosts) if candidates is not None else {},
+            Shadows(self.lease_redis, config.settings),
+            self.metrics.registry,
+            clock=clock,
+        )
+        self.owner.shadow = self.shadow
         self.router = Router(
             config,
             self.claims,
@@ -207,6 +226,7 @@ class NodeService:
         with contextlib.suppress(AffinityError):
             await self.health.reconcile()
         await self.rollouts.sync()
+        await sync_quietly(self.shadow)
 
     async def start(self) -> None:
         """Register and start the lease; idempotent (``affinity-node`` starts the service
@@ -259,6 +279,7 @@ class NodeService:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._maintenance
         self.health.close()
+        self.shadow.close()
         self.pool.close()
         if self.owns_redis:
             clients = (self.redis, self.lease_redis, self.stream_redis)
