@@ -10,6 +10,7 @@ node. ``affinity shadow status`` adds them up.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Mapping
@@ -62,12 +63,11 @@ class Shadow:
 
 def selected(episode: str, fraction: float) -> bool:
     """Whether ``episode`` is among ``fraction`` of the episodes: the same answer on every
-    node, at every step (a 64-bit FNV-1a hash of its id against the fraction)."""
+    node, at every step (the first 8 bytes of a BLAKE2b hash of its id against the
+    fraction)."""
     if fraction >= 1:
         return True
-    h = 0xCBF29CE484222325
-    for byte in episode.encode():
-        h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    h = int.from_bytes(hashlib.blake2b(episode.encode(), digest_size=8).digest(), "big")
     return h / 2**64 < fraction
 
 
