@@ -186,7 +186,8 @@ async def test_a_ghost_without_capacity_is_skipped_and_says_its_restart(redis: A
         seen = scrape(a)
         assert seen[("affinity_shadow_steps_total", (*labels, ("result", "busy")))] == 1
         assert seen[("affinity_shadow_restarts_total", labels)] == 1
-        assert seen[("affinity_shadow_steps_total", (*labels, ("result", "compared_restarted")))] == 3
+        restarted = (*labels, ("result", "compared_restarted"))
+        assert seen[("affinity_shadow_steps_total", restarted)] == 3
 
 
 async def test_stopping_the_shadow_frees_every_ghost_and_an_end_frees_its_own(redis: Any) -> None:
