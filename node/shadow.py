@@ -68,7 +68,7 @@ SHADOW_LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
     "affinity_shadow_restarts_total": {"candidate": "shadow", "live": "shadow"},
     "affinity_shadow_max_abs": {"candidate": "shadow", "live": "shadow"},
     "affinity_shadow_step_max_abs": {"candidate": "shadow", "live": "shadow"},
-    "affinity_shadow_ghosts": {},
+    "affinity_shadow_ghosts": {"candidate": "shadow", "live": "shadow"},
 }
 """The shadow series and their labels (``shadow``: the ``name@version`` of a shadow an
 operator started, candidate or live; docs/metrics.md)."""
@@ -186,7 +186,10 @@ class ShadowRunner:
             registry=registry,
         )
         self.held = Gauge(
-            "affinity_shadow_ghosts", "Ghost episodes this node holds.", registry=registry
+            "affinity_shadow_ghosts",
+            "Ghost episodes this node holds.",
+            ["candidate", "live"],
+            registry=registry,
         )
 
     # ---- renewal -----------------------------------------------------------------------
@@ -210,7 +213,15 @@ class ShadowRunner:
                 self.free(episode)
             elif self.live.get(episode) is None:
                 self.free(episode)  # its live episode ended, idled, moved or was dropped
-        self.held.set(len(self.ghosts))
+        self._count_held()
+
+    def _count_held(self) -> None:
+        held = dict.fromkeys(self.totals, 0)
+        for ghost in self.ghosts.values():
+            pair = (ghost.candidate, ghost.live)
+            held[pair] = held.get(pair, 0) + 1
+        for (candidate, live), n in held.items():
+            self.held.labels(candidate, live).set(n)
 
     def free(self, episode: str) -> None:
         """Let go of the ghost of ``episode`` and its record."""
@@ -220,7 +231,7 @@ class ShadowRunner:
         ghost.ended = True
         self._drop_waiting(ghost)
         self.table.release(episode, "end", ghost.token)
-        self.held.set(len(self.ghosts))
+        self._count_held()
 
     # ---- after a live step -------------------------------------------------------------
 
@@ -251,7 +262,7 @@ class ShadowRunner:
             )  # fmt: skip
             ghost.last_seq = result.seq - 1
             self.ghosts[episode] = ghost
-            self.held.set(len(self.ghosts))
+            self._count_held()
             if not ghost.continuous:  # began in mid-episode: a restart
                 ghost.restart = True
         elif ghost.live_claim != assignment.claim:  # claimed anew meanwhile: start over

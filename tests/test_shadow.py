@@ -112,7 +112,11 @@ async def test_an_identical_candidate_diverges_by_exactly_zero_and_the_live_repl
         labels = (("candidate", CANDIDATE), ("live", LIVE))
         assert seen[("affinity_shadow_steps_total", (*labels, ("result", "compared")))] == 100
         assert seen[("affinity_shadow_max_abs", labels)] == 0.0
-        assert seen[("affinity_shadow_ghosts", ())] == episodes
+        assert seen[("affinity_shadow_ghosts", labels)] == episodes
+        assert seen[("affinity_shadow_step_max_abs_count", labels)] == 100
+        zero = [v for (n, lab), v in seen.items() if n == "affinity_shadow_step_max_abs_bucket"
+                and float(dict(lab)["le"]) == 0.0]  # fmt: skip
+        assert zero == [100]  # every step's divergence in the first bucket: exactly 0
         # nothing of the ghosts is in Redis: no claim, no load
         assert await redis.exists(Keys().episode("ep-0")) == 1  # the live one only
 
@@ -219,6 +223,31 @@ async def test_a_candidate_not_served_here_is_skipped_with_its_reason(redis: Any
         await step(a, "ep-n", observations(1, 1)[0])
         assert a.service.shadow.totals[("demo_policy@v3", LIVE)].skipped == {"not_served": 1}
         assert a.service.shadow.ghosts == {}
+
+
+async def test_a_failing_candidate_never_touches_the_live_reply(redis: Any) -> None:
+    class Broken:
+        def run(self, names: Any, feed: Any) -> Any:
+            raise RuntimeError("candidate crashed")
+
+    obs = observations(2, 3)
+    async with cluster(redis, [shadowed()]) as ([a], _):
+        svc = a.service
+        old = svc.shadow.candidates[CANDIDATE]
+        old.close()
+        svc.shadow.candidates[CANDIDATE] = MultiGpuDispatcher(
+            old.devices, lambda _d: Broken(), old.contract, table=svc.shadow.table,
+            model=CANDIDATE,
+        )  # fmt: skip
+        await start(redis, a)
+        for t in range(3):
+            reply = await step(a, "ep-f", obs[t])
+            want = reference_rollout(DEMO_MODEL, obs[: t + 1])[-1]["actions"]
+            np.testing.assert_array_equal(actions(reply).reshape(want.shape), want)
+        assert svc.shadow.totals[PAIR].skipped == {"failed": 3}
+        labels = (("candidate", CANDIDATE), ("live", LIVE), ("result", "failed"))
+        assert scrape(a)[("affinity_shadow_steps_total", labels)] == 3
+        assert svc.health.tracker(svc.device_ids[0]).down is False  # the live device is fine
 
 
 def test_the_fraction_picks_the_same_episodes_everywhere() -> None:
