@@ -10,8 +10,8 @@ never claimed in Redis, never flushed, and never answers the robot.
 
 Off the step path: a ghost step is a task that starts once the live step returned, and
 runs on the candidate's device worker, never inline on the event loop. It runs only on
-spare capacity: the candidate's and the live model's queues on that device are empty, the
-ghost has at most one step waiting, and fewer than ``max_in_flight`` ghost steps are on
+spare capacity: the candidate's next run on that device has room (fewer steps wait than
+its batch size), the live model's queue there is empty, the ghost has no step waiting, and fewer than ``max_in_flight`` ghost steps are on
 their way. Otherwise it is skipped (counted, reason ``busy``) and the ghost's next run
 starts its state over, counted as a restart: a ghost that ran from its live episode's
 first step and never restarted is *continuous*; the others' figures are kept apart
@@ -290,7 +290,7 @@ class ShadowRunner:
     def _spare(self, ghost: Ghost, dispatcher: MultiGpuDispatcher, assignment: Assignment) -> bool:
         if self.in_flight >= self.max_in_flight or ghost.waiting:
             return False
-        if dispatcher.queued(ghost.device):
+        if dispatcher.queued(ghost.device) >= dispatcher.max_batch:  # its next run is full
             return False
         name = assignment.model.partition("@")[0]
         live = self.live_dispatchers.get(name)
