@@ -46,6 +46,7 @@ from affinity.models import Models
 from affinity.registry import MoveRequest, Registry
 from affinity.scripts import failure
 from affinity.shadows import Shadow, Shadows
+from affinity.shadows import status as shadow_rows
 
 __all__ = ["main"]
 
@@ -286,14 +287,7 @@ async def cmd_shadow(args: argparse.Namespace, ctx: Context) -> int:
 
 
 async def shadow_status(ctx: Context, shadows: Shadows) -> int:
-    active = await shadows.all()
-    pairs = [(c, str(s.live)) for c, s in sorted(active.items())]
-    totals = await shadows.totals(pairs)
-    rows = []
-    for candidate, live in pairs:
-        shadow, t = active[candidate], totals[(candidate, live)]
-        rows.append({"candidate": candidate, "live": live, "fraction": shadow.fraction,
-                     "state": "stopped" if shadow.stopped else "on", **t.to_json()})  # fmt: skip
+    rows = await shadow_rows(shadows)
     if ctx.json:
         emit_json(ctx, rows)
         return EXIT_OK

@@ -21,7 +21,7 @@ from affinity.errors import InvalidArgument
 from affinity.models import ModelId
 from affinity.scripts import RedisApi, bounded
 
-__all__ = ["PairTotals", "Shadow", "Shadows", "selected"]
+__all__ = ["PairTotals", "Shadow", "Shadows", "selected", "status"]
 
 
 @dataclass(frozen=True)
@@ -200,3 +200,22 @@ class Shadows(RedisApi):
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+async def status(shadows: Shadows) -> list[dict[str, Any]]:
+    """Every shadow with the fleet's figures (``affinity shadow status --json``, the fleet
+    page's ``/shadows``): candidate, live, fraction, state (``on``, ``stopped``) and
+    :meth:`PairTotals.to_json`."""
+    active = await shadows.all()
+    pairs = [(c, str(s.live)) for c, s in sorted(active.items())]
+    totals = await shadows.totals(pairs)
+    return [
+        {
+            "candidate": candidate,
+            "live": live,
+            "fraction": active[candidate].fraction,
+            "state": "stopped" if active[candidate].stopped else "on",
+            **totals[(candidate, live)].to_json(),
+        }
+        for candidate, live in pairs
+    ]

@@ -117,6 +117,11 @@ async def test_an_identical_candidate_diverges_by_exactly_zero_and_the_live_repl
         zero = [v for (n, lab), v in seen.items() if n == "affinity_shadow_step_max_abs_bucket"
                 and float(dict(lab)["le"]) == 0.0]  # fmt: skip
         assert zero == [100]  # every step's divergence in the first bucket: exactly 0
+        # the fleet page shows the same figures
+        page = (await a.client.get("/shadows")).json()["shadows"]
+        assert [(r["candidate"], r["live"], r["compared"], r["max_abs"]) for r in page] == [
+            (CANDIDATE, LIVE, 100, 0.0)
+        ]
         # nothing of the ghosts is in Redis: no claim, no load
         assert await redis.exists(Keys().episode("ep-0")) == 1  # the live one only
 
