@@ -11,11 +11,11 @@ never claimed in Redis, never flushed, and never answers the robot.
 Off the step path: a ghost step is a task that starts once the live step returned, and
 runs on the candidate's device worker, never inline on the event loop. It runs only on
 spare capacity: the candidate's next run on that device has room (fewer steps wait than
-its batch size), the live model's queue there is empty, the ghost has no step waiting, and fewer than ``max_in_flight`` ghost steps are on
-their way. Otherwise it is skipped (counted, reason ``busy``) and the ghost's next run
-starts its state over, counted as a restart: a ghost that ran from its live episode's
-first step and never restarted is *continuous*; the others' figures are kept apart
-(``restarted_*``), never mixed.
+its batch size), the live model's queue there is empty, the ghost has no step waiting,
+and fewer than ``max_in_flight`` ghost steps are on their way. Otherwise it is skipped
+(counted, reason ``busy``) and the ghost's next run starts its state over, counted as a
+restart: a ghost that ran from its live episode's first step and never restarted is
+*continuous*; the others' figures are kept apart (``restarted_*``), never mixed.
 
 Divergence: per compared step, the candidate's outputs minus the live ones (each output
 both gave, same shape), as max-abs and L2 per action dimension (the last axis); kept per
