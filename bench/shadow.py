@@ -9,6 +9,8 @@ step from request to reply; the ghost steps run in the background as the node ru
 ``v2`` shadowing ``v1`` at fraction 1.0, alternating ``--rounds`` times in one run; the
 figures are the live steps' p50 and p99 with the shadow over the baseline's, and the
 divergence of the identical candidate over every compared step (exactly 0 on the CPU).
+First a lock-step pass (each step waits for its ghost) runs every ghost step of
+``--episodes`` x ``--steps``: the check that the ghosts' state is kept right.
 
 ``--hz`` paces the robots: a round of every episode's step each 1/hz s (0: back to back).
 
@@ -55,6 +57,19 @@ async def loop(
     return took
 
 
+async def lockstep(node: InProcNode, episodes: int, steps: int) -> None:
+    """Every episode's step in turn, each round waiting for the ghosts: none is ever
+    skipped, so every ghost step is compared with its ghost's state kept all along."""
+    rng = np.random.default_rng(1)
+    obs = rng.standard_normal((steps, episodes, 1, 8)).astype(np.float32).tolist()
+    for t in range(steps):
+        for e in range(episodes):
+            body = {"episode_id": f"exact-{e}", "inputs": {"obs": obs[t][e]}}
+            r = await node.client.post("/act", json=body)
+            assert r.status_code == 200, r.text
+            await node.service.shadow.idle()
+
+
 async def measure(episodes: int, steps: int, rounds: int, hz: float) -> dict[str, Any]:
     redis = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer(), decode_responses=True)
     cfg = config(
@@ -71,6 +86,11 @@ async def measure(episodes: int, steps: int, rounds: int, hz: float) -> dict[str
         node.app.access.enabled = False  # no access log line per step
         shadows = Shadows(redis, cfg.settings)
         await loop(node, "warm", 8, 20)  # warm: sessions, allocator pools
+        await shadows.start(Shadow.checked(CANDIDATE, LIVE, 1.0))
+        await svc.shadow.sync()
+        await lockstep(node, episodes, steps)
+        exact = svc.shadow.totals[(CANDIDATE, LIVE)].to_json()
+        svc.shadow.totals.clear()
         for r in range(rounds):
             await shadows.stop(CANDIDATE)
             await svc.shadow.sync()
@@ -82,7 +102,7 @@ async def measure(episodes: int, steps: int, rounds: int, hz: float) -> dict[str
         await svc.shadow.sync()
         totals = svc.shadow.totals[(CANDIDATE, LIVE)]
     await redis.aclose()
-    return {"base": base, "shadowed": shadowed, "totals": totals.to_json()}
+    return {"base": base, "shadowed": shadowed, "totals": totals.to_json(), "exact": exact}
 
 
 def main() -> None:
@@ -106,10 +126,21 @@ def main() -> None:
             "goal": "<= 1.05x (spare capacity)",
             "ok": s / b <= 1.05,
         })  # fmt: skip
+    exact, n = got["exact"], a.episodes * a.steps
+    figures.append({
+        "figure": f"divergence of an identical candidate, every ghost step run "
+                  f"({a.episodes} episodes x {a.steps} steps, lock-step)",
+        "value": exact["max_abs"],
+        "result": f"max-abs {exact['max_abs']!r}, L2 {exact['l2_max']!r} over "
+                  f"{exact['compared']} continuous steps compared of {n}, skipped "
+                  f"{exact['skipped']}",
+        "goal": "exactly 0 over every step",
+        "ok": exact["max_abs"] == 0.0 and exact["l2_max"] == 0.0 and exact["compared"] == n,
+    })  # fmt: skip
     n = a.episodes * a.steps * a.rounds
     figures.append({
-        "figure": f"divergence of an identical candidate ({a.rounds} x {a.episodes} "
-                  f"episodes x {a.steps} steps)",
+        "figure": f"divergence of an identical candidate, free-running ({a.rounds} x "
+                  f"{a.episodes} episodes x {a.steps} steps)",
         "value": totals["max_abs"],
         "result": f"max-abs {totals['max_abs']!r}, L2 {totals['l2_max']!r} over "
                   f"{totals['compared']} continuous steps compared of {n}; skipped "
@@ -119,7 +150,7 @@ def main() -> None:
         "goal": "exactly 0",
         "ok": totals["max_abs"] == 0.0 and totals["l2_max"] == 0.0 and totals["compared"] > 0,
     })  # fmt: skip
-    report("shadow", figures, {"totals": totals})
+    report("shadow", figures, {"totals": totals, "lockstep": exact})
 
 
 if __name__ == "__main__":
