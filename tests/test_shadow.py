@@ -354,3 +354,95 @@ def test_the_cli_starts_stops_and_shows_shadows_with_the_admins_credentials(
     assert code == 0 and "stopped" in out
     assert json.loads(run("shadow", "status", "--json")[1])[0]["state"] == "stopped"
     assert run("shadow", "stop", "demo_policy@v7")[0] == 1
+
+
+# ---- real processes: a node, a redis-server, the CLI -------------------------------------
+
+
+def test_a_real_node_shadows_through_the_cli_and_frees_its_ghosts_on_stop(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import httpx
+
+    from tests.procs import Node
+
+    server = RedisServer(tmp_path).start()
+    node = Node(
+        tmp_path, "sh", server.url, devices="cpu:1",
+        extra=["--model", "demo_policy=demo@v1", "--shadow-model", "demo_policy=demo@v2",
+               "--lease-ttl", "3"],
+    )  # fmt: skip
+    try:
+        node.start()
+
+        def cli(*argv: str) -> tuple[int, str]:
+            code = main(["--redis", server.url, *argv])
+            out, _ = capsys.readouterr()
+            return code, out
+
+        assert cli("shadow", CANDIDATE, "--of", LIVE)[0] == 0
+
+        def status() -> dict[str, Any]:
+            code, out = cli("shadow", "status", "--json")
+            assert code == 0
+            return dict(json.loads(out)[0])
+
+        obs = observations(11, 6)
+        with httpx.Client(base_url=node.url, timeout=10) as client:
+            # the node reads the shadow at a renewal (a third of its 3 s lease)
+            def ghosts_on() -> bool:
+                r = client.post(
+                    "/act",
+                    json={
+                        "episode_id": "probe",
+                        "model": "demo_policy",
+                        "inputs": {"obs": obs[0].tolist()},
+                        "end": True,
+                    },
+                )
+                assert r.status_code == 200
+                return status()["compared"] > 0
+
+            wait_until(ghosts_on, 20, "the node to run ghosts")
+
+            def counted() -> float:  # the node's own count of ghost steps, any result
+                r = client.get("/metrics")
+                for family in text_string_to_metric_families(r.text):
+                    if family.name == "affinity_shadow_steps":
+                        return sum(s.value for s in family.samples if s.name.endswith("_total"))
+                return 0.0
+
+            before = counted()
+            for t, o in enumerate(obs):
+                r = client.post(
+                    "/act",
+                    json={
+                        "episode_id": "real",
+                        "model": "demo_policy",
+                        "inputs": {"obs": o.tolist()},
+                    },
+                )
+                want = reference_rollout(DEMO_MODEL, obs[: t + 1])[-1]["actions"]
+                got = np.asarray(r.json()["outputs"]["actions"], np.float32)
+                np.testing.assert_array_equal(got.reshape(want.shape), want)
+            wait_until(lambda: counted() - before == len(obs), 20, "the ghost steps")
+            total = counted()
+            wait_until(lambda: status()["compared"] + status()["skipped"] == total, 20,
+                       "the renewal to publish")  # fmt: skip
+            row = status()
+            assert row["max_abs"] == 0.0 and row["l2_max"] == 0.0 and row["compared"] > 0
+
+            def ghosts() -> float:
+                r = client.get("/metrics")
+                for family in text_string_to_metric_families(r.text):
+                    if family.name == "affinity_shadow_ghosts":
+                        return sum(s.value for s in family.samples)
+                return -1.0
+
+            assert ghosts() >= 1  # the ghost of "real"
+            assert cli("shadow", "stop", CANDIDATE)[0] == 0
+            wait_until(lambda: ghosts() == 0, 20, "the renewal to free every ghost")
+            assert status()["state"] == "stopped"
+    finally:
+        node.stop()
+        server.stop()
