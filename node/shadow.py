@@ -51,9 +51,10 @@ from affinity import AffinityError, Assignment
 from affinity.shadows import PairTotals, Shadow, Shadows, selected
 from node.control import control_feed
 from node.dispatcher import MultiGpuDispatcher
-from node.episodes import EpisodeTable
+from node.episodes import Episode, EpisodeTable
 from node.record import StepResult
 from node.step import Step
+from node.transfer import GhostCarry, Install
 
 __all__ = ["SHADOW_LABELS", "Ghost", "ShadowRunner", "divergence"]
 
@@ -75,6 +76,9 @@ operator started, candidate or live; docs/metrics.md)."""
 DIVERGENCE_BUCKETS = (0.0, 1e-6, 1e-4, 1e-3, 0.01, 0.1, 1.0, 10.0)
 MAX_IN_FLIGHT = 64
 """Ghost steps on their way at once on one node (beyond: skipped, ``busy``)."""
+CARRY_WAIT_S = 0.25
+"""How long a hand-over waits for its episode's ghost step on its way (then the ghost
+stays behind and restarts at the new owner)."""
 
 
 def divergence(candidate: Mapping[str, Array], live: Mapping[str, Array]) -> Array | None:
@@ -118,6 +122,7 @@ class Ghost:
     restart: bool = False  # a step was skipped: its next run starts over
     waiting: list[tuple[Step, StepResult]] = field(default_factory=list)
     running: bool = False
+    task: asyncio.Task[None] | None = None
     ran: bool = False  # it has a record in the ghost table
     compared: int = 0
     max_abs: float = 0.0  # this episode's worst step
@@ -280,6 +285,7 @@ class ShadowRunner:
         if not ghost.running:
             ghost.running = True
             task = asyncio.get_running_loop().create_task(self._run(ghost, dispatcher))
+            ghost.task = task
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -391,6 +397,52 @@ class ShadowRunner:
         if totals is None:
             totals = self.totals[pair] = PairTotals()
         return totals
+
+    # ---- hand-over ---------------------------------------------------------------------
+
+    async def carry(self, episode: str, record: Episode) -> GhostCarry | None:
+        """What a hand-over of ``episode`` (its live ``record``) carries of its ghost: the
+        ghost's record once its step on its way ran (bounded by :data:`CARRY_WAIT_S`), if
+        it is in step with the live record; else None (it restarts at the new owner)."""
+        ghost = self.ghosts.get(episode)
+        if ghost is None:
+            return None
+        if ghost.running and ghost.task is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(ghost.task), CARRY_WAIT_S)
+        own = self.table.get(episode)
+        if (
+            ghost.running or ghost.restart or ghost.ended or own is None
+            or ghost.last_seq != record.seq or own.claim != ghost.claim
+        ):  # fmt: skip
+            return None
+        return GhostCarry(ghost.candidate, ghost.live, ghost.continuous, ghost.last_seq,
+                          ghost.compared, ghost.max_abs, own)  # fmt: skip
+
+    def adopt(self, install: Install) -> None:
+        """Hold the ghost a hand-over brought with ``install`` (beside the live copy: a
+        ghost answers nobody, so it needs no confirmation; a copy never confirmed frees it
+        at the next renewal). Nothing when this node does not run its candidate."""
+        carried, episode = install.ghost, install.episode
+        if carried is None:
+            return
+        dispatcher = self.candidates.get(carried.candidate)
+        if dispatcher is None:
+            return
+        self.free(episode)
+        self._tokens += 1
+        token, claim = self._tokens, f"ghost-{self._tokens}"
+        device = install.device if install.device in dispatcher.devices else dispatcher.devices[0]
+        record = replace(carried.record, device=device, token=token, claim=claim,
+                         last_used=self.clock())  # fmt: skip
+        if not (self.table.install(episode, record) and self.table.confirm(episode, claim)):
+            return
+        self.ghosts[episode] = Ghost(
+            episode, carried.candidate, carried.live, device, token, claim, install.claim,
+            carried.continuous, last_seq=carried.last_seq, ran=True, compared=carried.compared,
+            max_abs=carried.max_abs,
+        )  # fmt: skip
+        self._count_held()
 
     # ---- inspection and stop -----------------------------------------------------------
 

@@ -222,6 +222,37 @@ async def test_stopping_the_shadow_frees_every_ghost_and_an_end_frees_its_own(re
         assert svc.shadow.totals[PAIR].compared == 7
 
 
+async def test_a_moved_episode_keeps_its_ghosts_state_and_diverges_by_zero(redis: Any) -> None:
+    obs = observations(9, 8)
+    async with cluster(redis, [shadowed("a"), shadowed("b")]) as ([a, b], _):
+        await start(redis, a)
+        await b.service.shadow.sync()
+        ep = None
+        for i in range(16):  # an episode a owns
+            r = await step(a, f"mv-{i}", obs[0])
+            if r["node"] == "a":
+                ep = r["episode_id"]
+                break
+        assert ep is not None
+        for t in range(1, 4):
+            await step(a, ep, obs[t])
+        assert await a.service.owner.handovers.hand_over(ep, "move") == "moved"
+        assert a.service.shadow.ghosts == {} and a.service.shadow.table.get(ep) is None
+        ghost = b.service.shadow.ghosts[ep]  # its state moved with the live record
+        assert (ghost.last_seq, ghost.continuous, ghost.compared) == (4, True, 4)
+        record = b.service.shadow.table.get(ep)
+        assert record is not None and record.seq == 4 and record.model == CANDIDATE
+        for t in range(4, 8):
+            r = await step(b, ep, obs[t])
+            assert (r["node"], r["seq"], r["state_reset"]) == ("b", t + 1, False)
+            want = reference_rollout(DEMO_MODEL, obs[: t + 1])[-1]["actions"]
+            np.testing.assert_array_equal(actions(r).reshape(want.shape), want)
+        totals = b.service.shadow.totals[PAIR]
+        assert (totals.compared, totals.restarts, totals.skipped_total) == (4, 0, 0)
+        assert totals.max_abs == 0.0
+        assert b.service.shadow.table.get(ep).seq == 8  # type: ignore[union-attr]
+
+
 async def test_a_candidate_not_served_here_is_skipped_with_its_reason(redis: Any) -> None:
     async with cluster(redis, [shadowed()]) as ([a], _):
         await start(redis, a, cand="demo_policy@v3")
