@@ -24,10 +24,12 @@ renewal (:meth:`Shadows.publish`).
 
 Lifecycle: :meth:`ShadowRunner.sync` runs at each lease renewal. It reads the shadows
 (no Redis command per step), frees every ghost of a stopped shadow, and frees the ghosts
-whose live episode this node no longer holds (an end, idle expiry, a drop, a fence, a
-hand-over). A step that ends its episode ends its ghost at once. A crash takes the ghosts
-with the process. A hand-over does not carry the ghost: the new owner starts one at the
-episode's next step, restarted.
+whose live episode this node no longer holds (an end, idle expiry, a drop, a fence). A
+step that ends its episode ends its ghost at once. A crash takes the ghosts with the
+process. A hand-over carries the ghost in step with the live record
+(:meth:`ShadowRunner.carry`, ``node/transfer.py``'s ``GhostCarry``); the new owner holds
+it beside the copy (:meth:`ShadowRunner.adopt`); a ghost not in step stays behind and
+restarts there.
 
 Hazard: the live step's inputs and outputs are read, never written. The ghost gets
 copies of the outputs and the same input arrays, which no one changes after the step.

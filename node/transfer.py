@@ -11,7 +11,9 @@ The receiver checks the whole record against the contract of the model it names 
 it installs anything: the model must be a ``name@version`` served there, and its state,
 action buffer, real-time-chunking chunk, stored reply and held inputs must have the names,
 dtypes and shapes that model's steps make (a record that does not fit would answer its
-next step with a bare 500).
+next step with a bare 500). The episode's ghost (``node/shadow.py``) may travel with it,
+optional: a receiver that does not run its candidate, or cannot read it, drops the ghost
+and takes the live record all the same.
 """
 
 from __future__ import annotations
