@@ -272,6 +272,14 @@ async def cmd_shadow(args: argparse.Namespace, ctx: Context) -> int:
             "give NAME@CANDIDATE --of NAME@LIVE, stop NAME@CANDIDATE or status",
         )
     shadow = Shadow.checked(what[0], args.of, args.fraction)
+    for other in (await shadows.all()).values():  # one candidate beside a live version
+        if other.live == shadow.live and other.candidate != shadow.candidate and not other.stopped:
+            raise InvalidArgument(
+                "shadow",
+                str(shadow.candidate),
+                f"{other.candidate} shadows {other.live} "
+                f"already: affinity shadow stop {other.candidate} first",
+            )
     await ctx.require_deployment()
     served = [f"{m.name}@{m.version}" for m in await ctx.inventory.models() if m.nodes]
     if str(shadow.live) not in served:  # nothing to shadow

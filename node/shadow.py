@@ -351,6 +351,8 @@ class ShadowRunner:
         try:
             got = await dispatcher.step(ghost_step, assignment, inputs=feed)
         except Exception as exc:  # a candidate that fails never touches the live episode
+            if ghost.ended:  # freed while it ran (its episode ended, the shadow stopped)
+                return
             log.debug("ghost step of %s on %s failed: %s", ghost.episode, candidate, exc)
             self._count(candidate, ghost.live, "failed")
             ghost.restart = True

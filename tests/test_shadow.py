@@ -371,6 +371,8 @@ def test_the_cli_starts_stops_and_shows_shadows_with_the_admins_credentials(
     code, out, err = run("shadow", CANDIDATE, "--of", LIVE, "--fraction", "0.5")
     assert (code, err) == (0, "") and "shadows 0.5" in out
     assert admin.hget(Keys().shadows, CANDIDATE) == f"{LIVE} 0.5"
+    other = run("shadow", "demo_policy@v3", "--of", LIVE)  # one candidate at a time
+    assert other[0] == 2 and f"affinity shadow stop {CANDIDATE} first" in other[2]
     code, out, _ = run("shadow", "status", "--json")
     rows = json.loads(out)
     assert code == 0 and len(rows) == 1
