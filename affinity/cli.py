@@ -582,7 +582,13 @@ def add_fleet_commands(command: AddCommand) -> None:
         "run a candidate version beside a live one on live episodes' inputs, never answering "
         "(NAME@CANDIDATE --of NAME@LIVE [--fraction F]; stop NAME@CANDIDATE; status)",
     )
-    p.add_argument("what", nargs="+", metavar="NAME@CANDIDATE | stop NAME@CANDIDATE | status")
+    p.add_argument(
+        "what",
+        nargs="+",
+        metavar="NAME@CANDIDATE | stop NAME@CANDIDATE | status",
+        help="start the candidate's shadow (with --of), stop it at each owner's next lease "
+        "renewal (its figures stay), or show every shadow with the fleet's figures",
+    )
     p.add_argument("--of", metavar="NAME@LIVE", help="the live version it runs beside")
     p.add_argument(
         "--fraction",
