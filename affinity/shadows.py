@@ -171,6 +171,23 @@ class Shadows(RedisApi):
                 continue
         return out
 
+    async def restore(self, shadows: Mapping[str, Shadow]) -> int:
+        """Put back ``shadows`` (by candidate) that Redis no longer holds (after it lost its
+        data: ``affinity shadow stop`` marks, never deletes). Read, then written: commands
+        a namespace-restricted ACL user has (``docs/security.md``); a shadow an operator
+        starts in between may be overwritten by the one remembered. Returns how many were
+        put back."""
+        held = await self.all()
+        missing = {c: s for c, s in shadows.items() if c not in held}
+        if missing:
+            await bounded(
+                self.settings,
+                self.redis.hset(
+                    self.keys.shadows, mapping={c: s.value() for c, s in missing.items()}
+                ),
+            )
+        return len(missing)
+
     async def publish(self, node: str, totals: Mapping[tuple[str, str], PairTotals]) -> None:
         """Write this node's totals of each (candidate, live) pair, one pipeline."""
         if not totals:

@@ -158,6 +158,7 @@ class ShadowRunner:
         self.shadows = shadows
         self.max_in_flight = max_in_flight
         self.clock = clock
+        self.known: dict[str, Shadow] = {}  # the shadows Redis held at the last renewal
         self.active: dict[str, Shadow] = {}
         """Live ``"name@version"`` -> the shadow running beside it (read at renewal)."""
         self.ghosts: dict[str, Ghost] = {}
@@ -208,6 +209,13 @@ class ShadowRunner:
         if self.shadows is None:
             return
         shadows = await self.shadows.all()
+        if not shadows and self.known:  # Redis lost them (a stop marks, never deletes)
+            put = await self.shadows.restore(self.known)
+            if put:
+                log.warning("put back %d shadow(s) Redis no longer held: %s", put,
+                            ", ".join(sorted(self.known)))  # fmt: skip
+            shadows = await self.shadows.all()
+        self.known = dict(shadows)
         self.apply(shadows)
         await self.shadows.publish(self.node_id, self.totals)
 

@@ -253,6 +253,23 @@ async def test_a_moved_episode_keeps_its_ghosts_state_and_diverges_by_zero(redis
         assert b.service.shadow.table.get(ep).seq == 8  # type: ignore[union-attr]
 
 
+async def test_shadows_redis_lost_are_put_back_by_the_nodes(redis: Any) -> None:
+    obs = observations(4, 3)
+    async with cluster(redis, [shadowed()]) as ([a], _):
+        svc = a.service
+        await start(redis, a, fraction=0.5)
+        await step(a, "ep-0", obs[0])
+        await redis.delete(Keys().shadows)  # as Redis restarting empty
+        await svc.shadow.sync()
+        assert await redis.hget(Keys().shadows, CANDIDATE) == f"{LIVE} 0.5"
+        assert svc.shadow.active[LIVE].fraction == 0.5
+        await Shadows(redis, svc.config.settings).stop(CANDIDATE)
+        await svc.shadow.sync()
+        await svc.shadow.sync()  # a stop is a mark: nothing to put back
+        assert await redis.hget(Keys().shadows, CANDIDATE) == f"{LIVE} 0.5 stopped"
+        assert svc.shadow.active == {}
+
+
 async def test_a_candidate_not_served_here_is_skipped_with_its_reason(redis: Any) -> None:
     async with cluster(redis, [shadowed()]) as ([a], _):
         await start(redis, a, cand="demo_policy@v3")
