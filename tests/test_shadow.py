@@ -475,7 +475,8 @@ def test_a_real_node_shadows_through_the_cli_and_frees_its_ghosts_on_stop(
                 want = reference_rollout(DEMO_MODEL, obs[: t + 1])[-1]["actions"]
                 got = np.asarray(r.json()["outputs"]["actions"], np.float32)
                 np.testing.assert_array_equal(got.reshape(want.shape), want)
-            wait_until(lambda: counted() - before == len(obs), 20, "the ghost steps")
+            # (a probe's ghost step may land after ``before`` was read: at least these)
+            wait_until(lambda: counted() - before >= len(obs), 20, "the ghost steps")
             total = counted()
             wait_until(lambda: status()["compared"] + status()["skipped"] == total, 20,
                        "the renewal to publish")  # fmt: skip
