@@ -471,6 +471,11 @@ class ShadowRunner:
 
 
 async def sync_quietly(runner: ShadowRunner) -> None:
-    """:meth:`ShadowRunner.sync`, a Redis failure logged (the next renewal tries again)."""
-    with contextlib.suppress(AffinityError):
+    """:meth:`ShadowRunner.sync` at a renewal, which it never fails: a Redis failure is
+    tried again at the next one; anything else is logged."""
+    try:
         await runner.sync()
+    except AffinityError:
+        pass
+    except Exception:
+        log.exception("the shadows of node %s could not be read", runner.node_id)
