@@ -46,6 +46,8 @@ from affinity.inventory import Inventory, ModelStatus
 from affinity.models import Models
 from affinity.registry import MoveRequest, Registry
 from affinity.scripts import failure
+from affinity.shadows import Shadow, Shadows
+from affinity.shadows import status as shadow_rows
 
 __all__ = ["main"]
 
@@ -305,6 +307,67 @@ async def cmd_replay(args: argparse.Namespace, ctx: Context) -> int:
                   f"{doc['max_abs_error']:.6g}, parity {'yes' if doc['parity'] else 'no'}, "
                   f"{doc['x_real_time']}x real time")  # fmt: skip
     return EXIT_OK if report.parity or not args.check else EXIT_NOT_FOUND
+
+
+async def cmd_shadow(args: argparse.Namespace, ctx: Context) -> int:
+    """``shadow NAME@CANDIDATE --of NAME@LIVE``, ``shadow stop NAME@CANDIDATE``, ``shadow
+    status`` (``affinity/shadows.py``)."""
+    shadows = Shadows(ctx.models.redis, ctx.models.settings)
+    what = list(args.what)
+    if what == ["status"]:
+        return await shadow_status(ctx, shadows)
+    if len(what) == 2 and what[0] == "stop":
+        stopped = await shadows.stop(what[1])
+        if stopped is None:
+            raise UnknownModel(what[1], sorted(await shadows.all()))
+        if ctx.json:
+            emit_json(ctx, {"candidate": what[1], "live": str(stopped.live), "stopped": True})
+        else:
+            emit(ctx, f"stopped the shadow of {what[1]} (its figures stay)")
+        return EXIT_OK
+    if len(what) != 1 or args.of is None:
+        raise InvalidArgument(
+            "shadow",
+            " ".join(what),
+            "give NAME@CANDIDATE --of NAME@LIVE, stop NAME@CANDIDATE or status",
+        )
+    shadow = Shadow.checked(what[0], args.of, args.fraction)
+    for other in (await shadows.all()).values():  # one candidate beside a live version
+        if other.live == shadow.live and other.candidate != shadow.candidate and not other.stopped:
+            raise InvalidArgument(
+                "shadow",
+                str(shadow.candidate),
+                f"{other.candidate} shadows {other.live} "
+                f"already: affinity shadow stop {other.candidate} first",
+            )
+    await ctx.require_deployment()
+    served = [f"{m.name}@{m.version}" for m in await ctx.inventory.models() if m.nodes]
+    if str(shadow.live) not in served:  # nothing to shadow
+        raise UnknownModel(str(shadow.live), served)
+    await shadows.start(shadow)
+    if ctx.json:
+        emit_json(ctx, {"candidate": str(shadow.candidate), "live": str(shadow.live),
+                        "fraction": shadow.fraction})  # fmt: skip
+    else:
+        emit(ctx, f"{shadow.candidate} shadows {shadow.fraction:g} of the episodes of "
+                  f"{shadow.live} from each owner's next renewal")  # fmt: skip
+    return EXIT_OK
+
+
+async def shadow_status(ctx: Context, shadows: Shadows) -> int:
+    rows = await shadow_rows(shadows)
+    if ctx.json:
+        emit_json(ctx, rows)
+        return EXIT_OK
+    headers = ["CANDIDATE", "LIVE", "FRACTION", "STATE", "COMPARED", "SKIPPED", "RESTARTS",
+               "MAX_ABS", "L2_MAX", "RESTARTED_MAX_ABS"]  # fmt: skip
+    emit(ctx, table(headers, [
+        (r["candidate"], r["live"], f"{r['fraction']:g}", r["state"], r["compared"],
+         r["skipped"], r["restarts"], f"{r['max_abs']:.6g}", f"{r['l2_max']:.6g}",
+         f"{r['restarted_max_abs']:.6g}")
+        for r in rows
+    ]))  # fmt: skip
+    return EXIT_OK
 
 
 async def cmd_forget(args: argparse.Namespace, ctx: Context) -> int:
@@ -602,6 +665,26 @@ def add_fleet_commands(command: AddCommand) -> None:
     p.add_argument("dataset", metavar="DATASET", help="a dataset affinity dataset finalize wrote")
     p.add_argument("--model", required=True, help="[NAME=]FILE[@VERSION] or a packaged model")
     p.add_argument("--check", action="store_true", help="exit 1 unless bit-for-bit parity")
+    p = command(
+        "shadow",
+        cmd_shadow,
+        "run a candidate version beside a live one on live episodes' inputs, never answering "
+        "(NAME@CANDIDATE --of NAME@LIVE [--fraction F]; stop NAME@CANDIDATE; status)",
+    )
+    p.add_argument(
+        "what",
+        nargs="+",
+        metavar="NAME@CANDIDATE | stop NAME@CANDIDATE | status",
+        help="start the candidate's shadow (with --of), stop it at each owner's next lease "
+        "renewal (its figures stay), or show every shadow with the fleet's figures",
+    )
+    p.add_argument("--of", metavar="NAME@LIVE", help="the live version it runs beside")
+    p.add_argument(
+        "--fraction",
+        type=float,
+        default=1.0,
+        help="the share of the live version's episodes shadowed, chosen by episode id (default: 1)",
+    )
     p = command("forget", cmd_forget, "remove a dead node's record and its devices")
     p.add_argument("node", help="the node id (as in affinity nodes)")
     command(

@@ -109,6 +109,17 @@ class Keys:
         records (``affinity record``; ``node/recorder.py``); absent: none recorded."""
         return self.prefix + "record:" + name
 
+    @property
+    def shadows(self) -> str:
+        """Hash: candidate ``"name@version"`` -> ``"<live name@version> <fraction>"``, the
+        shadows an operator started (``affinity shadow``), read by owners at each renewal."""
+        return self.prefix + "shadows"
+
+    def shadow_stats(self, candidate: str, live: str) -> str:
+        """Hash: node id -> JSON of that node's totals of the ghost steps of ``candidate``
+        beside ``live`` (both ``"name@version"``), written by the node at each renewal."""
+        return self.prefix + "shadow:" + candidate + ">" + live
+
     def picks(self, name: str) -> str:
         """Sorted set: version -> picks/weight, the stride scheduling over the weighted
         versions of model ``name`` (reset by every ``affinity rollout``)."""

@@ -126,6 +126,10 @@ _FLAGS = (
           "ONNX policy: a packaged name (demo, vla-demo) or a file, as [NAME=]FILE[@VERSION]; "
           "give it once per model the node serves (env: comma-separated)",
           many=True, into="models"),
+    _Flag("--shadow-model", "AFFINITY_SHADOW_MODEL", "",
+          "a candidate version this node may run as ghost episodes beside its live ones "
+          "(affinity shadow), as NAME=FILE@VERSION; repeatable (env: comma-separated)",
+          many=True, into="shadow_models"),
     _Flag("--model-name", "AFFINITY_MODEL_NAME", None,
           "the model's name for KServe v2 clients (none: the model file's stem)"),
     _Flag("--capacity", "AFFINITY_CAPACITY", 64, "live episodes per device", int,
@@ -329,7 +333,9 @@ def _derived(parser: _Parser, values: Mapping[str, Any]) -> dict[str, Any]:
         f"http://{host if host != '0.0.0.0' else socket.gethostname()}:{values['port']}"
     )
     models = _models(parser, values["model"], values["model_name"])
+    shadows = [_shadow_model(parser, text) for text in values["shadow_model"] if text]
     return {
+        "shadow_model": tuple(shadows),
         "node_id": node_id,
         "advertise_url": advertise.rstrip("/"),
         "model": tuple(models),
@@ -352,6 +358,19 @@ def _models(parser: _Parser, given: Sequence[str], name: str | None) -> list[Mod
     if len(set(names)) != len(names):
         parser.error(f"--model: the names {', '.join(names)} repeat; name each model as NAME=FILE")
     return models
+
+
+def _shadow_model(parser: _Parser, text: str) -> ModelSpec:
+    """One ``--shadow-model``: a name and version are needed (it is named by them)."""
+    try:
+        spec = parse_model_arg(text)
+    except ValueError as exc:  # InvalidArgument included
+        parser.error(f"--shadow-model {text!r}: {getattr(exc, 'limit', exc)} "
+                     "(env AFFINITY_SHADOW_MODEL)")  # fmt: skip
+    if spec.version is None or "=" not in text:
+        parser.error(f"--shadow-model {text!r}: give NAME=FILE@VERSION "
+                     "(env AFFINITY_SHADOW_MODEL)")  # fmt: skip
+    return spec
 
 
 def _config(parser: _Parser, values: Mapping[str, Any], env: Mapping[str, str]) -> NodeConfig:

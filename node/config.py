@@ -34,7 +34,9 @@ class NodeConfig:
     (``node/rtc.py``). None: steps must send what the estimates would give. It is also the
     period of a step that names none (``node/timing.py``). ``fleet_view_every_s`` is how often the
     node reads the fleet's view for its ``affinity_fleet_*`` gauges (``node/signals.py``;
-    0: never).
+    0: never). ``shadow_models`` are candidate versions this node can run as ghost
+    episodes beside its live ones (``--shadow-model``; ``node/shadow.py``): loaded on every
+    device, never registered, never claimed.
     """
 
     node_id: str
@@ -77,6 +79,7 @@ class NodeConfig:
     models: tuple[ModelSpec, ...] = ()
     fleet_view_every_s: float = 10.0
     record: str | None = None  # --record: where the recorder writes (node/recorder.py)
+    shadow_models: tuple[ModelSpec, ...] = ()
 
     @property
     def served(self) -> tuple[ModelSpec, ...]:

@@ -167,6 +167,11 @@ class MultiGpuDispatcher:
         self._device(device)
         return self.table.live(device)
 
+    def queued(self, device: str) -> int:
+        """How many jobs wait on ``device``'s worker, the one running not counted (a ghost
+        step is queued only when there are none: ``node/shadow.py``)."""
+        return len(self._device(device).pending)
+
     def arrival(self) -> Arrival:
         """Count one step on its way through the node (:meth:`Arrivals.arrival`)."""
         return self.arrivals.arrival()

@@ -36,6 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from affinity import BackendUnavailable, Inventory, Registry
 from affinity.events import Event, EventStream, event_json
+from affinity.shadows import Shadows
+from affinity.shadows import status as shadow_status
 
 __all__ = ["Fleet", "FleetSource", "add_fleet_routes"]
 
@@ -360,6 +362,18 @@ def add_fleet_routes(app: FastAPI, service: Callable[[], FleetSource]) -> Fleet:
             "instance": s.instance,
             "nodes": [n.to_json() for n in listed],
         }
+
+    @app.get(
+        "/shadows",
+        responses={503: {"description": "Redis unreachable"}},
+        tags=["operators"],
+    )
+    async def shadows() -> Any:
+        """Every shadow (``affinity shadow``) with the fleet's figures, as ``affinity shadow
+        status --json`` gives them."""
+        s = service()
+        rows = await shadow_status(Shadows(s.registry.redis, s.registry.settings))
+        return {"node": s.node_id, "shadows": rows}
 
     @app.get(
         "/events/stream",

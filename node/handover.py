@@ -60,7 +60,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Literal
 
 from affinity import AffinityError, Claims, wire
@@ -72,7 +72,13 @@ from node.errors import ForwardError, ModelNotServed, Refused, TransferError, Un
 from node.forward import MOVE_PATH, Forward, Poster, send_undo
 from node.lease import Lease
 from node.metrics import Metrics
-from node.transfer import Install, decode_install, encode_install, record_bytes
+from node.transfer import (
+    GhostCarry,
+    Install,
+    decode_install,
+    encode_install,
+    record_bytes,
+)
 
 __all__ = [
     "HOLD_MS",
@@ -132,6 +138,12 @@ class Mover:
         self.pool = pool
         self.metrics = metrics
         self.contracts = contracts  # "name@version" -> contract, of the models served here
+        # ghost episodes (node/shadow.py), set by the service: what a move carries of the
+        # episode's ghost, what a move away frees, what an install adopts
+        self.carry: Callable[[str, Episode], Awaitable[GhostCarry | None]] | None = None
+        self.moved_away: Callable[[str], None] | None = None
+        self.adopt: Callable[[Install], None] | None = None
+        self.ghost_contracts: Mapping[str, PolicyContract] = {}
         self.secret = secret or ""
         self.clock = clock
         self._telling: set[asyncio.Task[None]] = set()
@@ -192,8 +204,10 @@ class Mover:
             if to.reason == "stale":  # Redis holds another claim: this record is stale
                 self.table.release(episode, "lost", record.token)
             return "kept"  # (missing: Redis lost it; the registration re-asserts it)
+        ghost = None if self.carry is None else await self.carry(episode, record)
         body = encode_install(
-            Install(episode, to.device, to.token, to.claim, self.node_id, record), self.clock()
+            Install(episode, to.device, to.token, to.claim, self.node_id, record, ghost),
+            self.clock(),
         )
         size = record_bytes(record)
         if not await self._send(to, body, episode):
@@ -224,6 +238,8 @@ class Mover:
             why = f"commit {refused.reason}"
             return await self._fallback(episode, record.token, reason, "refused", why)
         self.table.moved(episode, record.token, (to.url, to.device, to.token))
+        if self.moved_away is not None:  # its ghost went with it (or restarts there)
+            self.moved_away(episode)
         self.metrics.move_bytes.observe(size)
         task = asyncio.ensure_future(self._tell(to, episode, "confirm", to.claim))
         self._telling.add(task)  # (a routed step, or its settle, confirms it too)
@@ -380,7 +396,7 @@ class Mover:
         if self.lease.leaving:
             raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)
         try:
-            install = decode_install(body, self.contracts, self.clock())
+            install = decode_install(body, self.contracts, self.clock(), self.ghost_contracts)
         except ModelNotServed as exc:
             raise Refused(421, "not_owner", f"node {self.node_id}: {exc}") from None
         except TransferError as exc:
@@ -388,6 +404,8 @@ class Mover:
         if install.device not in local_devices:
             raise Refused(421, "not_owner", f"device {install.device!r} is not on {self.node_id}")
         await self._install(install)
+        if install.ghost is not None and self.adopt is not None:
+            self.adopt(install)  # a ghost never answers: held beside the copy at once
         log.debug("installed %s's record from %s", install.episode, install.origin_node)
 
     async def _install(self, install: Install) -> None:

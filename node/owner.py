@@ -55,6 +55,7 @@ from node.lease import Lease
 from node.metrics import Metrics
 from node.record import StepResult
 from node.rtc import Ask
+from node.shadow import ShadowRunner
 from node.step import Reply, Step, TimeLimit
 
 __all__ = ["Owner", "Restart"]
@@ -84,6 +85,7 @@ class Owner:
         pool: Poster,
         clock: Callable[[], float] = time.monotonic,
         restart: Restart | None = None,
+        shadow: ShadowRunner | None = None,
     ) -> None:
         self.config = config
         self.node_id = config.node_id
@@ -101,6 +103,7 @@ class Owner:
         # name -> "name@version" of the models served here (for the replies)
         self.models = {name: d.model for name, d in dispatchers.items()}
         self.restart = restart  # a forwarded restart claims anew through the router
+        self.shadow = shadow  # ghost episodes after live steps (node/shadow.py)
         self._ending: dict[str, asyncio.Event] = {}  # ends whose release in Redis is in flight
         settings = config.settings  # the flushes and hand-overs use the lease's own pool
         self.flusher = Flusher(self.node_id, table, lease, registry, metrics, settings, clock)
@@ -165,7 +168,10 @@ class Owner:
             dispatcher.observed(episode, result.seq, self.clock() - step.arrived)
         if step.end:
             await self.end(episode, assignment.token)
-        return self._reply(assignment, step, result, name, started)
+        reply = self._reply(assignment, step, result, name, started)
+        if self.shadow is not None:  # its ghost runs after the reply, off the step path
+            self.shadow.after(assignment, step, result)
+        return reply
 
     def _dispatcher_for(self, assignment: Assignment, step: Step) -> tuple[str, MultiGpuDispatcher]:
         """The name and dispatcher of the model ``assignment`` is served with here. Raises

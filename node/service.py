@@ -38,6 +38,7 @@ from affinity import (
 from affinity.dataset import Selection
 from affinity.models import Models
 from affinity.registry import DeviceScore
+from affinity.shadows import Shadows
 from node.catalog import Catalog, contract_record
 from node.config import NodeConfig
 from node.contract import PolicyContract
@@ -59,6 +60,7 @@ from node.resolver import Placement
 from node.rollouts import RolloutMemory
 from node.router import Router
 from node.rtc import Ask
+from node.shadow import ShadowRunner, sync_quietly
 from node.signals import FleetSignals
 from node.step import Reply, Step
 
@@ -75,6 +77,10 @@ DispatcherFactory = Callable[
 ]
 """(device ids, crash-transition callback, metrics for the batching hooks, the node's
 episode table, its arrivals) -> model name -> its dispatcher (the first model first)."""
+
+CandidateFactory = Callable[[list[str], EpisodeTable], dict[str, MultiGpuDispatcher]]
+"""(device ids, the ghost table) -> candidate ``"name@version"`` -> its dispatcher
+(``--shadow-model``, ``node/shadow.py``)."""
 
 
 class NodeService:
@@ -93,6 +99,7 @@ class NodeService:
         owns_redis: bool = False,
         pool: Poster | None = None,
         models: Mapping[str, tuple[ModelId, PolicyContract]] | None = None,
+        candidates: CandidateFactory | None = None,
     ) -> None:
         self.config = config
         self.node_id = config.node_id
@@ -150,6 +157,17 @@ class NodeService:
         self.pool: Poster = pool or ForwardPool(config.cluster_secret)
         self.started = False
         self._warned: set[str] = set()
+        ghosts = EpisodeTable(clock)  # the ghost episodes' records, apart from the live ones
+        self.shadow = ShadowRunner(
+            self.node_id,
+            self.table,
+            ghosts,
+            self.dispatchers,
+            candidates(self.device_ids, ghosts) if candidates is not None else {},
+            Shadows(self.lease_redis, config.settings),
+            self.metrics.registry,
+            clock=clock,
+        )
         self.owner = Owner(
             config,
             self.table,
@@ -163,7 +181,12 @@ class NodeService:
             self.pool,
             clock,
             restart=self._restart_here,
+            shadow=self.shadow,
         )
+        mover = self.owner.mover  # a move carries the episode's ghost (node/shadow.py)
+        mover.carry, mover.moved_away = self.shadow.carry, self.shadow.free
+        mover.adopt = self.shadow.adopt
+        mover.ghost_contracts = {m: d.contract for m, d in self.shadow.candidates.items()}
         self.router = Router(
             config,
             self.claims,
@@ -247,6 +270,7 @@ class NodeService:
         await self.rollouts.sync()
         if self.recorder is not None:
             await self._read_recordings()
+        await sync_quietly(self.shadow)
 
     def _recorder(self) -> Recorder | None:
         """The recorder of ``--record`` (None: off), handed every model's kept steps."""
@@ -328,6 +352,7 @@ class NodeService:
         self.health.close()
         if self.recorder is not None:
             self.recorder.close()
+        self.shadow.close()
         self.pool.close()
         if self.owns_redis:
             clients = (self.redis, self.lease_redis, self.stream_redis)

@@ -26,7 +26,7 @@ from node.episodes import EpisodeTable
 from node.forward import Poster
 from node.metrics import LoopHistogram, Metrics
 from node.providers import CPU, build_session, require_cuda
-from node.service import DispatcherFactory, NodeService
+from node.service import CandidateFactory, DispatcherFactory, NodeService
 from node.stats import ModelStats
 
 __all__ = ["StartupError", "build_service"]
@@ -66,6 +66,7 @@ def build_service(
         served = _served(config)
         sessions, active, providers = _sessions(config, served, devices, session_factory)
         client = redis if redis is not None else _redis_client(config)
+        candidates = _candidates(config, devices)
         try:
             service = NodeService(
                 config,
@@ -77,6 +78,7 @@ def build_service(
                 owns_redis=redis is None,
                 pool=pool,
                 models={name: (mid, contract) for name, (_, mid, contract) in served.items()},
+                candidates=candidates,
             )
         except ValueError as exc:  # batching or chunk settings this model cannot take
             raise StartupError(flag_message(exc)) from None
@@ -216,6 +218,48 @@ def _dispatchers(
         }
 
     return dispatchers
+
+
+def _candidates(config: NodeConfig, devices: list[DeviceSpec]) -> CandidateFactory | None:
+    """The dispatchers of ``--shadow-model``: one ONNX Runtime session per device each, on
+    the ghost table, never run inline on the event loop (``node/shadow.py``)."""
+    if not config.shadow_models:
+        return None
+    sessions: dict[Key, Session] = {}
+    contracts: dict[str, PolicyContract] = {}
+    for m in config.shadow_models:
+        mid = str(m.identity())
+        try:
+            contracts[mid] = load_contract(m.path)
+            for spec in devices:
+                built = build_session(
+                    m.path, spec, config.providers, intra_op_threads=config.intra_op_threads
+                )
+                sessions[(mid, f"{config.node_id}/{spec.index}")] = built.session
+        except Exception as exc:
+            raise StartupError(f"--shadow-model {m.path}: {_one_line(exc)}") from None
+
+    def candidates(ids: list[str], table: EpisodeTable) -> dict[str, MultiGpuDispatcher]:
+        return {
+            mid: MultiGpuDispatcher(
+                ids,
+                lambda device, mid=mid: sessions[(mid, device)],  # type: ignore[misc]
+                contract,
+                failure_threshold=config.failure_threshold,
+                cooldown_s=config.cooldown_s,
+                max_batch=config.max_batch,
+                batch_delay_us=config.batch_delay_us,
+                execute_steps=config.execute_steps,
+                ensemble=config.ensemble,
+                ensemble_decay=config.ensemble_decay,
+                control_hz=config.control_hz,
+                table=table,
+                model=mid,
+            )
+            for mid, contract in contracts.items()
+        }
+
+    return candidates
 
 
 def _redis_client(config: NodeConfig) -> Any:

@@ -11,7 +11,9 @@ The receiver checks the whole record against the contract of the model it names 
 it installs anything: the model must be a ``name@version`` served there, and its state,
 action buffer, real-time-chunking chunk, stored reply and held inputs must have the names,
 dtypes and shapes that model's steps make (a record that does not fit would answer its
-next step with a bare 500).
+next step with a bare 500). The episode's ghost (``node/shadow.py``) may travel with it,
+optional: a receiver that does not run its candidate, or cannot read it, drops the ghost
+and takes the live record all the same.
 """
 
 from __future__ import annotations
@@ -29,15 +31,39 @@ from node.episodes import Episode, StepResult
 from node.errors import ModelNotServed, TransferError
 from node.rtc import Used
 
-__all__ = ["Install", "check_record", "decode_install", "encode_install", "record_bytes"]
+__all__ = [
+    "GhostCarry",
+    "Install",
+    "check_record",
+    "decode_install",
+    "encode_install",
+    "record_bytes",
+]
 
 Array = np.ndarray[Any, Any]
 
 
 @dataclass(frozen=True, slots=True)
+class GhostCarry:
+    """A ghost episode that moves with its live one (``node/shadow.py``): the candidate and
+    live versions, whether it ran from its episode's start without a restart, the live
+    ``seq`` it ran last, its figures so far, and its record (state, buffer, RTC chunk)."""
+
+    candidate: str
+    live: str
+    continuous: bool
+    last_seq: int
+    compared: int
+    max_abs: float
+    record: Episode
+
+
+@dataclass(frozen=True, slots=True)
 class Install:
     """What the old owner sends the new one: the episode, the new claim (device, token,
-    claim id) Redis reserved, the old owner's node, and the record."""
+    claim id) Redis reserved, the old owner's node, and the record. ``ghost``: its ghost
+    episode's, if it has one in step with it (optional: a receiver without the candidate,
+    or one that cannot read it, drops it and the ghost restarts there)."""
 
     episode: str
     device: str
@@ -45,6 +71,7 @@ class Install:
     claim: str
     origin_node: str
     record: Episode
+    ghost: GhostCarry | None = None
 
 
 def _arrays(value: object, what: str) -> dict[str, Array]:
@@ -89,14 +116,56 @@ def _result(doc: object) -> StepResult | None:
         raise TransferError(f"a record's reply is malformed: {exc}") from None
 
 
+def _buffer_doc(buffer: ActionBuffer | None) -> dict[str, Any] | None:
+    return None if buffer is None else {"t": buffer.t, "chunks": [list(c) for c in buffer.chunks]}
+
+
+def _ghost_doc(g: GhostCarry, now: float) -> dict[str, Any]:
+    r = g.record
+    return {
+        "candidate": g.candidate,
+        "live": g.live,
+        "continuous": g.continuous,
+        "last_seq": g.last_seq,
+        "compared": g.compared,
+        "max_abs": g.max_abs,
+        "state": r.state,
+        "seq": r.seq,
+        "buffer": _buffer_doc(r.buffer),
+        "reply": _reply(r.reply),
+        "sent": None if r.sent is None else [r.sent[0], max(0.0, now - r.sent[1])],
+        "latency": list(r.latency),
+    }
+
+
+def _ghost(
+    doc: object, ghosts: Mapping[str, PolicyContract], device: str, now: float
+) -> GhostCarry | None:
+    """The ghost a hand-over carries, or None: none, a candidate not run here, or one that
+    does not fit the candidate (it restarts here; the live record moves all the same)."""
+    if not isinstance(doc, dict) or doc.get("candidate") not in ghosts:
+        return None
+    try:
+        candidate, live = str(doc["candidate"]), str(doc["live"])
+        seq, last_seq, compared = doc["seq"], doc["last_seq"], doc["compared"]
+        if not all(type(v) is int for v in (seq, last_seq, compared)):
+            raise TransferError("a ghost's seq and counts must be integers")
+        record = Episode(
+            device, 0, "", _arrays(doc["state"], "a ghost's state"), now, seq,
+            _buffer(doc["buffer"]), _result(doc["reply"]), sent=_sent(doc["sent"], now),
+            latency=_latency(doc["latency"]), model=candidate,
+        )  # fmt: skip
+        check_record(record, ghosts[candidate])
+        return GhostCarry(candidate, live, doc["continuous"] is True, last_seq, compared,
+                          float(doc["max_abs"]), record)  # fmt: skip
+    except (TransferError, KeyError, TypeError, ValueError):
+        return None
+
+
 def encode_install(install: Install, now: float) -> bytes:
     """The message, with the record's clock times as ages (``now``: this node's clock)."""
     r = install.record
-    buffer = (
-        None
-        if r.buffer is None
-        else {"t": r.buffer.t, "chunks": [list(c) for c in r.buffer.chunks]}
-    )
+    buffer = _buffer_doc(r.buffer)
     return wire.encode(
         {
             "episode_id": install.episode,
@@ -115,15 +184,23 @@ def encode_install(install: Install, now: float) -> bytes:
             "sent": None if r.sent is None else [r.sent[0], max(0.0, now - r.sent[1])],
             "latency": list(r.latency),
             "asked": None if r.asked is None else dict(r.asked),
+            "ghost": None if install.ghost is None else _ghost_doc(install.ghost, now),
         }
     )
 
 
-def decode_install(body: bytes, served: Mapping[str, PolicyContract], now: float) -> Install:
+def decode_install(
+    body: bytes,
+    served: Mapping[str, PolicyContract],
+    now: float,
+    ghosts: Mapping[str, PolicyContract] | None = None,
+) -> Install:
     """The message back, the record's times on this node's clock. ``served`` maps each
-    ``name@version`` served here to its contract. Raises :class:`ModelNotServed` when the
-    record's model is not one of them, :class:`TransferError` when the record is malformed
-    or does not fit its model's contract (:func:`check_record`)."""
+    ``name@version`` served here to its contract; ``ghosts`` each candidate this node runs
+    as ghosts (a carried ghost of another one is dropped: :func:`_ghost`). Raises
+    :class:`ModelNotServed` when the record's model is not one of them,
+    :class:`TransferError` when the record is malformed or does not fit its model's
+    contract (:func:`check_record`)."""
     try:
         doc = wire.decode(body)
     except wire.WireError as exc:
@@ -170,6 +247,7 @@ def decode_install(body: bytes, served: Mapping[str, PolicyContract], now: float
             asked=None if asked is None else _arrays(asked, "a record's held inputs"),
             confirmed=False,
         ),
+        _ghost(doc.get("ghost"), ghosts or {}, device, now),
     )
     check_record(install.record, contract)
     return install

@@ -131,12 +131,33 @@
         state = { self: n.body.node, instance: n.body.instance, nodes: n.body.nodes || [],
                   devices: d.body.devices || [], at: Date.now() };
         render();
+        refreshShadows();
       }
     } catch (e) {
       banner("fetch", "cannot reach this node (" + e.message + ")");
     } finally {
       inflight = false;
       if (again) { again = false; schedule(0); } else { schedule(POLL_MS); }
+    }
+  }
+
+  // the shadows (affinity shadow) with the fleet's figures: GET shadows, beside the grid
+  async function refreshShadows() {
+    let res;
+    try { res = await getJSON("shadows"); } catch (e) { return; }
+    const rows = (res.status === 200 && res.body && res.body.shadows) || [];
+    $("shadows").hidden = rows.length === 0;
+    const body = $("shadow-rows");
+    body.replaceChildren();
+    for (const r of rows) {
+      const tr = document.createElement("tr");
+      for (const v of [r.candidate, r.live, r.state + " " + r.fraction, r.compared,
+                       r.skipped, r.restarts, Number(r.max_abs).toPrecision(3)]) {
+        const td = document.createElement("td");
+        td.textContent = String(v);
+        tr.append(td);
+      }
+      body.append(tr);
     }
   }
 

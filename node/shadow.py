@@ -1,0 +1,481 @@
+"""Ghost episodes: a candidate version shadows live episodes at their owner (issue 47).
+
+For each shadow an operator started (``affinity shadow``, ``affinity/shadows.py``), the
+owner of a chosen live episode of the live version runs each step's inputs through the
+candidate too, after the live step's reply was built, as a *ghost episode*. A ghost has
+its own recurrent state, chunk buffer and real-time-chunking chunk: a record in the
+runner's own :class:`EpisodeTable` (the *ghost table*), kept by the candidate's own
+dispatcher with the same commit rules as a live record. It is never in the live table,
+never claimed in Redis, never flushed, and never answers the robot.
+
+Off the step path: a ghost step is a task that starts once the live step returned, and
+runs on the candidate's device worker, never inline on the event loop. It runs only on
+spare capacity: the candidate's next run on that device has room (fewer steps wait than
+its batch size), the live model's queue there is empty, the ghost has no step waiting,
+and fewer than ``max_in_flight`` ghost steps are on their way. Otherwise it is skipped
+(counted, reason ``busy``) and the ghost's next run starts its state over, counted as a
+restart: a ghost that ran from its live episode's first step and never restarted is
+*continuous*; the others' figures are kept apart (``restarted_*``), never mixed.
+
+Divergence: per compared step, the candidate's outputs minus the live ones (each output
+both gave, same shape), as max-abs and L2 per action dimension (the last axis); kept per
+ghost episode, per (candidate, live) pair, as metrics, and written to Redis at each
+renewal (:meth:`Shadows.publish`).
+
+Lifecycle: :meth:`ShadowRunner.sync` runs at each lease renewal. It reads the shadows
+(no Redis command per step), frees every ghost of a stopped shadow, and frees the ghosts
+whose live episode this node no longer holds (an end, idle expiry, a drop, a fence). A
+step that ends its episode ends its ghost at once. A crash takes the ghosts with the
+process. A hand-over carries the ghost in step with the live record
+(:meth:`ShadowRunner.carry`, ``node/transfer.py``'s ``GhostCarry``); the new owner holds
+it beside the copy (:meth:`ShadowRunner.adopt`); a ghost not in step stays behind and
+restarts there.
+
+Hazard: the live step's inputs and outputs are read, never written. The ghost gets
+copies of the outputs and the same input arrays, which no one changes after the step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from affinity import AffinityError, Assignment
+from affinity.shadows import PairTotals, Shadow, Shadows, selected
+from node.control import control_feed
+from node.dispatcher import MultiGpuDispatcher
+from node.episodes import Episode, EpisodeTable
+from node.record import StepResult
+from node.step import Step
+from node.transfer import GhostCarry, Install
+
+__all__ = ["SHADOW_LABELS", "Ghost", "ShadowRunner", "divergence"]
+
+log = logging.getLogger("affinity.node")
+
+Array = np.ndarray[Any, Any]
+
+RESULTS = ("compared", "compared_restarted", "busy", "not_served", "failed")
+"""A ghost step's outcomes: compared (its ghost continuous or restarted), or skipped."""
+SHADOW_LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
+    "affinity_shadow_steps_total": {"candidate": "shadow", "live": "shadow", "result": RESULTS},
+    "affinity_shadow_restarts_total": {"candidate": "shadow", "live": "shadow"},
+    "affinity_shadow_max_abs": {"candidate": "shadow", "live": "shadow"},
+    "affinity_shadow_step_max_abs": {"candidate": "shadow", "live": "shadow"},
+    "affinity_shadow_ghosts": {"candidate": "shadow", "live": "shadow"},
+}
+"""The shadow series and their labels (``shadow``: the ``name@version`` of a shadow an
+operator started, candidate or live; docs/metrics.md)."""
+DIVERGENCE_BUCKETS = (0.0, 1e-6, 1e-4, 1e-3, 0.01, 0.1, 1.0, 10.0)
+MAX_IN_FLIGHT = 64
+"""Ghost steps on their way at once on one node (beyond: skipped, ``busy``)."""
+CARRY_WAIT_S = 0.25
+"""How long a hand-over waits for its episode's ghost step on its way (then the ghost
+stays behind and restarts at the new owner)."""
+
+
+def divergence(candidate: Mapping[str, Array], live: Mapping[str, Array]) -> Array | None:
+    """Per action dimension (the last axis), the max-abs and the L2 of ``candidate`` minus
+    ``live`` over every output both hold with the same shape: an array of shape (2, D)
+    (row 0 max-abs, row 1 L2), or None when no output compares."""
+    rows = []
+    for name, want in live.items():
+        got = candidate.get(name)
+        if got is None or np.shape(got) != np.shape(want) or np.ndim(want) == 0:
+            continue
+        a, b = np.asarray(got), np.asarray(want)
+        if not (np.issubdtype(a.dtype, np.number) and np.issubdtype(b.dtype, np.number)):
+            continue
+        diff = (a.astype(np.float64) - b.astype(np.float64)).reshape(-1, a.shape[-1])
+        rows.append(np.stack([np.abs(diff).max(axis=0), np.sqrt((diff**2).sum(axis=0))]))
+    if not rows:
+        return None
+    width = max(r.shape[1] for r in rows)
+    out = np.zeros((2, width))
+    for r in rows:  # outputs of several widths: each dimension's worst
+        out[0, : r.shape[1]] = np.maximum(out[0, : r.shape[1]], r[0])
+        out[1, : r.shape[1]] = np.maximum(out[1, : r.shape[1]], r[1])
+    return out
+
+
+@dataclass
+class Ghost:
+    """One ghost episode: the candidate's record of a live episode (its state is in the
+    ghost table under the episode id, with this token and claim)."""
+
+    episode: str
+    candidate: str
+    live: str
+    device: str
+    token: int
+    claim: str
+    live_claim: str
+    continuous: bool  # ran from its live episode's first step, never restarted
+    last_seq: int = 0  # the live seq it ran last (0: none yet)
+    restart: bool = False  # a step was skipped: its next run starts over
+    waiting: list[tuple[Step, StepResult]] = field(default_factory=list)
+    running: bool = False
+    task: asyncio.Task[None] | None = None
+    ran: bool = False  # it has a record in the ghost table
+    compared: int = 0
+    max_abs: float = 0.0  # this episode's worst step
+    ended: bool = False
+
+
+class ShadowRunner:
+    """The owner's ghosts (see the module doc). ``live`` is the node's episode table;
+    ``live_dispatchers`` its models' dispatchers (their queues say whether a device is
+    busy); ``candidates`` the candidate versions this node can run (``"name@version"`` ->
+    a dispatcher on :attr:`table`). Event loop only."""
+
+    def __init__(
+        self,
+        node_id: str,
+        live: EpisodeTable,
+        table: EpisodeTable,
+        live_dispatchers: Mapping[str, MultiGpuDispatcher],
+        candidates: Mapping[str, MultiGpuDispatcher],
+        shadows: Shadows | None,
+        registry: CollectorRegistry,
+        max_in_flight: int = MAX_IN_FLIGHT,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.node_id = node_id
+        self.live = live
+        self.table = table
+        """The ghost table: the ghosts' records, apart from the live ones."""
+        self.live_dispatchers = live_dispatchers
+        self.candidates = dict(candidates)
+        self.shadows = shadows
+        self.max_in_flight = max_in_flight
+        self.clock = clock
+        self.known: dict[str, Shadow] = {}  # the shadows Redis held at the last renewal
+        self.active: dict[str, Shadow] = {}
+        """Live ``"name@version"`` -> the shadow running beside it (read at renewal)."""
+        self.ghosts: dict[str, Ghost] = {}
+        self.totals: dict[tuple[str, str], PairTotals] = {}
+        self.in_flight = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._tokens = 0
+        self.steps = Counter(
+            "affinity_shadow_steps_total",
+            "Ghost steps by result: compared (continuous or restarted ghost), or skipped "
+            "(busy, not_served, failed).",
+            ["candidate", "live", "result"],
+            registry=registry,
+        )
+        self.restarts = Counter(
+            "affinity_shadow_restarts_total",
+            "Ghost episodes whose state started over in mid-episode (a skipped step, a gap, "
+            "a hand-over).",
+            ["candidate", "live"],
+            registry=registry,
+        )
+        self.max_abs = Gauge(
+            "affinity_shadow_max_abs",
+            "The largest max-abs divergence of a continuous ghost's step from its live step.",
+            ["candidate", "live"],
+            registry=registry,
+        )
+        self.step_max_abs = Histogram(
+            "affinity_shadow_step_max_abs",
+            "Each compared ghost step's max-abs divergence from its live step.",
+            ["candidate", "live"],
+            buckets=DIVERGENCE_BUCKETS,
+            registry=registry,
+        )
+        self.held = Gauge(
+            "affinity_shadow_ghosts",
+            "Ghost episodes this node holds.",
+            ["candidate", "live"],
+            registry=registry,
+        )
+
+    # ---- renewal -----------------------------------------------------------------------
+
+    async def sync(self) -> None:
+        """At each lease renewal: read the shadows, free the ghosts of stopped shadows and
+        of live episodes no longer held here, write this node's totals. Raises what Redis
+        raises (:class:`AffinityError`): the ghosts stay as they were."""
+        if self.shadows is None:
+            return
+        shadows = await self.shadows.all()
+        if not shadows and self.known:  # Redis lost them (a stop marks, never deletes)
+            put = await self.shadows.restore(self.known)
+            if put:
+                log.warning("put back %d shadow(s) Redis no longer held: %s", put,
+                            ", ".join(sorted(self.known)))  # fmt: skip
+            shadows = await self.shadows.all()
+        self.known = dict(shadows)
+        self.apply(shadows)
+        await self.shadows.publish(self.node_id, self.totals)
+
+    def apply(self, shadows: Mapping[str, Shadow]) -> None:
+        """Take ``shadows`` (by candidate) as the running ones; free what they end."""
+        self.active = {str(s.live): s for s in shadows.values() if not s.stopped}
+        for episode, ghost in list(self.ghosts.items()):
+            shadow = self.active.get(ghost.live)
+            if shadow is None or str(shadow.candidate) != ghost.candidate:
+                self.free(episode)
+            elif self.live.get(episode) is None:
+                self.free(episode)  # its live episode ended, idled, moved or was dropped
+        self._count_held()
+
+    def _count_held(self) -> None:
+        held = dict.fromkeys(self.totals, 0)
+        for ghost in self.ghosts.values():
+            pair = (ghost.candidate, ghost.live)
+            held[pair] = held.get(pair, 0) + 1
+        for (candidate, live), n in held.items():
+            self.held.labels(candidate, live).set(n)
+
+    def free(self, episode: str) -> None:
+        """Let go of the ghost of ``episode`` and its record."""
+        ghost = self.ghosts.pop(episode, None)
+        if ghost is None:
+            return
+        ghost.ended = True
+        self._drop_waiting(ghost)
+        self.table.release(episode, "end", ghost.token)
+        self._count_held()
+
+    # ---- after a live step -------------------------------------------------------------
+
+    def after(self, assignment: Assignment, step: Step, result: StepResult) -> None:
+        """The live step of ``assignment`` returned ``result``: its ghost's turn, if its
+        episode is shadowed. Takes no lock and no Redis command; the ghost runs later."""
+        if not self.active or result.replayed:
+            return
+        shadow = self.active.get(assignment.model)
+        if shadow is None or not selected(assignment.episode, shadow.fraction):
+            return
+        candidate, live = str(shadow.candidate), str(shadow.live)
+        episode = assignment.episode
+        dispatcher = self.candidates.get(candidate)
+        if dispatcher is None:  # served by other nodes at most: no remote ghosts (yet)
+            self._count(candidate, live, "not_served")
+            return
+        ghost = self.ghosts.get(episode)
+        if ghost is not None and (ghost.candidate != candidate or ghost.live != live):
+            self.free(episode)
+            ghost = None
+        if ghost is None:
+            device = assignment.device if assignment.device in dispatcher.devices else ""
+            self._tokens += 1
+            ghost = Ghost(
+                episode, candidate, live, device or dispatcher.devices[0], self._tokens,
+                f"ghost-{self._tokens}", assignment.claim, result.seq == 1 or result.state_reset,
+            )  # fmt: skip
+            ghost.last_seq = result.seq - 1
+            self.ghosts[episode] = ghost
+            self._count_held()
+            if not ghost.continuous:  # began in mid-episode: a restart
+                ghost.restart = True
+        elif ghost.live_claim != assignment.claim:  # claimed anew meanwhile: start over
+            ghost.live_claim, ghost.restart = assignment.claim, True
+        if not self._spare(ghost, dispatcher, assignment):
+            self._count(candidate, live, "busy")
+            ghost.restart = True
+            self._drop_waiting(ghost)
+            if step.end:
+                self.free(episode)
+            return
+        outputs = {k: np.array(v, copy=True) for k, v in result.outputs.items()}
+        ghost.waiting.append((step, replace(result, outputs=outputs)))
+        self.in_flight += 1
+        if not ghost.running:
+            ghost.running = True
+            task = asyncio.get_running_loop().create_task(self._run(ghost, dispatcher))
+            ghost.task = task
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _drop_waiting(self, ghost: Ghost) -> None:
+        self.in_flight -= len(ghost.waiting)
+        ghost.waiting.clear()
+
+    def _spare(self, ghost: Ghost, dispatcher: MultiGpuDispatcher, assignment: Assignment) -> bool:
+        if self.in_flight >= self.max_in_flight or ghost.waiting:
+            return False
+        if dispatcher.queued(ghost.device) >= dispatcher.max_batch:  # its next run is full
+            return False
+        name = assignment.model.partition("@")[0]
+        live = self.live_dispatchers.get(name)
+        return (
+            live is None
+            or assignment.device not in live.devices
+            or not live.queued(assignment.device)
+        )
+
+    async def _run(self, ghost: Ghost, dispatcher: MultiGpuDispatcher) -> None:
+        """The ghost's waiting steps, one after another, on the candidate's worker."""
+        await asyncio.sleep(0)  # the live reply goes first
+        try:
+            while ghost.waiting and not ghost.ended:
+                step, live = ghost.waiting.pop(0)
+                try:
+                    await self._step(ghost, dispatcher, step, live)
+                finally:
+                    self.in_flight -= 1
+            self._drop_waiting(ghost)
+        finally:
+            ghost.running = False
+
+    async def _step(
+        self, ghost: Ghost, dispatcher: MultiGpuDispatcher, step: Step, live: StepResult
+    ) -> None:
+        candidate, pair = ghost.candidate, (ghost.candidate, ghost.live)
+        restarted = live.state_reset or ghost.restart or ghost.last_seq != live.seq - 1
+        fresh = not ghost.ran or restarted
+        if restarted and ghost.ran:  # it ran before: start its state over
+            self.table.release(ghost.episode, "end", ghost.token)
+            self._tokens += 1
+            ghost.token, ghost.claim = self._tokens, f"ghost-{self._tokens}"
+        if live.state_reset:  # the live episode started over too: continuous again
+            ghost.continuous = True
+        elif restarted:  # a skipped step, a gap, a start in mid-episode: said, kept apart
+            ghost.continuous = False
+            self.restarts.labels(candidate, ghost.live).inc()
+            self._totals(pair).restarts += 1
+        ghost.restart = False
+        assignment = Assignment(ghost.episode, "claimed" if fresh else "hit", ghost.device,
+                                ghost.token, self.node_id, "", None, ghost.claim, "",
+                                candidate)  # fmt: skip
+        ghost_step = Step(ghost.episode, step.inputs, math.inf, end=step.end,
+                          execute_steps=step.execute_steps, ensemble=step.ensemble,
+                          rtc=step.rtc if dispatcher.rtc is not None else None,
+                          model=candidate.partition("@")[0])  # fmt: skip
+        feed = {**step.inputs, **control_feed(dispatcher.contract, ghost.episode, start=False,
+                                              end=step.end)}  # fmt: skip
+        try:
+            got = await dispatcher.step(ghost_step, assignment, inputs=feed)
+        except Exception as exc:  # a candidate that fails never touches the live episode
+            if ghost.ended:  # freed while it ran (its episode ended, the shadow stopped)
+                return
+            log.debug("ghost step of %s on %s failed: %s", ghost.episode, candidate, exc)
+            self._count(candidate, ghost.live, "failed")
+            ghost.restart = True
+            return
+        ghost.last_seq, ghost.ran = live.seq, True
+        if ghost.ended:
+            return
+        diff = divergence(got.outputs, live.outputs)
+        if diff is None:
+            self._count(candidate, ghost.live, "failed")
+        else:
+            self._compare(ghost, diff)
+        if step.end:
+            self.free(ghost.episode)
+
+    def _compare(self, ghost: Ghost, diff: Array) -> None:
+        pair = (ghost.candidate, ghost.live)
+        totals = self._totals(pair)
+        worst, l2 = float(diff[0].max()), float(diff[1].max())
+        ghost.compared += 1
+        ghost.max_abs = max(ghost.max_abs, worst)
+        self.step_max_abs.labels(*pair).observe(worst)
+        if ghost.continuous:
+            self._count(*pair, "compared")
+            totals.compared += 1
+            totals.max_abs = max(totals.max_abs, worst)
+            totals.l2_max = max(totals.l2_max, l2)
+            dims = list(totals.max_abs_dims) + [0.0] * (diff.shape[1] - len(totals.max_abs_dims))
+            for i, v in enumerate(diff[0]):
+                dims[i] = max(dims[i], float(v))
+            totals.max_abs_dims = dims
+            self.max_abs.labels(*pair).set(totals.max_abs)
+        else:
+            self._count(*pair, "compared_restarted")
+            totals.restarted_compared += 1
+            totals.restarted_max_abs = max(totals.restarted_max_abs, worst)
+
+    def _count(self, candidate: str, live: str, result: str) -> None:
+        self.steps.labels(candidate, live, result).inc()
+        if result not in ("compared", "compared_restarted"):
+            skipped = self._totals((candidate, live)).skipped
+            skipped[result] = skipped.get(result, 0) + 1
+
+    def _totals(self, pair: tuple[str, str]) -> PairTotals:
+        totals = self.totals.get(pair)
+        if totals is None:
+            totals = self.totals[pair] = PairTotals()
+        return totals
+
+    # ---- hand-over ---------------------------------------------------------------------
+
+    async def carry(self, episode: str, record: Episode) -> GhostCarry | None:
+        """What a hand-over of ``episode`` (its live ``record``) carries of its ghost: the
+        ghost's record once its step on its way ran (bounded by :data:`CARRY_WAIT_S`), if
+        it is in step with the live record; else None (it restarts at the new owner)."""
+        ghost = self.ghosts.get(episode)
+        if ghost is None:
+            return None
+        if ghost.running and ghost.task is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(ghost.task), CARRY_WAIT_S)
+        own = self.table.get(episode)
+        if (
+            ghost.running or ghost.restart or ghost.ended or own is None
+            or ghost.last_seq != record.seq or own.claim != ghost.claim
+        ):  # fmt: skip
+            return None
+        return GhostCarry(ghost.candidate, ghost.live, ghost.continuous, ghost.last_seq,
+                          ghost.compared, ghost.max_abs, own)  # fmt: skip
+
+    def adopt(self, install: Install) -> None:
+        """Hold the ghost a hand-over brought with ``install`` (beside the live copy: a
+        ghost answers nobody, so it needs no confirmation; a copy never confirmed frees it
+        at the next renewal). Nothing when this node does not run its candidate."""
+        carried, episode = install.ghost, install.episode
+        if carried is None:
+            return
+        dispatcher = self.candidates.get(carried.candidate)
+        if dispatcher is None:
+            return
+        self.free(episode)
+        self._tokens += 1
+        token, claim = self._tokens, f"ghost-{self._tokens}"
+        device = install.device if install.device in dispatcher.devices else dispatcher.devices[0]
+        record = replace(carried.record, device=device, token=token, claim=claim,
+                         last_used=self.clock())  # fmt: skip
+        if not (self.table.install(episode, record) and self.table.confirm(episode, claim)):
+            return
+        self.ghosts[episode] = Ghost(
+            episode, carried.candidate, carried.live, device, token, claim, install.claim,
+            carried.continuous, last_seq=carried.last_seq, ran=True, compared=carried.compared,
+            max_abs=carried.max_abs,
+        )  # fmt: skip
+        self._count_held()
+
+    # ---- inspection and stop -----------------------------------------------------------
+
+    async def idle(self) -> None:
+        """Return once no ghost step is on its way (tests, the bench)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for dispatcher in self.candidates.values():
+            dispatcher.close()
+
+
+async def sync_quietly(runner: ShadowRunner) -> None:
+    """:meth:`ShadowRunner.sync` at a renewal, which it never fails: a Redis failure is
+    tried again at the next one; anything else is logged."""
+    try:
+        await runner.sync()
+    except AffinityError:
+        pass
+    except Exception:
+        log.exception("the shadows of node %s could not be read", runner.node_id)
