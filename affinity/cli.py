@@ -294,19 +294,13 @@ async def cmd_dataset(args: argparse.Namespace, ctx: Context) -> int:
 
 
 async def cmd_replay(args: argparse.Namespace, ctx: Context) -> int:
-    """Replay a recorded dataset in process and compare actions."""
-    from node.replay import replay  # the node's own model loading and dispatcher
-
-    report = await replay(args.dataset, args.model)
-    doc = report.to_json()
-    if ctx.json:
-        emit_json(ctx, doc)
-    else:
-        emit(ctx, f"{doc['frames']} frame(s) of {doc['episodes']} episode(s) recorded with "
-                  f"{doc['recorded_model']}, replayed with {doc['model']}: max |error| "
-                  f"{doc['max_abs_error']:.6g}, parity {'yes' if doc['parity'] else 'no'}, "
-                  f"{doc['x_real_time']}x real time")  # fmt: skip
-    return EXIT_OK if report.parity or not args.check else EXIT_NOT_FOUND
+    """Replay a recorded dataset in process and compare actions: run by the node's package
+    (``python -m node.replay``: its own model loading and dispatcher), in a process of its
+    own, so that this library never imports the node."""
+    argv = [args.dataset, "--model", args.model, *(["--check"] if args.check else []),
+            *(["--json"] if ctx.json else [])]  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "node.replay", *argv)
+    return await proc.wait()
 
 
 async def cmd_shadow(args: argparse.Namespace, ctx: Context) -> int:

@@ -11,9 +11,11 @@ the recorded one bit for bit (same model file, CPU, one intra-op thread).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import io
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +31,7 @@ from node.dispatcher import MultiGpuDispatcher
 from node.providers import ProviderSettings, build_session
 from node.step import Step
 
-__all__ = ["Report", "replay"]
+__all__ = ["Report", "main", "replay"]
 
 Array = np.ndarray[Any, Any]
 
@@ -156,3 +158,29 @@ async def replay(dataset: str, model: str) -> Report:
 def run(dataset: str, model: str) -> Report:
     """:func:`replay` on a new event loop (the command line's)."""
     return asyncio.run(replay(dataset, model))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m node.replay DATASET --model M [--check] [--json]``, what ``affinity replay``
+    runs: the library's command line hands the replay to the node's package by process, so
+    ``affinity`` never imports ``node``. Exit 0, or 1 with ``--check`` and no parity."""
+    parser = argparse.ArgumentParser(prog="affinity replay", description=main.__doc__)
+    parser.add_argument("dataset", metavar="DATASET")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--check", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    report = run(args.dataset, args.model)
+    doc = report.to_json()
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        print(f"{doc['frames']} frame(s) of {doc['episodes']} episode(s) recorded with "
+              f"{doc['recorded_model']}, replayed with {doc['model']}: max |error| "
+              f"{doc['max_abs_error']:.6g}, parity {'yes' if doc['parity'] else 'no'}, "
+              f"{doc['x_real_time']}x real time")  # fmt: skip
+    return 0 if report.parity or not args.check else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
