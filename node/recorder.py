@@ -204,6 +204,8 @@ class Recorder:
             self.dropped += 1
             self._drops[key] = self._drops.get(key, 0) + 1
             inputs = {}
+        else:
+            self.queued += 1
         frame = _Frame(episode, claim, token, seq, self.clock(), False, device, inputs, {},
                        chosen, code)  # fmt: skip
         self._queue.append((model, frame))

@@ -406,9 +406,10 @@ def test_a_failed_step_with_the_writer_behind_keeps_its_error_not_its_inputs(
     frame(r, "e", 1)
     frame(r, "e", 2)
     r.failed("m@1", "n/0", "e", "c1", 1, 3, "device_down", {"obs": obs(3)})  # queue full
-    assert r.dropped == 1
+    assert (r.queued, r.dropped) == (2, 1)
     r.start()
     r.close()
+    assert r.written == 2
     _, (rec,), dropped = read_episodes(str(tmp_path))
     assert dropped == 1 and [row["seq"] for row in rec.rows] == [1, 2]
     assert rec.error == {"code": "device_down", "seq": 3, "node": "n", "frame": None}
