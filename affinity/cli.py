@@ -265,8 +265,9 @@ async def cmd_record(args: argparse.Namespace, ctx: Context) -> int:
     elif args.episodes:
         episodes = frozenset(e for e in args.episodes.split(",") if e)
         selection = Selection("named", 1.0, episodes)
-    elif args.reset:
-        selection = Selection("reset")
+    elif args.reset or args.errors:  # all written; dataset finalize keeps these
+        modes = [m for m, on in (("reset", args.reset), ("error", args.errors)) if on]
+        selection = Selection("+".join(modes))
     elif args.fraction is not None:
         if not 0.0 <= args.fraction <= 1.0:
             raise InvalidArgument("record fraction", args.fraction, "must be 0-1")
@@ -634,7 +635,7 @@ def add_fleet_commands(command: AddCommand) -> None:
         "record",
         cmd_record,
         "record a model version's episodes as LeRobot data on nodes run with --record: all, "
-        "--fraction F, --episodes IDS, --reset, or --off",
+        "--fraction F, --episodes IDS, --reset and/or --errors, or --off",
     )
     p.add_argument("model", metavar="NAME@VERSION", help="the model version")
     p.add_argument("--fraction", type=float, help="this fraction of its episodes (0-1)")
@@ -644,6 +645,13 @@ def add_fleet_commands(command: AddCommand) -> None:
         action="store_true",
         help="keep the episodes in which a step started from clean state after the first "
         "(all are written; dataset finalize keeps these)",
+    )
+    p.add_argument(
+        "--errors",
+        action="store_true",
+        help="keep the episodes whose segment on a node ended in a failed step (a 5xx: "
+        "model_failure, device_down); with --reset: either (all are written; dataset "
+        "finalize keeps these)",
     )
     p.add_argument("--off", action="store_true", help="stop recording it")
     p = command("dataset", cmd_dataset, "join a recording's segments into a LeRobotDataset v3")

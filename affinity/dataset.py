@@ -15,6 +15,12 @@ to one axis (their shape in ``info.json``'s ``affinity.shapes``); the returned o
 ``action`` (several: ``action.<name>``); then ``timestamp`` (seconds since the episode's
 first step), ``frame_index``, ``episode_index``, ``index``, ``task_index``, and ``model``,
 ``node``, ``device``, ``seq``, ``state_reset``.
+
+A step that failed at its owner (``Recorder.failed``) ends its segment in an error: its
+frame (its inputs, an action of NaN, 0 for an integer action) stays only as its episode's
+last frame, and the episode's metadata says ``affinity/error`` (the code),
+``affinity/error_seq`` and ``affinity/error_frame`` (-1: none); ``info.json``'s
+``affinity.failed_frames`` lists those frames' indices (statistics and replay skip them).
 """
 
 from __future__ import annotations
@@ -29,15 +35,19 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MODES", "Recorded", "Selection", "finalize", "picked", "read_episodes"]
+__all__ = ["KEEPS", "MODES", "Recorded", "Selection", "finalize", "picked", "read_episodes"]
 
 Array = np.ndarray[Any, Any]
 HIDDEN = ("state_in.", "control.", "rtc.")
 CODEBASE_VERSION = "v3.0"
-MODES = ("all", "fraction", "named", "reset")
+MODES = ("all", "fraction", "named", "reset", "error", "reset+error")
 """How ``affinity record`` selects a model version's episodes (``reset``: every episode is
 written, and finalize keeps those in which a step started from clean state after the first:
-a crash, a lapsed lease, a lost claim)."""
+a crash, a lapsed lease, a lost claim; ``error``: every episode is written, and finalize
+keeps those whose segment on some node ended in a failed step, a 5xx such as
+``model_failure`` or ``device_down``; ``reset+error``: either)."""
+KEEPS = {"reset": ("reset",), "error": ("error",), "reset+error": ("reset", "error")}
+"""The modes whose episodes are all written and kept by finalize on a condition."""
 
 
 def picked(episode: str, fraction: float) -> bool:
@@ -50,15 +60,15 @@ def picked(episode: str, fraction: float) -> bool:
 @dataclass(frozen=True)
 class Selection:
     """Which episodes of one model version are recorded: ``all``, a ``fraction`` (by
-    :func:`picked`), the ``named`` episode ids, or those that see a ``reset`` (all written,
-    kept by finalize)."""
+    :func:`picked`), the ``named`` episode ids, or those that see a ``reset``, end a
+    segment in an ``error``, or either (``reset+error``): all written, kept by finalize."""
 
     mode: str = "all"
     fraction: float = 1.0
     episodes: frozenset[str] = field(default_factory=frozenset)
 
     def wants(self, episode: str) -> bool:
-        if self.mode in ("all", "reset"):
+        if self.mode == "all" or self.mode in KEEPS:
             return True
         if self.mode == "fraction":
             return picked(episode, self.fraction)
@@ -88,6 +98,9 @@ class Recorded:
     inputs: dict[str, list[Array]] = field(default_factory=dict)
     outputs: dict[str, list[Array]] = field(default_factory=dict)
     rows: list[dict[str, Any]] = field(default_factory=list)  # seq, t, state_reset, ...
+    error: dict[str, Any] | None = None
+    """The failed step a segment of it ended in: code, seq, node, and ``frame`` (the index
+    of its frame, the failed step's inputs with no action, or None when not recorded)."""
 
 
 def _is_image(shape: list[int], dtype: str) -> bool:
@@ -145,9 +158,13 @@ def read_episodes(url: str, model: str | None = None) -> tuple[str, list[Recorde
         if meta["model"] == model:
             by_episode.setdefault(meta["episode"], []).append(meta)
             dropped += int(meta.get("dropped", 0))
+    out_specs: dict[str, dict[str, Any]] = {}  # a failed step's action: none returned
+    for meta in metas:
+        if meta["model"] == model:
+            out_specs.update({k: v for k, v in meta["specs"].items() if k.startswith("out:")})
     episodes = []
     for episode, segs in by_episode.items():
-        only_reset = any(m.get("keep") == "reset" for m in segs)
+        keeps = {k for m in segs for k in KEEPS.get(str(m.get("keep")), ())}
         rec = Recorded(episode)
         read = []
         for meta in segs:
@@ -156,27 +173,66 @@ def read_episodes(url: str, model: str | None = None) -> tuple[str, list[Recorde
                 kept[int(row["seq"])] = row  # a step recorded twice keeps its last row
             if kept:  # a claim moved live keeps its token: its seqs go on at the new node
                 read.append((int(meta["token"]), min(kept), meta, kept))
-        for _, _, meta, kept in sorted(read, key=lambda r: r[:2]):
-            specs = meta["specs"]
-            for seq in sorted(kept):
-                row = kept[seq]
-                for col, spec in specs.items():
-                    side, _, name = col.partition(":")
-                    if side == "in" and name.startswith(HIDDEN):
-                        continue
-                    arr = np.frombuffer(row[col], np.dtype(spec["dtype"])).reshape(spec["shape"])
-                    (rec.inputs if side == "in" else rec.outputs).setdefault(name, []).append(arr)
-                rec.rows.append({
-                    "seq": seq, "t": row["t"], "state_reset": row["state_reset"],
-                    "device": row["device"], "node": meta["node"], "claim": meta["claim"],
-                    "dropped": int(meta.get("dropped", 0)),
-                })  # fmt: skip
-        if only_reset and not any(r["state_reset"] for r in rec.rows[1:]):
-            continue  # selected as "reset" and never reset: not kept
+        ordered = [
+            (meta, seq, kept[seq])
+            for _, _, meta, kept in sorted(read, key=lambda r: r[:2])
+            for seq in sorted(kept)
+        ]
+        # a failed step's frame stays only as the episode's last: steps after it (a retry,
+        # the episode moved on) mean the robot never acted on it
+        ordered = [
+            o for i, o in enumerate(ordered) if i == len(ordered) - 1 or not o[2].get("error")
+        ]
+        for meta, seq, row in ordered:
+            frame = _frame(row, meta["specs"], out_specs)
+            if frame is None:
+                continue  # a failed step's inputs that do not fit the recorded features
+            for side, data in zip((rec.inputs, rec.outputs), frame, strict=True):
+                for name, arr in data.items():
+                    side.setdefault(name, []).append(arr)
+            rec.rows.append({
+                "seq": seq, "t": row["t"], "state_reset": row["state_reset"],
+                "device": row["device"], "node": meta["node"], "claim": meta["claim"],
+                "dropped": int(meta.get("dropped", 0)), "error": row.get("error") or "",
+            })  # fmt: skip
+        ended = [m for m in sorted(segs, key=lambda m: int(m["token"])) if m.get("error")]
+        if ended:
+            err = ended[-1]["error"]
+            last = rec.rows[-1] if rec.rows else None
+            at = len(rec.rows) - 1 if last is not None and last["error"] else None
+            rec.error = {"code": str(err["code"]), "seq": int(err["seq"]),
+                         "node": ended[-1]["node"], "frame": at}  # fmt: skip
+        if keeps:  # selected as "reset" or "error": kept only when it was one
+            reset = "reset" in keeps and any(r["state_reset"] for r in rec.rows[1:])
+            if not reset and not ("error" in keeps and rec.error is not None):
+                continue
         if rec.rows:
             episodes.append(rec)
     episodes.sort(key=lambda r: r.rows[0]["t"])
     return model, episodes, dropped
+
+
+def _frame(
+    row: dict[str, Any], specs: dict[str, dict[str, Any]], out_specs: dict[str, dict[str, Any]]
+) -> tuple[dict[str, Array], dict[str, Array]] | None:
+    """A row's inputs and outputs as arrays; a failed step's action (it returned none) as
+    NaN (0 for an integer action). None: a value missing or not of its feature's size."""
+    ins: dict[str, Array] = {}
+    outs: dict[str, Array] = {}
+    failed = bool(row.get("error"))
+    for col, spec in {**specs, **(out_specs if failed else {})}.items():
+        side, _, name = col.partition(":")
+        if side == "in" and name.startswith(HIDDEN):
+            continue
+        dtype, shape = np.dtype(spec["dtype"]), spec["shape"]
+        value = row.get(col)
+        if value is None and failed and side == "out":
+            outs[name] = np.full(shape, np.nan if dtype.kind in "fc" else 0, dtype)
+            continue
+        if value is None or len(value) != dtype.itemsize * math.prod(shape):
+            return None
+        (ins if side == "in" else outs)[name] = np.frombuffer(value, dtype).reshape(shape)
+    return ins, outs
 
 
 def _feature_names(inputs: Iterable[str], outputs: list[str]) -> dict[str, str]:
@@ -199,6 +255,9 @@ def _png(image: Array) -> bytes:
 
 def _stats(values: Array) -> dict[str, Any]:
     v = values.astype(np.float64)
+    v = v[~np.isnan(v).all(axis=tuple(range(1, v.ndim)))]  # a failed step's action: none
+    if not len(v):
+        v = np.zeros((1, *values.shape[1:]))
     return {
         "min": v.min(axis=0).tolist(), "max": v.max(axis=0).tolist(),
         "mean": v.mean(axis=0).tolist(), "std": v.std(axis=0).tolist(),
@@ -233,6 +292,7 @@ def finalize(
                         "model", "node", "device", "seq", "state_reset")
     }  # fmt: skip
     ep_rows: list[dict[str, Any]] = []
+    failed: list[int] = []  # the dataset indices of failed steps' frames (no action)
     index = 0
     for ep_index, rec in enumerate(episodes):
         t0 = rec.rows[0]["t"]
@@ -274,6 +334,9 @@ def finalize(
             meta_cols["state_reset"].append(bool(row["state_reset"]))
             index += 1
         claims = list(dict.fromkeys(r["claim"] for r in rec.rows))
+        error = rec.error or {}
+        if error.get("frame") is not None:
+            failed.append(start + int(error["frame"]))
         ep_rows.append({
             "episode_index": ep_index, "tasks": [task], "length": len(rec.rows),
             "data/chunk_index": 0, "data/file_index": 0,
@@ -285,6 +348,9 @@ def finalize(
             "affinity/dropped_frames": sum(
                 {r["claim"]: r["dropped"] for r in rec.rows}.values()
             ),
+            "affinity/error": error.get("code", ""),
+            "affinity/error_seq": int(error.get("seq", -1)),
+            "affinity/error_frame": -1 if error.get("frame") is None else int(error["frame"]),
         })  # fmt: skip
     for key, kind in (("timestamp", "float32"), ("frame_index", "int64"),
                       ("episode_index", "int64"), ("index", "int64"), ("task_index", "int64"),
@@ -342,7 +408,7 @@ def finalize(
         "data_path": "data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet",
         "video_path": None, "features": features,
         "affinity": {"model": model, "recorded_from": url, "dropped_frames": dropped,
-                     "shapes": shapes,
+                     "failed_frames": failed, "shapes": shapes,
                      "names": {k.partition(":")[2]: v for k, v in names.items()}},
     }  # fmt: skip
     with ofs.open(f"{oroot}/meta/info.json", "w") as fh:

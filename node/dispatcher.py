@@ -144,6 +144,20 @@ class MultiGpuDispatcher:
         """Hand each kept step of this model to ``recorder`` (``--record``)."""
         self._records.recorder = recorder
 
+    def failed(
+        self, assignment: Assignment, inputs: Mapping[str, Array], seq: int | None, code: str
+    ) -> None:
+        """Tell the recorder (``--record``) that a step under ``assignment`` failed with
+        ``code`` (a 5xx) and was not kept; ``inputs``: what it ran with (no copy)."""
+        recorder = self._records.recorder
+        if recorder is None or not assignment.episode:
+            return
+        if seq is None:  # the one it would have applied: after the episode's record
+            record = self.table.get(assignment.episode)
+            seq = 1 if record is None else record.seq + 1
+        recorder.failed(self.model, assignment.device, assignment.episode, assignment.claim,
+                        assignment.token, seq, code, inputs)  # fmt: skip
+
     @property
     def model(self) -> str:
         """``name@version`` of the model (its records' claims); "" where none is given."""

@@ -199,18 +199,12 @@ class Owner:
         self, assignment: Assignment, step: Step, dispatcher: MultiGpuDispatcher, generation: int
     ) -> StepResult:
         """The step run on its device; the dispatcher's refusals as the step's errors."""
+        feed = {
+            **step.inputs,
+            **control_feed(dispatcher.contract, assignment.episode, start=False, end=step.end),
+        }
         try:
-            result = await dispatcher.step(
-                step,
-                assignment,
-                inputs={
-                    **step.inputs,
-                    **control_feed(
-                        dispatcher.contract, assignment.episode, start=False, end=step.end
-                    ),
-                },
-                generation=generation,
-            )
+            result = await dispatcher.step(step, assignment, inputs=feed, generation=generation)
         except ClaimEnded:
             if self.flusher.idled(assignment.episode):  # it idled out here: release it now,
                 await self.flusher.flush()  # so a resolve claims anew
@@ -218,7 +212,10 @@ class Owner:
         except StepRefused as exc:
             if isinstance(exc, ModelFailure):
                 self.metrics.model_failures.labels(exc.device).inc()
-            raise refusal(exc) from exc
+            refused = refusal(exc)
+            if isinstance(refused, Unavailable) or refused.status >= 500:  # --record --errors
+                dispatcher.failed(assignment, feed, step.seq, refused.reason)
+            raise refused from exc
         return result
 
     def _reply(

@@ -20,6 +20,14 @@ directory; one object put on an object store), so a node killed mid-episode leav
 part it finished readable and loses only the frames still waiting (at most ``flush_frames``
 or ``flush_s`` of them). Hazard: arrays handed to :meth:`offer` must not be written to
 afterwards (the node never writes to a step's inputs or returned outputs once committed).
+
+A step that fails at its owner (a 5xx: ``model_failure``, ``device_down``, ...) is never
+committed: the owner hands it to :meth:`Recorder.failed` (event loop, after the refusal,
+never on a step that succeeds). Its inputs (the references the step ran with, copied once
+by the writer like any frame's) become a row with no outputs and its ``error`` code, and
+its segment says ``error`` in ``segment.json`` (with the seq) and is written at once. A
+later step kept in the same segment clears it: the segment ended in an error only when the
+failed step was its last. When the queue is full the inputs are dropped, the error is not.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ class _Frame:
     inputs: Mapping[str, Array]
     outputs: Mapping[str, Array]
     mode: str  # the selection's mode that chose its claim
+    error: str = ""  # a failed step's code (no outputs; no inputs when they were dropped)
 
 
 @dataclass
@@ -77,6 +86,7 @@ class _Segment:
     frames: int = 0
     dropped: int = 0
     specs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    error: dict[str, Any] | None = None  # the failed step it ended in: code, seq
 
 
 class Recorder:
@@ -146,13 +156,7 @@ class Recorder:
         key = (episode, claim)
         chosen = self._chosen.get(key)
         if chosen is None:
-            selection = self.selections.get(model)
-            if selection is None:
-                return  # not recorded now; asked again at this claim's next step
-            if len(self._chosen) >= _CHOSEN_MAX:
-                self._chosen.clear()
-            chosen = selection.mode if selection.wants(episode) else None
-            self._chosen[key] = chosen
+            chosen = self._choose(model, episode, key)
         if chosen is None:
             return
         if len(self._queue) >= self.queue_max:
@@ -162,6 +166,48 @@ class Recorder:
         self.queued += 1
         frame = _Frame(episode, claim, token, seq, self.clock(), state_reset, device,
                        inputs, outputs, chosen)  # fmt: skip
+        self._queue.append((model, frame))
+
+    def _choose(self, model: str, episode: str, key: tuple[str, str]) -> str | None:
+        """The mode that records this claim, or None (remembered; None also when the model
+        version has no selection now: asked again at the claim's next step)."""
+        selection = self.selections.get(model)
+        if selection is None:
+            return None
+        if len(self._chosen) >= _CHOSEN_MAX:
+            self._chosen.clear()
+        chosen = selection.mode if selection.wants(episode) else None
+        self._chosen[key] = chosen
+        return chosen
+
+    def failed(
+        self,
+        model: str,
+        device: str,
+        episode: str,
+        claim: str,
+        token: int,
+        seq: int,
+        code: str,
+        inputs: Mapping[str, Array],
+    ) -> None:
+        """A step of ``episode`` failed at its owner with ``code`` (a 5xx) and was never
+        committed: its segment ends in an error until a later step is kept. ``seq``: the
+        seq it would have had. Never blocks, copies nothing, raises nothing."""
+        key = (episode, claim)
+        chosen = self._chosen.get(key)
+        if chosen is None:
+            chosen = self._choose(model, episode, key)
+        if chosen is None:
+            return
+        if len(self._queue) >= self.queue_max:  # the error is said; its inputs dropped
+            self.dropped += 1
+            self._drops[key] = self._drops.get(key, 0) + 1
+            inputs = {}
+        else:
+            self.queued += 1
+        frame = _Frame(episode, claim, token, seq, self.clock(), False, device, inputs, {},
+                       chosen, code)  # fmt: skip
         self._queue.append((model, frame))
 
     # the writer thread ---------------------------------------------------------------
@@ -185,11 +231,16 @@ class Recorder:
             model, frame = queue.popleft()
             n += 1
             seg = self._segment(model, frame)
-            if not seg.rows:
-                seg.since = time.monotonic()
-            seg.rows.append(frame)
-            if len(seg.rows) >= self.flush_frames:
-                self._write(seg)
+            if frame.error:
+                seg.error = {"code": frame.error, "seq": frame.seq}
+            elif seg.error is not None and frame.seq >= seg.error["seq"]:
+                seg.error = None  # a step kept after the failed one: not how it ended
+            if frame.inputs or not frame.error:
+                if not seg.rows:
+                    seg.since = time.monotonic()
+                seg.rows.append(frame)
+            if frame.error or len(seg.rows) >= self.flush_frames:
+                self._write(seg)  # a failed step at once: a node that dies next keeps it
         return n
 
     def _segment(self, model: str, frame: _Frame) -> _Segment:
@@ -208,6 +259,7 @@ class Recorder:
                     meta = json.loads(fh.read())
                 seg.parts, seg.frames = int(meta["parts"]), int(meta["frames"])
                 seg.dropped, seg.specs = int(meta["dropped"]), dict(meta["specs"])
+                seg.error = meta.get("error")
         return seg
 
     def _flush_due(self, force: bool) -> None:
@@ -233,17 +285,32 @@ class Recorder:
 
         rows = seg.rows
         seg.dropped += self._drops.pop((seg.episode, seg.claim), 0)
+        if rows:
+            self._write_rows(seg, pa, pq)
+        meta = {
+            "model": seg.model, "node": self.node_id, "device": seg.device,
+            "episode": seg.episode, "claim": seg.claim, "token": seg.token,
+            "parts": seg.parts, "frames": seg.frames, "dropped": seg.dropped,
+            "specs": seg.specs, "keep": seg.mode, "error": seg.error,
+        }  # fmt: skip
+        with self.fs.open(f"{seg.path}/segment.json", "w") as fh:
+            fh.write(json.dumps(meta))
+
+    def _write_rows(self, seg: _Segment, pa: Any, pq: Any) -> None:
+        """The waiting rows as the segment's next part (a failed step's outputs: null)."""
+        rows = seg.rows
         cols: dict[str, Any] = {
             "seq": pa.array([f.seq for f in rows], pa.int64()),
             "t": pa.array([f.t for f in rows], pa.float64()),
             "state_reset": pa.array([f.state_reset for f in rows], pa.bool_()),
             "device": pa.array([f.device for f in rows], pa.string()),
+            "error": pa.array([f.error for f in rows], pa.string()),
         }
         for side, prefix in (("inputs", "in:"), ("outputs", "out:")):
-            names = list(getattr(rows[0], side))
+            names = dict.fromkeys(n for f in rows for n in getattr(f, side))
             for name in names:
-                arrays = [np.asarray(getattr(f, side)[name]) for f in rows]
-                first = arrays[0]
+                arrays = [getattr(f, side).get(name) for f in rows]
+                first = np.asarray(next(a for a in arrays if a is not None))
                 seg.specs.setdefault(prefix + name, {"dtype": first.dtype.str,
                                                      "shape": list(first.shape)})  # fmt: skip
                 cols[prefix + name] = _bytes_column(pa, arrays)
@@ -259,14 +326,6 @@ class Recorder:
         seg.parts += 1
         seg.frames += len(rows)
         self.written += len(rows)
-        meta = {
-            "model": seg.model, "node": self.node_id, "device": seg.device,
-            "episode": seg.episode, "claim": seg.claim, "token": seg.token,
-            "parts": seg.parts, "frames": seg.frames, "dropped": seg.dropped,
-            "specs": seg.specs, "keep": seg.mode,
-        }  # fmt: skip
-        with self.fs.open(f"{seg.path}/segment.json", "w") as fh:
-            fh.write(json.dumps(meta))
 
     def _count(self) -> None:
         if self.on_count is None:
@@ -291,12 +350,19 @@ class Recorder:
             self._thread.join(timeout)
 
 
-def _bytes_column(pa: Any, arrays: list[Array]) -> Any:
-    """One binary value per array, built with the one copy of each array's bytes (into a
-    shared buffer that Arrow then wraps, not copies)."""
-    flat = [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
+def _bytes_column(pa: Any, arrays: list[Array | None]) -> Any:
+    """One binary value per array (None: null), built with the one copy of each array's
+    bytes (into a shared buffer that Arrow then wraps, not copies)."""
+    empty = np.zeros(0, np.uint8)
+    flat = [empty if a is None else np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+            for a in arrays]  # fmt: skip
     data = np.concatenate(flat)  # the copy
     offsets = np.zeros(len(flat) + 1, np.int64)
     np.cumsum([f.size for f in flat], out=offsets[1:])
-    buffers = [None, pa.py_buffer(offsets), pa.py_buffer(data)]
-    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(flat), buffers)
+    nulls = sum(a is None for a in arrays)
+    valid = None
+    if nulls:
+        bits = np.packbits(np.array([a is not None for a in arrays]), bitorder="little")
+        valid = pa.py_buffer(bits)
+    buffers = [valid, pa.py_buffer(offsets), pa.py_buffer(data)]
+    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(flat), buffers, nulls)

@@ -6,7 +6,8 @@ compared with the actions the fleet returned.
 Runs in the operator's process on its event loop; the dispatcher's device thread runs the
 model. A recorded frame that said ``state_reset`` (or a step number 1) starts a fresh claim
 here too, so the replay resets where the fleet did. Parity: every replayed action equals
-the recorded one bit for bit (same model file, CPU, one intra-op thread).
+the recorded one bit for bit (same model file, CPU, one intra-op thread). A failed step's
+frame (``affinity.failed_frames``: it has no action) is neither run nor compared.
 """
 
 from __future__ import annotations
@@ -123,7 +124,10 @@ async def replay(dataset: str, model: str) -> Report:
         token = 0
         episode_steps: dict[int, list[Array]] = {}
         started = time.perf_counter()
+        failed = set(aff.get("failed_frames", ()))  # a failed step's frame: no action
         for i in range(n):
+            if int(cols["index"][i]) in failed:
+                continue
             ep = int(cols["episode_index"][i])
             fresh = cols["frame_index"][i] == 0 or cols["state_reset"][i] or cols["seq"][i] == 1
             if fresh:

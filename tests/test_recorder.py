@@ -5,6 +5,7 @@ replay's parity and error report. LeRobot's own reader: tests/test_recorder_lero
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import threading
 from pathlib import Path
@@ -13,8 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from affinity import Settings
-from affinity.cli import main
+from affinity import Claims, EventStream, Inventory, Keys, Registry, Settings
+from affinity.cli import Context, build_parser, cmd_record, main
 from affinity.dataset import Selection, finalize, picked, read_episodes
 from affinity.models import Models
 from node.models import DEMO_MODEL
@@ -292,3 +293,145 @@ async def test_replay_matches_the_same_version_bit_for_bit_and_reports_error_of_
     assert len(doc["per_joint_mean_abs_error"]) == len(truth["sent"])
     assert all(len(v) == 8 for v in doc["per_joint_mean_abs_error"].values())
     assert sum(len(v) for v in doc["per_step_max_abs_error"].values()) == frames
+
+
+# -- episodes that end in an error -----------------------------------------------------------
+
+
+class Failing:
+    """A real ORT session whose runs raise when the input's first value is 99."""
+
+    def __init__(self, spec: Any) -> None:
+        from node.providers import ProviderSettings, build_session
+
+        self.inner = build_session(DEMO_MODEL, spec, ProviderSettings()).session
+
+    def run(self, names: Any, feed: Any) -> Any:
+        if feed["obs"][0][0] == 99:
+            raise RuntimeError("the policy failed on this input")
+        return self.inner.run(names, dict(feed))
+
+
+BAD = np.full((1, 8), 99, np.float32)
+
+
+async def record_failures(redis: Any, out: str, mode: str) -> dict[str, Any]:
+    """One node records three episodes: ``fails`` (three steps, then a step whose model run
+    raises, and no more), ``recovers`` (its failed step is retried and kept) and ``plain``.
+    Returns what the robots sent and got for ``fails``."""
+    sent: list[np.ndarray] = []
+    got: list[list[float]] = []
+    cfgs = [config("a", devices="cpu:1", record=out)]
+    failing = lambda s: (Failing(s), "CPU")  # noqa: E731
+    async with cluster(redis, cfgs, session_factory=failing) as (nodes, _):
+        await select(nodes, redis, Selection(mode))
+        for i in range(3):
+            r = await nodes[0].act(episode_id="fails", inputs={"obs": obs(i).tolist()})
+            assert r.status_code == 200
+            sent.append(obs(i))
+            got.append(np.asarray(r.json()["outputs"]["actions"]).reshape(-1).tolist())
+        r = await nodes[0].act(episode_id="fails", inputs={"obs": BAD.tolist()})
+        assert (r.status_code, r.json()["error"]["code"]) == (500, "model_failure"), r.text
+        sent.append(BAD)
+        for i, x in enumerate([obs(0), BAD, obs(1), obs(2)]):
+            r = await nodes[0].act(episode_id="recovers", inputs={"obs": x.tolist()})
+            assert r.status_code == (500 if i == 1 else 200), r.text
+        for i in range(3):
+            r = await nodes[0].act(episode_id="plain", inputs={"obs": obs(i).tolist()})
+            assert r.status_code == 200
+    return {"sent": sent, "got": got}
+
+
+async def test_error_mode_keeps_the_episode_that_ended_in_a_failed_step(
+    redis: Any, tmp_path: Path
+) -> None:
+    out = str(tmp_path / "rec")
+    truth = await record_failures(redis, out, "error")
+    _, episodes, _ = read_episodes(out)
+    assert [e.episode for e in episodes] == ["fails"]  # recovers and plain: not kept
+    rec = episodes[0]
+    assert [r["seq"] for r in rec.rows] == [1, 2, 3, 4]
+    assert [r["error"] for r in rec.rows] == ["", "", "", "model_failure"]
+    assert rec.error == {"code": "model_failure", "seq": 4, "node": "a", "frame": 3}
+    for x, want in zip(rec.inputs["obs"], truth["sent"], strict=True):  # the failed step's too
+        np.testing.assert_array_equal(x, want)
+    assert np.isnan(rec.outputs["actions"][3]).all()
+    info = finalize(out, str(tmp_path / "ds"))
+    import pyarrow.parquet as pq
+
+    (ep,) = pq.read_table(tmp_path / "ds/meta/episodes/chunk-000/file-000.parquet").to_pylist()
+    assert (ep["affinity/error"], ep["affinity/error_seq"], ep["affinity/error_frame"]) == (
+        "model_failure",
+        4,
+        3,
+    )
+    assert info["total_frames"] == 4 and info["affinity"]["failed_frames"] == [3]
+    data = pq.read_table(tmp_path / "ds/data/chunk-000/file-000.parquet").to_pydict()
+    f32 = np.float32
+    np.testing.assert_array_equal(
+        np.asarray(data["action"][:3], f32), np.asarray(truth["got"], f32)
+    )
+    assert np.isnan(np.asarray(data["action"][3], np.float32)).all()
+    stats = json.loads((tmp_path / "ds/meta/stats.json").read_text())
+    assert stats["action"]["count"] == [3] and not np.isnan(stats["action"]["mean"]).any()
+    replayed = await replay(str(tmp_path / "ds"), str(DEMO_MODEL))  # the failed frame: skipped
+    assert replayed.parity and replayed.frames == 3
+
+
+async def test_a_failed_step_retried_and_kept_is_no_error_and_leaves_no_frame(
+    redis: Any, tmp_path: Path
+) -> None:
+    out = str(tmp_path / "rec")
+    await record_failures(redis, out, "all")
+    _, episodes, _ = read_episodes(out)
+    by_id = {e.episode: e for e in episodes}
+    assert set(by_id) == {"fails", "recovers", "plain"}
+    recovers = by_id["recovers"]
+    assert recovers.error is None and [r["seq"] for r in recovers.rows] == [1, 2, 3]
+    assert all(r["error"] == "" for r in recovers.rows)
+    assert not any((x == 99).any() for x in recovers.inputs["obs"])
+    assert by_id["plain"].error is None
+    assert by_id["fails"].error is not None and by_id["fails"].error["frame"] == 3
+    # reset+error keeps either; the error episode here (none was reset)
+    out2 = str(tmp_path / "rec2")
+    await record_failures(redis, out2, "reset+error")
+    assert [e.episode for e in read_episodes(out2)[1]] == ["fails"]
+
+
+def test_a_failed_step_with_the_writer_behind_keeps_its_error_not_its_inputs(
+    tmp_path: Path,
+) -> None:
+    r = Recorder(str(tmp_path), "n", queue_max=2, flush_frames=1000)
+    r.select({"m@1": Selection("error")})
+    frame(r, "e", 1)
+    frame(r, "e", 2)
+    r.failed("m@1", "n/0", "e", "c1", 1, 3, "device_down", {"obs": obs(3)})  # queue full
+    assert (r.queued, r.dropped) == (2, 1)
+    r.start()
+    r.close()
+    assert r.written == 2
+    _, (rec,), dropped = read_episodes(str(tmp_path))
+    assert dropped == 1 and [row["seq"] for row in rec.rows] == [1, 2]
+    assert rec.error == {"code": "device_down", "seq": 3, "node": "n", "frame": None}
+
+
+async def test_the_error_mode_round_trips_through_the_cli_and_reaches_a_node(
+    redis: Any, tmp_path: Path
+) -> None:
+    cfgs = [config("a", devices="cpu:1", record=str(tmp_path / "rec"))]
+    async with cluster(redis, cfgs) as (nodes, _):
+        mid = next(iter(nodes[0].service.models.values()))[0]
+        recorder = nodes[0].service.recorder
+        assert recorder is not None
+        s = Settings()
+        ctx = Context(Registry(redis, s), Inventory(redis, s), EventStream(redis, s),
+                      Models(redis, s), Claims(redis, s), False, io.StringIO(), "test")  # fmt: skip
+        for flags, mode in ((["--errors"], "error"), (["--reset", "--errors"], "reset+error"),
+                            (["--reset"], "reset")):  # fmt: skip
+            args = build_parser().parse_args(["record", str(mid), *flags])
+            assert await cmd_record(args, ctx) == 0
+            stored = await redis.hget(Keys("affinity").recording(mid.name), mid.version)
+            assert Selection.from_json(stored).mode == mode
+            await nodes[0].service._read_recordings()
+            assert recorder.selections[str(mid)].mode == mode
+    assert "reset+error" in ctx.out.getvalue()  # type: ignore[attr-defined]
