@@ -20,7 +20,8 @@ import httpx
 import pytest
 import yaml
 
-from node.metrics import LABELS
+from node.metrics import LABELS as NODE_LABELS
+from node.shadow import SHADOW_LABELS
 from tests.procs import ROOT, Node, RedisServer, wait_until
 from tests.stack.prometheus import Prometheus, node_targets, query, scraped_nodes
 
@@ -32,6 +33,7 @@ DASHBOARD = ROOT / "docker" / "grafana" / "affinity.json"
 DATASOURCES = ROOT / "docker" / "grafana" / "provisioning" / "datasources" / "prometheus.yaml"
 # labels Prometheus puts on every scraped series (`node` from prometheus.yml's targets)
 TARGET_LABELS = {"job", "instance", "node"}
+LABELS = {**NODE_LABELS, **SHADOW_LABELS}  # every series a node exports, documented
 # Grafana's variables, as a Prometheus query would see them after Grafana's substitution
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$node": ".*"}
 
