@@ -283,7 +283,9 @@ class ShadowRunner:
         elif ghost.live_claim != assignment.claim:  # claimed anew meanwhile: start over
             ghost.live_claim, ghost.restart = assignment.claim, True
         if not self._spare(ghost, dispatcher, assignment):
-            self._count(candidate, live, "busy")
+            # this step, and any of the ghost's that still waited, are skipped: each counted
+            for _ in range(1 + len(ghost.waiting)):
+                self._count(candidate, live, "busy")
             ghost.restart = True
             self._drop_waiting(ghost)
             if step.end:

@@ -440,15 +440,18 @@ def test_a_real_node_shadows_through_the_cli_and_frees_its_ghosts_on_stop(
         obs = observations(11, 6)
         with httpx.Client(base_url=node.url, timeout=10) as client:
             # the node reads the shadow at a renewal (a third of its 3 s lease)
+            probes = iter(range(10_000))
+
             def ghosts_on() -> bool:
+                # a new episode each time: a ghost that began in mid-episode (the shadow
+                # read after the episode's first step) counts apart, as restarted
                 r = client.post(
                     "/act",
                     json={
-                        "episode_id": "probe",
+                        "episode_id": f"probe-{next(probes)}",
                         "model": "demo_policy",
                         "inputs": {"obs": obs[0].tolist()},
-                        "end": True,
-                    },
+                    },  # (no end: an ending step's ghost may be freed before it runs)
                 )
                 assert r.status_code == 200
                 return status()["compared"] > 0
