@@ -1,0 +1,232 @@
+"""Many episodes' steps in one message (issue 44), in-process on fakeredis and a real
+redis-server: rows spread over several owners (one forward per owner), a row whose owner
+cannot be reached, a bad row beside good ones, duplicate ids, ``--max-rows`` refused
+before any decoding, and ``seq`` replays of a whole message and of one row."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import httpx
+import msgpack
+import numpy as np
+import pytest
+
+from affinity import wire
+from node.errors import ForwardError
+from node.forward import INTERNAL_PATH, ROWS_PATH, Response
+from tests.inproc import InProcNode, Router, cluster, config
+
+pytestmark = pytest.mark.anyio
+
+
+class Counting(Router):
+    """The in-process forward pool, counting what goes where; hosts in ``broken`` break
+    a message of rows after it left (no answer)."""
+
+    def __init__(self, inner: Router) -> None:
+        super().__init__()
+        self.inner = inner
+        self.sent: Counter[str] = Counter()
+        self.broken: set[str] = set()
+
+    async def post(self, url: str, body: bytes, path: str = INTERNAL_PATH) -> Response:
+        self.sent[path] += 1
+        if path == ROWS_PATH and any(h in url for h in self.broken):
+            raise ForwardError("connection closed after 0 bytes of the response")
+        return await self.inner.post(url, body, path)
+
+
+def obs(value: float) -> list[list[float]]:
+    return np.full((1, 8), value, np.float32).tolist()
+
+
+async def rows(node: InProcNode, steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    r = await node.client.post("/act", json={"steps": steps})
+    assert r.status_code == 200, r.text
+    out: list[dict[str, Any]] = r.json()["steps"]
+    assert len(out) == len(steps)
+    return out
+
+
+def counting(nodes: list[InProcNode], pool: Router) -> Counting:
+    spy = Counting(pool)
+    for n in nodes:
+        n.service.router.pool = spy
+    return spy
+
+
+async def test_rows_over_several_owners_go_one_message_per_owner(redis: Any) -> None:
+    """K rows through one node: each answered in order, sticky, numbered; the rows of
+    other owners travel in one message per owner (none one by one) once their owners are
+    known, and each row's reply matches its one-row reply."""
+    cfgs = [config(n) for n in ("a", "b", "c")]
+    async with cluster(redis, cfgs) as (nodes, pool):
+        a = nodes[0]
+        spy = counting(nodes, pool)
+        episodes = [f"ep-{i}" for i in range(12)]
+        first = await rows(a, [{"episode_id": e, "inputs": {"obs": obs(i)}}
+                               for i, e in enumerate(episodes)])  # fmt: skip
+        assert [r["episode_id"] for r in first] == episodes
+        assert all("error" not in r and r["seq"] == 1 for r in first), first
+        owners = {r["node"] for r in first}
+        assert len(owners) >= 2, owners  # round-robin spreads them over the fleet
+        remote = owners - {"a"}
+        spy.sent.clear()
+        second = await rows(a, [{"episode_id": e, "inputs": {"obs": obs(i)}, "seq": 2}
+                                for i, e in enumerate(episodes)])  # fmt: skip
+        for before, after in zip(first, second, strict=True):
+            assert (after["node"], after["device"], after["token"]) == (
+                before["node"], before["device"], before["token"],
+            )  # fmt: skip
+            assert after["seq"] == 2 and after["routing"] == "hit" and not after["replayed"]
+        assert spy.sent[ROWS_PATH] == len(remote) and spy.sent[INTERNAL_PATH] == 0, spy.sent
+        # a row's outputs are what the model gives for its inputs, whichever way it went
+        one = (await a.act(episode_id="solo", inputs={"obs": obs(3)})).json()
+        assert np.allclose(one["outputs"]["actions"], first[3]["outputs"]["actions"])
+
+
+async def test_msgpack_rows_and_stateless_rows(redis: Any) -> None:
+    async with cluster(redis, [config("a"), config("b")]) as ([a, _], _pool):
+        body = {"steps": [
+            {"episode_id": "m-1", "inputs": {"obs": np.ones((1, 8), np.float32)}},
+            {"inputs": {"obs": np.ones((1, 8), np.float32)}},  # stateless: never claimed
+            {"episode_id": "m-2", "inputs": {"obs": np.ones((1, 8), np.float32)}},
+        ]}  # fmt: skip
+        r = await a.client.post(
+            "/act",
+            content=wire.encode(body),
+            headers={"content-type": "application/msgpack", "accept": "application/msgpack"},
+        )
+        assert r.status_code == 200, r.text
+        got = wire.decode(r.content)["steps"]
+        assert [g["episode_id"] for g in got] == ["m-1", None, "m-2"]
+        assert got[1]["routing"] == "stateless"
+        assert isinstance(got[0]["outputs"]["actions"], np.ndarray)
+        assert np.array_equal(got[0]["outputs"]["actions"], got[2]["outputs"]["actions"])
+
+
+async def test_a_bad_row_fails_alone(redis: Any) -> None:
+    """A row whose inputs do not fit the model, or that is not a map, answers its own
+    error; the rows beside it are served."""
+    async with cluster(redis, [config("a"), config("b")]) as ([a, _], _pool):
+        got = await rows(a, [
+            {"episode_id": "g-1", "inputs": {"obs": obs(1)}},
+            {"episode_id": "g-2", "inputs": {"obs": [[1.0, 2.0]]}},
+            "not a row",
+            {"episode_id": "g-4", "inputs": {"obs": obs(1)}},
+        ])  # fmt: skip
+        assert got[0]["seq"] == 1 and got[3]["seq"] == 1
+        assert got[1]["error"]["status"] == 422 and got[1]["error"]["code"] == "bad_input"
+        assert got[2]["error"]["status"] == 400
+        got = await rows(a, [
+            {"episode_id": "g-1", "inputs": {"obs": obs(1)}, "seq": 5},  # not its next step
+            {"episode_id": "g-4", "inputs": {"obs": obs(1)}, "seq": 2},
+        ])  # fmt: skip
+        assert got[0]["error"]["status"] == 409 and got[0]["error"]["code"] == "seq_conflict"
+        assert got[1]["seq"] == 2
+        assert a.service.claims is not None
+        assert await a.service.claims.lookup("g-2") is None  # nothing claimed for it
+
+
+async def test_duplicate_episode_ids_are_refused_before_anything_runs(redis: Any) -> None:
+    async with cluster(redis, [config("a")]) as ([a], _pool):
+        r = await a.client.post("/act", json={"steps": [
+            {"episode_id": "d-1", "inputs": {"obs": obs(1)}},
+            {"episode_id": "d-2", "inputs": {"obs": obs(1)}},
+            {"episode_id": "d-1", "inputs": {"obs": obs(2)}},
+        ]})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["code"] == "duplicate_episode"
+        assert "d-1" in r.json()["error"]["message"]
+        assert await a.service.claims.lookup("d-1") is None
+        assert await a.service.claims.lookup("d-2") is None
+
+
+async def test_more_rows_than_max_rows_are_refused_before_any_decoding(redis: Any) -> None:
+    """413 ``too_many_rows``: in JSON before any row's inputs are looked at (these would
+    be 422), in msgpack before the body is decoded at all (these arrays would be a 400)."""
+    async with cluster(redis, [config("a", max_rows=4)]) as ([a], _pool):
+        bad = [{"episode_id": f"x-{i}", "inputs": {"obs": [[1.0]]}} for i in range(5)]
+        r = await a.client.post("/act", json={"steps": bad})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_rows"
+        broken = {b"__ndarray__": True, b"data": b"\0", b"dtype": "<f4", b"shape": [1 << 20]}
+        body = msgpack.packb({"steps": [{"episode_id": f"x-{i}", "inputs": {"obs": broken}}
+                                        for i in range(5)]})  # fmt: skip
+        with pytest.raises(wire.WireError):
+            wire.decode(body)  # what a decode would have said
+        r = await a.client.post("/act", content=body,
+                                headers={"content-type": "application/msgpack"})  # fmt: skip
+        assert r.status_code == 413 and r.json()["error"]["code"] == "too_many_rows"
+        at_limit = [{"episode_id": f"ok-{i}", "inputs": {"obs": obs(0)}} for i in range(4)]
+        assert all(r["seq"] == 1 for r in await rows(a, at_limit))
+
+
+async def test_a_row_whose_owner_cannot_be_reached_says_so_and_the_others_answer(
+    redis: Any,
+) -> None:
+    """The owner of some rows is gone (its connection refused), or its message of rows
+    breaks after it left: only those rows answer 503 ``owner_unreachable``; the others are
+    served, and a broken row's step is undone at its owner (its next step is not a gap)."""
+    cfgs = [config(n) for n in ("a", "b", "c")]
+    async with cluster(redis, cfgs) as (nodes, pool):
+        a = nodes[0]
+        spy = counting(nodes, pool)
+        episodes = [f"u-{i}" for i in range(9)]
+        first = await rows(a, [{"episode_id": e, "inputs": {"obs": obs(1)}, "seq": 1}
+                               for e in episodes])  # fmt: skip
+        where = {r["episode_id"]: r["node"] for r in first}
+        assert {"b", "c"} <= set(where.values()), where
+        pool.down.add("c.test")  # refused connections: never reached
+        spy.broken.add("b.test")  # breaks after it left: it may have run
+        got = await rows(a, [{"episode_id": e, "inputs": {"obs": obs(1)}, "seq": 2}
+                             for e in episodes])  # fmt: skip
+        for e, r in zip(episodes, got, strict=True):
+            if where[e] == "a":
+                assert r["seq"] == 2 and r["node"] == "a"
+            else:
+                assert r["error"]["status"] == 503, r
+                assert r["error"]["code"] == "owner_unreachable"
+                assert where[e] in r["error"]["message"]
+        pool.down.clear()
+        spy.broken.clear()
+        again = await rows(a, [{"episode_id": e, "inputs": {"obs": obs(1)}, "seq": 2}
+                               for e in episodes])  # fmt: skip
+        for e, r in zip(episodes, again, strict=True):
+            assert r["seq"] == 2 and r["node"] == where[e], r  # b's and c's: applied once
+
+
+async def test_seq_replays_a_whole_message_and_one_row(redis: Any) -> None:
+    """A message sent again (its reply was lost) gets every row's stored reply, no model
+    run; a message retrying one row's step beside others' next steps replays that row
+    alone."""
+    cfgs = [config("a"), config("b")]
+    async with cluster(redis, cfgs) as (nodes, _pool):
+        a = nodes[0]
+        episodes = [f"s-{i}" for i in range(6)]
+
+        def message(seqs: list[int], value: float) -> list[dict[str, Any]]:
+            return [{"episode_id": e, "inputs": {"obs": obs(value)}, "seq": s}
+                    for e, s in zip(episodes, seqs, strict=True)]  # fmt: skip
+
+        first = await rows(a, message([1] * 6, 1))
+        replay = await rows(a, message([1] * 6, 1))
+        for f, r in zip(first, replay, strict=True):
+            assert "error" not in r, r
+            assert r["replayed"] and r["seq"] == 1 and r["outputs"] == f["outputs"], r
+        retry = message([2, 2, 2, 1, 2, 2], 2)
+        retry[3]["inputs"] = {"obs": obs(1)}  # step 1 again, as it was sent
+        second = await rows(a, retry)
+        assert second[3]["replayed"] and second[3]["outputs"] == first[3]["outputs"]
+        assert all(not r["replayed"] and r["seq"] == 2 for i, r in enumerate(second) if i != 3)
+        third = await rows(a, message([3, 3, 3, 2, 3, 3], 2))  # the replayed row goes on
+        assert all(not r["replayed"] for r in third)
+        assert [r["seq"] for r in third] == [3, 3, 3, 2, 3, 3]
+
+
+async def test_a_message_of_rows_to_an_owner_needs_the_cluster_secret(redis: Any) -> None:
+    async with cluster(redis, [config("a", cluster_secret="s")]) as ([a], _pool):
+        transport = httpx.ASGITransport(app=a.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://a.test") as raw:
+            r = await raw.post(ROWS_PATH, content=wire.encode({"rows": [b"x"]}))
+            assert r.status_code == 403 and r.json()["error"]["code"] == "bad_secret"
