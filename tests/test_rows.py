@@ -230,3 +230,63 @@ async def test_a_message_of_rows_to_an_owner_needs_the_cluster_secret(redis: Any
         async with httpx.AsyncClient(transport=transport, base_url="http://a.test") as raw:
             r = await raw.post(ROWS_PATH, content=wire.encode({"rows": [b"x"]}))
             assert r.status_code == 403 and r.json()["error"]["code"] == "bad_secret"
+
+
+async def test_the_async_client_steps_many_episodes_numpy_in_numpy_out(redis: Any) -> None:
+    from affinity.client import AsyncClient, StepReply
+
+    async with cluster(redis, [config("a"), config("b")]) as ([a, _b], _pool):
+        transport = httpx.ASGITransport(app=a.app)
+        async with AsyncClient("http://a.test", transport=transport) as client:
+            ids = [f"c-{i}" for i in range(6)]
+            stacked = np.stack([np.full((1, 8), i, np.float32) for i in range(6)])
+            first = await client.step_many(ids, {"obs": stacked})
+            assert first.ok and [r.seq for r in first.replies] == [1] * 6  # type: ignore[union-attr]
+            actions = first.stacked("actions")
+            assert actions.shape[0] == 6
+            solo = await client.act("solo", {"obs": stacked[4]})
+            assert np.allclose(actions[4], solo.outputs["actions"])
+            second = await client.step_many(ids, {"obs": stacked})
+            assert all(isinstance(r, StepReply) and r.seq == 2 for r in second.replies)
+            with pytest.raises(ValueError, match="distinct"):
+                await client.step_many(["x", "x"], {"obs": stacked[:2]})
+
+
+def test_the_client_sends_a_row_answered_503_again_with_its_seq() -> None:
+    """A row that answers 503 goes again, alone, with the same ``seq`` (so a step that
+    did run is replayed, never applied twice); the rows served keep their replies."""
+    from affinity.client import Client, ServiceUnavailable
+
+    bodies: list[Any] = []
+
+    def reply(row: dict[str, Any], seq: int) -> dict[str, Any]:
+        return {"outputs": {"actions": [[float(seq)]]}, "episode_id": row["episode_id"],
+                "device": "a/0", "node": "a", "token": 7, "routing": "hit",
+                "state_reset": False, "degraded": False, "seq": seq}  # fmt: skip
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        doc = wire.decode(request.content)
+        bodies.append(doc)
+        out = []
+        for row in doc["steps"]:
+            if row["episode_id"] == "e-1" and len(bodies) == 1:
+                out.append({"error": {"status": 503, "code": "owner_unreachable",
+                                      "message": "gone", "retry_after": 1}})  # fmt: skip
+            else:
+                out.append(reply(row, row["seq"]))
+        return httpx.Response(200, content=wire.encode({"steps": out}),
+                              headers={"content-type": "application/msgpack"})  # fmt: skip
+
+    with Client("http://a.test", transport=httpx.MockTransport(handler)) as client:
+        client._routes.retry_budget_s = 5.0
+        rows = client.step_many(["e-0", "e-1", "e-2"], {"obs": np.zeros((3, 1, 8), np.float32)})
+        assert rows.ok and rows.stacked("actions").shape == (3, 1, 1)
+        assert [r["episode_id"] for r in bodies[1]["steps"]] == ["e-1"]
+        assert bodies[1]["steps"][0]["seq"] == bodies[0]["steps"][1]["seq"] == 1
+        client._routes.retries = 0
+        bodies.clear()
+        again = client.step_many(["e-0", "e-1"], {"obs": np.zeros((2, 1, 8), np.float32)})
+        assert [r["seq"] for r in bodies[0]["steps"]] == [2, 2]
+        assert isinstance(again.replies[1], ServiceUnavailable)  # no retries left
+        with pytest.raises(ServiceUnavailable):
+            again.stacked("actions")
