@@ -5,6 +5,7 @@ before any decoding, and ``seq`` replays of a whole message and of one row."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any
 
@@ -290,3 +291,67 @@ def test_the_client_sends_a_row_answered_503_again_with_its_seq() -> None:
         assert isinstance(again.replies[1], ServiceUnavailable)  # no retries left
         with pytest.raises(ServiceUnavailable):
             again.stacked("actions")
+
+
+def triton_rows(obs: np.ndarray, **parameters: Any) -> tuple[bytes, dict[str, str]]:
+    """The body ``tritonclient.http`` (unmodified) sends for a request of rows: the
+    stacked input and the rows in custom parameters."""
+    import tritonclient.http as th
+
+    tensor = th.InferInput("obs", list(obs.shape), "FP32").set_data_from_numpy(obs)
+    params = {k: v if isinstance(v, str | bool | int) else json.dumps(v)
+              for k, v in parameters.items()}  # fmt: skip
+    body, size = th.InferenceServerClient.generate_request_body([tensor], parameters=params)
+    return body, {} if size is None else {"Inference-Header-Content-Length": str(size)}
+
+
+def parsed(r: httpx.Response) -> Any:
+    """What ``tritonclient.http`` makes of a reply."""
+    import tritonclient.http as th
+
+    length = r.headers.get("inference-header-content-length")
+    return th.InferenceServerClient.parse_response_body(
+        r.content, header_length=None if length is None else int(length)
+    )
+
+
+async def test_kserve_http_rows_from_the_unmodified_tritonclient(redis: Any) -> None:
+    """``episode_ids`` with a leading row axis: the outputs come back stacked along it (a
+    failed row's zeros), each row's facts or error in the ``rows`` parameter; the rows
+    keep their sequences, ``seqs`` replays one row; duplicates and ``--max-rows`` are
+    refused before the tensors are decoded."""
+    infer = "/v2/models/demo_policy/infer"
+    async with cluster(redis, [config("a", max_rows=8), config("b", max_rows=8)]) as (
+        [a, _b],
+        _pool,
+    ):
+        obs = np.stack([np.full((8,), i, np.float32) for i in range(5)])  # [rows, 8]
+        ids = [11, 12, "thirteen", 14, 15]
+        body, headers = triton_rows(obs, episode_ids=ids, sequence_starts=[True] * 5,
+                                    seqs=[1] * 5)  # fmt: skip
+        r = await a.client.post(infer, content=body, headers=headers)
+        assert r.status_code == 200, r.text
+        result = parsed(r)
+        actions = result.as_numpy("actions")
+        assert actions.shape[0] == 5
+        rows = json.loads(result.get_response()["parameters"]["rows"])
+        assert [row["episode_id"] for row in rows] == [
+            "kserve:i:11", "kserve:i:12", "kserve:s:thirteen", "kserve:i:14", "kserve:i:15",
+        ]  # fmt: skip
+        assert {row["node"] for row in rows} == {"a", "b"}
+        one = await a.act(episode_id="ref", inputs={"obs": obs[2:3].tolist()})
+        assert np.allclose(actions[2], one.json()["outputs"]["actions"][0])
+        # row 1 retries step 1 (same inputs), the others go on; row 3 sends a bad seq
+        body, headers = triton_rows(obs, episode_ids=ids, seqs=[2, 1, 2, 9, 2])
+        r = await a.client.post(infer, content=body, headers=headers)
+        rows = json.loads(parsed(r).get_response()["parameters"]["rows"])
+        assert rows[1]["replayed"] and rows[1]["seq"] == 1
+        assert [rows[i]["seq"] for i in (0, 2, 4)] == [2, 2, 2]
+        assert rows[3]["error"]["status"] == 409 and rows[3]["error"]["code"] == "seq_conflict"
+        body, headers = triton_rows(obs, episode_ids=[1, 2, 1, 3, 4])
+        r = await a.client.post(infer, content=body, headers=headers)
+        assert r.status_code == 400 and "two rows" in r.json()["error"]
+        big = np.zeros((9, 8), np.float32)
+        body, headers = triton_rows(big, episode_ids=list(range(1, 10)))
+        r = await a.client.post(infer, content=body, headers=headers)
+        assert r.status_code == 413 and "too_many_rows" in r.json()["error"]
