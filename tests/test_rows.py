@@ -355,3 +355,60 @@ async def test_kserve_http_rows_from_the_unmodified_tritonclient(redis: Any) -> 
         body, headers = triton_rows(big, episode_ids=list(range(1, 10)))
         r = await a.client.post(infer, content=body, headers=headers)
         assert r.status_code == 413 and "too_many_rows" in r.json()["error"]
+
+
+class _Context:
+    """What the gRPC front door asks of a call's context."""
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def cancelled(self) -> bool:
+        return False
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5555"
+
+
+async def test_kserve_grpc_rows_as_the_unmodified_tritonclient_sends_them(redis: Any) -> None:
+    """The ``ModelInferRequest`` ``tritonclient.grpc`` builds with ``episode_ids`` in its
+    custom parameters, through the gRPC front door: outputs stacked, ``rows`` says each
+    row's facts or its own error."""
+    import io
+
+    import tritonclient.grpc as tg
+    from tritonclient.grpc._utils import _get_inference_request
+
+    from node.accesslog import AccessLog
+    from node.protocols.kserve.grpc import GrpcFrontDoor
+    from node.protocols.kserve.pb import kserve_pb2 as pb
+
+    async with cluster(redis, [config("a"), config("b")]) as ([a, _b], _pool):
+        door = GrpcFrontDoor(a.service, AccessLog(stream=io.StringIO()))
+        obs = np.stack([np.full((8,), i, np.float32) for i in range(4)])
+
+        def msg(**parameters: Any) -> Any:
+            tensor = tg.InferInput("obs", list(obs.shape), "FP32").set_data_from_numpy(obs)
+            params = {k: json.dumps(v) for k, v in parameters.items()}
+            built = _get_inference_request(door.model_name, [tensor], "", "", None, 0, False,
+                                           False, 0, None, params)  # fmt: skip
+            return pb.ModelInferRequest.FromString(built.SerializeToString())
+
+        got = await door.infer(msg(episode_ids=["r0", "r1", "r2", "r3"], seqs=[1, 1, 1, 1],
+                                   sequence_starts=[True] * 4),
+                               _Context(), "ModelInfer")  # fmt: skip
+        rows = json.loads(got.parameters["rows"].string_param)
+        assert all("error" not in r for r in rows), rows
+        assert [r["seq"] for r in rows] == [1, 1, 1, 1] and {r["node"] for r in rows} == {"a", "b"}
+        actions = np.frombuffer(got.raw_output_contents[0], np.float32).reshape(
+            list(got.outputs[0].shape)
+        )
+        assert actions.shape[0] == 4
+        solo = await a.act(episode_id="ref", inputs={"obs": obs[3:4].tolist()})
+        assert np.allclose(actions[3], solo.json()["outputs"]["actions"][0])
+        got = await door.infer(msg(episode_ids=["r0", "r1", "r2", "r3"], seqs=[2, 7, 1, 2]),
+                               _Context(), "ModelInfer")  # fmt: skip
+        rows = json.loads(got.parameters["rows"].string_param)
+        assert rows[0]["seq"] == 2 and rows[3]["seq"] == 2
+        assert rows[1]["error"]["code"] == "seq_conflict"
+        assert rows[2]["replayed"] and rows[2]["seq"] == 1
