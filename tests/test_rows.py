@@ -412,3 +412,62 @@ async def test_kserve_grpc_rows_as_the_unmodified_tritonclient_sends_them(redis:
         assert rows[0]["seq"] == 2 and rows[3]["seq"] == 2
         assert rows[1]["error"]["code"] == "seq_conflict"
         assert rows[2]["replayed"] and rows[2]["seq"] == 1
+
+
+async def openpi_frames(node: InProcNode, frames: list[bytes], answers: int) -> list[Any]:
+    """Frames sent over one in-process openpi connection (no ``?episode_id=``): the
+    node's answers (after the metadata), text or decoded bytes, until ``answers`` came or
+    it closed."""
+    import asyncio
+    import io
+
+    from node.accesslog import AccessLog
+    from node.protocols import openpi
+
+    incoming: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    incoming.put_nowait({"type": "websocket.connect"})
+    for frame in frames:
+        incoming.put_nowait({"type": "websocket.receive", "bytes": frame})
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if message["type"] in ("websocket.send", "websocket.close") and len(sent) == answers + 2:
+            incoming.put_nowait({"type": "websocket.disconnect", "code": 1000})
+
+    scope = {"type": "websocket", "path": "/", "query_string": b"", "headers": [],
+             "client": ("127.0.0.1", 1)}  # fmt: skip
+    access = AccessLog(stream=io.StringIO())
+    await asyncio.wait_for(openpi.handle(node.service, scope, incoming.get, send, access), 30)
+    out: list[Any] = []
+    for m in sent[2:]:
+        if m["type"] == "websocket.send":
+            out.append(wire.decode(m["bytes"]) if m.get("bytes") is not None else m["text"])
+    return out
+
+
+async def test_openpi_rows_in_one_observation_from_the_openpi_client_wire(redis: Any) -> None:
+    """An observation (packed by ``openpi-client``'s own ``msgpack_numpy``) with
+    ``episode_ids`` and a leading environment axis: ``actions`` stacked ``[K, H, D]``,
+    ``rows`` each environment's facts or error; a bad row does not close the connection;
+    duplicate ids do (the frame's error)."""
+    from openpi_client import msgpack_numpy
+
+    async with cluster(redis, [config("a"), config("b")]) as ([a, _b], _pool):
+        envs = np.stack([np.full(8, i, np.float64) for i in range(4)])
+        ids = ["env-0", "env-1", "env-2", "env-3"]
+        first = msgpack_numpy.packb({"obs": envs, "episode_ids": ids, "seq": [1, 1, 1, 1]})
+        second = msgpack_numpy.packb({"obs": envs, "episode_ids": ids, "seq": [2, 2, 1, 9]})
+        dup = msgpack_numpy.packb({"obs": envs, "episode_ids": ["x", "y", "x", "z"]})
+        got = await openpi_frames(a, [first, second, dup], 3)
+        one, two, refused = got
+        assert [r["seq"] for r in one["rows"]] == [1, 1, 1, 1]
+        assert {r["node"] for r in one["rows"]} == {"a", "b"}
+        assert one["actions"].shape[0] == 4
+        ref = await a.act(episode_id="ref", inputs={"obs": envs[1:2].tolist()})
+        assert np.allclose(one["actions"][1], ref.json()["outputs"]["actions"][0])
+        assert [r.get("seq") for r in two["rows"][:3]] == [2, 2, 1]
+        assert two["rows"][2]["replayed"] and np.allclose(two["actions"][2], one["actions"][2])
+        assert two["rows"][3]["error"]["code"] == "seq_conflict"
+        assert not two["actions"][3].any()  # a failed row's zeros
+        assert isinstance(refused, str) and "duplicate_episode" in refused

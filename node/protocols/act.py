@@ -56,7 +56,7 @@ from node.service import NodeService
 from node.step import Reply, Step
 from node.timing import TIMING_HEADER, asks_timing
 
-__all__ = ["MSGPACK", "decode", "decode_rows", "encode", "encode_row", "handle"]
+__all__ = ["MSGPACK", "count_rows", "decode", "decode_rows", "encode", "encode_row", "handle"]
 
 log = logging.getLogger("affinity.node")
 
@@ -80,7 +80,7 @@ def _parse(body: bytes, binary: bool, max_rows: int) -> Any:
     in msgpack before anything of it is decoded, in JSON right after the parse (one call),
     before any row's inputs become arrays."""
     if binary:
-        count = _msgpack_rows(body)
+        count = count_rows(body)
         if count is not None and count > max_rows:
             raise _too_many(count, max_rows)
     try:
@@ -102,14 +102,14 @@ def _too_many(count: int, max_rows: int) -> Refused:
                    "(--max-rows)")  # fmt: skip
 
 
-def _msgpack_rows(body: bytes) -> int | None:
-    """How many rows a msgpack body's ``steps`` declares, read from the headers alone
-    (None: no ``steps``, or not a map: the full decode says what is wrong)."""
+def count_rows(body: bytes, key: str = "steps") -> int | None:
+    """How many rows a msgpack map's list ``key`` declares, read from the headers alone
+    (None: no ``key``, or not a map: the full decode says what is wrong)."""
     unpacker = msgpack.Unpacker(max_buffer_size=len(body) + 1)
     unpacker.feed(body)
     try:
         for _ in range(unpacker.read_map_header()):
-            if unpacker.unpack() == "steps":
+            if unpacker.unpack() == key:
                 return int(unpacker.read_array_header())
             unpacker.skip()
     except (ValueError, TypeError, msgpack.UnpackException, RecursionError):
