@@ -22,6 +22,12 @@ msgpack when ``Accept`` asks for ``application/msgpack``. The same facts are in
 ``X-Affinity-*`` headers. ``X-Affinity-URL`` is the owner's address, where the episode's
 next steps can go directly.
 A client that closes its connection before the reply is sent gets its step undone.
+
+Many episodes in one message (issue 44): ``{"steps": [body, ...]}``, each row a one-row
+body, at most ``--max-rows`` (413 ``too_many_rows``, counted before any row is decoded);
+an episode in two rows is 400 ``duplicate_episode``. The reply is ``{"steps": [...]}`` in
+order, each row a one-row reply's body or ``{"error": {"status", "code", "message",
+"field"?, "retry_after"?}}`` (routing: ``node.router.Router.act_rows``).
 """
 
 from __future__ import annotations
