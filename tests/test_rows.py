@@ -74,6 +74,8 @@ async def test_rows_over_several_owners_go_one_message_per_owner(redis: Any) -> 
         owners = {r["node"] for r in first}
         assert len(owners) >= 2, owners  # round-robin spreads them over the fleet
         remote = owners - {"a"}
+        # new rows too: claimed (concurrently), then one message to each other owner
+        assert spy.sent[ROWS_PATH] == len(remote) and spy.sent[INTERNAL_PATH] == 0, spy.sent
         spy.sent.clear()
         second = await rows(a, [{"episode_id": e, "inputs": {"obs": obs(i)}, "seq": 2}
                                 for i, e in enumerate(episodes)])  # fmt: skip
@@ -471,3 +473,27 @@ async def test_openpi_rows_in_one_observation_from_the_openpi_client_wire(redis:
         assert two["rows"][3]["error"]["code"] == "seq_conflict"
         assert not two["actions"][3].any()  # a failed row's zeros
         assert isinstance(refused, str) and "duplicate_episode" in refused
+
+
+async def test_rows_on_one_device_share_model_runs(redis: Any) -> None:
+    """The rows of one message on one device join its batches: fewer model runs than
+    rows (``affinity_batch_size``: its sum is the steps, its count the runs)."""
+    import re
+
+    async def runs(node: InProcNode) -> tuple[float, float]:
+        text = (await node.client.get("/metrics")).text
+        count = re.search(r'^affinity_batch_size_count\{device="a/0"\} (\S+)', text, re.M)
+        total = re.search(r'^affinity_batch_size_sum\{device="a/0"\} (\S+)', text, re.M)
+        return (0.0, 0.0) if count is None or total is None else (
+            float(count.group(1)), float(total.group(1)))  # fmt: skip
+
+    # a model run that costs (no inline runs), a window that a busy machine cannot outrun
+    cfg = config("a", devices="cpu:1", max_batch=8, inline_under_us=0.0, batch_delay_us=50_000)
+    async with cluster(redis, [cfg]) as ([a], _pool):
+        steps = [{"episode_id": f"b-{i}", "inputs": {"obs": obs(i)}} for i in range(8)]
+        await rows(a, steps)
+        before = await runs(a)
+        await rows(a, steps)
+        after = await runs(a)
+        ran, steps = after[0] - before[0], after[1] - before[1]
+        assert steps == 8 and ran < steps, (ran, steps)
