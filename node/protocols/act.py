@@ -36,7 +36,6 @@ import logging
 import time
 from typing import Any
 
-import msgpack
 import numpy as np
 import orjson
 
@@ -83,8 +82,8 @@ def _is_msgpack(content_type: str | None) -> bool:
 
 def _parse(body: bytes, binary: bool, max_rows: int) -> Any:
     """The body's document; a message of rows past ``max_rows`` is refused (413) first:
-    in msgpack before anything of it is decoded, in JSON right after the parse (one call),
-    before any row's inputs become arrays."""
+    in msgpack before anything of it is decoded (from the list's header), in JSON right
+    after the parse (one call), before any row's inputs become arrays."""
     if binary:
         count = count_rows(body)
         if count is not None and count > max_rows:
@@ -108,19 +107,24 @@ def _too_many(count: int, max_rows: int) -> Refused:
                    "(--max-rows)")  # fmt: skip
 
 
-def count_rows(body: bytes, key: str = "steps") -> int | None:
-    """How many rows a msgpack map's list ``key`` declares, read from the headers alone
-    (None: no ``key``, or not a map: the full decode says what is wrong)."""
-    unpacker = msgpack.Unpacker(max_buffer_size=len(body) + 1)
-    unpacker.feed(body)
-    try:
-        for _ in range(unpacker.read_map_header()):
-            if unpacker.unpack() == key:
-                return int(unpacker.read_array_header())
-            unpacker.skip()
-    except (ValueError, TypeError, msgpack.UnpackException, RecursionError):
+def count_rows(body: bytes) -> int | None:
+    """How many rows a msgpack body ``{"steps": [...]}`` declares, read from its first
+    bytes alone: a map of one key, ``steps``, then the list's header (None: another body,
+    which a one-row step's is; the full decode says what is wrong with it)."""
+    if not body.startswith(_STEPS_HEAD):
         return None
-    return None
+    at = len(_STEPS_HEAD)
+    kind = body[at : at + 1]
+    if kind and 0x90 <= kind[0] <= 0x9F:  # fixarray
+        return kind[0] & 0x0F
+    width = {b"\xdc": 2, b"\xdd": 4}.get(kind)
+    if width is None or len(body) < at + 1 + width:
+        return None
+    return int.from_bytes(body[at + 1 : at + 1 + width], "big")
+
+
+_STEPS_HEAD = b"\x81\xa5steps"
+"""msgpack of a map of one entry whose key is ``"steps"``: what a body of rows starts with."""
 
 
 async def decode(

@@ -36,7 +36,8 @@ one prompt) is every row's. ``seq`` may be a list of K step numbers. The reply h
 output stacked along that axis (``actions`` ``[K, H, D]``; zeros in a failed row) and
 ``rows``: a list of each row's facts, or ``{"error": {"status", "code", "message"}}``. A
 row's error never closes the connection; an id in two rows, or more rows than
-``--max-rows`` (counted before the frame is decoded), is the frame's error.
+``--max-rows`` (counted once the frame is parsed, its arrays still views of it, before any
+row is), is the frame's error.
 
 A reply whose send fails (the link dropped) has its step undone. So has a step whose
 connection closes while it runs (the robot gave up on it and reconnects to retry). The
@@ -74,7 +75,6 @@ from node.asgi import Receive, Scope, Send, cancel_when_gone, error_body, header
 from node.contract import PolicyContract
 from node.errors import ClientGone, InvalidInput, Outcome, Refused, Unavailable, outcome
 from node.inputs import outputs_unbatched
-from node.protocols.act import count_rows
 from node.rtc import control_rate
 from node.service import NodeService
 from node.step import Reply, Step
@@ -260,13 +260,13 @@ def _observation(message: Mapping[str, Any], max_rows: int) -> dict[Any, Any]:
         raise InvalidInput(
             "", "observations are binary msgpack frames, got text", root="observation"
         )
-    count = count_rows(data, "episode_ids")
-    if count is not None and count > max_rows:
-        raise Refused(413, "too_many_rows", f"{count} rows in one observation; the limit is "
-                      f"{max_rows} (--max-rows)")  # fmt: skip
-    observation = wire.decode(data)
+    observation = wire.decode(data)  # arrays are views of the frame: nothing allocated
     if not isinstance(observation, dict):
         raise InvalidInput("", "must be a msgpack map", root="observation")
+    ids = observation.get("episode_ids")
+    if isinstance(ids, list | np.ndarray) and len(ids) > max_rows:
+        raise Refused(413, "too_many_rows", f"{len(ids)} rows in one observation; the limit "
+                      f"is {max_rows} (--max-rows)")  # fmt: skip
     return observation
 
 
