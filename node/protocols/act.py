@@ -343,7 +343,9 @@ async def _handle_rows(
             at.append(i)
         else:
             results[i] = row
-            service.metrics.rejected.labels("bad_input").inc()
+            reason = outcome(row).reject_reason
+            if reason is not None:
+                service.metrics.rejected.labels(reason).inc()
     served: list[Reply | Exception | None] = [None] * len(steps)
     scope[STEP_KEY] = (f"{len(rows)} rows", "-", "-")
     try:
