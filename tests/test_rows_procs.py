@@ -70,3 +70,39 @@ def test_a_paused_then_killed_owner_fails_only_its_rows(tmp_path: Path) -> None:
             assert "error" not in r, r
             if where[e] == "p2":
                 assert r["node"] != "p2" and r["state_reset"], r
+
+
+def test_the_unmodified_triton_clients_send_rows_over_the_wire(tmp_path: Path) -> None:
+    """``tritonclient.http`` and ``tritonclient.grpc`` (unmodified) against a real node:
+    four robots in one request (``episode_ids`` in ``parameters``), the actions stacked
+    along the row axis, each row's facts in ``rows``."""
+    import json
+
+    import numpy as np
+    import tritonclient.grpc as tg
+    import tritonclient.http as th
+
+    from tests.procs import free_port
+
+    redis = RedisServer(tmp_path)
+    port = free_port()
+    node = Node(tmp_path, "t0", redis.url, devices="cpu:1", extra=["--grpc-port", str(port)])
+    with running(redis, [node]):
+        obs = np.stack([np.full(8, i, np.float32) for i in range(4)])
+        ids = ["t-0", "t-1", "t-2", "t-3"]
+        http = th.InferenceServerClient(node.url[len("http://") :])
+        tensor = th.InferInput("obs", [4, 8], "FP32").set_data_from_numpy(obs)
+        params = {"episode_ids": json.dumps(ids), "sequence_starts": json.dumps([True] * 4)}
+        result = http.infer("demo_policy", [tensor], parameters=params)
+        actions = result.as_numpy("actions")
+        rows = json.loads(result.get_response()["parameters"]["rows"])
+        assert actions.shape[0] == 4 and [r["seq"] for r in rows] == [1, 1, 1, 1], rows
+        grpc = tg.InferenceServerClient(f"127.0.0.1:{port}")
+        tensor = tg.InferInput("obs", [4, 8], "FP32").set_data_from_numpy(obs)
+        result = grpc.infer("demo_policy", [tensor], parameters={"episode_ids": json.dumps(ids)})
+        rows = json.loads(result.get_response().parameters["rows"].string_param)
+        assert [r["seq"] for r in rows] == [2, 2, 2, 2], rows
+        assert [r["routing"] for r in rows] == ["hit"] * 4
+        assert result.as_numpy("actions").shape == actions.shape
+        grpc.close()
+        http.close()
