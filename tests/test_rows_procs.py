@@ -72,10 +72,12 @@ def test_a_paused_then_killed_owner_fails_only_its_rows(tmp_path: Path) -> None:
                 assert r["node"] != "p2" and r["state_reset"], r
 
 
-def test_the_unmodified_triton_clients_send_rows_over_the_wire(tmp_path: Path) -> None:
-    """``tritonclient.http`` and ``tritonclient.grpc`` (unmodified) against a real node:
-    four robots in one request (``episode_ids`` in ``parameters``), the actions stacked
-    along the row axis, each row's facts in ``rows``."""
+@pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager")
+def test_the_unmodified_clients_send_rows_over_the_wire(tmp_path: Path) -> None:
+    """``tritonclient.http``, ``tritonclient.grpc`` and ``openpi-client`` (unmodified)
+    against a real node: four robots in one request (``episode_ids`` in ``parameters``, or
+    in the observation), the actions stacked along the row axis, each row's facts in
+    ``rows``."""
     import json
 
     import numpy as np
@@ -106,3 +108,11 @@ def test_the_unmodified_triton_clients_send_rows_over_the_wire(tmp_path: Path) -
         assert result.as_numpy("actions").shape == actions.shape
         grpc.close()
         http.close()
+        from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+        policy = WebsocketClientPolicy(host=node.host, port=node.port)
+        reply = policy.infer({"obs": obs.astype(np.float64), "episode_ids": ids})
+        # openpi's episode ids are the ids themselves (KServe's are kserve:s:<id>)
+        assert [r["episode_id"] for r in reply["rows"]] == ids
+        assert [r["seq"] for r in reply["rows"]] == [1, 1, 1, 1], reply["rows"]
+        assert reply["actions"].shape[0] == 4
