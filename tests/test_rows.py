@@ -497,3 +497,18 @@ async def test_rows_on_one_device_share_model_runs(redis: Any) -> None:
         after = await runs(a)
         ran, steps = after[0] - before[0], after[1] - before[1]
         assert steps == 8 and ran < steps, (ran, steps)
+
+
+async def test_each_row_keeps_its_action_chunk(redis: Any) -> None:
+    """Action-chunk execution per row (``execute_steps``), wherever its owner is: the
+    first step runs the model, the next comes from that row's own buffer."""
+    async with cluster(redis, [config("a"), config("b")]) as ([a, _b], _pool):
+        steps = [{"episode_id": f"k-{i}", "inputs": {"obs": obs(i)}, "execute_steps": 2}
+                 for i in range(6)]  # fmt: skip
+        first = await rows(a, steps)
+        second = await rows(a, steps)
+        assert {r["node"] for r in first} == {"a", "b"}
+        assert [r["source"] for r in first] == ["model"] * 6
+        assert [r["source"] for r in second] == ["buffer"] * 6
+        for one, two in zip(first, second, strict=True):  # the chunk's next action
+            assert one["outputs"] != two["outputs"] and one["token"] == two["token"]
