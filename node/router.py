@@ -403,7 +403,9 @@ class Router:
 
     # ---- many episodes' steps in one message (issue 44) ---------------------------------
 
-    async def act_rows(self, steps: list[Step], results: list[Reply | Exception | None]) -> None:
+    async def act_rows(
+        self, steps: list[Step], results: list[Reply | Exception | None], *, patient: bool = False
+    ) -> None:
         """Route and serve the rows of one message, each row as :meth:`act` serves a step
         (its claim, stickiness, ``seq``, hand-over waits); ``results[i]`` becomes row i's
         reply, or the exception that is its error, as each row finishes (a caller cut off
@@ -413,7 +415,8 @@ class Router:
         Redis: the rows' questions go concurrently), grouped by owner, and each owner gets
         one message with its rows (:data:`~node.forward.ROWS_PATH`). A row its owner does
         not hold (any more), or an owner the message never reached, goes the one-row way
-        alone (:meth:`act`: Redis is asked again)."""
+        alone (:meth:`act`: Redis is asked again). ``patient``: as :meth:`act`'s, for each
+        row (a row of a message whose owner answered a transient 503 goes alone again)."""
         started = time.monotonic()
         groups: dict[str, list[tuple[int, Assignment]]] = {}
         alone: list[int] = []
@@ -453,6 +456,9 @@ class Router:
                     else:
                         groups.setdefault(got.url, []).append((i, got))
                 elif isinstance(got, Exception):
+                    if patient and _transient(got):
+                        alone.append(i)  # retried the one-row way, within its deadline
+                        continue
                     self._count_failure(got)
                     results[i] = got
                 else:
@@ -460,12 +466,14 @@ class Router:
 
         async def one(i: int) -> None:
             try:
-                results[i] = await self.act(steps[i], resolved=resolved.get(i))
+                results[i] = await self.act(steps[i], patient=patient, resolved=resolved.get(i))
             except Exception as exc:  # the row's error, rendered by its door
                 results[i] = exc
 
         async def group(rows: list[tuple[int, Assignment]]) -> None:
             again = await self._forward_rows(rows, steps, results, started)
+            if patient:  # transient failures are retried the one-row way, within the deadline
+                again += [i for i, _ in rows if _transient(results[i])]
             await asyncio.gather(*(one(i) for i in again))
 
         await asyncio.gather(*(one(i) for i in alone), *(group(g) for g in groups.values()))
@@ -745,3 +753,7 @@ def _refused_by(
             wait = 1.0
         return Unavailable(code, text, wait)
     return Refused(status, code, text)
+
+
+def _transient(result: Reply | Exception | None) -> bool:
+    return isinstance(result, Unavailable) and result.reason in TRANSIENT

@@ -512,3 +512,33 @@ async def test_each_row_keeps_its_action_chunk(redis: Any) -> None:
         assert [r["source"] for r in second] == ["buffer"] * 6
         for one, two in zip(first, second, strict=True):  # the chunk's next action
             assert one["outputs"] != two["outputs"] and one["token"] == two["token"]
+
+
+async def test_openpi_rows_wait_out_a_transient_owner_as_one_row_steps_do(redis: Any) -> None:
+    """openpi clients cannot retry: a row whose owner cannot be reached for a moment is
+    retried inside the node within the deadline (as a one-row openpi step is), and the
+    frame answers every row."""
+    import asyncio
+
+    from openpi_client import msgpack_numpy
+
+    cfgs = [config("a", act_deadline_s=10.0), config("b", act_deadline_s=10.0)]
+    async with cluster(redis, cfgs) as ([a, _b], pool):
+        envs = np.stack([np.full(8, i, np.float64) for i in range(6)])
+        ids = [f"w-{i}" for i in range(6)]
+        first = (
+            await openpi_frames(a, [msgpack_numpy.packb({"obs": envs, "episode_ids": ids})], 1)
+        )[0]
+        assert "b" in {r["node"] for r in first["rows"]}
+        pool.down.add("b.test")
+
+        async def back() -> None:
+            await asyncio.sleep(0.3)
+            pool.down.clear()
+
+        healing = asyncio.create_task(back())
+        frame = msgpack_numpy.packb({"obs": envs, "episode_ids": ids})
+        got = (await openpi_frames(a, [frame], 1))[0]
+        await healing
+        assert all("error" not in r for r in got["rows"]), got["rows"]
+        assert [r["node"] for r in got["rows"]] == [r["node"] for r in first["rows"]]

@@ -322,7 +322,7 @@ async def _serve_rows(
 ) -> None:
     steps = [r for r in rows if isinstance(r, Step)]
     served.extend([None] * len(steps))
-    await service.router.act_rows(steps, served)
+    await service.router.act_rows(steps, served, patient=True)  # as one-row openpi steps
 
 
 def _rows_reply(
