@@ -19,7 +19,7 @@ import asyncio
 import functools
 import itertools
 import time
-from collections.abc import Collection, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypedDict, TypeVar, Unpack
 from urllib.parse import urlsplit
@@ -43,6 +43,8 @@ __all__ = [
     "Step",
     "StepOptions",
     "StepReply",
+    "StepRows",
+    "drive",
 ]
 
 
@@ -121,6 +123,28 @@ class StepReply:
 
 Step = StepReply
 """The former name of :class:`StepReply`, kept for one release."""
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """The rows of one :meth:`Client.step_many`, in order: each a :class:`StepReply`, or
+    the :class:`ClientError` that row ended with (a 4xx at once, a 503 once the retry
+    budget ran out); the other rows were served."""
+
+    replies: list[StepReply | ClientError]
+
+    @property
+    def ok(self) -> bool:
+        return all(isinstance(r, StepReply) for r in self.replies)
+
+    def stacked(self, name: str) -> np.ndarray[Any, Any]:
+        """Output ``name`` of every row along a new leading axis (K rows); raises the
+        first failed row's error."""
+        for r in self.replies:
+            if not isinstance(r, StepReply):
+                raise r
+        return np.stack([r.outputs[name] for r in self.replies])  # type: ignore[union-attr]
+
 
 _BACKOFF_S = (0.1, 0.2, 0.4, 0.8, 1.0)
 """The waits before another round once every node failed to answer (then 1 s each)."""
@@ -263,9 +287,105 @@ class _StickyRoutes:
                 return url, False
         return next(self._next), False
 
+    def rows(
+        self,
+        episodes: Sequence[str],
+        inputs: Mapping[str, Any],
+        options: StepOptions,
+    ) -> Generator[_Action, _Result, StepRows]:
+        """The attempts of one message of rows (:meth:`attempts` for K episodes): row i's
+        inputs are ``inputs[name][i]``. Every row names its ``seq``, so rows answered 503
+        (or a message that broke) are sent again, alone, within ``retry_budget_s``."""
+        unknown = options.keys() - _OPTIONS
+        if unknown:
+            raise TypeError(f"step_many() got unexpected keyword arguments: {sorted(unknown)}")
+        k = len(episodes)
+        if len(set(episodes)) != k:
+            raise ValueError("step_many() needs distinct episode ids (one row each)")
+        arrays = {name: np.asarray(v) for name, v in inputs.items()}
+        for name, a in arrays.items():
+            if a.ndim == 0 or a.shape[0] != k:
+                raise ValueError(
+                    f"input {name!r} has shape {a.shape}: its leading axis is the {k} rows"
+                )
+        end = options.get("end", False)
+        results: list[StepReply | ClientError | None] = [None] * k
+        pending = list(range(k))
+        deadline = time.monotonic() + self.retry_budget_s
+        failed: set[str] = set()
+        rounds = 0
+        for attempt in itertools.count():
+            if not pending or (self.retries is not None and attempt > self.retries):
+                break
+            bodies = [
+                self.body(
+                    episodes[i], {n: a[i] for n, a in arrays.items()}, **{"end": end, **options}
+                )
+                for i in pending
+            ]
+            url, _ = self.target(None, True, failed)
+            result = yield url, {"steps": bodies}
+            wait = 0.0
+            if isinstance(result, Exception):  # the seqs make sending them again safe
+                failed.add(url)
+                for i in pending:
+                    results[i] = ServiceUnavailable("unreachable", f"{url}: {result}")
+                if failed.issuperset(self.nodes):
+                    wait = _BACKOFF_S[min(rounds, len(_BACKOFF_S) - 1)]
+                    rounds += 1
+                    failed.clear()
+            else:
+                assert isinstance(result, httpx.Response)
+                if result.status_code != 200:
+                    error = self.failed(result)
+                    if result.status_code != 503:
+                        raise error  # the message itself (duplicate ids, too many rows)
+                    for i in pending:
+                        results[i] = error
+                    wait = self.retry_after(result)
+                else:
+                    again = []
+                    for i, row in zip(pending, _decode(result)["steps"], strict=True):
+                        results[i] = self._row(episodes[i], row, end)
+                        if isinstance(results[i], ServiceUnavailable):
+                            again.append(i)
+                            wait = max(
+                                wait, min(max(float(row["error"].get("retry_after", 1)), 0.1), 30.0)
+                            )
+                    pending = again
+            if not pending or time.monotonic() + wait >= deadline:
+                break
+            if wait:
+                yield wait
+        return StepRows(
+            [r if r is not None else ServiceUnavailable("unreachable", "") for r in results]
+        )
+
+    def _row(self, episode: str, row: Mapping[str, Any], end: bool) -> StepReply | ClientError:
+        """One row's answer, recorded as :meth:`served` records a reply."""
+        if "error" in row:
+            e = row["error"]
+            code, message = str(e.get("code", "http_error")), str(e.get("message", ""))
+            if e.get("status") == 503:
+                return ServiceUnavailable(code, message)
+            return RequestRefused(int(e.get("status", 400)), code, message, e.get("field"))
+        step = StepReply.of(row, "")
+        self._record(episode, step, "")
+        if end:
+            self.forget(episode)
+        if step.state_reset and self.raise_on_reset:
+            return StateReset(step)
+        return step
+
     def served(self, episode: str | None, response: httpx.Response) -> StepReply:
         url = response.headers.get("x-affinity-url", "")
         step = StepReply.of(_decode(response), url)
+        self._record(episode, step, url)
+        if step.state_reset and self.raise_on_reset:
+            raise StateReset(step)
+        return step
+
+    def _record(self, episode: str | None, step: StepReply, url: str) -> None:
         if episode is not None:
             self.tokens[episode] = step.token
             self.seqs[episode] = step.seq
@@ -273,9 +393,6 @@ class _StickyRoutes:
                 self.owners[episode] = url
             if step.routing == "stateless":
                 self.owners.pop(episode, None)
-        if step.state_reset and self.raise_on_reset:
-            raise StateReset(step)
-        return step
 
     def forget(self, episode: str) -> None:
         self.tokens.pop(episode, None)
@@ -323,6 +440,9 @@ def _encode(body: Mapping[str, Any], encoding: Encoding) -> tuple[bytes, dict[st
     encoding, :mod:`affinity.wire`), as nested lists in JSON."""
     if encoding == "msgpack":
         return wire.encode(body), _CONTENT["msgpack"]
+    if "steps" in body:  # a message of rows
+        rows = [orjson.loads(_encode(row, encoding)[0]) for row in body["steps"]]
+        return orjson.dumps({"steps": rows}), _CONTENT["json"]
     inputs = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in body["inputs"].items()}
     return orjson.dumps({**body, "inputs": inputs}), _CONTENT["json"]
 
@@ -451,6 +571,31 @@ class AsyncClient(_ClientBase[httpx.AsyncBaseTransport]):
                 result = await self._post(self._wire.request(*action))
         return action
 
+    async def step_many(
+        self,
+        episode_ids: Sequence[str],
+        inputs: Mapping[str, Any],
+        **options: Unpack[StepOptions],
+    ) -> StepRows:
+        """One step of each of K episodes in one message: row i's inputs are
+        ``inputs[name][i]`` (arrays with a leading axis of K rows). The fleet splits the
+        rows by owner; each keeps a one-row step's guarantees. Rows answered 503 are sent
+        again within the retry budget. Raises :class:`RequestRefused` when the message
+        itself is refused (``ValueError`` here for duplicate ids)."""
+        attempts = self._routes.rows(episode_ids, inputs, options)
+        result: _Result = None
+        while True:
+            try:
+                action = attempts.send(result)
+            except StopIteration as done:
+                rows: StepRows = done.value
+                return rows
+            if isinstance(action, float):
+                await asyncio.sleep(action)
+                result = None
+            else:
+                result = await self._post(self._wire.request(*action))
+
     async def _post(self, request: httpx.Request) -> httpx.Response | httpx.TransportError:
         """The response, read, or the transport error (the step may have run there)."""
         try:
@@ -494,6 +639,27 @@ class Client(_ClientBase[httpx.BaseTransport]):
                 result = self._post(self._wire.request(*action))
         return action
 
+    def step_many(
+        self,
+        episode_ids: Sequence[str],
+        inputs: Mapping[str, Any],
+        **options: Unpack[StepOptions],
+    ) -> StepRows:
+        """One step of each of K episodes in one message; see :meth:`AsyncClient.step_many`."""
+        attempts = self._routes.rows(episode_ids, inputs, options)
+        result: _Result = None
+        while True:
+            try:
+                action = attempts.send(result)
+            except StopIteration as done:
+                rows: StepRows = done.value
+                return rows
+            if isinstance(action, float):
+                time.sleep(action)
+                result = None
+            else:
+                result = self._post(self._wire.request(*action))
+
     def _post(self, request: httpx.Request) -> httpx.Response | httpx.TransportError:
         """The response, read, or the transport error (the step may have run there)."""
         try:
@@ -514,3 +680,30 @@ class Client(_ClientBase[httpx.BaseTransport]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def drive(
+    client: Client,
+    episode_ids: Sequence[str],
+    observations: Mapping[str, Any],
+    step: Callable[[dict[str, np.ndarray[Any, Any]]], Mapping[str, Any] | None],
+    *,
+    output: str = "actions",
+) -> int:
+    """Drive K episodes (a vectorized environment, K simulated robots) through the fleet:
+    each round sends the K rows of ``observations`` (arrays with a leading axis of K) in
+    one message, and calls ``step`` with the outputs stacked along that axis; ``step``
+    returns the next observations, or None to stop. Returns the rounds run. Raises the
+    first failed row's :class:`ClientError` (the fleet retried it within the budget).
+
+    With a Gymnasium ``VectorEnv``: ``drive(client, ids, {"obs": env.reset()[0]}, lambda
+    out: {"obs": env.step(out["actions"])[0]})``."""
+    rounds = 0
+    current: Mapping[str, Any] | None = observations
+    while current is not None:
+        rows = client.step_many(episode_ids, current)
+        first = rows.replies[0]
+        names = first.outputs if isinstance(first, StepReply) else {output: None}
+        current = step({name: rows.stacked(name) for name in names})
+        rounds += 1
+    return rounds

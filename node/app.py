@@ -163,6 +163,7 @@ def create_app(
     hot: dict[tuple[str, str], Handler] = {
         ("POST", "/act"): act.handle,
         ("POST", "/internal/act"): internal.handle,
+        ("POST", "/internal/rows"): internal.rows,
         ("POST", "/internal/move"): internal.move,
     }
     return NodeApp(api, hot, access)

@@ -19,6 +19,7 @@ class NodeConfig:
 
     Times are seconds. ``act_deadline_s`` bounds every step end to end: Redis, the model
     and any forward. ``max_body_bytes`` bounds a request body or websocket message.
+    ``max_rows`` bounds the rows (episodes' steps) of one message.
     ``keep_alive_s`` is how long an idle client connection stays open. ``admin_token``
     enables the admin endpoints; they are refused while it is unset. ``cluster_secret``
     authenticates forwarded requests between nodes. ``api_key``, when set, is required
@@ -51,6 +52,7 @@ class NodeConfig:
     act_deadline_s: float = 5.0
     drain_timeout_s: float = 20.0
     max_body_bytes: int = 1 << 24
+    max_rows: int = 256
     keep_alive_s: float = 5.0
     admin_token: str | None = None
     api_key: str | None = None

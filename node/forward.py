@@ -35,9 +35,10 @@ from node.errors import ForwardError
 from node.rtc import Ask
 from node.step import Reply, Step
 
-__all__ = ["MOVE_PATH", "Forward", "ForwardPool", "Poster", "Response"]
+__all__ = ["MOVE_PATH", "ROWS_PATH", "Forward", "ForwardPool", "Poster", "Response"]
 
 INTERNAL_PATH = "/internal/act"
+ROWS_PATH = "/internal/rows"  # several episodes' steps for one owner (issue 44)
 MOVE_PATH = "/internal/move"  # a live hand-over's record (node/transfer.py)
 SECRET_HEADER = "X-Affinity-Secret"
 CONTENT_TYPE = "application/msgpack"

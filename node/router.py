@@ -36,12 +36,13 @@ from affinity import (
     Claims,
     ModelConflict,
     UnknownEpisode,
+    wire,
 )
 from node.catalog import Catalog
 from node.config import NodeConfig
 from node.dispatcher import Arrival, MultiGpuDispatcher
 from node.errors import ClaimEnded, ForwardError, Refused, Unavailable
-from node.forward import Forward, Poster, Response, decode_reply, send_undo
+from node.forward import ROWS_PATH, Forward, Poster, Response, decode_reply, send_undo
 from node.health import DeviceHealth
 from node.lease import Lease
 from node.metrics import ROUTING, Metrics
@@ -170,11 +171,15 @@ class Router:
 
     # ---- the layers --------------------------------------------------------------------
 
-    async def act(self, step: Step, *, patient: bool = False) -> Reply:
+    async def act(
+        self, step: Step, *, patient: bool = False, resolved: Assignment | None = None
+    ) -> Reply:
         """Route and serve one step within ``step.deadline``.
 
         ``patient`` retries transient conditions (owner unreachable, a Redis blip, ``full``)
         inside the node until the deadline, for clients that cannot retry (openpi's).
+        ``resolved``: what Redis answered for the step just now (a row of a message,
+        :meth:`act_rows`), tried first instead of a lookup here.
         Raises :class:`Unavailable` (503), :class:`Refused` (its status), and
         ``InvalidArgument`` for a bad id."""
         started = time.monotonic()
@@ -184,7 +189,7 @@ class Router:
             step.arrived = self.clock()
         arrival = self.arrivals.arrival()  # lets a device with a waiting step wait for it
         try:
-            reply = await self._act_within_deadline(step, patient, arrival)
+            reply = await self._act_within_deadline(step, patient, arrival, resolved)
         except Unavailable as exc:
             self.metrics.routing.labels(
                 exc.reason if exc.reason in ("full", "no_nodes") else "unavailable"
@@ -195,15 +200,22 @@ class Router:
             raise
         finally:
             arrival.done()
+        self._served(step, reply, started)
+        return reply
+
+    def _served(self, step: Step, reply: Reply, started: float) -> None:
+        """Count a served step: its routing, its path's seconds, its split."""
         counted = self._routing_counted.get(reply.routing)
         (counted or self.metrics.routing.labels(reply.routing)).inc()
         path = "local" if reply.node == self.node_id else "forwarded"
         now = time.monotonic()  # one clock read for both
         self._act_seconds[path].observe(now - started)
+        assert step.received is not None
         self.times.served(step, reply, now - step.received)
-        return reply
 
-    async def _act_within_deadline(self, step: Step, patient: bool, arrival: Arrival) -> Reply:
+    async def _act_within_deadline(
+        self, step: Step, patient: bool, arrival: Arrival, resolved: Assignment | None
+    ) -> Reply:
         last: Unavailable | None = None
         late: Reply | None = None
         backoff = 0.025
@@ -211,9 +223,10 @@ class Router:
             with TimeLimit(step.deadline - self.clock()):
                 while True:
                     try:
-                        reply = await self._act_handling_restart(step, arrival)
+                        reply = await self._act_handling_restart(step, arrival, resolved)
                         break
                     except Unavailable as exc:
+                        resolved = None  # a retry asks again
                         if not patient or exc.reason not in TRANSIENT:
                             raise
                         last = exc
@@ -235,13 +248,19 @@ class Router:
                 "deadline", f"no answer within {self.config.act_deadline_s}s", 1.0
             ) from None
 
-    async def _act_handling_restart(self, step: Step, arrival: Arrival) -> Reply:
+    async def _act_handling_restart(
+        self, step: Step, arrival: Arrival, resolved: Assignment | None = None
+    ) -> Reply:
         if not self.lease.left:
             self.lease.require()
         elif step.episode is None:  # a node that left routes episodes' steps, runs none
             raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)
         if step.episode is None:
             return await self.stateless.run(step, arrival)
+        if resolved is not None and not step.restart:  # Redis answered for it just now
+            return await self._act_asking_again(
+                step, arrival, self._act_at_owner(resolved, step, arrival)
+            )
         if step.restart:
             # only the owner starts its episode over: it drops what it holds, then claims
             # anew, so no node serves the old claim from memory meanwhile
@@ -382,6 +401,215 @@ class Router:
                 raise _LetGo(error.reason, str(error), 1.0)
         raise error
 
+    # ---- many episodes' steps in one message (issue 44) ---------------------------------
+
+    async def act_rows(
+        self, steps: list[Step], results: list[Reply | Exception | None], *, patient: bool = False
+    ) -> None:
+        """Route and serve the rows of one message, each row as :meth:`act` serves a step
+        (its claim, stickiness, ``seq``, hand-over waits); ``results[i]`` becomes row i's
+        reply, or the exception that is its error, as each row finishes (a caller cut off
+        undoes the replies there). One row's failure never touches another's.
+
+        A row held here is served from memory. The others' owners are found (a hint, else
+        Redis: the rows' questions go concurrently), grouped by owner, and each owner gets
+        one message with its rows (:data:`~node.forward.ROWS_PATH`). A row its owner does
+        not hold (any more), or an owner the message never reached, goes the one-row way
+        alone (:meth:`act`: Redis is asked again). ``patient``: as :meth:`act`'s, for each
+        row (a row of a message whose owner answered a transient 503 goes alone again)."""
+        started = time.monotonic()
+        groups: dict[str, list[tuple[int, Assignment]]] = {}
+        alone: list[int] = []
+        unknown: list[int] = []
+        resolved: dict[int, Assignment] = {}
+        for i, step in enumerate(steps):
+            if step.received is None:
+                step.received = started
+            if step.arrived is None:
+                step.arrived = self.clock()
+            episode = step.episode
+            if (
+                episode is None
+                or step.restart
+                or episode in self._restarting
+                or not self.lease.may_serve()
+                or self.owner.serving(episode) is not None
+            ):
+                alone.append(i)  # served here, stateless, or a restart: the one-row way
+                continue
+            hint = self.locator.lookup(episode)
+            if hint is None:
+                unknown.append(i)
+            elif hint.node == self.node_id or self.resolver.names_other(step, hint.model):
+                alone.append(i)
+            else:
+                groups.setdefault(hint.url, []).append((i, hint))
+        if unknown:
+            found = await asyncio.gather(
+                *(self.resolver.for_step(steps[i]) for i in unknown), return_exceptions=True
+            )
+            for i, got in zip(unknown, found, strict=True):
+                if isinstance(got, Assignment):
+                    if got.node == self.node_id:
+                        resolved[i] = got
+                        alone.append(i)
+                    else:
+                        groups.setdefault(got.url, []).append((i, got))
+                elif isinstance(got, Exception):
+                    if patient and _transient(got):
+                        alone.append(i)  # retried the one-row way, within its deadline
+                        continue
+                    self._count_failure(got)
+                    results[i] = got
+                else:
+                    raise got  # a cancellation
+
+        async def one(i: int) -> None:
+            try:
+                results[i] = await self.act(steps[i], patient=patient, resolved=resolved.get(i))
+            except Exception as exc:  # the row's error, rendered by its door
+                results[i] = exc
+
+        async def group(rows: list[tuple[int, Assignment]]) -> None:
+            again = await self._forward_rows(rows, steps, results, started)
+            if patient:  # transient failures are retried the one-row way, within the deadline
+                again += [i for i, _ in rows if _transient(results[i])]
+            await asyncio.gather(*(one(i) for i in again))
+
+        await asyncio.gather(*(one(i) for i in alone), *(group(g) for g in groups.values()))
+
+    def _count_failure(self, exc: Exception) -> None:
+        if isinstance(exc, Unavailable):
+            self.metrics.routing.labels(
+                exc.reason if exc.reason in ("full", "no_nodes") else "unavailable"
+            ).inc()
+        elif isinstance(exc, Refused):
+            self.metrics.routing.labels("failed").inc()
+
+    async def _forward_rows(
+        self,
+        rows: list[tuple[int, Assignment]],
+        steps: list[Step],
+        results: list[Reply | Exception | None],
+        started: float,
+    ) -> list[int]:
+        """Forward ``rows`` (of ``steps``, all of one owner) in one message; fill
+        ``results`` with each row's answer. Returns the rows to route again one by one:
+        those the owner does not hold as named, or all of them when the message never
+        left this node."""
+        owner = rows[0][1]
+        budget = min(steps[i].deadline for i, _ in rows) - self.clock() - FORWARD_MARGIN_S
+        if budget <= 0:
+            for i, _ in rows:
+                results[i] = Unavailable("deadline", f"no time left to forward to {owner.node}")
+                self._count_failure(results[i])  # type: ignore[arg-type]
+            return []
+        origins: list[str] = []
+        bodies: list[bytes] = []
+        for i, a in rows:
+            step = steps[i]
+            origins.append(os.urandom(8).hex())
+            arrived = step.arrived
+            bodies.append(
+                Forward(
+                    replace(step, origin=origins[-1]),
+                    a.token,
+                    a.device,
+                    a.status,
+                    budget,
+                    claim=a.claim,
+                    instance=a.instance,
+                    model=a.model,
+                    elapsed_s=0.0 if arrived is None else max(0.0, self.clock() - arrived),
+                ).encode()
+            )
+            self.locator.forget(a.episode)  # kept again only when the row is answered
+        sent = time.monotonic()
+        unheld = [(a, o) for (i, a), o in zip(rows, origins, strict=True) if steps[i].seq is None]
+        try:
+            async with asyncio.timeout(budget + FORWARD_MARGIN_S / 2):
+                resp = await self.pool.post(owner.url, wire.encode({"rows": bodies}), ROWS_PATH)
+        except asyncio.CancelledError:
+            await self._undo_rows(unheld)  # the owner may have applied them
+            raise
+        except (ForwardError, TimeoutError) as exc:
+            self.metrics.forwarded.labels("unreachable").inc()
+            if isinstance(exc, ForwardError):
+                self.peers.failed(owner.node, owner.url, exc)
+                if exc.unsent:  # it never left: each row goes the one-row way (Redis asked)
+                    return [i for i, _ in rows]
+            await self._undo_rows(unheld)  # it broke after the message left: they may have run
+            what = f"{exc}" if isinstance(exc, ForwardError) else f"nothing within {budget:.3f}s"
+            for i, a in rows:
+                results[i] = Unavailable(
+                    "owner_unreachable",
+                    f"episode {a.episode!r} is owned by {a.device} on {a.node} ({a.url}), "
+                    f"which did not answer: {what}",
+                    1.0,
+                )
+                self._count_failure(results[i])  # type: ignore[arg-type]
+            return []
+        self.peers.answered(owner.node)
+        answers: list[object] = []
+        if resp.status == 200:
+            try:
+                doc = wire.decode(resp.body)
+                answers = list(doc["rows"]) if isinstance(doc, dict) else []
+            except (ValueError, KeyError, TypeError):
+                answers = []
+            if len(answers) != len(rows):  # not an owner's answer: as if it broke
+                broken = "its answer to a message of rows is malformed"
+                answers = [{"status": 503, "code": "owner_unreachable", "message": broken}] * len(
+                    rows
+                )
+        else:
+            code, message = _error_of(resp)  # the message as a whole (a wrong secret)
+            refusal = {"status": resp.status, "code": code, "message": message,
+                       "retry_after": resp.headers.get("retry-after", "1")}  # fmt: skip
+            answers = [refusal] * len(rows)
+        self.metrics.forwarded.labels("ok" if resp.status == 200 else "refused").inc()
+        hop = (time.monotonic() - sent) * 1000
+        again: list[int] = []
+        for (i, a), origin, answer in zip(rows, origins, answers, strict=True):
+            step = steps[i]
+            got = answer if isinstance(answer, dict) else {}
+            status = got.get("status")
+            if status == 200:
+                try:
+                    reply = decode_reply(got["reply"])
+                except (KeyError, TypeError, ValueError) as exc:
+                    results[i] = Unavailable("owner_unreachable", f"owner {a.node}: {exc}", 1.0)
+                    self._count_failure(results[i])  # type: ignore[arg-type]
+                    continue
+                reply.timing["forward_ms"] = max(0.0, hop - reply.timing.get("device_ms", 0.0))
+                reply.origin = origin
+                reply.held = step.seq is not None
+                if not (step.end or step.restart):
+                    self.locator.remember(a)
+                self._served(step, reply, started)
+                results[i] = reply
+                continue
+            error = _refused_by(
+                a.node,
+                status if isinstance(status, int) else 503,
+                str(got.get("code", "owner_error")),
+                str(got.get("message", "")),
+                got.get("retry_after"),
+            )
+            if isinstance(error, _Stale) or (
+                isinstance(error, Unavailable) and error.reason in STALE_HINT
+            ):
+                again.append(i)  # not held there as named: Redis is asked again, for it alone
+            else:
+                self._count_failure(error)
+                results[i] = error
+        return again
+
+    async def _undo_rows(self, rows: list[tuple[Assignment, str]]) -> None:
+        await asyncio.gather(
+            *(self._undo_at(a.url, a.episode, a.token, a.device, o) for a, o in rows)
+        )
+
     # ---- undo and end ------------------------------------------------------------------
 
     async def undelivered(self, reply: Reply) -> None:
@@ -498,14 +726,7 @@ class Router:
             return reply
         self.metrics.forwarded.labels("refused").inc()
         code, message = _error_of(resp)
-        text = f"owner {owner.node} answered {resp.status}: {message}"
-        if code == "seq_conflict":
-            raise Refused(409, code, message)
-        if resp.status in (409, 421):  # not there (any more), or not that process: ask Redis
-            raise _Stale("owner_refused", text, 1.0)
-        if resp.status == 503 or code == "bad_secret":  # the nodes' secrets differ: not the
-            raise Unavailable(code, text, float(resp.headers.get("retry-after", "1")))  # client's
-        raise Refused(resp.status, code, text)
+        raise _refused_by(owner.node, resp.status, code, message, resp.headers.get("retry-after"))
 
 
 def _error_of(resp: Response) -> tuple[str, str]:
@@ -514,3 +735,25 @@ def _error_of(resp: Response) -> tuple[str, str]:
         return str(err["code"]), str(err["message"])
     except (ValueError, KeyError, TypeError):
         return "owner_error", resp.body[:200].decode("utf-8", "replace")
+
+
+def _refused_by(
+    node: str, status: int, code: str, message: str, retry_after: object
+) -> Unavailable | Refused:
+    """The step's error for an owner's refusal (:class:`_Stale`: ask Redis again)."""
+    text = f"owner {node} answered {status}: {message}"
+    if code == "seq_conflict":
+        return Refused(409, code, message)
+    if status in (409, 421):  # not there (any more), or not that process: ask Redis
+        return _Stale("owner_refused", text, 1.0)
+    if status == 503 or code == "bad_secret":  # the nodes' secrets differ: not the client's
+        try:
+            wait = float(retry_after) if isinstance(retry_after, int | float | str) else 1.0
+        except ValueError:
+            wait = 1.0
+        return Unavailable(code, text, wait)
+    return Refused(status, code, text)
+
+
+def _transient(result: Reply | Exception | None) -> bool:
+    return isinstance(result, Unavailable) and result.reason in TRANSIENT

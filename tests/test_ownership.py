@@ -394,10 +394,13 @@ def test_the_router_asks_redis_again_in_one_place() -> None:
                     and call.value.attr == "resolver"
                 ):
                     asking.append(fn.name)
-    # the first ask, the restart's two (where it is, the new claim), and the loop's
+    # the first ask, the restart's two (where it is, the new claim), and the loop's; a
+    # message of rows asks first for its rows together (issue 44): a row found stale goes
+    # through the one-row layers, so the loop stays the only place that asks again
     assert sorted(asking) == sorted(
-        ["_act_handling_restart", "_act_handling_restart", "restart_here", "_act_asking_again"]
-    )
+        ["_act_handling_restart", "_act_handling_restart", "restart_here", "_act_asking_again",
+         "act_rows"]
+    )  # fmt: skip
 
 
 async def test_an_end_sent_to_another_node_reaches_the_owner(redis: Any) -> None:

@@ -22,6 +22,12 @@ msgpack when ``Accept`` asks for ``application/msgpack``. The same facts are in
 ``X-Affinity-*`` headers. ``X-Affinity-URL`` is the owner's address, where the episode's
 next steps can go directly.
 A client that closes its connection before the reply is sent gets its step undone.
+
+Many episodes in one message (issue 44): ``{"steps": [body, ...]}``, each row a one-row
+body, at most ``--max-rows`` (413 ``too_many_rows``, counted before any row is decoded);
+an episode in two rows is 400 ``duplicate_episode``. The reply is ``{"steps": [...]}`` in
+order, each row a one-row reply's body or ``{"error": {"status", "code", "message",
+"field"?, "retry_after"?}}`` (routing: ``node.router.Router.act_rows``).
 """
 
 from __future__ import annotations
@@ -49,13 +55,13 @@ from node.asgi import (
     respond_gone,
     while_connected,
 )
-from node.errors import BodyError, ClientGone, InvalidInput, Refused, Unavailable
+from node.errors import BodyError, ClientGone, InvalidInput, Refused, Unavailable, outcome
 from node.rtc import control_rate
 from node.service import NodeService
 from node.step import Reply, Step
 from node.timing import TIMING_HEADER, asks_timing
 
-__all__ = ["MSGPACK", "decode", "encode", "handle"]
+__all__ = ["MSGPACK", "count_rows", "decode", "decode_rows", "encode", "encode_row", "handle"]
 
 log = logging.getLogger("affinity.node")
 
@@ -74,13 +80,14 @@ def _is_msgpack(content_type: str | None) -> bool:
     )
 
 
-async def decode(service: NodeService, body: bytes, binary: bool, deadline: float) -> Step:
-    """The step in one ``/act`` body.
-
-    Raises :class:`BodyError` (400, not a map) and :class:`InvalidInput` /
-    ``InvalidArgument`` (422). Raises :class:`Refused` for ``model`` missing in a fleet of
-    several models (422), or a model no node serves (404). Nothing has changed anywhere
-    then."""
+def _parse(body: bytes, binary: bool, max_rows: int) -> Any:
+    """The body's document; a message of rows past ``max_rows`` is refused (413) first:
+    in msgpack before anything of it is decoded (from the list's header), in JSON right
+    after the parse (one call), before any row's inputs become arrays."""
+    if binary:
+        count = count_rows(body)
+        if count is not None and count > max_rows:
+            raise _too_many(count, max_rows)
     try:
         doc = wire.decode(body) if binary else orjson.loads(body)
     except wire.WireError as exc:  # it says "body is not valid msgpack: ..." itself
@@ -89,6 +96,90 @@ async def decode(service: NodeService, body: bytes, binary: bool, deadline: floa
         raise BodyError(400, "malformed", f"body is not valid JSON: {exc}"[:300]) from None
     if not isinstance(doc, dict):
         raise BodyError(400, "malformed", "body must be a map (a JSON object)")
+    rows = doc.get("steps")
+    if isinstance(rows, list) and len(rows) > max_rows:
+        raise _too_many(len(rows), max_rows)
+    return doc
+
+
+def _too_many(count: int, max_rows: int) -> Refused:
+    return Refused(413, "too_many_rows", f"{count} rows in one message; the limit is {max_rows} "
+                   "(--max-rows)")  # fmt: skip
+
+
+def count_rows(body: bytes) -> int | None:
+    """How many rows a msgpack body ``{"steps": [...]}`` declares, read from its first
+    bytes alone: a map of one key, ``steps``, then the list's header (None: another body,
+    which a one-row step's is; the full decode says what is wrong with it)."""
+    if not body.startswith(_STEPS_HEAD):
+        return None
+    at = len(_STEPS_HEAD)
+    kind = body[at : at + 1]
+    if kind and 0x90 <= kind[0] <= 0x9F:  # fixarray
+        return kind[0] & 0x0F
+    width = {b"\xdc": 2, b"\xdd": 4}.get(kind)
+    if width is None or len(body) < at + 1 + width:
+        return None
+    return int.from_bytes(body[at + 1 : at + 1 + width], "big")
+
+
+_STEPS_HEAD = b"\x81\xa5steps"
+"""msgpack of a map of one entry whose key is ``"steps"``: what a body of rows starts with."""
+
+
+async def decode(
+    service: NodeService, body: bytes, binary: bool, deadline: float
+) -> Step | list[Step | Exception]:
+    """The step in one ``/act`` body; or, for a message of rows (``steps``), each row's
+    step or the exception that is that row's error (:func:`decode_rows`).
+
+    Raises :class:`BodyError` (400, not a map) and :class:`InvalidInput` /
+    ``InvalidArgument`` (422). Raises :class:`Refused` for ``model`` missing in a fleet of
+    several models (422), or a model no node serves (404); for a message of rows past
+    ``--max-rows`` (413) or naming an episode twice (400). Nothing has changed anywhere
+    then."""
+    doc = _parse(body, binary, service.config.max_rows)
+    if "steps" in doc:
+        return await decode_rows(service, doc, binary, deadline)
+    return await _decode_doc(service, doc, binary, deadline)
+
+
+async def decode_rows(
+    service: NodeService, doc: dict[Any, Any], binary: bool, deadline: float
+) -> list[Step | Exception]:
+    """The rows of ``{"steps": [...]}``: each row a one-row body, decoded as one; a row
+    that does not decode is that row's error. Refuses (400) a message naming an episode
+    in two rows (which would apply in no defined order), before any row is decoded."""
+    if len(doc) != 1:
+        other = next(str(k) for k in doc if k != "steps")
+        raise UnknownField(other[:64], ("steps",))
+    rows = doc["steps"]
+    if not isinstance(rows, list):
+        raise BodyError(400, "malformed", "steps must be a list of steps (maps)")
+    seen: set[object] = set()
+    for row in rows:
+        if isinstance(row, dict):
+            episode = row.get("episode_id", row.get("session_id"))
+            if episode is not None and isinstance(episode, str | int):
+                if episode in seen:
+                    raise Refused(400, "duplicate_episode",
+                                  f"episode {str(episode)[:64]!r} is in two rows of one message;"
+                                  " send its steps in separate messages")  # fmt: skip
+                seen.add(episode)
+    steps: list[Step | Exception] = []
+    for row in rows:
+        try:
+            if not isinstance(row, dict):
+                raise BodyError(400, "malformed", "a row must be a map (a JSON object)")
+            steps.append(await _decode_doc(service, row, binary, deadline))
+        except (BodyError, InvalidInput, InvalidArgument, Refused, Unavailable) as exc:
+            steps.append(exc)
+    return steps
+
+
+async def _decode_doc(
+    service: NodeService, doc: dict[Any, Any], binary: bool, deadline: float
+) -> Step:
     for key in doc:
         if key not in _KNOWN:
             raise UnknownField(str(key)[:64], FIELDS)
@@ -195,6 +286,9 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
     try:
         body = await read_body(scope, receive, service.config.max_body_bytes)
         step = await decode(service, body, binary_in, deadline)
+        if isinstance(step, list):
+            await _handle_rows(service, step, scope, receive, send, received, binary_out)
+            return
         step.received, step.timing = received, asks_timing(header(scope, TIMING_HEADER))
         scope[STEP_KEY] = (step.episode or "-", "-", "-")
         reply = await while_connected(receive, service.router.act(step), scope.get(CONNECTION))
@@ -208,3 +302,68 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
     else:
         body, kind, headers = encode(reply, binary_out, step.timing)
         await respond(send, 200, body, kind, headers)
+
+
+def encode_row(result: Reply | Exception, timing: bool = False) -> dict[str, Any]:
+    """One row of a reply of rows: what a one-row reply's body says, or ``{"error":
+    {"status", "code", "message", "field"?, "retry_after"?}}``."""
+    if isinstance(result, Reply):
+        row = {"outputs": result.outputs, **result.facts()}
+        if timing:
+            row["timing"] = result.split()
+        return row
+    o = outcome(result)
+    err: dict[str, Any] = {"status": o.status, "code": o.code, "message": o.message}
+    if o.field is not None:
+        err["field"] = o.field
+    if o.retry_after is not None:
+        err["retry_after"] = max(1, round(o.retry_after))
+    return {"error": err}
+
+
+async def _handle_rows(
+    service: NodeService,
+    rows: list[Step | Exception],
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    received: float,
+    binary: bool,
+) -> None:
+    """Serve a message of rows (:meth:`node.router.Router.act_rows`) and answer
+    ``{"steps": [...]}`` in order (:func:`encode_row`); 200 whatever each row's outcome."""
+    timing = asks_timing(header(scope, TIMING_HEADER))
+    steps: list[Step] = []
+    at: list[int] = []
+    results: list[Reply | Exception | None] = [None] * len(rows)
+    for i, row in enumerate(rows):
+        if isinstance(row, Step):
+            row.received, row.timing = received, timing
+            steps.append(row)
+            at.append(i)
+        else:
+            results[i] = row
+            reason = outcome(row).reject_reason
+            if reason is not None:
+                service.metrics.rejected.labels(reason).inc()
+    served: list[Reply | Exception | None] = [None] * len(steps)
+    scope[STEP_KEY] = (f"{len(rows)} rows", "-", "-")
+    try:
+        await while_connected(
+            receive, service.router.act_rows(steps, served), scope.get(CONNECTION)
+        )
+    except ClientGone:  # nobody will read the replies: the rows' steps did not happen
+        for result in served:
+            if isinstance(result, Reply):
+                await service.router.undelivered(result)
+        await respond_gone(send)
+        return
+    for i, result in zip(at, served, strict=True):
+        results[i] = result if result is not None else Unavailable("deadline", "not served")
+    doc = {"steps": [encode_row(r, timing) for r in results if r is not None]}
+    if binary:
+        body, kind = wire.encode(doc), MSGPACK.encode()
+    else:
+        body = orjson.dumps(doc, default=_numpy, option=orjson.OPT_SERIALIZE_NUMPY)
+        kind = b"application/json"
+    await respond(send, 200, body, kind)

@@ -1,16 +1,29 @@
-"""``POST /internal/act`` (the owner's side of a forward) and ``POST /internal/move`` (the
+"""``POST /internal/act`` (the owner's side of a forward), ``POST /internal/rows`` (the
+owner's side of a forward of several episodes' steps) and ``POST /internal/move`` (the
 new owner's side of a live hand-over); not a public API.
 
 The body is a :class:`node.forward.Forward` in msgpack, authenticated by the cluster
 secret header. The reply is the :class:`~node.step.Reply` in msgpack. Or it is an error in
 the project's JSON shape with the status the router acts on. 409/421: resolve again. 503
 with ``Retry-After``: pass on to the client.
+
+``/internal/rows``' body is ``{"rows": [Forward, ...]}`` (each one forward's msgpack, as
+``/internal/act`` takes it). The owner serves the rows concurrently, so rows on one
+device join one batch of its worker. The reply is ``{"rows": [...]}`` in msgpack, in
+order: ``{"status": 200, "reply": <the Reply's msgpack>}`` or ``{"status", "code",
+"message", "retry_after"}`` (``node.errors.outcome`` of the row's error, which the router
+acts on as it does for one forward).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
+from typing import Any
+
 from prometheus_client import Counter
 
+from affinity import wire
 from node.accesslog import STEP_KEY
 from node.asgi import (
     CONNECTION,
@@ -24,12 +37,12 @@ from node.asgi import (
     respond_gone,
     while_connected,
 )
-from node.errors import BodyError, ClientGone, Refused, Unavailable
+from node.errors import BodyError, ClientGone, Refused, Unavailable, outcome
 from node.forward import CONTENT_TYPE, SECRET_HEADER, encode_reply
 from node.service import NodeService
 from node.step import Reply
 
-__all__ = ["handle", "move"]
+__all__ = ["handle", "move", "rows"]
 
 _SECRET = SECRET_HEADER.lower().encode()
 
@@ -76,3 +89,51 @@ async def move(service: NodeService, scope: Scope, receive: Receive, send: Send)
         await respond_error(send, exc, _counted(service, exc))
         return
     await respond(send, 204, b"")
+
+
+async def rows(service: NodeService, scope: Scope, receive: Receive, send: Send) -> None:
+    """The ASGI handler of ``POST /internal/rows``: each row as ``/internal/act`` serves
+    one forward, concurrently; one row's error never touches another's. The router going
+    away cancels the rows not done and undoes the ones done (as for one forward)."""
+    secret = header(scope, _SECRET)
+    done: list[Reply] = []
+    try:
+        body = await read_body(scope, receive, service.config.max_body_bytes)
+        expected = (service.config.cluster_secret or "").encode()
+        if expected and not hmac.compare_digest((secret or "").encode(), expected):
+            raise Refused(403, "bad_secret", "missing or wrong cluster secret")
+        try:
+            doc = wire.decode(body)
+            forwards = doc["rows"] if isinstance(doc, dict) else None
+        except (ValueError, KeyError) as exc:
+            raise Refused(400, "bad_forward", f"not a message of rows: {exc}") from None
+        if not isinstance(forwards, list) or not all(isinstance(f, bytes) for f in forwards):
+            raise Refused(400, "bad_forward", "a message of rows is {rows: [forward, ...]}")
+        if len(forwards) > service.config.max_rows:
+            raise Refused(413, "too_many_rows", f"{len(forwards)} rows; the limit is "
+                          f"{service.config.max_rows}")  # fmt: skip
+
+        async def one(forward: bytes) -> dict[str, Any]:
+            try:
+                reply = await service.owner.serve_forwarded(forward, secret)
+            except Exception as exc:  # the row's error
+                o = outcome(exc)
+                return {"status": o.status, "code": o.code, "message": o.message,
+                        "retry_after": o.retry_after}  # fmt: skip
+            if reply is None:  # an undo or a release
+                return {"status": 204}
+            done.append(reply)
+            return {"status": 200, "reply": encode_reply(reply)}
+
+        work = asyncio.gather(*(one(f) for f in forwards))
+        answers = await while_connected(receive, work, scope.get(CONNECTION))
+    except ClientGone:
+        for reply in done:  # nobody will read them: undone (unless held for a retry)
+            await service.router.undelivered(reply)
+        await respond_gone(send)
+        return
+    except (BodyError, Refused) as exc:
+        await respond_error(send, exc, _counted(service, exc))
+        return
+    scope[STEP_KEY] = (f"{len(answers)} rows", "-", "-")
+    await respond(send, 200, wire.encode({"rows": answers}), CONTENT_TYPE.encode())

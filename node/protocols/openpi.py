@@ -29,6 +29,16 @@ reply then has ``rtc``: ``{"executed", "delay", "prefix_len"}``. ``control_hz`` 
 model's step's control rate. ``timing: true`` adds the map ``timing``, the split of the
 step's time. All these keys are taken out before the model.
 
+**Many environments in one frame** (issue 44): an observation with an ``episode_ids`` key
+(a list of K episode ids) holds K rows: each array (and each list of K values, such as K
+prompts) has a leading environment axis, row i takes element i; anything else (a scalar,
+one prompt) is every row's. ``seq`` may be a list of K step numbers. The reply holds each
+output stacked along that axis (``actions`` ``[K, H, D]``; zeros in a failed row) and
+``rows``: a list of each row's facts, or ``{"error": {"status", "code", "message"}}``. A
+row's error never closes the connection; an id in two rows, or more rows than
+``--max-rows`` (counted once the frame is parsed, its arrays still views of it, before any
+row is), is the frame's error.
+
 A reply whose send fails (the link dropped) has its step undone. So has a step whose
 connection closes while it runs (the robot gave up on it and reconnects to retry). The
 connection is watched during a step, as ``/act``'s is, so the retry never finds the lost
@@ -67,7 +77,7 @@ from node.errors import ClientGone, InvalidInput, Outcome, Refused, Unavailable,
 from node.inputs import outputs_unbatched
 from node.rtc import control_rate
 from node.service import NodeService
-from node.step import Step
+from node.step import Reply, Step
 
 __all__ = ["handle"]
 
@@ -122,11 +132,26 @@ async def handle(
                 return
             started = time.monotonic()
             step: Step | None = None
+            served: list[Reply | Exception | None] = []  # a frame of rows' replies so far
             try:
-                step = decode(service, message, fixed, own, tokens, started, name, contract)
+                observation = _observation(message, service.config.max_rows)
+                if "episode_ids" in observation:
+                    rows = decode_rows(service, observation, tokens, started, name, contract)
+                    await watching(receive, _serve_rows(service, rows, served), early)
+                    answer = _rows_reply(contract or service.contract, rows, served, tokens, claims)
+                    log_step(access, scope, started, 200, None)
+                    if not await _send(service, send, answer, served):
+                        return
+                    continue
+                step = decode_observation(
+                    service, observation, fixed, own, tokens, started, name, contract
+                )
                 step.client_claim = claims.get(step.episode or "")
                 reply = await watching(receive, service.router.act(step, patient=True), early)
             except ClientGone:  # closed mid-step: cancelled there, so undone (or held)
+                for r in served:
+                    if isinstance(r, Reply):
+                        await service.router.undelivered(r)
                 log_step(access, scope, started, 499, step)
                 return
             except (InvalidInput, InvalidArgument, wire.WireError, Unavailable, Refused) as exc:
@@ -226,6 +251,129 @@ async def watching(
     return await cancel_when_gone(work, watch)
 
 
+def _observation(message: Mapping[str, Any], max_rows: int) -> dict[Any, Any]:
+    """The observation map of one frame; one of rows past ``max_rows`` is refused
+    (413) before the frame is decoded. Raises ``wire.WireError``, :class:`InvalidInput`,
+    :class:`Refused`."""
+    data = message.get("bytes")
+    if data is None:
+        raise InvalidInput(
+            "", "observations are binary msgpack frames, got text", root="observation"
+        )
+    observation = wire.decode(data)  # arrays are views of the frame: nothing allocated
+    if not isinstance(observation, dict):
+        raise InvalidInput("", "must be a msgpack map", root="observation")
+    ids = observation.get("episode_ids")
+    if isinstance(ids, list | np.ndarray) and len(ids) > max_rows:
+        raise Refused(413, "too_many_rows", f"{len(ids)} rows in one observation; the limit "
+                      f"is {max_rows} (--max-rows)")  # fmt: skip
+    return observation
+
+
+def _row_of(value: object, i: int, count: int) -> object:
+    """Row ``i`` of an observation value: element i of an array or list of ``count``
+    rows (maps: of each of their values), else the value itself (every row's)."""
+    if isinstance(value, dict):
+        return {k: _row_of(v, i, count) for k, v in value.items()}
+    if (
+        isinstance(value, np.ndarray | list)
+        and len(value) == count
+        and (not isinstance(value, np.ndarray) or value.ndim > 0)
+    ):
+        return value[i]
+    return value
+
+
+def decode_rows(
+    service: NodeService,
+    observation: dict[Any, Any],
+    tokens: dict[str, int],
+    now: float,
+    model: str | None,
+    contract: PolicyContract | None,
+) -> list[Step | Exception]:
+    """The rows of an observation with ``episode_ids`` (see the module doc): each row's
+    step, or the exception that is its error. Raises ``InvalidArgument`` and
+    :class:`Refused` (an id in two rows) for the frame as a whole."""
+    ids = observation.pop("episode_ids")
+    if not isinstance(ids, list | np.ndarray) or not ids:
+        raise InvalidArgument("episode_ids", ids, "must be a list of episode ids")
+    episodes = [check_episode(_scalar(e)) for e in ids]
+    if len(set(episodes)) != len(episodes):
+        twice = next(e for e in episodes if episodes.count(e) > 1)
+        raise Refused(400, "duplicate_episode",
+                      f"episode {twice[:64]!r} is in two rows of one observation")  # fmt: skip
+    count = len(episodes)
+    rows: list[Step | Exception] = []
+    for i, episode in enumerate(episodes):
+        row = {k: _row_of(v, i, count) for k, v in observation.items()}
+        row["episode_id"] = episode
+        try:
+            rows.append(
+                decode_observation(service, row, None, episode, tokens, now, model, contract)
+            )
+        except (InvalidInput, InvalidArgument, wire.WireError, Unavailable, Refused) as exc:
+            rows.append(exc)
+    return rows
+
+
+async def _serve_rows(
+    service: NodeService, rows: list[Step | Exception], served: list[Reply | Exception | None]
+) -> None:
+    steps = [r for r in rows if isinstance(r, Step)]
+    served.extend([None] * len(steps))
+    await service.router.act_rows(steps, served, patient=True)  # as one-row openpi steps
+
+
+def _rows_reply(
+    contract: PolicyContract,
+    rows: list[Step | Exception],
+    served: list[Reply | Exception | None],
+    tokens: dict[str, int],
+    claims: dict[str, str],
+) -> dict[str, Any]:
+    """The reply of a frame of rows: outputs stacked, ``rows`` each row's facts or error."""
+    it = iter(served)
+    results: list[Reply | Exception] = []
+    for row in rows:
+        got = row if isinstance(row, Exception) else next(it)
+        results.append(got if got is not None else Unavailable("deadline", "not served"))
+    facts: list[dict[str, Any]] = []
+    outputs: list[dict[str, Any] | None] = []
+    for r in results:
+        if isinstance(r, Reply):
+            assert r.episode is not None
+            tokens[r.episode] = r.token
+            if r.claim:
+                claims[r.episode] = r.claim
+            facts.append(r.facts())
+            outputs.append(outputs_unbatched(contract, r.outputs))
+        else:
+            o = outcome(r)
+            facts.append({"error": {"status": o.status, "code": o.code, "message": o.message}})
+            outputs.append(None)
+    like = next((o for o in outputs if o is not None), None)
+    doc: dict[str, Any] = {"rows": facts}
+    for name, array in (like or {}).items():
+        doc[name] = np.stack([np.zeros_like(array) if o is None else o[name] for o in outputs])
+    return doc
+
+
+async def _send(
+    service: NodeService, send: Send, doc: dict[str, Any], served: list[Reply | Exception | None]
+) -> bool:
+    """Send a frame of rows' reply; False (the rows undone) when the link dropped."""
+    try:
+        await io_seen()
+        await send({"type": "websocket.send", "bytes": wire.encode(doc)})
+    except OSError:
+        for r in served:
+            if isinstance(r, Reply):
+                await service.router.undelivered(r)
+        return False
+    return True
+
+
 def decode(
     service: NodeService,
     message: Mapping[str, Any],
@@ -240,14 +388,21 @@ def decode(
     ``?episode_id=``), else the observation's ``episode_id``, else ``own``. Raises
     ``wire.WireError``, :class:`InvalidInput` and ``InvalidArgument``; nothing has changed
     anywhere."""
-    data = message.get("bytes")
-    if data is None:
-        raise InvalidInput(
-            "", "observations are binary msgpack frames, got text", root="observation"
-        )
-    observation = wire.decode(data)
-    if not isinstance(observation, dict):
-        raise InvalidInput("", "must be a msgpack map", root="observation")
+    observation = _observation(message, service.config.max_rows)
+    return decode_observation(service, observation, fixed, own, tokens, now, model, contract)
+
+
+def decode_observation(
+    service: NodeService,
+    observation: dict[Any, Any],
+    fixed: str | None,
+    own: str,
+    tokens: dict[str, int],
+    now: float,
+    model: str | None = None,
+    contract: PolicyContract | None = None,
+) -> Step:
+    """:func:`decode` of a decoded observation map."""
     named, steps = observation.pop("episode_id", None), observation.pop("execute_steps", None)
     ensemble, seq = observation.pop("ensemble", None), observation.pop("seq", None)
     executed, delay = observation.pop("executed", None), observation.pop("inference_delay", None)

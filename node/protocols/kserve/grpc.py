@@ -174,13 +174,15 @@ class GrpcFrontDoor:
         name = found[0]
         request: kserve.InferRequest | None = None
         try:
-            request = decode_request(msg)
+            request = decode_request(msg, max_rows=service.config.max_rows)
             budget = service.config.act_deadline_s
             if request.timeout_s is not None:
                 budget = min(budget, request.timeout_s)
             remaining = context.time_remaining()  # the client's gRPC deadline, if it set one
             if remaining is not None:
                 budget = min(budget, remaining)
+            if request.rows is not None:
+                return await self._infer_rows(msg, request, started, budget, found, context)
             step = await kserve.service_step(
                 service, request, started + budget, name, msg.model_version or None, found
             )
@@ -193,6 +195,39 @@ class GrpcFrontDoor:
         except kserve.REFUSED as exc:
             raise _Abort.of(kserve.kserve_outcome(service, name, exc, request)) from None
         return encode_reply(reply, request, name)
+
+    async def _infer_rows(
+        self,
+        msg: pb.ModelInferRequest,
+        request: kserve.InferRequest,
+        started: float,
+        budget: float,
+        found: tuple[str, Any],
+        context: Any,
+    ) -> pb.ModelInferResponse:
+        """A request of rows (``episode_ids``): as KServe HTTP answers one
+        (``node/protocols/kserve/http.py``); rows whose reply cannot go are undone."""
+        service, name = self.service, found[0]
+        served: list[Reply | Exception | None] = []
+        try:
+            results = await kserve.serve_rows(service, request, started + budget, name,
+                                              msg.model_version or None, found, "kserve_grpc",
+                                              served)  # fmt: skip
+            await io_seen()  # a cancel that came meanwhile (see undo_if_cancelled)
+            if context.cancelled():
+                raise asyncio.CancelledError
+        except asyncio.CancelledError:  # nobody will read the replies: undone
+            for r in served:
+                if isinstance(r, Reply):
+                    await service.router.undelivered(r)
+            raise
+        outputs, rows, first = kserve.stack_rows(found[1], results, name)
+        if request.outputs is not None and first is None:
+            request.outputs = None
+        kserve.stats_for(service, name).answered(time.monotonic() - started)
+        reply = Reply(outputs, None, "", service.node_id, 0, "rows", False, False,
+                      model=first.model if first else "")  # fmt: skip
+        return encode_reply(reply, request, name, rows)
 
     # -- the RPCs
 

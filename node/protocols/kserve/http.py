@@ -49,6 +49,7 @@ from node.errors import (
 from node.protocols.kserve.request import (
     EXTENSIONS,
     REFUSED,
+    ROW_PARAMETERS,
     InferRequest,
     check_custom,
     config_of,
@@ -56,7 +57,10 @@ from node.protocols.kserve.request import (
     find_model,
     kserve_outcome,
     metadata_of,
+    rows_of,
+    serve_rows,
     service_step,
+    stack_rows,
     statistics_of,
     stats_for,
     step_parameters,
@@ -89,6 +93,7 @@ def decode_infer(
     content_encoding: str | None = None,
     max_bytes: int = 1 << 24,
     max_elements: int = MAX_ELEMENTS,
+    max_rows: int = 256,
 ) -> InferRequest:
     """Decode one infer body (see the module doc). ``header_length`` is the
     ``Inference-Header-Content-Length`` header, if any; ``max_bytes`` bounds an inflated
@@ -118,6 +123,9 @@ def decode_infer(
         raise BadRequest(f"id must be a string, not {kind_of(request_id)}")
     params = as_object(doc.get("parameters"), "parameters")
     check_custom(params)
+    rows = rows_of(params, max_rows)  # before any input is decoded
+    if rows is not None:  # the per-row ones are in rows
+        params = {k: v for k, v in params.items() if k not in ROW_PARAMETERS}
     sequence = params.get("sequence_id")
     episode = episode_of(sequence)
     start = _flag(params, "sequence_start")
@@ -147,6 +155,7 @@ def decode_infer(
         outputs=_requested(doc.get("outputs"), binary_output),
         binary_output=binary_output,
         timing=_flag(params, "timing"),
+        rows=rows,
         **step_parameters(params),
     )
 
@@ -182,10 +191,12 @@ def _flag(params: dict[str, Any], key: str) -> bool:
 
 
 def encode_infer(
-    reply: Reply, request: InferRequest, model_name: str
+    reply: Reply, request: InferRequest, model_name: str, rows: str | None = None
 ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
     """(body, headers) of a step's reply: JSON, or a JSON header and binary outputs with
-    ``Inference-Header-Content-Length`` when any output goes back binary."""
+    ``Inference-Header-Content-Length`` when any output goes back binary. ``rows``: the
+    reply of a request of rows (``reply`` holds the stacked outputs), whose parameters are
+    ``rows`` alone (:func:`~node.protocols.kserve.request.stack_rows`)."""
     wanted = request.outputs
     if wanted is None:
         wanted = dict.fromkeys(reply.outputs, request.binary_output)
@@ -211,8 +222,11 @@ def encode_infer(
     doc: dict[str, Any] = {"model_name": model_name, "model_version": version}
     if request.id is not None:
         doc["id"] = request.id
-    doc["parameters"] = {k: v for k, v in reply.facts(flat=True).items() if v is not None}
-    if request.timing:
+    if rows is not None:
+        doc["parameters"] = {"rows": rows}
+    else:
+        doc["parameters"] = {k: v for k, v in reply.facts(flat=True).items() if v is not None}
+    if request.timing and rows is None:
         doc["parameters"].update(timing_parameters(reply))
     doc["outputs"] = outputs
     head = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
@@ -430,11 +444,19 @@ async def _infer(
     try:
         body = await read_body(scope, receive, service.config.max_body_bytes)
         request = decode_infer(
-            body, header_length, content_encoding=encoding, max_bytes=service.config.max_body_bytes
+            body,
+            header_length,
+            content_encoding=encoding,
+            max_bytes=service.config.max_body_bytes,
+            max_rows=service.config.max_rows,
         )
         if request.timeout_s is not None:
             budget = min(budget, request.timeout_s)
         request.timing = request.timing or asks_timing(timing)
+        if request.rows is not None:
+            await _infer_rows(service, model, scope, receive, send, request, started + budget,
+                              version)  # fmt: skip
+            return
         step = await service_step(service, request, started + budget, model_name, version, model)
         step.door, step.received = "kserve_http", started
         scope[STEP_KEY] = (step.episode or "-", "-", "-")
@@ -454,3 +476,40 @@ async def _infer(
         payload, headers = encode_infer(reply, request, model_name)
         content_type = headers[0][1]
         await respond(send, 200, payload, content_type, headers[1:])
+
+
+async def _infer_rows(
+    service: NodeService,
+    model: tuple[str, PolicyContract],
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    request: InferRequest,
+    deadline: float,
+    version: str | None,
+) -> None:
+    """A request of rows (``episode_ids``): each row a step; the reply's outputs stacked
+    along the rows' axis, each row's facts or error in the ``rows`` parameter. Raises what
+    :func:`_infer` answers for the request as a whole."""
+    started = time.monotonic()
+    model_name, contract = model
+    served: list[Reply | Exception | None] = []
+    scope[STEP_KEY] = (f"{len(request.rows or ())} rows", "-", "-")
+    work = serve_rows(service, request, deadline, model_name, version, model, "kserve_http",
+                      served)  # fmt: skip
+    try:
+        results = await while_connected(receive, work, scope.get(CONNECTION))
+    except ClientGone:  # nobody will read the replies: the rows' steps did not happen
+        for r in served:
+            if isinstance(r, Reply):
+                await service.router.undelivered(r)
+        await respond_gone(send)
+        return
+    outputs, rows, first = stack_rows(contract, results, model_name)
+    stats_for(service, model_name).answered(time.monotonic() - started)
+    if request.outputs is not None and first is None:
+        request.outputs = None  # no row served: no output to send
+    reply = Reply(outputs, None, "", service.node_id, 0, "rows", False, False,
+                  model=first.model if first else "")  # fmt: skip
+    payload, headers = encode_infer(reply, request, model_name, rows)
+    await respond(send, 200, payload, headers[0][1], headers[1:])

@@ -16,8 +16,10 @@ from affinity.wire import MAX_ELEMENTS
 from node.errors import BadRequest
 from node.protocols.kserve.pb import kserve_pb2 as pb
 from node.protocols.kserve.request import (
+    ROW_PARAMETERS,
     InferRequest,
     episode_of,
+    rows_of,
     step_parameters,
     timing_parameters,
 )
@@ -64,10 +66,17 @@ def _flag(params: dict[str, Any], key: str) -> bool:
     return value
 
 
-def decode_request(msg: pb.ModelInferRequest, *, max_elements: int = MAX_ELEMENTS) -> InferRequest:
+def decode_request(
+    msg: pb.ModelInferRequest, *, max_elements: int = MAX_ELEMENTS, max_rows: int = 256
+) -> InferRequest:
     """The :class:`InferRequest` of one ``ModelInferRequest``. Raises :class:`BadRequest`
-    (``INVALID_ARGUMENT``); allocates nothing from a declared size before checking it."""
+    (``INVALID_ARGUMENT``); allocates nothing from a declared size before checking it. A
+    request of rows (``episode_ids``, :func:`~node.protocols.kserve.request.rows_of`) past
+    ``max_rows`` is refused before its tensors are read."""
     params = {key: _value(p) for key, p in msg.parameters.items()}
+    rows = rows_of(params, max_rows)
+    if rows is not None:  # the per-row ones are in rows
+        params = {k: v for k, v in params.items() if k not in ROW_PARAMETERS}
     sequence = params.get("sequence_id")
     episode = episode_of(sequence)
     start, end = _flag(params, "sequence_start"), _flag(params, "sequence_end")
@@ -109,6 +118,7 @@ def decode_request(msg: pb.ModelInferRequest, *, max_elements: int = MAX_ELEMENT
         outputs=outputs,
         binary_output=True,
         timing=_flag(params, "timing"),
+        rows=rows,
         **step_parameters(params),
     )
 
@@ -211,17 +221,21 @@ def _parameter(value: object) -> pb.InferParameter:
     return pb.InferParameter(string_param=str(value))
 
 
-def encode_reply(reply: Reply, request: InferRequest, model_name: str) -> pb.ModelInferResponse:
+def encode_reply(
+    reply: Reply, request: InferRequest, model_name: str, rows: str | None = None
+) -> pb.ModelInferResponse:
     """The ``ModelInferResponse`` of a step: the requested outputs (all by default) as
-    ``raw_output_contents``, affinity's facts as parameters."""
+    ``raw_output_contents``, affinity's facts as parameters. ``rows``: the reply of a
+    request of rows (``reply`` holds the stacked outputs), whose one parameter is
+    ``rows``."""
     names = list(reply.outputs) if request.outputs is None else list(request.outputs)
     response = pb.ModelInferResponse(
         model_name=model_name,
         model_version=reply.model.partition("@")[2],
         id=request.id or "",
     )
-    facts = reply.facts(flat=True)
-    if request.timing:
+    facts: dict[str, object] = {"rows": rows} if rows is not None else reply.facts(flat=True)
+    if request.timing and rows is None:
         facts.update(timing_parameters(reply))
     for key, value in facts.items():
         if value is not None:

@@ -15,9 +15,12 @@ refused as Triton refuses it, unless ``--kserve-claim-unknown``.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+
+import numpy as np
 
 from affinity import InvalidArgument, UnknownEpisode, check_episode
 from node import inputs
@@ -45,7 +48,9 @@ __all__ = [
     "PLATFORM",
     "REFUSED",
     "REQUEST_PARAMETERS",
+    "ROW_PARAMETERS",
     "InferRequest",
+    "Row",
     "check_custom",
     "config_of",
     "episode_of",
@@ -56,8 +61,12 @@ __all__ = [
     "model_metadata",
     "not_live",
     "requested_version",
+    "row_requests",
+    "rows_of",
+    "serve_rows",
     "served_version",
     "service_step",
+    "stack_rows",
     "statistics_of",
     "stats_for",
     "step_parameters",
@@ -109,6 +118,173 @@ class InferRequest:
     control_hz: object = None
     pending: object = None  # JSON text of the robot's unexecuted actions [k][D]
     timing: bool = False  # the split of the step's time in the reply's parameters
+    rows: list[Row] | None = None  # several episodes' steps (episode_ids), row by row
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One row of a request of rows (``episode_ids``): its sequence id, episode and
+    flags."""
+
+    sequence: int | str
+    episode: str
+    start: bool = False
+    end: bool = False
+    seq: int | None = None
+
+
+ROW_PARAMETERS = (
+    "episode_ids", "sequence_starts", "sequence_ends", "seqs", "sequence_start", "sequence_end"
+)  # fmt: skip
+"""The parameters of a request of rows: per row, JSON arrays in string parameters
+(``tritonclient`` reserves ``sequence_start`` and ``sequence_end``, which apply to every
+row)."""
+
+
+def _json_list(params: dict[str, Any], key: str, count: int | None) -> list[Any] | None:
+    value = params.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise BadRequest(f"parameter {key} of a request of rows must be a JSON array in a string")
+    try:
+        got = json.loads(value)
+    except ValueError:
+        got = None
+    if not isinstance(got, list) or (count is not None and len(got) != count):
+        rows = "" if count is None else f" of {count} values (one per row)"
+        raise BadRequest(f"parameter {key} must be a JSON array{rows}")
+    return got
+
+
+def rows_of(params: dict[str, Any], max_rows: int) -> list[Row] | None:
+    """The rows ``episode_ids`` names (None: not a request of rows): ``sequence_starts``,
+    ``sequence_ends`` (booleans) and ``seqs`` (step numbers or null) are JSON arrays of
+    one value per row; ``sequence_start`` and ``sequence_end`` one boolean for every row.
+    Raises
+    :class:`Refused` 413 past ``max_rows`` and 400 for an id in two rows, and
+    :class:`BadRequest`; before any input is decoded."""
+    ids = _json_list(params, "episode_ids", None)
+    if ids is None:
+        return None
+    if len(ids) > max_rows:
+        limit = f"the limit is {max_rows} (--max-rows)"
+        raise Refused(413, "too_many_rows", f"{len(ids)} rows in one request; {limit}")
+    if params.get("sequence_id") not in (None, 0, ""):
+        raise BadRequest("a request of rows names its sequences in episode_ids, not sequence_id")
+    count = len(ids)
+    flags: dict[str, list[Any]] = {}
+    for key in ("sequence_start", "sequence_end"):
+        every = params.get(key, False)
+        if not isinstance(every, bool):
+            raise BadRequest(f"{key} must be true or false (every row); per row: {key}s")
+        got = _json_list(params, key + "s", count) or [every] * count
+        if not all(isinstance(v, bool) for v in got):
+            raise BadRequest(f"parameter {key}s must be a JSON array of true and false")
+        flags[key] = got
+    seqs = _json_list(params, "seqs", count) or [None] * count
+    rows: list[Row] = []
+    seen: set[str] = set()
+    for i, sequence in enumerate(ids):
+        episode = episode_of(sequence)
+        if episode is None or isinstance(sequence, bool | float):
+            raise BadRequest(f"episode_ids[{i}] {sequence!r:.40} must be a non-zero sequence id")
+        if episode in seen:
+            twice = f"sequence {str(sequence)[:64]!r} is in two rows of one request"
+            raise Refused(400, "duplicate_episode", twice)
+        seen.add(episode)
+        seq = seqs[i]
+        if seq is not None and (type(seq) is not int or not 1 <= seq < 2**63):
+            raise BadRequest(f"seq[{i}] {seq!r:.40} must be a step number >= 1")
+        start, end = flags["sequence_start"][i], flags["sequence_end"][i]
+        rows.append(Row(sequence, episode, start, end, seq))
+    return rows
+
+
+def row_requests(contract: PolicyContract, request: InferRequest) -> list[InferRequest]:
+    """One request per row of ``request`` (:attr:`InferRequest.rows`): every input has a
+    leading row axis; row i's input is its slice ``[i:i+1]`` for a model with a batch
+    axis, else ``[i]``. Raises :class:`BadRequest` for an input without the rows' axis."""
+    assert request.rows is not None
+    count = len(request.rows)
+    for name, array in request.arrays.items():
+        if array.ndim == 0 or array.shape[0] != count:
+            raise BadRequest(f"input {name[:64]!r} has shape {list(array.shape)}: a request of "
+                             f"{count} rows needs a leading axis of {count}")  # fmt: skip
+    batch = contract.batch_axis
+    return [
+        replace(
+            request,
+            sequence=row.sequence,
+            episode=row.episode,
+            start=row.start,
+            end=row.end,
+            seq=row.seq,
+            rows=None,
+            arrays={n: a[i : i + 1] if batch else a[i] for n, a in request.arrays.items()},
+        )
+        for i, row in enumerate(request.rows)
+    ]
+
+
+async def serve_rows(
+    service: NodeService,
+    request: InferRequest,
+    deadline: float,
+    name: str,
+    version: str | None,
+    found: tuple[str, PolicyContract],
+    door: str,
+    served: list[Reply | Exception | None],
+) -> list[Reply | Exception]:
+    """Serve a request of rows: each row a step (:func:`service_step`; a row that does not
+    make one is that row's error), all through :meth:`node.router.Router.act_rows`.
+    ``served`` is filled as rows finish (a door whose client left undoes them)."""
+    started = time.monotonic()
+    steps: list[Step] = []
+    results: list[Reply | Exception | None] = []
+    for row in row_requests(found[1], request):
+        try:
+            step = await service_step(service, row, deadline, name, version, found)
+        except REFUSED as exc:
+            results.append(exc)
+            continue
+        step.door, step.received = door, started
+        steps.append(step)
+        results.append(None)
+    served.extend([None] * len(steps))
+    await service.router.act_rows(steps, served)
+    it = iter(served)
+    out: list[Reply | Exception] = []
+    for r in results:
+        got = r if r is not None else next(it)
+        out.append(got if got is not None else Unavailable("deadline", "not served"))
+    return out
+
+
+def stack_rows(
+    contract: PolicyContract, results: list[Reply | Exception], model_name: str
+) -> tuple[dict[str, Array], str, Reply | None]:
+    """The outputs of a request of rows along the rows' axis (concatenated along the
+    batch axis, else stacked), zeros in a failed row; the ``rows`` parameter (a JSON
+    array: each row's facts, or ``{"error": {"status", "code", "message"}}``); and the
+    first reply (None: every row failed)."""
+    replies = [r for r in results if isinstance(r, Reply)]
+    first = replies[0] if replies else None
+    facts: list[dict[str, Any]] = []
+    for r in results:
+        if isinstance(r, Reply):
+            facts.append(r.facts())
+        else:
+            o = outcome(r)
+            facts.append({"error": {"status": o.status, "code": o.code, "message": o.message}})
+    outputs: dict[str, Array] = {}
+    if first is not None:
+        for name, like in first.outputs.items():
+            parts = [r.outputs[name] if isinstance(r, Reply) else np.zeros_like(like)
+                     for r in results]  # fmt: skip
+            outputs[name] = np.concatenate(parts) if contract.batch_axis else np.stack(parts)
+    return outputs, json.dumps(facts), first
 
 
 def pending_of(value: object) -> object:
@@ -148,7 +324,7 @@ def episode_of(sequence_id: object) -> str | None:
 REQUEST_PARAMETERS = frozenset(
     {"sequence_id", "sequence_start", "sequence_end", "timeout", "priority",
      "binary_data_output", "execute_steps", "ensemble", "executed", "inference_delay",
-     "control_hz", "pending", "timing"}
+     "control_hz", "pending", "timing", *ROW_PARAMETERS}
 )  # fmt: skip
 """The request parameters the node reads (``priority`` only checked, as Triton does)."""
 
