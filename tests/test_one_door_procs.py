@@ -61,6 +61,16 @@ def until_served(url: str, episode: str, limit: float = 60) -> dict[str, Any]:
     raise AssertionError(f"{episode} was not served within {limit}s: {last}")
 
 
+def runs_started(url: str, device: str) -> float:
+    """How many model runs ``device`` has begun: the queue wait is observed as a run starts
+    (``node/worker.py``), so a rise means a run is under way. Read from the node's
+    ``/metrics``, which its event loop answers while the worker's thread runs the model."""
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(f'affinity_queue_wait_seconds_count{{device="{device}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 @pytest.fixture
 def counter(tmp_path: Path) -> Path:
     """The counter policy, as quick as a model runs."""
@@ -102,9 +112,13 @@ def test_an_owner_paused_past_its_lease_never_answers_200_from_kept_nowhere(
                     return
                 got.update(status=r.status_code, body=r.json(), at=time.monotonic())
 
+            began = runs_started(a.url, "a/0")
             t = threading.Thread(target=step)
             t.start()
-            time.sleep(0.2)
+            # the stop lands once a's run of this step has begun, however busy the machine
+            wait_until(
+                lambda began=began: runs_started(a.url, "a/0") > began, 60, "a's run to begin"
+            )
             a.proc.send(signal.SIGSTOP)
             stopped = time.monotonic()
             try:
