@@ -190,19 +190,12 @@ def _dispatchers(
                 ids,
                 lambda device, name=name: sessions[(name, device)],  # type: ignore[misc]
                 contract,
-                failure_threshold=config.failure_threshold,
-                cooldown_s=config.cooldown_s,
                 on_transition=on_transition,
-                max_batch=config.max_batch,
-                batch_delay_us=config.batch_delay_us,
                 inline_under_us=config.inline_under_us,
                 inline_devices=[  # CPU sessions only (see MultiGpuDispatcher._inline)
                     d for (n, d), p in active.items() if n == name and p == CPU
                 ],
-                execute_steps=config.execute_steps,
-                ensemble=config.ensemble,
-                ensemble_decay=config.ensemble_decay,
-                control_hz=config.control_hz,
+                **_step_settings(config),
                 on_batch=both(
                     per_device(metrics.batch_size),
                     metrics.model_stats.setdefault(name, ModelStats()).ran,
@@ -218,6 +211,21 @@ def _dispatchers(
         }
 
     return dispatchers
+
+
+def _step_settings(config: NodeConfig) -> dict[str, Any]:
+    """What every dispatcher takes from the flags alike, live or candidate: crash tracking,
+    batching, action chunks and the control rate."""
+    return {
+        "failure_threshold": config.failure_threshold,
+        "cooldown_s": config.cooldown_s,
+        "max_batch": config.max_batch,
+        "batch_delay_us": config.batch_delay_us,
+        "execute_steps": config.execute_steps,
+        "ensemble": config.ensemble,
+        "ensemble_decay": config.ensemble_decay,
+        "control_hz": config.control_hz,
+    }
 
 
 def _candidates(config: NodeConfig, devices: list[DeviceSpec]) -> CandidateFactory | None:
@@ -245,15 +253,8 @@ def _candidates(config: NodeConfig, devices: list[DeviceSpec]) -> CandidateFacto
                 ids,
                 lambda device, mid=mid: sessions[(mid, device)],  # type: ignore[misc]
                 contract,
-                failure_threshold=config.failure_threshold,
-                cooldown_s=config.cooldown_s,
-                max_batch=config.max_batch,
-                batch_delay_us=config.batch_delay_us,
-                execute_steps=config.execute_steps,
-                ensemble=config.ensemble,
-                ensemble_decay=config.ensemble_decay,
-                control_hz=config.control_hz,
                 table=table,
+                **_step_settings(config),
                 model=mid,
             )
             for mid, contract in contracts.items()
