@@ -2,7 +2,8 @@
 :class:`Inventory`, :class:`EventStream`, :class:`Models` and :class:`Claims`.
 
 Exit codes: 0 ok, 1 not found (episode, device, node, no node registered at all in the
-namespace, or a move target that does not serve the episode's model), 2 usage, 3 Redis
+namespace, or a move target that does not serve the episode's model; a ``drain --move`` that
+left an episode where it was), 2 usage, 3 Redis
 unreachable or failing. ``--json`` (before or after the
 subcommand) prints machine-readable output instead of tables; ``events --json`` prints one
 JSON object per line. JSON says ``episode`` for an episode id everywhere, and tokens and
@@ -452,18 +453,110 @@ async def check_devices(ctx: Context, devices: Sequence[str]) -> None:
             raise UnknownDevice(device)
 
 
+@dataclass
+class DrainMoves:
+    """What became of the episodes a ``drain --move`` asked to move, read off the event
+    stream: ``moved`` (episode -> its new device), ``kept`` (episode -> why it stayed: the
+    ``move-kept`` event's ``why``), ``ended`` (released or expired meanwhile), and
+    ``waiting``: not heard of when the wait ended."""
+
+    moved: dict[str, str]
+    kept: dict[str, str]
+    ended: list[str]
+    waiting: list[str]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "moved": len(self.moved),
+            "kept": [{"episode": e, "why": w} for e, w in sorted(self.kept.items())],
+            "ended": sorted(self.ended),
+            "waiting": sorted(self.waiting),
+        }
+
+
+KEPT_WHY = {
+    "none": "no other device serving its model has room",
+    "unreachable": "the chosen device's node did not answer",
+    "refused": "the chosen device's node refused it",
+    "redis": "Redis failed during the move",
+}
+
+
+async def follow_moves(
+    ctx: Context, episodes: set[str], devices: set[str], cursor: str, wait_s: float
+) -> DrainMoves:
+    """Follow the event stream from ``cursor`` until each of ``episodes`` (on ``devices``)
+    was moved, kept where it is, or ended, or until ``wait_s`` seconds have passed."""
+    moves = DrainMoves({}, {}, [], [])
+    left = set(episodes)
+    deadline = asyncio.get_running_loop().time() + wait_s
+    while left:
+        remaining_ms = (deadline - asyncio.get_running_loop().time()) * 1000
+        if remaining_ms <= 0:
+            break
+        for event_id, fields in await ctx.events.wait(
+            cursor, min(FOLLOW_BLOCK_MS, int(remaining_ms) + 1)
+        ):
+            cursor = event_id
+            episode, kind = fields.get("episode", ""), fields.get("type")
+            if episode not in left:
+                continue
+            if kind == "moved" and fields.get("from") in devices:
+                moves.moved[episode] = fields.get("to", "")
+            elif kind == "move-kept" and fields.get("device") in devices:
+                moves.kept[episode] = fields.get("why", "")
+            elif kind == "release" and fields.get("device") in devices:
+                moves.ended.append(episode)
+            else:
+                continue
+            left.discard(episode)
+    moves.waiting = sorted(left)
+    return moves
+
+
+def moves_summary(moves: DrainMoves, asked: int, wait_s: float) -> str:
+    lines = [f"moved {len(moves.moved)} of {asked} episodes with their state"]
+    if moves.ended:
+        lines.append(f"{len(moves.ended)} ended meanwhile")
+    for episode, why in sorted(moves.kept.items()):
+        lines.append(f"kept {episode} where it is: {KEPT_WHY.get(why, why)}")
+    if moves.waiting:
+        lines.append(
+            f"{len(moves.waiting)} not moved within {wait_s:g} s (is the node up? affinity "
+            f"events shows a later move): {', '.join(moves.waiting)}"
+        )
+    return "\n".join(lines)
+
+
 async def cmd_drain(args: argparse.Namespace, ctx: Context) -> int:
     # every device drains before any move is asked: a move never lands on a device that
     # drains next (draining a node's devices together moves each episode once)
     await check_devices(ctx, args.device)
+    watch = args.move and args.wait > 0
+    if watch:  # the cursor first: no move can land before it
+        _, cursor = await ctx.events.latest(0)
+        on_them = [r.episode for d in args.device for r in await ctx.inventory.episodes(d)]
     changes = [await ctx.registry.drain(device, args.reason) for device in args.device]
     if args.move:  # each node moves them with their state at its next renewal
         for device in args.device:
             node = device.rpartition("/")[0]
             await ctx.registry.request_move(node, MoveRequest(device=device))
-    for device, change in zip(args.device, changes, strict=True):
-        report_state(ctx, device, change.state, change.previous)
-    return EXIT_OK
+    if not watch:
+        for device, change in zip(args.device, changes, strict=True):
+            report_state(ctx, device, change.state, change.previous)
+        return EXIT_OK
+    moves = await follow_moves(ctx, set(on_them), set(args.device), cursor, args.wait)
+    if ctx.json:
+        states = [
+            {"device": d, "state": c.state, "previous": c.previous}
+            for d, c in zip(args.device, changes, strict=True)
+        ]
+        emit_json(ctx, {"devices": states, "episodes": len(on_them), **moves.to_json()})
+    else:
+        for device, change in zip(args.device, changes, strict=True):
+            report_state(ctx, device, change.state, change.previous)
+        emit(ctx, moves_summary(moves, len(on_them), args.wait))
+    return EXIT_OK if not moves.kept and not moves.waiting else EXIT_NOT_FOUND
 
 
 async def cmd_move(args: argparse.Namespace, ctx: Context) -> int:
@@ -713,7 +806,15 @@ def add_episode_commands(command: AddCommand) -> None:
         "--move",
         action="store_true",
         help="and move its episodes to other devices with their state, at each node's next "
-        "lease renewal (within a third of its lease)",
+        "lease renewal (within a third of its lease); waits for the moves and says what "
+        "became of each episode (exit 1 when one stayed)",
+    )
+    p.add_argument(
+        "--wait",
+        type=non_negative,
+        default=30,
+        metavar="SECONDS",
+        help="with --move: how long to wait for the moves (default 30; 0 returns at once)",
     )
     p = command(
         "move",

@@ -22,7 +22,10 @@ import redis
 import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Keys, ModelId, Registry, Settings
-from affinity.cli import main
+from affinity.cli import Context, DrainMoves, follow_moves, main, moves_summary
+from affinity.events import EventStream
+from affinity.inventory import Inventory
+from affinity.models import Models
 from tests.conftest import place
 from tests.procs import ROOT, RedisServer, free_port, wait_until
 
@@ -393,13 +396,78 @@ def test_drain_several_devices_at_once(dep: Deployment, capsys: pytest.CaptureFi
     code, out, _ = cli(dep, capsys, "devices", "--json")
     assert {d["device"]: d["state"] for d in json.loads(out)}["gpu-a/0"] == "active"
 
-    code, out, err = cli(dep, capsys, "drain", "gpu-a/0", "gpu-a/1", "--move")
+    code, out, err = cli(dep, capsys, "drain", "gpu-a/0", "gpu-a/1", "--move", "--wait", "0")
     assert (code, err) == (0, "")
     assert out == "gpu-a/0: active -> draining\ngpu-a/1: active -> draining\n"
     asked = dep.server.client().smembers(KEYS.moves("gpu-a"))
     assert asked == {"@gpu-a/0", "@gpu-a/1"}
     code, out, _ = cli(dep, capsys, "undrain", "gpu-a/0", "gpu-a/1")
     assert (code, out) == (0, "gpu-a/0: draining -> active\ngpu-a/1: draining -> active\n")
+
+
+def test_drain_move_says_which_episodes_did_not_move(
+    dep: Deployment, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 42 item 3: ``drain --move`` waits for the moves and its summary names what
+    stayed (here no node runs, so nothing moves: each is named, exit 1)."""
+    on_a0 = sorted(ep for ep, (device, _) in dep.placed.items() if device == "gpu-a/0")
+    assert on_a0
+    code, out, err = cli(dep, capsys, "drain", "gpu-a/0", "--move", "--wait", "1")
+    assert (code, err) == (1, "")
+    lines = out.splitlines()
+    assert lines[:2] == [
+        "gpu-a/0: active -> draining",
+        f"moved 0 of {len(on_a0)} episodes with their state",
+    ]
+    assert lines[2].startswith(f"{len(on_a0)} not moved within 1 s (is the node up?")
+    assert lines[2].endswith(", ".join(on_a0))
+    code, out, _ = cli(dep, capsys, "undrain", "gpu-a/0")
+    assert code == 0
+
+
+def test_drain_move_summary_reads_moved_kept_and_ended_events(
+    dep: Deployment, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The events a drain's moves write (``moved``, ``move-kept``, ``release``) become the
+    summary; events of other devices or episodes are not counted."""
+    db = dep.server.client()
+    for fields in (
+        {"type": "moved", "episode": "e1", "from": "gpu-a/0", "to": "cpu-b/0"},
+        {"type": "moved", "episode": "e9", "from": "cpu-b/1", "to": "cpu-b/0"},  # not asked
+        {
+            "type": "move-kept",
+            "episode": "e2",
+            "device": "gpu-a/0",
+            "reason": "drain",
+            "why": "none",
+        },
+        {"type": "release", "episode": "e3", "device": "gpu-a/0", "reason": "client"},
+        {"type": "moved", "episode": "e4", "from": "gpu-a/1", "to": "cpu-b/1"},  # not drained
+    ):
+        db.xadd(KEYS.events, fields)
+
+    async def follow() -> DrainMoves:
+        client = redis.asyncio.Redis.from_url(dep.url, decode_responses=True)
+        s = SETTINGS.with_(redis_url=dep.url)
+        try:
+            ctx = Context(
+                Registry(client, s), Inventory(client, s), EventStream(client, s),
+                Models(client, s), Claims(client, s), False, sys.stdout, dep.url,
+            )  # fmt: skip
+            return await follow_moves(ctx, {"e1", "e2", "e3", "e4"}, {"gpu-a/0"}, "0-0", 2)
+        finally:
+            await client.aclose()
+
+    moves = asyncio.run(follow())
+    assert moves.moved == {"e1": "cpu-b/0"}
+    assert moves.kept == {"e2": "none"}
+    assert moves.ended == ["e3"] and moves.waiting == ["e4"]
+    assert moves_summary(moves, 4, 2).splitlines() == [
+        "moved 1 of 4 episodes with their state",
+        "1 ended meanwhile",
+        "kept e2 where it is: no other device serving its model has room",
+        "1 not moved within 2 s (is the node up? affinity events shows a later move): e4",
+    ]
 
 
 # -- events ---------------------------------------------------------------------------------

@@ -98,8 +98,9 @@ def test_a_drain_with_move_carries_every_front_doors_episode_with_its_state(
             wait_until(b.ready, 60, "b ready")
             for name in names:
                 assert on_device(redis, name) == "a/0"
-            out = cli(redis.url, "drain", "a/0", "--move")
+            out = cli(redis.url, "drain", "a/0", "--move")  # waits for the moves
             assert "draining" in out
+            assert f"moved {len(names)} of {len(names)} episodes with their state" in out, out
             wait_until(
                 lambda: all(on_device(redis, n) == "b/0" for n in names),
                 30,

@@ -116,7 +116,7 @@ def test_a_drain_moves_every_episode_though_the_old_owners_redis_link_is_slow(
             values = db.mget([KEYS.episode(ep) for ep in eps])
             return sum(str(v).startswith("b/0 ") for v in values)
 
-        cli(redis.url, "drain", "a/0", "--move")
+        cli(redis.url, "drain", "a/0", "--move", "--wait", "0")
         rounds = 0
         with ThreadPoolExecutor(8) as pool:
             while rounds < 60 and (on_b() < len(eps) or rounds < 2):
@@ -129,7 +129,7 @@ def test_a_drain_moves_every_episode_though_the_old_owners_redis_link_is_slow(
                     # what a move could not carry stays on a with its state (a move-kept
                     # event says so, e.g. a's slow link let a placement time out): the
                     # operator runs the drain again
-                    cli(redis.url, "drain", "a/0", "--move")
+                    cli(redis.url, "drain", "a/0", "--move", "--wait", "0")
             wait_until(lambda: on_b() == len(eps), 60, "every episode on b")
             for extra_round in range(2):  # and each goes on there
                 list(pool.map(robots.step, eps, [i + extra_round for i in range(len(eps))]))
