@@ -40,6 +40,7 @@ from affinity.models import Models
 from affinity.registry import DeviceScore, MoveRequest
 from affinity.shadows import Shadows
 from node.catalog import Catalog, contract_record
+from node.chunks import ChunkMode
 from node.config import NodeConfig
 from node.contract import PolicyContract
 from node.devices import DeviceSpec
@@ -385,22 +386,28 @@ class NodeService:
         except (AmbiguousModel, UnknownModel) as exc:
             raise refusal(exc) from None
 
-    def rtc_for(
+    def options_for(
         self,
         name: str | None,
-        executed: object,
-        delay: object,
-        control_hz: object,
+        execute_steps: object = None,
+        ensemble: object = None,
+        executed: object = None,
+        delay: object = None,
+        control_hz: object = None,
         pending: object = None,
-    ) -> Ask | None:
-        """A step's real-time-chunking values for model ``name``, checked here when this
-        node serves it (``InvalidArgument``), else passed on for its owner to check."""
+    ) -> tuple[ChunkMode | None, Ask | None]:
+        """A step's options for model ``name`` (None: the node's first), as every front door
+        takes them: its chunk mode (``MultiGpuDispatcher.mode_for``) and its real-time-
+        chunking values (``rtc_for``). Checked here when this node serves the model
+        (``InvalidArgument`` names the field); else the mode is None and the values are
+        passed on, for the owner to check."""
         local = self.dispatchers.get(name or next(iter(self.models)))
         if local is not None:
-            return local.rtc_for(executed, delay, control_hz, pending)
+            mode = local.mode_for(execute_steps, ensemble)
+            return mode, local.rtc_for(executed, delay, control_hz, pending)
         if executed is None and delay is None and control_hz is None and pending is None:
-            return None
-        return Ask(executed, delay, control_hz, pending)  # type: ignore[arg-type]
+            return None, None
+        return None, Ask(executed, delay, control_hz, pending)  # type: ignore[arg-type]
 
     def serving(self) -> bool:
         """Whether this node serves now: its lease is valid and it is not leaving."""

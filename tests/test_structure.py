@@ -160,3 +160,23 @@ def test_only_the_door_decodes_what_another_node_sends() -> None:
         }
     )
     assert calls == ["node/protocols/internal.py"]
+
+
+def test_the_front_doors_check_a_steps_options_in_one_place() -> None:
+    """``/act``, openpi and KServe take a step's chunk mode and real-time-chunking values
+    through one ``NodeService.options_for``, not each its own copy of "the local
+    dispatcher's ``mode_for``, then ``rtc_for``"."""
+    calls = sorted(
+        f"{path}: {ast.unparse(node.func)}"
+        for path, tree in _sources().items()
+        if path.startswith("node/protocols/")
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("mode_for", "rtc_for", "options_for")
+    )
+    assert calls == [
+        "node/protocols/act.py: service.options_for",
+        "node/protocols/kserve/request.py: service.options_for",
+        "node/protocols/openpi.py: service.options_for",
+    ]
