@@ -108,7 +108,6 @@ class NodeService:
         self.redis = redis
         self.owns_redis = owns_redis  # close it at stop (it was made for this node)
         self.table = EpisodeTable(clock)
-        self.lease_known = 0  # set below: the lease's knowledge of the fleet's longest lease
         self.claims = Claims(redis, config.settings, self._known_lease_ms)
         self.registry = Registry(redis, config.settings, self._known_lease_ms)
         # Pools that nothing a client does can exhaust: the lease's (renewals, registration,
