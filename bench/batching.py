@@ -33,7 +33,7 @@ import numpy as np
 from bench.common import median, pct, report
 from node.contract import PolicyContract, TensorSpec, load_contract
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
-from node.dispatcher import MultiGpuDispatcher, Session
+from node.dispatcher import BatchSettings, MultiGpuDispatcher, Session
 from node.models import MODELS_DIR
 from node.providers import ProviderSettings, build_session
 from tests.dispatch import dispatch
@@ -121,7 +121,10 @@ def measure(
 
             async def once(mode: str = mode, max_batch: int | None = max_batch) -> None:
                 d = MultiGpuDispatcher(
-                    ["bench/0"], lambda _: sessions[mode], contract, max_batch=max_batch
+                    ["bench/0"],
+                    lambda _: sessions[mode],
+                    contract,
+                    batching=BatchSettings(max_batch=max_batch),
                 )
                 try:
                     rate, lat = await drive(d, episodes, seconds, inputs)

@@ -19,7 +19,7 @@ import tracemalloc
 from bench.common import report
 from node.contract import load_contract
 from node.devices import discover
-from node.dispatcher import MultiGpuDispatcher
+from node.dispatcher import BatchSettings, MultiGpuDispatcher
 from node.models import resolve_model
 from node.providers import ProviderSettings, build_session
 from tests.dispatch import dispatch
@@ -31,7 +31,9 @@ async def measure(model: str, episodes: int, steps: int) -> tuple[float, int]:
     spec = discover("cpu:1")[0]
     session = build_session(path, spec, ProviderSettings()).session
     device = "bench/0"
-    d = MultiGpuDispatcher([device], lambda _: session, contract, max_batch=1)
+    d = MultiGpuDispatcher(
+        [device], lambda _: session, contract, batching=BatchSettings(max_batch=1)
+    )
     inputs = {s.name: s.zeros() for s in contract.observation_inputs}
     try:
         for i in range(20):  # warm: allocator pools, caches

@@ -36,7 +36,7 @@ import numpy as np
 from bench.common import median, pct, report
 from node.contract import load_contract
 from node.devices import discover
-from node.dispatcher import MultiGpuDispatcher
+from node.dispatcher import ChunkSettings, MultiGpuDispatcher
 from node.models import RTC_DEMO_MODEL
 from node.providers import ProviderSettings, build_session
 from node.rtc import Ask
@@ -126,7 +126,7 @@ def main() -> None:
             for mode in ("rtc", "without"):
                 clock = SimClock()
                 d = MultiGpuDispatcher(["bench/0"], lambda _: session, contract, clock=clock,
-                                       control_hz=HZ)  # fmt: skip
+                                       chunks=ChunkSettings(control_hz=HZ))  # fmt: skip
                 try:
                     actions, wall = asyncio.run(robot(d, clock, world, run, steps, mode == "rtc"))
                 finally:

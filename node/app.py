@@ -138,14 +138,15 @@ def create_app(
     """The app; ``service_factory`` builds the node (devices, sessions, Redis) at start-up.
     ``access_log`` writes one line per request (``node/accesslog.py``), as JSON with
     ``log_json``."""
-    access = AccessLog(access_log, json=log_json)
+    # the access log is made before the node (the lifespan builds it): it counts lines it
+    # could not write on the node's metrics once there is one
+    access = AccessLog(access_log, json=log_json, on_drop=lambda n: _log_dropped(api, n))
 
     @asynccontextmanager
     async def lifespan(api: FastAPI) -> AsyncIterator[None]:
         service = await service_factory()
         await service.start()
         api.state.service = service
-        access.on_drop = service.metrics.log_dropped.inc
         try:
             yield
         finally:
@@ -167,6 +168,14 @@ def create_app(
         ("POST", "/internal/move"): internal.move,
     }
     return NodeApp(api, hot, access)
+
+
+def _log_dropped(api: FastAPI, lines: int) -> None:
+    """Count ``lines`` the access log could not write, on the node's metrics (none before
+    the node is built)."""
+    service: NodeService | None = getattr(api.state, "service", None)
+    if service is not None:
+        service.metrics.log_dropped.inc(lines)
 
 
 def _add_error_handlers(api: FastAPI) -> None:

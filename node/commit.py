@@ -78,6 +78,7 @@ class Records:
         control_hz: float | None,
         clock: Callable[[], float],
         model: str,
+        recorder: Recorder | None = None,
     ) -> None:
         self.table = table
         self.contract = contract
@@ -87,7 +88,7 @@ class Records:
         self.clock = clock
         self.model = model
         self._fed_back = set(contract.state.values())
-        self.recorder: Recorder | None = None  # --record: kept steps go to it (node/recorder.py)
+        self.recorder = recorder  # --record: kept steps go to it (node/recorder.py)
 
     def answer_at_once(
         self,

@@ -16,7 +16,8 @@ import asyncio
 import functools
 import math
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -26,13 +27,13 @@ from node import warmup
 from node.chunks import ChunkMode, find_chunk
 from node.commit import Records, StepJob
 from node.contract import PolicyContract
-from node.crashes import CrashTracker, Transition
+from node.crashes import CrashTracker
 from node.episodes import EpisodeTable
 from node.errors import DeviceDown, NotKept
 from node.jobs import Arrival, Arrivals, Session
 from node.record import StepResult
 from node.rtc import Ask, control_rate, rtc_of
-from node.worker import DEFAULT_BATCH_DELAY_US, DeviceWorker, batch_limit
+from node.worker import DEFAULT_BATCH_DELAY_US, DeviceWorker, WorkerHooks, batch_limit
 
 if TYPE_CHECKING:
     from affinity.claims import Assignment
@@ -42,26 +43,60 @@ if TYPE_CHECKING:
 __all__ = [  # the worker's and health's names too, for the imports made before the split
     "Arrival",
     "Arrivals",
+    "BatchSettings",
+    "ChunkSettings",
+    "CrashSettings",
     "MultiGpuDispatcher",
     "Session",
+    "WorkerHooks",
 ]
 
 Array = np.ndarray[Any, Any]
+
+
+@dataclass(frozen=True)
+class CrashSettings:
+    """When a device's crash tracker takes it down (``failure_threshold`` failed runs in a
+    row) and for how long (``cooldown_s``) before a probe: :class:`node.crashes.CrashTracker`."""
+
+    failure_threshold: int = 3
+    cooldown_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """The workers' batching (:class:`node.worker.DeviceWorker`). ``max_batch`` (None:
+    ``MAX_DEFAULT_BATCH`` when the model allows batching; 1: off), ``batch_delay_us``, and
+    ``inline_under_us`` for the ``inline_devices`` only (0: never inline)."""
+
+    max_batch: int | None = None
+    batch_delay_us: float = DEFAULT_BATCH_DELAY_US
+    inline_under_us: float = 0.0
+    inline_devices: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class ChunkSettings:
+    """The node's chunk-execution mode (:mod:`node.chunks`; ``execute_steps`` and
+    ``ensemble`` both None or ``"none"``: off), and its control rate (``--control-hz``, for
+    real-time chunking: :mod:`node.rtc`)."""
+
+    execute_steps: int | None = None
+    ensemble: str | None = None
+    ensemble_decay: float = 0.01
+    control_hz: float | None = None
 
 
 class MultiGpuDispatcher:
     """Routes one model's steps to its per-device workers and keeps per-episode state.
 
     ``devices`` are device ids (``<node>/<index>``); ``session_factory(device_id)`` builds
-    the device's session (called once per device, in the constructor). ``clock`` is a
-    monotonic clock in seconds. Use from one asyncio event loop.
-
-    ``max_batch`` (None: ``MAX_DEFAULT_BATCH`` when the model allows batching; 1: off),
-    ``batch_delay_us``, ``inline_under_us`` (for ``inline_devices`` only; 0: never) and the
-    hooks ``on_batch``, ``on_queue_wait`` and ``on_transition`` are the workers'
-    (:class:`node.worker.DeviceWorker`). ``execute_steps``, ``ensemble`` and
-    ``ensemble_decay``: the node's chunk-execution mode (:mod:`node.chunks`; both None or
-    ``"none"``: off). Raises ``ValueError`` for a bad setting.
+    the device's session (called once per device, in the constructor). ``crashes``,
+    ``batching``, ``chunks`` and ``hooks``: the settings above and the workers'
+    :class:`~node.worker.WorkerHooks`. ``recorder`` is handed each kept step (``--record``;
+    None: off). ``table`` and ``arrivals`` are the node's, shared by all its models (None:
+    this dispatcher's own). ``clock`` is a monotonic clock in seconds. Use from one asyncio
+    event loop. Raises ``ValueError`` for a bad setting.
     """
 
     def __init__(
@@ -70,79 +105,67 @@ class MultiGpuDispatcher:
         session_factory: Callable[[str], Session],
         contract: PolicyContract,
         *,
-        failure_threshold: int = 3,
-        cooldown_s: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
-        on_transition: Transition | None = None,
-        max_batch: int | None = None,
-        batch_delay_us: float = DEFAULT_BATCH_DELAY_US,
-        inline_under_us: float = 0.0,
-        inline_devices: Collection[str] = (),
-        execute_steps: int | None = None,
-        ensemble: str | None = None,
-        ensemble_decay: float = 0.01,
-        on_batch: Callable[[str, int], None] | None = None,
-        on_queue_wait: Callable[[str, float], None] | None = None,
-        control_hz: float | None = None,
+        crashes: CrashSettings = CrashSettings(),
+        batching: BatchSettings = BatchSettings(),
+        chunks: ChunkSettings = ChunkSettings(),
+        hooks: WorkerHooks | None = None,
+        recorder: Recorder | None = None,
         table: EpisodeTable | None = None,
         arrivals: Arrivals | None = None,
+        clock: Callable[[], float] = time.monotonic,
         model: str = "",
     ) -> None:
         if not devices:
             raise ValueError("a dispatcher needs at least one device")
-        if failure_threshold < 1:
-            raise ValueError(f"failure_threshold={failure_threshold}: must be >= 1")
+        if crashes.failure_threshold < 1:
+            raise ValueError(f"failure_threshold={crashes.failure_threshold}: must be >= 1")
+        max_batch, delay_us = batching.max_batch, batching.batch_delay_us
         if max_batch is not None and max_batch < 1:
             raise ValueError(f"batch size limit {max_batch}: must be >= 1 (steps per model run)")
-        if not (math.isfinite(batch_delay_us) and batch_delay_us >= 0):
-            raise ValueError(f"batch_delay_us={batch_delay_us}: must be a finite number >= 0")
-        if not 0 <= inline_under_us <= 1_000_000:
-            raise ValueError(f"inline_under_us must be 0-1000000, not {inline_under_us}")
+        if not (math.isfinite(delay_us) and delay_us >= 0):
+            raise ValueError(f"batch_delay_us={delay_us}: must be a finite number >= 0")
+        if not 0 <= batching.inline_under_us <= 1_000_000:
+            raise ValueError(f"inline_under_us must be 0-1000000, not {batching.inline_under_us}")
         self.contract = contract
         self.clock = clock
         self.chunk, self._no_chunk = find_chunk(contract)
         self.rtc = rtc_of(contract)
         """The model's real-time-chunking inputs (None: it has none; ``node/rtc.py``)."""
-        self.control_hz = control_hz
-        self.ensemble_decay = ensemble_decay
+        self.control_hz = chunks.control_hz
+        self.ensemble_decay = chunks.ensemble_decay
         self.chunk_mode: ChunkMode | None = None
         """The node's chunk-execution mode (None: off)."""
-        if execute_steps is not None or ensemble not in (None, "none"):
-            self.chunk_mode = self.mode_for(execute_steps, ensemble)
+        if chunks.execute_steps is not None or chunks.ensemble not in (None, "none"):
+            self.chunk_mode = self.mode_for(chunks.execute_steps, chunks.ensemble)
         self.max_batch, self.batching_off = batch_limit(contract.batch_blocker, max_batch, model)
         self.table = table if table is not None else EpisodeTable(clock)
         """The node's episode records, shared by the dispatchers of all its models."""
         self.arrivals = arrivals if arrivals is not None else Arrivals()
         self._records = Records(
-            self.table, contract, self.chunk, self.rtc, control_hz, clock, model
+            self.table, contract, self.chunk, self.rtc, chunks.control_hz, clock, model, recorder
         )
         self._outputs = [o.name for o in contract.outputs]
         self._devices: dict[str, DeviceWorker] = {}
         for device in devices:
+            inline = device in batching.inline_devices
             self._devices[device] = DeviceWorker(
                 device,
                 session_factory(device),
-                CrashTracker(failure_threshold, cooldown_s, clock),
+                CrashTracker(crashes.failure_threshold, crashes.cooldown_s, clock),
                 outputs=self._outputs,
                 prepare=self._records.prepare,
                 commit=self._records.commit,
                 max_batch=self.max_batch,
-                batch_delay_s=batch_delay_us / 1e6,
+                batch_delay_s=delay_us / 1e6,
                 arrivals=self.arrivals,
                 peers=self._devices,
-                inline_under_s=inline_under_us / 1e6 if device in inline_devices else 0.0,
-                on_transition=on_transition,
-                on_batch=on_batch,
-                on_queue_wait=on_queue_wait,
+                inline_under_s=batching.inline_under_us / 1e6 if inline else 0.0,
+                hooks=hooks or WorkerHooks(),
             )
         for dev in self._devices.values():
             dev.start()
 
     # ---- inspection ------------------------------------------------------------------
-
-    def record_to(self, recorder: Recorder | None) -> None:
-        """Hand each kept step of this model to ``recorder`` (``--record``)."""
-        self._records.recorder = recorder
 
     def failed(
         self, assignment: Assignment, inputs: Mapping[str, Array], seq: int | None, code: str
@@ -166,12 +189,6 @@ class MultiGpuDispatcher:
     @property
     def devices(self) -> list[str]:
         return list(self._devices)
-
-    def observe_runs(self, hook: Callable[[str, tuple[int, float]], None]) -> None:
-        """Call ``hook(device, (batch size, seconds))`` after each model run, on the worker's
-        thread (scored placement's step times, ``node/placement.py``)."""
-        for dev in self._devices.values():
-            dev.on_run = hook
 
     def tracker(self, device: str) -> CrashTracker:
         return self._device(device).tracker

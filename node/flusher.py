@@ -26,7 +26,6 @@ from collections.abc import Callable, Sequence
 from affinity import Registry, Settings
 from affinity.registry import Held, Registered
 from node.episodes import EpisodeTable
-from node.lease import Lease
 from node.metrics import Metrics
 
 __all__ = ["EXPIRY_MARGIN_S", "SLIDE_AHEAD_S", "Flusher"]
@@ -47,7 +46,6 @@ class Flusher:
         self,
         node_id: str,
         table: EpisodeTable,
-        lease: Lease,
         registry: Registry,
         metrics: Metrics,
         settings: Settings,
@@ -55,7 +53,6 @@ class Flusher:
     ) -> None:
         self.node_id = node_id
         self.table = table
-        self.lease = lease
         self.registry = registry  # the lease's own pool
         self.metrics = metrics
         self.lease_ttl_s = settings.lease_ttl_s
@@ -133,10 +130,11 @@ class Flusher:
 
     # ---- the flush -----------------------------------------------------------------------
 
-    async def flush(self) -> None:
+    async def flush(self, instance: str | None) -> None:
         """Expire idle records here, then release them and slide the backstops in one
-        round trip (nothing to say: no round trip). Raises what the registry raises; the
-        work is kept for the next flush."""
+        round trip (nothing to say: no round trip) under the lease's registration of
+        ``instance`` (None: not registered, nothing is sent). Raises what the registry
+        raises; the work is kept for the next flush."""
         sent = self.clock()
         expired = self.table.expire_idle(self.idle_ttl_s)
         if expired:
@@ -156,11 +154,11 @@ class Flusher:
             self.flushed_at = sent
             self._prune(holding)
             return
-        if not self.lease.registered:
+        if instance is None:
             return
         self._releasing = {ep for ep, _ in idle}
         try:
-            done = await self.registry.flush(self.node_id, self.lease.instance, slide, idle)
+            done = await self.registry.flush(self.node_id, instance, slide, idle)
         finally:
             self._releasing = set()
         if done is None:

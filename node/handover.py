@@ -57,26 +57,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Literal
 
-from affinity import AffinityError, Claims, wire
+from affinity import AffinityError, Claims
 from affinity.registry import MoveRequest
 from affinity.transfers import NotPlaced, Placement, Transfers
 from node.contract import PolicyContract
 from node.episodes import Episode, EpisodeTable
-from node.errors import ForwardError, ModelNotServed, Refused, TransferError, Unavailable
+from node.errors import ForwardError, Refused, Unavailable
 from node.forward import MOVE_PATH, Forward, Poster, send_undo
 from node.lease import Lease
 from node.metrics import Metrics
 from node.transfer import (
     GhostCarry,
     Install,
-    decode_install,
+    Settle,
     encode_install,
+    encode_settle,
     record_bytes,
 )
 
@@ -127,7 +127,6 @@ class Mover:
         pool: Poster,
         metrics: Metrics,
         contracts: Mapping[str, PolicyContract],
-        secret: str | None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.node_id = node_id
@@ -144,7 +143,6 @@ class Mover:
         self.moved_away: Callable[[str], None] | None = None
         self.adopt: Callable[[Install], None] | None = None
         self.ghost_contracts: Mapping[str, PolicyContract] = {}
-        self.secret = secret or ""
         self.clock = clock
         self._telling: set[asyncio.Task[None]] = set()
         self._committing: set[str] = set()  # moves whose commit is on its way
@@ -292,8 +290,10 @@ class Mover:
         with contextlib.suppress(AffinityError):
             await self.transfers.abort(episode, token, claim, instance, to)
 
-    async def _tell(self, to: Placement, episode: str, op: str, claim: str = "") -> None:
-        body = wire.encode({"op": op, "episode_id": episode, "claim": claim or to.claim})
+    async def _tell(
+        self, to: Placement, episode: str, op: Literal["confirm", "drop"], claim: str = ""
+    ) -> None:
+        body = encode_settle(Settle(op, episode, claim or to.claim))
         with contextlib.suppress(TimeoutError, ForwardError):
             async with asyncio.timeout(MOVE_S):
                 await self.pool.post(to.url, body, MOVE_PATH)
@@ -370,23 +370,16 @@ class Mover:
 
     # ---- the new owner ---------------------------------------------------------------
 
-    async def receive(self, body: bytes, secret: str | None, local_devices: frozenset[str]) -> None:
-        """Install (or confirm, or drop) a record another node hands over. Raises
-        :class:`Refused` (403 bad secret, 400/422 a record that does not fit, 421 a device
-        not here, 409 a live record held here or a reservation that is gone) and
-        ``Unavailable`` (this node's lease is not current, it is leaving, Redis cannot be
-        asked)."""
-        if self.secret and not hmac.compare_digest((secret or "").encode(), self.secret.encode()):
-            raise Refused(403, "bad_secret", "missing or wrong cluster secret")
+    async def receive(self, message: Install | Settle, local_devices: frozenset[str]) -> None:
+        """Install a record another node hands over, or confirm or drop the copy of one
+        (``message``: decoded by the door, ``node/protocols/internal.py``). Raises
+        :class:`Refused` (421 a device not here, 409 a live record held here or a
+        reservation that is gone) and ``Unavailable`` (this node's lease is not current, it
+        is leaving, Redis cannot be asked)."""
         self.lease.require()
-        try:
-            doc = wire.decode(body)
-        except wire.WireError as exc:
-            raise Refused(400, "bad_forward", str(exc)) from None
-        op = doc.get("op", "install") if isinstance(doc, dict) else None
-        if op in ("confirm", "drop"):
-            episode, claim = str(doc.get("episode_id", "")), str(doc.get("claim", ""))
-            if op == "confirm":
+        if isinstance(message, Settle):
+            episode, claim = message.episode, message.claim
+            if message.op == "confirm":
                 self.table.confirm(episode, claim)
                 return
             copy = self.table.copy_of(episode)
@@ -395,12 +388,7 @@ class Mover:
             return
         if self.lease.leaving:
             raise Unavailable("leaving", f"node {self.node_id} is shutting down", 1.0)
-        try:
-            install = decode_install(body, self.contracts, self.clock(), self.ghost_contracts)
-        except ModelNotServed as exc:
-            raise Refused(421, "not_owner", f"node {self.node_id}: {exc}") from None
-        except TransferError as exc:
-            raise Refused(422, "bad_record", str(exc)) from None
+        install = message
         if install.device not in local_devices:
             raise Refused(421, "not_owner", f"device {install.device!r} is not on {self.node_id}")
         await self._install(install)

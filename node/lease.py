@@ -78,6 +78,8 @@ class Lease:
         models: Mapping[ModelId, str] | None = None,
         on_renewed: Callable[[], Awaitable[None]] | None = None,
         scores: Callable[[], Sequence[DeviceScore]] = list,
+        listener: LeaseListener | None = None,
+        on_moves: Callable[[Sequence[MoveRequest]], None] | None = None,
     ) -> None:
         self.config = config
         self.node_id = config.node_id
@@ -97,9 +99,9 @@ class Lease:
         self.on_renewed = on_renewed  # after each renewal
         # the scores each renewal publishes (scored placement: node/placement.py)
         self.scores = scores
-        self.listener: LeaseListener | None = None
+        self.listener = listener  # the owner's flusher: what the lease lets it keep
         # what an operator asked to move, read at a renewal (started in the background)
-        self.on_moves: Callable[[Sequence[MoveRequest]], None] | None = None
+        self.on_moves = on_moves
         self.granted_s = config.settings.lease_ttl_s  # what Redis granted last
         self.longest_ms = 0  # the longest lease TTL of the fleet, as last heard
         self.server_id: str | None = None  # run_id of the Redis server last seen

@@ -16,7 +16,6 @@ next flush for idle expiry. A load slot may stay taken until then, never the rev
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -28,7 +27,6 @@ from affinity import (
     Claims,
     InvalidArgument,
     PoolExhausted,
-    Registry,
     StaleToken,
     UnknownEpisode,
 )
@@ -80,7 +78,7 @@ class Owner:
         health: DeviceHealth,
         claims: Claims,
         lease_claims: Claims,
-        registry: Registry,
+        flusher: Flusher,
         metrics: Metrics,
         pool: Poster,
         clock: Callable[[], float] = time.monotonic,
@@ -106,7 +104,7 @@ class Owner:
         self.shadow = shadow  # ghost episodes after live steps (node/shadow.py)
         self._ending: dict[str, asyncio.Event] = {}  # ends whose release in Redis is in flight
         settings = config.settings  # the flushes and hand-overs use the lease's own pool
-        self.flusher = Flusher(self.node_id, table, lease, registry, metrics, settings, clock)
+        self.flusher = flusher  # the lease's listener too
         self.mover = Mover(
             self.node_id,
             table,
@@ -116,13 +114,10 @@ class Owner:
             pool,
             metrics,
             {d.model: d.contract for d in dispatchers.values()},
-            config.cluster_secret,
             clock,
         )
         self.handovers = HandOvers(self.node_id, table, lease, self.mover,
                                    config.drain_timeout_s, clock)  # fmt: skip
-        lease.listener = self.flusher
-        lease.on_moves = self.handovers.move_requested
 
     # ---- may I serve -------------------------------------------------------------------
 
@@ -207,7 +202,7 @@ class Owner:
             result = await dispatcher.step(step, assignment, inputs=feed, generation=generation)
         except ClaimEnded:
             if self.flusher.idled(assignment.episode):  # it idled out here: release it now,
-                await self.flusher.flush()  # so a resolve claims anew
+                await self.flush()  # so a resolve claims anew
             raise
         except StepRefused as exc:
             if isinstance(exc, ModelFailure):
@@ -253,23 +248,15 @@ class Owner:
             held=step.seq is not None,
         )
 
-    async def serve_forwarded(self, body: bytes, secret: str | None) -> Reply | None:
-        """Serve a step another node resolved and forwarded here; or undo (``undo``) or
-        end (``release``) what a forward names (None).
+    async def serve_forwarded(self, fwd: Forward, received: float) -> Reply | None:
+        """Serve a step another node resolved and forwarded here (``fwd``: decoded by the
+        door, ``node/protocols/internal.py``, which received it at ``received`` by this
+        owner's clock); or undo (``undo``) or end (``release``) what it names (None).
 
-        Refuses (403) a wrong cluster secret, (400) a malformed forward, (421) a device not
-        on this node. Refuses (409) a claim Redis no longer holds for the episode, or an
-        episode this leaving node just handed over. Also 409 for a registration other than
-        this process's; the router's view is stale, so it asks Redis. 503 when out of budget
-        or fenced."""
-        received = self.clock()
-        expected = self.config.cluster_secret or ""
-        if expected and not hmac.compare_digest((secret or "").encode(), expected.encode()):
-            raise Refused(403, "bad_secret", "missing or wrong cluster secret")
-        try:
-            fwd = Forward.decode(body)
-        except ValueError as exc:
-            raise Refused(400, "bad_forward", str(exc)) from None
+        Refuses (421) a device not on this node. Refuses (409) a claim Redis no longer holds
+        for the episode, or an episode this leaving node just handed over. Also 409 for a
+        registration other than this process's; the router's view is stale, so it asks
+        Redis. 503 when out of budget or fenced."""
         if fwd.device not in self.local_devices:
             raise Refused(421, "not_owner", f"device {fwd.device!r} is not on node {self.node_id}")
         if fwd.undo:
@@ -442,6 +429,10 @@ class Owner:
     async def leave(self) -> None:
         """The graceful stop (:meth:`HandOvers.leave`)."""
         await self.handovers.leave()
+
+    async def flush(self) -> None:
+        """The flusher's flush (:meth:`Flusher.flush`) under this process's registration."""
+        await self.flusher.flush(self.lease.instance if self.lease.registered else None)
 
     def refresh_gauges(self) -> None:
         for device in self.local_devices:

@@ -103,6 +103,7 @@ class Recorder:
         flush_frames: int = 512,
         flush_s: float = 1.0,
         clock: Callable[[], float] = time.time,
+        on_count: Callable[[str, int], None] | None = None,
     ) -> None:
         import fsspec  # the optional "record" extra: imported only when recording is on
 
@@ -122,7 +123,7 @@ class Recorder:
         self.dropped = 0
         self.written = 0
         self._counted = {"queued": 0, "dropped": 0, "written": 0}
-        self.on_count: Callable[[str, int], None] | None = None
+        self.on_count = on_count
         """Called on the writer thread with (outcome, increase) for the metrics."""
         self._segments: dict[tuple[str, str], _Segment] = {}
         self._stop = threading.Event()

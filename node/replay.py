@@ -117,7 +117,7 @@ async def replay(dataset: str, model: str) -> Report:
     device = discover("cpu:1")[0]
     built = build_session(spec.path, device, ProviderSettings(), intra_op_threads=1)
     dev_id = "replay/0"
-    d = MultiGpuDispatcher([dev_id], lambda _: built.session, contract, inline_under_us=0)
+    d = MultiGpuDispatcher([dev_id], lambda _: built.session, contract)
     report = Report(str(spec.identity()), aff["model"], fps=int(info["fps"]))
     try:
         n = len(cols["index"])

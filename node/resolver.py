@@ -63,13 +63,14 @@ class Resolver:
         admission_wait_s: float,
         clock: Callable[[], float] = time.monotonic,
         catalog: Catalog | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self.claims = claims
         self.first_model = first_model  # a step that names none
         self.metrics = metrics
         self.peers = peers
         self.catalog = catalog
-        self.placement = Placement()  # the node's --placement (node/service.py sets it)
+        self.placement = placement or Placement()  # the node's --placement
         self.admission = (
             Admission(admission_wait_s, clock=clock, on_waiting=metrics.admission_waiting.set)
             if admission_wait_s

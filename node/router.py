@@ -48,7 +48,7 @@ from node.lease import Lease
 from node.metrics import ROUTING, Metrics
 from node.owner import Owner
 from node.peers import PeerHealth
-from node.resolver import Resolver
+from node.resolver import Placement, Resolver
 from node.stateless import Stateless
 from node.step import Reply, Step, TimeLimit
 from node.timing import StepTimes
@@ -161,8 +161,9 @@ class Router:
         self._routing_counted = {r: metrics.routing.labels(r) for r in ROUTING}
         self._act_seconds = {p: metrics.act_seconds.labels(p) for p in ("local", "forwarded")}
         self.peers = PeerHealth()
+        placement = Placement(config.placement, config.placement_headroom, config.control_hz)
         self.resolver = Resolver(claims, owner.first_model, metrics, self.peers,
-                                 config.admission_wait_s, clock, catalog)  # fmt: skip
+                                 config.admission_wait_s, clock, catalog, placement)  # fmt: skip
         self.stateless = Stateless(self.node_id, config.advertise_url, dispatchers, health,
                                    owner.models)  # fmt: skip
         self._restarting: dict[str, int] = {}  # episodes whose restart claim is in flight

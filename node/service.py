@@ -21,7 +21,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from affinity import (
@@ -37,16 +37,18 @@ from affinity import (
 )
 from affinity.dataset import Selection
 from affinity.models import Models
-from affinity.registry import DeviceScore
+from affinity.registry import DeviceScore, MoveRequest
 from affinity.shadows import Shadows
 from node.catalog import Catalog, contract_record
+from node.chunks import ChunkMode
 from node.config import NodeConfig
 from node.contract import PolicyContract
 from node.devices import DeviceSpec
-from node.dispatcher import MultiGpuDispatcher
+from node.dispatcher import MultiGpuDispatcher, WorkerHooks
 from node.episodes import EpisodeTable
 from node.errors import AmbiguousModel, refusal
 from node.fleet import MAX_STREAMS
+from node.flusher import Flusher
 from node.forward import ForwardPool, Poster
 from node.handover import MOVES_AT_ONCE
 from node.health import DeviceHealth
@@ -56,7 +58,6 @@ from node.metrics import Metrics
 from node.owner import Owner
 from node.placement import StepTimes
 from node.recorder import Recorder
-from node.resolver import Placement
 from node.rollouts import RolloutMemory
 from node.router import Router
 from node.rtc import Ask
@@ -72,11 +73,12 @@ LEASE_CONNECTIONS = 4 + MOVES_AT_ONCE
 behind the hand-overs that may run at once (each holds one while it asks Redis)."""
 
 DispatcherFactory = Callable[
-    [list[str], Callable[[str, str, str], None], Metrics, EpisodeTable, Arrivals],
+    [list[str], WorkerHooks, Metrics, EpisodeTable, Arrivals, Recorder | None],
     dict[str, MultiGpuDispatcher],
 ]
-"""(device ids, crash-transition callback, metrics for the batching hooks, the node's
-episode table, its arrivals) -> model name -> its dispatcher (the first model first)."""
+"""(device ids, the workers' hooks, metrics for the batching hooks, the node's episode
+table, its arrivals, its recorder) -> model name -> its dispatcher (the first model
+first)."""
 
 CandidateFactory = Callable[[list[str], EpisodeTable], dict[str, MultiGpuDispatcher]]
 """(device ids, the ghost table) -> candidate ``"name@version"`` -> its dispatcher
@@ -106,7 +108,6 @@ class NodeService:
         self.redis = redis
         self.owns_redis = owns_redis  # close it at stop (it was made for this node)
         self.table = EpisodeTable(clock)
-        self.lease_known = 0  # set below: the lease's knowledge of the fleet's longest lease
         self.claims = Claims(redis, config.settings, self._known_lease_ms)
         self.registry = Registry(redis, config.settings, self._known_lease_ms)
         # Pools that nothing a client does can exhaust: the lease's (renewals, registration,
@@ -125,20 +126,24 @@ class NodeService:
         self.providers = dict(providers)
         self.device_ids = [f"{config.node_id}/{s.index}" for s in specs]
         self.metrics = Metrics(self.device_ids, config.capacity)
-        # the dispatchers report crash transitions (from their workers) to the health
+        self.recorder = self._recorder()
+        # the workers report crash transitions to the health and their runs' times to
+        # scored placement (self._ran: the step times are made from the dispatchers' limits)
+        hooks = WorkerHooks(on_transition=self._on_transition, on_run=self._ran)
         self.dispatchers = dispatcher_factory(
-            self.device_ids, self._on_transition, self.metrics, self.table, Arrivals()
+            self.device_ids, hooks, self.metrics, self.table, Arrivals(), self.recorder
         )
+        if self.recorder is not None:  # (not before: a model the flags refuse stops here)
+            self.recorder.start()
         # scored placement's step times, measured here, published at each renewal
         self.step_times = StepTimes(
             max((getattr(d, "max_batch", 1) for d in self.dispatchers.values()), default=1)
         )
-        for d in self.dispatchers.values():
-            observe = getattr(d, "observe_runs", None)  # (a test's fake dispatcher has none)
-            if observe is not None:
-                observe(self.step_times.ran)
         lease_registry = Registry(self.lease_redis, config.settings, self._known_lease_ms)
         self.health = DeviceHealth(self.dispatchers, lease_registry, self.metrics)
+        # the owner's batched writes (on the lease's own pool); what the lease lets it keep
+        flusher = Flusher(self.node_id, self.table, lease_registry, self.metrics,
+                          config.settings, clock)  # fmt: skip
         self.lease = Lease(
             config,
             lease_registry,
@@ -149,11 +154,12 @@ class NodeService:
             models={m: contract_record(c) for m, c in self.models.values()},
             on_renewed=self._renewed,  # device states made to agree, rollouts remembered
             scores=self._scores,  # scored placement's, published at each renewal
+            listener=flusher,
+            on_moves=self._moves_requested,  # the owner's hand-overs, which need the lease
         )
         self.rollouts = RolloutMemory(
             Models(self.lease_redis, config.settings), [mid.name for mid, _ in self.models.values()]
         )
-        self.recorder = self._recorder()
         self.pool: Poster = pool or ForwardPool(config.cluster_secret)
         self.started = False
         self._warned: set[str] = set()
@@ -176,7 +182,7 @@ class NodeService:
             self.health,
             self.claims,
             Claims(self.lease_redis, config.settings, self._known_lease_ms),
-            lease_registry,
+            flusher,
             self.metrics,
             self.pool,
             clock,
@@ -198,9 +204,6 @@ class NodeService:
             self.pool,
             clock,
             catalog=self.catalog,
-        )
-        self.router.resolver.placement = Placement(
-            config.placement, config.placement_headroom, config.control_hz
         )
         self._maintenance: asyncio.Task[None] | None = None
         every = config.fleet_view_every_s
@@ -229,6 +232,12 @@ class NodeService:
 
     def _on_transition(self, device: str, to: str, reason: str) -> None:
         self.health.on_transition_threadsafe(device, to, reason)
+
+    def _ran(self, device: str, run: tuple[int, float]) -> None:
+        self.step_times.ran(device, run)
+
+    def _moves_requested(self, moves: Sequence[MoveRequest]) -> None:
+        self.owner.handovers.move_requested(moves)
 
     def registrations(self) -> list[DeviceRegistration]:
         """What this node registers: each device with the state its crash tracker holds."""
@@ -273,14 +282,16 @@ class NodeService:
         await sync_quietly(self.shadow)
 
     def _recorder(self) -> Recorder | None:
-        """The recorder of ``--record`` (None: off), handed every model's kept steps."""
+        """The recorder of ``--record`` (None: off), handed every model's kept steps; not
+        started yet."""
         if not self.config.record:
             return None
-        recorder = Recorder(self.config.record, self.config.node_id)
-        recorder.on_count = lambda outcome, n: self.metrics.recorded.labels(outcome).inc(n)
-        recorder.start()
-        for dispatcher in self.dispatchers.values():
-            dispatcher.record_to(recorder)
+        recorded = self.metrics.recorded
+        recorder = Recorder(
+            self.config.record,
+            self.config.node_id,
+            on_count=lambda outcome, n: recorded.labels(outcome).inc(n),
+        )
         return recorder
 
     async def _read_recordings(self) -> None:
@@ -329,7 +340,7 @@ class NodeService:
             try:
                 self.lease.fence()
                 try:
-                    await self.owner.flusher.flush()
+                    await self.owner.flush()
                 except AffinityError as exc:  # kept for the next flush
                     log.warning("flush of node %s failed: %s", self.node_id, exc)
                 await self.owner.mover.settle()  # copies whose move was not confirmed
@@ -374,22 +385,28 @@ class NodeService:
         except (AmbiguousModel, UnknownModel) as exc:
             raise refusal(exc) from None
 
-    def rtc_for(
+    def options_for(
         self,
         name: str | None,
-        executed: object,
-        delay: object,
-        control_hz: object,
+        execute_steps: object = None,
+        ensemble: object = None,
+        executed: object = None,
+        delay: object = None,
+        control_hz: object = None,
         pending: object = None,
-    ) -> Ask | None:
-        """A step's real-time-chunking values for model ``name``, checked here when this
-        node serves it (``InvalidArgument``), else passed on for its owner to check."""
+    ) -> tuple[ChunkMode | None, Ask | None]:
+        """A step's options for model ``name`` (None: the node's first), as every front door
+        takes them: its chunk mode (``MultiGpuDispatcher.mode_for``) and its real-time-
+        chunking values (``rtc_for``). Checked here when this node serves the model
+        (``InvalidArgument`` names the field); else the mode is None and the values are
+        passed on, for the owner to check."""
         local = self.dispatchers.get(name or next(iter(self.models)))
         if local is not None:
-            return local.rtc_for(executed, delay, control_hz, pending)
+            mode = local.mode_for(execute_steps, ensemble)
+            return mode, local.rtc_for(executed, delay, control_hz, pending)
         if executed is None and delay is None and control_hz is None and pending is None:
-            return None
-        return Ask(executed, delay, control_hz, pending)  # type: ignore[arg-type]
+            return None, None
+        return None, Ask(executed, delay, control_hz, pending)  # type: ignore[arg-type]
 
     def serving(self) -> bool:
         """Whether this node serves now: its lease is valid and it is not leaving."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from affinity import ModelId, connect, embedded_store
@@ -21,11 +22,20 @@ from node.cli import flag_message
 from node.config import NodeConfig
 from node.contract import PolicyContract, load_contract
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
-from node.dispatcher import Arrivals, MultiGpuDispatcher, Session
+from node.dispatcher import (
+    Arrivals,
+    BatchSettings,
+    ChunkSettings,
+    CrashSettings,
+    MultiGpuDispatcher,
+    Session,
+    WorkerHooks,
+)
 from node.episodes import EpisodeTable
 from node.forward import Poster
 from node.metrics import LoopHistogram, Metrics
 from node.providers import CPU, build_session, require_cuda
+from node.recorder import Recorder
 from node.service import CandidateFactory, DispatcherFactory, NodeService
 from node.stats import ModelStats
 
@@ -177,32 +187,41 @@ def _dispatchers(
     config: NodeConfig, served: Served, sessions: dict[Key, Session], active: dict[Key, str]
 ) -> DispatcherFactory:
     """What :class:`NodeService` calls to make one dispatcher per model, on ``sessions``."""
+    crashes, batching, chunks = _step_settings(config)
 
     def dispatchers(
         ids: list[str],
-        on_transition: Callable[[str, str, str], None],
+        hooks: WorkerHooks,
         metrics: Metrics,
         table: EpisodeTable,
         arrivals: Arrivals,
+        recorder: Recorder | None,
     ) -> dict[str, MultiGpuDispatcher]:
         return {
             name: MultiGpuDispatcher(
                 ids,
                 lambda device, name=name: sessions[(name, device)],  # type: ignore[misc]
                 contract,
-                on_transition=on_transition,
-                inline_under_us=config.inline_under_us,
-                inline_devices=[  # CPU sessions only (see MultiGpuDispatcher._inline)
-                    d for (n, d), p in active.items() if n == name and p == CPU
-                ],
-                **_step_settings(config),
-                on_batch=both(
-                    per_device(metrics.batch_size),
-                    metrics.model_stats.setdefault(name, ModelStats()).ran,
+                crashes=crashes,
+                batching=replace(
+                    batching,
+                    inline_under_us=config.inline_under_us,
+                    inline_devices=frozenset(  # CPU sessions only (see DeviceWorker.run_inline)
+                        d for (n, d), p in active.items() if n == name and p == CPU
+                    ),
                 ),
-                on_queue_wait=both(
-                    per_device(metrics.queue_wait), metrics.model_stats[name].queued
+                chunks=chunks,
+                hooks=replace(
+                    hooks,
+                    on_batch=both(
+                        per_device(metrics.batch_size),
+                        metrics.model_stats.setdefault(name, ModelStats()).ran,
+                    ),
+                    on_queue_wait=both(
+                        per_device(metrics.queue_wait), metrics.model_stats[name].queued
+                    ),
                 ),
+                recorder=recorder,
                 table=table,
                 arrivals=arrivals,
                 model=str(mid),
@@ -213,19 +232,17 @@ def _dispatchers(
     return dispatchers
 
 
-def _step_settings(config: NodeConfig) -> dict[str, Any]:
+def _step_settings(config: NodeConfig) -> tuple[CrashSettings, BatchSettings, ChunkSettings]:
     """What every dispatcher takes from the flags alike, live or candidate: crash tracking,
-    batching, action chunks and the control rate."""
-    return {
-        "failure_threshold": config.failure_threshold,
-        "cooldown_s": config.cooldown_s,
-        "max_batch": config.max_batch,
-        "batch_delay_us": config.batch_delay_us,
-        "execute_steps": config.execute_steps,
-        "ensemble": config.ensemble,
-        "ensemble_decay": config.ensemble_decay,
-        "control_hz": config.control_hz,
-    }
+    batching (never inline: the live models add theirs), action chunks and the control
+    rate."""
+    return (
+        CrashSettings(config.failure_threshold, config.cooldown_s),
+        BatchSettings(config.max_batch, config.batch_delay_us),
+        ChunkSettings(
+            config.execute_steps, config.ensemble, config.ensemble_decay, config.control_hz
+        ),
+    )
 
 
 def _candidates(config: NodeConfig, devices: list[DeviceSpec]) -> CandidateFactory | None:
@@ -247,14 +264,18 @@ def _candidates(config: NodeConfig, devices: list[DeviceSpec]) -> CandidateFacto
         except Exception as exc:
             raise StartupError(f"--shadow-model {m.path}: {_one_line(exc)}") from None
 
+    crashes, batching, chunks = _step_settings(config)
+
     def candidates(ids: list[str], table: EpisodeTable) -> dict[str, MultiGpuDispatcher]:
         return {
             mid: MultiGpuDispatcher(
                 ids,
                 lambda device, mid=mid: sessions[(mid, device)],  # type: ignore[misc]
                 contract,
+                crashes=crashes,
+                batching=batching,
+                chunks=chunks,
                 table=table,
-                **_step_settings(config),
                 model=mid,
             )
             for mid, contract in contracts.items()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -34,9 +34,12 @@ from node.rtc import Used
 __all__ = [
     "GhostCarry",
     "Install",
+    "Settle",
     "check_record",
     "decode_install",
+    "decode_move",
     "encode_install",
+    "encode_settle",
     "record_bytes",
 ]
 
@@ -189,6 +192,37 @@ def encode_install(install: Install, now: float) -> bytes:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """The old owner's word on a copy it sent: ``confirm`` (its move committed) or ``drop``
+    (the move will never commit)."""
+
+    op: Literal["confirm", "drop"]
+    episode: str
+    claim: str
+
+
+def encode_settle(settle: Settle) -> bytes:
+    """``settle`` as a message of ``POST /internal/move``."""
+    return wire.encode({"op": settle.op, "episode_id": settle.episode, "claim": settle.claim})
+
+
+def decode_move(
+    body: bytes,
+    served: Mapping[str, PolicyContract],
+    now: float,
+    ghosts: Mapping[str, PolicyContract] | None = None,
+) -> Install | Settle:
+    """A message of ``POST /internal/move``: a :class:`Settle`, or an :class:`Install` as
+    :func:`decode_install` reads it. Raises ``wire.WireError`` for a body that is not
+    msgpack; else as :func:`decode_install`."""
+    doc = wire.decode(body)
+    op = doc.get("op", "install") if isinstance(doc, dict) else None
+    if op in ("confirm", "drop"):
+        return Settle(op, str(doc.get("episode_id", "")), str(doc.get("claim", "")))
+    return _install_of(doc, served, now, ghosts)
+
+
 def decode_install(
     body: bytes,
     served: Mapping[str, PolicyContract],
@@ -205,6 +239,15 @@ def decode_install(
         doc = wire.decode(body)
     except wire.WireError as exc:
         raise TransferError(str(exc)) from None
+    return _install_of(doc, served, now, ghosts)
+
+
+def _install_of(
+    doc: object,
+    served: Mapping[str, PolicyContract],
+    now: float,
+    ghosts: Mapping[str, PolicyContract] | None,
+) -> Install:
     if not isinstance(doc, dict):
         raise TransferError("a hand-over is a map")
     try:

@@ -41,7 +41,13 @@ from node.crashes import CrashTracker, Transition
 from node.errors import DeviceDown, ModelFailure
 from node.jobs import Arrivals, Job, Member, Run, Session
 
-__all__ = ["DEFAULT_BATCH_DELAY_US", "MAX_DEFAULT_BATCH", "DeviceWorker", "batch_limit"]
+__all__ = [
+    "DEFAULT_BATCH_DELAY_US",
+    "MAX_DEFAULT_BATCH",
+    "DeviceWorker",
+    "WorkerHooks",
+    "batch_limit",
+]
 
 log = logging.getLogger("affinity.node")
 
@@ -92,6 +98,21 @@ Commit = Callable[["DeviceWorker", Any, dict[str, Array]], None]
 ``prepare`` made) and answer it through ``worker.answer``."""
 
 
+@dataclass(frozen=True)
+class WorkerHooks:
+    """What a device's worker tells, each called on its thread (None: nobody listens).
+
+    ``on_transition(device, to, reason)`` as its crash tracker goes down or up;
+    ``on_batch(device, size)`` for each run; ``on_queue_wait(device, seconds)`` for each job
+    that reaches the model; ``on_run(device, (batch size, seconds))`` after each run
+    (scored placement's step times, ``node/placement.py``)."""
+
+    on_transition: Transition | None = None
+    on_batch: Callable[[str, int], None] | None = None
+    on_queue_wait: Callable[[str, float], None] | None = None
+    on_run: Callable[[str, tuple[int, float]], None] | None = None
+
+
 class DeviceWorker:
     """One model's session on one device, its thread and its queue (see the module doc).
 
@@ -100,9 +121,7 @@ class DeviceWorker:
     sent a job here in the last second has none waiting. ``inline_under_s``: a job runs on
     the event loop's thread, instead of the worker's, when the device's runs take less on
     average and nothing else waits (:meth:`run_inline`; 0: never). ``peers``: the workers of
-    the same model, the device's included. ``on_batch(device, size)`` and
-    ``on_queue_wait(device, seconds)`` are called on the worker's thread for each run and
-    each job that reaches the model. ``on_transition``: as the tracker goes down or up.
+    the same model, the device's included. ``hooks``: what it tells (:class:`WorkerHooks`).
     """
 
     def __init__(
@@ -119,9 +138,7 @@ class DeviceWorker:
         arrivals: Arrivals,
         peers: Mapping[str, DeviceWorker],
         inline_under_s: float = 0.0,
-        on_transition: Transition | None = None,
-        on_batch: Callable[[str, int], None] | None = None,
-        on_queue_wait: Callable[[str, float], None] | None = None,
+        hooks: WorkerHooks = WorkerHooks(),
     ) -> None:
         self.id = id
         self.session = session
@@ -136,11 +153,10 @@ class DeviceWorker:
         self.arrivals = arrivals
         self.peers = peers
         self.inline_under_s = inline_under_s
-        self.on_transition = on_transition
-        self.on_batch = on_batch
-        self.on_queue_wait = on_queue_wait
-        # (batch size, seconds) of each run, for scored placement's step times (node/placement.py)
-        self.on_run: Callable[[str, tuple[int, float]], None] | None = None
+        self.on_transition = hooks.on_transition
+        self.on_batch = hooks.on_batch
+        self.on_queue_wait = hooks.on_queue_wait
+        self.on_run = hooks.on_run
         self.cond = threading.Condition()
         self.pending: deque[Job | _Call | None] = deque()  # None: stop
         self.recent: dict[str, float] = {}  # key -> when its last job was queued

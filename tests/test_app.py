@@ -29,7 +29,7 @@ async def slid(node: InProcNode) -> None:
     """The owner's flush with every episode it holds due for a slide."""
     o = node.service.owner.flusher
     o._slid.clear()
-    await o.flush()
+    await node.service.owner.flush()
 
 
 def forward(episode: str, token: int, device: str, routing: str) -> bytes:

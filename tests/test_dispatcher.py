@@ -17,7 +17,7 @@ from affinity.claims import Assignment
 from affinity.errors import InvalidArgument
 from node.chunks import ActionBuffer, ChunkMode, ChunkSpec, find_chunk
 from node.contract import PolicyContract, TensorSpec
-from node.dispatcher import MultiGpuDispatcher
+from node.dispatcher import ChunkSettings, CrashSettings, MultiGpuDispatcher, WorkerHooks
 from node.errors import DeviceDown, ModelFailure, NotKept
 from node.step import Step
 from tests.dispatch import dispatch
@@ -122,13 +122,8 @@ def make(
         sessions[device] = session(device)
         return sessions[device]
 
-    d = MultiGpuDispatcher(
-        [f"n/{i}" for i in range(n)],
-        factory,
-        contract,
-        on_transition=lambda *a: transitions.append(a),
-        **kw,
-    )
+    hooks = replace(kw.pop("hooks", WorkerHooks()), on_transition=lambda *a: transitions.append(a))
+    d = MultiGpuDispatcher([f"n/{i}" for i in range(n)], factory, contract, hooks=hooks, **kw)
     _open.append(d)
     return d, sessions, transitions
 
@@ -210,7 +205,9 @@ async def test_release_expire_drop() -> None:
 
 async def test_crash_tracker_down_probe_up() -> None:
     clock = Clock()
-    d, sessions, transitions = make(2, clock=clock, failure_threshold=3, cooldown_s=30)
+    d, sessions, transitions = make(
+        2, clock=clock, crashes=CrashSettings(failure_threshold=3, cooldown_s=30)
+    )
     await dispatch(d, "n/0", "ep", 1, True, obs(1))
     sessions["n/0"].fail = 3
     for _ in range(3):
@@ -232,7 +229,9 @@ async def test_crash_tracker_down_probe_up() -> None:
 
 async def test_failed_probe_restarts_cooldown() -> None:
     clock = Clock()
-    d, sessions, transitions = make(1, clock=clock, failure_threshold=1, cooldown_s=10)
+    d, sessions, transitions = make(
+        1, clock=clock, crashes=CrashSettings(failure_threshold=1, cooldown_s=10)
+    )
     sessions["n/0"].fail = 2
     with pytest.raises(ModelFailure):
         await dispatch(d, "n/0", "ep", 1, True, obs(1))
@@ -290,7 +289,7 @@ async def test_drop_all_during_a_run_keeps_nothing_and_answers_nothing() -> None
 
 
 async def test_a_run_that_outlives_its_deadline_counts_as_a_failure() -> None:
-    d, sessions, transitions = make(1, failure_threshold=1)
+    d, sessions, transitions = make(1, crashes=CrashSettings(failure_threshold=1))
     gate = threading.Event()
     sessions["n/0"].gate = gate  # the GPU hangs
     with pytest.raises(TimeoutError):
@@ -427,7 +426,9 @@ async def test_chunk_execution_equals_the_numpy_reference(
     k: int | None, ensemble: str | None
 ) -> None:
     decay = 0.3
-    d, sessions, _ = make(1, CHUNKED, session=ChunkSession, ensemble_decay=decay)
+    d, sessions, _ = make(
+        1, CHUNKED, session=ChunkSession, chunks=ChunkSettings(ensemble_decay=decay)
+    )
     steps, episodes = 3 * H + 1, 5
 
     async def episode(e: int) -> list[Any]:
@@ -461,7 +462,7 @@ async def test_chunk_execution_equals_the_numpy_reference(
 
 
 async def test_the_node_mode_applies_when_a_step_has_no_override() -> None:
-    d, sessions, _ = make(1, CHUNKED, session=ChunkSession, execute_steps=2)
+    d, sessions, _ = make(1, CHUNKED, session=ChunkSession, chunks=ChunkSettings(execute_steps=2))
     assert d.chunk_mode is not None and d.chunk_mode.execute_steps == 2
     sources = [(await dispatch(d, "n/0", "e", 1, t == 0, obs(0))).source for t in range(4)]
     assert sources == ["model", "buffer", "model", "buffer"]
@@ -490,7 +491,7 @@ async def test_the_node_mode_applies_when_a_step_has_no_override() -> None:
 async def test_a_bad_override_is_refused_and_changes_nothing(
     overrides: dict[str, Any], field: str
 ) -> None:
-    d, sessions, _ = make(1, CHUNKED, session=ChunkSession, execute_steps=H)
+    d, sessions, _ = make(1, CHUNKED, session=ChunkSession, chunks=ChunkSettings(execute_steps=H))
     await dispatch(d, "n/0", "e", 1, True, obs(0))
     with pytest.raises(InvalidArgument) as raised:
         await dispatch(d, "n/0", "e", 1, False, obs(0), **overrides)
@@ -507,13 +508,18 @@ async def test_chunk_execution_needs_a_chunk_output() -> None:
         await dispatch(d, "n/0", "e", 1, True, obs(0), execute_steps=1)
     assert d.table.get("e") is None
     with pytest.raises(ValueError, match="no action-chunk output"):
-        make(1, BATCHED, execute_steps=2)
+        make(1, BATCHED, chunks=ChunkSettings(execute_steps=2))
     with pytest.raises(ValueError, match="execute_steps"):
-        make(1, CHUNKED, session=ChunkSession, execute_steps=H + 1)
+        make(1, CHUNKED, session=ChunkSession, chunks=ChunkSettings(execute_steps=H + 1))
     with pytest.raises(ValueError, match="ensemble"):
-        make(1, CHUNKED, session=ChunkSession, ensemble="avg")
+        make(1, CHUNKED, session=ChunkSession, chunks=ChunkSettings(ensemble="avg"))
     with pytest.raises(ValueError, match="ensemble_decay"):
-        make(1, CHUNKED, session=ChunkSession, ensemble="exp", ensemble_decay=-1)
+        make(
+            1,
+            CHUNKED,
+            session=ChunkSession,
+            chunks=ChunkSettings(ensemble="exp", ensemble_decay=-1),
+        )
 
 
 def test_the_chunk_spec_follows_the_contract() -> None:
@@ -534,7 +540,9 @@ def test_the_chunk_spec_follows_the_contract() -> None:
 
 async def test_the_buffer_is_dropped_with_the_episodes_state() -> None:
     clock = Clock()
-    d, sessions, _ = make(1, CHUNKED, session=ChunkSession, execute_steps=H, clock=clock)
+    d, sessions, _ = make(
+        1, CHUNKED, session=ChunkSession, clock=clock, chunks=ChunkSettings(execute_steps=H)
+    )
 
     def expire() -> None:
         clock.t += 11
@@ -563,7 +571,7 @@ async def test_a_step_with_chunk_execution_off_drops_the_buffer() -> None:
 
 
 async def test_a_buffered_step_does_not_wait_behind_model_runs() -> None:
-    d, sessions, _ = make(1, CHUNKED, session=ChunkSession, execute_steps=H)
+    d, sessions, _ = make(1, CHUNKED, session=ChunkSession, chunks=ChunkSettings(execute_steps=H))
     s = sessions["n/0"]
     await dispatch(d, "n/0", "e", 1, True, obs(0))
     hang = s.hold[7.0] = threading.Event()
@@ -576,7 +584,7 @@ async def test_a_buffered_step_does_not_wait_behind_model_runs() -> None:
 
 
 async def test_a_buffered_step_waits_for_its_episodes_step_in_flight() -> None:
-    d, sessions, _ = make(1, CHUNKED, session=ChunkSession, execute_steps=H)
+    d, sessions, _ = make(1, CHUNKED, session=ChunkSession, chunks=ChunkSettings(execute_steps=H))
     s = sessions["n/0"]
     await dispatch(d, "n/0", "e", 1, True, obs(0))
     hang = s.hold[0.0] = threading.Event()

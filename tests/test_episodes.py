@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from node.dispatcher import BatchSettings, ChunkSettings, CrashSettings
 from node.episodes import Apply, Episode, admit, undone
 from node.errors import ClaimEnded, ForwardCancelled, NotKept, SeqConflict
 from tests.dispatch import dispatch
@@ -138,7 +139,7 @@ async def test_undoing_the_step_on_top_of_one_in_doubt_keeps_the_doubt() -> None
 
 
 async def test_buffered_steps_are_numbered_replayed_and_undone() -> None:
-    d, _, _ = make(1, CHUNKED, session=ChunkSession, execute_steps=H)
+    d, _, _ = make(1, CHUNKED, session=ChunkSession, chunks=ChunkSettings(execute_steps=H))
     m = await dispatch(d, "n/0", "ep", 7, True, obs(0))
     b = await dispatch(d, "n/0", "ep", 7, False, obs(0))
     assert (m.source, b.source, b.seq) == ("model", "buffer", 2)
@@ -306,7 +307,9 @@ async def test_random_interleavings_apply_every_step_once(
     exactly once); or delivered twice (a duplicate retry with the same seq). The fake
     model's state is the sum of the observations it applied: the client's view must equal
     the reference sum."""
-    d, sessions, _ = make(1, max_batch=1, failure_threshold=10_000)  # a cancel mid-run is a hang
+    d, sessions, _ = make(
+        1, crashes=CrashSettings(failure_threshold=10_000), batching=BatchSettings(max_batch=1)
+    )  # a cancel mid-run is a hang
     session = sessions["n/0"]
     reference = 0.0
     seq = 0
@@ -364,7 +367,7 @@ async def test_random_interleavings_apply_every_step_once(
 async def test_a_client_leaving_mid_run_is_not_a_hung_device() -> None:
     """A step cancelled mid-run before its deadline (its client left) keeps nothing and
     does not count against the device; past its deadline it counts as a hung run."""
-    d, sessions, transitions = make(1, failure_threshold=1)
+    d, sessions, transitions = make(1, crashes=CrashSettings(failure_threshold=1))
     session = sessions["n/0"]
     for deadline, counted in ((time.monotonic() + 60, False), (time.monotonic() - 1, True)):
         session.held.clear()

@@ -94,7 +94,7 @@ async def test_a_reissued_token_number_with_another_claim_id_starts_clean(redis:
         await redis.set(KEYS.episode("ep"), f"{device} {token} 0123456789abcdef", px=60_000)
         o = a.service.owner.flusher  # the owner learns it at its next slide of the episode
         o._slid.clear()
-        await o.flush()
+        await a.service.owner.flush()
         r = (await a.act(episode_id="ep", inputs={"obs": obs[2].tolist()})).json()
         assert (r["routing"], r["token"]) == ("hit", r1["token"])
         assert r["state_reset"] is True and r["source"] == "model" and r["seq"] == 1

@@ -21,7 +21,7 @@ from affinity import Keys
 from node.episodes import Episode
 from node.errors import Refused
 from node.forward import MOVE_PATH
-from node.transfer import Install, encode_install
+from node.transfer import Install, decode_install, encode_install
 from tests.inproc import cluster, config
 from tests.test_handover import expect, held, observations, on, two
 
@@ -51,7 +51,7 @@ async def test_a_late_commit_finds_the_copy_its_new_owner_flushed_meanwhile(redi
             assert copy is not None and b.service.table.get(ep) is None
             assert all(h.episode != ep for h in flusher.held())  # never re-asserted
             flusher._slid.clear()  # every record due, as after a change of Redis server
-            await flusher.flush()
+            await b.service.owner.flush()
             assert b.service.table.copy_of(ep) is copy  # not slid, not dropped
             return await commit(*args, **kw)
 
@@ -226,7 +226,7 @@ async def test_redis_restored_from_before_a_move_reassigns_the_old_claim_at_once
         value = claim(await redis.get(KEYS.episode(ep)))
         flusher = b.service.owner.flusher
         flusher._slid.clear()  # the renewal saw another run_id: every record is due
-        await flusher.flush()
+        await b.service.owner.flush()
         for node in (a, b):
             record = held(node, ep)
             assert record is None or (record.device, record.token, record.claim) == value
@@ -313,8 +313,10 @@ async def test_an_install_never_replaces_a_live_record(redis: Any) -> None:
             "b/0", live.token + 1, "ab" * 8, dict(live.state), 0.0, 7, None, model=live.model
         )
         body = encode_install(Install(ep, "b/0", other.token, other.claim, "a", other), 0.0)
+        mover = b.service.owner.mover
+        install = decode_install(body, mover.contracts, mover.clock())
         with pytest.raises(Refused) as refused:
-            await b.service.owner.mover.receive(body, None, b.service.owner.local_devices)
+            await mover.receive(install, b.service.owner.local_devices)
         assert refused.value.status == 409
         assert held(b, ep) is live
 

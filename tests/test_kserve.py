@@ -411,7 +411,7 @@ async def test_a_sequence_released_behind_the_owners_back_is_not_silently_restar
     # an operator's release reaches the owner at its next renewal; until then it serves on
     o = node.service.owner.flusher
     o._slid.clear()
-    await o.flush()
+    await node.service.owner.flush()
     r = await infer(node, obs[1], sequence_id=77)
     assert r.status_code == 200 and result_of(r).get_response()["parameters"]["seq"] == 2
     await node.service.lease.renew_once()  # the owner lets go: the sequence starts afresh

@@ -114,7 +114,7 @@ async def test_every_series_is_driven_and_labels_are_documented(tmp_path: Path) 
         own = {
             n: (await episode_on(a, a, f"own-{n}"))["episode_id"] for n in ("rev", "gone", "idle")
         }
-        await om.flush()
+        await sa.owner.flush()
         rev = claim_of(sa, own["rev"])
         assert rev is not None
         await sa.claims.release(own["rev"], rev[1], "operator")
@@ -122,11 +122,11 @@ async def test_every_series_is_driven_and_labels_are_documented(tmp_path: Path) 
         assert claim_of(sa, own["rev"]) is None
         await redis.delete(KEYS.episode(own["gone"]))
         om._slid.clear()  # (a failover, seen by its run_id, does this)
-        await om.flush()
+        await sa.owner.flush()
         assert claim_of(sa, own["gone"]) is None
         for _, record in sa.table.records():
             record.last_used -= 10_000  # every record idle past the timeout
-        await om.flush()
+        await sa.owner.flush()
         assert claim_of(sa, own["idle"]) is None
         # refused: a claim Redis names that its owner ended (a lost release, Redis restored
         # from an older snapshot) is handed over in Redis at its first refused step

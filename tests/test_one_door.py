@@ -101,7 +101,7 @@ async def test_an_operator_release_racing_live_steps_never_makes_two_owners(redi
     async with cluster(redis, [config("a"), config("b")]) as ([a, b], _):
         ep = await on("a", b, "rel")
         first = (await a.act(episode_id=ep, inputs={"obs": OBS})).json()
-        await a.service.owner.flusher.flush()
+        await a.service.owner.flush()
         done = await a.service.claims.release(ep, first["token"], "operator")
         assert done.revoked
         replies = [first]
@@ -149,10 +149,10 @@ async def test_a_reissued_token_number_is_a_reset_even_for_a_client_that_echoes_
     token gets state_reset (the owner remembers dropping E; the claim ids differ)."""
     async with cluster(redis, [config("a")]) as ([a], _):
         first = (await a.act(episode_id="ep", inputs={"obs": OBS})).json()
-        await a.service.owner.flusher.flush()
+        await a.service.owner.flush()
         await redis.delete(KEYS.episode("ep"))  # the failover lost the claim
         a.service.owner.flusher._slid.clear()
-        await a.service.owner.flusher.flush()  # the owner finds it lost and drops it
+        await a.service.owner.flush()  # the owner finds it lost and drops it
         assert a.service.table.get("ep") is None
         resolve = a.service.claims.resolve
 

@@ -39,7 +39,7 @@ class Counted:
 
 async def flushed(node: InProcNode) -> None:
     """One flush of ``node`` now (the maintenance loop runs one each second too)."""
-    await node.service.owner.flusher.flush()
+    await node.service.owner.flush()
 
 
 async def test_a_step_at_its_owner_costs_no_redis_command(redis: Any) -> None:

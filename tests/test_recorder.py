@@ -103,9 +103,12 @@ async def test_the_fleets_selection_reaches_every_node_and_off_stops_it(
 
 
 def test_a_writer_behind_drops_frames_counts_them_and_says_so(tmp_path: Path) -> None:
-    r = Recorder(str(tmp_path), "n", queue_max=4, flush_frames=2)
     counted: dict[str, int] = {}
-    r.on_count = lambda outcome, n: counted.__setitem__(outcome, counted.get(outcome, 0) + n)
+
+    def count(outcome: str, n: int) -> None:
+        counted[outcome] = counted.get(outcome, 0) + n
+
+    r = Recorder(str(tmp_path), "n", queue_max=4, flush_frames=2, on_count=count)
     r.select({"m@1": Selection("all")})
     held, entered = threading.Event(), threading.Event()
     write = r._write_part

@@ -34,6 +34,7 @@ from node.cli import parse_args
 from node.config import NodeConfig
 from node.dispatcher import Arrivals
 from node.episodes import Episode, EpisodeTable
+from node.flusher import Flusher
 from node.metrics import Metrics
 from node.owner import Owner
 from tests.conftest import cpu_devices, new_fleet
@@ -215,11 +216,13 @@ def lone_owner(registry: Registry, held: HeldEpisode, clock: Any) -> Owner:
     config = NodeConfig(node_id="a", advertise_url="http://a.test", settings=settings)
     dispatcher = SimpleNamespace(model="", arrivals=Arrivals(), contract=None)
     health = SimpleNamespace(devices=[held.device], down=lambda device: False)
-    lease = SimpleNamespace(registered=True, instance="i", listener=None)
+    lease = SimpleNamespace(registered=True, instance="i")
     claims = SimpleNamespace(redis=None)  # no lookups, ends or hand-overs here
+    metrics = Metrics([held.device], 1)
+    flusher = Flusher("a", table, registry, metrics, settings, clock)
     return Owner(
-        config, table, {"m": dispatcher}, lease, health, claims, claims, registry,  # type: ignore[arg-type]
-        Metrics([held.device], 1), pool=None, clock=clock,  # type: ignore[arg-type]
+        config, table, {"m": dispatcher}, lease, health, claims, claims, flusher,  # type: ignore[arg-type]
+        metrics, pool=None, clock=clock,  # type: ignore[arg-type]
     )  # fmt: skip
 
 
@@ -233,12 +236,12 @@ async def test_the_owner_counts_on_no_slide_a_replica_did_not_acknowledge(lone: 
     now = [100.0]
     owner = lone_owner(registry, HeldEpisode("ep", a.device, a.token, a.claim), lambda: now[0])
     flusher = owner.flusher
-    await flusher.flush()
+    await owner.flush()
     assert flusher.flushed_at == float("-inf") and not flusher.current()
     assert flusher._slid == {}  # due again at the next flush
     flusher.registry = Registry(client, plain.settings)  # no WAIT asked: the flush is done
     now[0] = 101.0
-    await flusher.flush()
+    await owner.flush()
     assert flusher.flushed_at == 101.0 and flusher._slid == {"ep": 101.0}
 
 

@@ -18,7 +18,7 @@ from onnx import TensorProto, helper
 
 from affinity.errors import InvalidArgument
 from node.contract import load_contract
-from node.dispatcher import MultiGpuDispatcher
+from node.dispatcher import BatchSettings, ChunkSettings, MultiGpuDispatcher
 from node.models import DEMO_MODEL, RTC_DEMO_MODEL, build_rtc
 from node.models._build import Weights, model, tensor, write
 from node.protocols.kserve import model_metadata
@@ -315,7 +315,7 @@ async def test_a_record_in_doubt_has_no_prefix() -> None:
 @pytest.mark.anyio
 async def test_executed_and_delay_are_estimated_as_documented() -> None:
     clock = Clock()
-    d, _ = make(clock, control_hz=50.0)
+    d, _ = make(clock, chunks=ChunkSettings(control_hz=50.0))
     rng = np.random.default_rng(4)
     try:
         steps = [observation(rng) for _ in range(4)]
@@ -349,7 +349,7 @@ async def test_executed_and_delay_are_estimated_as_documented() -> None:
 
 @pytest.mark.anyio
 async def test_batched_runs_with_different_executed_and_delay_equal_one_at_a_time() -> None:
-    d, session = make(max_batch=8, batch_delay_us=0)
+    d, session = make(batching=BatchSettings(max_batch=8, batch_delay_us=0))
     rng = np.random.default_rng(5)
     episodes = [f"e{i}" for i in range(5)]
     values = [(0, 0), (3, 7), (8, 2), (12, 12), (16, 3)]

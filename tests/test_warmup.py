@@ -10,7 +10,7 @@ import pytest
 
 from node import warmup
 from node.contract import load_contract
-from node.dispatcher import MultiGpuDispatcher
+from node.dispatcher import BatchSettings, MultiGpuDispatcher
 from node.models import DEMO_MODEL
 from tests.models import string_adder
 
@@ -74,7 +74,9 @@ async def test_the_dispatcher_warms_up_with_the_samples_or_not_at_all(tmp_path: 
     def session(device: str) -> Recording:
         return sessions.setdefault(device, Recording())
 
-    bare = MultiGpuDispatcher(["n/0"], session, load_contract(path), max_batch=1)
+    bare = MultiGpuDispatcher(
+        ["n/0"], session, load_contract(path), batching=BatchSettings(max_batch=1)
+    )
     try:
         await bare.warm_up()
         assert sessions["n/0"].feeds == [], "made-up strings were fed"
@@ -85,7 +87,10 @@ async def test_the_dispatcher_warms_up_with_the_samples_or_not_at_all(tmp_path: 
     )
     sessions.clear()
     fed = MultiGpuDispatcher(
-        ["n/0"], session, warmup.with_samples(path, load_contract(path)), max_batch=1
+        ["n/0"],
+        session,
+        warmup.with_samples(path, load_contract(path)),
+        batching=BatchSettings(max_batch=1),
     )
     try:
         await fed.warm_up()

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from node.binding import BoundSession
 from node.contract import PolicyContract, load_contract
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
-from node.dispatcher import MultiGpuDispatcher
+from node.dispatcher import BatchSettings, CrashSettings, MultiGpuDispatcher, WorkerHooks
 from node.errors import DeviceDown, ModelFailure
 from node.models import DEMO_MODEL
 from node.providers import ProviderSettings, build_session
@@ -88,7 +88,9 @@ class Overlaps(FakeSession):
 
 async def test_a_quick_idle_device_in_inline_devices_runs_on_the_event_loop() -> None:
     loop_thread = threading.get_ident()
-    d, sessions, _ = make(1, inline_under_us=1_000_000, inline_devices=["n/0"])
+    d, sessions, _ = make(
+        1, batching=BatchSettings(inline_under_us=1_000_000, inline_devices=frozenset(["n/0"]))
+    )
     s, dev = sessions["n/0"], d._devices["n/0"]
     # The worker hands its answer over before it frees the device, so an awaited step can
     # return while the device is still busy (a next step then goes to the worker: this
@@ -121,15 +123,15 @@ async def test_a_quick_idle_device_in_inline_devices_runs_on_the_event_loop() ->
     assert r is not None and (r.outputs["act"].item(), r.seq) == (15.0, 5)
     assert loop_thread in s.threads and len(s.threads) == 2
     # the same steps elsewhere: off (0), a device not listed, runs slower than the bound
-    for kw in (
-        {"inline_under_us": 0, "inline_devices": ["n/0"]},
-        {"inline_under_us": 1_000_000, "inline_devices": ["n/1"]},
-        {"inline_under_us": 1, "inline_devices": ["n/0"]},
+    for batching in (
+        BatchSettings(inline_under_us=0, inline_devices=frozenset(["n/0"])),
+        BatchSettings(inline_under_us=1_000_000, inline_devices=frozenset(["n/1"])),
+        BatchSettings(inline_under_us=1, inline_devices=frozenset(["n/0"])),
     ):
-        d, sessions, _ = make(1, session=Overlaps, **kw)
+        d, sessions, _ = make(1, session=Overlaps, batching=batching)
         for x in range(5):
             await dispatch(d, "n/0", "ep", 1, x == 0, obs(x))
-        assert loop_thread not in sessions["n/0"].threads, kw
+        assert loop_thread not in sessions["n/0"].threads, batching
 
 
 @pytest.mark.parametrize("devices", [1, 2])
@@ -139,7 +141,11 @@ async def test_inline_runs_and_worker_runs_never_overlap_on_a_device(devices: in
     order and each counted once."""
     loop_thread = threading.get_ident()
     ids = [f"n/{i}" for i in range(devices)]
-    d, sessions, _ = make(devices, session=Overlaps, inline_under_us=1_000_000, inline_devices=ids)
+    d, sessions, _ = make(
+        devices,
+        session=Overlaps,
+        batching=BatchSettings(inline_under_us=1_000_000, inline_devices=frozenset(ids)),
+    )
 
     async def episode(i: int, xs: range) -> list[float]:
         out = []
@@ -170,7 +176,9 @@ async def test_no_inline_run_while_another_device_is_busy() -> None:
     answers, and steps for it, would wait too). n/1 is not listed: its runs stay on its
     worker, where one can be held."""
     loop_thread = threading.get_ident()
-    d, sessions, _ = make(2, inline_under_us=1_000_000, inline_devices=["n/0"])
+    d, sessions, _ = make(
+        2, batching=BatchSettings(inline_under_us=1_000_000, inline_devices=frozenset(["n/0"]))
+    )
     for dev in ("n/0", "n/1"):
         await dispatch(d, dev, f"warm-{dev}", 1, True, obs(1))
     sessions["n/0"].threads.clear()
@@ -223,7 +231,7 @@ async def test_a_model_without_a_batch_axis_runs_unbatched_and_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level("INFO", "affinity.node"):
-        d, sessions, _ = make(1, max_batch=8)
+        d, sessions, _ = make(1, batching=BatchSettings(max_batch=8))
         fixed, _, _ = make(1, replace(CONTRACT, batch_axis=True))
     assert d.max_batch == 1 and fixed.max_batch == 1
     said = [r.getMessage() for r in caplog.records if "batching" in r.getMessage()]
@@ -278,12 +286,12 @@ async def test_batching_defaults_to_eight_for_a_model_with_a_batch_axis(
         d, _, _ = make(1, BATCHED)
     assert d.max_batch == 8 and d.batching_off == ""
     assert any("batching is on: up to 8" in r.getMessage() for r in caplog.records)
-    off, _, _ = make(1, BATCHED, max_batch=1)
+    off, _, _ = make(1, BATCHED, batching=BatchSettings(max_batch=1))
     assert off.max_batch == 1
     with pytest.raises(ValueError, match=r"^batch size limit 0: must be >= 1"):
-        make(1, BATCHED, max_batch=0)
+        make(1, BATCHED, batching=BatchSettings(max_batch=0))
     with pytest.raises(ValueError, match="batch_delay_us"):
-        make(1, BATCHED, batch_delay_us=-1)
+        make(1, BATCHED, batching=BatchSettings(batch_delay_us=-1))
 
 
 async def test_waiting_steps_of_different_episodes_run_as_one_batch() -> None:
@@ -315,7 +323,7 @@ async def test_an_episode_has_one_step_per_run_and_its_steps_keep_their_order() 
 
 
 async def test_max_batch_caps_a_run() -> None:
-    d, sessions, _ = make(1, BATCHED, max_batch=4)
+    d, sessions, _ = make(1, BATCHED, batching=BatchSettings(max_batch=4))
     s = sessions["n/0"]
     blocker, gate = await blocked(d, s)
     tasks = queue(d, *((f"e{i}", float(i)) for i in range(1, 11)))
@@ -326,7 +334,7 @@ async def test_max_batch_caps_a_run() -> None:
 
 
 async def test_a_failed_batch_is_rerun_one_by_one_and_only_the_bad_step_fails() -> None:
-    d, sessions, transitions = make(1, BATCHED, failure_threshold=2)
+    d, sessions, transitions = make(1, BATCHED, crashes=CrashSettings(failure_threshold=2))
     s = sessions["n/0"]
     blocker, gate = await blocked(d, s)
     tasks = queue(d, ("a", 1), ("bad", POISON), ("b", 2), ("c", 3))
@@ -347,7 +355,7 @@ async def test_a_failed_batch_is_rerun_one_by_one_and_only_the_bad_step_fails() 
 
 
 async def test_a_broken_device_goes_down_from_the_single_reruns() -> None:
-    d, sessions, transitions = make(1, BATCHED, failure_threshold=3)
+    d, sessions, transitions = make(1, BATCHED, crashes=CrashSettings(failure_threshold=3))
     s = sessions["n/0"]
     blocker, gate = await blocked(d, s)
     tasks = queue(d, ("a", 1), ("b", 2), ("c", 3))
@@ -375,7 +383,7 @@ async def test_a_step_whose_caller_gave_up_is_left_out_of_the_batch() -> None:
 
 
 async def test_a_step_cancelled_during_a_batched_run_keeps_nothing_and_counts_once() -> None:
-    d, sessions, transitions = make(1, BATCHED, failure_threshold=2)
+    d, sessions, transitions = make(1, BATCHED, crashes=CrashSettings(failure_threshold=2))
     s = sessions["n/0"]
     _, gate = await blocked(d, s)
     tasks = queue(d, ("a", 1), ("b", 2), ("c", 3))
@@ -437,8 +445,10 @@ async def test_hooks_see_every_run_and_every_queue_wait() -> None:
     d, sessions, _ = make(
         1,
         BATCHED,
-        on_batch=lambda dev, n: batches.append((dev, n)),
-        on_queue_wait=lambda dev, s: waits.append((dev, s)),
+        hooks=WorkerHooks(
+            on_batch=lambda dev, n: batches.append((dev, n)),
+            on_queue_wait=lambda dev, s: waits.append((dev, s)),
+        ),
     )
     blocker, gate = await blocked(d, sessions["n/0"])
     tasks = queue(d, ("a", 1), ("b", 2), ("c", 3))
@@ -453,7 +463,7 @@ async def test_a_failing_hook_fails_no_step() -> None:
     def boom(device: str, value: Any) -> None:
         raise RuntimeError("metrics broke")
 
-    d, _, _ = make(1, BATCHED, on_batch=boom, on_queue_wait=boom)
+    d, _, _ = make(1, BATCHED, hooks=WorkerHooks(on_batch=boom, on_queue_wait=boom))
     r = await dispatch(d, "n/0", "a", 1, True, obs(2))
     assert r.outputs["act"].item() == 2.0 and d.tracker("n/0").failures == 0
 
@@ -461,7 +471,7 @@ async def test_a_failing_hook_fails_no_step() -> None:
 async def test_steps_that_are_not_on_their_way_are_not_waited_for() -> None:
     # one client stepping many episodes in turn: each was active a moment ago, but nothing
     # is being routed while a step waits, so no step waits for another
-    d, _, _ = make(1, BATCHED, batch_delay_us=120e6)
+    d, _, _ = make(1, BATCHED, batching=BatchSettings(batch_delay_us=120e6))
     await settled(queue(d, ("a", 1), ("b", 1), ("c", 1)))
     for i in range(6):
         r = await asyncio.wait_for(dispatch(d, "n/0", "abc"[i % 3], 1, False, obs(1)), 60)
@@ -469,14 +479,15 @@ async def test_steps_that_are_not_on_their_way_are_not_waited_for() -> None:
 
 
 async def test_a_lone_episode_never_waits_for_a_batch() -> None:
-    d, _, _ = make(1, BATCHED, batch_delay_us=120e6)  # a 2-minute delay, never paid
+    # a 2-minute delay, never paid
+    d, _, _ = make(1, BATCHED, batching=BatchSettings(batch_delay_us=120e6))
     for i in range(5):
         r = await asyncio.wait_for(dispatch(d, "n/0", "solo", 1, i == 0, obs(1)), 60)
         assert r.seq == i + 1
 
 
 async def test_a_step_waits_for_an_episode_that_is_likely_to_send_one() -> None:
-    d, sessions, _ = make(1, BATCHED, batch_delay_us=120e6)
+    d, sessions, _ = make(1, BATCHED, batching=BatchSettings(batch_delay_us=120e6))
     s = sessions["n/0"]
     await settled(queue(d, ("a", 1), ("b", 1)))  # both episodes are active here
     on_its_way = d.arrival()  # b's next step is being routed through the node

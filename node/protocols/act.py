@@ -202,11 +202,10 @@ async def _decode_doc(
     seq = doc.get("seq")
     if seq is not None and (type(seq) is not int or not 1 <= seq < 2**63):
         raise InvalidArgument("seq", seq, "must be a step number >= 1 (the last reply's seq + 1)")
-    local = service.dispatchers.get(name)  # a model served elsewhere: its owner checks
-    if local is not None:
-        local.mode_for(steps, ensemble)  # InvalidArgument names the field
-    rtc = service.rtc_for(
+    _, rtc = service.options_for(  # InvalidArgument names the field
         name,
+        steps,
+        ensemble,
         doc.get("executed"),
         doc.get("inference_delay"),
         doc.get("control_hz"),

@@ -2,8 +2,10 @@
 owner's side of a forward of several episodes' steps) and ``POST /internal/move`` (the
 new owner's side of a live hand-over); not a public API.
 
-The body is a :class:`node.forward.Forward` in msgpack, authenticated by the cluster
-secret header. The reply is the :class:`~node.step.Reply` in msgpack. Or it is an error in
+Every request is authenticated by the cluster secret header, checked here once
+(:func:`admit`), and its body decoded here: a :class:`node.forward.Forward` in msgpack, or
+a hand-over's message (:func:`node.transfer.decode_move`); the owner gets them decoded.
+The reply is the :class:`~node.step.Reply` in msgpack. Or it is an error in
 the project's JSON shape with the status the router acts on. 409/421: resolve again. 503
 with ``Retry-After``: pass on to the client.
 
@@ -37,14 +39,55 @@ from node.asgi import (
     respond_gone,
     while_connected,
 )
-from node.errors import BodyError, ClientGone, Refused, Unavailable, outcome
-from node.forward import CONTENT_TYPE, SECRET_HEADER, encode_reply
+from node.errors import (
+    BodyError,
+    ClientGone,
+    ModelNotServed,
+    Refused,
+    TransferError,
+    Unavailable,
+    outcome,
+)
+from node.forward import CONTENT_TYPE, SECRET_HEADER, Forward, encode_reply
 from node.service import NodeService
 from node.step import Reply
+from node.transfer import Install, Settle, decode_move
 
-__all__ = ["handle", "move", "rows"]
+__all__ = ["admit", "handle", "move", "rows"]
 
 _SECRET = SECRET_HEADER.lower().encode()
+
+
+def admit(service: NodeService, scope: Scope) -> None:
+    """Refuse (403 ``bad_secret``) a request to ``/internal/*`` without the cluster secret
+    (``AFFINITY_CLUSTER_SECRET``; unset: every request passes), compared in constant time.
+    The node's one check of it."""
+    expected = (service.config.cluster_secret or "").encode()
+    if expected and not hmac.compare_digest((header(scope, _SECRET) or "").encode(), expected):
+        raise Refused(403, "bad_secret", "missing or wrong cluster secret")
+
+
+def _forward(body: bytes) -> Forward:
+    """One forward's body decoded; raises :class:`Refused` 400 ``bad_forward``."""
+    try:
+        return Forward.decode(body)
+    except ValueError as exc:
+        raise Refused(400, "bad_forward", str(exc)) from None
+
+
+def _move_message(service: NodeService, body: bytes) -> Install | Settle:
+    """A hand-over's message decoded against the models served here. Raises
+    :class:`Refused`: 400 ``bad_forward`` (not msgpack), 421 ``not_owner`` (a model not
+    served here), 422 ``bad_record`` (a record that does not fit its model)."""
+    mover = service.owner.mover
+    try:
+        return decode_move(body, mover.contracts, mover.clock(), mover.ghost_contracts)
+    except wire.WireError as exc:
+        raise Refused(400, "bad_forward", str(exc)) from None
+    except ModelNotServed as exc:
+        raise Refused(421, "not_owner", f"node {service.node_id}: {exc}") from None
+    except TransferError as exc:
+        raise Refused(422, "bad_record", str(exc)) from None
 
 
 def _counted(service: NodeService, exc: Exception) -> Counter | None:
@@ -62,7 +105,9 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
     ``node.asgi.while_connected``)."""
     try:
         body = await read_body(scope, receive, service.config.max_body_bytes)
-        work = service.owner.serve_forwarded(body, header(scope, _SECRET))
+        received = service.owner.clock()
+        admit(service, scope)
+        work = service.owner.serve_forwarded(_forward(body), received)
         reply = await while_connected(receive, work, scope.get(CONNECTION))
     except ClientGone as exc:
         if isinstance(exc.result, Reply):
@@ -84,7 +129,9 @@ async def move(service: NodeService, scope: Scope, receive: Receive, send: Send)
     another node hands over (``node/handover.py``); 204, or the error."""
     try:
         body = await read_body(scope, receive, service.config.max_body_bytes)
-        await service.owner.mover.receive(body, header(scope, _SECRET), service.owner.local_devices)
+        admit(service, scope)
+        message = _move_message(service, body)
+        await service.owner.mover.receive(message, service.owner.local_devices)
     except (BodyError, Unavailable, Refused) as exc:
         await respond_error(send, exc, _counted(service, exc))
         return
@@ -95,13 +142,10 @@ async def rows(service: NodeService, scope: Scope, receive: Receive, send: Send)
     """The ASGI handler of ``POST /internal/rows``: each row as ``/internal/act`` serves
     one forward, concurrently; one row's error never touches another's. The router going
     away cancels the rows not done and undoes the ones done (as for one forward)."""
-    secret = header(scope, _SECRET)
     done: list[Reply] = []
     try:
         body = await read_body(scope, receive, service.config.max_body_bytes)
-        expected = (service.config.cluster_secret or "").encode()
-        if expected and not hmac.compare_digest((secret or "").encode(), expected):
-            raise Refused(403, "bad_secret", "missing or wrong cluster secret")
+        admit(service, scope)
         try:
             doc = wire.decode(body)
             forwards = doc["rows"] if isinstance(doc, dict) else None
@@ -115,7 +159,8 @@ async def rows(service: NodeService, scope: Scope, receive: Receive, send: Send)
 
         async def one(forward: bytes) -> dict[str, Any]:
             try:
-                reply = await service.owner.serve_forwarded(forward, secret)
+                received = service.owner.clock()
+                reply = await service.owner.serve_forwarded(_forward(forward), received)
             except Exception as exc:  # the row's error
                 o = outcome(exc)
                 return {"status": o.status, "code": o.code, "message": o.message,

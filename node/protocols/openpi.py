@@ -413,10 +413,9 @@ def decode_observation(
     if seq is not None and (type(seq) is not int or seq < 1):
         raise InvalidArgument("seq", seq, "must be a step number >= 1 (the last reply's seq + 1)")
     episode = fixed or (own if named is None else check_episode(named))
-    local = service.dispatchers.get(model or next(iter(service.models)))
-    if local is not None:  # a model served elsewhere: its owner checks
-        local.mode_for(steps, ensemble)  # InvalidArgument names the field
-    rtc = service.rtc_for(model, _scalar(executed), _scalar(delay), _scalar(control_hz), pending)
+    _, rtc = service.options_for(  # InvalidArgument names the field
+        model, steps, ensemble, _scalar(executed), _scalar(delay), _scalar(control_hz), pending
+    )
     converted = inputs.from_observation(contract or service.contract, observation)
     if converted.ignored:
         service.warn_once(

@@ -481,9 +481,10 @@ async def service_step(
     version = requested_version(service, name or "", version)
     chosen, contract = found or await service.model_for(name, version)
     dispatcher = service.dispatchers.get(chosen)  # elsewhere: the owner checks
-    mode = dispatcher.mode_for(request.execute_steps, request.ensemble) if dispatcher else None
-    rtc = service.rtc_for(
+    mode, rtc = service.options_for(
         chosen,
+        request.execute_steps,
+        request.ensemble,
         request.executed,
         request.inference_delay,
         request.control_hz,
