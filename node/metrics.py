@@ -48,6 +48,8 @@ FORWARD = ("ok", "refused", "unreachable")
 REJECTED = ("bad_input", "too_large", "malformed", "unauthorized", "forbidden")
 DOORS = ("act", "kserve_http", "kserve_grpc", "openpi")
 """The front doors a step may come in by (``Step.door``)."""
+FRONTS = ("0",)
+"""The processes that run a node's doors, each with its own event loop: one today (``0``)."""
 PARTS = ("queue", "run", "forward")
 """The parts of a step's time ``affinity_step_part_seconds`` splits out."""
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.0125, 0.02, 0.025, 0.0333, 0.05, 0.1,
@@ -58,6 +60,7 @@ STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.0125, 0.02, 0.025, 0.0333, 
 LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
     "affinity_routing_total": {"result": ROUTING},
     "affinity_act_seconds": {"path": PATHS},
+    "affinity_event_loop_lag_seconds": {"front": FRONTS},
     "affinity_record_frames_total": {"outcome": ("queued", "dropped", "written")},
     "affinity_live_episodes": {"device": "device"},
     "affinity_device_state": {"device": "device", "state": STATES},
@@ -180,6 +183,14 @@ class Metrics:
             "Latency of served /act requests (seconds), by path.",
             ["path"],
             (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            r,
+        )
+        self.loop_lag = LoopHistogram(  # observed on the event loop (node/looplag.py)
+            "affinity_event_loop_lag_seconds",
+            "How late the event loop of the process serving the doors ran a timer that was "
+            "due (seconds, sampled 50 times a second): its saturation, by front.",
+            ["front"],
+            (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             r,
         )
         self.live = Gauge(

@@ -54,6 +54,7 @@ from node.handover import MOVES_AT_ONCE
 from node.health import DeviceHealth
 from node.jobs import Arrival, Arrivals
 from node.lease import Lease
+from node.looplag import watch_loop_lag
 from node.metrics import Metrics
 from node.owner import Owner
 from node.placement import StepTimes
@@ -206,6 +207,7 @@ class NodeService:
             catalog=self.catalog,
         )
         self._maintenance: asyncio.Task[None] | None = None
+        self._loop_lag: asyncio.Task[None] | None = None
         every = config.fleet_view_every_s
         fleet = Inventory(lease_registry.redis, config.settings)  # the lease's own pool
         self.signals = FleetSignals(self.node_id, fleet, self.metrics, every, clock)
@@ -328,6 +330,9 @@ class NodeService:
         self.health.start()
         await self.lease.start()
         self._maintenance = asyncio.create_task(self._maintain(), name="affinity-maintenance")
+        self._loop_lag = asyncio.create_task(
+            watch_loop_lag(self.metrics.loop_lag.labels("0")), name="affinity-loop-lag"
+        )
         if self.config.fleet_view_every_s:
             self.signals.start()
 
@@ -356,10 +361,11 @@ class NodeService:
         the devices and connections."""
         await self.owner.leave()
         await self.signals.stop()
-        if self._maintenance is not None:
-            self._maintenance.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._maintenance
+        for task in (self._maintenance, self._loop_lag):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self.health.close()
         if self.recorder is not None:
             self.recorder.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import re
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,20 @@ async def test_every_series_is_driven_and_labels_are_documented(tmp_path: Path) 
     async with cluster(redis, cfgs, session_factory=lambda s: (Flaky(s), "CPU")) as (nodes, router):
         a, b = nodes
         sa = a.service
+        # the event loop's lag: a loop blocked for 0.1 s fires the watcher's 20 ms timer at
+        # least 80 ms late (blocked again until its sample shows: the watcher may not have
+        # begun waiting yet)
+        lag = sa.metrics.loop_lag.labels("0")
+        late = lag.bounds.index(0.05) + 1  # the counts of the buckets above 50 ms
+        for _ in range(20):
+            time.sleep(0.1)  # blocks the loop
+            for _ in range(50):
+                await asyncio.sleep(0.02)
+                if sum(lag.counts[late:]):
+                    break
+            if sum(lag.counts[late:]):
+                break
+        assert sum(lag.counts[late:]) >= 1 and lag.sum >= 0.08, (lag.counts, lag.sum)
         # the owner drops: revoked (an operator's release), lost (Redis no longer holds it),
         # idle (its idle timeout)
         om = sa.owner.flusher
