@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,10 @@ def rows(url: str, episodes: list[str], timeout: float = 60) -> list[dict[str, A
 
 def test_a_paused_then_killed_owner_fails_only_its_rows(tmp_path: Path) -> None:
     redis = RedisServer(tmp_path)
-    extra = ["--lease-ttl", "3", "--act-deadline", "2"]
+    # the lease (6 s) outlives a paused or killed phase (about --act-deadline, 2 s) on an idle
+    # machine; on a busy one p2's lease may lapse within a phase, and then its rows move
+    # and say state_reset instead of failing: both are right, neither is served by p2
+    extra = ["--lease-ttl", "6", "--act-deadline", "2"]
     nodes = [Node(tmp_path, f"p{i}", redis.url, devices="cpu:1", extra=extra) for i in range(3)]
     with running(redis, nodes) as c:
         entry = c.node("p0").url
@@ -41,6 +45,16 @@ def test_a_paused_then_killed_owner_fails_only_its_rows(tmp_path: Path) -> None:
         where = {r["episode_id"]: r["node"] for r in first}
         assert all("error" not in r for r in first), first
         assert "p2" in where.values() and len(set(where.values())) >= 2, where
+        moved: set[str] = set()  # p2's rows served elsewhere once its lease lapsed
+
+        def p2_row(r: dict[str, Any], e: str, failed: Callable[[dict[str, Any]], bool]) -> None:
+            if "error" in r:
+                assert e not in moved and failed(r["error"]), r
+            else:  # its lease lapsed: moved, never silently
+                assert r["node"] != "p2", r
+                assert r["state_reset"] or e in moved, r
+                moved.add(e)
+
         c.node("p2").proc.send(signal.SIGSTOP)  # paused: its rows time out, alone
         try:
             got = rows(entry, episodes)
@@ -48,28 +62,31 @@ def test_a_paused_then_killed_owner_fails_only_its_rows(tmp_path: Path) -> None:
             c.node("p2").proc.send(signal.SIGCONT)
         for r, e in zip(got, episodes, strict=True):
             if where[e] == "p2":
-                assert r["error"]["status"] == 503, r
-                assert "p2" in r["error"]["message"], r
+                p2_row(r, e, lambda err: err["status"] == 503 and "p2" in err["message"])
             else:
                 assert r["seq"] == 2 and r["node"] == where[e], r
         c.node("p2").stop(signal.SIGKILL)  # killed: refused connections, then its lease lapses
         got = rows(entry, episodes)
         for r, e in zip(got, episodes, strict=True):
             if where[e] == "p2":
-                assert r["error"]["status"] == 503, r
-                assert r["error"]["code"] == "owner_unreachable", r
+                p2_row(
+                    r, e, lambda err: err["status"] == 503 and err["code"] == "owner_unreachable"
+                )
             else:
                 assert r["node"] == where[e] and not r["state_reset"], r
-        deadline = time.monotonic() + 30  # the lease lapses (3 s): its rows move, reset
+        deadline = time.monotonic() + 60  # the lease lapses (6 s): its rows move, reset
         while True:
             got = rows(entry, episodes)
+            for r, e in zip(got, episodes, strict=True):
+                if where[e] == "p2" and "error" not in r:
+                    p2_row(r, e, lambda err: False)  # its first serve elsewhere says reset
             if all("error" not in r for r in got) or time.monotonic() > deadline:
                 break
             time.sleep(0.3)
         for r, e in zip(got, episodes, strict=True):
             assert "error" not in r, r
             if where[e] == "p2":
-                assert r["node"] != "p2" and r["state_reset"], r
+                p2_row(r, e, lambda err: False)
 
 
 @pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager")
