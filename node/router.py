@@ -412,11 +412,12 @@ class Router:
         undoes the replies there). One row's failure never touches another's.
 
         A row held here is served from memory. The others' owners are found (a hint, else
-        Redis: the rows' questions go concurrently), grouped by owner, and each owner gets
-        one message with its rows (:data:`~node.forward.ROWS_PATH`). A row its owner does
-        not hold (any more), or an owner the message never reached, goes the one-row way
-        alone (:meth:`act`: Redis is asked again). ``patient``: as :meth:`act`'s, for each
-        row (a row of a message whose owner answered a transient 503 goes alone again)."""
+        Redis: the rows' questions go together, in one round trip), grouped by owner, and
+        each owner gets one message with its rows (:data:`~node.forward.ROWS_PATH`). A row
+        its owner does not hold (any more), or an owner the message never reached, goes the
+        one-row way alone (:meth:`act`: Redis is asked again). ``patient``: as
+        :meth:`act`'s, for each row (a row of a message whose owner answered a transient 503
+        goes alone again)."""
         started = time.monotonic()
         groups: dict[str, list[tuple[int, Assignment]]] = {}
         alone: list[int] = []
@@ -444,10 +445,8 @@ class Router:
                 alone.append(i)
             else:
                 groups.setdefault(hint.url, []).append((i, hint))
-        if unknown:
-            found = await asyncio.gather(
-                *(self.resolver.for_step(steps[i]) for i in unknown), return_exceptions=True
-            )
+        if unknown:  # asked together: one round trip to Redis
+            found = await self.resolver.for_steps([steps[i] for i in unknown])
             for i, got in zip(unknown, found, strict=True):
                 if isinstance(got, Assignment):
                     if got.node == self.node_id:
@@ -455,14 +454,11 @@ class Router:
                         alone.append(i)
                     else:
                         groups.setdefault(got.url, []).append((i, got))
-                elif isinstance(got, Exception):
-                    if patient and _transient(got):
-                        alone.append(i)  # retried the one-row way, within its deadline
-                        continue
+                elif patient and _transient(got):
+                    alone.append(i)  # retried the one-row way, within its deadline
+                else:
                     self._count_failure(got)
                     results[i] = got
-                else:
-                    raise got  # a cancellation
 
         async def one(i: int) -> None:
             try:

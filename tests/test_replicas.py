@@ -29,6 +29,7 @@ from affinity import (
     close,
     connect,
 )
+from affinity.claims import ResolveRequest
 from affinity.registry import HeldEpisode
 from node.cli import parse_args
 from node.config import NodeConfig
@@ -178,6 +179,18 @@ async def test_a_hit_no_replica_acknowledged_raises_and_keeps_the_assignment(lon
         await claims.resolve("ep")  # a hit: its owner may serve it; nothing is released
     assert await client.get(KEYS.episode("ep")) == value
     assert (await plain.resolve("ep")).token == first.token
+
+
+@pytest.mark.anyio
+async def test_rows_claimed_together_no_replica_acknowledged_fail_each_alone(lone: Any) -> None:
+    """``resolve_many`` (a message's rows, one round trip, one ``WAIT`` after them all):
+    every row is NotReplicated; a new claim is released again, a hit keeps its claim."""
+    client, claims, plain, _ = lone
+    first = await plain.resolve("held")
+    got = await claims.resolve_many([ResolveRequest("held"), ResolveRequest("new")])
+    assert [type(g) for g in got] == [NotReplicated, NotReplicated]
+    assert await client.get(KEYS.episode("new")) is None
+    assert (await plain.resolve("held")).token == first.token
 
 
 @pytest.mark.anyio

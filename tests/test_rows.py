@@ -17,6 +17,7 @@ import pytest
 from affinity import wire
 from node.errors import ForwardError
 from node.forward import INTERNAL_PATH, ROWS_PATH, Response
+from tests.conftest import RoundTrips
 from tests.inproc import InProcNode, Router, cluster, config
 
 pytestmark = pytest.mark.anyio
@@ -88,6 +89,27 @@ async def test_rows_over_several_owners_go_one_message_per_owner(redis: Any) -> 
         # a row's outputs are what the model gives for its inputs, whichever way it went
         one = (await a.act(episode_id="solo", inputs={"obs": obs(3)})).json()
         assert np.allclose(one["outputs"]["actions"], first[3]["outputs"]["actions"])
+
+
+async def test_new_rows_are_claimed_in_one_round_trip_to_redis(
+    redis: Any, round_trips: RoundTrips
+) -> None:
+    """K new rows of one message (unknown to the node) are claimed together: the resolve
+    script goes to Redis in one round trip, however many rows and owners; a row Redis
+    refuses (a model no node registered) answers its own error beside them."""
+    async with cluster(redis, [config("a"), config("b")]) as ([a, _b], _pool):
+        assert a.service.claims is not None
+        resolve = a.service.claims.scripts.resolve.sha
+        assert (await a.act(episode_id="warm", inputs={"obs": obs(0)})).status_code == 200
+        round_trips.writes.clear()  # (the script is known to Redis now)
+        steps = [{"episode_id": f"new-{i}", "inputs": {"obs": obs(i)}} for i in range(8)]
+        steps.insert(3, {"episode_id": "nowhere", "inputs": {"obs": obs(1)},
+                         "model": "nope"})  # fmt: skip
+        got = await rows(a, steps)
+        assert round_trips.carrying(resolve) == 1, round_trips.writes
+        assert got[3]["error"]["status"] == 404, got[3]
+        assert all(r["seq"] == 1 and r["routing"] == "claimed" for r in got[:3] + got[4:]), got
+        assert {r["node"] for r in got if "node" in r} == {"a", "b"}
 
 
 async def test_msgpack_rows_and_stateless_rows(redis: Any) -> None:
