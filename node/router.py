@@ -44,6 +44,7 @@ from node.dispatcher import Arrival, MultiGpuDispatcher
 from node.errors import ClaimEnded, ForwardError, Refused, Unavailable
 from node.forward import ROWS_PATH, Forward, Poster, Response, decode_reply, send_undo
 from node.health import DeviceHealth
+from node.jobs import together
 from node.lease import Lease
 from node.metrics import ROUTING, Metrics
 from node.owner import Owner
@@ -472,7 +473,10 @@ class Router:
                 again += [i for i, _ in rows if _transient(results[i])]
             await asyncio.gather(*(one(i) for i in again))
 
-        await asyncio.gather(*(one(i) for i in alone), *(group(g) for g in groups.values()))
+        # a device's worker waits for the message's other rows (its batch window): they
+        # become one run where the batch sizes allow, not one run each
+        work = [*(one(i) for i in alone), *(group(g) for g in groups.values())]
+        await together(self.arrivals, work)
 
     def _count_failure(self, exc: Exception) -> None:
         if isinstance(exc, Unavailable):

@@ -497,28 +497,36 @@ async def test_openpi_rows_in_one_observation_from_the_openpi_client_wire(redis:
         assert isinstance(refused, str) and "duplicate_episode" in refused
 
 
-async def test_rows_on_one_device_share_model_runs(redis: Any) -> None:
-    """The rows of one message on one device join its batches: fewer model runs than
-    rows (``affinity_batch_size``: its sum is the steps, its count the runs)."""
+@pytest.mark.parametrize("inline_under_us", [0.0, 1_000_000.0], ids=["worker", "inline"])
+async def test_rows_on_one_device_share_model_runs(redis: Any, inline_under_us: float) -> None:
+    """The rows of one message on one device join its batches, on the entry node and at
+    another owner: fewer model runs than rows (``affinity_batch_size``: its sum is the
+    steps, its count the runs). Also where a lone step would run inline on the event loop
+    (a quick model on a CPU): a message's first row never runs alone while the others are
+    on their way."""
     import re
 
-    async def runs(node: InProcNode) -> tuple[float, float]:
+    async def runs(node: InProcNode, device: str) -> tuple[float, float]:
         text = (await node.client.get("/metrics")).text
-        count = re.search(r'^affinity_batch_size_count\{device="a/0"\} (\S+)', text, re.M)
-        total = re.search(r'^affinity_batch_size_sum\{device="a/0"\} (\S+)', text, re.M)
+        count = re.search(rf'^affinity_batch_size_count\{{device="{device}"\}} (\S+)', text, re.M)
+        total = re.search(rf'^affinity_batch_size_sum\{{device="{device}"\}} (\S+)', text, re.M)
         return (0.0, 0.0) if count is None or total is None else (
             float(count.group(1)), float(total.group(1)))  # fmt: skip
 
-    # a model run that costs (no inline runs), a window that a busy machine cannot outrun
-    cfg = config("a", devices="cpu:1", max_batch=8, inline_under_us=0.0, batch_delay_us=50_000)
-    async with cluster(redis, [cfg]) as ([a], _pool):
-        steps = [{"episode_id": f"b-{i}", "inputs": {"obs": obs(i)}} for i in range(8)]
+    # a window that a busy machine cannot outrun
+    cfgs = [config(n, devices="cpu:1", max_batch=16, inline_under_us=inline_under_us,
+                   batch_delay_us=50_000) for n in ("a", "b")]  # fmt: skip
+    async with cluster(redis, cfgs) as ([a, b], _pool):
+        steps = [{"episode_id": f"b-{i}", "inputs": {"obs": obs(i)}} for i in range(16)]
+        first = await rows(a, steps)
+        on = Counter(r["node"] for r in first)
+        assert on["a"] >= 2 and on["b"] >= 2, on
+        before = [await runs(a, "a/0"), await runs(b, "b/0")]
         await rows(a, steps)
-        before = await runs(a)
-        await rows(a, steps)
-        after = await runs(a)
-        ran, steps = after[0] - before[0], after[1] - before[1]
-        assert steps == 8 and ran < steps, (ran, steps)
+        after = [await runs(a, "a/0"), await runs(b, "b/0")]
+        for node, (ran0, steps0), (ran1, steps1) in zip("ab", before, after, strict=True):
+            ran, stepped = ran1 - ran0, steps1 - steps0
+            assert stepped == on[node] and ran < stepped, (node, ran, stepped)
 
 
 async def test_each_row_keeps_its_action_chunk(redis: Any) -> None:
