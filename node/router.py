@@ -473,9 +473,10 @@ class Router:
                 again += [i for i, _ in rows if _transient(results[i])]
             await asyncio.gather(*(one(i) for i in again))
 
-        # a device's worker waits for the message's other rows (its batch window): they
-        # become one run where the batch sizes allow, not one run each
-        work = [*(one(i) for i in alone), *(group(g) for g in groups.values())]
+        # the forwards first (the longest way: the owner's reply is what the message waits
+        # for); a device's worker waits for the message's other rows (its batch window):
+        # they become one run where the batch sizes allow, not one run each
+        work = [*(group(g) for g in groups.values()), *(one(i) for i in alone)]
         await together(self.arrivals, work)
 
     def _count_failure(self, exc: Exception) -> None:
