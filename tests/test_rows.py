@@ -17,6 +17,7 @@ import pytest
 from affinity import wire
 from node.errors import ForwardError
 from node.forward import INTERNAL_PATH, ROWS_PATH, Response
+from node.protocols.act import FIELDS
 from tests.conftest import RoundTrips
 from tests.inproc import InProcNode, Router, cluster, config
 
@@ -110,6 +111,45 @@ async def test_new_rows_are_claimed_in_one_round_trip_to_redis(
         assert got[3]["error"]["status"] == 404, got[3]
         assert all(r["seq"] == 1 and r["routing"] == "claimed" for r in got[:3] + got[4:]), got
         assert {r["node"] for r in got if "node" in r} == {"a", "b"}
+
+
+async def test_the_openapi_schema_describes_the_list_form(redis: Any) -> None:
+    """``POST /act`` in the OpenAPI document: one row or ``{"steps": [...]}``, answered
+    one reply or ``{"steps": [...]}`` with a per-row error; a real message and its reply
+    (a bad row beside a good one) validate against it."""
+    import jsonschema
+
+    async with cluster(redis, [config("a")]) as ([a], _pool):
+        spec = (await a.client.get("/openapi.json")).json()
+        body = {"steps": [{"episode_id": "o-1", "inputs": {"obs": obs(1)}, "seq": 1},
+                          {"episode_id": "o-2", "inputs": {"obs": [[1.0]]}}]}  # fmt: skip
+        r = await a.client.post("/act", json=body)
+        assert r.status_code == 200, r.text
+        reply = r.json()
+    post = spec["paths"]["/act"]["post"]
+    refs = "#/components/schemas/"
+    asked = post["requestBody"]["content"]["application/json"]["schema"]["oneOf"]
+    assert asked == [{"$ref": refs + "ActRequest"}, {"$ref": refs + "ActRows"}]
+    answered = post["responses"]["200"]["content"]["application/json"]["schema"]["oneOf"]
+    assert answered == [{"$ref": refs + "ActReply"}, {"$ref": refs + "ActRowsReply"}]
+    schemas = spec["components"]["schemas"]
+    assert schemas["ActRows"]["properties"]["steps"]["items"] == {"$ref": refs + "ActRequest"}
+    rows_of = schemas["ActRowsReply"]["properties"]["steps"]["items"]["anyOf"]
+    assert {"$ref": refs + "ActRowError"} in rows_of and {"$ref": refs + "ActReply"} in rows_of
+    assert {"status", "code", "message"} <= set(schemas["RowError"]["required"])
+    assert set(schemas["ActRequest"]["properties"]) == set(FIELDS)  # what /act's wire takes
+
+    def check(instance: Any, model: str) -> None:
+        schema = {"$ref": refs + model, "components": spec["components"]}
+        jsonschema.Draft202012Validator(schema).validate(instance)
+
+    check(body, "ActRows")
+    check(reply, "ActRowsReply")
+    assert reply["steps"][1]["error"]["code"] == "bad_input"
+    for example in (*schemas["ActRows"]["examples"], body["steps"][0]):
+        check(example, "ActRows" if "steps" in example else "ActRequest")
+    with pytest.raises(jsonschema.ValidationError):  # a row is a one-step body, no more
+        check({"steps": [{"episode_id": "x", "inputs": {}, "stepz": 1}]}, "ActRows")
 
 
 async def test_msgpack_rows_and_stateless_rows(redis: Any) -> None:
