@@ -23,9 +23,9 @@ from affinity import (
     ModelId,
     NoCapacity,
     Recovering,
+    ResolveRequest,
     UnknownModel,
 )
-from affinity.claims import ResolveRequest
 from node.admission import Admission
 from node.catalog import Catalog
 from node.errors import refusal

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from affinity import Assignment, InvalidArgument, NoCapacity, UnknownEpisode
-from affinity.claims import ResolveRequest
+from affinity import Assignment, InvalidArgument, NoCapacity, ResolveRequest, UnknownEpisode
 from tests.conftest import Env, RoundTrips
 
 pytestmark = pytest.mark.anyio

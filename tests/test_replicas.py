@@ -25,11 +25,11 @@ from affinity import (
     Keys,
     NotReplicated,
     Registry,
+    ResolveRequest,
     Settings,
     close,
     connect,
 )
-from affinity.claims import ResolveRequest
 from affinity.registry import HeldEpisode
 from node.cli import parse_args
 from node.config import NodeConfig
