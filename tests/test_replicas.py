@@ -279,6 +279,14 @@ async def test_with_a_replica_each_claim_is_one_wait_on_its_own_connection(pair:
         assert await registry.renew("a", "i")
         r.script_flush()  # the pipeline's NOSCRIPT path loads the script and sends both again
         assert (await claims.resolve("after-flush")).status == "claimed"
+        # a message's rows: their claims in one round trip, one WAIT after them all
+        before = (calls(r, "evalsha"), calls(r, "wait"))
+        rows = await claims.resolve_many([ResolveRequest(f"row{i}") for i in range(4)])
+        assert [getattr(a, "status", a) for a in rows] == ["claimed"] * 4
+        assert (calls(r, "evalsha") - before[0], calls(r, "wait") - before[1]) == (4, 1)
+        r.script_flush()  # NOSCRIPT: loaded, sent again; the second WAIT's count is the one
+        rows = await claims.resolve_many([ResolveRequest(f"row{i}") for i in range(4, 8)])
+        assert [getattr(a, "status", a) for a in rows] == ["claimed"] * 4
         # the replica stops reading: its acknowledgement never comes
         replica.proc.send(signal.SIGSTOP)
         try:
