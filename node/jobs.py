@@ -1,7 +1,8 @@
 """What a device worker is handed: its session, its runs' jobs, the steps on their way.
 
 The session is the one it runs. The jobs and members make up its runs. :class:`Arrivals`
-is the node's count of steps on their way. A module of its own so the dispatcher, the
+is the node's count of steps on their way; :func:`together` counts the rows of one message
+as one until each is on its own way. A module of its own so the dispatcher, the
 commit rules and the worker share these types without the worker's code.
 
 Hazard: a job is shared by its caller's event loop and the worker's thread. Read or change
