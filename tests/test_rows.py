@@ -612,3 +612,45 @@ async def test_openpi_rows_wait_out_a_transient_owner_as_one_row_steps_do(redis:
         await healing
         assert all("error" not in r for r in got["rows"]), got["rows"]
         assert [r["node"] for r in got["rows"]] == [r["node"] for r in first["rows"]]
+
+
+async def test_together_counts_a_message_until_each_row_is_on_its_way() -> None:
+    """``node.jobs.together``: each row's first step runs while the message still counts
+    as an arrival (so a worker waits for the rows instead of running the first alone);
+    then it counts no more; cancelled, every row is cancelled and has ended first."""
+    import asyncio
+
+    from node.jobs import Arrivals, together
+
+    arrivals = Arrivals()
+    seen: list[int] = []
+    go = asyncio.Event()
+
+    async def row(i: int) -> int:
+        seen.append(arrivals.count)
+        await go.wait()
+        return i
+
+    task = asyncio.create_task(together(arrivals, [row(i) for i in range(3)]))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert seen == [1, 1, 1] and arrivals.count == 0
+    go.set()
+    assert await task == [0, 1, 2]
+
+    ended: list[int] = []
+
+    async def stuck(i: int) -> int:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended.append(i)
+        return i
+
+    task = asyncio.create_task(together(arrivals, [stuck(i) for i in range(3)]))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert sorted(ended) == [0, 1, 2] and arrivals.count == 0
