@@ -6,7 +6,14 @@ keeps nodes, devices and their states. ``Inventory`` lists them for operators.
 ``Keys`` names every Redis key.
 """
 
-from affinity.claims import Assignment, Claims, EpisodeInfo, Released, check_episode
+from affinity.claims import (
+    Assignment,
+    Claims,
+    EpisodeInfo,
+    Released,
+    ResolveRequest,
+    check_episode,
+)
 from affinity.client import (
     AsyncClient,
     Client,
@@ -72,6 +79,7 @@ __all__ = [
     "Registry",
     "Released",
     "RequestRefused",
+    "ResolveRequest",
     "ServiceUnavailable",
     "Settings",
     "StaleToken",

@@ -13,8 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
+from redis.exceptions import RedisError
+
 from affinity.errors import (
     AffinityError,
+    BackendUnavailable,
     InvalidArgument,
     ModelConflict,
     NoCapacity,
@@ -25,7 +28,7 @@ from affinity.errors import (
     UnknownModel,
 )
 from affinity.models import check_model_part
-from affinity.scripts import EpisodeScriptCaller, replicated
+from affinity.scripts import EpisodeScriptCaller, failure, replicated, replicated_many
 
 __all__ = [
     "MAX_EPISODE_BYTES",
@@ -34,6 +37,7 @@ __all__ = [
     "Claims",
     "EpisodeInfo",
     "Released",
+    "ResolveRequest",
     "check_episode",
     "check_token",
 ]
@@ -59,6 +63,19 @@ class Assignment(NamedTuple):
     claim: str = ""  # the claim id issued with the token: unique even if a token number is not
     instance: str = ""  # the process holding the owner's registration ("" when unknown)
     model: str = ""  # "name@version" the episode is served with ("": a fleet without models)
+
+
+class ResolveRequest(NamedTuple):
+    """One episode's question to :meth:`Claims.resolve_many`: :meth:`Claims.resolve`'s
+    arguments."""
+
+    episode: str
+    restart: bool = False
+    claim: bool = True
+    model: str = ""
+    version: str = ""
+    placement: str = "round-robin"
+    limit_ms: float | None = None
 
 
 class Released(NamedTuple):
@@ -236,39 +253,100 @@ class Claims(EpisodeScriptCaller):
         a hit, someone else's claim, stays. The hit writes too (its deadline), so its
         ``WAIT`` covers the claim it names, whichever connection wrote that.
         """
-        episode = check_episode(episode)
-        if model:
-            check_model_part("name", model)
-        if version:
-            if not model:
-                raise InvalidArgument("model version", version, "needs a model name")
-            check_model_part("version", version)
-        if placement not in PLACEMENTS:
-            raise InvalidArgument("placement", placement, f"must be one of {PLACEMENTS}")
-        gate = ""
-        if limit_ms is not None:
-            if isinstance(limit_ms, bool) or not limit_ms > 0 or limit_ms == float("inf"):
-                raise InvalidArgument("step time limit (ms)", limit_ms, "must be > 0")
-            gate = f"{limit_ms:.3f}"
-        flag = "1" if restart else "" if claim else "2"
-        args = (flag, os.urandom(8).hex(), model, version, self.known_lease_ms(), placement, gate)
+        ask = ResolveRequest(episode, restart, claim, model, version, placement, limit_ms)
+        episode, args, asked = self._resolve_args(ask)
         if self.settings.redis_replicas:
             reply, short = await replicated(
                 self.settings, self.redis, self.scripts.resolve, self._episode_key + episode, args
             )
         else:
             reply, short = await self._call(self.scripts.resolve, episode, args), None
-        a = parse_resolution(episode, reply, f"{model}@{version}" if version else model)
+        a = parse_resolution(episode, reply, asked)
         if short is not None:
-            if a.status != "hit":  # nobody may serve it: give the slot back if Redis lets us
-                # (else its backstop ends it; a retry finds it a hit, WAITed again)
-                with contextlib.suppress(AffinityError):  # (served nowhere: no owner to wait for)
-                    await self.release(episode, a.token, reason="not_replicated", owner=True)
-            raise NotReplicated(
-                "claim", short, self.settings.redis_replicas, self.settings.redis_wait_s,
-                f"episode {episode!r}",
-            )  # fmt: skip
+            raise await self._not_replicated(a, short)
         return a
+
+    async def resolve_many(
+        self, asks: Sequence[ResolveRequest]
+    ) -> list[Assignment | AffinityError]:
+        """:meth:`resolve` for several episodes in one round trip to Redis: one ``EVALSHA``
+        of the same script per episode, pipelined (``affinity/scripts.py``
+        :func:`evalsha_many`; with ``settings.redis_replicas``, one ``WAIT`` after them all).
+        Each claim is atomic by itself and means exactly what :meth:`resolve` would: none
+        waits for, fails or undoes another. (Every key shares the namespace's hash tag, so
+        under Redis Cluster the pipeline goes to one node too.)
+
+        Returns, in order, each episode's :class:`Assignment` or the error
+        :meth:`resolve` would raise for it (a bad argument's :class:`InvalidArgument` is
+        that episode's alone, and it is not sent). Raises :class:`BackendUnavailable` when
+        Redis cannot answer the round trip in time: no answer is known for any of them."""
+        checked: list[tuple[str, tuple[Any, ...], str] | InvalidArgument] = []
+        for ask in asks:
+            try:
+                checked.append(self._resolve_args(ask))
+            except InvalidArgument as exc:
+                checked.append(exc)
+        calls = [(self._episode_key + c[0], c[1]) for c in checked if isinstance(c, tuple)]
+        replies, short = (
+            await replicated_many(self.settings, self.redis, self.scripts.resolve, calls)
+            if calls
+            else ([], None)
+        )
+        answers = iter(replies)
+        results: list[Assignment | AffinityError] = []
+        for c in checked:
+            if isinstance(c, InvalidArgument):
+                results.append(c)
+                continue
+            episode, _, asked = c
+            reply = next(answers)
+            try:
+                if isinstance(reply, RedisError):  # BUSY, OOM...: this call's answer alone
+                    raise BackendUnavailable(failure(reply))
+                a = parse_resolution(episode, reply, asked)
+                if short is not None:
+                    raise await self._not_replicated(a, short)
+                results.append(a)
+            except AffinityError as exc:
+                results.append(exc)
+        return results
+
+    def _resolve_args(self, ask: ResolveRequest) -> tuple[str, tuple[Any, ...], str]:
+        """The checked episode id, the resolve script's ``ARGV`` and the model asked (for
+        the errors) of ``ask``; raises :class:`InvalidArgument`."""
+        episode = check_episode(ask.episode)
+        model, version = ask.model, ask.version
+        if model:
+            check_model_part("name", model)
+        if version:
+            if not model:
+                raise InvalidArgument("model version", version, "needs a model name")
+            check_model_part("version", version)
+        if ask.placement not in PLACEMENTS:
+            raise InvalidArgument("placement", ask.placement, f"must be one of {PLACEMENTS}")
+        gate = ""
+        limit_ms = ask.limit_ms
+        if limit_ms is not None:
+            if isinstance(limit_ms, bool) or not limit_ms > 0 or limit_ms == float("inf"):
+                raise InvalidArgument("step time limit (ms)", limit_ms, "must be > 0")
+            gate = f"{limit_ms:.3f}"
+        flag = "1" if ask.restart else "" if ask.claim else "2"
+        args = (flag, os.urandom(8).hex(), model, version, self.known_lease_ms(), ask.placement,
+                gate)  # fmt: skip
+        return episode, args, f"{model}@{version}" if version else model
+
+    async def _not_replicated(self, a: Assignment, short: int) -> NotReplicated:
+        """The error of a resolve whose write fewer replicas than wanted acknowledged
+        (``short`` of them). A claim or reassign is released first, token-checked, best
+        effort: nobody may serve it (else its backstop ends it; a retry finds it a hit,
+        WAITed again); a hit, someone else's claim, stays."""
+        if a.status != "hit":
+            with contextlib.suppress(AffinityError):  # (served nowhere: no owner to wait for)
+                await self.release(a.episode, a.token, reason="not_replicated", owner=True)
+        return NotReplicated(
+            "claim", short, self.settings.redis_replicas, self.settings.redis_wait_s,
+            f"episode {a.episode!r}",
+        )  # fmt: skip
 
     async def lookup(self, episode: str) -> EpisodeInfo | None:
         """The episode's assignment without touching it, or ``None``."""

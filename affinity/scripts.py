@@ -44,9 +44,11 @@ __all__ = [
     "Scripts",
     "bounded",
     "evalsha",
+    "evalsha_many",
     "evalsha_waited",
     "failure",
     "replicated",
+    "replicated_many",
     "scripts_for",
     "source",
 ]
@@ -230,29 +232,64 @@ async def evalsha(redis: Any, script: Script, key: str, args: Sequence[Any] = ()
         return await redis.execute_command("EVALSHA", script.sha, 1, key, *args)
 
 
+async def evalsha_many(
+    redis: Any,
+    script: Script,
+    calls: Sequence[tuple[str, Sequence[Any]]],
+    wait: tuple[int, int] | None = None,
+) -> tuple[list[Any], int | None]:
+    """:func:`evalsha` once per ``(key, args)`` of ``calls``, all sent in one round trip (a
+    pipeline without MULTI): each call is atomic by itself, exactly as when sent alone, and
+    none waits for, fails or undoes another. ``wait`` = ``(replicas, ms)``: followed by
+    ``WAIT replicas ms`` on the same connection, in the same round trip.
+
+    Returns the replies in order, an error reply (:class:`ResponseError`) in its call's
+    place, and how many replicas acknowledged every write the connection made up to its
+    last script (None without ``wait``). A call answered ``NOSCRIPT`` did not run: the
+    script is loaded and those calls are sent again, together, with the ``WAIT``. Its count
+    is the one returned: it covers the first round's writes too (the replication stream is
+    one sequence, and the second round's writes come later in it), while the first round's
+    ``WAIT`` may have waited on writes of nothing but this connection's past. Raises what
+    the connection raises."""
+
+    async def send(batch: Sequence[tuple[str, Sequence[Any]]]) -> tuple[list[Any], int | None]:
+        pipe = redis.pipeline(transaction=False)
+        for key, args in batch:
+            pipe.execute_command("EVALSHA", script.sha, 1, key, *args)
+        if wait is not None:
+            pipe.execute_command("WAIT", *wait)
+        replies: list[Any] = await pipe.execute(raise_on_error=False)
+        if wait is None:
+            return replies, None
+        acked = replies.pop()
+        if isinstance(acked, Exception):
+            raise acked
+        return replies, int(acked)
+
+    replies, acked = await send(calls)
+    unknown = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
+    if unknown:
+        await redis.script_load(script.text)
+        again, acked = await send([calls[i] for i in unknown])
+        for i, reply in zip(unknown, again, strict=True):
+            replies[i] = reply
+    return replies, acked
+
+
 async def evalsha_waited(
     redis: Any, script: Script, key: str, args: Sequence[Any], replicas: int, wait_ms: int
 ) -> tuple[Any, int]:
     """:func:`evalsha`, then ``WAIT replicas wait_ms`` on the same connection, sent together.
 
-    One round trip: a pipeline without MULTI. Returns the script's reply and how many
+    One round trip (:func:`evalsha_many`). Returns the script's reply and how many
     replicas acknowledged every write this connection made up to and including the
     script's. ``WAIT`` waits for the connection's last write, so the caller must only trust the
     count for a script that wrote (every reply a node serves on does)."""
-
-    def both() -> Awaitable[list[Any]]:
-        pipe = redis.pipeline(transaction=False)
-        pipe.execute_command("EVALSHA", script.sha, 1, key, *args)
-        pipe.execute_command("WAIT", replicas, wait_ms)
-        result: Awaitable[list[Any]] = pipe.execute()
-        return result
-
-    try:
-        reply, acked = await both()
-    except NoScriptError:
-        await redis.script_load(script.text)
-        reply, acked = await both()
-    return reply, int(acked)
+    replies, acked = await evalsha_many(redis, script, [(key, args)], (replicas, wait_ms))
+    if isinstance(replies[0], Exception):
+        raise replies[0]
+    assert acked is not None
+    return replies[0], acked
 
 
 async def replicated(
@@ -269,6 +306,19 @@ async def replicated(
         settings, evalsha_waited(redis, script, key, args, n, settings.redis_wait_ms)
     )
     return reply, (None if acked >= n else acked)
+
+
+async def replicated_many(
+    settings: Settings, redis: Any, script: Script, calls: Sequence[tuple[str, Sequence[Any]]]
+) -> tuple[list[Any], int | None]:
+    """:func:`replicated` for several calls of one script in one round trip
+    (:func:`evalsha_many`, one ``WAIT`` after them all): the replies in order (an error reply
+    in its call's place), and ``None`` when the writes are safe to act on, else how many
+    replicas acknowledged them."""
+    n = settings.redis_replicas
+    wait = (n, settings.redis_wait_ms) if n else None
+    replies, acked = await bounded(settings, evalsha_many(redis, script, calls, wait))
+    return replies, (None if acked is None or acked >= n else acked)
 
 
 class _Watchdog:

@@ -1,7 +1,8 @@
 """What a device worker is handed: its session, its runs' jobs, the steps on their way.
 
 The session is the one it runs. The jobs and members make up its runs. :class:`Arrivals`
-is the node's count of steps on their way. A module of its own so the dispatcher, the
+is the node's count of steps on their way; :func:`together` counts the rows of one message
+as one until each is on its own way. A module of its own so the dispatcher, the
 commit rules and the worker share these types without the worker's code.
 
 Hazard: a job is shared by its caller's event loop and the worker's thread. Read or change
@@ -13,15 +14,16 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-__all__ = ["Arrival", "Arrivals", "Job", "Member", "Run", "Session"]
+__all__ = ["Arrival", "Arrivals", "Job", "Member", "Run", "Session", "together"]
 
 Array = np.ndarray[Any, Any]
+T = TypeVar("T")
 
 
 class Session(Protocol):
@@ -68,6 +70,26 @@ class Arrival:
         if self._open:
             self._open = False
             self._arrivals.count -= 1
+
+
+async def together(arrivals: Arrivals, work: Iterable[Awaitable[T]]) -> list[T]:
+    """Await ``work`` concurrently (the rows of one message), counted as one arrival
+    (:class:`Arrivals`) until each has taken its first step. So each row opens its own
+    arrival before the message's closes, and a device's worker waits for the message's
+    other rows (its batch window) instead of running the first alone, inline, while the
+    next is still on its way. A cancellation cancels them all and returns when they have
+    ended."""
+    arrival = arrivals.arrival()
+    gathered = asyncio.gather(*work)  # each a task, scheduled in order
+    try:
+        await asyncio.sleep(0)  # every task's first step runs before this one's next
+    except asyncio.CancelledError:
+        gathered.cancel()
+        await asyncio.wait([gathered])
+        raise
+    finally:
+        arrival.done()
+    return await gathered
 
 
 @dataclass

@@ -9,11 +9,13 @@ every device full waits in the backlog (``node/admission.py``) until its step's 
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import NamedTuple
 
 from affinity import (
+    AffinityError,
     Assignment,
     BackendUnavailable,
     Claims,
@@ -21,6 +23,7 @@ from affinity import (
     ModelId,
     NoCapacity,
     Recovering,
+    ResolveRequest,
     UnknownModel,
 )
 from node.admission import Admission
@@ -123,20 +126,75 @@ class Resolver:
                 if self.admission is None or deadline is None or exc.reason != "at_capacity":
                     raise
                 assignment = await self.admission.wait(episode, resolve, deadline)
-            self.peers.resolved(assignment)
-            if assignment.status != "hit" and assignment.model:
-                m = ModelId.parse(assignment.model)
-                self.metrics.model_claims.labels(m.name, m.version, assignment.status).inc()
-            return assignment
-        except UnknownModel as exc:  # named with the models served here
+        except AffinityError as exc:
+            refused = self._refused(exc)
+            if refused is exc:
+                raise
+            raise refused from exc
+        return self._resolved(assignment)
+
+    async def for_steps(self, steps: Sequence[Step]) -> list[Assignment | Exception]:
+        """:meth:`for_step` for each of ``steps`` (rows of one message), in one round trip
+        to Redis (:meth:`Claims.resolve_many`): each row's assignment, or the error
+        :meth:`for_step` would raise for it. A row that finds every device full with
+        ``--admission-wait`` waits in the backlog alone (its own asks)."""
+        try:
+            found = await self.claims.resolve_many([self._ask(s) for s in steps])
+        except AffinityError as exc:  # no answer for any of them
+            return [self._refused(exc)] * len(steps)
+        results: list[Assignment | Exception] = []
+        waiting: list[int] = []
+        for i, got in enumerate(found):
+            if isinstance(got, Assignment):
+                results.append(self._resolved(got))
+            elif (
+                isinstance(got, NoCapacity)
+                and got.reason == "at_capacity"
+                and self.admission is not None
+            ):
+                results.append(got)
+                waiting.append(i)
+            else:
+                results.append(self._refused(got))
+        if waiting:
+            waited = await asyncio.gather(
+                *(self.for_step(steps[i]) for i in waiting), return_exceptions=True
+            )
+            for i, answer in zip(waiting, waited, strict=True):
+                if not isinstance(answer, Exception | Assignment):
+                    raise answer  # a cancellation
+                results[i] = answer
+        return results
+
+    def _ask(self, step: Step) -> ResolveRequest:
+        """What :meth:`for_step` asks Redis for ``step``."""
+        assert step.episode is not None
+        placement = self.placement
+        return ResolveRequest(
+            step.episode, claim=not step.live_only, model=step.model or self.first_model,
+            version=step.version or "", placement=placement.mode,
+            limit_ms=placement.limit_ms(step.control_hz),
+        )  # fmt: skip
+
+    def _resolved(self, assignment: Assignment) -> Assignment:
+        """Note what Redis answered: the owner's health, a new claim's model."""
+        self.peers.resolved(assignment)
+        if assignment.status != "hit" and assignment.model:
+            m = ModelId.parse(assignment.model)
+            self.metrics.model_claims.labels(m.name, m.version, assignment.status).inc()
+        return assignment
+
+    def _refused(self, exc: AffinityError) -> Exception:
+        """A resolve's error as the step's (the one table, ``node.errors.refusal``); a bad
+        argument stays itself."""
+        if isinstance(exc, UnknownModel):  # named with the models served here
             served = self.catalog.served() if self.catalog else []
-            raise refusal(UnknownModel(exc.model, served)) from exc
-        except NoCapacity as exc:
-            if exc.reason == "slo":
-                self.metrics.placement_slo.inc()
-            raise refusal(exc) from exc
-        except (ModelConflict, Recovering, BackendUnavailable) as exc:
-            raise refusal(exc) from exc
+            return refusal(UnknownModel(exc.model, served))
+        if isinstance(exc, NoCapacity) and exc.reason == "slo":
+            self.metrics.placement_slo.inc()
+        if isinstance(exc, NoCapacity | ModelConflict | Recovering | BackendUnavailable):
+            return refusal(exc)
+        return exc
 
     def asked(self, step: Step) -> str:
         """The model a step names: ``"name@version"``, or its name alone."""

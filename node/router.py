@@ -44,6 +44,7 @@ from node.dispatcher import Arrival, MultiGpuDispatcher
 from node.errors import ClaimEnded, ForwardError, Refused, Unavailable
 from node.forward import ROWS_PATH, Forward, Poster, Response, decode_reply, send_undo
 from node.health import DeviceHealth
+from node.jobs import together
 from node.lease import Lease
 from node.metrics import ROUTING, Metrics
 from node.owner import Owner
@@ -413,11 +414,12 @@ class Router:
         undoes the replies there). One row's failure never touches another's.
 
         A row held here is served from memory. The others' owners are found (a hint, else
-        Redis: the rows' questions go concurrently), grouped by owner, and each owner gets
-        one message with its rows (:data:`~node.forward.ROWS_PATH`). A row its owner does
-        not hold (any more), or an owner the message never reached, goes the one-row way
-        alone (:meth:`act`: Redis is asked again). ``patient``: as :meth:`act`'s, for each
-        row (a row of a message whose owner answered a transient 503 goes alone again)."""
+        Redis: the rows' questions go together, in one round trip), grouped by owner, and
+        each owner gets one message with its rows (:data:`~node.forward.ROWS_PATH`). A row
+        its owner does not hold (any more), or an owner the message never reached, goes the
+        one-row way alone (:meth:`act`: Redis is asked again). ``patient``: as
+        :meth:`act`'s, for each row (a row of a message whose owner answered a transient 503
+        goes alone again)."""
         started = time.monotonic()
         groups: dict[str, list[tuple[int, Assignment]]] = {}
         alone: list[int] = []
@@ -445,10 +447,8 @@ class Router:
                 alone.append(i)
             else:
                 groups.setdefault(hint.url, []).append((i, hint))
-        if unknown:
-            found = await asyncio.gather(
-                *(self.resolver.for_step(steps[i]) for i in unknown), return_exceptions=True
-            )
+        if unknown:  # asked together: one round trip to Redis
+            found = await self.resolver.for_steps([steps[i] for i in unknown])
             for i, got in zip(unknown, found, strict=True):
                 if isinstance(got, Assignment):
                     if got.node == self.node_id:
@@ -456,14 +456,11 @@ class Router:
                         alone.append(i)
                     else:
                         groups.setdefault(got.url, []).append((i, got))
-                elif isinstance(got, Exception):
-                    if patient and _transient(got):
-                        alone.append(i)  # retried the one-row way, within its deadline
-                        continue
+                elif patient and _transient(got):
+                    alone.append(i)  # retried the one-row way, within its deadline
+                else:
                     self._count_failure(got)
                     results[i] = got
-                else:
-                    raise got  # a cancellation
 
         async def one(i: int) -> None:
             try:
@@ -477,7 +474,11 @@ class Router:
                 again += [i for i, _ in rows if _transient(results[i])]
             await asyncio.gather(*(one(i) for i in again))
 
-        await asyncio.gather(*(one(i) for i in alone), *(group(g) for g in groups.values()))
+        # the forwards first (the longest way: the owner's reply is what the message waits
+        # for); a device's worker waits for the message's other rows (its batch window):
+        # they become one run where the batch sizes allow, not one run each
+        work = [*(group(g) for g in groups.values()), *(one(i) for i in alone)]
+        await together(self.arrivals, work)
 
     def _count_failure(self, exc: Exception) -> None:
         if isinstance(exc, Unavailable):

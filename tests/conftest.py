@@ -20,6 +20,7 @@ import fakeredis
 import pytest
 import redis
 import redis.asyncio
+from redis.asyncio.connection import AbstractConnection
 
 from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
 from affinity.events import EventStream
@@ -213,3 +214,29 @@ async def redis_client(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
     if request.param == "real":
         await client.flushdb()
     await client.aclose()
+
+
+class RoundTrips:
+    """The writes a client's connections make to Redis: each is one round trip (a
+    pipeline's commands go in one write). ``carrying(sha)``: those that call that script."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def carrying(self, sha: str) -> int:
+        return sum(sha.encode() in w for w in self.writes)
+
+
+@pytest.fixture
+def round_trips(monkeypatch: pytest.MonkeyPatch) -> Iterator[RoundTrips]:
+    """Count every write of every async connection (fakeredis' and redis-py's alike)."""
+    seen = RoundTrips()
+    send = AbstractConnection.send_packed_command
+
+    async def counted(self: AbstractConnection, command: Any, *args: Any, **kw: Any) -> None:
+        parts = [command] if isinstance(command, bytes | str) else list(command)
+        seen.writes.append(b"".join(p.encode() if isinstance(p, str) else bytes(p) for p in parts))
+        await send(self, parts if len(parts) > 1 else parts[0], *args, **kw)
+
+    monkeypatch.setattr(AbstractConnection, "send_packed_command", counted)
+    yield seen

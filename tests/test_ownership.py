@@ -389,7 +389,7 @@ def test_the_router_asks_redis_again_in_one_place() -> None:
             for call in ast.walk(fn):
                 if (
                     isinstance(call, ast.Attribute)
-                    and call.attr in ("for_step", "resolve")
+                    and call.attr in ("for_step", "for_steps", "resolve")
                     and isinstance(call.value, ast.Attribute)
                     and call.value.attr == "resolver"
                 ):

@@ -25,6 +25,7 @@ from affinity import (
     Keys,
     NotReplicated,
     Registry,
+    ResolveRequest,
     Settings,
     close,
     connect,
@@ -182,6 +183,18 @@ async def test_a_hit_no_replica_acknowledged_raises_and_keeps_the_assignment(lon
 
 
 @pytest.mark.anyio
+async def test_rows_claimed_together_no_replica_acknowledged_fail_each_alone(lone: Any) -> None:
+    """``resolve_many`` (a message's rows, one round trip, one ``WAIT`` after them all):
+    every row is NotReplicated; a new claim is released again, a hit keeps its claim."""
+    client, claims, plain, _ = lone
+    first = await plain.resolve("held")
+    got = await claims.resolve_many([ResolveRequest("held"), ResolveRequest("new")])
+    assert [type(g) for g in got] == [NotReplicated, NotReplicated]
+    assert await client.get(KEYS.episode("new")) is None
+    assert (await plain.resolve("held")).token == first.token
+
+
+@pytest.mark.anyio
 async def test_renewals_reasserts_and_slides_no_replica_acknowledged_are_not_done(
     lone: Any,
 ) -> None:
@@ -269,6 +282,14 @@ async def test_with_a_replica_each_claim_is_one_wait_on_its_own_connection(pair:
         assert await registry.renew("a", "i")
         r.script_flush()  # the pipeline's NOSCRIPT path loads the script and sends both again
         assert (await claims.resolve("after-flush")).status == "claimed"
+        # a message's rows: their claims in one round trip, one WAIT after them all
+        before = (calls(r, "evalsha"), calls(r, "wait"))
+        rows = await claims.resolve_many([ResolveRequest(f"row{i}") for i in range(4)])
+        assert [getattr(a, "status", a) for a in rows] == ["claimed"] * 4
+        assert (calls(r, "evalsha") - before[0], calls(r, "wait") - before[1]) == (4, 1)
+        r.script_flush()  # NOSCRIPT: loaded, sent again; the second WAIT's count is the one
+        rows = await claims.resolve_many([ResolveRequest(f"row{i}") for i in range(4, 8)])
+        assert [getattr(a, "status", a) for a in rows] == ["claimed"] * 4
         # the replica stops reading: its acknowledgement never comes
         replica.proc.send(signal.SIGSTOP)
         try:

@@ -17,6 +17,8 @@ import pytest
 from affinity import wire
 from node.errors import ForwardError
 from node.forward import INTERNAL_PATH, ROWS_PATH, Response
+from node.protocols.act import FIELDS
+from tests.conftest import RoundTrips
 from tests.inproc import InProcNode, Router, cluster, config
 
 pytestmark = pytest.mark.anyio
@@ -88,6 +90,66 @@ async def test_rows_over_several_owners_go_one_message_per_owner(redis: Any) -> 
         # a row's outputs are what the model gives for its inputs, whichever way it went
         one = (await a.act(episode_id="solo", inputs={"obs": obs(3)})).json()
         assert np.allclose(one["outputs"]["actions"], first[3]["outputs"]["actions"])
+
+
+async def test_new_rows_are_claimed_in_one_round_trip_to_redis(
+    redis: Any, round_trips: RoundTrips
+) -> None:
+    """K new rows of one message (unknown to the node) are claimed together: the resolve
+    script goes to Redis in one round trip, however many rows and owners; a row Redis
+    refuses (a model no node registered) answers its own error beside them."""
+    async with cluster(redis, [config("a"), config("b")]) as ([a, _b], _pool):
+        assert a.service.claims is not None
+        resolve = a.service.claims.scripts.resolve.sha
+        assert (await a.act(episode_id="warm", inputs={"obs": obs(0)})).status_code == 200
+        round_trips.writes.clear()  # (the script is known to Redis now)
+        steps = [{"episode_id": f"new-{i}", "inputs": {"obs": obs(i)}} for i in range(8)]
+        steps.insert(3, {"episode_id": "nowhere", "inputs": {"obs": obs(1)},
+                         "model": "nope"})  # fmt: skip
+        got = await rows(a, steps)
+        assert round_trips.carrying(resolve) == 1, round_trips.writes
+        assert got[3]["error"]["status"] == 404, got[3]
+        assert all(r["seq"] == 1 and r["routing"] == "claimed" for r in got[:3] + got[4:]), got
+        assert {r["node"] for r in got if "node" in r} == {"a", "b"}
+
+
+async def test_the_openapi_schema_describes_the_list_form(redis: Any) -> None:
+    """``POST /act`` in the OpenAPI document: one row or ``{"steps": [...]}``, answered
+    one reply or ``{"steps": [...]}`` with a per-row error; a real message and its reply
+    (a bad row beside a good one) validate against it."""
+    import jsonschema
+
+    async with cluster(redis, [config("a")]) as ([a], _pool):
+        spec = (await a.client.get("/openapi.json")).json()
+        body = {"steps": [{"episode_id": "o-1", "inputs": {"obs": obs(1)}, "seq": 1},
+                          {"episode_id": "o-2", "inputs": {"obs": [[1.0]]}}]}  # fmt: skip
+        r = await a.client.post("/act", json=body)
+        assert r.status_code == 200, r.text
+        reply = r.json()
+    post = spec["paths"]["/act"]["post"]
+    refs = "#/components/schemas/"
+    asked = post["requestBody"]["content"]["application/json"]["schema"]["oneOf"]
+    assert asked == [{"$ref": refs + "ActRequest"}, {"$ref": refs + "ActRows"}]
+    answered = post["responses"]["200"]["content"]["application/json"]["schema"]["oneOf"]
+    assert answered == [{"$ref": refs + "ActReply"}, {"$ref": refs + "ActRowsReply"}]
+    schemas = spec["components"]["schemas"]
+    assert schemas["ActRows"]["properties"]["steps"]["items"] == {"$ref": refs + "ActRequest"}
+    rows_of = schemas["ActRowsReply"]["properties"]["steps"]["items"]["anyOf"]
+    assert {"$ref": refs + "ActRowError"} in rows_of and {"$ref": refs + "ActReply"} in rows_of
+    assert {"status", "code", "message"} <= set(schemas["RowError"]["required"])
+    assert set(schemas["ActRequest"]["properties"]) == set(FIELDS)  # what /act's wire takes
+
+    def check(instance: Any, model: str) -> None:
+        schema = {"$ref": refs + model, "components": spec["components"]}
+        jsonschema.Draft202012Validator(schema).validate(instance)
+
+    check(body, "ActRows")
+    check(reply, "ActRowsReply")
+    assert reply["steps"][1]["error"]["code"] == "bad_input"
+    for example in (*schemas["ActRows"]["examples"], body["steps"][0]):
+        check(example, "ActRows" if "steps" in example else "ActRequest")
+    with pytest.raises(jsonschema.ValidationError):  # a row is a one-step body, no more
+        check({"steps": [{"episode_id": "x", "inputs": {}, "stepz": 1}]}, "ActRows")
 
 
 async def test_msgpack_rows_and_stateless_rows(redis: Any) -> None:
@@ -475,28 +537,36 @@ async def test_openpi_rows_in_one_observation_from_the_openpi_client_wire(redis:
         assert isinstance(refused, str) and "duplicate_episode" in refused
 
 
-async def test_rows_on_one_device_share_model_runs(redis: Any) -> None:
-    """The rows of one message on one device join its batches: fewer model runs than
-    rows (``affinity_batch_size``: its sum is the steps, its count the runs)."""
+@pytest.mark.parametrize("inline_under_us", [0.0, 1_000_000.0], ids=["worker", "inline"])
+async def test_rows_on_one_device_share_model_runs(redis: Any, inline_under_us: float) -> None:
+    """The rows of one message on one device join its batches, on the entry node and at
+    another owner: fewer model runs than rows (``affinity_batch_size``: its sum is the
+    steps, its count the runs). Also where a lone step would run inline on the event loop
+    (a quick model on a CPU): a message's first row never runs alone while the others are
+    on their way."""
     import re
 
-    async def runs(node: InProcNode) -> tuple[float, float]:
+    async def runs(node: InProcNode, device: str) -> tuple[float, float]:
         text = (await node.client.get("/metrics")).text
-        count = re.search(r'^affinity_batch_size_count\{device="a/0"\} (\S+)', text, re.M)
-        total = re.search(r'^affinity_batch_size_sum\{device="a/0"\} (\S+)', text, re.M)
+        count = re.search(rf'^affinity_batch_size_count\{{device="{device}"\}} (\S+)', text, re.M)
+        total = re.search(rf'^affinity_batch_size_sum\{{device="{device}"\}} (\S+)', text, re.M)
         return (0.0, 0.0) if count is None or total is None else (
             float(count.group(1)), float(total.group(1)))  # fmt: skip
 
-    # a model run that costs (no inline runs), a window that a busy machine cannot outrun
-    cfg = config("a", devices="cpu:1", max_batch=8, inline_under_us=0.0, batch_delay_us=50_000)
-    async with cluster(redis, [cfg]) as ([a], _pool):
-        steps = [{"episode_id": f"b-{i}", "inputs": {"obs": obs(i)}} for i in range(8)]
+    # a window that a busy machine cannot outrun
+    cfgs = [config(n, devices="cpu:1", max_batch=16, inline_under_us=inline_under_us,
+                   batch_delay_us=50_000) for n in ("a", "b")]  # fmt: skip
+    async with cluster(redis, cfgs) as ([a, b], _pool):
+        steps = [{"episode_id": f"b-{i}", "inputs": {"obs": obs(i)}} for i in range(16)]
+        first = await rows(a, steps)
+        on = Counter(r["node"] for r in first)
+        assert on["a"] >= 2 and on["b"] >= 2, on
+        before = [await runs(a, "a/0"), await runs(b, "b/0")]
         await rows(a, steps)
-        before = await runs(a)
-        await rows(a, steps)
-        after = await runs(a)
-        ran, steps = after[0] - before[0], after[1] - before[1]
-        assert steps == 8 and ran < steps, (ran, steps)
+        after = [await runs(a, "a/0"), await runs(b, "b/0")]
+        for node, (ran0, steps0), (ran1, steps1) in zip("ab", before, after, strict=True):
+            ran, stepped = ran1 - ran0, steps1 - steps0
+            assert stepped == on[node] and ran < stepped, (node, ran, stepped)
 
 
 async def test_each_row_keeps_its_action_chunk(redis: Any) -> None:
@@ -542,3 +612,45 @@ async def test_openpi_rows_wait_out_a_transient_owner_as_one_row_steps_do(redis:
         await healing
         assert all("error" not in r for r in got["rows"]), got["rows"]
         assert [r["node"] for r in got["rows"]] == [r["node"] for r in first["rows"]]
+
+
+async def test_together_counts_a_message_until_each_row_is_on_its_way() -> None:
+    """``node.jobs.together``: each row's first step runs while the message still counts
+    as an arrival (so a worker waits for the rows instead of running the first alone);
+    then it counts no more; cancelled, every row is cancelled and has ended first."""
+    import asyncio
+
+    from node.jobs import Arrivals, together
+
+    arrivals = Arrivals()
+    seen: list[int] = []
+    go = asyncio.Event()
+
+    async def row(i: int) -> int:
+        seen.append(arrivals.count)
+        await go.wait()
+        return i
+
+    task = asyncio.create_task(together(arrivals, [row(i) for i in range(3)]))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert seen == [1, 1, 1] and arrivals.count == 0
+    go.set()
+    assert await task == [0, 1, 2]
+
+    ended: list[int] = []
+
+    async def stuck(i: int) -> int:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            ended.append(i)
+        return i
+
+    task = asyncio.create_task(together(arrivals, [stuck(i) for i in range(3)]))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert sorted(ended) == [0, 1, 2] and arrivals.count == 0

@@ -19,7 +19,6 @@ acts on as it does for one forward).
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 from typing import Any
 
@@ -49,6 +48,7 @@ from node.errors import (
     outcome,
 )
 from node.forward import CONTENT_TYPE, SECRET_HEADER, Forward, encode_reply
+from node.jobs import together
 from node.service import NodeService
 from node.step import Reply
 from node.transfer import Install, Settle, decode_move
@@ -170,7 +170,8 @@ async def rows(service: NodeService, scope: Scope, receive: Receive, send: Send)
             done.append(reply)
             return {"status": 200, "reply": encode_reply(reply)}
 
-        work = asyncio.gather(*(one(f) for f in forwards))
+        # one device's rows join one run (node.jobs.together): not the first alone, inline
+        work = together(service.router.arrivals, [one(f) for f in forwards])
         answers = await while_connected(receive, work, scope.get(CONNECTION))
     except ClientGone:
         for reply in done:  # nobody will read them: undone (unless held for a retry)

@@ -1,0 +1,83 @@
+"""Several episodes claimed in one round trip to Redis (``Claims.resolve_many``, issue 44's
+rows), on fakeredis and a real Redis (same bodies): one round trip for K new episodes,
+each claim what ``resolve`` would make, and a row refused or failed alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from affinity import Assignment, InvalidArgument, NoCapacity, ResolveRequest, UnknownEpisode
+from tests.conftest import Env, RoundTrips
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_k_new_episodes_are_claimed_in_one_round_trip(
+    env: Env, round_trips: RoundTrips
+) -> None:
+    await env.node("a", 2)
+    # the connection made (its handshake is not a claim's), the script known (else NOSCRIPT,
+    # SCRIPT LOAD and the calls again: three round trips, once per Redis start)
+    await env.redis.script_load(env.claims.scripts.resolve.text)
+    episodes = [f"ep-{i}" for i in range(16)]
+    round_trips.writes.clear()
+    got = await env.claims.resolve_many([ResolveRequest(e) for e in episodes])
+    assert len(round_trips.writes) == 1
+    assert all(isinstance(a, Assignment) and a.status == "claimed" for a in got), got
+    claimed = [a for a in got if isinstance(a, Assignment)]
+    assert [a.episode for a in claimed] == episodes
+    assert len({a.token for a in claimed}) == 16  # each its own fencing token
+    assert {a.device for a in claimed} == {"a/0", "a/1"}  # round-robin, as one by one
+    for a in claimed:  # each claim is what resolve finds afterwards
+        again = await env.claims.resolve(a.episode)
+        assert (again.status, again.device, again.token, again.claim) == (
+            "hit", a.device, a.token, a.claim,
+        )  # fmt: skip
+    round_trips.writes.clear()
+    hits = await env.claims.resolve_many([ResolveRequest(e) for e in episodes])
+    assert len(round_trips.writes) == 1
+    assert [a.status for a in hits if isinstance(a, Assignment)] == ["hit"] * 16
+
+
+async def test_a_refused_or_bad_row_answers_alone(env: Env, round_trips: RoundTrips) -> None:
+    """A bad id (never sent), a row that may not claim, a row the fleet has no room for:
+    each gets its own error; the rows beside them are claimed, still in one round trip."""
+    await env.node("a", 1, capacity=2)
+    held = await env.claims.resolve("held")
+    round_trips.writes.clear()
+    got = await env.claims.resolve_many(
+        [
+            ResolveRequest("held"),
+            ResolveRequest(""),
+            ResolveRequest("new-1"),
+            ResolveRequest("ghost", claim=False),
+            ResolveRequest("new-2"),
+        ]
+    )
+    assert round_trips.carrying(env.claims.scripts.resolve.sha) == 1
+    assert len(round_trips.writes) == 1
+    assert isinstance(got[0], Assignment) and (got[0].status, got[0].token) == ("hit", held.token)
+    assert isinstance(got[1], InvalidArgument)
+    assert isinstance(got[2], Assignment) and got[2].status == "claimed"
+    assert isinstance(got[3], UnknownEpisode)
+    assert isinstance(got[4], NoCapacity) and got[4].reason == "at_capacity"  # 2 of 2 taken
+    assert await env.claims.lookup("ghost") is None
+    assert await env.claims.lookup("new-2") is None
+
+
+async def test_claims_in_one_round_trip_survive_a_flushed_script_cache(env: Env) -> None:
+    await env.node("a", 1)
+    await env.redis.script_flush()
+    got = await env.claims.resolve_many([ResolveRequest(f"ep-{i}") for i in range(3)])
+    assert [a.status for a in got if isinstance(a, Assignment)] == ["claimed"] * 3
+    await env.redis.script_flush()
+    got = await env.claims.resolve_many([ResolveRequest(f"ep-{i}") for i in range(3)])
+    assert [a.status for a in got if isinstance(a, Assignment)] == ["hit"] * 3
+
+
+async def test_no_rows_ask_nothing(env: Env, round_trips: RoundTrips) -> None:
+    await env.redis.ping()
+    round_trips.writes.clear()
+    assert await env.claims.resolve_many([]) == []
+    assert await env.claims.resolve_many([ResolveRequest("\x00")]) != []
+    assert round_trips.writes == []
