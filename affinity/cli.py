@@ -462,7 +462,7 @@ class DrainMoves:
 
     moved: dict[str, str]
     kept: dict[str, str]
-    ended: list[str]
+    ended: list[str]  # no longer on the drained devices, without a move
     waiting: list[str]
 
     def to_json(self) -> dict[str, object]:
@@ -486,18 +486,19 @@ async def follow_moves(
     ctx: Context, episodes: set[str], devices: set[str], cursor: str, wait_s: float
 ) -> DrainMoves:
     """Follow the event stream from ``cursor`` until each of ``episodes`` (on ``devices``)
-    was moved, kept where it is, or ended, or until ``wait_s`` seconds have passed."""
+    was moved, kept where it is, or left the devices otherwise, or until ``wait_s`` seconds
+    have passed. Whenever the stream is quiet, the devices' assignments are read: an episode
+    no longer on them without a move (released, expired, claimed elsewhere, handed over by a
+    stop) is ``ended``."""
     moves = DrainMoves({}, {}, [], [])
     left = set(episodes)
-    deadline = asyncio.get_running_loop().time() + wait_s
-    while left:
-        remaining_ms = (deadline - asyncio.get_running_loop().time()) * 1000
-        if remaining_ms <= 0:
-            break
-        for event_id, fields in await ctx.events.wait(
-            cursor, min(FOLLOW_BLOCK_MS, int(remaining_ms) + 1)
-        ):
-            cursor = event_id
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+
+    def seen(batch: list[Event]) -> str:
+        last = cursor
+        for event_id, fields in batch:
+            last = event_id
             episode, kind = fields.get("episode", ""), fields.get("type")
             if episode not in left:
                 continue
@@ -505,10 +506,25 @@ async def follow_moves(
                 moves.moved[episode] = fields.get("to", "")
             elif kind == "move-kept" and fields.get("device") in devices:
                 moves.kept[episode] = fields.get("why", "")
-            elif kind == "release" and fields.get("device") in devices:
-                moves.ended.append(episode)
             else:
                 continue
+            left.discard(episode)
+        return last
+
+    while left:
+        remaining_ms = (deadline - loop.time()) * 1000
+        if remaining_ms <= 0:
+            break
+        batch = await ctx.events.wait(cursor, min(FOLLOW_BLOCK_MS, int(remaining_ms) + 1))
+        cursor = seen(batch)
+        if batch or not left:
+            continue
+        # quiet: which are still on the devices? (then the events once more, so that a
+        # move committed between the two reads counts as moved)
+        still = {r.episode for d in devices for r in await ctx.inventory.episodes(d) if not r.moved}
+        cursor = seen(await ctx.events.events(cursor, 1000))
+        for episode in sorted(left - still):
+            moves.ended.append(episode)
             left.discard(episode)
     moves.waiting = sorted(left)
     return moves
@@ -517,7 +533,9 @@ async def follow_moves(
 def moves_summary(moves: DrainMoves, asked: int, wait_s: float) -> str:
     lines = [f"moved {len(moves.moved)} of {asked} episodes with their state"]
     if moves.ended:
-        lines.append(f"{len(moves.ended)} ended meanwhile")
+        lines.append(
+            f"{len(moves.ended)} left the devices otherwise (ended, expired or claimed anew)"
+        )
     for episode, why in sorted(moves.kept.items()):
         lines.append(f"kept {episode} where it is: {KEPT_WHY.get(why, why)}")
     if moves.waiting:
@@ -535,7 +553,9 @@ async def cmd_drain(args: argparse.Namespace, ctx: Context) -> int:
     watch = args.move and args.wait > 0
     if watch:  # the cursor first: no move can land before it
         _, cursor = await ctx.events.latest(0)
-        on_them = [r.episode for d in args.device for r in await ctx.inventory.episodes(d)]
+        on_them = [  # (not those a graceful stop handed over: their next step claims anew)
+            r.episode for d in args.device for r in await ctx.inventory.episodes(d) if not r.moved
+        ]
     changes = [await ctx.registry.drain(device, args.reason) for device in args.device]
     if args.move:  # each node moves them with their state at its next renewal
         for device in args.device:

@@ -428,21 +428,24 @@ def test_drain_move_says_which_episodes_did_not_move(
 def test_drain_move_summary_reads_moved_kept_and_ended_events(
     dep: Deployment, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The events a drain's moves write (``moved``, ``move-kept``, ``release``) become the
-    summary; events of other devices or episodes are not counted."""
+    """The events a drain's moves write (``moved``, ``move-kept``) become the summary; an
+    episode no longer on the drained devices without a move left them otherwise; events of
+    other devices are not counted; one still on them with no event is still waiting."""
+    on_a = sorted(ep for ep, (d, _) in dep.placed.items() if d in ("gpu-a/0", "gpu-a/1"))
+    assert len(on_a) >= 3, dep.placed
+    moved, kept, waiting = on_a[0], on_a[1], on_a[2]
+    where = {ep: d for ep, (d, _) in dep.placed.items()}
     db = dep.server.client()
     for fields in (
-        {"type": "moved", "episode": "e1", "from": "gpu-a/0", "to": "cpu-b/0"},
-        {"type": "moved", "episode": "e9", "from": "cpu-b/1", "to": "cpu-b/0"},  # not asked
+        {"type": "moved", "episode": moved, "from": where[moved], "to": "cpu-b/0"},
+        {"type": "moved", "episode": waiting, "from": "cpu-b/1", "to": "cpu-b/0"},  # not drained
         {
             "type": "move-kept",
-            "episode": "e2",
-            "device": "gpu-a/0",
+            "episode": kept,
+            "device": where[kept],
             "reason": "drain",
             "why": "none",
         },
-        {"type": "release", "episode": "e3", "device": "gpu-a/0", "reason": "client"},
-        {"type": "moved", "episode": "e4", "from": "gpu-a/1", "to": "cpu-b/1"},  # not drained
     ):
         db.xadd(KEYS.events, fields)
 
@@ -454,19 +457,20 @@ def test_drain_move_summary_reads_moved_kept_and_ended_events(
                 Registry(client, s), Inventory(client, s), EventStream(client, s),
                 Models(client, s), Claims(client, s), False, sys.stdout, dep.url,
             )  # fmt: skip
-            return await follow_moves(ctx, {"e1", "e2", "e3", "e4"}, {"gpu-a/0"}, "0-0", 2)
+            asked = {moved, kept, waiting, "gone-1"}  # gone-1: no longer on the devices
+            return await follow_moves(ctx, asked, {"gpu-a/0", "gpu-a/1"}, "0-0", 2)
         finally:
             await client.aclose()
 
     moves = asyncio.run(follow())
-    assert moves.moved == {"e1": "cpu-b/0"}
-    assert moves.kept == {"e2": "none"}
-    assert moves.ended == ["e3"] and moves.waiting == ["e4"]
+    assert moves.moved == {moved: "cpu-b/0"}
+    assert moves.kept == {kept: "none"}
+    assert moves.ended == ["gone-1"] and moves.waiting == [waiting]
     assert moves_summary(moves, 4, 2).splitlines() == [
         "moved 1 of 4 episodes with their state",
-        "1 ended meanwhile",
-        "kept e2 where it is: no other device serving its model has room",
-        "1 not moved within 2 s (is the node up? affinity events shows a later move): e4",
+        "1 left the devices otherwise (ended, expired or claimed anew)",
+        f"kept {kept} where it is: no other device serving its model has room",
+        f"1 not moved within 2 s (is the node up? affinity events shows a later move): {waiting}",
     ]
 
 
