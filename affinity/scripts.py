@@ -246,11 +246,11 @@ async def evalsha_many(
     Returns the replies in order, an error reply (:class:`ResponseError`) in its call's
     place, and how many replicas acknowledged every write the connection made up to its
     last script (None without ``wait``). A call answered ``NOSCRIPT`` did not run: the
-    script is loaded and those calls are sent again, together, with the ``WAIT``. Its count
-    is the one returned: it covers the first round's writes too (the replication stream is
-    one sequence, and the second round's writes come later in it), while the first round's
-    ``WAIT`` may have waited on writes of nothing but this connection's past. Raises what
-    the connection raises."""
+    script is loaded and those calls are sent again, together, with the ``WAIT``. The count
+    returned is then the lower of the two rounds' where a call of the first round ran (the
+    second round may go out on another connection, and write nothing: its ``WAIT`` need
+    not cover the first round's writes), else the second's (the first round's ``WAIT``
+    waited on nothing of these calls). Raises what the connection raises."""
 
     async def send(batch: Sequence[tuple[str, Sequence[Any]]]) -> tuple[list[Any], int | None]:
         pipe = redis.pipeline(transaction=False)
@@ -270,9 +270,15 @@ async def evalsha_many(
     unknown = [i for i, r in enumerate(replies) if isinstance(r, NoScriptError)]
     if unknown:
         await redis.script_load(script.text)
-        again, acked = await send([calls[i] for i in unknown])
+        again, second = await send([calls[i] for i in unknown])
         for i, reply in zip(unknown, again, strict=True):
             replies[i] = reply
+        ran_before = len(unknown) < len(calls)
+        acked = (
+            min(acked, second)
+            if ran_before and acked is not None and second is not None
+            else second
+        )
     return replies, acked
 
 

@@ -72,14 +72,17 @@ class Arrival:
             self._arrivals.count -= 1
 
 
-async def together(arrivals: Arrivals, work: Iterable[Awaitable[T]]) -> list[T]:
+async def together(
+    arrivals: Arrivals, work: Iterable[Awaitable[T]], *, batch: bool = True
+) -> list[T]:
     """Await ``work`` concurrently (the rows of one message), counted as one arrival
     (:class:`Arrivals`) until each has taken its first step. So each row opens its own
     arrival before the message's closes, and a device's worker waits for the message's
     other rows (its batch window) instead of running the first alone, inline, while the
-    next is still on its way. A cancellation cancels them all and returns when they have
-    ended."""
-    arrival = arrivals.arrival()
+    next is still on its way. ``batch`` False (fewer than two rows served here): no
+    arrival, so a lone row still runs inline where it would alone. A cancellation cancels
+    them all and returns when they have ended."""
+    arrival = arrivals.arrival() if batch else None
     gathered = asyncio.gather(*work)  # each a task, scheduled in order
     try:
         await asyncio.sleep(0)  # every task's first step runs before this one's next
@@ -88,7 +91,8 @@ async def together(arrivals: Arrivals, work: Iterable[Awaitable[T]]) -> list[T]:
         await asyncio.wait([gathered])
         raise
     finally:
-        arrival.done()
+        if arrival is not None:
+            arrival.done()
     return await gathered
 
 

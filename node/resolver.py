@@ -140,8 +140,8 @@ class Resolver:
         ``--admission-wait`` waits in the backlog alone (its own asks)."""
         try:
             found = await self.claims.resolve_many([self._ask(s) for s in steps])
-        except AffinityError as exc:  # no answer for any of them
-            return [self._refused(exc)] * len(steps)
+        except AffinityError as exc:  # no answer for any of them: each row its own error
+            return [self._refused(exc) for _ in steps]
         results: list[Assignment | Exception] = []
         waiting: list[int] = []
         for i, got in enumerate(found):

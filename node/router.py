@@ -478,7 +478,7 @@ class Router:
         # for); a device's worker waits for the message's other rows (its batch window):
         # they become one run where the batch sizes allow, not one run each
         work = [*(group(g) for g in groups.values()), *(one(i) for i in alone)]
-        await together(self.arrivals, work)
+        await together(self.arrivals, work, batch=len(alone) > 1)
 
     def _count_failure(self, exc: Exception) -> None:
         if isinstance(exc, Unavailable):

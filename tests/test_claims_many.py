@@ -81,3 +81,65 @@ async def test_no_rows_ask_nothing(env: Env, round_trips: RoundTrips) -> None:
     assert await env.claims.resolve_many([]) == []
     assert await env.claims.resolve_many([ResolveRequest("\x00")]) != []
     assert round_trips.writes == []
+
+
+class _Pipe:
+    """A pipeline that answers from a script of rounds: each ``execute`` the next."""
+
+    def __init__(self, rounds: list[list[object]]) -> None:
+        self.rounds = rounds
+
+    def execute_command(self, *args: object) -> None:
+        pass
+
+    async def execute(self, raise_on_error: bool = True) -> list[object]:
+        return self.rounds.pop(0)
+
+
+class _Redis:
+    def __init__(self, rounds: list[list[object]]) -> None:
+        self.pipe = _Pipe(rounds)
+        self.loaded = 0
+
+    def pipeline(self, transaction: bool = True) -> _Pipe:
+        return self.pipe
+
+    async def script_load(self, text: str) -> None:
+        self.loaded += 1
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "want"),
+    [
+        (1, 0, 0),  # the second round (maybe another connection) wrote nothing: its 1 of
+        (0, 1, 0),  # no use for the first round's write, which 0 replicas acknowledged
+        (1, 1, 1),
+    ],
+)
+async def test_a_partial_noscript_round_counts_the_lower_wait(
+    first: int, second: int, want: int
+) -> None:
+    """After a NOSCRIPT for some calls only, the replicas' count is the lower of the two
+    rounds' WAITs: a call of the first round ran, and the second round's WAIT need not
+    cover its write (review finding)."""
+    from redis.exceptions import NoScriptError
+
+    from affinity.scripts import Script, evalsha_many
+
+    script = Script("t", "return 1", "0" * 40)
+    rounds: list[list[object]] = [["ok", NoScriptError("NOSCRIPT"), first], ["ok", second]]
+    redis = _Redis(rounds)
+    replies, acked = await evalsha_many(redis, script, [("k1", ()), ("k2", ())], (1, 100))
+    assert replies == ["ok", "ok"] and acked == want and redis.loaded == 1
+
+
+async def test_an_all_noscript_first_round_counts_the_second_wait() -> None:
+    from redis.exceptions import NoScriptError
+
+    from affinity.scripts import Script, evalsha_many
+
+    rounds: list[list[object]] = [[NoScriptError("NOSCRIPT"), 0], ["ok", 1]]
+    replies, acked = await evalsha_many(
+        _Redis(rounds), Script("t", "return 1", "0" * 40), [("k", ())], (1, 100)
+    )
+    assert replies == ["ok"] and acked == 1

@@ -538,13 +538,21 @@ async def test_openpi_rows_in_one_observation_from_the_openpi_client_wire(redis:
 
 
 @pytest.mark.parametrize("inline_under_us", [0.0, 1_000_000.0], ids=["worker", "inline"])
-async def test_rows_on_one_device_share_model_runs(redis: Any, inline_under_us: float) -> None:
+async def test_rows_on_one_device_share_model_runs(
+    redis: Any, inline_under_us: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The rows of one message on one device join its batches, on the entry node and at
     another owner: fewer model runs than rows (``affinity_batch_size``: its sum is the
     steps, its count the runs). Also where a lone step would run inline on the event loop
     (a quick model on a CPU): a message's first row never runs alone while the others are
     on their way."""
     import re
+
+    import node.worker
+
+    # the episodes of the first message stay "recent" (expected to step again) however long
+    # a busy machine takes between the two messages (the worker's window is 1 s)
+    monkeypatch.setattr(node.worker, "_RECENT_S", 600.0)
 
     async def runs(node: InProcNode, device: str) -> tuple[float, float]:
         text = (await node.client.get("/metrics")).text
@@ -614,6 +622,39 @@ async def test_openpi_rows_wait_out_a_transient_owner_as_one_row_steps_do(redis:
         assert [r["node"] for r in got["rows"]] == [r["node"] for r in first["rows"]]
 
 
+async def test_a_lone_row_served_here_runs_inline_as_a_one_row_step(
+    redis: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message with one row served here (alone, or beside rows of other owners) opens
+    no arrival: its row runs inline where a one-row step would (a quick model on a CPU),
+    instead of paying the hand-off to the worker's thread for a batch nobody joins."""
+    from node.worker import DeviceWorker
+
+    inline: list[bool] = []
+    real = DeviceWorker.run_inline
+
+    def spy(self: DeviceWorker, job: Any) -> bool:
+        ran = real(self, job)
+        inline.append(ran)
+        return ran
+
+    monkeypatch.setattr(DeviceWorker, "run_inline", spy)
+    cfgs = [config("a", devices="cpu:1", inline_under_us=1_000_000.0)]
+    async with cluster(redis, cfgs) as ([a], _pool):
+        for i in range(3):  # (the first, the claim, is an arrival of its own)
+            if i == 1:
+                inline.clear()
+            r = await a.act(episode_id="plain", inputs={"obs": obs(i)})
+            assert r.status_code == 200, r.text
+        assert inline == [True, True], inline  # a one-row step runs inline here
+        for i in range(3):
+            if i == 1:
+                inline.clear()
+            got = await rows(a, [{"episode_id": "lone", "inputs": {"obs": obs(i)}}])
+            assert "error" not in got[0], got
+        assert inline == [True, True], inline
+
+
 async def test_together_counts_a_message_until_each_row_is_on_its_way() -> None:
     """``node.jobs.together``: each row's first step runs while the message still counts
     as an arrival (so a worker waits for the rows instead of running the first alone);
@@ -646,6 +687,10 @@ async def test_together_counts_a_message_until_each_row_is_on_its_way() -> None:
         finally:
             ended.append(i)
         return i
+
+    seen.clear()  # one row served here: no arrival, so it may run inline as a lone step
+    assert await together(arrivals, [row(9)], batch=False) == [9]
+    assert seen == [0] and arrivals.count == 0
 
     task = asyncio.create_task(together(arrivals, [stuck(i) for i in range(3)]))
     for _ in range(3):

@@ -171,7 +171,8 @@ async def rows(service: NodeService, scope: Scope, receive: Receive, send: Send)
             return {"status": 200, "reply": encode_reply(reply)}
 
         # one device's rows join one run (node.jobs.together): not the first alone, inline
-        work = together(service.router.arrivals, [one(f) for f in forwards])
+        work = together(service.router.arrivals, [one(f) for f in forwards],
+                        batch=len(forwards) > 1)  # fmt: skip
         answers = await while_connected(receive, work, scope.get(CONNECTION))
     except ClientGone:
         for reply in done:  # nobody will read them: undone (unless held for a retry)
