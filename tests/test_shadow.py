@@ -199,6 +199,34 @@ async def test_a_ghost_without_capacity_is_skipped_and_says_its_restart(redis: A
         assert seen[("affinity_shadow_steps_total", restarted)] == 3
 
 
+async def test_a_ghost_step_waits_while_live_work_is_there_and_is_skipped_past_its_window(
+    redis: Any,
+) -> None:
+    obs = observations(10, 4)
+    async with cluster(redis, [shadowed()]) as ([a], _):
+        svc = a.service
+        svc.shadow.quiet_s = 0.0  # quiet as soon as no live step is on its way
+        await start(redis, a)
+        await step(a, "ep-q", obs[0])
+        totals = svc.shadow.totals[PAIR]
+        assert totals.compared == 1
+        live = svc.dispatchers["demo_policy"].arrival()  # a live step on its way
+        r = await a.act(episode_id="ep-q", model="demo_policy", inputs={"obs": obs[1].tolist()})
+        assert r.status_code == 200
+        ghost = svc.shadow.ghosts["ep-q"]
+        for _ in range(20):  # the drain polls the node: the ghost's step never starts
+            await asyncio.sleep(0.002)
+        assert len(ghost.waiting) == 1 and not ghost.running and totals.compared == 1
+        # its live episode's next step comes first: the waiting one and this one are skipped
+        r = await a.act(episode_id="ep-q", model="demo_policy", inputs={"obs": obs[2].tolist()})
+        assert r.status_code == 200
+        assert ghost.waiting == [] and ghost.restart and totals.skipped == {"busy": 2}
+        live.done()
+        await step(a, "ep-q", obs[3])  # quiet again: it runs, its state started over
+        assert (totals.compared, totals.restarted_compared, totals.restarts) == (1, 1, 1)
+        assert not ghost.continuous and ghost.last_seq == 4
+
+
 async def test_stopping_the_shadow_frees_every_ghost_and_an_end_frees_its_own(redis: Any) -> None:
     obs = observations(5, 2)
     async with cluster(redis, [shadowed()]) as ([a], _):
