@@ -334,11 +334,18 @@ class NodeService:
                     log.warning("flush of node %s failed: %s", self.node_id, exc)
                 await self.owner.mover.settle()  # copies whose move was not confirmed
                 async with asyncio.timeout(self.config.act_deadline_s):
-                    for device in await self.health.probe():
-                        log.info("device %s passed its probe", device)
+                    await self.probe()
                 self.owner.refresh_gauges()
             except Exception:  # includes a probe that hangs past the deadline
                 log.exception("maintenance of node %s failed", self.node_id)
+
+    async def probe(self) -> None:
+        """Probe the down devices whose cool-down has passed: the live models' and the
+        shadow candidates' (``--shadow-model``) alike. Raises what a probe raised."""
+        for device in await self.health.probe():
+            log.info("device %s passed its probe", device)
+        for candidate, device in await self.shadow.probe():
+            log.info("device %s passed its probe for shadow candidate %s", device, candidate)
 
     async def stop(self) -> None:
         """Leave the fleet (hand episodes over, deregister) if not done yet, then release

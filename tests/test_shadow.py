@@ -331,6 +331,46 @@ async def test_a_failing_candidate_never_touches_the_live_reply(redis: Any) -> N
         assert svc.health.tracker(svc.device_ids[0]).down is False  # the live device is fine
 
 
+async def test_a_candidates_device_that_went_down_is_probed_back_up(redis: Any) -> None:
+    spec = discover("cpu:1")[0]
+
+    class Flaky:  # the demo policy, crashing while ``broken``
+        broken = True
+
+        def __init__(self) -> None:
+            self.inner = build_session(DEMO_MODEL, spec, ProviderSettings()).session
+
+        def run(self, names: Any, feed: Any) -> Any:
+            if Flaky.broken:
+                raise RuntimeError("candidate crashed")
+            return self.inner.run(names, dict(feed))
+
+    obs = observations(8, 6)
+    async with cluster(redis, [shadowed()]) as ([a], _):
+        svc = a.service
+        old = svc.shadow.candidates[CANDIDATE]
+        old.close()
+        candidate = svc.shadow.candidates[CANDIDATE] = MultiGpuDispatcher(
+            old.devices, lambda _d: Flaky(), old.contract, table=svc.shadow.table,
+            model=CANDIDATE, failure_threshold=2, cooldown_s=0.0,
+        )  # fmt: skip
+        device = candidate.devices[0]
+        await start(redis, a)
+        for t in range(3):  # two failures take it down; the third is refused there
+            await step(a, "ep-p", obs[t])
+        assert candidate.tracker(device).down
+        assert svc.health.tracker(device).down is False  # the live device is fine
+        await svc.probe()  # the node's maintenance: a probe that fails keeps it down
+        assert candidate.tracker(device).down
+        Flaky.broken = False
+        await svc.probe()
+        assert not candidate.tracker(device).down  # back up, as a live device comes back
+        for t in range(3, 6):
+            await step(a, "ep-p", obs[t])
+        totals = svc.shadow.totals[PAIR]
+        assert totals.skipped == {"failed": 3} and totals.restarted_compared == 3
+
+
 def test_the_fraction_picks_the_same_episodes_everywhere() -> None:
     picked = [e for e in range(2000) if selected(f"ep-{e}", 0.25)]
     assert 400 < len(picked) < 600
