@@ -118,6 +118,7 @@ class Owner:
             {d.model: d.contract for d in dispatchers.values()},
             config.cluster_secret,
             clock,
+            ghosts=shadow,  # a move carries the episode's ghost
         )
         self.handovers = HandOvers(self.node_id, table, lease, self.mover,
                                    config.drain_timeout_s, clock)  # fmt: skip

@@ -183,10 +183,6 @@ class NodeService:
             restart=self._restart_here,
             shadow=self.shadow,
         )
-        mover = self.owner.mover  # a move carries the episode's ghost (node/shadow.py)
-        mover.carry, mover.moved_away = self.shadow.carry, self.shadow.free
-        mover.adopt = self.shadow.adopt
-        mover.ghost_contracts = {m: d.contract for m, d in self.shadow.candidates.items()}
         self.router = Router(
             config,
             self.claims,

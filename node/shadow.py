@@ -57,6 +57,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from affinity import AffinityError, Assignment
 from affinity.shadows import PairTotals, Shadow, Shadows, selected
+from node.contract import PolicyContract
 from node.control import control_feed
 from node.dispatcher import MultiGpuDispatcher
 from node.episodes import Episode, EpisodeTable
@@ -460,7 +461,13 @@ class ShadowRunner:
             totals = self.totals[pair] = PairTotals()
         return totals
 
-    # ---- hand-over ---------------------------------------------------------------------
+    # ---- hand-over (node/handover.py's Ghosts) -----------------------------------------
+
+    @property
+    def contracts(self) -> Mapping[str, PolicyContract]:
+        """``"name@version"`` -> contract of each candidate this node runs (the ghosts a
+        hand-over may bring here)."""
+        return {m: d.contract for m, d in self.candidates.items()}
 
     async def carry(self, episode: str, record: Episode) -> GhostCarry | None:
         """What a hand-over of ``episode`` (its live ``record``) carries of its ghost: the
