@@ -167,6 +167,7 @@ class NodeService:
             Shadows(self.lease_redis, config.settings),
             self.metrics.registry,
             clock=clock,
+            recorder=self.recorder,
         )
         self.owner = Owner(
             config,

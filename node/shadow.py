@@ -63,6 +63,7 @@ from node.dispatcher import MultiGpuDispatcher
 from node.episodes import Episode, EpisodeTable
 from node.jobs import Arrivals
 from node.record import StepResult
+from node.recorder import Recorder
 from node.step import Step
 from node.transfer import GhostCarry, Install
 
@@ -150,8 +151,9 @@ class ShadowRunner:
     ``live_dispatchers`` its models' dispatchers (their queues say whether a device is
     busy); ``candidates`` the candidate versions this node can run (``"name@version"`` ->
     a dispatcher on :attr:`table`). ``quiet_s`` (:data:`QUIET_S`) and ``max_in_flight``
-    (:data:`MAX_IN_FLIGHT`): when a ghost step may start, how many may wait. Event loop
-    only."""
+    (:data:`MAX_IN_FLIGHT`): when a ghost step may start, how many may wait.
+    ``recorder`` (``--record``): each compared ghost step joins its live episode's
+    recording as the paired stream (:meth:`Recorder.offer_shadow`). Event loop only."""
 
     def __init__(
         self,
@@ -165,6 +167,7 @@ class ShadowRunner:
         max_in_flight: int = MAX_IN_FLIGHT,
         clock: Callable[[], float] = time.monotonic,
         quiet_s: float = QUIET_S,
+        recorder: Recorder | None = None,
     ) -> None:
         self.node_id = node_id
         self.live = live
@@ -176,6 +179,7 @@ class ShadowRunner:
         self.max_in_flight = max_in_flight
         self.clock = clock
         self.quiet_s = quiet_s
+        self.recorder = recorder
         # the live steps on their way through the node (one count for all its models)
         self.arrivals = next((d.arrivals for d in live_dispatchers.values()), Arrivals())
         self.last_live = -math.inf  # when the node last answered a live step (clock)
@@ -372,7 +376,7 @@ class ShadowRunner:
                 ghost.running = False
             if got is not None and not ghost.ended:
                 await self._until_quiet()  # the divergence math after live work too
-                self._compared(ghost, got.outputs, live.outputs)
+                self._compared(ghost, got, live)
             if step.end and self.ghosts.get(ghost.episode) is ghost:
                 self.free(ghost.episode)
             if ghost.waiting and not ghost.ended:
@@ -420,12 +424,16 @@ class ShadowRunner:
         ghost.last_seq, ghost.ran = live.seq, True
         return got
 
-    def _compared(self, ghost: Ghost, got: Mapping[str, Array], live: Mapping[str, Array]) -> None:
-        diff = divergence(got, live)
+    def _compared(self, ghost: Ghost, got: StepResult, live: StepResult) -> None:
+        diff = divergence(got.outputs, live.outputs)
         if diff is None:
             self._count(ghost.candidate, ghost.live, "failed")
-        else:
-            self._compare(ghost, diff)
+            return
+        self._compare(ghost, diff)
+        if self.recorder is not None:  # the paired stream of a recorded episode
+            self.recorder.offer_shadow(ghost.live, ghost.episode, ghost.live_claim, live.seq,
+                                       ghost.candidate, got.outputs, float(diff[0].max()),
+                                       ghost.continuous)  # fmt: skip
 
     def _compare(self, ghost: Ghost, diff: Array) -> None:
         pair = (ghost.candidate, ghost.live)

@@ -371,6 +371,49 @@ async def test_a_candidates_device_that_went_down_is_probed_back_up(redis: Any) 
         assert totals.skipped == {"failed": 3} and totals.restarted_compared == 3
 
 
+async def test_a_recorded_episode_carries_its_ghosts_actions_as_a_paired_stream(
+    redis: Any, tmp_path: Path
+) -> None:
+    import pyarrow.parquet as pq
+
+    from affinity.dataset import Selection, finalize
+    from affinity.models import Models
+
+    out = str(tmp_path / "rec")
+    obs = observations(11, 5)
+    async with cluster(redis, [shadowed(record=out)]) as ([a], _):
+        svc = a.service
+        await Models(redis, Settings()).set_recording("demo_policy", "v1", Selection().to_json())
+        await svc._read_recordings()
+        await start(redis, a)
+        got = {}
+        for ep in ("ep-r0", "ep-r1"):
+            for t in range(5):
+                if ep == "ep-r1" and t == 2:  # no room for this one: skipped, then restarted
+                    svc.shadow.max_in_flight = 0
+                got[(ep, t)] = actions(await step(a, ep, obs[t])).reshape(-1)
+                svc.shadow.max_in_flight = 8
+    info = finalize(out, str(tmp_path / "ds"))
+    assert info["affinity"]["shadow"] == [CANDIDATE]
+    assert info["features"]["shadow.action"]["shape"] == info["features"]["action"]["shape"]
+    data = pq.read_table(tmp_path / "ds/data/chunk-000/file-000.parquet").to_pydict()
+    eps = pq.read_table(tmp_path / "ds/meta/episodes/chunk-000/file-000.parquet").to_pylist()
+    for e in eps:
+        ep = e["affinity/episode_id"]
+        for t, i in enumerate(range(e["dataset_from_index"], e["dataset_to_index"])):
+            live = np.asarray(data["action"][i], np.float32)
+            ghost = np.asarray(data["shadow.action"][i], np.float32)
+            np.testing.assert_array_equal(live, got[(ep, t)])
+            (max_abs,), continuous = data["shadow.max_abs"][i], data["shadow.continuous"][i]
+            if ep == "ep-r0" or t < 2:  # an identical candidate, its state kept all along
+                np.testing.assert_array_equal(ghost, live)
+                assert (max_abs, continuous) == (0.0, True)
+            elif t == 2:  # skipped: no ghost action for this frame
+                assert np.isnan(ghost).all() and np.isnan(max_abs) and not continuous
+            else:  # restarted: compared, kept apart as not continuous
+                assert not np.isnan(ghost).any() and max_abs > 0 and not continuous
+
+
 def test_the_fraction_picks_the_same_episodes_everywhere() -> None:
     picked = [e for e in range(2000) if selected(f"ep-{e}", 0.25)]
     assert 400 < len(picked) < 600
