@@ -414,6 +414,14 @@ async def test_a_recorded_episode_carries_its_ghosts_actions_as_a_paired_stream(
                 assert not np.isnan(ghost).any() and max_abs > 0 and not continuous
 
 
+async def test_a_candidates_sessions_take_one_intra_op_thread(redis: Any) -> None:
+    # the live model on every core (0): a ghost's run still never takes them
+    async with cluster(redis, [shadowed(intra_op_threads=0)]) as ([a], _):
+        candidate = a.service.shadow.candidates[CANDIDATE]
+        session = candidate._devices[candidate.devices[0]].session
+        assert session.get_session_options().intra_op_num_threads == 1  # type: ignore[attr-defined]
+
+
 def test_the_fraction_picks_the_same_episodes_everywhere() -> None:
     picked = [e for e in range(2000) if selected(f"ep-{e}", 0.25)]
     assert 400 < len(picked) < 600
