@@ -252,8 +252,10 @@ class ShadowRunner:
             shadow = self.active.get(ghost.live)
             if shadow is None or str(shadow.candidate) != ghost.candidate:
                 self.free(episode)
-            elif self.live.get(episode) is None:
-                self.free(episode)  # its live episode ended, idled, moved or was dropped
+            elif self.live.get(episode) is None and ghost.settled.is_set():
+                # its live episode ended, idled, moved or was dropped (a step of it still
+                # waiting or running goes first: the step that ended it, compared)
+                self.free(episode)
         self._count_held()
 
     def _count_held(self) -> None:

@@ -227,6 +227,28 @@ async def test_a_ghost_step_waits_while_live_work_is_there_and_is_skipped_past_i
         assert not ghost.continuous and ghost.last_seq == 4
 
 
+async def test_a_ghost_step_still_waiting_when_its_episode_ended_runs_before_its_ghost_goes(
+    redis: Any,
+) -> None:
+    obs = observations(12, 2)
+    async with cluster(redis, [shadowed()]) as ([a], _):
+        svc = a.service
+        svc.shadow.quiet_s = 0.0
+        await start(redis, a)
+        await step(a, "ep-w", obs[0])
+        live = svc.dispatchers["demo_policy"].arrival()  # the node is not quiet
+        body = {"obs": obs[1].tolist()}
+        r = await a.act(episode_id="ep-w", model="demo_policy", inputs=body, end=True)
+        assert r.status_code == 200 and svc.table.get("ep-w") is None  # the live one ended
+        await svc.shadow.sync()  # a renewal meanwhile: the ghost's last step still waits
+        assert svc.shadow.ghosts["ep-w"].waiting
+        live.done()
+        await svc.shadow.idle()
+        totals = svc.shadow.totals[PAIR]
+        assert (totals.compared, totals.skipped_total) == (2, 0)  # every step counted
+        assert "ep-w" not in svc.shadow.ghosts and svc.shadow.table.get("ep-w") is None
+
+
 async def test_stopping_the_shadow_frees_every_ghost_and_an_end_frees_its_own(redis: Any) -> None:
     obs = observations(5, 2)
     async with cluster(redis, [shadowed()]) as ([a], _):
