@@ -273,8 +273,9 @@ class ShadowRunner:
             return
         ghost.ended = True
         self._drop_waiting(ghost)
-        ghost.settled.set()
-        self.table.release(episode, "end", ghost.token)
+        if not ghost.running:  # else its step on the worker ends first, then is compared
+            ghost.settled.set()
+            self.table.release(episode, "end", ghost.token)
         self._count_held()
 
     # ---- after a live step -------------------------------------------------------------
@@ -376,14 +377,16 @@ class ShadowRunner:
             finally:
                 self.in_flight -= 1
                 ghost.running = False
-            if got is not None and not ghost.ended:
+            if ghost.ended:  # freed while its step ran: its record goes now
+                self.table.release(ghost.episode, "end", ghost.token)
+            if got is not None:  # (compared even if freed meanwhile: it ran in step)
                 await self._until_quiet()  # the divergence math after live work too
                 self._compared(ghost, got, live)
             if step.end and self.ghosts.get(ghost.episode) is ghost:
                 self.free(ghost.episode)
             if ghost.waiting and not ghost.ended:
                 self._enqueue(ghost)  # its next step came while this one ran
-            elif not ghost.running:
+            else:
                 ghost.settled.set()
 
     async def _step(

@@ -249,6 +249,53 @@ async def test_a_ghost_step_still_waiting_when_its_episode_ended_runs_before_its
         assert "ep-w" not in svc.shadow.ghosts and svc.shadow.table.get("ep-w") is None
 
 
+async def test_a_ghost_step_running_when_its_ghost_is_freed_is_still_compared(redis: Any) -> None:
+    import threading
+
+    spec = discover("cpu:1")[0]
+    running, go = threading.Event(), threading.Event()
+
+    class Held:  # the demo policy, its second run held until ``go``
+        runs = 0
+
+        def __init__(self) -> None:
+            self.inner = build_session(DEMO_MODEL, spec, ProviderSettings()).session
+
+        def run(self, names: Any, feed: Any) -> Any:
+            Held.runs += 1
+            if Held.runs == 2:
+                running.set()
+                go.wait(30)
+            return self.inner.run(names, dict(feed))
+
+    obs = observations(13, 3)
+    async with cluster(redis, [shadowed()]) as ([a], _):
+        svc = a.service
+        old = svc.shadow.candidates[CANDIDATE]
+        old.close()
+        svc.shadow.candidates[CANDIDATE] = MultiGpuDispatcher(
+            old.devices, lambda _d: Held(), old.contract, table=svc.shadow.table,
+            model=CANDIDATE,
+        )  # fmt: skip
+        await start(redis, a)
+        await step(a, "ep-h", obs[0])
+        r = await a.act(episode_id="ep-h", model="demo_policy", inputs={"obs": obs[1].tolist()})
+        assert r.status_code == 200
+        for _ in range(500):  # bounded: the ghost's step reaches the candidate's run
+            if running.is_set():
+                break
+            await asyncio.sleep(0.01)
+        assert running.is_set()
+        svc.shadow.max_in_flight = 0  # the end finds no room: skipped, its ghost freed
+        body = {"obs": obs[2].tolist()}
+        r = await a.act(episode_id="ep-h", model="demo_policy", inputs=body, end=True)
+        assert r.status_code == 200 and "ep-h" not in svc.shadow.ghosts
+        go.set()
+        await svc.shadow.idle()
+        totals = svc.shadow.totals[PAIR]
+        assert (totals.compared, totals.skipped) == (2, {"busy": 1})  # all three counted
+
+
 async def test_stopping_the_shadow_frees_every_ghost_and_an_end_frees_its_own(redis: Any) -> None:
     obs = observations(5, 2)
     async with cluster(redis, [shadowed()]) as ([a], _):
