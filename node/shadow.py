@@ -29,8 +29,9 @@ renewal (:meth:`Shadows.publish`).
 
 Lifecycle: :meth:`ShadowRunner.sync` runs at each lease renewal. It reads the shadows
 (no Redis command per step), frees every ghost of a stopped shadow, and frees the ghosts
-whose live episode this node no longer holds (an end, idle expiry, a drop, a fence). A
-step that ends its episode ends its ghost at once. A crash takes the ghosts with the
+whose live episode this node no longer holds (an end, idle expiry, a drop, a fence) once
+no step of theirs waits or runs. A step that ends its episode ends its ghost once it ran.
+A ghost freed while its step runs keeps its record until that run ends (then compared). A crash takes the ghosts with the
 process. A hand-over carries the ghost in step with the live record
 (:meth:`ShadowRunner.carry`, ``node/transfer.py``'s ``GhostCarry``); the new owner holds
 it beside the copy (:meth:`ShadowRunner.adopt`); a ghost not in step stays behind and
