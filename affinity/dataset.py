@@ -21,6 +21,13 @@ frame (its inputs, an action of NaN, 0 for an integer action) stays only as its 
 last frame, and the episode's metadata says ``affinity/error`` (the code),
 ``affinity/error_seq`` and ``affinity/error_frame`` (-1: none); ``info.json``'s
 ``affinity.failed_frames`` lists those frames' indices (statistics and replay skip them).
+
+A shadowed episode's paired stream (the ghost steps of a candidate, ``node/shadow.py``)
+joins its frames by ``seq``: ``shadow.action`` (``shadow.action.<name>`` beside several
+outputs; NaN where no ghost step was compared), ``shadow.max_abs`` (its max-abs divergence
+from the live action; NaN where none) and ``shadow.continuous`` (the ghost ran from the
+episode's first step, never restarted); ``info.json``'s ``affinity.shadow`` names the
+candidates. A recording without one has none of these features.
 """
 
 from __future__ import annotations
@@ -98,6 +105,9 @@ class Recorded:
     inputs: dict[str, list[Array]] = field(default_factory=dict)
     outputs: dict[str, list[Array]] = field(default_factory=dict)
     rows: list[dict[str, Any]] = field(default_factory=list)  # seq, t, state_reset, ...
+    shadow: list[dict[str, Any] | None] = field(default_factory=list)
+    """Per frame, the paired stream's row (candidate, max_abs, continuous, and the
+    candidate's ``outputs``), or None: no ghost step of it was compared."""
     error: dict[str, Any] | None = None
     """The failed step a segment of it ended in: code, seq, node, and ``frame`` (the index
     of its frame, the failed step's inputs with no action, or None when not recorded)."""
@@ -133,6 +143,27 @@ def _read_segment(fs: Any, meta: dict[str, Any]) -> list[dict[str, Any]]:
             table = pq.read_table(fh)
         rows += table.to_pylist()
     return rows
+
+
+def _read_shadow(fs: Any, meta: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """A segment's paired stream by seq (its candidate's outputs as arrays; a seq written
+    twice keeps its last row), or {} for none."""
+    import pyarrow.parquet as pq
+
+    specs = meta.get("shadow_specs") or {}
+    out: dict[int, dict[str, Any]] = {}
+    for part in sorted(fs.glob(f"{meta['dir']}/shadow-*.parquet")):
+        with fs.open(part, "rb") as fh:
+            rows = pq.read_table(fh).to_pylist()
+        for row in rows:
+            outputs = {}
+            for col, spec in specs.items():
+                dtype, shape, value = np.dtype(spec["dtype"]), spec["shape"], row.get(col)
+                if value is not None and len(value) == dtype.itemsize * math.prod(shape):
+                    outputs[col.partition(":")[2]] = np.frombuffer(value, dtype).reshape(shape)
+            keep = ("candidate", "max_abs", "continuous")
+            out[int(row["seq"])] = {**{k: row[k] for k in keep}, "outputs": outputs}
+    return out
 
 
 def read_episodes(url: str, model: str | None = None) -> tuple[str, list[Recorded], int]:
@@ -173,6 +204,7 @@ def read_episodes(url: str, model: str | None = None) -> tuple[str, list[Recorde
                 kept[int(row["seq"])] = row  # a step recorded twice keeps its last row
             if kept:  # a claim moved live keeps its token: its seqs go on at the new node
                 read.append((int(meta["token"]), min(kept), meta, kept))
+        ghosts = {id(meta): _read_shadow(fs, meta) for meta in segs}
         ordered = [
             (meta, seq, kept[seq])
             for _, _, meta, kept in sorted(read, key=lambda r: r[:2])
@@ -190,6 +222,7 @@ def read_episodes(url: str, model: str | None = None) -> tuple[str, list[Recorde
             for side, data in zip((rec.inputs, rec.outputs), frame, strict=True):
                 for name, arr in data.items():
                     side.setdefault(name, []).append(arr)
+            rec.shadow.append(ghosts[id(meta)].get(seq))
             rec.rows.append({
                 "seq": seq, "t": row["t"], "state_reset": row["state_reset"],
                 "device": row["device"], "node": meta["node"], "claim": meta["claim"],
@@ -291,6 +324,12 @@ def finalize(
         k: [] for k in ("timestamp", "frame_index", "episode_index", "index", "task_index",
                         "model", "node", "device", "seq", "state_reset")
     }  # fmt: skip
+    shadowed = any(s is not None for rec in episodes for s in rec.shadow)
+    if shadowed:  # the paired stream: the candidate's action and its divergence
+        columns.update({f"shadow.{names[f'out:{n}']}": [] for n in out_names})
+        columns["shadow.max_abs"] = []
+        meta_cols["shadow.continuous"] = []
+    candidates: set[str] = set()
     ep_rows: list[dict[str, Any]] = []
     failed: list[int] = []  # the dataset indices of failed steps' frames (no action)
     index = 0
@@ -312,6 +351,24 @@ def finalize(
                     shapes[key] = shape
                     features[key] = {"dtype": dtype.name, "shape": [size], "names": None}
                     columns[key] += [a.reshape(size) for a in arrays]
+        if shadowed:
+            for name in out_names:
+                key = f"shadow.{names[f'out:{name}']}"
+                size = int(math.prod(_step_shape(list(rec.outputs[name][0].shape))))
+                none = np.full(size, np.nan, np.float32)
+                columns[key] += [
+                    none if s is None or name not in s["outputs"]
+                    else s["outputs"][name].astype(np.float32).reshape(size)
+                    for s in rec.shadow
+                ]  # fmt: skip
+                features[key] = {"dtype": "float32", "shape": [size], "names": None}
+            columns["shadow.max_abs"] += [
+                np.array([np.nan if s is None else s["max_abs"]], np.float32) for s in rec.shadow
+            ]
+            features["shadow.max_abs"] = {"dtype": "float32", "shape": [1], "names": None}
+            meta_cols["shadow.continuous"] += [s is not None and s["continuous"]
+                                               for s in rec.shadow]  # fmt: skip
+            candidates.update(s["candidate"] for s in rec.shadow if s is not None)
         nodes: list[str] = []
         moves: list[int] = []
         resets: list[int] = []
@@ -355,8 +412,10 @@ def finalize(
     for key, kind in (("timestamp", "float32"), ("frame_index", "int64"),
                       ("episode_index", "int64"), ("index", "int64"), ("task_index", "int64"),
                       ("model", "string"), ("node", "string"), ("device", "string"),
-                      ("seq", "int64"), ("state_reset", "bool")):  # fmt: skip
-        features[key] = {"dtype": kind, "shape": [1], "names": None}
+                      ("seq", "int64"), ("state_reset", "bool"),
+                      ("shadow.continuous", "bool")):  # fmt: skip
+        if key in meta_cols:
+            features[key] = {"dtype": kind, "shape": [1], "names": None}
     arrow: dict[str, Any] = {}
     for key, values in columns.items():
         ft = features[key]
@@ -409,6 +468,7 @@ def finalize(
         "video_path": None, "features": features,
         "affinity": {"model": model, "recorded_from": url, "dropped_frames": dropped,
                      "failed_frames": failed, "shapes": shapes,
+                     "shadow": sorted(candidates),
                      "names": {k.partition(":")[2]: v for k, v in names.items()}},
     }  # fmt: skip
     with ofs.open(f"{oroot}/meta/info.json", "w") as fh:

@@ -482,6 +482,10 @@ class EpisodeTable:
         """True while a step of ``episode`` is queued or running and counts."""
         return episode in self._in_flight
 
+    def stepping(self) -> bool:
+        """True while a step of any episode is queued or running and counts."""
+        return bool(self._in_flight)
+
     async def wait_idle(self, episode: str) -> None:
         """Return once no step of ``episode`` is in flight; after that its record changes
         only through a new step. Unbounded: bound it with a timeout."""

@@ -59,8 +59,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Literal, Protocol
 
 from affinity import AffinityError, Claims
 from affinity.registry import MoveRequest
@@ -85,6 +85,7 @@ __all__ = [
     "MOVES_AT_ONCE",
     "MOVE_S",
     "SETTLE_S",
+    "Ghosts",
     "HandOvers",
     "MoveOutcome",
     "Mover",
@@ -114,8 +115,26 @@ MOVE_TRIES = 3
 """How many times a move starts again because an undo changed the record on its way."""
 
 
+class Ghosts(Protocol):
+    """The ghost episodes of a node (``node/shadow.py``'s ``ShadowRunner``), as a move
+    asks them: what it carries of an episode's ghost, what a move away frees, what an
+    install adopts, and the candidates whose carried ghosts an install can read."""
+
+    @property
+    def contracts(self) -> Mapping[str, PolicyContract]:
+        """``"name@version"`` -> contract of each candidate run here."""
+        ...
+
+    async def carry(self, episode: str, record: Episode) -> GhostCarry | None: ...
+
+    def free(self, episode: str) -> None: ...
+
+    def adopt(self, install: Install) -> None: ...
+
+
 class Mover:
-    """Both sides of a live hand-over for one node (see the module doc)."""
+    """Both sides of a live hand-over for one node (see the module doc). ``ghosts``: the
+    node's ghost episodes, which move with their live ones (None: no shadows here)."""
 
     def __init__(
         self,
@@ -128,6 +147,7 @@ class Mover:
         metrics: Metrics,
         contracts: Mapping[str, PolicyContract],
         clock: Callable[[], float] = time.monotonic,
+        ghosts: Ghosts | None = None,
     ) -> None:
         self.node_id = node_id
         self.table = table
@@ -137,12 +157,7 @@ class Mover:
         self.pool = pool
         self.metrics = metrics
         self.contracts = contracts  # "name@version" -> contract, of the models served here
-        # ghost episodes (node/shadow.py), set by the service: what a move carries of the
-        # episode's ghost, what a move away frees, what an install adopts
-        self.carry: Callable[[str, Episode], Awaitable[GhostCarry | None]] | None = None
-        self.moved_away: Callable[[str], None] | None = None
-        self.adopt: Callable[[Install], None] | None = None
-        self.ghost_contracts: Mapping[str, PolicyContract] = {}
+        self.ghosts = ghosts
         self.clock = clock
         self._telling: set[asyncio.Task[None]] = set()
         self._committing: set[str] = set()  # moves whose commit is on its way
@@ -202,7 +217,7 @@ class Mover:
             if to.reason == "stale":  # Redis holds another claim: this record is stale
                 self.table.release(episode, "lost", record.token)
             return "kept"  # (missing: Redis lost it; the registration re-asserts it)
-        ghost = None if self.carry is None else await self.carry(episode, record)
+        ghost = None if self.ghosts is None else await self.ghosts.carry(episode, record)
         body = encode_install(
             Install(episode, to.device, to.token, to.claim, self.node_id, record, ghost),
             self.clock(),
@@ -236,8 +251,8 @@ class Mover:
             why = f"commit {refused.reason}"
             return await self._fallback(episode, record.token, reason, "refused", why)
         self.table.moved(episode, record.token, (to.url, to.device, to.token))
-        if self.moved_away is not None:  # its ghost went with it (or restarts there)
-            self.moved_away(episode)
+        if self.ghosts is not None:  # its ghost went with it (or restarts there)
+            self.ghosts.free(episode)
         self.metrics.move_bytes.observe(size)
         task = asyncio.ensure_future(self._tell(to, episode, "confirm", to.claim))
         self._telling.add(task)  # (a routed step, or its settle, confirms it too)
@@ -392,8 +407,8 @@ class Mover:
         if install.device not in local_devices:
             raise Refused(421, "not_owner", f"device {install.device!r} is not on {self.node_id}")
         await self._install(install)
-        if install.ghost is not None and self.adopt is not None:
-            self.adopt(install)  # a ghost never answers: held beside the copy at once
+        if install.ghost is not None and self.ghosts is not None:
+            self.ghosts.adopt(install)  # a ghost never answers: held beside the copy at once
         log.debug("installed %s's record from %s", install.episode, install.origin_node)
 
     async def _install(self, install: Install) -> None:

@@ -115,6 +115,7 @@ class Owner:
             metrics,
             {d.model: d.contract for d in dispatchers.values()},
             clock,
+            ghosts=shadow,  # a move carries the episode's ghost
         )
         self.handovers = HandOvers(self.node_id, table, lease, self.mover,
                                    config.drain_timeout_s, clock)  # fmt: skip

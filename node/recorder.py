@@ -28,6 +28,12 @@ by the writer like any frame's) become a row with no outputs and its ``error`` c
 its segment says ``error`` in ``segment.json`` (with the seq) and is written at once. A
 later step kept in the same segment clears it: the segment ended in an error only when the
 failed step was its last. When the queue is full the inputs are dropped, the error is not.
+
+A shadowed episode (``node/shadow.py``) adds a paired stream: each compared ghost step's
+outputs and divergence (:meth:`Recorder.offer_shadow`, event loop, after the live step's
+frame), written to the live claim's segment as ``shadow-NNNNNN.parquet`` parts beside its
+``part-*`` ones (never mixed in: a live frame is never held back for its ghost), which
+finalize joins to the live frames by ``seq``.
 """
 
 from __future__ import annotations
@@ -69,6 +75,8 @@ class _Frame:
     outputs: Mapping[str, Array]
     mode: str  # the selection's mode that chose its claim
     error: str = ""  # a failed step's code (no outputs; no inputs when they were dropped)
+    shadow: tuple[str, float, bool] | None = None  # a ghost step's: candidate, max-abs,
+    # continuous (its outputs are the candidate's, it has no inputs)
 
 
 @dataclass
@@ -81,11 +89,14 @@ class _Segment:
     path: str
     mode: str
     rows: list[_Frame] = field(default_factory=list)
+    ghosts: list[_Frame] = field(default_factory=list)  # the paired stream's waiting rows
     since: float = 0.0  # monotonic time of the oldest waiting row
     parts: int = 0
     frames: int = 0
     dropped: int = 0
     specs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    shadow_parts: int = 0
+    shadow_specs: dict[str, dict[str, Any]] = field(default_factory=dict)
     error: dict[str, Any] | None = None  # the failed step it ended in: code, seq
 
 
@@ -169,6 +180,34 @@ class Recorder:
                        inputs, outputs, chosen)  # fmt: skip
         self._queue.append((model, frame))
 
+    def offer_shadow(
+        self,
+        model: str,
+        episode: str,
+        claim: str,
+        seq: int,
+        candidate: str,
+        outputs: Mapping[str, Array],
+        max_abs: float,
+        continuous: bool,
+    ) -> None:
+        """Hand the paired stream's row of live step ``seq`` of ``episode`` under ``claim``
+        (of ``model``): ``candidate``'s ``outputs`` for it, their max-abs divergence from
+        the live ones, and whether the ghost ran from the episode's first step unbroken.
+        Only for a claim already recorded; never blocks, copies nothing, raises nothing."""
+        key = (episode, claim)
+        chosen = self._chosen.get(key)
+        if chosen is None:
+            return
+        if len(self._queue) >= self.queue_max:
+            self.dropped += 1
+            self._drops[key] = self._drops.get(key, 0) + 1
+            return
+        self.queued += 1
+        frame = _Frame(episode, claim, 0, seq, self.clock(), False, "", {}, outputs, chosen,
+                       shadow=(candidate, max_abs, continuous))  # fmt: skip
+        self._queue.append((model, frame))
+
     def _choose(self, model: str, episode: str, key: tuple[str, str]) -> str | None:
         """The mode that records this claim, or None (remembered; None also when the model
         version has no selection now: asked again at the claim's next step)."""
@@ -232,6 +271,15 @@ class Recorder:
             model, frame = queue.popleft()
             n += 1
             seg = self._segment(model, frame)
+            if frame.shadow is not None:
+                if not seg.rows and not seg.ghosts:
+                    seg.since = time.monotonic()
+                seg.ghosts.append(frame)
+                if len(seg.ghosts) >= self.flush_frames:
+                    self._write(seg)
+                continue
+            if not seg.token:  # made for a ghost's frame (which has neither) first
+                seg.token, seg.device = frame.token, frame.device
             if frame.error:
                 seg.error = {"code": frame.error, "seq": frame.seq}
             elif seg.error is not None and frame.seq >= seg.error["seq"]:
@@ -261,14 +309,17 @@ class Recorder:
                 seg.parts, seg.frames = int(meta["parts"]), int(meta["frames"])
                 seg.dropped, seg.specs = int(meta["dropped"]), dict(meta["specs"])
                 seg.error = meta.get("error")
+                seg.token, seg.device = int(meta["token"]), str(meta["device"])
+                seg.shadow_parts = int(meta.get("shadow_parts", 0))
+                seg.shadow_specs = dict(meta.get("shadow_specs", {}))
         return seg
 
     def _flush_due(self, force: bool) -> None:
         now = time.monotonic()
         for key, seg in list(self._segments.items()):
-            if seg.rows and (force or now - seg.since >= self.flush_s):
+            if (seg.rows or seg.ghosts) and (force or now - seg.since >= self.flush_s):
                 self._write(seg)
-            elif not seg.rows and now - seg.since >= _IDLE_S:
+            elif not seg.rows and not seg.ghosts and now - seg.since >= _IDLE_S:
                 del self._segments[key]  # its claim ended, most likely: memory stays bounded
 
     def _write(self, seg: _Segment) -> None:
@@ -276,9 +327,9 @@ class Recorder:
             self._write_part(seg)
         except Exception:  # a full disk or an unreachable store: counted as dropped
             log.exception("recorder: a part of segment %s could not be written", seg.path)
-            self.dropped += len(seg.rows)
-            seg.dropped += len(seg.rows)
-        seg.rows = []
+            self.dropped += len(seg.rows) + len(seg.ghosts)
+            seg.dropped += len(seg.rows) + len(seg.ghosts)
+        seg.rows, seg.ghosts = [], []
 
     def _write_part(self, seg: _Segment) -> None:
         import pyarrow as pa
@@ -288,11 +339,14 @@ class Recorder:
         seg.dropped += self._drops.pop((seg.episode, seg.claim), 0)
         if rows:
             self._write_rows(seg, pa, pq)
+        if seg.ghosts:
+            self._write_ghosts(seg, pa, pq)
         meta = {
             "model": seg.model, "node": self.node_id, "device": seg.device,
             "episode": seg.episode, "claim": seg.claim, "token": seg.token,
             "parts": seg.parts, "frames": seg.frames, "dropped": seg.dropped,
             "specs": seg.specs, "keep": seg.mode, "error": seg.error,
+            "shadow_parts": seg.shadow_parts, "shadow_specs": seg.shadow_specs,
         }  # fmt: skip
         with self.fs.open(f"{seg.path}/segment.json", "w") as fh:
             fh.write(json.dumps(meta))
@@ -315,18 +369,41 @@ class Recorder:
                 seg.specs.setdefault(prefix + name, {"dtype": first.dtype.str,
                                                      "shape": list(first.shape)})  # fmt: skip
                 cols[prefix + name] = _bytes_column(pa, arrays)
-        table = pa.table(cols)
-        name = f"{seg.path}/part-{seg.parts:06d}.parquet"
-        self.fs.makedirs(seg.path, exist_ok=True)
+        self._put(f"{seg.path}/part-{seg.parts:06d}.parquet", pa.table(cols), pq)
+        seg.parts += 1
+        seg.frames += len(rows)
+        self.written += len(rows)
+
+    def _write_ghosts(self, seg: _Segment, pa: Any, pq: Any) -> None:
+        """The paired stream's waiting rows as the segment's next ``shadow-`` part."""
+        rows = seg.ghosts
+        shadows = [f.shadow for f in rows if f.shadow is not None]
+        cols: dict[str, Any] = {
+            "seq": pa.array([f.seq for f in rows], pa.int64()),
+            "t": pa.array([f.t for f in rows], pa.float64()),
+            "candidate": pa.array([s[0] for s in shadows], pa.string()),
+            "max_abs": pa.array([s[1] for s in shadows], pa.float64()),
+            "continuous": pa.array([s[2] for s in shadows], pa.bool_()),
+        }
+        for name in dict.fromkeys(n for f in rows for n in f.outputs):
+            arrays = [f.outputs.get(name) for f in rows]
+            first = np.asarray(next(a for a in arrays if a is not None))
+            seg.shadow_specs.setdefault("out:" + name, {"dtype": first.dtype.str,
+                                                        "shape": list(first.shape)})  # fmt: skip
+            cols["out:" + name] = _bytes_column(pa, arrays)
+        self._put(f"{seg.path}/shadow-{seg.shadow_parts:06d}.parquet", pa.table(cols), pq)
+        seg.shadow_parts += 1
+        self.written += len(rows)
+
+    def _put(self, name: str, table: Any, pq: Any) -> None:
+        """Write ``table`` as ``name`` whole before the name exists."""
+        self.fs.makedirs(name.rsplit("/", 1)[0], exist_ok=True)
         local = self.fs.protocol in ("file", "local") or "file" in self.fs.protocol
         target = f"{name}.tmp" if local else name
         with self.fs.open(target, "wb") as fh:
             pq.write_table(table, fh)
         if local:
             self.fs.mv(target, name)
-        seg.parts += 1
-        seg.frames += len(rows)
-        self.written += len(rows)
 
     def _count(self) -> None:
         if self.on_count is None:

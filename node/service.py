@@ -174,6 +174,7 @@ class NodeService:
             Shadows(self.lease_redis, config.settings),
             self.metrics.registry,
             clock=clock,
+            recorder=self.recorder,
         )
         self.owner = Owner(
             config,
@@ -190,10 +191,6 @@ class NodeService:
             restart=self._restart_here,
             shadow=self.shadow,
         )
-        mover = self.owner.mover  # a move carries the episode's ghost (node/shadow.py)
-        mover.carry, mover.moved_away = self.shadow.carry, self.shadow.free
-        mover.adopt = self.shadow.adopt
-        mover.ghost_contracts = {m: d.contract for m, d in self.shadow.candidates.items()}
         self.router = Router(
             config,
             self.claims,
@@ -350,11 +347,18 @@ class NodeService:
                     log.warning("flush of node %s failed: %s", self.node_id, exc)
                 await self.owner.mover.settle()  # copies whose move was not confirmed
                 async with asyncio.timeout(self.config.act_deadline_s):
-                    for device in await self.health.probe():
-                        log.info("device %s passed its probe", device)
+                    await self.probe()
                 self.owner.refresh_gauges()
             except Exception:  # includes a probe that hangs past the deadline
                 log.exception("maintenance of node %s failed", self.node_id)
+
+    async def probe(self) -> None:
+        """Probe the down devices whose cool-down has passed: the live models' and the
+        shadow candidates' (``--shadow-model``) alike. Raises what a probe raised."""
+        for device in await self.health.probe():
+            log.info("device %s passed its probe", device)
+        for candidate, device in await self.shadow.probe():
+            log.info("device %s passed its probe for shadow candidate %s", device, candidate)
 
     async def stop(self) -> None:
         """Leave the fleet (hand episodes over, deregister) if not done yet, then release

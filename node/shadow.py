@@ -8,14 +8,19 @@ runner's own :class:`EpisodeTable` (the *ghost table*), kept by the candidate's 
 dispatcher with the same commit rules as a live record. It is never in the live table,
 never claimed in Redis, never flushed, and never answers the robot.
 
-Off the step path: a ghost step is a task that starts once the live step returned, and
-runs on the candidate's device worker, never inline on the event loop. It runs only on
-spare capacity: the candidate's next run on that device has room (fewer steps wait than
-its batch size), the live model's queue there is empty, the ghost has no step waiting,
-and fewer than ``max_in_flight`` ghost steps are on their way. Otherwise it is skipped
-(counted, reason ``busy``) and the ghost's next run starts its state over, counted as a
-restart: a ghost that ran from its live episode's first step and never restarted is
-*continuous*; the others' figures are kept apart (``restarted_*``), never mixed.
+Off the step path, on spare capacity only: a live step's reply queues its ghost's step
+(a copy of the outputs, nothing else). One task of the node (:meth:`ShadowRunner._drain`)
+runs the queued ghost steps one at a time, each on the candidate's device worker (never
+inline on the event loop), and each only once the node is *quiet*: no live step on its
+way through the node nor queued or running on a device, and none answered in the last
+``quiet_s``. It waits while live work is there (yields to every arriving live step), and
+the divergence math waits for quiet again after the ghost's run. A ghost step not
+started when its live episode's next step comes (its window), or beyond
+``max_in_flight`` queued at once, is skipped (counted, reason ``busy``) and the ghost's
+next run starts its state over, counted as a restart: a ghost that ran from its live
+episode's first step and never restarted is *continuous*; the others' figures are kept
+apart (``restarted_*``), never mixed. A saturating live load leaves no quiet: every
+ghost step is skipped, and the live steps pay only the reply's hook.
 
 Divergence: per compared step, the candidate's outputs minus the live ones (each output
 both gave, same shape), as max-abs and L2 per action dimension (the last axis); kept per
@@ -24,9 +29,10 @@ renewal (:meth:`Shadows.publish`).
 
 Lifecycle: :meth:`ShadowRunner.sync` runs at each lease renewal. It reads the shadows
 (no Redis command per step), frees every ghost of a stopped shadow, and frees the ghosts
-whose live episode this node no longer holds (an end, idle expiry, a drop, a fence). A
-step that ends its episode ends its ghost at once. A crash takes the ghosts with the
-process. A hand-over carries the ghost in step with the live record
+whose live episode this node no longer holds (an end, idle expiry, a drop, a fence) once
+no step of theirs waits or runs. A step that ends its episode ends its ghost once it ran.
+A ghost freed while its step runs keeps its record until that run ends (then compared). A
+crash takes the ghosts with the process. A hand-over carries the ghost in step with the live record
 (:meth:`ShadowRunner.carry`, ``node/transfer.py``'s ``GhostCarry``); the new owner holds
 it beside the copy (:meth:`ShadowRunner.adopt`); a ghost not in step stays behind and
 restarts there.
@@ -42,6 +48,7 @@ import contextlib
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -51,10 +58,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from affinity import AffinityError, Assignment
 from affinity.shadows import PairTotals, Shadow, Shadows, selected
+from node.contract import PolicyContract
 from node.control import control_feed
 from node.dispatcher import MultiGpuDispatcher
 from node.episodes import Episode, EpisodeTable
+from node.jobs import Arrivals
 from node.record import StepResult
+from node.recorder import Recorder
 from node.step import Step
 from node.transfer import GhostCarry, Install
 
@@ -77,7 +87,11 @@ SHADOW_LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
 operator started, candidate or live; docs/metrics.md)."""
 DIVERGENCE_BUCKETS = (0.0, 1e-6, 1e-4, 1e-3, 0.01, 0.1, 1.0, 10.0)
 MAX_IN_FLIGHT = 64
-"""Ghost steps on their way at once on one node (beyond: skipped, ``busy``)."""
+"""Ghost steps queued at once on one node (beyond: skipped, ``busy``)."""
+QUIET_S = 0.002
+"""How long the node must have answered no live step, with none on its way, before a
+ghost step starts (seconds): robots in lock-step send their next steps closer together,
+so a ghost runs in the pauses between their control periods, not between their steps."""
 CARRY_WAIT_S = 0.25
 """How long a hand-over waits for its episode's ghost step on its way (then the ghost
 stays behind and restarts at the new owner)."""
@@ -123,8 +137,10 @@ class Ghost:
     last_seq: int = 0  # the live seq it ran last (0: none yet)
     restart: bool = False  # a step was skipped: its next run starts over
     waiting: list[tuple[Step, StepResult]] = field(default_factory=list)
-    running: bool = False
-    task: asyncio.Task[None] | None = None
+    queued: bool = False  # in the runner's queue, its waiting step not started
+    running: bool = False  # its step is on the candidate's worker
+    settled: asyncio.Event = field(default_factory=lambda: _set(asyncio.Event()))
+    """Set while none of its steps waits nor runs (a hand-over waits for it)."""
     ran: bool = False  # it has a record in the ghost table
     compared: int = 0
     max_abs: float = 0.0  # this episode's worst step
@@ -135,7 +151,10 @@ class ShadowRunner:
     """The owner's ghosts (see the module doc). ``live`` is the node's episode table;
     ``live_dispatchers`` its models' dispatchers (their queues say whether a device is
     busy); ``candidates`` the candidate versions this node can run (``"name@version"`` ->
-    a dispatcher on :attr:`table`). Event loop only."""
+    a dispatcher on :attr:`table`). ``quiet_s`` (:data:`QUIET_S`) and ``max_in_flight``
+    (:data:`MAX_IN_FLIGHT`): when a ghost step may start, how many may wait.
+    ``recorder`` (``--record``): each compared ghost step joins its live episode's
+    recording as the paired stream (:meth:`Recorder.offer_shadow`). Event loop only."""
 
     def __init__(
         self,
@@ -148,6 +167,8 @@ class ShadowRunner:
         registry: CollectorRegistry,
         max_in_flight: int = MAX_IN_FLIGHT,
         clock: Callable[[], float] = time.monotonic,
+        quiet_s: float = QUIET_S,
+        recorder: Recorder | None = None,
     ) -> None:
         self.node_id = node_id
         self.live = live
@@ -158,13 +179,19 @@ class ShadowRunner:
         self.shadows = shadows
         self.max_in_flight = max_in_flight
         self.clock = clock
+        self.quiet_s = quiet_s
+        self.recorder = recorder
+        # the live steps on their way through the node (one count for all its models)
+        self.arrivals = next((d.arrivals for d in live_dispatchers.values()), Arrivals())
+        self.last_live = -math.inf  # when the node last answered a live step (clock)
         self.known: dict[str, Shadow] = {}  # the shadows Redis held at the last renewal
         self.active: dict[str, Shadow] = {}
         """Live ``"name@version"`` -> the shadow running beside it (read at renewal)."""
         self.ghosts: dict[str, Ghost] = {}
         self.totals: dict[tuple[str, str], PairTotals] = {}
         self.in_flight = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._queue: deque[Ghost] = deque()  # ghosts with a step waiting to start, in order
+        self._drainer: asyncio.Task[None] | None = None
         self._tokens = 0
         self.steps = Counter(
             "affinity_shadow_steps_total",
@@ -226,8 +253,10 @@ class ShadowRunner:
             shadow = self.active.get(ghost.live)
             if shadow is None or str(shadow.candidate) != ghost.candidate:
                 self.free(episode)
-            elif self.live.get(episode) is None:
-                self.free(episode)  # its live episode ended, idled, moved or was dropped
+            elif self.live.get(episode) is None and ghost.settled.is_set():
+                # its live episode ended, idled, moved or was dropped (a step of it still
+                # waiting or running goes first: the step that ended it, compared)
+                self.free(episode)
         self._count_held()
 
     def _count_held(self) -> None:
@@ -245,15 +274,21 @@ class ShadowRunner:
             return
         ghost.ended = True
         self._drop_waiting(ghost)
-        self.table.release(episode, "end", ghost.token)
+        if not ghost.running:  # else its step on the worker ends first, then is compared
+            ghost.settled.set()
+            self.table.release(episode, "end", ghost.token)
         self._count_held()
 
     # ---- after a live step -------------------------------------------------------------
 
     def after(self, assignment: Assignment, step: Step, result: StepResult) -> None:
         """The live step of ``assignment`` returned ``result``: its ghost's turn, if its
-        episode is shadowed. Takes no lock and no Redis command; the ghost runs later."""
-        if not self.active or result.replayed:
+        episode is shadowed. Takes no lock and no Redis command; the ghost runs later, when
+        the node is quiet."""
+        if not self.active:
+            return
+        self.last_live = self.clock()
+        if result.replayed:
             return
         shadow = self.active.get(assignment.model)
         if shadow is None or not selected(assignment.episode, shadow.fraction):
@@ -282,59 +317,84 @@ class ShadowRunner:
                 ghost.restart = True
         elif ghost.live_claim != assignment.claim:  # claimed anew meanwhile: start over
             ghost.live_claim, ghost.restart = assignment.claim, True
-        if not self._spare(ghost, dispatcher, assignment):
-            # this step, and any of the ghost's that still waited, are skipped: each counted
+        if self.in_flight >= self.max_in_flight or ghost.waiting:
+            # no room, or its last step's window passed unstarted: this step, and the one
+            # that still waited, are skipped, each counted
             for _ in range(1 + len(ghost.waiting)):
                 self._count(candidate, live, "busy")
             ghost.restart = True
             self._drop_waiting(ghost)
+            if not ghost.running:
+                ghost.settled.set()
             if step.end:
                 self.free(episode)
             return
         outputs = {k: np.array(v, copy=True) for k, v in result.outputs.items()}
         ghost.waiting.append((step, replace(result, outputs=outputs)))
+        ghost.settled.clear()
         self.in_flight += 1
         if not ghost.running:
-            ghost.running = True
-            task = asyncio.get_running_loop().create_task(self._run(ghost, dispatcher))
-            ghost.task = task
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._enqueue(ghost)
+
+    def _enqueue(self, ghost: Ghost) -> None:
+        if not ghost.queued:
+            ghost.queued = True
+            self._queue.append(ghost)
+        if self._drainer is None or self._drainer.done():
+            self._drainer = asyncio.get_running_loop().create_task(self._drain())
 
     def _drop_waiting(self, ghost: Ghost) -> None:
         self.in_flight -= len(ghost.waiting)
         ghost.waiting.clear()
 
-    def _spare(self, ghost: Ghost, dispatcher: MultiGpuDispatcher, assignment: Assignment) -> bool:
-        if self.in_flight >= self.max_in_flight or ghost.waiting:
-            return False
-        if dispatcher.queued(ghost.device) >= dispatcher.max_batch:  # its next run is full
-            return False
-        name = assignment.model.partition("@")[0]
-        live = self.live_dispatchers.get(name)
-        return (
-            live is None
-            or assignment.device not in live.devices
-            or not live.queued(assignment.device)
-        )
+    def quiet_in(self) -> float:
+        """Seconds before the node may be quiet (0 or less: it is): while a live step is
+        on its way or on a device, ``quiet_s`` (asked again then)."""
+        if self.arrivals.count > 0 or self.live.stepping():
+            return max(self.quiet_s, 1e-4)
+        return self.last_live + self.quiet_s - self.clock()
 
-    async def _run(self, ghost: Ghost, dispatcher: MultiGpuDispatcher) -> None:
-        """The ghost's waiting steps, one after another, on the candidate's worker."""
-        await asyncio.sleep(0)  # the live reply goes first
-        try:
-            while ghost.waiting and not ghost.ended:
-                step, live = ghost.waiting.pop(0)
-                try:
-                    await self._step(ghost, dispatcher, step, live)
-                finally:
-                    self.in_flight -= 1
-            self._drop_waiting(ghost)
-        finally:
-            ghost.running = False
+    async def _until_quiet(self) -> None:
+        while (wait := self.quiet_in()) > 0:
+            await asyncio.sleep(wait)
+
+    async def _drain(self) -> None:
+        """The queued ghost steps, one at a time, each once the node is quiet (see the
+        module doc): the candidate's run, then the comparison, each after live work."""
+        while self._queue:
+            await self._until_quiet()
+            ghost = self._queue.popleft()
+            ghost.queued = False
+            if ghost.ended or not ghost.waiting:
+                continue
+            step, live = ghost.waiting.pop(0)
+            dispatcher = self.candidates[ghost.candidate]
+            ghost.running = True
+            try:
+                got = await self._step(ghost, dispatcher, step, live)
+            except Exception:  # a bug here must not stop every ghost of the node
+                log.exception("ghost step of %s on %s broke", ghost.episode, ghost.candidate)
+                got, ghost.restart = None, True
+            finally:
+                self.in_flight -= 1
+                ghost.running = False
+            if ghost.ended:  # freed while its step ran: its record goes now
+                self.table.release(ghost.episode, "end", ghost.token)
+            if got is not None:  # (compared even if freed meanwhile: it ran in step)
+                await self._until_quiet()  # the divergence math after live work too
+                self._compared(ghost, got, live)
+            if step.end and self.ghosts.get(ghost.episode) is ghost:
+                self.free(ghost.episode)
+            if ghost.waiting and not ghost.ended:
+                self._enqueue(ghost)  # its next step came while this one ran
+            else:
+                ghost.settled.set()
 
     async def _step(
         self, ghost: Ghost, dispatcher: MultiGpuDispatcher, step: Step, live: StepResult
-    ) -> None:
+    ) -> StepResult | None:
+        """The candidate's run of the ghost's ``step``: its result, or None (skipped,
+        failed and counted, or freed meanwhile)."""
         candidate, pair = ghost.candidate, (ghost.candidate, ghost.live)
         restarted = live.state_reset or ghost.restart or ghost.last_seq != live.seq - 1
         fresh = not ghost.ran or restarted
@@ -362,21 +422,24 @@ class ShadowRunner:
             got = await dispatcher.step(ghost_step, assignment, inputs=feed)
         except Exception as exc:  # a candidate that fails never touches the live episode
             if ghost.ended:  # freed while it ran (its episode ended, the shadow stopped)
-                return
+                return None
             log.debug("ghost step of %s on %s failed: %s", ghost.episode, candidate, exc)
             self._count(candidate, ghost.live, "failed")
             ghost.restart = True
-            return
+            return None
         ghost.last_seq, ghost.ran = live.seq, True
-        if ghost.ended:
-            return
+        return got
+
+    def _compared(self, ghost: Ghost, got: StepResult, live: StepResult) -> None:
         diff = divergence(got.outputs, live.outputs)
         if diff is None:
-            self._count(candidate, ghost.live, "failed")
-        else:
-            self._compare(ghost, diff)
-        if step.end:
-            self.free(ghost.episode)
+            self._count(ghost.candidate, ghost.live, "failed")
+            return
+        self._compare(ghost, diff)
+        if self.recorder is not None:  # the paired stream of a recorded episode
+            self.recorder.offer_shadow(ghost.live, ghost.episode, ghost.live_claim, live.seq,
+                                       ghost.candidate, got.outputs, float(diff[0].max()),
+                                       ghost.continuous)  # fmt: skip
 
     def _compare(self, ghost: Ghost, diff: Array) -> None:
         pair = (ghost.candidate, ghost.live)
@@ -412,7 +475,13 @@ class ShadowRunner:
             totals = self.totals[pair] = PairTotals()
         return totals
 
-    # ---- hand-over ---------------------------------------------------------------------
+    # ---- hand-over (node/handover.py's Ghosts) -----------------------------------------
+
+    @property
+    def contracts(self) -> Mapping[str, PolicyContract]:
+        """``"name@version"`` -> contract of each candidate this node runs (the ghosts a
+        hand-over may bring here)."""
+        return {m: d.contract for m, d in self.candidates.items()}
 
     async def carry(self, episode: str, record: Episode) -> GhostCarry | None:
         """What a hand-over of ``episode`` (its live ``record``) carries of its ghost: the
@@ -421,12 +490,12 @@ class ShadowRunner:
         ghost = self.ghosts.get(episode)
         if ghost is None:
             return None
-        if ghost.running and ghost.task is not None:
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(ghost.task), CARRY_WAIT_S)
+        if not ghost.settled.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ghost.settled.wait(), CARRY_WAIT_S)
         own = self.table.get(episode)
         if (
-            ghost.running or ghost.restart or ghost.ended or own is None
+            ghost.running or ghost.waiting or ghost.restart or ghost.ended or own is None
             or ghost.last_seq != record.seq or own.claim != ghost.claim
         ):  # fmt: skip
             return None
@@ -451,25 +520,43 @@ class ShadowRunner:
                          last_used=self.clock())  # fmt: skip
         if not (self.table.install(episode, record) and self.table.confirm(episode, claim)):
             return
-        self.ghosts[episode] = Ghost(
+        ghost = Ghost(
             episode, carried.candidate, carried.live, device, token, claim, install.claim,
             carried.continuous, last_seq=carried.last_seq, ran=True, compared=carried.compared,
             max_abs=carried.max_abs,
         )  # fmt: skip
+        self.ghosts[episode] = ghost
         self._count_held()
+
+    # ---- the candidates' devices -------------------------------------------------------
+
+    async def probe(self) -> list[tuple[str, str]]:
+        """Probe each candidate's down devices whose cool-down has passed, as the live
+        models' are (:meth:`node.health.DeviceHealth.probe`, at the node's maintenance):
+        the (candidate, device) pairs that came back up. A candidate's device down skips
+        its ghost steps (``failed``); it never takes the live model's device down."""
+        back: list[tuple[str, str]] = []
+        for candidate, dispatcher in self.candidates.items():
+            back += [(candidate, device) for device in await dispatcher.probe()]
+        return back
 
     # ---- inspection and stop -----------------------------------------------------------
 
     async def idle(self) -> None:
-        """Return once no ghost step is on its way (tests, the bench)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        """Return once no ghost step is queued or on its way (tests, the bench)."""
+        while self._drainer is not None and not self._drainer.done():
+            await asyncio.gather(self._drainer, return_exceptions=True)
 
     def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        if self._drainer is not None:
+            self._drainer.cancel()
         for dispatcher in self.candidates.values():
             dispatcher.close()
+
+
+def _set(event: asyncio.Event) -> asyncio.Event:
+    event.set()
+    return event
 
 
 async def sync_quietly(runner: ShadowRunner) -> None:

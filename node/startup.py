@@ -247,7 +247,8 @@ def _step_settings(config: NodeConfig) -> tuple[CrashSettings, BatchSettings, Ch
 
 def _candidates(config: NodeConfig, devices: list[DeviceSpec]) -> CandidateFactory | None:
     """The dispatchers of ``--shadow-model``: one ONNX Runtime session per device each, on
-    the ghost table, never run inline on the event loop (``node/shadow.py``)."""
+    one intra-op thread (a ghost's run never takes the live runs' cores), on the ghost
+    table, never run inline on the event loop (``node/shadow.py``)."""
     if not config.shadow_models:
         return None
     sessions: dict[Key, Session] = {}
@@ -257,9 +258,7 @@ def _candidates(config: NodeConfig, devices: list[DeviceSpec]) -> CandidateFacto
         try:
             contracts[mid] = load_contract(m.path)
             for spec in devices:
-                built = build_session(
-                    m.path, spec, config.providers, intra_op_threads=config.intra_op_threads
-                )
+                built = build_session(m.path, spec, config.providers, intra_op_threads=1)
                 sessions[(mid, f"{config.node_id}/{spec.index}")] = built.session
         except Exception as exc:
             raise StartupError(f"--shadow-model {m.path}: {_one_line(exc)}") from None

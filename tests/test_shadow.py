@@ -21,7 +21,7 @@ from affinity.registry import Registry
 from affinity.shadows import PairTotals, Shadow, Shadows, selected
 from node.catalog import ModelSpec
 from node.devices import discover
-from node.dispatcher import MultiGpuDispatcher
+from node.dispatcher import CrashSettings, MultiGpuDispatcher
 from node.models import DEMO_MODEL
 from node.providers import ProviderSettings, build_session
 from node.shadow import SHADOW_LABELS, divergence
@@ -199,6 +199,103 @@ async def test_a_ghost_without_capacity_is_skipped_and_says_its_restart(redis: A
         assert seen[("affinity_shadow_steps_total", restarted)] == 3
 
 
+async def test_a_ghost_step_waits_while_live_work_is_there_and_is_skipped_past_its_window(
+    redis: Any,
+) -> None:
+    obs = observations(10, 4)
+    async with cluster(redis, [shadowed()]) as ([a], _):
+        svc = a.service
+        svc.shadow.quiet_s = 0.0  # quiet as soon as no live step is on its way
+        await start(redis, a)
+        await step(a, "ep-q", obs[0])
+        totals = svc.shadow.totals[PAIR]
+        assert totals.compared == 1
+        live = svc.dispatchers["demo_policy"].arrival()  # a live step on its way
+        r = await a.act(episode_id="ep-q", model="demo_policy", inputs={"obs": obs[1].tolist()})
+        assert r.status_code == 200
+        ghost = svc.shadow.ghosts["ep-q"]
+        for _ in range(20):  # the drain polls the node: the ghost's step never starts
+            await asyncio.sleep(0.002)
+        assert len(ghost.waiting) == 1 and not ghost.running and totals.compared == 1
+        # its live episode's next step comes first: the waiting one and this one are skipped
+        r = await a.act(episode_id="ep-q", model="demo_policy", inputs={"obs": obs[2].tolist()})
+        assert r.status_code == 200
+        assert ghost.waiting == [] and ghost.restart and totals.skipped == {"busy": 2}
+        live.done()
+        await step(a, "ep-q", obs[3])  # quiet again: it runs, its state started over
+        assert (totals.compared, totals.restarted_compared, totals.restarts) == (1, 1, 1)
+        assert not ghost.continuous and ghost.last_seq == 4
+
+
+async def test_a_ghost_step_still_waiting_when_its_episode_ended_runs_before_its_ghost_goes(
+    redis: Any,
+) -> None:
+    obs = observations(12, 2)
+    async with cluster(redis, [shadowed()]) as ([a], _):
+        svc = a.service
+        svc.shadow.quiet_s = 0.0
+        await start(redis, a)
+        await step(a, "ep-w", obs[0])
+        live = svc.dispatchers["demo_policy"].arrival()  # the node is not quiet
+        body = {"obs": obs[1].tolist()}
+        r = await a.act(episode_id="ep-w", model="demo_policy", inputs=body, end=True)
+        assert r.status_code == 200 and svc.table.get("ep-w") is None  # the live one ended
+        await svc.shadow.sync()  # a renewal meanwhile: the ghost's last step still waits
+        assert svc.shadow.ghosts["ep-w"].waiting
+        live.done()
+        await svc.shadow.idle()
+        totals = svc.shadow.totals[PAIR]
+        assert (totals.compared, totals.skipped_total) == (2, 0)  # every step counted
+        assert "ep-w" not in svc.shadow.ghosts and svc.shadow.table.get("ep-w") is None
+
+
+async def test_a_ghost_step_running_when_its_ghost_is_freed_is_still_compared(redis: Any) -> None:
+    import threading
+
+    spec = discover("cpu:1")[0]
+    running, go = threading.Event(), threading.Event()
+
+    class Held:  # the demo policy, its second run held until ``go``
+        runs = 0
+
+        def __init__(self) -> None:
+            self.inner = build_session(DEMO_MODEL, spec, ProviderSettings()).session
+
+        def run(self, names: Any, feed: Any) -> Any:
+            Held.runs += 1
+            if Held.runs == 2:
+                running.set()
+                go.wait(30)
+            return self.inner.run(names, dict(feed))
+
+    obs = observations(13, 3)
+    async with cluster(redis, [shadowed()]) as ([a], _):
+        svc = a.service
+        old = svc.shadow.candidates[CANDIDATE]
+        old.close()
+        svc.shadow.candidates[CANDIDATE] = MultiGpuDispatcher(
+            old.devices, lambda _d: Held(), old.contract, table=svc.shadow.table,
+            model=CANDIDATE,
+        )  # fmt: skip
+        await start(redis, a)
+        await step(a, "ep-h", obs[0])
+        r = await a.act(episode_id="ep-h", model="demo_policy", inputs={"obs": obs[1].tolist()})
+        assert r.status_code == 200
+        for _ in range(500):  # bounded: the ghost's step reaches the candidate's run
+            if running.is_set():
+                break
+            await asyncio.sleep(0.01)
+        assert running.is_set()
+        svc.shadow.max_in_flight = 0  # the end finds no room: skipped, its ghost freed
+        body = {"obs": obs[2].tolist()}
+        r = await a.act(episode_id="ep-h", model="demo_policy", inputs=body, end=True)
+        assert r.status_code == 200 and "ep-h" not in svc.shadow.ghosts
+        go.set()
+        await svc.shadow.idle()
+        totals = svc.shadow.totals[PAIR]
+        assert (totals.compared, totals.skipped) == (2, {"busy": 1})  # all three counted
+
+
 async def test_stopping_the_shadow_frees_every_ghost_and_an_end_frees_its_own(redis: Any) -> None:
     obs = observations(5, 2)
     async with cluster(redis, [shadowed()]) as ([a], _):
@@ -301,6 +398,97 @@ async def test_a_failing_candidate_never_touches_the_live_reply(redis: Any) -> N
         labels = (("candidate", CANDIDATE), ("live", LIVE), ("result", "failed"))
         assert scrape(a)[("affinity_shadow_steps_total", labels)] == 3
         assert svc.health.tracker(svc.device_ids[0]).down is False  # the live device is fine
+
+
+async def test_a_candidates_device_that_went_down_is_probed_back_up(redis: Any) -> None:
+    spec = discover("cpu:1")[0]
+
+    class Flaky:  # the demo policy, crashing while ``broken``
+        broken = True
+
+        def __init__(self) -> None:
+            self.inner = build_session(DEMO_MODEL, spec, ProviderSettings()).session
+
+        def run(self, names: Any, feed: Any) -> Any:
+            if Flaky.broken:
+                raise RuntimeError("candidate crashed")
+            return self.inner.run(names, dict(feed))
+
+    obs = observations(8, 6)
+    async with cluster(redis, [shadowed()]) as ([a], _):
+        svc = a.service
+        old = svc.shadow.candidates[CANDIDATE]
+        old.close()
+        candidate = svc.shadow.candidates[CANDIDATE] = MultiGpuDispatcher(
+            old.devices, lambda _d: Flaky(), old.contract, table=svc.shadow.table,
+            model=CANDIDATE, crashes=CrashSettings(failure_threshold=2, cooldown_s=0.0),
+        )  # fmt: skip
+        device = candidate.devices[0]
+        await start(redis, a)
+        for t in range(3):  # two failures take it down; the third is refused there
+            await step(a, "ep-p", obs[t])
+        assert candidate.tracker(device).down
+        assert svc.health.tracker(device).down is False  # the live device is fine
+        await svc.probe()  # the node's maintenance: a probe that fails keeps it down
+        assert candidate.tracker(device).down
+        Flaky.broken = False
+        await svc.probe()
+        assert not candidate.tracker(device).down  # back up, as a live device comes back
+        for t in range(3, 6):
+            await step(a, "ep-p", obs[t])
+        totals = svc.shadow.totals[PAIR]
+        assert totals.skipped == {"failed": 3} and totals.restarted_compared == 3
+
+
+async def test_a_recorded_episode_carries_its_ghosts_actions_as_a_paired_stream(
+    redis: Any, tmp_path: Path
+) -> None:
+    import pyarrow.parquet as pq
+
+    from affinity.dataset import Selection, finalize
+    from affinity.models import Models
+
+    out = str(tmp_path / "rec")
+    obs = observations(11, 5)
+    async with cluster(redis, [shadowed(record=out)]) as ([a], _):
+        svc = a.service
+        await Models(redis, Settings()).set_recording("demo_policy", "v1", Selection().to_json())
+        await svc._read_recordings()
+        await start(redis, a)
+        got = {}
+        for ep in ("ep-r0", "ep-r1"):
+            for t in range(5):
+                if ep == "ep-r1" and t == 2:  # no room for this one: skipped, then restarted
+                    svc.shadow.max_in_flight = 0
+                got[(ep, t)] = actions(await step(a, ep, obs[t])).reshape(-1)
+                svc.shadow.max_in_flight = 8
+    info = finalize(out, str(tmp_path / "ds"))
+    assert info["affinity"]["shadow"] == [CANDIDATE]
+    assert info["features"]["shadow.action"]["shape"] == info["features"]["action"]["shape"]
+    data = pq.read_table(tmp_path / "ds/data/chunk-000/file-000.parquet").to_pydict()
+    eps = pq.read_table(tmp_path / "ds/meta/episodes/chunk-000/file-000.parquet").to_pylist()
+    for e in eps:
+        ep = e["affinity/episode_id"]
+        for t, i in enumerate(range(e["dataset_from_index"], e["dataset_to_index"])):
+            live = np.asarray(data["action"][i], np.float32)
+            ghost = np.asarray(data["shadow.action"][i], np.float32)
+            np.testing.assert_array_equal(live, got[(ep, t)])
+            (max_abs,), continuous = data["shadow.max_abs"][i], data["shadow.continuous"][i]
+            if ep == "ep-r0" or t < 2:  # an identical candidate, its state kept all along
+                np.testing.assert_array_equal(ghost, live)
+                assert (max_abs, continuous) == (0.0, True)
+            elif t == 2:  # skipped: no ghost action for this frame
+                assert np.isnan(ghost).all() and np.isnan(max_abs) and not continuous
+            else:  # restarted: compared, kept apart as not continuous
+                assert not np.isnan(ghost).any() and max_abs > 0 and not continuous
+
+
+async def test_a_candidates_sessions_take_one_intra_op_thread(redis: Any) -> None:
+    # the live model on every core (0): a ghost's run still never takes them
+    async with cluster(redis, [shadowed(intra_op_threads=0)]) as ([a], _):
+        candidate = a.service.shadow.candidates[CANDIDATE]
+        session = candidate._devices[candidate.devices[0]].session
+        assert session.get_session_options().intra_op_num_threads == 1  # type: ignore[attr-defined]
 
 
 def test_the_fraction_picks_the_same_episodes_everywhere() -> None:

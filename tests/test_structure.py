@@ -16,10 +16,11 @@ from node.startup import _step_settings
 
 NODE = Path(__file__).resolve().parent.parent / "node"
 
-COLLABORATORS = {"listener", "placement", "recorder", "scores"}
+COLLABORATORS = {
+    "listener", "placement", "recorder", "scores",
+    "carry", "moved_away", "adopt", "ghost_contracts",  # the mover's ghost hooks once
+}  # fmt: skip
 """Attributes that hold a collaborator (besides hooks, named ``on_*``)."""
-GHOST_HOOKS = {"carry", "moved_away", "adopt", "ghost_contracts"}
-"""The mover's ghost hooks (``node/shadow.py``): left to the shadow's own work."""
 SETTINGS = ("CrashSettings", "BatchSettings", "ChunkSettings", "WorkerHooks")
 
 
@@ -47,7 +48,7 @@ def _connected_afterwards(tree: ast.Module) -> list[str]:
                 continue
             own = isinstance(target.value, ast.Name) and target.value.id == "self"
             hook = target.attr.startswith("on_") or target.attr in COLLABORATORS
-            if not own and hook and target.attr not in GHOST_HOOKS:
+            if not own and hook:
                 found.append(f"line {node.lineno}: {ast.unparse(target)}")
     return found
 

@@ -81,7 +81,8 @@ def _move_message(service: NodeService, body: bytes) -> Install | Settle:
     served here), 422 ``bad_record`` (a record that does not fit its model)."""
     mover = service.owner.mover
     try:
-        return decode_move(body, mover.contracts, mover.clock(), mover.ghost_contracts)
+        ghosts = {} if mover.ghosts is None else mover.ghosts.contracts
+        return decode_move(body, mover.contracts, mover.clock(), ghosts)
     except wire.WireError as exc:
         raise Refused(400, "bad_forward", str(exc)) from None
     except ModelNotServed as exc:
