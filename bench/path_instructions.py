@@ -125,7 +125,7 @@ def main() -> None:
             {
                 "figure": "what the node's request path adds per step (node - minimal app)",
                 "value": node - base,
-                "result": f"+{node - base:,.0f} Ir",
+                "result": f"{node - base:+,.0f} Ir",
                 "goal": "reported",
                 "ok": True,
             },
