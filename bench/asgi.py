@@ -41,18 +41,11 @@ class Connection:
 @contextlib.asynccontextmanager
 async def running_node(**config: Any) -> AsyncIterator[NodeApp]:
     """The node's app, started, on one CPU device with room for 1000 episodes, on the
-    embedded store; ``config`` overrides :class:`NodeConfig` fields. Its access log goes
-    to /dev/null."""
-    app = create_app(
-        build_service(
-            replace(
-                NodeConfig(node_id="path", advertise_url="http://path.test", devices="cpu:1"),
-                settings=Settings(lease_ttl_s=30),
-                capacity=1000,
-                **config,
-            )
-        )
-    )
+    embedded store; ``config`` overrides :class:`NodeConfig` fields (``settings`` too). Its
+    access log goes to /dev/null."""
+    config = {"settings": Settings(lease_ttl_s=30), "capacity": 1000, **config}
+    node = NodeConfig(node_id="path", advertise_url="http://path.test", devices="cpu:1")
+    app = create_app(build_service(replace(node, **config)))
     with open(os.devnull, "w") as app.access.stream:
         async with app.api.router.lifespan_context(app.api):
             yield app

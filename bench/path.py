@@ -9,6 +9,8 @@ owner's record of the step, the run, metrics, the reply — at a resolution of a
 The node runs on the embedded store (a sticky step at its owner asks no store anyway), 64
 episodes in turn, with the connection probe the node's HTTP server gives every request
 (``node.asgi.CONNECTION``: one ``poll(2)`` of a socket, no loop turn when alone).
+Its rounds move by a few µs on a shared machine: a budget of 1% of a step is compared in
+instructions instead, by ``bench/path_instructions.py`` (callgrind, the same steps).
 
 Usage: python -m bench.path [--rounds 15] [--steps 1000]
 """

@@ -20,6 +20,7 @@ __all__ = [
     "cancel_when_gone",
     "error_body",
     "header",
+    "header_values",
     "io_seen",
     "read_body",
     "respond",
@@ -165,6 +166,17 @@ def header(scope: Scope, name: bytes) -> str | None:
         if key == name:
             return str(value.decode("latin-1"))
     return None
+
+
+def header_values(scope: Scope, names: tuple[bytes, ...]) -> list[str | None]:
+    """:func:`header` of each of ``names``, in one pass over the request's headers."""
+    found: list[str | None] = [None] * len(names)
+    for key, value in scope["headers"]:
+        if key in names:
+            at = names.index(key)
+            if found[at] is None:
+                found[at] = str(value.decode("latin-1"))
+    return found
 
 
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:

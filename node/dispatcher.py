@@ -243,12 +243,13 @@ class MultiGpuDispatcher:
         ``executed``, ``inference_delay`` or ``pending`` given to a model without them (see
         :meth:`node.rtc.RtcSpec.ask`; any model's step may name its ``control_hz``)."""
         if self.rtc is None:
-            given = {"executed": executed, "inference_delay": inference_delay,
-                     "pending": pending}  # fmt: skip
-            for name, value in given.items():
-                if value is not None:
-                    shown = "(array)" if name == "pending" else value
-                    raise InvalidArgument(name, shown, "this model takes no rtc.* inputs")
+            if executed is not None or inference_delay is not None or pending is not None:
+                given = {"executed": executed, "inference_delay": inference_delay,
+                         "pending": pending}  # fmt: skip
+                for name, value in given.items():
+                    if value is not None:
+                        shown = "(array)" if name == "pending" else value
+                        raise InvalidArgument(name, shown, "this model takes no rtc.* inputs")
             control_rate(control_hz)
             return None
         return self.rtc.ask(executed, inference_delay, control_hz, self.control_hz, pending)

@@ -212,7 +212,7 @@ class EpisodeTable:
         ended here) and :class:`SeqConflict`."""
         if origin and origin in self._cancelled:
             raise ForwardCancelled(origin)
-        if (claim and claim in self._ended) or self._ended_early_locked(f"{episode} {token}"):
+        if (claim and claim in self._ended) or self._ended_early_locked(episode, token):
             raise ClaimEnded(episode, claim)
         record = self._records.get(episode)
         copy = self._copies.get(episode)
@@ -229,9 +229,7 @@ class EpisodeTable:
         of another claim it replaces is remembered as ended. False: nothing kept."""
         if generation != self.generation or self._records.get(episode) is not read:
             return False
-        if (new.claim and new.claim in self._ended) or self._ended_early_locked(
-            f"{episode} {new.token}"
-        ):
+        if (new.claim and new.claim in self._ended) or self._ended_early_locked(episode, new.token):
             return False
         if read is not None and read.claim != new.claim:
             self._ended.remember(read.claim, "")
@@ -386,8 +384,10 @@ class EpisodeTable:
                 break
             del self._ended_early[first]
 
-    def _ended_early_locked(self, key: str) -> bool:
-        until = self._ended_early.get(key)
+    def _ended_early_locked(self, episode: str, token: int) -> bool:
+        if not self._ended_early:  # the usual case: no key to build (every step asks)
+            return False
+        until = self._ended_early.get(f"{episode} {token}")
         return until is not None and until > self.clock()
 
     def expire_idle(self, idle_s: float) -> list[tuple[str, int]]:

@@ -59,7 +59,9 @@ class StepTimes:
             return
         ms = seconds * 1000
         with self._lock:
-            sizes = self._ms.setdefault(device, {})
+            sizes = self._ms.get(device)
+            if sizes is None:  # (setdefault would build a dict every run)
+                sizes = self._ms[device] = {}
             old = sizes.get(rows)
             sizes[rows] = ms if old is None else old + ALPHA * (ms - old)
             self._rows[device] = self._rows.get(device, 0) + rows

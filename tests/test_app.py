@@ -13,6 +13,7 @@ import pytest
 
 from affinity import Keys
 from affinity.registry import MoveRequest
+from node.asgi import header, header_values
 from node.forward import SECRET_HEADER as SECRET
 from node.forward import Forward
 from node.models import DEMO_MODEL
@@ -72,6 +73,16 @@ async def snapshot(redis: Any) -> dict[str, Any]:
         ):
             snap[key] = [m[0] for m in value]  # a sorted set's members, not their scores
     return snap
+
+
+def test_header_values_reads_each_first_value_as_header_does_in_one_pass() -> None:
+    scope = {
+        "headers": [(b"accept", b"a"), (b"x-other", b"o"), (b"accept", b"b"),
+                    (b"authorization", b"Api-Key \xe9")],
+    }  # fmt: skip
+    names = (b"content-type", b"accept", b"authorization")
+    assert header_values(scope, names) == [None, "a", "Api-Key \xe9"]
+    assert header_values(scope, names) == [header(scope, n) for n in names]
 
 
 async def test_episode_matches_reference(node: InProcNode) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
@@ -49,6 +50,7 @@ from node.asgi import (
     Send,
     error_body,
     header,
+    header_values,
     read_body,
     respond,
     respond_error,
@@ -71,6 +73,7 @@ FIELDS = (
     "ensemble", "model", "executed", "inference_delay", "control_hz", "pending",
 )  # fmt: skip
 _KNOWN = frozenset(FIELDS)
+_HEADERS = (b"content-type", b"accept", b"authorization", TIMING_HEADER)  # read by handle()
 
 
 def _is_msgpack(content_type: str | None) -> bool:
@@ -127,11 +130,12 @@ _STEPS_HEAD = b"\x81\xa5steps"
 """msgpack of a map of one entry whose key is ``"steps"``: what a body of rows starts with."""
 
 
-async def decode(
+def decode(
     service: NodeService, body: bytes, binary: bool, deadline: float
-) -> Step | list[Step | Exception]:
-    """The step in one ``/act`` body; or, for a message of rows (``steps``), each row's
-    step or the exception that is that row's error (:func:`decode_rows`).
+) -> Awaitable[Step | list[Step | Exception]]:
+    """The step in one ``/act`` body, to await; or, for a message of rows (``steps``), each
+    row's step or the exception that is that row's error (:func:`decode_rows`). The body
+    is parsed by the call; the rest by the await (one coroutine, not two nested, a step).
 
     Raises :class:`BodyError` (400, not a map) and :class:`InvalidInput` /
     ``InvalidArgument`` (422). Raises :class:`Refused` for ``model`` missing in a fleet of
@@ -140,8 +144,8 @@ async def decode(
     then."""
     doc = _parse(body, binary, service.config.max_rows)
     if "steps" in doc:
-        return await decode_rows(service, doc, binary, deadline)
-    return await _decode_doc(service, doc, binary, deadline)
+        return decode_rows(service, doc, binary, deadline)
+    return _decode_doc(service, doc, binary, deadline)
 
 
 async def decode_rows(
@@ -275,9 +279,10 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
     received = time.monotonic()
     deadline = received + service.config.act_deadline_s
     metrics = service.metrics
-    binary_in = _is_msgpack(header(scope, b"content-type"))
-    binary_out = MSGPACK in (header(scope, b"accept") or "")
-    if not service.client_allowed(header(scope, b"authorization")):
+    content_type, accept, authorization, timing = header_values(scope, _HEADERS)
+    binary_in = _is_msgpack(content_type)
+    binary_out = MSGPACK in (accept or "")
+    if not service.client_allowed(authorization):
         metrics.rejected.labels("unauthorized").inc()
         body = error_body("unauthorized", "this node wants Authorization: Api-Key <key>")
         await respond(send, 401, body, headers=[(b"www-authenticate", b"Api-Key")])
@@ -288,7 +293,7 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
         if isinstance(step, list):
             await _handle_rows(service, step, scope, receive, send, received, binary_out)
             return
-        step.received, step.timing = received, asks_timing(header(scope, TIMING_HEADER))
+        step.received, step.timing = received, asks_timing(timing)
         scope[STEP_KEY] = (step.episode or "-", "-", "-")
         reply = await while_connected(receive, service.router.act(step), scope.get(CONNECTION))
         scope[STEP_KEY] = (step.episode or "-", reply.device, reply.routing)
