@@ -169,16 +169,21 @@ class Recorder:
         chosen = self._chosen.get(key)
         if chosen is None:
             chosen = self._choose(model, episode, key)
-        if chosen is None:
+        if chosen is None or not self._room(key):
             return
-        if len(self._queue) >= self.queue_max:
-            self.dropped += 1
-            self._drops[key] = self._drops.get(key, 0) + 1
-            return
-        self.queued += 1
         frame = _Frame(episode, claim, token, seq, self.clock(), state_reset, device,
                        inputs, outputs, chosen)  # fmt: skip
         self._queue.append((model, frame))
+
+    def _room(self, key: tuple[str, str]) -> bool:
+        """Whether the queue takes one more frame of the claim ``key`` (counted as queued);
+        False: it is full, and the frame is counted as dropped."""
+        if len(self._queue) >= self.queue_max:
+            self.dropped += 1
+            self._drops[key] = self._drops.get(key, 0) + 1
+            return False
+        self.queued += 1
+        return True
 
     def offer_shadow(
         self,
@@ -197,13 +202,8 @@ class Recorder:
         Only for a claim already recorded; never blocks, copies nothing, raises nothing."""
         key = (episode, claim)
         chosen = self._chosen.get(key)
-        if chosen is None:
+        if chosen is None or not self._room(key):
             return
-        if len(self._queue) >= self.queue_max:
-            self.dropped += 1
-            self._drops[key] = self._drops.get(key, 0) + 1
-            return
-        self.queued += 1
         frame = _Frame(episode, claim, 0, seq, self.clock(), False, "", {}, outputs, chosen,
                        shadow=(candidate, max_abs, continuous))  # fmt: skip
         self._queue.append((model, frame))
