@@ -120,6 +120,12 @@ class Keys:
         beside ``live`` (both ``"name@version"``), written by the node at each renewal."""
         return self.prefix + "shadow:" + candidate + ">" + live
 
+    def shadow_runners(self, candidate: str) -> str:
+        """Sorted set: ``"<node id> <url>"`` -> until when (Unix ms) that node runs the
+        candidate ``"name@version"`` (its ``--shadow-model``), written by the node at each
+        renewal: where an owner without the candidate sends its ghost steps."""
+        return self.prefix + "shadow-runners:" + candidate
+
     def picks(self, name: str) -> str:
         """Sorted set: version -> picks/weight, the stride scheduling over the weighted
         versions of model ``name`` (reset by every ``affinity rollout``)."""

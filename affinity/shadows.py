@@ -197,6 +197,35 @@ class Shadows(RedisApi):
             pipe.hset(self.keys.shadow_stats(candidate, live), node, json.dumps(t.to_json()))
         await bounded(self.settings, pipe.execute())
 
+    async def advertise(
+        self, node: str, url: str, candidates: list[str], now_ms: int, ttl_ms: int
+    ) -> None:
+        """Say this node runs ``candidates`` (``--shadow-model``) until ``now_ms + ttl_ms``
+        (the lease's time: a node gone drops out), one pipeline; the expired go."""
+        if not candidates:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for candidate in candidates:
+            key = self.keys.shadow_runners(candidate)
+            pipe.zadd(key, {f"{node} {url}": now_ms + ttl_ms})
+            pipe.zremrangebyscore(key, "-inf", now_ms)
+        await bounded(self.settings, pipe.execute())
+
+    async def runners(self, candidates: list[str], now_ms: int) -> dict[str, dict[str, str]]:
+        """The nodes running each of ``candidates`` now: candidate -> node id -> its URL."""
+        pipe = self.redis.pipeline(transaction=False)
+        for candidate in candidates:
+            pipe.zrangebyscore(self.keys.shadow_runners(candidate), now_ms, "+inf")
+        replies = await bounded(self.settings, pipe.execute())
+        out: dict[str, dict[str, str]] = {}
+        for candidate, members in zip(candidates, replies, strict=True):
+            nodes = out[candidate] = {}
+            for member in members:
+                node, _, url = _text(member).partition(" ")
+                if url:
+                    nodes[node] = url
+        return out
+
     async def totals(self, pairs: list[tuple[str, str]]) -> dict[tuple[str, str], PairTotals]:
         """The fleet's totals of each pair: every node's added up."""
         pipe = self.redis.pipeline(transaction=False)

@@ -166,6 +166,7 @@ def create_app(
         ("POST", "/internal/act"): internal.handle,
         ("POST", "/internal/rows"): internal.rows,
         ("POST", "/internal/move"): internal.move,
+        ("POST", "/internal/ghost"): internal.ghost,
     }
     return NodeApp(api, hot, access)
 

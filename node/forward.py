@@ -35,11 +35,21 @@ from node.errors import ForwardError
 from node.rtc import Ask
 from node.step import Reply, Step
 
-__all__ = ["MOVE_PATH", "ROWS_PATH", "Forward", "ForwardPool", "Poster", "Response"]
+__all__ = [
+    "GHOST_PATH",
+    "MOVE_PATH",
+    "ROWS_PATH",
+    "Forward",
+    "ForwardPool",
+    "GhostStep",
+    "Poster",
+    "Response",
+]
 
 INTERNAL_PATH = "/internal/act"
 ROWS_PATH = "/internal/rows"  # several episodes' steps for one owner (issue 44)
 MOVE_PATH = "/internal/move"  # a live hand-over's record (node/transfer.py)
+GHOST_PATH = "/internal/ghost"  # a ghost step for a node running the candidate (node/shadow.py)
 SECRET_HEADER = "X-Affinity-Secret"
 CONTENT_TYPE = "application/msgpack"
 _MAX_HEADER = 64 * 1024
@@ -116,6 +126,10 @@ class Forward:
         return self.step.episode
 
     def encode(self) -> bytes:
+        return wire.encode(self.doc())
+
+    def doc(self) -> dict[str, Any]:
+        """The forward as a map, before msgpack (:meth:`encode`; a ghost step nests it)."""
         doc: dict[str, Any] = {key: getattr(self.step, name) for name, key in _SENT}
         rtc = self.step.rtc
         doc["rtc"] = None if rtc is None else [getattr(rtc, f.name) for f in fields(Ask)]
@@ -131,12 +145,16 @@ class Forward:
             elapsed_ms=round(self.elapsed_s * 1000, 3),
             release=self.release,
         )
-        return wire.encode(doc)
+        return doc
 
     @classmethod
     def decode(cls, body: bytes) -> Forward:
         """Raises ``ValueError`` (``wire.WireError`` included) on a malformed forward."""
-        doc = wire.decode(body)
+        return cls.of(wire.decode(body))
+
+    @classmethod
+    def of(cls, doc: object) -> Forward:
+        """A forward from its map (:meth:`doc`); raises ``ValueError`` on a malformed one."""
         if not isinstance(doc, dict):
             raise ValueError("a forward is a map")
         try:
@@ -203,6 +221,46 @@ class Forward:
             elapsed_s=float(elapsed) / 1000,
             release=doc.get("release") is True,
         )
+
+
+@dataclass(slots=True)
+class GhostStep:
+    """What an owner without a shadow's candidate sends a node running it, after a live
+    step (``POST /internal/ghost``, ``node/shadow.py``): the live ``step`` (inputs, end,
+    chunk options; as a :class:`Forward` carries it), the ``live`` and ``candidate``
+    ``"name@version"``, the live claim id, the live step's ``seq``, whether the live
+    episode's state started over (``reset``) and the live ``outputs`` to compare."""
+
+    step: Step
+    live: str
+    candidate: str
+    claim: str
+    seq: int
+    reset: bool
+    outputs: dict[str, np.ndarray[Any, Any]]
+
+    def encode(self) -> bytes:
+        forward = Forward(self.step, 0, "", "hit", 0.0, claim=self.claim, model=self.live)
+        doc = {"forward": forward.doc(), "candidate": self.candidate, "seq": self.seq,
+               "reset": self.reset, "outputs": self.outputs}  # fmt: skip
+        return wire.encode(doc)
+
+    @classmethod
+    def decode(cls, body: bytes) -> GhostStep:
+        """Raises ``ValueError`` (``wire.WireError`` included) on a malformed message."""
+        doc = wire.decode(body)
+        if not isinstance(doc, dict):
+            raise ValueError("a ghost step is a map")
+        forward = Forward.of(doc.get("forward"))
+        candidate, seq, outputs = doc.get("candidate"), doc.get("seq"), doc.get("outputs")
+        if not (
+            isinstance(candidate, str) and type(seq) is int and seq >= 1
+            and isinstance(outputs, dict)
+            and all(isinstance(k, str) and isinstance(v, np.ndarray) for k, v in outputs.items())
+        ):  # fmt: skip
+            raise ValueError("a ghost step needs candidate, seq >= 1 and outputs (arrays)")
+        return cls(forward.step, forward.model, candidate, forward.claim, seq,
+                   doc.get("reset") is True, outputs)  # fmt: skip
 
 
 async def send_undo(pool: Poster, url: str, undo: Forward) -> str:

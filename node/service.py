@@ -175,6 +175,9 @@ class NodeService:
             self.metrics.registry,
             clock=clock,
             recorder=self.recorder,
+            url=config.advertise_url,
+            pool=self.pool,
+            idle_s=config.settings.episode_ttl_s,
         )
         self.owner = Owner(
             config,

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import math
 import time
@@ -62,13 +63,14 @@ from node.contract import PolicyContract
 from node.control import control_feed
 from node.dispatcher import MultiGpuDispatcher
 from node.episodes import Episode, EpisodeTable
+from node.forward import GHOST_PATH, GhostStep, Poster
 from node.jobs import Arrivals
 from node.record import StepResult
 from node.recorder import Recorder
 from node.step import Step
 from node.transfer import GhostCarry, Install
 
-__all__ = ["SHADOW_LABELS", "Ghost", "ShadowRunner", "divergence"]
+__all__ = ["SHADOW_LABELS", "Ghost", "Sent", "ShadowRunner", "divergence"]
 
 log = logging.getLogger("affinity.node")
 
@@ -145,6 +147,23 @@ class Ghost:
     compared: int = 0
     max_abs: float = 0.0  # this episode's worst step
     ended: bool = False
+    remote: bool = False  # its live episode's owner is another node (``/internal/ghost``)
+    touched: float = 0.0  # a remote ghost: when its last step came (clock)
+
+
+@dataclass
+class Sent:
+    """A ghost this owner sends to another node, ``node`` at ``url``, which runs its
+    candidate (this node does not): the step waiting to be sent, if any."""
+
+    episode: str
+    candidate: str
+    live: str
+    node: str
+    url: str
+    waiting: GhostStep | None = None
+    queued: bool = False
+    ended: bool = False  # the shadow stopped or the live episode went: nothing more sent
 
 
 class ShadowRunner:
@@ -169,6 +188,10 @@ class ShadowRunner:
         clock: Callable[[], float] = time.monotonic,
         quiet_s: float = QUIET_S,
         recorder: Recorder | None = None,
+        url: str = "",
+        pool: Poster | None = None,
+        idle_s: float = 300.0,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.node_id = node_id
         self.live = live
@@ -181,6 +204,16 @@ class ShadowRunner:
         self.clock = clock
         self.quiet_s = quiet_s
         self.recorder = recorder
+        self.url = url
+        self.pool = pool
+        self.idle_s = idle_s
+        self.wall = wall
+        self.runners: dict[str, dict[str, str]] = {}
+        """Candidate not run here -> node id -> URL of the nodes running it (at renewal)."""
+        self.unreachable: set[str] = set()  # URLs a ghost step failed to reach since then
+        self.sent: dict[str, Sent] = {}  # the ghosts this owner sends elsewhere
+        self._sends: deque[Sent] = deque()
+        self._sender: asyncio.Task[None] | None = None
         # the live steps on their way through the node (one count for all its models)
         self.arrivals = next((d.arrivals for d in live_dispatchers.values()), Arrivals())
         self.last_live = -math.inf  # when the node last answered a live step (clock)
@@ -245,6 +278,13 @@ class ShadowRunner:
         self.known = dict(shadows)
         self.apply(shadows)
         await self.shadows.publish(self.node_id, self.totals)
+        now_ms, ttl_ms = round(self.wall() * 1000), round(self.shadows.settings.lease_ttl_s * 1000)
+        if self.url:
+            await self.shadows.advertise(self.node_id, self.url, sorted(self.candidates),
+                                         now_ms, ttl_ms)  # fmt: skip
+        elsewhere = sorted({str(s.candidate) for s in self.active.values()} - set(self.candidates))
+        self.runners = await self.shadows.runners(elsewhere, now_ms) if elsewhere else {}
+        self.unreachable.clear()
 
     def apply(self, shadows: Mapping[str, Shadow]) -> None:
         """Take ``shadows`` (by candidate) as the running ones; free what they end."""
@@ -253,10 +293,20 @@ class ShadowRunner:
             shadow = self.active.get(ghost.live)
             if shadow is None or str(shadow.candidate) != ghost.candidate:
                 self.free(episode)
+            elif ghost.remote:  # its end may be lost: freed once idle as long as an episode
+                if self.clock() - ghost.touched > self.idle_s and ghost.settled.is_set():
+                    self.free(episode)
             elif self.live.get(episode) is None and ghost.settled.is_set():
                 # its live episode ended, idled, moved or was dropped (a step of it still
                 # waiting or running goes first: the step that ended it, compared)
                 self.free(episode)
+        for episode, sent in list(self.sent.items()):
+            shadow = self.active.get(sent.live)
+            if (
+                shadow is None or str(shadow.candidate) != sent.candidate
+                or self.live.get(episode) is None
+            ):  # fmt: skip
+                self._unsend(episode)  # (its remote ghost idles out there, or stops)
         self._count_held()
 
     def _count_held(self) -> None:
@@ -294,11 +344,39 @@ class ShadowRunner:
         if shadow is None or not selected(assignment.episode, shadow.fraction):
             return
         candidate, live = str(shadow.candidate), str(shadow.live)
+        if candidate in self.candidates:
+            self._run_here(assignment, step, result, candidate, live)
+        else:  # another node runs it, if any
+            self._send(assignment, step, result, candidate, live)
+
+    def receive(self, message: GhostStep) -> bool:
+        """A ghost step another node's live step sent (``POST /internal/ghost``): its
+        ghost's turn here, as for a live step of this node (the same ghost table, rules and
+        totals). False: no such shadow is on or this node does not run its candidate."""
+        shadow = self.active.get(message.live)
+        episode = message.step.episode
+        if (
+            episode is None or shadow is None or str(shadow.candidate) != message.candidate
+            or message.candidate not in self.candidates
+        ):  # fmt: skip
+            return False
+        own = self.ghosts.get(episode)
+        if own is not None and not own.remote:  # the live episode is here now: not twice
+            return True
+        assignment = Assignment(episode, "hit", "", 0, "", "", None, message.claim, "",
+                                message.live)  # fmt: skip
+        result = StepResult(message.outputs, message.reset, message.seq)
+        self._run_here(assignment, message.step, result, message.candidate, message.live)
+        ghost = self.ghosts.get(episode)
+        if ghost is not None:
+            ghost.remote, ghost.touched = True, self.clock()
+        return True
+
+    def _run_here(
+        self, assignment: Assignment, step: Step, result: StepResult, candidate: str, live: str
+    ) -> None:
         episode = assignment.episode
-        dispatcher = self.candidates.get(candidate)
-        if dispatcher is None:  # served by other nodes at most: no remote ghosts (yet)
-            self._count(candidate, live, "not_served")
-            return
+        dispatcher = self.candidates[candidate]
         ghost = self.ghosts.get(episode)
         if ghost is not None and (ghost.candidate != candidate or ghost.live != live):
             self.free(episode)
@@ -335,6 +413,80 @@ class ShadowRunner:
         self.in_flight += 1
         if not ghost.running:
             self._enqueue(ghost)
+
+    def _send(
+        self, assignment: Assignment, step: Step, result: StepResult, candidate: str, live: str
+    ) -> None:
+        """The ghost step of a candidate another node runs: to the one the episode's
+        rendezvous hash picks among them (those reached since the renewal first), sent when
+        the node is quiet, under the same window and room as a ghost run here."""
+        episode = assignment.episode
+        runners = self.runners.get(candidate, {})
+        reached = {n: u for n, u in runners.items() if u not in self.unreachable} or runners
+        if self.pool is None or not reached:
+            self._count(candidate, live, "not_served")
+            self._unsend(episode)
+            return
+        node = max(reached, key=lambda n: _rank(episode, n))
+        sent = self.sent.get(episode)
+        if sent is None or (sent.candidate, sent.live, sent.node) != (candidate, live, node):
+            # a new ghost, or one moving to another node: it starts over there (seq)
+            self._unsend(episode)
+            sent = self.sent[episode] = Sent(episode, candidate, live, node, reached[node])
+        if self.in_flight >= self.max_in_flight or sent.waiting is not None:
+            for _ in range(1 + (sent.waiting is not None)):  # as for a ghost run here
+                self._count(candidate, live, "busy")
+            self._drop_sent(sent)
+            if step.end:
+                self._unsend(episode)
+            return
+        outputs = {k: np.array(v, copy=True) for k, v in result.outputs.items()}
+        sent.waiting = GhostStep(step, live, candidate, assignment.claim, result.seq,
+                                 result.state_reset, outputs)  # fmt: skip
+        self.in_flight += 1
+        if step.end:  # its end goes with its last step; nothing more for this episode
+            self.sent.pop(episode, None)
+        if not sent.queued:
+            sent.queued = True
+            self._sends.append(sent)
+        if self._sender is None or self._sender.done():
+            self._sender = asyncio.get_running_loop().create_task(self._send_all())
+
+    def _drop_sent(self, sent: Sent) -> None:
+        if sent.waiting is not None:
+            sent.waiting = None
+            self.in_flight -= 1
+
+    def _unsend(self, episode: str) -> None:
+        sent = self.sent.pop(episode, None)
+        if sent is not None:
+            sent.ended = True
+            self._drop_sent(sent)
+
+    async def _send_all(self) -> None:
+        """The queued ghost steps for other nodes, one at a time, each once the node is
+        quiet. A node not reached, or answering other than 204, counts the step
+        ``failed``; the next goes to another node running the candidate, if any."""
+        assert self.pool is not None
+        while self._sends:
+            await self._until_quiet()
+            sent = self._sends.popleft()
+            sent.queued = False
+            message, sent.waiting = sent.waiting, None
+            if message is None:
+                continue
+            try:
+                resp = await self.pool.post(sent.url, message.encode(), GHOST_PATH)
+                failed = "" if resp.status == 204 else f"it answered {resp.status}"
+            except Exception as exc:  # unreachable, or a bug: never the live episode's
+                failed = f"{type(exc).__name__}: {exc}"
+            finally:
+                self.in_flight -= 1
+            if failed:
+                log.debug("ghost step of %s for node %s failed: %s", sent.episode,
+                          sent.node, failed)  # fmt: skip
+                self._count(sent.candidate, sent.live, "failed")
+                self.unreachable.add(sent.url)
 
     def _enqueue(self, ghost: Ghost) -> None:
         if not ghost.queued:
@@ -544,14 +696,23 @@ class ShadowRunner:
 
     async def idle(self) -> None:
         """Return once no ghost step is queued or on its way (tests, the bench)."""
-        while self._drainer is not None and not self._drainer.done():
-            await asyncio.gather(self._drainer, return_exceptions=True)
+        while any(t is not None and not t.done() for t in (self._drainer, self._sender)):
+            for task in (self._drainer, self._sender):
+                if task is not None:
+                    await asyncio.gather(task, return_exceptions=True)
 
     def close(self) -> None:
-        if self._drainer is not None:
-            self._drainer.cancel()
+        for task in (self._drainer, self._sender):
+            if task is not None:
+                task.cancel()
         for dispatcher in self.candidates.values():
             dispatcher.close()
+
+
+def _rank(episode: str, node: str) -> bytes:
+    """The rendezvous hash of ``episode`` on ``node``: the highest picks the node, so an
+    episode stays on its node while that node runs the candidate."""
+    return hashlib.blake2b(f"{episode}\0{node}".encode(), digest_size=8).digest()
 
 
 def _set(event: asyncio.Event) -> asyncio.Event:

@@ -286,6 +286,15 @@ async def test_forward_needs_the_secret(two: tuple[list[InProcNode], Router]) ->
         assert r.status_code == 403 and r.json()["error"]["code"] == "bad_secret"
 
 
+async def test_a_ghost_step_needs_the_secret(two: tuple[list[InProcNode], Router]) -> None:
+    (a, _), _ = two
+    for secret in ("wrong", ""):
+        r = await a.client.post("/internal/ghost", content=b"\x80", headers={SECRET: secret})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "bad_secret"
+    r = await a.client.post("/internal/ghost", content=b"\x80", headers={SECRET: "k"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_forward"
+
+
 async def test_unreachable_owner_gets_503_never_a_second_owner(
     two: tuple[list[InProcNode], Router], redis: Any, caplog: pytest.LogCaptureFixture
 ) -> None:

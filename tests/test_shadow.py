@@ -375,6 +375,185 @@ async def test_a_candidate_not_served_here_is_skipped_with_its_reason(redis: Any
         assert a.service.shadow.ghosts == {}
 
 
+def live_only(node_id: str = "a") -> Any:
+    """A node serving the demo policy as v1, without its v2."""
+    return config(node_id, devices="cpu:1", models=(ModelSpec(DEMO_MODEL, "demo_policy", "v1"),))
+
+
+def runs_candidate(node_id: str = "b") -> Any:
+    """A node able to run the demo policy's v2 as ghosts, serving no live episode of it."""
+    return config(
+        node_id,
+        devices="cpu:1",
+        models=(ModelSpec(DEMO_MODEL, "other_policy", "v1"),),
+        shadow_models=(ModelSpec(DEMO_MODEL, "demo_policy", "v2"),),
+    )
+
+
+async def start_remote(redis: Any, a: InProcNode, b: InProcNode) -> None:
+    """The shadow on, ``b`` saying it runs the candidate, then ``a`` reading that."""
+    await Shadows(redis, a.service.config.settings).start(Shadow.checked(CANDIDATE, LIVE))
+    await b.service.shadow.sync()
+    await a.service.shadow.sync()
+
+
+async def remote_step(
+    a: InProcNode, b: InProcNode, episode: str, obs: np.ndarray, **kw: Any
+) -> dict[str, Any]:
+    reply = await step(a, episode, obs, **kw)  # its ghost step was sent to b (or not)
+    await b.service.shadow.idle()  # and ran there
+    return reply
+
+
+async def test_a_ghost_runs_on_another_node_running_the_candidate_diverging_by_zero(
+    redis: Any,
+) -> None:
+    episodes, steps = 3, 12
+    obs = {e: observations(40 + e, steps) for e in range(episodes)}
+    async with cluster(redis, [live_only(), runs_candidate()]) as ([a, b], _):
+        await start_remote(redis, a, b)
+        assert a.service.shadow.runners == {CANDIDATE: {"b": "http://b.test"}}
+        for t in range(steps):
+            for e in range(episodes):
+                reply = await remote_step(a, b, f"ep-r{e}", obs[e][t])
+                want = reference_rollout(DEMO_MODEL, obs[e][: t + 1])[-1]["actions"]
+                np.testing.assert_array_equal(actions(reply).reshape(want.shape), want)
+                assert reply["node"] == "a" and reply["model"] == LIVE
+        assert a.service.shadow.ghosts == {} and len(a.service.shadow.table) == 0
+        totals = b.service.shadow.totals[PAIR]
+        assert (totals.compared, totals.skipped_total, totals.restarts) == (episodes * steps, 0, 0)
+        assert totals.max_abs == 0.0 and totals.l2_max == 0.0
+        for e in range(episodes):  # b keeps the ghost's own state, step after step
+            ghost = b.service.shadow.table.get(f"ep-r{e}")
+            assert ghost is not None and ghost.seq == steps and ghost.model == CANDIDATE
+            live = a.service.table.state_of(f"ep-r{e}")
+            assert live is not None
+            for key in live:
+                np.testing.assert_array_equal(ghost.state[key], live[key])
+        await a.service.shadow.sync()
+        await b.service.shadow.sync()  # b's totals are the fleet's: a skipped none
+        fleet = await Shadows(redis, a.service.config.settings).totals([PAIR])
+        assert fleet[PAIR].compared == episodes * steps and fleet[PAIR].skipped_total == 0
+        # an end ends the remote ghost with it
+        await remote_step(a, b, "ep-r0", obs[0][0], end=True)
+        assert set(b.service.shadow.ghosts) == {"ep-r1", "ep-r2"}
+        assert b.service.shadow.table.get("ep-r0") is None and "ep-r0" not in a.service.shadow.sent
+
+
+async def test_a_remote_candidate_that_differs_at_step_k_shows_it_from_step_k(redis: Any) -> None:
+    k, steps = 4, 8
+    obs = observations(8, steps)
+    async with cluster(redis, [live_only(), runs_candidate()]) as ([a, b], _):
+        runs = [0]
+
+        class FromK:  # the demo policy, its actions pushed off from its k-th run on
+            def __init__(self, spec: Any) -> None:
+                self.inner = build_session(DEMO_MODEL, spec, ProviderSettings()).session
+
+            def get_inputs(self) -> Any:
+                return self.inner.get_inputs()
+
+            def get_outputs(self) -> Any:
+                return self.inner.get_outputs()
+
+            def run(self, names: Any, feed: Any) -> Any:
+                out = self.inner.run(names, dict(feed))
+                runs[0] += 1
+                if runs[0] >= k:
+                    i = list(names).index("actions")
+                    out[i] = out[i] + np.float32(0.25)
+                return out
+
+        spec = discover("cpu:1")[0]
+        runner = b.service.shadow
+        old = runner.candidates[CANDIDATE]
+        old.close()
+        runner.candidates[CANDIDATE] = MultiGpuDispatcher(
+            old.devices, lambda _d: FromK(spec), old.contract, table=runner.table,
+            model=CANDIDATE,
+        )  # fmt: skip
+        await start_remote(redis, a, b)
+        seen = []
+        for t in range(steps):
+            await remote_step(a, b, "ep-rk", obs[t])
+            seen.append(runner.ghosts["ep-rk"].max_abs)
+        assert seen[: k - 1] == [0.0] * (k - 1)
+        assert all(v == pytest.approx(0.25) for v in seen[k - 1 :]), seen
+        assert runner.totals[PAIR].compared == steps
+
+
+async def test_stopping_the_shadow_frees_the_remote_ghosts_and_an_idle_one_goes(
+    redis: Any,
+) -> None:
+    obs = observations(9, 2)
+    async with cluster(redis, [live_only(), runs_candidate()]) as ([a, b], _):
+        await start_remote(redis, a, b)
+        for e in range(3):
+            for t in range(2):
+                await remote_step(a, b, f"ep-rs{e}", obs[t])
+        runner = b.service.shadow
+        assert set(runner.ghosts) == {"ep-rs0", "ep-rs1", "ep-rs2"}
+        runner.ghosts["ep-rs0"].touched -= runner.idle_s + 1  # its end was lost: idled out
+        await runner.sync()
+        assert set(runner.ghosts) == {"ep-rs1", "ep-rs2"} and runner.table.get("ep-rs0") is None
+        await Shadows(redis, a.service.config.settings).stop(CANDIDATE)
+        await runner.sync()
+        await a.service.shadow.sync()
+        assert runner.ghosts == {} and len(runner.table) == 0 and a.service.shadow.sent == {}
+        await remote_step(a, b, "ep-rs1", obs[0])  # live steps go on, with no ghost
+        assert runner.ghosts == {} and runner.totals[PAIR].compared == 6
+
+
+async def test_an_unreachable_remote_node_is_counted_failed_and_live_replies_are_unchanged(
+    redis: Any,
+) -> None:
+    steps = 4
+    obs = observations(10, steps)
+    async with cluster(redis, [live_only(), runs_candidate()]) as ([a, b], pool):
+        await start_remote(redis, a, b)
+        pool.down.add("b.test")
+        for t in range(steps):
+            reply = await remote_step(a, b, "ep-ru", obs[t])
+            want = reference_rollout(DEMO_MODEL, obs[: t + 1])[-1]["actions"]
+            np.testing.assert_array_equal(actions(reply).reshape(want.shape), want)
+        assert a.service.shadow.totals[PAIR].skipped == {"failed": steps}
+        assert b.service.shadow.ghosts == {}
+        pool.down.clear()  # b back: the ghost starts there in mid-episode, said as a restart
+        await a.service.shadow.sync()
+        await remote_step(a, b, "ep-ru", obs[0])
+        totals = b.service.shadow.totals[PAIR]
+        assert (totals.compared, totals.restarted_compared, totals.restarts) == (0, 1, 1)
+
+
+async def test_a_ghost_whose_node_went_away_restarts_on_another_running_the_candidate(
+    redis: Any,
+) -> None:
+    obs = observations(11, 4)
+    async with cluster(redis, [live_only(), runs_candidate("b"), runs_candidate("c")]) as (
+        [a, b, c],
+        pool,
+    ):
+        await Shadows(redis, a.service.config.settings).start(Shadow.checked(CANDIDATE, LIVE))
+        for node in (b, c, a):
+            await node.service.shadow.sync()
+        by_id = {"b": b, "c": c}
+        for t in range(2):
+            await step(a, "ep-rg", obs[t])
+            for node in (b, c):
+                await node.service.shadow.idle()
+        first = a.service.shadow.sent["ep-rg"].node
+        other = by_id["c" if first == "b" else "b"]
+        assert set(by_id[first].service.shadow.ghosts) == {"ep-rg"}
+        pool.down.add(f"{first}.test")  # its node went away
+        for t in range(2, 4):
+            await step(a, "ep-rg", obs[t])
+            await other.service.shadow.idle()
+        assert a.service.shadow.totals[PAIR].skipped == {"failed": 1}
+        totals = other.service.shadow.totals[PAIR]  # there: a start in mid-episode, said
+        assert (totals.compared, totals.restarted_compared, totals.restarts) == (0, 1, 1)
+        assert by_id[first].service.shadow.totals[PAIR].compared == 2
+
+
 async def test_a_failing_candidate_never_touches_the_live_reply(redis: Any) -> None:
     class Broken:
         def run(self, names: Any, feed: Any) -> Any:

@@ -148,16 +148,17 @@ def test_one_place_checks_the_cluster_secret() -> None:
 
 
 def test_only_the_door_decodes_what_another_node_sends() -> None:
-    """A forward (``Forward.decode``) and a hand-over's message (``decode_move``) are
-    decoded by the door, ``node/protocols/internal.py``; the owner and the mover take them
-    decoded."""
+    """A forward (``Forward.decode``), a ghost step (``GhostStep.decode``) and a hand-over's
+    message (``decode_move``) are decoded by the door, ``node/protocols/internal.py``; the
+    owner, the shadow runner and the mover take them decoded."""
     calls = sorted(
         {
             path
             for path, tree in _sources().items()
             for node in ast.walk(tree)
             if isinstance(node, ast.Call)
-            and ast.unparse(node.func) in ("Forward.decode", "decode_move", "decode_install")
+            and ast.unparse(node.func)
+            in ("Forward.decode", "GhostStep.decode", "decode_move", "decode_install")
         }
     )
     assert calls == ["node/protocols/internal.py"]

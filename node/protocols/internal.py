@@ -1,6 +1,7 @@
 """``POST /internal/act`` (the owner's side of a forward), ``POST /internal/rows`` (the
-owner's side of a forward of several episodes' steps) and ``POST /internal/move`` (the
-new owner's side of a live hand-over); not a public API.
+owner's side of a forward of several episodes' steps), ``POST /internal/move`` (the
+new owner's side of a live hand-over) and ``POST /internal/ghost`` (a ghost step from an
+owner that does not run a shadow's candidate, ``node/shadow.py``); not a public API.
 
 Every request is authenticated by the cluster secret header, checked here once
 (:func:`admit`), and its body decoded here: a :class:`node.forward.Forward` in msgpack, or
@@ -47,13 +48,13 @@ from node.errors import (
     Unavailable,
     outcome,
 )
-from node.forward import CONTENT_TYPE, SECRET_HEADER, Forward, encode_reply
+from node.forward import CONTENT_TYPE, SECRET_HEADER, Forward, GhostStep, encode_reply
 from node.jobs import together
 from node.service import NodeService
 from node.step import Reply
 from node.transfer import Install, Settle, decode_move
 
-__all__ = ["admit", "handle", "move", "rows"]
+__all__ = ["admit", "ghost", "handle", "move", "rows"]
 
 _SECRET = SECRET_HEADER.lower().encode()
 
@@ -134,6 +135,27 @@ async def move(service: NodeService, scope: Scope, receive: Receive, send: Send)
         message = _move_message(service, body)
         await service.owner.mover.receive(message, service.owner.local_devices)
     except (BodyError, Unavailable, Refused) as exc:
+        await respond_error(send, exc, _counted(service, exc))
+        return
+    await respond(send, 204, b"")
+
+
+async def ghost(service: NodeService, scope: Scope, receive: Receive, send: Send) -> None:
+    """The ASGI handler of ``POST /internal/ghost``: a ghost step from the owner of a live
+    episode that does not run the shadow's candidate (``node/shadow.py``), taken for a
+    ghost here; 204 (its run comes later, when this node is quiet), 400 ``bad_forward``,
+    or 421 ``not_owner`` (no such shadow on, or its candidate not run here)."""
+    try:
+        body = await read_body(scope, receive, service.config.max_body_bytes)
+        admit(service, scope)
+        try:
+            message = GhostStep.decode(body)
+        except ValueError as exc:
+            raise Refused(400, "bad_forward", str(exc)) from None
+        if not service.shadow.receive(message):
+            raise Refused(421, "not_owner", f"node {service.node_id} runs no ghost of "
+                          f"{message.candidate} beside {message.live}")  # fmt: skip
+    except (BodyError, Refused) as exc:
         await respond_error(send, exc, _counted(service, exc))
         return
     await respond(send, 204, b"")
