@@ -22,6 +22,16 @@ episode's first step and never restarted is *continuous*; the others' figures ar
 apart (``restarted_*``), never mixed. A saturating live load leaves no quiet: every
 ghost step is skipped, and the live steps pay only the reply's hook.
 
+Elsewhere: an owner that does not run the candidate sends the ghost step (the live step,
+its outputs, seq, whether the live state started over; :class:`node.forward.GhostStep`)
+to one of the nodes running it, which say so in Redis at each renewal
+(:meth:`Shadows.advertise`), picked per episode by a rendezvous hash (:func:`_rank`), over
+``POST /internal/ghost``, when quiet and under the same window and room (:meth:`_send`).
+That node takes it as a ghost of its own (:meth:`receive`: the same ghost table, rules and
+totals; a seq that does not follow restarts it); it frees it with the step that ends the
+live episode, on a stop, or once no step came for ``idle_s`` (a lost end). A node not
+reached or refusing counts ``failed`` at the owner and is passed over until the renewal.
+
 Divergence: per compared step, the candidate's outputs minus the live ones (each output
 both gave, same shape), as max-abs and L2 per action dimension (the last axis); kept per
 ghost episode, per (candidate, live) pair, as metrics, and written to Redis at each
