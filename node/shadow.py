@@ -104,6 +104,9 @@ QUIET_S = 0.002
 """How long the node must have answered no live step, with none on its way, before a
 ghost step starts (seconds): robots in lock-step send their next steps closer together,
 so a ghost runs in the pauses between their control periods, not between their steps."""
+SEND_S = 2.0
+"""How long a ghost step's send to the node running its candidate may take (then it
+counts ``failed``, and that node is passed over until the renewal)."""
 CARRY_WAIT_S = 0.25
 """How long a hand-over waits for its episode's ghost step on its way (then the ghost
 stays behind and restarts at the new owner)."""
@@ -173,7 +176,6 @@ class Sent:
     url: str
     waiting: GhostStep | None = None
     queued: bool = False
-    ended: bool = False  # the shadow stopped or the live episode went: nothing more sent
 
 
 class ShadowRunner:
@@ -356,6 +358,9 @@ class ShadowRunner:
         candidate, live = str(shadow.candidate), str(shadow.live)
         if candidate in self.candidates:
             self._run_here(assignment, step, result, candidate, live)
+            ghost = self.ghosts.get(assignment.episode)
+            if ghost is not None:  # (one another node sent before its episode came here)
+                ghost.remote = False
         else:  # another node runs it, if any
             self._send(assignment, step, result, candidate, live)
 
@@ -437,8 +442,11 @@ class ShadowRunner:
             self._count(candidate, live, "not_served")
             self._unsend(episode)
             return
-        node = max(reached, key=lambda n: _rank(episode, n))
         sent = self.sent.get(episode)
+        if sent is not None and reached.get(sent.node) == sent.url:
+            node = sent.node  # (its node still runs it: no hash on the live step's hook)
+        else:
+            node = max(reached, key=lambda n: _rank(episode, n))
         if sent is None or (sent.candidate, sent.live, sent.node) != (candidate, live, node):
             # a new ghost, or one moving to another node: it starts over there (seq)
             self._unsend(episode)
@@ -470,13 +478,13 @@ class ShadowRunner:
     def _unsend(self, episode: str) -> None:
         sent = self.sent.pop(episode, None)
         if sent is not None:
-            sent.ended = True
             self._drop_sent(sent)
 
     async def _send_all(self) -> None:
         """The queued ghost steps for other nodes, one at a time, each once the node is
-        quiet. A node not reached, or answering other than 204, counts the step
-        ``failed``; the next goes to another node running the candidate, if any."""
+        quiet. A node not reached within :data:`SEND_S`, or answering other than 204,
+        counts the step ``failed``; the next goes to another node running the candidate,
+        if any."""
         assert self.pool is not None
         while self._sends:
             await self._until_quiet()
@@ -486,7 +494,8 @@ class ShadowRunner:
             if message is None:
                 continue
             try:
-                resp = await self.pool.post(sent.url, message.encode(), GHOST_PATH)
+                async with asyncio.timeout(SEND_S):
+                    resp = await self.pool.post(sent.url, message.encode(), GHOST_PATH)
                 failed = "" if resp.status == 204 else f"it answered {resp.status}"
             except Exception as exc:  # unreachable, or a bug: never the live episode's
                 failed = f"{type(exc).__name__}: {exc}"

@@ -525,6 +525,28 @@ async def test_an_unreachable_remote_node_is_counted_failed_and_live_replies_are
         assert (totals.compared, totals.restarted_compared, totals.restarts) == (0, 1, 1)
 
 
+async def test_a_remote_node_that_never_answers_is_counted_failed_after_the_send_timeout(
+    redis: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import node.shadow
+
+    monkeypatch.setattr(node.shadow, "SEND_S", 0.01)
+    obs = observations(12, 2)
+    async with cluster(redis, [live_only(), runs_candidate()]) as ([a, b], pool):
+        await start_remote(redis, a, b)
+
+        async def hangs(*_: Any, **__: Any) -> Any:
+            await asyncio.Event().wait()
+
+        monkeypatch.setattr(pool, "post", hangs)
+        for t in range(2):  # the live replies come; each ghost step's send gives up
+            reply = await remote_step(a, b, "ep-rh", obs[t])
+            want = reference_rollout(DEMO_MODEL, obs[: t + 1])[-1]["actions"]
+            np.testing.assert_array_equal(actions(reply).reshape(want.shape), want)
+        assert a.service.shadow.totals[PAIR].skipped == {"failed": 2}
+        assert a.service.shadow.in_flight == 0
+
+
 async def test_a_ghost_whose_node_went_away_restarts_on_another_running_the_candidate(
     redis: Any,
 ) -> None:
