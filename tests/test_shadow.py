@@ -78,6 +78,37 @@ def scrape(node: InProcNode) -> dict[tuple[str, tuple[tuple[str, str], ...]], fl
     return out
 
 
+def swap_candidate_off_from(runner: Any, k: int) -> None:
+    """Replace ``runner``'s candidate by the demo policy whose actions are pushed off by
+    0.25 from its ``k``-th run on."""
+    runs = [0]
+
+    class FromK:
+        def __init__(self, spec: Any) -> None:
+            self.inner = build_session(DEMO_MODEL, spec, ProviderSettings()).session
+
+        def get_inputs(self) -> Any:
+            return self.inner.get_inputs()
+
+        def get_outputs(self) -> Any:
+            return self.inner.get_outputs()
+
+        def run(self, names: Any, feed: Any) -> Any:
+            out = self.inner.run(names, dict(feed))
+            runs[0] += 1
+            if runs[0] >= k:
+                i = list(names).index("actions")
+                out[i] = out[i] + np.float32(0.25)
+            return out
+
+    spec = discover("cpu:1")[0]
+    old = runner.candidates[CANDIDATE]
+    old.close()
+    runner.candidates[CANDIDATE] = MultiGpuDispatcher(
+        old.devices, lambda _d: FromK(spec), old.contract, table=runner.table, model=CANDIDATE
+    )
+
+
 async def test_an_identical_candidate_diverges_by_exactly_zero_and_the_live_replies_are_unchanged(
     redis: Any,
 ) -> None:
@@ -131,33 +162,7 @@ async def test_a_candidate_that_differs_at_step_k_shows_it_from_step_k(redis: An
     obs = observations(7, steps)
     async with cluster(redis, [shadowed()]) as ([a], _):
         svc = a.service
-        runs = [0]
-
-        class FromK:  # the demo policy, its actions pushed off from its k-th run on
-            def __init__(self, spec: Any) -> None:
-                self.inner = build_session(DEMO_MODEL, spec, ProviderSettings()).session
-
-            def get_inputs(self) -> Any:
-                return self.inner.get_inputs()
-
-            def get_outputs(self) -> Any:
-                return self.inner.get_outputs()
-
-            def run(self, names: Any, feed: Any) -> Any:
-                out = self.inner.run(names, dict(feed))
-                runs[0] += 1
-                if runs[0] >= k:
-                    i = list(names).index("actions")
-                    out[i] = out[i] + np.float32(0.25)
-                return out
-
-        spec = discover("cpu:1")[0]
-        old = svc.shadow.candidates[CANDIDATE]
-        old.close()
-        svc.shadow.candidates[CANDIDATE] = MultiGpuDispatcher(
-            old.devices, lambda _d: FromK(spec), old.contract, table=svc.shadow.table,
-            model=CANDIDATE,
-        )  # fmt: skip
+        swap_candidate_off_from(svc.shadow, k)
         await start(redis, a)
         seen = []
         for t in range(steps):
@@ -444,34 +449,8 @@ async def test_a_remote_candidate_that_differs_at_step_k_shows_it_from_step_k(re
     k, steps = 4, 8
     obs = observations(8, steps)
     async with cluster(redis, [live_only(), runs_candidate()]) as ([a, b], _):
-        runs = [0]
-
-        class FromK:  # the demo policy, its actions pushed off from its k-th run on
-            def __init__(self, spec: Any) -> None:
-                self.inner = build_session(DEMO_MODEL, spec, ProviderSettings()).session
-
-            def get_inputs(self) -> Any:
-                return self.inner.get_inputs()
-
-            def get_outputs(self) -> Any:
-                return self.inner.get_outputs()
-
-            def run(self, names: Any, feed: Any) -> Any:
-                out = self.inner.run(names, dict(feed))
-                runs[0] += 1
-                if runs[0] >= k:
-                    i = list(names).index("actions")
-                    out[i] = out[i] + np.float32(0.25)
-                return out
-
-        spec = discover("cpu:1")[0]
         runner = b.service.shadow
-        old = runner.candidates[CANDIDATE]
-        old.close()
-        runner.candidates[CANDIDATE] = MultiGpuDispatcher(
-            old.devices, lambda _d: FromK(spec), old.contract, table=runner.table,
-            model=CANDIDATE,
-        )  # fmt: skip
+        swap_candidate_off_from(runner, k)
         await start_remote(redis, a, b)
         seen = []
         for t in range(steps):
