@@ -63,6 +63,7 @@ LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
     "affinity_event_loop_lag_seconds": {"front": FRONTS},
     "affinity_record_frames_total": {"outcome": ("queued", "dropped", "written")},
     "affinity_live_episodes": {"device": "device"},
+    "affinity_worker_queue_depth": {"device": "device"},
     "affinity_device_state": {"device": "device", "state": STATES},
     "affinity_crash_transitions_total": {"device": "device", "to": TRANSITIONS},
     "affinity_degraded_requests_total": {},
@@ -196,6 +197,13 @@ class Metrics:
         self.live = Gauge(
             "affinity_live_episodes",
             "Episodes with state on this device.",
+            ["device"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "affinity_worker_queue_depth",
+            "Jobs waiting for this device's worker, every model's, the run in progress not "
+            "counted; read at each scrape and each upkeep.",
             ["device"],
             registry=r,
         )
@@ -393,6 +401,7 @@ class Metrics:
         )
         for device in devices:
             self.live.labels(device).set(0)
+            self.queue_depth.labels(device).set(0)
             self.capacity.labels(device).set(capacity)
             self.set_state(device, "active")
 

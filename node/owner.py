@@ -443,3 +443,5 @@ class Owner:
     def refresh_gauges(self) -> None:
         for device in self.local_devices:
             self.metrics.live.labels(device).set(self.table.live(device))
+            queued = (d.queued(device) for d in self.dispatchers.values() if device in d.devices)
+            self.metrics.queue_depth.labels(device).set(sum(queued))

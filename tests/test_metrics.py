@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import re
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -299,6 +300,19 @@ async def test_every_series_is_driven_and_labels_are_documented(tmp_path: Path) 
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_nodes", r.text
         await sa.lease.renew_once()
         await b.service.lease.renew_once()
+        # a device's queue: a job waits while another holds its worker
+        worker = next(iter(sa.owner.dispatchers.values()))._device("a/0")
+        hold = threading.Event()
+        running = asyncio.ensure_future(worker.call(hold.wait))
+        waiting_job = asyncio.ensure_future(worker.call(lambda: None))
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if len(worker.pending) == 1:  # the first job runs, the second waits
+                break
+        seen += await scrape(a)
+        assert ("affinity_worker_queue_depth", {"device": "a/0"}, 1.0) in seen
+        hold.set()
+        await asyncio.gather(running, waiting_job)
         # fenced
         sa.lease.deadline = sa.clock() - 1
         sa.lease.fence()  # what the renewal loop does once the lease is gone
