@@ -322,10 +322,7 @@ class MultiGpuDispatcher:
         table.enter(episode)
         held = False
         try:
-            gathering = self.arrivals.gathering
-            if gathering is not None and one_row:  # a message's rows: run together
-                gathering.append((dev, job))
-            elif not dev.run_inline(job):
+            if not dev.run_inline(job):
                 dev.put(job)
             # a step that named its seq runs on for the caller's retry, even if it gives up
             result: StepResult = await (job.future if seq is None else asyncio.shield(job.future))

@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-__all__ = ["Arrival", "Arrivals", "Gatherer", "Job", "Member", "Run", "Session", "together"]
+__all__ = ["Arrival", "Arrivals", "Job", "Member", "Run", "Session", "together"]
 
 Array = np.ndarray[Any, Any]
 T = TypeVar("T")
@@ -39,26 +39,15 @@ class Session(Protocol):
         """Run the model; return the outputs in ``output_names`` order."""
 
 
-class Gatherer(Protocol):
-    """A device's worker, as :func:`together` hands it the jobs it gathered."""
-
-    def run_gathered(self, jobs: list[Job]) -> None:
-        """Run ``jobs`` (one-row, in arrival order) in one run where it may."""
-
-
 class Arrivals:
     """How many steps are on their way through the node (being resolved or checked), for
     every dispatcher of the node. While any is, a device holding a waiting step may wait up
-    to ``batch_delay`` for others to join its run. ``gathering``: while :func:`together`
-    starts a message's rows, the one-row jobs they make (with their device), handed to
-    their devices when every row has taken its first step (None: no message is starting).
-    Event loop only (workers read ``count``)."""
+    to ``batch_delay`` for others to join its run. Event loop only (workers read it)."""
 
-    __slots__ = ("count", "gathering")
+    __slots__ = ("count",)
 
     def __init__(self) -> None:
         self.count = 0
-        self.gathering: list[tuple[Gatherer, Job]] | None = None
 
     def arrival(self) -> Arrival:
         """Count one step until its ``done()``: the node opens one when a request arrives
@@ -90,19 +79,10 @@ async def together(
     (:class:`Arrivals`) until each has taken its first step. So each row opens its own
     arrival before the message's closes, and a device's worker waits for the message's
     other rows (its batch window) instead of running the first alone, inline, while the
-    next is still on its way. The one-row jobs the rows make in their first step are
-    gathered (:attr:`Arrivals.gathering`) and handed to each device at once when every row
-    has taken it (:meth:`Gatherer.run_gathered`): one run of a device's rows, on the event
-    loop where a lone step would run there, with no hand-off to its thread and back. A
-    row that reaches its device later goes the one-row way. ``batch`` False (fewer than
-    two rows served here): no arrival, nothing gathered, so a lone row still runs inline
-    where it would alone. A cancellation cancels them all and returns when they have
-    ended (the jobs gathered meanwhile still go to their devices: a step that named its
-    ``seq`` runs on for its retry)."""
+    next is still on its way. ``batch`` False (fewer than two rows served here): no
+    arrival, so a lone row still runs inline where it would alone. A cancellation cancels
+    them all and returns when they have ended."""
     arrival = arrivals.arrival() if batch else None
-    opened = batch and arrivals.gathering is None  # an outer message's gathering holds
-    if opened:
-        arrivals.gathering = []
     gathered = asyncio.gather(*work)  # each a task, scheduled in order
     try:
         await asyncio.sleep(0)  # every task's first step runs before this one's next
@@ -113,13 +93,6 @@ async def together(
     finally:
         if arrival is not None:
             arrival.done()
-        if opened:
-            jobs, arrivals.gathering = arrivals.gathering or [], None
-            by_device: dict[Gatherer, list[Job]] = {}
-            for device, job in jobs:
-                by_device.setdefault(device, []).append(job)
-            for device, mine in by_device.items():
-                device.run_gathered(mine)
     return await gathered
 
 

@@ -508,10 +508,9 @@ class Router:
             return []
         origins: list[str] = []
         bodies: list[bytes] = []
-        message = os.urandom(8).hex()  # the rows' forward ids: one random draw a message
-        for k, (i, a) in enumerate(rows):
+        for i, a in rows:
             step = steps[i]
-            origins.append(f"{message}.{k}")
+            origins.append(os.urandom(8).hex())
             arrived = step.arrived
             bodies.append(
                 Forward(

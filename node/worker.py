@@ -259,56 +259,6 @@ class DeviceWorker:
         _settle(items)  # on this loop already: no wake-up through call_soon_threadsafe
         return True
 
-    def run_gathered(self, jobs: list[Job]) -> None:
-        """Run ``jobs``, one-row steps of the rows of messages starting together
-        (:func:`node.jobs.together`), in one run: on the event loop's thread when a lone
-        step would run there (:meth:`run_inline`'s rules, but for the steps on their way:
-        these are what the batch window would wait for), else queued for the worker at
-        once, where they join one run (its batch window). A key met twice (two messages
-        naming one episode) runs its later steps on the worker, after the first."""
-        keys: set[str] = set()
-        first: list[Job] = []
-        later: list[Job] = []
-        for job in jobs:
-            if job.key is not None and job.key in keys:
-                later.append(job)
-                continue
-            if job.key is not None:
-                keys.add(job.key)
-            first.append(job)
-        inline = (
-            self.run_s < self.inline_under_s
-            and len(first) <= self.max_batch
-            and not (
-                len(self.peers) > 1
-                and any(d.busy or d.pending for d in self.peers.values() if d is not self)
-            )
-        )
-        if inline:
-            with self.cond:
-                inline = not (self.busy or self.pending)
-                if inline:
-                    self.busy = True
-        if not inline:
-            later = first + later
-        else:
-            try:
-                self._run_batch_safely(first)
-            finally:
-                items, self.outbox = self.outbox, []  # the worker waits: only this round's
-                with self.cond:
-                    self.busy = False
-                    if self.pending and not later:
-                        self.cond.notify()
-            _settle(items)  # on this loop already
-        if later:
-            with self.cond:
-                for job in later:
-                    self.pending.append(job)
-                    if job.key is not None and self.max_batch > 1:
-                        self.recent[job.key] = job.enqueued
-                self.cond.notify()
-
     # ---- the batch window --------------------------------------------------------------
 
     def next_batch(self) -> _Call | list[Job] | None:

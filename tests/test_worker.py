@@ -202,65 +202,6 @@ async def test_no_inline_run_while_another_device_is_busy() -> None:
     assert loop_thread in sessions["n/0"].threads
 
 
-async def test_a_messages_rows_on_one_device_run_as_one_run_gathered() -> None:
-    """``node.jobs.together`` gathers the one-row jobs its rows make in their first step
-    and hands each device its own at once (``DeviceWorker.run_gathered``): on a quick idle
-    device, one run on the event loop (no hand-off to the worker's thread); on a busy one,
-    queued together for the worker, where they make one run; an episode met twice in the
-    same turn runs its second step after its first, and every step keeps its state."""
-    from node.jobs import together
-
-    loop_thread = threading.get_ident()
-    d, sessions, _ = make(
-        1,
-        BATCHED,
-        batching=BatchSettings(inline_under_us=1_000_000, inline_devices=frozenset(["n/0"])),
-    )
-    s, dev = sessions["n/0"], d._devices["n/0"]
-    for i in range(4):  # the runs' time known, each episode claimed; the worker idle
-        await dispatch(d, "n/0", f"ep{i}", 1, True, obs(1))
-    for _ in range(10_000):
-        if not (dev.busy or dev.pending):
-            break
-        await asyncio.sleep(0.001)
-    s.threads.clear()
-    s.runs.clear()
-    got = await together(d.arrivals, [dispatch(d, "n/0", f"ep{i}", 1, False, obs(30 + i))
-                                      for i in range(4)])  # fmt: skip
-    assert [r.outputs["act"].item() for r in got] == [31.0, 32.0, 33.0, 34.0]
-    assert s.runs == [[30.0, 31.0, 32.0, 33.0]] and s.threads == {loop_thread}
-    assert d.arrivals.gathering is None and d.arrivals.count == 0
-
-    # busy (a run held on the worker): the rows go to the worker together, one run there
-    arrival = d.arrivals.arrival()  # a step on its way: the blocker goes to the worker
-    held, gate = await blocked(d, s)
-    arrival.done()
-    s.runs.clear()
-    steps = [dispatch(d, "n/0", f"ep{i}", 1, False, obs(20 + i)) for i in range(4)]
-    rows = asyncio.ensure_future(together(d.arrivals, steps))
-    for _ in range(3):
-        await asyncio.sleep(0)
-    assert len(dev.pending) == 4  # queued at once, not run on the loop
-    s.gate = None
-    gate.set()
-    got = await asyncio.wait_for(rows, 10)
-    await held
-    assert [r.outputs["act"].item() for r in got] == [51.0, 53.0, 55.0, 57.0]
-    assert s.runs == [[100.0], [20.0, 21.0, 22.0, 23.0]]
-
-    # one episode twice in one turn (two messages): its steps in order, in two runs
-    for _ in range(10_000):
-        if not (dev.busy or dev.pending):
-            break
-        await asyncio.sleep(0.001)
-    s.runs.clear()
-    got = await together(d.arrivals, [dispatch(d, "n/0", "ep0", 1, False, obs(1)),
-                                      dispatch(d, "n/0", "ep1", 1, False, obs(1)),
-                                      dispatch(d, "n/0", "ep0", 1, False, obs(2))])  # fmt: skip
-    assert [r.outputs["act"].item() for r in got] == [52.0, 54.0, 54.0]
-    assert s.runs == [[1.0, 1.0], [2.0]]
-
-
 # ---- batching ---------------------------------------------------------------------------
 
 
