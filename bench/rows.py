@@ -28,7 +28,12 @@ Measured per phase, on the same fleet, after every episode was claimed:
 - the client processes' CPU share of the phase (a load generator near 100% of its core is
   its own bottleneck).
 
+``--rounds``: the paced phases this many times, one after the other (on a shared machine
+one round says little). A row's own time at the node (before its message's other rows)
+and how many rows were forwarded are in ``bench/results/rows.json``.
+
 Usage: python -m bench.rows [--episodes 256] [--connections 8] [--seconds 6] [--procs 2]
+       [--rounds 1]
 """
 
 from __future__ import annotations
