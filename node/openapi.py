@@ -79,6 +79,24 @@ class ActRequest(BaseModel):
     }
 
 
+class Rtc(BaseModel):
+    """What a real-time-chunking step ran with."""
+
+    executed: int = Field(description="Actions executed since the last reply.")
+    delay: int = Field(description="Control steps the run was taken to last (d).")
+    prefix_len: int = Field(description="Actions of the prefix the run was given.")
+
+
+class Timing(BaseModel):
+    """The split of a step's time at the node it came in by (milliseconds; 0 for a part
+    the step did not have)."""
+
+    total_ms: float = Field(description="From the request to the reply, at that node.")
+    queue_ms: float = Field(description="The wait for the device.")
+    run_ms: float = Field(description="The model run.")
+    forward_ms: float = Field(description="What the forward to the owner added.")
+
+
 class ActReply(BaseModel):
     """What a step returns; X-Affinity-* headers repeat the facts."""
 
@@ -94,6 +112,22 @@ class ActReply(BaseModel):
     state_reset: bool = Field(description="The episode's state started over with this step.")
     degraded: bool = Field(description="Routed by session_id for lack of an episode_id.")
     source: str = Field(description="model, or buffer for an action from the chunk buffer.")
+    seq: int = Field(
+        description="The step's number under its claim (0 for a stateless step); send this "
+        "+ 1 as the next step's seq."
+    )
+    replayed: bool = Field(
+        description="The stored reply of a step already applied (a retry of the last seq)."
+    )
+    model: str | None = Field(
+        None, description="The name@version that served the step (as registered)."
+    )
+    rtc: Rtc | None = Field(
+        None, description="What a real-time-chunking step ran with (models with rtc.* inputs)."
+    )
+    timing: Timing | None = Field(
+        None, description="The split of the step's time, when asked (X-Affinity-Timing: 1)."
+    )
 
     model_config = {
         "json_schema_extra": {
@@ -108,6 +142,8 @@ class ActReply(BaseModel):
                     "state_reset": False,
                     "degraded": False,
                     "source": "model",
+                    "seq": 7,
+                    "replayed": False,
                 }
             ]
         }
@@ -177,6 +213,8 @@ class ActRowsReply(BaseModel):
                             "state_reset": False,
                             "degraded": False,
                             "source": "model",
+                            "seq": 7,
+                            "replayed": False,
                         },
                         {
                             "error": {

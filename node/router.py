@@ -508,9 +508,10 @@ class Router:
             return []
         origins: list[str] = []
         bodies: list[bytes] = []
-        for i, a in rows:
+        message = os.urandom(8).hex()  # the rows' forward ids: one random draw a message
+        for k, (i, a) in enumerate(rows):
             step = steps[i]
-            origins.append(os.urandom(8).hex())
+            origins.append(f"{message}.{k}")
             arrived = step.arrived
             bodies.append(
                 Forward(

@@ -344,7 +344,12 @@ def _http_server(config: NodeConfig, service: NodeService, bounds: StopBounds) -
     async def started() -> NodeService:
         return service
 
-    app = create_app(started, access_log=config.access_log, log_json=config.log_format == "json")
+    app = create_app(
+        started,
+        access_log=config.access_log,
+        log_json=config.log_format == "json",
+        freeze_gc=True,
+    )
     return _Server(
         uvicorn.Config(
             app,

@@ -683,3 +683,34 @@ async def test_a_re_registration_carries_the_crash_trackers_down_states(redis: A
         assert await redis.hget(KEYS.device("a/0"), "state") == "down"
         r = await n.act(episode_id="after", inputs={"obs": [[0] * 8]})
         assert r.status_code == 503 and r.json()["error"]["code"] in ("full", "no_nodes")
+
+
+async def test_a_node_process_freezes_what_it_started_with(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``create_app(freeze_gc=True)`` (a node's own process, ``node/server.py``) collects,
+    then freezes what the process holds once the node has started, so a full collection
+    later walks only what serving made; the default (in-process tests, an embedding) does
+    neither."""
+    import gc
+
+    from node.app import create_app
+
+    calls: list[str] = []
+
+    class Started:
+        async def start(self) -> None:
+            calls.append("start")
+
+        async def stop(self) -> None:
+            calls.append("stop")
+
+    async def factory() -> Any:
+        return Started()
+
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("collect") or 0)
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+    for freeze, want in ((False, ["start"]), (True, ["start", "collect", "freeze"])):
+        calls.clear()
+        app = create_app(factory, freeze_gc=freeze)
+        async with app.api.router.lifespan_context(app.api):
+            assert calls == want
+        assert calls[-1] == "stop"

@@ -123,9 +123,11 @@ async def test_the_openapi_schema_describes_the_list_form(redis: Any) -> None:
         spec = (await a.client.get("/openapi.json")).json()
         body = {"steps": [{"episode_id": "o-1", "inputs": {"obs": obs(1)}, "seq": 1},
                           {"episode_id": "o-2", "inputs": {"obs": [[1.0]]}}]}  # fmt: skip
-        r = await a.client.post("/act", json=body)
+        r = await a.client.post("/act", json=body, headers={"x-affinity-timing": "1"})
         assert r.status_code == 200, r.text
         reply = r.json()
+        one = {"episode_id": "o-3", "inputs": {"obs": obs(1)}, "seq": 1}
+        single = (await a.client.post("/act", json=one, headers={"x-affinity-timing": "1"})).json()
     post = spec["paths"]["/act"]["post"]
     refs = "#/components/schemas/"
     asked = post["requestBody"]["content"]["application/json"]["schema"]["oneOf"]
@@ -145,6 +147,14 @@ async def test_the_openapi_schema_describes_the_list_form(redis: Any) -> None:
 
     check(body, "ActRows")
     check(reply, "ActRowsReply")
+    check(single, "ActReply")
+    # every field a reply (one row's or a row of many) carries is described, timing included
+    described = set(schemas["ActReply"]["properties"])
+    for answer in (single, reply["steps"][0]):
+        assert set(answer) <= described, set(answer) - described
+        assert {"seq", "replayed", "timing"} <= set(answer)
+    assert {"seq", "replayed", "model", "rtc", "timing", "claim"} <= described
+    assert set(schemas["Timing"]["properties"]) == {"total_ms", "queue_ms", "run_ms", "forward_ms"}
     assert reply["steps"][1]["error"]["code"] == "bad_input"
     for example in (*schemas["ActRows"]["examples"], body["steps"][0]):
         check(example, "ActRows" if "steps" in example else "ActRequest")
