@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import onnxruntime
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
-from prometheus_client.metrics_core import HistogramMetricFamily
+from prometheus_client.metrics_core import HistogramMetricFamily, Metric
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
@@ -164,11 +164,28 @@ class LoopHistogram:
         yield family
 
 
+class _BeforeRead:
+    """The registry's first collector: it runs its hooks before any series is read."""
+
+    def __init__(self) -> None:
+        self.hooks: list[Callable[[], None]] = []
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> list[Metric]:
+        for hook in self.hooks:
+            hook()
+        return []
+
+
 class Metrics:
     """The node's series, on a registry of its own (several apps may share a process)."""
 
     def __init__(self, devices: list[str], capacity: int) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._before_read = _BeforeRead()
+        self.registry.register(self._before_read)  # first: read before every series
         self.model_stats: dict[str, ModelStats] = {}
         """Model name -> Triton's statistics of that model on this node (``node/stats.py``)."""
         r = self.registry
@@ -404,6 +421,11 @@ class Metrics:
             self.queue_depth.labels(device).set(0)
             self.capacity.labels(device).set(capacity)
             self.set_state(device, "active")
+
+    def before_read(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` before every read of the registry (a scrape), on the reader's
+        thread, before any series is read: to count what was noted but not yet counted."""
+        self._before_read.hooks.append(hook)
 
     def set_state(self, device: str, state: str) -> None:
         for s in STATES:

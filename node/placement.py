@@ -19,8 +19,10 @@ score, is what one more episode adds to that, at least a row's share of a batch-
 (``t(1) / B``) so that a burst spreads. A device never measured scores 0 with a nominal cost
 (1 ms): it is tried, then measured.
 
-Runs are recorded on the workers' threads (:meth:`StepTimes.ran`), read on the event loop
-at a renewal (:meth:`StepTimes.scores`): one lock between them.
+Runs are noted on the workers' threads (:meth:`StepTimes.ran`: an append, no lock, as it
+comes each step) and counted into the averages, under one lock, every :data:`COUNT_EVERY`
+runs and before every read, such as the event loop's at a renewal
+(:meth:`StepTimes.scores`): a read sees every run noted before it, in order.
 """
 
 from __future__ import annotations
@@ -32,11 +34,12 @@ from collections.abc import Callable, Sequence
 
 from affinity.registry import DeviceScore
 
-__all__ = ["NOMINAL_COST_MS", "StepTimes"]
+__all__ = ["COUNT_EVERY", "NOMINAL_COST_MS", "StepTimes"]
 
 ALPHA = 0.2  # weight of a new run in its batch size's average
 NOMINAL_COST_MS = 1.0  # the cost a device never measured publishes
 MIN_COST_MS = 0.01  # a cost never rounds to nothing: a burst still spreads
+COUNT_EVERY = 256  # runs noted before they are counted (a read counts them at once)
 
 
 class StepTimes:
@@ -51,16 +54,27 @@ class StepTimes:
         self._rows: dict[str, int] = {}  # device -> rows run since the last scores()
         self._rate: dict[str, float] = {}  # device -> steps/ms of one episode held (EWMA)
         self._since = clock()
+        self._noted: list[tuple[str, tuple[int, float]]] = []  # runs not counted yet
 
     def ran(self, device: str, run: tuple[int, float]) -> None:
         """One model run on ``device``: (its batch size, its seconds). A worker's hook."""
-        rows, seconds = run
-        if rows < 1 or not seconds >= 0:
-            return
-        ms = seconds * 1000
-        with self._lock:
+        noted = self._noted
+        noted.append((device, run))
+        if len(noted) >= COUNT_EVERY:
+            with self._lock:
+                self._count_locked()
+
+    def _count_locked(self) -> None:
+        """Count the runs noted so far into the averages (the lock held)."""
+        noted = self._noted
+        runs = noted[: len(noted)]
+        del noted[: len(runs)]  # (runs noted meanwhile stay, at its end)
+        for device, (rows, seconds) in runs:
+            if rows < 1 or not seconds >= 0:
+                continue
+            ms = seconds * 1000
             sizes = self._ms.get(device)
-            if sizes is None:  # (setdefault would build a dict every run)
+            if sizes is None:
                 sizes = self._ms[device] = {}
             old = sizes.get(rows)
             sizes[rows] = ms if old is None else old + ALPHA * (ms - old)
@@ -69,6 +83,7 @@ class StepTimes:
     def run_ms(self, device: str, batch: int) -> float | None:
         """The run time (ms) of a batch of ``batch`` on ``device``; None: never measured."""
         with self._lock:
+            self._count_locked()
             sizes = dict(self._ms.get(device, {}))
         return _read_off(sizes, batch)
 
@@ -76,6 +91,7 @@ class StepTimes:
         """The step time (ms) ``episodes`` see on ``device``, each stepping at ``rate``
         steps/ms (see the module doc); None: never measured."""
         with self._lock:
+            self._count_locked()
             sizes = dict(self._ms.get(device, {}))
         if not sizes:
             return None
@@ -112,6 +128,7 @@ class StepTimes:
         episodes fewer than ``capacity``). Reads the step rates since the last call."""
         now = self.clock()
         with self._lock:
+            self._count_locked()
             rows, self._rows = self._rows, {}
             window_ms = (now - self._since) * 1000
             self._since = now

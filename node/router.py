@@ -46,7 +46,7 @@ from node.forward import ROWS_PATH, Forward, Poster, Response, decode_reply, sen
 from node.health import DeviceHealth
 from node.jobs import together
 from node.lease import Lease
-from node.metrics import ROUTING, Metrics
+from node.metrics import Metrics
 from node.owner import Owner
 from node.peers import PeerHealth
 from node.resolver import Placement, Resolver
@@ -158,9 +158,6 @@ class Router:
         self.metrics = metrics
         self.pool = pool
         self.clock = clock
-        # the labelled children of the per-step metrics (labels() takes a lock each call)
-        self._routing_counted = {r: metrics.routing.labels(r) for r in ROUTING}
-        self._act_seconds = {p: metrics.act_seconds.labels(p) for p in ("local", "forwarded")}
         self.peers = PeerHealth()
         placement = Placement(config.placement, config.placement_headroom, config.control_hz)
         self.resolver = Resolver(claims, owner.first_model, metrics, self.peers,
@@ -169,7 +166,7 @@ class Router:
                                    owner.models)  # fmt: skip
         self._restarting: dict[str, int] = {}  # episodes whose restart claim is in flight
         self.locator = Locator()
-        self.times = StepTimes(metrics, config.control_hz)
+        self.times = StepTimes(metrics, self.node_id, config.control_hz)
 
     # ---- the layers --------------------------------------------------------------------
 
@@ -207,13 +204,9 @@ class Router:
 
     def _served(self, step: Step, reply: Reply, started: float) -> None:
         """Count a served step: its routing, its path's seconds, its split."""
-        counted = self._routing_counted.get(reply.routing)
-        (counted or self.metrics.routing.labels(reply.routing)).inc()
-        path = "local" if reply.node == self.node_id else "forwarded"
         now = time.monotonic()  # one clock read for both
-        self._act_seconds[path].observe(now - started)
         assert step.received is not None
-        self.times.served(step, reply, now - step.received)
+        self.times.served(step, reply, now - started, now - step.received)
 
     async def _act_within_deadline(
         self, step: Step, patient: bool, arrival: Arrival, resolved: Assignment | None

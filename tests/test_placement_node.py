@@ -3,12 +3,13 @@ published at each renewal and again after Redis lost them, the claim's gate as 5
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 
 from affinity import Keys
-from node.placement import NOMINAL_COST_MS, StepTimes
+from node.placement import COUNT_EVERY, NOMINAL_COST_MS, StepTimes
 from tests.inproc import cluster, config
 
 pytestmark = pytest.mark.anyio
@@ -29,6 +30,33 @@ def test_step_times_per_batch_size() -> None:
     assert t.run_ms("d", 8) == pytest.approx(32.0)  # beyond: proportionally slower
     t.ran("d", (2, float("nan")))  # nothing measured: ignored
     assert t.run_ms("d", 2) == pytest.approx(12 + 4 / 3)
+
+
+def test_runs_noted_on_many_threads_are_all_counted_in_order() -> None:
+    t = StepTimes(max_batch=4)
+    runs = [(1, 0.001 * (n % 7 + 1)) for n in range(COUNT_EVERY + 3)]
+    for run in runs:  # past COUNT_EVERY: counted once without a read
+        t.ran("d", run)
+    expected = None
+    for _, seconds in runs:  # the same EWMA, run by run
+        ms = seconds * 1000
+        expected = ms if expected is None else expected + 0.2 * (ms - expected)
+    assert t.run_ms("d", 1) == pytest.approx(expected)
+
+    def worker(device: str) -> None:
+        for _ in range(3 * COUNT_EVERY):
+            t.ran(device, (2, 0.004))
+
+    threads = [threading.Thread(target=worker, args=(f"w{i}",)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for _ in range(50):  # reads while the workers note runs
+        t.run_ms("w0", 2)
+    for thread in threads:
+        thread.join()
+    scores = t.scores([(0, "w0"), (1, "w1"), (2, "w2")], lambda device: 1, capacity=4)
+    assert len(scores) == 3
+    assert all(t.run_ms(f"w{i}", 2) == pytest.approx(4.0) for i in range(3))
 
 
 def test_step_time_follows_the_load_and_explodes_past_it() -> None:
