@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import select
 import socket
 import sys
 from collections.abc import Sequence
@@ -31,17 +30,17 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from affinity import BackendUnavailable, NodeConflict
 from affinity.errors import SecretMismatch
 from node.accesslog import JsonFormatter
 from node.app import create_app
-from node.asgi import CONNECTION
 from node.cli import EXIT_USAGE, parse_args
 from node.config import NodeConfig
 from node.errors import GpuUnavailable
 from node.fleet import Fleet
+from node.fronts import Fronts, core_socket
+from node.httpproto import KeepAliveProtocol
 from node.service import NodeService
 from node.startup import StartupError, build_service
 
@@ -91,100 +90,6 @@ def stop_bounds(config: NodeConfig) -> StopBounds:
     )
 
 
-class _OneWriteTransport:
-    """A connection's transport that sends a response's status line and headers together
-    with what follows them. uvicorn writes the head and the body of a reply as two
-    ``write`` calls, so two TCP segments, and the client wakes up twice for one reply.
-    Measured with ``tritonclient.http`` in lockstep, steps to a node that writes once and
-    to one that writes twice taking turns: p50 0.58 ms vs 1.05 ms. The head is held until
-    the next write or the end of the loop iteration, whichever comes first. The next write
-    is the body, in the same send of a plain reply; the loop's end serves a streamed body.
-    Every other call goes to the transport."""
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._head: bytes | None = None
-
-    def write(self, data: bytes) -> None:
-        head, self._head = self._head, None
-        if head is not None:
-            self._transport.writelines((head, data))
-        elif data.startswith(b"HTTP/"):
-            self._head = data
-            self._loop.call_soon(self._flush)
-        else:
-            self._transport.write(data)
-
-    def _flush(self) -> None:
-        head, self._head = self._head, None
-        if head is not None and not self._transport.is_closing():
-            self._transport.write(head)
-
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
-
-    def write_eof(self) -> None:
-        self._flush()
-        self._transport.write_eof()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
-class _KeepAliveProtocol(HttpToolsProtocol):
-    """uvicorn's HTTP protocol, except that:
-
-    - an idle keep-alive connection whose client has already sent its next request is not
-      closed. The process may be paused (or the loop busy) past the keep-alive timeout.
-      Then the timer fires before the queued request is read. Closing would drop a request
-      the client cannot know the fate of. Such a request is read and answered instead (503
-      ``fenced`` if the lease lapsed).
-    - a reply's head and body leave in one write (:class:`_OneWriteTransport`).
-    - every request's scope carries it as :data:`~node.asgi.CONNECTION`, for
-      ``node.asgi.while_connected``. It says whether the client has closed the connection
-      by now (:meth:`peer_closed`: one ``poll(2)`` instead of two turns of the event loop).
-      It says whether other requests are being served (:meth:`serving_others`)."""
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(_OneWriteTransport(transport, self.loop))  # type: ignore[arg-type]
-        sock = transport.get_extra_info("socket")
-        self._hangup: select.poll | None = None
-        if sock is not None and sock.fileno() >= 0:
-            self._hangup = select.poll()
-            self._hangup.register(sock.fileno(), select.POLLRDHUP)
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self.scope[CONNECTION] = self  # type: ignore[literal-required]
-
-    def peer_closed(self) -> bool:
-        """Whether the client has closed (or reset) the connection, as the kernel knows it
-        now, even before the event loop read it: POLLRDHUP (its FIN), POLLHUP or POLLERR.
-        The socket is polled only while the transport is open, so the descriptor is this
-        connection's."""
-        if self.cycle is None or self.cycle.disconnected or self.transport.is_closing():
-            return True
-        if self._hangup is None:
-            return False
-        return bool(self._hangup.poll(0))
-
-    def serving_others(self) -> bool:
-        """Whether the server runs other requests' tasks now (every connection's)."""
-        return len(self.tasks) > 1
-
-    def timeout_keep_alive_handler(self) -> None:
-        sock = self.transport.get_extra_info("socket")
-        fd = sock.fileno() if sock is not None else -1
-        if fd >= 0 and select.select([fd], [], [], 0)[0]:
-            self.timeout_keep_alive_task = self.loop.call_later(
-                self.timeout_keep_alive, self.timeout_keep_alive_handler
-            )
-            return
-        super().timeout_keep_alive_handler()
-
-
 class _Server(uvicorn.Server):
     """uvicorn's server with the node's graceful stop. The first SIGTERM/SIGINT makes the
     node leave the fleet while it still listens: episodes handed over, deregistered, no
@@ -196,6 +101,8 @@ class _Server(uvicorn.Server):
         self.fleet = fleet
         self.leave_requested = False
         self.leaving: asyncio.Task[None] | None = None
+        self.fronts: Fronts | None = None
+        """The front door processes (``--front-doors`` > 1): stopped before this server."""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.leave_requested or self.should_exit:
@@ -215,6 +122,12 @@ class _Server(uvicorn.Server):
         if self.should_exit:
             self.fleet.close()  # a graceful stop waits for open responses: streams never end
         return await super().on_tick(counter)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.fronts is not None:  # they finish their requests, served by this process
+            grace = self.config.timeout_graceful_shutdown or 0
+            await self.fronts.stop(0 if self.force_exit else grace)
+        await super().shutdown(sockets)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -292,12 +205,41 @@ async def _serve_on(
     if held is not None:
         held.serving()  # it serves: the lines held since it started are written now
     bounds = stop_bounds(config)
+    server = _http_server(config, service, bounds)
     try:
-        await _http_server(config, service, bounds).serve(sockets=[sock])
+        if config.front_doors > 1:
+            await _serve_fronts(config, service, server, sock, bounds)
+        else:
+            await server.serve(sockets=[sock])
     finally:
         if grpc_server is not None:
             await grpc_server.stop(bounds.grpc_stop_s)
     return EXIT_CONFLICT if service.lease.conflict is not None else 0
+
+
+async def _serve_fronts(
+    config: NodeConfig, service: NodeService, server: _Server, sock: socket.socket,
+    bounds: StopBounds,
+) -> None:  # fmt: skip
+    """Serve with ``--front-doors`` processes accepting on ``sock`` (node/fronts.py); this
+    process serves their steps over the hop, and its app on a Unix socket for the rest."""
+    sock.listen(2048)
+    core, name = core_socket()
+    spec = {
+        "api_key": config.api_key,
+        "max_body_bytes": config.max_body_bytes,
+        "max_rows": config.max_rows,
+        "keep_alive_s": config.keep_alive_s,
+        "close_s": bounds.http_close_s,
+        "access_log": config.access_log,
+        "log_format": config.log_format,
+        "log_level": config.log_level,
+    }
+    fronts = Fronts(service, config.front_doors, sock, name, spec)
+    server.fronts = fronts
+    fronts.start()
+    with core:
+        await server.serve(sockets=[core])
 
 
 async def _start(
@@ -350,7 +292,7 @@ def _http_server(config: NodeConfig, service: NodeService, bounds: StopBounds) -
             app,
             host=config.host,
             port=config.port,
-            http=_KeepAliveProtocol,
+            http=KeepAliveProtocol,
             ws="websockets-sansio",
             ws_max_size=config.max_body_bytes,
             log_level="warning",
