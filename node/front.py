@@ -245,6 +245,11 @@ class FrontApp:
         def use(
             kind: int, reply: dict[str, Any], views: list[Array]
         ) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]:
+            facts = reply.get("facts")
+            if facts is not None:  # the access line's
+                scope[STEP_KEY] = (facts["episode_id"] or "-", facts["device"], facts["routing"])
+            elif "rows" in reply:
+                scope[STEP_KEY] = (f"{len(reply['rows'])} rows", "-", "-")
             return _answer(kind, reply, views, binary_out)
 
         def gone() -> bool:
@@ -262,7 +267,6 @@ class FrontApp:
         except Undelivered:
             await respond_gone(send)
             return
-        scope[STEP_KEY] = ("-", "-", "-")
         await respond(send, status, out, content, headers)
 
     async def pass_on(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -312,8 +316,16 @@ class FrontApp:
                    if k not in _HOP_BY_HOP and not k.startswith(b"sec-websocket")
                    and k != b"host"]  # fmt: skip
         try:
+            # connected here: uvloop's create_unix_connection refuses an abstract name
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                await asyncio.get_running_loop().sock_connect(sock, self.core)
+            except OSError:
+                sock.close()
+                raise
             upstream = await unix_connect(
-                self.core, "ws://core" + path, additional_headers=headers,
+                None, "ws://core" + path, sock=sock, additional_headers=headers,
                 max_size=None, compression=None, ping_interval=None,
             )  # fmt: skip
         except InvalidStatus as exc:
