@@ -49,8 +49,8 @@ from node.asgi import (
     respond,
     respond_gone,
 )
-from node.errors import BodyError, Refused, outcome
-from node.hop import ACT, NOTE, ROWS, Array, FrontHop, HopError, HopFull, Region, Undelivered
+from node.errors import BodyError, HopError, HopFull, Refused, Undelivered, outcome
+from node.hop import ACT, NOTE, ROWS, Array, FrontHop, Region
 from node.hop import SharedLoopBuckets as _Lag
 from node.httpproto import KeepAliveProtocol
 from node.looplag import watch_loop_lag

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 
 from affinity import InvalidArgument
-from node.errors import BodyError, InvalidInput, Refused, Unavailable, outcome
-from node.hop import ACT, NOTE, ROWS, Array, CoreHop, HopError, Region, SharedLoopBuckets
+from node.errors import BodyError, HopError, InvalidInput, Refused, Unavailable, outcome
+from node.hop import ACT, NOTE, ROWS, Array, CoreHop, Region, SharedLoopBuckets
 from node.protocols import act
 from node.service import NodeService
 from node.step import Reply, Step
@@ -224,24 +224,23 @@ class _Front:
 
 
 class Fronts:
-    """N front processes on ``listener`` (bound and listening), their hops served by the
-    core's event loop, each restarted when it dies, stopped by :meth:`stop`."""
+    """A front process per socket of ``listeners`` (bound with ``SO_REUSEPORT``, listening,
+    kept open here across a front's restarts), their hops served by the core's event loop,
+    each restarted when it dies, stopped by :meth:`stop`."""
 
     def __init__(
         self,
         service: NodeService,
-        count: int,
-        listener: socket.socket,
+        listeners: list[socket.socket],
         core_name: str,
         spec: dict[str, Any],
     ) -> None:
         self.service = service
-        self.count = count
-        self.listener = listener
+        self.listeners = listeners
         self.core_name = core_name
         self.spec = spec
         self.slot_size = int(spec["max_body_bytes"]) + SLOT_HEADROOM
-        self.fronts = [_Front(k) for k in range(count)]
+        self.fronts = [_Front(k) for k in range(len(listeners))]
         self.stopping = False
         self._watch: asyncio.Task[None] | None = None
         metrics = service.metrics
@@ -272,13 +271,14 @@ class Fronts:
 
         hop = CoreHop(region, ask, answer, handler, undelivered)
         hop.start()
+        listener = self.listeners[front.index]
         argv = [
             sys.executable, "-m", "node.front",
-            str(front.index), str(self.listener.fileno()), str(region.fd), str(ask),
+            str(front.index), str(listener.fileno()), str(region.fd), str(ask),
             str(answer), str(os.getpid()), self.core_name.encode().hex(),
         ]  # fmt: skip
         env = {**os.environ, "AFFINITY_FRONT_SPEC": json.dumps(self.spec)}
-        fds = (self.listener.fileno(), region.fd, ask, answer)
+        fds = (listener.fileno(), region.fd, ask, answer)
         front.process = subprocess.Popen(argv, pass_fds=fds, env=env)
         front.hop = hop
         front.started = time.monotonic()

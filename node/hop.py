@@ -30,6 +30,7 @@ will read them in place.
 from __future__ import annotations
 
 import asyncio
+import math
 import mmap
 import os
 import struct
@@ -43,6 +44,8 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
+from node.errors import HopError, HopFull, Undelivered
+
 Array = npt.NDArray[Any]
 
 __all__ = [
@@ -52,12 +55,9 @@ __all__ = [
     "UNDELIVERED",
     "Array",
     "FrontHop",
-    "HopError",
-    "HopFull",
     "Region",
     "SharedLoopBuckets",
     "Tensor",
-    "Undelivered",
     "pack",
     "unpack",
 ]
@@ -79,18 +79,6 @@ _HEAD = struct.Struct("<IIII")  # state, kind, header length, total length
 _CONTROL = struct.Struct("<IIII")  # magic, slots, slot size, spare
 _DTYPES = frozenset("biufcUS")
 """The dtype kinds a tensor may have in a slot (never objects)."""
-
-
-class HopError(Exception):
-    """A slot's content that cannot be read: refused, the slot answered with an error."""
-
-
-class Undelivered(Exception):
-    """The client had left when its reply came: the core was told, and undoes the step."""
-
-
-class HopFull(Exception):
-    """Every slot of the front is in flight: the step is refused (503 ``busy``)."""
 
 
 def region_size(slots: int, slot_size: int) -> int:
@@ -162,8 +150,9 @@ class Region:
         data = self.head(slot) + SLOT_HEAD
         mm = self.mm
         mm[data : data + len(header)] = header
+        start = data + _aligned(len(header))
         for place, array in zip(places, arrays, strict=True):
-            at = data + place.offset
+            at = start + place.offset
             if place.nbytes:
                 mm[at : at + place.nbytes] = memoryview(array).cast("B")  # type: ignore[arg-type]
         _HEAD.pack_into(mm, self.head(slot), state, kind, len(header), total)
@@ -176,43 +165,63 @@ class Region:
             raise HopError(f"slot lengths {length}/{total} out of bounds")
         data = self.head(slot) + SLOT_HEAD
         meta, places = unpack(self.mm[data : data + length], total)
+        start = data + _aligned(length)
         arrays: list[Array] = []
         for place in places:
-            at = data + place.offset
+            at = start + place.offset
+            dtype = _dtype(place.dtype)
             if copy:
                 raw: Any = self.mm[at : at + place.nbytes]
-                array = np.frombuffer(raw, dtype=place.dtype)
+                array = np.frombuffer(raw, dtype=dtype)
             else:
-                count = place.nbytes // np.dtype(place.dtype).itemsize
-                array = np.frombuffer(self.mm, dtype=place.dtype, count=count, offset=at)
+                count = place.nbytes // dtype.itemsize
+                array = np.frombuffer(self.mm, dtype=dtype, count=count, offset=at)
             arrays.append(array.reshape(place.shape))
         return kind, meta, arrays
 
 
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 def pack(meta: dict[str, Any], arrays: list[Array]) -> tuple[bytes, list[Tensor], int]:
-    """The header bytes of ``meta`` with the arrays' places (``t``), the places, and the
-    total length (header, padding, tensors). Arrays must be C-contiguous."""
+    """The header bytes of ``meta`` with the arrays' places (``t``: offsets from the first
+    aligned byte after the header), the places, and the total length (header, padding,
+    tensors). Arrays must be C-contiguous."""
     places: list[Tensor] = []
-    # the header's length is not known before the places: place tensors after a bound on it
     at = 0
     for array in arrays:
         places.append(Tensor("", array.dtype.str, array.shape, at, array.nbytes))
-        at += -(-array.nbytes // ALIGN) * ALIGN
-    meta["t"] = [[p.dtype, list(p.shape), p.offset, p.nbytes] for p in places]
-    header = msgpack.packb(meta, default=_plain)
-    start = -(-(len(header) + 16) // ALIGN) * ALIGN
-    for p in places:
-        p.offset += start
-    meta["t"] = [[p.dtype, list(p.shape), p.offset, p.nbytes] for p in places]
-    header = msgpack.packb(meta, default=_plain)
-    assert len(header) <= start, "offsets grew the header past its room"
-    return header, places, start + at
+        at += _aligned(array.nbytes)
+    meta["t"] = [[p.dtype, p.shape, p.offset, p.nbytes] for p in places]
+    header: bytes = msgpack.packb(meta, default=_plain)
+    return header, places, _aligned(len(header)) + at
 
 
 def _plain(obj: Any) -> Any:
     if isinstance(obj, np.ndarray | np.generic):
         return obj.tolist()
     raise TypeError(f"cannot carry {type(obj).__name__} over the hop")
+
+
+_DTYPES_SEEN: dict[str, np.dtype[Any]] = {}
+"""The dtypes read so far by their ``str`` (a few: the models' inputs and outputs)."""
+
+
+def _dtype(name: object) -> np.dtype[Any]:
+    """``name`` (a ``numpy.dtype.str``) checked as a dtype a slot may carry."""
+    seen = _DTYPES_SEEN.get(name) if isinstance(name, str) else None
+    if seen is not None:
+        return seen
+    try:
+        dtype: np.dtype[Any] = np.dtype(name)  # type: ignore[call-overload]
+    except (TypeError, ValueError) as exc:
+        raise HopError(f"bad tensor dtype: {exc}") from None
+    if dtype.kind not in _DTYPES or dtype.hasobject or dtype.str != name:
+        raise HopError(f"dtype {name!r} is not carried")
+    if len(_DTYPES_SEEN) < 64:  # a front that sends odd dtypes does not grow it
+        _DTYPES_SEEN[dtype.str] = dtype
+    return dtype
 
 
 def unpack(header: bytes, total: int) -> tuple[dict[str, Any], list[Tensor]]:
@@ -223,20 +232,18 @@ def unpack(header: bytes, total: int) -> tuple[dict[str, Any], list[Tensor]]:
         raise HopError(f"header is not msgpack: {exc}") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("t", []), list):
         raise HopError("header is not a map with a list of tensors")
+    room = total - _aligned(len(header))
     places: list[Tensor] = []
     for entry in meta.pop("t", []):
         try:
-            dtype_s, shape_l, offset, nbytes = entry
-            dtype = np.dtype(dtype_s)
+            name, shape_l, offset, nbytes = entry
             shape = tuple(int(n) for n in shape_l)
         except (TypeError, ValueError) as exc:
             raise HopError(f"bad tensor entry: {exc}") from None
-        if dtype.kind not in _DTYPES or dtype.hasobject:
-            raise HopError(f"dtype {dtype} is not carried")
-        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if any(n < 0 for n in shape) or size != nbytes:
+        dtype = _dtype(name)
+        if any(n < 0 for n in shape) or math.prod(shape) * dtype.itemsize != nbytes:
             raise HopError("tensor shape does not match its length")
-        if not (isinstance(offset, int) and len(header) <= offset and offset + nbytes <= total):
+        if not (isinstance(offset, int) and offset >= 0 and offset + nbytes <= room):
             raise HopError("tensor lies outside the slot")
         places.append(Tensor("", dtype.str, shape, offset, nbytes))
     return meta, places
@@ -305,6 +312,7 @@ class FrontHop:
         self.waiting: dict[int, asyncio.Future[None]] = {}
         self.abandoned: set[int] = set()
         self.loop = asyncio.get_running_loop()
+        self.ringing = False
         self.loop.add_reader(answer, self._rung)
         self.on_core_gone: Callable[[], None] | None = None
 
@@ -336,6 +344,12 @@ class FrontHop:
 
     def _send(self, slot: int, kind: int, meta: dict[str, Any], arrays: list[Array]) -> None:
         self.region.write(slot, ASKED, kind, meta, arrays)
+        if not self.ringing:  # one ring for every request of this turn of the loop
+            self.ringing = True
+            self.loop.call_soon(self._ring)
+
+    def _ring(self) -> None:
+        self.ringing = False
         os.eventfd_write(self.ask, 1)
 
     async def call(
@@ -408,6 +422,7 @@ class CoreHop:
     kept: dict[int, Any] = field(default_factory=dict)
     running: set[asyncio.Task[None]] = field(default_factory=set)
     alive: bool = True
+    ringing: bool = False
 
     def start(self) -> None:
         asyncio.get_running_loop().add_reader(self.ask, self._rung)
@@ -459,8 +474,15 @@ class CoreHop:
             ok = False
             self.region.write(slot, ANSWERED, REPLY, {"err": [500, "internal", str(exc), None,
                                                               None]}, [])  # fmt: skip
-        os.eventfd_write(self.answer, 1)
+        if not self.ringing:  # one ring for every answer of this turn of the loop
+            self.ringing = True
+            asyncio.get_running_loop().call_soon(self._ring)
         return ok
+
+    def _ring(self) -> None:
+        self.ringing = False
+        if self.alive:
+            os.eventfd_write(self.answer, 1)
 
     def drop(self) -> None:
         """The front is gone: stop reading; answers of steps still running are dropped."""

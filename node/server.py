@@ -130,15 +130,18 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """The node's listening socket, bound (not yet listening) before anything registers:
-    a node that could not serve must never advertise itself. Raises ``OSError``."""
+    a node that could not serve must never advertise itself. ``reuse_port``: one of the
+    fronts' sockets (``SO_REUSEPORT``). Raises ``OSError``."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
     except OSError:
         sock.close()
@@ -151,17 +154,46 @@ async def _serve(config: NodeConfig, held: _HeldLines | None = None) -> int:
     if config.grpc_port is not None:
         ports["--grpc-port"] = config.grpc_port
     socks: list[socket.socket] = []
+    fronts: list[socket.socket] = []
     for flag, port in ports.items():
         try:
             socks.append(bind(config.host, port))
+            if flag == "--host/--port" and config.front_doors > 1:
+                fronts = front_sockets(config.host, port, config.front_doors, socks.pop())
+                socks.append(fronts[0])
         except OSError as exc:
-            for sock in socks:
+            for sock in socks + fronts:
                 sock.close()
             print(f"affinity-node: cannot listen on {config.host}:{port} ({flag}): "
                   f"{exc.strerror or exc}", file=sys.stderr)  # fmt: skip
             return EXIT_LISTEN
     with socks[0]:
-        return await _serve_on(config, socks[0], socks[1] if len(socks) > 1 else None, held)
+        grpc_sock = socks[1] if len(socks) > 1 else None
+        try:
+            return await _serve_on(config, socks[0], grpc_sock, held, fronts)
+        finally:
+            for sock in fronts:
+                sock.close()
+
+
+def front_sockets(host: str, port: int, count: int, probe: socket.socket) -> list[socket.socket]:
+    """``count`` sockets bound to ``host:port`` with ``SO_REUSEPORT``, one a front: the
+    kernel spreads new connections over them evenly (one socket shared by all fronts gave
+    every connection of a burst to the front that woke first). ``probe`` holds the port
+    exclusively until they are bound, so a port another process listens on (with or
+    without ``SO_REUSEPORT``) is refused as it is without fronts; a socket of a front that
+    died stays open here, its queued connections kept for the front that replaces it."""
+    with probe:
+        probe.close()
+        socks: list[socket.socket] = []
+        try:
+            for _ in range(count):
+                socks.append(bind(host, port, reuse_port=True))
+        except OSError:
+            for sock in socks:
+                sock.close()
+            raise
+    return socks
 
 
 async def _register(config: NodeConfig, service: NodeService) -> int | None:
@@ -191,6 +223,7 @@ async def _serve_on(
     sock: socket.socket,
     grpc_sock: socket.socket | None = None,
     held: _HeldLines | None = None,
+    fronts: list[socket.socket] | None = None,
 ) -> int:
     """Start the node on ``sock`` (bound) and serve until it stops; ``grpc_sock`` holds
     ``--grpc-port`` (bound, exclusively) until gRPC's own listener takes it over."""
@@ -207,8 +240,8 @@ async def _serve_on(
     bounds = stop_bounds(config)
     server = _http_server(config, service, bounds)
     try:
-        if config.front_doors > 1:
-            await _serve_fronts(config, service, server, sock, bounds)
+        if fronts:
+            await _serve_fronts(config, service, server, fronts, bounds)
         else:
             await server.serve(sockets=[sock])
     finally:
@@ -218,12 +251,14 @@ async def _serve_on(
 
 
 async def _serve_fronts(
-    config: NodeConfig, service: NodeService, server: _Server, sock: socket.socket,
+    config: NodeConfig, service: NodeService, server: _Server, socks: list[socket.socket],
     bounds: StopBounds,
 ) -> None:  # fmt: skip
-    """Serve with ``--front-doors`` processes accepting on ``sock`` (node/fronts.py); this
-    process serves their steps over the hop, and its app on a Unix socket for the rest."""
-    sock.listen(2048)
+    """Serve with ``--front-doors`` processes, front k accepting on ``socks[k]``
+    (node/fronts.py); this process serves their steps over the hop, and its app on a Unix
+    socket for the rest."""
+    for sock in socks:
+        sock.listen(2048)
     core, name = core_socket()
     spec = {
         "api_key": config.api_key,
@@ -235,7 +270,7 @@ async def _serve_fronts(
         "log_format": config.log_format,
         "log_level": config.log_level,
     }
-    fronts = Fronts(service, config.front_doors, sock, name, spec)
+    fronts = Fronts(service, socks, name, spec)
     server.fronts = fronts
     fronts.start()
     with core:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from node.errors import HopError, HopFull, Undelivered
 from node.hop import (
     ACT,
     ASKED,
@@ -23,11 +24,8 @@ from node.hop import (
     Array,
     CoreHop,
     FrontHop,
-    HopError,
-    HopFull,
     Region,
     SharedLoopBuckets,
-    Undelivered,
 )
 
 pytestmark = pytest.mark.anyio
