@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -32,6 +33,7 @@ import numpy as np
 from affinity import InvalidArgument
 from node.errors import BodyError, HopError, InvalidInput, Refused, Unavailable, outcome
 from node.hop import ACT, NOTE, ROWS, Array, CoreHop, Region, SharedLoopBuckets
+from node.metrics import REJECTED
 from node.protocols import act
 from node.service import NodeService
 from node.step import Reply, Step
@@ -96,6 +98,18 @@ def _error(exc: BaseException) -> dict[str, Any]:
     return {"err": [o.status, o.code, o.message, o.field, o.retry_after]}
 
 
+def _refused(service: NodeService, exc: BaseException) -> dict[str, Any]:
+    """The reply's meta of a refused step, counted as ``act`` counts it."""
+    _count(service, exc)
+    return _error(exc)
+
+
+def _count(service: NodeService, exc: BaseException) -> None:
+    reason = outcome(exc).reject_reason
+    if reason is not None:
+        service.metrics.rejected.labels(reason).inc()
+
+
 def _reply_meta(reply: Reply, timing: bool) -> tuple[dict[str, Any], list[Array]]:
     facts = reply.facts()
     if timing:
@@ -115,7 +129,7 @@ async def serve_request(
     metrics = service.metrics
     if kind == NOTE:
         reason = meta.get("rejected")
-        if isinstance(reason, str) and reason in act_reasons():
+        if isinstance(reason, str) and reason in REJECTED:
             metrics.rejected.labels(reason).inc()
         return {}, []
     received = meta.get("recv")
@@ -130,10 +144,7 @@ async def serve_request(
             step.received, step.timing = received, timing
             reply = await service.router.act(step)
         except (BodyError, InvalidInput, InvalidArgument, Unavailable, Refused) as exc:
-            reason = outcome(exc).reject_reason
-            if reason is not None:
-                metrics.rejected.labels(reason).inc()
-            return _error(exc), []
+            return _refused(service, exc), []
         done, out = _reply_meta(reply, timing)
         done["url"] = reply.url
         done["keep"] = reply
@@ -144,10 +155,7 @@ async def serve_request(
         try:
             await act.decode_rows(service, meta["bad"], True, deadline)
         except (BodyError, InvalidInput, InvalidArgument, Unavailable, Refused) as exc:
-            reason = outcome(exc).reject_reason
-            if reason is not None:
-                metrics.rejected.labels(reason).inc()
-            return _error(exc), []
+            return _refused(service, exc), []
         raise HopError("a malformed message of rows decoded")
     rows: list[Any] = []
     at = 0
@@ -162,10 +170,7 @@ async def serve_request(
     try:
         decoded = await act.decode_rows(service, {"steps": rows}, True, deadline)
     except (BodyError, InvalidInput, InvalidArgument, Unavailable, Refused) as exc:
-        reason = outcome(exc).reject_reason
-        if reason is not None:
-            metrics.rejected.labels(reason).inc()
-        return _error(exc), []
+        return _refused(service, exc), []
     steps: list[Step] = []
     where: list[int] = []
     results: list[Reply | Exception | None] = [None] * len(decoded)
@@ -176,9 +181,7 @@ async def serve_request(
             where.append(i)
         else:
             results[i] = item
-            reason = outcome(item).reject_reason
-            if reason is not None:
-                metrics.rejected.labels(reason).inc()
+            _count(service, item)
     served: list[Reply | Exception | None] = [None] * len(steps)
     await service.router.act_rows(steps, served)
     for i, result in zip(where, served, strict=True):
@@ -195,12 +198,6 @@ async def serve_request(
             metas.append(act.encode_row(result))
     keep = [r for r in results if isinstance(r, Reply)]
     return {"rows": metas, "keep": keep}, outs
-
-
-def act_reasons() -> tuple[str, ...]:
-    from node.metrics import REJECTED
-
-    return REJECTED
 
 
 async def undeliver(service: NodeService, kept: Any) -> None:
@@ -329,7 +326,7 @@ class Fronts:
         for front in running:
             assert front.process is not None
             if front.process.poll() is None:
-                front.process.send_signal(__import__("signal").SIGUSR1)
+                front.process.send_signal(signal.SIGUSR1)
         until = time.monotonic() + timeout_s
         for front in running:
             assert front.process is not None
