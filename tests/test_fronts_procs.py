@@ -22,6 +22,7 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from affinity import wire
 from node.models import DEMO_MODEL
+from tests.models import counter_policy
 from tests.procs import Node, RedisServer, wait_until
 from tests.rollout import reference_rollout
 
@@ -99,6 +100,10 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
 def observations(seed: int, n: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     return [rng.standard_normal((1, 8)).astype(np.float32) for _ in range(n)]
+
+
+def count(reply: dict[str, Any]) -> int:
+    return int(np.asarray(reply["outputs"]["count"]).reshape(-1)[0])
 
 
 def expect(history: list[np.ndarray], actions: Any) -> None:
@@ -258,9 +263,10 @@ def test_a_front_killed_mid_load_loses_no_step_and_comes_back(node: Node) -> Non
     assert "affinity_front_restarts_total 1.0" in text
 
 
-def embedded(tmp: Path, node_id: str, port: int | None = None) -> Node:
+def embedded(tmp: Path, node_id: str, port: int | None = None, model: Path | None = None) -> Node:
     """A node with two fronts on the embedded store, on ``port`` if given."""
-    n = Node(tmp, node_id, "", devices="cpu:1", extra=["--front-doors", "2"])
+    more = [] if model is None else ["--model", str(model)]
+    n = Node(tmp, node_id, "", devices="cpu:1", extra=["--front-doors", "2", *more])
     argv = n.proc.argv
     del argv[argv.index("--redis") : argv.index("--redis") + 2]
     if port is not None:
@@ -299,3 +305,52 @@ def test_sigterm_stops_the_fronts_after_the_node_left(tmp_path: Path) -> None:
     assert node.proc.popen.wait(30) == 0, node.proc.log()
     assert "left: moved" in node.proc.log()  # it left the fleet before it stopped them
     wait_until(lambda: not any(alive(p) for p in pids), 10, "the fronts gone")
+
+
+def test_a_step_whose_front_died_mid_step_is_kept_for_the_clients_retry(tmp_path: Path) -> None:
+    """The front holding the client's connection is killed while the node's process runs
+    the step (a slow model): the step was applied, its answer had nowhere to go; the
+    client's retry with the same seq, through the other front, gets the kept reply, and
+    the episode has counted that step once."""
+    node = embedded(tmp_path, "m", model=counter_policy(tmp_path, repeats=400, width=512))
+    node.start(timeout=60)
+    try:
+        wait_until(lambda: len(fronts(node)) == 2, 30, "two fronts")
+
+        def step(seq: int, client: httpx.Client) -> httpx.Response:
+            body = {"episode_id": "slow", "inputs": {"obs": [[0.0] * 8]}, "seq": seq}
+            return client.post(node.url + "/act", json=body, timeout=60)
+
+        with httpx.Client() as client:
+            first = step(1, client)
+            assert first.status_code == 200 and count(first.json()) == 1
+        lost: list[BaseException] = []
+        with httpx.Client() as client:
+
+            def second() -> None:
+                try:
+                    step(2, client)
+                except httpx.TransportError as exc:
+                    lost.append(exc)
+
+            sender = threading.Thread(target=second)
+            sender.start()
+            time.sleep(0.3)  # the step is on the hop, its model running (1-5 s)
+            assert sender.is_alive(), "the step was answered before its front could be killed"
+            holder = max(fronts(node), key=lambda pid: connections(pid, node.port))
+            assert connections(holder, node.port) == 1
+            os.kill(holder, signal.SIGKILL)
+            sender.join(60)
+        assert lost, "the client should have lost its connection with its front"
+        with httpx.Client() as client:  # a new connection: the other front, or the new one
+            for _ in range(100):
+                retry = step(2, client)
+                if retry.status_code != 503:  # the step may still be running: busy
+                    break
+                time.sleep(0.1)
+            assert retry.status_code == 200, retry.text
+            assert retry.json()["replayed"] and count(retry.json()) == 2
+            third = step(3, client)
+            assert third.status_code == 200 and count(third.json()) == 3
+    finally:
+        node.stop()
