@@ -48,6 +48,8 @@ SLOTS = 32
 SLOT_HEADROOM = 1 << 16
 """Bytes a slot has beyond ``--max-body-bytes`` (a step's inputs are never larger than its
 body, nor a reply than a slot: one that is is answered 500)."""
+SECRETS = frozenset(("AFFINITY_CLUSTER_SECRET", "AFFINITY_ADMIN_TOKEN", "AFFINITY_API_KEY"))
+"""Variables a front is started without: it checks no secret but the API key (in its spec)."""
 BACKOFF_S = (0.1, 5.0)
 """A front that died is restarted after the first, doubling up to the second."""
 STOP_S = 10.0
@@ -274,7 +276,8 @@ class Fronts:
             str(front.index), str(listener.fileno()), str(region.fd), str(ask),
             str(answer), str(os.getpid()), self.core_name.encode().hex(),
         ]  # fmt: skip
-        env = {**os.environ, "AFFINITY_FRONT_SPEC": json.dumps(self.spec)}
+        env = {k: v for k, v in os.environ.items() if k not in SECRETS}  # a front needs none
+        env["AFFINITY_FRONT_SPEC"] = json.dumps(self.spec)  # the API key, if any, is in it
         fds = (listener.fileno(), region.fd, ask, answer)
         front.process = subprocess.Popen(argv, pass_fds=fds, env=env)
         front.hop = hop

@@ -263,10 +263,16 @@ def test_a_front_killed_mid_load_loses_no_step_and_comes_back(node: Node) -> Non
     assert "affinity_front_restarts_total 1.0" in text
 
 
-def embedded(tmp: Path, node_id: str, port: int | None = None, model: Path | None = None) -> Node:
+def embedded(
+    tmp: Path,
+    node_id: str,
+    port: int | None = None,
+    model: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> Node:
     """A node with two fronts on the embedded store, on ``port`` if given."""
     more = [] if model is None else ["--model", str(model)]
-    n = Node(tmp, node_id, "", devices="cpu:1", extra=["--front-doors", "2", *more])
+    n = Node(tmp, node_id, "", devices="cpu:1", extra=["--front-doors", "2", *more], env=env)
     argv = n.proc.argv
     del argv[argv.index("--redis") : argv.index("--redis") + 2]
     if port is not None:
@@ -352,5 +358,26 @@ def test_a_step_whose_front_died_mid_step_is_kept_for_the_clients_retry(tmp_path
             assert retry.json()["replayed"] and count(retry.json()) == 2
             third = step(3, client)
             assert third.status_code == 200 and count(third.json()) == 3
+    finally:
+        node.stop()
+
+
+def test_the_api_key_is_checked_in_the_fronts_and_no_secret_reaches_them(tmp_path: Path) -> None:
+    env = {"AFFINITY_API_KEY": "robot-key", "AFFINITY_ADMIN_TOKEN": "admin-token"}
+    node = embedded(tmp_path, "a", env=env).start(timeout=60)
+    try:
+        wait_until(lambda: len(fronts(node)) == 2, 30, "two fronts")
+        step = {"episode_id": "keyed", "inputs": {"obs": [[0.0] * 8]}}
+        refused = httpx.post(node.url + "/act", json=step, timeout=20)
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Api-Key"
+        key = {"Authorization": "Api-Key robot-key"}
+        assert httpx.post(node.url + "/act", json=step, headers=key, timeout=20).is_success
+        text = httpx.get(node.url + "/metrics", timeout=10).text
+        assert 'affinity_rejected_requests_total{reason="unauthorized"} 1.0' in text
+        for pid in fronts(node):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            names = {entry.partition(b"=")[0] for entry in environ}
+            assert not names & {b"AFFINITY_CLUSTER_SECRET", b"AFFINITY_ADMIN_TOKEN",
+                                b"AFFINITY_API_KEY"}  # fmt: skip
     finally:
         node.stop()
