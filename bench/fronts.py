@@ -5,7 +5,8 @@ the four servers driven in turn in every round (same run, alternating).
 Figures (medians over ``--runs`` rounds of ratios measured in the same round):
 throughput of the node with N fronts / the minimal app with N workers (goal ≥ 0.9x at 2);
 the node with 2 fronts / the node with 1 (goal ≥ 1.4x); p50 under that load, node 2 fronts
-/ app 2 workers (goal ≤ 1.1x); server CPU per request of every process of each server (from
+/ app 2 workers (goal ≤ 1.1x); p50 of one client in lockstep, node 2 fronts / node 1
+(goal ≤ 1.05x); server CPU per request of every process of each server (from
 /proc); every process' RSS, and the node's total at 2 fronts / at 1 (goal ≤ 1.5x).
 
 The load is bench/act.py's: JSON /act bodies cycling over 64 sticky episodes on one CPU
@@ -115,6 +116,9 @@ def main() -> None:
                 got[f"rps_{name}"] = run.rps
                 got[f"p50_{name}"] = run.p50
                 got[f"cpu_{name}"] = run.cpu_per_request * 1e6
+            for name in ("node1", "node2"):  # one client in lockstep: a robot's latency
+                got[f"p50_1_{name}"] = wrk(urls[name], load, duration_s=a.seconds / 2,
+                                           connections=1).p50  # fmt: skip
             rounds.append(got)
         for name, pid in pids.items():
             rss[name] = [round(rss_mib(p), 1) for p in family(pid)]
@@ -137,6 +141,7 @@ def main() -> None:
     scale = ratio("rps_node2", "rps_node1")
     p50 = ratio("p50_node2", "p50_app2")
     memory = sum(rss["node2"]) / sum(rss["node1"])
+    lockstep = ratio("p50_1_node2", "p50_1_node1")
     figures = [
         {
             "figure": f"/act throughput, wrk -c{a.connections}, node 1 front / minimal app "
@@ -163,6 +168,13 @@ def main() -> None:
             f"{med('p50_app2') * 1e3:.2f} ms)",
             "goal": "<= 1.1x",
             "ok": p50 <= 1.1,
+        },
+        {
+            "figure": "p50 of one client in lockstep, node 2 fronts / node 1",
+            "result": f"{lockstep:.2f}x ({med('p50_1_node2') * 1e3:.2f} ms vs "
+            f"{med('p50_1_node1') * 1e3:.2f} ms)",
+            "goal": "<= 1.05x",
+            "ok": lockstep <= 1.05,
         },
         {
             "figure": "server CPU per request (every process): node 1, node 2, app 1, app 2",
