@@ -2,7 +2,8 @@
 ONNX session on the same device with no affinity logic (no Redis, no routing, no state),
 on the node's server stack (uvicorn with uvloop and httptools).
 
-Run: python -m bench.baseline_app PORT
+Run: python -m bench.baseline_app PORT [WORKERS] (WORKERS > 1: uvicorn's worker processes,
+the stateless ceiling of Python HTTP on that many cores, beside ``--front-doors``)
 """
 
 from __future__ import annotations
@@ -40,8 +41,10 @@ async def readyz() -> JSONResponse:
 
 
 if __name__ == "__main__":
+    workers = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     uvicorn.run(
-        app,
+        app if workers == 1 else "bench.baseline_app:app",
+        workers=workers,
         host="127.0.0.1",
         port=int(sys.argv[1]),
         loop="uvloop",

@@ -8,7 +8,11 @@ use instead, in one run and in alternating rounds:
 - ``socket``: the same bytes framed over a Unix socket pair, read by an asyncio stream on the
   front's loop (what a ZMQ or pipe hop costs a Python front);
 - ``thread``: today's hand-off inside one process, from the event loop to a worker thread
-  and back (``call_soon_threadsafe``), with no copy at all.
+  and back (``call_soon_threadsafe``), with no copy at all;
+- ``node``: ``node/hop.py`` as a front uses it (``--front-doors``): ``FrontHop.call`` with a
+  step's small msgpack header and the payload as one tensor, answered by a ``CoreHop`` on
+  the event loop of another process (a task per request, the inputs copied out, a reply
+  of one header and an 8-byte tensor written back).
 
 Each round trip carries the payload to the worker, which reads one byte of it and answers
 8 bytes. Figures: p50 and p99 of the round trip, and the front process' CPU per round trip
@@ -25,15 +29,19 @@ import os
 import queue
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from multiprocessing import shared_memory
 from typing import Any
 
+import numpy as np
 import uvloop
 
 from bench.common import median, options, pct, report
+from node.hop import ACT, NOTE, CoreHop, FrontHop, Region
 
 SIZES = {"1 KiB": 1024, "294 KiB": 294 * 1024}  # a state vector; a 224x224x3 camera frame, 294 KiB
 HEADER = 8  # the slot's first bytes: the payload's length
@@ -176,22 +184,73 @@ class Thread:
         self.thread.join()
 
 
+class NodeHop:
+    """``node/hop.py``: this process' ``FrontHop``, a ``CoreHop`` in a process of its own
+    (``python -m bench.hop core ...``), as a node's front and core."""
+
+    def __init__(self, size: int) -> None:
+        self.region = Region.create(4, size + 4096)
+        ask = os.eventfd(0, os.EFD_NONBLOCK)
+        answer = os.eventfd(0, os.EFD_NONBLOCK)
+        fds = (self.region.fd, ask, answer)
+        self.core = subprocess.Popen(
+            [sys.executable, "-m", "bench.hop", "core", *map(str, fds)], pass_fds=fds
+        )
+        self.front = FrontHop(self.region, ask, answer)
+        self.meta = {"doc": {"episode_id": "robot-1", "seq": 1}, "in": [["n", "obs"]]}
+
+    async def trip(self, payload: bytes) -> None:
+        tensor = np.frombuffer(payload, dtype=np.uint8)
+        await self.front.call(ACT, dict(self.meta), [tensor], lambda *_: None)
+
+    async def close(self) -> None:
+        await self.front.call(NOTE, {"stop": True}, [], lambda *_: None)
+        self.core.wait()
+        asyncio.get_running_loop().remove_reader(self.front.answer)
+        self.region.close()
+
+
+async def _core(region_fd: int, ask: int, answer: int) -> None:
+    """The core's end for :class:`NodeHop`: reads one byte of the payload, answers 8."""
+    stop = asyncio.get_running_loop().create_future()
+
+    async def handler(
+        kind: int, meta: dict[str, Any], arrays: list[Any], slot: int
+    ) -> tuple[dict[str, Any], list[Any]]:
+        if meta.get("stop"):
+            stop.set_result(None)
+            return {}, []
+        return {"facts": {"seq": 1}, "names": ["actions"]}, [np.full(2, arrays[0][-1], np.int32)]
+
+    async def undelivered(kept: Any) -> None:
+        pass
+
+    CoreHop(Region.open(region_fd), ask, answer, handler, undelivered).start()
+    await stop
+    await asyncio.sleep(0.01)  # the answer to the stop leaves
+
+
 async def _round(size: int, trips: int) -> dict[str, dict[str, float]]:
     payload = os.urandom(size)
-    shm, sock, thread = Shm(size), await Socket().open(), Thread()
+    shm, sock, thread, node = Shm(size), await Socket().open(), Thread(), NodeHop(size)
     try:
         return {
             "shm": await _timed(shm.trip, payload, trips),
             "socket": await _timed(sock.trip, payload, trips),
             "thread": await _timed(thread.trip, payload, trips),
+            "node": await _timed(node.trip, payload, trips),
         }
     finally:
         shm.close()
         await sock.close()
         thread.close()
+        await node.close()
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["core"]:  # NodeHop's other process
+        uvloop.run(_core(*(int(fd) for fd in sys.argv[2:5])))
+        return
     args = options(rounds=5, trips=5000)
     figures: list[dict[str, Any]] = []
     for label, size in SIZES.items():
@@ -210,6 +269,15 @@ def main() -> None:
                     f"{thread:.1f} µs: {shm / thread:.2f}x)",
                     "goal": f"≤ {goal:g} µs" if goal else "reported",
                     "ok": goal is None or shm <= goal,
+                }
+            )
+            node = med("node", what)
+            figures.append(
+                {
+                    "figure": f"{label}: {name} of a round trip, node/hop.py (front to core)",
+                    "result": f"{node:.1f} µs ({node / shm:.2f}x the bare shm hop)",
+                    "goal": f"≤ {goal:g} µs" if goal else "reported",
+                    "ok": goal is None or node <= goal,
                 }
             )
     report("hop", figures, {"rounds": args.rounds, "trips": args.trips, "cores": os.cpu_count()})

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from affinity import AffinityError
 from node import VERSION, openapi, routes
 from node.accesslog import AccessLog
-from node.asgi import Receive, Scope, Send, error_body, header, respond
+from node.asgi import Receive, Scope, Send, cross_site, error_body, header, respond
 from node.errors import AdminRefused, outcome
 from node.fleet import add_fleet_routes
 from node.protocols import act, internal, kserve, openpi
@@ -43,27 +43,6 @@ ADMIN_ACTIONS = ("/drain", "/undrain")
 decides those (401 without valid credentials, 403 for a client's key and while
 ``AFFINITY_ADMIN_TOKEN`` is unset: ``docs/security.md``), on a node with or without
 ``--api-key``."""
-
-
-def cross_site(scope: Scope) -> bool:
-    """Whether a browser sent this request on behalf of another site. Its
-    ``Sec-Fetch-Site`` is neither ``same-origin`` nor ``none`` (typed in). Or, from a
-    browser that does not send that, its ``Origin`` is not this ``Host``. Clients that are
-    not browsers send neither and pass."""
-    fetch_site = origin = host = None
-    for key, value in scope["headers"]:
-        if key == b"sec-fetch-site":
-            fetch_site = value
-        elif key == b"origin":
-            origin = value
-        elif key == b"host":
-            host = value
-    if fetch_site is not None:
-        return fetch_site not in (b"same-origin", b"none")
-    if origin is None:
-        return False
-    netloc = origin.partition(b"://")[2]
-    return not netloc or host is None or netloc.lower() != host.lower()
 
 
 class NodeApp:

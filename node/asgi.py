@@ -18,6 +18,7 @@ __all__ = [
     "Scope",
     "Send",
     "cancel_when_gone",
+    "cross_site",
     "error_body",
     "header",
     "header_values",
@@ -158,6 +159,27 @@ def _closed_now(receive: Receive) -> bool:
     finally:
         probe.close()  # type: ignore[attr-defined]
     return False
+
+
+def cross_site(scope: Scope) -> bool:
+    """Whether a browser sent this request on behalf of another site. Its
+    ``Sec-Fetch-Site`` is neither ``same-origin`` nor ``none`` (typed in). Or, from a
+    browser that does not send that, its ``Origin`` is not this ``Host``. Clients that are
+    not browsers send neither and pass."""
+    fetch_site = origin = host = None
+    for key, value in scope["headers"]:
+        if key == b"sec-fetch-site":
+            fetch_site = value
+        elif key == b"origin":
+            origin = value
+        elif key == b"host":
+            host = value
+    if fetch_site is not None:
+        return fetch_site not in (b"same-origin", b"none")
+    if origin is None:
+        return False
+    netloc = origin.partition(b"://")[2]
+    return not netloc or host is None or netloc.lower() != host.lower()
 
 
 def header(scope: Scope, name: bytes) -> str | None:

@@ -206,6 +206,10 @@ _FLAGS = (
           "seconds a new episode that finds every device full waits in a first-come backlog "
           "for a slot (within --act-deadline; 0: 503 at once)", float,
           into="admission_wait_s"),
+    _Flag("--front-doors", "AFFINITY_FRONT_DOORS", 1,
+          "processes that accept and decode HTTP requests on --port, sharing its socket; "
+          "/act crosses to the node's process over shared memory (1: that process alone)",
+          int, low=1, high=64),
     _Flag("--grpc-port", "AFFINITY_GRPC_PORT", None,
           "also serve KServe v2 over gRPC (Triton's GRPCInferenceService) on this port "
           "(none: off)", int, low=1, high=65535),

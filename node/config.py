@@ -82,6 +82,7 @@ class NodeConfig:
     fleet_view_every_s: float = 10.0
     record: str | None = None  # --record: where the recorder writes (node/recorder.py)
     shadow_models: tuple[ModelSpec, ...] = ()
+    front_doors: int = 1  # --front-doors: HTTP front processes (node/fronts.py); 1: none
 
     @property
     def served(self) -> tuple[ModelSpec, ...]:

@@ -72,6 +72,8 @@ __all__ = [
     "ForwardCancelled",
     "ForwardError",
     "GpuUnavailable",
+    "HopError",
+    "HopFull",
     "InvalidInput",
     "ModelFailure",
     "ModelNotServed",
@@ -83,6 +85,7 @@ __all__ = [
     "StepRefused",
     "TransferError",
     "Unavailable",
+    "Undelivered",
     "outcome",
     "refusal",
 ]
@@ -139,6 +142,21 @@ class ClientGone(Exception):
     def __init__(self, result: object = None) -> None:
         self.result = result
         super().__init__("the client closed its connection")
+
+
+class HopError(Exception):
+    """A front door's shared-memory slot that cannot be used (``node/hop.py``): a request
+    too big for a slot (the front answers 413), or a slot's content the core cannot read
+    (answered 400 ``malformed``)."""
+
+
+class HopFull(Exception):
+    """Every slot of a front door's hop is in flight: the step is refused 503 ``busy``."""
+
+
+class Undelivered(Exception):
+    """A front door's client had left when its reply came over the hop: the core was told,
+    and undoes the step as for a client of its own that left."""
 
 
 class InvalidInput(ValueError):

@@ -48,8 +48,8 @@ FORWARD = ("ok", "refused", "unreachable")
 REJECTED = ("bad_input", "too_large", "malformed", "unauthorized", "forbidden")
 DOORS = ("act", "kserve_http", "kserve_grpc", "openpi")
 """The front doors a step may come in by (``Step.door``)."""
-FRONTS = ("0",)
-"""The processes that run a node's doors, each with its own event loop: one today (``0``)."""
+FRONTS_ONLY = frozenset({"affinity_front_restarts_total"})
+"""Families a node has only with ``--front-doors`` above 1 (driven by the fronts' tests)."""
 PARTS = ("queue", "run", "forward")
 """The parts of a step's time ``affinity_step_part_seconds`` splits out."""
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.0125, 0.02, 0.025, 0.0333, 0.05, 0.1,
@@ -60,7 +60,8 @@ STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.0125, 0.02, 0.025, 0.0333, 
 LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
     "affinity_routing_total": {"result": ROUTING},
     "affinity_act_seconds": {"path": PATHS},
-    "affinity_event_loop_lag_seconds": {"front": FRONTS},
+    "affinity_event_loop_lag_seconds": {"front": "front"},
+    "affinity_front_restarts_total": {},
     "affinity_record_frames_total": {"outcome": ("queued", "dropped", "written")},
     "affinity_live_episodes": {"device": "device"},
     "affinity_worker_queue_depth": {"device": "device"},
@@ -141,6 +142,11 @@ class LoopHistogram:
         self._children: dict[tuple[str, ...], LoopBuckets] = {}
         registry.register(self)
 
+    def attach(self, values: tuple[str, ...], child: object) -> None:
+        """Export ``child`` (a :class:`LoopBuckets`, or what reads another process' counts:
+        ``counts``, ``sum`` and ``created``) as the child of ``values``."""
+        self._children[values] = child  # type: ignore[assignment]
+
     def labels(self, *values: str) -> LoopBuckets:
         child = self._children.get(values)
         if child is None:
@@ -210,6 +216,11 @@ class Metrics:
             ["front"],
             (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             r,
+        )
+        self.front_restarts = Counter(
+            "affinity_front_restarts_total",
+            "Front door processes (--front-doors) restarted after they died.",
+            registry=r,
         )
         self.live = Gauge(
             "affinity_live_episodes",

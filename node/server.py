@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import select
 import socket
 import sys
 from collections.abc import Sequence
@@ -31,17 +30,17 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from affinity import BackendUnavailable, NodeConflict
 from affinity.errors import SecretMismatch
 from node.accesslog import JsonFormatter
 from node.app import create_app
-from node.asgi import CONNECTION
 from node.cli import EXIT_USAGE, parse_args
 from node.config import NodeConfig
 from node.errors import GpuUnavailable
 from node.fleet import Fleet
+from node.fronts import Fronts, core_socket
+from node.httpproto import KeepAliveProtocol
 from node.service import NodeService
 from node.startup import StartupError, build_service
 
@@ -91,100 +90,6 @@ def stop_bounds(config: NodeConfig) -> StopBounds:
     )
 
 
-class _OneWriteTransport:
-    """A connection's transport that sends a response's status line and headers together
-    with what follows them. uvicorn writes the head and the body of a reply as two
-    ``write`` calls, so two TCP segments, and the client wakes up twice for one reply.
-    Measured with ``tritonclient.http`` in lockstep, steps to a node that writes once and
-    to one that writes twice taking turns: p50 0.58 ms vs 1.05 ms. The head is held until
-    the next write or the end of the loop iteration, whichever comes first. The next write
-    is the body, in the same send of a plain reply; the loop's end serves a streamed body.
-    Every other call goes to the transport."""
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._head: bytes | None = None
-
-    def write(self, data: bytes) -> None:
-        head, self._head = self._head, None
-        if head is not None:
-            self._transport.writelines((head, data))
-        elif data.startswith(b"HTTP/"):
-            self._head = data
-            self._loop.call_soon(self._flush)
-        else:
-            self._transport.write(data)
-
-    def _flush(self) -> None:
-        head, self._head = self._head, None
-        if head is not None and not self._transport.is_closing():
-            self._transport.write(head)
-
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
-
-    def write_eof(self) -> None:
-        self._flush()
-        self._transport.write_eof()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
-class _KeepAliveProtocol(HttpToolsProtocol):
-    """uvicorn's HTTP protocol, except that:
-
-    - an idle keep-alive connection whose client has already sent its next request is not
-      closed. The process may be paused (or the loop busy) past the keep-alive timeout.
-      Then the timer fires before the queued request is read. Closing would drop a request
-      the client cannot know the fate of. Such a request is read and answered instead (503
-      ``fenced`` if the lease lapsed).
-    - a reply's head and body leave in one write (:class:`_OneWriteTransport`).
-    - every request's scope carries it as :data:`~node.asgi.CONNECTION`, for
-      ``node.asgi.while_connected``. It says whether the client has closed the connection
-      by now (:meth:`peer_closed`: one ``poll(2)`` instead of two turns of the event loop).
-      It says whether other requests are being served (:meth:`serving_others`)."""
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(_OneWriteTransport(transport, self.loop))  # type: ignore[arg-type]
-        sock = transport.get_extra_info("socket")
-        self._hangup: select.poll | None = None
-        if sock is not None and sock.fileno() >= 0:
-            self._hangup = select.poll()
-            self._hangup.register(sock.fileno(), select.POLLRDHUP)
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self.scope[CONNECTION] = self  # type: ignore[literal-required]
-
-    def peer_closed(self) -> bool:
-        """Whether the client has closed (or reset) the connection, as the kernel knows it
-        now, even before the event loop read it: POLLRDHUP (its FIN), POLLHUP or POLLERR.
-        The socket is polled only while the transport is open, so the descriptor is this
-        connection's."""
-        if self.cycle is None or self.cycle.disconnected or self.transport.is_closing():
-            return True
-        if self._hangup is None:
-            return False
-        return bool(self._hangup.poll(0))
-
-    def serving_others(self) -> bool:
-        """Whether the server runs other requests' tasks now (every connection's)."""
-        return len(self.tasks) > 1
-
-    def timeout_keep_alive_handler(self) -> None:
-        sock = self.transport.get_extra_info("socket")
-        fd = sock.fileno() if sock is not None else -1
-        if fd >= 0 and select.select([fd], [], [], 0)[0]:
-            self.timeout_keep_alive_task = self.loop.call_later(
-                self.timeout_keep_alive, self.timeout_keep_alive_handler
-            )
-            return
-        super().timeout_keep_alive_handler()
-
-
 class _Server(uvicorn.Server):
     """uvicorn's server with the node's graceful stop. The first SIGTERM/SIGINT makes the
     node leave the fleet while it still listens: episodes handed over, deregistered, no
@@ -196,6 +101,8 @@ class _Server(uvicorn.Server):
         self.fleet = fleet
         self.leave_requested = False
         self.leaving: asyncio.Task[None] | None = None
+        self.fronts: Fronts | None = None
+        """The front door processes (``--front-doors`` > 1): stopped before this server."""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.leave_requested or self.should_exit:
@@ -216,16 +123,25 @@ class _Server(uvicorn.Server):
             self.fleet.close()  # a graceful stop waits for open responses: streams never end
         return await super().on_tick(counter)
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.fronts is not None:  # they finish their requests, served by this process
+            grace = self.config.timeout_graceful_shutdown or 0
+            await self.fronts.stop(0 if self.force_exit else grace)
+        await super().shutdown(sockets)
 
-def bind(host: str, port: int) -> socket.socket:
+
+def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """The node's listening socket, bound (not yet listening) before anything registers:
-    a node that could not serve must never advertise itself. Raises ``OSError``."""
+    a node that could not serve must never advertise itself. ``reuse_port``: one of the
+    fronts' sockets (``SO_REUSEPORT``). Raises ``OSError``."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
     except OSError:
         sock.close()
@@ -238,17 +154,46 @@ async def _serve(config: NodeConfig, held: _HeldLines | None = None) -> int:
     if config.grpc_port is not None:
         ports["--grpc-port"] = config.grpc_port
     socks: list[socket.socket] = []
+    fronts: list[socket.socket] = []
     for flag, port in ports.items():
         try:
             socks.append(bind(config.host, port))
+            if flag == "--host/--port" and config.front_doors > 1:
+                fronts = front_sockets(config.host, port, config.front_doors, socks.pop())
+                socks.append(fronts[0])
         except OSError as exc:
-            for sock in socks:
+            for sock in socks + fronts:
                 sock.close()
             print(f"affinity-node: cannot listen on {config.host}:{port} ({flag}): "
                   f"{exc.strerror or exc}", file=sys.stderr)  # fmt: skip
             return EXIT_LISTEN
     with socks[0]:
-        return await _serve_on(config, socks[0], socks[1] if len(socks) > 1 else None, held)
+        grpc_sock = socks[1] if len(socks) > 1 else None
+        try:
+            return await _serve_on(config, socks[0], grpc_sock, held, fronts)
+        finally:
+            for sock in fronts:
+                sock.close()
+
+
+def front_sockets(host: str, port: int, count: int, probe: socket.socket) -> list[socket.socket]:
+    """``count`` sockets bound to ``host:port`` with ``SO_REUSEPORT``, one a front: the
+    kernel spreads new connections over them evenly (one socket shared by all fronts gave
+    every connection of a burst to the front that woke first). ``probe`` holds the port
+    exclusively until they are bound, so a port another process listens on (with or
+    without ``SO_REUSEPORT``) is refused as it is without fronts; a socket of a front that
+    died stays open here, its queued connections kept for the front that replaces it."""
+    with probe:
+        probe.close()
+        socks: list[socket.socket] = []
+        try:
+            for _ in range(count):
+                socks.append(bind(host, port, reuse_port=True))
+        except OSError:
+            for sock in socks:
+                sock.close()
+            raise
+    return socks
 
 
 async def _register(config: NodeConfig, service: NodeService) -> int | None:
@@ -278,6 +223,7 @@ async def _serve_on(
     sock: socket.socket,
     grpc_sock: socket.socket | None = None,
     held: _HeldLines | None = None,
+    fronts: list[socket.socket] | None = None,
 ) -> int:
     """Start the node on ``sock`` (bound) and serve until it stops; ``grpc_sock`` holds
     ``--grpc-port`` (bound, exclusively) until gRPC's own listener takes it over."""
@@ -292,12 +238,43 @@ async def _serve_on(
     if held is not None:
         held.serving()  # it serves: the lines held since it started are written now
     bounds = stop_bounds(config)
+    server = _http_server(config, service, bounds)
     try:
-        await _http_server(config, service, bounds).serve(sockets=[sock])
+        if fronts:
+            await _serve_fronts(config, service, server, fronts, bounds)
+        else:
+            await server.serve(sockets=[sock])
     finally:
         if grpc_server is not None:
             await grpc_server.stop(bounds.grpc_stop_s)
     return EXIT_CONFLICT if service.lease.conflict is not None else 0
+
+
+async def _serve_fronts(
+    config: NodeConfig, service: NodeService, server: _Server, socks: list[socket.socket],
+    bounds: StopBounds,
+) -> None:  # fmt: skip
+    """Serve with ``--front-doors`` processes, front k accepting on ``socks[k]``
+    (node/fronts.py); this process serves their steps over the hop, and its app on a Unix
+    socket for the rest."""
+    for sock in socks:
+        sock.listen(2048)
+    core, name = core_socket()
+    spec = {
+        "api_key": config.api_key,
+        "max_body_bytes": config.max_body_bytes,
+        "max_rows": config.max_rows,
+        "keep_alive_s": config.keep_alive_s,
+        "close_s": bounds.http_close_s,
+        "access_log": config.access_log,
+        "log_format": config.log_format,
+        "log_level": config.log_level,
+    }
+    fronts = Fronts(service, socks, name, spec)
+    server.fronts = fronts
+    fronts.start()
+    with core:
+        await server.serve(sockets=[core])
 
 
 async def _start(
@@ -355,7 +332,7 @@ def _http_server(config: NodeConfig, service: NodeService, bounds: StopBounds) -
             app,
             host=config.host,
             port=config.port,
-            http=_KeepAliveProtocol,
+            http=KeepAliveProtocol,
             ws="websockets-sansio",
             ws_max_size=config.max_body_bytes,
             log_level="warning",

@@ -208,6 +208,9 @@ class NodeService:
         )
         self._maintenance: asyncio.Task[None] | None = None
         self._loop_lag: asyncio.Task[None] | None = None
+        # the process serving the doors is front 0; with --front-doors N > 1 the fronts are
+        # 0..N-1 (their samples read from their hop, node/fronts.py) and this one the core
+        self._lag_label = "0" if config.front_doors <= 1 else "core"
         every = config.fleet_view_every_s
         fleet = Inventory(lease_registry.redis, config.settings)  # the lease's own pool
         self.signals = FleetSignals(self.node_id, fleet, self.metrics, every, clock)
@@ -331,7 +334,7 @@ class NodeService:
         await self.lease.start()
         self._maintenance = asyncio.create_task(self._maintain(), name="affinity-maintenance")
         self._loop_lag = asyncio.create_task(
-            watch_loop_lag(self.metrics.loop_lag.labels("0")), name="affinity-loop-lag"
+            watch_loop_lag(self.metrics.loop_lag.labels(self._lag_label)), name="affinity-loop-lag"
         )
         if self.config.fleet_view_every_s:
             self.signals.start()

@@ -127,16 +127,24 @@ def test_a_redis_url_from_the_environment_is_checked_too() -> None:
     assert_one_line(out, "AFFINITY_REDIS_URL")
 
 
-def test_a_port_in_use_exits_6_before_the_node_registers() -> None:
+@pytest.mark.parametrize("fronts", [[], ["--front-doors", "2"]], ids=["one", "fronts"])
+@pytest.mark.parametrize("reuse_port", [False, True], ids=["plain", "reuseport"])
+def test_a_port_in_use_exits_6_before_the_node_registers(
+    fronts: list[str], reuse_port: bool
+) -> None:
+    """Also with fronts, whose sockets share the port (SO_REUSEPORT): a listener already
+    there, even one that allows sharing, is refused, never joined."""
     tmp = tmpdir()
     server = RedisServer(tmp).start()
     try:
         with socket.socket() as taken:
+            if reuse_port:
+                taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             port = taken.getsockname()[1]
             out = node("--redis", server.url, "--devices", "cpu:1", "--port", str(port),
-                       "--node-id", "busy")  # fmt: skip
+                       "--node-id", "busy", *fronts)  # fmt: skip
         assert_one_line(out, f"cannot listen on 127.0.0.1:{port}", code=6)
         # it never registered, nor advertised itself (the fleet marker is the test server's)
         assert server.client().keys("*") == [Keys().fleet]

@@ -277,7 +277,7 @@ def test_a_replys_head_and_body_leave_in_one_write() -> None:
     """uvicorn writes a reply's head and its body apart; the node's transport sends them
     in one write (one TCP segment, one wake-up of the client), and a head whose body does
     not follow in the same loop iteration (a streamed reply) leaves at its end."""
-    from node.server import _OneWriteTransport
+    from node.httpproto import OneWriteTransport
 
     class Recording:
         def __init__(self) -> None:
@@ -298,7 +298,7 @@ def test_a_replys_head_and_body_leave_in_one_write() -> None:
     loop = asyncio.new_event_loop()
     try:
         wire = Recording()
-        transport = _OneWriteTransport(wire, loop)  # type: ignore[arg-type]
+        transport = OneWriteTransport(wire, loop)  # type: ignore[arg-type]
         head = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
         transport.write(head)
         transport.write(b"{}")

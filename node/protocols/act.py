@@ -37,7 +37,6 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
-import numpy as np
 import orjson
 
 from affinity import InvalidArgument, UnknownField, check_episode, wire
@@ -58,76 +57,25 @@ from node.asgi import (
     while_connected,
 )
 from node.errors import BodyError, ClientGone, InvalidInput, Refused, Unavailable, outcome
+from node.protocols.body import MSGPACK, count_rows, is_msgpack, parse, plain
 from node.rtc import control_rate
 from node.service import NodeService
 from node.step import Reply, Step
 from node.timing import TIMING_HEADER, asks_timing
 
-__all__ = ["MSGPACK", "count_rows", "decode", "decode_rows", "encode", "encode_row", "handle"]
+__all__ = [
+    "MSGPACK", "count_rows", "decode", "decode_doc", "decode_rows", "encode", "encode_row",
+    "handle",
+]  # fmt: skip
 
 log = logging.getLogger("affinity.node")
 
-MSGPACK = "application/msgpack"
 FIELDS = (
     "episode_id", "session_id", "inputs", "end", "token", "claim", "seq", "execute_steps",
     "ensemble", "model", "executed", "inference_delay", "control_hz", "pending",
 )  # fmt: skip
 _KNOWN = frozenset(FIELDS)
 _HEADERS = (b"content-type", b"accept", b"authorization", TIMING_HEADER)  # read by handle()
-
-
-def _is_msgpack(content_type: str | None) -> bool:
-    return content_type is not None and content_type.split(";")[0].strip() in (
-        MSGPACK,
-        "application/x-msgpack",
-    )
-
-
-def _parse(body: bytes, binary: bool, max_rows: int) -> Any:
-    """The body's document; a message of rows past ``max_rows`` is refused (413) first:
-    in msgpack before anything of it is decoded (from the list's header), in JSON right
-    after the parse (one call), before any row's inputs become arrays."""
-    if binary:
-        count = count_rows(body)
-        if count is not None and count > max_rows:
-            raise _too_many(count, max_rows)
-    try:
-        doc = wire.decode(body) if binary else orjson.loads(body)
-    except wire.WireError as exc:  # it says "body is not valid msgpack: ..." itself
-        raise BodyError(400, "malformed", str(exc)) from None
-    except (ValueError, RecursionError) as exc:  # orjson's errors
-        raise BodyError(400, "malformed", f"body is not valid JSON: {exc}"[:300]) from None
-    if not isinstance(doc, dict):
-        raise BodyError(400, "malformed", "body must be a map (a JSON object)")
-    rows = doc.get("steps")
-    if isinstance(rows, list) and len(rows) > max_rows:
-        raise _too_many(len(rows), max_rows)
-    return doc
-
-
-def _too_many(count: int, max_rows: int) -> Refused:
-    return Refused(413, "too_many_rows", f"{count} rows in one message; the limit is {max_rows} "
-                   "(--max-rows)")  # fmt: skip
-
-
-def count_rows(body: bytes) -> int | None:
-    """How many rows a msgpack body ``{"steps": [...]}`` declares, read from its first
-    bytes alone: a map of one key, ``steps``, then the list's header (None: another body,
-    which a one-row step's is; the full decode says what is wrong with it)."""
-    if not body.startswith(_STEPS_HEAD):
-        return None
-    at = len(_STEPS_HEAD)
-    kind = body[at : at + 1]
-    if kind and 0x90 <= kind[0] <= 0x9F:  # fixarray
-        return kind[0] & 0x0F
-    width = {b"\xdc": 2, b"\xdd": 4}.get(kind)
-    if width is None or len(body) < at + 1 + width:
-        return None
-    return int.from_bytes(body[at + 1 : at + 1 + width], "big")
-
-
-_STEPS_HEAD = b"\x81\xa5steps"
-"""msgpack of a map of one entry whose key is ``"steps"``: what a body of rows starts with."""
 
 
 def decode(
@@ -142,10 +90,10 @@ def decode(
     several models (422), or a model no node serves (404); for a message of rows past
     ``--max-rows`` (413) or naming an episode twice (400). Nothing has changed anywhere
     then."""
-    doc = _parse(body, binary, service.config.max_rows)
+    doc = parse(body, binary, service.config.max_rows)
     if "steps" in doc:
         return decode_rows(service, doc, binary, deadline)
-    return _decode_doc(service, doc, binary, deadline)
+    return decode_doc(service, doc, binary, deadline)
 
 
 async def decode_rows(
@@ -175,13 +123,13 @@ async def decode_rows(
         try:
             if not isinstance(row, dict):
                 raise BodyError(400, "malformed", "a row must be a map (a JSON object)")
-            steps.append(await _decode_doc(service, row, binary, deadline))
+            steps.append(await decode_doc(service, row, binary, deadline))
         except (BodyError, InvalidInput, InvalidArgument, Refused, Unavailable) as exc:
             steps.append(exc)
     return steps
 
 
-async def _decode_doc(
+async def decode_doc(
     service: NodeService, doc: dict[Any, Any], binary: bool, deadline: float
 ) -> Step:
     for key in doc:
@@ -240,12 +188,6 @@ async def _decode_doc(
     )
 
 
-def _numpy(obj: Any) -> Any:
-    if isinstance(obj, np.ndarray | np.generic):
-        return obj.tolist()
-    raise TypeError(type(obj).__name__)
-
-
 def encode(
     reply: Reply, binary: bool, timing: bool = False
 ) -> tuple[bytes, bytes, list[tuple[bytes, bytes]]]:
@@ -257,7 +199,7 @@ def encode(
     if binary:
         body, kind = wire.encode(doc), MSGPACK.encode()
     else:
-        body = orjson.dumps(doc, default=_numpy, option=orjson.OPT_SERIALIZE_NUMPY)
+        body = orjson.dumps(doc, default=plain, option=orjson.OPT_SERIALIZE_NUMPY)
         kind = b"application/json"
     headers = [
         (b"x-affinity-device", reply.device.encode()),
@@ -280,7 +222,7 @@ async def handle(service: NodeService, scope: Scope, receive: Receive, send: Sen
     deadline = received + service.config.act_deadline_s
     metrics = service.metrics
     content_type, accept, authorization, timing = header_values(scope, _HEADERS)
-    binary_in = _is_msgpack(content_type)
+    binary_in = is_msgpack(content_type)
     binary_out = MSGPACK in (accept or "")
     if not service.client_allowed(authorization):
         metrics.rejected.labels("unauthorized").inc()
@@ -368,6 +310,6 @@ async def _handle_rows(
     if binary:
         body, kind = wire.encode(doc), MSGPACK.encode()
     else:
-        body = orjson.dumps(doc, default=_numpy, option=orjson.OPT_SERIALIZE_NUMPY)
+        body = orjson.dumps(doc, default=plain, option=orjson.OPT_SERIALIZE_NUMPY)
         kind = b"application/json"
     await respond(send, 200, body, kind)

@@ -1,0 +1,199 @@
+"""``--front-doors`` (issue 43's first slice) under ``wrk -c16``: a node with 1 and with 2
+fronts against the minimal app of ``bench/baseline_app.py`` with 1 and 2 uvicorn workers,
+the four servers driven in turn in every round (same run, alternating).
+
+Figures (medians over ``--runs`` rounds of ratios measured in the same round):
+throughput of the node with N fronts / the minimal app with N workers (goal ≥ 0.9x at 2);
+the node with 2 fronts / the node with 1 (goal ≥ 1.4x); p50 under that load, node 2 fronts
+/ app 2 workers (goal ≤ 1.1x); p50 of one client in lockstep, node 2 fronts / node 1
+(goal ≤ 1.05x); server CPU per request of every process of each server (from
+/proc); every process' RSS, and the node's total at 2 fronts / at 1 (goal ≤ 1.5x).
+
+The load is bench/act.py's: JSON /act bodies cycling over 64 sticky episodes on one CPU
+device of the demo policy (every request a Redis resolve, a hit). wrk runs one thread,
+beside the servers on the same cores: say the machine's cores and load with the figures.
+
+Usage: python -m bench.fronts [--runs 5] [--seconds 4] [--connections 16]
+(wrk: ``bash .ci/run --print-packages`` lists it; else ``apt-get install -y wrk``)
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from bench.act import EXTRA, episodes_lua
+from bench.common import (
+    ROOT,
+    Node,
+    RedisServer,
+    free_port,
+    median,
+    options,
+    report,
+    tmpdir,
+    wait_until,
+    wrk,
+)
+
+SERVERS = ("node1", "node2", "app1", "app2")
+
+
+def family(pid: int) -> list[int]:
+    """``pid`` and its children (a node's fronts; uvicorn's workers), from /proc."""
+    found = [pid]
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def app(workers: int) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    argv = [sys.executable, "-m", "bench.baseline_app", str(port), str(workers)]
+    proc = subprocess.Popen(argv, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(url + "/readyz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_until(ready, 60, f"minimal app, {workers} worker(s)")
+    if workers > 1:
+        wait_until(lambda: len(family(proc.pid)) > workers, 60, "its workers")
+    return proc, url
+
+
+def main() -> None:
+    a = options(runs=5, seconds=4.0, connections=16)
+    tmp = tmpdir()
+    redises = [RedisServer(tmp).start() for _ in range(2)]  # two fleets: no forwards between
+    extra = ["--capacity", "1000", "--lease-ttl", "30", "--access-log", "off", *EXTRA]
+    nodes = {
+        1: Node(tmp, "one", redises[0].url, devices="cpu:1", extra=extra),
+        2: Node(tmp, "two", redises[1].url, devices="cpu:1", extra=[*extra, "--front-doors", "2"]),
+    }
+    apps: dict[int, tuple[subprocess.Popen[bytes], str]] = {}
+    rounds: list[dict[str, float]] = []
+    rss: dict[str, list[float]] = {}
+    try:
+        for n, node in nodes.items():
+            node.start(timeout=60)
+            assert node.proc.popen is not None
+            wait_until(lambda node=node, n=n: len(family(node.proc.popen.pid)) >= n, 30,
+                       "fronts")  # fmt: skip
+            apps[n] = app(n)
+        urls = {f"node{n}": node.url for n, node in nodes.items()}
+        urls.update({f"app{n}": url for n, (_, url) in apps.items()})
+        pids = {f"node{n}": node.proc.popen.pid for n, node in nodes.items()}  # type: ignore[union-attr]
+        pids.update({f"app{n}": proc.pid for n, (proc, _) in apps.items()})
+        load = episodes_lua(64)
+        for url in urls.values():  # warm (sessions, connections, claims)
+            wrk(url, load, duration_s=1, connections=a.connections)
+        for _ in range(a.runs):
+            got: dict[str, float] = {}
+            for name in ("app1", "node1", "app2", "node2"):
+                run = wrk(urls[name], load, duration_s=a.seconds, connections=a.connections,
+                          server_pids=family(pids[name]))  # fmt: skip
+                got[f"rps_{name}"] = run.rps
+                got[f"p50_{name}"] = run.p50
+                got[f"cpu_{name}"] = run.cpu_per_request * 1e6
+            for name in ("node1", "node2"):  # one client in lockstep: a robot's latency
+                got[f"p50_1_{name}"] = wrk(urls[name], load, duration_s=a.seconds / 2,
+                                           connections=1).p50  # fmt: skip
+            rounds.append(got)
+        for name, pid in pids.items():
+            rss[name] = [round(rss_mib(p), 1) for p in family(pid)]
+    finally:
+        for node in nodes.values():
+            node.stop()
+        for proc, _ in apps.values():
+            proc.kill()
+        for redis in redises:
+            redis.stop()
+
+    def ratio(top: str, bottom: str) -> float:
+        return median([r[top] / r[bottom] for r in rounds])
+
+    def med(key: str) -> float:
+        return median([r[key] for r in rounds])
+
+    t1 = ratio("rps_node1", "rps_app1")
+    t2 = ratio("rps_node2", "rps_app2")
+    scale = ratio("rps_node2", "rps_node1")
+    p50 = ratio("p50_node2", "p50_app2")
+    memory = sum(rss["node2"]) / sum(rss["node1"])
+    lockstep = ratio("p50_1_node2", "p50_1_node1")
+    figures = [
+        {
+            "figure": f"/act throughput, wrk -c{a.connections}, node 1 front / minimal app "
+            "1 worker",
+            "result": f"{t1:.2f}x ({med('rps_node1'):.0f} vs {med('rps_app1'):.0f} req/s)",
+            "goal": "reported",
+            "ok": True,
+        },
+        {
+            "figure": "node 2 fronts / minimal app 2 workers",
+            "result": f"{t2:.2f}x ({med('rps_node2'):.0f} vs {med('rps_app2'):.0f} req/s)",
+            "goal": ">= 0.9x",
+            "ok": t2 >= 0.9,
+        },
+        {
+            "figure": "node 2 fronts / node 1 front",
+            "result": f"{scale:.2f}x",
+            "goal": ">= 1.4x",
+            "ok": scale >= 1.4,
+        },
+        {
+            "figure": "p50 under that load, node 2 fronts / minimal app 2 workers",
+            "result": f"{p50:.2f}x ({med('p50_node2') * 1e3:.2f} ms vs "
+            f"{med('p50_app2') * 1e3:.2f} ms)",
+            "goal": "<= 1.1x",
+            "ok": p50 <= 1.1,
+        },
+        {
+            "figure": "p50 of one client in lockstep, node 2 fronts / node 1",
+            "result": f"{lockstep:.2f}x ({med('p50_1_node2') * 1e3:.2f} ms vs "
+            f"{med('p50_1_node1') * 1e3:.2f} ms)",
+            "goal": "<= 1.05x",
+            "ok": lockstep <= 1.05,
+        },
+        {
+            "figure": "server CPU per request (every process): node 1, node 2, app 1, app 2",
+            "result": ", ".join(f"{med('cpu_' + n):.0f} µs" for n in SERVERS),
+            "goal": "reported",
+            "ok": True,
+        },
+        {
+            "figure": "RSS of every process (MiB; the node's process or the app's master "
+            "first), node 2 fronts total / node 1",
+            "result": f"{memory:.2f}x; "
+            + "; ".join(f"{n}: {'+'.join(map(str, v))}" for n, v in rss.items()),
+            "goal": "<= 1.5x",
+            "ok": memory <= 1.5,
+        },
+    ]
+    report("fronts", figures, {"rounds": rounds, "rss_mib": rss, "cores": os.cpu_count(),
+                               "load": os.getloadavg()})  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,438 @@
+"""A front door process (``--front-doors N`` > 1; the core's side: ``node/fronts.py``).
+
+It accepts on the node's HTTP listening socket, inherited from the core (the core bound it
+before it registered), with the node's own HTTP protocol (``node/server.py``). In this slice
+only ``POST /act`` is decoded here: the body's parse (JSON or msgpack, one row or
+``{"steps": [...]}``), its inputs written once into a slot of the hop (``node/hop.py``), the
+reply encoded here. Every other HTTP path is passed to the core's Unix socket as it came
+(a keep-alive pool), and a websocket (openpi) is relayed frame by frame to it. It keeps no
+episode state: killed, it loses only its connections.
+
+It dies with the core (``PR_SET_PDEATHSIG``); SIGINT and SIGTERM are the core's to act on
+(it keeps serving while the core hands its episodes over); SIGUSR1 from the core stops it
+gracefully.
+
+Run by the core as ``python -m node.front INDEX LISTEN_FD REGION_FD ASK_FD ANSWER_FD
+PARENT_PID CORE_SOCKET_HEX``, its settings in ``AFFINITY_FRONT_SPEC`` (JSON).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import hmac
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from types import FrameType
+from typing import Any
+
+import httpx
+import numpy as np
+import uvicorn
+
+from node.accesslog import STEP_KEY, AccessLog, JsonFormatter
+from node.asgi import (
+    CONNECTION,
+    Receive,
+    Scope,
+    Send,
+    cross_site,
+    error_body,
+    header_values,
+    read_body,
+    respond,
+    respond_gone,
+)
+from node.errors import BodyError, HopError, HopFull, Refused, Undelivered, outcome
+from node.hop import ACT, NOTE, ROWS, Array, FrontHop, Region
+from node.hop import SharedLoopBuckets as _Lag
+from node.httpproto import KeepAliveProtocol
+from node.looplag import watch_loop_lag
+from node.protocols.body import MSGPACK, encode_doc, is_msgpack, parse, reply_headers
+
+__all__ = ["main"]
+
+log = logging.getLogger("affinity.node")
+
+PR_SET_PDEATHSIG = 1
+TIMING_HEADER = b"x-affinity-timing"  # node/timing.py's, not imported: it loads the models
+_HEADERS = (b"content-type", b"accept", b"authorization", TIMING_HEADER)
+LAG_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+"""``affinity_event_loop_lag_seconds``' bounds (node/metrics.py), observed into the region."""
+_HOP_BY_HOP = frozenset(
+    (b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"te", b"trailer")
+)
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent dies; exit now if it already has."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != parent:  # the parent died before prctl: nobody would kill us
+        os._exit(0)
+
+
+def _inputs(raw: Any, binary: bool, arrays: list[Array]) -> dict[str, Any]:
+    """A row's inputs for the hop: tensors into ``arrays`` (raw bytes in the slot), what
+    is not a rectangular array of numbers as its value (the core decodes it as ``/act``
+    does)."""
+    if not isinstance(raw, dict):
+        return {"raw": raw}
+    entries: list[list[Any]] = []
+    for name, value in raw.items():
+        array = _tensor(value, binary)
+        if array is None:
+            entries.append(["v", name, value])
+        else:
+            entries.append(["n", name])
+            arrays.append(array)
+    return {"in": entries}
+
+
+def _tensor(value: Any, binary: bool) -> Array | None:
+    if binary:
+        if isinstance(value, np.ndarray) and value.dtype.kind in "biufcUS":
+            return np.ascontiguousarray(value)
+        return None
+    if not isinstance(value, list):
+        return None
+    try:
+        array = np.array(value)
+    except (ValueError, OverflowError):
+        return None
+    if array.dtype.kind not in "biuf" or array.size == 0:
+        return None
+    if (
+        array.dtype.kind == "f"
+        and bool(np.all(np.abs(array) < 2**53))
+        and bool(np.all(array == np.trunc(array)))
+    ):
+        array = array.astype(np.int64)  # JSON's whole numbers fit an integer input too
+    return array
+
+
+def _row(doc: Any, binary: bool, arrays: list[Array]) -> dict[str, Any]:
+    if not isinstance(doc, dict):
+        return {"row": doc}
+    fields = {k: v for k, v in doc.items() if k != "inputs"}
+    row: dict[str, Any] = {"doc": fields}
+    if "inputs" in doc:
+        row.update(_inputs(doc["inputs"], binary, arrays))
+    return row
+
+
+def request(doc: dict[str, Any], binary: bool) -> tuple[int, dict[str, Any], list[Array]]:
+    """(kind, meta, tensors) of a parsed ``/act`` body, for the hop."""
+    arrays: list[Array] = []
+    if "steps" not in doc:
+        return ACT, _row(doc, binary, arrays), arrays
+    rows = doc["steps"]
+    if len(doc) != 1 or not isinstance(rows, list):
+        return ROWS, {"bad": doc}, []
+    return ROWS, {"rows": [_row(r, binary, arrays) for r in rows]}, arrays
+
+
+def _answer(
+    kind: int, meta: dict[str, Any], views: list[Array], binary: bool
+) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]:
+    """(status, body, content type, headers) of the core's reply, encoded here (while the
+    outputs are views of the slot)."""
+    err = meta.get("err")
+    if err is not None:
+        status, code, message, field, retry_after = err
+        headers = []
+        if retry_after is not None:
+            headers.append((b"retry-after", str(max(1, round(retry_after))).encode()))
+        return status, error_body(code, message, field), b"application/json", headers
+    if "rows" in meta:
+        at, rows = 0, []
+        for row in meta["rows"]:
+            if "facts" in row:
+                names = row["names"]
+                rows.append({"outputs": dict(zip(names, views[at:], strict=False)),
+                             **row["facts"]})  # fmt: skip
+                at += len(names)
+            else:
+                rows.append(row)
+        body, content_type = encode_doc({"steps": rows}, binary)
+        return 200, body, content_type, []
+    facts = meta["facts"]
+    doc = {"outputs": dict(zip(meta["names"], views, strict=True)), **facts}
+    body, content_type = encode_doc(doc, binary)
+    return 200, body, content_type, reply_headers(facts, meta.get("url"))
+
+
+class FrontApp:
+    """The front's ASGI app: ``POST /act`` over the hop, the rest to the core."""
+
+    def __init__(self, hop: FrontHop, core: str, spec: dict[str, Any]) -> None:
+        self.hop = hop
+        self.core = core
+        self.api_key: str | None = spec.get("api_key")
+        self.max_body = int(spec["max_body_bytes"])
+        self.max_rows = int(spec["max_rows"])
+        self.access = AccessLog(bool(spec.get("access_log", True)),
+                                json=spec.get("log_format") == "json")  # fmt: skip
+        self.client = httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(uds=core),
+            timeout=httpx.Timeout(None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            if scope["path"] == "/act" and scope["method"] == "POST" and not cross_site(scope):
+                await self.access(self.act, scope, receive, send)
+            else:
+                await self.pass_on(scope, receive, send)
+        elif kind == "websocket":
+            await self.relay(scope, receive, send)
+        elif kind == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await self.client.aclose()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+
+    def _allowed(self, authorization: str | None) -> bool:
+        if not self.api_key:
+            return True
+        scheme, _, key = (authorization or "").partition(" ")
+        return scheme.lower() == "api-key" and hmac.compare_digest(
+            key.strip().encode(), self.api_key.encode()
+        )
+
+    async def _note(self, reason: str) -> None:
+        """Have the core count a refusal this front answered itself."""
+        with contextlib.suppress(HopFull, HopError):
+            await self.hop.call(NOTE, {"rejected": reason}, [], lambda *_: None)
+
+    async def act(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /act``, as ``node/protocols/act.py`` answers it."""
+        received = time.monotonic()
+        content_type, accept, authorization, timing = header_values(scope, _HEADERS)
+        binary_in = is_msgpack(content_type)
+        binary_out = MSGPACK in (accept or "")
+        if not self._allowed(authorization):
+            await self._note("unauthorized")
+            body = error_body("unauthorized", "this node wants Authorization: Api-Key <key>")
+            await respond(send, 401, body, headers=[(b"www-authenticate", b"Api-Key")])
+            return
+        try:
+            body = await read_body(scope, receive, self.max_body)
+            kind, meta, arrays = request(parse(body, binary_in, self.max_rows), binary_in)
+        except (BodyError, Refused) as exc:
+            o = outcome(exc)
+            if o.reject_reason is not None:
+                await self._note(o.reject_reason)
+            await respond(send, o.status, error_body(o.code, o.message, o.field))
+            return
+        meta["recv"] = received
+        meta["timing"] = timing is not None and timing.strip().lower() in ("1", "true")
+        connection = scope.get(CONNECTION)
+
+        def use(
+            kind: int, reply: dict[str, Any], views: list[Array]
+        ) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]:
+            facts = reply.get("facts")
+            if facts is not None:  # the access line's
+                scope[STEP_KEY] = (facts["episode_id"] or "-", facts["device"], facts["routing"])
+            elif "rows" in reply:
+                scope[STEP_KEY] = (f"{len(reply['rows'])} rows", "-", "-")
+            return _answer(kind, reply, views, binary_out)
+
+        def gone() -> bool:
+            return connection is not None and bool(connection.peer_closed())
+
+        try:
+            status, out, content, headers = await self.hop.call(kind, meta, arrays, use, gone)
+        except HopFull:
+            body = error_body("busy", "this front door has every step of its hop in flight")
+            await respond(send, 503, body, headers=[(b"retry-after", b"1")])
+            return
+        except HopError as exc:
+            await respond(send, 413, error_body("too_large", str(exc)))
+            return
+        except Undelivered:
+            await respond_gone(send)
+            return
+        await respond(send, status, out, content, headers)
+
+    async def pass_on(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Any other HTTP request, to the core's app as it came; its reply back, streamed."""
+        chunks = []
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        url = scope["path"] + ("?" + scope["query_string"].decode() if scope["query_string"]
+                               else "")  # fmt: skip
+        headers = [(k, v) for k, v in scope["headers"] if k not in _HOP_BY_HOP]
+        request = self.client.build_request(
+            scope["method"], "http://core" + url, headers=headers, content=b"".join(chunks)
+        )
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            body = error_body("unavailable", f"the node's core did not answer: {exc}")
+            await respond(send, 503, body, headers=[(b"retry-after", b"1")])
+            return
+        try:
+            await send({
+                "type": "http.response.start",
+                "status": response.status_code,
+                "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in
+                            _HOP_BY_HOP],
+            })  # fmt: skip
+            async for chunk in response.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await response.aclose()
+
+    async def relay(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A websocket, relayed frame by frame to the core's (openpi)."""
+        from websockets.asyncio.client import unix_connect
+        from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+        await receive()  # websocket.connect
+        path = scope["path"] + ("?" + scope["query_string"].decode() if scope["query_string"]
+                                else "")  # fmt: skip
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
+                   if k not in _HOP_BY_HOP and not k.startswith(b"sec-websocket")
+                   and k != b"host"]  # fmt: skip
+        try:
+            # connected here: uvloop's create_unix_connection refuses an abstract name
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            try:
+                await asyncio.get_running_loop().sock_connect(sock, self.core)
+            except OSError:
+                sock.close()
+                raise
+            upstream = await unix_connect(
+                None, "ws://core" + path, sock=sock, additional_headers=headers,
+                max_size=None, compression=None, ping_interval=None,
+            )  # fmt: skip
+        except InvalidStatus as exc:
+            await self._deny(scope, send, exc.response.status_code, bytes(exc.response.body or b""))
+            return
+        except OSError:
+            await send({"type": "websocket.close", "code": 1011})
+            return
+        await send({"type": "websocket.accept"})
+
+        async def down() -> None:
+            async for frame in upstream:
+                if isinstance(frame, bytes):
+                    await send({"type": "websocket.send", "bytes": frame})
+                else:
+                    await send({"type": "websocket.send", "text": frame})
+
+        pump = asyncio.create_task(down())
+        try:
+            while True:
+                pump_or_msg = asyncio.ensure_future(receive())
+                done, _ = await asyncio.wait(
+                    {pump_or_msg, pump}, return_when=asyncio.FIRST_COMPLETED
+                )
+                if pump in done:
+                    pump_or_msg.cancel()
+                    code = upstream.close_code or 1000
+                    await send({"type": "websocket.close", "code": code})
+                    return
+                message = pump_or_msg.result()
+                if message["type"] == "websocket.disconnect":
+                    return
+                data = message.get("bytes")
+                await upstream.send(data if data is not None else message.get("text", ""))
+        except ConnectionClosed:
+            await send({"type": "websocket.close", "code": upstream.close_code or 1011})
+        finally:
+            pump.cancel()
+            await upstream.close()
+
+    async def _deny(self, scope: Scope, send: Send, status: int, body: bytes) -> None:
+        if "websocket.http.response" in scope.get("extensions", {}):
+            await send({"type": "websocket.http.response.start", "status": status,
+                        "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+            await send({"type": "websocket.http.response.body", "body": body})
+        else:
+            await send({"type": "websocket.close", "code": 1008})
+
+
+class _FrontServer(uvicorn.Server):
+    """uvicorn, deaf to SIGINT/SIGTERM: they are the core's (it keeps the fronts serving
+    while it hands its episodes over, then stops them with SIGUSR1)."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGUSR1:
+            super().handle_exit(signal.SIGTERM, frame)
+
+
+async def serve(argv: list[str]) -> None:
+    index, listen_fd, region_fd, ask, answer, _, core_hex = argv
+    spec = json.loads(os.environ.pop("AFFINITY_FRONT_SPEC"))
+    region = Region.open(int(region_fd))
+    hop = FrontHop(region, int(ask), int(answer))
+    lag = _Lag(region.mm, LAG_BOUNDS)
+    watching = asyncio.create_task(watch_loop_lag(lag), name="affinity-loop-lag")
+    app = FrontApp(hop, bytes.fromhex(core_hex).decode(), spec)
+    server = _FrontServer(
+        uvicorn.Config(
+            app,
+            http=KeepAliveProtocol,
+            ws="websockets-sansio",
+            ws_max_size=int(spec["max_body_bytes"]),
+            log_level="warning",
+            access_log=False,
+            proxy_headers=False,
+            server_header=False,
+            timeout_keep_alive=max(1, round(float(spec["keep_alive_s"]))),
+            timeout_graceful_shutdown=int(spec["close_s"]),
+            lifespan="on",
+        )
+    )
+    signal.signal(signal.SIGUSR1, server.handle_exit)
+    sock = socket.socket(fileno=int(listen_fd))
+    log.debug("front %s serving", index)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        watching.cancel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    die_with_parent(int(args[5]))
+    spec = json.loads(os.environ["AFFINITY_FRONT_SPEC"])
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        JsonFormatter()
+        if spec.get("log_format") == "json"
+        else logging.Formatter(f"%(asctime)s %(levelname)s %(name)s[front {args[0]}]: %(message)s")
+    )
+    logging.basicConfig(level=getattr(logging, str(spec.get("log_level", "info")).upper(),
+                                      logging.INFO), handlers=[handler])  # fmt: skip
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per passed request
+    import uvloop
+
+    uvloop.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

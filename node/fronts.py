@@ -1,0 +1,341 @@
+"""The node's front doors in several processes (``--front-doors N``, issue 43): the core's
+side. The core is the node's process as it always was (router, owner, episode table, lease,
+devices); with N > 1 it does not accept on the HTTP port itself. It spawns N fronts
+(``node/front.py``) that share its listening socket, serves each front's ``/act`` steps over
+the shared-memory hop (``node/hop.py``), and serves its whole app on a Unix socket (an
+abstract name: no file) for every other path the fronts pass on.
+
+The supervisor (:class:`Fronts`) restarts a front that died (backoff 0.1 s doubling to 5 s,
+logged, counted in ``affinity_front_restarts_total``), each time with a fresh region. A
+front is its process' child with ``PR_SET_PDEATHSIG`` = SIGKILL: a node killed with
+``kill -9`` takes its fronts with it, and the next start binds the same ports at once. On
+a graceful stop the fronts keep serving while the episodes are handed over, then they stop
+(SIGUSR1: they close their listener and finish what they started), then the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from affinity import InvalidArgument
+from node.errors import BodyError, HopError, InvalidInput, Refused, Unavailable, outcome
+from node.hop import ACT, NOTE, ROWS, Array, CoreHop, Region, SharedLoopBuckets
+from node.metrics import REJECTED
+from node.protocols import act
+from node.service import NodeService
+from node.step import Reply, Step
+
+__all__ = ["MAX_FRONT_DOORS", "Fronts", "core_socket", "serve_request"]
+
+log = logging.getLogger("affinity.node")
+
+MAX_FRONT_DOORS = 64
+SLOTS = 32
+"""Steps one front may have in flight over the hop; one more is refused 503 ``busy``."""
+SLOT_HEADROOM = 1 << 16
+"""Bytes a slot has beyond ``--max-body-bytes`` (a step's inputs are never larger than its
+body, nor a reply than a slot: one that is is answered 500)."""
+SECRETS = frozenset(("AFFINITY_CLUSTER_SECRET", "AFFINITY_ADMIN_TOKEN", "AFFINITY_API_KEY"))
+"""Variables a front is started without: it checks no secret but the API key (in its spec)."""
+BACKOFF_S = (0.1, 5.0)
+"""A front that died is restarted after the first, doubling up to the second."""
+STOP_S = 10.0
+"""Seconds the fronts get to finish their requests after SIGUSR1, before SIGKILL."""
+
+
+def core_socket() -> tuple[socket.socket, str]:
+    """The core's Unix socket for the paths the fronts pass on, bound (abstract: no file,
+    gone with the process), and its name."""
+    name = f"\0affinity-core-{os.getpid()}-{secrets.token_hex(4)}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(name)
+    return sock, name
+
+
+# ---- one request over the hop ---------------------------------------------------------------
+
+
+def _feed(row: dict[str, Any], arrays: list[Array], at: int) -> tuple[dict[str, Any], int]:
+    """A row's body as ``act`` decodes it: its fields and its inputs, tensors taken from
+    ``arrays`` from ``at`` on; and the next ``at``."""
+    doc = row.get("doc")
+    if not isinstance(doc, dict):
+        raise HopError("a row has no fields")
+    doc = dict(doc)
+    if "raw" in row:
+        doc["inputs"] = row["raw"]
+    elif "in" in row:
+        feed: dict[Any, Any] = {}
+        for entry in row["in"]:
+            if not isinstance(entry, list) or not entry:
+                raise HopError("bad input entry")
+            if entry[0] == "n" and len(entry) == 2:
+                if at >= len(arrays):
+                    raise HopError("fewer tensors than inputs")
+                feed[entry[1]] = arrays[at]
+                at += 1
+            elif entry[0] == "v" and len(entry) == 3:
+                feed[entry[1]] = entry[2]
+            else:
+                raise HopError("bad input entry")
+        doc["inputs"] = feed
+    return doc, at
+
+
+def _error(exc: BaseException) -> dict[str, Any]:
+    o = outcome(exc)
+    return {"err": [o.status, o.code, o.message, o.field, o.retry_after]}
+
+
+def _refused(service: NodeService, exc: BaseException) -> dict[str, Any]:
+    """The reply's meta of a refused step, counted as ``act`` counts it."""
+    _count(service, exc)
+    return _error(exc)
+
+
+def _count(service: NodeService, exc: BaseException) -> None:
+    reason = outcome(exc).reject_reason
+    if reason is not None:
+        service.metrics.rejected.labels(reason).inc()
+
+
+def _reply_meta(reply: Reply, timing: bool) -> tuple[dict[str, Any], list[Array]]:
+    facts = reply.facts()
+    if timing:
+        facts["timing"] = reply.split()
+    names = list(reply.outputs)
+    out = [np.ascontiguousarray(reply.outputs[n]) for n in names]
+    return {"facts": facts, "names": names}, out
+
+
+async def serve_request(
+    service: NodeService, kind: int, meta: dict[str, Any], arrays: list[Array], slot: int
+) -> tuple[dict[str, Any], list[Array]]:
+    """Serve one request a front sent over the hop, as ``node/protocols/act.py`` serves a
+    body it decoded itself: the same decoding of fields and inputs, the router's path, the
+    same errors and counts. The reply's meta carries ``keep``: what to undo if the front
+    says it was not delivered."""
+    metrics = service.metrics
+    if kind == NOTE:
+        reason = meta.get("rejected")
+        if isinstance(reason, str) and reason in REJECTED:
+            metrics.rejected.labels(reason).inc()
+        return {}, []
+    received = meta.get("recv")
+    if not isinstance(received, float):
+        raise HopError("no receive time")
+    timing = bool(meta.get("timing"))
+    deadline = received + service.config.act_deadline_s
+    if kind == ACT:
+        try:
+            doc, _ = _feed(meta, arrays, 0)
+            step = await act.decode_doc(service, doc, True, deadline)
+            step.received, step.timing = received, timing
+            reply = await service.router.act(step)
+        except (BodyError, InvalidInput, InvalidArgument, Unavailable, Refused) as exc:
+            return _refused(service, exc), []
+        done, out = _reply_meta(reply, timing)
+        done["url"] = reply.url
+        done["keep"] = reply
+        return done, out
+    if kind != ROWS:
+        raise HopError(f"unknown request kind {kind}")
+    if "bad" in meta:  # a message of rows whose shape is wrong: act says how
+        try:
+            await act.decode_rows(service, meta["bad"], True, deadline)
+        except (BodyError, InvalidInput, InvalidArgument, Unavailable, Refused) as exc:
+            return _refused(service, exc), []
+        raise HopError("a malformed message of rows decoded")
+    rows: list[Any] = []
+    at = 0
+    for row in meta.get("rows", []):
+        if isinstance(row, dict) and "row" in row:
+            rows.append(row["row"])  # not a map: decode_rows says so
+        elif isinstance(row, dict):
+            doc, at = _feed(row, arrays, at)
+            rows.append(doc)
+        else:
+            raise HopError("bad row")
+    try:
+        decoded = await act.decode_rows(service, {"steps": rows}, True, deadline)
+    except (BodyError, InvalidInput, InvalidArgument, Unavailable, Refused) as exc:
+        return _refused(service, exc), []
+    steps: list[Step] = []
+    where: list[int] = []
+    results: list[Reply | Exception | None] = [None] * len(decoded)
+    for i, item in enumerate(decoded):
+        if isinstance(item, Step):
+            item.received, item.timing = received, timing
+            steps.append(item)
+            where.append(i)
+        else:
+            results[i] = item
+            _count(service, item)
+    served: list[Reply | Exception | None] = [None] * len(steps)
+    await service.router.act_rows(steps, served)
+    for i, result in zip(where, served, strict=True):
+        results[i] = result if result is not None else Unavailable("deadline", "not served")
+    metas: list[dict[str, Any]] = []
+    outs: list[Array] = []
+    for result in results:
+        if isinstance(result, Reply):
+            row_meta, row_out = _reply_meta(result, timing)
+            metas.append(row_meta)
+            outs.extend(row_out)
+        else:
+            assert result is not None
+            metas.append(act.encode_row(result))
+    keep = [r for r in results if isinstance(r, Reply)]
+    return {"rows": metas, "keep": keep}, outs
+
+
+async def undeliver(service: NodeService, kept: Any) -> None:
+    """Undo what a front could not deliver (its client had gone)."""
+    for reply in kept if isinstance(kept, list) else [kept]:
+        if isinstance(reply, Reply):
+            await service.router.undelivered(reply)
+
+
+# ---- the supervisor -------------------------------------------------------------------------
+
+
+@dataclass
+class _Front:
+    index: int
+    process: subprocess.Popen[bytes] | None = None
+    hop: CoreHop | None = None
+    lag: SharedLoopBuckets | None = None
+    restarts: int = 0
+    started: float = 0.0
+
+
+class Fronts:
+    """A front process per socket of ``listeners`` (bound with ``SO_REUSEPORT``, listening,
+    kept open here across a front's restarts), their hops served by the core's event loop,
+    each restarted when it dies, stopped by :meth:`stop`."""
+
+    def __init__(
+        self,
+        service: NodeService,
+        listeners: list[socket.socket],
+        core_name: str,
+        spec: dict[str, Any],
+    ) -> None:
+        self.service = service
+        self.listeners = listeners
+        self.core_name = core_name
+        self.spec = spec
+        self.slot_size = int(spec["max_body_bytes"]) + SLOT_HEADROOM
+        self.fronts = [_Front(k) for k in range(len(listeners))]
+        self.stopping = False
+        self._watch: asyncio.Task[None] | None = None
+        metrics = service.metrics
+        self.restarts = metrics.front_restarts
+        self.bounds = metrics.loop_lag.bounds
+
+    def start(self) -> None:
+        for front in self.fronts:
+            self._spawn(front)
+        self._watch = asyncio.create_task(self._supervise(), name="affinity-fronts")
+
+    def pids(self) -> list[int]:
+        return [f.process.pid for f in self.fronts if f.process is not None]
+
+    def _spawn(self, front: _Front) -> None:
+        region = Region.create(SLOTS, self.slot_size)
+        ask = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        answer = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        service = self.service
+
+        async def handler(
+            kind: int, meta: dict[str, Any], arrays: list[Array], slot: int
+        ) -> tuple[dict[str, Any], list[Array]]:
+            return await serve_request(service, kind, meta, arrays, slot)
+
+        async def undelivered(kept: Any) -> None:
+            await undeliver(service, kept)
+
+        hop = CoreHop(region, ask, answer, handler, undelivered)
+        hop.start()
+        listener = self.listeners[front.index]
+        argv = [
+            sys.executable, "-m", "node.front",
+            str(front.index), str(listener.fileno()), str(region.fd), str(ask),
+            str(answer), str(os.getpid()), self.core_name.encode().hex(),
+        ]  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k not in SECRETS}  # a front needs none
+        env["AFFINITY_FRONT_SPEC"] = json.dumps(self.spec)  # the API key, if any, is in it
+        fds = (listener.fileno(), region.fd, ask, answer)
+        front.process = subprocess.Popen(argv, pass_fds=fds, env=env)
+        front.hop = hop
+        front.started = time.monotonic()
+        if front.lag is None:
+            front.lag = SharedLoopBuckets(region.mm, self.bounds)
+            self.service.metrics.loop_lag.attach((str(front.index),), front.lag)
+        else:
+            front.lag.mm = region.mm
+        log.info("front %d started (pid %d)", front.index, front.process.pid)
+
+    async def _supervise(self) -> None:
+        while not self.stopping:
+            await asyncio.sleep(0.05)
+            for front in self.fronts:
+                process = front.process
+                if process is None or process.poll() is None or self.stopping:
+                    continue
+                self._drop(front)
+                front.restarts += 1
+                self.restarts.inc()
+                ran = time.monotonic() - front.started
+                backoff = min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** min(front.restarts - 1, 6))
+                if ran > 10 * BACKOFF_S[1]:
+                    front.restarts, backoff = 0, BACKOFF_S[0]
+                log.warning("front %d (pid %d) exited with %s; restarting in %.1f s",
+                            front.index, process.pid, process.returncode, backoff)  # fmt: skip
+                front.process = None
+                asyncio.get_running_loop().call_later(backoff, self._respawn, front)
+
+    def _respawn(self, front: _Front) -> None:
+        if not self.stopping and front.process is None:
+            self._spawn(front)
+
+    def _drop(self, front: _Front) -> None:
+        if front.lag is not None:
+            front.lag.detach()
+        if front.hop is not None:
+            front.hop.drop()
+            front.hop = None
+
+    async def stop(self, timeout_s: float = STOP_S) -> None:
+        """Stop every front: it closes its listener, finishes its open requests (their
+        steps still served by this core), exits; SIGKILL past ``timeout_s``."""
+        self.stopping = True
+        if self._watch is not None:
+            self._watch.cancel()
+        running = [f for f in self.fronts if f.process is not None]
+        for front in running:
+            assert front.process is not None
+            if front.process.poll() is None:
+                front.process.send_signal(signal.SIGUSR1)
+        until = time.monotonic() + timeout_s
+        for front in running:
+            assert front.process is not None
+            while front.process.poll() is None and time.monotonic() < until:
+                await asyncio.sleep(0.05)
+            if front.process.poll() is None:
+                front.process.kill()
+                front.process.wait()
+            self._drop(front)

@@ -1,0 +1,496 @@
+"""The hop from a front door process to the node's core (issue 43): shared memory and two
+doorbells per front.
+
+A front (``node/front.py``) decodes a ``POST /act`` body and writes the step's inputs once
+into a *slot* of its region: raw tensor bytes, after a small msgpack header (the body's other
+fields, each tensor's name, dtype, shape and place). Never pickled. It marks the slot asked
+and rings the core's doorbell (an ``eventfd``). The core reads on its event loop
+(``add_reader`` on the doorbell), copies the inputs out of the slot, runs the step through
+the node's own path, writes the reply the same way (facts in the header, outputs as raw
+bytes) and rings the front's doorbell. The front encodes the reply (JSON or msgpack).
+
+The region is a ``memfd`` (no file anywhere, gone with the last process holding it), passed
+to the front with the two ``eventfd`` at its start. Its first page is the control block: a
+magic number, the slot count and size, and the front's event-loop lag histogram, which the
+front writes and the core's ``/metrics`` reads (:class:`SharedLoopBuckets`). Then the slots,
+each a 64-byte head (state, kind, length) and its data.
+
+A slot's state moves FREE → ASKED (the front) → TAKEN → ANSWERED (the core) → FREE (the
+front). A doorbell says "look": the reader drains the counter and scans every slot, so rings
+that coincide are one wake-up. The front holds at most ``slots`` steps in flight; one more is
+refused 503 ``busy`` (:class:`HopFull`), never queued. A reply is kept by the core until the
+front's next request on that slot: the kind :data:`UNDELIVERED` says the client had gone,
+and the core undoes the step as it does for a client of its own that left.
+
+The core copies a step's inputs out of the slot (one copy) because the owner may keep them
+past the step (the recorder, a ghost step, a replay); the worker processes the issue plans
+will read them in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import mmap
+import os
+import struct
+import time
+from bisect import bisect_left
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from node.errors import HopError, HopFull, Undelivered
+
+Array = npt.NDArray[Any]
+
+__all__ = [
+    "ACT",
+    "NOTE",
+    "ROWS",
+    "UNDELIVERED",
+    "Array",
+    "FrontHop",
+    "Region",
+    "SharedLoopBuckets",
+    "Tensor",
+    "pack",
+    "unpack",
+]
+
+MAGIC = 0xAFF1_4301
+CONTROL = 4096
+"""Bytes of the control block, before the first slot."""
+SLOT_HEAD = 64
+ALIGN = 64
+FREE, ASKED, TAKEN, ANSWERED = 0, 1, 2, 3
+ACT, ROWS, UNDELIVERED, NOTE = 1, 2, 3, 4
+"""Request kinds: one step; a message of rows; the slot's last reply was not delivered; a
+note (a refusal the front answered itself, counted by the core)."""
+REPLY = 9
+LAG_AT = 64
+"""Offset of the loop-lag histogram in the control block: ``LAG_BUCKETS`` + 1 counts, the sum."""
+LAG_BUCKETS = 16
+_HEAD = struct.Struct("<IIII")  # state, kind, header length, total length
+_CONTROL = struct.Struct("<IIII")  # magic, slots, slot size, spare
+_DTYPES = frozenset("biufcUS")
+"""The dtype kinds a tensor may have in a slot (never objects)."""
+
+
+def region_size(slots: int, slot_size: int) -> int:
+    return CONTROL + slots * (SLOT_HEAD + slot_size)
+
+
+@dataclass
+class Tensor:
+    """Where an array lies in a slot's data: name, dtype (``numpy.dtype.str``), shape, offset
+    from the data's start, length in bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+class Region:
+    """A front's shared memory: the control block and ``slots`` slots of ``slot_size``
+    bytes each (header and tensors together). Made by the core (:meth:`create`), opened
+    by the front from the inherited descriptor (:meth:`open`)."""
+
+    def __init__(self, fd: int, slots: int, slot_size: int) -> None:
+        self.fd = fd
+        self.slots = slots
+        self.slot_size = slot_size
+        self.mm = mmap.mmap(fd, region_size(slots, slot_size))
+
+    @classmethod
+    def create(cls, slots: int, slot_size: int) -> Region:
+        fd = os.memfd_create("affinity-front", 0)  # close-on-exec unless passed on
+        os.ftruncate(fd, region_size(slots, slot_size))  # sparse: pages exist once written
+        region = cls(fd, slots, slot_size)
+        _CONTROL.pack_into(region.mm, 0, MAGIC, slots, slot_size, 0)
+        return region
+
+    @classmethod
+    def open(cls, fd: int) -> Region:
+        with mmap.mmap(fd, CONTROL) as head:
+            magic, slots, slot_size, _ = _CONTROL.unpack_from(head, 0)
+        if magic != MAGIC:
+            raise HopError("not a front's region")
+        return cls(fd, slots, slot_size)
+
+    def close(self) -> None:
+        self.mm.close()
+        os.close(self.fd)
+
+    def head(self, slot: int) -> int:
+        return CONTROL + slot * (SLOT_HEAD + self.slot_size)
+
+    def state(self, slot: int) -> int:
+        value: int = struct.unpack_from("<I", self.mm, self.head(slot))[0]
+        return value
+
+    def set_state(self, slot: int, state: int) -> None:
+        struct.pack_into("<I", self.mm, self.head(slot), state)
+
+    def write(
+        self, slot: int, state: int, kind: int, meta: dict[str, Any], arrays: list[Array]
+    ) -> None:
+        """Write ``meta`` (msgpack) and ``arrays`` (raw bytes, their places added to meta
+        as ``t``) into ``slot``, then its state. Raises :class:`HopError` when they do not
+        fit (the slot is left as it was)."""
+        header, places, total = pack(meta, arrays)
+        if total > self.slot_size:
+            raise HopError(f"{total} bytes do not fit a slot of {self.slot_size}")
+        data = self.head(slot) + SLOT_HEAD
+        mm = self.mm
+        mm[data : data + len(header)] = header
+        start = data + _aligned(len(header))
+        for place, array in zip(places, arrays, strict=True):
+            at = start + place.offset
+            if place.nbytes:
+                mm[at : at + place.nbytes] = memoryview(array).cast("B")  # type: ignore[arg-type]
+        _HEAD.pack_into(mm, self.head(slot), state, kind, len(header), total)
+
+    def read(self, slot: int, copy: bool) -> tuple[int, dict[str, Any], list[Array]]:
+        """(kind, meta, arrays) of ``slot``: copies (``copy``: independent of the region)
+        or views over it. Raises :class:`HopError` for anything malformed."""
+        _, kind, length, total = _HEAD.unpack_from(self.mm, self.head(slot))
+        if not 0 < length <= total <= self.slot_size:
+            raise HopError(f"slot lengths {length}/{total} out of bounds")
+        data = self.head(slot) + SLOT_HEAD
+        meta, places = unpack(self.mm[data : data + length], total)
+        start = data + _aligned(length)
+        arrays: list[Array] = []
+        for place in places:
+            at = start + place.offset
+            dtype = _dtype(place.dtype)
+            if copy:
+                raw: Any = self.mm[at : at + place.nbytes]
+                array = np.frombuffer(raw, dtype=dtype)
+            else:
+                count = place.nbytes // dtype.itemsize
+                array = np.frombuffer(self.mm, dtype=dtype, count=count, offset=at)
+            arrays.append(array.reshape(place.shape))
+        return kind, meta, arrays
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def pack(meta: dict[str, Any], arrays: list[Array]) -> tuple[bytes, list[Tensor], int]:
+    """The header bytes of ``meta`` with the arrays' places (``t``: offsets from the first
+    aligned byte after the header), the places, and the total length (header, padding,
+    tensors). Arrays must be C-contiguous."""
+    places: list[Tensor] = []
+    at = 0
+    for array in arrays:
+        places.append(Tensor("", array.dtype.str, array.shape, at, array.nbytes))
+        at += _aligned(array.nbytes)
+    meta["t"] = [[p.dtype, p.shape, p.offset, p.nbytes] for p in places]
+    header: bytes = msgpack.packb(meta, default=_plain)
+    return header, places, _aligned(len(header)) + at
+
+
+def _plain(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray | np.generic):
+        return obj.tolist()
+    raise TypeError(f"cannot carry {type(obj).__name__} over the hop")
+
+
+_DTYPES_SEEN: dict[str, np.dtype[Any]] = {}
+"""The dtypes read so far by their ``str`` (a few: the models' inputs and outputs)."""
+
+
+def _dtype(name: object) -> np.dtype[Any]:
+    """``name`` (a ``numpy.dtype.str``) checked as a dtype a slot may carry."""
+    seen = _DTYPES_SEEN.get(name) if isinstance(name, str) else None
+    if seen is not None:
+        return seen
+    try:
+        dtype: np.dtype[Any] = np.dtype(name)  # type: ignore[call-overload]
+    except (TypeError, ValueError) as exc:
+        raise HopError(f"bad tensor dtype: {exc}") from None
+    if dtype.kind not in _DTYPES or dtype.hasobject or dtype.str != name:
+        raise HopError(f"dtype {name!r} is not carried")
+    if len(_DTYPES_SEEN) < 64:  # a front that sends odd dtypes does not grow it
+        _DTYPES_SEEN[dtype.str] = dtype
+    return dtype
+
+
+def unpack(header: bytes, total: int) -> tuple[dict[str, Any], list[Tensor]]:
+    """Meta and tensor places of a header; every place checked against ``total``."""
+    try:
+        meta = msgpack.unpackb(header, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several kinds
+        raise HopError(f"header is not msgpack: {exc}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("t", []), list):
+        raise HopError("header is not a map with a list of tensors")
+    room = total - _aligned(len(header))
+    places: list[Tensor] = []
+    for entry in meta.pop("t", []):
+        try:
+            name, shape_l, offset, nbytes = entry
+            shape = tuple(int(n) for n in shape_l)
+        except (TypeError, ValueError) as exc:
+            raise HopError(f"bad tensor entry: {exc}") from None
+        dtype = _dtype(name)
+        if any(n < 0 for n in shape) or math.prod(shape) * dtype.itemsize != nbytes:
+            raise HopError("tensor shape does not match its length")
+        if not (isinstance(offset, int) and offset >= 0 and offset + nbytes <= room):
+            raise HopError("tensor lies outside the slot")
+        places.append(Tensor("", dtype.str, shape, offset, nbytes))
+    return meta, places
+
+
+class SharedLoopBuckets:
+    """A front's event-loop lag histogram in its region's control block: the front
+    observes (:meth:`observe`), the core's scrape reads (:attr:`counts`, :attr:`sum`). The
+    core adds what earlier regions of the same front counted (``base``), so a restarted
+    front's series does not go back."""
+
+    def __init__(self, mm: mmap.mmap | None, bounds: tuple[float, ...] = ()) -> None:
+        self.mm = mm
+        self.bounds = bounds
+        self.base_counts = [0] * (LAG_BUCKETS + 1)
+        self.base_sum = 0.0
+        self.created = time.time()
+        self._fmt = struct.Struct(f"<{LAG_BUCKETS + 1}Qd")
+
+    def observe(self, value: float) -> None:
+        assert self.mm is not None
+        at = LAG_AT + 8 * bisect_left(self.bounds, value)
+        count: int = struct.unpack_from("<Q", self.mm, at)[0]
+        struct.pack_into("<Q", self.mm, at, count + 1)
+        sum_at = LAG_AT + 8 * (LAG_BUCKETS + 1)
+        total: float = struct.unpack_from("<d", self.mm, sum_at)[0]
+        struct.pack_into("<d", self.mm, sum_at, total + value)
+
+    def _read(self) -> tuple[list[int], float]:
+        if self.mm is None or self.mm.closed:
+            return [0] * (LAG_BUCKETS + 1), 0.0
+        *counts, total = self._fmt.unpack_from(self.mm, LAG_AT)
+        return list(counts), float(total)
+
+    def detach(self) -> None:
+        """The front is gone: keep what its region counted, and read it no more."""
+        counts, total = self._read()
+        self.base_counts = [a + b for a, b in zip(self.base_counts, counts, strict=True)]
+        self.base_sum += total
+        self.mm = None
+
+    def view(self) -> tuple[list[int], float]:
+        """Every count (one per bound, then +Inf) and the sum, the earlier regions' added."""
+        counts, total = self._read()
+        merged = [a + b for a, b in zip(self.base_counts, counts, strict=True)]
+        at = len(self.bounds)
+        return [*merged[:at], sum(merged[at:])], self.base_sum + total
+
+    @property
+    def counts(self) -> list[int]:
+        return self.view()[0]
+
+    @property
+    def sum(self) -> float:
+        return self.view()[1]
+
+
+class FrontHop:
+    """The front's end of the hop: at most ``region.slots`` calls in flight."""
+
+    def __init__(self, region: Region, ask: int, answer: int) -> None:
+        self.region = region
+        self.ask = ask
+        self.answer = answer
+        self.free = list(range(region.slots - 1, -1, -1))
+        self.waiting: dict[int, asyncio.Future[None]] = {}
+        self.abandoned: set[int] = set()
+        self.loop = asyncio.get_running_loop()
+        self.ringing = False
+        self.loop.add_reader(answer, self._rung)
+        self.on_core_gone: Callable[[], None] | None = None
+
+    def _rung(self) -> None:
+        try:
+            os.eventfd_read(self.answer)
+        except BlockingIOError:
+            return
+        for slot, waiting in list(self.waiting.items()):
+            if self.region.state(slot) == ANSWERED:
+                del self.waiting[slot]
+                if slot in self.abandoned:  # the caller left: say so, then free it
+                    self.abandoned.discard(slot)
+                    self._undeliver(slot)
+                elif not waiting.done():
+                    waiting.set_result(None)
+
+    def _undeliver(self, slot: int) -> None:
+        """The reply in ``slot`` has no reader: tell the core, free the slot once it has
+        answered that."""
+        self._send(slot, UNDELIVERED, {}, [])
+        told = self.loop.create_future()
+        told.add_done_callback(lambda _: self._release(slot))
+        self.waiting[slot] = told
+
+    def _release(self, slot: int) -> None:
+        self.region.set_state(slot, FREE)
+        self.free.append(slot)
+
+    def _send(self, slot: int, kind: int, meta: dict[str, Any], arrays: list[Array]) -> None:
+        self.region.write(slot, ASKED, kind, meta, arrays)
+        if not self.ringing:  # one ring for every request of this turn of the loop
+            self.ringing = True
+            self.loop.call_soon(self._ring)
+
+    def _ring(self) -> None:
+        self.ringing = False
+        os.eventfd_write(self.ask, 1)
+
+    async def call(
+        self,
+        kind: int,
+        meta: dict[str, Any],
+        arrays: list[Array],
+        use: Callable[[int, dict[str, Any], list[Array]], Any],
+        gone: Callable[[], bool] | None = None,
+    ) -> Any:
+        """Send a request, await its reply and return ``use(kind, meta, views)``, run
+        while the reply's arrays are views of the slot (they must not outlive it). Raises
+        :class:`HopFull` when every slot is in flight, :class:`HopError` when the request
+        does not fit a slot. Cancelled, the slot stays the core's until it answers; the
+        core is then told the reply was not delivered. So is it when ``gone()`` says, once
+        the reply is used, that the client has left: this raises :class:`Undelivered`."""
+        if not self.free:
+            raise HopFull()
+        slot = self.free.pop()
+        try:
+            self._send(slot, kind, meta, arrays)
+        except BaseException:
+            self.free.append(slot)
+            raise
+        waiting = self.loop.create_future()
+        self.waiting[slot] = waiting
+        try:
+            await waiting
+        except asyncio.CancelledError:
+            if waiting.done() and not waiting.cancelled():  # answered as it was cancelled
+                self._undeliver(slot)
+            else:
+                self.abandoned.add(slot)
+            raise
+        left = False
+        try:
+            kind, reply, views = self.region.read(slot, copy=False)
+            try:
+                result = use(kind, reply, views)
+            finally:
+                del views
+            left = gone is not None and gone()
+        finally:
+            if left:
+                self._undeliver(slot)
+            else:
+                self._release(slot)
+        if left:
+            raise Undelivered()
+        return result
+
+
+Answer = tuple[dict[str, Any], list[Array]]
+Handler = Callable[[int, dict[str, Any], list[Array], int], Awaitable[Answer]]
+"""The core's handler of one request: (kind, meta, arrays copied out, slot) → the reply's
+(meta, arrays)."""
+
+
+@dataclass
+class CoreHop:
+    """The core's end of one front's hop: reads requests on the event loop, runs
+    ``handler`` in a task per request, answers into the slot. :meth:`drop` (the front
+    died) stops it at once: tasks still running finish and their answers are dropped."""
+
+    region: Region
+    ask: int
+    answer: int
+    handler: Handler
+    on_undelivered: Callable[[Any], Awaitable[None]]
+    kept: dict[int, Any] = field(default_factory=dict)
+    running: set[asyncio.Task[None]] = field(default_factory=set)
+    alive: bool = True
+    ringing: bool = False
+
+    def start(self) -> None:
+        asyncio.get_running_loop().add_reader(self.ask, self._rung)
+
+    def _rung(self) -> None:
+        try:
+            os.eventfd_read(self.ask)
+        except BlockingIOError:
+            return
+        for slot in range(self.region.slots):
+            if self.region.state(slot) == ASKED:
+                self.region.set_state(slot, TAKEN)
+                task = asyncio.create_task(self._serve(slot))
+                self.running.add(task)
+                task.add_done_callback(self.running.discard)
+
+    async def _serve(self, slot: int) -> None:
+        if not self.alive:
+            return
+        kept = self.kept.pop(slot, None)
+        try:
+            kind, meta, arrays = self.region.read(slot, copy=True)
+        except HopError as exc:
+            self._answer(slot, {"err": [400, "malformed", f"hop: {exc}", None, None]}, [])
+            return
+        if kind == UNDELIVERED:
+            if kept is not None:
+                await self.on_undelivered(kept)
+            self._answer(slot, {}, [])
+            return
+        try:
+            reply, out = await self.handler(kind, meta, arrays, slot)
+        except HopError as exc:
+            reply, out = {"err": [400, "malformed", f"hop: {exc}", None, None]}, []
+        keep = reply.pop("keep", None)
+        if self._answer(slot, reply, out):
+            if keep is not None and self.alive:
+                self.kept[slot] = keep
+        elif keep is not None:  # too big for the slot: answered 500, undone
+            await self.on_undelivered(keep)
+
+    def _answer(self, slot: int, meta: dict[str, Any], arrays: list[Array]) -> bool:
+        if not self.alive:
+            return True
+        ok = True
+        try:
+            self.region.write(slot, ANSWERED, REPLY, meta, arrays)
+        except HopError as exc:
+            ok = False
+            self.region.write(slot, ANSWERED, REPLY, {"err": [500, "internal", str(exc), None,
+                                                              None]}, [])  # fmt: skip
+        if not self.ringing:  # one ring for every answer of this turn of the loop
+            self.ringing = True
+            asyncio.get_running_loop().call_soon(self._ring)
+        return ok
+
+    def _ring(self) -> None:
+        self.ringing = False
+        if self.alive:
+            os.eventfd_write(self.answer, 1)
+
+    def drop(self) -> None:
+        """The front is gone: stop reading; answers of steps still running are dropped."""
+        if not self.alive:
+            return
+        self.alive = False
+        asyncio.get_running_loop().remove_reader(self.ask)
+        self.kept.clear()
+        for fd in (self.ask, self.answer):
+            os.close(fd)
+        self.region.close()

@@ -1,0 +1,383 @@
+"""A node with ``--front-doors 2`` (issue 43's first slice), real processes: two fronts accept
+on the node's port, ``/act`` crosses the shared-memory hop to the node's process, every
+other path is passed on to it. Steps stay sticky and exactly-once whichever front gets them;
+a front killed mid-load costs its connections only (a retry with ``seq`` gets its kept
+reply, the front comes back); a node killed with ``kill -9`` leaves no process, and the next
+one binds the same port at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from openpi_client.websocket_client_policy import WebsocketClientPolicy
+
+from affinity import wire
+from node.models import DEMO_MODEL
+from tests.models import counter_policy
+from tests.procs import Node, RedisServer, wait_until
+from tests.rollout import reference_rollout
+
+pytestmark = [
+    pytest.mark.integration,
+    # openpi-client connects without a context manager (websockets 17.1 deprecated that)
+    pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager"),
+]
+
+ADMIN = "fronts-admin"
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def fronts(node: Node) -> list[int]:
+    assert node.proc.popen is not None
+    return children(node.proc.popen.pid)
+
+
+def connections(pid: int, port: int) -> int:
+    """How many established TCP connections to ``port`` process ``pid`` holds."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                    inodes.add(fields[9])
+    held = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        held += target.startswith("socket:[") and target[8:-1] in inodes
+    return held
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    tmp: Path = tmp_path_factory.mktemp("fronts")
+    redis = RedisServer(tmp).start()
+    n = Node(tmp, "f", redis.url, devices="cpu:1", env={"AFFINITY_ADMIN_TOKEN": ADMIN},
+             extra=["--front-doors", "2", "--capacity", "1000"])  # fmt: skip
+    try:
+        n.start(timeout=60)
+        wait_until(lambda: len(fronts(n)) == 2, 30, "two fronts")
+        yield n
+    finally:
+        n.stop()
+        redis.stop()
+
+
+def observations(seed: int, n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((1, 8)).astype(np.float32) for _ in range(n)]
+
+
+def count(reply: dict[str, Any]) -> int:
+    return int(np.asarray(reply["outputs"]["count"]).reshape(-1)[0])
+
+
+def expect(history: list[np.ndarray], actions: Any) -> None:
+    want = reference_rollout(DEMO_MODEL, history)[-1]["actions"]
+    np.testing.assert_allclose(np.asarray(actions).reshape(want.shape), want, rtol=1e-5)
+
+
+def post(url: str, body: dict[str, Any], binary: bool, timeout: float = 20) -> httpx.Response:
+    """One step on a new connection (so either front may take it)."""
+    if binary:
+        headers = {"content-type": "application/msgpack", "accept": "application/msgpack"}
+        return httpx.post(url + "/act", content=wire.encode(body), headers=headers,
+                          timeout=timeout)  # fmt: skip
+    return httpx.post(url + "/act", json=body, timeout=timeout)
+
+
+def read(r: httpx.Response) -> Any:
+    if r.headers["content-type"].startswith("application/msgpack"):
+        return wire.decode(r.content)
+    return r.json()
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "msgpack"])
+def test_steps_are_sticky_and_exactly_once_whichever_front_gets_them(
+    node: Node, binary: bool
+) -> None:
+    episode = f"sticky-{binary}"
+    sent = observations(1 + binary, 12)
+    devices = set()
+    for i, x in enumerate(sent, start=1):
+        obs: Any = x if binary else x.tolist()
+        body = {"episode_id": episode, "inputs": {"obs": obs}, "seq": i}
+        r = post(node.url, body, binary)
+        assert r.status_code == 200, r.text
+        got = read(r)
+        assert got["seq"] == i and not got["replayed"]
+        assert r.headers["x-affinity-seq"] == str(i)
+        expect(sent[:i], got["outputs"]["actions"])
+        devices.add(got["device"])
+        if i % 3 == 0:  # the same step again: the kept reply, not a second application
+            again = read(post(node.url, body, binary))
+            assert again["replayed"] and again["seq"] == i
+            np.testing.assert_array_equal(
+                np.asarray(again["outputs"]["actions"]), np.asarray(got["outputs"]["actions"])
+            )
+    assert len(devices) == 1
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "msgpack"])
+def test_rows_and_refusals_answer_as_the_single_process(node: Node, binary: bool) -> None:
+    xs = observations(7, 3)
+    rows = [{"episode_id": f"rows-{binary}-{i}", "inputs": {"obs": x if binary else x.tolist()}}
+            for i, x in enumerate(xs)]  # fmt: skip
+    rows.append({"episode_id": f"rows-{binary}-bad", "inputs": {"obs": [[1, 2]]}})
+    rows.append([1])  # type: ignore[arg-type]
+    r = post(node.url, {"steps": rows}, binary)
+    assert r.status_code == 200, r.text
+    got = read(r)["steps"]
+    for x, row in zip(xs, got, strict=False):
+        expect([x], row["outputs"]["actions"])
+    assert got[3]["error"]["status"] == 422 and got[3]["error"]["code"] == "bad_input"
+    assert got[4]["error"]["code"] == "malformed"
+    bad = post(node.url, {"episode_id": "x", "inputs": {"obs": [[1, 2]]}}, binary)
+    assert bad.status_code == 422 and read(bad)["error"]["field"]
+    typo = post(node.url, {"episodeId": "x", "inputs": {}}, binary)
+    assert typo.status_code == 422 and "episodeId" in typo.text
+    broken = httpx.post(node.url + "/act", content=b"{nope", timeout=10)
+    assert broken.status_code == 400 and broken.json()["error"]["code"] == "malformed"
+    many = post(node.url, {"steps": [{}] * 300}, binary)
+    assert many.status_code == 413 and read(many)["error"]["code"] == "too_many_rows"
+
+
+def test_every_other_path_reaches_the_nodes_process(node: Node) -> None:
+    # KServe v2 over HTTP (passed on as bytes)
+    x = observations(3, 1)[0]
+    infer = {"inputs": [{"name": "obs", "shape": [1, 8], "datatype": "FP32",
+                         "data": x.reshape(-1).tolist()}]}  # fmt: skip
+    r = httpx.post(node.url + "/v2/models/demo_policy/infer", json=infer, timeout=20)
+    assert r.status_code == 200, r.text
+    assert r.json()["outputs"][0]["name"] == "actions"
+    assert httpx.get(node.url + "/v2/health/ready", timeout=10).status_code == 200
+    # an admin call
+    assert httpx.get(node.url + "/devices", timeout=10).status_code == 200
+    device = "f/0"
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    assert httpx.post(f"{node.url}/devices/{device}/drain", headers=auth, timeout=10).is_success
+    assert httpx.post(f"{node.url}/devices/{device}/undrain", headers=auth, timeout=10).is_success
+    refused = httpx.post(f"{node.url}/devices/{device}/drain", timeout=10)
+    assert refused.status_code in (401, 403)
+    # an openpi episode with the unmodified client (a websocket, relayed frame by frame)
+    policy = WebsocketClientPolicy(host=node.host, port=node.port)
+    assert policy.get_server_metadata()["affinity"]["policy"]["inputs"]
+    sent = observations(4, 3)
+    replies = [policy.infer({"obs": o.reshape(8)}) for o in sent]
+    policy._ws.close()
+    for i, reply in enumerate(replies, start=1):
+        expect(sent[:i], reply["actions"])
+    # the event loop lag of both fronts and of the core, in the node's /metrics
+    text = httpx.get(node.url + "/metrics", timeout=10).text
+    for front in ("0", "1", "core"):
+        name = f'affinity_event_loop_lag_seconds_count{{front="{front}"}}'
+        line = next(li for li in text.splitlines() if li.startswith(name))
+        assert float(line.split()[-1]) > 0, line
+
+
+def test_a_front_killed_mid_load_loses_no_step_and_comes_back(node: Node) -> None:
+    sent = {k: observations(100 + k, 30) for k in range(4)}
+    failures: list[str] = []
+    retried = [0]
+
+    def robot(k: int) -> None:
+        episode = f"killed-{k}"
+        with httpx.Client(timeout=20) as client:  # keep-alive: one front holds it
+            for i, x in enumerate(sent[k], start=1):
+                body = {"episode_id": episode, "inputs": {"obs": x.tolist()}, "seq": i}
+                for _ in range(50):
+                    try:
+                        r = client.post(node.url + "/act", json=body)
+                    except httpx.TransportError:
+                        retried[0] += 1
+                        time.sleep(0.05)
+                        continue
+                    if r.status_code == 503:
+                        time.sleep(0.05)
+                        continue
+                    break
+                else:
+                    failures.append(f"{episode} step {i} never served")
+                    return
+                if r.status_code != 200:
+                    failures.append(f"{episode} step {i}: {r.status_code} {r.text}")
+                    return
+                got = r.json()
+                try:
+                    expect(sent[k][:i], got["outputs"]["actions"])
+                except AssertionError as exc:
+                    failures.append(f"{episode} step {i}: {exc}")
+                    return
+
+    before = fronts(node)
+    threads = [threading.Thread(target=robot, args=(k,)) for k in range(len(sent))]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    victim = max(before, key=lambda pid: connections(pid, node.port))  # it holds robots
+    assert connections(victim, node.port) > 0
+    os.kill(victim, signal.SIGSTOP)  # its robots' next steps wait in it (some mid-step)...
+    time.sleep(0.3)
+    os.kill(victim, signal.SIGKILL)  # ...and their connections go: they retry with seq
+    for t in threads:
+        t.join(120)
+    assert not failures, failures
+    assert retried[0] > 0  # its robots saw their connection go, and retried with seq
+    wait_until(lambda: len(fronts(node)) == 2 and victim not in fronts(node), 30,
+               "the front restarted")  # fmt: skip
+    text = httpx.get(node.url + "/metrics", timeout=10).text
+    assert "affinity_front_restarts_total 1.0" in text
+
+
+def embedded(
+    tmp: Path,
+    node_id: str,
+    port: int | None = None,
+    model: Path | None = None,
+    env: dict[str, str] | None = None,
+) -> Node:
+    """A node with two fronts on the embedded store, on ``port`` if given."""
+    more = [] if model is None else ["--model", str(model)]
+    n = Node(tmp, node_id, "", devices="cpu:1", extra=["--front-doors", "2", *more], env=env)
+    argv = n.proc.argv
+    del argv[argv.index("--redis") : argv.index("--redis") + 2]
+    if port is not None:
+        n.port, n.url = port, f"http://{n.host}:{port}"
+        argv[argv.index("--port") + 1] = str(port)
+        argv[argv.index("--advertise-url") + 1] = n.url
+    return n
+
+
+def test_kill_9_of_the_node_leaves_no_process_and_the_port_is_free_at_once(
+    tmp_path: Path,
+) -> None:
+    node = embedded(tmp_path, "k").start(timeout=60)
+    wait_until(lambda: len(fronts(node)) == 2, 30, "two fronts")
+    pids = fronts(node)
+    step = {"episode_id": "k", "inputs": {"obs": [[0.0] * 8]}}
+    assert httpx.post(node.url + "/act", json=step, timeout=20).status_code == 200
+    node.stop(signal.SIGKILL)
+    wait_until(lambda: not any(alive(p) for p in pids), 10, "the fronts gone")
+    again = embedded(tmp_path, "k2", node.port)
+    try:
+        again.start(timeout=60)  # binds the same port: nothing holds it
+        assert httpx.post(again.url + "/act", json=step, timeout=20).status_code == 200
+    finally:
+        again.stop()
+
+
+def test_sigterm_stops_the_fronts_after_the_node_left(tmp_path: Path) -> None:
+    node = embedded(tmp_path, "t").start(timeout=60)
+    wait_until(lambda: len(fronts(node)) == 2, 30, "two fronts")
+    pids = fronts(node)
+    step = {"episode_id": "t", "inputs": {"obs": [[0.0] * 8]}}
+    assert httpx.post(node.url + "/act", json=step, timeout=20).status_code == 200
+    assert node.proc.popen is not None
+    node.proc.popen.send_signal(signal.SIGTERM)
+    assert node.proc.popen.wait(30) == 0, node.proc.log()
+    assert "left: moved" in node.proc.log()  # it left the fleet before it stopped them
+    wait_until(lambda: not any(alive(p) for p in pids), 10, "the fronts gone")
+
+
+def test_a_step_whose_front_died_mid_step_is_kept_for_the_clients_retry(tmp_path: Path) -> None:
+    """The front holding the client's connection is killed while the node's process runs
+    the step (a slow model): the step was applied, its answer had nowhere to go; the
+    client's retry with the same seq, through the other front, gets the kept reply, and
+    the episode has counted that step once."""
+    node = embedded(tmp_path, "m", model=counter_policy(tmp_path, repeats=400, width=512))
+    node.start(timeout=60)
+    try:
+        wait_until(lambda: len(fronts(node)) == 2, 30, "two fronts")
+
+        def step(seq: int, client: httpx.Client) -> httpx.Response:
+            body = {"episode_id": "slow", "inputs": {"obs": [[0.0] * 8]}, "seq": seq}
+            return client.post(node.url + "/act", json=body, timeout=60)
+
+        with httpx.Client() as client:
+            first = step(1, client)
+            assert first.status_code == 200 and count(first.json()) == 1
+        lost: list[BaseException] = []
+        with httpx.Client() as client:
+
+            def second() -> None:
+                try:
+                    step(2, client)
+                except httpx.TransportError as exc:
+                    lost.append(exc)
+
+            sender = threading.Thread(target=second)
+            sender.start()
+            time.sleep(0.3)  # the step is on the hop, its model running (1-5 s)
+            assert sender.is_alive(), "the step was answered before its front could be killed"
+            holder = max(fronts(node), key=lambda pid: connections(pid, node.port))
+            assert connections(holder, node.port) == 1
+            os.kill(holder, signal.SIGKILL)
+            sender.join(60)
+        assert lost, "the client should have lost its connection with its front"
+        with httpx.Client() as client:  # a new connection: the other front, or the new one
+            for _ in range(100):
+                retry = step(2, client)
+                if retry.status_code != 503:  # the step may still be running: busy
+                    break
+                time.sleep(0.1)
+            assert retry.status_code == 200, retry.text
+            assert retry.json()["replayed"] and count(retry.json()) == 2
+            third = step(3, client)
+            assert third.status_code == 200 and count(third.json()) == 3
+    finally:
+        node.stop()
+
+
+def test_the_api_key_is_checked_in_the_fronts_and_no_secret_reaches_them(tmp_path: Path) -> None:
+    env = {"AFFINITY_API_KEY": "robot-key", "AFFINITY_ADMIN_TOKEN": "admin-token"}
+    node = embedded(tmp_path, "a", env=env).start(timeout=60)
+    try:
+        wait_until(lambda: len(fronts(node)) == 2, 30, "two fronts")
+        step = {"episode_id": "keyed", "inputs": {"obs": [[0.0] * 8]}}
+        refused = httpx.post(node.url + "/act", json=step, timeout=20)
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Api-Key"
+        key = {"Authorization": "Api-Key robot-key"}
+        assert httpx.post(node.url + "/act", json=step, headers=key, timeout=20).is_success
+        text = httpx.get(node.url + "/metrics", timeout=10).text
+        assert 'affinity_rejected_requests_total{reason="unauthorized"} 1.0' in text
+        for pid in fronts(node):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            names = {entry.partition(b"=")[0] for entry in environ}
+            assert not names & {b"AFFINITY_CLUSTER_SECRET", b"AFFINITY_ADMIN_TOKEN",
+                                b"AFFINITY_API_KEY"}  # fmt: skip
+    finally:
+        node.stop()

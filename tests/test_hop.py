@@ -1,0 +1,217 @@
+"""node/hop.py alone: the front's and the core's ends of the shared-memory hop, in one
+process (each end with its own mapping of the region, as two processes have): a round trip
+of tensors, the slots full, a malformed slot refused, the front gone mid-step, a reply the
+client did not take."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import struct
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+
+from node.errors import HopError, HopFull, Undelivered
+from node.hop import (
+    ACT,
+    ASKED,
+    SLOT_HEAD,
+    Array,
+    CoreHop,
+    FrontHop,
+    Region,
+    SharedLoopBuckets,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+@dataclass
+class Core:
+    """A core whose handler echoes the tensors doubled, and waits on ``gate`` when set."""
+
+    gate: asyncio.Event | None = None
+    seen: list[dict[str, Any]] = field(default_factory=list)
+    undelivered: list[Any] = field(default_factory=list)
+    finished: int = 0
+
+    async def handler(
+        self, kind: int, meta: dict[str, Any], arrays: list[Array], slot: int
+    ) -> tuple[dict[str, Any], list[Array]]:
+        self.seen.append(meta)
+        if self.gate is not None:
+            await self.gate.wait()
+        self.finished += 1
+        return {"facts": {"n": meta.get("n")}, "keep": meta.get("n")}, [a * 2 for a in arrays]
+
+    async def on_undelivered(self, kept: Any) -> None:
+        self.undelivered.append(kept)
+
+
+@asynccontextmanager
+async def hop(core: Core, slots: int = 4) -> AsyncIterator[tuple[FrontHop, CoreHop]]:
+    region = Region.create(slots, 1 << 16)
+    ask = os.eventfd(0, os.EFD_NONBLOCK)
+    answer = os.eventfd(0, os.EFD_NONBLOCK)
+    core_end = CoreHop(region, ask, answer, core.handler, core.on_undelivered)
+    core_end.start()
+    front_region = Region.open(os.dup(region.fd))
+    front = FrontHop(front_region, os.dup(ask), os.dup(answer))
+    try:
+        yield front, core_end
+    finally:
+        asyncio.get_running_loop().remove_reader(front.answer)
+        core_end.drop()
+        os.close(front.ask)
+        os.close(front.answer)
+
+
+def echo(kind: int, meta: dict[str, Any], views: list[Array]) -> tuple[dict[str, Any], list[Array]]:
+    return meta, [v.copy() for v in views]  # views of the slot must not outlive the call
+
+
+async def test_round_trip_of_tensors_and_fields() -> None:
+    core = Core()
+    async with hop(core) as (front, _):
+        obs = np.arange(8, dtype=np.float32).reshape(1, 8)
+        image = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
+        meta, out = await front.call(ACT, {"n": 1, "doc": {"seq": 3}}, [obs, image], echo)
+        assert meta["facts"] == {"n": 1}
+        assert core.seen[0]["doc"] == {"seq": 3}
+        np.testing.assert_array_equal(out[0], obs * 2)
+        assert out[1].dtype == np.uint8 and out[1].shape == (2, 3, 3)
+        np.testing.assert_array_equal(out[1], image * 2)
+        assert sorted(front.free) == [0, 1, 2, 3]  # every slot back
+
+
+async def test_full_slots_refuse_then_serve_again() -> None:
+    core = Core(gate=asyncio.Event())
+    async with hop(core, slots=2) as (front, _):
+        one = np.ones(4, dtype=np.float32)
+        running = [asyncio.create_task(front.call(ACT, {"n": i}, [one], echo)) for i in (0, 1)]
+        while len(core.seen) < 2:
+            await asyncio.sleep(0.001)
+        with pytest.raises(HopFull):
+            await front.call(ACT, {"n": 2}, [one], echo)
+        core.gate.set()  # type: ignore[union-attr]
+        assert [m["facts"]["n"] for m, _ in await asyncio.gather(*running)] == [0, 1]
+        meta, _ = await front.call(ACT, {"n": 3}, [one], echo)
+        assert meta["facts"]["n"] == 3
+
+
+async def test_a_request_too_big_for_a_slot_is_refused_before_it_is_sent() -> None:
+    core = Core()
+    async with hop(core, slots=1) as (front, _):
+        with pytest.raises(HopError):
+            await front.call(ACT, {}, [np.zeros(1 << 17, dtype=np.uint8)], echo)
+        assert front.free == [0] and core.seen == []
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["not msgpack", "lengths out of bounds", "tensor outside the slot", "object dtype"],
+)
+async def test_a_malformed_slot_is_refused_and_the_handler_never_sees_it(damage: str) -> None:
+    core = Core()
+    async with hop(core, slots=1) as (front, _):
+        region = front.region
+        head = region.head(0)
+        one = np.ones(4, dtype=np.float32)
+        region.write(0, 0, ACT, {"n": 1}, [one])
+        _, kind, length, total = struct.unpack_from("<IIII", region.mm, head)
+        data = head + SLOT_HEAD
+        if damage == "not msgpack":
+            region.mm[data : data + length] = b"\xc1" * length  # 0xc1: never used by msgpack
+        elif damage == "lengths out of bounds":
+            total = region.slot_size + 1
+        else:
+            import msgpack
+
+            bad = {"n": 1, "t": [["<f4", [4], 1 << 20, 16]]}
+            if damage == "object dtype":
+                bad = {"n": 1, "t": [["|O", [2], 64, 16]]}
+            header = msgpack.packb(bad)
+            region.mm[data : data + len(header)] = header
+            length = len(header)
+        struct.pack_into("<IIII", region.mm, head, ASKED, kind, length, total)
+        front.free.remove(0)
+        waiting = asyncio.get_running_loop().create_future()
+        front.waiting[0] = waiting
+        os.eventfd_write(front.ask, 1)
+        await asyncio.wait_for(waiting, 5)
+        _, meta, _ = region.read(0, copy=True)
+        assert meta["err"][:2] == [400, "malformed"], meta
+        assert core.seen == []
+        front._release(0)
+        meta, _ = await front.call(ACT, {"n": 2}, [one], echo)  # the hop still serves
+        assert meta["facts"]["n"] == 2
+
+
+async def test_a_front_gone_mid_step_leaves_the_core_serving() -> None:
+    core = Core(gate=asyncio.Event())
+    async with hop(core) as (front, core_end):
+        task = asyncio.create_task(front.call(ACT, {"n": 1}, [np.ones(2)], echo))
+        while not core.seen:
+            await asyncio.sleep(0.001)
+        core_end.drop()  # what the supervisor does when the front's process exits
+        core.gate.set()  # type: ignore[union-attr]
+        while core.finished < 1:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)  # its answer is dropped: nothing raised, nothing written
+        assert not task.done()
+        task.cancel()
+    # a restarted front gets a fresh region
+    core = Core()
+    async with hop(core) as (front, _):
+        meta, _ = await front.call(ACT, {"n": 5}, [np.ones(2)], echo)
+        assert meta["facts"]["n"] == 5
+
+
+async def test_a_reply_the_client_did_not_take_is_undone() -> None:
+    core = Core()
+    async with hop(core, slots=1) as (front, _):
+        with pytest.raises(Undelivered):
+            await front.call(ACT, {"n": 7}, [np.ones(2)], echo, gone=lambda: True)
+        while 0 not in front.free:  # the core was told, then the slot came back
+            await asyncio.sleep(0.001)
+        assert core.undelivered == [7]
+        await front.call(ACT, {"n": 8}, [np.ones(2)], echo)
+        assert core.undelivered == [7]  # a delivered reply is never undone
+
+
+async def test_a_call_cancelled_mid_step_tells_the_core_once_answered() -> None:
+    core = Core(gate=asyncio.Event())
+    async with hop(core, slots=1) as (front, _):
+        task = asyncio.create_task(front.call(ACT, {"n": 9}, [np.ones(2)], echo))
+        while not core.seen:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert front.free == []  # the core still holds it
+        core.gate.set()  # type: ignore[union-attr]
+        while 0 not in front.free:
+            await asyncio.sleep(0.001)
+        assert core.undelivered == [9]
+
+
+def test_loop_lag_counts_survive_a_restarted_front() -> None:
+    bounds = (0.001, 0.01)
+    first = Region.create(1, 4096)
+    lag = SharedLoopBuckets(first.mm, bounds)
+    front_side = SharedLoopBuckets(first.mm, bounds)
+    for value in (0.0005, 0.005, 0.5):
+        front_side.observe(value)
+    assert lag.counts == [1, 1, 1] and lag.sum == pytest.approx(0.5055)
+    lag.detach()
+    first.close()
+    second = Region.create(1, 4096)
+    lag.mm = second.mm
+    SharedLoopBuckets(second.mm, bounds).observe(0.0001)
+    assert lag.counts == [2, 1, 1]
+    second.close()
