@@ -6,7 +6,7 @@ as one until each is on its own way. A module of its own so the dispatcher, the
 commit rules and the worker share these types without the worker's code.
 
 Hazard: a job is shared by its caller's event loop and the worker's thread. Read or change
-what they share only under ``Job.lock``; ``Arrivals`` is changed by the loop only.
+what they share only under ``Job.lock``; ``Arrivals.count`` is changed by the loop only.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -42,42 +42,17 @@ class Session(Protocol):
 class Arrivals:
     """How many steps are on their way through the node (being resolved or checked), for
     every dispatcher of the node. While any is, a device holding a waiting step may wait up
-    to ``batch_delay`` for others to join its run. Event loop only (workers read it).
+    to ``batch_delay`` for others to join its run. Event loop only (workers read it)."""
 
-    It also holds the workers' wake-ups while a message's rows are handed out
-    (:func:`together`): each device with rows queued is woken once, when the last row is
-    queued, instead of its thread being woken by the first."""
-
-    __slots__ = ("_held", "count")
+    __slots__ = ("count",)
 
     def __init__(self) -> None:
         self.count = 0
-        self._held: list[Callable[[], None]] | None = None  # wake-ups held, in order
 
     def arrival(self) -> Arrival:
         """Count one step until its ``done()``: the node opens one when a request arrives
         and closes it as the step is handed to a device (or leaves the node)."""
         return Arrival(self)
-
-    def later(self, wake: Callable[[], None]) -> bool:
-        """Hold ``wake`` (a worker's wake-up) until the rows being handed out are; once
-        per ``wake``. False when none are: the caller wakes its worker now."""
-        if self._held is None:
-            return False
-        if wake not in self._held:
-            self._held.append(wake)
-        return True
-
-    def _hold(self) -> bool:
-        if self._held is not None:
-            return False  # an enclosing hold wakes them
-        self._held = []
-        return True
-
-    def _release(self) -> None:
-        held, self._held = self._held or [], None
-        for wake in held:
-            wake()
 
 
 class Arrival:
@@ -104,27 +79,20 @@ async def together(
     (:class:`Arrivals`) until each has taken its first step. So each row opens its own
     arrival before the message's closes, and a device's worker waits for the message's
     other rows (its batch window) instead of running the first alone, inline, while the
-    next is still on its way. The devices' wake-ups wait for that first step too
-    (:meth:`Arrivals.later`): a device is woken once for the message's rows, and where its
-    runs are short and it is idle they run on the event loop's thread, in one run
-    (``DeviceWorker.wake``). ``batch`` False (fewer than two rows served here): no
+    next is still on its way. ``batch`` False (fewer than two rows served here): no
     arrival, so a lone row still runs inline where it would alone. A cancellation cancels
     them all and returns when they have ended."""
     arrival = arrivals.arrival() if batch else None
-    holding = batch and arrivals._hold()
     gathered = asyncio.gather(*work)  # each a task, scheduled in order
     try:
-        try:
-            await asyncio.sleep(0)  # every task's first step runs before this one's next
-        finally:
-            if arrival is not None:
-                arrival.done()
-            if holding:
-                arrivals._release()
+        await asyncio.sleep(0)  # every task's first step runs before this one's next
     except asyncio.CancelledError:
         gathered.cancel()
         await asyncio.wait([gathered])
         raise
+    finally:
+        if arrival is not None:
+            arrival.done()
     return await gathered
 
 

@@ -14,10 +14,6 @@ Why this is hard:
 
 - One run at a time on a device. ``busy``, under ``cond``, is held by the worker's round
   or by an inline run on the event loop's thread.
-- A message's rows hold their device's wake-up until each is queued
-  (``node.jobs.Arrivals.later``); the held wake-up (:meth:`DeviceWorker.wake`) must come,
-  or the worker sleeps on queued jobs: ``node.jobs.together`` gives it back before
-  anything else, cancellation included.
 - The worker hands its answers to their loops (``flush``) before it frees the device, so an
   inline round never shares its outbox.
 - A caller may give up at any moment (``Job.gave_up``). A run still going at a step's
@@ -182,30 +178,7 @@ class DeviceWorker:
             self.pending.append(item)
             if isinstance(item, Job) and item.key is not None and self.max_batch > 1:
                 self.recent[item.key] = item.enqueued
-            if not self.arrivals.later(self.wake):  # a message's rows: woken once, after
-                self.cond.notify()
-
-    def wake(self) -> None:
-        """Wake the worker for what :meth:`put` queued while a message's rows were handed
-        out (``node.jobs.together``). Where :meth:`run_inline`'s terms hold for the first
-        job waiting, the jobs that may join it run now on the event loop's thread instead,
-        in one run: no thread wakes (the worker would run them the same way)."""
-        with self.cond:
-            head = self.pending[0] if self.pending else None
-            if (
-                self.busy
-                or not isinstance(head, Job)
-                or head.gave_up()
-                or not self._inline_allowed(head)
-            ):
-                self.cond.notify()
-                return
-            self.pending.popleft()
-            taken = [head]
-            if self.max_batch > 1:
-                self.take_joiners(taken)
-            self.busy = True
-        self._run_here(taken)
+            self.cond.notify()
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` alone on the worker's thread; return or raise what it did."""
@@ -265,28 +238,18 @@ class DeviceWorker:
         would wait too. The node gives a bound to CPU devices only. A GPU run that hangs
         must not stop the event loop. There its worker's watch marks the device down and
         the node goes on. False: the worker runs it, as always under load."""
-        if not self._inline_allowed(job):
+        if self.run_s >= self.inline_under_s or self.arrivals.count > 0 or not job.one_row:
+            return False
+        if len(self.peers) > 1 and any(
+            d.busy or d.pending for d in self.peers.values() if d is not self
+        ):
             return False
         with self.cond:
             if self.busy or self.pending:
                 return False
             self.busy = True
-        self._run_here([job])
-        return True
-
-    def _inline_allowed(self, job: Job) -> bool:
-        """:meth:`run_inline`'s terms but the device's own state: short runs, nothing on
-        its way through the node, a one-row job, every peer idle."""
-        if self.run_s >= self.inline_under_s or self.arrivals.count > 0 or not job.one_row:
-            return False
-        return len(self.peers) <= 1 or not any(
-            d.busy or d.pending for d in self.peers.values() if d is not self
-        )
-
-    def _run_here(self, jobs: list[Job]) -> None:
-        """Run ``jobs`` on the event loop's thread; the caller set :attr:`busy`."""
         try:
-            self._run_batch_safely(jobs)
+            self._run_batch_safely([job])
         finally:
             items, self.outbox = self.outbox, []  # the worker waits: only this round's
             with self.cond:
@@ -294,6 +257,7 @@ class DeviceWorker:
                 if self.pending:
                     self.cond.notify()
         _settle(items)  # on this loop already: no wake-up through call_soon_threadsafe
+        return True
 
     # ---- the batch window --------------------------------------------------------------
 

@@ -134,40 +134,6 @@ async def test_a_quick_idle_device_in_inline_devices_runs_on_the_event_loop() ->
         assert loop_thread not in sessions["n/0"].threads, batching
 
 
-async def test_a_message_s_rows_wake_their_device_once_and_run_as_one_run() -> None:
-    """``node.jobs.together``: the rows' wake-ups are held until each row is queued; an
-    idle quick device in ``inline_devices`` then runs them on the event loop, in one run
-    (no thread woken); any other device's worker is woken once and runs them together."""
-    from node.jobs import together
-
-    loop_thread = threading.get_ident()
-    for inline, where in ((1_000_000, "loop"), (0, "worker")):
-        batching = BatchSettings(inline_under_us=inline, inline_devices=frozenset(["n/0"]))
-        d, sessions, _ = make(1, BATCHED, batching=batching)
-        s, dev = sessions["n/0"], d._devices["n/0"]
-        await dispatch(d, "n/0", "first", 1, True, obs(1))  # the worker measures a run
-        for _ in range(500):  # until the worker has freed the device
-            if not dev.busy:
-                break
-            await asyncio.sleep(0.01)
-        notified: list[int] = []
-
-        def counted(n: int = 1, notify: Any = dev.cond.notify, seen: Any = notified) -> None:
-            seen.append(n)
-            notify(n)
-
-        dev.cond.notify = counted  # type: ignore[method-assign]
-        rows = [dispatch(d, "n/0", f"row{i}", 1, True, obs(10 + i)) for i in range(3)]
-        try:
-            results = await together(d.arrivals, rows)
-        finally:
-            del dev.cond.notify  # the method again
-        assert [r.outputs["act"].item() for r in results] == [10.0, 11.0, 12.0]
-        assert s.runs[-1] == [10.0, 11.0, 12.0], where  # one run
-        assert (loop_thread in s.threads) == (where == "loop"), where
-        assert len(notified) == (0 if where == "loop" else 1), where
-
-
 @pytest.mark.parametrize("devices", [1, 2])
 async def test_inline_runs_and_worker_runs_never_overlap_on_a_device(devices: int) -> None:
     """Concurrent steps of many episodes (the worker takes them while the device is busy,
