@@ -86,10 +86,12 @@ class Forward:
     registration, which the owner checks is itself. ``model``: the assignment's
     ``"name@version"`` ("" in a fleet without models). For a restart it is the model the
     step names, which the owner's fresh claim takes. ``step.origin`` is a random id of this
-    forward. ``undo`` asks the owner to undo the step that forward ``step.origin`` applied
-    (the router could not deliver its reply; no inputs). ``release`` asks the owner to end
-    the episode (a release sent to another node; no inputs). The owner sets the decoded
-    step's ``deadline`` on receipt (``budget_s`` from then)."""
+    forward; a router sends its own step with ``origin`` set instead (sent as the step's,
+    without a copy of the step). ``undo`` asks the owner to undo the step that forward
+    ``step.origin`` applied (the router could not deliver its reply; no inputs).
+    ``release`` asks the owner to end the episode (a release sent to another node; no
+    inputs). The owner sets the decoded step's ``deadline`` on receipt (``budget_s`` from
+    then)."""
 
     step: Step
     token: int
@@ -102,6 +104,7 @@ class Forward:
     model: str = ""
     elapsed_s: float = 0.0  # how long the router had the step before forwarding it
     release: bool = False  # end the episode (``POST /episodes/<id>/end`` at another node)
+    origin: str | None = None  # sent as the step's origin (None: ``step.origin``)
 
     @classmethod
     def about(
@@ -131,6 +134,8 @@ class Forward:
     def doc(self) -> dict[str, Any]:
         """The forward as a map, before msgpack (:meth:`encode`; a ghost step nests it)."""
         doc: dict[str, Any] = {key: getattr(self.step, name) for name, key in _SENT}
+        if self.origin is not None:
+            doc["origin"] = self.origin
         rtc = self.step.rtc
         doc["rtc"] = None if rtc is None else [getattr(rtc, f.name) for f in fields(Ask)]
         doc.update(
@@ -427,18 +432,25 @@ class ForwardPool:
         self.max_idle = max_idle_per_origin
         self._ssl = ssl_context
         self._idle: dict[_Origin, collections.deque[_Connection]] = {}
+        # (url, path) -> its origin and its request head up to the body's length
+        self._heads: dict[tuple[str, str], tuple[_Origin, bytes]] = {}
 
     async def post(self, url: str, body: bytes, path: str = INTERNAL_PATH) -> Response:
         """POST ``body`` (msgpack) to the owner at ``url`` + ``/internal/act``.
 
         Raises :class:`ForwardError` when the owner cannot be reached or the connection
         breaks. Cancellation (the caller's deadline) closes the connection."""
-        origin = _Origin.of(url)
-        head = (
-            f"POST {path} HTTP/1.1\r\nHost: {origin.host}:{origin.port}\r\n"
-            f"Content-Type: {CONTENT_TYPE}\r\nContent-Length: {len(body)}\r\n"
-            f"{SECRET_HEADER}: {self.secret}\r\n\r\n"
-        ).encode("latin-1")
+        known = self._heads.get((url, path))
+        if known is None:
+            origin = _Origin.of(url)
+            start = (
+                f"POST {path} HTTP/1.1\r\nHost: {origin.host}:{origin.port}\r\n"
+                f"Content-Type: {CONTENT_TYPE}\r\n{SECRET_HEADER}: {self.secret}\r\n"
+                "Content-Length: "
+            ).encode("latin-1")
+            known = self._heads[(url, path)] = (origin, start)
+        origin, start = known
+        head = b"%s%d\r\n\r\n" % (start, len(body))
         conn = await self._acquire(origin)
         try:
             response = await conn.request(head, body)

@@ -508,7 +508,7 @@ class Router:
             arrived = step.arrived
             bodies.append(
                 Forward(
-                    replace(step, origin=origins[-1]),
+                    step,
                     a.token,
                     a.device,
                     a.status,
@@ -517,13 +517,14 @@ class Router:
                     instance=a.instance,
                     model=a.model,
                     elapsed_s=0.0 if arrived is None else max(0.0, self.clock() - arrived),
+                    origin=origins[-1],
                 ).encode()
             )
             self.locator.forget(a.episode)  # kept again only when the row is answered
         sent = time.monotonic()
         unheld = [(a, o) for (i, a), o in zip(rows, origins, strict=True) if steps[i].seq is None]
         try:
-            async with asyncio.timeout(budget + FORWARD_MARGIN_S / 2):
+            with TimeLimit(budget + FORWARD_MARGIN_S / 2):
                 resp = await self.pool.post(owner.url, wire.encode({"rows": bodies}), ROWS_PATH)
         except asyncio.CancelledError:
             await self._undo_rows(unheld)  # the owner may have applied them
@@ -673,7 +674,7 @@ class Router:
             raise Unavailable("deadline", f"no time left to forward to {owner.node}", 1.0)
         origin = os.urandom(8).hex()
         body = Forward(
-            replace(step, origin=origin),
+            step,
             owner.token,
             owner.device,
             owner.status,
@@ -682,6 +683,7 @@ class Router:
             instance=owner.instance,
             model=self.resolver.asked(step) if step.restart else owner.model,
             elapsed_s=0.0 if step.arrived is None else max(0.0, self.clock() - step.arrived),
+            origin=origin,
         ).encode()
         arrival.done()  # it leaves this node
         self.locator.forget(owner.episode)  # kept again only when this forward is answered

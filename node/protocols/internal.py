@@ -168,6 +168,7 @@ async def rows(service: NodeService, scope: Scope, receive: Receive, send: Send)
     done: list[Reply] = []
     try:
         body = await read_body(scope, receive, service.config.max_body_bytes)
+        received = service.owner.clock()  # every row's: they came together
         admit(service, scope)
         try:
             doc = wire.decode(body)
@@ -182,7 +183,6 @@ async def rows(service: NodeService, scope: Scope, receive: Receive, send: Send)
 
         async def one(forward: bytes) -> dict[str, Any]:
             try:
-                received = service.owner.clock()
                 reply = await service.owner.serve_forwarded(_forward(forward), received)
             except Exception as exc:  # the row's error
                 o = outcome(exc)
