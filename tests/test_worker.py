@@ -267,14 +267,17 @@ async def test_each_models_batching_line_names_the_model(
 
 def test_every_node_module_logs_as_affinity_node() -> None:
     """One logger name for the node's log lines (a start-up line from another name stood
-    out, issue 42)."""
+    out, issue 42): every logger a node module writes to (``name = logging.getLogger(...)``;
+    a library's logger only quietened, such as httpx's in a front, is not one)."""
     import re
 
     root = Path(__file__).resolve().parent.parent / "node"
     names = {
         (path.name, name)
         for path in root.rglob("*.py")
-        for name in re.findall(r"logging\.getLogger\(([^)]*)\)", path.read_text())
+        for name in re.findall(
+            r"^\s*\w+(?:\s*:\s*[\w.]+)?\s*=\s*logging\.getLogger\(([^)]*)\)", path.read_text(), re.M
+        )
     }
     assert names and {name for _, name in names} == {'"affinity.node"'}, names
 
