@@ -179,12 +179,14 @@ class Region:
                 array = np.frombuffer(mm[at : at + nbytes], dtype=dtype)
             else:
                 array = np.frombuffer(mm, dtype, nbytes // dtype.itemsize, at)
-            arrays.append(array.reshape(shape))
+            arrays.append(array if len(shape) == 1 else array.reshape(shape))
         return kind, meta, arrays
 
 
 def _slots(bits: int, slots: int) -> list[int]:
     """The slots a drained doorbell count names (every slot if it names one past them)."""
+    if not bits & (bits - 1):  # one slot (the usual ring), or none
+        return [bits.bit_length() - 1] if bits else []
     if bits >> slots:
         return list(range(slots))
     named = []
@@ -459,9 +461,11 @@ class CoreHop:
     alive: bool = True
     ringing: int = 0
     """The slots to ring for at the end of this turn of the loop (``1 << slot`` each)."""
+    loop: asyncio.AbstractEventLoop = field(init=False)
 
     def start(self) -> None:
-        asyncio.get_running_loop().add_reader(self.ask, self._rung)
+        self.loop = asyncio.get_running_loop()
+        self.loop.add_reader(self.ask, self._rung)
 
     def _rung(self) -> None:
         try:
@@ -471,7 +475,7 @@ class CoreHop:
         for slot in _slots(bits, self.region.slots):
             if self.region.state(slot) == ASKED:
                 self.region.set_state(slot, TAKEN)
-                task = asyncio.create_task(self._serve(slot))
+                task = self.loop.create_task(self._serve(slot))
                 self.running.add(task)
                 task.add_done_callback(self.running.discard)
 
@@ -514,7 +518,7 @@ class CoreHop:
             self.ringing |= 1 << slot
         elif len(self.running) > 1:  # others in flight: one ring for every answer of this turn
             self.ringing = 1 << slot
-            asyncio.get_running_loop().call_soon(self._ring)
+            self.loop.call_soon(self._ring)
         else:  # alone: no turn of the loop to wait for
             os.eventfd_write(self.answer, 1 << slot)
         return ok
