@@ -197,7 +197,7 @@ class NodeHop:
     (``python -m bench.hop core ...``), as a node's front and core."""
 
     def __init__(self, size: int) -> None:
-        self.region = Region.create(4, size + 4096)
+        self.region = Region.create(32, size + 4096)  # as a node's front has (node/fronts.py)
         ask = os.eventfd(0, os.EFD_NONBLOCK)
         answer = os.eventfd(0, os.EFD_NONBLOCK)
         fds = (self.region.fd, ask, answer)
