@@ -1,7 +1,7 @@
 """node/hop.py alone: the front's and the core's ends of the shared-memory hop, in one
 process (each end with its own mapping of the region, as two processes have): a round trip
 of tensors, the slots full, a malformed slot refused, the front gone mid-step, a reply the
-client did not take."""
+client did not take, doorbells that name several slots or none asked."""
 
 from __future__ import annotations
 
