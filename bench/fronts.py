@@ -19,7 +19,9 @@ Usage: python -m bench.fronts [--runs 5] [--seconds 4] [--connections 16]
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -126,7 +128,10 @@ def main() -> None:
         for node in nodes.values():
             node.stop()
         for proc, _ in apps.values():
-            proc.kill()
+            for pid in reversed(family(proc.pid)):  # uvicorn's workers outlive a killed master
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait()
         for redis in redises:
             redis.stop()
 

@@ -16,8 +16,13 @@ front writes and the core's ``/metrics`` reads (:class:`SharedLoopBuckets`). The
 each a 64-byte head (state, kind, length) and its data.
 
 A slot's state moves FREE → ASKED (the front) → TAKEN → ANSWERED (the core) → FREE (the
-front). A doorbell says "look": the reader drains the counter and scans every slot, so rings
-that coincide are one wake-up. The front holds at most ``slots`` steps in flight; one more is
+front). A doorbell says which slots to look at: each ring adds ``1 << slot`` for the slots
+it is about, and a slot is rung at most once before the other side drains the counter (it is
+not asked again before it was answered, nor answered twice), so the drained count is the set
+of those slots and rings that coincide are one wake-up. A side rings at once when that
+request is its only one in flight (no wait for a turn of the loop), and once per turn of its
+loop for every slot of that turn while others are in flight (under load, one wake-up of the
+other process for many requests). The front holds at most ``slots`` steps in flight; one more is
 refused 503 ``busy`` (:class:`HopFull`), never queued. A reply is kept by the core until the
 front's next request on that slot: the kind :data:`UNDELIVERED` says the client had gone,
 and the core undoes the step as it does for a client of its own that left.
@@ -30,7 +35,6 @@ will read them in place.
 from __future__ import annotations
 
 import asyncio
-import math
 import mmap
 import os
 import struct
@@ -57,7 +61,6 @@ __all__ = [
     "FrontHop",
     "Region",
     "SharedLoopBuckets",
-    "Tensor",
     "pack",
     "unpack",
 ]
@@ -72,6 +75,8 @@ ACT, ROWS, UNDELIVERED, NOTE = 1, 2, 3, 4
 """Request kinds: one step; a message of rows; the slot's last reply was not delivered; a
 note (a refusal the front answered itself, counted by the core)."""
 REPLY = 9
+MAX_SLOTS = 63
+"""A doorbell's count is a set of slots (``1 << slot``), under the eventfd's largest count."""
 LAG_AT = 64
 """Offset of the loop-lag histogram in the control block: ``LAG_BUCKETS`` + 1 counts, the sum."""
 LAG_BUCKETS = 16
@@ -85,16 +90,9 @@ def region_size(slots: int, slot_size: int) -> int:
     return CONTROL + slots * (SLOT_HEAD + slot_size)
 
 
-@dataclass
-class Tensor:
-    """Where an array lies in a slot's data: name, dtype (``numpy.dtype.str``), shape, offset
-    from the data's start, length in bytes."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int
-    nbytes: int
+Place = tuple[np.dtype[Any], tuple[int, ...], int, int]
+"""Where an array lies in a slot's data: dtype, shape, offset from the first aligned byte
+after the header, length in bytes."""
 
 
 class Region:
@@ -107,9 +105,13 @@ class Region:
         self.slots = slots
         self.slot_size = slot_size
         self.mm = mmap.mmap(fd, region_size(slots, slot_size))
+        self.heads = [CONTROL + k * (SLOT_HEAD + slot_size) for k in range(slots)]
+        self._state = struct.Struct("<I")
 
     @classmethod
     def create(cls, slots: int, slot_size: int) -> Region:
+        if not 0 < slots <= MAX_SLOTS:
+            raise ValueError(f"a region has 1 to {MAX_SLOTS} slots, not {slots}")
         fd = os.memfd_create("affinity-front", 0)  # close-on-exec unless passed on
         os.ftruncate(fd, region_size(slots, slot_size))  # sparse: pages exist once written
         region = cls(fd, slots, slot_size)
@@ -129,14 +131,14 @@ class Region:
         os.close(self.fd)
 
     def head(self, slot: int) -> int:
-        return CONTROL + slot * (SLOT_HEAD + self.slot_size)
+        return self.heads[slot]
 
     def state(self, slot: int) -> int:
-        value: int = struct.unpack_from("<I", self.mm, self.head(slot))[0]
+        value: int = self._state.unpack_from(self.mm, self.heads[slot])[0]
         return value
 
     def set_state(self, slot: int, state: int) -> None:
-        struct.pack_into("<I", self.mm, self.head(slot), state)
+        self._state.pack_into(self.mm, self.heads[slot], state)
 
     def write(
         self, slot: int, state: int, kind: int, meta: dict[str, Any], arrays: list[Array]
@@ -147,54 +149,70 @@ class Region:
         header, places, total = pack(meta, arrays)
         if total > self.slot_size:
             raise HopError(f"{total} bytes do not fit a slot of {self.slot_size}")
-        data = self.head(slot) + SLOT_HEAD
+        head = self.heads[slot]
+        data = head + SLOT_HEAD
         mm = self.mm
-        mm[data : data + len(header)] = header
-        start = data + _aligned(len(header))
-        for place, array in zip(places, arrays, strict=True):
-            at = start + place.offset
-            if place.nbytes:
-                mm[at : at + place.nbytes] = memoryview(array).cast("B")  # type: ignore[arg-type]
-        _HEAD.pack_into(mm, self.head(slot), state, kind, len(header), total)
+        length = len(header)
+        mm[data : data + length] = header
+        start = data + _aligned(length)
+        for (_, _, offset, nbytes), array in zip(places, arrays, strict=True):
+            if nbytes:
+                at = start + offset
+                mm[at : at + nbytes] = memoryview(array).cast("B")  # type: ignore[arg-type]
+        _HEAD.pack_into(mm, head, state, kind, length, total)
 
     def read(self, slot: int, copy: bool) -> tuple[int, dict[str, Any], list[Array]]:
         """(kind, meta, arrays) of ``slot``: copies (``copy``: independent of the region)
         or views over it. Raises :class:`HopError` for anything malformed."""
-        _, kind, length, total = _HEAD.unpack_from(self.mm, self.head(slot))
+        mm = self.mm
+        head = self.heads[slot]
+        _, kind, length, total = _HEAD.unpack_from(mm, head)
         if not 0 < length <= total <= self.slot_size:
             raise HopError(f"slot lengths {length}/{total} out of bounds")
-        data = self.head(slot) + SLOT_HEAD
-        meta, places = unpack(self.mm[data : data + length], total)
+        data = head + SLOT_HEAD
+        meta, places = unpack(mm[data : data + length], total)
         start = data + _aligned(length)
         arrays: list[Array] = []
-        for place in places:
-            at = start + place.offset
-            dtype = _dtype(place.dtype)
+        for dtype, shape, offset, nbytes in places:
+            at = start + offset
             if copy:
-                raw: Any = self.mm[at : at + place.nbytes]
-                array = np.frombuffer(raw, dtype=dtype)
+                array = np.frombuffer(mm[at : at + nbytes], dtype=dtype)
             else:
-                count = place.nbytes // dtype.itemsize
-                array = np.frombuffer(self.mm, dtype=dtype, count=count, offset=at)
-            arrays.append(array.reshape(place.shape))
+                array = np.frombuffer(mm, dtype, nbytes // dtype.itemsize, at)
+            arrays.append(array if len(shape) == 1 else array.reshape(shape))
         return kind, meta, arrays
+
+
+def _slots(bits: int, slots: int) -> list[int]:
+    """The slots a drained doorbell count names (every slot if it names one past them)."""
+    if not bits & (bits - 1):  # one slot (the usual ring), or none
+        return [bits.bit_length() - 1] if bits else []
+    if bits >> slots:
+        return list(range(slots))
+    named = []
+    while bits:
+        low = bits & -bits
+        named.append(low.bit_length() - 1)
+        bits ^= low
+    return named
 
 
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def pack(meta: dict[str, Any], arrays: list[Array]) -> tuple[bytes, list[Tensor], int]:
-    """The header bytes of ``meta`` with the arrays' places (``t``: offsets from the first
-    aligned byte after the header), the places, and the total length (header, padding,
-    tensors). Arrays must be C-contiguous."""
-    places: list[Tensor] = []
+def pack(meta: dict[str, Any], arrays: list[Array]) -> tuple[bytes, list[Place], int]:
+    """The header bytes of ``meta`` with the arrays' places (``t``: dtype, shape, offset from
+    the first aligned byte after the header, length), the places, and the total length
+    (header, padding, tensors). Arrays must be C-contiguous."""
+    places: list[Place] = []
     at = 0
     for array in arrays:
-        places.append(Tensor("", array.dtype.str, array.shape, at, array.nbytes))
-        at += _aligned(array.nbytes)
-    meta["t"] = [[p.dtype, p.shape, p.offset, p.nbytes] for p in places]
-    header: bytes = msgpack.packb(meta, default=_plain)
+        nbytes = array.nbytes
+        places.append((array.dtype, array.shape, at, nbytes))
+        at += -(-nbytes // ALIGN) * ALIGN
+    meta["t"] = [(d.str, shape, offset, n) for d, shape, offset, n in places]
+    header: bytes = _PACKER.pack(meta)
     return header, places, _aligned(len(header)) + at
 
 
@@ -202,6 +220,11 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, np.ndarray | np.generic):
         return obj.tolist()
     raise TypeError(f"cannot carry {type(obj).__name__} over the hop")
+
+
+_PACKER = msgpack.Packer(default=_plain)
+"""One packer for every header (``packb`` makes one a call); it keeps no state between
+calls (``autoreset``)."""
 
 
 _DTYPES_SEEN: dict[str, np.dtype[Any]] = {}
@@ -224,28 +247,36 @@ def _dtype(name: object) -> np.dtype[Any]:
     return dtype
 
 
-def unpack(header: bytes, total: int) -> tuple[dict[str, Any], list[Tensor]]:
+def unpack(header: bytes, total: int) -> tuple[dict[str, Any], list[Place]]:
     """Meta and tensor places of a header; every place checked against ``total``."""
     try:
         meta = msgpack.unpackb(header, strict_map_key=False)
     except Exception as exc:  # msgpack raises several kinds
         raise HopError(f"header is not msgpack: {exc}") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("t", []), list):
+    if not isinstance(meta, dict):
+        raise HopError("header is not a map with a list of tensors")
+    entries = meta.pop("t", [])
+    if not isinstance(entries, list):
         raise HopError("header is not a map with a list of tensors")
     room = total - _aligned(len(header))
-    places: list[Tensor] = []
-    for entry in meta.pop("t", []):
+    places: list[Place] = []
+    for entry in entries:
         try:
             name, shape_l, offset, nbytes = entry
-            shape = tuple(int(n) for n in shape_l)
+            shape = tuple(shape_l)
         except (TypeError, ValueError) as exc:
             raise HopError(f"bad tensor entry: {exc}") from None
         dtype = _dtype(name)
-        if any(n < 0 for n in shape) or math.prod(shape) * dtype.itemsize != nbytes:
+        count = dtype.itemsize
+        for n in shape:
+            if type(n) is not int or n < 0:
+                raise HopError("bad tensor shape")
+            count *= n
+        if count != nbytes:
             raise HopError("tensor shape does not match its length")
-        if not (isinstance(offset, int) and offset >= 0 and offset + nbytes <= room):
+        if not (type(offset) is int and offset >= 0 and offset + nbytes <= room):
             raise HopError("tensor lies outside the slot")
-        places.append(Tensor("", dtype.str, shape, offset, nbytes))
+        places.append((dtype, shape, offset, nbytes))
     return meta, places
 
 
@@ -312,17 +343,19 @@ class FrontHop:
         self.waiting: dict[int, asyncio.Future[None]] = {}
         self.abandoned: set[int] = set()
         self.loop = asyncio.get_running_loop()
-        self.ringing = False
+        self.ringing = 0
+        """The slots to ring for at the end of this turn of the loop (``1 << slot`` each)."""
         self.loop.add_reader(answer, self._rung)
         self.on_core_gone: Callable[[], None] | None = None
 
     def _rung(self) -> None:
         try:
-            os.eventfd_read(self.answer)
+            bits = os.eventfd_read(self.answer)
         except BlockingIOError:
             return
-        for slot, waiting in list(self.waiting.items()):
-            if self.region.state(slot) == ANSWERED:
+        for slot in _slots(bits, self.region.slots):
+            waiting = self.waiting.get(slot)
+            if waiting is not None and self.region.state(slot) == ANSWERED:
                 del self.waiting[slot]
                 if slot in self.abandoned:  # the caller left: say so, then free it
                     self.abandoned.discard(slot)
@@ -344,13 +377,17 @@ class FrontHop:
 
     def _send(self, slot: int, kind: int, meta: dict[str, Any], arrays: list[Array]) -> None:
         self.region.write(slot, ASKED, kind, meta, arrays)
-        if not self.ringing:  # one ring for every request of this turn of the loop
-            self.ringing = True
+        if self.ringing:  # a ring is due this turn: this slot joins it
+            self.ringing |= 1 << slot
+        elif self.waiting:  # others in flight: one ring for every request of this turn
+            self.ringing = 1 << slot
             self.loop.call_soon(self._ring)
+        else:  # alone: no turn of the loop to wait for
+            os.eventfd_write(self.ask, 1 << slot)
 
     def _ring(self) -> None:
-        self.ringing = False
-        os.eventfd_write(self.ask, 1)
+        bits, self.ringing = self.ringing, 0
+        os.eventfd_write(self.ask, bits)
 
     async def call(
         self,
@@ -422,20 +459,23 @@ class CoreHop:
     kept: dict[int, Any] = field(default_factory=dict)
     running: set[asyncio.Task[None]] = field(default_factory=set)
     alive: bool = True
-    ringing: bool = False
+    ringing: int = 0
+    """The slots to ring for at the end of this turn of the loop (``1 << slot`` each)."""
+    loop: asyncio.AbstractEventLoop = field(init=False)
 
     def start(self) -> None:
-        asyncio.get_running_loop().add_reader(self.ask, self._rung)
+        self.loop = asyncio.get_running_loop()
+        self.loop.add_reader(self.ask, self._rung)
 
     def _rung(self) -> None:
         try:
-            os.eventfd_read(self.ask)
+            bits = os.eventfd_read(self.ask)
         except BlockingIOError:
             return
-        for slot in range(self.region.slots):
+        for slot in _slots(bits, self.region.slots):
             if self.region.state(slot) == ASKED:
                 self.region.set_state(slot, TAKEN)
-                task = asyncio.create_task(self._serve(slot))
+                task = self.loop.create_task(self._serve(slot))
                 self.running.add(task)
                 task.add_done_callback(self.running.discard)
 
@@ -474,15 +514,19 @@ class CoreHop:
             ok = False
             self.region.write(slot, ANSWERED, REPLY, {"err": [500, "internal", str(exc), None,
                                                               None]}, [])  # fmt: skip
-        if not self.ringing:  # one ring for every answer of this turn of the loop
-            self.ringing = True
-            asyncio.get_running_loop().call_soon(self._ring)
+        if self.ringing:  # a ring is due this turn: this slot joins it
+            self.ringing |= 1 << slot
+        elif len(self.running) > 1:  # others in flight: one ring for every answer of this turn
+            self.ringing = 1 << slot
+            self.loop.call_soon(self._ring)
+        else:  # alone: no turn of the loop to wait for
+            os.eventfd_write(self.answer, 1 << slot)
         return ok
 
     def _ring(self) -> None:
-        self.ringing = False
+        bits, self.ringing = self.ringing, 0
         if self.alive:
-            os.eventfd_write(self.answer, 1)
+            os.eventfd_write(self.answer, bits)
 
     def drop(self) -> None:
         """The front is gone: stop reading; answers of steps still running are dropped."""

@@ -1,7 +1,7 @@
 """node/hop.py alone: the front's and the core's ends of the shared-memory hop, in one
 process (each end with its own mapping of the region, as two processes have): a round trip
 of tensors, the slots full, a malformed slot refused, the front gone mid-step, a reply the
-client did not take."""
+client did not take, doorbells that name several slots or none asked."""
 
 from __future__ import annotations
 
@@ -215,3 +215,28 @@ def test_loop_lag_counts_survive_a_restarted_front() -> None:
     SharedLoopBuckets(second.mm, bounds).observe(0.0001)
     assert lag.counts == [2, 1, 1]
     second.close()
+
+
+async def test_requests_of_one_turn_share_a_ring_and_are_all_answered() -> None:
+    core = Core()
+    async with hop(core, slots=8) as (front, _):
+        one = np.ones(4, dtype=np.float32)
+        replies = await asyncio.gather(*(front.call(ACT, {"n": i}, [one], echo) for i in range(8)))
+        assert [m["facts"]["n"] for m, _ in replies] == list(range(8))
+        assert sorted(front.free) == list(range(8))
+
+
+async def test_a_stray_ring_serves_nothing_and_wedges_nothing() -> None:
+    core = Core()
+    async with hop(core, slots=4) as (front, _):
+        os.eventfd_write(front.ask, 1 << 2)  # a slot that was not asked
+        os.eventfd_write(front.ask, 1 << 40)  # a count past the slots: every slot looked at
+        await asyncio.sleep(0.01)
+        assert core.seen == []
+        meta, _ = await front.call(ACT, {"n": 1}, [np.ones(2)], echo)
+        assert meta["facts"]["n"] == 1 and len(core.seen) == 1
+
+
+def test_a_region_has_at_most_as_many_slots_as_a_ring_can_name() -> None:
+    with pytest.raises(ValueError):
+        Region.create(64, 4096)
