@@ -36,7 +36,7 @@ from node.hop import ACT, NOTE, ROWS, Array, CoreHop, Region, SharedLoopBuckets
 from node.metrics import REJECTED
 from node.protocols import act
 from node.service import NodeService
-from node.step import Reply, Step
+from node.step import Reply
 
 __all__ = ["MAX_FRONT_DOORS", "Fronts", "core_socket", "serve_request"]
 
@@ -173,21 +173,10 @@ async def serve_request(
         decoded = await act.decode_rows(service, {"steps": rows}, True, deadline)
     except (BodyError, InvalidInput, InvalidArgument, Unavailable, Refused) as exc:
         return _refused(service, exc), []
-    steps: list[Step] = []
-    where: list[int] = []
-    results: list[Reply | Exception | None] = [None] * len(decoded)
-    for i, item in enumerate(decoded):
-        if isinstance(item, Step):
-            item.received, item.timing = received, timing
-            steps.append(item)
-            where.append(i)
-        else:
-            results[i] = item
-            _count(service, item)
+    steps, where, refused = act.split_rows(service, decoded, received, timing)
     served: list[Reply | Exception | None] = [None] * len(steps)
     await service.router.act_rows(steps, served)
-    for i, result in zip(where, served, strict=True):
-        results[i] = result if result is not None else Unavailable("deadline", "not served")
+    results = act.joined_rows(refused, where, served)
     metas: list[dict[str, Any]] = []
     outs: list[Array] = []
     for result in results:
@@ -196,7 +185,6 @@ async def serve_request(
             metas.append(row_meta)
             outs.extend(row_out)
         else:
-            assert result is not None
             metas.append(act.encode_row(result))
     keep = [r for r in results if isinstance(r, Reply)]
     return {"rows": metas, "keep": keep}, outs

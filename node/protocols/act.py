@@ -65,7 +65,7 @@ from node.timing import TIMING_HEADER, asks_timing
 
 __all__ = [
     "MSGPACK", "count_rows", "decode", "decode_doc", "decode_rows", "encode", "encode_row",
-    "handle",
+    "handle", "joined_rows", "split_rows",
 ]  # fmt: skip
 
 log = logging.getLogger("affinity.node")
@@ -267,18 +267,12 @@ def encode_row(result: Reply | Exception, timing: bool = False) -> dict[str, Any
     return {"error": err}
 
 
-async def _handle_rows(
-    service: NodeService,
-    rows: list[Step | Exception],
-    scope: Scope,
-    receive: Receive,
-    send: Send,
-    received: float,
-    binary: bool,
-) -> None:
-    """Serve a message of rows (:meth:`node.router.Router.act_rows`) and answer
-    ``{"steps": [...]}`` in order (:func:`encode_row`); 200 whatever each row's outcome."""
-    timing = asks_timing(header(scope, TIMING_HEADER))
+def split_rows(
+    service: NodeService, rows: list[Step | Exception], received: float, timing: bool
+) -> tuple[list[Step], list[int], list[Reply | Exception | None]]:
+    """A message's rows as its door decoded them: the steps to serve (each stamped with
+    the request's arrival and its ask for the timing split), where each sits in the
+    message, and the results so far (the rows refused already, each counted)."""
     steps: list[Step] = []
     at: list[int] = []
     results: list[Reply | Exception | None] = [None] * len(rows)
@@ -292,6 +286,32 @@ async def _handle_rows(
             reason = outcome(row).reject_reason
             if reason is not None:
                 service.metrics.rejected.labels(reason).inc()
+    return steps, at, results
+
+
+def joined_rows(
+    results: list[Reply | Exception | None], at: list[int], served: list[Reply | Exception | None]
+) -> list[Reply | Exception]:
+    """Every row's result in the message's order: the refused ones and the ``served``
+    steps put back ``at`` their places (a step left unanswered: 503 ``deadline``)."""
+    for i, result in zip(at, served, strict=True):
+        results[i] = result if result is not None else Unavailable("deadline", "not served")
+    return [r for r in results if r is not None]
+
+
+async def _handle_rows(
+    service: NodeService,
+    rows: list[Step | Exception],
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    received: float,
+    binary: bool,
+) -> None:
+    """Serve a message of rows (:meth:`node.router.Router.act_rows`) and answer
+    ``{"steps": [...]}`` in order (:func:`encode_row`); 200 whatever each row's outcome."""
+    timing = asks_timing(header(scope, TIMING_HEADER))
+    steps, at, results = split_rows(service, rows, received, timing)
     served: list[Reply | Exception | None] = [None] * len(steps)
     scope[STEP_KEY] = (f"{len(rows)} rows", "-", "-")
     try:
@@ -304,9 +324,7 @@ async def _handle_rows(
                 await service.router.undelivered(result)
         await respond_gone(send)
         return
-    for i, result in zip(at, served, strict=True):
-        results[i] = result if result is not None else Unavailable("deadline", "not served")
-    doc = {"steps": [encode_row(r, timing) for r in results if r is not None]}
+    doc = {"steps": [encode_row(r, timing) for r in joined_rows(results, at, served)]}
     if binary:
         body, kind = wire.encode(doc), MSGPACK.encode()
     else:
