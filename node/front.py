@@ -109,6 +109,8 @@ def _tensor(value: Any, binary: bool) -> Array | None:
         return None
     if array.dtype.kind not in "biuf" or array.size == 0:
         return None
+    if array.dtype.kind != "b" and _has_bool(value):
+        return None  # numpy made numbers of JSON's true/false: the core refuses them by name
     if (
         array.dtype.kind == "f"
         and bool(np.all(np.abs(array) < 2**53))
@@ -116,6 +118,13 @@ def _tensor(value: Any, binary: bool) -> Array | None:
     ):
         array = array.astype(np.int64)  # JSON's whole numbers fit an integer input too
     return array
+
+
+def _has_bool(value: list[Any]) -> bool:
+    """Whether a rectangular nested list (numpy took it whole) holds a ``true``/``false``."""
+    if isinstance(value[0], list):
+        return any(_has_bool(v) for v in value)
+    return bool in map(type, value)
 
 
 def _row(doc: Any, binary: bool, arrays: list[Array]) -> dict[str, Any]:

@@ -168,6 +168,8 @@ def test_rows_and_refusals_answer_as_the_single_process(node: Node, binary: bool
     assert got[4]["error"]["code"] == "malformed"
     bad = post(node.url, {"episode_id": "x", "inputs": {"obs": [[1, 2]]}}, binary)
     assert bad.status_code == 422 and read(bad)["error"]["field"]
+    mixed = post(node.url, {"episode_id": "x", "inputs": {"obs": [[True] + [0.5] * 7]}}, binary)
+    assert mixed.status_code == 422 and read(mixed)["error"]["code"] == "bad_input", mixed.text
     typo = post(node.url, {"episodeId": "x", "inputs": {}}, binary)
     assert typo.status_code == 422 and "episodeId" in typo.text
     broken = httpx.post(node.url + "/act", content=b"{nope", timeout=10)
