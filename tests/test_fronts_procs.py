@@ -383,3 +383,45 @@ def test_the_api_key_is_checked_in_the_fronts_and_no_secret_reaches_them(tmp_pat
                                 b"AFFINITY_API_KEY"}  # fmt: skip
     finally:
         node.stop()
+
+
+def test_a_step_whose_client_left_while_the_core_was_paused_is_applied_once(
+    tmp_path: Path,
+) -> None:
+    """The node's process (the core) is paused while a step is on the hop; the client
+    gives up and leaves. Once the core runs again it applies the step (its seq holds the
+    reply for a retry). The client's retry with the same seq, on a new connection, gets
+    that kept reply: the step applied once, never twice, never from a reset."""
+    node = embedded(tmp_path, "p", model=counter_policy(tmp_path))
+    node.start(timeout=60)
+    try:
+        wait_until(lambda: len(fronts(node)) == 2, 30, "two fronts")
+        assert node.proc.popen is not None
+        core = node.proc.popen.pid
+
+        def step(seq: int, client: httpx.Client, timeout: float = 20) -> httpx.Response:
+            body = {"episode_id": "paused", "inputs": {"obs": [[0.0] * 8]}, "seq": seq}
+            return client.post(node.url + "/act", json=body, timeout=timeout)
+
+        with httpx.Client() as client:
+            first = step(1, client)
+            assert first.status_code == 200 and count(first.json()) == 1
+        os.kill(core, signal.SIGSTOP)  # the core alone: the fronts keep accepting
+        try:
+            with httpx.Client() as client, pytest.raises(httpx.TimeoutException):
+                step(2, client, timeout=0.5)  # on the hop, unanswered; the client leaves
+        finally:
+            os.kill(core, signal.SIGCONT)
+        with httpx.Client() as client:
+            for _ in range(100):
+                retry = step(2, client)
+                if retry.status_code != 503:  # the left step may still be being undone
+                    break
+                time.sleep(0.1)
+            assert retry.status_code == 200, retry.text
+            got = retry.json()
+            assert got["replayed"] and count(got) == 2 and not got["state_reset"], retry.text
+            third = step(3, client)
+            assert third.status_code == 200 and count(third.json()) == 3, third.text
+    finally:
+        node.stop()
