@@ -97,6 +97,22 @@ class Timing(BaseModel):
     forward_ms: float = Field(description="What the forward to the owner added.")
 
 
+_REPLY_EXAMPLE: dict[str, Any] = {
+    "outputs": {"actions": [[[0.06, -0.22], [0.1, 0.3], [0.0, 0.1], [0.2, 0.2]]]},
+    "episode_id": "ep-42",
+    "device": "gpu-a/0",
+    "node": "gpu-a",
+    "token": 1796000000000123,
+    "routing": "hit",
+    "state_reset": False,
+    "degraded": False,
+    "source": "model",
+    "seq": 7,
+    "replayed": False,
+}
+"""A one-row reply, the example of both reply bodies."""
+
+
 class ActReply(BaseModel):
     """What a step returns; X-Affinity-* headers repeat the facts."""
 
@@ -129,25 +145,7 @@ class ActReply(BaseModel):
         None, description="The split of the step's time, when asked (X-Affinity-Timing: 1)."
     )
 
-    model_config = {
-        "json_schema_extra": {
-            "examples": [
-                {
-                    "outputs": {"actions": [[[0.06, -0.22], [0.1, 0.3], [0.0, 0.1], [0.2, 0.2]]]},
-                    "episode_id": "ep-42",
-                    "device": "gpu-a/0",
-                    "node": "gpu-a",
-                    "token": 1796000000000123,
-                    "routing": "hit",
-                    "state_reset": False,
-                    "degraded": False,
-                    "source": "model",
-                    "seq": 7,
-                    "replayed": False,
-                }
-            ]
-        }
-    }
+    model_config = {"json_schema_extra": {"examples": [_REPLY_EXAMPLE]}}
 
 
 class ActRows(BaseModel):
@@ -203,19 +201,7 @@ class ActRowsReply(BaseModel):
             "examples": [
                 {
                     "steps": [
-                        {
-                            "outputs": {"actions": [[[0.06, -0.22], [0.1, 0.3]]]},
-                            "episode_id": "robot-1",
-                            "device": "gpu-a/0",
-                            "node": "gpu-a",
-                            "token": 1796000000000123,
-                            "routing": "hit",
-                            "state_reset": False,
-                            "degraded": False,
-                            "source": "model",
-                            "seq": 7,
-                            "replayed": False,
-                        },
+                        {**_REPLY_EXAMPLE, "episode_id": "robot-1"},
                         {
                             "error": {
                                 "status": 409,
