@@ -234,7 +234,8 @@ class NodeProcess:
 
     ``role`` is ``core`` (the node's own process: with one process it also serves the doors)
     or a front's index (``"0"`` ... ``"63"``). ``since_ms`` is when it started (the node's
-    wall clock, ms since the epoch); ``restarts`` how many times the core restarted that
+    wall clock, ms since the epoch; the core's: when its service was built, once its models
+    loaded); ``restarts`` how many times the core restarted that
     front since the core started (0 for the core). ``lag_p99_ms`` is the 99th percentile of
     its event loop's lag over the samples since the node's last renewal, as the upper bound
     of its ``affinity_event_loop_lag_seconds`` bucket (ms): ``None`` when it sampled

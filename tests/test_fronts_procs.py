@@ -292,7 +292,7 @@ def test_affinity_nodes_shows_the_core_and_its_fronts_and_a_restart(node: Node) 
     front killed with ``kill -9`` and restarted shows with its new pid and its restart at
     the next renewal."""
     core = node.proc.popen.pid if node.proc.popen is not None else -1
-    wait_until(lambda: len(published(node)) == 3, 30, "the core and both fronts published")
+    wait_until(lambda: len(published(node)) == 3, 30, "both fronts published", interval=0.5)
     procs = published(node)
     assert procs["core"]["pid"] == core
     assert {procs["0"]["pid"], procs["1"]["pid"]} == set(fronts(node))  # its children (/proc)
@@ -306,7 +306,7 @@ def test_affinity_nodes_shows_the_core_and_its_fronts_and_a_restart(node: Node) 
         now = published(node).get("1")
         return now is not None and now["pid"] != victim and now["restarts"] == before + 1
 
-    wait_until(restarted, 30, "front 1's restart published")
+    wait_until(restarted, 30, "front 1's restart published", interval=0.5)
     procs = published(node)
     assert procs["1"]["pid"] in fronts(node) and alive(procs["1"]["pid"])
     assert victim not in fronts(node)

@@ -247,7 +247,7 @@
     p.models.textContent = (n.models || []).join(", ");
     // its processes as its last registration or renewal published them (issue 43)
     const procs = processes(n);
-    p.procs.textContent = procs.text;
+    p.procs.textContent = n.missing ? "" : procs.text; // no record: nothing known
     p.procs.title = procs.rows.join("\n");
     p.procs.classList.toggle("restarted", procs.restarts > 0 || procs.down > 0);
     r.row.dataset.fronts = String(n.fronts || 1);
