@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import re
 import shlex
@@ -43,9 +44,9 @@ from affinity.errors import (
     UnknownNode,
 )
 from affinity.events import Event, EventStream, event_json
-from affinity.inventory import Inventory, ModelStatus
+from affinity.inventory import Inventory, ModelStatus, NodeStatus
 from affinity.models import Models
-from affinity.registry import MoveRequest, Registry
+from affinity.registry import MoveRequest, NodeProcesses, Registry
 from affinity.scripts import failure
 from affinity.shadows import Shadow, Shadows
 from affinity.shadows import status as shadow_rows
@@ -124,11 +125,15 @@ def seconds(ms: int) -> str:
     return f"{ms / 1000:.1f}s"
 
 
-def event_time(event_id: str) -> str:
-    """When the event was written, from its stream id (Redis time in ms), in UTC to the ms:
-    ``2026-12-01T16:07:58.123Z``."""
-    at = datetime.fromtimestamp(int(event_id.split("-", 1)[0]) / 1000, UTC)
+def utc_time(ms: int) -> str:
+    """ms since the epoch in UTC to the ms: ``2026-12-01T16:07:58.123Z``."""
+    at = datetime.fromtimestamp(ms / 1000, UTC)
     return at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}Z"
+
+
+def event_time(event_id: str) -> str:
+    """When the event was written, from its stream id (Redis time in ms), in UTC."""
+    return utc_time(int(event_id.split("-", 1)[0]))
 
 
 def event_line(event: Event) -> str:
@@ -180,11 +185,53 @@ async def cmd_devices(args: argparse.Namespace, ctx: Context) -> int:
     return EXIT_OK
 
 
+def processes_cell(p: NodeProcesses) -> str:
+    """A node's processes in a word: ``1`` for one process, else ``core+4 fronts``, and
+    what is wrong: fronts not running now, restarts."""
+    if p.fronts == 1:
+        return "1"
+    text = f"core+{p.fronts} fronts"
+    down = p.fronts - sum(1 for r in p.processes if r.role != "core")
+    if p.processes and down:  # none listed: an older record, nothing known
+        text += f", {down} down"
+    if p.restarts:
+        text += f", {p.restarts} restart{'s' if p.restarts > 1 else ''}"
+    return text
+
+
+def lag_cell(lag_ms: float | None) -> str:
+    if lag_ms is None:
+        return "-"
+    return ">2500ms" if math.isinf(lag_ms) else f"{lag_ms:g}ms"
+
+
+PROCESS_HEADERS = ("NODE", "PROCESS", "PID", "SINCE", "RESTARTS", "LAG P99")
+
+
+def process_rows(nodes: Sequence[NodeStatus]) -> list[tuple[object, ...]]:
+    """A row per process of each node: the core first, then its fronts."""
+    return [
+        (
+            n.node,
+            p.role,
+            p.pid,
+            utc_time(p.since_ms),
+            p.restarts,
+            lag_cell(p.lag_p99_ms),
+        )
+        for n in nodes
+        for p in n.processes.processes
+    ]
+
+
 async def cmd_nodes(args: argparse.Namespace, ctx: Context) -> int:
     await ctx.require_deployment()
     nodes = await ctx.inventory.nodes()
     if ctx.json:
         emit_json(ctx, [n.to_json() for n in nodes])
+        return EXIT_OK
+    if args.processes:
+        emit(ctx, table(PROCESS_HEADERS, process_rows(nodes)))
         return EXIT_OK
     rows = [
         (
@@ -193,12 +240,13 @@ async def cmd_nodes(args: argparse.Namespace, ctx: Context) -> int:
             n.state,
             yes_no(n.alive),
             seconds(n.lease_ms),
+            processes_cell(n.processes),
             ",".join(n.devices),
             ",".join(n.models),
         )
         for n in nodes
     ]
-    headers = ("NODE", "URL", "STATE", "ALIVE", "LEASE LEFT", "DEVICES", "MODELS")
+    headers = ("NODE", "URL", "STATE", "ALIVE", "LEASE LEFT", "PROCESSES", "DEVICES", "MODELS")
     emit(ctx, table(headers, rows))
     return EXIT_OK
 
@@ -724,7 +772,14 @@ AddCommand = Callable[[str, Command, str], argparse.ArgumentParser]
 def add_fleet_commands(command: AddCommand) -> None:
     """The subcommands about nodes, devices and models."""
     command("devices", cmd_devices, "every registered device: state, liveness, live load")
-    command("nodes", cmd_nodes, "every node with its lease; dead ones until forgotten")
+    p = command(
+        "nodes", cmd_nodes, "every node with its lease and processes; dead ones until forgotten"
+    )
+    p.add_argument(
+        "--processes",
+        action="store_true",
+        help="a row per process of each node (--front-doors): pid, start, restarts, loop lag",
+    )
     command("models", cmd_models, "every registered model version: who serves it, its share")
     p = command(
         "rollout",

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 from affinity.config import backstop_beyond_idle_ms
 from affinity.errors import UnknownDevice, UnknownNode
 from affinity.models import ModelId
+from affinity.registry import ONE_PROCESS, NodeProcesses
 from affinity.scripts import RedisApi, bounded
 
 __all__ = [
@@ -71,6 +72,16 @@ class NodeStatus(_Row):
     started_at_ms: int
     version: str
     models: tuple[str, ...] = ()  # "name@version" on every one of its devices
+    # its shape and processes as its last registration or renewal published them (issue
+    # 43); a node of an older version publishes none and reads as one process
+    processes: NodeProcesses = ONE_PROCESS
+
+    def to_json(self) -> dict[str, Any]:
+        """Its fields, the processes flattened in: ``fronts`` (1: one process) and
+        ``processes`` (a list: role, pid, since_ms, restarts, lag_p99_ms)."""
+        out = super().to_json()
+        out.update(self.processes.to_json())
+        return out
 
 
 @dataclass(frozen=True)
@@ -185,6 +196,7 @@ class Inventory(RedisApi):
                     started_at_ms=int(h.get("started_at", 0)),
                     version=h.get("version", ""),
                     models=tuple(filter(None, h.get("models", "").split(","))),
+                    processes=NodeProcesses.decode(h.get("procs")),
                 )
             )
         return out

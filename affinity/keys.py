@@ -186,8 +186,9 @@ class Keys:
 
     def node(self, node: str) -> str:
         """Hash: url, devices, started_at, version, instance, state (up, leaving, down),
-        models (``"name@version,..."``), and lease (its deadline, once it lapsed). Kept
-        after a crash until the node registers again or an operator forgets it."""
+        models (``"name@version,..."``), procs (its processes: ``NodeProcesses``, JSON) and
+        lease (its deadline, once it lapsed). Kept after a crash until the node registers
+        again or an operator forgets it."""
         return self.prefix + "node:" + node
 
     def device(self, device: str) -> str:

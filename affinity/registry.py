@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from redis.asyncio import RedisCluster
 from redis.exceptions import NoPermissionError
 
 from affinity.errors import (
+    AffinityError,
     InvalidArgument,
     NodeConflict,
     NotReplicated,
@@ -36,7 +39,9 @@ from affinity.models import MAX_WEIGHT, ModelId
 from affinity.scripts import Script, ScriptCaller, bounded, evalsha, replicated
 
 __all__ = [
+    "MAX_FRONTS",
     "MAX_WEIGHT",
+    "ONE_PROCESS",
     "STATES",
     "DeviceRegistration",
     "DeviceScore",
@@ -46,6 +51,8 @@ __all__ = [
     "HeldEpisode",
     "LeaseTerms",
     "MoveRequest",
+    "NodeProcess",
+    "NodeProcesses",
     "Registered",
     "Registration",
     "Registry",
@@ -215,6 +222,106 @@ class MoveRequest(NamedTuple):
         return cls(episode=episode, target=target)
 
 
+MAX_FRONTS = 64
+"""The most front door processes a node has (``--front-doors``): what bounds the
+description of its processes (at most ``MAX_FRONTS`` + 1 rows, ~6 KiB)."""
+MAX_ROLE = 8
+
+
+@dataclass(frozen=True)
+class NodeProcess:
+    """One process of a node as its registration and renewals publish it.
+
+    ``role`` is ``core`` (the node's own process: with one process it also serves the doors)
+    or a front's index (``"0"`` ... ``"63"``). ``since_ms`` is when it started (the node's
+    wall clock, ms since the epoch; the core's: when its service was built, once its models
+    loaded); ``restarts`` how many times the core restarted that
+    front since the core started (0 for the core). ``lag_p99_ms`` is the 99th percentile of
+    its event loop's lag over the samples since the node's last renewal, as the upper bound
+    of its ``affinity_event_loop_lag_seconds`` bucket (ms): ``None`` when it sampled
+    nothing since, ``math.inf`` past the largest bound (2.5 s)."""
+
+    role: str
+    pid: int
+    since_ms: int
+    restarts: int = 0
+    lag_p99_ms: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """Its fields; the lag is left out when there was no sample, ``null`` past the
+        largest bound (JSON has no infinity)."""
+        out: dict[str, Any] = {
+            "role": self.role,
+            "pid": self.pid,
+            "since_ms": self.since_ms,
+            "restarts": self.restarts,
+        }
+        if self.lag_p99_ms is not None:
+            out["lag_p99_ms"] = None if math.isinf(self.lag_p99_ms) else self.lag_p99_ms
+        return out
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> NodeProcess:
+        lag = doc.get("lag_p99_ms", 0.0)
+        return cls(
+            role=str(doc["role"]),
+            pid=int(doc["pid"]),
+            since_ms=int(doc["since_ms"]),
+            restarts=int(doc.get("restarts", 0)),
+            lag_p99_ms=None if "lag_p99_ms" not in doc else math.inf if lag is None else float(lag),
+        )
+
+
+@dataclass(frozen=True)
+class NodeProcesses:
+    """A node's shape and its processes, published in its record (``procs`` field of
+    ``Keys.node``) at its registration and each renewal: ``fronts`` is ``--front-doors``
+    (1: the node is one process), ``processes`` those running (the core first, then each
+    front running now; a front waiting to be restarted is not listed). A record without it
+    (a node of an older version) reads as :data:`ONE_PROCESS`."""
+
+    fronts: int = 1
+    processes: tuple[NodeProcess, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fronts, bool) or not 1 <= self.fronts <= MAX_FRONTS:
+            raise InvalidArgument("fronts", self.fronts, f"must be 1 to {MAX_FRONTS}")
+        most = 1 if self.fronts == 1 else self.fronts + 1  # the core and its fronts
+        if len(self.processes) > most:
+            raise InvalidArgument("processes", len(self.processes), f"at most {most}")
+        for p in self.processes:
+            if not p.role or len(p.role) > MAX_ROLE:
+                raise InvalidArgument("process role", p.role, f"1 to {MAX_ROLE} characters")
+
+    @property
+    def restarts(self) -> int:
+        """Front restarts, every front's together."""
+        return sum(p.restarts for p in self.processes)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"fronts": self.fronts, "processes": [p.to_json() for p in self.processes]}
+
+    def encode(self) -> str:
+        """The record's ``procs`` field: :meth:`to_json` as compact JSON."""
+        return json.dumps(self.to_json(), separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, text: str | None) -> NodeProcesses:
+        """The ``procs`` field read back. Missing (a node of an older version) or not
+        readable: :data:`ONE_PROCESS`, what such a node is."""
+        if not text:
+            return ONE_PROCESS
+        try:
+            doc = json.loads(text)
+            return cls(int(doc["fronts"]), tuple(map(NodeProcess.from_json, doc["processes"])))
+        except (ValueError, KeyError, TypeError, AttributeError, AffinityError):
+            return ONE_PROCESS
+
+
+ONE_PROCESS = NodeProcesses()
+"""What a record without processes reads as: one process, nothing more known."""
+
+
 class FlushResult(NamedTuple):
     """What an owner's flush answered: the grace period left (ms) and the lost episodes.
 
@@ -251,6 +358,7 @@ class Registry(ScriptCaller):
         instance: str = "",
         models: Mapping[ModelId, str] | None = None,
         episodes: Sequence[HeldEpisode] = (),
+        processes: NodeProcesses | None = None,
     ) -> Registration:
         """(Re)register ``node`` and its devices; start its lease. Idempotent.
 
@@ -274,7 +382,11 @@ class Registry(ScriptCaller):
         is followed by ``WAIT`` on its connection. It raises :class:`NotReplicated` when fewer
         replicas acknowledged it; nothing it re-asserted may be served on then. One without
         episodes is not waited for. Nothing is served on it alone: every claim on its devices
-        comes after it and is waited for."""
+        comes after it and is waited for.
+
+        ``processes`` is the node's shape and processes, kept in its record for operators
+        (None: none kept, the record reads as one process); each renewal publishes it
+        anew."""
         check_node_id(node)
         if not devices:
             raise InvalidArgument("devices", [], "a node registers at least one device")
@@ -298,6 +410,7 @@ class Registry(ScriptCaller):
             instance,
             ",".join(sorted(map(str, served))),
             self.known_lease_ms(),
+            processes.encode() if processes is not None else "",
             len(devices),
         ]
         for d in devices:
@@ -384,6 +497,7 @@ class Registry(ScriptCaller):
         instance: str = "",
         done: Sequence[tuple[str, int]] = (),
         scores: Sequence[DeviceScore] = (),
+        processes: NodeProcesses | None = None,
     ) -> Renewal | None:
         """Extend the lease. None means the node holds no lease any more (it lapsed, it
         deregistered, or Redis lost its data): it must :meth:`register` again.
@@ -400,8 +514,14 @@ class Registry(ScriptCaller):
 
         ``scores`` publishes each device's predicted step time for scored placement (one
         per device with room; a device not named keeps its last until it expires with
-        this lease)."""
-        args = [instance, self.known_lease_ms(), len(scores)]
+        this lease). ``processes`` replaces the node's shape and processes in its record
+        (None: left as they are); it rides this call, no command more."""
+        args = [
+            instance,
+            self.known_lease_ms(),
+            processes.encode() if processes is not None else "",
+            len(scores),
+        ]
         for score in scores:
             args += score.fields()
         args += [f"{episode} {token}" for episode, token in done]

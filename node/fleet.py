@@ -72,6 +72,20 @@ class FleetSource(Protocol):
     def instance(self) -> str: ...
 
 
+class ProcessOut(BaseModel):
+    """One process of a node (``--front-doors``), as its last renewal published it."""
+
+    role: str = Field(description="\"core\" (the node's own process), or a front's index")
+    pid: int
+    since_ms: int = Field(description="when it started, ms since the epoch (the node's clock)")
+    restarts: int = Field(0, description="times the core restarted this front")
+    lag_p99_ms: float | None = Field(
+        None,
+        description="its event loop's lag, 99th percentile since the node's previous renewal "
+        "(a bucket's upper bound, ms); absent: no sample since; null: past 2.5 s",
+    )
+
+
 class NodeOut(BaseModel):
     """One node as Redis holds it (more fields may be added)."""
 
@@ -85,6 +99,10 @@ class NodeOut(BaseModel):
     started_at_ms: int = Field(0, description="registration time, ms since the epoch (Redis)")
     version: str = ""
     models: list[str] = Field([], description='"name@version" every device of the node serves')
+    fronts: int = Field(1, description="--front-doors: 1 = one process, N = a core and N fronts")
+    processes: list[ProcessOut] = Field(
+        [], description="its running processes, the core first; [] from a node of an older version"
+    )
 
 
 class NodesOut(BaseModel):
@@ -108,6 +126,30 @@ class NodesOut(BaseModel):
                             "started_at_ms": 1795983840000,
                             "version": "0.1.0",
                             "models": ["demo_policy@3f2a9c1b7e0d"],
+                            "fronts": 2,
+                            "processes": [
+                                {
+                                    "role": "core",
+                                    "pid": 4101,
+                                    "since_ms": 1795983839120,
+                                    "restarts": 0,
+                                    "lag_p99_ms": 1.0,
+                                },
+                                {
+                                    "role": "0",
+                                    "pid": 4187,
+                                    "since_ms": 1795983840310,
+                                    "restarts": 0,
+                                    "lag_p99_ms": 1.0,
+                                },
+                                {
+                                    "role": "1",
+                                    "pid": 5213,
+                                    "since_ms": 1795984521775,
+                                    "restarts": 1,
+                                    "lag_p99_ms": 2.5,
+                                },
+                            ],
                         }
                     ],
                 }
@@ -349,6 +391,7 @@ def add_fleet_routes(app: FastAPI, service: Callable[[], FleetSource]) -> Fleet:
     @app.get(
         "/nodes",
         response_model=NodesOut,
+        response_model_exclude_unset=True,  # a process's lag: absent (no sample) is not null
         responses={503: {"description": "Redis unreachable"}},
         tags=["operators"],
     )

@@ -34,6 +34,7 @@ from affinity import InvalidArgument
 from node.errors import BodyError, HopError, InvalidInput, Refused, Unavailable, outcome
 from node.hop import ACT, NOTE, ROWS, Array, CoreHop, Region, SharedLoopBuckets
 from node.metrics import REJECTED
+from node.procs import Running
 from node.protocols import act
 from node.service import NodeService
 from node.step import Reply
@@ -206,8 +207,10 @@ class _Front:
     process: subprocess.Popen[bytes] | None = None
     hop: CoreHop | None = None
     lag: SharedLoopBuckets | None = None
-    restarts: int = 0
+    restarts: int = 0  # in a row (the backoff's): 0 again once it ran a while
+    restarted: int = 0  # since the core started (what operators see: node/procs.py)
     started: float = 0.0
+    since_ms: int = 0  # when it started, the wall clock's ms
 
 
 class Fronts:
@@ -238,6 +241,15 @@ class Fronts:
         for front in self.fronts:
             self._spawn(front)
         self._watch = asyncio.create_task(self._supervise(), name="affinity-fronts")
+        self.service.processes.watch(self)  # published at each renewal from now on
+
+    def running(self) -> list[Running]:
+        """Each front running now: index, pid, start, restarts, its lag histogram."""
+        return [
+            Running(str(f.index), f.process.pid, f.since_ms, f.restarted, f.lag)
+            for f in self.fronts
+            if f.process is not None and f.lag is not None
+        ]
 
     def pids(self) -> list[int]:
         return [f.process.pid for f in self.fronts if f.process is not None]
@@ -270,6 +282,7 @@ class Fronts:
         front.process = subprocess.Popen(argv, pass_fds=fds, env=env)
         front.hop = hop
         front.started = time.monotonic()
+        front.since_ms = int(time.time() * 1000)
         if front.lag is None:
             front.lag = SharedLoopBuckets(region.mm, self.bounds)
             self.service.metrics.loop_lag.attach((str(front.index),), front.lag)
@@ -286,6 +299,7 @@ class Fronts:
                     continue
                 self._drop(front)
                 front.restarts += 1
+                front.restarted += 1
                 self.restarts.inc()
                 ran = time.monotonic() - front.started
                 backoff = min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** min(front.restarts - 1, 6))

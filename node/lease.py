@@ -32,7 +32,14 @@ from affinity import (
     Registry,
     __version__,
 )
-from affinity.registry import DeviceScore, Held, LeaseTerms, MoveRequest, Registered
+from affinity.registry import (
+    DeviceScore,
+    Held,
+    LeaseTerms,
+    MoveRequest,
+    NodeProcesses,
+    Registered,
+)
 from node.config import NodeConfig
 from node.episodes import EpisodeTable
 from node.errors import Unavailable
@@ -80,6 +87,7 @@ class Lease:
         scores: Callable[[], Sequence[DeviceScore]] = list,
         listener: LeaseListener | None = None,
         on_moves: Callable[[Sequence[MoveRequest]], None] | None = None,
+        processes: Callable[[], NodeProcesses] | None = None,
     ) -> None:
         self.config = config
         self.node_id = config.node_id
@@ -102,6 +110,8 @@ class Lease:
         self.listener = listener  # the owner's flusher: what the lease lets it keep
         # what an operator asked to move, read at a renewal (started in the background)
         self.on_moves = on_moves
+        # this node's processes (node/procs.py), published with each registration and renewal
+        self.processes = processes
         self.granted_s = config.settings.lease_ttl_s  # what Redis granted last
         self.longest_ms = 0  # the longest lease TTL of the fleet, as last heard
         self.server_id: str | None = None  # run_id of the Redis server last seen
@@ -162,6 +172,10 @@ class Lease:
 
     # ---- actions ---------------------------------------------------------------------
 
+    def _processes(self) -> NodeProcesses | None:
+        """This node's processes, each one's lag since the last call (node/procs.py)."""
+        return self.processes() if self.processes is not None else None
+
     def fence(self) -> bool:
         """Drop every record once the lease is gone (once per lapse); True when fenced."""
         if self.valid():
@@ -211,6 +225,7 @@ class Lease:
             instance=self.instance,
             models=self.models,
             episodes=held,
+            processes=self._processes(),
         )
         if held and self.clock() >= own_until:  # answered after this node's own lease ended
             self._drop("registered")
@@ -288,7 +303,7 @@ class Lease:
         sent = self.clock()
         try:
             renewal = await self.registry.renew(
-                self.node_id, self.instance, self._done, self.scores()
+                self.node_id, self.instance, self._done, self.scores(), self._processes()
             )
         except NodeConflict as exc:
             self._lost_to_another(str(exc))

@@ -58,6 +58,7 @@ from node.looplag import watch_loop_lag
 from node.metrics import Metrics
 from node.owner import Owner
 from node.placement import StepTimes
+from node.procs import Processes
 from node.recorder import Recorder
 from node.rollouts import RolloutMemory
 from node.router import Router
@@ -145,6 +146,12 @@ class NodeService:
         # the owner's batched writes (on the lease's own pool); what the lease lets it keep
         flusher = Flusher(self.node_id, self.table, lease_registry, self.metrics,
                           config.settings, clock)  # fmt: skip
+        # the process serving the doors is front 0; with --front-doors N > 1 the fronts are
+        # 0..N-1 (their samples read from their hop, node/fronts.py) and this one the core
+        self._lag_label = "0" if config.front_doors <= 1 else "core"
+        lag = self.metrics.loop_lag
+        # this node's processes, published with its lease (the fronts join when they start)
+        self.processes = Processes(config.front_doors, lag.labels(self._lag_label), lag.bounds)
         self.lease = Lease(
             config,
             lease_registry,
@@ -157,6 +164,7 @@ class NodeService:
             scores=self._scores,  # scored placement's, published at each renewal
             listener=flusher,
             on_moves=self._moves_requested,  # the owner's hand-overs, which need the lease
+            processes=self.processes.describe,
         )
         self.rollouts = RolloutMemory(
             Models(self.lease_redis, config.settings), [mid.name for mid, _ in self.models.values()]
@@ -208,9 +216,6 @@ class NodeService:
         )
         self._maintenance: asyncio.Task[None] | None = None
         self._loop_lag: asyncio.Task[None] | None = None
-        # the process serving the doors is front 0; with --front-doors N > 1 the fronts are
-        # 0..N-1 (their samples read from their hop, node/fronts.py) and this one the core
-        self._lag_label = "0" if config.front_doors <= 1 else "core"
         every = config.fleet_view_every_s
         fleet = Inventory(lease_registry.redis, config.settings)  # the lease's own pool
         self.signals = FleetSignals(self.node_id, fleet, self.metrics, every, clock)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import re
 import signal
@@ -26,6 +27,7 @@ from affinity.cli import Context, DrainMoves, follow_moves, main, moves_summary
 from affinity.events import EventStream
 from affinity.inventory import Inventory
 from affinity.models import Models
+from affinity.registry import NodeProcess, NodeProcesses
 from tests.conftest import place
 from tests.procs import ROOT, RedisServer, free_port, wait_until
 
@@ -206,8 +208,9 @@ def test_json_before_and_after_the_subcommand(
 def test_nodes(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli(dep, capsys, "nodes")
     assert (code, err) == (0, "")
-    headers = ["NODE", "URL", "STATE", "ALIVE", "LEASE LEFT", "DEVICES"]
+    headers = ["NODE", "URL", "STATE", "ALIVE", "LEASE LEFT", "PROCESSES", "DEVICES"]
     rows = {r["NODE"]: r for r in parse_table(out, headers)}
+    assert rows["gpu-a"]["PROCESSES"] == "1"  # it published none: one process
     assert sorted(rows) == ["cpu-b", "gone-c", "gpu-a"]
     assert rows["gpu-a"]["URL"] == "http://gpu-a:8000"
     assert rows["gpu-a"]["DEVICES"] == "gpu-a/0,gpu-a/1"
@@ -225,6 +228,52 @@ def test_nodes(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     assert nodes["cpu-b"]["devices"] == ["cpu-b/0", "cpu-b/1"]
     assert nodes["cpu-b"]["alive"] is True and nodes["gone-c"]["alive"] is False
     assert 0 < nodes["cpu-b"]["lease_ms"] <= 60_000
+    assert (nodes["cpu-b"]["fronts"], nodes["cpu-b"]["processes"]) == (1, [])
+
+
+def test_nodes_show_their_processes(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 43: a node with front door processes says so in its column, with what is wrong
+    (a front not running now, restarts); ``--processes`` gives a row per process."""
+    four = NodeProcesses(4, (
+        NodeProcess("core", 4101, 1_795_983_839_120, 0, 1.0),
+        NodeProcess("0", 4187, 1_795_983_840_310, 0, 2.5),
+        NodeProcess("1", 5213, 1_795_984_521_775, 1, math.inf),
+        NodeProcess("3", 4190, 1_795_983_840_340),
+    ))  # fmt: skip
+    one = NodeProcesses(1, (NodeProcess("core", 77, 1_795_983_839_000, 0, 1.0),))
+    asyncio.run(renew_with(dep.url, {"gpu-a": four, "cpu-b": one}))
+    code, out, _ = cli(dep, capsys, "nodes")
+    assert code == 0
+    headers = ["NODE", "URL", "STATE", "ALIVE", "LEASE LEFT", "PROCESSES", "DEVICES"]
+    rows = {r["NODE"]: r["PROCESSES"] for r in parse_table(out, headers)}
+    assert rows == {"gpu-a": "core+4 fronts, 1 down, 1 restart", "cpu-b": "1", "gone-c": "1"}
+    code, out, _ = cli(dep, capsys, "nodes", "--processes")
+    assert code == 0
+    listed = parse_table(out, ["NODE", "PROCESS", "PID", "SINCE", "RESTARTS", "LAG P99"])
+    assert [(r["NODE"], r["PROCESS"], r["PID"], r["RESTARTS"], r["LAG P99"]) for r in listed] == [
+        ("cpu-b", "core", "77", "0", "1ms"),
+        ("gpu-a", "core", "4101", "0", "1ms"),
+        ("gpu-a", "0", "4187", "0", "2.5ms"),
+        ("gpu-a", "1", "5213", "1", ">2500ms"),
+        ("gpu-a", "3", "4190", "0", "-"),
+    ]
+    assert listed[2]["SINCE"] == "2026-11-29T20:24:00.310Z"  # UTC, to the ms
+    code, out, _ = cli(dep, capsys, "nodes", "--json")
+    nodes = {n["node"]: n for n in json.loads(out)}
+    assert nodes["gpu-a"]["fronts"] == 4
+    assert [p["pid"] for p in nodes["gpu-a"]["processes"]] == [4101, 4187, 5213, 4190]
+    assert nodes["gpu-a"]["processes"][2]["lag_p99_ms"] is None  # past 2.5 s
+    assert "lag_p99_ms" not in nodes["gpu-a"]["processes"][3]  # no sample since
+
+
+async def renew_with(url: str, published: dict[str, NodeProcesses]) -> None:
+    client = redis.asyncio.Redis.from_url(url, decode_responses=True)
+    try:
+        registry = Registry(client, SETTINGS.with_(redis_url=url))
+        for node, processes in published.items():
+            assert await registry.renew(node, processes=processes) is not None
+    finally:
+        await client.aclose()
 
 
 def test_namespace_and_env_defaults(

@@ -7,8 +7,11 @@ one binds the same port at once."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +26,7 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from affinity import wire
 from node.models import DEMO_MODEL
 from tests.models import counter_policy
-from tests.procs import Node, RedisServer, wait_until
+from tests.procs import ROOT, Node, RedisServer, wait_until
 from tests.rollout import reference_rollout
 
 pytestmark = [
@@ -263,6 +266,57 @@ def test_a_front_killed_mid_load_loses_no_step_and_comes_back(node: Node) -> Non
                "the front restarted")  # fmt: skip
     text = httpx.get(node.url + "/metrics", timeout=10).text
     assert "affinity_front_restarts_total 1.0" in text
+
+
+def cli_nodes(node: Node, *argv: str) -> Any:
+    """``affinity nodes`` run as the operator runs it, against the node's Redis."""
+    url = node.proc.argv[node.proc.argv.index("--redis") + 1]
+    done = subprocess.run(
+        [sys.executable, "-m", "affinity.cli", "--redis", url, "nodes", *argv],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout) if "--json" in argv else done.stdout
+
+
+def published(node: Node) -> dict[str, Any]:
+    """The node's processes as ``affinity nodes --json`` shows them: role -> process."""
+    (listed,) = [n for n in cli_nodes(node, "--json") if n["node"] == node.node_id]
+    assert listed["fronts"] == 2, listed
+    return {p["role"]: p for p in listed["processes"]}
+
+
+def test_affinity_nodes_shows_the_core_and_its_fronts_and_a_restart(node: Node) -> None:
+    """Issue 43: ``affinity nodes`` shows the processes of each node, their real pids; a
+    front killed with ``kill -9`` and restarted shows with its new pid and its restart at
+    the next renewal."""
+    core = node.proc.popen.pid if node.proc.popen is not None else -1
+    wait_until(lambda: len(published(node)) == 3, 30, "both fronts published", interval=0.5)
+    procs = published(node)
+    assert procs["core"]["pid"] == core
+    assert {procs["0"]["pid"], procs["1"]["pid"]} == set(fronts(node))  # its children (/proc)
+    assert all(alive(p["pid"]) for p in procs.values())
+    assert all(p["since_ms"] <= time.time() * 1000 for p in procs.values())
+    assert procs["core"]["restarts"] == 0 and "lag_p99_ms" in procs["core"]  # it samples
+    victim, before = procs["1"]["pid"], procs["1"]["restarts"]
+    os.kill(victim, signal.SIGKILL)
+
+    def restarted() -> bool:
+        now = published(node).get("1")
+        return now is not None and now["pid"] != victim and now["restarts"] == before + 1
+
+    wait_until(restarted, 30, "front 1's restart published", interval=0.5)
+    procs = published(node)
+    assert procs["1"]["pid"] in fronts(node) and alive(procs["1"]["pid"])
+    assert victim not in fronts(node)
+    total = sum(p["restarts"] for p in procs.values())
+    rows = cli_nodes(node).splitlines()
+    (row,) = [r for r in rows if r.startswith(f"{node.node_id} ")]
+    assert f"core+2 fronts, {total} restart" in row, rows
+    cells = [line.split() for line in cli_nodes(node, "--processes").splitlines()[1:]]
+    mine = {c[1]: (int(c[2]), int(c[4])) for c in cells if c[0] == node.node_id}
+    assert mine == {role: (p["pid"], p["restarts"]) for role, p in procs.items()}, cells
 
 
 def embedded(

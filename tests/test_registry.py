@@ -5,6 +5,8 @@ found no capacity."""
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -17,7 +19,13 @@ from affinity import (
     Registry,
     UnknownNode,
 )
-from affinity.registry import StateChange
+from affinity.registry import (
+    MAX_FRONTS,
+    ONE_PROCESS,
+    NodeProcess,
+    NodeProcesses,
+    StateChange,
+)
 from tests.conftest import Env, cpu_devices
 
 pytestmark = pytest.mark.anyio
@@ -359,3 +367,76 @@ async def test_rebase_keeps_the_order_of_turns(env: Env) -> None:
     assert all(s < 100 for _, s in await env.redis.zrange(k.ring, 0, -1, withscores=True))
     picks = [[(await c.resolve(f"ep-{i}")).device for i in range(12)] for c, _ in runs]
     assert picks[0] == picks[1]
+
+
+# -- a node's processes in its record (issue 43) --------------------------------------------
+
+
+FOUR_FRONTS = NodeProcesses(
+    4,
+    (
+        NodeProcess("core", 4101, 1_795_983_839_120, 0, 1.0),
+        NodeProcess("0", 4187, 1_795_983_840_310, 0, 2.5),
+        NodeProcess("1", 5213, 1_795_984_521_775, 2, math.inf),
+        NodeProcess("2", 4189, 1_795_983_840_330),
+    ),
+)
+
+
+async def test_registration_and_renewals_publish_the_nodes_processes(env: Env) -> None:
+    await env.registry.register("p", "http://p:8000", cpu_devices(1), processes=FOUR_FRONTS)
+    (listed,) = await env.inventory.nodes()
+    assert listed.processes == FOUR_FRONTS
+    doc = listed.to_json()
+    assert doc["fronts"] == 4 and len(doc["processes"]) == 4
+    assert doc["processes"][1] == {
+        "role": "0", "pid": 4187, "since_ms": 1_795_983_840_310, "restarts": 0, "lag_p99_ms": 2.5
+    }  # fmt: skip
+    assert doc["processes"][2]["lag_p99_ms"] is None  # past the largest bound: JSON null
+    assert "lag_p99_ms" not in doc["processes"][3]  # no sample since the last renewal
+    assert json.loads(json.dumps(doc)) == doc  # plain JSON: no Infinity
+    # a renewal replaces it (front 1 restarted once more, with a new pid), in the same call
+    restarted = replace(
+        FOUR_FRONTS,
+        processes=(*FOUR_FRONTS.processes[:2], NodeProcess("1", 6001, 1_795_984_600_000, 3)),
+    )
+    assert await env.registry.renew("p", processes=restarted) is not None
+    (listed,) = await env.inventory.nodes()
+    assert listed.processes == restarted and listed.processes.restarts == 3
+    # one without processes (the second renewal that says revocations) leaves them as they are
+    assert await env.registry.renew("p") is not None
+    assert (await env.inventory.nodes())[0].processes == restarted
+
+
+async def test_a_record_without_processes_reads_as_one_process(env: Env) -> None:
+    """A node of an older version publishes nothing: it is one process (what it is)."""
+    await env.node("old", 1)
+    (listed,) = await env.inventory.nodes()
+    assert listed.processes == ONE_PROCESS
+    assert (listed.processes.fronts, listed.processes.processes) == (1, ())
+    doc = listed.to_json()
+    assert (doc["fronts"], doc["processes"]) == (1, [])
+    # a multi-process node that re-registers publishes its shape again; an unreadable
+    # field (written by hand, or by a version this one cannot read) reads as one process
+    await env.registry.register("old", "http://old:8000", cpu_devices(1), processes=FOUR_FRONTS)
+    assert (await env.inventory.nodes())[0].processes == FOUR_FRONTS
+    for bad in ("{nope", '{"fronts": 99, "processes": []}', '{"fronts": 2}', "[1]", '"x"'):
+        await env.redis.hset(env.keys.node("old"), "procs", bad)
+        assert (await env.inventory.nodes())[0].processes == ONE_PROCESS, bad
+    # a registration without processes keeps none from before (the record is written anew)
+    await env.registry.register("old", "http://old:8000", cpu_devices(1))
+    assert (await env.inventory.nodes())[0].processes == ONE_PROCESS
+
+
+def test_the_description_of_processes_is_bounded() -> None:
+    core = NodeProcess("core", 1, 0)
+    big = [NodeProcess(str(k), 4_194_304, 1_795_983_840_310, 99_999, 2500.0) for k in range(64)]
+    most = NodeProcesses(MAX_FRONTS, (core, *big))
+    assert len(most.encode()) < 8192  # ~6 KiB at most, written once a renewal
+    with pytest.raises(InvalidArgument):
+        NodeProcesses(MAX_FRONTS + 1)
+    with pytest.raises(InvalidArgument):
+        NodeProcesses(1, (core, NodeProcess("0", 2, 0)))  # more processes than the shape has
+    with pytest.raises(InvalidArgument):
+        NodeProcesses(2, (NodeProcess("x" * 9, 1, 0),))
+    assert NodeProcesses.decode(most.encode()) == most

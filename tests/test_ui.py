@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import shutil
 import signal
@@ -37,6 +38,7 @@ import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Keys, Registry, Settings
 from affinity.events import EVENT_NUMBERS, EventStream
+from affinity.registry import NodeProcess, NodeProcesses
 from node import VERSION
 from node.fleet import RETRY_MS, Fleet
 from tests.procs import ROOT, Node, RedisServer, wait_until
@@ -230,6 +232,11 @@ def test_page_lists_both_nodes_and_every_device(page: Page, stack: Stack) -> Non
         assert "demo_policy@" in card, card  # the models the node serves
         assert "alive · lease" in card
         assert page.find(row).get_attribute("data-alive") == "yes"
+        # one process (issue 43), the node's own: its real pid, published at registration
+        assert "1 process" in card, card
+        assert node.proc.popen is not None
+        pids = page.find(row).get_attribute("data-pids")
+        assert pids == f"core:{node.proc.popen.pid}", pids
         cells = page.cells(row)
         assert len(cells) == DEVICES_PER_NODE
         for c in cells:
@@ -387,7 +394,8 @@ async def register_gpu_nodes(url: str) -> None:
         registry = Registry(client, FAKE_SETTINGS)
         for node in FAKE_NODES:
             gpus = h200s(node, 8)
-            await registry.register(node, f"http://{node}:8000", gpus, "0.1.0", instance=node)
+            await registry.register(node, f"http://{node}:8000", gpus, "0.1.0", instance=node,
+                                    processes=eight_fronts(node))  # fmt: skip
         await registry.set_state("gpu-d/3", "down", "3 consecutive model failures")
         await registry.drain("gpu-e/5", "fan failure")
         claims = Claims(client, FAKE_SETTINGS)
@@ -395,6 +403,20 @@ async def register_gpu_nodes(url: str) -> None:
             await claims.resolve(f"load-{i}")
     finally:
         await client.aclose()
+
+
+def eight_fronts(node: str) -> NodeProcesses:
+    """A core and 8 fronts (issue 43); gpu-c's front 5 restarted twice and its front 7 is
+    not running (waiting for its restart), the loop of its front 2 lags past 2.5 s."""
+    since = 1_795_983_840_000
+    rows = [NodeProcess("core", 100, since, 0, 1.0)]
+    for k in range(8):
+        if node == "gpu-c" and k == 7:
+            continue
+        restarts = 2 if node == "gpu-c" and k == 5 else 0
+        lag = math.inf if node == "gpu-c" and k == 2 else 2.5
+        rows.append(NodeProcess(str(k), 101 + k, since, restarts, lag))
+    return NodeProcesses(8, tuple(rows))
 
 
 async def deregister_gpu_nodes(url: str) -> None:
@@ -619,6 +641,17 @@ def test_eight_nodes_of_eight_gpus_fit_one_laptop_screen(page: Page, stack: Stac
         assert layout["minWidth"] >= 90 and layout["font"] >= 11, layout
         summary = page.find("#summary").text
         assert summary.startswith("8/8 nodes alive · 64 devices: 62 active, 1 draining, 1 down")
+        # each node's processes on its card; what is wrong with them stands out
+        procs = page.text(".node-row[data-node='gpu-c'] .procs")
+        assert procs == "core+8 fronts, 1 down, 2 restarts · lag >2500ms", procs
+        assert page.text(".node-row[data-node='gpu-d'] .procs") == "core+8 fronts · lag ≤2.5ms"
+        assert page.js(
+            "return document.querySelector(\"[data-node='gpu-c'] .procs\").classList"
+            ".contains('restarted')"
+        )
+        title = page.js("return document.querySelector(\"[data-node='gpu-c'] .procs\").title")
+        assert "front 5: pid 106 since 2026-11-29T20:24:00.000Z, 2 restart(s)" in title, title
+        assert "front 2: pid 103" in title and "loop lag p99 >2500ms" in title, title
 
         ARTIFACTS.mkdir(exist_ok=True)
         shot = ARTIFACTS / "ui-fleet-8x8.png"

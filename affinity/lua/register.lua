@@ -1,7 +1,7 @@
 -- register: (re)register a node and its devices and start its lease.
 --
 -- KEYS[1]  {ns}:node:<node>  hash url, devices, started_at, version, instance, state, models,
---          lease
+--          procs, lease
 --          (the node id is KEYS[1] less NODE_KEY)
 -- ARGV[1]  advertise URL
 -- ARGV[2]  software version
@@ -11,8 +11,10 @@
 --          added to VERSIONS_KEY .. name with this time (the newest takes new episodes
 --          unless the operator set weights)
 -- ARGV[5]  the longest lease TTL (ms) the node has heard of (0: none yet)
--- ARGV[6]  n, the number of devices
--- ARGV[7..] 11 fields per device (n times): index, kind, name, uuid, arch, memory,
+-- ARGV[6]  the node's shape and processes (JSON, written as given to the procs field; "" =
+--          none: the record reads as one process)
+-- ARGV[7]  n, the number of devices
+-- ARGV[8..] 11 fields per device (n times): index, kind, name, uuid, arch, memory,
 --          capacity, weight, provider, state ("active" or "down", from the node's crash
 --          tracker), reason; then 5 fields per episode the node still serves from memory
 --          (re-registering within its lease, after Redis lost its data): episode, device,
@@ -49,8 +51,8 @@ end
 local grace = recovering(now_ms, ARGV[5]) or 0
 
 local listed, ids = {}, {}
-local last = 6 + 11 * tonumber(ARGV[6])
-for i = 7, last, 11 do
+local last = 7 + 11 * tonumber(ARGV[7])
+for i = 8, last, 11 do
     local id = node .. '/' .. ARGV[i]
     local key = DEVICE_KEY .. id
     unenroll(id) -- out of the rings of the models it served until now
@@ -96,6 +98,9 @@ redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'url', url, 'devices', table.concat(ids, ','),
     'started_at', int(now_ms), 'version', ARGV[2], 'instance', ARGV[3], 'state', 'up',
     'models', ARGV[4])
+if ARGV[6] ~= '' then
+    redis.call('HSET', KEYS[1], 'procs', ARGV[6])
+end
 for m in string.gmatch(ARGV[4], '[^,]+') do
     local name, version = string.match(m, '^(.*)@(.*)$')
     redis.call('ZADD', VERSIONS_KEY .. name, 'NX', int(now_ms), version)

@@ -3,10 +3,12 @@
 -- KEYS[1]  {ns}:node:<node> (the node id is KEYS[1] less NODE_KEY)
 -- ARGV[1]  instance id of the renewing process ("" = not checked)
 -- ARGV[2]  the longest lease TTL (ms) the node has heard of (its last renewal's answer)
--- ARGV[3]  n, the scores the node publishes (scored placement: docs/policies.md), then 3
+-- ARGV[3]  the node's shape and processes (JSON, written as given to the node's procs
+--          field; "" = left as it is)
+-- ARGV[4]  n, the scores the node publishes (scored placement: docs/policies.md), then 3
 --          fields per score: device index, step ms (the step time a new episode would see
 --          there), cost ms (how much one more episode adds to it)
--- ARGV[4+3n..] "<episode> <token>" revocations the owner carried out (it dropped the record)
+-- ARGV[5+3n..] "<episode> <token>" revocations the owner carried out (it dropped the record)
 --          since they were last answered: removed now (one whose answer was lost comes
 --          back, never goes missing), and an assignment still marked " revoked" under that
 --          token becomes " moved" (its slot freed): its next resolve reassigns it. The
@@ -20,7 +22,7 @@
 -- Returns {the new lease deadline (ms, server time), the lease granted (ms), the longest
 -- lease TTL of the fleet (ms), n, then n "<episode> <token>": the node's assignments
 -- someone else released in Redis (release.lua) not yet carried out: the owner drops their
--- records and says so (ARGV[3..]); then the moves an operator asked of the node
+-- records and says so (ARGV[5+3n..]); then the moves an operator asked of the node
 -- (MOVES_KEY .. node, read and removed: "@<device>" or "<episode>\x1f<target>")}; {-1}
 -- when the node holds no lease (it lapsed, the node deregistered, or Redis lost its data):
 -- register again; {-2} when another instance holds
@@ -45,12 +47,15 @@ if not alive(node, now_ms) or redis.call('EXISTS', KEYS[1]) == 0 then
 end
 local granted, longest = lease_terms(node, ARGV[2])
 redis.call('ZADD', NODES, int(now_ms + granted), node)
-local scored = tonumber(ARGV[3]) or 0
-local first = 4 + 3 * scored -- the first revocation
+if ARGV[3] ~= '' then
+    redis.call('HSET', KEYS[1], 'procs', ARGV[3])
+end
+local scored = tonumber(ARGV[4]) or 0
+local first = 5 + 3 * scored -- the first revocation
 if scored > 0 then
     local expires = int(now_ms + granted)
     local own = node_rings(node)
-    for i = 4, first - 1, 3 do
+    for i = 5, first - 1, 3 do
         local device = node .. '/' .. ARGV[i]
         local step, cost = tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2])
         local _, _, _, weight = route(device)

@@ -214,10 +214,10 @@
     row.append(card, devices);
     const parts = { name: el("span", "name"), self: el("span", "tag", "this node"),
                     lease: el("div"), url: el("div", "muted"), meta: el("div", "muted"),
-                    models: el("div", "models") };
+                    models: el("div", "models"), procs: el("div", "procs") };
     const first = el("div");
     first.append(parts.name, parts.self);
-    card.append(first, parts.lease, parts.url, parts.models, parts.meta);
+    card.append(first, parts.lease, parts.url, parts.models, parts.procs, parts.meta);
     return { row, card, devices, parts };
   }
 
@@ -245,6 +245,13 @@
     p.meta.textContent = meta.join(" · ");
     // the models every device of the node serves, as "name@version" (issue 24)
     p.models.textContent = (n.models || []).join(", ");
+    // its processes as its last registration or renewal published them (issue 43)
+    const procs = processes(n);
+    p.procs.textContent = n.missing ? "" : procs.text; // no record: nothing known
+    p.procs.title = procs.rows.join("\n");
+    p.procs.classList.toggle("restarted", procs.restarts > 0 || procs.down > 0);
+    r.row.dataset.fronts = String(n.fronts || 1);
+    r.row.dataset.pids = (n.processes || []).map((q) => q.role + ":" + q.pid).join(",");
     r.card.title = [
       "live episodes / capacity: " + load + "/" + cap,
       "node: " + n.node, "url: " + (n.url || "?"), "version: " + (n.version || "?"),
@@ -252,7 +259,38 @@
       "started: " + (n.started_at_ms ? new Date(n.started_at_ms).toISOString() : "?"),
       "devices: " + g.devices.length,
       "models: " + ((n.models || []).join(", ") || "none registered"),
+      "processes: " + procs.text, ...procs.rows,
     ].join("\n");
+  }
+
+  function lagText(q) { // a process's loop-lag p99 since the node's previous renewal
+    if (!("lag_p99_ms" in q)) return "no sample";
+    return q.lag_p99_ms === null ? ">2500ms" : "≤" + q.lag_p99_ms + "ms";
+  }
+
+  // A node's processes in a line (1 process, or the core and its fronts, with what is wrong:
+  // fronts not running, restarts, the worst loop lag) and a line per process for its title.
+  // A node of an older version publishes none: it is one process.
+  function processes(n) {
+    const list = n.processes || [], fronts = n.fronts || 1;
+    const running = list.filter((q) => q.role !== "core").length;
+    const down = fronts > 1 && list.length ? fronts - running : 0;
+    const restarts = list.reduce((s, q) => s + (q.restarts || 0), 0);
+    const parts = [fronts > 1 ? "core+" + fronts + " fronts" : "1 process"];
+    if (down) parts.push(down + " down");
+    if (restarts) parts.push(restarts + " restart" + (restarts > 1 ? "s" : ""));
+    const lags = list.filter((q) => "lag_p99_ms" in q);
+    let text = parts.join(", ");
+    if (lags.length) {
+      const worst = lags.reduce((w, q) => (q.lag_p99_ms === null || (w.lag_p99_ms !== null &&
+        q.lag_p99_ms > w.lag_p99_ms) ? q : w));
+      text += " · lag " + lagText(worst);
+    }
+    const rows = list.map((q) => (q.role === "core" ? "core" : "front " + q.role) +
+      ": pid " + q.pid + " since " + new Date(q.since_ms).toISOString() +
+      (q.role === "core" ? "" : ", " + (q.restarts || 0) + " restart(s)") +
+      ", loop lag p99 " + lagText(q));
+    return { text, rows, restarts, down };
   }
 
   function makeCell(id) {

@@ -1,0 +1,99 @@
+"""The node's processes as its registration and each renewal publish them (issue 43:
+``affinity nodes`` and the fleet page show the processes of each node).
+
+With ``--front-doors N`` > 1 a node is its core and N front processes the core supervises
+(``node/fronts.py``); an operator looking at the fleet must see that shape, each process's
+pid, a front that keeps being restarted, and a saturated event loop, without logging in to
+the host. :class:`Processes` describes them (:class:`affinity.registry.NodeProcesses`) when
+the lease asks: at registration and at each renewal, riding the same script call, so it
+costs no Redis command more and is at most a renewal old. A front the core restarted shows
+with its new pid and its restart count at the next renewal.
+
+The lag is read from the histograms ``affinity_event_loop_lag_seconds`` already keeps (the
+core's own, and each front's in its hop's shared memory): the 99th percentile of the samples
+since the last description, as the upper bound of its bucket. Nothing is sampled for it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from affinity.registry import NodeProcess, NodeProcesses
+
+__all__ = ["Lagging", "ProcessSource", "Processes", "Running", "p99_ms"]
+
+
+class Lagging(Protocol):
+    """A process's loop-lag histogram: one count per bound, then the count past them."""
+
+    @property
+    def counts(self) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Running:
+    """One running process as its supervisor knows it."""
+
+    role: str
+    pid: int
+    since_ms: int
+    restarts: int
+    lag: Lagging
+
+
+class ProcessSource(Protocol):
+    """What supervises processes beside the core (``node.fronts.Fronts``)."""
+
+    def running(self) -> list[Running]:
+        """The processes running now, in their order (a front waiting to be restarted is
+        not among them)."""
+
+
+def p99_ms(bounds: Sequence[float], before: Sequence[int], now: Sequence[int]) -> float | None:
+    """The 99th percentile of the samples counted between ``before`` and ``now`` (each a
+    histogram's counts since it began, one per bound then one past them) as its bucket's
+    upper bound in ms: None when none was counted, ``math.inf`` past the largest bound."""
+    window = [max(0, b - a) for a, b in zip(before, now, strict=True)]
+    total = sum(window)
+    if total == 0:
+        return None
+    rank = math.ceil(0.99 * total)
+    seen = 0
+    for bound, count in zip(bounds, window, strict=False):
+        seen += count
+        if seen >= rank:
+            return bound * 1000
+    return math.inf
+
+
+class Processes:
+    """The description of this node's processes that its lease publishes: the core (this
+    process) and whatever :meth:`watch` was given (the fronts, once started)."""
+
+    def __init__(self, fronts: int, core_lag: Lagging, bounds: Sequence[float]) -> None:
+        self.fronts = fronts
+        self.bounds = tuple(bounds)
+        self.core = Running("core", os.getpid(), int(time.time() * 1000), 0, core_lag)
+        self._sources: list[ProcessSource] = []
+        self._seen: dict[str, list[int]] = {}  # role -> its counts at the last description
+
+    def watch(self, source: ProcessSource) -> None:
+        """Describe ``source``'s processes too (the fronts, from when they start)."""
+        self._sources.append(source)
+
+    def describe(self) -> NodeProcesses:
+        """Every process running now; each one's lag over the samples since the last call."""
+        running = [self.core, *(r for source in self._sources for r in source.running())]
+        rows = []
+        for r in running:
+            counts = list(r.lag.counts)
+            before = self._seen.get(r.role, [0] * len(counts))
+            self._seen[r.role] = counts
+            lag = p99_ms(self.bounds, before, counts)
+            rows.append(NodeProcess(r.role, r.pid, r.since_ms, r.restarts, lag))
+        return NodeProcesses(self.fronts, tuple(rows))
