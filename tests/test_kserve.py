@@ -25,7 +25,8 @@ from node.catalog import file_version
 from node.contract import load_contract
 from node.errors import BadRequest
 from node.models import DEMO_MODEL
-from node.protocols.kserve import decode_infer, episode_of, model_metadata, to_step
+from node.protocols.kserve.body import decode_infer, episode_of
+from node.protocols.kserve.request import model_metadata, to_step
 from tests.inproc import InProcNode, cluster, config
 from tests.procs import Node, RedisServer
 from tests.rollout import reference_rollout
