@@ -171,7 +171,7 @@ def test_errors_and_replies_are_those_of_one_process(pair: Pair) -> None:
             INFER,
             orjson.dumps({"inputs": orjson.loads(plain)["inputs"], "outputs": [{"name": "no"}]}),
         ),
-        case(INFER, *request_body(good, parameters={"seq": 10**30})),  # the hop can't carry it
+        case(INFER, *request_body(good, parameters={"seq": 10**30})),  # past 64 bits
         case(INFER, orjson.dumps(rows)),  # a request of rows: one bad episode id (0)
         case(INFER, orjson.dumps({**rows, "parameters": {"episode_ids": "[1, 1]"}})),
         case(INFER, b"x" * 10, {"content-encoding": "br"}),
