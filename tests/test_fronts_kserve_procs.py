@@ -8,6 +8,7 @@ its step undone: never applied twice."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -186,7 +187,18 @@ def test_errors_and_replies_are_those_of_one_process(pair: Pair) -> None:
     assert [a[0] for a in fronted[:5]] == [404, 404, 404, 400, 400]
     # a stateless step and a request of rows: the same outputs and parameters, less the
     # node's own names (device, node, url) and times
-    stateless = [case(INFER, body, headers), case(INFER, plain)]
+    stateless = [
+        case(INFER, body, headers),
+        case(INFER, plain),
+        case(INFER, gzip.compress(body), {**headers, "content-encoding": "gzip"}),
+        case(INFER, body, {**headers, "x-affinity-timing": "1"}),  # the split of its time
+        case(
+            INFER,
+            orjson.dumps(
+                {**orjson.loads(plain), "id": "r7", "parameters": {"binary_data_output": True}}
+            ),
+        ),
+    ]
     good_rows = {
         **rows,
         "parameters": {"episode_ids": json.dumps(["r-a", "r-b"]), "sequence_start": True},
@@ -200,6 +212,7 @@ def test_errors_and_replies_are_those_of_one_process(pair: Pair) -> None:
         np.testing.assert_allclose(r1.as_numpy("actions"), r2.as_numpy("actions"), rtol=1e-6)
         p1, p2 = r1.get_response()["parameters"], r2.get_response()["parameters"]
         assert set(p1) == set(p2), (p1, p2)
+        assert r1.get_response().get("id") == r2.get_response().get("id")
         if "rows" in p1:
             assert [sorted(r) for r in json.loads(p1["rows"])] == [
                 sorted(r) for r in json.loads(p2["rows"])
