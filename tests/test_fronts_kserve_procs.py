@@ -181,9 +181,13 @@ def test_errors_and_replies_are_those_of_one_process(pair: Pair) -> None:
             for b, n, _ in HOSTILE.values()
         ),
     ]
+    before = {n: rejected(n) for n in (pair.fronted, pair.single)}
     fronted, single = answers(pair.fronted, cases), answers(pair.single, cases)
     for (path, sent, _), a, b in zip(cases, fronted, single, strict=True):
         assert a == b, (path, sent[:120], a, b)
+    # and counted alike: a refusal the front found is counted by the core
+    counted = {n: counter_delta(before[n], rejected(n)) for n in (pair.fronted, pair.single)}
+    assert counted[pair.fronted] == counted[pair.single] != {}, counted
     assert [a[0] for a in fronted[:5]] == [404, 404, 404, 400, 400]
     # a stateless step and a request of rows: the same outputs and parameters, less the
     # node's own names (device, node, url) and times
@@ -217,6 +221,21 @@ def test_errors_and_replies_are_those_of_one_process(pair: Pair) -> None:
             assert [sorted(r) for r in json.loads(p1["rows"])] == [
                 sorted(r) for r in json.loads(p2["rows"])
             ]
+
+
+def rejected(node: Node) -> dict[str, float]:
+    """``affinity_rejected_requests_total`` by reason, from the node's ``/metrics``."""
+    text = httpx.get(node.url + "/metrics", timeout=10).text
+    prefix = "affinity_rejected_requests_total{"
+    return {
+        line.split("}")[0]: float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(prefix)
+    }
+
+
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
 
 
 def parsed(content: bytes, headers: dict[str, str]) -> th.InferResult:
