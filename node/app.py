@@ -28,7 +28,8 @@ from node.accesslog import AccessLog
 from node.asgi import Receive, Scope, Send, cross_site, error_body, header, respond
 from node.errors import AdminRefused, outcome
 from node.fleet import add_fleet_routes
-from node.protocols import act, internal, kserve, openpi
+from node.protocols import act, internal, openpi
+from node.protocols.kserve import http as kserve
 from node.routes import error, error_for
 from node.service import NodeService
 

@@ -85,6 +85,7 @@ __all__ = [
     "StepRefused",
     "TransferError",
     "Unavailable",
+    "Uncarried",
     "Undelivered",
     "outcome",
     "refusal",
@@ -148,6 +149,11 @@ class HopError(Exception):
     """A front door's shared-memory slot that cannot be used (``node/hop.py``): a request
     too big for a slot (the front answers 413), or a slot's content the core cannot read
     (answered 400 ``malformed``)."""
+
+
+class Uncarried(HopError):
+    """A request whose header the hop cannot carry (msgpack has no integer past 64 bits):
+    the front passes its body to the core whole, which answers it as one process does."""
 
 
 class HopFull(Exception):

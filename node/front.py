@@ -1,12 +1,15 @@
 """A front door process (``--front-doors N`` > 1; the core's side: ``node/fronts.py``).
 
 It accepts on the node's HTTP listening socket, inherited from the core (the core bound it
-before it registered), with the node's own HTTP protocol (``node/server.py``). In this slice
-only ``POST /act`` is decoded here: the body's parse (JSON or msgpack, one row or
-``{"steps": [...]}``), its inputs written once into a slot of the hop (``node/hop.py``), the
-reply encoded here. Every other HTTP path is passed to the core's Unix socket as it came
-(a keep-alive pool), and a websocket (openpi) is relayed frame by frame to it. It keeps no
-episode state: killed, it loses only its connections.
+before it registered), with the node's own HTTP protocol (``node/server.py``). Two doors
+are decoded here: ``POST /act`` (the body's parse, JSON or msgpack, one row or
+``{"steps": [...]}``) and KServe v2 HTTP infer (``POST /v2/models/{m}[/versions/{v}]/infer``,
+JSON or binary tensors: ``node/protocols/kserve/body.py``); their inputs are written once
+into a slot of the hop (``node/hop.py``), the core serves the step, the reply is encoded
+here. Every other HTTP path is passed to the core's Unix socket as it came (a keep-alive
+pool), and so is a request the hop cannot carry (an integer past 64 bits); a websocket
+(openpi) is relayed frame by frame to it. It keeps no episode state: killed, it loses only
+its connections.
 
 It dies with the core (``PR_SET_PDEATHSIG``); SIGINT and SIGTERM are the core's to act on
 (it keeps serving while the core hands its episodes over); SIGUSR1 from the core stops it
@@ -34,6 +37,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import orjson
 import uvicorn
 
 from node.accesslog import STEP_KEY, AccessLog, JsonFormatter
@@ -49,12 +53,32 @@ from node.asgi import (
     respond,
     respond_gone,
 )
-from node.errors import BodyError, HopError, HopFull, Refused, Undelivered, outcome
-from node.hop import ACT, NOTE, ROWS, Array, FrontHop, Region
+from node.errors import (
+    BadRequest,
+    BodyError,
+    HopError,
+    HopFull,
+    Refused,
+    Uncarried,
+    Undelivered,
+    outcome,
+)
+from node.hop import ACT, KSERVE, NOTE, ROWS, Array, FrontHop, Region
 from node.hop import SharedLoopBuckets as _Lag
 from node.httpproto import KeepAliveProtocol
 from node.looplag import watch_loop_lag
 from node.protocols.body import MSGPACK, encode_doc, is_msgpack, parse, reply_headers
+from node.protocols.kserve.body import (
+    HEADER_LENGTH,
+    INFER_PATH,
+    JSON,
+    InferRequest,
+    decode_infer,
+    encode_reply,
+    reply_of,
+    request_meta,
+    shaped,
+)
 
 __all__ = ["main"]
 
@@ -65,9 +89,15 @@ TIMING_HEADER = b"x-affinity-timing"  # node/timing.py's, not imported: it loads
 _HEADERS = (b"content-type", b"accept", b"authorization", TIMING_HEADER)
 LAG_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 """``affinity_event_loop_lag_seconds``' bounds (node/metrics.py), observed into the region."""
+_KSERVE_HEADERS = (b"authorization", HEADER_LENGTH, b"content-encoding", TIMING_HEADER)
 _HOP_BY_HOP = frozenset(
     (b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"te", b"trailer")
 )
+
+
+def _asks_timing(value: str | None) -> bool:
+    """``node/timing.py``'s ``asks_timing`` (not imported: it loads the models)."""
+    return value is not None and value.strip().lower() in ("1", "true")
 
 
 def die_with_parent(parent: int) -> None:
@@ -198,8 +228,16 @@ class FrontApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
-            if scope["path"] == "/act" and scope["method"] == "POST" and not cross_site(scope):
+            path, method = scope["path"], scope["method"]
+            if path == "/act" and method == "POST" and not cross_site(scope):
                 await self.access(self.act, scope, receive, send)
+            elif (
+                method == "POST"
+                and path.startswith("/v2/models/")
+                and INFER_PATH.fullmatch(path.rstrip("/"))
+                and not cross_site(scope)
+            ):
+                await self.access(self.kserve_infer, scope, receive, send)
             else:
                 await self.pass_on(scope, receive, send)
         elif kind == "websocket":
@@ -270,8 +308,82 @@ class FrontApp:
             body = error_body("busy", "this front door has every step of its hop in flight")
             await respond(send, 503, body, headers=[(b"retry-after", b"1")])
             return
+        except Uncarried:  # nothing was sent: the core answers it as one process does
+            await self.forward(scope, body, send)
+            return
         except HopError as exc:
             await respond(send, 413, error_body("too_large", str(exc)))
+            return
+        except Undelivered:
+            await respond_gone(send)
+            return
+        await respond(send, status, out, content, headers)
+
+    async def kserve_infer(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """KServe v2 HTTP infer, as ``node/protocols/kserve/http.py`` answers it: the API
+        key checked and the body decoded here, the step served by the core over the hop
+        (``http.serve_hop``: it looks the model up first, so a model no node serves is 404
+        whatever the body, and counts a refusal found here), the reply encoded here."""
+        received = time.monotonic()
+        match = INFER_PATH.fullmatch(scope["path"].rstrip("/"))
+        assert match is not None
+        name, version = match["name"], match["version"]
+        authorization, header_length, encoding, timing = header_values(scope, _KSERVE_HEADERS)
+        request: InferRequest | None = None
+        body = b""
+        meta: dict[str, Any] = {"model": name, "version": version}
+        arrays: list[Array] = []
+        if not self._allowed(authorization):
+            meta["refused"] = [401, "this node wants Authorization: Api-Key <key>",
+                               "unauthorized", [(b"www-authenticate", b"Api-Key")]]  # fmt: skip
+        else:
+            try:
+                body = await read_body(scope, receive, self.max_body)
+                request = decode_infer(body, header_length, content_encoding=encoding,
+                                       max_bytes=self.max_body, max_rows=self.max_rows)  # fmt: skip
+            except (BadRequest, BodyError, Refused) as exc:
+                o = shaped(outcome(exc))
+                meta["refused"] = [o.status, o.message, o.reject_reason, []]
+            else:
+                request.timing = request.timing or _asks_timing(timing)
+                meta, arrays = request_meta(request, name, version)
+                rows = request.rows
+                scope[STEP_KEY] = ((f"{len(rows)} rows" if rows is not None else
+                                    request.episode or "-"), "-", "-")  # fmt: skip
+        meta["recv"] = received
+        connection = scope.get(CONNECTION)
+        request_id = None if request is None else request.id
+
+        def use(
+            kind: int, reply: dict[str, Any], views: list[Array]
+        ) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]:
+            err = reply.get("kerr")
+            if err is not None:
+                status, message, headers = err
+                return status, orjson.dumps({"error": message}), JSON, [tuple(h) for h in headers]
+            scope[STEP_KEY] = tuple(reply["log"])
+            outputs, wanted, served, parameters = reply_of(reply, views)
+            out, headers = encode_reply(outputs, wanted, name, served, request_id, parameters)
+            headers.append((b"x-affinity-node", reply["node"].encode()))
+            if reply["url"]:
+                headers.append((b"x-affinity-url", reply["url"].encode()))
+            return 200, out, headers[0][1], headers[1:]
+
+        def gone() -> bool:
+            return connection is not None and bool(connection.peer_closed())
+
+        try:
+            status, out, content, headers = await self.hop.call(KSERVE, meta, arrays, use, gone)
+        except HopFull:
+            why = "unavailable: this front door has every step of its hop in flight"
+            await respond(send, 503, orjson.dumps({"error": why}), JSON,
+                          [(b"retry-after", b"1")])  # fmt: skip
+            return
+        except Uncarried:  # nothing was sent: the core answers it as one process does
+            await self.forward(scope, body, send)
+            return
+        except HopError as exc:
+            await respond(send, 413, orjson.dumps({"error": str(exc)}), JSON)
             return
         except Undelivered:
             await respond_gone(send)
@@ -288,11 +400,15 @@ class FrontApp:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
+        await self.forward(scope, b"".join(chunks), send)
+
+    async def forward(self, scope: Scope, body: bytes, send: Send) -> None:
+        """A request whose ``body`` was read, to the core's app; its reply back, streamed."""
         url = scope["path"] + ("?" + scope["query_string"].decode() if scope["query_string"]
                                else "")  # fmt: skip
         headers = [(k, v) for k, v in scope["headers"] if k not in _HOP_BY_HOP]
         request = self.client.build_request(
-            scope["method"], "http://core" + url, headers=headers, content=b"".join(chunks)
+            scope["method"], "http://core" + url, headers=headers, content=body
         )
         try:
             response = await self.client.send(request, stream=True)

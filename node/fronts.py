@@ -32,10 +32,11 @@ import numpy as np
 
 from affinity import InvalidArgument
 from node.errors import BodyError, HopError, InvalidInput, Refused, Unavailable, outcome
-from node.hop import ACT, NOTE, ROWS, Array, CoreHop, Region, SharedLoopBuckets
+from node.hop import ACT, KSERVE, NOTE, ROWS, Array, CoreHop, Region, SharedLoopBuckets
 from node.metrics import REJECTED
 from node.procs import Running
 from node.protocols import act
+from node.protocols.kserve import http as kserve_http
 from node.service import NodeService
 from node.step import Reply
 
@@ -135,6 +136,8 @@ async def serve_request(
         if isinstance(reason, str) and reason in REJECTED:
             metrics.rejected.labels(reason).inc()
         return {}, []
+    if kind == KSERVE:  # decoded by the front as node/protocols/kserve/http.py would
+        return await kserve_http.serve_hop(service, meta, arrays)
     received = meta.get("recv")
     if not isinstance(received, float):
         raise HopError("no receive time")

@@ -48,12 +48,13 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from node.errors import HopError, HopFull, Undelivered
+from node.errors import HopError, HopFull, Uncarried, Undelivered
 
 Array = npt.NDArray[Any]
 
 __all__ = [
     "ACT",
+    "KSERVE",
     "NOTE",
     "ROWS",
     "UNDELIVERED",
@@ -71,9 +72,10 @@ CONTROL = 4096
 SLOT_HEAD = 64
 ALIGN = 64
 FREE, ASKED, TAKEN, ANSWERED = 0, 1, 2, 3
-ACT, ROWS, UNDELIVERED, NOTE = 1, 2, 3, 4
+ACT, ROWS, UNDELIVERED, NOTE, KSERVE = 1, 2, 3, 4, 5
 """Request kinds: one step; a message of rows; the slot's last reply was not delivered; a
-note (a refusal the front answered itself, counted by the core)."""
+note (a refusal the front answered itself, counted by the core); a KServe v2 infer request
+(``node/protocols/kserve/body.py``)."""
 REPLY = 9
 MAX_SLOTS = 63
 """A doorbell's count is a set of slots (``1 << slot``), under the eventfd's largest count."""
@@ -212,7 +214,10 @@ def pack(meta: dict[str, Any], arrays: list[Array]) -> tuple[bytes, list[Place],
         places.append((array.dtype, array.shape, at, nbytes))
         at += -(-nbytes // ALIGN) * ALIGN
     meta["t"] = [(d.str, shape, offset, n) for d, shape, offset, n in places]
-    header: bytes = _PACKER.pack(meta)
+    try:
+        header: bytes = _PACKER.pack(meta)
+    except (OverflowError, TypeError, ValueError) as exc:  # a client's integer past 64 bits
+        raise Uncarried(f"the hop cannot carry this request: {exc}") from None
     return header, places, _aligned(len(header)) + at
 
 

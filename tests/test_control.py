@@ -23,7 +23,7 @@ from node.contract import PolicyContract, TensorSpec, load_contract
 from node.control import control_feed, corrid_of
 from node.dispatcher import MultiGpuDispatcher
 from node.models._build import Weights, model, tensor, write
-from node.protocols.kserve import model_metadata
+from node.protocols.kserve.request import model_metadata
 from tests.dispatch import dispatch
 from tests.procs import Node, RedisServer, free_port
 from tests.test_cluster import Cluster, grpc_nodes, running

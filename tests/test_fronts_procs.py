@@ -428,8 +428,17 @@ def test_the_api_key_is_checked_in_the_fronts_and_no_secret_reaches_them(tmp_pat
         assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Api-Key"
         key = {"Authorization": "Api-Key robot-key"}
         assert httpx.post(node.url + "/act", json=step, headers=key, timeout=20).is_success
+        # KServe infer, decoded in the fronts: the key checked there, the model first
+        infer = {"inputs": [{"name": "obs", "shape": [1, 8], "datatype": "FP32", "data": [0] * 8}]}
+        path = node.url + "/v2/models/demo_policy/infer"
+        refused = httpx.post(path, json=infer, timeout=20)
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Api-Key"
+        assert refused.json() == {"error": "this node wants Authorization: Api-Key <key>"}
+        unknown = httpx.post(node.url + "/v2/models/other/infer", json=infer, timeout=20)
+        assert unknown.status_code == 404 and "unknown model" in unknown.json()["error"]
+        assert httpx.post(path, json=infer, headers=key, timeout=20).is_success
         text = httpx.get(node.url + "/metrics", timeout=10).text
-        assert 'affinity_rejected_requests_total{reason="unauthorized"} 1.0' in text
+        assert 'affinity_rejected_requests_total{reason="unauthorized"} 2.0' in text
         for pid in fronts(node):
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             names = {entry.partition(b"=")[0] for entry in environ}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import json
 import random
 import tracemalloc
 import zlib
@@ -23,9 +24,20 @@ from tritonclient.utils import InferenceServerException
 from affinity import Keys
 from node.catalog import file_version
 from node.contract import load_contract
-from node.errors import BadRequest
+from node.errors import BadRequest, Uncarried
+from node.hop import Region
 from node.models import DEMO_MODEL
-from node.protocols.kserve import decode_infer, episode_of, model_metadata, to_step
+from node.protocols.kserve.body import (
+    Row,
+    decode_infer,
+    encode_reply,
+    episode_of,
+    reply_meta,
+    reply_of,
+    request_meta,
+    request_of,
+)
+from node.protocols.kserve.request import model_metadata, to_step
 from tests.inproc import InProcNode, cluster, config
 from tests.procs import Node, RedisServer
 from tests.rollout import reference_rollout
@@ -123,6 +135,55 @@ def test_binary_flat_and_nested_json_inputs_decode_alike() -> None:
         assert array.dtype == np.float32 and array.shape == (1, 8)
         np.testing.assert_array_equal(array, obs)
     assert not decoded[0].flags.owndata  # the binary input is a view of the body
+
+
+def test_a_decoded_request_and_its_reply_cross_the_hop_whole() -> None:
+    """What a front door process sends the core over the shared-memory hop, and the reply
+    back (``body.request_meta``/``request_of``, ``reply_meta``/``reply_of``): every field
+    the core serves with, numeric tensors raw in the slot, BYTES ones as strings; a
+    parameter msgpack cannot carry is refused before anything is written."""
+    obs = observations(2, 2)[0]
+    words = np.array(["ab", "", "ü"], dtype=object)
+    tensors = [th.InferInput("obs", [1, 8], "FP32").set_data_from_numpy(obs),
+               th.InferInput("w", [3], "BYTES").set_data_from_numpy(words)]  # fmt: skip
+    params = {"episode_ids": json.dumps(["a", 9]), "seqs": "[3, null]", "timing": True,
+              "execute_steps": 2, "pending": "[[1, 2]]"}  # fmt: skip
+    body, size = th.InferenceServerClient.generate_request_body(
+        tensors, outputs=[th.InferRequestedOutput("actions", binary_data=False)],
+        parameters=params, timeout=5000,
+    )  # fmt: skip
+    req = decode_infer(body, None if size is None else str(size))
+    region = Region.create(2, 1 << 16)
+    try:
+        meta, arrays = request_meta(req, MODEL, "3")
+        region.write(0, 1, 5, meta, arrays)
+        _, got_meta, got_arrays = region.read(0, copy=True)
+        got, model, version = request_of(got_meta, got_arrays)
+        assert (model, version) == (MODEL, "3")
+        for f in ("sequence", "episode", "start", "end", "outputs", "binary_output", "timeout_s",
+                  "execute_steps", "seq", "pending", "timing", "rows"):  # fmt: skip
+            assert getattr(got, f) == getattr(req, f), f
+        assert got.rows == [Row("a", "kserve:s:a", seq=3), Row(9, "kserve:i:9")]
+        assert got.timeout_s == 0.005
+        np.testing.assert_array_equal(got.arrays["obs"], obs)
+        assert got.arrays["w"].tolist() == ["ab", "", "ü"] and got.arrays["w"].dtype == object
+        outputs = {"actions": np.ones((1, 2), np.float32), "names": words, "extra": obs}
+        wanted = {"names": True, "actions": False}
+        meta, arrays = reply_meta(outputs, wanted, "v7", {"seq": 3})
+        region.write(1, 3, 9, meta, arrays)
+        _, got_meta, views = region.read(1, copy=False)
+        out, got_wanted, served, parameters = reply_of(got_meta, views)
+        assert list(got_wanted.items()) == list(wanted.items()) and set(out) == set(wanted)
+        assert (served, parameters) == ("v7", {"seq": 3})
+        head, _ = encode_reply(out, got_wanted, MODEL, served, "id-1", parameters)
+        want, _ = encode_reply(outputs, wanted, MODEL, "v7", "id-1", {"seq": 3})
+        assert head == want
+        del out, views
+        req.seq = 10**30  # JSON's decoder never makes it (a float): a door that would
+        with pytest.raises(Uncarried):
+            region.write(0, 1, 5, *request_meta(req, MODEL, None))
+    finally:
+        region.close()
 
 
 def test_the_policy_rule_converts_and_refuses_after_decoding() -> None:

@@ -21,7 +21,7 @@ from node.contract import load_contract
 from node.dispatcher import BatchSettings, ChunkSettings, MultiGpuDispatcher
 from node.models import DEMO_MODEL, RTC_DEMO_MODEL, build_rtc
 from node.models._build import Weights, model, tensor, write
-from node.protocols.kserve import model_metadata
+from node.protocols.kserve.request import model_metadata
 from node.rtc import Ask, delay_estimate, executed_estimate, rtc_of
 from tests.dispatch import dispatch
 

@@ -1,32 +1,11 @@
 """KServe v2 with Triton's sequences.
 
-``tensors``: datatypes, BYTES, JSON and binary tensors. ``request``: what HTTP and gRPC
-share (the request, sequence ids, Triton's parameters and rules, the metadata). ``http``:
-the HTTP wire and its route table. ``grpc``: the gRPC servicer, imported only where gRPC
-is served. ``pb``: its generated messages."""
+``tensors``: datatypes, BYTES, JSON and binary tensors. ``body``: the HTTP infer body's
+decode and its reply's encoding, with no service (a front door process runs them).
+``request``: what HTTP and gRPC share (sequences, Triton's rules, the step a request
+becomes, the metadata). ``http``: the HTTP door and its route table. ``grpc``: the gRPC
+servicer, imported only where gRPC is served. ``pb``: its generated messages.
 
-from node.protocols.kserve.http import decode_infer, encode_infer, handle
-from node.protocols.kserve.request import (
-    ANY_VERSION,
-    EXTENSIONS,
-    InferRequest,
-    episode_of,
-    model_metadata,
-    not_live,
-    service_step,
-    to_step,
-)
-
-__all__ = [
-    "ANY_VERSION",
-    "EXTENSIONS",
-    "InferRequest",
-    "decode_infer",
-    "encode_infer",
-    "episode_of",
-    "handle",
-    "model_metadata",
-    "not_live",
-    "service_step",
-    "to_step",
-]
+Nothing is imported here: importing ``body`` must not load the node's service, ONNX
+Runtime or FastAPI (a front door process imports it).
+"""

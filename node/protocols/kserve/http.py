@@ -3,7 +3,10 @@ speaks it: the infer body, the reply, and the handler of every path under ``/v2`
 
 **Infer.** The body is the JSON request, or the binary tensor extension (``tensors.py``).
 ``tritonclient`` sends the extension by default: ``Inference-Header-Content-Length`` bytes
-of JSON followed by each binary input's raw bytes, in input order.
+of JSON followed by each binary input's raw bytes, in input order. Its decode and the
+reply's encoding are ``body.py``'s, which a front door process (``--front-doors``) runs
+too; the request is served by :func:`serve_infer` either way (from a front: over the hop,
+:func:`serve_hop`).
 
 The reply holds every returned output (or those ``outputs`` names), as JSON ``data``. With
 ``parameters.binary_data_output`` or an output's ``binary_data`` it is binary data after
@@ -21,12 +24,10 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-import numpy as np
 import orjson
 
-from affinity.wire import MAX_ELEMENTS
 from node import VERSION
 from node.accesslog import STEP_KEY
 from node.asgi import (
@@ -40,206 +41,86 @@ from node.asgi import (
     while_connected,
 )
 from node.contract import PolicyContract
-from node.errors import (
-    BadRequest,
-    ClientGone,
-    NotServed,
-    outcome,
+from node.errors import ClientGone, HopError, NotServed, outcome
+from node.metrics import REJECTED
+from node.protocols.kserve.body import (
+    HEADER_LENGTH,
+    JSON,
+    MODEL_PATH,
+    InferRequest,
+    decode_infer,
+    encode_reply,
+    reply_meta,
+    request_of,
 )
 from node.protocols.kserve.request import (
     EXTENSIONS,
     REFUSED,
-    ROW_PARAMETERS,
-    InferRequest,
-    check_custom,
     config_of,
-    episode_of,
     find_model,
     kserve_outcome,
     metadata_of,
-    rows_of,
     serve_rows,
     service_step,
     stack_rows,
     statistics_of,
     stats_for,
-    step_parameters,
     timing_parameters,
 )
-from node.protocols.kserve.tensors import (
-    DATATYPE_OF,
-    MAX_TENSORS,
-    STRINGS,
-    as_object,
-    body_inputs,
-    inflate,
-    kind_of,
-    tensor_bytes,
-)
+from node.protocols.kserve.tensors import Array
 from node.service import NodeService
 from node.step import Reply
 from node.timing import TIMING_HEADER, asks_timing
 
-__all__ = ["ROUTES", "Route", "decode_infer", "encode_infer", "handle"]
+__all__ = [
+    "ROUTES",
+    "Route",
+    "decode_infer",
+    "encode_infer",
+    "handle",
+    "reply_parts",
+    "serve_hop",
+    "serve_infer",
+]
 
-_JSON = b"application/json"
-_HEADER_LENGTH = b"inference-header-content-length"
+_JSON = JSON
+_HEADER_LENGTH = HEADER_LENGTH
+T = TypeVar("T")
 
 
-def decode_infer(
-    body: bytes,
-    header_length: str | None,
-    *,
-    content_encoding: str | None = None,
-    max_bytes: int = 1 << 24,
-    max_elements: int = MAX_ELEMENTS,
-    max_rows: int = 256,
-) -> InferRequest:
-    """Decode one infer body (see the module doc). ``header_length`` is the
-    ``Inference-Header-Content-Length`` header, if any; ``max_bytes`` bounds an inflated
-    body. Raises :class:`BadRequest` (400) or ``BodyError`` (413, an inflated body past
-    ``max_bytes``); allocates nothing from a declared size before checking it."""
-    if content_encoding is not None:
-        body = inflate(body, content_encoding.strip().lower(), max_bytes)
-    if header_length is None:
-        json_end = len(body)
+def reply_parts(
+    reply: Reply, request: InferRequest, rows: str | None = None
+) -> tuple[dict[str, Array], dict[str, bool], str, dict[str, Any]]:
+    """What :func:`~node.protocols.kserve.body.encode_reply` takes of a step's reply
+    (outputs, the wanted ones and whether each goes binary, the version that served it,
+    the reply's parameters). ``rows``: the reply of a request of rows (``reply`` holds the
+    stacked outputs), whose parameters are ``rows`` alone
+    (:func:`~node.protocols.kserve.request.stack_rows`)."""
+    wanted = request.outputs
+    if wanted is None:
+        wanted = dict.fromkeys(reply.outputs, request.binary_output)
+    version = reply.model.partition("@")[2]  # the version that served it
+    if rows is not None:
+        parameters: dict[str, Any] = {"rows": rows}
     else:
-        text = header_length.strip()
-        if not text.isdigit() or len(text) > 20 or int(text) > len(body):
-            raise BadRequest(
-                f"Inference-Header-Content-Length {header_length[:24]!r} must be the length of "
-                f"the JSON header within the {len(body)}-byte body",
-                "malformed",
-            )
-        json_end = int(text)
-    try:
-        doc = orjson.loads(memoryview(body)[:json_end])
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the request JSON is not valid: {exc}"[:300], "malformed") from None
-    if not isinstance(doc, dict):
-        raise BadRequest("the request must be a JSON object", "malformed")
-    request_id = doc.get("id")
-    if request_id is not None and not isinstance(request_id, str):
-        raise BadRequest(f"id must be a string, not {kind_of(request_id)}")
-    params = as_object(doc.get("parameters"), "parameters")
-    check_custom(params)
-    rows = rows_of(params, max_rows)  # before any input is decoded
-    if rows is not None:  # the per-row ones are in rows
-        params = {k: v for k, v in params.items() if k not in ROW_PARAMETERS}
-    sequence = params.get("sequence_id")
-    episode = episode_of(sequence)
-    start = _flag(params, "sequence_start")
-    end = _flag(params, "sequence_end")
-    if episode is None and (start or end):
-        raise BadRequest("sequence_start and sequence_end need a non-zero sequence_id")
-    timeout = params.get("timeout")
-    if timeout is not None and (type(timeout) is not int or timeout < 0):
-        raise BadRequest(f"timeout {timeout!r:.40} must be a whole number of microseconds")
-    steps, ensemble = params.get("execute_steps"), params.get("ensemble")
-    if steps is not None and type(steps) is not int:
-        raise BadRequest(f"execute_steps must be an integer, not {kind_of(steps)}")
-    if ensemble is not None and not isinstance(ensemble, str):
-        raise BadRequest(f"ensemble must be a string, not {kind_of(ensemble)}")
-    seq = params.get("seq")
-    if seq is not None and (type(seq) is not int or seq < 1):
-        raise BadRequest(f"seq {seq!r:.40} must be a step number >= 1")
-    arrays = body_inputs(doc.get("inputs"), body, json_end, max_elements)
-    binary_output = _flag(params, "binary_data_output")
-    return InferRequest(
-        id=request_id,
-        sequence=None if episode is None else sequence,
-        episode=episode,
-        start=start,
-        end=end,
-        arrays=arrays,
-        outputs=_requested(doc.get("outputs"), binary_output),
-        binary_output=binary_output,
-        timing=_flag(params, "timing"),
-        rows=rows,
-        **step_parameters(params),
-    )
-
-
-def _requested(raw: object, binary_output: bool) -> dict[str, bool] | None:
-    if raw is None or raw == []:  # none named: every output
-        return None
-    if not isinstance(raw, list) or len(raw) > MAX_TENSORS:
-        raise BadRequest(f"outputs must be a list of at most {MAX_TENSORS} objects")
-    requested: dict[str, bool] = {}
-    for i, tensor in enumerate(raw):
-        if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str):
-            raise BadRequest(f"outputs[{i}] must be an object with a name")
-        name = tensor["name"]
-        params = as_object(tensor.get("parameters"), f"output {name[:64]!r} parameters")
-        for key in params:
-            if key == "classification" or key.startswith("shared_memory"):
-                raise BadRequest(f"output {name[:64]!r}: {key} is not supported")
-        if name in requested:
-            raise BadRequest(f"output {name[:64]!r} is requested twice")
-        binary = params.get("binary_data", binary_output)
-        if not isinstance(binary, bool):
-            raise BadRequest(f"output {name[:64]!r}: binary_data must be true or false")
-        requested[name] = binary
-    return requested
-
-
-def _flag(params: dict[str, Any], key: str) -> bool:
-    value = params.get(key, False)
-    if not isinstance(value, bool):
-        raise BadRequest(f"{key} must be true or false, not {kind_of(value)}")
-    return value
+        parameters = {k: v for k, v in reply.facts(flat=True).items() if v is not None}
+    if request.timing and rows is None:
+        parameters.update(timing_parameters(reply))
+    return reply.outputs, wanted, version, parameters
 
 
 def encode_infer(
     reply: Reply, request: InferRequest, model_name: str, rows: str | None = None
 ) -> tuple[bytes, list[tuple[bytes, bytes]]]:
-    """(body, headers) of a step's reply: JSON, or a JSON header and binary outputs with
-    ``Inference-Header-Content-Length`` when any output goes back binary. ``rows``: the
-    reply of a request of rows (``reply`` holds the stacked outputs), whose parameters are
-    ``rows`` alone (:func:`~node.protocols.kserve.request.stack_rows`)."""
-    wanted = request.outputs
-    if wanted is None:
-        wanted = dict.fromkeys(reply.outputs, request.binary_output)
-    outputs: list[dict[str, Any]] = []
-    blobs: list[bytes] = []
-    for name, binary in wanted.items():
-        array = reply.outputs[name]
-        entry: dict[str, Any] = {
-            "name": name,
-            "datatype": DATATYPE_OF[array.dtype],
-            "shape": array.shape,
-        }
-        if binary:
-            blob = tensor_bytes(array)
-            entry["parameters"] = {"binary_data_size": len(blob)}
-            blobs.append(blob)
-        elif array.dtype == STRINGS:
-            entry["data"] = [str(v) for v in array.reshape(-1).tolist()]
-        else:
-            entry["data"] = np.ascontiguousarray(array).reshape(-1)
-        outputs.append(entry)
-    version = reply.model.partition("@")[2]  # the version that served it
-    doc: dict[str, Any] = {"model_name": model_name, "model_version": version}
-    if request.id is not None:
-        doc["id"] = request.id
-    if rows is not None:
-        doc["parameters"] = {"rows": rows}
-    else:
-        doc["parameters"] = {k: v for k, v in reply.facts(flat=True).items() if v is not None}
-    if request.timing and rows is None:
-        doc["parameters"].update(timing_parameters(reply))
-    doc["outputs"] = outputs
-    head = orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY)
-    headers = [(b"x-affinity-node", reply.node.encode())]
+    """(body, headers) of a step's reply (:func:`reply_parts`,
+    :func:`~node.protocols.kserve.body.encode_reply`), with ``X-Affinity-Node`` and
+    ``X-Affinity-URL``."""
+    outputs, wanted, version, parameters = reply_parts(reply, request, rows)
+    body, headers = encode_reply(outputs, wanted, model_name, version, request.id, parameters)
+    headers.append((b"x-affinity-node", reply.node.encode()))
     if reply.url:
         headers.append((b"x-affinity-url", reply.url.encode()))
-    if not blobs:
-        return head, [(b"content-type", _JSON), *headers]
-    return b"".join([head, *blobs]), [
-        (b"content-type", b"application/octet-stream"),
-        (_HEADER_LENGTH, str(len(head)).encode()),
-        *headers,
-    ]
+    return body, headers
 
 
 # ---- the route table ---------------------------------------------------------------------
@@ -370,7 +251,7 @@ async def _model_infer(
         await _infer(service, model, scope, receive, send, params["version"])
 
 
-_MODEL = r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?"
+_MODEL = MODEL_PATH
 ROUTES = tuple(
     Route(method, re.compile(pattern), endpoint)
     for method, pattern, endpoint in (
@@ -441,6 +322,11 @@ async def _infer(
         return
     budget = service.config.act_deadline_s
     request: InferRequest | None = None
+    connection = scope.get(CONNECTION)
+
+    def watch(work: Awaitable[T]) -> Awaitable[T]:
+        return while_connected(receive, work, connection)
+
     try:
         body = await read_body(scope, receive, service.config.max_body_bytes)
         request = decode_infer(
@@ -453,19 +339,10 @@ async def _infer(
         if request.timeout_s is not None:
             budget = min(budget, request.timeout_s)
         request.timing = request.timing or asks_timing(timing)
-        if request.rows is not None:
-            await _infer_rows(service, model, scope, receive, send, request, started + budget,
-                              version)  # fmt: skip
-            return
-        step = await service_step(service, request, started + budget, model_name, version, model)
-        step.door, step.received = "kserve_http", started
-        scope[STEP_KEY] = (step.episode or "-", "-", "-")
-        reply = await while_connected(receive, service.router.act(step), scope.get(CONNECTION))
-        scope[STEP_KEY] = (step.episode or "-", reply.device, reply.routing)
-        stats_for(service, model_name).answered(time.monotonic() - started)
-    except ClientGone as exc:  # nobody will read the reply: the step did not happen
-        if isinstance(exc.result, Reply):
-            await service.router.undelivered(exc.result)
+        scope[STEP_KEY] = _step_key(request, None)
+        reply, rows, _ = await serve_infer(service, model, request, started, version, budget,
+                                           watch)  # fmt: skip
+    except ClientGone:  # nobody will read the reply: serve_infer undid the step
         await respond_gone(send)
     except REFUSED as exc:
         own = budget if budget < service.config.act_deadline_s else None
@@ -473,43 +350,124 @@ async def _infer(
         retry = [] if o.retry_after is None else [(b"retry-after", o.retry_header.encode())]
         await _error(send, o.status, o.message, retry)
     else:
-        payload, headers = encode_infer(reply, request, model_name)
-        content_type = headers[0][1]
-        await respond(send, 200, payload, content_type, headers[1:])
+        scope[STEP_KEY] = _step_key(request, reply)
+        payload, headers = encode_infer(reply, request, model_name, rows)
+        await respond(send, 200, payload, headers[0][1], headers[1:])
 
 
-async def _infer_rows(
+def _step_key(request: InferRequest, reply: Reply | None) -> tuple[str, str, str]:
+    """The access line's episode, device and routing of an infer request (its reply's,
+    once served)."""
+    if request.rows is not None:
+        return (f"{len(request.rows)} rows", "-", "-")
+    if reply is None:
+        return (request.episode or "-", "-", "-")
+    return (request.episode or "-", reply.device, reply.routing)
+
+
+def _unwatched(work: Awaitable[T]) -> Awaitable[T]:
+    return work
+
+
+async def serve_infer(
     service: NodeService,
     model: tuple[str, PolicyContract],
-    scope: Scope,
-    receive: Receive,
-    send: Send,
     request: InferRequest,
-    deadline: float,
+    started: float,
     version: str | None,
-) -> None:
-    """A request of rows (``episode_ids``): each row a step; the reply's outputs stacked
-    along the rows' axis, each row's facts or error in the ``rows`` parameter. Raises what
-    :func:`_infer` answers for the request as a whole."""
-    started = time.monotonic()
+    budget: float,
+    watch: Callable[[Awaitable[Any]], Awaitable[Any]] = _unwatched,
+) -> tuple[Reply, str | None, Reply | list[Reply]]:
+    """Serve a decoded infer request for ``model`` (``version`` as its path named it),
+    received at ``started`` with ``budget`` seconds to answer: one step, or a request of
+    rows (``episode_ids``: each row a step; the reply's outputs stacked along the rows'
+    axis, each row's facts or error in the ``rows`` parameter). Returns the reply, the
+    ``rows`` parameter (None for one step) and what to undo if the reply is not delivered.
+    ``watch`` awaits the work while the client stays (``while_connected``); when it raises
+    :class:`ClientGone` the steps already served are undone first. Raises what
+    :data:`~node.protocols.kserve.request.REFUSED` holds for the request as a whole.
+
+    Both ways of taking the request in serve it here: the node's own HTTP door
+    (:func:`_infer`) and a front door process, over the hop (:func:`serve_hop`)."""
     model_name, contract = model
-    served: list[Reply | Exception | None] = []
-    scope[STEP_KEY] = (f"{len(request.rows or ())} rows", "-", "-")
-    work = serve_rows(service, request, deadline, model_name, version, model, "kserve_http",
-                      served)  # fmt: skip
+    deadline = started + budget
+    if request.rows is not None:
+        served: list[Reply | Exception | None] = []
+        work = serve_rows(service, request, deadline, model_name, version, model,
+                          "kserve_http", served)  # fmt: skip
+        try:
+            results = await watch(work)
+        except ClientGone:  # nobody will read the replies: the rows' steps did not happen
+            for r in served:
+                if isinstance(r, Reply):
+                    await service.router.undelivered(r)
+            raise
+        outputs, rows, first = stack_rows(contract, results, model_name)
+        stats_for(service, model_name).answered(time.monotonic() - started)
+        if request.outputs is not None and first is None:
+            request.outputs = None  # no row served: no output to send
+        reply = Reply(outputs, None, "", service.node_id, 0, "rows", False, False,
+                      model=first.model if first else "")  # fmt: skip
+        return reply, rows, [r for r in results if isinstance(r, Reply)]
+    step = await service_step(service, request, deadline, model_name, version, model)
+    step.door, step.received = "kserve_http", started
     try:
-        results = await while_connected(receive, work, scope.get(CONNECTION))
-    except ClientGone:  # nobody will read the replies: the rows' steps did not happen
-        for r in served:
-            if isinstance(r, Reply):
-                await service.router.undelivered(r)
-        await respond_gone(send)
-        return
-    outputs, rows, first = stack_rows(contract, results, model_name)
+        reply = await watch(service.router.act(step))
+    except ClientGone as exc:  # nobody will read the reply: the step did not happen
+        if isinstance(exc.result, Reply):
+            await service.router.undelivered(exc.result)
+        raise
     stats_for(service, model_name).answered(time.monotonic() - started)
-    if request.outputs is not None and first is None:
-        request.outputs = None  # no row served: no output to send
-    reply = Reply(outputs, None, "", service.node_id, 0, "rows", False, False,
-                  model=first.model if first else "")  # fmt: skip
-    payload, headers = encode_infer(reply, request, model_name, rows)
-    await respond(send, 200, payload, headers[0][1], headers[1:])
+    return reply, None, reply
+
+
+async def serve_hop(
+    service: NodeService, meta: dict[str, Any], arrays: list[Array]
+) -> tuple[dict[str, Any], list[Array]]:
+    """Serve an infer request a front door process decoded and sent over the hop
+    (``node/front.py``; :func:`~node.protocols.kserve.body.request_meta`), or the refusal
+    it found (``refused``: status, message, rejection reason, headers). The model is
+    looked up first, as :func:`_model_infer` does (a model no node serves is 404 before
+    anything of the body counts). The reply's meta is the encoded reply's parts
+    (:func:`~node.protocols.kserve.body.reply_meta`) with the node, URL and the access
+    line's facts, or ``kerr``: [status, message, headers]; ``keep`` is what to undo if
+    the front could not deliver it. Raises :class:`HopError` for a meta no front wrote."""
+    name, version = meta.get("model"), meta.get("version")
+    started = meta.get("recv")
+    if not isinstance(name, str) or not isinstance(started, float):
+        raise HopError("an infer request without its model or receive time")
+    if version is not None and not isinstance(version, str):
+        raise HopError("an infer request whose version is not a string")
+    try:
+        model = await find_model(service, name, version)
+    except NotServed as exc:
+        o = outcome(exc)
+        return {"kerr": [o.status, o.message, []]}, []
+    refused = meta.get("refused")
+    if refused is not None:
+        try:
+            status, message, reason, headers = refused
+        except (TypeError, ValueError):
+            raise HopError("a bad refusal") from None
+        if reason in REJECTED:
+            service.metrics.rejected.labels(reason).inc()
+        return {"kerr": [status, message, headers]}, []
+    try:
+        request, _, _ = request_of(meta, arrays)
+    except ValueError as exc:
+        raise HopError(str(exc)) from None
+    budget = service.config.act_deadline_s
+    if request.timeout_s is not None:
+        budget = min(budget, request.timeout_s)
+    try:
+        reply, rows, keep = await serve_infer(service, model, request, started, version, budget)
+    except REFUSED as exc:
+        own = budget if budget < service.config.act_deadline_s else None
+        o = kserve_outcome(service, model[0], exc, request, own)
+        retry = [] if o.retry_after is None else [[b"retry-after", o.retry_header.encode()]]
+        return {"kerr": [o.status, o.message, retry]}, []
+    done, out = reply_meta(*reply_parts(reply, request, rows))
+    done["node"], done["url"] = reply.node, reply.url
+    done["log"] = _step_key(request, reply)
+    done["keep"] = keep
+    return done, out

@@ -1,8 +1,10 @@
 """What both KServe front doors (HTTP and gRPC) share.
 
-That is the decoded request, Triton's sequence ids and parameters, its live-sequence rule
-and the step a request becomes. It is also what a node says of a model: metadata,
-configuration, statistics, its one version string.
+That is Triton's live-sequence rule, the step a request becomes, requests of rows and what
+a refusal answers. It is also what a node says of a model: metadata, configuration,
+statistics, its one version string. The decoded request, sequence ids and Triton's
+parameters are ``body.py``'s (they need no service: a front door process decodes with
+them too); this module re-exports them.
 
 **Sequences.** ``sequence_id`` is the episode: a uint64, or a string (Triton's
 ``sequence(string_id)``); ``0`` and ``""`` (or none) are no sequence: a stateless step.
@@ -17,12 +19,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from affinity import InvalidArgument, UnknownEpisode, check_episode
+from affinity import InvalidArgument, UnknownEpisode
 from node import inputs
 from node.contract import PolicyContract, TensorSpec
 from node.devices import DeviceSpec
@@ -36,7 +38,18 @@ from node.errors import (
     Unavailable,
     outcome,
 )
-from node.protocols.kserve.tensors import NAMES, kind_of
+from node.protocols.kserve.body import (
+    REQUEST_PARAMETERS,
+    ROW_PARAMETERS,
+    InferRequest,
+    Row,
+    check_custom,
+    episode_of,
+    rows_of,
+    shaped,
+    step_parameters,
+)
+from node.protocols.kserve.tensors import NAMES
 from node.rtc import Ask, control_rate
 from node.service import NodeService
 from node.stats import ModelStats, model_statistics
@@ -88,117 +101,6 @@ EXTENSIONS = (
 )
 PLATFORM = "onnxruntime_onnx"
 BACKEND = "onnxruntime"
-
-
-@dataclass(slots=True)
-class InferRequest:
-    """One decoded infer request, before the policy's input rule.
-
-    ``sequence`` is the client's ``sequence_id`` (None without a sequence) and ``episode``
-    its affinity episode id. ``arrays`` holds each input as declared (its datatype and
-    shape). ``outputs`` maps each requested output to whether it goes back binary (None:
-    every output, binary when ``binary_output``). ``timeout_s`` is the client's
-    ``timeout``, if any. ``execute_steps`` and ``ensemble`` are the client's action-chunk
-    overrides (their ranges are the dispatcher's ``mode_for``'s to check)."""
-
-    id: str | None
-    sequence: int | str | None
-    episode: str | None
-    start: bool
-    end: bool
-    arrays: dict[str, Array]
-    outputs: dict[str, bool] | None
-    binary_output: bool
-    timeout_s: float | None
-    execute_steps: int | None = None
-    ensemble: str | None = None
-    seq: int | None = None
-    executed: object = None  # real-time chunking (node/rtc.py), checked by rtc_for
-    inference_delay: object = None
-    control_hz: object = None
-    pending: object = None  # JSON text of the robot's unexecuted actions [k][D]
-    timing: bool = False  # the split of the step's time in the reply's parameters
-    rows: list[Row] | None = None  # several episodes' steps (episode_ids), row by row
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    """One row of a request of rows (``episode_ids``): its sequence id, episode and
-    flags."""
-
-    sequence: int | str
-    episode: str
-    start: bool = False
-    end: bool = False
-    seq: int | None = None
-
-
-ROW_PARAMETERS = (
-    "episode_ids", "sequence_starts", "sequence_ends", "seqs", "sequence_start", "sequence_end"
-)  # fmt: skip
-"""The parameters of a request of rows: per row, JSON arrays in string parameters
-(``tritonclient`` reserves ``sequence_start`` and ``sequence_end``, which apply to every
-row)."""
-
-
-def _json_list(params: dict[str, Any], key: str, count: int | None) -> list[Any] | None:
-    value = params.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise BadRequest(f"parameter {key} of a request of rows must be a JSON array in a string")
-    try:
-        got = json.loads(value)
-    except ValueError:
-        got = None
-    if not isinstance(got, list) or (count is not None and len(got) != count):
-        rows = "" if count is None else f" of {count} values (one per row)"
-        raise BadRequest(f"parameter {key} must be a JSON array{rows}")
-    return got
-
-
-def rows_of(params: dict[str, Any], max_rows: int) -> list[Row] | None:
-    """The rows ``episode_ids`` names (None: not a request of rows): ``sequence_starts``,
-    ``sequence_ends`` (booleans) and ``seqs`` (step numbers or null) are JSON arrays of
-    one value per row; ``sequence_start`` and ``sequence_end`` one boolean for every row.
-    Raises
-    :class:`Refused` 413 past ``max_rows`` and 400 for an id in two rows, and
-    :class:`BadRequest`; before any input is decoded."""
-    ids = _json_list(params, "episode_ids", None)
-    if ids is None:
-        return None
-    if len(ids) > max_rows:
-        limit = f"the limit is {max_rows} (--max-rows)"
-        raise Refused(413, "too_many_rows", f"{len(ids)} rows in one request; {limit}")
-    if params.get("sequence_id") not in (None, 0, ""):
-        raise BadRequest("a request of rows names its sequences in episode_ids, not sequence_id")
-    count = len(ids)
-    flags: dict[str, list[Any]] = {}
-    for key in ("sequence_start", "sequence_end"):
-        every = params.get(key, False)
-        if not isinstance(every, bool):
-            raise BadRequest(f"{key} must be true or false (every row); per row: {key}s")
-        got = _json_list(params, key + "s", count) or [every] * count
-        if not all(isinstance(v, bool) for v in got):
-            raise BadRequest(f"parameter {key}s must be a JSON array of true and false")
-        flags[key] = got
-    seqs = _json_list(params, "seqs", count) or [None] * count
-    rows: list[Row] = []
-    seen: set[str] = set()
-    for i, sequence in enumerate(ids):
-        episode = episode_of(sequence)
-        if episode is None or isinstance(sequence, bool | float):
-            raise BadRequest(f"episode_ids[{i}] {sequence!r:.40} must be a non-zero sequence id")
-        if episode in seen:
-            twice = f"sequence {str(sequence)[:64]!r} is in two rows of one request"
-            raise Refused(400, "duplicate_episode", twice)
-        seen.add(episode)
-        seq = seqs[i]
-        if seq is not None and (type(seq) is not int or not 1 <= seq < 2**63):
-            raise BadRequest(f"seq[{i}] {seq!r:.40} must be a step number >= 1")
-        start, end = flags["sequence_start"][i], flags["sequence_end"][i]
-        rows.append(Row(sequence, episode, start, end, seq))
-    return rows
 
 
 def row_requests(contract: PolicyContract, request: InferRequest) -> list[InferRequest]:
@@ -296,70 +198,6 @@ def pending_of(value: object) -> object:
         return json.loads(value)
     except ValueError:
         raise BadRequest("parameter pending must be a JSON list of action rows") from None
-
-
-def episode_of(sequence_id: object) -> str | None:
-    """The episode id of a ``sequence_id``: ``kserve:i:<n>`` for a uint64 ``n``,
-    ``kserve:s:<text>`` for a string, None for ``0``, ``""`` or no id (stateless). Raises
-    :class:`BadRequest` for anything else (a bool, a negative or fractional number, a
-    string over the episode id limit or with control characters)."""
-    if sequence_id is None or sequence_id == 0 or sequence_id == "":
-        if isinstance(sequence_id, bool | float):
-            raise BadRequest(f"sequence_id {sequence_id!r} must be an unsigned integer or a string")
-        return None
-    if type(sequence_id) is int:
-        if not 0 < sequence_id < 2**64:
-            raise BadRequest(f"sequence_id {sequence_id} is not a uint64")
-        return f"kserve:i:{sequence_id}"
-    if isinstance(sequence_id, str):
-        try:
-            return check_episode(f"kserve:s:{sequence_id}")
-        except InvalidArgument as exc:
-            raise BadRequest(f"sequence_id {sequence_id[:64]!r}: {exc.limit}") from None
-    raise BadRequest(
-        f"sequence_id must be an unsigned integer or a string, not {kind_of(sequence_id)}"
-    )
-
-
-REQUEST_PARAMETERS = frozenset(
-    {"sequence_id", "sequence_start", "sequence_end", "timeout", "priority",
-     "binary_data_output", "execute_steps", "ensemble", "executed", "inference_delay",
-     "control_hz", "pending", "timing", *ROW_PARAMETERS}
-)  # fmt: skip
-"""The request parameters the node reads (``priority`` only checked, as Triton does)."""
-
-
-def check_custom(params: dict[str, Any]) -> None:
-    """Refuse what Triton refuses among the parameters.
-
-    That is a ``priority`` that is not a uint64, and a custom parameter (any other) whose
-    value is not a boolean, a number or a string. Other custom parameters are accepted and
-    unused, as a Triton backend that does not read them leaves them."""
-    priority = params.get("priority")
-    if priority is not None and (type(priority) is not int or not 0 <= priority < 2**64):
-        raise BadRequest(f"priority {priority!r:.40} must be an unsigned integer")
-    for key, value in params.items():
-        if key not in REQUEST_PARAMETERS and (value is None or isinstance(value, list | dict)):
-            raise BadRequest(
-                f"parameter {key[:64]!r} must be a boolean, a number or a string, "
-                f"not {kind_of(value)}"
-            )
-
-
-def step_parameters(params: dict[str, Any]) -> dict[str, Any]:
-    """The :class:`InferRequest` fields Triton's parameters give as they are (each wire's
-    decoder checked their types first, in its own words)."""
-    timeout = params.get("timeout")
-    return {
-        "timeout_s": timeout / 1e6 if timeout else None,
-        "execute_steps": params.get("execute_steps"),
-        "ensemble": params.get("ensemble"),
-        "seq": params.get("seq"),
-        "executed": params.get("executed"),
-        "inference_delay": params.get("inference_delay"),
-        "control_hz": params.get("control_hz"),
-        "pending": params.get("pending"),
-    }
 
 
 def not_live(sequence: object, model_name: str) -> str:
@@ -662,14 +500,9 @@ def kserve_outcome(
         # decides it in the step's own resolve (state this node may hold says nothing about
         # an operator's release, an idle expiry, an END in flight, a Redis restarted empty)
         return replace(o, message=not_live(request.sequence, model_name))
-    if o.invalid:
-        return replace(o, status=400 if o.status == 422 else o.status)
-    if o.status in (500, 503):
+    if not o.invalid and o.status in (500, 503):
         stats_for(service, model_name).failed()
-    why = o.message
-    if o.code == "deadline" and timeout_s is not None:
-        why = f"no answer within the request's timeout of {round(timeout_s * 1e6)} µs"
-    return replace(o, message=f"{o.code}: {why}")
+    return shaped(o, timeout_s)
 
 
 def stats_for(service: NodeService, name: str) -> ModelStats:

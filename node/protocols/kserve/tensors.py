@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from node.errors import BadRequest, BodyError
-from node.step import Array
 
 __all__ = [
     "DATATYPES",
@@ -27,6 +26,7 @@ __all__ = [
     "MAX_TENSORS",
     "NAMES",
     "STRINGS",
+    "Array",
     "as_object",
     "body_inputs",
     "bytes_elements",
@@ -36,6 +36,8 @@ __all__ = [
     "tensor_bytes",
 ]
 
+Array = np.ndarray[Any, Any]
+"""A tensor (``node.step``'s, not imported: it loads ONNX Runtime, which a front has not)."""
 MAX_RANK = 32
 MAX_TENSORS = 256
 """Inputs or outputs one request may name (a policy has a handful)."""
