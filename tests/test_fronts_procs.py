@@ -326,8 +326,10 @@ def embedded(
     model: Path | None = None,
     env: dict[str, str] | None = None,
 ) -> Node:
-    """A node with two fronts on the embedded store, on ``port`` if given."""
-    more = [] if model is None else ["--model", str(model)]
+    """A node with two fronts on the embedded store, on ``port`` if given. With ``model``
+    (the tests' slow ones) its steps' deadline is a minute: a busy machine's slow step is
+    still one step, not a 503 ``deadline``."""
+    more = [] if model is None else ["--model", str(model), "--act-deadline", "60"]
     n = Node(tmp, node_id, "", devices="cpu:1", extra=["--front-doors", "2", *more], env=env)
     argv = n.proc.argv
     del argv[argv.index("--redis") : argv.index("--redis") + 2]
