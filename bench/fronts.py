@@ -13,12 +13,17 @@ The load is bench/act.py's: JSON /act bodies cycling over 64 sticky episodes on 
 device of the demo policy (every request a Redis resolve, a hit). wrk runs one thread,
 beside the servers on the same cores: say the machine's cores and load with the figures.
 
-Usage: python -m bench.fronts [--runs 5] [--seconds 4] [--connections 16]
+``--scale 1,2,4,8`` measures instead the issue's table: a node with each of those numbers
+of fronts (each on its own Redis), all driven in turn in every round, their steps/s, its ratio
+to one process, server CPU per request and every process' RSS.
+
+Usage: python -m bench.fronts [--runs 5] [--seconds 4] [--connections 16] [--scale 1,2,4,8]
 (wrk: ``bash .ci/run --print-packages`` lists it; else ``apt-get install -y wrk``)
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -84,8 +89,67 @@ def app(workers: int) -> tuple[subprocess.Popen[bytes], str]:
     return proc, url
 
 
+def scale_table(a: argparse.Namespace, counts: list[int]) -> None:
+    """Steps/s of a node with each of ``counts`` fronts (1: one process), alternating."""
+    tmp = tmpdir()
+    redises = [RedisServer(tmp).start() for _ in counts]  # a fleet each: no forwards
+    extra = ["--capacity", "1000", "--lease-ttl", "30", "--access-log", "off", *EXTRA]
+    nodes = {
+        n: Node(tmp, f"s{n}", redis.url, devices="cpu:1",
+                extra=[*extra, "--front-doors", str(n)])
+        for n, redis in zip(counts, redises, strict=True)
+    }  # fmt: skip
+    rounds: list[dict[int, tuple[float, float, float]]] = []
+    rss: dict[int, list[float]] = {}
+    try:
+        for n, node in nodes.items():
+            node.start(timeout=60)
+            assert node.proc.popen is not None
+            wait_until(lambda node=node, n=n: len(family(node.proc.popen.pid)) >= n, 30,
+                       "fronts")  # fmt: skip
+        load = episodes_lua(64)
+        for node in nodes.values():  # warm (sessions, connections, claims)
+            wrk(node.url, load, duration_s=1, connections=a.connections)
+        for _ in range(a.runs):
+            got = {}
+            for n, node in nodes.items():
+                assert node.proc.popen is not None
+                run = wrk(node.url, load, duration_s=a.seconds, connections=a.connections,
+                          server_pids=family(node.proc.popen.pid))  # fmt: skip
+                got[n] = (run.rps, run.cpu_per_request * 1e6, run.p50)
+            rounds.append(got)
+        for n, node in nodes.items():
+            assert node.proc.popen is not None
+            rss[n] = [round(rss_mib(p), 1) for p in family(node.proc.popen.pid)]
+    finally:
+        for node in nodes.values():
+            node.stop()
+        for redis in redises:
+            redis.stop()
+    base = counts[0]
+    figures = []
+    for n in counts:
+        speed = median([r[n][0] / r[base][0] for r in rounds])
+        figures.append({
+            "figure": f"node with {n} front(s), wrk -c{a.connections}: steps/s; ratio to "
+            f"{base}; server CPU per request; p50; RSS total (MiB)",
+            "result": f"{median([r[n][0] for r in rounds]):.0f} steps/s; {speed:.2f}x; "
+            f"{median([r[n][1] for r in rounds]):.0f} µs; "
+            f"{median([r[n][2] for r in rounds]) * 1e3:.2f} ms; {sum(rss[n]):.0f}",
+            "goal": "reported",
+            "ok": True,
+        })  # fmt: skip
+    report("fronts_scale", figures, {"rounds": [{str(k): v for k, v in r.items()} for r in rounds],
+                                     "rss_mib": {str(k): v for k, v in rss.items()},
+                                     "cores": os.cpu_count(), "load": os.getloadavg()})  # fmt: skip
+
+
 def main() -> None:
-    a = options(runs=5, seconds=4.0, connections=16)
+    a = options(runs=5, seconds=4.0, connections=16,
+                scale=("", "e.g. 1,2,4,8: the table of steps/s by fronts instead"))  # fmt: skip
+    if a.scale:
+        scale_table(a, [int(n) for n in a.scale.split(",")])
+        return
     tmp = tmpdir()
     redises = [RedisServer(tmp).start() for _ in range(2)]  # two fleets: no forwards between
     extra = ["--capacity", "1000", "--lease-ttl", "30", "--access-log", "off", *EXTRA]
