@@ -174,6 +174,12 @@ def test_a_bad_observation_is_the_clients_runtime_error(node: Node, redis: Redis
     with pytest.raises(RuntimeError, match="bad query: unknown key 'episode'"):
         typo.infer(libero(15, 1)[0])
     assert redis.client().get(KEYS.episode("fo-typo")) is None
+    # a malformed ?episode_id= (empty): closed before the handshake completes, counted
+    counted = metric(node, 'affinity_rejected_requests_total{reason="bad_input"}')
+    with pytest.raises(websockets.exceptions.InvalidStatus) as refused:
+        client(node, "?episode_id=")
+    assert refused.value.response.status_code == 403
+    assert metric(node, 'affinity_rejected_requests_total{reason="bad_input"}') == counted + 1
 
 
 def test_each_step_writes_one_access_line(node: Node) -> None:
