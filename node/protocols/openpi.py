@@ -170,11 +170,19 @@ class Connection:
         self.claims: dict[str, str] = {}  # last claim id per episode, echoed likewise
         self.episode: str | None = None
         """The episode of the frame being served (its access line's), once decoded."""
+        self.serving = asyncio.Lock()
+        """Held by a step: the close waits for it. Behind a front, a client that leaves
+        mid-step has its close told to the core while the step still runs there; its own
+        episode must not end under it."""
 
     async def step(self, observation: dict[Any, Any], now: float, watch: Watch) -> Served:
         """Serve one observation (decoded, received at ``now``). Raises what
         :data:`REFUSALS` names (nothing applied), :class:`ClientGone` from ``watch`` (the
         rows served so far undone; a step cancelled is undone by the router)."""
+        async with self.serving:
+            return await self._step(observation, now, watch)
+
+    async def _step(self, observation: dict[Any, Any], now: float, watch: Watch) -> Served:
         service = self.service
         self.episode = None
         if "episode_ids" in observation:
@@ -206,10 +214,12 @@ class Connection:
         )
 
     async def close(self) -> None:
-        """The connection closed: its own episode ends with it."""
-        token = self.tokens.pop(self.own, None)
-        if token is not None:
-            await self.service.router.end_here(self.own, token)
+        """The connection closed: its own episode ends with it (once a step still
+        running has finished)."""
+        async with self.serving:
+            token = self.tokens.pop(self.own, None)
+            if token is not None:
+                await self.service.router.end_here(self.own, token)
 
 
 async def handle(
