@@ -7,7 +7,9 @@ fields, each tensor's name, dtype, shape and place). Never pickled. It marks the
 and rings the core's doorbell (an ``eventfd``). The core reads on its event loop
 (``add_reader`` on the doorbell), copies the inputs out of the slot, runs the step through
 the node's own path, writes the reply the same way (facts in the header, outputs as raw
-bytes) and rings the front's doorbell. The front encodes the reply (JSON or msgpack).
+bytes) and rings the front's doorbell. The front encodes the reply (JSON or msgpack). An
+openpi frame crosses the same way (:data:`WS_STEP`): the front's decoded map with each array
+written raw (:func:`lift`), rebuilt by the core (:func:`lower`).
 
 The region is a ``memfd`` (no file anywhere, gone with the last process holding it), passed
 to the front with the two ``eventfd`` at its start. Its first page is the control block: a
