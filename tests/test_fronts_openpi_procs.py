@@ -22,6 +22,8 @@ import httpx
 import numpy as np
 import pytest
 import websockets.exceptions
+import websockets.sync.client
+from openpi_client import msgpack_numpy
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from affinity import Keys
@@ -293,6 +295,45 @@ def test_a_front_killed_mid_step_loses_no_step_and_applies_none_twice(tmp_path: 
         assert retry["replayed"] and count(retry) == 2 and not retry["state_reset"], retry
         third = step(again, 3)
         assert count(third) == 3 and not third["replayed"]
+        again._ws.close()
+    finally:
+        node.stop()
+
+
+def test_a_step_whose_robot_left_mid_step_is_held_for_its_retry(tmp_path: Path) -> None:
+    """The robot closes its connection while the core runs its step (a slow model): the
+    front sees the close, and the core, told the reply was not delivered, holds the step
+    its ``seq`` named. The robot's retry on a new connection gets that kept reply: applied
+    once, never twice, never from a reset."""
+    node = embedded(tmp_path, "fl", model=counter_policy(tmp_path, repeats=400, width=512))
+    node.proc.argv += ["--act-deadline", "60"]  # a slow model on a busy machine
+    node.start(timeout=60)
+    try:
+        wait_until(lambda: len(fronts(node)) == 2, 30, "two fronts")
+        url = f"ws://{node.host}:{node.port}/?episode_id=fl-left"
+        policy = client(node, "?episode_id=fl-left")
+        first = policy.infer({"obs": np.zeros(8, np.float32), "seq": 1})
+        assert int(np.asarray(first["count"]).reshape(-1)[0]) == 1
+        policy._ws.close()
+        with websockets.sync.client.connect(url, max_size=None) as ws:
+            ws.recv(timeout=10)  # the metadata
+            ws.send(msgpack_numpy.packb({"obs": np.zeros(8, np.float32), "seq": 2}))
+            time.sleep(0.3)  # the step is on the hop, its model running (1-5 s)
+        # the front saw the robot leave mid-step (its access line says 499)
+        wait_until(lambda: '"WS /" 499 ' in node.proc.log(), 10, "the left step's line")
+        retry = None
+        for _ in range(100):  # until the left step has run (a step in flight is refused)
+            again = client(node, "?episode_id=fl-left")
+            try:
+                retry = again.infer({"obs": np.zeros(8, np.float32), "seq": 2})
+                break
+            except RuntimeError:
+                time.sleep(0.1)
+        assert retry is not None
+        assert retry["replayed"] and not retry["state_reset"], retry
+        assert int(np.asarray(retry["count"]).reshape(-1)[0]) == 2
+        third = again.infer({"obs": np.zeros(8, np.float32), "seq": 3})
+        assert int(np.asarray(third["count"]).reshape(-1)[0]) == 3 and not third["replayed"]
         again._ws.close()
     finally:
         node.stop()
