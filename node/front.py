@@ -33,6 +33,7 @@ import socket
 import sys
 import time
 from collections.abc import MutableMapping
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -217,6 +218,26 @@ def _answer(
     return 200, body, content_type, reply_headers(facts, meta.get("url"))
 
 
+@dataclass(frozen=True)
+class _Names:
+    """An openpi connection's number (the core's name for it), its ``?episode_id=`` and
+    its own episode."""
+
+    number: int
+    fixed: str | None
+    own: str
+
+    def of(self, frame: dict[Any, Any]) -> str | None:
+        """The episode of a frame, for an access line the core could not answer (the
+        core's ``openpi.Connection`` decides it for every step it serves)."""
+        if "episode_ids" in frame:
+            return None
+        named = frame.get("episode_id")
+        if self.fixed or named is None:
+            return self.fixed or self.own
+        return named if isinstance(named, str) else None
+
+
 class FrontApp:
     """The front's ASGI app: ``POST /act`` over the hop, the rest to the core."""
 
@@ -391,11 +412,12 @@ class FrontApp:
                 await fail(send, str(problem))
             return
         try:
-            await self._steps(scope, receive, send, number)
+            names = _Names(number, opened.get("fixed"), str(opened.get("own")))
+            await self._steps(scope, receive, send, names)
         finally:
             await self._close(number)
 
-    async def _steps(self, scope: Scope, receive: Receive, send: Send, number: int) -> None:
+    async def _steps(self, scope: Scope, receive: Receive, send: Send, names: _Names) -> None:
         """A connection's observations, one at a time (openpi is lockstep), until it
         closes or a step fails."""
         prev_total_ms: float | None = None
@@ -405,7 +427,7 @@ class FrontApp:
             if message["type"] == "websocket.disconnect":
                 return
             go_on, prev_total_ms = await self._step(
-                scope, receive, send, number, message, prev_total_ms, early
+                scope, receive, send, names, message, prev_total_ms, early
             )
             if not go_on:
                 return
@@ -415,7 +437,7 @@ class FrontApp:
         scope: Scope,
         receive: Receive,
         send: Send,
-        number: int,
+        names: _Names,
         message: MutableMapping[str, Any],
         prev_total_ms: float | None,
         early: list[asyncio.Future[MutableMapping[str, Any]]],
@@ -426,7 +448,7 @@ class FrontApp:
         arrays: list[Array] = []
         try:
             frame = observation(message, self.max_rows)
-            meta = {"c": number, "recv": started, "o": lift(frame, arrays)}
+            meta = {"c": names.number, "recv": started, "o": lift(frame, arrays)}
         except (InvalidInput, WireError, Refused) as exc:
             o = outcome(exc)
             log_line(self.access, scope, started, o.status, None)
@@ -463,16 +485,16 @@ class FrontApp:
         try:
             reply = await watching(receive, call, early)
         except ClientGone:  # closed mid-step: the core undoes it (or holds it: seq)
-            log_line(self.access, scope, started, 499, None)
+            log_line(self.access, scope, started, 499, names.of(frame))
             return False, prev_total_ms
         except Undelivered:  # the send failed: the core undoes it (or holds it)
             return False, prev_total_ms
         except HopFull:
-            log_line(self.access, scope, started, 503, None)
+            log_line(self.access, scope, started, 503, names.of(frame))
             await fail(send, "busy: this front door has every step of its hop in flight")
             return False, prev_total_ms
         except HopError as exc:
-            log_line(self.access, scope, started, 413, None)
+            log_line(self.access, scope, started, 413, names.of(frame))
             await fail(send, f"too_large: {exc}")
             return False, prev_total_ms
         if "fail" in reply:

@@ -159,9 +159,10 @@ async def serve_openpi(
         if not isinstance(query, bytes) or number in conns:
             raise HopError("bad connection")
         conn, frame, problem = await openpi.opening(service, query)
-        if conn is not None:
-            conns[number] = conn
-        return {"frame": frame, "problem": problem}, []
+        if conn is None:
+            return {"frame": frame, "problem": problem}, []
+        conns[number] = conn
+        return {"frame": frame, "problem": None, "fixed": conn.fixed, "own": conn.own}, []
     conn = conns.get(number)
     if conn is None:
         raise HopError(f"no connection {number}")

@@ -319,8 +319,13 @@ def test_a_step_whose_robot_left_mid_step_is_held_for_its_retry(tmp_path: Path) 
             ws.recv(timeout=10)  # the metadata
             ws.send(msgpack_numpy.packb({"obs": np.zeros(8, np.float32), "seq": 2}))
             time.sleep(0.3)  # the step is on the hop, its model running (1-5 s)
-        # the front saw the robot leave mid-step (its access line says 499)
-        wait_until(lambda: '"WS /" 499 ' in node.proc.log(), 10, "the left step's line")
+
+        # the front saw the robot leave mid-step (its access line says 499, and the episode)
+        def left() -> bool:
+            return any('"WS /" 499 ' in line and "episode=fl-left " in line
+                       for line in node.proc.log().splitlines())  # fmt: skip
+
+        wait_until(left, 10, "the left step's access line")
         retry = None
         for _ in range(100):  # until the left step has run (a step in flight is refused)
             again = client(node, "?episode_id=fl-left")
