@@ -208,8 +208,9 @@ _FLAGS = (
           into="admission_wait_s"),
     _Flag("--front-doors", "AFFINITY_FRONT_DOORS", 1,
           "processes that accept and decode HTTP requests on --port, sharing its socket; "
-          "/act crosses to the node's process over shared memory (1: that process alone; "
-          "N > 1 is slower than 1 until the worker processes come: docs/operations.md)",
+          "/act and openpi steps cross to the node's process over shared memory (1: that "
+          "process alone; N > 1 is slower than 1 until the worker processes come: "
+          "docs/operations.md)",
           int, low=1, high=64),
     _Flag("--grpc-port", "AFFINITY_GRPC_PORT", None,
           "also serve KServe v2 over gRPC (Triton's GRPCInferenceService) on this port "

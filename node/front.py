@@ -1,15 +1,17 @@
 """A front door process (``--front-doors N`` > 1; the core's side: ``node/fronts.py``).
 
 It accepts on the node's HTTP listening socket, inherited from the core (the core bound it
-before it registered), with the node's own HTTP protocol (``node/server.py``). Two doors
-are decoded here: ``POST /act`` (the body's parse, JSON or msgpack, one row or
-``{"steps": [...]}``) and KServe v2 HTTP infer (``POST /v2/models/{m}[/versions/{v}]/infer``,
-JSON or binary tensors: ``node/protocols/kserve/body.py``); their inputs are written once
-into a slot of the hop (``node/hop.py``), the core serves the step, the reply is encoded
-here. Every other HTTP path is passed to the core's Unix socket as it came (a keep-alive
-pool), and so is a request the hop cannot carry (an integer past 64 bits); a websocket
-(openpi) is relayed frame by frame to it. It keeps no episode state: killed, it loses only
-its connections.
+before it registered), with the node's own HTTP protocol (``node/server.py``). Decoded here:
+``POST /act`` (the body's parse, JSON or msgpack, one row or ``{"steps": [...]}``), KServe v2
+HTTP infer (``POST /v2/models/{m}[/versions/{v}]/infer``, JSON or binary tensors:
+``node/protocols/kserve/body.py``) and openpi's websocket (its handshake, the API key, each
+observation frame's msgpack-numpy decode, each reply's encode and send). Each step's inputs
+are written once into a slot of the hop (``node/hop.py``); the core applies the step's
+semantics and answers into the slot; the reply is encoded here. Every other HTTP path is
+passed to the core's Unix socket as it came (a keep-alive pool), and so is a request the hop
+cannot carry (an integer past 64 bits). It keeps no episode state (an openpi connection's
+tokens, claims and own episode are the core's, ended when this front goes): killed, it loses
+only its connections.
 
 It dies with the core (``PR_SET_PDEATHSIG``); SIGINT and SIGTERM are the core's to act on
 (it keeps serving while the core hands its episodes over); SIGUSR1 from the core stops it
@@ -25,6 +27,7 @@ import asyncio
 import contextlib
 import ctypes
 import hmac
+import itertools
 import json
 import logging
 import os
@@ -32,6 +35,8 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import MutableMapping
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -40,6 +45,8 @@ import numpy as np
 import orjson
 import uvicorn
 
+from affinity import wire
+from affinity.wire import WireError
 from node.accesslog import STEP_KEY, AccessLog, JsonFormatter
 from node.asgi import (
     CONNECTION,
@@ -49,6 +56,7 @@ from node.asgi import (
     cross_site,
     error_body,
     header_values,
+    io_seen,
     read_body,
     respond,
     respond_gone,
@@ -56,14 +64,29 @@ from node.asgi import (
 from node.errors import (
     BadRequest,
     BodyError,
+    ClientGone,
     HopError,
     HopFull,
+    InvalidInput,
     Refused,
     Uncarried,
     Undelivered,
     outcome,
 )
-from node.hop import ACT, KSERVE, NOTE, ROWS, Array, FrontHop, Region
+from node.hop import (
+    ACT,
+    KSERVE,
+    NOTE,
+    ROWS,
+    WS_CLOSE,
+    WS_OPEN,
+    WS_STEP,
+    Array,
+    FrontHop,
+    Region,
+    lift,
+    lower,
+)
 from node.hop import SharedLoopBuckets as _Lag
 from node.httpproto import KeepAliveProtocol
 from node.looplag import watch_loop_lag
@@ -79,6 +102,15 @@ from node.protocols.kserve.body import (
     request_meta,
     shaped,
 )
+from node.protocols.openpiframe import (
+    fail,
+    finished,
+    log_line,
+    observation,
+    refusal,
+    unauthorized,
+    watching,
+)
 
 __all__ = ["main"]
 
@@ -90,6 +122,8 @@ _HEADERS = (b"content-type", b"accept", b"authorization", TIMING_HEADER)
 LAG_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 """``affinity_event_loop_lag_seconds``' bounds (node/metrics.py), observed into the region."""
 _KSERVE_HEADERS = (b"authorization", HEADER_LENGTH, b"content-encoding", TIMING_HEADER)
+CLOSE_TRIES, CLOSE_WAIT_S = 100, 0.02
+"""How long a connection's close waits for a free slot of the hop (every one in flight)."""
 _HOP_BY_HOP = frozenset(
     (b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"te", b"trailer")
 )
@@ -208,6 +242,26 @@ def _answer(
     return 200, body, content_type, reply_headers(facts, meta.get("url"))
 
 
+@dataclass(frozen=True)
+class _Names:
+    """An openpi connection's number (the core's name for it), its ``?episode_id=`` and
+    its own episode."""
+
+    number: int
+    fixed: str | None
+    own: str
+
+    def of(self, frame: dict[Any, Any]) -> str | None:
+        """The episode of a frame, for an access line the core could not answer (the
+        core's ``openpi.Connection`` decides it for every step it serves)."""
+        if "episode_ids" in frame:
+            return None
+        named = frame.get("episode_id")
+        if self.fixed or named is None:
+            return self.fixed or self.own
+        return named if isinstance(named, str) else None
+
+
 class FrontApp:
     """The front's ASGI app: ``POST /act`` over the hop, the rest to the core."""
 
@@ -219,6 +273,8 @@ class FrontApp:
         self.max_rows = int(spec["max_rows"])
         self.access = AccessLog(bool(spec.get("access_log", True)),
                                 json=spec.get("log_format") == "json")  # fmt: skip
+        self.numbers = itertools.count()
+        """Each openpi connection's number, the core's name for it."""
         self.client = httpx.AsyncClient(
             transport=httpx.AsyncHTTPTransport(uds=core),
             timeout=httpx.Timeout(None),
@@ -241,7 +297,7 @@ class FrontApp:
             else:
                 await self.pass_on(scope, receive, send)
         elif kind == "websocket":
-            await self.relay(scope, receive, send)
+            await self.openpi(scope, receive, send)
         elif kind == "lifespan":
             while True:
                 message = await receive()
@@ -429,75 +485,154 @@ class FrontApp:
         finally:
             await response.aclose()
 
-    async def relay(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """A websocket, relayed frame by frame to the core's (openpi)."""
-        from websockets.asyncio.client import unix_connect
-        from websockets.exceptions import ConnectionClosed, InvalidStatus
-
-        await receive()  # websocket.connect
-        path = scope["path"] + ("?" + scope["query_string"].decode() if scope["query_string"]
-                                else "")  # fmt: skip
-        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]
-                   if k not in _HOP_BY_HOP and not k.startswith(b"sec-websocket")
-                   and k != b"host"]  # fmt: skip
-        try:
-            # connected here: uvloop's create_unix_connection refuses an abstract name
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.setblocking(False)
-            try:
-                await asyncio.get_running_loop().sock_connect(sock, self.core)
-            except OSError:
-                sock.close()
-                raise
-            upstream = await unix_connect(
-                None, "ws://core" + path, sock=sock, additional_headers=headers,
-                max_size=None, compression=None, ping_interval=None,
-            )  # fmt: skip
-        except InvalidStatus as exc:
-            await self._deny(scope, send, exc.response.status_code, bytes(exc.response.body or b""))
+    async def openpi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """An openpi websocket (``node/protocols/openpi.py``): its frames decoded and
+        encoded here, each observation's arrays written once into a slot of the hop; the
+        connection's state and each step's semantics are the core's (its
+        ``openpi.Connection``), so the rules are written once."""
+        if (await receive())["type"] != "websocket.connect":
             return
-        except OSError:
-            await send({"type": "websocket.close", "code": 1011})
+        if cross_site(scope):  # a page elsewhere must not drive a robot's episode
+            await self._note("forbidden")
+            await send({"type": "websocket.close", "code": 1008})  # before accept: 403
+            return
+        (authorization,) = header_values(scope, (b"authorization",))
+        if not self._allowed(authorization):
+            await self._note("unauthorized")
+            await unauthorized(scope, send, self.access, time.monotonic())
+            return
+        number = next(self.numbers)
+        ask = {"c": number, "q": scope.get("query_string", b"")}
+        try:  # asked per connection, never cached: the metadata of the models served now
+            opened = await self.hop.call(WS_OPEN, ask, [], lambda _, meta, __: meta)
+        except (HopFull, HopError):
+            await send({"type": "websocket.close", "code": 1013})  # try again later
+            return
+        frame = opened.get("frame")
+        if not isinstance(frame, bytes):  # a malformed ?episode_id= (or a malformed ask)
+            await send({"type": "websocket.close", "code": 1008})
             return
         await send({"type": "websocket.accept"})
-
-        async def down() -> None:
-            async for frame in upstream:
-                if isinstance(frame, bytes):
-                    await send({"type": "websocket.send", "bytes": frame})
-                else:
-                    await send({"type": "websocket.send", "text": frame})
-
-        pump = asyncio.create_task(down())
+        await send({"type": "websocket.send", "bytes": frame})
+        problem = opened.get("problem")
+        if problem is not None:
+            # openpi's client reads the metadata on connect and an error only as a step's reply
+            if (await receive())["type"] == "websocket.receive":
+                await self._note("bad_input")
+                await fail(send, str(problem))
+            return
         try:
-            while True:
-                pump_or_msg = asyncio.ensure_future(receive())
-                done, _ = await asyncio.wait(
-                    {pump_or_msg, pump}, return_when=asyncio.FIRST_COMPLETED
-                )
-                if pump in done:
-                    pump_or_msg.cancel()
-                    code = upstream.close_code or 1000
-                    await send({"type": "websocket.close", "code": code})
-                    return
-                message = pump_or_msg.result()
-                if message["type"] == "websocket.disconnect":
-                    return
-                data = message.get("bytes")
-                await upstream.send(data if data is not None else message.get("text", ""))
-        except ConnectionClosed:
-            await send({"type": "websocket.close", "code": upstream.close_code or 1011})
+            names = _Names(number, opened.get("fixed"), str(opened.get("own")))
+            await self._steps(scope, receive, send, names)
         finally:
-            pump.cancel()
-            await upstream.close()
+            await self._close(number)
 
-    async def _deny(self, scope: Scope, send: Send, status: int, body: bytes) -> None:
-        if "websocket.http.response" in scope.get("extensions", {}):
-            await send({"type": "websocket.http.response.start", "status": status,
-                        "headers": [(b"content-type", b"application/json")]})  # fmt: skip
-            await send({"type": "websocket.http.response.body", "body": body})
-        else:
-            await send({"type": "websocket.close", "code": 1008})
+    async def _steps(self, scope: Scope, receive: Receive, send: Send, names: _Names) -> None:
+        """A connection's observations, one at a time (openpi is lockstep), until it
+        closes or a step fails."""
+        prev_total_ms: float | None = None
+        early: list[asyncio.Future[MutableMapping[str, Any]]] = []  # a receive begun mid-step
+        while True:
+            message = await early.pop() if early else await receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            go_on, prev_total_ms = await self._step(
+                scope, receive, send, names, message, prev_total_ms, early
+            )
+            if not go_on:
+                return
+
+    async def _step(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        names: _Names,
+        message: MutableMapping[str, Any],
+        prev_total_ms: float | None,
+        early: list[asyncio.Future[MutableMapping[str, Any]]],
+    ) -> tuple[bool, float | None]:
+        """One observation frame: (whether the connection goes on, the step's total ms
+        for the next reply's ``server_timing``)."""
+        started = time.monotonic()
+        arrays: list[Array] = []
+        try:
+            frame = observation(message, self.max_rows)
+            meta = {"c": names.number, "recv": started, "o": lift(frame, arrays)}
+        except (InvalidInput, WireError, Refused) as exc:
+            o = outcome(exc)
+            log_line(self.access, scope, started, o.status, None)
+            if o.reject_reason is not None:
+                await self._note(o.reject_reason)
+            await fail(send, refusal(o))
+            return False, prev_total_ms
+
+        def use(kind: int, reply: dict[str, Any], views: list[Array]) -> dict[str, Any]:
+            if "doc" not in reply:  # refused: openpi's error
+                return reply
+            doc = lower(reply["doc"], views)
+            if not reply["rows"]:
+                total_ms = (time.monotonic() - started) * 1000
+                doc = finished(doc, reply["ms"], total_ms, prev_total_ms, reply["split"])
+            at = reply["at"]
+            log_line(self.access, scope, started, 200, reply["ep"],
+                     None if at is None else (at[0], at[1]))  # fmt: skip
+            reply["body"] = wire.encode(doc)  # while the outputs are views of the slot
+            return reply
+
+        async def deliver(reply: dict[str, Any]) -> bool:
+            body = reply.get("body")
+            if body is None:
+                return True
+            try:
+                await io_seen()  # a close that came with the frame fails the send: undone
+                await send({"type": "websocket.send", "bytes": body})
+            except OSError:  # uvicorn's ClientDisconnected: the robot never gets it
+                return False
+            return True
+
+        call = self.hop.call(WS_STEP, meta, arrays, use, deliver=deliver)
+        try:
+            reply = await watching(receive, call, early)
+        except ClientGone:  # closed mid-step: the core undoes it (or holds it: seq)
+            log_line(self.access, scope, started, 499, names.of(frame))
+            return False, prev_total_ms
+        except Undelivered:  # the send failed: the core undoes it (or holds it)
+            return False, prev_total_ms
+        except HopFull:
+            log_line(self.access, scope, started, 503, names.of(frame))
+            await fail(send, "busy: this front door has every step of its hop in flight")
+            return False, prev_total_ms
+        except HopError as exc:
+            log_line(self.access, scope, started, 413, names.of(frame))
+            await fail(send, f"too_large: {exc}")
+            return False, prev_total_ms
+        if "fail" in reply:
+            log_line(self.access, scope, started, int(reply["status"]), reply.get("ep"))
+            await fail(send, str(reply["fail"]))
+            return False, prev_total_ms
+        if "err" in reply:
+            status, code, text, _, _ = reply["err"]
+            log_line(self.access, scope, started, int(status), None)
+            await fail(send, f"{code}: {text}")
+            return False, prev_total_ms
+        if reply["rows"]:
+            return True, prev_total_ms
+        return True, (time.monotonic() - started) * 1000
+
+    async def _close(self, number: int) -> None:
+        """Tell the core the connection closed (its own episode ends). A hop with every
+        slot in flight is waited for a while; past that, the core ends the episode when
+        this front goes."""
+        for _ in range(CLOSE_TRIES):
+            try:
+                await self.hop.call(WS_CLOSE, {"c": number}, [], lambda *_: None)
+                return
+            except HopFull:
+                await asyncio.sleep(CLOSE_WAIT_S)
+            except HopError:
+                break
+        log.warning("could not tell the core that openpi connection %d closed", number)
 
 
 class _FrontServer(uvicorn.Server):

@@ -25,18 +25,33 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from affinity import InvalidArgument
 from node.errors import BodyError, HopError, InvalidInput, Refused, Unavailable, outcome
-from node.hop import ACT, KSERVE, NOTE, ROWS, Array, CoreHop, Region, SharedLoopBuckets
+from node.hop import (
+    ACT,
+    KSERVE,
+    NOTE,
+    ROWS,
+    WS_CLOSE,
+    WS_OPEN,
+    WS_STEP,
+    Array,
+    CoreHop,
+    Region,
+    SharedLoopBuckets,
+    lift,
+    lower,
+)
 from node.metrics import REJECTED
 from node.procs import Running
-from node.protocols import act
+from node.protocols import act, openpi
 from node.protocols.kserve import http as kserve_http
+from node.protocols.openpiframe import refusal
 from node.service import NodeService
 from node.step import Reply
 
@@ -123,13 +138,79 @@ def _reply_meta(reply: Reply, timing: bool) -> tuple[dict[str, Any], list[Array]
     return {"facts": facts, "names": names}, out
 
 
+Connections = dict[int, openpi.Connection]
+"""A front's open openpi connections in the core, by the front's number for each."""
+
+
+async def serve_openpi(
+    service: NodeService,
+    kind: int,
+    meta: dict[str, Any],
+    arrays: list[Array],
+    conns: Connections,
+) -> tuple[dict[str, Any], list[Array]]:
+    """One openpi request of a front, which holds the websocket and decodes and encodes
+    its frames: a connection opened (the reply: its metadata frame, or its error), one
+    observation served by the connection's :class:`~node.protocols.openpi.Connection`
+    (the reply: outputs and facts with their arrays raw, or openpi's error text,
+    counted), the connection closed (its own episode ends)."""
+    number = meta.get("c")
+    if type(number) is not int:
+        raise HopError("no connection number")
+    if kind == WS_OPEN:
+        query = meta.get("q")
+        if not isinstance(query, bytes) or number in conns:
+            raise HopError("bad connection")
+        conn, frame, problem = await openpi.opening(service, query)
+        if conn is None:
+            return {"frame": frame, "problem": problem}, []
+        conns[number] = conn
+        return {"frame": frame, "problem": None, "fixed": conn.fixed, "own": conn.own}, []
+    conn = conns.get(number)
+    if conn is None:
+        raise HopError(f"no connection {number}")
+    if kind == WS_CLOSE:
+        del conns[number]
+        await conn.close()
+        return {}, []
+    received = meta.get("recv")
+    if not isinstance(received, float):
+        raise HopError("no receive time")
+    observation = lower(meta.get("o"), arrays)
+    if not isinstance(observation, dict):
+        raise HopError("an observation is a map")
+    try:
+        served = await conn.step(observation, received, openpi.unwatched)
+    except openpi.REFUSALS as exc:
+        o = outcome(exc)
+        _count(service, exc)
+        return {"fail": refusal(o), "status": o.status, "ep": conn.episode}, []
+    out: list[Array] = []
+    reply = {
+        "doc": lift(served.doc, out),
+        "rows": served.rows,
+        "ep": conn.episode,
+        "at": served.served,
+        "ms": served.device_ms,
+        "split": served.split,
+        "keep": served.replies,
+    }
+    return reply, out
+
+
 async def serve_request(
-    service: NodeService, kind: int, meta: dict[str, Any], arrays: list[Array], slot: int
+    service: NodeService,
+    kind: int,
+    meta: dict[str, Any],
+    arrays: list[Array],
+    slot: int,
+    conns: Connections | None = None,
 ) -> tuple[dict[str, Any], list[Array]]:
     """Serve one request a front sent over the hop, as ``node/protocols/act.py`` serves a
     body it decoded itself: the same decoding of fields and inputs, the router's path, the
-    same errors and counts. The reply's meta carries ``keep``: what to undo if the front
-    says it was not delivered."""
+    same errors and counts (openpi's requests: :func:`serve_openpi`, with the front's
+    ``conns``). The reply's meta carries ``keep``: what to undo if the front says it was
+    not delivered."""
     metrics = service.metrics
     if kind == NOTE:
         reason = meta.get("rejected")
@@ -138,6 +219,10 @@ async def serve_request(
         return {}, []
     if kind == KSERVE:  # decoded by the front as node/protocols/kserve/http.py would
         return await kserve_http.serve_hop(service, meta, arrays)
+    if kind in (WS_OPEN, WS_STEP, WS_CLOSE):
+        if conns is None:
+            raise HopError("no openpi connections here")
+        return await serve_openpi(service, kind, meta, arrays, conns)
     received = meta.get("recv")
     if not isinstance(received, float):
         raise HopError("no receive time")
@@ -214,6 +299,7 @@ class _Front:
     restarted: int = 0  # since the core started (what operators see: node/procs.py)
     started: float = 0.0
     since_ms: int = 0  # when it started, the wall clock's ms
+    conns: Connections = field(default_factory=dict)
 
 
 class Fronts:
@@ -236,6 +322,7 @@ class Fronts:
         self.fronts = [_Front(k) for k in range(len(listeners))]
         self.stopping = False
         self._watch: asyncio.Task[None] | None = None
+        self._ending: set[asyncio.Task[None]] = set()
         metrics = service.metrics
         self.restarts = metrics.front_restarts
         self.bounds = metrics.loop_lag.bounds
@@ -262,11 +349,13 @@ class Fronts:
         ask = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         answer = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         service = self.service
+        conns: Connections = {}
+        front.conns = conns
 
         async def handler(
             kind: int, meta: dict[str, Any], arrays: list[Array], slot: int
         ) -> tuple[dict[str, Any], list[Array]]:
-            return await serve_request(service, kind, meta, arrays, slot)
+            return await serve_request(service, kind, meta, arrays, slot, conns)
 
         async def undelivered(kept: Any) -> None:
             await undeliver(service, kept)
@@ -321,8 +410,28 @@ class Fronts:
         if front.lag is not None:
             front.lag.detach()
         if front.hop is not None:
+            running = set(front.hop.running)
             front.hop.drop()
             front.hop = None
+            if front.conns:  # its openpi connections closed with it
+                task = asyncio.create_task(self._close(running, list(front.conns.values())))
+                self._ending.add(task)
+                task.add_done_callback(self._ending.discard)
+            front.conns = {}
+
+    async def _close(
+        self, running: set[asyncio.Task[None]], conns: list[openpi.Connection]
+    ) -> None:
+        """End the openpi connections of a front that is gone, as their clients' closes
+        would: once its steps still running have finished (and been undone), each
+        connection's own episode ends."""
+        if running:
+            await asyncio.wait(running)
+        for conn in conns:
+            try:
+                await conn.close()
+            except Exception:  # the episode is released by its expiry instead
+                log.exception("ending the episode %s of a closed connection", conn.own)
 
     async def stop(self, timeout_s: float = STOP_S) -> None:
         """Stop every front: it closes its listener, finishes its open requests (their
@@ -344,3 +453,5 @@ class Fronts:
                 front.process.kill()
                 front.process.wait()
             self._drop(front)
+        if self._ending:
+            await asyncio.wait(set(self._ending), timeout=timeout_s)

@@ -7,7 +7,9 @@ fields, each tensor's name, dtype, shape and place). Never pickled. It marks the
 and rings the core's doorbell (an ``eventfd``). The core reads on its event loop
 (``add_reader`` on the doorbell), copies the inputs out of the slot, runs the step through
 the node's own path, writes the reply the same way (facts in the header, outputs as raw
-bytes) and rings the front's doorbell. The front encodes the reply (JSON or msgpack).
+bytes) and rings the front's doorbell. The front encodes the reply (JSON or msgpack). An
+openpi frame crosses the same way (:data:`WS_STEP`): the front's decoded map with each array
+written raw (:func:`lift`), rebuilt by the core (:func:`lower`).
 
 The region is a ``memfd`` (no file anywhere, gone with the last process holding it), passed
 to the front with the two ``eventfd`` at its start. Its first page is the control block: a
@@ -58,10 +60,15 @@ __all__ = [
     "NOTE",
     "ROWS",
     "UNDELIVERED",
+    "WS_CLOSE",
+    "WS_OPEN",
+    "WS_STEP",
     "Array",
     "FrontHop",
     "Region",
     "SharedLoopBuckets",
+    "lift",
+    "lower",
     "pack",
     "unpack",
 ]
@@ -76,6 +83,10 @@ ACT, ROWS, UNDELIVERED, NOTE, KSERVE = 1, 2, 3, 4, 5
 """Request kinds: one step; a message of rows; the slot's last reply was not delivered; a
 note (a refusal the front answered itself, counted by the core); a KServe v2 infer request
 (``node/protocols/kserve/body.py``)."""
+WS_OPEN, WS_STEP, WS_CLOSE = 6, 7, 8
+"""openpi's websocket (``node/protocols/openpi.py``): a connection accepted (its query; the
+reply is its metadata frame), one observation frame (decoded by the front, its arrays
+carried raw: :func:`lift`), the connection closed."""
 REPLY = 9
 MAX_SLOTS = 63
 """A doorbell's count is a set of slots (``1 << slot``), under the eventfd's largest count."""
@@ -285,6 +296,62 @@ def unpack(header: bytes, total: int) -> tuple[dict[str, Any], list[Place]]:
     return meta, places
 
 
+TENSOR, SCALAR, STRINGS, EXT = 1, 2, 3, 4
+"""msgpack extension codes of :func:`lift`: an array carried raw (its index), a numpy
+scalar carried as a 0-d array (its index), a string array (its shape and strings), and
+an extension value of the message itself (its code and data, as it came)."""
+_INDEX = struct.Struct("<I")
+
+
+def lift(obj: Any, arrays: list[Array]) -> Any:
+    """``obj`` (maps, lists, scalars, numpy arrays and scalars: a decoded msgpack message
+    such as an openpi observation, or a reply) for a slot's header: each numeric array
+    appended to ``arrays`` (its bytes go raw into the slot, never into the header) and
+    replaced by an extension naming it. :func:`lower` undoes it."""
+    if isinstance(obj, dict):
+        return {k: lift(v, arrays) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [lift(v, arrays) for v in obj]
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.kind not in _DTYPES:  # strings (an object array of str): by value
+            return msgpack.ExtType(STRINGS, msgpack.packb([list(obj.shape),
+                                                           obj.reshape(-1).tolist()]))  # fmt: skip
+        arrays.append(np.ascontiguousarray(obj))
+        return msgpack.ExtType(TENSOR, _INDEX.pack(len(arrays) - 1))
+    if isinstance(obj, np.generic):
+        arrays.append(np.asarray(obj))
+        return msgpack.ExtType(SCALAR, _INDEX.pack(len(arrays) - 1))
+    if isinstance(obj, msgpack.ExtType):
+        return msgpack.ExtType(EXT, msgpack.packb([obj.code, obj.data]))
+    return obj
+
+
+def lower(obj: Any, arrays: list[Array]) -> Any:
+    """What :func:`lift` made of ``obj``, its arrays taken from ``arrays`` (as read from
+    the slot). Raises :class:`HopError` for an extension that names nothing."""
+    if isinstance(obj, dict):
+        return {k: lower(v, arrays) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [lower(v, arrays) for v in obj]
+    if not isinstance(obj, msgpack.ExtType):
+        return obj
+    try:
+        if obj.code in (TENSOR, SCALAR):
+            array = arrays[_INDEX.unpack(obj.data)[0]]
+            return array if obj.code == TENSOR else array[()]
+        if obj.code == STRINGS:
+            shape, strings = msgpack.unpackb(obj.data)
+            out = np.empty(len(strings), dtype=object)
+            out[:] = strings
+            return out.reshape(shape)
+        if obj.code == EXT:
+            code, data = msgpack.unpackb(obj.data)
+            return msgpack.ExtType(code, data)
+    except (IndexError, ValueError, TypeError, struct.error, msgpack.UnpackException) as exc:
+        raise HopError(f"bad carried value: {exc}") from None
+    raise HopError(f"unknown extension {obj.code}")
+
+
 class SharedLoopBuckets:
     """A front's event-loop lag histogram in its region's control block: the front
     observes (:meth:`observe`), the core's scrape reads (:attr:`counts`, :attr:`sum`). The
@@ -401,13 +468,16 @@ class FrontHop:
         arrays: list[Array],
         use: Callable[[int, dict[str, Any], list[Array]], Any],
         gone: Callable[[], bool] | None = None,
+        deliver: Callable[[Any], Awaitable[bool]] | None = None,
     ) -> Any:
         """Send a request, await its reply and return ``use(kind, meta, views)``, run
         while the reply's arrays are views of the slot (they must not outlive it). Raises
         :class:`HopFull` when every slot is in flight, :class:`HopError` when the request
         does not fit a slot. Cancelled, the slot stays the core's until it answers; the
         core is then told the reply was not delivered. So is it when ``gone()`` says, once
-        the reply is used, that the client has left: this raises :class:`Undelivered`."""
+        the reply is used, that the client has left, or when ``deliver(result)`` (awaited
+        before the slot is freed: a websocket's send) says False or is cancelled: this
+        raises :class:`Undelivered`."""
         if not self.free:
             raise HopFull()
         slot = self.free.pop()
@@ -426,7 +496,7 @@ class FrontHop:
             else:
                 self.abandoned.add(slot)
             raise
-        left = False
+        left = True  # until the reply is known delivered
         try:
             kind, reply, views = self.region.read(slot, copy=False)
             try:
@@ -434,6 +504,9 @@ class FrontHop:
             finally:
                 del views
             left = gone is not None and gone()
+            if deliver is not None and not left:
+                left = True
+                left = not await deliver(result)
         finally:
             if left:
                 self._undeliver(slot)
@@ -454,7 +527,8 @@ Handler = Callable[[int, dict[str, Any], list[Array], int], Awaitable[Answer]]
 class CoreHop:
     """The core's end of one front's hop: reads requests on the event loop, runs
     ``handler`` in a task per request, answers into the slot. :meth:`drop` (the front
-    died) stops it at once: tasks still running finish and their answers are dropped."""
+    died) stops it at once: tasks still running finish, and their steps are undone as a
+    client's that left (held instead when they named ``seq``)."""
 
     region: Region
     ask: int
@@ -503,8 +577,11 @@ class CoreHop:
         except HopError as exc:
             reply, out = {"err": [400, "malformed", f"hop: {exc}", None, None]}, []
         keep = reply.pop("keep", None)
-        if self._answer(slot, reply, out):
-            if keep is not None and self.alive:
+        if not self.alive:  # the front died with the client's connection: as a client gone
+            if keep is not None:
+                await self.on_undelivered(keep)
+        elif self._answer(slot, reply, out):
+            if keep is not None:
                 self.kept[slot] = keep
         elif keep is not None:  # too big for the slot: answered 500, undone
             await self.on_undelivered(keep)

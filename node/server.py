@@ -271,6 +271,8 @@ async def _serve_fronts(
         "log_level": config.log_level,
     }
     fronts = Fronts(service, socks, name, spec)
+    # openpi's websocket is the fronts' (each step over the hop): none reaches this socket
+    server.config.ws = "none"
     server.fronts = fronts
     fronts.start()
     with core:

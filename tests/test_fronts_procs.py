@@ -1,9 +1,10 @@
 """A node with ``--front-doors 2`` (issue 43's first slice), real processes: two fronts accept
-on the node's port, ``/act`` crosses the shared-memory hop to the node's process, every
-other path is passed on to it. Steps stay sticky and exactly-once whichever front gets them;
-a front killed mid-load costs its connections only (a retry with ``seq`` gets its kept
-reply, the front comes back); a node killed with ``kill -9`` leaves no process, and the next
-one binds the same port at once."""
+on the node's port, ``/act`` (and openpi's websocket: ``tests/test_fronts_openpi_procs.py``)
+crosses the shared-memory hop to the node's process, every other path is passed on to it.
+Steps stay sticky and exactly-once whichever front gets them; a front killed mid-load costs
+its connections only (a retry with ``seq`` gets its kept reply, the front comes back); a
+node killed with ``kill -9`` leaves no process, and the next one binds the same port at
+once."""
 
 from __future__ import annotations
 
@@ -198,7 +199,7 @@ def test_every_other_path_reaches_the_nodes_process(node: Node) -> None:
     assert httpx.post(f"{node.url}/devices/{device}/undrain", headers=auth, timeout=10).is_success
     refused = httpx.post(f"{node.url}/devices/{device}/drain", timeout=10)
     assert refused.status_code in (401, 403)
-    # an openpi episode with the unmodified client (a websocket, relayed frame by frame)
+    # an openpi episode with the unmodified client (decoded in a front: test_fronts_openpi_procs)
     policy = WebsocketClientPolicy(host=node.host, port=node.port)
     assert policy.get_server_metadata()["affinity"]["policy"]["inputs"]
     sent = observations(4, 3)

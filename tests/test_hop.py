@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -21,11 +22,14 @@ from node.hop import (
     ACT,
     ASKED,
     SLOT_HEAD,
+    WS_STEP,
     Array,
     CoreHop,
     FrontHop,
     Region,
     SharedLoopBuckets,
+    lift,
+    lower,
 )
 
 pytestmark = pytest.mark.anyio
@@ -164,6 +168,7 @@ async def test_a_front_gone_mid_step_leaves_the_core_serving() -> None:
             await asyncio.sleep(0.001)
         await asyncio.sleep(0.01)  # its answer is dropped: nothing raised, nothing written
         assert not task.done()
+        assert core.undelivered == [1]  # undone as a departed client's step (held with seq)
         task.cancel()
     # a restarted front gets a fresh region
     core = Core()
@@ -240,3 +245,68 @@ async def test_a_stray_ring_serves_nothing_and_wedges_nothing() -> None:
 def test_a_region_has_at_most_as_many_slots_as_a_ring_can_name() -> None:
     with pytest.raises(ValueError):
         Region.create(64, 4096)
+
+
+@pytest.mark.parametrize("sent", [True, False, "cancelled"])
+async def test_a_reply_whose_send_failed_or_was_cancelled_is_undone(sent: object) -> None:
+    """``deliver`` (a websocket's send) runs while the slot is still the front's: a send
+    that fails, or is cancelled, tells the core the reply was not delivered."""
+    core = Core()
+
+    async def deliver(result: Any) -> bool:
+        if sent == "cancelled":
+            raise asyncio.CancelledError()
+        return bool(sent)
+
+    async with hop(core, slots=1) as (front, _):
+        call = front.call(WS_STEP, {"n": 3}, [np.ones(2)], echo, deliver=deliver)
+        if sent is True:
+            meta, _ = await call
+            assert meta["facts"]["n"] == 3
+        else:
+            with pytest.raises(asyncio.CancelledError if sent == "cancelled" else Undelivered):
+                await call
+        while 0 not in front.free:
+            await asyncio.sleep(0.001)
+        assert core.undelivered == ([] if sent is True else [3])
+
+
+def test_a_message_lifted_into_a_slot_comes_back_the_same() -> None:
+    """An openpi observation as the front decoded it (nested maps, lists, camera frames,
+    numpy scalars, a string array, an extension value of the message) crosses a slot with
+    its arrays raw and comes back equal, dtypes and all."""
+    frame = np.arange(224 * 224 * 3, dtype=np.uint8).reshape(224, 224, 3)
+    message = {
+        "observation/image": frame,
+        "state": {"joints": np.linspace(0, 1, 7), "gripper": [np.float32(0.5)]},
+        "prompt": "put the bowl on the plate",
+        "names": np.array(["a", "bc"], dtype=object),
+        "seq": 3,
+        "count": np.int64(4),
+        "empty": np.zeros((0, 2), np.float32),
+        b"raw": msgpack.ExtType(5, b"xy"),
+    }
+    arrays: list[Array] = []
+    lifted = lift(message, arrays)
+    assert len(arrays) == 5  # the frame, the joints, two scalars, the empty array
+    region = Region.create(1, 1 << 20)
+    try:
+        region.write(0, ASKED, WS_STEP, {"o": lifted}, arrays)
+        _, meta, carried = region.read(0, copy=True)
+        back = lower(meta["o"], carried)
+    finally:
+        region.close()
+    assert back.keys() == message.keys()
+    np.testing.assert_array_equal(back["observation/image"], frame)
+    assert back["observation/image"].dtype == np.uint8
+    np.testing.assert_array_equal(back["state"]["joints"], message["state"]["joints"])
+    scalar = back["state"]["gripper"][0]
+    assert isinstance(scalar, np.float32) and scalar == np.float32(0.5)
+    assert isinstance(back["count"], np.int64) and back["count"] == 4
+    assert back["names"].dtype == object and back["names"].tolist() == ["a", "bc"]
+    assert back["empty"].shape == (0, 2) and back["prompt"] == message["prompt"]
+    assert back["seq"] == 3 and back[b"raw"] == msgpack.ExtType(5, b"xy")
+    with pytest.raises(HopError):
+        lower({"x": msgpack.ExtType(1, b"\x09\x00\x00\x00")}, carried)  # names no array
+    with pytest.raises(HopError):
+        lower({"x": msgpack.ExtType(99, b"")}, carried)

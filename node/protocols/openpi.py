@@ -62,33 +62,45 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 from urllib.parse import parse_qs
 
 import numpy as np
 
 from affinity import InvalidArgument, check_episode, wire
 from node import inputs
-from node.accesslog import STEP_KEY, AccessLog
-from node.asgi import Receive, Scope, Send, cancel_when_gone, error_body, header, io_seen
+from node.accesslog import AccessLog
+from node.asgi import Receive, Scope, Send, header, io_seen
 from node.contract import PolicyContract
 from node.errors import ClientGone, InvalidInput, Outcome, Refused, Unavailable, outcome
 from node.inputs import outputs_unbatched
+from node.protocols.openpiframe import (
+    CLOSE_ERROR,
+    fail,
+    finished,
+    log_line,
+    observation,
+    refusal,
+    unauthorized,
+    watching,
+)
 from node.rtc import control_rate
 from node.service import NodeService
 from node.step import Reply, Step
 
-__all__ = ["handle"]
+__all__ = ["CLOSE_ERROR", "Connection", "Served", "handle", "opening"]
 
 log = logging.getLogger("affinity.node")
 
 T = TypeVar("T")
 
-CLOSE_ERROR = 1011
 QUERY_KEYS = frozenset({"episode_id", "model"})
 """The query keys a connection may carry; any other is refused (a typo must not silently
 make the connection's episode anonymous)."""
+REFUSALS = (InvalidInput, InvalidArgument, wire.WireError, Unavailable, Refused)
+"""What a step may fail with: openpi's error, then the connection closes."""
 
 
 def metadata(
@@ -112,162 +124,205 @@ def metadata(
     }
 
 
+class Watch(Protocol):
+    """How a step's work is awaited: watched for the connection's close (the node's own
+    door: :func:`~node.protocols.openpiframe.watching`), or as it is (behind a front
+    door, which watches the connection itself and says when a reply was not delivered)."""
+
+    def __call__(self, work: Awaitable[T]) -> Awaitable[T]: ...
+
+
+async def unwatched(work: Awaitable[T]) -> T:
+    return await work
+
+
+@dataclass
+class Served:
+    """What one frame's steps gave: the reply (a frame of rows: whole; one step: its
+    outputs and facts, without openpi's timings, added by
+    :func:`~node.protocols.openpiframe.finished` once the step's time is known), the
+    replies to undo when it is not delivered, and the access line's device and routing."""
+
+    doc: dict[str, Any]
+    replies: list[Reply]
+    rows: bool
+    served: tuple[str, str] | None = None
+    device_ms: float | None = None
+    split: dict[str, Any] | None = None
+
+
+class Connection:
+    """One connection's state and the semantics of its steps (the module doc): the
+    episode of a step, the tokens and claims it echoes per episode, its own episode, ended
+    with it. The node's own door (:func:`handle`) and the core behind the front doors
+    (``node/fronts.py``, each frame decoded by a front) both serve a frame through it: one
+    implementation of the rules."""
+
+    def __init__(
+        self, service: NodeService, fixed: str | None, model: str, contract: PolicyContract
+    ) -> None:
+        self.service = service
+        self.fixed = fixed
+        self.model = model
+        self.contract = contract
+        self.own = f"ws-{uuid.uuid4().hex}"  # this connection's episode, when nothing names one
+        self.tokens: dict[str, int] = {}  # last token per episode, echoed as the client's
+        self.claims: dict[str, str] = {}  # last claim id per episode, echoed likewise
+        self.episode: str | None = None
+        """The episode of the frame being served (its access line's), once decoded."""
+        self.serving = asyncio.Lock()
+        """Held by a step: the close waits for it. Behind a front, a client that leaves
+        mid-step has its close told to the core while the step still runs there; its own
+        episode must not end under it."""
+
+    async def step(self, observation: dict[Any, Any], now: float, watch: Watch) -> Served:
+        """Serve one observation (decoded, received at ``now``). Raises what
+        :data:`REFUSALS` names (nothing applied), :class:`ClientGone` from ``watch`` (the
+        rows served so far undone; a step cancelled is undone by the router)."""
+        async with self.serving:
+            return await self._step(observation, now, watch)
+
+    async def _step(self, observation: dict[Any, Any], now: float, watch: Watch) -> Served:
+        service = self.service
+        self.episode = None
+        if "episode_ids" in observation:
+            rows = decode_rows(service, observation, self.tokens, now, self.model, self.contract)
+            served: list[Reply | Exception | None] = []  # the rows' replies so far
+            try:
+                await watch(_serve_rows(service, rows, served))
+            except ClientGone:
+                for r in served:
+                    if isinstance(r, Reply):
+                        await service.router.undelivered(r)
+                raise
+            doc = _rows_reply(self.contract, rows, served, self.tokens, self.claims)
+            return Served(doc, [r for r in served if isinstance(r, Reply)], rows=True)
+        step = decode_observation(
+            service, observation, self.fixed, self.own, self.tokens, now, self.model, self.contract
+        )
+        self.episode = step.episode
+        assert step.episode is not None
+        step.client_claim = self.claims.get(step.episode)
+        reply = await watch(service.router.act(step, patient=True))
+        self.tokens[step.episode] = reply.token
+        if reply.claim:
+            self.claims[step.episode] = reply.claim
+        doc = {**outputs_unbatched(self.contract, reply.outputs), **reply.facts()}
+        split = reply.split() if step.timing else None
+        return Served(
+            doc, [reply], False, (reply.device, reply.routing), reply.timing.get("device_ms"), split
+        )
+
+    async def close(self) -> None:
+        """The connection closed: its own episode ends with it (once a step still
+        running has finished)."""
+        async with self.serving:
+            token = self.tokens.pop(self.own, None)
+            if token is not None:
+                await self.service.router.end_here(self.own, token)
+
+
 async def handle(
     service: NodeService, scope: Scope, receive: Receive, send: Send, access: AccessLog
 ) -> None:
     """The ASGI handler of a websocket connection; ``access`` gets one line per step."""
-    opened = await connect(service, scope, receive, send, access)
-    if opened is None:
+    conn = await connect(service, scope, receive, send, access)
+    if conn is None:
         return
-    fixed, name, contract = opened
-    own = f"ws-{uuid.uuid4().hex}"  # this connection's episode, when nothing names one
-    tokens: dict[str, int] = {}  # last token per episode, echoed as the client's
-    claims: dict[str, str] = {}  # last claim id per episode, echoed likewise
     prev_total_ms: float | None = None
     early: list[asyncio.Future[MutableMapping[str, Any]]] = []  # a receive begun mid-step
+
+    def watch(work: Awaitable[T]) -> Awaitable[T]:
+        return watching(receive, work, early)
+
     try:
         while True:
             message = await early.pop() if early else await receive()
             if message["type"] == "websocket.disconnect":
                 return
             started = time.monotonic()
-            step: Step | None = None
-            served: list[Reply | Exception | None] = []  # a frame of rows' replies so far
             try:
-                observation = _observation(message, service.config.max_rows)
-                if "episode_ids" in observation:
-                    rows = decode_rows(service, observation, tokens, started, name, contract)
-                    await watching(receive, _serve_rows(service, rows, served), early)
-                    answer = _rows_reply(contract or service.contract, rows, served, tokens, claims)
-                    log_step(access, scope, started, 200, None)
-                    if not await _send(service, send, answer, served):
-                        return
-                    continue
-                step = decode_observation(
-                    service, observation, fixed, own, tokens, started, name, contract
-                )
-                step.client_claim = claims.get(step.episode or "")
-                reply = await watching(receive, service.router.act(step, patient=True), early)
+                frame = observation(message, service.config.max_rows)
+                served = await conn.step(frame, started, watch)
             except ClientGone:  # closed mid-step: cancelled there, so undone (or held)
-                for r in served:
-                    if isinstance(r, Reply):
-                        await service.router.undelivered(r)
-                log_step(access, scope, started, 499, step)
+                log_line(access, scope, started, 499, conn.episode)
                 return
-            except (InvalidInput, InvalidArgument, wire.WireError, Unavailable, Refused) as exc:
-                refusal = outcome(exc)
-                log_step(access, scope, started, refusal.status, step)
-                await refuse(service, send, refusal)
+            except REFUSALS as exc:
+                o = outcome(exc)
+                log_line(access, scope, started, o.status, conn.episode)
+                await refuse(service, send, o)
                 return
-            assert step.episode is not None
-            tokens[step.episode] = reply.token
-            if reply.claim:
-                claims[step.episode] = reply.claim
-            log_step(access, scope, started, 200, step, (reply.device, reply.routing))
-            total_ms = (time.monotonic() - started) * 1000
-            doc: dict[str, Any] = {
-                **outputs_unbatched(contract, reply.outputs),
-                **reply.facts(),
-                "policy_timing": {"infer_ms": reply.timing.get("device_ms", total_ms)},
-                "server_timing": {"infer_ms": total_ms},
-            }
-            if prev_total_ms is not None:
-                doc["server_timing"]["prev_total_ms"] = prev_total_ms
-            if step.timing:
-                doc["timing"] = reply.split()
+            log_line(access, scope, started, 200, conn.episode, served.served)
+            doc = served.doc
+            if not served.rows:
+                total_ms = (time.monotonic() - started) * 1000
+                doc = finished(doc, served.device_ms, total_ms, prev_total_ms, served.split)
             try:
                 await io_seen()  # a close that came with the frame fails the send: undone
                 await send({"type": "websocket.send", "bytes": wire.encode(doc)})
             except OSError:  # uvicorn's ClientDisconnected: the robot never gets this step
-                await service.router.undelivered(reply)
+                for r in served.replies:
+                    await service.router.undelivered(r)
                 return
-            prev_total_ms = (time.monotonic() - started) * 1000
+            if not served.rows:
+                prev_total_ms = (time.monotonic() - started) * 1000
     finally:
-        if own in tokens:  # the connection's own episode ends with it
-            await service.router.end_here(own, tokens[own])
+        await conn.close()
+
+
+async def opening(
+    service: NodeService, query_string: bytes
+) -> tuple[Connection | None, bytes | None, str | None]:
+    """What a connection's query opens: (its connection, its metadata frame, None); for a
+    bad query (an unknown key or model) (None, the metadata frame, the error its first
+    observation gets); for a malformed ``?episode_id=`` (None, None, None): closed before
+    the handshake (counted ``bad_input``)."""
+    query = parse_qs(query_string.decode("latin-1"), keep_blank_values=True)
+    unknown = sorted(set(query) - QUERY_KEYS)
+    try:
+        fixed = check_episode(query["episode_id"][0]) if "episode_id" in query else None
+    except InvalidArgument:
+        service.metrics.rejected.labels("bad_input").inc()
+        return None, None, None
+    try:
+        name, contract = await service.model_for(query["model"][0] if "model" in query else None)
+        problem = None
+    except (Refused, InvalidArgument) as exc:  # no such model, or none named among several
+        name, contract, problem = None, service.contract, f"bad query: {exc}"
+    frame = wire.encode(metadata(service, fixed, contract, name))
+    if unknown and problem is None:
+        names = ", ".join(repr(key) for key in unknown)
+        problem = f"bad query: unknown key {names}; the keys are episode_id and model"
+    if problem is not None:
+        return None, frame, problem
+    assert name is not None
+    return Connection(service, fixed, name, contract), frame, None
 
 
 async def connect(
     service: NodeService, scope: Scope, receive: Receive, send: Send, access: AccessLog
-) -> tuple[str | None, str, PolicyContract] | None:
-    """Accept a connection and send its metadata: its fixed episode (``?episode_id=``),
-    model and contract; None once it was refused (401, a bad query: closed or answered)."""
+) -> Connection | None:
+    """Accept a connection and send its metadata; its :class:`Connection`, or None once
+    it was refused (401, a bad query: closed or answered)."""
     if (await receive())["type"] != "websocket.connect":
         return None
     if not service.client_allowed(header(scope, b"authorization")):
         service.metrics.rejected.labels("unauthorized").inc()
         await unauthorized(scope, send, access, time.monotonic())
         return None
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
-    unknown = sorted(set(query) - QUERY_KEYS)
-    try:
-        fixed = check_episode(query["episode_id"][0]) if "episode_id" in query else None
-    except InvalidArgument:
-        service.metrics.rejected.labels("bad_input").inc()
+    conn, frame, problem = await opening(service, scope.get("query_string", b""))
+    if frame is None:
         await send({"type": "websocket.close", "code": 1008})
         return None
-    try:
-        name, contract = await service.model_for(query["model"][0] if "model" in query else None)
-        problem = None
-    except (Refused, InvalidArgument) as exc:  # no such model, or none named among several
-        name, contract, problem = None, service.contract, f"bad query: {exc}"
     await send({"type": "websocket.accept"})
-    meta = metadata(service, fixed, contract, name)
-    await send({"type": "websocket.send", "bytes": wire.encode(meta)})
-    if unknown or problem:
+    await send({"type": "websocket.send", "bytes": frame})
+    if conn is None:
         # openpi's client reads the metadata on connect and an error only as a step's reply
         if (await receive())["type"] == "websocket.receive":
             service.metrics.rejected.labels("bad_input").inc()
-            names = ", ".join(repr(key) for key in unknown)
-            await fail(send, problem or f"bad query: unknown key {names}; the keys are "
-                       "episode_id and model")  # fmt: skip
+            await fail(send, problem or "bad query")
         return None
-    assert name is not None
-    return fixed, name, contract
-
-
-async def watching(
-    receive: Receive,
-    work: Awaitable[T],
-    early: list[asyncio.Future[MutableMapping[str, Any]]],
-) -> T:
-    """Await ``work`` (in this task) while watching the websocket: a close seen while it
-    runs cancels it and raises :class:`ClientGone`. Work that ends within
-    :data:`~node.asgi.WATCH_AFTER_S` is not watched (no task per step). A receive begun to
-    watch longer work is left in ``early``, because what it brings is the connection's
-    next message. That is the next observation of a robot that did not wait."""
-
-    def watch(gone: Callable[[], None]) -> None:
-        def seen(future: asyncio.Future[MutableMapping[str, Any]]) -> None:
-            if future.cancelled() or future.exception() is not None:
-                return
-            if future.result()["type"] == "websocket.disconnect":
-                gone()
-
-        future = asyncio.ensure_future(receive())
-        future.add_done_callback(seen)
-        early.append(future)
-
-    return await cancel_when_gone(work, watch)
-
-
-def _observation(message: Mapping[str, Any], max_rows: int) -> dict[Any, Any]:
-    """The observation map of one frame; one of rows past ``max_rows`` is refused
-    (413) before the frame is decoded. Raises ``wire.WireError``, :class:`InvalidInput`,
-    :class:`Refused`."""
-    data = message.get("bytes")
-    if data is None:
-        raise InvalidInput(
-            "", "observations are binary msgpack frames, got text", root="observation"
-        )
-    observation = wire.decode(data)  # arrays are views of the frame: nothing allocated
-    if not isinstance(observation, dict):
-        raise InvalidInput("", "must be a msgpack map", root="observation")
-    ids = observation.get("episode_ids")
-    if isinstance(ids, list | np.ndarray) and len(ids) > max_rows:
-        raise Refused(413, "too_many_rows", f"{len(ids)} rows in one observation; the limit "
-                      f"is {max_rows} (--max-rows)")  # fmt: skip
-    return observation
+    return conn
 
 
 def _row_of(value: object, i: int, count: int) -> object:
@@ -359,21 +414,6 @@ def _rows_reply(
     return doc
 
 
-async def _send(
-    service: NodeService, send: Send, doc: dict[str, Any], served: list[Reply | Exception | None]
-) -> bool:
-    """Send a frame of rows' reply; False (the rows undone) when the link dropped."""
-    try:
-        await io_seen()
-        await send({"type": "websocket.send", "bytes": wire.encode(doc)})
-    except OSError:
-        for r in served:
-            if isinstance(r, Reply):
-                await service.router.undelivered(r)
-        return False
-    return True
-
-
 def decode(
     service: NodeService,
     message: Mapping[str, Any],
@@ -388,8 +428,8 @@ def decode(
     ``?episode_id=``), else the observation's ``episode_id``, else ``own``. Raises
     ``wire.WireError``, :class:`InvalidInput` and ``InvalidArgument``; nothing has changed
     anywhere."""
-    observation = _observation(message, service.config.max_rows)
-    return decode_observation(service, observation, fixed, own, tokens, now, model, contract)
+    frame = observation(message, service.config.max_rows)
+    return decode_observation(service, frame, fixed, own, tokens, now, model, contract)
 
 
 def decode_observation(
@@ -453,37 +493,9 @@ def log_step(
     step: Step | None,
     served: tuple[str, str] | None = None,
 ) -> None:
-    """The access line of one websocket step, as ``WS <path>``.
-
-    It holds the HTTP status the same failure gets on ``/act`` (200, 400, 422, 503...). It
-    holds the episode, device and routing of a served step (the episode alone of a refused
-    one)."""
-    if not access.enabled:
-        return
-    episode = "-" if step is None or step.episode is None else step.episode
-    device, routing = served or ("-", "-")
-    line = {**scope, "method": "WS", STEP_KEY: (episode, device, routing)}
-    access.write(line, status, time.monotonic() - started)
-
-
-async def unauthorized(scope: Scope, send: Send, access: AccessLog, started: float) -> None:
-    """Refuse the handshake before the upgrade: 401 with the project's JSON error body (a
-    server without ASGI's denial-response extension can only close: 403), and its line."""
-    if "websocket.http.response" in scope.get("extensions", {}):
-        body = error_body(
-            "unauthorized", "this node wants Authorization: Api-Key <key> (openpi-client's api_key)"
-        )
-        await send({
-            "type": "websocket.http.response.start",
-            "status": 401,
-            "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Api-Key")],
-        })  # fmt: skip
-        await send({"type": "websocket.http.response.body", "body": body})
-        status = 401
-    else:
-        await send({"type": "websocket.close", "code": 1008})
-        status = 403
-    log_step(access, scope, started, status, None)
+    """The access line of one websocket step (:func:`~node.protocols.openpiframe.log_line`)
+    of ``step`` (its episode; none for a frame refused before it was decoded)."""
+    log_line(access, scope, started, status, None if step is None else step.episode, served)
 
 
 async def refuse(service: NodeService, send: Send, o: Outcome) -> None:
@@ -491,10 +503,4 @@ async def refuse(service: NodeService, send: Send, o: Outcome) -> None:
     observation says so, a refused step names its code."""
     if o.reject_reason is not None:
         service.metrics.rejected.labels(o.reject_reason).inc()
-    await fail(send, f"bad observation: {o.message}" if o.invalid else f"{o.code}: {o.message}")
-
-
-async def fail(send: Send, text: str) -> None:
-    """openpi's error: the message as a text frame, then close 1011."""
-    await send({"type": "websocket.send", "text": text})
-    await send({"type": "websocket.close", "code": CLOSE_ERROR, "reason": "policy error"})
+    await fail(send, refusal(o))
