@@ -23,7 +23,7 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from affinity import wire
 from node.models import DEMO_MODEL
 from tests.models import counter_policy
-from tests.procs import Node, RedisServer, wait_until
+from tests.procs import Node, RedisServer, alive, children, wait_until
 from tests.rollout import reference_rollout
 
 pytestmark = [
@@ -33,21 +33,6 @@ pytestmark = [
 ]
 
 ADMIN = "fronts-admin"
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
 
 
 def fronts(node: Node) -> list[int]:
@@ -72,14 +57,6 @@ def connections(pid: int, port: int) -> int:
             continue
         held += target.startswith("socket:[") and target[8:-1] in inodes
     return held
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")

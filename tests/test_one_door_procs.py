@@ -25,7 +25,7 @@ from tests.models import counter_policy
 from tests.procs import Node, RedisServer, wait_until
 from tests.test_cluster import Cluster, running
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.shapes]
 KEYS = Keys()
 OBS = {"obs": [[0.0] * 8]}
 
