@@ -227,15 +227,17 @@ class Chaos:
         left = wait_until(lambda: not fronts_of(core), 10, f"the fronts of {core} gone")
         assert left, f"fronts outlived their node {core}: {fronts_of(core)}"
 
-    def hit_front(self, name: str, pause: bool) -> None:
-        """Kill one front of ``name`` (it is restarted), or pause it a while."""
+    def hit_front(self, name: str, pause: bool) -> int | None:
+        """Kill one front of ``name`` (it is restarted), or pause it (:meth:`resume`); which
+        (none when it has no front running now)."""
         pids = self.nodes[name].fronts()
         if not pids:
-            return
+            return None
         pid = self.rng.choice(pids)
         self.log.append(f"  front {pid} of {name} {'paused' if pause else 'killed'}")
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGSTOP if pause else signal.SIGKILL)
+        return pid
 
     def resume(self, name: str) -> None:
         for pid in self.nodes[name].fronts():
@@ -270,17 +272,26 @@ class Chaos:
             self.restart(name)
         elif what == "term_fronts":
             # a graceful stop while a front of another node (where episodes move, through
-            # its fronts) is paused, and a front of the stopping node (holding robots' steps)
-            # is killed: mid-transfer and mid-step
+            # its fronts) is paused, before the stop (its transfers wait in that front) or
+            # during it (it may be relaying one), then resumed or killed; and a front of the
+            # stopping node (holding robots' steps) is killed: mid-transfer and mid-step
             other = self.rng.choice([n for n in self.nodes if n != name])
             self.stopped.add(name)
             core = node.pid()
-            self.hit_front(other, pause=True)
+            early = self.rng.random() < 0.5
+            paused = self.hit_front(other, pause=True) if early else None
             assert node.proc.popen is not None
             os.kill(core, signal.SIGTERM)
+            if not early:
+                time.sleep(self.rng.uniform(0, 0.3))
+                paused = self.hit_front(other, pause=True)
             time.sleep(self.rng.uniform(0, 0.5))
             self.hit_front(name, pause=False)
             time.sleep(self.rng.uniform(0, 1))
+            if paused is not None and self.rng.random() < 0.5:
+                self.log.append(f"  paused front {paused} of {other} killed")
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(paused, signal.SIGKILL)
             self.resume(other)
             try:
                 node.proc.popen.wait(30)
