@@ -296,7 +296,7 @@ class Node:
         ``--front-doors 1``)."""
         if self.proc.popen is None or self.proc.popen.poll() is not None:
             return []
-        return children(self.proc.popen.pid)
+        return [pid for pid in children(self.proc.popen.pid) if alive(pid)]
 
     def wait_fronts(self, timeout: float = 30) -> list[int]:
         """The node's fronts, once all ``front_doors`` of them run (none with one process)."""
