@@ -610,13 +610,27 @@ class CoreHop:
         if self.alive:
             os.eventfd_write(self.answer, bits)
 
+    async def _undo(self, kept: list[Any]) -> None:
+        for keep in kept:
+            await self.on_undelivered(keep)
+
     def drop(self) -> None:
-        """The front is gone: stop reading; answers of steps still running are dropped."""
+        """The front is gone: stop reading. Its clients' connections went with it, so a
+        reply it never read back (its slot still answered) reached nobody, and neither will
+        the replies of steps still running: each is undone as for a client that left (a
+        step that named its ``seq`` is held for the retry instead). A reply it read back may
+        have been sent: it stands, as one a node handed to the kernel."""
         if not self.alive:
             return
         self.alive = False
-        asyncio.get_running_loop().remove_reader(self.ask)
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self.ask)
+        unread = [keep for slot, keep in self.kept.items() if self.region.state(slot) == ANSWERED]
         self.kept.clear()
+        if unread:
+            task = loop.create_task(self._undo(unread))
+            self.running.add(task)
+            task.add_done_callback(self.running.discard)
         for fd in (self.ask, self.answer):
             os.close(fd)
         self.region.close()

@@ -46,6 +46,51 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError("no free port this process has not handed out already")
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` now (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def fronts_of(core: int) -> list[int]:
+    """The live front processes started by the node process ``core``, wherever they are now
+    (a front outliving its core is reparented: it names its core in its arguments,
+    ``python -m node.front INDEX ... PARENT_PID ...``)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            at = argv.index(b"node.front") if b"node.front" in argv else -1
+            ours = (
+                at > 0 and argv[at - 1] == b"-m" and argv[at + 6 : at + 7] == [str(core).encode()]
+            )
+            if ours and alive(int(entry)):
+                found.append(int(entry))
+    return found
+
+
 def wait_until(check, timeout: float, what: str, interval: float = 0.05):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     last: object = None
@@ -169,6 +214,14 @@ class RedisServer:
 FLEET_SECRET = "tests-cluster-secret"
 """The cluster secret of :class:`Node` processes that name none."""
 
+SHAPES = {"one": 1, "fronts2": 2}
+"""The shapes of a node the process tests run in (issue 43): the id a test shows, and the
+node's ``--front-doors``: one process, or a core and two front processes."""
+FRONT_DOORS = 1
+"""The ``--front-doors`` of every :class:`Node` made from now on whose ``extra`` names none.
+``tests/conftest.py``'s ``front_doors`` fixture sets it for the modules marked ``shapes``:
+each of their tests runs once per entry of :data:`SHAPES`."""
+
 
 class Node:
     """One ``affinity-node`` process."""
@@ -187,6 +240,13 @@ class Node:
     ) -> None:
         self.node_id = node_id
         self.host = host
+        extra = list(extra or [])
+        if "--front-doors" in extra:
+            self.front_doors = int(extra[extra.index("--front-doors") + 1])
+        else:
+            self.front_doors = FRONT_DOORS
+            if FRONT_DOORS != 1:
+                extra += ["--front-doors", str(FRONT_DOORS)]
         self.port = 8000 if netns else free_port(host)
         self.url = f"http://{host}:{self.port}"
         # a node on Redis refuses to start without a cluster secret (docs/security.md):
@@ -215,7 +275,7 @@ class Node:
                 self.url,
                 "--devices",
                 devices,
-                *(extra or []),
+                *extra,
             ],
             full_env,
             tmp / f"node-{node_id}.log",
@@ -224,10 +284,36 @@ class Node:
     def start(self, timeout: float = 30) -> Node:
         self.proc.start()
         try:
-            wait_until(self.ready, timeout, f"node {self.node_id} ready")
+            # a node with fronts starts N more interpreters before it is ready
+            wait_until(self.ready, timeout * (2 if self.front_doors > 1 else 1),
+                       f"node {self.node_id} ready")  # fmt: skip
         except AssertionError:
             raise AssertionError(f"node {self.node_id} did not start:\n{self.proc.log()}") from None
         return self
+
+    def fronts(self) -> list[int]:
+        """The pids of the node's front processes now (its process' children; none with
+        ``--front-doors 1``)."""
+        if self.proc.popen is None or self.proc.popen.poll() is not None:
+            return []
+        return [pid for pid in children(self.proc.popen.pid) if alive(pid)]
+
+    def wait_fronts(self, timeout: float = 30) -> list[int]:
+        """The node's fronts, once all ``front_doors`` of them run (none with one process)."""
+        want = self.front_doors if self.front_doors > 1 else 0
+        found: list[int] = []
+
+        def all_up() -> bool:
+            found[:] = self.fronts()
+            return len(found) == want
+
+        wait_until(all_up, timeout, f"{want} fronts of node {self.node_id}")
+        return found
+
+    def pid(self) -> int:
+        """The node's process (the core, with fronts) of its latest start."""
+        assert self.proc.popen is not None
+        return self.proc.popen.pid
 
     def ready(self) -> bool:
         assert self.proc.popen is not None

@@ -6,7 +6,10 @@ releases, ends, moves of one episode and drains of a node with ``--move``. Each 
 Redis through a relay of its own (``tests/procs.py``'s ``Forwarder``), so a drain with
 ``--move`` may run while its node's link is slow (25 to 100 ms each way), and Redis may be
 restarted empty, or from a snapshot taken just before moves, while the moves run
-(issue 41).
+(issue 41). In the shape with fronts (``[fronts2]``, issue 43) a node's front processes are
+killed (``kill -9``) and paused (SIGSTOP, then SIGCONT) too, alone and while their node or
+the node its episodes move to stops gracefully (mid-step, mid-transfer); a kill takes the
+node's process alone, and its fronts must go with it: no orphan, after every stop.
 
 The probe policy counts exactly the steps its episode has seen (``counter_policy``), so
 each reply is checked against the last one of its episode:
@@ -32,6 +35,7 @@ import contextlib
 import os
 import random
 import signal
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -45,9 +49,9 @@ import pytest
 from affinity import Claims, Registry, Settings, StaleToken, UnknownEpisode
 from affinity.registry import MoveRequest
 from tests.models import counter_policy
-from tests.procs import Forwarder, Node, RedisServer, wait_until
+from tests.procs import Forwarder, Node, RedisServer, fronts_of, wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.shapes]
 
 SECONDS = float(os.environ.get("AFFINITY_CHAOS_SECONDS", "45"))
 EPISODES = 6
@@ -200,6 +204,7 @@ class Chaos:
         }  # fmt: skip
         self.stopped: set[str] = set()  # nodes this test stopped (killed, or gracefully)
         self.log: list[str] = []
+        self.fronts = next(iter(self.nodes.values())).front_doors > 1  # the [fronts2] shape
 
     def urls(self) -> list[str]:
         return [n.url for n in self.nodes.values()]
@@ -217,23 +222,91 @@ class Chaos:
         wait_until(node.ready, 60, f"{name} ready again")
         self.stopped.discard(name)
 
+    def no_orphan(self, core: int) -> None:
+        """The fronts of a node process that ended end with it (``PR_SET_PDEATHSIG``)."""
+        left = wait_until(lambda: not fronts_of(core), 10, f"the fronts of {core} gone")
+        assert left, f"fronts outlived their node {core}: {fronts_of(core)}"
+
+    def hit_front(self, name: str, pause: bool) -> int | None:
+        """Kill one front of ``name`` (it is restarted), or pause it (:meth:`resume`); which
+        (none when it has no front running now)."""
+        pids = self.nodes[name].fronts()
+        if not pids:
+            return None
+        pid = self.rng.choice(pids)
+        self.log.append(f"  front {pid} of {name} {'paused' if pause else 'killed'}")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP if pause else signal.SIGKILL)
+        return pid
+
+    def resume(self, name: str) -> None:
+        for pid in self.nodes[name].fronts():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
     def act(self, episodes: list[Episode]) -> None:
         name = self.rng.choice(list(self.nodes))
         node = self.nodes[name]
         what = self.rng.choice(
             ["kill", "term", "pause_under", "pause_past", "redis", "release", "end", "end",
              "move", "drain_move", "slow_drain_move", "redis_snapshot"]
+            + ["front_kill", "front_pause", "term_fronts"] * self.fronts
         )  # fmt: skip
         self.log.append(f"{time.monotonic():.1f} {what} {name}")
         if what == "kill":
             self.stopped.add(name)
+            core = node.pid()
+            if self.fronts:  # the node's process alone: its fronts must die with it
+                node.proc.popen.kill()  # type: ignore[union-attr]
+                node.proc.popen.wait(10)  # type: ignore[union-attr]
+                self.no_orphan(core)
             node.stop(signal.SIGKILL)
             time.sleep(self.rng.uniform(0, 2))
             self.restart(name)
         elif what == "term":
             self.stopped.add(name)
+            core = node.pid()
             node.stop(signal.SIGTERM)
+            if self.fronts:
+                self.no_orphan(core)
             self.restart(name)
+        elif what == "term_fronts":
+            # a graceful stop while a front of another node (where episodes move, through
+            # its fronts) is paused, before the stop (its transfers wait in that front) or
+            # during it (it may be relaying one), then resumed or killed; and a front of the
+            # stopping node (holding robots' steps) is killed: mid-transfer and mid-step
+            other = self.rng.choice([n for n in self.nodes if n != name])
+            self.stopped.add(name)
+            core = node.pid()
+            early = self.rng.random() < 0.5
+            paused = self.hit_front(other, pause=True) if early else None
+            assert node.proc.popen is not None
+            os.kill(core, signal.SIGTERM)
+            if not early:
+                time.sleep(self.rng.uniform(0, 0.3))
+                paused = self.hit_front(other, pause=True)
+            time.sleep(self.rng.uniform(0, 0.5))
+            self.hit_front(name, pause=False)
+            time.sleep(self.rng.uniform(0, 1))
+            if paused is not None and self.rng.random() < 0.5:
+                self.log.append(f"  paused front {paused} of {other} killed")
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(paused, signal.SIGKILL)
+            self.resume(other)
+            try:
+                node.proc.popen.wait(30)
+            except subprocess.TimeoutExpired:  # as node.stop does: a stop is then a kill
+                self.log.append(f"  {name} still stopping after 30 s: killed")
+            node.stop(signal.SIGKILL)
+            self.no_orphan(core)
+            self.restart(name)
+        elif what in ("front_kill", "front_pause"):
+            self.hit_front(name, pause=what == "front_pause")
+            if what == "front_pause":
+                try:
+                    time.sleep(self.rng.uniform(0.2, 2))
+                finally:
+                    self.resume(name)
         elif what in ("pause_under", "pause_past"):
             lease = LEASES[name]
             pause = lease * (self.rng.uniform(0.2, 0.6) if what == "pause_under" else 1.5)

@@ -26,7 +26,7 @@ from tests.procs import Node, RedisServer
 from tests.rollout import reference_rollout
 from tests.test_cluster import Cluster, running
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.shapes]
 
 
 def observations(seed: int, n: int) -> list[np.ndarray]:

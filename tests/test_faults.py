@@ -22,7 +22,7 @@ from tests.procs import Node, RedisServer, wait_until
 from tests.rollout import reference_rollout
 from tests.test_cluster import running
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.shapes]
 
 KEYS = Keys()
 SECRET = {"AFFINITY_CLUSTER_SECRET": "s"}

@@ -27,7 +27,7 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from affinity import wire
 from node.models import DEMO_MODEL
 from tests.models import counter_policy
-from tests.procs import ROOT, Node, RedisServer, wait_until
+from tests.procs import ROOT, Node, RedisServer, alive, children, wait_until
 from tests.rollout import reference_rollout
 
 pytestmark = [
@@ -37,21 +37,6 @@ pytestmark = [
 ]
 
 ADMIN = "fronts-admin"
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
 
 
 def fronts(node: Node) -> list[int]:
@@ -76,14 +61,6 @@ def connections(pid: int, port: int) -> int:
             continue
         held += target.startswith("socket:[") and target[8:-1] in inodes
     return held
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -376,7 +353,8 @@ def test_a_step_whose_front_died_mid_step_is_kept_for_the_clients_retry(tmp_path
     """The front holding the client's connection is killed while the node's process runs
     the step (a slow model): the step was applied, its answer had nowhere to go; the
     client's retry with the same seq, through the other front, gets the kept reply, and
-    the episode has counted that step once."""
+    the episode has counted that step once. A step without seq whose front died so is
+    undone, as for a client that left: its reply reached nobody."""
     node = embedded(tmp_path, "m", model=counter_policy(tmp_path, repeats=400, width=512))
     node.start(timeout=60)
     try:
@@ -417,6 +395,44 @@ def test_a_step_whose_front_died_mid_step_is_kept_for_the_clients_retry(tmp_path
             assert retry.json()["replayed"] and count(retry.json()) == 2
             third = step(3, client)
             assert third.status_code == 200 and count(third.json()) == 3
+
+        # without seq: the step whose front died is undone (its reply reached nobody)
+        def plain(client: httpx.Client) -> httpx.Response:
+            body = {"episode_id": "slow-plain", "inputs": {"obs": [[0.0] * 8]}}
+            for _ in range(100):
+                r = client.post(node.url + "/act", json=body, timeout=60)
+                if r.status_code != 503:
+                    return r
+                time.sleep(0.1)
+            raise AssertionError(f"still busy: {r.text}")
+
+        with httpx.Client() as client:
+            assert count(plain(client).json()) == 1
+        lost.clear()
+        with httpx.Client() as client:
+
+            def second_plain() -> None:
+                try:
+                    plain(client)
+                except httpx.TransportError as exc:
+                    lost.append(exc)
+
+            sender = threading.Thread(target=second_plain)
+            sender.start()
+            time.sleep(0.3)  # the step is on the hop, its model running (1-5 s)
+            assert sender.is_alive(), "the step was answered before its front could be killed"
+            holder = max(fronts(node), key=lambda pid: connections(pid, node.port))
+            assert connections(holder, node.port) == 1
+            os.kill(holder, signal.SIGKILL)
+            sender.join(60)
+        assert lost, "the client should have lost its connection with its front"
+        with httpx.Client() as client:
+            after, later = plain(client).json(), plain(client).json()
+        # the lost step undone before the next ran: it continues from step 1; or undone
+        # after it ran on top (guarantees.md: only state_reset can say so): the next says it
+        undone = (count(after), after["state_reset"]) == (2, False) and count(later) == 3
+        said = (count(after), after["state_reset"]) == (3, False) and later["state_reset"]
+        assert undone or said, (after, later)
     finally:
         node.stop()
 

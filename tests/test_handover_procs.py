@@ -2,15 +2,24 @@
 under the unmodified clients of every front door (affinity.Client on /act, tritonclient,
 openpi-client), a graceful stop that moves a recurrent state of several MB, and a new
 owner paused in the middle of a graceful stop (the move fails: one owner, the reset said).
+With fronts (issue 43) the fronts of both nodes are killed and paused in the middle of a
+graceful stop's steps and transfers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -20,13 +29,15 @@ import tritonclient.http as th
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from affinity import Client, Keys
+from node.hop import ANSWERED, FREE, Region
 from node.models import DEMO_MODEL
-from tests.models import big_state_policy
-from tests.procs import ROOT, Node, RedisServer, free_port, wait_until
+from tests.models import big_state_policy, counter_policy
+from tests.procs import ROOT, Node, RedisServer, free_port, fronts_of, wait_until
 from tests.rollout import reference_rollout
 from tests.test_cluster import running
 
 pytestmark = [
+    pytest.mark.shapes,
     pytest.mark.integration,  # openpi-client connects as websockets deprecated, unmodified
     pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager"),
 ]
@@ -230,3 +241,219 @@ def test_affinity_move_to_a_named_device_carries_the_episode_with_its_state(
         assert [(m["from"], m["to"], m["reason"]) for m in moved] == [("a/0", "c/0", "move")]
         for node in (b, c):
             node.stop()
+
+
+@dataclass
+class Robot:
+    """A robot that numbers its steps (``seq``) and retries a failed one as it was, through
+    any of the nodes it knows; each 200 judged against the counter policy: ``count`` is the
+    steps its state has seen, so a reply must be ``seq - base`` (``base``: the seq before
+    the last reset said; a reset is a new claim, whose steps are numbered afresh). A count
+    that repeats or goes back is a silent reset or state kept nowhere, one that skips a step
+    applied twice."""
+
+    episode: str
+    seq: int = 0
+    base: int = 0
+    tokens: list[int] = field(default_factory=list)
+    replies: int = 0
+    replayed: int = 0
+    resets: int = 0
+    retries: int = 0
+    answers: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """The first 200 to each seq asked."""
+    violations: list[str] = field(default_factory=list)
+
+    def step(self, client: httpx.Client, url: str) -> bool:
+        """One attempt at the next step; whether it was answered 200."""
+        body = {"episode_id": self.episode, "inputs": {"obs": [[0.0] * 8]}, "seq": self.seq + 1}
+        try:
+            r = client.post(url + "/act", json=body)
+        except httpx.HTTPError:
+            self.retries += 1  # no reply: the retry carries the same seq
+            return False
+        if r.status_code != 200:
+            if r.status_code not in (409, 503):  # moved, busy, owner unreachable: retried
+                self.violations.append(f"{self.episode} seq {self.seq + 1}: {r.status_code} "
+                                       f"{r.text[:200]}")  # fmt: skip
+            return False
+        got = r.json()
+        self.answers.setdefault(self.seq + 1, got)
+        count = int(np.asarray(got["outputs"]["count"]).reshape(-1)[0])
+        where = f"{self.episode} seq {got['seq']} via {got['node']} token {got['token']}"
+        if got["state_reset"]:  # a new claim, its steps numbered afresh (docs/protocols.md)
+            self.resets += 1
+            self.base = got["seq"] - 1
+            if count != 1:
+                self.violations.append(f"a reset said with count {count}: {where}")
+        elif got["seq"] != self.seq + 1:
+            self.violations.append(f"asked seq {self.seq + 1}, answered: {where}")
+        elif count != got["seq"] - self.base:
+            self.violations.append(f"count {count}, {got['seq'] - self.base} due: {where}")
+        token = int(got["token"])
+        if token in self.tokens[:-1]:
+            self.violations.append(f"a superseded claim served again: {where}")
+        if not self.tokens or self.tokens[-1] != token:
+            self.tokens.append(token)
+        self.seq = int(got["seq"])
+        self.replies += 1
+        self.replayed += bool(got["replayed"])
+        return True
+
+
+def established(pid: int, port: int) -> int:
+    """How many established TCP connections process ``pid`` holds to a server on ``port``."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if int(fields[2].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                    inodes.add(fields[9])
+    held = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            held += os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] in inodes
+    return held
+
+
+def on_the_hop(front: int) -> list[int]:
+    """The slots of front process ``front``'s hop to the core that are in use now (asked,
+    taken or answered, not yet read back): its region (``node/hop.py``), through /proc."""
+    with region_of(front) as region:
+        return [k for k in range(region.slots) if region.state(k) != FREE]
+
+
+@contextlib.contextmanager
+def region_of(front: int) -> Iterator[Region]:
+    with open(f"/proc/{front}/cmdline", "rb") as f:
+        argv = f.read().split(b"\0")
+    region_fd = int(argv[argv.index(b"node.front") + 3])
+    region = Region.open(os.open(f"/proc/{front}/fd/{region_fd}", os.O_RDWR))
+    try:
+        yield region
+    finally:
+        region.close()
+
+
+def answered(front: int, slots: list[int]) -> list[tuple[str, int]] | None:
+    """(episode, seq) of each step the core answered in ``slots`` of a paused front; None
+    while one of them is not answered yet."""
+    with region_of(front) as region:
+        if any(region.state(k) != ANSWERED for k in slots):
+            return None
+        steps = []
+        for k in slots:
+            _, meta, _ = region.read(k, copy=True)
+            if "facts" in meta:  # a step served (not a refusal)
+                steps.append((meta["facts"]["episode_id"], int(meta["facts"]["seq"])))
+        return steps
+
+
+def pause_mid_step(fronts: list[int], tries: int = 500) -> tuple[int, list[tuple[str, int]]]:
+    """Pause (SIGSTOP) one of ``fronts`` while it has steps on its hop that the core then
+    serves, their replies never read back; return it and (episode, seq) of those steps.
+    Each try pauses one, looks, and lets it go on if it has none."""
+    for i in range(tries):
+        front = fronts[i % len(fronts)]
+        os.kill(front, signal.SIGSTOP)
+        slots = on_the_hop(front)
+        for _ in range(200 if slots else 0):  # the core answers them (the front is paused)
+            steps = answered(front, slots)
+            if steps is not None:
+                if steps:
+                    return front, steps
+                break
+            time.sleep(0.05)
+        os.kill(front, signal.SIGCONT)
+        time.sleep(0.005)
+    raise AssertionError(f"no front of {fronts} had a step on its hop in {tries} tries")
+
+
+@pytest.mark.shapes("fronts2")
+def test_fronts_killed_and_paused_mid_step_and_mid_transfer_leave_one_owner_and_each_step_once(
+    tmp_path: Path,
+) -> None:
+    """Four robots step episodes that a owns, through a and b, with ``seq``. A front of a is
+    paused (SIGSTOP) with a robot's step on its hop, a's other front and b's too; a is
+    stopped gracefully (SIGTERM)
+    and hands its episodes over to b while b's fronts hold its transfers (mid-transfer);
+    then one front of each node is killed (``kill -9``) and the others resumed (SIGCONT).
+    a exits 0 and leaves no process; afterwards b alone owns every episode (Redis and b's
+    own view agree), every reply continues its episode's count or says ``state_reset``, no
+    step is applied twice, a retried step gets its kept reply; b killed with ``kill -9``
+    leaves no process either."""
+    redis = RedisServer(tmp_path)
+    model = ["--model", str(counter_policy(tmp_path, repeats=8, width=128))]  # a few ms a step
+    a = Node(tmp_path, "a", redis.url, devices="cpu:1", extra=[*model, "--drain-timeout", "30"])
+    b = Node(tmp_path, "b", redis.url, devices="cpu:1", extra=model)
+    robots = [Robot(f"fronts-{k}") for k in range(4)]
+    done = threading.Event()
+
+    def run(robot: Robot, seed: int) -> None:
+        rng = random.Random(seed)
+        with httpx.Client(timeout=5) as client:  # keep-alive: one front holds it
+            for _ in range(2000):
+                if done.is_set():
+                    return
+                if not robot.step(client, rng.choice([a.url, b.url])):
+                    time.sleep(0.05)
+
+    with running(redis, [a]), contextlib.ExitStack() as stack:
+        stack.callback(b.stop)
+        with httpx.Client(timeout=10) as client:
+            for robot in robots:  # claimed while a is the only node
+                assert robot.step(client, a.url) and robot.step(client, a.url), robot.violations
+        b.proc.start()
+        wait_until(b.ready, 60, "b ready")
+        a_fronts, b_fronts = a.wait_fronts(), b.wait_fronts()
+        core = a.pid()
+        threads = [threading.Thread(target=run, args=(r, k), daemon=True)
+                   for k, r in enumerate(robots)]  # fmt: skip
+        for t in threads:
+            t.start()
+        try:
+            wait_until(lambda: all(r.replies >= 5 for r in robots), 60, "robots stepping")
+            mid_step, lost = pause_mid_step(a_fronts)  # steps on its hop, served by the core...
+            rest = [pid for pid in a_fronts if pid != mid_step]
+            for pid in rest + b_fronts:
+                os.kill(pid, signal.SIGSTOP)
+            os.kill(core, signal.SIGTERM)  # ...and hands its episodes over to b...
+            wait_until(lambda: established(core, b.port), 30, "a's transfer to b")
+            os.kill(mid_step, signal.SIGKILL)  # ...while b's fronts hold the transfer
+            os.kill(b_fronts[0], signal.SIGKILL)
+            for pid in rest + b_fronts[1:]:
+                os.kill(pid, signal.SIGCONT)
+            assert a.proc.popen is not None and a.proc.popen.wait(60) == 0, a.proc.log()
+            wait_until(lambda: not fronts_of(core), 10, "a's fronts gone with a")
+            after = [r.replies for r in robots]
+            wait_until(lambda: all(r.replies >= n + 5 for r, n in zip(robots, after, strict=True)),
+                       60, "robots stepping on b")  # fmt: skip
+        finally:
+            done.set()
+            for t in threads:
+                t.join(30)
+        summary = (f"{sum(r.replies for r in robots)} replies, {sum(r.retries for r in robots)} "
+                   f"retries, {sum(r.replayed for r in robots)} kept replies, "
+                   f"{sum(r.resets for r in robots)} resets said")  # fmt: skip
+        print(summary)
+        violations = [v for r in robots for v in r.violations]
+        assert not violations, f"{summary}\n" + "\n".join(violations) + "\n" + a.proc.log()
+        # the steps on the killed front's hop were applied, their replies lost with the
+        # front: each robot's retry (same seq) got the kept reply, or the reset was said (the
+        # episode moved without its state)
+        by_name = {r.episode: r for r in robots}
+        for episode, seq in lost:
+            got = by_name[episode].answers[seq]
+            assert got["replayed"] or got["state_reset"], (episode, seq, got)
+        keys = redis.client()
+        for robot in robots:  # one owner: Redis names b, with the claim that served last
+            value = str(keys.get(KEYS.episode(robot.episode))).split(" ")
+            assert (value[0], int(value[1])) == ("b/0", robot.tokens[-1]), (robot, value)
+        devices = httpx.get(b.url + "/devices", timeout=10).json()
+        held = sum(d["local"]["live_episodes"] for d in devices["devices"] if "local" in d)
+        assert held == len(robots), devices  # b's own view: it holds every one
+        b_core = b.pid()
+        os.kill(b_core, signal.SIGKILL)  # the core alone: its fronts go with it
+        wait_until(lambda: not fronts_of(b_core), 10, "b's fronts gone with b")
+        b.stop()

@@ -1,7 +1,8 @@
 """node/hop.py alone: the front's and the core's ends of the shared-memory hop, in one
 process (each end with its own mapping of the region, as two processes have): a round trip
-of tensors, the slots full, a malformed slot refused, the front gone mid-step, a reply the
-client did not take, doorbells that name several slots or none asked."""
+of tensors, the slots full, a malformed slot refused, the front gone mid-step or before it
+read its answer, a reply the client did not take, doorbells that name several slots or none
+asked."""
 
 from __future__ import annotations
 
@@ -164,9 +165,13 @@ async def test_a_front_gone_mid_step_leaves_the_core_serving() -> None:
             await asyncio.sleep(0.001)
         core_end.drop()  # what the supervisor does when the front's process exits
         core.gate.set()  # type: ignore[union-attr]
-        while core.finished < 1:
+        for _ in range(1000):
+            if core.undelivered:
+                break
             await asyncio.sleep(0.001)
-        await asyncio.sleep(0.01)  # its answer is dropped: nothing raised, nothing written
+        # its answer is dropped: nothing raised, nothing written; the step is undone (its
+        # client's connection went with the front), as for a client that left
+        assert core.finished == 1 and core.undelivered == [1]
         assert not task.done()
         assert core.undelivered == [1]  # undone as a departed client's step (held with seq)
         task.cancel()
@@ -175,6 +180,33 @@ async def test_a_front_gone_mid_step_leaves_the_core_serving() -> None:
     async with hop(core) as (front, _):
         meta, _ = await front.call(ACT, {"n": 5}, [np.ones(2)], echo)
         assert meta["facts"]["n"] == 5
+
+
+async def test_a_front_gone_before_it_read_its_answer_has_that_step_undone() -> None:
+    """A reply the front never read back (its slot still answered) was never sent: the
+    front's death undoes its step. One it read back may have reached its client: it stands."""
+    core = Core()
+    async with hop(core) as (front, core_end):
+        await front.call(ACT, {"n": 3}, [np.ones(2)], echo)  # read back
+        assert list(core_end.kept.values()) == [3]
+        core_end.drop()
+        await asyncio.sleep(0.01)
+        assert core.undelivered == []
+    async with hop(core) as (front, core_end):
+        asyncio.get_running_loop().remove_reader(front.answer)  # the front stops reading...
+        task = asyncio.create_task(front.call(ACT, {"n": 4}, [np.ones(2)], echo))
+        for _ in range(1000):
+            if core_end.kept:  # ...and the core answered its step
+                break
+            await asyncio.sleep(0.001)
+        assert list(core_end.kept.values()) == [4]
+        core_end.drop()  # then it dies
+        for _ in range(1000):
+            if core.undelivered:
+                break
+            await asyncio.sleep(0.001)
+        assert core.undelivered == [4]
+        task.cancel()
 
 
 async def test_a_reply_the_client_did_not_take_is_undone() -> None:

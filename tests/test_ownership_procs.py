@@ -20,7 +20,7 @@ from tests.procs import Node, RedisServer
 from tests.rollout import reference_rollout
 from tests.test_cluster import running
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.shapes]
 
 
 def test_steps_at_owners_and_through_routers_go_on_while_redis_is_paused(

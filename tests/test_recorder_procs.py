@@ -21,7 +21,7 @@ from node.models import DEMO_MODEL
 from tests.procs import Node, RedisServer, wait_until
 from tests.test_cluster import running
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.shapes]
 pytest.importorskip("pyarrow", reason="the record extra (pyarrow) is not installed")
 
 

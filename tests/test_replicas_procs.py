@@ -32,7 +32,7 @@ from tests.procs import Forwarder, Node, RedisServer, wait_until
 from tests.rollout import reference_rollout
 from tests.test_replicas import SYNC, calls, replica_of
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.shapes]
 
 KEYS = Keys()
 LEASE = 15.0  # far longer than the failover takes, even on a busy machine

@@ -20,6 +20,7 @@ from tests.test_cluster import Cluster, running
 from tests.test_walkthrough import Robot, camera, demo, run_loop, snippet
 
 pytestmark = [
+    pytest.mark.shapes,
     pytest.mark.integration,
     # openpi-client 0.1.2 calls websockets' connect() outside a with block
     pytest.mark.filterwarnings("ignore:connect\\(\\) must be used as a context manager"),
@@ -30,7 +31,7 @@ CRASH = 3  # the owner is killed before the robot's step 3 (counting from 0)
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def fleet(tmp_path_factory: pytest.TempPathFactory, front_doors: int) -> Iterator[Cluster]:
     """Three nodes serving both demo policies with the default lease and act deadline."""
     tmp = tmp_path_factory.mktemp("robots")
     redis = RedisServer(tmp)

@@ -18,7 +18,7 @@ import pytest
 from tests.procs import Node, RedisServer
 from tests.test_cluster import running
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.shapes]
 OBS = [[0.0] * 8]
 
 

@@ -26,6 +26,7 @@ from tests.procs import Node, RedisServer, free_port, wait_until
 from tests.test_cluster import Cluster, running
 
 pytestmark = [
+    pytest.mark.shapes,
     pytest.mark.integration,
     # openpi-client 0.1.2 calls websockets' connect() the pre-17.1 way; its warning is the
     # client's, not ours
@@ -40,7 +41,9 @@ SLOW = 1.0  # a period of 1 s: no step here misses it
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, list[int]]]:
+def fleet(
+    tmp_path_factory: pytest.TempPathFactory, front_doors: int
+) -> Iterator[tuple[Cluster, list[int]]]:
     tmp: Path = tmp_path_factory.mktemp("signals")
     redis = RedisServer(tmp)
     grpc_ports = [free_port() for _ in range(2)]
