@@ -496,3 +496,25 @@ def test_kill_9_of_the_core_leaves_no_front_and_frees_both_ports(tmp_path: Path)
             client.close()
     finally:
         again.stop()
+
+
+def test_sigterm_stops_the_fronts_grpc_servers_and_exits_0(tmp_path: Path) -> None:
+    """A graceful stop with gRPC in the fronts (after a stream through one): the fronts'
+    gRPC servers stop with them, the node exits 0 once it left, and no front stays."""
+    grpc_port = free_port()
+    node = embedded(tmp_path, "gt")
+    node.proc.argv += ["--grpc-port", str(grpc_port)]
+    node.start(timeout=60)
+    grpc_up(node, grpc_port)
+    pids = fronts(node)
+    obs = observations(700, 3)
+    answers = stream(f"127.0.0.1:{grpc_port}", [
+        {"inputs": [grpc_input(o)], "sequence_id": 71, "sequence_start": i == 0}
+        for i, o in enumerate(obs)
+    ])  # fmt: skip
+    assert all(e is None for _, e in answers), answers
+    assert node.proc.popen is not None
+    node.proc.popen.send_signal(signal.SIGTERM)
+    assert node.proc.popen.wait(30) == 0, node.proc.log()
+    assert "left: moved" in node.proc.log()
+    wait_until(lambda: not any(alive(p) for p in pids), 10, "the fronts gone")
