@@ -453,6 +453,9 @@ def test_a_front_killed_mid_step_costs_its_call_only(tmp_path: Path) -> None:
 
 
 def test_the_grpc_port_in_use_exits_6(tmp_path: Path) -> None:
+    """A gRPC port another process listens on, and one a node with fronts serves (its
+    fronts listen with ``SO_REUSEPORT``, its core holds it): the next node exits 6 with its
+    one line, and the first still answers."""
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen(1)
@@ -465,6 +468,25 @@ def test_the_grpc_port_in_use_exits_6(tmp_path: Path) -> None:
         assert "(--grpc-port)" in node.proc.log()
     finally:
         holder.close()
+    grpc_port = free_port()
+    first = embedded(tmp_path, "gv")
+    first.proc.argv += ["--grpc-port", str(grpc_port)]
+    first.start(timeout=60)
+    try:
+        grpc_up(first, grpc_port)
+        second = embedded(tmp_path, "gw")
+        second.proc.argv += ["--grpc-port", str(grpc_port)]
+        second.proc.start()
+        assert second.proc.popen is not None
+        assert second.proc.popen.wait(60) == 6, second.proc.log()
+        assert f"cannot listen on 127.0.0.1:{grpc_port} (--grpc-port)" in second.proc.log()
+        client = tg.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        try:
+            assert client.is_server_live()
+        finally:
+            client.close()
+    finally:
+        first.stop()
 
 
 def test_kill_9_of_the_core_leaves_no_front_and_frees_both_ports(tmp_path: Path) -> None:
