@@ -237,10 +237,10 @@ async def _serve_on(
         started = await _start(config, grpc_sock, held, bool(fronts))
     finally:
         if grpc_sock is not None and not fronts:
-            grpc_sock.close()
-    if isinstance(started, int) and grpc_sock is not None:
-        grpc_sock.close()
+            grpc_sock.close()  # gRPC's own listener has the port now (or nothing does)
     if isinstance(started, int):
+        if grpc_sock is not None:
+            grpc_sock.close()
         return started
     service, grpc_server, grpc_core = started
     if held is not None:
