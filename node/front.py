@@ -1,9 +1,12 @@
 """A front door process (``--front-doors N`` > 1; the core's side: ``node/fronts.py``).
 
 It accepts on the node's HTTP listening socket, inherited from the core (the core bound it
-before it registered), with the node's own HTTP protocol (``node/server.py``). Decoded here:
-``POST /act`` (the body's parse, JSON or msgpack, one row or ``{"steps": [...]}``), KServe v2
-HTTP infer (``POST /v2/models/{m}[/versions/{v}]/infer``, JSON or binary tensors:
+before it registered), with the node's own HTTP protocol (``node/server.py``); with
+``--grpc-port``, on that port too (``node/protocols/kserve/grpc_front.py``: its own
+``SO_REUSEPORT`` listener; ``ModelInfer`` and ``ModelStreamInfer`` decoded here, the rest
+passed to the core's gRPC server). Decoded here on the HTTP port: ``POST /act`` (the body's
+parse, JSON or msgpack, one row or ``{"steps": [...]}``), KServe v2 HTTP infer
+(``POST /v2/models/{m}[/versions/{v}]/infer``, JSON or binary tensors:
 ``node/protocols/kserve/body.py``) and openpi's websocket (its handshake, the API key, each
 observation frame's msgpack-numpy decode, each reply's encode and send). Each step's inputs
 are written once into a slot of the hop (``node/hop.py``); the core applies the step's
@@ -669,11 +672,25 @@ async def serve(argv: list[str]) -> None:
     )
     signal.signal(signal.SIGUSR1, server.handle_exit)
     sock = socket.socket(fileno=int(listen_fd))
+    grpc_port = spec.get("grpc_port")
+    rpc: tuple[Any, Any] | None = None
+    if grpc_port is not None:  # grpcio loads only where gRPC is served
+        from node.protocols.kserve import grpc_front
+
+        def servicer(channel: Any) -> grpc_front.FrontServicer:
+            return grpc_front.FrontServicer(hop, channel, app.access, app.max_rows,
+                                            app._allowed, app._note)  # fmt: skip
+
+        rpc = await grpc_front.start(servicer, spec["host"], int(grpc_port), spec["grpc_core"],
+                                     app.max_body)  # fmt: skip
     log.debug("front %s serving", index)
     try:
         await server.serve(sockets=[sock])
     finally:
         watching.cancel()
+        if rpc is not None:  # its calls finish (their steps still served by the core)
+            await rpc[0].stop(float(spec["grpc_stop_s"]))
+            await rpc[1].close()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
+import secrets
 import socket
 import sys
 from collections.abc import Sequence
@@ -161,6 +163,8 @@ async def _serve(config: NodeConfig, held: _HeldLines | None = None) -> int:
             if flag == "--host/--port" and config.front_doors > 1:
                 fronts = front_sockets(config.host, port, config.front_doors, socks.pop())
                 socks.append(fronts[0])
+            elif config.front_doors > 1:  # --grpc-port: held for the fronts' listeners
+                socks.extend(front_sockets(config.host, port, 1, socks.pop()))
         except OSError as exc:
             for sock in socks + fronts:
                 sock.close()
@@ -226,37 +230,44 @@ async def _serve_on(
     fronts: list[socket.socket] | None = None,
 ) -> int:
     """Start the node on ``sock`` (bound) and serve until it stops; ``grpc_sock`` holds
-    ``--grpc-port`` (bound, exclusively) until gRPC's own listener takes it over."""
+    ``--grpc-port`` (bound, exclusively) until gRPC's own listener takes it over. With
+    fronts, ``grpc_sock`` (``SO_REUSEPORT``) holds it for the node's life: the fronts
+    listen on it beside it, and the core serves gRPC on an abstract Unix name."""
     try:
-        started = await _start(config, grpc_sock, held)
+        started = await _start(config, grpc_sock, held, bool(fronts))
     finally:
+        if grpc_sock is not None and not fronts:
+            grpc_sock.close()  # gRPC's own listener has the port now (or nothing does)
+    if isinstance(started, int):
         if grpc_sock is not None:
             grpc_sock.close()
-    if isinstance(started, int):
         return started
-    service, grpc_server = started
+    service, grpc_server, grpc_core = started
     if held is not None:
         held.serving()  # it serves: the lines held since it started are written now
     bounds = stop_bounds(config)
     server = _http_server(config, service, bounds)
     try:
         if fronts:
-            await _serve_fronts(config, service, server, fronts, bounds)
+            await _serve_fronts(config, service, server, fronts, bounds, grpc_core)
         else:
             await server.serve(sockets=[sock])
     finally:
         if grpc_server is not None:
             await grpc_server.stop(bounds.grpc_stop_s)
+        if grpc_sock is not None and fronts:
+            grpc_sock.close()
     return EXIT_CONFLICT if service.lease.conflict is not None else 0
 
 
 async def _serve_fronts(
     config: NodeConfig, service: NodeService, server: _Server, socks: list[socket.socket],
-    bounds: StopBounds,
+    bounds: StopBounds, grpc_core: str | None = None,
 ) -> None:  # fmt: skip
     """Serve with ``--front-doors`` processes, front k accepting on ``socks[k]``
-    (node/fronts.py); this process serves their steps over the hop, and its app on a Unix
-    socket for the rest."""
+    (node/fronts.py), and on ``--grpc-port`` if any (passing what it does not decode to
+    ``grpc_core``, this process's gRPC server); this process serves their steps over the
+    hop, and its app on a Unix socket for the rest."""
     for sock in socks:
         sock.listen(2048)
     core, name = core_socket()
@@ -270,6 +281,9 @@ async def _serve_fronts(
         "log_format": config.log_format,
         "log_level": config.log_level,
     }
+    if grpc_core is not None:
+        spec.update(host=config.host, grpc_port=config.grpc_port, grpc_core=grpc_core,
+                    grpc_stop_s=bounds.grpc_stop_s)  # fmt: skip
     fronts = Fronts(service, socks, name, spec)
     # openpi's websocket is the fronts' (each step over the hop): none reaches this socket
     server.config.ws = "none"
@@ -280,10 +294,15 @@ async def _serve_fronts(
 
 
 async def _start(
-    config: NodeConfig, grpc_sock: socket.socket | None, held: _HeldLines | None
-) -> tuple[NodeService, Any] | int:
+    config: NodeConfig,
+    grpc_sock: socket.socket | None,
+    held: _HeldLines | None,
+    fronted: bool = False,
+) -> tuple[NodeService, Any, str | None] | int:
     """The node built, gRPC listening (with ``grpc_sock``) and registered; or the exit
-    code, its one line said and everything started stopped again."""
+    code, its one line said and everything started stopped again. ``fronted`` (front door
+    processes): gRPC listens on an abstract Unix name instead (returned), for the calls the
+    fronts pass on; ``grpc_sock`` stays the fronts' reservation of the port."""
     try:
         service = await build_service(config)()
     except StartupError as exc:
@@ -293,15 +312,19 @@ async def _start(
         print(f"affinity-node: {exc}", file=sys.stderr)
         return EXIT_NO_GPU
     grpc_server = None
+    grpc_core: str | None = None
     if grpc_sock is not None:  # bound before registering, like the HTTP listener
         from node.protocols.kserve import grpc  # grpcio loads only where gRPC is served
 
         assert config.grpc_port is not None
-        # gRPC binds its own listener (without SO_REUSEPORT: grpc.so_reuseport 0); the
-        # port was held exclusively until here, and is handed over now
-        grpc_sock.close()
+        if fronted:
+            grpc_core = f"affinity-grpc-{os.getpid()}-{secrets.token_hex(4)}"
+        else:
+            # gRPC binds its own listener (without SO_REUSEPORT: grpc.so_reuseport 0); the
+            # port was held exclusively until here, and is handed over now
+            grpc_sock.close()
         try:
-            grpc_server = await grpc.start(service, config.host, config.grpc_port)
+            grpc_server = await grpc.start(service, config.host, config.grpc_port, grpc_core)
         except RuntimeError as exc:
             print(f"affinity-node: cannot listen on {config.host}:{config.grpc_port} "
                   f"(--grpc-port): {exc}", file=sys.stderr)  # fmt: skip
@@ -314,7 +337,7 @@ async def _start(
         if grpc_server is not None:
             await grpc_server.stop(0)
         return code
-    return service, grpc_server
+    return service, grpc_server, grpc_core
 
 
 def _http_server(config: NodeConfig, service: NodeService, bounds: StopBounds) -> _Server:

@@ -28,7 +28,10 @@ from tritonclient.utils import InferenceServerException
 from node.accesslog import AccessLog
 from node.errors import BadRequest
 from node.models import DEMO_MODEL
+from node.protocols.kserve.body import reply_of, request_meta
 from node.protocols.kserve.grpc import GrpcFrontDoor, decode_request
+from node.protocols.kserve.http import serve_hop
+from node.protocols.kserve.messages import encode_response
 from node.protocols.kserve.pb import kserve_pb2 as pb
 from tests.inproc import cluster, config
 from tests.rollout import reference_rollout
@@ -517,3 +520,49 @@ def test_a_step_whose_rpc_was_cancelled_is_undone(three: tuple[Cluster, list[str
         at.close()
     finally:
         client.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("remaining", [0.25, None])
+async def test_a_call_a_front_decoded_is_served_as_the_servicer_serves_it(
+    remaining: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ``ModelInfer`` a front door process decoded (``grpc_front``: the request over the
+    hop with the client's remaining deadline): the core's ``serve_hop`` gives the step the
+    client's deadline as its budget and the door ``kserve_grpc``, and the reply encodes to
+    what the servicer answers for the same call."""
+    redis = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    async with cluster(redis, [config("a", act_deadline_s=5.0)]) as (nodes, _):
+        service = nodes[0].service
+        door = GrpcFrontDoor(service, AccessLog(stream=io.StringIO()))
+        steps: list[tuple[float, str]] = []
+        act = service.router.act
+
+        async def measured(step: Any) -> Any:
+            steps.append((step.deadline - time.monotonic(), step.door))
+            return await act(step)
+
+        monkeypatch.setattr(service.router, "act", measured)
+        msg = message([1, 8], [observations(3, 1)[0].tobytes()])
+        msg.model_name, msg.id = door.model_name, "r1"
+        request = decode_request(msg)
+        meta, arrays = request_meta(request, msg.model_name, None)
+        meta["recv"], meta["grpc"] = time.monotonic(), remaining
+        done, out = await serve_hop(service, meta, arrays)
+        outputs, wanted, version, parameters = reply_of(done, out)
+        fronted = encode_response(outputs, wanted, done["name"], version, request.id, parameters)
+        direct = await door.infer(msg, _Context(remaining), "ModelInfer")
+    budget, label = steps[0]
+    assert label == "kserve_grpc" and steps[1][1] == "kserve_grpc"
+    if remaining is None:
+        assert 4.0 < budget <= 5.0  # --act-deadline
+    else:
+        assert 0 < budget <= remaining  # the client's deadline, not --act-deadline
+    assert (fronted.model_name, fronted.model_version, fronted.id) == (
+        direct.model_name, direct.model_version, "r1"
+    )  # fmt: skip
+    assert [(o.name, o.datatype, list(o.shape)) for o in fronted.outputs] == [
+        (o.name, o.datatype, list(o.shape)) for o in direct.outputs
+    ]
+    assert fronted.raw_output_contents == direct.raw_output_contents  # stateless: the same
+    assert set(fronted.parameters) == set(direct.parameters)

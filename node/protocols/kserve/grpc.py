@@ -12,7 +12,6 @@ as Triton's does. The wire and its errors: docs/protocols.md.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,7 +20,7 @@ import grpc
 from google.protobuf import json_format
 
 from node import VERSION
-from node.accesslog import STEP_KEY, AccessLog
+from node.accesslog import AccessLog
 from node.asgi import io_seen
 from node.contract import PolicyContract
 from node.errors import (
@@ -30,26 +29,37 @@ from node.errors import (
     outcome,
 )
 from node.protocols.kserve import request as kserve
-from node.protocols.kserve.messages import decode_request, encode_reply
+from node.protocols.kserve.grpc_front import write_access
+from node.protocols.kserve.http import reply_parts
+from node.protocols.kserve.messages import (
+    HTTP_STATUS,
+    SERVICE,
+    code_of,
+    decode_request,
+    drain,
+    encode_response,
+)
 from node.protocols.kserve.pb import kserve_pb2 as pb
 from node.service import NodeService
 from node.step import Reply
 
 __all__ = ["SERVICE", "GrpcFrontDoor", "decode_request", "encode_reply", "start"]
 
-SERVICE = "inference.GRPCInferenceService"
-_CODE_OF = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    403: grpc.StatusCode.PERMISSION_DENIED,
-    404: grpc.StatusCode.NOT_FOUND,
-    409: grpc.StatusCode.ABORTED,
-    500: grpc.StatusCode.INTERNAL,
-    503: grpc.StatusCode.UNAVAILABLE,
-}
-"""KServe HTTP's status -> the gRPC status; any other (421, 422) is ``ABORTED``."""
-_HTTP_STATUS = {code: status for status, code in _CODE_OF.items()}
-"""The HTTP status an access line gives a gRPC status (as KServe HTTP would answer)."""
+_HTTP_STATUS = HTTP_STATUS
+FORWARDED = ("ModelInfer", "ModelStreamInfer")
+"""The RPCs a front door process decodes itself (``grpc_front.py``): with fronts, the
+core's servicer has no handler for them."""
+
+
+def encode_reply(
+    reply: Reply, request: kserve.InferRequest, model_name: str, rows: str | None = None
+) -> pb.ModelInferResponse:
+    """The ``ModelInferResponse`` of a step: the requested outputs (all by default) as
+    ``raw_output_contents``, affinity's facts as parameters. ``rows``: the reply of a
+    request of rows (``reply`` holds the stacked outputs), whose one parameter is
+    ``rows``."""
+    outputs, wanted, version, parameters = reply_parts(reply, request, rows)
+    return encode_response(outputs, wanted, model_name, version, request.id, parameters)
 
 
 class _Abort(Exception):
@@ -63,7 +73,7 @@ class _Abort(Exception):
     @classmethod
     def of(cls, o: Outcome) -> _Abort:
         """The gRPC status of an outcome KServe HTTP answers with ``o.status``."""
-        return cls(_CODE_OF.get(o.status, grpc.StatusCode.ABORTED), o.message, o.retry_after)
+        return cls(code_of(o.status), o.message, o.retry_after)
 
 
 # ---- a step whose RPC was cancelled ---------------------------------------------------
@@ -127,17 +137,8 @@ class GrpcFrontDoor:
         await context.abort(exc.code, str(exc))
 
     def _log(self, context: Any, rpc: str, status: int, started: float, served: list[str]) -> None:
-        """One access line, like a request to the HTTP front doors: ``GRPC /<service>/<rpc>``
-        with the HTTP status the same failure gets over KServe HTTP."""
-        if self.access.enabled:
-            peer = str(context.peer() or "").rsplit(":", 1)
-            scope = {
-                "method": "GRPC",
-                "path": f"/{SERVICE}/{rpc}",
-                "client": (peer[0].split(":", 1)[-1], peer[1]) if len(peer) == 2 else None,
-                STEP_KEY: tuple(served),
-            }
-            self.access.write(scope, status, time.monotonic() - started)
+        """One access line (``grpc_front.write_access``)."""
+        write_access(self.access, context, rpc, status, started, served)
 
     def _check_key_logged(self, context: Any, rpc: str) -> None:
         """:meth:`_check_key`, with the access line a refused call gets (401)."""
@@ -316,7 +317,7 @@ class GrpcFrontDoor:
         try:
             self._check_key_logged(context, "ModelStreamInfer")
         except _Abort as exc:
-            await _drain(requests)
+            await drain(requests)
             await self._abort(context, exc)
         async for msg in requests:
             try:
@@ -330,28 +331,9 @@ class GrpcFrontDoor:
                 yield pb.ModelStreamInferResponse(infer_response=reply)
 
 
-STREAM_FIRST_S = 10.0
-STREAM_QUIET_S = 0.05
-STREAM_DRAINED = 256
-
-
-async def _drain(requests: AsyncIterator[pb.ModelInferRequest]) -> None:
-    """Read and drop what a refused stream's client sends, until it stops.
-
-    It stops when the client half-closes, or sends nothing for :data:`STREAM_QUIET_S` after
-    a request (:data:`STREAM_FIRST_S` before the first). It also stops once the client has
-    sent :data:`STREAM_DRAINED` requests. A status sent while the client still writes
-    reaches it as grpc's own ``INTERNAL``, not as the status the node sent. ("Internal
-    error from Core": its write failed.)"""
-    pending = aiter(requests)
-    wait = STREAM_FIRST_S
-    with contextlib.suppress(StopAsyncIteration, TimeoutError):
-        for _ in range(STREAM_DRAINED):
-            await asyncio.wait_for(anext(pending), wait)
-            wait = STREAM_QUIET_S
-
-
-def _handlers(door: GrpcFrontDoor) -> grpc.GenericRpcHandler:
+def _handlers(door: GrpcFrontDoor, infer: bool = True) -> grpc.GenericRpcHandler:
+    """The service's handlers; without ``infer`` (the core of a node with front door
+    processes) none for :data:`FORWARDED`: a front decodes those, never this process."""
     unary = grpc.unary_unary_rpc_method_handler
     methods: dict[str, grpc.RpcMethodHandler] = {
         name: unary(
@@ -375,13 +357,19 @@ def _handlers(door: GrpcFrontDoor) -> grpc.GenericRpcHandler:
         request_deserializer=pb.ModelInferRequest.FromString,
         response_serializer=pb.ModelStreamInferResponse.SerializeToString,
     )
+    if not infer:
+        for name in FORWARDED:
+            del methods[name]
     return grpc.method_handlers_generic_handler(SERVICE, methods)
 
 
-async def start(service: NodeService, host: str, port: int) -> grpc.aio.Server:
+async def start(
+    service: NodeService, host: str, port: int, core: str | None = None
+) -> grpc.aio.Server:
     """Start the gRPC front door on ``host:port`` (in the running event loop); the caller
     stops it (``await server.stop(grace)``). Raises ``RuntimeError`` if the port cannot be
-    bound."""
+    bound. ``core``: with front door processes, the abstract Unix name to serve on instead
+    (the RPCs the fronts pass on; no ``ModelInfer`` nor ``ModelStreamInfer``)."""
     limit = service.config.max_body_bytes
     server = grpc.aio.server(
         options=[
@@ -395,7 +383,8 @@ async def start(service: NodeService, host: str, port: int) -> grpc.aio.Server:
     access = AccessLog(
         config.access_log, json=config.log_format == "json", on_drop=service.metrics.log_dropped.inc
     )
-    server.add_generic_rpc_handlers((_handlers(GrpcFrontDoor(service, access)),))
-    server.add_insecure_port(f"{host}:{port}")
+    door = GrpcFrontDoor(service, access)
+    server.add_generic_rpc_handlers((_handlers(door, infer=core is None),))
+    server.add_insecure_port(f"{host}:{port}" if core is None else f"unix-abstract:{core}")
     await server.start()
     return server

@@ -377,6 +377,7 @@ async def serve_infer(
     version: str | None,
     budget: float,
     watch: Callable[[Awaitable[Any]], Awaitable[Any]] = _unwatched,
+    door: str = "kserve_http",
 ) -> tuple[Reply, str | None, Reply | list[Reply]]:
     """Serve a decoded infer request for ``model`` (``version`` as its path named it),
     received at ``started`` with ``budget`` seconds to answer: one step, or a request of
@@ -386,6 +387,7 @@ async def serve_infer(
     ``watch`` awaits the work while the client stays (``while_connected``); when it raises
     :class:`ClientGone` the steps already served are undone first. Raises what
     :data:`~node.protocols.kserve.request.REFUSED` holds for the request as a whole.
+    ``door``: the step's door label (``kserve_grpc`` for gRPC decoded in a front).
 
     Both ways of taking the request in serve it here: the node's own HTTP door
     (:func:`_infer`) and a front door process, over the hop (:func:`serve_hop`)."""
@@ -393,8 +395,8 @@ async def serve_infer(
     deadline = started + budget
     if request.rows is not None:
         served: list[Reply | Exception | None] = []
-        work = serve_rows(service, request, deadline, model_name, version, model,
-                          "kserve_http", served)  # fmt: skip
+        work = serve_rows(service, request, deadline, model_name, version, model, door,
+                          served)  # fmt: skip
         try:
             results = await watch(work)
         except ClientGone:  # nobody will read the replies: the rows' steps did not happen
@@ -410,7 +412,7 @@ async def serve_infer(
                       model=first.model if first else "")  # fmt: skip
         return reply, rows, [r for r in results if isinstance(r, Reply)]
     step = await service_step(service, request, deadline, model_name, version, model)
-    step.door, step.received = "kserve_http", started
+    step.door, step.received = door, started
     try:
         reply = await watch(service.router.act(step))
     except ClientGone as exc:  # nobody will read the reply: the step did not happen
@@ -431,7 +433,12 @@ async def serve_hop(
     anything of the body counts). The reply's meta is the encoded reply's parts
     (:func:`~node.protocols.kserve.body.reply_meta`) with the node, URL and the access
     line's facts, or ``kerr``: [status, message, headers]; ``keep`` is what to undo if
-    the front could not deliver it. Raises :class:`HopError` for a meta no front wrote."""
+    the front could not deliver it. Raises :class:`HopError` for a meta no front wrote.
+
+    A gRPC request (``grpc``: the seconds left of the client's deadline, or None) is
+    served as ``grpc.py``'s servicer serves one: that deadline joins the budget, its steps
+    are the door ``kserve_grpc``'s, a ``deadline`` refusal names no timeout, and the reply
+    carries the model's name as found (``name``)."""
     name, version = meta.get("model"), meta.get("version")
     started = meta.get("recv")
     if not isinstance(name, str) or not isinstance(started, float):
@@ -459,15 +466,22 @@ async def serve_hop(
     budget = service.config.act_deadline_s
     if request.timeout_s is not None:
         budget = min(budget, request.timeout_s)
+    grpc = "grpc" in meta
+    client_s = meta.get("grpc")
+    if isinstance(client_s, float):
+        budget = min(budget, client_s)
+    door = "kserve_grpc" if grpc else "kserve_http"
     try:
-        reply, rows, keep = await serve_infer(service, model, request, started, version, budget)
+        reply, rows, keep = await serve_infer(service, model, request, started, version, budget,
+                                              door=door)  # fmt: skip
     except REFUSED as exc:
-        own = budget if budget < service.config.act_deadline_s else None
+        own = budget if budget < service.config.act_deadline_s and not grpc else None
         o = kserve_outcome(service, model[0], exc, request, own)
         retry = [] if o.retry_after is None else [[b"retry-after", o.retry_header.encode()]]
         return {"kerr": [o.status, o.message, retry]}, []
     done, out = reply_meta(*reply_parts(reply, request, rows))
     done["node"], done["url"] = reply.node, reply.url
     done["log"] = _step_key(request, reply)
+    done["name"] = model[0]
     done["keep"] = keep
     return done, out

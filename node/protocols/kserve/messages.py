@@ -1,5 +1,8 @@
-"""The KServe v2 gRPC messages: a ``ModelInferRequest`` as ``request.py``'s
-:class:`InferRequest`, a step's :class:`~node.step.Reply` as a ``ModelInferResponse``.
+"""The KServe v2 gRPC messages: a ``ModelInferRequest`` as ``body.py``'s
+:class:`InferRequest`, a reply's parts as a ``ModelInferResponse``, and the status codes
+of the service. Imports nothing heavy (grpcio, the generated messages, ``body.py``; no ONNX
+Runtime, no FastAPI, no service): the node's servicer (``grpc.py``) and a front door
+process (``grpc_front.py``, issue 43) both decode and encode with it.
 
 Sizes are checked before an array exists; raw inputs are views of the received bytes.
 Every refusal is :class:`~node.errors.BadRequest` (the servicer answers ``INVALID_ARGUMENT``).
@@ -7,33 +10,64 @@ Every refusal is :class:`~node.errors.BadRequest` (the servicer answers ``INVALI
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
+from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import numpy as np
 
 from affinity.wire import MAX_ELEMENTS
 from node.errors import BadRequest
-from node.protocols.kserve.pb import kserve_pb2 as pb
-from node.protocols.kserve.request import (
+from node.protocols.kserve.body import (
     ROW_PARAMETERS,
     InferRequest,
     episode_of,
     rows_of,
     step_parameters,
-    timing_parameters,
 )
+from node.protocols.kserve.pb import kserve_pb2 as pb
 from node.protocols.kserve.tensors import (
     DATATYPE_OF,
     DATATYPES,
     MAX_RANK,
     MAX_TENSORS,
+    Array,
     bytes_elements,
     tensor_bytes,
 )
-from node.step import Array, Reply
 
-__all__ = ["decode_request", "encode_reply"]
+__all__ = [
+    "CODE_OF",
+    "HTTP_STATUS",
+    "SERVICE",
+    "code_of",
+    "decode_request",
+    "drain",
+    "encode_response",
+]
+
+SERVICE = "inference.GRPCInferenceService"
+CODE_OF = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    409: grpc.StatusCode.ABORTED,
+    500: grpc.StatusCode.INTERNAL,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+"""KServe HTTP's status -> the gRPC status; any other (421, 422) is ``ABORTED``."""
+HTTP_STATUS = {code: status for status, code in CODE_OF.items()}
+"""The HTTP status an access line gives a gRPC status (as KServe HTTP would answer)."""
+
+
+def code_of(status: int) -> grpc.StatusCode:
+    """The gRPC status of a refusal KServe HTTP answers with ``status``."""
+    return CODE_OF.get(status, grpc.StatusCode.ABORTED)
+
 
 _CONTENTS = {
     "BOOL": "bool_contents",
@@ -221,27 +255,48 @@ def _parameter(value: object) -> pb.InferParameter:
     return pb.InferParameter(string_param=str(value))
 
 
-def encode_reply(
-    reply: Reply, request: InferRequest, model_name: str, rows: str | None = None
+def encode_response(
+    outputs: dict[str, Array],
+    wanted: dict[str, bool] | list[str],
+    model_name: str,
+    version: str,
+    request_id: str | None,
+    parameters: dict[str, Any],
 ) -> pb.ModelInferResponse:
-    """The ``ModelInferResponse`` of a step: the requested outputs (all by default) as
-    ``raw_output_contents``, affinity's facts as parameters. ``rows``: the reply of a
-    request of rows (``reply`` holds the stacked outputs), whose one parameter is
-    ``rows``."""
-    names = list(reply.outputs) if request.outputs is None else list(request.outputs)
-    response = pb.ModelInferResponse(
-        model_name=model_name,
-        model_version=reply.model.partition("@")[2],
-        id=request.id or "",
-    )
-    facts: dict[str, object] = {"rows": rows} if rows is not None else reply.facts(flat=True)
-    if request.timing and rows is None:
-        facts.update(timing_parameters(reply))
-    for key, value in facts.items():
+    """The ``ModelInferResponse`` of a reply's parts (``http.reply_parts``'s, or what
+    crossed the hop): the ``wanted`` outputs, in order, as ``raw_output_contents`` (gRPC
+    has no JSON outputs: whether each would go binary is moot), the ``parameters``
+    (affinity's facts; None values left out)."""
+    response = pb.ModelInferResponse(model_name=model_name, model_version=version,
+                                     id=request_id or "")  # fmt: skip
+    for key, value in parameters.items():
         if value is not None:
             response.parameters[key].CopyFrom(_parameter(value))
-    for name in names:
-        array = reply.outputs[name]
+    for name in wanted:
+        array = outputs[name]
         response.outputs.add(name=name, datatype=DATATYPE_OF[array.dtype], shape=array.shape)
         response.raw_output_contents.append(tensor_bytes(array))
     return response
+
+
+# ---- streams -----------------------------------------------------------------------------
+
+STREAM_FIRST_S = 10.0
+STREAM_QUIET_S = 0.05
+STREAM_DRAINED = 256
+
+
+async def drain(requests: AsyncIterator[Any]) -> None:
+    """Read and drop what a refused stream's client sends, until it stops.
+
+    It stops when the client half-closes, or sends nothing for :data:`STREAM_QUIET_S` after
+    a request (:data:`STREAM_FIRST_S` before the first). It also stops once the client has
+    sent :data:`STREAM_DRAINED` requests. A status sent while the client still writes
+    reaches it as grpc's own ``INTERNAL``, not as the status the node sent. ("Internal
+    error from Core": its write failed.)"""
+    pending = aiter(requests)
+    wait = STREAM_FIRST_S
+    with contextlib.suppress(StopAsyncIteration, TimeoutError):
+        for _ in range(STREAM_DRAINED):
+            await asyncio.wait_for(anext(pending), wait)
+            wait = STREAM_QUIET_S

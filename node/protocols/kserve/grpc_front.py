@@ -1,0 +1,301 @@
+"""KServe v2 over gRPC in a front door process (``--front-doors N`` > 1 with
+``--grpc-port``, issue 43): the front's side of ``grpc.py``.
+
+Each front runs a ``grpc.aio`` server on the node's gRPC port with ``SO_REUSEPORT`` (the
+core holds the port from before it registers, bound and not listening, so another node
+still cannot take it). ``ModelInfer`` and ``ModelStreamInfer`` are decoded here
+(``messages.py``: ``raw_input_contents`` and typed ``contents``), cross to the core over the
+shared-memory hop as a KServe request (``node/hop.py``'s ``KSERVE``, served by
+``http.serve_hop``, which serves it as ``grpc.py``'s servicer would: the client's deadline
+joins the step's budget, the steps are the door ``kserve_grpc``'s), and the reply is
+encoded here. A call cancelled before its reply could go (the client's deadline, or it
+left) has its step undone, as the hop undoes an HTTP step whose client left. Every other
+RPC of the service (health, metadata, config, statistics, and those the node does not
+implement) is passed to the core's own gRPC server on an abstract Unix name as raw bytes,
+so its answers, statuses and messages stay exactly the core's.
+
+Imports nothing heavy (grpcio, the generated messages, ``body.py``): a front's memory
+stays small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from affinity import InvalidArgument
+from node.accesslog import STEP_KEY, AccessLog
+from node.errors import (
+    BadRequest,
+    BodyError,
+    HopError,
+    HopFull,
+    Refused,
+    Uncarried,
+    Undelivered,
+    outcome,
+)
+from node.hop import KSERVE, Array, FrontHop
+from node.protocols.kserve.body import reply_of, request_meta, shaped
+from node.protocols.kserve.messages import (
+    HTTP_STATUS,
+    SERVICE,
+    code_of,
+    decode_request,
+    drain,
+    encode_response,
+)
+from node.protocols.kserve.pb import kserve_pb2 as pb
+
+__all__ = ["FrontServicer", "start", "write_access"]
+
+INFER = f"/{SERVICE}/ModelInfer"
+STREAM = f"/{SERVICE}/ModelStreamInfer"
+KEY_MESSAGE = "this node wants the metadata authorization: Api-Key <key>"
+_UNFORWARDED = ("user-agent", "te", "content-type")
+"""Metadata grpcio sets itself on a call (and every ``grpc-`` key): not passed on."""
+
+
+class Abort(Exception):
+    """A call answered with a gRPC status (``code``) and the node's message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after: str | None = None):
+        self.code = code
+        self.retry_after = retry_after
+        super().__init__(message)
+
+
+def write_access(
+    access: AccessLog, context: Any, rpc: str, status: int, started: float, served: list[str]
+) -> None:
+    """One access line, like a request to the HTTP front doors: ``GRPC /<service>/<rpc>``
+    with the HTTP status the same failure gets over KServe HTTP."""
+    if access.enabled:
+        peer = str(context.peer() or "").rsplit(":", 1)
+        scope = {
+            "method": "GRPC",
+            "path": f"/{SERVICE}/{rpc}",
+            "client": (peer[0].split(":", 1)[-1], peer[1]) if len(peer) == 2 else None,
+            STEP_KEY: tuple(served),
+        }
+        access.write(scope, status, time.monotonic() - started)
+
+
+class FrontServicer:
+    """The front's RPCs: the two infer RPCs over the hop, the rest passed to the core.
+    ``allowed`` checks an ``authorization`` value against the node's API key; ``note``
+    has the core count a refusal answered here."""
+
+    def __init__(
+        self,
+        hop: FrontHop,
+        core: grpc.aio.Channel,
+        access: AccessLog,
+        max_rows: int,
+        allowed: Callable[[str | None], bool],
+        note: Callable[[str], Awaitable[None]],
+    ) -> None:
+        self.hop = hop
+        self.core = core
+        self.access = access
+        self.max_rows = max_rows
+        self.allowed = allowed
+        self.note = note
+
+    async def _check_key(self, context: Any, rpc: str) -> None:
+        """The API key, as the core's servicer checks it (counted, an access line 401)."""
+        authorization = dict(context.invocation_metadata() or ()).get("authorization")
+        if self.allowed(authorization if isinstance(authorization, str) else None):
+            return
+        started = time.monotonic()
+        await self.note("unauthorized")
+        write_access(self.access, context, rpc, 401, started, ["-", "-", "-"])
+        raise Abort(grpc.StatusCode.UNAUTHENTICATED, KEY_MESSAGE)
+
+    async def _abort(self, context: Any, exc: Abort) -> None:
+        if exc.retry_after is not None:
+            context.set_trailing_metadata((("retry-after", exc.retry_after),))
+        await context.abort(exc.code, str(exc))
+
+    async def infer(
+        self, msg: pb.ModelInferRequest, context: Any, rpc: str
+    ) -> pb.ModelInferResponse:
+        """One call's step over the hop, its access line written; raises :class:`Abort`."""
+        started = time.monotonic()
+        served = ["-", "-", "-"]  # episode, device, routing
+        status = 500
+        try:
+            reply = await self._infer(msg, context, started, served)
+            status = 200
+            return reply
+        except Abort as exc:
+            status = HTTP_STATUS.get(exc.code, 500)
+            raise
+        finally:
+            write_access(self.access, context, rpc, status, started, served)
+
+    async def _infer(
+        self, msg: pb.ModelInferRequest, context: Any, started: float, served: list[str]
+    ) -> pb.ModelInferResponse:
+        name, version = msg.model_name, msg.model_version or None
+        meta: dict[str, Any] = {"model": name, "version": version}
+        arrays: list[Array] = []
+        request_id: str | None = None
+        try:
+            request = decode_request(msg, max_rows=self.max_rows)
+        except (BadRequest, BodyError, Refused, InvalidArgument) as exc:
+            o = shaped(outcome(exc))
+            meta["refused"] = [o.status, o.message, o.reject_reason, []]
+        else:
+            meta, arrays = request_meta(request, name, version)
+            request_id = request.id
+            if request.rows is None:
+                served[0] = request.episode or "-"
+        meta["recv"] = started
+        meta["grpc"] = context.time_remaining()  # the client's deadline, if it set one
+
+        def use(
+            kind: int, reply: dict[str, Any], views: list[Array]
+        ) -> pb.ModelInferResponse | Abort:
+            err = reply.get("kerr")
+            if err is not None:
+                status, message, headers = err
+                retry = [bytes(v).decode() for k, v in headers if bytes(k) == b"retry-after"]
+                return Abort(code_of(status), message, retry[0] if retry else None)
+            if served[0] != "-":
+                served[1:] = reply["log"][1:]
+            outputs, wanted, served_version, parameters = reply_of(reply, views)
+            return encode_response(outputs, wanted, reply["name"], served_version, request_id,
+                                   parameters)  # fmt: skip
+
+        try:
+            answer = await self.hop.call(KSERVE, meta, arrays, use, context.cancelled)
+        except HopFull:
+            why = "unavailable: this front door has every step of its hop in flight"
+            raise Abort(grpc.StatusCode.UNAVAILABLE, why, "1") from None
+        except (Uncarried, HopError) as exc:
+            raise Abort(code_of(413), str(exc) or "the request does not fit the hop") from None
+        except Undelivered:  # the call was cancelled: its step was undone
+            raise asyncio.CancelledError from None
+        if isinstance(answer, Abort):
+            raise answer
+        assert isinstance(answer, pb.ModelInferResponse)
+        return answer
+
+    async def model_infer(self, msg: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        try:
+            await self._check_key(context, "ModelInfer")
+            return await self.infer(msg, context, "ModelInfer")
+        except Abort as exc:
+            await self._abort(context, exc)
+            raise AssertionError("abort returns only by raising") from None
+
+    async def model_stream_infer(
+        self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
+    ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+        try:
+            await self._check_key(context, "ModelStreamInfer")
+        except Abort as exc:
+            await drain(requests)
+            await self._abort(context, exc)
+        async for msg in requests:
+            try:
+                reply = await self.infer(msg, context, "ModelStreamInfer")
+            except Abort as exc:
+                yield pb.ModelStreamInferResponse(
+                    error_message=str(exc),
+                    infer_response=pb.ModelInferResponse(id=msg.id),
+                )
+            else:
+                yield pb.ModelStreamInferResponse(infer_response=reply)
+
+    def forward(self, method: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
+        """The handler that passes ``method``'s calls to the core as bytes."""
+        call = self.core.unary_unary(method)  # no serializers: the bytes as they came
+
+        async def forward(request: bytes, context: Any) -> bytes:
+            metadata = tuple(
+                (k, v)
+                for k, v in context.invocation_metadata() or ()
+                if not k.startswith("grpc-") and k not in _UNFORWARDED
+            )
+            try:
+                answer: bytes = await call(
+                    request, metadata=metadata, timeout=context.time_remaining()
+                )
+            except grpc.aio.AioRpcError as exc:
+                trailing = tuple(
+                    (k, v) for k, v in exc.trailing_metadata() or () if not k.startswith("grpc-")
+                )
+                if trailing:
+                    context.set_trailing_metadata(trailing)
+                await context.abort(exc.code(), exc.details() or "")
+                raise AssertionError("abort returns only by raising") from None
+            return answer
+
+        return forward
+
+
+class _Handlers(grpc.GenericRpcHandler):  # type: ignore[misc]
+    """The two infer RPCs decoded here; any other of the service passed to the core."""
+
+    def __init__(self, servicer: FrontServicer) -> None:
+        self.servicer = servicer
+        self.infer = grpc.unary_unary_rpc_method_handler(
+            servicer.model_infer,
+            request_deserializer=pb.ModelInferRequest.FromString,
+            response_serializer=pb.ModelInferResponse.SerializeToString,
+        )
+        self.stream = grpc.stream_stream_rpc_method_handler(
+            servicer.model_stream_infer,
+            request_deserializer=pb.ModelInferRequest.FromString,
+            response_serializer=pb.ModelStreamInferResponse.SerializeToString,
+        )
+        self.passed: dict[str, grpc.RpcMethodHandler] = {}
+
+    def service(
+        self, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        method: str = handler_call_details.method
+        if method == INFER:
+            return self.infer
+        if method == STREAM:
+            return self.stream
+        if not method.startswith(f"/{SERVICE}/"):
+            return None  # grpc's own UNIMPLEMENTED, as the core answers it
+        handler = self.passed.get(method)
+        if handler is None:
+            if len(self.passed) >= 64:  # a client's made-up names do not grow this
+                return grpc.unary_unary_rpc_method_handler(self.servicer.forward(method))
+            handler = self.passed[method] = grpc.unary_unary_rpc_method_handler(
+                self.servicer.forward(method)
+            )
+        return handler
+
+
+async def start(
+    servicer_of: Callable[[grpc.aio.Channel], FrontServicer],
+    host: str,
+    port: int,
+    core: str,
+    max_bytes: int,
+) -> tuple[grpc.aio.Server, grpc.aio.Channel]:
+    """The front's gRPC server on ``host:port`` (``SO_REUSEPORT``: every front and the
+    core's reservation share it), started, and its channel to the core's server on the
+    abstract Unix name ``core``. Raises ``RuntimeError`` if the port cannot be bound."""
+    limits = [("grpc.max_receive_message_length", max_bytes),
+              ("grpc.max_send_message_length", max_bytes)]  # fmt: skip
+    channel = grpc.aio.insecure_channel(f"unix-abstract:{core}", options=limits)
+    server = grpc.aio.server(options=[*limits, ("grpc.so_reuseport", 1)])
+    server.add_generic_rpc_handlers((_Handlers(servicer_of(channel)),))
+    try:
+        server.add_insecure_port(f"{host}:{port}")
+        await server.start()
+    except BaseException:
+        await channel.close()
+        raise
+    return server, channel
