@@ -60,7 +60,7 @@ _UNFORWARDED = ("user-agent", "te", "content-type")
 """Metadata grpcio sets itself on a call (and every ``grpc-`` key): not passed on."""
 
 
-class Abort(Exception):
+class _Abort(Exception):
     """A call answered with a gRPC status (``code``) and the node's message."""
 
     def __init__(self, code: grpc.StatusCode, message: str, retry_after: str | None = None):
@@ -114,9 +114,9 @@ class FrontServicer:
         started = time.monotonic()
         await self.note("unauthorized")
         write_access(self.access, context, rpc, 401, started, ["-", "-", "-"])
-        raise Abort(grpc.StatusCode.UNAUTHENTICATED, KEY_MESSAGE)
+        raise _Abort(grpc.StatusCode.UNAUTHENTICATED, KEY_MESSAGE)
 
-    async def _abort(self, context: Any, exc: Abort) -> None:
+    async def _abort(self, context: Any, exc: _Abort) -> None:
         if exc.retry_after is not None:
             context.set_trailing_metadata((("retry-after", exc.retry_after),))
         await context.abort(exc.code, str(exc))
@@ -124,7 +124,7 @@ class FrontServicer:
     async def infer(
         self, msg: pb.ModelInferRequest, context: Any, rpc: str
     ) -> pb.ModelInferResponse:
-        """One call's step over the hop, its access line written; raises :class:`Abort`."""
+        """One call's step over the hop, its access line written; raises :class:`_Abort`."""
         started = time.monotonic()
         served = ["-", "-", "-"]  # episode, device, routing
         status = 500
@@ -132,7 +132,7 @@ class FrontServicer:
             reply = await self._infer(msg, context, started, served)
             status = 200
             return reply
-        except Abort as exc:
+        except _Abort as exc:
             status = HTTP_STATUS.get(exc.code, 500)
             raise
         finally:
@@ -160,12 +160,12 @@ class FrontServicer:
 
         def use(
             kind: int, reply: dict[str, Any], views: list[Array]
-        ) -> pb.ModelInferResponse | Abort:
+        ) -> pb.ModelInferResponse | _Abort:
             err = reply.get("kerr")
             if err is not None:
                 status, message, headers = err
                 retry = [bytes(v).decode() for k, v in headers if bytes(k) == b"retry-after"]
-                return Abort(code_of(status), message, retry[0] if retry else None)
+                return _Abort(code_of(status), message, retry[0] if retry else None)
             if served[0] != "-":
                 served[1:] = reply["log"][1:]
             outputs, wanted, served_version, parameters = reply_of(reply, views)
@@ -176,12 +176,12 @@ class FrontServicer:
             answer = await self.hop.call(KSERVE, meta, arrays, use, context.cancelled)
         except HopFull:
             why = "unavailable: this front door has every step of its hop in flight"
-            raise Abort(grpc.StatusCode.UNAVAILABLE, why, "1") from None
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, why, "1") from None
         except (Uncarried, HopError) as exc:
-            raise Abort(code_of(413), str(exc) or "the request does not fit the hop") from None
+            raise _Abort(code_of(413), str(exc) or "the request does not fit the hop") from None
         except Undelivered:  # the call was cancelled: its step was undone
             raise asyncio.CancelledError from None
-        if isinstance(answer, Abort):
+        if isinstance(answer, _Abort):
             raise answer
         assert isinstance(answer, pb.ModelInferResponse)
         return answer
@@ -190,7 +190,7 @@ class FrontServicer:
         try:
             await self._check_key(context, "ModelInfer")
             return await self.infer(msg, context, "ModelInfer")
-        except Abort as exc:
+        except _Abort as exc:
             await self._abort(context, exc)
             raise AssertionError("abort returns only by raising") from None
 
@@ -199,13 +199,13 @@ class FrontServicer:
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         try:
             await self._check_key(context, "ModelStreamInfer")
-        except Abort as exc:
+        except _Abort as exc:
             await drain(requests)
             await self._abort(context, exc)
         async for msg in requests:
             try:
                 reply = await self.infer(msg, context, "ModelStreamInfer")
-            except Abort as exc:
+            except _Abort as exc:
                 yield pb.ModelStreamInferResponse(
                     error_message=str(exc),
                     infer_response=pb.ModelInferResponse(id=msg.id),
