@@ -32,8 +32,9 @@ The hierarchy (``ValueError`` subclasses are a client's bad values)::
 front door renders that in its own wire shape. Adding a failure mode touches ``_TABLE``.
 
 Kept elsewhere on purpose (never answered as they are): ``node/router.py``'s ``_NotSent``,
-``_Stale`` and ``_LetGo`` (each an :class:`Unavailable`), ``node/protocols/kserve/grpc.py``'s
-``_Abort`` (an outcome already rendered as a gRPC status) and ``node/startup.py``'s
+``_Stale`` and ``_LetGo`` (each an :class:`Unavailable`), ``node/protocols/kserve/messages.py``'s
+``Abort`` (an outcome already rendered as a gRPC status, for both gRPC doors; this module
+imports no grpcio) and ``node/startup.py``'s
 ``StartupError`` (an exit code). Hazard: this module is a leaf; importing anything from
 ``node`` makes a cycle.
 """
@@ -91,7 +92,7 @@ __all__ = [
     "refusal",
 ]
 
-PRIVATE = frozenset({"_NotSent", "_Stale", "_LetGo", "_Abort", "StartupError"})
+PRIVATE = frozenset({"_NotSent", "_Stale", "_LetGo", "Abort", "StartupError"})
 """Exception classes defined outside this module on purpose (see the module doc)."""
 
 

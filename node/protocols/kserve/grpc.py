@@ -5,7 +5,7 @@ A request decodes (``messages.py``) into ``request.py``'s :class:`InferRequest`.
 the HTTP front door's path (Triton's live-sequence rule, ``service.router.act``). So a
 sequence sticks to its GPU whichever front door each step used. Failures are the status
 codes of KServe HTTP's statuses (``request.kserve_outcome``, one table here). They carry the
-node's message (``_Abort``). In a stream, one answers that request and the stream goes on,
+node's message (``Abort``). In a stream, one answers that request and the stream goes on,
 as Triton's does. The wire and its errors: docs/protocols.md.
 """
 
@@ -25,7 +25,6 @@ from node.asgi import io_seen
 from node.contract import PolicyContract
 from node.errors import (
     NotServed,
-    Outcome,
     outcome,
 )
 from node.protocols.kserve import request as kserve
@@ -34,10 +33,11 @@ from node.protocols.kserve.http import reply_parts
 from node.protocols.kserve.messages import (
     HTTP_STATUS,
     SERVICE,
-    code_of,
+    Abort,
+    abort,
     decode_request,
-    drain,
     encode_response,
+    stream_infer,
 )
 from node.protocols.kserve.pb import kserve_pb2 as pb
 from node.service import NodeService
@@ -60,20 +60,6 @@ def encode_reply(
     ``rows``."""
     outputs, wanted, version, parameters = reply_parts(reply, request, rows)
     return encode_response(outputs, wanted, model_name, version, request.id, parameters)
-
-
-class _Abort(Exception):
-    """A request answered with a gRPC status (``code``) and the node's message."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after: float | None = None):
-        self.code = code
-        self.retry_after = retry_after
-        super().__init__(message)
-
-    @classmethod
-    def of(cls, o: Outcome) -> _Abort:
-        """The gRPC status of an outcome KServe HTTP answers with ``o.status``."""
-        return cls(code_of(o.status), o.message, o.retry_after)
 
 
 # ---- a step whose RPC was cancelled ---------------------------------------------------
@@ -114,7 +100,7 @@ class GrpcFrontDoor:
         try:
             return await kserve.find_model(self.service, name, version)
         except NotServed as exc:
-            raise _Abort.of(outcome(exc)) from None
+            raise Abort.of(outcome(exc)) from None
 
     def _ready(self) -> bool:
         return self.service.lease.may_serve()
@@ -126,15 +112,10 @@ class GrpcFrontDoor:
             authorization if isinstance(authorization, str) else None
         ):
             self.service.metrics.rejected.labels("unauthorized").inc()
-            raise _Abort(
+            raise Abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "this node wants the metadata authorization: Api-Key <key>",
             )
-
-    async def _abort(self, context: grpc.aio.ServicerContext[Any, Any], exc: _Abort) -> None:
-        if exc.retry_after is not None:
-            context.set_trailing_metadata((("retry-after", str(max(1, round(exc.retry_after)))),))
-        await context.abort(exc.code, str(exc))
 
     def _log(self, context: Any, rpc: str, status: int, started: float, served: list[str]) -> None:
         """One access line (``grpc_front.write_access``)."""
@@ -145,7 +126,7 @@ class GrpcFrontDoor:
         started = time.monotonic()
         try:
             self._check_key(context)
-        except _Abort as exc:
+        except Abort as exc:
             self._log(context, rpc, _HTTP_STATUS.get(exc.code, 500), started, ["-", "-", "-"])
             raise
 
@@ -153,7 +134,7 @@ class GrpcFrontDoor:
         self, msg: pb.ModelInferRequest, context: Any, rpc: str
     ) -> pb.ModelInferResponse:
         """One step: decoded, routed, encoded and logged (one access line, see
-        :meth:`_log`); raises :class:`_Abort`."""
+        :meth:`_log`); raises :class:`Abort`."""
         started = time.monotonic()
         served: list[str] = ["-", "-", "-"]  # episode, device, routing
         status = 500
@@ -161,7 +142,7 @@ class GrpcFrontDoor:
             reply = await self._infer(msg, context, started, served)
             status = 200
             return reply
-        except _Abort as exc:
+        except Abort as exc:
             status = _HTTP_STATUS.get(exc.code, 500)
             raise
         finally:
@@ -194,7 +175,7 @@ class GrpcFrontDoor:
             await undo_if_cancelled(service, context, reply)
             kserve.stats_for(service, name).answered(time.monotonic() - started)
         except kserve.REFUSED as exc:
-            raise _Abort.of(kserve.kserve_outcome(service, name, exc, request)) from None
+            raise Abort.of(kserve.kserve_outcome(service, name, exc, request)) from None
         return encode_reply(reply, request, name)
 
     async def _infer_rows(
@@ -241,7 +222,7 @@ class GrpcFrontDoor:
     async def ModelReady(self, msg: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
         try:
             await self._check_model(msg.name, msg.version)
-        except _Abort:
+        except Abort:
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=self._ready())
 
@@ -257,8 +238,8 @@ class GrpcFrontDoor:
     ) -> pb.ModelMetadataResponse:
         try:
             name, contract = await self._check_model(msg.name, msg.version)
-        except _Abort as exc:
-            await self._abort(context, exc)
+        except Abort as exc:
+            await abort(context, exc)
             raise  # unreachable: the abort raises
         doc = kserve.metadata_of(self.service, name, contract)
         response = pb.ModelMetadataResponse(
@@ -276,8 +257,8 @@ class GrpcFrontDoor:
         if msg.name:
             try:
                 names = [(await self._check_model(msg.name, msg.version))[0]]
-            except _Abort as exc:
-                await self._abort(context, exc)
+            except Abort as exc:
+                await abort(context, exc)
         response = pb.ModelStatisticsResponse()
         for name in names:
             doc = kserve.statistics_of(self.service, name)
@@ -295,8 +276,8 @@ class GrpcFrontDoor:
     async def ModelConfig(self, msg: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
         try:
             name, contract = await self._check_model(msg.name, msg.version)
-        except _Abort as exc:
-            await self._abort(context, exc)
+        except Abort as exc:
+            await abort(context, exc)
             raise  # unreachable: the abort raises
         config = json_format.ParseDict(
             kserve.config_of(self.service, name, contract), pb.ModelConfig()
@@ -307,28 +288,21 @@ class GrpcFrontDoor:
         try:
             self._check_key_logged(context, "ModelInfer")
             return await self.infer(msg, context, "ModelInfer")
-        except _Abort as exc:
-            await self._abort(context, exc)
+        except Abort as exc:
+            await abort(context, exc)
             raise AssertionError("abort returns only by raising") from None
 
     async def ModelStreamInfer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        try:
+        # an async generator itself: grpc.aio takes any other function for a sync one
+        async def check_key() -> None:
             self._check_key_logged(context, "ModelStreamInfer")
-        except _Abort as exc:
-            await drain(requests)
-            await self._abort(context, exc)
-        async for msg in requests:
-            try:
-                reply = await self.infer(msg, context, "ModelStreamInfer")
-            except _Abort as exc:
-                yield pb.ModelStreamInferResponse(
-                    error_message=str(exc),
-                    infer_response=pb.ModelInferResponse(id=msg.id),
-                )
-            else:
-                yield pb.ModelStreamInferResponse(infer_response=reply)
+
+        async for reply in stream_infer(
+            requests, context, check_key, lambda msg: self.infer(msg, context, "ModelStreamInfer")
+        ):
+            yield reply
 
 
 def _handlers(door: GrpcFrontDoor, infer: bool = True) -> grpc.GenericRpcHandler:

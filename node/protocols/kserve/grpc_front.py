@@ -44,10 +44,12 @@ from node.protocols.kserve.body import reply_of, request_meta, shaped
 from node.protocols.kserve.messages import (
     HTTP_STATUS,
     SERVICE,
+    Abort,
+    abort,
     code_of,
     decode_request,
-    drain,
     encode_response,
+    stream_infer,
 )
 from node.protocols.kserve.pb import kserve_pb2 as pb
 
@@ -58,15 +60,6 @@ STREAM = f"/{SERVICE}/ModelStreamInfer"
 KEY_MESSAGE = "this node wants the metadata authorization: Api-Key <key>"
 _UNFORWARDED = ("user-agent", "te", "content-type")
 """Metadata grpcio sets itself on a call (and every ``grpc-`` key): not passed on."""
-
-
-class _Abort(Exception):
-    """A call answered with a gRPC status (``code``) and the node's message."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after: str | None = None):
-        self.code = code
-        self.retry_after = retry_after
-        super().__init__(message)
 
 
 def write_access(
@@ -114,17 +107,12 @@ class FrontServicer:
         started = time.monotonic()
         await self.note("unauthorized")
         write_access(self.access, context, rpc, 401, started, ["-", "-", "-"])
-        raise _Abort(grpc.StatusCode.UNAUTHENTICATED, KEY_MESSAGE)
-
-    async def _abort(self, context: Any, exc: _Abort) -> None:
-        if exc.retry_after is not None:
-            context.set_trailing_metadata((("retry-after", exc.retry_after),))
-        await context.abort(exc.code, str(exc))
+        raise Abort(grpc.StatusCode.UNAUTHENTICATED, KEY_MESSAGE)
 
     async def infer(
         self, msg: pb.ModelInferRequest, context: Any, rpc: str
     ) -> pb.ModelInferResponse:
-        """One call's step over the hop, its access line written; raises :class:`_Abort`."""
+        """One call's step over the hop, its access line written; raises :class:`Abort`."""
         started = time.monotonic()
         served = ["-", "-", "-"]  # episode, device, routing
         status = 500
@@ -132,7 +120,7 @@ class FrontServicer:
             reply = await self._infer(msg, context, started, served)
             status = 200
             return reply
-        except _Abort as exc:
+        except Abort as exc:
             status = HTTP_STATUS.get(exc.code, 500)
             raise
         finally:
@@ -160,12 +148,12 @@ class FrontServicer:
 
         def use(
             kind: int, reply: dict[str, Any], views: list[Array]
-        ) -> pb.ModelInferResponse | _Abort:
+        ) -> pb.ModelInferResponse | Abort:
             err = reply.get("kerr")
             if err is not None:
                 status, message, headers = err
                 retry = [bytes(v).decode() for k, v in headers if bytes(k) == b"retry-after"]
-                return _Abort(code_of(status), message, retry[0] if retry else None)
+                return Abort(code_of(status), message, retry[0] if retry else None)
             if served[0] != "-":
                 served[1:] = reply["log"][1:]
             outputs, wanted, served_version, parameters = reply_of(reply, views)
@@ -176,12 +164,12 @@ class FrontServicer:
             answer = await self.hop.call(KSERVE, meta, arrays, use, context.cancelled)
         except HopFull:
             why = "unavailable: this front door has every step of its hop in flight"
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, why, "1") from None
+            raise Abort(grpc.StatusCode.UNAVAILABLE, why, "1") from None
         except (Uncarried, HopError) as exc:
-            raise _Abort(code_of(413), str(exc) or "the request does not fit the hop") from None
+            raise Abort(code_of(413), str(exc) or "the request does not fit the hop") from None
         except Undelivered:  # the call was cancelled: its step was undone
             raise asyncio.CancelledError from None
-        if isinstance(answer, _Abort):
+        if isinstance(answer, Abort):
             raise answer
         assert isinstance(answer, pb.ModelInferResponse)
         return answer
@@ -190,28 +178,21 @@ class FrontServicer:
         try:
             await self._check_key(context, "ModelInfer")
             return await self.infer(msg, context, "ModelInfer")
-        except _Abort as exc:
-            await self._abort(context, exc)
+        except Abort as exc:
+            await abort(context, exc)
             raise AssertionError("abort returns only by raising") from None
 
     async def model_stream_infer(
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
-        try:
-            await self._check_key(context, "ModelStreamInfer")
-        except _Abort as exc:
-            await drain(requests)
-            await self._abort(context, exc)
-        async for msg in requests:
-            try:
-                reply = await self.infer(msg, context, "ModelStreamInfer")
-            except _Abort as exc:
-                yield pb.ModelStreamInferResponse(
-                    error_message=str(exc),
-                    infer_response=pb.ModelInferResponse(id=msg.id),
-                )
-            else:
-                yield pb.ModelStreamInferResponse(infer_response=reply)
+        # an async generator itself: grpc.aio takes any other function for a sync one
+        async for reply in stream_infer(
+            requests,
+            context,
+            lambda: self._check_key(context, "ModelStreamInfer"),
+            lambda msg: self.infer(msg, context, "ModelStreamInfer"),
+        ):
+            yield reply
 
     def forward(self, method: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
         """The handler that passes ``method``'s calls to the core as bytes."""

@@ -13,14 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 import numpy as np
 
 from affinity.wire import MAX_ELEMENTS
-from node.errors import BadRequest
+from node.errors import BadRequest, Outcome
 from node.protocols.kserve.body import (
     ROW_PARAMETERS,
     InferRequest,
@@ -43,10 +43,13 @@ __all__ = [
     "CODE_OF",
     "HTTP_STATUS",
     "SERVICE",
+    "Abort",
+    "abort",
     "code_of",
     "decode_request",
     "drain",
     "encode_response",
+    "stream_infer",
 ]
 
 SERVICE = "inference.GRPCInferenceService"
@@ -67,6 +70,56 @@ HTTP_STATUS = {code: status for status, code in CODE_OF.items()}
 def code_of(status: int) -> grpc.StatusCode:
     """The gRPC status of a refusal KServe HTTP answers with ``status``."""
     return CODE_OF.get(status, grpc.StatusCode.ABORTED)
+
+
+class Abort(Exception):
+    """A call answered with a gRPC status (``code``) and the node's message, and, when the
+    refusal says when to come back, a ``retry-after`` trailer (whole seconds). Raised and
+    caught by the gRPC doors of one process (``grpc.py``) and of a front (``grpc_front.py``)
+    alike; it never leaves them (``node/errors.py``: ``PRIVATE``)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after: str | None = None):
+        self.code = code
+        self.retry_after = retry_after
+        super().__init__(message)
+
+    @classmethod
+    def of(cls, o: Outcome) -> Abort:
+        """The gRPC status of an outcome KServe HTTP answers with ``o.status``."""
+        after = None if o.retry_after is None else str(max(1, round(o.retry_after)))
+        return cls(code_of(o.status), o.message, after)
+
+
+async def abort(context: Any, exc: Abort) -> None:
+    """End the call with ``exc``'s status (``context.abort`` raises)."""
+    if exc.retry_after is not None:
+        context.set_trailing_metadata((("retry-after", exc.retry_after),))
+    await context.abort(exc.code, str(exc))
+
+
+async def stream_infer(
+    requests: AsyncIterator[pb.ModelInferRequest],
+    context: Any,
+    check_key: Callable[[], Awaitable[None]],
+    infer: Callable[[pb.ModelInferRequest], Awaitable[pb.ModelInferResponse]],
+) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    """``ModelStreamInfer``, as both gRPC doors answer it: the key checked once (refused:
+    the stream drained and aborted), then each request's reply, or its error in the stream
+    (the stream goes on)."""
+    try:
+        await check_key()
+    except Abort as exc:
+        await drain(requests)
+        await abort(context, exc)
+    async for msg in requests:
+        try:
+            reply = await infer(msg)
+        except Abort as exc:
+            yield pb.ModelStreamInferResponse(
+                error_message=str(exc), infer_response=pb.ModelInferResponse(id=msg.id)
+            )
+        else:
+            yield pb.ModelStreamInferResponse(infer_response=reply)
 
 
 _CONTENTS = {
