@@ -70,6 +70,36 @@ def alive(pid: int) -> bool:
         return False
 
 
+def tcp_sockets(pid: int, port: int, state: str, *, remote: bool = False) -> int:
+    """How many TCP sockets process ``pid`` holds in ``state`` (/proc/net/tcp's code:
+    ``"01"`` established, ``"0A"`` listening) whose local port (the remote one with
+    ``remote``: a client's connections to a server on ``port``) is ``port``."""
+    column = 2 if remote else 1
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if int(fields[column].rsplit(":", 1)[1], 16) == port and fields[3] == state:
+                    inodes.add(fields[9])
+    held = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            held += target.startswith("socket:[") and target[8:-1] in inodes
+    return held
+
+
+def connections(pid: int, port: int) -> int:
+    """How many established TCP connections to ``port`` process ``pid`` holds (a server's)."""
+    return tcp_sockets(pid, port, "01")
+
+
+def listening(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds a listening TCP socket on ``port``."""
+    return tcp_sockets(pid, port, "0A") > 0
+
+
 def fronts_of(core: int) -> list[int]:
     """The live front processes started by the node process ``core``, wherever they are now
     (a front outliving its core is reparented: it names its core in its arguments,

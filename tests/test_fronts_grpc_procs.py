@@ -33,10 +33,10 @@ from tritonclient.utils import InferenceServerException
 from node.models import DEMO_MODEL
 from node.protocols.kserve.pb import kserve_pb2 as pb
 from tests.models import counter_policy
-from tests.procs import Node, RedisServer, free_port, wait_until
+from tests.procs import Node, RedisServer, connections, free_port, listening, wait_until
 from tests.rollout import reference_rollout
 from tests.test_fronts_kserve_procs import counter_delta, rejected
-from tests.test_fronts_procs import alive, connections, embedded, fronts
+from tests.test_fronts_procs import alive, embedded, fronts
 from tests.test_kserve import MODEL, observations
 
 pytestmark = pytest.mark.integration
@@ -80,25 +80,6 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         single.stop()
         for r in redis:
             r.stop()
-
-
-def listening(pid: int, port: int) -> bool:
-    """Whether process ``pid`` holds a listening TCP socket on ``port``."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
-                    inodes.add(fields[9])
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:[") and target[8:-1] in inodes:
-            return True
-    return False
 
 
 def grpc_up(node: Node, port: int) -> None:

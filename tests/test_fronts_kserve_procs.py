@@ -28,9 +28,9 @@ from tritonclient.utils import InferenceServerException
 
 from node.models import DEMO_MODEL
 from tests.models import counter_policy
-from tests.procs import Node, RedisServer, wait_until
+from tests.procs import Node, RedisServer, connections, wait_until
 from tests.rollout import reference_rollout
-from tests.test_fronts_procs import connections, embedded, fronts
+from tests.test_fronts_procs import embedded, fronts
 from tests.test_kserve import HOSTILE, INFER, MODEL, obs_input, observations, request_body
 
 pytestmark = pytest.mark.integration

@@ -28,8 +28,8 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from affinity import Keys
 from tests.models import counter_policy
-from tests.procs import Node, RedisServer, wait_until
-from tests.test_fronts_procs import connections, embedded, fronts
+from tests.procs import Node, RedisServer, connections, wait_until
+from tests.test_fronts_procs import embedded, fronts
 from tests.test_openpi import libero, replay
 
 pytestmark = [

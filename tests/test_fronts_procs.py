@@ -27,7 +27,7 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from affinity import wire
 from node.models import DEMO_MODEL
 from tests.models import counter_policy
-from tests.procs import ROOT, Node, RedisServer, alive, children, wait_until
+from tests.procs import ROOT, Node, RedisServer, alive, children, connections, wait_until
 from tests.rollout import reference_rollout
 
 pytestmark = [
@@ -43,25 +43,6 @@ def fronts(node: Node) -> list[int]:
     """The node's live fronts (a killed one not yet reaped is a zombie: not counted)."""
     assert node.proc.popen is not None
     return [pid for pid in children(node.proc.popen.pid) if alive(pid)]
-
-
-def connections(pid: int, port: int) -> int:
-    """How many established TCP connections to ``port`` process ``pid`` holds."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
-                    inodes.add(fields[9])
-    held = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        held += target.startswith("socket:[") and target[8:-1] in inodes
-    return held
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from affinity import Client, Keys
 from node.hop import ANSWERED, FREE, Region
 from node.models import DEMO_MODEL
 from tests.models import big_state_policy, counter_policy
-from tests.procs import ROOT, Node, RedisServer, free_port, fronts_of, wait_until
+from tests.procs import ROOT, Node, RedisServer, free_port, fronts_of, tcp_sockets, wait_until
 from tests.rollout import reference_rollout
 from tests.test_cluster import running
 
@@ -301,22 +301,6 @@ class Robot:
         return True
 
 
-def established(pid: int, port: int) -> int:
-    """How many established TCP connections process ``pid`` holds to a server on ``port``."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if int(fields[2].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
-                    inodes.add(fields[9])
-    held = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            held += os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] in inodes
-    return held
-
-
 def on_the_hop(front: int) -> list[int]:
     """The slots of front process ``front``'s hop to the core that are in use now (asked,
     taken or answered, not yet read back): its region (``node/hop.py``), through /proc."""
@@ -419,7 +403,9 @@ def test_fronts_killed_and_paused_mid_step_and_mid_transfer_leave_one_owner_and_
             for pid in rest + b_fronts:
                 os.kill(pid, signal.SIGSTOP)
             os.kill(core, signal.SIGTERM)  # ...and hands its episodes over to b...
-            wait_until(lambda: established(core, b.port), 30, "a's transfer to b")
+            wait_until(
+                lambda: tcp_sockets(core, b.port, "01", remote=True), 30, "a's transfer to b"
+            )
             os.kill(mid_step, signal.SIGKILL)  # ...while b's fronts hold the transfer
             os.kill(b_fronts[0], signal.SIGKILL)
             for pid in rest + b_fronts[1:]:
