@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -25,6 +26,7 @@ import pytest
 import redis
 
 from affinity.keys import Keys
+from node.hop import FREE, Region
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,6 +100,43 @@ def connections(pid: int, port: int) -> int:
 def listening(pid: int, port: int) -> bool:
     """Whether process ``pid`` holds a listening TCP socket on ``port``."""
     return tcp_sockets(pid, port, "0A") > 0
+
+
+@contextlib.contextmanager
+def region_of(front: int) -> Iterator[Region]:
+    """Front process ``front``'s hop region (``node/hop.py``), opened through /proc."""
+    with open(f"/proc/{front}/cmdline", "rb") as f:
+        argv = f.read().split(b"\0")
+    region_fd = int(argv[argv.index(b"node.front") + 3])
+    region = Region.open(os.open(f"/proc/{front}/fd/{region_fd}", os.O_RDWR))
+    try:
+        yield region
+    finally:
+        region.close()
+
+
+def on_the_hop(front: int) -> list[int]:
+    """The slots of front process ``front``'s hop to the core that are in use now (asked,
+    taken or answered, not yet read back)."""
+    with region_of(front) as region:
+        return [k for k in range(region.slots) if region.state(k) != FREE]
+
+
+def front_mid_step(fronts: Callable[[], list[int]], port: int, timeout: float = 30) -> int:
+    """The front holding the one client connection to ``port`` once that client's step is
+    on its hop to the core (waited for, bounded: no guess at how long a step takes)."""
+    found: list[int] = []
+
+    def mid_step() -> bool:
+        for pid in fronts():
+            with contextlib.suppress(OSError, ValueError):
+                if connections(pid, port) == 1 and on_the_hop(pid):
+                    found[:] = [pid]
+                    return True
+        return False
+
+    wait_until(mid_step, timeout, "a front with the client's step on its hop", interval=0.01)
+    return found[0]
 
 
 def fronts_of(core: int) -> list[int]:

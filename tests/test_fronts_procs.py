@@ -27,7 +27,16 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 from affinity import wire
 from node.models import DEMO_MODEL
 from tests.models import counter_policy
-from tests.procs import ROOT, Node, RedisServer, alive, children, connections, wait_until
+from tests.procs import (
+    ROOT,
+    Node,
+    RedisServer,
+    alive,
+    children,
+    connections,
+    front_mid_step,
+    wait_until,
+)
 from tests.rollout import reference_rollout
 
 pytestmark = [
@@ -365,10 +374,8 @@ def test_a_step_whose_front_died_mid_step_is_kept_for_the_clients_retry(tmp_path
 
             sender = threading.Thread(target=second)
             sender.start()
-            time.sleep(0.3)  # the step is on the hop, its model running (1-5 s)
+            holder = front_mid_step(lambda: fronts(node), node.port)
             assert sender.is_alive(), "the step was answered before its front could be killed"
-            holder = max(fronts(node), key=lambda pid: connections(pid, node.port))
-            assert connections(holder, node.port) == 1
             os.kill(holder, signal.SIGKILL)
             sender.join(60)
         assert lost, "the client should have lost its connection with its front"
@@ -406,10 +413,8 @@ def test_a_step_whose_front_died_mid_step_is_kept_for_the_clients_retry(tmp_path
 
             sender = threading.Thread(target=second_plain)
             sender.start()
-            time.sleep(0.3)  # the step is on the hop, its model running (1-5 s)
+            holder = front_mid_step(lambda: fronts(node), node.port)
             assert sender.is_alive(), "the step was answered before its front could be killed"
-            holder = max(fronts(node), key=lambda pid: connections(pid, node.port))
-            assert connections(holder, node.port) == 1
             os.kill(holder, signal.SIGKILL)
             sender.join(60)
         assert lost, "the client should have lost its connection with its front"

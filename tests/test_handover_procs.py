@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,10 +28,20 @@ import tritonclient.http as th
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from affinity import Client, Keys
-from node.hop import ANSWERED, FREE, Region
+from node.hop import ANSWERED
 from node.models import DEMO_MODEL
 from tests.models import big_state_policy, counter_policy
-from tests.procs import ROOT, Node, RedisServer, free_port, fronts_of, tcp_sockets, wait_until
+from tests.procs import (
+    ROOT,
+    Node,
+    RedisServer,
+    free_port,
+    fronts_of,
+    on_the_hop,
+    region_of,
+    tcp_sockets,
+    wait_until,
+)
 from tests.rollout import reference_rollout
 from tests.test_cluster import running
 
@@ -299,25 +308,6 @@ class Robot:
         self.replies += 1
         self.replayed += bool(got["replayed"])
         return True
-
-
-def on_the_hop(front: int) -> list[int]:
-    """The slots of front process ``front``'s hop to the core that are in use now (asked,
-    taken or answered, not yet read back): its region (``node/hop.py``), through /proc."""
-    with region_of(front) as region:
-        return [k for k in range(region.slots) if region.state(k) != FREE]
-
-
-@contextlib.contextmanager
-def region_of(front: int) -> Iterator[Region]:
-    with open(f"/proc/{front}/cmdline", "rb") as f:
-        argv = f.read().split(b"\0")
-    region_fd = int(argv[argv.index(b"node.front") + 3])
-    region = Region.open(os.open(f"/proc/{front}/fd/{region_fd}", os.O_RDWR))
-    try:
-        yield region
-    finally:
-        region.close()
 
 
 def answered(front: int, slots: list[int]) -> list[tuple[str, int]] | None:
