@@ -212,6 +212,10 @@ _FLAGS = (
           "process alone; N > 1 is slower than 1 until the worker processes come: "
           "docs/operations.md)",
           int, low=1, high=64),
+    _Flag("--device-workers", "AFFINITY_DEVICE_WORKERS", "thread",
+          "where each device's model sessions run: thread (a thread of the node's process) "
+          "| process (a worker process per device, restarted when it dies: "
+          "docs/operations.md)", choices=("thread", "process")),
     _Flag("--grpc-port", "AFFINITY_GRPC_PORT", None,
           "also serve KServe v2 over gRPC (Triton's GRPCInferenceService) on this port "
           "(none: off)", int, low=1, high=65535),

@@ -54,5 +54,15 @@ class CrashTracker:
                 self.down_since = self.clock()  # a failed probe restarts the cool-down
             return False
 
+    def force_down(self, error: str) -> bool:
+        """Take the device down now, whatever the count (its worker process died); True
+        when this takes it down."""
+        with self.lock:
+            self.last_error = error
+            self.failures = max(self.failures, self.threshold)
+            was_down = self.down
+            self.down_since = self.clock()
+            return not was_down
+
     def probe_due(self) -> bool:
         return self.down_since is not None and self.clock() - self.down_since >= self.cooldown_s

@@ -379,6 +379,18 @@ class MultiGpuDispatcher:
         Returns the devices that came back up."""
         return [dev.id for dev in self._devices.values() if await warmup.probe(dev, self.contract)]
 
+    def lost(self, device: str, reason: str) -> None:
+        """``device``'s sessions are gone (its worker process died): down at once."""
+        self._device(device).go_down(reason)
+
+    async def restored(self, device: str) -> None:
+        """``device``'s sessions are back (a new worker process): warm it up on its thread
+        (:func:`warmup.warm_up`, capturing its CUDA graphs again), then up. Raises what the
+        warm-up raised (the device stays down; its probe tries again after the cool-down)."""
+        dev = self._device(device)
+        await warmup.warm_up(dev, self.contract)
+        dev.count_success()
+
     async def warm_up(self) -> None:
         """Warm every device up on its own worker thread, one device after another, before
         serving (:func:`warmup.warm_up`). Raises what a run raised (nothing is counted: the

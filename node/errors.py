@@ -17,6 +17,9 @@ The hierarchy (``ValueError`` subclasses are a client's bad values)::
     │   └── DeviceDown       503: the device waits for a probe after crashes
     ├── ForwardError         503: the owner could not be reached
     ├── AdminRefused         401/403: an admin route without the admin's token
+    ├── WorkerGone           a device's worker process died or is restarting (a failed run)
+    ├── RuntimeError
+    │   └── WorkerRunError   a run that raised in a device's worker process (a failed run)
     ├── GpuUnavailable       start-up only: the node exits (no status)
     │   ├── CudaUnavailable
     │   └── CudaGraphUnavailable
@@ -88,6 +91,8 @@ __all__ = [
     "Unavailable",
     "Uncarried",
     "Undelivered",
+    "WorkerGone",
+    "WorkerRunError",
     "outcome",
     "refusal",
 ]
@@ -306,6 +311,21 @@ class DeviceDown(StepRefused):
     def __init__(self, device: str) -> None:
         self.device = device
         super().__init__(f"device {device} is down after repeated model failures")
+
+
+class WorkerGone(Exception):
+    """A device's worker process (``--device-workers process``, ``node/deviceprocs.py``)
+    died during a run, or is being restarted: the run failed, and the device is down until
+    its new worker process is up."""
+
+    def __init__(self, device: str, why: str) -> None:
+        self.device = device
+        super().__init__(f"the worker process of device {device} {why}")
+
+
+class WorkerRunError(RuntimeError):
+    """A run that raised in a device's worker process; ``str()`` is the error there, as
+    ``Type: message`` (counted as the device's failure, as a session of the core's own)."""
 
 
 class GpuUnavailable(Exception):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import hmac
 import itertools
 import json
@@ -87,6 +86,7 @@ from node.hop import (
     Array,
     FrontHop,
     Region,
+    die_with_parent,
     lift,
     lower,
 )
@@ -119,7 +119,6 @@ __all__ = ["main"]
 
 log = logging.getLogger("affinity.node")
 
-PR_SET_PDEATHSIG = 1
 TIMING_HEADER = b"x-affinity-timing"  # node/timing.py's, not imported: it loads the models
 _HEADERS = (b"content-type", b"accept", b"authorization", TIMING_HEADER)
 LAG_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -135,15 +134,6 @@ _HOP_BY_HOP = frozenset(
 def _asks_timing(value: str | None) -> bool:
     """``node/timing.py``'s ``asks_timing`` (not imported: it loads the models)."""
     return value is not None and value.strip().lower() in ("1", "true")
-
-
-def die_with_parent(parent: int) -> None:
-    """SIGKILL this process when its parent dies; exit now if it already has."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
-    if os.getppid() != parent:  # the parent died before prctl: nobody would kill us
-        os._exit(0)
 
 
 def _inputs(raw: Any, binary: bool, arrays: list[Array]) -> dict[str, Any]:

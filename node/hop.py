@@ -37,8 +37,10 @@ will read them in place.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import mmap
 import os
+import signal
 import struct
 import time
 from bisect import bisect_left
@@ -56,8 +58,10 @@ Array = npt.NDArray[Any]
 
 __all__ = [
     "ACT",
+    "ANSWERED",
     "KSERVE",
     "NOTE",
+    "REPLY",
     "ROWS",
     "UNDELIVERED",
     "WS_CLOSE",
@@ -67,6 +71,7 @@ __all__ = [
     "FrontHop",
     "Region",
     "SharedLoopBuckets",
+    "die_with_parent",
     "lift",
     "lower",
     "pack",
@@ -88,6 +93,7 @@ WS_OPEN, WS_STEP, WS_CLOSE = 6, 7, 8
 reply is its metadata frame), one observation frame (decoded by the front, its arrays
 carried raw: :func:`lift`), the connection closed."""
 REPLY = 9
+PR_SET_PDEATHSIG = 1
 MAX_SLOTS = 63
 """A doorbell's count is a set of slots (``1 << slot``), under the eventfd's largest count."""
 LAG_AT = 64
@@ -350,6 +356,15 @@ def lower(obj: Any, arrays: list[Array]) -> Any:
     except (IndexError, ValueError, TypeError, struct.error, msgpack.UnpackException) as exc:
         raise HopError(f"bad carried value: {exc}") from None
     raise HopError(f"unknown extension {obj.code}")
+
+
+def die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent dies; exit now if it already has."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != parent:  # the parent died before prctl: nobody would kill us
+        os._exit(0)
 
 
 class SharedLoopBuckets:

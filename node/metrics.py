@@ -48,8 +48,9 @@ FORWARD = ("ok", "refused", "unreachable")
 REJECTED = ("bad_input", "too_large", "malformed", "unauthorized", "forbidden")
 DOORS = ("act", "kserve_http", "kserve_grpc", "openpi")
 """The front doors a step may come in by (``Step.door``)."""
-FRONTS_ONLY = frozenset({"affinity_front_restarts_total"})
-"""Families a node has only with ``--front-doors`` above 1 (driven by the fronts' tests)."""
+FRONTS_ONLY = frozenset({"affinity_front_restarts_total", "affinity_device_worker_restarts_total"})
+"""Families a node drives only with ``--front-doors`` above 1 or ``--device-workers process``
+(driven by those processes' tests)."""
 PARTS = ("queue", "run", "forward")
 """The parts of a step's time ``affinity_step_part_seconds`` splits out."""
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.0125, 0.02, 0.025, 0.0333, 0.05, 0.1,
@@ -62,6 +63,7 @@ LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
     "affinity_act_seconds": {"path": PATHS},
     "affinity_event_loop_lag_seconds": {"front": "front"},
     "affinity_front_restarts_total": {},
+    "affinity_device_worker_restarts_total": {"device": "device"},
     "affinity_record_frames_total": {"outcome": ("queued", "dropped", "written")},
     "affinity_live_episodes": {"device": "device"},
     "affinity_worker_queue_depth": {"device": "device"},
@@ -220,6 +222,12 @@ class Metrics:
         self.front_restarts = Counter(
             "affinity_front_restarts_total",
             "Front door processes (--front-doors) restarted after they died.",
+            registry=r,
+        )
+        self.device_worker_restarts = Counter(
+            "affinity_device_worker_restarts_total",
+            "Device worker processes (--device-workers process) restarted after they died.",
+            ["device"],
             registry=r,
         )
         self.live = Gauge(

@@ -43,6 +43,7 @@ from node.catalog import Catalog, contract_record
 from node.chunks import ChunkMode
 from node.config import NodeConfig
 from node.contract import PolicyContract
+from node.deviceprocs import DeviceProcs
 from node.devices import DeviceSpec
 from node.dispatcher import MultiGpuDispatcher, WorkerHooks
 from node.episodes import EpisodeTable
@@ -104,6 +105,7 @@ class NodeService:
         pool: Poster | None = None,
         models: Mapping[str, tuple[ModelId, PolicyContract]] | None = None,
         candidates: CandidateFactory | None = None,
+        device_procs: DeviceProcs | None = None,
     ) -> None:
         self.config = config
         self.node_id = config.node_id
@@ -128,6 +130,8 @@ class NodeService:
         self.providers = dict(providers)
         self.device_ids = [f"{config.node_id}/{s.index}" for s in specs]
         self.metrics = Metrics(self.device_ids, config.capacity)
+        # --device-workers process: each device's sessions in a worker process of its own
+        self.device_procs = device_procs
         self.recorder = self._recorder()
         # the workers report crash transitions to the health and their runs' times to
         # scored placement (self._ran: the step times are made from the dispatchers' limits)
@@ -243,6 +247,22 @@ class NodeService:
     def _on_transition(self, device: str, to: str, reason: str) -> None:
         self.health.on_transition_threadsafe(device, to, reason)
 
+    def _device_lost(self, device: str, reason: str) -> None:
+        """``device``'s worker process died: down at once for every model (live and
+        shadow candidates): its episodes move at their next step."""
+        for dispatcher in (*self.dispatchers.values(), *self.shadow.candidates.values()):
+            dispatcher.lost(device, reason)
+
+    async def _device_back(self, device: str) -> None:
+        """``device``'s new worker process has opened its sessions: warm each model up on
+        it, then the device is up again."""
+        for dispatcher in (*self.dispatchers.values(), *self.shadow.candidates.values()):
+            await dispatcher.restored(device)
+        log.info("device %s is back after its worker process was restarted", device)
+
+    def _device_restarted(self, device: str) -> None:
+        self.metrics.device_worker_restarts.labels(device).inc()
+
     def _ran(self, device: str, run: tuple[int, float]) -> None:
         self.step_times.ran(device, run)
 
@@ -336,6 +356,9 @@ class NodeService:
             # its episodes, so the grace period an empty Redis gets does not apply
             await self.registry.new_fleet()
         self.health.start()
+        if self.device_procs is not None:
+            self.device_procs.supervise(self._device_lost, self._device_back,
+                                        self._device_restarted)  # fmt: skip
         await self.lease.start()
         self._maintenance = asyncio.create_task(self._maintain(), name="affinity-maintenance")
         self._loop_lag = asyncio.create_task(
@@ -385,6 +408,8 @@ class NodeService:
         if self.recorder is not None:
             self.recorder.close()
         self.shadow.close()
+        if self.device_procs is not None:  # once the devices' threads have ended
+            await self.device_procs.stop()
         self.pool.close()
         if self.owns_redis:
             clients = (self.redis, self.lease_redis, self.stream_redis)

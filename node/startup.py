@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -21,6 +21,7 @@ from node.catalog import ModelSpec
 from node.cli import flag_message
 from node.config import NodeConfig
 from node.contract import PolicyContract, load_contract
+from node.deviceprocs import DeviceModel, DeviceProcs, RemoteSession
 from node.devices import DeviceSpec, discover, pin_pci_bus_order
 from node.dispatcher import (
     Arrivals,
@@ -38,6 +39,7 @@ from node.providers import CPU, build_session, require_cuda
 from node.recorder import Recorder
 from node.service import CandidateFactory, DispatcherFactory, NodeService
 from node.stats import ModelStats
+from node.worker import MAX_DEFAULT_BATCH
 
 __all__ = ["StartupError", "build_service"]
 
@@ -74,21 +76,40 @@ def build_service(
         pin_pci_bus_order(os.environ)
         devices = _devices(config, specs)
         served = _served(config)
-        sessions, active, providers = _sessions(config, served, devices, session_factory)
+        procs = await _device_procs(config, served, devices, session_factory)
+        try:
+            return await _build(procs, devices, served)
+        except BaseException:
+            if procs is not None:
+                await procs.stop()
+            raise
+
+    async def _build(
+        procs: DeviceProcs | None, devices: list[DeviceSpec], served: Served
+    ) -> NodeService:
+        if procs is None:
+            sessions, active, providers = _sessions(config, served, devices, session_factory)
+        else:
+            sessions, active = dict(procs.sessions), dict(procs.active)
+            providers = {}
+            for spec in devices:
+                providers.setdefault(spec.index, active[(config.served[0].name,
+                                                         procs.device_id(spec))])  # fmt: skip
         client = redis if redis is not None else _redis_client(config)
-        candidates = _candidates(config, devices)
+        candidates = _candidates(config, devices, procs)
         try:
             service = NodeService(
                 config,
                 client,
                 devices,
                 providers,
-                _dispatchers(config, served, sessions, active),
+                _dispatchers(config, served, sessions, active, inline=procs is None),
                 next(iter(served.values()))[2],
                 owns_redis=redis is None,
                 pool=pool,
                 models={name: (mid, contract) for name, (_, mid, contract) in served.items()},
                 candidates=candidates,
+                device_procs=procs,
             )
         except ValueError as exc:  # batching or chunk settings this model cannot take
             raise StartupError(flag_message(exc)) from None
@@ -97,7 +118,10 @@ def build_service(
             for name, (m, mid, contract) in served.items()
             if await _warm_up(name, m, contract, service.dispatchers[name])
         ]
-        graphs = sum(isinstance(s, BoundSession) for s in sessions.values())
+        graphs = sum(
+            isinstance(s, BoundSession) or (isinstance(s, RemoteSession) and bool(s.batch_sizes))
+            for s in sessions.values()
+        )
         if warm:
             log.info(
                 "%d device(s) warmed up on their workers with %s, %d CUDA graph(s)",
@@ -106,6 +130,42 @@ def build_service(
         return service
 
     return factory
+
+
+async def _device_procs(
+    config: NodeConfig,
+    served: Served,
+    devices: list[DeviceSpec],
+    session_factory: Callable[[DeviceSpec], tuple[Session, str]] | None,
+) -> DeviceProcs | None:
+    """With ``--device-workers process``: a worker process per device, started, each with
+    every model's session open (the live models', then the shadow candidates'). None with
+    ``thread``. Raises :class:`StartupError` naming the device and the model that failed."""
+    if config.device_workers != "process":
+        return None
+    if session_factory is not None:
+        raise StartupError(
+            "--device-workers process: the worker processes open their own sessions "
+            "(no session factory)"
+        )
+    batch = config.max_batch or MAX_DEFAULT_BATCH
+    models = [
+        DeviceModel(name, str(m.path), config.intra_op_threads, True, batch)
+        for name, (m, _, _) in served.items()
+    ] + [
+        DeviceModel(str(m.identity()), str(m.path), 1, False, batch)
+        for m in config.shadow_models
+    ]  # fmt: skip
+    procs = DeviceProcs(
+        config.node_id, devices, models, config.providers,
+        max_body_bytes=config.max_body_bytes, log_level=config.log_level,
+        log_format=config.log_format,
+    )  # fmt: skip
+    try:
+        await procs.start()
+    except RuntimeError as exc:
+        raise StartupError(f"--device-workers process: {exc}") from None
+    return procs
 
 
 def _devices(config: NodeConfig, specs: list[DeviceSpec] | None) -> list[DeviceSpec]:
@@ -184,9 +244,16 @@ def _sessions(
 
 
 def _dispatchers(
-    config: NodeConfig, served: Served, sessions: dict[Key, Session], active: dict[Key, str]
+    config: NodeConfig,
+    served: Served,
+    sessions: Mapping[Key, Session],
+    active: dict[Key, str],
+    *,
+    inline: bool = True,
 ) -> DispatcherFactory:
-    """What :class:`NodeService` calls to make one dispatcher per model, on ``sessions``."""
+    """What :class:`NodeService` calls to make one dispatcher per model, on ``sessions``.
+    ``inline`` False: no run on the event loop's thread (a worker process's run must never
+    hold the loop)."""
     crashes, batching, chunks = _step_settings(config)
 
     def dispatchers(
@@ -207,7 +274,7 @@ def _dispatchers(
                     batching,
                     inline_under_us=config.inline_under_us,
                     inline_devices=frozenset(  # CPU sessions only (see DeviceWorker.run_inline)
-                        d for (n, d), p in active.items() if n == name and p == CPU
+                        d for (n, d), p in active.items() if n == name and p == CPU and inline
                     ),
                 ),
                 chunks=chunks,
@@ -245,10 +312,13 @@ def _step_settings(config: NodeConfig) -> tuple[CrashSettings, BatchSettings, Ch
     )
 
 
-def _candidates(config: NodeConfig, devices: list[DeviceSpec]) -> CandidateFactory | None:
+def _candidates(
+    config: NodeConfig, devices: list[DeviceSpec], procs: DeviceProcs | None
+) -> CandidateFactory | None:
     """The dispatchers of ``--shadow-model``: one ONNX Runtime session per device each, on
     one intra-op thread (a ghost's run never takes the live runs' cores), on the ghost
-    table, never run inline on the event loop (``node/shadow.py``)."""
+    table, never run inline on the event loop (``node/shadow.py``). With ``procs``, the
+    sessions are its worker processes'."""
     if not config.shadow_models:
         return None
     sessions: dict[Key, Session] = {}
@@ -258,8 +328,12 @@ def _candidates(config: NodeConfig, devices: list[DeviceSpec]) -> CandidateFacto
         try:
             contracts[mid] = load_contract(m.path)
             for spec in devices:
+                device = f"{config.node_id}/{spec.index}"
+                if procs is not None:
+                    sessions[(mid, device)] = procs.sessions[(mid, device)]
+                    continue
                 built = build_session(m.path, spec, config.providers, intra_op_threads=1)
-                sessions[(mid, f"{config.node_id}/{spec.index}")] = built.session
+                sessions[(mid, device)] = built.session
         except Exception as exc:
             raise StartupError(f"--shadow-model {m.path}: {_one_line(exc)}") from None
 

@@ -443,6 +443,12 @@ class DeviceWorker:
         if went_down:
             self._transition("down", self.tracker.last_error)
 
+    def go_down(self, reason: str) -> None:
+        """Take the device down at once (its worker process died, ``node/deviceprocs.py``):
+        its episodes move at their next step, as after repeated failures."""
+        if self.tracker.force_down(reason):
+            self._transition("down", reason)
+
     def count_hang(self, run: Run) -> None:
         """``run`` was still going at a step's deadline: count one failure (once per run)."""
         # A device that hangs must go down like one that raises, or its episodes never

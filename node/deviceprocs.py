@@ -1,0 +1,424 @@
+"""Each device's model sessions in a worker process of its own (``--device-workers process``,
+issue 43's third slice): the core's side.
+
+With the default (``thread``) every session runs in the node's process, on its device's
+worker thread (``node/worker.py``). With ``process``, the core starts one worker process per
+device (``node/deviceproc.py``), which opens every model's session on that device (the live
+models' and the shadow candidates'), captures its CUDA graphs and loads its TensorRT engines.
+The core keeps everything else: the episodes and their state, the batch window, the owner's
+rules, the crash trackers. A device's thread hands each run to its process through a
+:class:`RemoteSession`, which is the ``Session`` the worker thread runs (``node/jobs.py``):
+the feed is written raw, once, into the model's slot of the device's hop region (a
+``memfd``, ``node/hop.py``), an ``eventfd`` rings the process, and the thread waits on the
+answer's ``eventfd`` and on the process's ``pidfd`` together, so a process that dies ends
+the run at once (:class:`~node.errors.WorkerGone`), never a wait for a deadline.
+
+What it buys: a device's fault is its process's. A run that segfaults ONNX Runtime, or a
+CUDA error that poisons its context for good (an illegal address is sticky: every later
+call in that process fails), takes down that device's process, not the node with every
+episode of every device. The core marks the device down at once (the episodes on it
+move at their next step, ``reassigned`` with ``state_reset``, as for a device its crash
+tracker took down), restarts the process (0.1 s, doubling to 5 s while it keeps dying),
+warms the new one up and brings the device back up. The sessions' own threads (ONNX
+Runtime's) and their Python around each run leave the core's GIL.
+
+What it costs: one hop per model run (a batch is one run), and each process's own copy of
+ONNX Runtime and the model in memory. The state of an episode still lives in the core and
+crosses with each run, as host arrays: with ``--cuda-graph`` a state output is copied to
+the host and back (``BoundSession(state_on_device=False)``), where the threads keep it on
+the device. Moving the episodes into the worker processes is the issue's next slice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from node.deviceproc import RUN
+from node.devices import DeviceSpec
+from node.errors import HopError, WorkerGone, WorkerRunError
+from node.hop import ASKED, Region
+from node.procs import Running
+from node.providers import ProviderSettings
+
+__all__ = ["BACKOFF_S", "SLOT_HEADROOM", "DeviceModel", "DeviceProcs", "RemoteSession"]
+
+log = logging.getLogger("affinity.node")
+
+BACKOFF_S = (0.1, 5.0)
+"""A dead worker process is restarted after the first, doubling up to the second."""
+SLOT_HEADROOM = 16 << 20
+"""Bytes of a model's slot beyond its batch of request bodies (the state, the outputs)."""
+START_S = 600.0
+"""How long a worker process may take to open its sessions (TensorRT builds its engines on
+a GPU's first start: minutes) before the core gives up on it."""
+STOP_S = 5.0
+_ONE = (1).to_bytes(8, "little")
+_SECRETS = ("AFFINITY_CLUSTER_SECRET", "AFFINITY_API_KEY", "AFFINITY_ADMIN_TOKEN")
+"""What a worker process is never given: it serves no client and joins no fleet."""
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """One model a worker process opens: its key (a live model's name, or a candidate's
+    ``name@version``), its file, ONNX Runtime's intra-op threads, whether ``--cuda-graph``
+    applies to it (the live models; candidates run plain), and how many steps a run holds
+    at most (its slot's size)."""
+
+    key: str
+    path: str
+    threads: int
+    graph: bool
+    max_batch: int
+
+
+class _Channel:
+    """One model's end of a worker process's hop, as the core holds it."""
+
+    __slots__ = ("answer", "ask", "pidfd", "poll", "region", "slot")
+
+    def __init__(self, region: Region, slot: int, ask: int, answer: int, pidfd: int) -> None:
+        self.region = region
+        self.slot = slot
+        self.ask = ask
+        self.answer = answer
+        self.pidfd = pidfd
+        self.poll = select.poll()
+        self.poll.register(answer, select.POLLIN)
+        self.poll.register(pidfd, select.POLLIN)
+
+
+class RemoteSession:
+    """A model's session in its device's worker process, run from the device's worker
+    thread (``node.jobs.Session``). ``batch_sizes`` are the process's session's (a CUDA
+    graph's fixed batch), as it said once it opened it. One thread runs it at a time (its
+    device's, for its model); the supervisor swaps its channel when the process is
+    restarted."""
+
+    def __init__(self, key: str, device: str) -> None:
+        self.key = key
+        self.device = device
+        self.channel: _Channel | None = None
+        self.batch_sizes: tuple[int, ...] = ()
+        self.lock = threading.Lock()  # held by a run, and by the supervisor retiring it
+
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> list[Any]:
+        with self.lock:
+            channel = self.channel
+            if channel is None:
+                raise WorkerGone(self.device, "is restarting")
+            arrays = [np.ascontiguousarray(np.asarray(v)) for v in input_feed.values()]
+            outputs = None if output_names is None else list(output_names)
+            meta = {"n": list(input_feed), "o": outputs}
+            try:
+                channel.region.write(channel.slot, ASKED, RUN, meta, arrays)
+            except HopError as exc:  # bigger than --max-body-bytes allows a batch
+                raise WorkerRunError(f"the run does not fit its slot: {exc}") from None
+            os.write(channel.ask, _ONE)
+            while True:
+                ready = {fd for fd, _ in channel.poll.poll()}
+                if channel.answer in ready:  # answered, even if it died just after
+                    os.read(channel.answer, 8)
+                    break
+                if channel.pidfd in ready:
+                    raise WorkerGone(self.device, "died during the run")
+            _, said, values = channel.region.read(channel.slot, copy=True)
+        if "e" in said:
+            raise WorkerRunError(str(said["e"]))
+        return values
+
+
+@dataclass
+class _Worker:
+    """One device's worker process as the supervisor knows it."""
+
+    spec: DeviceSpec
+    process: subprocess.Popen[bytes] | None = None
+    region: Region | None = None
+    fds: list[int] = field(default_factory=list)  # every descriptor of its hop, and its pidfd
+    pidfd: int = -1
+    restarts: int = 0  # in a row (the backoff's): 0 again once it ran a while
+    restarted: int = 0  # since the core started (node/procs.py)
+    started: float = 0.0
+    since_ms: int = 0
+
+
+class _NoLag:
+    """A worker process has no event loop: nothing sampled (``node/procs.py``)."""
+
+    @property
+    def counts(self) -> list[int]:
+        return []
+
+
+class DeviceProcs:
+    """A worker process per device of ``specs``, each opening ``models``; their
+    :class:`RemoteSession` by (model key, device id) in :attr:`sessions`.
+
+    :meth:`start` starts them and waits until each has opened its sessions (raises
+    ``RuntimeError`` naming the device and the model that failed). :meth:`supervise`
+    watches them on the running loop: a process that dies calls ``lost(device id, why)``
+    at once, is restarted, and once the new one has opened its sessions ``back(device
+    id)`` is awaited (the node warms it up and brings the device up). :meth:`stop` ends
+    them. ``restarted`` is called once per restart (a metric)."""
+
+    def __init__(
+        self,
+        node_id: str,
+        specs: Sequence[DeviceSpec],
+        models: Sequence[DeviceModel],
+        providers: ProviderSettings,
+        *,
+        max_body_bytes: int,
+        log_level: str = "info",
+        log_format: str = "plain",
+    ) -> None:
+        self.node_id = node_id
+        self.models = list(models)
+        self.providers = providers
+        self.slot_size = max(m.max_batch for m in self.models) * max_body_bytes + SLOT_HEADROOM
+        self.log = (log_level, log_format)
+        self.workers = {self.device_id(s): _Worker(s) for s in specs}
+        self.sessions: dict[tuple[str, str], RemoteSession] = {
+            (m.key, device): RemoteSession(m.key, device)
+            for device in self.workers
+            for m in self.models
+        }
+        self.active: dict[tuple[str, str], str] = {}
+        """(model key, device id) -> the provider ONNX Runtime runs it on."""
+        self.stopping = False
+        self._lost: Callable[[str, str], None] | None = None
+        self._back: Callable[[str], Awaitable[None]] | None = None
+        self._restarted: Callable[[str], None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def device_id(self, spec: DeviceSpec) -> str:
+        return f"{self.node_id}/{spec.index}"
+
+    # ---- start ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start every worker process and wait until each has opened its sessions, one
+        device after another (CUDA graphs and TensorRT builds are not raced)."""
+        for device, worker in self.workers.items():
+            error = await self._spawn(device, worker)
+            if error is not None:
+                await self.stop()
+                raise RuntimeError(f"device {worker.spec.index} ({worker.spec.name}): {error}")
+
+    async def _spawn(self, device: str, worker: _Worker) -> str | None:
+        """Start ``worker``'s process and wait for its hello; None when it opened every
+        session (its channels are in place), else why it did not."""
+        region = Region.create(len(self.models), self.slot_size)
+        fds = [region.fd]
+        pairs = []
+        for _ in self.models:
+            ask, answer = os.eventfd(0, os.EFD_CLOEXEC), os.eventfd(0, os.EFD_CLOEXEC)
+            fds += [ask, answer]
+            pairs.append((ask, answer))
+        hello_r, hello_w = os.pipe()
+        spec = {
+            "parent": os.getpid(),
+            "device": asdict(worker.spec),
+            "providers": {**asdict(self.providers), "trt_cache_root": str(
+                self.providers.trt_cache_root)},
+            "models": [
+                {"key": m.key, "path": m.path, "threads": m.threads, "graph": m.graph,
+                 "fds": pair}
+                for m, pair in zip(self.models, pairs, strict=True)
+            ],
+            "region": region.fd,
+            "hello": hello_w,
+            "log_level": self.log[0],
+            "log_format": self.log[1],
+        }  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k not in _SECRETS}
+        env["AFFINITY_DEVICE_SPEC"] = json.dumps(spec)
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "node.deviceproc"], pass_fds=(*fds, hello_w), env=env
+            )
+        except OSError as exc:
+            for fd in (*fds, hello_r, hello_w):
+                os.close(fd)
+            region.mm.close()
+            return f"cannot start its worker process: {exc}"
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(hello_w)
+        pidfd = os.pidfd_open(process.pid)
+        worker.process, worker.region, worker.fds, worker.pidfd = process, region, fds, pidfd
+        worker.started, worker.since_ms = time.monotonic(), int(time.time() * 1000)
+        said = await asyncio.to_thread(_hello, hello_r, START_S)
+        if "models" not in said:
+            process.kill()
+            await asyncio.to_thread(process.wait)
+            self._close(worker)
+            return str(said.get("error") or "its worker process exited before its sessions opened")
+        for k, (m, (ask, answer), hello) in enumerate(
+            zip(self.models, pairs, said["models"], strict=True)
+        ):
+            session = self.sessions[(m.key, device)]
+            session.batch_sizes = tuple(hello["batch_sizes"])
+            self.active[(m.key, device)] = str(hello["provider"])
+            session.channel = _Channel(region, k, ask, answer, pidfd)
+        log.info("device %s: worker process %d opened %d session(s)",
+                 device, process.pid, len(self.models))  # fmt: skip
+        return None
+
+    def _close(self, worker: _Worker) -> None:
+        for fd in (*worker.fds, worker.pidfd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        if worker.region is not None:
+            worker.region.mm.close()
+        worker.fds, worker.pidfd, worker.region = [], -1, None
+
+    # ---- supervision -----------------------------------------------------------------------
+
+    def supervise(
+        self,
+        lost: Callable[[str, str], None],
+        back: Callable[[str], Awaitable[None]],
+        restarted: Callable[[str], None],
+    ) -> None:
+        """Watch every worker process from the running loop (see the class doc)."""
+        self._lost, self._back, self._restarted = lost, back, restarted
+        loop = asyncio.get_running_loop()
+        for device, worker in self.workers.items():
+            if worker.pidfd >= 0:
+                loop.add_reader(worker.pidfd, self._died, device, worker, worker.pidfd)
+
+    def _died(self, device: str, worker: _Worker, pidfd: int) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(pidfd)
+        if self.stopping or worker.pidfd != pidfd:
+            return
+        process = worker.process
+        assert process is not None
+        code = process.wait()
+        why = f"exited with {code}" if code >= 0 else f"was killed by {_signal_name(-code)}"
+        log.error("device %s: its worker process %d %s", device, process.pid, why)
+        if self._lost is not None:  # down at once: its episodes move at their next step
+            self._lost(device, f"its worker process {why}")
+        self._track(self._restart(device, worker))
+
+    def _track(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _restart(self, device: str, worker: _Worker) -> None:
+        # the runs on the dead process end at once (its pidfd is readable): retire its
+        # channels once they have, then its hop
+        await asyncio.to_thread(self._retire, device)
+        self._close(worker)
+        worker.process = None
+        while not self.stopping:
+            worker.restarts += 1
+            ran = time.monotonic() - worker.started
+            backoff = min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** min(worker.restarts - 1, 6))
+            if ran > 10 * BACKOFF_S[1]:
+                worker.restarts, backoff = 1, BACKOFF_S[0]
+            await asyncio.sleep(backoff)
+            if self.stopping:
+                return
+            worker.restarted += 1
+            if self._restarted is not None:
+                self._restarted(device)
+            error = await self._spawn(device, worker)
+            if error is None:
+                break
+            log.error("device %s: its restarted worker process failed: %s", device, error)
+        if self.stopping:
+            return
+        loop = asyncio.get_running_loop()
+        loop.add_reader(worker.pidfd, self._died, device, worker, worker.pidfd)
+        if self._back is not None:
+            try:
+                await self._back(device)
+            except Exception:  # the device stays down: its probe tries again
+                log.exception("device %s: bringing it back after its restart failed", device)
+
+    def _retire(self, device: str) -> None:
+        for (_, d), session in self.sessions.items():
+            if d == device:
+                with session.lock:
+                    session.channel = None
+
+    def running(self) -> list[Running]:
+        """Each worker process running now (``node/procs.py``): ``dev<index>``."""
+        return [
+            Running(f"dev{w.spec.index}", w.process.pid, w.since_ms, w.restarted, _NoLag())
+            for w in self.workers.values()
+            if w.process is not None and w.process.poll() is None
+        ]
+
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self.workers.values() if w.process is not None]
+
+    # ---- stop ------------------------------------------------------------------------------
+
+    async def stop(self, timeout_s: float = STOP_S) -> None:
+        """End every worker process (SIGTERM, SIGKILL past ``timeout_s``). Call it once the
+        devices' threads have stopped asking."""
+        self.stopping = True
+        for task in list(self._tasks):
+            task.cancel()
+        loop = asyncio.get_running_loop()
+        for worker in self.workers.values():
+            if worker.pidfd >= 0:
+                loop.remove_reader(worker.pidfd)
+            if worker.process is not None and worker.process.poll() is None:
+                worker.process.send_signal(signal.SIGTERM)
+        until = time.monotonic() + timeout_s
+        for worker in self.workers.values():
+            process = worker.process
+            if process is not None:
+                while process.poll() is None and time.monotonic() < until:
+                    await asyncio.sleep(0.02)
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+            for session in self.sessions.values():
+                if session.channel is not None and session.channel.pidfd == worker.pidfd:
+                    session.channel = None
+            self._close(worker)
+
+
+def _hello(fd: int, timeout_s: float) -> dict[str, Any]:
+    """The worker process's hello line (its pipe closes with it: ``{}`` then)."""
+    with os.fdopen(fd, "rb") as pipe:
+        ready, _, _ = select.select([pipe], [], [], timeout_s)
+        if not ready:
+            return {"error": f"its sessions did not open within {timeout_s:g} s"}
+        line = pipe.readline()
+    if not line:
+        return {}
+    try:
+        said = json.loads(line)
+    except ValueError:
+        return {"error": "its worker process said something unreadable"}
+    return said if isinstance(said, dict) else {}
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
