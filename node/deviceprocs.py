@@ -115,6 +115,9 @@ class RemoteSession:
         self.channel: _Channel | None = None
         self.batch_sizes: tuple[int, ...] = ()
         self.lock = threading.Lock()  # held by a run, and by the supervisor retiring it
+        self.since: float | None = None
+        """When the run in progress was handed to the process (``time.monotonic``; None:
+        none is): the supervisor's watch for a hung process reads it."""
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> list[Any]:
         with self.lock:
@@ -128,14 +131,18 @@ class RemoteSession:
                 channel.region.write(channel.slot, ASKED, RUN, meta, arrays)
             except HopError as exc:  # bigger than --max-body-bytes allows a batch
                 raise WorkerRunError(f"the run does not fit its slot: {exc}") from None
+            self.since = time.monotonic()
             os.write(channel.ask, _ONE)
-            while True:
-                ready = {fd for fd, _ in channel.poll.poll()}
-                if channel.answer in ready:  # answered, even if it died just after
-                    os.read(channel.answer, 8)
-                    break
-                if channel.pidfd in ready:
-                    raise WorkerGone(self.device, "died during the run")
+            try:
+                while True:
+                    ready = {fd for fd, _ in channel.poll.poll()}
+                    if channel.answer in ready:  # answered, even if it died just after
+                        os.read(channel.answer, 8)
+                        break
+                    if channel.pidfd in ready:
+                        raise WorkerGone(self.device, "died during the run")
+            finally:
+                self.since = None
             _, said, values = channel.region.read(channel.slot, copy=True)
         if "e" in said:
             raise WorkerRunError(str(said["e"]))
@@ -174,7 +181,9 @@ class DeviceProcs:
     watches them on the running loop: a process that dies calls ``lost(device id, why)``
     at once, is restarted, and once the new one has opened its sessions ``back(device
     id)`` is awaited (the node warms it up and brings the device up). :meth:`stop` ends
-    them. ``restarted`` is called once per restart (a metric)."""
+    them. ``restarted`` is called once per restart (a metric). A process whose run has
+    gone on for ``hang_s`` (the node's ``--act-deadline``: no step waits longer) is hung:
+    it is killed, and restarted as one that died."""
 
     def __init__(
         self,
@@ -184,6 +193,7 @@ class DeviceProcs:
         providers: ProviderSettings,
         *,
         max_body_bytes: int,
+        hang_s: float = 5.0,
         log_level: str = "info",
         log_format: str = "plain",
     ) -> None:
@@ -192,6 +202,7 @@ class DeviceProcs:
         self.providers = providers
         self.slot_size = max(m.max_batch for m in self.models) * max_body_bytes + SLOT_HEADROOM
         self.log = (log_level, log_format)
+        self.hang_s = hang_s
         self.workers = {self.device_id(s): _Worker(s) for s in specs}
         self.sessions: dict[tuple[str, str], RemoteSession] = {
             (m.key, device): RemoteSession(m.key, device)
@@ -303,6 +314,29 @@ class DeviceProcs:
         for device, worker in self.workers.items():
             if worker.pidfd >= 0:
                 loop.add_reader(worker.pidfd, self._died, device, worker, worker.pidfd)
+        self._track(self._watch_hangs())
+
+    async def _watch_hangs(self) -> None:
+        """Kill a process whose run has outlived ``hang_s``: a wedged GPU (or a process
+        stopped for good) is recovered by a restart, where a thread would stay stuck."""
+        every = min(1.0, self.hang_s / 4)
+        while not self.stopping:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            for (key, device), session in self.sessions.items():
+                since = session.since
+                worker = self.workers[device]
+                process = worker.process
+                if since is None or now - since < self.hang_s or process is None:
+                    continue
+                if process.poll() is None and session.channel is not None:
+                    log.error(
+                        "device %s: a run of %s has gone on for %.1f s (--act-deadline %g s): "
+                        "its worker process %d is hung, killed and restarted",
+                        device, key, now - since, self.hang_s, process.pid,
+                    )  # fmt: skip
+                    process.kill()
+                    session.since = None  # once: its death is seen through its pidfd
 
     def _died(self, device: str, worker: _Worker, pidfd: int) -> None:
         loop = asyncio.get_running_loop()

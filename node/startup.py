@@ -158,7 +158,8 @@ async def _device_procs(
     ]  # fmt: skip
     procs = DeviceProcs(
         config.node_id, devices, models, config.providers,
-        max_body_bytes=config.max_body_bytes, log_level=config.log_level,
+        max_body_bytes=config.max_body_bytes, hang_s=config.act_deadline_s,
+        log_level=config.log_level,
         log_format=config.log_format,
     )  # fmt: skip
     try:
