@@ -186,17 +186,32 @@ async def cmd_devices(args: argparse.Namespace, ctx: Context) -> int:
 
 
 def processes_cell(p: NodeProcesses) -> str:
-    """A node's processes in a word: ``1`` for one process, else ``core+4 fronts``, and
-    what is wrong: fronts not running now, restarts."""
-    if p.fronts == 1:
+    """A node's processes in a word: ``1`` for one process, else the core and what it
+    supervises (``core+4 fronts``, ``core+2 device workers``, ``core+4 fronts+2 device
+    workers``), then what is wrong: processes not running now (``1 down``; with fronts and
+    workers both, each kind apart: ``1 front down, 2 workers down``), restarts."""
+    if p.fronts == 1 and not p.workers:
         return "1"
-    text = f"core+{p.fronts} fronts"
-    down = p.fronts - sum(1 for r in p.processes if r.role != "core")
-    if p.processes and down:  # none listed: an older record, nothing known
-        text += f", {down} down"
+    text = "core"
+    if p.fronts > 1:
+        text += f"+{p.fronts} fronts"
+    if p.workers:
+        text += f"+{p.workers} device worker{plural(p.workers)}"
+    fronts, workers = p.fronts_down, p.workers_down
+    if p.fronts > 1 and p.workers:
+        if fronts:
+            text += f", {fronts} front{plural(fronts)} down"
+        if workers:
+            text += f", {workers} worker{plural(workers)} down"
+    elif fronts or workers:
+        text += f", {fronts or workers} down"
     if p.restarts:
-        text += f", {p.restarts} restart{'s' if p.restarts > 1 else ''}"
+        text += f", {p.restarts} restart{plural(p.restarts)}"
     return text
+
+
+def plural(n: int) -> str:
+    return "s" if n != 1 else ""
 
 
 def lag_cell(lag_ms: float | None) -> str:
@@ -209,7 +224,8 @@ PROCESS_HEADERS = ("NODE", "PROCESS", "PID", "SINCE", "RESTARTS", "LAG P99")
 
 
 def process_rows(nodes: Sequence[NodeStatus]) -> list[tuple[object, ...]]:
-    """A row per process of each node: the core first, then its fronts."""
+    """A row per process of each node: the core first, then its fronts and its device
+    workers (role ``dev<index>``) as the node listed them."""
     return [
         (
             n.node,

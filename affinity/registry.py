@@ -39,6 +39,7 @@ from affinity.models import MAX_WEIGHT, ModelId
 from affinity.scripts import Script, ScriptCaller, bounded, evalsha, replicated
 
 __all__ = [
+    "MAX_DEVICES_PER_NODE",
     "MAX_FRONTS",
     "MAX_WEIGHT",
     "ONE_PROCESS",
@@ -223,8 +224,11 @@ class MoveRequest(NamedTuple):
 
 
 MAX_FRONTS = 64
-"""The most front door processes a node has (``--front-doors``): what bounds the
-description of its processes (at most ``MAX_FRONTS`` + 1 rows, ~6 KiB)."""
+"""The most front door processes a node has (``--front-doors``)."""
+MAX_DEVICES_PER_NODE = 64
+"""The most device worker processes a node describes (``--device-workers process``: one
+per device). With :data:`MAX_FRONTS` it bounds the description of a node's processes (at
+most ``MAX_FRONTS`` + 1 + ``MAX_DEVICES_PER_NODE`` rows, ~10 KiB)."""
 MAX_ROLE = 8
 
 
@@ -232,20 +236,27 @@ MAX_ROLE = 8
 class NodeProcess:
     """One process of a node as its registration and renewals publish it.
 
-    ``role`` is ``core`` (the node's own process: with one process it also serves the doors)
-    or a front's index (``"0"`` ... ``"63"``). ``since_ms`` is when it started (the node's
-    wall clock, ms since the epoch; the core's: when its service was built, once its models
-    loaded); ``restarts`` how many times the core restarted that
-    front since the core started (0 for the core). ``lag_p99_ms`` is the 99th percentile of
-    its event loop's lag over the samples since the node's last renewal, as the upper bound
-    of its ``affinity_event_loop_lag_seconds`` bucket (ms): ``None`` when it sampled
-    nothing since, ``math.inf`` past the largest bound (2.5 s)."""
+    ``role`` is ``core`` (the node's own process: with one process it also serves the doors),
+    a front's index (``"0"`` ... ``"63"``), or ``dev<index>`` for a device's worker process
+    (``"dev0"`` ... ``"dev63"``, ``--device-workers process``). ``since_ms`` is when it
+    started (the node's wall clock, ms since the epoch; the core's: when its service was
+    built, once its models loaded); ``restarts`` how many times the core restarted that
+    front or worker since the core started (0 for the core). ``lag_p99_ms`` is the 99th
+    percentile of its event loop's lag over the samples since the node's last renewal, as the
+    upper bound of its ``affinity_event_loop_lag_seconds`` bucket (ms): ``None`` when it
+    sampled nothing since, and always for a worker (it has no event loop), ``math.inf`` past
+    the largest bound (2.5 s)."""
 
     role: str
     pid: int
     since_ms: int
     restarts: int = 0
     lag_p99_ms: float | None = None
+
+    @property
+    def is_worker(self) -> bool:
+        """Whether it is a device's worker process (role ``dev<index>``)."""
+        return self.role.startswith("dev")
 
     def to_json(self) -> dict[str, Any]:
         """Its fields; the lag is left out when there was no sample, ``null`` past the
@@ -276,17 +287,23 @@ class NodeProcess:
 class NodeProcesses:
     """A node's shape and its processes, published in its record (``procs`` field of
     ``Keys.node``) at its registration and each renewal: ``fronts`` is ``--front-doors``
-    (1: the node is one process), ``processes`` those running (the core first, then each
-    front running now; a front waiting to be restarted is not listed). A record without it
-    (a node of an older version) reads as :data:`ONE_PROCESS`."""
+    (1: the core serves the doors itself), ``workers`` the device worker processes (one per
+    device with ``--device-workers process``; 0: the devices run in the core's threads),
+    ``processes`` those running (the core first, then each front and each worker running
+    now; one waiting to be restarted is not listed). A record without it (a node of an older
+    version) reads as :data:`ONE_PROCESS`; one without ``workers`` as 0."""
 
     fronts: int = 1
     processes: tuple[NodeProcess, ...] = ()
+    workers: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.fronts, bool) or not 1 <= self.fronts <= MAX_FRONTS:
             raise InvalidArgument("fronts", self.fronts, f"must be 1 to {MAX_FRONTS}")
-        most = 1 if self.fronts == 1 else self.fronts + 1  # the core and its fronts
+        if isinstance(self.workers, bool) or not 0 <= self.workers <= MAX_DEVICES_PER_NODE:
+            raise InvalidArgument("workers", self.workers, f"must be 0 to {MAX_DEVICES_PER_NODE}")
+        # the core, its fronts (none apart from it with one door), its device workers
+        most = (1 if self.fronts == 1 else self.fronts + 1) + self.workers
         if len(self.processes) > most:
             raise InvalidArgument("processes", len(self.processes), f"at most {most}")
         for p in self.processes:
@@ -295,11 +312,33 @@ class NodeProcesses:
 
     @property
     def restarts(self) -> int:
-        """Front restarts, every front's together."""
+        """Restarts of the fronts and the device workers, all together."""
         return sum(p.restarts for p in self.processes)
 
+    @property
+    def fronts_down(self) -> int:
+        """Fronts not running now (waiting for their restart, or just starting); 0 with one
+        door, or when no process is listed (a record of an older version: nothing known)."""
+        if self.fronts == 1 or not self.processes:
+            return 0
+        running = sum(1 for p in self.processes if p.role != "core" and not p.is_worker)
+        return max(0, self.fronts - running)
+
+    @property
+    def workers_down(self) -> int:
+        """Device workers not running now; 0 when no process is listed."""
+        if not self.processes:
+            return 0
+        return max(0, self.workers - sum(1 for p in self.processes if p.is_worker))
+
     def to_json(self) -> dict[str, Any]:
-        return {"fronts": self.fronts, "processes": [p.to_json() for p in self.processes]}
+        """``fronts`` and ``processes``; ``workers`` only when there are some, so a reader
+        of an older version sees the record it knows."""
+        out: dict[str, Any] = {"fronts": self.fronts}
+        if self.workers:
+            out["workers"] = self.workers
+        out["processes"] = [p.to_json() for p in self.processes]
+        return out
 
     def encode(self) -> str:
         """The record's ``procs`` field: :meth:`to_json` as compact JSON."""
@@ -308,12 +347,16 @@ class NodeProcesses:
     @classmethod
     def decode(cls, text: str | None) -> NodeProcesses:
         """The ``procs`` field read back. Missing (a node of an older version) or not
-        readable: :data:`ONE_PROCESS`, what such a node is."""
+        readable: :data:`ONE_PROCESS`, what such a node is. Without ``workers``: none."""
         if not text:
             return ONE_PROCESS
         try:
             doc = json.loads(text)
-            return cls(int(doc["fronts"]), tuple(map(NodeProcess.from_json, doc["processes"])))
+            return cls(
+                int(doc["fronts"]),
+                tuple(map(NodeProcess.from_json, doc["processes"])),
+                int(doc.get("workers", 0)),
+            )
         except (ValueError, KeyError, TypeError, AttributeError, AffinityError):
             return ONE_PROCESS
 

@@ -73,16 +73,21 @@ class FleetSource(Protocol):
 
 
 class ProcessOut(BaseModel):
-    """One process of a node (``--front-doors``), as its last renewal published it."""
+    """One process of a node (``--front-doors``, ``--device-workers process``), as its last
+    renewal published it."""
 
-    role: str = Field(description="\"core\" (the node's own process), or a front's index")
+    role: str = Field(
+        description='"core" (the node\'s own process), a front\'s index, or "dev<index>" '
+        "(a device's worker process)"
+    )
     pid: int
     since_ms: int = Field(description="when it started, ms since the epoch (the node's clock)")
-    restarts: int = Field(0, description="times the core restarted this front")
+    restarts: int = Field(0, description="times the core restarted this front or worker")
     lag_p99_ms: float | None = Field(
         None,
         description="its event loop's lag, 99th percentile since the node's previous renewal "
-        "(a bucket's upper bound, ms); absent: no sample since; null: past 2.5 s",
+        "(a bucket's upper bound, ms); absent: no sample since, or a worker (it has no event "
+        "loop); null: past 2.5 s",
     )
 
 
@@ -100,6 +105,11 @@ class NodeOut(BaseModel):
     version: str = ""
     models: list[str] = Field([], description='"name@version" every device of the node serves')
     fronts: int = Field(1, description="--front-doors: 1 = one process, N = a core and N fronts")
+    workers: int = Field(
+        0,
+        description="device worker processes (--device-workers process: one per device); "
+        "absent: 0, the devices run in the core's threads",
+    )
     processes: list[ProcessOut] = Field(
         [], description="its running processes, the core first; [] from a node of an older version"
     )
@@ -127,6 +137,7 @@ class NodesOut(BaseModel):
                             "version": "0.1.0",
                             "models": ["demo_policy@3f2a9c1b7e0d"],
                             "fronts": 2,
+                            "workers": 2,
                             "processes": [
                                 {
                                     "role": "core",
@@ -148,6 +159,18 @@ class NodesOut(BaseModel):
                                     "since_ms": 1795984521775,
                                     "restarts": 1,
                                     "lag_p99_ms": 2.5,
+                                },
+                                {
+                                    "role": "dev0",
+                                    "pid": 4102,
+                                    "since_ms": 1795983839480,
+                                    "restarts": 0,
+                                },
+                                {
+                                    "role": "dev1",
+                                    "pid": 4103,
+                                    "since_ms": 1795983839490,
+                                    "restarts": 0,
                                 },
                             ],
                         }

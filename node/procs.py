@@ -2,16 +2,19 @@
 ``affinity nodes`` and the fleet page show the processes of each node).
 
 With ``--front-doors N`` > 1 a node is its core and N front processes the core supervises
-(``node/fronts.py``); an operator looking at the fleet must see that shape, each process's
-pid, a front that keeps being restarted, and a saturated event loop, without logging in to
-the host. :class:`Processes` describes them (:class:`affinity.registry.NodeProcesses`) when
-the lease asks: at registration and at each renewal, riding the same script call, so it
-costs no Redis command more and is at most a renewal old. A front the core restarted shows
-with its new pid and its restart count at the next renewal.
+(``node/fronts.py``); with ``--device-workers process`` the core also supervises one worker
+process per device (``node/deviceprocs.py``, roles ``dev<index>``). An operator looking at
+the fleet must see that shape, each process's pid, a front or worker that keeps being
+restarted, and a saturated event loop, without logging in to the host. :class:`Processes`
+describes them (:class:`affinity.registry.NodeProcesses`) when the lease asks: at
+registration and at each renewal, riding the same script call, so it costs no Redis command
+more and is at most a renewal old. A process the core restarted shows with its new pid and
+its restart count at the next renewal.
 
 The lag is read from the histograms ``affinity_event_loop_lag_seconds`` already keeps (the
 core's own, and each front's in its hop's shared memory): the 99th percentile of the samples
-since the last description, as the upper bound of its bucket. Nothing is sampled for it.
+since the last description, as the upper bound of its bucket. Nothing is sampled for it. A
+device worker has no event loop: its histogram is empty (no counts), its lag None.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ __all__ = ["Lagging", "ProcessSource", "Processes", "Running", "p99_ms"]
 
 
 class Lagging(Protocol):
-    """A process's loop-lag histogram: one count per bound, then the count past them."""
+    """A process's loop-lag histogram: one count per bound, then the count past them; no
+    counts at all for a process without an event loop (a device worker)."""
 
     @property
     def counts(self) -> list[int]: ...
@@ -47,17 +51,19 @@ class Running:
 
 
 class ProcessSource(Protocol):
-    """What supervises processes beside the core (``node.fronts.Fronts``)."""
+    """What supervises processes beside the core (``node.fronts.Fronts``, the device
+    workers' supervisor)."""
 
     def running(self) -> list[Running]:
-        """The processes running now, in their order (a front waiting to be restarted is
-        not among them)."""
+        """The processes running now, in their order (one waiting to be restarted is not
+        among them)."""
 
 
 def p99_ms(bounds: Sequence[float], before: Sequence[int], now: Sequence[int]) -> float | None:
     """The 99th percentile of the samples counted between ``before`` and ``now`` (each a
     histogram's counts since it began, one per bound then one past them) as its bucket's
-    upper bound in ms: None when none was counted, ``math.inf`` past the largest bound."""
+    upper bound in ms: None when none was counted (or there are no counts: a process
+    without an event loop), ``math.inf`` past the largest bound."""
     window = [max(0, b - a) for a, b in zip(before, now, strict=True)]
     total = sum(window)
     if total == 0:
@@ -73,17 +79,23 @@ def p99_ms(bounds: Sequence[float], before: Sequence[int], now: Sequence[int]) -
 
 class Processes:
     """The description of this node's processes that its lease publishes: the core (this
-    process) and whatever :meth:`watch` was given (the fronts, once started)."""
+    process) and whatever :meth:`watch` was given (the fronts and the device workers, once
+    started). ``fronts`` is ``--front-doors``, ``workers`` the device worker processes the
+    node runs (0: its devices run in the core's threads)."""
 
-    def __init__(self, fronts: int, core_lag: Lagging, bounds: Sequence[float]) -> None:
+    def __init__(
+        self, fronts: int, core_lag: Lagging, bounds: Sequence[float], workers: int = 0
+    ) -> None:
         self.fronts = fronts
+        self.workers = workers
         self.bounds = tuple(bounds)
         self.core = Running("core", os.getpid(), int(time.time() * 1000), 0, core_lag)
         self._sources: list[ProcessSource] = []
         self._seen: dict[str, list[int]] = {}  # role -> its counts at the last description
 
     def watch(self, source: ProcessSource) -> None:
-        """Describe ``source``'s processes too (the fronts, from when they start)."""
+        """Describe ``source``'s processes too (the fronts or the device workers, from when
+        they start)."""
         self._sources.append(source)
 
     def describe(self) -> NodeProcesses:
@@ -96,4 +108,4 @@ class Processes:
             self._seen[r.role] = counts
             lag = p99_ms(self.bounds, before, counts)
             rows.append(NodeProcess(r.role, r.pid, r.since_ms, r.restarts, lag))
-        return NodeProcesses(self.fronts, tuple(rows))
+        return NodeProcesses(self.fronts, tuple(rows), self.workers)

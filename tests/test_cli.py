@@ -15,7 +15,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -23,7 +23,7 @@ import redis
 import redis.asyncio
 
 from affinity import Claims, DeviceRegistration, Keys, ModelId, Registry, Settings
-from affinity.cli import Context, DrainMoves, follow_moves, main, moves_summary
+from affinity.cli import Context, DrainMoves, follow_moves, main, moves_summary, processes_cell
 from affinity.events import EventStream
 from affinity.inventory import Inventory
 from affinity.models import Models
@@ -240,30 +240,65 @@ def test_nodes_show_their_processes(dep: Deployment, capsys: pytest.CaptureFixtu
         NodeProcess("1", 5213, 1_795_984_521_775, 1, math.inf),
         NodeProcess("3", 4190, 1_795_983_840_340),
     ))  # fmt: skip
-    one = NodeProcesses(1, (NodeProcess("core", 77, 1_795_983_839_000, 0, 1.0),))
-    asyncio.run(renew_with(dep.url, {"gpu-a": four, "cpu-b": one}))
+    # one door, a worker process per device (--device-workers process): dev1 not running now
+    workers = NodeProcesses(1, (
+        NodeProcess("core", 77, 1_795_983_839_000, 0, 1.0),
+        NodeProcess("dev0", 78, 1_795_983_839_500, 2),
+    ), 2)  # fmt: skip
+    asyncio.run(renew_with(dep.url, {"gpu-a": four, "cpu-b": workers}))
     code, out, _ = cli(dep, capsys, "nodes")
     assert code == 0
     headers = ["NODE", "URL", "STATE", "ALIVE", "LEASE LEFT", "PROCESSES", "DEVICES"]
     rows = {r["NODE"]: r["PROCESSES"] for r in parse_table(out, headers)}
-    assert rows == {"gpu-a": "core+4 fronts, 1 down, 1 restart", "cpu-b": "1", "gone-c": "1"}
+    assert rows == {
+        "gpu-a": "core+4 fronts, 1 down, 1 restart",
+        "cpu-b": "core+2 device workers, 1 down, 2 restarts",
+        "gone-c": "1",
+    }
     code, out, _ = cli(dep, capsys, "nodes", "--processes")
     assert code == 0
     listed = parse_table(out, ["NODE", "PROCESS", "PID", "SINCE", "RESTARTS", "LAG P99"])
     assert [(r["NODE"], r["PROCESS"], r["PID"], r["RESTARTS"], r["LAG P99"]) for r in listed] == [
         ("cpu-b", "core", "77", "0", "1ms"),
+        ("cpu-b", "dev0", "78", "2", "-"),  # a worker has no event loop: no lag
         ("gpu-a", "core", "4101", "0", "1ms"),
         ("gpu-a", "0", "4187", "0", "2.5ms"),
         ("gpu-a", "1", "5213", "1", ">2500ms"),
         ("gpu-a", "3", "4190", "0", "-"),
     ]
-    assert listed[2]["SINCE"] == "2026-11-29T20:24:00.310Z"  # UTC, to the ms
+    assert listed[3]["SINCE"] == "2026-11-29T20:24:00.310Z"  # UTC, to the ms
     code, out, _ = cli(dep, capsys, "nodes", "--json")
     nodes = {n["node"]: n for n in json.loads(out)}
-    assert nodes["gpu-a"]["fronts"] == 4
+    assert nodes["gpu-a"]["fronts"] == 4 and "workers" not in nodes["gpu-a"]
+    assert (nodes["cpu-b"]["fronts"], nodes["cpu-b"]["workers"]) == (1, 2)
+    assert nodes["cpu-b"]["processes"][1] == {
+        "role": "dev0", "pid": 78, "since_ms": 1_795_983_839_500, "restarts": 2
+    }  # fmt: skip
     assert [p["pid"] for p in nodes["gpu-a"]["processes"]] == [4101, 4187, 5213, 4190]
     assert nodes["gpu-a"]["processes"][2]["lag_p99_ms"] is None  # past 2.5 s
     assert "lag_p99_ms" not in nodes["gpu-a"]["processes"][3]  # no sample since
+
+
+def test_the_processes_cell_in_each_shape() -> None:
+    """One process; fronts; device workers; both (what is down then said of each kind)."""
+    core = NodeProcess("core", 1, 0)
+    fronts = [NodeProcess(str(k), 10 + k, 0) for k in range(4)]
+    workers = [NodeProcess(f"dev{k}", 20 + k, 0) for k in range(2)]
+    assert processes_cell(NodeProcesses(1, (core,))) == "1"
+    assert processes_cell(NodeProcesses(4, (core, *fronts))) == "core+4 fronts"
+    assert processes_cell(NodeProcesses(1, (core, *workers), 2)) == "core+2 device workers"
+    assert processes_cell(NodeProcesses(1, (core, workers[0]), 1)) == "core+1 device worker"
+    both = NodeProcesses(4, (core, *fronts, *workers), 2)
+    assert processes_cell(both) == "core+4 fronts+2 device workers"
+    a_worker_down = replace(both, processes=(core, *fronts, replace(workers[1], restarts=1)))
+    assert (
+        processes_cell(a_worker_down) == "core+4 fronts+2 device workers, 1 worker down, 1 restart"
+    )
+    all_down = NodeProcesses(4, (core, fronts[0]), 2)
+    assert (
+        processes_cell(all_down) == "core+4 fronts+2 device workers, 3 fronts down, 2 workers down"
+    )
+    assert processes_cell(NodeProcesses(4, (), 2)) == "core+4 fronts+2 device workers"  # unknown
 
 
 async def renew_with(url: str, published: dict[str, NodeProcesses]) -> None:

@@ -1,6 +1,6 @@
 """What a node publishes of its processes (``node/procs.py``, issue 43): the 99th percentile
 of each process's loop lag over the samples since the last renewal, read from the
-histograms the node already keeps, and the fronts joining once they start."""
+histograms the node already keeps, and the fronts and device workers joining once they start."""
 
 from __future__ import annotations
 
@@ -63,3 +63,28 @@ def test_each_description_covers_the_samples_since_the_last_one() -> None:
     assert rows[1].lag_p99_ms == 5.0 and rows[2].lag_p99_ms is None
     fronts.rows = [fronts.rows[0], Running("1", 13, 7, 1, fronts.rows[1].lag)]
     assert procs.describe().processes[2] == NodeProcess("1", 13, 7, 1, None)
+
+
+class NoLoop:
+    """A device worker's histogram: it has no event loop, so no counts at all."""
+
+    @property
+    def counts(self) -> list[int]:
+        return []
+
+
+def test_device_workers_are_described_without_a_lag() -> None:
+    assert p99_ms(BOUNDS, [], []) is None  # no counts: no sample, not a crash
+    procs = Processes(1, LoopBuckets(BOUNDS), BOUNDS, workers=2)
+    assert (procs.describe().workers, len(procs.describe().processes)) == (2, 1)
+    workers = FakeFronts()
+    procs.watch(workers)
+    workers.rows = [Running("dev0", 21, 8, 0, NoLoop()), Running("dev1", 22, 9, 0, NoLoop())]
+    for _ in range(2):  # the second one reads the empty counts it saw the first time
+        described = procs.describe()
+        assert described.processes[1:] == (NodeProcess("dev0", 21, 8, 0, None),
+                                           NodeProcess("dev1", 22, 9, 0, None))  # fmt: skip
+    workers.rows = [workers.rows[0], Running("dev1", 23, 10, 1, NoLoop())]  # restarted
+    described = procs.describe()
+    assert described.processes[2] == NodeProcess("dev1", 23, 10, 1, None)
+    assert (described.fronts, described.workers, described.restarts) == (1, 2, 1)

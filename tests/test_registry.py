@@ -20,6 +20,7 @@ from affinity import (
     UnknownNode,
 )
 from affinity.registry import (
+    MAX_DEVICES_PER_NODE,
     MAX_FRONTS,
     ONE_PROCESS,
     NodeProcess,
@@ -431,8 +432,9 @@ async def test_a_record_without_processes_reads_as_one_process(env: Env) -> None
 def test_the_description_of_processes_is_bounded() -> None:
     core = NodeProcess("core", 1, 0)
     big = [NodeProcess(str(k), 4_194_304, 1_795_983_840_310, 99_999, 2500.0) for k in range(64)]
-    most = NodeProcesses(MAX_FRONTS, (core, *big))
-    assert len(most.encode()) < 8192  # ~6 KiB at most, written once a renewal
+    workers = [NodeProcess(f"dev{k}", 4_194_304, 1_795_983_840_310, 99_999) for k in range(64)]
+    most = NodeProcesses(MAX_FRONTS, (core, *big, *workers), MAX_DEVICES_PER_NODE)
+    assert len(most.encode()) < 12 * 1024  # ~10 KiB at most, written once a renewal
     with pytest.raises(InvalidArgument):
         NodeProcesses(MAX_FRONTS + 1)
     with pytest.raises(InvalidArgument):
@@ -440,3 +442,37 @@ def test_the_description_of_processes_is_bounded() -> None:
     with pytest.raises(InvalidArgument):
         NodeProcesses(2, (NodeProcess("x" * 9, 1, 0),))
     assert NodeProcesses.decode(most.encode()) == most
+    # device workers: 0 to MAX_DEVICES_PER_NODE, each one more process the shape may list
+    for bad in (-1, MAX_DEVICES_PER_NODE + 1, True):
+        with pytest.raises(InvalidArgument):
+            NodeProcesses(1, (), bad)
+    assert NodeProcesses(1, (core, *workers[:2]), 2).processes[2].role == "dev1"
+    with pytest.raises(InvalidArgument):
+        NodeProcesses(1, (core, *workers[:3]), 2)
+    with pytest.raises(InvalidArgument):
+        NodeProcesses(4, (core, *big[:4], *workers[:3]), 2)
+    assert NodeProcesses(4, (core, *big[:4], *workers[:2]), 2).restarts == 6 * 99_999
+
+
+def test_device_workers_in_the_description() -> None:
+    """With ``--device-workers process`` a node lists a worker per device (``dev<index>``,
+    no loop lag); ``workers`` is written only when there are some, so an older reader sees
+    the record it knows, and a record without it reads as none."""
+    both = NodeProcesses(4, (*FOUR_FRONTS.processes, NodeProcess("dev0", 4102, 7, 1)), 2)
+    doc = json.loads(both.encode())
+    assert doc["workers"] == 2 and doc["processes"][-1] == {
+        "role": "dev0", "pid": 4102, "since_ms": 7, "restarts": 1
+    }  # fmt: skip
+    assert NodeProcesses.decode(both.encode()) == both
+    assert (both.fronts_down, both.workers_down, both.restarts) == (1, 1, 3)
+    assert [p.is_worker for p in both.processes] == [False] * 4 + [True]
+    assert "workers" not in json.loads(FOUR_FRONTS.encode())
+    assert NodeProcesses.decode(FOUR_FRONTS.encode()).workers == 0
+    old = '{"fronts":2,"processes":[{"role":"core","pid":1,"since_ms":0,"restarts":0}]}'
+    assert NodeProcesses.decode(old) == NodeProcesses(2, (NodeProcess("core", 1, 0),))
+    only = NodeProcesses(1, (NodeProcess("core", 1, 0), NodeProcess("dev1", 3, 0)), 2)
+    assert (only.fronts_down, only.workers_down) == (0, 1)
+    assert NodeProcesses(1, (), 2).workers_down == 0  # none listed: nothing known
+    for bad in ('{"fronts":1,"workers":65,"processes":[]}', '{"fronts":1,"workers":"x",'
+                '"processes":[]}'):  # fmt: skip
+        assert NodeProcesses.decode(bad) == ONE_PROCESS, bad

@@ -407,7 +407,9 @@ async def register_gpu_nodes(url: str) -> None:
 
 def eight_fronts(node: str) -> NodeProcesses:
     """A core and 8 fronts (issue 43); gpu-c's front 5 restarted twice and its front 7 is
-    not running (waiting for its restart), the loop of its front 2 lags past 2.5 s."""
+    not running (waiting for its restart), the loop of its front 2 lags past 2.5 s. gpu-h
+    also runs a worker process per GPU (``--device-workers process``): its worker 3
+    restarted once and its worker 6 is not running."""
     since = 1_795_983_840_000
     rows = [NodeProcess("core", 100, since, 0, 1.0)]
     for k in range(8):
@@ -416,7 +418,12 @@ def eight_fronts(node: str) -> NodeProcesses:
         restarts = 2 if node == "gpu-c" and k == 5 else 0
         lag = math.inf if node == "gpu-c" and k == 2 else 2.5
         rows.append(NodeProcess(str(k), 101 + k, since, restarts, lag))
-    return NodeProcesses(8, tuple(rows))
+    if node != "gpu-h":
+        return NodeProcesses(8, tuple(rows))
+    for k in range(8):
+        if k != 6:
+            rows.append(NodeProcess(f"dev{k}", 201 + k, since, 1 if k == 3 else 0))
+    return NodeProcesses(8, tuple(rows), 8)
 
 
 async def deregister_gpu_nodes(url: str) -> None:
@@ -652,6 +659,18 @@ def test_eight_nodes_of_eight_gpus_fit_one_laptop_screen(page: Page, stack: Stac
         title = page.js("return document.querySelector(\"[data-node='gpu-c'] .procs\").title")
         assert "front 5: pid 106 since 2026-11-29T20:24:00.000Z, 2 restart(s)" in title, title
         assert "front 2: pid 103" in title and "loop lag p99 >2500ms" in title, title
+        procs = page.text(".node-row[data-node='gpu-h'] .procs")
+        assert procs == "core+8 fronts+8 device workers, 1 worker down, 1 restart · lag ≤2.5ms"
+        title = page.js("return document.querySelector(\"[data-node='gpu-h'] .procs\").title")
+        assert "\ndevice 3 worker: pid 204 since 2026-11-29T20:24:00.000Z, 1 restart(s)\n" in title
+        assert "device 6 worker" not in title and title.count("worker") == 7, title
+        # /nodes (what the page reads) carries the workers; a worker's row has no loop lag
+        listed = httpx.get(stack.nodes[0].url + "/nodes", timeout=10).json()["nodes"]
+        nodes = {n["node"]: n for n in listed}
+        assert nodes["gpu-h"]["workers"] == 8 and "workers" not in nodes["gpu-d"]
+        assert nodes["gpu-h"]["processes"][9] == {
+            "role": "dev0", "pid": 201, "since_ms": 1_795_983_840_000, "restarts": 0
+        }  # fmt: skip
 
         ARTIFACTS.mkdir(exist_ok=True)
         shot = ARTIFACTS / "ui-fleet-8x8.png"

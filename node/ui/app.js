@@ -268,17 +268,29 @@
     return q.lag_p99_ms === null ? ">2500ms" : "≤" + q.lag_p99_ms + "ms";
   }
 
-  // A node's processes in a line (1 process, or the core and its fronts, with what is wrong:
-  // fronts not running, restarts, the worst loop lag) and a line per process for its title.
-  // A node of an older version publishes none: it is one process.
+  // A node's processes in a line (1 process, or the core and its fronts and device workers,
+  // with what is wrong: processes not running, restarts, the worst loop lag) and a line per
+  // process for its title. A node of an older version publishes none: it is one process.
+  // A device worker (role "dev<index>") has no event loop, so no lag.
   function processes(n) {
-    const list = n.processes || [], fronts = n.fronts || 1;
-    const running = list.filter((q) => q.role !== "core").length;
-    const down = fronts > 1 && list.length ? fronts - running : 0;
+    const list = n.processes || [], fronts = n.fronts || 1, workers = n.workers || 0;
+    const isWorker = (q) => q.role.startsWith("dev");
+    const plural = (k) => (k !== 1 ? "s" : "");
+    const frontsUp = list.filter((q) => q.role !== "core" && !isWorker(q)).length;
+    const workersUp = list.filter(isWorker).length;
+    const frontsDown = fronts > 1 && list.length ? Math.max(0, fronts - frontsUp) : 0;
+    const workersDown = list.length ? Math.max(0, workers - workersUp) : 0;
+    const down = frontsDown + workersDown;
     const restarts = list.reduce((s, q) => s + (q.restarts || 0), 0);
-    const parts = [fronts > 1 ? "core+" + fronts + " fronts" : "1 process"];
-    if (down) parts.push(down + " down");
-    if (restarts) parts.push(restarts + " restart" + (restarts > 1 ? "s" : ""));
+    let shape = fronts > 1 || workers ? "core" : "1 process";
+    if (fronts > 1) shape += "+" + fronts + " fronts";
+    if (workers) shape += "+" + workers + " device worker" + plural(workers);
+    const parts = [shape];
+    if (fronts > 1 && workers) { // both kinds: say which is down
+      if (frontsDown) parts.push(frontsDown + " front" + plural(frontsDown) + " down");
+      if (workersDown) parts.push(workersDown + " worker" + plural(workersDown) + " down");
+    } else if (down) parts.push(down + " down");
+    if (restarts) parts.push(restarts + " restart" + plural(restarts));
     const lags = list.filter((q) => "lag_p99_ms" in q);
     let text = parts.join(", ");
     if (lags.length) {
@@ -286,10 +298,13 @@
         q.lag_p99_ms > w.lag_p99_ms) ? q : w));
       text += " · lag " + lagText(worst);
     }
-    const rows = list.map((q) => (q.role === "core" ? "core" : "front " + q.role) +
-      ": pid " + q.pid + " since " + new Date(q.since_ms).toISOString() +
-      (q.role === "core" ? "" : ", " + (q.restarts || 0) + " restart(s)") +
-      ", loop lag p99 " + lagText(q));
+    const rows = list.map((q) => {
+      const since = ": pid " + q.pid + " since " + new Date(q.since_ms).toISOString();
+      if (q.role === "core") return "core" + since + ", loop lag p99 " + lagText(q);
+      const restarted = ", " + (q.restarts || 0) + " restart(s)";
+      if (isWorker(q)) return "device " + q.role.slice(3) + " worker" + since + restarted;
+      return "front " + q.role + since + restarted + ", loop lag p99 " + lagText(q);
+    });
     return { text, rows, restarts, down };
   }
 
