@@ -155,7 +155,14 @@ class NodeService:
         self._lag_label = "0" if config.front_doors <= 1 else "core"
         lag = self.metrics.loop_lag
         # this node's processes, published with its lease (the fronts join when they start)
-        self.processes = Processes(config.front_doors, lag.labels(self._lag_label), lag.bounds)
+        self.processes = Processes(
+            config.front_doors,
+            lag.labels(self._lag_label),
+            lag.bounds,
+            workers=len(specs) if device_procs is not None else 0,
+        )
+        if device_procs is not None:  # published from the registration on
+            self.processes.watch(device_procs)
         self.lease = Lease(
             config,
             lease_registry,
