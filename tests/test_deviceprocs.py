@@ -1,0 +1,240 @@
+"""node/deviceprocs.py with real worker processes, without a node: a run through a worker
+process equals the same session's run in this one; an error there is a failed run; a worker
+that dies mid-run ends the run at once and is restarted (lost, restarted, back, in that
+order); a hung one is killed at the hang bound; a feed too big for its slot is refused
+before it is sent; a model the process cannot open stops the start naming it; stop leaves
+no process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from node.deviceprocs import DeviceModel, DeviceProcs, RemoteSession
+from node.devices import DeviceSpec
+from node.errors import WorkerGone, WorkerRunError
+from node.providers import ProviderSettings, build_session
+
+pytestmark = pytest.mark.anyio
+
+DEMO = Path(__file__).resolve().parent.parent / "node" / "models" / "demo_policy.onnx"
+CPU0 = DeviceSpec(0, "cpu", None, "cpu", "cpu-0", "cpu", 0)
+WAIT_S = 60.0  # bound of every wait below (a busy machine: never a measure of speed)
+
+
+def procs(hang_s: float = 60.0, path: Path = DEMO, body: int = 1 << 20) -> DeviceProcs:
+    return DeviceProcs(
+        "n", [CPU0], [DeviceModel("demo", str(path), 1, True, 2)], ProviderSettings(),
+        max_body_bytes=body, hang_s=hang_s,
+    )  # fmt: skip
+
+
+def feed(batch: int = 1, seed: int = 0) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    return {
+        "obs": rng.standard_normal((batch, 8)).astype(np.float32),
+        "state_in.hidden": rng.standard_normal((batch, 16)).astype(np.float32),
+    }
+
+
+@pytest.fixture
+async def started() -> AsyncIterator[DeviceProcs]:
+    p = procs()
+    await p.start()
+    try:
+        yield p
+    finally:
+        await p.stop()
+
+
+def pid_of(p: DeviceProcs) -> int:
+    (pid,) = p.pids()
+    return pid
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] == "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return True
+
+
+async def until(check: Callable[[], object], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+def in_thread(session: RemoteSession, given: dict[str, Any]) -> tuple[threading.Thread, list[Any]]:
+    """``session.run`` on a thread of its own (as a device's thread runs it): the thread and
+    a list that receives what it returned or raised."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(session.run(["actions", "state_out.hidden"], given))
+        except Exception as exc:
+            out.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+async def test_runs_equal_this_process_sessions_and_say_the_provider(
+    started: DeviceProcs,
+) -> None:
+    session = started.sessions[("demo", "n/0")]
+    assert started.active[("demo", "n/0")] == "CPUExecutionProvider"
+    assert session.batch_sizes == ()  # no CUDA graph: any batch
+    local = build_session(DEMO, CPU0, ProviderSettings()).session
+    names = ["actions", "state_out.hidden"]
+    for batch, seed in ((1, 1), (2, 2), (1, 3)):
+        given = feed(batch, seed)
+        got = await asyncio.to_thread(session.run, names, given)
+        want = local.run(names, given)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+    # every output, in the session's order, when none is named
+    got = await asyncio.to_thread(session.run, None, feed())
+    assert len(got) == len(local.get_outputs())
+
+
+async def test_an_error_in_the_process_is_a_failed_run_and_the_process_goes_on(
+    started: DeviceProcs,
+) -> None:
+    session = started.sessions[("demo", "n/0")]
+    pid = pid_of(started)
+    bad = {"obs": np.zeros((1, 3), np.float32), "state_in.hidden": np.zeros((1, 16), np.float32)}
+    with pytest.raises(WorkerRunError, match="obs"):
+        await asyncio.to_thread(session.run, ["actions"], bad)
+    (actions,) = await asyncio.to_thread(session.run, ["actions"], feed())
+    assert actions.shape[0] == 1 and pid_of(started) == pid
+
+
+async def test_a_feed_too_big_for_its_slot_is_refused_before_it_is_sent() -> None:
+    p = procs(body=1024)  # a slot of 2 bodies + the headroom
+    await p.start()
+    try:
+        session = p.sessions[("demo", "n/0")]
+        huge = {"obs": np.zeros((1, 8), np.float32), "big": np.zeros(40 << 20, np.uint8)}
+        with pytest.raises(WorkerRunError, match="does not fit its slot"):
+            await asyncio.to_thread(session.run, ["actions"], huge)
+        (actions,) = await asyncio.to_thread(session.run, ["actions"], feed())
+        assert actions.shape[0] == 1
+    finally:
+        await p.stop()
+
+
+async def test_a_worker_killed_mid_run_ends_the_run_at_once_and_comes_back(
+    started: DeviceProcs,
+) -> None:
+    events: list[str] = []
+    back = asyncio.Event()
+
+    async def came_back(device: str) -> None:
+        events.append(f"back {device}")
+        back.set()
+
+    started.supervise(
+        lambda device, why: events.append(f"lost {device} {why}"),
+        came_back,
+        lambda device: events.append(f"restarted {device}"),
+    )
+    session = started.sessions[("demo", "n/0")]
+    pid = pid_of(started)
+    os.kill(pid, signal.SIGSTOP)  # the run is in the process, and stays there
+    thread, out = in_thread(session, feed())
+    await until(lambda: session.since is not None, "the run handed to the process")
+    os.kill(pid, signal.SIGKILL)
+    await until(lambda: out, "the run's end")
+    assert isinstance(out[0], WorkerGone), out
+    await asyncio.wait_for(back.wait(), WAIT_S)
+    assert events == [
+        "lost n/0 its worker process was killed by SIGKILL",
+        "restarted n/0",
+        "back n/0",
+    ]
+    assert pid_of(started) != pid and gone(pid)
+    (actions,) = await asyncio.to_thread(session.run, ["actions"], feed())
+    assert actions.shape == (1, 4, 2)
+    thread.join(WAIT_S)
+
+
+async def test_a_run_while_the_worker_restarts_fails_at_once() -> None:
+    p = procs()
+    await p.start()
+    try:
+        lost = asyncio.Event()
+        release = asyncio.Event()
+
+        async def back(device: str) -> None:
+            await release.wait()
+
+        p.supervise(lambda device, why: lost.set(), back, lambda device: None)
+        session = p.sessions[("demo", "n/0")]
+        os.kill(pid_of(p), signal.SIGKILL)
+        await asyncio.wait_for(lost.wait(), WAIT_S)
+        await until(lambda: session.channel is None, "the dead process's channel retired")
+        with pytest.raises(WorkerGone, match="restarting"):
+            await asyncio.to_thread(session.run, ["actions"], feed())
+        release.set()
+    finally:
+        await p.stop()
+
+
+async def test_a_hung_worker_is_killed_at_the_hang_bound_and_restarted() -> None:
+    p = procs(hang_s=0.5)
+    await p.start()
+    try:
+        back = asyncio.Event()
+        reasons: list[str] = []
+
+        async def came_back(device: str) -> None:
+            back.set()
+
+        p.supervise(lambda device, why: reasons.append(why), came_back, lambda device: None)
+        session = p.sessions[("demo", "n/0")]
+        pid = pid_of(p)
+        os.kill(pid, signal.SIGSTOP)  # hung: alive, never answers
+        thread, out = in_thread(session, feed())
+        await until(lambda: out, "the hung run's end")
+        assert isinstance(out[0], WorkerGone), out
+        assert reasons == ["its worker process was killed by SIGKILL"]
+        await asyncio.wait_for(back.wait(), WAIT_S)
+        assert pid_of(p) != pid
+        thread.join(WAIT_S)
+    finally:
+        await p.stop()
+
+
+async def test_a_model_the_process_cannot_open_stops_the_start_naming_it(
+    tmp_path: Path,
+) -> None:
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"not a model")
+    p = procs(path=broken)
+    with pytest.raises(RuntimeError, match=r"device 0 \(cpu\): demo: .*broken\.onnx"):
+        await p.start()
+    assert p.pids() == [] or all(gone(pid) for pid in p.pids())
+
+
+async def test_stop_ends_every_process() -> None:
+    p = procs()
+    await p.start()
+    pid = pid_of(p)
+    await p.stop()
+    assert gone(pid)
+    with pytest.raises(WorkerGone):
+        p.sessions[("demo", "n/0")].run(["actions"], feed())
