@@ -17,9 +17,10 @@ Started by the core as ``python -m node.deviceproc`` with its spec in
 descriptors it inherits). It writes one JSON line to its hello descriptor: each model's
 provider and batch sizes once every session is open, or the error that stopped it (the
 core's start-up names it and exits). It dies with the core (``PR_SET_PDEATHSIG``) and
-leaves when the core sends SIGUSR1. SIGINT and SIGTERM are the core's to act on: a ^C in a
-terminal, or a service manager that signals every process of the node's group, must not
-end a device while the core hands its episodes over.
+leaves when the core sends SIGUSR1. SIGINT and SIGTERM are the core's to act on: it starts
+the process with them blocked (``node.hop.deaf_children``), so a ^C in a terminal, or a
+service manager that signals every process of the node's group, never ends a device while
+the core hands its episodes over.
 """
 
 from __future__ import annotations
@@ -127,8 +128,7 @@ def main() -> None:
     logging.basicConfig(level=getattr(logging, str(spec.get("log_level", "info")).upper(),
                                       logging.INFO), handlers=[handler])  # fmt: skip
     stopping = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the core's to act on (see the module doc)
-        signal.signal(sig, signal.SIG_IGN)
+    # SIGINT and SIGTERM: blocked from birth (node.hop.deaf_children), the core's to act on
     region = Region.open(int(spec["region"]))
     with os.fdopen(int(spec["hello"]), "w") as hello:
         try:

@@ -51,7 +51,7 @@ import numpy as np
 from node.deviceproc import RUN
 from node.devices import DeviceSpec
 from node.errors import HopError, WorkerGone, WorkerRunError
-from node.hop import ASKED, Region
+from node.hop import ASKED, Region, deaf_children
 from node.procs import Running
 from node.providers import ProviderSettings
 
@@ -260,9 +260,10 @@ class DeviceProcs:
         env = {k: v for k, v in os.environ.items() if k not in _SECRETS}
         env["AFFINITY_DEVICE_SPEC"] = json.dumps(spec)
         try:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "node.deviceproc"], pass_fds=(*fds, hello_w), env=env
-            )
+            with deaf_children():  # SIGINT and SIGTERM are the core's (node/hop.py)
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "node.deviceproc"], pass_fds=(*fds, hello_w), env=env
+                )
         except OSError as exc:
             for fd in (*fds, hello_r, hello_w):
                 os.close(fd)

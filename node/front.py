@@ -17,8 +17,9 @@ tokens, claims and own episode are the core's, ended when this front goes): kill
 only its connections.
 
 It dies with the core (``PR_SET_PDEATHSIG``); SIGINT and SIGTERM are the core's to act on
-(it keeps serving while the core hands its episodes over); SIGUSR1 from the core stops it
-gracefully.
+(it keeps serving while the core hands its episodes over): it is born with them blocked
+(``node.hop.deaf_children``), so even a front still importing never sees them; SIGUSR1 from
+the core stops it gracefully.
 
 Run by the core as ``python -m node.front INDEX LISTEN_FD REGION_FD ASK_FD ANSWER_FD
 PARENT_PID CORE_SOCKET_HEX``, its settings in ``AFFINITY_FRONT_SPEC`` (JSON).

@@ -44,6 +44,7 @@ from node.hop import (
     CoreHop,
     Region,
     SharedLoopBuckets,
+    deaf_children,
     lift,
     lower,
 )
@@ -371,7 +372,8 @@ class Fronts:
         env = {k: v for k, v in os.environ.items() if k not in SECRETS}  # a front needs none
         env["AFFINITY_FRONT_SPEC"] = json.dumps(self.spec)  # the API key, if any, is in it
         fds = (listener.fileno(), region.fd, ask, answer)
-        front.process = subprocess.Popen(argv, pass_fds=fds, env=env)
+        with deaf_children():  # SIGINT and SIGTERM are the core's (node/hop.py)
+            front.process = subprocess.Popen(argv, pass_fds=fds, env=env)
         front.hop = hop
         front.started = time.monotonic()
         front.since_ms = int(time.time() * 1000)

@@ -37,6 +37,7 @@ will read them in place.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import mmap
 import os
@@ -44,7 +45,7 @@ import signal
 import struct
 import time
 from bisect import bisect_left
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +72,7 @@ __all__ = [
     "FrontHop",
     "Region",
     "SharedLoopBuckets",
+    "deaf_children",
     "die_with_parent",
     "lift",
     "lower",
@@ -356,6 +358,21 @@ def lower(obj: Any, arrays: list[Array]) -> Any:
     except (IndexError, ValueError, TypeError, struct.error, msgpack.UnpackException) as exc:
         raise HopError(f"bad carried value: {exc}") from None
     raise HopError(f"unknown extension {obj.code}")
+
+
+@contextlib.contextmanager
+def deaf_children() -> Iterator[None]:
+    """Start child processes (fronts, device workers) inside this: they are born with
+    SIGINT and SIGTERM blocked (a signal mask survives ``exec``), and keep them blocked.
+    Those signals are the core's to act on: a ^C in a terminal, or a service manager that
+    signals the node's whole group, must not end a child (even one still importing,
+    before it could set a handler) while the core hands its episodes over. Signals that
+    reach the core meanwhile wait until this ends."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def die_with_parent(parent: int) -> None:

@@ -487,3 +487,12 @@ class Forwarder:
             pass
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_RDWR)
+
+
+def deaf(pid: int) -> bool:
+    """Whether ``pid`` blocks SIGINT and SIGTERM (its ``SigBlk`` in /proc): a front or a
+    device worker, born so (``node.hop.deaf_children``)."""
+    with open(f"/proc/{pid}/status") as f:
+        line = next(x for x in f if x.startswith("SigBlk:"))
+    mask = int(line.split()[1], 16)
+    return all(mask & (1 << (s - 1)) for s in (signal.SIGINT, signal.SIGTERM))

@@ -238,3 +238,24 @@ async def test_stop_ends_every_process() -> None:
     assert gone(pid)
     with pytest.raises(WorkerGone):
         p.sessions[("demo", "n/0")].run(["actions"], feed())
+
+
+def blocked(pid: int) -> int:
+    """The signals ``pid`` blocks, as the bit set /proc says."""
+    with open(f"/proc/{pid}/status") as f:
+        line = next(x for x in f if x.startswith("SigBlk:"))
+    return int(line.split()[1], 16)
+
+
+async def test_a_worker_is_deaf_to_sigint_and_sigterm_from_its_birth(
+    started: DeviceProcs,
+) -> None:
+    pid = pid_of(started)
+    mask = blocked(pid)
+    assert mask & (1 << (signal.SIGINT - 1)) and mask & (1 << (signal.SIGTERM - 1))
+    os.kill(pid, signal.SIGTERM)
+    os.kill(pid, signal.SIGINT)
+    (actions,) = await asyncio.to_thread(started.sessions[("demo", "n/0")].run, ["actions"], feed())
+    assert actions.shape[0] == 1 and not gone(pid)
+    # and this process's own mask is as it was
+    assert not blocked(os.getpid()) & (1 << (signal.SIGTERM - 1))
