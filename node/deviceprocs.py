@@ -160,6 +160,7 @@ class _Worker:
     pidfd: int = -1
     restarts: int = 0  # in a row (the backoff's): 0 again once it ran a while
     restarted: int = 0  # since the core started (node/procs.py)
+    hold: bool = False  # recycled (its device went down): up again at its probe, not at once
     started: float = 0.0
     since_ms: int = 0
 
@@ -216,6 +217,7 @@ class DeviceProcs:
         self._back: Callable[[str], Awaitable[None]] | None = None
         self._restarted: Callable[[str], None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def device_id(self, spec: DeviceSpec) -> str:
         return f"{self.node_id}/{spec.index}"
@@ -311,7 +313,7 @@ class DeviceProcs:
     ) -> None:
         """Watch every worker process from the running loop (see the class doc)."""
         self._lost, self._back, self._restarted = lost, back, restarted
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         for device, worker in self.workers.items():
             if worker.pidfd >= 0:
                 loop.add_reader(worker.pidfd, self._died, device, worker, worker.pidfd)
@@ -339,6 +341,26 @@ class DeviceProcs:
                     process.kill()
                     session.since = None  # once: its death is seen through its pidfd
 
+    def recycle_threadsafe(self, device: str, reason: str) -> None:
+        """``device`` went down by its runs' failures (any thread): its worker process is
+        restarted, since a CUDA error can leave a process's context failing every call for
+        good (an illegal address is sticky). The device stays down until its probe passes
+        (the crash tracker's cool-down holds, as with threads); its probe then runs on the
+        new process. A process already gone is left to its restart."""
+        loop = self._loop
+        if loop is not None and not self.stopping:
+            loop.call_soon_threadsafe(self._recycle, device, reason)
+
+    def _recycle(self, device: str, reason: str) -> None:
+        worker = self.workers.get(device)
+        process = None if worker is None else worker.process
+        if self.stopping or worker is None or process is None or process.poll() is not None:
+            return
+        log.warning("device %s is down (%s): its worker process %d is restarted; the device "
+                    "comes back at its probe", device, reason, process.pid)  # fmt: skip
+        worker.hold = True
+        process.kill()
+
     def _died(self, device: str, worker: _Worker, pidfd: int) -> None:
         loop = asyncio.get_running_loop()
         loop.remove_reader(pidfd)
@@ -364,6 +386,7 @@ class DeviceProcs:
         await asyncio.to_thread(self._retire, device)
         self._close(worker)
         worker.process = None
+        hold, worker.hold = worker.hold, False
         while not self.stopping:
             worker.restarts += 1
             ran = time.monotonic() - worker.started
@@ -384,6 +407,10 @@ class DeviceProcs:
             return
         loop = asyncio.get_running_loop()
         loop.add_reader(worker.pidfd, self._died, device, worker, worker.pidfd)
+        if hold:  # recycled after failures: up at its probe, after the cool-down
+            log.info("device %s: its worker process was restarted; the device comes back at "
+                     "its probe", device)  # fmt: skip
+            return
         if self._back is not None:
             try:
                 await self._back(device)

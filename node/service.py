@@ -253,6 +253,8 @@ class NodeService:
 
     def _on_transition(self, device: str, to: str, reason: str) -> None:
         self.health.on_transition_threadsafe(device, to, reason)
+        if to == "down" and self.device_procs is not None:  # a fresh process for its probe
+            self.device_procs.recycle_threadsafe(device, reason)
 
     def _device_lost(self, device: str, reason: str) -> None:
         """``device``'s worker process died: down at once for every model (live and

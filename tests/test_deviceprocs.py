@@ -259,3 +259,27 @@ async def test_a_worker_is_deaf_to_sigint_and_sigterm_from_its_birth(
     assert actions.shape[0] == 1 and not gone(pid)
     # and this process's own mask is as it was
     assert not blocked(os.getpid()) & (1 << (signal.SIGTERM - 1))
+
+
+async def test_a_device_down_by_failures_gets_a_new_process_and_waits_for_its_probe(
+    started: DeviceProcs,
+) -> None:
+    events: list[str] = []
+
+    async def came_back(device: str) -> None:
+        events.append("back")
+
+    started.supervise(
+        lambda device, why: events.append("lost"),
+        came_back,
+        lambda device: events.append("restarted"),
+    )
+    pid = pid_of(started)
+    started.recycle_threadsafe("n/0", "3 failures in a row")
+    await until(lambda: started.pids() and pid_of(started) != pid, "a new worker process")
+    session = started.sessions[("demo", "n/0")]
+    await until(lambda: session.channel is not None, "its channel")
+    (actions,) = await asyncio.to_thread(session.run, ["actions"], feed())
+    assert actions.shape[0] == 1
+    assert events == ["lost", "restarted"]  # no "back": up at its probe, after the cool-down
+    started.recycle_threadsafe("n/9", "no such device")  # nothing to do
