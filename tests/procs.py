@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 import queue
 import shutil
@@ -26,7 +27,7 @@ import pytest
 import redis
 
 from affinity.keys import Keys
-from node.hop import FREE, Region
+from node.hop import ASKED, FREE, Region
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -158,6 +159,40 @@ def fronts_of(core: int) -> list[int]:
             if ours and alive(int(entry)):
                 found.append(int(entry))
     return found
+
+
+def device_workers(core: int) -> dict[int, int]:
+    """The live device worker processes (``--device-workers process``) of node process
+    ``core``: its children running ``node.deviceproc``, by the index of their device (read
+    from the spec the core gave each, ``AFFINITY_DEVICE_SPEC`` in its environment)."""
+    found = {}
+    for pid in children(core):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        spec = [e for e in environ if e.startswith(b"AFFINITY_DEVICE_SPEC=")]
+        if b"node.deviceproc" in argv and spec and alive(pid):
+            found[int(json.loads(spec[0].split(b"=", 1)[1])["device"]["index"])] = pid
+    return found
+
+
+def asked_of(worker: int) -> list[int]:
+    """The slots of device worker process ``worker``'s hop (``node/deviceprocs.py``: one
+    per model) holding a run the core handed it and it has not answered: read through
+    /proc, its region's descriptor named in its spec."""
+    with open(f"/proc/{worker}/environ", "rb") as f:
+        environ = f.read().split(b"\0")
+    spec = next(e for e in environ if e.startswith(b"AFFINITY_DEVICE_SPEC="))
+    region_fd = int(json.loads(spec.split(b"=", 1)[1])["region"])
+    region = Region.open(os.open(f"/proc/{worker}/fd/{region_fd}", os.O_RDWR))
+    try:
+        return [k for k in range(region.slots) if region.state(k) == ASKED]
+    finally:
+        region.close()
 
 
 def wait_until(check, timeout: float, what: str, interval: float = 0.05):  # type: ignore[no-untyped-def]
