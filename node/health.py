@@ -55,6 +55,9 @@ class DeviceHealth:
         self.devices = next(iter(dispatchers.values())).devices
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._down: set[str] = set()
+        """The devices whose last transition said was down: a device goes down once when
+        its first model's tracker does, and up once its last one's is up again."""
 
     def start(self) -> None:
         """Begin taking transitions (from the device threads) on the running loop."""
@@ -80,6 +83,14 @@ class DeviceHealth:
         task.add_done_callback(self._tasks.discard)
 
     async def _on_transition(self, device: str, to: str, reason: str) -> None:
+        if to == "down":
+            if device in self._down:  # another model's tracker has it down already
+                return
+            self._down.add(device)
+        else:
+            if device not in self._down or self.down(device):  # another model's still down
+                return
+            self._down.discard(device)
         self.metrics.transitions.labels(device, to).inc()
         self.metrics.set_state(device, "down" if to == "down" else "active")
         try:

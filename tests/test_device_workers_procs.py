@@ -155,12 +155,12 @@ def restarts(node: Node, device: str) -> Restarts:
     )
 
 
-def wait_back(node: Node, device: str, before: Restarts, models: int, timeout: float = 60) -> None:
+def wait_back(node: Node, device: str, before: Restarts, timeout: float = 60) -> None:
     """Wait until ``device`` went down, had its worker restarted once and is up again: one
-    transition down and one up for each of the node's ``models`` (each model's dispatcher
-    has a crash tracker of its own for the device, and the worker's death takes the
-    device down for every model)."""
-    want = Restarts(before.restarts + 1, before.down + models, before.up + models)
+    transition down and one up, whatever the number of models (each has a crash tracker
+    of its own for the device, and the worker's death takes it down for all: the device
+    goes down with the first and up with the last)."""
+    want = Restarts(before.restarts + 1, before.down + 1, before.up + 1)
     seen: list[Restarts] = []
 
     def back() -> bool:
@@ -313,7 +313,7 @@ def test_a_worker_killed_while_idle_comes_back_and_its_waiting_episodes_keep_the
     nodes: Nodes,
 ) -> None:
     """kill -9 of device 0's worker: the device goes down and comes back with a new
-    worker (a restart counted, a transition down and one up per model). An episode stepped at once
+    worker (a restart counted, one transition down and one up). An episode stepped at once
     may be answered on the device (back already), moved with its reset said, or refused
     for a retry, never silently reset; an episode not stepped meanwhile continues there
     with its state and its seq."""
@@ -336,7 +336,7 @@ def test_a_worker_killed_while_idle_comes_back_and_its_waiting_episodes_keep_the
     else:  # refused: the step was not applied (the retry below continues the count)
         assert r.status_code in (500, 503), r.text
         assert r.json()["error"]["code"] in ("model_failure", "device_down"), r.text
-    wait_back(p, "p/0", before, models=2)
+    wait_back(p, "p/0", before)
     new = worker(p, 0, other_than=pid)
     assert not alive(pid) and new != pid
     assert registry.hget(KEYS.device("p/0"), "state") == state
@@ -373,7 +373,7 @@ def test_a_worker_killed_mid_step_fails_that_step_alone_and_its_retry_applies_it
     r = joined(*job)
     assert r.status_code == 500 and r.json()["error"]["code"] == "model_failure", r.text
     assert "died during the run" in r.json()["error"]["message"], r.text
-    wait_back(p, "p/1", before, models=2)
+    wait_back(p, "p/1", before)
     assert worker(p, 1, other_than=pid) != pid
     got = ok(act(p, episode, "counter", ZERO, seq=3))
     assert (got["device"], got["routing"], got["seq"]) == ("p/1", "hit", 3), got
@@ -411,7 +411,7 @@ def test_a_worker_stopped_past_the_deadline_is_killed_as_hung_and_restarted(
         finally:
             if alive(pid):  # the hang watch did not kill it (the test failed)
                 os.kill(pid, signal.SIGKILL)
-        wait_back(node, "h/0", before, models=1)
+        wait_back(node, "h/0", before)
         assert not alive(pid) and worker(node, 0, other_than=pid) != pid
         log = node.proc.log_path.read_text(errors="replace")
         assert f"its worker process {pid} is hung, killed and restarted" in log, node.proc.log()
