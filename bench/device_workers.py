@@ -13,8 +13,9 @@ quotient can differ from the median ratio):
 2. lockstep: one robot alone (wrk, one connection): p50 and p99, the latency a robot sees;
 3. CPU per step under the load (``/proc/<pid>/stat`` utime + stime deltas): the core's
    alone, and every process of the node together (core, device worker processes, fronts);
-4. context switches per step under the load (``/proc/<pid>/task/*/status``, every thread
-   of every process of the node): the wake-ups a hop adds;
+4. context switches per step, under the load and of one robot alone
+   (``/proc/<pid>/task/*/status``, every thread of every process of the node): the
+   wake-ups a hop adds;
 5. Redis commands per step under the load (``INFO commandstats`` deltas, INFO not counted,
    summed over every round): a sticky step sends none, so this is the background (lease
    renewals, the fleet view), the same for both;
@@ -132,7 +133,9 @@ def measure(node: Node, r: redis.Redis, script: str, robots: int, seconds: float
     cmds = commands(r) - cmds0
     cpu = {p: cpu_seconds(p) - cpu0[p] for p in every}
     switched = sum(switches(p) for p in every) - switches0
+    switches0 = sum(switches(p) for p in every)
     alone = wrk(node.url, script, duration_s=lockstep_s, connections=1, threads=1)
+    switched_alone = sum(switches(p) for p in every) - switches0
     steps = max(run.requests, 1)
     return {
         "rps": run.rps,
@@ -145,6 +148,7 @@ def measure(node: Node, r: redis.Redis, script: str, robots: int, seconds: float
         "switches_per_step": switched / steps,
         "p50_1": alone.p50,
         "p99_1": alone.p99,
+        "switches_per_step_1": switched_alone / max(alone.requests, 1),
     }
 
 
@@ -158,6 +162,7 @@ FIGURES = (
     ("cpu_core_us", "CPU per step under the load, the core alone", 1, "µs"),
     ("cpu_all_us", "CPU per step under the load, every process of the node", 1, "µs"),
     ("switches_per_step", "context switches per step under the load, every process", 1, ""),
+    ("switches_per_step_1", "context switches per step, one robot alone, every process", 1, ""),
 )
 
 
