@@ -153,17 +153,21 @@ def measure(node: Node, r: redis.Redis, script: str, robots: int, seconds: float
 
 
 FIGURES = (
-    # key, label, scale, unit
-    ("rps", "throughput, {robots} robots in lockstep", 1, "steps/s"),
-    ("p50", "p50 under that load", 1e3, "ms"),
-    ("p99", "p99 under that load", 1e3, "ms"),
-    ("p50_1", "lockstep p50, one robot alone", 1e3, "ms"),
-    ("p99_1", "lockstep p99, one robot alone", 1e3, "ms"),
-    ("cpu_core_us", "CPU per step under the load, the core alone", 1, "µs"),
-    ("cpu_all_us", "CPU per step under the load, every process of the node", 1, "µs"),
-    ("switches_per_step", "context switches per step under the load, every process", 1, ""),
-    ("switches_per_step_1", "context switches per step, one robot alone, every process", 1, ""),
-)
+    # key, label, scale, unit, goal (issue 43's, where it sets one: the ratio's bound)
+    ("rps", "throughput, {robots} robots in lockstep", 1, "steps/s", (">=", 1.0)),
+    ("p50", "p50 under that load", 1e3, "ms", None),
+    ("p99", "p99 under that load", 1e3, "ms", None),
+    ("p50_1", "lockstep p50, one robot alone", 1e3, "ms", ("<=", 1.05)),
+    ("p99_1", "lockstep p99, one robot alone", 1e3, "ms", None),
+    ("cpu_core_us", "CPU per step under the load, the core alone", 1, "µs", None),
+    ("cpu_all_us", "CPU per step under the load, every process of the node", 1, "µs", None),
+    ("switches_per_step", "context switches per step under the load, every process", 1, "",
+     None),
+    ("switches_per_step_1", "context switches per step, one robot alone, every process", 1, "",
+     None),
+)  # fmt: skip
+"""Goals: throughput not below the threads' (issue 43 asks 1.4x of the whole multi-process
+shape; the worker processes alone are not its fronts), lockstep p50 within 1.05x."""
 
 
 def bench_model(a: Any, model: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -220,15 +224,16 @@ def bench_model(a: Any, model: str) -> tuple[list[dict[str, Any]], dict[str, Any
 
     fronts = f", {a.front_doors} fronts each" if a.front_doors > 1 else ""
     figures = []
-    for key, label, scale, unit in FIGURES:
+    for key, label, scale, unit, goal in FIGURES:
         ratio = median([r["process"][key] / r["thread"][key] for r in rounds])
         p, t = med("process", key) * scale, med("thread", key) * scale
+        ok = goal is None or (ratio >= goal[1] if goal[0] == ">=" else ratio <= goal[1])
         figures.append({
             "figure": f"{model}: {label.format(robots=a.robots)}, process / thread{fronts}",
             "value": ratio,
             "result": f"{ratio:.2f}x ({p:.4g} vs {t:.4g}{' ' + unit if unit else ''})",
-            "goal": "reported",
-            "ok": True,
+            "goal": "reported" if goal is None else f"{goal[0]} {goal[1]:g}x",
+            "ok": ok,
         })  # fmt: skip
     # a step on a sticky episode sends Redis nothing: what is counted is the background
     # (lease renewals, the fleet view), a few commands a second, so over every round's steps
@@ -240,8 +245,8 @@ def bench_model(a: Any, model: str) -> tuple[list[dict[str, Any]], dict[str, Any
         f"process / thread{fronts}",
         "value": p / t if t else None,
         "result": (f"{p / t:.2f}x " if t else "") + f"({p:.4f} vs {t:.4f})",
-        "goal": "reported",
-        "ok": True,
+        "goal": "<= 0.01 per step (none on a sticky step's path)",
+        "ok": p <= 0.01,
     })  # fmt: skip
     totals = {m: sum(sum(v) for v in rss[m].values()) for m in MODES}
     shown = {

@@ -118,32 +118,78 @@ class RemoteSession:
         self.since: float | None = None
         """When the run in progress was handed to the process (``time.monotonic``; None:
         none is): the supervisor's watch for a hung process reads it."""
+        self.waiter: asyncio.Future[None] | None = None  # a run awaited from the loop
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> list[Any]:
         with self.lock:
-            channel = self.channel
-            if channel is None:
-                raise WorkerGone(self.device, "is restarting")
-            arrays = [np.ascontiguousarray(np.asarray(v)) for v in input_feed.values()]
-            outputs = None if output_names is None else list(output_names)
-            meta = {"n": list(input_feed), "o": outputs}
-            try:
-                channel.region.write(channel.slot, ASKED, RUN, meta, arrays)
-            except HopError as exc:  # bigger than --max-body-bytes allows a batch
-                raise WorkerRunError(f"the run does not fit its slot: {exc}") from None
-            self.since = time.monotonic()
-            os.write(channel.ask, _ONE)
+            channel = self._send(output_names, input_feed)
             try:
                 while True:
                     ready = {fd for fd, _ in channel.poll.poll()}
                     if channel.answer in ready:  # answered, even if it died just after
-                        os.read(channel.answer, 8)
                         break
                     if channel.pidfd in ready:
                         raise WorkerGone(self.device, "died during the run")
             finally:
                 self.since = None
-            _, said, values = channel.region.read(channel.slot, copy=True)
+            return self._received(channel)
+
+    async def run_from_loop(
+        self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]
+    ) -> list[Any]:
+        """:meth:`run` from the event loop, which goes on meanwhile: the answer's doorbell
+        is watched by the loop; the process's death is told by the supervisor
+        (:meth:`gone`), which watches its ``pidfd``. A run cancelled before its answer
+        leaves an answer on its way into the slot: the process is killed (and restarted)
+        rather than reused."""
+        if not self.lock.acquire(blocking=False):  # held only by a restart's retirement
+            raise WorkerGone(self.device, "is restarting")
+        try:
+            channel = self._send(output_names, input_feed)
+            loop = asyncio.get_running_loop()
+            waiter = self.waiter = loop.create_future()
+            loop.add_reader(channel.answer, _wake, waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                with contextlib.suppress(OSError):
+                    signal.pidfd_send_signal(channel.pidfd, signal.SIGKILL)
+                raise
+            finally:
+                loop.remove_reader(channel.answer)
+                self.waiter = None
+                self.since = None
+            if channel.answer not in {fd for fd, _ in channel.poll.poll(0)}:
+                raise WorkerGone(self.device, "died during the run")
+            return self._received(channel)
+        finally:
+            self.lock.release()
+
+    def gone(self) -> None:
+        """The process died (the supervisor, on the loop): a run awaited from the loop ends."""
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def _send(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> _Channel:
+        """Write the run into the slot and ring (under :attr:`lock`); the channel used."""
+        channel = self.channel
+        if channel is None:
+            raise WorkerGone(self.device, "is restarting")
+        arrays = [np.ascontiguousarray(np.asarray(v)) for v in input_feed.values()]
+        outputs = None if output_names is None else list(output_names)
+        meta = {"n": list(input_feed), "o": outputs}
+        try:
+            channel.region.write(channel.slot, ASKED, RUN, meta, arrays)
+        except HopError as exc:  # bigger than --max-body-bytes allows a batch
+            raise WorkerRunError(f"the run does not fit its slot: {exc}") from None
+        self.since = time.monotonic()
+        os.write(channel.ask, _ONE)
+        return channel
+
+    def _received(self, channel: _Channel) -> list[Any]:
+        """The answer in the slot, its doorbell drained (under :attr:`lock`)."""
+        os.read(channel.answer, 8)
+        _, said, values = channel.region.read(channel.slot, copy=True)
         if "e" in said:
             raise WorkerRunError(str(said["e"]))
         return values
@@ -371,6 +417,9 @@ class DeviceProcs:
         code = process.wait()
         why = f"exited with {code}" if code >= 0 else f"was killed by {_signal_name(-code)}"
         log.error("device %s: its worker process %d %s", device, process.pid, why)
+        for (_, d), session in self.sessions.items():
+            if d == device:
+                session.gone()
         if self._lost is not None:  # down at once: its episodes move at their next step
             self._lost(device, f"its worker process {why}")
         self._track(self._restart(device, worker))
@@ -461,6 +510,11 @@ class DeviceProcs:
                 if session.channel is not None and session.channel.pidfd == worker.pidfd:
                     session.channel = None
             self._close(worker)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 def _hello(fd: int, timeout_s: float) -> dict[str, Any]:

@@ -103,7 +103,7 @@ def build_service(
                 client,
                 devices,
                 providers,
-                _dispatchers(config, served, sessions, active, inline=procs is None),
+                _dispatchers(config, served, sessions, active, remote=procs is not None),
                 next(iter(served.values()))[2],
                 owns_redis=redis is None,
                 pool=pool,
@@ -250,11 +250,10 @@ def _dispatchers(
     sessions: Mapping[Key, Session],
     active: dict[Key, str],
     *,
-    inline: bool = True,
+    remote: bool = False,
 ) -> DispatcherFactory:
     """What :class:`NodeService` calls to make one dispatcher per model, on ``sessions``.
-    ``inline`` False: no run on the event loop's thread (a worker process's run must never
-    hold the loop)."""
+    ``remote``: the sessions are worker processes' (``node/deviceprocs.py``)."""
     crashes, batching, chunks = _step_settings(config)
 
     def dispatchers(
@@ -274,8 +273,11 @@ def _dispatchers(
                 batching=replace(
                     batching,
                     inline_under_us=config.inline_under_us,
-                    inline_devices=frozenset(  # CPU sessions only (see DeviceWorker.run_inline)
-                        d for (n, d), p in active.items() if n == name and p == CPU and inline
+                    inline_devices=frozenset(  # CPU sessions only (see DeviceWorker.run_inline),
+                        # any device's in a worker process (run from the loop, not waited on)
+                        d
+                        for (n, d), p in active.items()
+                        if n == name and (p == CPU or remote)
                     ),
                 ),
                 chunks=chunks,

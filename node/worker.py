@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -88,6 +88,15 @@ class _Call:
 
     fn: Callable[[], Any]
     future: asyncio.Future[Any]
+
+
+class RemoteRun(Protocol):
+    """A session in a worker process (``node.deviceprocs.RemoteSession``): it can also be
+    run from the event loop without blocking it."""
+
+    async def run_from_loop(
+        self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]
+    ) -> list[Any]: ...
 
 
 Prepare = Callable[["DeviceWorker", Any], "Member | None"]
@@ -165,6 +174,10 @@ class DeviceWorker:
         self.thread: threading.Thread | None = None
         self.busy = False  # a run (the worker's, or one inline on the loop) holds the device
         self.run_s = float("inf")  # moving average of its model runs' wall time
+        # a session in a worker process, run from the loop without waiting (run_inline)
+        remote = session if hasattr(session, "run_from_loop") else None
+        self.remote: RemoteRun | None = remote  # type: ignore[assignment]
+        self.inline_tasks: set[asyncio.Task[None]] = set()
 
     # ---- the queue -------------------------------------------------------------------
 
@@ -237,8 +250,25 @@ class DeviceWorker:
         node nor any peer busy; the loop waits for the run, so a step for another device
         would wait too. The node gives a bound to CPU devices only. A GPU run that hangs
         must not stop the event loop. There its worker's watch marks the device down and
-        the node goes on. False: the worker runs it, as always under load."""
-        if self.run_s >= self.inline_under_s or self.arrivals.count > 0 or not job.one_row:
+        the node goes on. False: the worker runs it, as always under load.
+
+        A session in a worker process (``run_from_loop``: ``node/deviceprocs.py``) is run
+        from the loop without waiting for it (:meth:`_run_remote`): the loop hands the run to the
+        process and goes on, so neither the run's length nor a hung process holds it. Only
+        the device idle, no step on its way and one row are asked then (a lone robot's
+        step: no batch to wait for), whatever the device and its runs' length."""
+        if self.inline_under_s <= 0 or self.arrivals.count > 0 or not job.one_row:
+            return False
+        if self.remote is not None:
+            with self.cond:
+                if self.busy or self.pending:
+                    return False
+                self.busy = True
+            task = asyncio.ensure_future(self._run_remote(job))
+            self.inline_tasks.add(task)
+            task.add_done_callback(self.inline_tasks.discard)
+            return True
+        if self.run_s >= self.inline_under_s:
             return False
         if len(self.peers) > 1 and any(
             d.busy or d.pending for d in self.peers.values() if d is not self
@@ -258,6 +288,38 @@ class DeviceWorker:
                     self.cond.notify()
         _settle(items)  # on this loop already: no wake-up through call_soon_threadsafe
         return True
+
+    async def _run_remote(self, job: Job) -> None:
+        """:meth:`run_inline` for a session in a worker process: ``job`` alone, the device
+        held (``busy``) until its answer, the loop free meanwhile."""
+        assert self.remote is not None
+        try:
+            member = self._prepared([job])
+            if member:
+                m = member[0]
+                taken = self._alone_feed(m)
+                if taken is not None:
+                    feed, size = taken
+                    run, started = self._run_begins([m])
+                    try:
+                        values = await self.remote.run_from_loop(self.outputs, feed)
+                    except Exception as exc:
+                        self._run_ends([m], run, started)
+                        self.count_failure(f"{type(exc).__name__}: {exc}")
+                        self.answer(m.job.future, None, ModelFailure(self.id, exc))
+                    else:
+                        self._run_ends([m], run, started)
+                        self._alone_done(m, size, dict(zip(self.outputs, values, strict=True)))
+        except Exception as exc:  # a bug here must not leave its caller waiting forever
+            log.exception("device %s: a run from the event loop broke", self.id)
+            self.answer(job.future, None, exc)
+        finally:
+            items, self.outbox = self.outbox, []  # the worker waits: only this run's
+            with self.cond:
+                self.busy = False
+                if self.pending:
+                    self.cond.notify()
+            _settle(items)
 
     # ---- the batch window --------------------------------------------------------------
 
@@ -329,9 +391,9 @@ class DeviceWorker:
             for job in jobs:
                 self.answer(job.future, None, exc)
 
-    def run_batch(self, jobs: list[Job]) -> None:
-        """Prepare ``jobs`` and run those that need the model, together where their
-        tensors agree beyond the first axis."""
+    def _prepared(self, jobs: list[Job]) -> list[Member]:
+        """The members of ``jobs`` that need the model (:attr:`prepare`), their queue time
+        told."""
         members: list[Member] = []
         now = time.perf_counter()
         for job in jobs:
@@ -342,6 +404,12 @@ class DeviceWorker:
             if self.on_queue_wait is not None:
                 _observe(self.on_queue_wait, self.id, job.queue_s)
             members.append(member)
+        return members
+
+    def run_batch(self, jobs: list[Job]) -> None:
+        """Prepare ``jobs`` and run those that need the model, together where their
+        tensors agree beyond the first axis."""
+        members = self._prepared(jobs)
         self.flush()  # steps answered from a buffer do not wait for the model run
         if len(members) == 1:  # a step alone (one client, or one inline): nothing to group
             self._run_alone(members[0])
@@ -387,47 +455,67 @@ class DeviceWorker:
             self.commit(self, m, {name: v[i : i + 1].copy() for name, v in host.items()})
 
     def _run_alone(self, m: Member) -> None:
-        with m.job.lock:
-            if m.job.gave_up():
-                return
-        if self.tracker.down:  # an earlier step of its failed batch took the device down
-            self.answer(m.job.future, None, DeviceDown(self.id))
+        taken = self._alone_feed(m)
+        if taken is None:
             return
-        size = self.bucket(1) if m.job.one_row else 1
-        feed = _stacked([m.feed], size) if size > 1 else m.feed
+        feed, size = taken
         try:
             values = self._session_run(feed, [m])
         except Exception as exc:
             self.count_failure(f"{type(exc).__name__}: {exc}")
             self.answer(m.job.future, None, ModelFailure(self.id, exc))
             return
+        self._alone_done(m, size, values)
+
+    def _alone_feed(self, m: Member) -> tuple[dict[str, Array], int] | None:
+        """The feed ``m`` runs alone with and its batch size (padded to a session's); None
+        when it needs no run (given up, or answered: the device is down)."""
+        with m.job.lock:
+            if m.job.gave_up():
+                return None
+        if self.tracker.down:  # an earlier step of its failed batch took the device down
+            self.answer(m.job.future, None, DeviceDown(self.id))
+            return None
+        size = self.bucket(1) if m.job.one_row else 1
+        return (_stacked([m.feed], size) if size > 1 else m.feed), size
+
+    def _alone_done(self, m: Member, size: int, values: dict[str, Array]) -> None:
+        """``m``'s run alone at batch ``size`` gave ``values``: counted, kept."""
         self.count_success()
         if size > 1:
             values = {name: np.asarray(v)[:1].copy() for name, v in values.items()}
         self.commit(self, m, values)
 
     def _session_run(self, feed: dict[str, Array], members: list[Member]) -> dict[str, Array]:
+        run, started = self._run_begins(members)
+        try:
+            values = self.session.run(self.outputs, feed)
+        finally:
+            self._run_ends(members, run, started)
+        return dict(zip(self.outputs, values, strict=True))
+
+    def _run_begins(self, members: list[Member]) -> tuple[Run, float]:
+        """A model run of ``members`` begins (each job knows its run: a hang is counted)."""
         run = Run()
         for m in members:
             with m.job.lock:
                 m.job.run = run
-        started = time.perf_counter()
-        try:
-            values = self.session.run(self.outputs, feed)
-        finally:
-            took = time.perf_counter() - started
-            self.run_s = took if self.run_s == float("inf") else 0.8 * self.run_s + 0.2 * took
-            with run.lock:
-                run.active = False
-            for m in members:
-                with m.job.lock:
-                    m.job.run = None
-                    m.job.run_s = took
-            if self.on_batch is not None:
-                _observe(self.on_batch, self.id, len(members))
-            if self.on_run is not None:
-                _observe(self.on_run, self.id, (len(members), took))
-        return dict(zip(self.outputs, values, strict=True))
+        return run, time.perf_counter()
+
+    def _run_ends(self, members: list[Member], run: Run, started: float) -> None:
+        """The run begun at ``started`` ended, well or not: its time kept and told."""
+        took = time.perf_counter() - started
+        self.run_s = took if self.run_s == float("inf") else 0.8 * self.run_s + 0.2 * took
+        with run.lock:
+            run.active = False
+        for m in members:
+            with m.job.lock:
+                m.job.run = None
+                m.job.run_s = took
+        if self.on_batch is not None:
+            _observe(self.on_batch, self.id, len(members))
+        if self.on_run is not None:
+            _observe(self.on_run, self.id, (len(members), took))
 
     # ---- the device's health -----------------------------------------------------------
 
