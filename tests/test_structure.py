@@ -8,7 +8,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from node import dispatcher
 from node.config import NodeConfig
@@ -182,3 +186,22 @@ def test_the_front_doors_check_a_steps_options_in_one_place() -> None:
         "node/protocols/kserve/request.py: service.options_for",
         "node/protocols/openpi.py: service.options_for",
     ]
+
+
+def test_the_affinity_package_loads_its_names_on_first_use() -> None:
+    """``import affinity`` (what ``node.errors`` and so every front and device worker
+    imports) loads no submodule; each public name is found where ``_WHERE`` says."""
+    code = (
+        "import sys, affinity; "
+        "print(sorted(m for m in sys.modules if m.startswith(('affinity.', 'redis', 'httpx'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    import affinity
+
+    assert sorted(affinity._WHERE) == sorted(affinity.__all__)
+    for name in affinity.__all__:
+        value = getattr(affinity, name)
+        assert getattr(value, "__module__", "").startswith("affinity."), name
+    with pytest.raises(AttributeError):
+        affinity.NoSuchName  # noqa: B018
