@@ -344,7 +344,7 @@ def pause_mid_step(fronts: list[int], tries: int = 500) -> tuple[int, list[tuple
     raise AssertionError(f"no front of {fronts} had a step on its hop in {tries} tries")
 
 
-@pytest.mark.shapes("fronts2")
+@pytest.mark.shapes("fronts")
 def test_fronts_killed_and_paused_mid_step_and_mid_transfer_leave_one_owner_and_each_step_once(
     tmp_path: Path,
 ) -> None:
