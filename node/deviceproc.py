@@ -17,7 +17,9 @@ Started by the core as ``python -m node.deviceproc`` with its spec in
 descriptors it inherits). It writes one JSON line to its hello descriptor: each model's
 provider and batch sizes once every session is open, or the error that stopped it (the
 core's start-up names it and exits). It dies with the core (``PR_SET_PDEATHSIG``), and
-leaves on SIGTERM or SIGUSR1 once the run in progress is answered.
+leaves on SIGUSR1 from the core. SIGINT and SIGTERM are the core's to act on, as for the
+fronts (``node/front.py``): sent to the node's process group (a ^C, or a service manager
+stopping the node), they must not end the runs of a node that stops gracefully.
 """
 
 from __future__ import annotations
@@ -125,7 +127,8 @@ def main() -> None:
     logging.basicConfig(level=getattr(logging, str(spec.get("log_level", "info")).upper(),
                                       logging.INFO), handlers=[handler])  # fmt: skip
     stopping = threading.Event()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the core's to act on (a ^C to the group)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the core's to act on (sent to the group)
+        signal.signal(sig, signal.SIG_IGN)
     region = Region.open(int(spec["region"]))
     with os.fdopen(int(spec["hello"]), "w") as hello:
         try:
@@ -147,12 +150,12 @@ def main() -> None:
     ]
     for thread in threads:
         thread.start()
-    signal.sigwait({signal.SIGTERM, signal.SIGUSR1})
+    signal.sigwait({signal.SIGUSR1})
     stopping.set()
     # the core stops asking first (its device threads have ended): no run is in progress
     os._exit(0)
 
 
 if __name__ == "__main__":
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     main()

@@ -409,7 +409,7 @@ class DeviceProcs:
     # ---- stop ------------------------------------------------------------------------------
 
     async def stop(self, timeout_s: float = STOP_S) -> None:
-        """End every worker process (SIGTERM, SIGKILL past ``timeout_s``). Call it once the
+        """End every worker process (SIGUSR1, SIGKILL past ``timeout_s``). Call it once the
         devices' threads have stopped asking."""
         self.stopping = True
         for task in list(self._tasks):
@@ -419,7 +419,7 @@ class DeviceProcs:
             if worker.pidfd >= 0:
                 loop.remove_reader(worker.pidfd)
             if worker.process is not None and worker.process.poll() is None:
-                worker.process.send_signal(signal.SIGTERM)
+                worker.process.send_signal(signal.SIGUSR1)
         until = time.monotonic() + timeout_s
         for worker in self.workers.values():
             process = worker.process
