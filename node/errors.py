@@ -13,7 +13,7 @@ The hierarchy (``ValueError`` subclasses are a client's bad values)::
     │   ├── ClaimEnded       409: the step's claim ended here before it was kept
     │   ├── NotKept          503: the node dropped its records while the step ran
     │   ├── ForwardCancelled 503: the forwarding router gave up on the step
-    │   ├── ModelFailure     500: the model session raised
+    │   ├── ModelFailure     500: the model session raised (503: its worker process died)
     │   └── DeviceDown       503: the device waits for a probe after crashes
     ├── ForwardError         503: the owner could not be reached
     ├── AdminRefused         401/403: an admin route without the admin's token
@@ -298,10 +298,14 @@ class ModelNotServed(TransferError):
 
 
 class ModelFailure(StepRefused):
-    """The model session raised while running a step; the device's crash count went up."""
+    """The model session raised while running a step; the device's crash count went up.
+    ``gone``: its device's worker process died during the run (:class:`WorkerGone`): the
+    node's fault, not the model's, and over at once (the step is moved at its retry), so a
+    503 to retry, where a model that raised is a 500."""
 
     def __init__(self, device: str, cause: BaseException) -> None:
         self.device = device
+        self.gone = isinstance(cause, WorkerGone)
         super().__init__(f"model failed on {device}: {type(cause).__name__}: {cause}")
 
 
@@ -407,7 +411,11 @@ _TABLE: dict[type[BaseException], Callable[[Any], Outcome]] = {
     ForwardError: _unavailable("owner_unreachable"),
     ModelNotServed: lambda e: Outcome(421, "not_owner", str(e)),
     TransferError: lambda e: Outcome(422, "bad_record", str(e)),
-    ModelFailure: lambda e: Outcome(500, "model_failure", str(e)),
+    ModelFailure: lambda e: (
+        Outcome(503, "model_failure", str(e), 1.0)
+        if e.gone
+        else Outcome(500, "model_failure", str(e))
+    ),
     DeviceDown: _unavailable("device_down", 5.0),
     ModelConflict: lambda e: Outcome(409, "model_conflict", str(e)),
     UnknownModel: lambda e: Outcome(404, "unknown_model", str(e)),

@@ -9,12 +9,19 @@ model, by the device's worker (``node/worker.py``). ``down`` belongs to the node
 told at each transition and made to agree again at each renewal. A lost or reordered write
 must not leave a crashed device taking claims, or a healthy one down. An operator's drain
 belongs to Redis. Bad client input never reaches a model, so it never counts.
+
+A device that went down is *unchecked* until its owner has checked its records against
+Redis once it is up again, here and in Redis: while it was down a step of its episodes may
+have been moved elsewhere (``reassigned``), and a record Redis no longer names must never
+serve again (``Owner.recheck``). It is marked on the device's own thread, as it goes down,
+so it is never back up unmarked.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -55,6 +62,8 @@ class DeviceHealth:
         self.devices = next(iter(dispatchers.values())).devices
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._unchecked: dict[str, int] = {}  # device -> how many times it went down
+        self._lock = threading.Lock()  # the device threads mark, the loop checks
         self._down: set[str] = set()
         """The devices whose last transition said was down: a device goes down once when
         its first model's tracker does, and up once its last one's is up again."""
@@ -71,8 +80,33 @@ class DeviceHealth:
     def down(self, device: str) -> bool:
         return any(d.tracker(device).down for d in self.dispatchers.values())
 
+    def unchecked(self, device: str) -> bool:
+        """Whether ``device`` went down since its records were last checked (module doc)."""
+        return device in self._unchecked
+
+    async def back_up(self) -> dict[str, int]:
+        """The unchecked devices that are up here and in Redis (no step moves an episode
+        away from them any more), each with its mark for :meth:`checked`. Raises what the
+        registry raises."""
+        with self._lock:
+            marks = {d: n for d, n in self._unchecked.items() if not self.down(d)}
+        if not marks:
+            return {}
+        states = await self.registry.states(list(marks))
+        return {d: n for d, n in marks.items() if states.get(d) != "down"}
+
+    def checked(self, device: str, mark: int) -> None:
+        """``device``'s records were checked after :meth:`back_up` gave it ``mark``: served
+        from memory again, unless it went down once more meanwhile."""
+        with self._lock:
+            if self._unchecked.get(device) == mark:
+                del self._unchecked[device]
+
     def on_transition_threadsafe(self, device: str, to: str, reason: str) -> None:
         """A crash tracker took ``device`` down or brought it back (any thread)."""
+        if to == "down":  # marked at once: before it can come back up
+            with self._lock:
+                self._unchecked[device] = self._unchecked.get(device, 0) + 1
         loop = self._loop
         if loop is not None:
             loop.call_soon_threadsafe(self._track, device, to, reason)

@@ -133,8 +133,8 @@ class Owner:
             return None
         if not record.confirmed or self.table.moving(episode):
             return None  # handed over here, not yet confirmed by Redis; or moving away
-        if self.health.down(record.device):
-            return None  # Redis moves it: the resolve says reassigned
+        if self.health.down(record.device) or self.health.unchecked(record.device):
+            return None  # Redis moves it: the resolve says reassigned (or, back up, hit)
         return Assignment(episode, "hit", record.device, record.token, self.node_id, self.url,
                           None, record.claim, self.lease.instance, record.model)  # fmt: skip
 
@@ -439,6 +439,24 @@ class Owner:
     async def flush(self) -> None:
         """The flusher's flush (:meth:`Flusher.flush`) under this process's registration."""
         await self.flusher.flush(self.lease.instance if self.lease.registered else None)
+
+    async def recheck(self) -> None:
+        """Drop each record of a device back up after it went down that Redis no longer
+        names: a step moved its episode elsewhere (``reassigned``) while the device was down,
+        and it must never serve again. The others are served from memory again
+        (``node/health.py``). Raises what Redis raised (the next call checks again)."""
+        for device, mark in (await self.health.back_up()).items():
+            for episode, record in self.table.owned():
+                if record.device != device:
+                    continue
+                info = await self.claims.lookup(episode)
+                if info is not None and (info.device, info.token) == (device, record.token):
+                    continue
+                if self.table.release(episode, "lost", record.token) is not None:
+                    log.info("episode %r moved off %s while it was down: its state here is "
+                             "dropped", episode, device)  # fmt: skip
+                    self.metrics.owner_dropped.labels("lost").inc()
+            self.health.checked(device, mark)
 
     def refresh_gauges(self) -> None:
         for device in self.local_devices:

@@ -377,7 +377,8 @@ class NodeService:
             self.signals.start()
 
     async def _maintain(self) -> None:
-        """Once a second: fence a lapsed lease, flush the owner's batch, settle the copies
+        """Once a second: fence a lapsed lease, flush the owner's batch, check the records
+        of devices back up after they went down, settle the copies
         of moves left unconfirmed, probe down devices, refresh the gauges."""
         every = min(1.0, self.config.renew_every_s)
         while True:
@@ -386,6 +387,7 @@ class NodeService:
                 self.lease.fence()
                 try:
                     await self.owner.flush()
+                    await self.owner.recheck()  # the records of devices back up
                 except AffinityError as exc:  # kept for the next flush
                     log.warning("flush of node %s failed: %s", self.node_id, exc)
                 await self.owner.mover.settle()  # copies whose move was not confirmed

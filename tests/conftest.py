@@ -38,38 +38,41 @@ def anyio_backend() -> str:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """Each test of a module marked ``shapes`` runs once per shape of a node
-    (``tests/procs.py``'s ``SHAPES``: ``[one]``, ``[fronts2]``), every ``Node`` it starts in
-    that shape. The module's tests are grouped by shape (module scope), so a module's own
-    fixture that starts nodes (it asks for ``front_doors``) starts them once per shape. A
-    test marked ``shapes("fronts2")`` runs in the shapes it names alone (it is about fronts).
-    ``AFFINITY_TEST_SHAPES`` (comma-separated) runs only the shapes it names."""
+    (``tests/procs.py``'s ``SHAPES``: ``[one]``, ``[fronts2]``, ``[fronts2-workers]``), every
+    ``Node`` it starts in that shape. The module's tests are grouped by shape (module scope),
+    so a module's own fixture that starts nodes (it asks for ``node_shape``) starts them once per
+    shape. A test marked ``shapes("fronts")`` runs in the shapes that have every trait it
+    names alone (``tests/procs.py``'s ``traits``: ``"fronts"``, ``"workers"``; it is about
+    them). ``AFFINITY_TEST_SHAPES`` (comma-separated) runs only the shapes it names."""
     marker = metafunc.definition.get_closest_marker("shapes")
     if marker is not None:
-        from tests.procs import SHAPES
+        from tests.procs import SHAPES, traits
 
-        names = list(marker.args) or list(SHAPES)
+        wanted = set(marker.args)
+        if wanted - {"fronts", "workers"}:
+            raise pytest.UsageError(f"{metafunc.definition.nodeid}: no trait {sorted(wanted)}")
+        names = [n for n in SHAPES if wanted <= traits(SHAPES[n])]
         chosen = os.environ.get("AFFINITY_TEST_SHAPES")  # e.g. "one": a quicker local run
-        unknown = set(names + (chosen.split(",") if chosen else [])) - set(SHAPES)
+        unknown = set(chosen.split(",") if chosen else []) - set(SHAPES)
         if unknown:
-            raise pytest.UsageError(f"{metafunc.definition.nodeid}: no shape {sorted(unknown)}")
+            raise pytest.UsageError(f"AFFINITY_TEST_SHAPES: no shape {sorted(unknown)}")
         if chosen:
             names = [n for n in names if n in chosen.split(",")]
-        metafunc.parametrize("front_doors", [SHAPES[n] for n in names], ids=names,
-                             indirect=True, scope="module")  # fmt: skip
+        metafunc.parametrize("node_shape", names, ids=names, indirect=True, scope="module")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def front_doors(request: pytest.FixtureRequest) -> Iterator[int]:
-    """The ``--front-doors`` of the nodes this module's tests start (``tests/procs.py``'s
-    ``FRONT_DOORS``): 1 but in a module marked ``shapes`` (:func:`pytest_generate_tests`)."""
+def node_shape(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The shape of the nodes this module's tests start (``tests/procs.py``'s ``SHAPE`` set
+    to its flags): ``"one"`` but in a module marked ``shapes`` (:func:`pytest_generate_tests`)."""
     from tests import procs
 
-    doors = int(getattr(request, "param", 1))
-    procs.FRONT_DOORS = doors
+    name = str(getattr(request, "param", "one"))
+    procs.SHAPE = list(procs.SHAPES[name])
     try:
-        yield doors
+        yield name
     finally:
-        procs.FRONT_DOORS = 1
+        procs.SHAPE = []
 
 
 def require_real_redis() -> str:

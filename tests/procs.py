@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -103,13 +104,39 @@ def listening(pid: int, port: int) -> bool:
     return tcp_sockets(pid, port, "0A") > 0
 
 
+def _argv(pid: int) -> list[bytes]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().split(b"\0")
+
+
+def _runs_module(pid: int, module: bytes) -> bool:
+    """Whether process ``pid`` is ``python -m module``."""
+    with contextlib.suppress(OSError):
+        argv = _argv(pid)
+        return module in argv and argv[argv.index(module) - 1] == b"-m"
+    return False
+
+
+def _spec_of(pid: int) -> dict[str, Any]:
+    """Device worker process ``pid``'s spec (``AFFINITY_DEVICE_SPEC``, node/deviceprocs.py)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        for item in f.read().split(b"\0"):
+            if item.startswith(b"AFFINITY_DEVICE_SPEC="):
+                spec: dict[str, Any] = json.loads(item.split(b"=", 1)[1])
+                return spec
+    raise ValueError(f"process {pid} has no AFFINITY_DEVICE_SPEC")
+
+
 @contextlib.contextmanager
-def region_of(front: int) -> Iterator[Region]:
-    """Front process ``front``'s hop region (``node/hop.py``), opened through /proc."""
-    with open(f"/proc/{front}/cmdline", "rb") as f:
-        argv = f.read().split(b"\0")
-    region_fd = int(argv[argv.index(b"node.front") + 3])
-    region = Region.open(os.open(f"/proc/{front}/fd/{region_fd}", os.O_RDWR))
+def region_of(pid: int) -> Iterator[Region]:
+    """The hop region (``node/hop.py``) of front process ``pid`` (to the core), or of device
+    worker process ``pid`` (from the core), opened through /proc."""
+    if _runs_module(pid, b"node.deviceproc"):
+        region_fd = int(_spec_of(pid)["region"])
+    else:
+        argv = _argv(pid)
+        region_fd = int(argv[argv.index(b"node.front") + 3])
+    region = Region.open(os.open(f"/proc/{pid}/fd/{region_fd}", os.O_RDWR))
     try:
         yield region
     finally:
@@ -162,37 +189,40 @@ def fronts_of(core: int) -> list[int]:
 
 
 def device_workers(core: int) -> dict[int, int]:
-    """The live device worker processes (``--device-workers process``) of node process
-    ``core``: its children running ``node.deviceproc``, by the index of their device (read
-    from the spec the core gave each, ``AFFINITY_DEVICE_SPEC`` in its environment)."""
+    """The live device worker processes of node process ``core`` (:func:`workers_of`), by
+    the index of their device (read from the spec the core gave each)."""
     found = {}
-    for pid in children(core):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:
-            continue
-        spec = [e for e in environ if e.startswith(b"AFFINITY_DEVICE_SPEC=")]
-        if b"node.deviceproc" in argv and spec and alive(pid):
-            found[int(json.loads(spec[0].split(b"=", 1)[1])["device"]["index"])] = pid
+    for pid in workers_of(core):
+        with contextlib.suppress(OSError, ValueError):
+            found[int(_spec_of(pid)["device"]["index"])] = pid
+    return found
+
+
+def workers_of(core: int) -> list[int]:
+    """The live device worker processes (``python -m node.deviceproc``) started by the node
+    process ``core``, wherever they are now: one outliving its core is reparented, and
+    names its core in its spec (``AFFINITY_DEVICE_SPEC``'s ``parent``)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _runs_module(int(entry), b"node.deviceproc"):
+            with contextlib.suppress(OSError, ValueError):
+                if _spec_of(int(entry))["parent"] == core and alive(int(entry)):
+                    found.append(int(entry))
     return found
 
 
 def asked_of(worker: int) -> list[int]:
-    """The slots of device worker process ``worker``'s hop (``node/deviceprocs.py``: one
-    per model) holding a run the core handed it and it has not answered: read through
-    /proc, its region's descriptor named in its spec."""
-    with open(f"/proc/{worker}/environ", "rb") as f:
-        environ = f.read().split(b"\0")
-    spec = next(e for e in environ if e.startswith(b"AFFINITY_DEVICE_SPEC="))
-    region_fd = int(json.loads(spec.split(b"=", 1)[1])["region"])
-    region = Region.open(os.open(f"/proc/{worker}/fd/{region_fd}", os.O_RDWR))
-    try:
+    """The slots of device worker process ``worker``'s hop holding a run the core asked for
+    and the worker has not answered yet."""
+    with region_of(worker) as region:
         return [k for k in range(region.slots) if region.state(k) == ASKED]
-    finally:
-        region.close()
+
+
+def worker_mid_step(worker: int, timeout: float = 30) -> None:
+    """Wait (bounded) until a run is asked of device worker process ``worker`` and not
+    answered: a step is in it. The caller has paused it (SIGSTOP) first, so that a step that
+    reaches it stays there, however quick the model: no guess at how long a run takes."""
+    wait_until(lambda: asked_of(worker), timeout, f"a run in worker {worker}", interval=0.01)
 
 
 def wait_until(check, timeout: float, what: str, interval: float = 0.05):  # type: ignore[no-untyped-def]
@@ -318,13 +348,38 @@ class RedisServer:
 FLEET_SECRET = "tests-cluster-secret"
 """The cluster secret of :class:`Node` processes that name none."""
 
-SHAPES = {"one": 1, "fronts2": 2}
+SHAPES: dict[str, list[str]] = {
+    "one": [],
+    "fronts2": ["--front-doors", "2"],
+    "fronts2-workers": ["--front-doors", "2", "--device-workers", "process"],
+}
 """The shapes of a node the process tests run in (issue 43): the id a test shows, and the
-node's ``--front-doors``: one process, or a core and two front processes."""
-FRONT_DOORS = 1
-"""The ``--front-doors`` of every :class:`Node` made from now on whose ``extra`` names none.
-``tests/conftest.py``'s ``front_doors`` fixture sets it for the modules marked ``shapes``:
-each of their tests runs once per entry of :data:`SHAPES`."""
+flags that make it: one process; a core and two front processes; and a core, two fronts
+and a worker process per device (the sessions out of the core, ``node/deviceprocs.py``)."""
+SHAPE: list[str] = []
+"""The flags of :data:`SHAPES` that every :class:`Node` made from now on gets (but a flag
+its ``extra`` names: it keeps its own). ``tests/conftest.py``'s ``node_shape`` fixture sets
+it for the modules marked ``shapes``: each of their tests runs once per entry of
+:data:`SHAPES`."""
+
+
+def flag(argv: list[str], name: str, default: str) -> str:
+    """The value ``argv`` gives flag ``name`` (its last), else ``default``."""
+    at = len(argv) - 1 - argv[::-1].index(name) if name in argv else -1
+    return argv[at + 1] if at >= 0 else default
+
+
+def traits(flags: list[str]) -> set[str]:
+    """What a node started with ``flags`` has that a test may be about: ``"fronts"`` (front
+    processes: ``--front-doors`` above 1), ``"workers"`` (a worker process per device,
+    ``--device-workers process``). A test marked ``shapes("fronts")`` runs in the shapes
+    that have every trait it names."""
+    has = set()
+    if int(flag(flags, "--front-doors", "1")) > 1:
+        has.add("fronts")
+    if flag(flags, "--device-workers", "thread") == "process":
+        has.add("workers")
+    return has
 
 
 class Node:
@@ -345,12 +400,12 @@ class Node:
         self.node_id = node_id
         self.host = host
         extra = list(extra or [])
-        if "--front-doors" in extra:
-            self.front_doors = int(extra[extra.index("--front-doors") + 1])
-        else:
-            self.front_doors = FRONT_DOORS
-            if FRONT_DOORS != 1:
-                extra += ["--front-doors", str(FRONT_DOORS)]
+        for at in range(0, len(SHAPE), 2):
+            if SHAPE[at] not in extra:
+                extra += SHAPE[at : at + 2]
+        self.front_doors = int(flag(extra, "--front-doors", "1"))
+        self.device_workers = flag(extra, "--device-workers", "thread") == "process"
+        """Whether each device's sessions run in a worker process of its own (:meth:`workers`)."""
         self.port = 8000 if netns else free_port(host)
         self.url = f"http://{host}:{self.port}"
         # a node on Redis refuses to start without a cluster secret (docs/security.md):
@@ -388,19 +443,30 @@ class Node:
     def start(self, timeout: float = 30) -> Node:
         self.proc.start()
         try:
-            # a node with fronts starts N more interpreters before it is ready
-            wait_until(self.ready, timeout * (2 if self.front_doors > 1 else 1),
-                       f"node {self.node_id} ready")  # fmt: skip
+            # a node with fronts, or device workers, starts more interpreters before it is ready
+            more = (self.front_doors > 1) + self.device_workers
+            wait_until(self.ready, timeout * (1 + more), f"node {self.node_id} ready")
         except AssertionError:
             raise AssertionError(f"node {self.node_id} did not start:\n{self.proc.log()}") from None
         return self
 
     def fronts(self) -> list[int]:
-        """The pids of the node's front processes now (its process' children; none with
-        ``--front-doors 1``)."""
+        """The pids of the node's front processes now (its process' children running
+        ``node.front``; none with ``--front-doors 1``)."""
+        return self._children(b"node.front")
+
+    def workers(self) -> list[int]:
+        """The pids of the node's device worker processes now (its process' children running
+        ``node.deviceproc``; none but with ``--device-workers process``). A node is ready
+        only once each has opened its sessions (``node/startup.py``): no wait is needed."""
+        return self._children(b"node.deviceproc")
+
+    def _children(self, module: bytes) -> list[int]:
         if self.proc.popen is None or self.proc.popen.poll() is not None:
             return []
-        return [pid for pid in children(self.proc.popen.pid) if alive(pid)]
+        return [
+            pid for pid in children(self.proc.popen.pid) if alive(pid) and _runs_module(pid, module)
+        ]
 
     def wait_fronts(self, timeout: float = 30) -> list[int]:
         """The node's fronts, once all ``front_doors`` of them run (none with one process)."""

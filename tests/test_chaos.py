@@ -9,7 +9,11 @@ restarted empty, or from a snapshot taken just before moves, while the moves run
 (issue 41). In the shape with fronts (``[fronts2]``, issue 43) a node's front processes are
 killed (``kill -9``) and paused (SIGSTOP, then SIGCONT) too, alone and while their node or
 the node its episodes move to stops gracefully (mid-step, mid-transfer); a kill takes the
-node's process alone, and its fronts must go with it: no orphan, after every stop.
+node's process alone, and its fronts must go with it: no orphan, after every stop. In the
+shape with device workers too (``[fronts2-workers]``) a device's worker process is killed
+(``kill -9``) and paused (SIGSTOP, then SIGCONT, under or past ``--act-deadline``, where the
+node kills it as hung) with a step in it, alone and while its node or the node its episodes
+move to stops gracefully; it must go with its node as well.
 
 The probe policy counts exactly the steps its episode has seen (``counter_policy``), so
 each reply is checked against the last one of its episode:
@@ -49,7 +53,15 @@ import pytest
 from affinity import Claims, Registry, Settings, StaleToken, UnknownEpisode
 from affinity.registry import MoveRequest
 from tests.models import counter_policy
-from tests.procs import Forwarder, Node, RedisServer, fronts_of, wait_until
+from tests.procs import (
+    Forwarder,
+    Node,
+    RedisServer,
+    fronts_of,
+    wait_until,
+    worker_mid_step,
+    workers_of,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.shapes]
 
@@ -213,7 +225,10 @@ class Chaos:
         }  # fmt: skip
         self.stopped: set[str] = set()  # nodes this test stopped (killed, or gracefully)
         self.log: list[str] = []
-        self.fronts = next(iter(self.nodes.values())).front_doors > 1  # the [fronts2] shape
+        first = next(iter(self.nodes.values()))
+        self.fronts = first.front_doors > 1  # the [fronts2] shapes
+        self.workers = first.device_workers  # the [fronts2-workers] shape
+        self.mid_step = 0  # workers hit with a step in them
 
     def urls(self) -> list[str]:
         return [n.url for n in self.nodes.values()]
@@ -232,24 +247,38 @@ class Chaos:
         self.stopped.discard(name)
 
     def no_orphan(self, core: int) -> None:
-        """The fronts of a node process that ended end with it (``PR_SET_PDEATHSIG``)."""
-        left = wait_until(lambda: not fronts_of(core), 10, f"the fronts of {core} gone")
-        assert left, f"fronts outlived their node {core}: {fronts_of(core)}"
+        """The fronts and device workers of a node process that ended end with it
+        (``PR_SET_PDEATHSIG``)."""
+        left = wait_until(lambda: not fronts_of(core) and not workers_of(core), 10,
+                          f"the fronts and workers of {core} gone")  # fmt: skip
+        assert left, f"outlived their node {core}: {fronts_of(core)} {workers_of(core)}"
 
-    def hit_front(self, name: str, pause: bool) -> int | None:
-        """Kill one front of ``name`` (it is restarted), or pause it (:meth:`resume`); which
-        (none when it has no front running now)."""
-        pids = self.nodes[name].fronts()
+    def hit(self, name: str, pause: bool, kind: str) -> int | None:
+        """Kill one front (``kind`` "front") or device worker ("worker") of ``name`` (it is
+        restarted), or pause it (:meth:`resume`); which (none when it has none running now).
+        A worker is paused first and hit once a step is in it (waited for, bounded: a device
+        whose episodes all moved away gets none, and is hit idle)."""
+        node = self.nodes[name]
+        pids = node.fronts() if kind == "front" else node.workers()
         if not pids:
             return None
         pid = self.rng.choice(pids)
-        self.log.append(f"  front {pid} of {name} {'paused' if pause else 'killed'}")
+        how = ""
         with contextlib.suppress(ProcessLookupError):
+            if kind == "worker":
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    worker_mid_step(pid, timeout=3)
+                    self.mid_step += 1
+                    how = " mid-step"
+                except AssertionError:
+                    how = " idle"
             os.kill(pid, signal.SIGSTOP if pause else signal.SIGKILL)
+        self.log.append(f"  {kind} {pid} of {name} {'paused' if pause else 'killed'}{how}")
         return pid
 
     def resume(self, name: str) -> None:
-        for pid in self.nodes[name].fronts():
+        for pid in self.nodes[name].fronts() + self.nodes[name].workers():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
 
@@ -260,6 +289,7 @@ class Chaos:
             ["kill", "term", "pause_under", "pause_past", "redis", "release", "end", "end",
              "move", "drain_move", "slow_drain_move", "redis_snapshot"]
             + ["front_kill", "front_pause", "term_fronts"] * self.fronts
+            + ["worker_kill", "worker_pause", "worker_pause_past", "term_workers"] * self.workers
         )  # fmt: skip
         self.log.append(f"{time.monotonic():.1f} {what} {name}")
         if what == "kill":
@@ -279,26 +309,29 @@ class Chaos:
             if self.fronts:
                 self.no_orphan(core)
             self.restart(name)
-        elif what == "term_fronts":
+        elif what in ("term_fronts", "term_workers"):
             # a graceful stop while a front of another node (where episodes move, through
             # its fronts) is paused, before the stop (its transfers wait in that front) or
             # during it (it may be relaying one), then resumed or killed; and a front of the
-            # stopping node (holding robots' steps) is killed: mid-transfer and mid-step
+            # stopping node (holding robots' steps) is killed: mid-transfer and mid-step.
+            # The same with device workers: the other node's paused with a step in it (the
+            # robots' steps there wait), the stopping node's killed with one
+            kind = "front" if what == "term_fronts" else "worker"
             other = self.rng.choice([n for n in self.nodes if n != name])
             self.stopped.add(name)
             core = node.pid()
             early = self.rng.random() < 0.5
-            paused = self.hit_front(other, pause=True) if early else None
+            paused = self.hit(other, pause=True, kind=kind) if early else None
             assert node.proc.popen is not None
             os.kill(core, signal.SIGTERM)
             if not early:
                 time.sleep(self.rng.uniform(0, 0.3))
-                paused = self.hit_front(other, pause=True)
+                paused = self.hit(other, pause=True, kind=kind)
             time.sleep(self.rng.uniform(0, 0.5))
-            self.hit_front(name, pause=False)
+            self.hit(name, pause=False, kind=kind)
             time.sleep(self.rng.uniform(0, 1))
             if paused is not None and self.rng.random() < 0.5:
-                self.log.append(f"  paused front {paused} of {other} killed")
+                self.log.append(f"  paused {kind} {paused} of {other} killed")
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(paused, signal.SIGKILL)
             self.resume(other)
@@ -309,11 +342,15 @@ class Chaos:
             node.stop(signal.SIGKILL)
             self.no_orphan(core)
             self.restart(name)
-        elif what in ("front_kill", "front_pause"):
-            self.hit_front(name, pause=what == "front_pause")
-            if what == "front_pause":
+        elif what in ("front_kill", "front_pause", "worker_kill", "worker_pause",
+                      "worker_pause_past"):  # fmt: skip
+            kind, _, how = what.partition("_")
+            self.hit(name, pause=how != "kill", kind=kind)
+            if how != "kill":
+                # past --act-deadline (3 s) the node kills a paused worker as hung
+                pause = self.rng.uniform(4, 5) if how == "pause_past" else self.rng.uniform(0.2, 2)
                 try:
-                    time.sleep(self.rng.uniform(0.2, 2))
+                    time.sleep(pause)
                 finally:
                     self.resume(name)
         elif what in ("pause_under", "pause_past"):
@@ -468,6 +505,7 @@ def test_chaos_never_two_owners_never_a_silent_reset_never_state_kept_nowhere(
             f"{sum(ep.restored for ep in episodes)} replies of two owners within "
             f"{SNAPSHOT_BOUND_S:g}s of a snapshot restore (the latest "
             f"{max(ep.latest for ep in episodes):.1f}s after it); "
+            f"{chaos.mid_step} device workers hit with a step in them; "
             f"actions: {' '.join(sorted(line.split()[1] for line in chaos.log if line[0] != ' '))}"
         )
         print(summary)

@@ -45,6 +45,7 @@ from node.errors import (
     SeqConflict,
     TransferError,
     Unavailable,
+    WorkerGone,
     outcome,
 )
 
@@ -79,6 +80,7 @@ TABLE: list[tuple[BaseException, int, str, float | None, str | None, bool]] = [
     (TransferError("not a map"), 422, "bad_record", None, None, False),
     (ModelNotServed("m@v2 is not served here"), 421, "not_owner", None, None, False),
     (ModelFailure("cpu/0", RuntimeError("x")), 500, "model_failure", None, None, False),
+    (ModelFailure("cpu/0", WorkerGone("cpu/0", "died")), 503, "model_failure", 1.0, None, False),
     (DeviceDown("cpu/0"), 503, "device_down", 5.0, None, False),
     (ModelConflict("ep", "m@1", "m@2"), 409, "model_conflict", None, None, False),
     (UnknownModel("m", ["demo"]), 404, "unknown_model", None, None, False),

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from websockets.sync.client import connect
 
-from affinity import Client, wire
+from affinity import Client, Keys, wire
 from node.models import DEMO_MODEL
-from tests.procs import Node, RedisServer
+from tests.procs import Node, RedisServer, wait_until
 from tests.rollout import reference_rollout
 from tests.test_cluster import Cluster, running
 
@@ -232,7 +232,17 @@ def test_two_processes_with_one_node_id_never_both_serve(tmp_path: Path) -> None
             assert first.status_code == 200, first.text
             history, token = [obs[0]], first.json()["token"]
             duplicate.proc.start()
-            time.sleep(1.0)  # D waits for O's lease
+            # D waits for O's lease (seen in its log; its start takes longer than any guess
+            # on a busy machine, more so in a shape with more processes)
+            wait_until(lambda: "with a current lease; waiting" in duplicate.proc.log(), 60,
+                       "the duplicate waiting for the original's lease")  # fmt: skip
+            # just after a renewal of O's: D, trying each second, registers before O's next
+            # (5 s on); not a guess at how long D took to start
+            nodes, r = Keys().nodes, redis.client()
+            lease = r.zscore(nodes, "a")
+            wait_until(lambda: r.zscore(nodes, "a") != lease, 30,
+                       "a renewal of the original's lease")  # fmt: skip
+            r.close()
             redis.restart()  # empty: D's next try registers
             deadline = time.monotonic() + 30
             while True:

@@ -41,6 +41,8 @@ from tests.procs import (
     region_of,
     tcp_sockets,
     wait_until,
+    worker_mid_step,
+    workers_of,
 )
 from tests.rollout import reference_rollout
 from tests.test_cluster import running
@@ -344,7 +346,7 @@ def pause_mid_step(fronts: list[int], tries: int = 500) -> tuple[int, list[tuple
     raise AssertionError(f"no front of {fronts} had a step on its hop in {tries} tries")
 
 
-@pytest.mark.shapes("fronts2")
+@pytest.mark.shapes("fronts")
 def test_fronts_killed_and_paused_mid_step_and_mid_transfer_leave_one_owner_and_each_step_once(
     tmp_path: Path,
 ) -> None:
@@ -353,6 +355,10 @@ def test_fronts_killed_and_paused_mid_step_and_mid_transfer_leave_one_owner_and_
     stopped gracefully (SIGTERM)
     and hands its episodes over to b while b's fronts hold its transfers (mid-transfer);
     then one front of each node is killed (``kill -9``) and the others resumed (SIGCONT).
+    With a worker process per device (``[fronts2-workers]``) a's worker is paused too, with
+    a robot's step in it, before the stop, and killed (``kill -9``) once the transfers are
+    under way; b's is paused while they are (mid-transfer: the robots' steps at b wait in
+    it), then resumed with the fronts.
     a exits 0 and leaves no process; afterwards b alone owns every episode (Redis and b's
     own view agree), every reply continues its episode's count or says ``state_reset``, no
     step is applied twice, a retried step gets its kept reply; b killed with ``kill -9``
@@ -390,18 +396,27 @@ def test_fronts_killed_and_paused_mid_step_and_mid_transfer_leave_one_owner_and_
             wait_until(lambda: all(r.replies >= 5 for r in robots), 60, "robots stepping")
             mid_step, lost = pause_mid_step(a_fronts)  # steps on its hop, served by the core...
             rest = [pid for pid in a_fronts if pid != mid_step]
+            a_workers, b_workers = a.workers(), b.workers()
+            for pid in a_workers:  # ...one in a's worker, stopped there...
+                os.kill(pid, signal.SIGSTOP)
+                worker_mid_step(pid)
             for pid in rest + b_fronts:
                 os.kill(pid, signal.SIGSTOP)
             os.kill(core, signal.SIGTERM)  # ...and hands its episodes over to b...
             wait_until(
                 lambda: tcp_sockets(core, b.port, "01", remote=True), 30, "a's transfer to b"
             )
+            for pid in b_workers:
+                os.kill(pid, signal.SIGSTOP)
             os.kill(mid_step, signal.SIGKILL)  # ...while b's fronts hold the transfer
             os.kill(b_fronts[0], signal.SIGKILL)
-            for pid in rest + b_fronts[1:]:
+            for pid in a_workers:  # its step fails (503): the robot retries it at b
+                os.kill(pid, signal.SIGKILL)
+            for pid in rest + b_fronts[1:] + b_workers:
                 os.kill(pid, signal.SIGCONT)
             assert a.proc.popen is not None and a.proc.popen.wait(60) == 0, a.proc.log()
-            wait_until(lambda: not fronts_of(core), 10, "a's fronts gone with a")
+            wait_until(lambda: not fronts_of(core) and not workers_of(core), 10,
+                       "a's fronts and workers gone with a")  # fmt: skip
             after = [r.replies for r in robots]
             wait_until(lambda: all(r.replies >= n + 5 for r, n in zip(robots, after, strict=True)),
                        60, "robots stepping on b")  # fmt: skip
@@ -430,6 +445,7 @@ def test_fronts_killed_and_paused_mid_step_and_mid_transfer_leave_one_owner_and_
         held = sum(d["local"]["live_episodes"] for d in devices["devices"] if "local" in d)
         assert held == len(robots), devices  # b's own view: it holds every one
         b_core = b.pid()
-        os.kill(b_core, signal.SIGKILL)  # the core alone: its fronts go with it
-        wait_until(lambda: not fronts_of(b_core), 10, "b's fronts gone with b")
+        os.kill(b_core, signal.SIGKILL)  # the core alone: its fronts and workers go with it
+        wait_until(lambda: not fronts_of(b_core) and not workers_of(b_core), 10,
+                   "b's fronts and workers gone with b")  # fmt: skip
         b.stop()

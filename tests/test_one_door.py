@@ -261,3 +261,43 @@ async def test_a_step_retried_after_its_caller_left_gets_the_run_under_way(redis
         nxt = (await a.act(episode_id="ep", inputs={"obs": OBS}, seq=3)).json()
         assert (nxt["seq"], nxt["state_reset"]) == (3, False)
     Gate.go.clear()
+
+
+async def test_a_device_back_up_never_serves_an_episode_moved_while_it_was_down(
+    redis: Any,
+) -> None:
+    """a/0 goes down (its worker process died) and E's next step moves E to b
+    (``reassigned``, ``state_reset``); a/0 comes back up (a new worker process, warmed
+    up): a checks its records there against Redis before it serves them from memory again
+    and drops E's, so E's steps through either node are b's, one after the other (before:
+    a served its old record again, beside b)."""
+    configs = [config("a", devices="cpu:1"), config("b", devices="cpu:1")]
+    async with cluster(redis, configs) as ([a, b], _):
+        ep = await on("a", a, "back")
+        await a.service.owner.flush()  # an older record than the flush's first look
+        dispatchers = list(a.service.dispatchers.values())
+        for d in dispatchers:
+            d.lost("a/0", "its worker process died")
+        for _ in range(100):  # device_down until Redis has it down (on the loop): retried
+            moved = (await a.act(episode_id=ep, inputs={"obs": OBS})).json()
+            if "error" not in moved:
+                break
+            assert moved["error"]["code"] == "device_down", moved
+            await asyncio.sleep(0.02)
+        assert (moved["node"], moved["routing"], moved["state_reset"]) == ("b", "reassigned", True)
+        for d in dispatchers:
+            await d.restored("a/0")
+        replies = [moved]
+        for via in (a, b, a, b):  # at once: a's record there is not checked yet
+            replies.append((await via.act(episode_id=ep, inputs={"obs": OBS})).json())
+        for _ in range(200):  # once up in Redis too (the health's transition, on the loop)
+            await a.service.owner.recheck()
+            if not a.service.health.unchecked("a/0"):
+                break
+            await asyncio.sleep(0.02)
+        assert not a.service.health.unchecked("a/0")
+        assert a.service.table.get(ep) is None  # checked: dropped
+        for via in (a, b):
+            replies.append((await via.act(episode_id=ep, inputs={"obs": OBS})).json())
+        one_owner(replies)
+        assert {r["node"] for r in replies} == {"b"}, replies

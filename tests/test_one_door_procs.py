@@ -2,12 +2,15 @@
 its lease, nodes with different lease TTLs when Redis restarts empty, a node restarted
 under the same node id while a router still holds a hint, an openpi robot that reconnects
 and retries while its lost step still runs, and a client whose timeout is shorter than a
-step. The probe policy's recurrent state counts exactly the steps its episode has seen
-(``tests/models.py: counter_policy``), so a step applied twice, or one answered whose
-state was kept nowhere, shows in the next count. Each failed on the code before it."""
+step; and, with a worker process per device (``[fronts2-workers]``), a device's worker
+killed or hung with a step in it. The probe policy's recurrent state counts exactly the
+steps its episode has seen (``tests/models.py: counter_policy``), so a step applied twice,
+or one answered whose state was kept nowhere, shows in the next count. Each failed on the
+code before it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -23,7 +26,7 @@ from websockets.sync.client import connect
 
 from affinity import Client, Keys, wire
 from tests.models import counter_policy
-from tests.procs import Node, RedisServer, wait_until
+from tests.procs import Node, RedisServer, alive, wait_until, worker_mid_step, workers_of
 from tests.test_cluster import Cluster, running
 
 pytestmark = [pytest.mark.integration, pytest.mark.shapes]
@@ -60,6 +63,12 @@ def until_served(url: str, episode: str, limit: float = 60) -> dict[str, Any]:
         last = r.text
         time.sleep(0.2)
     raise AssertionError(f"{episode} was not served within {limit}s: {last}")
+
+
+def up(url: str, device: str) -> bool:
+    """Whether ``device`` is up (``active``) by its node's ``/metrics``."""
+    want = f'affinity_device_state{{device="{device}",state="active"}} 1.0'
+    return want in httpx.get(f"{url}/metrics", timeout=10).text
 
 
 def runs_started(url: str, device: str) -> float:
@@ -270,3 +279,86 @@ def test_a_client_whose_timeout_is_shorter_than_a_step_gets_its_answer(tmp_path:
             second = fleet.act("slow", OBS)
         assert [int(np.asarray(s.outputs["count"]).item()) for s in (first, second)] == [1, 2]
         assert not first.state_reset and not second.state_reset
+
+
+@pytest.mark.shapes("workers")
+def test_a_device_worker_killed_or_hung_mid_step_leaves_one_owner_and_each_step_once(
+    tmp_path: Path, counter: Path
+) -> None:
+    """The worker process of the device that holds E is paused (SIGSTOP) with E's step in
+    it, then killed (``kill -9``), then, once more, left paused past ``--act-deadline``
+    (the node kills it as hung). Each time the step answers 503 and nothing of it was kept;
+    the robot retries it (same ``seq``): applied once, where it lands (on another node,
+    said ``state_reset``, or where it was, its count going on). The worker is restarted;
+    E has one owner, whichever node a step enters at, once its old device is back up (a
+    device back up dropped what a step moved elsewhere meanwhile); and the node's workers
+    end with it (``kill -9`` of its process alone)."""
+    redis = RedisServer(tmp_path)
+    extra = ["--model", str(counter), "--act-deadline", "3"]
+    nodes = [Node(tmp_path, n, redis.url, devices="cpu:1", extra=extra) for n in ("a", "b")]
+    with running(redis, nodes) as c:
+        ep = owned_by(c, "a", "worker")
+        urls = [c.node(n).url for n in ("a", "b")]
+        last = {"node": "a", "seq": 1, "count": 1, "token": None}
+
+        def applied(seq: int) -> dict[str, Any]:
+            """Step ``seq`` through a and b in turn until a 200 (bounded): once, said."""
+            for i in range(300):
+                body = {"episode_id": ep, "inputs": OBS, "seq": seq}
+                r = httpx.post(urls[i % 2] + "/act", json=body, timeout=60)
+                if r.status_code == 200:
+                    got = dict(r.json())
+                    n = count(got)
+                    if got["state_reset"]:  # a new claim (its steps numbered afresh)
+                        assert n == 1, (got, last)
+                    else:  # it goes on: the failed attempt was not applied, this one once
+                        assert (got["seq"], n) == (seq, int(last["count"]) + 1), (got, last)
+                    last.update(node=got["node"], seq=got["seq"], count=n, token=got["token"])
+                    return got
+                assert r.status_code in (409, 503), r.text
+                time.sleep(0.1)
+            raise AssertionError(f"step {seq} of {ep} was never applied")
+
+        for hung in (False, True):
+            owner = c.node(str(last["node"]))
+            (worker,) = owner.workers()
+            os.kill(worker, signal.SIGSTOP)
+            answer: dict[str, httpx.Response] = {}
+            seq = int(last["seq"]) + 1
+            body = {"episode_id": ep, "inputs": OBS, "seq": seq}
+
+            def send(
+                url: str = owner.url, body: dict[str, Any] = body, out: dict[str, Any] = answer
+            ) -> None:
+                out["r"] = httpx.post(url + "/act", json=body, timeout=60)
+
+            t = threading.Thread(target=send)
+            t.start()
+            try:
+                worker_mid_step(worker)
+                if not hung:
+                    os.kill(worker, signal.SIGKILL)
+                t.join(60)  # at once when killed; at --act-deadline when hung
+                wait_until(lambda w=worker: not alive(w), 30, "the worker killed (or as hung)")
+            finally:  # (stopped until it is gone: a hung worker must not wake up)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker, signal.SIGCONT)
+            assert not t.is_alive() and answer, "the step in the worker never answered"
+            r = answer["r"]
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] in ("model_failure", "deadline"), r.text
+            applied(seq)  # the robot's retry: nothing of the failed attempt was kept
+            wait_until(lambda o=owner: up(o.url, f"{o.node_id}/0"), 60, "its device back up")
+            for _ in range(6):  # one owner through either node, the old device back up
+                got_ = applied(int(last["seq"]) + 1)
+                assert not got_["state_reset"], got_
+            logs = c.node("a").proc.log() + c.node("b").proc.log()
+            assert "killed and restarted" in logs or not hung, logs
+        value = str(redis.client().get(KEYS.episode(ep))).split(" ")
+        assert (value[0].partition("/")[0], int(value[1])) == (last["node"], last["token"])
+        a = c.node("a")
+        core = a.pid()
+        assert a.proc.popen is not None
+        a.proc.popen.kill()  # its process alone: its workers go with it
+        a.proc.popen.wait(10)
+        wait_until(lambda: not workers_of(core), 10, "a's workers gone with a")

@@ -31,7 +31,7 @@ CRASH = 3  # the owner is killed before the robot's step 3 (counting from 0)
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory, front_doors: int) -> Iterator[Cluster]:
+def fleet(tmp_path_factory: pytest.TempPathFactory, node_shape: str) -> Iterator[Cluster]:
     """Three nodes serving both demo policies with the default lease and act deadline."""
     tmp = tmp_path_factory.mktemp("robots")
     redis = RedisServer(tmp)

@@ -42,7 +42,7 @@ SLOW = 1.0  # a period of 1 s: no step here misses it
 
 @pytest.fixture(scope="module")
 def fleet(
-    tmp_path_factory: pytest.TempPathFactory, front_doors: int
+    tmp_path_factory: pytest.TempPathFactory, node_shape: str
 ) -> Iterator[tuple[Cluster, list[int]]]:
     tmp: Path = tmp_path_factory.mktemp("signals")
     redis = RedisServer(tmp)
