@@ -371,7 +371,7 @@ def test_a_worker_killed_mid_step_fails_that_step_alone_and_its_retry_applies_it
     finally:
         os.kill(pid, signal.SIGKILL)
     r = joined(*job)
-    assert r.status_code == 500 and r.json()["error"]["code"] == "model_failure", r.text
+    assert r.status_code == 503 and r.json()["error"]["code"] == "model_failure", r.text
     assert "died during the run" in r.json()["error"]["message"], r.text
     wait_back(p, "p/1", before)
     assert worker(p, 1, other_than=pid) != pid
