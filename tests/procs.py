@@ -597,3 +597,15 @@ def deaf(pid: int) -> bool:
         line = next(x for x in f if x.startswith("SigBlk:"))
     mask = int(line.split()[1], 16)
     return all(mask & (1 << (s - 1)) for s in (signal.SIGINT, signal.SIGTERM))
+
+
+def metrics(node: Node) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample of ``node``'s ``/metrics``, by (name, labels)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(node.url + "/metrics", timeout=10).text
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }

@@ -29,12 +29,20 @@ import httpx
 import numpy as np
 import numpy.typing as npt
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from affinity import Keys
 from node.models import DEMO_MODEL
 from tests.models import counter_policy
-from tests.procs import Node, RedisServer, alive, asked_of, device_workers, wait_until
+from tests.procs import (
+    Node,
+    RedisServer,
+    alive,
+    asked_of,
+    device_workers,
+    metrics,
+    wait_until,
+    worker_mid_step,
+)
 from tests.rollout import reference_rollout
 
 pytestmark = [pytest.mark.integration]
@@ -119,15 +127,6 @@ def same(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
             np.asarray(got["outputs"][name], dtype=np.float32).reshape(expected.shape),
             expected, rtol=1e-5, atol=1e-6, err_msg=f"{what}: {name}",
         )  # fmt: skip
-
-
-def metrics(node: Node) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    text = httpx.get(node.url + "/metrics", timeout=10).text
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def one(node: Node, name: str, **labels: str) -> float:
@@ -366,8 +365,7 @@ def test_a_worker_killed_mid_step_fails_that_step_alone_and_its_retry_applies_it
     os.kill(pid, signal.SIGSTOP)
     try:
         job = in_background(act, p, episode, "counter", ZERO, 3)
-        wait_until(lambda: asked_of(pid), 30, "the step's run on the stopped worker's hop",
-                   interval=0.01)  # fmt: skip
+        worker_mid_step(pid)  # the step's run on the stopped worker's hop
     finally:
         os.kill(pid, signal.SIGKILL)
     r = joined(*job)
@@ -403,8 +401,7 @@ def test_a_worker_stopped_past_the_deadline_is_killed_as_hung_and_restarted(
         os.kill(pid, signal.SIGSTOP)
         try:
             job = in_background(act, node, episode, "counter", ZERO, 3)
-            wait_until(lambda: asked_of(pid), 30, "the step's run on the stopped worker's hop",
-                       interval=0.01)  # fmt: skip
+            worker_mid_step(pid)  # the step's run on the stopped worker's hop
             r = joined(*job)  # answered at the deadline, the run still on the worker
             assert r.status_code == 503 and r.json()["error"]["code"] == "deadline", r.text
             wait_until(lambda: not alive(pid), 30, "the hung worker killed by the core")

@@ -18,11 +18,10 @@ import pytest
 import tritonclient.grpc as tg
 import tritonclient.http as th
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
-from prometheus_client.parser import text_string_to_metric_families
 
 from node.catalog import file_version
 from node.models import DEMO_MODEL
-from tests.procs import Node, RedisServer, free_port, wait_until
+from tests.procs import Node, RedisServer, free_port, metrics, wait_until
 from tests.test_cluster import Cluster, running
 
 pytestmark = [
@@ -62,15 +61,6 @@ def fleet(
     ]
     with running(redis, nodes) as c:
         yield c, grpc_ports
-
-
-def metrics(node: Node) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    text = httpx.get(node.url + "/metrics", timeout=10).text
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 def one(node: Node, name: str, **labels: str) -> float | None:
