@@ -41,6 +41,23 @@ _Entry = tuple[float, Any, str, str, int, float, Any]
 """What a request leaves for its line: time, client, method, path, status, seconds, step."""
 
 
+_THOUSANDTHS = tuple(f"{n:03d}" for n in range(1000))
+"""``000`` to ``999``: a timestamp's milliseconds, formatted once (a format a line cost
+~0.3 µs)."""
+
+
+def _millis(ms: float) -> str:
+    """``str(round(ms, 3))``, as cheaply as it can be had: ``f"{ms:.3f}"`` rounds alike
+    (correctly, half to even on the exact value), and its trailing zeros dropped is the
+    shortest repr that the rounded float has, as long as it has at most 15 significant
+    digits (below 10^12 ms: 31 years). Half the cost of ``round`` and ``repr`` (~0.6 µs a
+    line)."""
+    if not 0.0 <= ms < 1e12:  # (and NaN)
+        return str(round(ms, 3))
+    text = f"{ms:.3f}".rstrip("0")
+    return text + "0" if text[-1] == "." else text
+
+
 def _escaped(c: str) -> str:
     if c in '\\"':
         return "\\" + c
@@ -132,8 +149,8 @@ class AccessLog:
     def _line(self, entry: _Entry) -> str:
         now, client, method, path, status, seconds, step = entry
         peer = f"{client[0]}:{client[1]}" if client else "-"
-        ms = round(seconds * 1000, 3)
         if self.json:
+            ms = round(seconds * 1000, 3)
             doc: dict[str, Any] = {
                 "ts": round(now, 6),
                 "level": "info",
@@ -148,7 +165,8 @@ class AccessLog:
                 doc["episode"], doc["device"], doc["routing"] = step
             return orjson.dumps(doc).decode()
         request = escape(f"{method} {path}")
-        line = f'{self._time(now)} INFO affinity.access: {peer} "{request}" {status} {ms}ms'
+        millis = _millis(seconds * 1000)
+        line = f'{self._time(now)} INFO affinity.access: {peer} "{request}" {status} {millis}ms'
         if step is not None:
             line += f" episode={escape(step[0])} device={step[1]} routing={step[2]}"
         return line
@@ -175,4 +193,4 @@ class AccessLog:
         if second != self._second:
             self._second = second
             self._stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(second))
-        return f"{self._stamp},{int((now - second) * 1000):03d}"
+        return f"{self._stamp},{_THOUSANDTHS[int((now - second) * 1000)]}"
