@@ -497,6 +497,9 @@ class DeviceProcs:
                 loop.remove_reader(worker.pidfd)
             if worker.process is not None and worker.process.poll() is None:
                 worker.process.send_signal(signal.SIGUSR1)
+        for session in self.sessions.values():  # nobody watches the pidfds now: a run
+            session.gone()  # awaited from the loop ends (failed) before its channel closes
+        await asyncio.sleep(0)
         until = time.monotonic() + timeout_s
         for worker in self.workers.values():
             process = worker.process

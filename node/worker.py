@@ -260,10 +260,8 @@ class DeviceWorker:
         if self.inline_under_s <= 0 or self.arrivals.count > 0 or not job.one_row:
             return False
         if self.remote is not None:
-            with self.cond:
-                if self.busy or self.pending:
-                    return False
-                self.busy = True
+            if not self._take_device():
+                return False
             task = asyncio.ensure_future(self._run_remote(job))
             self.inline_tasks.add(task)
             task.add_done_callback(self.inline_tasks.discard)
@@ -274,20 +272,31 @@ class DeviceWorker:
             d.busy or d.pending for d in self.peers.values() if d is not self
         ):
             return False
+        if not self._take_device():
+            return False
+        try:
+            self._run_batch_safely([job])
+        finally:
+            self._free_device()
+        return True
+
+    def _take_device(self) -> bool:
+        """Hold the device for a run from the event loop, if it is idle (nothing queued)."""
         with self.cond:
             if self.busy or self.pending:
                 return False
             self.busy = True
-        try:
-            self._run_batch_safely([job])
-        finally:
-            items, self.outbox = self.outbox, []  # the worker waits: only this round's
-            with self.cond:
-                self.busy = False
-                if self.pending:
-                    self.cond.notify()
-        _settle(items)  # on this loop already: no wake-up through call_soon_threadsafe
-        return True
+            return True
+
+    def _free_device(self) -> None:
+        """Give back the device a run from the loop held, and settle that run's answers
+        (on this loop already: no wake-up through ``call_soon_threadsafe``)."""
+        items, self.outbox = self.outbox, []  # the worker waits: only this run's
+        with self.cond:
+            self.busy = False
+            if self.pending:
+                self.cond.notify()
+        _settle(items)
 
     async def _run_remote(self, job: Job) -> None:
         """:meth:`run_inline` for a session in a worker process: ``job`` alone, the device
@@ -301,7 +310,7 @@ class DeviceWorker:
                 if taken is not None:
                     feed, size = taken
                     run, started = self._run_begins([m])
-                    try:
+                    try:  # its time is the job's before the commit reads it, as in _session_run
                         values = await self.remote.run_from_loop(self.outputs, feed)
                     except Exception as exc:
                         self._run_ends([m], run, started)
@@ -314,12 +323,7 @@ class DeviceWorker:
             log.exception("device %s: a run from the event loop broke", self.id)
             self.answer(job.future, None, exc)
         finally:
-            items, self.outbox = self.outbox, []  # the worker waits: only this run's
-            with self.cond:
-                self.busy = False
-                if self.pending:
-                    self.cond.notify()
-            _settle(items)
+            self._free_device()
 
     # ---- the batch window --------------------------------------------------------------
 

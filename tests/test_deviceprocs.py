@@ -283,3 +283,33 @@ async def test_a_device_down_by_failures_gets_a_new_process_and_waits_for_its_pr
     assert actions.shape[0] == 1
     assert events == ["lost", "restarted"]  # no "back": up at its probe, after the cool-down
     started.recycle_threadsafe("n/9", "no such device")  # nothing to do
+
+
+async def test_a_run_from_the_loop_ends_when_its_worker_dies_or_the_procs_stop() -> None:
+    p = procs()
+    await p.start()
+    try:
+        back = asyncio.Event()
+
+        async def came_back(device: str) -> None:
+            back.set()
+
+        p.supervise(lambda device, why: None, came_back, lambda device: None)
+        session = p.sessions[("demo", "n/0")]
+        got = await session.run_from_loop(["actions"], feed())  # the loop goes on meanwhile
+        assert got[0].shape[0] == 1
+        pid = pid_of(p)
+        os.kill(pid, signal.SIGSTOP)  # the run stays in the process
+        run = asyncio.ensure_future(session.run_from_loop(["actions"], feed()))
+        await until(lambda: session.since is not None, "the run handed to the process")
+        os.kill(pid, signal.SIGKILL)  # told by the supervisor, which watches its pidfd
+        with pytest.raises(WorkerGone, match="died during the run"):
+            await asyncio.wait_for(run, WAIT_S)
+        await asyncio.wait_for(back.wait(), WAIT_S)
+        os.kill(pid_of(p), signal.SIGSTOP)
+        run = asyncio.ensure_future(session.run_from_loop(["actions"], feed()))
+        await until(lambda: session.since is not None, "the run handed to the process")
+    finally:
+        await p.stop()  # nobody watches the pidfd any more: the run still ends
+    with pytest.raises(WorkerGone):
+        await asyncio.wait_for(run, WAIT_S)
