@@ -216,6 +216,19 @@ def in_background(fn: Any, *args: Any) -> tuple[threading.Thread, list[Any]]:
     return thread, out
 
 
+def step_in_stopped_worker(
+    node: Node, index: int, episode: str, seq: int
+) -> tuple[int, tuple[threading.Thread, list[Any]]]:
+    """Stop (SIGSTOP) device ``index``'s worker, send ``episode``'s step ``seq`` in the
+    background and wait until its run is on the worker's hop: the worker's pid and the
+    step's (:func:`joined` gives its answer). The caller kills or resumes the worker."""
+    pid = worker(node, index)
+    os.kill(pid, signal.SIGSTOP)
+    job = in_background(act, node, episode, "counter", ZERO, seq)
+    worker_mid_step(pid)
+    return pid, job
+
+
 def joined(thread: threading.Thread, out: list[Any]) -> Any:
     thread.join(90)
     assert not thread.is_alive() and len(out) == 1, "the step in the background never returned"
@@ -361,13 +374,8 @@ def test_a_worker_killed_mid_step_fails_that_step_alone_and_its_retry_applies_it
     (episode,) = placed_on(p, "p/1", "midkill", "counter", 1)
     assert count(ok(act(p, episode, "counter", ZERO, seq=2))) == 2
     before = restarts(p, "p/1")
-    pid = worker(p, 1)
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        job = in_background(act, p, episode, "counter", ZERO, 3)
-        worker_mid_step(pid)  # the step's run on the stopped worker's hop
-    finally:
-        os.kill(pid, signal.SIGKILL)
+    pid, job = step_in_stopped_worker(p, 1, episode, 3)
+    os.kill(pid, signal.SIGKILL)
     r = joined(*job)
     assert r.status_code == 503 and r.json()["error"]["code"] == "model_failure", r.text
     assert "died during the run" in r.json()["error"]["message"], r.text
@@ -397,11 +405,8 @@ def test_a_worker_stopped_past_the_deadline_is_killed_as_hung_and_restarted(
         for seq in (1, 2):
             assert count(ok(act(node, episode, "counter", ZERO, seq))) == seq
         before = restarts(node, "h/0")
-        pid = worker(node, 0)
-        os.kill(pid, signal.SIGSTOP)
+        pid, job = step_in_stopped_worker(node, 0, episode, 3)
         try:
-            job = in_background(act, node, episode, "counter", ZERO, 3)
-            worker_mid_step(pid)  # the step's run on the stopped worker's hop
             r = joined(*job)  # answered at the deadline, the run still on the worker
             assert r.status_code == 503 and r.json()["error"]["code"] == "deadline", r.text
             wait_until(lambda: not alive(pid), 30, "the hung worker killed by the core")
