@@ -28,7 +28,7 @@ import pytest
 import redis
 
 from affinity.keys import Keys
-from node.hop import ASKED, FREE, Region
+from node.hop import ASKED, FREE, TAKEN, Region
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,25 +146,41 @@ def region_of(pid: int) -> Iterator[Region]:
 def on_the_hop(front: int) -> list[int]:
     """The slots of front process ``front``'s hop to the core that are in use now (asked,
     taken or answered, not yet read back)."""
-    with region_of(front) as region:
-        return [k for k in range(region.slots) if region.state(k) != FREE]
+    return [k for k, state in enumerate(hop_states(front)) if state != FREE]
 
 
-def front_mid_step(fronts: Callable[[], list[int]], port: int, timeout: float = 30) -> int:
-    """The front holding the one client connection to ``port`` once that client's step is
-    on its hop to the core (waited for, bounded: no guess at how long a step takes)."""
+@contextlib.contextmanager
+def held_mid_step(
+    fronts: Callable[[], list[int]], port: int, core: int, timeout: float = 30
+) -> Iterator[int]:
+    """The front holding the one client connection to ``port``, once the core has taken
+    that client's step off the front's hop (it runs), with the core paused (:func:`pause`):
+    the step stays mid-run for the block, however quick the model or busy the machine (no
+    guess at how long a step takes). The core goes on when the block ends."""
     found: list[int] = []
 
-    def mid_step() -> bool:
+    def taken() -> bool:
         for pid in fronts():
             with contextlib.suppress(OSError, ValueError):
-                if connections(pid, port) == 1 and on_the_hop(pid):
+                if connections(pid, port) == 1 and TAKEN in hop_states(pid):
                     found[:] = [pid]
                     return True
         return False
 
-    wait_until(mid_step, timeout, "a front with the client's step on its hop", interval=0.01)
-    return found[0]
+    wait_until(taken, timeout, "a front whose client's step the core runs", interval=0.002)
+    pause(core)
+    try:
+        assert TAKEN in hop_states(found[0]), "the core answered before it could be paused"
+        yield found[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(core, signal.SIGCONT)
+
+
+def hop_states(front: int) -> list[int]:
+    """The state of each slot of front process ``front``'s hop to the core."""
+    with region_of(front) as region:
+        return [region.state(k) for k in range(region.slots)]
 
 
 def fronts_of(core: int) -> list[int]:
@@ -225,6 +241,50 @@ def worker_mid_step(worker: int, timeout: float = 30) -> None:
     wait_until(lambda: asked_of(worker), timeout, f"a run in worker {worker}", interval=0.01)
 
 
+def stopped(pid: int) -> bool:
+    """Whether every thread of process ``pid`` is stopped (or the process is gone)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # that thread ended meanwhile
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
+
+
+def group_of(pgid: int) -> list[int]:
+    """The processes of process group ``pgid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid:
+                found.append(int(entry))
+    return found
+
+
+def pause(*pids: int, timeout: float = 30) -> None:
+    """SIGSTOP each of ``pids`` and wait (bounded) until every thread of each has stopped.
+    The signal only starts a stop: one thread takes it and then tells the others, so a
+    thread already woken (by a doorbell, say) can run on, and answer a step, until the
+    kernel next runs that first thread; on a busy machine that is milliseconds. A test whose
+    premise is "the process is frozen now" waits for it."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+    wait_until(lambda: all(stopped(p) for p in pids), timeout, f"{pids} stopped", interval=0.002)
+
+
 def wait_until(check, timeout: float, what: str, interval: float = 0.05):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     last: object = None
@@ -259,8 +319,14 @@ class Proc:
         out.close()
 
     def send(self, sig: int) -> None:
+        """``sig`` to the process and its children (its process group); a SIGSTOP returns
+        once every one of them has stopped (:func:`pause`)."""
         assert self.popen is not None
         os.killpg(self.popen.pid, sig)
+        if sig == signal.SIGSTOP:
+            pgid = self.popen.pid
+            wait_until(lambda: all(stopped(p) for p in group_of(pgid)), 30,
+                       f"process group {pgid} stopped", interval=0.002)  # fmt: skip
 
     def stop(self, sig: int = signal.SIGKILL, timeout: float = 10) -> None:
         if self.popen is None or self.popen.poll() is not None:

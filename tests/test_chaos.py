@@ -62,6 +62,7 @@ from tests.procs import (
     worker_mid_step,
     workers_of,
 )
+from tests.procs import pause as freeze  # hit() has a parameter named pause
 
 pytestmark = [pytest.mark.integration, pytest.mark.shapes]
 
@@ -266,7 +267,7 @@ class Chaos:
         how = ""
         with contextlib.suppress(ProcessLookupError):
             if kind == "worker":
-                os.kill(pid, signal.SIGSTOP)
+                freeze(pid)
                 try:
                     worker_mid_step(pid, timeout=3)
                     self.mid_step += 1

@@ -40,6 +40,7 @@ from tests.procs import (
     asked_of,
     device_workers,
     metrics,
+    pause,
     wait_until,
     worker_mid_step,
 )
@@ -223,7 +224,7 @@ def step_in_stopped_worker(
     background and wait until its run is on the worker's hop: the worker's pid and the
     step's (:func:`joined` gives its answer). The caller kills or resumes the worker."""
     pid = worker(node, index)
-    os.kill(pid, signal.SIGSTOP)
+    pause(pid)
     job = in_background(act, node, episode, "counter", ZERO, seq)
     worker_mid_step(pid)
     return pid, job
@@ -297,7 +298,7 @@ def test_steps_queued_behind_a_stopped_workers_run_go_as_one_batch_equal_to_a_th
     runs0 = before.get(("affinity_batch_size_count", frozenset({("device", "p/0")})), 0.0)
     steps0 = before.get(("affinity_batch_size_sum", frozenset({("device", "p/0")})), 0.0)
     pid = worker(p, 0)
-    os.kill(pid, signal.SIGSTOP)
+    pause(pid)
     try:
         pending = [in_background(act, p, episodes[0], "demo_policy", obs[episodes[0]], 2)]
         wait_until(lambda: asked_of(pid), 30, "the first step's run on the stopped worker's hop",

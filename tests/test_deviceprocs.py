@@ -23,6 +23,7 @@ from node.deviceprocs import DeviceModel, DeviceProcs, RemoteSession
 from node.devices import DeviceSpec
 from node.errors import WorkerGone, WorkerRunError
 from node.providers import ProviderSettings, build_session
+from tests.procs import pause
 
 pytestmark = pytest.mark.anyio
 
@@ -154,7 +155,7 @@ async def test_a_worker_killed_mid_run_ends_the_run_at_once_and_comes_back(
     )
     session = started.sessions[("demo", "n/0")]
     pid = pid_of(started)
-    os.kill(pid, signal.SIGSTOP)  # the run is in the process, and stays there
+    pause(pid)  # the run is in the process, and stays there
     thread, out = in_thread(session, feed())
     await until(lambda: session.since is not None, "the run handed to the process")
     os.kill(pid, signal.SIGKILL)
@@ -207,7 +208,7 @@ async def test_a_hung_worker_is_killed_at_the_hang_bound_and_restarted() -> None
         p.supervise(lambda device, why: reasons.append(why), came_back, lambda device: None)
         session = p.sessions[("demo", "n/0")]
         pid = pid_of(p)
-        os.kill(pid, signal.SIGSTOP)  # hung: alive, never answers
+        pause(pid)  # hung: alive, never answers
         thread, out = in_thread(session, feed())
         await until(lambda: out, "the hung run's end")
         assert isinstance(out[0], WorkerGone), out
@@ -299,14 +300,14 @@ async def test_a_run_from_the_loop_ends_when_its_worker_dies_or_the_procs_stop()
         got = await session.run_from_loop(["actions"], feed())  # the loop goes on meanwhile
         assert got[0].shape[0] == 1
         pid = pid_of(p)
-        os.kill(pid, signal.SIGSTOP)  # the run stays in the process
+        pause(pid)  # the run stays in the process
         run = asyncio.ensure_future(session.run_from_loop(["actions"], feed()))
         await until(lambda: session.since is not None, "the run handed to the process")
         os.kill(pid, signal.SIGKILL)  # told by the supervisor, which watches its pidfd
         with pytest.raises(WorkerGone, match="died during the run"):
             await asyncio.wait_for(run, WAIT_S)
         await asyncio.wait_for(back.wait(), WAIT_S)
-        os.kill(pid_of(p), signal.SIGSTOP)
+        pause(pid_of(p))
         run = asyncio.ensure_future(session.run_from_loop(["actions"], feed()))
         await until(lambda: session.since is not None, "the run handed to the process")
     finally:

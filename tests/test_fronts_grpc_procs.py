@@ -37,8 +37,9 @@ from tests.procs import (
     Node,
     RedisServer,
     free_port,
-    front_mid_step,
+    held_mid_step,
     listening,
+    on_the_hop,
     wait_until,
 )
 from tests.rollout import reference_rollout
@@ -398,9 +399,9 @@ def test_a_front_killed_mid_step_costs_its_call_only(tmp_path: Path) -> None:
 
         sender = threading.Thread(target=second)
         sender.start()
-        holder = front_mid_step(lambda: fronts(node), grpc_port)
-        assert sender.is_alive(), "the step was answered before its front could be killed"
-        os.kill(holder, signal.SIGKILL)
+        with held_mid_step(lambda: fronts(node), grpc_port, node.pid()) as holder:
+            assert sender.is_alive(), "the step was answered before its front could be killed"
+            os.kill(holder, signal.SIGKILL)  # the core paused: the step still runs
         sender.join(60)
         assert lost and lost[0].status() == str(grpc.StatusCode.UNAVAILABLE), lost
         for _ in range(100):
@@ -423,15 +424,17 @@ def test_a_front_killed_mid_step_costs_its_call_only(tmp_path: Path) -> None:
                 lambda result, error: done.put((result, error)),
                 sequence_id="slow",
             )
-            time.sleep(0.3)  # its model running
-            pending.cancel()
-            result, error = done.get(timeout=30)
+            with held_mid_step(lambda: fronts(node), grpc_port, node.pid()):
+                pending.cancel()  # while the core runs its step
+                result, error = done.get(timeout=30)
             assert result is None and error is not None
             # a stateless step behind it on the one device: done once that run ended (and
             # the front, told of the answer, had it undone)
             client.infer(model, [grpc_input(zeros)], client_timeout=60)
         finally:
             client.close()
+        # the core answers the front's word once it has undone the step: the slot frees
+        wait_until(lambda: not any(on_the_hop(f) for f in fronts(node)), 60, "the undo")
         fourth = step(None)
         assert count(fourth) == 4 and not facts(fourth)["state_reset"]
     finally:

@@ -28,7 +28,7 @@ from tritonclient.utils import InferenceServerException
 
 from node.models import DEMO_MODEL
 from tests.models import counter_policy
-from tests.procs import Node, RedisServer, front_mid_step, wait_until
+from tests.procs import Node, RedisServer, held_mid_step, on_the_hop, wait_until
 from tests.rollout import reference_rollout
 from tests.test_fronts_procs import embedded, fronts
 from tests.test_kserve import HOSTILE, INFER, MODEL, obs_input, observations, request_body
@@ -289,9 +289,9 @@ def test_a_front_killed_mid_step_costs_its_connection_only(tmp_path: Path) -> No
 
         sender = threading.Thread(target=second)
         sender.start()
-        holder = front_mid_step(lambda: fronts(node), node.port)
-        assert sender.is_alive(), "the step was answered before its front could be killed"
-        os.kill(holder, signal.SIGKILL)
+        with held_mid_step(lambda: fronts(node), node.port, node.pid()) as holder:
+            assert sender.is_alive(), "the step was answered before its front could be killed"
+            os.kill(holder, signal.SIGKILL)  # the core paused: the step still runs
         sender.join(60)
         assert lost, "the client should have lost its connection with its front"
         for _ in range(100):
@@ -305,14 +305,26 @@ def test_a_front_killed_mid_step_costs_its_connection_only(tmp_path: Path) -> No
         assert got["replayed"] and count(retry) == 2 and not got["state_reset"], got
         assert count(step(3)) == 3
         # a client that leaves mid-step, its front alive: the step is undone
-        with pytest.raises(Exception):  # noqa: B017 (tritonclient's timeout, whatever its type)
-            step(None, timeout=0.5)
+        left: list[BaseException] = []
+
+        def leaver() -> None:
+            try:
+                step(None, timeout=0.5)
+            except Exception as exc:  # tritonclient's timeout, whatever its type
+                left.append(exc)
+
+        sender = threading.Thread(target=leaver)
+        sender.start()
+        with held_mid_step(lambda: fronts(node), node.port, node.pid()):
+            sender.join(60)  # the client's timeout, while the core runs its step
+        assert left, "the client should have given up mid-step"
         wait_until(
             lambda: any('/infer" 499' in li for li in infer_lines(node)),
             60,
             "the front saw its client gone, and told the core",
         )
-        time.sleep(0.3)  # the core undoes it as it reads the front's word
+        # the core answers the front's word once it has undone the step: the slot frees
+        wait_until(lambda: not any(on_the_hop(f) for f in fronts(node)), 60, "the undo")
         fourth = step(None)
         assert count(fourth) == 4 and not fourth.get_response()["parameters"]["state_reset"]
     finally:

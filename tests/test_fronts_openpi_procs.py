@@ -28,7 +28,7 @@ from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from affinity import Keys
 from tests.models import counter_policy
-from tests.procs import Node, RedisServer, connections, front_mid_step, wait_until
+from tests.procs import Node, RedisServer, connections, held_mid_step, wait_until
 from tests.test_fronts_procs import embedded, fronts
 from tests.test_openpi import libero, replay
 
@@ -276,9 +276,9 @@ def test_a_front_killed_mid_step_loses_no_step_and_applies_none_twice(tmp_path: 
 
         sender = threading.Thread(target=second)
         sender.start()
-        holder = front_mid_step(lambda: fronts(node), node.port)
-        assert sender.is_alive(), "the step was answered before its front could be killed"
-        os.kill(holder, signal.SIGKILL)
+        with held_mid_step(lambda: fronts(node), node.port, node.pid()) as holder:
+            assert sender.is_alive(), "the step was answered before its front could be killed"
+            os.kill(holder, signal.SIGKILL)  # the core paused: the step still runs
         sender.join(60)
         assert lost, "the robot should have lost its connection with its front"
         retry = None
@@ -316,7 +316,8 @@ def test_a_step_whose_robot_left_mid_step_is_held_for_its_retry(tmp_path: Path) 
         with websockets.sync.client.connect(url, max_size=None) as ws:
             ws.recv(timeout=10)  # the metadata
             ws.send(msgpack_numpy.packb({"obs": np.zeros(8, np.float32), "seq": 2}))
-            front_mid_step(lambda: fronts(node), node.port)  # the step on the hop: it leaves
+            with held_mid_step(lambda: fronts(node), node.port, node.pid()):
+                ws.close()  # the robot leaves while the core runs its step
 
         # the front saw the robot leave mid-step (its access line says 499, and the episode)
         def left() -> bool:

@@ -35,7 +35,8 @@ from tests.procs import (
     children,
     connections,
     deaf,
-    front_mid_step,
+    held_mid_step,
+    pause,
     wait_until,
 )
 from tests.rollout import reference_rollout
@@ -59,8 +60,9 @@ def fronts(node: Node) -> list[int]:
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     tmp: Path = tmp_path_factory.mktemp("fronts")
     redis = RedisServer(tmp).start()
+    # --keep-alive: a robot waiting at a gate (below) keeps its connection however long
     n = Node(tmp, "f", redis.url, devices="cpu:1", env={"AFFINITY_ADMIN_TOKEN": ADMIN},
-             extra=["--front-doors", "2", "--capacity", "1000"])  # fmt: skip
+             extra=["--front-doors", "2", "--capacity", "1000", "--keep-alive", "300"])  # fmt: skip
     try:
         n.start(timeout=60)
         wait_until(lambda: len(fronts(n)) == 2, 30, "two fronts")
@@ -188,11 +190,22 @@ def test_a_front_killed_mid_load_loses_no_step_and_comes_back(node: Node) -> Non
     sent = {k: observations(100 + k, 30) for k in range(4)}
     failures: list[str] = []
     retried = [0]
+    gate, at_gate = threading.Event(), threading.Semaphore(0)
+    GATE = 10  # each robot's step at which it waits, its connection kept, for the pause
 
     def robot(k: int) -> None:
+        try:
+            steps(k)
+        finally:  # a robot that failed before its gate still lets the test on
+            at_gate.release()
+
+    def steps(k: int) -> None:
         episode = f"killed-{k}"
         with httpx.Client(timeout=20) as client:  # keep-alive: one front holds it
             for i, x in enumerate(sent[k], start=1):
+                if i == GATE:
+                    at_gate.release()
+                    gate.wait(60)
                 body = {"episode_id": episode, "inputs": {"obs": x.tolist()}, "seq": i}
                 for _ in range(50):
                     try:
@@ -222,10 +235,13 @@ def test_a_front_killed_mid_load_loses_no_step_and_comes_back(node: Node) -> Non
     threads = [threading.Thread(target=robot, args=(k,)) for k in range(len(sent))]
     for t in threads:
         t.start()
-    time.sleep(0.3)
+    for _ in threads:  # every robot is mid-episode, holding its connection
+        assert at_gate.acquire(timeout=60), "a robot never reached its gate"
+    assert not failures, failures  # (each robot releases again as it ends: after the gate)
     victim = max(before, key=lambda pid: connections(pid, node.port))  # it holds robots
     assert connections(victim, node.port) > 0
-    os.kill(victim, signal.SIGSTOP)  # its robots' next steps wait in it (some mid-step)...
+    pause(victim)  # its robots' next steps wait in it (some mid-step)...
+    gate.set()
     time.sleep(0.3)
     os.kill(victim, signal.SIGKILL)  # ...and their connections go: they retry with seq
     for t in threads:
@@ -382,9 +398,9 @@ def test_a_step_whose_front_died_mid_step_is_kept_for_the_clients_retry(tmp_path
 
             sender = threading.Thread(target=second)
             sender.start()
-            holder = front_mid_step(lambda: fronts(node), node.port)
-            assert sender.is_alive(), "the step was answered before its front could be killed"
-            os.kill(holder, signal.SIGKILL)
+            with held_mid_step(lambda: fronts(node), node.port, node.pid()) as holder:
+                assert sender.is_alive(), "the step was answered before its front could be killed"
+                os.kill(holder, signal.SIGKILL)  # the core paused: the step still runs
             sender.join(60)
         assert lost, "the client should have lost its connection with its front"
         with httpx.Client() as client:  # a new connection: the other front, or the new one
@@ -421,9 +437,9 @@ def test_a_step_whose_front_died_mid_step_is_kept_for_the_clients_retry(tmp_path
 
             sender = threading.Thread(target=second_plain)
             sender.start()
-            holder = front_mid_step(lambda: fronts(node), node.port)
-            assert sender.is_alive(), "the step was answered before its front could be killed"
-            os.kill(holder, signal.SIGKILL)
+            with held_mid_step(lambda: fronts(node), node.port, node.pid()) as holder:
+                assert sender.is_alive(), "the step was answered before its front could be killed"
+                os.kill(holder, signal.SIGKILL)  # the core paused: the step still runs
             sender.join(60)
         assert lost, "the client should have lost its connection with its front"
         with httpx.Client() as client:
@@ -488,7 +504,7 @@ def test_a_step_whose_client_left_while_the_core_was_paused_is_applied_once(
         with httpx.Client() as client:
             first = step(1, client)
             assert first.status_code == 200 and count(first.json()) == 1
-        os.kill(core, signal.SIGSTOP)  # the core alone: the fronts keep accepting
+        pause(core)  # the core alone: the fronts keep accepting
         try:
             with httpx.Client() as client, pytest.raises(httpx.TimeoutException):
                 step(2, client, timeout=0.5)  # on the hop, unanswered; the client leaves

@@ -38,6 +38,7 @@ from tests.procs import (
     free_port,
     fronts_of,
     on_the_hop,
+    pause,
     region_of,
     tcp_sockets,
     wait_until,
@@ -332,7 +333,7 @@ def pause_mid_step(fronts: list[int], tries: int = 500) -> tuple[int, list[tuple
     Each try pauses one, looks, and lets it go on if it has none."""
     for i in range(tries):
         front = fronts[i % len(fronts)]
-        os.kill(front, signal.SIGSTOP)
+        pause(front)
         slots = on_the_hop(front)
         for _ in range(200 if slots else 0):  # the core answers them (the front is paused)
             steps = answered(front, slots)
@@ -398,16 +399,16 @@ def test_fronts_killed_and_paused_mid_step_and_mid_transfer_leave_one_owner_and_
             rest = [pid for pid in a_fronts if pid != mid_step]
             a_workers, b_workers = a.workers(), b.workers()
             for pid in a_workers:  # ...one in a's worker, stopped there...
-                os.kill(pid, signal.SIGSTOP)
+                pause(pid)
                 worker_mid_step(pid)
             for pid in rest + b_fronts:
-                os.kill(pid, signal.SIGSTOP)
+                pause(pid)
             os.kill(core, signal.SIGTERM)  # ...and hands its episodes over to b...
             wait_until(
                 lambda: tcp_sockets(core, b.port, "01", remote=True), 30, "a's transfer to b"
             )
             for pid in b_workers:
-                os.kill(pid, signal.SIGSTOP)
+                pause(pid)
             os.kill(mid_step, signal.SIGKILL)  # ...while b's fronts hold the transfer
             os.kill(b_fronts[0], signal.SIGKILL)
             for pid in a_workers:  # its step fails (503): the robot retries it at b

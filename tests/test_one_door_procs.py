@@ -26,7 +26,7 @@ from websockets.sync.client import connect
 
 from affinity import Client, Keys, wire
 from tests.models import counter_policy
-from tests.procs import Node, RedisServer, alive, wait_until, worker_mid_step, workers_of
+from tests.procs import Node, RedisServer, alive, pause, wait_until, worker_mid_step, workers_of
 from tests.test_cluster import Cluster, running
 
 pytestmark = [pytest.mark.integration, pytest.mark.shapes]
@@ -322,7 +322,7 @@ def test_a_device_worker_killed_or_hung_mid_step_leaves_one_owner_and_each_step_
         for hung in (False, True):
             owner = c.node(str(last["node"]))
             (worker,) = owner.workers()
-            os.kill(worker, signal.SIGSTOP)
+            pause(worker)
             answer: dict[str, httpx.Response] = {}
             seq = int(last["seq"]) + 1
             body = {"episode_id": ep, "inputs": OBS, "seq": seq}
