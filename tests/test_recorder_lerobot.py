@@ -7,8 +7,10 @@ makes it at ``.venv-lerobot`` (or give its python as ``AFFINITY_LEROBOT_PYTHON``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -35,14 +37,32 @@ def lerobot_python() -> Path:
 
 
 def check(python: Path, dataset: Path, truth: dict[str, Any], tmp: Path) -> None:
+    """Run tests/lerobot_check.py in the lerobot environment. Its output goes to a file and
+    it runs in a session of its own, killed whole at the bound: a process it left behind
+    can neither hold a pipe this test reads to the end nor outlive the test."""
     (tmp / "truth.json").write_text(json.dumps(truth))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "hf")}
-    done = subprocess.run(
-        [str(python), str(ROOT / "tests/lerobot_check.py"), str(dataset), str(tmp / "truth.json")],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.startswith("ok"), done.stdout
+    argv = [
+        str(python),
+        str(ROOT / "tests/lerobot_check.py"),
+        str(dataset),
+        str(tmp / "truth.json"),
+    ]
+    with open(tmp / "lerobot.out", "w+") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
+        try:
+            code = proc.wait(600)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out.seek(0)
+        said = out.read()
+    assert code == 0, f"exit {code}: {said}"
+    assert said.startswith("ok") or "\nok " in said, said
 
 
 async def test_lerobot_reads_the_fleets_dataset_moved_and_reset_episodes_included(
