@@ -28,7 +28,14 @@ from affinity.errors import (
     UnknownModel,
 )
 from affinity.models import check_model_part
-from affinity.scripts import EpisodeScriptCaller, failure, replicated, replicated_many
+from affinity.scripts import (
+    EpisodeScriptCaller,
+    bounded,
+    evalsha_many,
+    failure,
+    replicated,
+    replicated_many,
+)
 
 __all__ = [
     "MAX_EPISODE_BYTES",
@@ -352,6 +359,26 @@ class Claims(EpisodeScriptCaller):
         """The episode's assignment without touching it, or ``None``."""
         episode = check_episode(episode)
         return parse_lookup(episode, await self._call(self.scripts.lookup, episode))
+
+    async def lookup_many(self, episodes: Sequence[str]) -> list[EpisodeInfo | None]:
+        """:meth:`lookup` of each of ``episodes`` in one round trip to Redis (one ``EVALSHA``
+        each, pipelined: :func:`affinity.scripts.evalsha_many`), in order. Raises
+        :class:`InvalidArgument` for a bad id before anything is sent, and
+        :class:`BackendUnavailable` when Redis cannot answer them all in time or answers one
+        with an error (nothing is changed by a lookup: the caller asks again)."""
+        checked = [check_episode(e) for e in episodes]
+        if not checked:
+            return []
+        calls = [(self._episode_key + e, ()) for e in checked]
+        replies, _ = await bounded(
+            self.settings, evalsha_many(self.redis, self.scripts.lookup, calls)
+        )
+        found: list[EpisodeInfo | None] = []
+        for episode, reply in zip(checked, replies, strict=True):
+            if isinstance(reply, RedisError):
+                raise BackendUnavailable(failure(reply))
+            found.append(parse_lookup(episode, reply))
+        return found
 
     async def release(
         self, episode: str, token: int, reason: str = "end", *, owner: bool = False

@@ -64,6 +64,9 @@ claims anew through the router's resolve."""
 
 log = logging.getLogger("affinity.node")
 
+RECHECK_BATCH = 512
+"""Records of a device back up that :meth:`Owner.recheck` looks up in one round trip."""
+
 
 class Owner:
     """Serve from memory, serve what a router forwards, let go (see the module doc); its
@@ -446,16 +449,17 @@ class Owner:
         and it must never serve again. The others are served from memory again
         (``node/health.py``). Raises what Redis raised (the next call checks again)."""
         for device, mark in (await self.health.back_up()).items():
-            for episode, record in self.table.owned():
-                if record.device != device:
-                    continue
-                info = await self.claims.lookup(episode)
-                if info is not None and (info.device, info.token) == (device, record.token):
-                    continue
-                if self.table.release(episode, "lost", record.token) is not None:
-                    log.info("episode %r moved off %s while it was down: its state here is "
-                             "dropped", episode, device)  # fmt: skip
-                    self.metrics.owner_dropped.labels("lost").inc()
+            held = [(e, r.token) for e, r in self.table.owned() if r.device == device]
+            for at in range(0, len(held), RECHECK_BATCH):  # a round trip per batch
+                batch = held[at : at + RECHECK_BATCH]
+                found = await self.claims.lookup_many([episode for episode, _ in batch])
+                for (episode, token), info in zip(batch, found, strict=True):
+                    if info is not None and (info.device, info.token) == (device, token):
+                        continue
+                    if self.table.release(episode, "lost", token) is not None:
+                        log.info("episode %r moved off %s while it was down: its state here "
+                                 "is dropped", episode, device)  # fmt: skip
+                        self.metrics.owner_dropped.labels("lost").inc()
             self.health.checked(device, mark)
 
     def refresh_gauges(self) -> None:

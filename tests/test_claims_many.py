@@ -4,6 +4,8 @@ each claim what ``resolve`` would make, and a row refused or failed alone."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from affinity import Assignment, InvalidArgument, NoCapacity, ResolveRequest, UnknownEpisode
@@ -81,6 +83,35 @@ async def test_no_rows_ask_nothing(env: Env, round_trips: RoundTrips) -> None:
     assert await env.claims.resolve_many([]) == []
     assert await env.claims.resolve_many([ResolveRequest("\x00")]) != []
     assert round_trips.writes == []
+
+
+async def test_k_lookups_are_one_round_trip_and_equal_each_lookup(
+    env: Env, round_trips: RoundTrips
+) -> None:
+    """``Claims.lookup_many`` (a node's records of a device back up, checked against Redis:
+    ``Owner.recheck``): each answer is what ``lookup`` says of that episode, a missing one
+    None, in one round trip; a bad id is refused before anything is sent."""
+    await env.node("a", 2)
+    claimed = [await env.claims.resolve(f"ep-{i}") for i in range(5)]
+    await env.redis.script_load(env.claims.scripts.lookup.text)
+    episodes = ["ep-3", "nobody", "ep-0", "ep-4", "ep-1", "ep-2"]
+    round_trips.writes.clear()
+    got = await env.claims.lookup_many(episodes)
+    assert len(round_trips.writes) == 1
+    assert got[1] is None
+    assert [(i.device, i.token) for i in got if i is not None] == [
+        (claimed[k].device, claimed[k].token) for k in (3, 0, 4, 1, 2)
+    ]
+    for episode, info in zip(episodes, got, strict=True):  # (the TTL counts down meanwhile)
+        alone = await env.claims.lookup(episode)
+        assert (info and replace(info, ttl_ms=0)) == (alone and replace(alone, ttl_ms=0))
+    round_trips.writes.clear()
+    with pytest.raises(InvalidArgument):
+        await env.claims.lookup_many(["ep-0", ""])
+    assert await env.claims.lookup_many([]) == []
+    assert round_trips.writes == []
+    await env.redis.script_flush()  # NOSCRIPT: loaded, asked again
+    assert [i is not None for i in await env.claims.lookup_many(["ep-0", "x"])] == [True, False]
 
 
 class _Pipe:
