@@ -333,6 +333,7 @@ class Fronts:
             self._spawn(front)
         self._watch = asyncio.create_task(self._supervise(), name="affinity-fronts")
         self.service.processes.watch(self)  # published at each renewal from now on
+        self.service.lease.renew_soon()  # the registration had none of them running yet
 
     def running(self) -> list[Running]:
         """Each front running now: index, pid, start, restarts, its lag histogram."""

@@ -119,6 +119,7 @@ class Lease:
         self._done: list[tuple[str, int]] = []  # revocations carried out, not yet said
         self._no_server_id = False  # logged that run_id cannot be read
         self._task: asyncio.Task[None] | None = None
+        self._soon = asyncio.Event()  # renew now, not at the interval (renew_soon)
 
     # ---- queries (they never act) ----------------------------------------------------
 
@@ -388,12 +389,20 @@ class Lease:
         log.error("%s", self.conflict)
         self.on_conflict()
 
+    def renew_soon(self) -> None:
+        """Renew at once rather than at the interval: what a renewal publishes changed in a
+        way the fleet should see now (the fronts, started after the registration, are
+        running: without this they show as down for a renewal's interval)."""
+        self._soon.set()
+
     async def _renew_loop(self) -> None:
         while self.conflict is None:
             interval = self.renew_every_s
             if self.fence():
                 interval = min(interval, 0.5)  # come back quickly once Redis answers
-            await asyncio.sleep(interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._soon.wait(), interval)
+            self._soon.clear()
             try:
                 await self.renew_once()
             except Exception:  # a renewal loop that dies would fence the node for good

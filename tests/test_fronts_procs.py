@@ -310,6 +310,27 @@ def test_affinity_nodes_shows_the_core_and_its_fronts_and_a_restart(node: Node) 
     assert mine == {role: (p["pid"], p["restarts"]) for role, p in procs.items()}, cells
 
 
+def test_the_fronts_are_published_as_soon_as_they_run(tmp_path: Path) -> None:
+    """The registration comes before the fronts start; the node renews once they run, so
+    the fleet does not show them down for a renewal's interval (40 s here: a 120 s lease)."""
+    redis = RedisServer(tmp_path).start()
+    n = Node(tmp_path, "soon", redis.url, devices="cpu:1",
+             extra=["--front-doors", "2", "--lease-ttl", "120"])  # fmt: skip
+    try:
+        n.start(timeout=60)
+
+        def shown() -> bool:
+            procs = published(n)
+            return set(procs) == {"core", "0", "1"} and all(alive(p["pid"]) for p in procs.values())
+
+        wait_until(shown, 20, "the fronts published before the next renewal", interval=0.5)
+        (row,) = [r for r in cli_nodes(n).splitlines() if r.startswith("soon ")]
+        assert "core+2 fronts" in row and "down" not in row, row
+    finally:
+        n.stop()
+        redis.stop()
+
+
 def embedded(
     tmp: Path,
     node_id: str,
