@@ -402,6 +402,8 @@ class DeviceProcs:
         process = None if worker is None else worker.process
         if self.stopping or worker is None or process is None or process.poll() is not None:
             return
+        if worker.hold:  # another model's failures recycled it already: once per death
+            return
         log.warning("device %s is down (%s): its worker process %d is restarted; the device "
                     "comes back at its probe", device, reason, process.pid)  # fmt: skip
         worker.hold = True

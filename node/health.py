@@ -125,6 +125,7 @@ class DeviceHealth:
             if device not in self._down or self.down(device):  # another model's still down
                 return
             self._down.discard(device)
+        log.warning("device %s is %s%s", device, to, f": {reason}" if reason else "")
         self.metrics.transitions.labels(device, to).inc()
         self.metrics.set_state(device, "down" if to == "down" else "active")
         try:

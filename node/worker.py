@@ -552,7 +552,9 @@ class DeviceWorker:
         self.count_failure("a model run outlived its request's deadline")
 
     def _transition(self, to: str, reason: str) -> None:
-        log.warning("device %s is %s%s", self.id, to, f": {reason}" if reason else "")
+        # said once per device by the node's health (node/health.py), not once per model
+        log.debug("device %s: a model's tracker has it %s%s", self.id, to,
+                  f": {reason}" if reason else "")  # fmt: skip
         if self.on_transition is not None:
             self.on_transition(self.id, to, reason)
 

@@ -8,6 +8,7 @@ no process."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import threading
@@ -263,8 +264,9 @@ async def test_a_worker_is_deaf_to_sigint_and_sigterm_from_its_birth(
 
 
 async def test_a_device_down_by_failures_gets_a_new_process_and_waits_for_its_probe(
-    started: DeviceProcs,
+    started: DeviceProcs, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.WARNING, "affinity.node")
     events: list[str] = []
 
     async def came_back(device: str) -> None:
@@ -277,7 +279,10 @@ async def test_a_device_down_by_failures_gets_a_new_process_and_waits_for_its_pr
     )
     pid = pid_of(started)
     started.recycle_threadsafe("n/0", "3 failures in a row")
+    started.recycle_threadsafe("n/0", "3 failures in a row")  # a second model's tracker
     await until(lambda: started.pids() and pid_of(started) != pid, "a new worker process")
+    recycled = [r for r in caplog.records if "is restarted" in r.getMessage()]
+    assert len(recycled) == 1, recycled  # once per death, not once per model
     session = started.sessions[("demo", "n/0")]
     await until(lambda: session.channel is not None, "its channel")
     (actions,) = await asyncio.to_thread(session.run, ["actions"], feed())

@@ -6,6 +6,7 @@ Redis, never "active" while a model still has it down."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import pytest
@@ -50,7 +51,10 @@ def count(metrics: Metrics, to: str) -> float:
     return value or 0.0
 
 
-async def test_a_device_of_two_models_goes_down_once_and_up_once() -> None:
+async def test_a_device_of_two_models_goes_down_once_and_up_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "affinity.node")
     a, b = Model(), Model()
     registry = Registry()
     metrics = Metrics(["n/0"], 4)
@@ -78,3 +82,7 @@ async def test_a_device_of_two_models_goes_down_once_and_up_once() -> None:
     await settle()
     assert count(metrics, "up") == 1
     assert registry.writes == [("n/0", "down"), ("n/0", "active")]
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert said == ["device n/0 is down: its worker process was killed", "device n/0 is up"], (
+        said
+    )  # once each way, not once per model
