@@ -23,7 +23,6 @@ if TYPE_CHECKING:
         EpisodeInfo,
         Released,
         ResolveRequest,
-        check_episode,
     )
     from affinity.client import (
         AsyncClient,
@@ -56,7 +55,7 @@ if TYPE_CHECKING:
     )
     from affinity.events import EventStream
     from affinity.inventory import DeviceStatus, Inventory, ModelStatus, NodeStatus
-    from affinity.keys import Keys
+    from affinity.keys import Keys, check_episode
     from affinity.models import ModelId, Models
     from affinity.registry import DeviceRegistration, Registry
 
@@ -102,7 +101,7 @@ _WHERE = {
     "UnknownField": "errors",
     "UnknownModel": "errors",
     "UnknownNode": "errors",
-    "check_episode": "claims",
+    "check_episode": "keys",
     "close": "connection",
     "connect": "connection",
     "embedded_store": "connection",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -27,6 +26,7 @@ from affinity.errors import (
     UnknownEpisode,
     UnknownModel,
 )
+from affinity.keys import MAX_EPISODE_BYTES, check_episode, check_token
 from affinity.models import check_model_part
 from affinity.scripts import (
     EpisodeScriptCaller,
@@ -49,9 +49,7 @@ __all__ = [
     "check_token",
 ]
 
-MAX_EPISODE_BYTES = 512
 PLACEMENTS = ("round-robin", "scored")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 Status = Literal["hit", "claimed", "reassigned"]
 
@@ -126,41 +124,6 @@ class EpisodeInfo:
             "revoked": self.revoked,
             "model": self.model,
         }
-
-
-def check_episode(episode: object) -> str:
-    """Return ``episode`` as text, or raise :class:`InvalidArgument`.
-
-    An episode id is a non-empty string of valid UTF-8 of at most 512 bytes without
-    control characters (``bytes`` are accepted when they decode strictly).
-    """
-    if isinstance(episode, bytes):
-        try:
-            episode = episode.decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidArgument("episode id", episode, "must be valid UTF-8") from None
-    if not isinstance(episode, str):
-        raise InvalidArgument("episode id", episode, "must be a string")
-    if not episode:
-        raise InvalidArgument("episode id", episode, "must not be empty")
-    try:
-        size = len(episode.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise InvalidArgument("episode id", episode, "must be valid UTF-8") from None
-    if _CONTROL.search(episode):
-        # they would reach operators' terminals through redis-cli and the CLI
-        raise InvalidArgument("episode id", episode, "must not contain control characters")
-    if size > MAX_EPISODE_BYTES:
-        raise InvalidArgument(
-            "episode id", episode, f"is {size} bytes; the limit is {MAX_EPISODE_BYTES} bytes"
-        )
-    return episode
-
-
-def check_token(token: object) -> int:
-    if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-        raise InvalidArgument("token", token, "must be a non-negative integer")
-    return token
 
 
 def parse_resolution(episode: str, reply: str, asked: str = "") -> Assignment:

@@ -1,4 +1,6 @@
-"""Every Redis key affinity uses, built from pure functions of (namespace, ids).
+"""Every Redis key affinity uses, built from pure functions of (namespace, ids), and the
+check of the ids that go into them (:func:`check_episode`: no Redis client imported, so a
+front process validates an episode id without loading one).
 
 No other module writes a key literal. Every key starts with the hash tag
 ``{<namespace>}``, so they all hash to the same slot. One Lua script may then touch any of
@@ -9,9 +11,15 @@ suffixes as the methods below (``affinity/lua/lib.lua``).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-__all__ = ["Keys"]
+from affinity.errors import InvalidArgument
+
+__all__ = ["MAX_EPISODE_BYTES", "Keys", "check_episode", "check_token"]
+
+MAX_EPISODE_BYTES = 512
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 @dataclass(frozen=True)
@@ -258,3 +266,38 @@ class Keys:
     def episode_pattern(self) -> str:
         """``SCAN MATCH`` pattern of all assignments (for operators, never inside Lua)."""
         return self.prefix + "episode:*"
+
+
+def check_episode(episode: object) -> str:
+    """Return ``episode`` as text, or raise :class:`InvalidArgument`.
+
+    An episode id is a non-empty string of valid UTF-8 of at most 512 bytes without
+    control characters (``bytes`` are accepted when they decode strictly).
+    """
+    if isinstance(episode, bytes):
+        try:
+            episode = episode.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidArgument("episode id", episode, "must be valid UTF-8") from None
+    if not isinstance(episode, str):
+        raise InvalidArgument("episode id", episode, "must be a string")
+    if not episode:
+        raise InvalidArgument("episode id", episode, "must not be empty")
+    try:
+        size = len(episode.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidArgument("episode id", episode, "must be valid UTF-8") from None
+    if _CONTROL.search(episode):
+        # they would reach operators' terminals through redis-cli and the CLI
+        raise InvalidArgument("episode id", episode, "must not contain control characters")
+    if size > MAX_EPISODE_BYTES:
+        raise InvalidArgument(
+            "episode id", episode, f"is {size} bytes; the limit is {MAX_EPISODE_BYTES} bytes"
+        )
+    return episode
+
+
+def check_token(token: object) -> int:
+    if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+        raise InvalidArgument("token", token, "must be a non-negative integer")
+    return token

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
-from affinity.claims import check_episode, check_token
+from affinity.keys import check_episode, check_token
 from affinity.scripts import EpisodeScriptCaller
 
 __all__ = ["NotPlaced", "Placement", "Transfers"]

@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-import httpx
 import numpy as np
 import orjson
 import uvicorn
@@ -269,11 +268,7 @@ class FrontApp:
                                 json=spec.get("log_format") == "json")  # fmt: skip
         self.numbers = itertools.count()
         """Each openpi connection's number, the core's name for it."""
-        self.client = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=core),
-            timeout=httpx.Timeout(None),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-        )
+        self._client: Any = None  # httpx's, made at the first request passed on (_pass)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -298,7 +293,8 @@ class FrontApp:
                 if message["type"] == "lifespan.startup":
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
-                    await self.client.aclose()
+                    if self._client is not None:
+                        await self._client.aclose()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
 
@@ -440,6 +436,20 @@ class FrontApp:
             return
         await respond(send, status, out, content, headers)
 
+    def _pass(self) -> tuple[Any, type[Exception]]:
+        """The client of the core's app on its Unix socket, and its error type. httpx is
+        imported here, at the first request passed on, not at the front's start (a sixth
+        of it): a front restarts with its socket's connections waiting in its backlog."""
+        import httpx
+
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                transport=httpx.AsyncHTTPTransport(uds=self.core),
+                timeout=httpx.Timeout(None),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            )
+        return self._client, httpx.HTTPError
+
     async def pass_on(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Any other HTTP request, to the core's app as it came; its reply back, streamed."""
         chunks = []
@@ -457,12 +467,13 @@ class FrontApp:
         url = scope["path"] + ("?" + scope["query_string"].decode() if scope["query_string"]
                                else "")  # fmt: skip
         headers = [(k, v) for k, v in scope["headers"] if k not in _HOP_BY_HOP]
-        request = self.client.build_request(
+        client, http_error = self._pass()
+        request = client.build_request(
             scope["method"], "http://core" + url, headers=headers, content=body
         )
         try:
-            response = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            response = await client.send(request, stream=True)
+        except http_error as exc:
             body = error_body("unavailable", f"the node's core did not answer: {exc}")
             await respond(send, 503, body, headers=[(b"retry-after", b"1")])
             return
@@ -674,7 +685,7 @@ async def serve(argv: list[str]) -> None:
 
         rpc = await grpc_front.start(servicer, spec["host"], int(grpc_port), spec["grpc_core"],
                                      app.max_body)  # fmt: skip
-    log.debug("front %s serving", index)
+    log.info("front %s serving (pid %d), %.2f s after its start", index, os.getpid(), _age_s())
     try:
         await server.serve(sockets=[sock])
     finally:
@@ -682,6 +693,16 @@ async def serve(argv: list[str]) -> None:
         if rpc is not None:  # its calls finish (their steps still served by the core)
             await rpc[0].stop(float(spec["grpc_stop_s"]))
             await rpc[1].close()
+
+
+def _age_s() -> float:
+    """How long ago this process started (``/proc``: its start and the uptime, in clock
+    ticks): what a front's start costs, its imports included."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def main(argv: list[str] | None = None) -> None:
