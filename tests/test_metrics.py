@@ -245,12 +245,14 @@ async def test_every_series_is_driven_and_labels_are_documented(tmp_path: Path) 
         Flaky.fail = True
         r = await a.act(episode_id=mine["episode_id"], inputs=OBS)
         assert r.status_code == 500 and mine["node"] == "a"
-        await asyncio.sleep(0.05)
+        await asyncio.gather(*sa.health._tasks)  # the transition's write to Redis
         assert (await redis.hget(KEYS.device(mine["device"]), "state")) == "down"
         seen += await scrape(a)
         Flaky.fail = False
         assert await sa.health.probe() == [mine["device"]]
-        await asyncio.sleep(0.05)
+        for _ in range(5):  # the transition reaches the loop (call_soon_threadsafe)...
+            await asyncio.sleep(0)
+        await asyncio.gather(*sa.health._tasks)  # ...and its write to Redis is done
         assert (await redis.hget(KEYS.device(mine["device"]), "state")) == "active"
         seen += await scrape(a)
         # full

@@ -111,10 +111,12 @@ def test_an_owner_paused_past_its_lease_never_answers_200_from_kept_nowhere(
     with running(redis, nodes) as c:
         a = c.node("a")
 
-        def pause(sig: int) -> None:
+        def hold(sig: int) -> None:
             """a's processes; with fronts, its core alone: the fronts keep taking steps (b's
             forwards among them) onto the hop, which the core reads when it runs again."""
-            if a.front_doors > 1:
+            if a.front_doors > 1 and sig == signal.SIGSTOP:
+                pause(a.pid())  # (waited for until every thread of it has stopped)
+            elif a.front_doors > 1:
                 os.kill(a.pid(), sig)
             else:
                 a.proc.send(sig)
@@ -139,13 +141,13 @@ def test_an_owner_paused_past_its_lease_never_answers_200_from_kept_nowhere(
             wait_until(
                 lambda began=began: runs_started(a.url, "a/0") > began, 60, "a's run to begin"
             )
-            pause(signal.SIGSTOP)
+            hold(signal.SIGSTOP)
             stopped = time.monotonic()
             try:
                 taken = until_served(c.node("b").url, ep)  # b, once a's lease lapsed
                 assert taken["node"] == "b" and taken["state_reset"] is True
             finally:
-                pause(signal.SIGCONT)
+                hold(signal.SIGCONT)
             t.join(120)
             logs = f"\n--- a:\n{a.proc.log()}\n--- b:\n{c.node('b').proc.log()}"
             assert got, f"the paused owner's step never answered:{logs}"
