@@ -74,18 +74,24 @@ def alive(pid: int) -> bool:
         return False
 
 
-def tcp_sockets(pid: int, port: int, state: str, *, remote: bool = False) -> int:
+def tcp_sockets(
+    pid: int, port: int, state: str, *, remote: bool = False, unread: bool = False
+) -> int:
     """How many TCP sockets process ``pid`` holds in ``state`` (/proc/net/tcp's code:
     ``"01"`` established, ``"0A"`` listening) whose local port (the remote one with
-    ``remote``: a client's connections to a server on ``port``) is ``port``."""
+    ``remote``: a client's connections to a server on ``port``) is ``port``; with
+    ``unread``, only those with bytes received that the process has not read yet."""
     column = 2 if remote else 1
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
             for line in f.readlines()[1:]:
                 fields = line.split()
-                if int(fields[column].rsplit(":", 1)[1], 16) == port and fields[3] == state:
-                    inodes.add(fields[9])
+                if int(fields[column].rsplit(":", 1)[1], 16) != port or fields[3] != state:
+                    continue
+                if unread and int(fields[4].split(":")[1], 16) == 0:  # tx_queue:rx_queue
+                    continue
+                inodes.add(fields[9])
     held = 0
     for fd in os.listdir(f"/proc/{pid}/fd"):
         with contextlib.suppress(OSError):
@@ -97,6 +103,12 @@ def tcp_sockets(pid: int, port: int, state: str, *, remote: bool = False) -> int
 def connections(pid: int, port: int) -> int:
     """How many established TCP connections to ``port`` process ``pid`` holds (a server's)."""
     return tcp_sockets(pid, port, "01")
+
+
+def queued(pid: int, port: int) -> int:
+    """How many of :func:`connections` hold a request process ``pid`` has not read yet (it
+    is paused, say)."""
+    return tcp_sockets(pid, port, "01", unread=True)
 
 
 def listening(pid: int, port: int) -> bool:

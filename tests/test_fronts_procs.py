@@ -37,6 +37,7 @@ from tests.procs import (
     deaf,
     held_mid_step,
     pause,
+    queued,
     wait_until,
 )
 from tests.rollout import reference_rollout
@@ -240,9 +241,10 @@ def test_a_front_killed_mid_load_loses_no_step_and_comes_back(node: Node) -> Non
     assert not failures, failures  # (each robot releases again as it ends: after the gate)
     victim = max(before, key=lambda pid: connections(pid, node.port))  # it holds robots
     assert connections(victim, node.port) > 0
-    pause(victim)  # its robots' next steps wait in it (some mid-step)...
+    held = connections(victim, node.port)
+    pause(victim)  # its robots' next steps wait in it...
     gate.set()
-    time.sleep(0.3)
+    wait_until(lambda: queued(victim, node.port) == held, 60, "its robots' steps sent to it")
     os.kill(victim, signal.SIGKILL)  # ...and their connections go: they retry with seq
     for t in threads:
         t.join(120)
