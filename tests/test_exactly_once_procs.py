@@ -21,6 +21,7 @@ import pytest
 from websockets.sync.client import connect
 
 from affinity import Client, Keys, wire
+from affinity.transport import Transport
 from node.models import DEMO_MODEL
 from tests.procs import Node, RedisServer, on_the_hop, wait_until
 from tests.rollout import reference_rollout
@@ -146,26 +147,47 @@ def test_a_paused_router_tells_the_owner_to_undo_the_step_it_dropped(tmp_path: P
         expect(obs, r.json()["outputs"]["actions"])
 
 
+class ResumedAtTimeout(httpx.BaseTransport):
+    """The client's transport; the first attempt that times out resumes ``node`` (paused),
+    so the retry finds it running however long the attempt took on a busy machine."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.inner = Transport()
+        self.timed_out = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return self.inner.handle_request(request)
+        except httpx.TimeoutException:
+            self.timed_out += 1
+            self.node.proc.send(signal.SIGCONT)
+            raise
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def test_the_client_retries_a_timed_out_step_once(tmp_path: Path) -> None:
-    """Item 3: Client([b, a], timeout=1.0, retries=1); the owner takes 1.5 s (paused): the
-    attempt at the owner times out, the retry goes to the other node with the same seq,
-    and the step is applied once."""
+    """Item 3: Client([b, a], timeout=3, retries=1); the owner is paused until the attempt
+    at it times out: the retry goes to the other node with the same seq, and the step is
+    applied once."""
     with two_nodes(tmp_path) as c:
         a, b = c.node("a"), c.node("b")
         obs = observations(3, 2)
-        with Client([b.url, a.url], timeout=1.0, retries=1) as client:
+        transport = ResumedAtTimeout(a)
+        with Client([b.url, a.url], timeout=3.0, retries=1, transport=transport) as client:
             for i in range(32):
                 first = client.act(f"timeout-{i}", {"obs": obs[0]})
                 if first.node == "a":
                     break
             assert first.node == "a" and first.episode_id is not None
             a.proc.send(signal.SIGSTOP)
-            timer = resume_after(a, 1.5)
             try:
                 second = client.act(first.episode_id, {"obs": obs[1]})
             finally:
-                timer.join()
                 a.proc.send(signal.SIGCONT)
+            assert transport.timed_out == 1
             expect(obs, second.outputs["actions"])
             assert second.seq == 2 and not second.state_reset
             third = client.act(first.episode_id, {"obs": obs[0]})
