@@ -278,14 +278,20 @@ def test_two_processes_with_one_node_id_never_both_serve(tmp_path: Path) -> None
             wait_until(lambda: r.zscore(nodes, "a") != lease, 30,
                        "a renewal of the original's lease")  # fmt: skip
             r.close()
-            redis.restart()  # empty: D's next try registers
-            deadline = time.monotonic() + 30
-            while True:
-                assert time.monotonic() < deadline, "the duplicate never registered"
-                with contextlib.suppress(httpx.TransportError):
-                    if duplicate.ready():
-                        break
-                time.sleep(0.1)
+            # O paused meanwhile (its lease, renewed just now, stays current): its next
+            # renewal cannot come before D's try, however slow the restart on a busy machine
+            original.proc.send(signal.SIGSTOP)
+            try:
+                redis.restart()  # empty: D's next try registers
+                deadline = time.monotonic() + 30
+                while True:
+                    assert time.monotonic() < deadline, "the duplicate never registered"
+                    with contextlib.suppress(httpx.TransportError):
+                        if duplicate.ready():
+                            break
+                    time.sleep(0.1)
+            finally:
+                original.proc.send(signal.SIGCONT)
             answers: list[tuple[str, str]] = []
             i = 1
             while not any(who == "D" and code == "200" for who, code in answers):
