@@ -120,6 +120,7 @@ class Lease:
         self._no_server_id = False  # logged that run_id cannot be read
         self._task: asyncio.Task[None] | None = None
         self._soon = asyncio.Event()  # renew now, not at the interval (renew_soon)
+        self._ending = False  # end() began: the renewal loop renews no more
 
     # ---- queries (they never act) ----------------------------------------------------
 
@@ -396,13 +397,15 @@ class Lease:
         self._soon.set()
 
     async def _renew_loop(self) -> None:
-        while self.conflict is None:
+        while self.conflict is None and not self._ending:
             interval = self.renew_every_s
             if self.fence():
                 interval = min(interval, 0.5)  # come back quickly once Redis answers
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._soon.wait(), interval)
             self._soon.clear()
+            if self._ending:  # (a cancellation end() sent may have been swallowed)
+                return
             try:
                 await self.renew_once()
             except Exception:  # a renewal loop that dies would fence the node for good
@@ -422,6 +425,12 @@ class Lease:
         """Stop renewing and deregister (what is still held is handed over by Redis);
         serve nothing more. Returns how many episodes Redis handed over (-1: unknown)."""
         if self._task is not None:
+            # The flag ends the loop even when the cancellation lands in a Redis call and is
+            # swallowed there (redis-py's asyncio.wait_for on Python 3.11, CPython gh-86296:
+            # see affinity.scripts.bounded): the loop then went on renewing, a node that
+            # had left kept its lease, and this waited for it forever.
+            self._ending = True
+            self._soon.set()
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task

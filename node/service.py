@@ -226,6 +226,7 @@ class NodeService:
             catalog=self.catalog,
         )
         self._maintenance: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()  # stop() began: the maintenance loop ends
         self._loop_lag: asyncio.Task[None] | None = None
         every = config.fleet_view_every_s
         fleet = Inventory(lease_registry.redis, config.settings)  # the lease's own pool
@@ -381,8 +382,11 @@ class NodeService:
         of devices back up after they went down, settle the copies
         of moves left unconfirmed, probe down devices, refresh the gauges."""
         every = min(1.0, self.config.renew_every_s)
-        while True:
-            await asyncio.sleep(every)
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), every)
+            if self._stopping.is_set():  # (stop()'s cancellation may have been swallowed)
+                return
             try:
                 self.lease.fence()
                 try:
@@ -410,6 +414,9 @@ class NodeService:
         the devices and connections."""
         await self.owner.leave()
         await self.signals.stop()
+        # the event ends the maintenance loop even when the cancellation lands in a Redis
+        # call and is swallowed there (Python 3.11: see Lease.end)
+        self._stopping.set()
         for task in (self._maintenance, self._loop_lag):
             if task is not None:
                 task.cancel()

@@ -334,6 +334,59 @@ async def test_a_redis_call_whose_cancellation_was_swallowed_still_fails_its_dea
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
 
 
+async def swallowing(entered: asyncio.Event) -> None:
+    """A Redis call into which a cancellation lands and is swallowed (redis-py's
+    asyncio.wait_for on Python 3.11, gh-86296): the caller's task goes on as if nothing was
+    asked of it."""
+    entered.set()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.sleep(3600)
+
+
+@pytest.mark.anyio
+async def test_a_node_stops_though_the_cancellation_of_its_loops_was_swallowed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lease's renewal loop and the maintenance loop are cancelled while in a Redis call
+    that swallows it: each ends anyway (its flag), the node stops, and the lease is not
+    renewed after the node left. Before, the loop went on renewing the lease of a node
+    that had left, and the stop waited for it forever (a CI run hung on it)."""
+    redis = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    async with cluster(redis, [config("a")]) as ([a], _):
+        service = a.service
+        renewing, flushing = asyncio.Event(), asyncio.Event()
+        renewals = 0
+        original = service.lease.renew_once
+
+        async def renew_once() -> None:
+            nonlocal renewals
+            renewals += 1
+            if renewals == 1:
+                await swallowing(renewing)
+            else:
+                await original()
+
+        monkeypatch.setattr(service.lease, "renew_once", renew_once)
+        flushes = 0
+        flush = service.owner.flush
+
+        async def flush_once() -> None:  # the first swallows; the next ones are real
+            nonlocal flushes
+            flushes += 1
+            await (swallowing(flushing) if flushes == 1 else flush())
+
+        monkeypatch.setattr(service.owner, "flush", flush_once)
+        service.lease.renew_soon()
+        await asyncio.wait_for(renewing.wait(), 30)
+        await asyncio.wait_for(flushing.wait(), 30)  # the maintenance loop's, once a second
+        stopping = asyncio.ensure_future(service.stop())
+        await asyncio.wait({stopping}, timeout=60)  # (not wait_for: stop() would swallow it)
+        assert stopping.done(), "the stop waits for a loop that goes on"
+        assert renewals == 1  # none after the swallowed one: it had left
+        assert service.lease._task is None and service._maintenance is not None
+        assert service._maintenance.done()
+
+
 # ---- items 4 and 5: Redis connections under a burst ------------------------------------------
 
 
