@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+import httpx
 import numpy as np
 import orjson
 import uvicorn
@@ -268,7 +269,11 @@ class FrontApp:
                                 json=spec.get("log_format") == "json")  # fmt: skip
         self.numbers = itertools.count()
         """Each openpi connection's number, the core's name for it."""
-        self._client: Any = None  # httpx's, made at the first request passed on (_pass)
+        self.client = httpx.AsyncClient(
+            transport=httpx.AsyncHTTPTransport(uds=core),
+            timeout=httpx.Timeout(None),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -293,8 +298,7 @@ class FrontApp:
                 if message["type"] == "lifespan.startup":
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
-                    if self._client is not None:
-                        await self._client.aclose()
+                    await self.client.aclose()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
 
@@ -436,20 +440,6 @@ class FrontApp:
             return
         await respond(send, status, out, content, headers)
 
-    def _pass(self) -> tuple[Any, type[Exception]]:
-        """The client of the core's app on its Unix socket, and its error type. httpx is
-        imported here, at the first request passed on, not at the front's start (a sixth
-        of it): a front restarts with its socket's connections waiting in its backlog."""
-        import httpx
-
-        if self._client is None:
-            self._client = httpx.AsyncClient(
-                transport=httpx.AsyncHTTPTransport(uds=self.core),
-                timeout=httpx.Timeout(None),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-            )
-        return self._client, httpx.HTTPError
-
     async def pass_on(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Any other HTTP request, to the core's app as it came; its reply back, streamed."""
         chunks = []
@@ -467,13 +457,12 @@ class FrontApp:
         url = scope["path"] + ("?" + scope["query_string"].decode() if scope["query_string"]
                                else "")  # fmt: skip
         headers = [(k, v) for k, v in scope["headers"] if k not in _HOP_BY_HOP]
-        client, http_error = self._pass()
-        request = client.build_request(
+        request = self.client.build_request(
             scope["method"], "http://core" + url, headers=headers, content=body
         )
         try:
-            response = await client.send(request, stream=True)
-        except http_error as exc:
+            response = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
             body = error_body("unavailable", f"the node's core did not answer: {exc}")
             await respond(send, 503, body, headers=[(b"retry-after", b"1")])
             return
