@@ -50,19 +50,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError("no free port this process has not handed out already")
 
 
-def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` now (from /proc)."""
+def _where(field: int, value: int) -> list[int]:
+    """The processes whose /proc/<pid>/stat field ``field`` (counted after the command's
+    name: 1 the parent, 2 the process group) is ``value`` now."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
+                    fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            if int(fields[field]) == value:
                 found.append(int(entry))
     return found
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` now (from /proc)."""
+    return _where(1, pid)
 
 
 def alive(pid: int) -> bool:
@@ -272,17 +278,7 @@ def stopped(pid: int) -> bool:
 
 def group_of(pgid: int) -> list[int]:
     """The processes of process group ``pgid``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid:
-                found.append(int(entry))
-    return found
+    return _where(2, pgid)
 
 
 def pause(*pids: int, timeout: float = 30) -> None:
