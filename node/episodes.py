@@ -482,6 +482,10 @@ class EpisodeTable:
         """True while a step of ``episode`` is queued or running and counts."""
         return episode in self._in_flight
 
+    def stepping_episodes(self) -> list[str]:
+        """The episodes a step of which is queued or running and counts."""
+        return list(self._in_flight)
+
     def stepping(self) -> bool:
         """True while a step of any episode is queued or running and counts."""
         return bool(self._in_flight)

@@ -513,6 +513,38 @@ class HandOvers:
                 self._moving.add(task)
                 task.add_done_callback(self._moving.discard)
 
+    async def _hand_over_all(self, deadline: float) -> list[asyncio.Task[MoveOutcome]]:
+        """Hand over every episode held here, and those that come to be held while the
+        first ones move, until none is left or ``deadline`` passes. An episode whose
+        first step was claimed in Redis just before the node began leaving has no record
+        when the stop begins (its step is on its way, or running): it is found among the
+        steps in flight, and handed over, with its state, once that step finished. Without
+        this second look it was dropped at the deregistration, and its next step said
+        ``state_reset``. Returns the hand-overs begun (some may be under way still)."""
+        handled: set[str] = set()
+        tasks: list[asyncio.Task[MoveOutcome]] = []
+        quiet = 0
+        while True:
+            new = [ep for ep, _ in self.table.owned() if ep not in handled]
+            new += [ep for ep in self.table.stepping_episodes() if ep not in handled]
+            new = list(dict.fromkeys(new))
+            if not new:
+                if quiet >= 2:  # a step between its claim and its device's queue is seen
+                    return tasks
+                quiet += 1
+                await asyncio.sleep(0)
+                continue
+            quiet = 0
+            handled.update(new)
+            wave = [asyncio.ensure_future(self.hand_over(ep, "stop")) for ep in new]
+            tasks += wave
+            left = deadline - self.clock()
+            if left <= 0:
+                return tasks
+            _, pending = await asyncio.wait(wave, timeout=left)
+            if pending:
+                return tasks
+
     async def leave(self) -> None:
         """The graceful stop: no new episodes here, and no copies (settled first: the
         committed ones are handed over too). Every episode is handed over within
@@ -528,15 +560,13 @@ class HandOvers:
         registered = self.lease.registered
         await self.lease.begin_leave()
         await self.mover.settle(0.0)
-        held = [episode for episode, _ in self.table.owned()]
-        tasks = [asyncio.ensure_future(self.hand_over(ep, "stop")) for ep in held]
+        tasks = await self._hand_over_all(started + self.drain_timeout_s)
         late = 0
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=self.drain_timeout_s)
-            if pending:
-                self._closing = True  # those waiting their turn begin nothing
-                _, pending = await asyncio.wait(pending, timeout=MOVE_S + 1)
-                late = len(pending)
+        pending = [t for t in tasks if not t.done()]
+        if pending:
+            self._closing = True  # those waiting their turn begin nothing
+            _, left = await asyncio.wait(pending, timeout=MOVE_S + 1)
+            late = len(left)
         outcomes = [
             t.result() for t in tasks if t.done() and not t.cancelled() and t.exception() is None
         ]

@@ -22,7 +22,7 @@ from node.episodes import Episode
 from node.errors import Refused
 from node.forward import MOVE_PATH
 from node.transfer import Install, decode_install, encode_install
-from tests.inproc import cluster, config
+from tests.inproc import Gate, cluster, config
 from tests.test_handover import expect, held, observations, on, two
 
 pytestmark = pytest.mark.anyio
@@ -386,3 +386,45 @@ async def test_a_move_between_two_devices_of_one_node_keeps_the_record_until_the
         r = (await a.act(episode_id=ep, inputs={"obs": obs[1].tolist()})).json()
         assert (r["device"], r["seq"], r["state_reset"]) == (other, 2, False), r
         expect(obs[:2], r)
+
+
+async def test_a_first_step_claimed_as_the_stop_begins_moves_with_its_state(redis: Any) -> None:
+    """A new episode's first step was claimed in Redis just before its node began a
+    graceful stop, and is still running when the stop looks at what it holds: there is no
+    record of it yet. The stop hands it over once that step finished, with its state.
+    (It was dropped at the deregistration: its next step said ``state_reset``.)"""
+    obs = observations(53, 2)
+    obs[0][0, 0] = 9  # the Gate holds this run until told
+    Gate.go.clear()
+    Gate.entered.clear()
+    gated = {"session_factory": lambda spec: (Gate(spec), "CPU")}
+    try:
+        async with cluster(redis, two(), **gated) as (nodes, _):
+            ep = "late-first"
+            first = asyncio.create_task(nodes[0].act(episode_id=ep, inputs={"obs": obs[0].tolist()}))
+            assert await asyncio.to_thread(Gate.entered.wait, 30)
+            on_a = claim(await redis.get(KEYS.episode(ep)))[0] == "a/0"
+            leaving, other = (nodes[0], nodes[1]) if on_a else (nodes[1], nodes[0])
+            table = leaving.service.table
+            assert table.get(ep) is None and table.in_flight(ep)
+            looked = asyncio.Event()
+            owned = table.owned
+
+            def spy() -> Any:
+                if leaving.service.lease.leaving:
+                    looked.set()  # the stop looks at what it holds
+                return owned()
+
+            table.owned = spy  # type: ignore[method-assign]
+            stop = asyncio.create_task(leaving.service.owner.leave())
+            await asyncio.wait_for(looked.wait(), 30)
+            Gate.go.set()  # only now does the first step finish
+            r0 = (await first).json()
+            await asyncio.wait_for(stop, 60)
+            assert (r0["seq"], r0["state_reset"]) == (1, False), r0
+            r = (await other.act(episode_id=ep, inputs={"obs": obs[1].tolist()})).json()
+            want = "b" if on_a else "a"
+            assert (r["node"], r["seq"], r["state_reset"]) == (want, 2, False), r
+            expect(obs[:2], r)
+    finally:
+        Gate.go.set()
