@@ -80,13 +80,8 @@ def alive(pid: int) -> bool:
         return False
 
 
-def tcp_sockets(
-    pid: int, port: int, state: str, *, remote: bool = False, unread: bool = False
-) -> int:
-    """How many TCP sockets process ``pid`` holds in ``state`` (/proc/net/tcp's code:
-    ``"01"`` established, ``"0A"`` listening) whose local port (the remote one with
-    ``remote``: a client's connections to a server on ``port``) is ``port``; with
-    ``unread``, only those with bytes received that the process has not read yet."""
+def _tcp_inodes(port: int, state: str, *, remote: bool = False, unread: bool = False) -> set[str]:
+    """The inodes of this host's TCP sockets in ``state`` on ``port`` (see :func:`tcp_sockets`)."""
     column = 2 if remote else 1
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -98,6 +93,24 @@ def tcp_sockets(
                 if unread and int(fields[4].split(":")[1], 16) == 0:  # tx_queue:rx_queue
                     continue
                 inodes.add(fields[9])
+    return inodes
+
+
+def unread_at(port: int) -> int:
+    """How many connections to this host's server on ``port`` hold bytes it has not read,
+    whichever of its processes holds them, or none yet (still in the listener's queue):
+    a request sent to a server that is paused."""
+    return len(_tcp_inodes(port, "01", unread=True))
+
+
+def tcp_sockets(
+    pid: int, port: int, state: str, *, remote: bool = False, unread: bool = False
+) -> int:
+    """How many TCP sockets process ``pid`` holds in ``state`` (/proc/net/tcp's code:
+    ``"01"`` established, ``"0A"`` listening) whose local port (the remote one with
+    ``remote``: a client's connections to a server on ``port``) is ``port``; with
+    ``unread``, only those with bytes received that the process has not read yet."""
+    inodes = _tcp_inodes(port, state, remote=remote, unread=unread)
     held = 0
     for fd in os.listdir(f"/proc/{pid}/fd"):
         with contextlib.suppress(OSError):

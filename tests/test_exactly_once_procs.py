@@ -23,7 +23,7 @@ from websockets.sync.client import connect
 from affinity import Client, Keys, wire
 from affinity.transport import Transport
 from node.models import DEMO_MODEL
-from tests.procs import Node, RedisServer, on_the_hop, wait_until
+from tests.procs import Node, RedisServer, on_the_hop, unread_at, wait_until
 from tests.rollout import reference_rollout
 from tests.test_cluster import Cluster, running
 
@@ -129,7 +129,8 @@ def test_a_paused_router_tells_the_owner_to_undo_the_step_it_dropped(tmp_path: P
         sender = threading.Thread(target=lambda: got.append(step(b.url, ep, obs[1])))
         sender.start()
         try:
-            time.sleep(0.5)  # the router forwards step 2 to the paused owner
+            # the router forwarded step 2 to the paused owner
+            wait_until(lambda: unread_at(a.port) > 0, 30, "step 2 sent to the paused owner")
             b.proc.send(signal.SIGSTOP)
             a.proc.send(signal.SIGCONT)  # the owner runs it and replies into b's socket
             time.sleep(2.5)  # past the router's deadline

@@ -34,6 +34,7 @@ from node.protocols.kserve.http import serve_hop
 from node.protocols.kserve.messages import encode_response
 from node.protocols.kserve.pb import kserve_pb2 as pb
 from tests.inproc import cluster, config
+from tests.procs import unread_at, wait_until
 from tests.rollout import reference_rollout
 from tests.test_cluster import Cluster, grpc_nodes
 from tests.test_kserve import observations
@@ -506,7 +507,8 @@ def test_a_step_whose_rpc_was_cancelled_is_undone(three: tuple[Cluster, list[str
                 MODEL, [grpc_input(obs[1])], lambda result, error: done.put((result, error)),
                 sequence_id=9191, headers=HEADERS,
             )  # fmt: skip
-            time.sleep(0.2)  # (the request is sent; the node cannot read it yet)
+            port = int(addresses[cluster.nodes.index(owner)].rsplit(":", 1)[1])
+            wait_until(lambda: unread_at(port) > 0, 30, "the request sent to the paused node")
             call.cancel()
         finally:
             owner.proc.send(signal.SIGCONT)

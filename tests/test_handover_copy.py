@@ -401,7 +401,9 @@ async def test_a_first_step_claimed_as_the_stop_begins_moves_with_its_state(redi
     try:
         async with cluster(redis, two(), **gated) as (nodes, _):
             ep = "late-first"
-            first = asyncio.create_task(nodes[0].act(episode_id=ep, inputs={"obs": obs[0].tolist()}))
+            first = asyncio.create_task(
+                nodes[0].act(episode_id=ep, inputs={"obs": obs[0].tolist()})
+            )
             assert await asyncio.to_thread(Gate.entered.wait, 30)
             on_a = claim(await redis.get(KEYS.episode(ep)))[0] == "a/0"
             leaving, other = (nodes[0], nodes[1]) if on_a else (nodes[1], nodes[0])

@@ -25,6 +25,7 @@ import pytest
 from websockets.sync.client import connect
 
 from affinity import Client, Keys, wire
+from affinity.transport import Transport
 from tests.models import counter_policy
 from tests.procs import Node, RedisServer, alive, pause, wait_until, worker_mid_step, workers_of
 from tests.test_cluster import Cluster, running
@@ -267,20 +268,41 @@ def test_an_openpi_robot_that_reconnects_and_retries_never_sees_its_lost_step(
             assert int(infer(ws)["count"][0]) == 3
 
 
+class Counted(Transport):
+    """The sync client's transport, counting the requests sent through it."""
+
+    sent = 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.sent += 1
+        return super().handle_request(request)
+
+
 def test_a_client_whose_timeout_is_shorter_than_a_step_gets_its_answer(tmp_path: Path) -> None:
-    """``Client(timeout=1)`` and steps that take longer: each attempt times out, but the
-    step named its seq, so it is held and the retry gets the run under way (before: every
-    attempt was undone and run again; ServiceUnavailable after 4 attempts)."""
-    slower = counter_policy(tmp_path, repeats=1200, width=512)  # ~2 s a run, or more
+    """A ``Client`` whose timeout is shorter than a step (a quarter of a run of it measured
+    first, on this machine): each attempt times out, but the step named its seq, so it is
+    held and the retry gets the run under way (before: every attempt was undone and run
+    again; ServiceUnavailable after 4 attempts)."""
+    slower = counter_policy(tmp_path, repeats=1200, width=512)  # ~2 s a run here
     redis = RedisServer(tmp_path)
     extra = ["--act-deadline", "60", "--model", str(slower)]
     with running(redis, [Node(tmp_path, "a", redis.url, devices="cpu:1", extra=extra)]) as c:
         node = c.node("a")
-        with Client([node.url], timeout=1) as fleet:
+        runs = []
+        for i in range(2):
+            started = time.perf_counter()
+            r = httpx.post(
+                node.url + "/act", json={"episode_id": f"t{i}", "inputs": OBS}, timeout=60
+            )
+            assert r.status_code == 200, r.text
+            runs.append(time.perf_counter() - started)
+        transport = Counted()
+        with Client([node.url], timeout=max(min(runs) / 4, 0.02), transport=transport) as fleet:
             first = fleet.act("slow", OBS)
             second = fleet.act("slow", OBS)
         assert [int(np.asarray(s.outputs["count"]).item()) for s in (first, second)] == [1, 2]
         assert not first.state_reset and not second.state_reset
+        assert transport.sent > 2  # (attempts timed out: the case this test is about)
 
 
 @pytest.mark.shapes("workers")
