@@ -70,6 +70,7 @@ __all__ = [
     "BodyError",
     "ClaimEnded",
     "ClientGone",
+    "CoreLapsed",
     "CudaGraphUnavailable",
     "CudaUnavailable",
     "DeviceDown",
@@ -164,6 +165,20 @@ class Uncarried(HopError):
 
 class HopFull(Exception):
     """Every slot of a front door's hop is in flight: the step is refused 503 ``busy``."""
+
+
+class CoreLapsed(Unavailable):
+    """A front door's core is stuck (paused, or its loop blocked) past its lease: the front
+    answers the step 503 ``fenced`` itself, so that the client tries another node at once
+    instead of waiting on a core that would refuse it anyway (``node.hop.Region.lapsed``)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "fenced",
+            "this node's lease ran out and its process has not run since (paused or hung); "
+            "ask another node",
+            1.0,
+        )
 
 
 class Undelivered(Exception):

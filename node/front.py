@@ -62,12 +62,14 @@ from node.asgi import (
     io_seen,
     read_body,
     respond,
+    respond_error,
     respond_gone,
 )
 from node.errors import (
     BadRequest,
     BodyError,
     ClientGone,
+    CoreLapsed,
     HopError,
     HopFull,
     InvalidInput,
@@ -358,6 +360,9 @@ class FrontApp:
             body = error_body("busy", "this front door has every step of its hop in flight")
             await respond(send, 503, body, headers=[(b"retry-after", b"1")])
             return
+        except CoreLapsed as exc:  # the core is stuck past its lease: try another node
+            await respond_error(send, exc)
+            return
         except Uncarried:  # nothing was sent: the core answers it as one process does
             await self.forward(scope, body, send)
             return
@@ -429,6 +434,10 @@ class FrontApp:
             await respond(send, 503, orjson.dumps({"error": why}), JSON,
                           [(b"retry-after", b"1")])  # fmt: skip
             return
+        except CoreLapsed as exc:  # the core is stuck past its lease: try another node
+            why = shaped(outcome(exc)).message
+            await respond(send, 503, orjson.dumps({"error": why}), JSON, [(b"retry-after", b"1")])
+            return
         except Uncarried:  # nothing was sent: the core answers it as one process does
             await self.forward(scope, body, send)
             return
@@ -499,7 +508,7 @@ class FrontApp:
         ask = {"c": number, "q": scope.get("query_string", b"")}
         try:  # asked per connection, never cached: the metadata of the models served now
             opened = await self.hop.call(WS_OPEN, ask, [], lambda _, meta, __: meta)
-        except (HopFull, HopError):
+        except (HopFull, HopError, CoreLapsed):
             await send({"type": "websocket.close", "code": 1013})  # try again later
             return
         frame = opened.get("frame")
@@ -596,6 +605,10 @@ class FrontApp:
         except HopFull:
             log_line(self.access, scope, started, 503, names.of(frame))
             await fail(send, "busy: this front door has every step of its hop in flight")
+            return False, prev_total_ms
+        except CoreLapsed as exc:
+            log_line(self.access, scope, started, 503, names.of(frame))
+            await fail(send, f"{exc.reason}: {exc}")
             return False, prev_total_ms
         except HopError as exc:
             log_line(self.access, scope, started, 413, names.of(frame))

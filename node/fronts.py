@@ -35,6 +35,7 @@ from node.errors import BodyError, HopError, InvalidInput, Refused, Unavailable,
 from node.hop import (
     ACT,
     KSERVE,
+    NEVER_NS,
     NOTE,
     ROWS,
     WS_CLOSE,
@@ -301,6 +302,7 @@ class _Front:
     started: float = 0.0
     since_ms: int = 0  # when it started, the wall clock's ms
     conns: Connections = field(default_factory=dict)
+    refused: int = 0  # steps its region says it refused as fenced, counted here so far
 
 
 class Fronts:
@@ -326,6 +328,7 @@ class Fronts:
         self._ending: set[asyncio.Task[None]] = set()
         metrics = service.metrics
         self.restarts = metrics.front_restarts
+        self.routing = metrics.routing
         self.bounds = metrics.loop_lag.bounds
 
     def start(self) -> None:
@@ -376,6 +379,7 @@ class Fronts:
         with deaf_children():  # SIGINT and SIGTERM are the core's (node/hop.py)
             front.process = subprocess.Popen(argv, pass_fds=fds, env=env)
         front.hop = hop
+        front.refused = 0  # (a fresh region)
         front.started = time.monotonic()
         front.since_ms = int(time.time() * 1000)
         if front.lag is None:
@@ -385,9 +389,26 @@ class Fronts:
             front.lag.mm = region.mm
         log.info("front %d started (pid %d)", front.index, front.process.pid)
 
+    def _tell(self) -> None:
+        """Tell every front that this loop runs and until when the lease lets the node
+        serve (``Region.tell``: a front refuses steps itself only when neither is current),
+        and count the steps a front so refused while this loop did not run."""
+        until = self.service.lease.serves_until_ns()
+        now = time.monotonic_ns()
+        for front in self.fronts:
+            if front.hop is None:
+                continue
+            region = front.hop.region
+            region.tell(now, NEVER_NS if until is None else until)
+            refused = region.refused()
+            if refused > front.refused:  # answered 503 fenced, as this core would have
+                self.routing.labels("unavailable").inc(refused - front.refused)
+                front.refused = refused
+
     async def _supervise(self) -> None:
         while not self.stopping:
             await asyncio.sleep(0.05)
+            self._tell()
             for front in self.fronts:
                 process = front.process
                 if process is None or process.poll() is None or self.stopping:

@@ -53,7 +53,7 @@ import msgpack
 import numpy as np
 import numpy.typing as npt
 
-from node.errors import HopError, HopFull, Uncarried, Undelivered
+from node.errors import CoreLapsed, HopError, HopFull, Uncarried, Undelivered
 
 Array = npt.NDArray[Any]
 
@@ -95,14 +95,28 @@ WS_OPEN, WS_STEP, WS_CLOSE = 6, 7, 8
 reply is its metadata frame), one observation frame (decoded by the front, its arrays
 carried raw: :func:`lift`), the connection closed."""
 REPLY = 9
+_STEPS = frozenset((ACT, ROWS, KSERVE, WS_STEP, WS_OPEN))
+"""The kinds a stuck core's front refuses itself (:meth:`Region.lapsed`): the steps, and an
+openpi connection opened for steps. A note, and a connection's close, wait for the core."""
 PR_SET_PDEATHSIG = 1
 MAX_SLOTS = 63
 """A doorbell's count is a set of slots (``1 << slot``), under the eventfd's largest count."""
 LAG_AT = 64
 """Offset of the loop-lag histogram in the control block: ``LAG_BUCKETS`` + 1 counts, the sum."""
 LAG_BUCKETS = 16
+CORE_AT = 256
+"""Offset of what the core tells its fronts in the control block (:meth:`Region.tell`): when
+its event loop last ran and until when its lease lets it serve (``time.monotonic_ns``), and
+how many steps the front refused because neither was current (:meth:`Region.lapsed`)."""
+STUCK_NS = 500_000_000
+"""How long the core's loop may go without running (its writes every 50 ms, node/fronts.py)
+before a front whose core's lease has also run out answers a step itself (503 ``fenced``)."""
+NEVER_NS = 2**63 - 1
+"""A lease that never runs out (a node that left: it routes its stragglers' steps)."""
 _HEAD = struct.Struct("<IIII")  # state, kind, header length, total length
 _CONTROL = struct.Struct("<IIII")  # magic, slots, slot size, spare
+_CORE = struct.Struct("<qq")  # the core's loop last ran, its lease's end (monotonic ns)
+_REFUSED = struct.Struct("<Q")  # steps the front refused as fenced (at CORE_AT + 16)
 _DTYPES = frozenset("biufcUS")
 """The dtype kinds a tensor may have in a slot (never objects)."""
 
@@ -150,6 +164,33 @@ class Region:
     def close(self) -> None:
         self.mm.close()
         os.close(self.fd)
+
+    # ---- the core's lease, for a front (issue 43: every process sees it) ----------------
+
+    def tell(self, now_ns: int, serves_until_ns: int) -> None:
+        """The core: its loop runs now, and its lease lets it serve until then."""
+        _CORE.pack_into(self.mm, CORE_AT, now_ns, serves_until_ns)
+
+    def lapsed(self, now_ns: int) -> bool:
+        """The front: whether the core's lease has run out while its loop has not run for
+        :data:`STUCK_NS` (paused or hung): a step would wait on it, then be refused
+        ``fenced``, so the front refuses it at once. While its loop runs the core answers
+        every step itself (it may be routed elsewhere, or the lease renewed meanwhile).
+        Nothing is refused before the core first said anything."""
+        ran: int
+        until: int
+        ran, until = _CORE.unpack_from(self.mm, CORE_AT)
+        return ran != 0 and now_ns - ran > STUCK_NS and now_ns >= until
+
+    def count_refused(self) -> None:
+        """The front refused a step because :meth:`lapsed` (the core counts it once it runs)."""
+        at = CORE_AT + _CORE.size
+        _REFUSED.pack_into(self.mm, at, _REFUSED.unpack_from(self.mm, at)[0] + 1)
+
+    def refused(self) -> int:
+        """How many steps the front refused because :meth:`lapsed`."""
+        value: int = _REFUSED.unpack_from(self.mm, CORE_AT + _CORE.size)[0]
+        return value
 
     def head(self, slot: int) -> int:
         return self.heads[slot]
@@ -505,11 +546,15 @@ class FrontHop:
         """Send a request, await its reply and return ``use(kind, meta, views)``, run
         while the reply's arrays are views of the slot (they must not outlive it). Raises
         :class:`HopFull` when every slot is in flight, :class:`HopError` when the request
-        does not fit a slot. Cancelled, the slot stays the core's until it answers; the
-        core is then told the reply was not delivered. So is it when ``gone()`` says, once
-        the reply is used, that the client has left, or when ``deliver(result)`` (awaited
-        before the slot is freed: a websocket's send) says False or is cancelled: this
-        raises :class:`Undelivered`."""
+        does not fit a slot, :class:`~node.errors.CoreLapsed` for a step while the core is
+        stuck past its lease (:meth:`Region.lapsed`). Cancelled, the slot stays the core's
+        until it answers; the core is then told the reply was not delivered. So is it when
+        ``gone()`` says, once the reply is used, that the client has left, or when
+        ``deliver(result)`` (awaited before the slot is freed: a websocket's send) says
+        False or is cancelled: this raises :class:`Undelivered`."""
+        if kind in _STEPS and self.region.lapsed(time.monotonic_ns()):
+            self.region.count_refused()
+            raise CoreLapsed()
         if not self.free:
             raise HopFull()
         slot = self.free.pop()

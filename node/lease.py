@@ -148,6 +148,17 @@ class Lease:
         and it is not leaving."""
         return not self.leaving and self.valid()
 
+    def serves_until_ns(self) -> int | None:
+        """Until when (``time.monotonic_ns``) this process's lease lets it serve, as of now:
+        what the core tells its front door processes (``node.hop.Region.tell``). None: it
+        never runs out (a node that left routes its stragglers' steps); 0: one not
+        registered, or that lost its id to another process, has run out."""
+        if self.left:
+            return None
+        if not self.registered or self.conflict is not None:
+            return 0
+        return int(self.deadline * 1e9)
+
     def require(self, generation: int | None = None) -> None:
         """Raise :class:`Unavailable` (``fenced``) unless the lease is valid and, given a
         ``generation`` (the table's when a step began), no record was dropped since."""

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
-from affinity import wire
+from affinity import Keys, wire
 from node.models import DEMO_MODEL
 from tests.models import counter_policy
 from tests.procs import (
@@ -36,10 +36,13 @@ from tests.procs import (
     children,
     connections,
     deaf,
+    free_port,
     held_mid_step,
+    metrics,
     on_the_hop,
     pause,
     queued,
+    stopped,
     wait_until,
 )
 from tests.rollout import reference_rollout
@@ -554,3 +557,74 @@ def test_a_step_whose_client_left_while_the_core_was_paused_is_applied_once(
             assert third.status_code == 200 and count(third.json()) == 3, third.text
     finally:
         node.stop()
+
+
+def test_a_core_stuck_past_its_lease_has_its_fronts_refuse_steps_at_once(tmp_path: Path) -> None:
+    """The node's process (the core) is paused past its lease, its fronts running: a step
+    through any door (and a new openpi connection) is refused by the front at once, 503
+    ``fenced`` (the core, still paused, would refuse it anyway once it ran), so the client
+    tries another node instead of waiting on a stuck one. Before, it waited for the core,
+    or for its own timeout. Once the core runs again it counts those refusals as its own
+    and serves again."""
+    import tritonclient.grpc as tg
+    from tritonclient.utils import InferenceServerException
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    from tests.test_kserve import INFER, MODEL, request_body
+
+    redis = RedisServer(tmp_path).start()
+    grpc_port = free_port()
+    extra = ["--front-doors", "2", "--lease-ttl", "3", "--grpc-port", str(grpc_port)]
+    n = Node(tmp_path, "stuck", redis.url, devices="cpu:1", extra=extra)
+    try:
+        n.start(timeout=60)
+        wait_until(lambda: len(fronts(n)) == 2, 30, "two fronts")
+        step = {"episode_id": "stuck", "inputs": {"obs": [[0.0] * 8]}}
+        assert post(n.url, step, False).status_code == 200
+        assert n.proc.popen is not None
+        core = n.proc.popen.pid
+        r = redis.client()
+        with connect(f"ws://{n.host}:{n.port}/", max_size=None) as ws:
+            ws.recv(timeout=30)  # the metadata
+            pause(core)  # the core alone: its fronts go on
+            try:
+                # past its lease: Redis's deadline for it is later than its own
+                def lapsed() -> bool:
+                    until = r.zscore(Keys().nodes, "stuck")  # (None: noticed, and gone)
+                    return until is None or r.time()[0] * 1000 > until
+
+                assert r.zscore(Keys().nodes, "stuck") is not None
+                wait_until(lapsed, 30, "the core's lease to run out")
+                got = [post(n.url, step, binary, timeout=30) for binary in (False, True)]
+                body, headers = request_body(np.zeros((1, 8), np.float32))
+                kserve = httpx.post(n.url + INFER, content=body, headers=headers, timeout=30)
+                grpc_in = tg.InferInput("obs", [1, 8], "FP32")
+                grpc_in.set_data_from_numpy(np.zeros((1, 8), np.float32))
+                with (
+                    tg.InferenceServerClient(f"{n.host}:{grpc_port}") as client,
+                    pytest.raises(InferenceServerException) as grpc_refused,
+                ):
+                    client.infer(MODEL, [grpc_in], sequence_id=77, sequence_start=True,
+                                 client_timeout=30)  # fmt: skip
+                ws.send(wire.encode({"obs": np.zeros(8, np.float32)}))
+                refused = ws.recv(timeout=30)
+                with pytest.raises(InvalidStatus):  # a new connection: closed before accepted
+                    connect(f"ws://{n.host}:{n.port}/", open_timeout=30).close()
+                assert stopped(core)  # every one of them was answered by a front
+            finally:
+                os.kill(core, signal.SIGCONT)
+        for reply in got:
+            assert reply.status_code == 503 and reply.headers["retry-after"] == "1", reply.text
+            assert read(reply)["error"]["code"] == "fenced", reply.text
+        assert kserve.status_code == 503 and kserve.json()["error"].startswith("fenced: ")
+        assert isinstance(refused, str) and refused.startswith("fenced: "), refused
+        assert grpc_refused.value.status() == "StatusCode.UNAVAILABLE", grpc_refused.value
+        assert "fenced: " in str(grpc_refused.value.message()), grpc_refused.value
+        # running again: it re-registers and serves; the refusals are counted as its own
+        wait_until(lambda: post(n.url, step, False).status_code == 200, 60, "served again")
+        routing = metrics(n)[("affinity_routing_total", frozenset({("result", "unavailable")}))]
+        assert routing >= 6
+    finally:
+        n.stop()
+        redis.stop()

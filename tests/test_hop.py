@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import struct
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -18,11 +19,17 @@ import msgpack
 import numpy as np
 import pytest
 
-from node.errors import HopError, HopFull, Undelivered
+from node.errors import CoreLapsed, HopError, HopFull, Undelivered
 from node.hop import (
     ACT,
     ASKED,
+    KSERVE,
+    NEVER_NS,
+    NOTE,
+    ROWS,
     SLOT_HEAD,
+    STUCK_NS,
+    WS_OPEN,
     WS_STEP,
     Array,
     CoreHop,
@@ -342,3 +349,35 @@ def test_a_message_lifted_into_a_slot_comes_back_the_same() -> None:
         lower({"x": msgpack.ExtType(1, b"\x09\x00\x00\x00")}, carried)  # names no array
     with pytest.raises(HopError):
         lower({"x": msgpack.ExtType(99, b"")}, carried)
+
+
+async def test_a_front_refuses_steps_itself_only_while_its_core_is_stuck_past_its_lease() -> None:
+    """``Region.lapsed``: the core's lease ran out *and* its loop has not run for
+    ``STUCK_NS``. A core that runs answers every step itself (fenced, routed elsewhere, or
+    renewed meanwhile); a core that never said anything yet is waited for; a node that left
+    never runs out. A refused step (or openpi connection) never reaches the core, and is
+    counted for it; notes and an openpi connection's close still cross."""
+    core = Core()
+    async with hop(core) as (front, core_end):
+        now = time.monotonic_ns()
+        one = [np.ones(2, np.float32)]
+        assert not front.region.lapsed(now)  # nothing said yet
+        core_end.region.tell(now - STUCK_NS // 2, now - 1)  # ran out, but the loop runs
+        assert not front.region.lapsed(now)
+        core_end.region.tell(now - 2 * STUCK_NS, now + 10**9)  # stuck, its lease current
+        assert not front.region.lapsed(now)
+        core_end.region.tell(now - 2 * STUCK_NS, NEVER_NS)  # left: routes its stragglers
+        assert not front.region.lapsed(now)
+        meta, _ = await front.call(ACT, {"n": 1}, one, echo)
+        assert meta["facts"]["n"] == 1
+        core_end.region.tell(now - 2 * STUCK_NS, now - 1)  # stuck past its lease
+        for kind in (ACT, ROWS, KSERVE, WS_STEP, WS_OPEN):
+            with pytest.raises(CoreLapsed) as refused:
+                await front.call(kind, {"n": 2}, one, echo)
+            assert refused.value.reason == "fenced"
+        assert core_end.region.refused() == 5 and len(core.seen) == 1
+        await front.call(NOTE, {"rejected": "bad_input"}, [], echo)  # not steps: they cross
+        assert len(core.seen) == 2 and sorted(front.free) == [0, 1, 2, 3]
+        core_end.region.tell(time.monotonic_ns(), now - 1)  # it runs again (fenced, say)
+        meta, _ = await front.call(ACT, {"n": 3}, one, echo)
+        assert meta["facts"]["n"] == 3 and core_end.region.refused() == 5

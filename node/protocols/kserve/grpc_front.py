@@ -32,6 +32,7 @@ from node.accesslog import STEP_KEY, AccessLog
 from node.errors import (
     BadRequest,
     BodyError,
+    CoreLapsed,
     HopError,
     HopFull,
     Refused,
@@ -165,6 +166,8 @@ class FrontServicer:
         except HopFull:
             why = "unavailable: this front door has every step of its hop in flight"
             raise Abort(grpc.StatusCode.UNAVAILABLE, why, "1") from None
+        except CoreLapsed as exc:  # the core is stuck past its lease: try another node
+            raise Abort(grpc.StatusCode.UNAVAILABLE, shaped(outcome(exc)).message, "1") from None
         except (Uncarried, HopError) as exc:
             raise Abort(code_of(413), str(exc) or "the request does not fit the hop") from None
         except Undelivered:  # the call was cancelled: its step was undone
