@@ -101,6 +101,11 @@ class DeviceTensor:
     def device(self) -> str:
         return str(self.value.device_name())
 
+    @property
+    def nbytes(self) -> int:
+        """The state's size in bytes, as an array's (read without a copy to the host)."""
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> Array:
         """A host copy (a device to host transfer)."""
         host = np.array(self.value.numpy(), copy=True)

@@ -192,7 +192,10 @@ class EpisodeTable:
         """A copy of the recurrent state held here for ``episode``, if any."""
         with self.lock:
             record = self._records.get(episode)
-            return None if record is None else {k: v.copy() for k, v in record.state.items()}
+            if record is None:
+                return None
+            # (np.array: a state kept on the device, --cuda-graph, is copied to the host)
+            return {k: np.array(v, copy=True) for k, v in record.state.items()}
 
     # ---- the rules, for the dispatchers --------------------------------------------------
 

@@ -132,7 +132,7 @@ def _ghost_doc(g: GhostCarry, now: float) -> dict[str, Any]:
         "last_seq": g.last_seq,
         "compared": g.compared,
         "max_abs": g.max_abs,
-        "state": r.state,
+        "state": on_host(r.state),
         "seq": r.seq,
         "buffer": _buffer_doc(r.buffer),
         "reply": _reply(r.reply),
@@ -177,7 +177,7 @@ def encode_install(install: Install, now: float) -> bytes:
             "claim": install.claim,
             "from": install.origin_node,
             "model": r.model,
-            "state": r.state,
+            "state": on_host(r.state),
             "seq": r.seq,
             "buffer": buffer,
             "reply": _reply(r.reply),
@@ -432,6 +432,13 @@ def _latency(doc: object) -> tuple[float, ...]:
     ):
         raise TransferError("a record's latency must be a list of seconds")
     return tuple(float(v) for v in doc)
+
+
+def on_host(state: Mapping[str, Any]) -> dict[str, Array]:
+    """``state`` as host arrays: a state kept on the device (``node.binding.DeviceTensor``,
+    ``--cuda-graph``) is copied to the host, which a message needs (the episode is idle: no
+    run writes it meanwhile)."""
+    return {k: v if isinstance(v, np.ndarray) else np.asarray(v) for k, v in state.items()}
 
 
 def record_bytes(record: Episode) -> int:

@@ -307,3 +307,31 @@ async def test_an_operators_move_and_drain_with_move_reach_the_owner_at_its_rene
             r = (await a.act(episode_id=ep, inputs={"obs": obs[1].tolist()})).json()
             assert (r["node"], r["seq"], r["state_reset"]) == ("b", 2, False), r
             expect(obs[:1] + obs[1:2], r)
+
+
+async def test_a_state_kept_on_the_device_moves_with_its_episode(redis: Any) -> None:
+    """With ``--cuda-graph`` each episode's state stays on its device between steps
+    (``node.binding.DeviceTensor``; here a BoundSession on the CPU, the same code). A move
+    copies it to the host for the message, and the new owner goes on from it. (Before, the
+    move failed encoding the handle, so a graceful stop handed such episodes over without
+    their state, and a drain's move raised.)"""
+    from node.binding import BoundSession, DeviceTensor
+    from node.contract import load_contract
+    from node.providers import ProviderSettings, build_session
+
+    def bound(spec: Any) -> tuple[Any, str]:
+        session = build_session(DEMO_MODEL, spec, ProviderSettings()).session
+        return BoundSession(session, load_contract(DEMO_MODEL), "cpu", 0), "CPU"
+
+    obs = observations(61, 3)
+    async with cluster(redis, two(), session_factory=bound) as ([a, b], _):
+        ep = (await on("a", a, "on-device", obs[0]))["episode_id"]
+        record = a.service.table.get(ep)
+        assert record is not None and isinstance(record.state["state_in.hidden"], DeviceTensor)
+        state = a.service.table.state_of(ep)
+        assert state is not None and isinstance(state["state_in.hidden"], np.ndarray)
+        assert await a.service.owner.handovers.hand_over(ep, "move") == "moved"
+        for i, via in ((1, a), (2, b)):
+            r = (await via.act(episode_id=ep, inputs={"obs": obs[i].tolist()})).json()
+            assert (r["node"], r["seq"], r["state_reset"]) == ("b", i + 1, False), r
+            expect(obs[: i + 1], r)
