@@ -45,6 +45,11 @@ log = logging.getLogger("affinity.node")
 
 RUN = 10
 """A slot's request kind: one model run (its feed; the outputs asked in ``o``)."""
+RUN_ROWS = 11
+"""A run of several steps' feeds, stacked here along the first axis (padded to ``size``),
+its outputs split back per step (:func:`_rows`)."""
+GET = 12
+"""The host arrays of states held here (``g``: their ids), for a hand-over."""
 CUDA_GRAPH_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 
 
@@ -77,11 +82,8 @@ def _open(spec: dict[str, Any]) -> list[_Model]:
             built = build_session(path, device, settings, intra_op_threads=m["threads"])
             session: Any = built.session
             if m["graph"] and settings.cuda_graph and built.active in CUDA_GRAPH_PROVIDERS:
-                # the state comes back to the core as host arrays: the core keeps it
-                session = BoundSession(
-                    session, load_contract(path), "cuda", device.ordinal or 0,
-                    state_on_device=False,
-                )  # fmt: skip
+                # each episode's state stays on the device, held here (_States)
+                session = BoundSession(session, load_contract(path), "cuda", device.ordinal or 0)
         except Exception as exc:
             raise RuntimeError(f"{m['key']}: {type(exc).__name__}: {exc}") from exc
         ask, answer = m["fds"]
@@ -89,10 +91,116 @@ def _open(spec: dict[str, Any]) -> list[_Model]:
     return models
 
 
-def _serve(model: _Model, region: Region, stopping: threading.Event) -> None:
-    """Answer ``model``'s runs, one at a time, until the process leaves."""
+class _Lost(Exception):
+    """A run names a state this process does not hold (it is a restarted one)."""
+
+
+class _States:
+    """The states of one model's episodes held here, by id: what a run's state outputs
+    (``k``) became, fed back by id (``h``) on the episode's next run, freed when the core
+    no longer holds their handle (``f``). A host array, or on a GPU with ``--cuda-graph`` a
+    ``DeviceTensor`` that never leaves the device."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, Any] = {}
+        self.next = 1
+
+    def free(self, ids: list[int]) -> None:
+        for i in ids:
+            self.held.pop(i, None)
+
+    def get(self, i: int) -> Any:
+        value = self.held.get(i)
+        if value is None:
+            raise _Lost(f"state {i} is not held by this worker process (restarted)")
+        return value
+
+    def keep(self, value: Any) -> list[Any]:
+        """Hold ``value``; its handle for the core: id, dtype, shape."""
+        i, self.next = self.next, self.next + 1
+        self.held[i] = value
+        return [i, np.dtype(value.dtype).str, list(value.shape)]
+
+
+def _answer(
+    model: _Model, states: _States, kind: int, meta: dict[str, Any], arrays: list[Any]
+) -> tuple[dict[str, Any], list[Any]]:
+    """One request of the core: a run, a run of rows, or states read back."""
     from node.warmup import run
 
+    states.free(meta.get("f") or [])
+    if kind == GET:
+        return {}, [np.ascontiguousarray(np.asarray(states.get(i))) for i in meta["g"]]
+    names: list[str] | None = meta.get("o")
+    keep = set(meta.get("k") or ())
+    if kind == RUN_ROWS:
+        return _rows(model, states, meta, arrays, names or [], keep)
+    feed = dict(zip(meta["n"], arrays, strict=True))
+    for name, i in (meta.get("h") or {}).items():
+        feed[name] = states.get(i)
+    values = run(model.session, names, feed)
+    del feed, arrays  # views of the slot, about to be overwritten
+    handles: dict[str, Any] = {}
+    outputs = []
+    for name, value in zip(names or [""] * len(values), values, strict=True):
+        if name in keep:
+            handles[name] = states.keep(value)
+        else:
+            outputs.append(np.ascontiguousarray(np.asarray(value)))
+    return {"h": handles}, outputs
+
+
+def _rows(
+    model: _Model,
+    states: _States,
+    meta: dict[str, Any],
+    arrays: list[Any],
+    names: list[str],
+    keep: set[str],
+) -> tuple[dict[str, Any], list[Any]]:
+    """Several steps' feeds stacked along the first axis, padded to ``size`` rows (padding
+    rows made from the first step's: ``control.padding``), run once, and the outputs split
+    back: each step's state outputs held here one by one, the others returned stacked
+    (the steps' rows only). The core's ``_run_stacked`` does the same with host states."""
+    from node import control
+    from node.warmup import run
+
+    rows: list[dict[str, Any]] = []
+    at = 0
+    for row in meta["rows"]:
+        feed: dict[str, Any] = {}
+        for name in row["n"]:
+            feed[name] = arrays[at]
+            at += 1
+        for name, i in row["h"].items():
+            feed[name] = np.asarray(states.get(i))  # (a host copy, as a thread's batch)
+        rows.append(feed)
+    size = int(meta["size"])
+    first = rows[0]
+    stacked = {
+        name: np.concatenate(
+            [r[name] for r in rows] + [control.padding(name, first[name])] * (size - len(rows))
+        )
+        for name in first
+    }
+    del rows, arrays
+    values = [np.asarray(v) for v in run(model.session, names, stacked)]
+    for name, value in zip(names, values, strict=True):
+        if value.shape[:1] != (size,):
+            raise ValueError(f"output {name!r} has shape {value.shape} for a batch of {size}")
+    n = len(meta["rows"])
+    named = list(zip(names, values, strict=True))
+    handles = [
+        {name: states.keep(v[i : i + 1].copy()) for name, v in named if name in keep}
+        for i in range(n)
+    ]
+    outputs = [np.ascontiguousarray(v[:n]) for name, v in named if name not in keep]
+    return {"h": handles}, outputs
+
+
+def _serve(model: _Model, region: Region, stopping: threading.Event) -> None:
+    """Answer ``model``'s requests, one at a time, until the process leaves."""
+    states = _States()
     while not stopping.is_set():
         try:
             os.read(model.ask, 8)  # blocks (the GIL released) until the core rings
@@ -101,12 +209,12 @@ def _serve(model: _Model, region: Region, stopping: threading.Event) -> None:
         if stopping.is_set():
             return
         try:
-            _, meta, arrays = region.read(model.slot, copy=False)  # the feed, in place
-            feed = dict(zip(meta["n"], arrays, strict=True))
-            values = run(model.session, meta.get("o"), feed)
-            outputs = [np.ascontiguousarray(np.asarray(v)) for v in values]
-            del feed, arrays  # views of the slot, about to be overwritten
-            region.write(model.slot, ANSWERED, REPLY, {}, outputs)
+            kind, meta, arrays = region.read(model.slot, copy=False)  # the feed, in place
+            said, outputs = _answer(model, states, kind, meta, arrays)
+            del arrays
+            region.write(model.slot, ANSWERED, REPLY, said, outputs)
+        except _Lost as exc:  # not the device's failure: the episode's state is gone
+            region.write(model.slot, ANSWERED, REPLY, {"e": str(exc), "lost": True}, [])
         except Exception as exc:  # the core counts it as the device's failure
             region.write(model.slot, ANSWERED, REPLY, {"e": f"{type(exc).__name__}: {exc}"}, [])
         os.write(model.answer, (1).to_bytes(8, "little"))

@@ -23,10 +23,23 @@ warms the new one up and brings the device back up. The sessions' own threads (O
 Runtime's) and their Python around each run leave the core's GIL.
 
 What it costs: one hop per model run (a batch is one run), and each process's own copy of
-ONNX Runtime and the model in memory. The state of an episode still lives in the core and
-crosses with each run, as host arrays: with ``--cuda-graph`` a state output is copied to
-the host and back (``BoundSession(state_on_device=False)``), where the threads keep it on
-the device. Moving the episodes into the worker processes is the issue's next slice.
+ONNX Runtime and the model in memory.
+
+**Each episode's recurrent state lives in the worker process** (issue 43's fourth slice). A
+run's state outputs stay there, held by id (``node.deviceproc._States``; on a GPU with
+``--cuda-graph`` as a ``DeviceTensor`` that never leaves the device); the core's record of
+the episode holds a :class:`RemoteState` handle instead of arrays, and the next run names
+it. So a run carries the step's inputs and the client's outputs, never the state: a
+recurrent state of megabytes crosses no hop. A handle the core lets go of (the record
+replaced, dropped, its step undone) is freed with the process's next request. The rules
+do not change: a step reads its record's handle as its run starts, and keeps its new one
+only under the owner's rules; an undone step goes back to the handle before it, which the
+process still holds. A batch of several episodes sends their handles and the process
+stacks their states (``RUN_ROWS``), as the threads stack host arrays. A hand-over reads
+the state back to the host (``GET``, off the event loop: ``node.transfer.on_host``). A
+process that dies takes its episodes' states with it: the node drops their records at
+once (their next steps say ``state_reset``, as the device was down anyway), and a handle
+of the dead process named in a run fails it (:class:`~node.errors.StateLost`).
 """
 
 from __future__ import annotations
@@ -42,20 +55,28 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from node.deviceproc import RUN
+from node.deviceproc import GET, RUN, RUN_ROWS
 from node.devices import DeviceSpec
-from node.errors import HopError, WorkerGone, WorkerRunError
-from node.hop import ASKED, Region, deaf_children
+from node.errors import HopError, StateLost, WorkerGone, WorkerRunError
+from node.hop import ASKED, Array, Region, deaf_children
 from node.procs import Running
 from node.providers import ProviderSettings
 
-__all__ = ["BACKOFF_S", "SLOT_HEADROOM", "DeviceModel", "DeviceProcs", "RemoteSession"]
+__all__ = [
+    "BACKOFF_S",
+    "SLOT_HEADROOM",
+    "DeviceModel",
+    "DeviceProcs",
+    "RemoteSession",
+    "RemoteState",
+]
 
 log = logging.getLogger("affinity.node")
 
@@ -68,6 +89,7 @@ START_S = 600.0
 a GPU's first start: minutes) before the core gives up on it."""
 STOP_S = 5.0
 _ONE = (1).to_bytes(8, "little")
+_LOST = "was restarted: this episode's state was held by the process before it"
 _SECRETS = ("AFFINITY_CLUSTER_SECRET", "AFFINITY_API_KEY", "AFFINITY_ADMIN_TOKEN")
 """What a worker process is never given: it serves no client and joins no fleet."""
 
@@ -84,14 +106,19 @@ class DeviceModel:
     threads: int
     graph: bool
     max_batch: int
+    state: tuple[str, ...] = ()
+    """Its state outputs (fed back as the next step's state): held by the process."""
 
 
 class _Channel:
     """One model's end of a worker process's hop, as the core holds it."""
 
-    __slots__ = ("answer", "ask", "pidfd", "poll", "region", "slot")
+    __slots__ = ("answer", "ask", "gen", "pidfd", "poll", "region", "slot")
 
-    def __init__(self, region: Region, slot: int, ask: int, answer: int, pidfd: int) -> None:
+    def __init__(
+        self, region: Region, slot: int, ask: int, answer: int, pidfd: int, gen: int
+    ) -> None:
+        self.gen = gen  # the process's incarnation (RemoteSession.gen)
         self.region = region
         self.slot = slot
         self.ask = ask
@@ -102,6 +129,35 @@ class _Channel:
         self.poll.register(pidfd, select.POLLIN)
 
 
+class RemoteState:
+    """An episode's state held by a worker process (see the module doc): its session, the
+    process's incarnation, its id there, and its dtype and shape (which batching groups
+    steps by). ``np.asarray`` reads it back (a hop round trip, blocking: off the event
+    loop). Freed in the process once the core drops it."""
+
+    __slots__ = ("dtype", "gen", "id", "session", "shape")
+
+    def __init__(
+        self, session: RemoteSession, gen: int, id: int, dtype: str, shape: Sequence[int]
+    ) -> None:
+        self.session = session
+        self.gen = gen
+        self.id = id
+        self.dtype = np.dtype(dtype)
+        self.shape = tuple(shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> Array:
+        host = self.session.fetch([self])[0]
+        return host if dtype is None else host.astype(dtype, copy=False)
+
+    def __del__(self) -> None:
+        self.session.frees.append((self.gen, self.id))  # (deque: any thread)
+
+
 class RemoteSession:
     """A model's session in its device's worker process, run from the device's worker
     thread (``node.jobs.Session``). ``batch_sizes`` are the process's session's (a CUDA
@@ -109,10 +165,14 @@ class RemoteSession:
     device's, for its model); the supervisor swaps its channel when the process is
     restarted."""
 
-    def __init__(self, key: str, device: str) -> None:
+    def __init__(self, key: str, device: str, state: Sequence[str] = ()) -> None:
         self.key = key
         self.device = device
+        self.state = frozenset(state)
+        """The model's state outputs: held by the process, a :class:`RemoteState` here."""
         self.channel: _Channel | None = None
+        self.gen = 0  # the process's incarnation (its restarts), which handles carry
+        self.frees: deque[tuple[int, int]] = deque()  # handles dropped: (gen, id)
         self.batch_sizes: tuple[int, ...] = ()
         self.lock = threading.Lock()  # held by a run, and by the supervisor retiring it
         self.since: float | None = None
@@ -122,17 +182,61 @@ class RemoteSession:
 
     def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> list[Any]:
         with self.lock:
-            channel = self._send(output_names, input_feed)
-            try:
-                while True:
-                    ready = {fd for fd, _ in channel.poll.poll()}
-                    if channel.answer in ready:  # answered, even if it died just after
-                        break
-                    if channel.pidfd in ready:
-                        raise WorkerGone(self.device, "died during the run")
-            finally:
-                self.since = None
-            return self._received(channel)
+            channel, names = self._send(output_names, input_feed)
+            self._wait(channel)
+            return self._received(channel, names)
+
+    def run_rows(
+        self, output_names: Sequence[str], feeds: Sequence[Mapping[str, Any]], size: int
+    ) -> list[dict[str, Any]]:
+        """One run of several steps' ``feeds``, stacked by the process along the first
+        axis and padded to ``size`` (their states are held there): each step's outputs."""
+        with self.lock:
+            channel = self._channel()
+            rows, arrays = [], []
+            for feed in feeds:
+                names, handles, values = self._split(feed)
+                rows.append({"n": names, "h": handles})
+                arrays += values
+            names = list(output_names)
+            meta = {"rows": rows, "size": size, "o": names, "k": self._kept(names),
+                    "f": self._freed()}  # fmt: skip
+            self._ask(channel, RUN_ROWS, meta, arrays)
+            self._wait(channel)
+            said, values = self._answer(channel)
+            kept = set(self._kept(names))
+            shown = [n for n in names if n not in kept]
+            out = []
+            for i, handles in enumerate(said["h"]):
+                row: dict[str, Any] = {
+                    n: v[i : i + 1].copy() for n, v in zip(shown, values, strict=True)
+                }
+                for n, h in handles.items():
+                    row[n] = RemoteState(self, channel.gen, *h)
+                out.append({n: row[n] for n in names})
+            return out
+
+    def fetch(self, states: Sequence[RemoteState]) -> list[Array]:
+        """The host arrays of ``states`` (a round trip to the process; blocking)."""
+        with self.lock:
+            channel = self._channel()
+            if any(s.gen != channel.gen for s in states):
+                raise StateLost(self.device, _LOST)
+            self._ask(channel, GET, {"g": [s.id for s in states], "f": self._freed()}, [])
+            self._wait(channel)
+            return self._answer(channel)[1]
+
+    def _wait(self, channel: _Channel) -> None:
+        """Until the process answers (under :attr:`lock`); :class:`WorkerGone` if it dies."""
+        try:
+            while True:
+                ready = {fd for fd, _ in channel.poll.poll()}
+                if channel.answer in ready:  # answered, even if it died just after
+                    return
+                if channel.pidfd in ready:
+                    raise WorkerGone(self.device, "died during the run")
+        finally:
+            self.since = None
 
     async def run_from_loop(
         self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]
@@ -145,7 +249,7 @@ class RemoteSession:
         if not self.lock.acquire(blocking=False):  # held only by a restart's retirement
             raise WorkerGone(self.device, "is restarting")
         try:
-            channel = self._send(output_names, input_feed)
+            channel, names = self._send(output_names, input_feed)
             loop = asyncio.get_running_loop()
             waiter = self.waiter = loop.create_future()
             loop.add_reader(channel.answer, _wake, waiter)
@@ -161,7 +265,7 @@ class RemoteSession:
                 self.since = None
             if channel.answer not in {fd for fd, _ in channel.poll.poll(0)}:
                 raise WorkerGone(self.device, "died during the run")
-            return self._received(channel)
+            return self._received(channel, names)
         finally:
             self.lock.release()
 
@@ -170,29 +274,82 @@ class RemoteSession:
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
-    def _send(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> _Channel:
-        """Write the run into the slot and ring (under :attr:`lock`); the channel used."""
+    def _channel(self) -> _Channel:
         channel = self.channel
         if channel is None:
             raise WorkerGone(self.device, "is restarting")
-        arrays = [np.ascontiguousarray(np.asarray(v)) for v in input_feed.values()]
-        outputs = None if output_names is None else list(output_names)
-        meta = {"n": list(input_feed), "o": outputs}
+        return channel
+
+    def _split(self, feed: Mapping[str, Any]) -> tuple[list[str], dict[str, int], list[Array]]:
+        """A feed's host arrays (names, values) and its states held by the process (their
+        ids by name). Raises :class:`StateLost` for a state an earlier process held."""
+        names, handles, values = [], {}, []
+        for name, value in feed.items():
+            if isinstance(value, RemoteState):
+                if value.session is not self or value.gen != self.gen:
+                    raise StateLost(self.device, _LOST)
+                handles[name] = value.id
+            else:
+                names.append(name)
+                values.append(np.ascontiguousarray(np.asarray(value)))
+        return names, handles, values
+
+    def _kept(self, names: Sequence[str] | None) -> list[str]:
+        """The outputs of ``names`` the process keeps (the model's state outputs)."""
+        return [] if names is None else [n for n in names if n in self.state]
+
+    def _freed(self) -> list[int]:
+        """The ids of this process's states the core let go of since the last request."""
+        ids = []
+        while self.frees:
+            gen, i = self.frees.popleft()
+            if gen == self.gen:
+                ids.append(i)
+        return ids
+
+    def _ask(self, channel: _Channel, kind: int, meta: dict[str, Any], arrays: list[Array]) -> None:
         try:
-            channel.region.write(channel.slot, ASKED, RUN, meta, arrays)
+            channel.region.write(channel.slot, ASKED, kind, meta, arrays)
         except HopError as exc:  # bigger than --max-body-bytes allows a batch
             raise WorkerRunError(f"the run does not fit its slot: {exc}") from None
         self.since = time.monotonic()
         os.write(channel.ask, _ONE)
-        return channel
 
-    def _received(self, channel: _Channel) -> list[Any]:
+    def _send(
+        self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]
+    ) -> tuple[_Channel, list[str] | None]:
+        """Write the run into the slot and ring (under :attr:`lock`); the channel used and
+        the outputs asked."""
+        channel = self._channel()
+        names, handles, arrays = self._split(input_feed)
+        outputs = None if output_names is None else list(output_names)
+        meta = {"n": names, "h": handles, "o": outputs, "k": self._kept(outputs),
+                "f": self._freed()}  # fmt: skip
+        self._ask(channel, RUN, meta, arrays)
+        return channel, outputs
+
+    def _answer(self, channel: _Channel) -> tuple[dict[str, Any], list[Array]]:
         """The answer in the slot, its doorbell drained (under :attr:`lock`)."""
         os.read(channel.answer, 8)
         _, said, values = channel.region.read(channel.slot, copy=True)
         if "e" in said:
+            if said.get("lost"):
+                raise StateLost(self.device, f"was restarted: {said['e']}")
             raise WorkerRunError(str(said["e"]))
-        return values
+        return said, values
+
+    def _received(self, channel: _Channel, names: list[str] | None) -> list[Any]:
+        """A run's outputs, in ``names`` order: the states held by the process as handles."""
+        said, values = self._answer(channel)
+        handles = said.get("h") or {}
+        if not handles:
+            return values
+        shown = iter(values)
+        assert names is not None  # (only asked outputs are kept)
+        return [
+            RemoteState(self, channel.gen, *handles[n]) if n in handles else next(shown)
+            for n in names
+        ]
 
 
 @dataclass
@@ -252,7 +409,7 @@ class DeviceProcs:
         self.hang_s = hang_s
         self.workers = {self.device_id(s): _Worker(s) for s in specs}
         self.sessions: dict[tuple[str, str], RemoteSession] = {
-            (m.key, device): RemoteSession(m.key, device)
+            (m.key, device): RemoteSession(m.key, device, m.state)
             for device in self.workers
             for m in self.models
         }
@@ -335,7 +492,8 @@ class DeviceProcs:
             session = self.sessions[(m.key, device)]
             session.batch_sizes = tuple(hello["batch_sizes"])
             self.active[(m.key, device)] = str(hello["provider"])
-            session.channel = _Channel(region, k, ask, answer, pidfd)
+            session.gen += 1  # a new process: the states the last one held are gone
+            session.channel = _Channel(region, k, ask, answer, pidfd, session.gen)
         log.info("device %s: worker process %d opened %d session(s)",
                  device, process.pid, len(self.models))  # fmt: skip
         return None

@@ -422,6 +422,18 @@ class EpisodeTable:
             self.generation += 1
             return len(records)
 
+    def drop_device(self, device: str, reason: DropReason) -> int:
+        """Drop the records of ``device``'s episodes (its worker process died with their
+        states): each one's next step here starts clean and says ``state_reset``; the claims
+        stand (Redis moves them while the device is down). Returns how many."""
+        with self.lock:
+            dropped = [
+                (ep, record) for ep, record in self._records.items() if record.device == device
+            ]
+            for ep, record in dropped:
+                self._forget_locked(ep, record, reason, ended=False)
+            return len(dropped)
+
     def _forget_locked(
         self, episode: str, record: Episode, reason: DropReason, *, ended: bool = True
     ) -> None:

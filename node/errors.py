@@ -87,6 +87,7 @@ __all__ = [
     "Outcome",
     "Refused",
     "SeqConflict",
+    "StateLost",
     "StepRefused",
     "TransferError",
     "Unavailable",
@@ -340,6 +341,13 @@ class WorkerGone(Exception):
     def __init__(self, device: str, why: str) -> None:
         self.device = device
         super().__init__(f"the worker process of device {device} {why}")
+
+
+class StateLost(WorkerGone):
+    """A run names an episode's state that a device's worker process held before it was
+    restarted: the state is gone with it (the node drops such records as the process dies;
+    this is a step that read its record just before). Answered as a run the process died
+    in; the episode's next step starts clean and says ``state_reset``."""
 
 
 class WorkerRunError(RuntimeError):

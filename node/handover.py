@@ -60,6 +60,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Literal, Protocol
 
 from affinity import AffinityError, Claims
@@ -77,6 +78,8 @@ from node.transfer import (
     Settle,
     encode_install,
     encode_settle,
+    hosted,
+    is_hosted,
     record_bytes,
 )
 
@@ -204,6 +207,11 @@ class Mover:
     ) -> MoveOutcome | None:
         """One attempt; None: an undo changed the record on its way (start again)."""
         instance = self.lease.instance
+        try:  # a state held on a device (or by its worker process) is read back first
+            record = await _hosted(record)
+        except Exception as exc:  # its worker process died: the state went with it
+            why = f"its state could not be read back: {type(exc).__name__}: {exc}"
+            return await self._fallback(episode, record.token, reason, "refused", why)
         try:
             to = await self.transfers.place(
                 episode, record.token, record.claim, instance, target=target, hold_ms=HOLD_MS
@@ -218,6 +226,11 @@ class Mover:
                 self.table.release(episode, "lost", record.token)
             return "kept"  # (missing: Redis lost it; the registration re-asserts it)
         ghost = None if self.ghosts is None else await self.ghosts.carry(episode, record)
+        if ghost is not None:
+            try:
+                ghost = replace(ghost, record=await _hosted(ghost.record))
+            except Exception:  # not read back: the ghost restarts at the new owner
+                ghost = None
         body = encode_install(
             Install(episode, to.device, to.token, to.claim, self.node_id, record, ghost),
             self.clock(),
@@ -452,6 +465,12 @@ class Mover:
                 log.info("episode %r: its move here was committed; serving it", episode)
         elif self.table.drop_copy(episode, record.claim):
             log.info("episode %r: its move here was not committed; its copy is dropped", episode)
+
+
+async def _hosted(record: Episode) -> Episode:
+    """``record`` with its state on the host; read back off the event loop when it is not
+    (a device's buffers, or a worker process's: ``node.transfer.hosted``)."""
+    return record if is_hosted(record) else await asyncio.to_thread(hosted, record)
 
 
 class HandOvers:

@@ -259,9 +259,18 @@ class NodeService:
 
     def _device_lost(self, device: str, reason: str) -> None:
         """``device``'s worker process died: down at once for every model (live and
-        shadow candidates): its episodes move at their next step."""
+        shadow candidates): its episodes move at their next step. Their states died with
+        it (the process held them): their records are dropped, so that none is served
+        again from memory once the device is back (each one's next step here says
+        ``state_reset``)."""
         for dispatcher in (*self.dispatchers.values(), *self.shadow.candidates.values()):
             dispatcher.lost(device, reason)
+        self.shadow.lost(device)
+        dropped = self.table.drop_device(device, "lost")
+        if dropped:
+            self.metrics.owner_dropped.labels("lost").inc(dropped)
+            log.warning("device %s: %d episode state(s) went with its worker process; their "
+                        "next steps start clean (state_reset)", device, dropped)  # fmt: skip
 
     async def _device_back(self, device: str) -> None:
         """``device``'s new worker process has opened its sessions: warm each model up on

@@ -654,6 +654,13 @@ class ShadowRunner:
         hand-over may bring here)."""
         return {m: d.contract for m, d in self.candidates.items()}
 
+    def lost(self, device: str) -> None:
+        """``device``'s worker process died with the states it held: the ghosts there start
+        their state over at their next step (counted as a restart, kept apart)."""
+        for ghost in self.ghosts.values():
+            if ghost.device == device:
+                ghost.restart = True
+
     async def carry(self, episode: str, record: Episode) -> GhostCarry | None:
         """What a hand-over of ``episode`` (its live ``record``) carries of its ghost: the
         ghost's record once its step on its way ran (bounded by :data:`CARRY_WAIT_S`), if

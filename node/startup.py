@@ -149,11 +149,15 @@ async def _device_procs(
             "(no session factory)"
         )
     batch = config.max_batch or MAX_DEFAULT_BATCH
+
+    def state(path: Any) -> tuple[str, ...]:  # its state outputs: kept by the process
+        return tuple(load_contract(path).state.values())
+
     models = [
-        DeviceModel(name, str(m.path), config.intra_op_threads, True, batch)
+        DeviceModel(name, str(m.path), config.intra_op_threads, True, batch, state(m.path))
         for name, (m, _, _) in served.items()
     ] + [
-        DeviceModel(str(m.identity()), str(m.path), 1, False, batch)
+        DeviceModel(str(m.identity()), str(m.path), 1, False, batch, state(m.path))
         for m in config.shadow_models
     ]  # fmt: skip
     procs = DeviceProcs(

@@ -19,7 +19,7 @@ and takes the live record all the same.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -40,6 +40,9 @@ __all__ = [
     "decode_move",
     "encode_install",
     "encode_settle",
+    "hosted",
+    "is_hosted",
+    "on_host",
     "record_bytes",
 ]
 
@@ -435,10 +438,22 @@ def _latency(doc: object) -> tuple[float, ...]:
 
 
 def on_host(state: Mapping[str, Any]) -> dict[str, Array]:
-    """``state`` as host arrays: a state kept on the device (``node.binding.DeviceTensor``,
-    ``--cuda-graph``) is copied to the host, which a message needs (the episode is idle: no
-    run writes it meanwhile)."""
+    """``state`` as host arrays, which a message needs: a state kept on the device
+    (``node.binding.DeviceTensor``, ``--cuda-graph``) is copied to the host, one held by a
+    device's worker process (``node.deviceprocs.RemoteState``) is read back from it (a
+    round trip: call :func:`hosted` off the event loop). The episode is idle meanwhile: no
+    run writes it."""
     return {k: v if isinstance(v, np.ndarray) else np.asarray(v) for k, v in state.items()}
+
+
+def is_hosted(record: Episode) -> bool:
+    """Whether ``record``'s state is host arrays already (the usual case)."""
+    return all(isinstance(v, np.ndarray) for v in record.state.values())
+
+
+def hosted(record: Episode) -> Episode:
+    """``record`` with its state as host arrays (:func:`on_host`); itself when it is."""
+    return record if is_hosted(record) else replace(record, state=on_host(record.state))
 
 
 def record_bytes(record: Episode) -> int:

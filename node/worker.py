@@ -99,6 +99,15 @@ class RemoteRun(Protocol):
     ) -> list[Any]: ...
 
 
+class RowsRun(Protocol):
+    """A session in a worker process that holds its episodes' states: a batch is stacked
+    there (``node.deviceprocs.RemoteSession.run_rows``), each step's outputs returned."""
+
+    def run_rows(
+        self, output_names: Sequence[str], feeds: Sequence[Mapping[str, Any]], size: int
+    ) -> list[dict[str, Any]]: ...
+
+
 Prepare = Callable[["DeviceWorker", Any], "Member | None"]
 """``prepare(worker, job)``: the member ``job`` (the owner's :class:`Job`) runs as, or None
 when it needs no run (given up, or answered through ``worker.answer``)."""
@@ -177,6 +186,9 @@ class DeviceWorker:
         # a session in a worker process, run from the loop without waiting (run_inline)
         remote = session if hasattr(session, "run_from_loop") else None
         self.remote: RemoteRun | None = remote  # type: ignore[assignment]
+        # ... which holds its episodes' states: it stacks a batch's (RemoteSession.run_rows)
+        rows = session if hasattr(session, "run_rows") else None
+        self.rows: RowsRun | None = rows  # type: ignore[assignment]
         self.inline_tasks: set[asyncio.Task[None]] = set()
 
     # ---- the queue -------------------------------------------------------------------
@@ -307,7 +319,9 @@ class DeviceWorker:
             if member:
                 m = member[0]
                 taken = self._alone_feed(m)
-                if taken is not None:
+                if taken is not None and taken[1] > 1:  # padded by the process: its thread
+                    await asyncio.to_thread(self._run_alone, m)
+                elif taken is not None:
                     feed, size = taken
                     run, started = self._run_begins([m])
                     try:  # its time is the job's before the commit reads it, as in _session_run
@@ -432,14 +446,20 @@ class DeviceWorker:
         """One run of ``group`` stacked along the first axis, padded to :meth:`bucket`."""
         n = len(group)
         size = self.bucket(n)
-        feed = _stacked([m.feed for m in group], size)
         try:
-            values = self._session_run(feed, group)
-            for name, value in values.items():
-                if value.shape[:1] != (size,):
-                    raise ValueError(
-                        f"output {name!r} has shape {value.shape} for a batch of {size}"
-                    )
+            if self.rows is not None:  # the process holds their states: it stacks them
+                rows = self._rows_run(group, size)
+            else:
+                values = self._session_run(_stacked([m.feed for m in group], size), group)
+                for name, value in values.items():
+                    if value.shape[:1] != (size,):
+                        raise ValueError(
+                            f"output {name!r} has shape {value.shape} for a batch of {size}"
+                        )
+                # state kept on the device (node.binding.DeviceTensor) is scattered through
+                # the host
+                host = {name: np.asarray(v) for name, v in values.items()}
+                rows = [{name: v[i : i + 1].copy() for name, v in host.items()} for i in range(n)]
         except Exception as exc:
             log.warning(
                 "device %s: a batched run of %d steps failed (%s: %s); running them one by one",
@@ -453,10 +473,17 @@ class DeviceWorker:
                 self.flush()  # each as soon as it is known
             return
         self.count_success()
-        # state kept on the device (node.binding.DeviceTensor) is scattered through the host
-        host = {name: np.asarray(v) for name, v in values.items()}
-        for i, m in enumerate(group):
-            self.commit(self, m, {name: v[i : i + 1].copy() for name, v in host.items()})
+        for m, outputs in zip(group, rows, strict=True):
+            self.commit(self, m, outputs)
+
+    def _rows_run(self, members: list[Member], size: int) -> list[dict[str, Array]]:
+        """One run of ``members`` in the worker process (:attr:`rows`), stacked there."""
+        assert self.rows is not None
+        run, started = self._run_begins(members)
+        try:
+            return self.rows.run_rows(self.outputs, [m.feed for m in members], size)
+        finally:
+            self._run_ends(members, run, started)
 
     def _run_alone(self, m: Member) -> None:
         taken = self._alone_feed(m)
@@ -464,7 +491,11 @@ class DeviceWorker:
             return
         feed, size = taken
         try:
-            values = self._session_run(feed, [m])
+            if self.rows is not None and size > 1:  # padded by the process, its state there
+                values = self._rows_run([m], size)[0]
+                size = 1
+            else:
+                values = self._session_run(feed, [m])
         except Exception as exc:
             self.count_failure(f"{type(exc).__name__}: {exc}")
             self.answer(m.job.future, None, ModelFailure(self.id, exc))
@@ -481,7 +512,9 @@ class DeviceWorker:
             self.answer(m.job.future, None, DeviceDown(self.id))
             return None
         size = self.bucket(1) if m.job.one_row else 1
-        return (_stacked([m.feed], size) if size > 1 else m.feed), size
+        if size > 1 and self.rows is None:
+            return _stacked([m.feed], size), size
+        return m.feed, size
 
     def _alone_done(self, m: Member, size: int, values: dict[str, Array]) -> None:
         """``m``'s run alone at batch ``size`` gave ``values``: counted, kept."""

@@ -322,14 +322,15 @@ def test_steps_queued_behind_a_stopped_workers_run_go_as_one_batch_equal_to_a_th
 # ---- a worker killed --------------------------------------------------------------------
 
 
-def test_a_worker_killed_while_idle_comes_back_and_its_waiting_episodes_keep_their_state(
+def test_a_worker_killed_while_idle_comes_back_and_its_episodes_start_over_said(
     nodes: Nodes,
 ) -> None:
     """kill -9 of device 0's worker: the device goes down and comes back with a new
-    worker (a restart counted, one transition down and one up). An episode stepped at once
-    may be answered on the device (back already), moved with its reset said, or refused
-    for a retry, never silently reset; an episode not stepped meanwhile continues there
-    with its state and its seq."""
+    worker (a restart counted, one transition down and one up). Its episodes' states went
+    with it (the worker is their only home): an episode stepped at once may be moved off
+    the down device, answered on the device back already, or refused for a retry; an
+    episode not stepped meanwhile starts over on its device. Each says ``state_reset``
+    and counts from 1: never a silent reset, never a count from a state that is gone."""
     p = nodes.proc
     stepped, waited = placed_on(p, "p/0", "idle", "counter", 2)
     for ep in (stepped, waited):
@@ -340,13 +341,10 @@ def test_a_worker_killed_while_idle_comes_back_and_its_waiting_episodes_keep_the
     pid = worker(p, 0)
     os.kill(pid, signal.SIGKILL)
     r = act(p, stepped, "counter", ZERO, seq=3)  # races the restart
-    if r.status_code == 200:
+    if r.status_code == 200:  # moved off the down device, or on it back already
         got = r.json()
-        if got["state_reset"]:  # moved off the down device: a new claim, its count afresh
-            assert (got["routing"], count(got)) == ("reassigned", 1), got
-        else:  # the device was back: the step continues the episode there
-            assert (got["device"], got["seq"], count(got)) == ("p/0", 3, 3), got
-    else:  # refused: the step was not applied (the retry below continues the count)
+        assert (got["state_reset"], count(got)) == (True, 1), got
+    else:  # refused: the step was not applied (the retry below starts over)
         assert r.status_code in (500, 503), r.text
         assert r.json()["error"]["code"] in ("model_failure", "device_down"), r.text
     wait_back(p, "p/0", before)
@@ -355,13 +353,14 @@ def test_a_worker_killed_while_idle_comes_back_and_its_waiting_episodes_keep_the
     assert registry.hget(KEYS.device("p/0"), "state") == state
     if r.status_code != 200:
         got = ok(act(p, stepped, "counter", ZERO, seq=3))
-        assert (got["device"], got["seq"], count(got)) == ("p/0", 3, 3), got
-        assert not got["state_reset"], got
+        assert (got["state_reset"], count(got)) == (True, 1), got
     got = ok(act(p, waited, "counter", ZERO, seq=3))
-    assert (got["device"], got["routing"], got["seq"]) == ("p/0", "hit", 3), got
-    assert (got["state_reset"], got["replayed"], count(got)) == (False, False, 3), got
+    assert (got["device"], got["routing"], got["seq"]) == ("p/0", "hit", 1), got
+    assert (got["state_reset"], got["replayed"], count(got)) == (True, False, 1), got
+    assert count(ok(act(p, waited, "counter", ZERO, seq=2))) == 2  # and goes on from there
     log = p.proc.log_path.read_text(errors="replace")
     assert f"device p/0: its worker process {pid} was killed by SIGKILL" in log
+    assert "episode state(s) went with its worker process" in log
     assert "device p/0 is back after its worker process was restarted" in log
 
 
@@ -370,7 +369,8 @@ def test_a_worker_killed_mid_step_fails_that_step_alone_and_its_retry_applies_it
 ) -> None:
     """Device 1's worker is stopped with an episode's step on its hop, then killed: that
     step is refused as a model failure, not applied; once the device is back the retry
-    with the same seq applies it once, and a second retry is the kept reply."""
+    starts the episode over (its state went with the process), said, and a second retry
+    of that step is its kept reply."""
     p = nodes.proc
     (episode,) = placed_on(p, "p/1", "midkill", "counter", 1)
     assert count(ok(act(p, episode, "counter", ZERO, seq=2))) == 2
@@ -382,12 +382,12 @@ def test_a_worker_killed_mid_step_fails_that_step_alone_and_its_retry_applies_it
     assert "died during the run" in r.json()["error"]["message"], r.text
     wait_back(p, "p/1", before)
     assert worker(p, 1, other_than=pid) != pid
-    got = ok(act(p, episode, "counter", ZERO, seq=3))
-    assert (got["device"], got["routing"], got["seq"]) == ("p/1", "hit", 3), got
-    assert (got["state_reset"], got["replayed"], count(got)) == (False, False, 3), got
-    again = ok(act(p, episode, "counter", ZERO, seq=3))
-    assert (again["seq"], again["replayed"], count(again)) == (3, True, 3), again
-    assert count(ok(act(p, episode, "counter", ZERO, seq=4))) == 4
+    got = ok(act(p, episode, "counter", ZERO, seq=3))  # its state went with the process
+    assert (got["device"], got["routing"], got["seq"]) == ("p/1", "hit", 1), got
+    assert (got["state_reset"], got["replayed"], count(got)) == (True, False, 1), got
+    again = ok(act(p, episode, "counter", ZERO, seq=1))
+    assert (again["seq"], again["replayed"], count(again)) == (1, True, 1), again
+    assert count(ok(act(p, episode, "counter", ZERO, seq=2))) == 2
 
 
 def test_a_worker_stopped_past_the_deadline_is_killed_as_hung_and_restarted(
@@ -395,7 +395,8 @@ def test_a_worker_stopped_past_the_deadline_is_killed_as_hung_and_restarted(
 ) -> None:
     """A worker stopped (SIGSTOP) in the middle of a run: the step answers 503 deadline at
     --act-deadline, the core kills the worker as hung and restarts it, the device comes
-    back, and the retry with the same seq applies the step once."""
+    back, and the retry starts the episode over (its state went with the process), said;
+    a retry of that step is its kept reply."""
     redis = RedisServer(tmp_path).start()
     node = Node(tmp_path, "h", redis.url, devices="cpu:1",
                 extra=[*PROCESS, "--model", f"counter={counter_policy(tmp_path)}",
@@ -418,11 +419,11 @@ def test_a_worker_stopped_past_the_deadline_is_killed_as_hung_and_restarted(
         assert not alive(pid) and worker(node, 0, other_than=pid) != pid
         log = node.proc.log_path.read_text(errors="replace")
         assert f"its worker process {pid} is hung, killed and restarted" in log, node.proc.log()
-        got = ok(act(node, episode, "counter", ZERO, seq=3))
-        assert (got["routing"], got["seq"], got["state_reset"]) == ("hit", 3, False), got
-        assert (got["replayed"], count(got)) == (False, 3), got
-        again = ok(act(node, episode, "counter", ZERO, seq=3))
-        assert (again["replayed"], count(again)) == (True, 3), again
+        got = ok(act(node, episode, "counter", ZERO, seq=3))  # its state went with it
+        assert (got["routing"], got["seq"], got["state_reset"]) == ("hit", 1, True), got
+        assert (got["replayed"], count(got)) == (False, 1), got
+        again = ok(act(node, episode, "counter", ZERO, seq=1))
+        assert (again["replayed"], count(again)) == (True, 1), again
     finally:
         node.stop()
         redis.stop()

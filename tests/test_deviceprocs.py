@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from node.deviceprocs import DeviceModel, DeviceProcs, RemoteSession
+from node.deviceprocs import DeviceModel, DeviceProcs, RemoteSession, RemoteState
 from node.devices import DeviceSpec
-from node.errors import WorkerGone, WorkerRunError
+from node.errors import StateLost, WorkerGone, WorkerRunError
 from node.providers import ProviderSettings, build_session
 from tests.procs import pause
 
@@ -319,3 +319,89 @@ async def test_a_run_from_the_loop_ends_when_its_worker_dies_or_the_procs_stop()
         await p.stop()  # nobody watches the pidfd any more: the run still ends
     with pytest.raises(WorkerGone):
         await asyncio.wait_for(run, WAIT_S)
+
+
+async def test_an_episodes_state_stays_in_the_process_and_only_its_handle_crosses() -> None:
+    """With the model's state outputs named (as the node names them), a run's state stays
+    in the worker process: the core gets a handle (``RemoteState``: its shape and dtype,
+    read back on demand), and the next run names it, so the slot carries neither the state
+    in nor the state out. A batch of episodes (one on a handle, one on host zeros) is
+    stacked and padded in the process and split back. A handle the core lets go of is
+    freed there with its next request; a restarted process holds none of the old ones,
+    and a run that names one fails (``StateLost``), never from another state."""
+    p = DeviceProcs(
+        "n", [CPU0], [DeviceModel("demo", str(DEMO), 1, True, 4, ("state_out.hidden",))],
+        ProviderSettings(), max_body_bytes=1 << 20, hang_s=60.0,
+    )  # fmt: skip
+    await p.start()
+    try:
+        back = asyncio.Event()
+
+        async def came_back(device: str) -> None:
+            back.set()
+
+        p.supervise(lambda device, why: None, came_back, lambda device: None)
+        session = p.sessions[("demo", "n/0")]
+        local = build_session(DEMO, CPU0, ProviderSettings()).session
+        names = ["actions", "state_out.hidden"]
+        rng = np.random.default_rng(11)
+        region = session.channel.region  # type: ignore[union-attr]
+        write, asked = region.write, []
+
+        def spy(slot: int, state: int, kind: int, meta: Any, arrays: list[Any]) -> None:
+            asked.append((meta, [a.shape for a in arrays]))
+            write(slot, state, kind, meta, arrays)
+
+        region.write = spy  # type: ignore[method-assign]
+        state: Any = np.zeros((1, 16), np.float32)
+        want_state = state
+        for _ in range(3):
+            obs = rng.standard_normal((1, 8)).astype(np.float32)
+            actions, held = await asyncio.to_thread(
+                session.run, names, {"obs": obs, "state_in.hidden": state}
+            )
+            want = local.run(names, {"obs": obs, "state_in.hidden": want_state})
+            np.testing.assert_array_equal(actions, want[0])
+            assert isinstance(held, RemoteState) and (held.shape, held.dtype) == ((1, 16), "<f4")
+            assert held.nbytes == 64
+            meta, shapes = asked[-1]  # the ask: the state by its handle after the first
+            assert shapes == [(1, 8)] + ([(1, 16)] if not isinstance(state, RemoteState) else [])
+            assert meta["h"] == (
+                {"state_in.hidden": state.id} if isinstance(state, RemoteState) else {}
+            )
+            _, answer, arrays = region.read(0, copy=True)  # the answer, in the slot
+            assert answer["h"] == {"state_out.hidden": [held.id, "<f4", [1, 16]]}
+            assert [a.shape for a in arrays] == [(1, 4, 2)]  # the actions alone came back
+            np.testing.assert_array_equal(await asyncio.to_thread(np.asarray, held), want[1])
+            state, want_state = held, want[1]
+        # a batch: one episode on its handle, one from host zeros, padded to 4 in the process
+        obs = rng.standard_normal((2, 8)).astype(np.float32)
+        rows = await asyncio.to_thread(
+            session.run_rows, names,
+            [{"obs": obs[:1], "state_in.hidden": state},
+             {"obs": obs[1:], "state_in.hidden": np.zeros((1, 16), np.float32)}], 4,
+        )  # fmt: skip
+        for row, o, s in ((rows[0], obs[:1], want_state), (rows[1], obs[1:], np.zeros((1, 16)))):
+            want = local.run(names, {"obs": o, "state_in.hidden": s.astype(np.float32)})
+            np.testing.assert_allclose(row["actions"], want[0], rtol=1e-6)
+            assert isinstance(row["state_out.hidden"], RemoteState)
+            got = await asyncio.to_thread(np.asarray, row["state_out.hidden"])
+            np.testing.assert_allclose(got, want[1], rtol=1e-6)
+        # let go of in the core: freed in the process with the next request
+        gen, freed = state.gen, state.id
+        del state, held, rows
+        await asyncio.to_thread(session.run, names, feed())
+        ghost = RemoteState(session, gen, freed, "<f4", (1, 16))
+        with pytest.raises(StateLost):
+            await asyncio.to_thread(np.asarray, ghost)
+        # a restarted process: the old handles name nothing there
+        kept = (await asyncio.to_thread(session.run, names, feed()))[1]
+        os.kill(pid_of(p), signal.SIGKILL)
+        await asyncio.wait_for(back.wait(), WAIT_S)
+        with pytest.raises(StateLost):
+            await asyncio.to_thread(session.run, names, {"obs": feed()["obs"],
+                                                         "state_in.hidden": kept})  # fmt: skip
+        with pytest.raises(StateLost):
+            await asyncio.to_thread(np.asarray, kept)
+    finally:
+        await p.stop()
