@@ -33,11 +33,25 @@ CPU0 = DeviceSpec(0, "cpu", None, "cpu", "cpu-0", "cpu", 0)
 WAIT_S = 60.0  # bound of every wait below (a busy machine: never a measure of speed)
 
 
-def procs(hang_s: float = 60.0, path: Path = DEMO, body: int = 1 << 20) -> DeviceProcs:
+def procs(
+    hang_s: float = 60.0, path: Path = DEMO, body: int = 1 << 20, state: tuple[str, ...] = ()
+) -> DeviceProcs:
+    """A worker process for one CPU device; ``state``: the model's state outputs it holds."""
     return DeviceProcs(
-        "n", [CPU0], [DeviceModel("demo", str(path), 1, True, 2)], ProviderSettings(),
-        max_body_bytes=body, hang_s=hang_s,
+        "n", [CPU0], [DeviceModel("demo", str(path), 1, True, 4 if state else 2, state)],
+        ProviderSettings(), max_body_bytes=body, hang_s=hang_s,
     )  # fmt: skip
+
+
+def watched(p: DeviceProcs) -> asyncio.Event:
+    """Supervise ``p``'s process: the event is set once a restarted one is back."""
+    back = asyncio.Event()
+
+    async def came_back(device: str) -> None:
+        back.set()
+
+    p.supervise(lambda device, why: None, came_back, lambda device: None)
+    return back
 
 
 def feed(batch: int = 1, seed: int = 0) -> dict[str, Any]:
@@ -295,12 +309,7 @@ async def test_a_run_from_the_loop_ends_when_its_worker_dies_or_the_procs_stop()
     p = procs()
     await p.start()
     try:
-        back = asyncio.Event()
-
-        async def came_back(device: str) -> None:
-            back.set()
-
-        p.supervise(lambda device, why: None, came_back, lambda device: None)
+        back = watched(p)
         session = p.sessions[("demo", "n/0")]
         got = await session.run_from_loop(["actions"], feed())  # the loop goes on meanwhile
         assert got[0].shape[0] == 1
@@ -329,18 +338,10 @@ async def test_an_episodes_state_stays_in_the_process_and_only_its_handle_crosse
     stacked and padded in the process and split back. A handle the core lets go of is
     freed there with its next request; a restarted process holds none of the old ones,
     and a run that names one fails (``StateLost``), never from another state."""
-    p = DeviceProcs(
-        "n", [CPU0], [DeviceModel("demo", str(DEMO), 1, True, 4, ("state_out.hidden",))],
-        ProviderSettings(), max_body_bytes=1 << 20, hang_s=60.0,
-    )  # fmt: skip
+    p = procs(state=("state_out.hidden",))
     await p.start()
     try:
-        back = asyncio.Event()
-
-        async def came_back(device: str) -> None:
-            back.set()
-
-        p.supervise(lambda device, why: None, came_back, lambda device: None)
+        back = watched(p)
         session = p.sessions[("demo", "n/0")]
         local = build_session(DEMO, CPU0, ProviderSettings()).session
         names = ["actions", "state_out.hidden"]
