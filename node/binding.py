@@ -56,18 +56,22 @@ def _fixed(contract: PolicyContract, spec: TensorSpec, batch: int) -> tuple[int,
 class DeviceTensor:
     """One state tensor of one episode, held in device memory.
 
-    Two buffers of the tensor's size. A step reads the handle it is fed and writes the new
-    state into the other buffer, returning the handle of that one. The one it read is left as
-    it was. So a step whose result is not kept (its caller gave up) leaves the episode's state
-    intact. That holds as long as only the latest kept handle of an episode is fed. And one
-    step of an episode must run at a time. The dispatcher guarantees both.
+    Three buffers of the tensor's size, used in turn. A step reads the handle it is fed and
+    writes the new state into the next buffer, returning the handle of that one. The one it
+    read is left as it was, and so is the one before it: an episode's record holds its
+    current state and, until its next step is kept, the one before (``Episode.previous``,
+    which an undo goes back to). So a step whose result is not kept (its caller gave up)
+    leaves both intact, and an undo after it finds the earlier state as it was (with two
+    buffers that step wrote over it). That holds as long as only a kept handle of an
+    episode, or the one before it, is fed, and one step of an episode runs at a time. The
+    dispatcher guarantees both.
     """
 
     __slots__ = ("_buffers", "_current", "dtype", "shape")
 
     def __init__(
         self,
-        buffers: tuple[Any, Any],
+        buffers: tuple[Any, Any, Any],
         shape: tuple[int, ...],
         dtype: np.dtype[Any],
         current: int = 0,
@@ -86,7 +90,7 @@ class DeviceTensor:
                 list(shape), dtype, device_type, device_id
             )
 
-        return cls((one(), one()), tuple(shape), np.dtype(dtype))
+        return cls((one(), one(), one()), tuple(shape), np.dtype(dtype))
 
     @property
     def value(self) -> Any:
@@ -94,8 +98,8 @@ class DeviceTensor:
         return self._buffers[self._current]
 
     def successor(self) -> DeviceTensor:
-        """A handle on the other buffer (the one the next state is written into)."""
-        return DeviceTensor(self._buffers, self.shape, self.dtype, 1 - self._current)
+        """A handle on the next buffer (the one the next state is written into)."""
+        return DeviceTensor(self._buffers, self.shape, self.dtype, (self._current + 1) % 3)
 
     @property
     def device(self) -> str:

@@ -104,6 +104,7 @@ class _States:
     def __init__(self) -> None:
         self.held: dict[int, Any] = {}
         self.next = 1
+        self.new: list[int] = []  # kept by the request being answered (freed if it fails)
 
     def free(self, ids: list[int]) -> None:
         for i in ids:
@@ -119,6 +120,7 @@ class _States:
         """Hold ``value``; its handle for the core: id, dtype, shape."""
         i, self.next = self.next, self.next + 1
         self.held[i] = value
+        self.new.append(i)
         return [i, np.dtype(value.dtype).str, list(value.shape)]
 
 
@@ -208,14 +210,17 @@ def _serve(model: _Model, region: Region, stopping: threading.Event) -> None:
             continue
         if stopping.is_set():
             return
+        states.new.clear()
         try:
             kind, meta, arrays = region.read(model.slot, copy=False)  # the feed, in place
             said, outputs = _answer(model, states, kind, meta, arrays)
             del arrays
             region.write(model.slot, ANSWERED, REPLY, said, outputs)
         except _Lost as exc:  # not the device's failure: the episode's state is gone
+            states.free(states.new)  # (the core never hears of them)
             region.write(model.slot, ANSWERED, REPLY, {"e": str(exc), "lost": True}, [])
         except Exception as exc:  # the core counts it as the device's failure
+            states.free(states.new)
             region.write(model.slot, ANSWERED, REPLY, {"e": f"{type(exc).__name__}: {exc}"}, [])
         os.write(model.answer, (1).to_bytes(8, "little"))
 

@@ -150,6 +150,11 @@ class RemoteState:
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
+    @property
+    def stale(self) -> bool:
+        """Whether the process that held it has died (the state is gone)."""
+        return self.gen != self.session.gen
+
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> Array:
         host = self.session.fetch([self])[0]
         return host if dtype is None else host.astype(dtype, copy=False)
@@ -246,8 +251,11 @@ class RemoteSession:
         (:meth:`gone`), which watches its ``pidfd``. A run cancelled before its answer
         leaves an answer on its way into the slot: the process is killed (and restarted)
         rather than reused."""
-        if not self.lock.acquire(blocking=False):  # held only by a restart's retirement
-            raise WorkerGone(self.device, "is restarting")
+        if not self.lock.acquire(blocking=False):  # a restart's retirement, or a state read
+            if self.channel is None:
+                raise WorkerGone(self.device, "is restarting")
+            # a hand-over reading a state back (a round trip): wait for it off the loop
+            return await asyncio.to_thread(self.run, output_names, input_feed)
         try:
             channel, names = self._send(output_names, input_feed)
             loop = asyncio.get_running_loop()
@@ -311,6 +319,7 @@ class RemoteSession:
         try:
             channel.region.write(channel.slot, ASKED, kind, meta, arrays)
         except HopError as exc:  # bigger than --max-body-bytes allows a batch
+            self.frees.extend((channel.gen, i) for i in meta.get("f") or ())  # (next time)
             raise WorkerRunError(f"the run does not fit its slot: {exc}") from None
         self.since = time.monotonic()
         os.write(channel.ask, _ONE)
@@ -492,7 +501,7 @@ class DeviceProcs:
             session = self.sessions[(m.key, device)]
             session.batch_sizes = tuple(hello["batch_sizes"])
             self.active[(m.key, device)] = str(hello["provider"])
-            session.gen += 1  # a new process: the states the last one held are gone
+            session.gen += 1  # a new process: it holds none of the states before it
             session.channel = _Channel(region, k, ask, answer, pidfd, session.gen)
         log.info("device %s: worker process %d opened %d session(s)",
                  device, process.pid, len(self.models))  # fmt: skip
@@ -579,6 +588,7 @@ class DeviceProcs:
         log.error("device %s: its worker process %d %s", device, process.pid, why)
         for (_, d), session in self.sessions.items():
             if d == device:
+                session.gen += 1  # the states it held are gone: their handles are stale
                 session.gone()
         if self._lost is not None:  # down at once: its episodes move at their next step
             self._lost(device, f"its worker process {why}")
@@ -671,7 +681,12 @@ class DeviceProcs:
                     process.wait()
             for session in self.sessions.values():
                 if session.channel is not None and session.channel.pidfd == worker.pidfd:
+                    # a state read still in it (a late hand-over) ends first: its process
+                    # is gone, so its wait does (bounded all the same)
+                    held = session.lock.acquire(timeout=timeout_s)
                     session.channel = None
+                    if held:
+                        session.lock.release()
             self._close(worker)
 
 

@@ -66,6 +66,13 @@ DropReason = Literal["end", "idle", "lost", "revoked", "fenced", "registered", "
 only one after which the episode's next claim here starts clean without ``state_reset``."""
 
 
+def _gone(record: Episode) -> bool:
+    """Whether ``record``'s state was held by a device's worker process that has died since
+    (``node.deviceprocs.RemoteState.stale``): a step that read the record just before its
+    node dropped the device's records kept it as the process died."""
+    return any(getattr(v, "stale", False) for v in record.state.values())
+
+
 def admit(
     episode: str,
     record: Episode | None,
@@ -194,8 +201,10 @@ class EpisodeTable:
             record = self._records.get(episode)
             if record is None:
                 return None
-            # (np.array: a state kept on the device, --cuda-graph, is copied to the host)
-            return {k: np.array(v, copy=True) for k, v in record.state.items()}
+            state = dict(record.state)
+        # (np.array: a state on the device, --cuda-graph, or in a device's worker process,
+        # is read back; the latter is a round trip: not from the event loop)
+        return {k: np.array(v, copy=True) for k, v in state.items()}
 
     # ---- the rules, for the dispatchers --------------------------------------------------
 
@@ -218,6 +227,9 @@ class EpisodeTable:
         if (claim and claim in self._ended) or self._ended_early_locked(episode, token):
             raise ClaimEnded(episode, claim)
         record = self._records.get(episode)
+        if record is not None and _gone(record):  # its state died with a worker process
+            self._forget_locked(episode, record, "lost", ended=False)
+            record = None
         copy = self._copies.get(episode)
         if copy is not None and not fresh and copy.holds(device, token, claim):
             record = self._promote_locked(episode, copy)  # Redis routed its claim here
@@ -423,12 +435,17 @@ class EpisodeTable:
             return len(records)
 
     def drop_device(self, device: str, reason: DropReason) -> int:
-        """Drop the records of ``device``'s episodes (its worker process died with their
-        states): each one's next step here starts clean and says ``state_reset``; the claims
-        stand (Redis moves them while the device is down). Returns how many."""
+        """Drop the records of ``device``'s episodes whose state its worker process held
+        (it died with them): each one's next step here starts clean and says
+        ``state_reset``; the claims stand (Redis moves them while the device is down). A
+        record whose state is host arrays (a hand-over's, not stepped here yet) stays.
+        Returns how many."""
         with self.lock:
             dropped = [
-                (ep, record) for ep, record in self._records.items() if record.device == device
+                (ep, record)
+                for ep, record in self._records.items()
+                if record.device == device
+                and not all(isinstance(v, np.ndarray) for v in record.state.values())
             ]
             for ep, record in dropped:
                 self._forget_locked(ep, record, reason, ended=False)

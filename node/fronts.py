@@ -408,7 +408,10 @@ class Fronts:
     async def _supervise(self) -> None:
         while not self.stopping:
             await asyncio.sleep(0.05)
-            self._tell()
+            try:
+                self._tell()
+            except Exception:  # never the end of the supervision (a front's restarts)
+                log.exception("telling the fronts the lease failed")
             for front in self.fronts:
                 process = front.process
                 if process is None or process.poll() is None or self.stopping:
@@ -461,6 +464,9 @@ class Fronts:
         """Stop every front: it closes its listener, finishes its open requests (their
         steps still served by this core), exits; SIGKILL past ``timeout_s``."""
         self.stopping = True
+        for front in self.fronts:  # stopping: what they still get, the core answers
+            if front.hop is not None:
+                front.hop.region.tell(time.monotonic_ns(), NEVER_NS)
         if self._watch is not None:
             self._watch.cancel()
         running = [f for f in self.fronts if f.process is not None]

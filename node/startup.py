@@ -150,14 +150,15 @@ async def _device_procs(
         )
     batch = config.max_batch or MAX_DEFAULT_BATCH
 
-    def state(path: Any) -> tuple[str, ...]:  # its state outputs: kept by the process
-        return tuple(load_contract(path).state.values())
+    def state(contract: PolicyContract) -> tuple[str, ...]:  # its state outputs: held there
+        return tuple(contract.state.values())
 
     models = [
-        DeviceModel(name, str(m.path), config.intra_op_threads, True, batch, state(m.path))
-        for name, (m, _, _) in served.items()
+        DeviceModel(name, str(m.path), config.intra_op_threads, True, batch, state(contract))
+        for name, (m, _, contract) in served.items()
     ] + [
-        DeviceModel(str(m.identity()), str(m.path), 1, False, batch, state(m.path))
+        DeviceModel(str(m.identity()), str(m.path), 1, False, batch,
+                    state(load_contract(m.path)))
         for m in config.shadow_models
     ]  # fmt: skip
     procs = DeviceProcs(

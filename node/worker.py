@@ -38,7 +38,7 @@ import numpy as np
 
 from node import control
 from node.crashes import CrashTracker, Transition
-from node.errors import DeviceDown, ModelFailure
+from node.errors import DeviceDown, ModelFailure, StateLost
 from node.jobs import Arrivals, Job, Member, Run, Session
 
 __all__ = [
@@ -328,7 +328,8 @@ class DeviceWorker:
                         values = await self.remote.run_from_loop(self.outputs, feed)
                     except Exception as exc:
                         self._run_ends([m], run, started)
-                        self.count_failure(f"{type(exc).__name__}: {exc}")
+                        if not isinstance(exc, StateLost):  # (the episode's, not the device's)
+                            self.count_failure(f"{type(exc).__name__}: {exc}")
                         self.answer(m.job.future, None, ModelFailure(self.id, exc))
                     else:
                         self._run_ends([m], run, started)
@@ -497,7 +498,8 @@ class DeviceWorker:
             else:
                 values = self._session_run(feed, [m])
         except Exception as exc:
-            self.count_failure(f"{type(exc).__name__}: {exc}")
+            if not isinstance(exc, StateLost):  # (the episode's loss, not the device's)
+                self.count_failure(f"{type(exc).__name__}: {exc}")
             self.answer(m.job.future, None, ModelFailure(self.id, exc))
             return
         self._alone_done(m, size, values)

@@ -222,3 +222,18 @@ async def test_the_node_warms_its_devices_up_at_start_up() -> None:
     finally:
         service.health.close()
         await redis.aclose()
+
+
+def test_a_state_one_step_back_is_intact_after_a_step_not_kept_for_an_undo() -> None:
+    """An episode's record holds its state and, until its next step is kept, the one
+    before (an undo goes back to it). A step on the current state that is not kept (its
+    caller gave up) must leave both as they were: with two buffers it wrote over the
+    earlier one, and an undo then went on from another state, unsaid."""
+    b = bound()
+    obs = observations(3, seed=9)
+    first = dict(zip(NAMES, b.run(NAMES, {"obs": obs[0], **CONTRACT.initial_state()}), strict=True))
+    before = first["state_out.hidden"]  # the record's ``previous`` once step 2 is kept
+    kept = np.asarray(before).copy()
+    second = dict(zip(NAMES, b.run(NAMES, {"obs": obs[1], "state_in.hidden": before}), strict=True))
+    b.run(NAMES, {"obs": obs[2], "state_in.hidden": second["state_out.hidden"]})  # not kept
+    np.testing.assert_array_equal(np.asarray(before), kept)

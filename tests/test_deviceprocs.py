@@ -406,3 +406,21 @@ async def test_an_episodes_state_stays_in_the_process_and_only_its_handle_crosse
             await asyncio.to_thread(np.asarray, kept)
     finally:
         await p.stop()
+
+
+async def test_a_run_from_the_loop_waits_for_a_state_read_instead_of_failing(
+    started: DeviceProcs,
+) -> None:
+    """A hand-over reading a state back holds the session for its round trip: a lone step
+    run from the loop meanwhile waits for it (off the loop) rather than failing as if the
+    process were restarting, which counted a failure of a healthy device."""
+    session = started.sessions[("demo", "n/0")]
+    session.lock.acquire()  # (a state read in progress)
+    try:
+        run = asyncio.ensure_future(session.run_from_loop(["actions"], feed()))
+        await asyncio.sleep(0.05)
+        assert not run.done()
+    finally:
+        session.lock.release()
+    (actions,) = await asyncio.wait_for(run, WAIT_S)
+    assert actions.shape == (1, 4, 2)

@@ -382,3 +382,22 @@ async def test_a_client_leaving_mid_run_is_not_a_hung_device() -> None:
         gate.set()
         await d.table.wait_idle("ep")
         assert bool(transitions) is counted and d.table.get("ep") is None
+
+
+async def test_a_record_whose_state_died_with_its_worker_process_starts_over_said() -> None:
+    """A step read its record just before its device's worker process died, and kept a
+    state that process held (``RemoteState.stale``): the next step drops that record and
+    starts clean, said (``state_reset``, seq 1), never a run on a state that is gone."""
+    from dataclasses import replace
+
+    class Gone:
+        stale = True
+
+    d, _, _ = make(1)
+    await dispatch(d, "n/0", "ep", 7, True, obs(1))
+    record = d.table.get("ep")
+    assert record is not None
+    with d.table.lock:
+        d.table._records["ep"] = replace(record, state={k: Gone() for k in record.state})
+    r = await dispatch(d, "n/0", "ep", 7, False, obs(2))
+    assert (r.seq, r.state_reset, act(r)) == (1, True, 2.0)
