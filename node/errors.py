@@ -37,9 +37,10 @@ front door renders that in its own wire shape. Adding a failure mode touches ``_
 Kept elsewhere on purpose (never answered as they are): ``node/router.py``'s ``_NotSent``,
 ``_Stale`` and ``_LetGo`` (each an :class:`Unavailable`), ``node/protocols/kserve/messages.py``'s
 ``Abort`` (an outcome already rendered as a gRPC status, for both gRPC doors; this module
-imports no grpcio) and ``node/startup.py``'s
-``StartupError`` (an exit code). Hazard: this module is a leaf; importing anything from
-``node`` makes a cycle.
+imports no grpcio), ``node/startup.py``'s
+``StartupError`` (an exit code) and ``node/deviceproc.py``'s ``_Lost`` (a device worker
+process's own: it answers the core, which raises :class:`StateLost`). Hazard: this module
+is a leaf; importing anything from ``node`` makes a cycle.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ __all__ = [
     "refusal",
 ]
 
-PRIVATE = frozenset({"_NotSent", "_Stale", "_LetGo", "Abort", "StartupError"})
+PRIVATE = frozenset({"_NotSent", "_Stale", "_LetGo", "_Lost", "Abort", "StartupError"})
 """Exception classes defined outside this module on purpose (see the module doc)."""
 
 
