@@ -220,7 +220,9 @@ class Records:
             old = None if m.base is None else m.base.buffer
             buffer, action = (old or ActionBuffer()).after_run(chunk, job.mode)
             visible = {self.chunk.output: self.chunk.action(action)}
-        seq = 1 if m.base is None else m.base.seq + 1
+        # a step from the initial state is step 1, or the seq its caller named (its first
+        # after a reset): a retry of it after its reply was lost is then its replay
+        seq = (job.seq or 1) if m.base is None else m.base.seq + 1
         result = StepResult(visible, m.reset, seq, "model", rtc=m.rtc, queue_s=job.queue_s,
                             run_s=job.run_s)  # fmt: skip
         episode = job.key

@@ -355,9 +355,9 @@ def test_a_worker_killed_while_idle_comes_back_and_its_episodes_start_over_said(
         got = ok(act(p, stepped, "counter", ZERO, seq=3))
         assert (got["state_reset"], count(got)) == (True, 1), got
     got = ok(act(p, waited, "counter", ZERO, seq=3))
-    assert (got["device"], got["routing"], got["seq"]) == ("p/0", "hit", 1), got
+    assert (got["device"], got["routing"], got["seq"]) == ("p/0", "hit", 3), got
     assert (got["state_reset"], got["replayed"], count(got)) == (True, False, 1), got
-    assert count(ok(act(p, waited, "counter", ZERO, seq=2))) == 2  # and goes on from there
+    assert count(ok(act(p, waited, "counter", ZERO, seq=4))) == 2  # and goes on from there
     log = p.proc.log_path.read_text(errors="replace")
     assert f"device p/0: its worker process {pid} was killed by SIGKILL" in log
     assert "episode state(s) went with its worker process" in log
@@ -383,11 +383,11 @@ def test_a_worker_killed_mid_step_fails_that_step_alone_and_its_retry_applies_it
     wait_back(p, "p/1", before)
     assert worker(p, 1, other_than=pid) != pid
     got = ok(act(p, episode, "counter", ZERO, seq=3))  # its state went with the process
-    assert (got["device"], got["routing"], got["seq"]) == ("p/1", "hit", 1), got
+    assert (got["device"], got["routing"], got["seq"]) == ("p/1", "hit", 3), got
     assert (got["state_reset"], got["replayed"], count(got)) == (True, False, 1), got
-    again = ok(act(p, episode, "counter", ZERO, seq=1))
-    assert (again["seq"], again["replayed"], count(again)) == (1, True, 1), again
-    assert count(ok(act(p, episode, "counter", ZERO, seq=2))) == 2
+    again = ok(act(p, episode, "counter", ZERO, seq=3))
+    assert (again["seq"], again["replayed"], count(again)) == (3, True, 1), again
+    assert count(ok(act(p, episode, "counter", ZERO, seq=4))) == 2
 
 
 def test_a_worker_stopped_past_the_deadline_is_killed_as_hung_and_restarted(
@@ -420,9 +420,9 @@ def test_a_worker_stopped_past_the_deadline_is_killed_as_hung_and_restarted(
         log = node.proc.log_path.read_text(errors="replace")
         assert f"its worker process {pid} is hung, killed and restarted" in log, node.proc.log()
         got = ok(act(node, episode, "counter", ZERO, seq=3))  # its state went with it
-        assert (got["routing"], got["seq"], got["state_reset"]) == ("hit", 1, True), got
+        assert (got["routing"], got["seq"], got["state_reset"]) == ("hit", 3, True), got
         assert (got["replayed"], count(got)) == (False, 1), got
-        again = ok(act(node, episode, "counter", ZERO, seq=1))
+        again = ok(act(node, episode, "counter", ZERO, seq=3))
         assert (again["replayed"], count(again)) == (True, 1), again
     finally:
         node.stop()

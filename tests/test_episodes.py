@@ -401,3 +401,30 @@ async def test_a_record_whose_state_died_with_its_worker_process_starts_over_sai
         d.table._records["ep"] = replace(record, state={k: Gone() for k in record.state})
     r = await dispatch(d, "n/0", "ep", 7, False, obs(2))
     assert (r.seq, r.state_reset, act(r)) == (1, True, 2.0)
+
+
+async def test_the_retry_of_a_step_that_started_over_gets_its_reply_the_reset_said() -> None:
+    """A step names its seq (3) and starts from the initial state (its record was dropped:
+    here, its state died with a worker process); its reply, which says so, is lost. Its
+    retry names the same seq and gets that reply, ``state_reset`` and all, and the episode
+    goes on from it. The reset keeps the seq its caller named: numbered afresh (1), the
+    retry's 3 was neither the next nor the last step (409 ``seq_conflict`` at every retry,
+    for good), and a caller that had sent 2 could not be told from its next step."""
+    from dataclasses import replace
+
+    class Gone:
+        stale = True
+
+    d, _, _ = make(1)
+    await dispatch(d, "n/0", "ep", 7, True, obs(1), seq=1)
+    await dispatch(d, "n/0", "ep", 7, False, obs(2), seq=2)
+    record = d.table.get("ep")
+    assert record is not None
+    with d.table.lock:
+        d.table._records["ep"] = replace(record, state={k: Gone() for k in record.state})
+    first = await dispatch(d, "n/0", "ep", 7, False, obs(4), seq=3)  # (its reply lost)
+    assert (first.seq, first.state_reset, act(first)) == (3, True, 4.0)
+    retry = await dispatch(d, "n/0", "ep", 7, False, obs(4), seq=3)
+    assert (retry.seq, retry.state_reset, retry.replayed, act(retry)) == (3, True, True, 4.0)
+    nxt = await dispatch(d, "n/0", "ep", 7, False, obs(8), seq=4)
+    assert (nxt.seq, nxt.state_reset, act(nxt)) == (4, False, 12.0)
