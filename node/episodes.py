@@ -33,6 +33,7 @@ from node.record import (
     StepResult,
     Verdict,
     advance,
+    is_hosted,
     same_inputs,
     undone,
 )
@@ -444,8 +445,7 @@ class EpisodeTable:
             dropped = [
                 (ep, record)
                 for ep, record in self._records.items()
-                if record.device == device
-                and not all(isinstance(v, np.ndarray) for v in record.state.values())
+                if record.device == device and not is_hosted(record)
             ]
             for ep, record in dropped:
                 self._forget_locked(ep, record, reason, ended=False)

@@ -72,6 +72,7 @@ from node.errors import ForwardError, Refused, Unavailable
 from node.forward import MOVE_PATH, Forward, Poster, send_undo
 from node.lease import Lease
 from node.metrics import Metrics
+from node.record import is_hosted
 from node.transfer import (
     GhostCarry,
     Install,
@@ -79,7 +80,6 @@ from node.transfer import (
     encode_install,
     encode_settle,
     hosted,
-    is_hosted,
     record_bytes,
 )
 

@@ -24,6 +24,7 @@ __all__ = [
     "StepResult",
     "Verdict",
     "advance",
+    "is_hosted",
     "same_inputs",
     "undone",
 ]
@@ -98,6 +99,12 @@ class Replay:
 
 
 Verdict = Apply | Replay
+
+
+def is_hosted(record: Episode) -> bool:
+    """Whether ``record``'s state is host arrays (the usual case): not kept on a device
+    (``--cuda-graph``) nor by a device's worker process (``--device-workers process``)."""
+    return all(isinstance(v, np.ndarray) for v in record.state.values())
 
 
 def same_inputs(a: Mapping[str, Array], b: Mapping[str, Array]) -> bool:

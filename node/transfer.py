@@ -29,6 +29,7 @@ from node.chunks import ActionBuffer
 from node.contract import PolicyContract, TensorSpec
 from node.episodes import Episode, StepResult
 from node.errors import ModelNotServed, TransferError
+from node.record import is_hosted
 from node.rtc import Used
 
 __all__ = [
@@ -41,7 +42,6 @@ __all__ = [
     "encode_install",
     "encode_settle",
     "hosted",
-    "is_hosted",
     "on_host",
     "record_bytes",
 ]
@@ -444,11 +444,6 @@ def on_host(state: Mapping[str, Any]) -> dict[str, Array]:
     round trip: call :func:`hosted` off the event loop). The episode is idle meanwhile: no
     run writes it."""
     return {k: v if isinstance(v, np.ndarray) else np.asarray(v) for k, v in state.items()}
-
-
-def is_hosted(record: Episode) -> bool:
-    """Whether ``record``'s state is host arrays already (the usual case)."""
-    return all(isinstance(v, np.ndarray) for v in record.state.values())
 
 
 def hosted(record: Episode) -> Episode:
