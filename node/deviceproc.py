@@ -31,6 +31,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,8 +50,12 @@ RUN_ROWS = 11
 """A run of several steps' feeds, stacked here along the first axis (padded to ``size``),
 its outputs split back per step (:func:`_rows`)."""
 GET = 12
-"""The host arrays of states held here (``g``: their ids), for a hand-over."""
+"""The host arrays of states held here (``s``: their ids), for a hand-over."""
+FREE = 13
+"""Nothing but the frees (``f``): the core lets go of states while the model is idle."""
 CUDA_GRAPH_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+WATCH_S = 0.05
+"""How often the process reads the node's lease generation when no request brings it."""
 
 
 @dataclass
@@ -92,36 +97,97 @@ def _open(spec: dict[str, Any]) -> list[_Model]:
 
 
 class _Lost(Exception):
-    """A run names a state this process does not hold (it is a restarted one)."""
+    """A run names a state this process does not hold (it is a restarted one, or the node
+    dropped its episodes since: a fence)."""
+
+
+class _Fenced(Exception):
+    """A run would continue a state held here while the node's lease has run out."""
 
 
 class _States:
     """The states of one model's episodes held here, by id: what a run's state outputs
     (``k``) became, fed back by id (``h``) on the episode's next run, freed when the core
     no longer holds their handle (``f``). A host array, or on a GPU with ``--cuda-graph`` a
-    ``DeviceTensor`` that never leaves the device."""
+    ``DeviceTensor`` that never leaves the device.
 
-    def __init__(self) -> None:
+    Each state is kept under the node's lease generation its request named (``g``). Once a
+    later one is heard of (a request's, or the core's word in the control block, which the
+    watch reads every 50 ms), every state kept under an earlier one is dropped: the node
+    dropped their episodes' records (a fence, a registration anew), so none may be served
+    again, and their memory is freed at once, not as the core's frees arrive. The model's
+    thread and the watch share it: :attr:`lock` guards the table (never held over a run)."""
+
+    def __init__(self, region: Region, slot: int) -> None:
+        self.region = region
+        self.slot = slot
+        self.lock = threading.Lock()
         self.held: dict[int, Any] = {}
+        self.kept_in: dict[int, int] = {}  # id -> the generation it was kept under
+        self.generation = 0  # the latest the process heard of
+        self.nbytes = 0
         self.next = 1
         self.new: list[int] = []  # kept by the request being answered (freed if it fails)
 
+    def heard(self, generation: int) -> None:
+        """The node's lease generation is ``generation``: drop the states of earlier ones."""
+        with self.lock:
+            if generation <= self.generation:
+                return
+            self.generation = generation
+            for i in [i for i, g in self.kept_in.items() if g < generation]:
+                self._drop(i)
+            self._say()
+
     def free(self, ids: list[int]) -> None:
-        for i in ids:
-            self.held.pop(i, None)
+        if not ids:
+            return
+        with self.lock:
+            for i in ids:
+                self._drop(i)
+            self._say()
 
     def get(self, i: int) -> Any:
         value = self.held.get(i)
         if value is None:
-            raise _Lost(f"state {i} is not held by this worker process (restarted)")
+            raise _Lost(
+                f"state {i} is not held by this worker process (restarted, or the node "
+                "dropped its episodes since)"
+            )
         return value
 
-    def keep(self, value: Any) -> list[Any]:
-        """Hold ``value``; its handle for the core: id, dtype, shape."""
-        i, self.next = self.next, self.next + 1
-        self.held[i] = value
-        self.new.append(i)
+    def keep(self, value: Any, generation: int) -> list[Any]:
+        """Hold ``value``, kept under ``generation``; its handle for the core: id, dtype,
+        shape. One kept under a generation already past is held only until the core's
+        handle is let go of (the core keeps nothing a step of an earlier one made)."""
+        with self.lock:
+            i, self.next = self.next, self.next + 1
+            self.held[i] = value
+            self.kept_in[i] = generation
+            self.nbytes += int(value.nbytes)
+            self.new.append(i)
+            self._say()
         return [i, np.dtype(value.dtype).str, list(value.shape)]
+
+    def _drop(self, i: int) -> None:
+        value = self.held.pop(i, None)
+        self.kept_in.pop(i, None)
+        if value is not None:
+            self.nbytes -= int(value.nbytes)
+
+    def _say(self) -> None:
+        """What this model holds, into the control block (the core's gauges read it)."""
+        self.region.say_held(self.slot, len(self.held), self.nbytes)
+
+
+def _refuse_when_fenced(region: Region, meta: dict[str, Any], kind: int) -> None:
+    """Refuse a run that continues a state held here once the node's lease has run out, as
+    the core last said: whatever the core then does, no process of a lapsed node serves an
+    episode from its memory. A run from an initial state (a claim's first step, a warm-up,
+    a probe) is not refused: what it makes is kept only under a valid lease."""
+    named = any(row["h"] for row in meta["rows"]) if kind == RUN_ROWS else bool(meta.get("h"))
+    if named and region.expired(time.monotonic_ns()):
+        raise _Fenced("the node's lease has run out: a state held here is served no more")
 
 
 def _answer(
@@ -131,12 +197,17 @@ def _answer(
     from node.warmup import run
 
     states.free(meta.get("f") or [])
+    generation = int(meta.get("g") or 0)
+    states.heard(max(generation, states.region.generation()))
+    if kind == FREE:
+        return {}, []
     if kind == GET:
-        return {}, [np.ascontiguousarray(np.asarray(states.get(i))) for i in meta["g"]]
+        return {}, [np.ascontiguousarray(np.asarray(states.get(i))) for i in meta["s"]]
     names: list[str] | None = meta.get("o")
     keep = set(meta.get("k") or ())
+    _refuse_when_fenced(states.region, meta, kind)
     if kind == RUN_ROWS:
-        return _rows(model, states, meta, arrays, names or [], keep)
+        return _rows(model, states, meta, arrays, names or [], keep, generation)
     feed = dict(zip(meta["n"], arrays, strict=True))
     for name, i in (meta.get("h") or {}).items():
         feed[name] = states.get(i)
@@ -146,7 +217,7 @@ def _answer(
     outputs = []
     for name, value in zip(names or [""] * len(values), values, strict=True):
         if name in keep:
-            handles[name] = states.keep(value)
+            handles[name] = states.keep(value, generation)
         else:
             outputs.append(np.ascontiguousarray(np.asarray(value)))
     return {"h": handles}, outputs
@@ -159,6 +230,7 @@ def _rows(
     arrays: list[Any],
     names: list[str],
     keep: set[str],
+    generation: int,
 ) -> tuple[dict[str, Any], list[Any]]:
     """Several steps' feeds stacked along the first axis, padded to ``size`` rows (padding
     rows made from the first step's: ``control.padding``), run once, and the outputs split
@@ -193,16 +265,15 @@ def _rows(
     n = len(meta["rows"])
     named = list(zip(names, values, strict=True))
     handles = [
-        {name: states.keep(v[i : i + 1].copy()) for name, v in named if name in keep}
+        {name: states.keep(v[i : i + 1].copy(), generation) for name, v in named if name in keep}
         for i in range(n)
     ]
     outputs = [np.ascontiguousarray(v[:n]) for name, v in named if name not in keep]
     return {"h": handles}, outputs
 
 
-def _serve(model: _Model, region: Region, stopping: threading.Event) -> None:
+def _serve(model: _Model, region: Region, states: _States, stopping: threading.Event) -> None:
     """Answer ``model``'s requests, one at a time, until the process leaves."""
-    states = _States()
     while not stopping.is_set():
         try:
             os.read(model.ask, 8)  # blocks (the GIL released) until the core rings
@@ -219,10 +290,23 @@ def _serve(model: _Model, region: Region, stopping: threading.Event) -> None:
         except _Lost as exc:  # not the device's failure: the episode's state is gone
             states.free(states.new)  # (the core never hears of them)
             region.write(model.slot, ANSWERED, REPLY, {"e": str(exc), "lost": True}, [])
+        except _Fenced as exc:  # nor is this: the node's lease ran out
+            states.free(states.new)
+            region.write(model.slot, ANSWERED, REPLY, {"e": str(exc), "fenced": True}, [])
         except Exception as exc:  # the core counts it as the device's failure
             states.free(states.new)
             region.write(model.slot, ANSWERED, REPLY, {"e": f"{type(exc).__name__}: {exc}"}, [])
         os.write(model.answer, (1).to_bytes(8, "little"))
+
+
+def _watch(region: Region, held: list[_States], stopping: threading.Event) -> None:
+    """Every 50 ms, the node's lease generation as the core said it: a fence drops every
+    model's states here at once, an idle model's too (shared memory: no system call but
+    the wait)."""
+    while not stopping.wait(WATCH_S):
+        generation = region.generation()
+        for states in held:
+            states.heard(generation)
 
 
 def main() -> None:
@@ -255,12 +339,18 @@ def main() -> None:
             for m in models
         ]
         hello.write(json.dumps({"models": said}) + "\n")
+    held = [_States(region, m.slot) for m in models]
     threads = [
         threading.Thread(
-            target=_serve, args=(m, region, stopping), daemon=True, name=f"affinity-{m.key}"
+            target=_serve, args=(m, region, s, stopping), daemon=True, name=f"affinity-{m.key}"
         )
-        for m in models
+        for m, s in zip(models, held, strict=True)
     ]
+    threads.append(
+        threading.Thread(
+            target=_watch, args=(region, held, stopping), daemon=True, name="affinity-generation"
+        )
+    )
     for thread in threads:
         thread.start()
     signal.sigwait({signal.SIGUSR1})

@@ -40,6 +40,20 @@ the state back to the host (``GET``, off the event loop: ``node.transfer.on_host
 process that dies takes its episodes' states with it: the node drops their records at
 once (their next steps say ``state_reset``, as the device was down anyway), and a handle
 of the dead process named in a run fails it (:class:`~node.errors.StateLost`).
+
+**The node's lease, in every worker process** (issue 43: one authority per node, every
+process sees its lease). Every 50 ms the core writes into each process's control block the
+instant its loop ran, until when its lease lets it serve, and its lease generation
+(``EpisodeTable.generation``, bumped when the node dropped every record: a fence, a
+registration anew); each request names the generation too (``g``). A process keeps each
+state under the generation its request named, and drops every state of an earlier one as
+soon as it hears of a later one, a model idle or not: a fenced node holds no episode's
+state in any process. A run that would continue a held state once the lease has run out,
+as the core last said, is refused there (:class:`~node.errors.WorkerFenced`, a 503
+``fenced``; not the device's failure). The states a core lets go of while their model is
+idle are freed by a request of their own after :data:`IDLE_FREE_S`. Each process says what
+it holds (states, bytes) in its control block: ``affinity_device_worker_states`` and
+``affinity_device_worker_state_bytes``.
 """
 
 from __future__ import annotations
@@ -62,10 +76,10 @@ from typing import Any
 
 import numpy as np
 
-from node.deviceproc import GET, RUN, RUN_ROWS
+from node.deviceproc import FREE, GET, RUN, RUN_ROWS
 from node.devices import DeviceSpec
-from node.errors import HopError, StateLost, WorkerGone, WorkerRunError
-from node.hop import ASKED, Array, Region, deaf_children
+from node.errors import HopError, StateLost, WorkerFenced, WorkerGone, WorkerRunError
+from node.hop import ASKED, NEVER_NS, Array, Region, deaf_children
 from node.procs import Running
 from node.providers import ProviderSettings
 
@@ -88,6 +102,11 @@ START_S = 600.0
 """How long a worker process may take to open its sessions (TensorRT builds its engines on
 a GPU's first start: minutes) before the core gives up on it."""
 STOP_S = 5.0
+TELL_S = 0.05
+"""How often the core tells each worker process the node's lease (its end, its generation)."""
+IDLE_FREE_S = 1.0
+"""A model asked nothing for this long has the states its core let go of freed by a request
+of their own (``FREE``), rather than at its next run."""
 _ONE = (1).to_bytes(8, "little")
 _LOST = "was restarted: this episode's state was held by the process before it"
 _SECRETS = ("AFFINITY_CLUSTER_SECRET", "AFFINITY_API_KEY", "AFFINITY_ADMIN_TOKEN")
@@ -178,6 +197,10 @@ class RemoteSession:
         self.channel: _Channel | None = None
         self.gen = 0  # the process's incarnation (its restarts), which handles carry
         self.frees: deque[tuple[int, int]] = deque()  # handles dropped: (gen, id)
+        self.generation: Callable[[], int] = _none
+        """The node's lease generation now (the supervisor sets it): named in each request."""
+        self.asked = 0.0  # when it last asked the process anything (time.monotonic)
+        self.freeing = False  # a request of frees alone is on its way (free_idle)
         self.batch_sizes: tuple[int, ...] = ()
         self.lock = threading.Lock()  # held by a run, and by the supervisor retiring it
         self.since: float | None = None
@@ -205,7 +228,7 @@ class RemoteSession:
                 arrays += values
             names = list(output_names)
             meta = {"rows": rows, "size": size, "o": names, "k": self._kept(names),
-                    "f": self._freed()}  # fmt: skip
+                    "f": self._freed(), "g": self.generation()}  # fmt: skip
             self._ask(channel, RUN_ROWS, meta, arrays)
             self._wait(channel)
             said, values = self._answer(channel)
@@ -227,9 +250,33 @@ class RemoteSession:
             channel = self._channel()
             if any(s.gen != channel.gen for s in states):
                 raise StateLost(self.device, _LOST)
-            self._ask(channel, GET, {"g": [s.id for s in states], "f": self._freed()}, [])
+            self._ask(channel, GET, {"s": [s.id for s in states], "f": self._freed()}, [])
             self._wait(channel)
             return self._answer(channel)[1]
+
+    def free_idle(self) -> None:
+        """Free in the process the states the core let go of (a request of its own, for a
+        model asked nothing lately; blocking: off the event loop). A run under way, or a
+        process restarting, leaves them for its next request."""
+        try:
+            if not self.lock.acquire(blocking=False):
+                return
+            try:
+                channel = self.channel
+                if channel is None:  # restarting: the new process holds none of them
+                    return
+                ids = self._freed()
+                if not ids:
+                    return
+                self._ask(channel, FREE, {"f": ids, "g": self.generation()}, [])
+                self._wait(channel)
+                self._answer(channel)
+            finally:
+                self.lock.release()
+        except WorkerGone:  # died meanwhile: its supervisor sees to it
+            pass
+        finally:
+            self.freeing = False
 
     def _wait(self, channel: _Channel) -> None:
         """Until the process answers (under :attr:`lock`); :class:`WorkerGone` if it dies."""
@@ -321,7 +368,7 @@ class RemoteSession:
         except HopError as exc:  # bigger than --max-body-bytes allows a batch
             self.frees.extend((channel.gen, i) for i in meta.get("f") or ())  # (next time)
             raise WorkerRunError(f"the run does not fit its slot: {exc}") from None
-        self.since = time.monotonic()
+        self.since = self.asked = time.monotonic()
         os.write(channel.ask, _ONE)
 
     def _send(
@@ -333,7 +380,7 @@ class RemoteSession:
         names, handles, arrays = self._split(input_feed)
         outputs = None if output_names is None else list(output_names)
         meta = {"n": names, "h": handles, "o": outputs, "k": self._kept(outputs),
-                "f": self._freed()}  # fmt: skip
+                "f": self._freed(), "g": self.generation()}  # fmt: skip
         self._ask(channel, RUN, meta, arrays)
         return channel, outputs
 
@@ -344,6 +391,8 @@ class RemoteSession:
         if "e" in said:
             if said.get("lost"):
                 raise StateLost(self.device, f"was restarted: {said['e']}")
+            if said.get("fenced"):
+                raise WorkerFenced(self.device, f"refused the run: {said['e']}")
             raise WorkerRunError(str(said["e"]))
         return said, values
 
@@ -428,8 +477,9 @@ class DeviceProcs:
         self._lost: Callable[[str, str], None] | None = None
         self._back: Callable[[str], Awaitable[None]] | None = None
         self._restarted: Callable[[str], None] | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Future[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._lease: Callable[[], tuple[int | None, int]] = _never
 
     def device_id(self, spec: DeviceSpec) -> str:
         return f"{self.node_id}/{spec.index}"
@@ -449,6 +499,7 @@ class DeviceProcs:
         """Start ``worker``'s process and wait for its hello; None when it opened every
         session (its channels are in place), else why it did not."""
         region = Region.create(len(self.models), self.slot_size)
+        region.tell_generation(self._lease()[1])  # (before its first request)
         fds = [region.fd]
         pairs = []
         for _ in self.models:
@@ -523,14 +574,55 @@ class DeviceProcs:
         lost: Callable[[str, str], None],
         back: Callable[[str], Awaitable[None]],
         restarted: Callable[[str], None],
+        lease: Callable[[], tuple[int | None, int]] | None = None,
     ) -> None:
-        """Watch every worker process from the running loop (see the class doc)."""
+        """Watch every worker process from the running loop (see the class doc). ``lease``:
+        until when the node's lease lets it serve (``Lease.serves_until_ns``) and its
+        generation (``EpisodeTable.generation``), told to every process every
+        :data:`TELL_S` (see the module doc)."""
         self._lost, self._back, self._restarted = lost, back, restarted
         loop = self._loop = asyncio.get_running_loop()
         for device, worker in self.workers.items():
             if worker.pidfd >= 0:
                 loop.add_reader(worker.pidfd, self._died, device, worker, worker.pidfd)
         self._track(self._watch_hangs())
+        if lease is not None:
+            self._lease = lease
+            for session in self.sessions.values():
+                session.generation = self._generation
+            self._track(self._tell_every())
+
+    def _generation(self) -> int:
+        return self._lease()[1]
+
+    def tell(self) -> None:
+        """Tell every worker process the node's lease now (and free an idle model's
+        states the core let go of)."""
+        until, generation = self._lease()
+        now = time.monotonic_ns()
+        for worker in self.workers.values():
+            region = worker.region
+            if region is not None:
+                region.tell_generation(generation)
+                region.tell(now, NEVER_NS if until is None else until)
+        later = time.monotonic() - IDLE_FREE_S
+        for session in self.sessions.values():
+            if session.frees and not session.freeing and session.asked < later:
+                session.freeing = True
+                self._track(asyncio.to_thread(session.free_idle))
+
+    async def _tell_every(self) -> None:
+        while not self.stopping:
+            try:
+                self.tell()
+            except Exception:  # never the end of the telling
+                log.exception("telling the worker processes the lease failed")
+            await asyncio.sleep(TELL_S)
+
+    def held(self, device: str) -> tuple[int, int]:
+        """The states ``device``'s worker process holds, and their bytes, as it says."""
+        region = self.workers[device].region
+        return (0, 0) if region is None else region.held()
 
     async def _watch_hangs(self) -> None:
         """Kill a process whose run has outlived ``hang_s``: a wedged GPU (or a process
@@ -594,7 +686,7 @@ class DeviceProcs:
             self._lost(device, f"its worker process {why}")
         self._track(self._restart(device, worker))
 
-    def _track(self, work: Awaitable[None]) -> None:
+    def _track(self, work: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -688,6 +780,14 @@ class DeviceProcs:
                     if held:
                         session.lock.release()
             self._close(worker)
+
+
+def _none() -> int:
+    return 0
+
+
+def _never() -> tuple[int | None, int]:
+    return None, 0
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

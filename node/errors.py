@@ -18,6 +18,8 @@ The hierarchy (``ValueError`` subclasses are a client's bad values)::
     ├── ForwardError         503: the owner could not be reached
     ├── AdminRefused         401/403: an admin route without the admin's token
     ├── WorkerGone           a device's worker process died or is restarting (a failed run)
+    │   └── StateLost        a run names a state its worker process no longer holds
+    │       └── WorkerFenced the worker process refused to serve a state: the lease ran out
     ├── RuntimeError
     │   └── WorkerRunError   a run that raised in a device's worker process (a failed run)
     ├── GpuUnavailable       start-up only: the node exits (no status)
@@ -38,8 +40,9 @@ Kept elsewhere on purpose (never answered as they are): ``node/router.py``'s ``_
 ``_Stale`` and ``_LetGo`` (each an :class:`Unavailable`), ``node/protocols/kserve/messages.py``'s
 ``Abort`` (an outcome already rendered as a gRPC status, for both gRPC doors; this module
 imports no grpcio), ``node/startup.py``'s
-``StartupError`` (an exit code) and ``node/deviceproc.py``'s ``_Lost`` (a device worker
-process's own: it answers the core, which raises :class:`StateLost`). Hazard: this module
+``StartupError`` (an exit code) and ``node/deviceproc.py``'s ``_Lost`` and ``_Fenced`` (a
+device worker process's own: it answers the core, which raises :class:`StateLost` or
+:class:`WorkerFenced`). Hazard: this module
 is a leaf; importing anything from ``node`` makes a cycle.
 """
 
@@ -94,13 +97,14 @@ __all__ = [
     "Unavailable",
     "Uncarried",
     "Undelivered",
+    "WorkerFenced",
     "WorkerGone",
     "WorkerRunError",
     "outcome",
     "refusal",
 ]
 
-PRIVATE = frozenset({"_NotSent", "_Stale", "_LetGo", "_Lost", "Abort", "StartupError"})
+PRIVATE = frozenset({"_NotSent", "_Stale", "_LetGo", "_Lost", "_Fenced", "Abort", "StartupError"})
 """Exception classes defined outside this module on purpose (see the module doc)."""
 
 
@@ -349,6 +353,13 @@ class StateLost(WorkerGone):
     restarted: the state is gone with it (the node drops such records as the process dies;
     this is a step that read its record just before). Answered as a run the process died
     in; the episode's next step starts clean and says ``state_reset``."""
+
+
+class WorkerFenced(StateLost):
+    """A device's worker process refused a run that would continue an episode's state it
+    holds: the node's lease had run out, as the core last told it. Not the device's
+    failure; the step is answered 503 ``fenced`` (:class:`NotKept`), as the core's own
+    check would have."""
 
 
 class WorkerRunError(RuntimeError):

@@ -113,10 +113,19 @@ STUCK_NS = 500_000_000
 before a front whose core's lease has also run out answers a step itself (503 ``fenced``)."""
 NEVER_NS = 2**63 - 1
 """A lease that never runs out (a node that left: it routes its stragglers' steps)."""
+GENERATION_AT = CORE_AT + 24
+"""Offset of the node's lease generation in the control block (:meth:`Region.tell_generation`):
+``EpisodeTable.generation``, bumped each time the node dropped every record (a fence, a
+registration anew). A device's worker process drops every state it kept under an older one."""
+HELD_AT = 512
+"""Offset of what a device's worker process says it holds (:meth:`Region.say_held`): per
+model (its slot), the states and their bytes."""
 _HEAD = struct.Struct("<IIII")  # state, kind, header length, total length
 _CONTROL = struct.Struct("<IIII")  # magic, slots, slot size, spare
 _CORE = struct.Struct("<qq")  # the core's loop last ran, its lease's end (monotonic ns)
 _REFUSED = struct.Struct("<Q")  # steps the front refused as fenced (at CORE_AT + 16)
+_GENERATION = struct.Struct("<Q")  # the node's lease generation (at GENERATION_AT)
+_HELD = struct.Struct("<QQ")  # a model's states held by a worker process, their bytes
 _DTYPES = frozenset("biufcUS")
 """The dtype kinds a tensor may have in a slot (never objects)."""
 
@@ -181,6 +190,36 @@ class Region:
         until: int
         ran, until = _CORE.unpack_from(self.mm, CORE_AT)
         return ran != 0 and now_ns - ran > STUCK_NS and now_ns >= until
+
+    def expired(self, now_ns: int) -> bool:
+        """A device's worker process: whether the node's lease has run out, as the core last
+        said (every 50 ms; it never says a later end than its own). Nothing has run out
+        before the core first said anything."""
+        ran: int
+        until: int
+        ran, until = _CORE.unpack_from(self.mm, CORE_AT)
+        return ran != 0 and now_ns >= until
+
+    def tell_generation(self, generation: int) -> None:
+        """The core: the node's lease generation now (``EpisodeTable.generation``)."""
+        _GENERATION.pack_into(self.mm, GENERATION_AT, generation)
+
+    def generation(self) -> int:
+        """The node's lease generation, as the core last said (0 before it said one)."""
+        value: int = _GENERATION.unpack_from(self.mm, GENERATION_AT)[0]
+        return value
+
+    def say_held(self, slot: int, states: int, nbytes: int) -> None:
+        """A device's worker process: the states ``slot``'s model holds there, their bytes."""
+        _HELD.pack_into(self.mm, HELD_AT + slot * _HELD.size, states, nbytes)
+
+    def held(self) -> tuple[int, int]:
+        """The states every model holds in the worker process, and their bytes."""
+        states = nbytes = 0
+        for slot in range(self.slots):
+            n, b = _HELD.unpack_from(self.mm, HELD_AT + slot * _HELD.size)
+            states, nbytes = states + n, nbytes + b
+        return states, nbytes
 
     def count_refused(self) -> None:
         """The front refused a step because :meth:`lapsed` (the core counts it once it runs)."""

@@ -48,7 +48,14 @@ FORWARD = ("ok", "refused", "unreachable")
 REJECTED = ("bad_input", "too_large", "malformed", "unauthorized", "forbidden")
 DOORS = ("act", "kserve_http", "kserve_grpc", "openpi")
 """The front doors a step may come in by (``Step.door``)."""
-FRONTS_ONLY = frozenset({"affinity_front_restarts_total", "affinity_device_worker_restarts_total"})
+FRONTS_ONLY = frozenset(
+    {
+        "affinity_front_restarts_total",
+        "affinity_device_worker_restarts_total",
+        "affinity_device_worker_states",
+        "affinity_device_worker_state_bytes",
+    }
+)
 """Families a node drives only with ``--front-doors`` above 1 or ``--device-workers process``
 (driven by those processes' tests)."""
 PARTS = ("queue", "run", "forward")
@@ -64,6 +71,8 @@ LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
     "affinity_event_loop_lag_seconds": {"front": "front"},
     "affinity_front_restarts_total": {},
     "affinity_device_worker_restarts_total": {"device": "device"},
+    "affinity_device_worker_states": {"device": "device"},
+    "affinity_device_worker_state_bytes": {"device": "device"},
     "affinity_record_frames_total": {"outcome": ("queued", "dropped", "written")},
     "affinity_live_episodes": {"device": "device"},
     "affinity_worker_queue_depth": {"device": "device"},
@@ -227,6 +236,20 @@ class Metrics:
         self.device_worker_restarts = Counter(
             "affinity_device_worker_restarts_total",
             "Device worker processes (--device-workers process) restarted after they died.",
+            ["device"],
+            registry=r,
+        )
+        self.worker_states = Gauge(
+            "affinity_device_worker_states",
+            "Episode states held by the device's worker process (--device-workers process), "
+            "every model's, as it says; read at each scrape.",
+            ["device"],
+            registry=r,
+        )
+        self.worker_state_bytes = Gauge(
+            "affinity_device_worker_state_bytes",
+            "Bytes of the episode states held by the device's worker process (host or GPU "
+            "memory), as it says; read at each scrape.",
             ["device"],
             registry=r,
         )

@@ -132,6 +132,8 @@ class NodeService:
         self.metrics = Metrics(self.device_ids, config.capacity)
         # --device-workers process: each device's sessions in a worker process of its own
         self.device_procs = device_procs
+        if device_procs is not None:
+            self.metrics.before_read(self._worker_states)
         self.recorder = self._recorder()
         # the workers report crash transitions to the health and their runs' times to
         # scored placement (self._ran: the step times are made from the dispatchers' limits)
@@ -257,6 +259,20 @@ class NodeService:
         if to == "down" and self.device_procs is not None:  # a fresh process for its probe
             self.device_procs.recycle_threadsafe(device, reason)
 
+    def _lease_now(self) -> tuple[int | None, int]:
+        """Until when the lease lets this node serve, and its generation: what the core
+        tells each device's worker process (``DeviceProcs.tell``)."""
+        return self.lease.serves_until_ns(), self.table.generation
+
+    def _worker_states(self) -> None:
+        """The states each device's worker process says it holds, into the gauges (at a
+        scrape)."""
+        assert self.device_procs is not None
+        for device in self.device_procs.workers:
+            states, nbytes = self.device_procs.held(device)
+            self.metrics.worker_states.labels(device).set(states)
+            self.metrics.worker_state_bytes.labels(device).set(nbytes)
+
     def _device_lost(self, device: str, reason: str) -> None:
         """``device``'s worker process died: down at once for every model (live and
         shadow candidates): its episodes move at their next step. Their states died with
@@ -377,7 +393,7 @@ class NodeService:
         self.health.start()
         if self.device_procs is not None:
             self.device_procs.supervise(self._device_lost, self._device_back,
-                                        self._device_restarted)  # fmt: skip
+                                        self._device_restarted, self._lease_now)  # fmt: skip
         await self.lease.start()
         self._maintenance = asyncio.create_task(self._maintain(), name="affinity-maintenance")
         self._loop_lag = asyncio.create_task(

@@ -38,7 +38,7 @@ import numpy as np
 
 from node import control
 from node.crashes import CrashTracker, Transition
-from node.errors import DeviceDown, ModelFailure, StateLost
+from node.errors import DeviceDown, ModelFailure, NotKept, StateLost, WorkerFenced
 from node.jobs import Arrivals, Job, Member, Run, Session
 
 __all__ = [
@@ -328,9 +328,7 @@ class DeviceWorker:
                         values = await self.remote.run_from_loop(self.outputs, feed)
                     except Exception as exc:
                         self._run_ends([m], run, started)
-                        if not isinstance(exc, StateLost):  # (the episode's, not the device's)
-                            self.count_failure(f"{type(exc).__name__}: {exc}")
-                        self.answer(m.job.future, None, ModelFailure(self.id, exc))
+                        self._failed(m, exc)
                     else:
                         self._run_ends([m], run, started)
                         self._alone_done(m, size, dict(zip(self.outputs, values, strict=True)))
@@ -498,11 +496,19 @@ class DeviceWorker:
             else:
                 values = self._session_run(feed, [m])
         except Exception as exc:
-            if not isinstance(exc, StateLost):  # (the episode's loss, not the device's)
-                self.count_failure(f"{type(exc).__name__}: {exc}")
-            self.answer(m.job.future, None, ModelFailure(self.id, exc))
+            self._failed(m, exc)
             return
         self._alone_done(m, size, values)
+
+    def _failed(self, m: Member, exc: Exception) -> None:
+        """``m``'s run raised ``exc``: the device's failure, counted, unless the episode's
+        state was lost with a worker process, or the process refused it (the lease)."""
+        if isinstance(exc, WorkerFenced):
+            self.answer(m.job.future, None, NotKept(m.job.key or ""))
+            return
+        if not isinstance(exc, StateLost):  # (the episode's loss, not the device's)
+            self.count_failure(f"{type(exc).__name__}: {exc}")
+        self.answer(m.job.future, None, ModelFailure(self.id, exc))
 
     def _alone_feed(self, m: Member) -> tuple[dict[str, Array], int] | None:
         """The feed ``m`` runs alone with and its batch size (padded to a session's); None

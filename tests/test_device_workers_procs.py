@@ -3,12 +3,13 @@ worker process of its own (``node/deviceproc.py``), the core keeping the episode
 state and the batching (``node/deviceprocs.py``).
 
 Its rollouts equal a ``thread`` node's step for step (one at a time, batched, in rows). A
-worker killed while idle takes its device down and comes back restarted, the episodes
-that waited keeping their state (it lives in the core); one killed, or stopped past
-``--act-deadline``, in the middle of a run fails that step alone, which is not applied:
-its retry applies it once. A core killed with ``kill -9`` takes its workers with it and
-the next node binds the same port; a core stopped with SIGTERM hands its episodes over
-with their state and leaves no process.
+worker killed while idle takes its device down and comes back restarted, its episodes'
+states gone with it (each one's next step says ``state_reset``); one killed, or stopped
+past ``--act-deadline``, in the middle of a run fails that step alone, which is not
+applied: its retry applies it once. A core killed with ``kill -9`` takes its workers with
+it and the next node binds the same port; a core stopped with SIGTERM hands its episodes
+over with their state and leaves no process. A node that fences itself has every worker
+drop every state it held at once.
 
 Every wait is bounded and waits for what it names (a run on a worker's hop, a queue's
 depth, a metric), never for a guessed time.
@@ -491,4 +492,47 @@ def test_a_graceful_stop_hands_the_episodes_over_with_their_state_and_leaves_no_
     finally:
         a.stop()
         b.stop()
+        redis.stop()
+
+
+def test_a_fenced_node_has_every_worker_drop_its_states_at_once(tmp_path: Path) -> None:
+    """A process node (2 devices, a 2 s lease) whose Redis stops answering fences itself
+    once its lease runs out: it drops every episode's record, its lease generation goes up,
+    and each device's worker process drops every state it held at once, without a step and
+    while Redis is still away (``affinity_device_worker_states`` and ``_state_bytes`` fall
+    to 0 on both devices). Once Redis is back the node registers anew, and each episode's
+    next step starts clean and says ``state_reset``: never a count from a state of before."""
+    redis = RedisServer(tmp_path).start()
+    extra = [*PROCESS, "--model", f"counter={counter_policy(tmp_path)}", "--lease-ttl", "2"]
+    p = Node(tmp_path, "p", redis.url, devices="cpu:2", extra=extra)
+    devices = ("p/0", "p/1")
+    try:
+        p.start(timeout=60)
+        episodes = [placed_on(p, d, f"fence-{d[-1]}", "counter", 1)[0] for d in devices]
+        for ep in episodes:
+            assert count(ok(act(p, ep, "counter", ZERO, seq=2))) == 2
+        for d in devices:  # the gauges: what each worker process says it holds
+            states = one(p, "affinity_device_worker_states", device=d)
+            assert states >= 1, d
+            assert one(p, "affinity_device_worker_state_bytes", device=d) >= 4 * states, d
+        redis.proc.send(signal.SIGSTOP)
+        try:
+            wait_until(lambda: one(p, "affinity_fenced") == 1, 60, "the node fenced")
+            wait_until(
+                lambda: all(
+                    one(p, "affinity_device_worker_states", device=d) == 0
+                    and one(p, "affinity_device_worker_state_bytes", device=d) == 0
+                    for d in devices
+                ),
+                60, "every worker process holding no state, Redis still away",
+            )  # fmt: skip
+        finally:
+            redis.proc.send(signal.SIGCONT)
+        wait_until(lambda: one(p, "affinity_fenced") == 0, 60, "the node registered again")
+        for ep in episodes:
+            got = ok(act(p, ep, "counter", ZERO, seq=3))
+            assert (got["seq"], got["state_reset"], count(got)) == (3, True, 1), got
+            assert count(ok(act(p, ep, "counter", ZERO, seq=4))) == 2
+    finally:
+        p.stop()
         redis.stop()

@@ -22,7 +22,7 @@ import pytest
 
 from node.deviceprocs import DeviceModel, DeviceProcs, RemoteSession, RemoteState
 from node.devices import DeviceSpec
-from node.errors import StateLost, WorkerGone, WorkerRunError
+from node.errors import StateLost, WorkerFenced, WorkerGone, WorkerRunError
 from node.providers import ProviderSettings, build_session
 from tests.procs import pause
 
@@ -424,3 +424,52 @@ async def test_a_run_from_the_loop_waits_for_a_state_read_instead_of_failing(
         session.lock.release()
     (actions,) = await asyncio.wait_for(run, WAIT_S)
     assert actions.shape == (1, 4, 2)
+
+
+async def test_the_nodes_lease_reaches_the_process_which_serves_no_state_past_it() -> None:
+    """The core tells the process its lease (its end, its generation) through shared
+    memory. Past the lease's end, a run that would continue a state held there is refused
+    (``WorkerFenced``, not the device's failure), while a run from an initial state is
+    not (what it makes is kept only under a valid lease); a lease renewed serves again. A
+    later generation (the node dropped every record: a fence, a registration anew) drops
+    every state kept under the one before at once, the model idle, without a request: the
+    process says it holds none, and a handle of before names nothing. A state the core
+    lets go of while its model is idle is freed by a request of its own."""
+    p = procs(state=("state_out.hidden",))
+    await p.start()
+    told: dict[str, Any] = {"until": None, "generation": 0}
+    try:
+        p.supervise(lambda device, why: None, lambda device: asyncio.sleep(0),
+                    lambda device: None, lambda: (told["until"], told["generation"]))  # fmt: skip
+        session = p.sessions[("demo", "n/0")]
+        names = ["actions", "state_out.hidden"]
+        zeros = np.zeros((1, 16), np.float32)
+
+        def step(state: Any) -> Any:
+            return session.run(names, {"obs": feed()["obs"], "state_in.hidden": state})[1]
+
+        held = await asyncio.to_thread(step, zeros)
+        held = await asyncio.to_thread(step, held)
+        states, nbytes = p.held("n/0")  # (the first one until a request frees it)
+        assert states >= 1 and nbytes == 64 * states
+        told["until"] = time.monotonic_ns() - 1  # the lease ran out
+        p.tell()
+        with pytest.raises(WorkerFenced):
+            await asyncio.to_thread(step, held)
+        fresh = await asyncio.to_thread(step, zeros)  # an initial state is no episode's
+        assert isinstance(fresh, RemoteState)
+        told["until"] = time.monotonic_ns() + 60 * 10**9  # renewed
+        p.tell()
+        held = await asyncio.to_thread(step, held)
+        assert p.held("n/0")[0] >= 2  # fresh and held
+        told["generation"] = 1  # the node dropped every record
+        await until(lambda: p.held("n/0") == (0, 0), "the states of generation 0 dropped")
+        with pytest.raises(StateLost) as lost:
+            await asyncio.to_thread(step, held)
+        assert not isinstance(lost.value, WorkerFenced)
+        kept = await asyncio.to_thread(step, zeros)  # kept under generation 1
+        assert p.held("n/0") == (1, 64)
+        del kept  # let go of by the core: the model idle, freed all the same
+        await until(lambda: p.held("n/0") == (0, 0), "an idle model's state freed")
+    finally:
+        await p.stop()

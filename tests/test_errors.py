@@ -168,7 +168,15 @@ def test_every_node_exception_is_defined_in_errors() -> None:
         if name not in errors.PRIVATE
     )
     assert elsewhere == [], "define these in node/errors.py (or list them in errors.PRIVATE)"
-    assert {"_NotSent", "_Stale", "_LetGo", "_Lost", "Abort", "StartupError"} == errors.PRIVATE
+    assert {
+        "_NotSent",
+        "_Stale",
+        "_LetGo",
+        "_Lost",
+        "_Fenced",
+        "Abort",
+        "StartupError",
+    } == errors.PRIVATE
 
 
 def test_errors_imports_nothing_from_node() -> None:
