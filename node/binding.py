@@ -106,6 +106,11 @@ class DeviceTensor:
         return str(self.value.device_name())
 
     @property
+    def buffers(self) -> tuple[Any, Any, Any]:
+        """The three buffers the episode's states take turns in (shared by its handles)."""
+        return self._buffers
+
+    @property
     def nbytes(self) -> int:
         """The state's size in bytes, as an array's (read without a copy to the host)."""
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize

@@ -68,6 +68,7 @@ class _Model:
     slot: int
     ask: int
     answer: int
+    live: bool = True  # a live model's (its states follow the node's lease), not a candidate's
 
 
 def _open(spec: dict[str, Any]) -> list[_Model]:
@@ -92,17 +93,26 @@ def _open(spec: dict[str, Any]) -> list[_Model]:
         except Exception as exc:
             raise RuntimeError(f"{m['key']}: {type(exc).__name__}: {exc}") from exc
         ask, answer = m["fds"]
-        models.append(_Model(m["key"], session, built.active, k, ask, answer))
+        models.append(
+            _Model(m["key"], session, built.active, k, ask, answer, bool(m.get("live", True)))
+        )
     return models
 
 
 class _Lost(Exception):
-    """A run names a state this process does not hold (it is a restarted one, or the node
-    dropped its episodes since: a fence)."""
+    """A run names a state this process does not hold (a core's bug: a restarted process's
+    handles are refused by the core itself)."""
 
 
 class _Fenced(Exception):
-    """A run would continue a state held here while the node's lease has run out."""
+    """A run would continue a state held here while the node's lease has run out, or one
+    dropped here since because the node dropped its episodes (a fence, a registration
+    anew)."""
+
+
+SWEPT_KEPT = 1 << 16
+"""How many ids of states dropped for a later generation a model remembers (a run that
+names one is answered ``fenced``, not as a lost state)."""
 
 
 class _States:
@@ -111,33 +121,47 @@ class _States:
     no longer holds their handle (``f``). A host array, or on a GPU with ``--cuda-graph`` a
     ``DeviceTensor`` that never leaves the device.
 
-    Each state is kept under the node's lease generation its request named (``g``). Once a
-    later one is heard of (a request's, or the core's word in the control block, which the
-    watch reads every 50 ms), every state kept under an earlier one is dropped: the node
-    dropped their episodes' records (a fence, a registration anew), so none may be served
-    again, and their memory is freed at once, not as the core's frees arrive. The model's
-    thread and the watch share it: :attr:`lock` guards the table (never held over a run)."""
+    A live model's state is kept under the node's lease generation its request named
+    (``g``). Once a later one is heard of (a request's, or the core's word in the control
+    block, which the watch reads every 50 ms), every state kept under an earlier one is
+    dropped: the node dropped their episodes' records (a fence, a registration anew), so
+    none may be served again, and their memory is freed at once, not as the core's frees
+    arrive. A shadow candidate's ghosts live in a table of their own, which no fence
+    drops: its states follow only its own requests (``live`` False). The model's thread
+    and the watch share it: :attr:`lock` guards the table (never held over a run)."""
 
-    def __init__(self, region: Region, slot: int) -> None:
+    def __init__(self, region: Region, slot: int, key: str = "", live: bool = True) -> None:
         self.region = region
         self.slot = slot
+        self.key = key
+        self.live = live
         self.lock = threading.Lock()
         self.held: dict[int, Any] = {}
         self.kept_in: dict[int, int] = {}  # id -> the generation it was kept under
+        self.swept: dict[int, None] = {}  # ids dropped for a later generation (bounded)
         self.generation = 0  # the latest the process heard of
         self.nbytes = 0
+        self.buffers: dict[int, int] = {}  # a DeviceTensor's buffers -> its handles here
         self.next = 1
         self.new: list[int] = []  # kept by the request being answered (freed if it fails)
+        self.late: list[int] = []  # kept under a generation already past: dropped once said
 
     def heard(self, generation: int) -> None:
         """The node's lease generation is ``generation``: drop the states of earlier ones."""
+        if generation <= self.generation:  # (an int read: the usual case takes no lock)
+            return
         with self.lock:
             if generation <= self.generation:
                 return
             self.generation = generation
-            for i in [i for i, g in self.kept_in.items() if g < generation]:
+            old = [i for i, g in self.kept_in.items() if g < generation]
+            for i in old:
                 self._drop(i)
+                self._swept(i)
             self._say()
+        if old:
+            log.info("the node dropped its episodes (lease generation %d): %d state(s) of "
+                     "%s dropped here", generation, len(old), self.key)  # fmt: skip
 
     def free(self, ids: list[int]) -> None:
         if not ids:
@@ -147,46 +171,84 @@ class _States:
                 self._drop(i)
             self._say()
 
+    def drop_late(self) -> None:
+        """Drop the states the answer just sent kept under a generation already past: the
+        core keeps nothing a step of an earlier generation made."""
+        if self.late:
+            with self.lock:
+                for i in self.late:
+                    self._drop(i)
+                    self._swept(i)
+                self._say()
+            self.late.clear()
+
     def get(self, i: int) -> Any:
         value = self.held.get(i)
         if value is None:
-            raise _Lost(
-                f"state {i} is not held by this worker process (restarted, or the node "
-                "dropped its episodes since)"
-            )
+            if i in self.swept:
+                raise _Fenced(
+                    f"state {i} was dropped here: the node dropped its episodes since (its "
+                    "lease lapsed, or it registered anew)"
+                )
+            raise _Lost(f"state {i} is not held by this worker process")
         return value
 
     def keep(self, value: Any, generation: int) -> list[Any]:
         """Hold ``value``, kept under ``generation``; its handle for the core: id, dtype,
-        shape. One kept under a generation already past is held only until the core's
-        handle is let go of (the core keeps nothing a step of an earlier one made)."""
+        shape. One kept under a generation already past is dropped once answered."""
         with self.lock:
             i, self.next = self.next, self.next + 1
             self.held[i] = value
             self.kept_in[i] = generation
-            self.nbytes += int(value.nbytes)
+            self.nbytes += self._footprint(value, 1)
             self.new.append(i)
+            if self.live and generation < self.generation:
+                self.late.append(i)
             self._say()
         return [i, np.dtype(value.dtype).str, list(value.shape)]
+
+    def _footprint(self, value: Any, sign: int) -> int:
+        """The bytes ``value`` adds (``sign`` 1) or gives back (-1): an array's own; a
+        ``DeviceTensor``'s three buffers once for all the handles on them (an episode's
+        current state and the one before share them)."""
+        buffers = getattr(value, "buffers", None)
+        if buffers is None:
+            return sign * int(value.nbytes)
+        key = id(buffers)
+        n = self.buffers.get(key, 0) + sign
+        if n > 0:
+            self.buffers[key] = n
+        else:
+            self.buffers.pop(key, None)
+        whole = len(buffers) * int(value.nbytes)
+        return whole if (sign > 0 and n == 1) else -whole if (sign < 0 and n == 0) else 0
 
     def _drop(self, i: int) -> None:
         value = self.held.pop(i, None)
         self.kept_in.pop(i, None)
         if value is not None:
-            self.nbytes -= int(value.nbytes)
+            self.nbytes += self._footprint(value, -1)
+
+    def _swept(self, i: int) -> None:
+        self.swept[i] = None
+        if len(self.swept) > SWEPT_KEPT:
+            del self.swept[next(iter(self.swept))]
 
     def _say(self) -> None:
         """What this model holds, into the control block (the core's gauges read it)."""
         self.region.say_held(self.slot, len(self.held), self.nbytes)
 
 
-def _refuse_when_fenced(region: Region, meta: dict[str, Any], kind: int) -> None:
-    """Refuse a run that continues a state held here once the node's lease has run out, as
-    the core last said: whatever the core then does, no process of a lapsed node serves an
-    episode from its memory. A run from an initial state (a claim's first step, a warm-up,
-    a probe) is not refused: what it makes is kept only under a valid lease."""
+def _refuse_when_fenced(states: _States, meta: dict[str, Any], kind: int) -> None:
+    """Refuse a run that continues a live model's state held here once the node's lease has
+    run out, as the core last said: whatever the core then does, no process of a lapsed
+    node serves an episode from its memory. A run from an initial state (a claim's first
+    step, a warm-up, a probe) is not refused: what it makes is kept only under a valid
+    lease."""
+    if not states.live:
+        return
     named = any(row["h"] for row in meta["rows"]) if kind == RUN_ROWS else bool(meta.get("h"))
-    if named and region.expired(time.monotonic_ns()):
+    if named and states.region.expired(time.monotonic_ns()):
         raise _Fenced("the node's lease has run out: a state held here is served no more")
 
 
@@ -198,14 +260,15 @@ def _answer(
 
     states.free(meta.get("f") or [])
     generation = int(meta.get("g") or 0)
-    states.heard(max(generation, states.region.generation()))
+    if states.live:
+        states.heard(max(generation, states.region.generation()))
     if kind == FREE:
         return {}, []
     if kind == GET:
         return {}, [np.ascontiguousarray(np.asarray(states.get(i))) for i in meta["s"]]
     names: list[str] | None = meta.get("o")
     keep = set(meta.get("k") or ())
-    _refuse_when_fenced(states.region, meta, kind)
+    _refuse_when_fenced(states, meta, kind)
     if kind == RUN_ROWS:
         return _rows(model, states, meta, arrays, names or [], keep, generation)
     feed = dict(zip(meta["n"], arrays, strict=True))
@@ -282,6 +345,7 @@ def _serve(model: _Model, region: Region, states: _States, stopping: threading.E
         if stopping.is_set():
             return
         states.new.clear()
+        states.late.clear()
         try:
             kind, meta, arrays = region.read(model.slot, copy=False)  # the feed, in place
             said, outputs = _answer(model, states, kind, meta, arrays)
@@ -297,15 +361,17 @@ def _serve(model: _Model, region: Region, states: _States, stopping: threading.E
             states.free(states.new)
             region.write(model.slot, ANSWERED, REPLY, {"e": f"{type(exc).__name__}: {exc}"}, [])
         os.write(model.answer, (1).to_bytes(8, "little"))
+        states.drop_late()
 
 
 def _watch(region: Region, held: list[_States], stopping: threading.Event) -> None:
     """Every 50 ms, the node's lease generation as the core said it: a fence drops every
     model's states here at once, an idle model's too (shared memory: no system call but
     the wait)."""
+    live = [states for states in held if states.live]
     while not stopping.wait(WATCH_S):
         generation = region.generation()
-        for states in held:
+        for states in live:
             states.heard(generation)
 
 
@@ -339,7 +405,7 @@ def main() -> None:
             for m in models
         ]
         hello.write(json.dumps({"models": said}) + "\n")
-    held = [_States(region, m.slot) for m in models]
+    held = [_States(region, m.slot, m.key, m.live) for m in models]
     threads = [
         threading.Thread(
             target=_serve, args=(m, region, s, stopping), daemon=True, name=f"affinity-{m.key}"

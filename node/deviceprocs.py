@@ -42,13 +42,14 @@ once (their next steps say ``state_reset``, as the device was down anyway), and 
 of the dead process named in a run fails it (:class:`~node.errors.StateLost`).
 
 **The node's lease, in every worker process** (issue 43: one authority per node, every
-process sees its lease). Every 50 ms the core writes into each process's control block the
-instant its loop ran, until when its lease lets it serve, and its lease generation
-(``EpisodeTable.generation``, bumped when the node dropped every record: a fence, a
-registration anew); each request names the generation too (``g``). A process keeps each
-state under the generation its request named, and drops every state of an earlier one as
-soon as it hears of a later one, a model idle or not: a fenced node holds no episode's
-state in any process. A run that would continue a held state once the lease has run out,
+process sees its lease). Every 50 ms, and at once when the lease changes, the core writes
+into each process's control block the instant its loop ran, until when its lease lets it
+serve, and its lease generation (``EpisodeTable.generation``, bumped when the node dropped
+every record: a fence, a registration anew); each live model's request names the
+generation too (``g``). A process keeps each live state under the generation its request
+named, and drops every state of an earlier one as soon as it hears of a later one, a model
+idle or not: a fenced node holds no episode's state in any process (a shadow candidate's
+ghosts, in a table no fence drops, keep theirs). A run that would continue a held state once the lease has run out,
 as the core last said, is refused there (:class:`~node.errors.WorkerFenced`, a 503
 ``fenced``; not the device's failure). The states a core lets go of while their model is
 idle are freed by a request of their own after :data:`IDLE_FREE_S`. Each process says what
@@ -113,6 +114,16 @@ _SECRETS = ("AFFINITY_CLUSTER_SECRET", "AFFINITY_API_KEY", "AFFINITY_ADMIN_TOKEN
 """What a worker process is never given: it serves no client and joins no fleet."""
 
 
+def _none() -> int:
+    """No lease generation (a session no lease follows)."""
+    return 0
+
+
+def _never() -> int | None:
+    """A lease never told (not supervised yet)."""
+    return None
+
+
 @dataclass(frozen=True)
 class DeviceModel:
     """One model a worker process opens: its key (a live model's name, or a candidate's
@@ -127,6 +138,9 @@ class DeviceModel:
     max_batch: int
     state: tuple[str, ...] = ()
     """Its state outputs (fed back as the next step's state): held by the process."""
+    live: bool = True
+    """A live model's (its states follow the node's lease generation), not a shadow
+    candidate's (its ghosts' table is one no fence drops)."""
 
 
 class _Channel:
@@ -273,8 +287,8 @@ class RemoteSession:
                 self._answer(channel)
             finally:
                 self.lock.release()
-        except WorkerGone:  # died meanwhile: its supervisor sees to it
-            pass
+        except (WorkerGone, WorkerRunError) as exc:  # died meanwhile: its supervisor sees
+            log.debug("device %s: freeing %s's states: %s", self.device, self.key, exc)
         finally:
             self.freeing = False
 
@@ -479,7 +493,8 @@ class DeviceProcs:
         self._restarted: Callable[[str], None] | None = None
         self._tasks: set[asyncio.Future[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._lease: Callable[[], tuple[int | None, int]] = _never
+        self._lease: Callable[[], int | None] = _never
+        self._generation: Callable[[], int] = _none
 
     def device_id(self, spec: DeviceSpec) -> str:
         return f"{self.node_id}/{spec.index}"
@@ -499,7 +514,7 @@ class DeviceProcs:
         """Start ``worker``'s process and wait for its hello; None when it opened every
         session (its channels are in place), else why it did not."""
         region = Region.create(len(self.models), self.slot_size)
-        region.tell_generation(self._lease()[1])  # (before its first request)
+        region.tell_generation(self._generation())  # (before its first request)
         fds = [region.fd]
         pairs = []
         for _ in self.models:
@@ -514,7 +529,7 @@ class DeviceProcs:
                 self.providers.trt_cache_root)},
             "models": [
                 {"key": m.key, "path": m.path, "threads": m.threads, "graph": m.graph,
-                 "fds": pair}
+                 "live": m.live, "fds": pair}
                 for m, pair in zip(self.models, pairs, strict=True)
             ],
             "region": region.fd,
@@ -574,12 +589,14 @@ class DeviceProcs:
         lost: Callable[[str, str], None],
         back: Callable[[str], Awaitable[None]],
         restarted: Callable[[str], None],
-        lease: Callable[[], tuple[int | None, int]] | None = None,
+        lease: Callable[[], int | None] | None = None,
+        generation: Callable[[], int] = _none,
     ) -> None:
         """Watch every worker process from the running loop (see the class doc). ``lease``:
-        until when the node's lease lets it serve (``Lease.serves_until_ns``) and its
-        generation (``EpisodeTable.generation``), told to every process every
-        :data:`TELL_S` (see the module doc)."""
+        until when the node's lease lets it serve (``Lease.serves_until_ns``), and
+        ``generation``: its lease generation (``EpisodeTable.generation``), told to every
+        process every :data:`TELL_S` and by :meth:`tell` (see the module doc); the live
+        models' requests name the generation."""
         self._lost, self._back, self._restarted = lost, back, restarted
         loop = self._loop = asyncio.get_running_loop()
         for device, worker in self.workers.items():
@@ -587,18 +604,20 @@ class DeviceProcs:
                 loop.add_reader(worker.pidfd, self._died, device, worker, worker.pidfd)
         self._track(self._watch_hangs())
         if lease is not None:
-            self._lease = lease
-            for session in self.sessions.values():
-                session.generation = self._generation
+            self._lease, self._generation = lease, generation
+            live = {m.key for m in self.models if m.live}
+            for (key, _), session in self.sessions.items():
+                if key in live:
+                    session.generation = generation
             self._track(self._tell_every())
 
-    def _generation(self) -> int:
-        return self._lease()[1]
-
     def tell(self) -> None:
-        """Tell every worker process the node's lease now (and free an idle model's
-        states the core let go of)."""
-        until, generation = self._lease()
+        """Tell every worker process the node's lease now (every :data:`TELL_S`, and at
+        once when the lease changes: a renewal, a fence, a registration), and free an idle
+        model's states the core let go of."""
+        if self._lease is _never:  # (not supervised yet)
+            return
+        until, generation = self._lease(), self._generation()
         now = time.monotonic_ns()
         for worker in self.workers.values():
             region = worker.region
@@ -780,14 +799,6 @@ class DeviceProcs:
                     if held:
                         session.lock.release()
             self._close(worker)
-
-
-def _none() -> int:
-    return 0
-
-
-def _never() -> tuple[int | None, int]:
-    return None, 0
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

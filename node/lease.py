@@ -88,6 +88,7 @@ class Lease:
         listener: LeaseListener | None = None,
         on_moves: Callable[[Sequence[MoveRequest]], None] | None = None,
         processes: Callable[[], NodeProcesses] | None = None,
+        on_change: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.node_id = config.node_id
@@ -105,6 +106,9 @@ class Lease:
         self.conflict: str | None = None  # why this process must stop (another instance)
         self.on_conflict: Callable[[], None] = lambda: None
         self.on_renewed = on_renewed  # after each renewal
+        # what serves_until_ns() or the table's generation says changed (a renewal, a
+        # registration, a fence, a drop, the end): the device worker processes are told
+        self.on_change = on_change or _nothing
         # the scores each renewal publishes (scored placement: node/placement.py)
         self.scores = scores
         self.listener = listener  # the owner's flusher: what the lease lets it keep
@@ -185,6 +189,12 @@ class Lease:
 
     # ---- actions ---------------------------------------------------------------------
 
+    def _changed(self) -> None:
+        try:
+            self.on_change()
+        except Exception:  # telling others never breaks the lease
+            log.exception("telling the lease's change failed")
+
     def _processes(self) -> NodeProcesses | None:
         """This node's processes, each one's lag since the last call (node/procs.py)."""
         return self.processes() if self.processes is not None else None
@@ -198,6 +208,7 @@ class Lease:
             dropped = self.table.drop_all("fenced")
             if self.listener is not None:
                 self.listener.dropped()
+            self._changed()
             self.metrics.fenced.set(1)
             if self.registered:
                 log.error(
@@ -216,6 +227,7 @@ class Lease:
         if self._fenced:
             self._fenced = False
             self.metrics.fenced.set(0)
+        self._changed()
 
     async def register(self) -> None:
         """Register (again); only then does this node serve. Drops every record unless it
@@ -256,6 +268,7 @@ class Lease:
             )
         self._serving_again(sent, done.terms)
         self.registered = True
+        self._changed()
         if self.granted_s < self.config.settings.lease_ttl_s:
             log.info(
                 "node %s holds a %.1fs lease until every node heard of its %.1fs one",
@@ -276,6 +289,7 @@ class Lease:
         self.table.drop_all("registered" if reason == "registered" else "fenced")
         if self.listener is not None:
             self.listener.dropped()
+        self._changed()
 
     async def start(self) -> None:
         """Register, waiting for an earlier process's lease on this node id to lapse (a
@@ -455,4 +469,9 @@ class Lease:
         self.registered = False
         self.deadline = float("-inf")  # serve nothing more, whatever is still queued
         self.left = self.leaving
+        self._changed()
         return released
+
+
+def _nothing() -> None:
+    pass

@@ -178,6 +178,8 @@ class NodeService:
             listener=flusher,
             on_moves=self._moves_requested,  # the owner's hand-overs, which need the lease
             processes=self.processes.describe,
+            # its device worker processes told at once (not at their next 50 ms)
+            on_change=device_procs.tell if device_procs is not None else None,
         )
         self.rollouts = RolloutMemory(
             Models(self.lease_redis, config.settings), [mid.name for mid, _ in self.models.values()]
@@ -258,11 +260,6 @@ class NodeService:
         self.health.on_transition_threadsafe(device, to, reason)
         if to == "down" and self.device_procs is not None:  # a fresh process for its probe
             self.device_procs.recycle_threadsafe(device, reason)
-
-    def _lease_now(self) -> tuple[int | None, int]:
-        """Until when the lease lets this node serve, and its generation: what the core
-        tells each device's worker process (``DeviceProcs.tell``)."""
-        return self.lease.serves_until_ns(), self.table.generation
 
     def _worker_states(self) -> None:
         """The states each device's worker process says it holds, into the gauges (at a
@@ -393,7 +390,8 @@ class NodeService:
         self.health.start()
         if self.device_procs is not None:
             self.device_procs.supervise(self._device_lost, self._device_back,
-                                        self._device_restarted, self._lease_now)  # fmt: skip
+                                        self._device_restarted, self.lease.serves_until_ns,
+                                        lambda: self.table.generation)  # fmt: skip
         await self.lease.start()
         self._maintenance = asyncio.create_task(self._maintain(), name="affinity-maintenance")
         self._loop_lag = asyncio.create_task(

@@ -158,7 +158,7 @@ async def _device_procs(
         for name, (m, _, contract) in served.items()
     ] + [
         DeviceModel(str(m.identity()), str(m.path), 1, False, batch,
-                    state(load_contract(m.path)))
+                    state(load_contract(m.path)), live=False)
         for m in config.shadow_models
     ]  # fmt: skip
     procs = DeviceProcs(

@@ -460,13 +460,14 @@ class DeviceWorker:
                 host = {name: np.asarray(v) for name, v in values.items()}
                 rows = [{name: v[i : i + 1].copy() for name, v in host.items()} for i in range(n)]
         except Exception as exc:
-            log.warning(
-                "device %s: a batched run of %d steps failed (%s: %s); running them one by one",
-                self.id,
-                n,
-                type(exc).__name__,
-                exc,
-            )
+            if not isinstance(exc, WorkerFenced):  # (else: each says so, run alone)
+                log.warning(
+                    "device %s: a batched run of %d steps failed (%s: %s); running them one by one",
+                    self.id,
+                    n,
+                    type(exc).__name__,
+                    exc,
+                )
             for m in group:
                 self._run_alone(m)
                 self.flush()  # each as soon as it is known

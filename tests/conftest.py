@@ -64,10 +64,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture(scope="module", autouse=True)
 def node_shape(request: pytest.FixtureRequest) -> Iterator[str]:
     """The shape of the nodes this module's tests start (``tests/procs.py``'s ``SHAPE`` set
-    to its flags): ``"one"`` but in a module marked ``shapes`` (:func:`pytest_generate_tests`)."""
+    to its flags): ``"one"`` but in a module marked ``shapes`` (:func:`pytest_generate_tests`),
+    or with ``AFFINITY_TEST_SHAPE`` set: the shape every other module's nodes start in (e.g.
+    ``fronts2-workers``, to run the whole suite in the multi-process shape)."""
     from tests import procs
 
-    name = str(getattr(request, "param", "one"))
+    default = os.environ.get("AFFINITY_TEST_SHAPE") or "one"
+    if default not in procs.SHAPES:
+        raise pytest.UsageError(f"AFFINITY_TEST_SHAPE: no shape {default!r}")
+    name = str(getattr(request, "param", default))
     procs.SHAPE = list(procs.SHAPES[name])
     try:
         yield name

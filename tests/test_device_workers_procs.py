@@ -18,6 +18,7 @@ depth, a metric), never for a guessed time.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 from collections.abc import Iterator
@@ -526,6 +527,15 @@ def test_a_fenced_node_has_every_worker_drop_its_states_at_once(tmp_path: Path) 
                 ),
                 60, "every worker process holding no state, Redis still away",
             )  # fmt: skip
+            # dropped by the worker processes themselves, told of the fence (not freed one
+            # by one as the core lets go of its handles)
+            log = p.proc.log_path.read_text(errors="replace")
+            for index in (0, 1):
+                assert re.search(
+                    rf"\[device {index}\]: the node dropped its episodes \(lease generation "
+                    r"\d+\): \d+ state\(s\) of counter dropped here",
+                    log,
+                ), log[-3000:]
         finally:
             redis.proc.send(signal.SIGCONT)
         wait_until(lambda: one(p, "affinity_fenced") == 0, 60, "the node registered again")

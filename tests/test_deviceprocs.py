@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import struct
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -20,9 +21,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from node import deviceprocs
 from node.deviceprocs import DeviceModel, DeviceProcs, RemoteSession, RemoteState
 from node.devices import DeviceSpec
 from node.errors import StateLost, WorkerFenced, WorkerGone, WorkerRunError
+from node.hop import HELD_AT
 from node.providers import ProviderSettings, build_session
 from tests.procs import pause
 
@@ -426,50 +429,81 @@ async def test_a_run_from_the_loop_waits_for_a_state_read_instead_of_failing(
     assert actions.shape == (1, 4, 2)
 
 
-async def test_the_nodes_lease_reaches_the_process_which_serves_no_state_past_it() -> None:
+def held_by(session: RemoteSession) -> tuple[int, int]:
+    """The states ``session``'s model holds in its worker process, and their bytes, as the
+    process says in its control block."""
+    channel = session.channel
+    assert channel is not None
+    states, nbytes = struct.unpack_from("<QQ", channel.region.mm, HELD_AT + 16 * channel.slot)
+    return int(states), int(nbytes)
+
+
+async def test_the_nodes_lease_reaches_the_process_which_serves_no_state_past_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The core tells the process its lease (its end, its generation) through shared
     memory. Past the lease's end, a run that would continue a state held there is refused
     (``WorkerFenced``, not the device's failure), while a run from an initial state is
     not (what it makes is kept only under a valid lease); a lease renewed serves again. A
     later generation (the node dropped every record: a fence, a registration anew) drops
-    every state kept under the one before at once, the model idle, without a request: the
-    process says it holds none, and a handle of before names nothing. A state the core
-    lets go of while its model is idle is freed by a request of its own."""
-    p = procs(state=("state_out.hidden",))
+    every live model's state kept under the one before at once, the model idle, without a
+    request: the process says it holds none, and a run naming one is refused as fenced. A
+    shadow candidate's states (its ghosts' table, which no fence drops) stay. A run asked
+    under a generation already past keeps nothing once answered. A state the core lets go
+    of while its model is idle is freed by a request of its own."""
+    monkeypatch.setattr(deviceprocs, "IDLE_FREE_S", 3600.0)  # (no idle frees until the end)
+    state = ("state_out.hidden",)
+    p = DeviceProcs(
+        "n", [CPU0],
+        [DeviceModel("demo", str(DEMO), 1, True, 4, state),
+         DeviceModel("demo@2", str(DEMO), 1, False, 4, state, live=False)],
+        ProviderSettings(), max_body_bytes=1 << 20, hang_s=60.0,
+    )  # fmt: skip
     await p.start()
     told: dict[str, Any] = {"until": None, "generation": 0}
     try:
         p.supervise(lambda device, why: None, lambda device: asyncio.sleep(0),
-                    lambda device: None, lambda: (told["until"], told["generation"]))  # fmt: skip
-        session = p.sessions[("demo", "n/0")]
+                    lambda device: None, lambda: told["until"],
+                    lambda: told["generation"])  # fmt: skip
+        session, candidate = p.sessions[("demo", "n/0")], p.sessions[("demo@2", "n/0")]
         names = ["actions", "state_out.hidden"]
         zeros = np.zeros((1, 16), np.float32)
 
-        def step(state: Any) -> Any:
-            return session.run(names, {"obs": feed()["obs"], "state_in.hidden": state})[1]
+        def step(state: Any, on: RemoteSession = session) -> Any:
+            return on.run(names, {"obs": feed()["obs"], "state_in.hidden": state})[1]
 
         held = await asyncio.to_thread(step, zeros)
         held = await asyncio.to_thread(step, held)
+        ghost = await asyncio.to_thread(step, zeros, candidate)
         states, nbytes = p.held("n/0")  # (the first one until a request frees it)
-        assert states >= 1 and nbytes == 64 * states
+        assert states >= 2 and nbytes == 64 * states
         told["until"] = time.monotonic_ns() - 1  # the lease ran out
         p.tell()
         with pytest.raises(WorkerFenced):
             await asyncio.to_thread(step, held)
         fresh = await asyncio.to_thread(step, zeros)  # an initial state is no episode's
         assert isinstance(fresh, RemoteState)
-        told["until"] = time.monotonic_ns() + 60 * 10**9  # renewed
+        ghost = await asyncio.to_thread(step, ghost, candidate)  # no live episode's state
+        told["until"] = None  # renewed (a lease that never runs out, here)
         p.tell()
         held = await asyncio.to_thread(step, held)
-        assert p.held("n/0")[0] >= 2  # fresh and held
+        assert p.held("n/0")[0] >= 3  # fresh, held, the ghost's
         told["generation"] = 1  # the node dropped every record
-        await until(lambda: p.held("n/0") == (0, 0), "the states of generation 0 dropped")
-        with pytest.raises(StateLost) as lost:
+        await until(lambda: held_by(session) == (0, 0), "the live states of generation 0 dropped")
+        assert held_by(candidate)[0] >= 1
+        with pytest.raises(WorkerFenced, match="dropped here"):
             await asyncio.to_thread(step, held)
-        assert not isinstance(lost.value, WorkerFenced)
+        ghost = await asyncio.to_thread(step, ghost, candidate)  # the ghost's goes on
         kept = await asyncio.to_thread(step, zeros)  # kept under generation 1
-        assert p.held("n/0") == (1, 64)
-        del kept  # let go of by the core: the model idle, freed all the same
-        await until(lambda: p.held("n/0") == (0, 0), "an idle model's state freed")
+        assert held_by(session) == (1, 64)
+        session.generation = lambda: 0  # a run asked before the drop, answered after it
+        late = await asyncio.to_thread(step, zeros)
+        await until(lambda: held_by(session) == (1, 64), "the late state dropped once answered")
+        with pytest.raises(WorkerFenced):
+            await asyncio.to_thread(step, late)
+        session.generation = lambda: told["generation"]
+        monkeypatch.setattr(deviceprocs, "IDLE_FREE_S", 0.0)
+        del kept, ghost  # let go of in the core: the models idle, freed all the same
+        await until(lambda: p.held("n/0") == (0, 0), "an idle model's states freed")
     finally:
         await p.stop()
