@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from node.hop import ANSWERED, REPLY, Region, die_with_parent
+from node.hop import ANSWERED, REPLY, Region, die_with_parent, lift, lower
 
 __all__ = ["RUN", "main"]
 
@@ -272,18 +272,28 @@ def _answer(
     if kind == RUN_ROWS:
         return _rows(model, states, meta, arrays, names or [], keep, generation)
     feed = dict(zip(meta["n"], arrays, strict=True))
+    for name, carried in (meta.get("x") or {}).items():  # string tensors, by value
+        feed[name] = lower(carried, [])
     for name, i in (meta.get("h") or {}).items():
         feed[name] = states.get(i)
     values = run(model.session, names, feed)
     del feed, arrays  # views of the slot, about to be overwritten
     handles: dict[str, Any] = {}
+    strings: dict[str, Any] = {}
     outputs = []
-    for name, value in zip(names or [""] * len(values), values, strict=True):
+    for at, (name, value) in enumerate(zip(names or [""] * len(values), values, strict=True)):
         if name in keep:
             handles[name] = states.keep(value, generation)
+            continue
+        array = np.asarray(value)
+        if array.dtype.hasobject:  # a string output: by value (its name, or its place)
+            strings[name or str(at)] = lift(array, [])
         else:
-            outputs.append(np.ascontiguousarray(np.asarray(value)))
-    return {"h": handles}, outputs
+            outputs.append(np.ascontiguousarray(array))
+    said: dict[str, Any] = {"h": handles}
+    if strings:
+        said["x"] = strings
+    return said, outputs
 
 
 def _rows(
@@ -309,6 +319,8 @@ def _rows(
         for name in row["n"]:
             feed[name] = arrays[at]
             at += 1
+        for name, carried in (row.get("x") or {}).items():
+            feed[name] = lower(carried, [])
         for name, i in row["h"].items():
             feed[name] = np.asarray(states.get(i))  # (a host copy, as a thread's batch)
         rows.append(feed)
@@ -331,8 +343,16 @@ def _rows(
         {name: states.keep(v[i : i + 1].copy(), generation) for name, v in named if name in keep}
         for i in range(n)
     ]
-    outputs = [np.ascontiguousarray(v[:n]) for name, v in named if name not in keep]
-    return {"h": handles}, outputs
+    outputs = [
+        np.ascontiguousarray(v[:n])
+        for name, v in named
+        if name not in keep and not v.dtype.hasobject
+    ]
+    said: dict[str, Any] = {"h": handles}
+    strings = {name: lift(v[:n], []) for name, v in named if name not in keep and v.dtype.hasobject}
+    if strings:
+        said["x"] = strings
+    return said, outputs
 
 
 def _serve(model: _Model, region: Region, states: _States, stopping: threading.Event) -> None:

@@ -49,12 +49,12 @@ every record: a fence, a registration anew); each live model's request names the
 generation too (``g``). A process keeps each live state under the generation its request
 named, and drops every state of an earlier one as soon as it hears of a later one, a model
 idle or not: a fenced node holds no episode's state in any process (a shadow candidate's
-ghosts, in a table no fence drops, keep theirs). A run that would continue a held state once the lease has run out,
-as the core last said, is refused there (:class:`~node.errors.WorkerFenced`, a 503
-``fenced``; not the device's failure). The states a core lets go of while their model is
-idle are freed by a request of their own after :data:`IDLE_FREE_S`. Each process says what
-it holds (states, bytes) in its control block: ``affinity_device_worker_states`` and
-``affinity_device_worker_state_bytes``.
+ghosts, in a table no fence drops, keep theirs). A run that would continue a held state
+once the lease has run out, as the core last said, is refused there
+(:class:`~node.errors.WorkerFenced`, a 503 ``fenced``; not the device's failure). The
+states a core lets go of while their model is idle are freed by a request of their own
+after :data:`IDLE_FREE_S`. Each process says what it holds (states, bytes) in its control
+block: ``affinity_device_worker_states`` and ``affinity_device_worker_state_bytes``.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ import numpy as np
 from node.deviceproc import FREE, GET, RUN, RUN_ROWS
 from node.devices import DeviceSpec
 from node.errors import HopError, StateLost, WorkerFenced, WorkerGone, WorkerRunError
-from node.hop import ASKED, NEVER_NS, Array, Region, deaf_children
+from node.hop import ASKED, NEVER_NS, Array, Region, deaf_children, lift, lower
 from node.procs import Running
 from node.providers import ProviderSettings
 
@@ -237,8 +237,11 @@ class RemoteSession:
             channel = self._channel()
             rows, arrays = [], []
             for feed in feeds:
-                names, handles, values = self._split(feed)
-                rows.append({"n": names, "h": handles})
+                names, handles, values, carried = self._split(feed)
+                row: dict[str, Any] = {"n": names, "h": handles}
+                if carried:
+                    row["x"] = carried
+                rows.append(row)
                 arrays += values
             names = list(output_names)
             meta = {"rows": rows, "size": size, "o": names, "k": self._kept(names),
@@ -247,15 +250,18 @@ class RemoteSession:
             self._wait(channel)
             said, values = self._answer(channel)
             kept = set(self._kept(names))
-            shown = [n for n in names if n not in kept]
+            strings = {n: lower(v, []) for n, v in (said.get("x") or {}).items()}
+            shown = [n for n in names if n not in kept and n not in strings]
             out = []
             for i, handles in enumerate(said["h"]):
-                row: dict[str, Any] = {
+                got: dict[str, Any] = {
                     n: v[i : i + 1].copy() for n, v in zip(shown, values, strict=True)
                 }
+                for n, v in strings.items():
+                    got[n] = v[i : i + 1].copy()
                 for n, h in handles.items():
-                    row[n] = RemoteState(self, channel.gen, *h)
-                out.append({n: row[n] for n in names})
+                    got[n] = RemoteState(self, channel.gen, *h)
+                out.append({n: got[n] for n in names})
             return out
 
     def fetch(self, states: Sequence[RemoteState]) -> list[Array]:
@@ -349,19 +355,28 @@ class RemoteSession:
             raise WorkerGone(self.device, "is restarting")
         return channel
 
-    def _split(self, feed: Mapping[str, Any]) -> tuple[list[str], dict[str, int], list[Array]]:
-        """A feed's host arrays (names, values) and its states held by the process (their
-        ids by name). Raises :class:`StateLost` for a state an earlier process held."""
-        names, handles, values = [], {}, []
+    def _split(
+        self, feed: Mapping[str, Any]
+    ) -> tuple[list[str], dict[str, int], list[Array], dict[str, Any]]:
+        """A feed's host arrays (names, values), its states held by the process (their
+        ids by name), and its string tensors (an ONNX string input: an object array of
+        ``str`` or ``bytes``), carried by value in the header (``x``; ``hop.lift``), since a
+        slot holds raw numbers only. Raises :class:`StateLost` for a state an earlier
+        process held."""
+        names, handles, values, carried = [], {}, [], {}
         for name, value in feed.items():
             if isinstance(value, RemoteState):
                 if value.session is not self or value.gen != self.gen:
                     raise StateLost(self.device, _LOST)
                 handles[name] = value.id
+                continue
+            array = np.asarray(value)
+            if array.dtype.hasobject:
+                carried[name] = lift(array, [])
             else:
                 names.append(name)
-                values.append(np.ascontiguousarray(np.asarray(value)))
-        return names, handles, values
+                values.append(np.ascontiguousarray(array))
+        return names, handles, values, carried
 
     def _kept(self, names: Sequence[str] | None) -> list[str]:
         """The outputs of ``names`` the process keeps (the model's state outputs)."""
@@ -391,10 +406,12 @@ class RemoteSession:
         """Write the run into the slot and ring (under :attr:`lock`); the channel used and
         the outputs asked."""
         channel = self._channel()
-        names, handles, arrays = self._split(input_feed)
+        names, handles, arrays, carried = self._split(input_feed)
         outputs = None if output_names is None else list(output_names)
         meta = {"n": names, "h": handles, "o": outputs, "k": self._kept(outputs),
                 "f": self._freed(), "g": self.generation()}  # fmt: skip
+        if carried:
+            meta["x"] = carried
         self._ask(channel, RUN, meta, arrays)
         return channel, outputs
 
@@ -414,14 +431,17 @@ class RemoteSession:
         """A run's outputs, in ``names`` order: the states held by the process as handles."""
         said, values = self._answer(channel)
         handles = said.get("h") or {}
-        if not handles:
+        carried = said.get("x") or {}
+        if not handles and not carried:
             return values
         shown = iter(values)
-        assert names is not None  # (only asked outputs are kept)
+        keys = names if names is not None else [str(i) for i in range(len(values) + len(carried))]
         return [
-            RemoteState(self, channel.gen, *handles[n]) if n in handles else next(shown)
-            for n in names
-        ]
+            RemoteState(self, channel.gen, *handles[k]) if k in handles
+            else lower(carried[k], []) if k in carried
+            else next(shown)
+            for k in keys
+        ]  # fmt: skip
 
 
 @dataclass

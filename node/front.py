@@ -208,6 +208,22 @@ def request(doc: dict[str, Any], binary: bool) -> tuple[int, dict[str, Any], lis
     return ROWS, {"rows": [_row(r, binary, arrays) for r in rows]}, arrays
 
 
+def _outputs(meta: dict[str, Any], views: list[Array], at: int) -> tuple[dict[str, Any], int]:
+    """A reply's outputs by name, in order: its tensors from ``views`` (from ``at``), its
+    string outputs by value (``x``: ``hop.lift``); and where the next reply's begin."""
+    strings = meta.get("x") or {}
+    outputs: dict[str, Any] = {}
+    for name in meta["names"]:
+        if name in strings:
+            outputs[name] = lower(strings[name], [])
+        else:
+            if at >= len(views):
+                raise HopError("fewer tensors than outputs")
+            outputs[name] = views[at]
+            at += 1
+    return outputs, at
+
+
 def _answer(
     kind: int, meta: dict[str, Any], views: list[Array], binary: bool
 ) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]:
@@ -224,16 +240,15 @@ def _answer(
         at, rows = 0, []
         for row in meta["rows"]:
             if "facts" in row:
-                names = row["names"]
-                rows.append({"outputs": dict(zip(names, views[at:], strict=False)),
-                             **row["facts"]})  # fmt: skip
-                at += len(names)
+                outputs, at = _outputs(row, views, at)
+                rows.append({"outputs": outputs, **row["facts"]})
             else:
                 rows.append(row)
         body, content_type = encode_doc({"steps": rows}, binary)
         return 200, body, content_type, []
     facts = meta["facts"]
-    doc = {"outputs": dict(zip(meta["names"], views, strict=True)), **facts}
+    outputs, _ = _outputs(meta, views, 0)
+    doc = {"outputs": outputs, **facts}
     body, content_type = encode_doc(doc, binary)
     return 200, body, content_type, reply_headers(facts, meta.get("url"))
 
@@ -459,16 +474,27 @@ class FrontApp:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
-        await self.forward(scope, b"".join(chunks), send)
+        await self.forward(scope, b"".join(chunks), send, receive)
 
-    async def forward(self, scope: Scope, body: bytes, send: Send) -> None:
-        """A request whose ``body`` was read, to the core's app; its reply back, streamed."""
-        url = scope["path"] + ("?" + scope["query_string"].decode() if scope["query_string"]
-                               else "")  # fmt: skip
+    async def forward(
+        self, scope: Scope, body: bytes, send: Send, receive: Receive | None = None
+    ) -> None:
+        """A request whose ``body`` was read, to the core's app; its reply back, streamed.
+        With ``receive``, a client that leaves while the reply streams ends the request to
+        the core at once (an event stream holds one of the core's stream slots until its
+        client goes, and an idle one writes nothing that would tell)."""
+        # the target as the client sent it (still percent-encoded: a decoded path may hold
+        # what no URL may, a NUL; the core decodes and judges it as for its own clients)
+        target = scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape")
+        if scope["query_string"]:
+            target += b"?" + scope["query_string"]
         headers = [(k, v) for k, v in scope["headers"] if k not in _HOP_BY_HOP]
-        request = self.client.build_request(
-            scope["method"], "http://core" + url, headers=headers, content=body
-        )
+        try:
+            url = _CORE.copy_with(raw_path=target)
+        except httpx.InvalidURL as exc:  # bytes no URL may hold, sent raw by the client
+            await respond(send, 400, error_body("bad_request", f"a malformed target: {exc}"))
+            return
+        request = self.client.build_request(scope["method"], url, headers=headers, content=body)
         try:
             response = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
@@ -482,9 +508,19 @@ class FrontApp:
                 "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in
                             _HOP_BY_HOP],
             })  # fmt: skip
-            async for chunk in response.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
+            relaying = asyncio.ensure_future(_relay(response, send))
+            if receive is None:
+                await relaying
+                return
+            left = asyncio.ensure_future(_disconnected(receive))
+            try:
+                await asyncio.wait((relaying, left), return_when=asyncio.FIRST_COMPLETED)
+                if relaying.done():
+                    relaying.result()
+            finally:
+                for task in (relaying, left):
+                    task.cancel()
+                await asyncio.gather(relaying, left, return_exceptions=True)
         finally:
             await response.aclose()
 
@@ -642,6 +678,22 @@ class FrontApp:
         log.warning("could not tell the core that openpi connection %d closed", number)
 
 
+_CORE = httpx.URL("http://core")
+"""The core's app, as the fronts' client reaches it (its Unix socket)."""
+
+
+async def _relay(response: httpx.Response, send: Send) -> None:
+    async for chunk in response.aiter_raw():
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Until the client of a request whose body was read has gone."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 class _FrontServer(uvicorn.Server):
     """uvicorn, deaf to SIGINT/SIGTERM: they are the core's (it keeps the fronts serving
     while it hands its episodes over, then stops them with SIGUSR1)."""
@@ -655,7 +707,7 @@ async def serve(argv: list[str]) -> None:
     index, listen_fd, region_fd, ask, answer, _, core_hex = argv
     spec = json.loads(os.environ.pop("AFFINITY_FRONT_SPEC"))
     region = Region.open(int(region_fd))
-    hop = FrontHop(region, int(ask), int(answer))
+    hop = FrontHop(region, int(ask), int(answer), float(spec.get("slot_wait_s", 10.0)))
     lag = _Lag(region.mm, LAG_BOUNDS)
     watching = asyncio.create_task(watch_loop_lag(lag), name="affinity-loop-lag")
     app = FrontApp(hop, bytes.fromhex(core_hex).decode(), spec)

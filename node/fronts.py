@@ -136,8 +136,18 @@ def _reply_meta(reply: Reply, timing: bool) -> tuple[dict[str, Any], list[Array]
     if timing:
         facts["timing"] = reply.split()
     names = list(reply.outputs)
-    out = [np.ascontiguousarray(reply.outputs[n]) for n in names]
-    return {"facts": facts, "names": names}, out
+    out: list[Array] = []
+    strings: dict[str, Any] = {}
+    for name in names:
+        value = np.asarray(reply.outputs[name])
+        if value.dtype.hasobject:  # a string output: by value in the header (hop.lift)
+            strings[name] = lift(value, [])
+        else:
+            out.append(np.ascontiguousarray(value))
+    meta: dict[str, Any] = {"facts": facts, "names": names}
+    if strings:
+        meta["x"] = strings
+    return meta, out
 
 
 Connections = dict[int, openpi.Connection]

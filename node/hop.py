@@ -45,6 +45,7 @@ import signal
 import struct
 import time
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -517,12 +518,17 @@ class SharedLoopBuckets:
 
 
 class FrontHop:
-    """The front's end of the hop: at most ``region.slots`` calls in flight."""
+    """The front's end of the hop: at most ``region.slots`` calls in flight; a call past
+    them waits its turn for a slot (first come, first served) for up to ``slot_wait_s``
+    (the node's ``--act-deadline``: no step waits longer), as a step waits its turn in a
+    node of one process."""
 
-    def __init__(self, region: Region, ask: int, answer: int) -> None:
+    def __init__(self, region: Region, ask: int, answer: int, slot_wait_s: float = 10.0) -> None:
         self.region = region
         self.ask = ask
         self.answer = answer
+        self.slot_wait_s = slot_wait_s
+        self.queued: deque[asyncio.Future[int]] = deque()  # calls waiting for a slot
         self.free = list(range(region.slots - 1, -1, -1))
         self.waiting: dict[int, asyncio.Future[None]] = {}
         self.abandoned: set[int] = set()
@@ -557,7 +563,31 @@ class FrontHop:
 
     def _release(self, slot: int) -> None:
         self.region.set_state(slot, FREE)
+        while self.queued:  # the first call waiting takes it
+            waiter = self.queued.popleft()
+            if not waiter.done():
+                waiter.set_result(slot)
+                return
         self.free.append(slot)
+
+    async def _slot(self) -> int:
+        """A free slot: at once, or once one is released to this call (its turn, in order
+        of arrival); :class:`HopFull` past ``slot_wait_s``."""
+        if self.free and not self.queued:
+            return self.free.pop()
+        waiter: asyncio.Future[int] = self.loop.create_future()
+        self.queued.append(waiter)
+        try:
+            async with asyncio.timeout(self.slot_wait_s):
+                return await waiter
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            if waiter.done() and not waiter.cancelled():  # given one as it left: pass it on
+                self._release(waiter.result())
+            with contextlib.suppress(ValueError):
+                self.queued.remove(waiter)
+            if isinstance(exc, TimeoutError):
+                raise HopFull() from None
+            raise
 
     def _send(self, slot: int, kind: int, meta: dict[str, Any], arrays: list[Array]) -> None:
         self.region.write(slot, ASKED, kind, meta, arrays)
@@ -582,25 +612,27 @@ class FrontHop:
         gone: Callable[[], bool] | None = None,
         deliver: Callable[[Any], Awaitable[bool]] | None = None,
     ) -> Any:
-        """Send a request, await its reply and return ``use(kind, meta, views)``, run
-        while the reply's arrays are views of the slot (they must not outlive it). Raises
-        :class:`HopFull` when every slot is in flight, :class:`HopError` when the request
-        does not fit a slot, :class:`~node.errors.CoreLapsed` for a step while the core is
-        stuck past its lease (:meth:`Region.lapsed`). Cancelled, the slot stays the core's
-        until it answers; the core is then told the reply was not delivered. So is it when
-        ``gone()`` says, once the reply is used, that the client has left, or when
-        ``deliver(result)`` (awaited before the slot is freed: a websocket's send) says
-        False or is cancelled: this raises :class:`Undelivered`."""
+        """Send a request, await its reply and return ``use(kind, meta, views)``, run while the
+        reply's arrays are views of the slot (they must not outlive it). Raises
+        :class:`HopFull` when no slot came free within ``slot_wait_s``, :class:`HopError`
+        when the request does not fit a slot, :class:`~node.errors.CoreLapsed` for a step
+        while the core is stuck past its lease (:meth:`Region.lapsed`). Cancelled, the slot
+        stays the core's until it answers; the core is then told the reply was not
+        delivered. So is it when ``gone()`` says, once the reply is used, that the client
+        has left, or when ``deliver(result)`` (awaited before the slot is freed: a
+        websocket's send) says False or is cancelled: this raises :class:`Undelivered`."""
         if kind in _STEPS and self.region.lapsed(time.monotonic_ns()):
             self.region.count_refused()
             raise CoreLapsed()
-        if not self.free:
-            raise HopFull()
-        slot = self.free.pop()
+        slot = await self._slot()
+        if kind in _STEPS and self.region.lapsed(time.monotonic_ns()):  # (waited: again)
+            self._release(slot)
+            self.region.count_refused()
+            raise CoreLapsed()
         try:
             self._send(slot, kind, meta, arrays)
         except BaseException:
-            self.free.append(slot)
+            self._release(slot)
             raise
         waiting = self.loop.create_future()
         self.waiting[slot] = waiting

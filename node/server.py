@@ -277,6 +277,7 @@ async def _serve_fronts(
         "max_rows": config.max_rows,
         "keep_alive_s": config.keep_alive_s,
         "close_s": bounds.http_close_s,
+        "slot_wait_s": config.act_deadline_s,  # a step past the hop's slots waits its turn
         "access_log": config.access_log,
         "log_format": config.log_format,
         "log_level": config.log_level,

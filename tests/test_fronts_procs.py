@@ -192,6 +192,18 @@ def test_every_other_path_reaches_the_nodes_process(node: Node) -> None:
         assert float(line.split()[-1]) > 0, line
 
 
+def test_a_path_no_url_may_hold_is_refused_as_by_one_process(node: Node) -> None:
+    """A path passed on to the core is passed as the client sent it (percent-encoded): a
+    NUL, or bytes that are not UTF-8, are the core's to judge as a node of one process
+    does (a 4xx), where decoding them first made a URL the front could not send (a 500)."""
+    with httpx.Client(timeout=10) as c:
+        for weird in ("%00", "a%2Fb", "%F0%9F%A4%96" * 100, "x" * 600, "%C3%A7%F3%87%8F"):
+            r = c.get(f"{node.url}/episodes/{weird}")
+            assert r.status_code in (404, 422), (weird, r.status_code, r.text)
+        r = c.post(f"{node.url}/episodes/%C3%A7%F3%87%8F%A9%00/end", json={})
+        assert 400 <= r.status_code < 500, r.text
+
+
 def test_a_front_killed_mid_load_loses_no_step_and_comes_back(node: Node) -> None:
     sent = {k: observations(100 + k, 30) for k in range(4)}
     failures: list[str] = []

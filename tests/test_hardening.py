@@ -431,6 +431,7 @@ def post_act(episode: str) -> bytes:
 
 
 @pytest.mark.integration
+@pytest.mark.shapes  # (with fronts: the hop's slots, the pass-on)
 def test_concurrent_event_streams_stop_at_the_limit_and_never_starve_the_lease() -> None:
     tmp = tmpdir()
     server = RedisServer(tmp).start()
@@ -483,6 +484,7 @@ def metric_with(text: str, label: str) -> float:
 
 
 @pytest.mark.integration
+@pytest.mark.shapes  # (with fronts: the hop's slots, the pass-on)
 def test_a_burst_of_400_new_episodes_gets_no_spurious_503() -> None:
     tmp = tmpdir()
     server = RedisServer(tmp).start()

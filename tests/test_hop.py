@@ -101,19 +101,33 @@ async def test_round_trip_of_tensors_and_fields() -> None:
         assert sorted(front.free) == [0, 1, 2, 3]  # every slot back
 
 
-async def test_full_slots_refuse_then_serve_again() -> None:
+async def test_a_call_past_the_slots_waits_its_turn_then_is_refused_past_the_wait() -> None:
+    """With every slot in flight, further calls wait for one, first come first served (a
+    burst of new episodes is queued, as a node of one process queues it, not refused), a
+    call that leaves while waiting takes no slot, and one that waited past ``slot_wait_s``
+    is refused (``HopFull``: 503 busy) and changes nothing."""
     core = Core(gate=asyncio.Event())
     async with hop(core, slots=2) as (front, _):
         one = np.ones(4, dtype=np.float32)
         running = [asyncio.create_task(front.call(ACT, {"n": i}, [one], echo)) for i in (0, 1)]
         while len(core.seen) < 2:
             await asyncio.sleep(0.001)
+        front.slot_wait_s = 0.0  # (a wait that has passed)
         with pytest.raises(HopFull):
             await front.call(ACT, {"n": 2}, [one], echo)
+        front.slot_wait_s = 60.0
+        queued = [asyncio.create_task(front.call(ACT, {"n": i}, [one], echo)) for i in (3, 4, 5)]
+        await asyncio.sleep(0)
+        queued[1].cancel()  # left while waiting: takes no slot
+        await asyncio.sleep(0)
+        assert len(front.queued) == 2 and len(core.seen) == 2
         core.gate.set()  # type: ignore[union-attr]
         assert [m["facts"]["n"] for m, _ in await asyncio.gather(*running)] == [0, 1]
-        meta, _ = await front.call(ACT, {"n": 3}, [one], echo)
-        assert meta["facts"]["n"] == 3
+        got = await asyncio.gather(*queued, return_exceptions=True)
+        assert isinstance(got[1], asyncio.CancelledError)
+        assert [got[0][0]["facts"]["n"], got[2][0]["facts"]["n"]] == [3, 5]  # type: ignore[index]
+        assert [m["n"] for m in core.seen] == [0, 1, 3, 5]  # in order, 2 and 4 never sent
+        assert sorted(front.free) == [0, 1] and not front.queued
 
 
 async def test_a_request_too_big_for_a_slot_is_refused_before_it_is_sent() -> None:

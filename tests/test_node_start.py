@@ -54,6 +54,7 @@ def redis_server() -> Iterator[RedisServer]:
     server.stop()
 
 
+@pytest.mark.shapes  # string tensors cross the fronts' and the workers' hops by value
 def test_a_string_model_without_samples_starts_unwarmed_and_serves(
     adder: Path, redis_server: RedisServer
 ) -> None:
@@ -77,6 +78,7 @@ def test_a_string_model_without_samples_starts_unwarmed_and_serves(
         n.stop()
 
 
+@pytest.mark.shapes  # string tensors cross the fronts' and the workers' hops by value
 def test_warm_up_samples_beside_the_model_warm_it_up(
     adder: Path, redis_server: RedisServer
 ) -> None:
