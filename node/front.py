@@ -127,8 +127,8 @@ _HEADERS = (b"content-type", b"accept", b"authorization", TIMING_HEADER)
 LAG_BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 """``affinity_event_loop_lag_seconds``' bounds (node/metrics.py), observed into the region."""
 _KSERVE_HEADERS = (b"authorization", HEADER_LENGTH, b"content-encoding", TIMING_HEADER)
-CLOSE_TRIES, CLOSE_WAIT_S = 100, 0.02
-"""How long a connection's close waits for a free slot of the hop (every one in flight)."""
+DISCONNECT_POLL_S = 1.0
+"""How often a reply streamed from the core looks whether its client's connection closed."""
 _HOP_BY_HOP = frozenset(
     (b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"te", b"trailer")
 )
@@ -329,8 +329,8 @@ class FrontApp:
 
     async def _note(self, reason: str) -> None:
         """Have the core count a refusal this front answered itself."""
-        with contextlib.suppress(HopFull, HopError):
-            await self.hop.call(NOTE, {"rejected": reason}, [], lambda *_: None)
+        with contextlib.suppress(HopFull, HopError):  # (never waits for a slot)
+            await self.hop.call(NOTE, {"rejected": reason}, [], lambda *_: None, wait=False)
 
     async def act(self, scope: Scope, receive: Receive, send: Send) -> None:
         """``POST /act``, as ``node/protocols/act.py`` answers it."""
@@ -512,7 +512,7 @@ class FrontApp:
             if receive is None:
                 await relaying
                 return
-            left = asyncio.ensure_future(_disconnected(receive))
+            left = asyncio.ensure_future(_disconnected(receive, scope.get(CONNECTION)))
             try:
                 await asyncio.wait((relaying, left), return_when=asyncio.FIRST_COMPLETED)
                 if relaying.done():
@@ -665,17 +665,12 @@ class FrontApp:
 
     async def _close(self, number: int) -> None:
         """Tell the core the connection closed (its own episode ends). A hop with every
-        slot in flight is waited for a while; past that, the core ends the episode when
-        this front goes."""
-        for _ in range(CLOSE_TRIES):
-            try:
-                await self.hop.call(WS_CLOSE, {"c": number}, [], lambda *_: None)
-                return
-            except HopFull:
-                await asyncio.sleep(CLOSE_WAIT_S)
-            except HopError:
-                break
-        log.warning("could not tell the core that openpi connection %d closed", number)
+        slot in flight is waited for (its turn, up to the step deadline); past that, the
+        core ends the episode when this front goes."""
+        try:
+            await self.hop.call(WS_CLOSE, {"c": number}, [], lambda *_: None)
+        except (HopFull, HopError):
+            log.warning("could not tell the core that openpi connection %d closed", number)
 
 
 _CORE = httpx.URL("http://core")
@@ -688,10 +683,23 @@ async def _relay(response: httpx.Response, send: Send) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
-async def _disconnected(receive: Receive) -> None:
-    """Until the client of a request whose body was read has gone."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
+async def _disconnected(receive: Receive, connection: Any) -> None:
+    """Until the client of a request whose body was read has gone: said by ``receive``, or
+    by the connection itself (polled each second: a client that pipelined a request
+    behind this one is heard of by that one's ``receive`` only)."""
+
+    async def said() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    told = asyncio.ensure_future(said())
+    try:
+        while not told.done():
+            if connection is not None and connection.peer_closed():
+                return
+            await asyncio.wait((told,), timeout=DISCONNECT_POLL_S)
+    finally:
+        told.cancel()
 
 
 class _FrontServer(uvicorn.Server):

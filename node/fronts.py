@@ -248,7 +248,11 @@ async def serve_request(
             reply = await service.router.act(step)
         except (BodyError, InvalidInput, InvalidArgument, Unavailable, Refused) as exc:
             return _refused(service, exc), []
-        done, out = _reply_meta(reply, timing)
+        try:
+            done, out = _reply_meta(reply, timing)
+        except HopError as exc:  # an output the hop cannot carry: as one too big, undone
+            await service.router.undelivered(reply)
+            return {"err": [500, "internal", str(exc), None, None]}, []
         done["url"] = reply.url
         done["keep"] = reply
         return done, out

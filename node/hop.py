@@ -24,8 +24,10 @@ not asked again before it was answered, nor answered twice), so the drained coun
 of those slots and rings that coincide are one wake-up. A side rings at once when that
 request is its only one in flight (no wait for a turn of the loop), and once per turn of its
 loop for every slot of that turn while others are in flight (under load, one wake-up of the
-other process for many requests). The front holds at most ``slots`` steps in flight; one more is
-refused 503 ``busy`` (:class:`HopFull`), never queued. A reply is kept by the core until the
+other process for many requests). The front holds at most ``slots`` requests in flight; one
+more waits its turn for a slot (first come, first served) up to ``slot_wait_s`` (the node's
+``--act-deadline``), then is refused 503 ``busy`` (:class:`HopFull`); a refusal's note to the
+core never waits (dropped when every slot is in flight). A reply is kept by the core until the
 front's next request on that slot: the kind :data:`UNDELIVERED` says the client had gone,
 and the core undoes the step as it does for a client of its own that left.
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import logging
 import mmap
 import os
 import signal
@@ -100,6 +103,10 @@ _STEPS = frozenset((ACT, ROWS, KSERVE, WS_STEP, WS_OPEN))
 """The kinds a stuck core's front refuses itself (:meth:`Region.lapsed`): the steps, and an
 openpi connection opened for steps. A note, and a connection's close, wait for the core."""
 PR_SET_PDEATHSIG = 1
+log = logging.getLogger("affinity.node")
+
+MAX_QUEUED = 4096
+"""Calls that may wait for a slot of a front's hop at once; one more is refused at once."""
 MAX_SLOTS = 63
 """A doorbell's count is a set of slots (``1 << slot``), under the eventfd's largest count."""
 LAG_AT = 64
@@ -403,8 +410,13 @@ def lift(obj: Any, arrays: list[Array]) -> Any:
         return [lift(v, arrays) for v in obj]
     if isinstance(obj, np.ndarray):
         if obj.dtype.kind not in _DTYPES:  # strings (an object array of str): by value
-            return msgpack.ExtType(STRINGS, msgpack.packb([list(obj.shape),
-                                                           obj.reshape(-1).tolist()]))  # fmt: skip
+            try:
+                data = msgpack.packb([list(obj.shape), obj.reshape(-1).tolist()])
+            except (TypeError, ValueError, OverflowError) as exc:  # not str or bytes
+                raise HopError(
+                    f"cannot carry a tensor of {obj.dtype} over the hop: {exc}"
+                ) from None
+            return msgpack.ExtType(STRINGS, data)
         arrays.append(np.ascontiguousarray(obj))
         return msgpack.ExtType(TENSOR, _INDEX.pack(len(arrays) - 1))
     if isinstance(obj, np.generic):
@@ -570,11 +582,14 @@ class FrontHop:
                 return
         self.free.append(slot)
 
-    async def _slot(self) -> int:
+    async def _slot(self, wait: bool) -> int:
         """A free slot: at once, or once one is released to this call (its turn, in order
-        of arrival); :class:`HopFull` past ``slot_wait_s``."""
+        of arrival); :class:`HopFull` past ``slot_wait_s``, at once without ``wait`` or
+        with :data:`MAX_QUEUED` calls waiting."""
         if self.free and not self.queued:
             return self.free.pop()
+        if not wait or len(self.queued) >= MAX_QUEUED:
+            raise HopFull()
         waiter: asyncio.Future[int] = self.loop.create_future()
         self.queued.append(waiter)
         try:
@@ -611,6 +626,7 @@ class FrontHop:
         use: Callable[[int, dict[str, Any], list[Array]], Any],
         gone: Callable[[], bool] | None = None,
         deliver: Callable[[Any], Awaitable[bool]] | None = None,
+        wait: bool = True,
     ) -> Any:
         """Send a request, await its reply and return ``use(kind, meta, views)``, run while the
         reply's arrays are views of the slot (they must not outlive it). Raises
@@ -624,11 +640,16 @@ class FrontHop:
         if kind in _STEPS and self.region.lapsed(time.monotonic_ns()):
             self.region.count_refused()
             raise CoreLapsed()
-        slot = await self._slot()
-        if kind in _STEPS and self.region.lapsed(time.monotonic_ns()):  # (waited: again)
-            self._release(slot)
-            self.region.count_refused()
-            raise CoreLapsed()
+        waits = not self.free or bool(self.queued)
+        slot = await self._slot(wait)
+        if waits:  # the core may have lapsed, or the client left, meanwhile
+            if kind in _STEPS and self.region.lapsed(time.monotonic_ns()):
+                self._release(slot)
+                self.region.count_refused()
+                raise CoreLapsed()
+            if gone is not None and gone():  # never sent: nothing to undo
+                self._release(slot)
+                raise Undelivered()
         try:
             self._send(slot, kind, meta, arrays)
         except BaseException:
@@ -724,6 +745,9 @@ class CoreHop:
             reply, out = await self.handler(kind, meta, arrays, slot)
         except HopError as exc:
             reply, out = {"err": [400, "malformed", f"hop: {exc}", None, None]}, []
+        except Exception as exc:  # a bug: answered, never a slot the front waits on forever
+            log.exception("serving a front's request failed")
+            reply, out = {"err": [500, "internal", f"{type(exc).__name__}: {exc}", None, None]}, []
         keep = reply.pop("keep", None)
         if not self.alive:  # the front died with the client's connection: as a client gone
             if keep is not None:

@@ -19,6 +19,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from node import hop as hop_module
 from node.errors import CoreLapsed, HopError, HopFull, Undelivered
 from node.hop import (
     ACT,
@@ -128,6 +129,53 @@ async def test_a_call_past_the_slots_waits_its_turn_then_is_refused_past_the_wai
         assert [got[0][0]["facts"]["n"], got[2][0]["facts"]["n"]] == [3, 5]  # type: ignore[index]
         assert [m["n"] for m in core.seen] == [0, 1, 3, 5]  # in order, 2 and 4 never sent
         assert sorted(front.free) == [0, 1] and not front.queued
+
+
+async def test_a_note_never_waits_a_leaver_is_never_sent_and_the_queue_is_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With every slot in flight: a refusal's note (``wait=False``) is dropped at once
+    rather than queued ahead of steps; a call whose client left while it waited is never
+    sent (``Undelivered``: nothing to undo); past ``MAX_QUEUED`` waiting calls, one more
+    is refused at once."""
+    core = Core(gate=asyncio.Event())
+    async with hop(core, slots=1) as (front, _):
+        one = np.ones(4, dtype=np.float32)
+        running = asyncio.create_task(front.call(ACT, {"n": 0}, [one], echo))
+        while len(core.seen) < 1:
+            await asyncio.sleep(0.001)
+        front.slot_wait_s = 60.0
+        with pytest.raises(HopFull):
+            await front.call(NOTE, {"rejected": "unauthorized"}, [], echo, wait=False)
+        left = False
+        leaver = asyncio.create_task(front.call(ACT, {"n": 1}, [one], echo, lambda: left))
+        monkeypatch.setattr(hop_module, "MAX_QUEUED", 2)
+        stayer = asyncio.create_task(front.call(ACT, {"n": 2}, [one], echo))
+        await asyncio.sleep(0)
+        with pytest.raises(HopFull):  # a third would wait: refused at once
+            await front.call(ACT, {"n": 3}, [one], echo)
+        left = True
+        core.gate.set()  # type: ignore[union-attr]
+        await running
+        with pytest.raises(Undelivered):
+            await leaver
+        assert (await stayer)[0]["facts"]["n"] == 2
+        assert [m.get("n") for m in core.seen] == [0, 2]  # the leaver's never reached it
+
+
+async def test_a_handler_that_breaks_answers_500_and_frees_the_slot() -> None:
+    """A bug in the core's handler (anything but a malformed request) is answered 500
+    ``internal``, logged: the front's call ends, its slot is free again."""
+
+    async def broken(kind: int, meta: dict[str, Any], arrays: list[Array], slot: int) -> Any:
+        raise RuntimeError("a bug")
+
+    core = Core()
+    core.handler = broken  # type: ignore[method-assign]
+    async with hop(core, slots=1) as (front, _):
+        meta, _ = await asyncio.wait_for(front.call(ACT, {}, [], echo), 30)
+        assert meta["err"][:2] == [500, "internal"] and "a bug" in meta["err"][2]
+        assert front.free == [0]
 
 
 async def test_a_request_too_big_for_a_slot_is_refused_before_it_is_sent() -> None:
