@@ -635,7 +635,7 @@ class DeviceProcs:
         """Tell every worker process the node's lease now (every :data:`TELL_S`, and at
         once when the lease changes: a renewal, a fence, a registration), and free an idle
         model's states the core let go of."""
-        if self._lease is _never:  # (not supervised yet)
+        if self._lease is _never or self.stopping:  # (not supervised yet, or stopped)
             return
         until, generation = self._lease(), self._generation()
         now = time.monotonic_ns()
