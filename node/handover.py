@@ -589,6 +589,9 @@ class HandOvers:
         outcomes = [
             t.result() for t in tasks if t.done() and not t.cancelled() and t.exception() is None
         ]
+        # what the deregistration hands over: the records still held (an episode the stop
+        # looked at that had none by its turn, its first step failed, left nothing to keep)
+        kept = len(self.table.owned())
         self.table.drop_all("handed")
         released = await self.lease.end()
         if registered:
@@ -598,7 +601,7 @@ class HandOvers:
                 self.node_id,
                 outcomes.count("moved"),
                 outcomes.count("reset"),
-                outcomes.count("kept"),
+                kept,
                 f" (--drain-timeout {self.drain_timeout_s:g}s ran out; {late} move(s) "
                 "still under way)"
                 if self._closing

@@ -430,3 +430,28 @@ async def test_a_first_step_claimed_as_the_stop_begins_moves_with_its_state(redi
             expect(obs[:2], r)
     finally:
         Gate.go.set()
+
+
+async def test_a_stop_counts_as_kept_only_what_the_deregistration_hands_over(
+    redis: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stop also looks at the episodes whose step is in flight without a record (a
+    first step claimed as it began); one that has no record by its turn (that step
+    failed) leaves nothing to keep. The log line counted it "kept for the deregistration"
+    all the same; it counts the records still held when the node deregisters."""
+    obs = observations(54, 1)
+    async with cluster(redis, two()) as (nodes, _):
+        a = nodes[0]
+        ep = (await on("a", a, "stays", obs[0]))["episode_id"]
+        table = a.service.table
+        stepping = table.stepping_episodes
+        table.stepping_episodes = lambda: [*stepping(), "failed-first-step"]  # type: ignore[method-assign]
+        for other in (n for n in nodes if n is not a):  # nowhere to go: the stop resets it
+            for device in other.service.device_ids:
+                await other.service.registry.drain(device)
+        with caplog.at_level(logging.INFO, logger="affinity.node"):
+            await a.service.owner.leave()
+        lines = [r.getMessage() for r in caplog.records if " left: " in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert "handed over 1 without, kept 0 for the deregistration" in lines[0], lines
+        assert table.get(ep) is None
