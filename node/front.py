@@ -371,9 +371,8 @@ class FrontApp:
 
         try:
             status, out, content, headers = await self.hop.call(kind, meta, arrays, use, gone)
-        except HopFull:
-            body = error_body("busy", "this front door has every step of its hop in flight")
-            await respond(send, 503, body, headers=[(b"retry-after", b"1")])
+        except HopFull as exc:  # busy, or its deadline passed while it waited for a slot
+            await respond_error(send, exc.refusal())
             return
         except CoreLapsed as exc:  # the core is stuck past its lease: try another node
             await respond_error(send, exc)
@@ -442,10 +441,14 @@ class FrontApp:
         def gone() -> bool:
             return connection is not None and bool(connection.peer_closed())
 
-        try:
-            status, out, content, headers = await self.hop.call(KSERVE, meta, arrays, use, gone)
-        except HopFull:
-            why = "unavailable: this front door has every step of its hop in flight"
+        timeout_s = None if request is None else request.timeout_s
+        try:  # a slot waited for no longer than the request's own timeout, if it set one
+            status, out, content, headers = await self.hop.call(
+                KSERVE, meta, arrays, use, gone, wait_s=_left(received, timeout_s)
+            )
+        except HopFull as exc:  # busy, or its deadline passed while it waited for a slot
+            own = timeout_s if timeout_s is not None and timeout_s < self.hop.slot_wait_s else None
+            why = shaped(outcome(exc.refusal()), own).message
             await respond(send, 503, orjson.dumps({"error": why}), JSON,
                           [(b"retry-after", b"1")])  # fmt: skip
             return
@@ -638,9 +641,10 @@ class FrontApp:
             return False, prev_total_ms
         except Undelivered:  # the send failed: the core undoes it (or holds it)
             return False, prev_total_ms
-        except HopFull:
+        except HopFull as exc:
             log_line(self.access, scope, started, 503, names.of(frame))
-            await fail(send, "busy: this front door has every step of its hop in flight")
+            refused = exc.refusal()
+            await fail(send, f"{refused.reason}: {refused}")
             return False, prev_total_ms
         except CoreLapsed as exc:
             log_line(self.access, scope, started, 503, names.of(frame))
@@ -671,6 +675,12 @@ class FrontApp:
             await self.hop.call(WS_CLOSE, {"c": number}, [], lambda *_: None)
         except (HopFull, HopError):
             log.warning("could not tell the core that openpi connection %d closed", number)
+
+
+def _left(received: float, budget_s: float | None) -> float | None:
+    """What is left now of ``budget_s`` (a client's own timeout or deadline) counted from
+    ``received``; None without one."""
+    return None if budget_s is None else budget_s - (time.monotonic() - received)
 
 
 _CORE = httpx.URL("http://core")

@@ -582,18 +582,22 @@ class FrontHop:
                 return
         self.free.append(slot)
 
-    async def _slot(self, wait: bool) -> int:
+    async def _slot(self, wait: bool, wait_s: float | None) -> int:
         """A free slot: at once, or once one is released to this call (its turn, in order
-        of arrival); :class:`HopFull` past ``slot_wait_s``, at once without ``wait`` or
-        with :data:`MAX_QUEUED` calls waiting."""
+        of arrival); :class:`HopFull` past ``slot_wait_s`` (or ``wait_s``, the call's own
+        budget, when shorter), at once without ``wait`` or with :data:`MAX_QUEUED` calls
+        waiting."""
         if self.free and not self.queued:
             return self.free.pop()
         if not wait or len(self.queued) >= MAX_QUEUED:
             raise HopFull()
+        budget = self.slot_wait_s if wait_s is None else max(0.0, min(wait_s, self.slot_wait_s))
+        if budget <= 0:
+            raise HopFull(budget)
         waiter: asyncio.Future[int] = self.loop.create_future()
         self.queued.append(waiter)
         try:
-            async with asyncio.timeout(self.slot_wait_s):
+            async with asyncio.timeout(budget):
                 return await waiter
         except (TimeoutError, asyncio.CancelledError) as exc:
             if waiter.done() and not waiter.cancelled():  # given one as it left: pass it on
@@ -601,7 +605,7 @@ class FrontHop:
             with contextlib.suppress(ValueError):
                 self.queued.remove(waiter)
             if isinstance(exc, TimeoutError):
-                raise HopFull() from None
+                raise HopFull(budget) from None
             raise
 
     def _send(self, slot: int, kind: int, meta: dict[str, Any], arrays: list[Array]) -> None:
@@ -627,10 +631,12 @@ class FrontHop:
         gone: Callable[[], bool] | None = None,
         deliver: Callable[[Any], Awaitable[bool]] | None = None,
         wait: bool = True,
+        wait_s: float | None = None,
     ) -> Any:
         """Send a request, await its reply and return ``use(kind, meta, views)``, run while the
         reply's arrays are views of the slot (they must not outlive it). Raises
-        :class:`HopFull` when no slot came free within ``slot_wait_s``, :class:`HopError`
+        :class:`HopFull` when no slot came free within ``slot_wait_s`` (or ``wait_s``: what
+        is left of the client's own timeout or deadline, when shorter), :class:`HopError`
         when the request does not fit a slot, :class:`~node.errors.CoreLapsed` for a step
         while the core is stuck past its lease (:meth:`Region.lapsed`). Cancelled, the slot
         stays the core's until it answers; the core is then told the reply was not
@@ -641,7 +647,7 @@ class FrontHop:
             self.region.count_refused()
             raise CoreLapsed()
         waits = not self.free or bool(self.queued)
-        slot = await self._slot(wait)
+        slot = await self._slot(wait, wait_s)
         if waits:  # the core may have lapsed, or the client left, meanwhile
             if kind in _STEPS and self.region.lapsed(time.monotonic_ns()):
                 self._release(slot)

@@ -571,6 +571,78 @@ def test_a_step_whose_client_left_while_the_core_was_paused_is_applied_once(
         node.stop()
 
 
+def test_a_step_waiting_for_a_slot_waits_no_longer_than_its_clients_own_timeout(
+    tmp_path: Path,
+) -> None:
+    """Every slot of both fronts' hops in flight (the core paused with a step in each, more
+    steps waiting their turn behind them): a KServe request whose own ``timeout`` passes
+    while it waits for a slot is refused by its front then, 503 ``deadline`` naming that
+    timeout, over HTTP and over gRPC (``UNAVAILABLE``), as one process refuses a step whose
+    deadline passed while it queued; not at ``--act-deadline`` (a minute here), and never
+    sent to the core, which is still paused when they are answered."""
+    import tritonclient.grpc as tg
+    from tritonclient.utils import InferenceServerException
+
+    from tests.test_kserve import INFER, MODEL
+
+    redis = RedisServer(tmp_path).start()
+    grpc_port = free_port()
+    extra = ["--front-doors", "2", "--act-deadline", "60", "--grpc-port", str(grpc_port)]
+    n = Node(tmp_path, "queue", redis.url, devices="cpu:1", extra=extra)
+    fillers: list[socket.socket] = []
+    try:
+        n.start(timeout=60)
+        wait_until(lambda: len(fronts(n)) == 2, 30, "two fronts")
+        assert n.proc.popen is not None
+        core = n.proc.popen.pid
+        body = json.dumps({"episode_id": "filler", "inputs": {"obs": [[0.0] * 8]}})
+        head = (f"POST /act HTTP/1.1\r\nHost: {n.host}\r\nContent-Type: application/json"
+                f"\r\nContent-Length: {len(body)}\r\n\r\n")  # fmt: skip
+        pause(core)  # the core alone: its fronts go on, and fill their hops
+        try:
+            # 160 connections: each front gets its 32 (the kernel spreads them by their
+            # addresses: one getting fewer than 32 of 160 is a 1-in-10^13 chance)
+            for _ in range(160):
+                filler = socket.create_connection((n.host, n.port), timeout=30)
+                filler.sendall(head.encode() + body.encode())
+                fillers.append(filler)
+            wait_until(lambda: all(len(on_the_hop(f)) == 32 for f in fronts(n)), 30,
+                       "every slot of both fronts' hops in flight")  # fmt: skip
+            ask = {"inputs": [{"name": "obs", "shape": [1, 8], "datatype": "FP32",
+                               "data": [0.0] * 8}],
+                   "parameters": {"sequence_id": "late", "sequence_start": True,
+                                  "timeout": 300_000}}  # fmt: skip
+            kserve = httpx.post(n.url + INFER, json=ask, timeout=30)
+            grpc_in = tg.InferInput("obs", [1, 8], "FP32")
+            grpc_in.set_data_from_numpy(np.zeros((1, 8), np.float32))
+            with (
+                tg.InferenceServerClient(f"{n.host}:{grpc_port}") as client,
+                pytest.raises(InferenceServerException) as grpc_refused,
+            ):
+                client.infer(MODEL, [grpc_in], sequence_id=78, sequence_start=True,
+                             timeout=300_000, client_timeout=30)  # fmt: skip
+            assert stopped(core)  # answered by the fronts, the core never ran
+        finally:
+            os.kill(core, signal.SIGCONT)
+        assert kserve.status_code == 503 and kserve.headers["retry-after"] == "1", kserve.text
+        why = kserve.json()["error"]
+        assert why == "deadline: no answer within the request's timeout of 300000 µs", why
+        assert grpc_refused.value.status() == "StatusCode.UNAVAILABLE", grpc_refused.value
+        assert "deadline: " in str(grpc_refused.value.message()), grpc_refused.value
+        for filler in fillers:
+            filler.close()
+        step = {"episode_id": "after", "inputs": {"obs": [[0.0] * 8]}}
+        wait_until(lambda: post(n.url, step, False).status_code == 200, 60, "served again")
+        # the two refused never reached the core: no sequence of theirs holds a record
+        assert httpx.get(n.url + "/episodes/kserve:s:late").status_code == 404
+        assert httpx.get(n.url + "/episodes/kserve:i:78").status_code == 404
+    finally:
+        for filler in fillers:
+            filler.close()
+        n.stop()
+        redis.stop()
+
+
 def test_a_core_stuck_past_its_lease_has_its_fronts_refuse_steps_at_once(tmp_path: Path) -> None:
     """The node's process (the core) is paused past its lease, its fronts running: a step
     through any door (and a new openpi connection) is refused by the front at once, 503

@@ -131,6 +131,38 @@ async def test_a_call_past_the_slots_waits_its_turn_then_is_refused_past_the_wai
         assert sorted(front.free) == [0, 1] and not front.queued
 
 
+async def test_a_call_waits_for_a_slot_no_longer_than_its_own_budget() -> None:
+    """A call with a budget of its own (``wait_s``: what is left of a KServe request's
+    ``timeout`` or a gRPC deadline) shorter than ``slot_wait_s`` waits for a slot that long
+    only; it is refused then as a step whose deadline passed while it queued (503
+    ``deadline``), never sent, and leaves the queue. A budget already spent is refused at
+    once, the same way; a hop refusing a call it could not queue says ``busy``."""
+    core = Core(gate=asyncio.Event())
+    async with hop(core, slots=1) as (front, _):
+        one = np.ones(4, dtype=np.float32)
+        running = asyncio.create_task(front.call(ACT, {"n": 0}, [one], echo))
+        while len(core.seen) < 1:
+            await asyncio.sleep(0.001)
+        front.slot_wait_s = 3600.0  # (a test that waited this long would time out)
+        with pytest.raises(HopFull) as waited:
+            await front.call(ACT, {"n": 1}, [one], echo, wait_s=0.05)
+        assert waited.value.waited_s == 0.05 and not front.queued
+        refusal = waited.value.refusal()
+        assert refusal.reason == "deadline" and "0.05s" in str(refusal)
+        with pytest.raises(HopFull) as spent:
+            await front.call(ACT, {"n": 2}, [one], echo, wait_s=-1.0)
+        assert spent.value.waited_s == 0.0 and spent.value.refusal().reason == "deadline"
+        with pytest.raises(HopFull) as full:
+            await front.call(NOTE, {"rejected": "unauthorized"}, [], echo, wait=False)
+        assert full.value.waited_s is None and full.value.refusal().reason == "busy"
+        later = asyncio.create_task(front.call(ACT, {"n": 3}, [one], echo, wait_s=3600.0))
+        await asyncio.sleep(0)
+        core.gate.set()  # type: ignore[union-attr]
+        await running
+        assert (await later)[0]["facts"]["n"] == 3  # a budget long enough: served in turn
+        assert [m.get("n") for m in core.seen] == [0, 3]  # 1 and 2 never reached it
+
+
 async def test_a_note_never_waits_a_leaver_is_never_sent_and_the_queue_is_bounded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

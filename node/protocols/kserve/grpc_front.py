@@ -134,6 +134,7 @@ class FrontServicer:
         meta: dict[str, Any] = {"model": name, "version": version}
         arrays: list[Array] = []
         request_id: str | None = None
+        budgets: list[float] = []  # the request's own timeout, the client's deadline
         try:
             request = decode_request(msg, max_rows=self.max_rows)
         except (BadRequest, BodyError, Refused, InvalidArgument) as exc:
@@ -142,10 +143,14 @@ class FrontServicer:
         else:
             meta, arrays = request_meta(request, name, version)
             request_id = request.id
+            if request.timeout_s is not None:
+                budgets.append(request.timeout_s)
             if request.rows is None:
                 served[0] = request.episode or "-"
         meta["recv"] = started
-        meta["grpc"] = context.time_remaining()  # the client's deadline, if it set one
+        meta["grpc"] = client_s = context.time_remaining()  # the client's deadline, if any
+        if client_s is not None:
+            budgets.append(client_s)
 
         def use(
             kind: int, reply: dict[str, Any], views: list[Array]
@@ -162,9 +167,12 @@ class FrontServicer:
                                    parameters)  # fmt: skip
 
         try:
-            answer = await self.hop.call(KSERVE, meta, arrays, use, context.cancelled)
-        except HopFull:
-            why = "unavailable: this front door has every step of its hop in flight"
+            answer = await self.hop.call(  # a slot waited for no longer than its deadline
+                KSERVE, meta, arrays, use, context.cancelled,
+                wait_s=min(budgets) - (time.monotonic() - started) if budgets else None,
+            )  # fmt: skip
+        except HopFull as exc:  # busy, or its deadline passed while it waited for a slot
+            why = shaped(outcome(exc.refusal())).message
             raise Abort(grpc.StatusCode.UNAVAILABLE, why, "1") from None
         except CoreLapsed as exc:  # the core is stuck past its lease: try another node
             raise Abort(grpc.StatusCode.UNAVAILABLE, shaped(outcome(exc)).message, "1") from None
