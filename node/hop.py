@@ -246,6 +246,11 @@ class Region:
         value: int = self._state.unpack_from(self.mm, self.heads[slot])[0]
         return value
 
+    def kind(self, slot: int) -> int:
+        """The kind of the request or reply last written into ``slot``."""
+        value: int = _HEAD.unpack_from(self.mm, self.heads[slot])[1]
+        return value
+
     def set_state(self, slot: int, state: int) -> None:
         self._state.pack_into(self.mm, self.heads[slot], state)
 
@@ -743,9 +748,13 @@ class CoreHop:
             self._answer(slot, {"err": [400, "malformed", f"hop: {exc}", None, None]}, [])
             return
         if kind == UNDELIVERED:
-            if kept is not None:
-                await self.on_undelivered(kept)
-            self._answer(slot, {}, [])
+            try:
+                if kept is not None:
+                    await self.on_undelivered(kept)
+            except Exception:  # a bug: logged; the slot is answered all the same
+                log.exception("undoing a step whose reply a front did not deliver failed")
+            finally:
+                self._answer(slot, {}, [])
             return
         try:
             reply, out = await self.handler(kind, meta, arrays, slot)
@@ -788,6 +797,14 @@ class CoreHop:
         if self.alive:
             os.eventfd_write(self.answer, bits)
 
+    def _undelivered(self, slot: int) -> bool:
+        """Whether the reply kept for ``slot`` never reached its client, as far as the front
+        said: still unread (answered), or a not-delivered notice not yet served."""
+        state = self.region.state(slot)
+        return state == ANSWERED or (
+            state in (ASKED, TAKEN) and self.region.kind(slot) == UNDELIVERED
+        )
+
     async def _undo(self, kept: list[Any]) -> None:
         for keep in kept:
             await self.on_undelivered(keep)
@@ -803,7 +820,9 @@ class CoreHop:
         self.alive = False
         loop = asyncio.get_running_loop()
         loop.remove_reader(self.ask)
-        unread = [keep for slot, keep in self.kept.items() if self.region.state(slot) == ANSWERED]
+        # unread: still answered, or the front's word that it was not delivered still
+        # waiting here (asked, or taken by a task that will not run now)
+        unread = [keep for slot, keep in self.kept.items() if self._undelivered(slot)]
         self.kept.clear()
         if unread:
             task = loop.create_task(self._undo(unread))

@@ -310,6 +310,43 @@ async def test_a_front_gone_before_it_read_its_answer_has_that_step_undone() -> 
         task.cancel()
 
 
+async def test_a_front_gone_with_its_not_delivered_word_unserved_has_that_step_undone() -> None:
+    """The front read a reply back, found its client gone and wrote its word that it was
+    not delivered into the slot, then died before ringing (its ring waits for the end of
+    the loop's turn when other calls are in flight) or before the core served it: the
+    front's death undoes that step all the same, as for a reply never read back. A word
+    that makes the core's undo raise still has its slot answered."""
+    from node.hop import ASKED, UNDELIVERED
+
+    core = Core()
+    async with hop(core) as (front, core_end):
+        await front.call(ACT, {"n": 6}, [np.ones(2)], echo)  # read back
+        assert list(core_end.kept.values()) == [6]
+        slot = next(iter(core_end.kept))
+        core_end.region.write(slot, ASKED, UNDELIVERED, {}, [])  # written, never rung
+        core_end.drop()  # then it dies
+        for _ in range(1000):
+            if core.undelivered:
+                break
+            await asyncio.sleep(0.001)
+        assert core.undelivered == [6]
+
+    async def broken(kept: Any) -> None:
+        raise RuntimeError("an undo that breaks")
+
+    core = Core()
+    core.on_undelivered = broken  # type: ignore[method-assign]
+    async with hop(core, slots=1) as (front, _):
+        with pytest.raises(Undelivered):
+            await front.call(ACT, {"n": 7}, [np.ones(2)], echo, gone=lambda: True)
+        for _ in range(1000):  # answered all the same: the slot comes back
+            if 0 in front.free:
+                break
+            await asyncio.sleep(0.001)
+        meta, _ = await front.call(ACT, {"n": 8}, [np.ones(2)], echo)
+        assert meta["facts"]["n"] == 8
+
+
 async def test_a_reply_the_client_did_not_take_is_undone() -> None:
     core = Core()
     async with hop(core, slots=1) as (front, _):
