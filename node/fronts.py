@@ -198,8 +198,13 @@ async def serve_openpi(
         _count(service, exc)
         return {"fail": refusal(o), "status": o.status, "ep": conn.episode}, []
     out: list[Array] = []
+    try:
+        doc = lift(served.doc, out)
+    except HopError as exc:  # an output the hop cannot carry: as one too big, undone
+        await undeliver(service, served.replies)
+        return {"fail": f"internal: {exc}", "status": 500, "ep": conn.episode}, []
     reply = {
-        "doc": lift(served.doc, out),
+        "doc": doc,
         "rows": served.rows,
         "ep": conn.episode,
         "at": served.served,
@@ -284,14 +289,18 @@ async def serve_request(
     results = act.joined_rows(refused, where, served)
     metas: list[dict[str, Any]] = []
     outs: list[Array] = []
-    for result in results:
-        if isinstance(result, Reply):
-            row_meta, row_out = _reply_meta(result, timing)
-            metas.append(row_meta)
-            outs.extend(row_out)
-        else:
-            metas.append(act.encode_row(result))
     keep = [r for r in results if isinstance(r, Reply)]
+    try:
+        for result in results:
+            if isinstance(result, Reply):
+                row_meta, row_out = _reply_meta(result, timing)
+                metas.append(row_meta)
+                outs.extend(row_out)
+            else:
+                metas.append(act.encode_row(result))
+    except HopError as exc:  # an output the hop cannot carry: as one too big, all undone
+        await undeliver(service, keep)
+        return {"err": [500, "internal", str(exc), None, None]}, []
     return {"rows": metas, "keep": keep}, outs
 
 
@@ -380,7 +389,6 @@ class Fronts:
             await undeliver(service, kept)
 
         hop = CoreHop(region, ask, answer, handler, undelivered)
-        hop.start()
         listener = self.listeners[front.index]
         argv = [
             sys.executable, "-m", "node.front",
@@ -390,8 +398,15 @@ class Fronts:
         env = {k: v for k, v in os.environ.items() if k not in SECRETS}  # a front needs none
         env["AFFINITY_FRONT_SPEC"] = json.dumps(self.spec)  # the API key, if any, is in it
         fds = (listener.fileno(), region.fd, ask, answer)
-        with deaf_children():  # SIGINT and SIGTERM are the core's (node/hop.py)
-            front.process = subprocess.Popen(argv, pass_fds=fds, env=env)
+        try:
+            with deaf_children():  # SIGINT and SIGTERM are the core's (node/hop.py)
+                front.process = subprocess.Popen(argv, pass_fds=fds, env=env)
+        except BaseException:  # (no fork: memory, file descriptors) nothing of it is left
+            for fd in (ask, answer):
+                os.close(fd)
+            region.close()
+            raise
+        hop.start()  # (a ring before this waits in the eventfd)
         front.hop = hop
         front.refused = 0  # (a fresh region)
         front.started = time.monotonic()
@@ -431,21 +446,32 @@ class Fronts:
                 if process is None or process.poll() is None or self.stopping:
                     continue
                 self._drop(front)
-                front.restarts += 1
                 front.restarted += 1
                 self.restarts.inc()
-                ran = time.monotonic() - front.started
-                backoff = min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** min(front.restarts - 1, 6))
-                if ran > 10 * BACKOFF_S[1]:
-                    front.restarts, backoff = 0, BACKOFF_S[0]
+                if time.monotonic() - front.started > 10 * BACKOFF_S[1]:
+                    front.restarts = 0  # it ran a while: no backoff from earlier deaths
+                backoff = self._backoff(front)
                 log.warning("front %d (pid %d) exited with %s; restarting in %.1f s",
                             front.index, process.pid, process.returncode, backoff)  # fmt: skip
                 front.process = None
                 asyncio.get_running_loop().call_later(backoff, self._respawn, front)
 
+    @staticmethod
+    def _backoff(front: _Front) -> float:
+        """The wait before ``front``'s next start, doubling with its restarts in a row."""
+        front.restarts += 1
+        return float(min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** min(front.restarts - 1, 6)))
+
     def _respawn(self, front: _Front) -> None:
-        if not self.stopping and front.process is None:
+        if self.stopping or front.process is not None:
+            return
+        try:
             self._spawn(front)
+        except Exception as exc:  # tried again: a front index never stays without a process
+            backoff = self._backoff(front)
+            log.error("front %d could not be started (%s: %s); trying again in %.1f s",
+                      front.index, type(exc).__name__, exc, backoff)  # fmt: skip
+            asyncio.get_running_loop().call_later(backoff, self._respawn, front)
 
     def _drop(self, front: _Front) -> None:
         if front.lag is not None:
