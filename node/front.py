@@ -370,7 +370,9 @@ class FrontApp:
             return connection is not None and bool(connection.peer_closed())
 
         try:
-            status, out, content, headers = await self.hop.call(kind, meta, arrays, use, gone)
+            status, out, content, headers = await self.hop.call(  # within its deadline
+                kind, meta, arrays, use, gone, wait_s=_left(received, self.hop.slot_wait_s)
+            )
         except HopFull as exc:  # busy, or its deadline passed while it waited for a slot
             await respond_error(send, exc.refusal())
             return
@@ -442,9 +444,15 @@ class FrontApp:
             return connection is not None and bool(connection.peer_closed())
 
         timeout_s = None if request is None else request.timeout_s
+        wait = self.hop.slot_wait_s  # (--act-deadline: counted from its arrival too)
         try:  # a slot waited for no longer than the request's own timeout, if it set one
             status, out, content, headers = await self.hop.call(
-                KSERVE, meta, arrays, use, gone, wait_s=_left(received, timeout_s)
+                KSERVE,
+                meta,
+                arrays,
+                use,
+                gone,
+                wait_s=_left(received, min(timeout_s or wait, wait)),
             )
         except HopFull as exc:  # busy, or its deadline passed while it waited for a slot
             own = timeout_s if timeout_s is not None and timeout_s < self.hop.slot_wait_s else None
@@ -554,16 +562,18 @@ class FrontApp:
         if not isinstance(frame, bytes):  # a malformed ?episode_id= (or a malformed ask)
             await send({"type": "websocket.close", "code": 1008})
             return
-        await send({"type": "websocket.accept"})
-        await send({"type": "websocket.send", "bytes": frame})
         problem = opened.get("problem")
-        if problem is not None:
+        if problem is not None:  # not opened in the core
+            await send({"type": "websocket.accept"})
+            await send({"type": "websocket.send", "bytes": frame})
             # openpi's client reads the metadata on connect and an error only as a step's reply
             if (await receive())["type"] == "websocket.receive":
                 await self._note("bad_input")
                 await fail(send, str(problem))
             return
-        try:
+        try:  # opened in the core: closed there however this ends (a client gone at once)
+            await send({"type": "websocket.accept"})
+            await send({"type": "websocket.send", "bytes": frame})
             names = _Names(number, opened.get("fixed"), str(opened.get("own")))
             await self._steps(scope, receive, send, names)
         finally:
@@ -633,7 +643,8 @@ class FrontApp:
                 return False
             return True
 
-        call = self.hop.call(WS_STEP, meta, arrays, use, deliver=deliver)
+        call = self.hop.call(WS_STEP, meta, arrays, use, deliver=deliver,
+                             wait_s=_left(started, self.hop.slot_wait_s))  # fmt: skip
         try:
             reply = await watching(receive, call, early)
         except ClientGone:  # closed mid-step: the core undoes it (or holds it: seq)

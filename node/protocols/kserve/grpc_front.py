@@ -134,7 +134,7 @@ class FrontServicer:
         meta: dict[str, Any] = {"model": name, "version": version}
         arrays: list[Array] = []
         request_id: str | None = None
-        budgets: list[float] = []  # the request's own timeout, the client's deadline
+        ends: list[float] = []  # when the request's own timeout, the client's deadline end
         try:
             request = decode_request(msg, max_rows=self.max_rows)
         except (BadRequest, BodyError, Refused, InvalidArgument) as exc:
@@ -144,13 +144,13 @@ class FrontServicer:
             meta, arrays = request_meta(request, name, version)
             request_id = request.id
             if request.timeout_s is not None:
-                budgets.append(request.timeout_s)
+                ends.append(started + request.timeout_s)
             if request.rows is None:
                 served[0] = request.episode or "-"
         meta["recv"] = started
         meta["grpc"] = client_s = context.time_remaining()  # the client's deadline, if any
         if client_s is not None:
-            budgets.append(client_s)
+            ends.append(time.monotonic() + client_s)
 
         def use(
             kind: int, reply: dict[str, Any], views: list[Array]
@@ -169,7 +169,7 @@ class FrontServicer:
         try:
             answer = await self.hop.call(  # a slot waited for no longer than its deadline
                 KSERVE, meta, arrays, use, context.cancelled,
-                wait_s=min(budgets) - (time.monotonic() - started) if budgets else None,
+                wait_s=min(ends) - time.monotonic() if ends else None,
             )  # fmt: skip
         except HopFull as exc:  # busy, or its deadline passed while it waited for a slot
             why = shaped(outcome(exc.refusal())).message
