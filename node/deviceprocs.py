@@ -80,7 +80,7 @@ import numpy as np
 from node.deviceproc import FREE, GET, RUN, RUN_ROWS
 from node.devices import DeviceSpec
 from node.errors import HopError, StateLost, WorkerFenced, WorkerGone, WorkerRunError
-from node.hop import ASKED, NEVER_NS, Array, Region, deaf_children, lift, lower
+from node.hop import ASKED, Array, Region, deaf_children, lift, lower
 from node.procs import Running
 from node.providers import ProviderSettings
 
@@ -643,9 +643,13 @@ class DeviceProcs:
             region = worker.region
             if region is not None:
                 region.tell_generation(generation)
-                region.tell(now, NEVER_NS if until is None else until)
+                # None: the node left (it routes its stragglers' steps, serves none of its
+                # own): run out for a worker, which serves only this node's episodes
+                region.tell(now, 0 if until is None else until)
         later = time.monotonic() - IDLE_FREE_S
         for session in self.sessions.values():
+            if session.channel is None:  # restarting: the new process holds none of them
+                continue
             if session.frees and not session.freeing and session.asked < later:
                 session.freeing = True
                 self._track(asyncio.to_thread(session.free_idle))

@@ -38,7 +38,7 @@ import numpy as np
 
 from node import control
 from node.crashes import CrashTracker, Transition
-from node.errors import DeviceDown, ModelFailure, NotKept, StateLost, WorkerFenced
+from node.errors import DeviceDown, ModelFailure, NotKept, WorkerFenced, WorkerGone
 from node.jobs import Arrivals, Job, Member, Run, Session
 
 __all__ = [
@@ -503,11 +503,14 @@ class DeviceWorker:
 
     def _failed(self, m: Member, exc: Exception) -> None:
         """``m``'s run raised ``exc``: the device's failure, counted, unless the episode's
-        state was lost with a worker process, or the process refused it (the lease)."""
+        state was lost with a worker process, or the process refused it (the lease), or
+        the process died in it (the device goes down by that death, once: a run the hang
+        watch killed was counted as hung already, and a batch's steps rerun alone on a
+        dead process are one death, not one failure each)."""
         if isinstance(exc, WorkerFenced):
             self.answer(m.job.future, None, NotKept(m.job.key or ""))
             return
-        if not isinstance(exc, StateLost):  # (the episode's loss, not the device's)
+        if not isinstance(exc, WorkerGone):  # (StateLost: the episode's loss, not the device's)
             self.count_failure(f"{type(exc).__name__}: {exc}")
         self.answer(m.job.future, None, ModelFailure(self.id, exc))
 

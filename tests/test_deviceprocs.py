@@ -450,7 +450,8 @@ async def test_the_nodes_lease_reaches_the_process_which_serves_no_state_past_it
     request: the process says it holds none, and a run naming one is refused as fenced. A
     shadow candidate's states (its ghosts' table, which no fence drops) stay. A run asked
     under a generation already past keeps nothing once answered. A state the core lets go
-    of while its model is idle is freed by a request of its own."""
+    of while its model is idle is freed by a request of its own. A node that left (its
+    lease's end None: it routes its stragglers' steps) serves no state from its processes."""
     monkeypatch.setattr(deviceprocs, "IDLE_FREE_S", 3600.0)  # (no idle frees until the end)
     state = ("state_out.hidden",)
     p = DeviceProcs(
@@ -460,7 +461,7 @@ async def test_the_nodes_lease_reaches_the_process_which_serves_no_state_past_it
         ProviderSettings(), max_body_bytes=1 << 20, hang_s=60.0,
     )  # fmt: skip
     await p.start()
-    told: dict[str, Any] = {"until": None, "generation": 0}
+    told: dict[str, Any] = {"until": time.monotonic_ns() + 3_600_000_000_000, "generation": 0}
     try:
         p.supervise(lambda device, why: None, lambda device: asyncio.sleep(0),
                     lambda device: None, lambda: told["until"],
@@ -484,7 +485,7 @@ async def test_the_nodes_lease_reaches_the_process_which_serves_no_state_past_it
         fresh = await asyncio.to_thread(step, zeros)  # an initial state is no episode's
         assert isinstance(fresh, RemoteState)
         ghost = await asyncio.to_thread(step, ghost, candidate)  # no live episode's state
-        told["until"] = None  # renewed (a lease that never runs out, here)
+        told["until"] = time.monotonic_ns() + 3_600_000_000_000  # renewed
         p.tell()
         held = await asyncio.to_thread(step, held)
         assert p.held("n/0")[0] >= 3  # fresh, held, the ghost's
@@ -505,5 +506,41 @@ async def test_the_nodes_lease_reaches_the_process_which_serves_no_state_past_it
         monkeypatch.setattr(deviceprocs, "IDLE_FREE_S", 0.0)
         del kept, ghost  # let go of in the core: the models idle, freed all the same
         await until(lambda: p.held("n/0") == (0, 0), "an idle model's states freed")
+        held = await asyncio.to_thread(step, zeros)
+        told["until"] = None  # the node left: it routes stragglers' steps, serves no state
+        p.tell()
+        with pytest.raises(WorkerFenced):
+            await asyncio.to_thread(step, held)
     finally:
         await p.stop()
+
+
+def test_a_run_its_worker_process_died_in_is_not_counted_as_the_devices_failure() -> None:
+    """A run that failed because its worker process died (killed as hung, a crash) is
+    answered as a model failure but not counted as one: the device goes down by that death,
+    once. Counted, a hang was counted twice (once as hung at the step's deadline), and a
+    batch whose steps are rerun alone on the dead process counted a failure per step, so
+    the device went down for "model failures" rather than for its process's death. A run
+    that raised by itself still counts."""
+    from types import SimpleNamespace
+
+    from node.errors import ModelFailure, NotKept
+    from node.worker import DeviceWorker
+
+    counted: list[str] = []
+    answered: list[BaseException] = []
+    worker = SimpleNamespace(
+        id="n/0",
+        count_failure=counted.append,
+        answer=lambda future, value, exc: answered.append(exc),
+    )
+    member = SimpleNamespace(job=SimpleNamespace(future=None, key="e"))
+    for exc in (
+        WorkerGone("n/0", "was killed by SIGKILL"),
+        StateLost("n/0", "restarted"),
+        WorkerFenced("n/0", "refused the run"),
+        RuntimeError("CUDA error: an illegal memory access"),
+    ):
+        DeviceWorker._failed(worker, member, exc)  # type: ignore[arg-type]
+    assert counted == ["RuntimeError: CUDA error: an illegal memory access"]
+    assert [type(a) for a in answered] == [ModelFailure, ModelFailure, NotKept, ModelFailure]
