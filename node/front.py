@@ -354,6 +354,8 @@ class FrontApp:
             return
         meta["recv"] = received
         meta["timing"] = timing is not None and timing.strip().lower() in ("1", "true")
+        if not binary_in:
+            meta["j"] = True  # its tensors were JSON lists: what is wrong is said as for them
         connection = scope.get(CONNECTION)
 
         def use(

@@ -244,11 +244,12 @@ async def serve_request(
     if not isinstance(received, float):
         raise HopError("no receive time")
     timing = bool(meta.get("timing"))
+    listed = meta.get("j") is True  # a JSON body: its tensors were lists
     deadline = received + service.config.act_deadline_s
     if kind == ACT:
         try:
             doc, _ = _feed(meta, arrays, 0)
-            step = await act.decode_doc(service, doc, True, deadline)
+            step = await act.decode_doc(service, doc, True, deadline, listed=listed)
             step.received, step.timing = received, timing
             reply = await service.router.act(step)
         except (BodyError, InvalidInput, InvalidArgument, Unavailable, Refused) as exc:
@@ -280,7 +281,7 @@ async def serve_request(
         else:
             raise HopError("bad row")
     try:
-        decoded = await act.decode_rows(service, {"steps": rows}, True, deadline)
+        decoded = await act.decode_rows(service, {"steps": rows}, True, deadline, listed=listed)
     except (BodyError, InvalidInput, InvalidArgument, Unavailable, Refused) as exc:
         return _refused(service, exc), []
     steps, where, refused = act.split_rows(service, decoded, received, timing)

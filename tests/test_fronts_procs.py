@@ -26,6 +26,9 @@ import pytest
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from affinity import Keys, wire
+from node import inputs
+from node.contract import load_contract
+from node.errors import InvalidInput
 from node.models import DEMO_MODEL
 from tests.models import counter_policy
 from tests.procs import (
@@ -54,6 +57,7 @@ pytestmark = [
 ]
 
 ADMIN = "fronts-admin"
+CONTRACT = load_contract(DEMO_MODEL)
 
 
 def fronts(node: Node) -> list[int]:
@@ -157,6 +161,20 @@ def test_rows_and_refusals_answer_as_the_single_process(node: Node, binary: bool
     assert broken.status_code == 400 and broken.json()["error"]["code"] == "malformed"
     many = post(node.url, {"steps": [{}] * 300}, binary)
     assert many.status_code == 413 and read(many)["error"]["code"] == "too_many_rows"
+    # numbers past float32: JSON lists the front made arrays of are refused in the words of
+    # one process (which reads the lists), a step and a row alike
+    far = [[1e39] * 8] if not binary else np.full((1, 8), 1e39)
+    try:
+        inputs.from_arrays(CONTRACT, {"obs": far}) if binary else inputs.from_json(
+            CONTRACT, {"obs": far}
+        )
+        raise AssertionError("numbers past float32 taken")
+    except InvalidInput as exc:
+        said = str(exc)  # what a node of one process answers
+    step = post(node.url, {"episode_id": "far", "inputs": {"obs": far}}, binary)
+    assert step.status_code == 422 and read(step)["error"]["message"] == said, step.text
+    row = post(node.url, {"steps": [{"episode_id": "far", "inputs": {"obs": far}}]}, binary)
+    assert read(row)["steps"][0]["error"]["message"] == said, row.text
 
 
 def test_every_other_path_reaches_the_nodes_process(node: Node) -> None:

@@ -37,6 +37,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
+import numpy as np
 import orjson
 
 from affinity import InvalidArgument, UnknownField, check_episode, wire
@@ -96,12 +97,25 @@ def decode(
     return decode_doc(service, doc, binary, deadline)
 
 
+def _lists(raw: object) -> object:
+    """``raw`` inputs with each array as the JSON lists it was made of."""
+    if not isinstance(raw, dict):
+        return raw
+    return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in raw.items()}
+
+
 async def decode_rows(
-    service: NodeService, doc: dict[Any, Any], binary: bool, deadline: float
+    service: NodeService,
+    doc: dict[Any, Any],
+    binary: bool,
+    deadline: float,
+    *,
+    listed: bool = False,
 ) -> list[Step | Exception]:
     """The rows of ``{"steps": [...]}``: each row a one-row body, decoded as one; a row
     that does not decode is that row's error. Refuses (400) a message naming an episode
-    in two rows (which would apply in no defined order), before any row is decoded."""
+    in two rows (which would apply in no defined order), before any row is decoded.
+    ``listed``: as :func:`decode_doc`."""
     if len(doc) != 1:
         other = next(str(k) for k in doc if k != "steps")
         raise UnknownField(other[:64], ("steps",))
@@ -123,15 +137,23 @@ async def decode_rows(
         try:
             if not isinstance(row, dict):
                 raise BodyError(400, "malformed", "a row must be a map (a JSON object)")
-            steps.append(await decode_doc(service, row, binary, deadline))
+            steps.append(await decode_doc(service, row, binary, deadline, listed=listed))
         except (BodyError, InvalidInput, InvalidArgument, Refused, Unavailable) as exc:
             steps.append(exc)
     return steps
 
 
 async def decode_doc(
-    service: NodeService, doc: dict[Any, Any], binary: bool, deadline: float
+    service: NodeService,
+    doc: dict[Any, Any],
+    binary: bool,
+    deadline: float,
+    *,
+    listed: bool = False,
 ) -> Step:
+    """One body's step. ``listed``: its inputs' tensors are JSON lists a front door made
+    arrays of (``node/front.py``); inputs the model refuses are then said as for the lists,
+    as a node of one process says them."""
     for key in doc:
         if key not in _KNOWN:
             raise UnknownField(str(key)[:64], FIELDS)
@@ -141,7 +163,15 @@ async def decode_doc(
     name, _, version = (None, "", None) if model is None else model.partition("@")
     name, contract = await service.model_for(name, version or None)
     raw = doc.get("inputs")
-    feed = inputs.from_arrays(contract, raw) if binary else inputs.from_json(contract, raw)
+    if not binary:
+        feed = inputs.from_json(contract, raw)
+    elif not listed:
+        feed = inputs.from_arrays(contract, raw)
+    else:
+        try:
+            feed = inputs.from_arrays(contract, raw)
+        except InvalidInput:  # (the error's path alone: said as for the JSON it came as)
+            feed = inputs.from_json(contract, _lists(raw))
     end, token = doc.get("end", False), doc.get("token")
     steps, ensemble = doc.get("execute_steps"), doc.get("ensemble")
     if not isinstance(end, bool):
