@@ -15,7 +15,9 @@ beside the servers on the same cores: say the machine's cores and load with the 
 
 ``--scale 1,2,4,8`` measures instead the issue's table: a node with each of those numbers
 of fronts (each on its own Redis), all driven in turn in every round, their steps/s, its ratio
-to one process, server CPU per request and every process' RSS.
+to the first, server CPU per request and every process' RSS. A count with a ``w`` (``2w``)
+is a node of that many fronts whose device runs in its own worker process
+(``--device-workers process``): the whole multi-process shape, e.g. ``--scale 1,2,1w,2w``.
 
 Usage: python -m bench.fronts [--runs 5] [--seconds 4] [--connections 16] [--scale 1,2,4,8]
 (wrk: ``bash .ci/run --print-packages`` lists it; else ``apt-get install -y wrk``)
@@ -89,23 +91,29 @@ def app(workers: int) -> tuple[subprocess.Popen[bytes], str]:
     return proc, url
 
 
-def scale_table(a: argparse.Namespace, counts: list[int]) -> None:
-    """Steps/s of a node with each of ``counts`` fronts (1: one process), alternating."""
+def scale_table(a: argparse.Namespace, counts: list[str]) -> None:
+    """Steps/s of a node with each of ``counts`` fronts (1: one process; ``2w``: 2 fronts
+    and a device worker process), alternating."""
     tmp = tmpdir()
     redises = [RedisServer(tmp).start() for _ in counts]  # a fleet each: no forwards
     extra = ["--capacity", "1000", "--lease-ttl", "30", "--access-log", "off", *EXTRA]
+
+    def shape(n: str) -> list[str]:
+        fronts = ["--front-doors", n.removesuffix("w")]
+        return [*fronts, "--device-workers", "process"] if n.endswith("w") else fronts
+
     nodes = {
-        n: Node(tmp, f"s{n}", redis.url, devices="cpu:1",
-                extra=[*extra, "--front-doors", str(n)])
+        n: Node(tmp, f"s{n}", redis.url, devices="cpu:1", extra=[*extra, *shape(n)])
         for n, redis in zip(counts, redises, strict=True)
     }  # fmt: skip
-    rounds: list[dict[int, tuple[float, float, float]]] = []
-    rss: dict[int, list[float]] = {}
+    rounds: list[dict[str, tuple[float, float, float]]] = []
+    rss: dict[str, list[float]] = {}
     try:
         for n, node in nodes.items():
             node.start(timeout=60)
             assert node.proc.popen is not None
-            wait_until(lambda node=node, n=n: len(family(node.proc.popen.pid)) >= n, 30,
+            procs = int(n.removesuffix("w")) + n.endswith("w")
+            wait_until(lambda node=node, k=procs: len(family(node.proc.popen.pid)) >= k, 30,
                        "fronts")  # fmt: skip
         load = episodes_lua(64)
         for node in nodes.values():  # warm (sessions, connections, claims)
@@ -130,9 +138,11 @@ def scale_table(a: argparse.Namespace, counts: list[int]) -> None:
     figures = []
     for n in counts:
         speed = median([r[n][0] / r[base][0] for r in rounds])
+        workers = ", its device in a worker process" if n.endswith("w") else ""
         figures.append({
-            "figure": f"node with {n} front(s), wrk -c{a.connections}: steps/s; ratio to "
-            f"{base}; server CPU per request; p50; RSS total (MiB)",
+            "figure": f"node with {n.removesuffix('w')} front(s){workers}, wrk "
+            f"-c{a.connections}: steps/s; ratio to {base}; server CPU per request; p50; RSS "
+            "total (MiB)",
             "result": f"{median([r[n][0] for r in rounds]):.0f} steps/s; {speed:.2f}x; "
             f"{median([r[n][1] for r in rounds]):.0f} µs; "
             f"{median([r[n][2] for r in rounds]) * 1e3:.2f} ms; {sum(rss[n]):.0f}",
@@ -146,9 +156,10 @@ def scale_table(a: argparse.Namespace, counts: list[int]) -> None:
 
 def main() -> None:
     a = options(runs=5, seconds=4.0, connections=16,
-                scale=("", "e.g. 1,2,4,8: the table of steps/s by fronts instead"))  # fmt: skip
+                scale=("", "e.g. 1,2,4,8 (2w: with a device worker process): the table "
+                        "of steps/s by shape instead"))  # fmt: skip
     if a.scale:
-        scale_table(a, [int(n) for n in a.scale.split(",")])
+        scale_table(a, a.scale.split(","))
         return
     tmp = tmpdir()
     redises = [RedisServer(tmp).start() for _ in range(2)]  # two fleets: no forwards between
