@@ -326,7 +326,7 @@ class _Front:
     started: float = 0.0
     since_ms: int = 0  # when it started, the wall clock's ms
     conns: Connections = field(default_factory=dict)
-    refused: int = 0  # steps its region says it refused as fenced, counted here so far
+    refused: int = 0  # steps its region says the front refused itself, counted here so far
 
 
 class Fronts:
@@ -431,7 +431,7 @@ class Fronts:
             region = front.hop.region
             region.tell(now, NEVER_NS if until is None else until)
             refused = region.refused()
-            if refused > front.refused:  # answered 503 fenced, as this core would have
+            if refused > front.refused:  # answered 503 (fenced, busy, deadline) by the front
                 self.routing.labels("unavailable").inc(refused - front.refused)
                 front.refused = refused
 

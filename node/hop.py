@@ -230,12 +230,14 @@ class Region:
         return states, nbytes
 
     def count_refused(self) -> None:
-        """The front refused a step because :meth:`lapsed` (the core counts it once it runs)."""
+        """The front refused a step itself: because :meth:`lapsed`, or with every slot in
+        flight (``busy``, or its deadline passed while it waited for one). The core counts
+        it, as one of its own refusals, once it runs."""
         at = CORE_AT + _CORE.size
         _REFUSED.pack_into(self.mm, at, _REFUSED.unpack_from(self.mm, at)[0] + 1)
 
     def refused(self) -> int:
-        """How many steps the front refused because :meth:`lapsed`."""
+        """How many steps the front refused itself (:meth:`count_refused`)."""
         value: int = _REFUSED.unpack_from(self.mm, CORE_AT + _CORE.size)[0]
         return value
 
@@ -652,7 +654,12 @@ class FrontHop:
             self.region.count_refused()
             raise CoreLapsed()
         waits = not self.free or bool(self.queued)
-        slot = await self._slot(wait, wait_s)
+        try:
+            slot = await self._slot(wait, wait_s)
+        except HopFull:
+            if kind in _STEPS:  # refused here: counted by the core as its own refusals
+                self.region.count_refused()
+            raise
         if waits:  # the core may have lapsed, or the client left, meanwhile
             if kind in _STEPS and self.region.lapsed(time.monotonic_ns()):
                 self._release(slot)

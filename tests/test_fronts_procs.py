@@ -658,6 +658,9 @@ def test_a_step_waiting_for_a_slot_waits_no_longer_than_its_clients_own_timeout(
             filler.close()
         step = {"episode_id": "after", "inputs": {"obs": [[0.0] * 8]}}
         wait_until(lambda: post(n.url, step, False).status_code == 200, 60, "served again")
+        # the two refusals are the node's, counted by the core as its own
+        routing = ("affinity_routing_total", frozenset({("result", "unavailable")}))
+        wait_until(lambda: metrics(n).get(routing, 0) >= 2, 30, "the refusals counted")
         # the two refused never reached the core: no sequence of theirs holds a record
         assert httpx.get(n.url + "/episodes/kserve:s:late").status_code == 404
         assert httpx.get(n.url + "/episodes/kserve:i:78").status_code == 404

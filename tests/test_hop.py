@@ -155,6 +155,7 @@ async def test_a_call_waits_for_a_slot_no_longer_than_its_own_budget() -> None:
         with pytest.raises(HopFull) as full:
             await front.call(NOTE, {"rejected": "unauthorized"}, [], echo, wait=False)
         assert full.value.waited_s is None and full.value.refusal().reason == "busy"
+        assert front.region.refused() == 2  # the steps refused, for the core to count; no note
         later = asyncio.create_task(front.call(ACT, {"n": 3}, [one], echo, wait_s=3600.0))
         await asyncio.sleep(0)
         core.gate.set()  # type: ignore[union-attr]
