@@ -596,6 +596,26 @@ def test_a_step_whose_client_left_while_the_core_was_paused_is_applied_once(
         node.stop()
 
 
+def grpc_refusal(address: str, sequence: int, **kw: Any) -> Any:
+    """The refusal (``InferenceServerException``) of a first gRPC step of ``sequence``
+    (the demo model's zeros) sent to ``address`` with ``kw`` (``timeout``: the KServe
+    parameter); it fails when the step is served."""
+    import tritonclient.grpc as tg
+    from tritonclient.utils import InferenceServerException
+
+    from tests.test_kserve import MODEL
+
+    grpc_in = tg.InferInput("obs", [1, 8], "FP32")
+    grpc_in.set_data_from_numpy(np.zeros((1, 8), np.float32))
+    with (
+        tg.InferenceServerClient(address) as client,
+        pytest.raises(InferenceServerException) as refused,
+    ):
+        client.infer(MODEL, [grpc_in], sequence_id=sequence, sequence_start=True,
+                     client_timeout=30, **kw)  # fmt: skip
+    return refused.value
+
+
 def test_a_step_waiting_for_a_slot_waits_no_longer_than_its_clients_own_timeout(
     tmp_path: Path,
 ) -> None:
@@ -605,10 +625,8 @@ def test_a_step_waiting_for_a_slot_waits_no_longer_than_its_clients_own_timeout(
     timeout, over HTTP and over gRPC (``UNAVAILABLE``), as one process refuses a step whose
     deadline passed while it queued; not at ``--act-deadline`` (a minute here), and never
     sent to the core, which is still paused when they are answered."""
-    import tritonclient.grpc as tg
-    from tritonclient.utils import InferenceServerException
 
-    from tests.test_kserve import INFER, MODEL
+    from tests.test_kserve import INFER
 
     redis = RedisServer(tmp_path).start()
     grpc_port = free_port()
@@ -638,22 +656,15 @@ def test_a_step_waiting_for_a_slot_waits_no_longer_than_its_clients_own_timeout(
                    "parameters": {"sequence_id": "late", "sequence_start": True,
                                   "timeout": 300_000}}  # fmt: skip
             kserve = httpx.post(n.url + INFER, json=ask, timeout=30)
-            grpc_in = tg.InferInput("obs", [1, 8], "FP32")
-            grpc_in.set_data_from_numpy(np.zeros((1, 8), np.float32))
-            with (
-                tg.InferenceServerClient(f"{n.host}:{grpc_port}") as client,
-                pytest.raises(InferenceServerException) as grpc_refused,
-            ):
-                client.infer(MODEL, [grpc_in], sequence_id=78, sequence_start=True,
-                             timeout=300_000, client_timeout=30)  # fmt: skip
+            grpc_refused = grpc_refusal(f"{n.host}:{grpc_port}", 78, timeout=300_000)
             assert stopped(core)  # answered by the fronts, the core never ran
         finally:
             os.kill(core, signal.SIGCONT)
         assert kserve.status_code == 503 and kserve.headers["retry-after"] == "1", kserve.text
         why = kserve.json()["error"]
         assert why == "deadline: no answer within the request's timeout of 300000 µs", why
-        assert grpc_refused.value.status() == "StatusCode.UNAVAILABLE", grpc_refused.value
-        assert "deadline: " in str(grpc_refused.value.message()), grpc_refused.value
+        assert grpc_refused.status() == "StatusCode.UNAVAILABLE", grpc_refused.value
+        assert "deadline: " in str(grpc_refused.message()), grpc_refused.value
         for filler in fillers:
             filler.close()
         step = {"episode_id": "after", "inputs": {"obs": [[0.0] * 8]}}
@@ -678,12 +689,10 @@ def test_a_core_stuck_past_its_lease_has_its_fronts_refuse_steps_at_once(tmp_pat
     tries another node instead of waiting on a stuck one. Before, it waited for the core,
     or for its own timeout. Once the core runs again it counts those refusals as its own
     and serves again."""
-    import tritonclient.grpc as tg
-    from tritonclient.utils import InferenceServerException
     from websockets.exceptions import InvalidStatus
     from websockets.sync.client import connect
 
-    from tests.test_kserve import INFER, MODEL, request_body
+    from tests.test_kserve import INFER, request_body
 
     redis = RedisServer(tmp_path).start()
     grpc_port = free_port()
@@ -711,14 +720,7 @@ def test_a_core_stuck_past_its_lease_has_its_fronts_refuse_steps_at_once(tmp_pat
                 got = [post(n.url, step, binary, timeout=30) for binary in (False, True)]
                 body, headers = request_body(np.zeros((1, 8), np.float32))
                 kserve = httpx.post(n.url + INFER, content=body, headers=headers, timeout=30)
-                grpc_in = tg.InferInput("obs", [1, 8], "FP32")
-                grpc_in.set_data_from_numpy(np.zeros((1, 8), np.float32))
-                with (
-                    tg.InferenceServerClient(f"{n.host}:{grpc_port}") as client,
-                    pytest.raises(InferenceServerException) as grpc_refused,
-                ):
-                    client.infer(MODEL, [grpc_in], sequence_id=77, sequence_start=True,
-                                 client_timeout=30)  # fmt: skip
+                grpc_refused = grpc_refusal(f"{n.host}:{grpc_port}", 77)
                 ws.send(wire.encode({"obs": np.zeros(8, np.float32)}))
                 refused = ws.recv(timeout=30)
                 with pytest.raises(InvalidStatus):  # a new connection: closed before accepted
@@ -731,8 +733,8 @@ def test_a_core_stuck_past_its_lease_has_its_fronts_refuse_steps_at_once(tmp_pat
             assert read(reply)["error"]["code"] == "fenced", reply.text
         assert kserve.status_code == 503 and kserve.json()["error"].startswith("fenced: ")
         assert isinstance(refused, str) and refused.startswith("fenced: "), refused
-        assert grpc_refused.value.status() == "StatusCode.UNAVAILABLE", grpc_refused.value
-        assert "fenced: " in str(grpc_refused.value.message()), grpc_refused.value
+        assert grpc_refused.status() == "StatusCode.UNAVAILABLE", grpc_refused.value
+        assert "fenced: " in str(grpc_refused.message()), grpc_refused.value
         # running again: it re-registers and serves; the refusals are counted as its own
         wait_until(lambda: post(n.url, step, False).status_code == 200, 60, "served again")
         routing = metrics(n)[("affinity_routing_total", frozenset({("result", "unavailable")}))]

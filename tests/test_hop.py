@@ -131,6 +131,14 @@ async def test_a_call_past_the_slots_waits_its_turn_then_is_refused_past_the_wai
         assert sorted(front.free) == [0, 1] and not front.queued
 
 
+async def in_flight(core: Core, front: FrontHop, one: Array) -> asyncio.Task[Any]:
+    """A call (``n`` 0) the core has taken and holds (its ``gate``): the hop's one slot."""
+    running = asyncio.create_task(front.call(ACT, {"n": 0}, [one], echo))
+    while len(core.seen) < 1:
+        await asyncio.sleep(0.001)
+    return running
+
+
 async def test_a_call_waits_for_a_slot_no_longer_than_its_own_budget() -> None:
     """A call with a budget of its own (``wait_s``: what is left of a KServe request's
     ``timeout`` or a gRPC deadline) shorter than ``slot_wait_s`` waits for a slot that long
@@ -140,9 +148,7 @@ async def test_a_call_waits_for_a_slot_no_longer_than_its_own_budget() -> None:
     core = Core(gate=asyncio.Event())
     async with hop(core, slots=1) as (front, _):
         one = np.ones(4, dtype=np.float32)
-        running = asyncio.create_task(front.call(ACT, {"n": 0}, [one], echo))
-        while len(core.seen) < 1:
-            await asyncio.sleep(0.001)
+        running = await in_flight(core, front, one)
         front.slot_wait_s = 3600.0  # (a test that waited this long would time out)
         with pytest.raises(HopFull) as waited:
             await front.call(ACT, {"n": 1}, [one], echo, wait_s=0.05)
@@ -174,9 +180,7 @@ async def test_a_note_never_waits_a_leaver_is_never_sent_and_the_queue_is_bounde
     core = Core(gate=asyncio.Event())
     async with hop(core, slots=1) as (front, _):
         one = np.ones(4, dtype=np.float32)
-        running = asyncio.create_task(front.call(ACT, {"n": 0}, [one], echo))
-        while len(core.seen) < 1:
-            await asyncio.sleep(0.001)
+        running = await in_flight(core, front, one)
         front.slot_wait_s = 60.0
         with pytest.raises(HopFull):
             await front.call(NOTE, {"rejected": "unauthorized"}, [], echo, wait=False)
