@@ -171,18 +171,18 @@ class Uncarried(HopError):
 
 class HopFull(Exception):
     """Every slot of a front door's hop is in flight: the step is refused 503 ``busy``, or,
-    when it waited its whole budget for a slot (``waited_s`` not None: the step's deadline,
-    or the client's own timeout), 503 ``deadline``, as one process refuses a step whose
-    deadline passed while it queued."""
+    when it waited for a slot until its deadline passed (its own timeout, or the node's
+    ``--act-deadline``, which ``deadline_s`` names), 503 ``deadline``, in the words one
+    process says for a step whose deadline passed while it queued."""
 
-    def __init__(self, waited_s: float | None = None) -> None:
+    def __init__(self, deadline_s: float | None = None) -> None:
         super().__init__()
-        self.waited_s = waited_s
+        self.deadline_s = deadline_s
 
     def refusal(self) -> Unavailable:
-        """The refusal a door answers: ``busy``, or ``deadline`` naming the wait."""
-        if self.waited_s is not None:
-            return Unavailable("deadline", f"no answer within {self.waited_s:g}s", 1.0)
+        """The refusal a door answers: ``busy``, or ``deadline``."""
+        if self.deadline_s is not None:
+            return Unavailable("deadline", f"no answer within {self.deadline_s}s", 1.0)
         return Unavailable("busy", "this front door has every step of its hop in flight", 1.0)
 
 

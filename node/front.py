@@ -457,7 +457,7 @@ class FrontApp:
                 wait_s=_left(received, min(timeout_s or wait, wait)),
             )
         except HopFull as exc:  # busy, or its deadline passed while it waited for a slot
-            own = timeout_s if timeout_s is not None and timeout_s < self.hop.slot_wait_s else None
+            own = timeout_s if timeout_s is not None and timeout_s < wait else None
             why = shaped(outcome(exc.refusal()), own).message
             await respond(send, 503, orjson.dumps({"error": why}), JSON,
                           [(b"retry-after", b"1")])  # fmt: skip

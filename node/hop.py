@@ -599,8 +599,8 @@ class FrontHop:
         if not wait or len(self.queued) >= MAX_QUEUED:
             raise HopFull()
         budget = self.slot_wait_s if wait_s is None else max(0.0, min(wait_s, self.slot_wait_s))
-        if budget <= 0:
-            raise HopFull(budget)
+        if budget <= 0:  # (what a deadline refusal names: the node's, as one process says)
+            raise HopFull(self.slot_wait_s)
         waiter: asyncio.Future[int] = self.loop.create_future()
         self.queued.append(waiter)
         try:
@@ -612,7 +612,7 @@ class FrontHop:
             with contextlib.suppress(ValueError):
                 self.queued.remove(waiter)
             if isinstance(exc, TimeoutError):
-                raise HopFull(budget) from None
+                raise HopFull(self.slot_wait_s) from None
             raise
 
     def _send(self, slot: int, kind: int, meta: dict[str, Any], arrays: list[Array]) -> None:

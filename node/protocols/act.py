@@ -163,15 +163,13 @@ async def decode_doc(
     name, _, version = (None, "", None) if model is None else model.partition("@")
     name, contract = await service.model_for(name, version or None)
     raw = doc.get("inputs")
-    if not binary:
-        feed = inputs.from_json(contract, raw)
-    elif not listed:
-        feed = inputs.from_arrays(contract, raw)
-    else:
-        try:
-            feed = inputs.from_arrays(contract, raw)
-        except InvalidInput:  # (the error's path alone: said as for the JSON it came as)
-            feed = inputs.from_json(contract, _lists(raw))
+    try:
+        feed = inputs.from_arrays(contract, raw) if binary else inputs.from_json(contract, raw)
+    except InvalidInput:
+        if not listed:
+            raise
+        # (the error's path alone) said as for the JSON lists they came as
+        feed = inputs.from_json(contract, _lists(raw))
     end, token = doc.get("end", False), doc.get("token")
     steps, ensemble = doc.get("execute_steps"), doc.get("ensemble")
     if not isinstance(end, bool):
