@@ -103,6 +103,11 @@ START_S = 600.0
 """How long a worker process may take to open its sessions (TensorRT builds its engines on
 a GPU's first start: minutes) before the core gives up on it."""
 STOP_S = 5.0
+CANDIDATE_HANG = (10.0, 60.0)
+"""A shadow candidate's run is hung past this many times the node's hang bound, and never
+before the second's seconds: it is off the step path (a slower candidate is what a shadow
+measures), and killing its process for it resets every live episode of the device. A
+wedged device hangs the live model's runs too, which the live bound catches."""
 TELL_S = 0.05
 """How often the core tells each worker process the node's lease (its end, its generation)."""
 IDLE_FREE_S = 1.0
@@ -203,9 +208,11 @@ class RemoteSession:
     device's, for its model); the supervisor swaps its channel when the process is
     restarted."""
 
-    def __init__(self, key: str, device: str, state: Sequence[str] = ()) -> None:
+    def __init__(self, key: str, device: str, state: Sequence[str] = (), live: bool = True) -> None:
         self.key = key
         self.device = device
+        self.live = live
+        """A live model's session, not a shadow candidate's (:data:`CANDIDATE_HANG`)."""
         self.state = frozenset(state)
         """The model's state outputs: held by the process, a :class:`RemoteState` here."""
         self.channel: _Channel | None = None
@@ -479,7 +486,8 @@ class DeviceProcs:
     id)`` is awaited (the node warms it up and brings the device up). :meth:`stop` ends
     them. ``restarted`` is called once per restart (a metric). A process whose run has
     gone on for ``hang_s`` (the node's ``--act-deadline``: no step waits longer) is hung:
-    it is killed, and restarted as one that died."""
+    it is killed, and restarted as one that died. A shadow candidate's run has a longer
+    bound (:data:`CANDIDATE_HANG`)."""
 
     def __init__(
         self,
@@ -501,7 +509,7 @@ class DeviceProcs:
         self.hang_s = hang_s
         self.workers = {self.device_id(s): _Worker(s) for s in specs}
         self.sessions: dict[tuple[str, str], RemoteSession] = {
-            (m.key, device): RemoteSession(m.key, device, m.state)
+            (m.key, device): RemoteSession(m.key, device, m.state, m.live)
             for device in self.workers
             for m in self.models
         }
@@ -678,16 +686,25 @@ class DeviceProcs:
                 since = session.since
                 worker = self.workers[device]
                 process = worker.process
-                if since is None or now - since < self.hang_s or process is None:
+                bound = self.hang_bound(session)
+                if since is None or now - since < bound or process is None:
                     continue
                 if process.poll() is None and session.channel is not None:
                     log.error(
-                        "device %s: a run of %s has gone on for %.1f s (--act-deadline %g s): "
+                        "device %s: a run of %s has gone on for %.1f s (%s %g s): "
                         "its worker process %d is hung, killed and restarted",
-                        device, key, now - since, self.hang_s, process.pid,
+                        device, key, now - since,
+                        "--act-deadline" if session.live else "a shadow candidate's bound", bound,
+                        process.pid,
                     )  # fmt: skip
                     process.kill()
                     session.since = None  # once: its death is seen through its pidfd
+
+    def hang_bound(self, session: RemoteSession) -> float:
+        """How long a run of ``session`` goes on before its process counts as hung."""
+        if not session.live:
+            return max(CANDIDATE_HANG[0] * self.hang_s, CANDIDATE_HANG[1])
+        return self.hang_s
 
     def recycle_threadsafe(self, device: str, reason: str) -> None:
         """``device`` went down by its runs' failures (any thread): its worker process is

@@ -544,3 +544,43 @@ def test_a_run_its_worker_process_died_in_is_not_counted_as_the_devices_failure(
         DeviceWorker._failed(worker, member, exc)  # type: ignore[arg-type]
     assert counted == ["RuntimeError: CUDA error: an illegal memory access"]
     assert [type(a) for a in answered] == [ModelFailure, ModelFailure, NotKept, ModelFailure]
+
+
+async def test_a_shadow_candidates_slow_run_never_kills_the_live_models_process() -> None:
+    """A candidate shares its device's worker process with the live model. Its run going on
+    past the live bound is a slower candidate (what a shadow measures), not a hung device:
+    killing the process for it would reset every live episode there. It has a bound of its
+    own (10x, at least 60 s); the live model's run keeps the node's, in the same process."""
+    from node.deviceprocs import CANDIDATE_HANG
+
+    p = DeviceProcs(
+        "n", [CPU0], [DeviceModel("demo", str(DEMO), 1, True, 2),
+                      DeviceModel("demo@next", str(DEMO), 1, False, 2, (), False)],
+        ProviderSettings(), max_body_bytes=1 << 20, hang_s=0.5,
+    )  # fmt: skip
+    await p.start()
+    try:
+        reasons: list[str] = []
+        back = asyncio.Event()
+
+        async def came_back(device: str) -> None:
+            back.set()
+
+        p.supervise(lambda device, why: reasons.append(why), came_back, lambda device: None)
+        live, candidate = p.sessions[("demo", "n/0")], p.sessions[("demo@next", "n/0")]
+        assert p.hang_bound(live) == 0.5
+        assert p.hang_bound(candidate) == max(CANDIDATE_HANG[0] * 0.5, CANDIDATE_HANG[1])
+        pid = pid_of(p)
+        pause(pid)  # the candidate's run goes on and on
+        slow, out = in_thread(candidate, feed())
+        await asyncio.sleep(2.0)  # four live bounds (and the watch's turns): never killed
+        assert not out and reasons == [] and pid_of(p) == pid
+        hung, live_out = in_thread(live, feed())  # the live model's run: killed at its bound
+        await until(lambda: live_out and out, "both runs ended by the kill")
+        assert isinstance(live_out[0], WorkerGone) and isinstance(out[0], WorkerGone)
+        assert reasons == ["its worker process was killed by SIGKILL"]
+        await asyncio.wait_for(back.wait(), WAIT_S)
+        slow.join(WAIT_S)
+        hung.join(WAIT_S)
+    finally:
+        await p.stop()
