@@ -240,7 +240,7 @@ async def _core(region_fd: int, ask: int, answer: int) -> None:
     async def undelivered(kept: Any) -> None:
         pass
 
-    CoreHop(Region.open(region_fd), ask, answer, handler, undelivered).start()
+    CoreHop(Region.open(region_fd), ask, answer, handler, undelivered, undelivered).start()
     await stop
     await asyncio.sleep(0.01)  # the answer to the stop leaves
 

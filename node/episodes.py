@@ -463,20 +463,22 @@ class EpisodeTable:
         else:
             self._dropped.remember(episode, reason)
 
-    def undo(self, episode: str, seq: int | None = None, origin: str | None = None) -> bool:
+    def undo(
+        self, episode: str, seq: int | None = None, origin: str | None = None, doubt: bool = False
+    ) -> bool:
         """Undo step ``seq`` of ``episode`` (or the step forward ``origin`` applied), whose
-        reply did not reach a live caller (see :func:`undone`). A forward may be applied
-        with later steps on top: its router was paused while the client went on through
-        another node. That leaves the record in doubt: the next step says ``state_reset``. A
-        forward not applied yet is remembered as given up: it never applies. True when
-        something changed."""
+        reply did not reach a live caller, or may have (``doubt``: see :func:`undone`). A
+        forward may be applied with later steps on top: its router was paused while the
+        client went on through another node. That leaves the record in doubt: the next step
+        says ``state_reset``. A forward not applied yet is remembered as given up: it never
+        applies. True when something changed."""
         with self.lock:
             record = self._records.get(episode)
             held = self._records
             copy = self._copies.get(episode)
             if copy is not None and record is None:  # it followed the record's move here
                 record, held = copy, self._copies
-            back = None if record is None else undone(record, seq, origin)
+            back = None if record is None else undone(record, seq, origin, doubt)
             if back is not None:
                 held[episode] = back
                 if record is not None and record.origin and back is not record:

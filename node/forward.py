@@ -88,7 +88,9 @@ class Forward:
     step names, which the owner's fresh claim takes. ``step.origin`` is a random id of this
     forward; a router sends its own step with ``origin`` set instead (sent as the step's,
     without a copy of the step). ``undo`` asks the owner to undo the step that forward
-    ``step.origin`` applied (the router could not deliver its reply; no inputs).
+    ``step.origin`` applied (the router could not deliver its reply; no inputs); with
+    ``doubt`` the reply may have reached its client (its front died handing it over): the
+    episode's next step starts clean and says ``state_reset``.
     ``release`` asks the owner to end the episode (a release sent to another node; no
     inputs). The owner sets the decoded step's ``deadline`` on receipt (``budget_s`` from
     then)."""
@@ -105,6 +107,7 @@ class Forward:
     elapsed_s: float = 0.0  # how long the router had the step before forwarding it
     release: bool = False  # end the episode (``POST /episodes/<id>/end`` at another node)
     origin: str | None = None  # sent as the step's origin (None: ``step.origin``)
+    doubt: bool = False  # an undo of a reply that may have reached its client
 
     @classmethod
     def about(
@@ -118,10 +121,12 @@ class Forward:
         seq: int | None = None,
         undo: bool = False,
         release: bool = False,
+        doubt: bool = False,
     ) -> Forward:
         """A forward without a step to run: an undo or a release of ``episode``."""
         step = Step(episode, {}, 0.0, seq=seq, origin=origin)
-        return cls(step, token, device, "hit", budget_s, undo=undo, release=release)
+        return cls(step, token, device, "hit", budget_s, undo=undo, release=release,
+                   doubt=doubt)  # fmt: skip
 
     @property
     def episode(self) -> str:
@@ -150,6 +155,8 @@ class Forward:
             elapsed_ms=round(self.elapsed_s * 1000, 3),
             release=self.release,
         )
+        if self.doubt:  # (only then: the map an older node reads is unchanged)
+            doc["doubt"] = True
         return doc
 
     @classmethod
@@ -225,6 +232,7 @@ class Forward:
             model=model,
             elapsed_s=float(elapsed) / 1000,
             release=doc.get("release") is True,
+            doubt=doc.get("doubt") is True,
         )
 
 

@@ -38,7 +38,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -47,6 +47,7 @@ import httpx
 import numpy as np
 import orjson
 import uvicorn
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 from affinity import wire
 from affinity.wire import WireError
@@ -371,10 +372,9 @@ class FrontApp:
         def gone() -> bool:
             return connection is not None and bool(connection.peer_closed())
 
-        try:
-            status, out, content, headers = await self.hop.call(  # within its deadline
-                kind, meta, arrays, use, gone, wait_s=_left(received, self.hop.slot_wait_s)
-            )
+        try:  # a slot waited for within its deadline; the reply written before it is freed
+            await self.hop.call(kind, meta, arrays, use, gone, deliver=_writer(send),
+                                wait_s=_left(received, self.hop.slot_wait_s))  # fmt: skip
         except HopFull as exc:  # busy, or its deadline passed while it waited for a slot
             await respond_error(send, exc.refusal())
             return
@@ -389,8 +389,6 @@ class FrontApp:
             return
         except Undelivered:
             await respond_gone(send)
-            return
-        await respond(send, status, out, content, headers)
 
     async def kserve_infer(self, scope: Scope, receive: Receive, send: Send) -> None:
         """KServe v2 HTTP infer, as ``node/protocols/kserve/http.py`` answers it: the API
@@ -448,12 +446,13 @@ class FrontApp:
         timeout_s = None if request is None else request.timeout_s
         wait = self.hop.slot_wait_s  # (--act-deadline: counted from its arrival too)
         try:  # a slot waited for no longer than the request's own timeout, if it set one
-            status, out, content, headers = await self.hop.call(
+            await self.hop.call(
                 KSERVE,
                 meta,
                 arrays,
                 use,
                 gone,
+                deliver=_writer(send),
                 wait_s=_left(received, min(timeout_s or wait, wait)),
             )
         except HopFull as exc:  # busy, or its deadline passed while it waited for a slot
@@ -474,8 +473,6 @@ class FrontApp:
             return
         except Undelivered:
             await respond_gone(send)
-            return
-        await respond(send, status, out, content, headers)
 
     async def pass_on(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Any other HTTP request, to the core's app as it came; its reply back, streamed."""
@@ -643,7 +640,8 @@ class FrontApp:
                 await send({"type": "websocket.send", "bytes": body})
             except OSError:  # uvicorn's ClientDisconnected: the robot never gets it
                 return False
-            return True
+            drained = scope.get(DRAINED, _drained)  # the slot is freed once it is in the kernel
+            return bool(await drained())  # (_DrainingWebSocket)
 
         call = self.hop.call(WS_STEP, meta, arrays, use, deliver=deliver,
                              wait_s=_left(started, self.hop.slot_wait_s))  # fmt: skip
@@ -696,6 +694,22 @@ def _left(received: float, budget_s: float | None) -> float | None:
     return None if budget_s is None else budget_s - (time.monotonic() - received)
 
 
+Response = tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]
+
+
+def _writer(send: Send) -> Callable[[Response], Awaitable[bool]]:
+    """A call's ``deliver`` that writes its HTTP response (status, body, content type,
+    headers): the slot stays the front's (DELIVERING) until the response was handed to the
+    client's socket, so a front that dies mid-write leaves the step in doubt, never standing
+    unseen (node/hop.py)."""
+
+    async def deliver(response: Response) -> bool:
+        await respond(send, *response)
+        return True
+
+    return deliver
+
+
 _CORE = httpx.URL("http://core")
 """The core's app, as the fronts' client reaches it (its Unix socket)."""
 
@@ -725,6 +739,50 @@ async def _disconnected(receive: Receive, connection: Any) -> None:
         told.cancel()
 
 
+DRAINED = "affinity.drained"
+"""Scope key of a front's websocket's :meth:`_DrainingWebSocket.drained`."""
+
+
+async def _drained() -> bool:
+    """A server that cannot say when its writes reached the kernel: as soon as written."""
+    return True
+
+
+class _DrainingWebSocket(WebSocketsSansIOProtocol):
+    """uvicorn's websocket protocol, except that its transport pauses with any byte left in
+    the front's own buffer (write limits 0: the kernel's socket buffer is full, a robot on a
+    slow link) and every connection's scope carries :meth:`drained` (:data:`DRAINED`). An
+    openpi reply's slot stays DELIVERING until the reply is in the kernel: a front that
+    dies with it still in its buffer (gone with the process) leaves the step in doubt
+    (node/hop.py), never applied with its reply lost unsaid. uvicorn's ``send`` already
+    waits for ``writable`` before it writes. Hazard: a uvicorn upgrade is checked by
+    tests/test_fronts_openpi_procs.py (a reply held in a front's buffer)."""
+
+    lost_unsent = False
+    """The connection was lost with bytes still in the front's buffer."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self.transport.set_write_buffer_limits(high=0)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.writable.is_set():  # paused: what the buffer held never left
+            self.lost_unsent = True
+        super().connection_lost(exc)
+
+    def handle_connect(self, event: Any) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)  # (none for a handshake refused)
+        if scope is not None:
+            scope[DRAINED] = self.drained
+
+    async def drained(self) -> bool:
+        """Once nothing written so far is left in the front's buffer: True, or False when
+        the connection was lost with some of it unsent."""
+        await self.writable.wait()
+        return not self.lost_unsent
+
+
 class _FrontServer(uvicorn.Server):
     """uvicorn, deaf to SIGINT/SIGTERM: they are the core's (it keeps the fronts serving
     while it hands its episodes over, then stops them with SIGUSR1)."""
@@ -746,7 +804,7 @@ async def serve(argv: list[str]) -> None:
         uvicorn.Config(
             app,
             http=KeepAliveProtocol,
-            ws="websockets-sansio",
+            ws=_DrainingWebSocket,
             ws_max_size=int(spec["max_body_bytes"]),
             log_level="warning",
             access_log=False,

@@ -305,11 +305,12 @@ async def serve_request(
     return {"rows": metas, "keep": keep}, outs
 
 
-async def undeliver(service: NodeService, kept: Any) -> None:
-    """Undo what a front could not deliver (its client had gone)."""
+async def undeliver(service: NodeService, kept: Any, doubt: bool = False) -> None:
+    """Undo what a front could not deliver (its client had gone), or may not have
+    (``doubt``: it died handing it over)."""
     for reply in kept if isinstance(kept, list) else [kept]:
         if isinstance(reply, Reply):
-            await service.router.undelivered(reply)
+            await service.router.undelivered(reply, doubt)
 
 
 # ---- the supervisor -------------------------------------------------------------------------
@@ -389,7 +390,10 @@ class Fronts:
         async def undelivered(kept: Any) -> None:
             await undeliver(service, kept)
 
-        hop = CoreHop(region, ask, answer, handler, undelivered)
+        async def doubted(kept: Any) -> None:
+            await undeliver(service, kept, doubt=True)
+
+        hop = CoreHop(region, ask, answer, handler, undelivered, doubted)
         listener = self.listeners[front.index]
         argv = [
             sys.executable, "-m", "node.front",

@@ -376,23 +376,27 @@ class Mover:
         end = Forward.about(episode, token, device, MOVE_S, release=True)
         return not await send_undo(self.pool, url, end)
 
-    async def undo_during_move(self, episode: str, seq: int | None, origin: str | None) -> None:
+    async def undo_during_move(
+        self, episode: str, seq: int | None, origin: str | None, doubt: bool = False
+    ) -> None:
         """An undo that reached this node while ``episode`` is being moved. Before the
         commit is sent, it is applied here and spoils the move (which sends the record
         again). Once the commit is on its way it waits for the move (in a task of its own:
         a router that stops waiting does not cancel it), then follows the record."""
         if episode not in self._committing:
-            if self.table.undo(episode, seq, origin):
+            if self.table.undo(episode, seq, origin, doubt):
                 self._spoiled.add(episode)
             return
-        task = asyncio.ensure_future(self._undo_after_move(episode, seq, origin))
+        task = asyncio.ensure_future(self._undo_after_move(episode, seq, origin, doubt))
         self._telling.add(task)
         task.add_done_callback(self._telling.discard)
         await asyncio.shield(task)
 
-    async def _undo_after_move(self, episode: str, seq: int | None, origin: str | None) -> None:
+    async def _undo_after_move(
+        self, episode: str, seq: int | None, origin: str | None, doubt: bool
+    ) -> None:
         await self.table.wait_moved(episode)
-        if self.table.undo(episode, seq, origin) or self.table.get(episode) is not None:
+        if self.table.undo(episode, seq, origin, doubt) or self.table.get(episode) is not None:
             return
         await self.undo_moved(episode, seq, origin)
 

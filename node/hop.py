@@ -17,8 +17,9 @@ magic number, the slot count and size, and the front's event-loop lag histogram,
 front writes and the core's ``/metrics`` reads (:class:`SharedLoopBuckets`). Then the slots,
 each a 64-byte head (state, kind, length) and its data.
 
-A slot's state moves FREE → ASKED (the front) → TAKEN → ANSWERED (the core) → FREE (the
-front). A doorbell says which slots to look at: each ring adds ``1 << slot`` for the slots
+A slot's state moves FREE → ASKED (the front) → TAKEN → ANSWERED (the core) → DELIVERING →
+FREE (the front: DELIVERING while it hands the reply to its client, FREE once the client's
+socket took it). A doorbell says which slots to look at: each ring adds ``1 << slot`` for the slots
 it is about, and a slot is rung at most once before the other side drains the counter (it is
 not asked again before it was answered, nor answered twice), so the drained count is the set
 of those slots and rings that coincide are one wake-up. A side rings at once when that
@@ -29,7 +30,12 @@ more waits its turn for a slot (first come, first served) up to ``slot_wait_s`` 
 ``--act-deadline``), then is refused 503 ``busy`` (:class:`HopFull`); a refusal's note to the
 core never waits (dropped when every slot is in flight). A reply is kept by the core until the
 front's next request on that slot: the kind :data:`UNDELIVERED` says the client had gone,
-and the core undoes the step as it does for a client of its own that left.
+and the core undoes the step as it does for a client of its own that left. A front that dies
+leaves each kept reply's slot saying how far it got: never read back (ANSWERED, or its word
+that it was not delivered unserved), the step is undone; read back and being handed over
+(DELIVERING), whether it reached the client is unknown, so the step is undone *in doubt*: the
+episode's next step starts clean and says ``state_reset`` (DESIGN rule 6); FREE, it was
+handed to the kernel and stands, as a reply a node of one process wrote.
 
 The core copies a step's inputs out of the slot (one copy) because the owner may keep them
 past the step (the recorder, a ghost step, a replay); the worker processes the issue plans
@@ -64,6 +70,7 @@ Array = npt.NDArray[Any]
 __all__ = [
     "ACT",
     "ANSWERED",
+    "DELIVERING",
     "KSERVE",
     "NOTE",
     "REPLY",
@@ -89,7 +96,7 @@ CONTROL = 4096
 """Bytes of the control block, before the first slot."""
 SLOT_HEAD = 64
 ALIGN = 64
-FREE, ASKED, TAKEN, ANSWERED = 0, 1, 2, 3
+FREE, ASKED, TAKEN, ANSWERED, DELIVERING = 0, 1, 2, 3, 4
 ACT, ROWS, UNDELIVERED, NOTE, KSERVE = 1, 2, 3, 4, 5
 """Request kinds: one step; a message of rows; the slot's last reply was not delivered; a
 note (a refusal the front answered itself, counted by the core); a KServe v2 infer request
@@ -645,7 +652,10 @@ class FrontHop:
         :class:`HopFull` when no slot came free within ``slot_wait_s`` (or ``wait_s``: what
         is left of the client's own timeout or deadline, when shorter), :class:`HopError`
         when the request does not fit a slot, :class:`~node.errors.CoreLapsed` for a step
-        while the core is stuck past its lease (:meth:`Region.lapsed`). Cancelled, the slot
+        while the core is stuck past its lease (:meth:`Region.lapsed`). ``deliver`` hands the
+        result to the client (a response's write, a websocket's send): while it runs the
+        slot says DELIVERING, so a front that dies then leaves the step in doubt rather than
+        undone or standing (the module doc). Cancelled, the slot
         stays the core's until it answers; the core is then told the reply was not
         delivered. So is it when ``gone()`` says, once the reply is used, that the client
         has left, or when ``deliver(result)`` (awaited before the slot is freed: a
@@ -693,6 +703,7 @@ class FrontHop:
             left = gone is not None and gone()
             if deliver is not None and not left:
                 left = True
+                self.region.set_state(slot, DELIVERING)  # dying now leaves it in doubt
                 left = not await deliver(result)
         finally:
             if left:
@@ -715,13 +726,15 @@ class CoreHop:
     """The core's end of one front's hop: reads requests on the event loop, runs
     ``handler`` in a task per request, answers into the slot. :meth:`drop` (the front
     died) stops it at once: tasks still running finish, and their steps are undone as a
-    client's that left (held instead when they named ``seq``)."""
+    client's that left (held instead when they named ``seq``); a reply the front was
+    handing over when it died is given to ``on_doubt`` instead."""
 
     region: Region
     ask: int
     answer: int
     handler: Handler
     on_undelivered: Callable[[Any], Awaitable[None]]
+    on_doubt: Callable[[Any], Awaitable[None]]
     kept: dict[int, Any] = field(default_factory=dict)
     running: set[asyncio.Task[None]] = field(default_factory=set)
     alive: bool = True
@@ -812,16 +825,20 @@ class CoreHop:
             state in (ASKED, TAKEN) and self.region.kind(slot) == UNDELIVERED
         )
 
-    async def _undo(self, kept: list[Any]) -> None:
+    async def _undo(self, kept: list[Any], doubted: list[Any]) -> None:
         for keep in kept:
             await self.on_undelivered(keep)
+        for keep in doubted:
+            await self.on_doubt(keep)
 
     def drop(self) -> None:
         """The front is gone: stop reading. Its clients' connections went with it, so a
         reply it never read back (its slot still answered) reached nobody, and neither will
         the replies of steps still running: each is undone as for a client that left (a
-        step that named its ``seq`` is held for the retry instead). A reply it read back may
-        have been sent: it stands, as one a node handed to the kernel."""
+        step that named its ``seq`` is held for the retry instead). A reply it was handing
+        to its client (DELIVERING) may or may not have reached it: ``on_doubt`` (undone,
+        and the episode's next step says ``state_reset``). A reply it handed over (its slot
+        freed) stands, as one a node handed to the kernel."""
         if not self.alive:
             return
         self.alive = False
@@ -830,9 +847,12 @@ class CoreHop:
         # unread: still answered, or the front's word that it was not delivered still
         # waiting here (asked, or taken by a task that will not run now)
         unread = [keep for slot, keep in self.kept.items() if self._undelivered(slot)]
+        doubted = [
+            keep for slot, keep in self.kept.items() if self.region.state(slot) == DELIVERING
+        ]
         self.kept.clear()
-        if unread:
-            task = loop.create_task(self._undo(unread))
+        if unread or doubted:
+            task = loop.create_task(self._undo(unread, doubted))
             self.running.add(task)
             task.add_done_callback(self.running.discard)
         for fd in (self.ask, self.answer):

@@ -269,7 +269,7 @@ class Owner:
         if fwd.device not in self.local_devices:
             raise Refused(421, "not_owner", f"device {fwd.device!r} is not on node {self.node_id}")
         if fwd.undo:
-            await self.undo(fwd.episode, fwd.step.seq, fwd.step.origin)
+            await self.undo(fwd.episode, fwd.step.seq, fwd.step.origin, fwd.doubt)
             return None
         if fwd.release:
             await self.end(fwd.episode, fwd.token)
@@ -348,14 +348,20 @@ class Owner:
             await self.let_go(fwd.episode, fwd.device, fwd.token, fwd.claim)
             raise Refused(409, "ended", str(exc)) from None
 
-    async def undo(self, episode: str, seq: int | None, origin: str = "") -> None:
+    async def undo(
+        self, episode: str, seq: int | None, origin: str = "", doubt: bool = False
+    ) -> None:
         """Undo step ``seq`` of ``episode`` (or forward ``origin``'s), served here, whose
-        reply reached nobody (a step that named its seq is held for the retry instead). An
-        undo for an episode whose record was handed over since follows it there."""
+        reply reached nobody (a step that named its seq is held for the retry instead), or
+        may have reached its client (``doubt``: the next step starts clean and says so). An
+        undo for an episode whose record was handed over since follows it there (where it
+        leaves the episode in doubt anyway: the record before the step did not move)."""
         if self.table.moving(episode):  # the undo waits for the move, or spoils it
-            await self.mover.undo_during_move(episode, None if origin else seq, origin or None)
+            await self.mover.undo_during_move(
+                episode, None if origin else seq, origin or None, doubt
+            )
             return
-        if self.table.undo(episode, None if origin else seq, origin or None):
+        if self.table.undo(episode, None if origin else seq, origin or None, doubt):
             return
         if self.table.get(episode) is None and self.table.moved_to(episode) is not None:
             await self.mover.undo_moved(episode, None if origin else seq, origin or None)

@@ -151,18 +151,22 @@ def advance(
                    asked=asked)  # fmt: skip
 
 
-def undone(record: Episode, seq: int | None, origin: str | None) -> Episode | None:
+def undone(
+    record: Episode, seq: int | None, origin: str | None, doubt: bool = False
+) -> Episode | None:
     """The record once step ``seq`` (or the step applied by forward ``origin``) is undone.
     That is its previous record, or ``record`` marked in doubt when a later step was
     applied meanwhile (the next step says ``state_reset``). None: nothing to undo. The step
     was never applied or was undone already. Or it named its ``seq`` (held for its
-    caller's retry). Or its reply was replayed to a retry, which delivered it."""
+    caller's retry). Or its reply was replayed to a retry, which delivered it. ``doubt``:
+    whether the reply reached its client is unknown (a front died while handing it over),
+    so the previous record is in doubt too: the next step starts clean and says so."""
     matches = record.seq == seq if origin is None else (origin != "" and record.origin == origin)
     if matches and (record.pinned or record.asked is not None):
         return None  # delivered by a replay, or held for the retry its seq makes safe
     if matches and record.previous is not None:
-        if record.doubt:  # an earlier step could not be undone: the one before is in doubt too
-            record.previous.doubt = True
+        if record.doubt or doubt:  # an earlier step could not be undone, or this one may
+            record.previous.doubt = True  # have reached its client: the one before is in doubt
         return record.previous
     if matches and record.seq > 0:
         record.doubt = True  # handed over without the record before it: the next step says so

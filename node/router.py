@@ -609,20 +609,26 @@ class Router:
 
     # ---- undo and end ------------------------------------------------------------------
 
-    async def undelivered(self, reply: Reply) -> None:
+    async def undelivered(self, reply: Reply, doubt: bool = False) -> None:
         """Undo the step of ``reply``, which did not reach a live caller: here when it was
         served here, else by telling its owner (bounded by :data:`UNDO_S`). Nothing for a
         replayed reply (an earlier attempt applied it, whose own fate decides) or a step
-        that named its ``seq`` (held for the client's retry)."""
+        that named its ``seq`` (held for the client's retry). ``doubt``: it may have reached
+        its caller (a front died handing it over), so the episode's next step starts clean
+        and says ``state_reset``."""
         if reply.episode is None or reply.replayed or reply.held:
             return
         if not reply.origin:
-            await self.owner.undo(reply.episode, reply.seq)
+            await self.owner.undo(reply.episode, reply.seq, doubt=doubt)
             return
-        await self._undo_at(reply.url, reply.episode, reply.token, reply.device, reply.origin)
+        await self._undo_at(reply.url, reply.episode, reply.token, reply.device, reply.origin,
+                            doubt)  # fmt: skip
 
-    async def _undo_at(self, url: str, episode: str, token: int, device: str, origin: str) -> None:
-        undo = Forward.about(episode, token, device, UNDO_S, origin=origin, undo=True)
+    async def _undo_at(
+        self, url: str, episode: str, token: int, device: str, origin: str, doubt: bool = False
+    ) -> None:
+        undo = Forward.about(episode, token, device, UNDO_S, origin=origin, undo=True,
+                             doubt=doubt)  # fmt: skip
         problem = await send_undo(self.pool, url, undo)
         if problem:
             log.warning("could not tell %s to undo a step of %r (%s)", url, episode, problem)

@@ -56,11 +56,13 @@ def slow_policy(out_dir: Path, repeats: int = 72, width: int = 256) -> Path:
     return path
 
 
-def counter_policy(out_dir: Path, repeats: int = 0, width: int = 128) -> Path:
+def counter_policy(out_dir: Path, repeats: int = 0, width: int = 128, wide: int = 0) -> Path:
     """A probe policy whose recurrent state counts exactly the steps its episode has seen:
     ``obs [batch,8]`` and ``state_in.count [batch,1]`` in, ``count = state_in.count + 1``
     out (fed back as ``state_out.count``). ``repeats`` ``width``x``width`` matrix products
-    per run (their result multiplied by zero) make a run take longer without changing it."""
+    per run (their result multiplied by zero) make a run take longer without changing it.
+    ``wide`` (a multiple of 8) adds the output ``wide [batch, wide]``, ``obs`` repeated: a
+    reply of ``4 * wide`` bytes."""
     w = Weights(seed=11)
     nodes = [
         helper.make_node(
@@ -89,15 +91,23 @@ def counter_policy(out_dir: Path, repeats: int = 0, width: int = 128) -> Path:
     else:
         nodes.append(helper.make_node("Identity", ["next"], ["state_out.count"]))
     nodes.append(helper.make_node("Identity", ["state_out.count"], ["count"]))
+    outputs = [
+        tensor("count", TensorProto.FLOAT, 1),
+        tensor("state_out.count", TensorProto.FLOAT, 1),
+    ]
+    if wide:
+        times = w.constant("times", np.array([1, wide // 8]))
+        nodes.append(helper.make_node("Tile", ["obs", times], ["wide"]))
+        outputs.append(tensor("wide", TensorProto.FLOAT, wide))
     built = model(
         "counter_policy",
         nodes,
         [tensor("obs", TensorProto.FLOAT, 8), tensor("state_in.count", TensorProto.FLOAT, 1)],
-        [tensor("count", TensorProto.FLOAT, 1), tensor("state_out.count", TensorProto.FLOAT, 1)],
+        outputs,
         w,
         "affinity-tests",
     )
-    name = f"counter_policy_{repeats}.onnx"
+    name = f"counter_policy_{repeats}{f'_{wide}' if wide else ''}.onnx"
     path, _ = write(out_dir, name, built, {"state": {"state_in.count": "state_out.count"}})
     return path
 

@@ -78,6 +78,22 @@ async def test_a_step_whose_reply_was_lost_is_undone_with_its_buffer() -> None:
     assert (retry.seq, act(retry), retry.state_reset) == (2, 3.0, False)
 
 
+async def test_a_step_whose_reply_may_have_been_delivered_makes_the_next_one_a_reset() -> None:
+    """Undone in doubt (a front died while handing its reply over: node/hop.py): whether
+    the client holds step 2's result is unknown, so the next step starts clean and says so,
+    never a silent continuation from step 1 (DESIGN rule 6); the one after goes on."""
+    d, _, _ = make(1)
+    await dispatch(d, "n/0", "ep", 7, True, obs(1))
+    unknown = await dispatch(d, "n/0", "ep", 7, False, obs(2))
+    assert d.table.undo("ep", unknown.seq, doubt=True)
+    nxt = await dispatch(d, "n/0", "ep", 7, False, obs(4))
+    assert (nxt.state_reset, nxt.seq, act(nxt)) == (True, 1, 4.0)  # started clean, said
+    after = await dispatch(d, "n/0", "ep", 7, False, obs(1))
+    assert (after.state_reset, after.seq, act(after)) == (False, 2, 5.0)
+    held = await dispatch(d, "n/0", "held", 7, True, obs(1), seq=1)  # seq makes a retry safe:
+    assert not d.table.undo("held", held.seq, doubt=True)  # held for it, never in doubt
+
+
 async def test_the_first_step_undone_leaves_a_claim_with_nothing_applied() -> None:
     d, _, _ = make(1)
     first = await dispatch(d, "n/0", "ep", 7, True, obs(5))

@@ -233,3 +233,8 @@ def test_a_forward_carries_the_step_whole_under_the_old_keys() -> None:
         Forward.about("ep", 1, "a/0", 0.5, origin="ff", seq=4, undo=True).encode()
     )
     assert about.undo and not about.release and (about.step.origin, about.step.seq) == ("ff", 4)
+    assert not about.doubt and "doubt" not in wire.decode(about.encode())  # (older nodes' map)
+    doubted = Forward.decode(
+        Forward.about("ep", 1, "a/0", 0.5, origin="ff", undo=True, doubt=True).encode()
+    )
+    assert doubted.undo and doubted.doubt  # a reply that may have reached its client

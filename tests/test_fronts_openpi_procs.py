@@ -8,6 +8,8 @@ gets the kept reply, the step applied once); and the core never sees a websocket
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
 import os
 import signal
@@ -27,8 +29,16 @@ from openpi_client import msgpack_numpy
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from affinity import Keys
+from node.hop import DELIVERING
 from tests.models import counter_policy
-from tests.procs import Node, RedisServer, connections, held_mid_step, wait_until
+from tests.procs import (
+    Node,
+    RedisServer,
+    connections,
+    held_mid_step,
+    hop_states,
+    wait_until,
+)
 from tests.test_fronts_procs import embedded, fronts
 from tests.test_openpi import libero, replay
 
@@ -338,6 +348,89 @@ def test_a_step_whose_robot_left_mid_step_is_held_for_its_retry(tmp_path: Path) 
         assert int(np.asarray(retry["count"]).reshape(-1)[0]) == 2
         third = again.infer({"obs": np.zeros(8, np.float32), "seq": 3})
         assert int(np.asarray(third["count"]).reshape(-1)[0]) == 3 and not third["replayed"]
+        again._ws.close()
+    finally:
+        node.stop()
+
+
+def slow_robot(node: Node, query: str, observation: dict[str, Any]) -> socket.socket:
+    """A robot on a link that carries nothing back: a websocket opened by hand (a client
+    library reads in the background) on a socket with a small receive buffer, one
+    observation sent, nothing ever read."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    sock.connect((node.host, node.port))
+    key = base64.b64encode(os.urandom(16))
+    sock.sendall(b"GET /" + query.encode() + b" HTTP/1.1\r\nHost: robot\r\nUpgrade: websocket\r\n"
+                 b"Connection: Upgrade\r\nSec-WebSocket-Key: " + key +
+                 b"\r\nSec-WebSocket-Version: 13\r\n\r\n")  # fmt: skip
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(1)  # (the metadata frame after it is left unread)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    payload = msgpack_numpy.packb(observation)
+    mask = os.urandom(4)
+    masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    length = (
+        bytes([0x80 | len(payload)])
+        if len(payload) < 126
+        else b"\xfe" + len(payload).to_bytes(2, "big")
+    )
+    sock.sendall(b"\x82" + length + mask + masked)  # one binary frame, masked as a client's
+    return sock
+
+
+def test_a_front_dead_with_a_reply_in_its_buffer_leaves_that_step_in_doubt(tmp_path: Path) -> None:
+    """A robot on a slow link: its step's reply (12 MB) fills the kernel's socket buffers
+    and the rest waits in its front's own buffer, so the slot says DELIVERING. The front is
+    killed then. Whether the robot got that step is unknown to the core: the episode's next
+    step starts clean and says ``state_reset`` (DESIGN rule 6), never a silent continuation
+    from the step before. (Before, the slot was freed once the reply was in the front's
+    buffer: the step stood with its reply gone with the process.)"""
+    node = embedded(tmp_path, "fd", model=counter_policy(tmp_path, wide=3 << 20))
+    node.start(timeout=60)
+
+    def count(reply: dict[str, Any]) -> int:
+        return int(np.asarray(reply["count"]).reshape(-1)[0])
+
+    try:
+        wait_until(lambda: len(fronts(node)) == 2, 30, "two fronts")
+        policy = client(node, "?episode_id=fd-slow")
+        assert count(policy.infer({"obs": np.zeros(8, np.float32)})) == 1
+        policy._ws.close()
+        holder: list[int] = []
+
+        def handing_over() -> bool:
+            for pid in fronts(node):
+                with contextlib.suppress(OSError, ValueError):
+                    if DELIVERING in hop_states(pid):
+                        holder[:] = [pid]
+                        return True
+            return False
+
+        # the first step's slot is freed once its front has seen the reply leave
+        wait_until(lambda: not handing_over(), 30, "the first reply handed over")
+        robot = slow_robot(node, "?episode_id=fd-slow", {"obs": np.ones(8, np.float32)})
+        try:
+            wait_until(handing_over, 60, "a front handing the step's reply over", interval=0.01)
+            os.kill(holder[0], signal.SIGKILL)
+        finally:
+            robot.close()
+        after = None
+        for _ in range(100):  # the other front, or the new one once it is up
+            try:
+                again = client(node, "?episode_id=fd-slow")
+                after = again.infer({"obs": np.zeros(8, np.float32)})
+                break
+            except (OSError, websockets.exceptions.WebSocketException, RuntimeError):
+                time.sleep(0.1)
+        assert after is not None
+        later = again.infer({"obs": np.zeros(8, np.float32)})
+        # in doubt before the next step ran: it starts clean and says so; or the next step
+        # ran on top of it before the core saw its front die (guarantees.md: only
+        # state_reset can say so): the one after says it
+        seen = [(count(r), bool(r["state_reset"])) for r in (after, later)]
+        assert seen in ([(1, True), (2, False)], [(3, False), (1, True)]), seen
         again._ws.close()
     finally:
         node.stop()

@@ -7,6 +7,7 @@ asked."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import struct
 import time
@@ -51,6 +52,7 @@ class Core:
     gate: asyncio.Event | None = None
     seen: list[dict[str, Any]] = field(default_factory=list)
     undelivered: list[Any] = field(default_factory=list)
+    doubted: list[Any] = field(default_factory=list)
     finished: int = 0
 
     async def handler(
@@ -65,13 +67,16 @@ class Core:
     async def on_undelivered(self, kept: Any) -> None:
         self.undelivered.append(kept)
 
+    async def on_doubt(self, kept: Any) -> None:
+        self.doubted.append(kept)
+
 
 @asynccontextmanager
 async def hop(core: Core, slots: int = 4) -> AsyncIterator[tuple[FrontHop, CoreHop]]:
     region = Region.create(slots, 1 << 16)
     ask = os.eventfd(0, os.EFD_NONBLOCK)
     answer = os.eventfd(0, os.EFD_NONBLOCK)
-    core_end = CoreHop(region, ask, answer, core.handler, core.on_undelivered)
+    core_end = CoreHop(region, ask, answer, core.handler, core.on_undelivered, core.on_doubt)
     core_end.start()
     front_region = Region.open(os.dup(region.fd))
     front = FrontHop(front_region, os.dup(ask), os.dup(answer))
@@ -517,3 +522,38 @@ async def test_a_front_refuses_steps_itself_only_while_its_core_is_stuck_past_it
         core_end.region.tell(time.monotonic_ns(), now - 1)  # it runs again (fenced, say)
         meta, _ = await front.call(ACT, {"n": 3}, one, echo)
         assert meta["facts"]["n"] == 3 and core_end.region.refused() == 5
+
+
+async def test_a_front_dead_while_handing_a_reply_over_leaves_that_step_in_doubt() -> None:
+    """A front that dies while ``deliver`` runs (its write held back by a slow client: the
+    slot says DELIVERING) may or may not have got the reply to its client: the core gives
+    the step to ``on_doubt`` (undone, its episode's next step says ``state_reset``), never
+    undone as unread nor left standing. A reply the front finished handing over stands."""
+    from node.hop import DELIVERING
+
+    core = Core()
+    handing = asyncio.Event()
+    release = asyncio.Event()
+
+    async def slow(result: Any) -> bool:
+        handing.set()
+        await release.wait()
+        return True
+
+    async def handed(result: Any) -> bool:
+        return True
+
+    async with hop(core, slots=2) as (front, core_end):
+        await front.call(WS_STEP, {"n": 1}, [np.ones(2)], echo, deliver=handed)
+        call = asyncio.create_task(front.call(WS_STEP, {"n": 2}, [np.ones(2)], echo, deliver=slow))
+        await handing.wait()
+        assert sorted(core_end.region.state(s) for s in range(2)) == [0, DELIVERING]
+        core_end.drop()  # the front dies mid-write
+        for _ in range(1000):
+            if core.doubted:
+                break
+            await asyncio.sleep(0.001)
+        assert core.doubted == [2] and core.undelivered == []  # step 1 was handed over
+        call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await call
