@@ -372,8 +372,9 @@ class FrontApp:
         def gone() -> bool:
             return connection is not None and bool(connection.peer_closed())
 
+        writer = _Writer(scope, send)
         try:  # a slot waited for within its deadline; the reply written before it is freed
-            await self.hop.call(kind, meta, arrays, use, gone, deliver=_writer(send),
+            await self.hop.call(kind, meta, arrays, use, gone, deliver=writer,
                                 wait_s=_left(received, self.hop.slot_wait_s))  # fmt: skip
         except HopFull as exc:  # busy, or its deadline passed while it waited for a slot
             await respond_error(send, exc.refusal())
@@ -388,7 +389,8 @@ class FrontApp:
             await respond(send, 413, error_body("too_large", str(exc)))
             return
         except Undelivered:
-            await respond_gone(send)
+            if not writer.started:  # (a response under way or sent is never followed)
+                await respond_gone(send)
 
     async def kserve_infer(self, scope: Scope, receive: Receive, send: Send) -> None:
         """KServe v2 HTTP infer, as ``node/protocols/kserve/http.py`` answers it: the API
@@ -445,6 +447,7 @@ class FrontApp:
 
         timeout_s = None if request is None else request.timeout_s
         wait = self.hop.slot_wait_s  # (--act-deadline: counted from its arrival too)
+        writer = _Writer(scope, send)
         try:  # a slot waited for no longer than the request's own timeout, if it set one
             await self.hop.call(
                 KSERVE,
@@ -452,7 +455,7 @@ class FrontApp:
                 arrays,
                 use,
                 gone,
-                deliver=_writer(send),
+                deliver=writer,
                 wait_s=_left(received, min(timeout_s or wait, wait)),
             )
         except HopFull as exc:  # busy, or its deadline passed while it waited for a slot
@@ -472,7 +475,8 @@ class FrontApp:
             await respond(send, 413, orjson.dumps({"error": str(exc)}), JSON)
             return
         except Undelivered:
-            await respond_gone(send)
+            if not writer.started:  # (a response under way or sent is never followed)
+                await respond_gone(send)
 
     async def pass_on(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Any other HTTP request, to the core's app as it came; its reply back, streamed."""
@@ -631,7 +635,7 @@ class FrontApp:
             reply["body"] = wire.encode(doc)  # while the outputs are views of the slot
             return reply
 
-        async def deliver(reply: dict[str, Any]) -> bool:
+        async def deliver(reply: dict[str, Any]) -> bool | None:
             body = reply.get("body")
             if body is None:
                 return True
@@ -641,7 +645,8 @@ class FrontApp:
             except OSError:  # uvicorn's ClientDisconnected: the robot never gets it
                 return False
             drained = scope.get(DRAINED, _drained)  # the slot is freed once it is in the kernel
-            return bool(await drained())  # (_DrainingWebSocket)
+            delivered: bool | None = await drained()  # (_DrainingWebSocket; None: in doubt)
+            return delivered
 
         call = self.hop.call(WS_STEP, meta, arrays, use, deliver=deliver,
                              wait_s=_left(started, self.hop.slot_wait_s))  # fmt: skip
@@ -697,17 +702,23 @@ def _left(received: float, budget_s: float | None) -> float | None:
 Response = tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]
 
 
-def _writer(send: Send) -> Callable[[Response], Awaitable[bool]]:
+class _Writer:
     """A call's ``deliver`` that writes its HTTP response (status, body, content type,
-    headers): the slot stays the front's (DELIVERING) until the response was handed to the
-    client's socket, so a front that dies mid-write leaves the step in doubt, never standing
-    unseen (node/hop.py)."""
+    headers): the slot stays the front's (DELIVERING) until the whole response is in the
+    kernel (:class:`_DrainingHttp`), so a front that dies before leaves the step in doubt,
+    never standing with its reply gone with the process (node/hop.py). ``started``: the
+    response began (nothing else may be sent on the exchange then)."""
 
-    async def deliver(response: Response) -> bool:
-        await respond(send, *response)
-        return True
+    def __init__(self, scope: Scope, send: Send) -> None:
+        self.scope = scope
+        self.send = send
+        self.started = False
 
-    return deliver
+    async def __call__(self, response: Response) -> bool | None:
+        self.started = True
+        await respond(self.send, *response)
+        drained = getattr(self.scope.get(CONNECTION), "drained", None)
+        return True if drained is None else await drained()
 
 
 _CORE = httpx.URL("http://core")
@@ -741,11 +752,34 @@ async def _disconnected(receive: Receive, connection: Any) -> None:
 
 DRAINED = "affinity.drained"
 """Scope key of a front's websocket's :meth:`_DrainingWebSocket.drained`."""
+DRAIN_S = 60.0
+"""How long a reply may take to leave the front's buffer for the kernel (a client reading
+nothing, its window shut): past it the connection is dropped, the step in doubt."""
 
 
-async def _drained() -> bool:
+async def _drained() -> bool | None:
     """A server that cannot say when its writes reached the kernel: as soon as written."""
     return True
+
+
+async def _until_drained(
+    transport: asyncio.Transport, writable: Callable[[], Awaitable[Any]], lost: Callable[[], bool]
+) -> bool | None:
+    """Wait until every byte written to ``transport`` so far has left the front's buffer
+    for the kernel (``writable``: set when it is empty, write limits 0; first in, first
+    out, so the reply went with them): True. None when that cannot be known, so the step
+    is in doubt: the connection was closing when the reply was written (asyncio may drop
+    such a write), it was lost with bytes unsent (``lost``: perhaps only control frames
+    written after the reply), or it stayed full past :data:`DRAIN_S` (then dropped)."""
+    if transport.is_closing():
+        return None
+    try:
+        async with asyncio.timeout(DRAIN_S):
+            await writable()
+    except TimeoutError:
+        transport.abort()
+        return None
+    return None if lost() else True
 
 
 class _DrainingWebSocket(WebSocketsSansIOProtocol):
@@ -776,11 +810,33 @@ class _DrainingWebSocket(WebSocketsSansIOProtocol):
         if scope is not None:
             scope[DRAINED] = self.drained
 
-    async def drained(self) -> bool:
-        """Once nothing written so far is left in the front's buffer: True, or False when
-        the connection was lost with some of it unsent."""
-        await self.writable.wait()
-        return not self.lost_unsent
+    async def drained(self) -> bool | None:
+        """:func:`_until_drained` for this connection."""
+        return await _until_drained(self.transport, self.writable.wait, lambda: self.lost_unsent)
+
+
+class _DrainingHttp(KeepAliveProtocol):
+    """The node's HTTP protocol (``node/httpproto.py``), except that its transport pauses
+    with any byte left in the front's own buffer (write limits 0, as
+    :class:`_DrainingWebSocket`), and :meth:`drained` (on the request's
+    :data:`~node.asgi.CONNECTION`) says when a response is in the kernel whole. uvicorn's
+    ``send`` already waits for the transport to be writable before it writes."""
+
+    lost_unsent = False
+    """The connection was lost with bytes still in the front's buffer."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        transport.set_write_buffer_limits(high=0)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.flow is not None and self.flow.write_paused:  # what it held never left
+            self.lost_unsent = True
+        super().connection_lost(exc)
+
+    async def drained(self) -> bool | None:
+        """:func:`_until_drained` for this connection."""
+        return await _until_drained(self.transport, self.flow.drain, lambda: self.lost_unsent)
 
 
 class _FrontServer(uvicorn.Server):
@@ -803,7 +859,7 @@ async def serve(argv: list[str]) -> None:
     server = _FrontServer(
         uvicorn.Config(
             app,
-            http=KeepAliveProtocol,
+            http=_DrainingHttp,
             ws=_DrainingWebSocket,
             ws_max_size=int(spec["max_body_bytes"]),
             log_level="warning",

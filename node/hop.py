@@ -30,7 +30,8 @@ more waits its turn for a slot (first come, first served) up to ``slot_wait_s`` 
 ``--act-deadline``), then is refused 503 ``busy`` (:class:`HopFull`); a refusal's note to the
 core never waits (dropped when every slot is in flight). A reply is kept by the core until the
 front's next request on that slot: the kind :data:`UNDELIVERED` says the client had gone,
-and the core undoes the step as it does for a client of its own that left. A front that dies
+and the core undoes the step as it does for a client of its own that left; :data:`DOUBTED`
+says the hand-over failed midway, and the core undoes it in doubt. A front that dies
 leaves each kept reply's slot saying how far it got: never read back (ANSWERED, or its word
 that it was not delivered unserved), the step is undone; read back and being handed over
 (DELIVERING), whether it reached the client is unknown, so the step is undone *in doubt*: the
@@ -71,6 +72,7 @@ __all__ = [
     "ACT",
     "ANSWERED",
     "DELIVERING",
+    "DOUBTED",
     "KSERVE",
     "NOTE",
     "REPLY",
@@ -106,6 +108,10 @@ WS_OPEN, WS_STEP, WS_CLOSE = 6, 7, 8
 reply is its metadata frame), one observation frame (decoded by the front, its arrays
 carried raw: :func:`lift`), the connection closed."""
 REPLY = 9
+DOUBTED = 14
+"""The slot's last reply was being handed to the client when that failed or stopped (the
+connection lost with bytes of it unsent, a send cut off): whether it arrived is unknown, so
+its step is undone in doubt (the next step says ``state_reset``)."""
 _STEPS = frozenset((ACT, ROWS, KSERVE, WS_STEP, WS_OPEN))
 """The kinds a stuck core's front refuses itself (:meth:`Region.lapsed`): the steps, and an
 openpi connection opened for steps. A note, and a connection's close, wait for the core."""
@@ -136,6 +142,7 @@ HELD_AT = 512
 """Offset of what a device's worker process says it holds (:meth:`Region.say_held`): per
 model (its slot), the states and their bytes."""
 _HEAD = struct.Struct("<IIII")  # state, kind, header length, total length
+_REST = struct.Struct("<III")  # the head after its state: kind, header length, total length
 _CONTROL = struct.Struct("<IIII")  # magic, slots, slot size, spare
 _CORE = struct.Struct("<qq")  # the core's loop last ran, its lease's end (monotonic ns)
 _REFUSED = struct.Struct("<Q")  # steps the front refused as fenced (at CORE_AT + 16)
@@ -282,7 +289,8 @@ class Region:
             if nbytes:
                 at = start + offset
                 mm[at : at + nbytes] = memoryview(array).cast("B")  # type: ignore[arg-type]
-        _HEAD.pack_into(mm, head, state, kind, length, total)
+        _REST.pack_into(mm, head + 4, kind, length, total)
+        self._state.pack_into(mm, head, state)  # last: the other side reads it first
 
     def read(self, slot: int, copy: bool) -> tuple[int, dict[str, Any], list[Array]]:
         """(kind, meta, arrays) of ``slot``: copies (``copy``: independent of the region)
@@ -579,10 +587,10 @@ class FrontHop:
                 elif not waiting.done():
                     waiting.set_result(None)
 
-    def _undeliver(self, slot: int) -> None:
-        """The reply in ``slot`` has no reader: tell the core, free the slot once it has
-        answered that."""
-        self._send(slot, UNDELIVERED, {}, [])
+    def _undeliver(self, slot: int, doubt: bool = False) -> None:
+        """The reply in ``slot`` has no reader (or, ``doubt``, may have reached it: its
+        hand-over failed midway): tell the core, free the slot once it has answered that."""
+        self._send(slot, DOUBTED if doubt else UNDELIVERED, {}, [])
         told = self.loop.create_future()
         told.add_done_callback(lambda _: self._release(slot))
         self.waiting[slot] = told
@@ -643,7 +651,7 @@ class FrontHop:
         arrays: list[Array],
         use: Callable[[int, dict[str, Any], list[Array]], Any],
         gone: Callable[[], bool] | None = None,
-        deliver: Callable[[Any], Awaitable[bool]] | None = None,
+        deliver: Callable[[Any], Awaitable[bool | None]] | None = None,
         wait: bool = True,
         wait_s: float | None = None,
     ) -> Any:
@@ -659,7 +667,10 @@ class FrontHop:
         stays the core's until it answers; the core is then told the reply was not
         delivered. So is it when ``gone()`` says, once the reply is used, that the client
         has left, or when ``deliver(result)`` (awaited before the slot is freed: a
-        websocket's send) says False or is cancelled: this raises :class:`Undelivered`."""
+        websocket's send) says False (nothing of it reached the client): this raises
+        :class:`Undelivered`. ``deliver`` saying None (the connection lost with the reply
+        in part unsent), raising or cancelled leaves the step in doubt (:data:`DOUBTED`),
+        and raises :class:`Undelivered` too."""
         if kind in _STEPS and self.region.lapsed(time.monotonic_ns()):
             self.region.count_refused()
             raise CoreLapsed()
@@ -693,24 +704,27 @@ class FrontHop:
             else:
                 self.abandoned.add(slot)
             raise
-        left = True  # until the reply is known delivered
+        delivered: bool | None = False  # never reached the client, until known otherwise
         try:
             kind, reply, views = self.region.read(slot, copy=False)
             try:
                 result = use(kind, reply, views)
             finally:
                 del views
-            left = gone is not None and gone()
-            if deliver is not None and not left:
-                left = True
-                self.region.set_state(slot, DELIVERING)  # dying now leaves it in doubt
-                left = not await deliver(result)
+            if gone is not None and gone():
+                delivered = False
+            elif deliver is None:
+                delivered = True
+            else:  # from here, dying, raising or being cancelled leaves it in doubt
+                self.region.set_state(slot, DELIVERING)
+                delivered = None
+                delivered = await deliver(result)
         finally:
-            if left:
-                self._undeliver(slot)
-            else:
+            if delivered is True:
                 self._release(slot)
-        if left:
+            else:
+                self._undeliver(slot, doubt=delivered is None)
+        if delivered is not True:
             raise Undelivered()
         return result
 
@@ -767,9 +781,11 @@ class CoreHop:
         except HopError as exc:
             self._answer(slot, {"err": [400, "malformed", f"hop: {exc}", None, None]}, [])
             return
-        if kind == UNDELIVERED:
+        if kind in (UNDELIVERED, DOUBTED):
             try:
-                if kept is not None:
+                if kept is not None and kind == DOUBTED:
+                    await self.on_doubt(kept)
+                elif kept is not None:
                     await self.on_undelivered(kept)
             except Exception:  # a bug: logged; the slot is answered all the same
                 log.exception("undoing a step whose reply a front did not deliver failed")
@@ -825,6 +841,15 @@ class CoreHop:
             state in (ASKED, TAKEN) and self.region.kind(slot) == UNDELIVERED
         )
 
+    def _doubted(self, slot: int) -> bool:
+        """Whether the reply kept for ``slot`` was being handed to its client when the front
+        died (DELIVERING), or the front's word that its hand-over failed midway is still
+        unserved here."""
+        state = self.region.state(slot)
+        return state == DELIVERING or (
+            state in (ASKED, TAKEN) and self.region.kind(slot) == DOUBTED
+        )
+
     async def _undo(self, kept: list[Any], doubted: list[Any]) -> None:
         for keep in kept:
             await self.on_undelivered(keep)
@@ -847,9 +872,7 @@ class CoreHop:
         # unread: still answered, or the front's word that it was not delivered still
         # waiting here (asked, or taken by a task that will not run now)
         unread = [keep for slot, keep in self.kept.items() if self._undelivered(slot)]
-        doubted = [
-            keep for slot, keep in self.kept.items() if self.region.state(slot) == DELIVERING
-        ]
+        doubted = [keep for slot, keep in self.kept.items() if self._doubted(slot)]
         self.kept.clear()
         if unread or doubted:
             task = loop.create_task(self._undo(unread, doubted))

@@ -28,7 +28,7 @@ import pytest
 import redis
 
 from affinity.keys import Keys
-from node.hop import ASKED, FREE, TAKEN, Region
+from node.hop import ASKED, DELIVERING, FREE, TAKEN, Region
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -206,6 +206,26 @@ def held_mid_step(
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(core, signal.SIGCONT)
+
+
+def handing_over(fronts: Callable[[], list[int]]) -> int | None:
+    """The front whose hop holds a reply it is handing to its client (a slot DELIVERING:
+    the write under way, or bytes of it left in the front's buffer), if any."""
+    for pid in fronts():
+        with contextlib.suppress(OSError, ValueError):
+            if DELIVERING in hop_states(pid):
+                return pid
+    return None
+
+
+def slow_link(host: str, port: int) -> socket.socket:
+    """A client's socket on a link that carries nothing back: connected with a small
+    receive buffer, and never read (a reply bigger than the kernel's buffers stays in part
+    in its server's)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+    sock.connect((host, port))
+    return sock
 
 
 def hop_states(front: int) -> list[int]:

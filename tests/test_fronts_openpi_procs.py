@@ -9,7 +9,6 @@ gets the kept reply, the step applied once); and the core never sees a websocket
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
 import signal
@@ -29,14 +28,14 @@ from openpi_client import msgpack_numpy
 from openpi_client.websocket_client_policy import WebsocketClientPolicy
 
 from affinity import Keys
-from node.hop import DELIVERING
 from tests.models import counter_policy
 from tests.procs import (
     Node,
     RedisServer,
     connections,
+    handing_over,
     held_mid_step,
-    hop_states,
+    slow_link,
     wait_until,
 )
 from tests.test_fronts_procs import embedded, fronts
@@ -357,9 +356,7 @@ def slow_robot(node: Node, query: str, observation: dict[str, Any]) -> socket.so
     """A robot on a link that carries nothing back: a websocket opened by hand (a client
     library reads in the background) on a socket with a small receive buffer, one
     observation sent, nothing ever read."""
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
-    sock.connect((node.host, node.port))
+    sock = slow_link(node.host, node.port)
     key = base64.b64encode(os.urandom(16))
     sock.sendall(b"GET /" + query.encode() + b" HTTP/1.1\r\nHost: robot\r\nUpgrade: websocket\r\n"
                  b"Connection: Upgrade\r\nSec-WebSocket-Key: " + key +
@@ -398,22 +395,13 @@ def test_a_front_dead_with_a_reply_in_its_buffer_leaves_that_step_in_doubt(tmp_p
         policy = client(node, "?episode_id=fd-slow")
         assert count(policy.infer({"obs": np.zeros(8, np.float32)})) == 1
         policy._ws.close()
-        holder: list[int] = []
-
-        def handing_over() -> bool:
-            for pid in fronts(node):
-                with contextlib.suppress(OSError, ValueError):
-                    if DELIVERING in hop_states(pid):
-                        holder[:] = [pid]
-                        return True
-            return False
-
         # the first step's slot is freed once its front has seen the reply leave
-        wait_until(lambda: not handing_over(), 30, "the first reply handed over")
+        wait_until(lambda: handing_over(lambda: fronts(node)) is None, 30, "the reply sent")
         robot = slow_robot(node, "?episode_id=fd-slow", {"obs": np.ones(8, np.float32)})
         try:
-            wait_until(handing_over, 60, "a front handing the step's reply over", interval=0.01)
-            os.kill(holder[0], signal.SIGKILL)
+            holder = wait_until(lambda: handing_over(lambda: fronts(node)), 60,
+                                "a front handing the step's reply over", interval=0.01)  # fmt: skip
+            os.kill(holder, signal.SIGKILL)
         finally:
             robot.close()
         after = None

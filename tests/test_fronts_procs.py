@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -29,6 +30,7 @@ from affinity import Keys, wire
 from node import inputs
 from node.contract import load_contract
 from node.errors import InvalidInput
+from node.hop import FREE
 from node.models import DEMO_MODEL
 from tests.models import counter_policy
 from tests.procs import (
@@ -39,11 +41,14 @@ from tests.procs import (
     connections,
     deaf,
     free_port,
+    handing_over,
     held_mid_step,
+    hop_states,
     metrics,
     on_the_hop,
     pause,
     queued,
+    slow_link,
     stopped,
     wait_until,
 )
@@ -742,3 +747,81 @@ def test_a_core_stuck_past_its_lease_has_its_fronts_refuse_steps_at_once(tmp_pat
     finally:
         n.stop()
         redis.stop()
+
+
+def test_a_front_dead_with_a_reply_in_its_buffer_leaves_that_step_in_doubt(tmp_path: Path) -> None:
+    """A client on a slow link: its step's reply (12 MB, msgpack) fills the kernel's socket
+    buffers and the rest waits in its front's own buffer, so the slot says DELIVERING. The
+    front is killed then. Whether the client got that step is unknown to the core: the
+    episode's next step starts clean and says ``state_reset`` (DESIGN rule 6), never a
+    silent continuation from the step before. (Before, the slot was freed once the reply
+    was written to the front's transport: the step stood, its reply gone with the
+    process.)"""
+    node = embedded(tmp_path, "hd", model=counter_policy(tmp_path, wide=3 << 20))
+    node.start(timeout=60)
+    zeros = {"episode_id": "hd-slow", "inputs": {"obs": np.zeros((1, 8), np.float32)}}
+    try:
+        wait_until(lambda: len(fronts(node)) == 2, 30, "two fronts")
+        assert count(read(post(node.url, zeros, True, timeout=60))) == 1
+        wait_until(lambda: handing_over(lambda: fronts(node)) is None, 30, "the reply sent")
+        body = wire.encode(zeros)
+        client = slow_link(node.host, node.port)
+        try:
+            client.sendall(b"POST /act HTTP/1.1\r\nHost: node\r\nContent-Type: application/"
+                           b"msgpack\r\nAccept: application/msgpack\r\nContent-Length: "
+                           + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+            holder = wait_until(lambda: handing_over(lambda: fronts(node)), 60,
+                                "a front handing the step's reply over", interval=0.01)  # fmt: skip
+            os.kill(holder, signal.SIGKILL)
+        finally:
+            client.close()
+        seen = []
+        for _ in range(2):  # the other front, or the new one once it is up
+            for _ in range(100):
+                try:
+                    r = post(node.url, zeros, True, timeout=60)
+                except httpx.TransportError:
+                    time.sleep(0.1)
+                    continue
+                break
+            assert r.status_code == 200, r.text
+            seen.append((count(read(r)), bool(read(r)["state_reset"])))
+        # in doubt before the next step ran: it starts clean and says so; or the next step
+        # ran on top of it before the core saw its front die: the one after says it
+        assert seen in ([(1, True), (2, False)], [(3, False), (1, True)]), seen
+    finally:
+        node.stop()
+
+
+def test_a_client_gone_with_its_reply_in_part_unsent_has_that_step_in_doubt(
+    tmp_path: Path,
+) -> None:
+    """The same slow client resets its connection while its 12 MB reply is still in part in
+    its front's buffer (the front lives): the front saw its hand-over fail midway, and some
+    of the reply may have arrived. The step is undone in doubt: the next step starts clean
+    and says ``state_reset``. (Before, the step stood: the reply was counted as sent once
+    written to the front's transport.)"""
+    node = embedded(tmp_path, "hr", model=counter_policy(tmp_path, wide=3 << 20))
+    node.start(timeout=60)
+    zeros = {"episode_id": "hr-slow", "inputs": {"obs": np.zeros((1, 8), np.float32)}}
+    try:
+        wait_until(lambda: len(fronts(node)) == 2, 30, "two fronts")
+        assert count(read(post(node.url, zeros, True, timeout=60))) == 1
+        wait_until(lambda: handing_over(lambda: fronts(node)) is None, 30, "the reply sent")
+        body = wire.encode(zeros)
+        client = slow_link(node.host, node.port)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.sendall(b"POST /act HTTP/1.1\r\nHost: node\r\nContent-Type: application/"
+                       b"msgpack\r\nAccept: application/msgpack\r\nContent-Length: "
+                       + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+        holder = wait_until(lambda: handing_over(lambda: fronts(node)), 60,
+                            "a front handing the step's reply over", interval=0.01)  # fmt: skip
+        client.close()  # a reset: the front's buffer still holds part of the reply
+        wait_until(lambda: hop_states(holder).count(FREE) == len(hop_states(holder)), 30,
+                   "the core told, the slot freed")  # fmt: skip
+        seen = [(count(read(r)), bool(read(r)["state_reset"]))
+                for r in (post(node.url, zeros, True, timeout=60) for _ in range(2))]  # fmt: skip
+        assert seen == [(1, True), (2, False)], seen
+        assert alive(holder)
+    finally:
+        node.stop()

@@ -326,7 +326,7 @@ async def test_a_front_gone_with_its_not_delivered_word_unserved_has_that_step_u
     the loop's turn when other calls are in flight) or before the core served it: the
     front's death undoes that step all the same, as for a reply never read back. A word
     that makes the core's undo raise still has its slot answered."""
-    from node.hop import ASKED, UNDELIVERED
+    from node.hop import ASKED, DOUBTED, UNDELIVERED
 
     core = Core()
     async with hop(core) as (front, core_end):
@@ -340,6 +340,18 @@ async def test_a_front_gone_with_its_not_delivered_word_unserved_has_that_step_u
                 break
             await asyncio.sleep(0.001)
         assert core.undelivered == [6]
+
+    core = Core()  # its word that the hand-over failed midway: in doubt all the same
+    async with hop(core) as (front, core_end):
+        await front.call(ACT, {"n": 5}, [np.ones(2)], echo)
+        slot = next(iter(core_end.kept))
+        core_end.region.write(slot, ASKED, DOUBTED, {}, [])
+        core_end.drop()
+        for _ in range(1000):
+            if core.doubted:
+                break
+            await asyncio.sleep(0.001)
+        assert core.doubted == [5] and core.undelivered == []
 
     async def broken(kept: Any) -> None:
         raise RuntimeError("an undo that breaks")
@@ -427,16 +439,18 @@ def test_a_region_has_at_most_as_many_slots_as_a_ring_can_name() -> None:
         Region.create(64, 4096)
 
 
-@pytest.mark.parametrize("sent", [True, False, "cancelled"])
+@pytest.mark.parametrize("sent", [True, False, None, "cancelled"])
 async def test_a_reply_whose_send_failed_or_was_cancelled_is_undone(sent: object) -> None:
     """``deliver`` (a websocket's send) runs while the slot is still the front's: a send
-    that fails, or is cancelled, tells the core the reply was not delivered."""
+    that fails before it wrote anything (False) tells the core the reply was not delivered;
+    one cut off midway (None: the connection lost with bytes of it unsent), or cancelled,
+    that its fate is unknown (undone in doubt)."""
     core = Core()
 
-    async def deliver(result: Any) -> bool:
+    async def deliver(result: Any) -> bool | None:
         if sent == "cancelled":
             raise asyncio.CancelledError()
-        return bool(sent)
+        return sent  # type: ignore[return-value]
 
     async with hop(core, slots=1) as (front, _):
         call = front.call(WS_STEP, {"n": 3}, [np.ones(2)], echo, deliver=deliver)
@@ -448,7 +462,8 @@ async def test_a_reply_whose_send_failed_or_was_cancelled_is_undone(sent: object
                 await call
         while 0 not in front.free:
             await asyncio.sleep(0.001)
-        assert core.undelivered == ([] if sent is True else [3])
+        assert core.undelivered == ([3] if sent is False else [])
+        assert core.doubted == ([3] if sent in (None, "cancelled") else [])
 
 
 def test_a_message_lifted_into_a_slot_comes_back_the_same() -> None:
