@@ -38,7 +38,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -762,46 +762,86 @@ async def _drained() -> bool | None:
     return True
 
 
-async def _until_drained(
-    transport: asyncio.Transport, writable: Callable[[], Awaitable[Any]], lost: Callable[[], bool]
-) -> bool | None:
-    """Wait until every byte written to ``transport`` so far has left the front's buffer
-    for the kernel (``writable``: set when it is empty, write limits 0; first in, first
-    out, so the reply went with them): True. None when that cannot be known, so the step
-    is in doubt: the connection was closing when the reply was written (asyncio may drop
-    such a write), it was lost with bytes unsent (``lost``: perhaps only control frames
-    written after the reply), or it stayed full past :data:`DRAIN_S` (then dropped)."""
-    if transport.is_closing():
-        return None
-    try:
-        async with asyncio.timeout(DRAIN_S):
-            await writable()
-    except TimeoutError:
-        transport.abort()
-        return None
-    return None if lost() else True
+class _Drains:
+    """What a front's protocol (:class:`_DrainingHttp`, :class:`_DrainingWebSocket`) knows of
+    its connection's end: :meth:`drained` says when everything written so far, a reply
+    with it, has left the front's buffer for the kernel."""
+
+    lost = False
+    """The connection was lost."""
+    broken = False
+    """It was lost by an error (a reset): what its buffer held then never left. Lost
+    without one, it closed once its buffer was empty (a close of ours after a reply with
+    ``Connection: close``, a client's half-close)."""
+
+    def _lose(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.broken = exc is not None
+
+    def _transport(self) -> asyncio.Transport:
+        raise NotImplementedError
+
+    async def _writable(self) -> None:
+        """Once the transport no longer holds back writes (paused above its limit)."""
+        raise NotImplementedError
+
+    def _paused(self) -> bool:
+        raise NotImplementedError
+
+    async def drained(self) -> bool | None:
+        """True once the transport's buffer is empty (first in, first out: the reply went
+        with it) with the connection still open, or after it closed without an error.
+        None when that cannot be known, so the step is in doubt: the connection was lost
+        by an error before the buffer emptied (perhaps only control frames written after
+        the reply were left), or as the reply was written (a write then is dropped), or it
+        stayed full past :data:`DRAIN_S` (then dropped). A write the event loop queued goes
+        at the end of its turn, so a buffer not empty at once is looked at after one; still
+        not empty then (the kernel's is full), the transport's write limit is set to 0 so
+        that it says when it is empty, and set back then. A write that reached a closing
+        transport (``OneWriteTransport.late``: the loop may drop it) is in doubt."""
+        transport = self._transport()
+        if self.lost or getattr(transport, "late", False):
+            return None
+        if not transport.is_closing() and not transport.get_write_buffer_size():
+            return True  # the kernel took it all as it was written (the rule)
+        await asyncio.sleep(0)  # a write the loop queued goes at the end of its turn
+        deadline = time.monotonic() + DRAIN_S
+        limits: tuple[int, int] | None = None
+        while True:
+            if self.lost or getattr(transport, "late", False):
+                return None if self.broken or getattr(transport, "late", False) else True
+            if not transport.get_write_buffer_size():
+                if limits is not None:  # the connection's later writes as before
+                    transport.set_write_buffer_limits(high=limits[1], low=limits[0])
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                transport.abort()
+                return None
+            if limits is None:
+                limits = transport.get_write_buffer_limits()
+                transport.set_write_buffer_limits(high=0)  # paused now; resumed once empty
+            try:
+                async with asyncio.timeout(left):
+                    if self._paused():
+                        await self._writable()
+                    else:  # (a transport that did not pause: look again shortly)
+                        await asyncio.sleep(0.01)
+            except TimeoutError:
+                transport.abort()
+                return None
 
 
-class _DrainingWebSocket(WebSocketsSansIOProtocol):
-    """uvicorn's websocket protocol, except that its transport pauses with any byte left in
-    the front's own buffer (write limits 0: the kernel's socket buffer is full, a robot on a
-    slow link) and every connection's scope carries :meth:`drained` (:data:`DRAINED`). An
-    openpi reply's slot stays DELIVERING until the reply is in the kernel: a front that
-    dies with it still in its buffer (gone with the process) leaves the step in doubt
-    (node/hop.py), never applied with its reply lost unsaid. uvicorn's ``send`` already
-    waits for ``writable`` before it writes. Hazard: a uvicorn upgrade is checked by
-    tests/test_fronts_openpi_procs.py (a reply held in a front's buffer)."""
-
-    lost_unsent = False
-    """The connection was lost with bytes still in the front's buffer."""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        self.transport.set_write_buffer_limits(high=0)
+class _DrainingWebSocket(_Drains, WebSocketsSansIOProtocol):
+    """uvicorn's websocket protocol, except that every connection's scope carries
+    :meth:`~_Drains.drained` (:data:`DRAINED`). An openpi reply's slot stays DELIVERING
+    until the reply is in the kernel: a front that dies with it still in its buffer (a
+    robot on a slow link: the kernel's socket buffer is full) leaves the step in doubt
+    (node/hop.py), never applied with its reply lost unsaid. Hazard: a uvicorn upgrade is
+    checked by tests/test_fronts_openpi_procs.py (a reply held in a front's buffer)."""
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if not self.writable.is_set():  # paused: what the buffer held never left
-            self.lost_unsent = True
+        self._lose(exc)
         super().connection_lost(exc)
 
     def handle_connect(self, event: Any) -> None:
@@ -810,33 +850,33 @@ class _DrainingWebSocket(WebSocketsSansIOProtocol):
         if scope is not None:
             scope[DRAINED] = self.drained
 
-    async def drained(self) -> bool | None:
-        """:func:`_until_drained` for this connection."""
-        return await _until_drained(self.transport, self.writable.wait, lambda: self.lost_unsent)
+    def _transport(self) -> asyncio.Transport:
+        return self.transport
+
+    async def _writable(self) -> None:
+        await self.writable.wait()
+
+    def _paused(self) -> bool:
+        return not self.writable.is_set()
 
 
-class _DrainingHttp(KeepAliveProtocol):
-    """The node's HTTP protocol (``node/httpproto.py``), except that its transport pauses
-    with any byte left in the front's own buffer (write limits 0, as
-    :class:`_DrainingWebSocket`), and :meth:`drained` (on the request's
-    :data:`~node.asgi.CONNECTION`) says when a response is in the kernel whole. uvicorn's
-    ``send`` already waits for the transport to be writable before it writes."""
-
-    lost_unsent = False
-    """The connection was lost with bytes still in the front's buffer."""
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        transport.set_write_buffer_limits(high=0)
+class _DrainingHttp(_Drains, KeepAliveProtocol):
+    """The node's HTTP protocol (``node/httpproto.py``), with :meth:`~_Drains.drained` on
+    the request's :data:`~node.asgi.CONNECTION`: a response's slot stays DELIVERING until
+    the response is in the kernel whole (:class:`_Writer`)."""
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self.flow is not None and self.flow.write_paused:  # what it held never left
-            self.lost_unsent = True
+        self._lose(exc)
         super().connection_lost(exc)
 
-    async def drained(self) -> bool | None:
-        """:func:`_until_drained` for this connection."""
-        return await _until_drained(self.transport, self.flow.drain, lambda: self.lost_unsent)
+    def _transport(self) -> asyncio.Transport:
+        return self.transport
+
+    async def _writable(self) -> None:
+        await self.flow.drain()
+
+    def _paused(self) -> bool:
+        return bool(self.flow.write_paused)
 
 
 class _FrontServer(uvicorn.Server):

@@ -825,3 +825,24 @@ def test_a_client_gone_with_its_reply_in_part_unsent_has_that_step_in_doubt(
         assert alive(holder)
     finally:
         node.stop()
+
+
+def test_a_reply_sent_before_the_front_closes_the_connection_stands(tmp_path: Path) -> None:
+    """A client that asks ``Connection: close`` (HTTP/1.0's habit): its front closes the
+    connection once the reply is written, so the connection is closing when the front
+    checks that the reply left. It did: the step stands, and the next goes on from it
+    (no ``state_reset``), reply after reply, as with a connection kept alive."""
+    node = embedded(tmp_path, "hc", model=counter_policy(tmp_path))
+    node.start(timeout=60)
+    body = {"episode_id": "hc-close", "inputs": {"obs": [[0.0] * 8]}}
+    try:
+        wait_until(lambda: len(fronts(node)) == 2, 30, "two fronts")
+        seen = []
+        for _ in range(6):  # new connections: either front
+            r = httpx.post(node.url + "/act", json=body, headers={"connection": "close"},
+                           timeout=60)  # fmt: skip
+            assert r.status_code == 200, r.text
+            seen.append((count(r.json()), r.json()["state_reset"]))
+        assert seen == [(n, False) for n in range(1, 7)], seen
+    finally:
+        node.stop()

@@ -572,3 +572,79 @@ async def test_a_front_dead_while_handing_a_reply_over_leaves_that_step_in_doubt
         call.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await call
+
+
+class _Transport:
+    """A transport's write side as ``_Drains.drained`` reads it."""
+
+    def __init__(self, buffered: int = 0, closing: bool = False, late: bool = False) -> None:
+        self.buffered, self.closing, self.late = buffered, closing, late
+        self.limits, self.aborted = (16384, 65536), False
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def get_write_buffer_size(self) -> int:
+        return self.buffered
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self.limits
+
+    def set_write_buffer_limits(self, high: int, low: int | None = None) -> None:
+        self.limits = (high // 4 if low is None else low, high)
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+async def test_a_reply_counts_as_sent_only_once_its_front_buffer_emptied() -> None:
+    """``_Drains.drained`` (a front's protocols): True once the front's buffer is empty, or
+    after a close without an error (ours after ``Connection: close``: it empties first);
+    None (in doubt) for a reset with bytes unsent or a write to a closing transport. A
+    buffer the kernel could not take at once has the write limit set to 0 until it empties,
+    then set back for the connection's later writes."""
+    from node.front import _Drains
+
+    class Conn(_Drains):
+        def __init__(self, transport: _Transport) -> None:
+            self.transport = transport
+            self.writable = asyncio.Event()
+            self.writable.set()
+
+        def _transport(self) -> Any:
+            return self.transport
+
+        async def _writable(self) -> None:
+            await self.writable.wait()
+
+        def _paused(self) -> bool:
+            return self.transport.limits[1] == 0 and self.transport.buffered > 0
+
+    assert await Conn(_Transport()).drained() is True
+    assert await Conn(_Transport(late=True)).drained() is None
+    reset = Conn(_Transport(buffered=10))
+    reset._lose(ConnectionResetError())
+    assert await reset.drained() is None
+    closed = Conn(_Transport(buffered=10, closing=True))  # flushed, then closed by us
+    waiting = asyncio.create_task(closed.drained())
+    await asyncio.sleep(0)
+    closed.transport.buffered = 0
+    closed._lose(None)
+    assert await waiting is True
+    slow = Conn(_Transport(buffered=1 << 20))  # the kernel's buffer full
+    slow.writable.clear()
+    waiting = asyncio.create_task(slow.drained())
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert not waiting.done() and slow.transport.limits == (0, 0)
+    slow.transport.buffered = 0
+    slow.writable.set()
+    assert await waiting is True and slow.transport.limits == (16384, 65536)
+    gone = Conn(_Transport(buffered=1 << 20))
+    gone.writable.clear()
+    waiting = asyncio.create_task(gone.drained())
+    for _ in range(3):
+        await asyncio.sleep(0)
+    gone._lose(ConnectionResetError())
+    gone.writable.set()
+    assert await waiting is None
