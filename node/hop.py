@@ -595,6 +595,23 @@ class FrontHop:
         told.add_done_callback(lambda _: self._release(slot))
         self.waiting[slot] = told
 
+    def _settler(self, slot: int) -> Callable[[bool | None], None]:
+        """How a held call's caller says whether its reply reached the client: True frees
+        the slot, False undoes the step, None leaves it in doubt; once."""
+        settled = False
+
+        def settle(delivered: bool | None) -> None:
+            nonlocal settled
+            if settled:
+                return
+            settled = True
+            if delivered is True:
+                self._release(slot)
+            else:
+                self._undeliver(slot, doubt=delivered is None)
+
+        return settle
+
     def _release(self, slot: int) -> None:
         self.region.set_state(slot, FREE)
         while self.queued:  # the first call waiting takes it
@@ -654,6 +671,7 @@ class FrontHop:
         deliver: Callable[[Any], Awaitable[bool | None]] | None = None,
         wait: bool = True,
         wait_s: float | None = None,
+        hold: bool = False,
     ) -> Any:
         """Send a request, await its reply and return ``use(kind, meta, views)``, run while the
         reply's arrays are views of the slot (they must not outlive it). Raises
@@ -670,7 +688,10 @@ class FrontHop:
         websocket's send) says False (nothing of it reached the client): this raises
         :class:`Undelivered`. ``deliver`` saying None (the connection lost with the reply
         in part unsent), raising or cancelled leaves the step in doubt (:data:`DOUBTED`),
-        and raises :class:`Undelivered` too."""
+        and raises :class:`Undelivered` too. ``hold`` (a server that hands the reply to the
+        client after this returns: gRPC) returns ``(result, settle)`` with the slot left
+        DELIVERING until ``settle(delivered)`` says how that went (True, False or None, as
+        ``deliver`` would; only its first call counts)."""
         if kind in _STEPS and self.region.lapsed(time.monotonic_ns()):
             self.region.count_refused()
             raise CoreLapsed()
@@ -705,6 +726,7 @@ class FrontHop:
                 self.abandoned.add(slot)
             raise
         delivered: bool | None = False  # never reached the client, until known otherwise
+        held = False  # the caller settles it (hold)
         try:
             kind, reply, views = self.region.read(slot, copy=False)
             try:
@@ -713,6 +735,10 @@ class FrontHop:
                 del views
             if gone is not None and gone():
                 delivered = False
+            elif hold:  # settled by the caller (_settler)
+                self.region.set_state(slot, DELIVERING)
+                held = True
+                return result, self._settler(slot)
             elif deliver is None:
                 delivered = True
             else:  # from here, dying, raising or being cancelled leaves it in doubt
@@ -720,7 +746,9 @@ class FrontHop:
                 delivered = None
                 delivered = await deliver(result)
         finally:
-            if delivered is True:
+            if held:
+                pass
+            elif delivered is True:
                 self._release(slot)
             else:
                 self._undeliver(slot, doubt=delivered is None)

@@ -37,6 +37,7 @@ from tests.procs import (
     Node,
     RedisServer,
     free_port,
+    handing_over,
     held_mid_step,
     listening,
     on_the_hop,
@@ -529,3 +530,67 @@ def test_sigterm_stops_the_fronts_grpc_servers_and_exits_0(tmp_path: Path) -> No
     assert node.proc.popen.wait(30) == 0, node.proc.log()
     assert "left: moved" in node.proc.log()
     wait_until(lambda: not any(alive(p) for p in pids), 10, "the fronts gone")
+
+
+CLIENT = """
+import sys
+import numpy as np
+import tritonclient.grpc as tg
+address, model = sys.argv[1:3]
+tensor = tg.InferInput("obs", [1, 8], "FP32").set_data_from_numpy(np.zeros((1, 8), np.float32))
+client = tg.InferenceServerClient(address)
+client.infer(model, [tensor], sequence_id="gd", client_timeout=120)
+"""
+"""One call in a process of its own (stopped while gRPC sends it its reply)."""
+
+
+def test_a_front_dead_while_grpc_sends_a_reply_leaves_that_step_in_doubt(tmp_path: Path) -> None:
+    """gRPC hides when a reply reaches the kernel, so a front holds a call's slot until
+    the call is done. A client stopped before its 12 MB reply arrives: gRPC cannot send it
+    (flow control), the slot says DELIVERING. The front is killed then: the episode's next
+    step starts clean and says ``state_reset`` (or, overtaking the core's notice of the
+    death, the one after does). (Before, the slot was freed as the reply was handed to
+    gRPC: the step stood, its reply gone with the process.)"""
+    grpc_port = free_port()
+    slow_and_wide = counter_policy(tmp_path, repeats=400, width=512, wide=3 << 20)
+    node = embedded(tmp_path, "gd", model=slow_and_wide)
+    node.proc.argv += ["--grpc-port", str(grpc_port)]
+    address = f"127.0.0.1:{grpc_port}"
+    node.start(timeout=60)
+    client: subprocess.Popen[bytes] | None = None
+    try:
+        grpc_up(node, grpc_port)
+        (model,) = [m["name"] for m in httpx.get(node.url + "/v2/models").json()["models"]]
+
+        def step(**kw: Any) -> tg.InferResult:
+            one = tg.InferenceServerClient(address)
+            try:
+                return one.infer(model, [grpc_input(np.zeros((1, 8), np.float32))],
+                                 sequence_id="gd", client_timeout=120, **kw)  # fmt: skip
+            finally:
+                one.close()
+
+        assert count(step(sequence_start=True)) == 1
+        wait_until(lambda: handing_over(lambda: fronts(node)) is None, 30, "the reply sent")
+        client = subprocess.Popen([sys.executable, "-c", CLIENT, address, model])
+        with held_mid_step(lambda: fronts(node), grpc_port, node.pid()):
+            os.kill(client.pid, signal.SIGSTOP)  # it reads nothing more
+        holder = wait_until(lambda: handing_over(lambda: fronts(node)), 60,
+                            "a front whose gRPC call holds the reply", interval=0.01)  # fmt: skip
+        os.kill(holder, signal.SIGKILL)
+        client.kill()
+        client.wait(30)
+        seen = []
+        for _ in range(2):  # the other front, or the new one once it is up
+            for _ in range(100):
+                try:
+                    result = step()
+                    break
+                except InferenceServerException:
+                    time.sleep(0.1)
+            seen.append((count(result), bool(facts(result)["state_reset"])))
+        assert seen in ([(1, True), (2, False)], [(3, False), (1, True)]), seen
+    finally:
+        if client is not None and client.poll() is None:
+            client.kill()
+        node.stop()

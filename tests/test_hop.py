@@ -648,3 +648,24 @@ async def test_a_reply_counts_as_sent_only_once_its_front_buffer_emptied() -> No
     gone._lose(ConnectionResetError())
     gone.writable.set()
     assert await waiting is None
+
+
+@pytest.mark.parametrize("sent", [True, False, None])
+async def test_a_held_call_keeps_its_slot_until_its_caller_settles_it(sent: bool | None) -> None:
+    """``hold`` (gRPC hands the reply over after the handler returned): the call returns
+    the reply and its settle; the slot stays DELIVERING (a front dying now leaves the step
+    in doubt) until settled: True frees it, False undoes the step, None leaves it in
+    doubt; a second settle changes nothing."""
+    from node.hop import DELIVERING
+
+    core = Core()
+    async with hop(core, slots=1) as (front, core_end):
+        (meta, _), settle = await front.call(ACT, {"n": 4}, [np.ones(2)], echo, hold=True)
+        assert meta["facts"]["n"] == 4 and core_end.region.state(0) == DELIVERING
+        assert front.free == []
+        settle(sent)
+        settle(not sent)
+        while 0 not in front.free:
+            await asyncio.sleep(0.001)
+        assert core.undelivered == ([4] if sent is False else [])
+        assert core.doubted == ([4] if sent is None else [])

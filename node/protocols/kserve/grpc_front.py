@@ -9,7 +9,11 @@ shared-memory hop as a KServe request (``node/hop.py``'s ``KSERVE``, served by
 ``http.serve_hop``, which serves it as ``grpc.py``'s servicer would: the client's deadline
 joins the step's budget, the steps are the door ``kserve_grpc``'s), and the reply is
 encoded here. A call cancelled before its reply could go (the client's deadline, or it
-left) has its step undone, as the hop undoes an HTTP step whose client left. Every other
+left) has its step undone, as the hop undoes an HTTP step whose client left. The reply's
+slot stays the front's (DELIVERING) until gRPC has sent it: a unary call's until the call
+is done (cancelled by then: in doubt), a stream's reply until the stream asks for the next
+one (the stream ended first: in doubt), so a front that dies while gRPC still holds a
+reply leaves its step in doubt (``node/hop.py``). Every other
 RPC of the service (health, metadata, config, statistics, and those the node does not
 implement) is passed to the core's own gRPC server on an abstract Unix name as raw bytes,
 so its answers, statuses and messages stay exactly the core's.
@@ -63,6 +67,10 @@ _UNFORWARDED = ("user-agent", "te", "content-type")
 """Metadata grpcio sets itself on a call (and every ``grpc-`` key): not passed on."""
 
 
+Settle = Callable[[bool | None], None]
+"""How a held call says whether its reply reached the client (``FrontHop.call``'s hold)."""
+
+
 def write_access(
     access: AccessLog, context: Any, rpc: str, status: int, started: float, served: list[str]
 ) -> None:
@@ -111,14 +119,19 @@ class FrontServicer:
         raise Abort(grpc.StatusCode.UNAUTHENTICATED, KEY_MESSAGE)
 
     async def infer(
-        self, msg: pb.ModelInferRequest, context: Any, rpc: str
+        self,
+        msg: pb.ModelInferRequest,
+        context: Any,
+        rpc: str,
+        held: Callable[[Settle], None],
     ) -> pb.ModelInferResponse:
-        """One call's step over the hop, its access line written; raises :class:`Abort`."""
+        """One call's step over the hop, its access line written; raises :class:`Abort`.
+        ``held`` gets how to say whether gRPC sent the reply (the slot is held till then)."""
         started = time.monotonic()
         served = ["-", "-", "-"]  # episode, device, routing
         status = 500
         try:
-            reply = await self._infer(msg, context, started, served)
+            reply = await self._infer(msg, context, started, served, held)
             status = 200
             return reply
         except Abort as exc:
@@ -128,7 +141,12 @@ class FrontServicer:
             write_access(self.access, context, rpc, status, started, served)
 
     async def _infer(
-        self, msg: pb.ModelInferRequest, context: Any, started: float, served: list[str]
+        self,
+        msg: pb.ModelInferRequest,
+        context: Any,
+        started: float,
+        served: list[str],
+        held: Callable[[Settle], None],
     ) -> pb.ModelInferResponse:
         name, version = msg.model_name, msg.model_version or None
         meta: dict[str, Any] = {"model": name, "version": version}
@@ -167,9 +185,9 @@ class FrontServicer:
                                    parameters)  # fmt: skip
 
         try:
-            answer = await self.hop.call(  # a slot waited for no longer than its deadline
+            answer, settle = await self.hop.call(  # a slot waited for no longer than its deadline
                 KSERVE, meta, arrays, use, context.cancelled,
-                wait_s=min(ends) - time.monotonic() if ends else None,
+                wait_s=min(ends) - time.monotonic() if ends else None, hold=True,
             )  # fmt: skip
         except HopFull as exc:  # busy, or its deadline passed while it waited for a slot
             why = shaped(outcome(exc.refusal())).message
@@ -180,15 +198,20 @@ class FrontServicer:
             raise Abort(code_of(413), str(exc) or "the request does not fit the hop") from None
         except Undelivered:  # the call was cancelled: its step was undone
             raise asyncio.CancelledError from None
-        if isinstance(answer, Abort):
+        if isinstance(answer, Abort):  # refused: no step applied
+            settle(True)
             raise answer
         assert isinstance(answer, pb.ModelInferResponse)
+        held(settle)
         return answer
 
     async def model_infer(self, msg: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        def held(settle: Settle) -> None:  # sent once the call is done, unless cancelled
+            context.add_done_callback(lambda done: settle(None if done.cancelled() else True))
+
         try:
             await self._check_key(context, "ModelInfer")
-            return await self.infer(msg, context, "ModelInfer")
+            return await self.infer(msg, context, "ModelInfer", held)
         except Abort as exc:
             await abort(context, exc)
             raise AssertionError("abort returns only by raising") from None
@@ -197,13 +220,27 @@ class FrontServicer:
         self, requests: AsyncIterator[pb.ModelInferRequest], context: Any
     ) -> AsyncIterator[pb.ModelStreamInferResponse]:
         # an async generator itself: grpc.aio takes any other function for a sync one
-        async for reply in stream_infer(
-            requests,
-            context,
-            lambda: self._check_key(context, "ModelStreamInfer"),
-            lambda msg: self.infer(msg, context, "ModelStreamInfer"),
-        ):
-            yield reply
+        pending: list[Settle] = []  # the reply yielded last: sent once the next is asked for
+
+        def ended(_: Any) -> None:  # (cancelled mid-write, gRPC may not close the generator)
+            for settle in pending:
+                settle(None)
+
+        context.add_done_callback(ended)
+        try:
+            async for reply in stream_infer(
+                requests,
+                context,
+                lambda: self._check_key(context, "ModelStreamInfer"),
+                lambda msg: self.infer(msg, context, "ModelStreamInfer", pending.append),
+            ):
+                yield reply
+                for settle in pending:  # gRPC wrote it before it asked for the next
+                    settle(True)
+                pending.clear()
+        finally:
+            for settle in pending:  # the stream ended with it perhaps unsent
+                settle(None)
 
     def forward(self, method: str) -> Callable[[bytes, Any], Awaitable[bytes]]:
         """The handler that passes ``method``'s calls to the core as bytes."""
