@@ -44,9 +44,16 @@ def count(reply: dict[str, Any]) -> int:
 
 
 def owned_by(c: Cluster, node: str, prefix: str) -> str:
-    """An episode claimed on ``node`` by a first step sent there (one step applied)."""
+    """An episode claimed on ``node`` by a first step sent there (one step applied). A node
+    just resumed past its lease answers 503 ``fenced`` (nothing applied) until it has
+    registered anew: that step is sent again (bounded)."""
     for i in range(32):
         r = act(c.node(node).url, f"{prefix}-{i}")
+        for _ in range(300):
+            if r.status_code != 503 or r.json()["error"]["code"] != "fenced":
+                break
+            time.sleep(0.1)
+            r = act(c.node(node).url, f"{prefix}-{i}")
         assert r.status_code == 200, r.text
         if r.json()["node"] == node:
             return f"{prefix}-{i}"
