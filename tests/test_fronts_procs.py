@@ -8,6 +8,7 @@ once."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -749,6 +750,36 @@ def test_a_core_stuck_past_its_lease_has_its_fronts_refuse_steps_at_once(tmp_pat
         redis.stop()
 
 
+@contextlib.contextmanager
+def wide_node(tmp: Path, name: str) -> Iterator[tuple[Node, dict[str, Any]]]:
+    """A node of two fronts whose steps answer 12 MB (``counter_policy(wide=...)``), its
+    episode's first step applied: the node, and that step's body (msgpack)."""
+    node = embedded(tmp, name, model=counter_policy(tmp, wide=3 << 20))
+    node.start(timeout=60)
+    zeros = {"episode_id": f"{name}-slow", "inputs": {"obs": np.zeros((1, 8), np.float32)}}
+    try:
+        wait_until(lambda: len(fronts(node)) == 2, 30, "two fronts")
+        assert count(read(post(node.url, zeros, True, timeout=60))) == 1
+        yield node, zeros
+    finally:
+        node.stop()
+
+
+def slow_act(node: Node, body: dict[str, Any]) -> tuple[socket.socket, int]:
+    """One msgpack ``/act`` step sent on a slow link (:func:`tests.procs.slow_link`: its
+    reply never read), once the fronts hand no reply over: the socket, and the front
+    handing this step's reply over (its slot DELIVERING, the reply in part in its buffer)."""
+    wait_until(lambda: handing_over(lambda: fronts(node)) is None, 30, "no reply on its way")
+    data = wire.encode(body)
+    client = slow_link(node.host, node.port)
+    client.sendall(b"POST /act HTTP/1.1\r\nHost: node\r\nContent-Type: application/msgpack"
+                   b"\r\nAccept: application/msgpack\r\nContent-Length: "
+                   + str(len(data)).encode() + b"\r\n\r\n" + data)  # fmt: skip
+    holder: int = wait_until(lambda: handing_over(lambda: fronts(node)), 60,
+                             "a front handing the step's reply over", interval=0.01)  # fmt: skip
+    return client, holder
+
+
 def test_a_front_dead_with_a_reply_in_its_buffer_leaves_that_step_in_doubt(tmp_path: Path) -> None:
     """A client on a slow link: its step's reply (12 MB, msgpack) fills the kernel's socket
     buffers and the rest waits in its front's own buffer, so the slot says DELIVERING. The
@@ -757,24 +788,10 @@ def test_a_front_dead_with_a_reply_in_its_buffer_leaves_that_step_in_doubt(tmp_p
     silent continuation from the step before. (Before, the slot was freed once the reply
     was written to the front's transport: the step stood, its reply gone with the
     process.)"""
-    node = embedded(tmp_path, "hd", model=counter_policy(tmp_path, wide=3 << 20))
-    node.start(timeout=60)
-    zeros = {"episode_id": "hd-slow", "inputs": {"obs": np.zeros((1, 8), np.float32)}}
-    try:
-        wait_until(lambda: len(fronts(node)) == 2, 30, "two fronts")
-        assert count(read(post(node.url, zeros, True, timeout=60))) == 1
-        wait_until(lambda: handing_over(lambda: fronts(node)) is None, 30, "the reply sent")
-        body = wire.encode(zeros)
-        client = slow_link(node.host, node.port)
-        try:
-            client.sendall(b"POST /act HTTP/1.1\r\nHost: node\r\nContent-Type: application/"
-                           b"msgpack\r\nAccept: application/msgpack\r\nContent-Length: "
-                           + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
-            holder = wait_until(lambda: handing_over(lambda: fronts(node)), 60,
-                                "a front handing the step's reply over", interval=0.01)  # fmt: skip
-            os.kill(holder, signal.SIGKILL)
-        finally:
-            client.close()
+    with wide_node(tmp_path, "hd") as (node, zeros):
+        client, holder = slow_act(node, zeros)
+        os.kill(holder, signal.SIGKILL)
+        client.close()
         seen = []
         for _ in range(2):  # the other front, or the new one once it is up
             for _ in range(100):
@@ -789,8 +806,6 @@ def test_a_front_dead_with_a_reply_in_its_buffer_leaves_that_step_in_doubt(tmp_p
         # in doubt before the next step ran: it starts clean and says so; or the next step
         # ran on top of it before the core saw its front die: the one after says it
         assert seen in ([(1, True), (2, False)], [(3, False), (1, True)]), seen
-    finally:
-        node.stop()
 
 
 def test_a_client_gone_with_its_reply_in_part_unsent_has_that_step_in_doubt(
@@ -801,21 +816,9 @@ def test_a_client_gone_with_its_reply_in_part_unsent_has_that_step_in_doubt(
     of the reply may have arrived. The step is undone in doubt: the next step starts clean
     and says ``state_reset``. (Before, the step stood: the reply was counted as sent once
     written to the front's transport.)"""
-    node = embedded(tmp_path, "hr", model=counter_policy(tmp_path, wide=3 << 20))
-    node.start(timeout=60)
-    zeros = {"episode_id": "hr-slow", "inputs": {"obs": np.zeros((1, 8), np.float32)}}
-    try:
-        wait_until(lambda: len(fronts(node)) == 2, 30, "two fronts")
-        assert count(read(post(node.url, zeros, True, timeout=60))) == 1
-        wait_until(lambda: handing_over(lambda: fronts(node)) is None, 30, "the reply sent")
-        body = wire.encode(zeros)
-        client = slow_link(node.host, node.port)
+    with wide_node(tmp_path, "hr") as (node, zeros):
+        client, holder = slow_act(node, zeros)
         client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        client.sendall(b"POST /act HTTP/1.1\r\nHost: node\r\nContent-Type: application/"
-                       b"msgpack\r\nAccept: application/msgpack\r\nContent-Length: "
-                       + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
-        holder = wait_until(lambda: handing_over(lambda: fronts(node)), 60,
-                            "a front handing the step's reply over", interval=0.01)  # fmt: skip
         client.close()  # a reset: the front's buffer still holds part of the reply
         wait_until(lambda: hop_states(holder).count(FREE) == len(hop_states(holder)), 30,
                    "the core told, the slot freed")  # fmt: skip
@@ -823,8 +826,6 @@ def test_a_client_gone_with_its_reply_in_part_unsent_has_that_step_in_doubt(
                 for r in (post(node.url, zeros, True, timeout=60) for _ in range(2))]  # fmt: skip
         assert seen == [(1, True), (2, False)], seen
         assert alive(holder)
-    finally:
-        node.stop()
 
 
 def test_a_reply_sent_before_the_front_closes_the_connection_stands(tmp_path: Path) -> None:
