@@ -812,7 +812,8 @@ class _Drains:
                 return None if self.broken or getattr(transport, "late", False) else True
             if not transport.get_write_buffer_size():
                 if limits is not None:  # the connection's later writes as before
-                    transport.set_write_buffer_limits(high=limits[1], low=limits[0])
+                    with contextlib.suppress(RuntimeError):  # (a transport closed meanwhile)
+                        transport.set_write_buffer_limits(high=limits[1], low=limits[0])
                 return True
             left = deadline - time.monotonic()
             if left <= 0:
