@@ -38,7 +38,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -372,7 +372,7 @@ class FrontApp:
         def gone() -> bool:
             return connection is not None and bool(connection.peer_closed())
 
-        writer = _Writer(scope, send)
+        writer = _Writer(scope, send, self.hop.starved)
         try:  # a slot waited for within its deadline; the reply written before it is freed
             await self.hop.call(kind, meta, arrays, use, gone, deliver=writer,
                                 wait_s=_left(received, self.hop.slot_wait_s))  # fmt: skip
@@ -447,7 +447,7 @@ class FrontApp:
 
         timeout_s = None if request is None else request.timeout_s
         wait = self.hop.slot_wait_s  # (--act-deadline: counted from its arrival too)
-        writer = _Writer(scope, send)
+        writer = _Writer(scope, send, self.hop.starved)
         try:  # a slot waited for no longer than the request's own timeout, if it set one
             await self.hop.call(
                 KSERVE,
@@ -645,7 +645,7 @@ class FrontApp:
             except OSError:  # uvicorn's ClientDisconnected: the robot never gets it
                 return False
             drained = scope.get(DRAINED, _drained)  # the slot is freed once it is in the kernel
-            delivered: bool | None = await drained()  # (_DrainingWebSocket; None: in doubt)
+            delivered: bool | None = await drained(self.hop.starved)  # (None: in doubt)
             return delivered
 
         call = self.hop.call(WS_STEP, meta, arrays, use, deliver=deliver,
@@ -709,16 +709,17 @@ class _Writer:
     never standing with its reply gone with the process (node/hop.py). ``started``: the
     response began (nothing else may be sent on the exchange then)."""
 
-    def __init__(self, scope: Scope, send: Send) -> None:
+    def __init__(self, scope: Scope, send: Send, starved: Callable[[], bool]) -> None:
         self.scope = scope
         self.send = send
+        self.starved = starved
         self.started = False
 
     async def __call__(self, response: Response) -> bool | None:
         self.started = True
         await respond(self.send, *response)
         drained = getattr(self.scope.get(CONNECTION), "drained", None)
-        return True if drained is None else await drained()
+        return True if drained is None else await drained(self.starved)
 
 
 _CORE = httpx.URL("http://core")
@@ -755,9 +756,12 @@ DRAINED = "affinity.drained"
 DRAIN_S = 60.0
 """How long a reply may take to leave the front's buffer for the kernel (a client reading
 nothing, its window shut): past it the connection is dropped, the step in doubt."""
+SHED_S = 0.25
+"""How long a reply that the kernel could not take may hold its hop slot while other calls
+wait for one: past it the connection is dropped, the step in doubt (``_Drains.drained``)."""
 
 
-async def _drained() -> bool | None:
+async def _drained(starved: Callable[[], bool] | None = None) -> bool | None:
     """A server that cannot say when its writes reached the kernel: as soon as written."""
     return True
 
@@ -774,9 +778,19 @@ class _Drains:
     without one, it closed once its buffer was empty (a close of ours after a reply with
     ``Connection: close``, a client's half-close)."""
 
+    _ended: asyncio.Event | None = None
+
     def _lose(self, exc: Exception | None) -> None:
         self.lost = True
         self.broken = exc is not None
+        if self._ended is not None:
+            self._ended.set()
+
+    async def _until_lost(self) -> None:
+        if self._ended is None:
+            self._ended = asyncio.Event()
+        if not self.lost:
+            await self._ended.wait()
 
     def _transport(self) -> asyncio.Transport:
         raise NotImplementedError
@@ -788,7 +802,7 @@ class _Drains:
     def _paused(self) -> bool:
         raise NotImplementedError
 
-    async def drained(self) -> bool | None:
+    async def drained(self, starved: Callable[[], bool] | None = None) -> bool | None:
         """True once the transport's buffer is empty (first in, first out: the reply went
         with it) with the connection still open, or after it closed without an error.
         None when that cannot be known, so the step is in doubt: the connection was lost
@@ -798,7 +812,10 @@ class _Drains:
         at the end of its turn, so a buffer not empty at once is looked at after one; still
         not empty then (the kernel's is full), the transport's write limit is set to 0 so
         that it says when it is empty, and set back then. A write that reached a closing
-        transport (``OneWriteTransport.late``: the loop may drop it) is in doubt."""
+        transport (``OneWriteTransport.late``: the loop may drop it) is in doubt. The wait
+        holds the reply's slot of the hop: while ``starved()`` says other calls wait for
+        one, a connection still full after :data:`SHED_S` is dropped (in doubt) rather than
+        let clients that read nothing starve the front."""
         transport = self._transport()
         if self.lost or getattr(transport, "late", False):
             return None
@@ -810,6 +827,14 @@ class _Drains:
         while True:
             if self.lost or getattr(transport, "late", False):
                 return None if self.broken or getattr(transport, "late", False) else True
+            if transport.is_closing():  # a flush before our close, or a reset (its buffer
+                try:  # dropped): only connection_lost says which
+                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                        await self._until_lost()
+                except TimeoutError:
+                    transport.abort()
+                    return None
+                continue
             if not transport.get_write_buffer_size():
                 if limits is not None:  # the connection's later writes as before
                     with contextlib.suppress(RuntimeError):  # (a transport closed meanwhile)
@@ -823,14 +848,15 @@ class _Drains:
                 limits = transport.get_write_buffer_limits()
                 transport.set_write_buffer_limits(high=0)  # paused now; resumed once empty
             try:
-                async with asyncio.timeout(left):
+                async with asyncio.timeout(min(left, SHED_S)):
                     if self._paused():
                         await self._writable()
                     else:  # (a transport that did not pause: look again shortly)
                         await asyncio.sleep(0.01)
             except TimeoutError:
-                transport.abort()
-                return None
+                if time.monotonic() >= deadline or (starved is not None and starved()):
+                    transport.abort()
+                    return None
 
 
 class _DrainingWebSocket(_Drains, WebSocketsSansIOProtocol):

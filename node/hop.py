@@ -595,6 +595,10 @@ class FrontHop:
         told.add_done_callback(lambda _: self._release(slot))
         self.waiting[slot] = told
 
+    def starved(self) -> bool:
+        """Whether calls wait for a slot now (every one is in flight)."""
+        return bool(self.queued)
+
     def _settler(self, slot: int) -> Callable[[bool | None], None]:
         """How a held call's caller says whether its reply reached the client: True frees
         the slot, False undoes the step, None leaves it in doubt; once."""

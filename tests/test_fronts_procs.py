@@ -847,3 +847,30 @@ def test_a_reply_sent_before_the_front_closes_the_connection_stands(tmp_path: Pa
         assert seen == [(n, False) for n in range(1, 7)], seen
     finally:
         node.stop()
+
+
+def test_clients_that_read_nothing_never_starve_a_front_of_its_slots(tmp_path: Path) -> None:
+    """120 clients on slow links (their 12 MB replies never read) would each hold a slot of
+    their front's hop while the reply drains, and a front has 32: once every slot of both
+    fronts is taken, a step of anyone else waits behind them. A front whose calls wait for
+    a slot drops such a connection (its step in doubt) a quarter of a second on, so a
+    client that reads its replies is still answered. (Without the shedding it waited for
+    the 60 s drain bound: past this test's 30 s.)"""
+    with wide_node(tmp_path, "hs") as (node, zeros):
+        slow = []
+        try:
+            for i in range(120):  # (both fronts get more than 32 but once in ~10^8 runs)
+                body = {**zeros, "episode_id": f"hs-{i}"}
+                client = slow_link(node.host, node.port)
+                data = wire.encode(body)
+                client.sendall(b"POST /act HTTP/1.1\r\nHost: node\r\nContent-Type: application/"
+                               b"msgpack\r\nAccept: application/msgpack\r\nContent-Length: "
+                               + str(len(data)).encode() + b"\r\n\r\n" + data)  # fmt: skip
+                slow.append(client)
+            wait_until(lambda: all(hop_states(f).count(FREE) == 0 for f in fronts(node)), 60,
+                       "every slot of both fronts taken")  # fmt: skip
+            r = post(node.url, zeros, True, timeout=30)  # queued behind them, then served
+            assert r.status_code == 200, r.text
+        finally:
+            for client in slow:
+                client.close()

@@ -669,3 +669,40 @@ async def test_a_held_call_keeps_its_slot_until_its_caller_settles_it(sent: bool
             await asyncio.sleep(0.001)
         assert core.undelivered == ([4] if sent is False else [])
         assert core.doubted == ([4] if sent is None else [])
+
+
+async def test_a_client_reading_nothing_is_dropped_only_while_others_wait_for_a_slot() -> None:
+    """A reply the kernel could not take holds its hop slot while it drains. While no call
+    waits for a slot it may (up to ``DRAIN_S``); once calls wait (``starved``), a
+    connection still full ``SHED_S`` later is dropped, its step in doubt, so that clients
+    that read nothing cannot starve a front of its slots."""
+    from node.front import SHED_S, _Drains
+
+    class Conn(_Drains):
+        def __init__(self, transport: _Transport) -> None:
+            self.transport = transport
+            self.writable = asyncio.Event()
+
+        def _transport(self) -> Any:
+            return self.transport
+
+        async def _writable(self) -> None:
+            await self.writable.wait()
+
+        def _paused(self) -> bool:
+            return True
+
+    others_wait = False
+    slow = Conn(_Transport(buffered=1 << 20))
+    waiting = asyncio.create_task(slow.drained(lambda: others_wait))
+    await asyncio.sleep(3 * SHED_S)  # no one waits: it may go on draining
+    assert not waiting.done() and not slow.transport.aborted
+    others_wait = True
+    # (well before DRAIN_S, 60 s: the bound below is only the test's own)
+    assert await asyncio.wait_for(waiting, 30) is None and slow.transport.aborted
+    calm = Conn(_Transport(buffered=1 << 20))
+    waiting = asyncio.create_task(calm.drained(lambda: False))
+    await asyncio.sleep(SHED_S)
+    calm.transport.buffered = 0
+    calm.writable.set()
+    assert await asyncio.wait_for(waiting, 60) is True and not calm.transport.aborted
