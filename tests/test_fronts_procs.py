@@ -750,6 +750,16 @@ def test_a_core_stuck_past_its_lease_has_its_fronts_refuse_steps_at_once(tmp_pat
         redis.stop()
 
 
+def slow_post(node: Node, body: dict[str, Any]) -> socket.socket:
+    """One msgpack ``/act`` step sent on a slow link (:func:`tests.procs.slow_link`)."""
+    data = wire.encode(body)
+    client = slow_link(node.host, node.port)
+    client.sendall(b"POST /act HTTP/1.1\r\nHost: node\r\nContent-Type: application/msgpack"
+                   b"\r\nAccept: application/msgpack\r\nContent-Length: "
+                   + str(len(data)).encode() + b"\r\n\r\n" + data)  # fmt: skip
+    return client
+
+
 @contextlib.contextmanager
 def wide_node(tmp: Path, name: str) -> Iterator[tuple[Node, dict[str, Any]]]:
     """A node of two fronts whose steps answer 12 MB (``counter_policy(wide=...)``), its
@@ -770,11 +780,7 @@ def slow_act(node: Node, body: dict[str, Any]) -> tuple[socket.socket, int]:
     reply never read), once the fronts hand no reply over: the socket, and the front
     handing this step's reply over (its slot DELIVERING, the reply in part in its buffer)."""
     wait_until(lambda: handing_over(lambda: fronts(node)) is None, 30, "no reply on its way")
-    data = wire.encode(body)
-    client = slow_link(node.host, node.port)
-    client.sendall(b"POST /act HTTP/1.1\r\nHost: node\r\nContent-Type: application/msgpack"
-                   b"\r\nAccept: application/msgpack\r\nContent-Length: "
-                   + str(len(data)).encode() + b"\r\n\r\n" + data)  # fmt: skip
+    client = slow_post(node, body)
     holder: int = wait_until(lambda: handing_over(lambda: fronts(node)), 60,
                              "a front handing the step's reply over", interval=0.01)  # fmt: skip
     return client, holder
@@ -860,13 +866,7 @@ def test_clients_that_read_nothing_never_starve_a_front_of_its_slots(tmp_path: P
         slow = []
         try:
             for i in range(120):  # (both fronts get more than 32 but once in ~10^8 runs)
-                body = {**zeros, "episode_id": f"hs-{i}"}
-                client = slow_link(node.host, node.port)
-                data = wire.encode(body)
-                client.sendall(b"POST /act HTTP/1.1\r\nHost: node\r\nContent-Type: application/"
-                               b"msgpack\r\nAccept: application/msgpack\r\nContent-Length: "
-                               + str(len(data)).encode() + b"\r\n\r\n" + data)  # fmt: skip
-                slow.append(client)
+                slow.append(slow_post(node, {**zeros, "episode_id": f"hs-{i}"}))
             wait_until(lambda: all(hop_states(f).count(FREE) == 0 for f in fronts(node)), 60,
                        "every slot of both fronts taken")  # fmt: skip
             r = post(node.url, zeros, True, timeout=30)  # queued behind them, then served
