@@ -38,7 +38,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, MutableMapping
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -89,6 +89,7 @@ from node.hop import (
     WS_STEP,
     Array,
     FrontHop,
+    Handing,
     Region,
     die_with_parent,
     lift,
@@ -372,7 +373,7 @@ class FrontApp:
         def gone() -> bool:
             return connection is not None and bool(connection.peer_closed())
 
-        writer = _Writer(scope, send, self.hop.starved)
+        writer = _Writer(scope, send)
         try:  # a slot waited for within its deadline; the reply written before it is freed
             await self.hop.call(kind, meta, arrays, use, gone, deliver=writer,
                                 wait_s=_left(received, self.hop.slot_wait_s))  # fmt: skip
@@ -447,7 +448,7 @@ class FrontApp:
 
         timeout_s = None if request is None else request.timeout_s
         wait = self.hop.slot_wait_s  # (--act-deadline: counted from its arrival too)
-        writer = _Writer(scope, send, self.hop.starved)
+        writer = _Writer(scope, send)
         try:  # a slot waited for no longer than the request's own timeout, if it set one
             await self.hop.call(
                 KSERVE,
@@ -635,7 +636,7 @@ class FrontApp:
             reply["body"] = wire.encode(doc)  # while the outputs are views of the slot
             return reply
 
-        async def deliver(reply: dict[str, Any]) -> bool | None:
+        async def deliver(reply: dict[str, Any], handing: Handing) -> bool | None:
             body = reply.get("body")
             if body is None:
                 return True
@@ -645,7 +646,7 @@ class FrontApp:
             except OSError:  # uvicorn's ClientDisconnected: the robot never gets it
                 return False
             drained = scope.get(DRAINED, _drained)  # the slot is freed once it is in the kernel
-            delivered: bool | None = await drained(self.hop.starved)  # (None: in doubt)
+            delivered: bool | None = await drained(handing)  # (None: in doubt)
             return delivered
 
         call = self.hop.call(WS_STEP, meta, arrays, use, deliver=deliver,
@@ -709,17 +710,16 @@ class _Writer:
     never standing with its reply gone with the process (node/hop.py). ``started``: the
     response began (nothing else may be sent on the exchange then)."""
 
-    def __init__(self, scope: Scope, send: Send, starved: Callable[[], bool]) -> None:
+    def __init__(self, scope: Scope, send: Send) -> None:
         self.scope = scope
         self.send = send
-        self.starved = starved
         self.started = False
 
-    async def __call__(self, response: Response) -> bool | None:
+    async def __call__(self, response: Response, handing: Handing) -> bool | None:
         self.started = True
         await respond(self.send, *response)
         drained = getattr(self.scope.get(CONNECTION), "drained", None)
-        return True if drained is None else await drained(self.starved)
+        return True if drained is None else await drained(handing)
 
 
 _CORE = httpx.URL("http://core")
@@ -758,10 +758,11 @@ DRAIN_S = 60.0
 nothing, its window shut): past it the connection is dropped, the step in doubt."""
 SHED_S = 0.25
 """How long a reply that the kernel could not take may hold its hop slot while other calls
-wait for one: past it the connection is dropped, the step in doubt (``_Drains.drained``)."""
+wait for one, when no ticket was left to move it to (every one of :data:`~node.hop.TICKETS`
+taken): past it the connection is dropped, the step in doubt (``_Drains.drained``)."""
 
 
-async def _drained(starved: Callable[[], bool] | None = None) -> bool | None:
+async def _drained(handing: Handing | None = None) -> bool | None:
     """A server that cannot say when its writes reached the kernel: as soon as written."""
     return True
 
@@ -802,7 +803,7 @@ class _Drains:
     def _paused(self) -> bool:
         raise NotImplementedError
 
-    async def drained(self, starved: Callable[[], bool] | None = None) -> bool | None:
+    async def drained(self, handing: Handing | None = None) -> bool | None:
         """True once the transport's buffer is empty (first in, first out: the reply went
         with it) with the connection still open, or after it closed without an error.
         None when that cannot be known, so the step is in doubt: the connection was lost
@@ -812,16 +813,20 @@ class _Drains:
         at the end of its turn, so a buffer not empty at once is looked at after one; still
         not empty then (the kernel's is full), the transport's write limit is set to 0 so
         that it says when it is empty, and set back then. A write that reached a closing
-        transport (``OneWriteTransport.late``: the loop may drop it) is in doubt. The wait
-        holds the reply's slot of the hop: while ``starved()`` says other calls wait for
-        one, a connection still full after :data:`SHED_S` is dropped (in doubt) rather than
-        let clients that read nothing starve the front."""
+        transport (``OneWriteTransport.late``: the loop may drop it) is in doubt. A reply
+        not in the kernel after that turn moves off its hop slot to a ticket
+        (``handing.park()``, node/hop.py), so a client that reads nothing holds no slot.
+        With no ticket left the wait holds the slot: while ``handing.starved()`` says other
+        calls wait for one, a connection still full after :data:`SHED_S` is dropped (in
+        doubt) rather than let clients that read nothing starve the front."""
         transport = self._transport()
         if self.lost or getattr(transport, "late", False):
             return None
         if not transport.is_closing() and not transport.get_write_buffer_size():
             return True  # the kernel took it all as it was written (the rule)
         await asyncio.sleep(0)  # a write the loop queued goes at the end of its turn
+        if handing is not None and not self.lost and transport.get_write_buffer_size():
+            handing.park()  # a slow reader: its slot is freed for others
         deadline = time.monotonic() + DRAIN_S
         limits: tuple[int, int] | None = None
         while True:
@@ -854,7 +859,9 @@ class _Drains:
                     else:  # (a transport that did not pause: look again shortly)
                         await asyncio.sleep(0.01)
             except TimeoutError:
-                if time.monotonic() >= deadline or (starved is not None and starved()):
+                if handing is not None:  # a ticket may have come free since
+                    handing.park()
+                if time.monotonic() >= deadline or (handing is not None and handing.starved()):
                     transport.abort()
                     return None
 

@@ -426,7 +426,8 @@ class Fronts:
     def _tell(self) -> None:
         """Tell every front that this loop runs and until when the lease lets the node
         serve (``Region.tell``: a front refuses steps itself only when neither is current),
-        and count the steps a front so refused while this loop did not run."""
+        count the steps a front so refused while this loop did not run, and let go of the
+        replies its tickets handed over (``CoreHop.forget_handed``)."""
         until = self.service.lease.serves_until_ns()
         now = time.monotonic_ns()
         for front in self.fronts:
@@ -434,6 +435,7 @@ class Fronts:
                 continue
             region = front.hop.region
             region.tell(now, NEVER_NS if until is None else until)
+            front.hop.forget_handed()
             refused = region.refused()
             if refused > front.refused:  # answered 503 (fenced, busy, deadline) by the front
                 self.routing.labels("unavailable").inc(refused - front.refused)

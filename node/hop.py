@@ -38,6 +38,12 @@ that it was not delivered unserved), the step is undone; read back and being han
 episode's next step starts clean and says ``state_reset`` (DESIGN rule 6); FREE, it was
 handed to the kernel and stands, as a reply a node of one process wrote.
 
+A hand-over the kernel does not take at once (a client that reads slowly) leaves its slot
+for a *ticket* (:class:`Handing`, :data:`PARK`): a word of the control block per ticket
+(its state and its use), which the front sets and the core reads when the front dies, with
+the same three outcomes. So the front's slots serve calls while up to :data:`TICKETS`
+clients read slowly.
+
 The core copies a step's inputs out of the slot (one copy) because the owner may keep them
 past the step (the recorder, a ghost step, a replay); the worker processes the issue plans
 will read them in place.
@@ -83,6 +89,7 @@ __all__ = [
     "WS_STEP",
     "Array",
     "FrontHop",
+    "Handing",
     "Region",
     "SharedLoopBuckets",
     "deaf_children",
@@ -108,6 +115,12 @@ WS_OPEN, WS_STEP, WS_CLOSE = 6, 7, 8
 reply is its metadata frame), one observation frame (decoded by the front, its arrays
 carried raw: :func:`lift`), the connection closed."""
 REPLY = 9
+PARK, SETTLE = 15, 16
+"""A reply still being handed over moves off its slot to a *ticket* (``k``, its use ``u``),
+so a client that reads slowly holds no slot (:class:`Handing`): the core keeps the step
+under the ticket and answers at once, freeing the slot. Should that hand-over fail, a
+SETTLE note names the ticket (``d``: in doubt, else never delivered) and the core undoes
+the step."""
 DOUBTED = 14
 """The slot's last reply was being handed to the client when that failed or stopped (the
 connection lost with bytes of it unsent, a send cut off): whether it arrived is unknown, so
@@ -141,6 +154,16 @@ registration anew). A device's worker process drops every state it kept under an
 HELD_AT = 512
 """Offset of what a device's worker process says it holds (:meth:`Region.say_held`): per
 model (its slot), the states and their bytes."""
+TICKETS_AT = 2048
+"""Offset of the tickets in the control block, a 32-bit word each (:meth:`Region.ticket`):
+its state in the low byte, FREE (handed to the kernel, or never used), DELIVERING (being
+handed over), UNDELIVERED or DOUBTED (the hand-over failed; its SETTLE note on the way),
+and above it the ticket's use, counted by the front (what the core keeps under an earlier
+use was settled)."""
+TICKETS = 512
+"""Replies a front may be handing over at once off their slots (:data:`PARK`); past them a
+slow reply keeps its slot (and is shed while other calls wait for one)."""
+_TICKET = struct.Struct("<I")
 _HEAD = struct.Struct("<IIII")  # state, kind, header length, total length
 _REST = struct.Struct("<III")  # the head after its state: kind, header length, total length
 _CONTROL = struct.Struct("<IIII")  # magic, slots, slot size, spare
@@ -255,6 +278,15 @@ class Region:
         value: int = _REFUSED.unpack_from(self.mm, CORE_AT + _CORE.size)[0]
         return value
 
+    def ticket(self, ticket: int) -> tuple[int, int]:
+        """The state of a parked reply's hand-over and the ticket's use (:data:`TICKETS_AT`)."""
+        word: int = _TICKET.unpack_from(self.mm, TICKETS_AT + 4 * ticket)[0]
+        return word & 0xFF, word >> 8
+
+    def set_ticket(self, ticket: int, state: int, use: int) -> None:
+        """One aligned 32-bit store: the core never reads a state of one use with another."""
+        _TICKET.pack_into(self.mm, TICKETS_AT + 4 * ticket, (use & 0xFF_FFFF) << 8 | state)
+
     def head(self, slot: int) -> int:
         return self.heads[slot]
 
@@ -312,6 +344,14 @@ class Region:
                 array = np.frombuffer(mm, dtype, nbytes // dtype.itemsize, at)
             arrays.append(array if len(shape) == 1 else array.reshape(shape))
         return kind, meta, arrays
+
+
+def _ticket(meta: dict[str, Any]) -> tuple[int, int] | None:
+    """The ticket a PARK or SETTLE names, and its use."""
+    ticket, use = meta.get("k"), meta.get("u")
+    if isinstance(ticket, int) and 0 <= ticket < TICKETS and isinstance(use, int):
+        return ticket, use
+    return None
 
 
 def _slots(bits: int, slots: int) -> list[int]:
@@ -551,6 +591,42 @@ class SharedLoopBuckets:
         return self.view()[1]
 
 
+PARK_HELD_S = 0.25
+"""How long a held call (:meth:`FrontHop.call` with ``hold``: gRPC) keeps its slot before
+its reply's hand-over moves to a ticket."""
+
+
+class Handing:
+    """A reply being handed to its client (the ``deliver`` of :meth:`FrontHop.call`, or a
+    held call). Its slot says DELIVERING. A hand-over the kernel does not take at once (a
+    client that reads slowly) is parked (:meth:`park`): it moves to a ticket, the core keeps the
+    step under the ticket (:data:`PARK`), and the slot is freed for other calls. So
+    clients that read nothing hold tickets, never the front's slots. Once every ticket is
+    taken, the slot stays held, and :meth:`starved` says whether other calls wait for it."""
+
+    __slots__ = ("answered", "failed", "handed", "hop", "slot", "ticket", "use")
+
+    def __init__(self, hop: FrontHop, slot: int) -> None:
+        self.hop = hop
+        self.slot = slot
+        self.ticket: int | None = None
+        self.use = 0
+        self.answered = False  # the core took the park (the slot is free)
+        self.failed: bool | None = None  # the hand-over failed before that (True: in doubt)
+        self.handed = False  # it reached the kernel before that
+
+    def park(self) -> bool:
+        """Move the hand-over off its slot (once; tried again while it could not): whether
+        it holds a ticket now."""
+        if self.ticket is None:
+            self.hop._park(self)
+        return self.ticket is not None
+
+    def starved(self) -> bool:
+        """Whether this hand-over holds a slot that other calls wait for."""
+        return self.ticket is None and self.hop.starved()
+
+
 class FrontHop:
     """The front's end of the hop: at most ``region.slots`` calls in flight; a call past
     them waits its turn for a slot (first come, first served) for up to ``slot_wait_s``
@@ -569,6 +645,9 @@ class FrontHop:
         self.loop = asyncio.get_running_loop()
         self.ringing = 0
         """The slots to ring for at the end of this turn of the loop (``1 << slot`` each)."""
+        self.tickets = deque(range(TICKETS))  # free tickets (PARK), the longest free first
+        self.uses = [0] * TICKETS
+        self.settling: set[asyncio.Task[None]] = set()
         self.loop.add_reader(answer, self._rung)
         self.on_core_gone: Callable[[], None] | None = None
 
@@ -599,22 +678,106 @@ class FrontHop:
         """Whether calls wait for a slot now (every one is in flight)."""
         return bool(self.queued)
 
-    def _settler(self, slot: int) -> Callable[[bool | None], None]:
+    def _settler(self, handing: Handing) -> Callable[[bool | None], None]:
         """How a held call's caller says whether its reply reached the client: True frees
-        the slot, False undoes the step, None leaves it in doubt; once."""
+        the slot, False undoes the step, None leaves it in doubt; once. Not said within
+        :data:`PARK_HELD_S`, the hand-over moves to a ticket (:meth:`Handing.park`)."""
         settled = False
+        timer = self.loop.call_later(PARK_HELD_S, handing.park)
 
         def settle(delivered: bool | None) -> None:
             nonlocal settled
             if settled:
                 return
             settled = True
-            if delivered is True:
-                self._release(slot)
-            else:
-                self._undeliver(slot, doubt=delivered is None)
+            timer.cancel()
+            self._handed(handing, delivered)
 
         return settle
+
+    def _handed(self, handing: Handing, delivered: bool | None) -> None:
+        """A hand-over ended: the slot (or the ticket it moved to) freed when ``delivered``
+        is True, else the core told to undo the step (in doubt when None)."""
+        if handing.ticket is not None:
+            self._settle_ticket(handing, delivered)
+        elif delivered is True:
+            self._release(handing.slot)
+        else:
+            self._undeliver(handing.slot, doubt=delivered is None)
+
+    def _park(self, handing: Handing) -> None:
+        """:meth:`Handing.park`: a free ticket says DELIVERING (its next use), then the slot
+        asks the core to keep its step under it (:data:`PARK`); the slot is freed once the
+        core answered, unless the hand-over failed meanwhile: then that slot carries the
+        SETTLE at once, so no later request of anyone's overtakes it."""
+        if not self.tickets:
+            return
+        ticket = self.tickets.popleft()
+        self.uses[ticket] += 1
+        use = self.uses[ticket]
+        slot = handing.slot
+        self.region.set_ticket(ticket, DELIVERING, use)  # before the core may read the park
+        self._send(slot, PARK, {"k": ticket, "u": use}, [])
+        answered = self.loop.create_future()
+        answered.add_done_callback(lambda _: self._parked(handing))
+        self.waiting[slot] = answered
+        handing.ticket, handing.use = ticket, use
+
+    def _parked(self, handing: Handing) -> None:
+        """The core took ``handing``'s park: its slot is free, or carries its SETTLE."""
+        handing.answered = True
+        if handing.failed is not None:
+            self._settle_on(handing.slot, handing, handing.failed)
+            return
+        self._release(handing.slot)
+        if handing.handed and handing.ticket is not None:
+            self.tickets.append(handing.ticket)
+
+    def _settle_ticket(self, handing: Handing, delivered: bool | None) -> None:
+        ticket = handing.ticket
+        assert ticket is not None
+        if delivered is True:  # it stands: the ticket is free once the core took the park
+            self.region.set_ticket(ticket, FREE, handing.use)
+            if handing.answered:
+                self.tickets.append(ticket)
+            else:  # freed with the slot (_parked)
+                handing.handed = True
+            return
+        doubt = delivered is None
+        self.region.set_ticket(ticket, DOUBTED if doubt else UNDELIVERED, handing.use)
+        if not handing.answered:  # the park's slot carries it (_parked)
+            handing.failed = doubt
+            return
+        task = self.loop.create_task(self._settle(handing, doubt))
+        self.settling.add(task)
+        task.add_done_callback(self.settling.discard)
+
+    async def _settle(self, handing: Handing, doubt: bool) -> None:
+        """Tell the core that a parked hand-over failed, on the first slot that comes free
+        (ahead of every call waiting for one), however long that takes. A front that dies
+        first leaves the ticket saying so (:meth:`CoreHop.drop`)."""
+        slot = await self._slot(True, None, first=True)
+        self._settle_on(slot, handing, doubt)
+
+    def _settle_on(self, slot: int, handing: Handing, doubt: bool) -> None:
+        """Send ``handing``'s SETTLE in ``slot``; once answered, the slot and the ticket are
+        free."""
+        ticket = handing.ticket
+        assert ticket is not None
+        try:
+            self._send(slot, SETTLE, {"k": ticket, "u": handing.use, "d": doubt}, [])
+        except BaseException:
+            self._release(slot)
+            raise
+        told = self.loop.create_future()
+
+        def done(_: Any) -> None:
+            self.region.set_ticket(ticket, FREE, handing.use)
+            self.tickets.append(ticket)
+            self._release(slot)
+
+        told.add_done_callback(done)
+        self.waiting[slot] = told
 
     def _release(self, slot: int) -> None:
         self.region.set_state(slot, FREE)
@@ -625,13 +788,25 @@ class FrontHop:
                 return
         self.free.append(slot)
 
-    async def _slot(self, wait: bool, wait_s: float | None) -> int:
+    async def _slot(self, wait: bool, wait_s: float | None, first: bool = False) -> int:
         """A free slot: at once, or once one is released to this call (its turn, in order
         of arrival); :class:`HopFull` past ``slot_wait_s`` (or ``wait_s``, the call's own
         budget, when shorter), at once without ``wait`` or with :data:`MAX_QUEUED` calls
-        waiting."""
-        if self.free and not self.queued:
+        waiting. ``first``: ahead of every call waiting, for as long as it takes (a failed
+        hand-over's SETTLE)."""
+        if self.free and (first or not self.queued):
             return self.free.pop()
+        if first:
+            head: asyncio.Future[int] = self.loop.create_future()
+            self.queued.appendleft(head)
+            try:
+                return await head
+            except asyncio.CancelledError:
+                if head.done() and not head.cancelled():
+                    self._release(head.result())
+                with contextlib.suppress(ValueError):
+                    self.queued.remove(head)
+                raise
         if not wait or len(self.queued) >= MAX_QUEUED:
             raise HopFull()
         budget = self.slot_wait_s if wait_s is None else max(0.0, min(wait_s, self.slot_wait_s))
@@ -672,7 +847,7 @@ class FrontHop:
         arrays: list[Array],
         use: Callable[[int, dict[str, Any], list[Array]], Any],
         gone: Callable[[], bool] | None = None,
-        deliver: Callable[[Any], Awaitable[bool | None]] | None = None,
+        deliver: Callable[[Any, Handing], Awaitable[bool | None]] | None = None,
         wait: bool = True,
         wait_s: float | None = None,
         hold: bool = False,
@@ -688,7 +863,7 @@ class FrontHop:
         undone or standing (the module doc). Cancelled, the slot
         stays the core's until it answers; the core is then told the reply was not
         delivered. So is it when ``gone()`` says, once the reply is used, that the client
-        has left, or when ``deliver(result)`` (awaited before the slot is freed: a
+        has left, or when ``deliver(result, handing)`` (awaited before the slot is freed: a
         websocket's send) says False (nothing of it reached the client): this raises
         :class:`Undelivered`. ``deliver`` saying None (the connection lost with the reply
         in part unsent), raising or cancelled leaves the step in doubt (:data:`DOUBTED`),
@@ -730,6 +905,7 @@ class FrontHop:
                 self.abandoned.add(slot)
             raise
         delivered: bool | None = False  # never reached the client, until known otherwise
+        handing: Handing | None = None  # the hand-over, once the result is used
         held = False  # the caller settles it (hold)
         try:
             kind, reply, views = self.region.read(slot, copy=False)
@@ -737,25 +913,26 @@ class FrontHop:
                 result = use(kind, reply, views)
             finally:
                 del views
+            handing = Handing(self, slot)
             if gone is not None and gone():
                 delivered = False
             elif hold:  # settled by the caller (_settler)
                 self.region.set_state(slot, DELIVERING)
                 held = True
-                return result, self._settler(slot)
+                return result, self._settler(handing)
             elif deliver is None:
                 delivered = True
             else:  # from here, dying, raising or being cancelled leaves it in doubt
                 self.region.set_state(slot, DELIVERING)
                 delivered = None
-                delivered = await deliver(result)
+                delivered = await deliver(result, handing)
         finally:
             if held:
                 pass
-            elif delivered is True:
-                self._release(slot)
+            elif handing is None:  # the reply could not be used: never delivered
+                self._undeliver(slot)
             else:
-                self._undeliver(slot, doubt=delivered is None)
+                self._handed(handing, delivered)
         if delivered is not True:
             raise Undelivered()
         return result
@@ -782,6 +959,9 @@ class CoreHop:
     on_undelivered: Callable[[Any], Awaitable[None]]
     on_doubt: Callable[[Any], Awaitable[None]]
     kept: dict[int, Any] = field(default_factory=dict)
+    parked: dict[int, tuple[int, Any]] = field(default_factory=dict)
+    """The steps kept under a ticket (:data:`PARK`), with the ticket's use: an entry of a
+    ticket handed over stays until :meth:`forget_handed` or the ticket's next park."""
     running: set[asyncio.Task[None]] = field(default_factory=set)
     alive: bool = True
     ringing: int = 0
@@ -812,6 +992,30 @@ class CoreHop:
             kind, meta, arrays = self.region.read(slot, copy=True)
         except HopError as exc:
             self._answer(slot, {"err": [400, "malformed", f"hop: {exc}", None, None]}, [])
+            return
+        if kind == PARK:  # the reply is still being handed over: kept under its ticket
+            named = _ticket(meta)
+            if named is not None and kept is not None:
+                self.parked[named[0]] = (named[1], kept)
+            elif named is not None:
+                self.parked.pop(named[0], None)
+            self._answer(slot, {}, [])
+            return
+        if kind == SETTLE:  # a ticket's hand-over failed: its step undone
+            named = _ticket(meta)
+            entry = None if named is None else self.parked.get(named[0])
+            keep = None
+            if named is not None and entry is not None and entry[0] == named[1]:
+                keep = self.parked.pop(named[0])[1]
+            try:
+                if keep is not None and meta.get("d"):
+                    await self.on_doubt(keep)
+                elif keep is not None:
+                    await self.on_undelivered(keep)
+            except Exception:
+                log.exception("undoing a step whose reply a front did not deliver failed")
+            finally:
+                self._answer(slot, {}, [])
             return
         if kind in (UNDELIVERED, DOUBTED):
             try:
@@ -865,22 +1069,48 @@ class CoreHop:
         if self.alive:
             os.eventfd_write(self.answer, bits)
 
-    def _undelivered(self, slot: int) -> bool:
-        """Whether the reply kept for ``slot`` never reached its client, as far as the front
-        said: still unread (answered), or a not-delivered notice not yet served."""
+    def _fate(self, slot: int) -> int:
+        """What became of the reply kept for ``slot``, as far as the front said before it
+        died: UNDELIVERED (never read back: still answered, or its word that it was not
+        delivered still unserved here), DOUBTED (being handed over: DELIVERING, its word
+        that the hand-over failed midway unserved, or its move to a ticket unserved while
+        the ticket says it is still being handed over) or FREE (it reached the kernel)."""
         state = self.region.state(slot)
-        return state == ANSWERED or (
-            state in (ASKED, TAKEN) and self.region.kind(slot) == UNDELIVERED
-        )
+        if state == ANSWERED:
+            return UNDELIVERED
+        if state == DELIVERING:
+            return DOUBTED
+        if state in (ASKED, TAKEN):
+            kind = self.region.kind(slot)
+            if kind in (UNDELIVERED, DOUBTED):
+                return kind
+            if kind == PARK:
+                try:
+                    named = _ticket(self.region.read(slot, copy=True)[1])
+                except HopError:
+                    named = None
+                return DOUBTED if named is None else self._ticket_fate(*named)
+        return FREE
 
-    def _doubted(self, slot: int) -> bool:
-        """Whether the reply kept for ``slot`` was being handed to its client when the front
-        died (DELIVERING), or the front's word that its hand-over failed midway is still
-        unserved here."""
-        state = self.region.state(slot)
-        return state == DELIVERING or (
-            state in (ASKED, TAKEN) and self.region.kind(slot) == DOUBTED
-        )
+    def forget_handed(self) -> None:
+        """Let go of what is kept under tickets handed over since (the front says FREE, or
+        the ticket is on a later use): never undone. Called every 50 ms, so a reply's
+        outputs are not held long past its hand-over."""
+        if self.alive and self.parked:
+            for ticket in [t for t, (use, _) in self.parked.items()
+                           if self._ticket_fate(t, use) == FREE]:  # fmt: skip
+                del self.parked[ticket]
+
+    def _ticket_fate(self, ticket: int, use: int) -> int:
+        """What the front's ticket says of its use ``use``: DOUBTED (still being handed over,
+        or failed in doubt), UNDELIVERED, or FREE (handed over; or the ticket has moved on
+        to a later use, which the front begins only once this one was settled)."""
+        state, now = self.region.ticket(ticket)
+        if now != use & 0xFF_FFFF:
+            return FREE
+        if state == DELIVERING:
+            return DOUBTED
+        return state if state in (UNDELIVERED, DOUBTED) else FREE
 
     async def _undo(self, kept: list[Any], doubted: list[Any]) -> None:
         for keep in kept:
@@ -901,11 +1131,12 @@ class CoreHop:
         self.alive = False
         loop = asyncio.get_running_loop()
         loop.remove_reader(self.ask)
-        # unread: still answered, or the front's word that it was not delivered still
-        # waiting here (asked, or taken by a task that will not run now)
-        unread = [keep for slot, keep in self.kept.items() if self._undelivered(slot)]
-        doubted = [keep for slot, keep in self.kept.items() if self._doubted(slot)]
+        fates = [(self._fate(slot), keep) for slot, keep in self.kept.items()]
+        fates += [(self._ticket_fate(t, use), keep) for t, (use, keep) in self.parked.items()]
+        unread = [keep for fate, keep in fates if fate == UNDELIVERED]
+        doubted = [keep for fate, keep in fates if fate == DOUBTED]
         self.kept.clear()
+        self.parked.clear()
         if unread or doubted:
             task = loop.create_task(self._undo(unread, doubted))
             self.running.add(task)

@@ -28,7 +28,7 @@ import pytest
 import redis
 
 from affinity.keys import Keys
-from node.hop import ASKED, DELIVERING, FREE, TAKEN, Region
+from node.hop import ASKED, DELIVERING, FREE, TAKEN, TICKETS, Region
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -210,12 +210,21 @@ def held_mid_step(
 
 def handing_over(fronts: Callable[[], list[int]]) -> int | None:
     """The front whose hop holds a reply it is handing to its client (a slot DELIVERING:
-    the write under way, or bytes of it left in the front's buffer), if any."""
+    the write under way, or a ticket DELIVERING: bytes of it left in the front's buffer,
+    its slot freed), if any."""
     for pid in fronts():
         with contextlib.suppress(OSError, ValueError):
-            if DELIVERING in hop_states(pid):
+            if DELIVERING in hop_states(pid) or DELIVERING in hop_tickets(pid):
                 return pid
     return None
+
+
+def hop_tickets(front: int) -> list[int]:
+    """The states of the tickets of front process ``front``'s hop that are not FREE: the
+    replies it is handing over off their slots (``node.hop.PARK``), or whose failed
+    hand-over it is telling the core about."""
+    with region_of(front) as region:
+        return [s for s, _ in (region.ticket(t) for t in range(TICKETS)) if s != FREE]
 
 
 def slow_link(host: str, port: int) -> socket.socket:

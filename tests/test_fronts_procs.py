@@ -31,7 +31,7 @@ from affinity import Keys, wire
 from node import inputs
 from node.contract import load_contract
 from node.errors import InvalidInput
-from node.hop import FREE
+from node.hop import DELIVERING, FREE
 from node.models import DEMO_MODEL
 from tests.models import counter_policy
 from tests.procs import (
@@ -45,6 +45,7 @@ from tests.procs import (
     handing_over,
     held_mid_step,
     hop_states,
+    hop_tickets,
     metrics,
     on_the_hop,
     pause,
@@ -761,10 +762,11 @@ def slow_post(node: Node, body: dict[str, Any]) -> socket.socket:
 
 
 @contextlib.contextmanager
-def wide_node(tmp: Path, name: str) -> Iterator[tuple[Node, dict[str, Any]]]:
+def wide_node(tmp: Path, name: str, capacity: int = 64) -> Iterator[tuple[Node, dict[str, Any]]]:
     """A node of two fronts whose steps answer 12 MB (``counter_policy(wide=...)``), its
     episode's first step applied: the node, and that step's body (msgpack)."""
     node = embedded(tmp, name, model=counter_policy(tmp, wide=3 << 20))
+    node.proc.argv += ["--capacity", str(capacity)]
     node.start(timeout=60)
     zeros = {"episode_id": f"{name}-slow", "inputs": {"obs": np.zeros((1, 8), np.float32)}}
     try:
@@ -778,11 +780,15 @@ def wide_node(tmp: Path, name: str) -> Iterator[tuple[Node, dict[str, Any]]]:
 def slow_act(node: Node, body: dict[str, Any]) -> tuple[socket.socket, int]:
     """One msgpack ``/act`` step sent on a slow link (:func:`tests.procs.slow_link`: its
     reply never read), once the fronts hand no reply over: the socket, and the front
-    handing this step's reply over (its slot DELIVERING, the reply in part in its buffer)."""
+    handing this step's reply over, the reply in part in its buffer: once it moved off its
+    slot to a ticket (``node.hop.PARK``), which is where a slow client's reply waits."""
     wait_until(lambda: handing_over(lambda: fronts(node)) is None, 30, "no reply on its way")
     client = slow_post(node, body)
-    holder: int = wait_until(lambda: handing_over(lambda: fronts(node)), 60,
-                             "a front handing the step's reply over", interval=0.01)  # fmt: skip
+
+    def parked() -> int | None:
+        return next((f for f in fronts(node) if DELIVERING in hop_tickets(f)), None)
+
+    holder: int = wait_until(parked, 60, "a front handing the step's reply over", interval=0.01)
     return client, holder
 
 
@@ -826,8 +832,14 @@ def test_a_client_gone_with_its_reply_in_part_unsent_has_that_step_in_doubt(
         client, holder = slow_act(node, zeros)
         client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         client.close()  # a reset: the front's buffer still holds part of the reply
-        wait_until(lambda: hop_states(holder).count(FREE) == len(hop_states(holder)), 30,
-                   "the core told, the slot freed")  # fmt: skip
+        wait_until(
+            lambda: (
+                hop_states(holder).count(FREE) == len(hop_states(holder))
+                and not hop_tickets(holder)
+            ),
+            30,
+            "the core told, slot and ticket freed",
+        )
         seen = [(count(read(r)), bool(read(r)["state_reset"]))
                 for r in (post(node.url, zeros, True, timeout=60) for _ in range(2))]  # fmt: skip
         assert seen == [(1, True), (2, False)], seen
@@ -856,21 +868,45 @@ def test_a_reply_sent_before_the_front_closes_the_connection_stands(tmp_path: Pa
 
 
 def test_clients_that_read_nothing_never_starve_a_front_of_its_slots(tmp_path: Path) -> None:
-    """120 clients on slow links (their 12 MB replies never read) would each hold a slot of
-    their front's hop while the reply drains, and a front has 32: once every slot of both
-    fronts is taken, a step of anyone else waits behind them. A front whose calls wait for
-    a slot drops such a connection (its step in doubt) a quarter of a second on, so a
-    client that reads its replies is still answered. (Without the shedding it waited for
-    the 60 s drain bound: past this test's 30 s.)"""
-    with wide_node(tmp_path, "hs") as (node, zeros):
+    """80 clients on slow links, their 12 MB replies never read: each reply waits in its
+    front's buffer, and each would hold a slot of the front's hop (a front has 32, the two
+    64) until it left. A reply the kernel did not take at once moves off its slot to a ticket
+    (``node.hop.PARK``), so all 80 are handed over at once, every slot stays free, and a
+    client that reads its replies is served beside them, nobody dropped. One of the slow
+    clients then reads its reply whole: its step stood, and its next goes on from it.
+    (Before the tickets, the fronts dropped the slow connections, their steps in doubt, to
+    free slots; before that, the reading client waited 60 s behind them.)"""
+    with wide_node(tmp_path, "hs", capacity=128) as (node, zeros):
         slow = []
         try:
-            for i in range(120):  # (both fronts get more than 32 but once in ~10^8 runs)
+            for i in range(80):
                 slow.append(slow_post(node, {**zeros, "episode_id": f"hs-{i}"}))
-            wait_until(lambda: all(hop_states(f).count(FREE) == 0 for f in fronts(node)), 60,
-                       "every slot of both fronts taken")  # fmt: skip
-            r = post(node.url, zeros, True, timeout=30)  # queued behind them, then served
-            assert r.status_code == 200, r.text
+
+            def parked() -> int:
+                return sum(hop_tickets(f).count(DELIVERING) for f in fronts(node))
+
+            wait_until(lambda: parked() == 80
+                       and all(hop_states(f).count(FREE) == 32 for f in fronts(node)),
+                       120, "every slow reply handed over off its slot")  # fmt: skip
+            r = post(node.url, zeros, True, timeout=60)
+            assert r.status_code == 200 and count(read(r)) == 2, r.text
+            assert parked() == 80  # nobody dropped
+            first = slow[0]
+            first.settimeout(60)
+            raw = b""
+            while b"\r\n\r\n" not in raw:
+                raw += first.recv(1 << 16)
+            head, _, body = raw.partition(b"\r\n\r\n")
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))  # fmt: skip
+            while len(body) < length:
+                chunk = first.recv(1 << 20)
+                assert chunk, "the connection closed mid-reply"
+                body += chunk
+            assert count(wire.decode(body)) == 1
+            wait_until(lambda: parked() == 79, 60, "the read reply's ticket freed")
+            r = post(node.url, {**zeros, "episode_id": "hs-0"}, True, timeout=60)
+            assert (count(read(r)), bool(read(r)["state_reset"])) == (2, False)
         finally:
             for client in slow:
                 client.close()

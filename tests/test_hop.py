@@ -11,7 +11,7 @@ import contextlib
 import os
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -447,7 +447,7 @@ async def test_a_reply_whose_send_failed_or_was_cancelled_is_undone(sent: object
     that its fate is unknown (undone in doubt)."""
     core = Core()
 
-    async def deliver(result: Any) -> bool | None:
+    async def deliver(result: Any, handing: Any) -> bool | None:
         if sent == "cancelled":
             raise asyncio.CancelledError()
         return sent  # type: ignore[return-value]
@@ -550,12 +550,12 @@ async def test_a_front_dead_while_handing_a_reply_over_leaves_that_step_in_doubt
     handing = asyncio.Event()
     release = asyncio.Event()
 
-    async def slow(result: Any) -> bool:
+    async def slow(result: Any, _: Any) -> bool:
         handing.set()
         await release.wait()
         return True
 
-    async def handed(result: Any) -> bool:
+    async def handed(result: Any, _: Any) -> bool:
         return True
 
     async with hop(core, slots=2) as (front, core_end):
@@ -654,8 +654,8 @@ async def test_a_reply_counts_as_sent_only_once_its_front_buffer_emptied() -> No
 async def test_a_held_call_keeps_its_slot_until_its_caller_settles_it(sent: bool | None) -> None:
     """``hold`` (gRPC hands the reply over after the handler returned): the call returns
     the reply and its settle; the slot stays DELIVERING (a front dying now leaves the step
-    in doubt) until settled: True frees it, False undoes the step, None leaves it in
-    doubt; a second settle changes nothing."""
+    in doubt) until settled (or, past ``PARK_HELD_S``, moved to a ticket): True frees it,
+    False undoes the step, None leaves it in doubt; a second settle changes nothing."""
     from node.hop import DELIVERING
 
     core = Core()
@@ -672,8 +672,9 @@ async def test_a_held_call_keeps_its_slot_until_its_caller_settles_it(sent: bool
 
 
 async def test_a_client_reading_nothing_is_dropped_only_while_others_wait_for_a_slot() -> None:
-    """A reply the kernel could not take holds its hop slot while it drains. While no call
-    waits for a slot it may (up to ``DRAIN_S``); once calls wait (``starved``), a
+    """A reply the kernel could not take, with no ticket left to move to, holds its hop slot
+    while it drains. While no call waits for a slot it may (up to ``DRAIN_S``); once calls
+    wait (``starved``), a
     connection still full ``SHED_S`` later is dropped, its step in doubt, so that clients
     that read nothing cannot starve a front of its slots."""
     from node.front import SHED_S, _Drains
@@ -692,17 +693,230 @@ async def test_a_client_reading_nothing_is_dropped_only_while_others_wait_for_a_
         def _paused(self) -> bool:
             return True
 
+    class NoTicket:  # every ticket taken: the hand-over keeps its slot
+        def park(self) -> bool:
+            return False
+
+        def starved(self) -> bool:
+            return others_wait
+
     others_wait = False
     slow = Conn(_Transport(buffered=1 << 20))
-    waiting = asyncio.create_task(slow.drained(lambda: others_wait))
+    waiting = asyncio.create_task(slow.drained(NoTicket()))  # type: ignore[arg-type]
     await asyncio.sleep(3 * SHED_S)  # no one waits: it may go on draining
     assert not waiting.done() and not slow.transport.aborted
     others_wait = True
     # (well before DRAIN_S, 60 s: the bound below is only the test's own)
     assert await asyncio.wait_for(waiting, 30) is None and slow.transport.aborted
     calm = Conn(_Transport(buffered=1 << 20))
-    waiting = asyncio.create_task(calm.drained(lambda: False))
+    waiting = asyncio.create_task(calm.drained(None))
     await asyncio.sleep(SHED_S)
     calm.transport.buffered = 0
     calm.writable.set()
     assert await asyncio.wait_for(waiting, 60) is True and not calm.transport.aborted
+
+
+async def _until(check: Callable[[], bool], what: str) -> None:
+    """Wait for ``check`` on this loop: bounded in turns, never in wall-clock time."""
+    for _ in range(20000):
+        if check():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"never: {what}")
+
+
+@pytest.mark.parametrize("sent", [True, False, None, "cancelled"])
+async def test_a_slow_hand_over_moves_to_a_ticket_and_frees_its_slot(sent: object) -> None:
+    """A reply the kernel did not take at once is parked (``Handing.park``): the core keeps
+    its step under a ticket and the slot is freed, so the front's only slot serves another
+    call while that client reads. Its hand-over then settles through the ticket: handed
+    over, it stands (and the core lets go of it); failed, the core undoes it (in doubt
+    when its fate is unknown)."""
+    from node.hop import DELIVERING, FREE, TICKETS
+
+    core = Core()
+    release = asyncio.Event()
+    parked = asyncio.Event()
+
+    async def slow(result: Any, handing: Any) -> bool | None:
+        assert handing.park() and handing.park()  # once: a second park changes nothing
+        parked.set()
+        await release.wait()
+        if sent == "cancelled":
+            raise asyncio.CancelledError()
+        return sent  # type: ignore[return-value]
+
+    async with hop(core, slots=1) as (front, core_end):
+        first = asyncio.create_task(front.call(WS_STEP, {"n": 1}, [np.ones(2)], echo, deliver=slow))
+        await parked.wait()
+        await _until(lambda: 0 in front.free, "the parked reply's slot freed")
+        (meta, _) = await front.call(ACT, {"n": 2}, [np.ones(2)], echo)  # the slot serves
+        assert meta["facts"]["n"] == 2
+        ticket = 0  # the first ticket taken, on its first use
+        assert core_end.parked == {ticket: (1, 1)}
+        assert core_end.region.ticket(ticket) == (DELIVERING, 1)
+        release.set()
+        if sent is True:
+            assert (await first)[0]["facts"]["n"] == 1
+        else:
+            with pytest.raises(asyncio.CancelledError if sent == "cancelled" else Undelivered):
+                await first
+        await _until(lambda: len(front.tickets) == TICKETS, "the ticket free again")
+        assert core_end.region.ticket(ticket) == (FREE, 1)
+        assert core.undelivered == ([1] if sent is False else [])
+        assert core.doubted == ([1] if sent in (None, "cancelled") else [])
+        if sent is True:  # kept until the core's next look at the tickets (every 50 ms)
+            assert core_end.parked == {ticket: (1, 1)}
+            core_end.forget_handed()
+        assert core_end.parked == {}
+
+
+@pytest.mark.parametrize("sent", [True, None])
+async def test_a_hand_over_that_ends_before_the_core_took_its_park_settles_on_that_slot(
+    sent: bool | None,
+) -> None:
+    """A parked hand-over that ends before the core answered its park: handed over, the
+    ticket is free once the park is answered; failed, the park's own slot carries the
+    SETTLE at once, so no other request can reach the core between them."""
+    from node.hop import TICKETS
+
+    core = Core()
+
+    async def quick(result: Any, handing: Any) -> bool | None:
+        assert handing.park()
+        return sent  # in the same turn: the core has not seen the park
+
+    async with hop(core, slots=1) as (front, core_end):
+        call = front.call(WS_STEP, {"n": 3}, [np.ones(2)], echo, deliver=quick)
+        if sent:
+            await call
+        else:
+            with pytest.raises(Undelivered):
+                await call
+        await _until(lambda: 0 in front.free and len(front.tickets) == TICKETS, "all freed")
+        assert core.doubted == ([] if sent else [3]) and core.undelivered == []
+        core_end.forget_handed()
+        assert core_end.parked == {}
+
+
+async def test_a_failed_hand_overs_settle_goes_ahead_of_every_call_waiting_for_a_slot() -> None:
+    """The SETTLE of a parked hand-over that failed takes the next free slot before the
+    calls queued for one: the core undoes the step before it serves any of them (a retry
+    of that step among them would otherwise run on the step that should be undone)."""
+    order: list[str] = []
+
+    class Ordered(Core):
+        async def handler(
+            self, kind: int, meta: dict[str, Any], arrays: list[Array], slot: int
+        ) -> tuple[dict[str, Any], list[Array]]:
+            order.append(f"step {meta.get('n')}")
+            return await super().handler(kind, meta, arrays, slot)
+
+        async def on_doubt(self, kept: Any) -> None:
+            order.append(f"undo {kept}")
+            await super().on_doubt(kept)
+
+    core = Ordered()
+    fail = asyncio.Event()
+
+    async def slow(result: Any, handing: Any) -> bool | None:
+        handing.park()
+        await fail.wait()
+        return None
+
+    async with hop(core, slots=1) as (front, _):
+        first = asyncio.create_task(front.call(ACT, {"n": 1}, [np.ones(2)], echo, deliver=slow))
+        await _until(lambda: order == ["step 1"] and 0 in front.free, "the first parked")
+        core.gate = asyncio.Event()
+        second = asyncio.create_task(front.call(ACT, {"n": 2}, [np.ones(2)], echo))
+        await _until(lambda: order == ["step 1", "step 2"], "the second step in the core")
+        third = asyncio.create_task(front.call(ACT, {"n": 3}, [np.ones(2)], echo))
+        await _until(front.starved, "the third call waiting for the slot")
+        fail.set()
+        with pytest.raises(Undelivered):
+            await first
+        core.gate.set()
+        await second
+        await third
+        assert order == ["step 1", "step 2", "undo 1", "step 3"]
+
+
+@pytest.mark.parametrize(
+    "when", ["delivering", "handed", "failed", "undelivered", "reused", "park_unserved"]
+)
+async def test_a_front_dead_with_parked_hand_overs_leaves_each_by_its_tickets_state(
+    when: str,
+) -> None:
+    """The core reads a dead front's tickets: a hand-over still going (or failed, its note
+    unserved) is undone in doubt; one the front said never reached the client, plainly;
+    one handed to the kernel stands. What the core kept under an earlier use of a ticket
+    stands whatever the ticket's later use says (the front begins a use only once the one
+    before was settled), and a park the core had not served is judged by its ticket."""
+    from node.hop import DELIVERING, DOUBTED, FREE, PARK, UNDELIVERED
+
+    core = Core()
+    async with hop(core, slots=2) as (front, core_end):
+        ticket = 7
+        expected: tuple[list[Any], list[Any]]  # (doubted, undone)
+        if when == "park_unserved":  # the front wrote its park and died before it was served
+            core_end.parked[ticket] = (1, "earlier")  # handed over, not yet forgotten
+            await front.call(ACT, {"n": 5}, [np.ones(2)], echo)
+            slot = next(s for s in range(2) if s in core_end.kept)
+            core_end.region.set_ticket(ticket, DELIVERING, 2)
+            core_end.region.write(slot, ASKED, PARK, {"k": ticket, "u": 2}, [])
+            expected = ([5], [])
+        elif when == "reused":  # died between the ticket's next use and its park's write
+            core_end.parked[ticket] = (1, "earlier")
+            core_end.region.set_ticket(ticket, DELIVERING, 2)
+            expected = ([], [])
+        else:
+            core_end.parked[ticket] = (1, 9)
+            state = {"delivering": DELIVERING, "handed": FREE, "failed": DOUBTED,
+                     "undelivered": UNDELIVERED}[when]  # fmt: skip
+            core_end.region.set_ticket(ticket, state, 1)
+            expected = {"handed": ([], []), "undelivered": ([], [9])}.get(when, ([9], []))
+        core_end.drop()
+        await _until(lambda: not core_end.running, "the undo done")
+        assert (core.doubted, core.undelivered) == expected
+
+
+async def test_a_held_call_moves_to_a_ticket_when_its_caller_is_slow_to_settle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gRPC settles a held call once it sent the reply: one not settled within
+    ``PARK_HELD_S`` moves to a ticket, freeing the slot; its settle then goes there."""
+    monkeypatch.setattr(hop_module, "PARK_HELD_S", 0.0)
+    core = Core()
+    async with hop(core, slots=1) as (front, core_end):
+        _, settle = await front.call(ACT, {"n": 6}, [np.ones(2)], echo, hold=True)
+        await _until(lambda: 0 in front.free, "the held call's slot freed")
+        assert list(core_end.parked.values()) == [(1, 6)]
+        settle(None)
+        settle(True)  # only the first counts
+        await _until(lambda: core.doubted == [6], "the step undone in doubt")
+        assert core_end.parked == {}
+
+
+async def test_with_no_ticket_left_a_slow_hand_over_keeps_its_slot() -> None:
+    """Every ticket taken: ``park`` says so and the reply keeps its slot, which
+    ``starved`` then reports as waited for (the shedding rule of ``_Drains.drained``)."""
+    core = Core()
+    gate = asyncio.Event()
+    said: list[bool] = []
+
+    async def slow(result: Any, handing: Any) -> bool:
+        said.append(handing.park())
+        await gate.wait()
+        said.append(handing.starved())
+        return True
+
+    async with hop(core, slots=1) as (front, _):
+        front.tickets.clear()
+        first = asyncio.create_task(front.call(ACT, {"n": 1}, [np.ones(2)], echo, deliver=slow))
+        await _until(lambda: bool(said), "the park tried")
+        second = asyncio.create_task(front.call(ACT, {"n": 2}, [np.ones(2)], echo))
+        await _until(front.starved, "a call waiting for the slot")
+        gate.set()
+        await first
+        assert (await second)[0]["facts"]["n"] == 2
+        assert said == [False, True] and core.undelivered == core.doubted == []
