@@ -756,6 +756,10 @@ DRAINED = "affinity.drained"
 DRAIN_S = 60.0
 """How long a reply may take to leave the front's buffer for the kernel (a client reading
 nothing, its window shut): past it the connection is dropped, the step in doubt."""
+PARK_AFTER_S = 0.02
+"""How long a reply the kernel could not take at once may keep its hop slot before it moves
+to a ticket (``Handing.park``): a big reply to a client that reads drains within it, and
+costs no park."""
 SHED_S = 0.25
 """How long a reply that the kernel could not take may hold its hop slot while other calls
 wait for one, when no ticket was left to move it to (every one of :data:`~node.hop.TICKETS`
@@ -814,56 +818,57 @@ class _Drains:
         not empty then (the kernel's is full), the transport's write limit is set to 0 so
         that it says when it is empty, and set back then. A write that reached a closing
         transport (``OneWriteTransport.late``: the loop may drop it) is in doubt. A reply
-        not in the kernel after that turn moves off its hop slot to a ticket
+        not in the kernel :data:`PARK_AFTER_S` on moves off its hop slot to a ticket
         (``handing.park()``, node/hop.py), so a client that reads nothing holds no slot.
-        With no ticket left the wait holds the slot: while ``handing.starved()`` says other
-        calls wait for one, a connection still full after :data:`SHED_S` is dropped (in
-        doubt) rather than let clients that read nothing starve the front."""
+        With no ticket left the wait holds the slot (and tries again for a ticket as it
+        goes): while ``handing.starved()`` says other calls wait for one, a connection still
+        full :data:`SHED_S` on is dropped (in doubt) rather than let clients that read
+        nothing starve the front."""
         transport = self._transport()
         if self.lost or getattr(transport, "late", False):
             return None
         if not transport.is_closing() and not transport.get_write_buffer_size():
             return True  # the kernel took it all as it was written (the rule)
         await asyncio.sleep(0)  # a write the loop queued goes at the end of its turn
-        if handing is not None and not self.lost and transport.get_write_buffer_size():
-            handing.park()  # a slow reader: its slot is freed for others
-        deadline = time.monotonic() + DRAIN_S
+        start = time.monotonic()
+        deadline, park_at, shed_at = start + DRAIN_S, start + PARK_AFTER_S, start + SHED_S
         limits: tuple[int, int] | None = None
         while True:
             if self.lost or getattr(transport, "late", False):
                 return None if self.broken or getattr(transport, "late", False) else True
-            if transport.is_closing():  # a flush before our close, or a reset (its buffer
-                try:  # dropped): only connection_lost says which
-                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                        await self._until_lost()
-                except TimeoutError:
+            now = time.monotonic()
+            if now >= deadline:
+                transport.abort()
+                return None
+            unparked = handing is not None and handing.ticket is None
+            if handing is not None and unparked and now >= park_at:
+                # a slow reader: its slot freed for others (a ticket may have come free)
+                unparked = not handing.park()
+                if unparked and now >= shed_at and handing.starved():
                     transport.abort()
                     return None
+            wake = deadline
+            if unparked:
+                wake = min(wake, park_at if now < park_at else now + SHED_S)
+            if transport.is_closing():  # a flush before our close, or a reset (its buffer
+                with contextlib.suppress(TimeoutError):  # dropped): only connection_lost says
+                    async with asyncio.timeout(max(0.0, wake - now)):
+                        await self._until_lost()
                 continue
             if not transport.get_write_buffer_size():
                 if limits is not None:  # the connection's later writes as before
                     with contextlib.suppress(RuntimeError):  # (a transport closed meanwhile)
                         transport.set_write_buffer_limits(high=limits[1], low=limits[0])
                 return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                transport.abort()
-                return None
             if limits is None:
                 limits = transport.get_write_buffer_limits()
                 transport.set_write_buffer_limits(high=0)  # paused now; resumed once empty
-            try:
-                async with asyncio.timeout(min(left, SHED_S)):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, wake - now)):
                     if self._paused():
                         await self._writable()
                     else:  # (a transport that did not pause: look again shortly)
                         await asyncio.sleep(0.01)
-            except TimeoutError:
-                if handing is not None:  # a ticket may have come free since
-                    handing.park()
-                if time.monotonic() >= deadline or (handing is not None and handing.starved()):
-                    transport.abort()
-                    return None
 
 
 class _DrainingWebSocket(_Drains, WebSocketsSansIOProtocol):

@@ -694,6 +694,8 @@ async def test_a_client_reading_nothing_is_dropped_only_while_others_wait_for_a_
             return True
 
     class NoTicket:  # every ticket taken: the hand-over keeps its slot
+        ticket = None
+
         def park(self) -> bool:
             return False
 
@@ -920,3 +922,52 @@ async def test_with_no_ticket_left_a_slow_hand_over_keeps_its_slot() -> None:
         await first
         assert (await second)[0]["facts"]["n"] == 2
         assert said == [False, True] and core.undelivered == core.doubted == []
+
+
+async def test_a_reply_still_in_the_front_a_moment_on_moves_to_a_ticket_not_before() -> None:
+    """``_Drains.drained`` parks a reply only once it stayed in the front's buffer for
+    ``PARK_AFTER_S`` (a big reply to a client that reads drains within it, and costs no
+    park), and then at once: a slow reader holds its slot no longer."""
+    from node.front import PARK_AFTER_S, _Drains
+
+    class Conn(_Drains):
+        def __init__(self, transport: _Transport) -> None:
+            self.transport = transport
+            self.writable = asyncio.Event()
+
+        def _transport(self) -> Any:
+            return self.transport
+
+        async def _writable(self) -> None:
+            await self.writable.wait()
+
+        def _paused(self) -> bool:
+            return True
+
+    class Counting:
+        def __init__(self) -> None:
+            self.ticket: int | None = None
+            self.parks = 0
+
+        def park(self) -> bool:
+            self.parks += 1
+            self.ticket = 0
+            return True
+
+        def starved(self) -> bool:
+            return False
+
+    quick, handing = Conn(_Transport(buffered=1 << 20)), Counting()
+    waiting = asyncio.create_task(quick.drained(handing))  # type: ignore[arg-type]
+    await asyncio.sleep(0)
+    quick.transport.buffered = 0  # the client read it at once
+    quick.writable.set()
+    assert await waiting is True and handing.parks == 0
+    slow, handing = Conn(_Transport(buffered=1 << 20)), Counting()
+    waiting = asyncio.create_task(slow.drained(handing))  # type: ignore[arg-type]
+    await _until(lambda: handing.parks == 1, "parked")
+    await asyncio.sleep(2 * PARK_AFTER_S)
+    assert handing.parks == 1 and not waiting.done()  # parked once, still draining
+    slow.transport.buffered = 0
+    slow.writable.set()
+    assert await waiting is True
