@@ -16,6 +16,7 @@ a graceful stop the fronts keep serving while the episodes are handed over, then
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -353,8 +354,19 @@ class Fronts:
         self._ending: set[asyncio.Task[None]] = set()
         metrics = service.metrics
         self.restarts = metrics.front_restarts
+        self.parked = metrics.replies_parked
         self.routing = metrics.routing
+        metrics.before_read(self._parked)
         self.bounds = metrics.loop_lag.bounds
+
+    def _parked(self) -> None:
+        """Each front's tickets in use, into ``affinity_front_replies_parked`` (at a scrape)."""
+        for front in self.fronts:
+            hop, parked = front.hop, 0
+            if hop is not None and hop.alive:
+                with contextlib.suppress(ValueError):  # (its region closed as it died)
+                    parked = hop.region.parked()
+            self.parked.labels(str(front.index)).set(parked)
 
     def start(self) -> None:
         for front in self.fronts:

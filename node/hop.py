@@ -283,6 +283,12 @@ class Region:
         word: int = _TICKET.unpack_from(self.mm, TICKETS_AT + 4 * ticket)[0]
         return word & 0xFF, word >> 8
 
+    def parked(self) -> int:
+        """How many tickets are in use now (not FREE): replies being handed over off their
+        slots, or whose failed hand-over the core is being told of."""
+        words = np.frombuffer(self.mm, np.uint32, TICKETS, TICKETS_AT)
+        return int(np.count_nonzero(words & 0xFF))
+
     def set_ticket(self, ticket: int, state: int, use: int) -> None:
         """One aligned 32-bit store: the core never reads a state of one use with another."""
         _TICKET.pack_into(self.mm, TICKETS_AT + 4 * ticket, (use & 0xFF_FFFF) << 8 | state)

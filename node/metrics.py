@@ -51,6 +51,7 @@ DOORS = ("act", "kserve_http", "kserve_grpc", "openpi")
 FRONTS_ONLY = frozenset(
     {
         "affinity_front_restarts_total",
+        "affinity_front_replies_parked",
         "affinity_device_worker_restarts_total",
         "affinity_device_worker_states",
         "affinity_device_worker_state_bytes",
@@ -70,6 +71,7 @@ LABELS: dict[str, dict[str, tuple[str, ...] | str]] = {
     "affinity_act_seconds": {"path": PATHS},
     "affinity_event_loop_lag_seconds": {"front": "front"},
     "affinity_front_restarts_total": {},
+    "affinity_front_replies_parked": {"front": "front"},
     "affinity_device_worker_restarts_total": {"device": "device"},
     "affinity_device_worker_states": {"device": "device"},
     "affinity_device_worker_state_bytes": {"device": "device"},
@@ -231,6 +233,13 @@ class Metrics:
         self.front_restarts = Counter(
             "affinity_front_restarts_total",
             "Front door processes (--front-doors) restarted after they died.",
+            registry=r,
+        )
+        self.replies_parked = Gauge(
+            "affinity_front_replies_parked",
+            "Replies a front door process is handing to clients that read slowly, moved off "
+            "its hop slots to tickets (--front-doors above 1); read at each scrape.",
+            ["front"],
             registry=r,
         )
         self.device_worker_restarts = Counter(

@@ -872,7 +872,8 @@ def test_clients_that_read_nothing_never_starve_a_front_of_its_slots(tmp_path: P
     front's buffer, and each would hold a slot of the front's hop (a front has 32, the two
     64) until it left. A reply the kernel did not take at once moves off its slot to a ticket
     (``node.hop.PARK``), so all 80 are handed over at once, every slot stays free, and a
-    client that reads its replies is served beside them, nobody dropped. One of the slow
+    client that reads its replies is served beside them, nobody dropped
+    (``affinity_front_replies_parked`` says 80 over the two fronts). One of the slow
     clients then reads its reply whole: its step stood, and its next goes on from it.
     (Before the tickets, the fronts dropped the slow connections, their steps in doubt, to
     free slots; before that, the reading client waited 60 s behind them.)"""
@@ -891,6 +892,9 @@ def test_clients_that_read_nothing_never_starve_a_front_of_its_slots(tmp_path: P
             r = post(node.url, zeros, True, timeout=60)
             assert r.status_code == 200 and count(read(r)) == 2, r.text
             assert parked() == 80  # nobody dropped
+            said = {front: value for (name, labels), value in metrics(node).items()
+                    if name == "affinity_front_replies_parked" for _, front in labels}  # fmt: skip
+            assert sorted(said) == ["0", "1"] and sum(said.values()) == 80, said
             first = slow[0]
             first.settimeout(60)
             raw = b""
