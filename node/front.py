@@ -840,6 +840,12 @@ class _Drains:
             if now >= deadline:
                 transport.abort()
                 return None
+            closing = transport.is_closing()
+            if not closing and not transport.get_write_buffer_size():
+                if limits is not None:  # the connection's later writes as before
+                    with contextlib.suppress(RuntimeError):  # (a transport closed meanwhile)
+                        transport.set_write_buffer_limits(high=limits[1], low=limits[0])
+                return True
             unparked = handing is not None and handing.ticket is None
             if handing is not None and unparked and now >= park_at:
                 # a slow reader: its slot freed for others (a ticket may have come free)
@@ -850,16 +856,11 @@ class _Drains:
             wake = deadline
             if unparked:
                 wake = min(wake, park_at if now < park_at else now + SHED_S)
-            if transport.is_closing():  # a flush before our close, or a reset (its buffer
-                with contextlib.suppress(TimeoutError):  # dropped): only connection_lost says
+            if closing:  # a flush before our close, or a reset (its buffer dropped): only
+                with contextlib.suppress(TimeoutError):  # connection_lost says which
                     async with asyncio.timeout(max(0.0, wake - now)):
                         await self._until_lost()
                 continue
-            if not transport.get_write_buffer_size():
-                if limits is not None:  # the connection's later writes as before
-                    with contextlib.suppress(RuntimeError):  # (a transport closed meanwhile)
-                        transport.set_write_buffer_limits(high=limits[1], low=limits[0])
-                return True
             if limits is None:
                 limits = transport.get_write_buffer_limits()
                 transport.set_write_buffer_limits(high=0)  # paused now; resumed once empty

@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -314,6 +314,14 @@ async def undeliver(service: NodeService, kept: Any, doubt: bool = False) -> Non
             await service.router.undelivered(reply, doubt)
 
 
+def lighten(kept: Any) -> Any:
+    """What the core holds of a kept step while its reply is parked with a slow client
+    (``CoreHop.lighten``): its reply without the outputs, which an undo never reads."""
+    if isinstance(kept, list):
+        return [lighten(reply) for reply in kept]
+    return replace(kept, outputs={}) if isinstance(kept, Reply) else kept
+
+
 # ---- the supervisor -------------------------------------------------------------------------
 
 
@@ -405,7 +413,7 @@ class Fronts:
         async def doubted(kept: Any) -> None:
             await undeliver(service, kept, doubt=True)
 
-        hop = CoreHop(region, ask, answer, handler, undelivered, doubted)
+        hop = CoreHop(region, ask, answer, handler, undelivered, doubted, lighten)
         listener = self.listeners[front.index]
         argv = [
             sys.executable, "-m", "node.front",

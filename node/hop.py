@@ -653,7 +653,6 @@ class FrontHop:
         """The slots to ring for at the end of this turn of the loop (``1 << slot`` each)."""
         self.tickets = deque(range(TICKETS))  # free tickets (PARK), the longest free first
         self.uses = [0] * TICKETS
-        self.settling: set[asyncio.Task[None]] = set()
         self.loop.add_reader(answer, self._rung)
         self.on_core_gone: Callable[[], None] | None = None
 
@@ -687,16 +686,24 @@ class FrontHop:
     def _settler(self, handing: Handing) -> Callable[[bool | None], None]:
         """How a held call's caller says whether its reply reached the client: True frees
         the slot, False undoes the step, None leaves it in doubt; once. Not said within
-        :data:`PARK_HELD_S`, the hand-over moves to a ticket (:meth:`Handing.park`)."""
+        :data:`PARK_HELD_S`, the hand-over moves to a ticket (:meth:`Handing.park`; tried
+        again as often while every ticket is taken)."""
         settled = False
-        timer = self.loop.call_later(PARK_HELD_S, handing.park)
+        timer: asyncio.TimerHandle | None = None
+
+        def park() -> None:  # again while no ticket is free
+            nonlocal timer
+            timer = None if handing.park() else self.loop.call_later(PARK_HELD_S, park)
+
+        timer = self.loop.call_later(PARK_HELD_S, park)
 
         def settle(delivered: bool | None) -> None:
             nonlocal settled
             if settled:
                 return
             settled = True
-            timer.cancel()
+            if timer is not None:
+                timer.cancel()
             self._handed(handing, delivered)
 
         return settle
@@ -753,17 +760,12 @@ class FrontHop:
         self.region.set_ticket(ticket, DOUBTED if doubt else UNDELIVERED, handing.use)
         if not handing.answered:  # the park's slot carries it (_parked)
             handing.failed = doubt
-            return
-        task = self.loop.create_task(self._settle(handing, doubt))
-        self.settling.add(task)
-        task.add_done_callback(self.settling.discard)
-
-    async def _settle(self, handing: Handing, doubt: bool) -> None:
-        """Tell the core that a parked hand-over failed, on the first slot that comes free
-        (ahead of every call waiting for one), however long that takes. A front that dies
-        first leaves the ticket saying so (:meth:`CoreHop.drop`)."""
-        slot = await self._slot(True, None, first=True)
-        self._settle_on(slot, handing, doubt)
+        elif self.free:  # the first free slot, before any call of this turn can take it
+            self._settle_on(self.free.pop(), handing, doubt)
+        else:  # the next slot released, ahead of every call waiting for one
+            head: asyncio.Future[int] = self.loop.create_future()
+            head.add_done_callback(lambda got: self._settle_on(got.result(), handing, doubt))
+            self.queued.appendleft(head)
 
     def _settle_on(self, slot: int, handing: Handing, doubt: bool) -> None:
         """Send ``handing``'s SETTLE in ``slot``; once answered, the slot and the ticket are
@@ -794,25 +796,13 @@ class FrontHop:
                 return
         self.free.append(slot)
 
-    async def _slot(self, wait: bool, wait_s: float | None, first: bool = False) -> int:
+    async def _slot(self, wait: bool, wait_s: float | None) -> int:
         """A free slot: at once, or once one is released to this call (its turn, in order
         of arrival); :class:`HopFull` past ``slot_wait_s`` (or ``wait_s``, the call's own
         budget, when shorter), at once without ``wait`` or with :data:`MAX_QUEUED` calls
-        waiting. ``first``: ahead of every call waiting, for as long as it takes (a failed
-        hand-over's SETTLE)."""
-        if self.free and (first or not self.queued):
+        waiting."""
+        if self.free and not self.queued:
             return self.free.pop()
-        if first:
-            head: asyncio.Future[int] = self.loop.create_future()
-            self.queued.appendleft(head)
-            try:
-                return await head
-            except asyncio.CancelledError:
-                if head.done() and not head.cancelled():
-                    self._release(head.result())
-                with contextlib.suppress(ValueError):
-                    self.queued.remove(head)
-                raise
         if not wait or len(self.queued) >= MAX_QUEUED:
             raise HopFull()
         budget = self.slot_wait_s if wait_s is None else max(0.0, min(wait_s, self.slot_wait_s))
@@ -964,6 +954,9 @@ class CoreHop:
     handler: Handler
     on_undelivered: Callable[[Any], Awaitable[None]]
     on_doubt: Callable[[Any], Awaitable[None]]
+    lighten: Callable[[Any], Any] = lambda keep: keep
+    """What of a kept step the core holds while it is parked (``keep`` less what its undo
+    does not need: a reply's outputs), for as long as its client takes."""
     kept: dict[int, Any] = field(default_factory=dict)
     parked: dict[int, tuple[int, Any]] = field(default_factory=dict)
     """The steps kept under a ticket (:data:`PARK`), with the ticket's use: an entry of a
@@ -1002,7 +995,7 @@ class CoreHop:
         if kind == PARK:  # the reply is still being handed over: kept under its ticket
             named = _ticket(meta)
             if named is not None and kept is not None:
-                self.parked[named[0]] = (named[1], kept)
+                self.parked[named[0]] = (named[1], self.lighten(kept))
             elif named is not None:
                 self.parked.pop(named[0], None)
             self._answer(slot, {}, [])

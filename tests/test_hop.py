@@ -773,7 +773,7 @@ async def test_a_slow_hand_over_moves_to_a_ticket_and_frees_its_slot(sent: objec
         assert core_end.parked == {}
 
 
-@pytest.mark.parametrize("sent", [True, None])
+@pytest.mark.parametrize("sent", [True, False, None])
 async def test_a_hand_over_that_ends_before_the_core_took_its_park_settles_on_that_slot(
     sent: bool | None,
 ) -> None:
@@ -796,7 +796,8 @@ async def test_a_hand_over_that_ends_before_the_core_took_its_park_settles_on_th
             with pytest.raises(Undelivered):
                 await call
         await _until(lambda: 0 in front.free and len(front.tickets) == TICKETS, "all freed")
-        assert core.doubted == ([] if sent else [3]) and core.undelivered == []
+        assert core.doubted == ([3] if sent is None else [])
+        assert core.undelivered == ([3] if sent is False else [])
         core_end.forget_handed()
         assert core_end.parked == {}
 
@@ -971,3 +972,54 @@ async def test_a_reply_still_in_the_front_a_moment_on_moves_to_a_ticket_not_befo
     slow.transport.buffered = 0
     slow.writable.set()
     assert await waiting is True
+
+
+async def test_a_held_call_tries_again_for_a_ticket_while_every_one_is_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A held call whose first try found no ticket free tries again every
+    ``PARK_HELD_S``: it leaves its slot once one comes free."""
+    monkeypatch.setattr(hop_module, "PARK_HELD_S", 0.0)
+    core = Core()
+    async with hop(core, slots=1) as (front, core_end):
+        kept = list(front.tickets)
+        front.tickets.clear()
+        _, settle = await front.call(ACT, {"n": 8}, [np.ones(2)], echo, hold=True)
+        for _ in range(20):  # (several tries, each finding none)
+            await asyncio.sleep(0)
+        assert front.free == [] and core_end.parked == {}
+        front.tickets.extend(kept)
+        await _until(lambda: 0 in front.free, "the held call's slot freed")
+        assert list(core_end.parked.values()) == [(1, 8)]
+        settle(True)
+
+
+async def test_the_core_holds_a_parked_step_lightened() -> None:
+    """While a reply is parked with a slow client the core holds only what the step's
+    undo needs (``CoreHop.lighten``: for a node, the reply without its outputs), and
+    that is what an undo gets."""
+    from node.fronts import lighten
+    from node.step import Reply
+
+    core = Core()
+    release = asyncio.Event()
+
+    async def slow(result: Any, handing: Any) -> bool | None:
+        handing.park()
+        await release.wait()
+        return None
+
+    async with hop(core, slots=1) as (front, core_end):
+        core_end.lighten = lambda keep: ("light", keep)
+        first = asyncio.create_task(front.call(ACT, {"n": 4}, [np.ones(2)], echo, deliver=slow))
+        await _until(lambda: bool(core_end.parked), "parked")
+        assert list(core_end.parked.values()) == [(1, ("light", 4))]
+        release.set()
+        with pytest.raises(Undelivered):
+            await first
+        await _until(lambda: bool(core.doubted), "undone")
+        assert core.doubted == [("light", 4)]
+    reply = Reply({"actions": np.ones((1, 4096))}, "ep", "n/0", "n", 1, "hit", False, False)
+    light = lighten([reply])[0]
+    assert light.outputs == {} and (light.episode, light.seq) == (reply.episode, reply.seq)
+    assert reply.outputs and lighten("other") == "other"
