@@ -38,7 +38,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -645,7 +645,7 @@ class FrontApp:
                 await send({"type": "websocket.send", "bytes": body})
             except OSError:  # uvicorn's ClientDisconnected: the robot never gets it
                 return False
-            drained = scope.get(DRAINED, _drained)  # the slot is freed once it is in the kernel
+            drained = drained_of(scope)  # the slot is freed once it is in the kernel
             delivered: bool | None = await drained(handing)  # (None: in doubt)
             return delivered
 
@@ -718,8 +718,7 @@ class _Writer:
     async def __call__(self, response: Response, handing: Handing) -> bool | None:
         self.started = True
         await respond(self.send, *response)
-        drained = getattr(self.scope.get(CONNECTION), "drained", None)
-        return True if drained is None else await drained(handing)
+        return await drained_of(self.scope)(handing)
 
 
 _CORE = httpx.URL("http://core")
@@ -751,8 +750,6 @@ async def _disconnected(receive: Receive, connection: Any) -> None:
         told.cancel()
 
 
-DRAINED = "affinity.drained"
-"""Scope key of a front's websocket's :meth:`_DrainingWebSocket.drained`."""
 DRAIN_S = 60.0
 """How long a reply may take to leave the front's buffer for the kernel (a client reading
 nothing, its window shut): past it the connection is dropped, the step in doubt."""
@@ -769,6 +766,16 @@ taken): past it the connection is dropped, the step in doubt (``_Drains.drained`
 async def _drained(handing: Handing | None = None) -> bool | None:
     """A server that cannot say when its writes reached the kernel: as soon as written."""
     return True
+
+
+def drained_of(scope: Scope) -> Callable[[Handing | None], Awaitable[bool | None]]:
+    """How to wait until what was written on ``scope``'s connection is in the kernel: its
+    protocol's :meth:`_Drains.drained` (the scope's :data:`~node.asgi.CONNECTION`, HTTP's
+    and the websocket's alike), or at once for a server that cannot say."""
+    drained: Callable[[Handing | None], Awaitable[bool | None]] = getattr(
+        scope.get(CONNECTION), "drained", _drained
+    )
+    return drained
 
 
 class _Drains:
@@ -873,8 +880,9 @@ class _Drains:
 
 
 class _DrainingWebSocket(_Drains, WebSocketsSansIOProtocol):
-    """uvicorn's websocket protocol, except that every connection's scope carries
-    :meth:`~_Drains.drained` (:data:`DRAINED`). An openpi reply's slot stays DELIVERING
+    """uvicorn's websocket protocol, except that every connection's scope carries it as
+    :data:`~node.asgi.CONNECTION`, as the HTTP protocol does, for :meth:`~_Drains.drained`
+    (:func:`drained_of`). An openpi reply's slot stays DELIVERING
     until the reply is in the kernel: a front that dies with it still in its buffer (a
     robot on a slow link: the kernel's socket buffer is full) leaves the step in doubt
     (node/hop.py), never applied with its reply lost unsaid. Hazard: a uvicorn upgrade is
@@ -888,7 +896,7 @@ class _DrainingWebSocket(_Drains, WebSocketsSansIOProtocol):
         super().handle_connect(event)
         scope = getattr(self, "scope", None)  # (none for a handshake refused)
         if scope is not None:
-            scope[DRAINED] = self.drained
+            scope[CONNECTION] = self
 
     def _transport(self) -> asyncio.Transport:
         return self.transport
