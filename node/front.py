@@ -827,7 +827,8 @@ class _Drains:
         transport (``OneWriteTransport.late``: the loop may drop it) is in doubt. A reply
         not in the kernel :data:`PARK_AFTER_S` on moves off its hop slot to a ticket
         (``handing.park()``, node/hop.py), so a client that reads nothing holds no slot.
-        With no ticket left the wait holds the slot (and tries again for a ticket as it
+        With no ticket left (or :data:`~node.hop.PARKED_BYTES` held by parked replies
+        already) the wait holds the slot (and tries again for a ticket as it
         goes): while ``handing.starved()`` says other calls wait for one, a connection still
         full :data:`SHED_S` on is dropped (in doubt) rather than let clients that read
         nothing starve the front."""
@@ -856,7 +857,7 @@ class _Drains:
             unparked = handing is not None and handing.ticket is None
             if handing is not None and unparked and now >= park_at:
                 # a slow reader: its slot freed for others (a ticket may have come free)
-                unparked = not handing.park()
+                unparked = not handing.park(transport.get_write_buffer_size())
                 if unparked and now >= shed_at and handing.starved():
                     transport.abort()
                     return None

@@ -163,6 +163,11 @@ use was settled)."""
 TICKETS = 512
 """Replies a front may be handing over at once off their slots (:data:`PARK`); past them a
 slow reply keeps its slot (and is shed while other calls wait for one)."""
+PARKED_BYTES = 1 << 30
+"""Bytes of replies a front may hold for clients that read slowly off its slots (each
+parked reply counts what was left in the front's buffer): past them a slow reply keeps its
+slot, as past :data:`TICKETS`, so clients that read nothing cannot pin a front's memory
+without bound."""
 _TICKET = struct.Struct("<I")
 _HEAD = struct.Struct("<IIII")  # state, kind, header length, total length
 _REST = struct.Struct("<III")  # the head after its state: kind, header length, total length
@@ -610,7 +615,7 @@ class Handing:
     clients that read nothing hold tickets, never the front's slots. Once every ticket is
     taken, the slot stays held, and :meth:`starved` says whether other calls wait for it."""
 
-    __slots__ = ("answered", "failed", "handed", "hop", "slot", "ticket", "use")
+    __slots__ = ("answered", "failed", "handed", "hop", "nbytes", "slot", "ticket", "use")
 
     def __init__(self, hop: FrontHop, slot: int) -> None:
         self.hop = hop
@@ -620,12 +625,13 @@ class Handing:
         self.answered = False  # the core took the park (the slot is free)
         self.failed: bool | None = None  # the hand-over failed before that (True: in doubt)
         self.handed = False  # it reached the kernel before that
+        self.nbytes = 0  # of the front's parked bytes, this reply's
 
-    def park(self) -> bool:
-        """Move the hand-over off its slot (once; tried again while it could not): whether
-        it holds a ticket now."""
+    def park(self, nbytes: int = 0) -> bool:
+        """Move the hand-over off its slot (once; tried again while it could not), ``nbytes``
+        of its reply still in the front: whether it holds a ticket now."""
         if self.ticket is None:
-            self.hop._park(self)
+            self.hop._park(self, nbytes)
         return self.ticket is not None
 
     def starved(self) -> bool:
@@ -653,6 +659,7 @@ class FrontHop:
         """The slots to ring for at the end of this turn of the loop (``1 << slot`` each)."""
         self.tickets = deque(range(TICKETS))  # free tickets (PARK), the longest free first
         self.uses = [0] * TICKETS
+        self.parked_bytes = 0  # what parked replies left in the front (PARKED_BYTES)
         self.loop.add_reader(answer, self._rung)
         self.on_core_gone: Callable[[], None] | None = None
 
@@ -718,13 +725,15 @@ class FrontHop:
         else:
             self._undeliver(handing.slot, doubt=delivered is None)
 
-    def _park(self, handing: Handing) -> None:
+    def _park(self, handing: Handing, nbytes: int) -> None:
         """:meth:`Handing.park`: a free ticket says DELIVERING (its next use), then the slot
         asks the core to keep its step under it (:data:`PARK`); the slot is freed once the
         core answered, unless the hand-over failed meanwhile: then that slot carries the
         SETTLE at once, so no later request of anyone's overtakes it."""
-        if not self.tickets:
+        if not self.tickets or self.parked_bytes + nbytes > PARKED_BYTES:
             return
+        self.parked_bytes += nbytes
+        handing.nbytes = nbytes
         ticket = self.tickets.popleft()
         self.uses[ticket] += 1
         use = self.uses[ticket]
@@ -749,6 +758,7 @@ class FrontHop:
     def _settle_ticket(self, handing: Handing, delivered: bool | None) -> None:
         ticket = handing.ticket
         assert ticket is not None
+        self.parked_bytes -= handing.nbytes  # left the front: sent, or dropped with its client
         if delivered is True:  # it stands: the ticket is free once the core took the park
             self.region.set_ticket(ticket, FREE, handing.use)
             if handing.answered:

@@ -696,7 +696,7 @@ async def test_a_client_reading_nothing_is_dropped_only_while_others_wait_for_a_
     class NoTicket:  # every ticket taken: the hand-over keeps its slot
         ticket = None
 
-        def park(self) -> bool:
+        def park(self, nbytes: int = 0) -> bool:
             return False
 
         def starved(self) -> bool:
@@ -950,7 +950,7 @@ async def test_a_reply_still_in_the_front_a_moment_on_moves_to_a_ticket_not_befo
             self.ticket: int | None = None
             self.parks = 0
 
-        def park(self) -> bool:
+        def park(self, nbytes: int = 0) -> bool:
             self.parks += 1
             self.ticket = 0
             return True
@@ -1023,3 +1023,40 @@ async def test_the_core_holds_a_parked_step_lightened() -> None:
     light = lighten([reply])[0]
     assert light.outputs == {} and (light.episode, light.seq) == (reply.episode, reply.seq)
     assert reply.outputs and lighten("other") == "other"
+
+
+async def test_parked_replies_hold_no_more_of_a_fronts_memory_than_its_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reply parks only while the replies parked before it left less than
+    ``PARKED_BYTES`` in the front: past that it keeps its slot (and is shed under
+    pressure), so clients that read nothing cannot pin a front's memory without bound.
+    A hand-over that ends gives its bytes back."""
+    monkeypatch.setattr(hop_module, "PARKED_BYTES", 100)
+    core = Core()
+    first_done, second_tried = asyncio.Event(), asyncio.Event()
+    said: list[bool] = []
+
+    async def big(result: Any, handing: Any) -> bool:
+        said.append(handing.park(80))
+        await first_done.wait()
+        return True
+
+    async def more(result: Any, handing: Any) -> bool:
+        said.append(handing.park(30))  # 110 > 100: not now
+        second_tried.set()
+        await _until(lambda: len(said) == 2 and first.done(), "the first handed over")
+        said.append(handing.park(30))
+        return True
+
+    async with hop(core, slots=2) as (front, _):
+        first = asyncio.create_task(front.call(ACT, {"n": 1}, [np.ones(2)], echo, deliver=big))
+        await _until(lambda: said == [True], "the first parked")
+        second = asyncio.create_task(front.call(ACT, {"n": 2}, [np.ones(2)], echo, deliver=more))
+        await second_tried.wait()
+        assert said == [True, False] and front.parked_bytes == 80
+        first_done.set()
+        await first
+        await second
+        assert said == [True, False, True] and front.parked_bytes == 0
+        assert core.undelivered == core.doubted == []
