@@ -212,6 +212,11 @@ _FLAGS = (
           "process alone; N > 1 is slower than 1 until the worker processes come: "
           "docs/operations.md)",
           int, low=1, high=64),
+    _Flag("--front-hang-timeout", "AFFINITY_FRONT_HANG_TIMEOUT", 30.0,
+          "seconds a front door process's event loop may go without running (paused, or "
+          "blocked) before the node kills and restarts it: the connections the kernel "
+          "queues on its socket wait for the new one (0: never)", float, low=0,
+          high=86_400, into="front_hang_s"),
     _Flag("--device-workers", "AFFINITY_DEVICE_WORKERS", "thread",
           "where each device's model sessions run: thread (a thread of the node's process) "
           "| process (a worker process per device, restarted when it dies: "

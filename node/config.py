@@ -83,6 +83,7 @@ class NodeConfig:
     record: str | None = None  # --record: where the recorder writes (node/recorder.py)
     shadow_models: tuple[ModelSpec, ...] = ()
     front_doors: int = 1  # --front-doors: HTTP front processes (node/fronts.py); 1: none
+    front_hang_s: float = 30.0  # --front-hang-timeout: a front whose loop stopped is killed
     device_workers: str = "thread"  # --device-workers: "process": node/deviceprocs.py
 
     @property

@@ -336,6 +336,8 @@ class _Front:
     started: float = 0.0
     since_ms: int = 0  # when it started, the wall clock's ms
     conns: Connections = field(default_factory=dict)
+    beat: int = -1  # its loop's lag samples when last seen to change (the hang watch)
+    beat_at: float = 0.0  # when that was (monotonic)
     refused: int = 0  # steps its region says the front refused itself, counted here so far
 
 
@@ -366,6 +368,8 @@ class Fronts:
         self.routing = metrics.routing
         metrics.before_read(self._parked)
         self.bounds = metrics.loop_lag.bounds
+        self.hang_s = service.config.front_hang_s
+        self._looked = time.monotonic()  # the hang watch's last look
 
     def _parked(self) -> None:
         """Each front's tickets in use, into ``affinity_front_replies_parked`` (at a scrape)."""
@@ -435,6 +439,7 @@ class Fronts:
         front.hop = hop
         front.refused = 0  # (a fresh region)
         front.started = time.monotonic()
+        front.beat, front.beat_at = -1, front.started  # (its imports and start count too)
         front.since_ms = int(time.time() * 1000)
         if front.lag is None:
             front.lag = SharedLoopBuckets(region.mm, self.bounds)
@@ -468,6 +473,7 @@ class Fronts:
                 self._tell()
             except Exception:  # never the end of the supervision (a front's restarts)
                 log.exception("telling the fronts the lease failed")
+            self._watch_hangs()
             for front in self.fronts:
                 process = front.process
                 if process is None or process.poll() is None or self.stopping:
@@ -482,6 +488,32 @@ class Fronts:
                             front.index, process.pid, process.returncode, backoff)  # fmt: skip
                 front.process = None
                 asyncio.get_running_loop().call_later(backoff, self._respawn, front)
+
+    def _watch_hangs(self) -> None:
+        """Kill a front whose event loop has not run for ``--front-hang-timeout`` (paused,
+        or blocked by a bug): the kernel still queues new connections on its socket, and
+        nobody would answer them. Its death is then handled as any (its steps undone, in
+        doubt or held as its slots and tickets say) and it is restarted; the connections
+        queued on its socket wait for the new one. Its loop's lag samples (50 a second)
+        say it runs. After a look of this loop's own that came late (the core paused or
+        blocked), nothing is judged: every front is given the whole timeout again."""
+        now = time.monotonic()
+        late, self._looked = now - self._looked > 1.0, now
+        if self.hang_s <= 0 or self.stopping:
+            return
+        for front in self.fronts:
+            process, lag = front.process, front.lag
+            if process is None or lag is None or process.poll() is not None:
+                continue
+            beat = lag.samples()
+            if beat != front.beat or late:
+                front.beat, front.beat_at = beat, now
+            elif now - front.beat_at > self.hang_s:
+                log.warning("front %d (pid %d): its event loop has not run for %.0f s; "
+                            "killing it (--front-hang-timeout)", front.index, process.pid,
+                            now - front.beat_at)  # fmt: skip
+                process.kill()
+                front.beat_at = now  # (its death is seen at the next look)
 
     @staticmethod
     def _backoff(front: _Front) -> float:

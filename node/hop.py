@@ -579,6 +579,11 @@ class SharedLoopBuckets:
         *counts, total = self._fmt.unpack_from(self.mm, LAG_AT)
         return list(counts), float(total)
 
+    def samples(self) -> int:
+        """How many times the front's loop sampled its lag so far (50 a second while the
+        loop runs; still, the loop has not run): this region's alone."""
+        return sum(self._read()[0])
+
     def detach(self) -> None:
         """The front is gone: keep what its region counted, and read it no more."""
         counts, total = self._read()

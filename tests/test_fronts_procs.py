@@ -421,6 +421,49 @@ def test_kill_9_of_the_node_leaves_no_process_and_the_port_is_free_at_once(
         again.stop()
 
 
+def test_a_front_whose_loop_stopped_is_killed_and_its_socket_served_again(
+    tmp_path: Path,
+) -> None:
+    """A front paused (SIGSTOP) keeps its socket, and the kernel keeps queueing new
+    connections there: once its loop has not run for ``--front-hang-timeout`` the node
+    kills it and starts another, which serves them. Every step on a fresh connection is
+    answered, whichever socket it was queued on. A pause of the whole node (its core and
+    fronts together, as a SIGSTOP to its process group) longer than the timeout kills
+    nobody: the core's own look came late, and judges nothing."""
+    node = embedded(tmp_path, "hg")
+    node.proc.argv += ["--front-hang-timeout", "4"]
+    node.start(timeout=60)
+    try:
+        wait_until(lambda: len(fronts(node)) == 2, 30, "two fronts")
+        assert node.proc.popen is not None
+        core, pids = node.proc.popen.pid, fronts(node)
+        pause(core, *pids)  # the whole node, past the timeout
+        time.sleep(6)
+        for pid in (core, *pids):
+            os.kill(pid, signal.SIGCONT)
+        step = {"episode_id": "hg", "inputs": {"obs": [[0.0] * 8]}}
+        for _ in range(6):  # fresh connections, either socket
+            assert httpx.post(node.url + "/act", json=step, timeout=60).status_code == 200
+        assert fronts(node) == pids  # nobody killed for the node's own pause
+        pause(pids[0])
+        try:
+            for _ in range(8):  # a step queued on the paused front's socket waits for its
+                r = httpx.post(node.url + "/act", json=step, timeout=120)  # replacement
+                assert r.status_code == 200, r.text
+            wait_until(lambda: not alive(pids[0]), 60, "the paused front killed")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pids[0], signal.SIGCONT)
+        wait_until(lambda: len(fronts(node)) == 2 and pids[0] not in fronts(node), 60,
+                   "its replacement up")  # fmt: skip
+        for _ in range(6):
+            assert httpx.post(node.url + "/act", json=step, timeout=60).status_code == 200
+        assert "its event loop has not run for" in node.proc.log()
+        assert metrics(node)[("affinity_front_restarts_total", frozenset())] == 1
+    finally:
+        node.stop()
+
+
 def test_sigterm_stops_the_fronts_after_the_node_left(tmp_path: Path) -> None:
     node = embedded(tmp_path, "t").start(timeout=60)
     wait_until(lambda: len(fronts(node)) == 2, 30, "two fronts")
