@@ -74,6 +74,15 @@ BACKOFF_S = (0.1, 5.0)
 """A front that died is restarted after the first, doubling up to the second."""
 STOP_S = 10.0
 """Seconds the fronts get to finish their requests after SIGUSR1, before SIGKILL."""
+MIN_HANG_S = 2.0
+"""The least ``--front-hang-timeout`` taken (a lower one is raised to it): a healthy loop
+can stop for a few hundred milliseconds (a collection, a large body's decode)."""
+START_HANG_S = 60.0
+"""How long a front that has not yet sampled its loop (imports, start-up) may take before
+the hang watch kills it, whatever a shorter ``--front-hang-timeout`` says."""
+LOOK_S = 0.25
+"""The most stillness one look of the hang watch counts (it looks every 50 ms): a late
+look, the core itself paused or slow, never counts what it missed against a front."""
 
 
 def core_socket() -> tuple[socket.socket, str]:
@@ -337,7 +346,7 @@ class _Front:
     since_ms: int = 0  # when it started, the wall clock's ms
     conns: Connections = field(default_factory=dict)
     beat: int = -1  # its loop's lag samples when last seen to change (the hang watch)
-    beat_at: float = 0.0  # when that was (monotonic)
+    still: float = 0.0  # seconds its samples have not moved since (each look's share capped)
     refused: int = 0  # steps its region says the front refused itself, counted here so far
 
 
@@ -368,7 +377,8 @@ class Fronts:
         self.routing = metrics.routing
         metrics.before_read(self._parked)
         self.bounds = metrics.loop_lag.bounds
-        self.hang_s = service.config.front_hang_s
+        hang_s = service.config.front_hang_s
+        self.hang_s = 0.0 if hang_s <= 0 else max(hang_s, MIN_HANG_S)
         self._looked = time.monotonic()  # the hang watch's last look
 
     def _parked(self) -> None:
@@ -439,7 +449,7 @@ class Fronts:
         front.hop = hop
         front.refused = 0  # (a fresh region)
         front.started = time.monotonic()
-        front.beat, front.beat_at = -1, front.started  # (its imports and start count too)
+        front.beat, front.still = -1, 0.0  # (its imports and start: START_HANG_S)
         front.since_ms = int(time.time() * 1000)
         if front.lag is None:
             front.lag = SharedLoopBuckets(region.mm, self.bounds)
@@ -473,7 +483,10 @@ class Fronts:
                 self._tell()
             except Exception:  # never the end of the supervision (a front's restarts)
                 log.exception("telling the fronts the lease failed")
-            self._watch_hangs()
+            try:
+                self._watch_hangs()
+            except Exception:  # never the end of the supervision
+                log.exception("watching the fronts' event loops failed")
             for front in self.fronts:
                 process = front.process
                 if process is None or process.poll() is None or self.stopping:
@@ -495,10 +508,12 @@ class Fronts:
         nobody would answer them. Its death is then handled as any (its steps undone, in
         doubt or held as its slots and tickets say) and it is restarted; the connections
         queued on its socket wait for the new one. Its loop's lag samples (50 a second)
-        say it runs. After a look of this loop's own that came late (the core paused or
-        blocked), nothing is judged: every front is given the whole timeout again."""
+        say it runs. Each look counts at most :data:`LOOK_S` of stillness, so a look of
+        this loop's own that came late (the core paused or blocked, the node frozen as a
+        whole) does not count the time it missed against anyone. A front that has not
+        sampled yet (its imports, its start) has :data:`START_HANG_S` at least."""
         now = time.monotonic()
-        late, self._looked = now - self._looked > 1.0, now
+        elapsed, self._looked = now - self._looked, now
         if self.hang_s <= 0 or self.stopping:
             return
         for front in self.fronts:
@@ -506,14 +521,17 @@ class Fronts:
             if process is None or lag is None or process.poll() is not None:
                 continue
             beat = lag.samples()
-            if beat != front.beat or late:
-                front.beat, front.beat_at = beat, now
-            elif now - front.beat_at > self.hang_s:
+            if beat != front.beat:
+                front.beat, front.still = beat, 0.0
+                continue
+            front.still += min(elapsed, LOOK_S)
+            limit = self.hang_s if beat > 0 else max(self.hang_s, START_HANG_S)
+            if front.still > limit:
                 log.warning("front %d (pid %d): its event loop has not run for %.0f s; "
                             "killing it (--front-hang-timeout)", front.index, process.pid,
-                            now - front.beat_at)  # fmt: skip
+                            front.still)  # fmt: skip
                 process.kill()
-                front.beat_at = now  # (its death is seen at the next look)
+                front.still = 0.0  # (its death is seen at the next look)
 
     @staticmethod
     def _backoff(front: _Front) -> float:

@@ -737,14 +737,14 @@ class FrontHop:
         SETTLE at once, so no later request of anyone's overtakes it."""
         if not self.tickets or self.parked_bytes + nbytes > PARKED_BYTES:
             return
-        self.parked_bytes += nbytes
-        handing.nbytes = nbytes
         ticket = self.tickets.popleft()
         self.uses[ticket] += 1
         use = self.uses[ticket]
         slot = handing.slot
         self.region.set_ticket(ticket, DELIVERING, use)  # before the core may read the park
         self._send(slot, PARK, {"k": ticket, "u": use}, [])
+        self.parked_bytes += nbytes
+        handing.nbytes = nbytes
         answered = self.loop.create_future()
         answered.add_done_callback(lambda _: self._parked(handing))
         self.waiting[slot] = answered
