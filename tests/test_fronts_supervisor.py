@@ -28,7 +28,9 @@ def open_fds() -> int:
 async def test_a_front_whose_restart_cannot_start_is_tried_again_leaking_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    service = SimpleNamespace(metrics=Metrics(["a/0"], 8))
+    service = SimpleNamespace(
+        metrics=Metrics(["a/0"], 8), config=SimpleNamespace(front_hang_s=30.0)
+    )
     listener = socket.socket()
     started: list[subprocess.Popen[bytes]] = []
     failures = [OSError(12, "Cannot allocate memory"), OSError(24, "Too many open files")]
