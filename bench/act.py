@@ -38,14 +38,16 @@ EXTRA = os.environ.get("BENCH_NODE_ARGS", "").split()
 OBS = "[[0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8]]"
 
 
-def episodes_lua(count: int) -> str:
-    """wrk's request(): JSON /act bodies cycling over ``count`` episode ids."""
+def episodes_lua(count: int, accept: str = "application/json", prefix: str = "ep") -> str:
+    """wrk's request(): JSON /act bodies cycling over ``count`` episode ids, the replies
+    asked for as ``accept``."""
     return f"""
 local i = 0
 request = function()
   i = i + 1
-  local body = '{{"episode_id":"ep-' .. (i % {count}) .. '","inputs":{{"obs":{OBS}}}}}'
-  return wrk.format("POST", "/act", {{["Content-Type"] = "application/json"}}, body)
+  local body = '{{"episode_id":"{prefix}-' .. (i % {count}) .. '","inputs":{{"obs":{OBS}}}}}'
+  return wrk.format("POST", "/act", {{["Content-Type"] = "application/json",
+    ["Accept"] = "{accept}"}}, body)
 end
 """
 

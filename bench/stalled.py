@@ -25,25 +25,11 @@ import time
 from pathlib import Path
 
 from affinity import wire
+from bench.act import episodes_lua
 from bench.common import Node, RedisServer, median, options, report, tmpdir, wait_until, wrk
 from bench.fronts import family
 from bench.fronts_openpi import checkout, node_from
 from tests.models import counter_policy
-
-OBS = "[[0,0,0,0,0,0,0,0]]"
-
-
-def readers_lua(count: int) -> str:
-    """wrk's request(): msgpack-answered JSON /act bodies over ``count`` episodes."""
-    return f"""
-local i = 0
-request = function()
-  i = i + 1
-  local body = '{{"episode_id":"rd-' .. (i % {count}) .. '","inputs":{{"obs":{OBS}}}}}'
-  return wrk.format("POST", "/act", {{["Content-Type"] = "application/json",
-    ["Accept"] = "application/msgpack"}}, body)
-end
-"""
 
 
 def stall(node: Node, episode: str) -> socket.socket:
@@ -99,7 +85,7 @@ def main() -> None:
     redises = {name: RedisServer(tmp).start() for name in servers}
     nodes: dict[str, Node] = {}
     rounds: list[dict[str, float]] = []
-    load = readers_lua(64)
+    load = episodes_lua(64, accept="application/msgpack", prefix="rd")
     try:
         for name, src in servers.items():
             node = Node(tmp, name, redises[name].url, devices="cpu:1", extra=extra)

@@ -22,6 +22,7 @@ import pytest
 
 from node import hop as hop_module
 from node.errors import CoreLapsed, HopError, HopFull, Undelivered
+from node.front import _Drains
 from node.hop import (
     ACT,
     ASKED,
@@ -597,15 +598,32 @@ class _Transport:
         self.aborted = True
 
 
+class Conn(_Drains):
+    """A front's connection as ``_Drains.drained`` sees it, its transport always paused
+    (a client that reads nothing) until ``writable`` is set."""
+
+    def __init__(self, transport: _Transport) -> None:
+        self.transport = transport
+        self.writable = asyncio.Event()
+
+    def _transport(self) -> Any:
+        return self.transport
+
+    async def _writable(self) -> None:
+        await self.writable.wait()
+
+    def _paused(self) -> bool:
+        return True
+
+
 async def test_a_reply_counts_as_sent_only_once_its_front_buffer_emptied() -> None:
     """``_Drains.drained`` (a front's protocols): True once the front's buffer is empty, or
     after a close without an error (ours after ``Connection: close``: it empties first);
     None (in doubt) for a reset with bytes unsent or a write to a closing transport. A
     buffer the kernel could not take at once has the write limit set to 0 until it empties,
     then set back for the connection's later writes."""
-    from node.front import _Drains
 
-    class Conn(_Drains):
+    class Flowing(_Drains):  # paused only while its write limit is 0 and bytes are left
         def __init__(self, transport: _Transport) -> None:
             self.transport = transport
             self.writable = asyncio.Event()
@@ -620,18 +638,18 @@ async def test_a_reply_counts_as_sent_only_once_its_front_buffer_emptied() -> No
         def _paused(self) -> bool:
             return self.transport.limits[1] == 0 and self.transport.buffered > 0
 
-    assert await Conn(_Transport()).drained() is True
-    assert await Conn(_Transport(late=True)).drained() is None
-    reset = Conn(_Transport(buffered=10))
+    assert await Flowing(_Transport()).drained() is True
+    assert await Flowing(_Transport(late=True)).drained() is None
+    reset = Flowing(_Transport(buffered=10))
     reset._lose(ConnectionResetError())
     assert await reset.drained() is None
-    closed = Conn(_Transport(buffered=10, closing=True))  # flushed, then closed by us
+    closed = Flowing(_Transport(buffered=10, closing=True))  # flushed, then closed by us
     waiting = asyncio.create_task(closed.drained())
     await asyncio.sleep(0)
     closed.transport.buffered = 0
     closed._lose(None)
     assert await waiting is True
-    slow = Conn(_Transport(buffered=1 << 20))  # the kernel's buffer full
+    slow = Flowing(_Transport(buffered=1 << 20))  # the kernel's buffer full
     slow.writable.clear()
     waiting = asyncio.create_task(slow.drained())
     for _ in range(3):
@@ -640,7 +658,7 @@ async def test_a_reply_counts_as_sent_only_once_its_front_buffer_emptied() -> No
     slow.transport.buffered = 0
     slow.writable.set()
     assert await waiting is True and slow.transport.limits == (16384, 65536)
-    gone = Conn(_Transport(buffered=1 << 20))
+    gone = Flowing(_Transport(buffered=1 << 20))
     gone.writable.clear()
     waiting = asyncio.create_task(gone.drained())
     for _ in range(3):
@@ -677,21 +695,7 @@ async def test_a_client_reading_nothing_is_dropped_only_while_others_wait_for_a_
     wait (``starved``), a
     connection still full ``SHED_S`` later is dropped, its step in doubt, so that clients
     that read nothing cannot starve a front of its slots."""
-    from node.front import SHED_S, _Drains
-
-    class Conn(_Drains):
-        def __init__(self, transport: _Transport) -> None:
-            self.transport = transport
-            self.writable = asyncio.Event()
-
-        def _transport(self) -> Any:
-            return self.transport
-
-        async def _writable(self) -> None:
-            await self.writable.wait()
-
-        def _paused(self) -> bool:
-            return True
+    from node.front import SHED_S
 
     class NoTicket:  # every ticket taken: the hand-over keeps its slot
         ticket = None
@@ -929,21 +933,7 @@ async def test_a_reply_still_in_the_front_a_moment_on_moves_to_a_ticket_not_befo
     """``_Drains.drained`` parks a reply only once it stayed in the front's buffer for
     ``PARK_AFTER_S`` (a big reply to a client that reads drains within it, and costs no
     park), and then at once: a slow reader holds its slot no longer."""
-    from node.front import PARK_AFTER_S, _Drains
-
-    class Conn(_Drains):
-        def __init__(self, transport: _Transport) -> None:
-            self.transport = transport
-            self.writable = asyncio.Event()
-
-        def _transport(self) -> Any:
-            return self.transport
-
-        async def _writable(self) -> None:
-            await self.writable.wait()
-
-        def _paused(self) -> bool:
-            return True
+    from node.front import PARK_AFTER_S
 
     class Counting:
         def __init__(self) -> None:
