@@ -45,7 +45,11 @@ async def test_a_front_whose_restart_cannot_start_is_tried_again_leaking_nothing
 
     monkeypatch.setattr(fronts_module, "BACKOFF_S", (0.01, 0.05))
     monkeypatch.setattr(fronts_module.subprocess, "Popen", popen)
-    supervisor = Fronts(service, [listener], "core", {"max_body_bytes": 4096})  # type: ignore[arg-type]
+    try:
+        supervisor = Fronts(service, [listener], "core", {"max_body_bytes": 4096})  # type: ignore[arg-type]
+    except BaseException:  # (never a socket left for the garbage collector to warn about)
+        listener.close()
+        raise
     front = supervisor.fronts[0]
     try:
         before = open_fds()
