@@ -1015,22 +1015,13 @@ class CoreHop:
                 self.parked.pop(named[0], None)
             self._answer(slot, {}, [])
             return
-        if kind == SETTLE:  # a ticket's hand-over failed: its step undone
+        if kind == SETTLE:  # a ticket's hand-over failed: its step undone, as below
             named = _ticket(meta)
             entry = None if named is None else self.parked.get(named[0])
-            keep = None
+            kept = None
             if named is not None and entry is not None and entry[0] == named[1]:
-                keep = self.parked.pop(named[0])[1]
-            try:
-                if keep is not None and meta.get("d"):
-                    await self.on_doubt(keep)
-                elif keep is not None:
-                    await self.on_undelivered(keep)
-            except Exception:
-                log.exception("undoing a step whose reply a front did not deliver failed")
-            finally:
-                self._answer(slot, {}, [])
-            return
+                kept = self.parked.pop(named[0])[1]
+            kind = DOUBTED if meta.get("d") else UNDELIVERED
         if kind in (UNDELIVERED, DOUBTED):
             try:
                 if kept is not None and kind == DOUBTED:
