@@ -695,17 +695,18 @@ class FrontHop:
         """Whether calls wait for a slot now (every one is in flight)."""
         return bool(self.queued)
 
-    def _settler(self, handing: Handing) -> Callable[[bool | None], None]:
-        """How a held call's caller says whether its reply reached the client: True frees
-        the slot, False undoes the step, None leaves it in doubt; once. Not said within
-        :data:`PARK_HELD_S`, the hand-over moves to a ticket (:meth:`Handing.park`; tried
-        again as often while every ticket is taken)."""
+    def _settler(self, handing: Handing, nbytes: int) -> Callable[[bool | None], None]:
+        """How a held call's caller says whether its reply (``nbytes``) reached the client:
+        True frees the slot, False undoes the step, None leaves it in doubt; once. Not said
+        within :data:`PARK_HELD_S`, the hand-over moves to a ticket (:meth:`Handing.park`;
+        tried again as often while every ticket is taken, or its bytes would pass
+        :data:`PARKED_BYTES`)."""
         settled = False
         timer: asyncio.TimerHandle | None = None
 
         def park() -> None:  # again while no ticket is free
             nonlocal timer
-            timer = None if handing.park() else self.loop.call_later(PARK_HELD_S, park)
+            timer = None if handing.park(nbytes) else self.loop.call_later(PARK_HELD_S, park)
 
         timer = self.loop.call_later(PARK_HELD_S, park)
 
@@ -862,6 +863,7 @@ class FrontHop:
         wait: bool = True,
         wait_s: float | None = None,
         hold: bool = False,
+        size: Callable[[Any], int] | None = None,
     ) -> Any:
         """Send a request, await its reply and return ``use(kind, meta, views)``, run while the
         reply's arrays are views of the slot (they must not outlive it). Raises
@@ -881,7 +883,9 @@ class FrontHop:
         and raises :class:`Undelivered` too. ``hold`` (a server that hands the reply to the
         client after this returns: gRPC) returns ``(result, settle)`` with the slot left
         DELIVERING until ``settle(delivered)`` says how that went (True, False or None, as
-        ``deliver`` would; only its first call counts)."""
+        ``deliver`` would; only its first call counts). ``size(result)``: the bytes of a held
+        reply the front's server holds until it is sent, counted against
+        :data:`PARKED_BYTES` while it is parked."""
         if kind in _STEPS and self.region.lapsed(time.monotonic_ns()):
             self.region.count_refused()
             raise CoreLapsed()
@@ -930,7 +934,7 @@ class FrontHop:
             elif hold:  # settled by the caller (_settler)
                 self.region.set_state(slot, DELIVERING)
                 held = True
-                return result, self._settler(handing)
+                return result, self._settler(handing, 0 if size is None else size(result))
             elif deliver is None:
                 delivered = True
             else:  # from here, dying, raising or being cancelled leaves it in doubt

@@ -143,6 +143,18 @@ def test_a_front_decodes_grpc_without_the_node_s_heavy_modules() -> None:
     ).stdout.split()  # fmt: skip
 
 
+def test_a_held_grpc_reply_weighs_its_encoded_bytes() -> None:
+    """What a gRPC reply parked with a slow client keeps in its front counts against the
+    front's budget as its encoded size (its raw tensors included); a refusal weighs
+    nothing (it is settled at once)."""
+    from node.protocols.kserve.grpc_front import _size
+    from node.protocols.kserve.messages import Abort
+
+    reply = pb.ModelInferResponse(model_name="m", raw_output_contents=[b"x" * 300_000])
+    assert 300_000 < _size(reply) == reply.ByteSize() < 300_100
+    assert _size(Abort(grpc.StatusCode.UNAVAILABLE, "busy")) == 0
+
+
 def test_sequences_stick_and_the_core_never_decodes_an_infer(pair: Pair) -> None:
     """int and string sequence ids, a new channel a step (either front takes it): the
     steps stick to one device, equal a replay, end with ``sequence_end``; and the core's

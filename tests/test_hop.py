@@ -964,6 +964,33 @@ async def test_a_reply_still_in_the_front_a_moment_on_moves_to_a_ticket_not_befo
     assert await waiting is True
 
 
+async def test_a_held_reply_counts_its_bytes_against_the_fronts_budget_while_parked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A held call (gRPC) says how big its reply is (``size``): parked, it counts against
+    ``PARKED_BYTES`` as a written reply does, so a gRPC client that reads nothing cannot pin
+    a front's memory past the budget either; one that would pass it keeps its slot and
+    tries again once the bytes came back."""
+    monkeypatch.setattr(hop_module, "PARK_HELD_S", 0.0)
+    monkeypatch.setattr(hop_module, "PARKED_BYTES", 100)
+    core = Core()
+    async with hop(core, slots=2) as (front, core_end):
+        _, first = await front.call(ACT, {"n": 1}, [np.ones(2)], echo, hold=True,
+                                    size=lambda _: 80)  # fmt: skip
+        await _until(lambda: front.parked_bytes == 80 and 0 in front.free, "the first parked")
+        _, second = await front.call(ACT, {"n": 2}, [np.ones(2)], echo, hold=True,
+                                     size=lambda _: 30)  # fmt: skip
+        for _ in range(20):  # (several tries, each over the budget)
+            await asyncio.sleep(0)
+        assert front.parked_bytes == 80 and len(core_end.parked) == 1
+        assert 0 not in front.free  # the second kept its slot (it took the one freed)
+        first(True)
+        await _until(lambda: front.parked_bytes == 30, "the second parked once bytes came back")
+        second(True)
+        await _until(lambda: front.parked_bytes == 0, "both handed over")
+        assert core.undelivered == core.doubted == []
+
+
 async def test_a_held_call_tries_again_for_a_ticket_while_every_one_is_taken(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

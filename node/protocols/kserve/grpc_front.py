@@ -71,6 +71,12 @@ Settle = Callable[[bool | None], None]
 """How a held call says whether its reply reached the client (``FrontHop.call``'s hold)."""
 
 
+def _size(answer: pb.ModelInferResponse | Abort) -> int:
+    """The bytes of a reply gRPC holds until it is sent (what a parked one keeps in the
+    front: ``node.hop.PARKED_BYTES``); a refusal is settled at once."""
+    return answer.ByteSize() if isinstance(answer, pb.ModelInferResponse) else 0
+
+
 def write_access(
     access: AccessLog, context: Any, rpc: str, status: int, started: float, served: list[str]
 ) -> None:
@@ -188,6 +194,7 @@ class FrontServicer:
             answer, settle = await self.hop.call(  # a slot waited for no longer than its deadline
                 KSERVE, meta, arrays, use, context.cancelled,
                 wait_s=min(ends) - time.monotonic() if ends else None, hold=True,
+                size=_size,
             )  # fmt: skip
         except HopFull as exc:  # busy, or its deadline passed while it waited for a slot
             why = shaped(outcome(exc.refusal())).message
