@@ -1,6 +1,7 @@
 """The supervisor of a node's front doors (``node/fronts.py``, issue 43), without starting a
 node: a front whose restart cannot start a process (no fork: memory, file descriptors) is
-tried again with its backoff, leaking nothing, until one starts."""
+tried again with its backoff, leaking nothing, until one starts; the hang watch's bounds
+(a starting front's grace, a late look, the timeout's floor) on a clock of the test's."""
 
 from __future__ import annotations
 
@@ -69,4 +70,59 @@ async def test_a_front_whose_restart_cannot_start_is_tried_again_leaking_nothing
             proc.wait()
         if front.hop is not None:
             front.hop.drop()
+        listener.close()
+
+
+async def test_the_hang_watch_gives_a_starting_front_its_grace_and_counts_no_late_look(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hang watch (``--front-hang-timeout``, here below its 2 s floor): a front that
+    has not sampled its loop yet (its imports) is killed only past ``START_HANG_S``; once it
+    samples, a loop still for the timeout is killed; a look of the core's that came late
+    counts at most ``LOOK_S`` (the node paused as a whole judges no front); a sample resets
+    the count."""
+    now = [1000.0]
+    monkeypatch.setattr(fronts_module, "time", SimpleNamespace(monotonic=lambda: now[0],
+                                                               time=lambda: now[0]))  # fmt: skip
+    service = SimpleNamespace(metrics=Metrics(["a/0"], 8), config=SimpleNamespace(front_hang_s=0.5))
+    listener = socket.socket()
+    try:
+        supervisor = Fronts(service, [listener], "core", {"max_body_bytes": 4096})  # type: ignore[arg-type]
+    except BaseException:
+        listener.close()
+        raise
+    assert supervisor.hang_s == fronts_module.MIN_HANG_S
+    front = supervisor.fronts[0]
+    samples = [0]
+    front.lag = SimpleNamespace(samples=lambda: samples[0])  # type: ignore[assignment]
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    front.process = proc
+
+    def look(seconds: float) -> None:
+        now[0] += seconds
+        supervisor._watch_hangs()
+
+    try:
+        look(0.05)  # its first look sets what it has seen
+        for _ in range(int(fronts_module.START_HANG_S / 0.05) - 2):  # starting: no sample yet
+            look(0.05)
+        assert proc.poll() is None, "a front still starting was killed before START_HANG_S"
+        samples[0] = 1  # its loop runs: the count starts again, at the timeout
+        look(0.05)
+        look(600.0)  # the core's own look came late (paused): counts LOOK_S at most
+        assert proc.poll() is None and front.still == fronts_module.LOOK_S
+        samples[0] = 2  # it beat again
+        look(0.05)
+        assert front.still == 0.0
+        for _ in range(int(fronts_module.MIN_HANG_S / 0.05) - 1):
+            look(0.05)
+        assert proc.poll() is None
+        for _ in range(3):
+            look(0.05)
+        assert proc.wait(timeout=30) == -9  # still past the timeout: killed
+    finally:
+        supervisor.stopping = True
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
         listener.close()
