@@ -7,7 +7,8 @@ throughput of the node with N fronts / the minimal app with N workers (goal ≥ 
 the node with 2 fronts / the node with 1 (goal ≥ 1.4x); p50 under that load, node 2 fronts
 / app 2 workers (goal ≤ 1.1x); p50 of one client in lockstep, node 2 fronts / node 1
 (goal ≤ 1.05x); server CPU per request of every process of each server (from
-/proc); every process' RSS, and the node's total at 2 fronts / at 1 (goal ≤ 1.5x).
+/proc); every process' RSS, and the node's total at 2 fronts / at 1 (goal ≤ 1.5x), and
+every process' PSS (shared pages counted once: what the host holds), its total as a ratio.
 
 The load is bench/act.py's: JSON /act bodies cycling over 64 sticky episodes on one CPU
 device of the demo policy (every request a Redis resolve, a hit). wrk runs one thread,
@@ -15,7 +16,8 @@ beside the servers on the same cores: say the machine's cores and load with the 
 
 ``--scale 1,2,4,8`` measures instead the issue's table: a node with each of those numbers
 of fronts (each on its own Redis), all driven in turn in every round, their steps/s, its ratio
-to the first, server CPU per request and every process' RSS. A count with a ``w`` (``2w``)
+to the first, server CPU per request (and its split: the core, its fronts together, its
+worker process), p50, and the RSS and PSS totals. A count with a ``w`` (``2w``)
 is a node of that many fronts whose device runs in its own worker process
 (``--device-workers process``): the whole multi-process shape, e.g. ``--scale 1,2,1w,2w``.
 
@@ -40,6 +42,7 @@ from bench.common import (
     ROOT,
     Node,
     RedisServer,
+    cpu_seconds,
     free_port,
     median,
     options,
@@ -71,6 +74,40 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def pss_mib(pid: int) -> float:
+    """``pid``'s proportional set size: its own pages, and each page it shares (the
+    libraries' code, numpy's, Python's) divided among the processes mapping it. The RSS of
+    every process added up counts each shared page once per process; the PSS added up is
+    what the host's memory holds for them."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def role(pid: int, top: int) -> str:
+    """What a node's process is: ``core`` (``top``, the node's own), ``front`` or ``worker``
+    (a device's worker process), from its command line."""
+    if pid == top:
+        return "core"
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return "worker" if b"node.deviceproc" in argv else "front"
+
+
+def cpu_by_role(pids: list[int], top: int, before: dict[int, float]) -> dict[str, float]:
+    """CPU seconds each role's processes used since ``before`` (a process gone meanwhile
+    counts nothing)."""
+    used: dict[str, float] = {}
+    for pid in pids:
+        try:
+            spent = cpu_seconds(pid) - before[pid]
+            kind = role(pid, top)
+        except OSError:
+            continue
+        used[kind] = used.get(kind, 0.0) + spent
+    return used
 
 
 def app(workers: int) -> tuple[subprocess.Popen[bytes], str]:
@@ -106,8 +143,9 @@ def scale_table(a: argparse.Namespace, counts: list[str]) -> None:
         n: Node(tmp, f"s{n}", redis.url, devices="cpu:1", extra=[*extra, *shape(n)])
         for n, redis in zip(counts, redises, strict=True)
     }  # fmt: skip
-    rounds: list[dict[str, tuple[float, float, float]]] = []
+    rounds: list[dict[str, tuple[float, float, float, dict[str, float]]]] = []
     rss: dict[str, list[float]] = {}
+    pss: dict[str, list[float]] = {}
     try:
         for n, node in nodes.items():
             node.start(timeout=60)
@@ -122,13 +160,19 @@ def scale_table(a: argparse.Namespace, counts: list[str]) -> None:
             got = {}
             for n, node in nodes.items():
                 assert node.proc.popen is not None
+                top = node.proc.popen.pid
+                pids = family(top)
+                before = {p: cpu_seconds(p) for p in pids}
                 run = wrk(node.url, load, duration_s=a.seconds, connections=a.connections,
-                          server_pids=family(node.proc.popen.pid))  # fmt: skip
-                got[n] = (run.rps, run.cpu_per_request * 1e6, run.p50)
+                          server_pids=pids)  # fmt: skip
+                steps = max(1, run.requests)
+                by_role = {k: v / steps * 1e6 for k, v in cpu_by_role(pids, top, before).items()}
+                got[n] = (run.rps, run.cpu_per_request * 1e6, run.p50, by_role)
             rounds.append(got)
         for n, node in nodes.items():
             assert node.proc.popen is not None
             rss[n] = [round(rss_mib(p), 1) for p in family(node.proc.popen.pid)]
+            pss[n] = [round(pss_mib(p), 1) for p in family(node.proc.popen.pid)]
     finally:
         for node in nodes.values():
             node.stop()
@@ -139,18 +183,23 @@ def scale_table(a: argparse.Namespace, counts: list[str]) -> None:
     for n in counts:
         speed = median([r[n][0] / r[base][0] for r in rounds])
         workers = ", its device in a worker process" if n.endswith("w") else ""
+        roles = sorted({k for r in rounds for k in r[n][3]}, key=("core", "front", "worker").index)
+        split = ", ".join(f"{k} {median([r[n][3].get(k, 0.0) for r in rounds]):.0f}"
+                          for k in roles)  # fmt: skip
         figures.append({
             "figure": f"node with {n.removesuffix('w')} front(s){workers}, wrk "
-            f"-c{a.connections}: steps/s; ratio to {base}; server CPU per request; p50; RSS "
-            "total (MiB)",
+            f"-c{a.connections}: steps/s; ratio to {base}; server CPU per request (µs: all, "
+            "then by role, its fronts or workers together); p50; RSS total; PSS total (MiB)",
             "result": f"{median([r[n][0] for r in rounds]):.0f} steps/s; {speed:.2f}x; "
-            f"{median([r[n][1] for r in rounds]):.0f} µs; "
-            f"{median([r[n][2] for r in rounds]) * 1e3:.2f} ms; {sum(rss[n]):.0f}",
+            f"{median([r[n][1] for r in rounds]):.0f} ({split}); "
+            f"{median([r[n][2] for r in rounds]) * 1e3:.2f} ms; {sum(rss[n]):.0f}; "
+            f"{sum(pss[n]):.0f}",
             "goal": "reported",
             "ok": True,
         })  # fmt: skip
     report("fronts_scale", figures, {"rounds": [{str(k): v for k, v in r.items()} for r in rounds],
                                      "rss_mib": {str(k): v for k, v in rss.items()},
+                                     "pss_mib": {str(k): v for k, v in pss.items()},
                                      "cores": os.cpu_count(), "load": os.getloadavg()})  # fmt: skip
 
 
@@ -171,6 +220,7 @@ def main() -> None:
     apps: dict[int, tuple[subprocess.Popen[bytes], str]] = {}
     rounds: list[dict[str, float]] = []
     rss: dict[str, list[float]] = {}
+    pss: dict[str, list[float]] = {}
     try:
         for n, node in nodes.items():
             node.start(timeout=60)
@@ -194,11 +244,16 @@ def main() -> None:
                 got[f"p50_{name}"] = run.p50
                 got[f"cpu_{name}"] = run.cpu_per_request * 1e6
             for name in ("node1", "node2"):  # one client in lockstep: a robot's latency
-                got[f"p50_1_{name}"] = wrk(urls[name], load, duration_s=a.seconds / 2,
-                                           connections=1).p50  # fmt: skip
+                procs = family(pids[name])
+                before = {p: cpu_seconds(p) for p in procs}
+                run = wrk(urls[name], load, duration_s=a.seconds / 2, connections=1)
+                got[f"p50_1_{name}"] = run.p50
+                for kind, spent in cpu_by_role(procs, pids[name], before).items():
+                    got[f"cpu_1_{name}_{kind}"] = spent / max(1, run.requests) * 1e6
             rounds.append(got)
         for name, pid in pids.items():
             rss[name] = [round(rss_mib(p), 1) for p in family(pid)]
+            pss[name] = [round(pss_mib(p), 1) for p in family(pid)]
     finally:
         for node in nodes.values():
             node.stop()
@@ -257,6 +312,14 @@ def main() -> None:
             "ok": lockstep <= 1.05,
         },
         {
+            "figure": "CPU per step in lockstep by process (µs): node 1's one process; node 2's "
+            "core, its fronts together",
+            "result": f"{med('cpu_1_node1_core'):.0f}; {med('cpu_1_node2_core'):.0f}, "
+            f"{med('cpu_1_node2_front'):.0f}",
+            "goal": "reported",
+            "ok": True,
+        },
+        {
             "figure": "server CPU per request (every process): node 1, node 2, app 1, app 2",
             "result": ", ".join(f"{med('cpu_' + n):.0f} µs" for n in SERVERS),
             "goal": "reported",
@@ -270,8 +333,17 @@ def main() -> None:
             "goal": "<= 1.5x",
             "ok": memory <= 1.5,
         },
+        {
+            "figure": "PSS of every process (MiB: shared pages divided among the processes "
+            "that map them, so the total is what the host holds), node 2 fronts total / node 1",
+            "result": f"{sum(pss['node2']) / sum(pss['node1']):.2f}x; "
+            + "; ".join(f"{n}: {'+'.join(map(str, v))}" for n, v in pss.items()),
+            "goal": "reported",
+            "ok": True,
+        },
     ]
-    report("fronts", figures, {"rounds": rounds, "rss_mib": rss, "cores": os.cpu_count(),
+    report("fronts", figures, {"rounds": rounds, "rss_mib": rss, "pss_mib": pss,
+                               "cores": os.cpu_count(),
                                "load": os.getloadavg()})  # fmt: skip
 
 

@@ -21,8 +21,9 @@ import contextlib
 import os
 import socket
 import sys
-import time
 from pathlib import Path
+
+import httpx
 
 from affinity import wire
 from bench.act import episodes_lua
@@ -73,6 +74,17 @@ def whole(sock: socket.socket, timeout: float = 30.0) -> bool:
         sock.close()
 
 
+def steps_served(url: str) -> float:
+    """The steps the node served so far (``affinity_routing_total``, every served result)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("affinity_routing_total{")
+        and any(f'result="{r}"' in line for r in ("hit", "claimed", "reassigned", "stateless"))
+    )
+
+
 def main() -> None:
     a = options(against="", runs=3, seconds=3.0, stalled=70, wide=1 << 20, connections=8)
     tmp = tmpdir()
@@ -103,9 +115,12 @@ def main() -> None:
                 pids = family(node.proc.popen.pid)
                 alone = wrk(node.url, load, duration_s=a.seconds, connections=a.connections,
                             server_pids=pids)  # fmt: skip
+                served = steps_served(node.url)
                 socks = [stall(node, f"st-{r}-{k}") for k in range(a.stalled)]
-                time.sleep(1.0)  # answered, their replies stuck in the fronts (not checked:
-                # a node before the tickets has none to count)
+                # answered, their replies stuck in the fronts (the node's own count: a node
+                # before the tickets has none of them to show)
+                wait_until(lambda url=node.url, n=served + a.stalled: steps_served(url) >= n,
+                           60, "the stalled clients' steps served")  # fmt: skip
                 beside = wrk(node.url, load, duration_s=a.seconds, connections=a.connections,
                              allow_errors=True)  # fmt: skip
                 got[f"ratio_{name}"] = beside.rps / alone.rps

@@ -38,9 +38,12 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 CONNECTION = "affinity.connection"
-"""Scope key of the request's :class:`Connection`, which the node's HTTP server puts in
+"""Scope key of an HTTP request's :class:`Connection`, which the node's HTTP server puts in
 every request's scope (``node/server.py``). Other servers (tests' ASGI transports) leave it
-out; :func:`while_connected` then reads ``receive()`` after :func:`io_seen`."""
+out; :func:`while_connected` then reads ``receive()`` after :func:`io_seen`. A front's
+websocket protocol puts itself under the same key for what its replies need alone (how
+much of a frame is still in its buffer: ``node.front.drained_of``); it is no
+:class:`Connection`, and no websocket scope reaches :func:`while_connected`."""
 
 
 class Connection(Protocol):
