@@ -1,7 +1,8 @@
 """/act figures with real processes on loopback, driven by wrk (a C load generator).
 
 1. throughput, p50 and server CPU per request of one node (one CPU device, the demo policy,
-   64 sticky episodes: every request a Redis resolve, a hit) vs the minimal FastAPI app of
+   64 sticky episodes: each a hit, served from the owner's records with no Redis command on
+   its way) vs the minimal FastAPI app of
    ``bench/baseline_app.py`` running the same ONNX session on the same server stack
    (uvicorn with uvloop and httptools), both saturated by the same wrk settings;
 2. p50 of one client in lockstep (one connection) against each: the latency a robot sees;
