@@ -62,7 +62,7 @@ import struct
 import time
 from bisect import bisect_left
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +125,9 @@ DOUBTED = 14
 """The slot's last reply was being handed to the client when that failed or stopped (the
 connection lost with bytes of it unsent, a send cut off): whether it arrived is unknown, so
 its step is undone in doubt (the next step says ``state_reset``)."""
+_NOTES = frozenset((UNDELIVERED, DOUBTED, PARK, SETTLE))
+"""The kinds that settle an earlier step (its reply's fate): the core serves them ahead of
+the steps read with them."""
 _STEPS = frozenset((ACT, ROWS, KSERVE, WS_STEP, WS_OPEN))
 """The kinds a stuck core's front refuses itself (:meth:`Region.lapsed`): the steps, and an
 openpi connection opened for steps. A note, and a connection's close, wait for the core."""
@@ -293,6 +296,12 @@ class Region:
         slots, or whose failed hand-over the core is being told of."""
         words = np.frombuffer(self.mm, np.uint32, TICKETS, TICKETS_AT)
         return int(np.count_nonzero(words & 0xFF))
+
+    def failed_tickets(self) -> list[int]:
+        """The tickets whose hand-over the front marked failed (UNDELIVERED or DOUBTED), in
+        one read of every word."""
+        states = np.frombuffer(self.mm, np.uint32, TICKETS, TICKETS_AT) & 0xFF
+        return [int(t) for t in np.flatnonzero((states == UNDELIVERED) | (states == DOUBTED))]
 
     def set_ticket(self, ticket: int, state: int, use: int) -> None:
         """One aligned 32-bit store: the core never reads a state of one use with another."""
@@ -932,9 +941,10 @@ class FrontHop:
             if gone is not None and gone():
                 delivered = False
             elif hold:  # settled by the caller (_settler)
+                settle = self._settler(handing, 0 if size is None else size(result))
                 self.region.set_state(slot, DELIVERING)
-                held = True
-                return result, self._settler(handing, 0 if size is None else size(result))
+                held = True  # (only once nothing can raise: else the slot is undone below)
+                return result, settle
             elif deliver is None:
                 delivered = True
             else:  # from here, dying, raising or being cancelled leaves it in doubt
@@ -991,16 +1001,46 @@ class CoreHop:
         self.loop.add_reader(self.ask, self._rung)
 
     def _rung(self) -> None:
+        """Serve what the front asked. An undo goes ahead of any step read with it, or after
+        it: the notes of a doorbell (a reply not delivered, a park, a SETTLE) before its
+        steps, which a slot's number does not order (a client's retry may sit in a slot
+        below its failed step's note); and a parked step whose ticket the front already
+        marked failed, its SETTLE still to come (the front sends it once its park was
+        answered), is undone now, before the steps of this doorbell."""
         try:
             bits = os.eventfd_read(self.ask)
         except BlockingIOError:
             return
-        for slot in _slots(bits, self.region.slots):
-            if self.region.state(slot) == ASKED:
-                self.region.set_state(slot, TAKEN)
-                task = self.loop.create_task(self._serve(slot))
-                self.running.add(task)
-                task.add_done_callback(self.running.discard)
+        asked = [s for s in _slots(bits, self.region.slots) if self.region.state(s) == ASKED]
+        notes = [s for s in asked if self.region.kind(s) in _NOTES]
+        if self.parked:
+            self._settle_failed()
+        for slot in notes + [s for s in asked if s not in notes]:
+            self.region.set_state(slot, TAKEN)
+            self._track(self._serve(slot))
+
+    def _track(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+
+    def _failed(self, ticket: int, use: int) -> int | None:
+        """UNDELIVERED or DOUBTED when the front marked ``ticket``'s use ``use`` failed (its
+        SETTLE sent or still to come), else None (handed over, or still being handed)."""
+        state, now = self.region.ticket(ticket)
+        if now == use & 0xFF_FFFF and state in (UNDELIVERED, DOUBTED):
+            return state
+        return None
+
+    def _settle_failed(self) -> None:
+        """Undo now each parked step whose ticket says its hand-over failed: its SETTLE,
+        when it comes, finds nothing left to undo (one read of the tickets' words)."""
+        for ticket in self.region.failed_tickets():
+            entry = self.parked.get(ticket)
+            fate = None if entry is None else self._failed(ticket, entry[0])
+            if entry is not None and fate is not None:
+                del self.parked[ticket]
+                self._track(self._undo_one(entry[1], fate))
 
     async def _serve(self, slot: int) -> None:
         if not self.alive:
@@ -1009,11 +1049,19 @@ class CoreHop:
         try:
             kind, meta, arrays = self.region.read(slot, copy=True)
         except HopError as exc:
+            if kept is not None:  # whatever the front said of its reply: in doubt
+                await self._undo_one(kept, DOUBTED)
             self._answer(slot, {"err": [400, "malformed", f"hop: {exc}", None, None]}, [])
             return
         if kind == PARK:  # the reply is still being handed over: kept under its ticket
             named = _ticket(meta)
-            if named is not None and kept is not None:
+            fate = None if named is None else self._failed(*named)
+            if named is not None and kept is not None and fate is not None:
+                # failed already, its SETTLE to come: undone now, ahead of the steps read
+                # with this park (their tasks start after this one); the SETTLE finds nothing
+                self.parked.pop(named[0], None)
+                await self._undo_one(kept, fate)
+            elif named is not None and kept is not None:
                 self.parked[named[0]] = (named[1], self.lighten(kept))
             elif named is not None:
                 self.parked.pop(named[0], None)
@@ -1028,12 +1076,8 @@ class CoreHop:
             kind = DOUBTED if meta.get("d") else UNDELIVERED
         if kind in (UNDELIVERED, DOUBTED):
             try:
-                if kept is not None and kind == DOUBTED:
-                    await self.on_doubt(kept)
-                elif kept is not None:
-                    await self.on_undelivered(kept)
-            except Exception:  # a bug: logged; the slot is answered all the same
-                log.exception("undoing a step whose reply a front did not deliver failed")
+                if kept is not None:
+                    await self._undo_one(kept, kind)
             finally:
                 self._answer(slot, {}, [])
             return
@@ -1123,9 +1167,17 @@ class CoreHop:
 
     async def _undo(self, kept: list[Any], doubted: list[Any]) -> None:
         for keep in kept:
-            await self.on_undelivered(keep)
+            await self._undo_one(keep, UNDELIVERED)
         for keep in doubted:
-            await self.on_doubt(keep)
+            await self._undo_one(keep, DOUBTED)
+
+    async def _undo_one(self, keep: Any, fate: int) -> None:
+        """Undo a step whose reply did not reach its client (``fate`` UNDELIVERED), or may
+        not have (DOUBTED: the episode's next step says ``state_reset``)."""
+        try:
+            await (self.on_doubt(keep) if fate == DOUBTED else self.on_undelivered(keep))
+        except Exception:  # a bug: logged; whatever else is undone all the same
+            log.exception("undoing a step whose reply a front did not deliver failed")
 
     def drop(self) -> None:
         """The front is gone: stop reading. Its clients' connections went with it, so a
@@ -1147,9 +1199,7 @@ class CoreHop:
         self.kept.clear()
         self.parked.clear()
         if unread or doubted:
-            task = loop.create_task(self._undo(unread, doubted))
-            self.running.add(task)
-            task.add_done_callback(self.running.discard)
+            self._track(self._undo(unread, doubted))
         for fd in (self.ask, self.answer):
             os.close(fd)
         self.region.close()

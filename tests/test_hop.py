@@ -848,6 +848,103 @@ async def test_a_failed_hand_overs_settle_goes_ahead_of_every_call_waiting_for_a
         assert order == ["step 1", "step 2", "undo 1", "step 3"]
 
 
+class Ordered(Core):
+    """A core that writes down, in one list, each step it serves and each undo."""
+
+    def __init__(self, hold: int | None = None) -> None:
+        super().__init__()
+        self.order: list[str] = []
+        self.hold = hold  # the step whose handler waits on ``release``
+        self.release = asyncio.Event()
+
+    async def handler(
+        self, kind: int, meta: dict[str, Any], arrays: list[Array], slot: int
+    ) -> tuple[dict[str, Any], list[Array]]:
+        self.order.append(f"step {meta.get('n')}")
+        if meta.get("n") == self.hold:
+            await self.release.wait()
+        return await super().handler(kind, meta, arrays, slot)
+
+    async def on_undelivered(self, kept: Any) -> None:
+        self.order.append(f"undo {kept}")
+        await super().on_undelivered(kept)
+
+    async def on_doubt(self, kept: Any) -> None:
+        self.order.append(f"doubt {kept}")
+        await super().on_doubt(kept)
+
+
+async def test_a_note_goes_ahead_of_a_step_rung_with_it_whatever_their_slots() -> None:
+    """A reply that did not reach its client, its note in a slot above a step that came
+    after it (the client's retry) and read with it in one doorbell: the core undoes the
+    first step before it serves the retry (a slot's number says nothing of their order)."""
+    core = Ordered(hold=9)
+    async with hop(core, slots=4) as (front, core_end):
+        loop = asyncio.get_running_loop()
+
+        async def lost(result: Any, handing: Any) -> bool:
+            loop.remove_reader(core_end.ask)  # the core reads nothing more, for now
+            return False  # nothing of the reply reached the client
+
+        other = asyncio.create_task(front.call(ACT, {"n": 9}, [np.ones(2)], echo))  # slot 0
+        await _until(lambda: core.order == ["step 9"], "slot 0 held in the core")
+        with pytest.raises(Undelivered):  # slot 1
+            await front.call(ACT, {"n": 1}, [np.ones(2)], echo, deliver=lost)
+        assert front.region.kind(1) == hop_module.UNDELIVERED  # its note, unread
+        core.release.set()
+        await other  # slot 0 free again
+        retry = asyncio.create_task(front.call(ACT, {"n": 2}, [np.ones(2)], echo))
+        await _until(lambda: front.region.state(0) == ASKED, "the retry in slot 0")
+        loop.add_reader(core_end.ask, core_end._rung)  # both read in one doorbell
+        await retry
+        assert core.order == ["step 9", "step 1", "undo 1", "step 2"]
+
+
+@pytest.mark.parametrize("park_served", [True, False])
+async def test_a_failed_park_is_undone_before_a_later_step_though_its_settle_waits(
+    park_served: bool,
+) -> None:
+    """A parked hand-over fails while its park is unanswered (the front sends its SETTLE
+    only once the core answered the park), and the client's retry takes another slot: the
+    core, which reads the ticket's word, undoes the step before it serves the retry, whether
+    it had taken the park already or reads it with the retry; the SETTLE then finds nothing
+    left to undo (undone once)."""
+    core = Ordered()
+    fail = asyncio.Event()
+
+    async with hop(core, slots=2) as (front, core_end):
+        loop = asyncio.get_running_loop()
+
+        async def slow(result: Any, handing: Any) -> bool | None:
+            loop.remove_reader(front.answer)  # the front will not see the park's answer
+            if not park_served:
+                loop.remove_reader(core_end.ask)  # nor the core the park, for now
+            assert handing.park()
+            await fail.wait()
+            return None  # the connection lost midway: in doubt
+
+        first = asyncio.create_task(front.call(ACT, {"n": 1}, [np.ones(2)], echo, deliver=slow))
+        if park_served:
+            await _until(lambda: len(core_end.parked) == 1, "the park taken by the core")
+        else:
+            await _until(lambda: front.region.state(0) == ASKED, "the park written")
+        fail.set()
+        await _until(lambda: first.done(), "the hand-over failed")
+        assert core.order == ["step 1"]  # its SETTLE waits for the park's answer
+        retry = asyncio.create_task(front.call(ACT, {"n": 2}, [np.ones(2)], echo))
+        await _until(lambda: front.region.state(1) != hop_module.FREE, "the retry sent")
+        if not park_served:
+            loop.add_reader(core_end.ask, core_end._rung)
+        await _until(lambda: "step 2" in core.order, "the retry served")
+        loop.add_reader(front.answer, front._rung)
+        await retry
+        with pytest.raises(Undelivered):
+            await first
+        await _until(lambda: 0 in front.free and 1 in front.free, "every slot back")
+        assert core.order == ["step 1", "doubt 1", "step 2"]
+        assert core.doubted == [1] and core_end.parked == {}
+
+
 @pytest.mark.parametrize(
     "when", ["delivering", "handed", "failed", "undelivered", "reused", "park_unserved"]
 )
