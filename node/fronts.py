@@ -554,10 +554,11 @@ class Fronts:
         if front.lag is not None:
             front.lag.detach()
         if front.hop is not None:
+            front.hop.drop()  # (which starts the undo of what its front left unsaid)
             running = set(front.hop.running)
-            front.hop.drop()
             front.hop = None
-            if front.conns:  # its openpi connections closed with it
+            if front.conns or running:  # its openpi connections closed with it; its steps
+                # undone (a stop waits for them, so none runs on past the service's end)
                 task = asyncio.create_task(self._close(running, list(front.conns.values())))
                 self._ending.add(task)
                 task.add_done_callback(self._ending.discard)
