@@ -110,6 +110,9 @@ measures), and killing its process for it resets every live episode of the devic
 wedged device hangs the live model's runs too, which the live bound catches."""
 TELL_S = 0.05
 """How often the core tells each worker process the node's lease (its end, its generation)."""
+LOOK_S = 0.25
+"""The most a look of the hang watch counts beyond its period: a look that came late (the
+node paused or slow as a whole) judges no worker for the time it missed."""
 IDLE_FREE_S = 1.0
 """A model asked nothing for this long has the states its core let go of freed by a request
 of their own (``FREE``), rather than at its next run."""
@@ -357,8 +360,11 @@ class RemoteSession:
             self.waiter.set_result(None)
 
     def _channel(self) -> _Channel:
+        """The live process's channel; :class:`WorkerGone` while it restarts, and from its
+        death on (its incarnation passed: ``gen``), before the supervisor retired it: a run
+        sent there would wait for an answer nobody writes, holding :attr:`lock`."""
         channel = self.channel
-        if channel is None:
+        if channel is None or channel.gen != self.gen:
             raise WorkerGone(self.device, "is restarting")
         return channel
 
@@ -523,6 +529,10 @@ class DeviceProcs:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lease: Callable[[], int | None] = _never
         self._generation: Callable[[], int] = _none
+        self._watched: dict[tuple[str, str], tuple[float, float]] = {}
+        """The hang watch's count per session: the run it saw (its ``since``) and how long
+        it has seen it go on, each look counting at most :data:`LOOK_S` more than its
+        period (a late look, the node paused as a whole, counts nothing it missed)."""
 
     def device_id(self, spec: DeviceSpec) -> str:
         return f"{self.node_id}/{spec.index}"
@@ -540,14 +550,33 @@ class DeviceProcs:
 
     async def _spawn(self, device: str, worker: _Worker) -> str | None:
         """Start ``worker``'s process and wait for its hello; None when it opened every
-        session (its channels are in place), else why it did not."""
-        region = Region.create(len(self.models), self.slot_size)
+        session (its channels are in place), else why it did not. Never raises (a restart
+        that could not make a descriptor, or a hello it cannot read, is tried again): what
+        it made is closed, a process it started killed and reaped."""
+        try:
+            return await self._spawn_once(device, worker)
+        except Exception as exc:
+            log.exception("device %s: starting its worker process failed", device)
+            process = worker.process
+            if process is not None and process.poll() is None:
+                process.kill()
+            if process is not None:
+                await asyncio.to_thread(process.wait)
+            self._close(worker)
+            worker.process = None
+            return f"its worker process could not be started: {type(exc).__name__}: {exc}"
+
+    async def _spawn_once(self, device: str, worker: _Worker) -> str | None:
+        # what it makes is the worker's at once, so that a failure midway closes it
+        region = worker.region = Region.create(len(self.models), self.slot_size)
         region.tell_generation(self._generation())  # (before its first request)
-        fds = [region.fd]
+        fds = worker.fds = [region.fd]
         pairs = []
         for _ in self.models:
-            ask, answer = os.eventfd(0, os.EFD_CLOEXEC), os.eventfd(0, os.EFD_CLOEXEC)
-            fds += [ask, answer]
+            ask = os.eventfd(0, os.EFD_CLOEXEC)
+            fds.append(ask)
+            answer = os.eventfd(0, os.EFD_CLOEXEC)
+            fds.append(answer)
             pairs.append((ask, answer))
         hello_r, hello_w = os.pipe()
         spec = {
@@ -573,30 +602,36 @@ class DeviceProcs:
                     [sys.executable, "-m", "node.deviceproc"], pass_fds=(*fds, hello_w), env=env
                 )
         except OSError as exc:
-            for fd in (*fds, hello_r, hello_w):
-                os.close(fd)
-            region.mm.close()
+            os.close(hello_r)
+            self._close(worker)
             return f"cannot start its worker process: {exc}"
         finally:
-            with contextlib.suppress(OSError):
-                os.close(hello_w)
-        pidfd = os.pidfd_open(process.pid)
-        worker.process, worker.region, worker.fds, worker.pidfd = process, region, fds, pidfd
+            os.close(hello_w)  # (the child's copy is its own; closed once, here)
+        worker.process = process
+        try:
+            worker.pidfd = os.pidfd_open(process.pid)
+        except BaseException:
+            os.close(hello_r)
+            raise
         worker.started, worker.since_ms = time.monotonic(), int(time.time() * 1000)
-        said = await asyncio.to_thread(_hello, hello_r, START_S)
+        said = await asyncio.to_thread(_hello, hello_r, START_S)  # (closes hello_r)
         if "models" not in said:
             process.kill()
             await asyncio.to_thread(process.wait)
             self._close(worker)
             return str(said.get("error") or "its worker process exited before its sessions opened")
-        for k, (m, (ask, answer), hello) in enumerate(
-            zip(self.models, pairs, said["models"], strict=True)
+        # read whole before any session takes a channel (a hello it cannot read raises)
+        opened = [(tuple(h["batch_sizes"]), str(h["provider"])) for h in said["models"]]
+        if len(opened) != len(self.models):
+            raise ValueError(f"its hello names {len(opened)} sessions, not {len(self.models)}")
+        for k, (m, (ask, answer), (sizes, provider)) in enumerate(
+            zip(self.models, pairs, opened, strict=True)
         ):
             session = self.sessions[(m.key, device)]
-            session.batch_sizes = tuple(hello["batch_sizes"])
-            self.active[(m.key, device)] = str(hello["provider"])
+            session.batch_sizes = sizes
+            self.active[(m.key, device)] = provider
             session.gen += 1  # a new process: it holds none of the states before it
-            session.channel = _Channel(region, k, ask, answer, pidfd, session.gen)
+            session.channel = _Channel(region, k, ask, answer, worker.pidfd, session.gen)
         log.info("device %s: worker process %d opened %d session(s)",
                  device, process.pid, len(self.models))  # fmt: skip
         return None
@@ -679,21 +714,32 @@ class DeviceProcs:
         """Kill a process whose run has outlived ``hang_s``: a wedged GPU (or a process
         stopped for good) is recovered by a restart, where a thread would stay stuck."""
         every = min(1.0, self.hang_s / 4)
+        looked = time.monotonic()
         while not self.stopping:
             await asyncio.sleep(every)
             now = time.monotonic()
+            credit, looked = min(now - looked, every + LOOK_S), now
             for (key, device), session in self.sessions.items():
                 since = session.since
                 worker = self.workers[device]
                 process = worker.process
                 bound = self.hang_bound(session)
-                if since is None or now - since < bound or process is None:
+                if since is None or process is None:
+                    self._watched.pop((key, device), None)
                     continue
-                if process.poll() is None and session.channel is not None:
+                seen, gone_on = self._watched.get((key, device), (None, 0.0))
+                gone_on = gone_on + credit if seen == since else min(now - since, credit)
+                self._watched[(key, device)] = (since, gone_on)
+                if gone_on < bound:
+                    continue
+                channel = session.channel
+                if channel is not None and select.select([channel.answer], [], [], 0)[0]:
+                    continue  # answered, not yet read (the node itself was late)
+                if process.poll() is None and channel is not None:
                     log.error(
                         "device %s: a run of %s has gone on for %.1f s (%s %g s): "
                         "its worker process %d is hung, killed and restarted",
-                        device, key, now - since,
+                        device, key, gone_on,
                         "--act-deadline" if session.live else "a shadow candidate's bound", bound,
                         process.pid,
                     )  # fmt: skip

@@ -238,6 +238,87 @@ async def test_a_hung_worker_is_killed_at_the_hang_bound_and_restarted() -> None
         await p.stop()
 
 
+async def test_a_node_paused_as_a_whole_kills_no_worker_for_the_time_it_missed() -> None:
+    """The node and its worker stopped together past the hang bound (SIGSTOP of the group,
+    a frozen cgroup, a VM paused), then resumed: the hang watch's look that comes late
+    counts at most its period and ``LOOK_S``, so the worker, whose answer comes a moment
+    later, is not killed as hung; the run ends with its result."""
+    p = procs(hang_s=2.0)
+    await p.start()
+    try:
+        p.supervise(lambda device, why: None, _nothing, lambda device: None)
+        session = p.sessions[("demo", "n/0")]
+        pid = pid_of(p)
+        pause(pid)
+        thread, out = in_thread(session, feed())
+        await until(lambda: session.since is not None, "the run asked")
+        time.sleep(3.0)  # the node's own loop stopped too, past the bound (blocking: on purpose)
+        await until(lambda: ("demo", "n/0") in p._watched, "the watch's late look")
+        assert not gone(pid) and pid_of(p) == pid  # not killed for the time it missed
+        os.kill(pid, signal.SIGCONT)  # both resumed
+        await until(lambda: out, "the run's end")
+        assert isinstance(out[0], list), out  # its result: the worker was never killed
+        thread.join(WAIT_S)
+        assert pid_of(p) == pid
+    finally:
+        await p.stop()
+
+
+async def test_a_restart_that_fails_midway_leaks_nothing_and_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker's restart that fails after its process started (here its pidfd cannot be
+    opened: no descriptor left) kills and reaps that process, closes what it made, and is
+    tried again with its backoff: the device comes back, with no process and no
+    descriptor left over."""
+    p = procs()
+    await p.start()
+    try:
+        back = watched(p)
+        first = pid_of(p)
+        fds = len(os.listdir("/proc/self/fd"))
+        failed: list[int] = []
+        real = os.pidfd_open
+
+        def pidfd_open(pid: int, flags: int = 0) -> int:
+            if not failed:
+                failed.append(pid)
+                raise OSError(24, "Too many open files")
+            return real(pid, flags)
+
+        monkeypatch.setattr(os, "pidfd_open", pidfd_open)
+        os.kill(first, signal.SIGKILL)
+        await asyncio.wait_for(back.wait(), WAIT_S)
+        assert failed and gone(failed[0])  # the process of the failed try: killed, reaped
+        assert pid_of(p) not in (first, failed[0])
+        assert len(os.listdir("/proc/self/fd")) == fds
+        out = await asyncio.to_thread(p.sessions[("demo", "n/0")].run, ["actions"], feed())
+        assert out[0].shape[0] == 1
+    finally:
+        await p.stop()
+
+
+async def test_a_run_after_its_worker_died_is_refused_before_the_channel_is_retired(
+    started: DeviceProcs,
+) -> None:
+    """Between a worker's death (its sessions' incarnation passes at once) and the
+    supervisor retiring its channels (on a thread, once the runs on it ended), a run from
+    the loop is refused at once: sent into the dead process's slot it would wait for an
+    answer nobody writes, holding the session's lock the retirement needs."""
+    session = started.sessions[("demo", "n/0")]
+    session.gen += 1  # what the death does first (DeviceProcs._died)
+    with pytest.raises(WorkerGone):
+        await asyncio.wait_for(session.run_from_loop(["actions"], feed()), WAIT_S)
+    assert not session.lock.locked()
+    session.gen -= 1  # (as it was: the process lives)
+    out = await asyncio.wait_for(session.run_from_loop(["actions"], feed()), WAIT_S)
+    assert out[0].shape[0] == 1
+
+
+async def _nothing(device: str) -> None:
+    return None
+
+
 async def test_a_model_the_process_cannot_open_stops_the_start_naming_it(
     tmp_path: Path,
 ) -> None:
