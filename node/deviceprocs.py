@@ -110,6 +110,11 @@ measures), and killing its process for it resets every live episode of the devic
 wedged device hangs the live model's runs too, which the live bound catches."""
 TELL_S = 0.05
 """How often the core tells each worker process the node's lease (its end, its generation)."""
+WARM_HANG_S = 60.0
+"""The hang bound of a restarted process's warm-up runs, whatever a shorter
+``--act-deadline`` says: the first runs of a fresh process on a GPU capture its CUDA graphs
+and autotune its kernels (seconds), and killing it for that would restart it forever. The
+device is down meanwhile: no step waits on them."""
 LOOK_S = 0.25
 """The most a look of the hang watch counts beyond its period: a look that came late (the
 node paused or slow as a whole) judges no worker for the time it missed."""
@@ -469,6 +474,7 @@ class _Worker:
     restarts: int = 0  # in a row (the backoff's): 0 again once it ran a while
     restarted: int = 0  # since the core started (node/procs.py)
     hold: bool = False  # recycled (its device went down): up again at its probe, not at once
+    warming: bool = False  # a restarted process's warm-up runs (WARM_HANG_S)
     started: float = 0.0
     since_ms: int = 0
 
@@ -724,6 +730,8 @@ class DeviceProcs:
                 worker = self.workers[device]
                 process = worker.process
                 bound = self.hang_bound(session)
+                if worker.warming:  # a fresh process's first runs: captures, autotuning
+                    bound = max(bound, WARM_HANG_S)
                 if since is None or process is None:
                     self._watched.pop((key, device), None)
                     continue
@@ -829,10 +837,13 @@ class DeviceProcs:
                      "its probe", device)  # fmt: skip
             return
         if self._back is not None:
+            worker.warming = True
             try:
                 await self._back(device)
             except Exception:  # the device stays down: its probe tries again
                 log.exception("device %s: bringing it back after its restart failed", device)
+            finally:
+                worker.warming = False
 
     def _retire(self, device: str) -> None:
         for (_, d), session in self.sessions.items():
@@ -876,12 +887,12 @@ class DeviceProcs:
                     await asyncio.sleep(0.02)
                 if process.poll() is None:
                     process.kill()
-                    process.wait()
+                    await asyncio.to_thread(process.wait)  # (a GPU context's teardown)
             for session in self.sessions.values():
                 if session.channel is not None and session.channel.pidfd == worker.pidfd:
                     # a state read still in it (a late hand-over) ends first: its process
-                    # is gone, so its wait does (bounded all the same)
-                    held = session.lock.acquire(timeout=timeout_s)
+                    # is gone, so its wait does (bounded all the same; off the loop)
+                    held = await asyncio.to_thread(session.lock.acquire, timeout=timeout_s)
                     session.channel = None
                     if held:
                         session.lock.release()

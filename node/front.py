@@ -932,9 +932,15 @@ class _FrontServer(uvicorn.Server):
     """uvicorn, deaf to SIGINT/SIGTERM: they are the core's (it keeps the fronts serving
     while it hands its episodes over, then stops them with SIGUSR1)."""
 
+    on_stop: Callable[[], None] | None = None
+    """Run on the loop once the core says stop (gRPC's own drain starts with HTTP's)."""
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGUSR1:
             super().handle_exit(signal.SIGTERM, frame)
+            if self.on_stop is not None:
+                asyncio.get_running_loop().call_soon_threadsafe(self.on_stop)
+                self.on_stop = None
 
 
 async def serve(argv: list[str]) -> None:
@@ -973,13 +979,24 @@ async def serve(argv: list[str]) -> None:
 
         rpc = await grpc_front.start(servicer, spec["host"], int(grpc_port), spec["grpc_core"],
                                      app.max_body)  # fmt: skip
+    grpc_stopped: list[asyncio.Task[None]] = []
+    if rpc is not None:
+        grpc_server = rpc[0]
+
+        def stop_grpc() -> None:  # at once: its calls finish beside HTTP's, within its grace
+            grpc_stopped.append(asyncio.ensure_future(grpc_server.stop(float(spec["grpc_stop_s"]))))
+
+        server.on_stop = stop_grpc
     log.info("front %s serving (pid %d), %.2f s after its start", index, os.getpid(), _age_s())
     try:
         await server.serve(sockets=[sock])
     finally:
         watching.cancel()
         if rpc is not None:  # its calls finish (their steps still served by the core)
-            await rpc[0].stop(float(spec["grpc_stop_s"]))
+            if grpc_stopped:
+                await grpc_stopped[0]
+            else:  # (HTTP ended otherwise)
+                await rpc[0].stop(float(spec["grpc_stop_s"]))
             await rpc[1].close()
 
 

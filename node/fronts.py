@@ -410,8 +410,16 @@ class Fronts:
 
     def _spawn(self, front: _Front) -> None:
         region = Region.create(SLOTS, self.slot_size)
-        ask = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        answer = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        made: list[int] = []  # (no descriptor left midway: what was made is closed)
+        try:
+            made.append(os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
+            made.append(os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC))
+        except BaseException:
+            for fd in made:
+                os.close(fd)
+            region.close()
+            raise
+        ask, answer = made
         service = self.service
         conns: Connections = {}
         front.conns = conns
@@ -599,7 +607,7 @@ class Fronts:
                 await asyncio.sleep(0.05)
             if front.process.poll() is None:
                 front.process.kill()
-                front.process.wait()
+                await asyncio.to_thread(front.process.wait)
             self._drop(front)
         if self._ending:
             await asyncio.wait(set(self._ending), timeout=timeout_s)

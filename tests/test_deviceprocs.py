@@ -315,6 +315,42 @@ async def test_a_run_after_its_worker_died_is_refused_before_the_channel_is_reti
     assert out[0].shape[0] == 1
 
 
+async def test_a_restarted_workers_warm_up_has_the_warm_up_bound_not_the_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restarted process's warm-up runs (its first on a GPU capture graphs and autotune:
+    seconds) are held to ``WARM_HANG_S``, not to ``--act-deadline``: one slower than the
+    step's bound is not killed (which would restart it, and again, for ever)."""
+    monkeypatch.setattr(deviceprocs, "WARM_HANG_S", 30.0)
+    p = procs(hang_s=0.5)
+    await p.start()
+    try:
+        results: list[Any] = []
+        back = asyncio.Event()
+
+        async def warm(device: str) -> None:  # its warm-up run, slower than the bound
+            pid = pid_of(p)
+            pause(pid)
+            thread, out = in_thread(p.sessions[("demo", "n/0")], feed())
+            await asyncio.sleep(1.5)  # three bounds: the watch looks on time meanwhile
+            results.append(gone(pid))
+            os.kill(pid, signal.SIGCONT)
+            await until(lambda: out, "the warm-up run's end")
+            results.append(out[0])
+            thread.join(WAIT_S)
+            back.set()
+
+        p.supervise(lambda device, why: None, warm, lambda device: None)
+        first = pid_of(p)
+        os.kill(first, signal.SIGKILL)
+        await asyncio.wait_for(back.wait(), WAIT_S)
+        assert results[0] is False, "the warming process was killed as hung"
+        assert isinstance(results[1], list), results  # its result
+        assert pid_of(p) != first
+    finally:
+        await p.stop()
+
+
 async def _nothing(device: str) -> None:
     return None
 

@@ -73,6 +73,45 @@ async def test_a_front_whose_restart_cannot_start_is_tried_again_leaking_nothing
         listener.close()
 
 
+async def test_a_front_whose_doorbell_cannot_be_made_leaks_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restart that runs out of descriptors midway (its second doorbell) closes its
+    region and first doorbell before it is tried again."""
+    service = SimpleNamespace(
+        metrics=Metrics(["a/0"], 8), config=SimpleNamespace(front_hang_s=30.0)
+    )
+    listener = socket.socket()
+    real = os.eventfd
+    made: list[int] = []
+
+    def eventfd(initval: int, flags: int = 0) -> int:
+        if len(made) == 1:
+            made.append(-1)
+            raise OSError(24, "Too many open files")
+        fd = real(initval, flags)
+        made.append(fd)
+        return fd
+
+    try:
+        supervisor = Fronts(service, [listener], "core", {"max_body_bytes": 4096})  # type: ignore[arg-type]
+    except BaseException:
+        listener.close()
+        raise
+    front = supervisor.fronts[0]
+    try:
+        supervisor.stopping = True  # (no retry scheduled to start a process)
+        before = open_fds()
+        monkeypatch.setattr(os, "eventfd", eventfd)
+        with pytest.raises(OSError):
+            supervisor._spawn(front)
+        monkeypatch.setattr(os, "eventfd", real)
+        assert len(made) == 2 and open_fds() == before  # the region and the first closed
+        assert front.process is None and front.hop is None
+    finally:
+        listener.close()
+
+
 async def test_the_hang_watch_gives_a_starting_front_its_grace_and_counts_no_late_look(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
