@@ -752,7 +752,12 @@ class FrontHop:
         use = self.uses[ticket]
         slot = handing.slot
         self.region.set_ticket(ticket, DELIVERING, use)  # before the core may read the park
-        self._send(slot, PARK, {"k": ticket, "u": use}, [])
+        try:
+            self._send(slot, PARK, {"k": ticket, "u": use}, [])
+        except BaseException:  # (never sent: the ticket is free again, its slot still held)
+            self.region.set_ticket(ticket, FREE, use)
+            self.tickets.appendleft(ticket)
+            raise
         self.parked_bytes += nbytes
         handing.nbytes = nbytes
         answered = self.loop.create_future()
