@@ -741,7 +741,7 @@ class DeviceProcs:
                 if gone_on < bound:
                     continue
                 channel = session.channel
-                if channel is not None and select.select([channel.answer], [], [], 0)[0]:
+                if channel is not None and _readable(channel.answer):
                     continue  # answered, not yet read (the node itself was late)
                 if process.poll() is None and channel is not None:
                     log.error(
@@ -904,11 +904,20 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
+def _readable(fd: int, timeout_s: float = 0.0) -> bool:
+    """Whether ``fd`` is readable (within ``timeout_s``), consuming nothing: a poll object
+    of its own (``select.select`` refuses descriptors past 1023, which a core serving many
+    connections hands a restarted worker's doorbells; another thread may be polling the
+    channel's own object)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0, round(timeout_s * 1000))))
+
+
 def _hello(fd: int, timeout_s: float) -> dict[str, Any]:
     """The worker process's hello line (its pipe closes with it: ``{}`` then)."""
     with os.fdopen(fd, "rb") as pipe:
-        ready, _, _ = select.select([pipe], [], [], timeout_s)
-        if not ready:
+        if not _readable(fd, timeout_s):
             return {"error": f"its sessions did not open within {timeout_s:g} s"}
         line = pipe.readline()
     if not line:

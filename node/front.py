@@ -932,15 +932,15 @@ class _FrontServer(uvicorn.Server):
     """uvicorn, deaf to SIGINT/SIGTERM: they are the core's (it keeps the fronts serving
     while it hands its episodes over, then stops them with SIGUSR1)."""
 
-    on_stop: Callable[[], None] | None = None
-    """Run on the loop once the core says stop (gRPC's own drain starts with HTTP's)."""
+    on_stop: tuple[asyncio.AbstractEventLoop, Callable[[], None]] | None = None
+    """Run on that loop once the core says stop (gRPC's own drain starts with HTTP's)."""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGUSR1:
             super().handle_exit(signal.SIGTERM, frame)
-            if self.on_stop is not None:
-                asyncio.get_running_loop().call_soon_threadsafe(self.on_stop)
-                self.on_stop = None
+            stop, self.on_stop = self.on_stop, None
+            if stop is not None and not stop[0].is_closed():
+                stop[0].call_soon_threadsafe(stop[1])
 
 
 async def serve(argv: list[str]) -> None:
@@ -986,11 +986,12 @@ async def serve(argv: list[str]) -> None:
         def stop_grpc() -> None:  # at once: its calls finish beside HTTP's, within its grace
             grpc_stopped.append(asyncio.ensure_future(grpc_server.stop(float(spec["grpc_stop_s"]))))
 
-        server.on_stop = stop_grpc
+        server.on_stop = (asyncio.get_running_loop(), stop_grpc)
     log.info("front %s serving (pid %d), %.2f s after its start", index, os.getpid(), _age_s())
     try:
         await server.serve(sockets=[sock])
     finally:
+        server.on_stop = None  # (a late SIGUSR1 starts nothing: the stop below is its own)
         watching.cancel()
         if rpc is not None:  # its calls finish (their steps still served by the core)
             if grpc_stopped:

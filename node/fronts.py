@@ -317,10 +317,12 @@ async def serve_request(
 
 async def undeliver(service: NodeService, kept: Any, doubt: bool = False) -> None:
     """Undo what a front could not deliver (its client had gone), or may not have
-    (``doubt``: it died handing it over)."""
-    for reply in kept if isinstance(kept, list) else [kept]:
-        if isinstance(reply, Reply):
-            await service.router.undelivered(reply, doubt)
+    (``doubt``: it died handing it over). A message of rows undoes the rows served here
+    first, before its first wait: a retry the core serves next finds them undone (a row
+    forwarded to another node is undone by a request to it, which no order here binds)."""
+    replies = [r for r in (kept if isinstance(kept, list) else [kept]) if isinstance(r, Reply)]
+    for reply in sorted(replies, key=lambda r: bool(r.origin)):
+        await service.router.undelivered(reply, doubt)
 
 
 def lighten(kept: Any) -> Any:

@@ -1054,8 +1054,9 @@ class CoreHop:
         try:
             kind, meta, arrays = self.region.read(slot, copy=True)
         except HopError as exc:
-            if kept is not None:  # whatever the front said of its reply: in doubt
-                await self._undo_one(kept, DOUBTED)
+            if kept is not None and self.region.kind(slot) in _NOTES:  # a note of its
+                await self._undo_one(kept, DOUBTED)  # reply's fate, unreadable: in doubt
+            # (a step asked in the slot says the reply before it was handed over: it stands)
             self._answer(slot, {"err": [400, "malformed", f"hop: {exc}", None, None]}, [])
             return
         if kind == PARK:  # the reply is still being handed over: kept under its ticket

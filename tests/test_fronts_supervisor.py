@@ -1,7 +1,8 @@
 """The supervisor of a node's front doors (``node/fronts.py``, issue 43), without starting a
 node: a front whose restart cannot start a process (no fork: memory, file descriptors) is
 tried again with its backoff, leaking nothing, until one starts; the hang watch's bounds
-(a starting front's grace, a late look, the timeout's floor) on a clock of the test's."""
+(a starting front's grace, a late look, the timeout's floor) on a clock of the test's; the
+undo of a message of rows a front could not deliver, its local rows first."""
 
 from __future__ import annotations
 
@@ -165,3 +166,32 @@ async def test_the_hang_watch_gives_a_starting_front_its_grace_and_counts_no_lat
             proc.kill()
         proc.wait()
         listener.close()
+
+
+async def test_a_message_of_rows_not_delivered_undoes_its_rows_served_here_first() -> None:
+    """The rows a front could not deliver are undone rows served here first, before the
+    first wait (a row forwarded to another node is undone by a request to it): a retry the
+    core serves next finds every local row undone."""
+    from node.fronts import undeliver
+    from node.step import Reply
+
+    order: list[str] = []
+
+    class Router:
+        async def undelivered(self, reply: Reply, doubt: bool = False) -> None:
+            if reply.origin:
+                order.append(f"asked {reply.episode}")
+                await asyncio.sleep(0)  # its request to the owner
+            else:
+                order.append(f"undone {reply.episode}")
+
+    def row(episode: str, origin: str = "") -> Reply:
+        return Reply({}, episode, "a/0", "n", 1, "hit", False, False, origin=origin)
+
+    service = SimpleNamespace(router=Router())
+    task = asyncio.ensure_future(
+        undeliver(service, [row("far", "fw-1"), row("near"), row("other"), "not a reply"])  # type: ignore[arg-type]
+    )
+    await asyncio.sleep(0)  # its first turn: up to the first wait
+    assert order == ["undone near", "undone other", "asked far"]
+    await task

@@ -655,3 +655,34 @@ async def test_every_operator_endpoint_answers_a_redis_failure_with_one_handler(
                     assert r.status_code == 503, (path, r.text)
                     assert r.json()["error"]["code"] == code, (path, r.text)
                     assert r.headers["retry-after"] == "1"
+
+
+@pytest.mark.parametrize("where", ["httpproto", "deviceprocs"])
+def test_readiness_checks_take_descriptors_past_1023(where: str) -> None:
+    """A node holding a thousand robots' connections has descriptors past 1023, which
+    ``select.select`` refuses (``ValueError``): the keep-alive check of an idle connection
+    and the worker processes' doorbells are polled instead, at any number."""
+    import resource
+
+    from node import deviceprocs, httpproto
+
+    readable = httpproto._readable if where == "httpproto" else deviceprocs._readable
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    high = 1500
+    if hard != resource.RLIM_INFINITY and hard <= high:
+        pytest.skip(f"this machine allows {hard} descriptors")
+    if soft != resource.RLIM_INFINITY and soft <= high:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (high + 1, hard))
+    a, b = socket.socketpair()
+    try:
+        os.dup2(a.fileno(), high)
+        try:
+            assert not readable(high)
+            b.send(b"x")
+            assert readable(high)
+        finally:
+            os.close(high)
+    finally:
+        a.close()
+        b.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
