@@ -288,6 +288,7 @@ class FrontApp:
                                 json=spec.get("log_format") == "json")  # fmt: skip
         self.numbers = itertools.count()
         """Each openpi connection's number, the core's name for it."""
+        self._closing: set[asyncio.Future[None]] = set()  # closes sent from no request
         self.client = httpx.AsyncClient(
             transport=httpx.AsyncHTTPTransport(uds=core),
             timeout=httpx.Timeout(None),
@@ -559,9 +560,16 @@ class FrontApp:
         ask = {"c": number, "q": scope.get("query_string", b"")}
         try:  # asked per connection, never cached: the metadata of the models served now
             opened = await self.hop.call(WS_OPEN, ask, [], lambda _, meta, __: meta)
-        except (HopFull, HopError, CoreLapsed):
+        except (HopFull, CoreLapsed):  # never sent
             await send({"type": "websocket.close", "code": 1013})  # try again later
             return
+        except HopError:  # its reply unreadable: the core may have opened it
+            self._close_later(number)
+            await send({"type": "websocket.close", "code": 1013})
+            return
+        except BaseException:  # cancelled (a stop) with the open sent: closed there too
+            self._close_later(number)
+            raise
         frame = opened.get("frame")
         if not isinstance(frame, bytes):  # a malformed ?episode_id= (or a malformed ask)
             await send({"type": "websocket.close", "code": 1008})
@@ -636,15 +644,18 @@ class FrontApp:
             reply["body"] = wire.encode(doc)  # while the outputs are views of the slot
             return reply
 
+        handing_over = [False]  # from here a close seen fails the send, cancels nothing
+
         async def deliver(reply: dict[str, Any], handing: Handing) -> bool | None:
+            handing_over[0] = True
             body = reply.get("body")
             if body is None:
                 return True
             try:
                 await io_seen()  # a close that came with the frame fails the send: undone
                 await send({"type": "websocket.send", "bytes": body})
-            except OSError:  # uvicorn's ClientDisconnected: the robot never gets it
-                return False
+            except (OSError, RuntimeError):  # uvicorn's ClientDisconnected, or a close it
+                return False  # sent itself (a ping unanswered): the robot never gets it
             drained = drained_of(scope)  # the slot is freed once it is in the kernel
             delivered: bool | None = await drained(handing)  # (None: in doubt)
             return delivered
@@ -652,7 +663,7 @@ class FrontApp:
         call = self.hop.call(WS_STEP, meta, arrays, use, deliver=deliver,
                              wait_s=_left(started, self.hop.slot_wait_s))  # fmt: skip
         try:
-            reply = await watching(receive, call, early)
+            reply = await watching(receive, call, early, lambda: handing_over[0])
         except ClientGone:  # closed mid-step: the core undoes it (or holds it: seq)
             log_line(self.access, scope, started, 499, names.of(frame))
             return False, prev_total_ms
@@ -685,13 +696,21 @@ class FrontApp:
         return True, (time.monotonic() - started) * 1000
 
     async def _close(self, number: int) -> None:
-        """Tell the core the connection closed (its own episode ends). A hop with every
-        slot in flight is waited for (its turn, up to the step deadline); past that, the
-        core ends the episode when this front goes."""
+        """Tell the core the connection closed (its own episode ends). Never dropped: a
+        hop with every slot in flight gives it the next slot released, ahead of the calls
+        waiting, however long that takes (``urgent``); were this front to go first, the
+        core ends the episode as it drops the front."""
         try:
-            await self.hop.call(WS_CLOSE, {"c": number}, [], lambda *_: None)
-        except (HopFull, HopError):
+            await self.hop.call(WS_CLOSE, {"c": number}, [], lambda *_: None, urgent=True)
+        except HopError:
             log.warning("could not tell the core that openpi connection %d closed", number)
+
+    def _close_later(self, number: int) -> None:
+        """:meth:`_close` in a task of its own (a connection whose open may have reached the
+        core, ended by an exception there is no awaiting in)."""
+        task = asyncio.ensure_future(self._close(number))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
 
 def _left(received: float, budget_s: float | None) -> float | None:

@@ -55,6 +55,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import math
 import mmap
 import os
 import signal
@@ -826,22 +827,27 @@ class FrontHop:
                 return
         self.free.append(slot)
 
-    async def _slot(self, wait: bool, wait_s: float | None) -> int:
+    async def _slot(self, wait: bool, wait_s: float | None, urgent: bool = False) -> int:
         """A free slot: at once, or once one is released to this call (its turn, in order
-        of arrival); :class:`HopFull` past ``slot_wait_s`` (or ``wait_s``, the call's own
-        budget, when shorter), at once without ``wait`` or with :data:`MAX_QUEUED` calls
-        waiting."""
+        of arrival; ``urgent``: first, without limit); :class:`HopFull` past
+        ``slot_wait_s`` (or ``wait_s``, the call's own budget, when shorter), at once
+        without ``wait`` or with :data:`MAX_QUEUED` calls waiting."""
         if self.free and not self.queued:
             return self.free.pop()
-        if not wait or len(self.queued) >= MAX_QUEUED:
+        if not urgent and (not wait or len(self.queued) >= MAX_QUEUED):
             raise HopFull()
         budget = self.slot_wait_s if wait_s is None else max(0.0, min(wait_s, self.slot_wait_s))
-        if budget <= 0:  # (what a deadline refusal names: the node's, as one process says)
+        if urgent:
+            budget = math.inf
+        elif budget <= 0:  # (what a deadline refusal names: the node's, as one process says)
             raise HopFull(self.slot_wait_s)
         waiter: asyncio.Future[int] = self.loop.create_future()
-        self.queued.append(waiter)
+        if urgent:
+            self.queued.appendleft(waiter)
+        else:
+            self.queued.append(waiter)
         try:
-            async with asyncio.timeout(budget):
+            async with asyncio.timeout(None if budget == math.inf else budget):
                 return await waiter
         except (TimeoutError, asyncio.CancelledError) as exc:
             if waiter.done() and not waiter.cancelled():  # given one as it left: pass it on
@@ -878,6 +884,7 @@ class FrontHop:
         wait_s: float | None = None,
         hold: bool = False,
         size: Callable[[Any], int] | None = None,
+        urgent: bool = False,
     ) -> Any:
         """Send a request, await its reply and return ``use(kind, meta, views)``, run while the
         reply's arrays are views of the slot (they must not outlive it). Raises
@@ -899,13 +906,16 @@ class FrontHop:
         DELIVERING until ``settle(delivered)`` says how that went (True, False or None, as
         ``deliver`` would; only its first call counts). ``size(result)``: the bytes of a held
         reply the front's server holds until it is sent, counted against
-        :data:`PARKED_BYTES` while it is parked."""
+        :data:`PARKED_BYTES` while it is parked. ``urgent``: a note that must reach the
+        core however busy the hop is (a websocket's close, which ends its episode there):
+        it waits for the next slot released, ahead of the calls waiting, for as long as
+        it takes, never refused."""
         if kind in _STEPS and self.region.lapsed(time.monotonic_ns()):
             self.region.count_refused()
             raise CoreLapsed()
         waits = not self.free or bool(self.queued)
         try:
-            slot = await self._slot(wait, wait_s)
+            slot = await self._slot(wait, wait_s, urgent)
         except HopFull:
             if kind in _STEPS:  # refused here: counted by the core as its own refusals
                 self.region.count_refused()

@@ -32,6 +32,7 @@ from node.hop import (
     ROWS,
     SLOT_HEAD,
     STUCK_NS,
+    WS_CLOSE,
     WS_OPEN,
     WS_STEP,
     Array,
@@ -204,6 +205,33 @@ async def test_a_note_never_waits_a_leaver_is_never_sent_and_the_queue_is_bounde
             await leaver
         assert (await stayer)[0]["facts"]["n"] == 2
         assert [m.get("n") for m in core.seen] == [0, 2]  # the leaver's never reached it
+
+
+async def test_an_urgent_note_waits_first_and_is_never_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A websocket's close (``urgent``), with every slot in flight, the queue full and no
+    time left to wait: it is queued ahead of the calls waiting, however long it takes, and
+    reaches the core first when a slot is released (the episode it ends is never left
+    held)."""
+    core = Core(gate=asyncio.Event())
+    async with hop(core, slots=1) as (front, _):
+        one = np.ones(4, dtype=np.float32)
+        running = await in_flight(core, front, one)
+        monkeypatch.setattr(hop_module, "MAX_QUEUED", 1)
+        waiting = asyncio.create_task(front.call(ACT, {"n": 1}, [one], echo))
+        await asyncio.sleep(0)
+        front.slot_wait_s = 0.0  # (a wait that has passed, for anyone but an urgent note)
+        with pytest.raises(HopFull):
+            await front.call(ACT, {"n": 2}, [one], echo)
+        close = asyncio.create_task(front.call(WS_CLOSE, {"n": 3}, [], echo, urgent=True))
+        await asyncio.sleep(0.01)
+        assert not close.done() and len(front.queued) == 2
+        core.gate.set()  # type: ignore[union-attr]
+        await running
+        await close
+        await waiting
+        assert [m.get("n") for m in core.seen] == [0, 3, 1]
 
 
 async def test_a_handler_that_breaks_answers_500_and_frees_the_slot() -> None:

@@ -265,3 +265,30 @@ def test_sigkill_of_the_owner_mid_episode(cluster: Cluster, tmp_path: Path) -> N
     np.testing.assert_allclose(after["actions"], replay(libero(6, 1))[0], rtol=1e-4, atol=1e-5)
     owner.proc.start()  # back for the other tests of the module
     wait_until(owner.ready, 60, "owner back")
+
+
+@pytest.mark.parametrize("handing", [False, True])
+def test_a_close_seen_while_the_reply_is_handed_over_cancels_nothing(handing: bool) -> None:
+    """A step's work is cancelled (``ClientGone``: undone) by a close seen while it runs,
+    but not once its reply is being handed over: the send then fails and says that
+    nothing went (undone, not put in doubt as a cancelled hand-over would be)."""
+    import asyncio
+
+    from node.errors import ClientGone
+    from node.protocols.openpiframe import watching
+
+    async def run() -> str:
+        async def receive() -> dict[str, Any]:
+            return {"type": "websocket.disconnect", "code": 1000}
+
+        async def work() -> str:
+            await asyncio.sleep(0.1)  # past WATCH_AFTER_S: watched
+            return "sent"
+
+        early: list[Any] = []
+        try:
+            return await watching(receive, work(), early, lambda: handing)
+        except ClientGone:
+            return "cancelled"
+
+    assert asyncio.run(run()) == ("sent" if handing else "cancelled")

@@ -106,18 +106,21 @@ async def watching(
     receive: Receive,
     work: Awaitable[T],
     early: list[asyncio.Future[MutableMapping[str, Any]]],
+    handing: Callable[[], bool] = lambda: False,
 ) -> T:
     """Await ``work`` (in this task) while watching the websocket: a close seen while it
-    runs cancels it and raises :class:`~node.errors.ClientGone`. Work that ends within
-    :data:`~node.asgi.WATCH_AFTER_S` is not watched (no task per step). A receive begun to
-    watch longer work is left in ``early``, because what it brings is the connection's
-    next message. That is the next observation of a robot that did not wait."""
+    runs cancels it and raises :class:`~node.errors.ClientGone`, unless ``handing()`` says
+    its reply is being handed over by then (the send fails instead, and says whether any
+    of it went). Work that ends within :data:`~node.asgi.WATCH_AFTER_S` is not watched (no
+    task per step). A receive begun to watch longer work is left in ``early``, because
+    what it brings is the connection's next message. That is the next observation of a
+    robot that did not wait."""
 
     def watch(gone: Callable[[], None]) -> None:
         def seen(future: asyncio.Future[MutableMapping[str, Any]]) -> None:
             if future.cancelled() or future.exception() is not None:
                 return
-            if future.result()["type"] == "websocket.disconnect":
+            if future.result()["type"] == "websocket.disconnect" and not handing():
                 gone()
 
         future = asyncio.ensure_future(receive())
