@@ -951,15 +951,21 @@ class _FrontServer(uvicorn.Server):
     """uvicorn, deaf to SIGINT/SIGTERM: they are the core's (it keeps the fronts serving
     while it hands its episodes over, then stops them with SIGUSR1)."""
 
-    on_stop: tuple[asyncio.AbstractEventLoop, Callable[[], None]] | None = None
-    """Run on that loop once the core says stop (gRPC's own drain starts with HTTP's)."""
+    def __init__(self, config: uvicorn.Config, stopping: list[Callable[[], None]]) -> None:
+        super().__init__(config)
+        self._stopping = stopping
+        """What the core's stop starts on this loop beside HTTP's drain, once (gRPC's own);
+        emptied when serving ended, so that a late SIGUSR1 starts nothing."""
+        self._loop = asyncio.get_running_loop()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGUSR1:
             super().handle_exit(signal.SIGTERM, frame)
-            stop, self.on_stop = self.on_stop, None
-            if stop is not None and not stop[0].is_closed():
-                stop[0].call_soon_threadsafe(stop[1])
+            starts = list(self._stopping)
+            self._stopping.clear()
+            if not self._loop.is_closed():
+                for start in starts:
+                    self._loop.call_soon_threadsafe(start)
 
 
 async def serve(argv: list[str]) -> None:
@@ -970,6 +976,7 @@ async def serve(argv: list[str]) -> None:
     lag = _Lag(region.mm, LAG_BOUNDS)
     watching = asyncio.create_task(watch_loop_lag(lag), name="affinity-loop-lag")
     app = FrontApp(hop, bytes.fromhex(core_hex).decode(), spec)
+    stopping: list[Callable[[], None]] = []  # what a stop starts beside HTTP's drain
     server = _FrontServer(
         uvicorn.Config(
             app,
@@ -983,7 +990,8 @@ async def serve(argv: list[str]) -> None:
             timeout_keep_alive=max(1, round(float(spec["keep_alive_s"]))),
             timeout_graceful_shutdown=int(spec["close_s"]),
             lifespan="on",
-        )
+        ),
+        stopping,
     )
     signal.signal(signal.SIGUSR1, server.handle_exit)
     sock = socket.socket(fileno=int(listen_fd))
@@ -1005,12 +1013,12 @@ async def serve(argv: list[str]) -> None:
         def stop_grpc() -> None:  # at once: its calls finish beside HTTP's, within its grace
             grpc_stopped.append(asyncio.ensure_future(grpc_server.stop(float(spec["grpc_stop_s"]))))
 
-        server.on_stop = (asyncio.get_running_loop(), stop_grpc)
+        stopping.append(stop_grpc)
     log.info("front %s serving (pid %d), %.2f s after its start", index, os.getpid(), _age_s())
     try:
         await server.serve(sockets=[sock])
     finally:
-        server.on_stop = None  # (a late SIGUSR1 starts nothing: the stop below is its own)
+        stopping.clear()  # (a late SIGUSR1 starts nothing: the stop below is its own)
         watching.cancel()
         if rpc is not None:  # its calls finish (their steps still served by the core)
             if grpc_stopped:
