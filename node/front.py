@@ -74,6 +74,7 @@ from node.errors import (
     HopError,
     HopFull,
     InvalidInput,
+    Outcome,
     Refused,
     Uncarried,
     Undelivered,
@@ -111,6 +112,7 @@ from node.protocols.kserve.body import (
     shaped,
 )
 from node.protocols.openpiframe import (
+    denied,
     fail,
     finished,
     log_line,
@@ -556,20 +558,27 @@ class FrontApp:
             await self._note("unauthorized")
             await unauthorized(scope, send, self.access, time.monotonic())
             return
-        number = next(self.numbers)
+        number, started = next(self.numbers), time.monotonic()
         ask = {"c": number, "q": scope.get("query_string", b"")}
         try:  # asked per connection, never cached: the metadata of the models served now
             opened = await self.hop.call(WS_OPEN, ask, [], lambda _, meta, __: meta)
-        except (HopFull, CoreLapsed):  # never sent
-            await send({"type": "websocket.close", "code": 1013})  # try again later
+        except (HopFull, CoreLapsed) as exc:  # never sent: 503, try again later
+            await denied(scope, send, self.access, started, outcome(exc.refusal()
+                         if isinstance(exc, HopFull) else exc))  # fmt: skip
             return
-        except HopError:  # its reply unreadable: the core may have opened it
+        except HopError as exc:  # its reply unreadable: the core may have opened it
             self._close_later(number)
-            await send({"type": "websocket.close", "code": 1013})
+            await denied(scope, send, self.access, started,
+                         Outcome(500, "internal", f"hop: {exc}"))  # fmt: skip
             return
         except BaseException:  # cancelled (a stop) with the open sent: closed there too
             self._close_later(number)
             raise
+        if "err" in opened:  # not opened: what one process answers (Redis gone: 503)
+            status, code, text, where, retry = opened["err"]
+            await denied(scope, send, self.access, started, Outcome(int(status), str(code),
+                         str(text), retry, None, where))  # fmt: skip
+            return
         frame = opened.get("frame")
         if not isinstance(frame, bytes):  # a malformed ?episode_id= (or a malformed ask)
             await send({"type": "websocket.close", "code": 1008})

@@ -183,7 +183,11 @@ async def serve_openpi(
         query = meta.get("q")
         if not isinstance(query, bytes) or number in conns:
             raise HopError("bad connection")
-        conn, frame, problem = await openpi.opening(service, query)
+        try:
+            conn, frame, problem = await openpi.opening(service, query)
+        except Exception as exc:  # Redis gone while it picks the model, say
+            o = openpi.open_failed(exc)  # answered before the upgrade, as in one process
+            return {"err": [o.status, o.code, o.message, o.field, o.retry_after]}, []
         if conn is None:
             return {"frame": frame, "problem": problem}, []
         conns[number] = conn

@@ -182,3 +182,37 @@ def test_two_processes_never_keep_one_node_id_after_redis_restarts_empty(tmp_pat
         first.stop()
         second.stop()
         redis.stop()
+
+
+def test_an_openpi_handshake_redis_fails_to_answer_is_503_redis_before_the_upgrade(
+    tmp_path: Path,
+) -> None:
+    """A handshake whose model's contract must be read from Redis, Redis gone: refused
+    before the upgrade as the HTTP doors refuse a step then (503 ``redis``, Retry-After),
+    in every shape; not a bare 500 (one process) nor a 403 (a front's close), which a
+    robot's client reads as a bad key and stops retrying."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    redis = RedisServer(tmp_path)
+    other = Node(tmp_path, "o", redis.url, devices="cpu:1", extra=["--model", "vla-demo"])
+    node = Node(tmp_path, "n", redis.url, devices="cpu:1")
+    try:
+        redis.start()
+        other.start()
+        node.start()
+        # the node learns that the fleet serves vla_demo (its contract not yet read)
+        r = httpx.post(node.url + "/act", json={"episode_id": "e", "model": "vla_demo@none",
+                                                "inputs": {"obs": [[0.0] * 8]}})  # fmt: skip
+        assert r.status_code == 404 and "vla_demo" in r.json()["error"]["message"], r.text
+        redis.stop()
+        with pytest.raises(InvalidStatus) as refused:
+            connect(node.url.replace("http", "ws", 1) + "/?model=vla_demo", open_timeout=30)
+        response = refused.value.response
+        assert response.status_code == 503, (response.status_code, response.body)
+        assert response.headers.get("retry-after") == "1"
+        assert b'"code":"redis"' in bytes(response.body or b"")
+    finally:
+        node.stop()
+        other.stop()
+        redis.stop()

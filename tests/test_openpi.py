@@ -292,3 +292,22 @@ def test_a_close_seen_while_the_reply_is_handed_over_cancels_nothing(handing: bo
             return "cancelled"
 
     assert asyncio.run(run()) == ("sent" if handing else "cancelled")
+
+
+@pytest.mark.parametrize("gone", [OSError, RuntimeError])
+def test_an_error_for_a_client_already_gone_is_no_crash(gone: type[Exception]) -> None:
+    """openpi's error frame to a client that left (uvicorn's ``ClientDisconnected``, an
+    ``OSError``; or the ``RuntimeError`` of a send after uvicorn closed the connection
+    itself) is dropped: the handler ends as for any client gone, nothing raised."""
+    import asyncio
+
+    from node.protocols.openpiframe import fail
+
+    sent: list[str] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message["type"])
+        raise gone("the client is gone")
+
+    asyncio.run(fail(send, "bad_input: no"))
+    assert sent == ["websocket.send"]

@@ -78,6 +78,7 @@ from node.errors import ClientGone, InvalidInput, Outcome, Refused, Unavailable,
 from node.inputs import outputs_unbatched
 from node.protocols.openpiframe import (
     CLOSE_ERROR,
+    denied,
     fail,
     finished,
     log_line,
@@ -299,6 +300,16 @@ async def opening(
     return Connection(service, fixed, name, contract), frame, None
 
 
+def open_failed(exc: Exception) -> Outcome:
+    """What a handshake whose :func:`opening` raised answers before the upgrade: the
+    error's own status (503 ``redis`` with its ``Retry-After`` when the fleet's store did
+    not answer), as the HTTP doors answer it; an unforeseen one is logged, 500."""
+    refused = outcome(exc)
+    if refused.code == "internal":
+        log.error("opening an openpi connection failed", exc_info=exc)
+    return refused
+
+
 async def connect(
     service: NodeService, scope: Scope, receive: Receive, send: Send, access: AccessLog
 ) -> Connection | None:
@@ -310,7 +321,11 @@ async def connect(
         service.metrics.rejected.labels("unauthorized").inc()
         await unauthorized(scope, send, access, time.monotonic())
         return None
-    conn, frame, problem = await opening(service, scope.get("query_string", b""))
+    try:
+        conn, frame, problem = await opening(service, scope.get("query_string", b""))
+    except Exception as exc:  # Redis gone while it picks the model, say: refused
+        await denied(scope, send, access, time.monotonic(), open_failed(exc))
+        return None
     if frame is None:
         await send({"type": "websocket.close", "code": 1008})
         return None

@@ -21,6 +21,7 @@ from node.errors import InvalidInput, Outcome, Refused
 
 __all__ = [
     "CLOSE_ERROR",
+    "denied",
     "fail",
     "finished",
     "log_line",
@@ -79,9 +80,14 @@ def refusal(o: Outcome) -> str:
 
 
 async def fail(send: Send, text: str) -> None:
-    """openpi's error: the message as a text frame, then close 1011."""
-    await send({"type": "websocket.send", "text": text})
-    await send({"type": "websocket.close", "code": CLOSE_ERROR, "reason": "policy error"})
+    """openpi's error: the message as a text frame, then close 1011. A client already gone
+    (uvicorn's ``ClientDisconnected``, or the ``RuntimeError`` of a send after a close it
+    made itself, a ping unanswered) gets nothing, and that is no crash of the handler."""
+    try:
+        await send({"type": "websocket.send", "text": text})
+        await send({"type": "websocket.close", "code": CLOSE_ERROR, "reason": "policy error"})
+    except (OSError, RuntimeError):
+        return
 
 
 def log_line(
@@ -133,15 +139,35 @@ async def watching(
 async def unauthorized(scope: Scope, send: Send, access: AccessLog, started: float) -> None:
     """Refuse the handshake before the upgrade: 401 with the project's JSON error body (a
     server without ASGI's denial-response extension can only close: 403), and its line."""
+    challenge = [(b"www-authenticate", b"Api-Key")]
+    await denied(
+        scope, send, access, started, Outcome(401, "unauthorized", UNAUTHORIZED), challenge
+    )
+
+
+async def denied(
+    scope: Scope,
+    send: Send,
+    access: AccessLog,
+    started: float,
+    refused: Outcome,
+    headers: list[tuple[bytes, bytes]] | None = None,
+) -> None:
+    """Refuse the handshake before the upgrade with ``refused``'s status and the project's
+    JSON error body (``Retry-After`` on a 503 that says one), as the HTTP doors answer it;
+    a server without ASGI's denial-response extension can only close: 403. Its line."""
     if "websocket.http.response" in scope.get("extensions", {}):
+        extra = list(headers or [])
+        if refused.retry_after is not None:
+            extra.append((b"retry-after", refused.retry_header.encode()))
         await send({
             "type": "websocket.http.response.start",
-            "status": 401,
-            "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Api-Key")],
+            "status": refused.status,
+            "headers": [(b"content-type", b"application/json"), *extra],
         })  # fmt: skip
         await send({"type": "websocket.http.response.body",
-                    "body": error_body("unauthorized", UNAUTHORIZED)})  # fmt: skip
-        status = 401
+                    "body": error_body(refused.code, refused.message, refused.field)})  # fmt: skip
+        status = refused.status
     else:
         await send({"type": "websocket.close", "code": 1008})
         status = 403
