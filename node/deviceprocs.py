@@ -80,7 +80,7 @@ import numpy as np
 from node.deviceproc import FREE, GET, RUN, RUN_ROWS
 from node.devices import DeviceSpec
 from node.errors import HopError, StateLost, WorkerFenced, WorkerGone, WorkerRunError
-from node.hop import ASKED, Array, Region, deaf_children, lift, lower
+from node.hop import ASKED, Array, Region, deaf_children, lift, lower, readable
 from node.procs import Running
 from node.providers import ProviderSettings
 
@@ -611,6 +611,9 @@ class DeviceProcs:
             os.close(hello_r)
             self._close(worker)
             return f"cannot start its worker process: {exc}"
+        except BaseException:  # (anything else: ``_spawn`` cleans the worker up)
+            os.close(hello_r)
+            raise
         finally:
             os.close(hello_w)  # (the child's copy is its own; closed once, here)
         worker.process = process
@@ -741,7 +744,7 @@ class DeviceProcs:
                 if gone_on < bound:
                     continue
                 channel = session.channel
-                if channel is not None and _readable(channel.answer):
+                if channel is not None and readable(channel.answer):
                     continue  # answered, not yet read (the node itself was late)
                 if process.poll() is None and channel is not None:
                     log.error(
@@ -904,20 +907,10 @@ def _wake(waiter: asyncio.Future[None]) -> None:
         waiter.set_result(None)
 
 
-def _readable(fd: int, timeout_s: float = 0.0) -> bool:
-    """Whether ``fd`` is readable (within ``timeout_s``), consuming nothing: a poll object
-    of its own (``select.select`` refuses descriptors past 1023, which a core serving many
-    connections hands a restarted worker's doorbells; another thread may be polling the
-    channel's own object)."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(max(0, round(timeout_s * 1000))))
-
-
 def _hello(fd: int, timeout_s: float) -> dict[str, Any]:
     """The worker process's hello line (its pipe closes with it: ``{}`` then)."""
     with os.fdopen(fd, "rb") as pipe:
-        if not _readable(fd, timeout_s):
+        if not readable(fd, timeout_s):
             return {"error": f"its sessions did not open within {timeout_s:g} s"}
         line = pipe.readline()
     if not line:

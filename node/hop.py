@@ -58,6 +58,7 @@ import logging
 import math
 import mmap
 import os
+import select
 import signal
 import struct
 import time
@@ -534,6 +535,16 @@ def lower(obj: Any, arrays: list[Array]) -> Any:
     except (IndexError, ValueError, TypeError, struct.error, msgpack.UnpackException) as exc:
         raise HopError(f"bad carried value: {exc}") from None
     raise HopError(f"unknown extension {obj.code}")
+
+
+def readable(fd: int, timeout_s: float = 0.0) -> bool:
+    """Whether ``fd`` has bytes (or its peer's close) to read, within ``timeout_s``,
+    consuming nothing: a poll object of its own (``select.select`` refuses descriptors
+    past 1023, which a node holding a thousand robots' connections has; another thread
+    may be polling a doorbell's own object)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(max(0, round(timeout_s * 1000))))
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from node.asgi import CONNECTION
+from node.hop import readable
 
 __all__ = ["KeepAliveProtocol", "OneWriteTransport"]
 
@@ -109,18 +110,9 @@ class KeepAliveProtocol(HttpToolsProtocol):
     def timeout_keep_alive_handler(self) -> None:
         sock = self.transport.get_extra_info("socket")
         fd = sock.fileno() if sock is not None else -1
-        if fd >= 0 and _readable(fd):
+        if fd >= 0 and readable(fd):
             self.timeout_keep_alive_task = self.loop.call_later(
                 self.timeout_keep_alive, self.timeout_keep_alive_handler
             )
             return
         super().timeout_keep_alive_handler()
-
-
-def _readable(fd: int) -> bool:
-    """Whether ``fd`` has bytes (or its peer's close) to read now. A poll object, not
-    ``select.select``, which refuses descriptors past 1023: a node holding a thousand
-    robots' connections has them."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(0))

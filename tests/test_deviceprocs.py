@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import struct
+import subprocess
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -294,6 +295,36 @@ async def test_a_restart_that_fails_midway_leaks_nothing_and_is_tried_again(
         assert len(os.listdir("/proc/self/fd")) == fds
         out = await asyncio.to_thread(p.sessions[("demo", "n/0")].run, ["actions"], feed())
         assert out[0].shape[0] == 1
+    finally:
+        await p.stop()
+
+
+async def test_a_restart_whose_process_could_not_start_leaks_no_descriptor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restart whose ``Popen`` raises something other than ``OSError`` (a bad argument,
+    a failure in the child before its exec reported as ``SubprocessError``) closes the
+    hello pipe's reading end with the rest, and is tried again: the device comes back."""
+    p = procs()
+    await p.start()
+    try:
+        back = watched(p)
+        first = pid_of(p)
+        fds = len(os.listdir("/proc/self/fd"))
+        failed: list[bool] = []
+        real = subprocess.Popen
+
+        def popen(*args: Any, **kwargs: Any) -> Any:
+            if not failed:
+                failed.append(True)
+                raise subprocess.SubprocessError("the child failed before its exec")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(deviceprocs.subprocess, "Popen", popen)
+        os.kill(first, signal.SIGKILL)
+        await asyncio.wait_for(back.wait(), WAIT_S)
+        assert failed and pid_of(p) != first
+        assert len(os.listdir("/proc/self/fd")) == fds
     finally:
         await p.stop()
 

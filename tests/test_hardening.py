@@ -657,16 +657,15 @@ async def test_every_operator_endpoint_answers_a_redis_failure_with_one_handler(
                     assert r.headers["retry-after"] == "1"
 
 
-@pytest.mark.parametrize("where", ["httpproto", "deviceprocs"])
-def test_readiness_checks_take_descriptors_past_1023(where: str) -> None:
+def test_readiness_checks_take_descriptors_past_1023() -> None:
     """A node holding a thousand robots' connections has descriptors past 1023, which
     ``select.select`` refuses (``ValueError``): the keep-alive check of an idle connection
-    and the worker processes' doorbells are polled instead, at any number."""
+    (``node/httpproto.py``) and the worker processes' doorbells (``node/deviceprocs.py``)
+    use ``hop.readable``, which polls, at any number."""
     import resource
 
-    from node import deviceprocs, httpproto
+    from node.hop import readable
 
-    readable = httpproto._readable if where == "httpproto" else deviceprocs._readable
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     high = 1500
     if hard != resource.RLIM_INFINITY and hard <= high:
