@@ -237,13 +237,19 @@ def _dtype_problem(spec: TensorSpec, array: Array) -> str | None:
     if source.kind not in ("iu" if target.kind in "iu" else "iuf"):
         why = " (send 0-255 integers, not floats)" if source.kind == "f" else ""
         return f"is {source}; {spec.name} takes {target.name}{why}"
-    if source.kind == "f":
-        finite = np.isfinite(array).reshape(-1)
-        if not finite.all():
+    if array.size == 0:
+        return None
+    if source.kind == "f":  # (to a float input only, as checked above)
+        peak = float(np.abs(array).max())  # one pass: a NaN or an infinity makes it one
+        if not math.isfinite(peak):  # which value, named (rare: a bad request)
+            finite = np.isfinite(array).reshape(-1)
             at = int(np.argmin(finite))
             return f"{_where(array.shape, at)} is {array.reshape(-1)[at]}; must be finite"
-    if array.size == 0 or source == target:
+        if source != target and peak > float(np.finfo(target).max):
+            return f"is {source} with values beyond the range of {target.name}"
         return None
+    if source == target or np.can_cast(source, target, "safe"):
+        return None  # every value of the source's type fits (int32 to int64, to float64)
     low, high = array.min(), array.max()
     if target.kind == "f":
         limit = float(np.finfo(target).max)

@@ -1170,3 +1170,83 @@ def test_cost_measures_every_packaged_model(capsys: pytest.CaptureFixture[str]) 
         ("rtc-demo", "8"),
     ]
     assert all(float(row[2]) > 0 for row in rows)
+
+
+def _dtype_problem_as_written_first(spec: TensorSpec, array: np.ndarray) -> str | None:
+    """``inputs._dtype_problem`` for numbers as first written (a finite check, then the
+    range of every value): the oracle of the one-pass check that replaced it."""
+    from node.inputs import _where
+
+    source, target = array.dtype, np.dtype(spec.dtype)
+    if source.kind not in ("iu" if target.kind in "iu" else "iuf"):
+        return "kind"
+    if source.kind == "f":
+        finite = np.isfinite(array).reshape(-1)
+        if not finite.all():
+            at = int(np.argmin(finite))
+            return f"{_where(array.shape, at)} is {array.reshape(-1)[at]}; must be finite"
+    if array.size == 0 or source == target:
+        return None
+    low, high = array.min(), array.max()
+    if target.kind == "f":
+        limit = float(np.finfo(target).max)
+        if float(low) < -limit or float(high) > limit:
+            return f"is {source} with values beyond the range of {target.name}"
+    else:
+        info = np.iinfo(target)
+        if int(low) < info.min or int(high) > info.max:
+            return f"is {source} with values outside {info.min}..{info.max} ({target.name})"
+    return None
+
+
+_NUMBERS = ["float16", "float32", "float64", "int8", "uint8", "int16", "int32", "int64", "uint64"]
+
+
+_EDGES = [
+    np.array([[0.5, np.nan]]),
+    np.array([[np.inf, 1.0]], dtype=np.float32),
+    np.array([-np.inf], dtype=np.float16),
+    np.array([[1e39, -2.0]]),
+    np.array([70000.0], dtype=np.float32),
+    np.array([[2**63 - 1, -(2**63)]], dtype=np.int64),
+    np.array([2**64 - 1], dtype=np.uint64),
+    np.array([[255, 0]], dtype=np.uint8),
+    np.array([-129, 5], dtype=np.int16),
+    np.zeros((0, 3)),
+]
+
+
+@pytest.mark.parametrize("array", _EDGES, ids=range(len(_EDGES)))
+@pytest.mark.parametrize("target", _NUMBERS)
+def test_the_one_pass_number_check_says_what_the_full_check_said_at_the_edges(
+    target: str, array: np.ndarray
+) -> None:
+    test_the_one_pass_number_check_says_what_the_full_check_said.hypothesis.inner_test(  # type: ignore[attr-defined]
+        target, array
+    )
+
+
+@given(
+    st.sampled_from(_NUMBERS),
+    hnp.arrays(
+        st.sampled_from(_NUMBERS),
+        hnp.array_shapes(min_dims=1, max_dims=3, min_side=0, max_side=4),
+        elements={"allow_subnormal": False},
+    ),
+)
+def test_the_one_pass_number_check_says_what_the_full_check_said(
+    target: str, array: np.ndarray
+) -> None:
+    """A float input's values are checked in one pass (the peak of their magnitudes: a NaN
+    or an infinity makes it one) and an integer source that fits its target whatever its
+    values is not scanned: each verdict and message is the full check's, for every pair
+    of number types, values at the edges included."""
+    from node.inputs import _dtype_problem
+
+    spec = TensorSpec("x", (None,) * array.ndim, target)
+    expected = _dtype_problem_as_written_first(spec, array)
+    got = _dtype_problem(spec, array)
+    if expected == "kind":
+        assert got is not None and got.startswith(f"is {array.dtype}; x takes")
+    else:
+        assert got == expected
