@@ -244,7 +244,8 @@ async def test_a_node_paused_as_a_whole_kills_no_worker_for_the_time_it_missed()
     a frozen cgroup, a VM paused), then resumed: the hang watch's look that comes late
     counts at most its period and ``LOOK_S``, so the worker, whose answer comes a moment
     later, is not killed as hung; the run ends with its result."""
-    p = procs(hang_s=5.0)  # (the worker then has 3.75 s from its resume to answer)
+    p = procs(hang_s=10.0)  # (the worker then has 8.75 s from its resume to answer: a
+    # margin for a loaded machine, where the resumed process waits for a core)
     await p.start()
     try:
         p.supervise(lambda device, why: None, _nothing, lambda device: None)
@@ -253,8 +254,11 @@ async def test_a_node_paused_as_a_whole_kills_no_worker_for_the_time_it_missed()
         pause(pid)
         thread, out = in_thread(session, feed())
         await until(lambda: session.since is not None, "the run asked")
-        time.sleep(6.0)  # the node's own loop stopped too, past the bound (blocking: on purpose)
+        await until(lambda: ("demo", "n/0") in p._watched, "the watch's look at the run")
+        p._watched.clear()  # (so that the look awaited below is one after the pause)
+        time.sleep(11.0)  # the node's own loop stopped too, past the bound (blocking: on purpose)
         await until(lambda: ("demo", "n/0") in p._watched, "the watch's late look")
+        await asyncio.sleep(0.5)  # (a kill it made would be seen by now)
         assert not gone(pid) and pid_of(p) == pid  # not killed for the time it missed
         os.kill(pid, signal.SIGCONT)  # both resumed
         await until(lambda: out, "the run's end")
