@@ -159,7 +159,7 @@ class DeviceModel:
 class _Channel:
     """One model's end of a worker process's hop, as the core holds it."""
 
-    __slots__ = ("answer", "ask", "gen", "pidfd", "poll", "region", "slot")
+    __slots__ = ("answer", "ask", "gen", "pidfd", "poll", "ran", "region", "slot")
 
     def __init__(
         self, region: Region, slot: int, ask: int, answer: int, pidfd: int, gen: int
@@ -173,6 +173,10 @@ class _Channel:
         self.poll = select.poll()
         self.poll.register(answer, select.POLLIN)
         self.poll.register(pidfd, select.POLLIN)
+        self.ran = False
+        """Whether a run of its model on this process has answered. After a recycle (no
+        warm-up) the first, its probe's, is held to :data:`WARM_HANG_S`, as a warm-up is:
+        a fresh GPU process captures graphs, builds or loads engines, autotunes."""
 
 
 class RemoteState:
@@ -436,6 +440,7 @@ class RemoteSession:
     def _answer(self, channel: _Channel) -> tuple[dict[str, Any], list[Array]]:
         """The answer in the slot, its doorbell drained (under :attr:`lock`)."""
         os.read(channel.answer, 8)
+        channel.ran = True  # (an error too: the process answers, its first run is over)
         _, said, values = channel.region.read(channel.slot, copy=True)
         if "e" in said:
             if said.get("lost"):
@@ -474,6 +479,7 @@ class _Worker:
     restarts: int = 0  # in a row (the backoff's): 0 again once it ran a while
     restarted: int = 0  # since the core started (node/procs.py)
     hold: bool = False  # recycled (its device went down): up again at its probe, not at once
+    probing: bool = False  # restarted so: each model's first run (its probe's) has WARM_HANG_S
     warming: bool = False  # a restarted process's warm-up runs (WARM_HANG_S)
     started: float = 0.0
     since_ms: int = 0
@@ -733,8 +739,10 @@ class DeviceProcs:
                 worker = self.workers[device]
                 process = worker.process
                 bound = self.hang_bound(session)
-                if worker.warming:  # a fresh process's first runs: captures, autotuning
-                    bound = max(bound, WARM_HANG_S)
+                channel = session.channel
+                if worker.warming or (worker.probing and channel is not None and not channel.ran):
+                    bound = max(bound, WARM_HANG_S)  # a fresh process's first runs: captures,
+                    # engines, autotuning (a warm-up's; after a recycle, its probe's)
                 if since is None or process is None:
                     self._watched.pop((key, device), None)
                     continue
@@ -743,7 +751,6 @@ class DeviceProcs:
                 self._watched[(key, device)] = (since, gone_on)
                 if gone_on < bound:
                     continue
-                channel = session.channel
                 if channel is not None and readable(channel.answer):
                     continue  # answered, not yet read (the node itself was late)
                 if process.poll() is None and channel is not None:
@@ -815,6 +822,7 @@ class DeviceProcs:
         self._close(worker)
         worker.process = None
         hold, worker.hold = worker.hold, False
+        worker.probing = hold  # (no warm-up: the probe is the new process's first run)
         while not self.stopping:
             worker.restarts += 1
             ran = time.monotonic() - worker.started
