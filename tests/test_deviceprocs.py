@@ -8,6 +8,7 @@ no process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -288,6 +289,7 @@ async def test_a_restart_that_fails_midway_leaks_nothing_and_is_tried_again(
         def pidfd_open(pid: int, flags: int = 0) -> int:
             if not failed:
                 failed.append(pid)
+                pause(pid)  # (alive until killed: its hello's broken pipe would end it)
                 raise OSError(24, "Too many open files")
             return real(pid, flags)
 
@@ -301,6 +303,9 @@ async def test_a_restart_that_fails_midway_leaks_nothing_and_is_tried_again(
         assert out[0].shape[0] == 1
     finally:
         await p.stop()
+        for pid in failed:  # (a process the restart left behind)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 async def test_a_restart_whose_process_could_not_start_leaks_no_descriptor(
@@ -369,6 +374,9 @@ async def test_a_restarted_workers_warm_up_has_the_warm_up_bound_not_the_steps(
             thread, out = in_thread(p.sessions[("demo", "n/0")], feed())
             await asyncio.sleep(1.5)  # three bounds: the watch looks on time meanwhile
             results.append(gone(pid))
+            if results[0]:  # killed as hung: said below at once, not at the wait's end
+                back.set()
+                return
             os.kill(pid, signal.SIGCONT)
             await until(lambda: out, "the warm-up run's end")
             results.append(out[0])
@@ -382,6 +390,45 @@ async def test_a_restarted_workers_warm_up_has_the_warm_up_bound_not_the_steps(
         assert results[0] is False, "the warming process was killed as hung"
         assert isinstance(results[1], list), results  # its result
         assert pid_of(p) != first
+    finally:
+        await p.stop()
+
+
+async def test_a_recycled_workers_first_run_its_probe_has_the_warm_up_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process restarted because its device's failures took it down (a recycle) is not
+    warmed up: the device's probe, after the cool-down, is its first run, and on a GPU as
+    slow as a warm-up. It has ``WARM_HANG_S``, not ``--act-deadline`` (killed as hung, the
+    process would be restarted once more for nothing); the runs after it have the step's
+    bound again."""
+    monkeypatch.setattr(deviceprocs, "WARM_HANG_S", 30.0)
+    p = procs(hang_s=0.5)
+    await p.start()
+    try:
+        session = p.sessions[("demo", "n/0")]
+        p.supervise(lambda device, why: None, _nothing, lambda device: None)
+        first = pid_of(p)
+        p.recycle_threadsafe("n/0", "its runs failed")
+        await until(lambda: p.pids() and pid_of(p) != first and session.channel is not None
+                    and session.channel.gen == session.gen, "the recycled process")  # fmt: skip
+        pid = pid_of(p)
+        pause(pid)  # the probe, slower than the step's bound
+        thread, out = in_thread(session, feed())
+        await asyncio.sleep(1.5)  # three bounds: the watch looks on time meanwhile
+        assert not gone(pid), "the recycled process was killed as hung at its first run"
+        os.kill(pid, signal.SIGCONT)
+        await until(lambda: out, "the probe's end")
+        assert isinstance(out[0], list), out
+        thread.join(WAIT_S)
+        pause(pid)  # a later run as slow: the step's bound again
+        thread, out = in_thread(session, feed())
+        await until(lambda: gone(pid), "the hung process killed")
+        with contextlib.suppress(ProcessLookupError):  # (reaped already)
+            os.kill(pid, signal.SIGCONT)
+        await until(lambda: out, "the hung run's end")
+        assert isinstance(out[0], WorkerGone), out
+        thread.join(WAIT_S)
     finally:
         await p.stop()
 

@@ -154,6 +154,31 @@ def test_a_held_grpc_reply_weighs_its_encoded_bytes() -> None:
     assert 300_000 < _size(reply) == reply.ByteSize() < 300_100
     assert _size(Abort(grpc.StatusCode.UNAVAILABLE, "busy")) == 0
 
+    import asyncio
+
+    from node.protocols.kserve.grpc_front import FrontServicer
+
+    asked: dict[str, Any] = {}
+
+    class Hop:  # the front's call: it must say how to weigh the reply it holds
+        async def call(self, *args: Any, **kwargs: Any) -> Any:
+            asked.update(kwargs)
+            return reply, lambda delivered: None
+
+    class Context:
+        cancelled = staticmethod(lambda: False)
+        time_remaining = staticmethod(lambda: None)
+
+    class Access:
+        enabled = False
+
+    hop: Any = Hop()
+    access: Any = Access()
+    servicer = FrontServicer(hop, None, access, 64, lambda _: True, None)  # type: ignore[arg-type]
+    ask = pb.ModelInferRequest(model_name="m")
+    asyncio.run(servicer.infer(ask, Context(), "ModelInfer", lambda settle: None))
+    assert asked["hold"] and asked.get("size") is _size
+
 
 def test_sequences_stick_and_the_core_never_decodes_an_infer(pair: Pair) -> None:
     """int and string sequence ids, a new channel a step (either front takes it): the

@@ -660,11 +660,28 @@ async def test_every_operator_endpoint_answers_a_redis_failure_with_one_handler(
 def test_readiness_checks_take_descriptors_past_1023() -> None:
     """A node holding a thousand robots' connections has descriptors past 1023, which
     ``select.select`` refuses (``ValueError``): the keep-alive check of an idle connection
-    (``node/httpproto.py``) and the worker processes' doorbells (``node/deviceprocs.py``)
-    use ``hop.readable``, which polls, at any number."""
+    (``node/httpproto.py``), the worker processes' hello and doorbells
+    (``node/deviceprocs.py``) poll instead (``hop.readable``), at any number. Each is
+    driven itself, not only the helper."""
     import resource
+    from types import SimpleNamespace
 
+    from node import deviceprocs, httpproto
     from node.hop import readable
+
+    def kept_alive(fd: int) -> bool:  # the keep-alive check itself: kept (data) or closed
+        proto = httpproto.KeepAliveProtocol.__new__(httpproto.KeepAliveProtocol)
+        later: list[Any] = []
+        closed: list[bool] = []
+        proto.transport = SimpleNamespace(  # type: ignore[assignment]
+            get_extra_info=lambda name: SimpleNamespace(fileno=lambda: fd),
+            is_closing=lambda: False, close=lambda: closed.append(True),
+        )  # fmt: skip
+        proto.loop = SimpleNamespace(call_later=lambda *a: later.append(a))  # type: ignore[assignment]
+        proto.timeout_keep_alive = 5.0
+        proto.timeout_keep_alive_handler()
+        assert bool(later) != bool(closed)
+        return bool(later)
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     high = 1500
@@ -674,13 +691,21 @@ def test_readiness_checks_take_descriptors_past_1023() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (high + 1, hard))
     a, b = socket.socketpair()
     try:
-        os.dup2(a.fileno(), high)
-        try:
-            assert not readable(high)
-            b.send(b"x")
-            assert readable(high)
-        finally:
-            os.close(high)
+        for check in (readable, kept_alive):
+            os.dup2(a.fileno(), high)
+            try:
+                assert not check(high)
+                b.send(b"x")
+                assert check(high)
+            finally:
+                os.close(high)
+            a.recv(16)
+        r, w = os.pipe()  # a worker's hello read through a descriptor past 1023
+        os.dup2(r, high)
+        os.close(r)
+        with os.fdopen(w, "wb") as pipe:
+            pipe.write(b'{"models": []}\n')
+        assert deviceprocs._hello(high, 5.0) == {"models": []}  # (closes it)
     finally:
         a.close()
         b.close()
