@@ -273,10 +273,12 @@ async def test_a_node_paused_as_a_whole_kills_no_worker_for_the_time_it_missed()
 async def test_a_restart_that_fails_midway_leaks_nothing_and_is_tried_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A worker's restart that fails after its process started (here its pidfd cannot be
-    opened: no descriptor left) kills and reaps that process, closes what it made, and is
-    tried again with its backoff: the device comes back, with no process and no
-    descriptor left over."""
+    """A worker's restart that fails midway kills and reaps the process it started, closes
+    what it made (the hello pipe too), and is tried again with its backoff: the device
+    comes back, with no process and no descriptor left over. Here the first try's
+    ``Popen`` raises something other than ``OSError`` (a failure in the child before its
+    exec), the second's process starts but its pidfd cannot be opened (no descriptor
+    left)."""
     p = procs()
     await p.start()
     try:
@@ -293,10 +295,20 @@ async def test_a_restart_that_fails_midway_leaks_nothing_and_is_tried_again(
                 raise OSError(24, "Too many open files")
             return real(pid, flags)
 
+        refused: list[bool] = []
+        real_popen = subprocess.Popen
+
+        def popen(*args: Any, **kwargs: Any) -> Any:
+            if not refused:
+                refused.append(True)
+                raise subprocess.SubprocessError("the child failed before its exec")
+            return real_popen(*args, **kwargs)
+
+        monkeypatch.setattr(deviceprocs.subprocess, "Popen", popen)
         monkeypatch.setattr(os, "pidfd_open", pidfd_open)
         os.kill(first, signal.SIGKILL)
         await asyncio.wait_for(back.wait(), WAIT_S)
-        assert failed and gone(failed[0])  # the process of the failed try: killed, reaped
+        assert refused and failed and gone(failed[0])  # the second try's process: killed
         assert pid_of(p) not in (first, failed[0])
         assert len(os.listdir("/proc/self/fd")) == fds
         out = await asyncio.to_thread(p.sessions[("demo", "n/0")].run, ["actions"], feed())
@@ -306,36 +318,6 @@ async def test_a_restart_that_fails_midway_leaks_nothing_and_is_tried_again(
         for pid in failed:  # (a process the restart left behind)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-
-
-async def test_a_restart_whose_process_could_not_start_leaks_no_descriptor(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A restart whose ``Popen`` raises something other than ``OSError`` (a bad argument,
-    a failure in the child before its exec reported as ``SubprocessError``) closes the
-    hello pipe's reading end with the rest, and is tried again: the device comes back."""
-    p = procs()
-    await p.start()
-    try:
-        back = watched(p)
-        first = pid_of(p)
-        fds = len(os.listdir("/proc/self/fd"))
-        failed: list[bool] = []
-        real = subprocess.Popen
-
-        def popen(*args: Any, **kwargs: Any) -> Any:
-            if not failed:
-                failed.append(True)
-                raise subprocess.SubprocessError("the child failed before its exec")
-            return real(*args, **kwargs)
-
-        monkeypatch.setattr(deviceprocs.subprocess, "Popen", popen)
-        os.kill(first, signal.SIGKILL)
-        await asyncio.wait_for(back.wait(), WAIT_S)
-        assert failed and pid_of(p) != first
-        assert len(os.listdir("/proc/self/fd")) == fds
-    finally:
-        await p.stop()
 
 
 async def test_a_run_after_its_worker_died_is_refused_before_the_channel_is_retired(
