@@ -43,7 +43,7 @@ from node.catalog import Catalog, contract_record
 from node.chunks import ChunkMode
 from node.config import NodeConfig
 from node.contract import PolicyContract
-from node.deviceprocs import DeviceProcs
+from node.deviceprocs import WARM_HANG_S, DeviceProcs
 from node.devices import DeviceSpec
 from node.dispatcher import MultiGpuDispatcher, WorkerHooks
 from node.episodes import EpisodeTable
@@ -230,6 +230,7 @@ class NodeService:
             catalog=self.catalog,
         )
         self._maintenance: asyncio.Task[None] | None = None
+        self._probing: asyncio.Task[None] | None = None  # a round of probes under way
         self._stopping = asyncio.Event()  # stop() began: the maintenance loop ends
         self._loop_lag: asyncio.Task[None] | None = None
         every = config.fleet_view_every_s
@@ -403,7 +404,8 @@ class NodeService:
     async def _maintain(self) -> None:
         """Once a second: fence a lapsed lease, flush the owner's batch, check the records
         of devices back up after they went down, settle the copies
-        of moves left unconfirmed, probe down devices, refresh the gauges."""
+        of moves left unconfirmed, start a round of probes of the down devices (beside it:
+        :meth:`_probe_round`), refresh the gauges."""
         every = min(1.0, self.config.renew_every_s)
         while not self._stopping.is_set():
             with contextlib.suppress(TimeoutError):
@@ -418,11 +420,24 @@ class NodeService:
                 except AffinityError as exc:  # kept for the next flush
                     log.warning("flush of node %s failed: %s", self.node_id, exc)
                 await self.owner.mover.settle()  # copies whose move was not confirmed
-                async with asyncio.timeout(self.config.act_deadline_s):
-                    await self.probe()
+                if (self._probing is None or self._probing.done()) and not self._stopping.is_set():
+                    self._probing = asyncio.create_task(self._probe_round(), name="affinity-probes")
                 self.owner.refresh_gauges()
-            except Exception:  # includes a probe that hangs past the deadline
+            except Exception:
                 log.exception("maintenance of node %s failed", self.node_id)
+
+    async def _probe_round(self) -> None:
+        """One round of probes (:meth:`probe`), in a task of its own: a probe waits for its
+        device's run, which the upkeep (a fence, a flush) must never wait for, and a new
+        round begins only once this one ended, so a slow probe is not asked again behind
+        itself. A device's first run after its worker process was recycled (a graph capture,
+        an engine loaded: :data:`~node.deviceprocs.WARM_HANG_S`) may take that long; past it
+        the round is given up (its run goes on on the device's thread, bounded there)."""
+        try:
+            async with asyncio.timeout(max(self.config.act_deadline_s, WARM_HANG_S)):
+                await self.probe()
+        except Exception:  # includes a probe that hangs past its bound
+            log.exception("probing the down devices of node %s failed", self.node_id)
 
     async def probe(self) -> None:
         """Probe the down devices whose cool-down has passed: the live models' and the
@@ -441,10 +456,8 @@ class NodeService:
         # call and is swallowed there (Python 3.11: see Lease.end)
         self._stopping.set()
         for task in (self._maintenance, self._loop_lag):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await _ended(task)
+        await _ended(self._probing)  # (read once the upkeep that starts it has ended)
         self.health.close()
         if self.recorder is not None:
             self.recorder.close()
@@ -528,3 +541,11 @@ class NodeService:
         if key not in self._warned:
             self._warned.add(key)
             log.warning(message, *args)
+
+
+async def _ended(task: asyncio.Task[None] | None) -> None:
+    """Cancel ``task`` (if any) and wait for its end."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -685,6 +685,61 @@ async def test_a_re_registration_carries_the_crash_trackers_down_states(redis: A
         assert r.status_code == 503 and r.json()["error"]["code"] in ("full", "no_nodes")
 
 
+async def test_a_slow_probe_holds_up_no_upkeep_and_is_not_asked_again_behind_itself(
+    redis: Any,
+) -> None:
+    """A probe waits for its device's run, which can take seconds (after a recycle, a
+    first run on a GPU captures graphs, loads engines). The node's upkeep (a fence, a flush)
+    goes on once a second meanwhile, and the probe is not asked again behind itself: once
+    it answers, the device is up and no other probe run was queued."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+    probes: list[int] = []
+
+    class SlowProbe(Gate):
+        armed = False
+
+        def run(self, names: Any, feed: Any) -> Any:
+            if feed["obs"][0][0] == 7:
+                raise RuntimeError("injected model failure")
+            if SlowProbe.armed and not np.asarray(feed["obs"]).any():  # the probe's zeros
+                probes.append(1)
+                entered.set()
+                release.wait(30)
+            return super().run(names, feed)
+
+    cfg = config("a", devices="cpu:1", failure_threshold=1, cooldown_s=0.0, act_deadline_s=0.5)
+    async with cluster(redis, [cfg], session_factory=lambda s: (SlowProbe(s), "CPU")) as (nodes, _):
+        n = nodes[0]
+        svc = n.service
+        upkeeps: list[int] = []
+        refresh = svc.owner.refresh_gauges
+        svc.owner.refresh_gauges = lambda: upkeeps.append(1) or refresh()  # type: ignore[method-assign]
+        SlowProbe.armed = True
+        r = await n.act(episode_id="crash", inputs={"obs": [[7] * 8]})
+        assert r.status_code == 500 and svc.health.tracker("a/0").down
+        try:
+            await asyncio.wait_for(asyncio.to_thread(entered.wait, 30), 35)
+            seen = len(upkeeps)
+            for _ in range(300):  # three rounds of upkeep while the probe runs (30 s at most)
+                if len(upkeeps) >= seen + 3:
+                    break
+                await asyncio.sleep(0.1)
+            assert len(upkeeps) >= seen + 3, "the upkeep waited for the probe"
+        finally:
+            release.set()
+        worker = next(iter(svc.dispatchers.values()))._device("a/0")
+        for _ in range(300):
+            if not svc.health.tracker("a/0").down and not worker.busy and not worker.pending:
+                break
+            await asyncio.sleep(0.1)
+        assert not svc.health.tracker("a/0").down
+        assert not worker.pending and len(probes) == 1, probes  # asked once, not behind itself
+        r = await n.act(episode_id="after", inputs={"obs": [[0.5] * 8]})
+        assert r.status_code == 200, r.text
+
+
 async def test_a_node_process_freezes_what_it_started_with(monkeypatch: pytest.MonkeyPatch) -> None:
     """``create_app(freeze_gc=True)`` (a node's own process, ``node/server.py``) collects,
     then freezes what the process holds once the node has started, so a full collection
