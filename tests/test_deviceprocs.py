@@ -255,10 +255,13 @@ async def test_a_node_paused_as_a_whole_kills_no_worker_for_the_time_it_missed()
         pause(pid)
         thread, out = in_thread(session, feed())
         await until(lambda: session.since is not None, "the run asked")
-        await until(lambda: ("demo", "n/0") in p._watched, "the watch's look at the run")
-        p._watched.clear()  # (so that the look awaited below is one after the pause)
+        key = ("demo", "n/0")
+        await until(lambda: key in p._watched, "the watch's look at the run")
+        before = p._watched[key]  # (what it counted so far of this run)
         time.sleep(11.0)  # the node's own loop stopped too, past the bound (blocking: on purpose)
-        await until(lambda: ("demo", "n/0") in p._watched, "the watch's late look")
+        await until(lambda: p._watched.get(key) != before, "the watch's late look")
+        since, counted = p._watched[key]
+        assert since == before[0] and counted <= before[1] + 1.0 + deviceprocs.LOOK_S + 0.01
         await asyncio.sleep(0.5)  # (a kill it made would be seen by now)
         assert not gone(pid) and pid_of(p) == pid  # not killed for the time it missed
         os.kill(pid, signal.SIGCONT)  # both resumed
