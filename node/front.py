@@ -576,11 +576,13 @@ class FrontApp:
             raise
         if "err" in opened:  # not opened: what one process answers (Redis gone: 503)
             status, code, text, where, retry = opened["err"]
+            if code == "internal":  # (a failure of the hop's own: it may be open there)
+                self._close_later(number)
             await denied(scope, send, self.access, started, Outcome(int(status), str(code),
                          str(text), retry, None, where))  # fmt: skip
             return
         frame = opened.get("frame")
-        if not isinstance(frame, bytes):  # a malformed ?episode_id= (or a malformed ask)
+        if not isinstance(frame, bytes):  # a malformed ?episode_id=
             await send({"type": "websocket.close", "code": 1008})
             return
         problem = opened.get("problem")

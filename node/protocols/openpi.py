@@ -321,10 +321,11 @@ async def connect(
         service.metrics.rejected.labels("unauthorized").inc()
         await unauthorized(scope, send, access, time.monotonic())
         return None
+    started = time.monotonic()
     try:
         conn, frame, problem = await opening(service, scope.get("query_string", b""))
     except Exception as exc:  # Redis gone while it picks the model, say: refused
-        await denied(scope, send, access, time.monotonic(), open_failed(exc))
+        await denied(scope, send, access, started, open_failed(exc))
         return None
     if frame is None:
         await send({"type": "websocket.close", "code": 1008})
