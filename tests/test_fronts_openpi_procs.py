@@ -422,3 +422,69 @@ def test_a_front_dead_with_a_reply_in_its_buffer_leaves_that_step_in_doubt(tmp_p
         again._ws.close()
     finally:
         node.stop()
+
+
+@pytest.mark.parametrize(
+    ("answer", "status", "code", "closed"),
+    [
+        ("full", 503, "deadline", False),  # no slot within --act-deadline: never sent
+        ("lapsed", 503, "fenced", False),  # the core stuck past its lease: never sent
+        ("unreadable", 500, "internal", True),  # sent: the core may have opened it
+        ({"err": [503, "redis", "Redis did not answer", None, 1.0]}, 503, "redis", False),
+        ({"err": [500, "internal", "a bug", None, None]}, 500, "internal", True),
+    ],
+)
+def test_a_fronts_handshake_refused_before_the_upgrade_says_why(
+    answer: Any, status: int, code: str, closed: bool
+) -> None:
+    """A front refuses an openpi handshake it cannot open as `/act` refuses a step: the
+    status, the JSON error body and ``Retry-After`` on a 503, before the upgrade (never a
+    close, which a client reads as 403: a bad key); an open that may have reached the core
+    is closed there too."""
+    import asyncio
+
+    from node.errors import CoreLapsed, HopError, HopFull
+    from node.front import FrontApp
+    from node.hop import WS_CLOSE, WS_OPEN
+
+    asked: list[int] = []
+
+    class Hop:
+        async def call(self, kind: int, meta: Any, arrays: Any, use: Any, **kw: Any) -> Any:
+            asked.append(kind)
+            if kind == WS_CLOSE:
+                return None
+            if answer == "full":
+                raise HopFull(5.0)
+            if answer == "lapsed":
+                raise CoreLapsed()
+            if answer == "unreadable":
+                raise HopError("bad reply")
+            return use(kind, answer, [])
+
+    async def run() -> list[dict[str, Any]]:
+        hop: Any = Hop()
+        app = FrontApp(hop, "/nonexistent.sock", {"max_body_bytes": 1 << 20, "max_rows": 8})
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "websocket.connect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {"type": "websocket", "path": "/", "query_string": b"", "headers": [],
+                 "extensions": {"websocket.http.response": {}}}  # fmt: skip
+        await app.openpi(scope, receive, send)
+        await asyncio.gather(*app._closing)
+        await app.client.aclose()
+        return sent
+
+    sent = asyncio.run(run())
+    assert [m["type"] for m in sent] == ["websocket.http.response.start",
+                                         "websocket.http.response.body"]  # fmt: skip
+    assert sent[0]["status"] == status
+    headers = dict(sent[0]["headers"])
+    assert headers.get(b"retry-after") == (b"1" if status == 503 else None)
+    assert json.loads(sent[1]["body"])["error"]["code"] == code
+    assert asked == ([WS_OPEN, WS_CLOSE] if closed else [WS_OPEN])
