@@ -144,12 +144,13 @@ async def probe(worker: DeviceWorker, contract: PolicyContract) -> bool:
     the warm-up's :func:`feed` on its worker thread. True when it came back up. A
     model nothing may be fed to made up comes back untested, and its next steps probe it (a
     failure takes it down again)."""
-    if not worker.tracker.probe_due():
-        return False
+    if worker.probing or not worker.tracker.probe_due():  # (one probe at once: a slow one,
+        return False  # a recycled GPU process's first run, given up by its round, runs on)
     inputs = feed(contract)
     if inputs is None:
         worker.count_success()
         return True
+    worker.probing = True  # until its run ends on the worker's thread, whoever still waits
     try:
         await worker.call(functools.partial(_run_counted, worker, inputs))
     except ModelFailure:
@@ -164,6 +165,8 @@ def _run_counted(worker: DeviceWorker, inputs: dict[str, Array]) -> None:
     except Exception as exc:
         worker.count_failure(f"{type(exc).__name__}: {exc}")
         raise ModelFailure(worker.id, exc) from exc
+    finally:
+        worker.probing = False
     worker.count_success()
 
 

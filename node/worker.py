@@ -182,6 +182,7 @@ class DeviceWorker:
         self.outbox: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
         self.thread: threading.Thread | None = None
         self.busy = False  # a run (the worker's, or one inline on the loop) holds the device
+        self.probing = False  # a probe's run is queued or running (node/warmup.py: one at once)
         self.run_s = float("inf")  # moving average of its model runs' wall time
         # a session in a worker process, run from the loop without waiting (run_inline)
         remote = session if hasattr(session, "run_from_loop") else None

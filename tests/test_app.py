@@ -686,13 +686,18 @@ async def test_a_re_registration_carries_the_crash_trackers_down_states(redis: A
 
 
 async def test_a_slow_probe_holds_up_no_upkeep_and_is_not_asked_again_behind_itself(
-    redis: Any,
+    redis: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A probe waits for its device's run, which can take seconds (after a recycle, a
     first run on a GPU captures graphs, loads engines). The node's upkeep (a fence, a flush)
-    goes on once a second meanwhile, and the probe is not asked again behind itself: once
-    it answers, the device is up and no other probe run was queued."""
+    goes on once a second meanwhile, and the probe is not asked again behind itself, even
+    by the rounds that come once one gave up at its bound (here 1 s): once it answers, the
+    device is up and no other probe run was queued."""
     import threading
+
+    from node import service as service_module
+
+    monkeypatch.setattr(service_module, "WARM_HANG_S", 1.0)  # a round's bound: 1 s here
 
     entered, release = threading.Event(), threading.Event()
     probes: list[int] = []
