@@ -488,3 +488,66 @@ def test_a_fronts_handshake_refused_before_the_upgrade_says_why(
     assert headers.get(b"retry-after") == (b"1" if status == 503 else None)
     assert json.loads(sent[1]["body"])["error"]["code"] == code
     assert asked == ([WS_OPEN, WS_CLOSE] if closed else [WS_OPEN])
+
+
+@pytest.mark.parametrize("close_while", ["running", "handing"])
+def test_a_fronts_step_whose_robot_closes_mid_hand_over_is_not_cancelled(close_while: str) -> None:
+    """A front watches an openpi connection while its step runs: a close seen then cancels
+    the call (the core undoes the step: ``ClientGone``). Once the reply is being handed
+    over, a close cancels nothing: the send fails and says that nothing went (undone, not
+    put in doubt as a cancelled hand-over would be, whose next step says ``state_reset``)."""
+    import asyncio
+
+    from node.errors import Undelivered
+    from node.front import FrontApp, _Names
+    from node.hop import WS_STEP
+
+    ended: list[str] = []
+
+    async def run() -> tuple[bool, list[str]]:
+        closed = asyncio.Event()
+
+        class Hop:
+            slot_wait_s = None
+
+            async def call(self, kind: int, meta: Any, arrays: Any, use: Any, **kw: Any) -> Any:
+                assert kind == WS_STEP
+                try:
+                    await asyncio.sleep(0.05)  # past WATCH_AFTER_S: the watch's receive waits
+                    if close_while == "running":
+                        closed.set()
+                        await asyncio.sleep(1)  # cancelled here
+                    closed.set()  # the close comes as the reply is handed over
+                    if not await kw["deliver"]({"body": b"reply"}, None):
+                        ended.append("undelivered")
+                        raise Undelivered()
+                    ended.append("delivered")
+                except asyncio.CancelledError:
+                    ended.append("cancelled")
+                    raise
+                return {}
+
+        hop: Any = Hop()
+        app = FrontApp(hop, "/nonexistent.sock", {"max_body_bytes": 1 << 20, "max_rows": 8})
+
+        async def receive() -> dict[str, Any]:
+            await closed.wait()
+            return {"type": "websocket.disconnect", "code": 1000}
+
+        async def send(message: dict[str, Any]) -> None:  # the robot has gone
+            raise RuntimeError("Unexpected ASGI message 'websocket.send', after sending "
+                               "'websocket.close'")  # fmt: skip
+
+        scope = {"type": "websocket", "path": "/", "query_string": b"", "headers": []}
+        frame = {"type": "websocket.receive", "bytes": msgpack_numpy.packb({"x": 1.0})}
+        early: list[Any] = []
+        go_on, _ = await app._step(scope, receive, send, _Names(0, None, "ws-0"), frame,
+                                   None, early)  # fmt: skip
+        for future in early:
+            future.cancel()
+        await app.client.aclose()
+        return go_on, ended
+
+    go_on, said = asyncio.run(run())
+    assert not go_on
+    assert said == (["cancelled"] if close_while == "running" else ["undelivered"])
