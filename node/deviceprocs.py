@@ -479,7 +479,7 @@ class _Worker:
     restarts: int = 0  # in a row (the backoff's): 0 again once it ran a while
     restarted: int = 0  # since the core started (node/procs.py)
     hold: bool = False  # recycled (its device went down): up again at its probe, not at once
-    probing: bool = False  # restarted so: each model's first run (its probe's) has WARM_HANG_S
+    recycled: bool = False  # restarted so: each model's first run (its probe's) has WARM_HANG_S
     warming: bool = False  # a restarted process's warm-up runs (WARM_HANG_S)
     started: float = 0.0
     since_ms: int = 0
@@ -740,7 +740,7 @@ class DeviceProcs:
                 process = worker.process
                 bound = self.hang_bound(session)
                 channel = session.channel
-                if worker.warming or (worker.probing and channel is not None and not channel.ran):
+                if worker.warming or (worker.recycled and channel is not None and not channel.ran):
                     bound = max(bound, WARM_HANG_S)  # a fresh process's first runs: captures,
                     # engines, autotuning (a warm-up's; after a recycle, its probe's)
                 if since is None or process is None:
@@ -822,7 +822,7 @@ class DeviceProcs:
         self._close(worker)
         worker.process = None
         hold, worker.hold = worker.hold, False
-        worker.probing = hold  # (no warm-up: the probe is the new process's first run)
+        worker.recycled = hold  # (no warm-up: the probe is the new process's first run)
         while not self.stopping:
             worker.restarts += 1
             ran = time.monotonic() - worker.started

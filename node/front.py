@@ -228,6 +228,12 @@ def _outputs(meta: dict[str, Any], views: list[Array], at: int) -> tuple[dict[st
     return outputs, at
 
 
+def _outcome(err: list[Any]) -> Outcome:
+    """The core's refusal as the hop carried it (``node/fronts.py``'s ``_err``)."""
+    status, code, message, field, retry_after = err
+    return Outcome(int(status), str(code), str(message), retry_after, None, field)
+
+
 def _answer(
     kind: int, meta: dict[str, Any], views: list[Array], binary: bool
 ) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]:
@@ -235,11 +241,9 @@ def _answer(
     outputs are views of the slot)."""
     err = meta.get("err")
     if err is not None:
-        status, code, message, field, retry_after = err
-        headers = []
-        if retry_after is not None:
-            headers.append((b"retry-after", str(max(1, round(retry_after))).encode()))
-        return status, error_body(code, message, field), b"application/json", headers
+        o = _outcome(err)
+        headers = [] if o.retry_after is None else [(b"retry-after", o.retry_header.encode())]
+        return o.status, error_body(o.code, o.message, o.field), b"application/json", headers
     if "rows" in meta:
         at, rows = 0, []
         for row in meta["rows"]:
@@ -575,11 +579,10 @@ class FrontApp:
             self._close_later(number)
             raise
         if "err" in opened:  # not opened: what one process answers (Redis gone: 503)
-            status, code, text, where, retry = opened["err"]
-            if code == "internal":  # (a failure of the hop's own: it may be open there)
+            refused = _outcome(opened["err"])
+            if refused.code == "internal":  # (a failure of the hop's own: it may be open there)
                 self._close_later(number)
-            await denied(scope, send, self.access, started, Outcome(int(status), str(code),
-                         str(text), retry, None, where))  # fmt: skip
+            await denied(scope, send, self.access, started, refused)
             return
         frame = opened.get("frame")
         if not isinstance(frame, bytes):  # a malformed ?episode_id=

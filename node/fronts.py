@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from affinity import InvalidArgument
-from node.errors import BodyError, HopError, InvalidInput, Refused, Unavailable, outcome
+from node.errors import BodyError, HopError, InvalidInput, Outcome, Refused, Unavailable, outcome
 from node.hop import (
     ACT,
     KSERVE,
@@ -125,7 +125,11 @@ def _feed(row: dict[str, Any], arrays: list[Array], at: int) -> tuple[dict[str, 
 
 
 def _error(exc: BaseException) -> dict[str, Any]:
-    o = outcome(exc)
+    return _err(outcome(exc))
+
+
+def _err(o: Outcome) -> dict[str, Any]:
+    """A refusal as the hop carries it (``node/front.py``'s ``_outcome`` reads it back)."""
     return {"err": [o.status, o.code, o.message, o.field, o.retry_after]}
 
 
@@ -186,8 +190,7 @@ async def serve_openpi(
         try:
             conn, frame, problem = await openpi.opening(service, query)
         except Exception as exc:  # Redis gone while it picks the model, say
-            o = openpi.open_failed(exc)  # answered before the upgrade, as in one process
-            return {"err": [o.status, o.code, o.message, o.field, o.retry_after]}, []
+            return _err(openpi.open_failed(exc)), []  # answered before the upgrade
         if conn is None:
             return {"frame": frame, "problem": problem}, []
         conns[number] = conn
