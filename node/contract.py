@@ -12,16 +12,19 @@ sidecar's keys, the batch axis and the dtype rule are documented in ``docs/polic
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
-import onnxruntime
+
+if TYPE_CHECKING:  # (imported where a model is read: a front process never loads it)
+    import onnxruntime
 
 __all__ = [
     "CONTROL_INPUTS",
@@ -36,8 +39,10 @@ __all__ = [
     "STATE_OUT_PREFIX",
     "Array",
     "Dim",
+    "InputCheck",
     "PolicyContract",
     "TensorSpec",
+    "checking_contract",
     "json_kind",
     "load_contract",
     "sidecar_path",
@@ -100,6 +105,21 @@ class TensorSpec:
         """E.g. ``float32 [1, 8]``, for error messages."""
         dims = ", ".join("?" if dim is None else str(dim) for dim in self.shape)
         return f"{self.dtype} [{dims}]"
+
+
+class InputCheck(NamedTuple):
+    """What the input rule (``node/inputs.py``'s ``from_json`` and ``from_arrays``) reads of
+    a contract: each observation input's name, dtype and whole shape, in order, and the
+    batch axis (``doc``, JSON), and their digest (``key``). A front process checks a
+    client's inputs against the contract :func:`checking_contract` rebuilds from ``doc``,
+    and the core trusts that check when ``key`` is its own contract's (``node/front.py``)."""
+
+    key: str
+    doc: dict[str, Any]
+
+
+_HOP_KINDS = frozenset("biuf")
+"""The dtype kinds of the inputs a front checks and sends as tensors over the hop."""
 
 
 @dataclass(frozen=True)
@@ -219,9 +239,63 @@ class PolicyContract:
             "metadata": dict(self.metadata),
         }
 
+    @functools.cached_property
+    def input_check(self) -> InputCheck | None:
+        """What a front checks inputs of this contract against (:class:`InputCheck`); None
+        when an observation input is a string tensor (the core checks those itself)."""
+        specs = self.observation_inputs
+        if any(np.dtype(spec.dtype).kind not in _HOP_KINDS for spec in specs):
+            return None
+        doc = {
+            "batch_axis": self.batch_axis,
+            "inputs": [[spec.name, spec.dtype, list(spec.shape)] for spec in specs],
+        }
+        text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
+        return InputCheck(hashlib.blake2b(text.encode(), digest_size=8).hexdigest(), doc)
+
     def initial_state(self) -> dict[str, Array]:
         """Zeros for each state input (see :meth:`TensorSpec.zeros`). Fresh arrays each call."""
         return {spec.name: spec.zeros() for spec in self.inputs if spec.name in self.state}
+
+
+def checking_contract(doc: object) -> PolicyContract:
+    """The contract an :class:`InputCheck`'s ``doc`` describes: its observation inputs, no
+    state, no outputs. ``node/inputs.py`` accepts and converts exactly the inputs it
+    accepts and converts for the whole contract (whose state inputs a client must not send
+    either: naming one is refused by both, with another message). Raises ``ValueError``
+    for a malformed ``doc``."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list):
+        raise ValueError("an input check is a map with a list of inputs")
+    batch_axis = doc.get("batch_axis")
+    if not isinstance(batch_axis, bool):
+        raise ValueError("an input check's batch_axis is true or false")
+    specs: list[TensorSpec] = []
+    for entry in doc["inputs"]:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)):
+            raise ValueError("an input check's input is [name, dtype, shape]")
+        name, dtype, shape = entry
+        if not isinstance(dtype, str) or _kind(dtype) not in _HOP_KINDS:
+            raise ValueError(f"input {name!r}: dtype {dtype!r} is not checked by a front")
+        if not isinstance(shape, list) or not all(
+            d is None or isinstance(d, str) or (type(d) is int and d >= 0) for d in shape
+        ):
+            raise ValueError(f"input {name!r}: a shape is a list of sizes, names or nulls")
+        if name.startswith((CONTROL_PREFIX, RTC_PREFIX_NAME)):
+            raise ValueError(f"input {name!r} is filled by the node, not sent")
+        specs.append(TensorSpec(name, tuple(shape), dtype))
+    if len({spec.name for spec in specs}) != len(specs):
+        raise ValueError("an input check names an input twice")
+    if batch_axis and any(not spec.shape for spec in specs):
+        raise ValueError("an input check with a batch axis has no scalar input")
+    return PolicyContract(tuple(specs), (), MappingProxyType({}), batch_axis=batch_axis)
+
+
+def _kind(dtype: str) -> str:
+    """The kind of the numpy dtype named ``dtype`` ("" when numpy knows no such name)."""
+    try:
+        return np.dtype(dtype).kind
+    except TypeError:
+        return ""
 
 
 def sidecar_path(model_path: Path) -> Path:
@@ -269,6 +343,8 @@ def load_contract(model_path: Path) -> PolicyContract:
 
 
 def _cpu_session(model_path: Path) -> onnxruntime.InferenceSession:
+    import onnxruntime  # (here: a front process imports this module, never reads a model)
+
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 3
     options.intra_op_num_threads = 1

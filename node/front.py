@@ -51,6 +51,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 
 from affinity import wire
 from affinity.wire import WireError
+from node import inputs
 from node.accesslog import STEP_KEY, AccessLog, JsonFormatter
 from node.asgi import (
     CONNECTION,
@@ -66,6 +67,7 @@ from node.asgi import (
     respond_error,
     respond_gone,
 )
+from node.contract import PolicyContract, checking_contract
 from node.errors import (
     BadRequest,
     BodyError,
@@ -191,25 +193,105 @@ def _has_bool(value: list[Any]) -> bool:
     return bool in map(type, value)
 
 
-def _row(doc: Any, binary: bool, arrays: list[Array]) -> dict[str, Any]:
+class Checks:
+    """The input checks (``node/contract.py``'s ``InputCheck``) of the models this front's
+    steps named, by a row's ``model`` as sent (None: the node's only model), as the core's
+    replies taught them (``chk``: ``node/fronts.py``). A row whose model is known has its
+    inputs checked and converted here by the rule the core applies (``node/inputs.py``):
+    passing, they go over the hop as the model's arrays, marked checked against that key,
+    and the core takes them as they are when the key is its own contract's; failing,
+    they go as they came and the core says what is wrong, as in one process. A check that
+    is no longer the model's (a rollout) is refused by the core before anything changed,
+    and the request is sent again unchecked (:meth:`FrontApp.act`)."""
+
+    MAX = 256
+    """Models (as named) known at most: past it, everything is forgotten and taught again."""
+    CHANGES = 4
+    """A model whose check changed this many times is no longer checked here (versions of
+    different inputs stepped through this front in turn: each change cost a step a second
+    trip over the hop)."""
+
+    def __init__(self) -> None:
+        self._known: dict[str | None, tuple[str, PolicyContract]] = {}
+        self._changes: dict[str | None, int] = {}
+
+    def learn(self, lessons: object) -> None:
+        """Take the core's ``chk``: ``[model, key, doc]`` each (key None: not checked here)."""
+        if not isinstance(lessons, list):
+            return
+        for lesson in lessons:
+            if not (isinstance(lesson, list) and len(lesson) == 3):
+                continue
+            model, key, doc = lesson
+            if model is not None and not isinstance(model, str):
+                continue
+            known = self._known.get(model)
+            if self._changes.get(model, 0) >= self.CHANGES or (known and known[0] == key):
+                continue  # (the same lesson again: the replies of steps sent before it)
+            if self._known.pop(model, None) is not None:
+                self._changes[model] = self._changes.get(model, 0) + 1
+                if self._changes[model] >= self.CHANGES:
+                    continue
+            if not isinstance(key, str):
+                continue
+            try:
+                contract = checking_contract(doc)
+            except ValueError as exc:
+                log.warning("the core taught an input check this front cannot read: %s", exc)
+                continue
+            if len(self._known) >= self.MAX or len(self._changes) >= self.MAX:
+                self._known.clear()
+                self._changes.clear()
+            self._known[model] = (key, contract)
+
+    def row(self, doc: dict[Any, Any], binary: bool, arrays: list[Array]) -> dict[str, Any] | None:
+        """A row's inputs for the hop, checked and converted against its model's check
+        (``ok``), with the check's key (``ck``); None when its model is not known here."""
+        model = doc.get("model")
+        known = self._known.get(model) if model is None or isinstance(model, str) else None
+        if known is None:
+            return None
+        key, contract = known
+        raw = doc["inputs"]
+        try:
+            feed = inputs.from_arrays(contract, raw) if binary else inputs.from_json(contract, raw)
+        except InvalidInput:
+            return {"ck": key}  # as it came: the core says what is wrong
+        if binary and any(
+            isinstance(given, np.ndarray) and feed[name].nbytes > given.nbytes
+            for name, given in raw.items()
+        ):  # (uint8 pixels to a float input: 4x the slot's bytes) converted in the core
+            return {"ck": key}
+        arrays.extend(feed.values())
+        return {"in": [["n", name] for name in feed], "ck": key, "ok": True}
+
+
+def _row(doc: Any, binary: bool, arrays: list[Array], checks: Checks | None) -> dict[str, Any]:
     if not isinstance(doc, dict):
         return {"row": doc}
     fields = {k: v for k, v in doc.items() if k != "inputs"}
     row: dict[str, Any] = {"doc": fields}
     if "inputs" in doc:
-        row.update(_inputs(doc["inputs"], binary, arrays))
+        checked = None if checks is None else checks.row(doc, binary, arrays)
+        if checked is not None:
+            row.update(checked)
+        if "in" not in row:
+            row.update(_inputs(doc["inputs"], binary, arrays))
     return row
 
 
-def request(doc: dict[str, Any], binary: bool) -> tuple[int, dict[str, Any], list[Array]]:
-    """(kind, meta, tensors) of a parsed ``/act`` body, for the hop."""
+def request(
+    doc: dict[str, Any], binary: bool, checks: Checks | None = None
+) -> tuple[int, dict[str, Any], list[Array]]:
+    """(kind, meta, tensors) of a parsed ``/act`` body, for the hop; ``checks``: the
+    inputs of each row whose model they know are checked here (:class:`Checks`)."""
     arrays: list[Array] = []
     if "steps" not in doc:
-        return ACT, _row(doc, binary, arrays), arrays
+        return ACT, _row(doc, binary, arrays, checks), arrays
     rows = doc["steps"]
     if len(doc) != 1 or not isinstance(rows, list):
         return ROWS, {"bad": doc}, []
-    return ROWS, {"rows": [_row(r, binary, arrays) for r in rows]}, arrays
+    return ROWS, {"rows": [_row(r, binary, arrays, checks) for r in rows]}, arrays
 
 
 def _outputs(meta: dict[str, Any], views: list[Array], at: int) -> tuple[dict[str, Any], int]:
@@ -292,6 +374,8 @@ class FrontApp:
         self.max_rows = int(spec["max_rows"])
         self.access = AccessLog(bool(spec.get("access_log", True)),
                                 json=spec.get("log_format") == "json")  # fmt: skip
+        self.checks = Checks()
+        """The models' input checks, as the core taught them."""
         self.numbers = itertools.count()
         """Each openpi connection's number, the core's name for it."""
         self._closing: set[asyncio.Future[None]] = set()  # closes sent from no request
@@ -354,22 +438,24 @@ class FrontApp:
             return
         try:
             body = await read_body(scope, receive, self.max_body)
-            kind, meta, arrays = request(parse(body, binary_in, self.max_rows), binary_in)
+            doc = parse(body, binary_in, self.max_rows)
+            kind, meta, arrays = request(doc, binary_in, self.checks)
         except (BodyError, Refused) as exc:
             o = outcome(exc)
             if o.reject_reason is not None:
                 await self._note(o.reject_reason)
             await respond(send, o.status, error_body(o.code, o.message, o.field))
             return
-        meta["recv"] = received
-        meta["timing"] = timing is not None and timing.strip().lower() in ("1", "true")
-        if not binary_in:
-            meta["j"] = True  # its tensors were JSON lists: what is wrong is said as for them
+        asks_timing = timing is not None and timing.strip().lower() in ("1", "true")
         connection = scope.get(CONNECTION)
 
         def use(
             kind: int, reply: dict[str, Any], views: list[Array]
-        ) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]:
+        ) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes]]] | None:
+            if "chk" in reply:
+                self.checks.learn(reply["chk"])
+            if reply.get("recheck"):  # checked against a contract no longer the model's
+                return None
             facts = reply.get("facts")
             if facts is not None:  # the access line's
                 scope[STEP_KEY] = (facts["episode_id"] or "-", facts["device"], facts["routing"])
@@ -382,8 +468,17 @@ class FrontApp:
 
         writer = _Writer(scope, send)
         try:  # a slot waited for within its deadline; the reply written before it is freed
-            await self.hop.call(kind, meta, arrays, use, gone, deliver=writer,
-                                wait_s=_left(received, self.hop.slot_wait_s))  # fmt: skip
+            for checked in (True, False):
+                if not checked:  # the core refused the check, before anything changed
+                    kind, meta, arrays = request(doc, binary_in)
+                meta["recv"], meta["timing"] = received, asks_timing
+                if not binary_in:
+                    meta["j"] = True  # its tensors were JSON lists: what is wrong is said so
+                wait_s = _left(received, self.hop.slot_wait_s)
+                answered = await self.hop.call(kind, meta, arrays, use, gone, deliver=writer,
+                                               wait_s=wait_s)  # fmt: skip
+                if answered is not None:
+                    break
         except HopFull as exc:  # busy, or its deadline passed while it waited for a slot
             await respond_error(send, exc.refusal())
             return
@@ -748,7 +843,9 @@ class _Writer:
         self.send = send
         self.started = False
 
-    async def __call__(self, response: Response, handing: Handing) -> bool | None:
+    async def __call__(self, response: Response | None, handing: Handing) -> bool | None:
+        if response is None:  # nothing to write: the request is sent again (FrontApp.act)
+            return True
         self.started = True
         await respond(self.send, *response)
         return await drained_of(self.scope)(handing)

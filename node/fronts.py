@@ -264,13 +264,17 @@ async def serve_request(
     listed = meta.get("j") is True  # a JSON body: its tensors were lists
     deadline = received + service.config.act_deadline_s
     if kind == ACT:
+        checked = _checked(meta)
         try:
             doc, _ = _feed(meta, arrays, 0)
-            step = await act.decode_doc(service, doc, True, deadline, listed=listed)
+            step = await act.decode_doc(service, doc, True, deadline, listed=listed,
+                                        checked=checked)  # fmt: skip
             step.received, step.timing = received, timing
             reply = await service.router.act(step)
+        except act.StaleCheck:
+            return _taught({"recheck": True}, [checked]), []
         except (BodyError, InvalidInput, InvalidArgument, Unavailable, Refused) as exc:
-            return _refused(service, exc), []
+            return _taught(_refused(service, exc), [checked]), []
         try:
             done, out = _reply_meta(reply, timing)
         except HopError as exc:  # an output the hop cannot carry: as one too big, undone
@@ -278,7 +282,7 @@ async def serve_request(
             return {"err": [500, "internal", str(exc), None, None]}, []
         done["url"] = reply.url
         done["keep"] = reply
-        return done, out
+        return _taught(done, [checked]), out
     if kind != ROWS:
         raise HopError(f"unknown request kind {kind}")
     if "bad" in meta:  # a message of rows whose shape is wrong: act says how
@@ -288,19 +292,25 @@ async def serve_request(
             return _refused(service, exc), []
         raise HopError("a malformed message of rows decoded")
     rows: list[Any] = []
+    checks: list[act.Checked | None] = []
     at = 0
     for row in meta.get("rows", []):
         if isinstance(row, dict) and "row" in row:
             rows.append(row["row"])  # not a map: decode_rows says so
+            checks.append(None)
         elif isinstance(row, dict):
             doc, at = _feed(row, arrays, at)
             rows.append(doc)
+            checks.append(_checked(row))
         else:
             raise HopError("bad row")
     try:
-        decoded = await act.decode_rows(service, {"steps": rows}, True, deadline, listed=listed)
+        decoded = await act.decode_rows(service, {"steps": rows}, True, deadline,
+                                        listed=listed, checks=checks)  # fmt: skip
+    except act.StaleCheck:
+        return _taught({"recheck": True}, checks), []
     except (BodyError, InvalidInput, InvalidArgument, Unavailable, Refused) as exc:
-        return _refused(service, exc), []
+        return _taught(_refused(service, exc), checks), []
     steps, where, refused = act.split_rows(service, decoded, received, timing)
     served: list[Reply | Exception | None] = [None] * len(steps)
     await service.router.act_rows(steps, served)
@@ -319,7 +329,28 @@ async def serve_request(
     except HopError as exc:  # an output the hop cannot carry: as one too big, all undone
         await undeliver(service, keep)
         return {"err": [500, "internal", str(exc), None, None]}, []
-    return {"rows": metas, "keep": keep}, outs
+    return _taught({"rows": metas, "keep": keep}, checks), outs
+
+
+def _checked(row: dict[str, Any]) -> act.Checked:
+    """The front's word on a row's inputs (``node/front.py``'s ``Checks``): the input
+    check's key it holds for the row's model (``ck``), and whether it checked them (``ok``)."""
+    key = row.get("ck")
+    return act.Checked(key if isinstance(key, str) else None, row.get("ok") is True)
+
+
+def _taught(reply: dict[str, Any], checks: list[act.Checked | None]) -> dict[str, Any]:
+    """``reply`` with what the front should know of the contracts of the rows' models
+    (``chk``: ``[model, key, doc]`` each, key and doc None for a model it must not check),
+    where the check it holds is not the one the row's model resolved to here."""
+    lessons = []
+    for checked in checks:
+        if checked is not None and checked.lesson is not None:
+            model, check = checked.lesson
+            lessons.append([model, None, None] if check is None else [model, *check])
+    if lessons:
+        reply["chk"] = lessons
+    return reply
 
 
 async def undeliver(service: NodeService, kept: Any, doubt: bool = False) -> None:

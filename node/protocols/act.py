@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable
-from typing import Any
+from collections.abc import Awaitable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 import orjson
@@ -57,6 +58,7 @@ from node.asgi import (
     respond_gone,
     while_connected,
 )
+from node.contract import Array, PolicyContract
 from node.errors import BodyError, ClientGone, InvalidInput, Refused, Unavailable, outcome
 from node.protocols.body import MSGPACK, count_rows, is_msgpack, parse, plain
 from node.rtc import control_rate
@@ -65,8 +67,8 @@ from node.step import Reply, Step
 from node.timing import TIMING_HEADER, asks_timing
 
 __all__ = [
-    "MSGPACK", "count_rows", "decode", "decode_doc", "decode_rows", "encode", "encode_row",
-    "handle", "joined_rows", "split_rows",
+    "MSGPACK", "Checked", "StaleCheck", "count_rows", "decode", "decode_doc", "decode_rows",
+    "encode", "encode_row", "handle", "joined_rows", "split_rows",
 ]  # fmt: skip
 
 log = logging.getLogger("affinity.node")
@@ -77,6 +79,26 @@ FIELDS = (
 )  # fmt: skip
 _KNOWN = frozenset(FIELDS)
 _HEADERS = (b"content-type", b"accept", b"authorization", TIMING_HEADER)  # read by handle()
+
+
+@dataclass
+class Checked:
+    """A front process's word on one row's inputs (``node/front.py``): the key of the
+    input check (``PolicyContract.input_check``) it holds for the row's ``model`` (None:
+    none), and whether it checked the inputs against it (``ok``: they come as that check
+    converted them, every one a tensor). :func:`decode_doc` trusts the check when the key
+    is that of the contract it resolves the row's model to, and sets ``lesson`` (the row's
+    ``model`` as sent, and this node's check of it, or None: none) when it is not."""
+
+    key: str | None
+    ok: bool
+    lesson: tuple[object, Any] | None = None
+
+
+class StaleCheck(Exception):
+    """A front checked a row's inputs against a contract that is no longer its model's (a
+    rollout, a new version): raised before anything of the message has changed anything,
+    so that the front sends it again, unchecked (``node/fronts.py``)."""
 
 
 def decode(
@@ -111,11 +133,13 @@ async def decode_rows(
     deadline: float,
     *,
     listed: bool = False,
+    checks: Sequence[Checked | None] = (),
 ) -> list[Step | Exception]:
     """The rows of ``{"steps": [...]}``: each row a one-row body, decoded as one; a row
     that does not decode is that row's error. Refuses (400) a message naming an episode
     in two rows (which would apply in no defined order), before any row is decoded.
-    ``listed``: as :func:`decode_doc`."""
+    ``listed``, and ``checks`` (row by row): as :func:`decode_doc`; a :class:`StaleCheck`
+    of any row is the whole message's, nothing counted."""
     if len(doc) != 1:
         other = next(str(k) for k in doc if k != "steps")
         raise UnknownField(other[:64], ("steps",))
@@ -133,14 +157,37 @@ async def decode_rows(
                                   " send its steps in separate messages")  # fmt: skip
                 seen.add(episode)
     steps: list[Step | Exception] = []
-    for row in rows:
+    for at, row in enumerate(rows):
         try:
             if not isinstance(row, dict):
                 raise BodyError(400, "malformed", "a row must be a map (a JSON object)")
-            steps.append(await decode_doc(service, row, binary, deadline, listed=listed))
+            checked = checks[at] if at < len(checks) else None
+            steps.append(await decode_doc(service, row, binary, deadline, listed=listed,
+                                          checked=checked, counted=False))  # fmt: skip
         except (BodyError, InvalidInput, InvalidArgument, Refused, Unavailable) as exc:
             steps.append(exc)
+    for step in steps:
+        if isinstance(step, Step) and step.degraded:
+            _degraded(service)
     return steps
+
+
+def _degraded(service: NodeService) -> None:
+    service.metrics.degraded.inc()
+    service.warn_once("degraded", "steps without episode_id are routed by session_id (degraded)")
+
+
+def _trusted(checked: Checked, model: object, contract: PolicyContract, raw: object) -> bool:
+    """Whether ``raw`` are inputs a front checked against ``contract``'s input check (its
+    word, ``checked``); sets its ``lesson`` when the check it holds is not that one, and
+    raises :class:`StaleCheck` when it checked them against another."""
+    mine = contract.input_check
+    if checked.key != (None if mine is None else mine.key):
+        checked.lesson = (model, mine)
+        if checked.ok:
+            raise StaleCheck()
+        return False
+    return checked.ok and type(raw) is dict
 
 
 async def decode_doc(
@@ -150,10 +197,15 @@ async def decode_doc(
     deadline: float,
     *,
     listed: bool = False,
+    checked: Checked | None = None,
+    counted: bool = True,
 ) -> Step:
     """One body's step. ``listed``: its inputs' tensors are JSON lists a front door made
     arrays of (``node/front.py``); inputs the model refuses are then said as for the lists,
-    as a node of one process says them."""
+    as a node of one process says them. ``checked``: a front's word on the inputs
+    (:class:`Checked`): trusted, they are taken as they are; checked against another
+    contract, :class:`StaleCheck`. ``counted``: a step routed by ``session_id`` is counted
+    here (else by the caller)."""
     for key in doc:
         if key not in _KNOWN:
             raise UnknownField(str(key)[:64], FIELDS)
@@ -163,13 +215,17 @@ async def decode_doc(
     name, _, version = (None, "", None) if model is None else model.partition("@")
     name, contract = await service.model_for(name, version or None)
     raw = doc.get("inputs")
-    try:
-        feed = inputs.from_arrays(contract, raw) if binary else inputs.from_json(contract, raw)
-    except InvalidInput:
-        if not listed:
-            raise
-        # (the error's path alone) said as for the JSON lists they came as
-        feed = inputs.from_json(contract, _lists(raw))
+    feed: dict[str, Array]
+    if checked is not None and _trusted(checked, model, contract, raw):
+        feed = cast(dict[str, Array], raw)  # checked and converted by the front, as here
+    else:
+        try:
+            feed = inputs.from_arrays(contract, raw) if binary else inputs.from_json(contract, raw)
+        except InvalidInput:
+            if not listed:
+                raise
+            # (the error's path alone) said as for the JSON lists they came as
+            feed = inputs.from_json(contract, _lists(raw))
     end, token = doc.get("end", False), doc.get("token")
     steps, ensemble = doc.get("execute_steps"), doc.get("ensemble")
     if not isinstance(end, bool):
@@ -194,11 +250,7 @@ async def decode_doc(
     episode, degraded = doc.get("episode_id"), False
     if episode is None and doc.get("session_id") is not None:
         episode, degraded = doc["session_id"], True
-        service.metrics.degraded.inc()
-        service.warn_once(
-            "degraded", "steps without episode_id are routed by session_id (degraded)"
-        )
-    return Step(
+    step = Step(
         episode=None if episode is None else check_episode(episode),
         inputs=feed,
         deadline=deadline,
@@ -214,6 +266,9 @@ async def decode_doc(
         rtc=rtc,
         control_hz=control_rate(doc.get("control_hz")),
     )
+    if degraded and counted:
+        _degraded(service)
+    return step
 
 
 def encode(

@@ -1,0 +1,350 @@
+"""A front process checks a step's inputs (``node/front.py``'s ``Checks``) against the
+input check its core taught it (``PolicyContract.input_check``), and the core takes inputs
+checked against its own contract's check as they are (``node/protocols/act.py``'s
+``Checked``). Driven in one process: a ``FrontApp`` whose hop hands each request, packed and
+unpacked as the hop's header is, to the core's ``serve_request`` of an in-process node."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import SimpleNamespace
+from typing import Any
+
+import fakeredis
+import hypothesis.extra.numpy as hnp
+import numpy as np
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from affinity import wire
+from node import fronts, inputs
+from node.contract import PolicyContract, TensorSpec, checking_contract, load_contract
+from node.errors import InvalidInput
+from node.front import Checks, FrontApp
+from node.hop import pack, unpack
+from node.models import DEMO_MODEL, resolve_model
+from node.protocols import act
+from tests.inproc import cluster, config
+from tests.rollout import reference_rollout
+
+DEMO = load_contract(DEMO_MODEL)
+VLA = load_contract(resolve_model("vla-demo"))
+assert DEMO.input_check is not None and VLA.input_check is not None
+KEY = DEMO.input_check.key
+
+
+class LoopHop:
+    """A front's hop whose core is this process' node: each request's header goes through
+    the hop's own packing (what a slot carries), the arrays as they are."""
+
+    slot_wait_s = 5.0
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+        self.sent: list[tuple[dict[str, Any], list[np.ndarray]]] = []
+
+    async def call(
+        self, kind: int, meta: dict[str, Any], arrays: list[np.ndarray], use: Any,
+        gone: Any = None, deliver: Any = None, **_: Any,
+    ) -> Any:  # fmt: skip
+        header, _, total = pack(dict(meta), arrays)
+        carried, _ = unpack(header, total)
+        self.sent.append((carried, arrays))
+        reply, out = await fronts.serve_request(
+            self.service, kind, carried, [a.copy() for a in arrays], 0
+        )
+        reply.pop("keep", None)
+        header, _, total = pack(dict(reply), out)
+        answered, _ = unpack(header, total)
+        result = use(kind, answered, out)
+        if deliver is not None:
+            await deliver(result, None)
+        return result
+
+
+@asynccontextmanager
+async def front() -> AsyncIterator[tuple[FrontApp, LoopHop, Any]]:
+    redis = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer(), decode_responses=True)
+    async with cluster(redis, [config("a", devices="cpu:1")]) as (nodes, _):
+        service = nodes[0].service
+        hop = LoopHop(service)
+        app = FrontApp(hop, "/nonexistent.sock", {"max_body_bytes": 1 << 24, "max_rows": 8})  # type: ignore[arg-type]
+        try:
+            yield app, hop, service
+        finally:
+            await app.client.aclose()
+
+
+async def post(app: FrontApp, body: Any, binary: bool) -> tuple[int, Any]:
+    """``POST /act`` to the front's app: (status, decoded body)."""
+    content = wire.encode(body) if binary else orjson.dumps(body)
+    kind = b"application/msgpack" if binary else b"application/json"
+    scope = {"type": "http", "method": "POST", "path": "/act", "query_string": b"",
+             "headers": [(b"content-type", kind), (b"accept", kind)]}  # fmt: skip
+    sent: list[dict[str, Any]] = []
+    given = [{"type": "http.request", "body": content, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return given.pop() if given else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    body_bytes = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    packed = (b"content-type", b"application/msgpack") in sent[0]["headers"]
+    return sent[0]["status"], wire.decode(body_bytes) if packed else orjson.loads(body_bytes)
+
+
+def obs(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, 8)).astype(np.float32)
+
+
+def said_by_one_process(contract: PolicyContract, raw: Any, binary: bool) -> str:
+    try:
+        (inputs.from_arrays if binary else inputs.from_json)(contract, raw)
+    except InvalidInput as exc:
+        return str(exc)
+    raise AssertionError("taken")
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "msgpack"])
+def test_a_front_checks_inputs_once_taught_and_the_core_takes_them_as_they_are(
+    binary: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first step teaches the front its model's check (nothing checked there yet); the
+    next are checked and converted in the front (float32, whatever JSON made of them), and
+    the core serves them without checking them again: with its checks made to fail, the
+    episode still steps, exactly once each, its outputs those of the model. A bad input is
+    sent as it came, and the core refuses it in one process' words."""
+
+    async def run() -> None:
+        async with front() as (app, hop, _):
+            xs = [obs(i) for i in range(4)]
+
+            def body(i: int, value: Any = None) -> dict[str, Any]:
+                x = xs[i] if value is None else value
+                return {"episode_id": f"e-{binary}", "seq": i + 1,
+                        "inputs": {"obs": x if binary else x.tolist()}}  # fmt: skip
+
+            status, got = await post(app, body(0), binary)
+            assert status == 200, got
+            first = hop.sent[-1][0]
+            assert "ok" not in first and "ck" not in first  # nothing known yet
+            assert app.checks._known[None][0] == KEY  # taught by the reply
+
+            def unused(*_: Any) -> Any:
+                raise AssertionError("the core checked inputs the front had checked")
+
+            # the core's input rule alone (the front's is node.front's own reference to it)
+            monkeypatch.setattr(act, "inputs", SimpleNamespace(from_json=unused,
+                                                               from_arrays=unused))  # fmt: skip
+            for i in (1, 2):
+                status, got = await post(app, body(i), binary)
+                assert status == 200, got
+                meta, arrays = hop.sent[-1]
+                assert meta["ok"] is True and meta["ck"] == KEY and "chk" not in got
+                assert [a.dtype for a in arrays] == [np.float32]
+                assert got["seq"] == i + 1 and not got["replayed"]
+                want = reference_rollout(DEMO_MODEL, xs[: i + 1])[-1]["actions"]
+                np.testing.assert_allclose(
+                    np.asarray(got["outputs"]["actions"]).reshape(want.shape), want, rtol=1e-5
+                )
+            monkeypatch.setattr(act, "inputs", inputs)
+            short = np.zeros((1, 2), np.float32)
+            status, got = await post(app, body(3, short), binary)
+            meta, _ = hop.sent[-1]
+            assert "ok" not in meta and meta["ck"] == KEY  # sent as it came
+            raw = {"obs": short if binary else short.tolist()}
+            assert status == 422 and got["error"]["message"] == said_by_one_process(
+                DEMO, raw, binary
+            )
+            status, got = await post(app, body(3), binary)  # the episode goes on
+            assert status == 200 and got["seq"] == 4, got
+
+    asyncio.run(run())
+
+
+def test_a_check_the_model_no_longer_has_is_refused_and_the_message_sent_again_unchecked() -> None:
+    """A front holding a check that is not its model's any more (a rollout to a version of
+    other inputs) sends rows checked against it: the core refuses the whole message before
+    anything of it is applied or counted, teaches the front the model's check, and the
+    front sends the message again unchecked. Each row is applied once, the degraded row
+    counted once; the next message is checked against the new check."""
+
+    async def run() -> None:
+        async with front() as (app, hop, service):
+            stale = {"batch_axis": True, "inputs": [["obs", "float64", ["batch", 8]]]}
+            app.checks.learn([[None, "0123456789abcdef", stale]])
+            degraded = service.metrics.degraded._value.get()
+            name = next(iter(service.models))  # (named: not known to the front, not checked)
+            rows = [
+                {"session_id": "stale-b", "model": name, "inputs": {"obs": obs(2).tolist()}},
+                {"episode_id": "stale-a", "seq": 1, "inputs": {"obs": obs(1).tolist()}},
+            ]
+            status, got = await post(app, {"steps": rows}, False)
+            assert status == 200, got
+            assert [r["seq"] for r in got["steps"]] == [1, 1], got
+            checked, again = (meta for meta, _ in hop.sent[-2:])
+            assert ["ok" in r for r in checked["rows"]] == [False, True]
+            assert all("ok" not in r and "ck" not in r for r in again["rows"])
+            assert service.metrics.degraded._value.get() == degraded + 1  # (decoded twice)
+            assert app.checks._known[None][0] == KEY == app.checks._known[name][0]
+            rows[1]["seq"] = 2
+            status, got = await post(app, {"steps": rows}, False)
+            assert status == 200 and [r["seq"] for r in got["steps"]] == [2, 2], got
+            meta, _ = hop.sent[-1]
+            assert [r["ok"] for r in meta["rows"]] == [True, True] and len(hop.sent) == 3
+
+    asyncio.run(run())
+
+
+def test_a_model_whose_check_keeps_changing_is_no_longer_checked_in_the_front() -> None:
+    """Versions of different inputs stepped through one front in turn would cost every
+    other step a second trip: past ``Checks.CHANGES`` changes, the front stops checking that
+    model (and only it)."""
+    checks = Checks()
+    docs = [{"batch_axis": True, "inputs": [["obs", dtype, ["batch", 8]]]}
+            for dtype in ("float32", "float64")]  # fmt: skip
+    for turn in range(Checks.CHANGES + 2):
+        checks.learn([["m", f"key{turn % 2}", docs[turn % 2]], ["n", "keyn", docs[0]]])
+    arrays: list[np.ndarray] = []
+    doc = {"model": "m", "inputs": {"obs": [[0.0] * 8]}}
+    assert checks.row(doc, False, arrays) is None and not arrays
+    assert checks.row({"model": "n", "inputs": {"obs": [[0.0] * 8]}}, False, arrays) == {
+        "in": [["n", "obs"]], "ck": "keyn", "ok": True,
+    }  # fmt: skip
+
+
+def test_pixels_that_conversion_would_grow_are_converted_in_the_core() -> None:
+    """uint8 pixels sent to a float input would fill four times the slot converted: the
+    front sends them as they came (``ck`` only), the core converts them."""
+    contract = PolicyContract((TensorSpec("image", ("batch", 4, 4, 3), "float32"),), (), {},
+                              batch_axis=True)  # fmt: skip
+    assert contract.input_check is not None
+    checks = Checks()
+    checks.learn([[None, contract.input_check.key, contract.input_check.doc]])
+    arrays: list[np.ndarray] = []
+    image = np.zeros((1, 4, 4, 3), np.uint8)
+    assert checks.row({"inputs": {"image": image}}, True, arrays) == {
+        "ck": contract.input_check.key
+    }
+    assert not arrays
+    same = checks.row({"inputs": {"image": image.astype(np.float64)}}, True, arrays)
+    assert same is not None and same["ok"] and arrays[0].dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        None,
+        [],
+        {"inputs": []},
+        {"batch_axis": 1, "inputs": []},
+        {"batch_axis": True, "inputs": [["obs", "float32"]]},
+        {"batch_axis": True, "inputs": [["obs", "nope", [1]]]},
+        {"batch_axis": True, "inputs": [["obs", "object", [1]]]},
+        {"batch_axis": True, "inputs": [["obs", "float32", [1.5]]]},
+        {"batch_axis": True, "inputs": [["obs", "float32", [-1]]]},
+        {"batch_axis": True, "inputs": [["obs", "float32", []]]},
+        {"batch_axis": False, "inputs": [["a", "int8", [2]], ["a", "int8", [2]]]},
+        {"batch_axis": False, "inputs": [["control.start", "bool", [1]]]},
+    ],
+)
+def test_an_input_check_a_front_cannot_read_is_refused_and_never_learned(doc: Any) -> None:
+    with pytest.raises(ValueError):
+        checking_contract(doc)
+    checks = Checks()
+    checks.learn([[None, "k", doc]])
+    checks.learn([None, [1], [[], "k", doc], "junk"])  # (lessons of no shape: skipped)
+    assert checks.row({"inputs": {"obs": [[0.0]]}}, False, []) is None
+
+
+def test_a_contract_with_a_string_input_has_no_front_check() -> None:
+    contract = PolicyContract((TensorSpec("prompt", (1,), "object"),), (), {})
+    assert contract.input_check is None
+
+
+# --- the front's contract checks as the whole one ---------------------------------------
+
+SYNTHETIC = PolicyContract(
+    (
+        TensorSpec("state_in.h", ("batch", 4), "float32"),
+        TensorSpec("pos", ("batch", 3), "float64"),
+        TensorSpec("grip", ("batch", "n"), "int16"),
+        TensorSpec("flag", ("batch", 1), "bool"),
+        TensorSpec("control.start", ("batch", 1), "bool"),
+    ),
+    (TensorSpec("state_out.h", ("batch", 4), "float32"),),
+    {"state_in.h": "state_out.h"},
+    batch_axis=True,
+)
+UNBATCHED = PolicyContract((TensorSpec("x", (2,), "uint8"), TensorSpec("y", (), "float16")), (), {})
+CONTRACTS = [DEMO, VLA, SYNTHETIC, UNBATCHED]
+
+_dtypes = st.sampled_from(["float16", "float32", "float64", "int8", "int16", "int64",
+                           "uint8", "uint64", "bool"])  # fmt: skip
+_values = st.one_of(
+    hnp.arrays(_dtypes, hnp.array_shapes(min_dims=0, max_dims=3, max_side=4)),
+    st.lists(st.one_of(st.floats(), st.integers(-(2**70), 2**70), st.booleans()), max_size=4),
+    st.lists(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=4), min_size=1, max_size=2),
+    st.none(),
+    st.text(max_size=3),
+)
+
+
+def _raw(contract: PolicyContract, data: st.DataObject) -> dict[str, Any]:
+    names = [s.name for s in contract.observation_inputs]
+    extra = [n for n in (s.name for s in contract.inputs) if n not in names] + ["other"]
+    chosen = data.draw(st.lists(st.sampled_from(names + extra), unique=True, max_size=5))
+    if data.draw(st.booleans()):
+        chosen = names  # (mostly the right names: the values are what is checked)
+    raw: dict[str, Any] = {}
+    for name in chosen:
+        spec = next((s for s in contract.observation_inputs if s.name == name), None)
+        if spec is not None and data.draw(st.booleans()):
+            sizes = contract.step_spec(spec).shape
+            shape = tuple(d if isinstance(d, int) else data.draw(st.integers(1, 3)) for d in sizes)
+            dtype = data.draw(st.one_of(st.just(spec.dtype), _dtypes))
+            raw[name] = np.full(shape, data.draw(st.integers(0, 300))).astype(dtype)
+            if data.draw(st.booleans()):
+                raw[name] = raw[name].tolist()
+        else:
+            raw[name] = data.draw(_values)
+    return raw
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), which=st.integers(0, len(CONTRACTS) - 1), binary=st.booleans())
+def test_the_fronts_contract_takes_and_converts_what_the_whole_contract_does(
+    data: st.DataObject, which: int, binary: bool
+) -> None:
+    """What the core would take as the front checked it must be what it takes itself: the
+    contract rebuilt from the check accepts exactly the inputs the whole contract accepts
+    (state and control inputs named, wrong names, shapes, dtypes, values), converted alike."""
+    contract = CONTRACTS[which]
+    check = contract.input_check
+    assert check is not None
+    rebuilt = checking_contract(check.doc)
+    assert rebuilt.input_check == check
+    raw = _raw(contract, data)
+    rule = inputs.from_arrays if binary else inputs.from_json
+    if not binary:
+        raw = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in raw.items()}
+    results = []
+    for c in (contract, rebuilt):
+        try:
+            results.append(rule(c, raw))
+        except InvalidInput:
+            results.append(None)
+    whole, front_side = results
+    assert (whole is None) == (front_side is None)
+    if whole is not None and front_side is not None:
+        assert list(whole) == list(front_side)
+        for name, array in whole.items():
+            assert array.dtype == front_side[name].dtype
+            np.testing.assert_array_equal(array, front_side[name])
