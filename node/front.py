@@ -202,18 +202,22 @@ class Checks:
     and the core takes them as they are when the key is its own contract's; failing,
     they go as they came and the core says what is wrong, as in one process. A check that
     is no longer the model's (a rollout) is refused by the core before anything changed,
-    and the request is sent again unchecked (:meth:`FrontApp.act`)."""
+    and the request is sent again unchecked (:meth:`FrontApp.act`). A model known by a key
+    without a contract is not checked here (its check could not be read, or it changed
+    too often): its rows say the key, so the core does not teach it again."""
 
     MAX = 256
     """Models (as named) known at most: past it, everything is forgotten and taught again."""
     CHANGES = 4
-    """A model whose check changed this many times is no longer checked here (versions of
-    different inputs stepped through this front in turn: each change cost a step a second
-    trip over the hop)."""
+    CHANGES_S = 600.0
+    """A model whose check changed :attr:`CHANGES` times within this many seconds is not
+    checked here until that time has passed (versions of different inputs stepped through
+    this front in turn: each change costs a step a second trip over the hop)."""
 
-    def __init__(self) -> None:
-        self._known: dict[str | None, tuple[str, PolicyContract]] = {}
-        self._changes: dict[str | None, int] = {}
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._known: dict[str | None, tuple[str, PolicyContract | None]] = {}
+        self._changes: dict[str | None, tuple[int, float]] = {}  # count, since
+        self._clock = clock
 
     def learn(self, lessons: object) -> None:
         """Take the core's ``chk``: ``[model, key, doc]`` each (key None: not checked here)."""
@@ -226,23 +230,30 @@ class Checks:
             if model is not None and not isinstance(model, str):
                 continue
             known = self._known.get(model)
-            if self._changes.get(model, 0) >= self.CHANGES or (known and known[0] == key):
+            if known is not None and known[0] == key:
                 continue  # (the same lesson again: the replies of steps sent before it)
-            if self._known.pop(model, None) is not None:
-                self._changes[model] = self._changes.get(model, 0) + 1
-                if self._changes[model] >= self.CHANGES:
-                    continue
-            if not isinstance(key, str):
+            if not isinstance(key, str):  # no check: its rows then say no key
+                self._known.pop(model, None)
                 continue
-            try:
-                contract = checking_contract(doc)
-            except ValueError as exc:
-                log.warning("the core taught an input check this front cannot read: %s", exc)
-                continue
+            contract: PolicyContract | None = None
+            if known is None or not self._changed(model):
+                try:
+                    contract = checking_contract(doc)
+                except ValueError as exc:  # (said once: its rows say the key from now on)
+                    log.warning("the core taught an input check this front cannot read: %s", exc)
             if len(self._known) >= self.MAX or len(self._changes) >= self.MAX:
                 self._known.clear()
                 self._changes.clear()
             self._known[model] = (key, contract)
+
+    def _changed(self, model: str | None) -> bool:
+        """Count a change of ``model``'s check; whether it changed too often to be checked."""
+        now = self._clock()
+        count, since = self._changes.get(model, (0, now))
+        if now - since > self.CHANGES_S:
+            count, since = 0, now
+        self._changes[model] = (count + 1, since)
+        return count + 1 >= self.CHANGES
 
     def row(self, doc: dict[Any, Any], binary: bool, arrays: list[Array]) -> dict[str, Any] | None:
         """A row's inputs for the hop, checked and converted against its model's check
@@ -253,15 +264,17 @@ class Checks:
             return None
         key, contract = known
         raw = doc["inputs"]
+        if contract is None or (
+            binary
+            and not (isinstance(raw, dict) and all(isinstance(v, np.ndarray) for v in raw.values()))
+        ):  # (msgpack lists of small numbers converted could outgrow the body: the core's)
+            return {"ck": key}
         try:
             feed = inputs.from_arrays(contract, raw) if binary else inputs.from_json(contract, raw)
         except InvalidInput:
             return {"ck": key}  # as it came: the core says what is wrong
-        if binary and any(
-            isinstance(given, np.ndarray) and feed[name].nbytes > given.nbytes
-            for name, given in raw.items()
-        ):  # (uint8 pixels to a float input: 4x the slot's bytes) converted in the core
-            return {"ck": key}
+        if binary and any(feed[name].nbytes > raw[name].nbytes for name in feed):
+            return {"ck": key}  # (uint8 pixels to a float input: 4x the bytes) the core's
         arrays.extend(feed.values())
         return {"in": [["n", name] for name in feed], "ck": key, "ok": True}
 

@@ -203,7 +203,8 @@ def _to_input(
     problem = _shape_problem(spec, array.shape, batch) or _dtype_problem(spec, array)
     if problem:
         raise InvalidInput(field_name, problem, root=root)
-    return np.ascontiguousarray(array, dtype=spec.dtype)
+    converted = np.ascontiguousarray(array, dtype=spec.dtype)
+    return converted.reshape(()) if array.ndim == 0 else converted  # (it makes a 0-d array 1-d)
 
 
 def _shape_problem(spec: TensorSpec, shape: tuple[int, ...], batch: bool) -> str | None:

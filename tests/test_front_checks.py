@@ -7,6 +7,7 @@ unpacked as the hop's header is, to the core's ``serve_request`` of an in-proces
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
@@ -46,6 +47,7 @@ class LoopHop:
     def __init__(self, service: Any) -> None:
         self.service = service
         self.sent: list[tuple[dict[str, Any], list[np.ndarray]]] = []
+        self.replies: list[dict[str, Any]] = []
 
     async def call(
         self, kind: int, meta: dict[str, Any], arrays: list[np.ndarray], use: Any,
@@ -54,12 +56,14 @@ class LoopHop:
         header, _, total = pack(dict(meta), arrays)
         carried, _ = unpack(header, total)
         self.sent.append((carried, arrays))
-        reply, out = await fronts.serve_request(
-            self.service, kind, carried, [a.copy() for a in arrays], 0
-        )
+        copies = [a.copy() for a in arrays]
+        for copy in copies:
+            copy.flags.writeable = False  # (as the core reads them out of the slot)
+        reply, out = await fronts.serve_request(self.service, kind, carried, copies, 0)
         reply.pop("keep", None)
         header, _, total = pack(dict(reply), out)
         answered, _ = unpack(header, total)
+        self.replies.append(answered)
         result = use(kind, answered, out)
         if deliver is not None:
             await deliver(result, None)
@@ -147,7 +151,7 @@ def test_a_front_checks_inputs_once_taught_and_the_core_takes_them_as_they_are(
                 status, got = await post(app, body(i), binary)
                 assert status == 200, got
                 meta, arrays = hop.sent[-1]
-                assert meta["ok"] is True and meta["ck"] == KEY and "chk" not in got
+                assert meta["ok"] is True and meta["ck"] == KEY and "chk" not in hop.replies[-1]
                 assert [a.dtype for a in arrays] == [np.float32]
                 assert got["seq"] == i + 1 and not got["replayed"]
                 want = reference_rollout(DEMO_MODEL, xs[: i + 1])[-1]["actions"]
@@ -203,26 +207,36 @@ def test_a_check_the_model_no_longer_has_is_refused_and_the_message_sent_again_u
     asyncio.run(run())
 
 
-def test_a_model_whose_check_keeps_changing_is_no_longer_checked_in_the_front() -> None:
+def test_a_model_whose_check_keeps_changing_is_not_checked_in_the_front_for_a_while() -> None:
     """Versions of different inputs stepped through one front in turn would cost every
-    other step a second trip: past ``Checks.CHANGES`` changes, the front stops checking that
-    model (and only it)."""
-    checks = Checks()
+    other step a second trip: at ``Checks.CHANGES`` changes within ``CHANGES_S``, the front
+    stops checking that model (and only it), its rows saying the key it holds (so the core
+    teaches it nothing more while that key is the model's), until that time has passed.
+    The same lesson twice (replies of steps sent before it) is no change."""
+    now = [0.0]
+    checks = Checks(clock=lambda: now[0])
     docs = [{"batch_axis": True, "inputs": [["obs", dtype, ["batch", 8]]]}
             for dtype in ("float32", "float64")]  # fmt: skip
-    for turn in range(Checks.CHANGES + 2):
-        checks.learn([["m", f"key{turn % 2}", docs[turn % 2]], ["n", "keyn", docs[0]]])
-    arrays: list[np.ndarray] = []
-    doc = {"model": "m", "inputs": {"obs": [[0.0] * 8]}}
-    assert checks.row(doc, False, arrays) is None and not arrays
+    body = {"model": "m", "inputs": {"obs": [[0.0] * 8]}}
+    for turn in range(Checks.CHANGES + 1):  # the first lesson, then CHANGES changes
+        for _ in range(3):  # (the same lesson again changes nothing)
+            checks.learn([["m", f"key{turn % 2}", docs[turn % 2]], ["n", "keyn", docs[0]]])
+        arrays: list[np.ndarray] = []
+        checked = checks.row(body, False, arrays)
+        assert checked is not None and bool(checked.get("ok")) is (turn < Checks.CHANGES), turn
+    assert checked == {"ck": f"key{Checks.CHANGES % 2}"} and not arrays
     assert checks.row({"model": "n", "inputs": {"obs": [[0.0] * 8]}}, False, arrays) == {
         "in": [["n", "obs"]], "ck": "keyn", "ok": True,
     }  # fmt: skip
+    now[0] = Checks.CHANGES_S + 1  # a change after that time: checked again
+    checks.learn([["m", "key9", docs[0]]])
+    assert checks.row(body, False, []) == {"in": [["n", "obs"]], "ck": "key9", "ok": True}
 
 
 def test_pixels_that_conversion_would_grow_are_converted_in_the_core() -> None:
-    """uint8 pixels sent to a float input would fill four times the slot converted: the
-    front sends them as they came (``ck`` only), the core converts them."""
+    """uint8 pixels sent to a float input would fill four times the slot converted, and
+    so would msgpack lists of small integers: the front sends them as they came (``ck``
+    only), the core converts them (a body that fits a slot still fits it)."""
     contract = PolicyContract((TensorSpec("image", ("batch", 4, 4, 3), "float32"),), (), {},
                               batch_axis=True)  # fmt: skip
     assert contract.input_check is not None
@@ -234,6 +248,10 @@ def test_pixels_that_conversion_would_grow_are_converted_in_the_core() -> None:
         "ck": contract.input_check.key
     }
     assert not arrays
+    listed = {"inputs": {"image": image.tolist()}}
+    assert checks.row(listed, True, arrays) == {"ck": contract.input_check.key} and not arrays
+    assert checks.row(listed, False, arrays) is not None and arrays  # (JSON: 8 bytes a number)
+    arrays.clear()
     same = checks.row({"inputs": {"image": image.astype(np.float64)}}, True, arrays)
     assert same is not None and same["ok"] and arrays[0].dtype == np.float32
 
@@ -255,12 +273,21 @@ def test_pixels_that_conversion_would_grow_are_converted_in_the_core() -> None:
         {"batch_axis": False, "inputs": [["control.start", "bool", [1]]]},
     ],
 )
-def test_an_input_check_a_front_cannot_read_is_refused_and_never_learned(doc: Any) -> None:
+def test_an_input_check_a_front_cannot_read_is_refused_and_not_checked_against(
+    doc: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A check the front cannot read is said once and held as its key alone: the rows of
+    that model are sent unchecked, saying the key (so the core does not teach it again)."""
     with pytest.raises(ValueError):
         checking_contract(doc)
     checks = Checks()
-    checks.learn([[None, "k", doc]])
+    with caplog.at_level(logging.WARNING, logger="affinity.node"):
+        checks.learn([[None, "k", doc]])
+        checks.learn([[None, "k", doc]])
+    assert len(caplog.records) == 1
     checks.learn([None, [1], [[], "k", doc], "junk"])  # (lessons of no shape: skipped)
+    assert checks.row({"inputs": {"obs": [[0.0]]}}, False, []) == {"ck": "k"}
+    checks.learn([[None, None, None]])  # the model is not checked here: forgotten
     assert checks.row({"inputs": {"obs": [[0.0]]}}, False, []) is None
 
 
@@ -348,3 +375,38 @@ def test_the_fronts_contract_takes_and_converts_what_the_whole_contract_does(
         for name, array in whole.items():
             assert array.dtype == front_side[name].dtype
             np.testing.assert_array_equal(array, front_side[name])
+
+
+def test_a_stale_check_of_one_step_is_refused_and_the_step_sent_again_unchecked() -> None:
+    """One msgpack step checked against a check no longer its model's (float16 then, float32
+    now): the core answers ``recheck`` with the model's check, nothing applied, and the
+    front sends it again as the client sent it; it is applied once."""
+
+    async def run() -> None:
+        async with front() as (app, hop, _):
+            stale = {"batch_axis": True, "inputs": [["obs", "float16", ["batch", 8]]]}
+            app.checks.learn([[None, "0123456789abcdef", stale]])
+            x = obs(5)
+            status, got = await post(app, {"episode_id": "one", "seq": 1, "inputs": {"obs": x}},
+                                     True)  # fmt: skip
+            assert status == 200 and got["seq"] == 1 and not got["replayed"], got
+            (checked, arrays), (again, sent) = hop.sent
+            assert checked["ok"] and arrays[0].dtype == np.float16  # as the stale check made it
+            assert "ok" not in again and sent[0].dtype == np.float32  # as the client sent it
+            assert hop.replies[0]["recheck"] and hop.replies[0]["chk"] == [
+                [None, KEY, DEMO.input_check.doc]  # type: ignore[union-attr]
+            ]
+            want = reference_rollout(DEMO_MODEL, [x])[-1]["actions"]
+            np.testing.assert_allclose(
+                np.asarray(got["outputs"]["actions"]).reshape(want.shape), want, rtol=1e-5
+            )
+
+    asyncio.run(run())
+
+
+def test_a_scalar_input_stays_a_scalar() -> None:
+    """A 0-d input given as an array or a numpy scalar is a 0-d array of the model's dtype
+    (``np.ascontiguousarray`` alone makes it 1-d, which the model refuses as a failed run)."""
+    for value in (np.float64(1.5), np.array(1.5), np.array(2, np.int32)):
+        got = inputs.from_arrays(UNBATCHED, {"x": np.zeros(2, np.uint8), "y": value})["y"]
+        assert got.shape == () and got.dtype == np.float16

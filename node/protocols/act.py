@@ -157,18 +157,18 @@ async def decode_rows(
                                   " send its steps in separate messages")  # fmt: skip
                 seen.add(episode)
     steps: list[Step | Exception] = []
+    degraded: list[bool] = []
     for at, row in enumerate(rows):
         try:
             if not isinstance(row, dict):
                 raise BodyError(400, "malformed", "a row must be a map (a JSON object)")
             checked = checks[at] if at < len(checks) else None
             steps.append(await decode_doc(service, row, binary, deadline, listed=listed,
-                                          checked=checked, counted=False))  # fmt: skip
+                                          checked=checked, degraded=degraded))  # fmt: skip
         except (BodyError, InvalidInput, InvalidArgument, Refused, Unavailable) as exc:
             steps.append(exc)
-    for step in steps:
-        if isinstance(step, Step) and step.degraded:
-            _degraded(service)
+    for _ in degraded:  # (once every row decoded: a StaleCheck of a later one counts none)
+        _degraded(service)
     return steps
 
 
@@ -198,14 +198,14 @@ async def decode_doc(
     *,
     listed: bool = False,
     checked: Checked | None = None,
-    counted: bool = True,
+    degraded: list[bool] | None = None,
 ) -> Step:
     """One body's step. ``listed``: its inputs' tensors are JSON lists a front door made
     arrays of (``node/front.py``); inputs the model refuses are then said as for the lists,
     as a node of one process says them. ``checked``: a front's word on the inputs
     (:class:`Checked`): trusted, they are taken as they are; checked against another
-    contract, :class:`StaleCheck`. ``counted``: a step routed by ``session_id`` is counted
-    here (else by the caller)."""
+    contract, :class:`StaleCheck`. A step routed by ``session_id`` is counted here, or
+    noted in ``degraded`` for the caller to count."""
     for key in doc:
         if key not in _KNOWN:
             raise UnknownField(str(key)[:64], FIELDS)
@@ -247,17 +247,21 @@ async def decode_doc(
         doc.get("control_hz"),
         doc.get("pending"),
     )
-    episode, degraded = doc.get("episode_id"), False
+    episode, by_session = doc.get("episode_id"), False
     if episode is None and doc.get("session_id") is not None:
-        episode, degraded = doc["session_id"], True
-    step = Step(
+        episode, by_session = doc["session_id"], True
+        if degraded is None:
+            _degraded(service)
+        else:
+            degraded.append(True)
+    return Step(
         episode=None if episode is None else check_episode(episode),
         inputs=feed,
         deadline=deadline,
         end=end,
         client_token=token,
         client_claim=claim,
-        degraded=degraded,
+        degraded=by_session,
         execute_steps=steps,
         ensemble=ensemble,
         seq=seq,
@@ -266,9 +270,6 @@ async def decode_doc(
         rtc=rtc,
         control_hz=control_rate(doc.get("control_hz")),
     )
-    if degraded and counted:
-        _degraded(service)
-    return step
 
 
 def encode(
