@@ -91,6 +91,7 @@ __all__ = [
     "Outcome",
     "Refused",
     "SeqConflict",
+    "StaleCheck",
     "StateLost",
     "StepRefused",
     "TransferError",
@@ -167,6 +168,13 @@ class HopError(Exception):
 class Uncarried(HopError):
     """A request whose header the hop cannot carry (msgpack has no integer past 64 bits):
     the front passes its body to the core whole, which answers it as one process does."""
+
+
+class StaleCheck(Exception):
+    """A front checked a step's inputs against an input check that is no longer its
+    model's (a rollout to a version of other inputs: ``node/protocols/act.py``'s
+    ``Checked``): raised before anything of the request has changed anything, and answered
+    to the front (never to a client) so that it sends the request again, unchecked."""
 
 
 class HopFull(Exception):

@@ -32,7 +32,16 @@ from typing import Any
 import numpy as np
 
 from affinity import InvalidArgument
-from node.errors import BodyError, HopError, InvalidInput, Outcome, Refused, Unavailable, outcome
+from node.errors import (
+    BodyError,
+    HopError,
+    InvalidInput,
+    Outcome,
+    Refused,
+    StaleCheck,
+    Unavailable,
+    outcome,
+)
 from node.hop import (
     ACT,
     KSERVE,
@@ -271,7 +280,7 @@ async def serve_request(
                                         checked=checked)  # fmt: skip
             step.received, step.timing = received, timing
             reply = await service.router.act(step)
-        except act.StaleCheck:
+        except StaleCheck:
             return _taught({"recheck": True}, [checked]), []
         except (BodyError, InvalidInput, InvalidArgument, Unavailable, Refused) as exc:
             return _taught(_refused(service, exc), [checked]), []
@@ -307,7 +316,7 @@ async def serve_request(
     try:
         decoded = await act.decode_rows(service, {"steps": rows}, True, deadline,
                                         listed=listed, checks=checks)  # fmt: skip
-    except act.StaleCheck:
+    except StaleCheck:
         return _taught({"recheck": True}, checks), []
     except (BodyError, InvalidInput, InvalidArgument, Unavailable, Refused) as exc:
         return _taught(_refused(service, exc), checks), []

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from affinity import wire
 from node import fronts, inputs
 from node.contract import PolicyContract, TensorSpec, checking_contract, load_contract
-from node.errors import InvalidInput
+from node.errors import InvalidInput, Undelivered
 from node.front import Checks, FrontApp
 from node.hop import pack, unpack
 from node.models import DEMO_MODEL, resolve_model
@@ -65,8 +65,8 @@ class LoopHop:
         answered, _ = unpack(header, total)
         self.replies.append(answered)
         result = use(kind, answered, out)
-        if deliver is not None:
-            await deliver(result, None)
+        if deliver is not None and await deliver(result, None) is not True:
+            raise Undelivered()  # (as FrontHop.call: a reply not handed over)
         return result
 
 
@@ -194,6 +194,8 @@ def test_a_check_the_model_no_longer_has_is_refused_and_the_message_sent_again_u
             assert status == 200, got
             assert [r["seq"] for r in got["steps"]] == [1, 1], got
             checked, again = (meta for meta, _ in hop.sent[-2:])
+            assert hop.replies[-2]["recheck"]
+            assert sorted(lesson[1] for lesson in hop.replies[-2]["chk"]) == [KEY, KEY]
             assert ["ok" in r for r in checked["rows"]] == [False, True]
             assert all("ok" not in r and "ck" not in r for r in again["rows"])
             assert service.metrics.degraded._value.get() == degraded + 1  # (decoded twice)
@@ -410,3 +412,95 @@ def test_a_scalar_input_stays_a_scalar() -> None:
     for value in (np.float64(1.5), np.array(1.5), np.array(2, np.int32)):
         got = inputs.from_arrays(UNBATCHED, {"x": np.zeros(2, np.uint8), "y": value})["y"]
         assert got.shape == () and got.dtype == np.float16
+
+
+def test_the_input_check_key_names_every_dtype_shape_and_batch_axis() -> None:
+    """Contracts whose observation inputs differ only in a dtype, a size, a symbolic name,
+    the batch axis or the order have different keys: a front's check of one is never
+    trusted for another."""
+    specs = [
+        ((TensorSpec("obs", ("batch", 8), "float32"),), True),
+        ((TensorSpec("obs", ("batch", 8), "float16"),), True),
+        ((TensorSpec("obs", ("batch", 9), "float32"),), True),
+        ((TensorSpec("obs", ("b", 8), "float32"),), True),
+        ((TensorSpec("obs", ("batch", 8), "float32"),), False),
+        ((TensorSpec("a", ("batch", 1), "int8"), TensorSpec("b", ("batch", 1), "int8")), True),
+        ((TensorSpec("b", ("batch", 1), "int8"), TensorSpec("a", ("batch", 1), "int8")), True),
+    ]
+    keys = set()
+    for inputs_, batch in specs:
+        check = PolicyContract(inputs_, (), {}, batch_axis=batch).input_check
+        assert check is not None
+        keys.add(check.key)
+    assert len(keys) == len(specs)
+    same = PolicyContract(specs[0][0], (TensorSpec("out", ("batch", 2), "float32"),), {},
+                          batch_axis=True).input_check  # fmt: skip
+    assert same is not None and same.key in keys  # (outputs are not the rule's)
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "msgpack"])
+def test_rows_teach_and_each_rows_word_is_its_own(binary: bool) -> None:
+    """A front that only sends messages of rows learns the check from them; in a message
+    of a row that is not a map, a short input and a good one, each row's check is read for
+    that row: the short one is refused in one process' words, the good one served. A
+    step refused is taught too. A model named as no string is refused as in one process."""
+
+    async def run() -> None:
+        async with front() as (app, hop, _):
+
+            def row(episode: str, x: np.ndarray) -> dict[str, Any]:
+                return {"episode_id": episode, "inputs": {"obs": x if binary else x.tolist()}}
+
+            status, got = await post(app, {"episode_id": "bad", "inputs": {"obs": [[1.0]]}},
+                                     binary)  # fmt: skip
+            assert status == 422 and app.checks._known[None][0] == KEY  # taught by a refusal
+            app.checks._known.clear()
+            status, got = await post(app, {"steps": [row("r0", obs(0))]}, binary)
+            assert status == 200 and app.checks._known[None][0] == KEY  # taught by rows
+            short = np.zeros((1, 2), np.float32)
+            for order in ([5, row("r1", short), row("r2", obs(2))],
+                          [row("r3", obs(3)), row("r4", short)]):  # fmt: skip
+                status, got = await post(app, {"steps": order}, binary)
+                assert status == 200, got
+                meta, _ = hop.sent[-1]
+                results = got["steps"]
+                for at, entry in enumerate(order):
+                    if entry == 5:
+                        assert results[at]["error"]["code"] == "malformed"
+                    elif entry["episode_id"] in ("r1", "r4"):
+                        said = said_by_one_process(DEMO, {"obs": short if binary else
+                                                          short.tolist()}, binary)  # fmt: skip
+                        assert results[at]["error"]["message"] == said
+                        assert "ok" not in meta["rows"][at]
+                    else:
+                        assert results[at]["seq"] == 1 and meta["rows"][at]["ok"]
+            status, got = await post(app, {"model": [1], "inputs": {"obs": [[0.0] * 8]}}, binary)
+            assert status == 422 and got["error"]["field"] == "model", got
+
+    asyncio.run(run())
+
+
+def test_a_model_the_core_has_no_check_for_is_taught_as_none() -> None:
+    """A front holding a key for a model whose contract has no check now (a string input)
+    is taught ``[model, None, None]`` and its inputs are the core's to check."""
+    checked = act.Checked("k", False)
+    strings = PolicyContract((TensorSpec("prompt", (1,), "object"),), (), {})
+    assert not act._trusted(checked, "m", strings, {"prompt": ["x"]})
+    assert checked.lesson == ("m", None)
+    assert fronts._taught({}, [checked]) == {"chk": [["m", None, None]]}
+    none = act.Checked(None, False)  # (no key held, no check here: nothing to teach)
+    assert not act._trusted(none, "m", strings, {}) and none.lesson is None
+
+
+def test_a_fronts_checks_stay_within_max() -> None:
+    """What a front keeps of the models' checks is bounded (``Checks.MAX``), changes and
+    forgotten models alike: past it, everything is forgotten and taught again."""
+    checks = Checks()
+    checks.MAX = 2
+    doc = {"batch_axis": True, "inputs": [["obs", "float32", ["batch", 8]]]}
+    for n in range(5):
+        for key in ("k", "k2", None):
+            checks.learn([[f"m{n}", key, doc]])
+            assert len(checks._known) <= 2 and len(checks._changes) <= 2
+        checks.learn([[f"m{n}", "k", doc]])
+    assert len(checks._known) <= 2 and len(checks._changes) <= 2

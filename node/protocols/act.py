@@ -59,7 +59,15 @@ from node.asgi import (
     while_connected,
 )
 from node.contract import Array, PolicyContract
-from node.errors import BodyError, ClientGone, InvalidInput, Refused, Unavailable, outcome
+from node.errors import (
+    BodyError,
+    ClientGone,
+    InvalidInput,
+    Refused,
+    StaleCheck,
+    Unavailable,
+    outcome,
+)
 from node.protocols.body import MSGPACK, count_rows, is_msgpack, parse, plain
 from node.rtc import control_rate
 from node.service import NodeService
@@ -67,7 +75,7 @@ from node.step import Reply, Step
 from node.timing import TIMING_HEADER, asks_timing
 
 __all__ = [
-    "MSGPACK", "Checked", "StaleCheck", "count_rows", "decode", "decode_doc", "decode_rows",
+    "MSGPACK", "Checked", "count_rows", "decode", "decode_doc", "decode_rows",
     "encode", "encode_row", "handle", "joined_rows", "split_rows",
 ]  # fmt: skip
 
@@ -93,12 +101,6 @@ class Checked:
     key: str | None
     ok: bool
     lesson: tuple[object, Any] | None = None
-
-
-class StaleCheck(Exception):
-    """A front checked a row's inputs against a contract that is no longer its model's (a
-    rollout, a new version): raised before anything of the message has changed anything,
-    so that the front sends it again, unchecked (``node/fronts.py``)."""
 
 
 def decode(
