@@ -108,9 +108,10 @@ class TensorSpec:
 
 
 class InputCheck(NamedTuple):
-    """What the input rule (``node/inputs.py``'s ``from_json`` and ``from_arrays``) reads of
-    a contract: each observation input's name, dtype and whole shape, in order, and the
-    batch axis (``doc``, JSON), and their digest (``key``). A front process checks a
+    """What the input rule (``node/inputs.py``'s ``from_json``, ``from_arrays`` and
+    ``from_observation``) reads of a contract: each observation input's name, dtype and
+    whole shape, in order, the batch axis and the openpi observation map (``doc``, JSON),
+    and their digest (``key``). A front process checks a
     client's inputs against the contract :func:`checking_contract` rebuilds from ``doc``,
     and the core trusts that check when ``key`` is its own contract's (``node/front.py``)."""
 
@@ -249,6 +250,7 @@ class PolicyContract:
         doc = {
             "batch_axis": self.batch_axis,
             "inputs": [[spec.name, spec.dtype, list(spec.shape)] for spec in specs],
+            "observations": self.observation_map,
         }
         text = json.dumps(doc, sort_keys=True, separators=(",", ":"))
         return InputCheck(hashlib.blake2b(text.encode(), digest_size=8).hexdigest(), doc)
@@ -259,11 +261,11 @@ class PolicyContract:
 
 
 def checking_contract(doc: object) -> PolicyContract:
-    """The contract an :class:`InputCheck`'s ``doc`` describes: its observation inputs, no
-    state, no outputs. ``node/inputs.py`` accepts and converts exactly the inputs it
-    accepts and converts for the whole contract (whose state inputs a client must not send
-    either: naming one is refused by both, with another message). Raises ``ValueError``
-    for a malformed ``doc``."""
+    """The contract an :class:`InputCheck`'s ``doc`` describes: its observation inputs and
+    openpi observation map, no state, no outputs. ``node/inputs.py`` accepts and converts
+    exactly the inputs it accepts and converts for the whole contract (whose state inputs
+    a client must not send either: naming one is refused by both, with another message).
+    Raises ``ValueError`` for a malformed ``doc``."""
     if not isinstance(doc, dict) or not isinstance(doc.get("inputs"), list):
         raise ValueError("an input check is a map with a list of inputs")
     batch_axis = doc.get("batch_axis")
@@ -287,7 +289,14 @@ def checking_contract(doc: object) -> PolicyContract:
         raise ValueError("an input check names an input twice")
     if batch_axis and any(not spec.shape for spec in specs):
         raise ValueError("an input check with a batch axis has no scalar input")
-    return PolicyContract(tuple(specs), (), MappingProxyType({}), batch_axis=batch_axis)
+    observations = doc.get("observations", {})
+    names = {spec.name for spec in specs}
+    if not isinstance(observations, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and v in names for k, v in observations.items()
+    ):
+        raise ValueError("an input check's observations map keys to its inputs")
+    return PolicyContract(tuple(specs), (), MappingProxyType({}), batch_axis=batch_axis,
+                          observations=MappingProxyType(observations))  # fmt: skip
 
 
 def _kind(dtype: str) -> str:

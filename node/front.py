@@ -38,7 +38,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -114,6 +114,7 @@ from node.protocols.kserve.body import (
     shaped,
 )
 from node.protocols.openpiframe import (
+    FIELDS,
     denied,
     fail,
     finished,
@@ -279,6 +280,40 @@ class Checks:
         return {"in": [["n", name] for name in feed], "ck": key, "ok": True}
 
 
+def _connection_check(taught: object) -> tuple[str, PolicyContract] | None:
+    """An openpi connection's input check as its open in the core gave it (``[key, doc]``;
+    None: its model's inputs are checked in the core)."""
+    if not (isinstance(taught, list) and len(taught) == 2 and isinstance(taught[0], str)):
+        return None
+    try:
+        return taught[0], checking_contract(taught[1])
+    except ValueError as exc:
+        log.warning("the core gave an input check this front cannot read: %s", exc)
+        return None
+
+
+def _observed(
+    check: tuple[str, PolicyContract], frame: dict[Any, Any], message: Mapping[str, Any]
+) -> tuple[dict[Any, Any], dict[str, Array], list[str]] | None:
+    """A one-environment frame's step fields (openpi's ``FIELDS``), its inputs checked and
+    converted by the rule the core applies (``inputs.from_observation``) against the
+    connection's check, and the observation keys the model does not take (their values
+    never cross the hop). None for a frame of rows, one whose observation the check
+    refuses (sent as it came: the core says what is wrong), and one whose inputs
+    converted would take more bytes than the frame (uint8 pixels to a float input)."""
+    if "episode_ids" in frame:
+        return None
+    rest = {k: v for k, v in frame.items() if k not in FIELDS}
+    try:
+        converted = inputs.from_observation(check[1], rest)
+    except InvalidInput:
+        return None
+    if sum(a.nbytes for a in converted.inputs.values()) > len(message.get("bytes") or b""):
+        return None
+    fields = {k: v for k, v in frame.items() if k in FIELDS}
+    return fields, converted.inputs, list(converted.ignored)
+
+
 def _row(doc: Any, binary: bool, arrays: list[Array], checks: Checks | None) -> dict[str, Any]:
     if not isinstance(doc, dict):
         return {"row": doc}
@@ -364,6 +399,9 @@ class _Names:
     number: int
     fixed: str | None
     own: str
+    check: tuple[str, PolicyContract] | None = None
+    """The connection's input check (its key, the contract rebuilt from it), as its open
+    in the core said: each one-environment frame's inputs are checked here with it."""
 
     def of(self, frame: dict[Any, Any]) -> str | None:
         """The episode of a frame, for an access line the core could not answer (the
@@ -708,7 +746,8 @@ class FrontApp:
         try:  # opened in the core: closed there however this ends (a client gone at once)
             await send({"type": "websocket.accept"})
             await send({"type": "websocket.send", "bytes": frame})
-            names = _Names(number, opened.get("fixed"), str(opened.get("own")))
+            names = _Names(number, opened.get("fixed"), str(opened.get("own")),
+                           _connection_check(opened.get("chk")))  # fmt: skip
             await self._steps(scope, receive, send, names)
         finally:
             await self._close(number)
@@ -744,7 +783,15 @@ class FrontApp:
         arrays: list[Array] = []
         try:
             frame = observation(message, self.max_rows)
-            meta = {"c": names.number, "recv": started, "o": lift(frame, arrays)}
+            meta: dict[str, Any] = {"c": names.number, "recv": started}
+            check = names.check
+            checked = None if check is None else _observed(check, frame, message)
+            if check is None or checked is None:
+                meta["o"] = lift(frame, arrays)
+            else:
+                fields, converted, ignored = checked
+                meta["o"], meta["in"] = lift(fields, arrays), lift(converted, arrays)
+                meta["ig"], meta["ok"], meta["ck"] = ignored, True, check[0]
         except (InvalidInput, WireError, Refused) as exc:
             o = outcome(exc)
             log_line(self.access, scope, started, o.status, None)

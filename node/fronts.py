@@ -203,7 +203,9 @@ async def serve_openpi(
         if conn is None:
             return {"frame": frame, "problem": problem}, []
         conns[number] = conn
-        return {"frame": frame, "problem": None, "fixed": conn.fixed, "own": conn.own}, []
+        check = conn.contract.input_check  # (the front checks each frame's inputs with it)
+        return {"frame": frame, "problem": None, "fixed": conn.fixed, "own": conn.own,
+                "chk": None if check is None else list(check)}, []  # fmt: skip
     conn = conns.get(number)
     if conn is None:
         raise HopError(f"no connection {number}")
@@ -217,8 +219,14 @@ async def serve_openpi(
     observation = lower(meta.get("o"), arrays)
     if not isinstance(observation, dict):
         raise HopError("an observation is a map")
+    checked = None
+    if meta.get("ok") is True:  # its inputs checked and converted by the front
+        key, given, ignored = meta.get("ck"), lower(meta.get("in"), arrays), meta.get("ig")
+        if not (isinstance(key, str) and isinstance(given, dict) and isinstance(ignored, list)):
+            raise HopError("a checked observation without its key, inputs or ignored keys")
+        checked = openpi.FrontChecked(key, given, tuple(map(str, ignored)))
     try:
-        served = await conn.step(observation, received, openpi.unwatched)
+        served = await conn.step(observation, received, openpi.unwatched, checked)
     except openpi.REFUSALS as exc:
         o = outcome(exc)
         _count(service, exc)

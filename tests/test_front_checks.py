@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from affinity import wire
 from node import fronts, inputs
 from node.contract import PolicyContract, TensorSpec, checking_contract, load_contract
-from node.errors import InvalidInput, Undelivered
-from node.front import Checks, FrontApp
+from node.errors import HopError, InvalidInput, Undelivered
+from node.front import Checks, FrontApp, _observed
 from node.hop import pack, unpack
 from node.models import DEMO_MODEL, resolve_model
 from node.protocols import act
@@ -46,6 +46,7 @@ class LoopHop:
 
     def __init__(self, service: Any) -> None:
         self.service = service
+        self.conns: fronts.Connections = {}  # (openpi's connections, as a front's in the core)
         self.sent: list[tuple[dict[str, Any], list[np.ndarray]]] = []
         self.replies: list[dict[str, Any]] = []
 
@@ -59,7 +60,8 @@ class LoopHop:
         copies = [a.copy() for a in arrays]
         for copy in copies:
             copy.flags.writeable = False  # (as the core reads them out of the slot)
-        reply, out = await fronts.serve_request(self.service, kind, carried, copies, 0)
+        reply, out = await fronts.serve_request(self.service, kind, carried, copies, 0,
+                                                self.conns)  # fmt: skip
         reply.pop("keep", None)
         header, _, total = pack(dict(reply), out)
         answered, _ = unpack(header, total)
@@ -504,3 +506,149 @@ def test_a_fronts_checks_stay_within_max() -> None:
             assert len(checks._known) <= 2 and len(checks._changes) <= 2
         checks.learn([[f"m{n}", "k", doc]])
     assert len(checks._known) <= 2 and len(checks._changes) <= 2
+
+
+# --- openpi: each frame's observation checked in the front ------------------------------
+
+
+async def openpi_steps(app: FrontApp, frames: list[dict[str, Any]]) -> list[Any]:
+    """An openpi connection to the front's app: its metadata frame, then each frame's
+    reply (decoded), the connection closed once every frame is answered."""
+    sent: list[dict[str, Any]] = []
+    given = [{"type": "websocket.connect"}] + [
+        {"type": "websocket.receive", "bytes": wire.encode(f)} for f in frames
+    ]
+
+    async def receive() -> dict[str, Any]:
+        if given:
+            return given.pop(0)
+        for _ in range(1000):  # (bounded: 10 s) the close once every reply was sent
+            if sum(m["type"] == "websocket.send" for m in sent) > len(frames):
+                break
+            await asyncio.sleep(0.01)
+        return {"type": "websocket.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "websocket", "path": "/", "query_string": b"", "headers": [],
+             "extensions": {"websocket.http.response": {}}}  # fmt: skip
+    await app.openpi(scope, receive, send)
+    frames = [m for m in sent if m["type"] == "websocket.send"][1:]
+    return [wire.decode(m["bytes"]) if "bytes" in m else m["text"] for m in frames]
+
+
+def test_an_openpi_frame_is_checked_in_the_front_and_taken_as_it_is_by_the_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The connection's open gives the front its model's check; each one-environment
+    frame's observation is then checked and converted in the front, the keys the model
+    does not take (a prompt) named but not sent, and the core, its own check made to fail,
+    serves the steps, the episode's state carried from one to the next. A frame the check
+    refuses goes as it came and gets the core's error; so does a frame of rows."""
+    from node.protocols import openpi
+
+    async def run() -> None:
+        async with front() as (app, hop, service):
+            xs = [obs(i)[0].astype(np.float64) for i in range(3)]  # float64: converted here
+
+            def unused(*_: Any) -> Any:
+                raise AssertionError("the core checked an observation the front had checked")
+
+            monkeypatch.setattr(openpi, "inputs", SimpleNamespace(from_observation=unused))
+            replies = await openpi_steps(app, [{"obs": x, "prompt": "go"} for x in xs])
+            steps = [meta for meta, _ in hop.sent if "ok" in meta]
+            assert len(steps) == 3 and all(m["ig"] == ["prompt"] for m in steps)
+            assert all("prompt" not in m["o"] and "obs" not in m["o"] for m in steps)
+            for i, reply in enumerate(replies):
+                assert "error" not in reply, reply
+                want = reference_rollout(DEMO_MODEL, [x[np.newaxis] for x in xs[: i + 1]])
+                np.testing.assert_allclose(
+                    np.asarray(reply["actions"]).reshape(want[-1]["actions"].shape),
+                    want[-1]["actions"], rtol=1e-5,
+                )  # fmt: skip
+            monkeypatch.setattr(openpi, "inputs", inputs)
+            sent = len(hop.sent)
+            (bad,) = await openpi_steps(app, [{"obs": np.zeros(3)}])
+            assert "ok" not in hop.sent[sent + 1][0]  # (after the open) as it came
+            assert isinstance(bad, str) and "obs" in bad, bad  # openpi's error: the core's
+            # the core trusts a check only under its connection's key (else: the hop's error)
+            given = {"obs": xs[0][np.newaxis].astype(np.float32)}
+            for key, trusted in (("0123456789abcdef", False), (KEY, True)):
+                checked = openpi.FrontChecked(key, given, ("prompt",))
+                args = (service, {"seq": 1}, None, "own", {}, 0.0, None, DEMO, checked)
+                if trusted:
+                    assert openpi.decode_observation(*args).inputs is given
+                else:
+                    with pytest.raises(HopError):
+                        openpi.decode_observation(*args)
+            rows = {"episode_ids": ["a", "b"], "obs": np.stack([xs[0], xs[1]])}
+            sent = len(hop.sent)
+            (both,) = await openpi_steps(app, [rows])
+            assert "ok" not in hop.sent[sent + 1][0] and "error" not in both, both
+
+    asyncio.run(run())
+
+
+def test_a_frame_whose_inputs_would_grow_or_that_the_check_refuses_crosses_as_it_came() -> None:
+    image = np.zeros((4, 4, 3), np.uint8)
+    contract = PolicyContract((TensorSpec("image", ("batch", 4, 4, 3), "float32"),), (), {},
+                              batch_axis=True, observations={"cam": "image"})  # fmt: skip
+    assert contract.input_check is not None
+    check = (contract.input_check.key, checking_contract(contract.input_check.doc))
+    frame = {"cam": image, "seq": 3}
+    message = {"bytes": wire.encode(frame)}
+    assert _observed(check, frame, message) is None  # 4x its bytes converted
+    floats = {"cam": image.astype(np.float64), "seq": 3}
+    fields, converted, ignored = _observed(check, floats, {"bytes": wire.encode(floats)}) or (
+        None, None, None)  # fmt: skip
+    assert fields == {"seq": 3} and ignored == []
+    assert converted is not None and converted["image"].dtype == np.float32
+    assert converted["image"].shape == (1, 4, 4, 3)
+    assert _observed(check, {"cam": np.zeros(3)}, message) is None  # refused: the core's
+    assert _observed(check, {"episode_ids": ["a"], "cam": image[None]}, message) is None
+
+
+@pytest.mark.parametrize(
+    "observation",
+    [
+        {"observation": {"image": "I", "wrist_image": "I", "state": "S"}, "prompt": "p"},
+        {"observation/image": "I", "observation/wrist_image": "I", "observation/state": "S"},
+        {"observation": {"image": "I", "wrist_image": "I"}},
+        {"observation": {"image": "I", "wrist_image": "I", "state": "I"}},
+        {"observation": {"image": "I", "wrist_image": "I", "state": "S"}, "observation/state": "S"},
+        {"observation": {"image": "S", "wrist_image": "I", "state": "S"}},
+        {"observation": {"image": "I", "wrist_image": "I", "state": [0.5] * 8}},
+        {"observation": {"image": "I", "wrist_image": "I", "state": "S", "extra": {"x": "S"}}},
+        [1, 2],
+    ],
+)
+def test_the_fronts_contract_takes_an_observation_as_the_whole_contract_does(
+    observation: Any,
+) -> None:
+    """``from_observation`` against the contract rebuilt from the check: the same verdict
+    and the same arrays as against the whole contract (vla-demo: nested keys, a prompt)."""
+    values = {"I": np.zeros((224, 224, 3), np.uint8), "S": np.linspace(0, 1, 8)}
+
+    def filled(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: filled(v) for k, v in value.items()}
+        return values.get(value, value) if isinstance(value, str) else value
+
+    assert VLA.input_check is not None
+    rebuilt = checking_contract(VLA.input_check.doc)
+    results = []
+    for contract in (VLA, rebuilt):
+        try:
+            results.append(inputs.from_observation(contract, filled(observation)))
+        except InvalidInput as exc:
+            results.append(str(exc))
+    whole, front_side = results
+    if isinstance(whole, str):
+        assert whole == front_side  # (said by the core, in either case; the same verdict)
+        return
+    assert not isinstance(front_side, str) and whole.ignored == front_side.ignored
+    assert list(whole.inputs) == list(front_side.inputs)
+    for name, array in whole.inputs.items():
+        assert array.dtype == front_side.inputs[name].dtype
+        np.testing.assert_array_equal(array, front_side.inputs[name])

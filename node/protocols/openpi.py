@@ -73,11 +73,20 @@ from affinity import InvalidArgument, check_episode, wire
 from node import inputs
 from node.accesslog import AccessLog
 from node.asgi import Receive, Scope, Send, header, io_seen
-from node.contract import PolicyContract
-from node.errors import ClientGone, InvalidInput, Outcome, Refused, Unavailable, outcome
-from node.inputs import outputs_unbatched
+from node.contract import Array, PolicyContract
+from node.errors import (
+    ClientGone,
+    HopError,
+    InvalidInput,
+    Outcome,
+    Refused,
+    Unavailable,
+    outcome,
+)
+from node.inputs import ObservationInputs, outputs_unbatched
 from node.protocols.openpiframe import (
     CLOSE_ERROR,
+    FIELDS,
     denied,
     fail,
     finished,
@@ -123,6 +132,17 @@ def metadata(
             "episode_id": episode,
         },
     }
+
+
+@dataclass
+class FrontChecked:
+    """One observation's inputs as a front door checked and converted them against the
+    connection's input check (``node/front.py``): the check's key, the model's inputs
+    (batch axis added) and the observation keys the model does not take."""
+
+    key: str
+    inputs: dict[str, Array]
+    ignored: tuple[str, ...]
 
 
 class Watch(Protocol):
@@ -176,17 +196,32 @@ class Connection:
         mid-step has its close told to the core while the step still runs there; its own
         episode must not end under it."""
 
-    async def step(self, observation: dict[Any, Any], now: float, watch: Watch) -> Served:
-        """Serve one observation (decoded, received at ``now``). Raises what
-        :data:`REFUSALS` names (nothing applied), :class:`ClientGone` from ``watch`` (the
-        rows served so far undone; a step cancelled is undone by the router)."""
+    async def step(
+        self,
+        observation: dict[Any, Any],
+        now: float,
+        watch: Watch,
+        checked: FrontChecked | None = None,
+    ) -> Served:
+        """Serve one observation (decoded, received at ``now``; ``checked``: its inputs as
+        a front checked them, :func:`decode_observation`). Raises what :data:`REFUSALS`
+        names (nothing applied), :class:`ClientGone` from ``watch`` (the rows served so far
+        undone; a step cancelled is undone by the router)."""
         async with self.serving:
-            return await self._step(observation, now, watch)
+            return await self._step(observation, now, watch, checked)
 
-    async def _step(self, observation: dict[Any, Any], now: float, watch: Watch) -> Served:
+    async def _step(
+        self,
+        observation: dict[Any, Any],
+        now: float,
+        watch: Watch,
+        checked: FrontChecked | None,
+    ) -> Served:
         service = self.service
         self.episode = None
         if "episode_ids" in observation:
+            if checked is not None:  # (a front checks one environment's frames alone)
+                raise HopError("a frame of rows checked by a front")
             rows = decode_rows(service, observation, self.tokens, now, self.model, self.contract)
             served: list[Reply | Exception | None] = []  # the rows' replies so far
             try:
@@ -198,9 +233,8 @@ class Connection:
                 raise
             doc = _rows_reply(self.contract, rows, served, self.tokens, self.claims)
             return Served(doc, [r for r in served if isinstance(r, Reply)], rows=True)
-        step = decode_observation(
-            service, observation, self.fixed, self.own, self.tokens, now, self.model, self.contract
-        )
+        step = decode_observation(service, observation, self.fixed, self.own, self.tokens, now,
+                                  self.model, self.contract, checked)  # fmt: skip
         self.episode = step.episode
         assert step.episode is not None
         step.client_claim = self.claims.get(step.episode)
@@ -457,12 +491,16 @@ def decode_observation(
     now: float,
     model: str | None = None,
     contract: PolicyContract | None = None,
+    checked: FrontChecked | None = None,
 ) -> Step:
-    """:func:`decode` of a decoded observation map."""
-    named, steps = observation.pop("episode_id", None), observation.pop("execute_steps", None)
-    ensemble, seq = observation.pop("ensemble", None), observation.pop("seq", None)
-    executed, delay = observation.pop("executed", None), observation.pop("inference_delay", None)
-    control_hz, pending = observation.pop("control_hz", None), observation.pop("pending", None)
+    """:func:`decode` of a decoded observation map (its step's fields, :data:`FIELDS`,
+    taken out of it). ``checked``: its inputs as a front checked and converted them
+    against the connection's contract (``node/front.py``), the observation then holding
+    the fields alone."""
+    fields = {key: observation.pop(key, None) for key in FIELDS if key != "timing"}
+    named, steps, ensemble = fields["episode_id"], fields["execute_steps"], fields["ensemble"]
+    seq, executed, delay = fields["seq"], fields["executed"], fields["inference_delay"]
+    control_hz, pending = fields["control_hz"], fields["pending"]
     timing = _scalar(observation.pop("timing", False))
     if not isinstance(timing, bool):
         raise InvalidArgument("timing", timing, "must be true or false")
@@ -472,7 +510,13 @@ def decode_observation(
     _, rtc = service.options_for(  # InvalidArgument names the field
         model, steps, ensemble, _scalar(executed), _scalar(delay), _scalar(control_hz), pending
     )
-    converted = inputs.from_observation(contract or service.contract, observation)
+    contract = contract or service.contract
+    if checked is None:
+        converted = inputs.from_observation(contract, observation)
+    elif contract.input_check is not None and checked.key == contract.input_check.key:
+        converted = ObservationInputs(checked.inputs, checked.ignored)
+    else:  # (the front has the check this connection's open gave it: a bug)
+        raise HopError("an observation checked against another contract")
     if converted.ignored:
         service.warn_once(
             f"openpi-ignored:{converted.ignored}",

@@ -21,6 +21,7 @@ from node.errors import InvalidInput, Outcome, Refused
 
 __all__ = [
     "CLOSE_ERROR",
+    "FIELDS",
     "denied",
     "fail",
     "finished",
@@ -32,6 +33,13 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+FIELDS = (
+    "episode_id", "execute_steps", "ensemble", "seq", "executed", "inference_delay",
+    "control_hz", "pending", "timing",
+)  # fmt: skip
+"""The keys of a one-environment observation frame that are the step's fields, not the
+observation (``node/protocols/openpi.py``'s ``decode_observation`` takes them out)."""
 
 CLOSE_ERROR = 1011
 UNAUTHORIZED = "this node wants Authorization: Api-Key <key> (openpi-client's api_key)"
