@@ -300,18 +300,39 @@ def _observed(
     connection's check, and the observation keys the model does not take (their values
     never cross the hop). None for a frame of rows, one whose observation the check
     refuses (sent as it came: the core says what is wrong), and one whose inputs
-    converted would take more bytes than the frame (uint8 pixels to a float input)."""
+    converted would take more bytes than its arrays (uint8 pixels to a float input; lists),
+    so that a frame that fit a slot still fits."""
     if "episode_ids" in frame:
         return None
     rest = {k: v for k, v in frame.items() if k not in FIELDS}
+    given = _array_bytes(rest)
+    if given is None:  # (lists: converted they could outgrow what they replace)
+        return None
     try:
         converted = inputs.from_observation(check[1], rest)
     except InvalidInput:
         return None
-    if sum(a.nbytes for a in converted.inputs.values()) > len(message.get("bytes") or b""):
-        return None
+    if sum(a.nbytes for a in converted.inputs.values()) > given:
+        return None  # the slot holds what the frame's own arrays held, no more
     fields = {k: v for k, v in frame.items() if k in FIELDS}
     return fields, converted.inputs, list(converted.ignored)
+
+
+def _array_bytes(observation: dict[Any, Any]) -> int | None:
+    """The bytes of an observation's arrays, its maps walked (as many levels as the rule
+    reads: deeper ones it refuses); None when it holds a list."""
+    total = 0
+    stack: list[tuple[Any, int]] = [(observation, 0)]
+    while stack:
+        node, depth = stack.pop()
+        for value in node.values():
+            if isinstance(value, np.ndarray):
+                total += value.nbytes
+            elif isinstance(value, list):
+                return None
+            elif isinstance(value, dict) and depth < inputs.MAX_OBSERVATION_DEPTH:
+                stack.append((value, depth + 1))
+    return total
 
 
 def _row(doc: Any, binary: bool, arrays: list[Array], checks: Checks | None) -> dict[str, Any]:

@@ -582,10 +582,15 @@ def test_an_openpi_frame_is_checked_in_the_front_and_taken_as_it_is_by_the_core(
                 else:
                     with pytest.raises(HopError):
                         openpi.decode_observation(*args)
-            rows = {"episode_ids": ["a", "b"], "obs": np.stack([xs[0], xs[1]])}
-            sent = len(hop.sent)
-            (both,) = await openpi_steps(app, [rows])
-            assert "ok" not in hop.sent[sent + 1][0] and "error" not in both, both
+            for rows in (
+                {"episode_ids": ["a", "b"], "obs": np.stack([xs[0], xs[1]])},
+                {"episode_ids": ["c"], "obs": xs[0]},
+            ):  # (one that passes one's check)
+                sent = len(hop.sent)
+                (both,) = await openpi_steps(app, [rows])
+                assert "ok" not in hop.sent[sent + 1][0], hop.sent[sent + 1][0]
+                assert isinstance(both, dict) and len(both["rows"]) == len(rows["episode_ids"])
+                assert all("error" not in row for row in both["rows"]), both
 
     asyncio.run(run())
 
@@ -606,7 +611,16 @@ def test_a_frame_whose_inputs_would_grow_or_that_the_check_refuses_crosses_as_it
     assert converted is not None and converted["image"].dtype == np.float32
     assert converted["image"].shape == (1, 4, 4, 3)
     assert _observed(check, {"cam": np.zeros(3)}, message) is None  # refused: the core's
-    assert _observed(check, {"episode_ids": ["a"], "cam": image[None]}, message) is None
+    rows = {
+        "episode_ids": np.array(["a"]),
+        "cam": image.astype(np.float64),
+    }  # (one env's check passes)
+    assert _observed(check, rows, message) is None
+    listed = {"cam": image.astype(np.float64).tolist()}
+    assert _observed(check, listed, message) is None  # lists: as they came
+    big = {"cam": image.astype(np.float64), "pending": np.zeros((50, 8), np.float32)}
+    fields, converted, _ = _observed(check, big, message) or (None, None, None)
+    assert fields is not None and "pending" in fields  # (fields cross as they came)
 
 
 @pytest.mark.parametrize(
