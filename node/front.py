@@ -270,12 +270,16 @@ class Checks:
             and not (isinstance(raw, dict) and all(isinstance(v, np.ndarray) for v in raw.values()))
         ):  # (msgpack lists of small numbers converted could outgrow the body: the core's)
             return {"ck": key}
+        if binary and any(
+            np.dtype(spec.dtype).itemsize > raw[spec.name].itemsize
+            for spec in contract.observation_inputs
+            if spec.name in raw
+        ):  # (uint8 pixels to a float input: 4x the bytes) the core's, not converted here
+            return {"ck": key}
         try:
             feed = inputs.from_arrays(contract, raw) if binary else inputs.from_json(contract, raw)
         except InvalidInput:
             return {"ck": key}  # as it came: the core says what is wrong
-        if binary and any(feed[name].nbytes > raw[name].nbytes for name in feed):
-            return {"ck": key}  # (uint8 pixels to a float input: 4x the bytes) the core's
         arrays.extend(feed.values())
         return {"in": [["n", name] for name in feed], "ck": key, "ok": True}
 

@@ -237,7 +237,9 @@ def test_a_model_whose_check_keeps_changing_is_not_checked_in_the_front_for_a_wh
     assert checks.row(body, False, []) == {"in": [["n", "obs"]], "ck": "key9", "ok": True}
 
 
-def test_pixels_that_conversion_would_grow_are_converted_in_the_core() -> None:
+def test_pixels_that_conversion_would_grow_are_converted_in_the_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """uint8 pixels sent to a float input would fill four times the slot converted, and
     so would msgpack lists of small integers: the front sends them as they came (``ck``
     only), the core converts them (a body that fits a slot still fits it)."""
@@ -248,9 +250,16 @@ def test_pixels_that_conversion_would_grow_are_converted_in_the_core() -> None:
     checks.learn([[None, contract.input_check.key, contract.input_check.doc]])
     arrays: list[np.ndarray] = []
     image = np.zeros((1, 4, 4, 3), np.uint8)
+    real = inputs.from_arrays
+
+    def unused(*_: Any) -> Any:
+        raise AssertionError("converted in the front, to be thrown away")
+
+    monkeypatch.setattr(inputs, "from_arrays", unused)
     assert checks.row({"inputs": {"image": image}}, True, arrays) == {
         "ck": contract.input_check.key
     }
+    monkeypatch.setattr(inputs, "from_arrays", real)
     assert not arrays
     listed = {"inputs": {"image": image.tolist()}}
     assert checks.row(listed, True, arrays) == {"ck": contract.input_check.key} and not arrays
