@@ -38,7 +38,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -297,7 +297,7 @@ def _connection_check(taught: object) -> tuple[str, PolicyContract] | None:
 
 
 def _observed(
-    check: tuple[str, PolicyContract], frame: dict[Any, Any], message: Mapping[str, Any]
+    check: tuple[str, PolicyContract], frame: dict[Any, Any]
 ) -> tuple[dict[Any, Any], dict[str, Array], list[str]] | None:
     """A one-environment frame's step fields (openpi's ``FIELDS``), its inputs checked and
     converted by the rule the core applies (``inputs.from_observation``) against the
@@ -810,7 +810,7 @@ class FrontApp:
             frame = observation(message, self.max_rows)
             meta: dict[str, Any] = {"c": names.number, "recv": started}
             check = names.check
-            checked = None if check is None else _observed(check, frame, message)
+            checked = None if check is None else _observed(check, frame)
             if check is None or checked is None:
                 meta["o"] = lift(frame, arrays)
             else:

@@ -527,18 +527,18 @@ async def openpi_steps(app: FrontApp, frames: list[dict[str, Any]]) -> list[Any]
     given = [{"type": "websocket.connect"}] + [
         {"type": "websocket.receive", "bytes": wire.encode(f)} for f in frames
     ]
+    answered = asyncio.Event()  # the metadata frame and every reply sent
 
     async def receive() -> dict[str, Any]:
         if given:
             return given.pop(0)
-        for _ in range(1000):  # (bounded: 10 s) the close once every reply was sent
-            if sum(m["type"] == "websocket.send" for m in sent) > len(frames):
-                break
-            await asyncio.sleep(0.01)
+        await answered.wait()  # then the robot closes
         return {"type": "websocket.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
         sent.append(message)
+        if sum(m["type"] == "websocket.send" for m in sent) > len(frames):
+            answered.set()
 
     scope = {"type": "websocket", "path": "/", "query_string": b"", "headers": [],
              "extensions": {"websocket.http.response": {}}}  # fmt: skip
@@ -611,24 +611,23 @@ def test_a_frame_whose_inputs_would_grow_or_that_the_check_refuses_crosses_as_it
     assert contract.input_check is not None
     check = (contract.input_check.key, checking_contract(contract.input_check.doc))
     frame = {"cam": image, "seq": 3}
-    message = {"bytes": wire.encode(frame)}
-    assert _observed(check, frame, message) is None  # 4x its bytes converted
+    assert _observed(check, frame) is None  # 4x its bytes converted
     floats = {"cam": image.astype(np.float64), "seq": 3}
-    fields, converted, ignored = _observed(check, floats, {"bytes": wire.encode(floats)}) or (
+    fields, converted, ignored = _observed(check, floats) or (
         None, None, None)  # fmt: skip
     assert fields == {"seq": 3} and ignored == []
     assert converted is not None and converted["image"].dtype == np.float32
     assert converted["image"].shape == (1, 4, 4, 3)
-    assert _observed(check, {"cam": np.zeros(3)}, message) is None  # refused: the core's
+    assert _observed(check, {"cam": np.zeros(3)}) is None  # refused: the core's
     rows = {
         "episode_ids": np.array(["a"]),
         "cam": image.astype(np.float64),
     }  # (one env's check passes)
-    assert _observed(check, rows, message) is None
+    assert _observed(check, rows) is None
     listed = {"cam": image.astype(np.float64).tolist()}
-    assert _observed(check, listed, message) is None  # lists: as they came
+    assert _observed(check, listed) is None  # lists: as they came
     big = {"cam": image.astype(np.float64), "pending": np.zeros((50, 8), np.float32)}
-    fields, converted, _ = _observed(check, big, message) or (None, None, None)
+    fields, converted, _ = _observed(check, big) or (None, None, None)
     assert fields is not None and "pending" in fields  # (fields cross as they came)
 
 
