@@ -67,6 +67,7 @@ from node.asgi import (
     respond_error,
     respond_gone,
 )
+from node.checks import Checks
 from node.contract import PolicyContract, checking_contract
 from node.errors import (
     BadRequest,
@@ -107,6 +108,7 @@ from node.protocols.kserve.body import (
     INFER_PATH,
     JSON,
     InferRequest,
+    check_name,
     decode_infer,
     encode_reply,
     reply_of,
@@ -192,96 +194,6 @@ def _has_bool(value: list[Any]) -> bool:
     if isinstance(value[0], list):
         return any(_has_bool(v) for v in value)
     return bool in map(type, value)
-
-
-class Checks:
-    """The input checks (``node/contract.py``'s ``InputCheck``) of the models this front's
-    steps named, by a row's ``model`` as sent (None: the node's only model), as the core's
-    replies taught them (``chk``: ``node/fronts.py``). A row whose model is known has its
-    inputs checked and converted here by the rule the core applies (``node/inputs.py``):
-    passing, they go over the hop as the model's arrays, marked checked against that key,
-    and the core takes them as they are when the key is its own contract's; failing,
-    they go as they came and the core says what is wrong, as in one process. A check that
-    is no longer the model's (a rollout) is refused by the core before anything changed,
-    and the request is sent again unchecked (:meth:`FrontApp.act`). A model known by a key
-    without a contract is not checked here (its check could not be read, or it changed
-    too often): its rows say the key, so the core does not teach it again."""
-
-    MAX = 256
-    """Models (as named) known at most: past it, everything is forgotten and taught again."""
-    CHANGES = 4
-    CHANGES_S = 600.0
-    """A model whose check changed :attr:`CHANGES` times within this many seconds is not
-    checked here until that time has passed (versions of different inputs stepped through
-    this front in turn: each change costs a step a second trip over the hop)."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._known: dict[str | None, tuple[str, PolicyContract | None]] = {}
-        self._changes: dict[str | None, tuple[int, float]] = {}  # count, since
-        self._clock = clock
-
-    def learn(self, lessons: object) -> None:
-        """Take the core's ``chk``: ``[model, key, doc]`` each (key None: not checked here)."""
-        if not isinstance(lessons, list):
-            return
-        for lesson in lessons:
-            if not (isinstance(lesson, list) and len(lesson) == 3):
-                continue
-            model, key, doc = lesson
-            if model is not None and not isinstance(model, str):
-                continue
-            known = self._known.get(model)
-            if known is not None and known[0] == key:
-                continue  # (the same lesson again: the replies of steps sent before it)
-            if not isinstance(key, str):  # no check: its rows then say no key
-                self._known.pop(model, None)
-                continue
-            contract: PolicyContract | None = None
-            if known is None or not self._changed(model):
-                try:
-                    contract = checking_contract(doc)
-                except ValueError as exc:  # (said once: its rows say the key from now on)
-                    log.warning("the core taught an input check this front cannot read: %s", exc)
-            if len(self._known) >= self.MAX or len(self._changes) >= self.MAX:
-                self._known.clear()
-                self._changes.clear()
-            self._known[model] = (key, contract)
-
-    def _changed(self, model: str | None) -> bool:
-        """Count a change of ``model``'s check; whether it changed too often to be checked."""
-        now = self._clock()
-        count, since = self._changes.get(model, (0, now))
-        if now - since > self.CHANGES_S:
-            count, since = 0, now
-        self._changes[model] = (count + 1, since)
-        return count + 1 >= self.CHANGES
-
-    def row(self, doc: dict[Any, Any], binary: bool, arrays: list[Array]) -> dict[str, Any] | None:
-        """A row's inputs for the hop, checked and converted against its model's check
-        (``ok``), with the check's key (``ck``); None when its model is not known here."""
-        model = doc.get("model")
-        known = self._known.get(model) if model is None or isinstance(model, str) else None
-        if known is None:
-            return None
-        key, contract = known
-        raw = doc["inputs"]
-        if contract is None or (
-            binary
-            and not (isinstance(raw, dict) and all(isinstance(v, np.ndarray) for v in raw.values()))
-        ):  # (msgpack lists of small numbers converted could outgrow the body: the core's)
-            return {"ck": key}
-        if binary and any(
-            np.dtype(spec.dtype).itemsize > raw[spec.name].itemsize
-            for spec in contract.observation_inputs
-            if spec.name in raw
-        ):  # (uint8 pixels to a float input: 4x the bytes) the core's, not converted here
-            return {"ck": key}
-        try:
-            feed = inputs.from_arrays(contract, raw) if binary else inputs.from_json(contract, raw)
-        except InvalidInput:
-            return {"ck": key}  # as it came: the core says what is wrong
-        arrays.extend(feed.values())
-        return {"in": [["n", name] for name in feed], "ck": key, "ok": True}
 
 
 def _connection_check(taught: object) -> tuple[str, PolicyContract] | None:
@@ -451,7 +363,9 @@ class FrontApp:
         self.access = AccessLog(bool(spec.get("access_log", True)),
                                 json=spec.get("log_format") == "json")  # fmt: skip
         self.checks = Checks()
-        """The models' input checks, as the core taught them."""
+        """The models' input checks, as the core taught them (``/act``: by ``model``)."""
+        self.kserve_checks = Checks()
+        """... and KServe's (by ``check_name``: gRPC's too, ``grpc_front``)."""
         self.numbers = itertools.count()
         """Each openpi connection's number, the core's name for it."""
         self._closing: set[asyncio.Future[None]] = set()  # closes sent from no request
@@ -598,7 +512,10 @@ class FrontApp:
                 meta["refused"] = [o.status, o.message, o.reject_reason, []]
             else:
                 request.timing = request.timing or _asks_timing(timing)
-                meta, arrays = request_meta(request, name, version)
+                checked = self.kserve_checks.infer(request, check_name(name, version))
+                sent, word = (request, {}) if checked is None else checked
+                meta, arrays = request_meta(sent, name, version)
+                meta.update(word)
                 rows = request.rows
                 scope[STEP_KEY] = ((f"{len(rows)} rows" if rows is not None else
                                     request.episode or "-"), "-", "-")  # fmt: skip
@@ -608,7 +525,11 @@ class FrontApp:
 
         def use(
             kind: int, reply: dict[str, Any], views: list[Array]
-        ) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes]]]:
+        ) -> tuple[int, bytes, bytes, list[tuple[bytes, bytes]]] | None:
+            if "chk" in reply:
+                self.kserve_checks.learn(reply["chk"])
+            if reply.get("recheck"):  # checked against a contract no longer the model's
+                return None
             err = reply.get("kerr")
             if err is not None:
                 status, message, headers = err
@@ -628,15 +549,22 @@ class FrontApp:
         wait = self.hop.slot_wait_s  # (--act-deadline: counted from its arrival too)
         writer = _Writer(scope, send)
         try:  # a slot waited for no longer than the request's own timeout, if it set one
-            await self.hop.call(
-                KSERVE,
-                meta,
-                arrays,
-                use,
-                gone,
-                deliver=writer,
-                wait_s=_left(received, min(timeout_s or wait, wait)),
-            )
+            for first in (True, False):
+                if not first:  # the core refused the check, before anything changed
+                    assert request is not None
+                    meta, arrays = request_meta(request, name, version)
+                    meta["recv"] = received
+                answered = await self.hop.call(
+                    KSERVE,
+                    meta,
+                    arrays,
+                    use,
+                    gone,
+                    deliver=writer,
+                    wait_s=_left(received, min(timeout_s or wait, wait)),
+                )
+                if answered is not None:
+                    break
         except HopFull as exc:  # busy, or its deadline passed while it waited for a slot
             own = timeout_s if timeout_s is not None and timeout_s < wait else None
             why = shaped(outcome(exc.refusal()), own).message
@@ -1198,7 +1126,8 @@ async def serve(argv: list[str]) -> None:
 
         def servicer(channel: Any) -> grpc_front.FrontServicer:
             return grpc_front.FrontServicer(hop, channel, app.access, app.max_rows,
-                                            app._allowed, app._note)  # fmt: skip
+                                            app._allowed, app._note,
+                                            app.kserve_checks)  # fmt: skip
 
         rpc = await grpc_front.start(servicer, spec["host"], int(grpc_port), spec["grpc_core"],
                                      app.max_body)  # fmt: skip

@@ -59,6 +59,7 @@ from node.hop import (
     lift,
     lower,
 )
+from node.inputs import Checked, checked_of, taught
 from node.metrics import REJECTED
 from node.procs import Running
 from node.protocols import act, openpi
@@ -281,7 +282,7 @@ async def serve_request(
     listed = meta.get("j") is True  # a JSON body: its tensors were lists
     deadline = received + service.config.act_deadline_s
     if kind == ACT:
-        checked = _checked(meta)
+        checked = checked_of(meta)
         try:
             doc, _ = _feed(meta, arrays, 0)
             step = await act.decode_doc(service, doc, True, deadline, listed=listed,
@@ -289,9 +290,9 @@ async def serve_request(
             step.received, step.timing = received, timing
             reply = await service.router.act(step)
         except StaleCheck:
-            return _taught({"recheck": True}, [checked]), []
+            return taught({"recheck": True}, [checked]), []
         except (BodyError, InvalidInput, InvalidArgument, Unavailable, Refused) as exc:
-            return _taught(_refused(service, exc), [checked]), []
+            return taught(_refused(service, exc), [checked]), []
         try:
             done, out = _reply_meta(reply, timing)
         except HopError as exc:  # an output the hop cannot carry: as one too big, undone
@@ -299,7 +300,7 @@ async def serve_request(
             return {"err": [500, "internal", str(exc), None, None]}, []
         done["url"] = reply.url
         done["keep"] = reply
-        return _taught(done, [checked]), out
+        return taught(done, [checked]), out
     if kind != ROWS:
         raise HopError(f"unknown request kind {kind}")
     if "bad" in meta:  # a message of rows whose shape is wrong: act says how
@@ -309,7 +310,7 @@ async def serve_request(
             return _refused(service, exc), []
         raise HopError("a malformed message of rows decoded")
     rows: list[Any] = []
-    checks: list[act.Checked | None] = []
+    checks: list[Checked | None] = []
     at = 0
     for row in meta.get("rows", []):
         if isinstance(row, dict) and "row" in row:
@@ -318,16 +319,16 @@ async def serve_request(
         elif isinstance(row, dict):
             doc, at = _feed(row, arrays, at)
             rows.append(doc)
-            checks.append(_checked(row))
+            checks.append(checked_of(row))
         else:
             raise HopError("bad row")
     try:
         decoded = await act.decode_rows(service, {"steps": rows}, True, deadline,
                                         listed=listed, checks=checks)  # fmt: skip
     except StaleCheck:
-        return _taught({"recheck": True}, checks), []
+        return taught({"recheck": True}, checks), []
     except (BodyError, InvalidInput, InvalidArgument, Unavailable, Refused) as exc:
-        return _taught(_refused(service, exc), checks), []
+        return taught(_refused(service, exc), checks), []
     steps, where, refused = act.split_rows(service, decoded, received, timing)
     served: list[Reply | Exception | None] = [None] * len(steps)
     await service.router.act_rows(steps, served)
@@ -346,28 +347,7 @@ async def serve_request(
     except HopError as exc:  # an output the hop cannot carry: as one too big, all undone
         await undeliver(service, keep)
         return {"err": [500, "internal", str(exc), None, None]}, []
-    return _taught({"rows": metas, "keep": keep}, checks), outs
-
-
-def _checked(row: dict[str, Any]) -> act.Checked:
-    """The front's word on a row's inputs (``node/front.py``'s ``Checks``): the input
-    check's key it holds for the row's model (``ck``), and whether it checked them (``ok``)."""
-    key = row.get("ck")
-    return act.Checked(key if isinstance(key, str) else None, row.get("ok") is True)
-
-
-def _taught(reply: dict[str, Any], checks: list[act.Checked | None]) -> dict[str, Any]:
-    """``reply`` with what the front should know of the contracts of the rows' models
-    (``chk``: ``[model, key, doc]`` each, key and doc None for a model it must not check),
-    where the check it holds is not the one the row's model resolved to here."""
-    lessons = []
-    for checked in checks:
-        if checked is not None and checked.lesson is not None:
-            model, check = checked.lesson
-            lessons.append([model, None, None] if check is None else [model, *check])
-    if lessons:
-        reply["chk"] = lessons
-    return reply
+    return taught({"rows": metas, "keep": keep}, checks), outs
 
 
 async def undeliver(service: NodeService, kept: Any, doubt: bool = False) -> None:

@@ -15,22 +15,26 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, cast
 
 import numpy as np
 
 from node.contract import Array, PolicyContract, TensorSpec, json_kind
-from node.errors import InvalidInput
+from node.errors import InvalidInput, StaleCheck
 
 __all__ = [
     "MAX_OBSERVATION_DEPTH",
+    "Checked",
     "ObservationInputs",
+    "checked_of",
     "from_arrays",
     "from_json",
     "from_observation",
     "outputs_unbatched",
+    "taught",
+    "trusted",
 ]
 
 MAX_OBSERVATION_DEPTH = 8
@@ -424,3 +428,56 @@ def _where(shape: tuple[int, ...], flat_index: int) -> str:
     if not shape:
         return "value"
     return "".join(f"[{int(i)}]" for i in np.unravel_index(flat_index, shape))
+
+
+# ---- a front's word on the inputs it checked (issue 43: node/checks.py) ------------------
+
+
+@dataclass
+class Checked:
+    """A front process's word on one step's inputs (``node/checks.py``): the key of the
+    input check (``PolicyContract.input_check``) it holds for the step's model (None:
+    none), and whether it checked the inputs against it (``ok``: they come as that check
+    converted them, every one a tensor). :func:`trusted` trusts the check when the key is
+    that of the contract the step's model resolves to, and sets ``lesson`` (the model as
+    the front names it, and this node's check of it, or None: none) when it is not."""
+
+    key: str | None
+    ok: bool
+    lesson: tuple[object, Any] | None = None
+
+
+def checked_of(meta: Mapping[str, Any]) -> Checked:
+    """The front's word on a step's inputs as the hop carried it: the input check's key it
+    holds for the step's model (``ck``), and whether it checked them (``ok``)."""
+    key = meta.get("ck")
+    return Checked(key if isinstance(key, str) else None, meta.get("ok") is True)
+
+
+def trusted(checked: Checked, model: object, contract: PolicyContract, raw: object) -> bool:
+    """Whether ``raw`` are inputs a front checked against ``contract``'s input check (its
+    word, ``checked``), to be taken as they are; sets its ``lesson`` (``model``: the name
+    the front knows the check by) when the check it holds is not that one, and raises
+    :class:`StaleCheck` when it checked them against another: before anything of the
+    request changed anything, the front sends it again unchecked."""
+    mine = contract.input_check
+    if checked.key != (None if mine is None else mine.key):
+        checked.lesson = (model, mine)
+        if checked.ok:
+            raise StaleCheck()
+        return False
+    return checked.ok and type(raw) is dict
+
+
+def taught(reply: dict[str, Any], checks: Sequence[Checked | None]) -> dict[str, Any]:
+    """``reply`` with what the front should know of the checks of its steps' models
+    (``chk``: ``[model, key, doc]`` each, key and doc None for a model it must not check),
+    where the check it holds is not the one the step's model resolved to here."""
+    lessons = []
+    for checked in checks:
+        if checked is not None and checked.lesson is not None:
+            model, check = checked.lesson
+            lessons.append([model, None, None] if check is None else [model, *check])
+    if lessons:
+        reply["chk"] = lessons
+    return reply

@@ -10,6 +10,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,17 +19,23 @@ import hypothesis.extra.numpy as hnp
 import numpy as np
 import orjson
 import pytest
+import tritonclient.http as th
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from affinity import wire
 from node import fronts, inputs
+from node.checks import Checks
 from node.contract import PolicyContract, TensorSpec, checking_contract, load_contract
 from node.errors import HopError, InvalidInput, Undelivered
-from node.front import Checks, FrontApp, _observed
+from node.front import FrontApp, _observed
 from node.hop import pack, unpack
 from node.models import DEMO_MODEL, resolve_model
 from node.protocols import act
+from node.protocols.kserve import grpc_front
+from node.protocols.kserve import request as kserve_request
+from node.protocols.kserve.body import InferRequest, Row, check_name
+from node.protocols.kserve.pb import kserve_pb2 as pb
 from tests.inproc import cluster, config
 from tests.rollout import reference_rollout
 
@@ -52,7 +59,7 @@ class LoopHop:
 
     async def call(
         self, kind: int, meta: dict[str, Any], arrays: list[np.ndarray], use: Any,
-        gone: Any = None, deliver: Any = None, **_: Any,
+        gone: Any = None, deliver: Any = None, hold: bool = False, **_: Any,
     ) -> Any:  # fmt: skip
         header, _, total = pack(dict(meta), arrays)
         carried, _ = unpack(header, total)
@@ -67,6 +74,8 @@ class LoopHop:
         answered, _ = unpack(header, total)
         self.replies.append(answered)
         result = use(kind, answered, out)
+        if hold:  # (gRPC's: the caller settles it; nothing kept here to undo)
+            return result, lambda delivered: None
         if deliver is not None and await deliver(result, None) is not True:
             raise Undelivered()  # (as FrontHop.call: a reply not handed over)
         return result
@@ -494,13 +503,13 @@ def test_rows_teach_and_each_rows_word_is_its_own(binary: bool) -> None:
 def test_a_model_the_core_has_no_check_for_is_taught_as_none() -> None:
     """A front holding a key for a model whose contract has no check now (a string input)
     is taught ``[model, None, None]`` and its inputs are the core's to check."""
-    checked = act.Checked("k", False)
+    checked = inputs.Checked("k", False)
     strings = PolicyContract((TensorSpec("prompt", (1,), "object"),), (), {})
-    assert not act._trusted(checked, "m", strings, {"prompt": ["x"]})
+    assert not inputs.trusted(checked, "m", strings, {"prompt": ["x"]})
     assert checked.lesson == ("m", None)
-    assert fronts._taught({}, [checked]) == {"chk": [["m", None, None]]}
-    none = act.Checked(None, False)  # (no key held, no check here: nothing to teach)
-    assert not act._trusted(none, "m", strings, {}) and none.lesson is None
+    assert inputs.taught({}, [checked]) == {"chk": [["m", None, None]]}
+    none = inputs.Checked(None, False)  # (no key held, no check here: nothing to teach)
+    assert not inputs.trusted(none, "m", strings, {}) and none.lesson is None
 
 
 def test_a_fronts_checks_stay_within_max() -> None:
@@ -674,3 +683,213 @@ def test_the_fronts_contract_takes_an_observation_as_the_whole_contract_does(
     for name, array in whole.inputs.items():
         assert array.dtype == front_side.inputs[name].dtype
         np.testing.assert_array_equal(array, front_side.inputs[name])
+
+
+# ---- KServe v2: HTTP and gRPC, decoded and checked in the front -------------------------
+
+
+def kserve_input(x: np.ndarray, binary: bool) -> Any:
+    given = th.InferInput("obs", list(x.shape), th.np_to_triton_dtype(x.dtype))
+    given.set_data_from_numpy(x, binary_data=binary)
+    return given
+
+
+async def kserve_post(
+    app: FrontApp, x: np.ndarray, binary: bool, sequence: str, *, start: bool = False
+) -> tuple[int, Any]:
+    """A KServe v2 HTTP infer of one step, as ``tritonclient`` encodes it, to the front's
+    app: (status, every output and parameter as ``tritonclient`` reads the reply, or the
+    error's message)."""
+    body, json_size = th.InferenceServerClient.generate_request_body(
+        [kserve_input(x, binary)], sequence_id=sequence, sequence_start=start
+    )
+    headers = [(b"content-type", b"application/octet-stream")]
+    if json_size is not None:
+        headers.append((b"inference-header-content-length", str(json_size).encode()))
+    scope = {"type": "http", "method": "POST", "path": "/v2/models/demo_policy/infer",
+             "query_string": b"", "headers": headers}  # fmt: skip
+    sent: list[dict[str, Any]] = []
+    given = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return given.pop() if given else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await app(scope, receive, send)
+    status = sent[0]["status"]
+    content = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    if status != 200:
+        return status, orjson.loads(content)["error"]
+    length = dict(sent[0]["headers"]).get(b"inference-header-content-length")
+    result = th.InferenceServerClient.parse_response_body(
+        content, header_length=None if length is None else int(length)
+    )
+    return status, result
+
+
+def _unchecked(*_: Any) -> Any:
+    raise AssertionError("the core checked inputs the front had checked")
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_a_kserve_infer_is_checked_in_the_front_once_taught(
+    binary: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KServe's inputs are checked and converted in the front as ``/act``'s are: the first
+    request teaches the front its model's check (under the path's model), the next are
+    checked there and served by the core without its own check (made to fail here), each
+    step applied once, its outputs the model's. A request the check refuses (a shape, a
+    missing input) crosses as it came, and the core says what is wrong as one process."""
+
+    async def run() -> None:
+        async with front() as (app, hop, _):
+            xs = [obs(10 + i) for i in range(3)]
+            status, got = await kserve_post(app, xs[0], binary, "kc", start=True)
+            assert status == 200, got
+            assert "ck" not in hop.sent[-1][0] and "ok" not in hop.sent[-1][0]
+            assert app.kserve_checks._known["demo_policy"][0] == KEY
+            assert not app.checks._known  # (KServe's lessons are its own)
+            monkeypatch.setattr(kserve_request, "inputs", SimpleNamespace(from_arrays=_unchecked))
+            monkeypatch.setattr(kserve_request, "_check_missing", _unchecked)
+            for i in (1, 2):
+                status, got = await kserve_post(app, xs[i], binary, "kc")
+                assert status == 200, got
+                meta, arrays = hop.sent[-1]
+                assert meta["ok"] is True and meta["ck"] == KEY and "chk" not in hop.replies[-1]
+                assert [a.dtype for a in arrays] == [np.float32]
+                assert got.get_response()["parameters"]["seq"] == i + 1
+                want = reference_rollout(DEMO_MODEL, xs[: i + 1])[-1]["actions"]
+                np.testing.assert_allclose(got.as_numpy("actions"), want, rtol=1e-5)
+            monkeypatch.undo()
+            short = np.zeros((1, 2), np.float32)
+            status, message = await kserve_post(app, short, binary, "kc")
+            meta, _ = hop.sent[-1]
+            assert "ok" not in meta and meta["ck"] == KEY  # sent as it came
+            assert status == 400 and said_by_one_process(DEMO, {"obs": short}, True) in message
+
+            status, message = await kserve_post(app, obs(1).astype(np.float64), binary, "kc")
+            meta, arrays = hop.sent[-1]  # FP64 converted here: half the bytes cross
+            assert status == 200 and meta["ok"] is True and arrays[0].dtype == np.float32
+            status, got = await kserve_post(app, xs[0], binary, "kc")
+            assert status == 200 and got.get_response()["parameters"]["seq"] == 5
+
+    asyncio.run(run())
+
+
+def test_a_stale_kserve_check_is_refused_and_the_request_sent_again_unchecked() -> None:
+    """A KServe request checked against a check that is not its model's any more is
+    refused by the core before anything of it counts (Triton's statistics, the step), the
+    front is taught the model's check and sends it again unchecked: applied once."""
+
+    async def run() -> None:
+        async with front() as (app, hop, service):
+            stale = {"batch_axis": True, "inputs": [["obs", "float32", [1, 8]]]}
+            app.kserve_checks.learn([["demo_policy", "0123456789abcdef", stale]])
+            stats = kserve_request.stats_for(service, "demo_policy")
+            status, got = await kserve_post(app, obs(3), True, "ks", start=True)
+            assert status == 200 and got.get_response()["parameters"]["seq"] == 1
+            (checked, _), (again, _) = hop.sent[-2:]
+            assert checked["ok"] is True and hop.replies[-2]["recheck"]
+            assert "ok" not in again and "ck" not in again and len(hop.sent) == 2
+            assert stats.success_count == 1 and stats.fail_count == 0
+            assert app.kserve_checks._known["demo_policy"][0] == KEY
+            status, got = await kserve_post(app, obs(4), True, "ks")
+            assert status == 200 and got.get_response()["parameters"]["seq"] == 2
+            assert hop.sent[-1][0]["ok"] is True
+
+    asyncio.run(run())
+
+
+class _Context:
+    """The little of a ``grpc.aio`` call's context the front's servicer reads."""
+
+    def __init__(self) -> None:
+        self.aborted: tuple[Any, str] | None = None
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def cancelled(self) -> bool:
+        return False
+
+    def invocation_metadata(self) -> tuple[Any, ...]:
+        return ()
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+    def add_done_callback(self, _: Any) -> None:
+        pass
+
+    async def abort(self, code: Any, details: str, *_: Any) -> None:
+        self.aborted = (code, details)
+        raise RuntimeError(details)
+
+
+def test_a_grpc_infer_is_checked_in_the_front_with_the_lessons_of_http(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The front's gRPC door checks as its HTTP door does, with the same lessons: taught
+    by an HTTP request, a ``ModelInfer`` is checked in the front and served by the core
+    without its own check; a stale check is sent again unchecked."""
+
+    async def run() -> None:
+        async with front() as (app, hop, _):
+            servicer = grpc_front.FrontServicer(
+                hop,  # type: ignore[arg-type]
+                None,  # type: ignore[arg-type]
+                app.access,
+                8,
+                app._allowed,
+                app._note,
+                app.kserve_checks,
+            )
+
+            def message(x: np.ndarray, start: bool) -> Any:
+                msg = pb.ModelInferRequest(model_name="demo_policy")
+                msg.inputs.add(name="obs", datatype="FP32", shape=list(x.shape))
+                msg.raw_input_contents.append(x.tobytes())
+                msg.parameters["sequence_id"].string_param = "kg"
+                msg.parameters["sequence_start"].bool_param = start
+                return msg
+
+            status, _ = await kserve_post(app, obs(20), True, "other", start=True)
+            assert status == 200 and app.kserve_checks._known["demo_policy"][0] == KEY
+            monkeypatch.setattr(kserve_request, "inputs", SimpleNamespace(from_arrays=_unchecked))
+            for i in range(2):
+                reply = await servicer.model_infer(message(obs(21 + i), i == 0), _Context())
+                assert hop.sent[-1][0]["ok"] is True and hop.sent[-1][0]["ck"] == KEY
+                assert reply.parameters["seq"].int64_param == i + 1
+            monkeypatch.undo()
+            stale = {"batch_axis": True, "inputs": [["obs", "float32", [1, 8]]]}
+            app.kserve_checks.learn([["demo_policy", "0123456789abcdef", stale]])
+            sent = len(hop.sent)
+            reply = await servicer.model_infer(message(obs(23), False), _Context())
+            assert reply.parameters["seq"].int64_param == 3 and len(hop.sent) == sent + 2
+            assert hop.replies[-2]["recheck"] and "ok" not in hop.sent[-1][0]
+
+    asyncio.run(run())
+
+
+def test_checks_infer_takes_what_the_rule_takes_and_no_rows() -> None:
+    """What ``Checks.infer`` checks in the front: a model it knows, one step (a request of
+    rows is the core's), every input the model takes given (a missing one is named by the
+    core, in Triton's words), none that would grow converted; what passes is converted."""
+    checks = Checks()
+    request = InferRequest(None, "s", "kserve:s:s", False, False,
+                           {"obs": np.zeros((1, 8), np.float64)}, None, True, None)  # fmt: skip
+    assert checks.infer(request, "demo_policy") is None  # not taught
+    checks.learn([["demo_policy", *DEMO.input_check]])
+    taken, word = checks.infer(request, "demo_policy") or (None, None)
+    assert word == {"ck": KEY, "ok": True} and taken is not None and taken is not request
+    assert taken.arrays["obs"].dtype == np.float32 and request.arrays["obs"].dtype == np.float64
+    for arrays in ({"other": np.zeros((1, 8), np.float32)},  # missing: the core names it
+                   {"obs": np.zeros((1, 8), np.uint8)},  # would grow (uint8 to float32)
+                   {"obs": np.zeros((1, 3), np.float32)}):  # refused  # fmt: skip
+        asked = replace(request, arrays=arrays)
+        assert checks.infer(asked, "demo_policy") == (asked, {"ck": KEY}), arrays
+    rows = replace(request, rows=[Row("s", "kserve:s:s")])
+    assert checks.infer(rows, "demo_policy") is None
+    assert checks.infer(request, check_name("demo_policy", "2")) is None  # another name

@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -58,16 +57,16 @@ from node.asgi import (
     respond_gone,
     while_connected,
 )
-from node.contract import Array, PolicyContract
+from node.contract import Array
 from node.errors import (
     BodyError,
     ClientGone,
     InvalidInput,
     Refused,
-    StaleCheck,
     Unavailable,
     outcome,
 )
+from node.inputs import Checked, trusted
 from node.protocols.body import MSGPACK, count_rows, is_msgpack, parse, plain
 from node.rtc import control_rate
 from node.service import NodeService
@@ -75,7 +74,7 @@ from node.step import Reply, Step
 from node.timing import TIMING_HEADER, asks_timing
 
 __all__ = [
-    "MSGPACK", "Checked", "count_rows", "decode", "decode_doc", "decode_rows",
+    "MSGPACK", "count_rows", "decode", "decode_doc", "decode_rows",
     "encode", "encode_row", "handle", "joined_rows", "split_rows",
 ]  # fmt: skip
 
@@ -87,20 +86,6 @@ FIELDS = (
 )  # fmt: skip
 _KNOWN = frozenset(FIELDS)
 _HEADERS = (b"content-type", b"accept", b"authorization", TIMING_HEADER)  # read by handle()
-
-
-@dataclass
-class Checked:
-    """A front process's word on one row's inputs (``node/front.py``): the key of the
-    input check (``PolicyContract.input_check``) it holds for the row's ``model`` (None:
-    none), and whether it checked the inputs against it (``ok``: they come as that check
-    converted them, every one a tensor). :func:`decode_doc` trusts the check when the key
-    is that of the contract it resolves the row's model to, and sets ``lesson`` (the row's
-    ``model`` as sent, and this node's check of it, or None: none) when it is not."""
-
-    key: str | None
-    ok: bool
-    lesson: tuple[object, Any] | None = None
 
 
 def decode(
@@ -179,19 +164,6 @@ def _degraded(service: NodeService) -> None:
     service.warn_once("degraded", "steps without episode_id are routed by session_id (degraded)")
 
 
-def _trusted(checked: Checked, model: object, contract: PolicyContract, raw: object) -> bool:
-    """Whether ``raw`` are inputs a front checked against ``contract``'s input check (its
-    word, ``checked``); sets its ``lesson`` when the check it holds is not that one, and
-    raises :class:`StaleCheck` when it checked them against another."""
-    mine = contract.input_check
-    if checked.key != (None if mine is None else mine.key):
-        checked.lesson = (model, mine)
-        if checked.ok:
-            raise StaleCheck()
-        return False
-    return checked.ok and type(raw) is dict
-
-
 async def decode_doc(
     service: NodeService,
     doc: dict[Any, Any],
@@ -205,7 +177,7 @@ async def decode_doc(
     """One body's step. ``listed``: its inputs' tensors are JSON lists a front door made
     arrays of (``node/front.py``); inputs the model refuses are then said as for the lists,
     as a node of one process says them. ``checked``: a front's word on the inputs
-    (:class:`Checked`): trusted, they are taken as they are; checked against another
+    (``node.inputs.Checked``): trusted, they are taken as they are; checked against another
     contract, :class:`StaleCheck`. A step routed by ``session_id`` is counted here, or
     noted in ``degraded`` for the caller to count."""
     for key in doc:
@@ -218,7 +190,7 @@ async def decode_doc(
     name, contract = await service.model_for(name, version or None)
     raw = doc.get("inputs")
     feed: dict[str, Array]
-    if checked is not None and _trusted(checked, model, contract, raw):
+    if checked is not None and trusted(checked, model, contract, raw):
         feed = cast(dict[str, Array], raw)  # checked and converted by the front, as here
     else:
         try:

@@ -45,6 +45,7 @@ __all__ = [
     "InferRequest",
     "Row",
     "check_custom",
+    "check_name",
     "decode_infer",
     "encode_reply",
     "episode_of",
@@ -449,6 +450,14 @@ def _carried(entries: object, arrays: list[Array]) -> dict[str, Array]:
     if at != len(arrays):
         raise ValueError("more tensors than entries")
     return named
+
+
+def check_name(model: str, version: str | None) -> str:
+    """The name a front knows a KServe model's input check by (``node/checks.py``): the
+    path's model, and its version as the path named it, if it did; the core teaches the
+    check under the same name (a NUL apart: in no path, and two names that still meet only
+    cost a second trip, since the core compares the check's key)."""
+    return model if version is None else f"{model}\x00{version}"
 
 
 def request_meta(

@@ -33,6 +33,7 @@ import grpc
 
 from affinity import InvalidArgument
 from node.accesslog import STEP_KEY, AccessLog
+from node.checks import Checks
 from node.errors import (
     BadRequest,
     BodyError,
@@ -45,7 +46,7 @@ from node.errors import (
     outcome,
 )
 from node.hop import KSERVE, Array, FrontHop
-from node.protocols.kserve.body import reply_of, request_meta, shaped
+from node.protocols.kserve.body import InferRequest, check_name, reply_of, request_meta, shaped
 from node.protocols.kserve.messages import (
     HTTP_STATUS,
     SERVICE,
@@ -96,7 +97,8 @@ def write_access(
 class FrontServicer:
     """The front's RPCs: the two infer RPCs over the hop, the rest passed to the core.
     ``allowed`` checks an ``authorization`` value against the node's API key; ``note``
-    has the core count a refusal answered here."""
+    has the core count a refusal answered here; ``checks``: the KServe input checks the
+    core taught this front (``node/checks.py``, shared with its HTTP door)."""
 
     def __init__(
         self,
@@ -106,8 +108,10 @@ class FrontServicer:
         max_rows: int,
         allowed: Callable[[str | None], bool],
         note: Callable[[str], Awaitable[None]],
+        checks: Checks | None = None,
     ) -> None:
         self.hop = hop
+        self.checks = Checks() if checks is None else checks
         self.core = core
         self.access = access
         self.max_rows = max_rows
@@ -159,13 +163,17 @@ class FrontServicer:
         arrays: list[Array] = []
         request_id: str | None = None
         ends: list[float] = []  # when the request's own timeout, the client's deadline end
+        request: InferRequest | None = None
         try:
             request = decode_request(msg, max_rows=self.max_rows)
         except (BadRequest, BodyError, Refused, InvalidArgument) as exc:
             o = shaped(outcome(exc))
             meta["refused"] = [o.status, o.message, o.reject_reason, []]
         else:
-            meta, arrays = request_meta(request, name, version)
+            checked = self.checks.infer(request, check_name(name, version))
+            sent, word = (request, {}) if checked is None else checked
+            meta, arrays = request_meta(sent, name, version)
+            meta.update(word)
             request_id = request.id
             if request.timeout_s is not None:
                 ends.append(started + request.timeout_s)
@@ -178,7 +186,11 @@ class FrontServicer:
 
         def use(
             kind: int, reply: dict[str, Any], views: list[Array]
-        ) -> pb.ModelInferResponse | Abort:
+        ) -> pb.ModelInferResponse | Abort | None:
+            if "chk" in reply:
+                self.checks.learn(reply["chk"])
+            if reply.get("recheck"):  # checked against a contract no longer the model's
+                return None
             err = reply.get("kerr")
             if err is not None:
                 status, message, headers = err
@@ -191,11 +203,19 @@ class FrontServicer:
                                    parameters)  # fmt: skip
 
         try:
-            answer, settle = await self.hop.call(  # a slot waited for no longer than its deadline
-                KSERVE, meta, arrays, use, context.cancelled,
-                wait_s=min(ends) - time.monotonic() if ends else None, hold=True,
-                size=_size,
-            )  # fmt: skip
+            for first in (True, False):
+                if not first:  # the core refused the check, before anything changed
+                    assert request is not None
+                    meta, arrays = request_meta(request, name, version)
+                    meta["recv"], meta["grpc"] = started, context.time_remaining()
+                answer, settle = await self.hop.call(  # a slot waited for no longer than its
+                    KSERVE, meta, arrays, use, context.cancelled,  # deadline
+                    wait_s=min(ends) - time.monotonic() if ends else None, hold=True,
+                    size=_size,
+                )  # fmt: skip
+                if answer is not None:
+                    break
+                settle(True)  # (the refused check: nothing to deliver, no step applied)
         except HopFull as exc:  # busy, or its deadline passed while it waited for a slot
             why = shaped(outcome(exc.refusal())).message
             raise Abort(grpc.StatusCode.UNAVAILABLE, why, "1") from None

@@ -41,13 +41,15 @@ from node.asgi import (
     while_connected,
 )
 from node.contract import PolicyContract
-from node.errors import ClientGone, HopError, NotServed, outcome
+from node.errors import ClientGone, HopError, NotServed, StaleCheck, outcome
+from node.inputs import checked_of, taught, trusted
 from node.metrics import REJECTED
 from node.protocols.kserve.body import (
     HEADER_LENGTH,
     JSON,
     MODEL_PATH,
     InferRequest,
+    check_name,
     decode_infer,
     encode_reply,
     reply_meta,
@@ -378,6 +380,7 @@ async def serve_infer(
     budget: float,
     watch: Callable[[Awaitable[Any]], Awaitable[Any]] = _unwatched,
     door: str = "kserve_http",
+    checked: bool = False,
 ) -> tuple[Reply, str | None, Reply | list[Reply]]:
     """Serve a decoded infer request for ``model`` (``version`` as its path named it),
     received at ``started`` with ``budget`` seconds to answer: one step, or a request of
@@ -388,6 +391,8 @@ async def serve_infer(
     :class:`ClientGone` the steps already served are undone first. Raises what
     :data:`~node.protocols.kserve.request.REFUSED` holds for the request as a whole.
     ``door``: the step's door label (``kserve_grpc`` for gRPC decoded in a front).
+    ``checked``: a front checked and converted the inputs against ``model``'s contract
+    (``node/checks.py``): they are taken as they are.
 
     Both ways of taking the request in serve it here: the node's own HTTP door
     (:func:`_infer`) and a front door process, over the hop (:func:`serve_hop`)."""
@@ -411,7 +416,7 @@ async def serve_infer(
         reply = Reply(outputs, None, "", service.node_id, 0, "rows", False, False,
                       model=first.model if first else "")  # fmt: skip
         return reply, rows, [r for r in results if isinstance(r, Reply)]
-    step = await service_step(service, request, deadline, model_name, version, model)
+    step = await service_step(service, request, deadline, model_name, version, model, checked)
     step.door, step.received = door, started
     try:
         reply = await watch(service.router.act(step))
@@ -463,6 +468,12 @@ async def serve_hop(
         request, _, _ = request_of(meta, arrays)
     except ValueError as exc:
         raise HopError(str(exc)) from None
+    checked = None if request.rows is not None else checked_of(meta)
+    try:  # inputs the front checked against this contract's check are taken as they are
+        taken = checked is not None and trusted(checked, check_name(name, version), model[1],
+                                                request.arrays)  # fmt: skip
+    except StaleCheck:  # against another: sent again unchecked, before anything counted
+        return taught({"recheck": True}, [checked]), []
     budget = service.config.act_deadline_s
     if request.timeout_s is not None:
         budget = min(budget, request.timeout_s)
@@ -473,15 +484,15 @@ async def serve_hop(
     door = "kserve_grpc" if grpc else "kserve_http"
     try:
         reply, rows, keep = await serve_infer(service, model, request, started, version, budget,
-                                              door=door)  # fmt: skip
+                                              door=door, checked=taken)  # fmt: skip
     except REFUSED as exc:
         own = budget if budget < service.config.act_deadline_s and not grpc else None
         o = kserve_outcome(service, model[0], exc, request, own)
         retry = [] if o.retry_after is None else [[b"retry-after", o.retry_header.encode()]]
-        return {"kerr": [o.status, o.message, retry]}, []
+        return taught({"kerr": [o.status, o.message, retry]}, [checked]), []
     done, out = reply_meta(*reply_parts(reply, request, rows))
     done["node"], done["url"] = reply.node, reply.url
     done["log"] = _step_key(request, reply)
     done["name"] = model[0]
     done["keep"] = keep
-    return done, out
+    return taught(done, [checked]), out

@@ -216,6 +216,7 @@ def to_step(
     returned: Sequence[str] | None = None,
     claim_unknown: bool = False,
     rtc: Ask | None = None,
+    checked: bool = False,
 ) -> Step:
     """The internal step of a decoded request.
 
@@ -224,7 +225,9 @@ def to_step(
     will have (:class:`BadRequest`). By default that is every output the model returns (with
     action-chunk execution: the chunk output only). A sequence step without
     ``sequence_start`` serves only a live sequence unless ``claim_unknown``
-    (``--kserve-claim-unknown``)."""
+    (``--kserve-claim-unknown``). ``checked``: its inputs were checked and converted by
+    this rule already, against ``contract``'s input check, in a front process
+    (``node/checks.py``): they are taken as they are."""
     if returned is None:
         returned = [spec.name for spec in contract.returned_outputs]
     if request.outputs is not None:
@@ -233,11 +236,15 @@ def to_step(
                 raise BadRequest(f"unknown output {name[:64]!r}; the model returns: "
                                  f"{', '.join(returned)}")  # fmt: skip
     specs = contract.observation_specs
-    if request.arrays.keys() != specs.keys():
-        _check_missing(contract, request.arrays)
+    if checked:
+        feed = request.arrays
+    else:
+        if request.arrays.keys() != specs.keys():
+            _check_missing(contract, request.arrays)
+        feed = inputs.from_arrays(contract, request.arrays)
     return Step(
         episode=request.episode,
-        inputs=inputs.from_arrays(contract, request.arrays),
+        inputs=feed,
         deadline=deadline,
         end=request.end,
         restart=request.start,
@@ -308,14 +315,16 @@ async def service_step(
     name: str | None = None,
     version: str | None = None,
     found: tuple[str, PolicyContract] | None = None,
+    checked: bool = False,
 ) -> Step:
     """:func:`to_step` for a request to ``service`` (both KServe front doors).
 
     The request is for model ``name`` (None: the fleet's only one) and ``version`` (see
     :func:`requested_version`). Outputs are checked against what its chunk mode returns,
     with ``--kserve-claim-unknown`` applied. ``found`` is what :func:`find_model` gave for
-    them, if the caller asked. Raises ``InvalidArgument`` for chunk parameters this model
-    cannot take, ``Refused`` for a model no node serves (404)."""
+    them, if the caller asked; ``checked``: a front checked the inputs against that
+    model's contract (:func:`to_step`). Raises ``InvalidArgument`` for chunk parameters
+    this model cannot take, ``Refused`` for a model no node serves (404)."""
     version = requested_version(service, name or "", version)
     chosen, contract = found or await service.model_for(name, version)
     dispatcher = service.dispatchers.get(chosen)  # elsewhere: the owner checks
@@ -330,7 +339,7 @@ async def service_step(
     )
     returned = [dispatcher.chunk.output] if dispatcher and mode and dispatcher.chunk else None
     claim_unknown = service.config.kserve_claim_unknown
-    step = to_step(contract, request, deadline, returned, claim_unknown, rtc)
+    step = to_step(contract, request, deadline, returned, claim_unknown, rtc, checked)
     step.model, step.version = chosen, version
     return step
 
