@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from node.hop import ANSWERED, REPLY, Region, die_with_parent, lift, lower
+from node.hop import ANSWERED, REPLY, Region, contiguous, die_with_parent, lift, lower
 
 __all__ = ["RUN", "main"]
 
@@ -265,7 +265,7 @@ def _answer(
     if kind == FREE:
         return {}, []
     if kind == GET:
-        return {}, [np.ascontiguousarray(np.asarray(states.get(i))) for i in meta["s"]]
+        return {}, [contiguous(np.asarray(states.get(i))) for i in meta["s"]]
     names: list[str] | None = meta.get("o")
     keep = set(meta.get("k") or ())
     _refuse_when_fenced(states, meta, kind)
@@ -289,7 +289,7 @@ def _answer(
         if array.dtype.hasobject:  # a string output: by value (its name, or its place)
             strings[name or str(at)] = lift(array, [])
         else:
-            outputs.append(np.ascontiguousarray(array))
+            outputs.append(contiguous(array))
     said: dict[str, Any] = {"h": handles}
     if strings:
         said["x"] = strings

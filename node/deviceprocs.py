@@ -80,7 +80,7 @@ import numpy as np
 from node.deviceproc import FREE, GET, RUN, RUN_ROWS
 from node.devices import DeviceSpec
 from node.errors import HopError, StateLost, WorkerFenced, WorkerGone, WorkerRunError
-from node.hop import ASKED, Array, Region, deaf_children, lift, lower, readable
+from node.hop import ASKED, Array, Region, contiguous, deaf_children, lift, lower, readable
 from node.procs import Running
 from node.providers import ProviderSettings
 
@@ -397,7 +397,7 @@ class RemoteSession:
                 carried[name] = lift(array, [])
             else:
                 names.append(name)
-                values.append(np.ascontiguousarray(array))
+                values.append(contiguous(array))
         return names, handles, values, carried
 
     def _kept(self, names: Sequence[str] | None) -> list[str]:

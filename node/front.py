@@ -95,6 +95,7 @@ from node.hop import (
     FrontHop,
     Handing,
     Region,
+    contiguous,
     die_with_parent,
     lift,
     lower,
@@ -167,8 +168,11 @@ def _inputs(raw: Any, binary: bool, arrays: list[Array]) -> dict[str, Any]:
 
 def _tensor(value: Any, binary: bool) -> Array | None:
     if binary:
-        if isinstance(value, np.ndarray) and value.dtype.kind in "biufcUS":
-            return np.ascontiguousarray(value)
+        if isinstance(value, np.ndarray | np.generic) and value.dtype.kind in "biufcUS":
+            # a numpy scalar crosses as a 0-d tensor of its dtype: as a header value it
+            # would become a Python number (np.float64(3.0) to 3.0), which the rule takes
+            # for an integer input where one process refuses the float64
+            return contiguous(np.asarray(value))
         return None
     if not isinstance(value, list):
         return None

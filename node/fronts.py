@@ -55,6 +55,7 @@ from node.hop import (
     CoreHop,
     Region,
     SharedLoopBuckets,
+    contiguous,
     deaf_children,
     lift,
     lower,
@@ -167,7 +168,7 @@ def _reply_meta(reply: Reply, timing: bool) -> tuple[dict[str, Any], list[Array]
         if value.dtype.hasobject:  # a string output: by value in the header (hop.lift)
             strings[name] = lift(value, [])
         else:
-            out.append(np.ascontiguousarray(value))
+            out.append(contiguous(value))
     meta: dict[str, Any] = {"facts": facts, "names": names}
     if strings:
         meta["x"] = strings

@@ -94,6 +94,7 @@ __all__ = [
     "Handing",
     "Region",
     "SharedLoopBuckets",
+    "contiguous",
     "deaf_children",
     "die_with_parent",
     "lift",
@@ -412,6 +413,12 @@ def pack(meta: dict[str, Any], arrays: list[Array]) -> tuple[bytes, list[Place],
     return header, places, _aligned(len(header)) + at
 
 
+def contiguous(array: Array) -> Array:
+    """``array`` as the slot takes it (C-contiguous), of its own shape: a 0-d array stays
+    0-d (``np.ascontiguousarray`` makes it 1-d, so a scalar would cross as ``[x]``)."""
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
+
+
 def _plain(obj: Any) -> Any:
     if isinstance(obj, np.ndarray | np.generic):
         return obj.tolist()
@@ -501,7 +508,7 @@ def lift(obj: Any, arrays: list[Array]) -> Any:
                     f"cannot carry a tensor of {obj.dtype} over the hop: {exc}"
                 ) from None
             return msgpack.ExtType(STRINGS, data)
-        arrays.append(np.ascontiguousarray(obj))
+        arrays.append(contiguous(obj))
         return msgpack.ExtType(TENSOR, _INDEX.pack(len(arrays) - 1))
     if isinstance(obj, np.generic):
         arrays.append(np.asarray(obj))

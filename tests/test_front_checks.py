@@ -28,14 +28,16 @@ from node import fronts, inputs
 from node.checks import Checks
 from node.contract import PolicyContract, TensorSpec, checking_contract, load_contract
 from node.errors import HopError, InvalidInput, Undelivered
-from node.front import FrontApp, _observed
-from node.hop import pack, unpack
+from node.front import FrontApp, _observed, _outputs
+from node.front import request as front_request
+from node.hop import Region, contiguous, lift, lower, pack, unpack
 from node.models import DEMO_MODEL, resolve_model
 from node.protocols import act
 from node.protocols.kserve import grpc_front
 from node.protocols.kserve import request as kserve_request
-from node.protocols.kserve.body import InferRequest, Row, check_name
+from node.protocols.kserve.body import InferRequest, Row, _carried, _carry, check_name
 from node.protocols.kserve.pb import kserve_pb2 as pb
+from node.step import Reply
 from tests.inproc import cluster, config
 from tests.rollout import reference_rollout
 
@@ -893,3 +895,91 @@ def test_checks_infer_takes_what_the_rule_takes_and_no_rows() -> None:
     rows = replace(request, rows=[Row("s", "kserve:s:s")])
     assert checks.infer(rows, "demo_policy") is None
     assert checks.infer(request, check_name("demo_policy", "2")) is None  # another name
+
+
+# ---- what a front does not check reaches the core's rule as one process has it ------------
+
+SCALARS = PolicyContract(
+    (TensorSpec("x", (), "int32"), TensorSpec("obs", ("batch", 3), "float32"),
+     TensorSpec("u", (2,), "uint8")), (), {},
+)  # fmt: skip
+_NUMBER = st.one_of(
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=False),
+    st.booleans(),
+    st.sampled_from([0, 1, 255, 256, -1, 1.0, 3.0, 1.5, 1e39, 2**31, 2**63]),
+)
+_DTYPES = st.sampled_from([np.float64, np.float32, np.float16, np.int64, np.int32, np.int8,
+                           np.uint8, np.bool_])  # fmt: skip
+_VALUE = st.one_of(
+    _NUMBER,
+    st.lists(_NUMBER, max_size=3),
+    st.lists(st.lists(_NUMBER, min_size=3, max_size=3), min_size=1, max_size=2),
+)
+_PACKED = st.one_of(
+    _VALUE,
+    st.builds(lambda dtype, v: np.asarray(v).astype(dtype)[()], _DTYPES, st.integers(-300, 300)),
+    hnp.arrays(_DTYPES, hnp.array_shapes(min_dims=0, max_dims=2, max_side=3)),
+)
+
+
+def _outcome_of(decode: Any) -> tuple[str, Any]:
+    try:
+        taken = decode()
+    except InvalidInput as exc:
+        return "refused", str(exc)
+    return "taken", {k: (v.dtype.str, v.shape, v.tobytes()) for k, v in taken.items()}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    binary=st.booleans(),
+    raw=st.fixed_dictionaries({"x": _PACKED, "obs": _PACKED, "u": _PACKED}),
+    data=st.data(),
+)
+def test_inputs_a_front_did_not_check_reach_the_core_as_one_process_reads_them(
+    binary: bool, raw: dict[str, Any], data: st.DataObject
+) -> None:
+    """A step whose inputs a front did not check (its model's check not known yet, a
+    resend after a stale check) crosses as it came, and the core's rule takes or refuses
+    it exactly as one process does, in the same words: numpy scalars keep their dtype
+    (np.float64(3.0) for an int32 input is refused, not taken as the number 3), a 0-d array
+    stays 0-d, JSON lists are said as lists."""
+    if not binary:
+        raw = orjson.loads(orjson.dumps({k: data.draw(_VALUE) for k in raw}))
+    raw = wire.decode(wire.encode(raw)) if binary else raw  # as each door parses its body
+    one = _outcome_of(lambda: (inputs.from_arrays if binary else inputs.from_json)(SCALARS, raw))
+    _, meta, arrays = front_request({"episode_id": "e", "inputs": raw}, binary)
+    header, _, total = pack(dict(meta), arrays)
+    carried, _ = unpack(header, total)
+    doc, _ = fronts._feed(carried, [a.copy() for a in arrays], 0)
+
+    def core() -> dict[str, np.ndarray]:  # act.decode_doc's rule for a front's row
+        try:
+            return inputs.from_arrays(SCALARS, doc["inputs"])
+        except InvalidInput:
+            if binary:
+                raise
+            return inputs.from_json(SCALARS, act._lists(doc["inputs"]))  # (said as lists)
+
+    assert _outcome_of(core) == one
+
+
+def test_a_0d_tensor_crosses_the_hop_0d() -> None:
+    """A scalar (0-d) tensor crosses a slot as one: an openpi observation's value, a KServe
+    tensor, a reply's output (``np.ascontiguousarray`` would make each ``[x]``)."""
+    region = Region.create(2, 1 << 16)
+    scalar = np.asarray(3.5, np.float32)
+    arrays: list[np.ndarray] = []
+    lifted = lift({"state": scalar, "n": np.int64(2)}, arrays)
+    entries, carried = _carry({"t": scalar, "v": np.arange(3.0)})
+    meta, out = fronts._reply_meta(Reply({"a": scalar}, "e", "cpu:0", "n", 1, "hit", False, False),
+                                   False)  # fmt: skip
+    region.write(0, 1, 1, {"l": lifted, "e": entries, "r": meta},
+                 [contiguous(scalar), *arrays, *carried, *out])  # fmt: skip
+    _, got, views = region.read(0, copy=False)
+    assert views[0].shape == () and views[0] == scalar
+    assert lower(got["l"], views[1:3]) == {"state": scalar, "n": 2}
+    assert lower(got["l"], views[1:3])["state"].shape == ()
+    assert _carried(got["e"], views[3:5])["t"].shape == ()
+    assert _outputs(got["r"], views, 5)[0]["a"].shape == ()

@@ -23,6 +23,7 @@ import orjson
 from affinity import InvalidArgument, check_episode
 from affinity.wire import MAX_ELEMENTS
 from node.errors import BadRequest, Outcome, Refused
+from node.hop import contiguous
 from node.protocols.kserve.tensors import (
     DATATYPE_OF,
     MAX_TENSORS,
@@ -423,7 +424,7 @@ def _carry(named: dict[str, Array]) -> tuple[list[list[Any]], list[Array]]:
             entries.append(["s", name, array.reshape(-1).tolist(), list(array.shape)])
         else:
             entries.append(["n", name])
-            arrays.append(np.ascontiguousarray(array))
+            arrays.append(contiguous(array))
     return entries, arrays
 
 
