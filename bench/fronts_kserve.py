@@ -14,17 +14,28 @@ CPU per step (every process of the node: the core and its fronts, from ``/proc``
 the median over ``--runs`` rounds of the ratio measured in the same round. The clients run
 beside the servers on the same cores: say the machine's cores and load with the figures.
 
+``--rows K`` adds a phase to each round: ``--procs`` processes each sending messages of K
+rows (``episode_ids``, FP64 inputs the model takes as FP32) in a closed loop; the core's
+CPU per row and rows/s.
+
 Usage: python -m bench.fronts_kserve [--runs 5] [--seconds 4] [--procs 2] [--before REV]
+[--rows K]
 """
 
 from __future__ import annotations
 
 import io
+import multiprocessing as mp
 import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
 
 from bench.common import (
     ROOT,
@@ -55,6 +66,55 @@ def unpacked(revision: str, where: Path) -> Path:
     return tree
 
 
+def _rows_process(url: str, k: int, first: int, start_at: float, seconds: float,
+                  out: Any) -> None:  # fmt: skip
+    """A client process: messages of ``k`` rows (``episode_ids`` from ``first``), each
+    message's next when its last is answered, the first starting the rows' sequences; the
+    rows served (a row's error counted as not served)."""
+    import httpx
+    import tritonclient.http as th
+
+    rng = np.random.default_rng(first)
+    ids = orjson.dumps([f"b{first + i}" for i in range(k)]).decode()
+
+    def body(start: bool) -> tuple[bytes, dict[str, str]]:
+        given = th.InferInput("obs", [k, 8], "FP64")  # (converted to the model's FP32)
+        given.set_data_from_numpy(rng.standard_normal((k, 8)), binary_data=True)
+        params = {"episode_ids": ids, "sequence_starts": orjson.dumps([start] * k).decode()}
+        raw, size = th.InferenceServerClient.generate_request_body([given], parameters=params)
+        return raw, {"Inference-Header-Content-Length": str(size)}
+
+    served = 0
+    with httpx.Client(base_url=url, timeout=60) as client:
+        client.post(f"/v2/models/{MODEL}/infer", content=body(True)[0], headers=body(True)[1])
+        raw, headers = body(False)
+        time.sleep(max(0.0, start_at - time.time()))
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            r = client.post(f"/v2/models/{MODEL}/infer", content=raw, headers=headers)
+            if r.status_code == 200:
+                size = int(r.headers.get("inference-header-content-length", len(r.content)))
+                facts = orjson.loads(orjson.loads(r.content[:size])["parameters"]["rows"])
+                served += sum("error" not in f for f in facts)
+    out.put(served)
+
+
+def rows_load(url: str, k: int, first: int, seconds: float, procs: int) -> float:
+    """Rows served per second by ``procs`` processes sending messages of ``k`` rows."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    start_at = time.time() + 3.0  # the processes import tritonclient first
+    workers = [ctx.Process(target=_rows_process,
+                           args=(url, k, first + i * k, start_at, seconds, out))
+               for i in range(procs)]  # fmt: skip
+    for w in workers:
+        w.start()
+    served = sum(out.get(timeout=seconds + 120) for _ in workers)
+    for w in workers:
+        w.join()
+    return served / seconds
+
+
 def start(node: Node, cwd: Path, fronts: int) -> None:
     """Start ``node`` from the source in ``cwd`` (its fronts inherit it: ``-m node.front``
     resolves there), and wait for its fronts."""
@@ -69,7 +129,13 @@ def start(node: Node, cwd: Path, fronts: int) -> None:
 
 
 def main() -> None:
-    a = options(runs=5, seconds=4.0, procs=2, before=("cd8415e", "the revision before"))
+    a = options(
+        runs=5,
+        seconds=4.0,
+        procs=2,
+        before=("cd8415e", "the revision before"),
+        rows=(0, "also messages of this many rows (episode_ids), each a round"),
+    )
     tmp = tmpdir()
     before = unpacked(a.before, tmp)
     redises = [RedisServer(tmp).start() for _ in SERVERS]  # one fleet each: no forwards
@@ -101,6 +167,14 @@ def main() -> None:
                 sequence += 100
                 got[f"rps_{name}"], got[f"cpu_{name}"] = rate, cpu * 1e6
                 got[f"core_{name}"] = core / max(rate * a.seconds, 1) * 1e6
+                if a.rows:  # a simulation farm's messages: the core's CPU per row
+                    url = f"http://{hosts[name]}"
+                    core = cpu_seconds(pids[name])
+                    rate = rows_load(url, a.rows, sequence, a.seconds, a.procs)
+                    core = cpu_seconds(pids[name]) - core
+                    sequence += a.rows * a.procs
+                    got[f"rowsps_{name}"] = rate
+                    got[f"rowcore_{name}"] = core / max(rate * a.seconds, 1) * 1e6
             rounds.append(got)
             print(f"round {k + 1}: " + ", ".join(f"{key} {v:.0f}" for key, v in got.items()))
     finally:
@@ -140,6 +214,24 @@ def main() -> None:
             "goal": "<= 1x",
             "ok": cpu <= 1,
         },
+        *(
+            [
+                {
+                    "figure": f"messages of {a.rows} rows: the core's CPU per row, 2 fronts: "
+                    f"this checkout / {a.before}",
+                    "result": f"{ratio('rowcore_after', 'rowcore_before'):.2f}x "
+                    f"({med('rowcore_after'):.0f} vs {med('rowcore_before'):.0f} µs; one "
+                    f"process {med('rowcore_one'):.0f} µs); rows/s "
+                    f"{ratio('rowsps_after', 'rowsps_before'):.2f}x "
+                    f"({med('rowsps_after'):.0f} vs {med('rowsps_before'):.0f}; one process "
+                    f"{med('rowsps_one'):.0f})",
+                    "goal": "< 1x",
+                    "ok": ratio("rowcore_after", "rowcore_before") < 1,
+                }
+            ]
+            if a.rows
+            else []
+        ),
         {
             "figure": "steps/s, 2 fronts (this checkout) / one process",
             "result": f"{ratio('rps_after', 'rps_one'):.2f}x",

@@ -126,15 +126,18 @@ class Checks:
     def infer(
         self, request: InferRequest, model: str
     ) -> tuple[InferRequest, dict[str, Any]] | None:
-        """A KServe infer request of one step for ``model`` (the path's model, and version
-        if it named one: ``kserve.body.check_name``) with its inputs checked and converted
-        against the model's check, and its word for the hop (``ok``, ``ck``: as
-        :meth:`row`'s). Its inputs as they came, with the key alone, when the check refuses
-        them (the core says what is wrong, in Triton's words: a missing input, a datatype
-        or shape the model does not take) or when they would grow converted. None for a
-        request of rows (each row is checked in the core) or a model not known here."""
-        if request.rows is not None:
-            return None
+        """A KServe infer request for ``model`` (the path's model, and version if it named
+        one: ``kserve.body.check_name``) with its inputs checked and converted against the
+        model's check, and its word for the hop (``ok``, ``ck``: as :meth:`row`'s). Its
+        inputs as they came, with the key alone, when the check refuses them (the core says
+        what is wrong, in Triton's words: a missing input, a datatype or shape the model
+        does not take) or when they would grow converted. A request of rows
+        (``episode_ids``) is checked row by row, each row's inputs the slices the core cuts
+        (``kserve.request.row_requests``), and crosses as the converted rows joined again
+        along the rows' axis, so that the core cuts each row as the rule converted it; a
+        row refused (or inputs without the rows' axis) and the request crosses as it came,
+        each row then checked in the core and refused alone, as in one process. None for a
+        model not known here."""
         known = self._known.get(model)
         if known is None:
             return None
@@ -146,8 +149,33 @@ class Checks:
             or _grows(contract, arrays)
         ):
             return request, {"ck": key}
+        feed: dict[str, Array] | None
         try:
-            feed = inputs.from_arrays(contract, arrays)
+            if request.rows is None:
+                feed = inputs.from_arrays(contract, arrays)
+            else:
+                feed = _rows(contract, arrays, len(request.rows))
         except InvalidInput:
             return request, {"ck": key}
+        if feed is None:
+            return request, {"ck": key}
         return replace(request, arrays=feed), {"ck": key, "ok": True}
+
+
+def _rows(
+    contract: PolicyContract, arrays: Mapping[str, Array], count: int
+) -> dict[str, Array] | None:
+    """The inputs of a request of ``count`` rows with each row's converted by the rule
+    (``InvalidInput`` for a row it refuses), joined again along the rows' axis; None
+    when an input has no such axis (the core says so)."""
+    if any(a.ndim == 0 or a.shape[0] != count for a in arrays.values()):
+        return None
+    batch = contract.batch_axis
+    rows = [
+        inputs.from_arrays(
+            contract, {n: a[i : i + 1] if batch else a[i] for n, a in arrays.items()}
+        )
+        for i in range(count)
+    ]
+    join = np.concatenate if batch else np.stack
+    return {name: join([row[name] for row in rows]) for name in rows[0]} if rows else None

@@ -697,14 +697,21 @@ def kserve_input(x: np.ndarray, binary: bool) -> Any:
 
 
 async def kserve_post(
-    app: FrontApp, x: np.ndarray, binary: bool, sequence: str, *, start: bool = False
+    app: FrontApp,
+    x: np.ndarray,
+    binary: bool,
+    sequence: str,
+    *,
+    start: bool = False,
+    parameters: dict[str, Any] | None = None,
 ) -> tuple[int, Any]:
     """A KServe v2 HTTP infer of one step, as ``tritonclient`` encodes it, to the front's
     app: (status, every output and parameter as ``tritonclient`` reads the reply, or the
     error's message)."""
     body, json_size = th.InferenceServerClient.generate_request_body(
-        [kserve_input(x, binary)], sequence_id=sequence, sequence_start=start
-    )
+        [kserve_input(x, binary)], sequence_id=sequence or 0, sequence_start=start,
+        parameters=parameters,
+    )  # fmt: skip
     headers = [(b"content-type", b"application/octet-stream")]
     if json_size is not None:
         headers.append((b"inference-header-content-length", str(json_size).encode()))
@@ -875,9 +882,10 @@ def test_a_grpc_infer_is_checked_in_the_front_with_the_lessons_of_http(
     asyncio.run(run())
 
 
-def test_checks_infer_takes_what_the_rule_takes_and_no_rows() -> None:
-    """What ``Checks.infer`` checks in the front: a model it knows, one step (a request of
-    rows is the core's), every input the model takes given (a missing one is named by the
+def test_checks_infer_takes_what_the_rule_takes() -> None:
+    """What ``Checks.infer`` checks in the front: a model it knows, a request of rows when
+    its inputs have the rows' axis (the core names the one without), every input the
+    model takes given (a missing one is named by the
     core, in Triton's words), none that would grow converted; what passes is converted."""
     checks = Checks()
     request = InferRequest(None, "s", "kserve:s:s", False, False,
@@ -892,8 +900,11 @@ def test_checks_infer_takes_what_the_rule_takes_and_no_rows() -> None:
                    {"obs": np.zeros((1, 3), np.float32)}):  # refused  # fmt: skip
         asked = replace(request, arrays=arrays)
         assert checks.infer(asked, "demo_policy") == (asked, {"ck": KEY}), arrays
-    rows = replace(request, rows=[Row("s", "kserve:s:s")])
-    assert checks.infer(rows, "demo_policy") is None
+    rows = replace(request, rows=[Row("s", "kserve:s:s")])  # (checked row by row)
+    each = checks.infer(rows, "demo_policy")
+    assert each is not None and each[1] == {"ck": KEY, "ok": True}
+    two = replace(rows, rows=[Row("s", "kserve:s:s"), Row("t", "kserve:s:t")])
+    assert checks.infer(two, "demo_policy") == (two, {"ck": KEY})  # (no axis of 2 rows)
     assert checks.infer(request, check_name("demo_policy", "2")) is None  # another name
 
 
@@ -983,3 +994,94 @@ def test_a_0d_tensor_crosses_the_hop_0d() -> None:
     assert lower(got["l"], views[1:3])["state"].shape == ()
     assert _carried(got["e"], views[3:5])["t"].shape == ()
     assert _outputs(got["r"], views, 5)[0]["a"].shape == ()
+
+
+ROWS = PolicyContract(
+    (TensorSpec("x", ("batch",), "int32"), TensorSpec("obs", ("batch", 3), "float32"),
+     TensorSpec("u", ("batch", 2), "uint8")), (), {},
+)  # fmt: skip
+
+
+FLAT_ROWS = PolicyContract(
+    (TensorSpec("x", (), "int32"), TensorSpec("obs", (3,), "float32"),
+     TensorSpec("u", (2,), "uint8")), (), {},
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    batch=st.booleans(),
+    rows=st.integers(1, 4),
+    dtypes=st.tuples(_DTYPES, _DTYPES, _DTYPES),
+    data=st.data(),
+)
+def test_a_request_of_rows_checked_in_the_front_gives_each_row_what_the_core_would(
+    batch: bool, rows: int, dtypes: tuple[Any, Any, Any], data: st.DataObject
+) -> None:
+    """A KServe request of rows checked in the front (``Checks.infer``): when it crosses
+    checked, each row the core cuts from it (``row_requests``) is what the rule makes of
+    that row's own slice, dtype and values; it crosses unchecked exactly when the rule
+    refuses some row."""
+    contract = ROWS if batch else FLAT_ROWS
+    widths = {"x": (), "obs": (3,), "u": (2,)}
+    arrays = {
+        name: data.draw(
+            hnp.arrays(np.int64, (rows, *widths[name]), elements=st.integers(-300, 300))
+        ).astype(dtype)  # (wrapped into small dtypes: values in and out of each range)
+        for name, dtype in zip(widths, dtypes, strict=True)
+    }
+    if data.draw(st.booleans()):
+        arrays = {n: a.astype(contract.step_spec(s).dtype) for n, a in arrays.items()
+                  for s in contract.observation_inputs if s.name == n}  # fmt: skip
+    ids = [Row(f"r{i}", f"kserve:s:r{i}") for i in range(rows)]
+    request = InferRequest(None, None, None, False, False, arrays, None, True, None, rows=ids)
+    checks = Checks()
+    assert contract.input_check is not None
+    checks.learn([["m", *contract.input_check]])
+    sent, word = checks.infer(request, "m") or (None, None)
+    assert sent is not None and word is not None
+    one = [
+        _outcome_of(lambda r=r: inputs.from_arrays(contract, r.arrays))
+        for r in kserve_request.row_requests(contract, request)
+    ]
+    if word.get("ok"):
+        assert all(o[0] == "taken" for o in one)
+        cut = kserve_request.row_requests(contract, sent)
+        assert [("taken", {k: (v.dtype.str, v.shape, v.tobytes()) for k, v in r.arrays.items()})
+                for r in cut] == one  # fmt: skip
+    else:
+        grows = any(np.dtype(s.dtype).itemsize > arrays[s.name].itemsize
+                    for s in contract.observation_inputs)  # fmt: skip
+        assert grows or any(o[0] == "refused" for o in one)
+
+
+def test_a_kserve_request_of_rows_is_checked_in_the_front(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A KServe request of rows (``episode_ids``) is checked and converted in the front,
+    row by row; the core serves each row's slice without its own check, each row stepped
+    once with its own state, its outputs the model's."""
+
+    async def run() -> None:
+        async with front() as (app, hop, _):
+            status, _ = await kserve_post(app, obs(30), True, "teach", start=True)
+            assert status == 200
+            monkeypatch.setattr(kserve_request, "inputs", SimpleNamespace(from_arrays=_unchecked))
+            monkeypatch.setattr(kserve_request, "_check_missing", _unchecked)
+            xs = [np.concatenate([obs(40 + 3 * t + i) for i in range(3)]) for t in range(2)]
+            for t, x in enumerate(xs):
+                status, got = await kserve_post(
+                    app, x.astype(np.float64), True, "", start=t == 0,
+                    parameters={"episode_ids": orjson.dumps(["r0", "r1", "r2"]).decode(),
+                                "sequence_starts": orjson.dumps([t == 0] * 3).decode()},
+                )  # fmt: skip
+                assert status == 200, got
+                meta, arrays = hop.sent[-1]
+                assert meta["ok"] is True and meta["ck"] == KEY and arrays[0].dtype == np.float32
+                facts = orjson.loads(got.get_response()["parameters"]["rows"])
+                assert [f["seq"] for f in facts] == [t + 1] * 3, facts
+            for i in range(3):
+                want = reference_rollout(DEMO_MODEL, [x[i : i + 1] for x in xs])[-1]["actions"]
+                np.testing.assert_allclose(got.as_numpy("actions")[i : i + 1], want, rtol=1e-5)
+
+    asyncio.run(run())

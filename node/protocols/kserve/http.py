@@ -401,7 +401,7 @@ async def serve_infer(
     if request.rows is not None:
         served: list[Reply | Exception | None] = []
         work = serve_rows(service, request, deadline, model_name, version, model, door,
-                          served)  # fmt: skip
+                          served, checked)  # fmt: skip
         try:
             results = await watch(work)
         except ClientGone:  # nobody will read the replies: the rows' steps did not happen
@@ -468,10 +468,9 @@ async def serve_hop(
         request, _, _ = request_of(meta, arrays)
     except ValueError as exc:
         raise HopError(str(exc)) from None
-    checked = None if request.rows is not None else checked_of(meta)
+    checked = checked_of(meta)
     try:  # inputs the front checked against this contract's check are taken as they are
-        taken = checked is not None and trusted(checked, check_name(name, version), model[1],
-                                                request.arrays)  # fmt: skip
+        taken = trusted(checked, check_name(name, version), model[1], request.arrays)
     except StaleCheck:  # against another: sent again unchecked, before anything counted
         return taught({"recheck": True}, [checked]), []
     budget = service.config.act_deadline_s

@@ -138,16 +138,19 @@ async def serve_rows(
     found: tuple[str, PolicyContract],
     door: str,
     served: list[Reply | Exception | None],
+    checked: bool = False,
 ) -> list[Reply | Exception]:
     """Serve a request of rows: each row a step (:func:`service_step`; a row that does not
     make one is that row's error), all through :meth:`node.router.Router.act_rows`.
-    ``served`` is filled as rows finish (a door whose client left undoes them)."""
+    ``served`` is filled as rows finish (a door whose client left undoes them).
+    ``checked``: a front checked each row's inputs (``node/checks.py``): each row's slice
+    is taken as it is."""
     started = time.monotonic()
     steps: list[Step] = []
     results: list[Reply | Exception | None] = []
     for row in row_requests(found[1], request):
         try:
-            step = await service_step(service, row, deadline, name, version, found)
+            step = await service_step(service, row, deadline, name, version, found, checked)
         except REFUSED as exc:
             results.append(exc)
             continue
