@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -18,7 +17,6 @@ import numpy as np
 from node import inputs
 from node.contract import PolicyContract, checking_contract
 from node.errors import InvalidInput
-from node.protocols.kserve.body import InferRequest
 
 __all__ = ["Checks"]
 
@@ -123,16 +121,16 @@ class Checks:
         arrays.extend(feed.values())
         return {"in": [["n", name] for name in feed], "ck": key, "ok": True}
 
-    def infer(
-        self, request: InferRequest, model: str
-    ) -> tuple[InferRequest, dict[str, Any]] | None:
-        """A KServe infer request for ``model`` (the path's model, and version if it named
-        one: ``kserve.body.check_name``) with its inputs checked and converted against the
-        model's check, and its word for the hop (``ok``, ``ck``: as :meth:`row`'s). Its
-        inputs as they came, with the key alone, when the check refuses them (the core says
-        what is wrong, in Triton's words: a missing input, a datatype or shape the model
-        does not take) or when they would grow converted. A request of rows
-        (``episode_ids``) is checked row by row, each row's inputs the slices the core cuts
+    def tensors(
+        self, model: str, arrays: dict[str, Array], rows: int | None
+    ) -> tuple[dict[str, Array], dict[str, Any]] | None:
+        """A KServe infer request's input tensors for ``model`` (the name its lessons come
+        under: ``kserve.body.check_name``), checked and converted against the model's check,
+        and the word for the hop (``ok``, ``ck``: as :meth:`row`'s). The tensors as they
+        came, with the key alone, when the check refuses them (the core says what is wrong,
+        in Triton's words: a missing input, a datatype or shape the model does not take) or
+        when they would grow converted. A request of ``rows`` rows (``episode_ids``) is
+        checked row by row, each row's inputs the slices the core cuts
         (``kserve.request.row_requests``), and crosses as the converted rows joined again
         along the rows' axis, so that the core cuts each row as the rule converted it; a
         row refused (or inputs without the rows' axis) and the request crosses as it came,
@@ -142,24 +140,23 @@ class Checks:
         if known is None:
             return None
         key, contract = known
-        arrays = request.arrays
         if (
             contract is None
             or not contract.observation_specs.keys() <= arrays.keys()  # the core names them
             or _grows(contract, arrays)
         ):
-            return request, {"ck": key}
+            return arrays, {"ck": key}
         feed: dict[str, Array] | None
         try:
-            if request.rows is None:
+            if rows is None:
                 feed = inputs.from_arrays(contract, arrays)
             else:
-                feed = _rows(contract, arrays, len(request.rows))
+                feed = _rows(contract, arrays, rows)
         except InvalidInput:
-            return request, {"ck": key}
+            return arrays, {"ck": key}
         if feed is None:
-            return request, {"ck": key}
-        return replace(request, arrays=feed), {"ck": key, "ok": True}
+            return arrays, {"ck": key}
+        return feed, {"ck": key, "ok": True}
 
 
 def _rows(

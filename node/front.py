@@ -109,7 +109,6 @@ from node.protocols.kserve.body import (
     INFER_PATH,
     JSON,
     InferRequest,
-    check_name,
     decode_infer,
     encode_reply,
     reply_of,
@@ -516,10 +515,7 @@ class FrontApp:
                 meta["refused"] = [o.status, o.message, o.reject_reason, []]
             else:
                 request.timing = request.timing or _asks_timing(timing)
-                checked = self.kserve_checks.infer(request, check_name(name, version))
-                sent, word = (request, {}) if checked is None else checked
-                meta, arrays = request_meta(sent, name, version)
-                meta.update(word)
+                meta, arrays = request_meta(request, name, version, self.kserve_checks)
                 rows = request.rows
                 scope[STEP_KEY] = ((f"{len(rows)} rows" if rows is not None else
                                     request.episode or "-"), "-", "-")  # fmt: skip

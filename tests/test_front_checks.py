@@ -35,7 +35,14 @@ from node.models import DEMO_MODEL, resolve_model
 from node.protocols import act
 from node.protocols.kserve import grpc_front
 from node.protocols.kserve import request as kserve_request
-from node.protocols.kserve.body import InferRequest, Row, _carried, _carry, check_name
+from node.protocols.kserve.body import (
+    InferRequest,
+    Row,
+    _carried,
+    _carry,
+    check_name,
+    request_meta,
+)
 from node.protocols.kserve.pb import kserve_pb2 as pb
 from node.step import Reply
 from tests.inproc import cluster, config
@@ -882,30 +889,32 @@ def test_a_grpc_infer_is_checked_in_the_front_with_the_lessons_of_http(
     asyncio.run(run())
 
 
-def test_checks_infer_takes_what_the_rule_takes() -> None:
-    """What ``Checks.infer`` checks in the front: a model it knows, a request of rows when
-    its inputs have the rows' axis (the core names the one without), every input the
-    model takes given (a missing one is named by the
-    core, in Triton's words), none that would grow converted; what passes is converted."""
+def test_checks_tensors_takes_what_the_rule_takes() -> None:
+    """What ``Checks.tensors`` checks of a KServe request in the front: a model it knows,
+    a request of rows when its inputs have the rows' axis (the core names the one
+    without), every input the model takes given (a missing one is named by the core, in
+    Triton's words), none that would grow converted; what passes is converted, and
+    ``request_meta`` carries it with the word."""
     checks = Checks()
-    request = InferRequest(None, "s", "kserve:s:s", False, False,
-                           {"obs": np.zeros((1, 8), np.float64)}, None, True, None)  # fmt: skip
-    assert checks.infer(request, "demo_policy") is None  # not taught
+    given = {"obs": np.zeros((1, 8), np.float64)}
+    assert checks.tensors("demo_policy", given, None) is None  # not taught
     checks.learn([["demo_policy", *DEMO.input_check]])
-    taken, word = checks.infer(request, "demo_policy") or (None, None)
-    assert word == {"ck": KEY, "ok": True} and taken is not None and taken is not request
-    assert taken.arrays["obs"].dtype == np.float32 and request.arrays["obs"].dtype == np.float64
+    taken, word = checks.tensors("demo_policy", given, None) or ({}, {})
+    assert word == {"ck": KEY, "ok": True} and taken["obs"].dtype == np.float32
+    assert given["obs"].dtype == np.float64  # (converted apart)
     for arrays in ({"other": np.zeros((1, 8), np.float32)},  # missing: the core names it
                    {"obs": np.zeros((1, 8), np.uint8)},  # would grow (uint8 to float32)
                    {"obs": np.zeros((1, 3), np.float32)}):  # refused  # fmt: skip
-        asked = replace(request, arrays=arrays)
-        assert checks.infer(asked, "demo_policy") == (asked, {"ck": KEY}), arrays
-    rows = replace(request, rows=[Row("s", "kserve:s:s")])  # (checked row by row)
-    each = checks.infer(rows, "demo_policy")
+        assert checks.tensors("demo_policy", arrays, None) == (arrays, {"ck": KEY}), arrays
+    each = checks.tensors("demo_policy", given, 1)  # a request of one row: checked
     assert each is not None and each[1] == {"ck": KEY, "ok": True}
-    two = replace(rows, rows=[Row("s", "kserve:s:s"), Row("t", "kserve:s:t")])
-    assert checks.infer(two, "demo_policy") == (two, {"ck": KEY})  # (no axis of 2 rows)
-    assert checks.infer(request, check_name("demo_policy", "2")) is None  # another name
+    assert checks.tensors("demo_policy", given, 2) == (given, {"ck": KEY})  # no axis of 2
+    assert checks.tensors(check_name("demo_policy", "2"), given, None) is None  # another name
+    request = InferRequest(None, "s", "kserve:s:s", False, False, given, None, True, None)
+    meta, arrays = request_meta(request, "demo_policy", None, checks)
+    assert meta["ok"] is True and meta["ck"] == KEY and arrays[0].dtype == np.float32
+    meta, arrays = request_meta(request, "demo_policy", "2", checks)  # (not known so)
+    assert "ck" not in meta and arrays[0].dtype == np.float64
 
 
 # ---- what a front does not check reaches the core's rule as one process has it ------------
@@ -1018,7 +1027,7 @@ FLAT_ROWS = PolicyContract(
 def test_a_request_of_rows_checked_in_the_front_gives_each_row_what_the_core_would(
     batch: bool, rows: int, dtypes: tuple[Any, Any, Any], data: st.DataObject
 ) -> None:
-    """A KServe request of rows checked in the front (``Checks.infer``): when it crosses
+    """A KServe request of rows checked in the front (``Checks.tensors``): when it crosses
     checked, each row the core cuts from it (``row_requests``) is what the rule makes of
     that row's own slice, dtype and values; it crosses unchecked exactly when the rule
     refuses some row."""
@@ -1038,8 +1047,8 @@ def test_a_request_of_rows_checked_in_the_front_gives_each_row_what_the_core_wou
     checks = Checks()
     assert contract.input_check is not None
     checks.learn([["m", *contract.input_check]])
-    sent, word = checks.infer(request, "m") or (None, None)
-    assert sent is not None and word is not None
+    tensors, word = checks.tensors("m", arrays, rows) or ({}, {})
+    sent = replace(request, arrays=tensors)
     one = [
         _outcome_of(lambda r=r: inputs.from_arrays(contract, r.arrays))
         for r in kserve_request.row_requests(contract, request)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import orjson
@@ -45,6 +45,7 @@ __all__ = [
     "ROW_PARAMETERS",
     "InferRequest",
     "Row",
+    "TensorChecks",
     "check_custom",
     "check_name",
     "decode_infer",
@@ -461,17 +462,35 @@ def check_name(model: str, version: str | None) -> str:
     return model if version is None else f"{model}\x00{version}"
 
 
+class TensorChecks(Protocol):
+    """A front's input checks (``node/checks.py``'s ``Checks``), as :func:`request_meta`
+    asks them."""
+
+    def tensors(
+        self, model: str, arrays: dict[str, Array], rows: int | None
+    ) -> tuple[dict[str, Array], dict[str, Any]] | None: ...
+
+
 def request_meta(
-    request: InferRequest, model: str, version: str | None
+    request: InferRequest, model: str, version: str | None, checks: TensorChecks | None = None
 ) -> tuple[dict[str, Any], list[Array]]:
     """A decoded request for model ``model`` (``version`` as the path named it) as the
-    hop's meta and tensors."""
-    entries, arrays = _carry(request.arrays)
+    hop's meta and tensors; with ``checks``, its inputs checked and converted in the front
+    where they know the model's check (its word, ``ok`` and ``ck``, in the meta)."""
+    tensors, word = request.arrays, None
+    if checks is not None:
+        rows = None if request.rows is None else len(request.rows)
+        checked = checks.tensors(check_name(model, version), request.arrays, rows)
+        if checked is not None:
+            tensors, word = checked
+    entries, arrays = _carry(tensors)
     meta: dict[str, Any] = {f: getattr(request, f) for f in _CARRIED}
     meta["model"], meta["version"], meta["inputs"] = model, version, entries
     meta["outputs"] = None if request.outputs is None else list(request.outputs.items())
     if request.rows is not None:
         meta["rows"] = [[r.sequence, r.episode, r.start, r.end, r.seq] for r in request.rows]
+    if word is not None:
+        meta.update(word)
     return meta, arrays
 
 

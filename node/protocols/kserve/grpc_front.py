@@ -46,7 +46,7 @@ from node.errors import (
     outcome,
 )
 from node.hop import KSERVE, Array, FrontHop
-from node.protocols.kserve.body import InferRequest, check_name, reply_of, request_meta, shaped
+from node.protocols.kserve.body import InferRequest, reply_of, request_meta, shaped
 from node.protocols.kserve.messages import (
     HTTP_STATUS,
     SERVICE,
@@ -170,10 +170,7 @@ class FrontServicer:
             o = shaped(outcome(exc))
             meta["refused"] = [o.status, o.message, o.reject_reason, []]
         else:
-            checked = self.checks.infer(request, check_name(name, version))
-            sent, word = (request, {}) if checked is None else checked
-            meta, arrays = request_meta(sent, name, version)
-            meta.update(word)
+            meta, arrays = request_meta(request, name, version, self.checks)
             request_id = request.id
             if request.timeout_s is not None:
                 ends.append(started + request.timeout_s)
