@@ -405,6 +405,15 @@ class FrontApp:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
 
+    def grpc_servicer(self, channel: Any) -> Any:
+        """The front's gRPC servicer (``--grpc-port``) over this app's hop, ``channel`` the
+        core's: the same API key, access log and KServe input checks as its HTTP door."""
+        from node.protocols.kserve import grpc_front  # (grpcio: only with --grpc-port)
+
+        return grpc_front.FrontServicer(self.hop, channel, self.access, self.max_rows,
+                                        self._allowed, self._note,
+                                        self.kserve_checks)  # fmt: skip
+
     def _allowed(self, authorization: str | None) -> bool:
         if not self.api_key:
             return True
@@ -1124,13 +1133,8 @@ async def serve(argv: list[str]) -> None:
     if grpc_port is not None:  # grpcio loads only where gRPC is served
         from node.protocols.kserve import grpc_front
 
-        def servicer(channel: Any) -> grpc_front.FrontServicer:
-            return grpc_front.FrontServicer(hop, channel, app.access, app.max_rows,
-                                            app._allowed, app._note,
-                                            app.kserve_checks)  # fmt: skip
-
-        rpc = await grpc_front.start(servicer, spec["host"], int(grpc_port), spec["grpc_core"],
-                                     app.max_body)  # fmt: skip
+        rpc = await grpc_front.start(app.grpc_servicer, spec["host"], int(grpc_port),
+                                     spec["grpc_core"], app.max_body)  # fmt: skip
     grpc_stopped: list[asyncio.Task[None]] = []
     if rpc is not None:
         grpc_server = rpc[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -30,10 +31,19 @@ from node.contract import PolicyContract, TensorSpec, checking_contract, load_co
 from node.errors import HopError, InvalidInput, Undelivered
 from node.front import FrontApp, _observed, _outputs
 from node.front import request as front_request
-from node.hop import Region, contiguous, lift, lower, pack, unpack
+from node.hop import (
+    TICKETS,
+    CoreHop,
+    FrontHop,
+    Region,
+    contiguous,
+    lift,
+    lower,
+    pack,
+    unpack,
+)
 from node.models import DEMO_MODEL, resolve_model
 from node.protocols import act
-from node.protocols.kserve import grpc_front
 from node.protocols.kserve import request as kserve_request
 from node.protocols.kserve.body import (
     InferRequest,
@@ -711,6 +721,7 @@ async def kserve_post(
     *,
     start: bool = False,
     parameters: dict[str, Any] | None = None,
+    path: str = "/v2/models/demo_policy/infer",
 ) -> tuple[int, Any]:
     """A KServe v2 HTTP infer of one step, as ``tritonclient`` encodes it, to the front's
     app: (status, every output and parameter as ``tritonclient`` reads the reply, or the
@@ -722,8 +733,8 @@ async def kserve_post(
     headers = [(b"content-type", b"application/octet-stream")]
     if json_size is not None:
         headers.append((b"inference-header-content-length", str(json_size).encode()))
-    scope = {"type": "http", "method": "POST", "path": "/v2/models/demo_policy/infer",
-             "query_string": b"", "headers": headers}  # fmt: skip
+    scope = {"type": "http", "method": "POST", "path": path, "query_string": b"",
+             "headers": headers}  # fmt: skip
     sent: list[dict[str, Any]] = []
     given = [{"type": "http.request", "body": body, "more_body": False}]
 
@@ -823,6 +834,7 @@ class _Context:
 
     def __init__(self) -> None:
         self.aborted: tuple[Any, str] | None = None
+        self.done: list[Any] = []
 
     def time_remaining(self) -> float | None:
         return None
@@ -836,8 +848,13 @@ class _Context:
     def peer(self) -> str:
         return "ipv4:127.0.0.1:1"
 
-    def add_done_callback(self, _: Any) -> None:
-        pass
+    def add_done_callback(self, callback: Any) -> None:
+        self.done.append(callback)
+
+    def finish(self) -> None:
+        """The call is done, its reply sent (what grpc.aio says to the callbacks)."""
+        for callback in self.done:
+            callback(SimpleNamespace(cancelled=lambda: False))
 
     async def abort(self, code: Any, details: str, *_: Any) -> None:
         self.aborted = (code, details)
@@ -853,15 +870,8 @@ def test_a_grpc_infer_is_checked_in_the_front_with_the_lessons_of_http(
 
     async def run() -> None:
         async with front() as (app, hop, _):
-            servicer = grpc_front.FrontServicer(
-                hop,  # type: ignore[arg-type]
-                None,  # type: ignore[arg-type]
-                app.access,
-                8,
-                app._allowed,
-                app._note,
-                app.kserve_checks,
-            )
+            servicer = app.grpc_servicer(None)  # (the front's own wiring)
+            assert servicer.checks is app.kserve_checks
 
             def message(x: np.ndarray, start: bool) -> Any:
                 msg = pb.ModelInferRequest(model_name="demo_policy")
@@ -1092,5 +1102,102 @@ def test_a_kserve_request_of_rows_is_checked_in_the_front(
             for i in range(3):
                 want = reference_rollout(DEMO_MODEL, [x[i : i + 1] for x in xs])[-1]["actions"]
                 np.testing.assert_allclose(got.as_numpy("actions")[i : i + 1], want, rtol=1e-5)
+
+    asyncio.run(run())
+
+
+def _grpc_message(x: np.ndarray, sequence: str, start: bool) -> Any:
+    msg = pb.ModelInferRequest(model_name="demo_policy")
+    msg.inputs.add(name="obs", datatype="FP32", shape=list(x.shape))
+    msg.raw_input_contents.append(x.tobytes())
+    msg.parameters["sequence_id"].string_param = sequence
+    msg.parameters["sequence_start"].bool_param = start
+    return msg
+
+
+STALE = {"batch_axis": True, "inputs": [["obs", "float32", [1, 8]]]}
+"""A check of other inputs than the demo's that its steps pass (a rollout's, as it were)."""
+
+
+def test_kserve_lessons_come_with_refusals_versions_and_grpc_alone() -> None:
+    """A refusal teaches too; a request naming the version learns under that name (and is
+    checked the next time, with one trip); gRPC alone learns, and its resend after a
+    stale check is still a gRPC request (its door, its client's deadline)."""
+
+    async def run() -> None:
+        async with front() as (app, hop, service):
+            status, _ = await kserve_post(app, np.zeros((1, 2), np.float32), True, "kr",
+                                          start=True)  # fmt: skip
+            assert status == 400 and hop.replies[-1]["chk"][0][:2] == ["demo_policy", KEY]
+            assert app.kserve_checks._known["demo_policy"][0] == KEY
+            version = kserve_request.served_version(service, "demo_policy")
+            path = f"/v2/models/demo_policy/versions/{version}/infer"
+            for i in range(2):
+                sent = len(hop.sent)
+                status, got = await kserve_post(app, obs(50 + i), True, "kv", start=i == 0,
+                                                path=path)  # fmt: skip
+                assert status == 200 and len(hop.sent) == sent + 1, got
+                assert ("ok" in hop.sent[-1][0]) is (i == 1)
+            assert app.kserve_checks._known[check_name("demo_policy", version)][0] == KEY
+
+        async with front() as (app, hop, _):
+            servicer = app.grpc_servicer(None)
+            await servicer.model_infer(_grpc_message(obs(60), "kg1", True), _Context())
+            assert app.kserve_checks._known["demo_policy"][0] == KEY  # (taught over gRPC)
+            app.kserve_checks.learn([["demo_policy", "0123456789abcdef", STALE]])
+            reply = await servicer.model_infer(_grpc_message(obs(61), "kg1", False), _Context())
+            assert reply.parameters["seq"].int64_param == 2
+            assert hop.replies[-2]["recheck"] and "grpc" in hop.sent[-1][0]
+            assert app.kserve_checks._known["demo_policy"][0] == KEY
+
+    asyncio.run(run())
+
+
+def test_a_grpc_recheck_over_a_real_hop_frees_its_slot() -> None:
+    """Over a real hop (shared memory, doorbells), a gRPC request refused for a stale
+    check settles its empty answer before it is sent again: more stale requests than the
+    hop has slots all succeed, nothing is undone, and every slot and ticket is free after
+    (an answer left unsettled would be parked on a ticket for good)."""
+
+    async def run() -> None:
+        redis = fakeredis.aioredis.FakeRedis(server=fakeredis.FakeServer(), decode_responses=True)
+        async with cluster(redis, [config("a", devices="cpu:1")]) as (nodes, _):
+            service = nodes[0].service
+            undone: list[Any] = []
+
+            async def handler(kind: int, meta: dict[str, Any], arrays: list[Any], slot: int) -> Any:
+                return await fronts.serve_request(service, kind, meta, arrays, slot, {})
+
+            async def gone(kept: Any) -> None:
+                undone.append(kept)
+
+            region = Region.create(2, 1 << 16)
+            ask, answer = os.eventfd(0, os.EFD_NONBLOCK), os.eventfd(0, os.EFD_NONBLOCK)
+            core = CoreHop(region, ask, answer, handler, gone, gone)
+            core.start()
+            hop = FrontHop(Region.open(os.dup(region.fd)), os.dup(ask), os.dup(answer),
+                           slot_wait_s=2.0)  # fmt: skip
+            app = FrontApp(hop, "/nonexistent.sock", {"max_body_bytes": 1 << 24, "max_rows": 8})
+            try:
+                servicer = app.grpc_servicer(None)
+                context = _Context()
+                await servicer.model_infer(_grpc_message(obs(70), "kh", True), context)
+                context.finish()
+                for i in range(5):  # (past the 2 slots)
+                    app.kserve_checks.learn([["demo_policy", f"{i:016x}", STALE]])
+                    context = _Context()
+                    reply = await servicer.model_infer(_grpc_message(obs(71 + i), "kh", False),
+                                                       context)  # fmt: skip
+                    context.finish()  # (the reply's slot: settled once the call is done)
+                    assert reply.parameters["seq"].int64_param == i + 2
+                await asyncio.sleep(0.05)  # (the core reads the last settle's note)
+                assert not undone and sorted(hop.free) == [0, 1] and not hop.waiting
+                assert len(hop.tickets) == TICKETS  # (none parked: an unsettled answer is)
+            finally:
+                await app.client.aclose()
+                asyncio.get_running_loop().remove_reader(hop.answer)
+                core.drop()
+                os.close(hop.ask)
+                os.close(hop.answer)
 
     asyncio.run(run())
