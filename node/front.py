@@ -225,8 +225,8 @@ def _observed(
         return None
     rest = {k: v for k, v in frame.items() if k not in FIELDS}
     given = _array_bytes(rest)
-    if given is None:  # (lists: converted they could outgrow what they replace)
-        return None
+    if given is None or inputs.observation_grows(check[1], rest):
+        return None  # (lists, or a wider dtype: converted they would outgrow what they replace)
     try:
         converted = inputs.from_observation(check[1], rest)
     except InvalidInput:

@@ -32,6 +32,7 @@ __all__ = [
     "from_arrays",
     "from_json",
     "from_observation",
+    "observation_grows",
     "outputs_unbatched",
     "taught",
     "trusted",
@@ -120,6 +121,23 @@ def from_observation(contract: PolicyContract, observation: object) -> Observati
         inputs[name] = value[np.newaxis] if contract.batch_axis else value
     ignored = tuple(sorted(key for key in flat if key not in contract.observation_map))
     return ObservationInputs(inputs, ignored)
+
+
+def observation_grows(contract: PolicyContract, observation: object) -> bool:
+    """Whether an array of ``observation`` would take more bytes converted by
+    :func:`from_observation` than it came in (uint8 pixels to a float input): decided from
+    the dtypes alone, before any conversion. False for an observation the rule refuses
+    (it says what is wrong)."""
+    try:
+        flat = _flatten(observation)
+    except InvalidInput:
+        return False
+    by_name = {spec.name: spec for spec in contract.observation_inputs}
+    for key, name in contract.observation_map.items():
+        value = flat.get(key)
+        if isinstance(value, np.ndarray) and _dtype(by_name[name].dtype).itemsize > value.itemsize:
+            return True
+    return False
 
 
 def outputs_unbatched(contract: PolicyContract, outputs: Mapping[str, Array]) -> dict[str, Array]:

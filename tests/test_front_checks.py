@@ -659,6 +659,28 @@ def test_a_frame_whose_inputs_would_grow_or_that_the_check_refuses_crosses_as_it
     assert fields is not None and "pending" in fields  # (fields cross as they came)
 
 
+def test_an_openpi_frame_that_would_grow_is_not_converted_in_the_front(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """uint8 cameras for a float input (nested, as openpi sends them) are never converted
+    in the front only to be thrown away: the dtypes decide first (``observation_grows``),
+    and the frame crosses as it came."""
+    contract = PolicyContract(
+        (TensorSpec("image", ("batch", 4, 4, 3), "float32"), TensorSpec("state", ("batch", 2),
+                                                                        "float32")),
+        (), {}, batch_axis=True, observations={"images/cam": "image", "state": "state"},
+    )  # fmt: skip
+    assert contract.input_check is not None
+    check = (contract.input_check.key, checking_contract(contract.input_check.doc))
+    frame = {"images": {"cam": np.zeros((4, 4, 3), np.uint8)}, "state": np.zeros(2)}
+    assert inputs.observation_grows(contract, frame)
+    assert not inputs.observation_grows(contract, {**frame, "images": {"cam": np.zeros((4, 4, 3))}})
+    assert not inputs.observation_grows(contract, {"state": [1, 2]})  # (lists: not by dtype)
+    assert not inputs.observation_grows(contract, "not a map")  # (the rule says what)
+    monkeypatch.setattr(inputs, "from_observation", _unchecked)
+    assert _observed(check, frame) is None
+
+
 @pytest.mark.parametrize(
     "observation",
     [
