@@ -117,8 +117,19 @@ async def post(app: FrontApp, body: Any, binary: bool) -> tuple[int, Any]:
     """``POST /act`` to the front's app: (status, decoded body)."""
     content = wire.encode(body) if binary else orjson.dumps(body)
     kind = b"application/msgpack" if binary else b"application/json"
-    scope = {"type": "http", "method": "POST", "path": "/act", "query_string": b"",
-             "headers": [(b"content-type", kind), (b"accept", kind)]}  # fmt: skip
+    status, headers, body_bytes = await asgi_post(
+        app, "/act", [(b"content-type", kind), (b"accept", kind)], content
+    )
+    packed = (b"content-type", b"application/msgpack") in headers
+    return status, wire.decode(body_bytes) if packed else orjson.loads(body_bytes)
+
+
+async def asgi_post(
+    app: FrontApp, path: str, headers: list[tuple[bytes, bytes]], content: bytes
+) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """``POST path`` to the front's ASGI app: the response's status, headers and body."""
+    scope = {"type": "http", "method": "POST", "path": path, "query_string": b"",
+             "headers": headers}  # fmt: skip
     sent: list[dict[str, Any]] = []
     given = [{"type": "http.request", "body": content, "more_body": False}]
 
@@ -130,8 +141,7 @@ async def post(app: FrontApp, body: Any, binary: bool) -> tuple[int, Any]:
 
     await app(scope, receive, send)
     body_bytes = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
-    packed = (b"content-type", b"application/msgpack") in sent[0]["headers"]
-    return sent[0]["status"], wire.decode(body_bytes) if packed else orjson.loads(body_bytes)
+    return sent[0]["status"], sent[0]["headers"], body_bytes
 
 
 def obs(seed: int) -> np.ndarray:
@@ -755,23 +765,10 @@ async def kserve_post(
     headers = [(b"content-type", b"application/octet-stream")]
     if json_size is not None:
         headers.append((b"inference-header-content-length", str(json_size).encode()))
-    scope = {"type": "http", "method": "POST", "path": path, "query_string": b"",
-             "headers": headers}  # fmt: skip
-    sent: list[dict[str, Any]] = []
-    given = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive() -> dict[str, Any]:
-        return given.pop() if given else {"type": "http.disconnect"}
-
-    async def send(message: dict[str, Any]) -> None:
-        sent.append(message)
-
-    await app(scope, receive, send)
-    status = sent[0]["status"]
-    content = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    status, answered, content = await asgi_post(app, path, headers, body)
     if status != 200:
         return status, orjson.loads(content)["error"]
-    length = dict(sent[0]["headers"]).get(b"inference-header-content-length")
+    length = dict(answered).get(b"inference-header-content-length")
     result = th.InferenceServerClient.parse_response_body(
         content, header_length=None if length is None else int(length)
     )
