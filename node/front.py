@@ -158,11 +158,29 @@ def _inputs(raw: Any, binary: bool, arrays: list[Array]) -> dict[str, Any]:
     for name, value in raw.items():
         array = _tensor(value, binary)
         if array is None:
+            if binary and _holds_numpy(value):  # the header would make them plain numbers
+                raise Uncarried("numpy values inside a list: read by the core's own door")
             entries.append(["v", name, value])
         else:
             entries.append(["n", name])
             arrays.append(array)
     return {"in": entries}
+
+
+def _holds_numpy(value: Any) -> bool:
+    """Whether a msgpack value (lists and maps) holds a numpy scalar or array inside: the
+    rule reads their dtypes (``[np.float32(1)]`` for an integer input is refused by one
+    process), which a header value would lose."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, np.ndarray | np.generic):
+            return True
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+    return False
 
 
 def _tensor(value: Any, binary: bool) -> Array | None:
@@ -447,6 +465,9 @@ class FrontApp:
             if o.reject_reason is not None:
                 await self._note(o.reject_reason)
             await respond(send, o.status, error_body(o.code, o.message, o.field))
+            return
+        except Uncarried:  # nothing was sent: the core answers it as one process does
+            await self.forward(scope, body, send)
             return
         asks_timing = timing is not None and timing.strip().lower() in ("1", "true")
         connection = scope.get(CONNECTION)

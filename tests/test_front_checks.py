@@ -28,7 +28,7 @@ from affinity import wire
 from node import fronts, inputs
 from node.checks import Checks
 from node.contract import PolicyContract, TensorSpec, checking_contract, load_contract
-from node.errors import HopError, InvalidInput, Undelivered
+from node.errors import HopError, InvalidInput, Uncarried, Undelivered
 from node.front import FrontApp, _observed, _outputs
 from node.front import request as front_request
 from node.hop import (
@@ -965,10 +965,16 @@ _VALUE = st.one_of(
     st.lists(_NUMBER, max_size=3),
     st.lists(st.lists(_NUMBER, min_size=3, max_size=3), min_size=1, max_size=2),
 )
+_NUMPY_SCALAR = st.builds(
+    lambda dtype, v: np.asarray(v).astype(dtype)[()], _DTYPES, st.integers(-300, 300)
+)
+_NUMPY_ARRAY = hnp.arrays(_DTYPES, hnp.array_shapes(min_dims=0, max_dims=2, max_side=3))
 _PACKED = st.one_of(
     _VALUE,
-    st.builds(lambda dtype, v: np.asarray(v).astype(dtype)[()], _DTYPES, st.integers(-300, 300)),
-    hnp.arrays(_DTYPES, hnp.array_shapes(min_dims=0, max_dims=2, max_side=3)),
+    _NUMPY_SCALAR,
+    _NUMPY_ARRAY,
+    st.lists(st.one_of(_NUMBER, _NUMPY_SCALAR), min_size=1, max_size=3),  # (numpy inside)
+    st.lists(_NUMPY_ARRAY, min_size=1, max_size=2),
 )
 
 
@@ -993,12 +999,17 @@ def test_inputs_a_front_did_not_check_reach_the_core_as_one_process_reads_them(
     resend after a stale check) crosses as it came, and the core's rule takes or refuses
     it exactly as one process does, in the same words: numpy scalars keep their dtype
     (np.float64(3.0) for an int32 input is refused, not taken as the number 3), a 0-d array
-    stays 0-d, JSON lists are said as lists."""
+    stays 0-d, JSON lists are said as lists; a msgpack list holding numpy values, which a
+    header would make plain numbers, is passed on to the core's own door whole."""
     if not binary:
         raw = orjson.loads(orjson.dumps({k: data.draw(_VALUE) for k in raw}))
     raw = wire.decode(wire.encode(raw)) if binary else raw  # as each door parses its body
     one = _outcome_of(lambda: (inputs.from_arrays if binary else inputs.from_json)(SCALARS, raw))
-    _, meta, arrays = front_request({"episode_id": "e", "inputs": raw}, binary)
+    try:
+        _, meta, arrays = front_request({"episode_id": "e", "inputs": raw}, binary)
+    except Uncarried:  # passed on whole: the core's own door reads the body, as one process
+        assert binary and any(isinstance(v, list) for v in raw.values())
+        return
     header, _, total = pack(dict(meta), arrays)
     carried, _ = unpack(header, total)
     doc, _ = fronts._feed(carried, [a.copy() for a in arrays], 0)
@@ -1057,9 +1068,10 @@ def test_a_request_of_rows_checked_in_the_front_gives_each_row_what_the_core_wou
     batch: bool, rows: int, dtypes: tuple[Any, Any, Any], data: st.DataObject
 ) -> None:
     """A KServe request of rows checked in the front (``Checks.tensors``): when it crosses
-    checked, each row the core cuts from it (``row_requests``) is what the rule makes of
-    that row's own slice, dtype and values; it crosses unchecked exactly when the rule
-    refuses some row."""
+    checked, each row the core cuts from it (``row_requests``) and takes as it is
+    (``to_step``) is what the rule makes of that row's own slice: an array (a scalar
+    input's cut ``a[i]`` is a numpy scalar), its dtype, shape and values; it crosses
+    unchecked exactly when the rule refuses some row."""
     contract = ROWS if batch else FLAT_ROWS
     widths = {"x": (), "obs": (3,), "u": (2,)}
     arrays = {
@@ -1085,8 +1097,10 @@ def test_a_request_of_rows_checked_in_the_front_gives_each_row_what_the_core_wou
     if word.get("ok"):
         assert all(o[0] == "taken" for o in one)
         cut = kserve_request.row_requests(contract, sent)
-        assert [("taken", {k: (v.dtype.str, v.shape, v.tobytes()) for k, v in r.arrays.items()})
-                for r in cut] == one  # fmt: skip
+        fed = [kserve_request.to_step(contract, r, 0.0, checked=True).inputs for r in cut]
+        assert all(type(v) is np.ndarray for row in fed for v in row.values())  # (not scalars)
+        assert [("taken", {k: (v.dtype.str, v.shape, v.tobytes()) for k, v in row.items()})
+                for row in fed] == one  # fmt: skip
     else:
         grows = any(np.dtype(s.dtype).itemsize > arrays[s.name].itemsize
                     for s in contract.observation_inputs)  # fmt: skip
@@ -1218,5 +1232,33 @@ def test_a_grpc_recheck_over_a_real_hop_frees_its_slot() -> None:
                 core.drop()
                 os.close(hop.ask)
                 os.close(hop.answer)
+
+    asyncio.run(run())
+
+
+def test_a_msgpack_list_of_numpy_values_is_passed_on_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A msgpack ``/act`` body whose input is a list holding numpy scalars or arrays (which
+    a slot's header would make plain numbers) is passed on whole to the core's own door,
+    which reads it as one process does; nothing of it crosses the hop."""
+
+    async def run() -> None:
+        async with front() as (app, hop, _):
+            passed: list[bytes] = []
+
+            async def forward(scope: Any, body: bytes, send: Any) -> None:
+                passed.append(body)
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+                await send({"type": "http.response.body", "body": b"{}"})
+
+            monkeypatch.setattr(app, "forward", forward)
+            body = {"episode_id": "np", "inputs": {"obs": [[np.float32(0.5)] * 8]}}
+            status, _ = await post(app, body, True)
+            assert status == 200 and len(passed) == 1 and not hop.sent
+            assert wire.decode(passed[0])["inputs"]["obs"][0][0] == np.float32(0.5)
+            status, _ = await post(app, {**body, "inputs": {"obs": [obs(1)[0]]}}, True)
+            assert len(passed) == 2 and not hop.sent  # (an array inside a list too)
+            status, got = await post(app, {**body, "inputs": {"obs": obs(1)}}, True)
+            assert status == 200 and len(hop.sent) == 1 and len(passed) == 2, got
 
     asyncio.run(run())

@@ -239,8 +239,8 @@ def to_step(
                 raise BadRequest(f"unknown output {name[:64]!r}; the model returns: "
                                  f"{', '.join(returned)}")  # fmt: skip
     specs = contract.observation_specs
-    if checked:
-        feed = request.arrays
+    if checked:  # (a row's cut of a scalar input, ``a[i]``, is a numpy scalar: an array again)
+        feed = {n: a if type(a) is np.ndarray else np.asarray(a) for n, a in request.arrays.items()}
     else:
         if request.arrays.keys() != specs.keys():
             _check_missing(contract, request.arrays)
