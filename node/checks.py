@@ -1,7 +1,7 @@
 """A front process's input checks (issue 43): the inputs of a step checked and converted
 in the front by the rule the core applies (``node/inputs.py``), against the input check
 (``node/contract.py``'s ``InputCheck``) the core taught it, so that the core takes them as
-they are (``node/protocols/act.py``'s ``Checked``). Used by ``POST /act`` and KServe v2
+they are (``node/inputs.py``'s ``Checked`` and ``trusted``). Used by ``POST /act`` and KServe v2
 (HTTP: ``node/front.py``; gRPC: ``node/protocols/kserve/grpc_front.py``); openpi's frames
 are checked against their connection's check (``node/front.py``'s ``_observed``)."""
 
@@ -38,8 +38,9 @@ def _grows(contract: PolicyContract, raw: Mapping[str, Array]) -> bool:
 
 class Checks:
     """The input checks (``node/contract.py``'s ``InputCheck``) of the models this front's
-    steps named, by a row's ``model`` as sent (None: the node's only model), as the core's
-    replies taught them (``chk``: ``node/fronts.py``). A row whose model is known has its
+    steps named, by a row's ``model`` as sent (None: the node's only model; KServe's in an
+    instance of their own, by ``check_name``), as the core's replies taught them (``chk``:
+    ``node/inputs.py``'s ``taught``). A row whose model is known has its
     inputs checked and converted here by the rule the core applies (``node/inputs.py``):
     passing, they go over the hop as the model's arrays, marked checked against that key,
     and the core takes them as they are when the key is its own contract's; failing,

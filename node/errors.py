@@ -172,7 +172,7 @@ class Uncarried(HopError):
 
 class StaleCheck(Exception):
     """A front checked a step's inputs against an input check that is no longer its
-    model's (a rollout to a version of other inputs: ``node/protocols/act.py``'s
+    model's (a rollout to a version of other inputs: ``node/inputs.py``'s
     ``Checked``): raised before anything of the request has changed anything, and answered
     to the front (never to a client) so that it sends the request again, unchecked."""
 

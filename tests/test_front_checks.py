@@ -1,8 +1,10 @@
-"""A front process checks a step's inputs (``node/front.py``'s ``Checks``) against the
-input check its core taught it (``PolicyContract.input_check``), and the core takes inputs
-checked against its own contract's check as they are (``node/protocols/act.py``'s
-``Checked``). Driven in one process: a ``FrontApp`` whose hop hands each request, packed and
-unpacked as the hop's header is, to the core's ``serve_request`` of an in-process node."""
+"""A front process checks a step's inputs (``node/checks.py``'s ``Checks``: ``/act``,
+KServe over HTTP and gRPC, openpi frames) against the input check its core taught it
+(``PolicyContract.input_check``), and the core takes inputs checked against its own
+contract's check as they are (``node/inputs.py``'s ``Checked`` and ``trusted``); what a
+front does not check reaches the core as one process reads it. Driven in one process: a
+``FrontApp`` whose hop hands each request, packed and unpacked as the hop's header is, to
+the core's ``serve_request`` of an in-process node."""
 
 from __future__ import annotations
 
