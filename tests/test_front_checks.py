@@ -1225,7 +1225,10 @@ def test_a_grpc_recheck_over_a_real_hop_frees_its_slot() -> None:
                                                        context)  # fmt: skip
                     context.finish()  # (the reply's slot: settled once the call is done)
                     assert reply.parameters["seq"].int64_param == i + 2
-                await asyncio.sleep(0.05)  # (the core reads the last settle's note)
+                for _ in range(2000):  # (a park under way settles once the core answers it)
+                    if sorted(hop.free) == [0, 1] and len(hop.tickets) == TICKETS:
+                        break
+                    await asyncio.sleep(0.01)
                 assert not undone and sorted(hop.free) == [0, 1] and not hop.waiting
                 assert len(hop.tickets) == TICKETS  # (none parked: an unsettled answer is)
             finally:
