@@ -16,14 +16,15 @@ cannot carry (an integer past 64 bits). It keeps no episode state (an openpi con
 tokens, claims and own episode are the core's, ended when this front goes): killed, it loses
 only its connections.
 
-It dies with the core (``PR_SET_PDEATHSIG``); SIGINT and SIGTERM are the core's to act on
+It dies with its parent (``PR_SET_PDEATHSIG``), the node's fork server (``node/forkserver.py``,
+which forks it and dies with the core); SIGINT and SIGTERM are the core's to act on
 (it keeps serving while the core hands its episodes over): it is born with them blocked
 (``node.hop.deaf_children``), so even a front still importing never sees them; SIGUSR1 from
 the core stops it gracefully.
 
-Run by the core as ``python -m node.front INDEX LISTEN_FD REGION_FD ASK_FD ANSWER_FD
-PARENT_PID CORE_SOCKET_HEX``, its settings in ``AFFINITY_FRONT_SPEC`` (JSON).
-"""
+Forked by the fork server, which calls :func:`main` with ``INDEX LISTEN_FD REGION_FD ASK_FD
+ANSWER_FD PARENT_PID CORE_SOCKET_HEX`` (``python -m node.front`` with those arguments runs
+the same), its settings in ``AFFINITY_FRONT_SPEC`` (JSON)."""
 
 from __future__ import annotations
 

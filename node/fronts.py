@@ -6,9 +6,11 @@ the shared-memory hop (``node/hop.py``), and serves its whole app on a Unix sock
 abstract name: no file) for every other path the fronts pass on.
 
 The supervisor (:class:`Fronts`) restarts a front that died (backoff 0.1 s doubling to 5 s,
-logged, counted in ``affinity_front_restarts_total``), each time with a fresh region. A
-front is its process' child with ``PR_SET_PDEATHSIG`` = SIGKILL: a node killed with
-``kill -9`` takes its fronts with it, and the next start binds the same ports at once. On
+logged, counted in ``affinity_front_restarts_total``), each time with a fresh region. Each
+front is forked by the node's fork server (``node/forkserver.py``: its imports shared, a
+front serving milliseconds after its fork), the core's child; each dies with its parent
+(``PR_SET_PDEATHSIG`` = SIGKILL): a node killed with ``kill -9`` takes its server and
+fronts with it, and the next start binds the same ports at once. On
 a graceful stop the fronts keep serving while the episodes are handed over, then they stop
 (SIGUSR1: they close their listener and finish what they started), then the core.
 """
@@ -23,8 +25,6 @@ import os
 import secrets
 import signal
 import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -42,6 +42,7 @@ from node.errors import (
     Unavailable,
     outcome,
 )
+from node.forkserver import Forked, ForkServer, Starting
 from node.hop import (
     ACT,
     KSERVE,
@@ -56,7 +57,6 @@ from node.hop import (
     Region,
     SharedLoopBuckets,
     contiguous,
-    deaf_children,
     lift,
     lower,
 )
@@ -375,7 +375,7 @@ def lighten(kept: Any) -> Any:
 @dataclass
 class _Front:
     index: int
-    process: subprocess.Popen[bytes] | None = None
+    process: Forked | None = None
     hop: CoreHop | None = None
     lag: SharedLoopBuckets | None = None
     restarts: int = 0  # in a row (the backoff's): 0 again once it ran a while
@@ -386,6 +386,7 @@ class _Front:
     beat: int = -1  # its loop's lag samples when last seen to change (the hang watch)
     still: float = 0.0  # seconds its samples have not moved since (each look's share capped)
     refused: int = 0  # steps its region says the front refused itself, counted here so far
+    spawning: bool = False  # its fork asked of the fork server, not yet answered
 
 
 class Fronts:
@@ -418,6 +419,9 @@ class Fronts:
         hang_s = service.config.front_hang_s
         self.hang_s = 0.0 if hang_s <= 0 else max(hang_s, MIN_HANG_S)
         self._looked = time.monotonic()  # the hang watch's last look
+        env = {k: v for k, v in os.environ.items() if k not in SECRETS}  # a front needs none
+        env["AFFINITY_FRONT_SPEC"] = json.dumps(spec)  # the API key, if any, is in it
+        self.forks = ForkServer(env)  # what forks each front (node/forkserver.py)
 
     def _parked(self) -> None:
         """Each front's tickets in use, into ``affinity_front_replies_parked`` (at a scrape)."""
@@ -428,9 +432,13 @@ class Fronts:
                     parked = hop.region.parked()
             self.parked.labels(str(front.index)).set(parked)
 
-    def start(self) -> None:
+    async def start(self) -> None:
+        """Start the fork server, wait for its imports (off the loop), fork every front."""
+        self.forks.start()
+        if not await self.forks.wait_ready(START_HANG_S):
+            raise OSError(f"the front fork server was not ready in {START_HANG_S:.0f} s")
         for front in self.fronts:
-            self._spawn(front)
+            await self._spawn(front)
         self._watch = asyncio.create_task(self._supervise(), name="affinity-fronts")
         self.service.processes.watch(self)  # published at each renewal from now on
         self.service.lease.renew_soon()  # the registration had none of them running yet
@@ -446,7 +454,7 @@ class Fronts:
     def pids(self) -> list[int]:
         return [f.process.pid for f in self.fronts if f.process is not None]
 
-    def _spawn(self, front: _Front) -> None:
+    async def _spawn(self, front: _Front) -> None:
         region = Region.create(SLOTS, self.slot_size)
         made: list[int] = []  # (no descriptor left midway: what was made is closed)
         try:
@@ -475,22 +483,18 @@ class Fronts:
 
         hop = CoreHop(region, ask, answer, handler, undelivered, doubted, lighten)
         listener = self.listeners[front.index]
-        argv = [
-            sys.executable, "-m", "node.front",
-            str(front.index), str(listener.fileno()), str(region.fd), str(ask),
-            str(answer), str(os.getpid()), self.core_name.encode().hex(),
-        ]  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if k not in SECRETS}  # a front needs none
-        env["AFFINITY_FRONT_SPEC"] = json.dumps(self.spec)  # the API key, if any, is in it
         fds = (listener.fileno(), region.fd, ask, answer)
         try:
-            with deaf_children():  # SIGINT and SIGTERM are the core's (node/hop.py)
-                front.process = subprocess.Popen(argv, pass_fds=fds, env=env)
+            process = await self.forks.spawn(front.index, self.core_name.encode().hex(), fds)
+            if self.stopping:  # (the node began to stop meanwhile: it serves nothing)
+                process.kill()
+                raise Starting("the node is stopping")
         except BaseException:  # (no fork: memory, file descriptors) nothing of it is left
             for fd in (ask, answer):
                 os.close(fd)
             region.close()
             raise
+        front.process = process
         hop.start()  # (a ring before this waits in the eventfd)
         front.hop = hop
         front.refused = 0  # (a fresh region)
@@ -586,15 +590,26 @@ class Fronts:
         return float(min(BACKOFF_S[1], BACKOFF_S[0] * 2 ** min(front.restarts - 1, 6)))
 
     def _respawn(self, front: _Front) -> None:
-        if self.stopping or front.process is not None:
+        if self.stopping or front.process is not None or front.spawning:
             return
+        front.spawning = True
+        task = asyncio.create_task(self._respawning(front), name=f"affinity-front-{front.index}")
+        self._ending.add(task)  # (a stop waits for it)
+        task.add_done_callback(self._ending.discard)
+
+    async def _respawning(self, front: _Front) -> None:
         try:
-            self._spawn(front)
+            await self._spawn(front)
+        except Starting:  # its fork server died, and is starting again: soon
+            if not self.stopping:
+                asyncio.get_running_loop().call_later(self._backoff(front), self._respawn, front)
         except Exception as exc:  # tried again: a front index never stays without a process
             backoff = self._backoff(front)
             log.error("front %d could not be started (%s: %s); trying again in %.1f s",
                       front.index, type(exc).__name__, exc, backoff)  # fmt: skip
             asyncio.get_running_loop().call_later(backoff, self._respawn, front)
+        finally:
+            front.spawning = False
 
     def _drop(self, front: _Front) -> None:
         if front.lag is not None:
@@ -647,5 +662,7 @@ class Fronts:
                 front.process.kill()
                 await asyncio.to_thread(front.process.wait)
             self._drop(front)
+        self.forks.close()  # (it exits: every front it forked has)
+        await asyncio.to_thread(self.forks.reap)
         if self._ending:
             await asyncio.wait(set(self._ending), timeout=timeout_s)

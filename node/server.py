@@ -289,7 +289,7 @@ async def _serve_fronts(
     # openpi's websocket is the fronts' (each step over the hop): none reaches this socket
     server.config.ws = "none"
     server.fronts = fronts
-    fronts.start()
+    await fronts.start()
     with core:
         await server.serve(sockets=[core])
 

@@ -164,9 +164,12 @@ def region_of(pid: int) -> Iterator[Region]:
     worker process ``pid`` (from the core), opened through /proc."""
     if _runs_module(pid, b"node.deviceproc"):
         region_fd = int(_spec_of(pid)["region"])
-    else:
-        argv = _argv(pid)
-        region_fd = int(argv[argv.index(b"node.front") + 3])
+    else:  # a front forked by its node's fork server holds one region: its hop's memfd
+        region_fd = min(
+            int(fd)
+            for fd in os.listdir(f"/proc/{pid}/fd")
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:affinity-front")
+        )
     region = Region.open(os.open(f"/proc/{pid}/fd/{region_fd}", os.O_RDWR))
     try:
         yield region
@@ -244,9 +247,10 @@ def hop_states(front: int) -> list[int]:
 
 
 def fronts_of(core: int) -> list[int]:
-    """The live front processes started by the node process ``core``, wherever they are now
-    (a front outliving its core is reparented: it names its core in its arguments,
-    ``python -m node.front INDEX ... PARENT_PID ...``)."""
+    """The live front processes started by the node process ``core``, and their fork
+    server, wherever they are now (one outliving its core is reparented: each runs the
+    server's command line, ``python -m node.forkserver CORE_PID FD``, which names its
+    core)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -255,9 +259,9 @@ def fronts_of(core: int) -> list[int]:
                     argv = f.read().split(b"\0")
             except OSError:
                 continue
-            at = argv.index(b"node.front") if b"node.front" in argv else -1
+            at = argv.index(b"node.forkserver") if b"node.forkserver" in argv else -1
             ours = (
-                at > 0 and argv[at - 1] == b"-m" and argv[at + 6 : at + 7] == [str(core).encode()]
+                at > 0 and argv[at - 1] == b"-m" and argv[at + 1 : at + 2] == [str(core).encode()]
             )
             if ours and alive(int(entry)):
                 found.append(int(entry))
@@ -567,9 +571,14 @@ class Node:
         return self
 
     def fronts(self) -> list[int]:
-        """The pids of the node's front processes now (its process' children running
-        ``node.front``; none with ``--front-doors 1``)."""
-        return self._children(b"node.front")
+        """The pids of the node's front processes now (the children of its fork server,
+        its process' child running ``node.forkserver``; none with ``--front-doors 1``)."""
+        return [
+            pid
+            for server in self._children(b"node.forkserver")
+            for pid in children(server)
+            if alive(pid)
+        ]
 
     def workers(self) -> list[int]:
         """The pids of the node's device worker processes now (its process' children running

@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
@@ -36,22 +35,21 @@ async def test_a_front_whose_restart_cannot_start_is_tried_again_leaking_nothing
     listener = socket.socket()
     started: list[subprocess.Popen[bytes]] = []
     failures = [OSError(12, "Cannot allocate memory"), OSError(24, "Too many open files")]
-    real_popen = subprocess.Popen
 
-    def popen(argv: list[str], **kw: Any) -> subprocess.Popen[bytes]:
-        if failures:
+    async def spawn(index: int, core_hex: str, fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
+        if failures:  # what the fork server answers when it cannot fork
             raise failures.pop(0)
-        proc = real_popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         started.append(proc)
         return proc
 
     monkeypatch.setattr(fronts_module, "BACKOFF_S", (0.01, 0.05))
-    monkeypatch.setattr(fronts_module.subprocess, "Popen", popen)
     try:
         supervisor = Fronts(service, [listener], "core", {"max_body_bytes": 4096})  # type: ignore[arg-type]
     except BaseException:  # (never a socket left for the garbage collector to warn about)
         listener.close()
         raise
+    monkeypatch.setattr(supervisor.forks, "spawn", spawn)
     front = supervisor.fronts[0]
     try:
         before = open_fds()
@@ -105,7 +103,7 @@ async def test_a_front_whose_doorbell_cannot_be_made_leaks_nothing(
         before = open_fds()
         monkeypatch.setattr(os, "eventfd", eventfd)
         with pytest.raises(OSError):
-            supervisor._spawn(front)
+            await supervisor._spawn(front)
         monkeypatch.setattr(os, "eventfd", real)
         assert len(made) == 2 and open_fds() == before  # the region and the first closed
         assert front.process is None and front.hop is None

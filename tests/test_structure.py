@@ -208,14 +208,14 @@ def test_the_affinity_package_loads_its_names_on_first_use() -> None:
 
 
 def test_a_front_process_loads_no_redis_client_nor_onnxruntime_to_start() -> None:
-    """A front (``python -m node.front``) restarts with its socket's new connections waiting
-    in the backlog: it does not import redis-py (an episode id is checked by
-    ``affinity.keys``), nor ONNX Runtime (it checks inputs against a contract its core
-    taught it; ``node.contract`` imports ONNX Runtime where a model is read: 17 MiB of RSS
-    a front). (httpx it needs at once: the forwards from other nodes reach the core through
-    it, and made lazily it slowed the first forward of each front.)"""
-    code = (
-        "import sys, node.front; "
+    """What a front runs (the fork server loads it before it forks one, and a front shares
+    it) imports neither redis-py (an episode id is checked by ``affinity.keys``), nor ONNX
+    Runtime (it checks inputs against a contract its core taught it; ``node.contract``
+    imports ONNX Runtime where a model is read: 17 MiB of RSS a front). (httpx it needs at
+    once: the forwards from other nodes reach the core through it, and made lazily it
+    slowed the first forward of each front.)"""
+    code = (  # what the fork server loads before it forks a front (node/forkserver.py)
+        "import sys; from node.forkserver import _preload; _preload({}); "
         "print(sorted(m for m in sys.modules if m.startswith(('redis', 'onnxruntime'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,0 +1,385 @@
+"""The fork server of a node's front doors (``--front-doors N`` > 1, issue 43): one process,
+child of the core, that imports what a front runs once and forks every front the core asks
+for (:class:`ForkServer` is the core's side; :func:`main` the process).
+
+Why: a front started as ``python -m node.front`` imported numpy, uvicorn, httpx (and
+grpcio) for itself, 43-45 MiB of PSS a front, so two fronts cost 2.2x a node of one
+process in memory. Forked, a front shares those pages with the server and with every
+other front (copy-on-write; ``gc.freeze`` before the first fork keeps the collector from
+writing to them), and a front that died is back in milliseconds, not after its imports.
+
+The process tree: core -> fork server -> fronts. The server dies with the core
+(``PR_SET_PDEATHSIG``), a front with the server, so ``kill -9`` of the core leaves no
+process. The server starts single-threaded (``OPENBLAS_NUM_THREADS=1``: numpy's BLAS starts
+no pool), so a fork copies no lock another thread held. It is born, like the fronts, with
+SIGINT and SIGTERM blocked (``hop.deaf_children``), without the node's secrets in its
+environment, and with the fronts' settings (``AFFINITY_FRONT_SPEC``).
+
+The wire (one ``SOCK_SEQPACKET`` socket pair: a message each, descriptors beside it):
+the server says ``{"ready": pid}`` once imported; the core asks ``{"index": k, "core": hex}``
+with the front's four descriptors (listener, region, ask and answer doorbells); the server
+answers ``{"pid": n}`` with the front's pidfd (or ``{"error": text}``: no fork), and says
+``{"exit": n, "code": c}`` when it has reaped a front. The core signals a front through its
+pidfd (never a pid another process may have taken) and sees its end there.
+
+Run by the core as ``python -m node.forkserver CORE_PID SOCKET_FD``.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+from node.hop import deaf_children, die_with_parent
+
+__all__ = ["ForkServer", "Forked", "Starting"]
+
+log = logging.getLogger("affinity.node")
+
+SPAWN_S = 10.0
+"""How long the core waits for a front's pid from a ready server (a fork: milliseconds);
+past it the server is taken as hung, killed, and started again."""
+MAX_FDS = 8
+"""The most descriptors a message carries (a front takes four)."""
+
+
+class Starting(OSError):
+    """The fork server is (re)starting (its imports): ask again shortly."""
+
+
+def _send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+    data = json.dumps(message).encode()
+    if fds:
+        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        sock.send(data)
+
+
+def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """One message and the descriptors beside it; None at the other end's close."""
+    fds = array.array("i")
+    data, ancdata, _, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(MAX_FDS * fds.itemsize))
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    message: dict[str, Any] = json.loads(data)
+    return message, list(fds)
+
+
+class Forked:
+    """A front forked by the server: what the supervisor needs of a ``subprocess.Popen``
+    (``pid``, ``returncode``, :meth:`poll`, :meth:`wait`, :meth:`kill`,
+    :meth:`send_signal`). It is the server's child, not the core's: its end is seen on
+    its pidfd, its exit code comes from the server, which reaps it."""
+
+    def __init__(self, server: ForkServer, pid: int, pidfd: int) -> None:
+        self.server = server
+        self.pid = pid
+        self.pidfd = pidfd
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """Its exit code once the server said it (the core's loop reads what it says),
+        else None. A front that ended with its server (``PR_SET_PDEATHSIG``: nobody left
+        to reap it and say how) is -9."""
+        if self.returncode is None and not self.server.alive():
+            with contextlib.suppress(OSError, ValueError):
+                if select.select([self.pidfd], [], [], 0)[0]:
+                    self._end(-signal.SIGKILL)
+        return self.returncode
+
+    def _end(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            os.close(self.pidfd)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until it ended and its code is known (``subprocess.TimeoutExpired``
+        past ``timeout``); from a thread: the core's loop reads the server's word."""
+        until = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if until is not None and time.monotonic() >= until:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.01)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:  # (once ended its pid may be another's: never signalled)
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """The core's side of the fork server, on the core's event loop: starts it
+    (:meth:`start`), asks it for fronts (:meth:`spawn`, one at a time), reads what it says
+    as it comes (readiness, fronts reaped), stops it (:meth:`close`). A server that died is
+    started again by the next :meth:`spawn`, which raises :class:`Starting` meanwhile."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = {**env, "OPENBLAS_NUM_THREADS": env.get("OPENBLAS_NUM_THREADS", "1")}
+        self.process: subprocess.Popen[bytes] | None = None
+        self.sock: socket.socket | None = None
+        self.ready: asyncio.Future[None] | None = None
+        self.forked: dict[int, Forked] = {}  # pid -> its front, until the server reaps it
+        self.restarts = 0
+        self._answer: asyncio.Future[tuple[dict[str, Any], list[int]]] | None = None
+        self._asking = asyncio.Lock()  # one spawn at a time: an answer is the last ask's
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self) -> None:
+        """Start the server (its imports are awaited with :meth:`wait_ready`)."""
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            argv = [sys.executable, "-m", "node.forkserver", str(os.getpid()), str(theirs.fileno())]
+            with deaf_children():  # SIGINT and SIGTERM are the core's (node/hop.py)
+                self.process = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), env=self.env)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self.sock, self.ready = ours, loop.create_future()
+        loop.add_reader(ours.fileno(), self._read)
+        log.info("front fork server started (pid %d)", self.process.pid)
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Whether the server said it is ready (its imports done) within ``timeout``."""
+        if self.ready is None:
+            return False
+        with contextlib.suppress(TimeoutError, OSError):
+            await asyncio.wait_for(asyncio.shield(self.ready), timeout)
+        return self.ready.done() and self.ready.exception() is None
+
+    def _read(self) -> None:
+        """What the server said, read as it comes (the loop's reader)."""
+        while self.sock is not None:
+            try:
+                message, fds = _recv(self.sock)
+            except BlockingIOError:
+                return
+            except OSError:
+                message, fds = None, []
+            if message is None:  # the server is gone: the fronts it forked end with it
+                self._lost()
+                return
+            if "ready" in message:
+                if self.ready is not None and not self.ready.done():
+                    self.ready.set_result(None)
+            elif "exit" in message:
+                front = self.forked.pop(int(message["exit"]), None)
+                if front is not None:
+                    front._end(int(message["code"]))
+            elif self._answer is not None and not self._answer.done():
+                self._answer.set_result((message, fds))
+                continue
+            for fd in fds:  # (nothing else comes with descriptors)
+                os.close(fd)
+
+    def _lost(self) -> None:
+        """The server's end is closed (it died, or :meth:`close`): a spawn waiting fails."""
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            with contextlib.suppress(ValueError, RuntimeError):
+                asyncio.get_running_loop().remove_reader(sock.fileno())
+            sock.close()
+        for waiting in (self.ready, self._answer):
+            if waiting is not None and not waiting.done():
+                waiting.set_exception(OSError("the front fork server is gone"))
+                waiting.exception()  # (retrieved: nobody may be waiting on it)
+
+    async def spawn(self, index: int, core_hex: str, fds: tuple[int, ...]) -> Forked:
+        """Fork front ``index`` with ``fds`` (listener, region, ask, answer; they stay
+        open here: the caller closes its own). Raises :class:`Starting` while the server
+        starts (a dead one is started again), ``OSError`` when it could not fork or did
+        not answer in :data:`SPAWN_S` (then it is killed: hung)."""
+        async with self._asking:
+            if not self.alive() or self.sock is None:
+                if self.process is not None:
+                    self.restarts += 1
+                    log.warning("front fork server (pid %d) exited with %s; starting it again",
+                                self.process.pid, self.process.poll())  # fmt: skip
+                    if self.process.poll() is None:
+                        self.process.kill()
+                    self.process.wait()
+                    self.process = None
+                self._lost()
+                self.start()
+                raise Starting("the front fork server is starting")
+            assert self.ready is not None and self.process is not None
+            if not self.ready.done():
+                raise Starting("the front fork server is starting")
+            self._answer = answer = asyncio.get_running_loop().create_future()
+            try:
+                _send(self.sock, {"index": index, "core": core_hex}, fds)
+                message, got = await asyncio.wait_for(answer, SPAWN_S)
+            except TimeoutError:
+                self.process.kill()  # hung: its fronts end with it; started again next time
+                raise OSError(f"the front fork server did not answer in {SPAWN_S:.0f} s") from None
+            finally:
+                self._answer = None
+        if "pid" not in message or not got:
+            for fd in got:
+                os.close(fd)
+            raise OSError(str(message.get("error", f"the fork server answered {message}")))
+        for fd in got[1:]:
+            os.close(fd)
+        front = Forked(self, int(message["pid"]), got[0])
+        self.forked[front.pid] = front
+        return front
+
+    def close(self) -> None:
+        """Stop the server, from the loop (its fronts, if any still ran, end with it):
+        its end closed, it exits; :meth:`reap` waits for it."""
+        self._lost()
+        for front in list(self.forked.values()):
+            front.kill()
+
+    def reap(self, timeout: float = 5.0) -> None:
+        """Wait for the closed server to exit (SIGKILL past ``timeout``), from a thread."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        for front in self.forked.values():
+            front._end(-signal.SIGKILL)
+        self.forked.clear()
+
+
+def _preload(spec: dict[str, Any]) -> None:
+    """Import what a front runs, so that each fork finds it loaded: its modules, and what
+    its start loads lazily (httpx's transport: httpcore, h11, certifi, trio where it is
+    installed; uvicorn's lifespan; ``ctypes.util``, which ``die_with_parent`` needs)."""
+    import ctypes.util  # noqa: F401
+
+    import httpx
+    import uvicorn.lifespan.on  # noqa: F401
+    import uvloop  # noqa: F401
+
+    import node.front  # noqa: F401
+
+    # (made and dropped: no connection, nothing to close; its imports stay)
+    httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds="\0affinity-preload"))
+    if spec.get("grpc_port") is not None:
+        from node.protocols.kserve import grpc_front  # noqa: F401
+
+
+def _front(
+    request: dict[str, Any], fds: list[int], sock: socket.socket, others: list[int], server: int
+) -> None:
+    """Front ``request["index"]`` in the forked child of ``server`` (its pid, known before
+    the fork: a server that died since would make ``getppid`` another's): never returns."""
+    code = 1
+    try:
+        sock.close()
+        for fd in others:  # (the pidfds of its brothers)
+            os.close(fd)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        from node import front
+
+        argv = [str(request["index"]), *map(str, fds), str(server), str(request["core"])]
+        front.main(argv)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(core: int, sock: socket.socket) -> None:
+    """The server's loop: fork a front per request, reap each that ends and say so;
+    return when the core closes its end."""
+    spec = json.loads(os.environ.get("AFFINITY_FRONT_SPEC", "{}"))
+    _preload(spec)
+    gc.collect()
+    gc.freeze()  # what is loaded now stays untouched by the collector in every fork
+    _send(sock, {"ready": os.getpid()})
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    children: dict[int, int] = {}  # pidfd -> pid
+    me = os.getpid()
+    while True:
+        for fd, _ in poller.poll():
+            if fd != sock.fileno():
+                pid = children.pop(fd)
+                poller.unregister(fd)
+                os.close(fd)
+                _, status = os.waitpid(pid, 0)
+                with contextlib.suppress(OSError):
+                    _send(sock, {"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+                continue
+            try:
+                request, fds = _recv(sock)
+            except OSError:
+                request, fds = None, []
+            if request is None:
+                return
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                for got in fds:
+                    os.close(got)
+                _send(sock, {"error": f"{type(exc).__name__}: {exc}"})
+                continue
+            if pid == 0:
+                _front(request, fds, sock, list(children), me)
+            for got in fds:
+                os.close(got)
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError as exc:  # (no descriptor left) a front nobody could watch: gone
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                _send(sock, {"error": f"{type(exc).__name__}: {exc}"})
+                continue
+            children[pidfd] = pid
+            poller.register(pidfd, select.POLLIN)
+            _send(sock, {"pid": pid}, (pidfd,))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    die_with_parent(int(args[0]))
+    sock = socket.socket(fileno=int(args[1]))
+    try:
+        serve(int(args[0]), sock)
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
