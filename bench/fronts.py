@@ -62,16 +62,21 @@ SERVERS = ("node1", "node2", "app1", "app2")
 
 
 def family(pid: int) -> list[int]:
-    """``pid`` and its children (a node's fronts; uvicorn's workers), from /proc."""
-    found = [pid]
+    """``pid`` and its descendants (a node's fork server and the fronts it forked, its device
+    workers; uvicorn's workers), from /proc."""
+    parents: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 stat = Path(f"/proc/{entry}/stat").read_text()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
+            parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [pid], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
     return found
 
 
@@ -103,8 +108,9 @@ def pss_mib(pid: int) -> float:
 
 
 def role(pid: int, top: int) -> str:
-    """What a node's process is: ``core`` (``top``, the node's own), ``front`` or ``worker``
-    (a device's worker process), from its command line."""
+    """What a node's process is: ``core`` (``top``, the node's own), ``front`` (a front, or
+    the fork server that forked them: the fronts' cost) or ``worker`` (a device's worker
+    process), from its command line."""
     if pid == top:
         return "core"
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -165,7 +171,8 @@ def scale_table(a: argparse.Namespace, counts: list[str]) -> None:
         for n, node in nodes.items():
             node.start(timeout=60)
             assert node.proc.popen is not None
-            procs = int(n.removesuffix("w")) + n.endswith("w")
+            fronts = int(n.removesuffix("w"))
+            procs = 1 + (fronts + 1 if fronts > 1 else 0) + n.endswith("w")  # (fork server)
             wait_until(lambda node=node, k=procs: len(family(node.proc.popen.pid)) >= k, 30,
                        "fronts")  # fmt: skip
         load = episodes_lua(64)
@@ -240,7 +247,8 @@ def main() -> None:
         for n, node in nodes.items():
             node.start(timeout=60)
             assert node.proc.popen is not None
-            wait_until(lambda node=node, n=n: len(family(node.proc.popen.pid)) >= n, 30,
+            procs = n + 2 if n > 1 else 1  # the core, its fork server, n fronts
+            wait_until(lambda node=node, k=procs: len(family(node.proc.popen.pid)) >= k, 30,
                        "fronts")  # fmt: skip
             apps[n] = app(n)
         urls = {f"node{n}": node.url for n, node in nodes.items()}
