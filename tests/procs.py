@@ -353,6 +353,52 @@ def wait_until(check, timeout: float, what: str, interval: float = 0.05):  # typ
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last})")
 
 
+_REAPER = r"""
+import os, signal, sys
+groups = {}
+for line in sys.stdin:  # "PID START": a process group its test process started
+    pid, start = line.split()
+    groups[int(pid)] = start
+# the end of the pipe: the test process is gone, whether it exited or was killed
+for pid, start in groups.items():
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            now = f.read().rsplit(")", 1)[1].split()[19]
+    except OSError:
+        continue  # its leader is gone (stopped by its test): nothing of ours to kill
+    if now == start:  # (the same process, not another that took its number since)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+"""
+_reaper: subprocess.Popen[bytes] | None = None
+_reaper_lock = threading.Lock()
+
+
+def _reap_with_us(pid: int) -> None:
+    """Have process group ``pid`` killed when this test process ends however it ends, a
+    SIGKILL from outside included (a CI timeout, a tool's): a reaper process, started
+    once, kills every group it was told of whose leader still runs once its pipe from this
+    process closes. (``atexit`` and the fixtures stop them on an ordinary end; with
+    SIGKILL nothing of this process runs, and nodes, their fronts and redis-servers were
+    left running, eating the machine's cores.)"""
+    global _reaper
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            start = f.read().rsplit(")", 1)[1].split()[19]
+    except OSError:
+        return  # (it ended already)
+    with _reaper_lock:
+        if _reaper is None or _reaper.poll() is not None:
+            _reaper = subprocess.Popen([sys.executable, "-c", _REAPER], stdin=subprocess.PIPE,
+                                       start_new_session=True)  # fmt: skip
+        assert _reaper.stdin is not None
+        with contextlib.suppress(OSError):
+            _reaper.stdin.write(f"{pid} {start}\n".encode())
+            _reaper.stdin.flush()
+
+
 class Proc:
     def __init__(self, argv: list[str], env: dict[str, str] | None, log: Path) -> None:
         self.argv = argv
@@ -371,6 +417,7 @@ class Proc:
             cwd=ROOT,
         )
         out.close()
+        _reap_with_us(self.popen.pid)
 
     def send(self, sig: int) -> None:
         """``sig`` to the process and its children (its process group); a SIGSTOP returns

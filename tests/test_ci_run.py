@@ -188,3 +188,41 @@ def test_a_failed_test_session_leaves_no_affinity_test_folders(tmp_path: Path) -
     assert done.returncode == 1 and "this session fails" in done.stdout, done.stdout
     left = sorted(p.name for p in (work / "temp").glob("affinity-test-*"))
     assert left == [], f"the session left {left}"
+
+
+def test_a_test_process_killed_from_outside_leaves_none_of_the_processes_it_started(
+    tmp_path: Path,
+) -> None:
+    """A test session killed with SIGKILL (a CI timeout, a tool's) ran no teardown: the
+    nodes and redis-servers it started went on, eating the cores of the runs after it.
+    ``tests.procs`` has each process group it starts killed by a reaper process once the
+    test process is gone, however it ended."""
+    code = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from tests.procs import Proc\n"
+        "log = Path(sys.argv[1])\n"
+        "kept = Proc(['sleep', '600'], None, log)\n"
+        "kept.start()\n"
+        "done = Proc(['sleep', '600'], None, log)\n"
+        "done.start()\n"
+        "done.stop()\n"
+        "print(kept.popen.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    test = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "log")], env=env,
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert test.stdout is not None
+        started = int(test.stdout.readline())
+        assert alive(started)
+        test.kill()  # nothing of it runs now: no atexit, no fixture
+        test.wait(30)
+        wait_until(lambda: not alive(started), 30, "the sleep its killed test started to end")
+    finally:
+        if test.poll() is None:
+            test.kill()
+            test.wait()
+        if test.stdout is not None:
+            test.stdout.close()
