@@ -16,11 +16,12 @@ SIGINT and SIGTERM blocked (``hop.deaf_children``), without the node's secrets i
 environment, and with the fronts' settings (``AFFINITY_FRONT_SPEC``).
 
 The wire (one ``SOCK_SEQPACKET`` socket pair: a message each, descriptors beside it):
-the server says ``{"ready": pid}`` once imported; the core asks ``{"index": k, "core": hex}``
-with the front's four descriptors (listener, region, ask and answer doorbells); the server
-answers ``{"pid": n}`` with the front's pidfd (or ``{"error": text}``: no fork), and says
-``{"exit": n, "code": c}`` when it has reaped a front. The core signals a front through its
-pidfd (never a pid another process may have taken) and sees its end there.
+the server says ``{"ready": pid}`` once imported; the core asks ``{"n": ask, "index": k,
+"core": hex}`` with the front's four descriptors (listener, region, ask and answer
+doorbells); the server answers ``{"n": ask, "pid": p}`` with the front's pidfd (or
+``{"n": ask, "error": text}``: no fork), and says ``{"exit": p, "code": c}`` when it has
+reaped a front. The core signals a front through its pidfd (never a pid another process
+may have taken) and sees its end there.
 
 Run by the core as ``python -m node.forkserver CORE_PID SOCKET_FD``.
 """
@@ -39,6 +40,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -54,6 +56,9 @@ SPAWN_S = 10.0
 past it the server is taken as hung, killed, and started again."""
 MAX_FDS = 8
 """The most descriptors a message carries (a front takes four)."""
+UNSAID_S = 1.0
+"""How long a front whose pidfd shows its end may wait for its server's word on its exit
+code (the server paused, hung) before it is taken as ended all the same (code -1)."""
 
 
 class Starting(OSError):
@@ -71,7 +76,8 @@ def _send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = (
 def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
     """One message and the descriptors beside it; None at the other end's close."""
     fds = array.array("i")
-    data, ancdata, _, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(MAX_FDS * fds.itemsize))
+    space = socket.CMSG_SPACE(MAX_FDS * fds.itemsize)
+    data, ancdata, _, _ = sock.recvmsg(1 << 16, space, socket.MSG_CMSG_CLOEXEC)
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
@@ -89,26 +95,51 @@ class Forked:
     :meth:`send_signal`). It is the server's child, not the core's: its end is seen on
     its pidfd, its exit code comes from the server, which reaps it."""
 
-    def __init__(self, server: ForkServer, pid: int, pidfd: int) -> None:
-        self.server = server
+    def __init__(self, origin: subprocess.Popen[bytes], pid: int, pidfd: int) -> None:
+        self.origin = origin  # the server that forked it (a later one knows nothing of it)
         self.pid = pid
         self.pidfd = pidfd
         self.returncode: int | None = None
+        self._gone: float | None = None  # when its pidfd first said it ended, unreported
+        self._lock = threading.Lock()  # (ended from the loop, or from a thread's wait)
 
     def poll(self) -> int | None:
         """Its exit code once the server said it (the core's loop reads what it says),
         else None. A front that ended with its server (``PR_SET_PDEATHSIG``: nobody left
-        to reap it and say how) is -9."""
-        if self.returncode is None and not self.server.alive():
-            with contextlib.suppress(OSError, ValueError):
-                if select.select([self.pidfd], [], [], 0)[0]:
-                    self._end(-signal.SIGKILL)
+        to reap it and say how) is -9; one whose end its pidfd has shown for
+        :data:`UNSAID_S` while its server said nothing (paused, hung) is -1: ended, its
+        code unknown."""
+        if self.returncode is not None:
+            return self.returncode
+        if not self._ended():
+            return None
+        if self.origin.poll() is not None:
+            self._end(-signal.SIGKILL)
+            if os.getpid() == 1:  # (a container without an init: the orphan is ours, a
+                # zombie until reaped; as init's child its pid stays its own until then)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(self.pid, os.WNOHANG)
+        elif self._gone is None:
+            self._gone = time.monotonic()
+        elif time.monotonic() - self._gone > UNSAID_S:
+            self._end(-1)
         return self.returncode
 
+    def _ended(self) -> bool:
+        """Whether the process has ended (its pidfd readable; ``poll``, any descriptor
+        number)."""
+        with self._lock:
+            if self.returncode is not None:
+                return True
+            watch = select.poll()
+            watch.register(self.pidfd, select.POLLIN)
+            return bool(watch.poll(0))
+
     def _end(self, code: int) -> None:
-        if self.returncode is None:
-            self.returncode = code
-            os.close(self.pidfd)
+        with self._lock:
+            if self.returncode is None:
+                self.returncode = code
+                os.close(self.pidfd)
 
     def wait(self, timeout: float | None = None) -> int:
         """Block until it ended and its code is known (``subprocess.TimeoutExpired``
@@ -122,9 +153,10 @@ class Forked:
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
-        if self.returncode is None:  # (once ended its pid may be another's: never signalled)
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(self.pidfd, sig)
+        with self._lock:  # (once ended its pidfd is closed, its number maybe another's)
+            if self.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    signal.pidfd_send_signal(self.pidfd, sig)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -133,18 +165,20 @@ class Forked:
 class ForkServer:
     """The core's side of the fork server, on the core's event loop: starts it
     (:meth:`start`), asks it for fronts (:meth:`spawn`, one at a time), reads what it says
-    as it comes (readiness, fronts reaped), stops it (:meth:`close`). A server that died is
-    started again by the next :meth:`spawn`, which raises :class:`Starting` meanwhile."""
+    as it comes (readiness, fronts forked and reaped), stops it (:meth:`close`). A server
+    that died is started again by the next :meth:`spawn`, which raises :class:`Starting`
+    meanwhile."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.env = {**env, "OPENBLAS_NUM_THREADS": env.get("OPENBLAS_NUM_THREADS", "1")}
+        self.env = {**env, "OPENBLAS_NUM_THREADS": "1"}  # (a front does no linear algebra)
         self.process: subprocess.Popen[bytes] | None = None
         self.sock: socket.socket | None = None
         self.ready: asyncio.Future[None] | None = None
         self.forked: dict[int, Forked] = {}  # pid -> its front, until the server reaps it
         self.restarts = 0
-        self._answer: asyncio.Future[tuple[dict[str, Any], list[int]]] | None = None
-        self._asking = asyncio.Lock()  # one spawn at a time: an answer is the last ask's
+        self._asked = 0  # the number of the last ask (each answer names its ask's)
+        self._answer: asyncio.Future[Forked] | None = None
+        self._asking = asyncio.Lock()  # one spawn at a time
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -176,7 +210,8 @@ class ForkServer:
         return self.ready.done() and self.ready.exception() is None
 
     def _read(self) -> None:
-        """What the server said, read as it comes (the loop's reader)."""
+        """What the server said, read as it comes (the loop's reader). A front is taken in
+        as its answer is read, before anything the server said after it (its exit)."""
         while self.sock is not None:
             try:
                 message, fds = _recv(self.sock)
@@ -194,9 +229,21 @@ class ForkServer:
                 front = self.forked.pop(int(message["exit"]), None)
                 if front is not None:
                     front._end(int(message["code"]))
-            elif self._answer is not None and not self._answer.done():
-                self._answer.set_result((message, fds))
-                continue
+            elif "pid" in message and fds and self.process is not None:
+                front = Forked(self.process, int(message["pid"]), fds.pop(0))
+                self.forked[front.pid] = front
+                waiting = self._answer
+                if message.get("n") == self._asked and waiting is not None and not waiting.done():
+                    waiting.set_result(front)
+                else:  # the answer to an ask given up (cancelled): nobody serves through it
+                    front.kill()
+            elif (
+                self._answer is not None
+                and not self._answer.done()
+                and message.get("n") == self._asked
+            ):  # it could not fork
+                self._answer.set_exception(OSError(str(message.get("error", message))))
+                self._answer.exception()  # (retrieved: its waiter may be gone)
             for fd in fds:  # (nothing else comes with descriptors)
                 os.close(fd)
 
@@ -228,29 +275,22 @@ class ForkServer:
                     self.process.wait()
                     self.process = None
                 self._lost()
+                self.forked.clear()  # (each of its fronts sees its own end: Forked.poll)
                 self.start()
                 raise Starting("the front fork server is starting")
             assert self.ready is not None and self.process is not None
             if not self.ready.done():
                 raise Starting("the front fork server is starting")
+            self._asked += 1
             self._answer = answer = asyncio.get_running_loop().create_future()
             try:
-                _send(self.sock, {"index": index, "core": core_hex}, fds)
-                message, got = await asyncio.wait_for(answer, SPAWN_S)
+                _send(self.sock, {"n": self._asked, "index": index, "core": core_hex}, fds)
+                return await asyncio.wait_for(answer, SPAWN_S)
             except TimeoutError:
                 self.process.kill()  # hung: its fronts end with it; started again next time
                 raise OSError(f"the front fork server did not answer in {SPAWN_S:.0f} s") from None
             finally:
                 self._answer = None
-        if "pid" not in message or not got:
-            for fd in got:
-                os.close(fd)
-            raise OSError(str(message.get("error", f"the fork server answered {message}")))
-        for fd in got[1:]:
-            os.close(fd)
-        front = Forked(self, int(message["pid"]), got[0])
-        self.forked[front.pid] = front
-        return front
 
     def close(self) -> None:
         """Stop the server, from the loop (its fronts, if any still ran, end with it):
@@ -308,8 +348,11 @@ def _front(
         argv = [str(request["index"]), *map(str, fds), str(server), str(request["core"])]
         front.main(argv)
         code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+    except SystemExit as exc:  # (as the interpreter would: None is 0, a text said and 1)
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
     except BaseException:
         traceback.print_exc()
     finally:
@@ -352,7 +395,7 @@ def serve(core: int, sock: socket.socket) -> None:
             except OSError as exc:
                 for got in fds:
                     os.close(got)
-                _send(sock, {"error": f"{type(exc).__name__}: {exc}"})
+                _send(sock, {"n": request.get("n"), "error": f"{type(exc).__name__}: {exc}"})
                 continue
             if pid == 0:
                 _front(request, fds, sock, list(children), me)
@@ -363,11 +406,11 @@ def serve(core: int, sock: socket.socket) -> None:
             except OSError as exc:  # (no descriptor left) a front nobody could watch: gone
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                _send(sock, {"error": f"{type(exc).__name__}: {exc}"})
+                _send(sock, {"n": request.get("n"), "error": f"{type(exc).__name__}: {exc}"})
                 continue
             children[pidfd] = pid
             poller.register(pidfd, select.POLLIN)
-            _send(sock, {"pid": pid}, (pidfd,))
+            _send(sock, {"n": request.get("n"), "pid": pid}, (pidfd,))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,6 +25,7 @@ import os
 import secrets
 import signal
 import socket
+import subprocess
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -435,10 +436,18 @@ class Fronts:
     async def start(self) -> None:
         """Start the fork server, wait for its imports (off the loop), fork every front."""
         self.forks.start()
-        if not await self.forks.wait_ready(START_HANG_S):
-            raise OSError(f"the front fork server was not ready in {START_HANG_S:.0f} s")
-        for front in self.fronts:
-            await self._spawn(front)
+        try:
+            if not await self.forks.wait_ready(START_HANG_S):
+                raise OSError(f"the front fork server was not ready in {START_HANG_S:.0f} s")
+            for front in self.fronts:
+                await self._spawn(front)
+        except BaseException:  # (the node exits: nothing it started is left running)
+            self.stopping = True
+            for front in self.fronts:
+                self._drop(front)
+            self.forks.close()
+            await asyncio.to_thread(self.forks.reap)
+            raise
         self._watch = asyncio.create_task(self._supervise(), name="affinity-fronts")
         self.service.processes.watch(self)  # published at each renewal from now on
         self.service.lease.renew_soon()  # the registration had none of them running yet
@@ -604,6 +613,8 @@ class Fronts:
             if not self.stopping:
                 asyncio.get_running_loop().call_later(self._backoff(front), self._respawn, front)
         except Exception as exc:  # tried again: a front index never stays without a process
+            if self.stopping:  # (its server closed by the stop: nothing to start again)
+                return
             backoff = self._backoff(front)
             log.error("front %d could not be started (%s: %s); trying again in %.1f s",
                       front.index, type(exc).__name__, exc, backoff)  # fmt: skip
@@ -660,7 +671,9 @@ class Fronts:
                 await asyncio.sleep(0.05)
             if front.process.poll() is None:
                 front.process.kill()
-                await asyncio.to_thread(front.process.wait)
+                with contextlib.suppress(subprocess.TimeoutExpired):  # (its server's word
+                    # late: the server is closed below, and takes it with it)
+                    await asyncio.to_thread(front.process.wait, STOP_S)
             self._drop(front)
         self.forks.close()  # (it exits: every front it forked has)
         await asyncio.to_thread(self.forks.reap)

@@ -7,13 +7,16 @@ server and its fronts end with their core (``kill -9``), leaving no process."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +27,7 @@ from node.forkserver import Forked, ForkServer, Starting
 from node.front import LAG_BOUNDS
 from node.fronts import SECRETS, Fronts
 from node.hop import Region, SharedLoopBuckets
-from tests.procs import alive, wait_until
+from tests.procs import alive, children, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = {
@@ -118,13 +121,17 @@ async def test_fronts_are_forked_signalled_and_reaped_through_their_server() -> 
             killed.kill()  # (once ended, nothing is signalled: its pid may be another's)
 
             orphan = await server.spawn(2, b"\0core".hex(), fds)
-            server.process.kill()  # the server dies: its front ends with it
+            unpolled = await server.spawn(3, b"\0core".hex(), fds)
+            server.process.kill()  # the server dies: its fronts end with it
             assert await ended(orphan) == -signal.SIGKILL
             await wait_for(lambda: not alive(orphan.pid), "the front gone with its server")
+            await wait_for(lambda: not alive(unpolled.pid), "the other gone with its server")
 
             with pytest.raises(Starting):  # started again, not waited for here
                 await server.spawn(3, b"\0core".hex(), fds)
             assert server.process.pid != first and server.restarts == 1
+            # a front of the dead server, first looked at once a new one runs, has ended
+            assert await ended(unpolled) == -signal.SIGKILL
             assert await server.wait_ready(120)
             again = await server.spawn(3, b"\0core".hex(), fds)
             assert parent_of(again.pid) == server.process.pid
@@ -199,3 +206,158 @@ def test_the_fronts_server_is_started_without_the_node_s_secrets(
     assert not SECRETS & set(env) and "s3cret" not in env.values()
     assert json.loads(env["AFFINITY_FRONT_SPEC"])["api_key"] == "k"
     assert env["OPENBLAS_NUM_THREADS"] == "1"
+
+
+@pytest.mark.anyio
+async def test_what_the_server_says_is_read_whatever_the_loop_and_the_descriptors() -> None:
+    """A front that ends at once, its answer and its exit read together (the core's loop
+    busy meanwhile), is seen to end with its code; a front's pidfd numbered past 1023 is
+    watched all the same; a front whose end its server does not say (paused) is taken
+    as ended after ``UNSAID_S`` (code -1); each process holds what it should and nothing
+    more (the server no front's descriptors, a front no pidfd nor the server's socket);
+    and an ask given up (cancelled) has its late front killed, never served through."""
+    loop = asyncio.get_running_loop()
+    server = ForkServer(_env())
+    server.start()
+    padding: list[int] = []
+    try:
+        assert server.process is not None and await server.wait_ready(120)
+        with front_fds() as (region, fds):
+            bad = (fds[0], fds[2], fds[2], fds[3])  # an eventfd for a region: it exits 1
+            loop.call_soon(time.sleep, 1.0)  # (the loop blocked once the ask is sent)
+            crashed = await server.spawn(0, b"\0core".hex(), bad)
+            assert await ended(crashed) == 1
+
+            alive_fronts = [await server.spawn(k, b"\0core".hex(), fds) for k in (1, 2)]
+            lag = SharedLoopBuckets(region.mm, LAG_BOUNDS)
+            await wait_for(lambda: lag.samples() > 0, "a front's event loop running")
+            held = fd_links(server.process.pid)
+            assert not [t for t in held if t.startswith("/memfd:") or "eventfd" in t], held
+            assert held.count("anon_inode:[pidfd]") == 2, held  # its two fronts alive
+            for front in alive_fronts:
+                links = fd_links(front.pid)
+                assert "anon_inode:[pidfd]" not in links, links  # no brother's
+                assert sum(t.startswith("/memfd:") for t in links) <= 2, links  # its region
+                assert set(links).isdisjoint(fd_links_of_kind(server.process.pid, "socket")), (
+                    "a front holds the server's socket"
+                )
+
+            while not padding or padding[-1] < 1100:  # the next pidfds past 1023
+                padding.append(os.open("/dev/null", os.O_RDONLY))
+            high = await server.spawn(3, b"\0core".hex(), fds)
+            assert high.pidfd > 1023
+
+            os.kill(server.process.pid, signal.SIGSTOP)  # paused: it reaps and says nothing
+            try:
+                alive_fronts[0].kill()
+                assert await ended(alive_fronts[0]) == -1  # seen on its pidfd alone
+                asking = asyncio.create_task(server.spawn(4, b"\0core".hex(), fds))
+                await asyncio.sleep(0.2)  # (asked: the paused server forks nothing yet)
+                asking.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await asking
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            given_up = await server.spawn(5, b"\0core".hex(), fds)  # its own answer
+            others = {f.pid for f in (*alive_fronts, high, given_up)}
+            await wait_for(lambda: set(live_children(server.process.pid)) <= others,
+                           "the front of the ask given up killed")  # fmt: skip
+            server.process.kill()  # a front whose pidfd is past 1023 ends with its server
+            assert await ended(high) == -signal.SIGKILL
+    finally:
+        for fd in padding:
+            os.close(fd)
+        server.close()
+        await asyncio.to_thread(server.reap)
+
+
+def test_a_front_names_its_server_as_known_before_the_fork() -> None:
+    """The front's parent pid is the server's as the server knew it before forking, never
+    ``getppid()`` in the child: a server dead by then makes that another process (init),
+    and the front would live on past it."""
+    code = textwrap.dedent(
+        """
+        import socket, sys
+        from node import forkserver, front
+        front.main = lambda argv: print(" ".join(argv), flush=True)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        forkserver._front({"index": 7, "core": "00"}, [3, 4, 5, 6], theirs, [], 424242)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["7", "3", "4", "5", "6", "424242", "00"]
+
+
+def fd_links(pid: int) -> list[str]:
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return links
+
+
+def fd_links_of_kind(pid: int, kind: str) -> set[str]:
+    return {t for t in fd_links(pid) if t.startswith(kind)}
+
+
+def live_children(pid: int) -> list[int]:
+    return [c for c in children(pid) if alive(c)]
+
+
+def test_a_core_that_is_pid_1_reaps_the_fronts_that_died_with_their_server() -> None:
+    """In a container without an init the core is PID 1: the fronts that die with their
+    server are reparented to it, and were left as zombies (the server reaped them before).
+    The core reaps those it knows (their pids, held as zombies until then), nothing else.
+    Run as PID 1 of a new PID namespace (``unshare``: root)."""
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        pytest.skip("needs unshare and root to run a process as PID 1 of a new namespace")
+    code = textwrap.dedent(
+        """
+        import asyncio, os, signal, socket
+        from node.forkserver import ForkServer
+        from node.hop import Region
+        async def main():
+            assert os.getpid() == 1
+            server = ForkServer(dict(os.environ))
+            server.start()
+            assert await server.wait_ready(120)
+            listener = socket.socket()
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(16)
+            region = Region.create(4, 4096 + (1 << 16))
+            fds = (listener.fileno(), region.fd, os.eventfd(0), os.eventfd(0))
+            fronts = [await server.spawn(k, b"core".hex(), fds) for k in range(3)]
+            server.process.kill()
+            for _ in range(6000):
+                if all(f.poll() is not None for f in fronts):
+                    break
+                await asyncio.sleep(0.01)
+            print("codes", *[f.returncode for f in fronts], flush=True)
+            zombies = []
+            for entry in os.listdir("/proc"):
+                if entry.isdigit():
+                    with open(f"/proc/{entry}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                            zombies.append(int(entry))
+            print("zombies", *zombies, flush=True)
+        asyncio.run(main())
+        """
+    )
+    done = subprocess.run([unshare, "--fork", "--pid", "--mount-proc", sys.executable, "-c",
+                           code], env=_env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    if (
+        done.returncode != 0
+        and "unshare" in done.stderr
+        and "Operation not permitted" in done.stderr
+    ):
+        pytest.skip(f"no new PID namespace here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    lines = dict(
+        line.split(" ", 1) if " " in line else (line, "") for line in done.stdout.splitlines()
+    )
+    assert lines["codes"].split() == ["-9", "-9", "-9"], done.stdout
+    assert lines["zombies"] == "", done.stdout

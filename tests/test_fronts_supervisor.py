@@ -54,7 +54,11 @@ async def test_a_front_whose_restart_cannot_start_is_tried_again_leaking_nothing
     try:
         before = open_fds()
         supervisor._respawn(front)  # what a front's death schedules
-        assert front.process is None and front.hop is None
+        for _ in range(500):  # (bounded) its first try, which fails
+            if len(failures) == 1:
+                break
+            await asyncio.sleep(0.001)
+        assert len(failures) == 1 and front.process is None and front.hop is None
         assert open_fds() == before  # its region and doorbells closed again
         for _ in range(500):  # tried again, bounded: the second failure, then a start
             if front.process is not None:
@@ -69,6 +73,58 @@ async def test_a_front_whose_restart_cannot_start_is_tried_again_leaking_nothing
             proc.wait()
         if front.hop is not None:
             front.hop.drop()
+        listener.close()
+
+
+async def test_a_stop_while_a_front_is_being_forked_leaves_no_front(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A front's restart asked of the fork server while the node begins to stop: the front
+    forked meanwhile is killed, never served (its region and doorbells closed); and a
+    second restart scheduled while the first waits forks nothing more."""
+    service = SimpleNamespace(
+        metrics=Metrics(["a/0"], 8), config=SimpleNamespace(front_hang_s=30.0)
+    )
+    listener = socket.socket()
+    asked: list[int] = []
+    release = asyncio.Event()
+    started: list[subprocess.Popen[bytes]] = []
+
+    async def spawn(index: int, core_hex: str, fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
+        asked.append(index)
+        await release.wait()  # (the server forks while the core stops)
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        started.append(proc)
+        return proc
+
+    try:
+        supervisor = Fronts(service, [listener], "core", {"max_body_bytes": 4096})  # type: ignore[arg-type]
+    except BaseException:
+        listener.close()
+        raise
+    monkeypatch.setattr(supervisor.forks, "spawn", spawn)
+    front = supervisor.fronts[0]
+    try:
+        before = open_fds()
+        supervisor._respawn(front)
+        for _ in range(500):  # (bounded) until it asked
+            if asked:
+                break
+            await asyncio.sleep(0.001)
+        supervisor._respawn(front)  # a second, while the first waits: nothing more asked
+        await asyncio.sleep(0.05)
+        assert asked == [0]
+        supervisor.stopping = True  # what Fronts.stop sets first
+        release.set()
+        await asyncio.wait(set(supervisor._ending), timeout=30)
+        assert len(started) == 1 and started[0].wait(30) == -9  # killed, not served
+        assert front.process is None and front.hop is None
+        assert open_fds() == before
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         listener.close()
 
 
