@@ -37,6 +37,26 @@ SPEC = {
 }  # fmt: skip
 
 
+CORE = textwrap.dedent(
+    """
+    import asyncio, json, os, socket, time
+    from node.forkserver import ForkServer
+    from node.hop import Region
+    async def main():
+        server = ForkServer(dict(os.environ))
+        server.start()
+        assert await server.wait_ready(120)
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        region = Region.create(4, 4096 + (1 << 16))
+        fds = (listener.fileno(), region.fd, os.eventfd(0), os.eventfd(0))
+    """
+)
+"""A core's script up to its fork server ready and a front's descriptors made (``fds``):
+the rest of ``main`` is appended (its lines indented by four), then ``asyncio.run(main())``."""
+
+
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "AFFINITY_FRONT_SPEC": json.dumps(SPEC)}
 
@@ -145,21 +165,8 @@ async def test_fronts_are_forked_signalled_and_reaped_through_their_server() -> 
 
 def test_the_server_and_its_fronts_end_with_their_core() -> None:
     """``kill -9`` of the process that started the server (the core) leaves neither."""
-    code = textwrap.dedent(
+    code = CORE + textwrap.dedent(
         """
-        import json, os, socket, sys, time
-        import asyncio
-        from node.forkserver import ForkServer
-        from node.hop import Region
-        async def main():
-            server = ForkServer(dict(os.environ))
-            server.start()
-            assert await server.wait_ready(120)
-            listener = socket.socket()
-            listener.bind(("127.0.0.1", 0))
-            listener.listen(16)
-            region = Region.create(4, 4096 + (1 << 16))
-            fds = (listener.fileno(), region.fd, os.eventfd(0), os.eventfd(0))
             front = await server.spawn(0, b"core".hex(), fds)
             print(json.dumps([server.process.pid, front.pid]), flush=True)
             time.sleep(600)
@@ -314,21 +321,9 @@ def test_a_core_that_is_pid_1_reaps_the_fronts_that_died_with_their_server() -> 
     unshare = shutil.which("unshare")
     if unshare is None or os.geteuid() != 0:
         pytest.skip("needs unshare and root to run a process as PID 1 of a new namespace")
-    code = textwrap.dedent(
+    code = CORE + textwrap.dedent(
         """
-        import asyncio, os, signal, socket
-        from node.forkserver import ForkServer
-        from node.hop import Region
-        async def main():
             assert os.getpid() == 1
-            server = ForkServer(dict(os.environ))
-            server.start()
-            assert await server.wait_ready(120)
-            listener = socket.socket()
-            listener.bind(("127.0.0.1", 0))
-            listener.listen(16)
-            region = Region.create(4, 4096 + (1 << 16))
-            fds = (listener.fileno(), region.fd, os.eventfd(0), os.eventfd(0))
             fronts = [await server.spawn(k, b"core".hex(), fds) for k in range(3)]
             server.process.kill()
             for _ in range(6000):

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,16 @@ from node.fronts import Fronts
 from node.metrics import Metrics
 
 pytestmark = pytest.mark.anyio
+
+
+def supervisor_of(service: Any, listener: socket.socket) -> Fronts:
+    """A supervisor of one front on ``listener``, which is closed if it cannot be made
+    (never a socket left for the garbage collector to warn about)."""
+    try:
+        return Fronts(service, [listener], "core", {"max_body_bytes": 4096})
+    except BaseException:
+        listener.close()
+        raise
 
 
 def open_fds() -> int:
@@ -44,11 +55,7 @@ async def test_a_front_whose_restart_cannot_start_is_tried_again_leaking_nothing
         return proc
 
     monkeypatch.setattr(fronts_module, "BACKOFF_S", (0.01, 0.05))
-    try:
-        supervisor = Fronts(service, [listener], "core", {"max_body_bytes": 4096})  # type: ignore[arg-type]
-    except BaseException:  # (never a socket left for the garbage collector to warn about)
-        listener.close()
-        raise
+    supervisor = supervisor_of(service, listener)
     monkeypatch.setattr(supervisor.forks, "spawn", spawn)
     front = supervisor.fronts[0]
     try:
@@ -97,11 +104,7 @@ async def test_a_stop_while_a_front_is_being_forked_leaves_no_front(
         started.append(proc)
         return proc
 
-    try:
-        supervisor = Fronts(service, [listener], "core", {"max_body_bytes": 4096})  # type: ignore[arg-type]
-    except BaseException:
-        listener.close()
-        raise
+    supervisor = supervisor_of(service, listener)
     monkeypatch.setattr(supervisor.forks, "spawn", spawn)
     front = supervisor.fronts[0]
     try:
@@ -148,11 +151,7 @@ async def test_a_front_whose_doorbell_cannot_be_made_leaks_nothing(
         made.append(fd)
         return fd
 
-    try:
-        supervisor = Fronts(service, [listener], "core", {"max_body_bytes": 4096})  # type: ignore[arg-type]
-    except BaseException:
-        listener.close()
-        raise
+    supervisor = supervisor_of(service, listener)
     front = supervisor.fronts[0]
     try:
         supervisor.stopping = True  # (no retry scheduled to start a process)
@@ -180,11 +179,7 @@ async def test_the_hang_watch_gives_a_starting_front_its_grace_and_counts_no_lat
                                                                time=lambda: now[0]))  # fmt: skip
     service = SimpleNamespace(metrics=Metrics(["a/0"], 8), config=SimpleNamespace(front_hang_s=0.5))
     listener = socket.socket()
-    try:
-        supervisor = Fronts(service, [listener], "core", {"max_body_bytes": 4096})  # type: ignore[arg-type]
-    except BaseException:
-        listener.close()
-        raise
+    supervisor = supervisor_of(service, listener)
     assert supervisor.hang_s == fronts_module.MIN_HANG_S
     front = supervisor.fronts[0]
     samples = [0]
