@@ -12,18 +12,21 @@ The process tree: core -> fork server -> fronts. The server dies with the core
 (``PR_SET_PDEATHSIG``), a front with the server, so ``kill -9`` of the core leaves no
 process. The server starts single-threaded (``OPENBLAS_NUM_THREADS=1``: numpy's BLAS starts
 no pool), so a fork copies no lock another thread held. It is born, like the fronts, with
-SIGINT and SIGTERM blocked (``hop.deaf_children``), without the node's secrets in its
-environment, and with the fronts' settings (``AFFINITY_FRONT_SPEC``).
+SIGINT and SIGTERM blocked (``hop.deaf_children``) and without the node's secrets in its
+environment; each ask carries the front's settings (its ``AFFINITY_FRONT_SPEC``), so the
+core starts the server before its own start (models, registration), and its imports run
+meanwhile.
 
 The wire (one ``SOCK_SEQPACKET`` socket pair: a message each, descriptors beside it):
 the server says ``{"ready": pid}`` once imported; the core asks ``{"n": ask, "index": k,
-"core": hex}`` with the front's four descriptors (listener, region, ask and answer
+"core": hex, "spec": settings}`` with the front's four descriptors (listener, region, ask and answer
 doorbells); the server answers ``{"n": ask, "pid": p}`` with the front's pidfd (or
 ``{"n": ask, "error": text}``: no fork), and says ``{"exit": p, "code": c}`` when it has
 reaped a front. The core signals a front through its pidfd (never a pid another process
 may have taken) and sees its end there.
 
-Run by the core as ``python -m node.forkserver CORE_PID SOCKET_FD``.
+Run by the core as ``python -m node.forkserver CORE_PID SOCKET_FD [grpc]`` (``grpc``: the
+fronts serve gRPC, and grpcio is loaded for them).
 """
 
 from __future__ import annotations
@@ -51,6 +54,9 @@ __all__ = ["ForkServer", "Forked", "Starting"]
 
 log = logging.getLogger("affinity.node")
 
+READY_S = 60.0
+"""How long a (re)started server may take to import before it is taken as stuck and
+killed (its first start: ``Fronts.start`` fails the node's start after as long)."""
 SPAWN_S = 10.0
 """How long the core waits for a front's pid from a ready server (a fork: milliseconds);
 past it the server is taken as hung, killed, and started again."""
@@ -77,7 +83,7 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
     """One message and the descriptors beside it; None at the other end's close."""
     fds = array.array("i")
     space = socket.CMSG_SPACE(MAX_FDS * fds.itemsize)
-    data, ancdata, _, _ = sock.recvmsg(1 << 16, space, socket.MSG_CMSG_CLOEXEC)
+    data, ancdata, flags, _ = sock.recvmsg(1 << 16, space, socket.MSG_CMSG_CLOEXEC)
     for level, kind, payload in ancdata:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
@@ -86,6 +92,8 @@ def _recv(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
             os.close(fd)
         return None, []
     message: dict[str, Any] = json.loads(data)
+    if flags & socket.MSG_CTRUNC:  # (no descriptor left here: the kernel dropped some)
+        message["truncated"] = True
     return message, list(fds)
 
 
@@ -169,8 +177,11 @@ class ForkServer:
     that died is started again by the next :meth:`spawn`, which raises :class:`Starting`
     meanwhile."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], grpc: bool = False) -> None:
         self.env = {**env, "OPENBLAS_NUM_THREADS": "1"}  # (a front does no linear algebra)
+        self.grpc = grpc  # fronts serve gRPC: the server loads grpcio for them
+        self.closed = False  # by :meth:`close`: never started again
+        self.started = 0.0  # when the server was last started (monotonic)
         self.process: subprocess.Popen[bytes] | None = None
         self.sock: socket.socket | None = None
         self.ready: asyncio.Future[None] | None = None
@@ -185,10 +196,13 @@ class ForkServer:
 
     def start(self) -> None:
         """Start the server (its imports are awaited with :meth:`wait_ready`)."""
+        if self.closed:
+            raise OSError("the front fork server was closed")
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             argv = [sys.executable, "-m", "node.forkserver", str(os.getpid()), str(theirs.fileno())]
+            argv += ["grpc"] if self.grpc else []
             with deaf_children():  # SIGINT and SIGTERM are the core's (node/hop.py)
                 self.process = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), env=self.env)
         except BaseException:
@@ -198,6 +212,7 @@ class ForkServer:
             theirs.close()
         ours.setblocking(False)
         self.sock, self.ready = ours, loop.create_future()
+        self.started = time.monotonic()
         loop.add_reader(ours.fileno(), self._read)
         log.info("front fork server started (pid %d)", self.process.pid)
 
@@ -229,7 +244,15 @@ class ForkServer:
                 front = self.forked.pop(int(message["exit"]), None)
                 if front is not None:
                     front._end(int(message["code"]))
-            elif "pid" in message and fds and self.process is not None:
+            elif "pid" in message and (not fds or message.get("truncated")):
+                # (its pidfd dropped: no descriptor left here) a front nobody could watch:
+                # the server is killed, and that front with it; started again next time
+                if self.process is not None:
+                    self.process.kill()
+                if self._answer is not None and not self._answer.done():
+                    self._answer.set_exception(OSError("no descriptor left for a front's pidfd"))
+                    self._answer.exception()
+            elif "pid" in message and self.process is not None:
                 front = Forked(self.process, int(message["pid"]), fds.pop(0))
                 self.forked[front.pid] = front
                 waiting = self._answer
@@ -259,32 +282,47 @@ class ForkServer:
                 waiting.set_exception(OSError("the front fork server is gone"))
                 waiting.exception()  # (retrieved: nobody may be waiting on it)
 
-    async def spawn(self, index: int, core_hex: str, fds: tuple[int, ...]) -> Forked:
+    async def spawn(
+        self, index: int, core_hex: str, fds: tuple[int, ...], spec: dict[str, Any]
+    ) -> Forked:
         """Fork front ``index`` with ``fds`` (listener, region, ask, answer; they stay
-        open here: the caller closes its own). Raises :class:`Starting` while the server
-        starts (a dead one is started again), ``OSError`` when it could not fork or did
-        not answer in :data:`SPAWN_S` (then it is killed: hung)."""
+        open here: the caller closes its own) and its settings ``spec``. Raises
+        :class:`Starting` while the server starts (a dead one is started again),
+        ``OSError`` when it could not fork, did not answer in :data:`SPAWN_S` or was not
+        ready in :data:`READY_S` (then it is killed: hung), or was closed."""
         async with self._asking:
+            if self.closed:
+                raise OSError("the front fork server was closed")
             if not self.alive() or self.sock is None:
                 if self.process is not None:
                     self.restarts += 1
-                    log.warning("front fork server (pid %d) exited with %s; starting it again",
-                                self.process.pid, self.process.poll())  # fmt: skip
-                    if self.process.poll() is None:
+                    if self.process.poll() is None:  # (its end of the pair closed, or lost)
                         self.process.kill()
-                    self.process.wait()
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self.process.wait(5)
+                    log.warning("front fork server (pid %d) exited with %s; starting it again",
+                                self.process.pid, self.process.returncode)  # fmt: skip
                     self.process = None
                 self._lost()
-                self.forked.clear()  # (each of its fronts sees its own end: Forked.poll)
+                for front in list(self.forked.values()):  # (each sees its own end too,
+                    if front._ended():  # Forked.poll; one already gone is let go here)
+                        front._end(-signal.SIGKILL)
+                self.forked.clear()
                 self.start()
                 raise Starting("the front fork server is starting")
             assert self.ready is not None and self.process is not None
             if not self.ready.done():
+                if time.monotonic() - self.started > READY_S:
+                    self.process.kill()  # stuck in its imports: started again next time
+                    log.error("front fork server (pid %d) was not ready in %.0f s; killed",
+                              self.process.pid, READY_S)  # fmt: skip
+                    raise OSError(f"the front fork server was not ready in {READY_S:.0f} s")
                 raise Starting("the front fork server is starting")
             self._asked += 1
             self._answer = answer = asyncio.get_running_loop().create_future()
             try:
-                _send(self.sock, {"n": self._asked, "index": index, "core": core_hex}, fds)
+                ask = {"n": self._asked, "index": index, "core": core_hex, "spec": spec}
+                _send(self.sock, ask, fds)
                 return await asyncio.wait_for(answer, SPAWN_S)
             except TimeoutError:
                 self.process.kill()  # hung: its fronts end with it; started again next time
@@ -294,7 +332,8 @@ class ForkServer:
 
     def close(self) -> None:
         """Stop the server, from the loop (its fronts, if any still ran, end with it):
-        its end closed, it exits; :meth:`reap` waits for it."""
+        its end closed, it exits; :meth:`reap` waits for it. It is never started again."""
+        self.closed = True
         self._lost()
         for front in list(self.forked.values()):
             front.kill()
@@ -309,12 +348,12 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-        for front in self.forked.values():
+        for front in list(self.forked.values()):
             front._end(-signal.SIGKILL)
         self.forked.clear()
 
 
-def _preload(spec: dict[str, Any]) -> None:
+def _preload(grpc: bool = False) -> None:
     """Import what a front runs, so that each fork finds it loaded: its modules, and what
     its start loads lazily (httpx's transport: httpcore, h11, certifi, trio where it is
     installed; uvicorn's lifespan; ``ctypes.util``, which ``die_with_parent`` needs)."""
@@ -328,7 +367,7 @@ def _preload(spec: dict[str, Any]) -> None:
 
     # (made and dropped: no connection, nothing to close; its imports stay)
     httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds="\0affinity-preload"))
-    if spec.get("grpc_port") is not None:
+    if grpc:
         from node.protocols.kserve import grpc_front  # noqa: F401
 
 
@@ -343,6 +382,7 @@ def _front(
         for fd in others:  # (the pidfds of its brothers)
             os.close(fd)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.environ["AFFINITY_FRONT_SPEC"] = json.dumps(request["spec"])  # (front.main's)
         from node import front
 
         argv = [str(request["index"]), *map(str, fds), str(server), str(request["core"])]
@@ -362,11 +402,10 @@ def _front(
         os._exit(code)
 
 
-def serve(core: int, sock: socket.socket) -> None:
+def serve(core: int, sock: socket.socket, grpc: bool = False) -> None:
     """The server's loop: fork a front per request, reap each that ends and say so;
     return when the core closes its end."""
-    spec = json.loads(os.environ.get("AFFINITY_FRONT_SPEC", "{}"))
-    _preload(spec)
+    _preload(grpc)
     gc.collect()
     gc.freeze()  # what is loaded now stays untouched by the collector in every fork
     _send(sock, {"ready": os.getpid()})
@@ -418,7 +457,9 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent(int(args[0]))
     sock = socket.socket(fileno=int(args[1]))
     try:
-        serve(int(args[0]), sock)
+        serve(int(args[0]), sock, "grpc" in args[2:])
+    except (BrokenPipeError, ConnectionResetError):  # the core closed its end: it stops
+        return
     except Exception:
         traceback.print_exc()
         sys.exit(1)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -70,7 +69,7 @@ from node.protocols.openpiframe import refusal
 from node.service import NodeService
 from node.step import Reply
 
-__all__ = ["MAX_FRONT_DOORS", "Fronts", "core_socket", "serve_request"]
+__all__ = ["MAX_FRONT_DOORS", "Fronts", "core_socket", "fork_server", "serve_request"]
 
 log = logging.getLogger("affinity.node")
 
@@ -390,6 +389,12 @@ class _Front:
     spawning: bool = False  # its fork asked of the fork server, not yet answered
 
 
+def fork_server(grpc: bool) -> ForkServer:
+    """The fronts' fork server, not started: the node's environment without its secrets
+    (a front needs none: the API key it checks is in its settings, sent with each ask)."""
+    return ForkServer({k: v for k, v in os.environ.items() if k not in SECRETS}, grpc)
+
+
 class Fronts:
     """A front process per socket of ``listeners`` (bound with ``SO_REUSEPORT``, listening,
     kept open here across a front's restarts), their hops served by the core's event loop,
@@ -401,6 +406,7 @@ class Fronts:
         listeners: list[socket.socket],
         core_name: str,
         spec: dict[str, Any],
+        forks: ForkServer | None = None,
     ) -> None:
         self.service = service
         self.listeners = listeners
@@ -420,9 +426,8 @@ class Fronts:
         hang_s = service.config.front_hang_s
         self.hang_s = 0.0 if hang_s <= 0 else max(hang_s, MIN_HANG_S)
         self._looked = time.monotonic()  # the hang watch's last look
-        env = {k: v for k, v in os.environ.items() if k not in SECRETS}  # a front needs none
-        env["AFFINITY_FRONT_SPEC"] = json.dumps(spec)  # the API key, if any, is in it
-        self.forks = ForkServer(env)  # what forks each front (node/forkserver.py)
+        # what forks each front (node/forkserver.py): started early by the node, or here
+        self.forks = forks or fork_server(spec.get("grpc_port") is not None)
 
     def _parked(self) -> None:
         """Each front's tickets in use, into ``affinity_front_replies_parked`` (at a scrape)."""
@@ -434,9 +439,11 @@ class Fronts:
             self.parked.labels(str(front.index)).set(parked)
 
     async def start(self) -> None:
-        """Start the fork server, wait for its imports (off the loop), fork every front."""
-        self.forks.start()
+        """Start the fork server (unless the node did), wait for its imports, fork every
+        front."""
         try:
+            if self.forks.process is None:
+                self.forks.start()
             if not await self.forks.wait_ready(START_HANG_S):
                 raise OSError(f"the front fork server was not ready in {START_HANG_S:.0f} s")
             for front in self.fronts:
@@ -494,7 +501,8 @@ class Fronts:
         listener = self.listeners[front.index]
         fds = (listener.fileno(), region.fd, ask, answer)
         try:
-            process = await self.forks.spawn(front.index, self.core_name.encode().hex(), fds)
+            core = self.core_name.encode().hex()
+            process = await self.forks.spawn(front.index, core, fds, self.spec)
             if self.stopping:  # (the node began to stop meanwhile: it serves nothing)
                 process.kill()
                 raise Starting("the node is stopping")

@@ -41,7 +41,8 @@ from node.cli import EXIT_USAGE, parse_args
 from node.config import NodeConfig
 from node.errors import GpuUnavailable
 from node.fleet import Fleet
-from node.fronts import Fronts, core_socket
+from node.forkserver import ForkServer
+from node.fronts import Fronts, core_socket, fork_server
 from node.httpproto import KeepAliveProtocol
 from node.service import NodeService
 from node.startup import StartupError, build_service
@@ -232,15 +233,28 @@ async def _serve_on(
     """Start the node on ``sock`` (bound) and serve until it stops; ``grpc_sock`` holds
     ``--grpc-port`` (bound, exclusively) until gRPC's own listener takes it over. With
     fronts, ``grpc_sock`` (``SO_REUSEPORT``) holds it for the node's life: the fronts
-    listen on it beside it, and the core serves gRPC on an abstract Unix name."""
+    listen on it beside it, and the core serves gRPC on an abstract Unix name. The
+    fronts' fork server is started first: its imports run while the node starts."""
+    forks = None
+    if fronts:
+        forks = fork_server(grpc_sock is not None)
+        forks.start()
     try:
         started = await _start(config, grpc_sock, held, bool(fronts))
+    except BaseException:
+        if forks is not None:
+            forks.close()
+            await asyncio.to_thread(forks.reap)
+        raise
     finally:
         if grpc_sock is not None and not fronts:
             grpc_sock.close()  # gRPC's own listener has the port now (or nothing does)
     if isinstance(started, int):
         if grpc_sock is not None:
             grpc_sock.close()
+        if forks is not None:
+            forks.close()
+            await asyncio.to_thread(forks.reap)
         return started
     service, grpc_server, grpc_core = started
     if held is not None:
@@ -249,7 +263,7 @@ async def _serve_on(
     server = _http_server(config, service, bounds)
     try:
         if fronts:
-            await _serve_fronts(config, service, server, fronts, bounds, grpc_core)
+            await _serve_fronts(config, service, server, fronts, bounds, grpc_core, forks)
         else:
             await server.serve(sockets=[sock])
     finally:
@@ -262,7 +276,7 @@ async def _serve_on(
 
 async def _serve_fronts(
     config: NodeConfig, service: NodeService, server: _Server, socks: list[socket.socket],
-    bounds: StopBounds, grpc_core: str | None = None,
+    bounds: StopBounds, grpc_core: str | None = None, forks: ForkServer | None = None,
 ) -> None:  # fmt: skip
     """Serve with ``--front-doors`` processes, front k accepting on ``socks[k]``
     (node/fronts.py), and on ``--grpc-port`` if any (passing what it does not decode to
@@ -285,7 +299,7 @@ async def _serve_fronts(
     if grpc_core is not None:
         spec.update(host=config.host, grpc_port=config.grpc_port, grpc_core=grpc_core,
                     grpc_stop_s=bounds.grpc_stop_s)  # fmt: skip
-    fronts = Fronts(service, socks, name, spec)
+    fronts = Fronts(service, socks, name, spec, forks)
     # openpi's websocket is the fronts' (each step over the hop): none reaches this socket
     server.config.ws = "none"
     server.fronts = fronts

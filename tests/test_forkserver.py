@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -23,9 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from node import forkserver
 from node.forkserver import Forked, ForkServer, Starting
 from node.front import LAG_BOUNDS
-from node.fronts import SECRETS, Fronts
+from node.fronts import SECRETS, fork_server
 from node.hop import Region, SharedLoopBuckets
 from tests.procs import alive, children, wait_until
 
@@ -41,6 +43,7 @@ CORE = textwrap.dedent(
     """
     import asyncio, json, os, socket, time
     from node.forkserver import ForkServer
+    SPEC = json.loads(os.environ["SPEC"])
     from node.hop import Region
     async def main():
         server = ForkServer(dict(os.environ))
@@ -58,7 +61,7 @@ the rest of ``main`` is appended (its lines indented by four), then ``asyncio.ru
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "AFFINITY_FRONT_SPEC": json.dumps(SPEC)}
+    return {**os.environ, "PYTHONPATH": str(ROOT), "SPEC": json.dumps(SPEC)}
 
 
 def parent_of(pid: int) -> int:
@@ -124,7 +127,7 @@ async def test_fronts_are_forked_signalled_and_reaped_through_their_server() -> 
             def serving() -> bool:  # its event loop samples its lag into the region
                 return lag.samples() > 0
 
-            front = await server.spawn(0, b"\0core".hex(), fds)
+            front = await server.spawn(0, b"\0core".hex(), fds, SPEC)
             assert parent_of(front.pid) == first  # the server's child, not ours
             await wait_for(serving, "the forked front's event loop running")
             # its imports are the server's pages, shared: little of it is its own
@@ -135,25 +138,25 @@ async def test_fronts_are_forked_signalled_and_reaped_through_their_server() -> 
             assert await ended(front) == 0 and front.poll() == 0
             assert front.pid not in server.forked
 
-            killed = await server.spawn(1, b"\0core".hex(), fds)
+            killed = await server.spawn(1, b"\0core".hex(), fds, SPEC)
             killed.kill()
             assert await ended(killed) == -signal.SIGKILL  # the code the server reaped
             killed.kill()  # (once ended, nothing is signalled: its pid may be another's)
 
-            orphan = await server.spawn(2, b"\0core".hex(), fds)
-            unpolled = await server.spawn(3, b"\0core".hex(), fds)
+            orphan = await server.spawn(2, b"\0core".hex(), fds, SPEC)
+            unpolled = await server.spawn(3, b"\0core".hex(), fds, SPEC)
             server.process.kill()  # the server dies: its fronts end with it
             assert await ended(orphan) == -signal.SIGKILL
             await wait_for(lambda: not alive(orphan.pid), "the front gone with its server")
             await wait_for(lambda: not alive(unpolled.pid), "the other gone with its server")
 
             with pytest.raises(Starting):  # started again, not waited for here
-                await server.spawn(3, b"\0core".hex(), fds)
+                await server.spawn(3, b"\0core".hex(), fds, SPEC)
             assert server.process.pid != first and server.restarts == 1
             # a front of the dead server, first looked at once a new one runs, has ended
             assert await ended(unpolled) == -signal.SIGKILL
             assert await server.wait_ready(120)
-            again = await server.spawn(3, b"\0core".hex(), fds)
+            again = await server.spawn(3, b"\0core".hex(), fds, SPEC)
             assert parent_of(again.pid) == server.process.pid
             again.kill()
             assert await asyncio.to_thread(again.wait, 60) == -signal.SIGKILL  # from a thread
@@ -161,13 +164,67 @@ async def test_fronts_are_forked_signalled_and_reaped_through_their_server() -> 
         server.close()
         await asyncio.to_thread(server.reap)
     assert server.process is None and not server.forked
+    with front_fds() as (_, fds), pytest.raises(OSError) as refused:
+        await server.spawn(9, b"\0core".hex(), fds, SPEC)
+    assert not isinstance(refused.value, Starting)  # closed: never started again
+    assert server.process is None and server.sock is None
+
+
+@pytest.mark.anyio
+async def test_a_server_stuck_in_its_imports_or_whose_pidfd_cannot_be_received_is_killed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server not ready within ``READY_S`` of its start is killed (and started again by
+    the next ask), never waited on forever; a front whose pidfd the core could not receive
+    (no descriptor left) is never left running unwatched: its server is killed, and it
+    with it."""
+    monkeypatch.setattr(forkserver, "READY_S", 0.5)
+    server = ForkServer(_env())
+    server.start()
+    padding: list[int] = []
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        assert server.process is not None
+        stuck = server.process.pid
+        os.kill(stuck, signal.SIGSTOP)  # (in its imports, as far as the core can tell)
+        with front_fds() as (_, fds):
+            with pytest.raises(Starting):
+                await server.spawn(0, b"\0core".hex(), fds, SPEC)
+            await asyncio.sleep(0.6)
+            with pytest.raises(OSError, match="not ready"):
+                await server.spawn(0, b"\0core".hex(), fds, SPEC)
+            await wait_for(lambda: not alive(stuck), "the stuck server killed")
+            with pytest.raises(Starting):  # started again
+                await server.spawn(0, b"\0core".hex(), fds, SPEC)
+            monkeypatch.setattr(forkserver, "READY_S", 120.0)
+            assert await server.wait_ready(120)
+            second = server.process.pid
+
+            top = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (top + 1, hard))
+            with contextlib.suppress(OSError):  # every number below the limit taken
+                for _ in range(top + 1):
+                    padding.append(os.open("/dev/null", os.O_RDONLY))
+            with pytest.raises(OSError, match="no descriptor left"):
+                await server.spawn(1, b"\0core".hex(), fds, SPEC)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            await wait_for(lambda: not alive(second), "the server of the unwatched front killed")
+            await wait_for(lambda: not live_children(second), "its front gone with it")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        for fd in padding:
+            os.close(fd)
+        if server.process is not None and server.process.poll() is None:
+            os.kill(server.process.pid, signal.SIGCONT)
+        server.close()
+        await asyncio.to_thread(server.reap)
 
 
 def test_the_server_and_its_fronts_end_with_their_core() -> None:
     """``kill -9`` of the process that started the server (the core) leaves neither."""
     code = CORE + textwrap.dedent(
         """
-            front = await server.spawn(0, b"core".hex(), fds)
+            front = await server.spawn(0, b"core".hex(), fds, SPEC)
             print(json.dumps([server.process.pid, front.pid]), flush=True)
             time.sleep(600)
         asyncio.run(main())
@@ -194,24 +251,14 @@ def test_the_fronts_server_is_started_without_the_node_s_secrets(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Nothing of the cluster secret, the admin token or the API key's variable reaches the
-    server's environment (the API key a front checks is in its spec), and numpy's BLAS
-    starts no thread pool there (a fork copies no lock another thread held)."""
+    server's environment (the API key a front checks is in its settings, sent with each
+    ask), and numpy's BLAS starts no thread pool there whatever the environment says (a
+    fork copies no lock another thread held)."""
     for name in SECRETS:
         monkeypatch.setenv(name, "s3cret")
-    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
-    service = type("S", (), {})()
-    from node.metrics import Metrics
-
-    service.metrics = Metrics(["a/0"], 8)  # type: ignore[attr-defined]
-    service.config = type("C", (), {"front_hang_s": 30.0})()  # type: ignore[attr-defined]
-    listener = socket.socket()
-    try:
-        fronts = Fronts(service, [listener], "core", {"max_body_bytes": 4096, "api_key": "k"})  # type: ignore[arg-type]
-    finally:
-        listener.close()
-    env = fronts.forks.env
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "8")
+    env = fork_server(grpc=False).env
     assert not SECRETS & set(env) and "s3cret" not in env.values()
-    assert json.loads(env["AFFINITY_FRONT_SPEC"])["api_key"] == "k"
     assert env["OPENBLAS_NUM_THREADS"] == "1"
 
 
@@ -232,10 +279,10 @@ async def test_what_the_server_says_is_read_whatever_the_loop_and_the_descriptor
         with front_fds() as (region, fds):
             bad = (fds[0], fds[2], fds[2], fds[3])  # an eventfd for a region: it exits 1
             loop.call_soon(time.sleep, 1.0)  # (the loop blocked once the ask is sent)
-            crashed = await server.spawn(0, b"\0core".hex(), bad)
+            crashed = await server.spawn(0, b"\0core".hex(), bad, SPEC)
             assert await ended(crashed) == 1
 
-            alive_fronts = [await server.spawn(k, b"\0core".hex(), fds) for k in (1, 2)]
+            alive_fronts = [await server.spawn(k, b"\0core".hex(), fds, SPEC) for k in (1, 2)]
             lag = SharedLoopBuckets(region.mm, LAG_BOUNDS)
             await wait_for(lambda: lag.samples() > 0, "a front's event loop running")
             held = fd_links(server.process.pid)
@@ -251,21 +298,21 @@ async def test_what_the_server_says_is_read_whatever_the_loop_and_the_descriptor
 
             while not padding or padding[-1] < 1100:  # the next pidfds past 1023
                 padding.append(os.open("/dev/null", os.O_RDONLY))
-            high = await server.spawn(3, b"\0core".hex(), fds)
+            high = await server.spawn(3, b"\0core".hex(), fds, SPEC)
             assert high.pidfd > 1023
 
             os.kill(server.process.pid, signal.SIGSTOP)  # paused: it reaps and says nothing
             try:
                 alive_fronts[0].kill()
                 assert await ended(alive_fronts[0]) == -1  # seen on its pidfd alone
-                asking = asyncio.create_task(server.spawn(4, b"\0core".hex(), fds))
+                asking = asyncio.create_task(server.spawn(4, b"\0core".hex(), fds, SPEC))
                 await asyncio.sleep(0.2)  # (asked: the paused server forks nothing yet)
                 asking.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await asking
             finally:
                 os.kill(server.process.pid, signal.SIGCONT)
-            given_up = await server.spawn(5, b"\0core".hex(), fds)  # its own answer
+            given_up = await server.spawn(5, b"\0core".hex(), fds, SPEC)  # its own answer
             others = {f.pid for f in (*alive_fronts, high, given_up)}
             await wait_for(lambda: set(live_children(server.process.pid)) <= others,
                            "the front of the ask given up killed")  # fmt: skip
@@ -288,7 +335,7 @@ def test_a_front_names_its_server_as_known_before_the_fork() -> None:
         from node import forkserver, front
         front.main = lambda argv: print(" ".join(argv), flush=True)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        forkserver._front({"index": 7, "core": "00"}, [3, 4, 5, 6], theirs, [], 424242)
+        forkserver._front({"index": 7, "core": "00", "spec": {}}, [3, 4, 5, 6], theirs, [], 424242)
         """
     )
     done = subprocess.run([sys.executable, "-c", code], env=_env(), cwd=ROOT,
@@ -324,7 +371,7 @@ def test_a_core_that_is_pid_1_reaps_the_fronts_that_died_with_their_server() -> 
     code = CORE + textwrap.dedent(
         """
             assert os.getpid() == 1
-            fronts = [await server.spawn(k, b"core".hex(), fds) for k in range(3)]
+            fronts = [await server.spawn(k, b"core".hex(), fds, SPEC) for k in range(3)]
             server.process.kill()
             for _ in range(6000):
                 if all(f.poll() is not None for f in fronts):

@@ -127,7 +127,7 @@ def test_a_front_decodes_grpc_without_the_node_s_heavy_modules() -> None:
     heavy = ("onnxruntime", "fastapi", "starlette", "node.service",
              "node.protocols.kserve.request", "node.protocols.kserve.grpc")  # fmt: skip
     code = (
-        "import sys; from node.forkserver import _preload; _preload({'grpc_port': 1});"
+        "import sys; from node.forkserver import _preload; _preload(grpc=True);"
         f"print([m for m in {heavy!r} if m in sys.modules])"
     )
     root = Path(__file__).resolve().parent.parent

@@ -47,7 +47,9 @@ async def test_a_front_whose_restart_cannot_start_is_tried_again_leaking_nothing
     started: list[subprocess.Popen[bytes]] = []
     failures = [OSError(12, "Cannot allocate memory"), OSError(24, "Too many open files")]
 
-    async def spawn(index: int, core_hex: str, fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
+    async def spawn(
+        index: int, core_hex: str, fds: tuple[int, ...], spec: dict[str, Any]
+    ) -> subprocess.Popen[bytes]:
         if failures:  # what the fork server answers when it cannot fork
             raise failures.pop(0)
         proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -97,7 +99,9 @@ async def test_a_stop_while_a_front_is_being_forked_leaves_no_front(
     release = asyncio.Event()
     started: list[subprocess.Popen[bytes]] = []
 
-    async def spawn(index: int, core_hex: str, fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
+    async def spawn(
+        index: int, core_hex: str, fds: tuple[int, ...], spec: dict[str, Any]
+    ) -> subprocess.Popen[bytes]:
         asked.append(index)
         await release.wait()  # (the server forks while the core stops)
         proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -215,7 +215,7 @@ def test_a_front_process_loads_no_redis_client_nor_onnxruntime_to_start() -> Non
     once: the forwards from other nodes reach the core through it, and made lazily it
     slowed the first forward of each front.)"""
     code = (  # what the fork server loads before it forks a front (node/forkserver.py)
-        "import sys; from node.forkserver import _preload; _preload({}); "
+        "import sys; from node.forkserver import _preload; _preload(); "
         "print(sorted(m for m in sys.modules if m.startswith(('redis', 'onnxruntime'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
