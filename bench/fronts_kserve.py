@@ -116,8 +116,8 @@ def rows_load(url: str, k: int, first: int, seconds: float, procs: int) -> float
 
 
 def start(node: Node, cwd: Path, fronts: int) -> None:
-    """Start ``node`` from the source in ``cwd`` (its fronts inherit it: ``-m node.front``
-    resolves there), and wait for its fronts."""
+    """Start ``node`` from the source in ``cwd`` (its fork server inherits it:
+    ``-m node.forkserver`` resolves there), and wait for its fronts."""
     out = open(node.proc.log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
     node.proc.popen = subprocess.Popen(node.proc.argv, env=node.proc.env, stdout=out,
                                        stderr=subprocess.STDOUT, start_new_session=True,
