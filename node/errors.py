@@ -22,6 +22,8 @@ The hierarchy (``ValueError`` subclasses are a client's bad values)::
     │       └── WorkerFenced the worker process refused to serve a state: the lease ran out
     ├── RuntimeError
     │   └── WorkerRunError   a run that raised in a device's worker process (a failed run)
+    ├── OSError
+    │   └── ForkServerStarting the fronts' fork server is (re)starting: a front's start waits
     ├── GpuUnavailable       start-up only: the node exits (no status)
     │   ├── CudaUnavailable
     │   └── CudaGraphUnavailable
@@ -78,6 +80,7 @@ __all__ = [
     "CudaGraphUnavailable",
     "CudaUnavailable",
     "DeviceDown",
+    "ForkServerStarting",
     "ForwardCancelled",
     "ForwardError",
     "GpuUnavailable",
@@ -357,6 +360,12 @@ class DeviceDown(StepRefused):
     def __init__(self, device: str) -> None:
         self.device = device
         super().__init__(f"device {device} is down after repeated model failures")
+
+
+class ForkServerStarting(OSError):
+    """The fronts' fork server (``node/forkserver.py``) is starting, or starting again after
+    it died: a front's start is tried again shortly (its imports take a second or so).
+    Never answered to a client."""
 
 
 class WorkerGone(Exception):

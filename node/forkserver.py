@@ -48,9 +48,10 @@ import time
 import traceback
 from typing import Any
 
+from node.errors import ForkServerStarting
 from node.hop import deaf_children, die_with_parent
 
-__all__ = ["ForkServer", "Forked", "Starting"]
+__all__ = ["ForkServer", "Forked"]
 
 log = logging.getLogger("affinity.node")
 
@@ -65,10 +66,6 @@ MAX_FDS = 8
 UNSAID_S = 1.0
 """How long a front whose pidfd shows its end may wait for its server's word on its exit
 code (the server paused, hung) before it is taken as ended all the same (code -1)."""
-
-
-class Starting(OSError):
-    """The fork server is (re)starting (its imports): ask again shortly."""
 
 
 def _send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
@@ -174,8 +171,8 @@ class ForkServer:
     """The core's side of the fork server, on the core's event loop: starts it
     (:meth:`start`), asks it for fronts (:meth:`spawn`, one at a time), reads what it says
     as it comes (readiness, fronts forked and reaped), stops it (:meth:`close`). A server
-    that died is started again by the next :meth:`spawn`, which raises :class:`Starting`
-    meanwhile."""
+    that died is started again by the next :meth:`spawn`, which raises
+    :class:`~node.errors.ForkServerStarting` meanwhile."""
 
     def __init__(self, env: dict[str, str], grpc: bool = False) -> None:
         self.env = {**env, "OPENBLAS_NUM_THREADS": "1"}  # (a front does no linear algebra)
@@ -287,9 +284,10 @@ class ForkServer:
     ) -> Forked:
         """Fork front ``index`` with ``fds`` (listener, region, ask, answer; they stay
         open here: the caller closes its own) and its settings ``spec``. Raises
-        :class:`Starting` while the server starts (a dead one is started again),
-        ``OSError`` when it could not fork, did not answer in :data:`SPAWN_S` or was not
-        ready in :data:`READY_S` (then it is killed: hung), or was closed."""
+        :class:`~node.errors.ForkServerStarting` while the server starts (a dead one is
+        started again), ``OSError`` when it could not fork, did not answer in
+        :data:`SPAWN_S` or was not ready in :data:`READY_S` (then it is killed: hung), or
+        was closed."""
         async with self._asking:
             if self.closed:
                 raise OSError("the front fork server was closed")
@@ -309,7 +307,7 @@ class ForkServer:
                         front._end(-signal.SIGKILL)
                 self.forked.clear()
                 self.start()
-                raise Starting("the front fork server is starting")
+                raise ForkServerStarting("the front fork server is starting")
             assert self.ready is not None and self.process is not None
             if not self.ready.done():
                 if time.monotonic() - self.started > READY_S:
@@ -317,7 +315,7 @@ class ForkServer:
                     log.error("front fork server (pid %d) was not ready in %.0f s; killed",
                               self.process.pid, READY_S)  # fmt: skip
                     raise OSError(f"the front fork server was not ready in {READY_S:.0f} s")
-                raise Starting("the front fork server is starting")
+                raise ForkServerStarting("the front fork server is starting")
             self._asked += 1
             self._answer = answer = asyncio.get_running_loop().create_future()
             try:

@@ -34,6 +34,7 @@ import numpy as np
 from affinity import InvalidArgument
 from node.errors import (
     BodyError,
+    ForkServerStarting,
     HopError,
     InvalidInput,
     Outcome,
@@ -42,7 +43,7 @@ from node.errors import (
     Unavailable,
     outcome,
 )
-from node.forkserver import Forked, ForkServer, Starting
+from node.forkserver import Forked, ForkServer
 from node.hop import (
     ACT,
     KSERVE,
@@ -505,7 +506,7 @@ class Fronts:
             process = await self.forks.spawn(front.index, core, fds, self.spec)
             if self.stopping:  # (the node began to stop meanwhile: it serves nothing)
                 process.kill()
-                raise Starting("the node is stopping")
+                raise ForkServerStarting("the node is stopping")
         except BaseException:  # (no fork: memory, file descriptors) nothing of it is left
             for fd in (ask, answer):
                 os.close(fd)
@@ -617,7 +618,7 @@ class Fronts:
     async def _respawning(self, front: _Front) -> None:
         try:
             await self._spawn(front)
-        except Starting:  # its fork server died, and is starting again: soon
+        except ForkServerStarting:  # its fork server died, and is starting again: soon
             if not self.stopping:
                 asyncio.get_running_loop().call_later(self._backoff(front), self._respawn, front)
         except Exception as exc:  # tried again: a front index never stays without a process

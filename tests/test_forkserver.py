@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 
 from node import forkserver
-from node.forkserver import Forked, ForkServer, Starting
+from node.errors import ForkServerStarting
+from node.forkserver import Forked, ForkServer
 from node.front import LAG_BOUNDS
 from node.fronts import SECRETS, fork_server
 from node.hop import Region, SharedLoopBuckets
@@ -150,7 +151,7 @@ async def test_fronts_are_forked_signalled_and_reaped_through_their_server() -> 
             await wait_for(lambda: not alive(orphan.pid), "the front gone with its server")
             await wait_for(lambda: not alive(unpolled.pid), "the other gone with its server")
 
-            with pytest.raises(Starting):  # started again, not waited for here
+            with pytest.raises(ForkServerStarting):  # started again, not waited for here
                 await server.spawn(3, b"\0core".hex(), fds, SPEC)
             assert server.process.pid != first and server.restarts == 1
             # a front of the dead server, first looked at once a new one runs, has ended
@@ -166,7 +167,7 @@ async def test_fronts_are_forked_signalled_and_reaped_through_their_server() -> 
     assert server.process is None and not server.forked
     with front_fds() as (_, fds), pytest.raises(OSError) as refused:
         await server.spawn(9, b"\0core".hex(), fds, SPEC)
-    assert not isinstance(refused.value, Starting)  # closed: never started again
+    assert not isinstance(refused.value, ForkServerStarting)  # closed: never started again
     assert server.process is None and server.sock is None
 
 
@@ -188,13 +189,13 @@ async def test_a_server_stuck_in_its_imports_or_whose_pidfd_cannot_be_received_i
         stuck = server.process.pid
         os.kill(stuck, signal.SIGSTOP)  # (in its imports, as far as the core can tell)
         with front_fds() as (_, fds):
-            with pytest.raises(Starting):
+            with pytest.raises(ForkServerStarting):
                 await server.spawn(0, b"\0core".hex(), fds, SPEC)
             await asyncio.sleep(0.6)
             with pytest.raises(OSError, match="not ready"):
                 await server.spawn(0, b"\0core".hex(), fds, SPEC)
             await wait_for(lambda: not alive(stuck), "the stuck server killed")
-            with pytest.raises(Starting):  # started again
+            with pytest.raises(ForkServerStarting):  # started again
                 await server.spawn(0, b"\0core".hex(), fds, SPEC)
             monkeypatch.setattr(forkserver, "READY_S", 120.0)
             assert await server.wait_ready(120)
