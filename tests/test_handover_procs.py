@@ -314,15 +314,17 @@ class Robot:
 
 
 def answered(front: int, slots: list[int]) -> list[tuple[str, int]] | None:
-    """(episode, seq) of each step the core answered in ``slots`` of a paused front; None
-    while one of them is not answered yet."""
+    """(episode, seq) of each step the core applied and answered in ``slots`` of a paused
+    front; None while one of them is not answered yet. A replayed reply applied nothing: the
+    attempt that applied it decides (it is there when a forward held up in this front,
+    paused by an earlier try, reaches the core after the robot's retry was served)."""
     with region_of(front) as region:
         if any(region.state(k) != ANSWERED for k in slots):
             return None
         steps = []
         for k in slots:
             _, meta, _ = region.read(k, copy=True)
-            if "facts" in meta:  # a step served (not a refusal)
+            if "facts" in meta and not meta["facts"]["replayed"]:  # applied (not refused)
                 steps.append((meta["facts"]["episode_id"], int(meta["facts"]["seq"])))
         return steps
 
@@ -444,7 +446,7 @@ def test_fronts_killed_and_paused_mid_step_and_mid_transfer_leave_one_owner_and_
         by_name = {r.episode: r for r in robots}
         for episode, seq in lost:
             got = by_name[episode].answers[seq]
-            assert got["replayed"] or got["state_reset"], (episode, seq, got)
+            assert got["replayed"] or got["state_reset"], f"{lost}: {got}\n{a.proc.log()}"
         keys = redis.client()
         for robot in robots:  # one owner: Redis names b, with the claim that served last
             value = str(keys.get(KEYS.episode(robot.episode))).split(" ")
