@@ -225,7 +225,8 @@ PROCESS_HEADERS = ("NODE", "PROCESS", "PID", "SINCE", "RESTARTS", "LAG P99")
 
 def process_rows(nodes: Sequence[NodeStatus]) -> list[tuple[object, ...]]:
     """A row per process of each node: the core first, then its fronts and its device
-    workers (role ``dev<index>``) as the node listed them."""
+    workers (role ``dev<index>``) as the node listed them, then its helpers (the fronts'
+    fork server, role ``forksrv``: no loop lag is read from it)."""
     return [
         (
             n.node,
@@ -236,7 +237,7 @@ def process_rows(nodes: Sequence[NodeStatus]) -> list[tuple[object, ...]]:
             lag_cell(p.lag_p99_ms),
         )
         for n in nodes
-        for p in n.processes.processes
+        for p in (*n.processes.processes, *n.processes.helpers)
     ]
 
 

@@ -78,7 +78,9 @@ class NodeStatus(_Row):
 
     def to_json(self) -> dict[str, Any]:
         """Its fields, the processes flattened in: ``fronts`` (1: one process) and
-        ``processes`` (a list: role, pid, since_ms, restarts, lag_p99_ms)."""
+        ``processes`` (a list: role, pid, since_ms, restarts, lag_p99_ms); ``workers`` and
+        ``helpers`` (the fronts' fork server: role, pid, since_ms, restarts) when there are
+        some."""
         out = super().to_json()
         out.update(self.processes.to_json())
         return out

@@ -39,8 +39,10 @@ from affinity.models import MAX_WEIGHT, ModelId
 from affinity.scripts import Script, ScriptCaller, bounded, evalsha, replicated
 
 __all__ = [
+    "FORK_SERVER_ROLE",
     "MAX_DEVICES_PER_NODE",
     "MAX_FRONTS",
+    "MAX_HELPERS",
     "MAX_WEIGHT",
     "ONE_PROCESS",
     "STATES",
@@ -230,6 +232,11 @@ MAX_DEVICES_PER_NODE = 64
 per device). With :data:`MAX_FRONTS` it bounds the description of a node's processes (at
 most ``MAX_FRONTS`` + 1 + ``MAX_DEVICES_PER_NODE`` rows, ~10 KiB)."""
 MAX_ROLE = 8
+MAX_HELPERS = 4
+"""The most helper processes a node describes (``NodeProcesses.helpers``: today one, the
+fronts' fork server)."""
+FORK_SERVER_ROLE = "forksrv"
+"""The role of the fronts' fork server among a node's helpers (``node/forkserver.py``)."""
 
 
 @dataclass(frozen=True)
@@ -290,12 +297,18 @@ class NodeProcesses:
     (1: the core serves the doors itself), ``workers`` the device worker processes (one per
     device with ``--device-workers process``; 0: the devices run in the core's threads),
     ``processes`` those running (the core first, then each front and each worker running
-    now; one waiting to be restarted is not listed). A record without it (a node of an older
-    version) reads as :data:`ONE_PROCESS`; one without ``workers`` as 0."""
+    now; one waiting to be restarted is not listed). ``helpers``: the processes running
+    that serve none of the doors nor a device: the fronts' fork server (role
+    :data:`FORK_SERVER_ROLE`, with ``--front-doors`` above 1), its restarts counted. They
+    are a JSON key of their own, so that a reader of an older version, which counts
+    ``processes`` as the core, fronts and workers, counts them right. A record without it (a
+    node of an older version) reads as :data:`ONE_PROCESS`; one without ``workers`` as 0,
+    without ``helpers`` as none."""
 
     fronts: int = 1
     processes: tuple[NodeProcess, ...] = ()
     workers: int = 0
+    helpers: tuple[NodeProcess, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.fronts, bool) or not 1 <= self.fronts <= MAX_FRONTS:
@@ -306,14 +319,16 @@ class NodeProcesses:
         most = (1 if self.fronts == 1 else self.fronts + 1) + self.workers
         if len(self.processes) > most:
             raise InvalidArgument("processes", len(self.processes), f"at most {most}")
-        for p in self.processes:
+        if len(self.helpers) > MAX_HELPERS:
+            raise InvalidArgument("helpers", len(self.helpers), f"at most {MAX_HELPERS}")
+        for p in (*self.processes, *self.helpers):
             if not p.role or len(p.role) > MAX_ROLE:
                 raise InvalidArgument("process role", p.role, f"1 to {MAX_ROLE} characters")
 
     @property
     def restarts(self) -> int:
-        """Restarts of the fronts and the device workers, all together."""
-        return sum(p.restarts for p in self.processes)
+        """Restarts of the fronts, the device workers and the helpers, all together."""
+        return sum(p.restarts for p in (*self.processes, *self.helpers))
 
     @property
     def fronts_down(self) -> int:
@@ -332,12 +347,14 @@ class NodeProcesses:
         return max(0, self.workers - sum(1 for p in self.processes if p.is_worker))
 
     def to_json(self) -> dict[str, Any]:
-        """``fronts`` and ``processes``; ``workers`` only when there are some, so a reader
-        of an older version sees the record it knows."""
+        """``fronts`` and ``processes``; ``workers`` and ``helpers`` only when there are
+        some, so a reader of an older version sees the record it knows."""
         out: dict[str, Any] = {"fronts": self.fronts}
         if self.workers:
             out["workers"] = self.workers
         out["processes"] = [p.to_json() for p in self.processes]
+        if self.helpers:
+            out["helpers"] = [p.to_json() for p in self.helpers]
         return out
 
     def encode(self) -> str:
@@ -347,7 +364,8 @@ class NodeProcesses:
     @classmethod
     def decode(cls, text: str | None) -> NodeProcesses:
         """The ``procs`` field read back. Missing (a node of an older version) or not
-        readable: :data:`ONE_PROCESS`, what such a node is. Without ``workers``: none."""
+        readable: :data:`ONE_PROCESS`, what such a node is. Without ``workers`` or
+        ``helpers``: none."""
         if not text:
             return ONE_PROCESS
         try:
@@ -356,6 +374,7 @@ class NodeProcesses:
                 int(doc["fronts"]),
                 tuple(map(NodeProcess.from_json, doc["processes"])),
                 int(doc.get("workers", 0)),
+                tuple(map(NodeProcess.from_json, doc.get("helpers", ()))),
             )
         except (ValueError, KeyError, TypeError, AttributeError, AffinityError):
             return ONE_PROCESS

@@ -81,7 +81,7 @@ from node.deviceproc import FREE, GET, RUN, RUN_ROWS
 from node.devices import DeviceSpec
 from node.errors import HopError, StateLost, WorkerFenced, WorkerGone, WorkerRunError
 from node.hop import ASKED, Array, Region, contiguous, deaf_children, lift, lower, readable
-from node.procs import Running
+from node.procs import NO_LAG, Running
 from node.providers import ProviderSettings
 
 __all__ = [
@@ -485,14 +485,6 @@ class _Worker:
     since_ms: int = 0
 
 
-class _NoLag:
-    """A worker process has no event loop: nothing sampled (``node/procs.py``)."""
-
-    @property
-    def counts(self) -> list[int]:
-        return []
-
-
 class DeviceProcs:
     """A worker process per device of ``specs``, each opening ``models``; their
     :class:`RemoteSession` by (model key, device id) in :attr:`sessions`.
@@ -865,10 +857,14 @@ class DeviceProcs:
     def running(self) -> list[Running]:
         """Each worker process running now (``node/procs.py``): ``dev<index>``."""
         return [
-            Running(f"dev{w.spec.index}", w.process.pid, w.since_ms, w.restarted, _NoLag())
+            Running(f"dev{w.spec.index}", w.process.pid, w.since_ms, w.restarted, NO_LAG)
             for w in self.workers.values()
             if w.process is not None and w.process.poll() is None
         ]
+
+    def helpers(self) -> list[Running]:
+        """None: the workers are started by the core itself."""
+        return []
 
     def pids(self) -> list[int]:
         return [w.process.pid for w in self.workers.values() if w.process is not None]

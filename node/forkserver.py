@@ -179,6 +179,7 @@ class ForkServer:
         self.grpc = grpc  # fronts serve gRPC: the server loads grpcio for them
         self.closed = False  # by :meth:`close`: never started again
         self.started = 0.0  # when the server was last started (monotonic)
+        self.since_ms = 0  # and on the wall clock, ms since the epoch (published)
         self.process: subprocess.Popen[bytes] | None = None
         self.sock: socket.socket | None = None
         self.ready: asyncio.Future[None] | None = None
@@ -209,7 +210,7 @@ class ForkServer:
             theirs.close()
         ours.setblocking(False)
         self.sock, self.ready = ours, loop.create_future()
-        self.started = time.monotonic()
+        self.started, self.since_ms = time.monotonic(), int(time.time() * 1000)
         loop.add_reader(ours.fileno(), self._read)
         log.info("front fork server started (pid %d)", self.process.pid)
 

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from affinity import InvalidArgument
+from affinity.registry import FORK_SERVER_ROLE
 from node.errors import (
     BodyError,
     ForkServerStarting,
@@ -63,7 +64,7 @@ from node.hop import (
 )
 from node.inputs import Checked, checked_of, taught
 from node.metrics import REJECTED
-from node.procs import Running
+from node.procs import NO_LAG, Running
 from node.protocols import act, openpi
 from node.protocols.kserve import http as kserve_http
 from node.protocols.openpiframe import refusal
@@ -467,6 +468,14 @@ class Fronts:
             for f in self.fronts
             if f.process is not None and f.lag is not None
         ]
+
+    def helpers(self) -> list[Running]:
+        """The fork server, while it runs (its restarts: its starts after the first)."""
+        forks = self.forks
+        if forks.process is None or not forks.alive():
+            return []
+        return [Running(FORK_SERVER_ROLE, forks.process.pid, forks.since_ms, forks.restarts,
+                        NO_LAG)]  # fmt: skip
 
     def pids(self) -> list[int]:
         return [f.process.pid for f in self.fronts if f.process is not None]

@@ -5,7 +5,9 @@ With ``--front-doors N`` > 1 a node is its core and N front processes the core s
 (``node/fronts.py``); with ``--device-workers process`` the core also supervises one worker
 process per device (``node/deviceprocs.py``, roles ``dev<index>``). An operator looking at
 the fleet must see that shape, each process's pid, a front or worker that keeps being
-restarted, and a saturated event loop, without logging in to the host. :class:`Processes`
+restarted, and a saturated event loop, without logging in to the host. The fronts' fork
+server (``node/forkserver.py``) is listed apart, as a helper (``helpers``), with its pid and
+restarts: a process of the node, and of its memory, that serves no door itself. :class:`Processes`
 describes them (:class:`affinity.registry.NodeProcesses`) when the lease asks: at
 registration and at each renewal, riding the same script call, so it costs no Redis command
 more and is at most a renewal old. A process the core restarted shows with its new pid and
@@ -28,7 +30,7 @@ from typing import Protocol
 
 from affinity.registry import NodeProcess, NodeProcesses
 
-__all__ = ["Lagging", "ProcessSource", "Processes", "Running", "p99_ms"]
+__all__ = ["NO_LAG", "Lagging", "ProcessSource", "Processes", "Running", "p99_ms"]
 
 
 class Lagging(Protocol):
@@ -37,6 +39,17 @@ class Lagging(Protocol):
 
     @property
     def counts(self) -> list[int]: ...
+
+
+class _NoLag:
+    @property
+    def counts(self) -> list[int]:
+        return []
+
+
+NO_LAG: Lagging = _NoLag()
+"""The histogram of a process without an event loop (a device worker, the fork server):
+nothing sampled."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +70,10 @@ class ProcessSource(Protocol):
     def running(self) -> list[Running]:
         """The processes running now, in their order (one waiting to be restarted is not
         among them)."""
+
+    def helpers(self) -> list[Running]:
+        """The helper processes running now (the fronts' fork server); their lag is not
+        read."""
 
 
 def p99_ms(bounds: Sequence[float], before: Sequence[int], now: Sequence[int]) -> float | None:
@@ -101,6 +118,11 @@ class Processes:
     def describe(self) -> NodeProcesses:
         """Every process running now; each one's lag over the samples since the last call."""
         running = [self.core, *(r for source in self._sources for r in source.running())]
+        helpers = tuple(
+            NodeProcess(h.role, h.pid, h.since_ms, h.restarts)
+            for source in self._sources
+            for h in source.helpers()
+        )
         rows = []
         for r in running:
             counts = list(r.lag.counts)
@@ -108,4 +130,4 @@ class Processes:
             self._seen[r.role] = counts
             lag = p99_ms(self.bounds, before, counts)
             rows.append(NodeProcess(r.role, r.pid, r.since_ms, r.restarts, lag))
-        return NodeProcesses(self.fronts, tuple(rows), self.workers)
+        return NodeProcesses(self.fronts, tuple(rows), self.workers, helpers)

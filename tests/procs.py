@@ -627,6 +627,12 @@ class Node:
             if alive(pid)
         ]
 
+    def fork_server(self) -> int | None:
+        """The pid of the node's fronts' fork server now (its process' child running
+        ``node.forkserver``); None without one (``--front-doors 1``), or between two."""
+        servers = self._children(b"node.forkserver")
+        return servers[0] if servers else None
+
     def workers(self) -> list[int]:
         """The pids of the node's device worker processes now (its process' children running
         ``node.deviceproc``; none but with ``--device-workers process``). A node is ready

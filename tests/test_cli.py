@@ -233,13 +233,14 @@ def test_nodes(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_nodes_show_their_processes(dep: Deployment, capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 43: a node with front door processes says so in its column, with what is wrong
-    (a front not running now, restarts); ``--processes`` gives a row per process."""
+    (a front not running now, restarts); ``--processes`` gives a row per process, the
+    fronts' fork server (a helper) last."""
     four = NodeProcesses(4, (
         NodeProcess("core", 4101, 1_795_983_839_120, 0, 1.0),
         NodeProcess("0", 4187, 1_795_983_840_310, 0, 2.5),
         NodeProcess("1", 5213, 1_795_984_521_775, 1, math.inf),
         NodeProcess("3", 4190, 1_795_983_840_340),
-    ))  # fmt: skip
+    ), helpers=(NodeProcess("forksrv", 4120, 1_795_983_839_200, 1),))  # fmt: skip
     # one door, a worker process per device (--device-workers process): dev1 not running now
     workers = NodeProcesses(1, (
         NodeProcess("core", 77, 1_795_983_839_000, 0, 1.0),
@@ -251,7 +252,7 @@ def test_nodes_show_their_processes(dep: Deployment, capsys: pytest.CaptureFixtu
     headers = ["NODE", "URL", "STATE", "ALIVE", "LEASE LEFT", "PROCESSES", "DEVICES"]
     rows = {r["NODE"]: r["PROCESSES"] for r in parse_table(out, headers)}
     assert rows == {
-        "gpu-a": "core+4 fronts, 1 down, 1 restart",
+        "gpu-a": "core+4 fronts, 1 down, 2 restarts",  # front 1's, the fork server's
         "cpu-b": "core+2 device workers, 1 down, 2 restarts",
         "gone-c": "1",
     }
@@ -265,11 +266,15 @@ def test_nodes_show_their_processes(dep: Deployment, capsys: pytest.CaptureFixtu
         ("gpu-a", "0", "4187", "0", "2.5ms"),
         ("gpu-a", "1", "5213", "1", ">2500ms"),
         ("gpu-a", "3", "4190", "0", "-"),
+        ("gpu-a", "forksrv", "4120", "1", "-"),  # no loop lag read from it
     ]
     assert listed[3]["SINCE"] == "2026-11-29T20:24:00.310Z"  # UTC, to the ms
     code, out, _ = cli(dep, capsys, "nodes", "--json")
     nodes = {n["node"]: n for n in json.loads(out)}
     assert nodes["gpu-a"]["fronts"] == 4 and "workers" not in nodes["gpu-a"]
+    assert [p["pid"] for p in nodes["gpu-a"]["helpers"]] == [4120] and "helpers" not in nodes[
+        "cpu-b"
+    ]
     assert (nodes["cpu-b"]["fronts"], nodes["cpu-b"]["workers"]) == (1, 2)
     assert nodes["cpu-b"]["processes"][1] == {
         "role": "dev0", "pid": 78, "since_ms": 1_795_983_839_500, "restarts": 2

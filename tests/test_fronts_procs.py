@@ -350,13 +350,61 @@ def test_affinity_nodes_shows_the_core_and_its_fronts_and_a_restart(node: Node) 
     procs = published(node)
     assert procs["1"]["pid"] in fronts(node) and alive(procs["1"]["pid"])
     assert victim not in fronts(node)
-    total = sum(p["restarts"] for p in procs.values())
+    (listed,) = [x for x in cli_nodes(node, "--json") if x["node"] == node.node_id]
+    helpers = {p["role"]: (p["pid"], p["restarts"]) for p in listed["helpers"]}
+    assert list(helpers) == ["forksrv"] and helpers["forksrv"][0] == node.fork_server()
+    total = sum(p["restarts"] for p in procs.values()) + helpers["forksrv"][1]
     rows = cli_nodes(node).splitlines()
     (row,) = [r for r in rows if r.startswith(f"{node.node_id} ")]
     assert "core+2 fronts" in row and f" {total} restart" in row, rows
     cells = [line.split() for line in cli_nodes(node, "--processes").splitlines()[1:]]
     mine = {c[1]: (int(c[2]), int(c[4])) for c in cells if c[0] == node.node_id}
-    assert mine == {role: (p["pid"], p["restarts"]) for role, p in procs.items()}, cells
+    assert mine == {**{role: (p["pid"], p["restarts"]) for role, p in procs.items()},
+                    **helpers}, cells  # fmt: skip
+
+
+def test_the_fork_server_is_published_and_its_restart_too(tmp_path: Path) -> None:
+    """The fronts' fork server is a process of the node: ``affinity nodes`` lists it apart
+    (a helper, role ``forksrv``) with its real pid. Killed (``kill -9``), it takes its
+    fronts with it; the first front's restart starts a new server, which is published
+    with its new pid and one restart, the fronts beside it, and counted in the node's
+    restarts."""
+    redis = RedisServer(tmp_path).start()
+    n = Node(tmp_path, "forks", redis.url, devices="cpu:1", extra=["--front-doors", "2"])
+    try:
+        n.start(timeout=60)
+
+        def helpers() -> list[dict[str, Any]]:
+            (listed,) = [x for x in cli_nodes(n, "--json") if x["node"] == n.node_id]
+            return list(listed.get("helpers", []))
+
+        def shown(pid: int | None, restarts: int) -> bool:
+            listed = [(h["role"], h["pid"], h["restarts"]) for h in helpers()]
+            procs = but_workers(published(n))
+            return listed == [("forksrv", pid, restarts)] and {
+                procs.get("0", {}).get("pid"),
+                procs.get("1", {}).get("pid"),
+            } == set(fronts(n))
+
+        wait_until(lambda: len(fronts(n)) == 2, 30, "two fronts")
+        server = n.fork_server()
+        wait_until(lambda: shown(server, 0), 30, "the fork server published", interval=0.5)
+        assert server is not None and "forksrv" not in published(n)  # not a front
+        old_fronts = set(fronts(n))
+        os.kill(server, signal.SIGKILL)
+        wait_until(lambda: len(fronts(n)) == 2 and not old_fronts & set(fronts(n)), 60,
+                   "both fronts forked again by a new server")  # fmt: skip
+        again = n.fork_server()
+        assert again not in (None, server)
+        wait_until(lambda: shown(again, 1), 60, "the new fork server published", interval=0.5)
+        (row,) = [r for r in cli_nodes(n).splitlines() if r.startswith("forks ")]
+        total = 1 + sum(p["restarts"] for p in published(n).values())
+        assert "core+2 fronts" in row and f" {total} restarts" in row, row
+        cells = [line.split() for line in cli_nodes(n, "--processes").splitlines()[1:]]
+        assert [(c[2], c[4]) for c in cells if c[1] == "forksrv"] == [(str(again), "1")], cells
+    finally:
+        n.stop()
+        redis.stop()
 
 
 def test_the_fronts_are_published_as_soon_as_they_run(tmp_path: Path) -> None:

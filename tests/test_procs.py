@@ -9,7 +9,7 @@ import os
 
 from affinity.registry import NodeProcess
 from node.metrics import LoopBuckets
-from node.procs import Processes, Running, p99_ms
+from node.procs import NO_LAG, Processes, Running, p99_ms
 
 BOUNDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
@@ -36,9 +36,13 @@ def test_p99_is_the_bound_of_the_bucket_of_the_99th_percentile_in_the_window() -
 class FakeFronts:
     def __init__(self) -> None:
         self.rows: list[Running] = []
+        self.helping: list[Running] = []
 
     def running(self) -> list[Running]:
         return self.rows
+
+    def helpers(self) -> list[Running]:
+        return self.helping
 
 
 def test_each_description_covers_the_samples_since_the_last_one() -> None:
@@ -63,14 +67,12 @@ def test_each_description_covers_the_samples_since_the_last_one() -> None:
     assert rows[1].lag_p99_ms == 5.0 and rows[2].lag_p99_ms is None
     fronts.rows = [fronts.rows[0], Running("1", 13, 7, 1, fronts.rows[1].lag)]
     assert procs.describe().processes[2] == NodeProcess("1", 13, 7, 1, None)
-
-
-class NoLoop:
-    """A device worker's histogram: it has no event loop, so no counts at all."""
-
-    @property
-    def counts(self) -> list[int]:
-        return []
+    # the fork server is a helper, apart from the fronts; no lag read from it
+    assert procs.describe().helpers == ()
+    fronts.helping = [Running("forksrv", 10, 4, 2, NO_LAG)]
+    described = procs.describe()
+    assert described.helpers == (NodeProcess("forksrv", 10, 4, 2, None),)
+    assert len(described.processes) == 3 and described.restarts == 3
 
 
 def test_device_workers_are_described_without_a_lag() -> None:
@@ -79,12 +81,12 @@ def test_device_workers_are_described_without_a_lag() -> None:
     assert (procs.describe().workers, len(procs.describe().processes)) == (2, 1)
     workers = FakeFronts()
     procs.watch(workers)
-    workers.rows = [Running("dev0", 21, 8, 0, NoLoop()), Running("dev1", 22, 9, 0, NoLoop())]
+    workers.rows = [Running("dev0", 21, 8, 0, NO_LAG), Running("dev1", 22, 9, 0, NO_LAG)]
     for _ in range(2):  # the second one reads the empty counts it saw the first time
         described = procs.describe()
         assert described.processes[1:] == (NodeProcess("dev0", 21, 8, 0, None),
                                            NodeProcess("dev1", 22, 9, 0, None))  # fmt: skip
-    workers.rows = [workers.rows[0], Running("dev1", 23, 10, 1, NoLoop())]  # restarted
+    workers.rows = [workers.rows[0], Running("dev1", 23, 10, 1, NO_LAG)]  # restarted
     described = procs.describe()
     assert described.processes[2] == NodeProcess("dev1", 23, 10, 1, None)
     assert (described.fronts, described.workers, described.restarts) == (1, 2, 1)

@@ -20,8 +20,10 @@ from affinity import (
     UnknownNode,
 )
 from affinity.registry import (
+    FORK_SERVER_ROLE,
     MAX_DEVICES_PER_NODE,
     MAX_FRONTS,
+    MAX_HELPERS,
     ONE_PROCESS,
     NodeProcess,
     NodeProcesses,
@@ -433,7 +435,8 @@ def test_the_description_of_processes_is_bounded() -> None:
     core = NodeProcess("core", 1, 0)
     big = [NodeProcess(str(k), 4_194_304, 1_795_983_840_310, 99_999, 2500.0) for k in range(64)]
     workers = [NodeProcess(f"dev{k}", 4_194_304, 1_795_983_840_310, 99_999) for k in range(64)]
-    most = NodeProcesses(MAX_FRONTS, (core, *big, *workers), MAX_DEVICES_PER_NODE)
+    helpers = (NodeProcess(FORK_SERVER_ROLE, 4_194_304, 1_795_983_840_310, 99_999),) * MAX_HELPERS
+    most = NodeProcesses(MAX_FRONTS, (core, *big, *workers), MAX_DEVICES_PER_NODE, helpers)
     assert len(most.encode()) < 12 * 1024  # ~10 KiB at most, written once a renewal
     with pytest.raises(InvalidArgument):
         NodeProcesses(MAX_FRONTS + 1)
@@ -476,3 +479,30 @@ def test_device_workers_in_the_description() -> None:
     for bad in ('{"fronts":1,"workers":65,"processes":[]}', '{"fronts":1,"workers":"x",'
                 '"processes":[]}'):  # fmt: skip
         assert NodeProcesses.decode(bad) == ONE_PROCESS, bad
+
+
+def test_the_fork_server_is_a_helper_listed_apart() -> None:
+    """The fronts' fork server (``node/forkserver.py``) is a process of the node, listed
+    under ``helpers``: a key of its own, so a reader of an older version (which counts
+    ``processes`` as the core, fronts and workers) still counts the fronts down right; its
+    restarts count with the node's."""
+    forks = NodeProcess(FORK_SERVER_ROLE, 4100, 1_795_983_839_200, 1)
+    four = NodeProcesses(4, (*FOUR_FRONTS.processes, NodeProcess("3", 4190, 9)), helpers=(forks,))
+    doc = json.loads(four.encode())
+    assert doc["helpers"] == [
+        {"role": "forksrv", "pid": 4100, "since_ms": 1_795_983_839_200, "restarts": 1}
+    ]  # fmt: skip
+    assert FORK_SERVER_ROLE not in [p["role"] for p in doc["processes"]]
+    assert NodeProcesses.decode(four.encode()) == four
+    assert (four.fronts_down, four.restarts) == (0, 3)  # front 1's two, the server's one
+    old_reader = NodeProcesses(int(doc["fronts"]), tuple(map(NodeProcess.from_json,
+                                                             doc["processes"])))  # fmt: skip
+    assert old_reader.fronts_down == 0  # (were the server a front, 4 would seem 5)
+    assert "helpers" not in json.loads(FOUR_FRONTS.encode())
+    assert NodeProcesses.decode(FOUR_FRONTS.encode()).helpers == ()
+    with pytest.raises(InvalidArgument):
+        NodeProcesses(2, helpers=(forks,) * (MAX_HELPERS + 1))
+    with pytest.raises(InvalidArgument):
+        NodeProcesses(2, helpers=(NodeProcess("x" * 9, 1, 0),))
+    bad = '{"fronts":2,"processes":[],"helpers":[{"role":"forksrv"}]}'
+    assert NodeProcesses.decode(bad) == ONE_PROCESS

@@ -414,7 +414,8 @@ def eight_fronts(node: str) -> NodeProcesses:
     """A core and 8 fronts (issue 43); gpu-c's front 5 restarted twice and its front 7 is
     not running (waiting for its restart), the loop of its front 2 lags past 2.5 s. gpu-h
     also runs a worker process per GPU (``--device-workers process``): its worker 3
-    restarted once and its worker 6 is not running."""
+    restarted once and its worker 6 is not running. Each has its fronts' fork server, a
+    helper; gpu-c's restarted once."""
     since = 1_795_983_840_000
     rows = [NodeProcess("core", 100, since, 0, 1.0)]
     for k in range(8):
@@ -423,12 +424,13 @@ def eight_fronts(node: str) -> NodeProcesses:
         restarts = 2 if node == "gpu-c" and k == 5 else 0
         lag = math.inf if node == "gpu-c" and k == 2 else 2.5
         rows.append(NodeProcess(str(k), 101 + k, since, restarts, lag))
+    forks = (NodeProcess("forksrv", 99, since, 1 if node == "gpu-c" else 0),)
     if node != "gpu-h":
-        return NodeProcesses(8, tuple(rows))
+        return NodeProcesses(8, tuple(rows), helpers=forks)
     for k in range(8):
         if k != 6:
             rows.append(NodeProcess(f"dev{k}", 201 + k, since, 1 if k == 3 else 0))
-    return NodeProcesses(8, tuple(rows), 8)
+    return NodeProcesses(8, tuple(rows), 8, forks)
 
 
 async def deregister_gpu_nodes(url: str) -> None:
@@ -655,7 +657,7 @@ def test_eight_nodes_of_eight_gpus_fit_one_laptop_screen(page: Page, stack: Stac
         assert summary.startswith("8/8 nodes alive · 64 devices: 62 active, 1 draining, 1 down")
         # each node's processes on its card; what is wrong with them stands out
         procs = page.text(".node-row[data-node='gpu-c'] .procs")
-        assert procs == "core+8 fronts, 1 down, 2 restarts · lag >2500ms", procs
+        assert procs == "core+8 fronts, 1 down, 3 restarts · lag >2500ms", procs  # (+ forksrv)
         assert page.text(".node-row[data-node='gpu-d'] .procs") == "core+8 fronts · lag ≤2.5ms"
         assert page.js(
             "return document.querySelector(\"[data-node='gpu-c'] .procs\").classList"
@@ -664,6 +666,7 @@ def test_eight_nodes_of_eight_gpus_fit_one_laptop_screen(page: Page, stack: Stac
         title = page.js("return document.querySelector(\"[data-node='gpu-c'] .procs\").title")
         assert "front 5: pid 106 since 2026-11-29T20:24:00.000Z, 2 restart(s)" in title, title
         assert "front 2: pid 103" in title and "loop lag p99 >2500ms" in title, title
+        assert title.endswith("\nfork server: pid 99 since 2026-11-29T20:24:00.000Z, 1 restart(s)")
         procs = page.text(".node-row[data-node='gpu-h'] .procs")
         assert procs == "core+8 fronts+8 device workers, 1 worker down, 1 restart · lag ≤2.5ms"
         title = page.js("return document.querySelector(\"[data-node='gpu-h'] .procs\").title")
@@ -673,6 +676,9 @@ def test_eight_nodes_of_eight_gpus_fit_one_laptop_screen(page: Page, stack: Stac
         listed = httpx.get(stack.nodes[0].url + "/nodes", timeout=10).json()["nodes"]
         nodes = {n["node"]: n for n in listed}
         assert nodes["gpu-h"]["workers"] == 8 and "workers" not in nodes["gpu-d"]
+        assert nodes["gpu-c"]["helpers"] == [
+            {"role": "forksrv", "pid": 99, "since_ms": 1_795_983_840_000, "restarts": 1}
+        ]  # fmt: skip
         assert nodes["gpu-h"]["processes"][9] == {
             "role": "dev0", "pid": 201, "since_ms": 1_795_983_840_000, "restarts": 0
         }  # fmt: skip

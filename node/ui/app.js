@@ -270,8 +270,9 @@
 
   // A node's processes in a line (1 process, or the core and its fronts and device workers,
   // with what is wrong: processes not running, restarts, the worst loop lag) and a line per
-  // process for its title. A node of an older version publishes none: it is one process.
-  // A device worker (role "dev<index>") has no event loop, so no lag.
+  // process for its title, its helpers (the fronts' fork server) last. A node of an older
+  // version publishes none: it is one process. A device worker (role "dev<index>") and a
+  // helper have no event loop, so no lag.
   function processes(n) {
     const list = n.processes || [], fronts = n.fronts || 1, workers = n.workers || 0;
     const isWorker = (q) => q.role.startsWith("dev");
@@ -281,7 +282,8 @@
     const frontsDown = fronts > 1 && list.length ? Math.max(0, fronts - frontsUp) : 0;
     const workersDown = list.length ? Math.max(0, workers - workersUp) : 0;
     const down = frontsDown + workersDown;
-    const restarts = list.reduce((s, q) => s + (q.restarts || 0), 0);
+    const helpers = n.helpers || []; // processes that serve no door (the fronts' fork server)
+    const restarts = list.concat(helpers).reduce((s, q) => s + (q.restarts || 0), 0);
     let shape = fronts > 1 || workers ? "core" : "1 process";
     if (fronts > 1) shape += "+" + fronts + " fronts";
     if (workers) shape += "+" + workers + " device worker" + plural(workers);
@@ -304,7 +306,9 @@
       const restarted = ", " + (q.restarts || 0) + " restart(s)";
       if (isWorker(q)) return "device " + q.role.slice(3) + " worker" + since + restarted;
       return "front " + q.role + since + restarted + ", loop lag p99 " + lagText(q);
-    });
+    }).concat(helpers.map((q) => (q.role === "forksrv" ? "fork server" : q.role) + ": pid " +
+      q.pid + " since " + new Date(q.since_ms).toISOString() + ", " + (q.restarts || 0) +
+      " restart(s)"));
     return { text, rows, restarts, down };
   }
 
