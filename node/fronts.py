@@ -93,6 +93,9 @@ can stop for a few hundred milliseconds (a collection, a large body's decode).""
 START_HANG_S = 60.0
 """How long a front that has not yet sampled its loop (imports, start-up) may take before
 the hang watch kills it, whatever a shorter ``--front-hang-timeout`` says."""
+SERVER_STARTS = 3
+"""How many times the node's start starts a fork server again that died before it forked
+every front (then the node's start fails)."""
 LOOK_S = 0.25
 """The most stillness one look of the hang watch counts (it looks every 50 ms): a late
 look, the core itself paused or slow, never counts what it missed against a front."""
@@ -442,14 +445,29 @@ class Fronts:
 
     async def start(self) -> None:
         """Start the fork server (unless the node did), wait for its imports, fork every
-        front."""
+        front. A server that died meanwhile (it was started before the node's own start,
+        which may take minutes) is started again, up to :data:`SERVER_STARTS` times, within
+        :data:`START_HANG_S` in all."""
         try:
             if self.forks.process is None:
                 self.forks.start()
-            if not await self.forks.wait_ready(START_HANG_S):
-                raise OSError(f"the front fork server was not ready in {START_HANG_S:.0f} s")
+            deadline, starts = time.monotonic() + START_HANG_S, SERVER_STARTS
             for front in self.fronts:
-                await self._spawn(front)
+                while True:
+                    left = max(0.0, deadline - time.monotonic())
+                    if not await self.forks.wait_ready(left) and self.forks.alive():
+                        raise OSError(
+                            f"the front fork server was not ready in {START_HANG_S:.0f} s"
+                        )
+                    try:  # (a server found dead is started again: ForkServerStarting)
+                        await self._spawn(front)
+                        break
+                    except ForkServerStarting:
+                        starts -= 1
+                        if starts < 0:
+                            raise OSError(
+                                "the front fork server died each time it started"
+                            ) from None
         except BaseException:  # (the node exits: nothing it started is left running)
             self.stopping = True
             for front in self.fronts:
@@ -471,11 +489,10 @@ class Fronts:
 
     def helpers(self) -> list[Running]:
         """The fork server, while it runs (its restarts: its starts after the first)."""
-        forks = self.forks
-        if forks.process is None or not forks.alive():
+        forks, process = self.forks, self.forks.process  # (read once: a stop's reap, in
+        if process is None or process.poll() is not None:  # a thread, sets it to None)
             return []
-        return [Running(FORK_SERVER_ROLE, forks.process.pid, forks.since_ms, forks.restarts,
-                        NO_LAG)]  # fmt: skip
+        return [Running(FORK_SERVER_ROLE, process.pid, forks.since_ms, forks.restarts, NO_LAG)]
 
     def pids(self) -> list[int]:
         return [f.process.pid for f in self.fronts if f.process is not None]
@@ -627,9 +644,13 @@ class Fronts:
     async def _respawning(self, front: _Front) -> None:
         try:
             await self._spawn(front)
-        except ForkServerStarting:  # its fork server died, and is starting again: soon
+        except ForkServerStarting:  # its fork server died, and is starting again: forked as
+            # soon as it is ready, its backoff left as it was (the server's start is no
+            # failure of the front's); one that does not get ready backs off as a failure
+            ready = await self.forks.wait_ready(START_HANG_S)
             if not self.stopping:
-                asyncio.get_running_loop().call_later(self._backoff(front), self._respawn, front)
+                wait = 0.0 if ready else self._backoff(front)
+                asyncio.get_running_loop().call_later(wait, self._respawn, front)
         except Exception as exc:  # tried again: a front index never stays without a process
             if self.stopping:  # (its server closed by the stop: nothing to start again)
                 return

@@ -407,6 +407,36 @@ def test_the_fork_server_is_published_and_its_restart_too(tmp_path: Path) -> Non
         redis.stop()
 
 
+def test_a_fork_server_killed_during_the_nodes_start_is_started_again(tmp_path: Path) -> None:
+    """The fork server starts before the node's own start (models, Redis), so its imports
+    run meanwhile. Killed then (``kill -9``: the OOM killer, an operator), the fronts' start
+    starts it again: the node comes up with both fronts, its restart published."""
+    redis = RedisServer(tmp_path).start()
+    n = Node(tmp_path, "early", redis.url, devices="cpu:1", extra=["--front-doors", "2"])
+    try:
+        n.proc.start()
+        wait_until(lambda: n.fork_server() is not None, 60, "the fork server started",
+                   interval=0.005)  # fmt: skip
+        first = n.fork_server()
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        wait_until(n.ready, 120, f"node ready\n{n.proc.log()}")
+        wait_until(lambda: len(fronts(n)) == 2, 60, "two fronts")
+        assert n.proc.popen is not None and n.proc.popen.poll() is None
+        assert n.fork_server() not in (None, first)
+
+        def published_restart() -> bool:
+            (listed,) = [x for x in cli_nodes(n, "--json") if x["node"] == n.node_id]
+            return [(h["pid"], h["restarts"]) for h in listed.get("helpers", [])] == [
+                (n.fork_server(), 1)
+            ]
+
+        wait_until(published_restart, 30, "the server's restart published", interval=0.5)
+    finally:
+        n.stop()
+        redis.stop()
+
+
 def test_the_fronts_are_published_as_soon_as_they_run(tmp_path: Path) -> None:
     """The registration comes before the fronts start; the node renews once they run, so
     the fleet does not show them down for a renewal's interval (40 s here: a 120 s lease)."""

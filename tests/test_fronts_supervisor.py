@@ -1,6 +1,7 @@
 """The supervisor of a node's front doors (``node/fronts.py``, issue 43), without starting a
 node: a front whose restart cannot start a process (no fork: memory, file descriptors) is
-tried again with its backoff, leaking nothing, until one starts; the hang watch's bounds
+tried again with its backoff, leaking nothing, until one starts, and one whose fork
+server is starting again is forked once it is ready, without a backoff; the hang watch's bounds
 (a starting front's grace, a late look, the timeout's floor) on a clock of the test's; the
 undo of a message of rows a front could not deliver, its local rows first."""
 
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from node import fronts as fronts_module
+from node.errors import ForkServerStarting
 from node.fronts import Fronts
 from node.metrics import Metrics
 
@@ -75,6 +77,68 @@ async def test_a_front_whose_restart_cannot_start_is_tried_again_leaking_nothing
             await asyncio.sleep(0.01)
         assert front.process is not None and started == [front.process] and not failures
         assert front.hop is not None and front.hop.alive
+    finally:
+        supervisor.stopping = True
+        for proc in started:
+            proc.kill()
+            proc.wait()
+        if front.hop is not None:
+            front.hop.drop()
+        listener.close()
+
+
+@pytest.mark.parametrize("ready", [True, False])
+async def test_a_restart_of_the_fork_server_is_no_failure_of_the_front(
+    monkeypatch: pytest.MonkeyPatch, ready: bool
+) -> None:
+    """A front whose fork server died with it finds the server starting again
+    (``ForkServerStarting``): it is forked as soon as the server is ready, its backoff left
+    as it was (else each try during the server's imports doubled it, and a front that died
+    again soon after waited seconds); a server that does not get ready backs off as a
+    failure."""
+    service = SimpleNamespace(
+        metrics=Metrics(["a/0"], 8), config=SimpleNamespace(front_hang_s=30.0)
+    )
+    listener = socket.socket()
+    started: list[subprocess.Popen[bytes]] = []
+    imported = asyncio.Event()
+    asked: list[int] = []
+
+    async def spawn(
+        index: int, core_hex: str, fds: tuple[int, ...], spec: dict[str, Any]
+    ) -> subprocess.Popen[bytes]:
+        asked.append(index)
+        if len(asked) == 1:  # the server found dead: started again
+            raise ForkServerStarting("the front fork server is starting")
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        started.append(proc)
+        return proc
+
+    async def wait_ready(timeout: float) -> bool:
+        await imported.wait()
+        return ready
+
+    # a backoff of minutes: a front backed off for the server's start is not back in the test
+    monkeypatch.setattr(fronts_module, "BACKOFF_S", (300.0, 600.0) if ready else (0.01, 0.05))
+    supervisor = supervisor_of(service, listener)
+    monkeypatch.setattr(supervisor.forks, "spawn", spawn)
+    monkeypatch.setattr(supervisor.forks, "wait_ready", wait_ready)
+    front = supervisor.fronts[0]
+    try:
+        supervisor._respawn(front)
+        for _ in range(500):  # (bounded) its first try, which finds the server starting
+            if asked:
+                break
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.05)
+        assert asked == [0] and front.process is None  # it waits for the server's imports
+        imported.set()
+        for _ in range(3000):  # (bounded) forked once the server is ready
+            if front.process is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert front.process is not None and started == [front.process]
+        assert front.restarts == (0 if ready else 1)
     finally:
         supervisor.stopping = True
         for proc in started:
