@@ -14,13 +14,14 @@ read-only views are in :mod:`affinity.inventory`, the event stream in
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, NamedTuple, NoReturn
 
 from redis.asyncio import RedisCluster
@@ -365,19 +366,28 @@ class NodeProcesses:
     def decode(cls, text: str | None) -> NodeProcesses:
         """The ``procs`` field read back. Missing (a node of an older version) or not
         readable: :data:`ONE_PROCESS`, what such a node is. Without ``workers`` or
-        ``helpers``: none."""
+        ``helpers``: none. The helpers are what a reader need not understand (a later
+        version's may be more, or of roles longer than this one's): those past
+        :data:`MAX_HELPERS` or not readable are left out, never the record."""
         if not text:
             return ONE_PROCESS
         try:
             doc = json.loads(text)
-            return cls(
+            shape = cls(
                 int(doc["fronts"]),
                 tuple(map(NodeProcess.from_json, doc["processes"])),
                 int(doc.get("workers", 0)),
-                tuple(map(NodeProcess.from_json, doc.get("helpers", ()))),
             )
         except (ValueError, KeyError, TypeError, AttributeError, AffinityError):
             return ONE_PROCESS
+        helpers = doc.get("helpers", [])
+        kept: list[NodeProcess] = []
+        for item in helpers if isinstance(helpers, list) else []:
+            with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+                helper = NodeProcess.from_json(item)
+                if helper.role and len(helper.role) <= MAX_ROLE and len(kept) < MAX_HELPERS:
+                    kept.append(helper)
+        return replace(shape, helpers=tuple(kept))
 
 
 ONE_PROCESS = NodeProcesses()
