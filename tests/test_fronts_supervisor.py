@@ -35,6 +35,21 @@ def supervisor_of(service: Any, listener: socket.socket) -> Fronts:
         raise
 
 
+def let_go(
+    supervisor: Fronts, started: list[subprocess.Popen[bytes]], listener: socket.socket
+) -> None:
+    """End a test's supervisor: nothing restarted, the processes it started killed, its
+    fronts' hops dropped, its listener closed."""
+    supervisor.stopping = True
+    for proc in started:
+        proc.kill()
+        proc.wait()
+    for front in supervisor.fronts:
+        if front.hop is not None:
+            front.hop.drop()
+    listener.close()
+
+
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -78,13 +93,7 @@ async def test_a_front_whose_restart_cannot_start_is_tried_again_leaking_nothing
         assert front.process is not None and started == [front.process] and not failures
         assert front.hop is not None and front.hop.alive
     finally:
-        supervisor.stopping = True
-        for proc in started:
-            proc.kill()
-            proc.wait()
-        if front.hop is not None:
-            front.hop.drop()
-        listener.close()
+        let_go(supervisor, started, listener)
 
 
 @pytest.mark.parametrize("ready", [True, False])
@@ -140,13 +149,7 @@ async def test_a_restart_of_the_fork_server_is_no_failure_of_the_front(
         assert front.process is not None and started == [front.process]
         assert front.restarts == (0 if ready else 1)
     finally:
-        supervisor.stopping = True
-        for proc in started:
-            proc.kill()
-            proc.wait()
-        if front.hop is not None:
-            front.hop.drop()
-        listener.close()
+        let_go(supervisor, started, listener)
 
 
 async def test_a_stop_while_a_front_is_being_forked_leaves_no_front(
