@@ -500,7 +500,7 @@ class FrontApp:
                     meta["j"] = True  # its tensors were JSON lists: what is wrong is said so
                 wait_s = _left(received, self.hop.slot_wait_s)
                 answered = await self.hop.call(kind, meta, arrays, use, gone, deliver=writer,
-                                               wait_s=wait_s)  # fmt: skip
+                                               wait_s=wait_s, ahead=not checked)  # fmt: skip
                 if answered is not None:
                     break
         except HopFull as exc:  # busy, or its deadline passed while it waited for a slot
@@ -593,6 +593,7 @@ class FrontApp:
                     gone,
                     deliver=writer,
                     wait_s=_left(received, min(timeout_s or wait, wait)),
+                    ahead=not first,  # (it had its turn: sent again at once)
                 )
                 if answered is not None:
                     break

@@ -845,14 +845,17 @@ class FrontHop:
                 return
         self.free.append(slot)
 
-    async def _slot(self, wait: bool, wait_s: float | None, urgent: bool = False) -> int:
+    async def _slot(
+        self, wait: bool, wait_s: float | None, urgent: bool = False, ahead: bool = False
+    ) -> int:
         """A free slot: at once, or once one is released to this call (its turn, in order
-        of arrival; ``urgent``: first, without limit); :class:`HopFull` past
-        ``slot_wait_s`` (or ``wait_s``, the call's own budget, when shorter), at once
-        without ``wait`` or with :data:`MAX_QUEUED` calls waiting."""
+        of arrival; ``urgent``: first, without limit; ``ahead``: first, within its budget);
+        :class:`HopFull` past ``slot_wait_s`` (or ``wait_s``, the call's own budget, when
+        shorter), at once without ``wait`` or with :data:`MAX_QUEUED` calls waiting (but
+        ``urgent`` or ``ahead``)."""
         if self.free and not self.queued:
             return self.free.pop()
-        if not urgent and (not wait or len(self.queued) >= MAX_QUEUED):
+        if not (urgent or ahead) and (not wait or len(self.queued) >= MAX_QUEUED):
             raise HopFull()
         budget = self.slot_wait_s if wait_s is None else max(0.0, min(wait_s, self.slot_wait_s))
         if urgent:
@@ -860,7 +863,7 @@ class FrontHop:
         elif budget <= 0:  # (what a deadline refusal names: the node's, as one process says)
             raise HopFull(self.slot_wait_s)
         waiter: asyncio.Future[int] = self.loop.create_future()
-        if urgent:
+        if urgent or ahead:
             self.queued.appendleft(waiter)
         else:
             self.queued.append(waiter)
@@ -903,6 +906,7 @@ class FrontHop:
         hold: bool = False,
         size: Callable[[Any], int] | None = None,
         urgent: bool = False,
+        ahead: bool = False,
     ) -> Any:
         """Send a request, await its reply and return ``use(kind, meta, views)``, run while the
         reply's arrays are views of the slot (they must not outlive it). Raises
@@ -927,13 +931,16 @@ class FrontHop:
         :data:`PARKED_BYTES` while it is parked. ``urgent``: a note that must reach the
         core however busy the hop is (a websocket's close, which ends its episode there):
         it waits for the next slot released, ahead of the calls waiting, for as long as
-        it takes, never refused."""
+        it takes, never refused. ``ahead``: a request sent again at once, which had its
+        turn (a step whose input check the core refused as out of date, sent again with
+        its inputs unchecked): it waits ahead of the calls waiting too, but within its
+        budget."""
         if kind in _STEPS and self.region.lapsed(time.monotonic_ns()):
             self.region.count_refused()
             raise CoreLapsed()
         waits = not self.free or bool(self.queued)
         try:
-            slot = await self._slot(wait, wait_s, urgent)
+            slot = await self._slot(wait, wait_s, urgent, ahead)
         except HopFull:
             if kind in _STEPS:  # refused here: counted by the core as its own refusals
                 self.region.count_refused()

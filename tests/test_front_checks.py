@@ -77,11 +77,14 @@ class LoopHop:
         self.conns: fronts.Connections = {}  # (openpi's connections, as a front's in the core)
         self.sent: list[tuple[dict[str, Any], list[np.ndarray]]] = []
         self.replies: list[dict[str, Any]] = []
+        self.ahead: list[bool] = []  # each request's: sent again at once, ahead of the queue
 
     async def call(
         self, kind: int, meta: dict[str, Any], arrays: list[np.ndarray], use: Any,
-        gone: Any = None, deliver: Any = None, hold: bool = False, **_: Any,
+        gone: Any = None, deliver: Any = None, hold: bool = False, ahead: bool = False,
+        **_: Any,
     ) -> Any:  # fmt: skip
+        self.ahead.append(ahead)
         header, _, total = pack(dict(meta), arrays)
         carried, _ = unpack(header, total)
         self.sent.append((carried, arrays))
@@ -236,7 +239,7 @@ def test_a_check_the_model_no_longer_has_is_refused_and_the_message_sent_again_u
             assert status == 200, got
             assert [r["seq"] for r in got["steps"]] == [1, 1], got
             checked, again = (meta for meta, _ in hop.sent[-2:])
-            assert hop.replies[-2]["recheck"]
+            assert hop.replies[-2]["recheck"] and hop.ahead[-2:] == [False, True]
             assert sorted(lesson[1] for lesson in hop.replies[-2]["chk"]) == [KEY, KEY]
             assert ["ok" in r for r in checked["rows"]] == [False, True]
             assert all("ok" not in r and "ck" not in r for r in again["rows"])
@@ -841,6 +844,7 @@ def test_a_stale_kserve_check_is_refused_and_the_request_sent_again_unchecked() 
             (checked, _), (again, _) = hop.sent[-2:]
             assert checked["ok"] is True and hop.replies[-2]["recheck"]
             assert "ok" not in again and "ck" not in again and len(hop.sent) == 2
+            assert hop.ahead == [False, True]  # (it had its turn: ahead of the queue)
             assert stats.success_count == 1 and stats.fail_count == 0
             assert app.kserve_checks._known["demo_policy"][0] == KEY
             status, got = await kserve_post(app, obs(4), True, "ks")
@@ -916,6 +920,7 @@ def test_a_grpc_infer_is_checked_in_the_front_with_the_lessons_of_http(
             reply = await servicer.model_infer(message(obs(23), False), _Context())
             assert reply.parameters["seq"].int64_param == 3 and len(hop.sent) == sent + 2
             assert hop.replies[-2]["recheck"] and "ok" not in hop.sent[-1][0]
+            assert hop.ahead[-2:] == [False, True]
 
     asyncio.run(run())
 

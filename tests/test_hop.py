@@ -234,6 +234,35 @@ async def test_an_urgent_note_waits_first_and_is_never_refused(
         assert [m.get("n") for m in core.seen] == [0, 3, 1]
 
 
+async def test_a_request_sent_again_waits_first_within_its_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step sent again at once (``ahead``: the core refused its input check as out of
+    date, so it goes again unchecked), with every slot in flight and the queue full: it is
+    queued ahead of the calls waiting (it had its turn) and reaches the core first when a
+    slot is released; unlike an urgent note it waits no longer than its own budget."""
+    core = Core(gate=asyncio.Event())
+    async with hop(core, slots=1) as (front, _):
+        one = np.ones(4, dtype=np.float32)
+        running = await in_flight(core, front, one)
+        monkeypatch.setattr(hop_module, "MAX_QUEUED", 1)
+        waiting = asyncio.create_task(front.call(ACT, {"n": 1}, [one], echo))
+        await asyncio.sleep(0)
+        with pytest.raises(HopFull):  # the queue is full for anyone else
+            await front.call(ACT, {"n": 2}, [one], echo)
+        with pytest.raises(HopFull):  # its budget spent waiting: refused, never queued for good
+            await front.call(ACT, {"n": 3}, [one], echo, wait_s=0.01, ahead=True)
+        assert len(front.queued) == 1
+        again = asyncio.create_task(front.call(ACT, {"n": 4}, [one], echo, ahead=True))
+        await asyncio.sleep(0.01)
+        assert not again.done() and len(front.queued) == 2
+        core.gate.set()  # type: ignore[union-attr]
+        await running
+        await again
+        await waiting
+        assert [m.get("n") for m in core.seen] == [0, 4, 1]
+
+
 async def test_a_handler_that_breaks_answers_500_and_frees_the_slot() -> None:
     """A bug in the core's handler (anything but a malformed request) is answered 500
     ``internal``, logged: the front's call ends, its slot is free again."""

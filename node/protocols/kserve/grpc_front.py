@@ -208,7 +208,7 @@ class FrontServicer:
                 answer, settle = await self.hop.call(  # a slot waited for no longer than its
                     KSERVE, meta, arrays, use, context.cancelled,  # deadline
                     wait_s=min(ends) - time.monotonic() if ends else None, hold=True,
-                    size=_size,
+                    size=_size, ahead=not first,  # (a check refused: sent again at once)
                 )  # fmt: skip
                 if answer is not None:
                     break
