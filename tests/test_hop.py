@@ -207,13 +207,16 @@ async def test_a_note_never_waits_a_leaver_is_never_sent_and_the_queue_is_bounde
         assert [m.get("n") for m in core.seen] == [0, 2]  # the leaver's never reached it
 
 
-async def test_an_urgent_note_waits_first_and_is_never_refused(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("first", ["urgent", "ahead"])
+async def test_an_urgent_note_or_a_request_sent_again_waits_first(
+    monkeypatch: pytest.MonkeyPatch, first: str
 ) -> None:
-    """A websocket's close (``urgent``), with every slot in flight, the queue full and no
-    time left to wait: it is queued ahead of the calls waiting, however long it takes, and
-    reaches the core first when a slot is released (the episode it ends is never left
-    held)."""
+    """With every slot in flight and the queue full, two calls are queued ahead of the
+    calls waiting and reach the core first when a slot is released. A websocket's close
+    (``urgent``, the episode it ends never left held) waits however long it takes, with no
+    time left to wait for anyone else. A step sent again at once (``ahead``: the core
+    refused its input check as out of date, so it goes again unchecked; it had its turn)
+    waits no longer than its own budget."""
     core = Core(gate=asyncio.Event())
     async with hop(core, slots=1) as (front, _):
         one = np.ones(4, dtype=np.float32)
@@ -221,46 +224,25 @@ async def test_an_urgent_note_waits_first_and_is_never_refused(
         monkeypatch.setattr(hop_module, "MAX_QUEUED", 1)
         waiting = asyncio.create_task(front.call(ACT, {"n": 1}, [one], echo))
         await asyncio.sleep(0)
-        front.slot_wait_s = 0.0  # (a wait that has passed, for anyone but an urgent note)
-        with pytest.raises(HopFull):
-            await front.call(ACT, {"n": 2}, [one], echo)
-        close = asyncio.create_task(front.call(WS_CLOSE, {"n": 3}, [], echo, urgent=True))
-        await asyncio.sleep(0.01)
-        assert not close.done() and len(front.queued) == 2
-        core.gate.set()  # type: ignore[union-attr]
-        await running
-        await close
-        await waiting
-        assert [m.get("n") for m in core.seen] == [0, 3, 1]
-
-
-async def test_a_request_sent_again_waits_first_within_its_budget(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A step sent again at once (``ahead``: the core refused its input check as out of
-    date, so it goes again unchecked), with every slot in flight and the queue full: it is
-    queued ahead of the calls waiting (it had its turn) and reaches the core first when a
-    slot is released; unlike an urgent note it waits no longer than its own budget."""
-    core = Core(gate=asyncio.Event())
-    async with hop(core, slots=1) as (front, _):
-        one = np.ones(4, dtype=np.float32)
-        running = await in_flight(core, front, one)
-        monkeypatch.setattr(hop_module, "MAX_QUEUED", 1)
-        waiting = asyncio.create_task(front.call(ACT, {"n": 1}, [one], echo))
-        await asyncio.sleep(0)
+        if first == "urgent":
+            front.slot_wait_s = 0.0  # (a wait that has passed, for anyone but an urgent note)
         with pytest.raises(HopFull):  # the queue is full for anyone else
             await front.call(ACT, {"n": 2}, [one], echo)
-        with pytest.raises(HopFull):  # its budget spent waiting: refused, never queued for good
-            await front.call(ACT, {"n": 3}, [one], echo, wait_s=0.01, ahead=True)
-        assert len(front.queued) == 1
-        again = asyncio.create_task(front.call(ACT, {"n": 4}, [one], echo, ahead=True))
+        if first == "urgent":
+            call = front.call(WS_CLOSE, {"n": 3}, [], echo, urgent=True)
+        else:
+            with pytest.raises(HopFull):  # its budget spent waiting: refused, never queued
+                await front.call(ACT, {"n": 4}, [one], echo, wait_s=0.01, ahead=True)
+            assert len(front.queued) == 1
+            call = front.call(ACT, {"n": 3}, [one], echo, ahead=True)
+        ahead = asyncio.create_task(call)
         await asyncio.sleep(0.01)
-        assert not again.done() and len(front.queued) == 2
+        assert not ahead.done() and len(front.queued) == 2
         core.gate.set()  # type: ignore[union-attr]
         await running
-        await again
+        await ahead
         await waiting
-        assert [m.get("n") for m in core.seen] == [0, 4, 1]
+        assert [m.get("n") for m in core.seen] == [0, 3, 1]
 
 
 async def test_a_handler_that_breaks_answers_500_and_frees_the_slot() -> None:
